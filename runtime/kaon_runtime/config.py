@@ -1,0 +1,74 @@
+"""Model and engine configuration, validated on creation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kaon_runtime.errors import InvalidRequestError
+
+DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    architecture: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF's rope_scaling dict (Llama 3 "llama3" type)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidRequestError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Knobs of the engine. Memory: a byte budget on CPU, a fraction of free memory on GPU."""
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"  # "auto", "cpu", "cuda"
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16", "float16", "float64"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's own context length
+    kv_cache_fraction: float = 0.85  # GPU: share of the memory left after loading weights
+    kv_cache_bytes: int = 1 << 30  # CPU: bytes for the KV pool
+    num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        checks = [
+            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (0 < self.kv_cache_fraction <= 1, f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"),
+            (self.kv_cache_bytes > 0, f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
+            (self.max_model_len is None or self.max_model_len >= 1,
+             f"max_model_len must be >= 1, got {self.max_model_len}"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be auto, cpu or cuda, got {self.device!r}"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
+             f"unknown dtype {self.dtype!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)

@@ -1,0 +1,1 @@
+"""The engine: sequences, KV block manager, scheduler, model runner, step loop."""

@@ -1,0 +1,156 @@
+"""KV block allocation with prefix caching.
+
+Blocks are fixed-size pages of the KV pool. A block that fills up with computed tokens
+gets a chain hash (parent block's hash + its token ids) and is registered so a later
+sequence with the same prefix reuses it instead of recomputing it. A block whose last
+owner lets go keeps its contents and stays findable until it is evicted, oldest first.
+
+Every block is in exactly one of three states: owned (ref_count > 0), free and
+uncached (`_free`), or free but cached (`_evictable`, in LRU order).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from kaon_runtime.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[int, int] = {}  # chain hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, served from the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Give a sequence without blocks every cached block of its prefix; return the tokens covered.
+
+        At least one token is always left to compute: its logits pick the next token.
+        """
+        assert not seq.block_table, "sequence already holds blocks"
+        if self.enable_prefix_caching:
+            parent = None
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                h = chain_hash(parent, tokens)
+                block_id = self._cached.get(h)
+                if block_id is None:
+                    break
+                block = self.blocks[block_id]
+                if block.token_ids != tokens or block.parent_hash != parent:
+                    break  # a hash collision: never serve another prefix's K/V
+                self._take(block_id)
+                seq.block_table.append(block_id)
+                seq.block_hashes.append(h)
+                parent = h
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the block table to hold `num_tokens` tokens; all or nothing."""
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(max(needed, 0)):
+            seq.block_table.append(self._pop_free())
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks that have filled up with computed tokens since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._cached:
+                block.hash, block.parent_hash, block.token_ids = h, parent, tokens
+                self._cached[h] = block.block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let `child` share the parent's full computed blocks; it recomputes the partial tail."""
+        assert not child.block_table, "child already holds blocks"
+        num_full = parent.num_computed_tokens // self.block_size
+        for block_id in parent.block_table[:num_full]:
+            self._take(block_id)
+        child.block_table = parent.block_table[:num_full]
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_computed_tokens = child.num_cached_tokens = num_full * self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's blocks. Tail blocks go first in eviction order: they are the least shared."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self._free.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._evictable):
+            self._uncache(self.blocks[block_id])
+            self._free.append(block_id)
+        self._evictable.clear()
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)  # least recently used
+            self._uncache(self.blocks[block_id])
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _uncache(self, block: Block) -> None:
+        del self._cached[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()

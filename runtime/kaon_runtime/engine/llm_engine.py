@@ -1,0 +1,193 @@
+"""The engine loop: validate and queue requests; each step schedules, runs the model, post-processes."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kaon_runtime.config import EngineConfig
+from kaon_runtime.engine.block_manager import BlockManager
+from kaon_runtime.engine.model_runner import ModelRunner
+from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
+from kaon_runtime.engine.scheduler import Scheduler
+from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.loader import load_checkpoint, resolve_model
+from kaon_runtime.loader.tokenizer import IncrementalDetokenizer
+from kaon_runtime.sampling import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    texts: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # by seq index
+    pending_forks: int = 0  # n > 1: siblings forked from the first once its prompt is in the cache
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True):
+        self.config = config
+        checkpoint = load_checkpoint(resolve_model(config.model))
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.runner = ModelRunner(config, checkpoint, show_progress)
+        capacity = self.runner.num_blocks * config.block_size
+        # A sequence must always fit the pool on its own, or it could never finish.
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings, capacity)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_length(len(token_ids), params)
+        request = _Request(request_id, text, token_ids, params, pending_forks=params.n - 1)
+        self._requests[request_id] = request
+        self._add_sequence(request, list(token_ids), index=0)
+        self._prompt_tokens += len(token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its KV blocks return to the pool at once. Unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
+                           bm.prefix_hits, self.scheduler.num_preemptions, self._prompt_tokens,
+                           self._generation_tokens)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over a batch; returns the requests that progressed or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled_seqs, result = self.runner.execute(batch)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit(seq)
+        touched: dict[str, _Request] = {}
+        for row, seq in enumerate(sampled_seqs):
+            request = self._requests[seq.request_id]
+            touched[request.request_id] = request
+            if request.pending_forks and seq.index == 0:
+                self._fork_siblings(request, seq)
+            self._append_token(request, seq, result.token_ids[row],
+                               result.logprobs[row] if result.logprobs is not None else None)
+        outputs = [self._output(r) for r in touched.values()]
+        for output in outputs:
+            if output.finished:
+                del self._requests[output.request_id]
+        return outputs
+
+    def _append_token(self, request: _Request, seq: Sequence, token: int, logprobs: dict | None) -> None:
+        seq.token_ids.append(token)
+        self._generation_tokens += 1
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        detok = request.texts[seq.index]
+        before = len(detok.text)
+        detok.add(token)
+        reason = self._finish_reason(seq, token, detok, before)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer, before: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        for stop in params.stop:
+            # Only the new text, plus enough before it to catch a stop string spanning tokens.
+            at = detok.text.find(stop, max(0, before - len(stop) + 1))
+            if at >= 0:
+                detok.text = detok.text[:at]
+                return "stop"
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _fork_siblings(self, request: _Request, first: Sequence) -> None:
+        for index in range(1, request.pending_forks + 1):
+            child = self._add_sequence(request, list(request.prompt_token_ids), index, parent=first)
+            child.num_cached_tokens = child.num_computed_tokens
+        request.pending_forks = 0
+
+    def _add_sequence(self, request: _Request, token_ids: list[int], index: int,
+                      parent: Sequence | None = None) -> Sequence:
+        seq = Sequence(next(self._seq_ids), token_ids, len(request.prompt_token_ids), request.params,
+                       request_id=request.request_id, index=index)
+        if parent is not None:
+            self.block_manager.fork(parent, seq)
+        request.seqs.append(seq)
+        request.texts[index] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(seq.index, request.texts[seq.index].text, seq.output_token_ids, seq.finish_reason,
+                             seq.logprobs if seq.params.logprobs is not None else None)
+            for seq in request.seqs]
+        if request.pending_forks:  # siblings not forked yet: the request is not done
+            completions += [CompletionOutput(i, "", []) for i in range(len(completions), request.params.n)]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.seqs[0].num_cached_tokens)
+
+    # ---- validation --------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise InvalidRequestError("the prompt must be a non-empty string or list of token ids")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, list(prompt)
+
+    def _validate_length(self, num_prompt: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens; this model's context holds {limit} "
+                f"and at least one must be left to generate")
+        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{num_prompt + params.max_tokens} exceeds the context length of {limit} tokens")

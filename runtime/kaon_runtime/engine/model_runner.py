@@ -1,0 +1,152 @@
+"""Owns the model and the KV pool on the device; turns a scheduled batch into sampled tokens."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm.auto import tqdm
+
+from kaon_runtime.config import EngineConfig, ModelConfig
+from kaon_runtime.engine.scheduler import ScheduledBatch
+from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, select_backend
+from kaon_runtime.layers.sampler import SampleResult, SamplingBatch, sample
+from kaon_runtime.loader import Checkpoint
+from kaon_runtime.models.registry import build_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but no CUDA GPU is visible")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers: K and V, block_size tokens each."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+def num_kv_blocks(config: EngineConfig, block_bytes: int, free_device_bytes: int | None) -> int:
+    """How many blocks fit the budget: a share of free GPU memory, or a byte budget on CPU."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_bytes if free_device_bytes is None else int(free_device_bytes * config.kv_cache_fraction)
+    return max(budget // block_bytes, 0)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, show_progress: bool = True):
+        self.config = config
+        self.model_config = checkpoint.config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model = self._load_model(checkpoint, show_progress)
+        self.num_blocks = self._allocate_kv_cache()
+
+    # ---- setup -----------------------------------------------------------------------
+
+    def _load_model(self, checkpoint: Checkpoint, show_progress: bool):
+        with torch.device("meta"):
+            model = build_model(self.model_config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        weights = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, desc="Loading weights",
+                       unit="tensor", disable=not show_progress)
+        try:
+            model.load_weights(weights)
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
+        return model.eval()
+
+    def _allocate_kv_cache(self) -> int:
+        mc = self.model_config
+        block_bytes = kv_block_bytes(mc, self.block_size, self.dtype)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        blocks = num_kv_blocks(self.config, block_bytes, free)
+        if blocks < 1:
+            raise ModelLoadError(f"the KV cache budget holds no block of {block_bytes} bytes; raise the budget")
+        shape = (mc.num_layers, 2, blocks * self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        backend = select_backend(self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache, attn.backend = self.kv_cache[i, 0], self.kv_cache[i, 1], backend
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, self.block_size,
+                 blocks * block_bytes / 2 ** 20)
+        return blocks
+
+    # ---- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
+        """Run the batch; return the sequences that got a new token and the sampled tokens."""
+        input_ids, positions, meta, sample_rows, sampling_seqs = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        if not sampling_seqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return sampling_seqs, sample(logits, self._sampling_batch(sampling_seqs))
+
+    def _prepare(self, batch: ScheduledBatch):
+        # Decodes (one new token) first so their rows form one batched attention call.
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        input_ids, positions, slots = [], [], []
+        decode_contexts, prefills, sample_rows, sampling_seqs = [], [], [], []
+        for i in order:
+            seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            context_slots = self._slots(seq, end)
+            query_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(context_slots[start:end])
+            if num_new == 1:
+                decode_contexts.append(context_slots)
+            else:
+                prefills.append(PrefillChunk(query_start, num_new, self._tensor(context_slots)))
+            if end == seq.num_tokens:  # the chunk reaches the end: its last logits pick a token
+                sample_rows.append(len(input_ids) - 1)
+                sampling_seqs.append(seq)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills,
+                                 num_decode_tokens=len(decode_contexts))
+        if decode_contexts:
+            longest = max(map(len, decode_contexts))
+            padded = [c + [0] * (longest - len(c)) for c in decode_contexts]
+            meta.decode_slots = self._tensor(padded)
+            lens = self._tensor([len(c) for c in decode_contexts])
+            meta.decode_key_mask = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows), sampling_seqs
+
+    def _slots(self, seq: Sequence, num_tokens: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(num_tokens)]
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        for seq in seqs:
+            if seq.generator is None and seq.params.seed is not None:
+                seq.generator = torch.Generator(device=self.device)
+                seq.generator.manual_seed(seq.params.seed + seq.index)
+        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        return SamplingBatch(
+            temperatures=[s.params.temperature for s in seqs],
+            top_ks=[s.params.top_k for s in seqs],
+            top_ps=[s.params.top_p for s in seqs],
+            generators=[s.generator for s in seqs],
+            num_logprobs=max(wanted) if wanted else None,
+        )

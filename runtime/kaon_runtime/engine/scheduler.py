@@ -1,0 +1,103 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has a token budget and a cap on running sequences. Running sequences go
+first (a decode costs one token, an unfinished prefill its next chunk), then waiting
+ones in arrival order. A sequence that finds no free block preempts the newest running
+sequence, which gives its blocks back and is recomputed later (its own prefix, still
+in the cache unless evicted, softens the cost).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kaon_runtime.engine.block_manager import BlockManager
+from kaon_runtime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    num_preempted: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break
+        # Admitting new work right after a preemption would only thrash the cache.
+        if batch.num_preempted == 0:
+            budget = self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.block_manager.allocate_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                self.block_manager.free(seq)  # hand cached prefix blocks back until there is room
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return budget
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (finished or aborted) and return its blocks at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,49 @@
+"""A sequence: one prompt and the tokens generated for it, plus its place in the KV cache."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kaon_runtime.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    request_id: str = ""
+    index: int = 0  # which of the request's n completions this is
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
+    num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at (re)admission
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,1 @@
+"""Model building blocks: norm, rotary, activation, attention, sampler."""

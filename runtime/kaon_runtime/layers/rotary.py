@@ -1,0 +1,49 @@
+"""Rotary position embedding (HF's split-halves layout), with Llama 3 frequency scaling."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+        if scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        self.inv_freq, self.max_positions = inv_freq, max_positions
+        # Built on first use on the activations' device: the model may be created on "meta".
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D], k [T, Hkv, D] -> rotated copies."""
+        if self._cos_sin is None or self._cos_sin[0].device != q.device:
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), self.inv_freq).to(q.device)
+            self._cos_sin = freqs.cos(), freqs.sin()  # [P, D/2] each
+        cos = self._cos_sin[0][positions].unsqueeze(1)
+        sin = self._cos_sin[1][positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(middle, blended, out)

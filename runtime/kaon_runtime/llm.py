@@ -1,0 +1,63 @@
+"""Offline facade: LLM(model=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from tqdm.auto import tqdm
+
+from kaon_runtime.config import DEFAULT_MODEL, EngineConfig
+from kaon_runtime.engine.llm_engine import LLMEngine
+from kaon_runtime.engine.outputs import RequestOutput
+from kaon_runtime.sampling import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, show_progress: bool = True, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options), show_progress=show_progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs come back in prompt order. Prompts are text or token id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                ids.append(str(next(self._ids)))
+                self.engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            for request_id in ids[:-1]:
+                self.engine.abort_request(request_id)
+            raise
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            while len(done) < len(ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def replace_params(self, params: SamplingParams, **changes) -> SamplingParams:
+        return dataclasses.replace(params, **changes)

@@ -1,0 +1,5 @@
+"""Model loading: resolve a model id, read weights and tokenizer (GGUF or HF directory)."""
+from kaon_runtime.loader.checkpoint import Checkpoint, load_checkpoint
+from kaon_runtime.loader.resolve import resolve_model
+
+__all__ = ["Checkpoint", "load_checkpoint", "resolve_model"]

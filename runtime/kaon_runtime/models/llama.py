@@ -1,0 +1,152 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kaon_runtime.config import ModelConfig
+from kaon_runtime.layers.activation import silu_and_mul
+from kaon_runtime.layers.attention import Attention, AttentionMetadata
+from kaon_runtime.layers.norm import RMSNorm
+from kaon_runtime.layers.rotary import RotaryEmbedding
+
+# HF checkpoints keep q/k/v and gate/up apart; we fuse each group into one matmul.
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        c = config
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def forward(self, positions, x, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                 config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                           bias=False)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; fails loudly on anything missing."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        c = self.config
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy anyway
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            if shard is None:
+                _copy(param.data, tensor, name)
+            else:
+                sizes = _shard_sizes(target, c)
+                start = sum(sizes[:shard])
+                _copy(param.data.narrow(0, start, sizes[shard]), tensor, name)
+            loaded.add((target, shard))
+        expected = {(n, s) for n in params for s in _expected_shards(n)}
+        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for part, (fused, shard) in _FUSED.items():
+        if f".{part}." in name:
+            return name.replace(part, fused), shard
+    return name, None
+
+
+def _shard_sizes(target: str, c: ModelConfig) -> list[int]:
+    if "qkv_proj" in target:
+        return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+    return [c.intermediate_size, c.intermediate_size]
+
+
+def _expected_shards(name: str) -> list[int | None]:
+    if "qkv_proj" in name:
+        return [0, 1, 2]
+    if "gate_up_proj" in name:
+        return [0, 1]
+    return [None]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    dst.copy_(src)

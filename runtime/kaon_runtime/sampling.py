@@ -1,0 +1,48 @@
+"""Per-request sampling parameters, validated on creation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kaon_runtime.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next tokens. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per token
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)
