@@ -106,9 +106,13 @@ class BlockManager:
                 self._cached[h] = block.block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let `child` share the parent's full computed blocks; it recomputes the partial tail."""
+        """Let `child` share the parent's full computed blocks; it recomputes the partial tail.
+
+        As in allocate_prefix, at least the child's last token is left to compute: its logits
+        pick the child's first token.
+        """
         assert not child.block_table, "child already holds blocks"
-        num_full = parent.num_computed_tokens // self.block_size
+        num_full = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
         for block_id in parent.block_table[:num_full]:
             self._take(block_id)
         child.block_table = parent.block_table[:num_full]

@@ -1,0 +1,35 @@
+"""Shared fixtures: the embedded model, loaded once by kaon and once by HF transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kaon_runtime.loader import resolve_model
+
+MODEL = "builtin://smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    return resolve_model(MODEL)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    from kaon_runtime import LLM
+    return LLM(MODEL, show_progress=False, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
