@@ -31,10 +31,8 @@ from kaon_runtime.sampling import SamplingParams
 PARAMS = SamplingParams()
 TOKEN = st.integers(0, 3)
 TOKENS = st.lists(TOKEN, min_size=1, max_size=12)
-SEQ_INDEX = st.integers(min_value=0, max_value=1_000)
+SEQ_INDEX = st.integers(min_value=0, max_value=1_000)  # taken modulo the number of live sequences
 CHUNK = st.integers(1, 12)
-MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=30, deadline=None,
-                            suppress_health_check=[HealthCheck.too_slow])
 
 _seq_ids = itertools.count()
 
@@ -54,12 +52,14 @@ def run_full(bm: BlockManager, seq: Sequence) -> None:
 
 def weak_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     """A chain hash blind to each block's first token: blocks [0, 1] and [3, 1] collide."""
-    return hash((parent, token_ids[-1] % 2))
+    return hash((parent, token_ids[1:]))
 
 
 # ---- the state machine ---------------------------------------------------------------
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    vocab = 4  # tokens are folded onto range(vocab)
+
     @initialize(num_blocks=st.integers(4, 16), block_size=st.sampled_from([2, 4]))
     def setup(self, num_blocks, block_size):
         self.bm = BlockManager(num_blocks, block_size)
@@ -68,6 +68,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block id, slot) -> prefix it holds
 
     # -- helpers --
+
+    def new_seq(self, tokens) -> Sequence:
+        return make_seq(t % self.vocab for t in tokens)
 
     def pick(self, index: int) -> Sequence:
         return self.live[index % len(self.live)]
@@ -91,34 +94,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert (seq.block_table, self.bm.num_free_blocks) == before, "a failed ensure_slots changed state"
         return False
 
-    def drop(self, seq: Sequence) -> None:
-        self.bm.free(seq)
-        if seq in self.live:
-            self.live.remove(seq)
-        assert seq.block_table == [] and seq.block_hashes == [] and seq.num_computed_tokens == 0
-
-    # -- operations --
-
-    @rule(tokens=TOKENS, chunk=CHUNK)
-    def allocate(self, tokens, chunk):
-        self.admit(make_seq(tokens), chunk)
-
-    @precondition(lambda self: self.live)
-    @rule(first=SEQ_INDEX, second=SEQ_INDEX, cut=st.integers(0, 12), tail=st.lists(TOKEN, max_size=4),
-          chunk=CHUNK)
-    def allocate_spliced(self, first, second, cut, tail, chunk):
-        """A prompt made of one live sequence's head and another's rest: partial prefix hits."""
-        tokens = self.pick(first).token_ids[:cut] + self.pick(second).token_ids[cut:] + tail
-        self.admit(make_seq(tokens or [0]), chunk)
-
-    @precondition(lambda self: self.live)
-    @rule(index=SEQ_INDEX, position=st.integers(0, 12), token=TOKEN, chunk=CHUNK)
-    def allocate_variant(self, index, position, token, chunk):
-        """A prompt that differs from a live sequence in one token: hits must stop before it."""
-        tokens = list(self.pick(index).token_ids)
-        tokens[position % len(tokens)] = token
-        self.admit(make_seq(tokens), chunk)
-
     def admit(self, seq: Sequence, chunk: int) -> None:
         """allocate_prefix, room for the whole prompt, then its first prefill chunk."""
         queries, hits = self.bm.prefix_queries, self.bm.prefix_hits
@@ -133,12 +108,41 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live.append(seq)
         self.compute(seq, min(chunk, seq.num_tokens - seq.num_computed_tokens))
 
+    def drop(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        if seq in self.live:
+            self.live.remove(seq)
+        assert seq.block_table == [] and seq.block_hashes == [] and seq.num_computed_tokens == 0
+
+    # -- operations --
+
+    @rule(tokens=TOKENS, chunk=CHUNK)
+    def allocate(self, tokens, chunk):
+        self.admit(self.new_seq(tokens), chunk)
+
+    @precondition(lambda self: self.live)
+    @rule(first=SEQ_INDEX, second=SEQ_INDEX, num_blocks=st.integers(0, 6), tail=st.lists(TOKEN, max_size=4),
+          chunk=CHUNK)
+    def allocate_spliced(self, first, second, num_blocks, tail, chunk):
+        """A prompt made of one live sequence's first blocks and another's rest: partial prefix hits."""
+        cut = num_blocks * self.bs
+        tokens = self.pick(first).token_ids[:cut] + self.pick(second).token_ids[cut:] + tail
+        self.admit(self.new_seq(tokens or [0]), chunk)
+
+    @precondition(lambda self: self.live)
+    @rule(index=SEQ_INDEX, position=st.integers(0, 12), token=TOKEN, chunk=CHUNK)
+    def allocate_variant(self, index, position, token, chunk):
+        """A prompt that differs from a live sequence in one token: hits must stop before it."""
+        tokens = list(self.pick(index).token_ids)
+        tokens[position % len(tokens)] = token
+        self.admit(self.new_seq(tokens), chunk)
+
     @precondition(lambda self: self.live)
     @rule(index=SEQ_INDEX, token=TOKEN)
     def append(self, index, token):
         """Finish the sequence's prefill if needed, then decode one more token."""
         seq = self.pick(index)
-        seq.token_ids.append(token)
+        seq.token_ids.append(token % self.vocab)
         if not self.grow(seq, seq.num_tokens):
             self.drop(seq)  # what preemption does
             return
@@ -168,7 +172,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(tokens=TOKENS)
     def abort_new(self, tokens):
         """A request aborted after it got its blocks but before anything was computed."""
-        seq = make_seq(tokens)
+        seq = self.new_seq(tokens)
         self.bm.allocate_prefix(seq)
         self.grow(seq, seq.num_tokens)
         self.drop(seq)
@@ -178,7 +182,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def abort_running(self, index, tokens):
         """A live sequence aborted after growing for new tokens it never computed."""
         seq = self.pick(index)
-        seq.token_ids.extend(tokens)
+        seq.token_ids.extend(t % self.vocab for t in tokens)
         self.grow(seq, seq.num_tokens)
         self.drop(seq)
 
@@ -248,13 +252,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(b.ref_count == 0 for b in self.bm.blocks)
 
 
+class CollidingHashMachine(BlockManagerMachine):
+    """Two tokens only: few distinct blocks, so the weak hash collides all the time."""
+    vocab = 2
+
+
 def test_block_manager_state_machine():
-    run_state_machine_as_test(BlockManagerMachine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(BlockManagerMachine, settings=settings(
+        max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
 
 
 def test_block_manager_state_machine_with_colliding_hashes(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", weak_hash)
-    run_state_machine_as_test(BlockManagerMachine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(CollidingHashMachine, settings=settings(
+        max_examples=500, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
 
 
 # ---- examples ------------------------------------------------------------------------

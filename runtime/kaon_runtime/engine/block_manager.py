@@ -101,7 +101,12 @@ class BlockManager:
             h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self._cached:
+            # Register a block only if the block before it is the cached one for `parent`.
+            # Otherwise that cached block may hold other tokens with the same hash, and a later
+            # lookup would pass both checks in allocate_prefix and serve K/V that was computed
+            # after different tokens.
+            parent_ok = i == 0 or self.blocks[seq.block_table[i - 1]].hash == parent
+            if parent_ok and block.hash is None and h not in self._cached:
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens
                 self._cached[h] = block.block_id
 

@@ -79,7 +79,7 @@ class ModelRunner:
         blocks = num_kv_blocks(self.config, block_bytes, free)
         if blocks < 1:
             raise ModelLoadError(f"the KV cache budget holds no block of {block_bytes} bytes; raise the budget")
-        shape = (mc.num_layers, 2, blocks * self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (mc.num_layers, 2, mc.num_kv_heads, blocks, self.block_size, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         backend = select_backend(self.device)
         for i, attn in enumerate(self.model.attention_layers()):
@@ -103,36 +103,32 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch):
         # Decodes (one new token) first so their rows form one batched attention call.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        bs = self.block_size
         input_ids, positions, slots = [], [], []
-        decode_contexts, prefills, sample_rows, sampling_seqs = [], [], [], []
+        decode_tables, decode_lens, prefills, sample_rows, sampling_seqs = [], [], [], [], []
         for i in order:
             seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            context_slots = self._slots(seq, end)
+            table = seq.block_table[:-(-end // bs)]
             query_start = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(context_slots[start:end])
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if num_new == 1:
-                decode_contexts.append(context_slots)
+                decode_tables.append(table)
+                decode_lens.append(end)
             else:
-                prefills.append(PrefillChunk(query_start, num_new, self._tensor(context_slots)))
+                prefills.append(PrefillChunk(query_start, num_new, end, self._tensor(table)))
             if end == seq.num_tokens:  # the chunk reaches the end: its last logits pick a token
                 sample_rows.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills,
-                                 num_decode_tokens=len(decode_contexts))
-        if decode_contexts:
-            longest = max(map(len, decode_contexts))
-            padded = [c + [0] * (longest - len(c)) for c in decode_contexts]
-            meta.decode_slots = self._tensor(padded)
-            lens = self._tensor([len(c) for c in decode_contexts])
-            meta.decode_key_mask = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
+                                 num_decode_tokens=len(decode_tables))
+        if decode_tables:
+            widest = max(map(len, decode_tables))
+            meta.decode_block_tables = self._tensor([t + [0] * (widest - len(t)) for t in decode_tables])
+            meta.decode_context_lens = self._tensor(decode_lens)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows), sampling_seqs
-
-    def _slots(self, seq: Sequence, num_tokens: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(num_tokens)]
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,7 +1,9 @@
 """Pure-torch paged attention: the CPU backend and the reference for the Triton kernels.
 
-The KV cache of one layer is a pool of slots, shape [num_slots, num_kv_heads, head_dim]
-(num_slots = num_blocks * block_size). A token's slot is block_table[pos // B] * B + pos % B.
+One layer's cache is head-major: k_cache/v_cache [num_kv_heads, num_blocks, block_size, head_dim].
+A token at position p of a sequence lives in block block_table[p // block_size] at offset
+p % block_size; its flat slot is block * block_size + offset. Head-major blocks make a
+sequence's gathered context contiguous per head, so attention runs on it without copies.
 """
 from __future__ import annotations
 
@@ -11,50 +13,69 @@ import torch.nn.functional as F
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """Store each token's key/value at its slot; slots < 0 are padding and skipped."""
+    """Store each token's key/value [T, Hkv, D] at its slot; slots < 0 are padding and skipped."""
     if slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.index_copy_(0, slot_mapping, key)
-    v_cache.index_copy_(0, slot_mapping, value)
+    heads, _, _, dim = k_cache.shape
+    k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache [Hkv, N, B, D], block_ids [n] -> [Hkv, n * B, D] (into `out` when given: no allocation)."""
+    heads, _, block_size, dim = cache.shape
+    flat = cache.view(heads, -1, block_size * dim)
+    if out is not None:
+        out = out.view(heads, block_ids.numel(), block_size * dim)
+    gathered = torch.index_select(flat, 1, block_ids, out=out) if out is not None else flat[:, block_ids]
+    return gathered.view(heads, -1, dim)
 
 
 def decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         gather_slots: torch.Tensor, key_mask: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence against its cached context.
 
-    query [B, H, D]; gather_slots [B, L] (slots of each context, padded); key_mask [B, L] True
-    where the key exists. Returns [B, H, D].
+    query [S, H, D]; block_tables [S, M] (padded with any valid block id); context_lens [S].
+    Returns [S, H, D].
     """
-    batch, heads, dim = query.shape
-    kv_heads = k_cache.shape[1]
-    keys = k_cache[gather_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[gather_slots].transpose(1, 2)
-    q = query.view(batch, kv_heads, heads // kv_heads, dim)  # GQA: query heads grouped per kv head
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    scores.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, D]
-    return out.reshape(batch, heads, dim)
+    seqs, heads, dim = query.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    ids = block_tables.reshape(-1)
+    k_ws, v_ws = workspace if workspace is not None else (None, None)
+    keys = gather_blocks(k_cache, ids, k_ws).view(kv_heads, seqs, max_len, dim)
+    values = gather_blocks(v_cache, ids, v_ws).view(kv_heads, seqs, max_len, dim)
+    # GQA: the query heads that share a kv head form a group: [Hkv, S, G, D].
+    q = query.view(seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, S, G, L]
+    beyond = torch.arange(max_len, device=query.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [Hkv, S, G, D]
+    return out.transpose(0, 1).reshape(seqs, heads, dim)
 
 
-def prefill_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          context_slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """A chunk of Q consecutive prompt tokens of one sequence, causal, over its whole context.
+def prefill_attention_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                          scale: float) -> torch.Tensor:
+    """A chunk of Q consecutive tokens of one sequence, causal, over its whole context.
 
-    query [Q, H, D] holds the last Q positions of a context of C = len(context_slots) tokens
-    (the first C - Q come from earlier chunks or the prefix cache). Returns [Q, H, D].
+    query [Q, H, D] and the chunk's own key/value [Q, Hkv, D] hold the last Q positions of
+    a context of C tokens; the first C - Q (earlier chunks, prefix-cache hits) are read from
+    the cache through block_table. Returns [Q, H, D].
     """
     num_q, heads, _ = query.shape
-    kv_heads = k_cache.shape[1]
-    keys = k_cache[context_slots].transpose(0, 1)  # [Hkv, C, D]
-    values = v_cache[context_slots].transpose(0, 1)
-    num_ctx = keys.shape[1]
+    kv_heads = k_cache.shape[0]
     q = query.transpose(0, 1)  # [H, Q, D]
-    if num_ctx == num_q:
-        mask, causal = None, True
-    else:  # bottom-right aligned causal mask: query i sits at position C - Q + i
-        q_pos = torch.arange(num_ctx - num_q, num_ctx, device=query.device)
-        mask = torch.arange(num_ctx, device=query.device)[None, :] <= q_pos[:, None]
+    if context_len == num_q:  # nothing cached before the chunk: attend to it directly
+        keys, values, mask, causal = key.transpose(0, 1), value.transpose(0, 1), None, True
+    else:
+        keys = gather_blocks(k_cache, block_table)[:, :context_len]
+        values = gather_blocks(v_cache, block_table)[:, :context_len]
+        # bottom-right aligned causal mask: query i sits at position C - Q + i
+        q_pos = torch.arange(context_len - num_q, context_len, device=query.device)
+        mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
         causal = False
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
                                          enable_gqa=heads != kv_heads)

