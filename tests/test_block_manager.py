@@ -9,8 +9,9 @@ another prefix's K/V (a wrong prefix hit, a shared block written to, a block reu
 too early) is caught at once. The machine runs twice: with the real chain hash and with
 a deliberately weak one whose collisions are frequent.
 
-Example tests pin down the documented behaviour: hits, the last token always computed,
-LRU eviction, and collisions never served as hits.
+Example tests pin down the documented behaviour: hits and their counters, the last token
+always left to compute (after a full-prompt hit and after a fork), LRU eviction, and hash
+collisions never served as hits, not even through a colliding earlier block.
 """
 from __future__ import annotations
 

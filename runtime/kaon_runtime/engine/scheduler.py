@@ -4,7 +4,8 @@ Every step has a token budget and a cap on running sequences. Running sequences 
 first (a decode costs one token, an unfinished prefill its next chunk), then waiting
 ones in arrival order. A sequence that finds no free block preempts the newest running
 sequence, which gives its blocks back and is recomputed later (its own prefix, still
-in the cache unless evicted, softens the cost).
+in the cache unless evicted, softens the cost). Before anyone is preempted, waiting sequences
+that hold blocks (forked siblings) give them back.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                if self._release_waiting_blocks():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -74,7 +77,7 @@ class Scheduler:
                 self.block_manager.allocate_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
-                self.block_manager.free(seq)  # hand cached prefix blocks back until there is room
+                self._release_waiting_blocks()  # this one's cached prefix too, until there is room
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -95,6 +98,20 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _release_waiting_blocks(self) -> bool:
+        """Free the blocks waiting sequences hold (forked siblings share their parent's prompt).
+
+        Idle, they would otherwise keep the head of the queue or a running sequence from growing
+        forever. They get their prefix back from the cache when admitted. Returns whether any
+        blocks were released.
+        """
+        released = False
+        for seq in self.waiting:
+            if seq.block_table:
+                self.block_manager.free(seq)
+                released = True
+        return released
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
