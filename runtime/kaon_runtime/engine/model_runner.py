@@ -128,6 +128,8 @@ class ModelRunner:
             widest = max(map(len, decode_tables))
             meta.decode_block_tables = self._tensor([t + [0] * (widest - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
+            positions_in_table = torch.arange(widest * bs, device=self.device)
+            meta.decode_key_mask = positions_in_table[None, :] < meta.decode_context_lens[:, None]
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows), sampling_seqs
 
     def _tensor(self, values) -> torch.Tensor:

@@ -33,12 +33,12 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
 
 
 def decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         block_tables: torch.Tensor, key_mask: torch.Tensor, scale: float,
                          workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence against its cached context.
 
-    query [S, H, D]; block_tables [S, M] (padded with any valid block id); context_lens [S].
-    Returns [S, H, D].
+    query [S, H, D]; block_tables [S, M] (padded with any valid block id); key_mask
+    [S, M * block_size], True for the positions below each context length. Returns [S, H, D].
     """
     seqs, heads, dim = query.shape
     kv_heads, _, block_size, _ = k_cache.shape
@@ -50,8 +50,7 @@ def decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     # GQA: the query heads that share a kv head form a group: [Hkv, S, G, D].
     q = query.view(seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1)
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, S, G, L]
-    beyond = torch.arange(max_len, device=query.device)[None, :] >= context_lens[:, None]
-    scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
+    scores.masked_fill_(~key_mask[None, :, None, :], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [Hkv, S, G, D]
     return out.transpose(0, 1).reshape(seqs, heads, dim)
 

@@ -28,6 +28,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [S, M] per decode sequence, padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [S]
+    decode_key_mask: torch.Tensor | None = None  # [S, M * block_size] True where a real key sits
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -45,12 +46,17 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ref.write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         n = meta.num_decode_tokens
+        decoded = None
         if n:
             workspace = self._workspace_for(k_cache, meta.decode_block_tables.numel())
-            out[:n] = ref.decode_attention_ref(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                               meta.decode_context_lens, scale, workspace)
+            decoded = ref.decode_attention_ref(q[:n], k_cache, v_cache, meta.decode_block_tables,
+                                               meta.decode_key_mask, scale, workspace)
+            if not meta.prefills:
+                return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:n] = decoded
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = ref.prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, chunk.block_table,

@@ -17,17 +17,16 @@ class RotaryEmbedding(nn.Module):
         # Built on first use on the activations' device: the model may be created on "meta".
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, Hkv, D] -> rotated copies."""
-        if self._cos_sin is None or self._cos_sin[0].device != q.device:
-            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), self.inv_freq).to(q.device)
-            self._cos_sin = freqs.cos(), freqs.sin()  # [P, D/2] each
-        cos = self._cos_sin[0][positions].unsqueeze(1)
-        sin = self._cos_sin[1][positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [T, 1, D/2] each; once per step, shared by every layer."""
+        if self._cos_sin is None or self._cos_sin[0].device != device:
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), self.inv_freq)
+            self._cos_sin = freqs.cos().to(device), freqs.sin().to(device)  # [P, D/2] each
+        return self._cos_sin[0][positions].unsqueeze(1), self._cos_sin[1][positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> rotated copy (HF's split-halves layout), computed in float32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 

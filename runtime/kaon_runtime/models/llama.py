@@ -10,7 +10,7 @@ from kaon_runtime.config import ModelConfig
 from kaon_runtime.layers.activation import silu_and_mul
 from kaon_runtime.layers.attention import Attention, AttentionMetadata
 from kaon_runtime.layers.norm import RMSNorm
-from kaon_runtime.layers.rotary import RotaryEmbedding
+from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
 # HF checkpoints keep q/k/v and gate/up apart; we fuse each group into one matmul.
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -18,22 +18,21 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
-        self.rotary = rotary
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim)
 
-    def forward(self, positions, x, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), meta)
+    def forward(self, rope, x, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 Hkv, D]
+        rotated_heads = self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qkv[:, :rotated_heads], *rope)  # q and k heads sit side by side: one pass
+        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated_heads:]
+        out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -48,19 +47,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, rope, x, residual, meta):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(rope, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -68,16 +67,17 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                 config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions, x.device)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(rope, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
