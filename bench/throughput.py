@@ -14,6 +14,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,12 +70,15 @@ def bench_hf(model, prompts, output_lens, pad_id: int) -> float:
     return elapsed
 
 
-def decode_rate(generate, new_tokens: int) -> float:
-    """Decode tokens/s at batch 1, prefill excluded: time(1 + N tokens) - time(1 token)."""
+def decode_rate(generate, new_tokens: int, repeats: int = 3) -> float:
+    """Decode tokens/s at batch 1, prefill excluded: time(1 + N tokens) - time(1 token), median of repeats."""
     generate(4)  # warm-up
-    t0 = time.perf_counter(); generate(1); t1 = time.perf_counter()
-    generate(1 + new_tokens); t2 = time.perf_counter()
-    return new_tokens / ((t2 - t1) - (t1 - t0))
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); generate(1); t1 = time.perf_counter()
+        generate(1 + new_tokens); t2 = time.perf_counter()
+        rates.append(new_tokens / ((t2 - t1) - (t1 - t0)))
+    return statistics.median(rates)
 
 
 def main() -> int:
