@@ -1,9 +1,9 @@
 """Model and engine configuration, validated on creation."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.errors import InvalidRequestError, ModelLoadError
 
 DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
 
@@ -29,7 +29,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise InvalidRequestError(
+            raise ModelLoadError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
 
@@ -48,8 +48,6 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # CPU: bytes for the KV pool
     num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
     enable_prefix_caching: bool = True
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         checks = [

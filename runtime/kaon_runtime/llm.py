@@ -1,7 +1,6 @@
 """Offline facade: LLM(model=...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from tqdm.auto import tqdm
@@ -58,6 +57,3 @@ class LLM:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-    def replace_params(self, params: SamplingParams, **changes) -> SamplingParams:
-        return dataclasses.replace(params, **changes)
