@@ -114,3 +114,17 @@ def test_corrupt_gguf_is_refused(tmp_path, gguf_path):
         dst.truncate(5_000_000)
     with pytest.raises(ModelLoadError):
         LLM(str(truncated), show_progress=False)
+
+
+def test_kv_pool_is_sized_from_the_byte_budget():
+    from kaon_runtime.engine.model_runner import kv_block_bytes
+
+    small = LLM(show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=16 << 20)
+    mc = small.engine.model_config
+    block_bytes = kv_block_bytes(mc, 16, small.engine.runner.dtype)
+    assert block_bytes == 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
+    assert small.engine.runner.num_blocks == (16 << 20) // block_bytes
+    # One sequence must always fit the pool, so the context shrinks to what the pool holds.
+    assert small.engine.max_model_len == small.engine.runner.num_blocks * 16
+    with pytest.raises(InvalidRequestError, match="context"):
+        small.generate([[1] * small.engine.max_model_len], use_tqdm=False)

@@ -61,9 +61,9 @@ class ModelRunner:
     # ---- setup -----------------------------------------------------------------------
 
     def _load_model(self, checkpoint: Checkpoint, show_progress: bool):
-        with torch.device("meta"):
-            model = build_model(self.model_config)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        with torch.device("meta"):  # no memory until the final dtype and device are known
+            model = build_model(self.model_config).to(self.dtype)
+        model = model.to_empty(device=self.device)
         weights = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, desc="Loading weights",
                        unit="tensor", disable=not show_progress)
         try:
