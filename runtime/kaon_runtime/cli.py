@@ -1,7 +1,8 @@
-"""`kaon` command line: `kaon generate` now; `kaon serve` joins it with the server."""
+"""`kaon` command line: `kaon generate` for a few prompts offline, `kaon serve` for the HTTP server."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -31,9 +32,25 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--model", default=DEFAULT_MODEL)
+    serve.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("KAON_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1 (default: $KAON_API_KEY)")
+    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get a 429")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--max-model-len", type=int)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     try:
-        return _generate(args)
+        return _serve(args) if args.command == "serve" else _generate(args)
     except KaonError as exc:
         print(f"kaon: error: {exc}", file=sys.stderr)
         return 2
@@ -60,6 +77,12 @@ def _generate(args) -> int:
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"\n{generated} tokens in {elapsed:.2f}s ({generated / elapsed:.1f} tokens/s)")
     return 0
+
+
+def _serve(args) -> int:
+    from kaon_runtime.server.run import serve
+
+    return serve(args)
 
 
 if __name__ == "__main__":

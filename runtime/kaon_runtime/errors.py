@@ -15,3 +15,11 @@ class ModelNotFoundError(KaonError, LookupError):
 
 class ModelLoadError(KaonError):
     """The model exists but cannot be loaded (corrupt file, unsupported architecture)."""
+
+
+class QueueFullError(KaonError):
+    """Too many requests are waiting already; retry later (HTTP 429)."""
+
+
+class EngineDeadError(KaonError):
+    """The engine loop stopped on an internal error; the process needs a restart."""

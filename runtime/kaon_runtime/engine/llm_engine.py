@@ -158,9 +158,11 @@ class LLMEngine:
         return seq
 
     def _output(self, request: _Request) -> RequestOutput:
+        # Copies, not the sequence's own lists: an output may be read on another thread while
+        # the engine keeps appending.
         completions = [
             CompletionOutput(seq.index, request.texts[seq.index].text, seq.output_token_ids, seq.finish_reason,
-                             seq.logprobs if seq.params.logprobs is not None else None)
+                             list(seq.logprobs) if seq.params.logprobs is not None else None)
             for seq in request.seqs]
         if request.pending_forks:  # siblings not forked yet: the request is not done
             completions += [CompletionOutput(i, "", []) for i in range(len(completions), request.params.n)]
@@ -168,6 +170,16 @@ class LLMEngine:
                              request.seqs[0].num_cached_tokens)
 
     # ---- validation --------------------------------------------------------------------
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Check a request without queueing it; return its prompt token ids.
+
+        Reads only immutable state, so a server can call it from another thread and refuse
+        bad input before the request reaches the engine loop.
+        """
+        _, token_ids = self._tokenize(prompt)
+        self._validate_length(len(token_ids), params)
+        return token_ids
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

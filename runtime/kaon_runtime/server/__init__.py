@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over the AsyncEngine: protocol models, app, metrics."""

@@ -1,0 +1,292 @@
+"""The OpenAI-compatible HTTP app: routes, errors in OpenAI's shape, auth, readiness and drain."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kaon_runtime.engine.async_engine import AsyncEngine
+from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from kaon_runtime.sampling import SamplingParams
+from kaon_runtime.server import protocol as p
+from kaon_runtime.server.metrics import Metrics
+from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
+
+RETRY_AFTER_S = 1  # a full queue drains in seconds; tell well-behaved clients to come back soon
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+class ServerState:
+    """Readiness and the requests in flight, which a drain waits for."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new work and wait (up to grace_s) for the requests in flight to finish."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    state = ServerState()
+    metrics = Metrics(engine.stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="kaon", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            raise APIError(503, "the engine loop is not running", type="server_error", code="engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.draining:
+            raise APIError(503, "the server is draining", type="service_unavailable", code="draining")
+        return await health()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth(settings.api_key)), Depends(_not_draining(state))])
+
+    @v1.get("/models")
+    async def models():
+        card = p.ModelCard(id=settings.model_name, created=int(time.time()), max_model_len=engine.engine.max_model_len)
+        return p.ModelList(data=[card]).model_dump()
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = await _parse(request, p.CompletionRequest, settings)
+        _check_model(body.model, settings)
+        prompt = _single_prompt(body.prompt)
+        params = _sampling_params(body, body.max_tokens, body.logprobs)
+        gen = await _start("cmpl", prompt, params)
+        return await _respond(request, gen, CompletionFormat(gen, engine.engine.tokenizer), body)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, p.ChatCompletionRequest, settings)
+        _check_model(body.model, settings)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body, max_tokens, num_logprobs)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template, messages)
+        gen = await _start("chatcmpl", prompt, params)
+        return await _respond(request, gen, ChatFormat(gen, engine.engine.tokenizer), body)
+
+    async def _start(prefix: str, prompt: str | list[int], params: SamplingParams) -> Generation:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        timer = metrics.track()
+        stream = await engine.add_request(request_id, prompt, params)
+        return Generation(request_id, settings.model_name, stream, timer, params.stop, params.logprobs)
+
+    async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
+        if body.stream:
+            return _SSEResponse(sse_events(gen, fmt, body.n, body.include_usage), gen)
+        try:
+            output = await final_output(gen, lambda: _disconnected(request))
+        finally:
+            gen.close()
+        if output is None:  # nobody is listening; the status is for the access log
+            return Response(status_code=499)
+        return JSONResponse(fmt.response(output).model_dump())
+
+    app.include_router(v1)
+    app.add_middleware(_CountInFlight, state=state)
+    return app
+
+
+class _CountInFlight:
+    """Counts HTTP exchanges until their last byte is sent (a stream included), for the drain.
+
+    Counted from arrival, not from admission, so a request still being validated when the
+    drain starts is waited for too.
+    """
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE stream that closes its generation however the response ends.
+
+    A disconnect cancels the send mid-stream, possibly before the body iterator ever ran,
+    so cleanup belongs here rather than in the iterator.
+    """
+
+    def __init__(self, events, gen: Generation):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+
+
+# ---- request plumbing --------------------------------------------------------------------
+
+
+def _auth(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+    return check
+
+
+def _not_draining(state: ServerState):
+    async def check() -> None:
+        if state.draining:
+            raise APIError(503, "the server is draining; retry on another replica", type="service_unavailable",
+                           code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return check
+
+
+async def _parse(request: Request, model: type[BaseModel], settings: ServerSettings):
+    """Read the body within the size limit and validate it strictly; every failure is a 400 or 413."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
+        raise _too_large(settings)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > settings.max_body_bytes:
+            raise _too_large(settings)
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        raise _bad_input(exc.errors()) from None
+
+
+def _too_large(settings: ServerSettings) -> APIError:
+    return APIError(413, f"the request body exceeds {settings.max_body_bytes} bytes", code="request_too_large")
+
+
+def _bad_input(errors) -> APIError:
+    first = errors[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "json_invalid":
+        message = f"the body is not valid JSON: {message}"
+    elif param is not None:
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param)
+
+
+def _check_model(name: str, settings: ServerSettings) -> None:
+    if name != settings.model_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _single_prompt(prompt: str | list) -> str | list[int]:
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return prompt  # an empty one is refused by the engine's own validation
+    if len(prompt) == 1:
+        return prompt[0]
+    raise APIError(400, "batched prompts are not supported; send one request per prompt", param="prompt")
+
+
+def _sampling_params(body: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None,
+                     logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+        max_tokens=max_tokens, stop=body.stop_list, ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is already read, so only a disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid(_, exc: InvalidRequestError):
+        return APIError(400, str(exc)).response()
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_, exc: QueueFullError):
+        return APIError(429, f"the server is at capacity: {exc}", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_S)}).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_, exc: EngineDeadError):
+        return APIError(503, str(exc), type="server_error", code="engine_dead").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(_, exc: RequestValidationError):  # FastAPI's own checks say 422; OpenAI says 400
+        return _bad_input(exc.errors()).response()
+
+    @app.exception_handler(Exception)
+    async def internal(_, exc: Exception):
+        return APIError(500, f"internal error: {exc!r}", type="server_error").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), type="invalid_request_error",
+                        headers=getattr(exc, "headers", None)).response()

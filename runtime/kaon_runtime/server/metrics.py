@@ -1,0 +1,89 @@
+"""Prometheus metrics of one engine server.
+
+The names are a contract: the autoscaler and the router read them (see ARCHITECTURE.md).
+Engine-wide figures (queue lengths, KV usage, token and prefix-cache counters) are read from
+the engine's own counters at scrape time; per-request latencies are observed by the server
+as each request ends. Each app gets its own registry, so several apps (tests) can coexist.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kaon_runtime.engine.llm_engine import EngineStats
+from kaon_runtime.engine.outputs import RequestOutput
+
+# From a millisecond (a cached short prompt on a GPU) to ten minutes (a long CPU generation).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        yield GaugeMetricFamily("kaon_num_requests_running", "Sequences being decoded or prefilled.",
+                                value=s.num_running)
+        yield GaugeMetricFamily("kaon_num_requests_waiting", "Sequences waiting for admission.",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily("kaon_kv_cache_usage_ratio", "Share of KV cache blocks in use (0..1).",
+                                value=s.kv_cache_usage)
+        yield CounterMetricFamily("kaon_prompt_tokens_total", "Prompt tokens accepted.", value=s.prompt_tokens)
+        yield CounterMetricFamily("kaon_generation_tokens_total", "Tokens generated.", value=s.generation_tokens)
+        yield CounterMetricFamily("kaon_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                                  value=s.prefix_cache_queries)
+        yield CounterMetricFamily("kaon_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+                                  value=s.prefix_cache_hits)
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.ttft = Histogram("kaon_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kaon_time_per_output_token_seconds", "Mean time between output tokens of a request.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kaon_e2e_request_latency_seconds", "Arrival to the end of the request.",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("kaon_requests_total", "Requests ended, by finish reason.", ["finish_reason"],
+                                registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Times one request from arrival; `finish` records it exactly once."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+        self._arrival = time.perf_counter()
+        self._first_token: float | None = None
+        self._done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        if self._first_token is None and any(c.token_ids for c in output.outputs):
+            self._first_token = time.perf_counter()
+            self._metrics.ttft.observe(self._first_token - self._arrival)
+
+    def finish(self, output: RequestOutput | None, aborted: bool = False) -> None:
+        if self._done:
+            return
+        self._done = True
+        now = time.perf_counter()
+        self._metrics.e2e.observe(now - self._arrival)
+        reason = "abort" if aborted or output is None else (output.outputs[0].finish_reason or "abort")
+        self._metrics.requests.labels(finish_reason=reason).inc()
+        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0) if output else 0
+        if self._first_token is not None and num_tokens > 1:
+            self._metrics.tpot.observe((now - self._first_token) / (num_tokens - 1))

@@ -1,0 +1,72 @@
+"""`kaon serve`: load the model, then run the app under uvicorn with a graceful drain on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from kaon_runtime.config import EngineConfig
+from kaon_runtime.engine.async_engine import AsyncEngine
+from kaon_runtime.engine.llm_engine import LLMEngine
+from kaon_runtime.server.app import ServerSettings, ServerState, create_app
+
+logger = logging.getLogger("uvicorn.error")  # configured by uvicorn, so these lines reach its log
+
+# After the drain, uvicorn's own shutdown only has to close idle connections.
+SHUTDOWN_AFTER_DRAIN_S = 2
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains first.
+
+    uvicorn on SIGTERM stops listening at once, so a load balancer would see refused
+    connections instead of a failing readiness probe. Here the first SIGTERM turns /ready
+    and new requests into 503s, lets in-flight requests finish (up to the grace period),
+    then shuts down and exits 0. SIGINT, or a second SIGTERM, still stops at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float):
+        super().__init__(config)
+        self._state = state
+        self._grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and self._drain_task is None and self._loop is not None:
+            # Signal handlers run between bytecodes; hand the work to the loop.
+            self._loop.call_soon_threadsafe(self._begin_drain)
+        else:
+            super().handle_exit(sig, frame)
+
+    def _begin_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        logger.info("SIGTERM: draining (up to %.0fs for in-flight requests)", self._grace_s)
+        await self._state.drain(self._grace_s)
+        if self._state.in_flight:
+            logger.warning("grace period over with %d request(s) in flight; cutting them", self._state.in_flight)
+        self.should_exit = True
+
+
+def serve(args) -> int:
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs)
+    engine = AsyncEngine(LLMEngine(config, show_progress=False), max_queue=args.max_queue)
+    settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                              max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, settings)
+    server = _DrainingServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                       timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S),
+        app.state.server, args.drain_timeout)
+    server.run()
+    return 0 if server.started else 1  # uvicorn returns quietly when startup fails

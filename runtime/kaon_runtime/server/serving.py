@@ -1,0 +1,208 @@
+"""From engine outputs to OpenAI responses: whole responses, and SSE streams of chunks.
+
+Engine outputs are cumulative (the text so far), so a stream sends the difference from what
+it sent before. Completions and chat differ only in how a choice is wrapped; `_Format`
+subclasses hold that difference and the rest is shared.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from kaon_runtime.engine.async_engine import RequestStream
+from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
+from kaon_runtime.errors import KaonError
+from kaon_runtime.loader.tokenizer import Tokenizer
+from kaon_runtime.server import protocol as p
+from kaon_runtime.server.metrics import RequestTimer
+
+
+@dataclass(eq=False)
+class Generation:
+    """One accepted request, from the engine stream to the last byte sent."""
+
+    request_id: str
+    model: str
+    stream: RequestStream
+    timer: RequestTimer
+    stops: list[str]
+    num_logprobs: int | None  # None: the client asked for no logprobs
+    created: int = field(default_factory=lambda: int(time.time()))
+    last: RequestOutput | None = None
+    _closed: bool = False
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        async for output in self.stream:
+            self.timer.observe(output)
+            self.last = output
+            yield output
+
+    def close(self) -> None:
+        """Abort the request if it is still running, record it; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stream.abort()
+        finished = self.last is not None and self.last.finished
+        self.timer.finish(self.last, aborted=not finished)
+
+
+def usage(output: RequestOutput) -> p.UsageInfo:
+    completion = sum(len(c.token_ids) for c in output.outputs)
+    prompt = len(output.prompt_token_ids)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def visible_text(text: str, stops: list[str], finished: bool) -> str:
+    """The part of a growing text that is safe to stream.
+
+    The engine cuts the text where a stop string begins once the whole string has appeared,
+    so a tail that could still become a stop string is held back until it resolves.
+    """
+    if finished or not stops:
+        return text
+    hold = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:size]):
+                hold = size
+                break
+    return text[:len(text) - hold]
+
+
+async def final_output(gen: Generation, disconnected: Callable[[], asyncio.Future]) -> RequestOutput | None:
+    """Run a request to its end; None if the client went away first."""
+    async def last() -> RequestOutput:
+        async for _ in gen.outputs():
+            pass
+        return gen.last
+
+    run = asyncio.ensure_future(last())
+    gone = asyncio.ensure_future(disconnected())
+    await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not run.done():
+        run.cancel()
+        return None
+    return run.result()
+
+
+async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool) -> AsyncIterator[str]:
+    """The stream of `data:` events for one request, ending with `data: [DONE]`."""
+    for chunk in fmt.opening_chunks(n):
+        yield _event(chunk, include_usage)
+    sent_text = [0] * n
+    sent_tokens = [0] * n
+    finished = [False] * n
+    try:
+        async for output in gen.outputs():
+            for c in output.outputs:
+                if finished[c.index]:
+                    continue
+                finished[c.index] = c.finish_reason is not None
+                text = visible_text(c.text, gen.stops, finished[c.index])
+                delta = text[sent_text[c.index]:]
+                if not delta and not finished[c.index]:
+                    continue
+                chunk = fmt.chunk(c, delta, sent_text[c.index], sent_tokens[c.index])
+                sent_text[c.index], sent_tokens[c.index] = len(text), len(c.token_ids)
+                yield _event(chunk, include_usage)
+    except KaonError as exc:  # the engine died under us: tell the client in-band, then stop
+        error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error"))
+        yield f"data: {error.model_dump_json()}\n\n"
+        return
+    if include_usage:
+        yield _event(fmt.usage_chunk(usage(gen.last)), include_usage)
+    yield "data: [DONE]\n\n"
+
+
+def _event(chunk: BaseModel, include_usage: bool) -> str:
+    # OpenAI sends "usage": null on every chunk only when the client asked for usage.
+    exclude = None if include_usage else {"usage"}
+    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+
+class _Format:
+    def __init__(self, gen: Generation, tokenizer: Tokenizer):
+        self.gen = gen
+        self.tokenizer = tokenizer
+
+    def _top(self, token_id: int, logprobs: dict[int, float]) -> tuple[str, float, list[tuple[str, float]]]:
+        """The chosen token and the k most likely ones, as strings (the engine returns ids)."""
+        best = sorted(logprobs.items(), key=lambda item: -item[1])[:self.gen.num_logprobs]
+        return (self.tokenizer.token_to_str(token_id), logprobs[token_id],
+                [(self.tokenizer.token_to_str(t), lp) for t, lp in best])
+
+    def _head(self) -> dict:
+        return {"id": self.gen.request_id, "created": self.gen.created, "model": self.gen.model}
+
+
+class CompletionFormat(_Format):
+    def response(self, output: RequestOutput) -> p.CompletionResponse:
+        choices = [p.CompletionChoice(index=c.index, text=c.text, logprobs=self._logprobs(c, 0, 0),
+                                      finish_reason=c.finish_reason) for c in output.outputs]
+        return p.CompletionResponse(**self._head(), choices=choices, usage=usage(output))
+
+    def opening_chunks(self, n: int) -> list[p.CompletionResponse]:
+        return []
+
+    def chunk(self, c: CompletionOutput, delta: str, text_offset: int, token_start: int) -> p.CompletionResponse:
+        choice = p.CompletionChoice(index=c.index, text=delta, logprobs=self._logprobs(c, token_start, text_offset),
+                                    finish_reason=c.finish_reason)
+        return p.CompletionResponse(**self._head(), choices=[choice])
+
+    def usage_chunk(self, info: p.UsageInfo) -> p.CompletionResponse:
+        return p.CompletionResponse(**self._head(), choices=[], usage=info)
+
+    def _logprobs(self, c: CompletionOutput, start: int, text_offset: int) -> p.CompletionLogprobs | None:
+        if self.gen.num_logprobs is None or c.logprobs is None:
+            return None
+        out = p.CompletionLogprobs()
+        for token_id, logprobs in zip(c.token_ids[start:], c.logprobs[start:]):
+            token, logprob, top = self._top(token_id, logprobs)
+            out.tokens.append(token)
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append(dict(top))
+            out.text_offset.append(text_offset)
+            text_offset += len(token)
+        return out
+
+
+class ChatFormat(_Format):
+    def response(self, output: RequestOutput) -> p.ChatCompletionResponse:
+        choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
+                                logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason)
+                   for c in output.outputs]
+        return p.ChatCompletionResponse(**self._head(), choices=choices, usage=usage(output))
+
+    def opening_chunks(self, n: int) -> list[p.ChatCompletionChunk]:
+        # OpenAI opens each choice with the role and empty content.
+        return [p.ChatCompletionChunk(**self._head(), choices=[
+            p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))]) for i in range(n)]
+
+    def chunk(self, c: CompletionOutput, delta: str, text_offset: int, token_start: int) -> p.ChatCompletionChunk:
+        choice = p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(content=delta or None),
+                                   logprobs=self._logprobs(c, token_start), finish_reason=c.finish_reason)
+        return p.ChatCompletionChunk(**self._head(), choices=[choice])
+
+    def usage_chunk(self, info: p.UsageInfo) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(**self._head(), choices=[], usage=info)
+
+    def _logprobs(self, c: CompletionOutput, start: int) -> p.ChoiceLogprobs | None:
+        if self.gen.num_logprobs is None or c.logprobs is None:
+            return None
+        content = []
+        for token_id, logprobs in zip(c.token_ids[start:], c.logprobs[start:]):
+            token, logprob, top = self._top(token_id, logprobs)
+            content.append(p.TokenLogprob(token=token, logprob=logprob, bytes=_bytes(token), top_logprobs=[
+                p.TopLogprob(token=t, logprob=lp, bytes=_bytes(t)) for t, lp in top]))
+        return p.ChoiceLogprobs(content=content)
+
+
+def _bytes(token: str) -> list[int] | None:
+    # A token that splits a UTF-8 character decodes to U+FFFD; its true bytes are not known here.
+    return None if "\ufffd" in token else list(token.encode())
