@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# Build a real Kubernetes control plane from Go modules, without Docker and
+# without release tarballs: everything comes through the Go module proxy.
+#
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok
+#
+# The binaries are cached outside the repository, keyed by the Kubernetes
+# version:  ${KAON_CACHE:-$HOME/.cache/kaon}/k8s/<K8S_VERSION>/bin/
+# A second run finds them there and returns at once. The last line of stdout
+# is that bin directory (all progress goes to stderr), so callers can do
+#   BIN=$(e2e/build-control-plane.sh | tail -n1)
+#
+# Environment (all optional):
+#   K8S_VERSION   Kubernetes release        (default below; needs a Go new enough)
+#   ETCD_VERSION  go.etcd.io/etcd/server/v3 (3.5.x or 3.6.x)
+#   KWOK_VERSION  sigs.k8s.io/kwok
+#   KAON_CACHE    cache root                (default $HOME/.cache/kaon)
+#   GO            go binary                 (default: go on PATH, else /usr/local/go/bin/go)
+#   GOFLAGS       passed through, e.g. GOFLAGS=-p=1 to use a single core
+#
+# Background and pitfalls: /work/shared/CONTROL_PLANE.md.
+set -euo pipefail
+
+# Kubernetes 1.36 is the newest release whose go.mod ("go 1.26.0") builds with
+# Go 1.26 and GOTOOLCHAIN=local; 1.36 itself pins etcd 3.6.x.
+K8S_VERSION="${K8S_VERSION:-v1.36.3}"
+ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
+KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
+
+CACHE_ROOT="${KAON_CACHE:-$HOME/.cache/kaon}"
+VERSION_DIR="$CACHE_ROOT/k8s/$K8S_VERSION"
+BIN_DIR="$VERSION_DIR/bin"
+WORK_DIR="$VERSION_DIR/work"   # wrapper modules, kept for inspection/rebuilds
+
+K8S_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+
+log() { printf '[build-control-plane %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+find_go() {
+  if [[ -n "${GO:-}" ]]; then
+    :
+  elif command -v go >/dev/null 2>&1; then
+    GO="$(command -v go)"
+  else
+    GO=/usr/local/go/bin/go
+  fi
+  [[ -x "$GO" ]] || die "no Go toolchain found (set GO=/path/to/go)"
+}
+
+# Every go invocation goes through here:
+# - nice -n 19: a cold build takes a long time; it must only use idle CPU so it
+#   does not disturb whatever else runs on the machine (timing-sensitive tests).
+# - GOTOOLCHAIN=local: never download another toolchain behind our back; a
+#   version that needs a newer Go should fail loudly instead.
+# - CGO_ENABLED=0: static binaries, no C toolchain needed (what Kubernetes'
+#   own release builds do for these components).
+# - Go's stdout is sent to stderr so our stdout carries only the bin dir.
+run_go() {
+  GOTOOLCHAIN=local CGO_ENABLED=0 nice -n 19 "$GO" "$@" >&2
+}
+
+# A component counts as built when its binaries exist and its stamp file
+# records the version they were built from (so bumping ETCD_VERSION or
+# KWOK_VERSION rebuilds just that component).
+stamp_file() { echo "$BIN_DIR/.$1.version"; }
+
+is_built() {  # is_built <component> <version> <binary>...
+  local component=$1 version=$2 bin
+  shift 2
+  [[ "$(cat "$(stamp_file "$component")" 2>/dev/null)" == "$version" ]] || return 1
+  for bin in "$@"; do [[ -x "$BIN_DIR/$bin" ]] || return 1; done
+}
+
+all_built() {
+  is_built kubernetes "$K8S_VERSION" "${K8S_BINARIES[@]}" &&
+    is_built etcd "$ETCD_VERSION" etcd &&
+    is_built kwok "$KWOK_VERSION" kwok
+}
+
+# Move freshly built binaries from a scratch dir into BIN_DIR (rename on the
+# same filesystem, so a reader never sees half a binary), then write the stamp.
+install_binaries() {  # install_binaries <component> <version> <scratch dir> <binary>...
+  local component=$1 version=$2 scratch=$3 bin
+  shift 3
+  for bin in "$@"; do
+    [[ -x "$scratch/$bin" ]] || die "$component: $bin was not produced"
+    mv -f "$scratch/$bin" "$BIN_DIR/$bin"
+  done
+  echo "$version" >"$(stamp_file "$component")"
+  rm -rf "$scratch"
+}
+
+# Path of a module's go.mod in the module cache (downloads it if needed).
+module_gomod() {  # module_gomod <module@version>
+  local json
+  json="$(GOTOOLCHAIN=local "$GO" mod download -json "$1")" || die "cannot download $1"
+  sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p' <<<"$json"
+}
+
+# Kubernetes ------------------------------------------------------------------
+#
+# `go install k8s.io/kubernetes/cmd/...@v1.Y.Z` does not work: k8s.io/kubernetes
+# requires its staging modules (k8s.io/api, k8s.io/client-go, ...) at v0.0.0
+# and replaces them with ./staging/... paths, which a dependency cannot do.
+# So we build from a wrapper module that requires k8s.io/kubernetes and
+# replaces each staging module with its published v0.Y.Z release. The replace
+# list is generated from the real go.mod of that release, so new staging
+# modules (1.36 added cri-streaming and streaming) are picked up by themselves.
+
+write_kubernetes_wrapper() {  # write_kubernetes_wrapper <dir>
+  local dir=$1 k8s_gomod staging_version="v0.${K8S_VERSION#v1.}"
+  k8s_gomod="$(module_gomod "k8s.io/kubernetes@$K8S_VERSION")"
+  [[ -f "$k8s_gomod" ]] || die "no go.mod for k8s.io/kubernetes@$K8S_VERSION"
+
+  mkdir -p "$dir"
+  {
+    echo "// Generated by e2e/build-control-plane.sh from k8s.io/kubernetes@$K8S_VERSION."
+    echo "module kaon.local/k8s-control-plane"
+    echo
+    # The go and godebug lines of the *main* module decide language semantics
+    # and runtime GODEBUG defaults; a dependency's godebug is ignored. Copy
+    # Kubernetes' own so the binaries behave like its release builds.
+    awk '/^go [0-9]/ {print; print ""}
+         /^godebug \(/ {block=1}
+         block {print; if ($0 ~ /^\)/) {block=0; print ""}; next}
+         /^godebug [^(]/ {print; print ""}' "$k8s_gomod"
+    echo "require k8s.io/kubernetes $K8S_VERSION"
+    echo
+    echo "replace ("
+    # Lines look like "k8s.io/api => ./staging/src/k8s.io/api", inside a
+    # replace block or as a one-line "replace ..." directive.
+    awk -v v="$staging_version" '
+      { sub(/^replace[[:space:]]+/, "") }
+      $2 == "=>" && $3 ~ /^\.\/staging\// { printf "\t%s => %s %s\n", $1, $1, v }
+    ' "$k8s_gomod"
+    echo ")"
+    echo
+    echo "tool ("
+    printf '\tk8s.io/kubernetes/cmd/%s\n' "${K8S_BINARIES[@]}"
+    echo ")"
+  } >"$dir/go.mod"
+
+  local n
+  n="$(grep -c "=> k8s.io/.* $staging_version\$" "$dir/go.mod")"
+  ((n > 0)) || die "found no staging replaces in $k8s_gomod"
+  log "kubernetes: wrapper module with $n staging replaces at $staging_version"
+}
+
+# -X flags so /version reports v1.Y.Z instead of v0.0.0-master (the same keys
+# hack/lib/version.sh sets, for both component-base and client-go).
+kubernetes_ldflags() {
+  local minor build_date info key val flags="-s -w"
+  minor="${K8S_VERSION#v1.}"
+  minor="${minor%%.*}"
+  # Use the release's publication time, so rebuilding gives identical output.
+  info="$(dirname "$(module_gomod "k8s.io/kubernetes@$K8S_VERSION")")/$K8S_VERSION.info"
+  build_date="$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "$info" 2>/dev/null || true)"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    for kv in "gitVersion=$K8S_VERSION" "gitMajor=1" "gitMinor=$minor" \
+      ${build_date:+"buildDate=$build_date"}; do
+      key="${kv%%=*}" val="${kv#*=}"
+      flags+=" -X $pkg.$key=$val"
+    done
+  done
+  echo "$flags"
+}
+
+build_kubernetes() {
+  if is_built kubernetes "$K8S_VERSION" "${K8S_BINARIES[@]}"; then
+    log "kubernetes $K8S_VERSION: cached"
+    return
+  fi
+  local dir="$WORK_DIR/kubernetes" scratch="$VERSION_DIR/.scratch-kubernetes" pkgs=()
+  write_kubernetes_wrapper "$dir"
+  local bin
+  for bin in "${K8S_BINARIES[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$bin"); done
+
+  log "kubernetes $K8S_VERSION: resolving modules (go mod tidy)"
+  (cd "$dir" && run_go mod tidy)
+
+  log "kubernetes $K8S_VERSION: building ${K8S_BINARIES[*]} (empty build cache: ~10 min on 2 cores)"
+  rm -rf "$scratch" && mkdir -p "$scratch"
+  (cd "$dir" && run_go build -trimpath -tags selinux,notest \
+    -ldflags "$(kubernetes_ldflags)" -o "$scratch/" "${pkgs[@]}")
+  install_binaries kubernetes "$K8S_VERSION" "$scratch" "${K8S_BINARIES[@]}"
+}
+
+# etcd ------------------------------------------------------------------------
+#
+# go.etcd.io/etcd/server/v3 is itself the etcd main package, but `go install
+# ...@v3.x` refuses it because its go.mod has replace directives. Requiring it
+# from a wrapper module ignores those replaces, and the build works. Its own
+# go.mod requires the sibling etcd modules at the same version.
+
+build_etcd() {
+  if is_built etcd "$ETCD_VERSION" etcd; then
+    log "etcd $ETCD_VERSION: cached"
+    return
+  fi
+  local dir="$WORK_DIR/etcd" scratch="$VERSION_DIR/.scratch-etcd"
+  mkdir -p "$dir"
+  cat >"$dir/go.mod" <<EOF
+// Generated by e2e/build-control-plane.sh.
+module kaon.local/etcd
+
+go 1.26.0
+
+require go.etcd.io/etcd/server/v3 $ETCD_VERSION
+
+tool go.etcd.io/etcd/server/v3
+EOF
+  log "etcd $ETCD_VERSION: resolving modules (go mod tidy)"
+  (cd "$dir" && run_go mod tidy)
+  log "etcd $ETCD_VERSION: building"
+  rm -rf "$scratch" && mkdir -p "$scratch"
+  (cd "$dir" && run_go build -trimpath -ldflags "-s -w" -o "$scratch/etcd" go.etcd.io/etcd/server/v3)
+  install_binaries etcd "$ETCD_VERSION" "$scratch" etcd
+}
+
+# KWOK ------------------------------------------------------------------------
+#
+# sigs.k8s.io/kwok has no replace directives, so a plain `go install` works.
+# It gets its own build (not the Kubernetes wrapper) because that wrapper pins
+# every k8s.io/* module to one version, which need not be the one KWOK wants.
+
+build_kwok() {
+  if is_built kwok "$KWOK_VERSION" kwok; then
+    log "kwok $KWOK_VERSION: cached"
+    return
+  fi
+  local scratch="$VERSION_DIR/.scratch-kwok"
+  log "kwok $KWOK_VERSION: building"
+  rm -rf "$scratch" && mkdir -p "$scratch"
+  # cd somewhere neutral: `go install pkg@version` ignores the current module,
+  # but a stray go.work/go.mod in the caller's directory would still be read.
+  (cd "$scratch" && GOBIN="$scratch" run_go install -trimpath -ldflags "-s -w" \
+    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION")
+  install_binaries kwok "$KWOK_VERSION" "$scratch" kwok
+}
+
+main() {
+  # Fast path: everything cached, no Go needed, no lock taken.
+  if all_built; then
+    echo "$BIN_DIR"
+    return
+  fi
+
+  find_go
+  mkdir -p "$BIN_DIR" "$WORK_DIR"
+  # Serialise concurrent callers (e.g. two test sessions) so they do not both
+  # spend half an hour building the same thing; the second one then finds the
+  # cache filled by the first.
+  exec 9>"$VERSION_DIR/.lock"
+  if ! flock -n 9; then
+    log "another build of $K8S_VERSION is running; waiting for it"
+    flock 9
+  fi
+
+  log "Kubernetes $K8S_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION; $("$GO" version)"
+  log "cache: $BIN_DIR"
+  local start=$SECONDS
+  build_etcd
+  build_kwok
+  build_kubernetes
+  all_built || die "build finished but the cache is incomplete"
+  log "done in $((SECONDS - start))s"
+  echo "$BIN_DIR"
+}
+
+main "$@"
