@@ -3,9 +3,10 @@
     python bench/soak.py [--minutes 10] [--rate 3] [--max-queue 32]
 
 Poisson arrivals of streamed and non-streamed completions (a mix, some with a client that
-hangs up early). Passes when: no 5xx other than the documented 503 (and 429 for a full
-queue), no request hangs past its timeout, the server's RSS stays flat (last minute vs
-first minute), and KV usage and running/waiting gauges are back to 0 at the end.
+hangs up early). Passes when: every answer is a success, a 429 (queue full) or a 503
+(draining), no connection fails, no request hangs past its timeout, the server's RSS
+stays flat (last minute vs first minute), and KV usage and the running/waiting gauges
+are back to 0 at the end.
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def main() -> int:
         proc.wait(timeout=120)
     first = [m for t, m in rss if t < 60]
     last = [m for t, m in rss if t >= args.minutes * 60 - 60]
-    bad = {k: v for k, v in counts.items() if isinstance(k, int) and k >= 500 and k != 503}
+    # Under overload the only acceptable answers are success, 429 (queue full) and 503 (draining).
+    unexpected = {k: v for k, v in counts.items() if isinstance(k, int) and k not in (200, 429, 503)}
     leftovers = {name: gauge(metrics, name) for name in
                  ("kaon_kv_cache_usage_ratio", "kaon_num_requests_running", "kaon_num_requests_waiting")}
     print(f"soak: {args.minutes} min at {args.rate} req/s, {sent} requests, max queue {args.max_queue}")
@@ -113,7 +115,9 @@ def main() -> int:
     print(f"server RSS MiB: first minute max {max(first):.0f}, last minute max {max(last):.0f}")
     print("after the run:", leftovers)
     print(f"exit code on SIGTERM: {proc.returncode}")
-    passed = (counts[200] > sent / 2 and not bad and not counts["timed out"] and all(v == 0 for v in leftovers.values())
+    print(f"served: {counts[200] / (args.minutes * 60):.2f} req/s of {args.rate} offered")
+    transport_errors = sum(v for k, v in counts.items() if str(k).startswith("transport error"))
+    passed = (counts[200] > 0 and not unexpected and not transport_errors and not counts["timed out"] and all(v == 0 for v in leftovers.values())
               and max(last) < max(first) * 1.15 and proc.returncode == 0)
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1
