@@ -1,10 +1,10 @@
-# Everything the project needs is installed from here: a fresh machine runs `make demo` or `make test`.
+# Everything the project needs is installed from here: a fresh machine runs `make demo`, `make serve` or `make test`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo serve test bench clean
 
 install: $(STAMP)
 
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(VENV)/bin/kaon generate
+
+serve: install
+	$(VENV)/bin/kaon serve --model builtin://smollm2-135m-instruct --port 8000
 
 test: install
 	$(PY) -m pytest -q

@@ -73,3 +73,13 @@ def test_logprobs_are_log_softmax():
 def test_bad_sampling_params_are_refused(bad):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)
+
+
+def test_tiny_temperature_is_greedy_and_huge_values_are_refused():
+    assert SamplingParams(temperature=1e-45).temperature == 0
+    with pytest.raises(InvalidRequestError, match="seed"):
+        SamplingParams(seed=10 ** 23)
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        SamplingParams(top_k=2 ** 63)
+    logits = torch.randn(2, 30)
+    assert sample(logits, batch(2, top_k=2 ** 31 - 1)).token_ids  # clamped to the vocabulary

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from kaon_runtime.errors import InvalidRequestError
 
 
+GREEDY_BELOW = 1e-5  # temperatures this small are treated as 0
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick the next tokens. temperature 0 means greedy."""
@@ -26,9 +29,14 @@ class SamplingParams:
             self.stop = [self.stop]
         _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # dividing logits by less underflows the softmax; it is greedy anyway
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2 ** 31,
+               f"top_k must be in [0, 2^31), got {self.top_k!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 63),
+               f"seed must be a 64-bit integer, got {self.seed!r}")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                f"max_tokens must be >= 1, got {self.max_tokens!r}")
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n!r}")

@@ -139,7 +139,8 @@ class ModelRunner:
         for seq in seqs:
             if seq.generator is None and seq.params.seed is not None:
                 seq.generator = torch.Generator(device=self.device)
-                seq.generator.manual_seed(seq.params.seed + seq.index)
+                # Mix in the completion index so seed s, choice 1 differs from seed s + 1, choice 0.
+                seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2 ** 63 - 1))
         wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         return SamplingBatch(
             temperatures=[s.params.temperature for s in seqs],

@@ -63,7 +63,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
     ps = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     drop = rank >= ks[:, None]

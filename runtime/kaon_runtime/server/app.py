@@ -13,15 +13,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kaon_runtime.sampling import SamplingParams
+from kaon_runtime.server import openapi as doc
 from kaon_runtime.server import protocol as p
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
 
 RETRY_AFTER_S = 1  # a full queue drains in seconds; tell well-behaved clients to come back soon
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client gone before the response; only the access log sees it
 
 
 @dataclass(slots=True)
@@ -69,34 +72,38 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         yield
         await engine.stop()
 
-    app = FastAPI(title="kaon", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kaon", version=doc.API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.server = state
     _install_error_handlers(app)
+    doc.install(app, settings.model_name, max_model_len=engine.engine.max_model_len,
+                vocab_size=engine.engine.model_config.vocab_size, secured=settings.api_key is not None)
 
-    @app.get("/health")
+    @app.get("/health", responses=doc.HEALTH)
     async def health():
         if not engine.is_alive:
             raise APIError(503, "the engine loop is not running", type="server_error", code="engine_dead")
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=doc.HEALTH)
     async def ready():
         if state.draining:
             raise APIError(503, "the server is draining", type="service_unavailable", code="draining")
         return await health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=doc.METRICS)
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth(settings.api_key)), Depends(_not_draining(state))])
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=p.ModelList, responses=doc.V1_ERRORS)
     async def models():
         card = p.ModelCard(id=settings.model_name, created=int(time.time()), max_model_len=engine.engine.max_model_len)
         return p.ModelList(data=[card]).model_dump()
 
-    @v1.post("/completions")
+    @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
+             responses=doc.GENERATE)
     async def completions(request: Request):
         body = await _parse(request, p.CompletionRequest, settings)
         _check_model(body.model, settings)
@@ -105,7 +112,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         gen = await _start("cmpl", prompt, params)
         return await _respond(request, gen, CompletionFormat(gen, engine.engine.tokenizer), body)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
+             openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE)
     async def chat_completions(request: Request):
         body = await _parse(request, p.ChatCompletionRequest, settings)
         _check_model(body.model, settings)
@@ -131,7 +139,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         finally:
             gen.close()
         if output is None:  # nobody is listening; the status is for the access log
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(fmt.response(output).model_dump())
 
     app.include_router(v1)
@@ -277,6 +285,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def dead(_, exc: EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_, exc: ClientDisconnect):  # left while sending the body: not a server error
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(RequestValidationError)
     async def validation(_, exc: RequestValidationError):  # FastAPI's own checks say 422; OpenAI says 400

@@ -11,6 +11,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+# JSON integers are unbounded; seeds and top_k end up in torch's 64-bit integers.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+# The validators' cross-field rules, as JSON Schema for the OpenAPI document.
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+_NON_EMPTY = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
 # ---- requests --------------------------------------------------------------------------
 
 
@@ -23,20 +36,24 @@ class StreamOptions(_Strict):
 
 
 class _SamplingRequest(_Strict):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # not OpenAI's; as in vLLM
+    top_k: int | None = Field(None, ge=0, le=INT64_MAX)  # not OpenAI's; as in vLLM
     n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra={"anyOf": [
+        _NON_EMPTY, {"type": "array", "items": _NON_EMPTY}, {"type": "null"}]})
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # not OpenAI's; benchmarks need fixed-length outputs
     user: str | None = None  # an end-user tag for abuse tracking; it does not change the output
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # Accepted only at their neutral values (see `_supported`).
+    presence_penalty: float = Field(0.0, json_schema_extra={"const": 0})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
 
     @model_validator(mode="after")
     def _supported(self):
@@ -60,10 +77,13 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # One prompt: a string or token ids, possibly wrapped in a one-element batch.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra={"anyOf": [
+        _NON_EMPTY, _TOKEN_IDS, {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]})
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: bool = Field(False, json_schema_extra={"const": False})
 
     @model_validator(mode="after")
     def _no_echo(self):
@@ -89,6 +109,8 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
     max_completion_tokens: int | None = Field(None, ge=1)
