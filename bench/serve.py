@@ -65,7 +65,8 @@ def start_kaon_with(port: int, log: Path, extra: list[str]) -> subprocess.Popen:
 
 def start_llama_cpp(port: int, gguf: Path, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
-           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096", "--n_threads", str(os.cpu_count())]
+           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096", "--n_threads", str(os.cpu_count()),
+           "--interrupt_requests", "False"]  # by default a new request cancels the one in flight
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 

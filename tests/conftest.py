@@ -33,3 +33,7 @@ def hf_model(gguf_path):
 def hf_tokenizer(gguf_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+# A real Kubernetes control plane: control_plane, crd, namespace (see conftest_k8s.py).
+from conftest_k8s import control_plane, crd, namespace  # noqa: E402, F401

@@ -1,0 +1,235 @@
+"""The InferenceService API (kaon.dev/v1alpha1): pydantic models of its spec and status.
+
+The CRD in crds/ is generated from these models (`python -m kaon_operator.crd`), and a
+test proves the two agree. Every rule here is also a CEL rule in the CRD (the
+`x-kubernetes-validations` entries), so the apiserver refuses what these models refuse.
+Field names are snake_case in Python and camelCase on the wire.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kaon.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_IMAGE = "ghcr.io/kaon-dev/kaon:0.1.0"
+GPU_RESOURCE = "nvidia.com/gpu"
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+Quantity = int | str  # a Kubernetes resource quantity: 2, "500m", "16Gi"
+
+
+def _cel(rule: str, message: str) -> dict:
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              use_attribute_docstrings=True)
+
+
+_URI_MESSAGE = "must be builtin://<name> or an absolute path"
+
+
+class ModelSpec(_Model):
+    """Which model to serve and how."""
+
+    uri: str = Field(min_length=1, max_length=4096, json_schema_extra=_cel(
+        "self.startsWith('builtin://') || self.startsWith('/')", _URI_MESSAGE))
+    """`builtin://smollm2-135m-instruct`, or an absolute path to a GGUF file or HF model directory."""
+    served_name: str | None = Field(None, min_length=1, max_length=253)
+    """The name clients send as `model` (default: the InferenceService's name)."""
+    quantization: Literal["none", "int8", "int4", "fp8"] = "none"
+    """Weight quantization applied at load time."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + completion in tokens (default: the model's own context length)."""
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        if not (v.startswith("builtin://") or v.startswith("/")):
+            raise ValueError(_URI_MESSAGE)
+        return v
+
+
+_TP_MESSAGE = "must be a power of two (1, 2, 4, ... 64)"
+
+
+class EngineSpec(_Model):
+    """Engine settings for every replica."""
+
+    tensor_parallel_size: int = Field(1, ge=1, le=64, json_schema_extra=_cel(
+        f"self in {list(TENSOR_PARALLEL_SIZES)}", _TP_MESSAGE))
+    """GPUs per replica; the model's layers are sharded across them."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences in one batch."""
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    """Most tokens (prefill + decode) in one step."""
+    kv_cache_fraction: float = Field(0.85, gt=0, le=1)
+    """Share of the GPU memory left after loading weights that goes to the KV cache."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes."""
+    image: str = Field(DEFAULT_IMAGE, min_length=1)
+    """Engine container image."""
+    extra_args: list[str] = []
+    """Appended to the `kaon serve` command line."""
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v not in TENSOR_PARALLEL_SIZES:
+            raise ValueError(_TP_MESSAGE)
+        return v
+
+
+_NO_GPU_IN_RESOURCES = (
+    f"!(has(self.requests) && '{GPU_RESOURCE}' in self.requests)"
+    f" && !(has(self.limits) && '{GPU_RESOURCE}' in self.limits)")
+_NO_GPU_MESSAGE = f"{GPU_RESOURCE} comes from engine.tensorParallelSize; do not set it here"
+
+
+class ResourcesSpec(_Model):
+    """CPU and memory (and any other resources) for the engine container; GPUs come from the engine."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(_NO_GPU_IN_RESOURCES, _NO_GPU_MESSAGE))
+
+    requests: dict[str, Quantity] | None = None
+    limits: dict[str, Quantity] | None = None
+
+    @model_validator(mode="after")
+    def _no_gpu(self) -> ResourcesSpec:
+        if GPU_RESOURCE in (self.requests or {}) or GPU_RESOURCE in (self.limits or {}):
+            raise ValueError(_NO_GPU_MESSAGE)
+        return self
+
+
+class SchedulingSpec(_Model):
+    """Where engine pods may run; passed through to the pod spec as written."""
+
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+    affinity: dict[str, Any] | None = None
+
+
+_MIN_LE_MAX = "self.minReplicas <= self.maxReplicas"
+_MIN_LE_MAX_MESSAGE = "minReplicas must be <= maxReplicas"
+_ZERO_NEEDS_IDLE = "self.minReplicas > 0 || has(self.scaleToZeroIdleSeconds)"
+_ZERO_NEEDS_IDLE_MESSAGE = "minReplicas 0 needs scaleToZeroIdleSeconds"
+_IDLE_NEEDS_ZERO = "!has(self.scaleToZeroIdleSeconds) || self.minReplicas == 0"
+_IDLE_NEEDS_ZERO_MESSAGE = "scaleToZeroIdleSeconds needs minReplicas 0"
+
+
+class AutoscalingSpec(_Model):
+    """Scale replicas on queue depth and P99 latency."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _MIN_LE_MAX, "message": _MIN_LE_MAX_MESSAGE},
+        {"rule": _ZERO_NEEDS_IDLE, "message": _ZERO_NEEDS_IDLE_MESSAGE},
+        {"rule": _IDLE_NEEDS_ZERO, "message": _IDLE_NEEDS_ZERO_MESSAGE},
+    ]})
+
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_queue_depth_per_replica: float = Field(4, gt=0)
+    """Waiting requests per replica above which the autoscaler adds replicas."""
+    target_p99_latency_seconds: float | None = Field(None, gt=0)
+    """P99 of `latencyMetric` above which the autoscaler adds replicas (unset: queue depth only)."""
+    latency_metric: Literal["ttft", "e2e"] = "ttft"
+    """Time to first token, or end-to-end request latency."""
+    scale_up_window_seconds: int = Field(30, ge=0)
+    """How long a target must be exceeded before scaling up."""
+    scale_down_stabilization_seconds: int = Field(300, ge=0)
+    """How long the load must stay low before scaling down."""
+    max_step: int = Field(2, ge=1)
+    """Most replicas added or removed by one decision."""
+    scale_to_zero_idle_seconds: int | None = Field(None, ge=1)
+    """With minReplicas 0: idle time (no requests) after which the last replica goes."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(_MIN_LE_MAX_MESSAGE)
+        if self.min_replicas == 0 and self.scale_to_zero_idle_seconds is None:
+            raise ValueError(_ZERO_NEEDS_IDLE_MESSAGE)
+        if self.scale_to_zero_idle_seconds is not None and self.min_replicas != 0:
+            raise ValueError(_IDLE_NEEDS_ZERO_MESSAGE)
+        return self
+
+
+class RoutingSpec(_Model):
+    """How the router picks an engine pod."""
+
+    strategy: Literal["least-connections"] = "least-connections"
+
+
+def _default(model: type[_Model]) -> dict:
+    """The CRD default of an optional object: written out in full, because the apiserver
+    checks a default against the object's CEL rules before its fields' defaults apply."""
+    return {"default": model().model_dump(by_alias=True, exclude_none=True)}
+
+
+class InferenceServiceSpec(_Model):
+    """The desired state of an InferenceService."""
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_default(EngineSpec))
+    resources: ResourcesSpec | None = None
+    scheduling: SchedulingSpec | None = None
+    replicas: int = Field(1, ge=0)
+    """Engine replicas; the autoscaler sets this when autoscaling is enabled (so does `kubectl scale`)."""
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, json_schema_extra=_default(AutoscalingSpec))
+    routing: RoutingSpec = Field(default_factory=RoutingSpec, json_schema_extra=_default(RoutingSpec))
+
+
+class Condition(_Model):
+    """One of Ready, Progressing, Degraded; `reason` is a CamelCase word such as Unschedulable."""
+
+    type: Literal["Ready", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: datetime | None = None
+    observed_generation: int | None = None
+
+
+class ScaleDecision(_Model):
+    """The autoscaler's latest change of spec.replicas."""
+
+    time: datetime
+    from_: int = Field(alias="from")
+    to: int
+    reason: str
+
+
+class ObservedMetrics(_Model):
+    """What the autoscaler last read from the engine pods' /metrics."""
+
+    queue_depth: float | None = None
+    """Waiting requests, summed over replicas."""
+    running_requests: float | None = None
+    p99_latency_seconds: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    time: datetime | None = None
+
+
+class InferenceServiceStatus(_Model):
+    """Written by the operator only (status subresource)."""
+
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    replicas: int = 0
+    ready_replicas: int = 0
+    selector: str | None = None
+    """Label selector of the engine pods (for the scale subresource and HPA)."""
+    last_scale_decision: ScaleDecision | None = None
+    observed_metrics: ObservedMetrics | None = None
+    observed_generation: int | None = None
+    url: str | None = None

@@ -1,0 +1,150 @@
+"""Generate the InferenceService CRD from the pydantic models in api.py.
+
+    python -m kaon_operator.crd            # rewrites crds/inferenceservice.yaml
+    python -m kaon_operator.crd --check    # exits 1 if the file is stale
+
+pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: no
+$ref, no `anyOf` with null (an optional field is simply not required), boolean
+`exclusiveMinimum`, `x-kubernetes-*` markers for free-form objects and
+int-or-string quantities. `openapi()` does that translation.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from kaon_operator import api
+
+CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "inferenceservice.yaml"
+
+_KEEP = ("type", "description", "enum", "format", "minimum", "maximum", "minLength", "maxLength",
+         "pattern", "minItems", "maxItems")
+_NULL = {"type": "null"}
+
+# Names a Service can take (DNS-1035 label): children are named after the InferenceService.
+_NAME_RULE = {"rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 63",
+              "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits, '-'; "
+                         "starting with a letter; at most 63 characters)"}
+
+
+def openapi(schema: dict, defs: dict, *, defaults: bool = True) -> dict:
+    """Translate one pydantic JSON Schema node into a structural OpenAPI v3 node."""
+    if "$ref" in schema:
+        target = defs[schema["$ref"].rsplit("/", 1)[-1]]
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        return openapi({**target, **siblings}, defs, defaults=defaults)
+    if "anyOf" in schema:
+        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        options = [s for s in schema["anyOf"] if s != _NULL]
+        if len(options) == 1:  # Optional[X]: optional by not being required
+            return openapi({**options[0], **rest}, defs, defaults=defaults)
+        if sorted(o.get("type") for o in options) == ["integer", "string"]:
+            node = openapi(rest, defs, defaults=defaults)
+            return {**node, "x-kubernetes-int-or-string": True,
+                    "anyOf": [{"type": "integer"}, {"type": "string"}]}
+        raise ValueError(f"no structural schema for anyOf {schema['anyOf']}")
+
+    node = {k: schema[k] for k in _KEEP if k in schema}
+    if "const" in schema:
+        node["enum"] = [schema["const"]]
+    if "exclusiveMinimum" in schema:
+        node["minimum"], node["exclusiveMinimum"] = schema["exclusiveMinimum"], True
+    kind = schema.get("type")
+    if kind == "object" and "properties" in schema:
+        node["properties"] = {name: openapi(prop, defs, defaults=defaults)
+                              for name, prop in schema["properties"].items()}
+        if schema.get("required"):
+            node["required"] = list(schema["required"])
+    elif kind == "object":
+        extra = schema.get("additionalProperties", True)
+        if extra is True or extra == {}:
+            node["x-kubernetes-preserve-unknown-fields"] = True
+        else:
+            node["additionalProperties"] = openapi(extra, defs, defaults=defaults)
+    elif kind == "array":
+        node["items"] = openapi(schema["items"], defs, defaults=defaults)
+    if defaults and schema.get("default") is not None:
+        node["default"] = schema["default"]
+    for key in ("x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys"):
+        if key in schema:
+            node[key] = schema[key]
+    return node
+
+
+def _schema_of(model: type, *, defaults: bool) -> dict:
+    schema = model.model_json_schema(by_alias=True, ref_template="#/$defs/{model}")
+    return openapi(schema, schema.get("$defs", {}), defaults=defaults)
+
+
+def printer_columns() -> list[dict]:
+    return [
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas",
+         "description": "Engine replicas that are ready"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
+         "description": "Engine replicas wanted"},
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
+        {"name": "Queue", "type": "number", "jsonPath": ".status.observedMetrics.queueDepth",
+         "description": "Waiting requests, all replicas"},
+        {"name": "P99", "type": "number", "jsonPath": ".status.observedMetrics.p99LatencySeconds",
+         "description": "P99 latency in seconds (autoscaling.latencyMetric)"},
+        {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason",
+         "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def build_crd() -> dict:
+    spec = _schema_of(api.InferenceServiceSpec, defaults=True)
+    # Status is written by the operator alone; defaults there would only hide its omissions.
+    status = _schema_of(api.InferenceServiceStatus, defaults=False)
+    root = {"type": "object", "required": ["spec"],
+            "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                           "metadata": {"type": "object"}, "spec": spec, "status": status},
+            "x-kubernetes-validations": [_NAME_RULE]}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": api.KIND, "listKind": f"{api.KIND}List", "plural": api.PLURAL,
+                      "singular": api.KIND.lower(), "shortNames": ["infsvc"], "categories": ["kaon"]},
+            "versions": [{
+                "name": api.VERSION, "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": root},
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
+                "additionalPrinterColumns": printer_columns(),
+            }],
+        },
+    }
+
+
+def render() -> str:
+    header = "# Generated by `python -m kaon_operator.crd` from operator/kaon_operator/api.py. Do not edit.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the file differs from the models")
+    parser.add_argument("--output", type=Path, default=CRD_PATH)
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not args.output.exists() or args.output.read_text() != text:
+            print(f"{args.output} is stale: run python -m kaon_operator.crd", file=sys.stderr)
+            return 1
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Fixtures for tests against a real Kubernetes control plane (see e2e/control_plane.py).
+
+The first run on a fresh machine builds the binaries (e2e/build-control-plane.sh, ~15 min
+on 2 cores); later runs find them cached and start the control plane in seconds.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from e2e.control_plane import ControlPlane, build_binaries
+from kaon_operator.crd import CRD_PATH
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def control_plane():
+    """etcd, kube-apiserver (RBAC), controller-manager, scheduler, KWOK with 4 fake 8-GPU nodes,
+    and the InferenceService CRD (installed before the controller-manager starts, so garbage
+    collection of its children works at once)."""
+    with ControlPlane(build_binaries(), crds=(CRD_PATH,)) as cp:
+        yield cp
+
+
+@pytest.fixture(scope="session")
+def crd(control_plane):
+    """The InferenceService CRD, applied (again: a no-op unless it changed) and Established."""
+    control_plane.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
+    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                          "crd/inferenceservices.kaon.dev")
+    return control_plane
+
+
+@pytest.fixture
+def namespace(control_plane):
+    """A fresh namespace per test, deleted (without waiting) afterwards."""
+    name = f"t{next(_names)}"
+    control_plane.kubectl("create", "namespace", name)
+    yield name
+    control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
