@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test bench clean
+.PHONY: install demo serve test bench bench-serve soak clean
 
 install: $(STAMP)
 
@@ -27,6 +27,14 @@ test: install
 
 bench: install
 	$(PY) bench/throughput.py
+
+# The serving peer (llama.cpp's OpenAI server) compiles from source: minutes on 2 cores.
+bench-serve: install
+	$(PY) -m pip install --quiet "llama-cpp-python[server]"
+	$(PY) bench/serve.py
+
+soak: install
+	$(PY) bench/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
