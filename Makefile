@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test bench bench-serve soak clean
+.PHONY: install control-plane demo serve test bench bench-serve soak clean
 
 install: $(STAMP)
 
@@ -22,7 +22,12 @@ demo: install
 serve: install
 	$(VENV)/bin/kaon serve --model builtin://smollm2-135m-instruct --port 8000
 
-test: install
+# The operator tests run a real Kubernetes control plane built from Go modules; the first
+# build takes ~14 minutes on 2 cores, later calls return at once (cache outside the repo).
+control-plane:
+	bash e2e/build-control-plane.sh >/dev/null
+
+test: install control-plane
 	$(PY) -m pytest -q
 
 bench: install

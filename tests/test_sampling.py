@@ -82,4 +82,4 @@ def test_tiny_temperature_is_greedy_and_huge_values_are_refused():
     with pytest.raises(InvalidRequestError, match="top_k"):
         SamplingParams(top_k=2 ** 63)
     logits = torch.randn(2, 30)
-    assert sample(logits, batch(2, top_k=2 ** 31 - 1)).token_ids  # clamped to the vocabulary
+    assert sample(logits, batch(2, top_k=2 ** 63 - 1)).token_ids  # clamped to the vocabulary

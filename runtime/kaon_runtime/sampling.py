@@ -33,8 +33,8 @@ class SamplingParams:
             self.temperature = 0.0  # dividing logits by less underflows the softmax; it is greedy anyway
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2 ** 31,
-               f"top_k must be in [0, 2^31), got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2 ** 63,
+               f"top_k must be in [0, 2^63), got {self.top_k!r}")
         _check(self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 63),
                f"seed must be a 64-bit integer, got {self.seed!r}")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
