@@ -62,8 +62,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        self._validate_length(len(token_ids), params)
+        token_ids = self.validate(prompt, params)
+        text = prompt if isinstance(prompt, str) else None
         request = _Request(request_id, text, token_ids, params, pending_forks=params.n - 1)
         self._requests[request_id] = request
         self._add_sequence(request, list(token_ids), index=0)
@@ -177,21 +177,21 @@ class LLMEngine:
         Reads only immutable state, so a server can call it from another thread and refuse
         bad input before the request reaches the engine loop.
         """
-        _, token_ids = self._tokenize(prompt)
+        token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
         return token_ids
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise InvalidRequestError("the prompt must be a non-empty string or list of token ids")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, list(prompt)
+        return list(prompt)
 
     def _validate_length(self, num_prompt: int, params: SamplingParams) -> None:
         limit = self.max_model_len
