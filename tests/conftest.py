@@ -1,8 +1,14 @@
 """Shared fixtures: the embedded model, loaded once by kaon and once by HF transformers."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kaon_runtime.loader import resolve_model
 
