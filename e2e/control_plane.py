@@ -125,13 +125,15 @@ class _PKI:
         return self._write("sa.key", self.key_pem(key)), self._write("sa.pub", pub)
 
 
-def _kubeconfig(server: str, ca_pem: bytes, user: str, cert_pem: bytes, key_pem: bytes) -> str:
-    b64 = lambda data: base64.b64encode(data).decode()  # noqa: E731
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _kubeconfig(server: str, ca_pem: bytes, user: str, credentials: dict) -> str:
     return json.dumps({  # JSON is YAML, and kubectl and client libraries read it
         "apiVersion": "v1", "kind": "Config", "current-context": "kaon",
-        "clusters": [{"name": "kaon", "cluster": {"server": server, "certificate-authority-data": b64(ca_pem)}}],
-        "users": [{"name": user, "user": {"client-certificate-data": b64(cert_pem),
-                                         "client-key-data": b64(key_pem)}}],
+        "clusters": [{"name": "kaon", "cluster": {"server": server, "certificate-authority-data": _b64(ca_pem)}}],
+        "users": [{"name": user, "user": credentials}],
         "contexts": [{"name": "kaon", "context": {"cluster": "kaon", "user": user}}],
     }, indent=2)
 
@@ -237,7 +239,17 @@ class ControlPlane:
 
     def _user_kubeconfig(self, user: str, common_name: str, groups: tuple[str, ...]) -> str:
         cert, key = self._pki.issue(user, common_name, groups=groups)
-        return _kubeconfig(self.server, self._pki.ca_path.read_bytes(), user, cert, key)
+        return _kubeconfig(self.server, self._pki.ca_path.read_bytes(), user,
+                           {"client-certificate-data": _b64(cert), "client-key-data": _b64(key)})
+
+    def service_account_kubeconfig(self, namespace: str, name: str) -> Path:
+        """A kubeconfig with a token of the ServiceAccount (what a pod running as it would use)."""
+        token = self.kubectl("create", "token", name, "-n", namespace, "--duration=24h").stdout.strip()
+        path = self.workdir / f"sa-{namespace}-{name}.kubeconfig"
+        path.write_text(_kubeconfig(self.server, self._pki.ca_path.read_bytes(), f"{namespace}-{name}",
+                                    {"token": token}))
+        path.chmod(0o600)
+        return path
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 kubeconfig: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

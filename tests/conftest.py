@@ -41,5 +41,5 @@ def hf_tokenizer(gguf_path):
     return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
-# A real Kubernetes control plane: control_plane, crd, namespace (see conftest_k8s.py).
-from conftest_k8s import control_plane, crd, namespace  # noqa: E402, F401
+# A real Kubernetes control plane and the operator under test (see conftest_k8s.py).
+from conftest_k8s import control_plane, crd, namespace, operator, operator_kubeconfig  # noqa: E402, F401

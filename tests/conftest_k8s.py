@@ -6,11 +6,17 @@ on 2 cores); later runs find them cached and start the control plane in seconds.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
 from e2e.control_plane import ControlPlane, build_binaries
+from e2e.operator_process import OperatorProcess
 from kaon_operator.crd import CRD_PATH
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERING_CRD = ROOT / "crds" / "kopf-peering.yaml"
+OPERATOR_RBAC = ROOT / "deploy" / "operator-rbac.yaml"
 
 _names = itertools.count()
 
@@ -20,7 +26,7 @@ def control_plane():
     """etcd, kube-apiserver (RBAC), controller-manager, scheduler, KWOK with 4 fake 8-GPU nodes,
     and the InferenceService CRD (installed before the controller-manager starts, so garbage
     collection of its children works at once)."""
-    with ControlPlane(build_binaries(), crds=(CRD_PATH,)) as cp:
+    with ControlPlane(build_binaries(), crds=(CRD_PATH, PEERING_CRD)) as cp:
         yield cp
 
 
@@ -40,3 +46,19 @@ def namespace(control_plane):
     control_plane.kubectl("create", "namespace", name)
     yield name
     control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(crd):
+    """Credentials of the operator's own ServiceAccount, bound to deploy/operator-rbac.yaml's
+    ClusterRole and nothing else: a verb missing from that role fails the tests."""
+    crd.kubectl("apply", "-f", str(OPERATOR_RBAC))
+    return crd.service_account_kubeconfig("kaon-system", "kaon-operator")
+
+
+@pytest.fixture(scope="session")
+def operator(crd, operator_kubeconfig):
+    """`python -m kaon_operator` as that ServiceAccount, for the whole session."""
+    proc = OperatorProcess(operator_kubeconfig, crd.workdir / "operator.log").start()
+    yield proc
+    proc.stop()

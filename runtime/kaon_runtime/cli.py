@@ -18,6 +18,11 @@ DEMO_PROMPTS = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["operator"]:  # no torch on this path: the operator image has none
+        from kaon_operator.main import main as operator_main
+
+        return operator_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kaon", description="kaon: serve LLMs on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline for a few prompts")
@@ -48,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--log-level", default="info")
+    sub.add_parser("operator", help="run the InferenceService operator (see `kaon operator --help`)", add_help=False)
     args = parser.parse_args(argv)
     try:
         return _serve(args) if args.command == "serve" else _generate(args)

@@ -1,0 +1,73 @@
+"""The kaon operator as a child process, for tests, benchmarks and the e2e harness.
+
+It runs `python -m kaon_operator` against a kubeconfig (in tests: the least-privilege
+ServiceAccount from deploy/operator-rbac.yaml), logs to a file, and is ready once kopf's
+liveness endpoint answers. kill() is a SIGKILL, to test recovery from a crash.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from e2e.control_plane import _die_with_parent, free_port
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, log_path: Path, *extra_args: str):
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+        self.metrics_port = 0
+
+    def start(self, timeout: float = 60) -> OperatorProcess:
+        liveness, self.metrics_port = free_port(), free_port()
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kaon_operator", "--liveness-port", str(liveness),
+                 "--metrics-port", str(self.metrics_port), *self.extra_args],
+                env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the operator exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"the operator was not live within {timeout}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def log(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,52 @@
+"""Pure decisions about change: what a spec edit means for the children, and whether a
+child was edited by someone other than the operator."""
+from __future__ import annotations
+
+from kaon_operator import api, resources
+from kaon_operator.kube import FIELD_MANAGER
+from kaon_operator.status import EventSpec
+
+_OWNER = resources.Owner(name="x", namespace="x", uid="x")  # only the pod template is compared
+
+
+def _template(spec: api.InferenceServiceSpec) -> dict:
+    return resources.deployment(_OWNER, spec)["spec"]["template"]
+
+
+def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    fields = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            fields += _changed_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            fields.append(f"{prefix}{key}")
+    return fields
+
+
+def describe_spec_change(old: api.InferenceServiceSpec, new: api.InferenceServiceSpec) -> list[EventSpec]:
+    """The Events for an applied spec change: a rollout when the pod template changed,
+    a scale when the replica count did, an update for anything else (autoscaling, routing)."""
+    events = []
+    if _template(old) != _template(new):
+        fields = _changed_fields(old.model_dump(by_alias=True), new.model_dump(by_alias=True))
+        fields = [f for f in fields if f != "replicas"]
+        events.append(EventSpec("Normal", "RollingOut",
+                                f"spec changed ({', '.join(fields)}): rolling out new engine pods"))
+    if old.replicas != new.replicas:
+        events.append(EventSpec("Normal", "Scaled", f"Scaled {old.replicas} → {new.replicas} (spec.replicas)"))
+    if not events and old != new:
+        fields = _changed_fields(old.model_dump(by_alias=True), new.model_dump(by_alias=True))
+        events.append(EventSpec("Normal", "Updated", f"spec changed ({', '.join(fields)}); pods unchanged"))
+    return events
+
+
+def foreign_spec_managers(managed_fields: list[dict] | None) -> list[str]:
+    """Field managers other than the operator that own part of a child's spec.
+
+    Controllers write status through the status subresource and the Deployment
+    controller only annotates metadata, so an entry here means a person or tool
+    edited what the operator renders (kubectl edit, kubectl scale, a CI job...)."""
+    return sorted({entry.get("manager", "?") for entry in managed_fields or []
+                   if entry.get("manager") != FIELD_MANAGER and entry.get("subresource", "") != "status"
+                   and "f:spec" in (entry.get("fieldsV1") or {})})

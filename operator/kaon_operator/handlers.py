@@ -1,0 +1,233 @@
+"""kopf handlers: thin glue between watch events, the pure modules and the API.
+
+- An InferenceService created, changed or found at start-up: render its children and
+  server-side apply them (idempotent), then recompute its status.
+- A child deleted or edited by someone else: apply again, with an Event saying so.
+- A pod or the Deployment changed: recompute status (conditions, replica counts) and
+  post an Event for every condition that flipped (Ready, Degraded with its reason).
+
+Reads come from kopf indexes (in-memory watch caches), so a status update costs one
+PATCH and no GETs. Handlers are sync; kopf runs them in a thread pool, so status
+updates of one InferenceService are serialised by a lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+
+import kopf
+import pydantic
+from prometheus_client import Histogram
+
+from kaon_operator import api, changes, resources, status
+from kaon_operator.kube import Kube
+
+ISVC = (api.GROUP, api.VERSION, api.PLURAL)
+INSTANCE_LABEL = "kaon.dev/inferenceservice"
+ENGINE_CHILD = {INSTANCE_LABEL: kopf.PRESENT, "app.kubernetes.io/component": "engine"}
+CHILD_KINDS = (("apps", "v1", "deployments"), ("", "v1", "services"), ("policy", "v1", "poddisruptionbudgets"))
+
+RECONCILE_SECONDS = Histogram("kaon_operator_reconcile_seconds", "Time to apply one InferenceService's children",
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+STATUS_SECONDS = Histogram("kaon_operator_status_update_seconds", "Time to recompute and write one status",
+                           buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+log = logging.getLogger("kaon.operator")
+
+
+class State:
+    """What the handlers share: the API client, per-object locks, the last status written."""
+
+    def __init__(self, kube: Kube):
+        self.kube = kube
+        self.locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+        self.written: dict[tuple[str, str], dict] = {}
+
+
+def _state(memo: kopf.Memo) -> State:
+    return memo["state"]
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    # Progress lives in annotations: the CRD's status schema has no room for kopf's own fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration")
+    settings.posting.reporting_component = "kaon-operator"
+    settings.execution.max_workers = 16
+    memo.setdefault("state", State(Kube.from_environment()))
+
+
+# Indexes: kopf keeps them current from its watches before any handler runs. ------------------------------------
+
+
+@kopf.index(*ISVC)
+def inference_services(namespace: str, name: str, body: kopf.Body, **_) -> dict:
+    return {(namespace, name): body}
+
+
+@kopf.index("pods", labels=ENGINE_CHILD)
+def engine_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
+    return {(namespace, labels[INSTANCE_LABEL]): status.summarize_pod(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=ENGINE_CHILD)
+def engine_deployments(namespace: str, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
+    return {(namespace, labels[INSTANCE_LABEL]): status.summarize_deployment(body)}
+
+
+def _one(index: kopf.Index, key):
+    return next(iter(index.get(key, ())), None)
+
+
+# The InferenceService itself ----------------------------------------------------------------------------------------
+
+
+def _post(body, events: list[status.EventSpec]) -> None:
+    for event in events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+def _apply_children(state: State, body, spec: api.InferenceServiceSpec) -> list[dict]:
+    meta = body["metadata"]
+    owner = resources.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    with RECONCILE_SECONDS.time():
+        return [state.kube.apply(manifest) for manifest in resources.render(owner, spec)]
+
+
+def _parse(spec) -> api.InferenceServiceSpec | str:
+    try:
+        return api.InferenceServiceSpec.model_validate(dict(spec))
+    except pydantic.ValidationError as exc:
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())
+
+
+@kopf.on.resume(*ISVC)
+@kopf.on.create(*ISVC)
+@kopf.on.update(*ISVC, field="spec")
+def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo: kopf.Memo,
+              engine_pods: kopf.Index, engine_deployments: kopf.Index, **_) -> None:
+    state, key = _state(memo), (namespace, name)
+    spec = _parse(body["spec"])
+    if isinstance(spec, str):
+        with state.locks[key]:
+            _write_status(state, body, key, status.invalid_spec_conditions(spec), [], None, applied=False)
+        return  # nothing to retry: the spec must change first, and that is another event
+    children = _apply_children(state, body, spec)
+    if reason == "create":
+        _post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
+            f"{c['kind']} {c['metadata']['name']}" for c in children))])
+    elif reason == "update":
+        previous = _parse(old) if old else None
+        if isinstance(previous, api.InferenceServiceSpec):
+            _post(body, changes.describe_spec_change(previous, spec))
+    _sync_status(state, body, key, spec, engine_pods, engine_deployments, applied=True)
+
+
+@kopf.on.delete(*ISVC, optional=True)
+def deleted(namespace: str, name: str, memo: kopf.Memo, **_) -> None:
+    # No finalizer (optional=True, and no timers): the garbage collector removes the children
+    # through their owner references even while the operator is down, so deletion never waits for us.
+    state = _state(memo)
+    state.written.pop((namespace, name), None)
+    state.locks.pop((namespace, name), None)
+
+
+# Status -------------------------------------------------------------------------------------------------------------
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def _write_status(state: State, body, key, conditions: list[dict], pods: list[status.PodSummary],
+                  spec: api.InferenceServiceSpec | None, *, applied: bool) -> None:
+    meta = body["metadata"]
+    generation = meta.get("generation", 0)
+    last = state.written.get(key) or dict(body.get("status") or {})
+    old_conditions = last.get("conditions") or []
+    new = {"conditions": status.stamp(conditions, old_conditions, _now(), generation),
+           **status.replica_counts(pods), "selector": resources.selector(meta["name"])}
+    new["observedGeneration"] = generation if applied else last.get("observedGeneration")
+    if spec is not None:
+        new["url"] = resources.service_url(resources.Owner(meta["name"], meta["namespace"], meta["uid"]))
+    if {k: v for k, v in last.items() if k in new} == new:
+        return
+    state.kube.patch_status(meta["namespace"], meta["name"], new)
+    state.written[key] = new
+    _post(body, status.transition_events(new["conditions"], old_conditions))
+
+
+def _sync_status(state: State, body, key, spec: api.InferenceServiceSpec, engine_pods: kopf.Index,
+                 engine_deployments: kopf.Index, *, applied: bool | None = None) -> None:
+    start = time.perf_counter()
+    with state.locks[key]:
+        if applied is None:  # not reconciling now: was the current generation applied before?
+            last = state.written.get(key) or body.get("status") or {}
+            applied = last.get("observedGeneration") == body["metadata"].get("generation")
+        deployment = _one(engine_deployments, key)
+        pods = list(engine_pods.get(key, ()))
+        conditions = status.conditions(deployment=deployment, pods=pods, desired=spec.replicas,
+                                       gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied)
+        _write_status(state, body, key, conditions, pods, spec, applied=applied)
+    STATUS_SECONDS.observe(time.perf_counter() - start)
+
+
+def _resync(memo: kopf.Memo, key, inference_services: kopf.Index, engine_pods: kopf.Index,
+            engine_deployments: kopf.Index) -> None:
+    body = _one(inference_services, key)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    spec = _parse(body["spec"])
+    if isinstance(spec, api.InferenceServiceSpec):
+        _sync_status(_state(memo), body, key, spec, engine_pods, engine_deployments)
+
+
+@kopf.on.event("pods", labels=ENGINE_CHILD)
+@kopf.on.event("apps", "v1", "deployments", labels=ENGINE_CHILD)
+def child_status_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, inference_services: kopf.Index,
+                         engine_pods: kopf.Index, engine_deployments: kopf.Index, **_) -> None:
+    _resync(memo, (namespace, labels[INSTANCE_LABEL]), inference_services, engine_pods, engine_deployments)
+
+
+# Drift of the children ------------------------------------------------------------------------------------------------
+
+
+def _repair(memo: kopf.Memo, namespace: str, owner_name: str, child: kopf.Body, why: str) -> None:
+    state = _state(memo)
+    body = state.kube.get_inference_service(namespace, owner_name)  # authoritative: is the owner going away?
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    if not any(ref.get("uid") == body["metadata"]["uid"] for ref in child["metadata"].get("ownerReferences", [])):
+        return  # labelled like ours but not owned by this InferenceService: not ours to touch
+    spec = _parse(body["spec"])
+    if isinstance(spec, str):
+        return
+    before = child["metadata"].get("resourceVersion")
+    applied = _apply_children(state, body, spec)
+    after = next((c["metadata"]["resourceVersion"] for c in applied
+                  if c["kind"] == child["kind"] and c["metadata"]["name"] == child["metadata"]["name"]), before)
+    if after != before:
+        _post(body, [status.EventSpec("Warning", "Repaired", f"{child['kind']} {child['metadata']['name']} {why}")])
+
+
+def _on_child_event(event: dict, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo) -> None:
+    owner_name = labels[INSTANCE_LABEL]
+    if event.get("type") == "DELETED":
+        _repair(memo, namespace, owner_name, body, "was deleted; recreated it")
+        return
+    editors = changes.foreign_spec_managers(body["metadata"].get("managedFields"))
+    if editors and not body["metadata"].get("deletionTimestamp"):
+        _repair(memo, namespace, owner_name, body, f"was edited by {', '.join(editors)}; put it back")
+
+
+def _register_drift_handlers() -> None:
+    for group, version, plural in CHILD_KINDS:
+        kopf.on.event(group, version, plural, labels=ENGINE_CHILD, id=f"drift-{plural}")(
+            lambda event, body, namespace, labels, memo, **_: _on_child_event(event, body, namespace, labels, memo))
+
+
+_register_drift_handlers()

@@ -1,0 +1,35 @@
+"""`kaon operator`: run the InferenceService operator (kopf) against the current cluster."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+from prometheus_client import start_http_server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kaon operator", description="run the kaon InferenceService operator")
+    parser.add_argument("--namespace", action="append", default=[],
+                        help="watch only this namespace (repeatable; default: all namespaces)")
+    parser.add_argument("--peering", metavar="NAME",
+                        help="coordinate with other replicas through this ClusterKopfPeering "
+                             "(default: standalone, for a single replica)")
+    parser.add_argument("--priority", type=int, default=0, help="peering priority: the highest one runs")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
+    parser.add_argument("--liveness-port", type=int, default=0, help="serve kopf's /healthz here (0: off)")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+
+    kopf.configure(verbose=args.verbose, log_prefix=True)
+    if not args.verbose:  # a line per handled event and per health check drowns what matters
+        for name in ("kopf.objects", "aiohttp.access", "kubernetes"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    import kaon_operator.handlers  # noqa: F401  (registers the handlers)
+
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    kopf.run(clusterwide=not args.namespace, namespaces=args.namespace,
+             standalone=args.peering is None, peering_name=args.peering, priority=args.priority,
+             liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
+    return 0

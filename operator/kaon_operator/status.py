@@ -1,0 +1,171 @@
+"""Pure functions from what the cluster shows to an InferenceService's status and Events.
+
+The handlers feed in summaries of the Deployment and its pods (taken from watch caches)
+and the conditions last written; out come the new status and the Events an admin should
+see for each condition that changed. No I/O here, so every rule is testable in microseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+# Container waiting reasons that mean the pod will not become ready on its own.
+STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                 "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+
+
+@dataclass(frozen=True, slots=True)
+class PodSummary:
+    name: str
+    ready: bool = False
+    terminating: bool = False
+    unschedulable: str | None = None
+    """The scheduler's message while the pod cannot be placed."""
+    stuck: tuple[str, str] | None = None
+    """(reason, message) of a container that will not start, e.g. CrashLoopBackOff."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSummary:
+    generation: int
+    observed_generation: int
+    replicas: int
+    """Desired replicas (the Deployment's spec)."""
+    updated: int
+    ready: int
+    available: int
+    progress_deadline_exceeded: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EventSpec:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(slots=True)
+class StatusUpdate:
+    status: dict
+    events: list[EventSpec] = field(default_factory=list)
+
+
+def summarize_pod(pod: dict) -> PodSummary:
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    scheduled = conditions.get("PodScheduled", {})
+    unschedulable = None
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        unschedulable = scheduled.get("message") or "no node fits the pod"
+    stuck = None
+    for container in status.get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_REASONS:
+            stuck = (waiting["reason"], f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}")
+            break
+    return PodSummary(name=meta.get("name", ""), ready=conditions.get("Ready", {}).get("status") == "True",
+                      terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck)
+
+
+def summarize_deployment(deployment: dict) -> DeploymentSummary:
+    status = deployment.get("status") or {}
+    deadline = any(c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+                   for c in status.get("conditions") or [])
+    return DeploymentSummary(
+        generation=deployment.get("metadata", {}).get("generation", 0),
+        observed_generation=status.get("observedGeneration", 0),
+        replicas=(deployment.get("spec") or {}).get("replicas", 1),
+        updated=status.get("updatedReplicas", 0), ready=status.get("readyReplicas", 0),
+        available=status.get("availableReplicas", 0), progress_deadline_exceeded=deadline)
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str) -> dict:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus_per_pod: int) -> dict:
+    live = [p for p in pods if not p.terminating]
+    pending = [p for p in live if p.unschedulable]
+    if pending:
+        return _condition("Degraded", True, "Unschedulable",
+                          f"{len(pending)} pod(s) need {gpus_per_pod} nvidia.com/gpu each and cannot be placed: "
+                          f"{pending[0].unschedulable}")
+    stuck = [p for p in live if p.stuck]
+    if stuck:
+        reason, message = stuck[0].stuck
+        return _condition("Degraded", True, reason, f"{len(stuck)} pod(s) failing; {stuck[0].name}: {message}")
+    if deployment and deployment.progress_deadline_exceeded:
+        return _condition("Degraded", True, "ProgressDeadlineExceeded",
+                          "the rollout made no progress within its deadline")
+    return _condition("Degraded", False, "AsExpected", "")
+
+
+def _ready(pods: list[PodSummary], desired: int) -> dict:
+    if desired == 0:
+        return _condition("Ready", False, "ScaledToZero", "0 replicas requested")
+    ready = sum(p.ready and not p.terminating for p in pods)
+    if ready >= desired:
+        return _condition("Ready", True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
+    return _condition("Ready", False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
+
+
+def _progressing(deployment: DeploymentSummary | None, generation_applied: bool, desired: int) -> dict:
+    if deployment is None or not generation_applied:
+        return _condition("Progressing", True, "Reconciling", "applying the spec to the Deployment")
+    if deployment.observed_generation < deployment.generation:
+        return _condition("Progressing", True, "RollingOut", "the Deployment controller has not seen the change yet")
+    if deployment.updated < desired or deployment.ready < desired:
+        return _condition("Progressing", True, "RollingOut",
+                          f"{deployment.updated}/{desired} replicas updated, {deployment.ready}/{desired} ready")
+    if deployment.ready > desired:
+        return _condition("Progressing", True, "ScalingDown", f"{deployment.ready} ready, {desired} wanted")
+    return _condition("Progressing", False, "RolloutComplete", f"{desired} replicas up to date")
+
+
+def conditions(*, deployment: DeploymentSummary | None, pods: list[PodSummary], desired: int,
+               gpus_per_pod: int, generation_applied: bool) -> list[dict]:
+    """Ready, Progressing and Degraded (without timestamps) for the current state."""
+    return [_ready(pods, desired), _progressing(deployment, generation_applied, desired),
+            _degraded(deployment, pods, gpus_per_pod)]
+
+
+def invalid_spec_conditions(message: str) -> list[dict]:
+    return [_condition("Ready", False, "InvalidSpec", message),
+            _condition("Progressing", False, "InvalidSpec", message),
+            _condition("Degraded", True, "InvalidSpec", message)]
+
+
+def stamp(new: list[dict], old: list[dict], now: datetime, generation: int) -> list[dict]:
+    """Carry lastTransitionTime over when a condition's status did not change."""
+    before = {c["type"]: c for c in old}
+    out = []
+    for cond in new:
+        prev = before.get(cond["type"])
+        changed = prev is None or prev.get("status") != cond["status"]
+        when = now.isoformat().replace("+00:00", "Z") if changed else prev.get("lastTransitionTime")
+        out.append({**cond, "lastTransitionTime": when, "observedGeneration": generation})
+    return out
+
+
+def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:
+    """The Events an admin wants when a condition changes: became ready, degraded, recovered."""
+    before = {c["type"]: c for c in old}
+    events = []
+    for cond in new:
+        prev = before.get(cond["type"], {})
+        flipped = prev.get("status") != cond["status"]
+        new_reason = prev.get("reason") != cond["reason"]
+        if cond["type"] == "Ready" and cond["status"] == "True" and flipped:
+            events.append(EventSpec("Normal", "Ready", cond["message"]))
+        elif cond["type"] == "Ready" and cond["status"] == "False" and prev.get("status") == "True":
+            events.append(EventSpec("Warning", "NotReady", f"{cond['reason']}: {cond['message']}"))
+        elif cond["type"] == "Degraded" and cond["status"] == "True" and (flipped or new_reason):
+            events.append(EventSpec("Warning", cond["reason"], cond["message"]))
+        elif cond["type"] == "Degraded" and cond["status"] == "False" and prev.get("status") == "True":
+            events.append(EventSpec("Normal", "Recovered", f"no longer degraded ({prev.get('reason')})"))
+    return events
+
+
+def replica_counts(pods: list[PodSummary]) -> dict:
+    live = [p for p in pods if not p.terminating]
+    return {"replicas": len(live), "readyReplicas": sum(p.ready for p in live)}
