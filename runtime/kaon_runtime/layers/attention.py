@@ -71,14 +71,52 @@ class TorchAttentionBackend:
         return self._workspace[0][:size], self._workspace[1][:size]
 
 
-_BACKENDS = {"torch": TorchAttentionBackend}
+class TritonAttentionBackend:
+    """Triton kernels read the context straight from the pool's blocks: no gathered copies."""
+
+    name = "triton"
+
+    def __init__(self):
+        # Imported on use: CPU-only torch builds ship without Triton, and the torch backend must not need it.
+        from kaon_runtime.kernels import kv_cache, paged_attention
+        self._write_kv_cache = kv_cache.write_kv_cache
+        self._kernels = paged_attention
+        self._packed: tuple[AttentionMetadata, tuple] | None = None
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        n = meta.num_decode_tokens
+        if n:
+            self._kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_context_lens, scale, out[:n])
+        if meta.prefills:
+            self._kernels.prefill_attention(q, k_cache, v_cache, *self._packed_prefills(meta), scale, out)
+        return out
+
+    def _packed_prefills(self, meta: AttentionMetadata) -> tuple:
+        """The chunks as kernel arguments; built once per step, since every layer gets the same metadata."""
+        if self._packed is None or self._packed[0] is not meta:
+            chunks = meta.prefills
+            tables = nn.utils.rnn.pad_sequence([c.block_table for c in chunks], batch_first=True)
+            starts, lens, context_lens = torch.tensor(
+                [[c.query_start for c in chunks], [c.query_len for c in chunks], [c.context_len for c in chunks]],
+                dtype=torch.long, device=tables.device)
+            self._packed = meta, (tables, starts, lens, context_lens, max(c.query_len for c in chunks))
+        return self._packed[1]
+
+
+_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
 
 
 def select_backend(device: torch.device):
-    """KAON_ATTENTION_BACKEND overrides; the Triton kernels join this table in their own change."""
-    name = os.environ.get("KAON_ATTENTION_BACKEND", "torch")
+    """KAON_ATTENTION_BACKEND overrides; otherwise Triton on CUDA devices and torch elsewhere."""
+    name = os.environ.get("KAON_ATTENTION_BACKEND", "triton" if device.type == "cuda" else "torch")
     if name not in _BACKENDS:
         raise ValueError(f"unknown KAON_ATTENTION_BACKEND {name!r}; available: {sorted(_BACKENDS)}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") == "0":
+        raise ValueError("the triton attention backend needs a CUDA device, or TRITON_INTERPRET=1 to run its "
+                         "kernels in Triton's interpreter")
     return _BACKENDS[name]()
 
 

@@ -1,0 +1,229 @@
+"""Triton paged attention over the head-major cache: prefill chunks and split-KV decode.
+
+References: paged_attention_ref.prefill_attention_ref and decode_attention_ref. Both kernels
+read every key, the step's own included, from the cache, so the step's K/V must be written
+first (kv_cache.write_kv_cache). Softmax is online (running max and sum, base 2) in float32.
+
+Prefill: one program per (block of BLOCK_M query rows, chunk, query head); chunks have
+different lengths, so programs past a chunk's end return at once. Decode: one program per
+(sequence, kv head, partition of the context); the query heads sharing the kv head are the
+rows of one tile, so each key is read once per group. When the batch alone cannot fill the
+GPU, long contexts are cut into partitions whose partial results a second kernel merges.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_M = 64  # prefill query rows per program
+_BLOCK_N = 64  # keys per inner-loop step
+_MIN_DOT = 16  # tl.dot wants every dimension >= 16; decode pads its head group up to it
+_MIN_PARTITION = 256  # a shorter partition saves less than the merge costs
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(q, query_pos, k_base, v_base, table_ptr, start, end, qk_scale, m_i, l_i, acc,
+            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Fold keys [start, end) into the running (max, sum, output) of the rows of q.
+
+    Row r only sees keys at positions <= query_pos[r]. Callers make sure the first tile
+    gives every row a visible key, so a row's max is never -inf after it.
+    """
+    dims = tl.arange(0, BLOCK_D)
+    for tile in range(start, end, BLOCK_N):
+        keys = tile + tl.arange(0, BLOCK_N)
+        in_range = keys < end
+        blocks = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
+        rows = blocks * (BLOCK_SIZE * HEAD_DIM) + (keys % BLOCK_SIZE) * HEAD_DIM
+        mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_base + rows[:, None] + dims[None, :], mask=mask, other=0.0)
+        v = tl.load(v_base + rows[:, None] + dims[None, :], mask=mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = in_range[None, :] & (keys[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_starts_ptr, query_lens_ptr,
+                    context_lens_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_table,
+                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    q_block, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + chunk)
+    if q_block * BLOCK_M >= query_len:
+        return
+    query_start = tl.load(query_starts_ptr + chunk)
+    context_len = tl.load(context_lens_ptr + chunk)
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < query_len) & (dims[None, :] < HEAD_DIM)
+    tokens = (query_start + rows)[:, None]
+    q = tl.load(q_ptr + tokens * stride_qt + head * stride_qh + dims[None, :], mask=mask, other=0.0)
+    # The chunk holds the last query_len positions of its context (bottom-right causal alignment).
+    first_pos = context_len - query_len
+    query_pos = first_pos + rows
+    end = tl.minimum(context_len, first_pos + (q_block + 1) * BLOCK_M)  # nothing later is visible
+    kv_offset = (head // GROUP).to(tl.int64) * stride_ch
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
+                            tables_ptr + chunk * stride_table, 0, end, qk_scale, m_i, l_i, acc,
+                            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tokens * stride_ot + head * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr, qk_scale,
+                   partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_op, stride_lt, stride_lh,
+                   stride_ch, stride_table,
+                   GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = part * partition_size
+    if start >= context_len:  # this sequence is shorter than the batch's longest
+        return
+    end = tl.minimum(context_len, start + partition_size)
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + group
+    dims = tl.arange(0, BLOCK_D)
+    mask = (group[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
+    query_pos = context_len - 1 + tl.zeros([BLOCK_G], tl.int64)  # the newest token sees its whole context
+    kv_offset = kv_head.to(tl.int64) * stride_ch
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
+                            tables_ptr + seq * stride_table, start, end, qk_scale, m_i, l_i, acc,
+                            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+    out = acc / l_i[:, None]
+    out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    if SPLIT:
+        # Partial output of this partition plus its log-sum-exp (base 2) for the merge.
+        tl.store(out_rows + part * stride_op, out, mask=mask)
+        tl.store(lse_ptr + seq * stride_lt + heads * stride_lh + part, m_i + tl.log2(l_i), mask=group < GROUP)
+    else:
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, partition_size, num_heads, max_parts,
+                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    parts = tl.arange(0, BLOCK_P)
+    used = parts < tl.cdiv(context_len, partition_size)  # the decode kernel skipped the rest
+    row = (seq * num_heads + head) * max_parts
+    lse = tl.load(lse_ptr + row + parts, mask=used, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    dims = tl.arange(0, BLOCK_D)
+    partial = tl.load(partial_ptr + (row + parts)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                      max_query_len: int, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of P prefill chunks over their cached contexts, written into `out`.
+
+    query and out [T, H, D] are the whole flattened batch; chunk i owns rows
+    query_starts[i] .. + query_lens[i], the last query_lens[i] positions of a context of
+    context_lens[i] tokens held in the blocks of block_tables[i] ([P, M], padded).
+    """
+    _check_common(query, k_cache, v_cache, out)
+    chunks = block_tables.shape[0]
+    assert query_starts.shape == query_lens.shape == context_lens.shape == (chunks,)
+    assert query_starts.is_contiguous() and query_lens.is_contiguous() and context_lens.is_contiguous()
+    assert block_tables.stride(1) == 1, "block table rows must be contiguous"
+    if chunks == 0:
+        return
+    heads, dim = query.shape[1], query.shape[2]
+    grid = (triton.cdiv(max_query_len, _BLOCK_M), chunks, heads)
+    _prefill_kernel[grid](
+        query, out, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), block_tables.stride(0),
+        GROUP=heads // k_cache.shape[0], BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype))
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                     partition_size: int | None = None) -> None:
+    """One query token per sequence against its whole cached context, written into `out`.
+
+    query and out [S, H, D]; block_tables [S, M] (padding never read); context_lens [S].
+    partition_size: keys per program; None picks it so that the grid fills the GPU, and
+    a size below the longest context (M * block_size) splits the work and merges.
+    """
+    _check_common(query, k_cache, v_cache, out)
+    seqs, heads, dim = query.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    assert block_tables.shape[0] == seqs and context_lens.shape == (seqs,) and context_lens.is_contiguous()
+    assert block_tables.stride(1) == 1, "block table rows must be contiguous"
+    if seqs == 0:
+        return
+    max_len = block_tables.shape[1] * block_size  # from the shape: no device sync to learn the longest context
+    if partition_size is None:
+        partition_size = _auto_partition(seqs * kv_heads, max_len, query.device)
+    assert partition_size > 0
+    num_parts = triton.cdiv(max_len, partition_size)
+    group = heads // kv_heads
+    meta = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
+                BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype))
+    common = (k_cache, v_cache, block_tables, context_lens, scale * _LOG2E, partition_size,
+              query.stride(0), query.stride(1))
+    if num_parts == 1:
+        _decode_kernel[(seqs, kv_heads, 1)](
+            query, out, out, *common, out.stride(0), out.stride(1), 0, 0, 0, k_cache.stride(0), block_tables.stride(0),
+            SPLIT=False, **meta)
+        return
+    partial = torch.empty(seqs, heads, num_parts, dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(seqs, heads, num_parts, dtype=torch.float32, device=query.device)
+    _decode_kernel[(seqs, kv_heads, num_parts)](
+        query, partial, lse, *common, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        lse.stride(1), k_cache.stride(0), block_tables.stride(0), SPLIT=True, **meta)
+    _merge_kernel[(seqs, heads)](
+        partial, lse, out, context_lens, partition_size, heads, num_parts, out.stride(0), out.stride(1),
+        HEAD_DIM=dim, BLOCK_P=triton.next_power_of_2(num_parts), BLOCK_D=triton.next_power_of_2(dim))
+
+
+def _check_common(query, k_cache, v_cache, out) -> None:
+    assert query.dim() == 3 and out.shape == query.shape, "query and out are [tokens, heads, head_dim]"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches are [kv_heads, blocks, block_size, head_dim]"
+    assert query.dtype == out.dtype == k_cache.dtype == v_cache.dtype and query.dtype in _DTYPES
+    assert query.shape[2] == k_cache.shape[3] >= _MIN_DOT, "head_dim must match the cache and be >= 16"
+    assert query.shape[1] % k_cache.shape[0] == 0, "query heads must be a multiple of kv heads"
+    assert query.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 models expect float32 products, not TF32's 10-bit mantissa; half types ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _auto_partition(programs: int, max_len: int, device: torch.device) -> int:
+    """Keys per decode program: split contexts until there are about two programs per SM."""
+    if device.type != "cuda":
+        return max_len  # the interpreter runs programs one by one: splitting only adds work
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = triton.cdiv(target, programs)
+    return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_len, splits)))
