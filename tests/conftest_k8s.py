@@ -56,9 +56,10 @@ def operator_kubeconfig(crd):
     return crd.service_account_kubeconfig("kaon-system", "kaon-operator")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(crd, operator_kubeconfig):
-    """`python -m kaon_operator` as that ServiceAccount, for the whole session."""
+    """`python -m kaon_operator` as that ServiceAccount, for one test module (the CRD tests
+    write statuses by hand and must not meet a running operator)."""
     proc = OperatorProcess(operator_kubeconfig, crd.workdir / "operator.log").start()
     yield proc
     proc.stop()

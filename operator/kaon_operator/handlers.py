@@ -23,7 +23,7 @@ import pydantic
 from prometheus_client import Histogram
 
 from kaon_operator import api, changes, resources, status
-from kaon_operator.kube import Kube
+from kaon_operator.kube import Kube, NamespaceTerminating
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
 INSTANCE_LABEL = "kaon.dev/inferenceservice"
@@ -116,7 +116,10 @@ def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo
         with state.locks[key]:
             _write_status(state, body, key, status.invalid_spec_conditions(spec), [], None, applied=False)
         return  # nothing to retry: the spec must change first, and that is another event
-    children = _apply_children(state, body, spec)
+    try:
+        children = _apply_children(state, body, spec)
+    except NamespaceTerminating:
+        return  # the InferenceService goes with its namespace
     if reason == "create":
         _post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])
@@ -207,7 +210,10 @@ def _repair(memo: kopf.Memo, namespace: str, owner_name: str, child: kopf.Body, 
     if isinstance(spec, str):
         return
     before = child["metadata"].get("resourceVersion")
-    applied = _apply_children(state, body, spec)
+    try:
+        applied = _apply_children(state, body, spec)
+    except NamespaceTerminating:
+        return
     after = next((c["metadata"]["resourceVersion"] for c in applied
                   if c["kind"] == child["kind"] and c["metadata"]["name"] == child["metadata"]["name"]), before)
     if after != before:

@@ -14,6 +14,10 @@ from kaon_operator import api
 FIELD_MANAGER = "kaon-operator"
 
 
+class NamespaceTerminating(Exception):
+    """The namespace is being deleted: nothing new can be created there, nor needs to be."""
+
+
 class Kube:
     def __init__(self, client: kubernetes.client.ApiClient):
         self.dynamic = DynamicClient(client)
@@ -32,9 +36,14 @@ class Kube:
 
     def apply(self, manifest: dict) -> dict:
         resource = self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
-        return self.dynamic.server_side_apply(
-            resource, body=manifest, namespace=manifest["metadata"]["namespace"],
-            field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
+        try:
+            return self.dynamic.server_side_apply(
+                resource, body=manifest, namespace=manifest["metadata"]["namespace"],
+                field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
+        except ApiException as exc:
+            if exc.status == 403 and "NamespaceTerminating" in (exc.body or ""):
+                raise NamespaceTerminating(manifest["metadata"]["namespace"]) from None
+            raise
 
     def get_inference_service(self, namespace: str, name: str) -> dict | None:
         try:

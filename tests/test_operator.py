@@ -1,0 +1,227 @@
+"""The operator against a real control plane, running as its least-privilege ServiceAccount.
+
+KWOK plays the kubelet: engine pods go Running and Ready at once, or fail the way a
+kubelet would report (CrashLoopBackOff, ImagePullBackOff) when their image says so
+(e2e/kwok-stages.yaml). Everything else (apiserver validation, garbage collection,
+the Deployment controller, the scheduler) is the real thing.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kaon_operator import api
+
+MODEL = {"uri": "builtin://smollm2-135m-instruct"}
+
+
+def isvc(name: str, **spec) -> str:
+    return json.dumps({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name},
+                       "spec": {"model": MODEL, **spec}})
+
+
+def wait_for(what: str, check, timeout: float = 30.0, interval: float = 0.3):
+    """Poll `check` until it returns something truthy; fail with `what` and the last value."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
+
+
+class Cluster:
+    """kubectl as admin in one namespace, with the reads these tests repeat."""
+
+    def __init__(self, cp, namespace: str):
+        self.cp, self.ns = cp, namespace
+
+    def kubectl(self, *args: str, **kw):
+        return self.cp.kubectl("-n", self.ns, *args, **kw)
+
+    def get(self, kind: str, name: str | None = None, selector: str | None = None) -> dict | list | None:
+        args = ["get", kind] + ([name] if name else []) + (["-l", selector] if selector else [])
+        res = self.kubectl(*args, "-o", "json", check=False)
+        if res.returncode != 0:
+            return None
+        data = json.loads(res.stdout)
+        return data["items"] if "items" in data else data
+
+    def condition(self, name: str, type_: str) -> dict:
+        status = (self.get("infsvc", name) or {}).get("status") or {}
+        return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
+
+    def ready(self, name: str) -> bool:
+        return self.condition(name, "Ready").get("status") == "True"
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        items = self.get("events") or []
+        return [(e["type"], e["reason"], e["message"]) for e in items
+                if e["involvedObject"]["kind"] == api.KIND and e["involvedObject"]["name"] == name]
+
+    def pods(self, name: str) -> list[dict]:
+        return self.get("pods", selector=f"kaon.dev/inferenceservice={name}") or []
+
+    def running_pods(self, name: str) -> list[dict]:
+        return [p for p in self.pods(name)
+                if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
+
+@pytest.fixture
+def cluster(operator, crd, namespace) -> Cluster:
+    return Cluster(crd, namespace)
+
+
+def test_apply_creates_children_and_becomes_ready(cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("smol", replicas=2))
+    wait_for("Ready", lambda: cluster.ready("smol"))
+
+    uid = cluster.get("infsvc", "smol")["metadata"]["uid"]
+    for kind in ("deployment", "service", "poddisruptionbudget"):
+        child = cluster.get(kind, "smol")
+        assert child is not None, kind
+        assert child["metadata"]["labels"]["app.kubernetes.io/instance"] == "smol"
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid
+    pods = cluster.running_pods("smol")
+    assert len(pods) == 2 and all(p["status"]["podIP"].startswith("127.1.") for p in pods)
+    assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+    status = cluster.get("infsvc", "smol")["status"]
+    assert status["readyReplicas"] == 2 and status["replicas"] == 2
+    assert status["observedGeneration"] == 1
+    assert status["url"] == f"http://smol.{cluster.ns}.svc:80"
+    assert cluster.condition("smol", "Degraded")["status"] == "False"
+
+    table = cluster.kubectl("get", "infsvc", "smol").stdout.splitlines()
+    assert table[0].split()[:4] == ["NAME", "READY", "DESIRED", "MODEL"]
+    assert table[1].split()[:4] == ["smol", "2", "2", MODEL["uri"]]
+    described = cluster.kubectl("describe", "infsvc", "smol").stdout
+    assert "Created" in described and "created Deployment smol, Service smol, PodDisruptionBudget smol" in described
+    assert "2/2 replicas ready" in described and "kaon-operator" in described
+
+
+def test_spec_change_rolls_out_and_scale_changes_replicas(cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("roll"))
+    wait_for("Ready", lambda: cluster.ready("roll"))
+    old_pod = cluster.running_pods("roll")[0]["metadata"]["name"]
+
+    cluster.kubectl("patch", "infsvc", "roll", "--type=merge", "-p",
+                    json.dumps({"spec": {"engine": {"image": "example.com/kaon:next"}}}))
+    wait_for("the new pod to replace the old one", lambda: [
+        p for p in cluster.running_pods("roll")] and all(
+        p["spec"]["containers"][0]["image"] == "example.com/kaon:next" for p in cluster.running_pods("roll")))
+    assert old_pod not in [p["metadata"]["name"] for p in cluster.running_pods("roll")]
+    assert any(r == "RollingOut" and "engine.image" in m for _, r, m in cluster.events("roll"))
+    wait_for("observedGeneration 2", lambda: cluster.get("infsvc", "roll")["status"].get("observedGeneration") == 2)
+
+    cluster.kubectl("scale", "infsvc", "roll", "--replicas=3")
+    wait_for("3 ready replicas", lambda: cluster.get("infsvc", "roll")["status"].get("readyReplicas") == 3)
+    assert cluster.get("deployment", "roll")["spec"]["replicas"] == 3
+    assert ("Normal", "Scaled", "Scaled 1 → 3 (spec.replicas)") in cluster.events("roll")
+    assert cluster.ready("roll")
+
+
+def test_deleting_the_inference_service_removes_every_child(cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("gone", replicas=2))
+    wait_for("Ready", lambda: cluster.ready("gone"))
+    cluster.kubectl("delete", "infsvc", "gone", "--wait=true", "--timeout=30s")
+    for kind in ("deployment", "service", "poddisruptionbudget", "replicaset"):
+        wait_for(f"the {kind} to be collected", lambda: not cluster.get(kind, selector="kaon.dev/inferenceservice=gone"))
+    wait_for("the pods to go", lambda: not cluster.pods("gone"))
+
+
+@pytest.mark.parametrize("kind", ["deployment", "service", "poddisruptionbudget"])
+def test_a_child_deleted_by_hand_is_recreated(cluster, kind):
+    cluster.kubectl("apply", "-f", "-", input=isvc("keep"))
+    wait_for("Ready", lambda: cluster.ready("keep"))
+    before = cluster.get(kind, "keep")["metadata"]["uid"]
+    cluster.kubectl("delete", kind, "keep", "--wait=true")
+    after = wait_for(f"the {kind} to come back", lambda: (cluster.get(kind, "keep") or {}).get("metadata"))
+    assert after["uid"] != before
+    assert any(r == "Repaired" and "was deleted; recreated it" in m for _, r, m in cluster.events("keep"))
+    wait_for("Ready again", lambda: cluster.ready("keep"))
+
+
+def test_an_edited_child_is_put_back(cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("edit", replicas=2))
+    wait_for("Ready", lambda: cluster.ready("edit"))
+    cluster.kubectl("scale", "deployment", "edit", "--replicas=5")
+    cluster.kubectl("set", "image", "deployment/edit", "engine=example.com/hacked:1")
+
+    def restored():
+        spec = cluster.get("deployment", "edit")["spec"]
+        return spec["replicas"] == 2 and spec["template"]["spec"]["containers"][0]["image"] == api.DEFAULT_IMAGE
+    wait_for("the Deployment to be put back", restored)
+    assert any(r == "Repaired" and "was edited by" in m for _, r, m in cluster.events("edit"))
+    wait_for("2 running pods on the right image", lambda: len(cluster.running_pods("edit")) == 2 and all(
+        p["spec"]["containers"][0]["image"] == api.DEFAULT_IMAGE for p in cluster.running_pods("edit")))
+
+
+def test_more_gpus_than_any_node_has_is_degraded_unschedulable(cluster):
+    start = time.monotonic()
+    cluster.kubectl("apply", "-f", "-", input=isvc("huge", engine={"tensorParallelSize": 16}))
+    degraded = wait_for("Degraded", lambda: cluster.condition("huge", "Degraded").get("status") == "True"
+                        and cluster.condition("huge", "Degraded"), timeout=20)
+    assert time.monotonic() - start < 20
+    assert degraded["reason"] == "Unschedulable"
+    assert "16 nvidia.com/gpu" in degraded["message"] and "Insufficient nvidia.com/gpu" in degraded["message"]
+    assert cluster.condition("huge", "Ready")["status"] == "False"
+    assert all(p["status"]["phase"] == "Pending" for p in cluster.pods("huge"))
+    warnings = [(r, m) for t, r, m in cluster.events("huge") if t == "Warning"]
+    assert warnings and warnings[0][0] == "Unschedulable"
+
+    # Recovery: a size that fits gets scheduled, and the condition and an Event say so.
+    cluster.kubectl("patch", "infsvc", "huge", "--type=merge", "-p",
+                    json.dumps({"spec": {"engine": {"tensorParallelSize": 8}}}))
+    wait_for("Ready", lambda: cluster.ready("huge"), timeout=40)
+    wait_for("not Degraded", lambda: cluster.condition("huge", "Degraded").get("status") == "False")
+    assert any(r == "Recovered" for _, r, _m in cluster.events("huge"))
+
+
+@pytest.mark.parametrize("image, reason", [("kwok-fail/crashloop:1", "CrashLoopBackOff"),
+                                           ("kwok-fail/image-pull:1", "ImagePullBackOff")])
+def test_failing_pods_make_it_degraded_with_the_kubelet_reason(cluster, image, reason):
+    cluster.kubectl("apply", "-f", "-", input=isvc("bad", engine={"image": image}))
+    degraded = wait_for("Degraded", lambda: cluster.condition("bad", "Degraded").get("status") == "True"
+                        and cluster.condition("bad", "Degraded"))
+    assert degraded["reason"] == reason and "bad-" in degraded["message"], degraded  # names the failing pod
+    assert cluster.condition("bad", "Ready")["status"] == "False"
+    assert ("Warning", reason) in [(t, r) for t, r, _m in cluster.events("bad")]
+
+
+def test_killed_mid_reconcile_then_restarted_converges_without_duplicates(operator, cluster):
+    names = [f"crash{i}" for i in range(6)]
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(isvc(n) for n in names))
+    wait_for("the first Deployment", lambda: cluster.get("deployments"), interval=0.05)
+    operator.kill()  # SIGKILL: no cleanup, kopf's progress annotations as they were
+    try:
+        for name in names:  # edits made while it is down must be picked up too
+            cluster.kubectl("patch", "infsvc", name, "--type=merge", "-p", '{"spec": {"replicas": 2}}')
+    finally:
+        operator.start()
+    for name in names:
+        wait_for(f"{name} Ready", lambda: cluster.ready(name) and
+                 cluster.get("infsvc", name)["status"]["readyReplicas"] == 2, timeout=60)
+    deployments = cluster.get("deployments")
+    assert sorted(d["metadata"]["name"] for d in deployments) == names
+    assert len(cluster.get("replicasets")) == len(names)  # no rollout happened, none doubled
+    assert len(cluster.get("services")) == len(names) and len(cluster.get("poddisruptionbudgets")) == len(names)
+    assert sorted(len(cluster.running_pods(n)) for n in names) == [2] * len(names)
+
+
+def test_the_operator_identity_has_only_what_it_needs(crd, operator_kubeconfig, operator):
+    def can(verb: str, resource: str) -> bool:
+        res = crd.kubectl("auth", "can-i", verb, resource, "--all-namespaces", kubeconfig=operator_kubeconfig,
+                          check=False)
+        return res.stdout.strip() == "yes"
+    for verb, resource in [("watch", "inferenceservices.kaon.dev"), ("patch", "inferenceservices.kaon.dev/status"),
+                           ("patch", "deployments.apps"), ("create", "events"), ("list", "pods")]:
+        assert can(verb, resource), (verb, resource)
+    for verb, resource in [("get", "secrets"), ("delete", "deployments.apps"), ("create", "pods"),
+                           ("delete", "inferenceservices.kaon.dev"), ("update", "nodes"), ("create", "roles")]:
+        assert not can(verb, resource), (verb, resource)
+    # Everything above ran under this identity: any request it was refused shows up here.
+    assert "system:serviceaccount:kaon-system:kaon-operator\" cannot" not in operator.log(100_000)

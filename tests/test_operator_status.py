@@ -1,0 +1,144 @@
+"""The operator's pure decisions: status conditions, their Events, spec-change Events, drift."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from kaon_operator import api, changes, status
+from kaon_operator.kube import FIELD_MANAGER
+
+SPEC = api.InferenceServiceSpec.model_validate({"model": {"uri": "builtin://smollm2-135m-instruct"}, "replicas": 2})
+
+
+def pod(name="p", *, ready=True, unschedulable=None, waiting=None, deleting=False) -> dict:
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    if unschedulable:
+        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                           "message": unschedulable})
+    containers = [{"name": "engine", "state": {"waiting": {"reason": waiting, "message": "back-off"}}}] if waiting else []
+    meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+    return {"metadata": meta, "status": {"conditions": conditions, "containerStatuses": containers}}
+
+
+def deployment(replicas=2, *, updated=2, ready=2, generation=1, observed=1) -> status.DeploymentSummary:
+    return status.summarize_deployment({
+        "metadata": {"generation": generation}, "spec": {"replicas": replicas},
+        "status": {"observedGeneration": observed, "updatedReplicas": updated, "readyReplicas": ready,
+                   "availableReplicas": ready}})
+
+
+def by_type(conds: list[dict]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in conds}
+
+
+def test_pod_summaries():
+    assert status.summarize_pod(pod()).ready
+    stuck = status.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))
+    assert stuck.stuck[0] == "CrashLoopBackOff" and not stuck.ready
+    assert status.summarize_pod(pod(ready=False, waiting="ContainerCreating")).stuck is None  # on its way
+    pending = status.summarize_pod(pod(ready=False, unschedulable="0/4 nodes are available"))
+    assert pending.unschedulable == "0/4 nodes are available"
+    assert status.summarize_pod(pod(deleting=True)).terminating
+
+
+def test_conditions_through_a_life():
+    def conds(dep, pods, desired=2, applied=True):
+        return by_type(status.conditions(deployment=dep, pods=[status.summarize_pod(p) for p in pods],
+                                         desired=desired, gpus_per_pod=1, generation_applied=applied))
+
+    assert conds(None, []) == {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "Reconciling"),
+                               "Degraded": ("False", "AsExpected")}
+    assert conds(deployment(updated=1, ready=1), [pod("a"), pod("b", ready=False)])["Progressing"] == \
+        ("True", "RollingOut")
+    assert conds(deployment(), [pod("a"), pod("b")]) == {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected")}
+    # A new generation not yet applied is progress, even with every pod ready.
+    assert conds(deployment(), [pod("a"), pod("b")], applied=False)["Progressing"] == ("True", "Reconciling")
+    assert conds(deployment(generation=2, observed=1), [pod("a"), pod("b")])["Progressing"] == ("True", "RollingOut")
+    # A terminating pod does not count as ready capacity.
+    assert conds(deployment(), [pod("a"), pod("b", deleting=True)])["Ready"] == ("False", "ReplicasNotReady")
+    assert conds(deployment(0, updated=0, ready=0), [], desired=0)["Ready"] == ("False", "ScaledToZero")
+
+
+def test_degraded_reasons_name_the_cause():
+    def degraded(pods, dep=None):
+        out = status.conditions(deployment=dep or deployment(ready=0), pods=[status.summarize_pod(p) for p in pods],
+                                desired=2, gpus_per_pod=16, generation_applied=True)
+        return next(c for c in out if c["type"] == "Degraded")
+
+    unschedulable = degraded([pod("a", ready=False, unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")])
+    assert unschedulable["reason"] == "Unschedulable"
+    assert unschedulable["message"].startswith("1 pod(s) need 16 nvidia.com/gpu each and cannot be placed: 0/4 nodes")
+    crash = degraded([pod("a", ready=False, waiting="CrashLoopBackOff"), pod("b", ready=False, waiting="CrashLoopBackOff")])
+    assert crash["reason"] == "CrashLoopBackOff" and crash["message"].startswith("2 pod(s) failing; a:")
+    assert degraded([pod("a", ready=False, waiting="ImagePullBackOff")])["reason"] == "ImagePullBackOff"
+    # Scheduling comes first: it is the cause to fix before any container can start.
+    both = degraded([pod("a", ready=False, waiting="CrashLoopBackOff"), pod("b", ready=False, unschedulable="no")])
+    assert both["reason"] == "Unschedulable"
+    stalled = status.summarize_deployment({"metadata": {"generation": 1}, "spec": {"replicas": 2}, "status": {
+        "conditions": [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]}})
+    assert degraded([pod("a", ready=False)], stalled)["reason"] == "ProgressDeadlineExceeded"
+    assert degraded([pod("a", ready=False, waiting="CrashLoopBackOff", deleting=True)])["reason"] == "AsExpected"
+
+
+def test_transition_times_and_events():
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    progressing = status.conditions(deployment=None, pods=[], desired=1, gpus_per_pod=1, generation_applied=True)
+    first = status.stamp(progressing, [], t0, 1)
+    assert {c["lastTransitionTime"] for c in first} == {"2026-01-01T00:00:00Z"}
+    assert status.transition_events(first, []) == []  # nothing to announce while merely starting
+
+    ready_pods = [status.summarize_pod(pod())]
+    ready = status.stamp(status.conditions(deployment=deployment(1, updated=1, ready=1), pods=ready_pods, desired=1,
+                                           gpus_per_pod=1, generation_applied=True), first, t0 + timedelta(seconds=5), 1)
+    times = {c["type"]: c["lastTransitionTime"] for c in ready}
+    assert times["Ready"] == "2026-01-01T00:00:05Z" and times["Degraded"] == "2026-01-01T00:00:00Z"
+    assert status.transition_events(ready, first) == [status.EventSpec("Normal", "Ready", "1/1 replicas ready")]
+    assert status.transition_events(ready, ready) == []  # a repeat is silent
+
+    crashing = [status.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))]
+    bad = status.conditions(deployment=deployment(1, ready=0), pods=crashing, desired=1, gpus_per_pod=1,
+                            generation_applied=True)
+    events = status.transition_events(bad, ready)
+    assert [(e.type, e.reason) for e in events] == [("Warning", "NotReady"), ("Warning", "CrashLoopBackOff")]
+    pulling = [status.summarize_pod(pod(ready=False, waiting="ImagePullBackOff"))]
+    worse = status.conditions(deployment=deployment(1, ready=0), pods=pulling, desired=1, gpus_per_pod=1,
+                              generation_applied=True)
+    assert [e.reason for e in status.transition_events(worse, bad)] == ["ImagePullBackOff"]  # a new cause is news
+    assert [e.reason for e in status.transition_events(ready, worse)] == ["Ready", "Recovered"]
+
+
+def test_replica_counts_skip_terminating_pods():
+    pods = [status.summarize_pod(p) for p in (pod("a"), pod("b", ready=False), pod("c", deleting=True))]
+    assert status.replica_counts(pods) == {"replicas": 2, "readyReplicas": 1}
+
+
+def test_spec_change_events():
+    def change(**edits):
+        return [(e.reason, e.message) for e in changes.describe_spec_change(
+            SPEC, SPEC.model_copy(update=edits, deep=True))]
+
+    image = SPEC.engine.model_copy(update={"image": "x/kaon:2"})
+    assert change(engine=image) == [("RollingOut", "spec changed (engine.image): rolling out new engine pods")]
+    assert change(replicas=5) == [("Scaled", "Scaled 2 → 5 (spec.replicas)")]
+    both = change(engine=image, replicas=3)
+    assert [r for r, _ in both] == ["RollingOut", "Scaled"] and "replicas" not in both[0][1]
+    scaling = SPEC.autoscaling.model_copy(update={"max_replicas": 8})
+    assert change(autoscaling=scaling) == [("Updated", "spec changed (autoscaling.maxReplicas); pods unchanged")]
+    assert change() == []
+
+
+def test_foreign_spec_managers():
+    entries = [
+        {"manager": FIELD_MANAGER, "operation": "Apply", "fieldsV1": {"f:spec": {}}},
+        {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
+         "fieldsV1": {"f:status": {}}},
+        {"manager": "kube-controller-manager", "operation": "Update",
+         "fieldsV1": {"f:metadata": {"f:annotations": {}}}},
+    ]
+    assert changes.foreign_spec_managers(entries) == []
+    edited = entries + [{"manager": "kubectl-edit", "operation": "Update", "fieldsV1": {"f:spec": {"f:replicas": {}}}},
+                        {"manager": "kubectl", "operation": "Update", "subresource": "scale",
+                         "fieldsV1": {"f:spec": {"f:replicas": {}}}}]
+    assert changes.foreign_spec_managers(edited) == ["kubectl", "kubectl-edit"]
+    assert changes.foreign_spec_managers(None) == []
