@@ -13,6 +13,8 @@ updates of one InferenceService are serialised by a lock.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -46,6 +48,11 @@ class State:
         self.written: dict[tuple[str, str], dict] = {}
 
 
+def reporting_instance() -> str:
+    """Which operator replica posted an Event: the pod name (hostname) and the process."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 def _state(memo: kopf.Memo) -> State:
     return memo["state"]
 
@@ -57,6 +64,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=api.GROUP, key="last-handled-configuration")
     settings.posting.reporting_component = "kaon-operator"
+    settings.posting.reporting_instance = reporting_instance()
     settings.execution.max_workers = 16
     memo.setdefault("state", State(Kube.from_environment()))
 
