@@ -4,11 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kaon_runtime.kernels import activation, norm, rotary
 from kaon_runtime.kernels.kv_cache import write_kv_cache
 from kaon_runtime.kernels.paged_attention_ref import write_kv_cache_ref
+from kaon_runtime.layers.activation import silu_and_mul
+from kaon_runtime.layers.norm import RMSNorm
+from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
+# Bit-exact on a GPU; the interpreter truncates float32 -> bfloat16 where GPUs round to nearest: one ulp.
+SAME_ROUNDING = dict(rtol=0, atol=0) if DEVICE == "cuda" else dict(rtol=2 ** -7, atol=0)
 
 
 def _randn(*shape, dtype=torch.float32):
@@ -37,3 +43,45 @@ def test_write_kv_cache_rejects_a_wrong_dtype():
     cache = _randn(1, 2, 4, 16, dtype=torch.bfloat16)
     with pytest.raises(AssertionError, match="conversion"):
         write_kv_cache(key, key, cache, cache.clone(), torch.tensor([0, 1], device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 256])
+def test_rms_norm_matches_reference(dtype, hidden):
+    torch.manual_seed(0)
+    layer = RMSNorm(hidden, eps=1e-5).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+    # Transposed rows, as the tied embedding hands the first layer its input.
+    x = _randn(hidden, 7, dtype=dtype).t()
+    residual = _randn(7, hidden, dtype=dtype)
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(norm.rms_norm(x, layer.weight, layer.eps), layer(x), **close)
+    out, new_residual = norm.rms_norm(x, layer.weight, layer.eps, residual)
+    torch.testing.assert_close(new_residual, layer(x, residual)[1], **SAME_ROUNDING)
+    torch.testing.assert_close(out, layer(new_residual), **close)  # normed from the sum the kernel made
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_reference_in_and_out_of_place(dtype):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim = 14, 6, 32  # 20 rotated heads: two programs per token, the second half empty
+    rope = RotaryEmbedding(head_dim, max_positions=4096, base=10000.0)
+    cos, sin = rope.lookup(torch.tensor([0, 1, 17, 300, 4095], device=DEVICE), torch.device(DEVICE))
+    qkv = _randn(5, heads + 2 * kv_heads, head_dim, dtype=dtype)
+    qk, untouched = qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:].clone()
+    expected = apply_rotary(qk, cos, sin)
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(rotary.apply_rotary(qk, cos, sin), expected, **close)
+    assert rotary.apply_rotary(qk, cos, sin, out=qk) is qk
+    torch.testing.assert_close(qk, expected, **close)
+    torch.testing.assert_close(qkv[:, heads + kv_heads:], untouched, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", [40, 1500])
+def test_silu_and_mul_matches_reference(dtype, intermediate):
+    torch.manual_seed(0)
+    x = _randn(3, 2 * intermediate, dtype=dtype) * 4
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(activation.silu_and_mul(x), silu_and_mul(x), **close)

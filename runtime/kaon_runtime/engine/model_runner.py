@@ -82,6 +82,8 @@ class ModelRunner:
         shape = (mc.num_layers, 2, mc.num_kv_heads, blocks, self.block_size, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         backend = select_backend(self.device)
+        if backend.name == "triton":
+            self.model.use_triton_kernels()
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache, attn.backend = self.kv_cache[i, 0], self.kv_cache[i, 1], backend
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, self.block_size,

@@ -26,11 +26,16 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim)
+        self.rotary_kernel = None  # kernels.rotary.apply_rotary on the Triton backend
 
     def forward(self, rope, x, meta: AttentionMetadata):
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 Hkv, D]
         rotated_heads = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, :rotated_heads], *rope)  # q and k heads sit side by side: one pass
+        qk = qkv[:, :rotated_heads]  # q and k heads sit side by side: one pass
+        if self.rotary_kernel is None:
+            qk = apply_rotary(qk, *rope)
+        else:
+            qk = self.rotary_kernel(qk, *rope, out=qk)  # in place: q and k stay views of qkv, nothing copied
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated_heads:]
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -41,9 +46,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_kernel = None  # kernels.activation.silu_and_mul on the Triton backend
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = silu_and_mul if self.act_kernel is None else self.act_kernel
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -118,6 +125,15 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def use_triton_kernels(self) -> None:
+        """Fused Triton norm, rotary and SiLU-and-mul, to go with the Triton attention backend."""
+        from kaon_runtime.kernels import activation, norm, rotary  # on use: CPU-only torch builds lack Triton
+        self.model.norm.kernel = norm.rms_norm
+        for layer in self.model.layers:
+            layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = norm.rms_norm
+            layer.self_attn.rotary_kernel = rotary.apply_rotary
+            layer.mlp.act_kernel = activation.silu_and_mul
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; fails loudly on anything missing."""
