@@ -29,3 +29,35 @@ def test_bad_sampling_flag_is_a_clear_error():
     result = kaon("generate", "--temperature", "-1")
     assert result.returncode == 2
     assert "temperature must be >= 0" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_every_flag_the_operator_renders_is_one_kaon_serve_takes():
+    from kaon_operator import api, resources
+    from kaon_runtime.cli import build_parser
+
+    spec = api.InferenceServiceSpec.model_validate({
+        "model": {"uri": "/models/llama", "servedName": "llama", "maxModelLen": 4096},
+        "engine": {"maxNumSeqs": 32, "maxNumBatchedTokens": 2048, "kvCacheFraction": 0.5,
+                   "enablePrefixCaching": False}})
+    argv = resources.engine_args(resources.Owner("x", "ns", "uid"), spec)
+    assert argv[0] == "kaon"
+    args = build_parser().parse_args(argv[1:])
+    assert (args.model, args.served_model_name, args.max_model_len) == ("/models/llama", "llama", 4096)
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_fraction) == (32, 2048, 0.5)
+    assert args.enable_prefix_caching is False and args.port == resources.HTTP_PORT
+    assert args.drain_timeout == resources.DRAIN_SECONDS and args.tensor_parallel_size == 1
+
+
+def test_unbuilt_engine_features_fail_clearly_at_start():
+    result = kaon("serve", "--tensor-parallel-size", "2")
+    assert result.returncode == 2 and "--tensor-parallel-size > 1 is not supported yet" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_kaon_operator_needs_no_torch():
+    # The operator image has no torch: `kaon operator` must not import it on its way.
+    code = ("import sys; sys.modules['torch'] = None; from kaon_runtime.cli import main; "
+            "sys.exit(main(['operator', '--help']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--peering" in result.stdout

@@ -17,12 +17,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["operator"]:  # no torch on this path: the operator image has none
-        from kaon_operator.main import main as operator_main
-
-        return operator_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaon", description="kaon: serve LLMs on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline for a few prompts")
@@ -52,9 +47,24 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    serve.add_argument("--kv-cache-fraction", type=float, default=0.85,
+                       help="GPU: share of the memory left after loading weights for the KV cache")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--quantization", choices=["none", "int8", "int4", "fp8"], default="none")
     serve.add_argument("--log-level", default="info")
     sub.add_parser("operator", help="run the InferenceService operator (see `kaon operator --help`)", add_help=False)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["operator"]:  # no torch on this path: the operator image has none
+        from kaon_operator.main import main as operator_main
+
+        return operator_main(argv[1:])
+    args = build_parser().parse_args(argv)
     try:
         return _serve(args) if args.command == "serve" else _generate(args)
     except KaonError as exc:
