@@ -91,7 +91,7 @@ def test_prefill_matches_reference(dtype, batch, heads, kv_heads, head_dim, bloc
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (7, 1)])
-@pytest.mark.parametrize("partition_size", [None, 64, 48])
+@pytest.mark.parametrize("partition_size", [None, 48, 8])  # whole context; uneven; more than one merge tile
 def test_decode_matches_reference(dtype, heads, kv_heads, partition_size):
     torch.manual_seed(0)
     head_dim, block_size = 32, 16

@@ -20,6 +20,7 @@ _BLOCK_M = 64  # prefill query rows per program
 _BLOCK_N = 64  # keys per inner-loop step
 _MIN_DOT = 16  # tl.dot wants every dimension >= 16; decode pads its head group up to it
 _MIN_PARTITION = 256  # a shorter partition saves less than the merge costs
+_MERGE_TILE = 16  # partitions merged per step: long contexts can have hundreds
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
@@ -125,17 +126,25 @@ def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr
 def _merge_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, partition_size, num_heads, max_parts,
                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    parts = tl.arange(0, BLOCK_P)
-    used = parts < tl.cdiv(context_len, partition_size)  # the decode kernel skipped the rest
+    used = tl.cdiv(tl.load(context_lens_ptr + seq), partition_size)  # the decode kernel skipped the rest
     row = (seq * num_heads + head) * max_parts
-    lse = tl.load(lse_ptr + row + parts, mask=used, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
     dims = tl.arange(0, BLOCK_D)
-    partial = tl.load(partial_ptr + (row + parts)[:, None] * HEAD_DIM + dims[None, :],
-                      mask=used[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+    # Running max (shape [1], to broadcast) and weighted sums over tiles of partitions, as in the softmax itself.
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for first in range(0, used, BLOCK_P):
+        parts = first + tl.arange(0, BLOCK_P)
+        lse = tl.load(lse_ptr + row + parts, mask=parts < used, other=float("-inf"))
+        partial = tl.load(partial_ptr + (row + parts)[:, None] * HEAD_DIM + dims[None, :],
+                          mask=(parts[:, None] < used) & (dims[None, :] < HEAD_DIM), other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        rescale = tl.exp2(m - m_new)
+        weights = tl.exp2(lse - m_new)
+        acc = acc * rescale + tl.sum(partial * weights[:, None], 0)
+        total = total * rescale + tl.sum(weights, 0)
+        m = m_new
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / total).to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
 
@@ -202,7 +211,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         lse.stride(1), k_cache.stride(0), block_tables.stride(0), SPLIT=True, **meta)
     _merge_kernel[(seqs, heads)](
         partial, lse, out, context_lens, partition_size, heads, num_parts, out.stride(0), out.stride(1),
-        HEAD_DIM=dim, BLOCK_P=triton.next_power_of_2(num_parts), BLOCK_D=triton.next_power_of_2(dim))
+        HEAD_DIM=dim, BLOCK_P=min(_MERGE_TILE, triton.next_power_of_2(num_parts)), BLOCK_D=triton.next_power_of_2(dim))
 
 
 def _check_common(query, k_cache, v_cache, out) -> None:
