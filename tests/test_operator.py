@@ -115,6 +115,7 @@ def test_spec_change_rolls_out_and_scale_changes_replicas(cluster):
         p["spec"]["containers"][0]["image"] == "example.com/kaon:next" for p in cluster.running_pods("roll")))
     assert old_pod not in [p["metadata"]["name"] for p in cluster.running_pods("roll")]
     assert any(r == "RollingOut" and "engine.image" in m for _, r, m in cluster.events("roll"))
+    wait_for("the RolloutComplete event", lambda: any(r == "RolloutComplete" for _, r, _m in cluster.events("roll")))
     wait_for("observedGeneration 2", lambda: cluster.get("infsvc", "roll")["status"].get("observedGeneration") == 2)
 
     cluster.kubectl("scale", "infsvc", "roll", "--replicas=3")

@@ -19,11 +19,13 @@ def pod(name="p", *, ready=True, unschedulable=None, waiting=None, deleting=Fals
     return {"metadata": meta, "status": {"conditions": conditions, "containerStatuses": containers}}
 
 
-def deployment(replicas=2, *, updated=2, ready=2, generation=1, observed=1) -> status.DeploymentSummary:
+def deployment(replicas=2, *, total=None, updated=None, ready=None, generation=1, observed=1):
+    updated = replicas if updated is None else updated
+    ready = updated if ready is None else ready
     return status.summarize_deployment({
         "metadata": {"generation": generation}, "spec": {"replicas": replicas},
-        "status": {"observedGeneration": observed, "updatedReplicas": updated, "readyReplicas": ready,
-                   "availableReplicas": ready}})
+        "status": {"observedGeneration": observed, "replicas": updated if total is None else total,
+                   "updatedReplicas": updated, "readyReplicas": ready, "availableReplicas": ready}})
 
 
 def by_type(conds: list[dict]) -> dict[str, tuple[str, str]]:
@@ -48,16 +50,22 @@ def test_conditions_through_a_life():
     assert conds(None, []) == {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "Reconciling"),
                                "Degraded": ("False", "AsExpected")}
     assert conds(deployment(updated=1, ready=1), [pod("a"), pod("b", ready=False)])["Progressing"] == \
+        ("True", "ScalingUp")
+    assert conds(deployment(ready=1), [pod("a"), pod("b", ready=False)])["Progressing"] == \
+        ("True", "ReplicasStarting")
+    assert conds(deployment(total=3, updated=1, ready=3), [pod("a"), pod("b"), pod("c")])["Progressing"] == \
         ("True", "RollingOut")
+    assert conds(deployment(total=3, updated=3), [pod("a"), pod("b"), pod("c")])["Progressing"] == \
+        ("True", "ScalingDown")
     assert conds(deployment(), [pod("a"), pod("b")]) == {
         "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
         "Degraded": ("False", "AsExpected")}
     # A new generation not yet applied is progress, even with every pod ready.
     assert conds(deployment(), [pod("a"), pod("b")], applied=False)["Progressing"] == ("True", "Reconciling")
-    assert conds(deployment(generation=2, observed=1), [pod("a"), pod("b")])["Progressing"] == ("True", "RollingOut")
+    assert conds(deployment(generation=2, observed=1), [pod("a"), pod("b")])["Progressing"] == ("True", "Reconciling")
     # A terminating pod does not count as ready capacity.
     assert conds(deployment(), [pod("a"), pod("b", deleting=True)])["Ready"] == ("False", "ReplicasNotReady")
-    assert conds(deployment(0, updated=0, ready=0), [], desired=0)["Ready"] == ("False", "ScaledToZero")
+    assert conds(deployment(0), [], desired=0)["Ready"] == ("False", "ScaledToZero")
 
 
 def test_degraded_reasons_name_the_cause():
@@ -106,6 +114,12 @@ def test_transition_times_and_events():
                               generation_applied=True)
     assert [e.reason for e in status.transition_events(worse, bad)] == ["ImagePullBackOff"]  # a new cause is news
     assert [e.reason for e in status.transition_events(ready, worse)] == ["Ready", "Recovered"]
+
+    rolling = status.conditions(deployment=deployment(1, total=2, ready=2), pods=ready_pods,
+                                desired=1, gpus_per_pod=1, generation_applied=True)
+    assert status.transition_events(rolling, ready) == []
+    assert status.transition_events(ready, rolling) == [
+        status.EventSpec("Normal", "RolloutComplete", "1 replicas up to date")]
 
 
 def test_replica_counts_skip_terminating_pods():

@@ -31,6 +31,8 @@ class DeploymentSummary:
     observed_generation: int
     replicas: int
     """Desired replicas (the Deployment's spec)."""
+    total: int
+    """Pods of every ReplicaSet, old template or new."""
     updated: int
     ready: int
     available: int
@@ -74,7 +76,7 @@ def summarize_deployment(deployment: dict) -> DeploymentSummary:
     return DeploymentSummary(
         generation=deployment.get("metadata", {}).get("generation", 0),
         observed_generation=status.get("observedGeneration", 0),
-        replicas=(deployment.get("spec") or {}).get("replicas", 1),
+        replicas=(deployment.get("spec") or {}).get("replicas", 1), total=status.get("replicas", 0),
         updated=status.get("updatedReplicas", 0), ready=status.get("readyReplicas", 0),
         available=status.get("availableReplicas", 0), progress_deadline_exceeded=deadline)
 
@@ -112,13 +114,18 @@ def _ready(pods: list[PodSummary], desired: int) -> dict:
 def _progressing(deployment: DeploymentSummary | None, generation_applied: bool, desired: int) -> dict:
     if deployment is None or not generation_applied:
         return _condition("Progressing", True, "Reconciling", "applying the spec to the Deployment")
-    if deployment.observed_generation < deployment.generation:
-        return _condition("Progressing", True, "RollingOut", "the Deployment controller has not seen the change yet")
-    if deployment.updated < desired or deployment.ready < desired:
+    d = deployment
+    if d.observed_generation < d.generation:
+        return _condition("Progressing", True, "Reconciling", "the Deployment controller has not seen the change yet")
+    if d.total > d.updated:  # pods of the previous template are still serving
         return _condition("Progressing", True, "RollingOut",
-                          f"{deployment.updated}/{desired} replicas updated, {deployment.ready}/{desired} ready")
-    if deployment.ready > desired:
-        return _condition("Progressing", True, "ScalingDown", f"{deployment.ready} ready, {desired} wanted")
+                          f"{d.updated}/{desired} replicas updated, {d.total - d.updated} old still running")
+    if d.updated < desired:
+        return _condition("Progressing", True, "ScalingUp", f"{d.updated}/{desired} replicas created")
+    if d.available < desired:
+        return _condition("Progressing", True, "ReplicasStarting", f"{d.available}/{desired} replicas available")
+    if d.total > desired:
+        return _condition("Progressing", True, "ScalingDown", f"{d.total} replicas, {desired} wanted")
     return _condition("Progressing", False, "RolloutComplete", f"{desired} replicas up to date")
 
 
@@ -148,7 +155,8 @@ def stamp(new: list[dict], old: list[dict], now: datetime, generation: int) -> l
 
 
 def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:
-    """The Events an admin wants when a condition changes: became ready, degraded, recovered."""
+    """The Events an admin wants when a condition changes: became ready, degraded, recovered,
+    a rollout finished."""
     before = {c["type"]: c for c in old}
     events = []
     for cond in new:
@@ -163,6 +171,8 @@ def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:
             events.append(EventSpec("Warning", cond["reason"], cond["message"]))
         elif cond["type"] == "Degraded" and cond["status"] == "False" and prev.get("status") == "True":
             events.append(EventSpec("Normal", "Recovered", f"no longer degraded ({prev.get('reason')})"))
+        elif cond["type"] == "Progressing" and cond["reason"] == "RolloutComplete" and prev.get("reason") == "RollingOut":
+            events.append(EventSpec("Normal", "RolloutComplete", cond["message"]))
     return events
 
 
