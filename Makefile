@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane demo serve test bench bench-serve soak clean
+.PHONY: install control-plane demo serve test bench bench-serve soak bench-operator clean
 
 install: $(STAMP)
 
@@ -40,6 +40,9 @@ bench-serve: install
 
 soak: install
 	$(PY) bench/soak.py
+
+bench-operator: install control-plane
+	$(PY) bench/operator_scale.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
