@@ -60,6 +60,6 @@ def operator_kubeconfig(crd):
 def operator(crd, operator_kubeconfig):
     """`python -m kaon_operator` as that ServiceAccount, for one test module (the CRD tests
     write statuses by hand and must not meet a running operator)."""
-    proc = OperatorProcess(operator_kubeconfig, crd.workdir / "operator.log").start()
+    proc = OperatorProcess(operator_kubeconfig, crd.workdir / "operator.log", "--autoscale-interval", "1").start()
     yield proc
     proc.stop()

@@ -89,7 +89,9 @@ def test_apply_creates_children_and_becomes_ready(cluster):
     assert len(pods) == 2 and all(p["status"]["podIP"].startswith("127.1.") for p in pods)
     assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
-    status = cluster.get("infsvc", "smol")["status"]
+    obj = cluster.get("infsvc", "smol")
+    assert not obj["metadata"].get("finalizers")  # deleting it never waits for the operator
+    status = obj["status"]
     assert status["readyReplicas"] == 2 and status["replicas"] == 2
     assert status["observedGeneration"] == 1
     assert status["url"] == f"http://smol.{cluster.ns}.svc:80"

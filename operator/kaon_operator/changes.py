@@ -24,18 +24,20 @@ def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return fields
 
 
-def describe_spec_change(old: api.InferenceServiceSpec, new: api.InferenceServiceSpec) -> list[EventSpec]:
+def describe_spec_change(old: api.InferenceServiceSpec, new: api.InferenceServiceSpec,
+                         autoscaled: bool = False) -> list[EventSpec]:
     """The Events for an applied spec change: a rollout when the pod template changed,
-    a scale when the replica count did, an update for anything else (autoscaling, routing)."""
+    a scale when the replica count did (unless the autoscaler did it: it posts its own Event,
+    with its reason), an update for anything else (autoscaling, routing)."""
     events = []
     if _template(old) != _template(new):
         fields = _changed_fields(old.model_dump(by_alias=True), new.model_dump(by_alias=True))
         fields = [f for f in fields if f != "replicas"]
         events.append(EventSpec("Normal", "RollingOut",
                                 f"spec changed ({', '.join(fields)}): rolling out new engine pods"))
-    if old.replicas != new.replicas:
+    if old.replicas != new.replicas and not autoscaled:
         events.append(EventSpec("Normal", "Scaled", f"Scaled {old.replicas} → {new.replicas} (spec.replicas)"))
-    if not events and old != new:
+    if not events and old.model_copy(update={"replicas": new.replicas}) != new:
         fields = _changed_fields(old.model_dump(by_alias=True), new.model_dump(by_alias=True))
         events.append(EventSpec("Normal", "Updated", f"spec changed ({', '.join(fields)}); pods unchanged"))
     return events

@@ -12,6 +12,7 @@ updates of one InferenceService are serialised by a lock.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -20,11 +21,12 @@ import time
 from collections import defaultdict
 from datetime import datetime, timezone
 
+import aiohttp
 import kopf
 import pydantic
 from prometheus_client import Histogram
 
-from kaon_operator import api, changes, resources, status
+from kaon_operator import api, autoscaler, changes, resources, scraper, status
 from kaon_operator.kube import Kube, NamespaceTerminating
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
@@ -46,6 +48,8 @@ class State:
         self.kube = kube
         self.locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self.written: dict[tuple[str, str], dict] = {}
+        self.history: defaultdict[tuple[str, str], list[autoscaler.Sample]] = defaultdict(list)
+        self.latency: dict[tuple[str, str], dict[str, tuple]] = {}  # pod -> last latency buckets
 
 
 def reporting_instance() -> str:
@@ -134,17 +138,19 @@ def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo
     elif reason == "update":
         previous = _parse(old) if old else None
         if isinstance(previous, api.InferenceServiceSpec):
-            _post(body, changes.describe_spec_change(previous, spec))
+            decision = (body.get("status") or {}).get("lastScaleDecision") or {}
+            _post(body, changes.describe_spec_change(previous, spec, autoscaled=decision.get("to") == spec.replicas))
     _sync_status(state, body, key, spec, engine_pods, engine_deployments, applied=True)
 
 
 @kopf.on.delete(*ISVC, optional=True)
 def deleted(namespace: str, name: str, memo: kopf.Memo, **_) -> None:
-    # No finalizer (optional=True, and no timers): the garbage collector removes the children
-    # through their owner references even while the operator is down, so deletion never waits for us.
+    # No finalizer for this handler (optional=True): the garbage collector removes the children
+    # through their owner references even while the operator is down. (Autoscaled ones get
+    # kopf's finalizer for their timer.)
     state = _state(memo)
-    state.written.pop((namespace, name), None)
-    state.locks.pop((namespace, name), None)
+    for table in (state.written, state.locks, state.history, state.latency):
+        table.pop((namespace, name), None)
 
 
 # Status -------------------------------------------------------------------------------------------------------------
@@ -245,3 +251,79 @@ def _register_drift_handlers() -> None:
 
 
 _register_drift_handlers()
+
+
+# Autoscaling ----------------------------------------------------------------------------------------------------------
+
+SCRAPE_TIMEOUT_SECONDS = 2.0
+HISTORY_SECONDS = 3600  # longer than any window a spec can reasonably ask for
+
+
+def _timestamp(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _epoch(text: str | None) -> float | None:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
+
+
+async def _scrape(pods: list[status.PodSummary]) -> dict[str, scraper.PodMetrics]:
+    ready = [p for p in pods if p.ready and not p.terminating and p.ip]
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(scraper.fetch(
+            session, f"http://{p.ip}:{resources.HTTP_PORT}/metrics", SCRAPE_TIMEOUT_SECONDS) for p in ready))
+    return {p.name: m for p, m in zip(ready, results) if m is not None}
+
+
+def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], latency_metric: str, now: float
+            ) -> autoscaler.Sample:
+    """Sum the pods; P99 over the requests that finished since the previous scrape."""
+    previous = state.latency.get(key, {})
+    current = {pod: m.latency_buckets.get(latency_metric, ()) for pod, m in metrics.items()}
+    window = scraper.add_buckets(*(scraper.bucket_delta(b, previous.get(pod, ())) for pod, b in current.items()))
+    state.latency[key] = current
+    return autoscaler.Sample(time=now, ready=len(metrics), queue_depth=sum(m.waiting for m in metrics.values()),
+                             running=sum(m.running for m in metrics.values()),
+                             p99_seconds=scraper.quantile(window, 0.99),
+                             requests_total=sum(m.requests_total for m in metrics.values()))
+
+
+def _observed(sample: autoscaler.Sample, metrics: dict[str, scraper.PodMetrics]) -> dict:
+    kv = [m.kv_cache_usage for m in metrics.values()]
+    return {"queueDepth": sample.queue_depth, "runningRequests": sample.running,
+            "p99LatencySeconds": sample.p99_seconds, "kvCacheUsageRatio": max(kv) if kv else None,
+            "time": _timestamp(sample.time)}
+
+
+async def autoscale(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, engine_pods: kopf.Index,
+                    **_) -> None:
+    """One tick: scrape the ready pods, extend the history, ask the policy, act on a change."""
+    state, key = _state(memo), (namespace, name)
+    spec = _parse(body["spec"])
+    if isinstance(spec, str):
+        return
+    now = time.time()
+    metrics = await _scrape(list(engine_pods.get(key, ())))
+    sample = _sample(state, key, metrics, spec.autoscaling.latency_metric, now)
+    history = state.history[key]
+    history.append(sample)
+    del history[:sum(s.time < now - HISTORY_SECONDS for s in history)]
+    last = (body.get("status") or {}).get("lastScaleDecision") or {}
+    decision = autoscaler.decide(history, spec.autoscaling, spec.replicas, now, _epoch(last.get("time")))
+    patch = {"observedMetrics": _observed(sample, metrics)}
+    if decision.replicas != spec.replicas:
+        patch["lastScaleDecision"] = {"time": _timestamp(now), "from": spec.replicas, "to": decision.replicas,
+                                      "reason": decision.reason}
+    # Status first: the update handler then knows this replica change is the autoscaler's.
+    await asyncio.to_thread(state.kube.patch_status, namespace, name, patch)
+    if decision.replicas != spec.replicas:
+        await asyncio.to_thread(state.kube.patch_replicas, namespace, name, decision.replicas)
+        direction = "up" if decision.replicas > spec.replicas else "down"
+        _post(body, [status.EventSpec("Normal", "Scaled",
+                                      f"Scaled {direction} {spec.replicas} → {decision.replicas}: {decision.reason}")])
+
+
+def register_autoscaler(interval: float) -> None:
+    """A kopf timer per InferenceService with autoscaling enabled (only those get kopf's finalizer)."""
+    kopf.timer(*ISVC, interval=interval, id="autoscale",
+               when=lambda spec, **_: bool((spec.get("autoscaling") or {}).get("enabled")))(autoscale)

@@ -53,6 +53,10 @@ class Kube:
                 return None
             raise
 
+    def patch_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        self.custom.patch_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"spec": {"replicas": replicas}})
+
     def patch_status(self, namespace: str, name: str, status: dict) -> None:
         """Merge-patch the status subresource; a vanished InferenceService is not an error."""
         try:

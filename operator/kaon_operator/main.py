@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priority", type=int, default=0, help="peering priority: the highest one runs")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
     parser.add_argument("--liveness-port", type=int, default=0, help="serve kopf's /healthz here (0: off)")
+    parser.add_argument("--autoscale-interval", type=float, default=5.0,
+                        help="seconds between scrapes of an autoscaled InferenceService's pods")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
 
@@ -25,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # a line per handled event and per health check drowns what matters
         for name in ("kopf.objects", "aiohttp.access", "kubernetes"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    import kaon_operator.handlers  # noqa: F401  (registers the handlers)
+    from kaon_operator import handlers  # importing registers the handlers
+
+    handlers.register_autoscaler(args.autoscale_interval)
 
     if args.metrics_port:
         start_http_server(args.metrics_port)

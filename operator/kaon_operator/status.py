@@ -17,6 +17,7 @@ STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "Invali
 @dataclass(frozen=True, slots=True)
 class PodSummary:
     name: str
+    ip: str | None = None
     ready: bool = False
     terminating: bool = False
     unschedulable: str | None = None
@@ -65,7 +66,7 @@ def summarize_pod(pod: dict) -> PodSummary:
         if waiting.get("reason") in STUCK_REASONS:
             stuck = (waiting["reason"], f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}")
             break
-    return PodSummary(name=meta.get("name", ""), ready=conditions.get("Ready", {}).get("status") == "True",
+    return PodSummary(name=meta.get("name", ""), ip=status.get("podIP"), ready=conditions.get("Ready", {}).get("status") == "True",
                       terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck)
 
 
