@@ -5,15 +5,16 @@
 - A child deleted or edited by someone else: apply again, with an Event saying so.
 - A pod or the Deployment changed: recompute status (conditions, replica counts) and
   post an Event for every condition that flipped (Ready, Degraded with its reason).
+- Autoscaling on: a timer scrapes the ready pods, asks the policy (autoscaler.py) and
+  patches spec.replicas, with the decision in the status and an Event.
 
 Reads come from kopf indexes (in-memory watch caches), so a status update costs one
-PATCH and no GETs. Handlers are sync; kopf runs them in a thread pool, so status
-updates of one InferenceService are serialised by a lock.
+PATCH and no GETs. Handlers are sync (kopf runs them in a thread pool, so status
+updates of one InferenceService are serialised by a lock), except the async scrape.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import threading
@@ -38,7 +39,6 @@ RECONCILE_SECONDS = Histogram("kaon_operator_reconcile_seconds", "Time to apply 
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
 STATUS_SECONDS = Histogram("kaon_operator_status_update_seconds", "Time to recompute and write one status",
                            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
-log = logging.getLogger("kaon.operator")
 
 
 class State:
