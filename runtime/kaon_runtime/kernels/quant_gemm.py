@@ -1,0 +1,106 @@
+"""Triton weight-only quantized GEMMs: W8A16 and W4A16, float32 accumulation.
+
+Activations stay in their dtype (fp16, bf16 or fp32); the weights stay quantized in memory
+and are widened tile by tile in registers. Layouts and the torch references: quant_gemm_ref.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_N = 64
+_BLOCK_K = 64  # int8 only; int4 steps one quantization group at a time
+
+
+def _block_m(m: int) -> int:
+    # tl.dot wants 16 rows at least; decode (M = 1) pads to that, prefill takes larger tiles.
+    return 16 if m <= 16 else 64
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
+                  stride_xm, stride_xk, stride_wn, stride_om,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None],
+                    mask=(rn[None, :] < N) & (k[:, None] < K), other=0)
+        # int8 is exact in any float type, so multiplying x by the raw integers loses nothing;
+        # "ieee" keeps float32 activations out of TF32 (half types ignore the setting).
+        acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
+    scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+    out = acc * scale[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
+                  stride_xm, stride_xk, stride_wn, stride_gn, stride_om,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    HALF: tl.constexpr = GROUP // 2
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rh = tl.arange(0, HALF)
+    row_ok, col_ok = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, K // GROUP):
+        x_row = x_ptr + rm[:, None] * stride_xm
+        x_lo = tl.load(x_row + (g * GROUP + rh[None, :]) * stride_xk, mask=row_ok[:, None], other=0.0)
+        x_hi = tl.load(x_row + (g * GROUP + HALF + rh[None, :]) * stride_xk, mask=row_ok[:, None], other=0.0)
+        packed = tl.load(w_ptr + rn[None, :] * stride_wn + g * HALF + rh[:, None], mask=col_ok[None, :], other=0)
+        # Low nibbles are the group's first half, high nibbles its second: two dots, no interleave.
+        q_lo = (packed & 0xF).to(x_lo.dtype)
+        q_hi = (packed >> 4).to(x_lo.dtype)
+        dots = tl.dot(x_lo, q_lo, input_precision="ieee") + tl.dot(x_hi, q_hi, input_precision="ieee")
+        # sum_k x (q d + m) = d (x . q) + m (sum x): scale and min apply once per group, not per weight.
+        x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+        scale = tl.load(scale_ptr + rn * stride_gn + g, mask=col_ok, other=0.0).to(tl.float32)
+        low = tl.load(min_ptr + rn * stride_gn + g, mask=col_ok, other=0.0).to(tl.float32)
+        acc += dots * scale[None, :] + x_sum[:, None] * low[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp16/bf16/fp32) @ (qweight int8 [N, K] * scales [N]).T -> [M, N] in x's dtype."""
+    assert x.dim() == 2 and qweight.dim() == 2 and x.shape[1] == qweight.shape[1], "x [M, K], qweight [N, K]"
+    assert qweight.dtype == torch.int8 and qweight.stride(1) == 1, "qweight: int8, rows contiguous"
+    assert scales.shape == (qweight.shape[0],) and scales.is_contiguous(), "one scale per output row"
+    (m, k), n = x.shape, qweight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        block_m = _block_m(m)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
+        _w8a16_kernel[grid](x, qweight, scales, out, m, n, k, x.stride(0), x.stride(1), qweight.stride(0),
+                            out.stride(0), BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+    return out
+
+
+def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """x [M, K] @ dequant(packed uint8 [N, K / 2], scales/mins [N, K / group_size]).T -> [M, N]."""
+    assert x.dim() == 2 and packed.dim() == 2, "x [M, K], packed [N, K / 2]"
+    (m, k), n = x.shape, packed.shape[0]
+    assert group_size >= 32 and group_size & (group_size - 1) == 0, \
+        f"group_size must be a power of two >= 32 (each half-group feeds a tl.dot), got {group_size}"
+    assert k % group_size == 0, f"K = {k} is not a multiple of the group size {group_size}"
+    assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == k and packed.stride(1) == 1, \
+        "packed: uint8 [N, K / 2], rows contiguous"
+    groups = (n, k // group_size)
+    assert scales.shape == groups and mins.shape == groups, f"scales and mins must be {groups}"
+    assert scales.stride() == mins.stride() and scales.stride(1) == 1, "scales and mins: same row-major layout"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        block_m = _block_m(m)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
+        _w4a16_kernel[grid](x, packed, scales, mins, out, m, n, k, x.stride(0), x.stride(1), packed.stride(0),
+                            scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N)
+    return out

@@ -1,0 +1,57 @@
+"""FP8 (E4M3) weights, one scale per output channel.
+
+On a GPU with FP8 tensor cores (compute capability 9.0+, for row-wise scales) and bfloat16
+activations, the activations are quantized per row on the fly and torch._scaled_mm runs
+FP8 x FP8 (W8A8). Everywhere else the weight is widened and multiplied in float32 (W8A16),
+which is also the reference the GPU path is compared with.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kaon_runtime.quant.linear import QuantizedLinear
+
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8).max
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (float8_e4m3fn [N, K], float32 scales [N]); the largest |w| of a row maps to 448."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=_TINY) / _FP8_MAX
+    return (w / scales[:, None]).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scales
+
+
+def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (nn.functional.linear(x.float(), qweight.float()) * scales).to(x.dtype)
+
+
+def scaled_mm_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether torch._scaled_mm with row-wise scales can take this product."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and x.shape[1] % 16 == 0 and qweight.shape[0] % 16 == 0)
+
+
+def fp8_matmul_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    x_scales = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_TINY) / _FP8_MAX
+    xq = (x / x_scales).clamp(-_FP8_MAX, _FP8_MAX).to(FP8)
+    # qweight [N, K] row-major is [K, N] column-major after .t(): the layout _scaled_mm wants for mat2.
+    return torch._scaled_mm(xq, qweight.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype)
+
+
+class Fp8Linear(QuantizedLinear):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        return cls(*quantize_fp8(linear.weight.detach()), linear.bias)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if scaled_mm_supported(x, self.qweight):
+            return fp8_matmul_scaled_mm(x, self.qweight, self.scales)
+        return fp8_matmul_ref(x, self.qweight, self.scales)

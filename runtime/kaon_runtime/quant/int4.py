@@ -1,0 +1,63 @@
+"""4-bit weights in groups along K, each with a scale and a min: w = q * scale + min (W4A16).
+
+The layout is GGUF Q4_1's when group_size is 32 (see kernels/quant_gemm_ref.py), so a Q4_1
+checkpoint's blocks become an Int4Weight as they are (quant/gguf.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kaon_runtime.kernels.quant_gemm_ref import pack_int4, w4a16_matmul_ref
+from kaon_runtime.quant.linear import QuantizedLinear, use_triton
+
+DEFAULT_GROUP_SIZE = 32
+_QMAX = 15
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [N, K / 2]
+    scales: torch.Tensor  # float16 [N, K / group_size]
+    mins: torch.Tensor  # float16 [N, K / group_size]
+    group_size: int
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Weight:
+    """Asymmetric min/max quantization per group; scales and mins are stored as float16 like Q4_1's."""
+    rows, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"int4: in_features {k} is not a multiple of the group size {group_size}")
+    w = weight.float().reshape(rows, -1, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales, mins = ((high - low) / _QMAX).half(), low.half()
+    if not torch.isfinite(scales).all():
+        raise ValueError("int4: a weight group spans more than float16 can hold")
+    # Round against the float16 values that will be stored, so dequantization sees the same grid.
+    step = scales.float().clamp(min=torch.finfo(torch.float16).tiny)[..., None]
+    q = torch.round((w - mins.float()[..., None]) / step).clamp(0, _QMAX).to(torch.uint8)
+    return Int4Weight(pack_int4(q.reshape(rows, k), group_size), scales, mins, group_size)
+
+
+class Int4Linear(QuantizedLinear):
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None):
+        super().__init__(weight.packed.shape[1] * 2, weight.packed.shape[0], bias)
+        self.group_size = weight.group_size
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
+        return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from kaon_runtime.kernels.quant_gemm import w4a16_matmul  # on use: CPU-only torch builds lack Triton
+            return w4a16_matmul(x, self.packed, self.scales, self.mins, self.group_size)
+        return w4a16_matmul_ref(x, self.packed, self.scales, self.mins, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"

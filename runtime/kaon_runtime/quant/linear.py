@@ -1,0 +1,39 @@
+"""The shell every quantized linear shares: flatten leading dims, run its matmul, add the bias."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+_KERNEL_CHOICES = ("auto", "triton", "torch")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA; KAON_QUANT_KERNEL=triton forces it (the interpreter, in CPU tests), =torch refuses it."""
+    choice = os.environ.get("KAON_QUANT_KERNEL", "auto")
+    if choice not in _KERNEL_CHOICES:
+        raise ValueError(f"KAON_QUANT_KERNEL must be one of {_KERNEL_CHOICES}, got {choice!r}")
+    return choice == "triton" or (choice == "auto" and x.is_cuda)
+
+
+class QuantizedLinear(nn.Module):
+    """Stands in for nn.Linear; subclasses hold the quantized weight as buffers and define matmul."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] in x's dtype."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,175 @@
+"""Weight quantization: Triton GEMMs against their torch references (interpreted on CPU),
+quantize/dequantize error bounds, GGUF Q4_1 blocks taken bit for bit, module surgery."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kaon_runtime.kernels import quant_gemm
+from kaon_runtime.kernels.quant_gemm_ref import (dequantize_int4, dequantize_int8, pack_int4, unpack_int4,
+                                                 w4a16_matmul_ref, w8a16_matmul_ref)
+from kaon_runtime.quant.fp8 import fp8_matmul_ref, quantize_fp8
+from kaon_runtime.quant.gguf import int4_from_q4_1
+from kaon_runtime.quant.int4 import Int4Linear, quantize_int4
+from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter multiplies bfloat16 matrices wrongly (tl.dot on bf16 operands), so bf16 is checked on GPUs only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# Kernel and reference both accumulate in float32; they differ in summation order, then in the final rounding.
+CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+         torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+ROWS = [1, 5, 33]  # decode, a small prefill, more than one 16-row tile
+
+
+def _x(m, k, dtype):
+    # A column slice of a wider tensor: rows are strided, as the launchers must accept.
+    return torch.randn(m, k + 8, device=DEVICE)[:, :k].to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_w8a16_kernel_matches_reference(dtype, m):
+    torch.manual_seed(0)
+    n, k = 80, 100  # neither a multiple of the 64-wide tiles: masked edges on both axes
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=DEVICE)
+    scales = torch.rand(n, device=DEVICE) / 100
+    x = _x(m, k, dtype)
+    out = quant_gemm.w8a16_matmul(x, qweight, scales)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out, w8a16_matmul_ref(x, qweight, scales), **CLOSE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_w4a16_kernel_matches_reference(dtype, m, group_size):
+    torch.manual_seed(0)
+    n, k = 72, 256
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE)
+    scales = (torch.rand(n, k // group_size, device=DEVICE) / 50).half()
+    mins = (-torch.rand(n, k // group_size, device=DEVICE) / 7).half()
+    x = _x(m, k, dtype)
+    out = quant_gemm.w4a16_matmul(x, packed, scales, mins, group_size)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out, w4a16_matmul_ref(x, packed, scales, mins, group_size), **CLOSE[dtype])
+
+
+def test_w4a16_kernel_rejects_unsupported_shapes():
+    packed = torch.zeros(16, 48, dtype=torch.uint8, device=DEVICE)
+    groups = torch.zeros(16, 3, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(AssertionError, match="not a multiple of the group size 64"):
+        quant_gemm.w4a16_matmul(_x(1, 96, torch.float32), packed, groups[:, :1], groups[:, :1], 64)
+    with pytest.raises(AssertionError, match="power of two >= 32"):
+        quant_gemm.w4a16_matmul(_x(1, 96, torch.float32), packed, groups.repeat(1, 2), groups.repeat(1, 2), 16)
+
+
+def test_kernels_take_an_empty_batch():
+    x = torch.empty(0, 64, device=DEVICE)
+    assert quant_gemm.w8a16_matmul(x, *quantize_int8(torch.randn(32, 64, device=DEVICE))).shape == (0, 32)
+    w = quantize_int4(torch.randn(32, 64, device=DEVICE))
+    assert quant_gemm.w4a16_matmul(x, w.packed, w.scales, w.mins, w.group_size).shape == (0, 32)
+
+
+# ---- quantize / dequantize ---------------------------------------------------------------
+
+def _weight(n=48, k=192):
+    torch.manual_seed(1)
+    w = torch.randn(n, k) * 0.05
+    w[3] *= 40  # one row with outliers, one row of zeros: scales must cope with both
+    w[7] = 0
+    return w
+
+
+def test_int8_round_trip_error_is_within_half_a_step():
+    w = _weight()
+    qweight, scales = quantize_int8(w)
+    assert qweight.dtype == torch.int8 and qweight.abs().max() <= 127
+    err = (dequantize_int8(qweight, scales) - w).abs()
+    assert (err <= scales[:, None] / 2 * (1 + 1e-5)).all()
+    assert err[7].max() == 0
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_round_trip_error_is_within_half_a_step(group_size):
+    w = _weight()
+    q = quantize_int4(w, group_size)
+    assert q.packed.shape == (48, 96) and q.scales.shape == q.mins.shape == (48, 192 // group_size)
+    err = (dequantize_int4(q.packed, q.scales, q.mins, group_size) - w).abs().reshape(48, -1, group_size)
+    # Half a step, plus what storing the scale and min as float16 can shift the grid by.
+    step, low = q.scales.float()[..., None], q.mins.float()[..., None]
+    bound = step / 2 + (low.abs() + 15 * step) * 2 ** -11 + 1e-7
+    assert (err <= bound).all()
+    assert err[7].max() == 0
+
+
+def test_int4_rejects_a_ragged_group():
+    with pytest.raises(ValueError, match="not a multiple of the group size 32"):
+        quantize_int4(torch.randn(4, 48))
+
+
+def test_int4_pack_unpack_round_trip():
+    q = torch.randint(0, 16, (6, 128), dtype=torch.uint8)
+    packed = pack_int4(q, 64)
+    assert packed.shape == (6, 64)
+    assert torch.equal(unpack_int4(packed, 64), q)
+    # Byte j of a group: element j low, element j + group / 2 high.
+    assert packed[0, 0] == q[0, 0] | (q[0, 32] << 4)
+
+
+def test_fp8_round_trip_error_is_within_e4m3_precision():
+    w = _weight()
+    qweight, scales = quantize_fp8(w)
+    assert qweight.dtype == torch.float8_e4m3fn
+    err = (qweight.float() * scales[:, None] - w).abs()
+    # 3 mantissa bits: half an ulp is 2^-4 of the value; below 2^-6 (subnormals) the step is 2^-9.
+    assert (err <= w.abs() * 2 ** -4 + scales[:, None] * 2 ** -10 + 1e-12).all()
+
+
+def test_q4_1_blocks_load_bit_for_bit():
+    gguf = pytest.importorskip("gguf")
+    w = _weight(8, 96).numpy()
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)  # uint8 [rows, 3 blocks * 20 bytes]
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    q = int4_from_q4_1(torch.from_numpy(np.array(raw)).view(8, -1, 20))
+    assert q.group_size == 32
+    assert torch.equal(dequantize_int4(q.packed, q.scales, q.mins, 32), torch.from_numpy(expected))
+
+
+# ---- the runtime linears -------------------------------------------------------------
+
+def _linear(k=64, n=40, bias=True):
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(k, n, bias=bias, device=DEVICE)
+    with torch.no_grad():
+        linear.weight.mul_(3)
+    return linear
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_linear, Int4Linear.from_linear], ids=["int8", "int4"])
+def test_quantized_linear_kernels_agree_and_track_the_float_layer(make, monkeypatch):
+    linear = _linear()
+    layer = make(linear)
+    x = torch.randn(2, 3, 64, device=DEVICE)  # leading dims are flattened and restored
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    reference = layer(x)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "triton")
+    torch.testing.assert_close(layer(x), reference, **CLOSE[torch.float32])
+    assert reference.shape == (2, 3, 40)
+    relative = (reference - linear(x)).norm() / linear(x).norm()
+    assert relative < (0.01 if isinstance(layer, Int8Linear) else 0.1)
+
+
+def test_unknown_kernel_choice_is_refused(monkeypatch):
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="KAON_QUANT_KERNEL"):
+        Int8Linear.from_linear(_linear())(torch.randn(1, 64, device=DEVICE))
+
+
+def test_fp8_reference_tracks_the_float_layer():
+    linear = _linear(bias=False)
+    qweight, scales = quantize_fp8(linear.weight.detach())
+    x = torch.randn(4, 64, device=DEVICE)
+    out = fp8_matmul_ref(x, qweight, scales)
+    assert (out - linear(x)).norm() / linear(x).norm() < 0.05
