@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from kaon_runtime.config import DEFAULT_MODEL
+from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS
 from kaon_runtime.errors import KaonError
 
 DEMO_PROMPTS = [
@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
+                     help="quantize the linear layers' weights at load time")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--model", default=DEFAULT_MODEL)
     serve.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GPU: share of the memory left after loading weights for the KV cache")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
-    serve.add_argument("--quantization", choices=["none", "int8", "int4", "fp8"], default="none")
+    serve.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
+                       help="quantize the linear layers' weights at load time")
     serve.add_argument("--log-level", default="info")
     sub.add_parser("operator", help="run the InferenceService operator (see `kaon operator --help`)", add_help=False)
     return parser
@@ -78,7 +81,7 @@ def _generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop)
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
     prompts = args.prompt or DEMO_PROMPTS
     start = time.perf_counter()
     if args.raw:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from kaon_runtime.errors import InvalidRequestError, ModelLoadError
 
 DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # CPU: bytes for the KV pool
     num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
     enable_prefix_caching: bool = True
+    quantization: str = "none"  # weights of the linear layers: "none", "int8", "int4" or "fp8"
 
     def __post_init__(self):
         checks = [
@@ -66,6 +68,8 @@ class EngineConfig:
              f"device must be auto, cpu or cuda, got {self.device!r}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
              f"unknown dtype {self.dtype!r}"),
+            (self.quantization in QUANTIZATION_METHODS,
+             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -14,6 +14,8 @@ from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, selec
 from kaon_runtime.layers.sampler import SampleResult, SamplingBatch, sample
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models.registry import build_model
+from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.gguf import int4_from_q4_1
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +70,26 @@ class ModelRunner:
                        unit="tensor", disable=not show_progress)
         try:
             model.load_weights(weights)
+            if self.config.quantization != "none":
+                self._quantize(model, checkpoint)
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
         return model.eval()
+
+    def _quantize(self, model, checkpoint: Checkpoint) -> None:
+        """Swap the linear layers for quantized ones; int4 takes a GGUF file's Q4_1 blocks as they are."""
+        method = self.config.quantization
+        given = {}
+        if method == "int4" and checkpoint.q4_1_blocks is not None:
+            fused = model.fuse_rows(checkpoint.q4_1_blocks())
+            given = {name.removesuffix(".weight"): int4_from_q4_1(blocks.to(self.device))
+                     for name, blocks in fused.items()}
+        swapped = quantize_model(model, method, prequantized=given)
+        reused = len(given.keys() & set(swapped))
+        log.info("%s: %d linear layers quantized (%d from the checkpoint's own Q4_1 blocks)",
+                 method, len(swapped), reused)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized
 
     def _allocate_kv_cache(self) -> int:
         mc = self.model_config

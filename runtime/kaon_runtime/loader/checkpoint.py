@@ -24,6 +24,8 @@ class Checkpoint:
     tokenizer: Tokenizer
     num_tensors: int
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # GGUF only: the raw blocks of the Q4_1 tensors, HF-named, rows in HF order, uint8 [rows, K / 32, 20].
+    q4_1_blocks: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

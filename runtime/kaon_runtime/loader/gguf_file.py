@@ -1,4 +1,7 @@
-"""GGUF loading: metadata -> ModelConfig, quantized tensors dequantized to HF-named weights."""
+"""GGUF loading: metadata -> ModelConfig, quantized tensors dequantized to HF-named weights.
+
+Q4_1 tensors are also offered as their raw blocks, which int4 quantization takes as they are.
+"""
 from __future__ import annotations
 
 import re
@@ -32,6 +35,11 @@ def load_gguf(path: Path) -> Checkpoint:
     config = model_config_from_gguf(fields, reader.tensors)
     tokenizer = Tokenizer.from_gguf_fields(fields)
 
+    def hf_rows(name: str, rows: torch.Tensor) -> torch.Tensor:
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            return unpermute_qk(rows, config.num_heads if "q_proj" in name else config.num_kv_heads)
+        return rows
+
     def weights():
         for tensor in reader.tensors:
             name = hf_name(tensor.name)
@@ -39,13 +47,21 @@ def load_gguf(path: Path) -> Checkpoint:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             except Exception as exc:
                 raise ModelLoadError(f"cannot dequantize {tensor.name} in {path.name}: {exc}") from exc
-            weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the file is memory-mapped read-only
-            if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-                weight = unpermute_qk(weight, heads)
-            yield name, weight
+            # A copy: the file is memory-mapped read-only.
+            yield name, hf_rows(name, torch.from_numpy(np.array(array, dtype=np.float32)))
 
-    return Checkpoint(path, config, tokenizer, len(reader.tensors), weights)
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    block_bytes = gguf.GGML_QUANT_SIZES[q4_1][1]
+
+    def q4_1_blocks():
+        for tensor in reader.tensors:
+            if tensor.tensor_type == q4_1:
+                name = hf_name(tensor.name)
+                blocks = torch.from_numpy(np.array(tensor.data)).view(tensor.data.shape[0], -1, block_bytes)
+                yield name, hf_rows(name, blocks)  # Q/K rows move whole: a block never spans two rows
+
+    has_q4_1 = any(t.tensor_type == q4_1 for t in reader.tensors)
+    return Checkpoint(path, config, tokenizer, len(reader.tensors), weights, q4_1_blocks if has_q4_1 else None)
 
 
 def model_config_from_gguf(fields: dict, tensors) -> ModelConfig:

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch."""
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -161,6 +162,16 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def fuse_rows(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stack HF-named per-output-row tensors the way load_weights fuses weights: q|k|v and
+        gate|up along dim 0, keyed by parameter name. A fused group missing a part is left out."""
+        parts = defaultdict(dict)
+        for name, tensor in tensors:
+            target, shard = _fused_target(name)
+            parts[target][shard] = tensor
+        return {target: torch.cat([shards[s] for s in _expected_shards(target)])
+                for target, shards in parts.items() if set(shards) == set(_expected_shards(target))}
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -62,11 +62,10 @@ def serve(args) -> int:
     # The operator renders these flags for every engine pod; the ones not built yet fail clearly.
     if args.tensor_parallel_size != 1:
         raise InvalidRequestError("--tensor-parallel-size > 1 is not supported yet: run with 1")
-    if args.quantization != "none":
-        raise InvalidRequestError(f"--quantization {args.quantization} is not supported yet: run with none")
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching)
+                          kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
+                          quantization=args.quantization)
     engine = AsyncEngine(LLMEngine(config, show_progress=False), max_queue=args.max_queue)
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes)
