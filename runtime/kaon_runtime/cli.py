@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantize the linear layers' weights at load time")
     serve.add_argument("--log-level", default="info")
     sub.add_parser("operator", help="run the InferenceService operator (see `kaon operator --help`)", add_help=False)
+    sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService "
+                   "(see `kaon router --help`)", add_help=False)
     return parser
 
 
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from kaon_operator.main import main as operator_main
 
         return operator_main(argv[1:])
+    if argv[:1] == ["router"]:  # nor on this one: the router runs from the operator image
+        from kaon_operator.router.main import main as router_main
+
+        return router_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return _serve(args) if args.command == "serve" else _generate(args)

@@ -1,0 +1,296 @@
+"""The router's cost: the same load sent straight to fake engines and through the router,
+in the same run.
+
+    python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000]
+
+Three processes: fake engines (one aiohttp process listening on --engines ports: a fixed
+small completion, or a short SSE stream), the router (kaon's Router on a table that lists
+those ports as the pods of one InferenceService), and this load generator. Phases, each
+direct then routed:
+
+1. latency: one request at a time; p50/p99 of the round trip. Added = routed - direct.
+2. throughput: --concurrency clients in a closed loop for --duration; requests/s.
+3. streams: --streams clients, each opening one stream after another (--events events,
+   --gap-ms apart) for --duration, so that many streams are open at once; time to first
+   byte p50/p99, and every error.
+
+The router's own histogram (kaon_router_added_latency_seconds: handler start to the
+upstream request, plus passing the headers back) is printed too. It leaves out time spent
+queued in either event loop before a handler runs, so under saturation it is far below the
+round-trip difference, which counts that queueing (the load generator's included: all three
+processes share the machine). The issue's goal: under 2 ms added at P99 with 1,000
+concurrent streams and no errors.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "operator"))
+
+from kaon_operator import resources  # noqa: E402
+from kaon_operator.router.endpoints import EndpointTable  # noqa: E402
+from kaon_operator.router.proxy import Router  # noqa: E402
+
+MODEL = "bench"
+COMPLETION = json.dumps({
+    "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
+    "choices": [{"index": 0, "text": " a fixed, small completion", "finish_reason": "stop", "logprobs": None}],
+    "usage": {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}}).encode()
+REQUEST = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6}
+
+
+def event(i: int) -> bytes:
+    chunk = {"id": "cmpl-bench", "object": "text_completion", "model": MODEL,
+             "choices": [{"index": 0, "text": f" token{i}", "finish_reason": None}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def raise_open_file_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# the two servers (run as child processes of this script) --------------------------------
+
+
+def run_engines(ports: list[int], events: int, gap: float) -> None:
+    stream = [event(i) for i in range(events)] + [b"data: [DONE]\n\n"]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        if not json.loads(await request.read()).get("stream"):
+            return web.Response(body=COMPLETION, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, chunk in enumerate(stream):
+            if i:
+                await asyncio.sleep(gap)
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    async def main() -> None:
+        runners = []
+        for port in ports:
+            app = web.Application()
+            app.router.add_post("/v1/completions", completions)
+            runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+            runners.append(runner)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def run_router(port: int, engine_ports: list[int]) -> None:
+    table = EndpointTable()
+    table.apply_service("ADDED", {"metadata": {"name": MODEL, "namespace": "bench"}, "spec": {"model": {}}})
+    for i, engine_port in enumerate(engine_ports):
+        table.apply_pod("ADDED", {
+            "metadata": {"name": f"{MODEL}-{i}", "namespace": "bench", "labels": resources.labels(MODEL)},
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": engine_port}]}]},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
+    table.synced = True
+    web.run_app(Router(table).app(), host="127.0.0.1", port=port, handler_cancellation=True, access_log=None,
+                print=None, backlog=4096)
+
+
+# the load generator -------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    latencies: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    done: int = 0
+    seconds: float = 0.0
+
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class Targets:
+    """Round-robin over the URLs (the engines when direct, the router when routed)."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.i = urls, 0
+
+    def next(self) -> str:
+        self.i += 1
+        return self.urls[self.i % len(self.urls)] + "/v1/completions"
+
+
+async def one(session: aiohttp.ClientSession, url: str, result: Result, stream: bool) -> None:
+    start = time.perf_counter()
+    try:
+        async with session.post(url, json={**REQUEST, "stream": stream}) as resp:
+            if resp.status != 200:
+                result.error(f"HTTP {resp.status}")
+                await resp.read()
+                return
+            if stream:
+                first = await resp.content.readany()
+                result.latencies.append(time.perf_counter() - start)
+                body = first + await resp.content.read()
+                if not body.endswith(b"data: [DONE]\n\n"):
+                    result.error("stream cut short")
+                    return
+            else:
+                await resp.read()
+                result.latencies.append(time.perf_counter() - start)
+            result.done += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        result.error(type(exc).__name__)
+
+
+async def closed_loop(urls: list[str], clients: int, seconds: float, stream: bool) -> Result:
+    result, targets = Result(), Targets(urls)
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def client(delay: float) -> None:
+            await asyncio.sleep(delay)  # ramp up: a thousand connects at once are a SYN flood, not load
+            while time.perf_counter() < deadline:
+                await one(session, targets.next(), result, stream)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client(i * 0.5 / clients if stream else 0) for i in range(clients)))
+        result.seconds = time.perf_counter() - start
+    return result
+
+
+async def sequential(urls: list[str], count: int) -> Result:
+    result, targets = Result(), Targets(urls)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(count // 10):  # warm the connection pools
+            await one(session, targets.next(), Result(), False)
+        for _ in range(count):
+            await one(session, targets.next(), result, False)
+    return result
+
+
+async def router_added_latency(router_url: str) -> tuple[float, float, int]:
+    """P50 and P99 from the router's own histogram (upper bucket bounds), and its count."""
+    async with aiohttp.ClientSession() as session, session.get(router_url + "/metrics") as resp:
+        text = await resp.text()
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith("kaon_router_added_latency_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1]
+
+    def quantile(q: float) -> float:
+        return next(le for le, count in buckets if count >= q * total)
+
+    return quantile(0.5), quantile(0.99), int(total)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}"
+
+
+def report(name: str, direct: Result, routed: Result) -> None:
+    for label, r in (("direct", direct), ("routed", routed)):
+        rate = f"{r.done / r.seconds:8.0f} req/s" if r.seconds else ""
+        print(f"  {name:10} {label}: n={r.done:6d} p50 {ms(percentile(r.latencies, 0.5))} ms  "
+              f"p99 {ms(percentile(r.latencies, 0.99))} ms {rate}  errors {r.errors or 0}")
+    print(f"  {name:10} added: p50 {ms(percentile(routed.latencies, 0.5) - percentile(direct.latencies, 0.5))} ms  "
+          f"p99 {ms(percentile(routed.latencies, 0.99) - percentile(direct.latencies, 0.99))} ms"
+          + (f"  throughput ratio routed/direct {routed.done / routed.seconds / (direct.done / direct.seconds):.2f}"
+             if direct.seconds and direct.done and routed.seconds else ""))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_listening(port: int) -> None:
+    for _ in range(200):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise SystemExit(f"nothing listens on {port}")
+
+
+async def bench(args) -> None:
+    engine_ports = [free_port() for _ in range(args.engines)]
+    router_port = free_port()
+    me = [sys.executable, __file__]
+    children = [
+        subprocess.Popen(me + ["--role", "engines", "--ports", ",".join(map(str, engine_ports)),
+                               "--events", str(args.events), "--gap-ms", str(args.gap_ms)]),
+        subprocess.Popen(me + ["--role", "router", "--ports", ",".join(map(str, [router_port, *engine_ports]))]),
+    ]
+    try:
+        for port in (*engine_ports, router_port):
+            await wait_listening(port)
+        direct = [f"http://127.0.0.1:{p}" for p in engine_ports]
+        routed = [f"http://127.0.0.1:{router_port}"]
+        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.engines} fake engines")
+        print(f"1. latency, one request at a time ({args.requests} requests)")
+        report("latency", await sequential(direct, args.requests), await sequential(routed, args.requests))
+        print(f"2. throughput, {args.concurrency} clients, {args.duration:g}s")
+        report("throughput", await closed_loop(direct, args.concurrency, args.duration, False),
+               await closed_loop(routed, args.concurrency, args.duration, False))
+        print(f"3. {args.streams} concurrent streams of {args.events} events {args.gap_ms:g} ms apart, "
+              f"{args.duration:g}s; latency = time to first byte")
+        report("streams", await closed_loop(direct, args.streams, args.duration, True),
+               await closed_loop(routed, args.streams, args.duration, True))
+        p50, p99, count = await router_added_latency(routed[0])
+        print(f"router's own added-latency histogram over {count} requests: p50 <= {ms(p50)} ms, p99 <= {ms(p99)} ms")
+    finally:
+        for child in children:
+            child.terminate()
+            child.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per throughput and streams phase")
+    parser.add_argument("--requests", type=int, default=2000, help="requests in the latency phase")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--events", type=int, default=20, help="events per stream")
+    parser.add_argument("--gap-ms", type=float, default=50.0, help="time between a stream's events")
+    parser.add_argument("--engines", type=int, default=2, help="fake engine pods (ports of one process)")
+    parser.add_argument("--role", choices=["bench", "engines", "router"], default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--ports", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    raise_open_file_limit()
+    ports = [int(p) for p in args.ports.split(",")] if args.ports else []
+    if args.role == "engines":
+        run_engines(ports, args.events, args.gap_ms / 1000)
+    elif args.role == "router":
+        run_router(ports[0], ports[1:])
+    else:
+        asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`kaon router`: the OpenAI-compatible gateway in front of every InferenceService."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import resource
+import sys
+
+from aiohttp import web
+
+from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.proxy import Router, RouterConfig
+
+DEFAULTS = RouterConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kaon router", description="route OpenAI requests to the ready engine "
+                                     "pods of the InferenceService their `model` names (least connections)")
+    parser.add_argument("--host", default="127.0.0.1", help="where to listen (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--namespace", action="append", default=[],
+                        help="route to InferenceServices of this namespace only (repeatable; default: all)")
+    parser.add_argument("--kubeconfig", help="default: the pod's ServiceAccount, else $KUBECONFIG or ~/.kube/config")
+    parser.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout,
+                        help="seconds a request waits for a ready pod of its InferenceService, then 503")
+    parser.add_argument("--max-queued", type=int, default=DEFAULTS.max_queued,
+                        help="requests that may wait per InferenceService; more get a 503 at once")
+    parser.add_argument("--backoff", type=float, default=DEFAULTS.backoff,
+                        help="seconds a pod that failed to connect gets no new requests")
+    parser.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout)
+    parser.add_argument("--max-attempts", type=int, default=DEFAULTS.max_attempts,
+                        help="pods one request tries when connections fail")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes)
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def _raise_open_file_limit() -> None:
+    # Every stream holds two sockets (client and engine); the usual soft limit of 1024 caps
+    # the router at ~500 streams.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kaon_operator.router.watch import ApiServer, NoCredentials, Watcher  # kubernetes is slow to import
+
+    try:
+        server = ApiServer.from_environment(args.kubeconfig)
+    except NoCredentials as exc:
+        print(f"kaon router: error: {exc}", file=sys.stderr)
+        return 2
+    _raise_open_file_limit()
+    table = EndpointTable()
+    router = Router(table, RouterConfig(
+        queue_timeout=args.queue_timeout, max_queued=args.max_queued, backoff=args.backoff,
+        connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes))
+    watcher = Watcher(server, table, args.namespace)
+
+    async def watch(app: web.Application):
+        task = asyncio.create_task(watcher.run())
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    app = router.app()
+    app.cleanup_ctx.append(watch)
+    # handler_cancellation: a client that hangs up cancels its request, which closes the
+    # engine connection, and the engine aborts the generation and frees its KV cache.
+    logging.getLogger("kaon.router").info("listening on http://%s:%d", args.host, args.port)
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, print=None)
+    return 0

@@ -1,0 +1,73 @@
+"""The router's Prometheus metrics.
+
+Counters and histograms are updated per request. Gauges are read from the router's live
+state at scrape time instead, so a pod or InferenceService that is gone leaves no stale series.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
+
+SERVICE_LABELS = ("namespace", "inferenceservice")
+# The issue's goal is < 2 ms added at P99: resolution below and around it.
+ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
+                         0.1, 0.25, 1.0)
+
+
+class _LiveState:
+    def __init__(self, table: EndpointTable, inflight: Mapping[Endpoint, int],
+                 held: Callable[[], Mapping[ServiceKey, int]]):
+        self.table, self.inflight, self.held = table, inflight, held
+
+    def collect(self):
+        pods = GaugeMetricFamily("kaon_router_pod_inflight_requests", "Requests in flight to each engine pod",
+                                 labels=[*SERVICE_LABELS, "pod"])
+        services = GaugeMetricFamily("kaon_router_inflight_requests",
+                                     "Requests in flight to each InferenceService", labels=SERVICE_LABELS)
+        ready = GaugeMetricFamily("kaon_router_ready_endpoints", "Ready engine pods the router sends to",
+                                  labels=SERVICE_LABELS)
+        held = GaugeMetricFamily("kaon_router_held_requests",
+                                 "Requests waiting for a ready pod (the InferenceService has none: scale from zero)",
+                                 labels=SERVICE_LABELS)
+        per_service: dict[ServiceKey, int] = {}
+        targets = {e: 0 for s in self.table.services() for e in self.table.endpoints(s.key)}
+        targets.update(self.inflight)  # a pod that left the table may still finish streams
+        for e, count in targets.items():
+            pods.add_metric([e.namespace, e.service, e.pod], count)
+            key = ServiceKey(e.namespace, e.service)
+            per_service[key] = per_service.get(key, 0) + count
+        for s in self.table.services():
+            per_service.setdefault(s.key, 0)
+            ready.add_metric(list(s.key), len(self.table.endpoints(s.key)))
+        for key, count in per_service.items():
+            services.add_metric(list(key), count)
+        waiting = self.held()
+        for s in self.table.services():
+            held.add_metric(list(s.key), waiting.get(s.key, 0))
+        return [pods, services, ready, held]
+
+
+class RouterMetrics:
+    """One registry per router, so that tests can run several side by side."""
+
+    def __init__(self, table: EndpointTable, inflight: Mapping[Endpoint, int],
+                 held: Callable[[], Mapping[ServiceKey, int]]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kaon_router_requests", "Requests answered, by status code",
+                                [*SERVICE_LABELS, "code"], registry=self.registry)
+        self.retries = Counter("kaon_router_retries", "Requests sent to another pod after a failed connection",
+                               SERVICE_LABELS, registry=self.registry)
+        self.added_latency = Histogram(
+            "kaon_router_added_latency_seconds",
+            "Time the router adds: arrival to the upstream request being sent (minus time held), "
+            "plus passing the response headers on", buckets=ADDED_LATENCY_BUCKETS, registry=self.registry)
+        self.held_seconds = Histogram("kaon_router_held_seconds", "Time requests waited for a ready pod",
+                                      SERVICE_LABELS, registry=self.registry)
+        self.registry.register(_LiveState(table, inflight, held))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

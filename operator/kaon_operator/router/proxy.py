@@ -1,0 +1,258 @@
+"""The HTTP edge: an aiohttp server that forwards OpenAI requests to engine pods.
+
+Per request: read the body, take `model` from it, find the InferenceService serving that
+name, hold the request while the service has no ready pod, pick the pod with the fewest
+requests in flight, and relay the response as it arrives (SSE streams chunk by chunk),
+with the engine's status, headers and body unchanged. A connection that fails before the
+request went out is retried on another pod, and the pod backs off.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kaon_operator.router import errors
+from kaon_operator.router.balance import Backoff, candidates, pick
+from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
+from kaon_operator.router.errors import RouterError
+from kaon_operator.router.hold import Hold, HoldFull
+from kaon_operator.router.metrics import RouterMetrics
+
+logger = logging.getLogger("kaon.router")
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "trailers", "transfer-encoding", "upgrade"})
+# The body is already read (and any 100-continue answered); aiohttp sets the length itself.
+NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
+# Headers aiohttp's client would add on its own; the engine gets the client's, or none.
+NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+# The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a
+# connection it is closing fails after it went out, which is not safe to retry: stay under.
+UPSTREAM_KEEPALIVE_S = 4.0
+# Errors raised before a single byte of the request was sent: safe to send elsewhere.
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    queue_timeout: float = 60.0
+    """Seconds a request waits for a ready pod of its InferenceService before a 503."""
+    max_queued: int = 100
+    """Requests that may wait per InferenceService; more get a 503 at once."""
+    backoff: float = 5.0
+    """Seconds a pod that failed to connect gets no new requests (unless no other pod is left)."""
+    connect_timeout: float = 3.0
+    max_attempts: int = 3
+    """Pods one request tries when connections fail."""
+    max_body_bytes: int = 4 << 20  # the engine's own default limit
+
+
+def requested_model(body: bytes) -> str:
+    """The `model` field of an OpenAI request body."""
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise errors.bad_request("the request body must be a JSON object")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.bad_request("`model` is required and must be a string", param="model")
+    return model
+
+
+def _forwarded(headers) -> CIMultiDict:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in NOT_FORWARDED)
+
+
+class Router:
+    """The gateway's state (in-flight counts, back-offs, held requests) and its aiohttp app."""
+
+    def __init__(self, table: EndpointTable, config: RouterConfig = RouterConfig(), rng: random.Random | None = None):
+        self.table = table
+        self.config = config
+        self.rng = rng or random.Random()
+        self.inflight: dict[Endpoint, int] = {}
+        self.backoff = Backoff(config.backoff)
+        self.hold = Hold(config.max_queued)
+        table.on_change = self.hold.notify
+        self.metrics = RouterMetrics(table, self.inflight, self.held)
+        self._session: aiohttp.ClientSession | None = None
+
+    def held(self) -> dict[ServiceKey, int]:
+        """Requests waiting per InferenceService because it has no ready pod: the autoscaler's
+        scale-from-zero signal (also the `kaon_router_held_requests` gauge)."""
+        return self.hold.held()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/{tail:.+}", self._forward)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.cleanup_ctx.append(self._upstream_session)
+        return app
+
+    async def _upstream_session(self, app: web.Application):
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=NO_AUTO_HEADERS,
+            cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to the next
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout))
+        yield
+        await self._session.close()
+
+    # forwarding ----------------------------------------------------------------
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        key: ServiceKey | None = None
+        relaying = False  # from then on the engine's status is the one counted
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise errors.too_large(self.config.max_body_bytes) from None
+            model = requested_model(body)
+            deadline = time.monotonic() + self.config.queue_timeout
+            tried: set[Endpoint] = set()
+            held = 0.0
+            while len(tried) < self.config.max_attempts:
+                key, target, waited = await self._choose(model, tried, deadline)
+                held += waited
+                dispatched = time.perf_counter()
+                upstream = await self._send(request, body, key, target, tried)
+                if upstream is not None:
+                    relaying = True
+                    return await self._relay(request, upstream, key, target, dispatched - arrival - held)
+            raise errors.upstream_unreachable(str(key), len(tried))
+        except RouterError as exc:
+            self._count(key, exc.status)
+            return exc.response()
+        except asyncio.CancelledError:
+            if not relaying:
+                self._count(key, 499)  # the client went away first (nginx's code for it)
+            raise
+
+    def _count(self, key: ServiceKey | None, status: int) -> None:
+        self.metrics.requests.labels(*(key or ("", "")), str(status)).inc()
+
+    async def _choose(self, model: str, tried: set[Endpoint], deadline: float) -> tuple[ServiceKey, Endpoint, float]:
+        """The service and pod for this attempt, and how long the request was held for it."""
+        held_since, was_held = time.monotonic(), False
+        while True:
+            key = self.table.resolve(model)
+            if key is None:
+                raise errors.model_not_found(model) if self.table.synced else errors.starting()
+            ready = self.table.endpoints(key)
+            now = time.monotonic()
+            usable = candidates(ready, tried, self.backoff.until, now)
+            if usable:
+                if was_held:
+                    self.metrics.held_seconds.labels(*key).observe(now - held_since)
+                return key, pick(usable, self.inflight, self.rng), now - held_since
+            if ready:  # every ready pod was tried by this request
+                raise errors.upstream_unreachable(str(key), len(tried))
+            if now >= deadline:
+                raise errors.no_ready_replica(model, str(key), self.config.queue_timeout)
+            was_held = True
+            try:
+                await self.hold.wait(key, deadline - now)
+            except HoldFull:
+                raise errors.queue_full(model, str(key), self.config.max_queued) from None
+
+    async def _send(self, request: web.Request, body: bytes, key: ServiceKey, target: Endpoint,
+                    tried: set[Endpoint]) -> aiohttp.ClientResponse | None:
+        """The upstream response (headers read), or None when the connection failed before
+        the request went out: the caller tries another pod."""
+        self.inflight[target] = self.inflight.get(target, 0) + 1
+        try:
+            return await self._session.request(
+                request.method, target.url + request.path_qs, data=body, headers=_forwarded(request.headers),
+                allow_redirects=False)
+        except CONNECT_ERRORS as exc:
+            self._release(target)
+            self.backoff.fail(target, time.monotonic())
+            tried.add(target)
+            self.metrics.retries.labels(*key).inc()
+            logger.warning("%s/%s: cannot connect (%s); backing off for %gs", target.namespace, target.pod, exc,
+                           self.config.backoff)
+            return None
+        except aiohttp.ClientError as exc:  # the request went out (perhaps in part): not safe to repeat
+            self._release(target)
+            self.backoff.fail(target, time.monotonic())
+            raise errors.upstream_failed(str(key), target.pod, str(exc) or type(exc).__name__) from None
+        except BaseException:
+            self._release(target)
+            raise
+
+    def _release(self, target: Endpoint) -> None:
+        left = self.inflight[target] - 1
+        if left:
+            self.inflight[target] = left
+        else:
+            del self.inflight[target]
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, key: ServiceKey,
+                     target: Endpoint, overhead: float) -> web.StreamResponse:
+        try:
+            async with upstream:  # releases the connection, or closes it when the body was not read to the end
+                received = time.perf_counter()
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=CIMultiDict(
+                    (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP))
+                await response.prepare(request)
+                self.metrics.added_latency.observe(overhead + time.perf_counter() - received)
+                self._count(key, upstream.status)
+                try:
+                    complete = await self._pump(upstream, response)
+                except ConnectionResetError:  # the client went away; closing the upstream aborts the request
+                    return response
+                if complete:
+                    await response.write_eof()
+                else:
+                    logger.warning("%s/%s broke off a response", target.namespace, target.pod)
+                    self.backoff.fail(target, time.monotonic())
+                    # Headers are out: the only way left to tell the client is an unfinished body.
+                    if request.transport is not None:
+                        request.transport.close()
+                return response
+        finally:
+            self._release(target)
+
+    @staticmethod
+    async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> bool:
+        """Copy the body as it arrives; False when the upstream broke off."""
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except aiohttp.ClientError:
+                return False
+            if not chunk:
+                return True
+            await response.write(chunk)
+
+    # the router's own endpoints --------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": s.served_name, "object": "model", "created": s.created, "owned_by": "kaon"}
+                for s in self.table.services()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok" if self.table.synced else "starting"},
+                                 status=200 if self.table.synced else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})

@@ -1,0 +1,569 @@
+"""The router: its pure decisions, then the real HTTP path against fake engines.
+
+The fake engines are small aiohttp servers on 127.0.0.1 ports that answer as the request
+body tells them (a quick completion, a stream held open until the test lets it go, a
+given status and body), so every case is deterministic. The endpoint table is fed by hand
+here; tests/test_router_k8s.py feeds it from a real apiserver.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from itertools import cycle
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from kaon_operator import api, resources
+from kaon_operator.router.balance import Backoff, candidates, pick
+from kaon_operator.router.endpoints import ENGINE_POD_SELECTOR, Endpoint, EndpointTable, ServiceKey, endpoint
+from kaon_operator.router.errors import RouterError
+from kaon_operator.router.proxy import Router, RouterConfig, requested_model
+
+NS = "ns"
+
+
+def pod(name: str, service: str = "svc", *, port: int = 8000, ip: str | None = "127.0.0.1", ready: bool = True,
+        deleting: bool = False, namespace: str = NS, labels: dict | None = None) -> dict:
+    meta = {"name": name, "namespace": namespace, "labels": labels or resources.labels(service)}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIP"] = ip
+    return {"metadata": meta, "status": status,
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]}}
+
+
+def isvc(name: str, served_name: str | None = None, *, namespace: str = NS, created: str = "2026-01-01T00:00:00Z"):
+    model = {"uri": "builtin://smollm2-135m-instruct", **({"servedName": served_name} if served_name else {})}
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND,
+            "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
+            "spec": {"model": model}}
+
+
+def ep(name: str) -> Endpoint:
+    return Endpoint(NS, name, "svc", f"http://{name}:8000")
+
+
+# pure decisions ---------------------------------------------------------------------
+
+
+def test_pick_takes_the_least_loaded_and_breaks_ties_at_random():
+    a, b, c = ep("a"), ep("b"), ep("c")
+    rng = random.Random(0)
+    assert pick([a, b, c], {a: 3, b: 1, c: 2}, rng) == b
+    picks = Counter(pick([a, b, c], {a: 1}, rng).pod for _ in range(600))
+    assert set(picks) == {"b", "c"} and min(picks.values()) > 200, picks
+
+
+def test_candidates_skip_tried_and_backing_off_pods_unless_none_is_left():
+    a, b, c = ep("a"), ep("b"), ep("c")
+    backoff = Backoff(5.0)
+    backoff.fail(a, now=100.0)
+    assert candidates([a, b, c], set(), backoff.until, now=101.0) == [b, c]
+    assert candidates([a, b, c], {b, c}, backoff.until, now=101.0) == [a]  # backing off, but the only one left
+    assert candidates([a, b, c], set(), backoff.until, now=105.0) == [a, b, c]  # back-off over
+    assert candidates([a, b], {a, b}, backoff.until, now=101.0) == []
+    backoff.fail(b, now=200.0)
+    assert set(backoff.until) == {b}  # expired entries are forgotten
+
+
+def test_a_pod_is_an_endpoint_only_when_ready_with_an_ip_and_not_terminating():
+    assert endpoint(pod("p", port=9000)) == Endpoint(NS, "p", "svc", "http://127.0.0.1:9000")
+    assert endpoint(pod("p", ready=False)) is None
+    assert endpoint(pod("p", ip=None)) is None
+    assert endpoint(pod("p", deleting=True)) is None
+    assert endpoint(pod("p", ip="fd00::7")).url == "http://[fd00::7]:8000"
+    unnamed_port = pod("p")
+    unnamed_port["spec"]["containers"][0]["ports"] = []
+    assert endpoint(unnamed_port).url == f"http://127.0.0.1:{resources.HTTP_PORT}"
+
+
+def test_rendered_engine_pods_are_what_the_router_selects_and_addresses():
+    deployment = resources.deployment(resources.Owner("llama", NS, "uid"),
+                                      api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}}))
+    template = deployment["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    for term in ENGINE_POD_SELECTOR.split(","):
+        key, _, value = term.partition("=")
+        assert key in labels and (not value or labels[key] == value), (term, labels)
+    rendered = {"metadata": {"name": "llama-0", "namespace": NS, "labels": labels}, "spec": template["spec"],
+                "status": {"podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert endpoint(rendered) == Endpoint(NS, "llama-0", "llama", f"http://10.0.0.9:{resources.HTTP_PORT}")
+
+
+def test_table_follows_pod_events_and_relists():
+    changed: list[ServiceKey] = []
+    table = EndpointTable(on_change=changed.append)
+    key = ServiceKey(NS, "svc")
+    table.apply_pod("ADDED", pod("b", ready=False))
+    assert table.endpoints(key) == () and changed == []  # nothing routable changed
+    table.apply_pod("MODIFIED", pod("b"))
+    table.apply_pod("ADDED", pod("a"))
+    assert [e.pod for e in table.endpoints(key)] == ["a", "b"] and changed == [key, key]
+    table.apply_pod("MODIFIED", pod("a", deleting=True))
+    assert [e.pod for e in table.endpoints(key)] == ["b"]
+    table.apply_pod("DELETED", pod("a", deleting=True))
+    table.apply_pod("ADDED", pod("x", namespace="other"))
+    # A relist of one namespace: what it lacks is gone there, other namespaces are untouched.
+    table.replace_pods(NS, [pod("c"), pod("d", ready=False)])
+    assert [e.pod for e in table.endpoints(key)] == ["c"]
+    assert [e.pod for e in table.endpoints(ServiceKey("other", "svc"))] == ["x"]
+    table.replace_pods(None, [])
+    assert table.endpoints(key) == () and table.endpoints(ServiceKey("other", "svc")) == ()
+    # A pod relabelled to another InferenceService moves there.
+    table.apply_pod("ADDED", pod("m", "one"))
+    table.apply_pod("MODIFIED", pod("m", "two"))
+    assert table.endpoints(ServiceKey(NS, "one")) == () and len(table.endpoints(ServiceKey(NS, "two"))) == 1
+
+
+def test_served_names_default_to_the_name_and_the_oldest_service_keeps_a_contested_one():
+    table = EndpointTable()
+    table.apply_service("ADDED", isvc("smollm2"))
+    table.apply_service("ADDED", isvc("llama", "llama-3", created="2026-01-02T00:00:00Z"))
+    table.apply_service("ADDED", isvc("llama", "llama-3", namespace="a", created="2026-01-03T00:00:00Z"))
+    assert table.resolve("smollm2") == ServiceKey(NS, "smollm2")
+    assert table.resolve("llama-3") == ServiceKey(NS, "llama")  # the older one
+    assert table.resolve("llama") is None
+    table.apply_service("DELETED", isvc("llama", "llama-3"))
+    assert table.resolve("llama-3") == ServiceKey("a", "llama")
+    table.replace_services(None, [isvc("new")])
+    assert [s.served_name for s in table.services()] == ["new"]
+
+
+def test_requested_model_refuses_what_is_not_an_openai_request():
+    assert requested_model(b'{"model": "m", "prompt": "x"}') == "m"
+    for body, fragment in [(b"{not json", "not valid JSON"), (b"[1]", "JSON object"), (b"\xff", "not valid JSON"),
+                           (b'{"prompt": "x"}', "`model` is required"), (b'{"model": 3}', "`model` is required")]:
+        with pytest.raises(RouterError) as err:
+            requested_model(body)
+        assert err.value.status == 400 and fragment in err.value.message, body
+
+
+# the HTTP path against fake engines ----------------------------------------------------
+
+
+class FakeEngine:
+    """An engine stand-in on a real port. The request body says what to do:
+    `prompt: "long"` streams one event, then holds until `release` is set; `prompt: "gated"`
+    streams `events`, each after its gate opens; `prompt: "broken"` dies after one event;
+    `fake: {status, body, headers}` answers
+    exactly that; anything else is a quick JSON completion naming this engine."""
+
+    def __init__(self, name: str, events: list[bytes] = ()):
+        self.name = name
+        self.longs = 0
+        self.quick = 0
+        self.release = asyncio.Event()
+        self.events = list(events)
+        self.gates = [asyncio.Event() for _ in self.events]
+        self.finished = False
+        self.aborted = False
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_post("/v1/{tail:.+}", self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if "fake" in body:
+            fake = body["fake"]
+            return web.Response(status=fake["status"], body=fake["body"].encode(), headers=fake.get("headers"))
+        if body.get("prompt") == "long":
+            self.longs += 1
+            return await self._stream(request, [b"data: started\n\n", b"data: [DONE]\n\n"], [self.release])
+        if body.get("prompt") == "broken":  # dies mid-stream
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b"data: partial\n\n")
+            request.transport.close()
+            return response
+        if body.get("prompt") == "gated":
+            return await self._stream(request, self.events, self.gates, wait_first=True)
+        self.quick += 1
+        return web.json_response({"object": "text_completion", "model": body["model"], "backend": self.name,
+                                  "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+
+    async def _stream(self, request, events, gates, wait_first=False) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            for i, event in enumerate(events):
+                if wait_first:
+                    await gates[i].wait()
+                await response.write(event)
+                if not wait_first and i < len(gates):
+                    await gates[i].wait()
+            await response.write_eof()
+            self.finished = True
+        except asyncio.CancelledError:
+            self.aborted = True
+            raise
+        return response
+
+
+@contextlib.asynccontextmanager
+async def serving(router: Router):
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+            yield client
+    finally:
+        await runner.cleanup()
+
+
+async def until(what: str, check, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+def routed(*engines: FakeEngine, service: str = "svc", served_name: str = "m", **config) -> Router:
+    table = EndpointTable()
+    table.apply_service("ADDED", isvc(service, served_name))
+    for engine in engines:
+        table.apply_pod("ADDED", pod(engine.name, service, port=engine.port))
+    table.synced = True
+    return Router(table, RouterConfig(**config), rng=random.Random(0))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def metric(text: str, name: str, **labels) -> float:
+    want = {k: str(v) for k, v in labels.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == want:
+                return sample.value
+    raise AssertionError(f"{name}{want} not in metrics:\n{text}")
+
+
+def round_robin(sequence: list[str], backends: int) -> list[int]:
+    """Where taking turns would put the long requests of `sequence`."""
+    counts = [0] * backends
+    for kind, backend in zip(sequence, cycle(range(backends))):
+        counts[backend] += kind == "long"
+    return counts
+
+
+def test_least_connections_spreads_long_requests_where_round_robin_piles_them_up():
+    # Each long request is followed by two quick ones: taking turns over three pods sends
+    # every long one to the same pod. Least connections counts what is in flight instead.
+    sequence = ["long", "quick", "quick"] * 6
+
+    async def scenario():
+        engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
+        router = routed(*engines)
+        async with serving(router) as client:
+            streams = []
+            for kind in sequence:
+                if kind == "long":
+                    before = sum(e.longs for e in engines)
+                    streams.append(asyncio.create_task(
+                        client.post("/v1/completions", json={"model": "m", "prompt": "long", "stream": True})))
+                    await until("the long request to arrive", lambda: sum(e.longs for e in engines) > before)
+                else:
+                    async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                        assert resp.status == 200
+                    await until("the quick request to finish", lambda: sum(router.inflight.values()) == len(streams))
+            spread = [e.longs for e in engines]
+            for e in engines:
+                e.release.set()
+            for task in streams:
+                async with await task as resp:
+                    assert await resp.read() == b"data: started\n\ndata: [DONE]\n\n"
+        for e in engines:
+            await e.stop()
+        return spread
+
+    spread = run(scenario())
+    piled = round_robin(sequence, 3)
+    assert sorted(spread) == [2, 2, 2], (
+        f"least connections put the 6 long requests as {spread}; round-robin would have put them as {piled}")
+    assert sorted(piled) == [0, 0, 6]
+
+
+def test_streams_pass_through_chunk_by_chunk_unchanged():
+    events = [b'data: {"choices":[{"text":"' + word.encode() + b'"}]}\n\n' for word in ("Once", " upon", " a", " time")]
+    events.append(b"data: [DONE]\n\n")
+
+    async def scenario():
+        engine = await FakeEngine("e0", events).start()
+        router = routed(engine)
+        async with serving(router) as client:
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "gated", "stream": True}) as resp:
+                assert resp.status == 200 and resp.headers["Content-Type"] == "text/event-stream"
+                assert resp.headers["Cache-Control"] == "no-cache"
+                received = b""
+                for i, event in enumerate(events):
+                    engine.gates[i].set()  # the engine writes this one chunk and waits for the next gate
+                    chunk = await resp.content.readexactly(len(event))
+                    assert chunk == event, i
+                    assert i == len(events) - 1 or not engine.finished, "arrived only after the engine finished"
+                    received += chunk
+                assert await resp.content.read() == b""
+        await engine.stop()
+        return received
+
+    assert run(scenario()) == b"".join(events)
+
+
+def test_status_codes_headers_and_error_bodies_pass_through_unchanged():
+    cases = [
+        (400, '{"error": {"message": "max_tokens is too large", "type": "invalid_request_error", '
+              '"param": "max_tokens", "code": null}}', {"Content-Type": "application/json"}),
+        (429, '{"error": {"message": "queue full", "type": "rate_limit_error", "param": null, "code": "queue_full"}}',
+         {"Content-Type": "application/json", "Retry-After": "1"}),
+        (503, '{"error": {"message": "draining", "type": "service_unavailable", "param": null, "code": "draining"}}',
+         {"Content-Type": "application/json", "Retry-After": "1"}),
+        (500, "Internal Server Error", {"Content-Type": "text/plain; charset=utf-8"}),
+        (201, '{"ok": true}', {"Content-Type": "application/json", "X-Request-Id": "abc"}),
+    ]
+
+    async def scenario():
+        engine = await FakeEngine("e0").start()
+        router = routed(engine)
+        async with serving(router) as client:
+            for status, body, headers in cases:
+                request = {"model": "m", "fake": {"status": status, "body": body, "headers": headers}}
+                async with client.post("/v1/chat/completions", json=request) as resp:
+                    assert resp.status == status
+                    assert await resp.read() == body.encode()
+                    for name, value in headers.items():
+                        assert resp.headers[name] == value, (status, name)
+            text = await (await client.get("/metrics")).text()
+        await engine.stop()
+        return text
+
+    text = run(scenario())
+    for status, *_ in cases:
+        assert metric(text, "kaon_router_requests_total", namespace=NS, inferenceservice="svc", code=status) == 1
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FirstOfTies(random.Random):
+    """Breaks ties towards the first pod by name, so the dead one is tried first."""
+
+    def choice(self, seq):
+        return seq[0]
+
+
+def test_a_dead_pod_is_skipped_the_request_succeeds_elsewhere_and_the_pod_backs_off():
+    async def scenario():
+        engine = await FakeEngine("b-live").start()
+        router = routed(engine, backoff=0.3)
+        router.rng = FirstOfTies()
+        router.table.apply_pod("ADDED", pod("a-dead", port=closed_port()))
+        async with serving(router) as client:
+            async def ask() -> dict:
+                async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                    assert resp.status == 200
+                    return await resp.json()
+
+            answers = [await ask() for _ in range(5)]
+            retries_during_backoff = metric(await (await client.get("/metrics")).text(), "kaon_router_retries_total",
+                                            namespace=NS, inferenceservice="svc")
+            await asyncio.sleep(0.35)  # the back-off is over: the dead pod is tried again, once
+            answers.append(await ask())
+            retries_after = metric(await (await client.get("/metrics")).text(), "kaon_router_retries_total",
+                                   namespace=NS, inferenceservice="svc")
+        await engine.stop()
+        return answers, retries_during_backoff, retries_after
+
+    answers, during, after = run(scenario())
+    assert all(a["backend"] == "b-live" for a in answers)
+    assert (during, after) == (1, 2)
+
+
+def test_only_dead_pods_is_a_502_not_a_hang():
+    async def scenario():
+        table = EndpointTable()
+        table.apply_service("ADDED", isvc("svc", "m"))
+        table.apply_pod("ADDED", pod("a", port=closed_port()))
+        table.apply_pod("ADDED", pod("b", port=closed_port()))
+        table.synced = True
+        async with serving(Router(table)) as client:
+            async with client.post("/v1/completions", json={"model": "m"}) as resp:
+                return resp.status, await resp.json()
+
+    status, body = run(scenario())
+    assert status == 502 and body["error"]["code"] == "upstream_unreachable", body
+    assert "2 tried" in body["error"]["message"]
+
+
+def test_a_request_for_a_service_without_ready_pods_is_held_until_one_appears():
+    async def scenario():
+        engine = await FakeEngine("e0").start()
+        router = routed(queue_timeout=10)  # the InferenceService exists, scaled to zero
+        key = ServiceKey(NS, "svc")
+        async with serving(router) as client:
+            request = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+            await until("the request to be held", lambda: router.held() == {key: 1})
+            text = await (await client.get("/metrics")).text()
+            assert metric(text, "kaon_router_held_requests", namespace=NS, inferenceservice="svc") == 1
+            assert metric(text, "kaon_router_ready_endpoints", namespace=NS, inferenceservice="svc") == 0
+            await asyncio.sleep(0.1)
+            assert not request.done()
+            router.table.apply_pod("ADDED", pod("e0", port=engine.port, ready=False))
+            await asyncio.sleep(0.05)
+            assert not request.done()  # not ready yet
+            router.table.apply_pod("MODIFIED", pod("e0", port=engine.port))
+            async with await request as resp:
+                status, body = resp.status, await resp.json()
+            held_after = router.held()
+            text = await (await client.get("/metrics")).text()
+        await engine.stop()
+        return status, body, held_after, text
+
+    status, body, held_after, text = run(scenario())
+    assert status == 200 and body["backend"] == "e0"
+    assert held_after == {}
+    assert metric(text, "kaon_router_held_requests", namespace=NS, inferenceservice="svc") == 0
+    assert metric(text, "kaon_router_held_seconds_count", namespace=NS, inferenceservice="svc") == 1
+
+
+def test_held_requests_time_out_with_a_clear_503_and_the_hold_is_bounded():
+    async def scenario():
+        router = routed(queue_timeout=0.4, max_queued=1)
+        async with serving(router) as client:
+            started = time.monotonic()
+            first = asyncio.create_task(client.post("/v1/completions", json={"model": "m"}))
+            await until("the first request to be held", lambda: router.held() == {ServiceKey(NS, "svc"): 1})
+            async with client.post("/v1/completions", json={"model": "m"}) as resp:
+                second = resp.status, await resp.json(), resp.headers.get("Retry-After"), time.monotonic() - started
+            async with await first as resp:
+                first = resp.status, await resp.json(), resp.headers.get("Retry-After"), time.monotonic() - started
+        return first, second
+
+    first, second = run(scenario())
+    status, body, retry_after, elapsed = first
+    assert status == 503 and retry_after == "1" and elapsed >= 0.4
+    assert body["error"]["type"] == "service_unavailable" and body["error"]["code"] == "no_ready_replica"
+    assert "no ready replica of InferenceService ns/svc (model `m`) within 0.4s" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    status, body, retry_after, elapsed = second
+    assert status == 503 and body["error"]["code"] == "queue_full" and elapsed < 0.3, (body, elapsed)
+    assert "1 requests already wait" in body["error"]["message"]
+
+
+def test_a_client_that_hangs_up_aborts_the_engine_request():
+    async def scenario():
+        engine = await FakeEngine("e0").start()
+        router = routed(engine)
+        async with serving(router) as client:
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": "long", "stream": True})
+            assert await resp.content.readexactly(len(b"data: started\n\n")) == b"data: started\n\n"
+            resp.close()  # drops the connection mid-stream
+            await until("the engine to see the hang-up", lambda: engine.aborted)
+            await until("the in-flight count to drop", lambda: not router.inflight)
+            text = await (await client.get("/metrics")).text()
+        await engine.stop()
+        return text
+
+    text = run(scenario())
+    assert metric(text, "kaon_router_pod_inflight_requests", namespace=NS, inferenceservice="svc", pod="e0") == 0
+
+
+def test_an_engine_dying_mid_stream_leaves_the_client_an_unfinished_body_not_a_clean_end():
+    async def scenario():
+        engine = await FakeEngine("e0").start()
+        router = routed(engine)
+        async with serving(router) as client:
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "broken"}) as resp:
+                assert resp.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.read()
+            await until("the in-flight count to drop", lambda: not router.inflight)
+        await engine.stop()
+        return router.backoff.until
+
+    backing_off = run(scenario())
+    assert [e.pod for e in backing_off] == ["e0"]
+
+
+def test_unknown_model_bad_json_models_health_and_metrics():
+    async def scenario():
+        engine = await FakeEngine("e0").start()
+        router = routed(engine, service="smollm2", served_name=None)
+        router.table.apply_service("ADDED", isvc("llama", "llama-3"))
+        out = {}
+        async with serving(router) as client:
+            for name, body in [("unknown", b'{"model": "gpt-4"}'), ("bad_json", b"{"),
+                               ("no_model", b'{"prompt": "x"}'), ("ok", b'{"model": "smollm2"}')]:
+                async with client.post("/v1/chat/completions", data=body,
+                                       headers={"Content-Type": "application/json"}) as resp:
+                    out[name] = resp.status, await resp.json()
+            for path in ("/v1/models", "/health", "/ready"):
+                async with client.get(path) as resp:
+                    out[path] = resp.status, await resp.json()
+            out["metrics"] = await (await client.get("/metrics")).text()
+            router.table.synced = False
+            async with client.post("/v1/completions", json={"model": "not-yet-known"}) as resp:
+                out["starting"] = resp.status, await resp.json()
+        await engine.stop()
+        return out
+
+    out = run(scenario())
+    status, body = out["unknown"]
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    assert "`gpt-4`" in body["error"]["message"]
+    assert out["bad_json"][0] == 400 and "not valid JSON" in out["bad_json"][1]["error"]["message"]
+    assert out["no_model"][0] == 400 and out["no_model"][1]["error"]["param"] == "model"
+    assert out["ok"][0] == 200 and out["ok"][1]["backend"] == "e0"
+    status, models = out["/v1/models"]
+    assert status == 200 and [m["id"] for m in models["data"]] == ["llama-3", "smollm2"]
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    assert out["/health"][0] == 200 and out["/ready"][0] == 200
+    assert out["starting"][0] == 503 and out["starting"][1]["error"]["code"] == "router_starting"
+    text = out["metrics"]
+    assert metric(text, "kaon_router_requests_total", namespace="", inferenceservice="", code=404) == 1
+    assert metric(text, "kaon_router_requests_total", namespace="", inferenceservice="", code=400) == 2
+    assert metric(text, "kaon_router_requests_total", namespace=NS, inferenceservice="smollm2", code=200) == 1
+    assert metric(text, "kaon_router_added_latency_seconds_count") == 1
+    assert metric(text, "kaon_router_ready_endpoints", namespace=NS, inferenceservice="smollm2") == 1
+    assert metric(text, "kaon_router_inflight_requests", namespace=NS, inferenceservice="smollm2") == 0
+    assert metric(text, "kaon_router_pod_inflight_requests", namespace=NS, inferenceservice="smollm2", pod="e0") == 0
+
+
+def test_kaon_router_needs_neither_torch_nor_the_engine_runtime():
+    # The router runs from the operator image, which has no torch.
+    code = ("import sys; sys.modules['torch'] = None; "
+            "import kaon_operator.router.main, kaon_operator.router.watch; "
+            "assert not [m for m in sys.modules if m.startswith('kaon_runtime')]; "
+            "from kaon_runtime.cli import main; sys.exit(main(['router', '--help']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--queue-timeout" in result.stdout and "--max-queued" in result.stdout and "--backoff" in result.stdout
