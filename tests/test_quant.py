@@ -2,14 +2,19 @@
 quantize/dequantize error bounds, GGUF Q4_1 blocks taken bit for bit, module surgery."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
+from kaon_runtime.config import EngineConfig
+from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.kernels import quant_gemm
 from kaon_runtime.kernels.quant_gemm_ref import (dequantize_int4, dequantize_int8, pack_int4, unpack_int4,
                                                  w4a16_matmul_ref, w8a16_matmul_ref)
-from kaon_runtime.quant.fp8 import fp8_matmul_ref, quantize_fp8
+from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.fp8 import Fp8Linear, fp8_matmul_ref, quantize_fp8
 from kaon_runtime.quant.gguf import int4_from_q4_1
 from kaon_runtime.quant.int4 import Int4Linear, quantize_int4
 from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
@@ -131,10 +136,14 @@ def test_q4_1_blocks_load_bit_for_bit():
     gguf = pytest.importorskip("gguf")
     w = _weight(8, 96).numpy()
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)  # uint8 [rows, 3 blocks * 20 bytes]
-    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
     q = int4_from_q4_1(torch.from_numpy(np.array(raw)).view(8, -1, 20))
     assert q.group_size == 32
-    assert torch.equal(dequantize_int4(q.packed, q.scales, q.mins, 32), torch.from_numpy(expected))
+    assert torch.equal(dequantize_int4(q.packed, q.scales, q.mins, 32), expected)
+    # Our quantizer is Q4_1's min/max rule: from the dequantized weights it finds the same blocks again.
+    again = quantize_int4(expected, 32)
+    assert torch.equal(again.packed, q.packed) and torch.equal(again.scales, q.scales)
+    assert torch.equal(again.mins, q.mins)
 
 
 # ---- the runtime linears -------------------------------------------------------------
@@ -173,3 +182,64 @@ def test_fp8_reference_tracks_the_float_layer():
     x = torch.randn(4, 64, device=DEVICE)
     out = fp8_matmul_ref(x, qweight, scales)
     assert (out - linear(x)).norm() / linear(x).norm() < 0.05
+
+
+# ---- module surgery ------------------------------------------------------------------
+
+def _tiny_llama():
+    from kaon_runtime.config import ModelConfig
+    from kaon_runtime.models.llama import LlamaForCausalLM
+
+    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight_t.normal_()
+    return model
+
+
+# Relative error of two stacked projections with uniform random weights: 4 bits leave ~7% per matmul.
+@pytest.mark.parametrize("method,kind,tolerance", [("int8", Int8Linear, 0.02), ("int4", Int4Linear, 0.25),
+                                                   ("fp8", Fp8Linear, 0.1)])
+def test_surgery_swaps_every_projection_and_nothing_else(method, kind, tolerance):
+    model = _tiny_llama()
+    float_mlp = copy.deepcopy(model.model.layers[1].mlp)
+    head, embed = model.lm_head.weight_t.clone(), model.model.embed_tokens.weight.clone()
+    swapped = quantize_model(model, method)
+    assert sorted(swapped) == sorted(f"model.layers.{i}.{p}" for i in range(2) for p in
+                                     ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert all(isinstance(model.get_submodule(name), kind) for name in swapped)
+    # The vocabulary head and the embedding stay as they were, in full precision.
+    assert torch.equal(model.lm_head.weight_t, head) and torch.equal(model.model.embed_tokens.weight, embed)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected, got = float_mlp(x), model.model.layers[1].mlp(x)
+    assert (got - expected).norm() / expected.norm() < tolerance
+
+
+def test_surgery_takes_prequantized_int4_weights_as_given():
+    model = _tiny_llama()
+    name = "model.layers.0.mlp.down_proj"
+    given = quantize_int4(torch.randn(64, 96), 32)
+    quantize_model(model, "int4", prequantized={name: given})
+    assert model.get_submodule(name).packed is given.packed
+    with pytest.raises(ValueError, match="does not fit"):
+        quantize_model(_tiny_llama(), "int4", prequantized={name: quantize_int4(torch.randn(64, 64), 32)})
+
+
+def test_fuse_rows_stacks_shards_like_load_weights():
+    model = _tiny_llama()
+    parts = {p: torch.full((rows, 2), i) for i, (p, rows) in enumerate([("q", 64), ("k", 32), ("v", 32)])}
+    fused = model.fuse_rows([(f"model.layers.0.self_attn.{p}_proj.weight", t) for p, t in parts.items()] +
+                            [("model.layers.1.mlp.gate_proj.weight", torch.zeros(96, 2))])  # up is missing
+    assert list(fused) == ["model.layers.0.self_attn.qkv_proj.weight"]
+    assert torch.equal(fused["model.layers.0.self_attn.qkv_proj.weight"], torch.cat(list(parts.values())))
+
+
+def test_unknown_methods_are_refused():
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        quantize_model(_tiny_llama(), "int3")
+    with pytest.raises(InvalidRequestError, match="quantization must be one of none, int8, int4, fp8"):
+        EngineConfig(quantization="int3")

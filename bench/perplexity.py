@@ -1,0 +1,106 @@
+"""Perplexity of the bundled SmolLM2 on a fixed text, for each weight quantization.
+
+The bundled GGUF is itself Q4_1, so the baseline "none" is that Q4_1 model dequantized to
+float32. "int4" then takes the very same Q4_1 blocks (the engine's path for this file),
+so it can only differ by float rounding; the int4 rows "requantized" quantize the
+dequantized float weights afresh, which is what int4 does to a float (HF) checkpoint.
+
+The text (bench/data/perplexity_sample.txt) is split into non-overlapping windows; each
+window's first token is context only. Besides perplexity, "top-1 agree" is the share of
+positions whose most likely next token equals the baseline's.
+
+Usage: python bench/perplexity.py [--methods none int8 int4 fp8 int4-g32 int4-g64] [--window 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "runtime"))
+
+from kaon_runtime import LLM  # noqa: E402
+from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk  # noqa: E402
+from kaon_runtime.quant import quantize_model  # noqa: E402
+
+TEXT = ROOT / "bench" / "data" / "perplexity_sample.txt"
+ENGINE_METHODS = ("none", "int8", "int4", "fp8")
+REQUANTIZED = {"int4-g32": 32, "int4-g64": 64}  # int4 from the float weights, by group size
+
+
+@torch.inference_mode()
+def window_scores(runner, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """Summed negative log-likelihood of ids[1:] given the prefix, and the argmax at each position.
+
+    The window runs as one prefill chunk over blocks 0..n of the idle engine's KV pool.
+    """
+    n = len(ids)
+    device = runner.device
+    blocks = torch.arange(-(-n // runner.block_size), device=device)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device), prefills=[PrefillChunk(0, n, n, blocks)])
+    tokens = torch.tensor(ids, device=device)
+    hidden = runner.model(tokens, torch.arange(n, device=device), meta)
+    logits = runner.model.compute_logits(hidden[:-1])
+    nll = torch.nn.functional.cross_entropy(logits, tokens[1:], reduction="sum")
+    return nll.item(), logits.argmax(dim=-1).cpu()
+
+
+def score(runner, windows: list[list[int]]) -> tuple[float, torch.Tensor]:
+    total, predictions = 0.0, []
+    for ids in windows:
+        nll, top1 = window_scores(runner, ids)
+        total += nll
+        predictions.append(top1)
+    count = sum(len(w) - 1 for w in windows)
+    return math.exp(total / count), torch.cat(predictions)
+
+
+def build_runner(method: str):
+    engine_method = method if method in ENGINE_METHODS else "none"
+    runner = LLM(show_progress=False, device="cpu", dtype="float32", quantization=engine_method).engine.runner
+    if method in REQUANTIZED:
+        quantize_model(runner.model, "int4", group_size=REQUANTIZED[method])
+    return runner
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=[*ENGINE_METHODS, *REQUANTIZED],
+                        choices=[*ENGINE_METHODS, *REQUANTIZED])
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    float_llm = LLM(show_progress=False, device="cpu", dtype="float32")
+    ids = float_llm.tokenizer.encode(TEXT.read_text())
+    windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
+    windows = [w for w in windows if len(w) > 1]
+    print(f"text: {TEXT.relative_to(ROOT)}, {len(ids)} tokens in {len(windows)} windows of up to {args.window}")
+    print('baseline "none": the bundled Q4_1 GGUF dequantized to float32; all compute in float32 on CPU\n')
+
+    base_ppl, base_top1 = score(float_llm.engine.runner, windows)
+    rows = []
+    print(f"{'method':<10} {'perplexity':>10} {'vs none':>9} {'top-1 agree':>12}")
+    for method in args.methods:
+        runner = float_llm.engine.runner if method == "none" else build_runner(method)
+        ppl, top1 = (base_ppl, base_top1) if method == "none" else score(runner, windows)
+        increase = ppl / base_ppl - 1
+        agree = (top1 == base_top1).float().mean().item()
+        rows.append(dict(method=method, perplexity=ppl, relative_increase=increase, top1_agreement=agree))
+        print(f"{method:<10} {ppl:>10.4f} {increase:>+8.2%} {agree:>12.2%}")
+        del runner
+    if args.json:
+        args.json.write_text(json.dumps(dict(machine=platform.processor() or platform.machine(), tokens=len(ids),
+                                             window=args.window, results=rows), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
