@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build-control-plane.sh"
 KWOK_STAGES = HERE / "kwok-stages.yaml"
 FAKE_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
-SERVICE_CIDR = "10.0.0.0/24"  # bookkeeping for Services only; nothing connects to it
+SERVICE_CIDR = "10.96.0.0/16"  # bookkeeping for Services only (room for thousands); nothing connects to it
 POD_CIDR = "127.1.0.1/16"  # loopback, so a real process can listen on a fake pod's IP
 
 

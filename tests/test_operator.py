@@ -184,6 +184,19 @@ def test_more_gpus_than_any_node_has_is_degraded_unschedulable(cluster):
     assert any(r == "Recovered" for _, r, _m in cluster.events("huge"))
 
 
+def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
+    cluster.kubectl("create", "quota", "no-services", "--hard=services=0")
+    cluster.kubectl("apply", "-f", "-", input=isvc("quota"))
+    degraded = wait_for("Degraded", lambda: cluster.condition("quota", "Degraded").get("status") == "True"
+                        and cluster.condition("quota", "Degraded"))
+    assert degraded["reason"] == "ApplyFailed" and "services" in degraded["message"], degraded
+    assert ("Warning", "ApplyFailed") in [(t, r) for t, r, _m in cluster.events("quota")]
+    cluster.kubectl("delete", "quota", "no-services")
+    wait_for("the Service after the retry", lambda: cluster.get("service", "quota"), timeout=40)
+    wait_for("Ready and not Degraded", lambda: cluster.ready("quota") and
+             cluster.condition("quota", "Degraded").get("status") == "False")
+
+
 @pytest.mark.parametrize("image, reason", [("kwok-fail/crashloop:1", "CrashLoopBackOff"),
                                            ("kwok-fail/image-pull:1", "ImagePullBackOff")])
 def test_failing_pods_make_it_degraded_with_the_kubelet_reason(cluster, image, reason):

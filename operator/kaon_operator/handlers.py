@@ -15,6 +15,7 @@ updates of one InferenceService are serialised by a lock), except the async scra
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 import aiohttp
 import kopf
 import pydantic
+from kubernetes.client.rest import ApiException
 from prometheus_client import Histogram
 
 from kaon_operator import api, autoscaler, changes, resources, scraper, status
@@ -33,6 +35,7 @@ from kaon_operator.kube import Kube, NamespaceTerminating
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
 INSTANCE_LABEL = "kaon.dev/inferenceservice"
 ENGINE_CHILD = {INSTANCE_LABEL: kopf.PRESENT, "app.kubernetes.io/component": "engine"}
+APPLY_RETRY_SECONDS = 10
 CHILD_KINDS = (("apps", "v1", "deployments"), ("", "v1", "services"), ("policy", "v1", "poddisruptionbudgets"))
 
 RECONCILE_SECONDS = Histogram("kaon_operator_reconcile_seconds", "Time to apply one InferenceService's children",
@@ -110,6 +113,13 @@ def _apply_children(state: State, body, spec: api.InferenceServiceSpec) -> list[
         return [state.kube.apply(manifest) for manifest in resources.render(owner, spec)]
 
 
+def _api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return f"{exc.status} {exc.reason}"
+
+
 def _parse(spec) -> api.InferenceServiceSpec | str:
     try:
         return api.InferenceServiceSpec.model_validate(dict(spec))
@@ -132,6 +142,14 @@ def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo
         children = _apply_children(state, body, spec)
     except NamespaceTerminating:
         return  # the InferenceService goes with its namespace
+    except ApiException as exc:
+        # Say why in the status and an Event, then let kopf retry: quotas, admission webhooks
+        # or a full Service IP range are fixed outside the spec.
+        message = f"applying the children failed: {_api_message(exc)}"
+        with state.locks[key]:
+            _write_status(state, body, key, status.apply_failed_conditions(message), list(engine_pods.get(key, ())),
+                          spec, applied=False)
+        raise kopf.TemporaryError(message, delay=APPLY_RETRY_SECONDS) from None
     if reason == "create":
         _post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])

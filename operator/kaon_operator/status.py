@@ -143,6 +143,12 @@ def invalid_spec_conditions(message: str) -> list[dict]:
             _condition("Degraded", True, "InvalidSpec", message)]
 
 
+def apply_failed_conditions(message: str) -> list[dict]:
+    return [_condition("Ready", False, "ApplyFailed", message),
+            _condition("Progressing", True, "Reconciling", "retrying"),
+            _condition("Degraded", True, "ApplyFailed", message)]
+
+
 def stamp(new: list[dict], old: list[dict], now: datetime, generation: int) -> list[dict]:
     """Carry lastTransitionTime over when a condition's status did not change."""
     before = {c["type"]: c for c in old}
