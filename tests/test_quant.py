@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import MODEL
+from test_triton_engine import tiny_llama  # noqa: F401  (a fixture)
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.errors import InvalidRequestError
@@ -298,3 +299,18 @@ def test_int4_takes_the_gguf_q4_1_blocks_bit_for_bit(llm):
     prompts = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
     assert ([o.outputs[0].token_ids for o in int4.chat(prompts, params, use_tqdm=False)] ==
             [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_on_the_triton_kernels_generates_the_torch_tokens(tiny_llama, monkeypatch, method):
+    # A tiny random Llama keeps the interpreter's cost low; its logits are spread far from ties.
+    def generate():
+        llm = LLM(tiny_llama, show_progress=False, device="cpu", dtype="float32", quantization=method)
+        outputs = llm.generate([list(range(300, 340)), [7, 8, 9]],
+                               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    expected = generate()
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "triton")
+    assert generate() == expected
