@@ -164,3 +164,19 @@ def test_window_quantile_from_bucket_deltas_and_restarts():
     restarted = scraper.parse(engine_metrics_text(0, 0, [0.3] * 3, 3)).latency_buckets["ttft"]
     assert scraper.bucket_delta(restarted, after) == restarted
     assert scraper.add_buckets(window, restarted)[-1] == (math.inf, 103)
+
+
+def router_metrics_text(namespace: str, name: str, held: int) -> str:
+    """What a real kaon router serves on /metrics while it holds requests for a service without pods."""
+    from kaon_operator.router.endpoints import EndpointTable, ServiceKey
+    from kaon_operator.router.metrics import RouterMetrics
+
+    table = EndpointTable()
+    table.apply_service("ADDED", {"metadata": {"namespace": namespace, "name": name, "creationTimestamp":
+                                               "2026-01-01T00:00:00Z"}, "spec": {"model": {"uri": "builtin://x"}}})
+    return RouterMetrics(table, {}, lambda: {ServiceKey(namespace, name): held}).render().decode()
+
+
+def test_router_held_requests_parse_from_the_routers_own_exposition():
+    text = router_metrics_text("team-a", "llama", 3)
+    assert scraper.parse_router_held(text) == {("team-a", "llama"): 3.0}

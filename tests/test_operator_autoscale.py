@@ -13,9 +13,31 @@ import threading
 
 import pytest
 
+import json
+
+from e2e.control_plane import free_port
 from kaon_operator import resources
-from test_autoscaler import engine_metrics_text
+from test_autoscaler import engine_metrics_text, router_metrics_text
 from test_operator import Cluster, isvc, wait_for
+
+
+def serve_text(ip: str, port: int, text) -> http.server.ThreadingHTTPServer:
+    """A /metrics stand-in on (ip, port) answering text() on every GET, in a thread."""
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer((ip, port), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 class FakeEngines:
@@ -39,31 +61,13 @@ class FakeEngines:
             server.shutdown()
             server.server_close()
 
-    def _handler(self):
-        engines = self
-
-        class Metrics(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = engine_metrics_text(waiting=engines.waiting, running=min(engines.waiting, 4), ttfts=[],
-                                           finished=0).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-        return Metrics
-
     def _follow_pods(self) -> None:
         while not self._stop.wait(0.3):
             for pod in self.cluster.running_pods(self.name):
                 ip = pod["status"].get("podIP")
                 if ip and ip not in self.servers:
-                    server = http.server.ThreadingHTTPServer((ip, resources.HTTP_PORT), self._handler())
-                    threading.Thread(target=server.serve_forever, daemon=True).start()
-                    self.servers[ip] = server
+                    self.servers[ip] = serve_text(ip, resources.HTTP_PORT, lambda: engine_metrics_text(
+                        waiting=self.waiting, running=min(self.waiting, 4), ttfts=[], finished=0))
 
 
 AUTOSCALED = {"replicas": 1, "autoscaling": {
@@ -102,3 +106,26 @@ def test_a_burst_scales_up_with_an_event_and_quiet_scales_back_down(cluster):
         assert not [m for _, r, m in cluster.events("auto") if m.endswith("(spec.replicas)")]
     described = cluster.kubectl("describe", "infsvc", "auto").stdout
     assert "Scaled up 1 → 3" in described and "Scaled down 4 → 2" in described
+
+
+def test_requests_held_by_the_router_bring_a_service_up_from_zero(cluster):
+    spec = {"replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
+                                           "scaleToZeroIdleSeconds": 60}}
+    cluster.kubectl("apply", "-f", "-", input=isvc("zero", **spec))
+    wait_for("ScaledToZero", lambda: cluster.condition("zero", "Ready").get("reason") == "ScaledToZero")
+    port = free_port()
+    router_pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "router", "labels": {
+        "app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "router"}},
+        "spec": {"containers": [{"name": "router", "image": "kaon", "ports": [{"name": "http", "containerPort": port}]}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(router_pod))
+    ip = wait_for("the router pod's IP", lambda: (cluster.get("pod", "router") or {}).get("status", {}).get("podIP"))
+    held = {"count": 0}
+    server = serve_text(ip, port, lambda: router_metrics_text(cluster.ns, "zero", held["count"]))
+    try:
+        held["count"] = 2
+        wait_for("one replica", lambda: cluster.get("infsvc", "zero")["spec"]["replicas"] == 1, timeout=30)
+        assert "Scaled up 0 → 1: 2 requests waiting at the router" in [m for _, r, m in cluster.events("zero")]
+        wait_for("Ready", lambda: cluster.ready("zero"))
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -285,16 +285,38 @@ def _epoch(text: str | None) -> float | None:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
 
 
-async def _scrape(pods: list[status.PodSummary]) -> dict[str, scraper.PodMetrics]:
-    ready = [p for p in pods if p.ready and not p.terminating and p.ip]
+ROUTER_PODS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "router"}
+ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port named http wins
+
+
+@kopf.index("pods", labels=ROUTER_PODS)
+def router_pods(body: kopf.Body, **_) -> dict:
+    """Router pods, whose /metrics say which InferenceServices hold requests (scale from zero)."""
+    summary = status.summarize_pod(body)
+    ports = [p.get("containerPort") for c in body.spec.get("containers", []) for p in c.get("ports", [])
+             if p.get("name") == "http"]
+    return {"routers": (summary, ports[0] if ports else ROUTER_METRICS_PORT)}
+
+
+def _reachable(pods) -> list:
+    return [p for p in pods if p.ready and not p.terminating and p.ip]
+
+
+async def _scrape(engines: list[status.PodSummary], routers: list[tuple[status.PodSummary, int]]
+                  ) -> tuple[dict[str, scraper.PodMetrics], list[str]]:
+    ready = _reachable(engines)
+    routers = [(pod, port) for pod, port in routers if _reachable([pod])]
+    urls = [f"http://{p.ip}:{resources.HTTP_PORT}/metrics" for p in ready] + \
+        [f"http://{pod.ip}:{port}/metrics" for pod, port in routers]
     async with aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(scraper.fetch(
-            session, f"http://{p.ip}:{resources.HTTP_PORT}/metrics", SCRAPE_TIMEOUT_SECONDS) for p in ready))
-    return {p.name: m for p, m in zip(ready, results) if m is not None}
+        texts = await asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
+    engine_texts, router_texts = texts[:len(ready)], texts[len(ready):]
+    return ({p.name: scraper.parse(t) for p, t in zip(ready, engine_texts) if t is not None},
+            [t for t in router_texts if t is not None])
 
 
-def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], latency_metric: str, now: float
-            ) -> autoscaler.Sample:
+def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], router_texts: list[str],
+            latency_metric: str, now: float) -> autoscaler.Sample:
     """Sum the pods; P99 over the requests that finished since the previous scrape."""
     previous = state.latency.get(key, {})
     current = {pod: m.latency_buckets.get(latency_metric, ()) for pod, m in metrics.items()}
@@ -303,7 +325,8 @@ def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], latency_m
     return autoscaler.Sample(time=now, ready=len(metrics), queue_depth=sum(m.waiting for m in metrics.values()),
                              running=sum(m.running for m in metrics.values()),
                              p99_seconds=scraper.quantile(window, 0.99),
-                             requests_total=sum(m.requests_total for m in metrics.values()))
+                             requests_total=sum(m.requests_total for m in metrics.values()),
+                             held_by_router=sum(scraper.parse_router_held(t).get(key, 0.0) for t in router_texts))
 
 
 def _observed(sample: autoscaler.Sample, metrics: dict[str, scraper.PodMetrics]) -> dict:
@@ -314,15 +337,15 @@ def _observed(sample: autoscaler.Sample, metrics: dict[str, scraper.PodMetrics])
 
 
 async def autoscale(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, engine_pods: kopf.Index,
-                    **_) -> None:
+                    router_pods: kopf.Index, **_) -> None:
     """One tick: scrape the ready pods, extend the history, ask the policy, act on a change."""
     state, key = _state(memo), (namespace, name)
     spec = _parse(body["spec"])
     if isinstance(spec, str):
         return
     now = time.time()
-    metrics = await _scrape(list(engine_pods.get(key, ())))
-    sample = _sample(state, key, metrics, spec.autoscaling.latency_metric, now)
+    metrics, router_texts = await _scrape(list(engine_pods.get(key, ())), list(router_pods.get("routers", ())))
+    sample = _sample(state, key, metrics, router_texts, spec.autoscaling.latency_metric, now)
     history = state.history[key]
     history.append(sample)
     del history[:sum(s.time < now - HISTORY_SECONDS for s in history)]

@@ -16,6 +16,8 @@ import aiohttp
 LATENCY_METRICS = {"ttft": "kaon_time_to_first_token_seconds", "e2e": "kaon_e2e_request_latency_seconds"}
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)', re.M)
 _LE = re.compile(r'le="([^"]+)"')
+_HELD = re.compile(r'^kaon_router_held_requests\{([^}]*)\}\s+(\S+)', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,15 @@ def parse(text: str) -> PodMetrics:
                       running=gauges.get("kaon_num_requests_running", 0.0),
                       kv_cache_usage=gauges.get("kaon_kv_cache_usage_ratio", 0.0), requests_total=requests,
                       latency_buckets={k: tuple(sorted(v)) for k, v in buckets.items() if v})
+
+
+def parse_router_held(text: str) -> dict[tuple[str, str], float]:
+    """A router's requests held per (namespace, InferenceService): they wait for a first replica."""
+    held = {}
+    for labels, value in _HELD.findall(text):
+        named = dict(_LABEL.findall(labels))
+        held[(named.get("namespace", ""), named.get("inferenceservice", ""))] = float(value)
+    return held
 
 
 def bucket_delta(new: tuple[tuple[float, float], ...], old: tuple[tuple[float, float], ...]
@@ -83,12 +94,10 @@ def quantile(buckets: tuple[tuple[float, float], ...], q: float) -> float | None
     return prev_le
 
 
-async def fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> PodMetrics | None:
-    """One pod's metrics, or None when it does not answer in time (it is then left out)."""
+async def fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
+    """One pod's /metrics text, or None when it does not answer in time (it is then left out)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            if response.status != 200:
-                return None
-            return parse(await response.text())
+            return await response.text() if response.status == 200 else None
     except (aiohttp.ClientError, TimeoutError):
         return None
