@@ -18,10 +18,15 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else 64
 
 
+def _precision(dtype: torch.dtype) -> str:
+    # float32 activations get float32 products, not TF32's 10-bit mantissa; half types ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
                   stride_xm, stride_xk, stride_wn, stride_om,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -32,9 +37,8 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
                     mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None],
                     mask=(rn[None, :] < N) & (k[:, None] < K), other=0)
-        # int8 is exact in any float type, so multiplying x by the raw integers loses nothing;
-        # "ieee" keeps float32 activations out of TF32 (half types ignore the setting).
-        acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
+        # int8 is exact in any float type, so multiplying x by the raw integers loses nothing.
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
     out = acc * scale[None, :]
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out.to(out_ptr.dtype.element_ty),
@@ -44,7 +48,7 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K,
 @triton.jit
 def _w4a16_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
                   stride_xm, stride_xk, stride_wn, stride_gn, stride_om,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     HALF: tl.constexpr = GROUP // 2
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,7 +63,7 @@ def _w4a16_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
         # Low nibbles are the group's first half, high nibbles its second: two dots, no interleave.
         q_lo = (packed & 0xF).to(x_lo.dtype)
         q_hi = (packed >> 4).to(x_lo.dtype)
-        dots = tl.dot(x_lo, q_lo, input_precision="ieee") + tl.dot(x_hi, q_hi, input_precision="ieee")
+        dots = tl.dot(x_lo, q_lo, input_precision=PRECISION) + tl.dot(x_hi, q_hi, input_precision=PRECISION)
         # sum_k x (q d + m) = d (x . q) + m (sum x): scale and min apply once per group, not per weight.
         x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
         scale = tl.load(scale_ptr + rn * stride_gn + g, mask=col_ok, other=0.0).to(tl.float32)
@@ -80,7 +84,8 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
         block_m = _block_m(m)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
         _w8a16_kernel[grid](x, qweight, scales, out, m, n, k, x.stride(0), x.stride(1), qweight.stride(0),
-                            out.stride(0), BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+                            out.stride(0), BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+                            PRECISION=_precision(x.dtype))
     return out
 
 
@@ -102,5 +107,6 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
         block_m = _block_m(m)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
         _w4a16_kernel[grid](x, packed, scales, mins, out, m, n, k, x.stride(0), x.stride(1), packed.stride(0),
-                            scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N)
+                            scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+                            PRECISION=_precision(x.dtype))
     return out
