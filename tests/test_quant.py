@@ -3,6 +3,7 @@ quantize/dequantize error bounds, GGUF Q4_1 blocks taken bit for bit, module sur
 from __future__ import annotations
 
 import copy
+import typing
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.kernels import quant_gemm
 from kaon_runtime.kernels.quant_gemm_ref import (dequantize_int4, dequantize_int8, pack_int4, unpack_int4,
                                                  w4a16_matmul_ref, w8a16_matmul_ref)
+from kaon_runtime.quant import METHODS as QUANT_METHODS
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.fp8 import Fp8Linear, fp8_matmul_ref, quantize_fp8
 from kaon_runtime.quant.gguf import int4_from_q4_1
@@ -239,6 +241,16 @@ def test_fuse_rows_stacks_shards_like_load_weights():
                             [("model.layers.1.mlp.gate_proj.weight", torch.zeros(96, 2))])  # up is missing
     assert list(fused) == ["model.layers.0.self_attn.qkv_proj.weight"]
     assert torch.equal(fused["model.layers.0.self_attn.qkv_proj.weight"], torch.cat(list(parts.values())))
+
+
+def test_every_quantization_an_inferenceservice_may_ask_for_is_built():
+    from kaon_operator.api import ModelSpec
+    from kaon_runtime.cli import build_parser
+
+    for method in typing.get_args(ModelSpec.model_fields["quantization"].annotation):
+        args = build_parser().parse_args(["serve", "--quantization", method])
+        assert EngineConfig(quantization=args.quantization).quantization == method
+        assert method == "none" or method in QUANT_METHODS
 
 
 def test_unknown_methods_are_refused():
