@@ -273,7 +273,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about Kubernetes."
 NEAR_TIE_NATS = 1.0
 
 
-def _greedy(llm, max_tokens=12):
+def _greedy(llm, max_tokens=10):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)
     return [o.outputs[0] for o in llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params,
                                            use_tqdm=False)]
