@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 from pathlib import Path
 
@@ -97,8 +96,7 @@ def main() -> int:
         print(f"{method:<10} {ppl:>10.4f} {increase:>+8.2%} {agree:>12.2%}")
         del runner
     if args.json:
-        args.json.write_text(json.dumps(dict(machine=platform.processor() or platform.machine(), tokens=len(ids),
-                                             window=args.window, results=rows), indent=2))
+        args.json.write_text(json.dumps(dict(tokens=len(ids), window=args.window, results=rows), indent=2))
     return 0
 
 
