@@ -102,18 +102,21 @@ def test_the_router_identity_may_only_list_and_watch(crd, router_kubeconfig):
 
 def test_the_table_follows_pods_and_served_names(crd, namespace, router_kubeconfig):
     cluster = Cluster(crd, namespace)
-    llama, plain = ServiceKey(namespace, "llama"), ServiceKey(namespace, "plain")
+    # Served names are global (one gateway for every namespace), so they carry the namespace:
+    # other test modules leave InferenceServices called "llama" behind in terminating namespaces.
+    name, served, other = f"llama-{namespace}", f"llama-3-{namespace}", f"plain-{namespace}"
+    llama, plain = ServiceKey(namespace, name), ServiceKey(namespace, other)
 
     async def scenario():
         table, task = await watching(router_kubeconfig)
         try:
-            await cluster.apply(isvc("llama", "llama-3"))
-            await cluster.apply(isvc("plain"))
-            await until("served names", lambda: table.resolve("llama-3") == llama and table.resolve("plain") == plain)
-            assert table.resolve("llama") is None
+            await cluster.apply(isvc(name, served))
+            await cluster.apply(isvc(other))
+            await until("served names", lambda: table.resolve(served) == llama and table.resolve(other) == plain)
+            assert table.resolve(name) is None
 
-            await cluster.apply(engine_pod("llama-a", "llama"))
-            await cluster.apply(engine_pod("llama-router", "llama", component="router"))  # not an engine
+            await cluster.apply(engine_pod("llama-a", name))
+            await cluster.apply(engine_pod("llama-router", name, component="router"))  # not an engine
             await until("llama-a ready", lambda: pods_of(table, llama) == ["llama-a"])
             (a,) = table.endpoints(llama)
             host, port = a.url.removeprefix("http://").rsplit(":", 1)
@@ -124,8 +127,8 @@ def test_the_table_follows_pods_and_served_names(crd, namespace, router_kubeconf
             await cluster.set_ready("llama-a", True)
             await until("llama-a ready again", lambda: pods_of(table, llama) == ["llama-a"])
 
-            await cluster.apply(engine_pod("llama-b", "llama"))
-            await cluster.apply(engine_pod("plain-a", "plain"))
+            await cluster.apply(engine_pod("llama-b", name))
+            await cluster.apply(engine_pod("plain-a", other))
             await until("two llama pods", lambda: pods_of(table, llama) == ["llama-a", "llama-b"])
             await until("the plain pod", lambda: pods_of(table, plain) == ["plain-a"])
 
@@ -135,10 +138,10 @@ def test_the_table_follows_pods_and_served_names(crd, namespace, router_kubeconf
             # GET /v1/models of a router on this table (it answers itself, no pod is contacted).
             async with serving(Router(table)) as client, client.get("/v1/models") as resp:
                 names = {m["id"] for m in (await resp.json())["data"]}
-            assert {"llama-3", "plain"} <= names
+            assert {served, other} <= names
 
-            await cluster.kubectl("delete", "infsvc", "llama", "--wait=false")
-            await until("llama-3 unknown", lambda: table.resolve("llama-3") is None)
+            await cluster.kubectl("delete", "infsvc", name, "--wait=false")
+            await until("the served name unknown", lambda: table.resolve(served) is None)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
