@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS
+from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS, SPECULATIVE_METHODS
 from kaon_runtime.errors import KaonError
 
 DEMO_PROMPTS = [
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                      help="quantize the linear layers' weights at load time")
+    add_speculative_flags(gen)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--model", default=DEFAULT_MODEL)
     serve.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
@@ -56,11 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
     serve.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                        help="quantize the linear layers' weights at load time")
+    add_speculative_flags(serve)
     serve.add_argument("--log-level", default="info")
     sub.add_parser("operator", help="run the InferenceService operator (see `kaon operator --help`)", add_help=False)
     sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService "
                    "(see `kaon router --help`)", add_help=False)
     return parser
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default="none",
+                        help="speculative decoding: 'ngram' drafts by prompt lookup, 'draft' with a smaller model")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts verified per step")
+    parser.add_argument("--speculative-draft-model", help="the draft model (same tokenizer) for 'draft'")
+    parser.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram prompt lookup matches")
+    parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram prompt lookup matches")
+
+
+def speculative_options(args) -> dict:
+    return dict(speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_draft_model=args.speculative_draft_model, prompt_lookup_max=args.prompt_lookup_max,
+                prompt_lookup_min=args.prompt_lookup_min)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +104,8 @@ def _generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop)
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              **speculative_options(args))
     prompts = args.prompt or DEMO_PROMPTS
     start = time.perf_counter()
     if args.raw:

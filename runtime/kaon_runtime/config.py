@@ -7,6 +7,7 @@ from kaon_runtime.errors import InvalidRequestError, ModelLoadError
 
 DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclass(slots=True)
@@ -50,6 +51,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
     enable_prefix_caching: bool = True
     quantization: str = "none"  # weights of the linear layers: "none", "int8", "int4" or "fp8"
+    # Speculative decoding: "ngram" drafts by prompt lookup, "draft" with a smaller model of the same tokenizer.
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4  # drafts verified per step and sequence
+    speculative_draft_model: str | None = None  # model id of the draft model ("draft" only)
+    prompt_lookup_max: int = 4  # longest n-gram prompt lookup matches ("ngram" only)
+    prompt_lookup_min: int = 2  # shortest; shorter matches guess too often to pay for their verification
 
     def __post_init__(self):
         checks = [
@@ -70,6 +77,15 @@ class EngineConfig:
              f"unknown dtype {self.dtype!r}"),
             (self.quantization in QUANTIZATION_METHODS,
              f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}"),
+            (self.speculative_method in SPECULATIVE_METHODS,
+             f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative_method!r}"),
+            (self.num_speculative_tokens >= 1,
+             f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"),
+            ((self.speculative_method == "draft") == (self.speculative_draft_model is not None),
+             "speculative_draft_model is needed by, and only by, speculative_method 'draft'"),
+            (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+             f"{self.prompt_lookup_max}"),
         ]
         for ok, message in checks:
             if not ok:

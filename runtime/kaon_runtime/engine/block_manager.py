@@ -90,6 +90,19 @@ class BlockManager:
             seq.block_table.append(self._pop_free())
         return True
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the tail blocks beyond the sequence's computed tokens (rejected drafts' slots).
+
+        Such blocks never hold a full run of computed tokens, so they were never registered.
+        """
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, f"tail block {block_id} is shared or cached"
+            block.ref_count = 0
+            self._free.appendleft(block_id)  # first in line: the sequence likely takes it back next step
+        del seq.block_table[keep:]
+
     def commit(self, seq: Sequence) -> None:
         """Register the blocks that have filled up with computed tokens since the last call."""
         if not self.enable_prefix_caching:

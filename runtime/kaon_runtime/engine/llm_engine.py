@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.engine.block_manager import BlockManager
+from kaon_runtime.engine.draft_model import DraftModelDrafter
+from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
 from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.engine.scheduler import Scheduler
@@ -37,6 +39,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_draft_tokens: int = 0  # drafted tokens the target verified
+    spec_accepted_tokens: int = 0  # of those, how many it kept
 
 
 class LLMEngine:
@@ -52,10 +56,13 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings, capacity)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.drafter = _build_drafter(config, self.runner, show_progress)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._draft_tokens = 0
+        self._accepted_tokens = 0
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -74,7 +81,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is not None:
             for seq in request.seqs:
-                self.scheduler.finish(seq, "abort")
+                self._retire(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -83,32 +90,57 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
                            bm.prefix_hits, self.scheduler.num_preemptions, self._prompt_tokens,
-                           self._generation_tokens)
+                           self._generation_tokens, self._draft_tokens, self._accepted_tokens)
 
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One forward pass over a batch; returns the requests that progressed or finished."""
+        if self.drafter is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sampled_seqs, result = self.runner.execute(batch)
+        result = self.runner.execute(batch)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
+            # Drafts' K/V counts only once verified (below), so no block holding a rejected
+            # token is ever registered in the prefix cache.
+            seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
             self.block_manager.commit(seq)
         touched: dict[str, _Request] = {}
-        for row, seq in enumerate(sampled_seqs):
+        for row, seq in enumerate(result.seqs):
             request = self._requests[seq.request_id]
             touched[request.request_id] = request
             if request.pending_forks and seq.index == 0:
                 self._fork_siblings(request, seq)
-            self._append_token(request, seq, result.token_ids[row],
-                               result.logprobs[row] if result.logprobs is not None else None)
+            self._append_tokens(request, seq, result.token_ids[row],
+                                result.logprobs[row] if result.logprobs is not None else None)
         outputs = [self._output(r) for r in touched.values()]
         for output in outputs:
             if output.finished:
                 del self._requests[output.request_id]
         return outputs
+
+    def _propose_drafts(self) -> None:
+        seqs = [seq for seq in self.scheduler.running if seq.is_decoding]
+        limits = [draft_limit(seq, self.config.num_speculative_tokens, self.max_model_len) for seq in seqs]
+        for seq, draft in zip(seqs, self.drafter.propose(seqs, limits)):
+            seq.draft_token_ids, seq.draft_probs = draft.token_ids, draft.probs
+
+    def _append_tokens(self, request: _Request, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
+        """Append the kept drafts and the sampled token, stopping at the first that ends the sequence."""
+        num_drafts = len(seq.draft_token_ids)
+        seq.keep_drafts(0)
+        self._draft_tokens += num_drafts
+        self._accepted_tokens += len(tokens) - 1
+        for i, token in enumerate(tokens):
+            self._append_token(request, seq, token, logprobs[i] if logprobs is not None else None)
+            if seq.is_finished:
+                return
+        if num_drafts:
+            seq.num_computed_tokens = seq.num_tokens - 1  # the kept drafts' K/V was computed this step
+            self.block_manager.commit(seq)
+            self.block_manager.truncate(seq)  # the rejected drafts' slots
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprobs: dict | None) -> None:
         seq.token_ids.append(token)
@@ -120,7 +152,12 @@ class LLMEngine:
         detok.add(token)
         reason = self._finish_reason(seq, token, detok, before)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._retire(seq, reason)
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
 
     def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer, before: int) -> str | None:
         params = seq.params
@@ -203,3 +240,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{num_prompt + params.max_tokens} exceeds the context length of {limit} tokens")
+
+
+def _build_drafter(config: EngineConfig, runner: ModelRunner, show_progress: bool) -> Drafter | None:
+    if config.speculative_method == "ngram":
+        return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.speculative_method == "draft":
+        return DraftModelDrafter(config, runner, show_progress)
+    return None

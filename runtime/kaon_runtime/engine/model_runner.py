@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -11,7 +12,8 @@ from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, select_backend
-from kaon_runtime.layers.sampler import SampleResult, SamplingBatch, sample
+from kaon_runtime.layers.rejection import verify
+from kaon_runtime.layers.sampler import SamplingBatch, logprobs_of, sample
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
@@ -20,6 +22,15 @@ from kaon_runtime.quant.gguf import int4_from_q4_1
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(slots=True)
+class StepTokens:
+    """Per sequence that reached its end this step: the tokens it gains (kept drafts, then one sampled)."""
+
+    seqs: list[Sequence]
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]]] | None  # per sequence, one dict per gained token
 
 
 def pick_device(name: str) -> torch.device:
@@ -112,14 +123,48 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
-        """Run the batch; return the sequences that got a new token and the sampled tokens."""
+    def execute(self, batch: ScheduledBatch) -> StepTokens:
+        """Run the batch; return, per sequence that reached its end, its kept drafts and a new token."""
+        seqs, logits = self.forward(batch)
+        return self._sample(seqs, logits) if seqs else StepTokens([], [], None)
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Run the batch; return the sequences whose chunk reached their end and their logits.
+
+        A sequence with k drafts gets k + 1 consecutive rows: its last real token's, then each draft's.
+        """
         input_ids, positions, meta, sample_rows, sampling_seqs = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         if not sampling_seqs:
             return [], None
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return sampling_seqs, sample(logits, self._sampling_batch(sampling_seqs))
+        return sampling_seqs, self.model.compute_logits(hidden[sample_rows])
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepTokens:
+        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        num_logprobs = max(wanted) if wanted else None
+        tokens: list[list[int]] = [[] for _ in seqs]
+        logprobs = [[] for _ in seqs] if num_logprobs is not None else None
+        plain, plain_rows, row = [], [], 0
+        for i, seq in enumerate(seqs):
+            k = len(seq.draft_token_ids)
+            if k == 0:
+                plain.append(i)
+                plain_rows.append(row)
+            else:
+                rows = logits[row:row + k + 1]
+                tokens[i] = verify(rows, seq.draft_token_ids, seq.draft_probs, seq.params, self.generator(seq))
+                if logprobs is not None:
+                    emitted = torch.tensor(tokens[i], device=logits.device)
+                    logprobs[i] = logprobs_of(rows[:len(emitted)], emitted, num_logprobs)
+            row += k + 1
+        if plain:
+            result = sample(logits[plain_rows], self._sampling_batch([seqs[i] for i in plain], num_logprobs))
+            for j, i in enumerate(plain):
+                tokens[i] = [result.token_ids[j]]
+                if logprobs is not None:
+                    logprobs[i] = [result.logprobs[j]]
+        return StepTokens(seqs, tokens, logprobs)
 
     def _prepare(self, batch: ScheduledBatch):
         # Decodes (one new token) first so their rows form one batched attention call.
@@ -129,10 +174,12 @@ class ModelRunner:
         decode_tables, decode_lens, prefills, sample_rows, sampling_seqs = [], [], [], [], []
         for i in order:
             seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
+            # Drafts ride along like a short prefill chunk; their K/V counts only once verified.
+            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             table = seq.block_table[:-(-end // bs)]
             query_start = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if num_new == 1:
@@ -140,8 +187,8 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillChunk(query_start, num_new, end, self._tensor(table)))
-            if end == seq.num_tokens:  # the chunk reaches the end: its last logits pick a token
-                sample_rows.append(len(input_ids) - 1)
+            if end == len(tokens):  # the chunk reaches the end: its last logits pick a token
+                sample_rows.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
                 sampling_seqs.append(seq)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills,
                                  num_decode_tokens=len(decode_tables))
@@ -156,17 +203,19 @@ class ModelRunner:
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        for seq in seqs:
-            if seq.generator is None and seq.params.seed is not None:
-                seq.generator = torch.Generator(device=self.device)
-                # Mix in the completion index so seed s, choice 1 differs from seed s + 1, choice 0.
-                seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2 ** 63 - 1))
-        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    def generator(self, seq: Sequence) -> torch.Generator | None:
+        """The sequence's own seeded generator, made on first use; None draws from the global RNG."""
+        if seq.generator is None and seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            # Mix in the completion index so seed s, choice 1 differs from seed s + 1, choice 0.
+            seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2 ** 63 - 1))
+        return seq.generator
+
+    def _sampling_batch(self, seqs: list[Sequence], num_logprobs: int | None) -> SamplingBatch:
         return SamplingBatch(
             temperatures=[s.params.temperature for s in seqs],
             top_ks=[s.params.top_k for s in seqs],
             top_ps=[s.params.top_p for s in seqs],
-            generators=[s.generator for s in seqs],
-            num_logprobs=max(wanted) if wanted else None,
+            generators=[self.generator(s) for s in seqs],
+            num_logprobs=num_logprobs,
         )

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
 Every step has a token budget and a cap on running sequences. Running sequences go
-first (a decode costs one token, an unfinished prefill its next chunk), then waiting
-ones in arrival order. A sequence that finds no free block preempts the newest running
+first (a decode costs one token plus its speculative drafts, an unfinished prefill its
+next chunk), then waiting ones in arrival order. Drafts that do not fit the budget or the
+free blocks are dropped before anything else gives way. A sequence that finds no free block preempts the newest running
 sequence, which gives its blocks back and is recomputed later (its own prefix, still
 in the cache unless evicted, softens the cost). Before anyone is preempted, waiting sequences
 that hold blocks (forked siblings) give them back.
@@ -49,8 +50,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = _fit_drafts(seq, budget)
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                if seq.draft_token_ids:  # drafts are optional: drop them before taking blocks from anyone
+                    num_new = _fit_drafts(seq, 1)
+                    continue
                 if self._release_waiting_blocks():
                     continue
                 victim = self.running.pop()
@@ -115,6 +119,15 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.keep_drafts(0)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _fit_drafts(seq: Sequence, budget: int) -> int:
+    """Tokens the sequence computes this step within `budget`, dropping the drafts that do not fit."""
+    pending = seq.num_tokens - seq.num_computed_tokens
+    num_new = min(pending + len(seq.draft_token_ids), budget)
+    seq.keep_drafts(max(num_new - pending, 0))
+    return num_new

@@ -31,6 +31,9 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Speculative tokens proposed for this step: computed after token_ids, kept only if verified.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]; None: a deterministic drafter
 
     @property
     def num_tokens(self) -> int:
@@ -47,3 +50,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last is in the cache: the next step computes one token (plus drafts)."""
+        return self.num_computed_tokens == self.num_tokens - 1
+
+    def keep_drafts(self, n: int) -> None:
+        del self.draft_token_ids[n:]
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:n] if n else None

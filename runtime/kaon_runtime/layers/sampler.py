@@ -34,7 +34,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         tokens = greedy_tokens
     else:
         tokens = torch.where(_is_greedy(batch, logits.device), greedy_tokens, _sample_random(logits, batch))
-    logprobs = _logprobs(logits, tokens, batch.num_logprobs) if batch.num_logprobs is not None else None
+    logprobs = logprobs_of(logits, tokens, batch.num_logprobs) if batch.num_logprobs is not None else None
     return SampleResult(tokens.tolist(), logprobs)
 
 
@@ -43,18 +43,31 @@ def _is_greedy(batch: SamplingBatch, device) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    temps = torch.tensor([t if t > 0 else 1.0 for t in batch.temperatures], device=logits.device)
+    return draw(sampling_probs(logits, batch.temperatures, batch.top_ks, batch.top_ps), batch.generators)
+
+
+def sampling_probs(logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
+                   top_ps: list[float]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k/top-p, then softmax.
+
+    Rows with temperature 0 come out as plain softmax; callers treat them as greedy.
+    """
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
     logits = logits / temps[:, None]
-    if any(k > 0 for k in batch.top_ks) or any(p < 1.0 for p in batch.top_ps):
-        logits = _apply_top_k_top_p(logits, batch.top_ks, batch.top_ps)
-    probs = torch.softmax(logits, dim=-1)
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = _apply_top_k_top_p(logits, top_ks, top_ps)
+    return torch.softmax(logits, dim=-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [N, V]."""
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each row
     # take its noise from its own seeded generator while the math stays batched.
     noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-    for i, generator in enumerate(batch.generators):
+    for i, generator in enumerate(generators):
         if generator is not None:
             noise[i].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
@@ -75,7 +88,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[dict[int, float]]:
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[dict[int, float]]:
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(1, tokens[:, None])
     if k > 0:

@@ -40,6 +40,11 @@ class _EngineCollector(Collector):
                                   value=s.prefix_cache_queries)
         yield CounterMetricFamily("kaon_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
                                   value=s.prefix_cache_hits)
+        # accepted / draft is the speculative acceptance rate; both stay 0 without speculation.
+        yield CounterMetricFamily("kaon_spec_decode_draft_tokens_total", "Speculative tokens drafted and verified.",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("kaon_spec_decode_accepted_tokens_total",
+                                  "Speculative tokens the target model kept.", value=s.spec_accepted_tokens)
 
 
 class Metrics:

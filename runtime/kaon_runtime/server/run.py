@@ -7,6 +7,7 @@ import signal
 
 import uvicorn
 
+from kaon_runtime.cli import speculative_options
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.engine.async_engine import AsyncEngine
@@ -65,7 +66,7 @@ def serve(args) -> int:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-                          quantization=args.quantization)
+                          quantization=args.quantization, **speculative_options(args))
     engine = AsyncEngine(LLMEngine(config, show_progress=False), max_queue=args.max_queue)
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes)
