@@ -101,7 +101,9 @@ class ResourcesSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_cel(_NO_GPU_IN_RESOURCES, _NO_GPU_MESSAGE))
 
     requests: dict[str, Quantity] | None = None
+    """Resource requests of the engine container, e.g. `{cpu: 4, memory: 16Gi}`."""
     limits: dict[str, Quantity] | None = None
+    """Resource limits of the engine container."""
 
     @model_validator(mode="after")
     def _no_gpu(self) -> ResourcesSpec:
@@ -114,8 +116,11 @@ class SchedulingSpec(_Model):
     """Where engine pods may run; passed through to the pod spec as written."""
 
     node_selector: dict[str, str] | None = None
+    """Node labels the engine pods require."""
     tolerations: list[dict[str, Any]] | None = None
+    """Taints the engine pods tolerate (Kubernetes `Toleration` objects)."""
     affinity: dict[str, Any] | None = None
+    """Node and pod affinity of the engine pods (a Kubernetes `Affinity` object)."""
 
 
 _MIN_LE_MAX = "self.minReplicas <= self.maxReplicas"
@@ -136,8 +141,11 @@ class AutoscalingSpec(_Model):
     ]})
 
     enabled: bool = False
+    """Let the operator set `replicas` from the engines' metrics."""
     min_replicas: int = Field(1, ge=0)
+    """Fewest replicas; 0 allows scale to zero (needs scaleToZeroIdleSeconds)."""
     max_replicas: int = Field(4, ge=1)
+    """Most replicas."""
     target_queue_depth_per_replica: float = Field(4, gt=0)
     """Waiting requests per replica above which the autoscaler adds replicas."""
     target_p99_latency_seconds: float | None = Field(None, gt=0)
@@ -168,6 +176,7 @@ class RoutingSpec(_Model):
     """How the router picks an engine pod."""
 
     strategy: Literal["least-connections"] = "least-connections"
+    """Send each request to the ready pod with the fewest requests in flight."""
 
 
 def _default(model: type[_Model]) -> dict:
@@ -193,20 +202,30 @@ class Condition(_Model):
     """One of Ready, Progressing, Degraded; `reason` is a CamelCase word such as Unschedulable."""
 
     type: Literal["Ready", "Progressing", "Degraded"]
+    """Which condition."""
     status: Literal["True", "False", "Unknown"]
+    """Whether it holds."""
     reason: str = ""
+    """Why, in one CamelCase word (see the README's list)."""
     message: str = ""
+    """Why, for people."""
     last_transition_time: datetime | None = None
+    """When `status` last changed."""
     observed_generation: int | None = None
+    """The metadata.generation this condition was computed for."""
 
 
 class ScaleDecision(_Model):
     """The autoscaler's latest change of spec.replicas."""
 
     time: datetime
+    """When the autoscaler decided."""
     from_: int = Field(alias="from")
+    """Replicas before."""
     to: int
+    """Replicas after."""
     reason: str
+    """The metric and target that decided, e.g. `queue depth 20.0 per replica > target 4`."""
 
 
 class ObservedMetrics(_Model):
@@ -215,9 +234,13 @@ class ObservedMetrics(_Model):
     queue_depth: float | None = None
     """Waiting requests, summed over replicas."""
     running_requests: float | None = None
+    """Requests being prefilled or decoded, summed over replicas."""
     p99_latency_seconds: float | None = None
+    """P99 of `autoscaling.latencyMetric` over the requests that ended since the previous scrape."""
     kv_cache_usage_ratio: float | None = None
+    """Share of KV cache blocks in use on the fullest replica (0..1)."""
     time: datetime | None = None
+    """When these were read."""
 
 
 class InferenceServiceStatus(_Model):
@@ -225,11 +248,16 @@ class InferenceServiceStatus(_Model):
 
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    """Ready, Progressing and Degraded, one each."""
     replicas: int = 0
+    """Engine pods that are not terminating (the scale subresource's status replicas)."""
     ready_replicas: int = 0
+    """Of those, the ready ones."""
     selector: str | None = None
     """Label selector of the engine pods (for the scale subresource and HPA)."""
     last_scale_decision: ScaleDecision | None = None
     observed_metrics: ObservedMetrics | None = None
     observed_generation: int | None = None
+    """The metadata.generation the operator last acted on."""
     url: str | None = None
+    """In-cluster URL of the engine Service."""

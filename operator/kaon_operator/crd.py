@@ -1,7 +1,7 @@
 """Generate the InferenceService CRD from the pydantic models in api.py.
 
-    python -m kaon_operator.crd            # rewrites crds/inferenceservice.yaml
-    python -m kaon_operator.crd --check    # exits 1 if the file is stale
+    python -m kaon_operator.crd            # rewrites crds/inferenceservice.yaml and the chart's copy
+    python -m kaon_operator.crd --check    # exits 1 if either file is stale
 
 pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: no
 $ref, no `anyOf` with null (an optional field is simply not required), boolean
@@ -18,7 +18,11 @@ import yaml
 
 from kaon_operator import api
 
-CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "inferenceservice.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
+# Helm installs what lies in a chart's crds/ and can read nothing outside the chart, so the
+# chart carries a copy, written by the same generator (and compared by tests/test_chart.py).
+CHART_CRD_PATH = ROOT / "charts" / "kaon" / "crds" / "inferenceservice.yaml"
 
 _KEEP = ("type", "description", "enum", "format", "minimum", "maximum", "minLength", "maxLength",
          "pattern", "minItems", "maxItems")
@@ -132,17 +136,20 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if the file differs from the models")
-    parser.add_argument("--output", type=Path, default=CRD_PATH)
+    parser.add_argument("--check", action="store_true", help="fail if a file differs from the models")
+    parser.add_argument("--output", type=Path, action="append",
+                        help="write here instead (repeatable; default: crds/ and the chart's crds/)")
     args = parser.parse_args(argv)
+    outputs = args.output or [CRD_PATH, CHART_CRD_PATH]
     text = render()
     if args.check:
-        if not args.output.exists() or args.output.read_text() != text:
-            print(f"{args.output} is stale: run python -m kaon_operator.crd", file=sys.stderr)
-            return 1
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
+        stale = [path for path in outputs if not path.exists() or path.read_text() != text]
+        for path in stale:
+            print(f"{path} is stale: run python -m kaon_operator.crd", file=sys.stderr)
+        return 1 if stale else 0
+    for path in outputs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     return 0
 
 

@@ -3,9 +3,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 
 import kopf
 from prometheus_client import start_http_server
+
+
+def priority(value: str) -> int:
+    """An integer, or `random`. kopf pauses *every* replica when the highest priority is
+    shared, and the replicas of one Deployment cannot be given distinct numbers, so the Helm
+    chart passes `random`: each process draws its own (a clash is a 1 in 2**31 chance)."""
+    if value == "random":
+        return 1 + secrets.randbelow(2**31 - 1)
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer or 'random': {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peering", metavar="NAME",
                         help="coordinate with other replicas through this ClusterKopfPeering "
                              "(default: standalone, for a single replica)")
-    parser.add_argument("--priority", type=int, default=0, help="peering priority: the highest one runs")
+    parser.add_argument("--priority", type=priority, default=0,
+                        help="peering priority: the highest one runs; `random` draws one per process")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
     parser.add_argument("--liveness-port", type=int, default=0, help="serve kopf's /healthz here (0: off)")
     parser.add_argument("--autoscale-interval", type=float, default=5.0,
