@@ -1,0 +1,102 @@
+"""kaon on a local cluster, every part real and from the working tree.
+
+The control plane (e2e/control_plane.py) with KWOK GPU nodes, the CRDs and RBAC, the
+operator and the router as processes running as their own ServiceAccounts, and the pod
+runner that gives each `local/*` engine pod a real `kaon serve` on the pod's IP.
+
+    with LocalCluster() as cluster:          # or LocalCluster(existing_control_plane)
+        cluster.cp.kubectl("apply", "-f", "examples/smollm2.yaml")
+        OpenAI(base_url=cluster.router_url + "/v1", api_key="-")...
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+from e2e.control_plane import ControlPlane, _die_with_parent, build_binaries, free_port
+from e2e.operator_process import OperatorProcess
+from e2e.pod_runner import PodRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+CRDS = (ROOT / "crds" / "inferenceservice.yaml", ROOT / "crds" / "kopf-peering.yaml")
+RBAC = (ROOT / "deploy" / "operator-rbac.yaml", ROOT / "deploy" / "router-rbac.yaml")
+LOCAL_IMAGE = "local/kaon:dev"  # engine pods with this image run in the pod runner
+
+
+class RouterProcess:
+    """`kaon router` on a loopback port, as the given kubeconfig."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path, *extra_args: str):
+        self.kubeconfig, self.log_path, self.extra_args = kubeconfig, log_path, extra_args
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60) -> RouterProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kaon_runtime.cli", "router", "--port", str(self.port),
+                 "--kubeconfig", str(self.kubeconfig), *self.extra_args],
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the router exited with {self.proc.returncode}: see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/ready", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"the router was not ready within {timeout}s: see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class LocalCluster:
+    def __init__(self, cp: ControlPlane | None = None, *, autoscale_interval: float = 1.0,
+                 queue_timeout: float = 120.0):
+        self.cp = cp
+        self.autoscale_interval, self.queue_timeout = autoscale_interval, queue_timeout
+        self.router_url = ""
+        self.pods: PodRunner | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _start(self) -> None:
+        if self.cp is None:
+            self.cp = self._stack.enter_context(ControlPlane(build_binaries(), crds=CRDS))
+        for path in RBAC:
+            self.cp.kubectl("apply", "-f", str(path))
+        work = self.cp.workdir
+        operator = OperatorProcess(self.cp.service_account_kubeconfig("kaon-system", "kaon-operator"),
+                                   work / "operator.log", "--autoscale-interval", str(self.autoscale_interval))
+        self._stack.callback(operator.stop)
+        operator.start()
+        router = RouterProcess(self.cp.service_account_kubeconfig("kaon-system", "kaon-router"), work / "router.log",
+                               "--queue-timeout", str(self.queue_timeout))
+        self._stack.callback(router.stop)
+        router.start()
+        self.router_url = router.url
+        self.pods = self._stack.enter_context(PodRunner(self.cp, work))
