@@ -2,7 +2,8 @@
 # Build a real Kubernetes control plane from Go modules, without Docker and
 # without release tarballs: everything comes through the Go module proxy.
 #
-#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok,
+#   and helm (for the chart's tests)
 #
 # The binaries are cached outside the repository, keyed by the Kubernetes
 # version:  ${KAON_CACHE:-$HOME/.cache/kaon}/k8s/<K8S_VERSION>/bin/
@@ -14,6 +15,7 @@
 #   K8S_VERSION   Kubernetes release        (default below; needs a Go new enough)
 #   ETCD_VERSION  go.etcd.io/etcd/server/v3 (3.5.x or 3.6.x)
 #   KWOK_VERSION  sigs.k8s.io/kwok
+#   HELM_VERSION  helm.sh/helm/v3           (a v3 release; its go.mod must not need a newer Go)
 #   KAON_CACHE    cache root                (default $HOME/.cache/kaon)
 #   GO            go binary                 (default: go on PATH, else /usr/local/go/bin/go)
 #   GOFLAGS       passed through, e.g. GOFLAGS=-p=1 to use a single core
@@ -26,6 +28,8 @@ set -euo pipefail
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
+# Helm v3.22 is the newest v3 release; its go.mod says "go 1.26.0" like Kubernetes 1.36's.
+HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 
 CACHE_ROOT="${KAON_CACHE:-$HOME/.cache/kaon}"
 VERSION_DIR="$CACHE_ROOT/k8s/$K8S_VERSION"
@@ -75,7 +79,8 @@ is_built() {  # is_built <component> <version> <binary>...
 all_built() {
   is_built kubernetes "$K8S_VERSION" "${K8S_BINARIES[@]}" &&
     is_built etcd "$ETCD_VERSION" etcd &&
-    is_built kwok "$KWOK_VERSION" kwok
+    is_built kwok "$KWOK_VERSION" kwok &&
+    is_built helm "$HELM_VERSION" helm
 }
 
 # Move freshly built binaries from a scratch dir into BIN_DIR (rename on the
@@ -239,6 +244,42 @@ build_kwok() {
   install_binaries kwok "$KWOK_VERSION" "$scratch" kwok
 }
 
+# Helm ------------------------------------------------------------------------
+#
+# helm.sh/helm/v3 has no replace directives either, so `go install` works. Its
+# Makefile sets version variables with -X; without them `helm version` says
+# "v3.22" and, worse, helm assumes Kubernetes 1.20 for `.Capabilities.KubeVersion`
+# and for lint's deprecation checks. The Kubernetes version is the one of the
+# client-go it is built with, read from helm's own go.mod. No git commit is
+# known to the module proxy, so gitCommit stays empty.
+
+helm_ldflags() {
+  local client_go major minor flags="-s -w"
+  client_go="$(awk '$1 == "k8s.io/client-go" {print $2}' "$(module_gomod "helm.sh/helm/v3@$HELM_VERSION")")"
+  [[ "$client_go" =~ ^v0\.([0-9]+)\. ]] || die "helm $HELM_VERSION: no k8s.io/client-go version in its go.mod"
+  major=1 minor="${BASH_REMATCH[1]}"
+  flags+=" -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  flags+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+  for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    flags+=" -X $pkg.k8sVersionMajor=$major -X $pkg.k8sVersionMinor=$minor"
+  done
+  echo "$flags"
+}
+
+build_helm() {
+  if is_built helm "$HELM_VERSION" helm; then
+    log "helm $HELM_VERSION: cached"
+    return
+  fi
+  local scratch="$VERSION_DIR/.scratch-helm" ldflags
+  ldflags="$(helm_ldflags)"
+  log "helm $HELM_VERSION: building"
+  rm -rf "$scratch" && mkdir -p "$scratch"
+  (cd "$scratch" && GOBIN="$scratch" run_go install -trimpath -ldflags "$ldflags" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION")
+  install_binaries helm "$HELM_VERSION" "$scratch" helm
+}
+
 main() {
   # Fast path: everything cached, no Go needed, no lock taken.
   if all_built; then
@@ -257,11 +298,12 @@ main() {
     flock 9
   fi
 
-  log "Kubernetes $K8S_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION; $("$GO" version)"
+  log "Kubernetes $K8S_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION, helm $HELM_VERSION; $("$GO" version)"
   log "cache: $BIN_DIR"
   local start=$SECONDS
   build_etcd
   build_kwok
+  build_helm
   build_kubernetes
   all_built || die "build finished but the cache is incomplete"
   log "done in $((SECONDS - start))s"
