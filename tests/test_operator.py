@@ -50,6 +50,11 @@ class Cluster:
         data = json.loads(res.stdout)
         return data["items"] if "items" in data else data
 
+    def condition_if(self, name: str, type_: str, status: str) -> dict | None:
+        """The condition when it has this status (one read, so the answer is consistent)."""
+        cond = self.condition(name, type_)
+        return cond if cond.get("status") == status else None
+
     def condition(self, name: str, type_: str) -> dict:
         status = (self.get("infsvc", name) or {}).get("status") or {}
         return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
@@ -166,8 +171,7 @@ def test_an_edited_child_is_put_back(cluster):
 def test_more_gpus_than_any_node_has_is_degraded_unschedulable(cluster):
     start = time.monotonic()
     cluster.kubectl("apply", "-f", "-", input=isvc("huge", engine={"tensorParallelSize": 16}))
-    degraded = wait_for("Degraded", lambda: cluster.condition("huge", "Degraded").get("status") == "True"
-                        and cluster.condition("huge", "Degraded"), timeout=20)
+    degraded = wait_for("Degraded", lambda: cluster.condition_if("huge", "Degraded", "True"), timeout=20)
     assert time.monotonic() - start < 20
     assert degraded["reason"] == "Unschedulable"
     assert "16 nvidia.com/gpu" in degraded["message"] and "Insufficient nvidia.com/gpu" in degraded["message"]
@@ -187,10 +191,12 @@ def test_more_gpus_than_any_node_has_is_degraded_unschedulable(cluster):
 def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
     cluster.kubectl("create", "quota", "no-services", "--hard=services=0")
     cluster.kubectl("apply", "-f", "-", input=isvc("quota"))
-    degraded = wait_for("Degraded", lambda: cluster.condition("quota", "Degraded").get("status") == "True"
-                        and cluster.condition("quota", "Degraded"))
+    degraded = wait_for("Degraded", lambda: cluster.condition_if("quota", "Degraded", "True"))
     assert degraded["reason"] == "ApplyFailed" and "services" in degraded["message"], degraded
     assert ("Warning", "ApplyFailed") in [(t, r) for t, r, _m in cluster.events("quota")]
+    wait_for("the Deployment's pod up", lambda: cluster.running_pods("quota"))
+    time.sleep(2)  # pod events since must not have cleared the failure
+    assert cluster.condition("quota", "Degraded")["reason"] == "ApplyFailed"
     cluster.kubectl("delete", "quota", "no-services")
     wait_for("the Service after the retry", lambda: cluster.get("service", "quota"), timeout=40)
     wait_for("Ready and not Degraded", lambda: cluster.ready("quota") and
@@ -201,8 +207,7 @@ def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
                                            ("kwok-fail/image-pull:1", "ImagePullBackOff")])
 def test_failing_pods_make_it_degraded_with_the_kubelet_reason(cluster, image, reason):
     cluster.kubectl("apply", "-f", "-", input=isvc("bad", engine={"image": image}))
-    degraded = wait_for("Degraded", lambda: cluster.condition("bad", "Degraded").get("status") == "True"
-                        and cluster.condition("bad", "Degraded"))
+    degraded = wait_for("Degraded", lambda: cluster.condition_if("bad", "Degraded", "True"))
     assert degraded["reason"] == reason and "bad-" in degraded["message"], degraded  # names the failing pod
     assert cluster.condition("bad", "Ready")["status"] == "False"
     assert ("Warning", reason) in [(t, r) for t, r, _m in cluster.events("bad")]

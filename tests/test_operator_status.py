@@ -63,8 +63,10 @@ def test_conditions_through_a_life():
     # A new generation not yet applied is progress, even with every pod ready.
     assert conds(deployment(), [pod("a"), pod("b")], applied=False)["Progressing"] == ("True", "Reconciling")
     assert conds(deployment(generation=2, observed=1), [pod("a"), pod("b")])["Progressing"] == ("True", "Reconciling")
-    # A terminating pod does not count as ready capacity.
-    assert conds(deployment(), [pod("a"), pod("b", deleting=True)])["Ready"] == ("False", "ReplicasNotReady")
+    # One ready replica serves (Ready, partially); a terminating pod is no capacity.
+    assert conds(deployment(), [pod("a"), pod("b", deleting=True)])["Ready"] == ("True", "PartiallyReady")
+    assert conds(deployment(), [pod("a", ready=False), pod("b", deleting=True)])["Ready"] == \
+        ("False", "ReplicasNotReady")
     assert conds(deployment(0), [], desired=0)["Ready"] == ("False", "ScaledToZero")
 
 

@@ -51,6 +51,7 @@ class State:
         self.kube = kube
         self.locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self.written: dict[tuple[str, str], dict] = {}
+        self.apply_failures: dict[tuple[str, str], str] = {}  # until an apply succeeds again
         self.history: defaultdict[tuple[str, str], list[autoscaler.Sample]] = defaultdict(list)
         self.latency: dict[tuple[str, str], dict[str, tuple]] = {}  # pod -> last latency buckets
 
@@ -145,11 +146,10 @@ def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo
     except ApiException as exc:
         # Say why in the status and an Event, then let kopf retry: quotas, admission webhooks
         # or a full Service IP range are fixed outside the spec.
-        message = f"applying the children failed: {_api_message(exc)}"
-        with state.locks[key]:
-            _write_status(state, body, key, status.apply_failed_conditions(message), list(engine_pods.get(key, ())),
-                          spec, applied=False)
-        raise kopf.TemporaryError(message, delay=APPLY_RETRY_SECONDS) from None
+        state.apply_failures[key] = f"applying the children failed: {_api_message(exc)}"
+        _sync_status(state, body, key, spec, engine_pods, engine_deployments, applied=False)
+        raise kopf.TemporaryError(state.apply_failures[key], delay=APPLY_RETRY_SECONDS) from None
+    state.apply_failures.pop(key, None)
     if reason == "create":
         _post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])
@@ -167,7 +167,7 @@ def deleted(namespace: str, name: str, memo: kopf.Memo, **_) -> None:
     # through their owner references even while the operator is down. (Autoscaled ones get
     # kopf's finalizer for their timer.)
     state = _state(memo)
-    for table in (state.written, state.locks, state.history, state.latency):
+    for table in (state.written, state.locks, state.history, state.latency, state.apply_failures):
         table.pop((namespace, name), None)
 
 
@@ -205,8 +205,10 @@ def _sync_status(state: State, body, key, spec: api.InferenceServiceSpec, engine
             applied = last.get("observedGeneration") == body["metadata"].get("generation")
         deployment = _one(engine_deployments, key)
         pods = list(engine_pods.get(key, ()))
-        conditions = status.conditions(deployment=deployment, pods=pods, desired=spec.replicas,
-                                       gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied)
+        failure = state.apply_failures.get(key)
+        conditions = status.apply_failed_conditions(failure) if failure else status.conditions(
+            deployment=deployment, pods=pods, desired=spec.replicas,
+            gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied)
         _write_status(state, body, key, conditions, pods, spec, applied=applied)
     STATUS_SECONDS.observe(time.perf_counter() - start)
 

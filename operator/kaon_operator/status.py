@@ -104,12 +104,16 @@ def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus
 
 
 def _ready(pods: list[PodSummary], desired: int) -> dict:
+    """Ready means the service answers: one ready replica is enough (Progressing says the rest)."""
     if desired == 0:
         return _condition("Ready", False, "ScaledToZero", "0 replicas requested")
     ready = sum(p.ready and not p.terminating for p in pods)
+    message = f"{ready}/{desired} replicas ready"
     if ready >= desired:
-        return _condition("Ready", True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
-    return _condition("Ready", False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
+        return _condition("Ready", True, "AllReplicasReady", message)
+    if ready > 0:
+        return _condition("Ready", True, "PartiallyReady", message)
+    return _condition("Ready", False, "ReplicasNotReady", message)
 
 
 def _progressing(deployment: DeploymentSummary | None, generation_applied: bool, desired: int) -> dict:
