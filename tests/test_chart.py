@@ -336,6 +336,18 @@ def test_the_validation_catches_a_misspelt_field(helm, monitoring_crds, namespac
     assert "intervall" in res.stderr and "readynessProbe" in res.stderr
 
 
+def test_notes_say_how_to_serve_a_model_and_call_it(helm, crd):
+    # helm renders NOTES.txt only when installing; a server dry run creates nothing.
+    notes = helm("install", "kaon", str(CHART), "--namespace", "kaon-system", "--dry-run=server",
+                 "--set", "operator.replicas=2", "--kubeconfig", str(crd.kubeconfig)).stdout
+    notes = notes[notes.index("NOTES:"):]
+    for line in ("kubectl apply -f examples/smollm2.yaml", "kubectl get infsvc smollm2 -w",
+                 "kubectl -n kaon-system port-forward svc/kaon-router 8080:80",
+                 "curl http://127.0.0.1:8080/v1/chat/completions", "http://kaon-router.kaon-system.svc/v1",
+                 "kopf peering kaon-operator"):
+        assert line in notes, notes
+
+
 # the images ------------------------------------------------------------------------------
 
 # Libraries only the engine uses; the operator image has none of them.
