@@ -27,8 +27,9 @@ generate: install
 serve: install
 	$(VENV)/bin/kaon serve --model builtin://smollm2-135m-instruct --port 8000
 
-# The operator tests run a real Kubernetes control plane built from Go modules; the first
-# build takes ~14 minutes on 2 cores, later calls return at once (cache outside the repo).
+# The operator tests run a real Kubernetes control plane built from Go modules, and the chart
+# tests the helm built beside it; the first build takes 15 to 20 minutes on 2 cores, later
+# calls return at once (cache outside the repo).
 control-plane:
 	bash e2e/build-control-plane.sh >/dev/null
 
