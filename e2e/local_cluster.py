@@ -1,8 +1,9 @@
 """kaon on a local cluster, every part real and from the working tree.
 
-The control plane (e2e/control_plane.py) with KWOK GPU nodes, the CRDs and RBAC, the
-operator and the router as processes running as their own ServiceAccounts, and the pod
-runner that gives each `local/*` engine pod a real `kaon serve` on the pod's IP.
+The control plane (e2e/control_plane.py) with KWOK GPU nodes; the Helm chart installed
+with no operator or router pods (KWOK pods run nothing); the operator and the router
+from this tree as processes running as the chart's ServiceAccounts; and the pod runner
+that gives each `local/*` engine pod a real `kaon serve` on the pod's IP.
 
     with LocalCluster() as cluster:          # or LocalCluster(existing_control_plane)
         cluster.cp.kubectl("apply", "-f", "examples/smollm2.yaml")
@@ -24,7 +25,8 @@ from e2e.pod_runner import PodRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = (ROOT / "crds" / "inferenceservice.yaml", ROOT / "crds" / "kopf-peering.yaml")
-RBAC = (ROOT / "deploy" / "operator-rbac.yaml", ROOT / "deploy" / "router-rbac.yaml")
+CHART = ROOT / "charts" / "kaon"
+NAMESPACE = "kaon-system"
 LOCAL_IMAGE = "local/kaon:dev"  # engine pods with this image run in the pod runner
 
 
@@ -65,9 +67,9 @@ class RouterProcess:
 
 
 class LocalCluster:
-    def __init__(self, cp: ControlPlane | None = None, *, autoscale_interval: float = 1.0,
+    def __init__(self, cp: ControlPlane | None = None, *, release: str = "kaon", autoscale_interval: float = 1.0,
                  queue_timeout: float = 120.0):
-        self.cp = cp
+        self.cp, self.release = cp, release
         self.autoscale_interval, self.queue_timeout = autoscale_interval, queue_timeout
         self.router_url = ""
         self.pods: PodRunner | None = None
@@ -87,16 +89,24 @@ class LocalCluster:
     def _start(self) -> None:
         if self.cp is None:
             self.cp = self._stack.enter_context(ControlPlane(build_binaries(), crds=CRDS))
-        for path in RBAC:
-            self.cp.kubectl("apply", "-f", str(path))
-        work = self.cp.workdir
-        operator = OperatorProcess(self.cp.service_account_kubeconfig("kaon-system", "kaon-operator"),
+        self._install_chart()
+        # The chart names its ServiceAccounts after kaon.fullname (_helpers.tpl): the release, plus "-kaon" if absent.
+        work, name = self.cp.workdir, self.release if "kaon" in self.release else f"{self.release}-kaon"
+        operator = OperatorProcess(self.cp.service_account_kubeconfig(NAMESPACE, f"{name}-operator"),
                                    work / "operator.log", "--autoscale-interval", str(self.autoscale_interval))
         self._stack.callback(operator.stop)
         operator.start()
-        router = RouterProcess(self.cp.service_account_kubeconfig("kaon-system", "kaon-router"), work / "router.log",
+        router = RouterProcess(self.cp.service_account_kubeconfig(NAMESPACE, f"{name}-router"), work / "router.log",
                                "--queue-timeout", str(self.queue_timeout))
         self._stack.callback(router.stop)
         router.start()
         self.router_url = router.url
         self.pods = self._stack.enter_context(PodRunner(self.cp, work))
+
+    def _install_chart(self) -> None:
+        helm = [str(self.cp.bin / "helm"), "--kubeconfig", str(self.cp.kubeconfig)]
+        subprocess.run([*helm, "install", self.release, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
+                        "--set", "operator.replicas=0", "--set", "router.replicas=0", "--wait=false"],
+                       check=True, capture_output=True, text=True, timeout=120)
+        self._stack.callback(subprocess.run, [*helm, "uninstall", self.release, "--namespace", NAMESPACE],
+                             capture_output=True, timeout=120)

@@ -28,7 +28,7 @@ SPEC = {"model": {"uri": "builtin://smollm2-135m-instruct", "servedName": "smoll
 @pytest.fixture
 def local(crd):
     """The operator, the router and the pod runner on the session's control plane."""
-    with LocalCluster(crd) as local:
+    with LocalCluster(crd, release="kaon-e2e") as local:  # the other modules use deploy/'s "kaon-*" names
         yield local
 
 
