@@ -40,7 +40,7 @@ def helm(tmp_path_factory):
     """Run the cached helm with its caches and config in a temp dir (not the user's)."""
     binary = build_binaries() / "helm"
     home = tmp_path_factory.mktemp("helm")
-    env = {"HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
+    env = {"HOME": str(home), "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
            "HELM_DATA_HOME": str(home / "data"), "PATH": "/usr/bin:/bin"}
 
     def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
