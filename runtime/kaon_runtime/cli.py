@@ -9,6 +9,7 @@ import time
 from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS, SPECULATIVE_METHODS
 from kaon_runtime.errors import KaonError
 
+TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about Kubernetes.",
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                      help="quantize the linear layers' weights at load time")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     add_speculative_flags(gen)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--model", default=DEFAULT_MODEL)
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-fraction", type=float, default=0.85,
                        help="GPU: share of the memory left after loading weights for the KV cache")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     serve.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                        help="quantize the linear layers' weights at load time")
     add_speculative_flags(serve)
@@ -105,7 +107,7 @@ def _generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              **speculative_options(args))
+              tensor_parallel_size=args.tensor_parallel_size, **speculative_options(args))
     prompts = args.prompt or DEMO_PROMPTS
     start = time.perf_counter()
     if args.raw:

@@ -47,6 +47,10 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any."""
+        self.engine.close()
+
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""

@@ -40,9 +40,10 @@ class DraftModelDrafter:
                 f"draft model {config.speculative_draft_model!r} has a vocabulary of {checkpoint.config.vocab_size} "
                 f"tokens, the target {target.model_config.vocab_size}: they must share a tokenizer")
         # As many blocks as the target: the draft caches the same tokens, at its own smaller size each.
+        # It runs whole, in rank 0's process, whatever the target's tensor parallelism.
         draft_config = replace(config, model=config.speculative_draft_model, quantization="none",
                                num_kv_blocks=target.num_blocks, speculative_method="none",
-                               speculative_draft_model=None)
+                               speculative_draft_model=None, tensor_parallel_size=1)
         self.runner = ModelRunner(draft_config, checkpoint, show_progress)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)
         self._target = target

@@ -5,15 +5,17 @@ import itertools
 from dataclasses import dataclass, field
 
 from kaon_runtime.config import EngineConfig
+from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.distributed.workers import WorkerPool, check_devices
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
-from kaon_runtime.engine.model_runner import ModelRunner
+from kaon_runtime.engine.model_runner import ModelRunner, pick_device
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import InvalidRequestError
-from kaon_runtime.loader import load_checkpoint, resolve_model
+from kaon_runtime.loader import Checkpoint, load_checkpoint, resolve_model
 from kaon_runtime.loader.tokenizer import IncrementalDetokenizer
 from kaon_runtime.sampling import SamplingParams
 
@@ -49,7 +51,18 @@ class LLMEngine:
         checkpoint = load_checkpoint(resolve_model(config.model))
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.runner = ModelRunner(config, checkpoint, show_progress)
+        self.workers = _start_workers(config, checkpoint)
+        try:
+            self.runner = ModelRunner(config, checkpoint, show_progress, TensorParallel(0, config.tensor_parallel_size))
+            if self.workers is not None:
+                # Every rank holds at least this many blocks; rank 0 schedules within the smallest pool.
+                reports = self.workers.wait_ready()
+                self.runner.num_blocks = min([self.runner.num_blocks] + [r.num_blocks for r in reports])
+                self.runner.on_step = self.workers.send
+                self.worker_weight_bytes = [r.weight_bytes for r in reports]
+        except BaseException:
+            self.close()
+            raise
         capacity = self.runner.num_blocks * config.block_size
         # A sequence must always fit the pool on its own, or it could never finish.
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
@@ -82,6 +95,11 @@ class LLMEngine:
         if request is not None:
             for seq in request.seqs:
                 self._retire(seq, "abort")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any. The engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -248,3 +266,12 @@ def _build_drafter(config: EngineConfig, runner: ModelRunner, show_progress: boo
     if config.speculative_method == "draft":
         return DraftModelDrafter(config, runner, show_progress)
     return None
+
+
+def _start_workers(config: EngineConfig, checkpoint: Checkpoint) -> WorkerPool | None:
+    """Ranks 1..N-1 start loading their shards while this process loads rank 0's."""
+    if config.tensor_parallel_size == 1:
+        return None
+    device = pick_device(config.device)
+    check_devices(config, checkpoint.config, device)
+    return WorkerPool(config, device)

@@ -1,8 +1,10 @@
 """Owns the model and the KV pool on the device; turns a scheduled batch into sampled tokens."""
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -10,6 +12,8 @@ from tqdm.auto import tqdm
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.engine.step_plan import StepPlan, plan_step
+from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, select_backend
 from kaon_runtime.layers.rejection import verify
@@ -33,11 +37,14 @@ class StepTokens:
     logprobs: list[list[dict[int, float]]] | None  # per sequence, one dict per gained token
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, rank: int = 0) -> torch.device:
+    """The device named, or the best one there is for "auto"; tensor-parallel rank r takes GPU r."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' was asked for but no CUDA GPU is visible")
+    if name == "cuda":
+        return torch.device("cuda", rank)
     return torch.device(name)
 
 
@@ -62,20 +69,32 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, free_device_bytes: int
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, show_progress: bool = True):
+    """One rank's model and KV pool. Under tensor parallelism every rank has one, holding its
+    shard; rank 0's also plans each step and hands the plan to `on_step` for the others."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, show_progress: bool = True,
+                 tp: TensorParallel = TensorParallel()):
         self.config = config
         self.model_config = checkpoint.config
-        self.device = pick_device(config.device)
+        self.tp = tp
+        self.device = pick_device(config.device, tp.rank)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = self._load_model(checkpoint, show_progress)
         self.num_blocks = self._allocate_kv_cache()
+        self.on_step: Callable[[StepPlan], None] | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (parameters and quantized buffers), KV cache not included."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- setup -----------------------------------------------------------------------
 
     def _load_model(self, checkpoint: Checkpoint, show_progress: bool):
         with torch.device("meta"):  # no memory until the final dtype and device are known
-            model = build_model(self.model_config).to(self.dtype)
+            model = build_model(self.model_config, self.tp).to(self.dtype)
         model = model.to_empty(device=self.device)
         weights = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, desc="Loading weights",
                        unit="tensor", disable=not show_progress)
@@ -91,7 +110,8 @@ class ModelRunner:
         """Swap the linear layers for quantized ones; int4 takes a GGUF file's Q4_1 blocks as they are."""
         method = self.config.quantization
         given = {}
-        if method == "int4" and checkpoint.q4_1_blocks is not None:
+        # The GGUF's own blocks are whole tensors; a shard is re-quantized from its float weights.
+        if method == "int4" and checkpoint.q4_1_blocks is not None and self.tp.size == 1:
             fused = model.fuse_rows(checkpoint.q4_1_blocks())
             given = {name.removesuffix(".weight"): int4_from_q4_1(blocks.to(self.device))
                      for name, blocks in fused.items()}
@@ -103,7 +123,7 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized
 
     def _allocate_kv_cache(self) -> int:
-        mc = self.model_config
+        mc = self.model.local_config  # this rank's KV heads
         block_bytes = kv_block_bytes(mc, self.block_size, self.dtype)
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         blocks = num_kv_blocks(self.config, block_bytes, free)
@@ -134,11 +154,27 @@ class ModelRunner:
 
         A sequence with k drafts gets k + 1 consecutive rows: its last real token's, then each draft's.
         """
-        input_ids, positions, meta, sample_rows, sampling_seqs = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not sampling_seqs:
-            return [], None
-        return sampling_seqs, self.model.compute_logits(hidden[sample_rows])
+        plan, sampling_seqs = plan_step(batch, self.block_size)
+        if self.on_step is not None:
+            self.on_step(plan)
+        return sampling_seqs, self.run(plan)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """One forward pass (every tensor-parallel rank runs it); logits of the sample rows."""
+        meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), num_decode_tokens=len(plan.decode_tables),
+                                 prefills=[PrefillChunk(start, length, context, self._tensor(table))
+                                           for start, length, context, table in plan.prefills])
+        if plan.decode_tables:
+            widest = max(map(len, plan.decode_tables))
+            meta.decode_block_tables = self._tensor([t + [0] * (widest - len(t)) for t in plan.decode_tables])
+            meta.decode_context_lens = self._tensor(plan.decode_lens)
+            positions_in_table = torch.arange(widest * self.block_size, device=self.device)
+            meta.decode_key_mask = positions_in_table[None, :] < meta.decode_context_lens[:, None]
+        hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
+        if not plan.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows)])
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepTokens:
         wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
@@ -165,40 +201,6 @@ class ModelRunner:
                 if logprobs is not None:
                     logprobs[i] = [result.logprobs[j]]
         return StepTokens(seqs, tokens, logprobs)
-
-    def _prepare(self, batch: ScheduledBatch):
-        # Decodes (one new token) first so their rows form one batched attention call.
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        decode_tables, decode_lens, prefills, sample_rows, sampling_seqs = [], [], [], [], []
-        for i in order:
-            seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
-            # Drafts ride along like a short prefill chunk; their K/V counts only once verified.
-            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            table = seq.block_table[:-(-end // bs)]
-            query_start = len(input_ids)
-            input_ids.extend(tokens[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if num_new == 1:
-                decode_tables.append(table)
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillChunk(query_start, num_new, end, self._tensor(table)))
-            if end == len(tokens):  # the chunk reaches the end: its last logits pick a token
-                sample_rows.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
-                sampling_seqs.append(seq)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills,
-                                 num_decode_tokens=len(decode_tables))
-        if decode_tables:
-            widest = max(map(len, decode_tables))
-            meta.decode_block_tables = self._tensor([t + [0] * (widest - len(t)) for t in decode_tables])
-            meta.decode_context_lens = self._tensor(decode_lens)
-            positions_in_table = torch.arange(widest * bs, device=self.device)
-            meta.decode_key_mask = positions_in_table[None, :] < meta.decode_context_lens[:, None]
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows), sampling_seqs
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch.
+
+Under tensor parallelism each rank builds the model with its share of the heads and of
+the MLP width (`local_config`): q/k/v and gate/up are column-parallel, and the outputs of
+o_proj and down_proj are partial sums that an all-reduce completes.
+"""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -8,10 +13,13 @@ import torch
 from torch import nn
 
 from kaon_runtime.config import ModelConfig
+from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.distributed.sharding import cut, local_config
 from kaon_runtime.layers.activation import silu_and_mul
 from kaon_runtime.layers.attention import Attention, AttentionMetadata
 from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 
 # HF checkpoints keep q/k/v and gate/up apart; we fuse each group into one matmul.
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -19,9 +27,10 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         c = config
+        self.tp = tp
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
@@ -39,26 +48,27 @@ class LlamaAttention(nn.Module):
             qk = self.rotary_kernel(qk, *rope, out=qk)  # in place: q and k stay views of qkv, nothing copied
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated_heads:]
         out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_kernel = None  # kernels.activation.silu_and_mul on the Triton backend
 
     def forward(self, x):
         act = silu_and_mul if self.act_kernel is None else self.act_kernel
-        return self.down_proj(act(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(act(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -72,33 +82,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class VocabHead(nn.Module):
-    """The output projection, stored [hidden, vocab].
-
-    x @ W in this layout streams W row by row, which CPU BLAS runs about 1.5x faster than
-    x @ W.T for the one-row products of batch-1 decode, and GPUs do not mind. With tied
-    embeddings the token lookup reads the same tensor column-wise, so nothing is duplicated.
-    """
-
-    def __init__(self, hidden_size: int, vocab_size: int):
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(hidden_size, vocab_size))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.weight_t
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight_t.index_select(1, input_ids).t()
-
-
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
-        self.embed_tokens = None if config.tie_word_embeddings else nn.Embedding(config.vocab_size,
-                                                                                   config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size,
+                                                                                     config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, positions, meta):
@@ -111,11 +102,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = VocabHead(config.hidden_size, config.vocab_size)
+        self.config, self.tp = config, tp
+        self.local_config = local_config(config, tp.size)  # the shapes this rank holds
+        self.model = LlamaModel(self.local_config, tp)
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         embed = self.lm_head.embed if self.model.embed_tokens is None else self.model.embed_tokens
@@ -137,7 +129,8 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.act_kernel = activation.silu_and_mul
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; fails loudly on anything missing."""
+        """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank
+        ever holds the whole model), fusing q/k/v and gate/up; fails loudly on anything missing."""
         params = dict(self.named_parameters())
         loaded = set()
         c = self.config
@@ -145,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and tied:
                 continue  # some checkpoints store a copy of the tied weight anyway
+            tensor = cut(name, tensor, c, self.tp.rank, self.tp.size)
             if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
                 name, tensor = "lm_head.weight_t", tensor.t()
             target, shard = _fused_target(name)
@@ -154,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
             if shard is None:
                 _copy(param.data, tensor, name)
             else:
-                sizes = _shard_sizes(target, c)
+                sizes = _shard_sizes(target, self.local_config)
                 start = sum(sizes[:shard])
                 _copy(param.data.narrow(0, start, sizes[shard]), tensor, name)
             loaded.add((target, shard))

@@ -1,6 +1,6 @@
 """Module surgery: swap a model's nn.Linear layers for quantized ones, in place.
 
-Our models keep the token embedding and the vocabulary head outside nn.Linear (nn.Embedding
+Our models keep the token embedding and the vocabulary head outside nn.Linear (VocabEmbedding
 and VocabHead), so both stay in full precision: they are the layers quantization hurts most.
 """
 from __future__ import annotations

@@ -9,7 +9,6 @@ import uvicorn
 
 from kaon_runtime.cli import speculative_options
 from kaon_runtime.config import EngineConfig
-from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.llm_engine import LLMEngine
 from kaon_runtime.server.app import ServerSettings, ServerState, create_app
@@ -59,15 +58,23 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
+                        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                        **speculative_options(args))
+
+
 def serve(args) -> int:
-    # The operator renders these flags for every engine pod; the ones not built yet fail clearly.
-    if args.tensor_parallel_size != 1:
-        raise InvalidRequestError("--tensor-parallel-size > 1 is not supported yet: run with 1")
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-                          quantization=args.quantization, **speculative_options(args))
-    engine = AsyncEngine(LLMEngine(config, show_progress=False), max_queue=args.max_queue)
+    llm_engine = LLMEngine(engine_config(args), show_progress=False)
+    try:
+        return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue))
+    finally:
+        llm_engine.close()  # the tensor-parallel workers, if any
+
+
+def _run(args, engine: AsyncEngine) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes)
     app = create_app(engine, settings)

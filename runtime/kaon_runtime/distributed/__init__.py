@@ -1,0 +1,1 @@
+"""Tensor parallelism: the rank's view of its group, how weights are cut, and the worker processes."""

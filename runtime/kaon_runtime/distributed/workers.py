@@ -1,0 +1,130 @@
+"""The tensor-parallel worker processes: ranks 1..N-1, each holding its shard of the model.
+
+Rank 0 is the engine's own process: it owns the scheduler and plans every step. The
+workers are spawned processes that load their shard, report how many KV blocks they hold,
+then run every step plan they receive until told to stop. Loading needs no peer, so the
+ranks join the process group only once every one of them has loaded: a worker that fails
+to load is reported by pipe at once instead of leaving the others waiting at a rendezvous. Plans travel by pipe, not by a
+collective, so a worker waits for the next step for as long as the engine is idle, and
+sees the engine's end (a closed pipe) even if the engine dies without saying goodbye. The
+activations travel by collectives inside the model (gloo on CPU, NCCL between GPUs).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from kaon_runtime.config import EngineConfig, ModelConfig
+from kaon_runtime.distributed.parallel import TensorParallel, join_group, leave_group
+from kaon_runtime.distributed.sharding import check_tensor_parallel
+from kaon_runtime.engine.step_plan import StepPlan
+from kaon_runtime.engine.model_runner import ModelRunner, pick_device
+from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.loader import load_checkpoint, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    num_blocks: int
+    weight_bytes: int
+
+
+def check_devices(config: EngineConfig, model: ModelConfig, device: torch.device) -> None:
+    """Refuse at start what cannot work: a split the model's shape does not allow, or more GPUs than exist."""
+    size = config.tensor_parallel_size
+    check_tensor_parallel(model, size)
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ModelLoadError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+
+
+class WorkerPool:
+    """Ranks 1..N-1 as seen from rank 0."""
+
+    def __init__(self, config: EngineConfig, device: torch.device):
+        size = config.tensor_parallel_size
+        port = _free_port()
+        context = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=worker_main, args=(config, rank, size, port, theirs),
+                                   name=f"kaon-tp-rank{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._procs.append(proc)
+        # Whatever happens to the engine, the workers are told to go and the group is left.
+        self._finalizer = weakref.finalize(self, _shut_down, self._conns, self._procs)
+        self._port, self._device, self._size = port, device, size
+
+    def wait_ready(self) -> list[WorkerReport]:
+        """Block until every worker has loaded its shard (raising its error if one could not),
+        then join the process group with them."""
+        reports = []
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                kind, payload = "error", f"exited with code {self._procs[rank - 1].exitcode} while loading"
+            if kind == "error":
+                self.close()
+                raise ModelLoadError(f"tensor-parallel rank {rank}: {payload}")
+            reports.append(payload)
+        join_group(0, self._size, self._port, self._device)
+        return reports
+
+    def send(self, plan: StepPlan) -> None:
+        for conn in self._conns:
+            conn.send(plan)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _shut_down(conns, procs) -> None:
+    for conn in conns:
+        try:
+            conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass  # that worker is gone already
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    leave_group()
+
+
+def worker_main(config: EngineConfig, rank: int, size: int, port: int, conn) -> None:
+    """A worker's life: join the group, load the shard, run plans until None or a closed pipe."""
+    try:
+        if pick_device(config.device, rank).type == "cpu":
+            # CPU tensor parallelism is for tests: the ranks share the cores instead of fighting over them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        runner = ModelRunner(config, load_checkpoint(resolve_model(config.model)), show_progress=False,
+                             tp=TensorParallel(rank, size))
+    except Exception as exc:  # reported to rank 0, which raises it as the engine's start-up error
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", WorkerReport(runner.num_blocks, runner.weight_bytes)))
+    try:
+        join_group(rank, size, port, runner.device)
+        while (plan := conn.recv()) is not None:
+            runner.run(plan)
+    except EOFError:
+        log.warning("rank %d: the engine went away; exiting", rank)
+    finally:
+        leave_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

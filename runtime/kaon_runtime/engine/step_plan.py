@@ -1,0 +1,51 @@
+"""A scheduled batch flattened into what the model needs for one step, as plain lists.
+
+Rank 0 builds the plan; under tensor parallelism it is also what the other ranks receive,
+so it holds nothing but token ids, positions and cache addresses: every rank turns it into
+tensors on its own device and runs the same forward pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kaon_runtime.engine.scheduler import ScheduledBatch
+from kaon_runtime.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepPlan:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # where each token's K/V goes
+    decode_tables: list[list[int]] = field(default_factory=list)  # per one-token sequence
+    decode_lens: list[int] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # start, length, context, table
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are wanted
+
+
+def plan_step(batch: ScheduledBatch, block_size: int) -> tuple[StepPlan, list[Sequence]]:
+    """The plan, and the sequences whose chunk reaches their end (k + 1 sample rows each, k drafts)."""
+    # Decodes (one new token) first so their rows form one batched attention call.
+    order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+    bs = block_size
+    plan, sampling_seqs = StepPlan(), []
+    for i in order:
+        seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
+        # Drafts ride along like a short prefill chunk; their K/V counts only once verified.
+        tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        table = seq.block_table[:-(-end // bs)]
+        query_start = len(plan.input_ids)
+        plan.input_ids.extend(tokens[start:end])
+        plan.positions.extend(range(start, end))
+        plan.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if num_new == 1:
+            plan.decode_tables.append(table)
+            plan.decode_lens.append(end)
+        else:
+            plan.prefills.append((query_start, num_new, end, table))
+        if end == len(tokens):  # the chunk reaches the end: its last logits pick a token
+            last = len(plan.input_ids)
+            plan.sample_rows.extend(range(last - 1 - len(seq.draft_token_ids), last))
+            sampling_seqs.append(seq)
+    return plan, sampling_seqs
