@@ -344,3 +344,15 @@ def test_kaon_serve_flags_reach_the_engine_config():
     assert (config.speculative_method, config.num_speculative_tokens, config.speculative_draft_model) == \
         ("draft", 6, "/models/small")
     assert EngineConfig(**speculative_options(build_parser().parse_args(["serve"]))).speculative_method == "none"
+
+
+def test_logprobs_of_kept_drafts_equal_plain_decoding(tiny_dirs):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    plain = tiny_llm(tiny_dirs[0]).generate([TINY_PROMPT], params, use_tqdm=False)[0].outputs[0]
+    spec_llm = tiny_llm(tiny_dirs[0], **TINY_OPTIONS["ngram"])
+    spec = spec_llm.generate([TINY_PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert spec_llm.engine.stats().spec_accepted_tokens > 0
+    assert spec.token_ids == plain.token_ids and len(spec.logprobs) == 10
+    for ours, theirs in zip(spec.logprobs, plain.logprobs):
+        assert ours.keys() == theirs.keys()
+        assert all(abs(ours[t] - theirs[t]) < 1e-9 for t in ours)

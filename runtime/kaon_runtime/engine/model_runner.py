@@ -10,10 +10,10 @@ import torch
 from tqdm.auto import tqdm
 
 from kaon_runtime.config import EngineConfig, ModelConfig
+from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
-from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, select_backend
 from kaon_runtime.layers.rejection import verify
