@@ -48,9 +48,10 @@ def test_every_flag_the_operator_renders_is_one_kaon_serve_takes():
     assert args.drain_timeout == resources.DRAIN_SECONDS and args.tensor_parallel_size == 1
 
 
-def test_unbuilt_engine_features_fail_clearly_at_start():
-    result = kaon("serve", "--tensor-parallel-size", "2")
-    assert result.returncode == 2 and "--tensor-parallel-size > 1 is not supported yet" in result.stderr
+def test_a_tensor_parallel_size_the_model_cannot_split_fails_clearly_at_start():
+    result = kaon("serve", "--tensor-parallel-size", "2")  # SmolLM2: 9 heads, 3 KV heads
+    assert result.returncode == 2, result.stderr
+    assert "tensor_parallel_size 2 does not divide its 9 attention heads" in result.stderr
     assert "Traceback" not in result.stderr
 
 
