@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 from e2e.control_plane import ControlPlane, build_binaries  # noqa: E402
 from e2e.operator_process import OperatorProcess  # noqa: E402
-from kaon_operator import api, resources  # noqa: E402
+from kaon_operator import api, resources, scraper  # noqa: E402
 from kaon_operator.crd import CRD_PATH  # noqa: E402
 
 SPEC = {"model": {"uri": "builtin://smollm2-135m-instruct"}}
@@ -65,17 +65,10 @@ def isvc_ready(obj: dict) -> bool:
 
 
 def histogram_quantile(metrics: str, name: str, q: float) -> float:
-    """The q-quantile of a Prometheus histogram, interpolated linearly inside its bucket."""
-    buckets = [(float(le), float(v)) for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', metrics, re.M)]
-    total = buckets[-1][1]
-    rank, prev_le, prev_count = q * total, 0.0, 0.0
-    for le, count in buckets:
-        if count >= rank:
-            if math.isinf(le):
-                return prev_le
-            return prev_le + (le - prev_le) * (rank - prev_count) / max(count - prev_count, 1e-9)
-        prev_le, prev_count = le, count
-    return prev_le
+    """The q-quantile of one of the operator's Prometheus histograms."""
+    buckets = tuple((float(le), float(v)) for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$',
+                                                                  metrics, re.M))
+    return scraper.quantile(buckets, q) or 0.0
 
 
 def histogram_count(metrics: str, name: str) -> int:
