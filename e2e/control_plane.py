@@ -66,6 +66,36 @@ def _die_with_parent() -> None:
         pass
 
 
+def wait_or_kill(proc: subprocess.Popen, grace: float) -> None:
+    """Give a process that was asked to stop `grace` seconds, then SIGKILL it."""
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (once: a second SIGTERM cuts a kaon engine's drain short), then wait_or_kill."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        wait_or_kill(proc, grace)
+
+
+def wait_until_answering(proc: subprocess.Popen, url: str, timeout: float, what: str, log: str) -> None:
+    """Poll `url` until it answers 2xx; fail at once, pointing at `log`, if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} did not answer {url} within {timeout}s: {log}")
+
+
 class _PKI:
     """A CA plus the certificates and keys the components need (ECDSA: generated in milliseconds)."""
 
@@ -210,14 +240,8 @@ class ControlPlane:
 
     def stop(self) -> None:
         """Stop every process we started, newest first, by PID; then remove the work dir."""
-        for name, proc in reversed(list(self._procs.items())):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        for proc in reversed(list(self._procs.values())):
+            terminate(proc, grace=15)
         self._procs.clear()
         if self._own_workdir and not os.environ.get("KAON_KEEP_CONTROL_PLANE"):
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -11,15 +11,13 @@ that gives each `local/*` engine pod a real `kaon serve` on the pod's IP.
 """
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from e2e.control_plane import ControlPlane, _die_with_parent, build_binaries, free_port
+from e2e.control_plane import (ControlPlane, _die_with_parent, build_binaries, free_port, terminate,
+                               wait_until_answering)
 from e2e.operator_process import OperatorProcess
 from e2e.pod_runner import PodRunner
 
@@ -45,25 +43,12 @@ class RouterProcess:
                 [sys.executable, "-m", "kaon_runtime.cli", "router", "--port", str(self.port),
                  "--kubeconfig", str(self.kubeconfig), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the router exited with {self.proc.returncode}: see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/ready", timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"the router was not ready within {timeout}s: see {self.log_path}")
+        wait_until_answering(self.proc, f"{self.url}/ready", timeout, "the router", f"see {self.log_path}")
+        return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            terminate(self.proc, grace=30)
 
 
 class LocalCluster:

@@ -7,14 +7,12 @@ liveness endpoint answers. kill() is a SIGKILL, to test recovery from a crash.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-from e2e.control_plane import _die_with_parent, free_port
+from e2e.control_plane import _die_with_parent, free_port, terminate, wait_until_answering
 
 
 class OperatorProcess:
@@ -33,25 +31,15 @@ class OperatorProcess:
                 [sys.executable, "-m", "kaon_operator", "--liveness-port", str(liveness),
                  "--metrics-port", str(self.metrics_port), *self.extra_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the operator exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"the operator was not live within {timeout}s:\n{self.log()}")
+        try:
+            wait_until_answering(self.proc, f"http://127.0.0.1:{liveness}/healthz", timeout, "the operator", "")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{self.log()}") from None
+        return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            terminate(self.proc, grace=20)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

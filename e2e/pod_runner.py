@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.control_plane import ControlPlane, _die_with_parent
+from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 
 LOCAL_IMAGE_PREFIX = "local/"
 
@@ -63,12 +63,8 @@ class PodRunner:
         self._thread.join()
         for key in self.processes:
             self._terminate(key)
-        for engine in self.processes.values():
-            try:
-                engine.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                engine.proc.kill()
-                engine.proc.wait()
+        for engine in self.processes.values():  # all asked first, so they drain side by side
+            wait_or_kill(engine.proc, grace=30)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll):
