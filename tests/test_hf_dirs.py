@@ -27,21 +27,29 @@ FAMILIES = {
 }
 
 
+def write_hf_dir(model, path, gguf_path, tokenizer_config: dict, *, chat_template: bool = False) -> None:
+    """Save a tiny random transformers model as an HF directory for kaon: weights spread so that
+    greedy choices are far from ties, and the bundled GGUF's vocabulary (any byte-level one of
+    the right size) as tokenizer.json."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer = load_gguf(gguf_path).tokenizer
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    if chat_template:
+        tokenizer_config = {"chat_template": tokenizer.chat_template, **tokenizer_config}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def model_dir(request, tmp_path_factory, gguf_path):
     config_cls, model_cls, extra = FAMILIES[request.param]
     torch.manual_seed(0)
     model = model_cls(config_cls(**SMALL, **extra)).eval()
-    with torch.no_grad():  # spread the logits so greedy choices are far from ties
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer = load_gguf(gguf_path).tokenizer  # any byte-level vocabulary of the right size
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": tokenizer.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    write_hf_dir(model, path, gguf_path, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}, chat_template=True)
     return path, model.to(torch.float64)
 
 

@@ -6,8 +6,6 @@ the latter replicated on both ranks) and the bundled model is checked at TP=3.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.distributed.sharding import check_tensor_parallel, cut, kv_head_start, local_config, vocab_range
 from kaon_runtime.distributed.workers import check_devices
 from kaon_runtime.errors import ModelLoadError
-from kaon_runtime.loader.gguf_file import load_gguf
+from test_hf_dirs import write_hf_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,15 +96,8 @@ def family(request, tmp_path_factory, gguf_path):
     config_cls, model_cls, extra, options = FAMILIES[request.param]
     torch.manual_seed(0)
     model = model_cls(config_cls(**SMALL, **extra))
-    with torch.no_grad():  # spread the logits so greedy choices are far from ties
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer = load_gguf(gguf_path).tokenizer
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    write_hf_dir(model, path, gguf_path, {"eos_token": "<|im_end|>"})
     if options:
         options = dict(options, speculative_draft_model=str(path))
     return str(path), options

@@ -6,14 +6,12 @@ must get right inside the engine: chunked prefill next to decodes, prefix-cache 
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.kernels import paged_attention
-from kaon_runtime.loader.gguf_file import load_gguf
+from test_hf_dirs import write_hf_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,15 +26,8 @@ def tiny_llama(tmp_path_factory, gguf_path):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # spread the logits so greedy choices are far from ties
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
     path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer = load_gguf(gguf_path).tokenizer  # any byte-level vocabulary of the right size
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    write_hf_dir(model, path, gguf_path, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
     return str(path)
 
 
