@@ -234,14 +234,19 @@ build_kwok() {
     log "kwok $KWOK_VERSION: cached"
     return
   fi
-  local scratch="$VERSION_DIR/.scratch-kwok"
-  log "kwok $KWOK_VERSION: building"
+  go_install_cached kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok "-s -w"
+}
+
+# `go install package@version` into a scratch dir, then into the bin cache with its stamp.
+go_install_cached() {
+  local name="$1" version="$2" package="$3" ldflags="$4"
+  local scratch="$VERSION_DIR/.scratch-$name"
+  log "$name $version: building"
   rm -rf "$scratch" && mkdir -p "$scratch"
   # cd somewhere neutral: `go install pkg@version` ignores the current module,
   # but a stray go.work/go.mod in the caller's directory would still be read.
-  (cd "$scratch" && GOBIN="$scratch" run_go install -trimpath -ldflags "-s -w" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION")
-  install_binaries kwok "$KWOK_VERSION" "$scratch" kwok
+  (cd "$scratch" && GOBIN="$scratch" run_go install -trimpath -ldflags "$ldflags" "$package@$version")
+  install_binaries "$name" "$version" "$scratch" "$name"
 }
 
 # Helm ------------------------------------------------------------------------
@@ -271,13 +276,9 @@ build_helm() {
     log "helm $HELM_VERSION: cached"
     return
   fi
-  local scratch="$VERSION_DIR/.scratch-helm" ldflags
-  ldflags="$(helm_ldflags)"
-  log "helm $HELM_VERSION: building"
-  rm -rf "$scratch" && mkdir -p "$scratch"
-  (cd "$scratch" && GOBIN="$scratch" run_go install -trimpath -ldflags "$ldflags" \
-    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION")
-  install_binaries helm "$HELM_VERSION" "$scratch" helm
+  local ldflags
+  ldflags="$(helm_ldflags)"  # its own line, so that set -e stops on a failure
+  go_install_cached helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm "$ldflags"
 }
 
 main() {
