@@ -54,6 +54,12 @@ class State:
         self.apply_failures: dict[tuple[str, str], str] = {}  # until an apply succeeds again
         self.history: defaultdict[tuple[str, str], list[autoscaler.Sample]] = defaultdict(list)
         self.latency: dict[tuple[str, str], dict[str, tuple]] = {}  # pod -> last latency buckets
+        self.http: aiohttp.ClientSession | None = None  # one pool for every scrape, made in kopf's loop
+
+    def http_session(self) -> aiohttp.ClientSession:
+        if self.http is None:
+            self.http = aiohttp.ClientSession()
+        return self.http
 
 
 def reporting_instance() -> str:
@@ -304,14 +310,13 @@ def _reachable(pods) -> list:
     return [p for p in pods if p.ready and not p.terminating and p.ip]
 
 
-async def _scrape(engines: list[status.PodSummary], routers: list[tuple[status.PodSummary, int]]
-                  ) -> tuple[dict[str, scraper.PodMetrics], list[str]]:
+async def _scrape(session: aiohttp.ClientSession, engines: list[status.PodSummary],
+                  routers: list[tuple[status.PodSummary, int]]) -> tuple[dict[str, scraper.PodMetrics], list[str]]:
     ready = _reachable(engines)
     routers = [(pod, port) for pod, port in routers if _reachable([pod])]
     urls = [f"http://{p.ip}:{resources.HTTP_PORT}/metrics" for p in ready] + \
         [f"http://{pod.ip}:{port}/metrics" for pod, port in routers]
-    async with aiohttp.ClientSession() as session:
-        texts = await asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
+    texts = await asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
     engine_texts, router_texts = texts[:len(ready)], texts[len(ready):]
     return ({p.name: scraper.parse(t) for p, t in zip(ready, engine_texts) if t is not None},
             [t for t in router_texts if t is not None])
@@ -346,7 +351,8 @@ async def autoscale(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
     if isinstance(spec, str):
         return
     now = time.time()
-    metrics, router_texts = await _scrape(list(engine_pods.get(key, ())), list(router_pods.get("routers", ())))
+    metrics, router_texts = await _scrape(state.http_session(), list(engine_pods.get(key, ())),
+                                          list(router_pods.get("routers", ())))
     sample = _sample(state, key, metrics, router_texts, spec.autoscaling.latency_metric, now)
     history = state.history[key]
     history.append(sample)
@@ -364,6 +370,13 @@ async def autoscale(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
         direction = "up" if decision.replicas > spec.replicas else "down"
         _post(body, [status.EventSpec("Normal", "Scaled",
                                       f"Scaled {direction} {spec.replicas} → {decision.replicas}: {decision.reason}")])
+
+
+@kopf.on.cleanup()
+async def close_http(memo: kopf.Memo, **_) -> None:
+    state = memo.get("state")
+    if state is not None and state.http is not None:
+        await state.http.close()
 
 
 def register_autoscaler(interval: float) -> None:
