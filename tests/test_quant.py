@@ -40,13 +40,14 @@ def _x(m, k, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", ROWS)
-def test_w8a16_kernel_matches_reference(dtype, m):
+@pytest.mark.parametrize("split_k", [None, 2, 4], ids=["split-auto", "split-2", "split-4"])
+def test_w8a16_kernel_matches_reference(dtype, m, split_k):
     torch.manual_seed(0)
-    n, k = 80, 100  # neither a multiple of the 64-wide tiles: masked edges on both axes
+    n, k = 80, 200  # not multiples of the 64-wide tiles: masked edges on both axes; 4 K steps for 4 ranges
     qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=DEVICE)
     scales = torch.rand(n, device=DEVICE) / 100
     x = _x(m, k, dtype)
-    out = quant_gemm.w8a16_matmul(x, qweight, scales)
+    out = quant_gemm.w8a16_matmul(x, qweight, scales, split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out, w8a16_matmul_ref(x, qweight, scales), **CLOSE[dtype])
 
@@ -54,14 +55,15 @@ def test_w8a16_kernel_matches_reference(dtype, m):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_w4a16_kernel_matches_reference(dtype, m, group_size):
+@pytest.mark.parametrize("split_k", [None, 5], ids=["split-auto", "split-5"])
+def test_w4a16_kernel_matches_reference(dtype, m, group_size, split_k):
     torch.manual_seed(0)
-    n, k = 72, 256
+    n, k = 72, 384  # 3 to 12 groups: 5 ranges of 2 or 3 groups leave the last ranges short or empty
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE)
     scales = (torch.rand(n, k // group_size, device=DEVICE) / 50).half()
     mins = (-torch.rand(n, k // group_size, device=DEVICE) / 7).half()
     x = _x(m, k, dtype)
-    out = quant_gemm.w4a16_matmul(x, packed, scales, mins, group_size)
+    out = quant_gemm.w4a16_matmul(x, packed, scales, mins, group_size, split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out, w4a16_matmul_ref(x, packed, scales, mins, group_size), **CLOSE[dtype])
 
