@@ -26,7 +26,7 @@ from kaon_runtime.distributed.sharding import check_tensor_parallel
 from kaon_runtime.engine.step_plan import StepPlan
 from kaon_runtime.engine.model_runner import ModelRunner, pick_device
 from kaon_runtime.errors import ModelLoadError
-from kaon_runtime.loader import load_checkpoint, resolve_model
+from kaon_runtime.loader import open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def worker_main(config: EngineConfig, rank: int, size: int, port: int, conn) -> 
         if pick_device(config.device, rank).type == "cpu":
             # CPU tensor parallelism is for tests: the ranks share the cores instead of fighting over them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        runner = ModelRunner(config, load_checkpoint(resolve_model(config.model)), show_progress=False,
+        runner = ModelRunner(config, open_checkpoint(config.model), show_progress=False,
                              tp=TensorParallel(rank, size))
     except Exception as exc:  # reported to rank 0, which raises it as the engine's start-up error
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -21,7 +21,7 @@ from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.layers.sampler import draw, sampling_probs
-from kaon_runtime.loader import load_checkpoint, resolve_model
+from kaon_runtime.loader import open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class _Shadow:
 
 class DraftModelDrafter:
     def __init__(self, config: EngineConfig, target: ModelRunner, show_progress: bool = True):
-        checkpoint = load_checkpoint(resolve_model(config.speculative_draft_model))
+        checkpoint = open_checkpoint(config.speculative_draft_model)
         if checkpoint.config.vocab_size != target.model_config.vocab_size:
             raise ModelLoadError(
                 f"draft model {config.speculative_draft_model!r} has a vocabulary of {checkpoint.config.vocab_size} "

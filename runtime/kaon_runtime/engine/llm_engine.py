@@ -15,7 +15,7 @@ from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import InvalidRequestError
-from kaon_runtime.loader import Checkpoint, load_checkpoint, resolve_model
+from kaon_runtime.loader import Checkpoint, open_checkpoint
 from kaon_runtime.loader.tokenizer import IncrementalDetokenizer
 from kaon_runtime.sampling import SamplingParams
 
@@ -48,7 +48,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        checkpoint = load_checkpoint(resolve_model(config.model))
+        checkpoint = open_checkpoint(config.model)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.workers = _start_workers(config, checkpoint)

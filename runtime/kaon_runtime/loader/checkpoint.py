@@ -8,8 +8,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from kaon_runtime.config import ModelConfig
+from kaon_runtime.config import DEFAULT_MODEL, ModelConfig
 from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.loader.random_weights import RANDOM_SCHEME, hf_config, random_weights, tensor_shapes
+from kaon_runtime.loader.resolve import resolve_model
 from kaon_runtime.loader.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -26,6 +28,17 @@ class Checkpoint:
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     # GGUF only: the raw blocks of the Q4_1 tensors, HF-named, rows in HF order, uint8 [rows, K / 32, 20].
     q4_1_blocks: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+
+
+def open_checkpoint(model: str) -> Checkpoint:
+    """The checkpoint a model id names: random://<shape>, builtin://<name>, a .gguf file or an HF directory."""
+    if model.startswith(RANDOM_SCHEME):
+        name = model[len(RANDOM_SCHEME):]
+        config = model_config_from_hf(hf_config(name))
+        # Random weights come with the bundled model's tokenizer: benchmarks only need token ids.
+        tokenizer = load_checkpoint(resolve_model(DEFAULT_MODEL)).tokenizer
+        return Checkpoint(Path(name), config, tokenizer, len(tensor_shapes(config)), lambda: random_weights(config))
+    return load_checkpoint(resolve_model(model))
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

@@ -31,7 +31,8 @@ def resolve_model(model: str) -> Path:
             f"{model!r} is a directory but holds neither config.json nor exactly one .gguf file")
     raise ModelNotFoundError(
         f"unknown model {model!r}: expected {BUILTIN_SCHEME}<name> (one of {', '.join(BUILTIN_MODELS)}), "
-        "a .gguf file, or a directory with config.json and *.safetensors")
+        "random://<shape> (random weights, for benchmarks), a .gguf file, or a directory with config.json "
+        "and *.safetensors")
 
 
 def _resolve_builtin(name: str) -> Path:
