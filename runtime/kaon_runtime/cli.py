@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GPU: share of the memory left after loading weights for the KV cache")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
+    serve.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                       help="GPU: decode batches up to this size replay captured CUDA graphs; 0 runs them eagerly")
     serve.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                        help="quantize the linear layers' weights at load time")
     add_speculative_flags(serve)

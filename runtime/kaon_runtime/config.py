@@ -51,6 +51,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
     enable_prefix_caching: bool = True
     quantization: str = "none"  # weights of the linear layers: "none", "int8", "int4" or "fp8"
+    cuda_graph_max_batch: int = 256  # GPU decode batches up to this size replay CUDA graphs; 0: always eager
     tensor_parallel_size: int = 1  # processes holding a shard each: one per GPU (on CPU, for tests)
     # Speculative decoding: "ngram" drafts by prompt lookup, "draft" with a smaller model of the same tokenizer.
     speculative_method: str = "none"
@@ -76,6 +77,8 @@ class EngineConfig:
              f"device must be auto, cpu or cuda, got {self.device!r}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
              f"unknown dtype {self.dtype!r}"),
+            (self.cuda_graph_max_batch >= 0,
+             f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
             (self.quantization in QUANTIZATION_METHODS,
              f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}"),

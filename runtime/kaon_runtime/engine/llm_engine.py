@@ -67,6 +67,8 @@ class LLMEngine:
         # A sequence must always fit the pool on its own, or it could never finish.
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
+        if self.runner.cuda_graphs_apply():
+            self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.drafter = _build_drafter(config, self.runner, show_progress)

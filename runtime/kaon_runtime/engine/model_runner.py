@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.engine.cuda_graphs import DecodeGraphs, ladder
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
@@ -83,6 +84,7 @@ class ModelRunner:
         self.model = self._load_model(checkpoint, show_progress)
         self.num_blocks = self._allocate_kv_cache()
         self.on_step: Callable[[StepPlan], None] | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -140,6 +142,22 @@ class ModelRunner:
                  blocks * block_bytes / 2 ** 20)
         return blocks
 
+    def cuda_graphs_apply(self) -> bool:
+        """Decode graphs need a GPU, the Triton backend (the torch one gathers by data-dependent masks)
+        and one rank (collectives inside graphs are left for later)."""
+        return (self.config.cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.tp.size == 1
+                and self.model.attention_layers()[0].backend.name == "triton")
+
+    def prepare_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Static buffers for decode batches up to the ladder's top, and their graphs when `capture`."""
+        sizes = ladder(min(self.config.cuda_graph_max_batch, self.config.max_num_seqs))
+        self.decode_graphs = DecodeGraphs(self._logits_of_all_rows, self.device, self.block_size,
+                                          -(-max_model_len // self.block_size), sizes, capture)
+        self.decode_graphs.capture_all()
+
+    def _logits_of_all_rows(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, meta))
+
     # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -162,6 +180,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """One forward pass (every tensor-parallel rank runs it); logits of the sample rows."""
+        if self.decode_graphs is not None and plan.sample_rows and self.decode_graphs.fits(plan):
+            return self.decode_graphs.run(plan)
         meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), num_decode_tokens=len(plan.decode_tables),
                                  prefills=[PrefillChunk(start, length, context, self._tensor(table))
                                            for start, length, context, table in plan.prefills])

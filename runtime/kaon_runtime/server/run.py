@@ -63,6 +63,7 @@ def engine_config(args) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
                         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                        cuda_graph_max_batch=args.cuda_graph_max_batch,
                         **speculative_options(args))
 
 

@@ -1,0 +1,113 @@
+"""Decode steps replayed from CUDA graphs captured once per batch size of a ladder.
+
+A decode step of a small batch launches hundreds of small kernels whose launch cost, not
+their work, sets the step time. A CUDA graph records the whole forward pass once and
+replays it with one launch. Graphs fix every tensor's address and shape, so the inputs
+live in static buffers sized for the largest batch; a batch of n runs the graph of the
+smallest captured size >= n, its extra rows padded: slot -1 (nothing written to the
+cache) and a context of one key in block 0 (a harmless read). Prefill chunks vary too
+much in shape to capture and stay eager.
+
+Without capture (`capture=False`) the same static-buffer path runs eagerly: CPU tests use
+it to check the padding and buffer handling the graphs depend on.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from kaon_runtime.engine.step_plan import StepPlan
+from kaon_runtime.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def ladder(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then every 8 up to max_batch (which is always included).
+
+    Steps of 8 waste at most 7 padded rows, a small share of a step once batches are that big."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+    return sorted(set(sizes))
+
+
+def graph_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds num_seqs rows; None when the batch is too big for any."""
+    return next((s for s in sizes if s >= num_seqs), None)
+
+
+def is_decode_only(plan: StepPlan) -> bool:
+    return bool(plan.decode_tables) and not plan.prefills
+
+
+class DecodeGraphs:
+    """Static input buffers and one replayable forward pass (model + logits) per ladder size."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 device: torch.device, block_size: int, max_blocks_per_seq: int, sizes: list[int], capture: bool):
+        self.forward, self.device, self.block_size = forward, device, block_size
+        self.sizes, self.capture = sizes, capture
+        largest = sizes[-1]
+        zeros = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(largest, **zeros)
+        self.positions = torch.zeros(largest, **zeros)
+        self.slots = torch.full((largest,), -1, **zeros)
+        self.block_tables = torch.zeros(largest, max_blocks_per_seq, **zeros)
+        self.context_lens = torch.ones(largest, **zeros)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.replays = 0  # decode steps served from a graph (or, without capture, from the static path)
+
+    def fits(self, plan: StepPlan) -> bool:
+        return (is_decode_only(plan) and graph_size(len(plan.decode_tables), self.sizes) is not None
+                and max(map(len, plan.decode_tables)) <= self.block_tables.shape[1])
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        if not self.capture:
+            return
+        pool = None
+        for size in reversed(self.sizes):
+            self._run_static(size)  # warm-up: Triton compiles, caches fill, nothing new happens while recording
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._run_static(size)
+            pool = graph.pool()
+            self._graphs[size] = (graph, logits)
+        log.info("captured CUDA graphs for decode batches of %s", ", ".join(map(str, self.sizes)))
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of the plan's sample rows (a decode-only plan that `fits`)."""
+        n = len(plan.decode_tables)
+        size = graph_size(n, self.sizes)
+        self._load(plan, size)
+        graph, logits = self._graphs.get(size, (None, None))
+        if graph is None:
+            logits = self._run_static(size)
+        else:
+            graph.replay()
+        self.replays += 1
+        return logits[torch.tensor(plan.sample_rows, device=self.device)]
+
+    def _load(self, plan: StepPlan, size: int) -> None:
+        """Copy the plan into the static buffers; rows n..size become padding."""
+        n = len(plan.decode_tables)
+        widest = max(map(len, plan.decode_tables))
+        tables = torch.tensor([t + [0] * (widest - len(t)) for t in plan.decode_tables])
+        # Columns past `widest` keep earlier steps' block ids: valid blocks, masked by the context length.
+        self.block_tables[:n, :widest].copy_(tables, non_blocking=True)
+        for buffer, values, pad in ((self.input_ids, plan.input_ids, 0), (self.positions, plan.positions, 0),
+                                    (self.slots, plan.slots, -1), (self.context_lens, plan.decode_lens, 1)):
+            buffer[:size].copy_(torch.tensor(values + [pad] * (size - n)), non_blocking=True)
+        self.block_tables[n:size, 0] = 0
+
+    def _run_static(self, size: int) -> torch.Tensor:
+        """The forward pass over the first `size` rows of the static buffers; what a graph records."""
+        tables, lens = self.block_tables[:size], self.context_lens[:size]
+        keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
+        meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode_tokens=size, decode_block_tables=tables,
+                                 decode_context_lens=lens, decode_key_mask=keys[None, :] < lens[:, None])
+        return self.forward(self.input_ids[:size], self.positions[:size], meta)
