@@ -53,3 +53,12 @@ def test_greedy_tokens_match_hf_on_the_same_random_weights(weights):
 def test_an_unknown_shape_is_refused_with_the_known_ones():
     with pytest.raises(ModelNotFoundError, match="llama-3.1-8b"):
         open_checkpoint("random://gpt-5")
+
+
+def test_the_byte_tokenizer_round_trips_any_text_and_skips_ids_past_a_byte():
+    tokenizer = open_checkpoint("random://llama-3.1-8b").tokenizer  # builds no weights
+    text = "Grüße, 世界! \n\t<|im_end|>"
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text.encode()) and max(ids) < 256
+    assert tokenizer.decode(ids) == text and tokenizer.decode(ids + [128000, 5000]) == text
+    assert tokenizer.eos_token_ids == [128001] and tokenizer.chat_template is None

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from kaon_runtime.config import DEFAULT_MODEL, ModelConfig
+from kaon_runtime.config import ModelConfig
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.loader.random_weights import RANDOM_SCHEME, hf_config, random_weights, tensor_shapes
 from kaon_runtime.loader.resolve import resolve_model
@@ -34,9 +34,9 @@ def open_checkpoint(model: str) -> Checkpoint:
     """The checkpoint a model id names: random://<shape>, builtin://<name>, a .gguf file or an HF directory."""
     if model.startswith(RANDOM_SCHEME):
         name = model[len(RANDOM_SCHEME):]
-        config = model_config_from_hf(hf_config(name))
-        # Random weights come with the bundled model's tokenizer: benchmarks only need token ids.
-        tokenizer = load_checkpoint(resolve_model(DEFAULT_MODEL)).tokenizer
+        raw = hf_config(name)
+        config = model_config_from_hf(raw)
+        tokenizer = Tokenizer.bytes_only(raw.get("bos_token_id"), raw.get("eos_token_id"))
         return Checkpoint(Path(name), config, tokenizer, len(tensor_shapes(config)), lambda: random_weights(config))
     return load_checkpoint(resolve_model(model))
 

@@ -4,8 +4,8 @@ Measuring speed needs the shape, not the trained values, and no model hub is rea
 from where benchmarks run. Each shape is the HF config.json of the model it copies, so
 HF transformers can build the same model for comparison (`hf_config`). Weights are drawn
 per tensor from a seed derived from the tensor's name: iterating `weights()` twice, or
-from another process, gives the same values. The tokenizer is the bundled SmolLM2 one;
-ids past its vocabulary decode to nothing, which is fine for text nobody reads.
+from another process, gives the same values. The tokenizer has one token per byte
+(Tokenizer.bytes_only): nothing to download, and nobody reads the text.
 """
 from __future__ import annotations
 

@@ -66,6 +66,17 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------
 
     @classmethod
+    def bytes_only(cls, bos_token_id: int | None, eos_token_id: int | None) -> "Tokenizer":
+        """One token per byte and no merges, for random-weight models: their text is never read,
+        and this needs no vocabulary file. Ids past 255 decode to nothing."""
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        backend = HFTokenizer(models.BPE({symbol: i for i, symbol in enumerate(alphabet)}, [], fuse_unk=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        return cls(backend, bos_token_id=bos_token_id, eos_token_ids=_unique([eos_token_id]), chat_template=None,
+                   add_bos=False)
+
+    @classmethod
     def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
         """Build from GGUF `tokenizer.ggml.*` metadata (byte-level BPE vocabularies)."""
         kind = fields.get("tokenizer.ggml.model")
