@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane demo generate serve test bench bench-serve soak bench-operator clean
+.PHONY: install control-plane demo generate serve test bench bench-gpu bench-roofline bench-serve soak bench-operator clean
 
 install: $(STAMP)
 
@@ -38,6 +38,15 @@ test: install control-plane
 
 bench: install
 	$(PY) bench/throughput.py
+
+# GPU only: Llama-3.2-1B's shape with random weights, 256 requests of 100-1024 tokens in and out, vs HF.
+bench-gpu: install
+	$(PY) bench/throughput.py --model random://llama-3.2-1b --device cuda --dtype bfloat16 --requests 256 \
+		--input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192
+
+# GPU only: batch-1 decode of Llama-3.1-8B's shape in bf16, int8 and int4 against the copy bandwidth.
+bench-roofline: install
+	$(PY) bench/decode_roofline.py
 
 # The serving peer (llama.cpp's OpenAI server) compiles from source: minutes on 2 cores.
 bench-serve: install

@@ -2,8 +2,16 @@
 
     python bench/throughput.py [--requests 64] [--device cpu] [--dtype float32]
 
-Workload: 64 requests, prompt lengths uniform in 32-512 tokens, output lengths uniform
-in 32-256 tokens, EOS ignored so both engines produce exactly the requested tokens.
+GPU (`make bench-gpu`): Llama-3.2-1B's shape with random weights, 256 requests of 100-1024
+tokens in and out:
+
+    python bench/throughput.py --model random://llama-3.2-1b --device cuda --dtype bfloat16 \
+        --requests 256 --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192
+
+Workload (CPU default): 64 requests, prompt lengths uniform in 32-512 tokens, output lengths
+uniform in 32-256 tokens, EOS ignored so both engines produce exactly the requested tokens.
+Prompts are slices of an English text for real models, random token ids for random:// ones.
 HF runs the whole set as one padded batch through `generate` (static batching: every
 row runs until the longest finishes), which is how HF serves a batch; only the tokens
 each request asked for are counted as output.
@@ -24,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from kaon_runtime import LLM, SamplingParams  # noqa: E402
-from kaon_runtime.loader import resolve_model  # noqa: E402
+from kaon_runtime.loader import open_checkpoint, resolve_model  # noqa: E402
+from kaon_runtime.loader.random_weights import RANDOM_SCHEME, hf_config  # noqa: E402
 
 TEXT = ("The history of computing is a story of layers: transistors became gates, gates became "
         "processors, processors ran operating systems, and operating systems hosted languages that "
@@ -33,15 +42,38 @@ TEXT = ("The history of computing is a story of layers: transistors became gates
         "bandwidth, cache reuse, and the art of keeping every core busy while requests come and go. ")
 
 
-def make_workload(tokenizer, n: int, seed: int):
+def make_workload(llm: LLM, n: int, seed: int, input_len: tuple[int, int], output_len: tuple[int, int]):
     rng = random.Random(seed)
-    corpus = tokenizer.encode(TEXT * 20)
+    longest = input_len[1]
+    if llm.engine.config.model.startswith(RANDOM_SCHEME):
+        corpus = [rng.randrange(llm.engine.model_config.vocab_size) for _ in range(longest + 200)]
+    else:
+        corpus = llm.tokenizer.encode(TEXT * (1 + 2 * longest // 100))
     prompts, outputs = [], []
     for _ in range(n):
-        length, start = rng.randint(32, 512), rng.randint(0, 200)
+        length, start = rng.randint(*input_len), rng.randint(0, 200)
         prompts.append(corpus[start:start + length])
-        outputs.append(rng.randint(32, 256))
+        outputs.append(rng.randint(*output_len))
     return prompts, outputs
+
+
+def hf_model(model: str, dtype: torch.dtype, device: str):
+    """The same model in HF transformers: the GGUF or HF directory, or the random:// weights kaon drew."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    if model.startswith(RANDOM_SCHEME):
+        with torch.device(device):
+            hf = LlamaForCausalLM(LlamaConfig(**hf_config(model[len(RANDOM_SCHEME):]))).to(dtype)
+        params = hf.state_dict()
+        with torch.no_grad():
+            for name, tensor in open_checkpoint(model).weights():
+                params[name].copy_(tensor)
+        return hf.eval()
+    path = resolve_model(model)
+    if path.is_file():
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return hf.to(device).eval()
 
 
 def bench_kaon(llm: LLM, prompts, output_lens) -> float:
@@ -56,18 +88,25 @@ def bench_kaon(llm: LLM, prompts, output_lens) -> float:
 
 def bench_hf(model, prompts, output_lens, pad_id: int) -> float:
     longest = max(map(len, prompts))
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=model.device)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):  # left padding, as decoder-only generation needs
-        ids[row, longest - len(p):] = torch.tensor(p)
+        ids[row, longest - len(p):] = torch.tensor(p, device=model.device)
         mask[row, longest - len(p):] = 1
+    _sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max(output_lens), min_new_tokens=max(output_lens),
                              do_sample=False, pad_token_id=pad_id)
+    _sync(model.device)
     elapsed = time.perf_counter() - start
     assert out.shape[1] == longest + max(output_lens)
     return elapsed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def decode_rate(generate, new_tokens: int, repeats: int = 3) -> float:
@@ -87,24 +126,23 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
-    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype)
-    prompts, output_lens = make_workload(llm.tokenizer, args.requests, args.seed)
+    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts, output_lens = make_workload(llm, args.requests, args.seed, args.input_len, args.output_len)
     total_out = sum(output_lens)
     total_in = sum(map(len, prompts))
 
-    from transformers import AutoModelForCausalLM
-    path = resolve_model(args.model)
-    if path.is_file():
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    hf = hf.to(args.device).eval()
+    hf = hf_model(args.model, dtype, args.device)
     pad_id = llm.tokenizer.eos_token_id
 
     kaon_s = bench_kaon(llm, prompts, output_lens)
@@ -124,8 +162,9 @@ def main() -> int:
     hf_decode = decode_rate(hf_one, args.decode_tokens)
 
     figures = {
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                   f"device {args.device}, {args.dtype}",
+        "machine": (torch.cuda.get_device_name() if args.device.startswith("cuda") else
+                    f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+                   + f", {args.model}, {args.dtype}",
         "requests": args.requests, "prompt_tokens": total_in, "output_tokens": total_out,
         "kaon_seconds": round(kaon_s, 2), "hf_seconds": round(hf_s, 2),
         "kaon_output_tok_s": round(total_out / kaon_s, 1), "hf_output_tok_s": round(total_out / hf_s, 1),

@@ -11,7 +11,7 @@ import torch
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.engine.cuda_graphs import graph_size, ladder
-from test_triton_engine import PROMPTS, tiny_llama  # noqa: F401  (a fixture)
+from test_triton_engine import DEVICE, PROMPTS, tiny_llama  # noqa: F401  (a fixture)
 
 
 def test_ladder_starts_fine_then_steps_by_eight_and_ends_at_the_limit():
@@ -37,7 +37,7 @@ MAX_TOKENS = [9, 3, 6, 12, 4]
 
 
 def _generate(path, graphs_up_to: int | None):
-    llm = LLM(path, show_progress=False, device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=32)
+    llm = LLM(path, show_progress=False, device=DEVICE, dtype="float32", block_size=8, max_num_batched_tokens=32)
     if graphs_up_to is not None:
         llm.engine.runner.config.cuda_graph_max_batch = graphs_up_to
         llm.engine.runner.prepare_decode_graphs(llm.engine.max_model_len, capture=False)
@@ -57,9 +57,13 @@ def test_static_decode_path_gives_the_eager_tokens(tiny_llama, monkeypatch, back
     assert tokens == expected
 
 
-def test_graphs_are_captured_only_where_they_apply(tiny_llama):
-    llm = LLM(tiny_llama, show_progress=False, device="cpu", dtype="float32")
-    assert not llm.engine.runner.cuda_graphs_apply() and llm.engine.runner.decode_graphs is None
+@pytest.mark.parametrize("device,backend,max_batch,applies", [
+    ("cpu", "torch", 256, False), (DEVICE, "triton", 0, False), (DEVICE, "triton", 256, DEVICE == "cuda")])
+def test_graphs_are_captured_only_where_they_apply(tiny_llama, monkeypatch, device, backend, max_batch, applies):
+    monkeypatch.setenv("KAON_ATTENTION_BACKEND", backend)
+    llm = LLM(tiny_llama, show_progress=False, device=device, dtype="float32", cuda_graph_max_batch=max_batch)
+    assert llm.engine.runner.cuda_graphs_apply() == applies
+    assert (llm.engine.runner.decode_graphs is not None) == applies
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures real CUDA graphs")

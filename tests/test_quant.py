@@ -319,7 +319,7 @@ def test_int4_takes_the_gguf_q4_1_blocks_bit_for_bit(llm):
 def test_engine_on_the_triton_kernels_generates_the_torch_tokens(tiny_llama, monkeypatch, method):
     # A tiny random Llama keeps the interpreter's cost low; its logits are spread far from ties.
     def generate():
-        llm = LLM(tiny_llama, show_progress=False, device="cpu", dtype="float32", quantization=method)
+        llm = LLM(tiny_llama, show_progress=False, device=DEVICE, dtype="float32", quantization=method)
         outputs = llm.generate([list(range(300, 340)), [7, 8, 9]],
                                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs]
