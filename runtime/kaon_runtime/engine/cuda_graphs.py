@@ -5,7 +5,7 @@ their work, sets the step time. A CUDA graph records the whole forward pass once
 replays it with one launch. Graphs fix every tensor's address and shape, so the inputs
 live in static buffers sized for the largest batch; a batch of n runs the graph of the
 smallest captured size >= n, its extra rows padded: slot -1 (nothing written to the
-cache) and a context of one key in block 0 (a harmless read). Prefill chunks vary too
+cache) and a context of one key (a harmless read of a valid block). Prefill chunks vary too
 much in shape to capture and stay eager.
 
 Without capture (`capture=False`) the same static-buffer path runs eagerly: CPU tests use
@@ -49,12 +49,10 @@ class DecodeGraphs:
         self.forward, self.device, self.block_size = forward, device, block_size
         self.sizes, self.capture = sizes, capture
         largest = sizes[-1]
-        zeros = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(largest, **zeros)
-        self.positions = torch.zeros(largest, **zeros)
-        self.slots = torch.full((largest,), -1, **zeros)
-        self.block_tables = torch.zeros(largest, max_blocks_per_seq, **zeros)
-        self.context_lens = torch.ones(largest, **zeros)
+        # Token ids, positions, cache slots and context lengths side by side: one copy per step fills them.
+        self.rows = torch.tensor([[0], [0], [-1], [1]], device=device).repeat(1, largest)
+        self.input_ids, self.positions, self.slots, self.context_lens = self.rows
+        self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays = 0  # decode steps served from a graph (or, without capture, from the static path)
 
@@ -94,15 +92,15 @@ class DecodeGraphs:
 
     def _load(self, plan: StepPlan, size: int) -> None:
         """Copy the plan into the static buffers; rows n..size become padding."""
-        n = len(plan.decode_tables)
+        n, pad = len(plan.decode_tables), size - len(plan.decode_tables)
+        rows = torch.tensor([plan.input_ids + [0] * pad, plan.positions + [0] * pad, plan.slots + [-1] * pad,
+                             plan.decode_lens + [1] * pad])
+        self.rows[:, :size].copy_(rows)
         widest = max(map(len, plan.decode_tables))
+        # Columns past `widest`, and padded rows, keep earlier steps' block ids: valid blocks, masked
+        # by the context length (a padded row reads one key of whatever block its first column names).
         tables = torch.tensor([t + [0] * (widest - len(t)) for t in plan.decode_tables])
-        # Columns past `widest` keep earlier steps' block ids: valid blocks, masked by the context length.
-        self.block_tables[:n, :widest].copy_(tables, non_blocking=True)
-        for buffer, values, pad in ((self.input_ids, plan.input_ids, 0), (self.positions, plan.positions, 0),
-                                    (self.slots, plan.slots, -1), (self.context_lens, plan.decode_lens, 1)):
-            buffer[:size].copy_(torch.tensor(values + [pad] * (size - n)), non_blocking=True)
-        self.block_tables[n:size, 0] = 0
+        self.block_tables[:n, :widest].copy_(tables)
 
     def _run_static(self, size: int) -> torch.Tensor:
         """The forward pass over the first `size` rows of the static buffers; what a graph records."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kaon_runtime.quant.linear import QuantizedLinear
+from kaon_runtime.quant.linear import ChannelScaledLinear
 
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max
@@ -41,15 +41,8 @@ def fp8_matmul_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return torch._scaled_mm(xq, qweight.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype)
 
 
-class Fp8Linear(QuantizedLinear):
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__(qweight.shape[1], qweight.shape[0], bias)
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        return cls(*quantize_fp8(linear.weight.detach()), linear.bias)
+class Fp8Linear(ChannelScaledLinear):
+    quantize = staticmethod(quantize_fp8)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if scaled_mm_supported(x, self.qweight):

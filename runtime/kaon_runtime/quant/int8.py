@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kaon_runtime.kernels.quant_gemm_ref import w8a16_matmul_ref
-from kaon_runtime.quant.linear import QuantizedLinear, use_triton
+from kaon_runtime.quant.linear import ChannelScaledLinear, use_triton
 
 _QMAX = 127  # -128 stays unused so the range is symmetric around zero
 
@@ -18,15 +17,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qweight, scales
 
 
-class Int8Linear(QuantizedLinear):
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__(qweight.shape[1], qweight.shape[0], bias)
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        return cls(*quantize_int8(linear.weight.detach()), linear.bias)
+class Int8Linear(ChannelScaledLinear):
+    quantize = staticmethod(quantize_int8)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):

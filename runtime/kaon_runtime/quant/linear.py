@@ -37,3 +37,21 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class ChannelScaledLinear(QuantizedLinear):
+    """A quantized weight [N, K] with one float32 scale per output channel (int8, fp8)."""
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float [N, K] -> (quantized [N, K], scales [N]); each subclass brings its own."""
+        raise NotImplementedError
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "ChannelScaledLinear":
+        return cls(*cls.quantize(linear.weight.detach()), linear.bias)
