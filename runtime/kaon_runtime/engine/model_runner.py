@@ -16,6 +16,7 @@ from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
 from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.kernels.paged_attention_ref import MAX_HEAD_SLICE
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, select_backend
 from kaon_runtime.layers.rejection import verify
 from kaon_runtime.layers.sampler import SamplingBatch, logprobs_of, sample
@@ -128,7 +129,7 @@ class ModelRunner:
         mc = self.model.local_config  # this rank's KV heads
         block_bytes = kv_block_bytes(mc, self.block_size, self.dtype)
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        blocks = num_kv_blocks(self.config, block_bytes, free)
+        blocks = min(num_kv_blocks(self.config, block_bytes, free), MAX_HEAD_SLICE // (self.block_size * mc.head_dim))
         if blocks < 1:
             raise ModelLoadError(f"the KV cache budget holds no block of {block_bytes} bytes; raise the budget")
         shape = (mc.num_layers, 2, mc.num_kv_heads, blocks, self.block_size, mc.head_dim)

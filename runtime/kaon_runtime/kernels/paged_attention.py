@@ -16,8 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_M = 64  # prefill query rows per program
-_BLOCK_N = 64  # keys per inner-loop step
+from kaon_runtime.kernels.paged_attention_ref import MAX_HEAD_SLICE
+
+# Tile sizes (prefill query rows per program, keys per inner-loop step) chosen so that no kernel
+# spills registers on sm_90 (tests/test_kernels_compile.py): float32 tiles take twice the registers
+# and, with exact float32 products, run on the CUDA cores, so they are smaller.
+_TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (32, 32)}
+_PREFILL_WARPS = 8
 _MIN_DOT = 16  # tl.dot wants every dimension >= 16; decode pads its head group up to it
 _MIN_PARTITION = 256  # a shorter partition saves less than the merge costs
 _MERGE_TILE = 16  # partitions merged per step: long contexts can have hundreds
@@ -38,8 +43,10 @@ def _attend(q, query_pos, k_base, v_base, table_ptr, start, end, qk_scale, m_i, 
     for tile in range(start, end, BLOCK_N):
         keys = tile + tl.arange(0, BLOCK_N)
         in_range = keys < end
-        blocks = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
-        rows = blocks * (BLOCK_SIZE * HEAD_DIM) + (keys % BLOCK_SIZE) * HEAD_DIM
+        # int32 offsets within one head's slice of the pool (launchers check it fits): a tile of
+        # 64-bit offsets would double the registers the K and V addresses take.
+        blocks = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int32)
+        rows = blocks * (BLOCK_SIZE * HEAD_DIM) + ((keys % BLOCK_SIZE) * HEAD_DIM).to(tl.int32)
         mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
         k = tl.load(k_base + rows[:, None] + dims[None, :], mask=mask, other=0.0)
         v = tl.load(v_base + rows[:, None] + dims[None, :], mask=mask, other=0.0)
@@ -61,11 +68,11 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     q_block, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    query_len = tl.load(query_lens_ptr + chunk)
+    query_len = tl.load(query_lens_ptr + chunk).to(tl.int32)
     if q_block * BLOCK_M >= query_len:
         return
-    query_start = tl.load(query_starts_ptr + chunk)
-    context_len = tl.load(context_lens_ptr + chunk)
+    query_start = tl.load(query_starts_ptr + chunk).to(tl.int32)
+    context_len = tl.load(context_lens_ptr + chunk).to(tl.int32)
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < query_len) & (dims[None, :] < HEAD_DIM)
@@ -94,7 +101,7 @@ def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + seq)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
     start = part * partition_size
     if start >= context_len:  # this sequence is shorter than the batch's longest
         return
@@ -104,7 +111,7 @@ def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr
     dims = tl.arange(0, BLOCK_D)
     mask = (group[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
-    query_pos = context_len - 1 + tl.zeros([BLOCK_G], tl.int64)  # the newest token sees its whole context
+    query_pos = context_len - 1 + tl.zeros([BLOCK_G], tl.int32)  # the newest token sees its whole context
     kv_offset = kv_head.to(tl.int64) * stride_ch
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -165,12 +172,14 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if chunks == 0:
         return
     heads, dim = query.shape[1], query.shape[2]
-    grid = (triton.cdiv(max_query_len, _BLOCK_M), chunks, heads)
+    block_m, block_n = _TILES[query.dtype]
+    grid = (triton.cdiv(max_query_len, block_m), chunks, heads)
     _prefill_kernel[grid](
         query, out, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), block_tables.stride(0),
-        GROUP=heads // k_cache.shape[0], BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=_BLOCK_M,
-        BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype))
+        GROUP=heads // k_cache.shape[0], BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype),
+        num_warps=_PREFILL_WARPS)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -196,7 +205,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_parts = triton.cdiv(max_len, partition_size)
     group = heads // kv_heads
     meta = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
-                BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype))
+                BLOCK_N=_TILES[query.dtype][1], BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype))
     common = (k_cache, v_cache, block_tables, context_lens, scale * _LOG2E, partition_size,
               query.stride(0), query.stride(1))
     if num_parts == 1:
@@ -222,6 +231,7 @@ def _check_common(query, k_cache, v_cache, out) -> None:
     assert query.shape[1] % k_cache.shape[0] == 0, "query heads must be a multiple of kv heads"
     assert query.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride(0) <= MAX_HEAD_SLICE, "a kv head's slice of the pool must fit int32 offsets"
 
 
 def _precision(dtype: torch.dtype) -> str:

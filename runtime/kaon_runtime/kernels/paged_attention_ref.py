@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Elements of one kv head's slice of a layer's pool, at most: the Triton kernels address it with
+# int32 offsets (64-bit offset tiles would double the registers K and V addresses take).
+MAX_HEAD_SLICE = 2 ** 31 - 1
+
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
