@@ -45,8 +45,8 @@ class DecodeGraphs:
     """Static input buffers and one replayable forward pass (model + logits) per ladder size."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 device: torch.device, block_size: int, max_blocks_per_seq: int, sizes: list[int], capture: bool):
-        self.forward, self.device, self.block_size = forward, device, block_size
+                 device: torch.device, max_blocks_per_seq: int, sizes: list[int], capture: bool):
+        self.forward, self.device = forward, device
         self.sizes, self.capture = sizes, capture
         largest = sizes[-1]
         # Token ids, positions, cache slots and context lengths side by side: one copy per step fills them.
@@ -104,8 +104,6 @@ class DecodeGraphs:
 
     def _run_static(self, size: int) -> torch.Tensor:
         """The forward pass over the first `size` rows of the static buffers; what a graph records."""
-        tables, lens = self.block_tables[:size], self.context_lens[:size]
-        keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
-        meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode_tokens=size, decode_block_tables=tables,
-                                 decode_context_lens=lens, decode_key_mask=keys[None, :] < lens[:, None])
+        meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode_tokens=size,
+                                 decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size])
         return self.forward(self.input_ids[:size], self.positions[:size], meta)

@@ -152,8 +152,8 @@ class ModelRunner:
     def prepare_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Static buffers for decode batches up to the ladder's top, and their graphs when `capture`."""
         sizes = ladder(min(self.config.cuda_graph_max_batch, self.config.max_num_seqs))
-        self.decode_graphs = DecodeGraphs(self._logits_of_all_rows, self.device, self.block_size,
-                                          -(-max_model_len // self.block_size), sizes, capture)
+        self.decode_graphs = DecodeGraphs(self._logits_of_all_rows, self.device, -(-max_model_len // self.block_size),
+                                          sizes, capture)
         self.decode_graphs.capture_all()
 
     def _logits_of_all_rows(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
@@ -190,8 +190,6 @@ class ModelRunner:
             widest = max(map(len, plan.decode_tables))
             meta.decode_block_tables = self._tensor([t + [0] * (widest - len(t)) for t in plan.decode_tables])
             meta.decode_context_lens = self._tensor(plan.decode_lens)
-            positions_in_table = torch.arange(widest * self.block_size, device=self.device)
-            meta.decode_key_mask = positions_in_table[None, :] < meta.decode_context_lens[:, None]
         hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
         if not plan.sample_rows:
             return None

@@ -28,7 +28,8 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [S, M] per decode sequence, padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [S]
-    decode_key_mask: torch.Tensor | None = None  # [S, M * block_size] True where a real key sits
+    # [S, M * block_size] True where a real key sits; the torch backend builds it on first use
+    decode_key_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -49,6 +50,9 @@ class TorchAttentionBackend:
         n = meta.num_decode_tokens
         decoded = None
         if n:
+            if meta.decode_key_mask is None:  # once per step: every layer gets the same metadata
+                keys = torch.arange(meta.decode_block_tables.shape[1] * k_cache.shape[2], device=q.device)
+                meta.decode_key_mask = keys[None, :] < meta.decode_context_lens[:, None]
             workspace = self._workspace_for(k_cache, meta.decode_block_tables.numel())
             decoded = ref.decode_attention_ref(q[:n], k_cache, v_cache, meta.decode_block_tables,
                                                meta.decode_key_mask, scale, workspace)
