@@ -32,8 +32,6 @@ if __name__ != "__main__" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("records launches through the interpreter (a GPU runs the kernels themselves)", allow_module_level=True)
 
 MODULES = (activation, kv_cache, norm, paged_attention, quant_gemm, rotary)
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8"}
 
 
 def _launches(dtype: torch.dtype) -> None:
@@ -71,24 +69,28 @@ def _launches(dtype: torch.dtype) -> None:
 
 
 def _signature(kernel, args: tuple, kwargs: dict) -> dict:
-    """The launch as triton.compile wants it: argument types, constexpr values, compile options."""
+    """The launch as the JIT specializes it (Triton's own rule: ints equal to 1 become constants,
+    pointers and ints divisible by 16 are marked so, which lets loads vectorize), plus compile options."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
     params = inspect.signature(kernel.fn).parameters
     values = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in params}
-    signature, constexprs = {}, {}
-    for name, value in values.items():
+    signature, constexprs, divisible = {}, {}, []
+    for index, name in enumerate(kernel.arg_names):
+        value = values[name]
         if "constexpr" in str(params[name].annotation):
             signature[name], constexprs[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-        else:
-            signature[name] = "fp32"
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = key
+        elif key == "D":
+            divisible.append(index)
     options = {k: v for k, v in kwargs.items() if k not in params}
     return {"module": kernel.fn.__module__, "kernel": kernel.fn.__name__, "signature": signature,
-            "constexprs": constexprs, "options": options}
+            "constexprs": constexprs, "divisible": divisible, "options": options}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,8 @@ def _compile_all(specs_path: str) -> None:
     report = []
     for spec in json.loads(Path(specs_path).read_text()):
         fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-        source = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"])
+        attrs = {(index,): [["tt.divisibility", 16]] for index in spec["divisible"]}
+        source = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(compiled.asm["ptx"])

@@ -18,10 +18,11 @@ import triton.language as tl
 
 from kaon_runtime.kernels.paged_attention_ref import MAX_HEAD_SLICE
 
-# Tile sizes (prefill query rows per program, keys per inner-loop step) chosen so that no kernel
-# spills registers on sm_90 (tests/test_kernels_compile.py): float32 tiles take twice the registers
-# and, with exact float32 products, run on the CUDA cores, so they are smaller.
+# Tile sizes (prefill query rows per program, keys per inner-loop step). Compiled for sm_90
+# (tests/test_kernels_compile.py), float32 at 64 x 64 spilled 30 KB per program in prefill:
+# its exact products run on the CUDA cores and hold twice the bytes, so its tiles are halved.
 _TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (32, 32)}
+# 8 warps: 128 registers per thread instead of 234 at 4 (bf16, sm_90), twice the warps per SM.
 _PREFILL_WARPS = 8
 _MIN_DOT = 16  # tl.dot wants every dimension >= 16; decode pads its head group up to it
 _MIN_PARTITION = 256  # a shorter partition saves less than the merge costs
@@ -43,8 +44,8 @@ def _attend(q, query_pos, k_base, v_base, table_ptr, start, end, qk_scale, m_i, 
     for tile in range(start, end, BLOCK_N):
         keys = tile + tl.arange(0, BLOCK_N)
         in_range = keys < end
-        # int32 offsets within one head's slice of the pool (launchers check it fits): a tile of
-        # 64-bit offsets would double the registers the K and V addresses take.
+        # int32 offsets within one head's slice of the pool (launchers check it fits), so the
+        # [keys, head_dim] offset tiles of K and V take 32-bit registers, not 64-bit ones.
         blocks = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int32)
         rows = blocks * (BLOCK_SIZE * HEAD_DIM) + ((keys % BLOCK_SIZE) * HEAD_DIM).to(tl.int32)
         mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 # Elements of one kv head's slice of a layer's pool, at most: the Triton kernels address it with
-# int32 offsets (64-bit offset tiles would double the registers K and V addresses take).
+# int32 offsets (fewer registers for their offset tiles than int64).
 MAX_HEAD_SLICE = 2 ** 31 - 1
 
 
