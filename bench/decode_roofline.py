@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from kaon_runtime import LLM, SamplingParams  # noqa: E402
-from throughput import decode_rate  # noqa: E402
+from throughput import decode_rate, sync_device  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> float:
@@ -37,11 +37,11 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> floa
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
     dst.copy_(src)  # warm-up: page faults, allocator
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     return 2 * nbytes * repeats / (time.perf_counter() - start)
 
 
@@ -81,11 +81,6 @@ def measure(args, quantization: str) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next format's weights need the room
     return figures
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> int:

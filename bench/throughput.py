@@ -93,18 +93,18 @@ def bench_hf(model, prompts, output_lens, pad_id: int) -> float:
     for row, p in enumerate(prompts):  # left padding, as decoder-only generation needs
         ids[row, longest - len(p):] = torch.tensor(p, device=model.device)
         mask[row, longest - len(p):] = 1
-    _sync(model.device)
+    sync_device(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max(output_lens), min_new_tokens=max(output_lens),
                              do_sample=False, pad_token_id=pad_id)
-    _sync(model.device)
+    sync_device(model.device)
     elapsed = time.perf_counter() - start
     assert out.shape[1] == longest + max(output_lens)
     return elapsed
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
