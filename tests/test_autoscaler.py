@@ -180,3 +180,41 @@ def router_metrics_text(namespace: str, name: str, held: int) -> str:
 def test_router_held_requests_parse_from_the_routers_own_exposition():
     text = router_metrics_text("team-a", "llama", 3)
     assert scraper.parse_router_held(text) == {("team-a", "llama"): 3.0}
+
+
+def test_autoscaler_ticks_close_together_share_one_scrape_of_the_routers(monkeypatch):
+    import asyncio
+
+    from aiohttp import web
+
+    from kaon_operator import handlers, status as pod_status
+
+    async def scenario():
+        hits = []
+
+        async def metrics(request):
+            hits.append(request.path)
+            await asyncio.sleep(0.05)  # slow enough that the ticks overlap
+            return web.Response(text='kaon_router_held_requests{namespace="ns",inferenceservice="a"} 2\n')
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        router = pod_status.PodSummary(name="router-0", ready=True, ip="127.0.0.1")
+        state = handlers.State(kube=None)
+        try:
+            together = await asyncio.gather(*(handlers._router_texts(state, [(router, port)]) for _ in range(5)))
+            monkeypatch.setattr(handlers, "ROUTER_SCRAPE_REUSE_SECONDS", 0.0)
+            later = await handlers._router_texts(state, [(router, port)])
+        finally:
+            await state.http.close()
+            await runner.cleanup()
+        return hits, together, later
+
+    hits, together, later = asyncio.run(scenario())
+    assert len(hits) == 2  # five services' ticks at once, then one after the reuse window
+    assert all(texts == together[0] and len(texts) == 1 for texts in together) and later == together[0]

@@ -55,6 +55,7 @@ class State:
         self.history: defaultdict[tuple[str, str], list[autoscaler.Sample]] = defaultdict(list)
         self.latency: dict[tuple[str, str], dict[str, tuple]] = {}  # pod -> last latency buckets
         self.http: aiohttp.ClientSession | None = None  # one pool for every scrape, made in kopf's loop
+        self.router_scrape: tuple[float, asyncio.Future] | None = None  # (started, texts), shared by services
 
     def http_session(self) -> aiohttp.ClientSession:
         if self.http is None:
@@ -282,6 +283,9 @@ _register_drift_handlers()
 # Autoscaling ----------------------------------------------------------------------------------------------------------
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
+# Every autoscaled InferenceService reads the same router metrics: ticks this close together share
+# one scrape of the routers, so N services cost the routers one request, not N.
+ROUTER_SCRAPE_REUSE_SECONDS = 1.0
 HISTORY_SECONDS = 3600  # longer than any window a spec can reasonably ask for
 
 
@@ -310,16 +314,28 @@ def _reachable(pods) -> list:
     return [p for p in pods if p.ready and not p.terminating and p.ip]
 
 
-async def _scrape(session: aiohttp.ClientSession, engines: list[status.PodSummary],
+async def _scrape(state: State, engines: list[status.PodSummary],
                   routers: list[tuple[status.PodSummary, int]]) -> tuple[dict[str, scraper.PodMetrics], list[str]]:
     ready = _reachable(engines)
-    routers = [(pod, port) for pod, port in routers if _reachable([pod])]
-    urls = [f"http://{p.ip}:{resources.HTTP_PORT}/metrics" for p in ready] + \
-        [f"http://{pod.ip}:{port}/metrics" for pod, port in routers]
-    texts = await asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
-    engine_texts, router_texts = texts[:len(ready)], texts[len(ready):]
-    return ({p.name: scraper.parse(t) for p, t in zip(ready, engine_texts) if t is not None},
-            [t for t in router_texts if t is not None])
+    session = state.http_session()
+    engine_texts, router_texts = await asyncio.gather(
+        asyncio.gather(*(scraper.fetch(session, f"http://{p.ip}:{resources.HTTP_PORT}/metrics", SCRAPE_TIMEOUT_SECONDS)
+                         for p in ready)),
+        _router_texts(state, routers))
+    return {p.name: scraper.parse(t) for p, t in zip(ready, engine_texts) if t is not None}, router_texts
+
+
+async def _router_texts(state: State, routers: list[tuple[status.PodSummary, int]]) -> list[str]:
+    """The routers' /metrics, fetched at most once per ROUTER_SCRAPE_REUSE_SECONDS for all services."""
+    now = time.monotonic()
+    if state.router_scrape is None or now - state.router_scrape[0] > ROUTER_SCRAPE_REUSE_SECONDS:
+        urls = [f"http://{pod.ip}:{port}/metrics" for pod, port in routers if _reachable([pod])]
+        session = state.http_session()
+        fetches = asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
+        state.router_scrape = (now, asyncio.ensure_future(fetches))
+    # Shielded: one service's tick being cancelled must not cancel the scrape the others wait on.
+    texts = await asyncio.shield(state.router_scrape[1])
+    return [t for t in texts if t is not None]
 
 
 def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], router_texts: list[str],
@@ -351,8 +367,7 @@ async def autoscale(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
     if isinstance(spec, str):
         return
     now = time.time()
-    metrics, router_texts = await _scrape(state.http_session(), list(engine_pods.get(key, ())),
-                                          list(router_pods.get("routers", ())))
+    metrics, router_texts = await _scrape(state, list(engine_pods.get(key, ())), list(router_pods.get("routers", ())))
     sample = _sample(state, key, metrics, router_texts, spec.autoscaling.latency_metric, now)
     history = state.history[key]
     history.append(sample)
