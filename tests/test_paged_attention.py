@@ -170,3 +170,15 @@ def test_backend_selection(monkeypatch):
     monkeypatch.setenv("KAON_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match="unknown KAON_ATTENTION_BACKEND"):
         select_backend(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("programs,max_len,expected", [
+    (8, 512, 256),  # batch 1, 8 KV heads, short contexts: the smallest partition
+    (8, 8192, 256),  # batch 1, 8K: 32 partitions per head, 256 programs for 132 SMs
+    (8, 131072, 256),  # a graph's 128K-wide tables are sized like 8K, not cut into 32 4K-key slices
+    (2048, 131072, 8192),  # batch 256 fills the GPU alone: one partition per 8K keys
+    (96, 4096, 2048),  # batch 12: a split in two
+])
+def test_decode_partitions_fill_an_h100_whatever_the_table_width(programs, max_len, expected):
+    from kaon_runtime.kernels.paged_attention import partition_size
+    assert partition_size(programs, max_len, num_sms=132) == expected

@@ -26,6 +26,7 @@ _TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (32,
 _PREFILL_WARPS = 8
 _MIN_DOT = 16  # tl.dot wants every dimension >= 16; decode pads its head group up to it
 _MIN_PARTITION = 256  # a shorter partition saves less than the merge costs
+_SIZING_CONTEXT = 8192  # contexts partitions are sized for (see partition_size)
 _MERGE_TILE = 16  # partitions merged per step: long contexts can have hundreds
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -241,9 +242,18 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _auto_partition(programs: int, max_len: int, device: torch.device) -> int:
-    """Keys per decode program: split contexts until there are about two programs per SM."""
     if device.type != "cuda":
         return max_len  # the interpreter runs programs one by one: splitting only adds work
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    splits = triton.cdiv(target, programs)
-    return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_len, splits)))
+    return partition_size(programs, max_len, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def partition_size(programs: int, max_len: int, num_sms: int) -> int:
+    """Keys per decode program: split contexts until there are about two programs per SM.
+
+    Sized for contexts up to _SIZING_CONTEXT even when the block tables are wider: under CUDA
+    graphs they are as wide as the longest context allowed (128K for Llama 3.1), and sizing by
+    that would give one huge partition per program, leaving most SMs idle on common contexts.
+    Partitions past a sequence's end cost a program that returns at once.
+    """
+    splits = triton.cdiv(2 * num_sms, programs)
+    return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(min(max_len, _SIZING_CONTEXT), splits)))
