@@ -88,6 +88,8 @@ class DecodeGraphs:
         else:
             graph.replay()
         self.replays += 1
+        # Indexing copies: the graphs share one memory pool, so the next replay of another size may
+        # write over this graph's output.
         return logits[torch.tensor(plan.sample_rows, device=self.device)]
 
     def _load(self, plan: StepPlan, size: int) -> None:
