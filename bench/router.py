@@ -39,7 +39,9 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT))  # e2e
 
+from e2e.control_plane import free_port  # noqa: E402
 from kaon_operator import resources  # noqa: E402
 from kaon_operator.router.endpoints import EndpointTable  # noqa: E402
 from kaon_operator.router.proxy import Router  # noqa: E402
@@ -217,14 +219,6 @@ def report(name: str, direct: Result, routed: Result) -> None:
           f"p99 {ms(percentile(routed.latencies, 0.99) - percentile(direct.latencies, 0.99))} ms"
           + (f"  throughput ratio routed/direct {routed.done / routed.seconds / (direct.done / direct.seconds):.2f}"
              if direct.seconds and direct.done and routed.seconds else ""))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_listening(port: int) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.control_plane import free_port
 from kaon_operator import api, resources
 from kaon_operator.router.balance import Backoff, candidates, pick
 from kaon_operator.router.endpoints import ENGINE_POD_SELECTOR, Endpoint, EndpointTable, ServiceKey, endpoint
@@ -368,10 +368,7 @@ def test_status_codes_headers_and_error_bodies_pass_through_unchanged():
         assert metric(text, "kaon_router_requests_total", namespace=NS, inferenceservice="svc", code=status) == 1
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+closed_port = free_port  # a port bound and released again: nothing listens there
 
 
 class FirstOfTies(random.Random):

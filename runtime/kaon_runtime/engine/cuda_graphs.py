@@ -98,11 +98,10 @@ class DecodeGraphs:
         rows = torch.tensor([plan.input_ids + [0] * pad, plan.positions + [0] * pad, plan.slots + [-1] * pad,
                              plan.decode_lens + [1] * pad])
         self.rows[:, :size].copy_(rows)
-        widest = max(map(len, plan.decode_tables))
-        # Columns past `widest`, and padded rows, keep earlier steps' block ids: valid blocks, masked
-        # by the context length (a padded row reads one key of whatever block its first column names).
-        tables = torch.tensor([t + [0] * (widest - len(t)) for t in plan.decode_tables])
-        self.block_tables[:n, :widest].copy_(tables)
+        # Columns past the widest table, and padded rows, keep earlier steps' block ids: valid blocks,
+        # masked by the context length (a padded row reads one key of whatever block its first column names).
+        tables = torch.tensor(plan.padded_decode_tables())
+        self.block_tables[:n, :tables.shape[1]].copy_(tables)
 
     def _run_static(self, size: int) -> torch.Tensor:
         """The forward pass over the first `size` rows of the static buffers; what a graph records."""

@@ -187,8 +187,7 @@ class ModelRunner:
                                  prefills=[PrefillChunk(start, length, context, self._tensor(table))
                                            for start, length, context, table in plan.prefills])
         if plan.decode_tables:
-            widest = max(map(len, plan.decode_tables))
-            meta.decode_block_tables = self._tensor([t + [0] * (widest - len(t)) for t in plan.decode_tables])
+            meta.decode_block_tables = self._tensor(plan.padded_decode_tables())
             meta.decode_context_lens = self._tensor(plan.decode_lens)
         hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
         if not plan.sample_rows:

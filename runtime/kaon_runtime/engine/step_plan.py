@@ -22,6 +22,11 @@ class StepPlan:
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # start, length, context, table
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are wanted
 
+    def padded_decode_tables(self) -> list[list[int]]:
+        """The decode block tables as one rectangle, short rows padded with block 0 (never read)."""
+        widest = max(map(len, self.decode_tables))
+        return [t + [0] * (widest - len(t)) for t in self.decode_tables]
+
 
 def plan_step(batch: ScheduledBatch, block_size: int) -> tuple[StepPlan, list[Sequence]]:
     """The plan, and the sequences whose chunk reaches their end (k + 1 sample rows each, k drafts)."""
