@@ -207,9 +207,9 @@ def test_autoscaler_ticks_close_together_share_one_scrape_of_the_routers(monkeyp
         router = pod_status.PodSummary(name="router-0", ready=True, ip="127.0.0.1")
         state = handlers.State(kube=None)
         try:
-            together = await asyncio.gather(*(handlers._router_texts(state, [(router, port)]) for _ in range(5)))
+            together = await asyncio.gather(*(handlers._router_held(state, [(router, port)]) for _ in range(5)))
             monkeypatch.setattr(handlers, "ROUTER_SCRAPE_REUSE_SECONDS", 0.0)
-            later = await handlers._router_texts(state, [(router, port)])
+            later = await handlers._router_held(state, [(router, port)])
         finally:
             await state.http.close()
             await runner.cleanup()
@@ -217,4 +217,4 @@ def test_autoscaler_ticks_close_together_share_one_scrape_of_the_routers(monkeyp
 
     hits, together, later = asyncio.run(scenario())
     assert len(hits) == 2  # five services' ticks at once, then one after the reuse window
-    assert all(texts == together[0] and len(texts) == 1 for texts in together) and later == together[0]
+    assert all(held == {("ns", "a"): 2.0} for held in together) and later == together[0]

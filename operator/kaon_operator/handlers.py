@@ -55,7 +55,7 @@ class State:
         self.history: defaultdict[tuple[str, str], list[autoscaler.Sample]] = defaultdict(list)
         self.latency: dict[tuple[str, str], dict[str, tuple]] = {}  # pod -> last latency buckets
         self.http: aiohttp.ClientSession | None = None  # one pool for every scrape, made in kopf's loop
-        self.router_scrape: tuple[float, asyncio.Future] | None = None  # (started, texts), shared by services
+        self.router_scrape: tuple[float, asyncio.Future] | None = None  # (started, held), shared by services
 
     def http_session(self) -> aiohttp.ClientSession:
         if self.http is None:
@@ -310,35 +310,43 @@ def router_pods(body: kopf.Body, **_) -> dict:
     return {"routers": (summary, ports[0] if ports else ROUTER_METRICS_PORT)}
 
 
-def _reachable(pods) -> list:
-    return [p for p in pods if p.ready and not p.terminating and p.ip]
+def _answers(pod: status.PodSummary) -> bool:
+    return pod.ready and not pod.terminating and bool(pod.ip)
 
 
-async def _scrape(state: State, engines: list[status.PodSummary],
-                  routers: list[tuple[status.PodSummary, int]]) -> tuple[dict[str, scraper.PodMetrics], list[str]]:
-    ready = _reachable(engines)
+async def _scrape(state: State, engines: list[status.PodSummary], routers: list[tuple[status.PodSummary, int]]
+                  ) -> tuple[dict[str, scraper.PodMetrics], dict[tuple[str, str], float]]:
+    """Each ready engine's metrics, and the requests the routers hold per InferenceService."""
+    ready = [p for p in engines if _answers(p)]
     session = state.http_session()
-    engine_texts, router_texts = await asyncio.gather(
+    engine_texts, held = await asyncio.gather(
         asyncio.gather(*(scraper.fetch(session, f"http://{p.ip}:{resources.HTTP_PORT}/metrics", SCRAPE_TIMEOUT_SECONDS)
                          for p in ready)),
-        _router_texts(state, routers))
-    return {p.name: scraper.parse(t) for p, t in zip(ready, engine_texts) if t is not None}, router_texts
+        _router_held(state, routers))
+    return {p.name: scraper.parse(t) for p, t in zip(ready, engine_texts) if t is not None}, held
 
 
-async def _router_texts(state: State, routers: list[tuple[status.PodSummary, int]]) -> list[str]:
-    """The routers' /metrics, fetched at most once per ROUTER_SCRAPE_REUSE_SECONDS for all services."""
+async def _router_held(state: State, routers: list[tuple[status.PodSummary, int]]) -> dict[tuple[str, str], float]:
+    """Requests the routers hold per (namespace, InferenceService), scraped and parsed at most once
+    per ROUTER_SCRAPE_REUSE_SECONDS for all services."""
     now = time.monotonic()
     if state.router_scrape is None or now - state.router_scrape[0] > ROUTER_SCRAPE_REUSE_SECONDS:
-        urls = [f"http://{pod.ip}:{port}/metrics" for pod, port in routers if _reachable([pod])]
-        session = state.http_session()
-        fetches = asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
-        state.router_scrape = (now, asyncio.ensure_future(fetches))
+        urls = [f"http://{pod.ip}:{port}/metrics" for pod, port in routers if _answers(pod)]
+        state.router_scrape = (now, asyncio.ensure_future(_scrape_routers(state.http_session(), urls)))
     # Shielded: one service's tick being cancelled must not cancel the scrape the others wait on.
-    texts = await asyncio.shield(state.router_scrape[1])
-    return [t for t in texts if t is not None]
+    return await asyncio.shield(state.router_scrape[1])
 
 
-def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], router_texts: list[str],
+async def _scrape_routers(session: aiohttp.ClientSession, urls: list[str]) -> dict[tuple[str, str], float]:
+    texts = await asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
+    held: defaultdict[tuple[str, str], float] = defaultdict(float)
+    for text in filter(None, texts):
+        for key, count in scraper.parse_router_held(text).items():
+            held[key] += count
+    return dict(held)
+
+
+def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], held_by_router: float,
             latency_metric: str, now: float) -> autoscaler.Sample:
     """Sum the pods; P99 over the requests that finished since the previous scrape."""
     previous = state.latency.get(key, {})
@@ -349,7 +357,7 @@ def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], router_te
                              running=sum(m.running for m in metrics.values()),
                              p99_seconds=scraper.quantile(window, 0.99),
                              requests_total=sum(m.requests_total for m in metrics.values()),
-                             held_by_router=sum(scraper.parse_router_held(t).get(key, 0.0) for t in router_texts))
+                             held_by_router=held_by_router)
 
 
 def _observed(sample: autoscaler.Sample, metrics: dict[str, scraper.PodMetrics]) -> dict:
@@ -367,8 +375,8 @@ async def autoscale(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
     if isinstance(spec, str):
         return
     now = time.time()
-    metrics, router_texts = await _scrape(state, list(engine_pods.get(key, ())), list(router_pods.get("routers", ())))
-    sample = _sample(state, key, metrics, router_texts, spec.autoscaling.latency_metric, now)
+    metrics, held = await _scrape(state, list(engine_pods.get(key, ())), list(router_pods.get("routers", ())))
+    sample = _sample(state, key, metrics, held.get(key, 0.0), spec.autoscaling.latency_metric, now)
     history = state.history[key]
     history.append(sample)
     del history[:sum(s.time < now - HISTORY_SECONDS for s in history)]
