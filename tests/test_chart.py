@@ -338,7 +338,9 @@ def test_the_validation_catches_a_misspelt_field(helm, monitoring_crds, namespac
 
 def test_notes_say_how_to_serve_a_model_and_call_it(helm, crd):
     # helm renders NOTES.txt only when installing; a server dry run creates nothing.
-    notes = helm("install", "kaon", str(CHART), "--namespace", "kaon-system", "--dry-run=server",
+    # --take-ownership: the operator tests, when they run first, leave the operator's ServiceAccount
+    # in kaon-system, and helm would refuse to adopt it even in a dry run.
+    notes = helm("install", "kaon", str(CHART), "--namespace", "kaon-system", "--dry-run=server", "--take-ownership",
                  "--set", "operator.replicas=2", "--kubeconfig", str(crd.kubeconfig)).stdout
     notes = notes[notes.index("NOTES:"):]
     for line in ("kubectl apply -f examples/smollm2.yaml", "kubectl get infsvc smollm2 -w",
