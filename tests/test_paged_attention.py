@@ -182,3 +182,87 @@ def test_backend_selection(monkeypatch):
 def test_decode_partitions_fill_an_h100_whatever_the_table_width(programs, max_len, expected):
     from kaon_runtime.kernels.paged_attention import partition_size
     assert partition_size(programs, max_len, num_sms=132) == expected
+
+
+# ---- sliding windows and soft-capping (Mistral, Gemma 2, ...) --------------------------------------
+
+def _naive_attention(query, keys, values, query_pos, scale, window, softcap):
+    """Row by row over a contiguous context [L, Hkv, D]: the query at position p sees keys max(0, p - window + 1)..p."""
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    out = torch.empty_like(query)
+    for row, pos in enumerate(query_pos):
+        first = 0 if window is None else max(0, pos - window + 1)
+        k = keys[first:pos + 1].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1).float()  # [H, n, D]
+        v = values[first:pos + 1].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1).float()
+        scores = torch.einsum("hd,hnd->hn", query[row].float(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        out[row] = torch.einsum("hn,hnd->hd", torch.softmax(scores, dim=-1), v).to(query.dtype)
+    return out
+
+
+WINDOWED = [(None, 2.0), (1, None), (7, None), (33, 5.0), (300, None)]  # (window, softcap); 300: wider than any context
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+def test_prefill_with_window_and_softcap_matches_reference_and_naive(window, softcap):
+    torch.manual_seed(0)
+    dtype, heads, kv_heads, head_dim, block_size = torch.float32, 6, 2, 16, 8
+    pool = Pool(kv_heads, head_dim, block_size, dtype)
+    chunks = PREFILL_BATCHES["mixed"] + [(70, 155)]
+    total = sum(q for q, _ in chunks)
+    query = _randn(total, heads, head_dim, dtype=dtype)
+    keys, values = _randn(total, kv_heads, head_dim, dtype=dtype), _randn(total, kv_heads, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    expected, naive = torch.zeros_like(query), torch.zeros_like(query)
+    tables, starts, start = [], [], 0
+    for query_len, context_len in chunks:
+        table = pool.table(context_len)
+        rows = slice(start, start + query_len)
+        pool.write(keys[rows], values[rows], table, context_len - query_len)
+        expected[rows] = ref.prefill_attention_ref(query[rows], keys[rows], values[rows], pool.k, pool.v, table,
+                                                   context_len, scale, window, softcap)
+        context_k = ref.gather_blocks(pool.k, table)[:, :context_len].transpose(0, 1)
+        context_v = ref.gather_blocks(pool.v, table)[:, :context_len].transpose(0, 1)
+        naive[rows] = _naive_attention(query[rows], context_k, context_v, range(context_len - query_len, context_len),
+                                       scale, window, softcap)
+        tables.append(table)
+        starts.append(start)
+        start += query_len
+    torch.testing.assert_close(expected, naive, atol=1e-5, rtol=1e-5)
+    out = torch.zeros_like(query)
+    query_lens, context_lens = zip(*chunks)
+    prefill_attention(query, pool.k, pool.v, _padded(tables), *(torch.tensor(x, device=DEVICE) for x in
+                      (starts, query_lens, context_lens)), max(query_lens), scale, out, window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    # The last chunk's context (155) is longer than the windows: ignoring the window or the cap would fail.
+    if (window or 1000) < 155 or softcap is not None:
+        full = ref.prefill_attention_ref(query[rows], keys[rows], values[rows], pool.k, pool.v, table, 155, scale)
+        assert not torch.allclose(full, expected[rows], atol=1e-3)
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("partition_size", [None, 16, 8])  # 8: partitions wholly before the window are skipped
+def test_decode_with_window_and_softcap_matches_reference_and_naive(window, softcap, partition_size):
+    torch.manual_seed(0)
+    dtype, heads, kv_heads, head_dim, block_size = torch.float32, 4, 2, 16, 8
+    pool = Pool(kv_heads, head_dim, block_size, dtype)
+    context_lens = [1, 8, 37, 200]
+    tables = [pool.table(n) for n in context_lens]
+    padded = _padded(tables)
+    lens = torch.tensor(context_lens, device=DEVICE)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=DEVICE),
+                             decode_block_tables=padded, decode_context_lens=lens)
+    key_mask = TorchAttentionBackend._decode_mask(meta, block_size, window)
+    query = _randn(len(context_lens), heads, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    expected = ref.decode_attention_ref(query, pool.k, pool.v, padded, key_mask, scale, softcap=softcap)
+    for i, (n, table) in enumerate(zip(context_lens, tables)):
+        context_k = ref.gather_blocks(pool.k, table)[:, :n].transpose(0, 1)
+        context_v = ref.gather_blocks(pool.v, table)[:, :n].transpose(0, 1)
+        naive = _naive_attention(query[i:i + 1], context_k, context_v, [n - 1], scale, window, softcap)
+        torch.testing.assert_close(expected[i:i + 1], naive, atol=1e-5, rtol=1e-5)
+    out = torch.zeros_like(query)
+    decode_attention(query, pool.k, pool.v, padded, lens, scale, out, partition_size=partition_size, window=window,
+                     softcap=softcap)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])

@@ -8,13 +8,18 @@ from kaon_runtime.errors import InvalidRequestError, ModelLoadError
 DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the MLP (layers.activation has one function each)
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
+    """Shape of a Llama-descended decoder, read from GGUF metadata or config.json.
 
-    architecture: str  # "llama" or "qwen2"
+    The fields after attention_bias are the per-family options of the shared decoder
+    (models/decoder.py); their defaults are Llama's.
+    """
+
+    architecture: str  # a key of models.registry: "llama", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,14 +30,45 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF's rope_scaling dict (Llama 3 "llama3" type)
+    rope_scaling: dict | None = None  # HF's rope_scaling dict ("llama3", "linear", "longrope")
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    rotary_dim: int | None = None  # rotated dims of each head (Phi-3's partial_rotary_factor); None: all
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
+    sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
+    sliding_layers: tuple[bool, ...] | None = None  # which layers use the window; None: all of them
+    # Gemma 2
+    hidden_act: str = "silu"  # of the gated MLP: "silu" or "gelu_pytorch_tanh"
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
+    sandwich_norms: bool = False  # extra norms after attention and around the MLP
+    embedding_scale: float | None = None  # the token embeddings are multiplied by this (sqrt(hidden) for Gemma)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores become cap * tanh(scores / cap)
+    final_softcap: float | None = None  # the same on the logits
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # width of one expert's MLP
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a plain MLP (Qwen3-MoE's mlp_only_layers)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.hidden_act not in GATED_ACTIVATIONS:
+            raise ModelLoadError(f"unsupported MLP activation {self.hidden_act!r}; supported: {GATED_ACTIVATIONS}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ModelLoadError(f"{len(self.sliding_layers)} layer types for {self.num_layers} layers")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of this layer's attention, None for full attention."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
 
 @dataclass(slots=True)

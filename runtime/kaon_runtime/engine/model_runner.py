@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -96,8 +96,13 @@ class ModelRunner:
     # ---- setup -----------------------------------------------------------------------
 
     def _load_model(self, checkpoint: Checkpoint, show_progress: bool):
+        config = self.model_config
+        if self.config.max_model_len is not None and self.config.max_model_len < config.max_position_embeddings:
+            # The context served is the model's context: rotary tables no longer than it, and LongRoPE
+            # picks its short or long factors by it (layers.rotary).
+            config = replace(config, max_position_embeddings=self.config.max_model_len)
         with torch.device("meta"):  # no memory until the final dtype and device are known
-            model = build_model(self.model_config, self.tp).to(self.dtype)
+            model = build_model(config, self.tp).to(self.dtype)
         model = model.to_empty(device=self.device)
         weights = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, desc="Loading weights",
                        unit="tensor", disable=not show_progress)

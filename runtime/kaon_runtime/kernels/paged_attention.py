@@ -9,6 +9,11 @@ different lengths, so programs past a chunk's end return at once. Decode: one pr
 (sequence, kv head, partition of the context); the query heads sharing the kv head are the
 rows of one tile, so each key is read once per group. When the batch alone cannot fill the
 GPU, long contexts are cut into partitions whose partial results a second kernel merges.
+
+Sliding windows: a query at position p sees keys p - window + 1 .. p; loops start at the
+oldest key any row of the program can see, and decode partitions wholly before the window
+do nothing (the merge skips them). Soft-capping (Gemma 2) turns each score s into
+cap * tanh(s / cap) before the softmax.
 """
 from __future__ import annotations
 
@@ -30,16 +35,19 @@ _SIZING_CONTEXT = 8192  # contexts partitions are sized for (see partition_size)
 _MERGE_TILE = 16  # partitions merged per step: long contexts can have hundreds
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # a window no context reaches: full causal attention, without a second code path
 
 
 @triton.jit
-def _attend(q, query_pos, k_base, v_base, table_ptr, start, end, qk_scale, m_i, l_i, acc,
+def _attend(q, query_pos, k_base, v_base, table_ptr, start, end, qk_scale, window, cap_log2e, m_i, l_i, acc,
             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold keys [start, end) into the running (max, sum, output) of the rows of q.
 
-    Row r only sees keys at positions <= query_pos[r]. Callers make sure the first tile
-    gives every row a visible key, so a row's max is never -inf after it.
+    Row r only sees keys at positions query_pos[r] - window < key <= query_pos[r]. Without
+    SOFTCAP, qk_scale is the softmax scale times log2(e); with it, scale / cap, and cap_log2e
+    is cap * log2(e). A row can have no visible key in a tile (its window starts later):
+    its max stays -inf and it gains nothing from the tile.
     """
     dims = tl.arange(0, BLOCK_D)
     for tile in range(start, end, BLOCK_N):
@@ -53,11 +61,15 @@ def _attend(q, query_pos, k_base, v_base, table_ptr, start, end, qk_scale, m_i, 
         k = tl.load(k_base + rows[:, None] + dims[None, :], mask=mask, other=0.0)
         v = tl.load(v_base + rows[:, None] + dims[None, :], mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = in_range[None, :] & (keys[None, :] <= query_pos[:, None])
+        if SOFTCAP:
+            scores = (2 * tl.sigmoid(2 * scores) - 1) * cap_log2e  # tanh(x) = 2 sigmoid(2x) - 1
+        visible = (in_range[None, :] & (keys[None, :] <= query_pos[:, None])
+                   & (keys[None, :] > query_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2(-inf) = 0, not NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -66,9 +78,10 @@ def _attend(q, query_pos, k_base, v_base, table_ptr, start, end, qk_scale, m_i, 
 
 @triton.jit
 def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_starts_ptr, query_lens_ptr,
-                    context_lens_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_table,
+                    context_lens_ptr, qk_scale, window, cap_log2e, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_ch, stride_table,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     q_block, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_len = tl.load(query_lens_ptr + chunk).to(tl.int32)
     if q_block * BLOCK_M >= query_len:
@@ -84,30 +97,32 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_
     first_pos = context_len - query_len
     query_pos = first_pos + rows
     end = tl.minimum(context_len, first_pos + (q_block + 1) * BLOCK_M)  # nothing later is visible
+    start = tl.maximum(first_pos + q_block * BLOCK_M - window + 1, 0)  # nor anything older than the first row's window
     kv_offset = (head // GROUP).to(tl.int64) * stride_ch
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
-                            tables_ptr + chunk * stride_table, 0, end, qk_scale, m_i, l_i, acc,
-                            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
-    out = acc / l_i[:, None]
+                            tables_ptr + chunk * stride_table, start, end, qk_scale, window, cap_log2e, m_i, l_i,
+                            acc, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP)
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]  # rows past the chunk may see no key; they are not stored
     tl.store(out_ptr + tokens * stride_ot + head * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
 @triton.jit
 def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr, qk_scale,
-                   partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_op, stride_lt, stride_lh,
+                   window, cap_log2e, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_op, stride_lt, stride_lh,
                    stride_ch, stride_table,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    start = part * partition_size
-    if start >= context_len:  # this sequence is shorter than the batch's longest
+    end = tl.minimum(context_len, (part + 1) * partition_size)
+    start = tl.maximum(part * partition_size, context_len - window)  # keys older than the window are never seen
+    if start >= end:  # this sequence is shorter than the batch's longest, or the partition is out of the window
         return
-    end = tl.minimum(context_len, start + partition_size)
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + group
     dims = tl.arange(0, BLOCK_D)
@@ -119,8 +134,8 @@ def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
-                            tables_ptr + seq * stride_table, start, end, qk_scale, m_i, l_i, acc,
-                            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+                            tables_ptr + seq * stride_table, start, end, qk_scale, window, cap_log2e, m_i, l_i,
+                            acc, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP)
     out = acc / l_i[:, None]
     out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     if SPLIT:
@@ -132,17 +147,20 @@ def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr
 
 
 @triton.jit
-def _merge_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, partition_size, num_heads, max_parts,
+def _merge_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, window, partition_size, num_heads, max_parts,
                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
-    used = tl.cdiv(tl.load(context_lens_ptr + seq), partition_size)  # the decode kernel skipped the rest
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    # The decode kernel skipped the partitions past the context and those before the window.
+    used = tl.cdiv(context_len, partition_size)
+    skipped = tl.maximum(context_len - window, 0) // partition_size
     row = (seq * num_heads + head) * max_parts
     dims = tl.arange(0, BLOCK_D)
     # Running max (shape [1], to broadcast) and weighted sums over tiles of partitions, as in the softmax itself.
     m = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for first in range(0, used, BLOCK_P):
+    for first in range(skipped, used, BLOCK_P):
         parts = first + tl.arange(0, BLOCK_P)
         lse = tl.load(lse_ptr + row + parts, mask=parts < used, other=float("-inf"))
         partial = tl.load(partial_ptr + (row + parts)[:, None] * HEAD_DIM + dims[None, :],
@@ -159,12 +177,14 @@ def _merge_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, partition_siz
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
-                      max_query_len: int, scale: float, out: torch.Tensor) -> None:
+                      max_query_len: int, scale: float, out: torch.Tensor, window: int | None = None,
+                      softcap: float | None = None) -> None:
     """Causal attention of P prefill chunks over their cached contexts, written into `out`.
 
     query and out [T, H, D] are the whole flattened batch; chunk i owns rows
     query_starts[i] .. + query_lens[i], the last query_lens[i] positions of a context of
     context_lens[i] tokens held in the blocks of block_tables[i] ([P, M], padded).
+    window: sliding window (None: full causal); softcap: tanh soft-capping of the scores.
     """
     _check_common(query, k_cache, v_cache, out)
     chunks = block_tables.shape[0]
@@ -177,21 +197,23 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m, block_n = _TILES[query.dtype]
     grid = (triton.cdiv(max_query_len, block_m), chunks, heads)
     _prefill_kernel[grid](
-        query, out, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), block_tables.stride(0),
+        query, out, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
+        *_score_args(scale, window, softcap), query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), block_tables.stride(0),
         GROUP=heads // k_cache.shape[0], BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype),
-        num_warps=_PREFILL_WARPS)
+        SOFTCAP=softcap is not None, num_warps=_PREFILL_WARPS)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                     partition_size: int | None = None) -> None:
+                     partition_size: int | None = None, window: int | None = None,
+                     softcap: float | None = None) -> None:
     """One query token per sequence against its whole cached context, written into `out`.
 
     query and out [S, H, D]; block_tables [S, M] (padding never read); context_lens [S].
     partition_size: keys per program; None picks it so that the grid fills the GPU, and
     a size below the longest context (M * block_size) splits the work and merges.
+    window and softcap as in prefill_attention.
     """
     _check_common(query, k_cache, v_cache, out)
     seqs, heads, dim = query.shape
@@ -207,8 +229,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_parts = triton.cdiv(max_len, partition_size)
     group = heads // kv_heads
     meta = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
-                BLOCK_N=_TILES[query.dtype][1], BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype))
-    common = (k_cache, v_cache, block_tables, context_lens, scale * _LOG2E, partition_size,
+                BLOCK_N=_TILES[query.dtype][1], BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype),
+                SOFTCAP=softcap is not None)
+    qk_scale, window, cap_log2e = _score_args(scale, window, softcap)
+    common = (k_cache, v_cache, block_tables, context_lens, qk_scale, window, cap_log2e, partition_size,
               query.stride(0), query.stride(1))
     if num_parts == 1:
         _decode_kernel[(seqs, kv_heads, 1)](
@@ -221,8 +245,17 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         query, partial, lse, *common, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
         lse.stride(1), k_cache.stride(0), block_tables.stride(0), SPLIT=True, **meta)
     _merge_kernel[(seqs, heads)](
-        partial, lse, out, context_lens, partition_size, heads, num_parts, out.stride(0), out.stride(1),
+        partial, lse, out, context_lens, window, partition_size, heads, num_parts, out.stride(0), out.stride(1),
         HEAD_DIM=dim, BLOCK_P=min(_MERGE_TILE, triton.next_power_of_2(num_parts)), BLOCK_D=triton.next_power_of_2(dim))
+
+
+def _score_args(scale: float, window: int | None, softcap: float | None) -> tuple[float, int, float]:
+    """qk_scale, window and cap_log2e as the kernels take them (see _attend)."""
+    assert window is None or window >= 1, f"a sliding window holds at least the query itself, got {window}"
+    window = _NO_WINDOW if window is None else window
+    if softcap is None:
+        return scale * _LOG2E, window, 0.0
+    return scale / softcap, window, softcap * _LOG2E
 
 
 def _check_common(query, k_cache, v_cache, out) -> None:

@@ -30,6 +30,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [S]
     # [S, M * block_size] True where a real key sits; the torch backend builds it on first use
     decode_key_mask: torch.Tensor | None = None
+    # the same, limited to each sliding window that layers use, by window size (torch backend)
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -45,17 +47,16 @@ class TorchAttentionBackend:
     def __init__(self):
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         ref.write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         n = meta.num_decode_tokens
         decoded = None
         if n:
-            if meta.decode_key_mask is None:  # once per step: every layer gets the same metadata
-                keys = torch.arange(meta.decode_block_tables.shape[1] * k_cache.shape[2], device=q.device)
-                meta.decode_key_mask = keys[None, :] < meta.decode_context_lens[:, None]
             workspace = self._workspace_for(k_cache, meta.decode_block_tables.numel())
             decoded = ref.decode_attention_ref(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                               meta.decode_key_mask, scale, workspace)
+                                               self._decode_mask(meta, k_cache.shape[2], window), scale, workspace,
+                                               softcap)
             if not meta.prefills:
                 return decoded
         out = torch.empty_like(q)
@@ -64,8 +65,22 @@ class TorchAttentionBackend:
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = ref.prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, chunk.block_table,
-                                                  chunk.context_len, scale)
+                                                  chunk.context_len, scale, window, softcap)
         return out
+
+    @staticmethod
+    def _decode_mask(meta: AttentionMetadata, block_size: int, window: int | None) -> torch.Tensor:
+        """Built once per step and window: every layer gets the same metadata."""
+        if meta.decode_key_mask is None:
+            keys = torch.arange(meta.decode_block_tables.shape[1] * block_size, device=meta.decode_context_lens.device)
+            meta.decode_key_mask = keys[None, :] < meta.decode_context_lens[:, None]
+        if window is None:
+            return meta.decode_key_mask
+        if window not in meta.decode_window_masks:
+            keys = torch.arange(meta.decode_key_mask.shape[1], device=meta.decode_key_mask.device)
+            newest = meta.decode_context_lens[:, None] - 1
+            meta.decode_window_masks[window] = meta.decode_key_mask & (keys[None, :] > newest - window)
+        return meta.decode_window_masks[window]
 
     def _workspace_for(self, cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         heads, _, block_size, dim = cache.shape
@@ -87,15 +102,17 @@ class TritonAttentionBackend:
         self._kernels = paged_attention
         self._packed: tuple[AttentionMetadata, tuple] | None = None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         n = meta.num_decode_tokens
         if n:
             self._kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_context_lens, scale, out[:n])
+                                           meta.decode_context_lens, scale, out[:n], window=window, softcap=softcap)
         if meta.prefills:
-            self._kernels.prefill_attention(q, k_cache, v_cache, *self._packed_prefills(meta), scale, out)
+            self._kernels.prefill_attention(q, k_cache, v_cache, *self._packed_prefills(meta), scale, out,
+                                            window=window, softcap=softcap)
         return out
 
     def _packed_prefills(self, meta: AttentionMetadata) -> tuple:
@@ -125,15 +142,22 @@ def select_backend(device: torch.device):
 
 
 class Attention(nn.Module):
-    """Multi-head attention core (after projections and rotary). The runner attaches the caches."""
+    """Multi-head attention core (after projections and rotary). The runner attaches the caches.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    sliding_window: a query sees itself and the window - 1 keys before it (older keys stay in
+    the cache but are masked). softcap: scores become softcap * tanh(scores / softcap) (Gemma 2).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.k_cache: torch.Tensor | None = None  # [Hkv, num_blocks, block_size, D]
         self.v_cache: torch.Tensor | None = None
         self.backend = None
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+                                    self.softcap)

@@ -5,13 +5,18 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally fused with the residual add that precedes it."""
+    """RMSNorm, optionally fused with the residual add that precedes it.
 
-    def __init__(self, hidden_size: int, eps: float):
+    weight_offset 1 is Gemma's variant: the checkpoint stores weight - 1, and the scaling
+    happens in float32 before rounding (Llama rounds the normalised row first).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.kernel = None  # the fused Triton kernel (kernels.norm.rms_norm) on the Triton backend
+        self.weight_offset = weight_offset
+        self.kernel = None  # the fused Triton kernel (kernels.norm.rms_norm) on the Triton backend; Llama's only
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.kernel is not None:
@@ -22,5 +27,8 @@ class RMSNorm(nn.Module):
         # Normalise in float32 whatever the model dtype, like the reference implementation.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * normed.to(x.dtype)
+        if self.weight_offset:
+            out = (normed * (self.weight_offset + self.weight.float())).to(x.dtype)
+        else:
+            out = self.weight * normed.to(x.dtype)
         return out if residual is None else (out, residual)

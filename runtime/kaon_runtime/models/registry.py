@@ -1,10 +1,12 @@
-"""Architecture name -> model class."""
+"""Architecture name -> model class. Every supported family is one shared decoder with options."""
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
-from kaon_runtime.models.llama import LlamaForCausalLM
+from kaon_runtime.models.decoder import DecoderForCausalLM
 
-_MODELS = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe")
 
 
 def build_model(config: ModelConfig, tp: TensorParallel = TensorParallel()):
-    return _MODELS[config.architecture](config, tp)
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(f"no model for architecture {config.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+    return DecoderForCausalLM(config, tp)
