@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane demo generate serve test bench bench-gpu bench-roofline bench-serve soak bench-operator clean
+.PHONY: install control-plane demo generate serve test bench bench-gpu bench-roofline bench-serve soak bench-operator bench-autoscale clean
 
 install: $(STAMP)
 
@@ -58,6 +58,12 @@ soak: install
 
 bench-operator: install control-plane
 	$(PY) bench/operator_scale.py
+
+# kaon's autoscaling policy against HPA, Knative's KPA and an oracle in a simulator calibrated
+# from this machine's engine (bench/data/autoscale_calibration.json; `--calibrate` remeasures).
+bench-autoscale: install
+	$(PY) -m pip install --quiet matplotlib
+	$(PY) bench/autoscale_sim.py --plot bench/autoscale
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,828 @@
+"""A calibrated discrete-event simulator that judges kaon's autoscaling policy.
+
+    python bench/autoscale_sim.py [--json] [--plot DIR] [--traces steady-60 step ...]
+    python bench/autoscale_sim.py --calibrate          # measure the engine here first
+    python bench/autoscale_sim.py --step-ms 12,0.3,0.02 --cold-start-s 180   # GPU figures
+
+Engine (one object per replica): at most maxNumSeqs sequences run; every step decodes one
+token for each running sequence and prefills prompt chunks first-come-first-served within
+maxNumBatchedTokens (decodes count against that budget, as in kaon's scheduler); the step
+takes a + b * decode_batch + c * prefill_tokens seconds (fitted by --calibrate from a real
+`kaon serve`); waiting requests queue FIFO at the replica; a request's first token comes at
+the end of the step that finishes its prompt (TTFT = queueing + prefill).
+
+Cluster: the router sends each request to the ready replica with the fewest requests in
+flight, and holds requests while no replica is ready (until one is, or the hold timeout).
+A new replica is ready after the cold start. A removed replica takes no new requests and
+drains; what is still in flight after the drain grace period is cut (and counted).
+
+Policies, on the same trace and seed: kaon (`kaon_operator.autoscaler.decide` fed the very
+`Sample`s the operator builds, every 5 s), an HPA-style policy, Knative's KPA and an oracle
+(see `oracle_schedule`). The yardstick: SLO attainment (TTFT <= target), replica-hours
+relative to the oracle, replica changes per hour, requests cut by scale-down.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import bisect
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "operator"))
+
+from kaon_operator import autoscaler, scraper  # noqa: E402
+from kaon_operator.api import AutoscalingSpec  # noqa: E402
+
+CALIBRATION = ROOT / "bench" / "data" / "autoscale_calibration.json"
+MAX_REPLICAS = 10
+
+
+def _engine_buckets() -> tuple[float, ...]:
+    """The engine's TTFT histogram bounds, read from its source (importing it pulls in torch)."""
+    tree = ast.parse((ROOT / "runtime" / "kaon_runtime" / "server" / "metrics.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "LATENCY_BUCKETS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise RuntimeError("LATENCY_BUCKETS not found in metrics.py")
+
+
+BUCKETS = _engine_buckets()
+BOUNDS = (*BUCKETS, math.inf)  # Prometheus adds the +Inf bucket
+
+
+# --------------------------------------------------------------------------- the engine model
+
+@dataclass(frozen=True)
+class EngineModel:
+    a: float
+    """Seconds every step costs (the engine loop, the weights read once per step)."""
+    b: float
+    """Seconds per decoding sequence in the step."""
+    c: float
+    """Seconds per prompt token prefilled in the step."""
+    cold_start_s: float
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+    def step_seconds(self, batch: int, prefill_tokens: int) -> float:
+        return self.a + self.b * batch + self.c * prefill_tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompt and output lengths, uniform in these inclusive ranges."""
+    prompt: tuple[int, int] = (32, 512)
+    output: tuple[int, int] = (16, 128)
+
+    def mean(self) -> tuple[float, float]:
+        return sum(self.prompt) / 2, sum(self.output) / 2
+
+
+def capacity(model: EngineModel, workload: Workload) -> float:
+    """Requests per second one replica sustains with a full batch: each output token after
+    the first costs a 1/maxNumSeqs share of a full decode step, each prompt token c (plus the
+    step's fixed cost spread over the chunk budget)."""
+    prompt, output = workload.mean()
+    full = model.max_num_seqs
+    per_token = model.step_seconds(full, 0) / full
+    per_prompt_token = model.c + model.a / model.max_num_batched_tokens
+    return 1.0 / ((output - 1) * per_token + prompt * per_prompt_token)
+
+
+# --------------------------------------------------------------------------- requests and replicas
+
+class Request:
+    __slots__ = ("arrival", "prompt", "output", "todo", "first_token", "done", "cut", "failed")
+
+    def __init__(self, arrival: float, prompt: int, output: int):
+        self.arrival, self.prompt, self.output = arrival, prompt, output
+        self.todo = prompt  # prompt tokens not prefilled yet
+        self.first_token: float | None = None
+        self.done: float | None = None
+        self.cut = False
+        self.failed = False  # held at the router past the hold timeout
+
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+class Replica:
+    """One engine: a FIFO queue, sequences in prefill, sequences in decode, its counters."""
+
+    def __init__(self, rid: int, ready_at: float):
+        self.id, self.ready_at = rid, ready_at
+        self.waiting: deque[Request] = deque()
+        self.prefilling: deque[Request] = deque()
+        self.decoding: list[tuple[int, int, Request]] = []  # heap of (step it finishes at, tie, request)
+        self.steps = 0
+        self.stepping = False
+        self.chunks: list[tuple[Request, int]] = []  # the prefill chunks of the step in flight
+        self.draining_since: float | None = None
+        self.gone = False
+        self.finished = 0  # requests finished: the engine's kaon_requests_total
+        self.ttft_counts = [0] * len(BOUNDS)  # per bucket (not cumulative)
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.waiting) + self.running
+
+    def histogram(self) -> tuple[tuple[float, float], ...]:
+        """The cumulative (le, count) pairs a scrape of kaon_time_to_first_token_seconds reads."""
+        total, out = 0, []
+        for le, count in zip(BOUNDS, self.ttft_counts):
+            total += count
+            out.append((le, float(total)))
+        return tuple(out)
+
+    def plan_step(self, model: EngineModel) -> float:
+        """Choose this step's work as kaon's scheduler does; return its duration."""
+        budget = model.max_num_batched_tokens - len(self.decoding)
+        chunks = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(req.todo, budget)
+            chunks.append((req, n))
+            budget -= n
+        while self.waiting and budget > 0 and self.running < model.max_num_seqs:
+            req = self.waiting.popleft()
+            self.prefilling.append(req)
+            n = min(req.todo, budget)
+            chunks.append((req, n))
+            budget -= n
+        self.chunks = chunks
+        return model.step_seconds(len(self.decoding), sum(n for _, n in chunks))
+
+    def finish_step(self, now: float) -> list[Request]:
+        """Apply the step that ends now; return the requests it finished."""
+        self.steps += 1
+        done = []
+        while self.decoding and self.decoding[0][0] <= self.steps:
+            req = heapq.heappop(self.decoding)[2]
+            done.append(req)
+        for req, n in self.chunks:
+            req.todo -= n
+            if req.todo == 0:
+                self.prefilling.remove(req)
+                req.first_token = now
+                self.ttft_counts[bisect.bisect_left(BOUNDS, now - req.arrival)] += 1
+                if req.output <= 1:
+                    done.append(req)
+                else:
+                    heapq.heappush(self.decoding, (self.steps + req.output - 1, id(req), req))
+        self.chunks = []
+        for req in done:
+            req.done = now
+        self.finished += len(done)
+        return done
+
+
+# --------------------------------------------------------------------------- the cluster
+
+@dataclass
+class Scrape:
+    """Per-policy scrape state: the per-pod baselines survive pods missing a scrape."""
+    failure_p: float
+    rng: random.Random
+    finished: dict[int, int] = field(default_factory=dict)
+    latency: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+
+
+class Cluster:
+    """The replicas of one InferenceService, the router in front and the event queue."""
+
+    def __init__(self, model: EngineModel, cold_start_s: float, drain_s: float, hold_timeout_s: float):
+        self.model, self.cold_start_s, self.drain_s, self.hold_timeout_s = model, cold_start_s, drain_s, hold_timeout_s
+        self.active: list[Replica] = []  # the replicas the Deployment wants (starting or ready)
+        self.draining: list[Replica] = []
+        self.held: deque[Request] = deque()
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = 0
+        self.next_id = 0
+        self.now = 0.0
+        self.cut = 0
+        self.pod_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, pods that exist): replica-hours
+        self.replica_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, replicas wanted): the plot
+        self.last_change: float | None = None
+
+    # events
+    def push(self, at: float, kind: str, what: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, what))
+
+    def _log_pods(self) -> None:
+        self.pod_log.append((self.now, len(self.active) + len(self.draining)))
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.active if r.ready_at <= self.now]
+
+    # the router
+    def route(self, req: Request) -> None:
+        ready = self.ready()
+        if not ready:
+            self.held.append(req)
+            return
+        self._send(min(ready, key=lambda r: r.in_flight), req)
+
+    def _send(self, replica: Replica, req: Request) -> None:
+        replica.waiting.append(req)
+        if not replica.stepping:
+            self._start_step(replica)
+
+    def release_held(self) -> None:
+        """Held requests go to ready replicas; those held too long are answered 503."""
+        while self.held and self.now - self.held[0].arrival > self.hold_timeout_s:
+            self.held.popleft().failed = True
+        if self.held and self.ready():
+            held, self.held = self.held, deque()
+            for req in held:
+                self.route(req)
+
+    # engines
+    def _start_step(self, replica: Replica) -> None:
+        if replica.gone or not (replica.waiting or replica.running):
+            replica.stepping = False
+            return
+        replica.stepping = True
+        self.push(self.now + replica.plan_step(self.model), "step", replica)
+
+    def step_done(self, replica: Replica) -> None:
+        if replica.gone:
+            return
+        replica.finish_step(self.now)
+        if replica.draining_since is not None and replica.in_flight == 0:
+            self._remove(replica)
+            return
+        self._start_step(replica)
+
+    def _remove(self, replica: Replica) -> None:
+        replica.gone = True
+        self.draining.remove(replica)
+        self._log_pods()
+
+    def drain_deadline(self, replica: Replica) -> None:
+        if replica.gone:
+            return
+        cut = [*replica.waiting, *replica.prefilling, *(entry[2] for entry in replica.decoding)]
+        for req in cut:
+            req.cut = True
+        self.cut += len(cut)
+        self._remove(replica)
+
+    # scaling
+    def set_replicas(self, wanted: int) -> None:
+        if wanted == len(self.active):
+            return
+        self.last_change = self.now
+        while len(self.active) < wanted:
+            replica = Replica(self.next_id, self.now + self.cold_start_s)
+            self.next_id += 1
+            self.active.append(replica)
+            self.push(replica.ready_at, "ready", replica)
+        # Like a ReplicaSet: not-ready pods go first, then the newest.
+        while len(self.active) > wanted:
+            victim = max(self.active, key=lambda r: (r.ready_at > self.now, r.id))
+            self.active.remove(victim)
+            victim.draining_since = self.now
+            self.draining.append(victim)
+            if victim.in_flight == 0:
+                self._remove(victim)
+            else:
+                self.push(self.now + self.drain_s, "drain", victim)
+        self._log_pods()
+        self.replica_log.append((self.now, len(self.active)))
+
+    # metrics
+    def scrape(self, state: Scrape) -> autoscaler.Sample:
+        """Exactly the Sample the operator builds from the ready pods' /metrics and the routers."""
+        ready = self.ready()
+        answered = [r for r in ready if state.rng.random() >= state.failure_p]
+        finished, deltas = 0, []
+        for r in answered:
+            finished += r.finished - state.finished.get(r.id, 0)
+            state.finished[r.id] = r.finished
+            histogram = r.histogram()
+            deltas.append(scraper.bucket_delta(histogram, state.latency.get(r.id, ())))
+            state.latency[r.id] = histogram
+        return autoscaler.Sample(
+            time=self.now, ready=len(ready), answered=len(answered),
+            waiting=float(sum(len(r.waiting) for r in answered)), running=float(sum(r.running for r in answered)),
+            starting=len(self.active) - len(ready), finished=float(finished),
+            latency=scraper.add_buckets(*deltas), held_by_router=float(len(self.held)))
+
+    def concurrency(self) -> float:
+        """Requests in flight at the ready replicas plus those held: what Knative's queue-proxies and activator count."""
+        return float(sum(r.in_flight for r in self.ready()) + len(self.held))
+
+
+# --------------------------------------------------------------------------- policies
+
+class Policy:
+    name = "policy"
+    period = 5.0
+
+    def decide(self, cluster: Cluster) -> int:
+        raise NotImplementedError
+
+
+class Kaon(Policy):
+    """kaon's operator: a scrape every 5 s into a history, `decide` on it."""
+    name = "kaon"
+    period = 5.0
+
+    def __init__(self, spec: AutoscalingSpec, max_num_seqs: int, scrape: Scrape,
+                 decide: Callable = autoscaler.decide, name: str = "kaon"):
+        self.spec, self.max_num_seqs, self.state, self._decide, self.name = spec, max_num_seqs, scrape, decide, name
+        self.history: list[autoscaler.Sample] = []
+        self.keep = autoscaler.history_seconds(spec)
+
+    def decide(self, cluster: Cluster) -> int:
+        now = cluster.now
+        self.history.append(cluster.scrape(self.state))
+        while self.history and self.history[0].time < now - self.keep:
+            self.history.pop(0)
+        decision = self._decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
+                                max_num_seqs=self.max_num_seqs)
+        return decision.replicas
+
+
+class HPA(Policy):
+    """Kubernetes HPA on the average in-flight requests per ready pod (running + waiting)."""
+    name = "hpa"
+    period = 15.0  # --horizontal-pod-autoscaler-sync-period
+    TOLERANCE = 0.1
+    STABILIZATION_S = 300.0
+
+    def __init__(self, target: float, min_replicas: int, max_replicas: int, scrape: Scrape):
+        self.target, self.min, self.max, self.state = target, max(1, min_replicas), max_replicas, scrape
+        self.recommendations: deque[tuple[float, int]] = deque()
+
+    def recommend(self, cluster: Cluster) -> int:
+        current = len(cluster.active)
+        ready = cluster.ready()
+        answered = [r for r in ready if self.state.rng.random() >= self.state.failure_p]
+        if not answered:
+            return current  # no metrics: HPA leaves the scale alone
+        usage = [float(r.in_flight) for r in answered]
+        ratio = sum(usage) / len(usage) / self.target
+        missing = len(ready) - len(answered)
+        if missing:  # HPA: missing pods count as 0 on a scale-up, as at target on a scale-down
+            usage += [0.0 if ratio > 1 else self.target] * missing
+            ratio = sum(usage) / len(usage) / self.target
+        if abs(ratio - 1) <= self.TOLERANCE:
+            return current
+        return math.ceil(ratio * len(usage))
+
+    def decide(self, cluster: Cluster) -> int:
+        now, current = cluster.now, len(cluster.active)
+        if not self.recommendations:  # a fresh controller: the scale it finds is its first recommendation
+            self.recommendations.append((now, current))
+        self.recommendations.append((now, self.recommend(cluster)))
+        while self.recommendations[0][0] < now - self.STABILIZATION_S:
+            self.recommendations.popleft()
+        wanted = self.recommendations[-1][1]
+        if wanted < current:  # scale down to the highest recommendation of the window
+            wanted = min(current, max(r for _, r in self.recommendations))
+        wanted = min(wanted, max(2 * current, current + 4))  # scale-up policies: double or +4 per 15 s
+        return max(self.min, min(self.max, wanted))
+
+
+class KPA(Policy):
+    """Knative's KPA: concurrency averaged over a 60 s stable and a 6 s panic window."""
+    name = "kpa"
+    period = 1.0  # concurrency is sampled every second, decided every 2 s (Knative's tick)
+    STABLE_S, PANIC_S, TICK_S = 60.0, 6.0, 2.0
+    PANIC_THRESHOLD = 2.0
+    MAX_SCALE_DOWN_RATE = 2.0
+    SCALE_TO_ZERO_GRACE_S = 30.0
+
+    def __init__(self, container_concurrency: int, min_replicas: int, max_replicas: int, scrape: Scrape,
+                 utilization: float = 0.7):
+        self.target = container_concurrency * utilization
+        self.min, self.max, self.state = min_replicas, max_replicas, scrape
+        self.samples: deque[tuple[float, float]] = deque()
+        self.panic_since: float | None = None
+        self.panic_floor = 0
+        self.last_traffic = 0.0
+        self.started: float | None = None
+
+    def observe(self, cluster: Cluster) -> float:
+        """The service's concurrency; pods that miss the scrape are extrapolated from the others."""
+        ready = cluster.ready()
+        answered = [r for r in ready if self.state.rng.random() >= self.state.failure_p]
+        seen = sum(r.in_flight for r in answered)
+        scale = len(ready) / len(answered) if answered else 0.0
+        return seen * scale + len(cluster.held)
+
+    def decide(self, cluster: Cluster) -> int:
+        now, current = cluster.now, len(cluster.active)
+        self.started = now if self.started is None else self.started
+        concurrency = self.observe(cluster)
+        self.samples.append((now, concurrency))
+        while self.samples[0][0] <= now - self.STABLE_S:
+            self.samples.popleft()
+        if concurrency > 0:
+            self.last_traffic = now
+        if round(now) % self.TICK_S:
+            return current
+        stable = sum(c for _, c in self.samples) / len(self.samples)
+        recent = [c for t, c in self.samples if t > now - self.PANIC_S]
+        panic = sum(recent) / len(recent)
+        want_stable, want_panic = math.ceil(stable / self.target), math.ceil(panic / self.target)
+        ready = len(cluster.ready())
+        if want_panic >= self.PANIC_THRESHOLD * max(ready, 1) and want_panic > 0:
+            if self.panic_since is None:
+                self.panic_floor = current
+            self.panic_since = now  # every tick with reason to panic extends it
+        elif self.panic_since is not None and now - self.panic_since >= self.STABLE_S:
+            self.panic_since = None
+        if self.panic_since is not None:  # in panic: never down
+            self.panic_floor = max(self.panic_floor, want_panic)
+            wanted = self.panic_floor
+        else:
+            wanted = max(want_stable, math.floor(ready / self.MAX_SCALE_DOWN_RATE))
+            if now - self.started < self.STABLE_S:  # a fresh autoscaler fills its window before going down
+                wanted = max(wanted, current)
+        if now - self.last_traffic < self.STABLE_S + self.SCALE_TO_ZERO_GRACE_S:
+            wanted = max(wanted, 1)  # to zero only after a stable window without traffic, plus grace
+        return max(self.min, min(self.max, wanted))
+
+
+class Schedule(Policy):
+    """Replicas per minute from a precomputed list (the oracle)."""
+    name = "oracle"
+    period = 60.0
+
+    def __init__(self, per_minute: list[int]):
+        self.per_minute = per_minute
+
+    def decide(self, cluster: Cluster) -> int:
+        return self.per_minute[min(int(cluster.now // 60), len(self.per_minute) - 1)]
+
+
+# --------------------------------------------------------------------------- one run
+
+@dataclass
+class Run:
+    requests: list[Request]
+    pod_log: list[tuple[float, int]]
+    replica_log: list[tuple[float, int]]
+    changes: int
+    cut: int
+    duration: float
+
+    def replica_hours(self) -> float:
+        total = 0.0
+        for (t0, n), (t1, _) in zip(self.pod_log, [*self.pod_log[1:], (self.duration, 0)]):
+            total += n * (max(0.0, min(t1, self.duration) - min(t0, self.duration)))
+        return total / 3600
+
+    def attainment(self, target: float) -> float:
+        met = sum(1 for r in self.requests if not r.failed and r.ttft() is not None and r.ttft() <= target)
+        return met / len(self.requests) if self.requests else 1.0
+
+
+def make_requests(arrivals: list[tuple[float, int, int]]) -> list[Request]:
+    return [Request(t, p, o) for t, p, o in arrivals]
+
+
+def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: EngineModel, policy: Policy,
+             initial: int, *, cold_start_s: float | None = None, drain_s: float = 30.0,
+             hold_timeout_s: float = 600.0) -> Run:
+    """Run one policy over one trace. Policies tick until `duration`; afterwards the engines
+    finish what they have, so every request gets its outcome."""
+    cluster = Cluster(model, model.cold_start_s if cold_start_s is None else cold_start_s, drain_s, hold_timeout_s)
+    requests = make_requests(arrivals)
+    # The trace starts warm: the initial replicas are ready at time 0.
+    saved, cluster.cold_start_s = cluster.cold_start_s, 0.0
+    cluster.set_replicas(initial)
+    cluster.cold_start_s, cluster.last_change, cluster.replica_log = saved, None, [(0.0, initial)]
+    changes = 0
+    cluster.push(policy.period, "tick")
+    cluster.push(1.0, "router")
+    i = 0
+    while True:
+        next_arrival = requests[i].arrival if i < len(requests) else math.inf
+        if cluster.events and cluster.events[0][0] <= next_arrival:
+            at, _, kind, what = heapq.heappop(cluster.events)
+        elif next_arrival < math.inf:
+            at, kind, what = next_arrival, "arrival", requests[i]
+            i += 1
+        else:
+            break
+        cluster.now = at
+        if kind == "arrival":
+            cluster.route(what)
+        elif kind == "step":
+            cluster.step_done(what)
+        elif kind == "ready":
+            cluster.release_held()
+        elif kind == "drain":
+            cluster.drain_deadline(what)
+        elif kind == "router":
+            cluster.release_held()
+            if at + 1.0 < duration or cluster.held:
+                cluster.push(at + 1.0, "router")
+        elif kind == "tick" and at <= duration:
+            wanted = policy.decide(cluster)
+            if wanted != len(cluster.active):
+                cluster.set_replicas(wanted)
+                changes += 1
+            cluster.push(at + policy.period, "tick")
+        if at > duration and cluster.held and not cluster.active:
+            cluster.set_replicas(1)  # the trace is over: serve what is left rather than lose it
+    return Run(requests, cluster.pod_log, cluster.replica_log, changes, cluster.cut, duration)
+
+
+# --------------------------------------------------------------------------- the oracle
+
+def oracle_schedule(arrivals: list[tuple[float, int, int]], duration: float, model: EngineModel,
+                    workload: Workload, target: float, min_replicas: int, max_replicas: int = MAX_REPLICAS,
+                    goal: float = 0.99) -> list[int]:
+    """For each minute m, the fewest replicas n such that n replicas, ready from the start and
+    fed the trace's own arrivals from minute m-1 (a warm-up at the same n) to the end of
+    minute m, give at least `goal` of minute m's arrivals a TTFT within `target`. With
+    minReplicas 0, a minute without arrivals in it or the minute before gets 0."""
+    per_replica = capacity(model, workload)
+    schedule = []
+    for m in range(math.ceil(duration / 60)):
+        start, end = m * 60.0, (m + 1) * 60.0
+        window = [(t - start + 60.0, p, o) for t, p, o in arrivals if start - 60.0 <= t < end]
+        judged = sum(1 for t, _, _ in window if t >= 60.0)
+        if not window:
+            schedule.append(min_replicas)
+            continue
+        if not judged:
+            schedule.append(max(1, min_replicas))
+            continue
+        # Fewer replicas than the minute's work needs cannot do; start a little below that bound.
+        n = max(1, min_replicas, math.ceil(0.8 * judged / 60.0 / per_replica))
+        while n < max_replicas:
+            run = simulate(window, 120.0, model, Schedule([n, n]), n, cold_start_s=0.0)
+            scored = [r for r in run.requests if r.arrival >= 60.0]
+            met = sum(1 for r in scored if r.ttft() is not None and r.ttft() <= target)
+            if met >= goal * len(scored):
+                break
+            n += 1
+        schedule.append(n)
+    return schedule
+
+
+# --------------------------------------------------------------------------- traces
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    duration: float
+    rate: Callable[[float], float]  # requests/s at time t
+    min_replicas: int = 1
+    steady: bool = False
+
+
+def traces(per_replica: float, seed: int, minutes: float = 90.0) -> list[Trace]:
+    """Rates in units of one replica's full-batch capacity (three replicas = 3.0)."""
+    c = per_replica
+    d = minutes * 60.0
+    rng = random.Random(seed + 1)
+    bursts, t = [], rng.expovariate(1 / 600.0)  # Poisson bursts: one every 10 minutes on average
+    while t < d:
+        bursts.append(t)
+        t += rng.expovariate(1 / 600.0)
+
+    def bursty(x: float) -> float:
+        return c * (0.9 + (2.1 if any(b <= x < b + 120.0 for b in bursts) else 0.0))
+
+    def idle_burst(x: float) -> float:  # idle, a burst, idle, a burst, idle
+        minute = x / 60.0 * 90.0 / minutes
+        return c * 1.8 if 20 <= minute < 35 or 60 <= minute < 75 else 0.0
+
+    return [
+        Trace("steady-30", d, lambda x: 0.9 * c, steady=True),
+        Trace("steady-60", d, lambda x: 1.8 * c, steady=True),
+        Trace("steady-90", d, lambda x: 2.7 * c, steady=True),
+        Trace("step", d, lambda x: c * (2.7 if d / 3 <= x < 2 * d / 3 else 0.6)),
+        Trace("ramp", d, lambda x: c * (0.3 + 3.3 * min(x / (2 * d / 3), 1.0 - max(0.0, x - 2 * d / 3) / (d / 3)))),
+        Trace("diurnal", d, lambda x: c * (2.0 - 1.7 * math.cos(2 * math.pi * x / d))),
+        Trace("bursts", d, bursty),
+        Trace("idle-burst", d, idle_burst, min_replicas=0),
+    ]
+
+
+def arrivals_for(trace: Trace, workload: Workload, seed: int) -> list[tuple[float, int, int]]:
+    """Poisson arrivals at the trace's rate (piecewise constant per second), with lengths."""
+    rng = random.Random(seed)
+    out = []
+    for second in range(int(trace.duration)):
+        lam = trace.rate(second + 0.5)
+        if lam <= 0:
+            continue
+        t = second + rng.expovariate(lam)
+        while t < second + 1:
+            out.append((t, rng.randint(*workload.prompt), rng.randint(*workload.output)))
+            t += rng.expovariate(lam)
+    return out
+
+
+# --------------------------------------------------------------------------- the whole run
+
+@dataclass
+class Config:
+    model: EngineModel
+    workload: Workload = Workload()
+    ttft_target_s: float = 2.0
+    drain_s: float = 30.0
+    hold_timeout_s: float = 600.0
+    scrape_failure_p: float = 0.0
+    seed: int = 0
+    minutes: float = 90.0
+    kaon_variants: dict[str, Callable] = field(default_factory=dict)
+
+
+def kaon_spec(config: Config, min_replicas: int) -> AutoscalingSpec:
+    """What a user would write: the CRD defaults, the TTFT SLO as the P99 target, and with
+    minReplicas 0 an idle time before zero that outlasts a cold start."""
+    idle = max(120, math.ceil(2 * config.model.cold_start_s)) if min_replicas == 0 else None
+    return AutoscalingSpec(enabled=True, min_replicas=min_replicas, max_replicas=MAX_REPLICAS,
+                           target_p99_latency_seconds=config.ttft_target_s, latency_metric="ttft",
+                           scale_to_zero_idle_seconds=idle,
+                           scale_from_zero_timeout_seconds=int(config.hold_timeout_s))
+
+
+def policies(config: Config, trace: Trace, oracle: list[int]) -> list[Policy]:
+    def scrape() -> Scrape:  # every policy sees the same scrape failures
+        return Scrape(config.scrape_failure_p, random.Random(config.seed + 7))
+
+    spec = kaon_spec(config, trace.min_replicas)
+    target = autoscaler.concurrency_target(spec, config.model.max_num_seqs)
+    out: list[Policy] = [Kaon(spec, config.model.max_num_seqs, scrape())]
+    out += [Kaon(spec, config.model.max_num_seqs, scrape(), decide=fn, name=name)
+            for name, fn in config.kaon_variants.items()]
+    out += [HPA(target, trace.min_replicas, MAX_REPLICAS, scrape()),
+            KPA(config.model.max_num_seqs, trace.min_replicas, MAX_REPLICAS, scrape()),
+            Schedule(oracle)]
+    return out
+
+
+def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
+    model = config.model
+    arrivals = arrivals_for(trace, config.workload, config.seed)
+    oracle = oracle_schedule(arrivals, trace.duration, model, config.workload, config.ttft_target_s,
+                             trace.min_replicas)
+    initial = oracle[0]
+    runs = {}
+    for policy in policies(config, trace, oracle):
+        cold = 0.0 if policy.name == "oracle" else None
+        runs[policy.name] = simulate(arrivals, trace.duration, model, policy, initial, cold_start_s=cold,
+                                     drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s)
+    oracle_hours = runs["oracle"].replica_hours()
+    rows = []
+    for name, run in runs.items():
+        hours = run.replica_hours()
+        rows.append({
+            "trace": trace.name, "policy": name,
+            "slo_attainment": round(run.attainment(config.ttft_target_s), 5),
+            "replica_hours_vs_oracle": round(hours / oracle_hours, 3) if oracle_hours else None,
+            "changes_per_hour": round(run.changes / (trace.duration / 3600), 2),
+            "cut_requests": run.cut,
+            "replica_hours": round(hours, 3),
+            "requests": len(run.requests),
+            "failed_held": sum(1 for r in run.requests if r.failed),
+            "p99_ttft_s": round(percentile([r.ttft() for r in run.requests if r.ttft() is not None], 0.99), 3),
+        })
+    series = {"trace": trace, "arrivals": arrivals, "runs": runs}
+    return rows, series
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+# --------------------------------------------------------------------------- output
+
+def table(rows: list[dict], target: float) -> str:
+    head = (f"{'trace':11} {'policy':13} {'SLO att.':>9} {'repl-h':>7} {'vs oracle':>9} {'chg/h':>6} "
+            f"{'cut':>5} {'503':>4} {'P99 TTFT':>9} {'requests':>8}")
+    lines = [f"TTFT target {target:g} s", head, "-" * len(head)]
+    for r in rows:
+        vs = "-" if r["replica_hours_vs_oracle"] is None else f"{r['replica_hours_vs_oracle']:.2f}x"
+        lines.append(f"{r['trace']:11} {r['policy']:13} {100 * r['slo_attainment']:8.2f}% {r['replica_hours']:7.2f} "
+                     f"{vs:>9} {r['changes_per_hour']:6.1f} {r['cut_requests']:5d} {r['failed_held']:4d} "
+                     f"{r['p99_ttft_s']:8.2f}s {r['requests']:8d}")
+    return "\n".join(lines)
+
+
+def plot(series: dict, target: float, out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace, arrivals, runs = series["trace"], series["arrivals"], series["runs"]
+    minutes = math.ceil(trace.duration / 60)
+    fig, (ax_load, ax_rep, ax_p99) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    per_minute = [0] * minutes
+    for t, _, _ in arrivals:
+        per_minute[min(int(t // 60), minutes - 1)] += 1
+    ax_load.plot(range(minutes), [n / 60 for n in per_minute], color="black", drawstyle="steps-post")
+    ax_load.set_ylabel("arrivals (req/s)")
+    ax_load.set_title(f"{trace.name}: load, replicas, P99 TTFT per minute")
+    for name, run in runs.items():
+        log = run.replica_log + [(trace.duration, run.replica_log[-1][1])]
+        ax_rep.plot([t / 60 for t, _ in log], [n for _, n in log], drawstyle="steps-post", label=name,
+                    linestyle="--" if name == "oracle" else "-")
+        p99 = []
+        for m in range(minutes):
+            ttfts = [r.ttft() for r in run.requests if m * 60 <= r.arrival < (m + 1) * 60 and r.ttft() is not None]
+            p99.append(percentile(ttfts, 0.99) if ttfts else float("nan"))
+        ax_p99.plot(range(minutes), p99, label=name, linestyle="--" if name == "oracle" else "-")
+    ax_rep.set_ylabel("replicas")
+    ax_rep.legend(loc="upper left", fontsize=8)
+    ax_p99.axhline(target, color="red", linewidth=1, label="target")
+    ax_p99.set_yscale("log")
+    ax_p99.set_ylabel("P99 TTFT (s)")
+    ax_p99.set_xlabel("minute")
+    ax_p99.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"autoscale_{trace.name}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def load_model(args: argparse.Namespace) -> EngineModel:
+    calibration = json.loads(Path(args.calibration).read_text()) if Path(args.calibration).exists() else {}
+    step_ms = [float(x) for x in args.step_ms.split(",")] if args.step_ms else calibration.get("step_ms")
+    cold = args.cold_start_s if args.cold_start_s is not None else calibration.get("cold_start_s")
+    if step_ms is None or cold is None:
+        raise SystemExit(f"no calibration at {args.calibration}: run --calibrate, or pass --step-ms and --cold-start-s")
+    a, b, c = (x / 1e3 for x in step_ms)
+    return EngineModel(a, b, c, cold, args.max_num_seqs or calibration.get("max_num_seqs", 64),
+                       args.max_num_batched_tokens or calibration.get("max_num_batched_tokens", 1024))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibrate", action="store_true", help="measure the engine here, write --calibration")
+    parser.add_argument("--calibration", default=str(CALIBRATION))
+    parser.add_argument("--step-ms", help="a,b,c: step ms = a + b * batch + c * prefill tokens (e.g. GPU figures)")
+    parser.add_argument("--cold-start-s", type=float)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--ttft-target", type=float, default=2.0, help="seconds")
+    parser.add_argument("--drain-s", type=float, default=30.0)
+    parser.add_argument("--hold-timeout-s", type=float, default=600.0)
+    parser.add_argument("--scrape-failure", type=float, default=0.0, help="probability a pod misses a scrape")
+    parser.add_argument("--minutes", type=float, default=90.0, help="length of every trace")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--traces", nargs="+")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args(argv)
+    if args.calibrate:
+        import autoscale_calibrate
+        print(json.dumps(autoscale_calibrate.calibrate(Path(args.calibration)), indent=2))
+        return 0
+    config = Config(load_model(args), ttft_target_s=args.ttft_target, drain_s=args.drain_s,
+                    hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
+                    minutes=args.minutes)
+    rows = []
+    started = time.perf_counter()
+    for trace in traces(capacity(config.model, config.workload), config.seed, config.minutes):
+        if args.traces and trace.name not in args.traces:
+            continue
+        trace_rows, series = run_trace(config, trace)
+        rows += trace_rows
+        if args.plot:
+            plot(series, config.ttft_target_s, args.plot)
+        if not args.json:
+            print(f"{trace.name} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        m = config.model
+        print(f"engine: step = {m.a * 1e3:.2f} + {m.b * 1e3:.3f} x batch + {m.c * 1e3:.4f} x prefill tokens (ms); "
+              f"cold start {m.cold_start_s:g} s; maxNumSeqs {m.max_num_seqs}; "
+              f"one replica's capacity {capacity(m, config.workload):.2f} req/s")
+        print(table(rows, config.ttft_target_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
