@@ -166,6 +166,13 @@ def test_operator_never_imports_torch_or_the_runtime():
 
 VARIANTS = [
     {},
+    {"model": {"uri": "hf://org/name@v1", "credentialsSecret": "hf", "cache": {"persistentVolumeClaim": "cache"}},
+     "engine": {"tensorParallelSize": 3, "env": [{"name": "A", "value": "1"}], "envFrom": [{"secretRef": {"name": "e"}}],
+                "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+                "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra"}],
+                "imagePullSecrets": [{"name": "registry"}]}},
+    {"model": {"uri": "s3://models/llama", "credentialsSecret": "s3", "endpoint": "http://minio:9000"}},
+    {"model": {"uri": "pvc://models/llama"}},
     {"engine": {"tensorParallelSize": 8, "enablePrefixCaching": False, "extraArgs": ["--log-level", "debug"]},
      "model": {"uri": "/models/llama", "quantization": "fp8", "maxModelLen": 8192, "servedName": "llama"},
      "resources": {"requests": {"cpu": "500m", "memory": "16Gi"}, "limits": {"memory": "16Gi"}},
@@ -215,3 +222,96 @@ def test_applied_children_run_on_fake_gpu_nodes_and_are_garbage_collected(crd, n
     crd.kubectl("delete", "-n", namespace, "infsvc", "llama")
     for kind in ("deployment", "service", "poddisruptionbudget"):
         crd.kubectl("wait", "-n", namespace, "--for=delete", f"{kind}/llama", "--timeout=60s")
+
+
+# Model sources: the fetch init container, credentials from a Secret, the cache, extra pod settings ----------------
+
+
+def init_containers(s: api.InferenceServiceSpec) -> list[dict]:
+    return pod_spec(s).get("initContainers", [])
+
+
+def test_hf_source_is_fetched_by_an_init_container_with_the_secrets_token():
+    s = spec(model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "v1", "credentialsSecret": "hf",
+                    "endpoint": "https://hub.example.com"}, engine={"tensorParallelSize": 2})
+    (fetch,) = init_containers(s)
+    assert fetch["name"] == "fetch" and fetch["image"] == s.engine.image
+    assert fetch["args"] == ["kaon", "fetch", "--model", "hf://meta-llama/Llama-3.1-8B-Instruct",
+                             "--model-cache", f"{r.CACHE_DIR}/models", "--revision", "v1",
+                             "--tensor-parallel-size", "2", "--termination-log", "/dev/termination-log"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN", "optional": True}}} \
+        in fetch["env"]
+    assert {"name": "HF_ENDPOINT", "value": "https://hub.example.com"} in fetch["env"]
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert fetch["volumeMounts"] == pod_spec(s)["containers"][0]["volumeMounts"]  # same cache, same place
+    assert "resources" not in fetch  # no GPU held while downloading beyond the pod's own
+    engine = pod_spec(s)["containers"][0]
+    flags = dict(zip(engine["args"][2::2], engine["args"][3::2]))
+    # The engine finds the fetched model by the same URI in the same cache, and never sees the token.
+    assert flags["--model"] == "hf://meta-llama/Llama-3.1-8B-Instruct" and flags["--revision"] == "v1"
+    assert flags["--model-cache"] == f"{r.CACHE_DIR}/models"
+    assert not any(e["name"] in ("HF_TOKEN", "HF_ENDPOINT") for e in engine["env"])
+    assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_s3_source_takes_keys_region_and_endpoint_from_the_secret():
+    s = spec(model={"uri": "s3://models/llama", "credentialsSecret": "s3-creds", "ggufFile": "llama-q4.gguf"})
+    (fetch,) = init_containers(s)
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in fetch["env"] if "valueFrom" in e}
+    assert refs == {k: {"name": "s3-creds", "key": k, "optional": True}
+                    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")}
+    assert fetch["args"][2:8] == ["--model", "s3://models/llama", "--model-cache", f"{r.CACHE_DIR}/models",
+                                  "--gguf-file", "llama-q4.gguf"]
+    with_endpoint = spec(model={"uri": "s3://models/llama", "credentialsSecret": "s3-creds",
+                                "endpoint": "http://minio.storage:9000"})
+    env = init_containers(with_endpoint)[0]["env"]
+    names = [e["name"] for e in env]
+    # The spec's endpoint comes after the Secret's key of the same name, so it wins.
+    assert names.index("AWS_ENDPOINT_URL", names.index("AWS_ENDPOINT_URL") + 1)
+    assert env[len(names) - 1 - names[::-1].index("AWS_ENDPOINT_URL")]["value"] == "http://minio.storage:9000"
+
+
+def test_pvc_source_is_mounted_read_only_and_checked_by_the_init_container():
+    s = spec(model={"uri": "pvc://models/llama/3.1-8b"})
+    pod = pod_spec(s)
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    engine = pod["containers"][0]
+    assert {"name": "model", "mountPath": "/mnt/models", "readOnly": True} in engine["volumeMounts"]
+    assert engine["args"][engine["args"].index("--model") + 1] == "/mnt/models/llama/3.1-8b"
+    (fetch,) = pod["initContainers"]
+    assert fetch["args"][2:4] == ["--model", "/mnt/models/llama/3.1-8b"] and "--model-cache" not in fetch["args"]
+    assert not any("valueFrom" in e for e in fetch["env"])
+    whole = pod_spec(spec(model={"uri": "pvc://models"}))["containers"][0]["args"]
+    assert whole[whole.index("--model") + 1] == "/mnt/models"
+
+
+def test_builtin_and_path_models_need_no_init_container():
+    assert init_containers(spec()) == []
+    assert init_containers(spec(model={"uri": "/models/llama.gguf"})) == []
+
+
+def test_model_cache_is_a_sized_empty_dir_or_a_shared_claim():
+    (cache,) = [v for v in pod_spec(spec())["volumes"] if v["name"] == "cache"]
+    assert cache == {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}}
+    shared = spec(model={"uri": "hf://org/name", "cache": {"persistentVolumeClaim": "model-cache"}})
+    (cache,) = [v for v in pod_spec(shared)["volumes"] if v["name"] == "cache"]
+    assert cache == {"name": "cache", "persistentVolumeClaim": {"claimName": "model-cache"}}
+    sized = spec(model={"uri": "hf://org/name", "cache": {"sizeLimit": "20Gi"}})
+    assert {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}} in pod_spec(sized)["volumes"]
+
+
+def test_env_volumes_and_image_pull_secrets_reach_both_containers():
+    s = spec(model={"uri": "hf://org/name"},
+             engine={"env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+                     "envFrom": [{"configMapRef": {"name": "engine-env"}}],
+                     "volumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}}],
+                     "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True}],
+                     "imagePullSecrets": [{"name": "registry"}]})
+    pod = pod_spec(s)
+    assert {"name": "certs", "secret": {"secretName": "ca-bundle"}} in pod["volumes"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    for c in (pod["containers"][0], pod["initContainers"][0]):
+        assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in c["env"], c["name"]
+        assert c["envFrom"] == [{"configMapRef": {"name": "engine-env"}}], c["name"]
+        assert {"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True} in c["volumeMounts"], c["name"]
+    assert "imagePullSecrets" not in pod_spec(spec()) and "envFrom" not in pod_spec(spec())["containers"][0]

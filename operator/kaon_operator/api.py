@@ -7,6 +7,7 @@ Field names are snake_case in Python and camelCase on the wire.
 """
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any, Literal
 
@@ -21,7 +22,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 DEFAULT_IMAGE = "ghcr.io/kaon-dev/kaon:0.1.0"
 GPU_RESOURCE = "nvidia.com/gpu"
-TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 Quantity = int | str  # a Kubernetes resource quantity: 2, "500m", "16Gi"
 
@@ -35,15 +35,82 @@ class _Model(BaseModel):
                               use_attribute_docstrings=True)
 
 
-_URI_MESSAGE = "must be builtin://<name> or an absolute path"
+def _default(model: type[_Model]) -> dict:
+    """The CRD default of an optional object: written out in full, because the apiserver
+    checks a default against the object's CEL rules before its fields' defaults apply."""
+    return {"default": model().model_dump(by_alias=True, exclude_none=True)}
+
+
+# Model sources. Each rule is a CEL rule on the field (x-kubernetes-validations) and the same
+# check in pydantic below; `_URI_RULES` holds both spellings side by side.
+_HF_RE = r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[^@ ]+)?$"
+_S3_RE = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^ ]*)?$"
+_PVC_RE = r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^ ]*)?$"
+_URI_MESSAGE = ("must be hf://<org>/<name>[@<revision>], s3://<bucket>/<prefix>, pvc://<claim>/<path>, "
+                "builtin://<name> or an absolute path")
+_URI_RULES = [  # (CEL rule, Python check, message)
+    ("self.startsWith('builtin://') || self.startsWith('/') || self.startsWith('hf://') || self.startsWith('s3://')"
+     " || self.startsWith('pvc://')",
+     lambda v: v.startswith(("builtin://", "/", "hf://", "s3://", "pvc://")), _URI_MESSAGE),
+    (f"!self.startsWith('hf://') || self.matches('{_HF_RE}')",
+     lambda v: not v.startswith("hf://") or re.match(_HF_RE, v) is not None,
+     "an hf:// URI must be hf://<org>/<name> or hf://<org>/<name>@<revision>"),
+    (f"!self.startsWith('s3://') || self.matches('{_S3_RE}')",
+     lambda v: not v.startswith("s3://") or re.match(_S3_RE, v) is not None,
+     "an s3:// URI must be s3://<bucket>/<prefix> with a valid bucket name (3-63 of a-z, 0-9, '.', '-')"),
+    (f"!self.startsWith('pvc://') || self.matches('{_PVC_RE}')",
+     lambda v: not v.startswith("pvc://") or re.match(_PVC_RE, v) is not None,
+     "a pvc:// URI must be pvc://<claim>/<path> with a valid PersistentVolumeClaim name"),
+    ("!self.contains('/../') && !self.endsWith('/..')",
+     lambda v: "/../" not in v and not v.endswith("/.."), "must not contain '..' path segments"),
+]
+_REMOTE = "self.uri.startsWith('hf://') || self.uri.startsWith('s3://')"
+_MODEL_RULES = [  # (CEL rule, Python check on the ModelSpec, message)
+    (f"!has(self.revision) || (self.uri.startsWith('hf://') && !self.uri.contains('@'))",
+     lambda m: m.revision is None or (m.uri.startswith("hf://") and "@" not in m.uri),
+     "revision is for hf:// URIs that do not name one with @<revision>"),
+    (f"!has(self.credentialsSecret) || {_REMOTE}",
+     lambda m: m.credentials_secret is None or m.uri.startswith(("hf://", "s3://")),
+     "credentialsSecret is for hf:// and s3:// sources"),
+    (f"!has(self.endpoint) || {_REMOTE}",
+     lambda m: m.endpoint is None or m.uri.startswith(("hf://", "s3://")), "endpoint is for hf:// and s3:// sources"),
+    (f"!has(self.ggufFile) || {_REMOTE}",
+     lambda m: m.gguf_file is None or m.uri.startswith(("hf://", "s3://")),
+     "ggufFile is for hf:// and s3:// sources (point a path or pvc:// URI at the file itself)"),
+]
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class ModelCacheSpec(_Model):
+    """Where fetched models (hf://, s3://) are kept: a per-pod emptyDir, or a shared PersistentVolumeClaim."""
+
+    persistent_volume_claim: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
+    """An existing ReadWriteMany PVC that every replica mounts: the first one downloads, the others reuse it."""
+    size_limit: Quantity = "100Gi"
+    """Size limit of the per-pod emptyDir used when no PVC is named."""
 
 
 class ModelSpec(_Model):
     """Which model to serve and how."""
 
-    uri: str = Field(min_length=1, max_length=4096, json_schema_extra=_cel(
-        "self.startsWith('builtin://') || self.startsWith('/')", _URI_MESSAGE))
-    """`builtin://smollm2-135m-instruct`, or an absolute path to a GGUF file or HF model directory."""
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": rule, "message": message} for rule, _, message in _MODEL_RULES]})
+
+    uri: str = Field(min_length=1, max_length=4096, json_schema_extra={"x-kubernetes-validations": [
+        {"rule": rule, "message": message} for rule, _, message in _URI_RULES]})
+    """`hf://<org>/<name>[@<revision>]`, `s3://<bucket>/<prefix>`, `pvc://<claim>/<path>`,
+    `builtin://smollm2-135m-instruct`, or an absolute path (GGUF file or HF directory) in the image."""
+    revision: str | None = Field(None, min_length=1, max_length=255)
+    """hf:// only: the branch, tag or commit (default `main`); the same as `hf://<org>/<name>@<revision>`."""
+    gguf_file: str | None = Field(None, min_length=6, max_length=1024, pattern=r"^[^/].*\.gguf$")
+    """hf:// and s3://: fetch this GGUF file of the repository instead of its safetensors."""
+    credentials_secret: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
+    """A Secret in the same namespace: `HF_TOKEN` for hf://; `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`
+    and optionally `AWS_REGION`, `AWS_ENDPOINT_URL` for s3://. Read by the fetch init container only."""
+    endpoint: str | None = Field(None, max_length=2048, pattern=r"^https?://[^ ]+$")
+    """The S3-compatible store's URL for s3:// (MinIO, Ceph, R2...), or a hub mirror's URL for hf://."""
+    cache: ModelCacheSpec = Field(default_factory=ModelCacheSpec, json_schema_extra=_default(ModelCacheSpec))
+    """Where hf:// and s3:// models are downloaded to."""
     served_name: str | None = Field(None, min_length=1, max_length=253)
     """The name clients send as `model` (default: the InferenceService's name)."""
     quantization: Literal["none", "int8", "int4", "fp8"] = "none"
@@ -54,20 +121,69 @@ class ModelSpec(_Model):
     @field_validator("uri")
     @classmethod
     def _known_scheme(cls, v: str) -> str:
-        if not (v.startswith("builtin://") or v.startswith("/")):
-            raise ValueError(_URI_MESSAGE)
+        for _, check, message in _URI_RULES:
+            if not check(v):
+                raise ValueError(message)
         return v
 
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        for _, check, message in _MODEL_RULES:
+            if not check(self):
+                raise ValueError(message)
+        return self
 
-_TP_MESSAGE = "must be a power of two (1, 2, 4, ... 64)"
+
+# Names and paths the operator's own volumes take in the engine pod.
+RESERVED_VOLUMES = ("cache", "tmp", "dshm", "model")
+RESERVED_MOUNT_PATHS = ("/var/cache/kaon", "/tmp", "/dev/shm", "/mnt/models")
+_RESERVED_VOLUME_MESSAGE = f"volume names {', '.join(RESERVED_VOLUMES)} are the operator's own"
+_RESERVED_PATH_MESSAGE = f"mount paths {', '.join(RESERVED_MOUNT_PATHS)} are the operator's own"
+_ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+class EnvVar(_Model):
+    """An environment variable of the engine containers (a Kubernetes `EnvVar`)."""
+
+    name: str = Field(min_length=1, max_length=1024, pattern=_ENV_NAME)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+    """`secretKeyRef`, `configMapKeyRef`, `fieldRef` or `resourceFieldRef`, as in a pod spec."""
+
+
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1, max_length=253)
+
+
+class Volume(_Model):
+    """A pod volume (a Kubernetes `Volume`: a name plus one source such as `secret` or `persistentVolumeClaim`)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class VolumeMount(_Model):
+    """Where a volume appears in the engine containers."""
+
+    name: str = Field(min_length=1, max_length=63)
+    mount_path: str = Field(min_length=2, max_length=4096, pattern=r"^/")
+    read_only: bool | None = None
+    sub_path: str | None = None
 
 
 class EngineSpec(_Model):
     """Engine settings for every replica."""
 
-    tensor_parallel_size: int = Field(1, ge=1, le=64, json_schema_extra=_cel(
-        f"self in {list(TENSOR_PARALLEL_SIZES)}", _TP_MESSAGE))
-    """GPUs per replica; the model's layers are sharded across them."""
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in %s))" % list(RESERVED_VOLUMES),
+         "message": _RESERVED_VOLUME_MESSAGE},
+        {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in %s))"
+                 % list(RESERVED_MOUNT_PATHS), "message": _RESERVED_PATH_MESSAGE}]})
+
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs per replica; the model's heads are sharded across them. They must divide the model's
+    heads: the fetch (or the engine) checks, and the condition ModelDoesNotFit says so."""
     max_num_seqs: int = Field(64, ge=1)
     """Most sequences in one batch."""
     max_num_batched_tokens: int = Field(1024, ge=1)
@@ -80,13 +196,24 @@ class EngineSpec(_Model):
     """Engine container image."""
     extra_args: list[str] = []
     """Appended to the `kaon serve` command line."""
+    env: list[EnvVar] | None = None
+    """Extra environment of the engine and fetch containers (e.g. HTTPS_PROXY)."""
+    env_from: list[dict[str, Any]] | None = None
+    """`secretRef` / `configMapRef` sources of environment for the engine and fetch containers."""
+    volumes: list[Volume] | None = None
+    """Extra pod volumes (e.g. a CA bundle); mount them with volumeMounts."""
+    volume_mounts: list[VolumeMount] | None = None
+    """Where the extra volumes appear in the engine and fetch containers."""
+    image_pull_secrets: list[LocalObjectReference] | None = None
+    """Secrets for pulling a private engine image."""
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _power_of_two(cls, v: int) -> int:
-        if v not in TENSOR_PARALLEL_SIZES:
-            raise ValueError(_TP_MESSAGE)
-        return v
+    @model_validator(mode="after")
+    def _not_reserved(self) -> EngineSpec:
+        if any(v.name in RESERVED_VOLUMES for v in self.volumes or []):
+            raise ValueError(_RESERVED_VOLUME_MESSAGE)
+        if any(m.mount_path in RESERVED_MOUNT_PATHS for m in self.volume_mounts or []):
+            raise ValueError(_RESERVED_PATH_MESSAGE)
+        return self
 
 
 _NO_GPU_IN_RESOURCES = (
@@ -177,12 +304,6 @@ class RoutingSpec(_Model):
 
     strategy: Literal["least-connections"] = "least-connections"
     """Send each request to the ready pod with the fewest requests in flight."""
-
-
-def _default(model: type[_Model]) -> dict:
-    """The CRD default of an optional object: written out in full, because the apiserver
-    checks a default against the object's CEL rules before its fields' defaults apply."""
-    return {"default": model().model_dump(by_alias=True, exclude_none=True)}
 
 
 class InferenceServiceSpec(_Model):

@@ -72,7 +72,8 @@ def openapi(schema: dict, defs: dict, *, defaults: bool = True) -> dict:
         node["items"] = openapi(schema["items"], defs, defaults=defaults)
     if defaults and schema.get("default") is not None:
         node["default"] = schema["default"]
-    for key in ("x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys"):
+    for key in ("x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
+                "x-kubernetes-preserve-unknown-fields"):
         if key in schema:
             node[key] = schema[key]
     return node

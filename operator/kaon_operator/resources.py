@@ -21,7 +21,16 @@ STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes
 SHM_GIB_PER_GPU = 2  # tensor-parallel workers exchange tensors through /dev/shm
 CACHE_DIR = "/var/cache/kaon"  # Triton and Hugging Face caches, model downloads
+MODEL_CACHE_DIR = f"{CACHE_DIR}/models"  # `kaon fetch` writes hf:// and s3:// models here
+MODEL_MOUNT = "/mnt/models"  # a pvc:// model's claim, read-only
 RUN_AS = 1000
+# Where a kubelet puts a container's termination message; `kaon fetch` writes its one-line reason there.
+TERMINATION_LOG = "/dev/termination-log"
+FETCHED_SCHEMES = ("hf://", "s3://")
+# Keys of spec.model.credentialsSecret that the fetch init container reads, per scheme (all optional:
+# a public repository needs no token, and a missing key is reported by the fetch as unauthorized).
+CREDENTIAL_KEYS = {"hf://": ("HF_TOKEN",),
+                   "s3://": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +67,42 @@ def _metadata(owner: Owner, component: str = "engine") -> dict:
             "ownerReferences": [owner_reference(owner)]}
 
 
+def _scheme(uri: str) -> str | None:
+    return next((s for s in (*FETCHED_SCHEMES, "pvc://") if uri.startswith(s)), None)
+
+
+def pvc_source(uri: str) -> tuple[str, str]:
+    """pvc://claim/sub/path -> (claim, "sub/path")."""
+    claim, _, sub = uri[len("pvc://"):].partition("/")
+    return claim, sub.strip("/")
+
+
+def model_location(model: api.ModelSpec) -> list[str]:
+    """The model flags `kaon serve` and `kaon fetch` share: where the model is inside the pod."""
+    if model.uri.startswith("pvc://"):
+        _, sub = pvc_source(model.uri)
+        return ["--model", f"{MODEL_MOUNT}/{sub}" if sub else MODEL_MOUNT]
+    args = ["--model", model.uri]
+    if _scheme(model.uri) in FETCHED_SCHEMES:
+        args += ["--model-cache", MODEL_CACHE_DIR]
+        if model.revision:
+            args += ["--revision", model.revision]
+        if model.gguf_file:
+            args += ["--gguf-file", model.gguf_file]
+    return args
+
+
+def fetch_args(spec: api.InferenceServiceSpec) -> list[str]:
+    """The `kaon fetch` command line of the init container: download (hf://, s3://) or look at (pvc://)
+    the model, check that tensorParallelSize fits its heads, and say why not in one line."""
+    return ["kaon", "fetch", *model_location(spec.model),
+            "--tensor-parallel-size", str(spec.engine.tensor_parallel_size), "--termination-log", TERMINATION_LOG]
+
+
 def engine_args(owner: Owner, spec: api.InferenceServiceSpec) -> list[str]:
     """The `kaon serve` command line."""
     model, engine = spec.model, spec.engine
-    args = ["kaon", "serve", "--model", model.uri, "--served-model-name", model.served_name or owner.name,
+    args = ["kaon", "serve", *model_location(model), "--served-model-name", model.served_name or owner.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(DRAIN_SECONDS),
             "--tensor-parallel-size", str(engine.tensor_parallel_size),
             "--max-num-seqs", str(engine.max_num_seqs),
@@ -89,14 +130,72 @@ def _probe(path: str, *, period: int, failures: int, timeout: int = 5) -> dict:
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
+def _cache_volume(spec: api.InferenceServiceSpec) -> dict:
+    """The model cache: a shared (ReadWriteMany) claim when the spec names one, else a per-pod emptyDir."""
+    cache = spec.model.cache
+    if cache.persistent_volume_claim:
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim}}
+    return {"name": "cache", "emptyDir": {"sizeLimit": str(cache.size_limit)}}
+
+
 def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
-    volumes = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    volumes = [_cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.uri.startswith("pvc://"):
+        claim, _ = pvc_source(spec.model.uri)
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     tp = spec.engine.tensor_parallel_size
     if tp > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{tp * SHM_GIB_PER_GPU}Gi"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    engine = spec.engine
+    volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in engine.volumes or []]
+    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in engine.volume_mounts or []]
     return volumes, mounts
+
+
+def _env(spec: api.InferenceServiceSpec) -> list[dict]:
+    """The environment of both containers: the caches on the cache volume, then the spec's own."""
+    return [{"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+            {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+            {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+            {"name": "HOME", "value": "/tmp"},
+            *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env or [])]
+
+
+def _credentials_env(model: api.ModelSpec) -> list[dict]:
+    """The fetch's credentials, read from the Secret by the kubelet (never written into the spec)."""
+    scheme = _scheme(model.uri)
+    env = []
+    if model.credentials_secret and scheme in CREDENTIAL_KEYS:
+        env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": model.credentials_secret, "key": key,
+                                                             "optional": True}}}
+                for key in CREDENTIAL_KEYS[scheme]]
+    if model.endpoint:  # after the Secret's: a later entry of the same name wins
+        env.append({"name": "HF_ENDPOINT" if scheme == "hf://" else "AWS_ENDPOINT_URL", "value": model.endpoint})
+    return env
+
+
+def _fetch_container(spec: api.InferenceServiceSpec, mounts: list[dict]) -> dict:
+    container = {
+        "name": "fetch",
+        "image": spec.engine.image,
+        "args": fetch_args(spec),
+        "env": [*_credentials_env(spec.model), *_env(spec)],
+        "volumeMounts": mounts,
+        # The reason of a failure (unauthorized, not found, no space, does not fit) reaches the pod's
+        # status: kaon fetch writes it to the termination log, else the log's tail stands in.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _SECURITY_CONTEXT,
+    }
+    if spec.engine.env_from:
+        container["envFrom"] = list(spec.engine.env_from)
+    return container
+
+
+_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                     "capabilities": {"drop": ["ALL"]}}
 
 
 def _container(owner: Owner, spec: api.InferenceServiceSpec, mounts: list[dict]) -> dict:
@@ -105,18 +204,17 @@ def _container(owner: Owner, spec: api.InferenceServiceSpec, mounts: list[dict])
         "image": spec.engine.image,
         "args": engine_args(owner, spec),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": [{"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-                {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-                {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-                {"name": "HOME", "value": "/tmp"}],
+        "env": _env(spec),
+        **({"envFrom": list(spec.engine.env_from)} if spec.engine.env_from else {}),
         "resources": _resources(spec),
         # /health answers once the model is loaded; until then only the startup probe runs.
         "startupProbe": _probe("/health", period=STARTUP_PERIOD_SECONDS, failures=STARTUP_FAILURE_THRESHOLD),
         "livenessProbe": _probe("/health", period=10, failures=3),
         "readinessProbe": _probe("/ready", period=5, failures=2),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        # The engine's start error (e.g. a tensorParallelSize that does not fit the model) reaches the status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _SECURITY_CONTEXT,
     }
 
 
@@ -139,6 +237,10 @@ def _pod_spec(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
         "enableServiceLinks": False,
         "tolerations": _tolerations(spec),
     }
+    if _scheme(spec.model.uri):  # hf://, s3://: download; pvc://: look. Either way, fail with a reason.
+        pod["initContainers"] = [_fetch_container(spec, mounts)]
+    if spec.engine.image_pull_secrets:
+        pod["imagePullSecrets"] = [s.model_dump() for s in spec.engine.image_pull_secrets]
     scheduling = spec.scheduling or api.SchedulingSpec()
     if scheduling.node_selector:
         pod["nodeSelector"] = dict(scheduling.node_selector)

@@ -24,6 +24,9 @@ class PodSummary:
     """The scheduler's message while the pod cannot be placed."""
     stuck: tuple[str, str] | None = None
     """(reason, message) of a container that will not start, e.g. CrashLoopBackOff."""
+    model_failure: tuple[str, str] | None = None
+    """(ModelFetchFailed or ModelDoesNotFit, the one-line reason) when the fetch init container or the
+    engine said why the model cannot be served (their termination message)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,43 @@ class StatusUpdate:
     events: list[EventSpec] = field(default_factory=list)
 
 
+FETCH_CONTAINER = "fetch"  # resources.py's init container: `kaon fetch`
+DOES_NOT_FIT = "model does not fit"  # how `kaon fetch` and `kaon serve` begin that reason
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _failed(container: dict) -> dict | None:
+    """The terminated state of a container's latest failed run, unless it has since succeeded."""
+    state = container.get("state") or {}
+    if (state.get("terminated") or {}).get("exitCode") == 0:
+        return None
+    for terminated in (state.get("terminated"), (container.get("lastState") or {}).get("terminated")):
+        if terminated and terminated.get("exitCode", 0) != 0:
+            return terminated
+    return None
+
+
+def model_failure(status: dict) -> tuple[str, str] | None:
+    """Why a pod cannot serve its model, from the fetch's or the engine's termination message:
+    the fetch's last line is `<reason>: <details>` (unauthorized, not found, no space, model does
+    not fit...); the engine says `model does not fit: ...` when tensorParallelSize cannot split it."""
+    for container in status.get("initContainerStatuses") or []:
+        terminated = _failed(container) if container.get("name") == FETCH_CONTAINER else None
+        if terminated:
+            line = _last_line(terminated.get("message") or "").removeprefix("kaon fetch: ")
+            line = line or f"kaon fetch exited with code {terminated.get('exitCode')}"
+            return ("ModelDoesNotFit" if line.startswith(DOES_NOT_FIT) else "ModelFetchFailed"), line
+    for container in status.get("containerStatuses") or []:
+        message = (_failed(container) or {}).get("message") or ""
+        if f"{DOES_NOT_FIT}:" in message:
+            return "ModelDoesNotFit", DOES_NOT_FIT + message.split(f"{DOES_NOT_FIT}", 1)[1].splitlines()[0]
+    return None
+
+
 def summarize_pod(pod: dict) -> PodSummary:
     meta, status = pod.get("metadata", {}), pod.get("status") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
@@ -67,7 +107,8 @@ def summarize_pod(pod: dict) -> PodSummary:
             stuck = (waiting["reason"], f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}")
             break
     return PodSummary(name=meta.get("name", ""), ip=status.get("podIP"), ready=conditions.get("Ready", {}).get("status") == "True",
-                      terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck)
+                      terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck,
+                      model_failure=model_failure(status))
 
 
 def summarize_deployment(deployment: dict) -> DeploymentSummary:
@@ -93,6 +134,11 @@ def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus
         return _condition("Degraded", True, "Unschedulable",
                           f"{len(pending)} pod(s) need {gpus_per_pod} nvidia.com/gpu each and cannot be placed: "
                           f"{pending[0].unschedulable}")
+    failing = [p for p in live if p.model_failure]
+    if failing:  # before CrashLoopBackOff: the same crash loop, but with the reason
+        reason, message = failing[0].model_failure
+        return _condition("Degraded", True, reason,
+                          f"{len(failing)} pod(s) cannot serve the model; {failing[0].name}: {message}")
     stuck = [p for p in live if p.stuck]
     if stuck:
         reason, message = stuck[0].stuck

@@ -1,4 +1,5 @@
-"""`kaon` command line: `kaon generate` for a few prompts offline, `kaon serve` for the HTTP server."""
+"""`kaon` command line: `kaon generate` for a few prompts offline, `kaon serve` for the HTTP server,
+`kaon fetch` to download an hf:// or s3:// model (the engine pod's init container)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,9 @@ import sys
 import time
 
 from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS, SPECULATIVE_METHODS
-from kaon_runtime.errors import KaonError
+from kaon_runtime.errors import KaonError, ModelDoesNotFitError
+from kaon_runtime.fetch.fetch import add_model_source_flags
+from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
 
 TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
 DEMO_PROMPTS = [
@@ -36,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                      help="quantize the linear layers' weights at load time")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
+    add_model_source_flags(gen)
     add_speculative_flags(gen)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--model", default=DEFAULT_MODEL)
@@ -61,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GPU: decode batches up to this size replay captured CUDA graphs; 0 runs them eagerly")
     serve.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                        help="quantize the linear layers' weights at load time")
+    add_model_source_flags(serve)
     add_speculative_flags(serve)
     serve.add_argument("--log-level", default="info")
+    sub.add_parser("fetch", help="download an hf:// or s3:// model into the cache, or check a local one "
+                   "(see `kaon fetch --help`)", add_help=False)
     sub.add_parser("operator", help="run the InferenceService operator (see `kaon operator --help`)", add_help=False)
     sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService "
                    "(see `kaon router --help`)", add_help=False)
@@ -94,12 +101,40 @@ def main(argv: list[str] | None = None) -> int:
         from kaon_operator.router.main import main as router_main
 
         return router_main(argv[1:])
+    if argv[:1] == ["fetch"]:  # nor here: it runs as the init container and must start at once
+        from kaon_runtime.fetch.fetch import run_cli
+
+        return run_cli(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        _fetch_first(args)
         return _serve(args) if args.command == "serve" else _generate(args)
+    except FetchError as exc:
+        print(f"kaon: error: {exc.line()}", file=sys.stderr)
+        return exc.exit_code
+    except ModelDoesNotFitError as exc:
+        # The line the operator looks for in the container's termination message (ModelDoesNotFit).
+        print(f"kaon: error: model does not fit: {exc}", file=sys.stderr)
+        return 2
     except KaonError as exc:
         print(f"kaon: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _fetch_first(args) -> None:
+    """hf:// and s3:// models are downloaded into --model-cache first (nothing to do when a fetch, e.g.
+    the init container, completed them there), then served from that directory under their URI."""
+    if args.model.startswith(FETCHED_SCHEMES):
+        from kaon_runtime.fetch.fetch import fetch
+
+        uri = args.model
+        args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
+                               tensor_parallel_size=args.tensor_parallel_size))
+        if getattr(args, "served_model_name", "unset") is None:
+            args.served_model_name = uri
+    elif args.model.startswith("pvc://"):
+        raise FetchError("invalid model", f"{args.model}: pvc:// is for InferenceServices (the operator mounts "
+                                          "the claim); give the path instead")
 
 
 def _generate(args) -> int:

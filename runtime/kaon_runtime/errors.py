@@ -17,6 +17,10 @@ class ModelLoadError(KaonError):
     """The model exists but cannot be loaded (corrupt file, unsupported architecture)."""
 
 
+class ModelDoesNotFitError(ModelLoadError):
+    """The model's shape cannot be split as asked (tensor_parallel_size does not divide its heads)."""
+
+
 class QueueFullError(KaonError):
     """Too many requests are waiting already; retry later (HTTP 429)."""
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from kaon_runtime.config import ModelConfig
-from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -31,7 +31,7 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     if config.num_experts and config.moe_intermediate_size % size:
         problems.append(f"its experts' width {config.moe_intermediate_size}")
     if problems:
-        raise ModelLoadError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
+        raise ModelDoesNotFitError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
 
 
 def local_config(config: ModelConfig, size: int) -> ModelConfig:

@@ -1,0 +1,159 @@
+"""The model cache on disk: a completion marker written atomically, a lock file, free space.
+
+A model directory is complete when its marker exists; the marker is written (temp file,
+fsync, rename) only after every file was downloaded and verified, so a reader never takes a
+half-written directory for a model. Fetches of the same directory (a restarted init
+container, a second replica on a shared ReadWriteMany cache) serialise on a lock file
+beside it; the second one finds the marker and downloads nothing.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from kaon_runtime.fetch.source import INVALID, NO_SPACE, FetchError, git_blob_sha1_header
+
+MARKER_PREFIX = ".kaon-complete"
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFile:
+    name: str
+    size: int
+    sha256: str | None = None  # hub LFS files
+    git_sha1: str | None = None  # hub non-LFS files (the git blob id)
+    md5: str | None = None  # S3 objects uploaded in one part (their ETag)
+
+
+def marker_path(directory: Path, gguf_file: str | None) -> Path:
+    return directory / (MARKER_PREFIX + (f"-{gguf_file.replace('/', '--')}" if gguf_file else "") + ".json")
+
+
+def read_marker(directory: Path, gguf_file: str | None) -> dict | None:
+    """The marker, if the directory holds a complete model whose files still have their sizes."""
+    try:
+        marker = json.loads(marker_path(directory, gguf_file).read_text())
+        if all((directory / f["name"]).stat().st_size == f["size"] for f in marker["files"]):
+            return marker
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def write_marker(directory: Path, gguf_file: str | None, marker: dict) -> None:
+    target = marker_path(directory, gguf_file)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)  # atomic: readers see no marker or the whole one
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def locked(directory: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold `<directory>.lock` (flock; shared caches on NFS support it) while fetching."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"another fetch of this model is running (lock {lock.name}); waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def check_space(directory: Path, files: list[RemoteFile]) -> None:
+    """Refuse before downloading when the files cannot fit (what is already there counts)."""
+    needed = sum(max(0, f.size - _size(directory / f.name)) for f in files)
+    free = shutil.disk_usage(_existing(directory)).free
+    if needed > free:
+        raise FetchError(NO_SPACE, f"the model needs {_gb(needed)} more but {_existing(directory)} has "
+                                   f"{_gb(free)} free; raise model.cache.sizeLimit or use a larger volume")
+
+
+def no_space(exc: OSError, directory: Path) -> FetchError | None:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return FetchError(NO_SPACE, f"the disk under {directory} filled up while downloading "
+                                    f"({shutil.disk_usage(_existing(directory)).free // 2**20} MiB free)")
+    return None
+
+
+def verify(path: Path, remote: RemoteFile) -> None:
+    """Size always; then the strongest checksum the store gave."""
+    size = _size(path)
+    if size != remote.size:
+        raise FetchError(INVALID, f"{remote.name}: downloaded {size} bytes, the store says {remote.size}")
+    if remote.sha256:
+        digest, expected = hashlib.sha256(), remote.sha256
+    elif remote.git_sha1:
+        digest, expected = hashlib.sha1(git_blob_sha1_header(size)), remote.git_sha1
+    elif remote.md5:
+        digest, expected = hashlib.md5(), remote.md5
+    else:
+        return
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        path.unlink(missing_ok=True)  # a corrupt file must not be resumed
+        raise FetchError(INVALID, f"{remote.name}: checksum mismatch (got {digest.hexdigest()}, "
+                                  f"expected {expected}); deleted it, a retry downloads it again")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+class Progress:
+    """Log lines for a long download: at most one every `every` seconds."""
+
+    def __init__(self, name: str, total: int, log: Callable[[str], None], every: float = 5.0):
+        self.name, self.total, self.log, self.every = name, total, log, every
+        self.start = self.last = time.monotonic()
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            rate = done / max(now - self.start, 1e-9)
+            self.log(f"{self.name}: {_gb(done)} of {_gb(self.total)} ({rate / 1e6:.1f} MB/s)")
