@@ -85,3 +85,44 @@ def test_silu_and_mul_matches_reference(dtype, intermediate):
     x = _randn(3, 2 * intermediate, dtype=dtype) * 4
     close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(activation.silu_and_mul(x), silu_and_mul(x), **close)
+
+
+# ---- fused mixture of experts ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(1, 4, 2, True), (37, 8, 2, False), (70, 5, 3, True)])
+def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, renormalize):
+    """Random routing over experts of uneven popularity (some get no token), against the per-expert torch loop."""
+    from kaon_runtime.kernels.moe import fused_moe
+    from kaon_runtime.kernels.moe_ref import moe_ref, route
+    torch.manual_seed(0)
+    hidden, width = 64, 48  # the width is not a multiple of the kernel's column tile
+    x = _randn(tokens, hidden, dtype=dtype)
+    w13 = (_randn(experts, 2 * width, hidden) * hidden ** -0.5).to(dtype)
+    w2 = (_randn(experts, hidden, width) * width ** -0.5).to(dtype)
+    logits = _randn(tokens, experts) + torch.linspace(0, 3, experts, device=DEVICE)  # popular last experts
+    weights, ids = route(logits, top_k, renormalize)
+    assert torch.allclose(weights.sum(-1), torch.ones(tokens, device=DEVICE)) == renormalize
+    weights = weights.to(dtype)
+    expected = moe_ref(x, w13, w2, weights, ids, silu_and_mul)
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), expected, **close)
+
+
+def test_moe_alignment_groups_rows_by_expert_in_padded_blocks():
+    from kaon_runtime.kernels.moe import align_by_expert
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)  # rows 0..5 = token * 2 + slot
+    sorted_ids, block_experts = align_by_expert(ids, num_experts=4, block_m=4)
+    pad = 6
+    assert sorted_ids.tolist()[:12] == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad]
+    assert block_experts.tolist()[:3] == [0, 1, 2] and set(block_experts.tolist()[3:]) <= {4}
+
+
+def test_route_takes_the_top_k_of_the_softmax():
+    from kaon_runtime.kernels.moe_ref import route
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    weights, ids = route(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[1, 2]] and torch.allclose(weights[0], probs[[1, 2]])
+    weights, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(weights[0], probs[[1, 2]] / probs[[1, 2]].sum())

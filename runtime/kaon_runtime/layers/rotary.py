@@ -70,7 +70,7 @@ def _longrope(exponents: torch.Tensor, base: float, max_positions: int, scaling:
     factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
     if len(factors) != exponents.numel():
         raise ValueError(f"longrope has {len(factors)} factors for {exponents.numel()} frequencies")
-    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * base ** exponents)
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         # The checkpoint's context over the pretraining one (the loader fills "factor" in when the config lacks it).
