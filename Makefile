@@ -28,10 +28,12 @@ serve: install
 	$(VENV)/bin/kaon serve --model builtin://smollm2-135m-instruct --port 8000
 
 # The operator tests run a real Kubernetes control plane built from Go modules, and the chart
-# tests the helm built beside it; the first build takes 15 to 20 minutes on 2 cores, later
-# calls return at once (cache outside the repo).
+# tests the helm built beside it, and the s3:// tests a MinIO server; the first build takes 15 to 30
+# minutes on 2 cores, later calls return at once (cache outside the repo).
 control-plane:
 	bash e2e/build-control-plane.sh >/dev/null
+	# MinIO, the real S3 store the s3:// tests start (e2e/build-minio.sh: ~9 min the first time, cached after).
+	bash e2e/build-minio.sh >/dev/null
 
 test: install control-plane
 	$(PY) -m pytest -q

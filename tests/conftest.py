@@ -43,3 +43,5 @@ def hf_tokenizer(gguf_path):
 
 # A real Kubernetes control plane and the operator under test (see conftest_k8s.py).
 from conftest_k8s import control_plane, crd, namespace, operator, operator_kubeconfig  # noqa: E402, F401
+# Model sources: the stand-in HF hub and a real MinIO (see conftest_sources.py).
+from conftest_sources import hf_hub, minio, tiny_llama_dir  # noqa: E402, F401
