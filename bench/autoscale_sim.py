@@ -27,6 +27,7 @@ import argparse
 import ast
 import bisect
 import heapq
+import importlib.util
 import json
 import math
 import random
@@ -45,6 +46,13 @@ from kaon_operator.api import AutoscalingSpec  # noqa: E402
 
 CALIBRATION = ROOT / "bench" / "data" / "autoscale_calibration.json"
 MAX_REPLICAS = 10
+
+
+def policy_version() -> str:
+    """The git blob hash of the autoscaler.py this run imported (its owner edits it): say which policy was judged."""
+    import hashlib
+    data = Path(autoscaler.__file__).read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()[:10]
 
 
 def _engine_buckets() -> tuple[float, ...]:
@@ -81,22 +89,42 @@ class EngineModel:
 @dataclass(frozen=True)
 class Workload:
     """Prompt and output lengths, uniform in these inclusive ranges."""
-    prompt: tuple[int, int] = (32, 512)
+    prompt: tuple[int, int] = (32, 256)
     output: tuple[int, int] = (16, 128)
 
     def mean(self) -> tuple[float, float]:
         return sum(self.prompt) / 2, sum(self.output) / 2
 
 
-def capacity(model: EngineModel, workload: Workload) -> float:
-    """Requests per second one replica sustains with a full batch: each output token after
-    the first costs a 1/maxNumSeqs share of a full decode step, each prompt token c (plus the
-    step's fixed cost spread over the chunk budget)."""
-    prompt, output = workload.mean()
-    full = model.max_num_seqs
-    per_token = model.step_seconds(full, 0) / full
-    per_prompt_token = model.c + model.a / model.max_num_batched_tokens
-    return 1.0 / ((output - 1) * per_token + prompt * per_prompt_token)
+def capacity(model: EngineModel, workload: Workload, seed: int = 0) -> float:
+    """Requests per second one replica sustains: measured in the model itself, on a replica
+    that always has a queue (so its batch stays full), over the middle of the run."""
+    rng = random.Random(seed)
+    n = 40 * model.max_num_seqs
+    backlog = [(0.0, rng.randint(*workload.prompt), rng.randint(*workload.output)) for _ in range(n)]
+    run = simulate(backlog, 1.0, model, Schedule([1]), 1)
+    ends = sorted(r.done for r in run.requests)
+    first, last = ends[n // 4], ends[3 * n // 4]
+    return (n // 2) / (last - first)
+
+
+def slo_concurrency(model: EngineModel, workload: Workload, target_s: float, goal: float = 0.99,
+                    seed: int = 0, replicas: int = 3) -> float:
+    """The requests in flight (running + waiting) per replica at the highest steady load (in
+    5% steps of capacity) where `replicas` replicas behind the router still meet the TTFT
+    target for `goal` of the requests: what a user who load-tested the engine would set as
+    the per-replica target. (Three replicas, as the traces' levels are; one replica alone is
+    noisier, since least-connections cannot steer around a long prefill.)"""
+    cap, best = capacity(model, workload, seed), 1.0
+    for percent in range(10, 105, 5):
+        rate = replicas * cap * percent / 100
+        arrivals = arrivals_for(Trace("probe", 2400.0, lambda t: rate), workload, seed)
+        run = simulate(arrivals, 2400.0, model, Schedule([replicas]), replicas)
+        if run.attainment(target_s) < goal:
+            break
+        # Little's law: in flight = arrival rate x time in the system.
+        best = rate * sum(r.done - r.arrival for r in run.requests) / len(run.requests) / replicas
+    return best
 
 
 # --------------------------------------------------------------------------- requests and replicas
@@ -474,6 +502,59 @@ class Schedule(Policy):
         return self.per_minute[min(int(cluster.now // 60), len(self.per_minute) - 1)]
 
 
+def private_autoscaler(name: str, **constants: object):
+    """A private copy of kaon_operator/autoscaler.py, loaded from its file under another name,
+    with some module constants replaced: a proposed change tried here, in the simulator, while
+    the policy itself belongs to its owner."""
+    path = ROOT / "operator" / "kaon_operator" / "autoscaler.py"
+    spec = importlib.util.spec_from_file_location(f"kaon_autoscaler_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    for key, value in constants.items():
+        if not hasattr(module, key):
+            raise AttributeError(f"autoscaler.py has no {key}")
+        setattr(module, key, value)
+    return module
+
+
+def _down_despite_missed_scrapes(module) -> None:
+    """Scale-down judged on the complete samples of the window when at least 90% of them are
+    complete, instead of never while any pod missed any scrape of the window."""
+    original = module._down
+
+    def _down(history, spec, target, current, now, last_change):
+        window = [s for s in history if s.time >= now - spec.scale_down_stabilization_seconds]
+        if not window or sum(s.complete for s in window) < 0.9 * len(window):
+            return None
+        return original([s for s in history if s.complete], spec, target, current, now, last_change)
+
+    module._down = _down
+
+
+# Proposed changes to kaon's policy, each tried on a private copy (--variant NAME): module
+# constants replaced, functions patched.
+VARIANTS: dict[str, tuple[dict[str, object], list[Callable]]] = {
+    # A P99 over fewer than 100 requests is their maximum, not a 99th percentile.
+    "p99-min-100": ({"MIN_LATENCY_REQUESTS": 100}, []),
+    # ...and a pod missing 1 scrape in 50 no longer blocks every scale-down.
+    "p99-min-100+down-90pct": ({"MIN_LATENCY_REQUESTS": 100}, [_down_despite_missed_scrapes]),
+}
+
+
+class Variant:
+    """kaon's decide from a private copy with a proposed change: a drop-in `decide`."""
+
+    def __init__(self, name: str):
+        constants, patches = VARIANTS[name]
+        self.module = private_autoscaler(name.replace("+", "_").replace("-", "_"), **constants)
+        for patch in patches:
+            patch(self.module)
+
+    def __call__(self, history, spec, current, now, last_change=None, *, max_num_seqs=64):
+        return self.module.decide(history, spec, current, now, last_change, max_num_seqs=max_num_seqs)
+
+
 # --------------------------------------------------------------------------- one run
 
 @dataclass
@@ -553,26 +634,27 @@ def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: Eng
 def oracle_schedule(arrivals: list[tuple[float, int, int]], duration: float, model: EngineModel,
                     workload: Workload, target: float, min_replicas: int, max_replicas: int = MAX_REPLICAS,
                     goal: float = 0.99) -> list[int]:
-    """For each minute m, the fewest replicas n such that n replicas, ready from the start and
-    fed the trace's own arrivals from minute m-1 (a warm-up at the same n) to the end of
-    minute m, give at least `goal` of minute m's arrivals a TTFT within `target`. With
-    minReplicas 0, a minute without arrivals in it or the minute before gets 0."""
+    """The oracle knows the trace. Minute by minute, in order: the fewest replicas n for
+    minute m such that a replay of minutes m-1 and m (the trace's own arrivals; minute m-1
+    at the n the oracle chose for it, as a warm-up that leaves the same backlog; then n from
+    the start of minute m, ready at once, removed replicas draining) gives at least `goal` of
+    minute m's arrivals a TTFT within `target`. With minReplicas 0, a minute with no arrival
+    in it or in the minute before gets 0."""
     per_replica = capacity(model, workload)
-    schedule = []
+    schedule: list[int] = []
     for m in range(math.ceil(duration / 60)):
         start, end = m * 60.0, (m + 1) * 60.0
         window = [(t - start + 60.0, p, o) for t, p, o in arrivals if start - 60.0 <= t < end]
         judged = sum(1 for t, _, _ in window if t >= 60.0)
-        if not window:
-            schedule.append(min_replicas)
-            continue
+        previous = schedule[-1] if schedule else None
         if not judged:
-            schedule.append(max(1, min_replicas))
+            schedule.append(min_replicas if not window else max(1, min_replicas))
             continue
         # Fewer replicas than the minute's work needs cannot do; start a little below that bound.
         n = max(1, min_replicas, math.ceil(0.8 * judged / 60.0 / per_replica))
         while n < max_replicas:
-            run = simulate(window, 120.0, model, Schedule([n, n]), n, cold_start_s=0.0)
+            warm = n if not previous else previous
+            run = simulate(window, 120.0, model, Schedule([warm, n]), warm, cold_start_s=0.0)
             scored = [r for r in run.requests if r.arrival >= 60.0]
             met = sum(1 for r in scored if r.ttft() is not None and r.ttft() <= target)
             if met >= goal * len(scored):
@@ -643,12 +725,14 @@ def arrivals_for(trace: Trace, workload: Workload, seed: int) -> list[tuple[floa
 class Config:
     model: EngineModel
     workload: Workload = Workload()
-    ttft_target_s: float = 2.0
+    ttft_target_s: float = 4.0
     drain_s: float = 30.0
     hold_timeout_s: float = 600.0
     scrape_failure_p: float = 0.0
     seed: int = 0
     minutes: float = 90.0
+    target_concurrency: float | None = None
+    """Requests per replica for kaon, HPA and KPA alike; None: kaon's default (targetUtilization x maxNumSeqs)."""
     kaon_variants: dict[str, Callable] = field(default_factory=dict)
 
 
@@ -657,6 +741,7 @@ def kaon_spec(config: Config, min_replicas: int) -> AutoscalingSpec:
     minReplicas 0 an idle time before zero that outlasts a cold start."""
     idle = max(120, math.ceil(2 * config.model.cold_start_s)) if min_replicas == 0 else None
     return AutoscalingSpec(enabled=True, min_replicas=min_replicas, max_replicas=MAX_REPLICAS,
+                           target_concurrency_per_replica=config.target_concurrency,
                            target_p99_latency_seconds=config.ttft_target_s, latency_metric="ttft",
                            scale_to_zero_idle_seconds=idle,
                            scale_from_zero_timeout_seconds=int(config.hold_timeout_s))
@@ -671,8 +756,10 @@ def policies(config: Config, trace: Trace, oracle: list[int]) -> list[Policy]:
     out: list[Policy] = [Kaon(spec, config.model.max_num_seqs, scrape())]
     out += [Kaon(spec, config.model.max_num_seqs, scrape(), decide=fn, name=name)
             for name, fn in config.kaon_variants.items()]
+    # Knative's per-pod target is containerConcurrency x utilization: the same requests per pod.
     out += [HPA(target, trace.min_replicas, MAX_REPLICAS, scrape()),
-            KPA(config.model.max_num_seqs, trace.min_replicas, MAX_REPLICAS, scrape()),
+            KPA(config.model.max_num_seqs, trace.min_replicas, MAX_REPLICAS, scrape(),
+                utilization=target / config.model.max_num_seqs),
             Schedule(oracle)]
     return out
 
@@ -717,12 +804,12 @@ def percentile(values: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- output
 
 def table(rows: list[dict], target: float) -> str:
-    head = (f"{'trace':11} {'policy':13} {'SLO att.':>9} {'repl-h':>7} {'vs oracle':>9} {'chg/h':>6} "
+    head = (f"{'trace':11} {'policy':26} {'SLO att.':>9} {'repl-h':>7} {'vs oracle':>9} {'chg/h':>6} "
             f"{'cut':>5} {'503':>4} {'P99 TTFT':>9} {'requests':>8}")
     lines = [f"TTFT target {target:g} s", head, "-" * len(head)]
     for r in rows:
         vs = "-" if r["replica_hours_vs_oracle"] is None else f"{r['replica_hours_vs_oracle']:.2f}x"
-        lines.append(f"{r['trace']:11} {r['policy']:13} {100 * r['slo_attainment']:8.2f}% {r['replica_hours']:7.2f} "
+        lines.append(f"{r['trace']:11} {r['policy']:26} {100 * r['slo_attainment']:8.2f}% {r['replica_hours']:7.2f} "
                      f"{vs:>9} {r['changes_per_hour']:6.1f} {r['cut_requests']:5d} {r['failed_held']:4d} "
                      f"{r['p99_ttft_s']:8.2f}s {r['requests']:8d}")
     return "\n".join(lines)
@@ -785,13 +872,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-start-s", type=float)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--ttft-target", type=float, default=2.0, help="seconds")
+    parser.add_argument("--ttft-target", type=float, default=4.0, help="seconds")
+    parser.add_argument("--target-concurrency", default="slo",
+                        help="requests per replica for every policy: a number, 'slo' (what one replica carries "
+                             "while meeting the TTFT target, measured in the model) or 'default' "
+                             "(kaon's CRD default, targetUtilization x maxNumSeqs)")
     parser.add_argument("--drain-s", type=float, default=30.0)
     parser.add_argument("--hold-timeout-s", type=float, default=600.0)
     parser.add_argument("--scrape-failure", type=float, default=0.0, help="probability a pod misses a scrape")
     parser.add_argument("--minutes", type=float, default=90.0, help="length of every trace")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--traces", nargs="+")
+    parser.add_argument("--variant", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="also run kaon's policy with a proposed change (on a private copy)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
@@ -799,9 +892,17 @@ def main(argv: list[str] | None = None) -> int:
         import autoscale_calibrate
         print(json.dumps(autoscale_calibrate.calibrate(Path(args.calibration)), indent=2))
         return 0
-    config = Config(load_model(args), ttft_target_s=args.ttft_target, drain_s=args.drain_s,
+    model = load_model(args)
+    workload = Workload()
+    target = {"default": None, "slo": None}.get(args.target_concurrency)
+    if args.target_concurrency == "slo":
+        target = round(slo_concurrency(model, workload, args.ttft_target), 1)
+    elif args.target_concurrency != "default":
+        target = float(args.target_concurrency)
+    config = Config(model, workload, ttft_target_s=args.ttft_target, drain_s=args.drain_s,
                     hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
-                    minutes=args.minutes)
+                    minutes=args.minutes, target_concurrency=target,
+                    kaon_variants={f"kaon+{name}": Variant(name) for name in args.variant})
     rows = []
     started = time.perf_counter()
     for trace in traces(capacity(config.model, config.workload), config.seed, config.minutes):
@@ -819,7 +920,13 @@ def main(argv: list[str] | None = None) -> int:
         m = config.model
         print(f"engine: step = {m.a * 1e3:.2f} + {m.b * 1e3:.3f} x batch + {m.c * 1e3:.4f} x prefill tokens (ms); "
               f"cold start {m.cold_start_s:g} s; maxNumSeqs {m.max_num_seqs}; "
-              f"one replica's capacity {capacity(m, config.workload):.2f} req/s")
+              f"one replica's capacity {capacity(m, config.workload):.2f} req/s; workload: prompts "
+              f"{config.workload.prompt}, outputs {config.workload.output} tokens")
+        spec = kaon_spec(config, 1)
+        print(f"concurrency target per replica (all policies): "
+              f"{autoscaler.concurrency_target(spec, m.max_num_seqs):g}; drain {config.drain_s:g} s; "
+              f"scrape failures {config.scrape_failure_p:g}; {config.minutes:g} min per trace; seed {config.seed}")
+        print(f"kaon policy: operator/kaon_operator/autoscaler.py, git blob {policy_version()}")
         print(table(rows, config.ttft_target_s))
     return 0
 
