@@ -88,6 +88,14 @@ FAMILIES = {  # name: (config class, model class, extra config, engine options)
     "qwen2-tied-spec": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
                         dict(num_key_value_heads=1, tie_word_embeddings=True),
                         dict(speculative_method="draft", num_speculative_tokens=3)),
+    # Experts cut like MLPs (each rank a half of every expert), routers and q/k norms replicated.
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       head_dim=16), {}),
+    # Soft-capping and windows act per head; a checkpoint with fused qkv_proj/gate_up_proj is split before cutting.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(num_key_value_heads=2, head_dim=16, sliding_window=24, attn_logit_softcapping=2.0), {}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(num_key_value_heads=2, pad_token_id=0), {}),
 }
 
 
