@@ -35,7 +35,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,7 +353,7 @@ class Cluster:
             latency=scraper.add_buckets(*deltas), held_by_router=float(len(self.held)))
 
     def concurrency(self) -> float:
-        """Requests in flight at the ready replicas plus those held: what Knative's queue-proxies and activator count."""
+        """In flight at the ready replicas plus held: what Knative's queue-proxies and activator count."""
         return float(sum(r.in_flight for r in self.ready()) + len(self.held))
 
 
