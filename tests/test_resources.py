@@ -265,10 +265,13 @@ def test_s3_source_takes_keys_region_and_endpoint_from_the_secret():
     with_endpoint = spec(model={"uri": "s3://models/llama", "credentialsSecret": "s3-creds",
                                 "endpoint": "http://minio.storage:9000"})
     env = init_containers(with_endpoint)[0]["env"]
-    names = [e["name"] for e in env]
-    # The spec's endpoint comes after the Secret's key of the same name, so it wins.
-    assert names.index("AWS_ENDPOINT_URL", names.index("AWS_ENDPOINT_URL") + 1)
-    assert env[len(names) - 1 - names[::-1].index("AWS_ENDPOINT_URL")]["value"] == "http://minio.storage:9000"
+    # The spec's endpoint replaces the Secret's key (one entry per name: server-side apply refuses duplicates).
+    assert [e for e in env if e["name"] == "AWS_ENDPOINT_URL"] == [
+        {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"}]
+    overridden = spec(model={"uri": "hf://org/name"}, engine={"env": [{"name": "HOME", "value": "/home/kaon"}]})
+    for c in (pod_spec(overridden)["containers"][0], init_containers(overridden)[0]):
+        names = [e["name"] for e in c["env"]]
+        assert len(names) == len(set(names)) and {"name": "HOME", "value": "/home/kaon"} in c["env"]
 
 
 def test_pvc_source_is_mounted_read_only_and_checked_by_the_init_container():

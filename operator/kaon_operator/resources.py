@@ -155,13 +155,19 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
+def _unique(env: list[dict]) -> list[dict]:
+    """One entry per name, the last one given (server-side apply refuses duplicate names)."""
+    last = {e["name"]: e for e in env}
+    return [last[name] for name in dict.fromkeys(e["name"] for e in env)]
+
+
 def _env(spec: api.InferenceServiceSpec) -> list[dict]:
     """The environment of both containers: the caches on the cache volume, then the spec's own."""
-    return [{"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+    return _unique([{"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
             {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
             {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
             {"name": "HOME", "value": "/tmp"},
-            *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env or [])]
+            *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env or [])])
 
 
 def _credentials_env(model: api.ModelSpec) -> list[dict]:
@@ -172,9 +178,9 @@ def _credentials_env(model: api.ModelSpec) -> list[dict]:
         env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": model.credentials_secret, "key": key,
                                                              "optional": True}}}
                 for key in CREDENTIAL_KEYS[scheme]]
-    if model.endpoint:  # after the Secret's: a later entry of the same name wins
+    if model.endpoint:  # the spec's endpoint wins over the Secret's
         env.append({"name": "HF_ENDPOINT" if scheme == "hf://" else "AWS_ENDPOINT_URL", "value": model.endpoint})
-    return env
+    return _unique(env)
 
 
 def _fetch_container(spec: api.InferenceServiceSpec, mounts: list[dict]) -> dict:
@@ -182,7 +188,7 @@ def _fetch_container(spec: api.InferenceServiceSpec, mounts: list[dict]) -> dict
         "name": "fetch",
         "image": spec.engine.image,
         "args": fetch_args(spec),
-        "env": [*_credentials_env(spec.model), *_env(spec)],
+        "env": _unique([*_credentials_env(spec.model), *_env(spec)]),
         "volumeMounts": mounts,
         # The reason of a failure (unauthorized, not found, no space, does not fit) reaches the pod's
         # status: kaon fetch writes it to the termination log, else the log's tail stands in.
