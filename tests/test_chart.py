@@ -103,6 +103,7 @@ def test_defaults_render_operator_router_and_their_rbac(helm):
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
     assert kinds == sorted([
         ("ServiceAccount", "kaon-operator"), ("ClusterRole", "kaon-operator"), ("ClusterRoleBinding", "kaon-operator"),
+        ("Role", "kaon-operator"), ("RoleBinding", "kaon-operator"),  # the autoscaler's Lease
         ("Deployment", "kaon-operator"), ("Service", "kaon-operator-metrics"),
         ("ServiceAccount", "kaon-router"), ("ClusterRole", "kaon-router"), ("ClusterRoleBinding", "kaon-router"),
         ("Deployment", "kaon-router"), ("Service", "kaon-router")])
@@ -111,7 +112,8 @@ def test_defaults_render_operator_router_and_their_rbac(helm):
     # Standalone: a rolling update would run two active operators for a moment.
     assert operator["spec"]["strategy"] == {"type": "Recreate"}
     c = container(docs, "kaon-operator")
-    assert c["args"] == ["operator", "--liveness-port=8081", "--metrics-port=9090", "--autoscale-interval=5"]
+    assert c["args"] == ["operator", "--liveness-port=8081", "--metrics-port=9090", "--autoscale-interval=5",
+                         "--release-namespace=kaon-system"]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"liveness": 8081, "metrics": 9090}
     assert c["image"] == "ghcr.io/kaon-dev/kaon-operator:0.1.0"
@@ -154,12 +156,16 @@ def test_router_flags_in_values_are_the_commands_own_defaults(helm):
 
 
 def test_the_operator_finds_the_charts_router_pods(helm):
-    from kaon_operator import handlers  # the labels and port the autoscaler scrapes routers by
+    from kaon_operator import autoscale_loop  # the labels and port the autoscaler scrapes routers by
 
-    pod = find(template(helm, []), "Deployment", "kaon-router")["spec"]["template"]
-    assert handlers.ROUTER_PODS.items() <= pod["metadata"]["labels"].items()
-    assert {"name": "http", "containerPort": handlers.ROUTER_METRICS_PORT, "protocol": "TCP"} in \
+    docs = template(helm, [])
+    pod = find(docs, "Deployment", "kaon-router")["spec"]["template"]
+    selector = dict(term.split("=") for term in autoscale_loop.ROUTER_PODS.split(","))
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert {"name": "http", "containerPort": autoscale_loop.ROUTER_METRICS_PORT, "protocol": "TCP"} in \
         pod["spec"]["containers"][0]["ports"]
+    # It looks for them in its release namespace, where the chart puts them.
+    assert "--release-namespace=kaon-system" in container(docs, "kaon-operator")["args"]
 
 
 @pytest.mark.parametrize("sets", [["operator.replicas=3"], ["operator.peering.enabled=true"]])
@@ -218,6 +224,8 @@ def test_cluster_role_rules_equal_the_deploy_files(helm):
     for component in ("operator", "router"):
         deployed = list(yaml.safe_load_all((ROOT / "deploy" / f"{component}-rbac.yaml").read_text()))
         assert _rules(docs, f"kaon-{component}") == _rules(deployed, f"kaon-{component}")
+    deployed = list(yaml.safe_load_all((ROOT / "deploy" / "operator-rbac.yaml").read_text()))
+    assert find(docs, "Role", "kaon-operator")["rules"] == find(deployed, "Role", "kaon-operator")["rules"]
 
 
 def test_chart_crds_equal_the_repositorys(helm):

@@ -564,3 +564,23 @@ def test_kaon_router_needs_neither_torch_nor_the_engine_runtime():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--queue-timeout" in result.stdout and "--max-queued" in result.stdout and "--backoff" in result.stdout
+
+
+def test_an_autoscaled_service_holds_requests_for_its_cold_start_not_the_routers_timeout():
+    async def scenario():
+        table = EndpointTable()
+        autoscaled = isvc("svc", "m")
+        autoscaled["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 0, "scaleToZeroIdleSeconds": 60,
+                                             "scaleFromZeroTimeoutSeconds": 1}
+        table.apply_service("ADDED", autoscaled)
+        table.synced = True
+        router = Router(table, RouterConfig(queue_timeout=0.2))
+        async with serving(router) as client:
+            started = time.monotonic()
+            async with client.post("/v1/completions", json={"model": "m"}) as resp:
+                return resp.status, await resp.json(), time.monotonic() - started
+
+    status, body, elapsed = run(scenario())
+    # Held for the service's 1 s (a GPU cold start is minutes), not the router's default 0.2 s.
+    assert status == 503 and elapsed >= 1.0, (status, elapsed)
+    assert "within 1s" in body["error"]["message"]

@@ -257,9 +257,11 @@ _ZERO_NEEDS_IDLE_MESSAGE = "minReplicas 0 needs scaleToZeroIdleSeconds"
 _IDLE_NEEDS_ZERO = "!has(self.scaleToZeroIdleSeconds) || self.minReplicas == 0"
 _IDLE_NEEDS_ZERO_MESSAGE = "scaleToZeroIdleSeconds needs minReplicas 0"
 
+MAX_WINDOW_SECONDS = 3600  # the operator keeps this much history at most
+
 
 class AutoscalingSpec(_Model):
-    """Scale replicas on queue depth and P99 latency."""
+    """Scale replicas on concurrency (requests in flight per replica), queue depth and P99 latency."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         {"rule": _MIN_LE_MAX, "message": _MIN_LE_MAX_MESSAGE},
@@ -273,20 +275,28 @@ class AutoscalingSpec(_Model):
     """Fewest replicas; 0 allows scale to zero (needs scaleToZeroIdleSeconds)."""
     max_replicas: int = Field(4, ge=1)
     """Most replicas."""
+    target_concurrency_per_replica: float | None = Field(None, gt=0)
+    """Requests (running + waiting) one replica should carry (unset: targetUtilization x engine.maxNumSeqs)."""
+    target_utilization: float = Field(0.7, gt=0, le=1)
+    """Share of engine.maxNumSeqs one replica should carry when targetConcurrencyPerReplica is unset."""
     target_queue_depth_per_replica: float = Field(4, gt=0)
-    """Waiting requests per replica above which the autoscaler adds replicas."""
+    """Waiting requests per ready replica above which the autoscaler adds replicas."""
     target_p99_latency_seconds: float | None = Field(None, gt=0)
-    """P99 of `latencyMetric` above which the autoscaler adds replicas (unset: queue depth only)."""
+    """P99 of `latencyMetric` above which the autoscaler adds replicas (unset: no latency target)."""
     latency_metric: Literal["ttft", "e2e"] = "ttft"
     """Time to first token, or end-to-end request latency."""
-    scale_up_window_seconds: int = Field(30, ge=0)
-    """How long a target must be exceeded before scaling up."""
-    scale_down_stabilization_seconds: int = Field(300, ge=0)
-    """How long the load must stay low before scaling down."""
+    scale_up_window_seconds: int = Field(30, ge=0, le=MAX_WINDOW_SECONDS)
+    """The window whose mean concurrency (and whole-window queue depth or P99) decides a scale-up; bursts of
+    twice the capacity act at once."""
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=MAX_WINDOW_SECONDS)
+    """How long the peak load must fit fewer replicas (and no replica change happen) before scaling down."""
     max_step: int = Field(2, ge=1)
     """Most replicas added or removed by one decision."""
-    scale_to_zero_idle_seconds: int | None = Field(None, ge=1)
+    scale_to_zero_idle_seconds: int | None = Field(None, ge=1, le=MAX_WINDOW_SECONDS)
     """With minReplicas 0: idle time (no requests) after which the last replica goes."""
+    scale_from_zero_timeout_seconds: int = Field(600, ge=1, le=MAX_WINDOW_SECONDS)
+    """How long the router holds a request while the service has no ready replica (a cold start: image pull and
+    weight load), before it answers 503."""
 
     @model_validator(mode="after")
     def _consistent(self) -> AutoscalingSpec:
@@ -320,9 +330,9 @@ class InferenceServiceSpec(_Model):
 
 
 class Condition(_Model):
-    """One of Ready, Progressing, Degraded; `reason` is a CamelCase word such as Unschedulable."""
+    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling); `reason` is a CamelCase word such as Unschedulable."""
 
-    type: Literal["Ready", "Progressing", "Degraded"]
+    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable"]
     """Which condition."""
     status: Literal["True", "False", "Unknown"]
     """Whether it holds."""
@@ -346,7 +356,7 @@ class ScaleDecision(_Model):
     to: int
     """Replicas after."""
     reason: str
-    """The metric and target that decided, e.g. `queue depth 20.0 per replica > target 4`."""
+    """The metric and target that decided, e.g. `concurrency 90 > target 44.8 x 1`."""
 
 
 class ObservedMetrics(_Model):
@@ -356,8 +366,12 @@ class ObservedMetrics(_Model):
     """Waiting requests, summed over replicas."""
     running_requests: float | None = None
     """Requests being prefilled or decoded, summed over replicas."""
+    concurrency_per_replica: float | None = None
+    """Running + waiting requests (+ held at the router) per ready replica: the main autoscaling signal."""
+    target_concurrency_per_replica: float | None = None
+    """The concurrency target in force (from the spec, or targetUtilization x maxNumSeqs)."""
     p99_latency_seconds: float | None = None
-    """P99 of `autoscaling.latencyMetric` over the requests that ended since the previous scrape."""
+    """P99 of `autoscaling.latencyMetric` over the scale-up window (unset with too few requests)."""
     kv_cache_usage_ratio: float | None = None
     """Share of KV cache blocks in use on the fullest replica (0..1)."""
     time: datetime | None = None
@@ -369,7 +383,7 @@ class InferenceServiceStatus(_Model):
 
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
-    """Ready, Progressing and Degraded, one each."""
+    """Ready, Progressing and Degraded, one each; MetricsAvailable too when autoscaling is enabled."""
     replicas: int = 0
     """Engine pods that are not terminating (the scale subresource's status replicas)."""
     ready_replicas: int = 0

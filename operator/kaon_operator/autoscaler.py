@@ -1,121 +1,265 @@
-"""The autoscaling policy: (history, spec, current replicas, now) -> (desired replicas, reason).
+"""The autoscaling policy: (history of samples, spec, replicas now, time) -> (replicas wanted, why).
 
-A pure function, so every trace (a step, a burst, a ramp, noise, idleness) is a unit test.
+A pure function, so every trace (steady, step, burst, ramp, noise, idleness, a failed
+scrape) is a unit test, and bench/autoscale_sim.py runs this very function against a
+calibrated model of the engine.
 
-- Load is a ratio to target: waiting requests per ready replica over
-  `targetQueueDepthPerReplica`, or P99 latency over `targetP99LatencySeconds`, whichever is
-  higher. Above 1 the service is overloaded.
-- Scale up when the ratio stayed above 1 for `scaleUpWindowSeconds`, to
-  ceil(current x ratio), at most `maxStep` more. A burst (ratio >= PANIC_RATIO in the latest
-  sample) skips the window: it reacts within one tick, like Knative's panic mode.
-- Scale down when the ratio stayed below 1 - TOLERANCE for `scaleDownStabilizationSeconds`
-  since both the window start and the last change, at most `maxStep` fewer.
-- With minReplicas 0: to zero after `scaleToZeroIdleSeconds` without a single request, and
-  back to one as soon as the router holds a request for the service.
-- Never below minReplicas nor above maxReplicas.
+- **Concurrency is the main signal**: requests running + waiting in the engines + held at
+  the router, against a per-replica target (`targetConcurrencyPerReplica`, by default
+  `targetUtilization` x the engine's `maxNumSeqs`). A replica that is busy but not queueing
+  counts as busy, so a steady load never looks idle.
+- **Up**: to ceil(mean concurrency over `scaleUpWindowSeconds` / target) once that mean is
+  more than TOLERANCE above what the replicas carry; at once (a burst, like Knative's
+  panic mode) when the latest sample alone wants PANIC_FACTOR x the replicas. Queue depth
+  per ready replica above `targetQueueDepthPerReplica`, and P99 latency above
+  `targetP99LatencySeconds`, over the whole window, add replicas too (they say capacity is
+  short even when the concurrency target was set too high). They are effects, not amounts,
+  so they act only when no replica is starting and the last change is a window old.
+- **Down**: only when the *peak* concurrency of the last `scaleDownStabilizationSeconds`
+  fits fewer replicas with TOLERANCE to spare, no queue and no P99 over target in that
+  window, and no change for that long. A steady load therefore never moves replicas. With
+  a latency target, "fits" also means staying under the concurrency per replica at which
+  P99 last missed the target (remembered for an hour), so a latency-bound service does not
+  scale down into the same miss again.
+- **P99** is the quantile of summed per-tick histogram deltas, and only counts over at
+  least MIN_LATENCY_REQUESTS requests: the up signal widens its window back (to the last
+  change at most) until it holds that many; the P99 of 20 requests is their slowest one.
+- **Fail safe**: a sample where some ready replica did not answer holds the replica count
+  (and the decision says why, for a condition and an Event); a scale-down window must have
+  MIN_COMPLETE_SHARE of its scrapes complete and is judged on those.
+- **Zero**: with minReplicas 0, to zero after `scaleToZeroIdleSeconds` without a request,
+  and never while a replica is still starting; back from zero as soon as the router holds
+  a request.
+- Never below minReplicas nor above maxReplicas (a wish above it is reported as capped);
+  at most `maxStep` replicas per decision.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from kaon_operator.api import AutoscalingSpec
+from kaon_operator import scraper
+from kaon_operator.api import MAX_WINDOW_SECONDS, AutoscalingSpec
 
-PANIC_RATIO = 2.0
-TOLERANCE = 0.1  # a ratio within 10% under target is "at target": no scale-down churn
+PANIC_FACTOR = 2.0  # the latest sample alone wants this many times the replicas: react now
+TOLERANCE = 0.1  # within 10% of target is "at target", both ways (HPA's default tolerance)
+MIN_LATENCY_REQUESTS = 100  # the P99 of fewer requests is little more than the slowest one
+MIN_COMPLETE_SHARE = 0.9  # a scale-down window may miss this share of its scrapes (a pod missing one now and then)
+HISTORY_MARGIN_SECONDS = 60
 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """What one scrape of all ready engine pods showed."""
+    """What one scrape of an InferenceService's engine pods (and the routers) showed."""
 
     time: float
     ready: int
-    queue_depth: float
-    """Waiting requests, summed over the ready pods."""
+    """Engine pods ready when scraped."""
+    answered: int | None = None
+    """Of those, the ones whose /metrics came back (None: all of them)."""
+    waiting: float = 0.0
     running: float = 0.0
-    p99_seconds: float | None = None
-    """P99 of the spec's latency metric over the requests since the previous sample."""
-    requests_total: float = 0.0
-    """Finished requests so far, summed over pods (only its changes matter)."""
-    held_by_router: float = 0.0
-    """Requests the router holds because no pod is ready (scale from zero)."""
+    starting: int = 0
+    """Pods created but not ready yet (image pull, weight load)."""
+    finished: float = 0.0
+    """Requests finished since the previous sample."""
+    latency: scraper.Buckets = ()
+    """Cumulative histogram of the latency metric over the requests finished since the previous sample."""
+    held_by_router: float | None = 0.0
+    """Requests the routers hold because no pod is ready; None when no router answered."""
+
+    @property
+    def complete(self) -> bool:
+        return self.answered is None or self.answered >= self.ready
+
+    @property
+    def concurrency(self) -> float:
+        return self.waiting + self.running + (self.held_by_router or 0.0)
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     replicas: int
     reason: str
+    metrics_missing: str | None = None
+    """Set when the metrics were incomplete and the count was held for that reason."""
+    capped_from: int | None = None
+    """The replicas the load asked for when maxReplicas stopped it."""
 
 
-def load_ratio(sample: Sample, spec: AutoscalingSpec) -> tuple[float, str]:
-    """The load relative to target (1.0 = at target) and the figure that sets it."""
-    per_replica = sample.queue_depth / max(sample.ready, 1)
-    ratio = per_replica / spec.target_queue_depth_per_replica
-    why = f"queue depth {per_replica:.1f} per replica"
-    target = f"target {spec.target_queue_depth_per_replica:g}"
-    if spec.target_p99_latency_seconds and sample.p99_seconds is not None:
-        latency_ratio = sample.p99_seconds / spec.target_p99_latency_seconds
-        if latency_ratio > ratio:
-            ratio = latency_ratio
-            why = f"P99 {spec.latency_metric} {sample.p99_seconds:.2f}s"
-            target = f"target {spec.target_p99_latency_seconds:g}s"
-    return ratio, f"{why} {'>' if ratio > 1 else '<='} {target}"
+def concurrency_target(spec: AutoscalingSpec, max_num_seqs: int) -> float:
+    """Requests one replica should carry: set in the spec, or a share of the engine's batch."""
+    return spec.target_concurrency_per_replica or max(1.0, spec.target_utilization * max_num_seqs)
+
+
+def history_seconds(spec: AutoscalingSpec) -> float:
+    """How much history the policy reads for this spec."""
+    if spec.target_p99_latency_seconds:  # the latency ceiling is remembered for as long as history is kept
+        return MAX_WINDOW_SECONDS + HISTORY_MARGIN_SECONDS
+    return max(spec.scale_up_window_seconds, spec.scale_down_stabilization_seconds,
+               spec.scale_to_zero_idle_seconds or 0) + HISTORY_MARGIN_SECONDS
+
+
+def window_p99(samples: list[Sample]) -> tuple[float | None, float]:
+    """(P99 over the samples' finished requests, or None with fewer than MIN_LATENCY_REQUESTS;
+    how many finished)."""
+    merged = scraper.add_buckets(*(s.latency for s in samples))
+    count = merged[-1][1] if merged else 0.0
+    return (scraper.quantile(merged, 0.99) if count >= MIN_LATENCY_REQUESTS else None), count
+
+
+def recent_p99(history: list[Sample], since: float) -> float | None:
+    """P99 over the newest samples after `since` that hold MIN_LATENCY_REQUESTS finished
+    requests: the window widens until it has enough requests to mean something."""
+    taken: list[Sample] = []
+    for sample in reversed(history):
+        if sample.time <= since:
+            break
+        taken.append(sample)
+        p99, _ = window_p99(taken)
+        if p99 is not None:
+            return p99
+    return None
+
+
+def latency_ceiling(history: list[Sample], spec: AutoscalingSpec) -> float | None:
+    """The lowest concurrency per ready replica at which P99 missed the latency target, over
+    consecutive stretches of history holding MIN_LATENCY_REQUESTS requests each: a scale-down
+    must not load the replicas past it, or it would only bring the miss back."""
+    goal = spec.target_p99_latency_seconds
+    if not goal:
+        return None
+    ceilings, stretch = [], []
+    for sample in history:
+        stretch.append(sample)
+        p99, _ = window_p99(stretch)
+        if p99 is None:
+            continue
+        loaded = [s.concurrency / s.ready for s in stretch if s.ready]
+        if p99 > goal and loaded:
+            ceilings.append(sum(loaded) / len(loaded))
+        stretch = []
+    return min(ceilings, default=None)
 
 
 def _window(history: list[Sample], now: float, seconds: float) -> list[Sample] | None:
-    """The samples of the last `seconds`, or None when the history does not reach back that far."""
+    """The samples of the last `seconds` (at least the latest), or None when the history
+    does not reach back that far."""
     if not history or history[0].time > now - seconds:
         return None
     return [s for s in history if s.time >= now - seconds] or [history[-1]]
 
 
-def _idle_for(history: list[Sample], now: float, seconds: float) -> bool:
-    window = _window(history, now, seconds)
-    if window is None:
-        return False
-    before = [s for s in history if s.time <= now - seconds][-1]
-    return all(s.queue_depth == 0 and s.running == 0 and s.held_by_router == 0
-               and s.requests_total == before.requests_total for s in window)
-
-
-def _clamp(desired: int, spec: AutoscalingSpec, current: int) -> int:
+def _bounded(desired: int, spec: AutoscalingSpec, current: int) -> int:
     step_bounded = max(current - spec.max_step, min(current + spec.max_step, desired))
     return max(spec.min_replicas, min(spec.max_replicas, step_bounded))
 
 
+def _up(history: list[Sample], spec: AutoscalingSpec, target: float, current: int, now: float,
+        last_change: float | None) -> tuple[int, str] | None:
+    latest = history[-1]
+    if latest.concurrency >= PANIC_FACTOR * current * target:
+        return (math.ceil(latest.concurrency / target),
+                f"concurrency {latest.concurrency:g} > {PANIC_FACTOR:g}x target {target:g} x {current} (burst)")
+    window = _window(history, now, spec.scale_up_window_seconds)
+    if window is None:
+        return None
+    window = [s for s in window if s.complete]
+    if not window:
+        return None
+    wishes = []
+    mean = sum(s.concurrency for s in window) / len(window)
+    if mean > current * target * (1 + TOLERANCE):
+        wishes.append((math.ceil(mean / target), f"concurrency {mean:.1f} > target {target:g} x {current}"))
+    # Queue and latency are effects, not amounts: they wait until replicas that are starting
+    # are ready, and until the last change has had a whole window to show its effect.
+    settled = last_change is None or last_change < now - spec.scale_up_window_seconds
+    window = [s for s in window if last_change is None or s.time > last_change]
+    if latest.starting == 0 and settled and window:
+        queues = [s.waiting / s.ready for s in window if s.ready]
+        if len(queues) == len(window) and min(queues) > spec.target_queue_depth_per_replica:
+            least_waiting = min(s.waiting for s in window)
+            wishes.append((current + max(1, math.ceil(least_waiting / target)),
+                           f"queue depth {min(queues):.1f} per replica > target {spec.target_queue_depth_per_replica:g}"))
+        goal = spec.target_p99_latency_seconds
+        lookback = now - max(spec.scale_up_window_seconds, spec.scale_down_stabilization_seconds)
+        p99 = recent_p99(history, max(lookback, last_change if last_change is not None else lookback))
+        if goal and p99 is not None and p99 > goal:
+            wishes.append((max(current + 1, math.ceil(current * min(p99 / goal, PANIC_FACTOR))),
+                           f"P99 {spec.latency_metric} {p99:.2f}s > target {goal:g}s"))
+    wanted = max(wishes, default=None)
+    return wanted if wanted and wanted[0] > current else None
+
+
+def _idle(history: list[Sample], spec: AutoscalingSpec, current: int, now: float,
+          last_change: float | None) -> bool:
+    seconds = spec.scale_to_zero_idle_seconds
+    if spec.min_replicas > 0 or not seconds or (last_change is not None and last_change > now - seconds):
+        return False
+    window = _window(history, now, seconds)
+    return window is not None and history[-1].starting == 0 and all(
+        s.complete and s.held_by_router == 0 and s.concurrency == 0 and s.finished == 0 for s in window)
+
+
+def _down(history: list[Sample], spec: AutoscalingSpec, target: float, current: int, now: float,
+          last_change: float | None) -> tuple[int, str] | None:
+    seconds = spec.scale_down_stabilization_seconds
+    if last_change is not None and last_change > now - seconds:
+        return None
+    window = _window(history, now, seconds)
+    if window is None or not history[-1].complete:
+        return None
+    known = [s for s in window if s.complete and s.held_by_router is not None]
+    if len(known) < MIN_COMPLETE_SHARE * len(window):
+        return None
+    window = known
+    if any(s.ready and s.waiting / s.ready > spec.target_queue_depth_per_replica for s in window):
+        return None
+    p99, _ = window_p99(window)
+    goal = spec.target_p99_latency_seconds
+    if goal and p99 is not None and p99 > goal * (1 - TOLERANCE):
+        return None
+    peak = max(s.concurrency for s in window)
+    ceiling = latency_ceiling(history, spec)
+    per_replica = min(target, ceiling) if ceiling else target
+    needed = max(1, math.ceil(peak / (per_replica * (1 - TOLERANCE))))
+    if needed >= current:
+        return None
+    return needed, f"peak concurrency {peak:g} in {seconds}s fits {needed} at {per_replica:g} per replica"
+
+
 def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: float,
-           last_change: float | None = None) -> Decision:
-    """`history` is oldest first; `last_change` is when replicas last changed (survives restarts
-    through the InferenceService's status)."""
+           last_change: float | None = None, *, max_num_seqs: int = 64) -> Decision:
+    """`history` is oldest first; `last_change` is when replicas last changed (it survives
+    operator restarts through the InferenceService's status); `max_num_seqs` is the engine's
+    batch limit, which sets the default concurrency target."""
     if current < spec.min_replicas or current > spec.max_replicas:
         bounded = max(spec.min_replicas, min(spec.max_replicas, current))
         return Decision(bounded, f"{current} replicas is outside {spec.min_replicas}..{spec.max_replicas}")
     if not history:
         return Decision(current, "no metrics yet")
-    latest = history[-1]
+    latest, target = history[-1], concurrency_target(spec, max_num_seqs)
+    if latest.held_by_router is None and current == 0:
+        return Decision(0, "holding at 0", metrics_missing="no router answered, so held requests are unknown")
     if current == 0:
-        if latest.held_by_router > 0:
-            return Decision(max(1, spec.min_replicas), f"{latest.held_by_router:g} requests waiting at the router")
-        return Decision(0, "idle")
+        if not latest.held_by_router:
+            return Decision(0, "idle")
+        wanted = max(1, math.ceil(latest.held_by_router / target))
+        return Decision(_bounded(wanted, spec, 0), f"{latest.held_by_router:g} requests waiting at the router")
+    if not latest.complete:
+        missing = latest.ready - (latest.answered or 0)
+        return Decision(current, f"holding at {current}",
+                        metrics_missing=f"{missing} of {latest.ready} ready replicas did not answer the scrape")
 
-    ratio, why = load_ratio(latest, spec)
-    if ratio >= PANIC_RATIO:
-        return Decision(_clamp(math.ceil(current * ratio), spec, current), f"{why} (burst)")
-    up = _window(history, now, spec.scale_up_window_seconds)
-    if up is not None and all(load_ratio(s, spec)[0] > 1 for s in up):
-        lowest = min(load_ratio(s, spec)[0] for s in up)
-        return Decision(_clamp(math.ceil(current * lowest), spec, current), why)
-
-    if spec.min_replicas == 0 and spec.scale_to_zero_idle_seconds and \
-            _idle_for(history, now, spec.scale_to_zero_idle_seconds):
+    up = _up(history, spec, target, current, now, last_change)
+    if up is not None:
+        wanted, why = up
+        replicas = _bounded(wanted, spec, current)
+        return Decision(replicas, why, capped_from=wanted if wanted > spec.max_replicas else None)
+    if _idle(history, spec, current, now, last_change):
         return Decision(0, f"no requests for {spec.scale_to_zero_idle_seconds}s")
-    stable_since = now - spec.scale_down_stabilization_seconds
-    down = _window(history, now, spec.scale_down_stabilization_seconds)
-    if down is not None and (last_change is None or last_change <= stable_since):
-        highest, why_highest = max(load_ratio(s, spec) for s in down)
-        if highest < 1 - TOLERANCE:
-            desired = max(1, _clamp(math.ceil(current * highest), spec, current))
-            if desired < current:
-                return Decision(desired, f"{why_highest} for {spec.scale_down_stabilization_seconds}s")
-    return Decision(current, why)
+    down = _down(history, spec, target, current, now, last_change)
+    if down is not None:
+        wanted, why = down
+        return Decision(max(1, _bounded(wanted, spec, current)), why)
+    return Decision(current, f"concurrency {latest.concurrency:g} for {current} at target {target:g}")

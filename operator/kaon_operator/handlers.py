@@ -5,12 +5,13 @@
 - A child deleted or edited by someone else: apply again, with an Event saying so.
 - A pod or the Deployment changed: recompute status (conditions, replica counts) and
   post an Event for every condition that flipped (Ready, Degraded with its reason).
-- Autoscaling on: a timer scrapes the ready pods, asks the policy (autoscaler.py) and
-  patches spec.replicas, with the decision in the status and an Event.
+- Autoscaling: one loop for all InferenceServices (autoscale_loop.py) scrapes the pods,
+  asks the policy (autoscaler.py) and patches spec.replicas, with the decision in the
+  status and an Event; no per-object timer, so no finalizer.
 
 Reads come from kopf indexes (in-memory watch caches), so a status update costs one
 PATCH and no GETs. Handlers are sync (kopf runs them in a thread pool, so status
-updates of one InferenceService are serialised by a lock), except the async scrape.
+updates of one InferenceService are serialised by a lock), except the autoscale loop's.
 """
 from __future__ import annotations
 
@@ -21,15 +22,15 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
-import aiohttp
 import kopf
 import pydantic
 from kubernetes.client.rest import ApiException
 from prometheus_client import Histogram
 
-from kaon_operator import api, autoscaler, changes, resources, scraper, status
+from kaon_operator import api, autoscale_loop, changes, resources, status
 from kaon_operator.kube import Kube, NamespaceTerminating
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
@@ -52,15 +53,7 @@ class State:
         self.locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self.written: dict[tuple[str, str], dict] = {}
         self.apply_failures: dict[tuple[str, str], str] = {}  # until an apply succeeds again
-        self.history: defaultdict[tuple[str, str], list[autoscaler.Sample]] = defaultdict(list)
-        self.latency: dict[tuple[str, str], dict[str, tuple]] = {}  # pod -> last latency buckets
-        self.http: aiohttp.ClientSession | None = None  # one pool for every scrape, made in kopf's loop
-        self.router_scrape: tuple[float, asyncio.Future] | None = None  # (started, held), shared by services
-
-    def http_session(self) -> aiohttp.ClientSession:
-        if self.http is None:
-            self.http = aiohttp.ClientSession()
-        return self.http
+        self.metrics_conditions: dict[tuple[str, str], dict] = {}  # MetricsAvailable, kept by the autoscaler
 
 
 def reporting_instance() -> str:
@@ -109,9 +102,13 @@ def _one(index: kopf.Index, key):
 # The InferenceService itself ----------------------------------------------------------------------------------------
 
 
-def _post(body, events: list[status.EventSpec]) -> None:
+def _post(body, events: list[status.EventSpec], kube: Kube | None = None) -> None:
     for event in events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        try:
+            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        except LookupError:  # outside kopf's per-object tasks (the autoscale loop): no queue to post through
+            if kube is not None:
+                kube.post_event(body, event.type, event.reason, event.message, reporting_instance())
 
 
 def _apply_children(state: State, body, spec: api.InferenceServiceSpec) -> list[dict]:
@@ -170,11 +167,11 @@ def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo
 
 @kopf.on.delete(*ISVC, optional=True)
 def deleted(namespace: str, name: str, memo: kopf.Memo, **_) -> None:
-    # No finalizer for this handler (optional=True): the garbage collector removes the children
-    # through their owner references even while the operator is down. (Autoscaled ones get
-    # kopf's finalizer for their timer.)
+    # No finalizer for this handler (optional=True), nor for autoscaling (one loop, no timers):
+    # the garbage collector removes the children through their owner references even while
+    # the operator is down.
     state = _state(memo)
-    for table in (state.written, state.locks, state.history, state.latency, state.apply_failures):
+    for table in (state.written, state.locks, state.metrics_conditions, state.apply_failures):
         table.pop((namespace, name), None)
 
 
@@ -200,7 +197,7 @@ def _write_status(state: State, body, key, conditions: list[dict], pods: list[st
         return
     state.kube.patch_status(meta["namespace"], meta["name"], new)
     state.written[key] = new
-    _post(body, status.transition_events(new["conditions"], old_conditions))
+    _post(body, status.transition_events(new["conditions"], old_conditions), state.kube)
 
 
 def _sync_status(state: State, body, key, spec: api.InferenceServiceSpec, engine_pods: kopf.Index,
@@ -216,6 +213,8 @@ def _sync_status(state: State, body, key, spec: api.InferenceServiceSpec, engine
         conditions = status.apply_failed_conditions(failure) if failure else status.conditions(
             deployment=deployment, pods=pods, desired=spec.replicas,
             gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied)
+        if spec.autoscaling.enabled and key in state.metrics_conditions:
+            conditions.append(state.metrics_conditions[key])
         _write_status(state, body, key, conditions, pods, spec, applied=applied)
     STATUS_SECONDS.observe(time.perf_counter() - start)
 
@@ -280,129 +279,38 @@ def _register_drift_handlers() -> None:
 _register_drift_handlers()
 
 
-# Autoscaling ----------------------------------------------------------------------------------------------------------
-
-SCRAPE_TIMEOUT_SECONDS = 2.0
-# Every autoscaled InferenceService reads the same router metrics: ticks this close together share
-# one scrape of the routers, so N services cost the routers one request, not N.
-ROUTER_SCRAPE_REUSE_SECONDS = 1.0
-HISTORY_SECONDS = 3600  # longer than any window a spec can reasonably ask for
+# Autoscaling: one loop for the whole operator (autoscale_loop.py) ------------------------------------------------
 
 
-def _timestamp(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+@dataclass(frozen=True)
+class AutoscaleSettings:
+    interval: float = 5.0
+    release_namespace: str = "kaon-system"
+    """Where the routers run (their /metrics say which services hold requests) and the Lease lives."""
+    use_lease: bool = False
+    """Several operator replicas (peering): only the Lease holder autoscales."""
 
 
-def _epoch(text: str | None) -> float | None:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
+autoscale_settings = AutoscaleSettings()  # main.py sets it from the command line before kopf runs
 
 
-ROUTER_PODS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "router"}
-ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port named http wins
+@kopf.on.startup()
+async def start_autoscaler(memo: kopf.Memo, **kwargs) -> None:
+    state = _state(memo)
 
+    def resync(key):  # the MetricsAvailable condition changed: write it with the others
+        _resync(memo, key, kwargs["inference_services"], kwargs["engine_pods"], kwargs["engine_deployments"])
 
-@kopf.index("pods", labels=ROUTER_PODS)
-def router_pods(body: kopf.Body, **_) -> dict:
-    """Router pods, whose /metrics say which InferenceServices hold requests (scale from zero)."""
-    summary = status.summarize_pod(body)
-    ports = [p.get("containerPort") for c in body.spec.get("containers", []) for p in c.get("ports", [])
-             if p.get("name") == "http"]
-    return {"routers": (summary, ports[0] if ports else ROUTER_METRICS_PORT)}
-
-
-def _answers(pod: status.PodSummary) -> bool:
-    return pod.ready and not pod.terminating and bool(pod.ip)
-
-
-async def _scrape(state: State, engines: list[status.PodSummary], routers: list[tuple[status.PodSummary, int]]
-                  ) -> tuple[dict[str, scraper.PodMetrics], dict[tuple[str, str], float]]:
-    """Each ready engine's metrics, and the requests the routers hold per InferenceService."""
-    ready = [p for p in engines if _answers(p)]
-    session = state.http_session()
-    engine_texts, held = await asyncio.gather(
-        asyncio.gather(*(scraper.fetch(session, f"http://{p.ip}:{resources.HTTP_PORT}/metrics", SCRAPE_TIMEOUT_SECONDS)
-                         for p in ready)),
-        _router_held(state, routers))
-    return {p.name: scraper.parse(t) for p, t in zip(ready, engine_texts) if t is not None}, held
-
-
-async def _router_held(state: State, routers: list[tuple[status.PodSummary, int]]) -> dict[tuple[str, str], float]:
-    """Requests the routers hold per (namespace, InferenceService), scraped and parsed at most once
-    per ROUTER_SCRAPE_REUSE_SECONDS for all services."""
-    now = time.monotonic()
-    if state.router_scrape is None or now - state.router_scrape[0] > ROUTER_SCRAPE_REUSE_SECONDS:
-        urls = [f"http://{pod.ip}:{port}/metrics" for pod, port in routers if _answers(pod)]
-        state.router_scrape = (now, asyncio.ensure_future(_scrape_routers(state.http_session(), urls)))
-    # Shielded: one service's tick being cancelled must not cancel the scrape the others wait on.
-    return await asyncio.shield(state.router_scrape[1])
-
-
-async def _scrape_routers(session: aiohttp.ClientSession, urls: list[str]) -> dict[tuple[str, str], float]:
-    texts = await asyncio.gather(*(scraper.fetch(session, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
-    held: defaultdict[tuple[str, str], float] = defaultdict(float)
-    for text in filter(None, texts):
-        for key, count in scraper.parse_router_held(text).items():
-            held[key] += count
-    return dict(held)
-
-
-def _sample(state: State, key, metrics: dict[str, scraper.PodMetrics], held_by_router: float,
-            latency_metric: str, now: float) -> autoscaler.Sample:
-    """Sum the pods; P99 over the requests that finished since the previous scrape."""
-    previous = state.latency.get(key, {})
-    current = {pod: m.latency_buckets.get(latency_metric, ()) for pod, m in metrics.items()}
-    window = scraper.add_buckets(*(scraper.bucket_delta(b, previous.get(pod, ())) for pod, b in current.items()))
-    state.latency[key] = current
-    return autoscaler.Sample(time=now, ready=len(metrics), queue_depth=sum(m.waiting for m in metrics.values()),
-                             running=sum(m.running for m in metrics.values()),
-                             p99_seconds=scraper.quantile(window, 0.99),
-                             requests_total=sum(m.requests_total for m in metrics.values()),
-                             held_by_router=held_by_router)
-
-
-def _observed(sample: autoscaler.Sample, metrics: dict[str, scraper.PodMetrics]) -> dict:
-    kv = [m.kv_cache_usage for m in metrics.values()]
-    return {"queueDepth": sample.queue_depth, "runningRequests": sample.running,
-            "p99LatencySeconds": sample.p99_seconds, "kvCacheUsageRatio": max(kv) if kv else None,
-            "time": _timestamp(sample.time)}
-
-
-async def autoscale(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, engine_pods: kopf.Index,
-                    router_pods: kopf.Index, **_) -> None:
-    """One tick: scrape the ready pods, extend the history, ask the policy, act on a change."""
-    state, key = _state(memo), (namespace, name)
-    spec = _parse(body["spec"])
-    if isinstance(spec, str):
-        return
-    now = time.time()
-    metrics, held = await _scrape(state, list(engine_pods.get(key, ())), list(router_pods.get("routers", ())))
-    sample = _sample(state, key, metrics, held.get(key, 0.0), spec.autoscaling.latency_metric, now)
-    history = state.history[key]
-    history.append(sample)
-    del history[:sum(s.time < now - HISTORY_SECONDS for s in history)]
-    last = (body.get("status") or {}).get("lastScaleDecision") or {}
-    decision = autoscaler.decide(history, spec.autoscaling, spec.replicas, now, _epoch(last.get("time")))
-    patch = {"observedMetrics": _observed(sample, metrics)}
-    if decision.replicas != spec.replicas:
-        patch["lastScaleDecision"] = {"time": _timestamp(now), "from": spec.replicas, "to": decision.replicas,
-                                      "reason": decision.reason}
-    # Status first: the update handler then knows this replica change is the autoscaler's.
-    await asyncio.to_thread(state.kube.patch_status, namespace, name, patch)
-    if decision.replicas != spec.replicas:
-        await asyncio.to_thread(state.kube.patch_replicas, namespace, name, decision.replicas)
-        direction = "up" if decision.replicas > spec.replicas else "down"
-        _post(body, [status.EventSpec("Normal", "Scaled",
-                                      f"Scaled {direction} {spec.replicas} → {decision.replicas}: {decision.reason}")])
+    loop = autoscale_loop.AutoscaleLoop(
+        state.kube, kwargs, interval=autoscale_settings.interval,
+        release_namespace=autoscale_settings.release_namespace, use_lease=autoscale_settings.use_lease,
+        post=lambda body, events: _post(body, events, state.kube), resync=resync, conditions=state.metrics_conditions, identity=reporting_instance())
+    memo["autoscaler"] = asyncio.get_running_loop().create_task(loop.run())
 
 
 @kopf.on.cleanup()
-async def close_http(memo: kopf.Memo, **_) -> None:
-    state = memo.get("state")
-    if state is not None and state.http is not None:
-        await state.http.close()
-
-
-def register_autoscaler(interval: float) -> None:
-    """A kopf timer per InferenceService with autoscaling enabled (only those get kopf's finalizer)."""
-    kopf.timer(*ISVC, interval=interval, id="autoscale",
-               when=lambda spec, **_: bool((spec.get("autoscaling") or {}).get("enabled")))(autoscale)
+async def stop_autoscaler(memo: kopf.Memo, **_) -> None:
+    task = memo.get("autoscaler")
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -5,6 +5,8 @@ twice changes nothing, and `force` takes back any field someone else edited.
 """
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import kubernetes
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
@@ -12,6 +14,15 @@ from kubernetes.dynamic import DynamicClient
 from kaon_operator import api
 
 FIELD_MANAGER = "kaon-operator"
+
+
+MICRO_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def held_by_another(spec, holder: str, now: datetime) -> bool:
+    """Another holder renewed the Lease (a V1LeaseSpec) within its duration."""
+    return (spec.holder_identity not in (None, holder) and spec.renew_time is not None
+            and (now - spec.renew_time).total_seconds() < (spec.lease_duration_seconds or 0))
 
 
 class NamespaceTerminating(Exception):
@@ -22,6 +33,8 @@ class Kube:
     def __init__(self, client: kubernetes.client.ApiClient):
         self.dynamic = DynamicClient(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.coordination = kubernetes.client.CoordinationV1Api(client)
 
     @classmethod
     def from_environment(cls, pool_size: int = 32) -> Kube:
@@ -64,4 +77,53 @@ class Kube:
                 api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status})
         except ApiException as exc:
             if exc.status != 404:
+                raise
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=label_selector)
+        return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
+
+    def hold_lease(self, namespace: str, name: str, holder: str, seconds: int) -> bool:
+        """Take or renew a coordination.k8s.io Lease; False while another holder's is current.
+        A lost race (409 on create or replace) is a no for this round."""
+        now = datetime.now(timezone.utc)
+        metadata = {"name": name, "namespace": namespace}
+        spec = {"holderIdentity": holder, "leaseDurationSeconds": seconds, "renewTime": now.strftime(MICRO_TIME)}
+        try:
+            lease = self.coordination.read_namespaced_lease(name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return self._lease_write(self.coordination.create_namespaced_lease, namespace,
+                                     {"metadata": metadata, "spec": spec})
+        if held_by_another(lease.spec, holder, now):
+            return False
+        metadata["resourceVersion"] = lease.metadata.resource_version
+        return self._lease_write(lambda ns, body: self.coordination.replace_namespaced_lease(name, ns, body),
+                                 namespace, {"metadata": metadata, "spec": spec})
+
+    @staticmethod
+    def _lease_write(write, namespace: str, body: dict) -> bool:
+        try:
+            write(namespace, body)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def post_event(self, body: dict, type_: str, reason: str, message: str, instance: str) -> None:
+        """A core/v1 Event about an InferenceService, for code outside kopf's handlers (the
+        autoscale loop), where kopf.event has no queue to post through."""
+        meta, now = body["metadata"], datetime.now(timezone.utc)
+        event = {"metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                 "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
+                                    "namespace": meta["namespace"], "uid": meta.get("uid")},
+                 "type": type_, "reason": reason, "message": message[:1024], "count": 1,
+                 "firstTimestamp": now, "lastTimestamp": now, "source": {"component": FIELD_MANAGER},
+                 "reportingComponent": FIELD_MANAGER, "reportingInstance": instance}
+        try:
+            self.core.create_namespaced_event(meta["namespace"], event)
+        except ApiException as exc:
+            if exc.status not in (403, 404):  # a terminating namespace takes no Events: nothing to tell
                 raise

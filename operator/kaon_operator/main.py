@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 
 import kopf
@@ -33,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
     parser.add_argument("--liveness-port", type=int, default=0, help="serve kopf's /healthz here (0: off)")
     parser.add_argument("--autoscale-interval", type=float, default=5.0,
-                        help="seconds between scrapes of an autoscaled InferenceService's pods")
+                        help="seconds between scrapes of the autoscaled InferenceServices' pods")
+    parser.add_argument("--release-namespace", default=os.environ.get("POD_NAMESPACE") or "kaon-system",
+                        help="the namespace of kaon's router pods (and of the autoscaler's Lease with "
+                             "--peering); default: $POD_NAMESPACE, else kaon-system")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
 
@@ -43,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
     from kaon_operator import handlers  # importing registers the handlers
 
-    handlers.register_autoscaler(args.autoscale_interval)
+    handlers.autoscale_settings = handlers.AutoscaleSettings(
+        interval=args.autoscale_interval, release_namespace=args.release_namespace,
+        use_lease=args.peering is not None)
 
     if args.metrics_port:
         start_http_server(args.metrics_port)

@@ -1,23 +1,27 @@
-"""Reads engine pods' /metrics (the names in ARCHITECTURE.md are the contract).
+"""Reads engine and router pods' /metrics (the names in the README are the contract).
 
-`parse` turns Prometheus text into a `PodMetrics`; `window_quantile` computes a latency
-quantile over a time window from the difference of two cumulative histograms, which is
-what a scrape-based autoscaler can know (the engine's histogram covers its whole life).
-Only `fetch` does I/O.
+`parse` turns an engine's Prometheus text (read with prometheus_client's own parser) into a
+`PodMetrics`; `bucket_delta` and `quantile` compute a latency quantile over a time window
+from the difference of two cumulative histograms, which is what a scrape-based autoscaler
+can know (the engine's histogram covers its whole life). Only `fetch` does I/O.
 """
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 LATENCY_METRICS = {"ttft": "kaon_time_to_first_token_seconds", "e2e": "kaon_e2e_request_latency_seconds"}
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)', re.M)
-_LE = re.compile(r'le="([^"]+)"')
-_HELD = re.compile(r'^kaon_router_held_requests\{([^}]*)\}\s+(\S+)', re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+Buckets = tuple[tuple[float, float], ...]
+"""A cumulative histogram: (upper bound, count) pairs, ascending."""
+_GAUGES = {"kaon_num_requests_waiting": "waiting", "kaon_num_requests_running": "running",
+           "kaon_kv_cache_usage_ratio": "kv_cache_usage"}
+
+
+class BadExposition(ValueError):
+    """The text is not Prometheus' exposition format."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,34 +35,33 @@ class PodMetrics:
     """Per latency metric ("ttft", "e2e"): cumulative (le, count) pairs, ascending."""
 
 
+def _samples(text: str):
+    try:
+        for family in text_string_to_metric_families(text):
+            yield from family.samples
+    except ValueError as exc:
+        raise BadExposition(str(exc)) from None
+
+
 def parse(text: str) -> PodMetrics:
-    gauges: dict[str, float] = {}
-    requests = 0.0
+    """An engine's exposition; raises BadExposition for text that is not one."""
+    values = {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0, "requests_total": 0.0}
     buckets: dict[str, list[tuple[float, float]]] = {key: [] for key in LATENCY_METRICS}
     by_name = {f"{name}_bucket": key for key, name in LATENCY_METRICS.items()}
-    for name, labels, value in _SAMPLE.findall(text):
-        number = float(value)
-        if name == "kaon_requests_total":
-            requests += number
-        elif name in by_name:
-            le = _LE.search(labels or "")
-            if le:
-                buckets[by_name[name]].append((float(le.group(1)), number))
-        else:
-            gauges[name] = number
-    return PodMetrics(waiting=gauges.get("kaon_num_requests_waiting", 0.0),
-                      running=gauges.get("kaon_num_requests_running", 0.0),
-                      kv_cache_usage=gauges.get("kaon_kv_cache_usage_ratio", 0.0), requests_total=requests,
-                      latency_buckets={k: tuple(sorted(v)) for k, v in buckets.items() if v})
+    for sample in _samples(text):
+        if sample.name == "kaon_requests_total":
+            values["requests_total"] += sample.value
+        elif sample.name in by_name and "le" in sample.labels:
+            buckets[by_name[sample.name]].append((float(sample.labels["le"]), sample.value))
+        elif sample.name in _GAUGES:
+            values[_GAUGES[sample.name]] = sample.value
+    return PodMetrics(**values, latency_buckets={k: tuple(sorted(v)) for k, v in buckets.items() if v})
 
 
 def parse_router_held(text: str) -> dict[tuple[str, str], float]:
     """A router's requests held per (namespace, InferenceService): they wait for a first replica."""
-    held = {}
-    for labels, value in _HELD.findall(text):
-        named = dict(_LABEL.findall(labels))
-        held[(named.get("namespace", ""), named.get("inferenceservice", ""))] = float(value)
-    return held
+    return {(s.labels.get("namespace", ""), s.labels.get("inferenceservice", "")): s.value
+            for s in _samples(text) if s.name == "kaon_router_held_requests"}
 
 
 def bucket_delta(new: tuple[tuple[float, float], ...], old: tuple[tuple[float, float], ...]
@@ -99,5 +102,5 @@ async def fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> str
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             return await response.text() if response.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None

@@ -230,6 +230,10 @@ def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:
             events.append(EventSpec("Normal", "Recovered", f"no longer degraded ({prev.get('reason')})"))
         elif cond["type"] == "Progressing" and cond["reason"] == "RolloutComplete" and prev.get("reason") == "RollingOut":
             events.append(EventSpec("Normal", "RolloutComplete", cond["message"]))
+        elif cond["type"] == "MetricsAvailable" and cond["status"] == "False" and flipped:
+            events.append(EventSpec("Warning", "MetricsUnavailable", cond["message"]))
+        elif cond["type"] == "MetricsAvailable" and cond["status"] == "True" and prev.get("status") == "False":
+            events.append(EventSpec("Normal", "MetricsAvailable", cond["message"]))
     return events
 
 

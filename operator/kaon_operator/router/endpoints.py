@@ -42,6 +42,9 @@ class Service:
     key: ServiceKey
     served_name: str
     created: int  # unix seconds; the oldest InferenceService keeps a contested served name
+    hold_seconds: float | None = None
+    """How long a request may wait for a first ready pod: an autoscaled service's
+    scaleFromZeroTimeoutSeconds, which covers a cold start (None: the router's --queue-timeout)."""
 
 
 def _is_ready(status: dict) -> bool:
@@ -74,9 +77,11 @@ def _epoch(timestamp: str | None) -> int:
 
 def service(isvc: dict) -> Service:
     meta = isvc["metadata"]
-    model = (isvc.get("spec") or {}).get("model") or {}
+    spec = isvc.get("spec") or {}
+    model, autoscaling = spec.get("model") or {}, spec.get("autoscaling") or {}
+    hold = autoscaling.get("scaleFromZeroTimeoutSeconds") if autoscaling.get("enabled") else None
     return Service(ServiceKey(meta["namespace"], meta["name"]), model.get("servedName") or meta["name"],
-                   _epoch(meta.get("creationTimestamp")))
+                   _epoch(meta.get("creationTimestamp")), hold)
 
 
 PodId = tuple[str, str]  # (namespace, pod name)
@@ -100,6 +105,10 @@ class EndpointTable:
     def resolve(self, model: str) -> ServiceKey | None:
         found = self._by_name.get(model)
         return found.key if found else None
+
+    def hold_seconds(self, key: ServiceKey) -> float | None:
+        found = self._services.get(key)
+        return found.hold_seconds if found else None
 
     def endpoints(self, key: ServiceKey) -> tuple[Endpoint, ...]:
         return self._ready.get(key, ())

@@ -123,11 +123,11 @@ class Router:
             except web.HTTPRequestEntityTooLarge:
                 raise errors.too_large(self.config.max_body_bytes) from None
             model = requested_model(body)
-            deadline = time.monotonic() + self.config.queue_timeout
+            received = time.monotonic()
             tried: set[Endpoint] = set()
             held = 0.0
             while len(tried) < self.config.max_attempts:
-                key, target, waited = await self._choose(model, tried, deadline)
+                key, target, waited = await self._choose(model, tried, received)
                 held += waited
                 dispatched = time.perf_counter()
                 upstream = await self._send(request, body, key, target, tried)
@@ -146,13 +146,16 @@ class Router:
     def _count(self, key: ServiceKey | None, status: int) -> None:
         self.metrics.requests.labels(*(key or ("", "")), str(status)).inc()
 
-    async def _choose(self, model: str, tried: set[Endpoint], deadline: float) -> tuple[ServiceKey, Endpoint, float]:
+    async def _choose(self, model: str, tried: set[Endpoint], received: float) -> tuple[ServiceKey, Endpoint, float]:
         """The service and pod for this attempt, and how long the request was held for it."""
         held_since, was_held = time.monotonic(), False
         while True:
             key = self.table.resolve(model)
             if key is None:
                 raise errors.model_not_found(model) if self.table.synced else errors.starting()
+            # An autoscaled service at zero waits for a cold start: it may hold longer than the default.
+            limit = max(self.config.queue_timeout, self.table.hold_seconds(key) or 0.0)
+            deadline = received + limit
             ready = self.table.endpoints(key)
             now = time.monotonic()
             usable = candidates(ready, tried, self.backoff.until, now)
@@ -163,7 +166,7 @@ class Router:
             if ready:  # every ready pod was tried by this request
                 raise errors.upstream_unreachable(str(key), len(tried))
             if now >= deadline:
-                raise errors.no_ready_replica(model, str(key), self.config.queue_timeout)
+                raise errors.no_ready_replica(model, str(key), limit)
             was_held = True
             try:
                 await self.hold.wait(key, deadline - now)

@@ -1,0 +1,248 @@
+"""The autoscale loop: one task for the whole operator, not a kopf timer per object.
+
+Every `interval` seconds it scrapes the routers once (requests held for services without a
+ready pod), then, for every InferenceService with autoscaling enabled, scrapes its engine
+pods, turns the scrape into a `Sample` (autoscaler.py), asks the policy and acts: patch
+status.observedMetrics and spec.replicas, post Events, keep the MetricsAvailable condition.
+
+Why not a kopf timer: kopf gives every object with a timer a finalizer, so deleting an
+autoscaled InferenceService would hang while the operator is down. With one loop no
+object carries a finalizer. With several operator replicas (kopf peering), only the holder
+of a coordination.k8s.io Lease runs the loop.
+
+Counters and histograms are cumulative over an engine's life, so each pod keeps a baseline:
+a pod's first scrape is a baseline only, a pod that misses a scrape keeps its baseline (the
+next answer covers both intervals), and a restarted engine (counts went down) counts from zero.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import aiohttp
+import pydantic
+
+from kaon_operator import api, autoscaler, resources, scraper, status
+from kaon_operator.status import EventSpec, PodSummary
+
+logger = logging.getLogger("kaon.autoscaler")
+
+SCRAPE_TIMEOUT_SECONDS = 2.0
+ROUTER_PODS = "app.kubernetes.io/name=kaon,app.kubernetes.io/component=router"
+ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port named http wins
+LEASE_NAME = "kaon-autoscaler"
+LEASE_SECONDS = 15
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """One pod's cumulative counts at its last answered scrape."""
+
+    finished: float
+    latency: scraper.Buckets = ()
+
+
+@dataclass(slots=True)
+class ServiceState:
+    """What the loop remembers of one InferenceService between ticks."""
+
+    history: list[autoscaler.Sample] = field(default_factory=list)
+    baselines: dict[str, Baseline] = field(default_factory=dict)
+    capped: bool = False
+
+
+def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, scraper.PodMetrics],
+            latency_metric: str) -> tuple[dict[str, Baseline], float, scraper.Buckets]:
+    """(new baselines, requests finished since the last scrape, their latency histogram).
+
+    `live` are the pods that still exist; `answers` the metrics of those that answered."""
+    kept = {pod: b for pod, b in baselines.items() if pod in live}
+    finished, deltas = 0.0, []
+    for pod, metrics in answers.items():
+        now = Baseline(metrics.requests_total, metrics.latency_buckets.get(latency_metric, ()))
+        before = kept.get(pod)
+        if before is not None:  # a first scrape is only a baseline: its counts span the pod's whole life
+            restarted = now.finished < before.finished
+            finished += now.finished if restarted else now.finished - before.finished
+            deltas.append(now.latency if restarted else scraper.bucket_delta(now.latency, before.latency))
+        kept[pod] = now
+    return kept, finished, scraper.add_buckets(*deltas)
+
+
+def answers_http(pod: PodSummary) -> bool:
+    return pod.ready and not pod.terminating and bool(pod.ip)
+
+
+def router_url(pod: dict) -> str | None:
+    summary = status.summarize_pod(pod)
+    if not answers_http(summary):
+        return None
+    ports = [p.get("containerPort") for c in pod["spec"].get("containers", []) for p in c.get("ports") or ()
+             if p.get("name") == "http"]
+    return f"http://{summary.ip}:{ports[0] if ports else ROUTER_METRICS_PORT}/metrics"
+
+
+def _timestamp(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _epoch(text: str | None) -> float | None:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
+
+
+def metrics_condition(decision: autoscaler.Decision, answered: int, ready: int) -> dict:
+    if decision.metrics_missing:
+        return {"type": "MetricsAvailable", "status": "False", "reason": "ScrapeFailed",
+                "message": f"{decision.metrics_missing}; holding {decision.replicas} replicas"}
+    return {"type": "MetricsAvailable", "status": "True", "reason": "Scraped",
+            "message": f"{answered} of {ready} ready replicas answered"}
+
+
+def observed(sample: autoscaler.Sample, kv_usage: list[float], target: float, spec: api.AutoscalingSpec,
+             history: list[autoscaler.Sample]) -> dict:
+    up_window = [s for s in history if s.time >= sample.time - spec.scale_up_window_seconds and s.complete]
+    p99, _ = autoscaler.window_p99(up_window)
+    return {"queueDepth": sample.waiting, "runningRequests": sample.running,
+            "concurrencyPerReplica": round(sample.concurrency / max(sample.ready, 1), 2),
+            "targetConcurrencyPerReplica": target, "p99LatencySeconds": p99,
+            "kvCacheUsageRatio": max(kv_usage) if kv_usage else None, "time": _timestamp(sample.time)}
+
+
+class AutoscaleLoop:
+    """Runs in kopf's event loop; reads kopf's indexes, writes through `kube` in threads."""
+
+    def __init__(self, kube, indices, *, interval: float, release_namespace: str, use_lease: bool,
+                 post: Callable[[dict, list[EventSpec]], None], resync: Callable[[tuple[str, str]], None],
+                 conditions: dict[tuple[str, str], dict], identity: str):
+        self.kube, self.indices, self.interval = kube, indices, interval
+        self.release_namespace, self.use_lease, self.identity = release_namespace, use_lease, identity
+        self.post, self.resync, self.conditions = post, resync, conditions
+        self.services: dict[tuple[str, str], ServiceState] = {}
+        self.http: aiohttp.ClientSession | None = None
+
+    async def run(self) -> None:
+        self.http = aiohttp.ClientSession()
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    if not self.use_lease or await asyncio.to_thread(self.kube.hold_lease, self.release_namespace,
+                                                                     LEASE_NAME, self.identity, LEASE_SECONDS):
+                        await self.tick_all()
+                except Exception:  # one bad tick (an apiserver hiccup) must not end autoscaling
+                    logger.exception("autoscale tick failed")
+                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+        finally:
+            await self.http.close()
+
+    def _autoscaled(self) -> list[tuple[tuple[str, str], dict, api.InferenceServiceSpec]]:
+        out = []
+        for key, bodies in list(self.indices["inference_services"].items()):
+            body = next(iter(bodies), None)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                continue
+            if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
+                continue
+            try:
+                out.append((key, body, api.InferenceServiceSpec.model_validate(dict(body["spec"]))))
+            except pydantic.ValidationError:
+                continue  # the reconcile handler reports an invalid spec
+        for gone in set(self.services) - {key for key, _, _ in out}:
+            del self.services[gone]
+            self.conditions.pop(gone, None)
+        return out
+
+    async def tick_all(self) -> None:
+        services = self._autoscaled()
+        if not services:
+            return
+        held = await self._router_held()
+        await asyncio.gather(*(self.tick(key, body, spec, held) for key, body, spec in services))
+
+    async def _router_held(self) -> dict[tuple[str, str], float] | None:
+        """Requests the routers hold per (namespace, InferenceService); None when there are
+        routers and none answered (then nobody knows what they hold)."""
+        pods = await asyncio.to_thread(self.kube.list_pods, self.release_namespace, ROUTER_PODS)
+        urls = [url for url in map(router_url, pods) if url]
+        if not urls:
+            return {}
+        texts = await asyncio.gather(*(scraper.fetch(self.http, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
+        held: dict[tuple[str, str], float] = {}
+        answered = False
+        for text in filter(None, texts):
+            try:
+                counts = scraper.parse_router_held(text)
+            except scraper.BadExposition:
+                continue
+            answered = True
+            for key, count in counts.items():
+                held[key] = held.get(key, 0.0) + count
+        return held if answered else None
+
+    async def _scrape_engines(self, pods: list[PodSummary]) -> dict[str, scraper.PodMetrics]:
+        ready = [p for p in pods if answers_http(p)]
+        texts = await asyncio.gather(*(scraper.fetch(self.http, f"http://{p.ip}:{resources.HTTP_PORT}/metrics",
+                                                     SCRAPE_TIMEOUT_SECONDS) for p in ready))
+        out = {}
+        for pod, text in zip(ready, texts):
+            try:
+                if text is not None:
+                    out[pod.name] = scraper.parse(text)
+            except scraper.BadExposition:
+                pass  # counted as not answering
+        return out
+
+    async def tick(self, key: tuple[str, str], body: dict, spec: api.InferenceServiceSpec,
+                   held: dict[tuple[str, str], float] | None) -> None:
+        memory = self.services.setdefault(key, ServiceState())
+        auto, now = spec.autoscaling, time.time()
+        pods = [p for p in self.indices["engine_pods"].get(key, ()) if not p.terminating]
+        answers = await self._scrape_engines(pods)
+        memory.baselines, finished, latency = advance(memory.baselines, {p.name for p in pods}, answers,
+                                                      auto.latency_metric)
+        ready = sum(answers_http(p) for p in pods)
+        sample = autoscaler.Sample(
+            time=now, ready=ready, answered=len(answers), starting=sum(not p.ready for p in pods),
+            waiting=sum(m.waiting for m in answers.values()), running=sum(m.running for m in answers.values()),
+            finished=finished, latency=latency, held_by_router=None if held is None else held.get(key, 0.0))
+        memory.history.append(sample)
+        del memory.history[:sum(s.time < now - autoscaler.history_seconds(auto) for s in memory.history)]
+
+        last = (body.get("status") or {}).get("lastScaleDecision") or {}
+        decision = autoscaler.decide(memory.history, auto, spec.replicas, now, _epoch(last.get("time")),
+                                     max_num_seqs=spec.engine.max_num_seqs)
+        await self._act(key, body, spec, sample, answers, memory, decision)
+
+    async def _act(self, key, body, spec: api.InferenceServiceSpec, sample: autoscaler.Sample,
+                   answers: dict[str, scraper.PodMetrics], memory: ServiceState, decision: autoscaler.Decision) -> None:
+        namespace, name = key
+        target = autoscaler.concurrency_target(spec.autoscaling, spec.engine.max_num_seqs)
+        patch = {"observedMetrics": observed(sample, [m.kv_cache_usage for m in answers.values()], target,
+                                             spec.autoscaling, memory.history)}
+        changed = decision.replicas != spec.replicas
+        if changed:
+            patch["lastScaleDecision"] = {"time": _timestamp(sample.time), "from": spec.replicas,
+                                          "to": decision.replicas, "reason": decision.reason}
+        # Status first: the update handler then knows this replica change is the autoscaler's.
+        await asyncio.to_thread(self.kube.patch_status, namespace, name, patch)
+        events = []
+        if changed:
+            await asyncio.to_thread(self.kube.patch_replicas, namespace, name, decision.replicas)
+            direction = "up" if decision.replicas > spec.replicas else "down"
+            events.append(EventSpec("Normal", "Scaled",
+                                    f"Scaled {direction} {spec.replicas} → {decision.replicas}: {decision.reason}"))
+        if decision.capped_from is not None and not memory.capped:
+            events.append(EventSpec("Warning", "ScaleCapped",
+                                    f"the load asks for {decision.capped_from} replicas; capped at maxReplicas "
+                                    f"{spec.autoscaling.max_replicas}: {decision.reason}"))
+        memory.capped = decision.capped_from is not None
+        if events:
+            await asyncio.to_thread(self.post, body, events)
+        condition = metrics_condition(decision, sample.answered or 0, sample.ready)
+        if self.conditions.get(key) != condition:
+            self.conditions[key] = condition
+            await asyncio.to_thread(self.resync, key)
