@@ -195,12 +195,12 @@ def test_fp8_reference_tracks_the_float_layer():
 
 def _tiny_llama():
     from kaon_runtime.config import ModelConfig
-    from kaon_runtime.models.llama import LlamaForCausalLM
+    from kaon_runtime.models.decoder import DecoderForCausalLM
 
     config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
     torch.manual_seed(3)
-    model = LlamaForCausalLM(config)
+    model = DecoderForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight_t.normal_()
     return model
