@@ -1,28 +1,52 @@
-"""Plays the container runtime for engine pods on the local control plane.
+"""Plays the kubelet and the container runtime for engine pods on the local control plane.
 
 KWOK runs pods without processes. For pods whose image is under `local/` (the stage
-`kaon-pod-run-local` leaves them Running but not Ready), this starts the pod's own command
-line (`kaon serve ...`, as the operator rendered it) as a real process listening on the
-pod's IP, marks the pod Ready when the process' `/ready` answers 200 (what the kubelet's
-readiness probe would do), and sends it SIGTERM when the pod is deleted, so the drain runs
-as it would in a cluster. The whole data path is then real: router -> pod IP -> engine.
+`kaon-pod-run-local` leaves them Running but not Ready), this does what a kubelet would:
+
+- **Volumes**: each pod volume becomes a host directory: an emptyDir a fresh temp dir per pod,
+  a persistentVolumeClaim the hostPath/local path of the PersistentVolume bound to it, a
+  secret or configMap a directory of its keys. Paths in a container's args and environment
+  that lie under one of its volumeMounts are rewritten to the host directory, so a process
+  reads and writes where it would inside the container (`/mnt/models/llama` -> the PV's dir).
+- **Environment**: `value`, `valueFrom` (secretKeyRef, configMapKeyRef, fieldRef) and
+  `envFrom` are resolved from the API, as the kubelet does; a missing non-optional key
+  leaves the container waiting in CreateContainerConfigError.
+- **Init containers** run first, in order (`kaon fetch`, from this tree); one that fails is
+  reported in `initContainerStatuses` (terminated, exit code, and as its message the
+  termination message, or with FallbackToLogsOnError the log's tail) and restarted with a
+  back-off, shown as CrashLoopBackOff.
+- **The engine**: the pod's own command line (`kaon serve ...`) as a real process bound to
+  the pod's IP; Ready when its `/ready` answers 200 (the readiness probe), SIGTERM when the
+  pod is deleted (so it drains); if it exits, its termination is reported the same way and
+  it is restarted with a back-off.
+
+The whole data path is then real: router -> pod IP -> engine, reading weights from a volume.
+Not simulated: resource limits, readOnly mounts and the container image itself (every
+process runs this tree's Python).
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 
 LOCAL_IMAGE_PREFIX = "local/"
+BACKOFF_START, BACKOFF_MAX = 2.0, 30.0  # a kubelet starts at 10 s and caps at 5 min; tests are impatient
+LOG_TAIL_LINES, LOG_TAIL_BYTES = 80, 2048  # what FallbackToLogsOnError takes from the log
+# The runner's own environment reaches the processes (PATH, the venv...), but not credentials
+# or endpoints of its own: a pod gets those only from its spec.
+_PRIVATE_ENV = ("HF_", "AWS_", "KAON_", "HUGGING_FACE")
 
 
 @dataclass(slots=True)
@@ -33,6 +57,23 @@ class _Process:
     ready: bool = False
 
 
+@dataclass(slots=True)
+class _Pod:
+    """What the runner knows of one pod beyond its engine process."""
+    dirs: dict[str, Path] = field(default_factory=dict)  # volume name -> host directory
+    init_done: int = 0  # init containers that completed
+    init: subprocess.Popen | None = None
+    init_log: Path | None = None
+    restarts: dict[str, int] = field(default_factory=dict)  # container -> restarts
+    last: dict[str, dict] = field(default_factory=dict)  # container -> its last termination (lastState)
+    retry_at: float = 0.0  # back-off: no new start before this
+    engine_reported: bool = False  # the engine's exit was written to the pod status
+
+
+class ContainerConfigError(Exception):
+    """What a kubelet reports as CreateContainerConfigError (e.g. a missing Secret key)."""
+
+
 def _port(args: list[str]) -> int:
     return int(args[args.index("--port") + 1]) if "--port" in args else 8000
 
@@ -40,17 +81,40 @@ def _port(args: list[str]) -> int:
 def _command(args: list[str], ip: str) -> list[str]:
     """The pod's `kaon ...` arguments, run with this Python and bound to the pod's IP."""
     args = list(args)
-    if "--host" in args:
-        args[args.index("--host") + 1] = ip
-    else:
-        args += ["--host", ip]
+    if args[1:2] == ["serve"]:
+        if "--host" in args:
+            args[args.index("--host") + 1] = ip
+        else:
+            args += ["--host", ip]
     return [sys.executable, "-m", "kaon_runtime.cli", *args[1:]]
+
+
+def translate(value: str, mounts: list[tuple[str, Path]]) -> str:
+    """A path inside the container -> the host directory of the volume mounted there (longest mount first)."""
+    for mount_path, host in sorted(mounts, key=lambda m: -len(m[0])):
+        if value == mount_path:
+            return str(host)
+        if value.startswith(mount_path.rstrip("/") + "/"):
+            return str(host / value[len(mount_path.rstrip("/")) + 1:])
+    return value
+
+
+def _tail(path: Path | None) -> str:
+    if path is None or not path.exists():
+        return ""
+    lines = path.read_bytes()[-64 * 1024:].decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    return "\n".join(lines)[-LOG_TAIL_BYTES:]
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class PodRunner:
     def __init__(self, cp: ControlPlane, log_dir: Path, *, poll: float = 0.5):
         self.cp, self.log_dir, self.poll = cp, log_dir, poll
         self.processes: dict[str, _Process] = {}  # "namespace/name" -> its engine
+        self.pods: dict[str, _Pod] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -63,8 +127,14 @@ class PodRunner:
         self._thread.join()
         for key in self.processes:
             self._terminate(key)
+        for pod in self.pods.values():
+            if pod.init and pod.init.poll() is None:
+                pod.init.send_signal(signal.SIGTERM)
         for engine in self.processes.values():  # all asked first, so they drain side by side
             wait_or_kill(engine.proc, grace=30)
+        for pod in self.pods.values():
+            if pod.init:
+                wait_or_kill(pod.init, grace=10)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll):
@@ -81,29 +151,225 @@ class PodRunner:
             ip = (pod.get("status") or {}).get("podIP")
             if pod["metadata"].get("deletionTimestamp"):
                 self._terminate(key)
-            elif ip and key not in self.processes:
-                self._start(key, pod["spec"]["containers"][0]["args"], ip)
-            elif key in self.processes:
-                self._update_readiness(pod, key)
+            elif ip:
+                try:
+                    self._advance(key, pod, ip)
+                except ContainerConfigError as exc:
+                    self._report(pod, "containerStatuses", pod["spec"]["containers"][0]["name"],
+                                 {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}})
+                    if key in self.pods:  # else its volumes are not ready: tried again next round
+                        self.pods[key].retry_at = time.monotonic() + BACKOFF_MAX
         for key in list(self.processes):
             going = key not in pods or pods[key]["metadata"].get("deletionTimestamp")
             if going:
                 self._terminate(key)
                 if self.processes[key].proc.poll() is not None:
                     del self.processes[key]
+        for key in list(self.pods):
+            if key not in pods and key not in self.processes:
+                state = self.pods.pop(key)
+                if state.init and state.init.poll() is None:
+                    state.init.kill()
+                for d in state.dirs.values():
+                    if self.log_dir in d.parents and "pods" in d.parts:
+                        shutil.rmtree(d, ignore_errors=True)
 
-    def _start(self, key: str, args: list[str], ip: str) -> None:
-        log = open(self.log_dir / f"engine-{key.replace('/', '-')}.log", "ab")
-        proc = subprocess.Popen(_command(args, ip), stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_die_with_parent)
-        log.close()
+    # One step of a pod's life ------------------------------------------------------------------------------------------
+
+    def _advance(self, key: str, pod: dict, ip: str) -> None:
+        state = self.pods.get(key)
+        if state is None:
+            state = self.pods[key] = _Pod(dirs=self._volumes(key, pod))
+        if key in self.processes:
+            engine = self.processes[key]
+            if engine.proc.poll() is None:
+                self._update_readiness(pod, key)
+            elif not state.engine_reported:
+                self._engine_exited(key, pod, state)
+            elif time.monotonic() >= state.retry_at:
+                del self.processes[key]  # restart after the back-off, as a kubelet would
+                state.engine_reported = False
+            return
+        if time.monotonic() < state.retry_at:
+            return
+        inits = pod["spec"].get("initContainers") or []
+        if state.init_done < len(inits):
+            self._run_init(key, pod, state, inits[state.init_done])
+            return
+        self._start(key, pod, ip, state)
+
+    def _run_init(self, key: str, pod: dict, state: _Pod, container: dict) -> None:
+        name = container["name"]
+        if state.init is None:
+            state.init_log = self.log_dir / f"{name}-{key.replace('/', '-')}.log"
+            with open(state.init_log, "wb") as log:  # a fresh log per attempt, like a container's
+                args = [translate(a, self._mounts(container, state)) for a in container["args"]]
+                state.init = subprocess.Popen(_command(args, pod["status"]["podIP"]), stdout=log,
+                                              stderr=subprocess.STDOUT, env=self._env(pod, container, state),
+                                              preexec_fn=_die_with_parent)
+            self._report(pod, "initContainerStatuses", name, {"running": {"startedAt": _now()}}, initialized=False,
+                         last=state.last.get(name), restarts=state.restarts.get(name, 0))
+            return
+        code = state.init.poll()
+        if code is None:
+            return
+        state.init = None
+        if code == 0:
+            state.init_done += 1
+            self._report(pod, "initContainerStatuses", name,
+                          {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": _now()}},
+                          initialized=state.init_done == len(pod["spec"]["initContainers"]),
+                          last=state.last.get(name), restarts=state.restarts.get(name, 0))
+            return
+        restarts = state.restarts[name] = state.restarts.get(name, 0) + 1
+        state.retry_at = time.monotonic() + min(BACKOFF_START * 2 ** (restarts - 1), BACKOFF_MAX)
+        state.last[name] = self._terminated(code, container, state.init_log)  # kept as lastState, as a kubelet does
+        self._report(pod, "initContainerStatuses", name,
+                     {"waiting": {"reason": "CrashLoopBackOff",
+                                  "message": f"back-off restarting failed container {name}"}},
+                     last=state.last[name], restarts=restarts, initialized=False)
+
+    def _engine_exited(self, key: str, pod: dict, state: _Pod) -> None:
+        container = pod["spec"]["containers"][0]
+        code = self.processes[key].proc.returncode
+        restarts = state.restarts[container["name"]] = state.restarts.get(container["name"], 0) + 1
+        state.retry_at = time.monotonic() + min(BACKOFF_START * 2 ** (restarts - 1), BACKOFF_MAX)
+        state.engine_reported = True
+        state.last[container["name"]] = self._terminated(code, container, self._engine_log(key))
+        self._report(pod, "containerStatuses", container["name"],
+                     {"waiting": {"reason": "CrashLoopBackOff",
+                                  "message": f"back-off restarting failed container {container['name']}"}},
+                     last=state.last[container["name"]], restarts=restarts)
+
+    @staticmethod
+    def _terminated(code: int, container: dict, log: Path | None) -> dict:
+        message = ""
+        if code != 0 and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            message = _tail(log)
+        return {"terminated": {"exitCode": code, "reason": "Error" if code else "Completed", "message": message,
+                               "finishedAt": _now()}}
+
+    def _report(self, pod: dict, field_name: str, container: str, state: dict, *, last: dict | None = None,
+                restarts: int = 0, initialized: bool | None = None) -> None:
+        status = {"name": container, "image": "local", "ready": False, "restartCount": restarts, "state": state}
+        if last:
+            status["lastState"] = last
+        patch: dict = {field_name: [status]}
+        if initialized is not None:
+            patch["conditions"] = [{"type": "Initialized", "status": "True" if initialized else "False",
+                                    "lastTransitionTime": _now()}]
+        meta = pod["metadata"]
+        self.cp.kubectl("patch", "pod", meta["name"], "-n", meta["namespace"], "--subresource=status",
+                        "--type=strategic", "-p", json.dumps({"status": patch}), check=False)
+
+    def _engine_log(self, key: str) -> Path:
+        return self.log_dir / f"engine-{key.replace('/', '-')}.log"
+
+    def _start(self, key: str, pod: dict, ip: str, state: _Pod) -> None:
+        container = pod["spec"]["containers"][0]
+        env = self._env(pod, container, state)
+        args = [translate(a, self._mounts(container, state)) for a in container["args"]]
+        log_path = self._engine_log(key)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(_command(args, ip), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent)
         self.processes[key] = _Process(proc, ip, _port(args))
+        if container["name"] in state.last:  # a restart: running again, the failure kept as lastState
+            self._report(pod, "containerStatuses", container["name"], {"running": {"startedAt": _now()}},
+                         last=state.last[container["name"]], restarts=state.restarts.get(container["name"], 0))
+
+    # Volumes and environment --------------------------------------------------------------------------------------------
+
+    def _volumes(self, key: str, pod: dict) -> dict[str, Path]:
+        namespace = pod["metadata"]["namespace"]
+        base = self.log_dir / "pods" / key.replace("/", "-")
+        dirs = {}
+        for volume in pod["spec"].get("volumes") or []:
+            name = volume["name"]
+            if "persistentVolumeClaim" in volume:
+                dirs[name] = self._claim_dir(namespace, volume["persistentVolumeClaim"]["claimName"])
+                continue
+            path = base / name
+            path.mkdir(parents=True, exist_ok=True)
+            for source, kind in (("secret", "secretName"), ("configMap", "name")):
+                if source in volume:
+                    obj = self._get(source.lower(), namespace, volume[source][kind]) or {}
+                    for k, v in (obj.get("data") or {}).items():
+                        (path / k).write_bytes(base64.b64decode(v) if source == "secret" else v.encode())
+            dirs[name] = path
+        return dirs
+
+    def _claim_dir(self, namespace: str, claim: str) -> Path:
+        pvc = self._get("pvc", namespace, claim)
+        volume = (pvc or {}).get("spec", {}).get("volumeName")
+        if not volume:
+            raise ContainerConfigError(f"persistentvolumeclaim {claim!r} is not bound")
+        pv = self._get("pv", None, volume) or {}
+        path = (pv.get("spec", {}).get("hostPath") or pv.get("spec", {}).get("local") or {}).get("path")
+        if not path:
+            raise ContainerConfigError(f"persistentvolume {volume!r} is neither hostPath nor local")
+        return Path(path)
+
+    def _get(self, kind: str, namespace: str | None, name: str) -> dict | None:
+        args = ["get", kind, name, "-o", "json"] + (["-n", namespace] if namespace else [])
+        res = self.cp.kubectl(*args, check=False)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    @staticmethod
+    def _mounts(container: dict, state: _Pod) -> list[tuple[str, Path]]:
+        mounts = []
+        for m in container.get("volumeMounts") or []:
+            host = state.dirs.get(m["name"])
+            if host is not None:
+                mounts.append((m["mountPath"], host / m["subPath"] if m.get("subPath") else host))
+        return mounts
+
+    def _env(self, pod: dict, container: dict, state: _Pod) -> dict[str, str]:
+        namespace = pod["metadata"]["namespace"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV)}
+        env["OMP_NUM_THREADS"] = "1"
+        for source in container.get("envFrom") or []:
+            for ref, kind in (("secretRef", "secret"), ("configMapRef", "configmap")):
+                if ref in source:
+                    obj = self._get(kind, namespace, source[ref]["name"])
+                    if obj is None and not source[ref].get("optional"):
+                        raise ContainerConfigError(f"{kind} {source[ref]['name']!r} not found")
+                    for k, v in ((obj or {}).get("data") or {}).items():
+                        env[source.get("prefix", "") + k] = base64.b64decode(v).decode() if kind == "secret" else v
+        for var in container.get("env") or []:
+            value = self._env_value(pod, namespace, var)
+            if value is not None:
+                env[var["name"]] = value
+        mounts = self._mounts(container, state)
+        return {k: translate(v, mounts) for k, v in env.items()}
+
+    def _env_value(self, pod: dict, namespace: str, var: dict) -> str | None:
+        if "valueFrom" not in var:
+            return var.get("value", "")
+        source = var["valueFrom"]
+        for ref, kind in (("secretKeyRef", "secret"), ("configMapKeyRef", "configmap")):
+            if ref in source:
+                sel = source[ref]
+                data = ((self._get(kind, namespace, sel["name"]) or {}).get("data") or {})
+                if sel["key"] not in data:
+                    if sel.get("optional"):
+                        return None
+                    raise ContainerConfigError(f"couldn't find key {sel['key']} in {kind} {namespace}/{sel['name']}")
+                return base64.b64decode(data[sel["key"]]).decode() if kind == "secret" else data[sel["key"]]
+        if "fieldRef" in source:
+            path = source["fieldRef"]["fieldPath"]
+            return {"metadata.name": pod["metadata"]["name"], "metadata.namespace": namespace,
+                    "status.podIP": pod["status"].get("podIP", ""), "spec.nodeName": pod["spec"].get("nodeName", "")
+                    }.get(path, "")
+        return None
+
+    # Readiness and termination ------------------------------------------------------------------------------------------
 
     def _update_readiness(self, pod: dict, key: str) -> None:
         engine = self.processes[key]
         ready = engine.proc.poll() is None and self._probe(engine)
         if ready != engine.ready:
-            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            now = _now()
             status = "True" if ready else "False"
             conditions = [{"type": t, "status": status, "lastTransitionTime": now} for t in ("ContainersReady", "Ready")]
             namespace, name = key.split("/")
@@ -123,3 +389,6 @@ class PodRunner:
         engine = self.processes.get(key)
         if engine and engine.proc.poll() is None:
             engine.proc.send_signal(signal.SIGTERM)  # the engine drains, as under a kubelet
+        state = self.pods.get(key)
+        if state and state.init and state.init.poll() is None:
+            state.init.send_signal(signal.SIGTERM)
