@@ -34,6 +34,7 @@ class FakeHub:
     def __init__(self, root: Path, tokens: dict[str, str] | None = None, host: str = "127.0.0.1"):
         self.root, self.tokens = Path(root), dict(tokens or {})
         self.downloads: Counter[str] = Counter()  # "org/name/path" -> full or ranged GETs of its bytes
+        self.resumed: list[tuple[str, int]] = []  # ("org/name/path", first byte) of each ranged GET
         hub = self
 
         class Handler(_Handler):
@@ -188,6 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if not head:
             self.hub.downloads[f"{repo}/{name}"] += 1
+            if start:
+                self.hub.resumed.append((f"{repo}/{name}", start))
             self.wfile.write(data[start:])
 
 

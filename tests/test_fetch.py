@@ -117,13 +117,24 @@ def test_hf_without_a_marker_the_files_are_checked_and_a_corrupt_one_fetched_aga
     data = bytearray(weights.read_bytes())
     data[1000] ^= 0xFF  # same size, one bit flipped
     weights.write_bytes(bytes(data))
-    (path / ".cache").exists() and __import__("shutil").rmtree(path / ".cache")  # huggingface_hub's own bookkeeping
     before = downloads(hub_env, PUBLIC_REPO)
     fetch(f"hf://{PUBLIC_REPO}", tmp_path)
     fetched = downloads(hub_env, PUBLIC_REPO) - before
     assert fetched == Counter(["model.safetensors"])  # the intact files were verified and kept
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == \
         hub_env.sibling(PUBLIC_REPO, hub_env.root / PUBLIC_REPO / "model.safetensors")["lfs"]["sha256"]
+
+
+def test_hf_resumes_an_interrupted_download(hub_env, tmp_path, tiny_llama_dir):
+    directory = tmp_path / "hf" / PUBLIC_REPO / "main"
+    directory.mkdir(parents=True)
+    whole = (tiny_llama_dir / "model.safetensors").read_bytes()
+    (directory / "model.safetensors.part").write_bytes(whole[:len(whole) // 3])  # killed a third of the way
+    logged = []
+    fetch(f"hf://{PUBLIC_REPO}", tmp_path, log=logged.append)
+    assert (directory / "model.safetensors").read_bytes() == whole  # and its sha256 was verified
+    assert (f"{PUBLIC_REPO}/model.safetensors", len(whole) // 3) in hub_env.resumed  # a ranged GET
+    assert f"model.safetensors: resuming at {len(whole) // 3} of {len(whole)} bytes" in logged
 
 
 def kaon_fetch(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -54,7 +54,7 @@ def fetch(uri: str, cache: Path = DEFAULT_CACHE, *, revision: str | None = None,
 def _store(source: Source, log):
     if source.scheme == "hf":
         from kaon_runtime.fetch.hf import HubStore
-        return HubStore(source)
+        return HubStore(source, log)
     from kaon_runtime.fetch.s3 import S3Store
     return S3Store(source, log)
 

@@ -5,7 +5,10 @@ import os
 from pathlib import Path
 
 from kaon_runtime.fetch.source import NOT_FOUND, UNAUTHORIZED, UNREACHABLE, FetchError, Source
-from kaon_runtime.fetch.store import RemoteFile
+from kaon_runtime.fetch.store import Progress, RemoteFile
+
+CHUNK = 1 << 20
+_TIMEOUT = 60.0  # seconds without a byte before a read fails (the next attempt resumes)
 
 
 def _endpoint() -> str | None:
@@ -13,11 +16,8 @@ def _endpoint() -> str | None:
 
 
 class HubStore:
-    def __init__(self, source: Source):
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()  # progress goes to our own log lines
-        self.source = source
+    def __init__(self, source: Source, log=None):
+        self.source, self.log = source, log
         self.commit: str | None = None
 
     def list(self) -> list[RemoteFile]:
@@ -37,12 +37,46 @@ class HubStore:
         return self.commit
 
     def download(self, remote: RemoteFile, directory: Path) -> None:
-        """Into directory/name; an interrupted download resumes from its .incomplete file."""
-        from huggingface_hub import hf_hub_download
+        """Into directory/name through name.part; an interrupted download resumes with a ranged GET.
 
+        huggingface_hub 1.x/2.x writes each download to a fresh temp file (no resume), so the bytes
+        are read here, with the client's own URL, auth headers, HTTP session and error handling."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        dest = directory / remote.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(dest.name + ".part")
+        done = part.stat().st_size if part.exists() else 0
+        if done > remote.size:
+            part.unlink()
+            done = 0
+        url = hf_hub_url(self.source.location, remote.name, revision=self.commit or self.source.revision,
+                         endpoint=_endpoint())
+        headers = build_hf_headers()  # HF_TOKEN, user agent
+        log = self.log
+        if done:
+            headers["Range"] = f"bytes={done}-"
+            if log:
+                log(f"{remote.name}: resuming at {done} of {remote.size} bytes")
+        progress = Progress(remote.name, remote.size, log or (lambda _: None))
         with _translated(self.source, remote.name):
-            hf_hub_download(self.source.location, remote.name, revision=self.commit or self.source.revision,
-                            local_dir=directory, endpoint=_endpoint())
+            if done < remote.size:
+                with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                          timeout=_TIMEOUT) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        hf_raise_for_status(response)
+                    mode = "ab" if done and response.status_code == 206 else "wb"  # 200: the whole file again
+                    done = done if mode == "ab" else 0
+                    with open(part, mode) as f:
+                        for chunk in response.iter_bytes(CHUNK):
+                            f.write(chunk)
+                            done += len(chunk)
+                            progress.update(done)
+            else:
+                part.touch()
+        os.replace(part, dest)
 
 
 class _translated:
