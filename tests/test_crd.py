@@ -229,9 +229,11 @@ def test_a_full_spec_round_trips(crd, namespace):
                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                        "affinity": {"nodeAffinity": {}}},
         "replicas": 2,
-        "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 8, "targetQueueDepthPerReplica": 2.5,
+        "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 8, "targetConcurrencyPerReplica": 3,
+                        "targetUtilization": 0.8, "targetQueueDepthPerReplica": 2.5,
                         "targetP99LatencySeconds": 1.5, "latencyMetric": "e2e", "scaleUpWindowSeconds": 10,
-                        "scaleDownStabilizationSeconds": 120, "maxStep": 4, "scaleToZeroIdleSeconds": 600},
+                        "scaleDownStabilizationSeconds": 120, "maxStep": 4, "scaleToZeroIdleSeconds": 600,
+                        "scaleFromZeroTimeoutSeconds": 300},
         "routing": {"strategy": "least-connections"},
     }
     expected = api.InferenceServiceSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)

@@ -146,13 +146,18 @@ class EnvVar(_Model):
     """An environment variable of the engine containers (a Kubernetes `EnvVar`)."""
 
     name: str = Field(min_length=1, max_length=1024, pattern=_ENV_NAME)
+    """The variable's name."""
     value: str | None = None
+    """Its value (or valueFrom)."""
     value_from: dict[str, Any] | None = None
     """`secretKeyRef`, `configMapKeyRef`, `fieldRef` or `resourceFieldRef`, as in a pod spec."""
 
 
 class LocalObjectReference(_Model):
+    """An object of the same namespace, by name."""
+
     name: str = Field(min_length=1, max_length=253)
+    """The object's name (here: a Secret of type kubernetes.io/dockerconfigjson)."""
 
 
 class Volume(_Model):
@@ -161,15 +166,20 @@ class Volume(_Model):
     model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
 
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """The volume's name, for volumeMounts (not one of the operator's own)."""
 
 
 class VolumeMount(_Model):
     """Where a volume appears in the engine containers."""
 
     name: str = Field(min_length=1, max_length=63)
+    """The volume's name (in engine.volumes)."""
     mount_path: str = Field(min_length=2, max_length=4096, pattern=r"^/")
+    """An absolute path in the containers (not one of the operator's own)."""
     read_only: bool | None = None
+    """Mount it read-only."""
     sub_path: str | None = None
+    """Mount this path inside the volume instead of its root."""
 
 
 class EngineSpec(_Model):
