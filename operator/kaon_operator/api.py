@@ -295,11 +295,11 @@ class AutoscalingSpec(_Model):
     """P99 of `latencyMetric` above which the autoscaler adds replicas (unset: no latency target)."""
     latency_metric: Literal["ttft", "e2e"] = "ttft"
     """Time to first token, or end-to-end request latency."""
-    scale_up_window_seconds: int = Field(30, ge=0, le=MAX_WINDOW_SECONDS)
+    scale_up_window_seconds: int = Field(60, ge=0, le=MAX_WINDOW_SECONDS)
     """The window whose mean concurrency (and whole-window queue depth or P99) decides a scale-up; bursts of
     twice the capacity act at once."""
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=MAX_WINDOW_SECONDS)
-    """How long the peak load must fit fewer replicas (and no replica change happen) before scaling down."""
+    """How long the peak load must fit fewer replicas before scaling down."""
     max_step: int = Field(2, ge=1)
     """Most replicas added or removed by one decision."""
     scale_to_zero_idle_seconds: int | None = Field(None, ge=1, le=MAX_WINDOW_SECONDS)

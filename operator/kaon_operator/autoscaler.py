@@ -17,13 +17,14 @@ calibrated model of the engine.
   so they act only when no replica is starting and the last change is a window old.
 - **Down**: only when the *peak* concurrency of the last `scaleDownStabilizationSeconds`
   fits fewer replicas with TOLERANCE to spare, no queue and no P99 over target in that
-  window, and no change for that long. A steady load therefore never moves replicas. With
+  window, and no change for a scale-up window. A steady load therefore never moves replicas. With
   a latency target, "fits" also means staying under the concurrency per replica at which
   P99 last missed the target (remembered for an hour), so a latency-bound service does not
   scale down into the same miss again.
-- **P99** is the quantile of summed per-tick histogram deltas, and only counts over at
-  least MIN_LATENCY_REQUESTS requests: the up signal widens its window back (to the last
-  change at most) until it holds that many; the P99 of 20 requests is their slowest one.
+- **P99** comes from summed per-tick histogram deltas. It adds replicas only when more than
+  1% of at least MIN_LATENCY_REQUESTS requests missed the target with 99% confidence (the
+  window widens back, to the last change at most, until it shows that): the P99 of 100
+  requests with 3 slow ones is just those three.
 - **Fail safe**: a sample where some ready replica did not answer holds the replica count
   (and the decision says why, for a condition and an Event); a scale-down window must have
   MIN_COMPLETE_SHARE of its scrapes complete and is judged on those.
@@ -44,6 +45,7 @@ from kaon_operator.api import MAX_WINDOW_SECONDS, AutoscalingSpec
 PANIC_FACTOR = 2.0  # the latest sample alone wants this many times the replicas: react now
 TOLERANCE = 0.1  # within 10% of target is "at target", both ways (HPA's default tolerance)
 MIN_LATENCY_REQUESTS = 100  # the P99 of fewer requests is little more than the slowest one
+CONFIDENCE_Z = 2.326  # a P99 miss must hold with 99% confidence (one-sided), not be a few unlucky requests
 MIN_COMPLETE_SHARE = 0.9  # a scale-down window may miss this share of its scrapes (a pod missing one now and then)
 HISTORY_MARGIN_SECONDS = 60
 
@@ -108,37 +110,55 @@ def window_p99(samples: list[Sample]) -> tuple[float | None, float]:
     return (scraper.quantile(merged, 0.99) if count >= MIN_LATENCY_REQUESTS else None), count
 
 
-def recent_p99(history: list[Sample], since: float) -> float | None:
-    """P99 over the newest samples after `since` that hold MIN_LATENCY_REQUESTS finished
-    requests: the window widens until it has enough requests to mean something."""
+def misses_target(samples: list[Sample], goal: float) -> tuple[bool, float | None, float, float]:
+    """Whether more than 1% of the samples' requests took longer than `goal`, with 99%
+    confidence (Wilson's lower bound on the share over it): (missed, P99, over, requests).
+    A window of 100 requests with 3 slow ones is not a miss; 4 are."""
+    merged = scraper.add_buckets(*(s.latency for s in samples))
+    n = merged[-1][1] if merged else 0.0
+    if n < MIN_LATENCY_REQUESTS:
+        return False, None, 0.0, n
+    over = scraper.count_above(merged, goal)
+    z2, share = CONFIDENCE_Z ** 2, over / n
+    lower = (share + z2 / (2 * n) - CONFIDENCE_Z * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+    return lower > 0.01, scraper.quantile(merged, 0.99), over, n
+
+
+def recent_miss(history: list[Sample], goal: float, since: float) -> tuple[float, float, float] | None:
+    """(P99, requests over the goal, requests) of the newest samples after `since` that show a
+    confident miss of `goal`, widening back until they do or the samples run out; None if none."""
     taken: list[Sample] = []
     for sample in reversed(history):
         if sample.time <= since:
             break
         taken.append(sample)
-        p99, _ = window_p99(taken)
-        if p99 is not None:
-            return p99
+        missed, p99, over, n = misses_target(taken, goal)
+        if missed:
+            return p99, over, n
     return None
 
 
 def latency_ceiling(history: list[Sample], spec: AutoscalingSpec) -> float | None:
-    """The lowest concurrency per ready replica at which P99 missed the latency target, over
-    consecutive stretches of history holding MIN_LATENCY_REQUESTS requests each: a scale-down
-    must not load the replicas past it, or it would only bring the miss back."""
+    """The lowest concurrency per ready replica at which the latency target was confidently
+    missed: a scale-down must not load the replicas past it, or it would only bring the miss
+    back. Judged over stretches of MIN_LATENCY_REQUESTS requests, cut newest first, that keep
+    the same ready replicas and none starting: across a change, latencies measured now belong
+    to load from before, and would set a false ceiling."""
     goal = spec.target_p99_latency_seconds
     if not goal:
         return None
     ceilings, stretch = [], []
-    for sample in history:
+    for sample in reversed(history):
+        if sample.starting or not sample.ready or (stretch and sample.ready != stretch[0].ready):
+            stretch = []
+            if sample.starting or not sample.ready:
+                continue
         stretch.append(sample)
-        p99, _ = window_p99(stretch)
-        if p99 is None:
-            continue
-        loaded = [s.concurrency / s.ready for s in stretch if s.ready]
-        if p99 > goal and loaded:
-            ceilings.append(sum(loaded) / len(loaded))
-        stretch = []
+        missed, _, _, n = misses_target(stretch, goal)
+        if n >= MIN_LATENCY_REQUESTS:
+            if missed:
+                ceilings.append(sum(s.concurrency for s in stretch) / len(stretch) / sample.ready)
+            stretch = []
     return min(ceilings, default=None)
 
 
@@ -183,10 +203,12 @@ def _up(history: list[Sample], spec: AutoscalingSpec, target: float, current: in
                            f"queue depth {min(queues):.1f} per replica > target {spec.target_queue_depth_per_replica:g}"))
         goal = spec.target_p99_latency_seconds
         lookback = now - max(spec.scale_up_window_seconds, spec.scale_down_stabilization_seconds)
-        p99 = recent_p99(history, max(lookback, last_change if last_change is not None else lookback))
-        if goal and p99 is not None and p99 > goal:
+        miss = goal and recent_miss(history, goal, max(lookback, last_change if last_change is not None else lookback))
+        if miss:
+            p99, over, n = miss
             wishes.append((max(current + 1, math.ceil(current * min(p99 / goal, PANIC_FACTOR))),
-                           f"P99 {spec.latency_metric} {p99:.2f}s > target {goal:g}s"))
+                           f"P99 {spec.latency_metric} {p99:.2f}s > target {goal:g}s "
+                           f"({over:.0f} of {n:.0f} requests over)"))
     wanted = max(wishes, default=None)
     return wanted if wanted and wanted[0] > current else None
 
@@ -204,7 +226,10 @@ def _idle(history: list[Sample], spec: AutoscalingSpec, current: int, now: float
 def _down(history: list[Sample], spec: AutoscalingSpec, target: float, current: int, now: float,
           last_change: float | None) -> tuple[int, str] | None:
     seconds = spec.scale_down_stabilization_seconds
-    if last_change is not None and last_change > now - seconds:
+    # The window's peak already remembers the load of any scale-up in it; waiting a scale-up
+    # window after the last change lets that change show its effect first (and lets one
+    # scale-down follow another without a whole stabilization window between them).
+    if last_change is not None and last_change > now - min(seconds, spec.scale_up_window_seconds):
         return None
     window = _window(history, now, seconds)
     if window is None or not history[-1].complete:

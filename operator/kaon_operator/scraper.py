@@ -81,6 +81,20 @@ def add_buckets(*histograms: tuple[tuple[float, float], ...]) -> tuple[tuple[flo
     return tuple(sorted(total.items()))
 
 
+def count_above(buckets: Buckets, value: float) -> float:
+    """Observations above `value`, linear inside the bucket that holds it (as `quantile` assumes)."""
+    if not buckets:
+        return 0.0
+    total, prev_le, prev_count = buckets[-1][1], 0.0, 0.0
+    for le, count in buckets:
+        if value <= le:
+            if math.isinf(le):
+                return total - prev_count
+            return total - (prev_count + (count - prev_count) * (value - prev_le) / max(le - prev_le, 1e-12))
+        prev_le, prev_count = le, count
+    return 0.0
+
+
 def quantile(buckets: tuple[tuple[float, float], ...], q: float) -> float | None:
     """Prometheus' histogram_quantile: linear inside the bucket; None without observations.
     Past the last finite bound it answers that bound (the histogram knows no more)."""

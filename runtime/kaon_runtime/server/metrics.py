@@ -18,8 +18,10 @@ from kaon_runtime.engine.llm_engine import EngineStats
 from kaon_runtime.engine.outputs import RequestOutput
 
 # From a millisecond (a cached short prompt on a GPU) to ten minutes (a long CPU generation).
+# Fine between 1 and 10 s, where TTFT and end-to-end SLOs live: the autoscaler interpolates a
+# P99 inside a bucket, and a 4 s target inside (2.5, 5] would read a 2.6 s P99 as over it.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+                   1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class _EngineCollector(Collector):
