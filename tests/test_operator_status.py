@@ -158,3 +158,96 @@ def test_foreign_spec_managers():
                          "fieldsV1": {"f:spec": {"f:replicas": {}}}}]
     assert changes.foreign_spec_managers(edited) == ["kubectl", "kubectl-edit"]
     assert changes.foreign_spec_managers(None) == []
+
+
+# Failures read from what the kubelet and the controllers report ------------------------------------------------
+
+
+def engine_status(state: dict, last: dict | None = None, restarts: int = 3) -> dict:
+    return {"metadata": {"name": "llama-0"}, "status": {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "False"}], "containerStatuses": [
+        {"name": "engine", "restartCount": restarts, "state": state,
+         **({"lastState": {"terminated": last}} if last else {})}]}}
+
+
+def degraded(pods=(), dep=None, now=None) -> dict:
+    conds = status.conditions(deployment=dep, pods=[status.summarize_pod(p) for p in pods], desired=1,
+                              gpus_per_pod=1, generation_applied=True, now=now)
+    return next(c for c in conds if c["type"] == "Degraded")
+
+
+BACK_OFF = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container=engine"}}
+
+
+def test_a_crash_loop_says_the_exit_code_and_the_engines_last_line():
+    log = "Traceback...\nkaon: error: builtin://does-not-exist: no such builtin model\n"
+    cond = degraded([engine_status(BACK_OFF, {"exitCode": 2, "reason": "Error", "message": log})])
+    assert (cond["status"], cond["reason"]) == ("True", "CrashLoopBackOff")
+    assert cond["message"] == ("1 pod(s) failing; llama-0: container engine exited with code 2 (3 restart(s)): "
+                               "kaon: error: builtin://does-not-exist: no such builtin model")
+    # without a termination message the kubelet's own words remain
+    bare = degraded([engine_status(BACK_OFF)])
+    assert bare["reason"] == "CrashLoopBackOff" and "back-off 40s" in bare["message"]
+
+
+def test_oom_killed_is_its_own_reason_while_waiting_or_terminated_not_once_running_again():
+    oom = {"exitCode": 137, "reason": "OOMKilled"}
+    for state, last in ((BACK_OFF, oom), ({"terminated": oom}, None)):
+        cond = degraded([engine_status(state, last)])
+        assert cond["reason"] == "OOMKilled", cond
+        assert "more memory than its limit" in cond["message"] and "exit code 137" in cond["message"]
+    assert degraded([engine_status({"running": {}}, oom)])["status"] == "False"  # it came back up
+
+
+def test_pods_refused_by_a_quota_are_failed_create_from_the_deployments_replica_failure():
+    refused = 'pods "llama-7d9-x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1'
+    dep = status.summarize_deployment({"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {
+        "observedGeneration": 1, "conditions": [
+            {"type": "Available", "status": "False"},
+            {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": refused}]}})
+    assert dep.replica_failure == refused
+    cond = degraded([], dep)
+    assert cond["reason"] == "FailedCreate" and cond["message"] == f"the ReplicaSet cannot create pods: {refused}"
+    assert deployment().replica_failure is None and degraded([], deployment())["status"] == "False"
+
+
+def slow_pod(since: str, *, ready="False") -> dict:
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
+    return {"metadata": {"name": "slow-0"},
+            "spec": {"containers": [{"name": "engine", "startupProbe": probe,
+                                     "readinessProbe": {"periodSeconds": 5, "failureThreshold": 2}}]},
+            "status": {"phase": "Running", "startTime": "2026-01-01T00:00:00Z", "conditions": [
+                {"type": "Ready", "status": ready, "lastTransitionTime": since}],
+                "containerStatuses": [{"name": "engine", "restartCount": 0, "state": {"running": {}}}]}}
+
+
+def test_a_pod_not_ready_past_its_probes_budget_is_startup_timeout():
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    summary = status.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))
+    assert summary.startup_budget_s == 70  # 6 x 10 s startup + 2 x 5 s readiness
+    assert status.next_startup_deadline([summary]) == t0 + timedelta(seconds=70)
+    assert degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=69))["status"] == "False"
+    cond = degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=71))
+    assert (cond["status"], cond["reason"]) == ("True", "StartupTimeout")
+    assert "70 s their probes allow" in cond["message"] and "slow-0: not ready for 71 s" in cond["message"]
+    # judged from when it last became not ready, and never without a clock or once ready
+    assert degraded([slow_pod("2026-01-01T00:01:00Z")], now=t0 + timedelta(seconds=71))["status"] == "False"
+    assert degraded([slow_pod("2026-01-01T00:00:00Z")])["status"] == "False"
+    ready = slow_pod("2026-01-01T00:00:00Z", ready="True")
+    assert degraded([ready], now=t0 + timedelta(hours=1))["status"] == "False"
+    assert status.next_startup_deadline([status.summarize_pod(ready)]) is None
+
+
+def test_each_failure_posts_one_warning_and_recovery_one_normal_event():
+    crash = status.conditions(deployment=None, pods=[status.summarize_pod(engine_status(BACK_OFF, {"exitCode": 1}))],
+                              desired=1, gpus_per_pod=1, generation_applied=True)
+    first = status.transition_events(crash, [])
+    assert [(e.type, e.reason) for e in first if e.type == "Warning"] == [("Warning", "CrashLoopBackOff")]
+    assert status.transition_events(crash, crash) == []  # the same failure on the next tick: no new Event
+    oom = status.conditions(deployment=None, pods=[status.summarize_pod(engine_status(BACK_OFF, {
+        "exitCode": 137, "reason": "OOMKilled"}))], desired=1, gpus_per_pod=1, generation_applied=True)
+    assert [(e.type, e.reason) for e in status.transition_events(oom, crash)] == [("Warning", "OOMKilled")]
+    healthy = status.conditions(deployment=None, pods=[status.summarize_pod(pod())], desired=1, gpus_per_pod=1,
+                                generation_applied=True)
+    assert ("Normal", "Recovered", "no longer degraded (OOMKilled)") in [
+        (e.type, e.reason, e.message) for e in status.transition_events(healthy, oom)]

@@ -7,7 +7,7 @@ see for each condition that changed. No I/O here, so every rule is testable in m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 # Container waiting reasons that mean the pod will not become ready on its own.
 STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -27,6 +27,11 @@ class PodSummary:
     model_failure: tuple[str, str] | None = None
     """(ModelFetchFailed or ModelDoesNotFit, the one-line reason) when the fetch init container or the
     engine said why the model cannot be served (their termination message)."""
+    not_ready_since: datetime | None = None
+    """When a Running pod's Ready condition last turned False (else its start), while it is not ready."""
+    startup_budget_s: float | None = None
+    """How long the pod's own probes allow before it must be ready: the startup probe's whole budget
+    plus the readiness probe's failures."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,9 @@ class DeploymentSummary:
     ready: int
     available: int
     progress_deadline_exceeded: bool = False
+    replica_failure: str | None = None
+    """The ReplicaSet cannot create pods (its ReplicaFailure condition, which the Deployment controller
+    copies to the Deployment): a ResourceQuota or LimitRange refused them, with the apiserver's words."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +101,49 @@ def model_failure(status: dict) -> tuple[str, str] | None:
     return None
 
 
+def _time(stamp: str | None) -> datetime | None:
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+    except ValueError:
+        return None
+
+
+def _stuck(container: dict) -> tuple[str, str] | None:
+    """(reason, message) for a container that will not run on its own: OOMKilled when its last run was
+    killed for memory, else the kubelet's waiting reason with the last run's exit code and termination
+    message (the engine's one-line cause)."""
+    name, state = container.get("name"), container.get("state") or {}
+    waiting = state.get("waiting") or {}
+    last = state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
+    restarts = container.get("restartCount", 0)
+    if last.get("reason") == "OOMKilled" and (waiting or state.get("terminated")):
+        return "OOMKilled", (f"container {name} was killed for using more memory than its limit "
+                             f"(exit code {last.get('exitCode', 137)}, {restarts} restart(s))")
+    if waiting.get("reason") not in STUCK_REASONS:
+        return None
+    message = f"container {name}: {waiting.get('message') or waiting['reason']}"
+    if last and last.get("exitCode", 0) != 0:
+        cause = _last_line(last.get("message") or "")
+        message = (f"container {name} exited with code {last.get('exitCode')} ({restarts} restart(s))"
+                   + (f": {cause}" if cause else ""))
+    return waiting["reason"], message
+
+
+def _probe_budget(probe: dict | None, default_failures: int = 3) -> float:
+    if not probe:
+        return 0.0
+    return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold",
+                                                                                            default_failures)
+
+
+def _startup_budget(pod: dict) -> float | None:
+    containers = (pod.get("spec") or {}).get("containers") or []
+    engine = next((c for c in containers if c.get("name") == "engine"), containers[0] if containers else None)
+    if not engine or not (engine.get("startupProbe") or engine.get("readinessProbe")):
+        return None
+    return _probe_budget(engine.get("startupProbe")) + _probe_budget(engine.get("readinessProbe"))
+
+
 def summarize_pod(pod: dict) -> PodSummary:
     meta, status = pod.get("metadata", {}), pod.get("status") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
@@ -100,34 +151,47 @@ def summarize_pod(pod: dict) -> PodSummary:
     unschedulable = None
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         unschedulable = scheduled.get("message") or "no node fits the pod"
-    stuck = None
-    for container in status.get("containerStatuses") or []:
-        waiting = (container.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in STUCK_REASONS:
-            stuck = (waiting["reason"], f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}")
-            break
-    return PodSummary(name=meta.get("name", ""), ip=status.get("podIP"), ready=conditions.get("Ready", {}).get("status") == "True",
+    stuck = next(filter(None, map(_stuck, status.get("containerStatuses") or [])), None)
+    ready = conditions.get("Ready", {})
+    not_ready_since = None
+    if status.get("phase") == "Running" and ready.get("status") != "True":
+        not_ready_since = (_time(ready.get("lastTransitionTime")) if ready.get("status") == "False" else None) \
+            or _time(status.get("startTime"))
+    return PodSummary(name=meta.get("name", ""), ip=status.get("podIP"), ready=ready.get("status") == "True",
                       terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck,
-                      model_failure=model_failure(status))
+                      model_failure=model_failure(status), not_ready_since=not_ready_since,
+                      startup_budget_s=_startup_budget(pod))
 
 
 def summarize_deployment(deployment: dict) -> DeploymentSummary:
     status = deployment.get("status") or {}
     deadline = any(c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
                    for c in status.get("conditions") or [])
+    failure = next((c for c in status.get("conditions") or []
+                    if c.get("type") == "ReplicaFailure" and c.get("status") == "True"), None)
     return DeploymentSummary(
         generation=deployment.get("metadata", {}).get("generation", 0),
         observed_generation=status.get("observedGeneration", 0),
         replicas=(deployment.get("spec") or {}).get("replicas", 1), total=status.get("replicas", 0),
         updated=status.get("updatedReplicas", 0), ready=status.get("readyReplicas", 0),
-        available=status.get("availableReplicas", 0), progress_deadline_exceeded=deadline)
+        available=status.get("availableReplicas", 0), progress_deadline_exceeded=deadline,
+        replica_failure=None if failure is None else (failure.get("message") or failure.get("reason") or "FailedCreate"))
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus_per_pod: int) -> dict:
+def _overdue(pod: PodSummary, now: datetime | None) -> float | None:
+    """Seconds a pod has been not ready past what its probes allow, or None."""
+    if now is None or pod.ready or pod.not_ready_since is None or pod.startup_budget_s is None:
+        return None
+    waited = (now - pod.not_ready_since).total_seconds()
+    return waited if waited > pod.startup_budget_s else None
+
+
+def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus_per_pod: int,
+              now: datetime | None = None) -> dict:
     live = [p for p in pods if not p.terminating]
     pending = [p for p in live if p.unschedulable]
     if pending:
@@ -143,6 +207,16 @@ def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus
     if stuck:
         reason, message = stuck[0].stuck
         return _condition("Degraded", True, reason, f"{len(stuck)} pod(s) failing; {stuck[0].name}: {message}")
+    if deployment and deployment.replica_failure:
+        return _condition("Degraded", True, "FailedCreate",
+                          f"the ReplicaSet cannot create pods: {deployment.replica_failure}")
+    overdue = [(p, w) for p in live if (w := _overdue(p, now)) is not None]
+    if overdue:
+        pod, waited = overdue[0]
+        return _condition("Degraded", True, "StartupTimeout",
+                          f"{len(overdue)} pod(s) not ready after the {pod.startup_budget_s:.0f} s their probes allow "
+                          f"(model too slow to load, or the engine never answers /ready); {pod.name}: not ready "
+                          f"for {waited:.0f} s")
     if deployment and deployment.progress_deadline_exceeded:
         return _condition("Degraded", True, "ProgressDeadlineExceeded",
                           "the rollout made no progress within its deadline")
@@ -181,10 +255,18 @@ def _progressing(deployment: DeploymentSummary | None, generation_applied: bool,
 
 
 def conditions(*, deployment: DeploymentSummary | None, pods: list[PodSummary], desired: int,
-               gpus_per_pod: int, generation_applied: bool) -> list[dict]:
-    """Ready, Progressing and Degraded (without timestamps) for the current state."""
+               gpus_per_pod: int, generation_applied: bool, now: datetime | None = None) -> list[dict]:
+    """Ready, Progressing and Degraded (without timestamps) for the current state; `now` judges
+    pods that stay not ready past their probes' budget (StartupTimeout)."""
     return [_ready(pods, desired), _progressing(deployment, generation_applied, desired),
-            _degraded(deployment, pods, gpus_per_pod)]
+            _degraded(deployment, pods, gpus_per_pod, now)]
+
+
+def next_startup_deadline(pods: list[PodSummary]) -> datetime | None:
+    """When the first not-ready pod runs out of its probes' budget: the status must be judged again then."""
+    deadlines = [p.not_ready_since + timedelta(seconds=p.startup_budget_s) for p in pods
+                 if not p.ready and not p.terminating and p.not_ready_since and p.startup_budget_s is not None]
+    return min(deadlines, default=None)
 
 
 def invalid_spec_conditions(message: str) -> list[dict]:
