@@ -234,7 +234,7 @@ def test_a_full_spec_round_trips(crd, namespace):
                         "targetP99LatencySeconds": 1.5, "latencyMetric": "e2e", "scaleUpWindowSeconds": 10,
                         "scaleDownStabilizationSeconds": 120, "maxStep": 4, "scaleToZeroIdleSeconds": 600,
                         "scaleFromZeroTimeoutSeconds": 300},
-        "routing": {"strategy": "least-connections"},
+        "routing": {"strategy": "prefix-affinity", "loadBound": 1.5},
     }
     expected = api.InferenceServiceSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)
     assert expected == spec

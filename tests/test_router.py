@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.control_plane import free_port
 from kaon_operator import api, resources
+from kaon_operator.router import affinity
 from kaon_operator.router.balance import Backoff, candidates, pick
 from kaon_operator.router.endpoints import ENGINE_POD_SELECTOR, Endpoint, EndpointTable, ServiceKey, endpoint
 from kaon_operator.router.errors import RouterError
@@ -147,6 +148,114 @@ def test_requested_model_refuses_what_is_not_an_openai_request():
         with pytest.raises(RouterError) as err:
             requested_model(body)
         assert err.value.status == 400 and fragment in err.value.message, body
+
+
+# prefix affinity: pure decisions ------------------------------------------------------
+
+
+def conversation(i: int, turns: int, system: str = "You are a helpful assistant. " * 20) -> list[list[dict]]:
+    """The `messages` of each turn of one chat: every turn repeats the earlier ones."""
+    messages, requests = [{"role": "system", "content": system}], []
+    for t in range(turns):
+        messages = [*messages, {"role": "user", "content": f"conversation {i}, question {t}: " + "why? " * 30}]
+        requests.append(messages)
+        messages = [*messages, {"role": "assistant", "content": f"answer {t} " * 20}]
+    return requests
+
+
+def test_prompt_chunks_chain_so_a_shared_prefix_shares_its_hashes():
+    base = "x" * 600
+    a, b = affinity.chain(base + "tail one", "ns/svc"), affinity.chain(base + "other tail", "ns/svc")
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]  # two full chunks of 256 in common, tails differ
+    assert affinity.chain("y" + base[1:], "ns/svc")[1] != a[1]  # chained: a change in chunk 0 changes chunk 1
+    assert affinity.chain(base, "ns/other")[0] != a[0]  # services apart
+    assert affinity.chain("short", "s") and affinity.chain("", "s") == []
+
+
+def test_a_chat_prefix_runs_to_the_last_user_turn_and_its_anchor_to_the_first():
+    turns = conversation(0, 3)
+    texts = [affinity.prompt_prefix("/v1/chat/completions", {"messages": m}) for m in turns]
+    # Each turn's text starts with the previous turn's: the engine's cache of a turn serves the next.
+    assert all(texts[i + 1][0].startswith(texts[i][0]) for i in range(2))
+    assert len({anchor for _, anchor in texts}) == 1  # the anchor stays put over the conversation
+    assert texts[0][1] != affinity.prompt_prefix("/v1/chat/completions", {"messages": conversation(1, 1)[0]})[1]
+    # What follows the last user turn (a prefilled assistant reply) is not part of it.
+    extra = affinity.prompt_prefix("/v1/chat/completions",
+                                   {"messages": [*turns[0], {"role": "assistant", "content": "Sure"}]})
+    assert extra == texts[0]
+    assert affinity.prompt_prefix("/v1/completions", {"prompt": "Once"}) == ("Once", "Once")
+    assert affinity.prompt_prefix("/v1/completions", {"prompt": [1, 2, 3]}) == ("1,2,3", "1,2,3")
+    assert affinity.prompt_prefix("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch: no one prefix
+    assert affinity.prompt_prefix("/v1/embeddings", {"input": "x"}) is None
+    assert affinity.prompt_prefix("/v1/chat/completions", {"messages": "x"}) is None
+
+
+def _owners(ring: affinity.Ring, keys: list[int]) -> list:
+    return [ring.walk(k)[0] for k in keys]
+
+
+def test_the_ring_keeps_a_key_on_one_pod_spreads_keys_and_a_leaving_pod_moves_only_its_own():
+    pods = [ep(f"p{i}") for i in range(5)]
+    ring = affinity.Ring(pods, name=lambda e: e.pod)
+    keys = [affinity.chain(f"conversation {i}", "s")[-1] for i in range(5000)]
+    owners = _owners(ring, keys)
+    assert owners == _owners(affinity.Ring(list(reversed(pods)), name=lambda e: e.pod), keys)  # order-free
+    assert sorted(ring.walk(keys[0]), key=lambda e: e.pod) == pods  # the walk visits every pod once
+    spread = Counter(e.pod for e in owners)
+    assert len(spread) == 5 and max(spread.values()) < 1.3 * 1000 and min(spread.values()) > 0.7 * 1000, spread
+    gone = pods[2]
+    after = _owners(affinity.Ring([p for p in pods if p != gone], name=lambda e: e.pod), keys)
+    moved = [k for k, (b, a) in enumerate(zip(owners, after)) if b != a]
+    assert all(owners[k] == gone for k in moved)  # only the leaving pod's keys move ...
+    assert len(moved) < len(keys) * (1 / 5 + 0.06), len(moved)  # ... about 1/N of them
+    # A pod joining takes keys from the others, and no key moves between two old pods.
+    joined = _owners(affinity.Ring([*pods, ep("p5")], name=lambda e: e.pod), keys)
+    assert all(a == b or a.pod == "p5" for b, a in zip(owners, joined))
+    assert sum(a.pod == "p5" for a in joined) < len(keys) * (1 / 6 + 0.06)
+
+
+def test_choose_keeps_the_first_choice_until_it_is_over_the_load_bound():
+    a, b, c = ep("a"), ep("b"), ep("c")
+    order = [b, c, a]
+    assert affinity.choose(order, [a, b, c], {}, 1.25) == (b, True)
+    # b carries 2 of 3 in flight: capacity ceil(1.25 x 4 / 3) = 2, so b is skipped for c.
+    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 1.25) == (c, False)
+    assert affinity.choose(order, [a, b, c], {b: 1, a: 1}, 1.25) == (b, True)
+    # The holder of the known prefix comes before the ring, and is skipped the same way.
+    assert affinity.choose(order, [a, b, c], {}, 1.25, first=a) == (a, True)
+    assert affinity.choose(order, [a, b, c], {a: 3}, 1.25, first=a) == (b, False)
+    # Only usable pods (not tried, not backing off) count; a generous bound keeps affinity.
+    assert affinity.choose(order, [a, c], {}, 1.25) == (c, True)
+    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 3.0) == (b, True)
+    # A tight bound: capacity ceil(1.01 x 10 / 2) = 6.
+    assert affinity.choose(order, [b, c], {b: 5, c: 4}, 1.01) == (b, True)
+    assert affinity.choose(order, [b, c], {b: 6, c: 3}, 1.01) == (c, False)
+
+
+def test_bounded_loads_keep_every_pod_near_the_mean_even_when_one_key_is_hot():
+    pods = [ep(f"p{i}") for i in range(4)]
+    ring = affinity.Ring(pods, name=lambda e: e.pod)
+    inflight: dict = {}
+    for _ in range(100):  # one hot prefix, requests that never finish
+        target, _ = affinity.choose(ring.walk(42), pods, inflight, 1.25)
+        inflight[target] = inflight.get(target, 0) + 1
+    assert max(inflight.values()) <= 1.25 * 100 / 4 + 1, inflight
+
+
+def test_the_longest_known_prefix_wins_unless_it_went_to_several_pods():
+    a, b = ep("a"), ep("b")
+    known = affinity.KnownPrefixes(capacity=10)
+    system = affinity.chain("s" * 512, "k")
+    turn1 = affinity.chain("s" * 512 + "u" * 300, "k")
+    known.record(turn1, a)
+    assert affinity.preferred(turn1, known, [a, b]) == a
+    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "more", "k"), known, [a, b]) == a
+    assert affinity.preferred(turn1, known, [b]) is None  # a is not usable now
+    known.record(affinity.chain("s" * 512 + "v" * 300, "k"), b)  # another conversation, same system prompt
+    assert affinity.preferred(system, known, [a, b]) is None  # shared: says nothing
+    assert affinity.preferred(turn1, known, [a, b]) == a
+    known.record(affinity.chain("z" * 2600, "k"), b)  # 11 chunks: the oldest are forgotten
+    assert len(known) == 10 and affinity.preferred(turn1, known, [a, b]) is None
 
 
 # the HTTP path against fake engines ----------------------------------------------------
@@ -584,3 +693,63 @@ def test_an_autoscaled_service_holds_requests_for_its_cold_start_not_the_routers
     # Held for the service's 1 s (a GPU cold start is minutes), not the router's default 0.2 s.
     assert status == 503 and elapsed >= 1.0, (status, elapsed)
     assert "within 1s" in body["error"]["message"]
+
+
+def test_prefix_affinity_keeps_a_conversation_on_one_pod_and_passes_a_hot_pod_over():
+    async def scenario():
+        engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
+        table = EndpointTable()
+        service = isvc("svc", "m")
+        service["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 1.25}
+        table.apply_service("ADDED", service)
+        for engine in engines:
+            table.apply_pod("ADDED", pod(engine.name, port=engine.port))
+        table.synced = True
+        router = Router(table, RouterConfig(), rng=random.Random(0))
+        async with serving(router) as client:
+            async def ask(messages) -> str:
+                async with client.post("/v1/chat/completions", json={"model": "m", "messages": messages}) as resp:
+                    assert resp.status == 200
+                    return (await resp.json())["backend"]
+
+            homes = []
+            for i in range(12):
+                backends = {await ask(messages) for messages in conversation(i, 4)}
+                assert len(backends) == 1, f"conversation {i} went to {backends}"
+                homes.append(backends.pop())
+            assert len(set(homes)) == 3, homes  # different conversations spread
+            hits = metric(await (await client.get("/metrics")).text(), "kaon_router_affinity_hits_total",
+                          namespace=NS, inferenceservice="svc")
+            assert hits == 48
+            # Hold two streams open on conversation 0's pod: it is over the bound, so its next turn goes elsewhere.
+            home = next(e for e in engines if e.name == homes[0])
+            target = next(e for e in router.inflight.keys() | set(table.endpoints(ServiceKey(NS, "svc")))
+                          if e.pod == home.name)
+            router.inflight[target] = 2  # as if two long requests were in flight there
+            assert await ask(conversation(0, 5)[4]) != home.name
+            text = await (await client.get("/metrics")).text()
+            assert metric(text, "kaon_router_affinity_overrides_total", namespace=NS, inferenceservice="svc") == 1
+            del router.inflight[target]
+        for e in engines:
+            await e.stop()
+
+    run(scenario())
+
+
+def test_least_connections_stays_the_default_and_ignores_prefixes():
+    async def scenario():
+        engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
+        router = routed(*engines)
+        assert router.table.service(ServiceKey(NS, "svc")).strategy == "least-connections"
+        async with serving(router) as client:
+            backends = set()
+            for _ in range(30):
+                async with client.post("/v1/chat/completions",
+                                       json={"model": "m", "messages": conversation(0, 1)[0]}) as resp:
+                    backends.add((await resp.json())["backend"])
+            assert len(backends) == 3  # ties at random: the same prompt goes everywhere
+            assert "kaon_router_affinity_hits_total{" not in await (await client.get("/metrics")).text()
+        for e in engines:
+            await e.stop()
+
+    run(scenario())

@@ -45,6 +45,10 @@ class Service:
     hold_seconds: float | None = None
     """How long a request may wait for a first ready pod: an autoscaled service's
     scaleFromZeroTimeoutSeconds, which covers a cold start (None: the router's --queue-timeout)."""
+    strategy: str = "least-connections"
+    """spec.routing.strategy: least-connections or prefix-affinity."""
+    load_bound: float = 1.25
+    """spec.routing.loadBound: with prefix-affinity, how far above the mean load a pod may go."""
 
 
 def _is_ready(status: dict) -> bool:
@@ -80,8 +84,10 @@ def service(isvc: dict) -> Service:
     spec = isvc.get("spec") or {}
     model, autoscaling = spec.get("model") or {}, spec.get("autoscaling") or {}
     hold = autoscaling.get("scaleFromZeroTimeoutSeconds") if autoscaling.get("enabled") else None
+    routing = spec.get("routing") or {}
     return Service(ServiceKey(meta["namespace"], meta["name"]), model.get("servedName") or meta["name"],
-                   _epoch(meta.get("creationTimestamp")), hold)
+                   _epoch(meta.get("creationTimestamp")), hold, routing.get("strategy") or "least-connections",
+                   float(routing.get("loadBound") or 1.25))
 
 
 PodId = tuple[str, str]  # (namespace, pod name)
@@ -109,6 +115,9 @@ class EndpointTable:
     def hold_seconds(self, key: ServiceKey) -> float | None:
         found = self._services.get(key)
         return found.hold_seconds if found else None
+
+    def service(self, key: ServiceKey) -> Service | None:
+        return self._services.get(key)
 
     def endpoints(self, key: ServiceKey) -> tuple[Endpoint, ...]:
         return self._ready.get(key, ())

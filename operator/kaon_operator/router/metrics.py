@@ -65,6 +65,12 @@ class RouterMetrics:
             "kaon_router_added_latency_seconds",
             "Time the router adds: arrival to the upstream request being sent (minus time held), "
             "plus passing the response headers on", buckets=ADDED_LATENCY_BUCKETS, registry=self.registry)
+        self.affinity_hits = Counter(
+            "kaon_router_affinity_hits", "prefix-affinity: requests sent to their first choice (the pod holding their "
+            "prefix, or the hash ring's owner of it)", SERVICE_LABELS, registry=self.registry)
+        self.affinity_overrides = Counter(
+            "kaon_router_affinity_overrides", "prefix-affinity: requests sent past their first choice because it "
+            "carried too many requests (loadBound)", SERVICE_LABELS, registry=self.registry)
         self.held_seconds = Histogram("kaon_router_held_seconds", "Time requests waited for a ready pod",
                                       SERVICE_LABELS, registry=self.registry)
         self.registry.register(_LiveState(table, inflight, held))

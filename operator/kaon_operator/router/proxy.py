@@ -1,8 +1,9 @@
 """The HTTP edge: an aiohttp server that forwards OpenAI requests to engine pods.
 
 Per request: read the body, take `model` from it, find the InferenceService serving that
-name, hold the request while the service has no ready pod, pick the pod with the fewest
-requests in flight, and relay the response as it arrives (SSE streams chunk by chunk),
+name, hold the request while the service has no ready pod, pick a pod (the fewest
+requests in flight, or with prefix-affinity the one caching the prompt's prefix within a
+load bound: affinity.py), and relay the response as it arrives (SSE streams chunk by chunk),
 with the engine's status, headers and body unchanged. A connection that fails before the
 request went out is retried on another pod, and the pod backs off.
 """
@@ -19,7 +20,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kaon_operator.router import errors
+from kaon_operator.router import affinity, errors
 from kaon_operator.router.balance import Backoff, candidates, pick
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 from kaon_operator.router.errors import RouterError
@@ -57,6 +58,11 @@ class RouterConfig:
 
 def requested_model(body: bytes) -> str:
     """The `model` field of an OpenAI request body."""
+    return parse_request(body)[0]
+
+
+def parse_request(body: bytes) -> tuple[str, dict]:
+    """The `model` field of an OpenAI request body, and the body."""
     try:
         payload = json.loads(body)
     except ValueError as exc:
@@ -66,7 +72,7 @@ def requested_model(body: bytes) -> str:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise errors.bad_request("`model` is required and must be a string", param="model")
-    return model
+    return model, payload
 
 
 def _forwarded(headers) -> CIMultiDict:
@@ -83,6 +89,9 @@ class Router:
         self.inflight: dict[Endpoint, int] = {}
         self.backoff = Backoff(config.backoff)
         self.hold = Hold(config.max_queued)
+        self.known = affinity.KnownPrefixes()
+        """Where prefix-affinity sent each prompt chunk lately."""
+        self._rings: dict[ServiceKey, affinity.Ring[Endpoint]] = {}
         table.on_change = self.hold.notify
         self.metrics = RouterMetrics(table, self.inflight, self.held)
         self._session: aiohttp.ClientSession | None = None
@@ -122,12 +131,12 @@ class Router:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 raise errors.too_large(self.config.max_body_bytes) from None
-            model = requested_model(body)
+            model, payload = parse_request(body)
             received = time.monotonic()
             tried: set[Endpoint] = set()
             held = 0.0
             while len(tried) < self.config.max_attempts:
-                key, target, waited = await self._choose(model, tried, received)
+                key, target, waited = await self._choose(model, tried, received, request.path, payload)
                 held += waited
                 dispatched = time.perf_counter()
                 upstream = await self._send(request, body, key, target, tried)
@@ -146,7 +155,8 @@ class Router:
     def _count(self, key: ServiceKey | None, status: int) -> None:
         self.metrics.requests.labels(*(key or ("", "")), str(status)).inc()
 
-    async def _choose(self, model: str, tried: set[Endpoint], received: float) -> tuple[ServiceKey, Endpoint, float]:
+    async def _choose(self, model: str, tried: set[Endpoint], received: float, path: str = "",
+                      payload: dict | None = None) -> tuple[ServiceKey, Endpoint, float]:
         """The service and pod for this attempt, and how long the request was held for it."""
         held_since, was_held = time.monotonic(), False
         while True:
@@ -162,7 +172,7 @@ class Router:
             if usable:
                 if was_held:
                     self.metrics.held_seconds.labels(*key).observe(now - held_since)
-                return key, pick(usable, self.inflight, self.rng), now - held_since
+                return key, self._pick(key, ready, usable, path, payload or {}), now - held_since
             if ready:  # every ready pod was tried by this request
                 raise errors.upstream_unreachable(str(key), len(tried))
             if now >= deadline:
@@ -172,6 +182,24 @@ class Router:
                 await self.hold.wait(key, deadline - now)
             except HoldFull:
                 raise errors.queue_full(model, str(key), self.config.max_queued) from None
+
+    def _pick(self, key: ServiceKey, ready: tuple[Endpoint, ...], usable: list[Endpoint], path: str,
+              payload: dict) -> Endpoint:
+        """By the service's routing strategy; least connections when it has none or the
+        request has no prompt to go by."""
+        service = self.table.service(key)
+        prefix = affinity.prefix(path, payload, str(key)) if service and service.strategy == "prefix-affinity" else None
+        if prefix is None:
+            return pick(usable, self.inflight, self.rng)
+        ring = self._rings.get(key)
+        if ring is None or ring.members != ready:
+            self._rings = {k: r for k, r in self._rings.items() if self.table.endpoints(k)}  # forget gone services
+            ring = self._rings[key] = affinity.Ring(ready, name=lambda e: e.pod)
+        first = affinity.preferred(prefix.hashes[prefix.own_from:], self.known, usable)
+        target, hit = affinity.choose(ring.walk(prefix.anchor), usable, self.inflight, service.load_bound, first)
+        (self.metrics.affinity_hits if hit else self.metrics.affinity_overrides).labels(*key).inc()
+        self.known.record(prefix.hashes, target)
+        return target
 
     async def _send(self, request: web.Request, body: bytes, key: ServiceKey, target: Endpoint,
                     tried: set[Endpoint]) -> aiohttp.ClientResponse | None:

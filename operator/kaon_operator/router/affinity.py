@@ -1,0 +1,192 @@
+"""Prefix affinity: send a request to the pod that likely holds its prompt prefix in its KV
+cache, by consistent hashing with bounded loads. Pure decisions, as in balance.py.
+
+The router has no tokenizer, so the prompt is hashed by characters: chunks of CHUNK_CHARS,
+each chunk's hash chained to its parent's, like the engine's block hashes (which chain token
+blocks). Two prompts that share their first k chunks share the first k hashes.
+
+The choice, in order of preference:
+1. the pod this router last sent the longest known prefix of the prompt to (a conversation's
+   earlier turn: its blocks are cached there), counting only chunks past the anchor (below),
+   and only if that prefix went to one pod alone. A system prompt every conversation shares
+   says nothing about where a conversation lives: counted, it would herd them all onto the
+   first pod it went to;
+2. otherwise the ring's owner of the request's anchor: for a chat, the conversation up to its
+   first user turn, which every later turn repeats, so that a conversation finds its pod
+   again without memory (after a router restart, or through another router replica);
+3. and whichever is preferred, a pod with too many requests in flight is passed over for the
+   next one on the ring (bounded loads): affinity never overrides balance.
+
+Replicas sit on the ring at many points each, so a pod joining or leaving moves only the
+anchors next to its own points: about 1/N of them.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Generic, NamedTuple, TypeVar
+
+T = TypeVar("T", bound=Hashable)
+
+CHUNK_CHARS = 256
+VIRTUAL_NODES = 160
+KNOWN_PREFIXES = 1 << 16
+"""Chunk hashes the router remembers (about 100 bytes each): a few thousand conversations."""
+
+
+def _h(data: bytes) -> int:
+    # Stable across processes (unlike hash()), so that every router replica agrees.
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def chain(text: str, salt: str = "", chunk: int = CHUNK_CHARS) -> list[int]:
+    """The chained hashes of the text's chunks: one per full chunk, and one for a partial
+    tail (so that a short prompt has a key too). `salt` (the InferenceService) keeps services
+    apart."""
+    hashes, parent = [], _h(salt.encode())
+    for start in range(0, len(text), chunk):
+        parent = _h(parent.to_bytes(8, "big") + text[start:start + chunk].encode("utf-8", "surrogatepass"))
+        hashes.append(parent)
+    return hashes
+
+
+def _canonical(message) -> str:
+    return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def prompt_prefix(path: str, payload: Mapping) -> tuple[str, str] | None:
+    """(the text whose prefix the engine will cache, the anchor text for the ring), or None
+    when the request carries no prompt the router understands (it then goes by least
+    connections). Chat: the messages up to and including the last user turn, each as
+    canonical JSON on its own line (what follows the last user turn is not in the cache of
+    an earlier turn); the anchor stops at the first user turn. Completions: the prompt."""
+    if path.endswith("/chat/completions"):
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+        first, last = (users[0], users[-1]) if users else (len(messages) - 1, len(messages) - 1)
+        lines = [_canonical(m) for m in messages[:last + 1]]
+        return "\n".join(lines), "\n".join(lines[:first + 1])
+    if path.endswith("/completions"):
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt = ",".join(map(str, prompt))  # token ids: a prefix of ids is a prefix of this text
+        if isinstance(prompt, str) and prompt:
+            return prompt, prompt
+    return None
+
+
+class Prefix(NamedTuple):
+    hashes: list[int]
+    """The chained chunk hashes of the prompt."""
+    anchor: int
+    """Where the request sits on the ring."""
+    own_from: int
+    """The first chunk that belongs to this request alone (not to the anchor's text)."""
+
+
+def prefix(path: str, payload: Mapping, salt: str) -> Prefix | None:
+    """The request's prefix keys (None: no prompt to go by). A raw completion's anchor is its
+    whole prompt, and its chunks from the second on count when known."""
+    found = prompt_prefix(path, payload)
+    if found is None:
+        return None
+    text, anchor = found
+    hashes = chain(text, salt)
+    if not path.endswith("/chat/completions"):
+        return Prefix(hashes, hashes[-1], 1)
+    anchored = chain(anchor, salt)
+    return Prefix(hashes, anchored[-1], len(anchored) - 1)
+
+
+class Ring(Generic[T]):
+    """A consistent-hash ring of pods, VIRTUAL_NODES points each (hashed from `name(pod)`)."""
+
+    def __init__(self, members: Sequence[T], name=str, vnodes: int = VIRTUAL_NODES):
+        self.members = tuple(members)
+        points = sorted((_h(f"{name(m)}#{i}".encode()), m) for m in self.members for i in range(vnodes))
+        self._keys = [p for p, _ in points]
+        self._owners = [m for _, m in points]
+
+    def walk(self, key: int) -> list[T]:
+        """Every member once, in ring order from the key's point."""
+        if not self._keys:
+            return []
+        start, seen, order = bisect.bisect(self._keys, key), set(), []
+        n = len(self._keys)
+        for i in range(n):
+            m = self._owners[(start + i) % n]
+            if m not in seen:
+                seen.add(m)
+                order.append(m)
+                if len(order) == len(self.members):
+                    break
+        return order
+
+
+SHARED = object()
+"""A prefix that went to several pods."""
+
+
+class KnownPrefixes:
+    """Where this router sent each prefix chunk lately: a bounded LRU map."""
+
+    def __init__(self, capacity: int = KNOWN_PREFIXES):
+        self.capacity = capacity
+        self._where: OrderedDict[int, object] = OrderedDict()
+
+    def get(self, h: int):
+        return self._where.get(h)
+
+    def record(self, hashes: Sequence[int], target: Hashable) -> None:
+        for h in hashes:
+            was = self._where.pop(h, None)
+            self._where[h] = target if was is None or was == target else SHARED
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def preferred(hashes: Sequence[int], known: KnownPrefixes, allowed: Sequence[T]) -> T | None:
+    """The pod that holds the longest known prefix, if one pod alone does and it is allowed."""
+    for h in reversed(hashes):
+        where = known.get(h)
+        if where is not None:
+            return where if where is not SHARED and where in allowed else None
+    return None
+
+
+def capacity(inflight: Mapping[T, int], members: Sequence[T], load_bound: float) -> int:
+    """Requests in flight a pod may have and still take one more: ceil(bound x mean), the
+    mean counting this request (so that an idle service never refuses its first choice)."""
+    total = sum(inflight.get(m, 0) for m in members) + 1
+    return max(1, math.ceil(load_bound * total / len(members)))
+
+
+def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], load_bound: float,
+           first: T | None = None) -> tuple[T, bool]:
+    """The pod for a request, and whether it is the first choice (False: passed over for load).
+
+    `order`: the pods in ring order from the request's anchor; `first`: a pod to try before
+    them (the holder of the longest known prefix); `usable`: the pods this attempt may use.
+    The first pod with fewer than `capacity` requests in flight wins; if none has (they are
+    all at the bound), the least loaded."""
+    allowed = set(usable)
+    ranked = [first] if first is not None and first in allowed else []
+    ranked += [m for m in order if m in allowed and m != first]
+    ranked += [m for m in usable if m not in ranked]  # not on the ring (cannot happen, but never drop a pod)
+    limit = capacity(inflight, usable, load_bound)
+    for m in ranked:
+        if inflight.get(m, 0) < limit:
+            return m, m == ranked[0]
+    least = min(ranked, key=lambda m: inflight.get(m, 0))
+    return least, least == ranked[0]
