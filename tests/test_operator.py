@@ -1,8 +1,9 @@
 """The operator against a real control plane, running as its least-privilege ServiceAccount.
 
-KWOK plays the kubelet: engine pods go Running and Ready at once, or fail the way a
-kubelet would report (CrashLoopBackOff, ImagePullBackOff) when their image says so
-(e2e/kwok-stages.yaml). Everything else (apiserver validation, garbage collection,
+KWOK plays the kubelet: engine pods whose image is `kwok-ready/*` (STAND_IN, the default
+here) go Running and Ready at once with no process behind them; other images fail the way a
+kubelet would report (CrashLoopBackOff, OOMKilled, ImagePullBackOff) when their image says so,
+and any other engine image never becomes Ready (e2e/kwok-stages.yaml). Everything else (apiserver validation, garbage collection,
 the Deployment controller, the scheduler) is the real thing.
 """
 from __future__ import annotations
@@ -15,11 +16,14 @@ import pytest
 from kaon_operator import api
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct"}
+STAND_IN = "kwok-ready/kaon:1"  # KWOK marks these engine pods Ready without running anything
 
 
 def isvc(name: str, **spec) -> str:
+    """An InferenceService; its engine image is the KWOK stand-in unless the spec names one."""
+    engine = {"image": STAND_IN, **spec.pop("engine", {})}
     return json.dumps({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name},
-                       "spec": {"model": MODEL, **spec}})
+                       "spec": {"model": MODEL, "engine": engine, **spec}})
 
 
 def wait_for(what: str, check, timeout: float = 30.0, interval: float = 0.3):
@@ -116,10 +120,10 @@ def test_spec_change_rolls_out_and_scale_changes_replicas(cluster):
     old_pod = cluster.running_pods("roll")[0]["metadata"]["name"]
 
     cluster.kubectl("patch", "infsvc", "roll", "--type=merge", "-p",
-                    json.dumps({"spec": {"engine": {"image": "example.com/kaon:next"}}}))
+                    json.dumps({"spec": {"engine": {"image": "kwok-ready/kaon:next"}}}))
     wait_for("the new pod to replace the old one", lambda: [
         p for p in cluster.running_pods("roll")] and all(
-        p["spec"]["containers"][0]["image"] == "example.com/kaon:next" for p in cluster.running_pods("roll")))
+        p["spec"]["containers"][0]["image"] == "kwok-ready/kaon:next" for p in cluster.running_pods("roll")))
     assert old_pod not in [p["metadata"]["name"] for p in cluster.running_pods("roll")]
     assert any(r == "RollingOut" and "engine.image" in m for _, r, m in cluster.events("roll"))
     wait_for("the RolloutComplete event", lambda: any(r == "RolloutComplete" for _, r, _m in cluster.events("roll")))
@@ -161,11 +165,11 @@ def test_an_edited_child_is_put_back(cluster):
 
     def restored():
         spec = cluster.get("deployment", "edit")["spec"]
-        return spec["replicas"] == 2 and spec["template"]["spec"]["containers"][0]["image"] == api.DEFAULT_IMAGE
+        return spec["replicas"] == 2 and spec["template"]["spec"]["containers"][0]["image"] == STAND_IN
     wait_for("the Deployment to be put back", restored)
     assert any(r == "Repaired" and "was edited by" in m for _, r, m in cluster.events("edit"))
     wait_for("2 running pods on the right image", lambda: len(cluster.running_pods("edit")) == 2 and all(
-        p["spec"]["containers"][0]["image"] == api.DEFAULT_IMAGE for p in cluster.running_pods("edit")))
+        p["spec"]["containers"][0]["image"] == STAND_IN for p in cluster.running_pods("edit")))
 
 
 def test_more_gpus_than_any_node_has_is_degraded_unschedulable(cluster):
@@ -203,14 +207,75 @@ def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
              cluster.condition("quota", "Degraded").get("status") == "False")
 
 
-@pytest.mark.parametrize("image, reason", [("kwok-fail/crashloop:1", "CrashLoopBackOff"),
-                                           ("kwok-fail/image-pull:1", "ImagePullBackOff")])
-def test_failing_pods_make_it_degraded_with_the_kubelet_reason(cluster, image, reason):
+@pytest.mark.parametrize("image, reason, cause", [
+    ("kwok-fail/crashloop:1", "CrashLoopBackOff", "exited with code 2 (4 restart(s)): kaon: error: the engine could not start"),
+    ("kwok-fail/oom:1", "OOMKilled", "killed for using more memory than its limit (exit code 137"),
+    ("kwok-fail/image-pull:1", "ImagePullBackOff", 'Back-off pulling image "kwok-fail/image-pull:1"')])
+def test_failing_pods_make_it_degraded_with_the_kubelet_reason_then_recover(cluster, image, reason, cause):
+    start = time.monotonic()
     cluster.kubectl("apply", "-f", "-", input=isvc("bad", engine={"image": image}))
-    degraded = wait_for("Degraded", lambda: cluster.condition_if("bad", "Degraded", "True"))
+    degraded = wait_for("Degraded", lambda: cluster.condition_if("bad", "Degraded", "True"), timeout=15)
+    assert time.monotonic() - start < 15
     assert degraded["reason"] == reason and "bad-" in degraded["message"], degraded  # names the failing pod
+    assert cause in degraded["message"], degraded  # the cause, without opening a pod log
     assert cluster.condition("bad", "Ready")["status"] == "False"
-    assert ("Warning", reason) in [(t, r) for t, r, _m in cluster.events("bad")]
+    assert ("Warning", reason, degraded["message"]) in cluster.events("bad")
+    assert "Reason:" in cluster.kubectl("describe", "infsvc", "bad").stdout and cause in " ".join(
+        cluster.kubectl("describe", "infsvc", "bad").stdout.split())
+
+    cluster.kubectl("patch", "infsvc", "bad", "--type=merge", "-p", json.dumps({"spec": {"engine": {"image": STAND_IN}}}))
+    wait_for("not Degraded", lambda: cluster.condition_if("bad", "Degraded", "False"), timeout=30)
+    assert ("Normal", "Recovered", f"no longer degraded ({reason})") in cluster.events("bad")
+    assert [r for t, r, _m in cluster.events("bad") if t == "Warning"] == [reason]  # once, not per pod update
+
+
+def test_an_image_the_local_cluster_cannot_run_never_looks_ready(cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("norun", engine={"image": api.DEFAULT_IMAGE}))
+    wait_for("the pod Running", lambda: cluster.running_pods("norun"))
+    time.sleep(2)
+    pod = cluster.running_pods("norun")[0]
+    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "NoContainerRuntime", ready
+    assert "runs only local/*" in ready["message"]
+    assert cluster.condition("norun", "Ready")["status"] == "False"
+    assert cluster.get("infsvc", "norun")["status"].get("readyReplicas", 0) == 0
+
+
+def test_pods_refused_by_a_quota_are_degraded_failed_create_then_recover(cluster):
+    cluster.kubectl("create", "quota", "no-pods", "--hard=pods=0")
+    cluster.kubectl("apply", "-f", "-", input=isvc("refused"))
+    degraded = wait_for("Degraded", lambda: cluster.condition_if("refused", "Degraded", "True"), timeout=20)
+    assert degraded["reason"] == "FailedCreate", degraded
+    assert "the ReplicaSet cannot create pods" in degraded["message"] and "exceeded quota: no-pods" in degraded["message"]
+    assert ("Warning", "FailedCreate", degraded["message"]) in cluster.events("refused")
+    cluster.kubectl("delete", "quota", "no-pods")
+    wait_for("Ready and not Degraded", lambda: cluster.ready("refused") and
+             cluster.condition("refused", "Degraded").get("status") == "False", timeout=60)
+    assert ("Normal", "Recovered", "no longer degraded (FailedCreate)") in cluster.events("refused")
+
+
+def test_a_pod_not_ready_past_its_startup_budget_is_degraded_startup_timeout(cluster):
+    """The operator's own pods allow 30 minutes; a pod of the service with a 2 s startup probe
+    (and an image nothing runs) stands in for a model too slow to load."""
+    cluster.kubectl("apply", "-f", "-", input=isvc("slow"))
+    wait_for("Ready", lambda: cluster.ready("slow"))
+    labels = cluster.get("deployment", "slow")["spec"]["template"]["metadata"]["labels"]
+    probe = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1, "failureThreshold": 2}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "slow-extra", "labels": labels},
+        "spec": {"containers": [{"name": "engine", "image": api.DEFAULT_IMAGE, "startupProbe": probe,
+                                 "readinessProbe": {**probe, "failureThreshold": 1}}]}}))
+    start = time.monotonic()
+    degraded = wait_for("Degraded", lambda: cluster.condition_if("slow", "Degraded", "True"), timeout=20)
+    assert time.monotonic() - start < 15  # 3 s of budget, judged every 5 s
+    assert degraded["reason"] == "StartupTimeout", degraded
+    assert "not ready after the 3 s their probes allow" in degraded["message"] and "slow-extra" in degraded["message"]
+    assert ("Warning", "StartupTimeout", degraded["message"]) in cluster.events("slow")
+    time.sleep(6)  # judged again: no second Event for the same failure
+    assert [r for t, r, _m in cluster.events("slow") if t == "Warning"] == ["StartupTimeout"]
+    cluster.kubectl("delete", "pod", "slow-extra", "--wait=false")
+    wait_for("not Degraded", lambda: cluster.condition_if("slow", "Degraded", "False"), timeout=20)
+    assert ("Normal", "Recovered", "no longer degraded (StartupTimeout)") in cluster.events("slow")
 
 
 def test_killed_mid_reconcile_then_restarted_converges_without_duplicates(operator, cluster):

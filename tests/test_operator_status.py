@@ -229,7 +229,7 @@ def test_a_pod_not_ready_past_its_probes_budget_is_startup_timeout():
     assert degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=69))["status"] == "False"
     cond = degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=71))
     assert (cond["status"], cond["reason"]) == ("True", "StartupTimeout")
-    assert "70 s their probes allow" in cond["message"] and "slow-0: not ready for 71 s" in cond["message"]
+    assert "70 s their probes allow" in cond["message"] and "slow-0: not ready since 2026-01-01T00:00:00Z" in cond["message"]
     # judged from when it last became not ready, and never without a clock or once ready
     assert degraded([slow_pod("2026-01-01T00:01:00Z")], now=t0 + timedelta(seconds=71))["status"] == "False"
     assert degraded([slow_pod("2026-01-01T00:00:00Z")])["status"] == "False"

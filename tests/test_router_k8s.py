@@ -46,7 +46,7 @@ def engine_pod(name: str, service: str, component: str = "engine") -> str:
     return json.dumps({"apiVersion": "v1", "kind": "Pod",
                        "metadata": {"name": name, "labels": resources.labels(service, component)},
                        "spec": {"terminationGracePeriodSeconds": 0, "containers": [{
-                           "name": "engine", "image": "kaon-test/engine:1",
+                           "name": "engine", "image": "kwok-ready/engine:1",
                            "ports": [{"name": "http", "containerPort": resources.HTTP_PORT}]}]}})
 
 

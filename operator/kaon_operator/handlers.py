@@ -212,7 +212,7 @@ def _sync_status(state: State, body, key, spec: api.InferenceServiceSpec, engine
         failure = state.apply_failures.get(key)
         conditions = status.apply_failed_conditions(failure) if failure else status.conditions(
             deployment=deployment, pods=pods, desired=spec.replicas,
-            gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied)
+            gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
         if spec.autoscaling.enabled and key in state.metrics_conditions:
             conditions.append(state.metrics_conditions[key])
         _write_status(state, body, key, conditions, pods, spec, applied=applied)
@@ -227,6 +227,39 @@ def _resync(memo: kopf.Memo, key, inference_services: kopf.Index, engine_pods: k
     spec = _parse(body["spec"])
     if isinstance(spec, api.InferenceServiceSpec):
         _sync_status(_state(memo), body, key, spec, engine_pods, engine_deployments)
+
+
+STARTUP_CHECK_SECONDS = 5.0
+
+
+@kopf.on.startup()
+async def start_startup_watch(memo: kopf.Memo, logger, **kwargs) -> None:
+    """A pod that stays not ready past its probes' budget changes nothing the watches see: judge
+    the services whose pods ran out of it again (StartupTimeout), every few seconds, from the caches."""
+    indexes = kwargs["inference_services"], kwargs["engine_pods"], kwargs["engine_deployments"]
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(STARTUP_CHECK_SECONDS)
+            now = _now()
+            for key, pods in list(indexes[1].items()):
+                deadline = status.next_startup_deadline(list(pods))
+                if deadline is None or deadline > now:
+                    continue
+                try:
+                    await asyncio.to_thread(_resync, memo, key, *indexes)
+                except Exception as exc:  # noqa: BLE001 - the next round tries again
+                    logger.warning(f"judging {key[0]}/{key[1]}'s startup failed: {exc}")
+
+    memo["startup_watch"] = asyncio.get_running_loop().create_task(watch())
+
+
+@kopf.on.cleanup()
+async def stop_startup_watch(memo: kopf.Memo, **_) -> None:
+    task = memo.get("startup_watch")
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @kopf.on.event("pods", labels=ENGINE_CHILD)

@@ -212,11 +212,12 @@ def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus
                           f"the ReplicaSet cannot create pods: {deployment.replica_failure}")
     overdue = [(p, w) for p in live if (w := _overdue(p, now)) is not None]
     if overdue:
-        pod, waited = overdue[0]
+        pod = overdue[0][0]  # the message stays the same while it lasts: one write, one Event
+        since = pod.not_ready_since.isoformat().replace("+00:00", "Z")
         return _condition("Degraded", True, "StartupTimeout",
                           f"{len(overdue)} pod(s) not ready after the {pod.startup_budget_s:.0f} s their probes allow "
                           f"(model too slow to load, or the engine never answers /ready); {pod.name}: not ready "
-                          f"for {waited:.0f} s")
+                          f"since {since}")
     if deployment and deployment.progress_deadline_exceeded:
         return _condition("Degraded", True, "ProgressDeadlineExceeded",
                           "the rollout made no progress within its deadline")
