@@ -62,3 +62,18 @@ def test_kaon_operator_needs_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--peering" in result.stdout
+
+
+def test_a_fatal_start_error_is_written_to_the_termination_log(tmp_path, monkeypatch, capsys):
+    """In a pod the kubelet mounts /dev/termination-log: the one line lands there, so the pod's
+    status (and the InferenceService's Degraded message) carries it; elsewhere only stderr has it."""
+    from kaon_runtime import cli
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    monkeypatch.setattr(cli, "TERMINATION_LOG", log)
+    assert cli.main(["serve", "--model", "builtin://nope"]) == 2
+    assert log.read_text().startswith("kaon: error: unknown builtin model 'nope'") and log.read_text().count("\n") == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == log.read_text().strip()
+    monkeypatch.setattr(cli, "TERMINATION_LOG", tmp_path / "absent")  # no kubelet: nothing created
+    assert cli.main(["serve", "--model", "builtin://nope"]) == 2
+    assert not (tmp_path / "absent").exists()

@@ -157,3 +157,21 @@ def test_kaon_serve_passes_the_tensor_parallel_size():
     from kaon_runtime.cli import build_parser
     from kaon_runtime.server.run import engine_config
     assert engine_config(build_parser().parse_args(["serve", "--tensor-parallel-size", "4"])).tensor_parallel_size == 4
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """spawn runs the script again in each worker; without `if __name__ == "__main__":` the workers
+    would try to start workers of their own and die in multiprocessing's bootstrap traceback."""
+    import subprocess
+    import sys
+    script = tmp_path / "no_guard.py"
+    script.write_text("from kaon_runtime import LLM\n"
+                      f"LLM({MODEL!r}, show_progress=False, device='cpu', tensor_parallel_size=3)\n"
+                      "print('loaded')\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "loaded" not in res.stdout
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("kaon_runtime.errors.ModelLoadError: tensor_parallel_size 3 starts 2 worker process(es)"), \
+        res.stderr[-2000:]
+    assert 'under `if __name__ == "__main__":`' in last
+    assert "bootstrapping phase" not in res.stderr and "while loading" not in res.stderr

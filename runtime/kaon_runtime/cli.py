@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS, SPECULATIVE_METHODS
 from kaon_runtime.errors import KaonError, ModelDoesNotFitError
@@ -110,15 +111,31 @@ def main(argv: list[str] | None = None) -> int:
         _fetch_first(args)
         return _serve(args) if args.command == "serve" else _generate(args)
     except FetchError as exc:
-        print(f"kaon: error: {exc.line()}", file=sys.stderr)
+        _fatal(exc.line())
         return exc.exit_code
     except ModelDoesNotFitError as exc:
         # The line the operator looks for in the container's termination message (ModelDoesNotFit).
-        print(f"kaon: error: model does not fit: {exc}", file=sys.stderr)
+        _fatal(f"model does not fit: {exc}")
         return 2
     except KaonError as exc:
-        print(f"kaon: error: {exc}", file=sys.stderr)
+        _fatal(str(exc))
         return 2
+
+
+TERMINATION_LOG = Path("/dev/termination-log")
+
+
+def _fatal(cause: str) -> None:
+    """The one line that says why the engine could not start: last on stderr, and in the kubelet's
+    termination log when there is one, so the pod's status (and the InferenceService's Degraded
+    condition) carries it whatever the log holds."""
+    line = f"kaon: error: {cause}"
+    print(line, file=sys.stderr)
+    try:
+        if TERMINATION_LOG.is_file():
+            TERMINATION_LOG.write_text(line.splitlines()[0] + "\n")
+    except OSError:
+        pass  # not writable here (no kubelet, a read-only file): stderr has it
 
 
 def _fetch_first(args) -> None:

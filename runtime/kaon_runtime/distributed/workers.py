@@ -45,11 +45,27 @@ def check_devices(config: EngineConfig, model: ModelConfig, device: torch.device
         raise ModelLoadError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
 
 
+# A worker that finds itself re-running the user's script (spawn imports the main module again,
+# and a script without a main guard creates its LLM there) exits with this code, quietly.
+MAIN_GUARD_EXIT = 87
+
+
+def main_guard_message(size: int) -> str:
+    return (f"tensor_parallel_size {size} starts {size - 1} worker process(es) with multiprocessing's spawn, which "
+            "runs your script again in each: put the code that creates the LLM under "
+            "`if __name__ == \"__main__\":`")
+
+
 class WorkerPool:
     """Ranks 1..N-1 as seen from rank 0."""
 
     def __init__(self, config: EngineConfig, device: torch.device):
         size = config.tensor_parallel_size
+        if getattr(mp.current_process(), "_inheriting", False):
+            # We are a spawned worker importing the main module, which creates an LLM at import
+            # time: starting processes now fails with multiprocessing's bootstrap traceback. Exit
+            # with a code rank 0 turns into the one line that says what to do.
+            raise SystemExit(MAIN_GUARD_EXIT)
         port = _free_port()
         context = mp.get_context("spawn")
         self._conns, self._procs = [], []
@@ -73,7 +89,12 @@ class WorkerPool:
             try:
                 kind, payload = conn.recv()
             except EOFError:
-                kind, payload = "error", f"exited with code {self._procs[rank - 1].exitcode} while loading"
+                proc = self._procs[rank - 1]
+                proc.join(timeout=10)
+                if proc.exitcode == MAIN_GUARD_EXIT:
+                    self.close()
+                    raise ModelLoadError(main_guard_message(self._size)) from None
+                kind, payload = "error", f"exited with code {proc.exitcode} while loading"
             if kind == "error":
                 self.close()
                 raise ModelLoadError(f"tensor-parallel rank {rank}: {payload}")
