@@ -59,11 +59,26 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the test process dies, so a killed pytest leaves no orphans."""
+    """In the child: get SIGTERM when the test process dies, so a killed pytest leaves no orphans;
+    and a process group of its own, so a terminal's Ctrl-C (SIGINT to the foreground group) reaches
+    only the harness, which stops its children in order (engines, operator, router, then the control
+    plane newest first) instead of each dying on its own while the others wait on it."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM stops the harness like Ctrl-C does: KeyboardInterrupt, so every `with` unwinds."""
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the unwinding must not be cut short
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def wait_or_kill(proc: subprocess.Popen, grace: float) -> None:

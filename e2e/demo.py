@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 from openai import OpenAI
 
+from e2e.control_plane import stop_on_sigterm
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,8 +106,14 @@ def run(keep: bool) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--keep", action="store_true", help="leave the cluster running until Ctrl-C")
-    return run(parser.parse_args().keep)
+    parser.add_argument("--keep", action="store_true", help="leave the cluster running until Ctrl-C or SIGTERM")
+    keep = parser.parse_args().keep
+    stop_on_sigterm()  # SIGTERM unwinds like Ctrl-C: every process it started is stopped, in order
+    try:
+        return run(keep)
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -94,4 +94,4 @@ class LocalCluster:
                         "--set", "operator.replicas=0", "--set", "router.replicas=0", "--wait=false"],
                        check=True, capture_output=True, text=True, timeout=120)
         self._stack.callback(subprocess.run, [*helm, "uninstall", self.release, "--namespace", NAMESPACE],
-                             capture_output=True, timeout=120)
+                             capture_output=True, timeout=30)

@@ -43,6 +43,7 @@ from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 
 LOCAL_IMAGE_PREFIX = "local/"
 BACKOFF_START, BACKOFF_MAX = 2.0, 30.0  # a kubelet starts at 10 s and caps at 5 min; tests are impatient
+KUBECTL_TIMEOUT = 15.0  # seconds per kubectl call; the /ready probe has 1 s
 LOG_TAIL_LINES, LOG_TAIL_BYTES = 80, 2048  # what FallbackToLogsOnError takes from the log
 # The runner's own environment reaches the processes (PATH, the venv...), but not credentials
 # or endpoints of its own: a pod gets those only from its spec.
@@ -122,6 +123,13 @@ class PodRunner:
         self._thread.start()
         return self
 
+    def _kubectl(self, *args: str, **kwargs):
+        """kubectl with a short timeout: a wedged apiserver must not hold up the loop or a stop."""
+        return self.cp.kubectl(*args, timeout=KUBECTL_TIMEOUT, **kwargs)
+
+    def _kubectl_json(self, *args: str) -> dict:
+        return self.cp.kubectl_json(*args, timeout=KUBECTL_TIMEOUT)
+
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
@@ -144,7 +152,7 @@ class PodRunner:
                 print(f"pod runner: {exc}", file=sys.stderr)
 
     def _sync(self) -> None:
-        items = self.cp.kubectl_json("get", "pods", "-A", "-l", "app.kubernetes.io/component=engine")["items"]
+        items = self._kubectl_json("get", "pods", "-A", "-l", "app.kubernetes.io/component=engine")["items"]
         pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in items
                 if p["spec"]["containers"][0].get("image", "").startswith(LOCAL_IMAGE_PREFIX)}
         for key, pod in pods.items():
@@ -259,7 +267,7 @@ class PodRunner:
             patch["conditions"] = [{"type": "Initialized", "status": "True" if initialized else "False",
                                     "lastTransitionTime": _now()}]
         meta = pod["metadata"]
-        self.cp.kubectl("patch", "pod", meta["name"], "-n", meta["namespace"], "--subresource=status",
+        self._kubectl("patch", "pod", meta["name"], "-n", meta["namespace"], "--subresource=status",
                         "--type=strategic", "-p", json.dumps({"status": patch}), check=False)
 
     def _engine_log(self, key: str) -> Path:
@@ -312,7 +320,7 @@ class PodRunner:
 
     def _get(self, kind: str, namespace: str | None, name: str) -> dict | None:
         args = ["get", kind, name, "-o", "json"] + (["-n", namespace] if namespace else [])
-        res = self.cp.kubectl(*args, check=False)
+        res = self._kubectl(*args, check=False)
         return json.loads(res.stdout) if res.returncode == 0 else None
 
     @staticmethod
@@ -373,7 +381,7 @@ class PodRunner:
             status = "True" if ready else "False"
             conditions = [{"type": t, "status": status, "lastTransitionTime": now} for t in ("ContainersReady", "Ready")]
             namespace, name = key.split("/")
-            self.cp.kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=strategic",
+            self._kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=strategic",
                             "-p", json.dumps({"status": {"conditions": conditions}}))
             engine.ready = ready
 
