@@ -27,7 +27,6 @@ import argparse
 import ast
 import bisect
 import heapq
-import importlib.util
 import json
 import math
 import random
@@ -372,9 +371,8 @@ class Kaon(Policy):
     name = "kaon"
     period = 5.0
 
-    def __init__(self, spec: AutoscalingSpec, max_num_seqs: int, scrape: Scrape,
-                 decide: Callable = autoscaler.decide, name: str = "kaon"):
-        self.spec, self.max_num_seqs, self.state, self._decide, self.name = spec, max_num_seqs, scrape, decide, name
+    def __init__(self, spec: AutoscalingSpec, max_num_seqs: int, scrape: Scrape):
+        self.spec, self.max_num_seqs, self.state = spec, max_num_seqs, scrape
         self.history: list[autoscaler.Sample] = []
         self.keep = autoscaler.history_seconds(spec)
 
@@ -383,7 +381,7 @@ class Kaon(Policy):
         self.history.append(cluster.scrape(self.state))
         while self.history and self.history[0].time < now - self.keep:
             self.history.pop(0)
-        decision = self._decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
+        decision = autoscaler.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
                                 max_num_seqs=self.max_num_seqs)
         return decision.replicas
 
@@ -500,59 +498,6 @@ class Schedule(Policy):
 
     def decide(self, cluster: Cluster) -> int:
         return self.per_minute[min(int(cluster.now // 60), len(self.per_minute) - 1)]
-
-
-def private_autoscaler(name: str, **constants: object):
-    """A private copy of kaon_operator/autoscaler.py, loaded from its file under another name,
-    with some module constants replaced: a proposed change tried here, in the simulator, while
-    the policy itself belongs to its owner."""
-    path = ROOT / "operator" / "kaon_operator" / "autoscaler.py"
-    spec = importlib.util.spec_from_file_location(f"kaon_autoscaler_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    for key, value in constants.items():
-        if not hasattr(module, key):
-            raise AttributeError(f"autoscaler.py has no {key}")
-        setattr(module, key, value)
-    return module
-
-
-def _down_despite_missed_scrapes(module) -> None:
-    """Scale-down judged on the complete samples of the window when at least 90% of them are
-    complete, instead of never while any pod missed any scrape of the window."""
-    original = module._down
-
-    def _down(history, spec, target, current, now, last_change):
-        window = [s for s in history if s.time >= now - spec.scale_down_stabilization_seconds]
-        if not window or sum(s.complete for s in window) < 0.9 * len(window):
-            return None
-        return original([s for s in history if s.complete], spec, target, current, now, last_change)
-
-    module._down = _down
-
-
-# Proposed changes to kaon's policy, each tried on a private copy (--variant NAME): module
-# constants replaced, functions patched.
-VARIANTS: dict[str, tuple[dict[str, object], list[Callable]]] = {
-    # A P99 over fewer than 100 requests is their maximum, not a 99th percentile.
-    "p99-min-100": ({"MIN_LATENCY_REQUESTS": 100}, []),
-    # ...and a pod missing 1 scrape in 50 no longer blocks every scale-down.
-    "p99-min-100+down-90pct": ({"MIN_LATENCY_REQUESTS": 100}, [_down_despite_missed_scrapes]),
-}
-
-
-class Variant:
-    """kaon's decide from a private copy with a proposed change: a drop-in `decide`."""
-
-    def __init__(self, name: str):
-        constants, patches = VARIANTS[name]
-        self.module = private_autoscaler(name.replace("+", "_").replace("-", "_"), **constants)
-        for patch in patches:
-            patch(self.module)
-
-    def __call__(self, history, spec, current, now, last_change=None, *, max_num_seqs=64):
-        return self.module.decide(history, spec, current, now, last_change, max_num_seqs=max_num_seqs)
 
 
 # --------------------------------------------------------------------------- one run
@@ -733,7 +678,6 @@ class Config:
     minutes: float = 90.0
     target_concurrency: float | None = None
     """Requests per replica for kaon, HPA and KPA alike; None: kaon's default (targetUtilization x maxNumSeqs)."""
-    kaon_variants: dict[str, Callable] = field(default_factory=dict)
 
 
 def kaon_spec(config: Config, min_replicas: int) -> AutoscalingSpec:
@@ -754,8 +698,6 @@ def policies(config: Config, trace: Trace, oracle: list[int]) -> list[Policy]:
     spec = kaon_spec(config, trace.min_replicas)
     target = autoscaler.concurrency_target(spec, config.model.max_num_seqs)
     out: list[Policy] = [Kaon(spec, config.model.max_num_seqs, scrape())]
-    out += [Kaon(spec, config.model.max_num_seqs, scrape(), decide=fn, name=name)
-            for name, fn in config.kaon_variants.items()]
     # Knative's per-pod target is containerConcurrency x utilization: the same requests per pod.
     out += [HPA(target, trace.min_replicas, MAX_REPLICAS, scrape()),
             KPA(config.model.max_num_seqs, trace.min_replicas, MAX_REPLICAS, scrape(),
@@ -883,8 +825,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=90.0, help="length of every trace")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--traces", nargs="+")
-    parser.add_argument("--variant", nargs="*", default=[], choices=sorted(VARIANTS),
-                        help="also run kaon's policy with a proposed change (on a private copy)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
@@ -901,8 +841,7 @@ def main(argv: list[str] | None = None) -> int:
         target = float(args.target_concurrency)
     config = Config(model, workload, ttft_target_s=args.ttft_target, drain_s=args.drain_s,
                     hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
-                    minutes=args.minutes, target_concurrency=target,
-                    kaon_variants={f"kaon+{name}": Variant(name) for name in args.variant})
+                    minutes=args.minutes, target_concurrency=target)
     rows = []
     started = time.perf_counter()
     for trace in traces(capacity(config.model, config.workload), config.seed, config.minutes):

@@ -75,7 +75,8 @@ def run(keep: bool) -> int:
                                                 messages=[{"role": "user", "content": question}])
         print(f"\n{answer.choices[0].message.content.strip()}\n", flush=True)
 
-        say("a burst of 12 clients: the queue grows, the autoscaler adds replicas")
+        say("a burst of 12 clients: 12 requests in flight against 0.7 x maxNumSeqs 2 = 1.4 per replica, "
+            "the autoscaler adds replicas")
         stop = threading.Event()
 
         def keep_busy(i: int) -> None:

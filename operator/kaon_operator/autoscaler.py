@@ -26,8 +26,10 @@ calibrated model of the engine.
   window widens back, to the last change at most, until it shows that): the P99 of 100
   requests with 3 slow ones is just those three.
 - **Fail safe**: a sample where some ready replica did not answer holds the replica count
-  (and the decision says why, for a condition and an Event); a scale-down window must have
-  MIN_COMPLETE_SHARE of its scrapes complete and is judged on those.
+  unless the replicas that did answer already ask for more (and the decision says why, for
+  a condition and an Event); a scale-down (or to-zero)
+  window must have MIN_COMPLETE_SHARE of its scrapes (nearly) complete and is judged on
+  those, the pods that missed one counted as loaded as the others.
 - **Zero**: with minReplicas 0, to zero after `scaleToZeroIdleSeconds` without a request,
   and never while a replica is still starting; back from zero as soon as the router holds
   a request.
@@ -46,7 +48,8 @@ PANIC_FACTOR = 2.0  # the latest sample alone wants this many times the replicas
 TOLERANCE = 0.1  # within 10% of target is "at target", both ways (HPA's default tolerance)
 MIN_LATENCY_REQUESTS = 100  # the P99 of fewer requests is little more than the slowest one
 CONFIDENCE_Z = 2.326  # a P99 miss must hold with 99% confidence (one-sided), not be a few unlucky requests
-MIN_COMPLETE_SHARE = 0.9  # a scale-down window may miss this share of its scrapes (a pod missing one now and then)
+MIN_COMPLETE_SHARE = 0.9  # of a window's scrapes, enough to judge a scale-down by
+MIN_ANSWERED_SHARE = 0.75  # of a scrape's pods, enough for it to count in such a window
 HISTORY_MARGIN_SECONDS = 60
 
 
@@ -77,6 +80,18 @@ class Sample:
     @property
     def concurrency(self) -> float:
         return self.waiting + self.running + (self.held_by_router or 0.0)
+
+    @property
+    def mostly_answered(self) -> bool:
+        """Enough pods answered to judge a window by (with many pods, some scrape is often missing)."""
+        return self.complete or (self.answered or 0) >= MIN_ANSWERED_SHARE * self.ready
+
+    @property
+    def estimated_concurrency(self) -> float:
+        """Concurrency with the pods that did not answer assumed as loaded as those that did."""
+        if self.complete or not self.answered:
+            return self.concurrency
+        return (self.waiting + self.running) * self.ready / self.answered + (self.held_by_router or 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +234,11 @@ def _idle(history: list[Sample], spec: AutoscalingSpec, current: int, now: float
     if spec.min_replicas > 0 or not seconds or (last_change is not None and last_change > now - seconds):
         return False
     window = _window(history, now, seconds)
-    return window is not None and history[-1].starting == 0 and all(
-        s.complete and s.held_by_router == 0 and s.concurrency == 0 and s.finished == 0 for s in window)
+    if window is None or history[-1].starting or not history[-1].complete:
+        return False
+    known = [s for s in window if s.complete and s.held_by_router is not None]
+    return len(known) >= MIN_COMPLETE_SHARE * len(window) and all(
+        s.held_by_router == 0 and s.concurrency == 0 and s.finished == 0 for s in known)
 
 
 def _down(history: list[Sample], spec: AutoscalingSpec, target: float, current: int, now: float,
@@ -234,17 +252,17 @@ def _down(history: list[Sample], spec: AutoscalingSpec, target: float, current: 
     window = _window(history, now, seconds)
     if window is None or not history[-1].complete:
         return None
-    known = [s for s in window if s.complete and s.held_by_router is not None]
+    known = [s for s in window if s.mostly_answered and s.held_by_router is not None]
     if len(known) < MIN_COMPLETE_SHARE * len(window):
         return None
     window = known
-    if any(s.ready and s.waiting / s.ready > spec.target_queue_depth_per_replica for s in window):
+    if any(s.ready and s.waiting / (s.answered or s.ready) > spec.target_queue_depth_per_replica for s in window):
         return None
     p99, _ = window_p99(window)
     goal = spec.target_p99_latency_seconds
     if goal and p99 is not None and p99 > goal * (1 - TOLERANCE):
         return None
-    peak = max(s.concurrency for s in window)
+    peak = round(max(s.estimated_concurrency for s in window), 1)
     ceiling = latency_ceiling(history, spec)
     per_replica = min(target, ceiling) if ceiling else target
     needed = max(1, math.ceil(peak / (per_replica * (1 - TOLERANCE))))
@@ -271,16 +289,16 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
             return Decision(0, "idle")
         wanted = max(1, math.ceil(latest.held_by_router / target))
         return Decision(_bounded(wanted, spec, 0), f"{latest.held_by_router:g} requests waiting at the router")
-    if not latest.complete:
-        missing = latest.ready - (latest.answered or 0)
-        return Decision(current, f"holding at {current}",
-                        metrics_missing=f"{missing} of {latest.ready} ready replicas did not answer the scrape")
-
+    missing = None if latest.complete else \
+        f"{latest.ready - (latest.answered or 0)} of {latest.ready} ready replicas did not answer the scrape"
+    # Up is safe on partial metrics: the pods that did not answer can only add load.
     up = _up(history, spec, target, current, now, last_change)
     if up is not None:
         wanted, why = up
         replicas = _bounded(wanted, spec, current)
-        return Decision(replicas, why, capped_from=wanted if wanted > spec.max_replicas else None)
+        return Decision(replicas, why, missing, capped_from=wanted if wanted > spec.max_replicas else None)
+    if missing:
+        return Decision(current, f"holding at {current}", missing)
     if _idle(history, spec, current, now, last_change):
         return Decision(0, f"no requests for {spec.scale_to_zero_idle_seconds}s")
     down = _down(history, spec, target, current, now, last_change)
