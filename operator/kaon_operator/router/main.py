@@ -17,7 +17,8 @@ DEFAULTS = RouterConfig()
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaon router", description="route OpenAI requests to the ready engine "
-                                     "pods of the InferenceService their `model` names (least connections)")
+                                     "pods of the InferenceService their `model` names (least connections, or "
+                                     "prefix affinity with bounded loads: spec.routing)")
     parser.add_argument("--host", default="127.0.0.1", help="where to listen (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--namespace", action="append", default=[],

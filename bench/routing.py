@@ -1,0 +1,317 @@
+"""Routing strategies on real engines: least-connections vs prefix-affinity, in the same run.
+
+    python bench/routing.py [--replicas 3] [--conversations 12] [--turns 3] [--skewed 36]
+
+Starts --replicas `kaon serve` processes (builtin://smollm2-135m-instruct, --max-num-seqs 4,
+prefix caching on) and, for each strategy, kaon's Router in this process on an endpoint
+table fed by hand (no Kubernetes). Two workloads, each run under both strategies:
+
+- chat: --conversations conversations, starting --stagger seconds apart, --turns turns each,
+  all with one shared system prompt; every turn resends the conversation so far (with the
+  replies the engine gave) plus a new user message of --words words, streamed, max_tokens
+  --max-tokens, greedy; between turns the user "thinks" for --think seconds (uniform), so
+  other conversations' requests arrive in between. (With no think time, least-connections
+  sends a closed-loop conversation's next turn back to the pod it just left, the one with a
+  slot just freed: an artifact of the load generator, not what users do.)
+- skewed: --skewed single-turn chats from --workers closed-loop workers; two in three are the
+  same hot request (one system prompt and one question), the rest each unique.
+
+Each phase gets its own system prompt (a phase number in front), so that no phase finds its
+prefixes cached by an earlier one. Reported per phase: the engines' prefix-cache hit rate
+(kaon_prefix_cache_hits_total / queries_total, deltas summed over replicas), TTFT p50/p99
+(client side, to the first content chunk), requests/s and output chunks/s over the phase,
+the in-flight requests per replica (sampled every 20 ms: each replica's time average, max
+over mean, and the peak), and the router's affinity hits and overrides.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT))
+
+from e2e.control_plane import free_port  # noqa: E402
+from kaon_operator import resources  # noqa: E402
+from kaon_operator.router.endpoints import EndpointTable, ServiceKey  # noqa: E402
+from kaon_operator.router.proxy import Router  # noqa: E402
+
+MODEL = "builtin://smollm2-135m-instruct"
+SERVED = "smollm2"
+WORDS = ("river mill harbor lantern orchard signal ledger meadow furnace compass quarry beacon glacier tavern "
+         "canal archive bridge forest engine garden market palace valley tower window winter summer copper").split()
+SYSTEM = ("You are the support assistant of the Northwind river ferry company. Answer in one short sentence. "
+          "Timetables: boats leave the north pier every twenty minutes from six in the morning until eleven at "
+          "night, and the south pier ten minutes later. Tickets are sold on board and at both piers; bicycles "
+          "travel free, dogs on a lead travel free, and cars are not carried. In fog the first boat waits for "
+          "the harbor master's signal. Lost property is kept at the north pier office for thirty days. ")
+
+
+def question(rng: random.Random, n: int = 24) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + "?"
+
+
+@dataclass
+class Phase:
+    ttft: list[float] = field(default_factory=list)
+    chunks: int = 0
+    done: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    samples: list[dict] = field(default_factory=list)
+
+
+async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int, phase: Phase) -> str:
+    body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    start, first, text = time.perf_counter(), None, []
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            phase.failed += 1
+            await resp.read()
+            return ""
+        async for line in resp.content:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            piece = (json.loads(line[6:])["choices"][0].get("delta") or {}).get("content") or ""
+            if piece:
+                first = first or time.perf_counter()
+                text.append(piece)
+                phase.chunks += 1
+    if first is None:
+        phase.failed += 1
+        return ""
+    phase.ttft.append(first - start)
+    phase.done += 1
+    return "".join(text)
+
+
+async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
+    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
+
+    async def conversation(i: int) -> None:
+        rng = random.Random(tag * 1000 + i)
+        await asyncio.sleep(i * args.stagger)  # conversations start one after another
+        messages = [system]
+        for turn in range(args.turns):
+            if turn:  # the user reads and types: other conversations' requests come in meanwhile
+                await asyncio.sleep(rng.uniform(*args.think))
+            messages.append({"role": "user", "content": question(rng, args.words)})
+            reply = await ask(session, url, messages, args.max_tokens, phase)
+            messages.append({"role": "assistant", "content": reply or "(no answer)"})
+
+    await asyncio.gather(*(conversation(i) for i in range(args.conversations)))
+
+
+async def skewed_workload(session, url, args, tag: int, phase: Phase) -> None:
+    rng = random.Random(tag)
+    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
+    hot = [system, {"role": "user", "content": "When does the first boat leave the north pier, and in fog?"}]
+    queue = [hot if rng.random() < 2 / 3 else [system, {"role": "user", "content": question(rng)}]
+             for _ in range(args.skewed)]
+
+    async def worker() -> None:
+        while queue:
+            await ask(session, url, queue.pop(), args.max_tokens, phase)
+
+    await asyncio.gather(*(worker() for _ in range(args.workers)))
+
+
+async def engine_counters(session, ports: list[int]) -> dict[int, tuple[float, float]]:
+    out = {}
+    for port in ports:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            text = await resp.text()
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("kaon_prefix_cache_hits_total", "kaon_prefix_cache_queries_total"):
+                values[name] = float(value)
+        out[port] = (values["kaon_prefix_cache_hits_total"], values["kaon_prefix_cache_queries_total"])
+    return out
+
+
+def build_table(ports: list[int], strategy: str, load_bound: float) -> EndpointTable:
+    table = EndpointTable()
+    table.apply_service("ADDED", {"metadata": {"name": "bench", "namespace": "bench"},
+                                  "spec": {"model": {"servedName": SERVED},
+                                           "routing": {"strategy": strategy, "loadBound": load_bound}}})
+    for i, port in enumerate(ports):
+        table.apply_pod("ADDED", {
+            "metadata": {"name": f"bench-{i}", "namespace": "bench", "labels": resources.labels("bench")},
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
+    table.synced = True
+    return table
+
+
+async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -> dict:
+    table = build_table(ports, strategy, args.load_bound)
+    router = Router(table, rng=random.Random(tag))
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    phase = Phase()
+    endpoints = table.endpoints(ServiceKey("bench", "bench"))
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        while not stop.is_set():
+            phase.samples.append({e.pod: router.inflight.get(e, 0) for e in endpoints})
+            await asyncio.sleep(0.02)
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+            before = await engine_counters(session, ports)
+            sampler = asyncio.create_task(sample())
+            start = time.perf_counter()
+            await workload(session, url, args, tag, phase)
+            phase.seconds = time.perf_counter() - start
+            stop.set()
+            await sampler
+            after = await engine_counters(session, ports)
+            async with session.get(url.replace("/v1/chat/completions", "/metrics")) as resp:
+                router_metrics = await resp.text()
+    finally:
+        await runner.cleanup()
+    hits = sum(after[p][0] - before[p][0] for p in ports)
+    queries = sum(after[p][1] - before[p][1] for p in ports)
+    busy = [s for s in phase.samples if any(s.values())]
+    mean_per = {pod: sum(s[pod] for s in busy) / max(1, len(busy)) for pod in (e.pod for e in endpoints)}
+    overall = sum(mean_per.values()) / len(mean_per)
+
+    def counter(name: str) -> float:
+        for line in router_metrics.splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    ttft = sorted(phase.ttft)
+    return {"strategy": strategy, "requests": phase.done, "failed": phase.failed, "seconds": phase.seconds,
+            "hit_rate": hits / queries if queries else float("nan"), "prompt_tokens": queries,
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "req_s": phase.done / phase.seconds, "chunks_s": phase.chunks / phase.seconds,
+            "inflight_mean": mean_per, "imbalance": max(mean_per.values()) / overall if overall else float("nan"),
+            "peak": max((max(s.values()) for s in busy), default=0),
+            "affinity_hits": counter("kaon_router_affinity_hits_total"),
+            "affinity_overrides": counter("kaon_router_affinity_overrides_total")}
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def start_engines(n: int, args, logs: Path) -> tuple[list[subprocess.Popen], list[int]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "runtime"), "OMP_NUM_THREADS": str(args.threads)}
+    procs, ports = [], []
+    for i in range(n):
+        port = free_port()
+        cmd = [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--served-model-name", SERVED,
+               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching"]
+        procs.append(subprocess.Popen(cmd, stdout=(logs / f"routing_engine_{i}.log").open("w"),
+                                      stderr=subprocess.STDOUT, env=env))
+        ports.append(port)
+    return procs, ports
+
+
+async def wait_ready(procs, ports, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        for proc, port in zip(procs, ports):
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"engine on {port} exited with {proc.returncode}; see bench/out")
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/ready") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"engine on {port} not ready after {timeout}s")
+                await asyncio.sleep(0.5)
+        # Warm each engine up (first-call costs), with a prompt no phase shares.
+        warm = Phase()
+        for port in ports:
+            await ask(session, f"http://127.0.0.1:{port}/v1/chat/completions",
+                      [{"role": "user", "content": "Warm up."}], 4, warm)
+
+
+def show(name: str, r: dict) -> None:
+    loads = " ".join(f"{v:.2f}" for v in r["inflight_mean"].values())
+    print(f"  {name:8} {r['strategy']:18} n={r['requests']:3d} fail={r['failed']} hit {r['hit_rate']:6.1%}  "
+          f"TTFT p50 {r['ttft_p50']:6.3f}s p99 {r['ttft_p99']:6.3f}s  {r['req_s']:5.2f} req/s "
+          f"{r['chunks_s']:6.1f} tok/s  in-flight per replica [{loads}] max/mean {r['imbalance']:.2f} "
+          f"peak {r['peak']}  affinity hits {r['affinity_hits']:.0f} overrides {r['affinity_overrides']:.0f}")
+
+
+async def bench(args) -> list[dict]:
+    logs = ROOT / "bench" / "out"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs, ports = start_engines(args.replicas, args, logs)
+    rows = []
+    try:
+        await wait_ready(procs, ports)
+        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.replicas} replicas, "
+              f"--max-num-seqs {args.max_num_seqs}, max_tokens {args.max_tokens}, loadBound {args.load_bound}")
+        tag = 0
+        for name, workload in (("chat", chat_workload), ("skewed", skewed_workload)):
+            for strategy in ("least-connections", "prefix-affinity"):
+                tag += 1
+                row = await run_phase(workload, strategy, ports, args, tag)
+                row["workload"] = name
+                show(name, row)
+                rows.append(row)
+        for name in ("chat", "skewed"):
+            lc, pa = (next(r for r in rows if r["workload"] == name and r["strategy"] == s)
+                      for s in ("least-connections", "prefix-affinity"))
+            print(f"  {name}: hit rate {pa['hit_rate'] / lc['hit_rate']:.2f}x, TTFT p50 "
+                  f"{1 - pa['ttft_p50'] / lc['ttft_p50']:+.0%} lower, p99 {1 - pa['ttft_p99'] / lc['ttft_p99']:+.0%} "
+                  f"lower, throughput {pa['req_s'] / lc['req_s']:.2f}x (prefix-affinity vs least-connections)")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--conversations", type=int, default=18)
+    parser.add_argument("--stagger", type=float, default=0.5, help="seconds between conversation starts")
+    parser.add_argument("--think", type=float, nargs=2, default=(1.0, 4.0), help="seconds between turns (range)")
+    parser.add_argument("--words", type=int, default=48, help="words per user message")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--skewed", type=int, default=36, help="requests in the skewed workload")
+    parser.add_argument("--workers", type=int, default=12, help="closed-loop clients of the skewed workload")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--load-bound", type=float, default=1.25)
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = asyncio.run(bench(args))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
