@@ -149,6 +149,28 @@ def test_hf_s3_and_pvc_models_serve_and_bad_sources_say_why(local, crd, namespac
     assert any(r == "Recovered" for _, r, _ in cluster.events("wrong-token"))
 
 
+def test_an_engine_that_cannot_start_is_a_crash_loop_with_its_error_then_recovers(local, crd, namespace):
+    """The engine process really exits (a model that does not exist); the pod runner restarts it with a
+    back-off and reports lastState with the log's tail; the operator puts its last line in Degraded."""
+    cluster = Cluster(crd, namespace)
+    cluster.kubectl("apply", "-f", "-", input=isvc("nomodel", {"uri": "builtin://does-not-exist"}))
+    cond = wait_for("Degraded", lambda: cluster.condition_if("nomodel", "Degraded", "True"), timeout=120)
+    assert cond["reason"] == "CrashLoopBackOff", cond
+    assert "container engine exited with code 2" in cond["message"], cond
+    assert ": kaon: error: unknown builtin model 'does-not-exist'; available: " in cond["message"], cond
+    assert not cluster.ready("nomodel")
+    engine = cluster.pods("nomodel")[0]["status"]["containerStatuses"][0]
+    assert engine["restartCount"] >= 1 and engine["lastState"]["terminated"]["exitCode"] == 2, engine
+
+    cluster.kubectl("patch", "infsvc", "nomodel", "--type=merge", "-p",
+                    json.dumps({"spec": {"model": {"uri": "builtin://smollm2-135m-instruct"}}}))
+    wait_for("Ready and not Degraded", lambda: cluster.ready("nomodel") and
+             cluster.condition("nomodel", "Degraded").get("status") == "False", timeout=240)
+    events = cluster.events("nomodel")
+    assert [r for t, r, _m in events if t == "Warning"] == ["CrashLoopBackOff"], events  # once, not per restart
+    assert ("Normal", "Recovered", "no longer degraded (CrashLoopBackOff)") in events
+
+
 def test_the_pod_runner_maps_paths_under_a_mount_to_its_host_directory(tmp_path):
     from e2e.pod_runner import translate
 

@@ -190,13 +190,30 @@ def test_a_crash_loop_says_the_exit_code_and_the_engines_last_line():
     assert bare["reason"] == "CrashLoopBackOff" and "back-off 40s" in bare["message"]
 
 
-def test_oom_killed_is_its_own_reason_while_waiting_or_terminated_not_once_running_again():
+def test_oom_killed_is_its_own_reason_until_the_container_is_ready_again():
     oom = {"exitCode": 137, "reason": "OOMKilled"}
     for state, last in ((BACK_OFF, oom), ({"terminated": oom}, None)):
         cond = degraded([engine_status(state, last)])
         assert cond["reason"] == "OOMKilled", cond
         assert "more memory than its limit" in cond["message"] and "exit code 137" in cond["message"]
-    assert degraded([engine_status({"running": {}}, oom)])["status"] == "False"  # it came back up
+    # running again between back-offs: still failing until ready, so Degraded does not flap
+    assert degraded([engine_status({"running": {}}, oom)])["reason"] == "OOMKilled"
+    back_up = engine_status({"running": {}}, oom)
+    back_up["status"]["containerStatuses"][0]["ready"] = True
+    assert degraded([back_up])["status"] == "False"  # it came back up
+
+
+def test_a_crash_loop_stays_degraded_while_the_container_runs_again_until_ready():
+    crashed = {"exitCode": 2, "reason": "Error", "message": "kaon: error: no such model"}
+    cond = degraded([engine_status({"running": {}}, crashed)])
+    assert cond["reason"] == "CrashLoopBackOff" and cond["message"].endswith(": kaon: error: no such model"), cond
+    ready = engine_status({"running": {}}, crashed)
+    ready["status"]["containerStatuses"][0]["ready"] = True
+    assert degraded([ready])["status"] == "False"
+    pod_ready = engine_status({"running": {}}, crashed)  # a runtime that sets only the pod's Ready condition
+    pod_ready["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    assert degraded([pod_ready])["status"] == "False"
+    assert degraded([engine_status({"running": {}}, {"exitCode": 0, "reason": "Completed"})])["status"] == "False"
 
 
 def test_pods_refused_by_a_quota_are_failed_create_from_the_deployments_replica_failure():

@@ -108,7 +108,7 @@ def _time(stamp: str | None) -> datetime | None:
         return None
 
 
-def _stuck(container: dict) -> tuple[str, str] | None:
+def _stuck(container: dict, pod_ready: bool = False) -> tuple[str, str] | None:
     """(reason, message) for a container that will not run on its own: OOMKilled when its last run was
     killed for memory, else the kubelet's waiting reason with the last run's exit code and termination
     message (the engine's one-line cause)."""
@@ -116,11 +116,17 @@ def _stuck(container: dict) -> tuple[str, str] | None:
     waiting = state.get("waiting") or {}
     last = state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
     restarts = container.get("restartCount", 0)
-    if last.get("reason") == "OOMKilled" and (waiting or state.get("terminated")):
+    # Between back-offs a crashing container runs again for a while: until it is ready, its last
+    # failure still stands (else Degraded would flap, an Event per restart).
+    retrying = ("running" in state and not (container.get("ready") or pod_ready)
+                and last.get("exitCode", 0) != 0)
+    if last.get("reason") == "OOMKilled" and (waiting or state.get("terminated") or retrying):
         return "OOMKilled", (f"container {name} was killed for using more memory than its limit "
                              f"(exit code {last.get('exitCode', 137)}, {restarts} restart(s))")
-    if waiting.get("reason") not in STUCK_REASONS:
+    if waiting.get("reason") not in STUCK_REASONS and not retrying:
         return None
+    if retrying:
+        waiting = {"reason": "CrashLoopBackOff", "message": "restarted after a failure, not ready yet"}
     message = f"container {name}: {waiting.get('message') or waiting['reason']}"
     if last and last.get("exitCode", 0) != 0:
         cause = _last_line(last.get("message") or "")
@@ -151,8 +157,9 @@ def summarize_pod(pod: dict) -> PodSummary:
     unschedulable = None
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         unschedulable = scheduled.get("message") or "no node fits the pod"
-    stuck = next(filter(None, map(_stuck, status.get("containerStatuses") or [])), None)
     ready = conditions.get("Ready", {})
+    stuck = next(filter(None, (_stuck(c, ready.get("status") == "True") for c in status.get("containerStatuses") or [])),
+                 None)
     not_ready_since = None
     if status.get("phase") == "Running" and ready.get("status") != "True":
         not_ready_since = (_time(ready.get("lastTransitionTime")) if ready.get("status") == "False" else None) \
