@@ -242,20 +242,23 @@ def test_bounded_loads_keep_every_pod_near_the_mean_even_when_one_key_is_hot():
     assert max(inflight.values()) <= 1.25 * 100 / 4 + 1, inflight
 
 
-def test_the_longest_known_prefix_wins_unless_it_went_to_several_pods():
-    a, b = ep("a"), ep("b")
+def test_the_longest_known_prefix_wins_and_of_several_holders_the_least_loaded():
+    a, b, c = ep("a"), ep("b"), ep("c")
     known = affinity.KnownPrefixes(capacity=10)
-    system = affinity.chain("s" * 512, "k")
     turn1 = affinity.chain("s" * 512 + "u" * 300, "k")
     known.record(turn1, a)
-    assert affinity.preferred(turn1, known, [a, b]) == a
-    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "more", "k"), known, [a, b]) == a
-    assert affinity.preferred(turn1, known, [b]) is None  # a is not usable now
-    known.record(affinity.chain("s" * 512 + "v" * 300, "k"), b)  # another conversation, same system prompt
-    assert affinity.preferred(system, known, [a, b]) is None  # shared: says nothing
-    assert affinity.preferred(turn1, known, [a, b]) == a
+    assert affinity.preferred(turn1, known, [b, c, a], {a: 3}) == a  # however loaded: the bound is choose's
+    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "more", "k"), known, [a, b], {}) == a
+    assert affinity.preferred(turn1, known, [b, c], {}) is None  # a is not usable now
+    assert affinity.preferred(affinity.chain("other", "k"), known, [a, b], {}) is None
+    known.record(turn1, b)  # passed over for load once: now cached on a and b
+    assert affinity.preferred(turn1, known, [c, b, a], {a: 2, b: 1}) == b
+    assert affinity.preferred(turn1, known, [c, a, b], {}) == a  # a tie: the ring's order
+    # A longer prefix whose holder left gives way to a shorter one that another pod holds.
+    known.record(affinity.chain("s" * 512 + "u" * 300 + "w" * 300, "k"), c)
+    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "w" * 300, "k"), known, [a], {}) == a
     known.record(affinity.chain("z" * 2600, "k"), b)  # 11 chunks: the oldest are forgotten
-    assert len(known) == 10 and affinity.preferred(turn1, known, [a, b]) is None
+    assert len(known) == 10 and affinity.preferred(turn1, known, [a, b], {}) is None
 
 
 # the HTTP path against fake engines ----------------------------------------------------

@@ -7,10 +7,10 @@ blocks). Two prompts that share their first k chunks share the first k hashes.
 
 The choice, in order of preference:
 1. the pod this router last sent the longest known prefix of the prompt to (a conversation's
-   earlier turn: its blocks are cached there), counting only chunks past the anchor (below),
-   and only if that prefix went to one pod alone. A system prompt every conversation shares
-   says nothing about where a conversation lives: counted, it would herd them all onto the
-   first pod it went to;
+   earlier turn: its blocks are cached there; of several, the least loaded), counting only
+   chunks past the anchor (below). A system prompt every conversation shares says nothing
+   about where a conversation lives: counted, it would herd them all onto the first pod it
+   went to;
 2. otherwise the ring's owner of the request's anchor: for a chat, the conversation up to its
    first user turn, which every later turn repeats, so that a conversation finds its pod
    again without memory (after a router restart, or through another router replica);
@@ -131,24 +131,19 @@ class Ring(Generic[T]):
         return order
 
 
-SHARED = object()
-"""A prefix that went to several pods."""
-
-
 class KnownPrefixes:
-    """Where this router sent each prefix chunk lately: a bounded LRU map."""
+    """Which pods this router sent each prefix chunk to lately: a bounded LRU map."""
 
     def __init__(self, capacity: int = KNOWN_PREFIXES):
         self.capacity = capacity
-        self._where: OrderedDict[int, object] = OrderedDict()
+        self._where: OrderedDict[int, frozenset] = OrderedDict()
 
-    def get(self, h: int):
-        return self._where.get(h)
+    def get(self, h: int) -> frozenset:
+        return self._where.get(h, frozenset())
 
     def record(self, hashes: Sequence[int], target: Hashable) -> None:
         for h in hashes:
-            was = self._where.pop(h, None)
-            self._where[h] = target if was is None or was == target else SHARED
+            self._where[h] = self._where.pop(h, frozenset()) | {target}
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
@@ -156,12 +151,14 @@ class KnownPrefixes:
         return len(self._where)
 
 
-def preferred(hashes: Sequence[int], known: KnownPrefixes, allowed: Sequence[T]) -> T | None:
-    """The pod that holds the longest known prefix, if one pod alone does and it is allowed."""
+def preferred(hashes: Sequence[int], known: KnownPrefixes, order: Sequence[T], inflight: Mapping[T, int]) -> T | None:
+    """Of the usable pods (`order`: ring order) that hold the longest known prefix, the least
+    loaded (ties: the first on the ring). A prompt that went to several pods (a popular one,
+    passed over for load before) is spread over those that cache it, not piled onto one."""
     for h in reversed(hashes):
-        where = known.get(h)
-        if where is not None:
-            return where if where is not SHARED and where in allowed else None
+        holders = [m for m in order if m in known.get(h)]
+        if holders:
+            return min(holders, key=lambda m: inflight.get(m, 0))
     return None
 
 

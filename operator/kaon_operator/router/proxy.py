@@ -195,8 +195,9 @@ class Router:
         if ring is None or ring.members != ready:
             self._rings = {k: r for k, r in self._rings.items() if self.table.endpoints(k)}  # forget gone services
             ring = self._rings[key] = affinity.Ring(ready, name=lambda e: e.pod)
-        first = affinity.preferred(prefix.hashes[prefix.own_from:], self.known, usable)
-        target, hit = affinity.choose(ring.walk(prefix.anchor), usable, self.inflight, service.load_bound, first)
+        order = [e for e in ring.walk(prefix.anchor) if e in usable]
+        first = affinity.preferred(prefix.hashes[prefix.own_from:], self.known, order, self.inflight)
+        target, hit = affinity.choose(order, usable, self.inflight, service.load_bound, first)
         (self.metrics.affinity_hits if hit else self.metrics.affinity_overrides).labels(*key).inc()
         self.known.record(prefix.hashes, target)
         return target
