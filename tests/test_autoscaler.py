@@ -405,5 +405,6 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
     assert kube.replicas == [("a", 3)]  # 164 in flight at a target of 44.8 -> 4, max step 2 -> 3
     assert conditions[("ns", "a")]["status"] == "True"
     assert conditions[("ns", "b")] == {"type": "MetricsAvailable", "status": "False", "reason": "ScrapeFailed",
-                                       "message": "1 of 1 ready replicas did not answer the scrape; holding 1 replicas"}
+                                       "message": "1 of 1 ready replicas did not answer the scrape; "
+                                                  "no scale-down until they answer"}
     assert [e.reason for e in events] == ["Scaled"]

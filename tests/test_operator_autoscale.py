@@ -140,7 +140,8 @@ def test_unreachable_engine_metrics_hold_replicas_with_a_condition_and_an_event(
         condition = wait_for("MetricsAvailable=False", lambda: cluster.condition_if(
             "blind", "MetricsAvailable", "False"), timeout=30)
         assert condition["reason"] == "ScrapeFailed"
-        assert condition["message"] == "2 of 2 ready replicas did not answer the scrape; holding 2 replicas"
+        assert condition["message"] == \
+            "2 of 2 ready replicas did not answer the scrape; no scale-down until they answer"
         time.sleep(8)  # longer than the 5 s stabilization window
         assert cluster.get("infsvc", "blind")["spec"]["replicas"] == 2
         warnings = [m for t, r, m in cluster.events("blind") if r == "MetricsUnavailable"]
@@ -160,7 +161,8 @@ def test_requests_held_by_the_router_bring_a_service_up_from_zero(cluster):
     name = f"router-{cluster.ns}"
     router_pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "kaon-system", "labels": {
         "app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "router"}},
-        "spec": {"containers": [{"name": "router", "image": "kaon", "ports": [{"name": "http", "containerPort": port}]}]}}
+        "spec": {"containers": [{"name": "router", "image": "kaon",
+                                 "ports": [{"name": "http", "containerPort": port}]}]}}
     cluster.cp.kubectl("apply", "-f", "-", input=json.dumps(router_pod))
     ip = wait_for("the router pod's IP", lambda: json.loads(cluster.cp.kubectl(
         "get", "pod", name, "-n", "kaon-system", "-o", "json").stdout).get("status", {}).get("podIP"))

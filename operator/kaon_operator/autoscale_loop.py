@@ -97,7 +97,7 @@ def _epoch(text: str | None) -> float | None:
 def metrics_condition(decision: autoscaler.Decision, answered: int, ready: int) -> dict:
     if decision.metrics_missing:
         return {"type": "MetricsAvailable", "status": "False", "reason": "ScrapeFailed",
-                "message": f"{decision.metrics_missing}; holding {decision.replicas} replicas"}
+                "message": f"{decision.metrics_missing}; no scale-down until they answer"}
     return {"type": "MetricsAvailable", "status": "True", "reason": "Scraped",
             "message": f"{answered} of {ready} ready replicas answered"}
 

@@ -11,25 +11,25 @@ calibrated model of the engine.
 - **Up**: to ceil(mean concurrency over `scaleUpWindowSeconds` / target) once that mean is
   more than TOLERANCE above what the replicas carry; at once (a burst, like Knative's
   panic mode) when the latest sample alone wants PANIC_FACTOR x the replicas. Queue depth
-  per ready replica above `targetQueueDepthPerReplica`, and P99 latency above
-  `targetP99LatencySeconds`, over the whole window, add replicas too (they say capacity is
-  short even when the concurrency target was set too high). They are effects, not amounts,
-  so they act only when no replica is starting and the last change is a window old.
+  per ready replica above `targetQueueDepthPerReplica` over the whole window, and a P99
+  over `targetP99LatencySeconds`, add replicas too (they say capacity is short even when
+  the concurrency target was set too high). They are effects, not amounts, so they act
+  only when no replica is starting and the last change is a window old.
 - **Down**: only when the *peak* concurrency of the last `scaleDownStabilizationSeconds`
-  fits fewer replicas with TOLERANCE to spare, no queue and no P99 over target in that
-  window, and no change for a scale-up window. A steady load therefore never moves replicas. With
-  a latency target, "fits" also means staying under the concurrency per replica at which
-  P99 last missed the target (remembered for an hour), so a latency-bound service does not
-  scale down into the same miss again.
+  fits fewer replicas with TOLERANCE to spare, with no queue and no P99 over target in that
+  window, and no change for a scale-up window. A steady load therefore never moves
+  replicas. With a latency target, "fits" also means staying under the concurrency per
+  replica at which P99 last missed the target (remembered for an hour), so a latency-bound
+  service does not scale down into the same miss again.
 - **P99** comes from summed per-tick histogram deltas. It adds replicas only when more than
   1% of at least MIN_LATENCY_REQUESTS requests missed the target with 99% confidence (the
-  window widens back, to the last change at most, until it shows that): the P99 of 100
-  requests with 3 slow ones is just those three.
+  window widens back, to the last change at most, until it shows that): 3 slow requests
+  of 100 are not a trend.
 - **Fail safe**: a sample where some ready replica did not answer holds the replica count
-  unless the replicas that did answer already ask for more (and the decision says why, for
-  a condition and an Event); a scale-down (or to-zero)
-  window must have MIN_COMPLETE_SHARE of its scrapes (nearly) complete and is judged on
-  those, the pods that missed one counted as loaded as the others.
+  unless the replicas that did answer already ask for more (the decision says why, for a
+  condition and an Event). A scale-down (or to-zero) window needs MIN_COMPLETE_SHARE of
+  its scrapes usable and is judged on those, pods that missed one counted as loaded as
+  the others.
 - **Zero**: with minReplicas 0, to zero after `scaleToZeroIdleSeconds` without a request,
   and never while a replica is still starting; back from zero as soon as the router holds
   a request.
@@ -135,7 +135,8 @@ def misses_target(samples: list[Sample], goal: float) -> tuple[bool, float | Non
         return False, None, 0.0, n
     over = scraper.count_above(merged, goal)
     z2, share = CONFIDENCE_Z ** 2, over / n
-    lower = (share + z2 / (2 * n) - CONFIDENCE_Z * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+    spread = CONFIDENCE_Z * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n))
+    lower = (share + z2 / (2 * n) - spread) / (1 + z2 / n)
     return lower > 0.01, scraper.quantile(merged, 0.99), over, n
 
 
@@ -214,8 +215,8 @@ def _up(history: list[Sample], spec: AutoscalingSpec, target: float, current: in
         queues = [s.waiting / s.ready for s in window if s.ready]
         if len(queues) == len(window) and min(queues) > spec.target_queue_depth_per_replica:
             least_waiting = min(s.waiting for s in window)
-            wishes.append((current + max(1, math.ceil(least_waiting / target)),
-                           f"queue depth {min(queues):.1f} per replica > target {spec.target_queue_depth_per_replica:g}"))
+            wishes.append((current + max(1, math.ceil(least_waiting / target)), f"queue depth {min(queues):.1f} "
+                           f"per replica > target {spec.target_queue_depth_per_replica:g}"))
         goal = spec.target_p99_latency_seconds
         lookback = now - max(spec.scale_up_window_seconds, spec.scale_down_stabilization_seconds)
         miss = goal and recent_miss(history, goal, max(lookback, last_change if last_change is not None else lookback))
