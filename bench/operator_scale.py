@@ -29,7 +29,8 @@ from e2e.operator_process import OperatorProcess  # noqa: E402
 from kaon_operator import api, resources, scraper  # noqa: E402
 from kaon_operator.crd import CRD_PATH  # noqa: E402
 
-SPEC = {"model": {"uri": "builtin://smollm2-135m-instruct"}}
+# KWOK marks engine pods with a kwok-ready/* image Ready with nothing behind them (e2e/kwok-stages.yaml).
+SPEC = {"model": {"uri": "builtin://smollm2-135m-instruct"}, "engine": {"image": "kwok-ready/kaon:1"}}
 CHUNK = 100  # objects per kubectl apply
 
 

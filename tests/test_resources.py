@@ -207,7 +207,10 @@ def test_rendered_manifests_are_accepted_by_the_apiserver(crd, namespace):
 
 
 def test_applied_children_run_on_fake_gpu_nodes_and_are_garbage_collected(crd, namespace):
-    owner = create_isvc(crd, namespace, "llama", {"engine": {"tensorParallelSize": 4}, "replicas": 2})
+    # A kwok-ready/* image: KWOK marks these engine pods Ready (the default image never is, as
+    # nothing here can run it).
+    owner = create_isvc(crd, namespace, "llama", {"engine": {"tensorParallelSize": 4, "image": "kwok-ready/kaon:1"},
+                                                  "replicas": 2})
     s = api.InferenceServiceSpec.model_validate(crd.kubectl_json("get", "-n", namespace, "infsvc", "llama")["spec"])
     apply(crd, r.render(owner, s))
     apply(crd, r.render(owner, s))  # idempotent: a second apply by the same manager changes nothing
