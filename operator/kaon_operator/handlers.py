@@ -251,15 +251,20 @@ async def start_startup_watch(memo: kopf.Memo, logger, **kwargs) -> None:
                 except Exception as exc:  # noqa: BLE001 - the next round tries again
                     logger.warning(f"judging {key[0]}/{key[1]}'s startup failed: {exc}")
 
-    memo["startup_watch"] = asyncio.get_running_loop().create_task(watch())
+    _run_in_background(memo, watch())
+
+
+def _run_in_background(memo: kopf.Memo, work) -> None:
+    """A task of the operator's own (not per object, so no finalizer), cancelled at cleanup."""
+    memo.setdefault("background", []).append(asyncio.get_running_loop().create_task(work))
 
 
 @kopf.on.cleanup()
-async def stop_startup_watch(memo: kopf.Memo, **_) -> None:
-    task = memo.get("startup_watch")
-    if task is not None:
+async def stop_background(memo: kopf.Memo, **_) -> None:
+    tasks = memo.get("background", [])
+    for task in tasks:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @kopf.on.event("pods", labels=ENGINE_CHILD)
@@ -337,13 +342,6 @@ async def start_autoscaler(memo: kopf.Memo, **kwargs) -> None:
     loop = autoscale_loop.AutoscaleLoop(
         state.kube, kwargs, interval=autoscale_settings.interval,
         release_namespace=autoscale_settings.release_namespace, use_lease=autoscale_settings.use_lease,
-        post=lambda body, events: _post(body, events, state.kube), resync=resync, conditions=state.metrics_conditions, identity=reporting_instance())
-    memo["autoscaler"] = asyncio.get_running_loop().create_task(loop.run())
-
-
-@kopf.on.cleanup()
-async def stop_autoscaler(memo: kopf.Memo, **_) -> None:
-    task = memo.get("autoscaler")
-    if task is not None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        post=lambda body, events: _post(body, events, state.kube), resync=resync,
+        conditions=state.metrics_conditions, identity=reporting_instance())
+    _run_in_background(memo, loop.run())
