@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 from kaon_runtime.fetch.source import NOT_FOUND, UNAUTHORIZED, UNREACHABLE, FetchError, Source
-from kaon_runtime.fetch.store import Progress, RemoteFile
+from kaon_runtime.fetch.store import ErrorTranslation, PartFile, RemoteFile
 
 CHUNK = 1 << 20
 _TIMEOUT = 60.0  # seconds without a byte before a read fails (the next attempt resumes)
@@ -44,53 +44,31 @@ class HubStore:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        dest = directory / remote.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
-        done = part.stat().st_size if part.exists() else 0
-        if done > remote.size:
-            part.unlink()
-            done = 0
+        part = PartFile(directory / remote.name, remote.size, remote.name, self.log)
         url = hf_hub_url(self.source.location, remote.name, revision=self.commit or self.source.revision,
                          endpoint=_endpoint())
         headers = build_hf_headers()  # HF_TOKEN, user agent
-        log = self.log
-        if done:
-            headers["Range"] = f"bytes={done}-"
-            if log:
-                log(f"{remote.name}: resuming at {done} of {remote.size} bytes")
-        progress = Progress(remote.name, remote.size, log or (lambda _: None))
+        if part.done:
+            headers["Range"] = f"bytes={part.done}-"
         with _translated(self.source, remote.name):
-            if done < remote.size:
+            if part.done < remote.size:
                 with get_session().stream("GET", url, headers=headers, follow_redirects=True,
                                           timeout=_TIMEOUT) as response:
                     if response.status_code >= 400:
                         response.read()
                         hf_raise_for_status(response)
-                    mode = "ab" if done and response.status_code == 206 else "wb"  # 200: the whole file again
-                    done = done if mode == "ab" else 0
-                    with open(part, mode) as f:
-                        for chunk in response.iter_bytes(CHUNK):
-                            f.write(chunk)
-                            done += len(chunk)
-                            progress.update(done)
-            else:
-                part.touch()
-        os.replace(part, dest)
+                    # 206: the rest of the file; 200: the whole file again
+                    part.write(response.iter_bytes(CHUNK), append=bool(part.done) and response.status_code == 206)
+        part.finish()
 
 
-class _translated:
-    """huggingface_hub's exceptions -> FetchError with the reason (context manager)."""
+class _translated(ErrorTranslation):
+    """huggingface_hub's exceptions -> FetchError with the reason."""
 
     def __init__(self, source: Source, filename: str | None = None):
         self.source, self.filename = source, filename
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or isinstance(exc, FetchError):
-            return False
+    def translate(self, exc: BaseException) -> None:
         from huggingface_hub import errors as hf
 
         uri = self.source.uri
@@ -112,7 +90,6 @@ class _translated:
             raise FetchError(UNREACHABLE, f"{uri}: the hub answered {status}: {str(exc).splitlines()[0]}") from None
         if isinstance(exc, OSError) or type(exc).__module__.startswith(("httpx", "requests", "urllib3")):
             if isinstance(exc, OSError) and exc.errno is not None:
-                return False  # disk errors (no space) are the caller's to name
+                return  # disk errors (no space) are the caller's to name
             raise FetchError(UNREACHABLE, f"{uri}: cannot reach {_endpoint() or 'https://huggingface.co'}: "
                                           f"{exc}") from None
-        return False

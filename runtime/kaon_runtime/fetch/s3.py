@@ -10,7 +10,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from kaon_runtime.fetch.source import NOT_FOUND, UNAUTHORIZED, UNREACHABLE, FetchError, Source
-from kaon_runtime.fetch.store import Progress, RemoteFile
+from kaon_runtime.fetch.store import ErrorTranslation, PartFile, RemoteFile
 
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
            "AllAccessDisabled", "AccountProblem"}
@@ -65,31 +65,16 @@ class S3Store:
 
     def download(self, remote: RemoteFile, directory: Path) -> None:
         """Into directory/name through name.part; an interrupted download resumes with a ranged GET."""
-        dest = directory / remote.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
-        done = part.stat().st_size if part.exists() else 0
-        if done > remote.size:
-            part.unlink()
-            done = 0
-        if done:
-            self.log(f"{remote.name}: resuming at {done} of {remote.size} bytes")
-        progress = Progress(remote.name, remote.size, self.log)
-        if done < remote.size:
+        part = PartFile(directory / remote.name, remote.size, remote.name, self.log)
+        if part.done < remote.size:
             with _translated(self.source, remote.name):
-                response = self.client.get_object(self.source.location, self.keys[remote.name], offset=done)
+                response = self.client.get_object(self.source.location, self.keys[remote.name], offset=part.done)
                 try:
-                    with open(part, "ab") as f:
-                        for chunk in response.stream(CHUNK):
-                            f.write(chunk)
-                            done += len(chunk)
-                            progress.update(done)
+                    part.write(response.stream(CHUNK))
                 finally:
                     response.close()
                     response.release_conn()
-        else:
-            part.touch()
-        os.replace(part, dest)
+        part.finish()
 
 
 def _md5(etag: str | None) -> str | None:
@@ -97,16 +82,13 @@ def _md5(etag: str | None) -> str | None:
     return etag if len(etag) == 32 and "-" not in etag else None  # multipart ETags are not an MD5
 
 
-class _translated:
+class _translated(ErrorTranslation):
+    """The S3 client's exceptions -> FetchError with the reason."""
+
     def __init__(self, source: Source, name: str | None = None):
         self.source, self.name = source, name
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or isinstance(exc, FetchError):
-            return False
+    def translate(self, exc: BaseException) -> None:
         from minio.error import S3Error, ServerError
 
         what = f"{self.source.uri}" + (f" ({self.name})" if self.name else "")
@@ -120,7 +102,6 @@ class _translated:
         if isinstance(exc, ServerError):
             raise FetchError(UNREACHABLE, f"{what}: the store answered {exc.status_code}") from None
         if isinstance(exc, OSError) and exc.errno is not None and not type(exc).__module__.startswith("urllib3"):
-            return False  # disk errors (no space) are the caller's to name
+            return  # disk errors (no space) are the caller's to name
         if isinstance(exc, OSError) or type(exc).__module__.startswith("urllib3"):
             raise FetchError(UNREACHABLE, f"{what}: cannot reach {_endpoint()}: {exc}") from None
-        return False

@@ -157,3 +157,49 @@ class Progress:
             self.last = now
             rate = done / max(now - self.start, 1e-9)
             self.log(f"{self.name}: {_gb(done)} of {_gb(self.total)} ({rate / 1e6:.1f} MB/s)")
+
+
+class PartFile:
+    """A download in progress, `name.part` beside its destination. Bytes already there are kept
+    (an interrupted download resumes after them) unless there are more than the file has."""
+
+    def __init__(self, dest: Path, size: int, name: str, log: Callable[[str], None] | None):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self.dest, self.path = dest, dest.with_name(dest.name + ".part")
+        self.done = self.path.stat().st_size if self.path.exists() else 0
+        if self.done > size:
+            self.path.unlink()
+            self.done = 0
+        if self.done and log:
+            log(f"{name}: resuming at {self.done} of {size} bytes")
+        self.size, self.progress = size, Progress(name, size, log or (lambda _: None))
+
+    def write(self, chunks: Iterator[bytes], *, append: bool = True) -> None:
+        """Append the chunks (or start over), logging progress."""
+        if not append:
+            self.done = 0
+        with open(self.path, "ab" if append else "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                self.done += len(chunk)
+                self.progress.update(self.done)
+
+    def finish(self) -> None:
+        self.path.touch()  # an empty file has no chunks
+        os.replace(self.path, self.dest)
+
+
+class ErrorTranslation:
+    """A context manager that turns a client's exceptions into FetchError: `translate` raises
+    one, or returns to let the exception go (disk errors, which the caller names)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, FetchError):
+            self.translate(exc)
+        return False
+
+    def translate(self, exc: BaseException) -> None:
+        raise NotImplementedError
