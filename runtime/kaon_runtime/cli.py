@@ -49,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("KAON_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1 (default: $KAON_API_KEY)")
+    serve.add_argument("--api-key-file", default=os.environ.get("KAON_API_KEY_FILE"),
+                       help="require a key from this file (one per line) or directory (one per file: a mounted "
+                       "Secret) on /v1; re-read when it changes, so keys rotate without a restart; missing or "
+                       "empty refuses every request (default: $KAON_API_KEY_FILE)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get a 429")
+    serve.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                       help="/health answers 503 when requests are pending and no engine step has completed for "
+                       "this long (the first step after load gets 3x); 0 turns the check off")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullE
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import openapi as doc
 from kaon_runtime.server import protocol as p
+from kaon_runtime.server.keys import ApiKeys
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
 
@@ -31,6 +31,8 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client gone before the respons
 class ServerSettings:
     model_name: str
     api_key: str | None = None
+    api_key_file: str | None = None
+    """A file (or a directory of files, one key each: a mounted Secret) of accepted keys, re-read on change."""
     max_body_bytes: int = 4 << 20
 
 
@@ -65,6 +67,7 @@ class ServerState:
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     state = ServerState()
     metrics = Metrics(engine.stats)
+    keys = ApiKeys(settings.api_key, settings.api_key_file)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,12 +80,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.server = state
     _install_error_handlers(app)
     doc.install(app, settings.model_name, max_model_len=engine.engine.max_model_len,
-                vocab_size=engine.engine.model_config.vocab_size, secured=settings.api_key is not None)
+                vocab_size=engine.engine.model_config.vocab_size, secured=keys.enabled)
 
     @app.get("/health", responses=doc.HEALTH)
     async def health():
-        if not engine.is_alive:
-            raise APIError(503, "the engine loop is not running", type="server_error", code="engine_dead")
+        # Liveness: the engine thread runs and, with requests pending, completes steps (engine.health()).
+        problem = engine.health()
+        if problem is not None:
+            raise APIError(503, problem, type="server_error",
+                           code="engine_dead" if not engine.is_alive else "engine_stalled")
         return {"status": "ok"}
 
     @app.get("/ready", responses=doc.HEALTH)
@@ -95,7 +101,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth(settings.api_key)), Depends(_not_draining(state))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth(keys)), Depends(_not_draining(state))])
 
     @v1.get("/models", response_model=p.ModelList, responses=doc.V1_ERRORS)
     async def models():
@@ -190,12 +196,12 @@ class _SSEResponse(StreamingResponse):
 # ---- request plumbing --------------------------------------------------------------------
 
 
-def _auth(api_key: str | None):
+def _auth(keys: ApiKeys):
     async def check(request: Request) -> None:
-        if api_key is None:
+        if not keys.enabled:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+        if not keys.accepts(token) or scheme.lower() != "bearer":  # compare first: same time either way
             raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
     return check

@@ -70,14 +70,14 @@ def engine_config(args) -> EngineConfig:
 def serve(args) -> int:
     llm_engine = LLMEngine(engine_config(args), show_progress=False)
     try:
-        return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue))
+        return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue, stall_timeout_s=args.stall_timeout))
     finally:
         llm_engine.close()  # the tensor-parallel workers, if any
 
 
 def _run(args, engine: AsyncEngine) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes)
+                              api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes)
     app = create_app(engine, settings)
     server = _DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
