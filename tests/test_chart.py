@@ -1,4 +1,4 @@
-"""The Helm chart (charts/kaon), the container images' recipes and the README's generated CRD reference.
+"""The Helm chart (charts/kaon), the container images' recipes and the docs' generated CRD reference and metrics list.
 
 helm is the one e2e/build-control-plane.sh builds from Go modules (`make test` builds it with
 the control plane). The rendered manifests are checked against the real apiserver's schemas with
@@ -146,9 +146,12 @@ def test_router_flags_in_values_are_the_commands_own_defaults(helm):
     defaults = router_parser().parse_args([])
     router = VALUES["router"]
     assert (router["queueTimeout"], router["maxQueued"], router["backoff"], router["connectTimeout"],
-            router["maxAttempts"], router["maxBodyBytes"], router["logLevel"]) == (
+            router["firstByteTimeout"], router["idleTimeout"], router["maxAttempts"], router["maxBodyBytes"],
+            router["logLevel"]) == (
         defaults.queue_timeout, defaults.max_queued, defaults.backoff, defaults.connect_timeout,
-        defaults.max_attempts, defaults.max_body_bytes, defaults.log_level)
+        defaults.first_byte_timeout, defaults.idle_timeout, defaults.max_attempts, defaults.max_body_bytes,
+        defaults.log_level)
+    assert f"--idle-timeout={router['idleTimeout']}" in container(template(helm, []), "kaon-router")["args"]
     # Helm reads numbers as floats; a large one must not come out as 4.194304e+06.
     args = container(template(helm, []), "kaon-router")["args"]
     assert f"--max-body-bytes={defaults.max_body_bytes}" in args
@@ -237,7 +240,7 @@ def test_chart_crds_equal_the_repositorys(helm):
     assert names == {"inferenceservices.kaon.dev", "clusterkopfpeerings.kopf.dev"}
 
 
-def test_readme_crd_reference_is_current():
+def test_docs_crd_reference_is_current():
     assert reference.main(["--check"]) == 0, "run: python -m kaon_operator.reference"
 
 
@@ -260,9 +263,8 @@ def _metric_names() -> set[str]:
     return names
 
 
-def test_readme_metrics_reference_names_every_metric():
-    readme = (ROOT / "README.md").read_text()
-    documented = set(re.findall(r"`(kaon_\w+)", readme))
+def test_docs_metrics_reference_names_every_metric():
+    documented = set(re.findall(r"`(kaon_\w+)", (ROOT / "docs" / "metrics.md").read_text()))
     assert _metric_names() <= documented, sorted(_metric_names() - documented)
 
 

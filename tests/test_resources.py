@@ -323,17 +323,16 @@ def test_env_volumes_and_image_pull_secrets_reach_both_containers():
     assert "imagePullSecrets" not in pod_spec(spec()) and "envFrom" not in pod_spec(spec())["containers"][0]
 
 
-def test_the_readmes_own_model_examples_are_valid_and_render():
-    """Every InferenceService in README's "Serve your own model" validates and renders its fetch or mount."""
+def test_the_docs_own_model_examples_are_valid_and_render():
+    """Every InferenceService in docs/models.md validates and renders its fetch or mount."""
     import re
 
     import yaml
 
     from kaon_operator.crd import ROOT
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Serve your own model"):text.index("\n## ", text.index("## Serve your own model") + 3)]
-    docs = [d for block in re.findall(r"```yaml\n(.*?)```", section, re.S) for d in yaml.safe_load_all(block) if d]
+    text = (ROOT / "docs" / "models.md").read_text()
+    docs = [d for block in re.findall(r"```yaml\n(.*?)```", text, re.S) for d in yaml.safe_load_all(block) if d]
     services = [d for d in docs if d["kind"] == "InferenceService"]
     secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
     assert {s["spec"]["model"]["uri"].split("://")[0] for s in services} == {"hf", "s3", "pvc"}

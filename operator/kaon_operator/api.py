@@ -349,7 +349,7 @@ class Condition(_Model):
     status: Literal["True", "False", "Unknown"]
     """Whether it holds."""
     reason: str = ""
-    """Why, in one CamelCase word (see the README's list)."""
+    """Why, in one CamelCase word (docs/operator.md lists them)."""
     message: str = ""
     """Why, for people."""
     last_transition_time: datetime | None = None
