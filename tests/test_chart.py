@@ -146,9 +146,12 @@ def test_router_flags_in_values_are_the_commands_own_defaults(helm):
     defaults = router_parser().parse_args([])
     router = VALUES["router"]
     assert (router["queueTimeout"], router["maxQueued"], router["backoff"], router["connectTimeout"],
-            router["maxAttempts"], router["maxBodyBytes"], router["logLevel"]) == (
+            router["firstByteTimeout"], router["idleTimeout"], router["maxAttempts"], router["maxBodyBytes"],
+            router["logLevel"]) == (
         defaults.queue_timeout, defaults.max_queued, defaults.backoff, defaults.connect_timeout,
-        defaults.max_attempts, defaults.max_body_bytes, defaults.log_level)
+        defaults.first_byte_timeout, defaults.idle_timeout, defaults.max_attempts, defaults.max_body_bytes,
+        defaults.log_level)
+    assert f"--idle-timeout={router['idleTimeout']}" in container(template(helm, []), "kaon-router")["args"]
     # Helm reads numbers as floats; a large one must not come out as 4.194304e+06.
     args = container(template(helm, []), "kaon-router")["args"]
     assert f"--max-body-bytes={defaults.max_body_bytes}" in args

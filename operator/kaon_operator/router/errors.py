@@ -35,10 +35,22 @@ def too_large(limit: int) -> RouterError:
                        "request_too_large")
 
 
+def invalid_api_key() -> RouterError:
+    # OpenAI's own words and code for it, so clients raise AuthenticationError.
+    return RouterError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+
+
+def no_api_keys(service: str, secret: str) -> RouterError:
+    """spec.auth names a Secret that is missing or holds no key: refuse everyone, say why."""
+    return RouterError(503, f"InferenceService {service} requires an API key (spec.auth), but its Secret "
+                            f"`{secret}` is missing or holds no key; every request is refused until it has one",
+                       "service_unavailable", "no_api_keys")
+
+
 def model_not_found(model: str) -> RouterError:
-    return RouterError(404, f"the model `{model}` does not exist: no InferenceService serves it "
-                            "(GET /v1/models lists the served names)", "invalid_request_error", "model_not_found",
-                       "model")
+    return RouterError(404, f"the model `{model}` does not exist: no InferenceService serves it here "
+                            "(`<namespace>/<name>` names one of another namespace; GET /v1/models lists the "
+                            "names you may use)", "invalid_request_error", "model_not_found", "model")
 
 
 def starting() -> RouterError:
@@ -66,3 +78,22 @@ def upstream_unreachable(service: str, attempts: int) -> RouterError:
 def upstream_failed(service: str, pod: str, reason: str) -> RouterError:
     return RouterError(502, f"replica {pod} of InferenceService {service} failed before answering: {reason}",
                        "server_error", "upstream_failed")
+
+
+def upstream_timeout(service: str, pod: str, what: str, seconds: float, attempts: int = 1) -> RouterError:
+    """A replica took longer than the router's limit: nothing came back in time."""
+    tried = f" ({attempts} replicas tried)" if attempts > 1 else ""
+    return RouterError(504, f"replica {pod} of InferenceService {service} sent no {what} within {seconds:g}s{tried}; "
+                            "the engine may be overloaded or hung", "server_error", "upstream_timeout", retry=True)
+
+
+def upstream_broke_off(service: str, pod: str, reason: str) -> RouterError:
+    """Mid-stream: the replica stopped answering after the response had begun."""
+    return RouterError(502, f"replica {pod} of InferenceService {service} broke off the response: {reason}",
+                       "server_error", "upstream_failed")
+
+
+def stream_event(error: RouterError) -> bytes:
+    """The error as a server-sent event, the way OpenAI ends a stream that failed part way:
+    its clients raise an APIError on a `data:` event with an `error` member."""
+    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"

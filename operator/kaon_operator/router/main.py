@@ -23,16 +23,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--namespace", action="append", default=[],
                         help="route to InferenceServices of this namespace only (repeatable; default: all)")
+    parser.add_argument("--default-namespace", default="default",
+                        help="where a bare `model` (no `<namespace>/`) resolves; `<namespace>/<name>` reaches "
+                        "any served namespace")
+    parser.add_argument("--cluster-wide-names", action="store_true",
+                        help="let a bare `model` also resolve in other namespaces (the oldest InferenceService "
+                        "serving it) when the default namespace has none")
+    parser.add_argument("--no-secrets", dest="secrets", action="store_false",
+                        help="do not read Secrets (no RBAC for them): an InferenceService with spec.auth then "
+                        "refuses every request with a 503")
     parser.add_argument("--kubeconfig", help="default: the pod's ServiceAccount, else $KUBECONFIG or ~/.kube/config")
     parser.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout,
                         help="seconds a request waits for a ready pod of its InferenceService, then 503")
     parser.add_argument("--max-queued", type=int, default=DEFAULTS.max_queued,
                         help="requests that may wait per InferenceService; more get a 503 at once")
     parser.add_argument("--backoff", type=float, default=DEFAULTS.backoff,
-                        help="seconds a pod that failed to connect gets no new requests")
-    parser.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout)
+                        help="seconds a pod that just failed (refused, reset, broke off, timed out) gets no new "
+                        "requests; doubles while it keeps failing (at most 8x), cleared by an answer or the watch")
+    parser.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout,
+                        help="seconds to connect to an engine pod")
+    parser.add_argument("--first-byte-timeout", type=float, default=DEFAULTS.first_byte_timeout,
+                        help="seconds from sending a request to the engine's response headers (a request without "
+                        "`stream` gets them with the whole completion); then another pod, or a 504")
+    parser.add_argument("--idle-timeout", type=float, default=DEFAULTS.idle_timeout,
+                        help="seconds a stream may send nothing; then it ends with an OpenAI error event")
     parser.add_argument("--max-attempts", type=int, default=DEFAULTS.max_attempts,
-                        help="pods one request tries when connections fail")
+                        help="pods one request tries when attempts fail before a response began")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes)
     parser.add_argument("--log-level", default="info")
     return parser
@@ -57,11 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kaon router: error: {exc}", file=sys.stderr)
         return 2
     _raise_open_file_limit()
-    table = EndpointTable()
+    table = EndpointTable(default_namespace=args.default_namespace, cluster_wide_names=args.cluster_wide_names)
     router = Router(table, RouterConfig(
         queue_timeout=args.queue_timeout, max_queued=args.max_queued, backoff=args.backoff,
-        connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes))
-    watcher = Watcher(server, table, args.namespace)
+        connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
+        idle_timeout=args.idle_timeout, max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes))
+    watcher = Watcher(server, table, args.namespace, secrets=args.secrets)
 
     async def watch(app: web.Application):
         task = asyncio.create_task(watcher.run())

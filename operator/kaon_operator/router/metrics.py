@@ -5,7 +5,7 @@ state at scrape time instead, so a pod or InferenceService that is gone leaves n
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -20,8 +20,8 @@ ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002,
 
 class _LiveState:
     def __init__(self, table: EndpointTable, inflight: Mapping[Endpoint, int],
-                 held: Callable[[], Mapping[ServiceKey, int]]):
-        self.table, self.inflight, self.held = table, inflight, held
+                 held: Callable[[], Mapping[ServiceKey, int]], ejected: Callable[[], Iterable[Endpoint]]):
+        self.table, self.inflight, self.held, self.ejected = table, inflight, held, ejected
 
     def collect(self):
         pods = GaugeMetricFamily("kaon_router_pod_inflight_requests", "Requests in flight to each engine pod",
@@ -33,6 +33,9 @@ class _LiveState:
         held = GaugeMetricFamily("kaon_router_held_requests",
                                  "Requests waiting for a ready pod (the InferenceService has none: scale from zero)",
                                  labels=SERVICE_LABELS)
+        ejected = GaugeMetricFamily("kaon_router_ejected_endpoints",
+                                    "Ready engine pods that just failed and get no new requests until their "
+                                    "ejection runs out (or the watch sees them ready anew)", labels=SERVICE_LABELS)
         per_service: dict[ServiceKey, int] = {}
         targets = {e: 0 for s in self.table.services() for e in self.table.endpoints(s.key)}
         targets.update(self.inflight)  # a pod that left the table may still finish streams
@@ -46,21 +49,36 @@ class _LiveState:
         for key, count in per_service.items():
             services.add_metric(list(key), count)
         waiting = self.held()
+        out: dict[ServiceKey, int] = {}
+        for e in self.ejected():
+            key = ServiceKey(e.namespace, e.service)
+            out[key] = out.get(key, 0) + 1
         for s in self.table.services():
             held.add_metric(list(s.key), waiting.get(s.key, 0))
-        return [pods, services, ready, held]
+            ejected.add_metric(list(s.key), out.get(s.key, 0))
+        return [pods, services, ready, held, ejected]
 
 
 class RouterMetrics:
     """One registry per router, so that tests can run several side by side."""
 
     def __init__(self, table: EndpointTable, inflight: Mapping[Endpoint, int],
-                 held: Callable[[], Mapping[ServiceKey, int]]):
+                 held: Callable[[], Mapping[ServiceKey, int]], ejected: Callable[[], Iterable[Endpoint]] = tuple):
         self.registry = CollectorRegistry()
         self.requests = Counter("kaon_router_requests", "Requests answered, by status code",
                                 [*SERVICE_LABELS, "code"], registry=self.registry)
-        self.retries = Counter("kaon_router_retries", "Requests sent to another pod after a failed connection",
-                               SERVICE_LABELS, registry=self.registry)
+        self.retries = Counter("kaon_router_retries", "Attempts that failed before a response began (refused or "
+                               "reset connection, upstream closed, first-byte timeout): the request went to "
+                               "another pod, or got the router's error when none was left", SERVICE_LABELS,
+                               registry=self.registry)
+        self.timeouts = Counter("kaon_router_upstream_timeouts", "Upstream requests past a router timeout, by phase: "
+                                "first_byte (no response headers in --first-byte-timeout) or idle (no stream chunk "
+                                "in --idle-timeout)", [*SERVICE_LABELS, "phase"], registry=self.registry)
+        self.broken = Counter("kaon_router_broken_streams", "Responses that broke off after they began (the engine "
+                              "died, reset or went idle): the client got an error event or an unfinished body",
+                              SERVICE_LABELS, registry=self.registry)
+        self.ejections = Counter("kaon_router_ejections", "Times an engine pod was ejected after a failure",
+                                 SERVICE_LABELS, registry=self.registry)
         self.added_latency = Histogram(
             "kaon_router_added_latency_seconds",
             "Time the router adds: arrival to the upstream request being sent (minus time held), "
@@ -73,7 +91,7 @@ class RouterMetrics:
             "carried too many requests (loadBound)", SERVICE_LABELS, registry=self.registry)
         self.held_seconds = Histogram("kaon_router_held_seconds", "Time requests waited for a ready pod",
                                       SERVICE_LABELS, registry=self.registry)
-        self.registry.register(_LiveState(table, inflight, held))
+        self.registry.register(_LiveState(table, inflight, held, ejected))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

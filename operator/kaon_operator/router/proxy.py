@@ -4,8 +4,14 @@ Per request: read the body, take `model` from it, find the InferenceService serv
 name, hold the request while the service has no ready pod, pick a pod (the fewest
 requests in flight, or with prefix-affinity the one caching the prompt's prefix within a
 load bound: affinity.py), and relay the response as it arrives (SSE streams chunk by chunk),
-with the engine's status, headers and body unchanged. A connection that fails before the
-request went out is retried on another pod, and the pod backs off.
+with the engine's status, headers and body unchanged.
+
+Failures: an attempt that fails before the response began (refused or reset connection, the
+engine closing it, no response headers within --first-byte-timeout) goes to another pod, up to
+--max-attempts; the last failure is the answer (502, or 504 for a timeout). After the response
+began nothing is repeated: a stream that breaks off or sends nothing for --idle-timeout ends with
+an OpenAI error event (an unfinished body when it is not a stream). Either way the pod is
+ejected (balance.Backoff) so the next requests go elsewhere.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kaon_operator.router import affinity, errors
+from kaon_operator.router import affinity, auth, errors
 from kaon_operator.router.balance import Backoff, candidates, pick
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 from kaon_operator.router.errors import RouterError
@@ -38,8 +44,12 @@ NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a
 # connection it is closing fails after it went out, which is not safe to retry: stay under.
 UPSTREAM_KEEPALIVE_S = 4.0
-# Errors raised before a single byte of the request was sent: safe to send elsewhere.
+# Errors raised before a single byte of the request was sent.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# Where a server-sent event ends; the router passes only whole events on, so that an error
+# event after a break is never glued to half an event.
+SSE_ENDS = (b"\n\n", b"\r\n\r\n")
+MAX_PENDING_SSE = 1 << 16  # an event longer than this is passed on in pieces after all
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +61,13 @@ class RouterConfig:
     backoff: float = 5.0
     """Seconds a pod that failed to connect gets no new requests (unless no other pod is left)."""
     connect_timeout: float = 3.0
+    first_byte_timeout: float = 600.0
+    """Seconds from sending a request to the engine's response headers. A request without
+    `stream` gets its headers only with the whole completion, so this bounds the longest one."""
+    idle_timeout: float = 300.0
+    """Seconds a response (a stream) may go without sending anything once it began."""
     max_attempts: int = 3
-    """Pods one request tries when connections fail."""
+    """Pods one request tries when attempts fail before a response began."""
     max_body_bytes: int = 4 << 20  # the engine's own default limit
 
 
@@ -75,6 +90,15 @@ def parse_request(body: bytes) -> tuple[str, dict]:
     return model, payload
 
 
+IDLE = "idle"
+
+
+def _last_event_end(data: bytes) -> int:
+    """Where the last whole server-sent event in `data` ends (0: none)."""
+    return max(data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0,
+               data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0)
+
+
 def _forwarded(headers) -> CIMultiDict:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in NOT_FORWARDED)
 
@@ -92,9 +116,16 @@ class Router:
         self.known = affinity.KnownPrefixes()
         """Where prefix-affinity sent each prompt chunk lately."""
         self._rings: dict[ServiceKey, affinity.Ring[Endpoint]] = {}
-        table.on_change = self.hold.notify
-        self.metrics = RouterMetrics(table, self.inflight, self.held)
+        table.on_change = self._changed
+        self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(time.monotonic()))
         self._session: aiohttp.ClientSession | None = None
+
+    def _changed(self, key: ServiceKey) -> None:
+        """The watch changed a service's ready pods: held requests look again, and a pod that
+        left the ready set is no longer ejected (when it is back, it was seen ready anew)."""
+        self.hold.notify(key)
+        if self.backoff.failures:
+            self.backoff.keep_only(lambda e: e in self.table.endpoints(ServiceKey(e.namespace, e.service)))
 
     def held(self) -> dict[ServiceKey, int]:
         """Requests waiting per InferenceService because it has no ready pod: the autoscaler's
@@ -132,18 +163,27 @@ class Router:
             except web.HTTPRequestEntityTooLarge:
                 raise errors.too_large(self.config.max_body_bytes) from None
             model, payload = parse_request(body)
+            body = self._admit(request, model, payload, body)
             received = time.monotonic()
             tried: set[Endpoint] = set()
             held = 0.0
+            failure: RouterError | None = None  # the last attempt's, which answers when none is left
             while len(tried) < self.config.max_attempts:
-                key, target, waited = await self._choose(model, tried, received, request.path, payload)
+                try:
+                    key, target, waited = await self._choose(model, tried, received, request.path, payload)
+                except RouterError as exc:
+                    if failure is not None and exc.code == "upstream_unreachable":
+                        raise failure from None  # every ready pod was tried
+                    raise
                 held += waited
                 dispatched = time.perf_counter()
                 upstream = await self._send(request, body, key, target, tried)
-                if upstream is not None:
-                    relaying = True
-                    return await self._relay(request, upstream, key, target, dispatched - arrival - held)
-            raise errors.upstream_unreachable(str(key), len(tried))
+                if isinstance(upstream, RouterError):
+                    failure = upstream
+                    continue
+                relaying = True
+                return await self._relay(request, upstream, key, target, dispatched - arrival - held)
+            raise failure
         except RouterError as exc:
             self._count(key, exc.status)
             return exc.response()
@@ -151,6 +191,21 @@ class Router:
             if not relaying:
                 self._count(key, 499)  # the client went away first (nginx's code for it)
             raise
+
+    def _admit(self, request: web.Request, model: str, payload: dict, body: bytes) -> bytes:
+        """Check the API key of the InferenceService `model` names (before the request may wait
+        for a replica: an unauthenticated one must not wake a service from zero), and the body to
+        send: with `model` rewritten to the served name when the client addressed it otherwise
+        (`namespace/name`), since the engine answers only that. The JSON is rebuilt only then."""
+        key = self.table.resolve(model)
+        if key is None:
+            return body  # _choose answers 404, or 503 while the router starts
+        auth.check(self.table, key, request.headers.get("Authorization"))
+        service = self.table.service(key)
+        if service is None or service.served_name == model:
+            return body
+        payload["model"] = service.served_name
+        return json.dumps(payload, ensure_ascii=False).encode()
 
     def _count(self, key: ServiceKey | None, status: int) -> None:
         self.metrics.requests.labels(*(key or ("", "")), str(status)).inc()
@@ -203,29 +258,40 @@ class Router:
         return target
 
     async def _send(self, request: web.Request, body: bytes, key: ServiceKey, target: Endpoint,
-                    tried: set[Endpoint]) -> aiohttp.ClientResponse | None:
-        """The upstream response (headers read), or None when the connection failed before
-        the request went out: the caller tries another pod."""
+                    tried: set[Endpoint]) -> aiohttp.ClientResponse | RouterError:
+        """The upstream response (headers read), or the error when the attempt failed before
+        the response began: nothing reached the client yet, so the caller may try another pod.
+        (An engine that failed part way through a request has produced nothing the client saw;
+        repeating the request elsewhere costs compute, never a duplicated answer.)"""
         self.inflight[target] = self.inflight.get(target, 0) + 1
         try:
-            return await self._session.request(
-                request.method, target.url + request.path_qs, data=body, headers=_forwarded(request.headers),
-                allow_redirects=False)
-        except CONNECT_ERRORS as exc:
-            self._release(target)
-            self.backoff.fail(target, time.monotonic())
-            tried.add(target)
-            self.metrics.retries.labels(*key).inc()
-            logger.warning("%s/%s: cannot connect (%s); backing off for %gs", target.namespace, target.pod, exc,
-                           self.config.backoff)
-            return None
-        except aiohttp.ClientError as exc:  # the request went out (perhaps in part): not safe to repeat
-            self._release(target)
-            self.backoff.fail(target, time.monotonic())
-            raise errors.upstream_failed(str(key), target.pod, str(exc) or type(exc).__name__) from None
+            async with asyncio.timeout(self.config.first_byte_timeout):
+                return await self._session.request(
+                    request.method, target.url + request.path_qs, data=body, headers=_forwarded(request.headers),
+                    allow_redirects=False)
+        except CONNECT_ERRORS as exc:  # before TimeoutError: a connect timeout is one too
+            reason, error = f"cannot connect ({exc})", None
+        except TimeoutError:
+            self.metrics.timeouts.labels(*key, "first_byte").inc()
+            reason = f"no response within {self.config.first_byte_timeout:g}s"
+            error = errors.upstream_timeout(str(key), target.pod, "response", self.config.first_byte_timeout,
+                                            len(tried) + 1)
+        except aiohttp.ClientError as exc:
+            reason = str(exc) or type(exc).__name__
+            error = errors.upstream_failed(str(key), target.pod, reason)
         except BaseException:
             self._release(target)
             raise
+        self._release(target)
+        tried.add(target)
+        self.metrics.retries.labels(*key).inc()
+        self._eject(key, target, reason)
+        return error or errors.upstream_unreachable(str(key), len(tried))
+
+    def _eject(self, key: ServiceKey, target: Endpoint, reason: str) -> None:
+        seconds = self.backoff.fail(target, time.monotonic())
+        self.metrics.ejections.labels(*key).inc()
+        logger.warning("%s/%s: %s; ejected for %gs", target.namespace, target.pod, reason, seconds)
 
     def _release(self, target: Endpoint) -> None:
         left = self.inflight[target] - 1
@@ -244,39 +310,84 @@ class Router:
                 await response.prepare(request)
                 self.metrics.added_latency.observe(overhead + time.perf_counter() - received)
                 self._count(key, upstream.status)
+                self.backoff.succeed(target)
+                sse = upstream.content_type == "text/event-stream"
                 try:
-                    complete = await self._pump(upstream, response)
+                    broke_off = await self._pump(upstream, response, sse)
+                    if broke_off is None:
+                        await response.write_eof()
+                        return response
                 except ConnectionResetError:  # the client went away; closing the upstream aborts the request
                     return response
-                if complete:
-                    await response.write_eof()
+                if broke_off is IDLE:
+                    self.metrics.timeouts.labels(*key, "idle").inc()
+                    broke_off = f"nothing sent for {self.config.idle_timeout:g}s"
+                    error = errors.upstream_timeout(str(key), target.pod, "data", self.config.idle_timeout)
                 else:
-                    logger.warning("%s/%s broke off a response", target.namespace, target.pod)
-                    self.backoff.fail(target, time.monotonic())
-                    # Headers are out: the only way left to tell the client is an unfinished body.
-                    if request.transport is not None:
-                        request.transport.close()
+                    error = errors.upstream_broke_off(str(key), target.pod, broke_off)
+                self.metrics.broken.labels(*key).inc()
+                self._eject(key, target, f"response broke off: {broke_off}")
+                await self._end_broken(request, response, error, sse)
                 return response
         finally:
             self._release(target)
 
     @staticmethod
-    async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> bool:
-        """Copy the body as it arrives; False when the upstream broke off."""
-        while True:
+    async def _end_broken(request: web.Request, response: web.StreamResponse, error: RouterError, sse: bool) -> None:
+        """Headers are out, so the status cannot say it. A stream ends with an error event as
+        OpenAI's does (its clients raise it); any other body is left unfinished, which clients
+        see as a broken response rather than a short, valid-looking one."""
+        if sse:
             try:
-                chunk = await upstream.content.readany()
-            except aiohttp.ClientError:
-                return False
-            if not chunk:
-                return True
-            await response.write(chunk)
+                await response.write(errors.stream_event(error))
+                await response.write_eof()
+                return
+            except ConnectionResetError:
+                pass
+        if request.transport is not None:
+            request.transport.close()
+
+    async def _pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, sse: bool) -> str | None:
+        """Copy the body as it arrives. None at its end; else why it broke off (IDLE: nothing
+        came for --idle-timeout). A stream is passed on in whole events."""
+        loop = asyncio.get_running_loop()
+        idle = self.config.idle_timeout
+        content = upstream.content
+        pending = b""  # the start of an event whose end has not come yet
+        try:
+            async with asyncio.timeout(None) as deadline:
+                while True:
+                    deadline.reschedule(loop.time() + idle)
+                    try:
+                        chunk = await content.readany()
+                    except aiohttp.ClientError as exc:
+                        return str(exc) or type(exc).__name__
+                    deadline.reschedule(None)  # a slow client is not an idle engine
+                    if not chunk:
+                        if pending:
+                            await response.write(pending)
+                        return None
+                    if sse:
+                        if pending:
+                            chunk, pending = pending + chunk, b""
+                        if not chunk.endswith(SSE_ENDS):
+                            cut = _last_event_end(chunk)
+                            if len(chunk) - cut < MAX_PENDING_SSE:
+                                chunk, pending = chunk[:cut], chunk[cut:]
+                            if not chunk:
+                                continue
+                    await response.write(chunk)
+        except TimeoutError:
+            return IDLE
 
     # the router's own endpoints --------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": s.served_name, "object": "model", "created": s.created, "owned_by": "kaon"}
-                for s in self.table.services()]
+        # What this client may send as `model`: every addressable name, but a protected
+        # InferenceService only to a caller with one of its keys.
+        authorization = request.headers.get("Authorization")
+        data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kaon"}
+                for name, s in self.table.addressable() if auth.may_list(self.table, s.key, authorization)]
         return web.json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
