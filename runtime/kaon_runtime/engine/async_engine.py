@@ -4,6 +4,11 @@ The model's forward pass is long, blocking work, so it never runs on the event l
 and aborts cross into the engine thread through a thread-safe queue (the engine itself is only
 ever touched by that thread); outputs come back with `loop.call_soon_threadsafe`, one hop per
 step for the whole batch.
+
+Liveness means progress: the engine thread stamps the time of every completed step, and
+`health()` reports a stall when requests are pending and no step has completed for
+`stall_timeout_s` (a wedged collective, a GPU fault, a deadlock), so a liveness probe on
+/health restarts the pod instead of leaving it accepting requests it never answers.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
@@ -35,6 +41,12 @@ class _Abort:
 
 
 _STOP = object()
+
+DEFAULT_STALL_TIMEOUT_S = 120.0
+# The first step after load may compile kernels or capture graphs (minutes on a large model),
+# so it gets this many stall timeouts. Later steps are bounded by max_num_batched_tokens
+# (chunked prefill), so a long prompt does not make one step long.
+FIRST_STEP_ALLOWANCE = 3
 
 
 class RequestStream:
@@ -78,9 +90,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int = 256):
+    def __init__(self, engine: LLMEngine, max_queue: int = 256, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
         self.engine = engine
         self.max_queue = max_queue
+        self.stall_timeout_s = stall_timeout_s
+        # Written by the engine thread, read by health(): floats and bools are replaced whole.
+        self._progress_at = time.monotonic()  # last completed step, or when work arrived to an idle engine
+        self._idle = True  # blocked waiting for work (so not stuck in a step)
+        self._steps = 0
         self._intake: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards the admission count below against the engine thread
         self._num_queued = 0  # accepted here, not yet handed to the engine
@@ -107,6 +124,21 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    def health(self, now: float | None = None) -> str | None:
+        """None when healthy; else why not: the loop is dead, or it has stalled with work pending."""
+        if not self.is_alive:
+            return "the engine loop is not running"
+        if self._idle or not self.stall_timeout_s:
+            return None
+        stats = self._stats
+        pending = self._num_queued + stats.num_waiting + stats.num_running
+        allowed = self.stall_timeout_s * (1 if self._steps else FIRST_STEP_ALLOWANCE)
+        stalled_for = (time.monotonic() if now is None else now) - self._progress_at
+        if pending and stalled_for > allowed:
+            return (f"the engine has stalled: no step completed for {stalled_for:.0f} s with {pending} request(s) "
+                    f"pending (stall timeout {allowed:.0f} s)")
+        return None
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its last step (safe to read from any thread)."""
@@ -141,12 +173,15 @@ class AsyncEngine:
             while True:
                 # Idle: sleep until a command arrives. Busy: pick up what came in, then step.
                 commands = self._take_commands(block=not self.engine.has_unfinished_requests())
+                if self._idle:  # work arrived: the stall clock starts now, not at the last step
+                    self._progress_at, self._idle = time.monotonic(), False
                 self._apply(commands, streams)
                 if _STOP in commands:
                     break
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step(), streams)
                     self._stats = self.engine.stats()
+                    self._progress_at, self._steps = time.monotonic(), self._steps + 1
         except BaseException as exc:  # a bug in the engine: fail every request, refuse new ones
             logger.exception("engine loop crashed")
             self._error = exc
@@ -158,6 +193,8 @@ class AsyncEngine:
         self._stats = self.engine.stats()
 
     def _take_commands(self, block: bool) -> list:
+        if block:
+            self._idle = True
         commands = [self._intake.get()] if block else []
         while True:
             try:

@@ -84,8 +84,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health", responses=doc.HEALTH)
     async def health():
-        if not engine.is_alive:
-            raise APIError(503, "the engine loop is not running", type="server_error", code="engine_dead")
+        # Liveness: the engine thread runs and, with requests pending, completes steps (engine.health()).
+        problem = engine.health()
+        if problem is not None:
+            raise APIError(503, problem, type="server_error",
+                           code="engine_dead" if not engine.is_alive else "engine_stalled")
         return {"status": "ok"}
 
     @app.get("/ready", responses=doc.HEALTH)
