@@ -10,11 +10,21 @@ test_router_k8s.py); the timeouts are set short by its flags so that the cases r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.control_plane import free_port
 from kaon_operator.router.balance import Backoff, candidates, ejection_seconds
 from test_router import NS, FakeEngine, closed_port, metric, pod, routed, run, serving, until
 
@@ -200,3 +210,321 @@ def test_the_watch_seeing_a_pod_ready_anew_lets_it_back_at_once():
 
     failures, until_ = run(scenario())
     assert failures == {} and until_ == {}
+
+
+# chaos against real engines -----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVED = "smollm2"
+# The router as its own process: a real Router app with a fixed table of the engines given
+# (namespace "default", where a bare `model` resolves), its config from the JSON argument.
+ROUTER = """
+import json, sys
+from aiohttp import web
+from kaon_operator import api, resources
+from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.proxy import Router, RouterConfig
+
+port, engines, config = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+table = EndpointTable()
+table.apply_service("ADDED", {"apiVersion": api.API_VERSION, "kind": api.KIND, "spec": {"model": {
+    "uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"}}, "metadata": {
+    "name": "smollm2", "namespace": "default", "creationTimestamp": "2026-01-01T00:00:00Z"}})
+for name, engine_port in engines.items():
+    table.apply_pod("ADDED", {"metadata": {"name": name, "namespace": "default", "labels": resources.labels("smollm2")},
+                              "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+                              "spec": {"containers": [{"name": "engine", "ports": [
+                                  {"name": "http", "containerPort": engine_port}]}]}})
+table.synced = True
+web.run_app(Router(table, RouterConfig(**config)).app(), host="127.0.0.1", port=port, handler_cancellation=True,
+            access_log=None, print=None)
+"""
+# Short limits, so that a hung engine shows within seconds (the defaults are minutes).
+FAST = {"first_byte_timeout": 4.0, "idle_timeout": 4.0, "backoff": 60.0, "connect_timeout": 2.0}
+# Guards against a hang: far above any limit above; a case that reaches one has failed.
+HANG = 120.0
+
+
+class Engines:
+    """Two `kaon serve` processes on the bundled SmolLM2 (CPU), each its own process group."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports: dict[str, int] = {}
+
+    def start(self, name: str) -> None:
+        port = self.ports.setdefault(name, free_port())
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "runtime"), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", "builtin://smollm2-135m-instruct",
+               "--served-model-name", SERVED, "--port", str(port), "--device", "cpu", "--max-num-seqs", "4"]
+        self.procs[name] = subprocess.Popen(cmd, stdout=(self.tmp / f"{name}.log").open("w"),
+                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        for name, proc in self.procs.items():
+            while not _ok(f"http://127.0.0.1:{self.ports[name]}/ready"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"engine {name} did not start:\n{(self.tmp / f'{name}.log').read_text()[-3000:]}")
+                time.sleep(0.3)
+
+    def ensure(self) -> None:
+        """Every engine running and ready again (a case before may have killed or stopped one)."""
+        for name, proc in list(self.procs.items()):
+            os.kill(proc.pid, signal.SIGCONT) if proc.poll() is None else self.start(name)
+        self.wait_ready()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _ok(url: str) -> bool:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    pool = Engines(tmp_path_factory.mktemp("chaos"))
+    try:
+        pool.start("a")
+        pool.start("b")
+        pool.wait_ready()
+        yield pool
+    finally:
+        pool.stop()
+
+
+@pytest.fixture
+def engine_pool(engines):
+    engines.ensure()
+    return engines
+
+
+class RouterProcess:
+    def __init__(self, engines: Engines, names=("a", "b"), port: int | None = None, **config):
+        self.port = port or free_port()
+        self.args = [sys.executable, "-c", ROUTER, str(self.port), json.dumps({n: engines.ports[n] for n in names}),
+                     json.dumps({**FAST, **config})]
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RouterProcess:
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT}"})
+        deadline = time.monotonic() + 60
+        while not _ok(self.url + "/ready"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"router did not start: {self.proc.communicate()[0]}")
+            time.sleep(0.1)
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.communicate()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextlib.contextmanager
+def router_process(engines: Engines, **kwargs):
+    router = RouterProcess(engines, **kwargs).start()
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
+def completion(max_tokens: int, stream: bool = True, prompt: str = "Once upon a time, in a quiet village,") -> dict:
+    return {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "ignore_eos": True}
+
+
+async def events(resp: aiohttp.ClientResponse):
+    """The `data:` payloads of an SSE response as they arrive."""
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            yield line[6:].strip()
+
+
+async def first_event(resp: aiohttp.ClientResponse, stream) -> bytes:
+    assert resp.status == 200, await resp.text()
+    return await anext(stream)
+
+
+async def rest(stream) -> list[bytes]:
+    return [event async for event in stream]
+
+
+async def router_metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+def serving_pod(text: str) -> str:
+    """The one pod with a request in flight, from the router's gauges."""
+    busy = [s.labels["pod"] for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "kaon_router_pod_inflight_requests" and s.value > 0]
+    assert len(busy) == 1, busy
+    return busy[0]
+
+
+def test_a_stopped_engine_times_its_streams_out_cleanly_and_a_lone_one_answers_504(engine_pool):
+    async def scenario(router: RouterProcess, lone: RouterProcess):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+            stuck = await session.post(router.url + "/v1/completions", json=completion(2000))
+            stuck_events = events(stuck)
+            await first_event(stuck, stuck_events)
+            victim = serving_pod(await router_metrics(session, router.url))
+            os.kill(engine_pool.procs[victim].pid, signal.SIGSTOP)  # hung: the socket stays open, nothing comes
+            stuck_rest = await rest(stuck_events)
+            async with session.post(router.url + "/v1/completions", json=completion(2, stream=False)) as resp:
+                next_status = resp.status
+            # A router whose only pod is the stopped one: no response headers in time is a 504.
+            lone_url = lone.url if victim == "a" else None
+            lone_answer = None
+            if lone_url:
+                async with session.post(lone_url + "/v1/completions", json=completion(2, stream=False)) as resp:
+                    lone_answer = resp.status, await resp.json()
+            return victim, stuck_rest, next_status, lone_answer, await router_metrics(session, router.url)
+
+    with router_process(engine_pool) as router, router_process(engine_pool, names=("a",)) as lone:
+        victim, stuck_rest, next_status, lone_answer, text = run_long(scenario(router, lone))
+        if lone_answer is None:  # the stream went to b: stop a on its own and ask the lone router
+            os.kill(engine_pool.procs["a"].pid, signal.SIGSTOP)
+            lone_answer = run_long(_ask(lone.url))
+    error = json.loads(stuck_rest[-1])["error"]
+    assert error["code"] == "upstream_timeout" and "sent no data within 4s" in error["message"], error
+    assert next_status == 200  # the next request went to the running engine
+    labels = {"namespace": "default", "inferenceservice": SERVED}
+    assert metric(text, "kaon_router_upstream_timeouts_total", **labels, phase="idle") == 1
+    status, body = lone_answer
+    assert status == 504 and body["error"]["code"] == "upstream_timeout", body
+    assert "sent no response within 4s" in body["error"]["message"]
+
+
+async def _ask(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+        async with session.post(url + "/v1/completions", json=completion(2, stream=False)) as resp:
+            return resp.status, await resp.json()
+
+
+def test_a_router_restarted_mid_load_leaves_no_client_hanging_and_serves_again(engine_pool):
+    clients, outcomes = 6, []
+
+    async def client(session: aiohttp.ClientSession, url: str, stop: asyncio.Event):
+        """Streams one completion after another; a broken one is recorded and the client goes on."""
+        while not stop.is_set():
+            try:
+                async with session.post(url + "/v1/completions", json=completion(24)) as resp:
+                    got = [e async for e in events(resp)]
+                    outcomes.append("complete" if got and got[-1] == b"[DONE]" else f"cut:{got[-1:]}")
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                outcomes.append(f"error:{type(exc).__name__}")
+                await asyncio.sleep(0.2)  # reconnect
+
+    async def scenario(router: RouterProcess):
+        stop = asyncio.Event()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+            tasks = [asyncio.create_task(client(session, router.url, stop)) for _ in range(clients)]
+            await until_async(lambda: outcomes.count("complete") >= 3)
+            router.kill()  # mid-load: streams in flight
+            before = len(outcomes)
+            await until_async(lambda: len(outcomes) >= before + clients)  # every client saw the break
+            await asyncio.to_thread(router.start)
+            await until_async(lambda: outcomes[before:].count("complete") >= 2 * clients)
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), HANG)  # nothing hangs
+            engines_busy = [await _running(session, port) for port in engine_pool.ports.values()]
+            return before, engines_busy
+
+    router = RouterProcess(engine_pool).start()
+    try:
+        before, engines_busy = run_long(scenario(router))
+    finally:
+        router.stop()
+    assert outcomes[:before].count("complete") >= 3
+    broken = [o for o in outcomes if o != "complete"]
+    # A broken stream is an error to its client, never a short success.
+    assert broken and all(o.startswith("error:") for o in broken), broken
+    assert engines_busy == [0, 0]  # the requests the dead router left were aborted by the engines
+
+
+async def _running(session: aiohttp.ClientSession, port: int) -> float:
+    async def running() -> float:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            return metric(await resp.text(), "kaon_num_requests_running")
+    deadline = time.monotonic() + 30
+    while (value := await running()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    return value
+
+
+async def until_async(check, timeout: float = HANG):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail("timed out waiting for the chaos case to progress")
+        await asyncio.sleep(0.05)
+
+
+def run_long(coro):
+    return asyncio.run(asyncio.wait_for(coro, 3 * HANG))
+
+
+# Last: the engine it kills is not started again for a case after it.
+def test_an_engine_killed_mid_stream_ends_its_stream_cleanly_and_gets_no_more_requests(engine_pool):
+    async def scenario(router: RouterProcess):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+            doomed = await session.post(router.url + "/v1/completions", json=completion(2000))
+            doomed_events = events(doomed)
+            await first_event(doomed, doomed_events)
+            victim = serving_pod(await router_metrics(session, router.url))
+            # Least connections: the second stream goes to the other engine.
+            survivor = await session.post(router.url + "/v1/completions", json=completion(60))
+            survivor_events = events(survivor)
+            await first_event(survivor, survivor_events)
+            engine_pool.procs[victim].kill()  # SIGKILL, mid-stream
+            engine_pool.procs[victim].wait()
+            doomed_rest, survivor_rest = await asyncio.gather(rest(doomed_events), rest(survivor_events))
+            after = []
+            for _ in range(4):
+                async with session.post(router.url + "/v1/completions", json=completion(2, stream=False)) as resp:
+                    after.append(resp.status)
+            return victim, doomed_rest, survivor_rest, after, await router_metrics(session, router.url)
+
+    with router_process(engine_pool) as router:
+        victim, doomed_rest, survivor_rest, after, text = run_long(scenario(router))
+    # The killed engine's client: a clean end with an OpenAI error event (no hang, no broken body).
+    error = json.loads(doomed_rest[-1])["error"]
+    assert error["code"] == "upstream_failed" and f"replica {victim} of" in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+    # The other engine's stream: untouched, to its last token and [DONE].
+    assert survivor_rest[-1] == b"[DONE]" and json.loads(survivor_rest[-2])["choices"][0]["finish_reason"] == "length"
+    # The next requests went straight to the other engine: none was even tried on the dead one.
+    assert after == [200] * 4
+    labels = {"namespace": "default", "inferenceservice": SERVED}
+    assert "kaon_router_retries_total{" not in text  # no attempt failed: a counter with no sample yet
+    assert metric(text, "kaon_router_ejected_endpoints", **labels) == 1
+    assert metric(text, "kaon_router_broken_streams_total", **labels) == 1
