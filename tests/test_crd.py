@@ -223,7 +223,7 @@ def test_a_full_spec_round_trips(crd, namespace):
                    "envFrom": [{"configMapRef": {"name": "engine-env"}}],
                    "volumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}}],
                    "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True}],
-                   "imagePullSecrets": [{"name": "registry"}]},
+                   "imagePullSecrets": [{"name": "registry"}], "startupTimeoutSeconds": 3600, "stallTimeoutSeconds": 60},
         "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
         "scheduling": {"nodeSelector": {"gpu": "h100"},
                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],

@@ -216,6 +216,13 @@ class EngineSpec(_Model):
     """Where the extra volumes appear in the engine and fetch containers."""
     image_pull_secrets: list[LocalObjectReference] | None = None
     """Secrets for pulling a private engine image."""
+    startup_timeout_seconds: int = Field(1800, ge=1, le=86400)
+    """How long a replica may take from its start to loading the model (the startup probe's budget);
+    past it the kubelet restarts the container and the condition Degraded says StartupTimeout."""
+    stall_timeout_seconds: int = Field(120, ge=0, le=3600)
+    """With requests pending and no engine step completed for this long, /health fails and the
+    liveness probe restarts the replica (`kaon serve --stall-timeout`; the first step after load gets
+    3x, for kernel compilation). 0 turns the check off (liveness then means only: the server answers)."""
 
     @model_validator(mode="after")
     def _not_reserved(self) -> EngineSpec:

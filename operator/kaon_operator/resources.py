@@ -6,6 +6,7 @@ garbage-collects it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kaon_operator import api
@@ -107,7 +108,8 @@ def engine_args(owner: Owner, spec: api.InferenceServiceSpec) -> list[str]:
             "--tensor-parallel-size", str(engine.tensor_parallel_size),
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-            "--kv-cache-fraction", str(engine.kv_cache_fraction)]
+            "--kv-cache-fraction", str(engine.kv_cache_fraction),
+            "--stall-timeout", str(engine.stall_timeout_seconds)]
     if model.quantization != "none":
         args += ["--quantization", model.quantization]
     if model.max_model_len is not None:
@@ -128,6 +130,29 @@ def _resources(spec: api.InferenceServiceSpec) -> dict:
 def _probe(path: str, *, period: int, failures: int, timeout: int = 5) -> dict:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
             "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+# A container killed by its startup or liveness probe is loading or hung: nothing to drain, so the
+# kubelet need not wait the pod's whole grace period (a SIGSTOPped process ignores SIGTERM).
+PROBE_KILL_GRACE_SECONDS = 10
+
+
+def startup_probe(engine: api.EngineSpec) -> dict:
+    """/health every 10 s for spec.engine.startupTimeoutSeconds (finer periods for short budgets)."""
+    budget = engine.startup_timeout_seconds
+    period = max(1, min(STARTUP_PERIOD_SECONDS, budget // 10))
+    return {**_probe("/health", period=period, failures=math.ceil(budget / period), timeout=min(5, period)),
+            "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
+
+
+def liveness_probe(engine: api.EngineSpec) -> dict:
+    """/health (503 once the engine has stalled past stallTimeoutSeconds, or silence from a hung
+    process) three times in a row; probed often enough that a hang is caught within about a quarter
+    of the stall timeout more (every 10 s at the default 120 s)."""
+    stall = engine.stall_timeout_seconds
+    period = max(1, min(10, stall // 12)) if stall else 10
+    return {**_probe("/health", period=period, failures=3, timeout=min(5, period)),
+            "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
 
 
 def _cache_volume(spec: api.InferenceServiceSpec) -> dict:
@@ -214,8 +239,8 @@ def _container(owner: Owner, spec: api.InferenceServiceSpec, mounts: list[dict])
         **({"envFrom": list(spec.engine.env_from)} if spec.engine.env_from else {}),
         "resources": _resources(spec),
         # /health answers once the model is loaded; until then only the startup probe runs.
-        "startupProbe": _probe("/health", period=STARTUP_PERIOD_SECONDS, failures=STARTUP_FAILURE_THRESHOLD),
-        "livenessProbe": _probe("/health", period=10, failures=3),
+        "startupProbe": startup_probe(spec.engine),
+        "livenessProbe": liveness_probe(spec.engine),
         "readinessProbe": _probe("/ready", period=5, failures=2),
         "volumeMounts": mounts,
         # The engine's start error (e.g. a tensorParallelSize that does not fit the model) reaches the status.
