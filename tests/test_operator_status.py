@@ -268,3 +268,45 @@ def test_each_failure_posts_one_warning_and_recovery_one_normal_event():
                                 generation_applied=True)
     assert ("Normal", "Recovered", "no longer degraded (OOMKilled)") in [
         (e.type, e.reason, e.message) for e in status.transition_events(healthy, oom)]
+
+
+def killed_pod(*, ready_changed: str, restarts: int = 1, state: dict | None = None, ready: bool = False) -> dict:
+    """A pod whose engine was killed by the kubelet (exit 137) and runs again; its Ready condition last
+    changed at `ready_changed` (the pod started at midnight)."""
+    return {"metadata": {"name": "llama-0"}, "status": {
+        "phase": "Running", "startTime": "2026-01-01T00:00:00Z",
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_changed}],
+        "containerStatuses": [{"name": "engine", "restartCount": restarts, "ready": ready,
+                               "state": state or {"running": {}},
+                               "lastState": {"terminated": {"exitCode": 137, "reason": "Error",
+                                                            "message": "INFO: loading weights"}}}]}}
+
+
+def test_a_container_killed_before_it_was_ever_ready_is_startup_timeout():
+    cond = degraded([killed_pod(ready_changed="2026-01-01T00:00:00Z")])
+    assert (cond["status"], cond["reason"]) == ("True", "StartupTimeout"), cond
+    assert "killed (SIGKILL) before it ever became ready (1 restart(s))" in cond["message"]
+    assert "spec.engine.startupTimeoutSeconds" in cond["message"] and cond["message"].endswith("INFO: loading weights")
+    # in back-off between the kills it is the same failure
+    assert degraded([killed_pod(ready_changed="2026-01-01T00:00:00Z", state=BACK_OFF)])["reason"] == "StartupTimeout"
+
+
+def test_a_container_killed_after_it_had_served_is_unhealthy_until_ready_again():
+    # Ready turned False an hour after the start: it served, then its liveness probe failed.
+    hung = killed_pod(ready_changed="2026-01-01T01:00:00Z")
+    cond = degraded([hung])
+    assert (cond["status"], cond["reason"]) == ("True", "Unhealthy"), cond
+    assert "liveness probe failed" in cond["message"] and "spec.engine.stallTimeoutSeconds" in cond["message"]
+    events = status.transition_events(status.conditions(deployment=None, pods=[status.summarize_pod(hung)], desired=1,
+                                                        gpus_per_pod=1, generation_applied=True), [])
+    assert [(e.type, e.reason) for e in events if e.type == "Warning"] == [("Warning", "Unhealthy")]
+    back = killed_pod(ready_changed="2026-01-01T01:01:00Z", ready=True)
+    assert degraded([back])["status"] == "False"  # restarted and ready: recovered
+    # a clean exit (0) is no kill, and an engine's own error exit stays a crash loop
+    assert _exit(0)["status"] == "False" and _exit(2)["reason"] == "CrashLoopBackOff"
+
+
+def _exit(code: int) -> dict:
+    pod_ = killed_pod(ready_changed="2026-01-01T01:00:00Z")
+    pod_["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = code
+    return degraded([pod_])

@@ -108,10 +108,16 @@ def _time(stamp: str | None) -> datetime | None:
         return None
 
 
-def _stuck(container: dict, pod_ready: bool = False) -> tuple[str, str] | None:
+# Exit codes of a container killed by a signal: SIGKILL (the kubelet after the grace period) and SIGTERM.
+KILLED_EXIT_CODES = (137, 143)
+
+
+def _stuck(container: dict, pod_ready: bool = False, never_ready: bool = False) -> tuple[str, str] | None:
     """(reason, message) for a container that will not run on its own: OOMKilled when its last run was
-    killed for memory, else the kubelet's waiting reason with the last run's exit code and termination
-    message (the engine's one-line cause)."""
+    killed for memory; StartupTimeout when it was killed before it was ever ready (the kubelet does
+    that when the startup probe's budget runs out); Unhealthy when it was killed after it had served
+    (a failed liveness probe: a hung or stalled engine); else the kubelet's waiting reason with the
+    last run's exit code and termination message (the engine's one-line cause)."""
     name, state = container.get("name"), container.get("state") or {}
     waiting = state.get("waiting") or {}
     last = state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
@@ -123,6 +129,18 @@ def _stuck(container: dict, pod_ready: bool = False) -> tuple[str, str] | None:
     if last.get("reason") == "OOMKilled" and (waiting or state.get("terminated") or retrying):
         return "OOMKilled", (f"container {name} was killed for using more memory than its limit "
                              f"(exit code {last.get('exitCode', 137)}, {restarts} restart(s))")
+    if last.get("exitCode") in KILLED_EXIT_CODES and (waiting or retrying):
+        code, cause = last["exitCode"], _last_line(last.get("message") or "")
+        signal_name = "SIGKILL" if code == 137 else "SIGTERM"
+        if never_ready:
+            return "StartupTimeout", (f"container {name} was killed ({signal_name}) before it ever became ready "
+                                      f"({restarts} restart(s)): the model takes longer to load than the startup "
+                                      "probe allows (spec.engine.startupTimeoutSeconds)"
+                                      + (f"; last log line: {cause}" if cause else ""))
+        return "Unhealthy", (f"container {name} was killed ({signal_name}) and restarted ({restarts} restart(s)): "
+                             "its liveness probe failed, the engine hung or stalled with requests pending "
+                             "(spec.engine.stallTimeoutSeconds); the pod's Unhealthy Events say more"
+                             + (f"; last log line: {cause}" if cause else ""))
     if waiting.get("reason") not in STUCK_REASONS and not retrying:
         return None
     if retrying:
@@ -133,6 +151,10 @@ def _stuck(container: dict, pod_ready: bool = False) -> tuple[str, str] | None:
         message = (f"container {name} exited with code {last.get('exitCode')} ({restarts} restart(s))"
                    + (f": {cause}" if cause else ""))
     return waiting["reason"], message
+
+
+# How much later than the pod's start a runtime may write its first Ready=False and still mean "since the start".
+NEVER_READY_SLACK_S = 5
 
 
 def _probe_budget(probe: dict | None, default_failures: int = 3) -> float:
@@ -158,8 +180,13 @@ def summarize_pod(pod: dict) -> PodSummary:
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         unschedulable = scheduled.get("message") or "no node fits the pod"
     ready = conditions.get("Ready", {})
-    stuck = next(filter(None, (_stuck(c, ready.get("status") == "True") for c in status.get("containerStatuses") or [])),
-                 None)
+    # Not ready since it started (the Ready condition has not changed since): it never served.
+    became = _time(ready.get("lastTransitionTime"))
+    started = _time(status.get("startTime"))
+    never_ready = ready.get("status") != "True" and (became is None or started is None
+                                                      or became <= started + timedelta(seconds=NEVER_READY_SLACK_S))
+    stuck = next(filter(None, (_stuck(c, ready.get("status") == "True", never_ready)
+                               for c in status.get("containerStatuses") or [])), None)
     not_ready_since = None
     if status.get("phase") == "Running" and ready.get("status") != "True":
         not_ready_since = (_time(ready.get("lastTransitionTime")) if ready.get("status") == "False" else None) \
