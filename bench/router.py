@@ -98,7 +98,7 @@ def run_engines(ports: list[int], events: int, gap: float) -> None:
 
 
 def run_router(port: int, engine_ports: list[int]) -> None:
-    table = EndpointTable()
+    table = EndpointTable(default_namespace="bench")  # clients send the bare name
     table.apply_service("ADDED", {"metadata": {"name": MODEL, "namespace": "bench"}, "spec": {"model": {}}})
     for i, engine_port in enumerate(engine_ports):
         table.apply_pod("ADDED", {

@@ -144,7 +144,7 @@ async def engine_counters(session, ports: list[int]) -> dict[int, tuple[float, f
 
 
 def build_table(ports: list[int], strategy: str, load_bound: float) -> EndpointTable:
-    table = EndpointTable()
+    table = EndpointTable(default_namespace="bench")  # clients send the bare name
     table.apply_service("ADDED", {"metadata": {"name": "bench", "namespace": "bench"},
                                   "spec": {"model": {"servedName": SERVED},
                                            "routing": {"strategy": strategy, "loadBound": load_bound}}})

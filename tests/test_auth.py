@@ -2,16 +2,22 @@
 Secrets (router/auth.py), unit-tested; one real `kaon serve` for rotation without a restart."""
 from __future__ import annotations
 
+import asyncio
 import base64
+import hashlib
 import os
 import time
 
+import aiohttp
 import httpx
 import pytest
 
 from kaon_runtime.server import keys as engine_keys
 from kaon_runtime.server.keys import ApiKeys, matches, read_keys
+from kaon_operator.router import auth
+from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from test_server import MODEL, Server, _error
+from test_tenancy import Recorder, engine_pod, isvc, serve
 
 
 class Clock:
@@ -124,5 +130,94 @@ def test_kaon_serve_api_key_file_rotates_without_restart(tmp_path):
         server.stop()
 
 
+# ---- router: per-InferenceService keys from Secrets ------------------------------------------------
+
+
 def b64(value: str) -> str:
     return base64.b64encode(value.encode()).decode()
+
+
+def secret(name: str, namespace: str = "default", **data: str) -> dict:
+    return {"metadata": {"name": name, "namespace": namespace}, "data": {k: b64(v) for k, v in data.items()}}
+
+
+INVALID_KEY = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                         "param": None, "code": "invalid_api_key"}}
+
+
+def test_bearer_and_accepted():
+    digests = (auth.digest(b"k1"), auth.digest(b"k2"))
+    assert auth.bearer("Bearer k1") == b"k1" and auth.bearer("bearer  k1 ") == b"k1"
+    assert auth.bearer("Basic k1") is None and auth.bearer(None) is None and auth.bearer("Bearer ") is None
+    assert auth.accepted(b"k2", digests) and not auth.accepted(b"k3", digests) and not auth.accepted(None, digests)
+    assert not auth.accepted(b"k1", ())
+
+
+def test_the_table_keeps_digests_not_keys():
+    table = EndpointTable()
+    table.apply_secret("ADDED", secret("keys", alice="sk-alice\n", empty=""))
+    table.replace_services(None, [isvc("default", "chat", "m", secret="keys")])
+    kept = table.api_keys(ServiceKey("default", "chat"))
+    assert kept == (hashlib.sha256(b"sk-alice").digest(),)  # trimmed, the empty value dropped
+    assert b"sk-alice" not in repr(table.__dict__).encode()
+
+
+def test_router_checks_keys_per_service_rotates_and_fails_closed():
+    async def scenario():
+        engine = await Recorder().start()
+        table = EndpointTable()
+        table.replace_services(None, [isvc("default", "locked", "secure", secret="keys"),
+                                      isvc("default", "open", "public"),
+                                      isvc("default", "cold", "asleep", secret="keys"),  # no pod: would be held
+                                      isvc("default", "lost", "orphan", secret="missing")])
+        table.apply_pod("ADDED", engine_pod("default", "locked", engine.port))
+        table.apply_pod("ADDED", engine_pod("default", "open", engine.port))
+        table.replace_secrets(None, [secret("keys", a="key-one", b="key-two")])
+        table.synced = True
+        runner, url = await serve(table)
+        out = {}
+
+        async def post(label: str, model: str, key: str | None) -> None:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with client.post(f"{url}/v1/completions", json={"model": model, "prompt": "x"},
+                                   headers=headers) as resp:
+                out[label] = (resp.status, await resp.json())
+
+        try:
+            async with aiohttp.ClientSession() as client:
+                await post("none", "secure", None)
+                await post("wrong", "secure", "key-three")
+                await post("one", "secure", "key-one")
+                await post("two", "secure", "key-two")
+                await post("open", "public", None)
+                await post("cold", "asleep", None)  # refused at once, not held for a replica
+                await post("orphan", "orphan", "key-one")
+                async with client.get(f"{url}/v1/models") as resp:
+                    out["models-anonymous"] = [m["id"] for m in (await resp.json())["data"]]
+                async with client.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-one"}) as resp:
+                    out["models-keyed"] = [m["id"] for m in (await resp.json())["data"]]
+                # Rotation: the Secret is edited (a watch event), the router is not restarted.
+                table.apply_secret("MODIFIED", secret("keys", c="key-new"))
+                await post("old-after", "secure", "key-one")
+                await post("new-after", "secure", "key-new")
+                table.apply_secret("MODIFIED", secret("keys"))  # emptied: closed
+                await post("emptied", "secure", "key-new")
+                table.apply_secret("DELETED", secret("keys"))
+                await post("deleted", "secure", "key-new")
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+        return out, engine.seen
+
+    out, seen = asyncio.run(asyncio.wait_for(scenario(), 30))
+    for label in ("none", "wrong", "cold", "old-after"):
+        assert out[label] == (401, INVALID_KEY), label
+    for label in ("one", "two", "open", "new-after"):
+        assert out[label][0] == 200, (label, out[label])
+    for label in ("orphan", "emptied", "deleted"):
+        status, body = out[label]
+        assert status == 503 and body["error"]["code"] == "no_api_keys" and "spec.auth" in body["error"]["message"]
+    # The client's Authorization reaches the engine, which checks the same key (pod-IP access needs it too).
+    assert [h for _, h in seen] == ["Bearer key-one", "Bearer key-two", None, "Bearer key-new"]
+    assert out["models-anonymous"] == ["public"]
+    assert out["models-keyed"] == ["asleep", "public", "secure"]

@@ -328,6 +328,8 @@ def monitoring_crds(crd):
 def test_rendered_chart_is_valid_on_the_apiserver(helm, monitoring_crds, namespace, variant):
     # A release name of its own, so nothing collides with the RBAC other tests apply for real.
     docs = template(helm, VARIANTS[variant], namespace=namespace, release=f"kaon-{variant}", include_crds=True)
+    for served in ("team-a", "team-b"):  # router.watchNamespaces: the router's Roles live there
+        monitoring_crds.kubectl("create", "namespace", served, check=False)
     res = monitoring_crds.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-",
                                   input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
                                   check=False)

@@ -128,7 +128,7 @@ def test_table_follows_pod_events_and_relists():
 
 
 def test_served_names_default_to_the_name_and_the_oldest_service_keeps_a_contested_one():
-    table = EndpointTable()
+    table = EndpointTable(cluster_wide_names=True)  # bare names across namespaces (test_tenancy.py: without)
     table.apply_service("ADDED", isvc("smollm2"))
     table.apply_service("ADDED", isvc("llama", "llama-3", created="2026-01-02T00:00:00Z"))
     table.apply_service("ADDED", isvc("llama", "llama-3", namespace="a", created="2026-01-03T00:00:00Z"))
@@ -357,7 +357,7 @@ async def until(what: str, check, timeout: float = 5.0):
 
 
 def routed(*engines: FakeEngine, service: str = "svc", served_name: str = "m", **config) -> Router:
-    table = EndpointTable()
+    table = EndpointTable(default_namespace=NS)  # where a bare `model` resolves (naming.py)
     table.apply_service("ADDED", isvc(service, served_name))
     for engine in engines:
         table.apply_pod("ADDED", pod(engine.name, service, port=engine.port))
@@ -519,7 +519,7 @@ def test_a_dead_pod_is_skipped_the_request_succeeds_elsewhere_and_the_pod_backs_
 
 def test_only_dead_pods_is_a_502_not_a_hang():
     async def scenario():
-        table = EndpointTable()
+        table = EndpointTable(default_namespace=NS)
         table.apply_service("ADDED", isvc("svc", "m"))
         table.apply_pod("ADDED", pod("a", port=closed_port()))
         table.apply_pod("ADDED", pod("b", port=closed_port()))
@@ -680,7 +680,7 @@ def test_kaon_router_needs_neither_torch_nor_the_engine_runtime():
 
 def test_an_autoscaled_service_holds_requests_for_its_cold_start_not_the_routers_timeout():
     async def scenario():
-        table = EndpointTable()
+        table = EndpointTable(default_namespace=NS)
         autoscaled = isvc("svc", "m")
         autoscaled["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 0, "scaleToZeroIdleSeconds": 60,
                                              "scaleFromZeroTimeoutSeconds": 1}
@@ -701,7 +701,7 @@ def test_an_autoscaled_service_holds_requests_for_its_cold_start_not_the_routers
 def test_prefix_affinity_keeps_a_conversation_on_one_pod_and_passes_a_hot_pod_over():
     async def scenario():
         engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
-        table = EndpointTable()
+        table = EndpointTable(default_namespace=NS)
         service = isvc("svc", "m")
         service["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 1.25}
         table.apply_service("ADDED", service)

@@ -78,7 +78,7 @@ async def until(what: str, check, timeout: float = 30.0):
 
 
 async def watching(kubeconfig: Path, namespaces=()) -> tuple[EndpointTable, asyncio.Task]:
-    table = EndpointTable()
+    table = EndpointTable(cluster_wide_names=True)  # the tests send bare names of their own namespaces
     task = asyncio.create_task(Watcher(ApiServer.from_environment(str(kubeconfig)), table, namespaces).run())
     await until("the first list", lambda: table.synced or task.done())
     assert not task.done(), task.exception()
@@ -95,7 +95,8 @@ def test_the_router_identity_may_only_list_and_watch(crd, router_kubeconfig):
 
     assert can("list", "pods", "-A") and can("watch", "pods", "-A")
     assert can("list", "inferenceservices.kaon.dev", "-A") and can("watch", "inferenceservices.kaon.dev", "-A")
-    for verb, resource in [("get", "pods"), ("create", "pods"), ("delete", "pods"), ("list", "secrets"),
+    assert can("list", "secrets", "-A") and can("watch", "secrets", "-A")  # spec.auth's API keys
+    for verb, resource in [("get", "pods"), ("create", "pods"), ("delete", "pods"), ("create", "secrets"),
                            ("patch", "inferenceservices.kaon.dev"), ("list", "services")]:
         assert not can(verb, resource, "-A"), (verb, resource)
 

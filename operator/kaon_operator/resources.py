@@ -27,6 +27,7 @@ MODEL_MOUNT = "/mnt/models"  # a pvc:// model's claim, read-only
 RUN_AS = 1000
 # Where a kubelet puts a container's termination message; `kaon fetch` writes its one-line reason there.
 TERMINATION_LOG = "/dev/termination-log"
+API_KEYS_MOUNT = "/etc/kaon/api-keys"  # spec.auth.apiKeySecret, one file per key (`kaon serve --api-key-file`)
 FETCHED_SCHEMES = ("hf://", "s3://")
 # Keys of spec.model.credentialsSecret that the fetch init container reads, per scheme (all optional:
 # a public repository needs no token, and a missing key is reported by the fetch as unauthorized).
@@ -116,6 +117,8 @@ def engine_args(owner: Owner, spec: api.InferenceServiceSpec) -> list[str]:
         args += ["--max-model-len", str(model.max_model_len)]
     if not engine.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if spec.auth is not None:  # the same keys as the router's, so pod-IP access needs one too
+        args += ["--api-key-file", API_KEYS_MOUNT]
     return args + list(engine.extra_args)
 
 
@@ -174,6 +177,11 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     if tp > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{tp * SHM_GIB_PER_GPU}Gi"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.auth is not None:
+        # Not optional: without its keys the engine does not start (the pod's events say FailedMount),
+        # rather than serving with none. The kubelet refreshes the files when the Secret changes.
+        volumes.append({"name": "api-keys", "secret": {"secretName": spec.auth.api_key_secret, "defaultMode": 0o440}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True})
     engine = spec.engine
     volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in engine.volumes or []]
     mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in engine.volume_mounts or []]

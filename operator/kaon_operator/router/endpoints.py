@@ -6,12 +6,14 @@ on every request, so reads are dictionary lookups of precomputed tuples.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
-from kaon_operator import resources
+from kaon_operator import naming, resources
 
 SERVICE_LABEL = "kaon.dev/inferenceservice"
 COMPONENT_LABEL = "app.kubernetes.io/component"
@@ -49,6 +51,8 @@ class Service:
     """spec.routing.strategy: least-connections or prefix-affinity."""
     load_bound: float = 1.25
     """spec.routing.loadBound: with prefix-affinity, how far above the mean load a pod may go."""
+    api_key_secret: str | None = None
+    """spec.auth.apiKeySecret: the Secret (same namespace) whose values are the accepted API keys."""
 
 
 def _is_ready(status: dict) -> bool:
@@ -87,7 +91,17 @@ def service(isvc: dict) -> Service:
     routing = spec.get("routing") or {}
     return Service(ServiceKey(meta["namespace"], meta["name"]), model.get("servedName") or meta["name"],
                    _epoch(meta.get("creationTimestamp")), hold, routing.get("strategy") or "least-connections",
-                   float(routing.get("loadBound") or 1.25))
+                   float(routing.get("loadBound") or 1.25), (spec.get("auth") or {}).get("apiKeySecret"))
+
+
+SecretId = tuple[str, str]  # (namespace, Secret name)
+
+
+def secret_keys(secret: dict) -> tuple[bytes, ...]:
+    """SHA-256 digests of the API keys of a Secret: every non-empty value of its data (base64 on
+    the wire), trimmed of the newline an `echo` leaves. Digests only: router/auth.py compares them."""
+    values = (base64.b64decode(v).strip() for v in (secret.get("data") or {}).values())
+    return tuple(hashlib.sha256(v).digest() for v in values if v)
 
 
 PodId = tuple[str, str]  # (namespace, pod name)
@@ -97,20 +111,34 @@ class EndpointTable:
     """What the router knows of the cluster. `on_change(key)` is called after the endpoints
     or the definition of an InferenceService changed (held requests wake up on it)."""
 
-    def __init__(self, on_change: Callable[[ServiceKey], None] = lambda key: None):
+    def __init__(self, on_change: Callable[[ServiceKey], None] = lambda key: None, default_namespace: str = "default",
+                 cluster_wide_names: bool = False):
         self.on_change = on_change
+        self.default_namespace = default_namespace
+        """Where a bare `model` (no `namespace/`) resolves."""
+        self.cluster_wide_names = cluster_wide_names
+        """Whether a bare `model` may also resolve in other namespaces (naming.py)."""
         self.synced = False
         """True once the first full list of pods and InferenceServices is in."""
         self._pods: dict[PodId, Endpoint] = {}
         self._ready: dict[ServiceKey, tuple[Endpoint, ...]] = {}
         self._services: dict[ServiceKey, Service] = {}
-        self._by_name: dict[str, Service] = {}
+        self._names = naming.index(())
+        self._secrets: dict[SecretId, tuple[bytes, ...]] = {}
 
     # reads -------------------------------------------------------------------
 
     def resolve(self, model: str) -> ServiceKey | None:
-        found = self._by_name.get(model)
+        found = naming.resolve(model, self._names, self.default_namespace, self.cluster_wide_names)
         return found.key if found else None
+
+    def api_keys(self, key: ServiceKey) -> tuple[bytes, ...] | None:
+        """The digests of the keys a request to this InferenceService must present one of: None when it requires
+        none (no spec.auth); empty when its Secret is missing or holds no key (refuse all)."""
+        found = self._services.get(key)
+        if found is None or found.api_key_secret is None:
+            return None
+        return self._secrets.get((key.namespace, found.api_key_secret), ())
 
     def hold_seconds(self, key: ServiceKey) -> float | None:
         found = self._services.get(key)
@@ -123,8 +151,12 @@ class EndpointTable:
         return self._ready.get(key, ())
 
     def services(self) -> list[Service]:
-        """The InferenceServices clients can reach, by served name."""
-        return [self._by_name[name] for name in sorted(self._by_name)]
+        """The InferenceServices that answer a name (not shadowed by an older one), by key."""
+        return sorted(self._names.qualified.values(), key=lambda s: s.key)
+
+    def addressable(self) -> list[tuple[str, Service]]:
+        """Every `model` a client may send here, with the InferenceService it reaches."""
+        return naming.addressable(self._names, self.default_namespace, self.cluster_wide_names)
 
     # pods --------------------------------------------------------------------
 
@@ -195,9 +227,20 @@ class EndpointTable:
     def _reindex(self, changed: set[ServiceKey]) -> None:
         if not changed:
             return
-        by_name: dict[str, Service] = {}
-        for s in sorted(self._services.values(), key=lambda s: (s.created, s.key)):
-            by_name.setdefault(s.served_name, s)
-        self._by_name = by_name
+        self._names = naming.index(self._services.values())
         for key in changed:
             self.on_change(key)
+
+    # Secrets (API keys) ----------------------------------------------------------
+
+    def apply_secret(self, event: str, secret: dict) -> None:
+        meta = secret["metadata"]
+        sid = (meta["namespace"], meta["name"])
+        if event == "DELETED":
+            self._secrets.pop(sid, None)
+        else:
+            self._secrets[sid] = secret_keys(secret)
+
+    def replace_secrets(self, namespace: str | None, items: Iterable[dict]) -> None:
+        fresh = {(s["metadata"]["namespace"], s["metadata"]["name"]): secret_keys(s) for s in items}
+        self._secrets = {sid: k for sid, k in self._secrets.items() if namespace not in (None, sid[0])} | fresh

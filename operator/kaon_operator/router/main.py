@@ -23,9 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--namespace", action="append", default=[],
                         help="route to InferenceServices of this namespace only (repeatable; default: all)")
-    parser.add_argument("--default-namespace", default="default",
+    parser.add_argument("--default-namespace",
                         help="where a bare `model` (no `<namespace>/`) resolves; `<namespace>/<name>` reaches "
-                        "any served namespace")
+                        "any served namespace (default: the first --namespace, else `default`)")
     parser.add_argument("--cluster-wide-names", action="store_true",
                         help="let a bare `model` also resolve in other namespaces (the oldest InferenceService "
                         "serving it) when the default namespace has none")
@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def default_namespace(args: argparse.Namespace) -> str:
+    return args.default_namespace or (args.namespace[0] if args.namespace else "default")
+
+
 def _raise_open_file_limit() -> None:
     # Every stream holds two sockets (client and engine); the usual soft limit of 1024 caps
     # the router at ~500 streams.
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kaon router: error: {exc}", file=sys.stderr)
         return 2
     _raise_open_file_limit()
-    table = EndpointTable(default_namespace=args.default_namespace, cluster_wide_names=args.cluster_wide_names)
+    table = EndpointTable(default_namespace=default_namespace(args), cluster_wide_names=args.cluster_wide_names)
     router = Router(table, RouterConfig(
         queue_timeout=args.queue_timeout, max_queued=args.max_queued, backoff=args.backoff,
         connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,

@@ -1,5 +1,6 @@
-"""Keeps an EndpointTable in step with the cluster: list, then watch, the engine pods and
-the InferenceServices (all namespaces, or the given ones).
+"""Keeps an EndpointTable in step with the cluster: list, then watch, the engine pods (by their
+label selector: no other pod is ever read), the InferenceServices and, when `secrets` is on,
+the Secrets holding API keys (spec.auth), in all namespaces or the given ones.
 
 Plain HTTP to the apiserver with aiohttp, so the watch lives on the proxy's event loop and
 stops with it (the official client is synchronous). The official client still reads the
@@ -86,13 +87,16 @@ class NoCredentials(Exception):
 
 
 class Watcher:
-    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = ()):
+    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = (), secrets: bool = True):
         self.server = server
         self.table = table
         self.namespaces = tuple(namespaces) or (None,)
         self.kinds = (
             _Kind("/api/v1", "pods", ENGINE_POD_SELECTOR, table.apply_pod, table.replace_pods),
             _Kind(f"/apis/{api.GROUP}/{api.VERSION}", api.PLURAL, None, table.apply_service, table.replace_services),
+            # Which Secrets spec.auth names is known only once the InferenceServices are read, and
+            # changes with them: watch them all (the table keeps digests of the values, no keys).
+            *([_Kind("/api/v1", "secrets", None, table.apply_secret, table.replace_secrets)] if secrets else []),
         )
 
     async def run(self) -> None:
