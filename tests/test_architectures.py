@@ -116,6 +116,6 @@ def test_phi3_short_factors_when_the_served_context_fits_the_pretraining_length(
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     from kaon_runtime.errors import ModelLoadError
-    from kaon_runtime.loader.checkpoint import model_config_from_hf
+    from kaon_runtime.loader.hf_dir import model_config_from_hf
     with pytest.raises(ModelLoadError, match="supported: .*Gemma2ForCausalLM.*Qwen3MoeForCausalLM"):
         model_config_from_hf({"architectures": ["GPTNeoXForCausalLM"]})

@@ -7,7 +7,7 @@ import torch
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelNotFoundError
 from kaon_runtime.loader import open_checkpoint
-from kaon_runtime.loader.checkpoint import model_config_from_hf
+from kaon_runtime.loader.hf_dir import model_config_from_hf
 from kaon_runtime.loader.random_weights import RANDOM_MODELS, hf_config, tensor_shapes
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import torch
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.distributed.sharding import check_tensor_parallel, cut, kv_head_start, local_config, vocab_range
-from kaon_runtime.distributed.workers import check_devices
+from kaon_runtime.engine.workers import check_devices
 from kaon_runtime.errors import ModelLoadError
 from test_hf_dirs import write_hf_dir
 
@@ -154,8 +154,7 @@ def test_the_bundled_model_refuses_two_ranks_at_start():
 
 
 def test_kaon_serve_passes_the_tensor_parallel_size():
-    from kaon_runtime.cli import build_parser
-    from kaon_runtime.server.run import engine_config
+    from kaon_runtime.cli import build_parser, engine_config
     assert engine_config(build_parser().parse_args(["serve", "--tensor-parallel-size", "4"])).tensor_parallel_size == 4
 
 

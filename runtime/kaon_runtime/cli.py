@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS, SPECULATIVE_METHODS
+from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
 from kaon_runtime.errors import KaonError, ModelDoesNotFitError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
@@ -185,10 +185,20 @@ def _generate(args) -> int:
     return 0
 
 
+def engine_config(args) -> EngineConfig:
+    """`kaon serve`'s flags as the engine's configuration, which the server takes finished."""
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
+                        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                        cuda_graph_max_batch=args.cuda_graph_max_batch,
+                        **speculative_options(args))
+
+
 def _serve(args) -> int:
     from kaon_runtime.server.run import serve
 
-    return serve(args)
+    return serve(engine_config(args), args)
 
 
 if __name__ == "__main__":

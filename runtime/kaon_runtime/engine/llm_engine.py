@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
-from kaon_runtime.distributed.workers import WorkerPool, check_devices
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
@@ -14,6 +13,7 @@ from kaon_runtime.engine.model_runner import ModelRunner, pick_device
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.engine.workers import WorkerPool, check_devices
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.loader import Checkpoint, open_checkpoint
 from kaon_runtime.loader.tokenizer import IncrementalDetokenizer

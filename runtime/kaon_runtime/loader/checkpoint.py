@@ -1,7 +1,8 @@
-"""Read a checkpoint (GGUF file or HF directory) into a config, a tokenizer and HF-named weights."""
+"""The Checkpoint type: what a model source (GGUF file, HF directory, random weights) gives the model runner.
+
+Opening one is loader/opener.py's job; each format has its own module (gguf_file.py, hf_dir.py)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -9,12 +10,7 @@ from typing import Callable, Iterator
 import torch
 
 from kaon_runtime.config import ModelConfig
-from kaon_runtime.errors import ModelLoadError
-from kaon_runtime.loader.random_weights import RANDOM_SCHEME, hf_config, random_weights, tensor_shapes
-from kaon_runtime.loader.resolve import resolve_model
 from kaon_runtime.loader.tokenizer import Tokenizer
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")  # GGUF files (general.architecture) kaon reads
 
 
 @dataclass(slots=True)
@@ -28,150 +24,3 @@ class Checkpoint:
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     # GGUF only: the raw blocks of the Q4_1 tensors, HF-named, rows in HF order, uint8 [rows, K / 32, 20].
     q4_1_blocks: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
-
-
-def open_checkpoint(model: str) -> Checkpoint:
-    """The checkpoint a model id names: random://<shape>, builtin://<name>, a .gguf file or an HF directory."""
-    if model.startswith(RANDOM_SCHEME):
-        name = model[len(RANDOM_SCHEME):]
-        raw = hf_config(name)
-        config = model_config_from_hf(raw)
-        tokenizer = Tokenizer.bytes_only(raw.get("bos_token_id"), raw.get("eos_token_id"))
-        return Checkpoint(Path(name), config, tokenizer, len(tensor_shapes(config)), lambda: random_weights(config))
-    return load_checkpoint(resolve_model(model))
-
-
-def load_checkpoint(path: Path) -> Checkpoint:
-    if path.is_file():
-        from kaon_runtime.loader.gguf_file import load_gguf
-        return load_gguf(path)
-    return load_hf_dir(path)
-
-
-# ---- HF directories -------------------------------------------------------------------
-
-# HF class -> our architecture (a key of models.registry). Mistral is Llama with a sliding window.
-_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3",
-                     "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
-# The HF classes whose attention honours config.json's sliding_window (Llama's ignores it).
-_WINDOWED = {"MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
-             "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
-
-
-def load_hf_dir(path: Path) -> Checkpoint:
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
-    config = model_config_from_hf(raw)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path} holds no *.safetensors files")
-    from safetensors import safe_open
-
-    def weights():
-        for file in files:
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-            except Exception as exc:  # safetensors raises its own error types
-                raise ModelLoadError(f"corrupt safetensors file {file.name}: {exc}") from exc
-
-    num_tensors = 0
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                num_tensors += len(list(f.keys()))
-        except Exception as exc:
-            raise ModelLoadError(f"corrupt safetensors file {file.name}: {exc}") from exc
-    return Checkpoint(path, config, Tokenizer.from_hf_dir(path), num_tensors, weights)
-
-
-def model_config_from_hf(raw: dict) -> ModelConfig:
-    arch_names = raw.get("architectures") or []
-    hf_class = next((a for a in arch_names if a in _HF_ARCHITECTURES), None)
-    if hf_class is None:
-        raise ModelLoadError(f"unsupported architecture {arch_names}; supported: {', '.join(_HF_ARCHITECTURES)}")
-    arch = _HF_ARCHITECTURES[hf_class]
-    try:
-        heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-        rope = raw.get("rope_scaling") or raw.get("rope_parameters")
-        rope_theta = raw.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
-        partial_rotary = raw.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0
-        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
-            rope = None
-        if rope and rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # "su": older Phi-3 configs
-            rope = _longrope(raw, rope)
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma2")),
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            rotary_dim=int(head_dim * partial_rotary) if partial_rotary != 1.0 else None,
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
-            **_sliding_window(hf_class, raw),
-            **(_gemma2(raw) if arch == "gemma2" else {}),
-            **(_experts(arch, raw) if arch in ("mixtral", "qwen3_moe") else {}),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks {exc}") from exc
-
-
-def _sliding_window(hf_class: str, raw: dict) -> dict:
-    """Which layers see a sliding window, the way each HF class reads its config."""
-    window = raw.get("sliding_window")
-    if hf_class not in _WINDOWED or not window or raw.get("use_sliding_window") is False:  # Qwen's switch
-        return {}
-    layers = raw["num_hidden_layers"]
-    if raw.get("layer_types") and hf_class in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"):
-        sliding = tuple(t == "sliding_attention" for t in raw["layer_types"])
-    elif hf_class == "Gemma2ForCausalLM":  # configs written before layer_types: every other layer, from the first
-        sliding = tuple(i % 2 == 0 for i in range(layers))
-    elif hf_class in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        sliding = tuple(i >= raw.get("max_window_layers", layers) for i in range(layers))
-    else:
-        sliding = None  # every layer
-    return dict(sliding_window=int(window), sliding_layers=sliding)
-
-
-def _gemma2(raw: dict) -> dict:
-    return dict(norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=raw["hidden_size"] ** 0.5,
-                attn_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5,
-                attn_softcap=raw.get("attn_logit_softcapping"), final_softcap=raw.get("final_logit_softcapping"))
-
-
-def _experts(arch: str, raw: dict) -> dict:
-    layers = raw["num_hidden_layers"]
-    if arch == "mixtral":  # every layer sparse, experts as wide as the config's MLP, always renormalised
-        return dict(num_experts=raw["num_local_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
-                    moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True)
-    step = raw.get("decoder_sparse_step", 1)
-    dense = set(raw.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step}
-    return dict(num_experts=raw.get("num_experts") or raw["num_local_experts"],
-                num_experts_per_tok=raw["num_experts_per_tok"], moe_intermediate_size=raw["moe_intermediate_size"],
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), dense_layers=tuple(sorted(dense)))
-
-
-def _longrope(raw: dict, rope: dict) -> dict:
-    """Phi-3's rope dict, completed the way HF completes it: the pretraining length (config.json's top-level
-    value first) and the extension factor it implies."""
-    rope = dict(rope, rope_type="longrope")
-    original = raw.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-    rope["original_max_position_embeddings"] = original or raw["max_position_embeddings"]
-    if rope.get("factor") is None:
-        rope["factor"] = raw["max_position_embeddings"] / rope["original_max_position_embeddings"]
-    return rope

@@ -12,9 +12,10 @@ import torch
 
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.errors import ModelLoadError
-from kaon_runtime.loader.checkpoint import SUPPORTED_ARCHITECTURES, Checkpoint
+from kaon_runtime.loader.checkpoint import Checkpoint
 from kaon_runtime.loader.tokenizer import Tokenizer
 
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")  # GGUF files (general.architecture) kaon reads
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

@@ -7,7 +7,6 @@ import signal
 
 import uvicorn
 
-from kaon_runtime.cli import speculative_options
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.llm_engine import LLMEngine
@@ -58,17 +57,9 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def engine_config(args) -> EngineConfig:
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-                        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-                        cuda_graph_max_batch=args.cuda_graph_max_batch,
-                        **speculative_options(args))
-
-
-def serve(args) -> int:
-    llm_engine = LLMEngine(engine_config(args), show_progress=False)
+def serve(config: EngineConfig, args) -> int:
+    """Serve `config`'s model: the CLI built the engine configuration; `args` are the server's own flags."""
+    llm_engine = LLMEngine(config, show_progress=False)
     try:
         return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue, stall_timeout_s=args.stall_timeout))
     finally:
