@@ -52,7 +52,8 @@ def test_ejection_doubles_while_a_pod_keeps_failing_and_an_answer_or_the_watch_c
 
 class BadEngine(FakeEngine):
     """Also: `prompt: "hang"` never answers; `"reset"` closes the connection without an
-    answer; `"stall"` streams one event and then nothing (a hung engine mid-stream).
+    answer; `"stall"` streams one event and then nothing (a hung engine mid-stream); `"short"`
+    dies part way through a JSON body.
     `calls` counts every request it got."""
 
     def __init__(self, name: str):
@@ -69,6 +70,12 @@ class BadEngine(FakeEngine):
             if body.get("prompt") == "reset":
                 request.transport.close()
                 return web.Response()
+            if body.get("prompt") == "short":  # promises 100 bytes, sends 10 and dies
+                response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
+                await response.prepare(request)
+                await response.write(b'{"object":')
+                request.transport.close()
+                return response
             if body.get("prompt") == "stall":
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await response.prepare(request)
@@ -193,6 +200,24 @@ def test_a_stream_that_goes_silent_ends_with_a_timeout_event_and_is_not_retried(
     assert metric(text, "kaon_router_upstream_timeouts_total", **labels, phase="idle") == 1
     assert metric(text, "kaon_router_broken_streams_total", **labels) == 1
     assert metric(text, "kaon_router_ejected_endpoints", **labels) == 1
+
+
+def test_a_json_body_cut_short_is_the_routers_own_502_not_a_truncated_200():
+    # A body of known length is read whole before anything goes to the client, so a break
+    # there still gets a status that says it.
+    async def scenario():
+        engine = await BadEngine("e0").start()
+        router = routed(engine)
+        async with serving(router) as client:
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "short"}) as resp:
+                out = resp.status, await resp.json()
+        await engine.stop()
+        return out, router.backoff.until
+
+    (status, body), ejected = run(scenario())
+    assert status == 502 and body["error"]["code"] == "upstream_failed", body
+    assert "replica e0 of InferenceService ns/svc broke off the response" in body["error"]["message"]
+    assert [e.pod for e in ejected] == ["e0"]
 
 
 def test_the_watch_seeing_a_pod_ready_anew_lets_it_back_at_once():
