@@ -1,12 +1,15 @@
-"""The router's cost: the same load sent straight to fake engines and through the router,
-in the same run.
+"""The router's cost: the same load sent straight to fake engines, through nginx and
+through the router, in the same run.
 
-    python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000]
+    python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx]
 
-Three processes: fake engines (one aiohttp process listening on --engines ports: a fixed
+Four processes: fake engines (one aiohttp process listening on --engines ports: a fixed
 small completion, or a short SSE stream), the router (kaon's Router on a table that lists
-those ports as the pods of one InferenceService), and this load generator. Phases, each
-direct then routed:
+those ports as the pods of one InferenceService), nginx as the router's peer (one worker
+process, as the router is one process: `upstream { least_conn; keepalive }` over the same
+ports, buffering off so that streams pass through as they come), and this load generator.
+nginx is the Debian package: found on PATH or in /usr/sbin, else installed with apt-get when
+this runs as root (it says so), else left out. Phases, each direct, then nginx, then routed:
 
 1. latency: one request at a time; p50/p99 of the round trip. Added = routed - direct.
 2. throughput: --concurrency clients in a closed loop for --duration; requests/s.
@@ -28,8 +31,10 @@ import asyncio
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +102,65 @@ def run_engines(ports: list[int], events: int, gap: float) -> None:
     asyncio.run(main())
 
 
+NGINX_CONF = """\
+worker_processes 1;
+worker_rlimit_nofile 65536;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 16384; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream engines {{
+        least_conn;
+{servers}
+        keepalive 512;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        client_max_body_size 4m;
+        location / {{
+            proxy_pass http://engines;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 300s;
+        }}
+    }}
+}}
+"""
+
+
+def find_nginx() -> str | None:
+    """nginx on PATH or in /usr/sbin; else installed from Debian's package when root."""
+    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+    if found or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return found
+    print("nginx not found: installing the Debian package with apt-get (apt-get update first)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "nginx"], check=True, env=env, stdout=subprocess.DEVNULL)
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+
+
+def start_nginx(nginx: str, port: int, engine_ports: list[int], workdir: Path) -> subprocess.Popen:
+    workdir.mkdir(parents=True, exist_ok=True)
+    workdir.chmod(0o777)  # workers drop root; they write their temp files here
+    servers = "\n".join(f"        server 127.0.0.1:{p};" for p in engine_ports)
+    conf = workdir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=workdir, port=port, servers=servers))
+    return subprocess.Popen([nginx, "-p", str(workdir), "-c", str(conf)])
+
+
+def nginx_version(nginx: str) -> str:
+    return subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip().removeprefix("nginx version: ")
+
+
 def run_router(port: int, engine_ports: list[int]) -> None:
     table = EndpointTable(default_namespace="bench")  # clients send the bare name
     table.apply_service("ADDED", {"metadata": {"name": MODEL, "namespace": "bench"}, "spec": {"model": {}}})
@@ -119,6 +183,8 @@ class Result:
     errors: dict[str, int] = field(default_factory=dict)
     done: int = 0
     seconds: float = 0.0
+    cpu: float = 0.0
+    """CPU seconds the proxy (nginx or the router) used over the phase."""
 
     def error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
@@ -210,15 +276,50 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
 
 
-def report(name: str, direct: Result, routed: Result) -> None:
-    for label, r in (("direct", direct), ("routed", routed)):
-        rate = f"{r.done / r.seconds:8.0f} req/s" if r.seconds else ""
-        print(f"  {name:10} {label}: n={r.done:6d} p50 {ms(percentile(r.latencies, 0.5))} ms  "
-              f"p99 {ms(percentile(r.latencies, 0.99))} ms {rate}  errors {r.errors or 0}")
-    print(f"  {name:10} added: p50 {ms(percentile(routed.latencies, 0.5) - percentile(direct.latencies, 0.5))} ms  "
-          f"p99 {ms(percentile(routed.latencies, 0.99) - percentile(direct.latencies, 0.99))} ms"
-          + (f"  throughput ratio routed/direct {routed.done / routed.seconds / (direct.done / direct.seconds):.2f}"
-             if direct.seconds and direct.done and routed.seconds else ""))
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes have used (and, for nginx's master, its workers')."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        kin = [int(c) for c in children.read_text().split()] if children.exists() else []
+        for one in (pid, *kin):
+            try:
+                fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+async def measured(pids: list[int], load) -> Result:
+    """Run the load; note the CPU the proxy in front of the engines spent on it (none: direct)."""
+    before = cpu_seconds(pids)
+    result = await load
+    result.cpu = cpu_seconds(pids) - before
+    return result
+
+
+def rate(r: Result) -> float:
+    return r.done / r.seconds if r.seconds else float("nan")
+
+
+def report(name: str, results: dict[str, Result]) -> None:
+    """One line per way of sending; then what nginx and the router add over direct."""
+    for label, r in results.items():
+        throughput = f"{rate(r):8.0f} req/s" if r.seconds else ""
+        cpu = f"  proxy CPU {r.cpu / r.done * 1e6:5.0f} us/request" if r.cpu and r.done else ""
+        print(f"  {name:10} {label:6}: n={r.done:6d} p50 {ms(percentile(r.latencies, 0.5))} ms  "
+              f"p99 {ms(percentile(r.latencies, 0.99))} ms {throughput}  errors {r.errors or 0}{cpu}")
+    direct = results["direct"]
+    for label in ("nginx", "routed"):
+        r = results.get(label)
+        if r is None:
+            continue
+        print(f"  {name:10} {label} added: p50 {ms(percentile(r.latencies, 0.5) - percentile(direct.latencies, 0.5))} "
+              f"ms  p99 {ms(percentile(r.latencies, 0.99) - percentile(direct.latencies, 0.99))} ms"
+              + (f"  throughput {rate(r) / rate(direct):.2f}x direct" if direct.seconds and direct.done else ""))
+    if "nginx" in results and results["nginx"].seconds and results["nginx"].done:
+        print(f"  {name:10} router/nginx throughput {rate(results['routed']) / rate(results['nginx']):.2f}x")
 
 
 async def wait_listening(port: int) -> None:
@@ -234,34 +335,49 @@ async def wait_listening(port: int) -> None:
 
 async def bench(args) -> None:
     engine_ports = [free_port() for _ in range(args.engines)]
-    router_port = free_port()
+    router_port, nginx_port = free_port(), free_port()
+    nginx = None if args.no_nginx else find_nginx()
     me = [sys.executable, __file__]
     children = [
         subprocess.Popen(me + ["--role", "engines", "--ports", ",".join(map(str, engine_ports)),
                                "--events", str(args.events), "--gap-ms", str(args.gap_ms)]),
         subprocess.Popen(me + ["--role", "router", "--ports", ",".join(map(str, [router_port, *engine_ports]))]),
     ]
+    workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
+    if nginx:
+        children.append(start_nginx(nginx, nginx_port, engine_ports, workdir))
+    else:
+        print("nginx: not found and not installable here (not root, or no apt-get): left out")
     try:
-        for port in (*engine_ports, router_port):
+        for port in (*engine_ports, router_port, *([nginx_port] if nginx else [])):
             await wait_listening(port)
-        direct = [f"http://127.0.0.1:{p}" for p in engine_ports]
-        routed = [f"http://127.0.0.1:{router_port}"]
-        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.engines} fake engines")
+        ways = {"direct": [f"http://127.0.0.1:{p}" for p in engine_ports]}
+        pids: dict[str, list[int]] = {"direct": [], "routed": [children[1].pid]}
+        if nginx:
+            ways["nginx"] = [f"http://127.0.0.1:{nginx_port}"]
+            pids["nginx"] = [children[2].pid]
+        ways["routed"] = [f"http://127.0.0.1:{router_port}"]
+        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.engines} fake engines; "
+              f"Python {sys.version.split()[0]}, aiohttp {aiohttp.__version__}"
+              + (f", nginx {nginx_version(nginx)} ({nginx})" if nginx else ""))
         print(f"1. latency, one request at a time ({args.requests} requests)")
-        report("latency", await sequential(direct, args.requests), await sequential(routed, args.requests))
+        report("latency", {way: await measured(pids[way], sequential(urls, args.requests))
+                           for way, urls in ways.items()})
         print(f"2. throughput, {args.concurrency} clients, {args.duration:g}s")
-        report("throughput", await closed_loop(direct, args.concurrency, args.duration, False),
-               await closed_loop(routed, args.concurrency, args.duration, False))
+        report("throughput", {
+            way: await measured(pids[way], closed_loop(urls, args.concurrency, args.duration, False))
+            for way, urls in ways.items()})
         print(f"3. {args.streams} concurrent streams of {args.events} events {args.gap_ms:g} ms apart, "
               f"{args.duration:g}s; latency = time to first byte")
-        report("streams", await closed_loop(direct, args.streams, args.duration, True),
-               await closed_loop(routed, args.streams, args.duration, True))
-        p50, p99, count = await router_added_latency(routed[0])
+        report("streams", {way: await measured(pids[way], closed_loop(urls, args.streams, args.duration, True))
+                           for way, urls in ways.items()})
+        p50, p99, count = await router_added_latency(ways["routed"][0])
         print(f"router's own added-latency histogram over {count} requests: p50 <= {ms(p50)} ms, p99 <= {ms(p99)} ms")
     finally:
         for child in children:
-            child.terminate()
+            child.terminate()  # nginx: a fast shutdown
             child.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> None:
@@ -273,6 +389,7 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=20, help="events per stream")
     parser.add_argument("--gap-ms", type=float, default=50.0, help="time between a stream's events")
     parser.add_argument("--engines", type=int, default=2, help="fake engine pods (ports of one process)")
+    parser.add_argument("--no-nginx", action="store_true", help="leave nginx, the router's peer, out")
     parser.add_argument("--role", choices=["bench", "engines", "router"], default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--ports", help=argparse.SUPPRESS)
     args = parser.parse_args()
