@@ -29,7 +29,7 @@ LOCAL_IMAGE = "local/kaon:dev"  # engine pods with this image run in the pod run
 
 
 class RouterProcess:
-    """`kaon router` on a loopback port, as the given kubeconfig."""
+    """`kaon-router` on a loopback port, as the given kubeconfig."""
 
     def __init__(self, kubeconfig: Path, log_path: Path, *extra_args: str):
         self.kubeconfig, self.log_path, self.extra_args = kubeconfig, log_path, extra_args
@@ -40,7 +40,7 @@ class RouterProcess:
     def start(self, timeout: float = 60) -> RouterProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kaon_runtime.cli", "router", "--port", str(self.port),
+                [sys.executable, "-m", "kaon_operator.router", "--port", str(self.port),
                  "--kubeconfig", str(self.kubeconfig), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         wait_until_answering(self.proc, f"{self.url}/ready", timeout, "the router", f"see {self.log_path}")

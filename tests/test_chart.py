@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,8 @@ def test_defaults_render_operator_router_and_their_rbac(helm):
     # Standalone: a rolling update would run two active operators for a moment.
     assert operator["spec"]["strategy"] == {"type": "Recreate"}
     c = container(docs, "kaon-operator")
-    assert c["args"] == ["operator", "--liveness-port=8081", "--metrics-port=9090", "--autoscale-interval=5",
+    assert c["command"] == ["kaon-operator"]  # operator/pyproject.toml's script; the image sets no entrypoint
+    assert c["args"] == ["--liveness-port=8081", "--metrics-port=9090", "--autoscale-interval=5",
                          "--release-namespace=kaon-system"]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"liveness": 8081, "metrics": 9090}
@@ -133,7 +135,7 @@ def test_both_deployments_run_non_root_read_only_with_resources(helm):
 def test_router_service_and_probes(helm):
     docs = template(helm, [])
     c = container(docs, "kaon-router")
-    assert c["args"][:3] == ["router", "--host=0.0.0.0", "--port=8080"]
+    assert c["command"] == ["kaon-router"] and c["args"][:2] == ["--host=0.0.0.0", "--port=8080"]
     assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -378,11 +380,11 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("the operator image has no " + name)
 sys.meta_path.insert(0, Block())
 import kaon_operator.handlers, kaon_operator.router.main, kaon_operator.router.watch, kaon_operator.crd
-from kaon_runtime.cli import main
-main(["operator", "--help"])
+from kaon_operator.main import main
+main(["--help"])
 """
     res = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert res.returncode == 0 and "usage: kaon operator" in res.stdout, res.stderr
+    assert res.returncode == 0 and "usage: kaon-operator" in res.stdout, res.stderr
 
 
 def _third_party_imports(package: Path) -> set[str]:
@@ -405,21 +407,36 @@ def _requires(dist: str) -> set[str]:
     return {_normalize(re.match(r"[A-Za-z0-9_.-]+", r).group()) for r in reqs if "extra ==" not in r}
 
 
-def test_operator_dockerfile_installs_what_kaon_operator_imports():
-    dockerfile = (ROOT / "operator" / "Dockerfile").read_text()
-    line = next(ln for ln in dockerfile.splitlines() if ln.startswith("RUN pip install") and "--no-deps" not in ln)
-    wanted = {_normalize(re.match(r"[A-Za-z0-9_.-]+", spec).group()): spec
-              for spec in (s.strip('"') for s in line.split()[3:])}
-    # The same version bounds as pyproject.toml.
-    project = {_normalize(re.match(r"[A-Za-z0-9_.-]+", d).group()): d
-               for d in importlib.metadata.requires("kaon") if "extra ==" not in d}
-    for name, spec in wanted.items():
-        assert project[name].replace(" ", "") == spec, (project[name], spec)
-    installed = set(wanted) | {dep for dist in wanted for dep in _requires(dist)}
+def _dependencies(pyproject: Path) -> dict[str, str]:
+    """name -> requirement (spaces removed) of a pyproject.toml's [project] dependencies."""
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    return {_normalize(re.match(r"[A-Za-z0-9_.-]+", d).group()): d.replace(" ", "") for d in deps}
+
+
+def test_the_operator_image_installs_what_kaon_operator_imports_and_nothing_of_the_engine():
+    own = _dependencies(ROOT / "operator" / "pyproject.toml")
+    project = _dependencies(ROOT / "pyproject.toml")
+    for name, spec in own.items():  # the same version bounds as the repository's pyproject.toml
+        assert project[name] == spec, (project[name], spec)
+    installed = set(own) | {dep for dist in own for dep in _requires(dist)}
     by_module = importlib.metadata.packages_distributions()
     for module in _third_party_imports(ROOT / "operator" / "kaon_operator"):
-        assert any(_normalize(d) in installed for d in by_module[module]), f"{module} is not in operator/Dockerfile"
-    assert not set(wanted) & {_normalize(m) for m in ENGINE_ONLY}
+        assert any(_normalize(d) in installed for d in by_module[module]), f"{module} is not in operator/pyproject.toml"
+    assert not set(own) & {_normalize(m) for m in ENGINE_ONLY}
+    scripts = tomllib.loads((ROOT / "operator" / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {k: v for k, v in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"].items()
+                       if k in ("kaon-operator", "kaon-router")}
+
+
+def test_the_operator_image_builds_from_operator_alone():
+    """`docker build operator/`: every COPY source lies inside that directory."""
+    dockerfile = (ROOT / "operator" / "Dockerfile").read_text()
+    sources = [line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith(("COPY", "ADD"))]
+    assert sources, "the image copies kaon_operator and its pyproject.toml"
+    for source in (s for group in sources for s in group):
+        resolved = (ROOT / "operator" / source).resolve()
+        assert resolved.is_relative_to(ROOT / "operator") and resolved.exists(), source
+    assert {s for group in sources for s in group} == {"pyproject.toml", "kaon_operator"}
 
 
 def test_images_run_as_the_users_pods_expect():
@@ -431,4 +448,4 @@ def test_images_run_as_the_users_pods_expect():
     assert "EXPOSE 8000" in runtime and resources.HTTP_PORT == 8000
     operator = (ROOT / "operator" / "Dockerfile").read_text()
     uid = VALUES["podSecurityContext"]["runAsUser"]
-    assert f"USER {uid}:{uid}" in operator and 'ENTRYPOINT ["kaon"]' in operator
+    assert f"USER {uid}:{uid}" in operator and "ENTRYPOINT" not in operator  # the chart sets the command

@@ -55,13 +55,15 @@ def test_a_tensor_parallel_size_the_model_cannot_split_fails_clearly_at_start():
     assert "Traceback" not in result.stderr
 
 
-def test_kaon_operator_needs_no_torch():
-    # The operator image has no torch: `kaon operator` must not import it on its way.
-    code = ("import sys; sys.modules['torch'] = None; from kaon_runtime.cli import main; "
-            "sys.exit(main(['operator', '--help']))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "--peering" in result.stdout
+def test_kaon_operator_and_kaon_router_hand_over_to_their_own_commands():
+    # The runtime never imports kaon_operator (tests/test_imports.py): the old spellings replace
+    # the process with `python -m kaon_operator` / `python -m kaon_operator.router`.
+    for command, usage, flag in (("operator", "usage: kaon-operator", "--peering"),
+                                 ("router", "usage: kaon-router", "--queue-timeout")):
+        result = subprocess.run([sys.executable, "-m", "kaon_runtime.cli", command, "--help"], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert usage in result.stdout and flag in result.stdout
 
 
 def test_a_fatal_start_error_is_written_to_the_termination_log(tmp_path, monkeypatch, capsys):

@@ -672,7 +672,7 @@ def test_kaon_router_needs_neither_torch_nor_the_engine_runtime():
     code = ("import sys; sys.modules['torch'] = None; "
             "import kaon_operator.router.main, kaon_operator.router.watch; "
             "assert not [m for m in sys.modules if m.startswith('kaon_runtime')]; "
-            "from kaon_runtime.cli import main; sys.exit(main(['router', '--help']))")
+            "from kaon_operator.router.main import main; sys.exit(main(['--help']))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--queue-timeout" in result.stdout and "--max-queued" in result.stdout and "--backoff" in result.stdout

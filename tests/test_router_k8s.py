@@ -193,7 +193,7 @@ def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
 def test_kaon_router_runs_as_a_process(crd, namespace, router_kubeconfig):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "kaon_runtime.cli", "router", "--kubeconfig", str(router_kubeconfig),
+    proc = subprocess.Popen([sys.executable, "-m", "kaon_operator.router", "--kubeconfig", str(router_kubeconfig),
                              "--port", str(port), "--namespace", namespace, "--queue-timeout", "0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -1,4 +1,4 @@
-"""`kaon operator`: run the InferenceService operator (kopf) against the current cluster."""
+"""`kaon-operator` (or `python -m kaon_operator`): run the InferenceService operator (kopf) against the current cluster."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,7 @@ def priority(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kaon operator", description="run the kaon InferenceService operator")
+    parser = argparse.ArgumentParser(prog="kaon-operator", description="run the kaon InferenceService operator")
     parser.add_argument("--namespace", action="append", default=[],
                         help="watch only this namespace (repeatable; default: all namespaces)")
     parser.add_argument("--peering", metavar="NAME",

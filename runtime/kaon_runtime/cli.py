@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -78,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     sub.add_parser("fetch", help="download an hf:// or s3:// model into the cache, or check a local one "
                    "(see `kaon fetch --help`)", add_help=False)
-    sub.add_parser("operator", help="run the InferenceService operator (see `kaon operator --help`)", add_help=False)
-    sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService "
-                   "(see `kaon router --help`)", add_help=False)
+    sub.add_parser("operator", help="run the InferenceService operator: the same as `kaon-operator`", add_help=False)
+    sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService: the same as "
+                   "`kaon-router`", add_help=False)
     return parser
 
 
@@ -101,14 +102,8 @@ def speculative_options(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["operator"]:  # no torch on this path: the operator image has none
-        from kaon_operator.main import main as operator_main
-
-        return operator_main(argv[1:])
-    if argv[:1] == ["router"]:  # nor on this one: the router runs from the operator image
-        from kaon_operator.router.main import main as router_main
-
-        return router_main(argv[1:])
+    if argv[:1] in (["operator"], ["router"]):
+        return _hand_over(argv[0], argv[1:])
     if argv[:1] == ["fetch"]:  # nor here: it runs as the init container and must start at once
         from kaon_runtime.fetch.fetch import run_cli
 
@@ -127,6 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     except KaonError as exc:
         _fatal(str(exc))
         return 2
+
+
+# `kaon operator` and `kaon router` are kept for people used to them. Their own commands are
+# `kaon-operator` and `kaon-router`: the runtime never imports kaon_operator (the operator image
+# has no kaon_runtime, the engine needs no operator), so these replace this process with that one.
+HANDOVER = {"operator": "kaon_operator", "router": "kaon_operator.router"}
+
+
+def _hand_over(command: str, args: list[str]) -> int:
+    module = HANDOVER[command]
+    if importlib.util.find_spec("kaon_operator") is None:  # finds the package without importing it
+        print(f"kaon: error: `kaon {command}` needs kaon_operator installed; its command is "
+              f"kaon-{command}", file=sys.stderr)
+        return 2
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
 TERMINATION_LOG = Path("/dev/termination-log")

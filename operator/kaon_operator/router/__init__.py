@@ -10,7 +10,7 @@ that service's ready engine pod with the fewest requests in flight.
     metrics.py    Prometheus metrics
     proxy.py      the HTTP edge (aiohttp): forwards, streams, retries, holds
     watch.py      the Kubernetes edge: list + watch that keeps the table current
-    main.py       `kaon router`
+    main.py       `kaon-router` (python -m kaon_operator.router)
 
 Like the rest of kaon_operator, it never imports torch or kaon_runtime.
 """

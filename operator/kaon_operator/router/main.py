@@ -1,4 +1,4 @@
-"""`kaon router`: the OpenAI-compatible gateway in front of every InferenceService."""
+"""`kaon-router` (or `python -m kaon_operator.router`): the OpenAI-compatible gateway in front of every InferenceService."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ DEFAULTS = RouterConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kaon router", description="route OpenAI requests to the ready engine "
+    parser = argparse.ArgumentParser(prog="kaon-router", description="route OpenAI requests to the ready engine "
                                      "pods of the InferenceService their `model` names (least connections, or "
                                      "prefix affinity with bounded loads: spec.routing)")
     parser.add_argument("--host", default="127.0.0.1", help="where to listen (0.0.0.0 in a pod)")
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ApiServer.from_environment(args.kubeconfig)
     except NoCredentials as exc:
-        print(f"kaon router: error: {exc}", file=sys.stderr)
+        print(f"kaon-router: error: {exc}", file=sys.stderr)
         return 2
     _raise_open_file_limit()
     table = EndpointTable(default_namespace=default_namespace(args), cluster_wide_names=args.cluster_wide_names)
