@@ -167,6 +167,7 @@ class PodRunner:
                                  {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}})
                     if key in self.pods:  # else its volumes are not ready: tried again next round
                         self.pods[key].retry_at = time.monotonic() + BACKOFF_MAX
+        self._refresh_secret_volumes(pods)
         for key in list(self.processes):
             going = key not in pods or pods[key]["metadata"].get("deletionTimestamp")
             if going:
@@ -306,6 +307,30 @@ class PodRunner:
                         (path / k).write_bytes(base64.b64decode(v) if source == "secret" else v.encode())
             dirs[name] = path
         return dirs
+
+    SECRET_SYNC_S = 2.0  # the kubelet takes up to about a minute; tests need not wait that long
+    _secrets_synced_at = 0.0
+
+    def _refresh_secret_volumes(self, pods: dict[str, dict]) -> None:
+        """As the kubelet does: a Secret edited while its pod runs is rewritten in the pod's volume
+        (spec.auth's key rotation), each file replaced atomically, keys gone from the Secret removed."""
+        now = time.monotonic()
+        if now < self._secrets_synced_at + self.SECRET_SYNC_S:
+            return
+        self._secrets_synced_at = now
+        for key, state in list(self.pods.items()):
+            pod = pods.get(key)
+            for volume in (pod["spec"].get("volumes") or []) if pod else []:
+                if "secret" not in volume or volume["name"] not in state.dirs:
+                    continue
+                secret = self._get("secret", pod["metadata"]["namespace"], volume["secret"]["secretName"]) or {}
+                data, path = secret.get("data") or {}, state.dirs[volume["name"]]
+                for stale in {p.name for p in path.iterdir() if not p.name.startswith(".")} - set(data):
+                    (path / stale).unlink()
+                for k, v in data.items():
+                    tmp = path / f".{k}.tmp"  # hidden: readers skip it, as they skip the kubelet's ..data
+                    tmp.write_bytes(base64.b64decode(v))
+                    os.replace(tmp, path / k)
 
     def _claim_dir(self, namespace: str, claim: str) -> Path:
         pvc = self._get("pvc", namespace, claim)

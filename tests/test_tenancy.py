@@ -14,7 +14,7 @@ import yaml
 from aiohttp import web
 
 from e2e.control_plane import build_binaries
-from kaon_operator import naming, resources
+from kaon_operator import naming, resources, status
 from kaon_operator.router.main import build_parser, default_namespace
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from kaon_operator.router.proxy import Router, RouterConfig
@@ -204,3 +204,27 @@ def test_chart_scopes_the_routers_rbac_to_its_namespaces_and_passes_the_tenancy_
     assert parsed.cluster_wide_names and not parsed.secrets and parsed.namespace == ["team-a", "team-b"]
     # Without defaultNamespace, a router of a few namespaces resolves bare names in the first.
     assert default_namespace(build_parser().parse_args(["--namespace=team-b", "--namespace=team-a"])) == "team-b"
+
+
+# the operator's NameConflict condition, pure ----------------------------------------------------------
+
+def test_the_later_of_two_serving_one_name_gets_name_conflict_and_events_on_both_edges():
+    def body(name: str, served: str, created: str) -> dict:
+        return {"metadata": {"namespace": "a", "name": name, "creationTimestamp": created},
+                "spec": {"model": {"uri": "builtin://x", "servedName": served}}}
+
+    older = status.served_name(body("first", "dup", "2026-01-01T00:00:00Z"))
+    later = status.served_name(body("second", "dup", "2026-01-01T00:00:05Z"))
+    alone = status.served_name(body("third", "solo", "2026-01-01T00:00:09Z"))
+    assert later == status.ServedName(("a", "second"), "dup", older.created + 5)
+    found = status.name_conflicts([later, alone, older])
+    assert set(found) == {("a", "second")}
+    cond = found[("a", "second")]
+    assert cond["type"] == "NameConflict" and cond["status"] == "True" and cond["reason"] == "ServedNameTaken"
+    assert "`dup`" in cond["message"] and "first" in cond["message"]
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": ""}
+    raised = status.transition_events([ready, cond], [ready])
+    assert [(e.type, e.reason) for e in raised] == [("Warning", "NameConflict")]
+    assert status.transition_events([ready, cond], [ready, cond]) == []  # no repeat while it holds
+    cleared = status.transition_events([ready], [ready, cond])
+    assert [(e.type, e.reason) for e in cleared] == [("Normal", "NameConflictResolved")]

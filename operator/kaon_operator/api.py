@@ -342,6 +342,13 @@ class AuthSpec(_Model):
     """A Secret in this namespace; every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
 
 
+class AuthSpec(_Model):
+    """Who may call the model: clients must send `Authorization: Bearer <key>`, at the router and at the engine pods."""
+
+    api_key_secret: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
+    """A Secret in this namespace; every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
+
+
 class InferenceServiceSpec(_Model):
     """The desired state of an InferenceService."""
 
@@ -355,12 +362,14 @@ class InferenceServiceSpec(_Model):
     routing: RoutingSpec = Field(default_factory=RoutingSpec, json_schema_extra=_default(RoutingSpec))
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""
+    auth: AuthSpec | None = None
+    """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""
 
 
 class Condition(_Model):
-    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling); `reason` is a CamelCase word such as Unschedulable."""
+    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name); `reason` is a CamelCase word such as Unschedulable."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable"]
+    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict"]
     """Which condition."""
     status: Literal["True", "False", "Unknown"]
     """Whether it holds."""

@@ -54,6 +54,8 @@ class State:
         self.written: dict[tuple[str, str], dict] = {}
         self.apply_failures: dict[tuple[str, str], str] = {}  # until an apply succeeds again
         self.metrics_conditions: dict[tuple[str, str], dict] = {}  # MetricsAvailable, kept by the autoscaler
+        self.served_names: kopf.Index | None = None  # namespace -> status.ServedName of each InferenceService
+        self.name_peers: dict[str, tuple] = {}  # the served names last judged per namespace
 
 
 def reporting_instance() -> str:
@@ -83,6 +85,38 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
 @kopf.index(*ISVC)
 def inference_services(namespace: str, name: str, body: kopf.Body, **_) -> dict:
     return {(namespace, name): body}
+
+
+@kopf.index(*ISVC)
+def served_names(namespace: str, body: kopf.Body, **_) -> dict:
+    """Namespace -> who serves which name there: the NameConflict condition."""
+    return {namespace: status.served_name(body)}
+
+
+@kopf.on.startup()
+def keep_served_names(memo: kopf.Memo, served_names: kopf.Index, **_) -> None:
+    # The index object stays current (kopf updates it in place): every status sync reads it.
+    memo["state"].served_names = served_names
+
+
+@kopf.on.event(*ISVC)
+def served_names_changed(namespace: str, memo: kopf.Memo, served_names: kopf.Index, inference_services: kopf.Index,
+                         engine_pods: kopf.Index, engine_deployments: kopf.Index, **_) -> None:
+    """An InferenceService came, went or changed its served name: the others of its namespace
+    whose NameConflict changes get their status written again (an older one going away frees
+    the name; a servedName edit can take one)."""
+    state = _state(memo)
+    peers = tuple(sorted(served_names.get(namespace, ())))
+    if state.name_peers.get(namespace) == peers:
+        return  # a status patch or another change that moves no name
+    state.name_peers[namespace] = peers
+    expected = status.name_conflicts(list(peers))
+    for peer in peers:
+        written = next((c for c in (state.written.get(peer.key) or {}).get("conditions") or []
+                        if c.get("type") == status.NAME_CONFLICT), None)
+        want = expected.get(peer.key)
+        if (written or {}).get("message") != (want or {}).get("message"):
+            _resync(memo, peer.key, inference_services, engine_pods, engine_deployments)
 
 
 @kopf.index("pods", labels=ENGINE_CHILD)
@@ -215,6 +249,9 @@ def _sync_status(state: State, body, key, spec: api.InferenceServiceSpec, engine
             gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
         if spec.autoscaling.enabled and key in state.metrics_conditions:
             conditions.append(state.metrics_conditions[key])
+        if state.served_names is not None:  # an older one answering this one's served name
+            conflict = status.name_conflicts(list(state.served_names.get(key[0], ()))).get(key)
+            conditions += [conflict] if conflict else []
         _write_status(state, body, key, conditions, pods, spec, applied=applied)
     STATUS_SECONDS.observe(time.perf_counter() - start)
 

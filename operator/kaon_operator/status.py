@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple
+
+from kaon_operator import naming
 
 # Container waiting reasons that mean the pod will not become ready on its own.
 STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -351,7 +354,46 @@ def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:
             events.append(EventSpec("Warning", "MetricsUnavailable", cond["message"]))
         elif cond["type"] == "MetricsAvailable" and cond["status"] == "True" and prev.get("status") == "False":
             events.append(EventSpec("Normal", "MetricsAvailable", cond["message"]))
+        elif cond["type"] == NAME_CONFLICT and cond["status"] == "True" and (flipped or new_reason):
+            events.append(EventSpec("Warning", NAME_CONFLICT, cond["message"]))
+    new_types = {c["type"] for c in new}
+    for prev in old:  # NameConflict is listed only while it holds
+        if prev.get("type") == NAME_CONFLICT and prev.get("status") == "True" and NAME_CONFLICT not in new_types:
+            events.append(EventSpec("Normal", "NameConflictResolved", "this InferenceService answers its served "
+                                    "name again"))
     return events
+
+
+# Served-name conflicts ----------------------------------------------------------------------------------
+
+
+NAME_CONFLICT = "NameConflict"
+
+
+class ServedName(NamedTuple):
+    """What naming.conflicts needs of an InferenceService."""
+
+    key: tuple[str, str]
+    served_name: str
+    created: int
+
+
+def served_name(body: dict) -> ServedName:
+    meta = body["metadata"]
+    created = meta.get("creationTimestamp")
+    epoch = int(datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()) if created else 0
+    return ServedName((meta["namespace"], meta["name"]),
+                      ((body.get("spec") or {}).get("model") or {}).get("servedName") or meta["name"], epoch)
+
+
+def name_conflicts(peers: list[ServedName]) -> dict[tuple[str, str], dict]:
+    """The NameConflict condition of each InferenceService of one namespace that another, older one
+    shadows (the router sends its served name there: naming.py). The others have none."""
+    return {key: _condition(NAME_CONFLICT, True, "ServedNameTaken",
+                            f"served name `{winner.served_name}` is already answered by the older InferenceService "
+                            f"{winner.key[1]} of this namespace; this one gets no traffic until that one is gone or "
+                            "one of them sets another spec.model.servedName")
+            for key, winner in naming.conflicts(peers).items()}
 
 
 def replica_counts(pods: list[PodSummary]) -> dict:
