@@ -342,13 +342,6 @@ class AuthSpec(_Model):
     """A Secret in this namespace; every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
 
 
-class AuthSpec(_Model):
-    """Who may call the model: clients must send `Authorization: Bearer <key>`, at the router and at the engine pods."""
-
-    api_key_secret: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
-    """A Secret in this namespace; every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
-
-
 class InferenceServiceSpec(_Model):
     """The desired state of an InferenceService."""
 
@@ -360,8 +353,6 @@ class InferenceServiceSpec(_Model):
     """Engine replicas; the autoscaler sets this when autoscaling is enabled (so does `kubectl scale`)."""
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, json_schema_extra=_default(AutoscalingSpec))
     routing: RoutingSpec = Field(default_factory=RoutingSpec, json_schema_extra=_default(RoutingSpec))
-    auth: AuthSpec | None = None
-    """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""
 
