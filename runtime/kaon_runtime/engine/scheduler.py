@@ -50,29 +50,32 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = _fit_drafts(seq, budget)
-            while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
-                if seq.draft_token_ids:  # drafts are optional: drop them before taking blocks from anyone
-                    num_new = _fit_drafts(seq, 1)
-                    continue
-                if self._release_waiting_blocks():
-                    continue
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.num_preempted += 1
-                if victim is seq:
-                    break
-            else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
-                budget -= num_new
-                i += 1
-                continue
-            break
+            num_new = self._make_room(seq, _fit_drafts(seq, budget), batch)
+            if num_new is None:  # seq itself was preempted: it was the newest, nothing is left after it
+                break
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
         # Admitting new work right after a preemption would only thrash the cache.
         if batch.num_preempted == 0:
             budget = self._admit_waiting(batch, budget)
         return batch
+
+    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> int | None:
+        """Find blocks for `seq`'s next `num_new` tokens: drop its drafts first (they are optional), then
+        take back what waiting sequences hold, then preempt the newest running sequence, until they fit.
+        Returns the tokens that fit, or None when `seq` itself had to be preempted."""
+        while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+            if seq.draft_token_ids:
+                num_new = _fit_drafts(seq, 1)
+            elif not self._release_waiting_blocks():
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    return None
+        return num_new
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
