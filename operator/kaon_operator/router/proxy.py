@@ -290,9 +290,12 @@ class Router:
         return error or errors.upstream_unreachable(str(key), len(tried))
 
     def _eject(self, key: ServiceKey, target: Endpoint, reason: str) -> None:
-        seconds = self.backoff.fail(target, time.monotonic())
+        now = time.monotonic()
+        was_out = self.backoff.until.get(target, 0.0) > now
+        seconds = self.backoff.fail(target, now)
         self.metrics.ejections.labels(*key).inc()
-        logger.warning("%s/%s: %s; ejected for %gs", target.namespace, target.pod, reason, seconds)
+        if not was_out:  # one line per ejection, not one per request that failed during it (an overload)
+            logger.warning("%s/%s: %s; ejected for %gs", target.namespace, target.pod, reason, seconds)
 
     def _release(self, target: Endpoint) -> None:
         left = self.inflight[target] - 1
