@@ -16,18 +16,27 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
   termination message, or with FallbackToLogsOnError the log's tail) and restarted with a
   back-off, shown as CrashLoopBackOff.
 - **The engine**: the pod's own command line (`kaon serve ...`) as a real process bound to
-  the pod's IP; Ready when its `/ready` answers 200 (the readiness probe), SIGTERM when the
-  pod is deleted (so it drains); if it exits, its termination is reported the same way and
-  it is restarted with a back-off.
+  the pod's IP. Its startupProbe, livenessProbe and readinessProbe run as declared (e2e/probes.py:
+  periods, thresholds, timeouts, initial delays; liveness and readiness only after startup):
+  Ready follows the readiness probe; a startup probe exhausted or a liveness probe failed kills
+  the process (SIGTERM, SIGKILL after the grace period) with the kubelet's Unhealthy and Killing
+  Events. SIGTERM when the pod is deleted (so it drains), SIGKILL after its grace period. If it
+  exits, its termination is reported the same way and it is restarted with a back-off.
+- **Memory limits**: a process tree whose resident memory passes the container's
+  `limits.memory` is SIGKILLed, as the kernel's OOM killer would in the container's cgroup, and
+  reported as `OOMKilled`, exit code 137 (RSS summed over the tree, sampled every poll: an
+  approximation of the cgroup's accounting, which also counts page cache and counts shared pages once).
 
 The whole data path is then real: router -> pod IP -> engine, reading weights from a volume.
-Not simulated: resource limits, readOnly mounts and the container image itself (every
-process runs this tree's Python).
+Not simulated: CPU limits, readOnly mounts and the container image itself (every process runs
+this tree's Python). Of the kubelet's Events only a probe's threshold crossing (Unhealthy) and the
+kill (Killing) are posted, not every failed probe.
 """
 from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import shutil
 import signal
@@ -36,10 +45,14 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
+from e2e.probes import ProbeState, http_probe, parse_quantity, probes
 
 LOCAL_IMAGE_PREFIX = "local/"
 BACKOFF_START, BACKOFF_MAX = 2.0, 30.0  # a kubelet starts at 10 s and caps at 5 min; tests are impatient
@@ -54,8 +67,12 @@ _PRIVATE_ENV = ("HF_", "AWS_", "KAON_", "HUGGING_FACE")
 class _Process:
     proc: subprocess.Popen
     ip: str
-    port: int
+    ports: dict[str, int]  # named container ports, for probes on `port: http`
+    probes: dict[str, ProbeState] = field(default_factory=dict)
+    memory_limit: int | None = None  # bytes (limits.memory)
     ready: bool = False
+    kill_at: float | None = None  # SIGKILL at this time (after a SIGTERM's grace period)
+    oom_killed: bool = False
 
 
 @dataclass(slots=True)
@@ -75,8 +92,30 @@ class ContainerConfigError(Exception):
     """What a kubelet reports as CreateContainerConfigError (e.g. a missing Secret key)."""
 
 
-def _port(args: list[str]) -> int:
-    return int(args[args.index("--port") + 1]) if "--port" in args else 8000
+def _ports(container: dict, args: list[str]) -> dict[str, int]:
+    """The container's named ports; a kaon engine listens on its --port (8000 by default)."""
+    port = int(args[args.index("--port") + 1]) if "--port" in args else 8000
+    return {"": port, **{p["name"]: p["containerPort"] for p in container.get("ports") or [] if p.get("name")}}
+
+
+def _exit_code(returncode: int) -> int:
+    """A container's exit code: 128 + the signal for a process killed by one (SIGKILL: 137), as a shell shows."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its children (tensor-parallel workers), as one cgroup would hold."""
+    try:
+        root = psutil.Process(pid)
+        total = 0
+        for proc in (root, *root.children(recursive=True)):
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+    except psutil.Error:
+        return 0
 
 
 def _command(args: list[str], ip: str) -> list[str]:
@@ -118,6 +157,8 @@ class PodRunner:
         self.pods: dict[str, _Pod] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        # Probe GETs run here: a hung engine costs its probe's timeout, never the loop's.
+        self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
 
     def __enter__(self) -> PodRunner:
         self._thread.start()
@@ -143,6 +184,7 @@ class PodRunner:
         for pod in self.pods.values():
             if pod.init:
                 wait_or_kill(pod.init, grace=10)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll):
@@ -158,7 +200,8 @@ class PodRunner:
         for key, pod in pods.items():
             ip = (pod.get("status") or {}).get("podIP")
             if pod["metadata"].get("deletionTimestamp"):
-                self._terminate(key)
+                self._terminate(key, pod["metadata"].get("deletionGracePeriodSeconds",
+                                                         pod["spec"].get("terminationGracePeriodSeconds", 30)))
             elif ip:
                 try:
                     self._advance(key, pod, ip)
@@ -192,7 +235,7 @@ class PodRunner:
         if key in self.processes:
             engine = self.processes[key]
             if engine.proc.poll() is None:
-                self._update_readiness(pod, key)
+                self._supervise(key, pod)
             elif not state.engine_reported:
                 self._engine_exited(key, pod, state)
             elif time.monotonic() >= state.retry_at:
@@ -240,23 +283,26 @@ class PodRunner:
 
     def _engine_exited(self, key: str, pod: dict, state: _Pod) -> None:
         container = pod["spec"]["containers"][0]
-        code = self.processes[key].proc.returncode
+        engine = self.processes[key]
+        self._set_ready(key, engine, False)
+        code = _exit_code(engine.proc.returncode)
         restarts = state.restarts[container["name"]] = state.restarts.get(container["name"], 0) + 1
         state.retry_at = time.monotonic() + min(BACKOFF_START * 2 ** (restarts - 1), BACKOFF_MAX)
         state.engine_reported = True
-        state.last[container["name"]] = self._terminated(code, container, self._engine_log(key))
+        state.last[container["name"]] = self._terminated(code, container, self._engine_log(key),
+                                                         oom_killed=engine.oom_killed)
         self._report(pod, "containerStatuses", container["name"],
                      {"waiting": {"reason": "CrashLoopBackOff",
                                   "message": f"back-off restarting failed container {container['name']}"}},
                      last=state.last[container["name"]], restarts=restarts)
 
     @staticmethod
-    def _terminated(code: int, container: dict, log: Path | None) -> dict:
+    def _terminated(code: int, container: dict, log: Path | None, oom_killed: bool = False) -> dict:
         message = ""
         if code != 0 and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
             message = _tail(log)
-        return {"terminated": {"exitCode": code, "reason": "Error" if code else "Completed", "message": message,
-                               "finishedAt": _now()}}
+        reason = "OOMKilled" if oom_killed else "Error" if code else "Completed"
+        return {"terminated": {"exitCode": code, "reason": reason, "message": message, "finishedAt": _now()}}
 
     def _report(self, pod: dict, field_name: str, container: str, state: dict, *, last: dict | None = None,
                 restarts: int = 0, initialized: bool | None = None) -> None:
@@ -282,7 +328,9 @@ class PodRunner:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(_command(args, ip), stdout=log, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent)
-        self.processes[key] = _Process(proc, ip, _port(args))
+        limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+        self.processes[key] = _Process(proc, ip, _ports(container, args), probes(container, time.monotonic()),
+                                       memory_limit=parse_quantity(limit) if limit else None)
         if container["name"] in state.last:  # a restart: running again, the failure kept as lastState
             self._report(pod, "containerStatuses", container["name"], {"running": {"startedAt": _now()}},
                          last=state.last[container["name"]], restarts=state.restarts.get(container["name"], 0))
@@ -396,32 +444,90 @@ class PodRunner:
                     }.get(path, "")
         return None
 
-    # Readiness and termination ------------------------------------------------------------------------------------------
+    # Probes, memory and termination ----------------------------------------------------------------------------------
 
-    def _update_readiness(self, pod: dict, key: str) -> None:
-        engine = self.processes[key]
-        ready = engine.proc.poll() is None and self._probe(engine)
+    def _supervise(self, key: str, pod: dict) -> None:
+        """One look at a running engine, as a kubelet's probe workers and the kernel would take."""
+        engine, now = self.processes[key], time.monotonic()
+        if engine.kill_at is not None:  # being stopped: SIGKILL once its grace period is over
+            if now >= engine.kill_at:
+                engine.proc.kill()
+            return
+        if engine.memory_limit and _tree_rss(engine.proc.pid) > engine.memory_limit:
+            engine.oom_killed = True
+            try:
+                for proc in psutil.Process(engine.proc.pid).children(recursive=True):
+                    proc.kill()
+            except psutil.Error:
+                pass  # gone already
+            engine.proc.kill()  # the OOM killer does not ask first
+            engine.kill_at = now
+            self._set_ready(key, engine, False)
+            return
+        for probe in engine.probes.values():
+            if probe.in_flight is not None and probe.in_flight.done():
+                ok, why = probe.in_flight.result()
+                before = probe.result
+                verdict = probe.record(ok, now)
+                if verdict is False and before is not False:
+                    name = probe.kind.removesuffix("Probe").capitalize()
+                    self._event(pod, "Warning", "Unhealthy", f"{name} probe failed: {why}")
+                if probe.kind == "startupProbe" and verdict is True and before is not True:
+                    for other in engine.probes.values():  # started: liveness and readiness begin now
+                        other.next_at = max(other.next_at, now) if other is probe else now
+        startup, liveness = engine.probes.get("startupProbe"), engine.probes.get("livenessProbe")
+        for probe, what in ((startup, "startup"), (liveness, "liveness")):
+            if probe is not None and probe.result is False:
+                grace = probe.spec.get("terminationGracePeriodSeconds",
+                                       pod["spec"].get("terminationGracePeriodSeconds", 30))
+                self._event(pod, "Normal", "Killing", f"Container {pod['spec']['containers'][0]['name']} failed "
+                                                      f"{what} probe, will be restarted")
+                self._kill(engine, grace)
+                self._set_ready(key, engine, False)
+                return
+        started = startup is None or startup.result is True
+        for kind, probe in engine.probes.items():
+            if (kind == "startupProbe") == started:  # startup until it succeeds, then the other two
+                continue
+            if probe.due(now):
+                probe.in_flight = self._probe_pool.submit(http_probe, probe.spec, engine.ip, engine.ports)
+        readiness = engine.probes.get("readinessProbe")
+        self._set_ready(key, engine, started and (readiness is None or readiness.result is True))
+
+    def _kill(self, engine: _Process, grace: float) -> None:
+        if engine.proc.poll() is None and engine.kill_at is None:
+            engine.proc.send_signal(signal.SIGTERM)
+            engine.kill_at = time.monotonic() + grace
+
+    def _set_ready(self, key: str, engine: _Process, ready: bool) -> None:
         if ready != engine.ready:
             now = _now()
             status = "True" if ready else "False"
             conditions = [{"type": t, "status": status, "lastTransitionTime": now} for t in ("ContainersReady", "Ready")]
             namespace, name = key.split("/")
             self._kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=strategic",
-                            "-p", json.dumps({"status": {"conditions": conditions}}))
+                          "-p", json.dumps({"status": {"conditions": conditions}}), check=False)
             engine.ready = ready
 
-    @staticmethod
-    def _probe(engine: _Process) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{engine.ip}:{engine.port}/ready", timeout=1) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+    def _event(self, pod: dict, type_: str, reason: str, message: str) -> None:
+        """An Event on the pod, as the kubelet posts it (`kubectl describe pod` shows it)."""
+        meta, now = pod["metadata"], _now()
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                 "involvedObject": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"],
+                                    "namespace": meta["namespace"], "uid": meta.get("uid"),
+                                    "fieldPath": f"spec.containers{{{pod['spec']['containers'][0]['name']}}}"},
+                 "type": type_, "reason": reason, "message": message[:1024], "count": 1,
+                 "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "kubelet (pod runner)"}}
+        self._kubectl("create", "-f", "-", input=json.dumps(event), check=False)
 
-    def _terminate(self, key: str) -> None:
+    def _terminate(self, key: str, grace: float | None = None) -> None:
         engine = self.processes.get(key)
         if engine and engine.proc.poll() is None:
-            engine.proc.send_signal(signal.SIGTERM)  # the engine drains, as under a kubelet
+            if engine.kill_at is None:
+                self._kill(engine, BACKOFF_MAX if grace is None else grace)  # the engine drains, as under a kubelet
+            elif time.monotonic() >= engine.kill_at:
+                engine.proc.kill()  # past the grace period (a hung process ignores SIGTERM)
         state = self.pods.get(key)
         if state and state.init and state.init.poll() is None:
             state.init.send_signal(signal.SIGTERM)
