@@ -240,3 +240,13 @@ def test_engine_pods_of_a_protected_service_mount_the_secret_and_require_its_key
     plain = resources.deployment(owner, open_spec)["spec"]["template"]["spec"]
     assert "--api-key-file" not in plain["containers"][0]["args"]
     assert all(v["name"] != "api-keys" for v in plain["volumes"])
+
+
+def test_the_router_reads_only_opaque_secrets():
+    from kaon_operator.router.watch import ApiServer, Watcher
+
+    server = ApiServer("https://127.0.0.1:1", None, lambda: None)
+    kinds = {k.plural: k for k in Watcher(server, EndpointTable()).kinds}
+    assert Watcher(server, EndpointTable())._params(kinds["secrets"])["fieldSelector"] == "type=Opaque"
+    assert "secrets" not in {k.plural for k in Watcher(server, EndpointTable(), secrets=False).kinds}
+    assert "fieldSelector" not in Watcher(server, EndpointTable())._params(kinds["pods"])

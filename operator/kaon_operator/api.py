@@ -339,7 +339,7 @@ class AuthSpec(_Model):
     """Who may call the model: clients must send `Authorization: Bearer <key>`, at the router and at the engine pods."""
 
     api_key_secret: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
-    """A Secret in this namespace; every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
+    """An Opaque Secret in this namespace (`kubectl create secret generic`); every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
 
 
 class InferenceServiceSpec(_Model):

@@ -43,7 +43,8 @@ def invalid_api_key() -> RouterError:
 def no_api_keys(service: str, secret: str) -> RouterError:
     """spec.auth names a Secret that is missing or holds no key: refuse everyone, say why."""
     return RouterError(503, f"InferenceService {service} requires an API key (spec.auth), but its Secret "
-                            f"`{secret}` is missing or holds no key; every request is refused until it has one",
+                            f"`{secret}` is missing, holds no key or is not of type Opaque; every request is "
+                            "refused until it has one",
                        "service_unavailable", "no_api_keys")
 
 

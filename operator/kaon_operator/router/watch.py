@@ -26,6 +26,7 @@ logger = logging.getLogger("kaon.router.watch")
 WATCH_SECONDS = 300  # the apiserver ends each watch after this long; the next resumes where it left off
 RETRY_SECONDS = 2.0
 MAX_OBJECT_BYTES = 16 << 20  # one watch event is one line of JSON
+API_KEY_SECRETS = "type=Opaque"  # what `kubectl create secret generic` makes; spec.auth's must be one
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class _Kind:
     selector: str | None
     apply: Callable[[str, dict], None]
     replace: Callable[[str | None, list[dict]], None]
+    fields: str | None = None  # a fieldSelector
 
     def url(self, server: str, namespace: str | None) -> str:
         scope = f"/namespaces/{namespace}" if namespace else ""
@@ -96,7 +98,9 @@ class Watcher:
             _Kind(f"/apis/{api.GROUP}/{api.VERSION}", api.PLURAL, None, table.apply_service, table.replace_services),
             # Which Secrets spec.auth names is known only once the InferenceServices are read, and
             # changes with them: watch them all (the table keeps digests of the values, no keys).
-            *([_Kind("/api/v1", "secrets", None, table.apply_secret, table.replace_secrets)] if secrets else []),
+            # Opaque ones only: never TLS keys, ServiceAccount tokens, registry credentials or Helm releases.
+            *([_Kind("/api/v1", "secrets", None, table.apply_secret, table.replace_secrets, API_KEY_SECRETS)]
+              if secrets else []),
         )
 
     async def run(self) -> None:
@@ -134,7 +138,8 @@ class Watcher:
                 await asyncio.sleep(RETRY_SECONDS)
 
     def _params(self, kind: _Kind, **more) -> dict[str, str]:
-        return {**({"labelSelector": kind.selector} if kind.selector else {}), **more}
+        return {**({"labelSelector": kind.selector} if kind.selector else {}),
+                **({"fieldSelector": kind.fields} if kind.fields else {}), **more}
 
     async def _list(self, session: aiohttp.ClientSession, kind: _Kind, namespace: str | None, url: str) -> str:
         async with session.get(url, params=self._params(kind), headers=self.server.headers()) as resp:
