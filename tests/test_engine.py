@@ -74,6 +74,32 @@ def test_abort_returns_blocks_at_once(llm):
     assert not engine.has_unfinished_requests() and engine.step() == []
 
 
+def test_the_async_engine_validates_a_request_once_and_shows_the_server_only_what_it_needs(llm, monkeypatch):
+    """The server's request is tokenized and checked once, off the engine thread; the engine loop
+    queues it as it is. And the server reads the model through AsyncEngine, never its engine."""
+    import asyncio
+
+    from kaon_runtime.engine.async_engine import AsyncEngine
+
+    engine, checked = llm.engine, []
+    validate = engine.validate
+    monkeypatch.setattr(engine, "validate", lambda prompt, params: checked.append(prompt) or validate(prompt, params))
+    front = AsyncEngine(engine)
+    assert (front.tokenizer, front.max_model_len, front.vocab_size) == (
+        engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size)
+
+    async def run():
+        front.start()
+        try:
+            stream = await front.add_request("once", "Hello", SamplingParams(temperature=0, max_tokens=2))
+            return [output async for output in stream][-1]
+        finally:
+            await front.stop()
+
+    assert asyncio.run(run()).finished
+    assert checked == ["Hello"]
+
+
 def test_bad_requests_raise_clear_errors(llm):
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate([""], use_tqdm=False)

@@ -36,7 +36,7 @@ class WedgeableEngine:
     def validate(self, prompt, params):
         return [1, 2, 3]
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_validated(self, request_id, prompt_token_ids, params):
         self.requests[request_id] = params.max_tokens
 
     def abort_request(self, request_id):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.errors import EngineDeadError, QueueFullError
+from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,21 @@ class AsyncEngine:
         """The engine's counters as of its last step (safe to read from any thread)."""
         return self._stats
 
+    # What the server reads of the model; all fixed once the engine is built, so safe from any thread.
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + completion, in tokens."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Validate and queue a request; raises InvalidRequestError, QueueFullError or EngineDeadError.
 
@@ -208,7 +224,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 added += 1
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                    self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params)
                 except Exception as exc:  # validated already; only a duplicate id can get here
                     self._loop.call_soon_threadsafe(command.stream._put, exc)
                     continue

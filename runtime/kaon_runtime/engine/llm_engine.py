@@ -82,11 +82,19 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validate a request and queue it; raises InvalidRequestError."""
+        if request_id in self._requests:  # before the tokenizer's work
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.add_validated(request_id, self.validate(prompt, params), params,
+                           prompt if isinstance(prompt, str) else None)
+
+    def add_validated(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      prompt: str | None = None) -> None:
+        """Queue a request that `validate` accepted, without checking it again (the server validates
+        off the engine thread, so the engine loop never tokenizes)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        token_ids = self.validate(prompt, params)
-        text = prompt if isinstance(prompt, str) else None
-        request = _Request(request_id, text, token_ids, params, pending_forks=params.n - 1)
+        request = _Request(request_id, prompt, token_ids, params, pending_forks=params.n - 1)
         self._requests[request_id] = request
         self._add_sequence(request, list(token_ids), index=0)
         self._prompt_tokens += len(token_ids)

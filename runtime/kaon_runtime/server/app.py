@@ -79,8 +79,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                   openapi_url="/openapi.json")
     app.state.server = state
     _install_error_handlers(app)
-    doc.install(app, settings.model_name, max_model_len=engine.engine.max_model_len,
-                vocab_size=engine.engine.model_config.vocab_size, secured=keys.enabled)
+    doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                secured=keys.enabled)
 
     @app.get("/health", responses=doc.HEALTH)
     async def health():
@@ -105,7 +105,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @v1.get("/models", response_model=p.ModelList, responses=doc.V1_ERRORS)
     async def models():
-        card = p.ModelCard(id=settings.model_name, created=int(time.time()), max_model_len=engine.engine.max_model_len)
+        card = p.ModelCard(id=settings.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
         return p.ModelList(data=[card]).model_dump()
 
     @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
@@ -116,7 +116,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         prompt = _single_prompt(body.prompt)
         params = _sampling_params(body, body.max_tokens, body.logprobs)
         gen = await _start("cmpl", prompt, params)
-        return await _respond(request, gen, CompletionFormat(gen, engine.engine.tokenizer), body)
+        return await _respond(request, gen, CompletionFormat(gen, engine.tokenizer), body)
 
     @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
              openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE)
@@ -127,9 +127,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template, messages)
+        prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
         gen = await _start("chatcmpl", prompt, params)
-        return await _respond(request, gen, ChatFormat(gen, engine.engine.tokenizer), body)
+        return await _respond(request, gen, ChatFormat(gen, engine.tokenizer), body)
 
     async def _start(prefix: str, prompt: str | list[int], params: SamplingParams) -> Generation:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
