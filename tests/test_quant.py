@@ -177,6 +177,25 @@ def test_quantized_linear_kernels_agree_and_track_the_float_layer(make, monkeypa
     assert relative < (0.01 if isinstance(layer, Int8Linear) else 0.1)
 
 
+@pytest.mark.parametrize("make, n", [(Int8Linear.from_linear, 40), (Int4Linear.from_linear, 48),
+                                     (Int4Linear.from_linear, 40)], ids=["int8", "int4", "int4-rows-not-16"])
+def test_cpu_packed_kernels_track_the_reference(make, n, monkeypatch):
+    # torch's packed-weight CPU kernels take bfloat16 activations: the difference from the
+    # dequantizing reference is bfloat16 rounding, far below what a layout or grid slip would give.
+    # int4 with out_features not a multiple of 16 falls back to the reference.
+    linear = _linear(n=n).cpu()
+    layer = make(linear)
+    x = torch.randn(5, 64)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    reference = layer(x)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "cpu")
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == reference.shape
+    assert (out - reference).norm() / reference.norm() < 0.01
+    if isinstance(layer, Int4Linear):
+        assert (layer._cpu_weight is None) == (n % 16 != 0)
+
+
 def test_unknown_kernel_choice_is_refused(monkeypatch):
     monkeypatch.setenv("KAON_QUANT_KERNEL", "cuda")
     with pytest.raises(ValueError, match="KAON_QUANT_KERNEL"):

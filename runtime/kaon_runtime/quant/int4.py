@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kaon_runtime.kernels.quant_gemm_cpu import int4_fits_cpu, pack_int4_for_cpu, w4_matmul_cpu
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, w4a16_matmul_ref
-from kaon_runtime.quant.linear import QuantizedLinear, use_triton
+from kaon_runtime.quant.linear import QuantizedLinear, kernel_for
 
 DEFAULT_GROUP_SIZE = 32
 _QMAX = 15
@@ -48,15 +49,22 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
+        self._cpu_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's CPU layout, made on first use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
         return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):
+        kernel = kernel_for(x)
+        if kernel == "triton":
             from kaon_runtime.kernels.quant_gemm import w4a16_matmul  # on use: CPU-only torch builds lack Triton
             return w4a16_matmul(x, self.packed, self.scales, self.mins, self.group_size)
+        if kernel == "cpu" and int4_fits_cpu(self.out_features, self.group_size):
+            if self._cpu_weight is None:
+                # A second copy of the 4-bit weight, in torch's layout; the Q4_1 one stays the state.
+                self._cpu_weight = pack_int4_for_cpu(self.packed, self.scales, self.mins, self.group_size)
+            return w4_matmul_cpu(x, *self._cpu_weight, self.group_size)
         return w4a16_matmul_ref(x, self.packed, self.scales, self.mins, self.group_size)
 
     def extra_repr(self) -> str:

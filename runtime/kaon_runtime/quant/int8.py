@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from kaon_runtime.kernels.quant_gemm_cpu import ACTIVATION_DTYPE, w8_matmul_cpu
 from kaon_runtime.kernels.quant_gemm_ref import w8a16_matmul_ref
-from kaon_runtime.quant.linear import ChannelScaledLinear, use_triton
+from kaon_runtime.quant.linear import ChannelScaledLinear, kernel_for
 
 _QMAX = 127  # -128 stays unused so the range is symmetric around zero
 
@@ -20,8 +21,16 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(ChannelScaledLinear):
     quantize = staticmethod(quantize_int8)
 
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(qweight, scales, bias)
+        # The CPU kernel takes its scales in the activations' dtype; not saved with the weights.
+        self.register_buffer("cpu_scales", scales.to(ACTIVATION_DTYPE), persistent=False)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):
+        kernel = kernel_for(x)
+        if kernel == "triton":
             from kaon_runtime.kernels.quant_gemm import w8a16_matmul  # on use: CPU-only torch builds lack Triton
             return w8a16_matmul(x, self.qweight, self.scales)
+        if kernel == "cpu":
+            return w8_matmul_cpu(x, self.qweight, self.cpu_scales)
         return w8a16_matmul_ref(x, self.qweight, self.scales)

@@ -6,15 +6,19 @@ import os
 import torch
 from torch import nn
 
-_KERNEL_CHOICES = ("auto", "triton", "torch")
+_KERNEL_CHOICES = ("auto", "triton", "cpu", "torch")
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Triton on CUDA; KAON_QUANT_KERNEL=triton forces it (the interpreter, in CPU tests), =torch refuses it."""
+def kernel_for(x: torch.Tensor) -> str:
+    """Which matmul a quantized linear runs for x: "triton" on CUDA, "cpu" (torch's packed-weight
+    CPU kernels) on CPU, "torch" (the dequantizing reference) elsewhere. KAON_QUANT_KERNEL
+    overrides: =triton forces Triton (its interpreter in CPU tests), =torch the reference."""
     choice = os.environ.get("KAON_QUANT_KERNEL", "auto")
     if choice not in _KERNEL_CHOICES:
         raise ValueError(f"KAON_QUANT_KERNEL must be one of {_KERNEL_CHOICES}, got {choice!r}")
-    return choice == "triton" or (choice == "auto" and x.is_cuda)
+    if choice != "auto":
+        return choice
+    return "triton" if x.is_cuda else "cpu" if x.device.type == "cpu" else "torch"
 
 
 class QuantizedLinear(nn.Module):
