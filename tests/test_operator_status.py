@@ -310,3 +310,43 @@ def _exit(code: int) -> dict:
     pod_ = killed_pod(ready_changed="2026-01-01T01:00:00Z")
     pod_["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = code
     return degraded([pod_])
+
+
+def pdb(allowed: int, healthy: int, desired: int, expected: int = 3) -> status.PdbSummary:
+    return status.summarize_pdb({"metadata": {"generation": 1}, "status": {
+        "observedGeneration": 1, "disruptionsAllowed": allowed, "currentHealthy": healthy,
+        "desiredHealthy": desired, "expectedPods": expected}})
+
+
+def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning():
+    crashing = [status.summarize_pod(engine_status(BACK_OFF, {"exitCode": 2}))]
+    blocked = status.disruption_condition(pdb(0, 0, 2), crashing)
+    assert (blocked["status"], blocked["reason"]) == ("False", "InsufficientHealthyReplicas")
+    assert blocked["message"].startswith("evictions of every engine pod are refused") and "0 are" in blocked["message"]
+    assert "scale-downs and rollouts delete pods directly and are not blocked" in blocked["message"]
+    # at the budget: ready pods cannot be evicted, the unhealthy one could
+    at_budget = status.disruption_condition(pdb(0, 2, 2), crashing)
+    assert at_budget["reason"] == "InsufficientHealthyReplicas" and at_budget["message"].startswith(
+        "evictions of ready engine pods")
+    fine = status.disruption_condition(pdb(1, 3, 2), [status.summarize_pod(pod())])
+    assert (fine["status"], fine["reason"]) == ("True", "SufficientHealthyReplicas")
+    # a single replica (minAvailable 0) crash-looping blocks nothing; no PDB or no status yet: no condition
+    assert status.disruption_condition(pdb(0, 0, 0, expected=1), crashing)["status"] == "True"
+    assert status.disruption_condition(None, crashing) is None
+    assert status.disruption_condition(pdb(0, 0, 0, expected=0), []) is None
+
+    events = status.transition_events([blocked], [])
+    assert [(e.type, e.reason) for e in events] == [("Warning", "DisruptionBlocked")]
+    assert status.transition_events([blocked], [blocked]) == []
+    assert [(e.type, e.reason) for e in status.transition_events([fine], [blocked])] == [("Normal", "DisruptionAllowed")]
+
+
+def test_replicas_still_starting_block_evictions_quietly():
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    starting = [status.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))]  # 70 s budget
+    cond = status.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=10))
+    assert (cond["status"], cond["reason"]) == ("False", "ReplicasStarting")
+    assert status.transition_events([cond], []) == []  # a scale-up is no incident
+    overdue = status.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=71))
+    assert overdue["reason"] == "InsufficientHealthyReplicas"
+    assert [e.reason for e in status.transition_events([overdue], [cond])] == ["DisruptionBlocked"]

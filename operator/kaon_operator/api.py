@@ -358,9 +358,9 @@ class InferenceServiceSpec(_Model):
 
 
 class Condition(_Model):
-    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name); `reason` is a CamelCase word such as Unschedulable."""
+    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods); `reason` is a CamelCase word such as Unschedulable."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict"]
+    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict", "DisruptionAllowed"]
     """Which condition."""
     status: Literal["True", "False", "Unknown"]
     """Whether it holds."""

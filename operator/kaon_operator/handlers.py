@@ -54,6 +54,7 @@ class State:
         self.written: dict[tuple[str, str], dict] = {}
         self.apply_failures: dict[tuple[str, str], str] = {}  # until an apply succeeds again
         self.metrics_conditions: dict[tuple[str, str], dict] = {}  # MetricsAvailable, kept by the autoscaler
+        self.pdbs: dict[tuple[str, str], status.PdbSummary] = {}  # each PodDisruptionBudget's status (DisruptionAllowed)
         self.served_names: kopf.Index | None = None  # namespace -> status.ServedName of each InferenceService
         self.name_peers: dict[str, tuple] = {}  # the served names last judged per namespace
 
@@ -249,6 +250,8 @@ def _sync_status(state: State, body, key, spec: api.InferenceServiceSpec, engine
             gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
         if spec.autoscaling.enabled and key in state.metrics_conditions:
             conditions.append(state.metrics_conditions[key])
+        disruption = status.disruption_condition(state.pdbs.get(key), pods, _now())
+        conditions += [disruption] if disruption else []
         if state.served_names is not None:  # an older one answering this one's served name
             conflict = status.name_conflicts(list(state.served_names.get(key[0], ()))).get(key)
             conditions += [conflict] if conflict else []
@@ -309,6 +312,21 @@ async def stop_background(memo: kopf.Memo, **_) -> None:
 def child_status_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, inference_services: kopf.Index,
                          engine_pods: kopf.Index, engine_deployments: kopf.Index, **_) -> None:
     _resync(memo, (namespace, labels[INSTANCE_LABEL]), inference_services, engine_pods, engine_deployments)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=ENGINE_CHILD, id="pdb-status")
+def pdb_status_changed(event: dict, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
+                       inference_services: kopf.Index, engine_pods: kopf.Index, engine_deployments: kopf.Index,
+                       **_) -> None:
+    """The PDB's status says whether evictions (node drains) are refused: DisruptionAllowed."""
+    key, state = (namespace, labels[INSTANCE_LABEL]), _state(memo)
+    summary = None if event.get("type") == "DELETED" else status.summarize_pdb(body)
+    if state.pdbs.get(key) != summary:
+        if summary is None:
+            state.pdbs.pop(key, None)
+        else:
+            state.pdbs[key] = summary
+        _resync(memo, key, inference_services, engine_pods, engine_deployments)
 
 
 # Drift of the children ------------------------------------------------------------------------------------------------

@@ -350,6 +350,10 @@ def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:
             events.append(EventSpec("Normal", "Recovered", f"no longer degraded ({prev.get('reason')})"))
         elif cond["type"] == "Progressing" and cond["reason"] == "RolloutComplete" and prev.get("reason") == "RollingOut":
             events.append(EventSpec("Normal", "RolloutComplete", cond["message"]))
+        elif cond["type"] == DISRUPTION and cond["reason"] == BLOCKED and (flipped or new_reason):
+            events.append(EventSpec("Warning", "DisruptionBlocked", cond["message"]))
+        elif cond["type"] == DISRUPTION and cond["status"] == "True" and prev.get("reason") == BLOCKED:
+            events.append(EventSpec("Normal", "DisruptionAllowed", cond["message"]))
         elif cond["type"] == "MetricsAvailable" and cond["status"] == "False" and flipped:
             events.append(EventSpec("Warning", "MetricsUnavailable", cond["message"]))
         elif cond["type"] == "MetricsAvailable" and cond["status"] == "True" and prev.get("status") == "False":
@@ -399,3 +403,54 @@ def name_conflicts(peers: list[ServedName]) -> dict[tuple[str, str], dict]:
 def replica_counts(pods: list[PodSummary]) -> dict:
     live = [p for p in pods if not p.terminating]
     return {"replicas": len(live), "readyReplicas": sum(p.ready for p in live)}
+
+
+# Voluntary disruptions ----------------------------------------------------------------------------------------------
+#
+# What a PodDisruptionBudget blocks: evictions (`kubectl drain`, the cluster autoscaler's scale-down,
+# anything using the Eviction API), which the apiserver refuses with 429. It does NOT block the
+# Deployment controller: scale-downs and rolling updates delete pods directly. The apiserver records
+# no Event for a refused eviction, so what the operator can say comes from the PDB's status: with the
+# default unhealthyPodEvictionPolicy (IfHealthyBudget), a healthy pod may be evicted only while
+# disruptionsAllowed > 0, an unhealthy one only while currentHealthy >= desiredHealthy.
+
+DISRUPTION = "DisruptionAllowed"
+BLOCKED = "InsufficientHealthyReplicas"
+
+
+@dataclass(frozen=True, slots=True)
+class PdbSummary:
+    disruptions_allowed: int
+    current_healthy: int
+    desired_healthy: int
+    expected_pods: int
+    observed: bool
+    """The disruption controller has computed the status for the PDB's current spec."""
+
+
+def summarize_pdb(pdb: dict) -> PdbSummary:
+    st = pdb.get("status") or {}
+    return PdbSummary(disruptions_allowed=st.get("disruptionsAllowed", 0), current_healthy=st.get("currentHealthy", 0),
+                      desired_healthy=st.get("desiredHealthy", 0), expected_pods=st.get("expectedPods", 0),
+                      observed=st.get("observedGeneration", 0) >= (pdb.get("metadata") or {}).get("generation", 0))
+
+
+def disruption_condition(pdb: PdbSummary | None, pods: list[PodSummary], now: datetime | None = None) -> dict | None:
+    """DisruptionAllowed: False when the PDB refuses evictions. While replicas are merely starting (a
+    scale-up, a rollout) that is expected and said quietly (ReplicasStarting); when they are failing
+    or overdue it is InsufficientHealthyReplicas, which posts a Warning."""
+    if pdb is None or not pdb.observed or pdb.expected_pods == 0:
+        return None
+    refuses_healthy = pdb.disruptions_allowed == 0 and pdb.current_healthy > 0
+    refuses_all = pdb.current_healthy < pdb.desired_healthy
+    if not (refuses_healthy or refuses_all):
+        return _condition(DISRUPTION, True, "SufficientHealthyReplicas",
+                          f"{pdb.disruptions_allowed} replica(s) may be evicted (node drains proceed)")
+    which = "evictions of every engine pod" if refuses_all else "evictions of ready engine pods"
+    message = (f"{which} are refused (kubectl drain and the cluster autoscaler wait): the PodDisruptionBudget keeps "
+               f"{pdb.desired_healthy} of {pdb.expected_pods} replicas healthy and {pdb.current_healthy} are; "
+               "Deployment scale-downs and rollouts delete pods directly and are not blocked")
+    live = [p for p in pods if not p.terminating and not p.ready]
+    starting = live and all(not (p.stuck or p.model_failure or p.unschedulable) and _overdue(p, now) is None
+                            for p in live)
+    return _condition(DISRUPTION, False, "ReplicasStarting" if starting else BLOCKED, message)
