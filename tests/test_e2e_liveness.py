@@ -157,3 +157,30 @@ def test_quantities():
     assert parse_quantity("512Mi") == 512 << 20 and parse_quantity("2Gi") == 2 << 30
     assert parse_quantity("1G") == 10 ** 9 and parse_quantity("1500k") == 1_500_000
     assert parse_quantity("1e9") == 10 ** 9 and parse_quantity(1024) == 1024
+
+
+def test_a_pdb_refusing_evictions_is_reported_then_clears(local, crd, namespace):
+    """Three replicas that all fail: the PDB (minAvailable 2) refuses every eviction; an eviction, as
+    `kubectl drain` sends it, really gets 429; the InferenceService says DisruptionAllowed=False with a
+    Warning, and True with a Normal Event once the replicas are healthy (KWOK pods, no engines)."""
+    cluster = Cluster(crd, namespace)
+    cluster.kubectl("apply", "-f", "-", input=isvc("drain", replicas=3, engine={"image": "kwok-fail/crashloop:1"}))
+    # ReplicasStarting (quiet) while the pods start, InsufficientHealthyReplicas once they are seen failing.
+    cond = wait_for("DisruptionAllowed False, replicas failing", lambda: (
+        c := cluster.condition_if("drain", "DisruptionAllowed", "False")) and c["reason"] == "InsufficientHealthyReplicas"
+        and c, timeout=60)
+    assert "the PodDisruptionBudget keeps 2 of 3 replicas healthy and 0 are" in cond["message"], cond
+    pod = cluster.pods("drain")[0]["metadata"]["name"]
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
+    refused = cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", "-f", "-",
+                              input=json.dumps(eviction), check=False)
+    assert refused.returncode != 0 and "disruption budget" in refused.stderr, refused.stderr
+    assert ("Warning", "DisruptionBlocked", cond["message"]) in cluster.events("drain")
+
+    cluster.kubectl("patch", "infsvc", "drain", "--type=merge", "-p",
+                    json.dumps({"spec": {"engine": {"image": "kwok-ready/kaon:1"}}}))
+    cond = wait_for("DisruptionAllowed True", lambda: cluster.condition_if("drain", "DisruptionAllowed", "True"),
+                    timeout=60)
+    assert cond["reason"] == "SufficientHealthyReplicas", cond
+    assert any(t == "Normal" and r == "DisruptionAllowed" for t, r, _m in cluster.events("drain"))
+    assert [r for t, r, _m in cluster.events("drain") if r == "DisruptionBlocked"] == ["DisruptionBlocked"]
