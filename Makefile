@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane demo generate serve test bench bench-gpu bench-roofline bench-serve soak bench-operator bench-autoscale clean
+.PHONY: install control-plane demo generate serve test bench bench-gpu bench-roofline bench-serve bench-cpu soak bench-operator bench-autoscale clean
 
 install: $(STAMP)
 
@@ -54,6 +54,11 @@ bench-roofline: install
 bench-serve: install
 	$(PY) -m pip install --quiet "llama-cpp-python[server]"
 	$(PY) bench/serve.py
+
+# CPU batch-1 and batch-16 decode, kaon in float32/int8/int4 vs llama.cpp on the same GGUF.
+bench-cpu: install
+	$(PY) -m pip install --quiet "llama-cpp-python[server]"
+	$(PY) bench/cpu_decode.py
 
 soak: install
 	$(PY) bench/soak.py

@@ -1,0 +1,113 @@
+"""CPU decode: kaon in each weight format against llama.cpp on the same GGUF, in one run.
+
+    python bench/cpu_decode.py [--formats float32 int8 int4] [--tokens 64] [--batch 16]
+
+The bundled SmolLM2-135M-Instruct is a Q4_1 GGUF. kaon loads it as float32 (the default:
+greedy output matches HF transformers), int8 (re-quantized per channel) or int4 (the file's
+own Q4_1 blocks); `--formats bfloat16` adds a bfloat16 model. The peer is llama-cpp-python
+(`pip install llama-cpp-python`, compiled from source), which runs the Q4_1 blocks with
+llama.cpp's hand-written CPU kernels, with as many threads as torch uses.
+
+Batch-1 decode: tokens/s after a short prompt, prefill excluded: (time(1 + N tokens) -
+time(1 token)) / N, median of repeats. Batch of B: B prompts decoded together by kaon's
+continuous batching; llama-cpp-python's Python API decodes one sequence at a time, so its
+figure for B is the same requests run one after another (what a user of that API gets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "runtime"))
+
+import kaon_runtime  # noqa: E402,F401  (first: its OpenMP setting must precede torch)
+import torch  # noqa: E402
+
+from kaon_runtime import LLM, SamplingParams  # noqa: E402
+from kaon_runtime.loader import resolve_model  # noqa: E402
+
+MODEL = "builtin://smollm2-135m-instruct"
+PROMPT = "The river kept its own calendar. In spring it ran brown and fast with snowmelt, and in summer"
+
+
+def rate(run, batch: int, tokens: int, repeats: int) -> float:
+    """Decoded tokens/s for `batch` sequences, prefill excluded (see the module docstring)."""
+    run(batch, 2)  # warm-up
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); run(batch, 1); t1 = time.perf_counter()
+        run(batch, 1 + tokens); t2 = time.perf_counter()
+        rates.append(batch * tokens / ((t2 - t1) - (t1 - t0)))
+    return statistics.median(rates)
+
+
+def kaon_runner(fmt: str):
+    options = dict(dtype="bfloat16") if fmt == "bfloat16" else dict(
+        dtype="float32", quantization="none" if fmt == "float32" else fmt)
+    llm = LLM(MODEL, device="cpu", show_progress=False, **options)
+
+    def run(batch: int, n: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate([PROMPT] * batch, params, use_tqdm=False)
+    return run
+
+
+def llama_cpp_runner(gguf: Path, threads: int):
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+
+    def run(batch: int, n: int) -> None:
+        for _ in range(batch):  # its Python API decodes one sequence at a time
+            llm.create_completion(PROMPT, max_tokens=n, temperature=0, logit_bias={llm.token_eos(): -1e9})
+    return run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--formats", nargs="+", default=["float32", "int8", "int4"],
+                        choices=["float32", "bfloat16", "int8", "int4"])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    gguf = resolve_model(MODEL)
+
+    rows = {}
+    try:
+        peer = llama_cpp_runner(gguf, threads)
+    except ImportError:
+        print("llama-cpp-python is not installed (pip install llama-cpp-python): kaon only")
+        peer = None
+    if peer is not None:
+        rows["llama.cpp Q4_1"] = (rate(peer, 1, args.tokens, args.repeats),
+                                  rate(peer, args.batch, args.tokens, 1))
+        del peer
+    for fmt in args.formats:
+        run = kaon_runner(fmt)
+        rows[f"kaon {fmt}"] = (rate(run, 1, args.tokens, args.repeats), rate(run, args.batch, args.tokens, 1))
+        del run
+
+    print(f"{platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}, "
+          f"{gguf.name}, {args.tokens} tokens after a {len(PROMPT.split())}-word prompt")
+    base = rows.get("llama.cpp Q4_1")
+    print(f"{'':18} {'batch-1 tok/s':>14} {'vs llama.cpp':>13} {f'batch-{args.batch} tok/s':>15} {'vs llama.cpp':>13}")
+    for name, (one, many) in rows.items():
+        r1 = f"{one / base[0]:.2f}x" if base else "-"
+        rb = f"{many / base[1]:.2f}x" if base else "-"
+        print(f"{name:18} {one:14.1f} {r1:>13} {many:15.1f} {rb:>13}")
+    if args.json:
+        args.json.write_text(json.dumps({k: {"batch1_tok_s": v[0], f"batch{args.batch}_tok_s": v[1]}
+                                         for k, v in rows.items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
