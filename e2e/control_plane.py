@@ -336,6 +336,8 @@ class ControlPlane:
                     f"--cert-dir={self.workdir / 'apiserver-certs'}",
                     f"--tls-cert-file={d / 'apiserver.crt'}", f"--tls-private-key-file={d / 'apiserver.key'}",
                     f"--client-ca-file={pki.ca_path}", "--authorization-mode=RBAC",
+                    # As in OpenShift: setting blockOwnerDeletion needs update on the owner's finalizers.
+                    "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
                     "--endpoint-reconciler-type=none",
                     "--service-account-issuer=https://kubernetes.default.svc",
                     f"--service-account-key-file={sa_pub}", f"--service-account-signing-key-file={sa_key}",

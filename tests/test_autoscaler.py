@@ -348,10 +348,11 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
                 {"name": "http", "containerPort": self.router_port}]}]},
                      "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}]
 
-        def patch_status(self, namespace, name, patch):
+        def patch_status(self, namespace, name, patch, resource_version=None):
             self.patches.append((name, patch))
+            return {"metadata": {"resourceVersion": "2"}}
 
-        def patch_replicas(self, namespace, name, replicas):
+        def patch_replicas(self, namespace, name, replicas, resource_version=None):
             self.replicas.append((name, replicas))
 
     def isvc(name):

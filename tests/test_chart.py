@@ -203,6 +203,33 @@ def test_watched_namespaces_become_flags(helm):
     assert [a for a in container(docs, "kaon-router")["args"] if a.startswith("--namespace")] == ["--namespace=c"]
 
 
+def test_network_policy_is_on_by_default_and_the_switch_reaches_the_operator(helm):
+    args = container(template(helm, []), "kaon-operator")["args"]
+    assert VALUES["networkPolicy"]["enabled"] is True
+    assert not [a for a in args if a.startswith(("--network-policy", "--no-network-policy"))]  # the flag's default: on
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    args = container(template(helm, ["networkPolicy.additionalFrom[0].namespaceSelector.matchLabels"
+                                      ".kubernetes\\.io/metadata\\.name=monitoring",
+                                      "networkPolicy.additionalFrom[0].podSelector.matchLabels"
+                                      ".app\\.kubernetes\\.io/name=prometheus"]), "kaon-operator")["args"]
+    (flag,) = [a for a in args if a.startswith("--network-policy-from=")]
+    assert operator_main.network_peer(flag.split("=", 1)[1]) == peer
+    args = container(template(helm, ["networkPolicy.enabled=false"]), "kaon-operator")["args"]
+    assert "--no-network-policy" in args and not [a for a in args if a.startswith("--network-policy-from")]
+    with pytest.raises(Exception, match="NetworkPolicyPeer"):
+        operator_main.network_peer('{"cidr": "10.0.0.0/8"}')
+
+
+def test_operator_may_set_block_owner_deletion_and_manage_network_policies(helm):
+    rules = _rules(template(helm, []), "kaon-operator")
+
+    def verbs(group: str, resource: str) -> set[str]:
+        return {v for r in rules if group in r["apiGroups"] and resource in r["resources"] for v in r["verbs"]}
+    assert verbs("kaon.dev", "inferenceservices/finalizers") == {"update"}  # OwnerReferencesPermissionEnforcement
+    assert verbs("networking.k8s.io", "networkpolicies") == {"list", "watch", "create", "patch", "delete"}
+
+
 def test_service_monitors_scrape_operator_router_and_every_engine(helm):
     docs = template(helm, ["serviceMonitor.enabled=true", "serviceMonitor.labels.release=prometheus"])
     operator = find(docs, "ServiceMonitor", "kaon-operator")

@@ -235,6 +235,8 @@ def test_a_full_spec_round_trips(crd, namespace):
                         "scaleDownStabilizationSeconds": 120, "maxStep": 4, "scaleToZeroIdleSeconds": 600,
                         "scaleFromZeroTimeoutSeconds": 300},
         "routing": {"strategy": "prefix-affinity", "loadBound": 1.5},
+        "rollout": {"strategy": "Replace"},
+        "drainSeconds": 120,
     }
     expected = api.InferenceServiceSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)
     assert expected == spec

@@ -9,11 +9,16 @@ the Deployment controller, the scheduler) is the real thing.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import time
+import urllib.parse
 
 import pytest
 
-from kaon_operator import api
+from e2e.control_plane import fake_gpu_node, free_port
+from e2e.operator_process import OperatorProcess
+from kaon_operator import api, autoscale_loop, handlers, resources
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct"}
 STAND_IN = "kwok-ready/kaon:1"  # KWOK marks these engine pods Ready without running anything
@@ -300,14 +305,223 @@ def test_killed_mid_reconcile_then_restarted_converges_without_duplicates(operat
 
 def test_the_operator_identity_has_only_what_it_needs(crd, operator_kubeconfig, operator):
     def can(verb: str, resource: str) -> bool:
+        resource, _, subresource = resource.partition("/")
         res = crd.kubectl("auth", "can-i", verb, resource, "--all-namespaces", kubeconfig=operator_kubeconfig,
-                          check=False)
+                          *([f"--subresource={subresource}"] if subresource else []), check=False)
         return res.stdout.strip() == "yes"
     for verb, resource in [("watch", "inferenceservices.kaon.dev"), ("patch", "inferenceservices.kaon.dev/status"),
-                           ("patch", "deployments.apps"), ("create", "events"), ("list", "pods")]:
+                           ("update", "inferenceservices.kaon.dev/finalizers"),  # blockOwnerDeletion (below)
+                           ("patch", "deployments.apps"), ("create", "events"), ("list", "pods"),
+                           ("patch", "networkpolicies.networking.k8s.io"),
+                           ("delete", "networkpolicies.networking.k8s.io")]:
         assert can(verb, resource), (verb, resource)
     for verb, resource in [("get", "secrets"), ("delete", "deployments.apps"), ("create", "pods"),
-                           ("delete", "inferenceservices.kaon.dev"), ("update", "nodes"), ("create", "roles")]:
+                           ("delete", "inferenceservices.kaon.dev"), ("update", "inferenceservices.kaon.dev"),
+                           ("update", "nodes"), ("create", "roles")]:
         assert not can(verb, resource), (verb, resource)
     # Everything above ran under this identity: any request it was refused shows up here.
     assert "system:serviceaccount:kaon-system:kaon-operator\" cannot" not in operator.log(100_000)
+
+
+# The Kubernetes details an admin meets (issue 16) -------------------------------------------------------------------
+
+
+def test_pods_get_default_requests_the_drain_and_a_progress_deadline_past_the_startup_budget(cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("details", drainSeconds=90,
+                                                   resources={"requests": {"cpu": "500m"}}))
+    wait_for("Ready", lambda: cluster.ready("details"))
+    deployment = cluster.get("deployment", "details")
+    # The startup probe allows 30 minutes to load a model; the Deployment must not call that stalled.
+    assert deployment["spec"]["progressDeadlineSeconds"] > 30 * 60
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}  # Surge
+    (pod,) = cluster.running_pods("details")
+    engine = pod["spec"]["containers"][0]
+    assert engine["resources"]["requests"] == {"cpu": "500m", "memory": "8Gi", "nvidia.com/gpu": "1"}
+    assert engine["args"][engine["args"].index("--drain-timeout") + 1] == "90"
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 90 + resources.TERMINATION_GRACE_MARGIN_SECONDS
+
+    cluster.kubectl("patch", "infsvc", "details", "--type=merge", "-p", json.dumps({"spec": {"drainSeconds": 5}}))
+    wait_for("the pod with the new grace period", lambda: [
+        p for p in cluster.running_pods("details") if p["spec"]["terminationGracePeriodSeconds"] == 20])
+    rejected = cluster.kubectl("patch", "infsvc", "details", "--type=merge", "-p",
+                               json.dumps({"spec": {"drainSeconds": 7200}}), check=False)
+    assert rejected.returncode != 0 and "drainSeconds" in rejected.stderr
+
+
+@pytest.fixture
+def small_gpu_pool(crd):
+    """A KWOK node of its own with 2 GPUs, tainted so that only the test's pods land there: a full pool."""
+    node = fake_gpu_node(f"gpu-pool-{time.monotonic_ns()}", 2)
+    node["metadata"]["labels"]["kaon.dev/test-pool"] = node["metadata"]["name"]
+    node["spec"] = {"taints": [{"key": "kaon.dev/test-pool", "value": "full", "effect": "NoSchedule"}]}
+    crd.kubectl("apply", "-f", "-", input=json.dumps(node))
+    wait_for("the node Ready", lambda: any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in (crd.kubectl_json("get", "node", node["metadata"]["name"]).get("status") or {}).get("conditions", [])))
+    yield {"nodeSelector": {"kaon.dev/test-pool": node["metadata"]["name"]},
+           "tolerations": [{"key": "kaon.dev/test-pool", "operator": "Exists", "effect": "NoSchedule"}]}
+    crd.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_a_full_gpu_pool_rolls_out_with_replace_but_not_with_surge(cluster, small_gpu_pool):
+    cluster.kubectl("apply", "-f", "-", input=isvc("full", replicas=2, scheduling=small_gpu_pool))
+    wait_for("2 ready replicas", lambda: (cluster.get("infsvc", "full")["status"].get("readyReplicas") == 2))
+    old = {p["metadata"]["name"] for p in cluster.running_pods("full")}
+
+    # Surge (the default) needs a third GPU for the new pod: it waits, unschedulable, and says so,
+    # while both old pods keep serving.
+    cluster.kubectl("patch", "infsvc", "full", "--type=merge", "-p",
+                    json.dumps({"spec": {"engine": {"image": "kwok-ready/kaon:next"}}}))
+    degraded = wait_for("Degraded, with the way out", lambda: (
+        c := cluster.condition_if("full", "Degraded", "True")) and "Replace" in c["message"] and c, timeout=30)
+    assert degraded["reason"] == "Unschedulable", degraded
+    assert "spec.rollout.strategy Surge" in degraded["message"], degraded
+    assert {p["metadata"]["name"] for p in cluster.running_pods("full")} == old
+    assert cluster.ready("full")
+
+    # Replace takes an old pod down first and the new one gets its GPU: the rollout completes.
+    cluster.kubectl("patch", "infsvc", "full", "--type=merge", "-p",
+                    json.dumps({"spec": {"rollout": {"strategy": "Replace"}}}))
+
+    def rolled_out():
+        pods = [p for p in cluster.pods("full") if not p["metadata"].get("deletionTimestamp")]
+        return len(pods) == 2 and all(p["spec"]["containers"][0]["image"] == "kwok-ready/kaon:next"
+                                      and p["status"].get("phase") == "Running" for p in pods)
+    wait_for("both pods on the new image", rolled_out, timeout=90)
+    wait_for("2 ready and not Degraded", lambda: cluster.get("infsvc", "full")["status"].get("readyReplicas") == 2
+             and cluster.condition("full", "Degraded").get("status") == "False", timeout=60)
+    assert cluster.get("deployment", "full")["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0,
+                                                                                      "maxUnavailable": 1}
+
+
+def test_every_inference_service_gets_a_network_policy_for_its_engine_port(cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("fenced"))
+    wait_for("Ready", lambda: cluster.ready("fenced"))
+    policy = wait_for("the NetworkPolicy", lambda: cluster.get("networkpolicy", "fenced"))
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == cluster.get("infsvc", "fenced")["metadata"]["uid"]
+    # It selects exactly the service's engine pods...
+    selector = ",".join(f"{k}={v}" for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
+    assert [p["metadata"]["name"] for p in cluster.get("pods", selector=selector)] == \
+        [p["metadata"]["name"] for p in cluster.pods("fenced")]
+    # ...and admits the router's and the operator's pods of the release namespace, on the engine port.
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": resources.HTTP_PORT}]
+    assert [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in rule["from"]] == \
+        ["router", "operator"]
+    release = {p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in rule["from"]}
+    assert release == {"kaon-system"}
+    # The namespace label it relies on is one the apiserver sets on every namespace itself.
+    assert cluster.cp.kubectl_json("get", "namespace", "kaon-system")["metadata"]["labels"][
+        "kubernetes.io/metadata.name"] == "kaon-system"
+
+    cluster.kubectl("delete", "networkpolicy", "fenced", "--wait=true")
+    wait_for("the NetworkPolicy back", lambda: cluster.get("networkpolicy", "fenced"))
+    assert any(r == "Repaired" and "NetworkPolicy fenced was deleted" in m for _, r, m in cluster.events("fenced"))
+    cluster.kubectl("delete", "infsvc", "fenced", "--wait=true", "--timeout=30s")
+    wait_for("the NetworkPolicy collected", lambda: not cluster.get("networkpolicy", "fenced"))
+
+
+def test_switched_off_the_operator_removes_its_network_policies(operator, operator_kubeconfig, cluster):
+    cluster.kubectl("apply", "-f", "-", input=isvc("open"))
+    wait_for("the NetworkPolicy", lambda: cluster.get("networkpolicy", "open"))
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({  # someone else's, labelled alike: not touched
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "theirs", "labels": {"kaon.dev/inferenceservice": "open",
+                                                  "app.kubernetes.io/component": "engine"}},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}))
+    operator.stop()
+    off = OperatorProcess(operator_kubeconfig, cluster.cp.workdir / "operator-no-policy.log", "--no-network-policy")
+    try:
+        off.start()
+        wait_for("the operator's NetworkPolicy gone", lambda: not cluster.get("networkpolicy", "open"))
+        cluster.kubectl("patch", "infsvc", "open", "--type=merge", "-p", '{"spec": {"replicas": 2}}')
+        wait_for("2 ready replicas", lambda: cluster.get("infsvc", "open")["status"].get("readyReplicas") == 2)
+        assert not cluster.get("networkpolicy", "open") and cluster.get("networkpolicy", "theirs")
+    finally:
+        off.stop()
+        operator.start()
+    wait_for("the NetworkPolicy back once it is on again", lambda: cluster.get("networkpolicy", "open"))
+
+
+def test_a_burst_of_creations_reconciles_each_once(operator, cluster):
+    """Each InferenceService is applied once and gets one Created Event: the operator's own status patch
+    is not taken for a new object (kopf's annotation patch awaited, and a generation applied is not
+    applied again)."""
+    def runs() -> int:
+        return int(float(re.search(r"^kaon_operator_reconcile_seconds_count (\S+)$", operator.metrics(),
+                                   re.M).group(1)))
+    def settled() -> tuple[int] | None:  # objects left by earlier tests may still be resumed after a restart
+        first = runs()
+        time.sleep(2)
+        return (first,) if runs() == first else None
+    (before,) = wait_for("the operator idle", settled, timeout=60)
+    names = [f"burst{i}" for i in range(20)]
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(isvc(n, replicas=0) for n in names))
+    for name in names:
+        wait_for(f"{name} applied", lambda: (cluster.get("infsvc", name).get("status") or {}).get(
+            "observedGeneration") == 1)
+    time.sleep(3)
+    assert runs() - before == len(names)
+    created = [n for n in names for _, r, _m in cluster.events(n) if r == "Created"]
+    assert sorted(created) == sorted(names)
+
+
+def test_the_operator_lists_and_watches_only_kaons_labelled_objects(crd, operator, operator_kubeconfig, namespace):
+    """Through a logging proxy: every list and watch of pods and of the child kinds carries the label
+    selector, so the apiserver filters (kopf's labels= on handlers alone filters after receiving)."""
+    port = free_port()
+    proxy_log = crd.workdir / "operator-proxy.log"
+    with open(proxy_log, "w") as log:
+        proxy = subprocess.Popen([str(crd.bin / "kubectl"), "proxy", f"--kubeconfig={operator_kubeconfig}",
+                                  f"--port={port}", "--address=127.0.0.1", "-v=6"], stdout=log, stderr=log)
+    kubeconfig = crd.workdir / "operator-via-proxy.kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "proxy",
+        "clusters": [{"name": "proxy", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "proxy", "user": {}}],
+        "contexts": [{"name": "proxy", "context": {"cluster": "proxy", "user": "proxy"}}]}))
+    operator.stop()
+    proxied = OperatorProcess(kubeconfig, crd.workdir / "operator-proxied.log")
+    cluster = Cluster(crd, namespace)
+    try:
+        wait_for("the proxy", lambda: "Starting to serve" in proxy_log.read_text(), timeout=20)
+        proxied.start()
+        cluster.kubectl("apply", "-f", "-", input=isvc("watched"))
+        wait_for("Ready through the proxy", lambda: cluster.ready("watched"), timeout=60)
+    finally:
+        proxied.stop()
+        proxy.terminate()
+        proxy.wait(timeout=20)
+        operator.start()
+    urls = [urllib.parse.urlsplit(u) for u in re.findall(r'"Response" verb="GET" url="([^"]+)"', proxy_log.read_text())]
+    kinds = {"pods", "deployments", "services", "poddisruptionbudgets", "networkpolicies"}
+    collections = [u for u in urls if u.path.rsplit("/", 1)[1] in kinds]
+    lists = [u for u in collections if "watch=true" not in u.query]
+    watches = [u for u in collections if "watch=true" in u.query]
+    assert {u.path.rsplit("/", 1)[1] for u in lists} == kinds == {u.path.rsplit("/", 1)[1] for u in watches}, urls
+    # None without the selector: the apiserver sends only kaon's engine objects.
+    # (The autoscaler's look for router pods in the release namespace has a selector of its own.)
+    routers = f"/namespaces/{handlers.autoscale_settings.release_namespace}/pods"
+    wrong = [u.geturl() for u in collections if urllib.parse.parse_qs(u.query).get("labelSelector", [""])[0]
+             != (autoscale_loop.ROUTER_PODS if u.path.endswith(routers) else handlers.ENGINE_CHILD_SELECTOR)]
+    assert not wrong, wrong
+
+
+def test_block_owner_deletion_needs_the_finalizers_rule_where_it_is_enforced(crd, namespace):
+    """The test apiserver runs OwnerReferencesPermissionEnforcement (as OpenShift does): an owner reference
+    with blockOwnerDeletion is refused to an identity that may not update the owner's finalizers, which
+    is why the operator's role has that rule (every other test here applies children as that role)."""
+    body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "owner", "namespace": namespace},
+            "spec": {"model": MODEL, "replicas": 0}}
+    uid = crd.kubectl_json("create", "-f", "-", "-o", "json", input=json.dumps(body))["metadata"]["uid"]
+    crd.kubectl("create", "-n", namespace, "role", "services-only", "--verb=create,get,patch", "--resource=services")
+    crd.kubectl("create", "-n", namespace, "rolebinding", "services-only", "--role=services-only",
+                "--user=limited")
+    child = resources.service(resources.Owner("owner", namespace, uid))
+    child["metadata"]["name"] = "not-the-operators"  # (the operator running here makes its own Service "owner")
+    refused = crd.kubectl("create", "--as=limited", "-f", "-", input=json.dumps(child), check=False)
+    assert refused.returncode != 0 and "blockOwnerDeletion" in refused.stderr, refused.stderr
+    crd.kubectl("create", "-n", namespace, "role", "finalizers", "--verb=update",
+                "--resource=inferenceservices.kaon.dev/finalizers")
+    crd.kubectl("create", "-n", namespace, "rolebinding", "finalizers", "--role=finalizers", "--user=limited")
+    crd.kubectl("create", "--as=limited", "-f", "-", input=json.dumps(child))

@@ -208,3 +208,42 @@ def test_only_one_operator_replica_holds_the_autoscaler_lease(operator_kubeconfi
     time.sleep(2.5)
     assert kube.hold_lease("kaon-system", name, "b", 2)  # a stopped renewing: b takes over
     assert not kube.hold_lease("kaon-system", name, "a", 2)
+
+
+def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator_kubeconfig):
+    """The autoscaler's writes carry the resourceVersion its decision was made on: a write by someone
+    else that left the spec alone (a status update) is retried at the new version; a changed spec (a
+    human's `kubectl scale`) wins, the decision is dropped and the status does not claim it."""
+    import kubernetes
+
+    from kaon_operator.autoscale_loop import AutoscaleLoop
+    from kaon_operator.kube import Conflict, Kube
+
+    kube = Kube(kubernetes.config.new_client_from_config(config_file=str(operator_kubeconfig)))
+    loop = AutoscaleLoop(kube, {}, interval=1, release_namespace="kaon-system", use_lease=False,
+                         post=lambda *_: None, resync=lambda _: None, conditions={}, identity="test")
+    cluster.kubectl("apply", "-f", "-", input=isvc("occ"))
+    wait_for("Ready", lambda: cluster.ready("occ"))
+
+    def decision(to: int) -> dict:
+        return {"lastScaleDecision": {"time": "2026-01-01T00:00:00Z", "from": 1, "to": to, "reason": "test"}}
+
+    # Only the status moved since the read (as the operator's own status updates do): retried, applied.
+    body = cluster.get("infsvc", "occ")
+    cluster.kubectl("patch", "infsvc", "occ", "--subresource=status", "--type=merge", "-p",
+                    json.dumps({"status": {"observedMetrics": {"queueDepth": 1}}}))
+    assert cluster.get("infsvc", "occ")["metadata"]["resourceVersion"] != body["metadata"]["resourceVersion"]
+    assert loop.scale(body, decision(2), 2)
+    now = cluster.get("infsvc", "occ")
+    assert now["spec"]["replicas"] == 2 and now["status"]["lastScaleDecision"]["to"] == 2
+
+    # A human scaled since the read: their 4 stays, and the status still shows the last real decision.
+    body = cluster.get("infsvc", "occ")
+    cluster.kubectl("scale", "infsvc", "occ", "--replicas=4")
+    assert not loop.scale(body, decision(3), 3)
+    now = cluster.get("infsvc", "occ")
+    assert now["spec"]["replicas"] == 4 and now["status"]["lastScaleDecision"]["to"] == 2
+    # The precondition itself, as the apiserver enforces it.
+    with pytest.raises(Conflict):
+        kube.patch_replicas(cluster.ns, "occ", 1, resource_version=body["metadata"]["resourceVersion"])
+    assert cluster.get("infsvc", "occ")["spec"]["replicas"] == 4

@@ -59,6 +59,24 @@ def test_cpu_and_memory_pass_through_beside_the_gpus():
                    "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"}}
 
 
+@pytest.mark.parametrize("resources, tp, requests", [
+    (None, 1, {"cpu": "2", "memory": "8Gi"}),  # nothing given: the defaults, per GPU
+    (None, 4, {"cpu": "8", "memory": "32Gi"}),
+    ({"requests": {"cpu": "500m"}}, 1, {"cpu": "500m", "memory": "8Gi"}),  # each key overrides its own default
+    ({"requests": {"memory": "2Gi", "ephemeral-storage": "1Gi"}}, 2,
+     {"cpu": "4", "memory": "2Gi", "ephemeral-storage": "1Gi"}),
+    # A limit without a request: Kubernetes requests the limit, so no default may undercut it
+    # (a default request above a lower limit would be refused).
+    ({"limits": {"memory": "4Gi"}}, 1, {"cpu": "2"}),
+    ({"limits": {"cpu": "1", "memory": "1Gi"}}, 1, {}),
+])
+def test_cpu_and_memory_requests_default_per_gpu_unless_given(resources, tp, requests):
+    s = spec(engine={"tensorParallelSize": tp}, **({"resources": resources} if resources else {}))
+    res = container(r.render(OWNER, s))["resources"]
+    assert res["requests"] == {**requests, "nvidia.com/gpu": str(tp)}
+    assert res["limits"] == {**((resources or {}).get("limits") or {}), "nvidia.com/gpu": str(tp)}
+
+
 def test_probes_liveness_readiness_and_a_long_startup():
     c = container(r.render(OWNER, spec()))
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -69,11 +87,37 @@ def test_probes_liveness_readiness_and_a_long_startup():
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
 
 
-def test_termination_grace_outlasts_the_engine_drain():
-    s = spec()
+@pytest.mark.parametrize("drain", [None, 0, 5, 120, 3600])
+def test_drain_seconds_reach_the_engine_and_the_grace_period_outlasts_it(drain):
+    s = spec(**({"drainSeconds": drain} if drain is not None else {}))
     args = container(r.render(OWNER, s))["args"]
-    drain = int(args[args.index("--drain-timeout") + 1])
-    assert pod_spec(s)["terminationGracePeriodSeconds"] > drain
+    flag = int(args[args.index("--drain-timeout") + 1])
+    assert flag == (r.DRAIN_SECONDS if drain is None else drain) and r.DRAIN_SECONDS == 30
+    # The kubelet waits for the drain and for uvicorn's own shutdown before it SIGKILLs.
+    assert pod_spec(s)["terminationGracePeriodSeconds"] == flag + r.TERMINATION_GRACE_MARGIN_SECONDS
+
+
+@pytest.mark.parametrize("drain", [-1, 3601, "30s"])
+def test_drain_seconds_out_of_range_are_refused(drain):
+    with pytest.raises(ValueError):
+        spec(drainSeconds=drain)
+
+
+@pytest.mark.parametrize("uri, fetch", [("builtin://smollm2-135m-instruct", 0), ("/models/llama", 0),
+                                        ("pvc://models/llama", 0), ("hf://org/name", r.FETCH_ALLOWANCE_SECONDS),
+                                        ("s3://bucket/llama", r.FETCH_ALLOWANCE_SECONDS)])
+def test_progress_deadline_outlasts_the_startup_budget(uri, fetch):
+    s = spec(model={"uri": uri})
+    c = container(r.render(OWNER, s))
+    startup, readiness = c["startupProbe"], c["readinessProbe"]
+    budget = (startup["periodSeconds"] * startup["failureThreshold"]
+              + readiness["periodSeconds"] * readiness["failureThreshold"])
+    deadline = r.deployment(OWNER, s)["spec"]["progressDeadlineSeconds"]
+    # A model that loads in all of the time its probes allow never shows ProgressDeadlineExceeded (the
+    # Deployment's default, 600 s, is a third of the 30 minutes), with room for scheduling and the pull,
+    # and for the download first when the init container fetches the model.
+    assert deadline == budget + r.PROGRESS_MARGIN_SECONDS + fetch
+    assert deadline > 30 * 60 + 5 * 60
 
 
 def test_shared_memory_only_for_tensor_parallel():
@@ -151,7 +195,43 @@ def test_pdb_is_tied_to_the_minimum_replicas(replicas, autoscaling, expected):
 def test_deployment_replicas_and_rollout():
     d = r.deployment(OWNER, spec(replicas=3))
     assert d["spec"]["replicas"] == 3
-    assert d["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    # Default Surge: a new pod first, no capacity dip (one replica's spare GPUs needed).
+    assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert spec().rollout.strategy == "Surge"
+    # Replace: an old pod goes first and its GPUs take the new one, so a full GPU pool rolls out too.
+    d = r.deployment(OWNER, spec(replicas=3, rollout={"strategy": "Replace"}))
+    assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    with pytest.raises(ValueError):
+        spec(rollout={"strategy": "BlueGreen"})
+
+
+def test_network_policy_admits_only_the_router_and_the_operator_on_the_engine_port():
+    config = r.NetworkPolicyConfig(release_namespace="kaon-system")
+    children = r.render(OWNER, spec(), config)
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+    policy = children[-1]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["labels"] == LABELS and policy["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    # It selects this InferenceService's engine pods, the same ones its Deployment runs.
+    assert policy["spec"]["podSelector"]["matchLabels"] == children[0]["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress stays open: hf:// and s3:// downloads
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": r.HTTP_PORT}]
+    release = {"matchLabels": {"kubernetes.io/metadata.name": "kaon-system"}}
+    assert rule["from"] == [
+        {"namespaceSelector": release,
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "router"}}},
+        {"namespaceSelector": release,
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "operator"}}}]
+    # Both peers are namespace AND pod selectors (one list entry each), never "any pod in kaon-system".
+    assert all({"namespaceSelector", "podSelector"} == set(peer) for peer in rule["from"])
+
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    extra = r.render(OWNER, spec(), r.NetworkPolicyConfig("kaon", extra_from=(prometheus,)))[-1]
+    assert extra["spec"]["ingress"][0]["from"][-1] == prometheus
+    assert extra["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "kaon"}
+    assert [c["kind"] for c in r.render(OWNER, spec())] == ["Deployment", "Service", "PodDisruptionBudget"]
 
 
 def test_operator_never_imports_torch_or_the_runtime():
@@ -181,9 +261,12 @@ VARIANTS = [
                     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
                         {"weight": 50, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
                                                            "labelSelector": {"matchLabels": LABELS}}}]}}},
-     "replicas": 4,
+     "replicas": 4, "rollout": {"strategy": "Replace"}, "drainSeconds": 600,
      "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 8, "scaleToZeroIdleSeconds": 300}},
 ]
+NETWORK = r.NetworkPolicyConfig("kaon-system", extra_from=(
+    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},))
 
 
 def create_isvc(cp, namespace: str, name: str, spec_dict: dict) -> r.Owner:
@@ -203,7 +286,7 @@ def test_rendered_manifests_are_accepted_by_the_apiserver(crd, namespace):
         owner = create_isvc(crd, namespace, f"v{i}", variant)
         s = api.InferenceServiceSpec.model_validate(
             crd.kubectl_json("get", "-n", namespace, "infsvc", owner.name)["spec"])
-        apply(crd, r.render(owner, s), "--dry-run=server")
+        apply(crd, r.render(owner, s, NETWORK), "--dry-run=server")
 
 
 def test_applied_children_run_on_fake_gpu_nodes_and_are_garbage_collected(crd, namespace):
@@ -212,8 +295,8 @@ def test_applied_children_run_on_fake_gpu_nodes_and_are_garbage_collected(crd, n
     owner = create_isvc(crd, namespace, "llama", {"engine": {"tensorParallelSize": 4, "image": "kwok-ready/kaon:1"},
                                                   "replicas": 2})
     s = api.InferenceServiceSpec.model_validate(crd.kubectl_json("get", "-n", namespace, "infsvc", "llama")["spec"])
-    apply(crd, r.render(owner, s))
-    apply(crd, r.render(owner, s))  # idempotent: a second apply by the same manager changes nothing
+    apply(crd, r.render(owner, s, NETWORK))
+    apply(crd, r.render(owner, s, NETWORK))  # idempotent: a second apply by the same manager changes nothing
     crd.kubectl("rollout", "status", "-n", namespace, "deployment/llama", "--timeout=60s")
 
     pods = crd.kubectl_json("get", "pods", "-n", namespace, "-l", r.selector("llama"))["items"]
@@ -223,7 +306,7 @@ def test_applied_children_run_on_fake_gpu_nodes_and_are_garbage_collected(crd, n
         assert pod["spec"]["nodeName"].startswith("gpu-node-")
 
     crd.kubectl("delete", "-n", namespace, "infsvc", "llama")
-    for kind in ("deployment", "service", "poddisruptionbudget"):
+    for kind in ("deployment", "service", "poddisruptionbudget", "networkpolicy"):
         crd.kubectl("wait", "-n", namespace, "--for=delete", f"{kind}/llama", "--timeout=60s")
 
 

@@ -245,7 +245,8 @@ class ResourcesSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_cel(_NO_GPU_IN_RESOURCES, _NO_GPU_MESSAGE))
 
     requests: dict[str, Quantity] | None = None
-    """Resource requests of the engine container, e.g. `{cpu: 4, memory: 16Gi}`."""
+    """Resource requests of the engine container, e.g. `{cpu: 4, memory: 16Gi}`. Unset cpu and memory default to
+    2 CPUs and 8Gi per GPU (engine.tensorParallelSize), unless `limits` sets them (then the limit is the request)."""
     limits: dict[str, Quantity] | None = None
     """Resource limits of the engine container."""
 
@@ -342,6 +343,19 @@ class AuthSpec(_Model):
     """An Opaque Secret in this namespace (`kubectl create secret generic`); every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
 
 
+class RolloutSpec(_Model):
+    """How engine pods are replaced when the spec changes (a new image, model or engine setting)."""
+
+    strategy: Literal["Surge", "Replace"] = "Surge"
+    """`Surge` (default): start one new pod before taking an old one down (maxSurge 1, maxUnavailable 0), so
+    capacity never dips, but the rollout waits for one spare replica's GPUs. `Replace`: take one old pod down,
+    then start its replacement on the GPUs it freed (maxSurge 0, maxUnavailable 1): works in a full GPU pool, at
+    the cost of one replica less while each pod reloads the model (and no replica at all with `replicas: 1`)."""
+
+
+MAX_DRAIN_SECONDS = 3600
+
+
 class InferenceServiceSpec(_Model):
     """The desired state of an InferenceService."""
 
@@ -355,6 +369,11 @@ class InferenceServiceSpec(_Model):
     routing: RoutingSpec = Field(default_factory=RoutingSpec, json_schema_extra=_default(RoutingSpec))
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default(RolloutSpec))
+    drain_seconds: int = Field(30, ge=0, le=MAX_DRAIN_SECONDS)
+    """Seconds an engine pod being stopped (rollout, scale-down, node drain) gives its in-flight requests to
+    finish, while it answers new ones with 503 and /ready fails (`kaon serve --drain-timeout`); the pod's
+    terminationGracePeriodSeconds is this plus a margin for the server's own shutdown."""
 
 
 class Condition(_Model):

@@ -27,15 +27,17 @@ import aiohttp
 import pydantic
 
 from kaon_operator import api, autoscaler, resources, scraper, status
+from kaon_operator.kube import Conflict
 from kaon_operator.status import EventSpec, PodSummary
 
 logger = logging.getLogger("kaon.autoscaler")
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
-ROUTER_PODS = "app.kubernetes.io/name=kaon,app.kubernetes.io/component=router"
+ROUTER_PODS = ",".join(f"{k}={v}" for k, v in resources.ROUTER_LABELS.items())
 ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port named http wins
 LEASE_NAME = "kaon-autoscaler"
 LEASE_SECONDS = 15
+CONFLICT_RETRIES = 3  # writes by others that left the spec alone (status updates, kopf's annotations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,11 +229,14 @@ class AutoscaleLoop:
         if changed:
             patch["lastScaleDecision"] = {"time": _timestamp(sample.time), "from": spec.replicas,
                                           "to": decision.replicas, "reason": decision.reason}
-        # Status first: the update handler then knows this replica change is the autoscaler's.
-        await asyncio.to_thread(self.kube.patch_status, namespace, name, patch)
+            if not await asyncio.to_thread(self.scale, body, patch, decision.replicas):
+                logger.info("%s/%s changed while deciding to scale to %d; deciding again next tick",
+                            namespace, name, decision.replicas)
+                return
+        else:
+            await asyncio.to_thread(self.kube.patch_status, namespace, name, patch)
         events = []
         if changed:
-            await asyncio.to_thread(self.kube.patch_replicas, namespace, name, decision.replicas)
             direction = "up" if decision.replicas > spec.replicas else "down"
             events.append(EventSpec("Normal", "Scaled",
                                     f"Scaled {direction} {spec.replicas} → {decision.replicas}: {decision.reason}"))
@@ -246,3 +251,37 @@ class AutoscaleLoop:
         if self.conditions.get(key) != condition:
             self.conditions[key] = condition
             await asyncio.to_thread(self.resync, key)
+
+    def scale(self, body: dict, status_patch: dict, replicas: int) -> bool:
+        """Write the decision (status, with lastScaleDecision) then spec.replicas, both only while the
+        InferenceService is still the one the decision was made on (resourceVersion preconditions).
+
+        Status first: the update handler then knows this replica change is the autoscaler's. A 409 from
+        a write that left the spec alone (metadata.generation unchanged: the operator's own status
+        updates, kopf's annotations) is retried at the new resourceVersion; a changed spec (a human's
+        `kubectl scale`, a new maxReplicas) drops the decision, puts lastScaleDecision back, and the next
+        tick decides on the new spec. False when dropped (or the object is gone)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        version, generation = meta.get("resourceVersion"), meta.get("generation")
+        status_written = False
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                if not status_written:
+                    written = self.kube.patch_status(namespace, name, status_patch, resource_version=version)
+                    if written is None:
+                        return False
+                    status_written, version = True, written["metadata"]["resourceVersion"]
+                self.kube.patch_replicas(namespace, name, replicas, resource_version=version)
+                return True
+            except Conflict:
+                current = self.kube.get_inference_service(namespace, name)
+                if current is None:
+                    return False
+                if current["metadata"].get("generation") != generation:
+                    break
+                version = current["metadata"]["resourceVersion"]
+        if status_written:  # the change did not happen: the status must not say it did
+            previous = (body.get("status") or {}).get("lastScaleDecision")
+            self.kube.patch_status(namespace, name, {"lastScaleDecision": previous})
+        return False

@@ -1,10 +1,14 @@
 """kopf handlers: thin glue between watch events, the pure modules and the API.
 
-- An InferenceService created, changed or found at start-up: render its children and
-  server-side apply them (idempotent), then recompute its status.
+- An InferenceService created, changed or found at start-up: render its children (Deployment,
+  Service, PDB, and a NetworkPolicy unless switched off) and server-side apply them at once
+  (idempotent), then recompute its status.
 - A child deleted or edited by someone else: apply again, with an Event saying so.
-- A pod or the Deployment changed: recompute status (conditions, replica counts) and
-  post an Event for every condition that flipped (Ready, Degraded with its reason).
+- A pod or the Deployment changed: queue the InferenceService for a status update (StatusQueue:
+  one per burst of events); the update recomputes the conditions and replica counts and posts
+  an Event for every condition that flipped (Ready, Degraded with its reason).
+- Pods and children are listed and watched with a label selector (server-side), so the
+  operator never receives the cluster's other pods.
 - Autoscaling: one loop for all InferenceServices (autoscale_loop.py) scrapes the pods,
   asks the policy (autoscaler.py) and patches spec.replicas, with the decision in the
   status and an Event; no per-object timer, so no finalizer.
@@ -17,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -37,7 +43,23 @@ ISVC = (api.GROUP, api.VERSION, api.PLURAL)
 INSTANCE_LABEL = "kaon.dev/inferenceservice"
 ENGINE_CHILD = {INSTANCE_LABEL: kopf.PRESENT, "app.kubernetes.io/component": "engine"}
 APPLY_RETRY_SECONDS = 10
-CHILD_KINDS = (("apps", "v1", "deployments"), ("", "v1", "services"), ("policy", "v1", "poddisruptionbudgets"))
+APPLY_THREADS = 32  # as many as the API client's connection pool (Kube.from_environment)
+NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
+CHILD_KINDS = (("apps", "v1", "deployments"), ("", "v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
+               NETWORK_POLICIES)
+# The same filter, server-side: kopf lists and watches pods and the child kinds with this labelSelector,
+# so the apiserver sends the operator kaon's engine objects only, not every pod of the cluster
+# (the handlers' labels= filters alone are applied by kopf after it has received everything).
+ENGINE_CHILD_SELECTOR = f"{INSTANCE_LABEL},app.kubernetes.io/component=engine"
+WATCHED_BY_LABEL = (("", "v1", "pods"), *CHILD_KINDS)
+# How long kopf waits to see its own annotation patch come back on the watch before it handles the
+# InferenceService's next event anyway. kopf's default (5 s) is exceeded under load (500 objects on a
+# busy control plane): the event of the operator's own status patch, which carries no
+# last-handled-configuration yet, was then taken for a new object and reconciled a second time.
+CONSISTENCY_SECONDS = 60
+
+network_policy: resources.NetworkPolicyConfig | None = None
+"""Render a NetworkPolicy per InferenceService (main.py sets it from the command line before kopf runs)."""
 
 RECONCILE_SECONDS = Histogram("kaon_operator_reconcile_seconds", "Time to apply one InferenceService's children",
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
@@ -50,9 +72,11 @@ class State:
 
     def __init__(self, kube: Kube):
         self.kube = kube
+        self.appliers = ThreadPoolExecutor(max_workers=APPLY_THREADS, thread_name_prefix="apply")
         self.locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self.written: dict[tuple[str, str], dict] = {}
         self.apply_failures: dict[tuple[str, str], str] = {}  # until an apply succeeds again
+        self.applied: dict[tuple[str, str], tuple[str, int]] = {}  # (uid, generation) whose children are applied
         self.metrics_conditions: dict[tuple[str, str], dict] = {}  # MetricsAvailable, kept by the autoscaler
         self.pdbs: dict[tuple[str, str], status.PdbSummary] = {}  # each PodDisruptionBudget's status (DisruptionAllowed)
         self.served_names: kopf.Index | None = None  # namespace -> status.ServedName of each InferenceService
@@ -74,6 +98,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=api.GROUP, key="last-handled-configuration")
+    settings.persistence.consistency_timeout = CONSISTENCY_SECONDS
+    for kind in WATCHED_BY_LABEL:
+        settings.watching.label_selectors[kind] = ENGINE_CHILD_SELECTOR
     settings.posting.reporting_component = "kaon-operator"
     settings.posting.reporting_instance = reporting_instance()
     settings.execution.max_workers = 16
@@ -149,8 +176,9 @@ def _post(body, events: list[status.EventSpec], kube: Kube | None = None) -> Non
 def _apply_children(state: State, body, spec: api.InferenceServiceSpec) -> list[dict]:
     meta = body["metadata"]
     owner = resources.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    with RECONCILE_SECONDS.time():
-        return [state.kube.apply(manifest) for manifest in resources.render(owner, spec)]
+    with RECONCILE_SECONDS.time():  # the children at once: one round trip's latency, not four
+        applying = [state.appliers.submit(state.kube.apply, m) for m in resources.render(owner, spec, network_policy)]
+        return [future.result() for future in applying]
 
 
 def _api_message(exc: ApiException) -> str:
@@ -178,6 +206,12 @@ def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo
         with state.locks[key]:
             _write_status(state, body, key, status.invalid_spec_conditions(spec), [], None, applied=False)
         return  # nothing to retry: the spec must change first, and that is another event
+    version = (body["metadata"]["uid"], body["metadata"].get("generation"))
+    if reason != "resume" and state.applied.get(key) == version and key not in state.apply_failures:
+        # This generation's children are applied already: kopf handed over an event older than its own
+        # last-handled-configuration annotation (see CONSISTENCY_SECONDS). Nothing to apply, no Event.
+        _sync_status(state, body, key, spec, engine_pods, engine_deployments, applied=True)
+        return
     try:
         children = _apply_children(state, body, spec)
     except NamespaceTerminating:
@@ -189,6 +223,7 @@ def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo
         _sync_status(state, body, key, spec, engine_pods, engine_deployments, applied=False)
         raise kopf.TemporaryError(state.apply_failures[key], delay=APPLY_RETRY_SECONDS) from None
     state.apply_failures.pop(key, None)
+    state.applied[key] = version
     if reason == "create":
         _post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])
@@ -206,7 +241,7 @@ def deleted(namespace: str, name: str, memo: kopf.Memo, **_) -> None:
     # the garbage collector removes the children through their owner references even while
     # the operator is down.
     state = _state(memo)
-    for table in (state.written, state.locks, state.metrics_conditions, state.apply_failures):
+    for table in (state.written, state.locks, state.metrics_conditions, state.apply_failures, state.applied):
         table.pop((namespace, name), None)
 
 
@@ -307,17 +342,55 @@ async def stop_background(memo: kopf.Memo, **_) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+STATUS_WORKERS = 8
+
+
+class StatusQueue:
+    """InferenceServices whose status must be recomputed after a pod or Deployment event, and the
+    workers that do it. A key waits in the queue once however many events name it meanwhile, and is
+    computed from the indexes as they are when a worker takes it, so a burst of pod events (a rollout,
+    500 objects at once) costs one status write instead of one per event, and kopf's handler threads
+    stay free for reconciles. An idle queue adds no delay."""
+
+    def __init__(self, resync, workers: int = STATUS_WORKERS):
+        self.resync, self.workers = resync, workers
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queued: set = set()
+
+    def mark(self, key) -> None:
+        if key not in self.queued:
+            self.queued.add(key)
+            self.queue.put_nowait(key)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._work() for _ in range(self.workers)))
+
+    async def _work(self) -> None:
+        while True:
+            key = await self.queue.get()
+            self.queued.discard(key)  # an event from now on queues it again
+            try:
+                await asyncio.to_thread(self.resync, key)
+            except Exception:  # noqa: BLE001 - the next event for it tries again
+                logging.getLogger("kaon.status").exception(f"updating {key[0]}/{key[1]}'s status failed")
+
+
+@kopf.on.startup()
+async def start_status_queue(memo: kopf.Memo, **kwargs) -> None:
+    indexes = kwargs["inference_services"], kwargs["engine_pods"], kwargs["engine_deployments"]
+    memo["status_queue"] = queue = StatusQueue(lambda key: _resync(memo, key, *indexes))
+    _run_in_background(memo, queue.run())
+
+
 @kopf.on.event("pods", labels=ENGINE_CHILD)
 @kopf.on.event("apps", "v1", "deployments", labels=ENGINE_CHILD)
-def child_status_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, inference_services: kopf.Index,
-                         engine_pods: kopf.Index, engine_deployments: kopf.Index, **_) -> None:
-    _resync(memo, (namespace, labels[INSTANCE_LABEL]), inference_services, engine_pods, engine_deployments)
+async def child_status_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_) -> None:
+    memo["status_queue"].mark((namespace, labels[INSTANCE_LABEL]))
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=ENGINE_CHILD, id="pdb-status")
-def pdb_status_changed(event: dict, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
-                       inference_services: kopf.Index, engine_pods: kopf.Index, engine_deployments: kopf.Index,
-                       **_) -> None:
+async def pdb_status_changed(event: dict, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
+                             **_) -> None:
     """The PDB's status says whether evictions (node drains) are refused: DisruptionAllowed."""
     key, state = (namespace, labels[INSTANCE_LABEL]), _state(memo)
     summary = None if event.get("type") == "DELETED" else status.summarize_pdb(body)
@@ -326,7 +399,7 @@ def pdb_status_changed(event: dict, body: kopf.Body, namespace: str, labels: kop
             state.pdbs.pop(key, None)
         else:
             state.pdbs[key] = summary
-        _resync(memo, key, inference_services, engine_pods, engine_deployments)
+        memo["status_queue"].mark(key)
 
 
 # Drift of the children ------------------------------------------------------------------------------------------------
@@ -353,8 +426,21 @@ def _repair(memo: kopf.Memo, namespace: str, owner_name: str, child: kopf.Body, 
         _post(body, [status.EventSpec("Warning", "Repaired", f"{child['kind']} {child['metadata']['name']} {why}")])
 
 
+def _owned_by_an_inference_service(child: kopf.Body) -> bool:
+    return any(ref.get("apiVersion", "").startswith(f"{api.GROUP}/") and ref.get("kind") == api.KIND
+               and ref.get("controller") for ref in child["metadata"].get("ownerReferences", []))
+
+
 def _on_child_event(event: dict, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo) -> None:
     owner_name = labels[INSTANCE_LABEL]
+    if body.get("kind") == "NetworkPolicy" and network_policy is None:
+        # Switched off (--no-network-policy): the policies made while it was on go, so that the switch
+        # means what it says; kopf lists them all at start-up, so this runs once for each.
+        if event.get("type") != "DELETED" and _owned_by_an_inference_service(body):
+            _state(memo).kube.delete({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                                      "metadata": {"name": body["metadata"]["name"], "namespace": namespace,
+                                                   "uid": body["metadata"].get("uid")}})
+        return
     if event.get("type") == "DELETED":
         _repair(memo, namespace, owner_name, body, "was deleted; recreated it")
         return

@@ -29,6 +29,14 @@ class NamespaceTerminating(Exception):
     """The namespace is being deleted: nothing new can be created there, nor needs to be."""
 
 
+class Conflict(Exception):
+    """A write with a resourceVersion precondition found the object changed since it was read (HTTP 409)."""
+
+
+def _precondition(body: dict, resource_version: str | None) -> dict:
+    return {**body, "metadata": {"resourceVersion": resource_version}} if resource_version else body
+
+
 class Kube:
     def __init__(self, client: kubernetes.client.ApiClient):
         self.dynamic = DynamicClient(client)
@@ -66,17 +74,41 @@ class Kube:
                 return None
             raise
 
-    def patch_replicas(self, namespace: str, name: str, replicas: int) -> None:
-        self.custom.patch_namespaced_custom_object(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"spec": {"replicas": replicas}})
-
-    def patch_status(self, namespace: str, name: str, status: dict) -> None:
-        """Merge-patch the status subresource; a vanished InferenceService is not an error."""
+    def patch_replicas(self, namespace: str, name: str, replicas: int, resource_version: str | None = None) -> dict:
+        """Merge-patch spec.replicas; with `resource_version`, only if the object is still at that version
+        (else Conflict: someone else wrote it since, and their change must not be overwritten)."""
         try:
-            self.custom.patch_namespaced_custom_object_status(
-                api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status})
+            return self.custom.patch_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name,
+                _precondition({"spec": {"replicas": replicas}}, resource_version))
         except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict(f"{namespace}/{name} changed since resourceVersion {resource_version}") from None
+            raise
+
+    def patch_status(self, namespace: str, name: str, status: dict, resource_version: str | None = None) -> dict | None:
+        """Merge-patch the status subresource (with `resource_version`: only at that version, else Conflict);
+        the object as written, or None when the InferenceService has vanished (not an error)."""
+        try:
+            return self.custom.patch_namespaced_custom_object_status(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name,
+                _precondition({"status": status}, resource_version))
+        except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict(f"{namespace}/{name} changed since resourceVersion {resource_version}") from None
             if exc.status != 404:
+                raise
+            return None
+
+    def delete(self, manifest: dict) -> None:
+        """Delete one object, only if it is still the one named (uid precondition); gone already is fine."""
+        meta = manifest["metadata"]
+        resource = self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+        try:
+            resource.delete(name=meta["name"], namespace=meta["namespace"],
+                            body={"preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
                 raise
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:

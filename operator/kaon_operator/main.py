@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
@@ -22,6 +23,18 @@ def priority(value: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer or 'random': {value!r}") from None
 
 
+def network_peer(value: str) -> dict:
+    """A NetworkPolicyPeer as JSON, e.g. {"namespaceSelector": {"matchLabels": {...}}}."""
+    try:
+        peer = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {value!r}") from None
+    if not isinstance(peer, dict) or not peer or not set(peer) <= {"namespaceSelector", "podSelector", "ipBlock"}:
+        raise argparse.ArgumentTypeError(
+            f"not a NetworkPolicyPeer (namespaceSelector, podSelector and/or ipBlock): {value!r}")
+    return peer
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kaon-operator", description="run the kaon InferenceService operator")
     parser.add_argument("--namespace", action="append", default=[],
@@ -38,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--release-namespace", default=os.environ.get("POD_NAMESPACE") or "kaon-system",
                         help="the namespace of kaon's router pods (and of the autoscaler's Lease with "
                              "--peering); default: $POD_NAMESPACE, else kaon-system")
+    parser.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                        help="give every InferenceService a NetworkPolicy that admits traffic to its engine pods "
+                             "only from kaon's router and operator pods in --release-namespace (default: on; "
+                             "--no-network-policy deletes the ones it made)")
+    parser.add_argument("--network-policy-from", type=network_peer, action="append", default=[], metavar="JSON",
+                        help="one more NetworkPolicyPeer the engine port admits (repeatable), e.g. the namespace "
+                             "of the Prometheus that scrapes the engines")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
 
@@ -45,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # a line per handled event and per health check drowns what matters
         for name in ("kopf.objects", "aiohttp.access", "kubernetes"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    from kaon_operator import handlers  # importing registers the handlers
+    from kaon_operator import handlers, resources  # importing registers the handlers
 
     handlers.autoscale_settings = handlers.AutoscaleSettings(
         interval=args.autoscale_interval, release_namespace=args.release_namespace,
         use_lease=args.peering is not None)
+    handlers.network_policy = resources.NetworkPolicyConfig(
+        args.release_namespace, tuple(args.network_policy_from)) if args.network_policy else None
 
     if args.metrics_port:
         start_http_server(args.metrics_port)

@@ -7,19 +7,31 @@ garbage-collects it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kaon_operator import api
 
 HTTP_PORT = 8000
 SERVICE_PORT = 80
-# `kaon serve --drain-timeout`: in-flight requests get this long after SIGTERM. The kubelet
-# must not SIGKILL before the drain and uvicorn's shutdown are over, hence the margin.
-DRAIN_SECONDS = 30
-TERMINATION_GRACE_SECONDS = DRAIN_SECONDS + 15
+# `kaon serve --drain-timeout` (spec.drainSeconds): in-flight requests get this long after SIGTERM.
+# The kubelet must not SIGKILL before the drain and uvicorn's shutdown are over, hence the margin.
+TERMINATION_GRACE_MARGIN_SECONDS = 15
+DRAIN_SECONDS = api.InferenceServiceSpec.model_fields["drain_seconds"].default  # as `kaon serve`'s
 # Loading (and quantizing) a large model can take many minutes; liveness waits for it.
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes
+READINESS_PERIOD_SECONDS = 5
+READINESS_FAILURE_THRESHOLD = 2
+# The Deployment's progressDeadlineSeconds: the startup probe's whole budget, plus this for scheduling,
+# the image pull and the server's start; plus FETCH_ALLOWANCE_SECONDS when the init container downloads
+# the model first (the startup probe only starts after it). A big model may take all of it without
+# ever showing a false ProgressDeadlineExceeded; a pod stuck for a reason of its own is reported sooner
+# by the Degraded condition (Unschedulable, CrashLoopBackOff, StartupTimeout, ...).
+PROGRESS_MARGIN_SECONDS = 600
+FETCH_ALLOWANCE_SECONDS = 3600
+# CPU and memory requested per GPU when spec.resources leaves them out: the HTTP server, the tokenizer,
+# the scheduler loop and one worker process per GPU, and the host copy of the weights while they load.
+DEFAULT_REQUESTS_PER_GPU = {"cpu": 2, "memory_gib": 8}
 SHM_GIB_PER_GPU = 2  # tensor-parallel workers exchange tensors through /dev/shm
 CACHE_DIR = "/var/cache/kaon"  # Triton and Hugging Face caches, model downloads
 MODEL_CACHE_DIR = f"{CACHE_DIR}/models"  # `kaon fetch` writes hf:// and s3:// models here
@@ -42,6 +54,21 @@ class Owner:
     name: str
     namespace: str
     uid: str
+
+
+# kaon's own pods in the release namespace (the chart's labels; app.kubernetes.io/name is always kaon).
+ROUTER_LABELS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "router"}
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "operator"}
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkPolicyConfig:
+    """Who may reach the engine port when the operator renders a NetworkPolicy per InferenceService:
+    kaon's router pods (the requests) and operator pods (the autoscaler's scrapes) in the release
+    namespace, and `extra_from` (NetworkPolicyPeer objects, e.g. the Prometheus that scrapes /metrics)."""
+
+    release_namespace: str
+    extra_from: tuple[dict, ...] = field(default_factory=tuple)
 
 
 def labels(name: str, component: str = "engine") -> dict[str, str]:
@@ -105,7 +132,7 @@ def engine_args(owner: Owner, spec: api.InferenceServiceSpec) -> list[str]:
     """The `kaon serve` command line."""
     model, engine = spec.model, spec.engine
     args = ["kaon", "serve", *model_location(model), "--served-model-name", model.served_name or owner.name,
-            "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(DRAIN_SECONDS),
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(spec.drain_seconds),
             "--tensor-parallel-size", str(engine.tensor_parallel_size),
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
@@ -122,12 +149,46 @@ def engine_args(owner: Owner, spec: api.InferenceServiceSpec) -> list[str]:
     return args + list(engine.extra_args)
 
 
+def default_requests(spec: api.InferenceServiceSpec) -> dict[str, str]:
+    """CPU and memory requests for the keys spec.resources sets in neither requests nor limits (a limit
+    without a request makes Kubernetes request the limit, which a default must not undercut)."""
+    given = spec.resources or api.ResourcesSpec()
+    taken = set(given.requests or {}) | set(given.limits or {})
+    gpus = spec.engine.tensor_parallel_size
+    defaults = {"cpu": str(DEFAULT_REQUESTS_PER_GPU["cpu"] * gpus),
+                "memory": f"{DEFAULT_REQUESTS_PER_GPU['memory_gib'] * gpus}Gi"}
+    return {k: v for k, v in defaults.items() if k not in taken}
+
+
 def _resources(spec: api.InferenceServiceSpec) -> dict:
     gpus = str(spec.engine.tensor_parallel_size)
     given = spec.resources or api.ResourcesSpec()
     # Extended resources must have requests == limits; the CRD refuses a GPU count in spec.resources.
-    return {"requests": {**{k: str(v) for k, v in (given.requests or {}).items()}, api.GPU_RESOURCE: gpus},
+    return {"requests": {**default_requests(spec), **{k: str(v) for k, v in (given.requests or {}).items()},
+                         api.GPU_RESOURCE: gpus},
             "limits": {**{k: str(v) for k, v in (given.limits or {}).items()}, api.GPU_RESOURCE: gpus}}
+
+
+def termination_grace_seconds(spec: api.InferenceServiceSpec) -> int:
+    return spec.drain_seconds + TERMINATION_GRACE_MARGIN_SECONDS
+
+
+def startup_budget_seconds(spec: api.InferenceServiceSpec | None = None) -> int:
+    """How long a started engine may take to load its model before the kubelet restarts it."""
+    if spec is None:
+        return STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD
+    probe = startup_probe(spec.engine)
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
+def progress_deadline_seconds(spec: api.InferenceServiceSpec) -> int:
+    fetch = FETCH_ALLOWANCE_SECONDS if _scheme(spec.model.uri) in FETCHED_SCHEMES else 0
+    return (startup_budget_seconds(spec) + READINESS_PERIOD_SECONDS * READINESS_FAILURE_THRESHOLD
+            + PROGRESS_MARGIN_SECONDS + fetch)
+
+
+# spec.rollout.strategy -> the Deployment's rolling update.
+ROLLING_UPDATES = {"Surge": {"maxSurge": 1, "maxUnavailable": 0}, "Replace": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
 def _probe(path: str, *, period: int, failures: int, timeout: int = 5) -> dict:
@@ -249,7 +310,7 @@ def _container(owner: Owner, spec: api.InferenceServiceSpec, mounts: list[dict])
         # /health answers once the model is loaded; until then only the startup probe runs.
         "startupProbe": startup_probe(spec.engine),
         "livenessProbe": liveness_probe(spec.engine),
-        "readinessProbe": _probe("/ready", period=5, failures=2),
+        "readinessProbe": _probe("/ready", period=READINESS_PERIOD_SECONDS, failures=READINESS_FAILURE_THRESHOLD),
         "volumeMounts": mounts,
         # The engine's start error (e.g. a tensorParallelSize that does not fit the model) reaches the status.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -269,7 +330,7 @@ def _pod_spec(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
     pod = {
         "containers": [_container(owner, spec, mounts)],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,  # the engine never talks to the apiserver
@@ -295,9 +356,11 @@ def deployment(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner.name)},
-            # One new pod at a time and none taken down before it is ready: GPUs are scarce,
-            # and capacity must not dip during a rollout.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # One pod at a time either way: Surge starts the new one first (capacity never dips, one
+            # replica's GPUs must be free), Replace stops an old one first (works in a full GPU pool).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(ROLLING_UPDATES[spec.rollout.strategy])},
+            # Loading a big model legitimately takes the startup probe's whole budget.
+            "progressDeadlineSeconds": progress_deadline_seconds(spec),
             "template": {"metadata": {"labels": labels(owner.name)}, "spec": _pod_spec(owner, spec)},
         },
     }
@@ -330,9 +393,25 @@ def pod_disruption_budget(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
     }
 
 
-def render(owner: Owner, spec: api.InferenceServiceSpec) -> list[dict]:
-    """Every child of one InferenceService, in apply order."""
-    return [deployment(owner, spec), service(owner), pod_disruption_budget(owner, spec)]
+def network_policy(owner: Owner, config: NetworkPolicyConfig) -> dict:
+    """Engine pods take connections on the engine port only from kaon's router and operator pods in the
+    release namespace (and config.extra_from). Only ingress: the engines' downloads (hf://, s3://) go out."""
+    release = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.release_namespace}}}
+    peers = [{**release, "podSelector": {"matchLabels": dict(ROUTER_LABELS)}},
+             {**release, "podSelector": {"matchLabels": dict(OPERATOR_LABELS)}},
+             *(dict(peer) for peer in config.extra_from)]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _metadata(owner),
+        "spec": {"podSelector": {"matchLabels": selector_labels(owner.name)}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]},
+    }
+
+
+def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyConfig | None = None) -> list[dict]:
+    """Every child of one InferenceService, in apply order (a NetworkPolicy when `network` is given)."""
+    children = [deployment(owner, spec), service(owner), pod_disruption_budget(owner, spec)]
+    return children + ([network_policy(owner, network)] if network is not None else [])
 
 
 def service_url(owner: Owner) -> str:

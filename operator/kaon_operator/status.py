@@ -67,6 +67,8 @@ class StatusUpdate:
     events: list[EventSpec] = field(default_factory=list)
 
 
+ROLLOUT_NEEDS_SPARE_GPUS = ("; the rollout (spec.rollout.strategy Surge) starts each new pod before stopping an old "
+                            "one and waits for spare GPUs: Replace rolls out on the GPUs the old pods free")
 FETCH_CONTAINER = "fetch"  # resources.py's init container: `kaon fetch`
 DOES_NOT_FIT = "model does not fit"  # how `kaon fetch` and `kaon serve` begin that reason
 
@@ -232,9 +234,11 @@ def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus
     live = [p for p in pods if not p.terminating]
     pending = [p for p in live if p.unschedulable]
     if pending:
+        # More pods than desired: a Surge rollout's extra pod, which needs GPUs beyond the replicas' own.
+        surge = deployment is not None and deployment.total > deployment.replicas
         return _condition("Degraded", True, "Unschedulable",
                           f"{len(pending)} pod(s) need {gpus_per_pod} nvidia.com/gpu each and cannot be placed: "
-                          f"{pending[0].unschedulable}")
+                          f"{pending[0].unschedulable}" + (ROLLOUT_NEEDS_SPARE_GPUS if surge else ""))
     failing = [p for p in live if p.model_failure]
     if failing:  # before CrashLoopBackOff: the same crash loop, but with the reason
         reason, message = failing[0].model_failure
