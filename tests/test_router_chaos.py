@@ -202,6 +202,31 @@ def test_a_stream_that_goes_silent_ends_with_a_timeout_event_and_is_not_retried(
     assert metric(text, "kaon_router_ejected_endpoints", **labels) == 1
 
 
+def test_the_openai_client_raises_the_error_event_that_ends_a_stream():
+    import openai  # a test dependency (pyproject's [test] extra): missing is a failure, not a skip
+
+    async def scenario():
+        engine = await BadEngine("e0").start()
+        router = routed(engine, idle_timeout=0.3)
+        retarget(router, {"e0": "stall"})
+        async with serving(router) as client:
+            def consume() -> Exception:
+                api = openai.OpenAI(base_url=f"{str(client._base_url).rstrip('/')}/v1", api_key="none", max_retries=0)
+                try:
+                    for _ in api.completions.create(model="m", prompt="x", stream=True):
+                        pass
+                except openai.APIError as exc:
+                    return exc
+                raise AssertionError("the stream ended as if it were complete")
+
+            error = await asyncio.to_thread(consume)
+        await engine.stop()
+        return error
+
+    error = run(scenario())
+    assert "sent no data within 0.3s" in error.message and error.body["code"] == "upstream_timeout", error.body
+
+
 def test_a_json_body_cut_short_is_the_routers_own_502_not_a_truncated_200():
     # A body of known length is read whole before anything goes to the client, so a break
     # there still gets a status that says it.
