@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -101,6 +102,7 @@ def main() -> int:
         apply_all(cp, "peer", deployments)
         peer_apply = time.monotonic() - start
         peer_total = peer_apply + wait_all(cp, "peer", "deployments", n, deployment_available, args.timeout)
+        peer_load = os.getloadavg()[1]  # the machine's 5-minute load average: others' work shows here
 
         print(f"phase 2: {n} InferenceServices through the operator", flush=True)
         operator = OperatorProcess(cp.service_account_kubeconfig("kaon-system", "kaon-operator"),
@@ -117,6 +119,7 @@ def main() -> int:
         apply_all(cp, "kaon", [isvc(f"svc{i}") for i in range(n)])
         kaon_apply = time.monotonic() - start
         kaon_total = kaon_apply + wait_all(cp, "kaon", "inferenceservices", n, isvc_ready, args.timeout)
+        kaon_load = os.getloadavg()[1]
         time.sleep(5)
         stop.set()
         rss["after"] = operator.rss_bytes()
@@ -130,6 +133,8 @@ def main() -> int:
     print(f"peer  (Deployments applied directly): applied in {peer_apply:.1f}s, all available after {peer_total:.1f}s")
     print(f"kaon  (InferenceServices + operator): applied in {kaon_apply:.1f}s, all Ready after {kaon_total:.1f}s")
     print(f"ratio kaon / peer time to all ready: {kaon_total / peer_total:.2f}x")
+    print(f"load average (5 min) at the end of each phase, {os.cpu_count()} CPUs: peer {peer_load:.1f}, "
+          f"kaon {kaon_load:.1f}")
     runs = histogram_count(metrics, "kaon_operator_reconcile_seconds")
     print(f"reconcile (apply Deployment, Service, PDB, NetworkPolicy): {runs} runs ({runs / n:.2f} per object), "
           f"p50 {reconcile[0] * 1e3:.0f} ms, p99 {reconcile[1] * 1e3:.0f} ms")
