@@ -184,3 +184,27 @@ def test_a_pdb_refusing_evictions_is_reported_then_clears(local, crd, namespace)
     assert cond["reason"] == "SufficientHealthyReplicas", cond
     assert any(t == "Normal" and r == "DisruptionAllowed" for t, r, _m in cluster.events("drain"))
     assert [r for t, r, _m in cluster.events("drain") if r == "DisruptionBlocked"] == ["DisruptionBlocked"]
+
+
+def test_the_rendered_probes_follow_the_spec():
+    from kaon_operator import api, resources
+
+    def engine(**fields) -> api.InferenceServiceSpec:
+        return api.InferenceServiceSpec.model_validate({"model": {"uri": "builtin://smollm2-135m-instruct"},
+                                                        "engine": fields})
+
+    def shape(probe: dict) -> tuple:
+        return probe["periodSeconds"], probe["failureThreshold"], probe["timeoutSeconds"]
+
+    default = engine()
+    assert shape(resources.startup_probe(default.engine)) == (10, 180, 5)  # 30 minutes, as before
+    assert shape(resources.liveness_probe(default.engine)) == (10, 3, 5)
+    assert resources.startup_probe(default.engine)["terminationGracePeriodSeconds"] == 10
+    assert "--stall-timeout" in resources.engine_args(resources.Owner("m", "ns", "uid"), default)
+    assert shape(resources.startup_probe(engine(startupTimeoutSeconds=1).engine)) == (1, 1, 1)
+    assert shape(resources.startup_probe(engine(startupTimeoutSeconds=45).engine)) == (4, 12, 4)
+    assert shape(resources.liveness_probe(engine(stallTimeoutSeconds=12).engine)) == (1, 3, 1)
+    assert shape(resources.liveness_probe(engine(stallTimeoutSeconds=0).engine)) == (10, 3, 5)
+    # A longer startup budget moves the Deployment's progress deadline with it (no false ProgressDeadlineExceeded).
+    longer = engine(startupTimeoutSeconds=7200)
+    assert resources.progress_deadline_seconds(longer) - resources.progress_deadline_seconds(default) == 7200 - 1800
