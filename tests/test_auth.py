@@ -250,3 +250,18 @@ def test_the_router_reads_only_opaque_secrets():
     assert Watcher(server, EndpointTable())._params(kinds["secrets"])["fieldSelector"] == "type=Opaque"
     assert "secrets" not in {k.plural for k in Watcher(server, EndpointTable(), secrets=False).kinds}
     assert "fieldSelector" not in Watcher(server, EndpointTable())._params(kinds["pods"])
+
+
+def test_the_security_docs_auth_example_is_a_valid_spec():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from kaon_operator import api
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    (example,) = [b for b in blocks if "auth" in (b or {}).get("spec", {})]
+    spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}, **example["spec"]})
+    assert spec.auth.api_key_secret == "llama-keys"
