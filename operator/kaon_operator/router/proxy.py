@@ -169,7 +169,7 @@ class Router:
             tried: set[Endpoint] = set()
             held = 0.0
             failure: RouterError | None = None  # the last attempt's, which answers when none is left
-            while len(tried) < self.config.max_attempts:
+            while len(tried) < max(1, self.config.max_attempts):  # 0 would answer nothing
                 try:
                     key, target, waited = await self._choose(model, tried, received, request.path, payload)
                 except RouterError as exc:
