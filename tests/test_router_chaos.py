@@ -202,6 +202,29 @@ def test_a_stream_that_goes_silent_ends_with_a_timeout_event_and_is_not_retried(
     assert metric(text, "kaon_router_ejected_endpoints", **labels) == 1
 
 
+def test_a_stream_longer_than_the_idle_timeout_but_never_silent_that_long_passes_whole():
+    # The idle timer is set once per period and re-armed when it fires on a stream that sent
+    # something meanwhile: here it fires twice mid-stream and must not end it.
+    events = [f"data: {i}\n\n".encode() for i in range(8)] + [b"data: [DONE]\n\n"]
+
+    async def scenario():
+        engine = await FakeEngine("e0", events).start()
+        router = routed(engine, idle_timeout=0.3)
+        async with serving(router) as client:
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "gated"}) as resp:
+                for gate in engine.gates:
+                    gate.set()
+                    await asyncio.sleep(0.1)  # 9 events over ~0.9 s: three idle periods, no silence of one
+                body = await resp.read()
+            text = await (await client.get("/metrics")).text()
+        await engine.stop()
+        return body, text
+
+    body, text = run(scenario())
+    assert body == b"".join(events)
+    assert "kaon_router_upstream_timeouts_total{" not in text
+
+
 def test_the_openai_client_raises_the_error_event_that_ends_a_stream():
     import openai  # a test dependency (pyproject's [test] extra): missing is a failure, not a skip
 
