@@ -6,6 +6,7 @@ for a timeout to elapse.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -31,7 +32,7 @@ class WedgeableEngine:
     def __init__(self):
         self.requests: dict[str, int] = {}
         self.release = threading.Event()
-        self.in_step = threading.Event()
+        self.started = 0  # steps begun (each may then wait for `release`)
 
     def validate(self, prompt, params):
         return [1, 2, 3]
@@ -46,7 +47,7 @@ class WedgeableEngine:
         return bool(self.requests)
 
     def step(self):
-        self.in_step.set()
+        self.started += 1
         self.release.wait()
         outputs = []
         for request_id in list(self.requests):
@@ -69,6 +70,17 @@ def wedge():
     return WedgeableEngine()
 
 
+@contextlib.contextmanager
+def serving(engine: AsyncEngine, wedge: WedgeableEngine):
+    """The app on a TestClient; whatever happens in the test, the wedged step is let go first, so a
+    failed assertion fails the test instead of hanging it in the engine thread's join."""
+    with TestClient(create_app(engine, ServerSettings(model_name="m"))) as http:
+        try:
+            yield http
+        finally:
+            wedge.release.set()
+
+
 def _wait_for(predicate, what: str):
     deadline = time.monotonic() + 10  # a liveness bound on the test itself, not an assertion on speed
     while not predicate():
@@ -78,28 +90,27 @@ def _wait_for(predicate, what: str):
 
 def test_stalled_step_with_pending_request_is_unhealthy_and_recovers(wedge):
     engine = AsyncEngine(wedge, stall_timeout_s=STALL_S)
-    with TestClient(create_app(engine, ServerSettings(model_name="m"))) as http:
+    with serving(engine, wedge) as http:
         assert http.get("/health").status_code == 200
         assert engine.health(now=time.monotonic() + 10 * STALL_S) is None  # idle for ages: nothing pending, healthy
 
         # The first step hangs: it has FIRST_STEP_ALLOWANCE stall timeouts (kernel compilation, graph capture).
         wedge.release.clear()
         http.portal.call(engine.add_request, "r1", "hi", SamplingParams(max_tokens=2))
-        assert wedge.in_step.wait(10)
+        _wait_for(lambda: wedge.started == 1, "the first step to begin (and hang)")
         start = engine._progress_at
         assert engine.health(now=start + STALL_S * FIRST_STEP_ALLOWANCE - 1) is None
         problem = engine.health(now=start + STALL_S * FIRST_STEP_ALLOWANCE + 1)
         assert problem is not None and "stalled" in problem and "1 request(s) pending" in problem
 
         # Steps complete again: healthy; a later hang gets one stall timeout only.
-        wedge.in_step.clear()
         wedge.release.set()
         _wait_for(lambda: not engine.engine.requests, "the first request to finish")
         wedge.release.clear()
+        begun = wedge.started
         http.portal.call(engine.add_request, "r2", "hi", SamplingParams(max_tokens=3))
-        _wait_for(lambda: wedge.in_step.is_set() and engine._steps >= 2, "the second request's first step")
-        wedge.in_step.clear()
-        _wait_for(lambda: wedge.in_step.is_set(), "a step that hangs")
+        _wait_for(lambda: wedge.started > begun, "the second request's first step to begin (and hang)")
+        assert engine._steps >= 1
         assert engine.health(now=engine._progress_at + STALL_S - 1) is None
         assert engine.health(now=engine._progress_at + STALL_S + 1) is not None
 
@@ -127,7 +138,7 @@ def test_stall_check_off_with_zero(wedge):
 
 def test_dead_engine_is_unhealthy(wedge):
     engine = AsyncEngine(wedge)
-    with TestClient(create_app(engine, ServerSettings(model_name="m"))) as http:
+    with serving(engine, wedge) as http:
         engine._error = RuntimeError("boom")
         body = http.get("/health").json()
         assert body["error"]["code"] == "engine_dead"
