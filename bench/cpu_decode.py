@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
 
-import kaon_runtime  # noqa: E402,F401  (first: its OpenMP setting must precede torch)
-import torch  # noqa: E402
-
-from kaon_runtime import LLM, SamplingParams  # noqa: E402
-from kaon_runtime.loader import resolve_model  # noqa: E402
+# kaon_runtime tunes OpenMP's spinning through the environment when it is imported (see its
+# __init__), and llama.cpp uses the same OpenMP runtime: the peer runs in a child process with
+# the environment as the user had it, so each side gets its own defaults.
+USER_ENV = dict(os.environ)
 
 MODEL = "builtin://smollm2-135m-instruct"
 PROMPT = "The river kept its own calendar. In spring it ran brown and fast with snowmelt, and in summer"
@@ -48,6 +49,7 @@ def rate(run, batch: int, tokens: int, repeats: int) -> float:
 
 
 def kaon_runner(fmt: str):
+    from kaon_runtime import LLM, SamplingParams
     options = dict(dtype="bfloat16") if fmt == "bfloat16" else dict(
         dtype="float32", quantization="none" if fmt == "float32" else fmt)
     llm = LLM(MODEL, device="cpu", show_progress=False, **options)
@@ -73,6 +75,17 @@ def llama_cpp_runner(gguf: Path, threads: int):
     return run
 
 
+def llama_cpp_rates(gguf: Path, threads: int, args) -> tuple[float, float] | None:
+    """(batch-1, batch-B) tokens/s of llama.cpp, measured in a child process (see USER_ENV)."""
+    cmd = [sys.executable, __file__, "--peer", str(gguf), "--threads", str(threads), "--tokens", str(args.tokens),
+           "--batch", str(args.batch), "--repeats", str(args.repeats)]
+    child = subprocess.run(cmd, env=USER_ENV, capture_output=True, text=True)
+    if child.returncode != 0:
+        print(f"llama.cpp peer failed (pip install llama-cpp-python?): {child.stderr.strip()[-300:]}")
+        return None
+    return tuple(json.loads(child.stdout.strip().splitlines()[-1]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--formats", nargs="+", default=["float32", "int8", "int4"],
@@ -81,20 +94,23 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--peer", type=Path, help=argparse.SUPPRESS)  # the child: llama.cpp on this GGUF
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peer:
+        peer = llama_cpp_runner(args.peer, args.threads)
+        print(json.dumps([rate(peer, 1, args.tokens, args.repeats), rate(peer, args.batch, args.tokens, 1)]))
+        return 0
+
+    import kaon_runtime  # noqa: F401  (before torch: its OpenMP settings)
+    import torch
+    from kaon_runtime.loader import resolve_model
     threads = torch.get_num_threads()
     gguf = resolve_model(MODEL)
-
     rows = {}
-    try:
-        peer = llama_cpp_runner(gguf, threads)
-    except ImportError:
-        print("llama-cpp-python is not installed (pip install llama-cpp-python): kaon only")
-        peer = None
+    peer = llama_cpp_rates(gguf, threads, args)
     if peer is not None:
-        rows["llama.cpp Q4_1"] = (rate(peer, 1, args.tokens, args.repeats),
-                                  rate(peer, args.batch, args.tokens, 1))
-        del peer
+        rows["llama.cpp Q4_1"] = peer
     for fmt in args.formats:
         run = kaon_runner(fmt)
         rows[f"kaon {fmt}"] = (rate(run, 1, args.tokens, args.repeats), rate(run, args.batch, args.tokens, 1))
