@@ -6,6 +6,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,8 +66,8 @@ class ServerState:
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    state = ServerState()
-    metrics = Metrics(engine.stats)
+    """The app for one engine. The routes below are module-level; what they share lives on
+    `app.state` (engine, settings, server, metrics, keys) and reaches them through dependencies."""
     keys = ApiKeys(settings.api_key, settings.api_key_file)
 
     @contextlib.asynccontextmanager
@@ -77,80 +78,136 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="kaon", version=doc.API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
-    app.state.server = state
+    app.state.engine, app.state.settings, app.state.keys = engine, settings, keys
+    app.state.server = ServerState()
+    app.state.metrics = Metrics(engine.stats)
     _install_error_handlers(app)
     doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                 secured=keys.enabled)
-
-    @app.get("/health", responses=doc.HEALTH)
-    async def health():
-        # Liveness: the engine thread runs and, with requests pending, completes steps (engine.health()).
-        problem = engine.health()
-        if problem is not None:
-            raise APIError(503, problem, type="server_error",
-                           code="engine_dead" if not engine.is_alive else "engine_stalled")
-        return {"status": "ok"}
-
-    @app.get("/ready", responses=doc.HEALTH)
-    async def ready():
-        if state.draining:
-            raise APIError(503, "the server is draining", type="service_unavailable", code="draining")
-        return await health()
-
-    @app.get("/metrics", response_class=Response, responses=doc.METRICS)
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth(keys)), Depends(_not_draining(state))])
-
-    @v1.get("/models", response_model=p.ModelList, responses=doc.V1_ERRORS)
-    async def models():
-        card = p.ModelCard(id=settings.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
-        return p.ModelList(data=[card]).model_dump()
-
-    @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
-             responses=doc.GENERATE)
-    async def completions(request: Request):
-        body = await _parse(request, p.CompletionRequest, settings)
-        _check_model(body.model, settings)
-        prompt = _single_prompt(body.prompt)
-        params = _sampling_params(body, body.max_tokens, body.logprobs)
-        gen = await _start("cmpl", prompt, params)
-        return await _respond(request, gen, CompletionFormat(gen, engine.tokenizer), body)
-
-    @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
-             openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE)
-    async def chat_completions(request: Request):
-        body = await _parse(request, p.ChatCompletionRequest, settings)
-        _check_model(body.model, settings)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body, max_tokens, num_logprobs)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
-        gen = await _start("chatcmpl", prompt, params)
-        return await _respond(request, gen, ChatFormat(gen, engine.tokenizer), body)
-
-    async def _start(prefix: str, prompt: str | list[int], params: SamplingParams) -> Generation:
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        timer = metrics.track()
-        stream = await engine.add_request(request_id, prompt, params)
-        return Generation(request_id, settings.model_name, stream, timer, params.stop, params.logprobs)
-
-    async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
-        if body.stream:
-            return _SSEResponse(sse_events(gen, fmt, body.n, body.include_usage), gen)
-        try:
-            output = await final_output(gen, lambda: _disconnected(request))
-        finally:
-            gen.close()
-        if output is None:  # nobody is listening; the status is for the access log
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(fmt.response(output).model_dump())
-
+    app.include_router(probes)
     app.include_router(v1)
-    app.add_middleware(_CountInFlight, state=state)
+    app.add_middleware(_CountInFlight, state=app.state.server)
     return app
+
+
+# ---- what the routes share: the app's state, as dependencies --------------------------------
+
+
+def _engine(request: Request) -> AsyncEngine:
+    return request.app.state.engine
+
+
+def _settings(request: Request) -> ServerSettings:
+    return request.app.state.settings
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+Engine = Annotated[AsyncEngine, Depends(_engine)]
+Settings = Annotated[ServerSettings, Depends(_settings)]
+State = Annotated[ServerState, Depends(_state)]
+MetricsDep = Annotated[Metrics, Depends(_metrics)]
+
+
+async def _authorized(request: Request) -> None:
+    keys: ApiKeys = request.app.state.keys
+    if not keys.enabled:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if not keys.accepts(token) or scheme.lower() != "bearer":  # compare first: same time either way
+        raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                       code="invalid_api_key")
+
+
+async def _not_draining(state: State) -> None:
+    if state.draining:
+        raise APIError(503, "the server is draining; retry on another replica", type="service_unavailable",
+                       code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+# ---- routes --------------------------------------------------------------------------------
+
+probes = APIRouter()  # no key needed: kubelets and Prometheus call these
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorized), Depends(_not_draining)])
+
+
+@probes.get("/health", responses=doc.HEALTH)
+async def health(engine: Engine):
+    # Liveness: the engine thread runs and, with requests pending, completes steps (engine.health()).
+    problem = engine.health()
+    if problem is not None:
+        raise APIError(503, problem, type="server_error",
+                       code="engine_dead" if not engine.is_alive else "engine_stalled")
+    return {"status": "ok"}
+
+
+@probes.get("/ready", responses=doc.HEALTH)
+async def ready(engine: Engine, state: State):
+    if state.draining:
+        raise APIError(503, "the server is draining", type="service_unavailable", code="draining")
+    return await health(engine)
+
+
+@probes.get("/metrics", response_class=Response, responses=doc.METRICS)
+async def prometheus(metrics: MetricsDep):
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@v1.get("/models", response_model=p.ModelList, responses=doc.V1_ERRORS)
+async def models(engine: Engine, settings: Settings):
+    card = p.ModelCard(id=settings.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
+    return p.ModelList(data=[card]).model_dump()
+
+
+@v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
+         responses=doc.GENERATE)
+async def completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
+    body = await _parse(request, p.CompletionRequest, settings)
+    _check_model(body.model, settings)
+    prompt = _single_prompt(body.prompt)
+    params = _sampling_params(body, body.max_tokens, body.logprobs)
+    gen = await _start(engine, settings, metrics, "cmpl", prompt, params)
+    return await _respond(request, gen, CompletionFormat(gen, engine.tokenizer), body)
+
+
+@v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
+         openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE)
+async def chat_completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
+    body = await _parse(request, p.ChatCompletionRequest, settings)
+    _check_model(body.model, settings)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling_params(body, max_tokens, num_logprobs)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+    gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params)
+    return await _respond(request, gen, ChatFormat(gen, engine.tokenizer), body)
+
+
+async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,
+                 prompt: str | list[int], params: SamplingParams) -> Generation:
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    timer = metrics.track()
+    stream = await engine.add_request(request_id, prompt, params)
+    return Generation(request_id, settings.model_name, stream, timer, params.stop, params.logprobs)
+
+
+async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
+    if body.stream:
+        return _SSEResponse(sse_events(gen, fmt, body.n, body.include_usage), gen)
+    try:
+        output = await final_output(gen, lambda: _disconnected(request))
+    finally:
+        gen.close()
+    if output is None:  # nobody is listening; the status is for the access log
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(fmt.response(output).model_dump())
 
 
 class _CountInFlight:
@@ -194,25 +251,6 @@ class _SSEResponse(StreamingResponse):
 
 
 # ---- request plumbing --------------------------------------------------------------------
-
-
-def _auth(keys: ApiKeys):
-    async def check(request: Request) -> None:
-        if not keys.enabled:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not keys.accepts(token) or scheme.lower() != "bearer":  # compare first: same time either way
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                           code="invalid_api_key")
-    return check
-
-
-def _not_draining(state: ServerState):
-    async def check() -> None:
-        if state.draining:
-            raise APIError(503, "the server is draining; retry on another replica", type="service_unavailable",
-                           code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
-    return check
 
 
 async def _parse(request: Request, model: type[BaseModel], settings: ServerSettings):
