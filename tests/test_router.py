@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import subprocess
 import sys
@@ -606,21 +607,28 @@ def test_a_client_that_hangs_up_aborts_the_engine_request():
     assert metric(text, "kaon_router_pod_inflight_requests", namespace=NS, inferenceservice="svc", pod="e0") == 0
 
 
-def test_an_engine_dying_mid_stream_leaves_the_client_an_unfinished_body_not_a_clean_end():
+def test_an_engine_dying_mid_stream_ends_the_stream_with_an_openai_error_event_and_ejects_the_pod():
     async def scenario():
         engine = await FakeEngine("e0").start()
         router = routed(engine)
         async with serving(router) as client:
             async with client.post("/v1/completions", json={"model": "m", "prompt": "broken"}) as resp:
                 assert resp.status == 200
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    await resp.read()
+                body = await resp.read()  # a clean end: no ClientPayloadError
             await until("the in-flight count to drop", lambda: not router.inflight)
+            text = await (await client.get("/metrics")).text()
         await engine.stop()
-        return router.backoff.until
+        return body, router.backoff.until, text
 
-    backing_off = run(scenario())
+    body, backing_off, text = run(scenario())
+    events = body.split(b"\n\n")
+    assert events[0] == b"data: partial" and events[2:] == [b""], body
+    error = json.loads(events[1].removeprefix(b"data: "))["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "upstream_failed", error
+    assert "replica e0 of InferenceService ns/svc broke off the response" in error["message"]
     assert [e.pod for e in backing_off] == ["e0"]
+    assert metric(text, "kaon_router_broken_streams_total", namespace=NS, inferenceservice="svc") == 1
+    assert metric(text, "kaon_router_ejected_endpoints", namespace=NS, inferenceservice="svc") == 1
 
 
 def test_unknown_model_bad_json_models_health_and_metrics():
