@@ -30,6 +30,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
+# Importing kaon_runtime tunes OpenMP through the environment; llama.cpp shares that runtime,
+# so its server starts with the environment as the user had it.
+USER_ENV = dict(os.environ)
 
 from kaon_runtime.loader import load_checkpoint, resolve_model  # noqa: E402
 
@@ -67,7 +70,7 @@ def start_llama_cpp(port: int, gguf: Path, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096", "--n_threads", str(os.cpu_count()),
            "--interrupt_requests", "False"]  # by default a new request cancels the one in flight
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=USER_ENV)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
