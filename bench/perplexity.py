@@ -82,7 +82,8 @@ def main() -> int:
     windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
     windows = [w for w in windows if len(w) > 1]
     print(f"text: {TEXT.relative_to(ROOT)}, {len(ids)} tokens in {len(windows)} windows of up to {args.window}")
-    print('baseline "none": the bundled Q4_1 GGUF dequantized to float32; all compute in float32 on CPU\n')
+    print('baseline "none": the bundled Q4_1 GGUF dequantized to float32, on CPU; the int8 and int4 matmuls '
+          'there take bfloat16 activations (torch\'s packed-weight kernels)\n')
 
     base_ppl, base_top1 = score(float_llm.engine.runner, windows)
     rows = []
