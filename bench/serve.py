@@ -56,10 +56,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_kaon(port: int, log: Path) -> subprocess.Popen:
-    return start_kaon_with(port, log, [])
-
-
 def start_kaon_with(port: int, log: Path, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--port", str(port), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "runtime")}
@@ -165,6 +161,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--kaon-args", default="", help='extra `kaon serve` flags, e.g. "--max-num-batched-tokens 128"')
     args = parser.parse_args()
     gguf = resolve_model(MODEL)
     tokenizer = load_checkpoint(gguf).tokenizer
@@ -173,7 +170,7 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
 
     port = free_port()
-    rows = bench_server("kaon", start_kaon(port, logs / "kaon_serve.log"), f"http://127.0.0.1:{port}", "/ready",
+    rows = bench_server("kaon", start_kaon_with(port, logs / "kaon_serve.log", args.kaon_args.split()), f"http://127.0.0.1:{port}", "/ready",
                         MODEL, args.rates, requests, tokenizer, args.seed)
     if not args.skip_peer:
         port = free_port()
