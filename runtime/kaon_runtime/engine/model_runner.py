@@ -17,6 +17,7 @@ from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.kernels.paged_attention_ref import MAX_HEAD_SLICE
+from kaon_runtime.layers.cpu_linear import onednn_linears_apply, use_onednn_linears
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, select_backend
 from kaon_runtime.layers.rejection import verify
 from kaon_runtime.layers.sampler import SamplingBatch, logprobs_of, sample
@@ -83,15 +84,15 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = self._load_model(checkpoint, show_progress)
+        # This rank's weights (parameters and quantized buffers), KV cache not included; counted
+        # before oneDNN's reordered weights, which are opaque tensors of the same size, replace them.
+        self.weight_bytes = sum(t.numel() * t.element_size()
+                                for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        if onednn_linears_apply(self.device, self.dtype):
+            use_onednn_linears(self.model)
         self.num_blocks = self._allocate_kv_cache()
         self.on_step: Callable[[StepPlan], None] | None = None
         self.decode_graphs: DecodeGraphs | None = None
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of this rank's weights (parameters and quantized buffers), KV cache not included."""
-        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- setup -----------------------------------------------------------------------
 
