@@ -21,6 +21,7 @@ def test_onednn_linear_matches_nn_linear(bias, rows):
         out = OneDnnLinear(linear)(x)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(OneDnnLinear(linear).weight, linear.weight)  # readable as a plain weight still
 
 
 def test_every_linear_is_swapped_and_the_switch_turns_it_off(monkeypatch):

@@ -33,6 +33,11 @@ class OneDnnLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.bias = linear.bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain [out, in] weight, converted back on each read (for inspection, not for the forward)."""
+        return self.packed_weight.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
