@@ -220,8 +220,9 @@ def _tiny_llama():
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
     torch.manual_seed(3)
     model = DecoderForCausalLM(config)
-    with torch.no_grad():
+    with torch.no_grad():  # both are allocated uninitialised; garbage may hold NaN, which equals nothing
         model.lm_head.weight_t.normal_()
+        model.model.embed_tokens.weight.normal_()
     return model
 
 
