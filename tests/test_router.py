@@ -225,9 +225,9 @@ def test_choose_keeps_the_first_choice_until_it_is_over_the_load_bound():
     # The holder of the known prefix comes before the ring, and is skipped the same way.
     assert affinity.choose(order, [a, b, c], {}, 1.25, first=a) == (a, True)
     assert affinity.choose(order, [a, b, c], {a: 3}, 1.25, first=a) == (b, False)
-    # Only usable pods (not tried, not backing off) count; a generous bound keeps affinity.
+    # Only usable pods (not tried, not backing off) count; a generous bound keeps a holder.
     assert affinity.choose(order, [a, c], {}, 1.25) == (c, True)
-    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 3.0) == (b, True)
+    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 3.0, first=b) == (b, True)
     # A tight bound: capacity ceil(1.01 x 10 / 2) = 6.
     assert affinity.choose(order, [b, c], {b: 5, c: 4}, 1.01) == (b, True)
     assert affinity.choose(order, [b, c], {b: 6, c: 3}, 1.01) == (c, False)

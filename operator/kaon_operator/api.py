@@ -331,9 +331,9 @@ class RoutingSpec(_Model):
     """How the router picks an engine pod."""
 
     strategy: Literal["least-connections", "prefix-affinity"] = "least-connections"
-    """`least-connections`: the ready pod with the fewest requests in flight. `prefix-affinity`: the pod that holds the request's prompt prefix in its cache (a conversation's earlier turns), by consistent hashing, unless it carries more than `loadBound` times the mean load."""
+    """`least-connections`: the ready pod with the fewest requests in flight. `prefix-affinity`: the pod that holds the request's prompt prefix in its cache (a conversation's earlier turns), by consistent hashing, unless it carries more than `loadBound` times the mean load or has no free sequence slot (`engine.maxNumSeqs`) while another pod has one."""
     load_bound: float = Field(1.25, gt=1, le=10)
-    """With `prefix-affinity`: a pod with more than this factor times the mean requests in flight (plus one) is skipped for the next on the hash ring."""
+    """With `prefix-affinity`: a pod with more than this factor times the mean requests in flight (plus one) is passed over for the least loaded pod."""
 
 
 class AuthSpec(_Model):

@@ -10,12 +10,24 @@ The choice, in order of preference:
    earlier turn: its blocks are cached there; of several, the least loaded), counting only
    chunks past the anchor (below). A system prompt every conversation shares says nothing
    about where a conversation lives: counted, it would herd them all onto the first pod it
-   went to;
+   went to. Failing that (a turn whose earlier prompt ended part way into a chunk shares no
+   whole chunk of its own with it), the pod its conversation (anchor) last went to;
 2. otherwise the ring's owner of the request's anchor: for a chat, the conversation up to its
    first user turn, which every later turn repeats, so that a conversation finds its pod
    again without memory (after a router restart, or through another router replica);
-3. and whichever is preferred, a pod with too many requests in flight is passed over for the
-   next one on the ring (bounded loads): affinity never overrides balance.
+3. and whichever is preferred, it is passed over when taking the request would unbalance the
+   service (`choose`), for the least loaded pod, which then holds the prefix too (a hot prefix
+   gets replicated instead of piling onto one pod):
+   - bounded loads: it carries ceil(loadBound x mean) requests in flight already;
+   - slots: it has no free sequence slot (engine.maxNumSeqs) while another pod has one. The
+     request would wait there for a running sequence to finish, which costs more than the
+     prefill the cache saves;
+   - a new prefix (no pod holds any of the request's own chunks: a conversation's first turn)
+     saves nothing where it goes, so its ring owner gets it only while it is within
+     NEW_PREFIX_SLACK of the least loaded pod, both in requests in flight and in
+     conversations active lately (`Homes`). Where a conversation starts is where its later
+     turns go, and between turns it has nothing in flight: counting requests alone would
+     spread the requests of the moment, not the conversations.
 
 Replicas sit on the ring at many points each, so a pod joining or leaving moves only the
 anchors next to its own points: about 1/N of them.
@@ -34,6 +46,9 @@ T = TypeVar("T", bound=Hashable)
 
 CHUNK_CHARS = 256
 VIRTUAL_NODES = 160
+NEW_PREFIX_SLACK = 1
+"""How many more requests in flight than the least loaded pod a request may find at its ring
+owner when no pod holds any of its own prefix."""
 KNOWN_PREFIXES = 1 << 16
 """Chunk hashes the router remembers (about 100 bytes each): a few thousand conversations."""
 
@@ -131,6 +146,49 @@ class Ring(Generic[T]):
         return order
 
 
+HOME_WINDOW = 300.0
+"""Seconds after its last request that a conversation still counts as active at its pod."""
+
+
+class Homes:
+    """The pod each conversation (by its anchor) last went to, for those active in the last
+    `window` seconds: how many conversations each pod is home to (kept up to date as they
+    come and go, so a request costs O(1) plus the expired entries). Bounded by `capacity`."""
+
+    def __init__(self, window: float = HOME_WINDOW, capacity: int = KNOWN_PREFIXES):
+        self.window, self.capacity = window, capacity
+        self._last: OrderedDict[int, tuple[Hashable, float]] = OrderedDict()
+        self._count: dict = {}
+
+    def _drop(self, anchor: int) -> None:
+        pod, _ = self._last.pop(anchor)
+        self._count[pod] -= 1
+        if not self._count[pod]:
+            del self._count[pod]
+
+    def touch(self, anchor: int, pod: Hashable, now: float) -> None:
+        if anchor in self._last:
+            self._drop(anchor)
+        self._last[anchor] = (pod, now)
+        self._count[pod] = self._count.get(pod, 0) + 1
+        while len(self._last) > self.capacity:
+            self._drop(next(iter(self._last)))
+
+    def home(self, anchor: int, now: float) -> Hashable | None:
+        """Where the conversation went last, if it is still active."""
+        self.counts(now)
+        found = self._last.get(anchor)
+        return found[0] if found else None
+
+    def counts(self, now: float) -> Mapping:
+        while self._last:  # oldest first: drop the conversations that went quiet
+            anchor, (_, seen) = next(iter(self._last.items()))
+            if now - seen <= self.window:
+                break
+            self._drop(anchor)
+        return self._count
+
+
 class KnownPrefixes:
     """Which pods this router sent each prefix chunk to lately: a bounded LRU map."""
 
@@ -170,20 +228,40 @@ def capacity(inflight: Mapping[T, int], members: Sequence[T], load_bound: float)
 
 
 def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], load_bound: float,
-           first: T | None = None) -> tuple[T, bool]:
+           first: T | None = None, slots: int | None = None,
+           homes: Mapping[T, int] | None = None) -> tuple[T, bool]:
     """The pod for a request, and whether it is the first choice (False: passed over for load).
 
-    `order`: the pods in ring order from the request's anchor; `first`: a pod to try before
-    them (the holder of the longest known prefix); `usable`: the pods this attempt may use.
-    The first pod with fewer than `capacity` requests in flight wins; if none has (they are
-    all at the bound), the least loaded."""
+    `order`: the pods in ring order from the request's anchor; `first`: the holder of the
+    longest known prefix (None: no pod holds any of the request's own chunks: a new prefix);
+    `usable`: the pods this attempt may use; `slots`: the engine's maxNumSeqs (None: unknown);
+    `homes`: the conversations active lately per pod (`Homes.counts`).
+    The first choice (`first`, else the ring's first usable pod) is kept while it carries
+    fewer requests in flight than
+    - `capacity` (ceil(load_bound x mean)),
+    - `slots`, when some usable pod has a free slot,
+    - for a new prefix, the least loaded pod's count + NEW_PREFIX_SLACK + 1, and while it is
+      home to no more than NEW_PREFIX_SLACK conversations above the pod with the fewest;
+    otherwise the least loaded usable pod gets the request (ties: for a new prefix the fewest
+    conversations, then the ring's order)."""
     allowed = set(usable)
     ranked = [first] if first is not None and first in allowed else []
     ranked += [m for m in order if m in allowed and m != first]
     ranked += [m for m in usable if m not in ranked]  # not on the ring (cannot happen, but never drop a pod)
+    loads = {m: inflight.get(m, 0) for m in ranked}
+    least = min(loads.values())
     limit = capacity(inflight, usable, load_bound)
-    for m in ranked:
-        if inflight.get(m, 0) < limit:
-            return m, m == ranked[0]
-    least = min(ranked, key=lambda m: inflight.get(m, 0))
-    return least, least == ranked[0]
+    if slots is not None and least < slots:
+        limit = min(limit, slots)
+    head = ranked[0]
+    new = first is None or first not in allowed
+    homes = {m: (homes or {}).get(m, 0) for m in ranked} if new else dict.fromkeys(ranked, 0)
+    if new:
+        limit = min(limit, least + NEW_PREFIX_SLACK + 1)
+        settled = homes[head] <= min(homes.values()) + NEW_PREFIX_SLACK
+    else:
+        settled = True
+    if loads[head] < limit and settled:
+        return head, True
+    target = min(ranked, key=lambda m: (loads[m], homes[m]))  # the first of the least loaded, in ranked order
+    return target, target == head

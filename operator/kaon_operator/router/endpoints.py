@@ -53,6 +53,9 @@ class Service:
     """spec.routing.loadBound: with prefix-affinity, how far above the mean load a pod may go."""
     api_key_secret: str | None = None
     """spec.auth.apiKeySecret: the Secret (same namespace) whose values are the accepted API keys."""
+    max_num_seqs: int | None = None
+    """spec.engine.maxNumSeqs: sequences one pod runs at once (prefix-affinity keeps a request off
+    a pod with no free slot while another has one); None when the spec does not say."""
 
 
 def _is_ready(status: dict) -> bool:
@@ -91,7 +94,12 @@ def service(isvc: dict) -> Service:
     routing = spec.get("routing") or {}
     return Service(ServiceKey(meta["namespace"], meta["name"]), model.get("servedName") or meta["name"],
                    _epoch(meta.get("creationTimestamp")), hold, routing.get("strategy") or "least-connections",
-                   float(routing.get("loadBound") or 1.25), (spec.get("auth") or {}).get("apiKeySecret"))
+                   float(routing.get("loadBound") or 1.25), (spec.get("auth") or {}).get("apiKeySecret"),
+                   _positive_int((spec.get("engine") or {}).get("maxNumSeqs")))
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 SecretId = tuple[str, str]  # (namespace, Secret name)

@@ -88,7 +88,7 @@ class RouterMetrics:
             "prefix, or the hash ring's owner of it)", SERVICE_LABELS, registry=self.registry)
         self.affinity_overrides = Counter(
             "kaon_router_affinity_overrides", "prefix-affinity: requests sent past their first choice because it "
-            "carried too many requests (loadBound)", SERVICE_LABELS, registry=self.registry)
+            "carried too many requests (loadBound, no free slot, or a new conversation on a busier pod)", SERVICE_LABELS, registry=self.registry)
         self.held_seconds = Histogram("kaon_router_held_seconds", "Time requests waited for a ready pod",
                                       SERVICE_LABELS, registry=self.registry)
         self.registry.register(_LiveState(table, inflight, held, ejected))

@@ -117,6 +117,8 @@ class Router:
         self.known = affinity.KnownPrefixes()
         """Where prefix-affinity sent each prompt chunk lately."""
         self._rings: dict[ServiceKey, affinity.Ring[Endpoint]] = {}
+        self.homes = affinity.Homes()
+        """Which pod each conversation prefix-affinity routed went to, while it is active."""
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(time.monotonic()))
         self._session: aiohttp.ClientSession | None = None
@@ -252,10 +254,14 @@ class Router:
             self._rings = {k: r for k, r in self._rings.items() if self.table.endpoints(k)}  # forget gone services
             ring = self._rings[key] = affinity.Ring(ready, name=lambda e: e.pod)
         order = [e for e in ring.walk(prefix.anchor) if e in usable]
-        first = affinity.preferred(prefix.hashes[prefix.own_from:], self.known, order, self.inflight)
-        target, hit = affinity.choose(order, usable, self.inflight, service.load_bound, first)
+        now = time.monotonic()
+        first = (affinity.preferred(prefix.hashes[prefix.own_from:], self.known, order, self.inflight)
+                 or self.homes.home(prefix.anchor, now))
+        target, hit = affinity.choose(order, usable, self.inflight, service.load_bound, first, service.max_num_seqs,
+                                      self.homes.counts(now))
         (self.metrics.affinity_hits if hit else self.metrics.affinity_overrides).labels(*key).inc()
         self.known.record(prefix.hashes, target)
+        self.homes.touch(prefix.anchor, target, now)
         return target
 
     async def _send(self, request: web.Request, body: bytes, key: ServiceKey, target: Endpoint,
