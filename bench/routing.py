@@ -1,10 +1,10 @@
 """Routing strategies on real engines: least-connections vs prefix-affinity, in the same run.
 
-    python bench/routing.py [--replicas 3] [--conversations 12] [--turns 3] [--skewed 36]
+    python bench/routing.py [--replicas 3] [--repeats 2] [--workloads chat long skewed]
 
 Starts --replicas `kaon serve` processes (builtin://smollm2-135m-instruct, --max-num-seqs 4,
 prefix caching on) and, for each strategy, kaon's Router in this process on an endpoint
-table fed by hand (no Kubernetes). Two workloads, each run under both strategies:
+table fed by hand (no Kubernetes). Three workloads, each run under both strategies:
 
 - chat: --conversations conversations, starting --stagger seconds apart, --turns turns each,
   all with one shared system prompt; every turn resends the conversation so far (with the
@@ -13,6 +13,11 @@ table fed by hand (no Kubernetes). Two workloads, each run under both strategies
   other conversations' requests arrive in between. (With no think time, least-connections
   sends a closed-loop conversation's next turn back to the pod it just left, the one with a
   slot just freed: an artifact of the load generator, not what users do.)
+- long: --long-conversations conversations of --long-turns turns, user messages of
+  --long-words words, and replies of --reply-tokens tokens (uniform, ignore_eos) that go back
+  into the history, so that the part of the prompt only one conversation has grows turn by
+  turn, as in a chat people actually hold (the chat workload's shared system prompt is about
+  half of every prompt, which least-connections finds cached on every replica too).
 - skewed: --skewed single-turn chats from --workers closed-loop workers; two in three are the
   same hot request (one system prompt and one question), the rest each unique.
 
@@ -21,15 +26,24 @@ prefixes cached by an earlier one. Reported per phase: the engines' prefix-cache
 (kaon_prefix_cache_hits_total / queries_total, deltas summed over replicas), TTFT p50/p99
 (client side, to the first content chunk), requests/s and output chunks/s over the phase,
 the in-flight requests per replica (sampled every 20 ms: each replica's time average, max
-over mean, and the peak), and the router's affinity hits and overrides.
+over mean, and the peak), the router's affinity hits and overrides, and the 1-minute load
+average of the machine at the phase's start and end (the cores may be shared).
+
+--repeats N runs every workload N times, the two strategies back to back each time in
+alternating order (LC PA, then PA LC, ...), so that a drift of the machine's load hits both
+alike; it prints each repeat, then per workload the median and range over the repeats, the
+TTFT percentiles of all repeats pooled, and the paired ratios (each repeat's prefix-affinity
+against its own least-connections phase).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -73,8 +87,11 @@ class Phase:
     samples: list[dict] = field(default_factory=list)
 
 
-async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int, phase: Phase) -> str:
+async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int, phase: Phase,
+              ignore_eos: bool = False) -> str:
     body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
     start, first, text = time.perf_counter(), None, []
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
@@ -115,6 +132,23 @@ async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
     await asyncio.gather(*(conversation(i) for i in range(args.conversations)))
 
 
+async def long_workload(session, url, args, tag: int, phase: Phase) -> None:
+    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
+
+    async def conversation(i: int) -> None:
+        rng = random.Random(tag * 1000 + i)
+        await asyncio.sleep(i * args.stagger)
+        messages = [system]
+        for turn in range(args.long_turns):
+            if turn:
+                await asyncio.sleep(rng.uniform(*args.think))
+            messages.append({"role": "user", "content": question(rng, args.long_words)})
+            reply = await ask(session, url, messages, rng.randint(*args.reply_tokens), phase, ignore_eos=True)
+            messages.append({"role": "assistant", "content": reply or "(no answer)"})
+
+    await asyncio.gather(*(conversation(i) for i in range(args.long_conversations)))
+
+
 async def skewed_workload(session, url, args, tag: int, phase: Phase) -> None:
     rng = random.Random(tag)
     system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
@@ -143,10 +177,10 @@ async def engine_counters(session, ports: list[int]) -> dict[int, tuple[float, f
     return out
 
 
-def build_table(ports: list[int], strategy: str, load_bound: float) -> EndpointTable:
+def build_table(ports: list[int], strategy: str, load_bound: float, max_num_seqs: int) -> EndpointTable:
     table = EndpointTable(default_namespace="bench")  # clients send the bare name
     table.apply_service("ADDED", {"metadata": {"name": "bench", "namespace": "bench"},
-                                  "spec": {"model": {"servedName": SERVED},
+                                  "spec": {"model": {"servedName": SERVED}, "engine": {"maxNumSeqs": max_num_seqs},
                                            "routing": {"strategy": strategy, "loadBound": load_bound}}})
     for i, port in enumerate(ports):
         table.apply_pod("ADDED", {
@@ -158,7 +192,7 @@ def build_table(ports: list[int], strategy: str, load_bound: float) -> EndpointT
 
 
 async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -> dict:
-    table = build_table(ports, strategy, args.load_bound)
+    table = build_table(ports, strategy, args.load_bound, args.max_num_seqs)
     router = Router(table, rng=random.Random(tag))
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -174,6 +208,7 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
             phase.samples.append({e.pod: router.inflight.get(e, 0) for e in endpoints})
             await asyncio.sleep(0.02)
 
+    load_start = os.getloadavg()[0]
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
             before = await engine_counters(session, ports)
@@ -208,7 +243,8 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
             "inflight_mean": mean_per, "imbalance": max(mean_per.values()) / overall if overall else float("nan"),
             "peak": max((max(s.values()) for s in busy), default=0),
             "affinity_hits": counter("kaon_router_affinity_hits_total"),
-            "affinity_overrides": counter("kaon_router_affinity_overrides_total")}
+            "affinity_overrides": counter("kaon_router_affinity_overrides_total"),
+            "ttft": ttft, "load_start": load_start, "load_end": os.getloadavg()[0]}
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -255,10 +291,40 @@ async def wait_ready(procs, ports, timeout: float = 300) -> None:
 
 def show(name: str, r: dict) -> None:
     loads = " ".join(f"{v:.2f}" for v in r["inflight_mean"].values())
-    print(f"  {name:8} {r['strategy']:18} n={r['requests']:3d} fail={r['failed']} hit {r['hit_rate']:6.1%}  "
+    print(f"  {name:6} #{r['repeat']} {r['strategy']:17} load {r['load_start']:4.1f}->{r['load_end']:4.1f} "
+          f"{r['seconds']:5.0f}s n={r['requests']:3d} fail={r['failed']} hit {r['hit_rate']:6.1%}  "
           f"TTFT p50 {r['ttft_p50']:6.3f}s p99 {r['ttft_p99']:6.3f}s  {r['req_s']:5.2f} req/s "
           f"{r['chunks_s']:6.1f} tok/s  in-flight per replica [{loads}] max/mean {r['imbalance']:.2f} "
           f"peak {r['peak']}  affinity hits {r['affinity_hits']:.0f} overrides {r['affinity_overrides']:.0f}")
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """The median, and the range when there are several."""
+    mid = format(statistics.median(values), fmt)
+    return mid if len(values) == 1 else f"{mid} [{format(min(values), fmt)}..{format(max(values), fmt)}]"
+
+
+def summarize(rows: list[dict], names: list[str]) -> None:
+    print("summary: median [min..max] over repeats; TTFT also pooled over the repeats' requests")
+    for name in names:
+        by = {s: [r for r in rows if r["workload"] == name and r["strategy"] == s]
+              for s in ("least-connections", "prefix-affinity")}
+        for strategy, rs in by.items():
+            pooled = sorted(t for r in rs for t in r["ttft"])
+            print(f"  {name:6} {strategy:17} hit {spread([r['hit_rate'] for r in rs], '.1%')}  "
+                  f"TTFT p50 {spread([r['ttft_p50'] for r in rs], '.2f')}s p99 {spread([r['ttft_p99'] for r in rs], '.2f')}s "
+                  f"(pooled n={len(pooled)}: p50 {percentile(pooled, 0.5):.2f}s p99 {percentile(pooled, 0.99):.2f}s)  "
+                  f"req/s {spread([r['req_s'] for r in rs], '.2f')}  max/mean {spread([r['imbalance'] for r in rs], '.2f')} "
+                  f"peak {spread([r['peak'] for r in rs], 'd')}  load {min(r['load_start'] for r in rs):.1f}-"
+                  f"{max(max(r['load_start'], r['load_end']) for r in rs):.1f}")
+        pairs = list(zip(by["least-connections"], by["prefix-affinity"]))
+        hit = [pa["hit_rate"] / lc["hit_rate"] for lc, pa in pairs]
+        p50 = [1 - pa["ttft_p50"] / lc["ttft_p50"] for lc, pa in pairs]
+        p99 = [1 - pa["ttft_p99"] / lc["ttft_p99"] for lc, pa in pairs]
+        thr = [pa["req_s"] / lc["req_s"] for lc, pa in pairs]
+        print(f"  {name:6} prefix-affinity vs least-connections, per repeat: hit rate "
+              f"{' '.join(f'{x:.2f}x' for x in hit)}; TTFT p50 {' '.join(f'{x:+.0%}' for x in p50)} lower; "
+              f"p99 {' '.join(f'{x:+.0%}' for x in p99)} lower; throughput {' '.join(f'{x:.2f}x' for x in thr)}")
 
 
 async def bench(args) -> list[dict]:
@@ -268,22 +334,24 @@ async def bench(args) -> list[dict]:
     rows = []
     try:
         await wait_ready(procs, ports)
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        print(f"commit {commit}; python {sys.version.split()[0]}, torch {importlib.metadata.version('torch')}, "
+              f"aiohttp {importlib.metadata.version('aiohttp')}; {args.repeats} repeats of {' '.join(args.workloads)}")
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.replicas} replicas, "
               f"--max-num-seqs {args.max_num_seqs}, max_tokens {args.max_tokens}, loadBound {args.load_bound}")
         tag = 0
-        for name, workload in (("chat", chat_workload), ("skewed", skewed_workload)):
-            for strategy in ("least-connections", "prefix-affinity"):
-                tag += 1
-                row = await run_phase(workload, strategy, ports, args, tag)
-                row["workload"] = name
-                show(name, row)
-                rows.append(row)
-        for name in ("chat", "skewed"):
-            lc, pa = (next(r for r in rows if r["workload"] == name and r["strategy"] == s)
-                      for s in ("least-connections", "prefix-affinity"))
-            print(f"  {name}: hit rate {pa['hit_rate'] / lc['hit_rate']:.2f}x, TTFT p50 "
-                  f"{1 - pa['ttft_p50'] / lc['ttft_p50']:+.0%} lower, p99 {1 - pa['ttft_p99'] / lc['ttft_p99']:+.0%} "
-                  f"lower, throughput {pa['req_s'] / lc['req_s']:.2f}x (prefix-affinity vs least-connections)")
+        workloads = {"chat": chat_workload, "long": long_workload, "skewed": skewed_workload}
+        strategies = ("least-connections", "prefix-affinity")
+        for repeat in range(args.repeats):
+            for name in args.workloads:
+                for strategy in (strategies if repeat % 2 == 0 else strategies[::-1]):
+                    tag += 1
+                    row = await run_phase(workloads[name], strategy, ports, args, tag)
+                    row["workload"], row["repeat"] = name, repeat
+                    show(name, row)
+                    rows.append(row)
+        summarize(rows, args.workloads)
     finally:
         for proc in procs:
             proc.terminate()
@@ -301,11 +369,19 @@ def main() -> None:
     parser.add_argument("--think", type=float, nargs=2, default=(1.0, 4.0), help="seconds between turns (range)")
     parser.add_argument("--words", type=int, default=48, help="words per user message")
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--long-conversations", type=int, default=12)
+    parser.add_argument("--long-turns", type=int, default=5)
+    parser.add_argument("--long-words", type=int, default=24, help="words per user message (long workload)")
+    parser.add_argument("--reply-tokens", type=int, nargs=2, default=(32, 64),
+                        help="reply length range of the long workload (tokens, ignore_eos)")
     parser.add_argument("--skewed", type=int, default=36, help="requests in the skewed workload")
     parser.add_argument("--workers", type=int, default=12, help="closed-loop clients of the skewed workload")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--load-bound", type=float, default=1.25)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workloads", nargs="+", default=["chat", "long", "skewed"],
+                        choices=["chat", "long", "skewed"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = asyncio.run(bench(args))
