@@ -319,12 +319,13 @@ def summarize(rows: list[dict], names: list[str]) -> None:
                   f"{max(max(r['load_start'], r['load_end']) for r in rs):.1f}")
         pairs = list(zip(by["least-connections"], by["prefix-affinity"]))
         hit = [pa["hit_rate"] / lc["hit_rate"] for lc, pa in pairs]
-        p50 = [1 - pa["ttft_p50"] / lc["ttft_p50"] for lc, pa in pairs]
-        p99 = [1 - pa["ttft_p99"] / lc["ttft_p99"] for lc, pa in pairs]
+        p50 = [pa["ttft_p50"] / lc["ttft_p50"] - 1 for lc, pa in pairs]
+        p99 = [pa["ttft_p99"] / lc["ttft_p99"] - 1 for lc, pa in pairs]
         thr = [pa["req_s"] / lc["req_s"] for lc, pa in pairs]
         print(f"  {name:6} prefix-affinity vs least-connections, per repeat: hit rate "
-              f"{' '.join(f'{x:.2f}x' for x in hit)}; TTFT p50 {' '.join(f'{x:+.0%}' for x in p50)} lower; "
-              f"p99 {' '.join(f'{x:+.0%}' for x in p99)} lower; throughput {' '.join(f'{x:.2f}x' for x in thr)}")
+              f"{' '.join(f'{x:.2f}x' for x in hit)}; TTFT p50 {' '.join(f'{x:+.0%}' for x in p50)}; "
+              f"p99 {' '.join(f'{x:+.0%}' for x in p99)} (negative: lower); throughput "
+              f"{' '.join(f'{x:.2f}x' for x in thr)}")
 
 
 async def bench(args) -> list[dict]:
