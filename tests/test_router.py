@@ -747,6 +747,41 @@ def test_prefix_affinity_keeps_a_conversation_on_one_pod_and_passes_a_hot_pod_ov
     run(scenario())
 
 
+def test_prefix_affinity_passes_a_full_pod_over_when_the_service_says_its_slots():
+    async def scenario(max_num_seqs):
+        engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
+        table = EndpointTable(default_namespace=NS)
+        service = isvc("svc", "m")
+        service["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 1.25}
+        if max_num_seqs:
+            service["spec"]["engine"] = {"maxNumSeqs": max_num_seqs}
+        table.apply_service("ADDED", service)
+        for engine in engines:
+            table.apply_pod("ADDED", pod(engine.name, port=engine.port))
+        table.synced = True
+        router = Router(table, RouterConfig(), rng=random.Random(0))
+        async with serving(router) as client:
+            async def ask(messages) -> str:
+                async with client.post("/v1/chat/completions", json={"model": "m", "messages": messages}) as resp:
+                    return (await resp.json())["backend"]
+
+            turns = conversation(0, 2)
+            home = await ask(turns[0])
+            # Two in flight at home, one on each other pod: within the load bound (3), but with
+            # 2 slots per pod home is full while the others have one free.
+            for e in table.endpoints(ServiceKey(NS, "svc")):
+                router.inflight[e] = 2 if e.pod == home else 1
+            went = await ask(turns[1])
+        for e in engines:
+            await e.stop()
+        return home, went
+
+    home, went = run(scenario(2))
+    assert went != home
+    home, went = run(scenario(None))  # slots unknown: the load bound alone keeps it home
+    assert went == home
+
+
 def test_least_connections_stays_the_default_and_ignores_prefixes():
     async def scenario():
         engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
