@@ -50,11 +50,15 @@ def bytes_per_token(llm: LLM, context_len: int) -> int:
     K and V of `context_len` cached tokens in every layer."""
     runner = llm.engine.runner
     model, config = runner.model, runner.model_config
-    embedding = model.model.embed_tokens  # None when tied to the head, which reads all of it anyway
+    head = model.lm_head
+    # The lookup table, read one row per token: the embedding, or the float head it is tied to when the
+    # logits come from the head's quantized copy (when they do not, the head reads all of it anyway).
+    table = model.model.embed_tokens.weight if model.model.embed_tokens is not None else \
+        head.weight_t if head.quantized is not None else None
     weights = runner.weight_bytes
-    if embedding is not None:
-        weights -= embedding.weight.numel() * embedding.weight.element_size()
-        weights += config.hidden_size * embedding.weight.element_size()
+    if table is not None:
+        weights -= table.numel() * table.element_size()
+        weights += config.hidden_size * table.element_size()
     itemsize = runner.kv_cache.element_size()
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize * context_len
     return weights + kv

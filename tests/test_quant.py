@@ -233,13 +233,20 @@ def test_surgery_swaps_every_projection_and_nothing_else(method, kind, tolerance
     model = _tiny_llama()
     float_mlp = copy.deepcopy(model.model.layers[1].mlp)
     head, embed = model.lm_head.weight_t.clone(), model.model.embed_tokens.weight.clone()
+    hidden = torch.randn(3, 64)
+    float_logits = hidden @ head
     swapped = quantize_model(model, method)
     assert sorted(swapped) == sorted(f"model.layers.{i}.{p}" for i in range(2) for p in
                                      ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert all(isinstance(model.get_submodule(name), kind) for name in swapped)
-    # The vocabulary head and the embedding stay as they were, in full precision.
-    assert torch.equal(model.lm_head.weight_t, head) and torch.equal(model.model.embed_tokens.weight, embed)
+    # The embedding stays in full precision; the head's logits come from an int8 copy whatever the method,
+    # and this untied model's float head is released.
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert isinstance(model.lm_head.quantized, Int8Linear) and model.lm_head.weight_t is None
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+    assert (logits - float_logits).norm() / float_logits.norm() < 0.02
     x = torch.randn(3, 64)
     with torch.no_grad():
         expected, got = float_mlp(x), model.model.layers[1].mlp(x)

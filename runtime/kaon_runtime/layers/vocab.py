@@ -43,6 +43,10 @@ class VocabHead(nn.Module):
     x @ W in this layout streams W row by row, which CPU BLAS runs about 1.5x faster than
     x @ W.T for the one-row products of batch-1 decode, and GPUs do not mind. With tied
     embeddings the token lookup reads the same tensor column-wise, so nothing is duplicated.
+
+    `quantized` (set by quant.surgery under --quantization) is a narrow-weight linear [vocab
+    shard, hidden] that computes the logits in place of weight_t; the token lookup keeps
+    reading weight_t in full precision.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = TensorParallel()):
@@ -50,11 +54,13 @@ class VocabHead(nn.Module):
         self.tp, self.vocab_size = tp, vocab_size
         self.start, shard = vocab_range(vocab_size, tp.rank, tp.size)
         self.weight_t = nn.Parameter(torch.empty(hidden_size, shard))
+        self.quantized: nn.Module | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = hidden @ self.weight_t if self.quantized is None else self.quantized(hidden)
         if self.tp.size == 1:
-            return hidden @ self.weight_t
-        return self.tp.all_gather_last(hidden @ self.weight_t)[:, :self.vocab_size]  # padding rows dropped
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.vocab_size]  # padding rows dropped
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -14,7 +14,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (int8 [N, K], float32 scales [N]); the rounding error is at most scale / 2."""
     w = weight.float()
     scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / _QMAX
-    qweight = torch.round(w / scales[:, None]).clamp(-_QMAX, _QMAX).to(torch.int8)
+    qweight = torch.round(w / scales[:, None]).clamp(-_QMAX, _QMAX).to(torch.int8).contiguous()
     return qweight, scales
 
 
