@@ -100,16 +100,22 @@ def retarget(router, prompts: dict[str, str]):
     router._send = send
 
 
+async def post_many(client, n: int) -> list[tuple[int, str | None]]:
+    """n completions one after another: (status, the engine that answered) of each."""
+    answers = []
+    for _ in range(n):
+        async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+            answers.append((resp.status, (await resp.json()).get("backend")))
+    return answers
+
+
 def test_no_response_headers_in_time_goes_to_another_pod_and_ejects_the_slow_one():
     async def scenario():
         hung, good = await BadEngine("hung").start(), await BadEngine("good").start()
         router = routed(hung, good, first_byte_timeout=0.3)
         retarget(router, {"hung": "hang"})
         async with serving(router) as client:
-            answers = []
-            for _ in range(4):
-                async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
-                    answers.append((resp.status, (await resp.json()).get("backend")))
+            answers = await post_many(client, 4)
             await until("the hung engine to see its request cancelled", lambda: hung.cancelled == hung.calls)
             text = await (await client.get("/metrics")).text()
         await hung.stop(), await good.stop()
@@ -147,10 +153,7 @@ def test_a_connection_reset_before_any_answer_is_retried_elsewhere():
         router = routed(flaky, good)
         retarget(router, {"flaky": "reset"})
         async with serving(router) as client:
-            answers = []
-            for _ in range(3):
-                async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
-                    answers.append((resp.status, (await resp.json()).get("backend")))
+            answers = await post_many(client, 3)
             text = await (await client.get("/metrics")).text()
         await flaky.stop(), await good.stop()
         return answers, flaky.calls, text
