@@ -315,7 +315,7 @@ def summarize(rows: list[dict], names: list[str]) -> None:
                   f"TTFT p50 {spread([r['ttft_p50'] for r in rs], '.2f')}s p99 {spread([r['ttft_p99'] for r in rs], '.2f')}s "
                   f"(pooled n={len(pooled)}: p50 {percentile(pooled, 0.5):.2f}s p99 {percentile(pooled, 0.99):.2f}s)  "
                   f"req/s {spread([r['req_s'] for r in rs], '.2f')}  max/mean {spread([r['imbalance'] for r in rs], '.2f')} "
-                  f"peak {spread([r['peak'] for r in rs], 'd')}  load {min(r['load_start'] for r in rs):.1f}-"
+                  f"peak {spread([r['peak'] for r in rs], 'g')}  load {min(r['load_start'] for r in rs):.1f}-"
                   f"{max(max(r['load_start'], r['load_end']) for r in rs):.1f}")
         pairs = list(zip(by["least-connections"], by["prefix-affinity"]))
         hit = [pa["hit_rate"] / lc["hit_rate"] for lc, pa in pairs]
@@ -352,6 +352,8 @@ async def bench(args) -> list[dict]:
                     row["workload"], row["repeat"] = name, repeat
                     show(name, row)
                     rows.append(row)
+                    if args.json:  # after every phase, so that an interrupted run keeps what it measured
+                        args.json.write_text(json.dumps(rows, indent=2))
         summarize(rows, args.workloads)
     finally:
         for proc in procs:
@@ -375,7 +377,7 @@ def main() -> None:
     parser.add_argument("--long-words", type=int, default=24, help="words per user message (long workload)")
     parser.add_argument("--reply-tokens", type=int, nargs=2, default=(32, 64),
                         help="reply length range of the long workload (tokens, ignore_eos)")
-    parser.add_argument("--skewed", type=int, default=36, help="requests in the skewed workload")
+    parser.add_argument("--skewed", type=int, default=72, help="requests in the skewed workload")
     parser.add_argument("--workers", type=int, default=12, help="closed-loop clients of the skewed workload")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--load-bound", type=float, default=1.25)
@@ -385,9 +387,7 @@ def main() -> None:
                         choices=["chat", "long", "skewed"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    rows = asyncio.run(bench(args))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    asyncio.run(bench(args))
 
 
 if __name__ == "__main__":
