@@ -156,6 +156,8 @@ class _PKI:
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName(
                 [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost"),
+                 # the `kubernetes` Service's ClusterIP: pods on e2e/real_node.py's node connect to it
+                 x509.IPAddress(ipaddress.ip_network(SERVICE_CIDR)[1]),
                  x509.DNSName("kubernetes.default.svc")]), critical=False)
         cert = builder.sign(self.ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
         key_pem = self.key_pem(key)
@@ -237,9 +239,10 @@ class ControlPlane:
         self._start_controller_manager(manager, pki)
         self._start_scheduler(scheduler)
         self._start_kwok()
-        self.kubectl("apply", "-f", "-", input=json.dumps(
-            {"apiVersion": "v1", "kind": "List",
-             "items": [fake_gpu_node(f"gpu-node-{i}", self.gpus_per_node) for i in range(self.nodes)]}))
+        if self.nodes:  # nodes=0: no fake nodes (e2e/real_node.py adds a real one)
+            self.kubectl("apply", "-f", "-", input=json.dumps(
+                {"apiVersion": "v1", "kind": "List",
+                 "items": [fake_gpu_node(f"gpu-node-{i}", self.gpus_per_node) for i in range(self.nodes)]}))
         self._wait(deadline, "fake nodes Ready", self._nodes_ready)
         self._wait(deadline, "the default ServiceAccount (controller-manager working)",
                    lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0)
@@ -339,6 +342,8 @@ class ControlPlane:
                     # As in OpenShift: setting blockOwnerDeletion needs update on the owner's finalizers.
                     "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
                     "--endpoint-reconciler-type=none",
+                    # e2e/real_node.py's kubelet: its node name does not resolve, its InternalIP does.
+                    "--kubelet-preferred-address-types=InternalIP,Hostname",
                     "--service-account-issuer=https://kubernetes.default.svc",
                     f"--service-account-key-file={sa_pub}", f"--service-account-signing-key-file={sa_key}",
                     f"--service-cluster-ip-range={SERVICE_CIDR}", "--profiling=false")

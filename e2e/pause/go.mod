@@ -1,0 +1,3 @@
+module kaon.local/pause
+
+go 1.26.0
