@@ -154,3 +154,32 @@ def test_kv_pool_is_sized_from_the_byte_budget():
     assert small.engine.max_model_len == small.engine.runner.num_blocks * 16
     with pytest.raises(InvalidRequestError, match="context"):
         small.generate([[1] * small.engine.max_model_len], use_tqdm=False)
+
+
+def test_kv_budget_sets_the_largest_steps_activations_aside():
+    from kaon_runtime.config import EngineConfig
+    from kaon_runtime.engine.model_runner import num_kv_blocks, profile_chunks
+
+    config = EngineConfig(kv_cache_fraction=0.5)
+    assert num_kv_blocks(config, 1 << 20, 1000 << 20) == 500
+    assert num_kv_blocks(config, 1 << 20, 1000 << 20, activation_bytes=200 << 20) == 300
+    assert num_kv_blocks(config, 1 << 20, 1000 << 20, activation_bytes=600 << 20) == 0  # refused at load
+    assert num_kv_blocks(config, 1 << 20, None, activation_bytes=600 << 20) == config.kv_cache_bytes >> 20  # CPU
+    assert profile_chunks(1024, 300) == [300, 300, 300, 124] and profile_chunks(100, 2048) == [100]
+
+
+def test_the_profiling_run_goes_through_and_lets_go_of_its_scratch_cache():
+    # On CPU the peak is not measured (0), but the run itself (200 tokens as chunks of at most the
+    # 96-token context, over a scratch cache) is the one a GPU makes before sizing the pool.
+    llm = LLM("random://smollm2-135m", show_progress=False, device="cpu", dtype="float32", max_model_len=96,
+              max_num_batched_tokens=200, max_num_seqs=3, kv_cache_bytes=8 << 20)
+    runner = llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], params, use_tqdm=False)]
+    backend, blocks = runner.model.attention_layers()[0].backend, runner.num_blocks
+    assert runner.measure_activation_peak(backend) == 0
+    assert runner.kv_cache is None and all(a.k_cache is None for a in runner.model.attention_layers())
+    runner._attach_kv_cache(blocks, backend)  # a fresh pool: the prefix cache's entries are gone with the old one
+    llm.engine.block_manager.__init__(blocks, runner.block_size, llm.engine.config.enable_prefix_caching)
+    after = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], params, use_tqdm=False)]
+    assert after == before

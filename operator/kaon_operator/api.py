@@ -199,7 +199,7 @@ class EngineSpec(_Model):
     max_num_batched_tokens: int = Field(1024, ge=1)
     """Most tokens (prefill + decode) in one step."""
     kv_cache_fraction: float = Field(0.85, gt=0, le=1)
-    """Share of the GPU memory left after loading weights that goes to the KV cache."""
+    """Share of the GPU memory left after loading weights for the KV cache and the largest step's activations (measured at start)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes."""
     image: str = Field(DEFAULT_IMAGE, min_length=1)

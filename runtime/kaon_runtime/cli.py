@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=1024)
     serve.add_argument("--kv-cache-fraction", type=float, default=0.85,
-                       help="GPU: share of the memory left after loading weights for the KV cache")
+                       help="GPU: share of the memory left after loading weights for the KV cache and the largest "
+                            "step's activations (measured at start)")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     serve.add_argument("--cuda-graph-max-batch", type=int, default=256,

@@ -63,12 +63,23 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> i
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
-def num_kv_blocks(config: EngineConfig, block_bytes: int, free_device_bytes: int | None) -> int:
-    """How many blocks fit the budget: a share of free GPU memory, or a byte budget on CPU."""
+def num_kv_blocks(config: EngineConfig, block_bytes: int, free_device_bytes: int | None,
+                  activation_bytes: int = 0) -> int:
+    """How many blocks fit the budget: a share of free GPU memory, less what the largest step
+    needs for its activations (measured, see ModelRunner.measure_activation_peak), or a byte
+    budget on CPU."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    budget = config.kv_cache_bytes if free_device_bytes is None else int(free_device_bytes * config.kv_cache_fraction)
+    if free_device_bytes is None:
+        budget = config.kv_cache_bytes
+    else:
+        budget = int(free_device_bytes * config.kv_cache_fraction) - activation_bytes
     return max(budget // block_bytes, 0)
+
+
+def profile_chunks(num_tokens: int, max_len: int) -> list[int]:
+    """The largest step's tokens as prefill chunks no longer than the context allows."""
+    return [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
 
 
 class ModelRunner:
@@ -134,20 +145,72 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> int:
         mc = self.model.local_config  # this rank's KV heads
         block_bytes = kv_block_bytes(mc, self.block_size, self.dtype)
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        blocks = min(num_kv_blocks(self.config, block_bytes, free), MAX_HEAD_SLICE // (self.block_size * mc.head_dim))
-        if blocks < 1:
-            raise ModelLoadError(f"the KV cache budget holds no block of {block_bytes} bytes; raise the budget")
-        shape = (mc.num_layers, 2, mc.num_kv_heads, blocks, self.block_size, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         backend = select_backend(self.device)
         if backend.name == "triton":
             self.model.use_triton_kernels()
+        free, activations = None, 0
+        if self.device.type == "cuda" and self.config.num_kv_blocks is None:
+            activations = self.measure_activation_peak(backend)
+            free = torch.cuda.mem_get_info(self.device)[0]
+        blocks = min(num_kv_blocks(self.config, block_bytes, free, activations),
+                     MAX_HEAD_SLICE // (self.block_size * mc.head_dim))
+        if blocks < 1:
+            raise ModelLoadError(f"the KV cache budget holds no block of {block_bytes} bytes once the largest "
+                                 f"step's activations ({activations / 2 ** 20:.0f} MiB) are set aside; raise the "
+                                 "budget or lower --max-num-batched-tokens")
+        self._attach_kv_cache(blocks, backend)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB); the largest step's activations: %.1f MiB",
+                 blocks, self.block_size, blocks * block_bytes / 2 ** 20, activations / 2 ** 20)
+        return blocks
+
+    def _attach_kv_cache(self, blocks: int, backend) -> None:
+        mc = self.model.local_config
+        shape = (mc.num_layers, 2, mc.num_kv_heads, blocks, self.block_size, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache, attn.backend = self.kv_cache[i, 0], self.kv_cache[i, 1], backend
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, self.block_size,
-                 blocks * block_bytes / 2 ** 20)
-        return blocks
+
+    @torch.inference_mode()
+    def measure_activation_peak(self, backend) -> int:
+        """Bytes the largest step allocates beyond the weights and its KV blocks (vLLM's profiling run).
+
+        Runs max_num_batched_tokens dummy tokens as prefill chunks over a scratch KV cache of just
+        the blocks they write, and the logits of max_num_seqs rows, then frees it all. On CUDA the
+        peak comes from the caching allocator; elsewhere the run only checks that the step works, 0.
+        """
+        max_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        chunks = profile_chunks(self.config.max_num_batched_tokens, max_len)
+        per_chunk = -(-max(chunks) // self.block_size)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        self._attach_kv_cache(per_chunk * len(chunks), backend)
+        scratch = self.kv_cache.numel() * self.kv_cache.element_size()
+        prefills, slots, positions, start = [], [], [], 0
+        for i, length in enumerate(chunks):
+            table = torch.arange(i * per_chunk, (i + 1) * per_chunk, device=self.device)
+            prefills.append(PrefillChunk(start, length, length, table))
+            slots.append(torch.arange(length, device=self.device) + i * per_chunk * self.block_size)
+            positions.append(torch.arange(length, device=self.device))
+            start += length
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills)
+        hidden = self.model(torch.zeros(start, dtype=torch.long, device=self.device), torch.cat(positions), meta)
+        rows = hidden[-min(self.config.max_num_seqs, start):]
+        torch.softmax(self.model.compute_logits(rows), dim=-1)  # the sampler's widest tensors
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = max(torch.cuda.max_memory_allocated(self.device) - before - scratch, 0)
+        del hidden, rows
+        self.kv_cache = None
+        for attn in self.model.attention_layers():  # their views would keep the scratch cache alive
+            attn.k_cache = attn.v_cache = None
+        if cuda:
+            torch.cuda.empty_cache()
+        return peak
 
     def cuda_graphs_apply(self) -> bool:
         """Decode graphs need a GPU, the Triton backend (the torch one gathers by data-dependent masks)
