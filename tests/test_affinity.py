@@ -33,8 +33,11 @@ def test_a_pod_without_a_free_slot_is_passed_over_while_another_has_one():
     loads = {A: 4, B: 4, C: 3}
     assert affinity.choose([A, B, C], PODS, loads, 1.25, first=A, slots=4) == (C, False)
     assert affinity.choose([A, B, C], PODS, loads, 1.25, first=A) == (A, True)  # slots unknown
-    # With no free slot anywhere, the cached prefix is worth the wait: a keeps it.
+    # With no free slot anywhere, a keeps it while no pod has fewer waiting: the cached prefix
+    # is worth a wait, but not a longer one than elsewhere (the load bound, 6, would keep it).
     assert affinity.choose([A, B, C], PODS, {A: 4, B: 4, C: 4}, 1.25, first=A, slots=4) == (A, True)
+    assert affinity.choose([A, B, C], PODS, {A: 5, B: 4, C: 4}, 1.25, first=A, slots=4) == (B, False)
+    assert affinity.choose([A, B, C], PODS, {A: 5, B: 5, C: 5}, 1.25, first=A, slots=4) == (A, True)
     # A free slot at the holder: no reason to leave it.
     assert affinity.choose([A, B, C], PODS, {A: 3, B: 0, C: 0}, 3.0, first=A, slots=4) == (A, True)
     # Only usable pods count: c's free slot does not matter when c may not be used.

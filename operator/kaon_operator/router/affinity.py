@@ -19,9 +19,9 @@ The choice, in order of preference:
    service (`choose`), for the least loaded pod, which then holds the prefix too (a hot prefix
    gets replicated instead of piling onto one pod):
    - bounded loads: it carries ceil(loadBound x mean) requests in flight already;
-   - slots: it has no free sequence slot (engine.maxNumSeqs) while another pod has one. The
-     request would wait there for a running sequence to finish, which costs more than the
-     prefill the cache saves;
+   - slots: it has no free sequence slot (engine.maxNumSeqs) and another pod has one, or has
+     fewer requests waiting. The request would wait there for running sequences to finish,
+     which costs more than the prefill the cache saves;
    - a new prefix (no pod holds any of the request's own chunks: a conversation's first turn)
      saves nothing where it goes, so its ring owner gets it only while it is within
      NEW_PREFIX_SLACK of the least loaded pod, both in requests in flight and in
@@ -239,7 +239,8 @@ def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], l
     The first choice (`first`, else the ring's first usable pod) is kept while it carries
     fewer requests in flight than
     - `capacity` (ceil(load_bound x mean)),
-    - `slots`, when some usable pod has a free slot,
+    - `slots`, or when no usable pod has a free slot, the least loaded pod's count + 1 (a
+      cached prefix is never bought with a longer wait for a slot),
     - for a new prefix, the least loaded pod's count + NEW_PREFIX_SLACK + 1, and while it is
       home to no more than NEW_PREFIX_SLACK conversations above the pod with the fewest;
     otherwise the least loaded usable pod gets the request (ties: for a new prefix the fewest
@@ -251,8 +252,8 @@ def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], l
     loads = {m: inflight.get(m, 0) for m in ranked}
     least = min(loads.values())
     limit = capacity(inflight, usable, load_bound)
-    if slots is not None and least < slots:
-        limit = min(limit, slots)
+    if slots is not None:
+        limit = min(limit, max(slots, least + 1))
     head = ranked[0]
     new = first is None or first not in allowed
     homes = {m: (homes or {}).get(m, 0) for m in ranked} if new else dict.fromkeys(ranked, 0)
