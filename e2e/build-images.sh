@@ -54,6 +54,14 @@ save() {  # save <image name> <key>: the image as an OCI archive, uncompressed (
   bah push --disable-compression --quiet "$name" "oci-archive:$tmp:$name" >/dev/null
   mv -f "$tmp" "$CACHE/archives/$key.tar"
   touch "$CACHE/archives/$key.done"
+  # Older archives of the same image go (a runtime archive is a few GB), and so do the layers
+  # no image uses any more.
+  local old
+  for old in "$CACHE/archives/${key%-*}"-*.tar; do
+    [[ "$old" == "$CACHE/archives/$key.tar" || ! -e "$old" ]] && continue
+    rm -f "$old" "${old%.tar}.done" "${old%.tar}.loaded"
+  done
+  bah rmi --prune >/dev/null 2>&1 || true
 }
 
 record() {  # record <image name> <key>: the image's line in the list
