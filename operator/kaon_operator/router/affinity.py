@@ -13,15 +13,16 @@ The choice, in order of preference:
    went to. Failing that (a turn whose earlier prompt ended part way into a chunk shares no
    whole chunk of its own with it), the pod its conversation (anchor) last went to;
 2. otherwise the ring's owner of the request's anchor: for a chat, the conversation up to its
-   first user turn, which every later turn repeats, so that a conversation finds its pod
-   again without memory (after a router restart, or through another router replica);
+   first user turn, which every later turn repeats, so that a conversation that started on
+   its ring owner finds its pod again without memory (after a router restart, or through
+   another router replica);
 3. and whichever is preferred, it is passed over when taking the request would unbalance the
    service (`choose`), for the least loaded pod, which then holds the prefix too (a hot prefix
    gets replicated instead of piling onto one pod):
    - bounded loads: it carries ceil(loadBound x mean) requests in flight already;
-   - slots: it has no free sequence slot (engine.maxNumSeqs) and another pod has one, or has
-     fewer requests waiting. The request would wait there for running sequences to finish,
-     which costs more than the prefill the cache saves;
+   - slots: it has no free sequence slot (engine.maxNumSeqs) and another pod has one, or no
+     pod has one and another has fewer requests in flight. The request would wait there for
+     running sequences to finish, which costs more than the prefill the cache saves;
    - a new prefix (no pod holds any of the request's own chunks: a conversation's first turn)
      saves nothing where it goes, so its ring owner gets it only while it is within
      NEW_PREFIX_SLACK of the least loaded pod, both in requests in flight and in
