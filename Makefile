@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane demo generate serve test bench bench-gpu bench-roofline bench-serve bench-cpu soak bench-operator bench-autoscale clean
+.PHONY: install control-plane node e2e-node demo generate serve test bench bench-gpu bench-roofline bench-serve bench-cpu soak bench-operator bench-autoscale clean
 
 install: $(STAMP)
 
@@ -34,6 +34,18 @@ control-plane:
 	bash e2e/build-control-plane.sh >/dev/null
 	# MinIO, the real S3 store the s3:// tests start (e2e/build-minio.sh: ~9 min the first time, cached after).
 	bash e2e/build-minio.sh >/dev/null
+
+# The local cluster's real node (e2e/README.md): Debian's containerd, runc, CNI plugins, nftables,
+# socat, buildah and debootstrap (apt-get, root), kubelet and kube-proxy from Go modules, and kaon's
+# images built with buildah. About 15 min the first time on 2 cores, cached under ~/.cache/kaon after.
+node: control-plane
+	bash e2e/setup-node.sh
+	bash e2e/build-node.sh >/dev/null
+	bash e2e/build-images.sh >/dev/null
+
+# The end-to-end tests on the real node (not part of `make test`: docs/testing.md says why).
+e2e-node: install node
+	KAON_REAL_NODE=1 $(PY) -m pytest -q -rs tests/test_e2e_real_node.py
 
 test: install control-plane
 	$(PY) -m pytest -q
