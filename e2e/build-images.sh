@@ -148,9 +148,13 @@ bud() {  # bud <image name> <key> <context> <Dockerfile> [--build-arg ...]
   local name=$1 key=$2 context=$3 dockerfile=$4 start=$SECONDS
   shift 4
   log "$name: buildah bud -f ${dockerfile#"$ROOT"/} $*"
+  # buildah's own output (every pip line) goes to build.log; its tail is shown when it fails.
   # shellcheck disable=SC2046
-  bah bud --layers --pull=false --isolation chroot --network host $(build_mounts) \
-    -f "$dockerfile" -t "$name" "$@" "$context" >&2
+  if ! bah bud --layers --pull=false --isolation chroot --network host $(build_mounts) \
+    -f "$dockerfile" -t "$name" "$@" "$context" >"$CACHE/build.log" 2>&1; then
+    tail -n 40 "$CACHE/build.log" >&2
+    die "$name: buildah bud failed (all of it: $CACHE/build.log)"
+  fi
   save "$name" "$key"
   log "$name: built in $((SECONDS - start))s"
 }

@@ -2,8 +2,10 @@
 
     python -m e2e.demo [--keep]
 
-Starts a real control plane with KWOK GPU nodes (built once from Go modules, cached), the
-operator and the router from this working tree, and the pod runner; applies
+Starts a real control plane (built once from Go modules, cached) with a real node (kubelet,
+containerd, kaon's images built here: e2e/real_cluster.py) when one can start on this machine,
+else with KWOK GPU nodes, the operator and the router from this working tree, and the pod
+runner; says which mode it runs in (KAON_DEMO_MODE=real|kwok forces one); applies
 examples/smollm2.yaml; chats with SmolLM2 through the router with the openai client; sends
 a burst that makes the autoscaler add replicas, waits for it to scale back down; prints
 `kubectl get infsvc` and `kubectl describe infsvc` with the Events. `--keep` leaves it all
@@ -12,10 +14,12 @@ running until Ctrl-C and prints how to reach it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
@@ -45,20 +49,54 @@ def wait(what: str, check, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def manifest() -> dict:
+def manifest(mode: str) -> dict:
     obj = yaml.safe_load(EXAMPLE.read_text())
     for key, value in DEMO_OVERRIDES.items():
         obj["spec"][key] = {**obj["spec"].get(key, {}), **value}
+    if mode == "real":  # the image built here; small requests, so three engines fit on two cores
+        from e2e.real_cluster import ENGINE_IMAGE
+        obj["spec"]["engine"]["image"] = ENGINE_IMAGE
+        obj["spec"]["resources"] = {"requests": {"cpu": "250m", "memory": "1Gi"}}
     return obj
 
 
-def run(keep: bool) -> int:
+MODES = {"real": "a REAL node: kubelet + containerd + runc running kaon's images built here (e2e/real_cluster.py)",
+         "kwok": "KWOK nodes, engines run by e2e/pod_runner.py as local processes (e2e/local_cluster.py)"}
+
+
+def open_cluster(stack: ExitStack):
+    """The real node when it can start on this machine, else KWOK + the pod runner.
+    KAON_DEMO_MODE=real|kwok forces one (real: fail instead of falling back)."""
+    wanted = os.environ.get("KAON_DEMO_MODE", "auto")
+    if wanted != "kwok":
+        from e2e.real_node import unavailable_reason
+        reason = unavailable_reason()
+        if reason is None:
+            say("starting the local cluster with a real node (the first run builds kubelet, containerd's images "
+                "and Kubernetes: up to ~30 min; cached after)")
+            try:
+                from e2e.real_cluster import RealCluster
+                return stack.enter_context(RealCluster()), "real"
+            except Exception as e:  # noqa: BLE001 - said, then the fallback
+                if wanted == "real":
+                    raise
+                reason = f"it did not start: {e}"
+        elif wanted == "real":
+            raise SystemExit(f"demo: no real node on this machine: {reason}")
+        say(f"no real node ({reason.splitlines()[0]}); falling back to KWOK nodes")
     say("starting the local cluster (the first run builds Kubernetes from Go modules: ~15 min)")
-    with LocalCluster() as local:
+    return stack.enter_context(LocalCluster()), "kwok"
+
+
+def run(keep: bool) -> int:
+    with ExitStack() as stack:
+        local, mode = open_cluster(stack)
+        say(f"mode: {MODES[mode]}")
         cp = local.cp
-        isvc = manifest()
+        isvc = manifest(mode)
         name, served = isvc["metadata"]["name"], isvc["spec"]["model"]["servedName"]
-        say(f"applying {EXAMPLE.relative_to(ROOT)} (demo: engine image {LOCAL_IMAGE}, short autoscaling windows)")
+        say(f"applying {EXAMPLE.relative_to(ROOT)} (demo: engine image {isvc['spec']['engine']['image']}, "
+            "short autoscaling windows)")
         cp.kubectl("apply", "-n", "default", "-f", "-", input=yaml.safe_dump(isvc))
 
         def status() -> dict:
@@ -95,6 +133,7 @@ def run(keep: bool) -> int:
 
         print(cp.kubectl("get", "infsvc", "-n", "default").stdout, flush=True)
         print(cp.kubectl("describe", "infsvc", name, "-n", "default").stdout, flush=True)
+        say(f"this demo ran on {MODES[mode]}")
         if keep:
             say(f"left running. KUBECONFIG={cp.kubeconfig}  router: {local.router_url}/v1  (Ctrl-C stops it all)")
             try:
