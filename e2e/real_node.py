@@ -74,11 +74,11 @@ def unavailable_reason(bin_dir: Path | None = None) -> str | None:
     installed and built; it starts nothing."""
     if os.geteuid() != 0:
         return "needs root (a kubelet and containerd)"
-    missing = [tool for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "nft", "socat", "ip")
-               if shutil.which(tool) is None]
+    missing = [tool for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "nft", "socat", "ip",
+                                 "buildah", "debootstrap") if shutil.which(tool) is None]
     missing += [f"{CNI_BIN}/{p}" for p in ("bridge", "host-local", "loopback") if not (CNI_BIN / p).exists()]
     if missing:
-        return f"not installed: {', '.join(missing)} (make node-setup installs them)"
+        return f"not installed: {', '.join(missing)} (`make node` installs them)"
     if bin_dir is not None:
         absent = [b for b in ("kubelet", "kube-proxy") if not (Path(bin_dir) / b).exists()]
         if absent:
@@ -187,7 +187,8 @@ class RealNode:
         self._netns_before = set(os.listdir("/var/run/netns")) if Path("/var/run/netns").exists() else set()
         self._network()
         self._start_containerd(deadline)
-        self._import_images()
+        self._import_images()  # the first import of the engine image alone takes a minute or two
+        deadline = max(deadline, time.monotonic() + 60)
         self._identities()
         self._start_apiserver_forwarder()
         self._start_kubelet()
