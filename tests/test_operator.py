@@ -467,7 +467,10 @@ def test_a_burst_of_creations_reconciles_each_once(operator, cluster):
         wait_for(f"{name} applied", lambda: (cluster.get("infsvc", name).get("status") or {}).get(
             "observedGeneration") == 1)
     time.sleep(3)
-    assert runs() - before == len(names)
+    # The bug doubled the runs (40 for 20). A loaded fresh-clone CI run still saw 21 and 22: an apply
+    # retried after an API error, or an older object's resume, is counted too, and this count cannot
+    # tell them apart; one Created Event per object below is the exact check.
+    assert len(names) <= runs() - before < 1.5 * len(names)
     created = [n for n in names for _, r, _m in cluster.events(n) if r == "Created"]
     assert sorted(created) == sorted(names)
 
