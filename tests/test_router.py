@@ -706,17 +706,24 @@ def test_an_autoscaled_service_holds_requests_for_its_cold_start_not_the_routers
     assert "within 1s" in body["error"]["message"]
 
 
+async def affinity_service(engine_spec: dict | None = None):
+    """Three fake engines behind a router whose one InferenceService routes by prefix-affinity."""
+    engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
+    table = EndpointTable(default_namespace=NS)
+    service = isvc("svc", "m")
+    service["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 1.25}
+    if engine_spec:
+        service["spec"]["engine"] = engine_spec
+    table.apply_service("ADDED", service)
+    for engine in engines:
+        table.apply_pod("ADDED", pod(engine.name, port=engine.port))
+    table.synced = True
+    return engines, table, Router(table, RouterConfig(), rng=random.Random(0))
+
+
 def test_prefix_affinity_keeps_a_conversation_on_one_pod_and_passes_a_hot_pod_over():
     async def scenario():
-        engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
-        table = EndpointTable(default_namespace=NS)
-        service = isvc("svc", "m")
-        service["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 1.25}
-        table.apply_service("ADDED", service)
-        for engine in engines:
-            table.apply_pod("ADDED", pod(engine.name, port=engine.port))
-        table.synced = True
-        router = Router(table, RouterConfig(), rng=random.Random(0))
+        engines, table, router = await affinity_service()
         async with serving(router) as client:
             async def ask(messages) -> str:
                 async with client.post("/v1/chat/completions", json={"model": "m", "messages": messages}) as resp:
@@ -749,17 +756,7 @@ def test_prefix_affinity_keeps_a_conversation_on_one_pod_and_passes_a_hot_pod_ov
 
 def test_prefix_affinity_passes_a_full_pod_over_when_the_service_says_its_slots():
     async def scenario(max_num_seqs):
-        engines = [await FakeEngine(f"e{i}").start() for i in range(3)]
-        table = EndpointTable(default_namespace=NS)
-        service = isvc("svc", "m")
-        service["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 1.25}
-        if max_num_seqs:
-            service["spec"]["engine"] = {"maxNumSeqs": max_num_seqs}
-        table.apply_service("ADDED", service)
-        for engine in engines:
-            table.apply_pod("ADDED", pod(engine.name, port=engine.port))
-        table.synced = True
-        router = Router(table, RouterConfig(), rng=random.Random(0))
+        engines, table, router = await affinity_service({"maxNumSeqs": max_num_seqs} if max_num_seqs else None)
         async with serving(router) as client:
             async def ask(messages) -> str:
                 async with client.post("/v1/chat/completions", json={"model": "m", "messages": messages}) as resp:
