@@ -215,22 +215,26 @@ def test_the_ring_keeps_a_key_on_one_pod_spreads_keys_and_a_leaving_pod_moves_on
     assert sum(a.pod == "p5" for a in joined) < len(keys) * (1 / 6 + 0.06)
 
 
+RNG = random.Random(0)
+"""Breaks prefix-affinity's ties; a test whose outcome depends on one accepts every outcome."""
+
+
 def test_choose_keeps_the_first_choice_until_it_is_over_the_load_bound():
     a, b, c = ep("a"), ep("b"), ep("c")
     order = [b, c, a]
-    assert affinity.choose(order, [a, b, c], {}, 1.25) == (b, True)
+    assert affinity.choose(order, [a, b, c], {}, 1.25, rng=RNG) == (b, True)
     # b carries 2 of 3 in flight: capacity ceil(1.25 x 4 / 3) = 2, so b is skipped for c.
-    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 1.25) == (c, False)
-    assert affinity.choose(order, [a, b, c], {b: 1, a: 1}, 1.25) == (b, True)
+    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 1.25, rng=RNG) == (c, False)
+    assert affinity.choose(order, [a, b, c], {b: 1, a: 1}, 1.25, rng=RNG) == (b, True)
     # The holder of the known prefix comes before the ring, and is skipped the same way.
-    assert affinity.choose(order, [a, b, c], {}, 1.25, first=a) == (a, True)
-    assert affinity.choose(order, [a, b, c], {a: 3}, 1.25, first=a) == (b, False)
+    assert affinity.choose(order, [a, b, c], {}, 1.25, first=a, rng=RNG) == (a, True)
+    assert affinity.choose(order, [a, b, c], {a: 3}, 1.25, first=a, rng=RNG) in {(b, False), (c, False)}
     # Only usable pods (not tried, not backing off) count; a generous bound keeps a holder.
-    assert affinity.choose(order, [a, c], {}, 1.25) == (c, True)
-    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 3.0, first=b) == (b, True)
+    assert affinity.choose(order, [a, c], {}, 1.25, rng=RNG) == (c, True)
+    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 3.0, first=b, rng=RNG) == (b, True)
     # A tight bound: capacity ceil(1.01 x 10 / 2) = 6.
-    assert affinity.choose(order, [b, c], {b: 5, c: 4}, 1.01) == (b, True)
-    assert affinity.choose(order, [b, c], {b: 6, c: 3}, 1.01) == (c, False)
+    assert affinity.choose(order, [b, c], {b: 5, c: 4}, 1.01, rng=RNG) == (b, True)
+    assert affinity.choose(order, [b, c], {b: 6, c: 3}, 1.01, rng=RNG) == (c, False)
 
 
 def test_bounded_loads_keep_every_pod_near_the_mean_even_when_one_key_is_hot():
@@ -238,7 +242,7 @@ def test_bounded_loads_keep_every_pod_near_the_mean_even_when_one_key_is_hot():
     ring = affinity.Ring(pods, name=lambda e: e.pod)
     inflight: dict = {}
     for _ in range(100):  # one hot prefix, requests that never finish
-        target, _ = affinity.choose(ring.walk(42), pods, inflight, 1.25)
+        target, _ = affinity.choose(ring.walk(42), pods, inflight, 1.25, rng=RNG)
         inflight[target] = inflight.get(target, 0) + 1
     assert max(inflight.values()) <= 1.25 * 100 / 4 + 1, inflight
 
@@ -248,18 +252,18 @@ def test_the_longest_known_prefix_wins_and_of_several_holders_the_least_loaded()
     known = affinity.KnownPrefixes(capacity=10)
     turn1 = affinity.chain("s" * 512 + "u" * 300, "k")
     known.record(turn1, a)
-    assert affinity.preferred(turn1, known, [b, c, a], {a: 3}) == a  # however loaded: the bound is choose's
-    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "more", "k"), known, [a, b], {}) == a
-    assert affinity.preferred(turn1, known, [b, c], {}) is None  # a is not usable now
-    assert affinity.preferred(affinity.chain("other", "k"), known, [a, b], {}) is None
+    assert affinity.preferred(turn1, known, [b, c, a], {a: 3}, rng=RNG) == a  # however loaded: the bound is choose's
+    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "more", "k"), known, [a, b], {}, rng=RNG) == a
+    assert affinity.preferred(turn1, known, [b, c], {}, rng=RNG) is None  # a is not usable now
+    assert affinity.preferred(affinity.chain("other", "k"), known, [a, b], {}, rng=RNG) is None
     known.record(turn1, b)  # passed over for load once: now cached on a and b
-    assert affinity.preferred(turn1, known, [c, b, a], {a: 2, b: 1}) == b
-    assert affinity.preferred(turn1, known, [c, a, b], {}) == a  # a tie: the ring's order
+    assert affinity.preferred(turn1, known, [c, b, a], {a: 2, b: 1}, rng=RNG) == b
+    assert {affinity.preferred(turn1, known, [c, a, b], {}, rng=RNG) for _ in range(20)} == {a, b}  # ties at random
     # A longer prefix whose holder left gives way to a shorter one that another pod holds.
     known.record(affinity.chain("s" * 512 + "u" * 300 + "w" * 300, "k"), c)
-    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "w" * 300, "k"), known, [a], {}) == a
+    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "w" * 300, "k"), known, [a], {}, rng=RNG) == a
     known.record(affinity.chain("z" * 2600, "k"), b)  # 11 chunks: the oldest are forgotten
-    assert len(known) == 10 and affinity.preferred(turn1, known, [a, b], {}) is None
+    assert len(known) == 10 and affinity.preferred(turn1, known, [a, b], {}, rng=RNG) is None
 
 
 # the HTTP path against fake engines ----------------------------------------------------

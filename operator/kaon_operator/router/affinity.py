@@ -39,8 +39,9 @@ import bisect
 import hashlib
 import json
 import math
+import random
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T", bound=Hashable)
@@ -210,14 +211,25 @@ class KnownPrefixes:
         return len(self._where)
 
 
-def preferred(hashes: Sequence[int], known: KnownPrefixes, order: Sequence[T], inflight: Mapping[T, int]) -> T | None:
+def least_by(pods: Sequence[T], key: Callable[[T], object], rng: random.Random) -> T:
+    """The pod with the smallest key; ties at random, as least-connections breaks them. A fixed
+    order (the ring's) would give every tie of a popular prefix to the same pod: its cheap
+    cached prefills would all land there and the costly uncached ones on the other pods,
+    whose batches then take longest (same in-flight counts, unequal work)."""
+    lowest = min(key(m) for m in pods)
+    tied = [m for m in pods if key(m) == lowest]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def preferred(hashes: Sequence[int], known: KnownPrefixes, order: Sequence[T], inflight: Mapping[T, int], *,
+              rng: random.Random) -> T | None:
     """Of the usable pods (`order`: ring order) that hold the longest known prefix, the least
-    loaded (ties: the first on the ring). A prompt that went to several pods (a popular one,
-    passed over for load before) is spread over those that cache it, not piled onto one."""
+    loaded (ties at random). A prompt that went to several pods (a popular one, passed over for
+    load before) is spread over those that cache it, not piled onto one."""
     for h in reversed(hashes):
         holders = [m for m in order if m in known.get(h)]
         if holders:
-            return min(holders, key=lambda m: inflight.get(m, 0))
+            return least_by(holders, lambda m: inflight.get(m, 0), rng)
     return None
 
 
@@ -229,14 +241,14 @@ def capacity(inflight: Mapping[T, int], members: Sequence[T], load_bound: float)
 
 
 def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], load_bound: float,
-           first: T | None = None, slots: int | None = None,
-           homes: Mapping[T, int] | None = None) -> tuple[T, bool]:
+           first: T | None = None, slots: int | None = None, homes: Mapping[T, int] | None = None, *,
+           rng: random.Random) -> tuple[T, bool]:
     """The pod for a request, and whether it is the first choice (False: passed over for load).
 
     `order`: the pods in ring order from the request's anchor; `first`: the holder of the
     longest known prefix (None: no pod holds any of the request's own chunks: a new prefix);
     `usable`: the pods this attempt may use; `slots`: the engine's maxNumSeqs (None: unknown);
-    `homes`: the conversations active lately per pod (`Homes.counts`).
+    `homes`: the conversations active lately per pod (`Homes.counts`); `rng` breaks ties.
     The first choice (`first`, else the ring's first usable pod) is kept while it carries
     fewer requests in flight than
     - `capacity` (ceil(load_bound x mean)),
@@ -245,7 +257,7 @@ def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], l
     - for a new prefix, the least loaded pod's count + NEW_PREFIX_SLACK + 1, and while it is
       home to no more than NEW_PREFIX_SLACK conversations above the pod with the fewest;
     otherwise the least loaded usable pod gets the request (ties: for a new prefix the fewest
-    conversations, then the ring's order)."""
+    conversations, then at random)."""
     allowed = set(usable)
     ranked = [first] if first is not None and first in allowed else []
     ranked += [m for m in order if m in allowed and m != first]
@@ -265,5 +277,5 @@ def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], l
         settled = True
     if loads[head] < limit and settled:
         return head, True
-    target = min(ranked, key=lambda m: (loads[m], homes[m]))  # the first of the least loaded, in ranked order
+    target = least_by(ranked, lambda m: (loads[m], homes[m]), rng)
     return target, target == head
