@@ -79,3 +79,20 @@ def test_a_fatal_start_error_is_written_to_the_termination_log(tmp_path, monkeyp
     monkeypatch.setattr(cli, "TERMINATION_LOG", tmp_path / "absent")  # no kubelet: nothing created
     assert cli.main(["serve", "--model", "builtin://nope"]) == 2
     assert not (tmp_path / "absent").exists()
+
+
+def test_kaon_serve_sizes_the_kv_pool_by_bytes_or_blocks_and_refuses_a_bad_size_clearly():
+    from kaon_runtime.cli import build_parser, engine_config
+
+    def config(*flags: str):
+        return engine_config(build_parser().parse_args(["serve", *flags]))
+
+    assert (config().kv_cache_bytes, config().num_kv_blocks) == (1 << 30, None)
+    assert config("--kv-cache-bytes", "268435456").kv_cache_bytes == 256 << 20
+    assert config("--num-kv-blocks", "96").num_kv_blocks == 96
+    for flag, value, why in (("--num-kv-blocks", "0", "must be at least 1, got 0"),
+                             ("--kv-cache-bytes", "-1", "must be at least 1, got -1"),
+                             ("--kv-cache-bytes", "1GiB", "expected a whole number, got '1GiB'")):
+        result = kaon("serve", flag, value)
+        assert result.returncode == 2, result.stderr
+        assert f"argument {flag}: {why}" in result.stderr and "Traceback" not in result.stderr

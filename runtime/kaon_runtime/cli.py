@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-fraction", type=float, default=0.85,
                        help="GPU: share of the memory left after loading weights for the KV cache and the largest "
                             "step's activations (measured at start)")
+    serve.add_argument("--kv-cache-bytes", type=positive_int, default=1 << 30,
+                       help="CPU: bytes for the KV cache pool (default 1 GiB)")
+    serve.add_argument("--num-kv-blocks", type=positive_int,
+                       help="the KV cache pool in blocks of 16 tokens, on any device; overrides --kv-cache-bytes "
+                            "and --kv-cache-fraction")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     serve.add_argument("--cuda-graph-max-batch", type=int, default=256,
@@ -84,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService: the same as "
                    "`kaon-router`", add_help=False)
     return parser
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: argparse turns the ValueError into `argument --flag: ...` and exit 2."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
@@ -200,7 +216,8 @@ def engine_config(args) -> EngineConfig:
     """`kaon serve`'s flags as the engine's configuration, which the server takes finished."""
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
+                        kv_cache_fraction=args.kv_cache_fraction, kv_cache_bytes=args.kv_cache_bytes,
+                        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
                         **speculative_options(args))
