@@ -1,6 +1,6 @@
 """Routing strategies on real engines: least-connections vs prefix-affinity, in the same run.
 
-    python bench/routing.py [--replicas 3] [--repeats 2] [--workloads chat long skewed]
+    python bench/routing.py [--replicas 3] [--repeats 2] [--workloads chat long pressure skewed] [--kv-blocks N]
 
 Starts --replicas `kaon serve` processes (builtin://smollm2-135m-instruct, --max-num-seqs 4,
 prefix caching on) and, for each strategy, kaon's Router in this process on an endpoint
@@ -18,11 +18,19 @@ table fed by hand (no Kubernetes). Three workloads, each run under both strategi
   into the history, so that the part of the prompt only one conversation has grows turn by
   turn, as in a chat people actually hold (the chat workload's shared system prompt is about
   half of every prompt, which least-connections finds cached on every replica too).
+- pressure: long's conversations, --pressure-conversations of them (24), meant to run with
+  --kv-blocks: KV pools smaller than the conversations' histories, as in a deployment whose
+  caches hold fewer conversations than it serves. The engines' default pool (1 GiB, about
+  1450 blocks of 16 tokens for this model) holds every workload here whole on every replica,
+  so nothing is ever evicted and a conversation finds its history on any pod it visited
+  before. Each phase prints its working set: the tokens of every conversation's history at
+  its longest, in blocks.
 - skewed: --skewed single-turn chats from --workers closed-loop workers; two in three are the
   same hot request (one system prompt and one question), the rest each unique.
 
 Each phase gets its own system prompt (a phase number in front), so that no phase finds its
-prefixes cached by an earlier one. Reported per phase: the engines' prefix-cache hit rate
+prefixes cached by an earlier one (under --kv-blocks an earlier phase's blocks are evicted, least
+recently used first, as the phase needs room). Reported per phase: the engines' prefix-cache hit rate
 (kaon_prefix_cache_hits_total / queries_total, deltas summed over replicas), TTFT p50/p99
 (client side, to the first content chunk), requests/s and output chunks/s over the phase,
 the in-flight requests per replica (sampled every 20 ms: each replica's time average, max
@@ -63,6 +71,7 @@ from kaon_operator.router.endpoints import EndpointTable, ServiceKey  # noqa: E4
 from kaon_operator.router.proxy import Router  # noqa: E402
 
 MODEL = "builtin://smollm2-135m-instruct"
+BLOCK_TOKENS = 16  # the engine's KV block
 SERVED = "smollm2"
 WORDS = ("river mill harbor lantern orchard signal ledger meadow furnace compass quarry beacon glacier tavern "
          "canal archive bridge forest engine garden market palace valley tower window winter summer copper").split()
@@ -85,34 +94,44 @@ class Phase:
     failed: int = 0
     seconds: float = 0.0
     samples: list[dict] = field(default_factory=list)
+    working_set: int = 0
+    """Tokens of every conversation's history at its longest (its last prompt and reply): what
+    the engines would have to keep to serve every turn's history from the cache."""
 
 
 async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int, phase: Phase,
-              ignore_eos: bool = False) -> str:
-    body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+              ignore_eos: bool = False) -> tuple[str, int]:
+    """The reply, and the tokens of prompt and reply together (the conversation's length now)."""
+    body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
-    start, first, text = time.perf_counter(), None, []
+    start, first, text, tokens = time.perf_counter(), None, [], 0
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             phase.failed += 1
             await resp.read()
-            return ""
+            return "", 0
         async for line in resp.content:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            piece = (json.loads(line[6:])["choices"][0].get("delta") or {}).get("content") or ""
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["total_tokens"]
+            if not chunk["choices"]:  # the usage chunk
+                continue
+            piece = (chunk["choices"][0].get("delta") or {}).get("content") or ""
             if piece:
                 first = first or time.perf_counter()
                 text.append(piece)
                 phase.chunks += 1
     if first is None:
         phase.failed += 1
-        return ""
+        return "", tokens
     phase.ttft.append(first - start)
     phase.done += 1
-    return "".join(text)
+    return "".join(text), tokens
 
 
 async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
@@ -126,13 +145,15 @@ async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
             if turn:  # the user reads and types: other conversations' requests come in meanwhile
                 await asyncio.sleep(rng.uniform(*args.think))
             messages.append({"role": "user", "content": question(rng, args.words)})
-            reply = await ask(session, url, messages, args.max_tokens, phase)
+            reply, tokens = await ask(session, url, messages, args.max_tokens, phase)
             messages.append({"role": "assistant", "content": reply or "(no answer)"})
+        phase.working_set += tokens
 
     await asyncio.gather(*(conversation(i) for i in range(args.conversations)))
 
 
-async def long_workload(session, url, args, tag: int, phase: Phase) -> None:
+async def history_workload(session, url, args, tag: int, phase: Phase, conversations: int) -> None:
+    """`conversations` conversations of --long-turns turns whose replies go back into the history."""
     system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
 
     async def conversation(i: int) -> None:
@@ -143,10 +164,20 @@ async def long_workload(session, url, args, tag: int, phase: Phase) -> None:
             if turn:
                 await asyncio.sleep(rng.uniform(*args.think))
             messages.append({"role": "user", "content": question(rng, args.long_words)})
-            reply = await ask(session, url, messages, rng.randint(*args.reply_tokens), phase, ignore_eos=True)
+            reply, tokens = await ask(session, url, messages, rng.randint(*args.reply_tokens), phase,
+                                      ignore_eos=True)
             messages.append({"role": "assistant", "content": reply or "(no answer)"})
+        phase.working_set += tokens
 
-    await asyncio.gather(*(conversation(i) for i in range(args.long_conversations)))
+    await asyncio.gather(*(conversation(i) for i in range(conversations)))
+
+
+async def long_workload(session, url, args, tag: int, phase: Phase) -> None:
+    await history_workload(session, url, args, tag, phase, args.long_conversations)
+
+
+async def pressure_workload(session, url, args, tag: int, phase: Phase) -> None:
+    await history_workload(session, url, args, tag, phase, args.pressure_conversations)
 
 
 async def skewed_workload(session, url, args, tag: int, phase: Phase) -> None:
@@ -244,7 +275,8 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
             "peak": max((max(s.values()) for s in busy), default=0),
             "affinity_hits": counter("kaon_router_affinity_hits_total"),
             "affinity_overrides": counter("kaon_router_affinity_overrides_total"),
-            "ttft": ttft, "load_start": load_start, "load_end": os.getloadavg()[0]}
+            "ttft": ttft, "load_start": load_start, "load_end": os.getloadavg()[0],
+            "working_set_blocks": -(-phase.working_set // BLOCK_TOKENS)}
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -260,6 +292,8 @@ def start_engines(n: int, args, logs: Path) -> tuple[list[subprocess.Popen], lis
         port = free_port()
         cmd = [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--served-model-name", SERVED,
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching"]
+        if args.kv_blocks:
+            cmd += ["--num-kv-blocks", str(args.kv_blocks)]
         procs.append(subprocess.Popen(cmd, stdout=(logs / f"routing_engine_{i}.log").open("w"),
                                       stderr=subprocess.STDOUT, env=env))
         ports.append(port)
@@ -295,7 +329,8 @@ def show(name: str, r: dict) -> None:
           f"{r['seconds']:5.0f}s n={r['requests']:3d} fail={r['failed']} hit {r['hit_rate']:6.1%}  "
           f"TTFT p50 {r['ttft_p50']:6.3f}s p99 {r['ttft_p99']:6.3f}s  {r['req_s']:5.2f} req/s "
           f"{r['chunks_s']:6.1f} tok/s  in-flight per replica [{loads}] max/mean {r['imbalance']:.2f} "
-          f"peak {r['peak']}  affinity hits {r['affinity_hits']:.0f} overrides {r['affinity_overrides']:.0f}")
+          f"peak {r['peak']}  affinity hits {r['affinity_hits']:.0f} overrides {r['affinity_overrides']:.0f}"
+          + (f"  working set {r['working_set_blocks']} blocks" if r["working_set_blocks"] else ""))
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -340,9 +375,11 @@ async def bench(args) -> list[dict]:
         print(f"commit {commit}; python {sys.version.split()[0]}, torch {importlib.metadata.version('torch')}, "
               f"aiohttp {importlib.metadata.version('aiohttp')}; {args.repeats} repeats of {' '.join(args.workloads)}")
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.replicas} replicas, "
-              f"--max-num-seqs {args.max_num_seqs}, max_tokens {args.max_tokens}, loadBound {args.load_bound}")
+              f"--max-num-seqs {args.max_num_seqs}, max_tokens {args.max_tokens}, loadBound {args.load_bound}, "
+              f"KV pool per replica: {f'{args.kv_blocks} blocks' if args.kv_blocks else 'the default (1 GiB)'}")
         tag = 0
-        workloads = {"chat": chat_workload, "long": long_workload, "skewed": skewed_workload}
+        workloads = {"chat": chat_workload, "long": long_workload, "pressure": pressure_workload,
+                     "skewed": skewed_workload}
         strategies = ("least-connections", "prefix-affinity")
         for repeat in range(args.repeats):
             for name in args.workloads:
@@ -377,6 +414,10 @@ def main() -> None:
     parser.add_argument("--long-words", type=int, default=24, help="words per user message (long workload)")
     parser.add_argument("--reply-tokens", type=int, nargs=2, default=(32, 64),
                         help="reply length range of the long workload (tokens, ignore_eos)")
+    parser.add_argument("--pressure-conversations", type=int, default=24,
+                        help="conversations of the pressure workload (as long's, more of them)")
+    parser.add_argument("--kv-blocks", type=int,
+                        help="KV pool per replica in blocks of 16 tokens (kaon serve --num-kv-blocks); default: 1 GiB")
     parser.add_argument("--skewed", type=int, default=72, help="requests in the skewed workload")
     parser.add_argument("--workers", type=int, default=12, help="closed-loop clients of the skewed workload")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -384,7 +425,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workloads", nargs="+", default=["chat", "long", "skewed"],
-                        choices=["chat", "long", "skewed"])
+                        choices=["chat", "long", "pressure", "skewed"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     asyncio.run(bench(args))
