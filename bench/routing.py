@@ -35,7 +35,9 @@ recently used first, as the phase needs room). Reported per phase: the engines' 
 (client side, to the first content chunk), requests/s and output chunks/s over the phase,
 the in-flight requests per replica (sampled every 20 ms: each replica's time average, max
 over mean, and the peak), the router's affinity hits and overrides, and the 1-minute load
-average of the machine at the phase's start and end (the cores may be shared).
+average of the machine at the phase's start and end (the cores may be shared), and the prompt
+tokens each replica prefilled (not served from its cache): its prefill work, which equal
+in-flight counts can hide.
 
 --repeats N runs every workload N times, the two strategies back to back each time in
 alternating order (LC PA, then PA LC, ...), so that a drift of the machine's load hits both
@@ -276,7 +278,10 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
             "affinity_hits": counter("kaon_router_affinity_hits_total"),
             "affinity_overrides": counter("kaon_router_affinity_overrides_total"),
             "ttft": ttft, "load_start": load_start, "load_end": os.getloadavg()[0],
-            "working_set_blocks": -(-phase.working_set // BLOCK_TOKENS)}
+            "working_set_blocks": -(-phase.working_set // BLOCK_TOKENS),
+            # Prompt tokens each replica computed (not served from its cache): the prefill work
+            # it got, which equal in-flight counts can hide.
+            "prefilled": [round((after[p][1] - before[p][1]) - (after[p][0] - before[p][0])) for p in ports]}
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -330,6 +335,7 @@ def show(name: str, r: dict) -> None:
           f"TTFT p50 {r['ttft_p50']:6.3f}s p99 {r['ttft_p99']:6.3f}s  {r['req_s']:5.2f} req/s "
           f"{r['chunks_s']:6.1f} tok/s  in-flight per replica [{loads}] max/mean {r['imbalance']:.2f} "
           f"peak {r['peak']}  affinity hits {r['affinity_hits']:.0f} overrides {r['affinity_overrides']:.0f}"
+          + f"  prefilled per replica {r['prefilled']}"
           + (f"  working set {r['working_set_blocks']} blocks" if r["working_set_blocks"] else ""))
 
 
