@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from kaon_operator.router import affinity
+from kaon_operator.router.balance import pick
 from kaon_operator.router.endpoints import Endpoint, service
 
 NS = "team"
@@ -157,36 +158,47 @@ def test_homes_count_the_conversations_active_lately_per_pod():
     assert homes.home(5, 111) is None  # quiet for longer than the window
 
 
+SYSTEM = {"role": "system", "content": "You answer ferry questions. " * 20}
+RING = affinity.Ring(PODS, name=lambda e: e.pod)
+
+
+def _chat(question: str) -> affinity.Prefix:
+    return affinity.prefix("/v1/chat/completions", {"messages": [SYSTEM, {"role": "user", "content": question}]},
+                           "team/svc")
+
+
+def _route(p: affinity.Prefix, inflight: dict, known: affinity.KnownPrefixes, homes: affinity.Homes,
+           rng: random.Random, popular_rule: bool = True):
+    """One request through the decisions as Router._pick makes them (4 slots per pod), with
+    the request counted in flight at once, as the router does before it awaits anything."""
+    order = RING.walk(p.anchor)
+    own = p.hashes[p.own_from:]
+    first = affinity.preferred(own, known, order, inflight, rng=rng) or homes.home(p.anchor, 0)
+    popular = popular_rule and len(affinity.holders(own, known, order)) > 1
+    target, _ = affinity.choose(order, PODS, inflight, 1.25, first, 4, homes.counts(0), rng=rng, popular=popular)
+    inflight[target] += 1
+    known.record(p.hashes, target)
+    homes.touch(p.anchor, target, 0)
+    return target
+
+
 def _cached_prefills_per_pod(rounds: int = 300) -> dict:
-    """The skewed workload's moments of simultaneous arrivals, through `preferred`, `choose`
-    and `record` as the router does: every pod holds the hot prompt and carries the same load
-    (each just finished one request), and three requests arrive together, in any order: the
-    hot one (cached wherever it goes) and two new ones (uncached: a full prefill). Returns how
-    many of the hot, cheap ones each pod got."""
-    order_rng = random.Random(2)
-    ring = affinity.Ring(PODS, name=lambda e: e.pod)
-    known = affinity.KnownPrefixes()
-    system = {"role": "system", "content": "You answer ferry questions. " * 20}
-
-    def prefix(question: str) -> affinity.Prefix:
-        return affinity.prefix("/v1/chat/completions", {"messages": [system, {"role": "user", "content": question}]},
-                               "team/svc")
-
-    hot = prefix("When does the first boat leave?")
+    """The skewed workload's moments of simultaneous arrivals: every pod holds the hot prompt
+    and carries the same load (each just finished one request), and three requests arrive
+    together, in any order: the hot one (cached wherever it goes) and two new ones (uncached:
+    a full prefill). Returns how many of the hot, cheap ones each pod got."""
+    order_rng, rng = random.Random(2), random.Random(3)
+    known, homes = affinity.KnownPrefixes(), affinity.Homes()
+    hot = _chat("When does the first boat leave?")
     for pod in PODS:
         known.record(hot.hashes, pod)
     cached = dict.fromkeys(PODS, 0)
     for i in range(rounds):
         inflight = dict.fromkeys(PODS, 3)
-        arrivals = [hot, prefix(f"unique question {i}a"), prefix(f"unique question {i}b")]
+        arrivals = [hot, _chat(f"unique question {i}a"), _chat(f"unique question {i}b")]
         order_rng.shuffle(arrivals)
         for p in arrivals:
-            order = ring.walk(p.anchor)
-            first = affinity.preferred(p.hashes[p.own_from:], known, order, inflight, rng=RNG)
-            target, _ = affinity.choose(order, PODS, inflight, 1.25, first, 4, rng=RNG)
-            inflight[target] += 1
-            known.record(p.hashes, target)
-            cached[target] += p is hot
+            cached[_route(p, inflight, known, homes, rng)] += p is hot
     return cached
 
 
@@ -197,3 +209,40 @@ def test_equally_loaded_pods_share_a_hot_prefix_cheap_prefills_not_the_first_on_
     # TTFT tail). Least-connections breaks ties at random; so does prefix-affinity now.
     cached = _cached_prefills_per_pod()
     assert all(0.2 * 300 < n < 0.47 * 300 for n in cached.values()), cached
+
+
+def _first_wave_full_prefills(strategy: str, waves: int = 1000) -> float:
+    """The skewed workload's first moment: 12 clients send at once to idle pods that cache
+    nothing yet, two in three the hot prompt. A pod prefills in full every new prompt and the
+    first hot one it gets (the later ones find that one's blocks). Returns the mean over
+    `waves` of the busiest pod's full prefills: its batch is the slowest, the phase's tail.
+    `strategy`: least-connections, prefix-affinity, or prefix-affinity without the rule for
+    popular prefixes."""
+    busiest, rng = 0, random.Random(4)
+    for wave in range(waves):
+        mix = random.Random(wave)
+        inflight = dict.fromkeys(PODS, 0)
+        known, homes = affinity.KnownPrefixes(), affinity.Homes()
+        got = {pod: [] for pod in PODS}
+        for i in range(12):
+            question = "When does the first boat leave?" if mix.random() < 2 / 3 else f"unique {wave} {i}"
+            if strategy == "least-connections":
+                target = pick(PODS, inflight, rng)
+                inflight[target] += 1
+            else:
+                target = _route(_chat(question), inflight, known, homes, rng, strategy == "prefix-affinity")
+            got[target].append(question)
+        busiest += max(len({q for q in qs if q.startswith("unique")}) + any(q.startswith("When") for q in qs)
+                       for qs in got.values())
+    return busiest / waves
+
+
+def test_a_burst_of_a_popular_prompt_does_not_leave_the_full_prefills_to_the_pods_that_do_not_hold_it():
+    # Kept on its holders while another pod carried fewer requests, the hot prompt filled them
+    # and the new prompts gathered on the pod left over: the busiest pod prefilled 3.4 prompts
+    # in full on average, against least-connections' 3.1. Sent where least-connections would
+    # send it once several pods hold it, it costs one more copy of it, and the full prefills
+    # spread as they do under least-connections.
+    least_connections = _first_wave_full_prefills("least-connections")
+    assert _first_wave_full_prefills("without the popular rule") > least_connections + 0.2
+    assert _first_wave_full_prefills("prefix-affinity") < least_connections + 0.1

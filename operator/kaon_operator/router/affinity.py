@@ -17,12 +17,17 @@ The choice, in order of preference:
    its ring owner finds its pod again without memory (after a router restart, or through
    another router replica);
 3. and whichever is preferred, it is passed over when taking the request would unbalance the
-   service (`choose`), for the least loaded pod, which then holds the prefix too (a hot prefix
-   gets replicated instead of piling onto one pod):
+   service (`choose`), for the least loaded pod (ties at random, as least-connections breaks
+   them), which then holds the prefix too (a hot prefix gets replicated instead of piling
+   onto one pod):
    - bounded loads: it carries ceil(loadBound x mean) requests in flight already;
    - slots: it has no free sequence slot (engine.maxNumSeqs) and another pod has one, or no
      pod has one and another has fewer requests in flight. The request would wait there for
      running sequences to finish, which costs more than the prefill the cache saves;
+   - a popular prefix (several pods hold the longest known prefix: a prompt many clients
+     send, where a conversation's latest prefix is at one pod): another pod carries fewer
+     requests in flight. Kept on its holders, a burst of it would give them its cheap cached
+     prefills and leave the burst's full prefills to the other pods (`choose`);
    - a new prefix (no pod holds any of the request's own chunks: a conversation's first turn)
      saves nothing where it goes, so its ring owner gets it only while it is within
      NEW_PREFIX_SLACK of the least loaded pod, both in requests in flight and in
@@ -221,16 +226,22 @@ def least_by(pods: Sequence[T], key: Callable[[T], object], rng: random.Random) 
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
+def holders(hashes: Sequence[int], known: KnownPrefixes, order: Sequence[T]) -> list[T]:
+    """The usable pods (`order`: ring order) this router sent the longest known prefix to."""
+    for h in reversed(hashes):
+        found = [m for m in order if m in known.get(h)]
+        if found:
+            return found
+    return []
+
+
 def preferred(hashes: Sequence[int], known: KnownPrefixes, order: Sequence[T], inflight: Mapping[T, int], *,
               rng: random.Random) -> T | None:
-    """Of the usable pods (`order`: ring order) that hold the longest known prefix, the least
-    loaded (ties at random). A prompt that went to several pods (a popular one, passed over for
-    load before) is spread over those that cache it, not piled onto one."""
-    for h in reversed(hashes):
-        holders = [m for m in order if m in known.get(h)]
-        if holders:
-            return least_by(holders, lambda m: inflight.get(m, 0), rng)
-    return None
+    """Of the usable pods that hold the longest known prefix, the least loaded (ties at
+    random). A prompt that went to several pods (a popular one, passed over for load before)
+    is spread over those that cache it, not piled onto one."""
+    found = holders(hashes, known, order)
+    return least_by(found, lambda m: inflight.get(m, 0), rng) if found else None
 
 
 def capacity(inflight: Mapping[T, int], members: Sequence[T], load_bound: float) -> int:
@@ -242,13 +253,14 @@ def capacity(inflight: Mapping[T, int], members: Sequence[T], load_bound: float)
 
 def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], load_bound: float,
            first: T | None = None, slots: int | None = None, homes: Mapping[T, int] | None = None, *,
-           rng: random.Random) -> tuple[T, bool]:
+           rng: random.Random, popular: bool = False) -> tuple[T, bool]:
     """The pod for a request, and whether it is the first choice (False: passed over for load).
 
     `order`: the pods in ring order from the request's anchor; `first`: the holder of the
     longest known prefix (None: no pod holds any of the request's own chunks: a new prefix);
     `usable`: the pods this attempt may use; `slots`: the engine's maxNumSeqs (None: unknown);
-    `homes`: the conversations active lately per pod (`Homes.counts`); `rng` breaks ties.
+    `homes`: the conversations active lately per pod (`Homes.counts`); `rng` breaks ties;
+    `popular`: several pods hold the request's longest known prefix (`holders`).
     The first choice (`first`, else the ring's first usable pod) is kept while it carries
     fewer requests in flight than
     - `capacity` (ceil(load_bound x mean)),
@@ -256,6 +268,13 @@ def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], l
       cached prefix is never bought with a longer wait for a slot),
     - for a new prefix, the least loaded pod's count + NEW_PREFIX_SLACK + 1, and while it is
       home to no more than NEW_PREFIX_SLACK conversations above the pod with the fewest;
+    - for a popular prefix, the least loaded pod's count + 1: it goes where least-connections
+      would send it, a holder first on ties. A conversation's latest prefix is at one pod
+      (where its last turn went); several hold a prompt many clients send. Kept at its
+      holders while others carry fewer requests, a burst of it fills them with cheap cached
+      prefills and leaves the burst's full prefills to the other pods: the same requests in
+      flight everywhere, unequal work, and the slowest batches where the full ones gathered.
+      Sent to the least loaded pod, it costs one more copy there, once;
     otherwise the least loaded usable pod gets the request (ties: for a new prefix the fewest
     conversations, then at random)."""
     allowed = set(usable)
@@ -267,6 +286,8 @@ def choose(order: Sequence[T], usable: Sequence[T], inflight: Mapping[T, int], l
     limit = capacity(inflight, usable, load_bound)
     if slots is not None:
         limit = min(limit, max(slots, least + 1))
+    if popular:
+        limit = min(limit, least + 1)
     head = ranked[0]
     new = first is None or first not in allowed
     homes = {m: (homes or {}).get(m, 0) for m in ranked} if new else dict.fromkeys(ranked, 0)

@@ -255,10 +255,12 @@ class Router:
             ring = self._rings[key] = affinity.Ring(ready, name=lambda e: e.pod)
         order = [e for e in ring.walk(prefix.anchor) if e in usable]
         now = time.monotonic()
-        first = (affinity.preferred(prefix.hashes[prefix.own_from:], self.known, order, self.inflight, rng=self.rng)
+        own = prefix.hashes[prefix.own_from:]
+        first = (affinity.preferred(own, self.known, order, self.inflight, rng=self.rng)
                  or self.homes.home(prefix.anchor, now))
         target, hit = affinity.choose(order, usable, self.inflight, service.load_bound, first, service.max_num_seqs,
-                                      self.homes.counts(now), rng=self.rng)
+                                      self.homes.counts(now), rng=self.rng,
+                                      popular=len(affinity.holders(own, self.known, order)) > 1)
         (self.metrics.affinity_hits if hit else self.metrics.affinity_overrides).labels(*key).inc()
         self.known.record(prefix.hashes, target)
         self.homes.touch(prefix.anchor, target, now)
