@@ -99,8 +99,9 @@ class ModelRunner:
         # before oneDNN's reordered weights, which are opaque tensors of the same size, replace them.
         self.weight_bytes = sum(t.numel() * t.element_size()
                                 for t in itertools.chain(self.model.parameters(), self.model.buffers()))
-        if onednn_linears_apply(self.device, self.dtype):
-            use_onednn_linears(self.model)
+        self.cpu_decode_step = self._use_cpu_decode_step()
+        if not self.cpu_decode_step and onednn_linears_apply(self.device, self.dtype):
+            use_onednn_linears(self.model)  # the fused step reads plain weights; oneDNN's are opaque
         self.num_blocks = self._allocate_kv_cache()
         self.on_step: Callable[[StepPlan], None] | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -125,6 +126,15 @@ class ModelRunner:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
         return model.eval()
+
+    def _use_cpu_decode_step(self) -> bool:
+        """Decode-only steps through the fused C step where it applies (float32 activations on CPU)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return False
+        reason = self.model.use_cpu_decode_step()
+        if reason is not None:
+            log.info("fused CPU decode step off for this model: %s", reason)
+        return reason is None
 
     def _quantize(self, model, checkpoint: Checkpoint) -> None:
         """Swap the linear layers for quantized ones; int4 takes a GGUF file's Q4_1 blocks as they are."""

@@ -50,3 +50,13 @@ def w4a16_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
                      group_size: int) -> torch.Tensor:
     weight = dequantize_int4(packed, scales, mins, group_size)
     return torch.nn.functional.linear(x.float(), weight).to(x.dtype)
+
+
+def quantize_activations_ref(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] as the fused CPU step's narrow-weight kernels see it (kernels/cpu_decode.c): each
+    block of 32 scaled to int8 by its largest magnitude, rounded half to even, then scaled back."""
+    rows = x.shape[0]
+    blocks = x.float().reshape(rows, -1, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(rows, -1)

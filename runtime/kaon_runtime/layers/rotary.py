@@ -32,13 +32,18 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, [T, 1, D/2] each; once per step, shared by every layer."""
+        cos, sin = self.tables(device)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position, [max_positions, D/2] each, float32."""
         if self._cos_sin is None or self._cos_sin[0].device != device:
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), self.inv_freq)
             cos, sin = freqs.cos(), freqs.sin()
             if self.attention_factor != 1.0:
                 cos, sin = cos * self.attention_factor, sin * self.attention_factor
-            self._cos_sin = cos.to(device), sin.to(device)  # [P, D/2] each
-        return self._cos_sin[0][positions].unsqueeze(1), self._cos_sin[1][positions].unsqueeze(1)
+            self._cos_sin = cos.to(device), sin.to(device)
+        return self._cos_sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

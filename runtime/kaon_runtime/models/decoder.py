@@ -17,6 +17,7 @@ from torch import nn
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import local_config
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.layers.activation import GATED_ACTIVATIONS
 from kaon_runtime.layers.attention import Attention, AttentionMetadata
 from kaon_runtime.layers.moe import SparseMoE
@@ -24,6 +25,7 @@ from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
+from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, unsupported
 
 
 def _norm(c: ModelConfig, size: int | None = None) -> RMSNorm:
@@ -112,8 +114,11 @@ class DecoderModel(nn.Module):
                                                                                      config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = _norm(config)
+        self.cpu_decode = None  # models.cpu_decode_step.CpuDecodeStep, for decode-only steps on CPU
 
     def forward(self, x, positions, meta):
+        if self.cpu_decode is not None and self.cpu_decode.applies(x, meta):
+            return self.cpu_decode(x, positions, meta)
         residual = None
         rope = self.rotary.lookup(positions, x.device)
         for layer in self.layers:
@@ -164,6 +169,22 @@ class DecoderForCausalLM(nn.Module):
                 layer.mlp.kernel = moe.fused_moe
             elif self.config.hidden_act == "silu":
                 layer.mlp.act_kernel = activation.silu_and_mul
+
+    def use_cpu_decode_step(self) -> str | None:
+        """Run decode-only steps through the fused C step (float32 on CPU, one rank); returns why
+        not where it cannot (the model's options, or no C compiler), None when it is on."""
+        reason = "tensor parallelism" if self.tp.size > 1 else unsupported(self.local_config)
+        if reason is None and cpu_decode.library() is None:
+            reason = "the C step could not be built (see the warning above)"
+        if reason is None:
+            step = CpuDecodeStep(self.model, self.local_config)
+            try:
+                step.check()
+            except ValueError as exc:
+                reason = str(exc)
+            else:
+                self.model.cpu_decode = step
+        return reason
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank

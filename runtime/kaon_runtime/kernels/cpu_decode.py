@@ -1,0 +1,191 @@
+"""The fused CPU decode step (cpu_decode.c): built on first use, called through ctypes.
+
+Built with the system C compiler for this CPU (-march=native) into a cache outside the
+package (`cache_dir()`), keyed by the source, the flags
+and the CPU, so a cache shared by different machines never hands one a binary it cannot run.
+The build takes a couple of seconds; where there is no compiler, or KAON_CPU_DECODE=off, the
+caller keeps its torch path (`library()` returns None and says why once).
+
+ctypes, not a torch extension: the step is one call with raw pointers, so nothing here needs
+torch's C++ headers (a torch extension takes about a minute to compile and needs ninja).
+The library links the OpenMP runtime torch already loaded (libgomp.so.1): one thread pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+QBLOCK = 32  # activations are quantized in blocks of this many for the narrow weights
+KIND_F32, KIND_INT8, KIND_Q4_1 = 0, 1, 2
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                      "intermediate", "block_size", "num_blocks")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    """$KAON_KERNEL_CACHE, else kaon/kernels under $XDG_CACHE_HOME (engine pods: the cache volume) or ~/.cache."""
+    if "KAON_KERNEL_CACHE" in os.environ:
+        return Path(os.environ["KAON_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kaon" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"cpu_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: engines starting together never load half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot be had."""
+    if os.environ.get("KAON_CPU_DECODE", "on") == "off":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the fused CPU decode step is off (torch ops instead, slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError) as exc:
+        log.warning("the fused CPU decode step could not be built, torch ops instead: %s", exc)
+        return None
+    lib.kaon_linear_workspace.restype = ctypes.c_size_t
+    lib.kaon_linear_workspace.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.kaon_decode_workspace.restype = ctypes.c_size_t
+    lib.kaon_decode_workspace.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int]
+    lib.kaon_linear.restype = None
+    lib.kaon_linear.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int]
+    lib.kaon_decode.restype = None
+    lib.kaon_decode.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class LinearWeights:
+    """One projection as the C code reads it; keeps its tensors alive while the struct points at them."""
+
+    struct: Linear
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def _make(cls, kind: int, n: int, k: int, bias: torch.Tensor | None, **tensors) -> "LinearWeights":
+        kept = {name: t.detach().contiguous() for name, t in tensors.items()}
+        if bias is not None:
+            kept["bias"] = bias.detach().float().contiguous()
+        for name, t in kept.items():
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} is on {t.device}, not the CPU")
+        struct = Linear(kind=kind, n=n, k=k, **{name: _ptr(t) for name, t in kept.items()})
+        return cls(struct, list(kept.values()))
+
+    @classmethod
+    def f32(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeights":
+        n, k = weight.shape
+        return cls._make(KIND_F32, n, k, bias, w=weight.float())
+
+    @classmethod
+    def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeights":
+        n, k = qweight.shape
+        _check_blocks(k)
+        return cls._make(KIND_INT8, n, k, bias, w=qweight, scales=scales.float())
+
+    @classmethod
+    def q4_1(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+             bias: torch.Tensor | None = None) -> "LinearWeights":
+        """kaon's int4 layout with groups of 32 (GGUF Q4_1's): packed uint8 [N, K/2], float16 scales and mins."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        _check_blocks(k)
+        if scales.shape != (n, k // QBLOCK):
+            raise ValueError(f"q4_1 needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
+        return cls._make(KIND_Q4_1, n, k, bias, w=packed, d=scales.half(), m=mins.half())
+
+
+def _check_blocks(k: int) -> None:
+    if k % QBLOCK:
+        raise ValueError(f"in_features {k} is not a multiple of {QBLOCK}")
+
+
+def linear(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] through the C kernel (narrow weights: activations in int8 blocks)."""
+    lib = library()
+    rows = x.shape[0]
+    x = x.float().contiguous()
+    out = torch.empty(rows, weights.struct.n, dtype=torch.float32)
+    work = torch.empty(lib.kaon_linear_workspace(weights.struct.k, rows), dtype=torch.uint8)
+    lib.kaon_linear(ctypes.byref(weights.struct), rows, x.data_ptr(), out.data_ptr(), work.data_ptr(),
+                    torch.get_num_threads())
+    return out
+
+
+def decode(model: Model, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+           block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Every layer of a decode step for x [S, hidden] (float32, contiguous, overwritten): returns
+    the final norm's output in x. All index tensors int64 on the CPU; block_tables [S, M]."""
+    lib = library()
+    rows, max_blocks = block_tables.shape
+    work = torch.empty(lib.kaon_decode_workspace(ctypes.byref(model), rows, max_blocks), dtype=torch.float32)
+    lib.kaon_decode(ctypes.byref(model), rows, x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                    block_tables.data_ptr(), max_blocks, context_lens.data_ptr(), work.data_ptr(),
+                    torch.get_num_threads())
+    return x

@@ -1,0 +1,181 @@
+"""The fused CPU decode step (kernels/cpu_decode.c) against torch: each projection kernel against
+its pure-torch reference, and a whole decode step against the model's own torch path, on a
+tiny random Llama with GQA, biases, a paged pool of small blocks and sequences of different
+lengths. The greedy HF identity of the default float32 model goes through this step too
+(tests/test_correctness.py runs on CPU with it on)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kaon_runtime.config import ModelConfig
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.kernels.quant_gemm_ref import (dequantize_int4, dequantize_int8, quantize_activations_ref)
+from kaon_runtime.layers.attention import AttentionMetadata, TorchAttentionBackend
+from kaon_runtime.models.cpu_decode_step import unsupported
+from kaon_runtime.models.registry import build_model
+from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.int4 import quantize_int4
+from kaon_runtime.quant.int8 import quantize_int8
+
+pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler: the fused step is off")
+
+BLOCK = 4
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_projection_matches_torch(rows, bias):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(80, 96), torch.randn(80) if bias else None, torch.randn(rows, 96)
+    out = cpu_decode.linear(cpu_decode.LinearWeights.f32(w, b), x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int8_projection_matches_its_reference(rows):
+    torch.manual_seed(1)
+    qweight, scales = quantize_int8(torch.randn(80, 96))
+    x = torch.randn(rows, 96) * torch.logspace(-2, 1, 96)  # blocks of very different magnitudes
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    out = cpu_decode.linear(cpu_decode.LinearWeights.int8(qweight, scales), x)
+    expected = torch.nn.functional.linear(quantize_activations_ref(x), dequantize_int8(qweight, scales))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    # and the activations' rounding stays of the order of int8's own step (against float x)
+    exact = torch.nn.functional.linear(x, dequantize_int8(qweight, scales))
+    assert (out - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("bias", [False, True])
+def test_q4_1_projection_matches_its_reference(rows, bias):
+    torch.manual_seed(2)
+    weight = quantize_int4(torch.randn(64, 128), 32)
+    b, x = torch.randn(64) if bias else None, torch.randn(rows, 128)
+    out = cpu_decode.linear(cpu_decode.LinearWeights.q4_1(weight.packed, weight.scales, weight.mins, b), x)
+    dequantized = dequantize_int4(weight.packed, weight.scales, weight.mins, 32)
+    expected = torch.nn.functional.linear(quantize_activations_ref(x), dequantized, b)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_layout_it_cannot_read_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_decode.LinearWeights.int8(*quantize_int8(torch.randn(8, 40)))
+    w = quantize_int4(torch.randn(16, 128), 64)
+    with pytest.raises(ValueError, match="groups of 32"):
+        cpu_decode.LinearWeights.q4_1(w.packed, w.scales, w.mins)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    return ModelConfig(**{**base, **overrides})
+
+
+def random_model(config: ModelConfig, blocks: int):
+    torch.manual_seed(3)
+    model = build_model(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
+    cache = torch.randn(config.num_layers, 2, config.num_kv_heads, blocks, BLOCK, config.head_dim)
+    for i, attn in enumerate(model.attention_layers()):
+        attn.k_cache, attn.v_cache, attn.backend = cache[i, 0], cache[i, 1], TorchAttentionBackend()
+    return model.eval(), cache
+
+
+def decode_step(config, tables: list[list[int]], lens: list[int]):
+    """Embedded tokens, positions and metadata of one decode step: sequence r's newest token sits
+    at position lens[r] - 1, its key and value go to that position's slot."""
+    torch.manual_seed(4)
+    widest = max(map(len, tables))
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)])
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(lens),
+                             decode_block_tables=torch.tensor([t + [0] * (widest - len(t)) for t in tables]),
+                             decode_context_lens=torch.tensor(lens))
+    return torch.randn(len(lens), config.hidden_size), positions, meta
+
+
+# Three sequences: one of a single token, one filling its 3 blocks exactly, one ending mid-block;
+# blocks out of order in the pool, as the block manager hands them out.
+TABLES, LENS = [[5], [2, 9, 0], [7, 3]], [1, 12, 6]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_decode_step_matches_the_torch_path(bias):
+    config = tiny_config(attention_bias=bias)
+    model, cache = random_model(config, blocks=10)
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    assert model.use_cpu_decode_step() is None
+    with torch.inference_mode():
+        step = model.model.cpu_decode
+        model.model.cpu_decode = None
+        expected, expected_cache = model.model(x.clone(), positions, meta), cache.clone()
+        model.model.cpu_decode = step
+        meta.decode_key_mask = None
+        out = model.model(x.clone(), positions, meta)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache, expected_cache, atol=1e-5, rtol=1e-5)  # the same keys and values stored
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_decode_step_matches_its_reference(method, monkeypatch):
+    """The reference: the dequantizing torch path fed the activations the C step's kernels see
+    (int8 blocks, quantize_activations_ref) at every quantized projection."""
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    config = tiny_config()
+    model, _ = random_model(config, blocks=10)
+    quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    assert model.use_cpu_decode_step() is None
+    step = model.model.cpu_decode
+    with torch.inference_mode():
+        model.model.cpu_decode = None
+        hooks = [m.register_forward_pre_hook(lambda _, args: (quantize_activations_ref(args[0]),))
+                 for m in quantized]
+        expected = model.model(x.clone(), positions, meta)
+        for hook in hooks:
+            hook.remove()
+        model.model.cpu_decode = step
+        out = model.model(x.clone(), positions, meta)
+    assert (out - expected).norm() / expected.norm() < 1e-4
+
+
+def test_steps_with_a_prefill_keep_the_torch_path():
+    config = tiny_config()
+    model, _ = random_model(config, blocks=10)
+    model.use_cpu_decode_step()
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    assert model.model.cpu_decode.applies(x, meta)
+    meta.prefills = [object()]
+    assert not model.model.cpu_decode.applies(x, meta)
+
+
+def test_what_it_cannot_run_is_named():
+    assert unsupported(tiny_config()) is None
+    assert "q/k norms" in unsupported(tiny_config(qk_norm=True))
+    assert "sliding windows" in unsupported(tiny_config(sliding_window=8))
+    assert "Gemma" in unsupported(tiny_config(norm_weight_offset=1.0, sandwich_norms=True))
+    model, _ = random_model(tiny_config(), blocks=2)
+    quantize_model(model, "fp8")
+    assert "Fp8Linear" in model.use_cpu_decode_step()
+    assert model.model.cpu_decode is None
+
+
+def test_without_a_compiler_it_says_so_and_torch_runs(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("KAON_KERNEL_CACHE", str(tmp_path))
+    cpu_decode.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_decode.library() is None
+        assert "could not be built" in caplog.text
+        model, _ = random_model(tiny_config(), blocks=2)
+        assert "could not be built" in model.use_cpu_decode_step()
+    finally:
+        cpu_decode.library.cache_clear()
+    monkeypatch.undo()
+    assert cpu_decode.library() is not None
