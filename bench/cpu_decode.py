@@ -1,6 +1,6 @@
 """CPU decode: kaon in each weight format against llama.cpp on the same GGUF, in one run.
 
-    python bench/cpu_decode.py [--formats float32 int8 int4] [--tokens 64] [--batch 16]
+    python bench/cpu_decode.py [--formats float32 int8 int4] [--torch-ops float32 int4] [--tokens 64] [--batch 16]
 
 The bundled SmolLM2-135M-Instruct is a Q4_1 GGUF. kaon loads it as float32 (the default:
 greedy output matches HF transformers), int8 (re-quantized per channel) or int4 (the file's
@@ -12,6 +12,11 @@ Batch-1 decode: tokens/s after a short prompt, prefill excluded: (time(1 + N tok
 time(1 token)) / N, median of repeats. Batch of B: B prompts decoded together by kaon's
 continuous batching; llama-cpp-python's Python API decodes one sequence at a time, so its
 figure for B is the same requests run one after another (what a user of that API gets).
+
+kaon runs its decode steps through the fused C step (kernels/cpu_decode.c); the formats in
+`--torch-ops` are measured a second time with it off (torch ops, the path before it). The last
+column: for a few prompts, how many greedy tokens each run shares with float32's before the
+first that differs (64/64/64/64: the same text), the narrow formats' error as a user sees it.
 """
 from __future__ import annotations
 
@@ -48,16 +53,46 @@ def rate(run, batch: int, tokens: int, repeats: int) -> float:
     return statistics.median(rates)
 
 
-def kaon_runner(fmt: str):
-    from kaon_runtime import LLM, SamplingParams
+# Greedy continuations compared with float32's: the narrow formats' error, as users would meet it.
+AGREEMENT_PROMPTS = [PROMPT, "def fibonacci(n):", "The three primary colors are",
+                     "Write a short letter to a friend about your summer holiday."]
+
+
+def kaon_llm(fmt: str, fused: bool):
+    """An LLM in this format; fused=False builds it with the fused CPU decode step off (torch ops)."""
+    from kaon_runtime import LLM
+    from kaon_runtime.kernels import cpu_decode
     options = dict(dtype="bfloat16") if fmt == "bfloat16" else dict(
         dtype="float32", quantization="none" if fmt == "float32" else fmt)
-    llm = LLM(MODEL, device="cpu", show_progress=False, **options)
+    saved = os.environ.get("KAON_CPU_DECODE")
+    os.environ["KAON_CPU_DECODE"] = "on" if fused else "off"
+    cpu_decode.library.cache_clear()
+    try:
+        return LLM(MODEL, device="cpu", show_progress=False, **options)
+    finally:
+        os.environ.pop("KAON_CPU_DECODE") if saved is None else os.environ.update(KAON_CPU_DECODE=saved)
+        cpu_decode.library.cache_clear()
+
+
+def kaon_runner(llm):
+    from kaon_runtime import SamplingParams
 
     def run(batch: int, n: int) -> None:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate([PROMPT] * batch, params, use_tqdm=False)
     return run
+
+
+def greedy_tokens(llm, tokens: int) -> list[list[int]]:
+    from kaon_runtime import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(AGREEMENT_PROMPTS, params, use_tqdm=False)]
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
+    """Per prompt, how many greedy tokens equal the reference's before the first that differs."""
+    same = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r)) for t, r in zip(tokens, reference)]
+    return "/".join(map(str, same))
 
 
 def llama_cpp_runner(gguf: Path, threads: int):
@@ -90,6 +125,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--formats", nargs="+", default=["float32", "int8", "int4"],
                         choices=["float32", "bfloat16", "int8", "int4"])
+    parser.add_argument("--torch-ops", nargs="*", default=["float32", "int4"],
+                        choices=["float32", "bfloat16", "int8", "int4"],
+                        help="formats also measured with the fused CPU decode step off")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -111,22 +149,29 @@ def main() -> int:
     peer = llama_cpp_rates(gguf, threads, args)
     if peer is not None:
         rows["llama.cpp Q4_1"] = peer
-    for fmt in args.formats:
-        run = kaon_runner(fmt)
-        rows[f"kaon {fmt}"] = (rate(run, 1, args.tokens, args.repeats), rate(run, args.batch, args.tokens, 1))
-        del run
+    reference, agree = None, {}
+    for fmt, fused in [(f, True) for f in args.formats] + [(f, False) for f in args.torch_ops]:
+        name = f"kaon {fmt}" + ("" if fused else " (torch ops)")
+        llm = kaon_llm(fmt, fused)
+        run = kaon_runner(llm)
+        rows[name] = (rate(run, 1, args.tokens, args.repeats), rate(run, args.batch, args.tokens, 1))
+        greedy = greedy_tokens(llm, args.tokens)
+        reference = reference or (greedy if fmt == "float32" else None)
+        agree[name] = agreement(greedy, reference) if reference else "-"
+        del run, llm
 
     print(f"{platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}, "
           f"{gguf.name}, {args.tokens} tokens after a {len(PROMPT.split())}-word prompt")
     base = rows.get("llama.cpp Q4_1")
-    print(f"{'':18} {'batch-1 tok/s':>14} {'vs llama.cpp':>13} {f'batch-{args.batch} tok/s':>15} {'vs llama.cpp':>13}")
+    print(f"{'':26} {'batch-1 tok/s':>14} {'vs llama.cpp':>13} {f'batch-{args.batch} tok/s':>15} {'vs llama.cpp':>13}"
+          f"  greedy tokens as float32's (per prompt, of {args.tokens})")
     for name, (one, many) in rows.items():
         r1 = f"{one / base[0]:.2f}x" if base else "-"
         rb = f"{many / base[1]:.2f}x" if base else "-"
-        print(f"{name:18} {one:14.1f} {r1:>13} {many:15.1f} {rb:>13}")
+        print(f"{name:26} {one:14.1f} {r1:>13} {many:15.1f} {rb:>13}  {agree.get(name, '-')}")
     if args.json:
-        args.json.write_text(json.dumps({k: {"batch1_tok_s": v[0], f"batch{args.batch}_tok_s": v[1]}
-                                         for k, v in rows.items()}, indent=2))
+        args.json.write_text(json.dumps({k: {"batch1_tok_s": v[0], f"batch{args.batch}_tok_s": v[1],
+                                             "greedy_agreement": agree.get(k)} for k, v in rows.items()}, indent=2))
     return 0
 
 

@@ -60,6 +60,34 @@ def test_q4_1_projection_matches_its_reference(rows, bias):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_transposed_float32_head_matches_torch(rows):
+    torch.manual_seed(5)
+    weight_t, x = torch.randn(96, 1000), torch.randn(rows, 96)
+    out = cpu_decode.linear(cpu_decode.LinearWeights.f32_t(weight_t), x)
+    torch.testing.assert_close(out, x @ weight_t, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_thread_pool_gives_every_output_once(threads):
+    """Back-to-back jobs of different sizes on more threads than cores: a chunk lost or run twice,
+    or a worker running the previous job's function, shows as a wrong output."""
+    torch.manual_seed(6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (1, 7, 64, 333, 2048):
+            weight, x = torch.randn(n, 64), torch.randn(3, 64)
+            qweight, scales = quantize_int8(weight)
+            torch.testing.assert_close(cpu_decode.linear(cpu_decode.LinearWeights.f32(weight), x), x @ weight.T,
+                                       atol=1e-4, rtol=1e-5)
+            expected = torch.nn.functional.linear(quantize_activations_ref(x), dequantize_int8(qweight, scales))
+            torch.testing.assert_close(cpu_decode.linear(cpu_decode.LinearWeights.int8(qweight, scales), x),
+                                       expected, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_layout_it_cannot_read_is_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_decode.LinearWeights.int8(*quantize_int8(torch.randn(8, 40)))
@@ -142,6 +170,24 @@ def test_a_quantized_decode_step_matches_its_reference(method, monkeypatch):
         model.model.cpu_decode = step
         out = model.model(x.clone(), positions, meta)
     assert (out - expected).norm() / expected.norm() < 1e-4
+
+
+@pytest.mark.parametrize("method", [None, "int8"])
+def test_the_vocabulary_head_takes_the_c_kernel_for_a_few_rows(method):
+    config = tiny_config()
+    model, _ = random_model(config, blocks=2)
+    if method:
+        quantize_model(model, method)
+    assert model.use_cpu_decode_step() is None
+    head = model.lm_head
+    hidden = torch.randn(3, config.hidden_size)
+    with torch.inference_mode():
+        fast = model.compute_logits(hidden)
+        kernel, head.cpu_logits = head.cpu_logits, None
+        expected = model.compute_logits(hidden)
+    assert kernel is not None
+    # the int8 head's activations go in as int8 blocks (C) or bfloat16 (torch): close, not equal
+    torch.testing.assert_close(fast, expected, atol=0.05 if method else 1e-4, rtol=0.05 if method else 1e-5)
 
 
 def test_steps_with_a_prefill_keep_the_torch_path():

@@ -8,6 +8,7 @@
  *
  * Projections read their weights as stored:
  *   F32   float32 [N, K]
+ *   F32_T float32 [K, N] (kaon's vocabulary head: the transposed embedding)
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
@@ -15,15 +16,16 @@
  * block), so the inner loop is an integer dot product (AVX2 maddubs), as llama.cpp's Q8_1
  * activations do. The float path is plain float32 FMA.
  *
- * Threads: OpenMP, sharing torch's runtime (the library links the libgomp torch loaded), so
- * torch.set_num_threads applies. Built with -march=native; without AVX2 scalar loops run.
+ * Threads: the caller's and a small pool of our own (see parallel_for for why not OpenMP), as
+ * many as torch.get_num_threads(). Built with -march=native; without AVX2 scalar loops run.
  * References: tests/test_cpu_decode.py compares each kernel and the whole step with torch.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KAON_AVX2 1
@@ -31,7 +33,7 @@
 
 #define QBLOCK 32
 
-enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2 };
+enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3 };
 
 typedef struct {
     int32_t kind, n, k;
@@ -132,101 +134,250 @@ void kaon_quantize_q8(const float *x, int k, int8_t *q, float *d, float *s) {
     }
 }
 
+
+/* The narrow-weight rows are computed for up to TILE activation rows at once: each block of
+ * weights is loaded (and, for 4-bit, unpacked) once for all of them. */
+#define TILE 4
+
+/* out[r] = sum_k w[k] * q[r, k] * d[r, k / 32] for r < rows (rows <= TILE); q and d rows are
+ * k and k / 32 apart. */
+static inline __attribute__((always_inline)) void rows_int8(const int8_t *w, const int8_t *q, const float *d, int k, int rows, float *out) {
+    const int blocks = k / QBLOCK;
 #ifdef KAON_AVX2
-/* 32 signed int8 products summed into 8 int32 lanes (maddubs wants one unsigned operand). */
-static inline __m256 dot_i8_block(__m256i w, __m256i x) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < blocks; b++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK)), aw = _mm256_sign_epi8(wv, wv);
+        for (int r = 0; r < TILE; r++) {
+            if (r >= rows) break;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (size_t)r * k + b * QBLOCK));
+            /* maddubs wants one unsigned operand: |w| against x carrying w's sign */
+            __m256i pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
+            __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[(size_t)r * blocks + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
+#else
+    for (int r = 0; r < rows; r++) {
+        float sum = 0.f;
+        for (int b = 0; b < blocks; b++) {
+            int dot = 0;
+            for (int i = 0; i < QBLOCK; i++) dot += w[b * QBLOCK + i] * q[(size_t)r * k + b * QBLOCK + i];
+            sum += d[(size_t)r * blocks + b] * (float)dot;
+        }
+        out[r] = sum;
+    }
+#endif
 }
 
-/* unsigned 4-bit weights (0..15) against signed int8: maddubs takes them as they are. */
-static inline __m256 dot_u4_block(const uint8_t *packed, __m256i x) {
+/* The same for 4-bit weights w = q4 * wd + wm per block: sum = sum_b wd[b] * d[b] * (q4 . q)
+ * + wm[b] * s[b], with s the block sums of the activations. */
+static inline __attribute__((always_inline)) void rows_q4_1(const uint8_t *w, const uint16_t *wd, const uint16_t *wm, const int8_t *q,
+                      const float *d, const float *s, int k, int rows, float *out) {
+    const int blocks = k / QBLOCK;
+    float mins[TILE] = {0.f, 0.f, 0.f, 0.f};
+#ifdef KAON_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
-    __m128i raw = _mm_loadu_si128((const __m128i *)packed), low = _mm_set1_epi8(0x0f);
-    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
-}
-#endif
-
-static float row_int8(const int8_t *w, const int8_t *q, const float *d, int k) {
-    int blocks = k / QBLOCK;
-#ifdef KAON_AVX2
-    __m256 acc = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < blocks; b++) {
-        __m256 p = dot_i8_block(_mm256_loadu_si256((const __m256i *)(w + b * QBLOCK)),
-                                _mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)));
-        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d[b]), acc);
+        __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * QBLOCK / 2));
+        /* element j in the low nibble of byte j, element j + 16 in its high nibble */
+        __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+        const float scale = half_to_float(wd[b]), min = half_to_float(wm[b]);
+        for (int r = 0; r < TILE; r++) {
+            if (r >= rows) break;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (size_t)r * k + b * QBLOCK));
+            __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(scale * d[(size_t)r * blocks + b]), acc[r]);
+            mins[r] += min * s[(size_t)r * blocks + b];
+        }
     }
-    return hsum8(acc);
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]) + mins[r];
 #else
-    float sum = 0.f;
-    for (int b = 0; b < blocks; b++) {
-        int dot = 0;
-        for (int i = 0; i < QBLOCK; i++) dot += w[b * QBLOCK + i] * q[b * QBLOCK + i];
-        sum += d[b] * (float)dot;
+    for (int r = 0; r < rows; r++) {
+        float sum = 0.f;
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *wb = w + b * QBLOCK / 2;
+            const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
+            int dot = 0;
+            for (int i = 0; i < QBLOCK / 2; i++) dot += (wb[i] & 0xf) * qb[i] + (wb[i] >> 4) * qb[i + QBLOCK / 2];
+            sum += half_to_float(wd[b]) * d[(size_t)r * blocks + b] * (float)dot;
+            mins[r] += half_to_float(wm[b]) * s[(size_t)r * blocks + b];
+        }
+        out[r] = sum + mins[r];
     }
-    return sum;
 #endif
 }
 
-static float row_q4_1(const uint8_t *w, const uint16_t *wd, const uint16_t *wm, const int8_t *q,
-                      const float *d, const float *s, int k) {
-    int blocks = k / QBLOCK;
-    float mins = 0.f;
+/* ---- a pool of worker threads ----------------------------------------------------------
+ * Why not OpenMP: its parallel regions end in a barrier that waits for every thread, so when
+ * another thread of the process (the server's event loop, the tokenizer) takes a core for a
+ * moment, a whole region waits for the thread it pushed off, and a decode step has ~150
+ * regions: served at batch 1 on 2 cores a step took twice its offline time. Here the caller
+ * works through the chunks itself and waits only for chunks a worker has already claimed;
+ * a worker that is not running claims nothing and delays nothing. */
+
+typedef void (*chunk_fn)(const void *ctx, int begin, int end);
+
+#define MAX_WORKERS 63
+/* Between the jobs of one decode step (`hold` set) a worker spins for the next job: they come
+ * microseconds apart. Otherwise it spins briefly and sleeps: between steps torch runs the
+ * sampler and any prefill on its own threads, and a spinning worker would slow them. */
+#define SPIN_ROUNDS 1000
+
+static struct {
+    pthread_mutex_t jobs, mutex;
+    pthread_cond_t wake;
+    int workers;              /* started so far */
+    /* Each counter on its own cache line: workers spin reading `generation` while the
+     * caller and they bump `next` and `done`. */
+    _Alignas(64) atomic_int generation;  /* odd while a job is being set up, even when it may run */
+    _Alignas(64) atomic_int sleeping;
+    _Alignas(64) atomic_int hold;  /* set for the length of a decode step */
+    _Alignas(64) atomic_int active;
+    _Alignas(64) atomic_int next;
+    _Alignas(64) atomic_int done;
+    _Alignas(64) chunk_fn fn;  /* the job: fn(ctx, i, j) over [0, total) in chunks of `chunk` */
+    const void *ctx;
+    int total, chunk, helpers;
+} pool = {.jobs = PTHREAD_MUTEX_INITIALIZER, .mutex = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static void pause_cpu(void) {
 #ifdef KAON_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        __m256 p = dot_u4_block(w + b * QBLOCK / 2, _mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)));
-        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(half_to_float(wd[b]) * d[b]), acc);
-        mins += half_to_float(wm[b]) * s[b];
-    }
-    return hsum8(acc) + mins;
-#else
-    float sum = 0.f;
-    for (int b = 0; b < blocks; b++) {
-        const uint8_t *wb = w + b * QBLOCK / 2;
-        const int8_t *qb = q + b * QBLOCK;
-        int dot = 0;
-        for (int i = 0; i < QBLOCK / 2; i++) dot += (wb[i] & 0xf) * qb[i] + (wb[i] >> 4) * qb[i + QBLOCK / 2];
-        sum += half_to_float(wd[b]) * d[b] * (float)dot;
-        mins += half_to_float(wm[b]) * s[b];
-    }
-    return sum + mins;
+    _mm_pause();
 #endif
 }
 
-/* y [rows, n] = x [rows, k] @ W.T (+ bias), on `threads` threads (torch's count, passed in: OpenMP's
- * default is per calling thread). work: room for kaon_linear_workspace(k, rows) bytes. */
+static void run_chunks(void) {
+    for (;;) {
+        int begin = atomic_fetch_add(&pool.next, pool.chunk);
+        if (begin >= pool.total) return;
+        int end = begin + pool.chunk < pool.total ? begin + pool.chunk : pool.total;
+        pool.fn(pool.ctx, begin, end);
+        atomic_fetch_add(&pool.done, end - begin);
+    }
+}
+
+static void *worker(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    int seen = 0;
+    for (;;) {
+        int g = atomic_load(&pool.generation);
+        for (int spins = 0; g == seen || (g & 1); spins++, g = atomic_load(&pool.generation)) {
+            if (spins < SPIN_ROUNDS || atomic_load(&pool.hold)) { pause_cpu(); continue; }
+            pthread_mutex_lock(&pool.mutex);
+            atomic_fetch_add(&pool.sleeping, 1);
+            while ((g = atomic_load(&pool.generation)) == seen || (g & 1))
+                pthread_cond_wait(&pool.wake, &pool.mutex);
+            atomic_fetch_sub(&pool.sleeping, 1);
+            pthread_mutex_unlock(&pool.mutex);
+            break;
+        }
+        seen = g;
+        if (index >= pool.helpers) continue;
+        atomic_fetch_add(&pool.active, 1);
+        if (atomic_load(&pool.generation) == g) run_chunks();  /* else the job is over and being replaced */
+        atomic_fetch_sub(&pool.active, 1);
+    }
+    return NULL;
+}
+
+/* fn over [0, total) on the caller and up to threads - 1 workers. */
+static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
+    int helpers = threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS;
+    if (helpers <= 0 || total <= 1) { fn(ctx, 0, total); return; }
+    pthread_mutex_lock(&pool.jobs);  /* one job at a time, whichever thread calls (two engines in a process) */
+    while (pool.workers < helpers) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, worker, (void *)(intptr_t)pool.workers) != 0) break;
+        pthread_detach(thread);
+        pool.workers++;
+    }
+    atomic_fetch_add(&pool.generation, 1);  /* odd: workers keep off while the job is rewritten */
+    while (atomic_load(&pool.active)) pause_cpu();
+    pool.fn = fn; pool.ctx = ctx; pool.total = total; pool.helpers = helpers;
+    pool.chunk = total / ((helpers + 1) * 8) > 0 ? total / ((helpers + 1) * 8) : 1;
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.done, 0);
+    atomic_fetch_add(&pool.generation, 1);
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.mutex);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.mutex);
+    }
+    run_chunks();
+    while (atomic_load(&pool.done) < total) pause_cpu();
+    pthread_mutex_unlock(&pool.jobs);
+}
+
+/* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
+ * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
     return (size_t)rows * ((size_t)k + 2 * sizeof(float) * (k / QBLOCK)) + 64;
 }
 
-void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work, int threads) {
+typedef struct {
+    const Linear *l;
+    int rows;
+    const float *x;
+    const int8_t *q;        /* x in int8 blocks, for the narrow weights */
+    const float *d, *s;
+    float *y;
+} LinearJob;
+
+/* Output channels [begin, end): each weight row is read once for up to TILE activation rows
+ * (one row, the batch-1 case, gets its own copy of the loops with the row count constant). */
+static void linear_chunk(const void *arg, int begin, int end) {
+    const LinearJob *job = arg;
+    const Linear *l = job->l;
     const int n = l->n, k = l->k, blocks = k / QBLOCK;
-    int8_t *q = (int8_t *)work;
-    float *d = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3)), *s = d + (size_t)rows * blocks;
-    if (l->kind != KIND_F32)
-        for (int r = 0; r < rows; r++)
-            kaon_quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks);
-    /* Each thread takes whole output rows and reuses one weight row for every activation row. */
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int j = 0; j < n; j++) {
-        for (int r = 0; r < rows; r++) {
-            float v;
+    float v[TILE];
+    if (l->kind == KIND_F32_T) {  /* y[r, j] = sum_i x[r, i] W[i, j]: stream W's rows over the chunk */
+        for (int r = 0; r < job->rows; r++) {
+            float *y = job->y + (size_t)r * n + begin;
+            memset(y, 0, sizeof(float) * (end - begin));
+            for (int i = 0; i < k; i++)
+                axpy(y, job->x[(size_t)r * k + i], (const float *)l->w + (size_t)i * n + begin, end - begin);
+            if (l->bias) for (int j = begin; j < end; j++) y[j - begin] += l->bias[j];
+        }
+        return;
+    }
+    for (int j = begin; j < end; j++) {
+        for (int r0 = 0; r0 < job->rows; r0 += TILE) {
+            const int tile = job->rows - r0 < TILE ? job->rows - r0 : TILE;
+            const int8_t *q = job->q + (size_t)r0 * k;
+            const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
             if (l->kind == KIND_F32) {
-                v = dot_f32((const float *)l->w + (size_t)j * k, x + (size_t)r * k, k);
+                for (int r = 0; r < tile; r++)
+                    v[r] = dot_f32((const float *)l->w + (size_t)j * k, job->x + (size_t)(r0 + r) * k, k);
             } else if (l->kind == KIND_INT8) {
-                v = l->scales[j] * row_int8((const int8_t *)l->w + (size_t)j * k, q + (size_t)r * k,
-                                            d + (size_t)r * blocks, k);
+                const int8_t *w = (const int8_t *)l->w + (size_t)j * k;
+                if (tile == 1) rows_int8(w, q, d, k, 1, v);
+                else rows_int8(w, q, d, k, tile, v);
+                for (int r = 0; r < tile; r++) v[r] *= l->scales[j];
             } else {
-                v = row_q4_1((const uint8_t *)l->w + (size_t)j * k / 2, l->d + (size_t)j * blocks,
-                             l->m + (size_t)j * blocks, q + (size_t)r * k, d + (size_t)r * blocks,
-                             s + (size_t)r * blocks, k);
+                const uint8_t *w = (const uint8_t *)l->w + (size_t)j * k / 2;
+                const uint16_t *wd = l->d + (size_t)j * blocks, *wm = l->m + (size_t)j * blocks;
+                if (tile == 1) rows_q4_1(w, wd, wm, q, d, s, k, 1, v);
+                else rows_q4_1(w, wd, wm, q, d, s, k, tile, v);
             }
-            y[(size_t)r * n + j] = l->bias ? v + l->bias[j] : v;
+            for (int r = 0; r < tile; r++)
+                job->y[(size_t)(r0 + r) * n + j] = l->bias ? v[r] + l->bias[j] : v[r];
         }
     }
+}
+
+void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work, int threads) {
+    const int k = l->k, blocks = k / QBLOCK;
+    int8_t *q = (int8_t *)work;
+    float *d = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3)), *s = d + (size_t)rows * blocks;
+    if (l->kind == KIND_INT8 || l->kind == KIND_Q4_1)
+        for (int r = 0; r < rows; r++)
+            kaon_quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks);
+    LinearJob job = {l, rows, x, q, d, s, y};
+    parallel_for(l->n, threads, linear_chunk, &job);
 }
 
 /* ---- the rest of a layer ------------------------------------------------------------- */
@@ -255,27 +406,36 @@ static void rotary(float *x, int heads, int dim, const float *cos, const float *
 
 static float silu(float x) { return x / (1.f + expf(-x)); }
 
+typedef struct {
+    const Model *md;
+    const Layer *layer;
+    const float *qkv;
+    int qkv_width, max_blocks;
+    const int64_t *tables, *context_lens;
+    float *scores, *out;
+} AttentionJob;
+
 /* One query token per sequence against its paged context; a task is one (sequence, query
  * head) pair. scores: room for rows * num_heads * max_context floats. */
-static void decode_attention(const Model *md, const Layer *layer, int rows, const float *qkv, int qkv_width,
-                             const int64_t *tables, int max_blocks, const int64_t *context_lens, float *scores,
-                             float *out, int threads) {
+static void attention_chunk(const void *arg, int begin, int end) {
+    const AttentionJob *job = arg;
+    const Model *md = job->md;
     const int heads = md->num_heads, dim = md->head_dim, bs = md->block_size;
-    const int group = heads / md->num_kv_heads, max_ctx = max_blocks * bs;
+    const int group = heads / md->num_kv_heads, max_ctx = job->max_blocks * bs;
     const size_t head_stride = (size_t)md->num_blocks * bs * dim;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int task = 0; task < rows * heads; task++) {
-        const int r = task / heads, qh = task % heads, ctx = (int)context_lens[r];
-        const int64_t *table = tables + (size_t)r * max_blocks;
-        const float *kc = layer->k_cache + (qh / group) * head_stride, *vc = layer->v_cache + (qh / group) * head_stride;
-        const float *q = qkv + (size_t)r * qkv_width + (size_t)qh * dim;
-        float *sc = scores + (size_t)task * max_ctx, top = -INFINITY, total = 0.f;
+    for (int task = begin; task < end; task++) {
+        const int r = task / heads, qh = task % heads, ctx = (int)job->context_lens[r];
+        const int64_t *table = job->tables + (size_t)r * job->max_blocks;
+        const float *kc = job->layer->k_cache + (qh / group) * head_stride;
+        const float *vc = job->layer->v_cache + (qh / group) * head_stride;
+        const float *q = job->qkv + (size_t)r * job->qkv_width + (size_t)qh * dim;
+        float *sc = job->scores + (size_t)task * max_ctx, top = -INFINITY, total = 0.f;
         for (int t = 0; t < ctx; t++) {
             sc[t] = dot_f32(q, kc + ((size_t)table[t / bs] * bs + t % bs) * dim, dim) * md->scale;
             top = fmaxf(top, sc[t]);
         }
         for (int t = 0; t < ctx; t++) { sc[t] = expf(sc[t] - top); total += sc[t]; }
-        float *o = out + (size_t)task * dim;
+        float *o = job->out + (size_t)task * dim;
         memset(o, 0, sizeof(float) * dim);
         for (int t = 0; t < ctx; t++)
             axpy(o, sc[t] / total, vc + ((size_t)table[t / bs] * bs + t % bs) * dim, dim);
@@ -306,6 +466,7 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
     float *gate_up = attn + (size_t)rows * heads * dim, *act = gate_up + (size_t)rows * 2 * inter;
     float *proj = act + (size_t)rows * inter, *scores = proj + (size_t)rows * hidden;
     void *linear_work = scores + (size_t)rows * heads * max_blocks * bs;
+    atomic_store(&pool.hold, 1);
     for (int li = 0; li < md->num_layers; li++) {
         const Layer *L = md->layers + li;
         rms_norm(x, L->input_norm, md->eps, rows, hidden, normed);
@@ -323,7 +484,8 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
                        t + (size_t)(heads + kv_heads + h) * dim, sizeof(float) * dim);
             }
         }
-        decode_attention(md, L, rows, qkv, qkv_width, tables, max_blocks, context_lens, scores, attn, threads);
+        AttentionJob job = {md, L, qkv, qkv_width, max_blocks, tables, context_lens, scores, attn};
+        parallel_for(rows * heads, threads, attention_chunk, &job);
         kaon_linear(&L->o, rows, attn, proj, linear_work, threads);
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
         rms_norm(x, L->post_norm, md->eps, rows, hidden, normed);
@@ -335,6 +497,7 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         kaon_linear(&L->down, rows, act, proj, linear_work, threads);
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
     }
+    atomic_store(&pool.hold, 0);
     rms_norm(x, md->final_norm, md->eps, rows, hidden, normed);
     memcpy(x, normed, sizeof(float) * (size_t)rows * hidden);
 }

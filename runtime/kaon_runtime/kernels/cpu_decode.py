@@ -8,7 +8,6 @@ caller keeps its torch path (`library()` returns None and says why once).
 
 ctypes, not a torch extension: the step is one call with raw pointers, so nothing here needs
 torch's C++ headers (a torch extension takes about a minute to compile and needs ninja).
-The library links the OpenMP runtime torch already loaded (libgomp.so.1): one thread pool.
 """
 from __future__ import annotations
 
@@ -29,9 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11"]
 QBLOCK = 32  # activations are quantized in blocks of this many for the narrow weights
-KIND_F32, KIND_INT8, KIND_Q4_1 = 0, 1, 2
+KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T = 0, 1, 2, 3
 
 
 class Linear(ctypes.Structure):
@@ -143,6 +142,12 @@ class LinearWeights:
     def f32(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeights":
         n, k = weight.shape
         return cls._make(KIND_F32, n, k, bias, w=weight.float())
+
+    @classmethod
+    def f32_t(cls, weight_t: torch.Tensor) -> "LinearWeights":
+        """A float32 weight stored [K, N] (the vocabulary head's layout)."""
+        k, n = weight_t.shape
+        return cls._make(KIND_F32_T, n, k, None, w=weight_t.float())
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeights":

@@ -6,12 +6,16 @@ and the ranges are gathered. With one rank both are the plain operations.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import vocab_range
+
+CPU_LOGITS_MAX_ROWS = 64  # decode-sized batches; prompt logprobs over long prompts keep torch's GEMM
 
 
 def _masked_ids(input_ids: torch.Tensor, start: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +59,15 @@ class VocabHead(nn.Module):
         self.start, shard = vocab_range(vocab_size, tp.rank, tp.size)
         self.weight_t = nn.Parameter(torch.empty(hidden_size, shard))
         self.quantized: nn.Module | None = None
+        # The fused CPU decode step's kernel for a few rows (models.cpu_decode_step): torch's own
+        # threads would contend with the step's between one token and the next.
+        self.cpu_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = hidden @ self.weight_t if self.quantized is None else self.quantized(hidden)
+        if self.cpu_logits is not None and hidden.shape[0] <= CPU_LOGITS_MAX_ROWS and hidden.device.type == "cpu":
+            logits = self.cpu_logits(hidden)
+        else:
+            logits = hidden @ self.weight_t if self.quantized is None else self.quantized(hidden)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[:, :self.vocab_size]  # padding rows dropped

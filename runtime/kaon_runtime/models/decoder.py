@@ -9,6 +9,7 @@ o_proj and down_proj are partial sums that an all-reduce completes.
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -25,7 +26,7 @@ from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
-from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, unsupported
+from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, head_weights, unsupported
 
 
 def _norm(c: ModelConfig, size: int | None = None) -> RMSNorm:
@@ -184,6 +185,9 @@ class DecoderForCausalLM(nn.Module):
                 reason = str(exc)
             else:
                 self.model.cpu_decode = step
+                head = head_weights(self.lm_head)
+                if head is not None:
+                    self.lm_head.cpu_logits = functools.partial(cpu_decode.linear, head)
         return reason
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
