@@ -88,6 +88,20 @@ def test_the_thread_pool_gives_every_output_once(threads):
         torch.set_num_threads(before)
 
 
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch():
+    """Batch invariance: a sequence's greedy output must not depend on what it was batched with."""
+    torch.manual_seed(7)
+    weight, x = torch.randn(40, 96 + 8), torch.randn(7, 96 + 8)  # 104: the 32-wide loop and its tail
+    w4 = quantize_int4(torch.randn(40, 128), 32)
+    x4 = torch.randn(7, 128)
+    for weights, rows in [(cpu_decode.LinearWeights.f32(weight), x),
+                          (cpu_decode.LinearWeights.int8(*quantize_int8(weight[:, :96])), x[:, :96]),
+                          (cpu_decode.LinearWeights.q4_1(w4.packed, w4.scales, w4.mins), x4)]:
+        batched = cpu_decode.linear(weights, rows)
+        for i in range(rows.shape[0]):
+            assert torch.equal(cpu_decode.linear(weights, rows[i:i + 1])[0], batched[i])
+
+
 def test_a_layout_it_cannot_read_is_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_decode.LinearWeights.int8(*quantize_int8(torch.randn(8, 40)))

@@ -4,7 +4,8 @@
  * thousands of small ops and in Python (~17 ms) than in its matrix products (~9 ms); llama.cpp
  * runs one fused graph per token in C. This file does the same for kaon's own layouts: every
  * layer's norms, projections, rotary, KV-cache write, paged attention and SwiGLU, then the
- * final norm (the embedding lookup and the vocabulary head stay in torch).
+ * final norm; the vocabulary head is a separate call of the same projection kernels (the
+ * embedding lookup stays in torch).
  *
  * Projections read their weights as stored:
  *   F32   float32 [N, K]
@@ -104,6 +105,37 @@ static float dot_f32(const float *a, const float *b, int n) {
     return sum;
 }
 
+/* dot_f32 of one weight row with two activation rows at once (one load of w for both), each
+ * summed in exactly dot_f32's order: a sequence's result does not depend on its batch. */
+static void dot_f32_pair(const float *w, const float *a, const float *b, int n, float *out) {
+    int i = 0; float sa = 0.f, sb = 0.f;
+#ifdef KAON_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8), w2 = _mm256_loadu_ps(w + i + 16),
+               w3 = _mm256_loadu_ps(w + i + 24);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), w0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), w1, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), w2, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), w3, a3);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i), w0, b0);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i + 8), w1, b1);
+        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i + 16), w2, b2);
+        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i + 24), w3, b3);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 w0 = _mm256_loadu_ps(w + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), w0, a0);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i), w0, b0);
+    }
+    sa = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    sb = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
+#endif
+    for (; i < n; i++) { sa += a[i] * w[i]; sb += b[i] * w[i]; }
+    out[0] = sa; out[1] = sb;
+}
+
 /* y += a * x */
 static void axpy(float *y, float a, const float *x, int n) {
     int i = 0;
@@ -117,7 +149,7 @@ static void axpy(float *y, float a, const float *x, int n) {
 
 /* ---- activations quantized in blocks of 32: x ~ d[b] * q[b*32 + i]; s[b] = d[b] * sum(q) --- */
 
-void kaon_quantize_q8(const float *x, int k, int8_t *q, float *d, float *s) {
+static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s) {
     for (int b = 0; b < k / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.f;
@@ -350,8 +382,10 @@ static void linear_chunk(const void *arg, int begin, int end) {
             const int8_t *q = job->q + (size_t)r0 * k;
             const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
             if (l->kind == KIND_F32) {
-                for (int r = 0; r < tile; r++)
-                    v[r] = dot_f32((const float *)l->w + (size_t)j * k, job->x + (size_t)(r0 + r) * k, k);
+                const float *w = (const float *)l->w + (size_t)j * k, *x = job->x + (size_t)r0 * k;
+                int r = 0;
+                for (; r + 2 <= tile; r += 2) dot_f32_pair(w, x + (size_t)r * k, x + (size_t)(r + 1) * k, k, v + r);
+                if (r < tile) v[r] = dot_f32(w, x + (size_t)r * k, k);
             } else if (l->kind == KIND_INT8) {
                 const int8_t *w = (const int8_t *)l->w + (size_t)j * k;
                 if (tile == 1) rows_int8(w, q, d, k, 1, v);
@@ -375,7 +409,7 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     float *d = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3)), *s = d + (size_t)rows * blocks;
     if (l->kind == KIND_INT8 || l->kind == KIND_Q4_1)
         for (int r = 0; r < rows; r++)
-            kaon_quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks);
+            quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks);
     LinearJob job = {l, rows, x, q, d, s, y};
     parallel_for(l->n, threads, linear_chunk, &job);
 }
