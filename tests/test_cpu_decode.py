@@ -212,6 +212,9 @@ def test_steps_with_a_prefill_keep_the_torch_path():
     assert model.model.cpu_decode.applies(x, meta)
     meta.prefills = [object()]
     assert not model.model.cpu_decode.applies(x, meta)
+    meta.prefills = []
+    model.model.cpu_decode.max_rows = 2  # float32 weights: wider batches go to torch's GEMMs
+    assert not model.model.cpu_decode.applies(x, meta)
 
 
 def test_what_it_cannot_run_is_named():

@@ -15,8 +15,6 @@ from torch.nn import functional as F
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import vocab_range
 
-CPU_LOGITS_MAX_ROWS = 64  # decode-sized batches; prompt logprobs over long prompts keep torch's GEMM
-
 
 def _masked_ids(input_ids: torch.Tensor, start: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids relative to this rank's range (clamped into it) and whether each falls inside."""
@@ -59,12 +57,13 @@ class VocabHead(nn.Module):
         self.start, shard = vocab_range(vocab_size, tp.rank, tp.size)
         self.weight_t = nn.Parameter(torch.empty(hidden_size, shard))
         self.quantized: nn.Module | None = None
-        # The fused CPU decode step's kernel for a few rows (models.cpu_decode_step): torch's own
-        # threads would contend with the step's between one token and the next.
+        # The fused CPU decode step's kernel for up to cpu_logits_rows rows (models.cpu_decode_step):
+        # torch's own threads would contend with the step's between one token and the next.
         self.cpu_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.cpu_logits_rows = 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cpu_logits is not None and hidden.shape[0] <= CPU_LOGITS_MAX_ROWS and hidden.device.type == "cpu":
+        if self.cpu_logits is not None and hidden.shape[0] <= self.cpu_logits_rows and hidden.device.type == "cpu":
             logits = self.cpu_logits(hidden)
         else:
             logits = hidden @ self.weight_t if self.quantized is None else self.quantized(hidden)

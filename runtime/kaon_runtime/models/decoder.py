@@ -187,7 +187,8 @@ class DecoderForCausalLM(nn.Module):
                 self.model.cpu_decode = step
                 head = head_weights(self.lm_head)
                 if head is not None:
-                    self.lm_head.cpu_logits = functools.partial(cpu_decode.linear, head)
+                    self.lm_head.cpu_logits = functools.partial(cpu_decode.linear, head[0])
+                    self.lm_head.cpu_logits_rows = head[1]
         return reason
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
