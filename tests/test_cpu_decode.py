@@ -13,7 +13,7 @@ import torch
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import (dequantize_int4, dequantize_int8, quantize_activations_ref)
-from kaon_runtime.layers.attention import AttentionMetadata, TorchAttentionBackend
+from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, TorchAttentionBackend
 from kaon_runtime.models.cpu_decode_step import unsupported
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
@@ -204,7 +204,30 @@ def test_the_vocabulary_head_takes_the_c_kernel_for_a_few_rows(method):
     torch.testing.assert_close(fast, expected, atol=0.05 if method else 1e-4, rtol=0.05 if method else 1e-5)
 
 
-def test_steps_with_a_prefill_keep_the_torch_path():
+def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch():
+    config = tiny_config()
+    model, cache = random_model(config, blocks=10)
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    # A new 5-token prompt in blocks 1 and 4 rides along after the three decodes.
+    chunk = PrefillChunk(query_start=3, query_len=5, context_len=5, block_table=torch.tensor([1, 4]))
+    x = torch.cat([x, torch.randn(5, config.hidden_size)])
+    positions = torch.cat([positions, torch.arange(5)])
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([4, 5, 6, 7, 16])])
+    meta.prefills = [chunk]
+    assert model.use_cpu_decode_step() is None
+    step = model.model.cpu_decode
+    assert not step.applies(x, meta) and step.applies_to_decodes_of(meta)
+    with torch.inference_mode():
+        model.model.cpu_decode = None
+        expected, expected_cache = model.model(x.clone(), positions, meta), cache.clone()
+        model.model.cpu_decode = step
+        meta.decode_key_mask = None
+        out = model.model(x.clone(), positions, meta)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache, expected_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_which_steps_it_takes():
     config = tiny_config()
     model, _ = random_model(config, blocks=10)
     model.use_cpu_decode_step()

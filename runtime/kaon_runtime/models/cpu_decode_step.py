@@ -1,13 +1,15 @@
 """Decode-only steps of a plain Llama-family decoder on CPU, through the fused C step.
 
 Steps whose every token is a decode (one new token per sequence) run all layers in one call
-of kernels/cpu_decode.c; steps with a prefill chunk or drafts keep the torch path. The fused
+of kernels/cpu_decode.c; in a step with prefill chunks or drafts the decodes do, and the chunks
+take the torch path (split_decodes). The fused
 step covers what Llama, SmolLM2, Mistral and Qwen2 need (full attention, SwiGLU, plain
 RMSNorm, biases); the other options of the shared decoder keep torch (`unsupported`).
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -15,6 +17,18 @@ from torch import nn
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.layers.attention import AttentionMetadata
+
+
+def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A mixed step's metadata as two: its decodes (the first rows) and its prefill chunks, whose
+    rows then start at 0."""
+    n = meta.num_decode_tokens
+    decodes = AttentionMetadata(slot_mapping=meta.slot_mapping[:n], num_decode_tokens=n,
+                                decode_block_tables=meta.decode_block_tables,
+                                decode_context_lens=meta.decode_context_lens)
+    prefills = AttentionMetadata(slot_mapping=meta.slot_mapping[n:],
+                                 prefills=[replace(c, query_start=c.query_start - n) for c in meta.prefills])
+    return decodes, prefills
 
 
 def unsupported(config: ModelConfig) -> str | None:
@@ -110,6 +124,10 @@ class CpuDecodeStep:
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         return not meta.prefills and self.max_rows >= meta.num_decode_tokens == x.shape[0] > 0
+
+    def applies_to_decodes_of(self, meta: AttentionMetadata) -> bool:
+        """A mixed step whose decodes the C step can take on their own (see split_decodes)."""
+        return bool(meta.prefills) and 0 < meta.num_decode_tokens <= self.max_rows
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = x.float().clone(memory_format=torch.contiguous_format)  # written in place by the C step

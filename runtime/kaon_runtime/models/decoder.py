@@ -26,7 +26,7 @@ from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
-from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, head_weights, unsupported
+from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, head_weights, split_decodes, unsupported
 
 
 def _norm(c: ModelConfig, size: int | None = None) -> RMSNorm:
@@ -118,8 +118,19 @@ class DecoderModel(nn.Module):
         self.cpu_decode = None  # models.cpu_decode_step.CpuDecodeStep, for decode-only steps on CPU
 
     def forward(self, x, positions, meta):
-        if self.cpu_decode is not None and self.cpu_decode.applies(x, meta):
-            return self.cpu_decode(x, positions, meta)
+        step = self.cpu_decode
+        if step is not None and step.applies(x, meta):
+            return step(x, positions, meta)
+        if step is not None and step.applies_to_decodes_of(meta):
+            # A step with prefill chunks: its decodes (the first rows) through the C step, the
+            # chunks through torch. They are other sequences, so nothing changes but the time
+            # the decoding streams wait while a new prompt is prefilled.
+            n = meta.num_decode_tokens
+            decodes, prefills = split_decodes(meta)
+            return torch.cat([step(x[:n], positions[:n], decodes), self._layers(x[n:], positions[n:], prefills)])
+        return self._layers(x, positions, meta)
+
+    def _layers(self, x, positions, meta):
         residual = None
         rope = self.rotary.lookup(positions, x.device)
         for layer in self.layers:
