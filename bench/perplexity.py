@@ -9,7 +9,12 @@ The text (bench/data/perplexity_sample.txt) is split into non-overlapping window
 window's first token is context only. Besides perplexity, "top-1 agree" is the share of
 positions whose most likely next token equals the baseline's.
 
+`--path decode` scores the text the way generation sees it: one token per step through the
+engine's decode path (on CPU the fused C step, whose int8/int4 projections take int8-block
+activations), instead of one prefill per window.
+
 Usage: python bench/perplexity.py [--methods none int8 int4 fp8 int4-g32 int4-g64] [--window 1024]
+                                  [--path prefill|decode]
 """
 from __future__ import annotations
 
@@ -50,10 +55,28 @@ def window_scores(runner, ids: list[int]) -> tuple[float, torch.Tensor]:
     return nll.item(), logits.argmax(dim=-1).cpu()
 
 
-def score(runner, windows: list[list[int]]) -> tuple[float, torch.Tensor]:
+@torch.inference_mode()
+def window_scores_decoding(runner, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """As window_scores, but one decode step per token (a sequence of one, its context growing)."""
+    n, device = len(ids), runner.device
+    table = torch.arange(-(-n // runner.block_size), device=device)[None]
+    nll, top1 = 0.0, []
+    for t in range(n - 1):
+        meta = AttentionMetadata(slot_mapping=torch.tensor([t], device=device), num_decode_tokens=1,
+                                 decode_block_tables=table, decode_context_lens=torch.tensor([t + 1], device=device))
+        hidden = runner.model(torch.tensor([ids[t]], device=device), torch.tensor([t], device=device), meta)
+        logits = runner.model.compute_logits(hidden)
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor([ids[t + 1]], device=device),
+                                                 reduction="sum").item()
+        top1.append(logits.argmax(dim=-1).cpu())
+    return nll, torch.cat(top1)
+
+
+def score(runner, windows: list[list[int]], path: str = "prefill") -> tuple[float, torch.Tensor]:
+    scores = window_scores if path == "prefill" else window_scores_decoding
     total, predictions = 0.0, []
     for ids in windows:
-        nll, top1 = window_scores(runner, ids)
+        nll, top1 = scores(runner, ids)
         total += nll
         predictions.append(top1)
     count = sum(len(w) - 1 for w in windows)
@@ -73,6 +96,8 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=[*ENGINE_METHODS, *REQUANTIZED],
                         choices=[*ENGINE_METHODS, *REQUANTIZED])
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--path", choices=("prefill", "decode"), default="prefill",
+                        help="score each window in one prefill, or one decode step per token")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -82,22 +107,24 @@ def main() -> int:
     windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
     windows = [w for w in windows if len(w) > 1]
     print(f"text: {TEXT.relative_to(ROOT)}, {len(ids)} tokens in {len(windows)} windows of up to {args.window}")
-    print('baseline "none": the bundled Q4_1 GGUF dequantized to float32, on CPU; the int8 and int4 matmuls '
-          'there take bfloat16 activations (torch\'s packed-weight kernels)\n')
+    activations = {"prefill": "bfloat16 activations (torch's packed-weight kernels)",
+                   "decode": "int8-block activations (the fused C decode step)"}[args.path]
+    print(f'baseline "none": the bundled Q4_1 GGUF dequantized to float32, on CPU, scored through the '
+          f'{args.path} path, where the int8 and int4 matmuls take {activations}\n')
 
-    base_ppl, base_top1 = score(float_llm.engine.runner, windows)
+    base_ppl, base_top1 = score(float_llm.engine.runner, windows, args.path)
     rows = []
     print(f"{'method':<10} {'perplexity':>10} {'vs none':>9} {'top-1 agree':>12}")
     for method in args.methods:
         runner = float_llm.engine.runner if method == "none" else build_runner(method)
-        ppl, top1 = (base_ppl, base_top1) if method == "none" else score(runner, windows)
+        ppl, top1 = (base_ppl, base_top1) if method == "none" else score(runner, windows, args.path)
         increase = ppl / base_ppl - 1
         agree = (top1 == base_top1).float().mean().item()
         rows.append(dict(method=method, perplexity=ppl, relative_increase=increase, top1_agreement=agree))
         print(f"{method:<10} {ppl:>10.4f} {increase:>+8.2%} {agree:>12.2%}")
         del runner
     if args.json:
-        args.json.write_text(json.dumps(dict(tokens=len(ids), window=args.window, results=rows), indent=2))
+        args.json.write_text(json.dumps(dict(tokens=len(ids), window=args.window, path=args.path, results=rows), indent=2))
     return 0
 
 

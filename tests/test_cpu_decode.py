@@ -236,7 +236,7 @@ def test_which_steps_it_takes():
     meta.prefills = [object()]
     assert not model.model.cpu_decode.applies(x, meta)
     meta.prefills = []
-    model.model.cpu_decode.max_rows = 2  # float32 weights: wider batches go to torch's GEMMs
+    model.model.cpu_decode.max_rows = 2  # wider batches go to torch
     assert not model.model.cpu_decode.applies(x, meta)
 
 

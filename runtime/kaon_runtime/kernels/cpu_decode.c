@@ -105,35 +105,85 @@ static float dot_f32(const float *a, const float *b, int n) {
     return sum;
 }
 
-/* dot_f32 of one weight row with two activation rows at once (one load of w for both), each
- * summed in exactly dot_f32's order: a sequence's result does not depend on its batch. */
-static void dot_f32_pair(const float *w, const float *a, const float *b, int n, float *out) {
-    int i = 0; float sa = 0.f, sb = 0.f;
-#ifdef KAON_AVX2
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    for (; i + 32 <= n; i += 32) {
-        __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8), w2 = _mm256_loadu_ps(w + i + 16),
-               w3 = _mm256_loadu_ps(w + i + 24);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), w0, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), w1, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), w2, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), w3, a3);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i), w0, b0);
-        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i + 8), w1, b1);
-        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i + 16), w2, b2);
-        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i + 24), w3, b3);
-    }
-    for (; i + 8 <= n; i += 8) {
-        __m256 w0 = _mm256_loadu_ps(w + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), w0, a0);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i), w0, b0);
-    }
-    sa = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    sb = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
+/* Tile shapes: MR x NR for batches (12 FMAs per 8 loads), 1 x NR1 for one row. */
+#ifndef MR
+#define MR 6
+#define NR 2
+#define NR1 8
 #endif
-    for (; i < n; i++) { sa += a[i] * w[i]; sb += b[i] * w[i]; }
-    out[0] = sa; out[1] = sb;
+#define TILE_ROWS_MAX 6
+#ifndef F32_T_TILED_ROWS
+#define F32_T_TILED_ROWS 100
+#endif
+#define TILE_COLS_MAX 8
+
+/* Float32 [N, K] weights: a tile of R activation rows by C weight rows. Every output is summed
+ * in one order whatever the tile, the batch or the thread count: one 8-lane accumulator over k,
+ * then hsum8, then the scalar tail; so a sequence's result does not depend on its batch.
+ * R and C are constants at every call (always_inline) and the arrays have fixed sizes, so once
+ * the loops unroll the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile_f32(const float *w, const float *x, int k, const int R,
+                                                           const int C, const float *bias, float *y, size_t ystride) {
+    int i = 0;
+    float sums[TILE_ROWS_MAX][TILE_COLS_MAX];
+#ifdef KAON_AVX2
+    __m256 acc[TILE_ROWS_MAX][TILE_COLS_MAX];
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) {
+        __m256 wv[TILE_COLS_MAX];
+        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + (size_t)c * k + i);
+        for (int r = 0; r < R; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (size_t)r * k + i);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) sums[r][c] = hsum8(acc[r][c]);
+#else
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) sums[r][c] = 0.f;
+#endif
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float sum = sums[r][c];
+            for (int j = i; j < k; j++) sum += x[(size_t)r * k + j] * w[(size_t)c * k + j];
+            y[r * ystride + c] = bias ? sum + bias[c] : sum;
+        }
+}
+
+static void tile_f32_any(const float *w, const float *x, int k, int R, int C, const float *bias, float *y,
+                         size_t ystride) {
+#define TILE_CASE(r, c) case (r) * 16 + (c): tile_f32(w, x, k, r, c, bias, y, ystride); return;
+    switch (R * 16 + C) {
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
+        TILE_CASE(1, 5) TILE_CASE(1, 6) TILE_CASE(1, 7) TILE_CASE(1, 8)
+        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
+        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+        TILE_CASE(5, 1) TILE_CASE(5, 2) TILE_CASE(5, 3) TILE_CASE(5, 4)
+        TILE_CASE(6, 1) TILE_CASE(6, 2) TILE_CASE(6, 3) TILE_CASE(6, 4)
+    }
+#undef TILE_CASE
+    abort();  /* a shape the dispatch lacks: MR, NR or NR1 changed without it */
+}
+
+/* y[:, begin:end] for float32 [N, K] weights. Outputs go in blocks whose weights stay in L2
+ * (~64 KB) while every row tile of the batch passes over them, so each weight is read from
+ * memory once a call; within a block a row tile's activations stay in L1. */
+static void f32_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
+                        int begin, int end) {
+    const int r_step = rows == 1 ? 1 : MR, c_step = rows == 1 ? NR1 : NR;
+    int block = (16384 / k) / c_step * c_step;
+    if (block < c_step) block = c_step;
+    for (int j0 = begin; j0 < end; j0 += block) {
+        const int j1 = j0 + block < end ? j0 + block : end;
+        for (int r0 = 0; r0 < rows; r0 += r_step) {
+            const int R = rows - r0 < r_step ? rows - r0 : r_step;
+            for (int j = j0; j < j1; j += c_step) {
+                const int C = j1 - j < c_step ? j1 - j : c_step;
+                tile_f32_any(w + (size_t)j * k, x + (size_t)r0 * k, k, R, C, bias ? bias + j : NULL,
+                             y + (size_t)r0 * n + j, (size_t)n);
+            }
+        }
+    }
 }
 
 /* y += a * x */
@@ -144,7 +194,30 @@ static void axpy(float *y, float a, const float *x, int n) {
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
+#ifdef KAON_AVX2
+    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);  /* as the vector lanes: one rounding */
+#else
     for (; i < n; i++) y[i] += a * x[i];
+#endif
+}
+
+/* y[:, begin:end] for float32 [K, N] weights (the vocabulary head, a transposed embedding):
+ * stream W's rows in long contiguous runs, which memory serves fastest, into outputs held in
+ * L1; each output is one FMA chain over k from zero, whatever the batch. */
+#define F32_T_RUN 4096  /* outputs per run for one row (16 KB), divided among the rows */
+static void f32_t_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
+                          int begin, int end) {
+    const int run = F32_T_RUN / rows;
+    for (int j0 = begin; j0 < end; j0 += run) {
+        const int width = end - j0 < run ? end - j0 : run;
+        for (int r = 0; r < rows; r++) memset(y + (size_t)r * n + j0, 0, sizeof(float) * width);
+        for (int i = 0; i < k; i++)
+            for (int r = 0; r < rows; r++)
+                axpy(y + (size_t)r * n + j0, x[(size_t)r * k + i], w + (size_t)i * n + j0, width);
+    }
+    if (bias)
+        for (int r = 0; r < rows; r++)
+            for (int j = begin; j < end; j++) y[(size_t)r * n + j] += bias[j];
 }
 
 /* ---- activations quantized in blocks of 32: x ~ d[b] * q[b*32 + i]; s[b] = d[b] * sum(q) --- */
@@ -366,14 +439,12 @@ static void linear_chunk(const void *arg, int begin, int end) {
     const Linear *l = job->l;
     const int n = l->n, k = l->k, blocks = k / QBLOCK;
     float v[TILE];
-    if (l->kind == KIND_F32_T) {  /* y[r, j] = sum_i x[r, i] W[i, j]: stream W's rows over the chunk */
-        for (int r = 0; r < job->rows; r++) {
-            float *y = job->y + (size_t)r * n + begin;
-            memset(y, 0, sizeof(float) * (end - begin));
-            for (int i = 0; i < k; i++)
-                axpy(y, job->x[(size_t)r * k + i], (const float *)l->w + (size_t)i * n + begin, end - begin);
-            if (l->bias) for (int j = begin; j < end; j++) y[j - begin] += l->bias[j];
-        }
+    if (l->kind == KIND_F32) {
+        f32_outputs((const float *)l->w, l->bias, n, k, job->rows, job->x, job->y, begin, end);
+        return;
+    }
+    if (l->kind == KIND_F32_T) {
+        f32_t_outputs((const float *)l->w, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
     }
     for (int j = begin; j < end; j++) {
@@ -381,12 +452,7 @@ static void linear_chunk(const void *arg, int begin, int end) {
             const int tile = job->rows - r0 < TILE ? job->rows - r0 : TILE;
             const int8_t *q = job->q + (size_t)r0 * k;
             const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
-            if (l->kind == KIND_F32) {
-                const float *w = (const float *)l->w + (size_t)j * k, *x = job->x + (size_t)r0 * k;
-                int r = 0;
-                for (; r + 2 <= tile; r += 2) dot_f32_pair(w, x + (size_t)r * k, x + (size_t)(r + 1) * k, k, v + r);
-                if (r < tile) v[r] = dot_f32(w, x + (size_t)r * k, k);
-            } else if (l->kind == KIND_INT8) {
+            if (l->kind == KIND_INT8) {
                 const int8_t *w = (const int8_t *)l->w + (size_t)j * k;
                 if (tile == 1) rows_int8(w, q, d, k, 1, v);
                 else rows_int8(w, q, d, k, tile, v);

@@ -48,11 +48,13 @@ def unsupported(config: ModelConfig) -> str | None:
     return ", ".join(found) or None
 
 
-# The most sequences a step may have to take the C kernels. Quantized weights: their integer dot
-# products beat torch's kernels up to a full batch (int4 at 64 sequences: 253 against 196 tok/s
-# on the 2-vCPU test machine). Float32 weights: from about 16 rows on, torch's blocked GEMM
-# wins (64 sequences: 183 against 263 tok/s), and so does BLAS for the float head.
-MAX_ROWS_QUANTIZED, MAX_ROWS_FLOAT = 64, 16
+# The most sequences a step may have to take the C kernels: a full batch (int4 at 64 sequences:
+# 253 against 196 tok/s through torch on the 2-vCPU test machine; float32's register-tiled
+# kernel is on a par with torch's BLAS for the projections there and saves the torch ops).
+# The float vocabulary head streams its [K, N] weights per row and goes to BLAS above 16 rows
+# (64 rows: ~115 against ~46 ms).
+MAX_ROWS = 64
+MAX_HEAD_ROWS_FLOAT = 16
 
 
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
@@ -75,8 +77,8 @@ def head_weights(head: nn.Module) -> tuple[cpu_decode.LinearWeights, int] | None
         qweight = getattr(head.quantized, "qweight", None)
         if qweight is None or qweight.dtype != torch.int8:
             return None
-        return cpu_decode.LinearWeights.int8(qweight, head.quantized.scales), MAX_ROWS_QUANTIZED
-    return cpu_decode.LinearWeights.f32_t(head.weight_t), MAX_ROWS_FLOAT
+        return cpu_decode.LinearWeights.int8(qweight, head.quantized.scales), MAX_ROWS
+    return cpu_decode.LinearWeights.f32_t(head.weight_t), MAX_HEAD_ROWS_FLOAT
 
 
 class CpuDecodeStep:
@@ -86,15 +88,14 @@ class CpuDecodeStep:
     def __init__(self, decoder: nn.Module, config: ModelConfig):
         self.decoder, self.config = decoder, config
         self._built: tuple[int, cpu_decode.Model, list] | None = None
-        self.max_rows = MAX_ROWS_FLOAT
+        self.max_rows = MAX_ROWS
 
     def check(self) -> None:
-        """Raise ValueError if a projection has no fused kernel; call once before enabling.
-        Sets max_rows by the weights' kind."""
-        kinds = {linear_weights(module).struct.kind for layer in self.decoder.layers
-                 for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                layer.mlp.down_proj)}
-        self.max_rows = MAX_ROWS_FLOAT if cpu_decode.KIND_F32 in kinds else MAX_ROWS_QUANTIZED
+        """Raise ValueError if a projection has no fused kernel; call once before enabling."""
+        for layer in self.decoder.layers:
+            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                linear_weights(module)
 
     def _model(self) -> cpu_decode.Model:
         first_cache = self.decoder.layers[0].self_attn.attn.k_cache
