@@ -134,6 +134,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *w, const
         for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + (size_t)c * k + i);
         for (int r = 0; r < R; r++) {
             __m256 xv = _mm256_loadu_ps(x + (size_t)r * k + i);
+            __asm__("" : "+x"(xv));  /* keep it in a register: GCC would load it again for each output */
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
