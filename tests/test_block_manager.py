@@ -47,6 +47,7 @@ def run_full(bm: BlockManager, seq: Sequence) -> None:
     """Allocate a new sequence and compute all its tokens, as one prefill would."""
     bm.allocate_prefix(seq)
     assert bm.ensure_slots(seq, seq.num_tokens)
+    bm.record_admission(seq)
     seq.num_computed_tokens = seq.num_tokens
     bm.commit(seq)
 
@@ -101,11 +102,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = self.bm.allocate_prefix(seq)
         assert cached == seq.num_computed_tokens == len(seq.block_table) * self.bs
         assert cached < seq.num_tokens, "a prefix hit must leave the last token to compute"
-        assert self.bm.prefix_queries - queries == seq.num_tokens
-        assert self.bm.prefix_hits - hits == cached
+        assert (self.bm.prefix_queries, self.bm.prefix_hits) == (queries, hits), "a lookup alone counts nothing"
         if not self.grow(seq, seq.num_tokens):
             self.drop(seq)
             return
+        self.bm.record_admission(seq)
+        assert self.bm.prefix_queries - queries == seq.num_tokens
+        assert self.bm.prefix_hits - hits == cached
         self.live.append(seq)
         self.compute(seq, min(chunk, seq.num_tokens - seq.num_computed_tokens))
 
@@ -279,6 +282,7 @@ def test_prefix_hit_reuses_blocks_and_counts_hits():
 
     second = make_seq([*range(8), 42, 43])
     assert bm.allocate_prefix(second) == 8
+    bm.record_admission(second)
     assert second.block_table == first.block_table[:2]
     assert second.num_computed_tokens == second.num_cached_tokens == 8
     assert second.block_hashes == first.block_hashes[:2]

@@ -383,3 +383,32 @@ def test_finish_a_preempted_sequence_removes_it_from_the_queue():
     runner.run()
     assert a.is_finished and a.finish_reason == "length"
     assert_all_blocks_free(sched.block_manager)
+
+
+# ---- the prefix-cache counters ---------------------------------------------------------
+
+def test_a_prompt_waiting_for_room_counts_its_cache_lookup_once():
+    """The head of the queue is looked up again every step it cannot fit (it gives its cached
+    prefix back meanwhile); the hit-rate counters must count its prompt once, on admission."""
+    sched = make_scheduler(num_blocks=5, block_size=2, max_num_seqs=2)
+    runner = FakeRunner(sched)
+    bm = sched.block_manager
+    shared = [1, 2, 3, 0]
+    first = make_seq(shared + [3], max_tokens=3)
+    sched.add(first)
+    runner.run()  # its two full prompt blocks stay cached
+    queries, hits = bm.prefix_queries, bm.prefix_hits
+
+    hog = make_seq([0, 0, 0, 0, 0], max_tokens=2)  # three blocks, decodes into a fourth
+    sched.add(hog)
+    runner.step()
+    second = make_seq(shared + [2, 2, 2], max_tokens=1)  # hits two blocks, needs two more
+    sched.add(second)
+    waited = 0
+    while second.status is SequenceStatus.WAITING:
+        runner.step()
+        waited += 1
+    assert waited > 1, "the workload must make the second prompt wait for room"
+    assert bm.prefix_queries - queries == hog.num_prompt_tokens + second.num_prompt_tokens
+    assert bm.prefix_hits - hits == second.num_cached_tokens == 4
+    runner.run()

@@ -37,7 +37,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[int, int] = {}  # chain hash -> block id
-        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_queries = 0  # tokens of admitted sequences looked up (record_admission)
         self.prefix_hits = 0  # of those, served from the cache
 
     @property
@@ -76,10 +76,20 @@ class BlockManager:
                 seq.block_table.append(block_id)
                 seq.block_hashes.append(h)
                 parent = h
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += len(seq.block_table) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
+
+    def record_admission(self, seq: Sequence) -> None:
+        """Count an admitted sequence's lookup in the hit-rate counters, once per admission.
+
+        Not in allocate_prefix: a sequence that waits for room gives its prefix back and is looked
+        up again every step until it fits, and counting each try inflated the hit rate under
+        cache pressure, the very case it is read for. A preempted sequence is admitted, and
+        counted, again: its recomputation is real work that the cache may save.
+        """
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += seq.num_cached_tokens
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold `num_tokens` tokens; all or nothing."""

@@ -87,6 +87,7 @@ class Scheduler:
                 self._release_waiting_blocks()  # this one's cached prefix too, until there is room
                 break
             self.waiting.popleft()
+            self.block_manager.record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
