@@ -60,10 +60,11 @@ def test_q4_1_projection_matches_its_reference(rows, bias):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_transposed_float32_head_matches_torch(rows):
+@pytest.mark.parametrize("rows", [1, 5, 7])
+@pytest.mark.parametrize("k", [96, 300])  # 300: more than one block of k (KT) per output
+def test_transposed_float32_head_matches_torch(rows, k):
     torch.manual_seed(5)
-    weight_t, x = torch.randn(96, 1000), torch.randn(rows, 96)
+    weight_t, x = torch.randn(k, 1000), torch.randn(rows, k)  # 1000: strips of 16 and a tail
     out = cpu_decode.linear(cpu_decode.LinearWeights.f32_t(weight_t), x)
     torch.testing.assert_close(out, x @ weight_t, atol=1e-4, rtol=1e-5)
 
@@ -94,7 +95,9 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch():
     weight, x = torch.randn(40, 96 + 8), torch.randn(7, 96 + 8)  # 104: the 32-wide loop and its tail
     w4 = quantize_int4(torch.randn(40, 128), 32)
     x4 = torch.randn(7, 128)
+    head_t, x_head = torch.randn(300, 1000), torch.randn(7, 300)
     for weights, rows in [(cpu_decode.LinearWeights.f32(weight), x),
+                          (cpu_decode.LinearWeights.f32_t(head_t), x_head),
                           (cpu_decode.LinearWeights.int8(*quantize_int8(weight[:, :96])), x[:, :96]),
                           (cpu_decode.LinearWeights.q4_1(w4.packed, w4.scales, w4.mins), x4)]:
         batched = cpu_decode.linear(weights, rows)

@@ -181,6 +181,15 @@ static void f32_outputs(const float *w, const float *bias, int n, int k, int row
     }
 }
 
+/* One step of an output's FMA chain, as the vector lanes do it where they exist (one rounding). */
+static inline float madd1(float a, float x, float y) {
+#ifdef KAON_AVX2
+    return fmaf(a, x, y);
+#else
+    return y + a * x;
+#endif
+}
+
 /* y += a * x */
 static void axpy(float *y, float a, const float *x, int n) {
     int i = 0;
@@ -188,26 +197,86 @@ static void axpy(float *y, float a, const float *x, int n) {
     __m256 va = _mm256_set1_ps(a);
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);  /* as the vector lanes: one rounding */
+#endif
+    for (; i < n; i++) y[i] = madd1(a, x[i], y[i]);
+}
+
+/* Float32 [K, N] weights (the vocabulary head, a transposed embedding), R activation rows by
+ * NT outputs over KT of the k: a strip of W packed contiguous ([KT, NT], see f32_t_outputs)
+ * streams from cache while each row's NT sums stay in registers. Every output is one FMA chain
+ * over k from zero (a later k-block carries on from y), so a row gets the same bits alone or
+ * batched. */
+#define NT 16
+#define KT 256
+static inline __attribute__((always_inline)) void tile_f32_t(const float *packed, const float *x, int kt, int k,
+                                                             int n, const int R, int first, float *y) {
+#ifdef KAON_AVX2
+    __m256 acc[TILE_ROWS_MAX][2];
+    for (int r = 0; r < R; r++) {
+        acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (size_t)r * n);
+        acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (size_t)r * n + 8);
+    }
+    for (int i = 0; i < kt; i++) {
+        const __m256 w0 = _mm256_loadu_ps(packed + i * NT), w1 = _mm256_loadu_ps(packed + i * NT + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + (size_t)r * k + i);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + (size_t)r * n, acc[r][0]);
+        _mm256_storeu_ps(y + (size_t)r * n + 8, acc[r][1]);
+    }
 #else
-    for (; i < n; i++) y[i] += a * x[i];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NT; c++) {
+            float sum = first ? 0.f : y[(size_t)r * n + c];
+            for (int i = 0; i < kt; i++) sum = madd1(x[(size_t)r * k + i], packed[i * NT + c], sum);
+            y[(size_t)r * n + c] = sum;
+        }
 #endif
 }
 
-/* y[:, begin:end] for float32 [K, N] weights (the vocabulary head, a transposed embedding):
- * stream W's rows in long contiguous runs, which memory serves fastest, into outputs held in
- * L1; each output is one FMA chain over k from zero, whatever the batch. */
-#define F32_T_RUN 4096  /* outputs per run for one row (16 KB), divided among the rows */
+static void tile_f32_t_any(const float *packed, const float *x, int kt, int k, int n, int R, int first, float *y) {
+#define TILE_T_CASE(r) case r: tile_f32_t(packed, x, kt, k, n, r, first, y); return;
+    switch (R) { TILE_T_CASE(1) TILE_T_CASE(2) TILE_T_CASE(3) TILE_T_CASE(4) TILE_T_CASE(5) TILE_T_CASE(6) }
+#undef TILE_T_CASE
+    abort();
+}
+
+/* y[:, begin:end] for float32 [K, N] weights, in register tiles: each [KT, NC] block of W is
+ * copied once into contiguous [KT, NT] panels, read a row segment at a time as memory serves
+ * it best (a walk down one NT-wide strip would touch a new page on every row of W, and every
+ * row tile would pay for it again), and all the rows' tiles read the panels from cache. On
+ * the 2-core test machine, the 49,152 x 576 head: ~6 ms for 1 to 4 rows, 15.6 ms for 35 and
+ * 23.5 for 64, against MKL's 4.2, 19, 27 and 35 ms (MKL packs the whole weight per call). */
+#define NC 128
 static void f32_t_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
                           int begin, int end) {
-    const int run = rows < F32_T_RUN / 8 ? F32_T_RUN / rows : 8;
-    for (int j0 = begin; j0 < end; j0 += run) {
-        const int width = end - j0 < run ? end - j0 : run;
-        for (int r = 0; r < rows; r++) memset(y + (size_t)r * n + j0, 0, sizeof(float) * width);
-        for (int i = 0; i < k; i++)
-            for (int r = 0; r < rows; r++)
-                axpy(y + (size_t)r * n + j0, x[(size_t)r * k + i], w + (size_t)i * n + j0, width);
+    float packed[KT * NC];  /* 128 KB */
+    int j = begin;
+    while (j + NT <= end) {
+        const int nc = (end - j) / NT * NT < NC ? (end - j) / NT * NT : NC;
+        for (int k0 = 0; k0 < k; k0 += KT) {
+            const int kt = k - k0 < KT ? k - k0 : KT;
+            for (int i = 0; i < kt; i++)
+                for (int p = 0; p < nc / NT; p++)
+                    memcpy(packed + ((size_t)p * kt + i) * NT, w + (size_t)(k0 + i) * n + j + p * NT,
+                           sizeof(float) * NT);
+            for (int p = 0; p < nc / NT; p++)
+                for (int r0 = 0; r0 < rows; r0 += MR)
+                    tile_f32_t_any(packed + (size_t)p * kt * NT, x + (size_t)r0 * k + k0, kt, k, n,
+                                   rows - r0 < MR ? rows - r0 : MR, k0 == 0, y + (size_t)r0 * n + j + p * NT);
+        }
+        j += nc;
     }
+    for (int r = 0; r < rows; r++)  /* the last columns, fewer than a strip: the same chains */
+        for (int c = j; c < end; c++) {
+            float sum = 0.f;
+            for (int i = 0; i < k; i++) sum = madd1(x[(size_t)r * k + i], w[(size_t)i * n + c], sum);
+            y[(size_t)r * n + c] = sum;
+        }
     if (bias)
         for (int r = 0; r < rows; r++)
             for (int j = begin; j < end; j++) y[(size_t)r * n + j] += bias[j];
