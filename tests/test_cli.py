@@ -96,3 +96,15 @@ def test_kaon_serve_sizes_the_kv_pool_by_bytes_or_blocks_and_refuses_a_bad_size_
         result = kaon("serve", flag, value)
         assert result.returncode == 2, result.stderr
         assert f"argument {flag}: {why}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kaon_serve_takes_a_prefill_delay_and_refuses_a_bad_one_clearly():
+    from kaon_runtime.cli import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["serve"])).prefill_delay_ms == 0
+    assert engine_config(build_parser().parse_args(["serve", "--prefill-delay-ms", "750"])).prefill_delay_ms == 750
+    for value, why in (("-5", "must be a finite number >= 0, got -5"), ("nan", "must be a finite number >= 0, got nan"),
+                       ("soon", "expected a number, got 'soon'")):
+        result = kaon("serve", "--prefill-delay-ms", value)
+        assert result.returncode == 2, result.stderr
+        assert f"argument --prefill-delay-ms: {why}" in result.stderr and "Traceback" not in result.stderr

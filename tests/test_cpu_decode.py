@@ -150,8 +150,9 @@ TABLES, LENS = [[5], [2, 9, 0], [7, 3]], [1, 12, 6]
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_decode_step_matches_the_torch_path(bias):
-    config = tiny_config(attention_bias=bias)
+@pytest.mark.parametrize("head_dim", [16, 20, 64, 96])  # the attention's paths: multiples of 8 and of 64, or not
+def test_a_decode_step_matches_the_torch_path(bias, head_dim):
+    config = tiny_config(attention_bias=bias, head_dim=head_dim)
     model, cache = random_model(config, blocks=10)
     x, positions, meta = decode_step(config, TABLES, LENS)
     assert model.use_cpu_decode_step() is None

@@ -183,3 +183,27 @@ def test_the_profiling_run_goes_through_and_lets_go_of_its_scratch_cache():
     llm.engine.block_manager.__init__(blocks, runner.block_size, llm.engine.config.enable_prefix_caching)
     after = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], params, use_tqdm=False)]
     assert after == before
+
+
+def test_a_prefill_delay_holds_new_prompts_but_not_a_requests_own_siblings(llm):
+    engine = llm.engine
+    scheduler = engine.scheduler
+    saved = scheduler.prefill_delay_s
+    scheduler.prefill_delay_s = 3600.0  # longer than the test: only finishing decodes let a prompt in
+    try:
+        engine.add_request("pair", "Tell me about rivers.", SamplingParams(temperature=0, max_tokens=6, n=2,
+                                                                           ignore_eos=True))
+        engine.step()  # the first sequence's prefill; its sibling is forked off it
+        engine.step()
+        engine.add_request("later", "Hello", SamplingParams(temperature=0, max_tokens=2))
+        outputs = {}
+        while engine.has_unfinished_requests():
+            running = {seq.request_id for seq in scheduler.running}
+            assert not ("later" in running and "pair" in running), "a held prompt ran beside the decodes"
+            for output in engine.step():
+                outputs[output.request_id] = output
+        pair = outputs["pair"].outputs
+        assert pair[0].token_ids == pair[1].token_ids and len(pair[0].token_ids) == 6
+        assert len(outputs["later"].outputs[0].token_ids) == 2
+    finally:
+        scheduler.prefill_delay_s = saved

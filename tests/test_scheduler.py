@@ -412,3 +412,67 @@ def test_a_prompt_waiting_for_room_counts_its_cache_lookup_once():
     assert bm.prefix_queries - queries == hog.num_prompt_tokens + second.num_prompt_tokens
     assert bm.prefix_hits - hits == second.num_cached_tokens == 4
     runner.run()
+
+
+# ---- the prefill delay -----------------------------------------------------------------
+
+class StepClock:
+    """The scheduler's clock in steps: time moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def delayed_scheduler(delay: float) -> tuple[Scheduler, FakeRunner, StepClock]:
+    clock = StepClock()
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=16, prefill_delay_s=delay,
+                      clock=clock)
+    return sched, FakeRunner(sched), clock
+
+
+def test_a_new_prompt_waits_for_the_decodes_to_finish_within_the_delay():
+    sched, runner, clock = delayed_scheduler(delay=10)
+    first = make_seq([1, 1], max_tokens=4)
+    sched.add(first)
+    runner.step()  # prefilled; it decodes from here on
+    second = make_seq([2, 2, 2], max_tokens=2)
+    sched.add(second)
+    while not first.is_finished:
+        clock.now += 1
+        assert runner.step().seqs == [first], "a held prompt joined a step while the other decoded"
+    assert clock.now < 10
+    assert runner.step().seqs == [second]  # nothing decodes any more: it goes in at once
+    runner.run()
+    assert second.output_token_ids == expected_output([2, 2, 2], 2)
+
+
+def test_a_held_prompt_goes_in_when_its_delay_is_up_with_everything_that_waited_since():
+    sched, runner, clock = delayed_scheduler(delay=3)
+    long = make_seq([1, 1], max_tokens=20)
+    sched.add(long)
+    runner.step()
+    held = [make_seq([2, 2], max_tokens=2)]
+    sched.add(held[0])
+    for _ in range(2):
+        clock.now += 1
+        held.append(make_seq([3, clock.now], max_tokens=2))
+        sched.add(held[-1])
+        assert runner.step().seqs == [long]
+    clock.now += 1  # the first held prompt has waited 3: all three go in together
+    assert runner.step().seqs == [long, *held]
+    runner.run()
+    assert all(seq.is_finished for seq in [long, *held])
+
+
+def test_without_a_delay_a_new_prompt_joins_the_next_step():
+    sched, runner, _ = delayed_scheduler(delay=0)
+    first = make_seq([1, 1], max_tokens=4)
+    sched.add(first)
+    runner.step()
+    second = make_seq([2, 2, 2], max_tokens=2)
+    sched.add(second)
+    assert runner.step().seqs == [first, second]
+

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    serve.add_argument("--prefill-delay-ms", type=non_negative_float, default=0.0, metavar="MS",
+                       help="while sequences decode, hold a new prompt's prefill up to MS for them to finish: "
+                            "a steadier token pace for a longer time to first token (default 0: prefill at once)")
     serve.add_argument("--kv-cache-fraction", type=float, default=0.85,
                        help="GPU: share of the memory left after loading weights for the KV cache and the largest "
                             "step's activations (measured at start)")
@@ -89,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService: the same as "
                    "`kaon-router`", add_help=False)
     return parser
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type, like positive_int."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -216,7 +230,7 @@ def engine_config(args) -> EngineConfig:
     """`kaon serve`'s flags as the engine's configuration, which the server takes finished."""
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        kv_cache_fraction=args.kv_cache_fraction, kv_cache_bytes=args.kv_cache_bytes,
+                        prefill_delay_ms=args.prefill_delay_ms, kv_cache_fraction=args.kv_cache_fraction, kv_cache_bytes=args.kv_cache_bytes,
                         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,

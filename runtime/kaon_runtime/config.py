@@ -81,6 +81,10 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    # While sequences decode, a new prompt's prefill waits up to this long for them to finish
+    # (0: it joins the next step). Prefill chunks lengthen the step every decoding stream waits
+    # on; waiting trades time to first token for a steadier token pace (docs/serving.md).
+    prefill_delay_ms: float = 0.0
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_fraction: float = 0.85  # GPU: share of the memory left after loading weights
     kv_cache_bytes: int = 1 << 30  # CPU: bytes for the KV pool
@@ -104,6 +108,7 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
             (0 < self.kv_cache_fraction <= 1, f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"),
+            (self.prefill_delay_ms >= 0, f"prefill_delay_ms must be >= 0, got {self.prefill_delay_ms}"),
             (self.kv_cache_bytes > 0, f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),

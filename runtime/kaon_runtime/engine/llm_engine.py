@@ -70,7 +70,8 @@ class LLMEngine:
         if self.runner.cuda_graphs_apply():
             self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   prefill_delay_s=config.prefill_delay_ms / 1000)
         self.drafter = _build_drafter(config, self.runner, show_progress)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -214,7 +215,8 @@ class LLMEngine:
     def _add_sequence(self, request: _Request, token_ids: list[int], index: int,
                       parent: Sequence | None = None) -> Sequence:
         seq = Sequence(next(self._seq_ids), token_ids, len(request.prompt_token_ids), request.params,
-                       request_id=request.request_id, index=index)
+                       request_id=request.request_id, index=index,
+                       prefill_due=None if parent is None else float("-inf"))  # a fork joins its parent at once
         if parent is not None:
             self.block_manager.fork(parent, seq)
         request.seqs.append(seq)

@@ -7,11 +7,19 @@ free blocks are dropped before anything else gives way. A sequence that finds no
 sequence, which gives its blocks back and is recomputed later (its own prefix, still
 in the cache unless evicted, softens the cost). Before anyone is preempted, waiting sequences
 that hold blocks (forked siblings) give them back.
+
+With a prefill delay, new prompts wait while others decode, up to the delay after the first
+in line arrived (hold_prefills): every decoding stream waits for the prefill chunks of its step, so a
+busy server that admits each new prompt at once stretches every stream's inter-token time by
+each newcomer's prefill. Held, the prompts go in together when the decodes finish or the
+oldest's delay is up.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.sequence import Sequence, SequenceStatus
@@ -28,10 +36,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_delay_s = prefill_delay_s
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -42,6 +53,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        if seq.prefill_due is None:
+            seq.prefill_due = self.clock() + self.prefill_delay_s
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
@@ -58,7 +71,8 @@ class Scheduler:
             budget -= num_new
             i += 1
         # Admitting new work right after a preemption would only thrash the cache.
-        if batch.num_preempted == 0:
+        if batch.num_preempted == 0 and not (self.waiting and hold_prefills(
+                self.clock(), self.waiting[0].prefill_due, len(self.running))):
             budget = self._admit_waiting(batch, budget)
         return batch
 
@@ -125,8 +139,15 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.keep_drafts(0)
         seq.status = SequenceStatus.WAITING
+        seq.prefill_due = float("-inf")  # it was running: back as soon as there is room
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def hold_prefills(now: float, head_due: float, num_running: int) -> bool:
+    """Whether waiting prompts stay out of this step: only while others run, and only until the
+    first in line is due (its arrival plus the delay)."""
+    return num_running > 0 and now < head_due
 
 
 def _fit_drafts(seq: Sequence, budget: int) -> int:

@@ -24,6 +24,9 @@ class Sequence:
     request_id: str = ""
     index: int = 0  # which of the request's n completions this is
     status: SequenceStatus = SequenceStatus.WAITING
+    # By when a prompt held back by the scheduler's prefill delay goes in anyway (its clock);
+    # -inf: never held (a fork of a running request, a preempted sequence). Set when queued.
+    prefill_due: float | None = None
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the leading full blocks
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache

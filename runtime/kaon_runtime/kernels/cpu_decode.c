@@ -577,6 +577,64 @@ typedef struct {
     float *scores, *out;
 } AttentionJob;
 
+#ifdef KAON_AVX2
+/* The eight lanes' sums of a[0..7], in lane order: scores for eight tokens at once (one hsum
+ * per token cost as much as its dot product at head_dim 64). */
+static inline __m256 hsum8x8(const __m256 a[8]) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
+
+/* sc[t] = scale * q . k_t for the context's tokens, k_t at kc's slot of token t. */
+static void attention_scores(const float *q, const float *kc, const int64_t *table, int bs, int dim, int ctx,
+                             float scale, float *sc) {
+    int t = 0;
+#ifdef KAON_AVX2
+    if (dim % 8 == 0)
+        for (; t + 8 <= ctx; t += 8) {
+            const float *k[8];
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) {
+                k[i] = kc + ((size_t)table[(t + i) / bs] * bs + (t + i) % bs) * dim;
+                acc[i] = _mm256_setzero_ps();
+            }
+            for (int d = 0; d < dim; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), acc[i]);
+            }
+            _mm256_storeu_ps(sc + t, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+        }
+#endif
+    for (; t < ctx; t++) sc[t] = dot_f32(q, kc + ((size_t)table[t / bs] * bs + t % bs) * dim, dim) * scale;
+}
+
+/* o = sum_t p[t] * v_t. Sixty-four outputs at a time stay in registers across the whole
+ * context (the rest, if head_dim is not a multiple of 64, through axpy in memory). */
+static void attention_values(const float *p, const float *vc, const int64_t *table, int bs, int dim, int ctx,
+                             float *o) {
+    int c0 = 0;
+#ifdef KAON_AVX2
+    for (; c0 + 64 <= dim; c0 += 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int t = 0; t < ctx; t++) {
+            const float *v = vc + ((size_t)table[t / bs] * bs + t % bs) * dim + c0;
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + c0 + 8 * j, acc[j]);
+    }
+#endif
+    if (c0 < dim) {
+        memset(o + c0, 0, sizeof(float) * (dim - c0));
+        for (int t = 0; t < ctx; t++)
+            axpy(o + c0, p[t], vc + ((size_t)table[t / bs] * bs + t % bs) * dim + c0, dim - c0);
+    }
+}
+
 /* One query token per sequence against its paged context; a task is one (sequence, query
  * head) pair. scores: room for rows * num_heads * max_context floats. */
 static void attention_chunk(const void *arg, int begin, int end) {
@@ -588,19 +646,14 @@ static void attention_chunk(const void *arg, int begin, int end) {
     for (int task = begin; task < end; task++) {
         const int r = task / heads, qh = task % heads, ctx = (int)job->context_lens[r];
         const int64_t *table = job->tables + (size_t)r * job->max_blocks;
-        const float *kc = job->layer->k_cache + (qh / group) * head_stride;
-        const float *vc = job->layer->v_cache + (qh / group) * head_stride;
         const float *q = job->qkv + (size_t)r * job->qkv_width + (size_t)qh * dim;
         float *sc = job->scores + (size_t)task * max_ctx, top = -INFINITY, total = 0.f;
-        for (int t = 0; t < ctx; t++) {
-            sc[t] = dot_f32(q, kc + ((size_t)table[t / bs] * bs + t % bs) * dim, dim) * md->scale;
-            top = fmaxf(top, sc[t]);
-        }
+        attention_scores(q, job->layer->k_cache + (qh / group) * head_stride, table, bs, dim, ctx, md->scale, sc);
+        for (int t = 0; t < ctx; t++) top = sc[t] > top ? sc[t] : top;
         for (int t = 0; t < ctx; t++) { sc[t] = expf(sc[t] - top); total += sc[t]; }
-        float *o = job->out + (size_t)task * dim;
-        memset(o, 0, sizeof(float) * dim);
-        for (int t = 0; t < ctx; t++)
-            axpy(o, sc[t] / total, vc + ((size_t)table[t / bs] * bs + t % bs) * dim, dim);
+        for (int t = 0; t < ctx; t++) sc[t] /= total;
+        attention_values(sc, job->layer->v_cache + (qh / group) * head_stride, table, bs, dim, ctx,
+                         job->out + (size_t)task * dim);
     }
 }
 
