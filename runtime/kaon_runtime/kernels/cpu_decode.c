@@ -14,7 +14,7 @@
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
  * The narrow ones multiply activations quantized to int8 in blocks of 32 (one float scale per
- * block), so the inner loop is an integer dot product (AVX2 maddubs), as llama.cpp's Q8_1
+ * block), so the inner loop is an integer dot product (AVX2 maddubs, VNNI where the CPU has it), as llama.cpp's Q8_1
  * activations do. The float path is plain float32 FMA.
  *
  * Threads: the caller's and a small pool of our own (see parallel_for for why not OpenMP), as
@@ -30,6 +30,22 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KAON_AVX2 1
+#endif
+
+#ifdef KAON_AVX2
+/* Sums of four u8 x s8 products per 32-bit lane. With VNNI (AVX512-VNNI with VL, or AVX-VNNI)
+ * one instruction; without, maddubs then madd. Both sums are exact (the pairs maddubs makes
+ * here stay within int16: 4-bit weights, or |int8| weights against x with their sign), so the
+ * two give the same bits. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
 #endif
 
 #define QBLOCK 32
@@ -311,16 +327,14 @@ static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s) {
 static inline __attribute__((always_inline)) void rows_int8(const int8_t *w, const int8_t *q, const float *d, int k, int rows, float *out) {
     const int blocks = k / QBLOCK;
 #ifdef KAON_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < blocks; b++) {
         __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK)), aw = _mm256_sign_epi8(wv, wv);
         for (int r = 0; r < TILE; r++) {
             if (r >= rows) break;
             __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (size_t)r * k + b * QBLOCK));
-            /* maddubs wants one unsigned operand: |w| against x carrying w's sign */
-            __m256i pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-            __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            /* one operand must be unsigned: |w| against x carrying w's sign */
+            __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aw, _mm256_sign_epi8(xv, wv)));
             acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[(size_t)r * blocks + b]), acc[r]);
         }
     }
@@ -345,7 +359,6 @@ static inline __attribute__((always_inline)) void rows_q4_1(const uint8_t *w, co
     const int blocks = k / QBLOCK;
     float mins[TILE] = {0.f, 0.f, 0.f, 0.f};
 #ifdef KAON_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m128i low = _mm_set1_epi8(0x0f);
     __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < blocks; b++) {
@@ -356,7 +369,7 @@ static inline __attribute__((always_inline)) void rows_q4_1(const uint8_t *w, co
         for (int r = 0; r < TILE; r++) {
             if (r >= rows) break;
             __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (size_t)r * k + b * QBLOCK));
-            __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+            __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wv, xv));
             acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(scale * d[(size_t)r * blocks + b]), acc[r]);
             mins[r] += min * s[(size_t)r * blocks + b];
         }
