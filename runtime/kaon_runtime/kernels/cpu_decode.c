@@ -14,8 +14,8 @@
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
  * The narrow ones multiply activations quantized to int8 in blocks of 32 (one float scale per
- * block), so the inner loop is an integer dot product (AVX2 maddubs, VNNI where the CPU has it), as llama.cpp's Q8_1
- * activations do. The float path is plain float32 FMA.
+ * block), so the inner loop is an integer dot product (AVX2 maddubs, or VNNI where the CPU
+ * has it), as llama.cpp's Q8_1 activations do. The float path is plain float32 FMA.
  *
  * Threads: the caller's and a small pool of our own (see parallel_for for why not OpenMP), as
  * many as torch.get_num_threads(). Built with -march=native; without AVX2 scalar loops run.
