@@ -114,6 +114,8 @@ class CpuDecodeStep:
         final_norm = self.decoder.norm.weight.detach().float().contiguous()
         keep += [structs, cos, sin, final_norm]
         kv_heads, num_blocks, block_size, _ = first_cache.shape
+        if block_size & (block_size - 1):
+            raise ValueError(f"the fused step needs a power-of-two block size, got {block_size}")
         model = cpu_decode.Model(
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
