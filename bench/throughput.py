@@ -15,6 +15,11 @@ Prompts are slices of an English text for real models, random token ids for rand
 HF runs the whole set as one padded batch through `generate` (static batching: every
 row runs until the longest finishes), which is how HF serves a batch; only the tokens
 each request asked for are counted as output.
+
+`--quantization int8|int4` runs kaon's side with narrow weights (int4: the GGUF's own Q4_1
+blocks); HF's side stays as HF loads the file, dequantized to --dtype. That compares what each
+engine makes of the same file, not the same arithmetic: the default (none) is the like-for-like
+figure.
 """
 from __future__ import annotations
 
@@ -126,6 +131,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="none", help="kaon's side only (see above)")
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -136,7 +142,7 @@ def main() -> int:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
-    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype,
+    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts, output_lens = make_workload(llm, args.requests, args.seed, args.input_len, args.output_len)
     total_out = sum(output_lens)
@@ -164,7 +170,8 @@ def main() -> int:
     figures = {
         "machine": (torch.cuda.get_device_name() if args.device.startswith("cuda") else
                     f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
-                   + f", {args.model}, {args.dtype}",
+                   + f", {args.model}, {args.dtype}"
+                   + (f", kaon {args.quantization}" if args.quantization != "none" else ""),
         "requests": args.requests, "prompt_tokens": total_in, "output_tokens": total_out,
         "kaon_seconds": round(kaon_s, 2), "hf_seconds": round(hf_s, 2),
         "kaon_output_tok_s": round(total_out / kaon_s, 1), "hf_output_tok_s": round(total_out / hf_s, 1),
