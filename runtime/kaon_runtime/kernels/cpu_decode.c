@@ -265,8 +265,8 @@ static void tile_f32_t_any(const float *packed, const float *x, int kt, int k, i
  * copied once into contiguous [KT, NT] panels, read a row segment at a time as memory serves
  * it best (a walk down one NT-wide strip would touch a new page on every row of W, and every
  * row tile would pay for it again), and all the rows' tiles read the panels from cache. On
- * the 2-core test machine, the 49,152 x 576 head: ~6 ms for 1 to 4 rows, 15.6 ms for 35 and
- * 23.5 for 64, against MKL's 4.2, 19, 27 and 35 ms (MKL packs the whole weight per call). */
+ * the 2-core test machine (Zen 4), the 49,152 x 576 head: 6-7 ms for 1 to 4 rows, 15.7 for 35
+ * and 24.3 for 64, against MKL's 4.8, 19, 28 and 38.5 ms (MKL packs the whole weight per call). */
 #define NC 128
 static void f32_t_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
                           int begin, int end) {
