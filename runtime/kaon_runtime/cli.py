@@ -230,7 +230,8 @@ def engine_config(args) -> EngineConfig:
     """`kaon serve`'s flags as the engine's configuration, which the server takes finished."""
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefill_delay_ms=args.prefill_delay_ms, kv_cache_fraction=args.kv_cache_fraction, kv_cache_bytes=args.kv_cache_bytes,
+                        prefill_delay_ms=args.prefill_delay_ms, kv_cache_fraction=args.kv_cache_fraction,
+                        kv_cache_bytes=args.kv_cache_bytes,
                         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                         quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,

@@ -9,10 +9,10 @@ in the cache unless evicted, softens the cost). Before anyone is preempted, wait
 that hold blocks (forked siblings) give them back.
 
 With a prefill delay, new prompts wait while others decode, up to the delay after the first
-in line arrived (hold_prefills): every decoding stream waits for the prefill chunks of its step, so a
-busy server that admits each new prompt at once stretches every stream's inter-token time by
-each newcomer's prefill. Held, the prompts go in together when the decodes finish or the
-oldest's delay is up.
+in line arrived (hold_prefills): every decoding stream waits for the prefill chunks of its
+step, so a busy server that admits each new prompt at once stretches every stream's
+inter-token time by each newcomer's prefill. Held, the prompts go in together when the decodes
+finish or the first in line is due.
 """
 from __future__ import annotations
 

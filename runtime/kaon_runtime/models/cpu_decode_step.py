@@ -69,15 +69,15 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 
 
-def head_weights(head: nn.Module) -> tuple[cpu_decode.LinearWeights, int] | None:
+def head_weights(head: nn.Module) -> cpu_decode.LinearWeights | None:
     """The vocabulary head for the C kernel (its int8 copy under quantization, else the float
-    one) and the most rows it takes there."""
+    one), for up to MAX_ROWS rows like the step."""
     if head.quantized is not None:
         qweight = getattr(head.quantized, "qweight", None)
         if qweight is None or qweight.dtype != torch.int8:
             return None
-        return cpu_decode.LinearWeights.int8(qweight, head.quantized.scales), MAX_ROWS
-    return cpu_decode.LinearWeights.f32_t(head.weight_t), MAX_ROWS
+        return cpu_decode.LinearWeights.int8(qweight, head.quantized.scales)
+    return cpu_decode.LinearWeights.f32_t(head.weight_t)
 
 
 class CpuDecodeStep:

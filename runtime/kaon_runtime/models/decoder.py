@@ -26,7 +26,7 @@ from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
-from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, head_weights, split_decodes, unsupported
+from kaon_runtime.models.cpu_decode_step import MAX_ROWS, CpuDecodeStep, head_weights, split_decodes, unsupported
 
 
 def _norm(c: ModelConfig, size: int | None = None) -> RMSNorm:
@@ -198,8 +198,8 @@ class DecoderForCausalLM(nn.Module):
                 self.model.cpu_decode = step
                 head = head_weights(self.lm_head)
                 if head is not None:
-                    self.lm_head.cpu_logits = functools.partial(cpu_decode.linear, head[0])
-                    self.lm_head.cpu_logits_rows = head[1]
+                    self.lm_head.cpu_logits = functools.partial(cpu_decode.linear, head)
+                    self.lm_head.cpu_logits_rows = MAX_ROWS
         return reason
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

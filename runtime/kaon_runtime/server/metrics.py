@@ -38,7 +38,8 @@ class _EngineCollector(Collector):
                                 value=s.kv_cache_usage)
         yield CounterMetricFamily("kaon_prompt_tokens_total", "Prompt tokens accepted.", value=s.prompt_tokens)
         yield CounterMetricFamily("kaon_generation_tokens_total", "Tokens generated.", value=s.generation_tokens)
-        yield CounterMetricFamily("kaon_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache, once per admission.",
+        yield CounterMetricFamily("kaon_prefix_cache_queries_total",
+                                  "Prompt tokens looked up in the prefix cache, once per admission.",
                                   value=s.prefix_cache_queries)
         yield CounterMetricFamily("kaon_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
                                   value=s.prefix_cache_hits)
