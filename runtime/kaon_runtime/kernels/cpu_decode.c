@@ -121,6 +121,14 @@ static float dot_f32(const float *a, const float *b, int n) {
     return sum;
 }
 
+static inline void prefetch(const void *p) {
+#ifdef KAON_AVX2
+    _mm_prefetch((const char *)p, _MM_HINT_T1);
+#else
+    (void)p;
+#endif
+}
+
 /* Tile shapes (measured on a 2-core AVX2 EPYC): MR x NR for batches (12 FMAs per 8 loads, 15
  * vector registers), 1 x NR1 for one row (eight independent chains while streaming weights). */
 #define MR 6
@@ -179,17 +187,31 @@ static void tile_f32_any(const float *w, const float *x, int k, int R, int C, co
 /* y[:, begin:end] for float32 [N, K] weights. Outputs go in blocks whose weights stay in L2
  * (~64 KB) while every row tile of the batch passes over them, so each weight is read from
  * memory once a call; within a block a row tile's activations stay in L1. */
+#ifndef F32_BLOCK
+#define F32_BLOCK 16384
+#endif
 static void f32_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
                         int begin, int end) {
     const int r_step = rows == 1 ? 1 : MR, c_step = rows == 1 ? NR1 : NR;
-    int block = (16384 / k) / c_step * c_step;
+    int block = (F32_BLOCK / k) / c_step * c_step;
     if (block < c_step) block = c_step;
     for (int j0 = begin; j0 < end; j0 += block) {
         const int j1 = j0 + block < end ? j0 + block : end;
+        /* While the batch's tiles pass over this block, the next block's weights (the rows
+         * after it in memory, whichever thread takes them) are fetched a slice per tile: with
+         * the whole model far larger than the caches, each block would otherwise arrive at the
+         * latency of the first tile's loads, not at memory's bandwidth. One row needs no help:
+         * its single pass streams, which the hardware prefetcher follows. */
+        const char *ahead = (const char *)(w + (size_t)j1 * k);
+        const char *ahead_end = (const char *)(w + (size_t)(j1 + block < n ? j1 + block : n) * k);
+        const size_t tiles = (size_t)((rows + r_step - 1) / r_step) * ((j1 - j0 + c_step - 1) / c_step);
+        const size_t slice = rows == 1 ? 0 : ((size_t)(ahead_end > ahead ? ahead_end - ahead : 0) / tiles + 63) & ~(size_t)63;
         for (int r0 = 0; r0 < rows; r0 += r_step) {
             const int R = rows - r0 < r_step ? rows - r0 : r_step;
             for (int j = j0; j < j1; j += c_step) {
                 const int C = j1 - j < c_step ? j1 - j : c_step;
+                for (const char *stop = ahead + slice; ahead < stop && ahead < ahead_end; ahead += 64)
+                    prefetch(ahead);
                 tile_f32_any(w + (size_t)j * k, x + (size_t)r0 * k, k, R, C, bias ? bias + j : NULL,
                              y + (size_t)r0 * n + j, (size_t)n);
             }
@@ -280,10 +302,21 @@ static void f32_t_outputs(const float *w, const float *bias, int n, int k, int r
                 for (int p = 0; p < nc / NT; p++)
                     memcpy(packed + ((size_t)p * kt + i) * NT, w + (size_t)(k0 + i) * n + j + p * NT,
                            sizeof(float) * NT);
-            for (int p = 0; p < nc / NT; p++)
+            /* The next block's row segments (the next k-block of these columns, or the next
+             * columns' first), a few per strip: 128 rows a whole row of W apart, which the
+             * hardware prefetcher does not guess. */
+            const int k_next = k0 + KT < k ? k0 + KT : 0, j_next = k0 + KT < k ? j : j + nc;
+            const int kt_next = k - k_next < KT ? k - k_next : KT, strips = nc / NT;
+            const int per_strip = (kt_next + strips - 1) / strips;
+            const int segment = (j_next + nc <= end ? nc : end - j_next) * (int)sizeof(float);
+            for (int p = 0; p < nc / NT; p++) {
+                for (int i = p * per_strip; j_next < end && i < (p + 1) * per_strip && i < kt_next; i++)
+                    for (int b = 0; b < segment; b += 64)
+                        prefetch((const char *)(w + (size_t)(k_next + i) * n + j_next) + b);
                 for (int r0 = 0; r0 < rows; r0 += MR)
                     tile_f32_t_any(packed + (size_t)p * kt * NT, x + (size_t)r0 * k + k0, kt, k, n,
                                    rows - r0 < MR ? rows - r0 : MR, k0 == 0, y + (size_t)r0 * n + j + p * NT);
+            }
         }
         j += nc;
     }
