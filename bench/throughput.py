@@ -16,6 +16,10 @@ HF runs the whole set as one padded batch through `generate` (static batching: e
 row runs until the longest finishes), which is how HF serves a batch; only the tokens
 each request asked for are counted as output.
 
+Each engine is timed in a fresh process of its own, one after the other (kaon's first: it draws
+the workload, which HF's then runs): measured in one process, each ran with the other's model and
+leftovers beside it, and kaon's side took 5-15% longer with HF's model loaded (bench/RESULTS.md).
+
 `--quantization int8|int4` runs kaon's side with narrow weights (int4: the GGUF's own Q4_1
 blocks); HF's side stays as HF loads the file, dequantized to --dtype. That compares what each
 engine makes of the same file, not the same arithmetic: the default (none) is the like-for-like
@@ -25,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import platform
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -125,6 +131,37 @@ def decode_rate(generate, new_tokens: int, repeats: int = 3) -> float:
     return statistics.median(rates)
 
 
+def kaon_side(args) -> dict:
+    """kaon's figures, and the workload it drew (for HF's side to run)."""
+    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts, output_lens = make_workload(llm, args.requests, args.seed, args.input_len, args.output_len)
+    seconds = bench_kaon(llm, prompts, output_lens)
+
+    def one(n):
+        llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+
+    return {"prompts": prompts, "output_lens": output_lens, "pad_id": llm.tokenizer.eos_token_id,
+            "seconds": seconds, "decode": decode_rate(one, args.decode_tokens)}
+
+
+def hf_side(args, prompts, output_lens, pad_id: int) -> dict:
+    hf = hf_model(args.model, getattr(torch, args.dtype), args.device)
+    seconds = bench_hf(hf, prompts, output_lens, pad_id)
+
+    def one(n):
+        with torch.inference_mode():
+            hf.generate(torch.tensor([prompts[0][:64]], device=args.device), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=pad_id)
+
+    return {"seconds": seconds, "decode": decode_rate(one, args.decode_tokens)}
+
+
+def in_fresh_process(fn, *args):
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="builtin://smollm2-135m-instruct")
@@ -140,32 +177,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
 
-    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    prompts, output_lens = make_workload(llm, args.requests, args.seed, args.input_len, args.output_len)
-    total_out = sum(output_lens)
-    total_in = sum(map(len, prompts))
-
-    hf = hf_model(args.model, dtype, args.device)
-    pad_id = llm.tokenizer.eos_token_id
-
-    kaon_s = bench_kaon(llm, prompts, output_lens)
-    hf_s = bench_hf(hf, prompts, output_lens, pad_id)
-
-    one_prompt = prompts[0][:64]
-
-    def kaon_one(n):
-        llm.generate([one_prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-
-    def hf_one(n):
-        with torch.inference_mode():
-            hf.generate(torch.tensor([one_prompt], device=args.device), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=pad_id)
-
-    kaon_decode = decode_rate(kaon_one, args.decode_tokens)
-    hf_decode = decode_rate(hf_one, args.decode_tokens)
+    kaon = in_fresh_process(kaon_side, args)
+    hf = in_fresh_process(hf_side, args, kaon["prompts"], kaon["output_lens"], kaon["pad_id"])
+    total_out, total_in = sum(kaon["output_lens"]), sum(map(len, kaon["prompts"]))
+    kaon_s, hf_s, kaon_decode, hf_decode = kaon["seconds"], hf["seconds"], kaon["decode"], hf["decode"]
 
     figures = {
         "machine": (torch.cuda.get_device_name() if args.device.startswith("cuda") else
