@@ -121,6 +121,7 @@ static float dot_f32(const float *a, const float *b, int n) {
     return sum;
 }
 
+/* Into L2: a block is used by every row tile of the batch, over more time than L1 keeps it. */
 static inline void prefetch(const void *p) {
 #ifdef KAON_AVX2
     _mm_prefetch((const char *)p, _MM_HINT_T1);
@@ -187,9 +188,7 @@ static void tile_f32_any(const float *w, const float *x, int k, int R, int C, co
 /* y[:, begin:end] for float32 [N, K] weights. Outputs go in blocks whose weights stay in L2
  * (~64 KB) while every row tile of the batch passes over them, so each weight is read from
  * memory once a call; within a block a row tile's activations stay in L1. */
-#ifndef F32_BLOCK
-#define F32_BLOCK 16384
-#endif
+#define F32_BLOCK 16384  /* floats: 64 KB of weights */
 static void f32_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
                         int begin, int end) {
     const int r_step = rows == 1 ? 1 : MR, c_step = rows == 1 ? NR1 : NR;
@@ -205,7 +204,8 @@ static void f32_outputs(const float *w, const float *bias, int n, int k, int row
         const char *ahead = (const char *)(w + (size_t)j1 * k);
         const char *ahead_end = (const char *)(w + (size_t)(j1 + block < n ? j1 + block : n) * k);
         const size_t tiles = (size_t)((rows + r_step - 1) / r_step) * ((j1 - j0 + c_step - 1) / c_step);
-        const size_t slice = rows == 1 ? 0 : ((size_t)(ahead_end > ahead ? ahead_end - ahead : 0) / tiles + 63) & ~(size_t)63;
+        const size_t left = ahead_end > ahead ? (size_t)(ahead_end - ahead) : 0;
+        const size_t slice = rows == 1 ? 0 : (left / tiles + 63) & ~(size_t)63;  /* whole cache lines */
         for (int r0 = 0; r0 < rows; r0 += r_step) {
             const int R = rows - r0 < r_step ? rows - r0 : r_step;
             for (int j = j0; j < j1; j += c_step) {
