@@ -60,7 +60,7 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
                 timeout=60)
             # 12 in flight against 0.7 x maxNumSeqs 2 = 1.4 per replica: a burst, capped at maxReplicas.
             assert "concurrency" in scaled[0] and "target 1.4" in scaled[0], scaled
-            wait_for("3 ready replicas, each a real engine", lambda: cluster.get("infsvc", "smol")["status"]
+            wait_for("3 ready replicas, each a real engine", lambda: cluster.status("smol")
                      .get("readyReplicas") == 3 and len(runner.processes) == 3, timeout=240)
         finally:
             stop.set()

@@ -70,7 +70,7 @@ def test_steady_load_holds_replicas_still_and_serves_every_request(local, crd, n
     cluster.kubectl("apply", "-f", "-", input=isvc("steady", **spec))
     wait_for("Ready", lambda: cluster.ready("steady"), timeout=240)
     with Clients(local.router_url, 5, "Tell me about the sea.", max_tokens=16) as clients:
-        wait_for("2 ready replicas", lambda: cluster.get("infsvc", "steady")["status"].get("readyReplicas") == 2,
+        wait_for("2 ready replicas", lambda: cluster.status("steady").get("readyReplicas") == 2,
                  timeout=240)
         up = [m for _, r, m in cluster.events("steady") if r == "Scaled"]
         assert len(up) == 1 and up[0].startswith("Scaled up 1 → 2: concurrency "), up
@@ -78,7 +78,7 @@ def test_steady_load_holds_replicas_still_and_serves_every_request(local, crd, n
         while time.monotonic() < deadline:
             assert cluster.get("infsvc", "steady")["spec"]["replicas"] == 2, cluster.events("steady")
             time.sleep(5)
-        observed = cluster.get("infsvc", "steady")["status"]["observedMetrics"]
+        observed = cluster.status("steady")["observedMetrics"]
     finishes = clients.finishes()
     assert len(finishes) > 50 and set(finishes) == {"length"}  # served, none cut
     assert [m for _, r, m in cluster.events("steady") if r == "Scaled"] == up  # nothing moved after

@@ -64,9 +64,13 @@ class Cluster:
         cond = self.condition(name, type_)
         return cond if cond.get("status") == status else None
 
+    def status(self, name: str) -> dict:
+        """The InferenceService's status; empty until the operator first writes one (a poll that
+        starts right after `kubectl apply` can read the object before that)."""
+        return (self.get("infsvc", name) or {}).get("status") or {}
+
     def condition(self, name: str, type_: str) -> dict:
-        status = (self.get("infsvc", name) or {}).get("status") or {}
-        return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), {})
 
     def ready(self, name: str) -> bool:
         return self.condition(name, "Ready").get("status") == "True"
@@ -132,10 +136,10 @@ def test_spec_change_rolls_out_and_scale_changes_replicas(cluster):
     assert old_pod not in [p["metadata"]["name"] for p in cluster.running_pods("roll")]
     assert any(r == "RollingOut" and "engine.image" in m for _, r, m in cluster.events("roll"))
     wait_for("the RolloutComplete event", lambda: any(r == "RolloutComplete" for _, r, _m in cluster.events("roll")))
-    wait_for("observedGeneration 2", lambda: cluster.get("infsvc", "roll")["status"].get("observedGeneration") == 2)
+    wait_for("observedGeneration 2", lambda: cluster.status("roll").get("observedGeneration") == 2)
 
     cluster.kubectl("scale", "infsvc", "roll", "--replicas=3")
-    wait_for("3 ready replicas", lambda: cluster.get("infsvc", "roll")["status"].get("readyReplicas") == 3)
+    wait_for("3 ready replicas", lambda: cluster.status("roll").get("readyReplicas") == 3)
     assert cluster.get("deployment", "roll")["spec"]["replicas"] == 3
     assert ("Normal", "Scaled", "Scaled 1 → 3 (spec.replicas)") in cluster.events("roll")
     assert cluster.ready("roll")
@@ -243,7 +247,7 @@ def test_an_image_the_local_cluster_cannot_run_never_looks_ready(cluster):
     assert ready["status"] == "False" and ready["reason"] == "NoContainerRuntime", ready
     assert "runs only local/*" in ready["message"]
     assert cluster.condition("norun", "Ready")["status"] == "False"
-    assert cluster.get("infsvc", "norun")["status"].get("readyReplicas", 0) == 0
+    assert cluster.status("norun").get("readyReplicas", 0) == 0
 
 
 def test_pods_refused_by_a_quota_are_degraded_failed_create_then_recover(cluster):
@@ -295,7 +299,7 @@ def test_killed_mid_reconcile_then_restarted_converges_without_duplicates(operat
         operator.start()
     for name in names:
         wait_for(f"{name} Ready", lambda: cluster.ready(name) and
-                 cluster.get("infsvc", name)["status"]["readyReplicas"] == 2, timeout=60)
+                 cluster.status(name).get("readyReplicas") == 2, timeout=60)
     deployments = cluster.get("deployments")
     assert sorted(d["metadata"]["name"] for d in deployments) == names
     assert len(cluster.get("replicasets")) == len(names)  # no rollout happened, none doubled
@@ -365,7 +369,7 @@ def small_gpu_pool(crd):
 
 def test_a_full_gpu_pool_rolls_out_with_replace_but_not_with_surge(cluster, small_gpu_pool):
     cluster.kubectl("apply", "-f", "-", input=isvc("full", replicas=2, scheduling=small_gpu_pool))
-    wait_for("2 ready replicas", lambda: (cluster.get("infsvc", "full")["status"].get("readyReplicas") == 2))
+    wait_for("2 ready replicas", lambda: (cluster.status("full").get("readyReplicas") == 2))
     old = {p["metadata"]["name"] for p in cluster.running_pods("full")}
 
     # Surge (the default) needs a third GPU for the new pod: it waits, unschedulable, and says so,
@@ -388,7 +392,7 @@ def test_a_full_gpu_pool_rolls_out_with_replace_but_not_with_surge(cluster, smal
         return len(pods) == 2 and all(p["spec"]["containers"][0]["image"] == "kwok-ready/kaon:next"
                                       and p["status"].get("phase") == "Running" for p in pods)
     wait_for("both pods on the new image", rolled_out, timeout=90)
-    wait_for("2 ready and not Degraded", lambda: cluster.get("infsvc", "full")["status"].get("readyReplicas") == 2
+    wait_for("2 ready and not Degraded", lambda: cluster.status("full").get("readyReplicas") == 2
              and cluster.condition("full", "Degraded").get("status") == "False", timeout=60)
     assert cluster.get("deployment", "full")["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0,
                                                                                       "maxUnavailable": 1}
@@ -435,7 +439,7 @@ def test_switched_off_the_operator_removes_its_network_policies(operator, operat
         off.start()
         wait_for("the operator's NetworkPolicy gone", lambda: not cluster.get("networkpolicy", "open"))
         cluster.kubectl("patch", "infsvc", "open", "--type=merge", "-p", '{"spec": {"replicas": 2}}')
-        wait_for("2 ready replicas", lambda: cluster.get("infsvc", "open")["status"].get("readyReplicas") == 2)
+        wait_for("2 ready replicas", lambda: cluster.status("open").get("readyReplicas") == 2)
         assert not cluster.get("networkpolicy", "open") and cluster.get("networkpolicy", "theirs")
     finally:
         off.stop()

@@ -103,18 +103,18 @@ def test_a_burst_scales_up_with_an_event_and_quiet_scales_back_down(cluster):
         # KWOK pods are Ready before the stand-in serves their /metrics: unavailable, then available.
         wait_for("MetricsAvailable", lambda: cluster.condition_if("auto", "MetricsAvailable", "True"), timeout=20)
         engines.in_flight = 20  # 20 per replica against a target of 4: a burst
-        wait_for("4 ready replicas", lambda: cluster.get("infsvc", "auto")["status"].get("readyReplicas") == 4,
+        wait_for("4 ready replicas", lambda: cluster.status("auto").get("readyReplicas") == 4,
                  timeout=40)
         assert "Scaled up 1 → 3: concurrency 20 > 2x target 4 x 1 (burst)" in scaled(cluster, "auto")
         assert cluster.get("deployment", "auto")["spec"]["replicas"] == 4
-        decision = cluster.get("infsvc", "auto")["status"]["lastScaleDecision"]
+        decision = cluster.status("auto")["lastScaleDecision"]
         assert (decision["from"], decision["to"]) == (3, 4)
         # 20 in flight on the first replica already ask for 5: capped at 4, and said once for the episode
         # (then 60 on 3 ask for 15, 80 on 4 for 20).
         capped = [m for _, r, m in cluster.events("auto") if r == "ScaleCapped"]
         assert capped == ["the load asks for 5 replicas; capped at maxReplicas 4: "
                           "concurrency 20 > 2x target 4 x 1 (burst)"], capped
-        observed = cluster.get("infsvc", "auto")["status"]["observedMetrics"]
+        observed = cluster.status("auto")["observedMetrics"]
         assert observed["targetConcurrencyPerReplica"] == 4
         # READY, DESIRED, QUEUE in `kubectl get`
         wait_for("the columns", lambda: cluster.kubectl("get", "infsvc", "auto").stdout.splitlines()[1].split()[1:3]
@@ -184,7 +184,7 @@ def test_requests_held_by_the_router_bring_a_service_up_from_zero(cluster):
 def test_deleting_an_autoscaled_service_is_not_blocked_while_the_operator_is_down(cluster, operator):
     cluster.kubectl("apply", "-f", "-", input=isvc("orphan", **AUTOSCALED))
     wait_for("Ready", lambda: cluster.ready("orphan"))
-    wait_for("an autoscale tick", lambda: (cluster.get("infsvc", "orphan")["status"] or {}).get("observedMetrics"))
+    wait_for("an autoscale tick", lambda: cluster.status("orphan").get("observedMetrics"))
     assert not cluster.get("infsvc", "orphan")["metadata"].get("finalizers")
     operator.stop()
     try:
