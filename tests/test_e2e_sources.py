@@ -125,7 +125,7 @@ def test_hf_s3_and_pvc_models_serve_and_bad_sources_say_why(local, crd, namespac
                                            extra_body={"ignore_eos": True})
         assert answer.usage.completion_tokens == 4 and answer.choices[0].finish_reason == "length"
         assert cluster.condition(name, "Degraded")["status"] == "False"
-    wait_for("both tiny-hf replicas ready", lambda: cluster.get("infsvc", "tiny-hf")["status"]
+    wait_for("both tiny-hf replicas ready", lambda: cluster.status("tiny-hf")
              .get("readyReplicas") == 2, timeout=300)
 
     # The two hf replicas shared the claim: every needed file came from the hub once, nothing else did.
