@@ -30,6 +30,23 @@ def test_a_holder_passed_over_spills_to_the_least_loaded_pod_not_the_next_on_the
     assert spills == {(B, False), (C, False)}
 
 
+def test_at_light_load_the_bound_allows_one_request_more_than_the_least_loaded_pod():
+    # Eight pods, 11 requests in flight: ceil(1.25 x 12 / 8) = 2, so the mean-based bound alone
+    # would pass over a conversation's pod with 2 in flight while the others have 1 or 2, and
+    # prefill its history again elsewhere. One request more than the least loaded is allowed ...
+    pods = [ep(f"p{i}") for i in range(8)]
+    loads = dict(zip(pods, [2, 2, 1, 1, 2, 1, 1, 1]))
+    assert affinity.capacity(loads, pods, 1.25) == 2
+    assert affinity.choose(pods, pods, loads, 1.25, first=pods[0], rng=RNG) == (pods[0], True)
+    # ... two more are not: the bound still spills a hot spot to the least loaded pods.
+    loads[pods[0]] = 3
+    target, kept = affinity.choose(pods, pods, loads, 1.25, first=pods[0], rng=RNG)
+    assert not kept and loads[target] == 1
+    # Three pods, one request in flight: the bound alone (capacity 1) would move it.
+    assert affinity.choose([A, B, C], PODS, {A: 1}, 1.25, first=A, rng=RNG) == (A, True)
+    assert affinity.choose([A, B, C], PODS, {A: 2}, 1.25, first=A, rng=RNG) in {(B, False), (C, False)}
+
+
 def test_a_pod_without_a_free_slot_is_passed_over_while_another_has_one():
     # Every pod runs 4 sequences at most. a holds the prefix, but is full and c is not: the
     # request would wait at a for a sequence to finish, so it goes to c (the load bound alone,
