@@ -333,7 +333,7 @@ class RoutingSpec(_Model):
     strategy: Literal["least-connections", "prefix-affinity"] = "least-connections"
     """`least-connections`: the ready pod with the fewest requests in flight. `prefix-affinity`: the pod that holds the request's prompt prefix in its cache (a conversation's earlier turns), by consistent hashing, unless it carries more than `loadBound` times the mean load or has no free sequence slot (`engine.maxNumSeqs`) while another pod has one."""
     load_bound: float = Field(1.25, gt=1, le=10)
-    """With `prefix-affinity`: a pod with more than this factor times the mean requests in flight (plus one) is passed over for the least loaded pod."""
+    """With `prefix-affinity`: a pod with more than this factor times the mean requests in flight (plus one) is passed over for the least loaded pod, unless it carries at most one request more than that pod (at light loads the factor alone would round to one or two requests)."""
 
 
 class AuthSpec(_Model):
