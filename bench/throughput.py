@@ -19,6 +19,8 @@ each request asked for are counted as output.
 Each engine is timed in a fresh process of its own, one after the other (kaon's first: it draws
 the workload, which HF's then runs): measured in one process, each ran with the other's model and
 leftovers beside it, and kaon's side took 5-15% longer with HF's model loaded (bench/RESULTS.md).
+Each process has its engine's own OpenMP settings: kaon's those kaon_runtime sets on import
+(GOMP_SPINCOUNT=0), HF's the user's environment (libgomp's default spin unless set).
 
 `--quantization int8|int4` runs kaon's side with narrow weights (int4: the GGUF's own Q4_1
 blocks); HF's side stays as HF loads the file, dequantized to --dtype. That compares what each
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import platform
 import random
 import statistics
@@ -41,6 +44,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+# OpenMP's settings as the user left them, before kaon_runtime's import sets its own (GOMP_SPINCOUNT=0,
+# see kaon_runtime/__init__.py): HF's process gets these back, kaon's keeps kaon's.
+USER_OMP_ENV = {name: os.environ.get(name) for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
 
 from kaon_runtime import LLM, SamplingParams  # noqa: E402
 from kaon_runtime.loader import open_checkpoint, resolve_model  # noqa: E402
@@ -157,9 +164,21 @@ def hf_side(args, prompts, output_lens, pad_id: int) -> dict:
     return {"seconds": seconds, "decode": decode_rate(one, args.decode_tokens)}
 
 
-def in_fresh_process(fn, *args):
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+def in_fresh_process(fn, *args, env: dict[str, str | None] | None = None):
+    """fn(*args) in a new interpreter whose environment has `env` applied (None: unset). OpenMP
+    reads its settings when torch loads it, in the child, so they must be in place at the start."""
+    saved = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(fn, *args).result()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def main() -> int:
@@ -179,7 +198,7 @@ def main() -> int:
     args = parser.parse_args()
 
     kaon = in_fresh_process(kaon_side, args)
-    hf = in_fresh_process(hf_side, args, kaon["prompts"], kaon["output_lens"], kaon["pad_id"])
+    hf = in_fresh_process(hf_side, args, kaon["prompts"], kaon["output_lens"], kaon["pad_id"], env=USER_OMP_ENV)
     total_out, total_in = sum(kaon["output_lens"]), sum(map(len, kaon["prompts"]))
     kaon_s, hf_s, kaon_decode, hf_decode = kaon["seconds"], hf["seconds"], kaon["decode"], hf["decode"]
 
