@@ -164,21 +164,25 @@ def hf_side(args, prompts, output_lens, pad_id: int) -> dict:
     return {"seconds": seconds, "decode": decode_rate(one, args.decode_tokens)}
 
 
-def in_fresh_process(fn, *args, env: dict[str, str | None] | None = None):
-    """fn(*args) in a new interpreter whose environment has `env` applied (None: unset). OpenMP
-    reads its settings when torch loads it, in the child, so they must be in place at the start."""
-    saved = dict(os.environ)
-    for name, value in (env or {}).items():
+def set_environment(env: dict[str, str | None]) -> None:
+    for name, value in env.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def in_fresh_process(fn, *args, env: dict[str, str | None] | None = None):
+    """fn(*args) in a new interpreter whose environment has `env` applied (None: unset). OpenMP
+    reads its settings when torch loads it, in the child, so they must be in place at the start."""
+    env = env or {}
+    saved = {name: os.environ.get(name) for name in env}
+    set_environment(env)
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             return pool.submit(fn, *args).result()
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        set_environment(saved)
 
 
 def main() -> int:
