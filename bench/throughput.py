@@ -65,8 +65,10 @@ def make_workload(llm: LLM, n: int, seed: int, input_len: tuple[int, int], outpu
     longest = input_len[1]
     if llm.engine.config.model.startswith(RANDOM_SCHEME):
         corpus = [rng.randrange(llm.engine.model_config.vocab_size) for _ in range(longest + 200)]
-    else:
-        corpus = llm.tokenizer.encode(TEXT * (1 + 2 * longest // 100))
+    else:  # long enough for a prompt of the longest length at the latest start (below)
+        repeats = 1 + 2 * longest // 100
+        while len(corpus := llm.tokenizer.encode(TEXT * repeats)) < longest + 200:
+            repeats += 1
     prompts, outputs = [], []
     for _ in range(n):
         length, start = rng.randint(*input_len), rng.randint(0, 200)
