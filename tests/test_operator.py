@@ -162,7 +162,9 @@ def test_a_child_deleted_by_hand_is_recreated(cluster, kind):
     cluster.kubectl("delete", kind, "keep", "--wait=true")
     after = wait_for(f"the {kind} to come back", lambda: (cluster.get(kind, "keep") or {}).get("metadata"))
     assert after["uid"] != before
-    assert any(r == "Repaired" and "was deleted; recreated it" in m for _, r, m in cluster.events("keep"))
+    # kopf posts events from a queue of its own, so the event can trail the child it reports
+    wait_for("the Repaired event", lambda: any(
+        r == "Repaired" and "was deleted; recreated it" in m for _, r, m in cluster.events("keep")))
     wait_for("Ready again", lambda: cluster.ready("keep"))
 
 
@@ -176,7 +178,7 @@ def test_an_edited_child_is_put_back(cluster):
         spec = cluster.get("deployment", "edit")["spec"]
         return spec["replicas"] == 2 and spec["template"]["spec"]["containers"][0]["image"] == STAND_IN
     wait_for("the Deployment to be put back", restored)
-    assert any(r == "Repaired" and "was edited by" in m for _, r, m in cluster.events("edit"))
+    wait_for("the Repaired event", lambda: any(r == "Repaired" and "was edited by" in m for _, r, m in cluster.events("edit")))
     wait_for("2 running pods on the right image", lambda: len(cluster.running_pods("edit")) == 2 and all(
         p["spec"]["containers"][0]["image"] == STAND_IN for p in cluster.running_pods("edit")))
 
@@ -198,7 +200,7 @@ def test_more_gpus_than_any_node_has_is_degraded_unschedulable(cluster):
                     json.dumps({"spec": {"engine": {"tensorParallelSize": 8}}}))
     wait_for("Ready", lambda: cluster.ready("huge"), timeout=40)
     wait_for("not Degraded", lambda: cluster.condition("huge", "Degraded").get("status") == "False")
-    assert any(r == "Recovered" for _, r, _m in cluster.events("huge"))
+    wait_for("the Recovered event", lambda: any(r == "Recovered" for _, r, _m in cluster.events("huge")))
 
 
 def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
@@ -206,7 +208,7 @@ def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
     cluster.kubectl("apply", "-f", "-", input=isvc("quota"))
     degraded = wait_for("Degraded", lambda: cluster.condition_if("quota", "Degraded", "True"))
     assert degraded["reason"] == "ApplyFailed" and "services" in degraded["message"], degraded
-    assert ("Warning", "ApplyFailed") in [(t, r) for t, r, _m in cluster.events("quota")]
+    wait_for("the ApplyFailed event", lambda: ("Warning", "ApplyFailed") in [(t, r) for t, r, _m in cluster.events("quota")])
     wait_for("the Deployment's pod up", lambda: cluster.running_pods("quota"))
     time.sleep(2)  # pod events since must not have cleared the failure
     assert cluster.condition("quota", "Degraded")["reason"] == "ApplyFailed"
@@ -228,13 +230,13 @@ def test_failing_pods_make_it_degraded_with_the_kubelet_reason_then_recover(clus
     assert degraded["reason"] == reason and "bad-" in degraded["message"], degraded  # names the failing pod
     assert cause in degraded["message"], degraded  # the cause, without opening a pod log
     assert cluster.condition("bad", "Ready")["status"] == "False"
-    assert ("Warning", reason, degraded["message"]) in cluster.events("bad")
+    wait_for(f"the {reason} event", lambda: ("Warning", reason, degraded["message"]) in cluster.events("bad"))
     assert "Reason:" in cluster.kubectl("describe", "infsvc", "bad").stdout and cause in " ".join(
         cluster.kubectl("describe", "infsvc", "bad").stdout.split())
 
     cluster.kubectl("patch", "infsvc", "bad", "--type=merge", "-p", json.dumps({"spec": {"engine": {"image": STAND_IN}}}))
     wait_for("not Degraded", lambda: cluster.condition_if("bad", "Degraded", "False"), timeout=30)
-    assert ("Normal", "Recovered", f"no longer degraded ({reason})") in cluster.events("bad")
+    wait_for("the Recovered event", lambda: ("Normal", "Recovered", f"no longer degraded ({reason})") in cluster.events("bad"))
     assert [r for t, r, _m in cluster.events("bad") if t == "Warning"] == [reason]  # once, not per pod update
 
 
@@ -256,11 +258,12 @@ def test_pods_refused_by_a_quota_are_degraded_failed_create_then_recover(cluster
     degraded = wait_for("Degraded", lambda: cluster.condition_if("refused", "Degraded", "True"), timeout=20)
     assert degraded["reason"] == "FailedCreate", degraded
     assert "the ReplicaSet cannot create pods" in degraded["message"] and "exceeded quota: no-pods" in degraded["message"]
-    assert ("Warning", "FailedCreate", degraded["message"]) in cluster.events("refused")
+    wait_for("the FailedCreate event", lambda: ("Warning", "FailedCreate", degraded["message"]) in cluster.events("refused"))
     cluster.kubectl("delete", "quota", "no-pods")
     wait_for("Ready and not Degraded", lambda: cluster.ready("refused") and
              cluster.condition("refused", "Degraded").get("status") == "False", timeout=60)
-    assert ("Normal", "Recovered", "no longer degraded (FailedCreate)") in cluster.events("refused")
+    wait_for("the Recovered event", lambda: (
+        "Normal", "Recovered", "no longer degraded (FailedCreate)") in cluster.events("refused"))
 
 
 def test_a_pod_not_ready_past_its_startup_budget_is_degraded_startup_timeout(cluster):
@@ -279,12 +282,13 @@ def test_a_pod_not_ready_past_its_startup_budget_is_degraded_startup_timeout(clu
     assert time.monotonic() - start < 15  # 3 s of budget, judged every 5 s
     assert degraded["reason"] == "StartupTimeout", degraded
     assert "not ready after the 3 s their probes allow" in degraded["message"] and "slow-extra" in degraded["message"]
-    assert ("Warning", "StartupTimeout", degraded["message"]) in cluster.events("slow")
+    wait_for("the StartupTimeout event", lambda: ("Warning", "StartupTimeout", degraded["message"]) in cluster.events("slow"))
     time.sleep(6)  # judged again: no second Event for the same failure
     assert [r for t, r, _m in cluster.events("slow") if t == "Warning"] == ["StartupTimeout"]
     cluster.kubectl("delete", "pod", "slow-extra", "--wait=false")
     wait_for("not Degraded", lambda: cluster.condition_if("slow", "Degraded", "False"), timeout=20)
-    assert ("Normal", "Recovered", "no longer degraded (StartupTimeout)") in cluster.events("slow")
+    wait_for("the Recovered event", lambda: (
+        "Normal", "Recovered", "no longer degraded (StartupTimeout)") in cluster.events("slow"))
 
 
 def test_killed_mid_reconcile_then_restarted_converges_without_duplicates(operator, cluster):
@@ -420,7 +424,8 @@ def test_every_inference_service_gets_a_network_policy_for_its_engine_port(clust
 
     cluster.kubectl("delete", "networkpolicy", "fenced", "--wait=true")
     wait_for("the NetworkPolicy back", lambda: cluster.get("networkpolicy", "fenced"))
-    assert any(r == "Repaired" and "NetworkPolicy fenced was deleted" in m for _, r, m in cluster.events("fenced"))
+    wait_for("the Repaired event", lambda: any(
+        r == "Repaired" and "NetworkPolicy fenced was deleted" in m for _, r, m in cluster.events("fenced")))
     cluster.kubectl("delete", "infsvc", "fenced", "--wait=true", "--timeout=30s")
     wait_for("the NetworkPolicy collected", lambda: not cluster.get("networkpolicy", "fenced"))
 
