@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "runtime"))
 
 from kaon_runtime import LLM  # noqa: E402
+from kaon_runtime.kernels.quant_gemm_cpu import dense_dtype  # noqa: E402
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from kaon_runtime.quant import quantize_model  # noqa: E402
 
@@ -107,7 +108,8 @@ def main() -> int:
     windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
     windows = [w for w in windows if len(w) > 1]
     print(f"text: {TEXT.relative_to(ROOT)}, {len(ids)} tokens in {len(windows)} windows of up to {args.window}")
-    activations = {"prefill": "bfloat16 activations (torch's packed-weight kernels)",
+    prefill_dtype = str(dense_dtype()).removeprefix("torch.")
+    activations = {"prefill": f"{prefill_dtype} activations (a dense GEMM on the widened weight)",
                    "decode": "int8-block activations (the fused C decode step)"}[args.path]
     print(f'baseline "none": the bundled Q4_1 GGUF dequantized to float32, on CPU, scored through the '
           f'{args.path} path, where the int8 and int4 matmuls take {activations}\n')

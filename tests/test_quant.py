@@ -14,7 +14,7 @@ from test_triton_engine import tiny_llama  # noqa: F401  (a fixture)
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.errors import InvalidRequestError
-from kaon_runtime.kernels import quant_gemm
+from kaon_runtime.kernels import quant_gemm, quant_gemm_cpu
 from kaon_runtime.kernels.quant_gemm_ref import (dequantize_int4, dequantize_int8, pack_int4, unpack_int4,
                                                  w4a16_matmul_ref, w8a16_matmul_ref)
 from kaon_runtime.quant import METHODS as QUANT_METHODS
@@ -177,15 +177,17 @@ def test_quantized_linear_kernels_agree_and_track_the_float_layer(make, monkeypa
     assert relative < (0.01 if isinstance(layer, Int8Linear) else 0.1)
 
 
+@pytest.mark.parametrize("rows", [5, quant_gemm_cpu.DENSE_ROWS], ids=["decode-rows", "prefill-rows"])
 @pytest.mark.parametrize("make, n", [(Int8Linear.from_linear, 40), (Int4Linear.from_linear, 48),
                                      (Int4Linear.from_linear, 40)], ids=["int8", "int4", "int4-rows-not-16"])
-def test_cpu_packed_kernels_track_the_reference(make, n, monkeypatch):
-    # torch's packed-weight CPU kernels take bfloat16 activations: the difference from the
-    # dequantizing reference is bfloat16 rounding, far below what a layout or grid slip would give.
-    # int4 with out_features not a multiple of 16 falls back to the reference.
+def test_cpu_kernels_track_the_reference(make, n, rows, monkeypatch):
+    # Few rows take torch's packed-weight CPU kernels, many the widened weight's dense GEMM; both
+    # take bfloat16 activations (where the CPU has them): the difference from the dequantizing
+    # reference is bfloat16 rounding, far below what a layout, scale or grid slip would give.
+    # int4 with out_features not a multiple of 16 falls back to the reference for few rows.
     linear = _linear(n=n).cpu()
     layer = make(linear)
-    x = torch.randn(5, 64)
+    x = torch.randn(rows, 64)
     monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
     reference = layer(x)
     monkeypatch.setenv("KAON_QUANT_KERNEL", "cpu")
@@ -193,7 +195,20 @@ def test_cpu_packed_kernels_track_the_reference(make, n, monkeypatch):
     assert out.dtype == torch.float32 and out.shape == reference.shape
     assert (out - reference).norm() / reference.norm() < 0.01
     if isinstance(layer, Int4Linear):
-        assert (layer._cpu_weight is None) == (n % 16 != 0)
+        assert (layer._cpu_weight is None) == (n % 16 != 0 or rows >= quant_gemm_cpu.DENSE_ROWS)
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_linear, Int4Linear.from_linear], ids=["int8", "int4"])
+def test_the_dense_path_in_float32_is_the_reference(make, monkeypatch):
+    # Where the CPU lacks bfloat16 dot products the widened weight stays float32: then the dense
+    # path computes what the reference does, up to the order of the sums.
+    layer = make(_linear().cpu())
+    x = torch.randn(quant_gemm_cpu.DENSE_ROWS, 64)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    reference = layer(x)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "cpu")
+    monkeypatch.setattr(quant_gemm_cpu, "dense_dtype", lambda: torch.float32)
+    torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_kernel_choice_is_refused(monkeypatch):

@@ -9,16 +9,48 @@ quantization step. The references are in quant_gemm_ref.py (tests/test_quant.py 
 int4 needs torch's own packed layout, so a weight is re-packed once (pack_int4_for_cpu):
 torch's grid is w = (q - 8) * scale + zero, ours (GGUF Q4_1's) is w = q * scale + min, so
 zero = min + 8 * scale, exact in float32.
+
+Those kernels suit the few rows of a decode step, where reading the weight is the cost. A
+prefill chunk's hundreds of rows are bound by arithmetic instead, and there they run at about
+float32's speed (~140-160 GF/s on a 2-vCPU Zen 4). From DENSE_ROWS rows on, the weight is
+widened once per call (a fraction of a millisecond) and the product is one dense GEMM: in
+bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX), 340-420 GF/s on that machine,
+else in float32 (bench/RESULTS.md, "Quantization quality").
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from kaon_runtime.kernels.quant_gemm_ref import unpack_int4
+from kaon_runtime.kernels.quant_gemm_ref import dequantize_int4, unpack_int4
 
 ACTIVATION_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel takes
 _INT4_ROW_MULTIPLE = 16  # its packing works on 16 output rows at a time
+DENSE_ROWS = 128  # from here on the dense GEMM wins for both formats (int8 from ~16 rows, int4 from ~128)
+
+
+@functools.cache
+def dense_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has bfloat16 dot products, else float32 (emulated bfloat16 is slower)."""
+    native = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return torch.bfloat16 if any(getattr(torch.cpu, name, lambda: False)() for name in native) else torch.float32
+
+
+def w8_dense_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w8_matmul_cpu for many rows; scales float32 [N]. The int8 values are exact in bfloat16 (eight
+    significant bits), so the product is integer-valued and the scale multiplies the output."""
+    dtype = dense_dtype()
+    return (torch.mm(x.to(dtype), qweight.to(dtype).t()).float() * scales).to(x.dtype)
+
+
+def w4_dense_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """x [M, K] @ dequant(weight).T for many rows, from kaon's int4 layout (any group size)."""
+    dtype = dense_dtype()
+    weight = dequantize_int4(packed, scales, mins, group_size).to(dtype)
+    return torch.mm(x.to(dtype), weight.t()).to(x.dtype)
 
 
 def w8_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kaon_runtime.kernels.quant_gemm_cpu import int4_fits_cpu, pack_int4_for_cpu, w4_matmul_cpu
+from kaon_runtime.kernels.quant_gemm_cpu import (DENSE_ROWS, int4_fits_cpu, pack_int4_for_cpu, w4_dense_cpu,
+                                                  w4_matmul_cpu)
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, w4a16_matmul_ref
 from kaon_runtime.quant.linear import QuantizedLinear, kernel_for
 
@@ -60,6 +61,8 @@ class Int4Linear(QuantizedLinear):
         if kernel == "triton":
             from kaon_runtime.kernels.quant_gemm import w4a16_matmul  # on use: CPU-only torch builds lack Triton
             return w4a16_matmul(x, self.packed, self.scales, self.mins, self.group_size)
+        if kernel == "cpu" and x.shape[0] >= DENSE_ROWS:
+            return w4_dense_cpu(x, self.packed, self.scales, self.mins, self.group_size)
         if kernel == "cpu" and int4_fits_cpu(self.out_features, self.group_size):
             if self._cpu_weight is None:
                 # A second copy of the 4-bit weight, in torch's layout; the Q4_1 one stays the state.

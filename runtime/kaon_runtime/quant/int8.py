@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kaon_runtime.kernels.quant_gemm_cpu import ACTIVATION_DTYPE, w8_matmul_cpu
+from kaon_runtime.kernels.quant_gemm_cpu import ACTIVATION_DTYPE, DENSE_ROWS, w8_dense_cpu, w8_matmul_cpu
 from kaon_runtime.kernels.quant_gemm_ref import w8a16_matmul_ref
 from kaon_runtime.quant.linear import ChannelScaledLinear, kernel_for
 
@@ -32,5 +32,7 @@ class Int8Linear(ChannelScaledLinear):
             from kaon_runtime.kernels.quant_gemm import w8a16_matmul  # on use: CPU-only torch builds lack Triton
             return w8a16_matmul(x, self.qweight, self.scales)
         if kernel == "cpu":
+            if x.shape[0] >= DENSE_ROWS:
+                return w8_dense_cpu(x, self.qweight, self.scales)
             return w8_matmul_cpu(x, self.qweight, self.cpu_scales)
         return w8a16_matmul_ref(x, self.qweight, self.scales)

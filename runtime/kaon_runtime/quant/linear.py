@@ -10,8 +10,8 @@ _KERNEL_CHOICES = ("auto", "triton", "cpu", "torch")
 
 
 def kernel_for(x: torch.Tensor) -> str:
-    """Which matmul a quantized linear runs for x: "triton" on CUDA, "cpu" (torch's packed-weight
-    CPU kernels) on CPU, "torch" (the dequantizing reference) elsewhere. KAON_QUANT_KERNEL
+    """Which matmul a quantized linear runs for x: "triton" on CUDA, "cpu" (kernels/quant_gemm_cpu.py:
+    torch's packed-weight kernels for few rows, a dense GEMM for many) on CPU, "torch" (the dequantizing reference) elsewhere. KAON_QUANT_KERNEL
     overrides: =triton forces Triton (its interpreter in CPU tests), =torch the reference."""
     choice = os.environ.get("KAON_QUANT_KERNEL", "auto")
     if choice not in _KERNEL_CHOICES:
