@@ -13,6 +13,8 @@
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
+ *   both with eight output rows interleaved (see "narrow weights" below; cpu_decode.py
+ *   makes the copy at load)
  * The narrow ones multiply activations quantized to int8 in blocks of 32 (one float scale per
  * block), so the inner loop is an integer dot product (AVX2 maddubs, or VNNI where the CPU
  * has it), as llama.cpp's Q8_1 activations do. The float path is plain float32 FMA.
@@ -37,6 +39,9 @@
  * one instruction; without, maddubs then madd. Both sums are exact (the pairs maddubs makes
  * here stay within int16: 4-bit weights, or |int8| weights against x with their sign), so the
  * two give the same bits. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KAON_VNNI 1
+#endif
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
@@ -76,7 +81,7 @@ typedef struct {
 
 /* ---- small helpers ------------------------------------------------------------------ */
 
-static float half_to_float(uint16_t h) {
+static inline float half_to_float(uint16_t h) {
 #ifdef KAON_AVX2
     return _cvtsh_ss(h);
 #else
@@ -326,13 +331,16 @@ static void f32_t_outputs(const float *w, const float *bias, int n, int k, int r
             for (int j = begin; j < end; j++) y[(size_t)r * n + j] += bias[j];
 }
 
-/* ---- activations quantized in blocks of 32: x ~ d[b] * q[b*32 + i]; s[b] = d[b] * sum(q) --- */
+/* ---- activations quantized in blocks of 32: x ~ d[b] * q[b*32 + i]; qs[b] = sum(q), s[b] = d[b] * qs[b] */
 
-static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s) {
+static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s, int32_t *qs) {
     for (int b = 0; b < k / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.f;
-        for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < QBLOCK; i++) {
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;  /* fmaxf's NaN rule, without a call into libm per element */
+        }
         float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         int sum = 0;
         for (int i = 0; i < QBLOCK; i++) {
@@ -341,81 +349,131 @@ static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s) {
             sum += v;
         }
         d[b] = scale;
+        qs[b] = sum;
         s[b] = scale * (float)sum;
     }
 }
 
 
-/* The narrow-weight rows are computed for up to TILE activation rows at once: each block of
- * weights is loaded (and, for 4-bit, unpacked) once for all of them. */
-#define TILE 4
+/* ---- narrow weights, eight output channels interleaved -----------------------------------
+ * A batch's rows make a decode step compute-bound in these kernels, and with one output per
+ * pass each 32-element block cost a float conversion and an FMA per row and output besides its
+ * integer dot product. Here the eight lanes of a vector are eight outputs: one u8 x s8 dot
+ * instruction takes four k of each, a block is eight of them, and the conversion and FMA are
+ * paid once per block for all eight (the layout of llama.cpp's repacked CPU weights).
+ * Layouts (made once at load, cpu_decode.py): for group g of outputs 8g..8g+7 and block b,
+ *   INT8: 256 bytes, [t = 0..7][lane][4]: w[8g + lane][32b + 4t + i];
+ *   Q4_1: 128 bytes, [t = 0..3][lane][4], GGUF's bytes as they are: the low nibble of byte i
+ *         is element 32b + 4t + i, the high one element 32b + 16 + 4t + i;
+ *         scales and mins float16 [g][b][lane].
+ * Each output's sum is one chain over the blocks, whatever the number of rows, so a sequence's
+ * bits do not depend on its batch. */
+#define LANES 8
+#define TILE 4  /* activation rows per pass over a group's weights */
 
-/* out[r] = sum_k w[k] * q[r, k] * d[r, k / 32] for r < rows (rows <= TILE); q and d rows are
- * k and k / 32 apart. */
-static inline __attribute__((always_inline)) void rows_int8(const int8_t *w, const int8_t *q, const float *d, int k, int rows, float *out) {
+static inline int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* y[r][c] for r < rows (<= TILE) of group g's eight outputs c, int8 weights:
+ * y = scale_c * sum_b d[r, b] * (sum_i w[c, i] q[r, i] over block b). */
+static inline __attribute__((always_inline)) void group_int8(const int8_t *w, const float *scales, const int8_t *q,
+                                                             const float *d, const int32_t *qs, int k, int rows,
+                                                             float out[TILE][LANES]) {
     const int blocks = k / QBLOCK;
 #ifdef KAON_AVX2
-    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[TILE];
+    for (int r = 0; r < TILE; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK)), aw = _mm256_sign_epi8(wv, wv);
+        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK * LANES);
+        __m256i wv[8];
+        for (int t = 0; t < 8; t++) wv[t] = _mm256_loadu_si256(wb + t);
+#ifdef KAON_VNNI
+        /* u8 x s8 needs an unsigned side: w + 128 (w ^ 0x80), whose dot is sum(w q) + 128 sum(q);
+         * the second term, the same for every output, comes off exactly in integers. */
+        for (int t = 0; t < 8; t++) wv[t] = _mm256_xor_si256(wv[t], _mm256_set1_epi8((char)0x80));
+#endif
         for (int r = 0; r < TILE; r++) {
             if (r >= rows) break;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (size_t)r * k + b * QBLOCK));
-            /* one operand must be unsigned: |w| against x carrying w's sign */
-            __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aw, _mm256_sign_epi8(xv, wv)));
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[(size_t)r * blocks + b]), acc[r]);
+            const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
+#ifdef KAON_VNNI
+            __m256i sum = _mm256_set1_epi32(-128 * qs[(size_t)r * blocks + b]);
+            for (int t = 0; t < 8; t++)
+                sum = _mm256_add_epi32(sum, dot_u8s8(wv[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+#else       /* maddubs would overflow int16 on w + 128: |w| against q carrying w's sign instead */
+            __m256i sum = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++)
+                sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_sign_epi8(wv[t], wv[t]),
+                                                     _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t])));
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d[(size_t)r * blocks + b]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], _mm256_mul_ps(acc[r], _mm256_loadu_ps(scales)));
 #else
-    for (int r = 0; r < rows; r++) {
-        float sum = 0.f;
-        for (int b = 0; b < blocks; b++) {
-            int dot = 0;
-            for (int i = 0; i < QBLOCK; i++) dot += w[b * QBLOCK + i] * q[(size_t)r * k + b * QBLOCK + i];
-            sum += d[(size_t)r * blocks + b] * (float)dot;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < LANES; c++) {
+            float acc = 0.f;
+            for (int b = 0; b < blocks; b++) {
+                int32_t sum = 0;
+                for (int t = 0; t < 8; t++)
+                    for (int i = 0; i < 4; i++)
+                        sum += w[((size_t)b * 8 + t) * 32 + c * 4 + i] * q[(size_t)r * k + b * QBLOCK + 4 * t + i];
+                acc = fmaf((float)sum, d[(size_t)r * blocks + b], acc);
+            }
+            out[r][c] = acc * scales[c];
         }
-        out[r] = sum;
-    }
 #endif
 }
 
-/* The same for 4-bit weights w = q4 * wd + wm per block: sum = sum_b wd[b] * d[b] * (q4 . q)
- * + wm[b] * s[b], with s the block sums of the activations. */
-static inline __attribute__((always_inline)) void rows_q4_1(const uint8_t *w, const uint16_t *wd, const uint16_t *wm, const int8_t *q,
-                      const float *d, const float *s, int k, int rows, float *out) {
+/* The same for 4-bit weights w = q4 * wd + wm per block and output:
+ * y = sum_b (wd * d[r, b]) * (q4 . q over block b) + sum_b wm * s[r, b]. */
+static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
+                                                             const int8_t *q, const float *d, const float *s, int k,
+                                                             int rows, float out[TILE][LANES]) {
     const int blocks = k / QBLOCK;
-    float mins[TILE] = {0.f, 0.f, 0.f, 0.f};
 #ifdef KAON_AVX2
-    const __m128i low = _mm_set1_epi8(0x0f);
-    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc[TILE], mins[TILE];
+    for (int r = 0; r < TILE; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * QBLOCK / 2));
-        /* element j in the low nibble of byte j, element j + 16 in its high nibble */
-        __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-        const float scale = half_to_float(wd[b]), min = half_to_float(wm[b]);
+        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK / 2 * LANES);
+        __m256i nib[8];
+        for (int t = 0; t < 4; t++) {
+            __m256i raw = _mm256_loadu_si256(wb + t);
+            nib[t] = _mm256_and_si256(raw, low);
+            nib[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + (size_t)b * LANES)));
+        const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + (size_t)b * LANES)));
         for (int r = 0; r < TILE; r++) {
             if (r >= rows) break;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (size_t)r * k + b * QBLOCK));
-            __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wv, xv));
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(scale * d[(size_t)r * blocks + b]), acc[r]);
-            mins[r] += min * s[(size_t)r * blocks + b];
-        }
-    }
-    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]) + mins[r];
-#else
-    for (int r = 0; r < rows; r++) {
-        float sum = 0.f;
-        for (int b = 0; b < blocks; b++) {
-            const uint8_t *wb = w + b * QBLOCK / 2;
             const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
-            int dot = 0;
-            for (int i = 0; i < QBLOCK / 2; i++) dot += (wb[i] & 0xf) * qb[i] + (wb[i] >> 4) * qb[i + QBLOCK / 2];
-            sum += half_to_float(wd[b]) * d[(size_t)r * blocks + b] * (float)dot;
-            mins[r] += half_to_float(wm[b]) * s[(size_t)r * blocks + b];
+            __m256i sum = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++)  /* nibbles t < 4: elements 4t.., t >= 4: 16 + 4(t - 4).. */
+                sum = _mm256_add_epi32(sum, dot_u8s8(nib[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+            const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(d[(size_t)r * blocks + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sd, acc[r]);
+            mins[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(s[(size_t)r * blocks + b]), mins[r]);
         }
-        out[r] = sum + mins[r];
     }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], _mm256_add_ps(acc[r], mins[r]));
+#else
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < LANES; c++) {
+            float acc = 0.f, mins = 0.f;
+            for (int b = 0; b < blocks; b++) {
+                const uint8_t *wb = w + (size_t)b * QBLOCK / 2 * LANES;
+                int32_t sum = 0;
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t byte = wb[t * 32 + c * 4 + i];
+                        sum += (byte & 0xf) * q[(size_t)r * k + b * QBLOCK + 4 * t + i]
+                             + (byte >> 4) * q[(size_t)r * k + b * QBLOCK + 16 + 4 * t + i];
+                    }
+                acc = fmaf((float)sum, half_to_float(wd[(size_t)b * LANES + c]) * d[(size_t)r * blocks + b], acc);
+                mins = fmaf(half_to_float(wm[(size_t)b * LANES + c]), s[(size_t)r * blocks + b], mins);
+            }
+            out[r][c] = acc + mins;
+        }
 #endif
 }
 
@@ -523,7 +581,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
 /* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
-    return (size_t)rows * ((size_t)k + 2 * sizeof(float) * (k / QBLOCK)) + 64;
+    return (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 64;
 }
 
 typedef struct {
@@ -532,16 +590,17 @@ typedef struct {
     const float *x;
     const int8_t *q;        /* x in int8 blocks, for the narrow weights */
     const float *d, *s;
+    const int32_t *qs;
     float *y;
 } LinearJob;
 
-/* Output channels [begin, end): each weight row is read once for up to TILE activation rows
- * (one row, the batch-1 case, gets its own copy of the loops with the row count constant). */
+/* Float kinds: output channels [begin, end). Narrow kinds: groups of eight output channels,
+ * each group's weights read once for up to TILE activation rows (one row, the batch-1 case,
+ * gets its own copy of the loops with the row count constant). */
 static void linear_chunk(const void *arg, int begin, int end) {
     const LinearJob *job = arg;
     const Linear *l = job->l;
     const int n = l->n, k = l->k, blocks = k / QBLOCK;
-    float v[TILE];
     if (l->kind == KIND_F32) {
         f32_outputs((const float *)l->w, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
@@ -550,24 +609,29 @@ static void linear_chunk(const void *arg, int begin, int end) {
         f32_t_outputs((const float *)l->w, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
     }
-    for (int j = begin; j < end; j++) {
+    float v[TILE][LANES];
+    for (int g = begin; g < end; g++) {
         for (int r0 = 0; r0 < job->rows; r0 += TILE) {
             const int tile = job->rows - r0 < TILE ? job->rows - r0 : TILE;
             const int8_t *q = job->q + (size_t)r0 * k;
             const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
             if (l->kind == KIND_INT8) {
-                const int8_t *w = (const int8_t *)l->w + (size_t)j * k;
-                if (tile == 1) rows_int8(w, q, d, k, 1, v);
-                else rows_int8(w, q, d, k, tile, v);
-                for (int r = 0; r < tile; r++) v[r] *= l->scales[j];
+                const int8_t *w = (const int8_t *)l->w + (size_t)g * LANES * k;
+                const float *scales = l->scales + (size_t)g * LANES;
+                const int32_t *qs = job->qs + (size_t)r0 * blocks;
+                if (tile == 1) group_int8(w, scales, q, d, qs, k, 1, v);
+                else group_int8(w, scales, q, d, qs, k, tile, v);
             } else {
-                const uint8_t *w = (const uint8_t *)l->w + (size_t)j * k / 2;
-                const uint16_t *wd = l->d + (size_t)j * blocks, *wm = l->m + (size_t)j * blocks;
-                if (tile == 1) rows_q4_1(w, wd, wm, q, d, s, k, 1, v);
-                else rows_q4_1(w, wd, wm, q, d, s, k, tile, v);
+                const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+                const uint16_t *wd = l->d + (size_t)g * LANES * blocks, *wm = l->m + (size_t)g * LANES * blocks;
+                if (tile == 1) group_q4_1(w, wd, wm, q, d, s, k, 1, v);
+                else group_q4_1(w, wd, wm, q, d, s, k, tile, v);
             }
             for (int r = 0; r < tile; r++)
-                job->y[(size_t)(r0 + r) * n + j] = l->bias ? v[r] + l->bias[j] : v[r];
+                for (int c = 0; c < LANES && g * LANES + c < n; c++) {
+                    const int j = g * LANES + c;
+                    job->y[(size_t)(r0 + r) * n + j] = l->bias ? v[r][c] + l->bias[j] : v[r][c];
+                }
         }
     }
 }
@@ -576,11 +640,14 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     const int k = l->k, blocks = k / QBLOCK;
     int8_t *q = (int8_t *)work;
     float *d = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3)), *s = d + (size_t)rows * blocks;
-    if (l->kind == KIND_INT8 || l->kind == KIND_Q4_1)
+    int32_t *qs = (int32_t *)(s + (size_t)rows * blocks);
+    const int narrow = l->kind == KIND_INT8 || l->kind == KIND_Q4_1;
+    if (narrow)
         for (int r = 0; r < rows; r++)
-            quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks);
-    LinearJob job = {l, rows, x, q, d, s, y};
-    parallel_for(l->n, threads, linear_chunk, &job);
+            quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks,
+                        qs + (size_t)r * blocks);
+    LinearJob job = {l, rows, x, q, d, s, qs, y};
+    parallel_for(narrow ? (l->n + LANES - 1) / LANES : l->n, threads, linear_chunk, &job);
 }
 
 /* ---- the rest of a layer ------------------------------------------------------------- */

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11"]
 QBLOCK = 32  # activations are quantized in blocks of this many for the narrow weights
+LANES = 8  # the narrow kernels compute eight output channels at once, their weights interleaved
 KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T = 0, 1, 2, 3
 
 
@@ -151,24 +152,40 @@ class LinearWeights:
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeights":
+        """kaon's int8: int8 [N, K], one float scale per output; the C kernel reads a copy, interleaved."""
         n, k = qweight.shape
         _check_blocks(k)
-        return cls._make(KIND_INT8, n, k, bias, w=qweight, scales=scales.float())
+        # [groups, 8 lanes, K/4, 4] -> [groups, K/4, 8 lanes, 4]: four k of eight outputs per vector
+        w = _pad_rows(qweight, 0).reshape(-1, LANES, k // 4, 4).transpose(1, 2)
+        return cls._make(KIND_INT8, n, k, bias, w=w, scales=_pad_rows(scales.float(), 0))
 
     @classmethod
     def q4_1(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
              bias: torch.Tensor | None = None) -> "LinearWeights":
-        """kaon's int4 layout with groups of 32 (GGUF Q4_1's): packed uint8 [N, K/2], float16 scales and mins."""
+        """kaon's int4 layout with groups of 32 (GGUF Q4_1's): packed uint8 [N, K/2], float16 scales and
+        mins; the C kernel reads a copy, interleaved."""
         n, k = packed.shape[0], packed.shape[1] * 2
         _check_blocks(k)
         if scales.shape != (n, k // QBLOCK):
             raise ValueError(f"q4_1 needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
-        return cls._make(KIND_Q4_1, n, k, bias, w=packed, d=scales.half(), m=mins.half())
+        blocks = k // QBLOCK
+        # bytes [groups, 8 lanes, blocks, 4 t, 4] -> [groups, blocks, 4 t, 8 lanes, 4]; scales [groups, blocks, 8 lanes]
+        w = _pad_rows(packed, 0).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
+        d, m = (_pad_rows(t.half(), 0).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
+        return cls._make(KIND_Q4_1, n, k, bias, w=w, d=d, m=m)
 
 
 def _check_blocks(k: int) -> None:
     if k % QBLOCK:
         raise ValueError(f"in_features {k} is not a multiple of {QBLOCK}")
+
+
+def _pad_rows(t: torch.Tensor, value: float) -> torch.Tensor:
+    """t with its first dimension padded to a multiple of LANES (the kernels' output groups)."""
+    missing = -t.shape[0] % LANES
+    if not missing:
+        return t
+    return torch.cat([t, t.new_full((missing, *t.shape[1:]), value)])
 
 
 def linear(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:
