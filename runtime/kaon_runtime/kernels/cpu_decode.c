@@ -702,27 +702,37 @@ static inline const float *token_row(const float *cache, const int64_t *table, i
     return cache + ((size_t)table[t >> shift] << shift | (size_t)(t & ((1 << shift) - 1))) * dim;
 }
 
-/* sc[t] = scale * q . k_t for the context's tokens. */
-static void attention_scores(const float *q, const float *kc, const int64_t *table, int shift, int dim, int ctx,
-                             float scale, float *sc) {
+/* Query heads that share a key/value head are taken together (up to GH at a time), so each key
+ * and value row loaded serves all of them; each head's arithmetic is what it would be alone. */
+#define GH 3
+
+/* sc[h * sc_stride + t] = scale * q_h . k_t for gh (<= GH) heads whose queries are `dim` apart. */
+static inline __attribute__((always_inline)) void attention_scores(const float *q, int gh, const float *kc,
+                                                                   const int64_t *table, int shift, int dim,
+                                                                   int ctx, float scale, float *sc, size_t sc_stride) {
     int t = 0;
 #ifdef KAON_AVX2
     if (dim % 8 == 0)
         for (; t + 8 <= ctx; t += 8) {
             const float *k[8];
-            __m256 acc[8];
+            __m256 acc[GH][8];
             for (int i = 0; i < 8; i++) {
                 k[i] = token_row(kc, table, shift, t + i, dim);
-                acc[i] = _mm256_setzero_ps();
+                for (int h = 0; h < gh; h++) acc[h][i] = _mm256_setzero_ps();
             }
-            for (int d = 0; d < dim; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), acc[i]);
-            }
-            _mm256_storeu_ps(sc + t, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+            for (int d = 0; d < dim; d += 8)
+                for (int i = 0; i < 8; i++) {
+                    const __m256 kv = _mm256_loadu_ps(k[i] + d);
+                    for (int h = 0; h < gh; h++)
+                        acc[h][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)h * dim + d), kv, acc[h][i]);
+                }
+            for (int h = 0; h < gh; h++)
+                _mm256_storeu_ps(sc + h * sc_stride + t, _mm256_mul_ps(hsum8x8(acc[h]), _mm256_set1_ps(scale)));
         }
 #endif
-    for (; t < ctx; t++) sc[t] = dot_f32(q, token_row(kc, table, shift, t, dim), dim) * scale;
+    for (; t < ctx; t++)
+        for (int h = 0; h < gh; h++)
+            sc[h * sc_stride + t] = dot_f32(q + (size_t)h * dim, token_row(kc, table, shift, t, dim), dim) * scale;
 }
 
 #ifdef KAON_AVX2
@@ -782,46 +792,68 @@ static void softmax(float *sc, int ctx) {
     for (t = 0; t < ctx; t++) sc[t] *= inv;
 }
 
-/* o = sum_t p[t] * v_t. Sixty-four outputs at a time stay in registers across the whole
- * context (the rest, if head_dim is not a multiple of 64, through axpy in memory). */
-static void attention_values(const float *p, const float *vc, const int64_t *table, int shift, int dim, int ctx,
-                             float *o) {
+/* o_h = sum_t p_h[t] * v_t for gh (<= GH) heads (p_h p_stride apart, o_h dim apart). Sixty-four
+ * outputs at a time stay in registers across the whole context (the rest, if head_dim is not a
+ * multiple of 64, through axpy in memory). */
+static inline __attribute__((always_inline)) void attention_values(const float *p, size_t p_stride, int gh,
+                                                                   const float *vc, const int64_t *table, int shift,
+                                                                   int dim, int ctx, float *o) {
     int c0 = 0;
 #ifdef KAON_AVX2
     for (; c0 + 64 <= dim; c0 += 64) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        __m256 acc[GH][8];
+        for (int h = 0; h < gh; h++)
+            for (int j = 0; j < 8; j++) acc[h][j] = _mm256_setzero_ps();
         for (int t = 0; t < ctx; t++) {
             const float *v = token_row(vc, table, shift, t, dim) + c0;
-            const __m256 pt = _mm256_set1_ps(p[t]);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), acc[j]);
+            for (int j = 0; j < 8; j++) {
+                const __m256 vv = _mm256_loadu_ps(v + 8 * j);
+                for (int h = 0; h < gh; h++)
+                    acc[h][j] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * p_stride + t]), vv, acc[h][j]);
+            }
         }
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + c0 + 8 * j, acc[j]);
+        for (int h = 0; h < gh; h++)
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + (size_t)h * dim + c0 + 8 * j, acc[h][j]);
     }
 #endif
-    if (c0 < dim) {
-        memset(o + c0, 0, sizeof(float) * (dim - c0));
-        for (int t = 0; t < ctx; t++) axpy(o + c0, p[t], token_row(vc, table, shift, t, dim) + c0, dim - c0);
-    }
+    if (c0 < dim)
+        for (int h = 0; h < gh; h++) {
+            memset(o + (size_t)h * dim + c0, 0, sizeof(float) * (dim - c0));
+            for (int t = 0; t < ctx; t++)
+                axpy(o + (size_t)h * dim + c0, p[h * p_stride + t], token_row(vc, table, shift, t, dim) + c0, dim - c0);
+        }
 }
 
-/* One query token per sequence against its paged context; a task is one (sequence, query
- * head) pair. scores: room for rows * num_heads * max_context floats. */
-static void attention_chunk(const void *arg, int begin, int end) {
-    const AttentionJob *job = arg;
+/* The query heads [h0, h0 + gh) of one sequence, which share one key/value head. */
+static inline __attribute__((always_inline)) void attend(const AttentionJob *job, int r, int h0, int gh) {
     const Model *md = job->md;
     const int heads = md->num_heads, dim = md->head_dim, bs = md->block_size, shift = __builtin_ctz(bs);
-    const int group = heads / md->num_kv_heads, max_ctx = job->max_blocks * bs;
-    const size_t head_stride = (size_t)md->num_blocks * bs * dim;
+    const int group = heads / md->num_kv_heads, ctx = (int)job->context_lens[r];
+    const size_t max_ctx = (size_t)job->max_blocks * bs, kv_offset = (size_t)(h0 / group) * md->num_blocks * bs * dim;
+    const int64_t *table = job->tables + (size_t)r * job->max_blocks;
+    const float *q = job->qkv + (size_t)r * job->qkv_width + (size_t)h0 * dim;
+    float *sc = job->scores + ((size_t)r * heads + h0) * max_ctx;
+    attention_scores(q, gh, job->layer->k_cache + kv_offset, table, shift, dim, ctx, md->scale, sc, max_ctx);
+    for (int h = 0; h < gh; h++) softmax(sc + h * max_ctx, ctx);
+    attention_values(sc, max_ctx, gh, job->layer->v_cache + kv_offset, table, shift, dim, ctx,
+                     job->out + ((size_t)r * heads + h0) * dim);
+}
+
+/* One query token per sequence against its paged context; a task is one (sequence, key/value
+ * head) pair and its query heads. scores: room for rows * num_heads * max_context floats. */
+static void attention_chunk(const void *arg, int begin, int end) {
+    const AttentionJob *job = arg;
+    const int kv_heads = job->md->num_kv_heads, group = job->md->num_heads / kv_heads;
     for (int task = begin; task < end; task++) {
-        const int r = task / heads, qh = task % heads, ctx = (int)job->context_lens[r];
-        const int64_t *table = job->tables + (size_t)r * job->max_blocks;
-        const float *q = job->qkv + (size_t)r * job->qkv_width + (size_t)qh * dim;
-        float *sc = job->scores + (size_t)task * max_ctx;
-        attention_scores(q, job->layer->k_cache + (qh / group) * head_stride, table, shift, dim, ctx, md->scale, sc);
-        softmax(sc, ctx);
-        attention_values(sc, job->layer->v_cache + (qh / group) * head_stride, table, shift, dim, ctx,
-                         job->out + (size_t)task * dim);
+        const int r = task / kv_heads, h_end = (task % kv_heads + 1) * group;
+        for (int h0 = (task % kv_heads) * group; h0 < h_end; h0 += GH) {
+            /* each count its own copy of the loops, the head count constant */
+            switch (h_end - h0 < GH ? h_end - h0 : GH) {
+                case 1: attend(job, r, h0, 1); break;
+                case 2: attend(job, r, h0, 2); break;
+                default: attend(job, r, h0, GH); break;
+            }
+        }
     }
 }
 
@@ -868,7 +900,7 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
             }
         }
         AttentionJob job = {md, L, qkv, qkv_width, max_blocks, tables, context_lens, scores, attn};
-        parallel_for(rows * heads, threads, attention_chunk, &job);
+        parallel_for(rows * md->num_kv_heads, threads, attention_chunk, &job);
         kaon_linear(&L->o, rows, attn, proj, linear_work, threads);
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
         rms_norm(x, L->post_norm, md->eps, rows, hidden, normed);
