@@ -34,10 +34,11 @@ def test_float32_projection_matches_torch(rows, bias):
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_int8_projection_matches_its_reference(rows):
+@pytest.mark.parametrize("rows", [1, 3, 9, 16])
+@pytest.mark.parametrize("n", [80, 84])  # 84: the last group of eight interleaved outputs is half padding
+def test_int8_projection_matches_its_reference(rows, n):
     torch.manual_seed(1)
-    qweight, scales = quantize_int8(torch.randn(80, 96))
+    qweight, scales = quantize_int8(torch.randn(n, 96))
     x = torch.randn(rows, 96) * torch.logspace(-2, 1, 96)  # blocks of very different magnitudes
     x[0, :32] = 0  # an all-zero block: scale 0, no division by it
     out = cpu_decode.linear(cpu_decode.LinearWeights.int8(qweight, scales), x)
@@ -50,10 +51,11 @@ def test_int8_projection_matches_its_reference(rows):
 
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("bias", [False, True])
-def test_q4_1_projection_matches_its_reference(rows, bias):
+@pytest.mark.parametrize("n", [64, 61])  # 61: the last group of eight interleaved outputs is mostly padding
+def test_q4_1_projection_matches_its_reference(rows, bias, n):
     torch.manual_seed(2)
-    weight = quantize_int4(torch.randn(64, 128), 32)
-    b, x = torch.randn(64) if bias else None, torch.randn(rows, 128)
+    weight = quantize_int4(torch.randn(n, 128), 32)
+    b, x = torch.randn(n) if bias else None, torch.randn(rows, 128)
     out = cpu_decode.linear(cpu_decode.LinearWeights.q4_1(weight.packed, weight.scales, weight.mins, b), x)
     dequantized = dequantize_int4(weight.packed, weight.scales, weight.mins, 32)
     expected = torch.nn.functional.linear(quantize_activations_ref(x), dequantized, b)
