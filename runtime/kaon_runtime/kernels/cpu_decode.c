@@ -360,7 +360,7 @@ static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s, in
  * pass each 32-element block cost a float conversion and an FMA per row and output besides its
  * integer dot product. Here the eight lanes of a vector are eight outputs: one u8 x s8 dot
  * instruction takes four k of each, a block is eight of them, and the conversion and FMA are
- * paid once per block for all eight (the layout of llama.cpp's repacked CPU weights).
+ * paid once per block for all eight (the idea of llama.cpp's repacked CPU weights).
  * Layouts (made once at load, cpu_decode.py): for group g of outputs 8g..8g+7 and block b,
  *   INT8: 256 bytes, [t = 0..7][lane][4]: w[8g + lane][32b + 4t + i];
  *   Q4_1: 128 bytes, [t = 0..3][lane][4], GGUF's bytes as they are: the low nibble of byte i

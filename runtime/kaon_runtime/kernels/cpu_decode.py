@@ -156,8 +156,8 @@ class LinearWeights:
         n, k = qweight.shape
         _check_blocks(k)
         # [groups, 8 lanes, K/4, 4] -> [groups, K/4, 8 lanes, 4]: four k of eight outputs per vector
-        w = _pad_rows(qweight, 0).reshape(-1, LANES, k // 4, 4).transpose(1, 2)
-        return cls._make(KIND_INT8, n, k, bias, w=w, scales=_pad_rows(scales.float(), 0))
+        w = _pad_rows(qweight).reshape(-1, LANES, k // 4, 4).transpose(1, 2)
+        return cls._make(KIND_INT8, n, k, bias, w=w, scales=_pad_rows(scales.float()))
 
     @classmethod
     def q4_1(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -170,8 +170,8 @@ class LinearWeights:
             raise ValueError(f"q4_1 needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
         blocks = k // QBLOCK
         # bytes [groups, 8 lanes, blocks, 4 t, 4] -> [groups, blocks, 4 t, 8 lanes, 4]; scales [groups, blocks, 8 lanes]
-        w = _pad_rows(packed, 0).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
-        d, m = (_pad_rows(t.half(), 0).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
+        w = _pad_rows(packed).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
+        d, m = (_pad_rows(t.half()).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
         return cls._make(KIND_Q4_1, n, k, bias, w=w, d=d, m=m)
 
 
@@ -180,12 +180,10 @@ def _check_blocks(k: int) -> None:
         raise ValueError(f"in_features {k} is not a multiple of {QBLOCK}")
 
 
-def _pad_rows(t: torch.Tensor, value: float) -> torch.Tensor:
-    """t with its first dimension padded to a multiple of LANES (the kernels' output groups)."""
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """t with its first dimension padded with zeros to a multiple of LANES (the kernels' output groups)."""
     missing = -t.shape[0] % LANES
-    if not missing:
-        return t
-    return torch.cat([t, t.new_full((missing, *t.shape[1:]), value)])
+    return torch.cat([t, t.new_zeros((missing, *t.shape[1:]))]) if missing else t
 
 
 def linear(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:

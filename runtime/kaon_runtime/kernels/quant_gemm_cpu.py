@@ -15,7 +15,7 @@ prefill chunk's hundreds of rows are bound by arithmetic instead, and there they
 float32's speed (~140-160 GF/s on a 2-vCPU Zen 4). From DENSE_ROWS rows on, the weight is
 widened once per call (a fraction of a millisecond) and the product is one dense GEMM: in
 bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX), 340-420 GF/s on that machine,
-else in float32 (bench/RESULTS.md, "Quantization quality").
+else in float32 (bench/RESULTS.md, "Offline throughput"; its precision: "Quantization quality").
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ DENSE_ROWS = 128  # from here on the dense GEMM wins for both formats (int8 from
 
 @functools.cache
 def dense_dtype() -> torch.dtype:
-    """bfloat16 where the CPU has bfloat16 dot products, else float32 (emulated bfloat16 is slower)."""
+    """bfloat16 where the CPU has bfloat16 dot products, else float32 (torch would emulate bfloat16)."""
     native = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return torch.bfloat16 if any(getattr(torch.cpu, name, lambda: False)() for name in native) else torch.float32
 

@@ -10,9 +10,10 @@ _KERNEL_CHOICES = ("auto", "triton", "cpu", "torch")
 
 
 def kernel_for(x: torch.Tensor) -> str:
-    """Which matmul a quantized linear runs for x: "triton" on CUDA, "cpu" (kernels/quant_gemm_cpu.py:
-    torch's packed-weight kernels for few rows, a dense GEMM for many) on CPU, "torch" (the dequantizing reference) elsewhere. KAON_QUANT_KERNEL
-    overrides: =triton forces Triton (its interpreter in CPU tests), =torch the reference."""
+    """Which matmul a quantized linear runs for x: "triton" on CUDA, "cpu" on CPU (kernels/quant_gemm_cpu.py:
+    torch's packed-weight kernels for few rows, a dense GEMM for many), "torch" (the dequantizing
+    reference) elsewhere. KAON_QUANT_KERNEL overrides: =triton forces Triton (its interpreter in CPU
+    tests), =torch the reference."""
     choice = os.environ.get("KAON_QUANT_KERNEL", "auto")
     if choice not in _KERNEL_CHOICES:
         raise ValueError(f"KAON_QUANT_KERNEL must be one of {_KERNEL_CHOICES}, got {choice!r}")
