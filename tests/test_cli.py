@@ -90,6 +90,7 @@ def test_kaon_serve_sizes_the_kv_pool_by_bytes_or_blocks_and_refuses_a_bad_size_
     assert (config().kv_cache_bytes, config().num_kv_blocks) == (1 << 30, None)
     assert config("--kv-cache-bytes", "268435456").kv_cache_bytes == 256 << 20
     assert config("--num-kv-blocks", "96").num_kv_blocks == 96
+    assert (config().kv_cache_dtype, config("--kv-cache-dtype", "float16").kv_cache_dtype) == ("auto", "float16")
     for flag, value, why in (("--num-kv-blocks", "0", "must be at least 1, got 0"),
                              ("--kv-cache-bytes", "-1", "must be at least 1, got -1"),
                              ("--kv-cache-bytes", "1GiB", "expected a whole number, got '1GiB'")):

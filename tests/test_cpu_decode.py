@@ -121,13 +121,13 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def random_model(config: ModelConfig, blocks: int):
+def random_model(config: ModelConfig, blocks: int, kv_dtype: torch.dtype = torch.float32):
     torch.manual_seed(3)
     model = build_model(config).float()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
-    cache = torch.randn(config.num_layers, 2, config.num_kv_heads, blocks, BLOCK, config.head_dim)
+    cache = torch.randn(config.num_layers, 2, config.num_kv_heads, blocks, BLOCK, config.head_dim).to(kv_dtype)
     for i, attn in enumerate(model.attention_layers()):
         attn.k_cache, attn.v_cache, attn.backend = cache[i, 0], cache[i, 1], TorchAttentionBackend()
     return model.eval(), cache
@@ -151,11 +151,17 @@ def decode_step(config, tables: list[list[int]], lens: list[int]):
 TABLES, LENS = [[5], [2, 9, 0], [7, 3]], [1, 12, 6]
 
 
+# A float16 cache: the same keys and values stored (rounded alike, to within the one float16 step
+# that float32 sums in a different order can tip), and the same attention over them.
+KV_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 96])  # the attention's paths: multiples of 8 and of 64, or not
-def test_a_decode_step_matches_the_torch_path(bias, head_dim):
+def test_a_decode_step_matches_the_torch_path(bias, head_dim, kv_dtype):
     config = tiny_config(attention_bias=bias, head_dim=head_dim)
-    model, cache = random_model(config, blocks=10)
+    model, cache = random_model(config, blocks=10, kv_dtype=kv_dtype)
     x, positions, meta = decode_step(config, TABLES, LENS)
     assert model.use_cpu_decode_step() is None
     with torch.inference_mode():
@@ -166,7 +172,21 @@ def test_a_decode_step_matches_the_torch_path(bias, head_dim):
         meta.decode_key_mask = None
         out = model.model(x.clone(), positions, meta)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache, expected_cache, atol=1e-5, rtol=1e-5)  # the same keys and values stored
+    torch.testing.assert_close(cache, expected_cache, **KV_TOLERANCE[kv_dtype])  # the same keys and values stored
+
+
+def test_a_float16_cache_holds_the_keys_and_values_rounded_to_nearest():
+    """The first layer's new keys and values do not depend on the cache's dtype: stored in float16
+    they must be exactly torch's rounding (to nearest, ties to even) of the float32 ones."""
+    config = tiny_config()
+    caches = {}
+    for kv_dtype in (torch.float32, torch.float16):
+        model, caches[kv_dtype] = random_model(config, blocks=10, kv_dtype=kv_dtype)
+        x, positions, meta = decode_step(config, TABLES, LENS)
+        assert model.use_cpu_decode_step() is None
+        with torch.inference_mode():
+            model.model(x, positions, meta)
+    assert torch.equal(caches[torch.float16][0], caches[torch.float32][0].half())
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -210,9 +230,10 @@ def test_the_vocabulary_head_takes_the_c_kernel_for_a_few_rows(method):
     torch.testing.assert_close(fast, expected, atol=0.05 if method else 1e-4, rtol=0.05 if method else 1e-5)
 
 
-def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch(kv_dtype):
     config = tiny_config()
-    model, cache = random_model(config, blocks=10)
+    model, cache = random_model(config, blocks=10, kv_dtype=kv_dtype)
     x, positions, meta = decode_step(config, TABLES, LENS)
     # A new 5-token prompt in blocks 1 and 4 rides along after the three decodes.
     chunk = PrefillChunk(query_start=3, query_len=5, context_len=5, block_table=torch.tensor([1, 4]))
@@ -230,7 +251,7 @@ def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch():
         meta.decode_key_mask = None
         out = model.model(x.clone(), positions, meta)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache, expected_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, expected_cache, **KV_TOLERANCE[kv_dtype])
 
 
 def test_which_steps_it_takes():

@@ -14,7 +14,7 @@ from test_triton_engine import tiny_llama  # noqa: F401  (a fixture)
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.errors import InvalidRequestError
-from kaon_runtime.kernels import quant_gemm, quant_gemm_cpu
+from kaon_runtime.kernels import cpu_decode, quant_gemm, quant_gemm_cpu
 from kaon_runtime.kernels.quant_gemm_ref import (dequantize_int4, dequantize_int8, pack_int4, unpack_int4,
                                                  w4a16_matmul_ref, w8a16_matmul_ref)
 from kaon_runtime.quant import METHODS as QUANT_METHODS
@@ -370,3 +370,40 @@ def test_engine_on_the_triton_kernels_generates_the_torch_tokens(tiny_llama, mon
     expected = generate()
     monkeypatch.setenv("KAON_QUANT_KERNEL", "triton")
     assert generate() == expected
+
+
+def test_narrow_weights_on_cpu_keep_float16_keys_and_values_unless_told_otherwise(tiny_llama, monkeypatch):
+    """kv_cache_dtype "auto": float16 under int8/int4 on CPU (twice the blocks for the same bytes),
+    the model's dtype otherwise; an explicit choice wins, and a float16 cache serves the float
+    model too. The fused C step and the torch path (its chunked prefills reading earlier chunks
+    back from the cache) give the same tokens from a float16 cache."""
+    def engine(**options):
+        return LLM(tiny_llama, show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=1 << 22,
+                   block_size=8, max_num_batched_tokens=32, **options)
+
+    runners = {name: engine(**options).engine.runner for name, options in {
+        "float": {}, "int8": dict(quantization="int8"), "int4": dict(quantization="int4"),
+        "int8, float32 cache": dict(quantization="int8", kv_cache_dtype="float32")}.items()}
+    assert {name: r.kv_cache.dtype for name, r in runners.items()} == {
+        "float": torch.float32, "int8": torch.float16, "int4": torch.float16, "int8, float32 cache": torch.float32}
+    assert runners["int8"].num_blocks == 2 * runners["int8, float32 cache"].num_blocks
+
+    prompts = [list(range(300, 374)), list(range(300, 340)) + [5, 6, 7], [7, 8, 9]]  # the second shares blocks
+
+    def generate(**options):
+        llm = engine(kv_cache_dtype="float16", **options)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outputs]
+
+    llm, fused = generate()
+    assert llm.engine.runner.cpu_decode_step and llm.engine.runner.kv_cache.dtype == torch.float16
+    monkeypatch.setattr(cpu_decode, "library", lambda: None)  # as without a C compiler
+    llm, torch_path = generate()
+    assert not llm.engine.runner.cpu_decode_step
+    assert fused == torch_path
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16"):
+        EngineConfig(kv_cache_dtype="int8")
+

@@ -9,11 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from kaon_runtime.config import DEFAULT_MODEL, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
+from kaon_runtime.config import (DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPECULATIVE_METHODS,
+                                 EngineConfig)
 from kaon_runtime.errors import KaonError, ModelDoesNotFitError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
 
+KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on CPU (half the memory attention "
+                 "reads), else the model's dtype")
 TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -40,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                      help="quantize the linear layers' weights at load time")
+    gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_DTYPE_HELP)
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     add_model_source_flags(gen)
     add_speculative_flags(gen)
@@ -83,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GPU: decode batches up to this size replay captured CUDA graphs; 0 runs them eagerly")
     serve.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                        help="quantize the linear layers' weights at load time")
+    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_DTYPE_HELP)
     add_model_source_flags(serve)
     add_speculative_flags(serve)
     serve.add_argument("--log-level", default="info")
@@ -209,6 +214,7 @@ def _generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tensor_parallel_size, **speculative_options(args))
     prompts = args.prompt or DEMO_PROMPTS
     start = time.perf_counter()
@@ -233,7 +239,8 @@ def engine_config(args) -> EngineConfig:
                         prefill_delay_ms=args.prefill_delay_ms, kv_cache_fraction=args.kv_cache_fraction,
                         kv_cache_bytes=args.kv_cache_bytes,
                         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                        tensor_parallel_size=args.tensor_parallel_size,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
                         **speculative_options(args))
 

@@ -8,6 +8,7 @@ from kaon_runtime.errors import InvalidRequestError, ModelLoadError
 DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the MLP (layers.activation has one function each)
 
 
@@ -91,6 +92,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
     enable_prefix_caching: bool = True
     quantization: str = "none"  # weights of the linear layers: "none", "int8", "int4" or "fp8"
+    # "auto": float16 for int8/int4 weights on CPU (attention there is bound by reading the cache;
+    # the narrow formats already trade exact float output for speed), else the model's dtype
+    kv_cache_dtype: str = "auto"
     cuda_graph_max_batch: int = 256  # GPU decode batches up to this size replay CUDA graphs; 0: always eager
     tensor_parallel_size: int = 1  # processes holding a shard each: one per GPU (on CPU, for tests)
     # Speculative decoding: "ngram" drafts by prompt lookup, "draft" with a smaller model of the same tokenizer.
@@ -121,6 +125,8 @@ class EngineConfig:
             (self.cuda_graph_max_batch >= 0,
              f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
             (self.quantization in QUANTIZATION_METHODS,
              f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}"),
             (self.speculative_method in SPECULATIVE_METHODS,

@@ -22,6 +22,7 @@ from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk, selec
 from kaon_runtime.layers.rejection import verify
 from kaon_runtime.layers.sampler import SamplingBatch, logprobs_of, sample
 from kaon_runtime.loader import Checkpoint
+from kaon_runtime.models.cpu_decode_step import KV_DTYPES
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.gguf import int4_from_q4_1
@@ -55,6 +56,18 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: as configured, or for "auto" float16 under int8/int4 weights on CPU
+    (decode attention there reads every cached key and value once per layer and step, bound by
+    memory; the narrow formats already give up float32's exact output, and docs/engine.md has
+    what float16 keys and values cost in perplexity), else the model's own."""
+    if config.kv_cache_dtype != "auto":
+        return _DTYPES[config.kv_cache_dtype]
+    if device.type == "cpu" and dtype == torch.float32 and config.quantization in ("int8", "int4"):
+        return torch.float16
+    return dtype
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -93,6 +106,7 @@ class ModelRunner:
         self.tp = tp
         self.device = pick_device(config.device, tp.rank)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.kv_dtype = pick_kv_dtype(config, self.dtype, self.device)
         self.block_size = config.block_size
         self.model = self._load_model(checkpoint, show_progress)
         # This rank's weights (parameters and quantized buffers), KV cache not included; counted
@@ -131,7 +145,10 @@ class ModelRunner:
         """Decode-only steps through the fused C step where it applies (float32 activations on CPU)."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return False
-        reason = self.model.use_cpu_decode_step()
+        if self.kv_dtype not in KV_DTYPES:
+            reason = f"a {str(self.kv_dtype).removeprefix('torch.')} KV cache"
+        else:
+            reason = self.model.use_cpu_decode_step()
         if reason is not None:
             log.info("fused CPU decode step off for this model: %s", reason)
         return reason is None
@@ -154,8 +171,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         mc = self.model.local_config  # this rank's KV heads
-        block_bytes = kv_block_bytes(mc, self.block_size, self.dtype)
+        block_bytes = kv_block_bytes(mc, self.block_size, self.kv_dtype)
         backend = select_backend(self.device)
+        if backend.name == "triton" and self.kv_dtype != self.dtype:
+            raise ModelLoadError(f"kv_cache_dtype {str(self.kv_dtype).removeprefix('torch.')} needs the torch attention "
+                                 "backend: the Triton kernels read a cache of the model's own dtype")
         if backend.name == "triton":
             self.model.use_triton_kernels()
         free, activations = None, 0
@@ -169,14 +189,15 @@ class ModelRunner:
                                  f"step's activations ({activations / 2 ** 20:.0f} MiB) are set aside; raise the "
                                  "budget or lower --max-num-batched-tokens")
         self._attach_kv_cache(blocks, backend)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB); the largest step's activations: %.1f MiB",
-                 blocks, self.block_size, blocks * block_bytes / 2 ** 20, activations / 2 ** 20)
+        log.info("KV cache: %d blocks of %d tokens in %s (%.1f MiB); the largest step's activations: %.1f MiB",
+                 blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."), blocks * block_bytes / 2 ** 20,
+                 activations / 2 ** 20)
         return blocks
 
     def _attach_kv_cache(self, blocks: int, backend) -> None:
         mc = self.model.local_config
         shape = (mc.num_layers, 2, mc.num_kv_heads, blocks, self.block_size, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache, attn.backend = self.kv_cache[i, 0], self.kv_cache[i, 1], backend
 

@@ -68,11 +68,12 @@ typedef struct {
 typedef struct {
     Linear qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
-    float *k_cache, *v_cache;  /* [kv_heads, num_blocks, block_size, head_dim] */
+    void *k_cache, *v_cache;  /* [kv_heads, num_blocks, block_size, head_dim]: float32, or float16 (kv_half) */
 } Layer;
 
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_blocks;
+    int32_t kv_half;  /* the KV cache holds float16 (1) or float32 (0) */
     float eps, scale;
     const float *final_norm;
     const float *cos, *sin;  /* [positions, head_dim / 2] */
@@ -96,6 +97,28 @@ static inline float half_to_float(uint16_t h) {
     } else if (exp == 31) { bits = sign | 0x7f800000 | (man << 13); }
     else { bits = sign | ((exp + 112) << 23) | (man << 13); }
     float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+/* Rounded to nearest, ties to even, as torch's .to(torch.float16) rounds: a float16 cache holds
+ * the same bits whichever path wrote it. */
+static inline uint16_t float_to_half(float f) {
+#ifdef KAON_AVX2
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x; memcpy(&x, &f, 4);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    const uint32_t mag = x & 0x7fffffff;
+    if (mag > 0x7f800000) return sign | 0x7e00;            /* NaN */
+    if (mag >= 0x477ff000) return sign | 0x7c00;           /* rounds to 65536 or more: infinity */
+    if (mag < 0x38800000) {                                 /* below 2^-14: a multiple of 2^-24 */
+        float a; memcpy(&a, &mag, 4);
+        return sign | (uint16_t)lrintf(a * 16777216.f);     /* exact product; lrintf rounds to even */
+    }
+    uint32_t h = (mag >> 13) - (112u << 10);                /* exponent rebiased, top ten mantissa bits */
+    const uint32_t rest = mag & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;  /* a carry moves into the exponent, as it should */
+    return sign | (uint16_t)h;
 #endif
 }
 
@@ -697,9 +720,42 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
 #endif
 
 /* Token t's row in a paged cache head (block size 1 << shift: the engine's is a power of two;
- * a division per token cost as much as its dot product). */
-static inline const float *token_row(const float *cache, const int64_t *table, int shift, int t, int dim) {
-    return cache + ((size_t)table[t >> shift] << shift | (size_t)(t & ((1 << shift) - 1))) * dim;
+ * a division per token cost as much as its dot product), float32 or float16 (half). */
+static inline const void *token_row(const void *cache, int half, const int64_t *table, int shift, int t, int dim) {
+    const size_t at = ((size_t)table[t >> shift] << shift | (size_t)(t & ((1 << shift) - 1))) * dim;
+    return half ? (const void *)((const uint16_t *)cache + at) : (const void *)((const float *)cache + at);
+}
+
+/* A cached row as float32: the row itself, or widened into buf. */
+static inline const float *row_f32(const void *row, int half, int n, float *buf) {
+    if (!half) return row;
+    for (int i = 0; i < n; i++) buf[i] = half_to_float(((const uint16_t *)row)[i]);
+    return buf;
+}
+
+#ifdef KAON_AVX2
+/* Elements d..d+7 of a cached row. A float16 cache halves what attention reads (it is bound by
+ * memory: every cached key and value of every sequence, once per layer and step); the
+ * arithmetic stays float32. */
+static inline __m256 load8(const void *row, int d, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)))
+                : _mm256_loadu_ps((const float *)row + d);
+}
+#endif
+
+/* One token's key or value into its cache slot. */
+static void store_row(void *cache, int half, size_t at, const float *x, int dim) {
+    if (!half) {
+        memcpy((float *)cache + at, x, sizeof(float) * dim);
+        return;
+    }
+    uint16_t *h = (uint16_t *)cache + at;
+    int i = 0;
+#ifdef KAON_AVX2
+    for (; i + 8 <= dim; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < dim; i++) h[i] = float_to_half(x[i]);
 }
 
 /* Query heads that share a key/value head are taken together (up to GH at a time), so each key
@@ -707,22 +763,22 @@ static inline const float *token_row(const float *cache, const int64_t *table, i
 #define GH 3
 
 /* sc[h * sc_stride + t] = scale * q_h . k_t for gh (<= GH) heads whose queries are `dim` apart. */
-static inline __attribute__((always_inline)) void attention_scores(const float *q, int gh, const float *kc,
+static inline __attribute__((always_inline)) void attention_scores(const float *q, int gh, const void *kc, int half,
                                                                    const int64_t *table, int shift, int dim,
                                                                    int ctx, float scale, float *sc, size_t sc_stride) {
     int t = 0;
 #ifdef KAON_AVX2
     if (dim % 8 == 0)
         for (; t + 8 <= ctx; t += 8) {
-            const float *k[8];
+            const void *k[8];
             __m256 acc[GH][8];
             for (int i = 0; i < 8; i++) {
-                k[i] = token_row(kc, table, shift, t + i, dim);
+                k[i] = token_row(kc, half, table, shift, t + i, dim);
                 for (int h = 0; h < gh; h++) acc[h][i] = _mm256_setzero_ps();
             }
             for (int d = 0; d < dim; d += 8)
                 for (int i = 0; i < 8; i++) {
-                    const __m256 kv = _mm256_loadu_ps(k[i] + d);
+                    const __m256 kv = load8(k[i], d, half);
                     for (int h = 0; h < gh; h++)
                         acc[h][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)h * dim + d), kv, acc[h][i]);
                 }
@@ -730,9 +786,11 @@ static inline __attribute__((always_inline)) void attention_scores(const float *
                 _mm256_storeu_ps(sc + h * sc_stride + t, _mm256_mul_ps(hsum8x8(acc[h]), _mm256_set1_ps(scale)));
         }
 #endif
-    for (; t < ctx; t++)
-        for (int h = 0; h < gh; h++)
-            sc[h * sc_stride + t] = dot_f32(q + (size_t)h * dim, token_row(kc, table, shift, t, dim), dim) * scale;
+    float buf[dim];
+    for (; t < ctx; t++) {
+        const float *k = row_f32(token_row(kc, half, table, shift, t, dim), half, dim, buf);
+        for (int h = 0; h < gh; h++) sc[h * sc_stride + t] = dot_f32(q + (size_t)h * dim, k, dim) * scale;
+    }
 }
 
 #ifdef KAON_AVX2
@@ -796,8 +854,8 @@ static void softmax(float *sc, int ctx) {
  * outputs at a time stay in registers across the whole context (the rest, if head_dim is not a
  * multiple of 64, through axpy in memory). */
 static inline __attribute__((always_inline)) void attention_values(const float *p, size_t p_stride, int gh,
-                                                                   const float *vc, const int64_t *table, int shift,
-                                                                   int dim, int ctx, float *o) {
+                                                                   const void *vc, int half, const int64_t *table,
+                                                                   int shift, int dim, int ctx, float *o) {
     int c0 = 0;
 #ifdef KAON_AVX2
     for (; c0 + 64 <= dim; c0 += 64) {
@@ -805,9 +863,9 @@ static inline __attribute__((always_inline)) void attention_values(const float *
         for (int h = 0; h < gh; h++)
             for (int j = 0; j < 8; j++) acc[h][j] = _mm256_setzero_ps();
         for (int t = 0; t < ctx; t++) {
-            const float *v = token_row(vc, table, shift, t, dim) + c0;
+            const void *v = token_row(vc, half, table, shift, t, dim);
             for (int j = 0; j < 8; j++) {
-                const __m256 vv = _mm256_loadu_ps(v + 8 * j);
+                const __m256 vv = load8(v, c0 + 8 * j, half);
                 for (int h = 0; h < gh; h++)
                     acc[h][j] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * p_stride + t]), vv, acc[h][j]);
             }
@@ -816,16 +874,18 @@ static inline __attribute__((always_inline)) void attention_values(const float *
             for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + (size_t)h * dim + c0 + 8 * j, acc[h][j]);
     }
 #endif
-    if (c0 < dim)
-        for (int h = 0; h < gh; h++) {
-            memset(o + (size_t)h * dim + c0, 0, sizeof(float) * (dim - c0));
-            for (int t = 0; t < ctx; t++)
-                axpy(o + (size_t)h * dim + c0, p[h * p_stride + t], token_row(vc, table, shift, t, dim) + c0, dim - c0);
+    if (c0 < dim) {
+        float buf[dim];
+        for (int h = 0; h < gh; h++) memset(o + (size_t)h * dim + c0, 0, sizeof(float) * (dim - c0));
+        for (int t = 0; t < ctx; t++) {
+            const float *v = row_f32(token_row(vc, half, table, shift, t, dim), half, dim, buf);
+            for (int h = 0; h < gh; h++) axpy(o + (size_t)h * dim + c0, p[h * p_stride + t], v + c0, dim - c0);
         }
+    }
 }
 
 /* The query heads [h0, h0 + gh) of one sequence, which share one key/value head. */
-static inline __attribute__((always_inline)) void attend(const AttentionJob *job, int r, int h0, int gh) {
+static inline __attribute__((always_inline)) void attend(const AttentionJob *job, int r, int h0, int gh, int half) {
     const Model *md = job->md;
     const int heads = md->num_heads, dim = md->head_dim, bs = md->block_size, shift = __builtin_ctz(bs);
     const int group = heads / md->num_kv_heads, ctx = (int)job->context_lens[r];
@@ -833,9 +893,11 @@ static inline __attribute__((always_inline)) void attend(const AttentionJob *job
     const int64_t *table = job->tables + (size_t)r * job->max_blocks;
     const float *q = job->qkv + (size_t)r * job->qkv_width + (size_t)h0 * dim;
     float *sc = job->scores + ((size_t)r * heads + h0) * max_ctx;
-    attention_scores(q, gh, job->layer->k_cache + kv_offset, table, shift, dim, ctx, md->scale, sc, max_ctx);
+    const size_t kv_bytes = kv_offset * (half ? sizeof(uint16_t) : sizeof(float));
+    attention_scores(q, gh, (const char *)job->layer->k_cache + kv_bytes, half, table, shift, dim, ctx, md->scale, sc,
+                     max_ctx);
     for (int h = 0; h < gh; h++) softmax(sc + h * max_ctx, ctx);
-    attention_values(sc, max_ctx, gh, job->layer->v_cache + kv_offset, table, shift, dim, ctx,
+    attention_values(sc, max_ctx, gh, (const char *)job->layer->v_cache + kv_bytes, half, table, shift, dim, ctx,
                      job->out + ((size_t)r * heads + h0) * dim);
 }
 
@@ -847,12 +909,20 @@ static void attention_chunk(const void *arg, int begin, int end) {
     for (int task = begin; task < end; task++) {
         const int r = task / kv_heads, h_end = (task % kv_heads + 1) * group;
         for (int h0 = (task % kv_heads) * group; h0 < h_end; h0 += GH) {
-            /* each count its own copy of the loops, the head count constant */
-            switch (h_end - h0 < GH ? h_end - h0 : GH) {
-                case 1: attend(job, r, h0, 1); break;
-                case 2: attend(job, r, h0, 2); break;
-                default: attend(job, r, h0, GH); break;
-            }
+            /* each count and cache type its own copy of the loops, both constant */
+            const int gh = h_end - h0 < GH ? h_end - h0 : GH;
+            if (job->md->kv_half)
+                switch (gh) {
+                    case 1: attend(job, r, h0, 1, 1); break;
+                    case 2: attend(job, r, h0, 2, 1); break;
+                    default: attend(job, r, h0, GH, 1); break;
+                }
+            else
+                switch (gh) {
+                    case 1: attend(job, r, h0, 1, 0); break;
+                    case 2: attend(job, r, h0, 2, 0); break;
+                    default: attend(job, r, h0, GH, 0); break;
+                }
         }
     }
 }
@@ -893,10 +963,9 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
             const int64_t slot = slots[r];
             if (slot < 0) continue;  /* padding: nothing to store */
             for (int h = 0; h < kv_heads; h++) {
-                memcpy(L->k_cache + h * head_stride + (size_t)slot * dim, t + (size_t)(heads + h) * dim,
-                       sizeof(float) * dim);
-                memcpy(L->v_cache + h * head_stride + (size_t)slot * dim,
-                       t + (size_t)(heads + kv_heads + h) * dim, sizeof(float) * dim);
+                const size_t at = h * head_stride + (size_t)slot * dim;
+                store_row(L->k_cache, md->kv_half, at, t + (size_t)(heads + h) * dim, dim);
+                store_row(L->v_cache, md->kv_half, at, t + (size_t)(heads + kv_heads + h) * dim, dim);
             }
         }
         AttentionJob job = {md, L, qkv, qkv_width, max_blocks, tables, context_lens, scores, attn};

@@ -48,7 +48,8 @@ class Layer(ctypes.Structure):
 
 class Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                                      "intermediate", "block_size", "num_blocks")] + [
+                                                      "intermediate", "block_size", "num_blocks",
+                                                      "kv_half")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
 

@@ -17,13 +17,14 @@ MAX_HEAD_SLICE = 2 ** 31 - 1
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """Store each token's key/value [T, Hkv, D] at its slot; slots < 0 are padding and skipped."""
+    """Store each token's key/value [T, Hkv, D] at its slot (in the cache's dtype); slots < 0 are
+    padding and skipped."""
     if slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     heads, _, _, dim = k_cache.shape
-    k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
-    v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+    k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,15 +45,16 @@ def decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
     query [S, H, D]; block_tables [S, M] (padded with any valid block id); key_mask
     [S, M * block_size], True for the positions each query sees: below its context length
-    and, under a sliding window, within it. Returns [S, H, D].
+    and, under a sliding window, within it. A cache narrower than the query (a float16 cache of a
+    float32 model) is widened as gathered. Returns [S, H, D].
     """
     seqs, heads, dim = query.shape
     kv_heads, _, block_size, _ = k_cache.shape
     max_len = block_tables.shape[1] * block_size
     ids = block_tables.reshape(-1)
     k_ws, v_ws = workspace if workspace is not None else (None, None)
-    keys = gather_blocks(k_cache, ids, k_ws).view(kv_heads, seqs, max_len, dim)
-    values = gather_blocks(v_cache, ids, v_ws).view(kv_heads, seqs, max_len, dim)
+    keys = gather_blocks(k_cache, ids, k_ws).view(kv_heads, seqs, max_len, dim).to(query.dtype)
+    values = gather_blocks(v_cache, ids, v_ws).view(kv_heads, seqs, max_len, dim).to(query.dtype)
     # GQA: the query heads that share a kv head form a group: [Hkv, S, G, D].
     q = query.view(seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1)
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, S, G, L]
@@ -79,8 +81,8 @@ def prefill_attention_ref(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if context_len == num_q:  # nothing cached before the chunk: attend to it directly
         keys, values = key.transpose(0, 1), value.transpose(0, 1)
     else:
-        keys = gather_blocks(k_cache, block_table)[:, :context_len]
-        values = gather_blocks(v_cache, block_table)[:, :context_len]
+        keys = gather_blocks(k_cache, block_table)[:, :context_len].to(query.dtype)
+        values = gather_blocks(v_cache, block_table)[:, :context_len].to(query.dtype)
     if window is None and softcap is None:
         if context_len == num_q:
             mask, causal = None, True

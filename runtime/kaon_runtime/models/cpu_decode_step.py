@@ -54,6 +54,7 @@ def unsupported(config: ModelConfig) -> str | None:
 # The vocabulary head takes the same kernels for as many rows (the float one in its [K, N]
 # layout: 64 rows in ~24 ms against ~35 through torch's BLAS, which packs the whole weight).
 MAX_ROWS = 64
+KV_DTYPES = (torch.float32, torch.float16)  # the caches the C step reads
 
 
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
@@ -116,9 +117,12 @@ class CpuDecodeStep:
         kv_heads, num_blocks, block_size, _ = first_cache.shape
         if block_size & (block_size - 1):
             raise ValueError(f"the fused step needs a power-of-two block size, got {block_size}")
+        if first_cache.dtype not in KV_DTYPES:
+            raise ValueError(f"the fused step reads a float32 or float16 KV cache, not {first_cache.dtype}")
         model = cpu_decode.Model(
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
+            kv_half=first_cache.dtype == torch.float16,
             eps=c.rms_norm_eps, scale=layers[0].self_attn.attn.scale, final_norm=final_norm.data_ptr(),
             cos=cos.data_ptr(), sin=sin.data_ptr(), layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)))
         self._built = (first_cache.data_ptr(), model, keep)
