@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "runtime"))
 
 from kaon_runtime import LLM  # noqa: E402
+from kaon_runtime.config import KV_CACHE_DTYPES  # noqa: E402
 from kaon_runtime.kernels.quant_gemm_cpu import dense_dtype  # noqa: E402
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from kaon_runtime.quant import quantize_model  # noqa: E402
@@ -84,9 +85,10 @@ def score(runner, windows: list[list[int]], path: str = "prefill") -> tuple[floa
     return math.exp(total / count), torch.cat(predictions)
 
 
-def build_runner(method: str):
+def build_runner(method: str, kv_cache_dtype: str = "auto"):
     engine_method = method if method in ENGINE_METHODS else "none"
-    runner = LLM(show_progress=False, device="cpu", dtype="float32", quantization=engine_method).engine.runner
+    runner = LLM(show_progress=False, device="cpu", dtype="float32", quantization=engine_method,
+                 kv_cache_dtype=kv_cache_dtype).engine.runner
     if method in REQUANTIZED:
         quantize_model(runner.model, "int4", group_size=REQUANTIZED[method])
     return runner
@@ -99,6 +101,8 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                         help="score each window in one prefill, or one decode step per token")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the quantized methods' KV cache (auto: float16 for int8/int4; the baseline keeps float32)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -118,7 +122,7 @@ def main() -> int:
     rows = []
     print(f"{'method':<10} {'perplexity':>10} {'vs none':>9} {'top-1 agree':>12}")
     for method in args.methods:
-        runner = float_llm.engine.runner if method == "none" else build_runner(method)
+        runner = float_llm.engine.runner if method == "none" else build_runner(method, args.kv_cache_dtype)
         ppl, top1 = (base_ppl, base_top1) if method == "none" else score(runner, windows, args.path)
         increase = ppl / base_ppl - 1
         agree = (top1 == base_top1).float().mean().item()
@@ -126,7 +130,8 @@ def main() -> int:
         print(f"{method:<10} {ppl:>10.4f} {increase:>+8.2%} {agree:>12.2%}")
         del runner
     if args.json:
-        args.json.write_text(json.dumps(dict(tokens=len(ids), window=args.window, path=args.path, results=rows), indent=2))
+        args.json.write_text(json.dumps(dict(tokens=len(ids), window=args.window, path=args.path,
+                                             kv_cache_dtype=args.kv_cache_dtype, results=rows), indent=2))
     return 0
 
 

@@ -7,7 +7,7 @@ prefix caching on) and, for each strategy, kaon's Router in this process on an e
 table fed by hand (no Kubernetes). Three workloads, each run under both strategies:
 
 - chat: --conversations conversations, starting --stagger seconds apart, --turns turns each,
-  all with one shared system prompt; every turn resends the conversation so far (with the
+  all with one shared system prompt (--system: long, ~100 tokens, or short, one line); every turn resends the conversation so far (with the
   replies the engine gave) plus a new user message of --words words, streamed, max_tokens
   --max-tokens, greedy; between turns the user "thinks" for --think seconds (uniform), so
   other conversations' requests arrive in between. (With no think time, least-connections
@@ -77,11 +77,15 @@ BLOCK_TOKENS = 16  # the engine's KV block
 SERVED = "smollm2"
 WORDS = ("river mill harbor lantern orchard signal ledger meadow furnace compass quarry beacon glacier tavern "
          "canal archive bridge forest engine garden market palace valley tower window winter summer copper").split()
-SYSTEM = ("You are the support assistant of the Northwind river ferry company. Answer in one short sentence. "
+SYSTEM_PROMPTS = {"long": (
+          "You are the support assistant of the Northwind river ferry company. Answer in one short sentence. "
           "Timetables: boats leave the north pier every twenty minutes from six in the morning until eleven at "
           "night, and the south pier ten minutes later. Tickets are sold on board and at both piers; bicycles "
           "travel free, dogs on a lead travel free, and cars are not carried. In fog the first boat waits for "
-          "the harbor master's signal. Lost property is kept at the north pier office for thirty days. ")
+          "the harbor master's signal. Lost property is kept at the north pier office for thirty days. "),
+    # A one-line prompt, as many chat deployments use: what every request shares is then little,
+    # and a conversation's own history is most of its prompt.
+    "short": "You are a helpful assistant. "}
 
 
 def question(rng: random.Random, n: int = 24) -> str:
@@ -137,7 +141,7 @@ async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], ma
 
 
 async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
-    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
+    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
 
     async def conversation(i: int) -> None:
         rng = random.Random(tag * 1000 + i)
@@ -156,7 +160,7 @@ async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
 
 async def history_workload(session, url, args, tag: int, phase: Phase, conversations: int) -> None:
     """`conversations` conversations of --long-turns turns whose replies go back into the history."""
-    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
+    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
 
     async def conversation(i: int) -> None:
         rng = random.Random(tag * 1000 + i)
@@ -184,7 +188,7 @@ async def pressure_workload(session, url, args, tag: int, phase: Phase) -> None:
 
 async def skewed_workload(session, url, args, tag: int, phase: Phase) -> None:
     rng = random.Random(tag)
-    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM}
+    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
     hot = [system, {"role": "user", "content": "When does the first boat leave the north pier, and in fog?"}]
     queue = [hot if rng.random() < 2 / 3 else [system, {"role": "user", "content": question(rng)}]
              for _ in range(args.skewed)]
@@ -414,6 +418,9 @@ def main() -> None:
     parser.add_argument("--stagger", type=float, default=0.5, help="seconds between conversation starts")
     parser.add_argument("--think", type=float, nargs=2, default=(1.0, 4.0), help="seconds between turns (range)")
     parser.add_argument("--words", type=int, default=48, help="words per user message")
+    parser.add_argument("--system", choices=sorted(SYSTEM_PROMPTS), default="long",
+                        help="the system prompt every conversation shares: long (~100 tokens of a ferry "
+                             "company's facts) or short (one line)")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--long-conversations", type=int, default=12)
     parser.add_argument("--long-turns", type=int, default=5)
