@@ -101,15 +101,22 @@ class Phase:
     seconds: float = 0.0
     samples: list[dict] = field(default_factory=list)
     working_set: int = 0
+    requests: dict[str, dict] = field(default_factory=dict)
+    """Per request (by the `user` tag the workload gave it): its kind, when it was sent, its
+    TTFT, and the pod the router chose with every pod's requests in flight at that moment."""
     """Tokens of every conversation's history at its longest (its last prompt and reply): what
     the engines would have to keep to serve every turn's history from the cache."""
 
 
 async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int, phase: Phase,
-              ignore_eos: bool = False) -> tuple[str, int]:
-    """The reply, and the tokens of prompt and reply together (the conversation's length now)."""
+              ignore_eos: bool = False, tag: str | None = None) -> tuple[str, int]:
+    """The reply, and the tokens of prompt and reply together (the conversation's length now).
+    `tag` ("kind:id") goes as OpenAI's `user` field, which the engine ignores, so that the
+    router's choice can be matched to the request (run_phase)."""
     body = {"model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if tag:
+        body["user"] = tag
     if ignore_eos:
         body["ignore_eos"] = True
     start, first, text, tokens = time.perf_counter(), None, [], 0
@@ -136,6 +143,8 @@ async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], ma
         phase.failed += 1
         return "", tokens
     phase.ttft.append(first - start)
+    if tag:
+        phase.requests.setdefault(tag, {}).update(kind=tag.split(":")[0], sent=start, ttft=first - start)
     phase.done += 1
     return "".join(text), tokens
 
@@ -151,7 +160,7 @@ async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
             if turn:  # the user reads and types: other conversations' requests come in meanwhile
                 await asyncio.sleep(rng.uniform(*args.think))
             messages.append({"role": "user", "content": question(rng, args.words)})
-            reply, tokens = await ask(session, url, messages, args.max_tokens, phase)
+            reply, tokens = await ask(session, url, messages, args.max_tokens, phase, tag=f"turn{turn}:{i}")
             messages.append({"role": "assistant", "content": reply or "(no answer)"})
         phase.working_set += tokens
 
@@ -171,7 +180,7 @@ async def history_workload(session, url, args, tag: int, phase: Phase, conversat
                 await asyncio.sleep(rng.uniform(*args.think))
             messages.append({"role": "user", "content": question(rng, args.long_words)})
             reply, tokens = await ask(session, url, messages, rng.randint(*args.reply_tokens), phase,
-                                      ignore_eos=True)
+                                      ignore_eos=True, tag=f"turn{turn}:{i}")
             messages.append({"role": "assistant", "content": reply or "(no answer)"})
         phase.working_set += tokens
 
@@ -190,12 +199,13 @@ async def skewed_workload(session, url, args, tag: int, phase: Phase) -> None:
     rng = random.Random(tag)
     system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
     hot = [system, {"role": "user", "content": "When does the first boat leave the north pier, and in fog?"}]
-    queue = [hot if rng.random() < 2 / 3 else [system, {"role": "user", "content": question(rng)}]
-             for _ in range(args.skewed)]
+    queue = [(f"hot:{i}", hot) if rng.random() < 2 / 3 else
+             (f"unique:{i}", [system, {"role": "user", "content": question(rng)}]) for i in range(args.skewed)]
 
     async def worker() -> None:
         while queue:
-            await ask(session, url, queue.pop(), args.max_tokens, phase)
+            request_tag, messages = queue.pop()
+            await ask(session, url, messages, args.max_tokens, phase, tag=request_tag)
 
     await asyncio.gather(*(worker() for _ in range(args.workers)))
 
@@ -239,6 +249,17 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
     phase = Phase()
     endpoints = table.endpoints(ServiceKey("bench", "bench"))
     stop = asyncio.Event()
+
+    choose = router._pick  # the router's choice per request, with the loads it saw (a bench's peek inside)
+
+    def traced(key, ready, usable, path, payload):
+        target = choose(key, ready, usable, path, payload)
+        if isinstance(payload.get("user"), str):
+            phase.requests.setdefault(payload["user"], {}).update(
+                pod=target.pod, loads={e.pod: router.inflight.get(e, 0) for e in endpoints})
+        return target
+
+    router._pick = traced
 
     async def sample() -> None:
         while not stop.is_set():
@@ -285,7 +306,8 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
             "working_set_blocks": -(-phase.working_set // BLOCK_TOKENS),
             # Prompt tokens each replica computed (not served from its cache): the prefill work
             # it got, which equal in-flight counts can hide.
-            "prefilled": [round((after[p][1] - before[p][1]) - (after[p][0] - before[p][0])) for p in ports]}
+            "prefilled": [round((after[p][1] - before[p][1]) - (after[p][0] - before[p][0])) for p in ports],
+            "per_request": phase.requests}
 
 
 def percentile(ordered: list[float], q: float) -> float:
