@@ -7,8 +7,9 @@ prefix caching on) and, for each strategy, kaon's Router in this process on an e
 table fed by hand (no Kubernetes). Three workloads, each run under both strategies:
 
 - chat: --conversations conversations, starting --stagger seconds apart, --turns turns each,
-  all with one shared system prompt (--system: long, ~100 tokens, or short, one line); every turn resends the conversation so far (with the
-  replies the engine gave) plus a new user message of --words words, streamed, max_tokens
+  all with one shared system prompt (--system: long, ~100 tokens, or short, one line); every
+  turn resends the conversation so far (with the replies the engine gave) plus a new user
+  message of --words words, streamed, max_tokens
   --max-tokens, greedy; between turns the user "thinks" for --think seconds (uniform), so
   other conversations' requests arrive in between. (With no think time, least-connections
   sends a closed-loop conversation's next turn back to the pod it just left, the one with a
@@ -88,6 +89,11 @@ SYSTEM_PROMPTS = {"long": (
     "short": "You are a helpful assistant. "}
 
 
+def system_message(args, tag: int) -> dict:
+    """The phase's shared system prompt: its own per phase, so no phase finds another's cached."""
+    return {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
+
+
 def question(rng: random.Random, n: int = 24) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n)) + "?"
 
@@ -101,11 +107,11 @@ class Phase:
     seconds: float = 0.0
     samples: list[dict] = field(default_factory=list)
     working_set: int = 0
+    """Tokens of every conversation's history at its longest (its last prompt and reply): what
+    the engines would have to keep to serve every turn's history from the cache."""
     requests: dict[str, dict] = field(default_factory=dict)
     """Per request (by the `user` tag the workload gave it): its kind, when it was sent, its
     TTFT, and the pod the router chose with every pod's requests in flight at that moment."""
-    """Tokens of every conversation's history at its longest (its last prompt and reply): what
-    the engines would have to keep to serve every turn's history from the cache."""
 
 
 async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int, phase: Phase,
@@ -150,7 +156,7 @@ async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], ma
 
 
 async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
-    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
+    system = system_message(args, tag)
 
     async def conversation(i: int) -> None:
         rng = random.Random(tag * 1000 + i)
@@ -169,7 +175,7 @@ async def chat_workload(session, url, args, tag: int, phase: Phase) -> None:
 
 async def history_workload(session, url, args, tag: int, phase: Phase, conversations: int) -> None:
     """`conversations` conversations of --long-turns turns whose replies go back into the history."""
-    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
+    system = system_message(args, tag)
 
     async def conversation(i: int) -> None:
         rng = random.Random(tag * 1000 + i)
@@ -197,7 +203,7 @@ async def pressure_workload(session, url, args, tag: int, phase: Phase) -> None:
 
 async def skewed_workload(session, url, args, tag: int, phase: Phase) -> None:
     rng = random.Random(tag)
-    system = {"role": "system", "content": f"Phase {tag}. " + SYSTEM_PROMPTS[args.system]}
+    system = system_message(args, tag)
     hot = [system, {"role": "user", "content": "When does the first boat leave the north pier, and in fog?"}]
     queue = [(f"hot:{i}", hot) if rng.random() < 2 / 3 else
              (f"unique:{i}", [system, {"role": "user", "content": question(rng)}]) for i in range(args.skewed)]

@@ -901,6 +901,16 @@ static inline __attribute__((always_inline)) void attend(const AttentionJob *job
                      job->out + ((size_t)r * heads + h0) * dim);
 }
 
+/* attend for gh (<= GH) heads, with the head count a constant in each copy of the loops. */
+static inline __attribute__((always_inline)) void attend_group(const AttentionJob *job, int r, int h0, int gh,
+                                                               int half) {
+    switch (gh) {
+        case 1: attend(job, r, h0, 1, half); break;
+        case 2: attend(job, r, h0, 2, half); break;
+        default: attend(job, r, h0, GH, half); break;
+    }
+}
+
 /* One query token per sequence against its paged context; a task is one (sequence, key/value
  * head) pair and its query heads. scores: room for rows * num_heads * max_context floats. */
 static void attention_chunk(const void *arg, int begin, int end) {
@@ -909,20 +919,11 @@ static void attention_chunk(const void *arg, int begin, int end) {
     for (int task = begin; task < end; task++) {
         const int r = task / kv_heads, h_end = (task % kv_heads + 1) * group;
         for (int h0 = (task % kv_heads) * group; h0 < h_end; h0 += GH) {
-            /* each count and cache type its own copy of the loops, both constant */
             const int gh = h_end - h0 < GH ? h_end - h0 : GH;
-            if (job->md->kv_half)
-                switch (gh) {
-                    case 1: attend(job, r, h0, 1, 1); break;
-                    case 2: attend(job, r, h0, 2, 1); break;
-                    default: attend(job, r, h0, GH, 1); break;
-                }
+            if (job->md->kv_half)  /* each cache type its own copies too */
+                attend_group(job, r, h0, gh, 1);
             else
-                switch (gh) {
-                    case 1: attend(job, r, h0, 1, 0); break;
-                    case 2: attend(job, r, h0, 2, 0); break;
-                    default: attend(job, r, h0, GH, 0); break;
-                }
+                attend_group(job, r, h0, gh, 0);
         }
     }
 }
