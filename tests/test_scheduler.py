@@ -141,8 +141,11 @@ def workloads(draw):
     requests = []
     for _ in range(draw(st.integers(1, 6))):
         max_tokens = draw(st.integers(1, 5))
-        # As the engine demands: prompt + max_tokens fits the pool.
-        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=min(14, capacity - max_tokens)))
+        # Some prompts start alike (a burst of one prompt, one system prompt), so that sequences
+        # wait for a prefix another is computing. As the engine demands: prompt + max_tokens fits the pool.
+        start = draw(st.sampled_from([[], [1, 2, 3, 0, 1, 2, 3, 0], [3, 3, 1, 1, 2, 2, 0, 0]]))
+        rest = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=14))
+        prompt = (start + rest)[:min(14, capacity - max_tokens)]
         requests.append((draw(st.integers(0, 6)), prompt, max_tokens, draw(st.integers(1, 2))))
     return dict(block_size=block_size, num_blocks=num_blocks, requests=requests,
                 max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(1, 16)),
@@ -233,6 +236,89 @@ def test_running_sequences_are_scheduled_before_waiting_ones():
         assert list(sched.waiting) == [new]
     assert old.is_finished
     assert runner.step().seqs == [new]
+
+
+# ---- a prefix that arrives several times at once is computed once ---------------------
+
+def test_a_burst_of_one_prompt_computes_it_once():
+    sched = make_scheduler(block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = FakeRunner(sched)
+    prompt = [1, 2, 3, 0, 1, 2, 3, 0, 2]  # two full blocks and a token
+    burst = [make_seq(prompt, max_tokens=3) for _ in range(4)]
+    for seq in burst:
+        sched.add(seq)
+    first = runner.step()
+    assert first.seqs == [burst[0]] and first.num_new_tokens == [9]
+    assert list(sched.waiting) == burst[1:]
+    second = runner.step()
+    assert second.seqs == burst and second.num_new_tokens == [1, 1, 1, 1]  # a decode, three cache hits
+    runner.run()
+    assert all(seq.output_token_ids == expected_output(prompt, 3) for seq in burst)
+    assert [seq.num_cached_tokens for seq in burst] == [0, 8, 8, 8]
+
+
+def test_a_prompt_that_shares_little_with_one_being_computed_goes_in_at_once():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = FakeRunner(sched)
+    a = make_seq([1, 1, 1, 1] + [2] * 9, max_tokens=2)  # shares one block of thirteen tokens
+    b = make_seq([1, 1, 1, 1] + [3] * 9, max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    assert runner.step().seqs == [a, b]
+    runner.run()
+
+
+def test_a_sequence_waiting_for_a_shared_prefix_keeps_its_slot_and_its_place():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    runner = FakeRunner(sched)
+    prompt = [2, 2, 1, 1, 3, 3, 0]
+    lead, follower = make_seq(prompt, max_tokens=4), make_seq(prompt, max_tokens=4)
+    other = make_seq([0, 1, 0, 1, 0], max_tokens=4)
+    for seq in (lead, follower, other):
+        sched.add(seq)
+    assert runner.step().seqs == [lead]  # other does not take the follower's slot
+    assert list(sched.waiting) == [follower, other]
+    assert runner.step().seqs == [lead, follower]
+    assert follower.num_cached_tokens == 4
+    runner.run()
+    assert other.output_token_ids == expected_output([0, 1, 0, 1, 0], 4)
+
+
+def test_a_sequence_behind_one_waiting_for_a_shared_prefix_may_go_ahead():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    runner = FakeRunner(sched)
+    prompt = [2, 2, 1, 1, 3, 3, 0]
+    lead, follower, other = make_seq(prompt), make_seq(prompt), make_seq([0, 1, 0, 1, 0])
+    for seq in (lead, follower, other):
+        sched.add(seq)
+    assert runner.step().seqs == [lead, other]
+    assert runner.step().seqs == [lead, other, follower]
+    runner.run()
+
+
+def test_a_follower_whose_lead_is_aborted_part_way_computes_the_rest_itself():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=4)
+    runner = FakeRunner(sched)
+    prompt = [1, 0, 2, 3, 3, 2, 0, 1, 1, 2, 2]
+    lead, follower = make_seq(prompt, max_tokens=2), make_seq(prompt, max_tokens=2)
+    sched.add(lead)
+    sched.add(follower)
+    assert runner.step().seqs == [lead]  # its first chunk: one block
+    sched.finish(lead, "abort")
+    batch = runner.step()
+    assert batch.seqs == [follower] and follower.num_cached_tokens == 4
+    runner.run()
+    assert follower.output_token_ids == expected_output(prompt, 2)
+
+
+def test_without_prefix_caching_nobody_waits_for_a_shared_prefix():
+    sched = make_scheduler(max_num_batched_tokens=64, prefix_caching=False)
+    runner = FakeRunner(sched)
+    burst = [make_seq([1, 2, 3, 0, 1], max_tokens=2) for _ in range(3)]
+    for seq in burst:
+        sched.add(seq)
+    assert runner.step().seqs == burst
+    runner.run()
 
 
 # ---- preemption -------------------------------------------------------------------------

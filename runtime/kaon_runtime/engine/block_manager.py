@@ -91,6 +91,33 @@ class BlockManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += seq.num_cached_tokens
 
+    def pending_hashes(self, seq: Sequence) -> list[int]:
+        """The chain hashes of the sequence's full blocks past those it has computed: what it
+        will register as its prefill goes on. Empty without prefix caching."""
+        if not self.enable_prefix_caching:
+            return []
+        return list(self._hashes_after_computed(seq, seq.num_tokens // self.block_size))
+
+    def shared_pending_tokens(self, seq: Sequence, pending: set[int]) -> int:
+        """Tokens of a sequence's prompt, just past its cached prefix, that other sequences are
+        computing now (`pending`: their `pending_hashes`): blocks that will be in the cache for
+        it a step or a few later. Its last token is never counted: it is always computed, as in
+        allocate_prefix."""
+        shared = 0
+        for h in self._hashes_after_computed(seq, (seq.num_tokens - 1) // self.block_size):
+            if h not in pending:
+                break
+            shared += self.block_size
+        return shared
+
+    def _hashes_after_computed(self, seq: Sequence, end: int):
+        """Chain hashes of the sequence's blocks from the first it has not computed up to `end`."""
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), end):
+            parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            yield parent
+
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold `num_tokens` tokens; all or nothing."""
         needed = self.blocks_needed(num_tokens) - len(seq.block_table)

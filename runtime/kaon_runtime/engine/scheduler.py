@@ -8,6 +8,12 @@ sequence, which gives its blocks back and is recomputed later (its own prefix, s
 in the cache unless evicted, softens the cost). Before anyone is preempted, waiting sequences
 that hold blocks (forked siblings) give them back.
 
+The prefix cache only holds what earlier steps computed, so prompts that share a prefix and
+arrive together (a burst of one prompt, or of one system prompt, on a cold cache) would each
+compute it in the same step. A waiting prompt whose next blocks a running sequence is
+computing sits out until they are cached, when that is at least half of its own work
+(wait_for_shared_prefix), keeping its slot and its place in line.
+
 With a prefill delay, new prompts wait while others decode, up to the delay after the first
 in line arrived (hold_prefills): every decoding stream waits for the prefill chunks of its
 step, so a busy server that admits each new prompt at once stretches every stream's
@@ -92,21 +98,35 @@ class Scheduler:
         return num_new
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit waiting sequences in arrival order while the budget, the slots and the blocks
+        last. One whose next blocks another sequence is computing now waits for them
+        (`wait_for_shared_prefix`) and keeps its slot and its place in line; those behind it
+        may go ahead."""
+        bm = self.block_manager
+        pending = {h for seq in self.running for h in bm.pending_hashes(seq)}
+        num_deferred = 0
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) + num_deferred >= self.max_num_seqs:
+                break
             if not seq.block_table:
-                self.block_manager.allocate_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                bm.allocate_prefix(seq)
+            uncached = seq.num_tokens - seq.num_computed_tokens
+            if pending and wait_for_shared_prefix(bm.shared_pending_tokens(seq, pending), uncached):
+                bm.free(seq)  # looked up again next step, when more of its prefix is cached
+                num_deferred += 1
+                continue
+            num_new = min(uncached, budget)
+            if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 self._release_waiting_blocks()  # this one's cached prefix too, until there is room
                 break
-            self.waiting.popleft()
-            self.block_manager.record_admission(seq)
+            self.waiting.remove(seq)
+            bm.record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+            pending.update(bm.pending_hashes(seq))
         return budget
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -148,6 +168,16 @@ def hold_prefills(now: float, head_due: float, num_running: int) -> bool:
     """Whether waiting prompts stay out of this step: only while others run, and only until the
     first in line is due (its arrival plus the delay)."""
     return num_running > 0 and now < head_due
+
+
+def wait_for_shared_prefix(shared_tokens: int, uncached_tokens: int) -> bool:
+    """Whether a waiting sequence sits out this step because another sequence is computing
+    `shared_tokens` of its prompt right now (a burst of one prompt, or of one system prompt,
+    arriving before any of it is cached). Admitted at once, it would compute them again in the
+    same step; a step later it finds them cached. Waiting costs it one step (or the few a
+    chunked prefill takes) and saves the shared tokens' compute for every sequence in the
+    step, so it waits only when they are at least half of what it would compute."""
+    return shared_tokens > 0 and 2 * shared_tokens >= uncached_tokens
 
 
 def _fit_drafts(seq: Sequence, budget: int) -> int:
