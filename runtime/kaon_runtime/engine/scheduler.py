@@ -102,24 +102,25 @@ class Scheduler:
         last. One whose next blocks another sequence is computing now waits for them
         (`wait_for_shared_prefix`) and keeps its slot and its place in line; those behind it
         may go ahead."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return budget
         bm = self.block_manager
         pending = {h for seq in self.running for h in bm.pending_hashes(seq)}
-        num_deferred = 0
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) + num_deferred >= self.max_num_seqs:
-                break
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) + len(deferred) < self.max_num_seqs:
+            seq = self.waiting[0]
             if not seq.block_table:
                 bm.allocate_prefix(seq)
             uncached = seq.num_tokens - seq.num_computed_tokens
             if pending and wait_for_shared_prefix(bm.shared_pending_tokens(seq, pending), uncached):
                 bm.free(seq)  # looked up again next step, when more of its prefix is cached
-                num_deferred += 1
+                deferred.append(self.waiting.popleft())
                 continue
             num_new = min(uncached, budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 self._release_waiting_blocks()  # this one's cached prefix too, until there is room
                 break
-            self.waiting.remove(seq)
+            self.waiting.popleft()
             bm.record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -127,6 +128,7 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
             pending.update(bm.pending_hashes(seq))
+        self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
         return budget
 
     def finish(self, seq: Sequence, reason: str) -> None:
