@@ -105,6 +105,20 @@ def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_model):
     assert_matches_hf(hf_model, llm, prompts[1:], outputs)
 
 
+def test_a_burst_on_a_cold_prefix_computes_it_once_and_matches_hf(llm, hf_model):
+    # Sent together, nothing cached yet: the first computes the shared system prompt and the
+    # others wait a step for it (scheduler.wait_for_shared_prefix) instead of computing it too.
+    system = "Burst. " + LONG_SYSTEM
+    questions = ["Can I ship a 40 kg parcel by post?", "How long does a refund take?", "Is Saturday delivery free?"]
+    prompts = [chat_ids(llm, q, system=system) for q in questions]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    shared = len(chat_ids(llm, "", system=system)) - 8
+    block = llm.engine.config.block_size
+    assert outputs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= (shared // block - 1) * block for o in outputs[1:])
+    assert_matches_hf(hf_model, llm, prompts, outputs)
+
+
 def test_tiny_kv_pool_preempts_and_still_matches_hf(hf_model):
     small = LLM(show_progress=False, device="cpu", dtype="float32", num_kv_blocks=14, block_size=16)
     prompts = [chat_ids(small, q) for q in QUESTIONS[:8]]
