@@ -1,0 +1,33 @@
+"""Label and annotation names shared by the operator, the router and the local cluster.
+
+One place for each name: the operator stamps them on what it renders, the router and the
+autoscaler select pods by them, and e2e/ finds them with the same constants.
+"""
+from __future__ import annotations
+
+PART_OF = "app.kubernetes.io/name"
+INSTANCE = "app.kubernetes.io/instance"
+COMPONENT = "app.kubernetes.io/component"
+# The InferenceService a pod or child object belongs to: the selector the router and the
+# autoscaler use, immutable in a Deployment's selector.
+SERVICE = "kaon.dev/inferenceservice"
+APP = "kaon"
+
+ENGINE = "engine"
+ROUTER = "router"
+OPERATOR = "operator"
+
+
+def component_labels(component: str) -> dict[str, str]:
+    """kaon's own pods (router, operator), which belong to no InferenceService."""
+    return {PART_OF: APP, COMPONENT: component}
+
+
+def service_labels(name: str, component: str = ENGINE) -> dict[str, str]:
+    """Every object rendered for the InferenceService `name`."""
+    return {PART_OF: APP, INSTANCE: name, COMPONENT: component, SERVICE: name}
+
+
+def engine_selector(name: str) -> dict[str, str]:
+    """Engine pods of one InferenceService (a Deployment's selector is immutable: keep it small)."""
+    return {SERVICE: name, COMPONENT: ENGINE}
