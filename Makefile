@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane node e2e-node demo generate serve test bench bench-gpu bench-roofline bench-serve bench-cpu soak bench-operator bench-autoscale clean
+.PHONY: install control-plane node e2e-node demo generate serve test unit bench bench-gpu bench-roofline bench-serve bench-cpu soak bench-operator bench-autoscale clean
 
 install: $(STAMP)
 
@@ -45,10 +45,16 @@ node: control-plane
 
 # The end-to-end tests on the real node (not part of `make test`: docs/testing.md says why).
 e2e-node: install node
-	KAON_REAL_NODE=1 $(PY) -m pytest -q -rs tests/test_e2e_real_node.py
+	KAON_REAL_NODE=1 $(PY) -m pytest -q -rs tests/e2e/test_e2e_real_node.py
 
+# Everything: tests/unit (no cluster, no server process), tests/integration (the control plane,
+# MinIO, engine processes), tests/e2e (the local cluster); the suite's own time is printed last.
 test: install control-plane
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# The inner loop: tests/unit only, no control plane to build (a few minutes on 2 cores).
+unit: install
+	$(PY) -m pytest -q tests/unit
 
 bench: install
 	$(PY) bench/throughput.py

@@ -11,8 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kaon_runtime.loader import resolve_model
-
-MODEL = "builtin://smollm2-135m-instruct"
+from support import MODEL  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +41,10 @@ def hf_tokenizer(gguf_path):
 
 
 # A real Kubernetes control plane and the operator under test (see conftest_k8s.py).
-from conftest_k8s import control_plane, crd, namespace, operator, operator_kubeconfig  # noqa: E402, F401
+from support.k8s import control_plane, crd, namespace, operator, operator_kubeconfig  # noqa: E402, F401
+
 # Model sources: the stand-in HF hub and a real MinIO (see conftest_sources.py).
-from conftest_sources import hf_hub, minio, tiny_llama_dir  # noqa: E402, F401
+from support.sources import hf_hub, minio, tiny_llama_dir  # noqa: E402, F401
+
+# A tiny random Llama for the kernel and backend tests (see support/tiny_llama.py).
+from support.tiny_llama import tiny_llama  # noqa: E402, F401

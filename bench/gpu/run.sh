@@ -22,8 +22,8 @@ install)
 check)
     # On a GPU the kernel tests run compiled kernels, bf16 included; the engine tests compare
     # the Triton backend with the torch one, and captured graphs with eager decoding.
-    python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_paged_attention.py tests/test_quant.py \
-        tests/test_triton_engine.py tests/test_cuda_graphs.py tests/test_random_model.py tests/test_correctness.py \
+    python -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py tests/unit/test_paged_attention.py tests/unit/test_quant.py \
+        tests/unit/test_triton_engine.py tests/unit/test_cuda_graphs.py tests/unit/test_random_model.py tests/unit/test_correctness.py \
         2>&1 | tee "$OUT/check.log"
     ;;
 roofline)

@@ -1,0 +1,75 @@
+"""InferenceService specs the CRD tests share: a minimal one, refusals with the apiserver's message, valid model sources."""
+from __future__ import annotations
+
+import copy
+
+from kaon_operator import api
+
+MINIMAL = {"model": {"uri": "builtin://smollm2-135m-instruct"}}
+
+
+def manifest(name: str, spec: dict) -> dict:
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name}, "spec": spec}
+
+
+def with_(path: str, value, base: dict = MINIMAL) -> dict:
+    """A copy of `base` with the dotted `path` set to `value` (None deletes it)."""
+    spec = copy.deepcopy(base)
+    *parents, leaf = path.split(".")
+    node = spec
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is None:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+    return spec
+
+
+INVALID = [
+    ("min-gt-max", with_("autoscaling", {"minReplicas": 5, "maxReplicas": 2}), "minReplicas must be <= maxReplicas"),
+    ("tp-128", with_("engine.tensorParallelSize", 128), "should be less than or equal to 64"),
+    ("quant-int3", with_("model.quantization", "int3"), 'Unsupported value: "int3"'),
+    ("negative-replicas", with_("replicas", -1), "should be greater than or equal to 0"),
+    ("missing-model", {"replicas": 1}, "spec.model: Required value"),
+    ("relative-uri", with_("model.uri", "models/x.gguf"),
+     "must be hf://<org>/<name>[@<revision>], s3://<bucket>/<prefix>, pvc://<claim>/<path>, builtin://<name> or "
+     "an absolute path"),
+    ("gs-uri", with_("model.uri", "gs://bucket/llama"), "must be hf://<org>/<name>[@<revision>], s3://"),
+    ("hf-without-name", with_("model.uri", "hf://meta-llama"),
+     "an hf:// URI must be hf://<org>/<name> or hf://<org>/<name>@<revision>"),
+    ("s3-bad-bucket", with_("model.uri", "s3://My_Bucket/llama"),
+     "an s3:// URI must be s3://<bucket>/<prefix> with a valid bucket name (3-63 of a-z, 0-9, '.', '-')"),
+    ("pvc-bad-claim", with_("model.uri", "pvc://Models_1/llama"),
+     "a pvc:// URI must be pvc://<claim>/<path> with a valid PersistentVolumeClaim name"),
+    ("pvc-dotdot", with_("model.uri", "pvc://models/../../etc"), "must not contain '..' path segments"),
+    ("revision-on-a-path", with_("model", {"uri": "/models/x", "revision": "v1"}),
+     "revision is for hf:// URIs that do not name one with @<revision>"),
+    ("revision-twice", with_("model", {"uri": "hf://org/name@v1", "revision": "v2"}),
+     "revision is for hf:// URIs that do not name one with @<revision>"),
+    ("secret-on-pvc", with_("model", {"uri": "pvc://models/llama", "credentialsSecret": "creds"}),
+     "credentialsSecret is for hf:// and s3:// sources"),
+    ("endpoint-on-a-path", with_("model", {"uri": "/models/x", "endpoint": "http://minio:9000"}),
+     "endpoint is for hf:// and s3:// sources"),
+    ("gguf-on-builtin", with_("model.ggufFile", "x.gguf"),
+     "ggufFile is for hf:// and s3:// sources (point a path or pvc:// URI at the file itself)"),
+    ("inline-token", with_("model", {"uri": "hf://org/name", "token": "hf_xxx"}),
+     'unknown field "spec.model.token"'),
+    ("reserved-volume", with_("engine.volumes", [{"name": "cache", "emptyDir": {}}]),
+     "volume names cache, tmp, dshm, model are the operator's own"),
+    ("reserved-mount", with_("engine.volumeMounts", [{"name": "certs", "mountPath": "/var/cache/kaon"}]),
+     "mount paths /var/cache/kaon, /tmp, /dev/shm, /mnt/models are the operator's own"),
+    ("gpu-in-resources", with_("resources", {"limits": {"nvidia.com/gpu": 2}}),
+     "nvidia.com/gpu comes from engine.tensorParallelSize; do not set it here"),
+    ("zero-without-idle", with_("autoscaling", {"minReplicas": 0}), "minReplicas 0 needs scaleToZeroIdleSeconds"),
+    ("idle-without-zero", with_("autoscaling", {"scaleToZeroIdleSeconds": 60}),
+     "scaleToZeroIdleSeconds needs minReplicas 0"),
+    ("kv-fraction-0", with_("engine.kvCacheFraction", 0), "should be greater than 0"),
+    ("latency-metric", with_("autoscaling.latencyMetric", "p50"), 'Unsupported value: "p50"'),
+    ("unknown-field", with_("engine.tensorParalelSize", 2), 'unknown field "spec.engine.tensorParalelSize"'),
+]
+
+
+VALID_SOURCES = ["hf://meta-llama/Llama-3.1-8B-Instruct", "hf://Qwen/Qwen2.5-0.5B@refs/pr/1", "s3://models/llama/3.1-8b",
+                 "s3://my.bucket", "pvc://models/llama-3.1-8b", "pvc://models", "builtin://smollm2-135m-instruct",
+                 "/models/llama.gguf"]

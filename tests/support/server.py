@@ -1,0 +1,71 @@
+"""A real `kaon serve` process on a free port, for the server's tests."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "builtin://smollm2-135m-instruct"
+API_KEY = "test-key"
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+
+
+class Server:
+    def __init__(self, tmp: Path, *extra: str):
+        # The free port is only reserved until the server binds it, after loading the model; on
+        # a busy machine something else can take it in between, so try another one then.
+        for attempt in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log = tmp / f"serve-{self.port}.log"
+            env = {**os.environ, "PYTHONPATH": f"{RUNTIME}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            env.pop("KAON_API_KEY", None)
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--port", str(self.port),
+                     "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *extra],
+                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            if self._wait_ready(last_attempt=attempt == 2):
+                return
+
+    def _wait_ready(self, last_attempt: bool, timeout_s: float = 120) -> bool:
+        """True once ready; False if the port was taken meanwhile (and another attempt is left)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = self.log.read_text()
+                if "address already in use" in log and not last_attempt:
+                    return False
+                raise AssertionError(f"kaon serve exited early:\n{log}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"kaon serve not ready after {timeout_s}s:\n{self.log.read_text()}")
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def error_body(response: httpx.Response) -> dict:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error

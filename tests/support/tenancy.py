@@ -1,0 +1,51 @@
+"""Namespaced services for the router's tenancy tests: an event recorder, InferenceService and pod objects, a router on a port."""
+from __future__ import annotations
+
+from aiohttp import web
+from kaon_operator import resources
+from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.proxy import Router, RouterConfig
+
+
+class Recorder:
+    """An engine stand-in that answers 200 and keeps the body and Authorization it received."""
+
+    def __init__(self):
+        self.seen: list[tuple[bytes, str | None]] = []
+        self.port = 0
+
+    async def start(self) -> Recorder:
+        async def handle(request: web.Request) -> web.Response:
+            self.seen.append((await request.read(), request.headers.get("Authorization")))
+            return web.json_response({"ok": True})
+        app = web.Application()
+        app.router.add_post("/v1/{tail:.+}", handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
+def isvc(namespace: str, name: str, served: str | None = None, created: str = "2026-01-01T00:00:00Z",
+         secret: str | None = None) -> dict:
+    spec = {"model": {"uri": "builtin://x", **({"servedName": served} if served else {})}}
+    if secret:
+        spec["auth"] = {"apiKeySecret": secret}
+    return {"metadata": {"namespace": namespace, "name": name, "creationTimestamp": created}, "spec": spec}
+
+
+def engine_pod(namespace: str, service: str, port: int) -> dict:
+    return {"metadata": {"name": f"{service}-0", "namespace": namespace, "labels": resources.labels(service)},
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+async def serve(table: EndpointTable):
+    runner = web.AppRunner(Router(table, RouterConfig(queue_timeout=0.2)).app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"

@@ -1,0 +1,210 @@
+"""API keys: the engine's key file (kaon serve --api-key-file) and the router's per-InferenceService
+Secrets (router/auth.py), unit-tested; one real `kaon serve` for rotation without a restart."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+
+import aiohttp
+import pytest
+from kaon_operator.router import auth
+from kaon_operator.router.endpoints import EndpointTable, ServiceKey
+from kaon_runtime.server import keys as engine_keys
+from kaon_runtime.server.keys import ApiKeys, matches, read_keys
+from support.secret_volume import secret_volume
+from support.tenancy import Recorder, engine_pod, isvc, serve
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- engine: the key file ----------------------------------------------------------------------
+
+
+def test_read_keys_from_a_file_and_a_secret_volume(tmp_path):
+    file = tmp_path / "keys.txt"
+    file.write_text("alpha\n\n  beta  \n")
+    assert read_keys(file) == (b"alpha", b"beta")
+    volume = tmp_path / "secret"
+    volume.mkdir()
+    secret_volume(volume, {"ci": "k-ci\n", "alice": "k-alice"}, "1")
+    assert sorted(read_keys(volume)) == [b"k-alice", b"k-ci"]  # not ..data, not the timestamped dir
+
+
+def test_matches_compares_every_key():
+    assert matches(b"b", (b"a", b"b", b"c"))
+    assert not matches(b"", (b"a",)) and not matches(b"a", ())
+    assert not matches(b"ab", (b"a",)) and not matches(b"a", (b"ab",))
+
+
+def test_rotation_is_seen_without_a_restart(tmp_path):
+    volume = tmp_path / "secret"
+    volume.mkdir()
+    secret_volume(volume, {"key": "old"}, "1")
+    clock = Clock()
+    keys = ApiKeys(key_file=volume, clock=clock)
+    assert keys.enabled and keys.accepts("old") and not keys.accepts("new")
+    secret_volume(volume, {"key": "new"}, "2")
+    clock.now += engine_keys.RECHECK_S
+    assert keys.accepts("new") and not keys.accepts("old")
+
+
+@pytest.mark.parametrize("state", ["missing", "empty-dir", "blank-file"])
+def test_missing_or_empty_key_file_fails_closed(tmp_path, state):
+    path = tmp_path / "keys"
+    if state == "empty-dir":
+        path.mkdir()
+    elif state == "blank-file":
+        path.write_text("\n \n")
+    keys = ApiKeys(key_file=path)
+    assert keys.enabled and not keys.accepts("") and not keys.accepts("anything")
+
+
+def test_no_key_means_no_auth_and_a_fixed_key_still_works(tmp_path):
+    assert not ApiKeys().enabled
+    file = tmp_path / "k"
+    file.write_text("from-file")
+    both = ApiKeys("fixed", file)
+    assert both.accepts("fixed") and both.accepts("from-file") and not both.accepts("other")
+
+
+# ---- router: per-InferenceService keys from Secrets ------------------------------------------------
+
+
+def b64(value: str) -> str:
+    return base64.b64encode(value.encode()).decode()
+
+
+def secret(name: str, namespace: str = "default", **data: str) -> dict:
+    return {"metadata": {"name": name, "namespace": namespace}, "data": {k: b64(v) for k, v in data.items()}}
+
+
+INVALID_KEY = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                         "param": None, "code": "invalid_api_key"}}
+
+
+def test_bearer_and_accepted():
+    digests = (auth.digest(b"k1"), auth.digest(b"k2"))
+    assert auth.bearer("Bearer k1") == b"k1" and auth.bearer("bearer  k1 ") == b"k1"
+    assert auth.bearer("Basic k1") is None and auth.bearer(None) is None and auth.bearer("Bearer ") is None
+    assert auth.accepted(b"k2", digests) and not auth.accepted(b"k3", digests) and not auth.accepted(None, digests)
+    assert not auth.accepted(b"k1", ())
+
+
+def test_the_table_keeps_digests_not_keys():
+    table = EndpointTable()
+    table.apply_secret("ADDED", secret("keys", alice="sk-alice\n", empty=""))
+    table.replace_services(None, [isvc("default", "chat", "m", secret="keys")])
+    kept = table.api_keys(ServiceKey("default", "chat"))
+    assert kept == (hashlib.sha256(b"sk-alice").digest(),)  # trimmed, the empty value dropped
+    assert b"sk-alice" not in repr(table.__dict__).encode()
+
+
+def test_router_checks_keys_per_service_rotates_and_fails_closed():
+    async def scenario():
+        engine = await Recorder().start()
+        table = EndpointTable()
+        table.replace_services(None, [isvc("default", "locked", "secure", secret="keys"),
+                                      isvc("default", "open", "public"),
+                                      isvc("default", "cold", "asleep", secret="keys"),  # no pod: would be held
+                                      isvc("default", "lost", "orphan", secret="missing")])
+        table.apply_pod("ADDED", engine_pod("default", "locked", engine.port))
+        table.apply_pod("ADDED", engine_pod("default", "open", engine.port))
+        table.replace_secrets(None, [secret("keys", a="key-one", b="key-two")])
+        table.synced = True
+        runner, url = await serve(table)
+        out = {}
+
+        async def post(label: str, model: str, key: str | None) -> None:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with client.post(f"{url}/v1/completions", json={"model": model, "prompt": "x"},
+                                   headers=headers) as resp:
+                out[label] = (resp.status, await resp.json())
+
+        try:
+            async with aiohttp.ClientSession() as client:
+                await post("none", "secure", None)
+                await post("wrong", "secure", "key-three")
+                await post("one", "secure", "key-one")
+                await post("two", "secure", "key-two")
+                await post("open", "public", None)
+                await post("cold", "asleep", None)  # refused at once, not held for a replica
+                await post("orphan", "orphan", "key-one")
+                async with client.get(f"{url}/v1/models") as resp:
+                    out["models-anonymous"] = [m["id"] for m in (await resp.json())["data"]]
+                async with client.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-one"}) as resp:
+                    out["models-keyed"] = [m["id"] for m in (await resp.json())["data"]]
+                # Rotation: the Secret is edited (a watch event), the router is not restarted.
+                table.apply_secret("MODIFIED", secret("keys", c="key-new"))
+                await post("old-after", "secure", "key-one")
+                await post("new-after", "secure", "key-new")
+                table.apply_secret("MODIFIED", secret("keys"))  # emptied: closed
+                await post("emptied", "secure", "key-new")
+                table.apply_secret("DELETED", secret("keys"))
+                await post("deleted", "secure", "key-new")
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+        return out, engine.seen
+
+    out, seen = asyncio.run(asyncio.wait_for(scenario(), 30))
+    for label in ("none", "wrong", "cold", "old-after"):
+        assert out[label] == (401, INVALID_KEY), label
+    for label in ("one", "two", "open", "new-after"):
+        assert out[label][0] == 200, (label, out[label])
+    for label in ("orphan", "emptied", "deleted"):
+        status, body = out[label]
+        assert status == 503 and body["error"]["code"] == "no_api_keys" and "spec.auth" in body["error"]["message"]
+    # The client's Authorization reaches the engine, which checks the same key (pod-IP access needs it too).
+    assert [h for _, h in seen] == ["Bearer key-one", "Bearer key-two", None, "Bearer key-new"]
+    assert out["models-anonymous"] == ["public"]
+    assert out["models-keyed"] == ["asleep", "public", "secure"]
+
+
+def test_engine_pods_of_a_protected_service_mount_the_secret_and_require_its_keys():
+    from kaon_operator import api, resources
+
+    owner = resources.Owner("chat", "default", "uid")
+    spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}, "auth": {"apiKeySecret": "keys"}})
+    pod = resources.deployment(owner, spec)["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert engine["args"][engine["args"].index("--api-key-file") + 1] == resources.API_KEYS_MOUNT
+    assert {"name": "api-keys", "secret": {"secretName": "keys", "defaultMode": 0o440}} in pod["volumes"]
+    assert {"name": "api-keys", "mountPath": resources.API_KEYS_MOUNT, "readOnly": True} in engine["volumeMounts"]
+    # The probes stay open: /health and /ready need no key.
+    assert {engine[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} <= {
+        "/health", "/ready"}
+    open_spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}})
+    plain = resources.deployment(owner, open_spec)["spec"]["template"]["spec"]
+    assert "--api-key-file" not in plain["containers"][0]["args"]
+    assert all(v["name"] != "api-keys" for v in plain["volumes"])
+
+
+def test_the_router_reads_only_opaque_secrets():
+    from kaon_operator.router.watch import ApiServer, Watcher
+
+    server = ApiServer("https://127.0.0.1:1", None, lambda: None)
+    kinds = {k.plural: k for k in Watcher(server, EndpointTable()).kinds}
+    assert Watcher(server, EndpointTable())._params(kinds["secrets"])["fieldSelector"] == "type=Opaque"
+    assert "secrets" not in {k.plural for k in Watcher(server, EndpointTable(), secrets=False).kinds}
+    assert "fieldSelector" not in Watcher(server, EndpointTable())._params(kinds["pods"])
+
+
+def test_the_security_docs_auth_example_is_a_valid_spec():
+    import re
+    from pathlib import Path
+
+    import yaml
+    from kaon_operator import api
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    (example,) = [b for b in blocks if "auth" in (b or {}).get("spec", {})]
+    spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}, **example["spec"]})
+    assert spec.auth.api_key_secret == "llama-keys"

@@ -1,0 +1,139 @@
+"""The physics of bench/autoscale_sim.py: what its verdicts on autoscaling rest on.
+
+Short traces with a made-up engine (seconds of wall time); no timing assertions.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import autoscale_sim as sim  # noqa: E402
+
+# 20 ms a step, 2 ms per decoding sequence, 0.1 ms per prompt token; 8 sequences at most.
+MODEL = sim.EngineModel(a=0.02, b=0.002, c=0.0001, cold_start_s=10.0, max_num_seqs=8, max_num_batched_tokens=256)
+WORKLOAD = sim.Workload(prompt=(32, 128), output=(8, 32))
+
+
+def poisson(rate: float, seconds: float, seed: int = 0) -> list[tuple[float, int, int]]:
+    trace = sim.Trace("t", seconds, lambda t: rate)
+    return sim.arrivals_for(trace, WORKLOAD, seed)
+
+
+def fixed(arrivals, replicas: int, seconds: float, **kw) -> sim.Run:
+    return sim.simulate(arrivals, seconds, MODEL, sim.Schedule([replicas] * 1000), replicas, **kw)
+
+
+def test_one_request_alone_costs_its_steps():
+    run = fixed([(1.0, 100, 5)], 1, 10)
+    req = run.requests[0]
+    assert req.ttft() == pytest.approx(MODEL.a + MODEL.c * 100)  # one prefill step, nothing queued
+    assert req.done - req.first_token == pytest.approx(4 * (MODEL.a + MODEL.b))  # four decode steps of batch 1
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
+    run = fixed([(0.0, 600, 1)], 1, 10)  # 256 + 256 + 88 tokens
+    assert run.requests[0].ttft() == pytest.approx(3 * MODEL.a + MODEL.c * 600)
+
+
+def test_the_batch_is_capped_and_the_rest_queue_fifo():
+    burst = [(0.0, 64, 50) for _ in range(20)]
+    run = fixed(burst, 1, 60)
+    ttfts = [r.ttft() for r in run.requests]
+    assert ttfts == sorted(ttfts)  # first come, first served
+    # The 9th request cannot start before one of the first 8 (50 tokens each) is done.
+    assert ttfts[8] > 40 * (MODEL.a + MODEL.b * 8)
+    assert max(ttfts[:8]) < 1.0
+
+
+def test_a_queue_builds_only_when_the_offered_load_exceeds_capacity():
+    cap = sim.capacity(MODEL, WORKLOAD)
+    light = fixed(poisson(0.5 * cap, 300), 1, 300)
+    heavy = fixed(poisson(1.5 * cap, 300), 1, 300)
+    late = [r.ttft() for r in heavy.requests if r.arrival > 240]
+    early = [r.ttft() for r in heavy.requests if r.arrival < 10]
+    assert max(r.ttft() for r in light.requests) < 1.0
+    assert sum(late) / len(late) > 10 * sum(early) / len(early)  # TTFT grows with the backlog
+    assert sum(late) / len(late) > 20.0
+
+
+def test_two_replicas_share_the_load_and_no_request_is_lost():
+    cap = sim.capacity(MODEL, WORKLOAD)
+    arrivals = poisson(1.5 * cap, 300)
+    run = fixed(arrivals, 2, 300)
+    assert len(run.requests) == len(arrivals)
+    assert all(r.done is not None and not r.cut and not r.failed for r in run.requests)
+    assert max(r.ttft() for r in run.requests) < 2.0  # 75% of two replicas' capacity: no lasting queue
+    assert run.replica_hours() == pytest.approx(2 * 300 / 3600)
+
+
+def test_requests_still_running_after_the_drain_are_cut_and_counted():
+    long = [(0.0, 32, 1000) for _ in range(6)]  # ~1000 steps each: far longer than the drain
+    class Down(sim.Policy):
+        period = 5.0
+
+        def decide(self, cluster):
+            return 1
+
+    cut = sim.simulate(long, 30, MODEL, Down(), 2, drain_s=1.0)
+    kept = sim.simulate(long, 30, MODEL, Down(), 2, drain_s=10_000.0)
+    assert cut.cut == 3  # the newest replica had 3 of the 6 (least connections) when removed
+    assert sum(r.cut for r in cut.requests) == 3
+    assert kept.cut == 0 and all(r.done is not None for r in kept.requests)
+
+
+def test_requests_are_held_until_a_cold_replica_is_ready():
+    class FromZero(sim.Policy):
+        period = 1.0
+
+        def decide(self, cluster):
+            return 1 if cluster.held or cluster.active else 0
+
+    run = sim.simulate([(1.0, 64, 4), (1.5, 64, 4)], 60, MODEL, FromZero(), 0)
+    # Held from 1.0 s, a replica asked for at the 2 s tick, ready 10 s later.
+    assert run.requests[0].ttft() == pytest.approx(12.0 - 1.0 + MODEL.a + MODEL.b * 0 + MODEL.c * 128, abs=0.05)
+    held_too_long = sim.simulate([(1.0, 64, 4)], 60, MODEL, sim.Schedule([0]), 0, hold_timeout_s=5.0)
+    assert held_too_long.requests[0].failed
+
+
+def test_the_scrape_builds_the_operators_sample():
+    cluster = sim.Cluster(MODEL, 0.0, 30.0, 600.0)
+    cluster.set_replicas(2)
+    state = sim.Scrape(0.0, random.Random(0))
+    for i in range(12):
+        cluster.route(sim.Request(0.0, 64, 3))
+    sample = cluster.scrape(state)
+    assert (sample.ready, sample.answered, sample.running + sample.waiting) == (2, 2, 12.0)
+    assert sample.running == 2  # the first request at each replica is in its first step, the rest queue
+    assert sample.finished == 0 and sample.latency[-1] == (float("inf"), 0.0)
+    while cluster.events:  # run the engines dry
+        at, _, kind, what = sim.heapq.heappop(cluster.events)
+        cluster.now = at
+        if kind == "step":
+            cluster.step_done(what)
+    sample = cluster.scrape(state)
+    assert sample.finished == 12 and sample.latency[-1][1] == 12.0 and sample.running == 0
+    assert [le for le, _ in sample.latency][:-1] == list(sim.BUCKETS)
+    assert cluster.scrape(state).finished == 0  # deltas, not lifetime counts
+
+
+def test_scrape_failures_make_kaon_hold():
+    arrivals = poisson(3 * sim.capacity(MODEL, WORKLOAD), 200)
+    spec = sim.AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=4)
+    blind = sim.Kaon(spec, MODEL.max_num_seqs, sim.Scrape(1.0, random.Random(0)))
+    seeing = sim.Kaon(spec, MODEL.max_num_seqs, sim.Scrape(0.0, random.Random(0)))
+    assert sim.simulate(arrivals, 200, MODEL, blind, 1).changes == 0  # no pod answers: hold, never guess
+    assert sim.simulate(arrivals, 200, MODEL, seeing, 1).changes > 0  # the same overload, seen: scale up
+
+
+def test_the_oracle_finds_the_replicas_a_minute_needs():
+    cap = sim.capacity(MODEL, WORKLOAD)
+    arrivals = poisson(2.5 * cap, 180)
+    schedule = sim.oracle_schedule(arrivals, 180, MODEL, WORKLOAD, target=1.0, min_replicas=1)
+    assert all(n >= 3 for n in schedule[1:])  # 2.5 replicas of work cannot fit 2
+    run = sim.simulate(arrivals, 180, MODEL, sim.Schedule(schedule), schedule[0], cold_start_s=0.0)
+    assert run.attainment(1.0) >= 0.98

@@ -1,0 +1,126 @@
+"""Greedy output of the engine equals HF transformers token for token on the same weights.
+
+HF loads the same GGUF file (dequantized to float32, Q/K permutation undone by its own
+converter) and generates each prompt alone, without padding: the cleanest reference.
+The engine runs every prompt through the paged cache with continuous batching.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from kaon_runtime import LLM, SamplingParams
+from support.prompts import MAX_TOKENS, QUESTIONS, chat_ids
+
+pytestmark = pytest.mark.slow
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=eos_id, pad_token_id=eos_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def assert_matches_hf(hf_model, llm: LLM, prompts: list[list[int]], outputs, max_tokens=MAX_TOKENS):
+    eos = llm.tokenizer.eos_token_id
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_greedy(hf_model, prompt, max_tokens, eos)
+        got = output.outputs[0].token_ids
+        assert got == expected, f"diverged for prompt of {len(prompt)} tokens:\n kaon {got}\n hf   {expected}"
+
+
+def test_mixed_length_batch_matches_hf(llm, hf_model):
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    lengths = [len(p) for p in prompts]
+    assert max(lengths) - min(lengths) >= 30, "the batch should mix prompt lengths"
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert_matches_hf(hf_model, llm, prompts, outputs)
+
+
+def test_multi_turn_conversation_matches_hf(llm, hf_model):
+    messages = [{"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": "Pick a number between 1 and 10."},
+                {"role": "assistant", "content": "7"},
+                {"role": "user", "content": "Now double it and explain."}]
+    prompt = llm.encode_chat(messages)
+    assert_matches_hf(hf_model, llm, [prompt], llm.generate([prompt], greedy(), use_tqdm=False))
+
+
+LONG_SYSTEM = ("You are a meticulous assistant for a logistics company. Always answer in plain English, "
+               "cite the rule you apply, never invent shipment numbers, keep answers under fifty words, "
+               "and when a question is ambiguous ask one clarifying question first. Rules: parcels over "
+               "thirty kilograms ship by freight; fragile goods need double boxing; international orders "
+               "need a customs form; refunds take five working days; weekend deliveries cost extra. ") * 2
+
+
+def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_model):
+    questions = ["Can I ship a 40 kg parcel by post?", "How long does a refund take?",
+                 "Do I need a form to send a vase to Canada?", "Is Saturday delivery free?"]
+    prompts = [chat_ids(llm, q, system=LONG_SYSTEM) for q in questions]
+    bm = llm.engine.block_manager
+    llm.generate(prompts[:1], greedy(), use_tqdm=False)  # warms the cache with the shared prefix
+    hits_before = bm.prefix_hits
+    outputs = llm.generate(prompts[1:], greedy(), use_tqdm=False)
+    shared = len(chat_ids(llm, "", system=LONG_SYSTEM)) - 8  # the system part, minus the user header
+    block = llm.engine.config.block_size
+    assert bm.prefix_hits - hits_before >= 3 * (shared // block - 1) * block
+    assert all(o.num_cached_tokens >= (shared // block - 1) * block for o in outputs)
+    assert_matches_hf(hf_model, llm, prompts[1:], outputs)
+
+
+def test_a_burst_on_a_cold_prefix_computes_it_once_and_matches_hf(llm, hf_model):
+    # Sent together, nothing cached yet: the first computes the shared system prompt and the
+    # others wait a step for it (scheduler.wait_for_shared_prefix) instead of computing it too.
+    system = "Burst. " + LONG_SYSTEM
+    questions = ["Can I ship a 40 kg parcel by post?", "How long does a refund take?", "Is Saturday delivery free?"]
+    prompts = [chat_ids(llm, q, system=system) for q in questions]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    shared = len(chat_ids(llm, "", system=system)) - 8
+    block = llm.engine.config.block_size
+    assert outputs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= (shared // block - 1) * block for o in outputs[1:])
+    assert_matches_hf(hf_model, llm, prompts, outputs)
+
+
+def test_tiny_kv_pool_preempts_and_still_matches_hf(hf_model):
+    small = LLM(show_progress=False, device="cpu", dtype="float32", num_kv_blocks=14, block_size=16)
+    prompts = [chat_ids(small, q) for q in QUESTIONS[:8]]
+    outputs = small.generate(prompts, greedy(max_tokens=32), use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.block_manager.num_free_blocks == 14, "every block must come back"
+    assert_matches_hf(hf_model, small, prompts, outputs, max_tokens=32)
+
+
+def test_chunked_prefill_longer_than_budget_matches_hf(hf_model):
+    chunked = LLM(show_progress=False, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    long_prompt = chat_ids(chunked, "Summarise this policy in one sentence: " + LONG_SYSTEM)
+    short_prompt = chat_ids(chunked, QUESTIONS[0])
+    assert len(long_prompt) > 3 * 64
+    steps = []
+    execute = chunked.engine.runner.execute
+    chunked.engine.runner.execute = lambda batch: (steps.append(list(batch.num_new_tokens)), execute(batch))[1]
+    outputs = chunked.generate([short_prompt, long_prompt], greedy(), use_tqdm=False)
+    assert max(sum(s) for s in steps) <= 64
+    assert any(1 in s and max(s) > 1 for s in steps), "a decode should share a step with a prefill chunk"
+    assert_matches_hf(hf_model, chunked, [short_prompt, long_prompt], outputs)
+
+
+def test_logprobs_match_hf_logits(llm, hf_model):
+    """Every generated token's log-probability, and the top-5, agree with HF's logits."""
+    prompt = chat_ids(llm, QUESTIONS[2])
+    out = llm.generate([prompt], greedy(logprobs=5), use_tqdm=False)[0].outputs[0]
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.inference_mode():
+        logits = hf_model(ids).logits[0, len(prompt) - 1:-1].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    worst = 0.0
+    for step, (token, alternatives) in enumerate(zip(out.token_ids, out.logprobs)):
+        for token_id, logprob in alternatives.items():
+            worst = max(worst, abs(logprob - ref[step, token_id].item()))
+        assert set(alternatives) - {token} <= set(ref[step].topk(6).indices.tolist())
+    assert worst < 1e-3, f"max |logprob difference| {worst:.2e}"

@@ -1,0 +1,301 @@
+"""The fused CPU decode step (kernels/cpu_decode.c) against torch: each projection kernel against
+its pure-torch reference, and a whole decode step against the model's own torch path, on a
+tiny random Llama with GQA, biases, a paged pool of small blocks and sequences of different
+lengths. The greedy HF identity of the default float32 model goes through this step too
+(tests/unit/test_correctness.py runs on CPU with it on)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kaon_runtime.config import ModelConfig
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.kernels.quant_gemm_ref import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_activations_ref,
+)
+from kaon_runtime.layers.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    TorchAttentionBackend,
+)
+from kaon_runtime.models.cpu_decode_step import unsupported
+from kaon_runtime.models.registry import build_model
+from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.int4 import quantize_int4
+from kaon_runtime.quant.int8 import quantize_int8
+
+pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler: the fused step is off")
+
+BLOCK = 4
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_projection_matches_torch(rows, bias):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(80, 96), torch.randn(80) if bias else None, torch.randn(rows, 96)
+    out = cpu_decode.linear(cpu_decode.LinearWeights.f32(w, b), x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 16])
+@pytest.mark.parametrize("n", [80, 84])  # 84: the last group of eight interleaved outputs is half padding
+def test_int8_projection_matches_its_reference(rows, n):
+    torch.manual_seed(1)
+    qweight, scales = quantize_int8(torch.randn(n, 96))
+    x = torch.randn(rows, 96) * torch.logspace(-2, 1, 96)  # blocks of very different magnitudes
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    out = cpu_decode.linear(cpu_decode.LinearWeights.int8(qweight, scales), x)
+    expected = torch.nn.functional.linear(quantize_activations_ref(x), dequantize_int8(qweight, scales))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    # and the activations' rounding stays of the order of int8's own step (against float x)
+    exact = torch.nn.functional.linear(x, dequantize_int8(qweight, scales))
+    assert (out - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n", [64, 61])  # 61: the last group of eight interleaved outputs is mostly padding
+def test_q4_1_projection_matches_its_reference(rows, bias, n):
+    torch.manual_seed(2)
+    weight = quantize_int4(torch.randn(n, 128), 32)
+    b, x = torch.randn(n) if bias else None, torch.randn(rows, 128)
+    out = cpu_decode.linear(cpu_decode.LinearWeights.q4_1(weight.packed, weight.scales, weight.mins, b), x)
+    dequantized = dequantize_int4(weight.packed, weight.scales, weight.mins, 32)
+    expected = torch.nn.functional.linear(quantize_activations_ref(x), dequantized, b)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 7])
+@pytest.mark.parametrize("k", [96, 300])  # 300: more than one block of k (KT) per output
+def test_transposed_float32_head_matches_torch(rows, k):
+    torch.manual_seed(5)
+    weight_t, x = torch.randn(k, 1000), torch.randn(rows, k)  # 1000: strips of 16 and a tail
+    out = cpu_decode.linear(cpu_decode.LinearWeights.f32_t(weight_t), x)
+    torch.testing.assert_close(out, x @ weight_t, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_thread_pool_gives_every_output_once(threads):
+    """Back-to-back jobs of different sizes on more threads than cores: a chunk lost or run twice,
+    or a worker running the previous job's function, shows as a wrong output."""
+    torch.manual_seed(6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (1, 7, 64, 333, 2048):
+            weight, x = torch.randn(n, 64), torch.randn(3, 64)
+            qweight, scales = quantize_int8(weight)
+            torch.testing.assert_close(cpu_decode.linear(cpu_decode.LinearWeights.f32(weight), x), x @ weight.T,
+                                       atol=1e-4, rtol=1e-5)
+            expected = torch.nn.functional.linear(quantize_activations_ref(x), dequantize_int8(qweight, scales))
+            torch.testing.assert_close(cpu_decode.linear(cpu_decode.LinearWeights.int8(qweight, scales), x),
+                                       expected, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch():
+    """Batch invariance: a sequence's greedy output must not depend on what it was batched with."""
+    torch.manual_seed(7)
+    weight, x = torch.randn(40, 96 + 8), torch.randn(7, 96 + 8)  # 104: the 32-wide loop and its tail
+    w4 = quantize_int4(torch.randn(40, 128), 32)
+    x4 = torch.randn(7, 128)
+    head_t, x_head = torch.randn(300, 1000), torch.randn(7, 300)
+    for weights, rows in [(cpu_decode.LinearWeights.f32(weight), x),
+                          (cpu_decode.LinearWeights.f32_t(head_t), x_head),
+                          (cpu_decode.LinearWeights.int8(*quantize_int8(weight[:, :96])), x[:, :96]),
+                          (cpu_decode.LinearWeights.q4_1(w4.packed, w4.scales, w4.mins), x4)]:
+        batched = cpu_decode.linear(weights, rows)
+        for i in range(rows.shape[0]):
+            assert torch.equal(cpu_decode.linear(weights, rows[i:i + 1])[0], batched[i])
+
+
+def test_a_layout_it_cannot_read_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_decode.LinearWeights.int8(*quantize_int8(torch.randn(8, 40)))
+    w = quantize_int4(torch.randn(16, 128), 64)
+    with pytest.raises(ValueError, match="groups of 32"):
+        cpu_decode.LinearWeights.q4_1(w.packed, w.scales, w.mins)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    return ModelConfig(**{**base, **overrides})
+
+
+def random_model(config: ModelConfig, blocks: int, kv_dtype: torch.dtype = torch.float32):
+    torch.manual_seed(3)
+    model = build_model(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
+    cache = torch.randn(config.num_layers, 2, config.num_kv_heads, blocks, BLOCK, config.head_dim).to(kv_dtype)
+    for i, attn in enumerate(model.attention_layers()):
+        attn.k_cache, attn.v_cache, attn.backend = cache[i, 0], cache[i, 1], TorchAttentionBackend()
+    return model.eval(), cache
+
+
+def decode_step(config, tables: list[list[int]], lens: list[int]):
+    """Embedded tokens, positions and metadata of one decode step: sequence r's newest token sits
+    at position lens[r] - 1, its key and value go to that position's slot."""
+    torch.manual_seed(4)
+    widest = max(map(len, tables))
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)])
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(lens),
+                             decode_block_tables=torch.tensor([t + [0] * (widest - len(t)) for t in tables]),
+                             decode_context_lens=torch.tensor(lens))
+    return torch.randn(len(lens), config.hidden_size), positions, meta
+
+
+# Three sequences: one of a single token, one filling its 3 blocks exactly, one ending mid-block;
+# blocks out of order in the pool, as the block manager hands them out.
+TABLES, LENS = [[5], [2, 9, 0], [7, 3]], [1, 12, 6]
+
+
+# A float16 cache: the same keys and values stored (rounded alike, to within the one float16 step
+# that float32 sums in a different order can tip), and the same attention over them.
+KV_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 20, 64, 96])  # the attention's paths: multiples of 8 and of 64, or not
+def test_a_decode_step_matches_the_torch_path(bias, head_dim, kv_dtype):
+    config = tiny_config(attention_bias=bias, head_dim=head_dim)
+    model, cache = random_model(config, blocks=10, kv_dtype=kv_dtype)
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    assert model.use_cpu_decode_step() is None
+    with torch.inference_mode():
+        step = model.model.cpu_decode
+        model.model.cpu_decode = None
+        expected, expected_cache = model.model(x.clone(), positions, meta), cache.clone()
+        model.model.cpu_decode = step
+        meta.decode_key_mask = None
+        out = model.model(x.clone(), positions, meta)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache, expected_cache, **KV_TOLERANCE[kv_dtype])  # the same keys and values stored
+
+
+def test_a_float16_cache_holds_the_keys_and_values_rounded_to_nearest():
+    """The first layer's new keys and values do not depend on the cache's dtype: stored in float16
+    they must be exactly torch's rounding (to nearest, ties to even) of the float32 ones."""
+    config = tiny_config()
+    caches = {}
+    for kv_dtype in (torch.float32, torch.float16):
+        model, caches[kv_dtype] = random_model(config, blocks=10, kv_dtype=kv_dtype)
+        x, positions, meta = decode_step(config, TABLES, LENS)
+        assert model.use_cpu_decode_step() is None
+        with torch.inference_mode():
+            model.model(x, positions, meta)
+    assert torch.equal(caches[torch.float16][0], caches[torch.float32][0].half())
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_decode_step_matches_its_reference(method, monkeypatch):
+    """The reference: the dequantizing torch path fed the activations the C step's kernels see
+    (int8 blocks, quantize_activations_ref) at every quantized projection."""
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    config = tiny_config()
+    model, _ = random_model(config, blocks=10)
+    quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    assert model.use_cpu_decode_step() is None
+    step = model.model.cpu_decode
+    with torch.inference_mode():
+        model.model.cpu_decode = None
+        hooks = [m.register_forward_pre_hook(lambda _, args: (quantize_activations_ref(args[0]),))
+                 for m in quantized]
+        expected = model.model(x.clone(), positions, meta)
+        for hook in hooks:
+            hook.remove()
+        model.model.cpu_decode = step
+        out = model.model(x.clone(), positions, meta)
+    assert (out - expected).norm() / expected.norm() < 1e-4
+
+
+@pytest.mark.parametrize("method", [None, "int8"])
+def test_the_vocabulary_head_takes_the_c_kernel_for_a_few_rows(method):
+    config = tiny_config()
+    model, _ = random_model(config, blocks=2)
+    if method:
+        quantize_model(model, method)
+    assert model.use_cpu_decode_step() is None
+    head = model.lm_head
+    hidden = torch.randn(3, config.hidden_size)
+    with torch.inference_mode():
+        fast = model.compute_logits(hidden)
+        kernel, head.cpu_logits = head.cpu_logits, None
+        expected = model.compute_logits(hidden)
+    assert kernel is not None
+    # the int8 head's activations go in as int8 blocks (C) or bfloat16 (torch): close, not equal
+    torch.testing.assert_close(fast, expected, atol=0.05 if method else 1e-4, rtol=0.05 if method else 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch(kv_dtype):
+    config = tiny_config()
+    model, cache = random_model(config, blocks=10, kv_dtype=kv_dtype)
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    # A new 5-token prompt in blocks 1 and 4 rides along after the three decodes.
+    chunk = PrefillChunk(query_start=3, query_len=5, context_len=5, block_table=torch.tensor([1, 4]))
+    x = torch.cat([x, torch.randn(5, config.hidden_size)])
+    positions = torch.cat([positions, torch.arange(5)])
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([4, 5, 6, 7, 16])])
+    meta.prefills = [chunk]
+    assert model.use_cpu_decode_step() is None
+    step = model.model.cpu_decode
+    assert not step.applies(x, meta) and step.applies_to_decodes_of(meta)
+    with torch.inference_mode():
+        model.model.cpu_decode = None
+        expected, expected_cache = model.model(x.clone(), positions, meta), cache.clone()
+        model.model.cpu_decode = step
+        meta.decode_key_mask = None
+        out = model.model(x.clone(), positions, meta)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache, expected_cache, **KV_TOLERANCE[kv_dtype])
+
+
+def test_which_steps_it_takes():
+    config = tiny_config()
+    model, _ = random_model(config, blocks=10)
+    model.use_cpu_decode_step()
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    assert model.model.cpu_decode.applies(x, meta)
+    meta.prefills = [object()]
+    assert not model.model.cpu_decode.applies(x, meta)
+    meta.prefills = []
+    model.model.cpu_decode.max_rows = 2  # wider batches go to torch
+    assert not model.model.cpu_decode.applies(x, meta)
+
+
+def test_what_it_cannot_run_is_named():
+    assert unsupported(tiny_config()) is None
+    assert "q/k norms" in unsupported(tiny_config(qk_norm=True))
+    assert "sliding windows" in unsupported(tiny_config(sliding_window=8))
+    assert "Gemma" in unsupported(tiny_config(norm_weight_offset=1.0, sandwich_norms=True))
+    model, _ = random_model(tiny_config(), blocks=2)
+    quantize_model(model, "fp8")
+    assert "Fp8Linear" in model.use_cpu_decode_step()
+    assert model.model.cpu_decode is None
+
+
+def test_without_a_compiler_it_says_so_and_torch_runs(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("KAON_KERNEL_CACHE", str(tmp_path))
+    cpu_decode.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_decode.library() is None
+        assert "could not be built" in caplog.text
+        model, _ = random_model(tiny_config(), blocks=2)
+        assert "could not be built" in model.use_cpu_decode_step()
+    finally:
+        cpu_decode.library.cache_clear()
+    monkeypatch.undo()
+    assert cpu_decode.library() is not None
