@@ -8,10 +8,11 @@ Field names are snake_case in Python and camelCase on the wire.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "kaon.dev"
@@ -66,7 +67,7 @@ _URI_RULES = [  # (CEL rule, Python check, message)
 ]
 _REMOTE = "self.uri.startsWith('hf://') || self.uri.startsWith('s3://')"
 _MODEL_RULES = [  # (CEL rule, Python check on the ModelSpec, message)
-    (f"!has(self.revision) || (self.uri.startsWith('hf://') && !self.uri.contains('@'))",
+    ("!has(self.revision) || (self.uri.startsWith('hf://') && !self.uri.contains('@'))",
      lambda m: m.revision is None or (m.uri.startswith("hf://") and "@" not in m.uri),
      "revision is for hf:// URIs that do not name one with @<revision>"),
     (f"!has(self.credentialsSecret) || {_REMOTE}",
@@ -133,6 +134,13 @@ class ModelSpec(_Model):
                 raise ValueError(message)
         return self
 
+
+
+def served_name(model: ModelSpec | Mapping[str, Any] | None, name: str) -> str:
+    """The name clients send as `model`: spec.model.servedName, else the InferenceService's `name`.
+    `model` as parsed, or as on the wire (the served-name index reads bodies whether valid or not)."""
+    given = model.get("servedName") if isinstance(model, Mapping) else getattr(model, "served_name", None)
+    return given or name
 
 # Names and paths the operator's own volumes take in the engine pod.
 RESERVED_VOLUMES = ("cache", "tmp", "dshm", "model")
@@ -443,3 +451,11 @@ class InferenceServiceStatus(_Model):
     """The metadata.generation the operator last acted on."""
     url: str | None = None
     """In-cluster URL of the engine Service."""
+
+
+def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec | str:
+    """The spec as a model, or why it is invalid (one line, for the status)."""
+    try:
+        return InferenceServiceSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())

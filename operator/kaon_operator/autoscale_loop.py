@@ -21,19 +21,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import aiohttp
-import pydantic
 
-from kaon_operator import api, autoscaler, resources, scraper, status
+from kaon_operator import api, autoscaler, kubetime, labels, resources, scraper, status, summaries
+from kaon_operator.caches import Caches, Key
+from kaon_operator.config import AutoscaleSettings
 from kaon_operator.kube import Conflict
-from kaon_operator.status import EventSpec, PodSummary
+from kaon_operator.status import EventSpec
+from kaon_operator.summaries import PodSummary
 
 logger = logging.getLogger("kaon.autoscaler")
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
-ROUTER_PODS = ",".join(f"{k}={v}" for k, v in resources.ROUTER_LABELS.items())
+ROUTER_PODS = ",".join(f"{k}={v}" for k, v in labels.component_labels(labels.ROUTER).items())
 ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port named http wins
 LEASE_NAME = "kaon-autoscaler"
 LEASE_SECONDS = 15
@@ -52,9 +53,13 @@ class Baseline:
 class ServiceState:
     """What the loop remembers of one InferenceService between ticks."""
 
+    uid: str | None = None
+    """The InferenceService's: one deleted and made again under its name starts afresh."""
     history: list[autoscaler.Sample] = field(default_factory=list)
     baselines: dict[str, Baseline] = field(default_factory=dict)
     capped: bool = False
+    condition: dict | None = None
+    """MetricsAvailable as last reported."""
 
 
 def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, scraper.PodMetrics],
@@ -80,28 +85,12 @@ def answers_http(pod: PodSummary) -> bool:
 
 
 def router_url(pod: dict) -> str | None:
-    summary = status.summarize_pod(pod)
+    summary = summaries.summarize_pod(pod)
     if not answers_http(summary):
         return None
     ports = [p.get("containerPort") for c in pod["spec"].get("containers", []) for p in c.get("ports") or ()
              if p.get("name") == "http"]
     return f"http://{summary.ip}:{ports[0] if ports else ROUTER_METRICS_PORT}/metrics"
-
-
-def _timestamp(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def _epoch(text: str | None) -> float | None:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
-
-
-def metrics_condition(decision: autoscaler.Decision, answered: int, ready: int) -> dict:
-    if decision.metrics_missing:
-        return {"type": "MetricsAvailable", "status": "False", "reason": "ScrapeFailed",
-                "message": f"{decision.metrics_missing}; no scale-down until they answer"}
-    return {"type": "MetricsAvailable", "status": "True", "reason": "Scraped",
-            "message": f"{answered} of {ready} ready replicas answered"}
 
 
 def observed(sample: autoscaler.Sample, kv_usage: list[float], target: float, spec: api.AutoscalingSpec,
@@ -111,19 +100,23 @@ def observed(sample: autoscaler.Sample, kv_usage: list[float], target: float, sp
     return {"queueDepth": sample.waiting, "runningRequests": sample.running,
             "concurrencyPerReplica": round(sample.concurrency / max(sample.ready, 1), 2),
             "targetConcurrencyPerReplica": target, "p99LatencySeconds": p99,
-            "kvCacheUsageRatio": max(kv_usage) if kv_usage else None, "time": _timestamp(sample.time)}
+            "kvCacheUsageRatio": max(kv_usage) if kv_usage else None, "time": kubetime.stamp(sample.time)}
 
 
 class AutoscaleLoop:
-    """Runs in kopf's event loop; reads kopf's indexes, writes through `kube` in threads."""
+    """Runs in kopf's event loop; reads the caches, writes through `kube` in threads.
 
-    def __init__(self, kube, indices, *, interval: float, release_namespace: str, use_lease: bool,
-                 post: Callable[[dict, list[EventSpec]], None], resync: Callable[[tuple[str, str]], None],
-                 conditions: dict[tuple[str, str], dict], identity: str):
-        self.kube, self.indices, self.interval = kube, indices, interval
-        self.release_namespace, self.use_lease, self.identity = release_namespace, use_lease, identity
-        self.post, self.resync, self.conditions = post, resync, conditions
-        self.services: dict[tuple[str, str], ServiceState] = {}
+    `post` posts Events about an InferenceService; `metrics_changed` receives its MetricsAvailable
+    condition whenever that changes (None once the service is no longer autoscaled)."""
+
+    def __init__(self, kube, caches: Caches, settings: AutoscaleSettings, *,
+                 post: Callable[[dict, list[EventSpec]], None],
+                 metrics_changed: Callable[[Key, dict | None], None], identity: str):
+        self.kube, self.caches, self.identity = kube, caches, identity
+        self.interval, self.release_namespace = settings.interval, settings.release_namespace
+        self.use_lease = settings.use_lease
+        self.post, self.metrics_changed = post, metrics_changed
+        self.services: dict[Key, ServiceState] = {}
         self.http: aiohttp.ClientSession | None = None
 
     async def run(self) -> None:
@@ -143,19 +136,17 @@ class AutoscaleLoop:
 
     def _autoscaled(self) -> list[tuple[tuple[str, str], dict, api.InferenceServiceSpec]]:
         out = []
-        for key, bodies in list(self.indices["inference_services"].items()):
-            body = next(iter(bodies), None)
-            if body is None or body["metadata"].get("deletionTimestamp"):
+        for key, body in self.caches.all_inference_services():
+            if body["metadata"].get("deletionTimestamp"):
                 continue
             if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
                 continue
-            try:
-                out.append((key, body, api.InferenceServiceSpec.model_validate(dict(body["spec"]))))
-            except pydantic.ValidationError:
-                continue  # the reconcile handler reports an invalid spec
+            spec = api.parse_spec(body["spec"])
+            if isinstance(spec, api.InferenceServiceSpec):  # the reconcile handler reports an invalid spec
+                out.append((key, body, spec))
         for gone in set(self.services) - {key for key, _, _ in out}:
-            del self.services[gone]
-            self.conditions.pop(gone, None)
+            if self.services.pop(gone).condition is not None:
+                self.metrics_changed(gone, None)
         return out
 
     async def tick_all(self) -> None:
@@ -200,9 +191,12 @@ class AutoscaleLoop:
 
     async def tick(self, key: tuple[str, str], body: dict, spec: api.InferenceServiceSpec,
                    held: dict[tuple[str, str], float] | None) -> None:
-        memory = self.services.setdefault(key, ServiceState())
+        uid = body["metadata"].get("uid")
+        memory = self.services.get(key)
+        if memory is None or memory.uid != uid:
+            memory = self.services[key] = ServiceState(uid=uid)
         auto, now = spec.autoscaling, time.time()
-        pods = [p for p in self.indices["engine_pods"].get(key, ()) if not p.terminating]
+        pods = [p for p in self.caches.pods(key) if not p.terminating]
         answers = await self._scrape_engines(pods)
         memory.baselines, finished, latency = advance(memory.baselines, {p.name for p in pods}, answers,
                                                       auto.latency_metric)
@@ -215,7 +209,7 @@ class AutoscaleLoop:
         del memory.history[:sum(s.time < now - autoscaler.history_seconds(auto) for s in memory.history)]
 
         last = (body.get("status") or {}).get("lastScaleDecision") or {}
-        decision = autoscaler.decide(memory.history, auto, spec.replicas, now, _epoch(last.get("time")),
+        decision = autoscaler.decide(memory.history, auto, spec.replicas, now, kubetime.epoch(last.get("time")),
                                      max_num_seqs=spec.engine.max_num_seqs)
         await self._act(key, body, spec, sample, answers, memory, decision)
 
@@ -227,7 +221,7 @@ class AutoscaleLoop:
                                              spec.autoscaling, memory.history)}
         changed = decision.replicas != spec.replicas
         if changed:
-            patch["lastScaleDecision"] = {"time": _timestamp(sample.time), "from": spec.replicas,
+            patch["lastScaleDecision"] = {"time": kubetime.stamp(sample.time), "from": spec.replicas,
                                           "to": decision.replicas, "reason": decision.reason}
             if not await asyncio.to_thread(self.scale, body, patch, decision.replicas):
                 logger.info("%s/%s changed while deciding to scale to %d; deciding again next tick",
@@ -247,10 +241,10 @@ class AutoscaleLoop:
         memory.capped = decision.capped_from is not None
         if events:
             await asyncio.to_thread(self.post, body, events)
-        condition = metrics_condition(decision, sample.answered or 0, sample.ready)
-        if self.conditions.get(key) != condition:
-            self.conditions[key] = condition
-            await asyncio.to_thread(self.resync, key)
+        condition = status.metrics_condition(decision.metrics_missing, sample.answered or 0, sample.ready)
+        if memory.condition != condition:
+            memory.condition = condition
+            await asyncio.to_thread(self.metrics_changed, key, condition)
 
     def scale(self, body: dict, status_patch: dict, replicas: int) -> bool:
         """Write the decision (status, with lastScaleDecision) then spec.replicas, both only while the

@@ -10,6 +10,9 @@ import secrets
 import kopf
 from prometheus_client import start_http_server
 
+from kaon_operator.config import AutoscaleSettings, OperatorConfig
+from kaon_operator.resources import NetworkPolicyConfig
+
 
 def priority(value: str) -> int:
     """An integer, or `random`. kopf pauses *every* replica when the highest priority is
@@ -65,17 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # a line per handled event and per health check drowns what matters
         for name in ("kopf.objects", "aiohttp.access", "kubernetes"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    from kaon_operator import handlers, resources  # importing registers the handlers
+    from kaon_operator import handlers  # noqa: F401 - importing registers the handlers
 
-    handlers.autoscale_settings = handlers.AutoscaleSettings(
-        interval=args.autoscale_interval, release_namespace=args.release_namespace,
-        use_lease=args.peering is not None)
-    handlers.network_policy = resources.NetworkPolicyConfig(
-        args.release_namespace, tuple(args.network_policy_from)) if args.network_policy else None
+    config = OperatorConfig(
+        network_policy=NetworkPolicyConfig(args.release_namespace, tuple(args.network_policy_from))
+        if args.network_policy else None,
+        autoscale=AutoscaleSettings(interval=args.autoscale_interval, release_namespace=args.release_namespace,
+                                    use_lease=args.peering is not None))
 
     if args.metrics_port:
         start_http_server(args.metrics_port)
     kopf.run(clusterwide=not args.namespace, namespaces=args.namespace,
              standalone=args.peering is None, peering_name=args.peering, priority=args.priority,
-             liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
+             liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
+             memo=kopf.Memo(config=config))
     return 0

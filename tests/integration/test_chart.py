@@ -288,7 +288,7 @@ def _metric_names() -> set[str]:
     """Every metric name the engine, the router and the operator define (counters get _total)."""
     names = set()
     for path in ("runtime/kaon_runtime/server/metrics.py", "operator/kaon_operator/router/metrics.py",
-                 "operator/kaon_operator/handlers.py"):
+                 "operator/kaon_operator/metrics.py"):
         for kind, name in re.findall(r'(\w+)\(\s*"(kaon_\w+)"', (ROOT / path).read_text()):
             names.add(f"{name}_total" if kind == "Counter" and not name.endswith("_total") else name)
     return names

@@ -15,7 +15,8 @@ import time
 import urllib.parse
 
 import pytest
-from kaon_operator import api, autoscale_loop, handlers, resources
+from kaon_operator import api, autoscale_loop, resources, watching
+from kaon_operator.config import AutoscaleSettings
 from support.cluster import MODEL, STAND_IN, Cluster, isvc, wait_for
 
 from e2e.control_plane import fake_gpu_node, free_port
@@ -453,9 +454,9 @@ def test_the_operator_lists_and_watches_only_kaons_labelled_objects(crd, operato
     assert {u.path.rsplit("/", 1)[1] for u in lists} == kinds == {u.path.rsplit("/", 1)[1] for u in watches}, urls
     # None without the selector: the apiserver sends only kaon's engine objects.
     # (The autoscaler's look for router pods in the release namespace has a selector of its own.)
-    routers = f"/namespaces/{handlers.autoscale_settings.release_namespace}/pods"
+    routers = f"/namespaces/{AutoscaleSettings().release_namespace}/pods"
     wrong = [u.geturl() for u in collections if urllib.parse.parse_qs(u.query).get("labelSelector", [""])[0]
-             != (autoscale_loop.ROUTER_PODS if u.path.endswith(routers) else handlers.ENGINE_CHILD_SELECTOR)]
+             != (autoscale_loop.ROUTER_PODS if u.path.endswith(routers) else watching.ENGINE_CHILD_SELECTOR)]
     assert not wrong, wrong
 
 

@@ -215,11 +215,13 @@ def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator
     human's `kubectl scale`) wins, the decision is dropped and the status does not claim it."""
     import kubernetes
     from kaon_operator.autoscale_loop import AutoscaleLoop
+    from kaon_operator.caches import Caches
+    from kaon_operator.config import AutoscaleSettings
     from kaon_operator.kube import Conflict, Kube
 
     kube = Kube(kubernetes.config.new_client_from_config(config_file=str(operator_kubeconfig)))
-    loop = AutoscaleLoop(kube, {}, interval=1, release_namespace="kaon-system", use_lease=False,
-                         post=lambda *_: None, resync=lambda _: None, conditions={}, identity="test")
+    loop = AutoscaleLoop(kube, Caches(), AutoscaleSettings(interval=1), post=lambda *_: None,
+                         metrics_changed=lambda *_: None, identity="test")
     cluster.kubectl("apply", "-f", "-", input=isvc("occ"))
     wait_for("Ready", lambda: cluster.ready("occ"))
 

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from kaon_operator import status
+from kaon_operator import status, summaries
 from kaon_operator.router.main import build_parser, default_namespace
 
 from e2e.control_plane import build_binaries
@@ -50,10 +50,10 @@ def test_the_later_of_two_serving_one_name_gets_name_conflict_and_events_on_both
         return {"metadata": {"namespace": "a", "name": name, "creationTimestamp": created},
                 "spec": {"model": {"uri": "builtin://x", "servedName": served}}}
 
-    older = status.served_name(body("first", "dup", "2026-01-01T00:00:00Z"))
-    later = status.served_name(body("second", "dup", "2026-01-01T00:00:05Z"))
-    alone = status.served_name(body("third", "solo", "2026-01-01T00:00:09Z"))
-    assert later == status.ServedName(("a", "second"), "dup", older.created + 5)
+    older = summaries.served_name(body("first", "dup", "2026-01-01T00:00:00Z"))
+    later = summaries.served_name(body("second", "dup", "2026-01-01T00:00:05Z"))
+    alone = summaries.served_name(body("third", "solo", "2026-01-01T00:00:09Z"))
+    assert later == summaries.ServedName(("a", "second"), "dup", older.created + 5)
     found = status.name_conflicts([later, alone, older])
     assert set(found) == {("a", "second")}
     cond = found[("a", "second")]

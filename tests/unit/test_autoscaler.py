@@ -309,7 +309,9 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
     import asyncio
 
     from aiohttp import web
-    from kaon_operator.status import PodSummary
+    from kaon_operator.caches import Caches
+    from kaon_operator.config import AutoscaleSettings
+    from kaon_operator.summaries import PodSummary
 
     class FakeKube:
         def __init__(self, router_port):
@@ -357,10 +359,10 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
         kube, events, conditions = FakeKube(router_port), [], {}
         pods = {("ns", "a"): [PodSummary(name="a-0", ip="127.0.0.1", ready=True)],
                 ("ns", "b"): [PodSummary(name="b-0", ip="127.0.0.2", ready=True)]}  # b's engine never answers
-        indices = {"inference_services": {("ns", n): [isvc(n)] for n in "ab"}, "engine_pods": pods}
-        loop = autoscale_loop.AutoscaleLoop(kube, indices, interval=1, release_namespace="kaon-system",
-                                            use_lease=False, post=lambda body, ev: events.extend(ev),
-                                            resync=lambda key: None, conditions=conditions, identity="me")
+        caches = Caches(inference_services={("ns", n): [isvc(n)] for n in "ab"}, engine_pods=pods)
+        loop = autoscale_loop.AutoscaleLoop(kube, caches, AutoscaleSettings(interval=1),
+                                            post=lambda body, ev: events.extend(ev),
+                                            metrics_changed=conditions.__setitem__, identity="me")
         import aiohttp
         loop.http = aiohttp.ClientSession()
         old_port = autoscale_loop.resources.HTTP_PORT

@@ -1,8 +1,8 @@
 """Why a pod cannot serve its model, from the fetch's and the engine's termination messages
-(status.py, pure): the condition's reason and message and the Warning Event."""
+(summaries.py and status.py, pure): the condition's reason and message and the Warning Event."""
 from __future__ import annotations
 
-from kaon_operator import status
+from kaon_operator import status, summaries
 
 FETCH_401 = "kaon fetch: hf://org/private@main: 1 of 3 files\nkaon fetch: unauthorized: hf://org/private@main: " \
             "the hub refused the credentials (401) (HF_TOKEN is set)\n"
@@ -22,15 +22,15 @@ def terminated(code: int, message: str = "") -> dict:
 
 
 def degraded(*pods: dict) -> dict:
-    summaries = [status.summarize_pod(p) for p in pods]
-    conds = status.conditions(deployment=None, pods=summaries, desired=1, gpus_per_pod=1, generation_applied=True)
+    summarized = [summaries.summarize_pod(p) for p in pods]
+    conds = status.conditions(deployment=None, pods=summarized, desired=1, gpus_per_pod=1, generation_applied=True)
     return next(c for c in conds if c["type"] == "Degraded")
 
 
 def test_a_failed_fetch_is_model_fetch_failed_with_its_last_line():
     crash_looping = {"state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
                      "lastState": terminated(3, FETCH_401)}
-    summary = status.summarize_pod(pod("llama-0", init=crash_looping))
+    summary = summaries.summarize_pod(pod("llama-0", init=crash_looping))
     assert summary.model_failure == ("ModelFetchFailed", "unauthorized: hf://org/private@main: the hub refused "
                                                          "the credentials (401) (HF_TOKEN is set)")
     cond = degraded(pod("llama-0", init=crash_looping))
@@ -40,16 +40,16 @@ def test_a_failed_fetch_is_model_fetch_failed_with_its_last_line():
 
 def test_the_reason_while_the_fetch_retries_and_its_end_once_it_succeeds():
     retrying = {"state": {"running": {}}, "lastState": terminated(4, "not found: s3://models/x: NoSuchBucket")}
-    assert status.summarize_pod(pod(init=retrying)).model_failure == \
+    assert summaries.summarize_pod(pod(init=retrying)).model_failure == \
         ("ModelFetchFailed", "not found: s3://models/x: NoSuchBucket")
     done = {"state": terminated(0), "lastState": terminated(4, "not found: s3://models/x: NoSuchBucket")}
-    assert status.summarize_pod(pod(init=done)).model_failure is None
-    assert status.summarize_pod(pod(init={"state": {"running": {}}})).model_failure is None
+    assert summaries.summarize_pod(pod(init=done)).model_failure is None
+    assert summaries.summarize_pod(pod(init={"state": {"running": {}}})).model_failure is None
     assert degraded(pod(init=done))["reason"] == "AsExpected"
 
 
 def test_a_fetch_without_a_message_still_says_it_failed():
-    assert status.summarize_pod(pod(init={"state": terminated(137)})).model_failure == \
+    assert summaries.summarize_pod(pod(init={"state": terminated(137)})).model_failure == \
         ("ModelFetchFailed", "kaon fetch exited with code 137")
 
 

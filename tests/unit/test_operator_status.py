@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from kaon_operator import api, changes, status
+from kaon_operator import api, changes, status, summaries
 from kaon_operator.kube import FIELD_MANAGER
 
 SPEC = api.InferenceServiceSpec.model_validate({"model": {"uri": "builtin://smollm2-135m-instruct"}, "replicas": 2})
@@ -22,7 +22,7 @@ def pod(name="p", *, ready=True, unschedulable=None, waiting=None, deleting=Fals
 def deployment(replicas=2, *, total=None, updated=None, ready=None, generation=1, observed=1):
     updated = replicas if updated is None else updated
     ready = updated if ready is None else ready
-    return status.summarize_deployment({
+    return summaries.summarize_deployment({
         "metadata": {"generation": generation}, "spec": {"replicas": replicas},
         "status": {"observedGeneration": observed, "replicas": updated if total is None else total,
                    "updatedReplicas": updated, "readyReplicas": ready, "availableReplicas": ready}})
@@ -33,18 +33,18 @@ def by_type(conds: list[dict]) -> dict[str, tuple[str, str]]:
 
 
 def test_pod_summaries():
-    assert status.summarize_pod(pod()).ready
-    stuck = status.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))
+    assert summaries.summarize_pod(pod()).ready
+    stuck = summaries.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))
     assert stuck.stuck[0] == "CrashLoopBackOff" and not stuck.ready
-    assert status.summarize_pod(pod(ready=False, waiting="ContainerCreating")).stuck is None  # on its way
-    pending = status.summarize_pod(pod(ready=False, unschedulable="0/4 nodes are available"))
+    assert summaries.summarize_pod(pod(ready=False, waiting="ContainerCreating")).stuck is None  # on its way
+    pending = summaries.summarize_pod(pod(ready=False, unschedulable="0/4 nodes are available"))
     assert pending.unschedulable == "0/4 nodes are available"
-    assert status.summarize_pod(pod(deleting=True)).terminating
+    assert summaries.summarize_pod(pod(deleting=True)).terminating
 
 
 def test_conditions_through_a_life():
     def conds(dep, pods, desired=2, applied=True):
-        return by_type(status.conditions(deployment=dep, pods=[status.summarize_pod(p) for p in pods],
+        return by_type(status.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods],
                                          desired=desired, gpus_per_pod=1, generation_applied=applied))
 
     assert conds(None, []) == {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "Reconciling"),
@@ -72,7 +72,7 @@ def test_conditions_through_a_life():
 
 def test_degraded_reasons_name_the_cause():
     def degraded(pods, dep=None):
-        out = status.conditions(deployment=dep or deployment(ready=0), pods=[status.summarize_pod(p) for p in pods],
+        out = status.conditions(deployment=dep or deployment(ready=0), pods=[summaries.summarize_pod(p) for p in pods],
                                 desired=2, gpus_per_pod=16, generation_applied=True)
         return next(c for c in out if c["type"] == "Degraded")
 
@@ -85,7 +85,7 @@ def test_degraded_reasons_name_the_cause():
     # Scheduling comes first: it is the cause to fix before any container can start.
     both = degraded([pod("a", ready=False, waiting="CrashLoopBackOff"), pod("b", ready=False, unschedulable="no")])
     assert both["reason"] == "Unschedulable"
-    stalled = status.summarize_deployment({"metadata": {"generation": 1}, "spec": {"replicas": 2}, "status": {
+    stalled = summaries.summarize_deployment({"metadata": {"generation": 1}, "spec": {"replicas": 2}, "status": {
         "conditions": [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]}})
     assert degraded([pod("a", ready=False)], stalled)["reason"] == "ProgressDeadlineExceeded"
     assert degraded([pod("a", ready=False, waiting="CrashLoopBackOff", deleting=True)])["reason"] == "AsExpected"
@@ -98,7 +98,7 @@ def test_transition_times_and_events():
     assert {c["lastTransitionTime"] for c in first} == {"2026-01-01T00:00:00Z"}
     assert status.transition_events(first, []) == []  # nothing to announce while merely starting
 
-    ready_pods = [status.summarize_pod(pod())]
+    ready_pods = [summaries.summarize_pod(pod())]
     ready = status.stamp(status.conditions(deployment=deployment(1, updated=1, ready=1), pods=ready_pods, desired=1,
                                            gpus_per_pod=1, generation_applied=True), first, t0 + timedelta(seconds=5), 1)
     times = {c["type"]: c["lastTransitionTime"] for c in ready}
@@ -106,12 +106,12 @@ def test_transition_times_and_events():
     assert status.transition_events(ready, first) == [status.EventSpec("Normal", "Ready", "1/1 replicas ready")]
     assert status.transition_events(ready, ready) == []  # a repeat is silent
 
-    crashing = [status.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))]
+    crashing = [summaries.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))]
     bad = status.conditions(deployment=deployment(1, ready=0), pods=crashing, desired=1, gpus_per_pod=1,
                             generation_applied=True)
     events = status.transition_events(bad, ready)
     assert [(e.type, e.reason) for e in events] == [("Warning", "NotReady"), ("Warning", "CrashLoopBackOff")]
-    pulling = [status.summarize_pod(pod(ready=False, waiting="ImagePullBackOff"))]
+    pulling = [summaries.summarize_pod(pod(ready=False, waiting="ImagePullBackOff"))]
     worse = status.conditions(deployment=deployment(1, ready=0), pods=pulling, desired=1, gpus_per_pod=1,
                               generation_applied=True)
     assert [e.reason for e in status.transition_events(worse, bad)] == ["ImagePullBackOff"]  # a new cause is news
@@ -125,7 +125,7 @@ def test_transition_times_and_events():
 
 
 def test_replica_counts_skip_terminating_pods():
-    pods = [status.summarize_pod(p) for p in (pod("a"), pod("b", ready=False), pod("c", deleting=True))]
+    pods = [summaries.summarize_pod(p) for p in (pod("a"), pod("b", ready=False), pod("c", deleting=True))]
     assert status.replica_counts(pods) == {"replicas": 2, "readyReplicas": 1}
 
 
@@ -171,7 +171,7 @@ def engine_status(state: dict, last: dict | None = None, restarts: int = 3) -> d
 
 
 def degraded(pods=(), dep=None, now=None) -> dict:
-    conds = status.conditions(deployment=dep, pods=[status.summarize_pod(p) for p in pods], desired=1,
+    conds = status.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods], desired=1,
                               gpus_per_pod=1, generation_applied=True, now=now)
     return next(c for c in conds if c["type"] == "Degraded")
 
@@ -218,7 +218,7 @@ def test_a_crash_loop_stays_degraded_while_the_container_runs_again_until_ready(
 
 def test_pods_refused_by_a_quota_are_failed_create_from_the_deployments_replica_failure():
     refused = 'pods "llama-7d9-x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1'
-    dep = status.summarize_deployment({"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {
+    dep = summaries.summarize_deployment({"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {
         "observedGeneration": 1, "conditions": [
             {"type": "Available", "status": "False"},
             {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": refused}]}})
@@ -240,7 +240,7 @@ def slow_pod(since: str, *, ready="False") -> dict:
 
 def test_a_pod_not_ready_past_its_probes_budget_is_startup_timeout():
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    summary = status.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))
+    summary = summaries.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))
     assert summary.startup_budget_s == 70  # 6 x 10 s startup + 2 x 5 s readiness
     assert status.next_startup_deadline([summary]) == t0 + timedelta(seconds=70)
     assert degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=69))["status"] == "False"
@@ -252,19 +252,19 @@ def test_a_pod_not_ready_past_its_probes_budget_is_startup_timeout():
     assert degraded([slow_pod("2026-01-01T00:00:00Z")])["status"] == "False"
     ready = slow_pod("2026-01-01T00:00:00Z", ready="True")
     assert degraded([ready], now=t0 + timedelta(hours=1))["status"] == "False"
-    assert status.next_startup_deadline([status.summarize_pod(ready)]) is None
+    assert status.next_startup_deadline([summaries.summarize_pod(ready)]) is None
 
 
 def test_each_failure_posts_one_warning_and_recovery_one_normal_event():
-    crash = status.conditions(deployment=None, pods=[status.summarize_pod(engine_status(BACK_OFF, {"exitCode": 1}))],
+    crash = status.conditions(deployment=None, pods=[summaries.summarize_pod(engine_status(BACK_OFF, {"exitCode": 1}))],
                               desired=1, gpus_per_pod=1, generation_applied=True)
     first = status.transition_events(crash, [])
     assert [(e.type, e.reason) for e in first if e.type == "Warning"] == [("Warning", "CrashLoopBackOff")]
     assert status.transition_events(crash, crash) == []  # the same failure on the next tick: no new Event
-    oom = status.conditions(deployment=None, pods=[status.summarize_pod(engine_status(BACK_OFF, {
+    oom = status.conditions(deployment=None, pods=[summaries.summarize_pod(engine_status(BACK_OFF, {
         "exitCode": 137, "reason": "OOMKilled"}))], desired=1, gpus_per_pod=1, generation_applied=True)
     assert [(e.type, e.reason) for e in status.transition_events(oom, crash)] == [("Warning", "OOMKilled")]
-    healthy = status.conditions(deployment=None, pods=[status.summarize_pod(pod())], desired=1, gpus_per_pod=1,
+    healthy = status.conditions(deployment=None, pods=[summaries.summarize_pod(pod())], desired=1, gpus_per_pod=1,
                                 generation_applied=True)
     assert ("Normal", "Recovered", "no longer degraded (OOMKilled)") in [
         (e.type, e.reason, e.message) for e in status.transition_events(healthy, oom)]
@@ -297,7 +297,7 @@ def test_a_container_killed_after_it_had_served_is_unhealthy_until_ready_again()
     cond = degraded([hung])
     assert (cond["status"], cond["reason"]) == ("True", "Unhealthy"), cond
     assert "liveness probe failed" in cond["message"] and "spec.engine.stallTimeoutSeconds" in cond["message"]
-    events = status.transition_events(status.conditions(deployment=None, pods=[status.summarize_pod(hung)], desired=1,
+    events = status.transition_events(status.conditions(deployment=None, pods=[summaries.summarize_pod(hung)], desired=1,
                                                         gpus_per_pod=1, generation_applied=True), [])
     assert [(e.type, e.reason) for e in events if e.type == "Warning"] == [("Warning", "Unhealthy")]
     back = killed_pod(ready_changed="2026-01-01T01:01:00Z", ready=True)
@@ -312,14 +312,14 @@ def _exit(code: int) -> dict:
     return degraded([pod_])
 
 
-def pdb(allowed: int, healthy: int, desired: int, expected: int = 3) -> status.PdbSummary:
-    return status.summarize_pdb({"metadata": {"generation": 1}, "status": {
+def pdb(allowed: int, healthy: int, desired: int, expected: int = 3) -> summaries.PdbSummary:
+    return summaries.summarize_pdb({"metadata": {"generation": 1}, "status": {
         "observedGeneration": 1, "disruptionsAllowed": allowed, "currentHealthy": healthy,
         "desiredHealthy": desired, "expectedPods": expected}})
 
 
 def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning():
-    crashing = [status.summarize_pod(engine_status(BACK_OFF, {"exitCode": 2}))]
+    crashing = [summaries.summarize_pod(engine_status(BACK_OFF, {"exitCode": 2}))]
     blocked = status.disruption_condition(pdb(0, 0, 2), crashing)
     assert (blocked["status"], blocked["reason"]) == ("False", "InsufficientHealthyReplicas")
     assert blocked["message"].startswith("evictions of every engine pod are refused") and "0 are" in blocked["message"]
@@ -328,7 +328,7 @@ def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning()
     at_budget = status.disruption_condition(pdb(0, 2, 2), crashing)
     assert at_budget["reason"] == "InsufficientHealthyReplicas" and at_budget["message"].startswith(
         "evictions of ready engine pods")
-    fine = status.disruption_condition(pdb(1, 3, 2), [status.summarize_pod(pod())])
+    fine = status.disruption_condition(pdb(1, 3, 2), [summaries.summarize_pod(pod())])
     assert (fine["status"], fine["reason"]) == ("True", "SufficientHealthyReplicas")
     # a single replica (minAvailable 0) crash-looping blocks nothing; no PDB or no status yet: no condition
     assert status.disruption_condition(pdb(0, 0, 0, expected=1), crashing)["status"] == "True"
@@ -343,7 +343,7 @@ def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning()
 
 def test_replicas_still_starting_block_evictions_quietly():
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    starting = [status.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))]  # 70 s budget
+    starting = [summaries.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))]  # 70 s budget
     cond = status.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=10))
     assert (cond["status"], cond["reason"]) == ("False", "ReplicasStarting")
     assert status.transition_events([cond], []) == []  # a scale-up is no incident

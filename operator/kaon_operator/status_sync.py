@@ -1,0 +1,123 @@
+"""Write an InferenceService's status: recompute its conditions and replica counts from the
+caches, PATCH the status only when it changed, and post an Event for every condition that
+flipped (status.py decides which).
+
+Runs in kopf's handler threads and the status queue's workers; one service's writes are
+serialised by its record's lock.
+"""
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from kaon_operator import api, resources, status
+from kaon_operator.caches import Key
+from kaon_operator.context import Context
+from kaon_operator.metrics import STATUS_SECONDS
+from kaon_operator.records import ServiceRecord
+from kaon_operator.summaries import PdbSummary, PodSummary
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def _write(ctx: Context, record: ServiceRecord, body, conditions: list[dict], pods: list[PodSummary],
+           spec: api.InferenceServiceSpec | None, *, applied: bool) -> None:
+    meta = body["metadata"]
+    generation = meta.get("generation", 0)
+    last = record.written or dict(body.get("status") or {})
+    old_conditions = last.get("conditions") or []
+    new = {"conditions": status.stamp(conditions, old_conditions, _now(), generation),
+           **status.replica_counts(pods), "selector": resources.selector(meta["name"])}
+    new["observedGeneration"] = generation if applied else last.get("observedGeneration")
+    if spec is not None:
+        new["url"] = resources.service_url(resources.Owner(meta["name"], meta["namespace"], meta["uid"]))
+    if {k: v for k, v in last.items() if k in new} == new:
+        return
+    ctx.kube.patch_status(meta["namespace"], meta["name"], new)
+    record.written = new
+    ctx.post(body, status.transition_events(new["conditions"], old_conditions))
+
+
+def write_invalid_spec(ctx: Context, body, key: Key, message: str) -> None:
+    record = ctx.records.get(key)
+    with record.lock:
+        _write(ctx, record, body, status.invalid_spec_conditions(message), [], None, applied=False)
+
+
+def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *, applied: bool | None = None) -> None:
+    start = time.perf_counter()
+    record = ctx.records.get(key)
+    with record.lock:
+        if applied is None:  # not reconciling now: was the current generation applied before?
+            last = record.written or body.get("status") or {}
+            applied = last.get("observedGeneration") == body["metadata"].get("generation")
+        pods = ctx.caches.pods(key)
+        if record.apply_failure:
+            conditions = status.apply_failed_conditions(record.apply_failure)
+        else:
+            conditions = status.conditions(
+                deployment=ctx.caches.deployment(key), pods=pods, desired=spec.replicas,
+                gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
+        if spec.autoscaling.enabled and record.metrics_condition is not None:
+            conditions.append(record.metrics_condition)
+        disruption = status.disruption_condition(record.pdb, pods, _now())
+        conditions += [disruption] if disruption else []
+        # An older InferenceService answering this one's served name.
+        conflict = status.name_conflicts(ctx.caches.served_names_in(key[0])).get(key)
+        conditions += [conflict] if conflict else []
+        _write(ctx, record, body, conditions, pods, spec, applied=applied)
+    STATUS_SECONDS.observe(time.perf_counter() - start)
+
+
+def resync(ctx: Context, key: Key) -> None:
+    """Recompute the status of `key` as the caches hold it now (no-op for a service going away)."""
+    body = ctx.caches.inference_service(key)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    spec = api.parse_spec(body["spec"])
+    if isinstance(spec, api.InferenceServiceSpec):
+        sync_status(ctx, body, key, spec)
+
+
+def served_names_changed(ctx: Context, namespace: str) -> None:
+    """An InferenceService came, went or changed its served name: the others of its namespace
+    whose NameConflict changes get their status written again (an older one going away frees
+    the name; a servedName edit can take one)."""
+    peers = tuple(ctx.caches.served_names_in(namespace))
+    if ctx.name_peers.get(namespace) == peers:
+        return  # a status patch or another change that moves no name
+    ctx.name_peers[namespace] = peers
+    expected = status.name_conflicts(list(peers))
+    for peer in peers:
+        record = ctx.records.find(peer.key)
+        written = next((c for c in ((record and record.written) or {}).get("conditions") or []
+                        if c.get("type") == status.NAME_CONFLICT), None)
+        want = expected.get(peer.key)
+        if (written or {}).get("message") != (want or {}).get("message"):
+            resync(ctx, peer.key)
+
+
+def pdb_changed(ctx: Context, key: Key, summary: PdbSummary | None) -> None:
+    """The PDB's status says whether evictions (node drains) are refused: DisruptionAllowed.
+    `summary` is None once the PDB is gone."""
+    if summary is None and ctx.caches.inference_service(key) is None:
+        ctx.records.forget(key)  # garbage-collected with its InferenceService
+        return
+    record = ctx.records.get(key)
+    if record.pdb != summary:
+        record.pdb = summary
+        ctx.status_queue.mark(key)
+
+
+def metrics_changed(ctx: Context, key: Key, condition: dict | None) -> None:
+    """The autoscale loop's MetricsAvailable changed (None: the service is no longer autoscaled):
+    write it with the others."""
+    if ctx.caches.inference_service(key) is None:
+        ctx.records.forget(key)  # deleted meanwhile: no record to bring back
+        return
+    ctx.records.get(key).metrics_condition = condition
+    if condition is None:
+        return
+    resync(ctx, key)
