@@ -22,8 +22,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from kaon_operator.router.balance import Backoff, candidates, ejection_seconds
 from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.control_plane import free_port
+from kaon_operator.router.backoff import Backoff, candidates, ejection_seconds
 from support.router import (
     NS,
     FakeEngine,
@@ -35,8 +37,6 @@ from support.router import (
     serving,
     until,
 )
-
-from e2e.control_plane import free_port
 
 # pure decisions ---------------------------------------------------------------------
 
@@ -307,8 +307,10 @@ ROUTER = """
 import json, sys
 from aiohttp import web
 from kaon_operator import api, resources
+from kaon_operator.labels import service_labels
 from kaon_operator.router.endpoints import EndpointTable
-from kaon_operator.router.proxy import Router, RouterConfig
+from kaon_operator.router.config import RouterConfig
+from kaon_operator.router.proxy import Router
 
 port, engines, config = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 table = EndpointTable()
@@ -316,7 +318,7 @@ table.apply_service("ADDED", {"apiVersion": api.API_VERSION, "kind": api.KIND, "
     "uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"}}, "metadata": {
     "name": "smollm2", "namespace": "default", "creationTimestamp": "2026-01-01T00:00:00Z"}})
 for name, engine_port in engines.items():
-    table.apply_pod("ADDED", {"metadata": {"name": name, "namespace": "default", "labels": resources.labels("smollm2")},
+    table.apply_pod("ADDED", {"metadata": {"name": name, "namespace": "default", "labels": service_labels("smollm2")},
                               "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
                               "spec": {"containers": [{"name": "engine", "ports": [
                                   {"name": "http", "containerPort": engine_port}]}]}})

@@ -9,19 +9,21 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
-from kaon_operator import api, resources
-from kaon_operator.router.endpoints import EndpointTable
-from kaon_operator.router.proxy import Router, RouterConfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.control_plane import free_port
+from kaon_operator import api
+from kaon_operator.labels import service_labels
+from kaon_operator.router.config import RouterConfig
+from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.proxy import Router
 
 NS = "ns"
 
 
 def pod(name: str, service: str = "svc", *, port: int = 8000, ip: str | None = "127.0.0.1", ready: bool = True,
         deleting: bool = False, namespace: str = NS, labels: dict | None = None) -> dict:
-    meta = {"name": name, "namespace": namespace, "labels": labels or resources.labels(service)}
+    meta = {"name": name, "namespace": namespace, "labels": labels or service_labels(service)}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from aiohttp import web
-from kaon_operator import resources
+
+from kaon_operator.labels import service_labels
+from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
-from kaon_operator.router.proxy import Router, RouterConfig
+from kaon_operator.router.proxy import Router
 
 
 class Recorder:
@@ -39,7 +41,7 @@ def isvc(namespace: str, name: str, served: str | None = None, created: str = "2
 
 
 def engine_pod(namespace: str, service: str, port: int) -> dict:
-    return {"metadata": {"name": f"{service}-0", "namespace": namespace, "labels": resources.labels(service)},
+    return {"metadata": {"name": f"{service}-0", "namespace": namespace, "labels": service_labels(service)},
             "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]},
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
 

@@ -1,12 +1,15 @@
 """Prefix-affinity's rules for when a request leaves the pod that caches its prefix (pure
-decisions: router/affinity.py), and where the router reads a pod's sequence slots."""
+decisions: router/strategies/prefix_affinity.py), and where the router reads a pod's sequence slots."""
 from __future__ import annotations
 
 import random
 
-from kaon_operator.router import affinity
-from kaon_operator.router.balance import pick
+from kaon_operator import api
 from kaon_operator.router.endpoints import Endpoint, service
+from kaon_operator.router.strategies import prefix_affinity, prefixes
+from kaon_operator.router.strategies.least_connections import pick
+from kaon_operator.router.strategies.records import Homes, KnownPrefixes
+from kaon_operator.router.strategies.ring import Ring
 
 NS = "team"
 
@@ -24,9 +27,9 @@ RNG = random.Random(0)
 def test_a_holder_passed_over_spills_to_the_least_loaded_pod_not_the_next_on_the_ring():
     # a holds the prefix but is at the bound (ceil(1.25 x 6 / 3) = 3); b is next on the ring
     # but busier than c: the request goes to c, where it queues least.
-    assert affinity.choose([A, B, C], PODS, {A: 3, B: 2, C: 0}, 1.25, first=A, rng=RNG) == (C, False)
+    assert prefix_affinity.choose([A, B, C], PODS, {A: 3, B: 2, C: 0}, 1.25, first=A, rng=RNG) == (C, False)
     # Ties among the least loaded go at random (below: why not by the ring's order).
-    spills = {affinity.choose([A, C, B], PODS, {A: 3}, 1.25, first=A, rng=RNG) for _ in range(20)}
+    spills = {prefix_affinity.choose([A, C, B], PODS, {A: 3}, 1.25, first=A, rng=RNG) for _ in range(20)}
     assert spills == {(B, False), (C, False)}
 
 
@@ -36,15 +39,15 @@ def test_at_light_load_the_bound_allows_one_request_more_than_the_least_loaded_p
     # prefill its history again elsewhere. One request more than the least loaded is allowed ...
     pods = [ep(f"p{i}") for i in range(8)]
     loads = dict(zip(pods, [2, 2, 1, 1, 2, 1, 1, 1]))
-    assert affinity.capacity(loads, pods, 1.25) == 2
-    assert affinity.choose(pods, pods, loads, 1.25, first=pods[0], rng=RNG) == (pods[0], True)
+    assert prefix_affinity.capacity(loads, pods, 1.25) == 2
+    assert prefix_affinity.choose(pods, pods, loads, 1.25, first=pods[0], rng=RNG) == (pods[0], True)
     # ... two more are not: the bound still spills a hot spot to the least loaded pods.
     loads[pods[0]] = 3
-    target, kept = affinity.choose(pods, pods, loads, 1.25, first=pods[0], rng=RNG)
+    target, kept = prefix_affinity.choose(pods, pods, loads, 1.25, first=pods[0], rng=RNG)
     assert not kept and loads[target] == 1
     # Three pods, one request in flight: the bound alone (capacity 1) would move it.
-    assert affinity.choose([A, B, C], PODS, {A: 1}, 1.25, first=A, rng=RNG) == (A, True)
-    assert affinity.choose([A, B, C], PODS, {A: 2}, 1.25, first=A, rng=RNG) in {(B, False), (C, False)}
+    assert prefix_affinity.choose([A, B, C], PODS, {A: 1}, 1.25, first=A, rng=RNG) == (A, True)
+    assert prefix_affinity.choose([A, B, C], PODS, {A: 2}, 1.25, first=A, rng=RNG) in {(B, False), (C, False)}
 
 
 def test_a_pod_without_a_free_slot_is_passed_over_while_another_has_one():
@@ -52,32 +55,32 @@ def test_a_pod_without_a_free_slot_is_passed_over_while_another_has_one():
     # request would wait at a for a sequence to finish, so it goes to c (the load bound alone,
     # ceil(1.25 x 12 / 3) = 5, would keep it at a).
     loads = {A: 4, B: 4, C: 3}
-    assert affinity.choose([A, B, C], PODS, loads, 1.25, first=A, slots=4, rng=RNG) == (C, False)
-    assert affinity.choose([A, B, C], PODS, loads, 1.25, first=A, rng=RNG) == (A, True)  # slots unknown
+    assert prefix_affinity.choose([A, B, C], PODS, loads, 1.25, first=A, slots=4, rng=RNG) == (C, False)
+    assert prefix_affinity.choose([A, B, C], PODS, loads, 1.25, first=A, rng=RNG) == (A, True)  # slots unknown
     # With no free slot anywhere, a keeps it while no pod has fewer waiting: the cached prefix
     # is worth a wait, but not a longer one than elsewhere (the load bound, 6, would keep it).
-    assert affinity.choose([A, B, C], PODS, {A: 4, B: 4, C: 4}, 1.25, first=A, slots=4, rng=RNG) == (A, True)
-    assert affinity.choose([A, B, C], PODS, {A: 5, B: 4, C: 4}, 1.25, first=A, slots=4,
+    assert prefix_affinity.choose([A, B, C], PODS, {A: 4, B: 4, C: 4}, 1.25, first=A, slots=4, rng=RNG) == (A, True)
+    assert prefix_affinity.choose([A, B, C], PODS, {A: 5, B: 4, C: 4}, 1.25, first=A, slots=4,
                            rng=RNG) in {(B, False), (C, False)}
-    assert affinity.choose([A, B, C], PODS, {A: 5, B: 5, C: 5}, 1.25, first=A, slots=4, rng=RNG) == (A, True)
+    assert prefix_affinity.choose([A, B, C], PODS, {A: 5, B: 5, C: 5}, 1.25, first=A, slots=4, rng=RNG) == (A, True)
     # A free slot at the holder: no reason to leave it.
-    assert affinity.choose([A, B, C], PODS, {A: 3, B: 0, C: 0}, 3.0, first=A, slots=4, rng=RNG) == (A, True)
+    assert prefix_affinity.choose([A, B, C], PODS, {A: 3, B: 0, C: 0}, 3.0, first=A, slots=4, rng=RNG) == (A, True)
     # Only usable pods count: c's free slot does not matter when c may not be used.
-    assert affinity.choose([A, B, C], [A, B], loads, 1.25, first=A, slots=4, rng=RNG) == (A, True)
+    assert prefix_affinity.choose([A, B, C], [A, B], loads, 1.25, first=A, slots=4, rng=RNG) == (A, True)
 
 
 def test_a_new_prefix_leaves_its_ring_owner_once_that_pod_is_busier_than_the_least_loaded_by_more_than_the_slack():
-    assert affinity.NEW_PREFIX_SLACK == 1
+    assert prefix_affinity.NEW_PREFIX_SLACK == 1
     # No pod holds anything of the request's own: the ring owner b keeps it at one above the least ...
-    assert affinity.choose([B, C, A], PODS, {B: 1}, 3.0, rng=RNG) == (B, True)
-    assert affinity.choose([B, C, A], PODS, {B: 3, C: 2, A: 2}, 3.0, rng=RNG) == (B, True)
+    assert prefix_affinity.choose([B, C, A], PODS, {B: 1}, 3.0, rng=RNG) == (B, True)
+    assert prefix_affinity.choose([B, C, A], PODS, {B: 3, C: 2, A: 2}, 3.0, rng=RNG) == (B, True)
     # ... but not at two: the mean-based bound (capacity 4 and 5 here) would have kept it there.
-    assert affinity.choose([B, C, A], PODS, {B: 2}, 3.0, rng=RNG) in {(C, False), (A, False)}
-    assert affinity.choose([B, C, A], PODS, {B: 4, C: 3, A: 2}, 1.25, rng=RNG) == (A, False)
+    assert prefix_affinity.choose([B, C, A], PODS, {B: 2}, 3.0, rng=RNG) in {(C, False), (A, False)}
+    assert prefix_affinity.choose([B, C, A], PODS, {B: 4, C: 3, A: 2}, 1.25, rng=RNG) == (A, False)
     # A holder of the request's prefix is not held to the slack: its cache is worth the queue.
-    assert affinity.choose([B, C, A], PODS, {B: 4, C: 3, A: 2}, 1.25, first=B, rng=RNG) == (B, True)
+    assert prefix_affinity.choose([B, C, A], PODS, {B: 4, C: 3, A: 2}, 1.25, first=B, rng=RNG) == (B, True)
     # A holder that may not be used (tried, backing off) does not count as one.
-    assert affinity.choose([B, C, A], [B, C], {B: 4, C: 2}, 1.25, first=A, rng=RNG) == (C, False)
+    assert prefix_affinity.choose([B, C, A], [B, C], {B: 4, C: 2}, 1.25, first=A, rng=RNG) == (C, False)
 
 
 def _place_conversations(choose, n: int, seed: int) -> dict:
@@ -85,14 +88,14 @@ def _place_conversations(choose, n: int, seed: int) -> dict:
     pod until, after a while, it ends (the user reads the reply): where each conversation's
     first turn went is its home, and its later turns follow it there."""
     rng = random.Random(seed)
-    ring = affinity.Ring(PODS, name=lambda e: e.pod)
+    ring = Ring(PODS, name=lambda e: e.pod)
     inflight = {p: 0 for p in PODS}
     running: list = []
-    homes = affinity.Homes()
+    homes = Homes()
     for i in range(n):
         while running and (len(running) > 4 or rng.random() < 0.5):
             inflight[running.pop(rng.randrange(len(running)))] -= 1
-        key = affinity.chain(f"conversation {i} of {seed}", "s")[-1]
+        key = prefixes.chain(f"conversation {i} of {seed}", "s")[-1]
         target, _ = choose(ring.walk(key), PODS, inflight, 1.25, homes=homes.counts(i), rng=RNG)
         inflight[target] += 1
         running.append(target)
@@ -106,7 +109,7 @@ def test_new_conversations_are_spread_evenly_over_the_pods_not_by_the_ring_alone
     # conversation between turns has none; counting the conversations keeps each pod near 6.
     worst_ring = max(max(_place_conversations(lambda order, *_, **__: (order[0], True), 18, s).values())
                      for s in range(50))
-    worst = max(max(_place_conversations(affinity.choose, 18, s).values()) for s in range(50))
+    worst = max(max(_place_conversations(prefix_affinity.choose, 18, s).values()) for s in range(50))
     assert worst_ring >= 10
     assert worst <= 8, worst
 
@@ -116,9 +119,9 @@ def _hot_prefix_loop(choose, slots: int | None, clients: int = 12, rounds: int =
     first), through `preferred`, `choose` and `record` as the router does: returns how often
     a request went to a pod without a free slot while another had one, and the holders."""
     rng = random.Random(1)
-    ring = affinity.Ring(PODS, name=lambda e: e.pod)
-    known = affinity.KnownPrefixes()
-    prefix = affinity.prefix("/v1/chat/completions", {"messages": [
+    ring = Ring(PODS, name=lambda e: e.pod)
+    known = KnownPrefixes()
+    prefix = prefixes.prefix("/v1/chat/completions", {"messages": [
         {"role": "system", "content": "You answer ferry questions. " * 20},
         {"role": "user", "content": "When does the first boat leave?"}]}, "team/svc")
     inflight = {p: 0 for p in PODS}
@@ -128,7 +131,7 @@ def _hot_prefix_loop(choose, slots: int | None, clients: int = 12, rounds: int =
             busy = [p for p in PODS for _ in range(inflight[p])]
             inflight[rng.choice(busy)] -= 1
         order = ring.walk(prefix.anchor)
-        first = affinity.preferred(prefix.hashes[prefix.own_from:], known, order, inflight, rng=RNG)
+        first = prefix_affinity.preferred(prefix.hashes[prefix.own_from:], known, order, inflight, rng=RNG)
         target, _ = choose(order, PODS, inflight, 1.25, first, slots, rng=RNG)
         if inflight[target] >= 4 and min(inflight.values()) < 4:
             queued_needlessly += 1
@@ -138,12 +141,12 @@ def _hot_prefix_loop(choose, slots: int | None, clients: int = 12, rounds: int =
 
 
 def test_a_hot_prefix_is_replicated_and_never_queues_on_a_full_pod_while_another_has_a_slot():
-    queued, holders = _hot_prefix_loop(affinity.choose, slots=4)
+    queued, holders = _hot_prefix_loop(prefix_affinity.choose, slots=4)
     assert queued == 0
     assert holders == frozenset(PODS)  # passed over, it is cached on every pod and spread over them
     # With slots unknown it is the choice of the least loaded holder that spreads it (taking
     # the first holder on the ring, as an earlier version did, queues it there 169 times).
-    queued, holders = _hot_prefix_loop(affinity.choose, slots=None)
+    queued, holders = _hot_prefix_loop(prefix_affinity.choose, slots=None)
     assert queued == 0 and holders == frozenset(PODS)
 
 
@@ -152,14 +155,17 @@ def test_the_router_reads_a_pods_slots_from_engine_max_num_seqs():
         return {"metadata": {"name": "svc", "namespace": NS},
                 "spec": {"model": {"uri": "x"}, **({"engine": engine} if engine is not None else {})}}
 
-    assert service(spec({"maxNumSeqs": 4})).max_num_seqs == 4
-    assert service(spec({})).max_num_seqs is None
-    assert service(spec(None)).max_num_seqs is None
-    assert service(spec({"maxNumSeqs": 0})).max_num_seqs is None
+    # Unsaid (or not valid: the apiserver refuses it), it is api.py's default, which the
+    # apiserver writes into every InferenceService and the operator passes to the engine.
+    default = api.EngineSpec().max_num_seqs
+    assert service(spec({"maxNumSeqs": 4})).max_num_seqs == 4 != default
+    assert service(spec({})).max_num_seqs == default
+    assert service(spec(None)).max_num_seqs == default
+    assert service(spec({"maxNumSeqs": 0})).max_num_seqs == default
 
 
 def test_homes_count_the_conversations_active_lately_per_pod():
-    homes = affinity.Homes(window=10, capacity=3)
+    homes = Homes(window=10, capacity=3)
     homes.touch(1, A, 0)
     homes.touch(2, A, 1)
     homes.touch(3, B, 2)
@@ -176,23 +182,23 @@ def test_homes_count_the_conversations_active_lately_per_pod():
 
 
 SYSTEM = {"role": "system", "content": "You answer ferry questions. " * 20}
-RING = affinity.Ring(PODS, name=lambda e: e.pod)
+RING = Ring(PODS, name=lambda e: e.pod)
 
 
-def _chat(question: str) -> affinity.Prefix:
-    return affinity.prefix("/v1/chat/completions", {"messages": [SYSTEM, {"role": "user", "content": question}]},
+def _chat(question: str) -> prefixes.Prefix:
+    return prefixes.prefix("/v1/chat/completions", {"messages": [SYSTEM, {"role": "user", "content": question}]},
                            "team/svc")
 
 
-def _route(p: affinity.Prefix, inflight: dict, known: affinity.KnownPrefixes, homes: affinity.Homes,
+def _route(p: prefixes.Prefix, inflight: dict, known: KnownPrefixes, homes: Homes,
            rng: random.Random, popular_rule: bool = True):
-    """One request through the decisions as Router._pick makes them (4 slots per pod), with
+    """One request through the decisions as the PrefixAffinity strategy makes them (4 slots per pod), with
     the request counted in flight at once, as the router does before it awaits anything."""
     order = RING.walk(p.anchor)
     own = p.hashes[p.own_from:]
-    first = affinity.preferred(own, known, order, inflight, rng=rng) or homes.home(p.anchor, 0)
-    popular = popular_rule and len(affinity.holders(own, known, order)) > 1
-    target, _ = affinity.choose(order, PODS, inflight, 1.25, first, 4, homes.counts(0), rng=rng, popular=popular)
+    first = prefix_affinity.preferred(own, known, order, inflight, rng=rng) or homes.home(p.anchor, 0)
+    popular = popular_rule and len(prefix_affinity.holders(own, known, order)) > 1
+    target, _ = prefix_affinity.choose(order, PODS, inflight, 1.25, first, 4, homes.counts(0), rng=rng, popular=popular)
     inflight[target] += 1
     known.record(p.hashes, target)
     homes.touch(p.anchor, target, 0)
@@ -205,7 +211,7 @@ def _cached_prefills_per_pod(rounds: int = 300) -> dict:
     together, in any order: the hot one (cached wherever it goes) and two new ones (uncached:
     a full prefill). Returns how many of the hot, cheap ones each pod got."""
     order_rng, rng = random.Random(2), random.Random(3)
-    known, homes = affinity.KnownPrefixes(), affinity.Homes()
+    known, homes = KnownPrefixes(), Homes()
     hot = _chat("When does the first boat leave?")
     for pod in PODS:
         known.record(hot.hashes, pod)
@@ -239,7 +245,7 @@ def _first_wave_full_prefills(strategy: str, waves: int = 1000) -> float:
     for wave in range(waves):
         mix = random.Random(wave)
         inflight = dict.fromkeys(PODS, 0)
-        known, homes = affinity.KnownPrefixes(), affinity.Homes()
+        known, homes = KnownPrefixes(), Homes()
         got = {pod: [] for pod in PODS}
         for i in range(12):
             question = "When does the first boat leave?" if mix.random() < 2 / 3 else f"unique {wave} {i}"

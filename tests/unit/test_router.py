@@ -13,22 +13,32 @@ import random
 import subprocess
 import sys
 import time
+import typing
 from collections import Counter
 from itertools import cycle
 
 import pytest
+
 from kaon_operator import api, resources
-from kaon_operator.router import affinity
-from kaon_operator.router.balance import Backoff, candidates, pick
+from kaon_operator.router import strategies
+from kaon_operator.router.backoff import Backoff, candidates
+from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import (
     ENGINE_POD_SELECTOR,
     Endpoint,
     EndpointTable,
     ServiceKey,
     endpoint,
+    service,
 )
 from kaon_operator.router.errors import RouterError
-from kaon_operator.router.proxy import Router, RouterConfig, requested_model
+from kaon_operator.router.proxy import Router
+from kaon_operator.router.request import requested_model
+from kaon_operator.router.strategies import prefix_affinity, prefixes
+from kaon_operator.router.strategies.least_connections import LeastConnections, pick
+from kaon_operator.router.strategies.prefix_affinity import PrefixAffinity
+from kaon_operator.router.strategies.records import KnownPrefixes
+from kaon_operator.router.strategies.ring import Ring
 from support.router import (
     NS,
     FakeEngine,
@@ -133,6 +143,43 @@ def test_served_names_default_to_the_name_and_the_oldest_service_keeps_a_contest
     assert [s.served_name for s in table.services()] == ["new"]
 
 
+def test_a_service_is_read_through_the_api_models_and_a_section_that_does_not_validate_stops_nothing():
+    spec = isvc("svc", "m")
+    spec["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 2}
+    read = service(spec)
+    assert (read.served_name, read.strategy, read.load_bound, read.hold_seconds, read.api_key_secret,
+            read.created) == ("m", "prefix-affinity", 2.0, None, None, 1767225600)
+    # Defaults are api.py's: the same ones the apiserver writes into every InferenceService.
+    defaults = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}})
+    plain = service(isvc("svc"))
+    assert (plain.strategy, plain.load_bound, plain.max_num_seqs) == (
+        defaults.routing.strategy, defaults.routing.load_bound, defaults.engine.max_num_seqs)
+    # A section the apiserver would refuse (an object written by hand) reads as its defaults...
+    spec["spec"]["routing"] = {"strategy": "round-robin", "loadBound": "far"}
+    spec["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 0}  # no scaleToZeroIdleSeconds
+    table = EndpointTable(default_namespace=NS)
+    table.apply_service("ADDED", spec)
+    read = table.service(ServiceKey(NS, "svc"))
+    assert (read.strategy, read.load_bound, read.hold_seconds) == ("least-connections", 1.25, None)
+    # ...but an auth section that does not validate refuses every request, never opens the service.
+    spec["spec"]["auth"] = {"apiKeySecret": ""}
+    table.apply_service("MODIFIED", spec)
+    assert table.api_keys(ServiceKey(NS, "svc")) == ()
+
+
+def test_strategies_are_found_by_the_names_the_crd_allows():
+    allowed = typing.get_args(api.RoutingSpec.model_fields["strategy"].annotation)
+    assert set(strategies.STRATEGIES) == set(allowed)
+    assert strategies.named("least-connections") is LeastConnections
+    assert strategies.named("prefix-affinity") is PrefixAffinity
+    with pytest.raises(strategies.UnknownStrategy, match=r"'round-robin'.*least-connections, prefix-affinity"):
+        strategies.named("round-robin")
+    made = strategies.Strategies()
+    assert made.get("prefix-affinity") is made.get("prefix-affinity")  # one per router: its records last
+    with pytest.raises(strategies.UnknownStrategy):
+        made.get("")
+
+
 def test_requested_model_refuses_what_is_not_an_openai_request():
     assert requested_model(b'{"model": "m", "prompt": "x"}') == "m"
     for body, fragment in [(b"{not json", "not valid JSON"), (b"[1]", "JSON object"), (b"\xff", "not valid JSON"),
@@ -157,51 +204,51 @@ def conversation(i: int, turns: int, system: str = "You are a helpful assistant.
 
 def test_prompt_chunks_chain_so_a_shared_prefix_shares_its_hashes():
     base = "x" * 600
-    a, b = affinity.chain(base + "tail one", "ns/svc"), affinity.chain(base + "other tail", "ns/svc")
+    a, b = prefixes.chain(base + "tail one", "ns/svc"), prefixes.chain(base + "other tail", "ns/svc")
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]  # two full chunks of 256 in common, tails differ
-    assert affinity.chain("y" + base[1:], "ns/svc")[1] != a[1]  # chained: a change in chunk 0 changes chunk 1
-    assert affinity.chain(base, "ns/other")[0] != a[0]  # services apart
-    assert affinity.chain("short", "s") and affinity.chain("", "s") == []
+    assert prefixes.chain("y" + base[1:], "ns/svc")[1] != a[1]  # chained: a change in chunk 0 changes chunk 1
+    assert prefixes.chain(base, "ns/other")[0] != a[0]  # services apart
+    assert prefixes.chain("short", "s") and prefixes.chain("", "s") == []
 
 
 def test_a_chat_prefix_runs_to_the_last_user_turn_and_its_anchor_to_the_first():
     turns = conversation(0, 3)
-    texts = [affinity.prompt_prefix("/v1/chat/completions", {"messages": m}) for m in turns]
+    texts = [prefixes.prompt_prefix("/v1/chat/completions", {"messages": m}) for m in turns]
     # Each turn's text starts with the previous turn's: the engine's cache of a turn serves the next.
     assert all(texts[i + 1][0].startswith(texts[i][0]) for i in range(2))
     assert len({anchor for _, anchor in texts}) == 1  # the anchor stays put over the conversation
-    assert texts[0][1] != affinity.prompt_prefix("/v1/chat/completions", {"messages": conversation(1, 1)[0]})[1]
+    assert texts[0][1] != prefixes.prompt_prefix("/v1/chat/completions", {"messages": conversation(1, 1)[0]})[1]
     # What follows the last user turn (a prefilled assistant reply) is not part of it.
-    extra = affinity.prompt_prefix("/v1/chat/completions",
+    extra = prefixes.prompt_prefix("/v1/chat/completions",
                                    {"messages": [*turns[0], {"role": "assistant", "content": "Sure"}]})
     assert extra == texts[0]
-    assert affinity.prompt_prefix("/v1/completions", {"prompt": "Once"}) == ("Once", "Once")
-    assert affinity.prompt_prefix("/v1/completions", {"prompt": [1, 2, 3]}) == ("1,2,3", "1,2,3")
-    assert affinity.prompt_prefix("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch: no one prefix
-    assert affinity.prompt_prefix("/v1/embeddings", {"input": "x"}) is None
-    assert affinity.prompt_prefix("/v1/chat/completions", {"messages": "x"}) is None
+    assert prefixes.prompt_prefix("/v1/completions", {"prompt": "Once"}) == ("Once", "Once")
+    assert prefixes.prompt_prefix("/v1/completions", {"prompt": [1, 2, 3]}) == ("1,2,3", "1,2,3")
+    assert prefixes.prompt_prefix("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch: no one prefix
+    assert prefixes.prompt_prefix("/v1/embeddings", {"input": "x"}) is None
+    assert prefixes.prompt_prefix("/v1/chat/completions", {"messages": "x"}) is None
 
 
-def _owners(ring: affinity.Ring, keys: list[int]) -> list:
+def _owners(ring: Ring, keys: list[int]) -> list:
     return [ring.walk(k)[0] for k in keys]
 
 
 def test_the_ring_keeps_a_key_on_one_pod_spreads_keys_and_a_leaving_pod_moves_only_its_own():
     pods = [ep(f"p{i}") for i in range(5)]
-    ring = affinity.Ring(pods, name=lambda e: e.pod)
-    keys = [affinity.chain(f"conversation {i}", "s")[-1] for i in range(5000)]
+    ring = Ring(pods, name=lambda e: e.pod)
+    keys = [prefixes.chain(f"conversation {i}", "s")[-1] for i in range(5000)]
     owners = _owners(ring, keys)
-    assert owners == _owners(affinity.Ring(list(reversed(pods)), name=lambda e: e.pod), keys)  # order-free
+    assert owners == _owners(Ring(list(reversed(pods)), name=lambda e: e.pod), keys)  # order-free
     assert sorted(ring.walk(keys[0]), key=lambda e: e.pod) == pods  # the walk visits every pod once
     spread = Counter(e.pod for e in owners)
     assert len(spread) == 5 and max(spread.values()) < 1.3 * 1000 and min(spread.values()) > 0.7 * 1000, spread
     gone = pods[2]
-    after = _owners(affinity.Ring([p for p in pods if p != gone], name=lambda e: e.pod), keys)
+    after = _owners(Ring([p for p in pods if p != gone], name=lambda e: e.pod), keys)
     moved = [k for k, (b, a) in enumerate(zip(owners, after)) if b != a]
     assert all(owners[k] == gone for k in moved)  # only the leaving pod's keys move ...
     assert len(moved) < len(keys) * (1 / 5 + 0.06), len(moved)  # ... about 1/N of them
     # A pod joining takes keys from the others, and no key moves between two old pods.
-    joined = _owners(affinity.Ring([*pods, ep("p5")], name=lambda e: e.pod), keys)
+    joined = _owners(Ring([*pods, ep("p5")], name=lambda e: e.pod), keys)
     assert all(a == b or a.pod == "p5" for b, a in zip(owners, joined))
     assert sum(a.pod == "p5" for a in joined) < len(keys) * (1 / 6 + 0.06)
 
@@ -213,48 +260,49 @@ RNG = random.Random(0)
 def test_choose_keeps_the_first_choice_until_it_is_over_the_load_bound():
     a, b, c = ep("a"), ep("b"), ep("c")
     order = [b, c, a]
-    assert affinity.choose(order, [a, b, c], {}, 1.25, rng=RNG) == (b, True)
+    assert prefix_affinity.choose(order, [a, b, c], {}, 1.25, rng=RNG) == (b, True)
     # b carries 2 of 3 in flight: capacity ceil(1.25 x 4 / 3) = 2, so b is skipped for c.
-    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 1.25, rng=RNG) == (c, False)
-    assert affinity.choose(order, [a, b, c], {b: 1, a: 1}, 1.25, rng=RNG) == (b, True)
+    assert prefix_affinity.choose(order, [a, b, c], {b: 2, a: 1}, 1.25, rng=RNG) == (c, False)
+    assert prefix_affinity.choose(order, [a, b, c], {b: 1, a: 1}, 1.25, rng=RNG) == (b, True)
     # The holder of the known prefix comes before the ring, and is skipped the same way.
-    assert affinity.choose(order, [a, b, c], {}, 1.25, first=a, rng=RNG) == (a, True)
-    assert affinity.choose(order, [a, b, c], {a: 3}, 1.25, first=a, rng=RNG) in {(b, False), (c, False)}
+    assert prefix_affinity.choose(order, [a, b, c], {}, 1.25, first=a, rng=RNG) == (a, True)
+    assert prefix_affinity.choose(order, [a, b, c], {a: 3}, 1.25, first=a, rng=RNG) in {(b, False), (c, False)}
     # Only usable pods (not tried, not backing off) count; a generous bound keeps a holder.
-    assert affinity.choose(order, [a, c], {}, 1.25, rng=RNG) == (c, True)
-    assert affinity.choose(order, [a, b, c], {b: 2, a: 1}, 3.0, first=b, rng=RNG) == (b, True)
+    assert prefix_affinity.choose(order, [a, c], {}, 1.25, rng=RNG) == (c, True)
+    assert prefix_affinity.choose(order, [a, b, c], {b: 2, a: 1}, 3.0, first=b, rng=RNG) == (b, True)
     # A tight bound: capacity ceil(1.01 x 10 / 2) = 6.
-    assert affinity.choose(order, [b, c], {b: 5, c: 4}, 1.01, rng=RNG) == (b, True)
-    assert affinity.choose(order, [b, c], {b: 6, c: 3}, 1.01, rng=RNG) == (c, False)
+    assert prefix_affinity.choose(order, [b, c], {b: 5, c: 4}, 1.01, rng=RNG) == (b, True)
+    assert prefix_affinity.choose(order, [b, c], {b: 6, c: 3}, 1.01, rng=RNG) == (c, False)
 
 
 def test_bounded_loads_keep_every_pod_near_the_mean_even_when_one_key_is_hot():
     pods = [ep(f"p{i}") for i in range(4)]
-    ring = affinity.Ring(pods, name=lambda e: e.pod)
+    ring = Ring(pods, name=lambda e: e.pod)
     inflight: dict = {}
     for _ in range(100):  # one hot prefix, requests that never finish
-        target, _ = affinity.choose(ring.walk(42), pods, inflight, 1.25, rng=RNG)
+        target, _ = prefix_affinity.choose(ring.walk(42), pods, inflight, 1.25, rng=RNG)
         inflight[target] = inflight.get(target, 0) + 1
     assert max(inflight.values()) <= 1.25 * 100 / 4 + 1, inflight
 
 
 def test_the_longest_known_prefix_wins_and_of_several_holders_the_least_loaded():
     a, b, c = ep("a"), ep("b"), ep("c")
-    known = affinity.KnownPrefixes(capacity=10)
-    turn1 = affinity.chain("s" * 512 + "u" * 300, "k")
+    preferred, chain = prefix_affinity.preferred, prefixes.chain
+    known = KnownPrefixes(capacity=10)
+    turn1 = chain("s" * 512 + "u" * 300, "k")
     known.record(turn1, a)
-    assert affinity.preferred(turn1, known, [b, c, a], {a: 3}, rng=RNG) == a  # however loaded: the bound is choose's
-    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "more", "k"), known, [a, b], {}, rng=RNG) == a
-    assert affinity.preferred(turn1, known, [b, c], {}, rng=RNG) is None  # a is not usable now
-    assert affinity.preferred(affinity.chain("other", "k"), known, [a, b], {}, rng=RNG) is None
+    assert preferred(turn1, known, [b, c, a], {a: 3}, rng=RNG) == a  # however loaded: the bound is choose's
+    assert preferred(chain("s" * 512 + "u" * 300 + "more", "k"), known, [a, b], {}, rng=RNG) == a
+    assert preferred(turn1, known, [b, c], {}, rng=RNG) is None  # a is not usable now
+    assert preferred(chain("other", "k"), known, [a, b], {}, rng=RNG) is None
     known.record(turn1, b)  # passed over for load once: now cached on a and b
-    assert affinity.preferred(turn1, known, [c, b, a], {a: 2, b: 1}, rng=RNG) == b
-    assert {affinity.preferred(turn1, known, [c, a, b], {}, rng=RNG) for _ in range(20)} == {a, b}  # ties at random
+    assert preferred(turn1, known, [c, b, a], {a: 2, b: 1}, rng=RNG) == b
+    assert {preferred(turn1, known, [c, a, b], {}, rng=RNG) for _ in range(20)} == {a, b}  # ties at random
     # A longer prefix whose holder left gives way to a shorter one that another pod holds.
-    known.record(affinity.chain("s" * 512 + "u" * 300 + "w" * 300, "k"), c)
-    assert affinity.preferred(affinity.chain("s" * 512 + "u" * 300 + "w" * 300, "k"), known, [a], {}, rng=RNG) == a
-    known.record(affinity.chain("z" * 2600, "k"), b)  # 11 chunks: the oldest are forgotten
-    assert len(known) == 10 and affinity.preferred(turn1, known, [a, b], {}, rng=RNG) is None
+    known.record(chain("s" * 512 + "u" * 300 + "w" * 300, "k"), c)
+    assert preferred(chain("s" * 512 + "u" * 300 + "w" * 300, "k"), known, [a], {}, rng=RNG) == a
+    known.record(chain("z" * 2600, "k"), b)  # 11 chunks: the oldest are forgotten
+    assert len(known) == 10 and preferred(turn1, known, [a, b], {}, rng=RNG) is None
 
 
 # the HTTP path against fake engines ----------------------------------------------------
@@ -653,7 +701,7 @@ def test_prefix_affinity_passes_a_full_pod_over_when_the_service_says_its_slots(
 
     home, went = run(scenario(2))
     assert went != home
-    home, went = run(scenario(None))  # slots unknown: the load bound alone keeps it home
+    home, went = run(scenario(None))  # the default 64 slots, far from full: the load bound alone keeps it home
     assert went == home
 
 

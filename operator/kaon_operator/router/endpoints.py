@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
-from kaon_operator import naming, resources
+from pydantic import BaseModel, ValidationError
 
-SERVICE_LABEL = "kaon.dev/inferenceservice"
-COMPONENT_LABEL = "app.kubernetes.io/component"
-# Engine pods of every InferenceService (resources.selector_labels, minus the name).
-ENGINE_POD_SELECTOR = f"{COMPONENT_LABEL}=engine,{SERVICE_LABEL}"
+from kaon_operator import api, kubetime, labels, naming, resources
+
+logger = logging.getLogger("kaon.router.endpoints")
+
+# Engine pods of every InferenceService (labels.engine_selector, for any name).
+ENGINE_POD_SELECTOR = f"{labels.COMPONENT}={labels.ENGINE},{labels.SERVICE}"
 
 
 class ServiceKey(NamedTuple):
@@ -41,21 +43,23 @@ class Endpoint:
 
 @dataclass(frozen=True, slots=True)
 class Service:
+    """An InferenceService as the router reads it (`service()`)."""
+
     key: ServiceKey
     served_name: str
     created: int  # unix seconds; the oldest InferenceService keeps a contested served name
-    hold_seconds: float | None = None
+    hold_seconds: float | None
     """How long a request may wait for a first ready pod: an autoscaled service's
     scaleFromZeroTimeoutSeconds, which covers a cold start (None: the router's --queue-timeout)."""
-    strategy: str = "least-connections"
-    """spec.routing.strategy: least-connections or prefix-affinity."""
-    load_bound: float = 1.25
+    strategy: str
+    """spec.routing.strategy: the name of a routing strategy (strategies.STRATEGIES)."""
+    load_bound: float
     """spec.routing.loadBound: with prefix-affinity, how far above the mean load a pod may go."""
-    api_key_secret: str | None = None
+    api_key_secret: str | None
     """spec.auth.apiKeySecret: the Secret (same namespace) whose values are the accepted API keys."""
-    max_num_seqs: int | None = None
+    max_num_seqs: int
     """spec.engine.maxNumSeqs: sequences one pod runs at once (prefix-affinity keeps a request off
-    a pod with no free slot while another has one); None when the spec does not say."""
+    a pod with no free slot while another has one)."""
 
 
 def _is_ready(status: dict) -> bool:
@@ -79,27 +83,46 @@ def endpoint(pod: dict) -> Endpoint | None:
     if not ip or meta.get("deletionTimestamp") or not _is_ready(status):
         return None
     host = f"[{ip}]" if ":" in ip else ip
-    return Endpoint(meta["namespace"], meta["name"], meta["labels"][SERVICE_LABEL], f"http://{host}:{_http_port(pod)}")
-
-
-def _epoch(timestamp: str | None) -> int:
-    return int(datetime.fromisoformat(timestamp).timestamp()) if timestamp else 0
+    return Endpoint(meta["namespace"], meta["name"], meta["labels"][labels.SERVICE], f"http://{host}:{_http_port(pod)}")
 
 
 def service(isvc: dict) -> Service:
-    meta = isvc["metadata"]
-    spec = isvc.get("spec") or {}
-    model, autoscaling = spec.get("model") or {}, spec.get("autoscaling") or {}
-    hold = autoscaling.get("scaleFromZeroTimeoutSeconds") if autoscaling.get("enabled") else None
-    routing = spec.get("routing") or {}
-    return Service(ServiceKey(meta["namespace"], meta["name"]), model.get("servedName") or meta["name"],
-                   _epoch(meta.get("creationTimestamp")), hold, routing.get("strategy") or "least-connections",
-                   float(routing.get("loadBound") or 1.25), (spec.get("auth") or {}).get("apiKeySecret"),
-                   _positive_int((spec.get("engine") or {}).get("maxNumSeqs")))
+    """The InferenceService's routing facts, read through api.py's models so that their
+    defaults are the router's too. Each section is read on its own, and one that does not
+    validate (the apiserver refuses those; an object written by hand may hold one) reads as
+    its defaults rather than stopping the watch, except spec.auth, which then refuses every
+    request: a protected service is never opened by a typo."""
+    meta, spec = isvc["metadata"], isvc.get("spec") or {}
+    key = ServiceKey(meta["namespace"], meta["name"])
+    autoscaling = _section(key, spec, "autoscaling", api.AutoscalingSpec)
+    routing = _section(key, spec, "routing", api.RoutingSpec)
+    return Service(key, api.served_name(spec.get("model"), meta["name"]),
+                   int(kubetime.epoch(meta.get("creationTimestamp")) or 0),
+                   autoscaling.scale_from_zero_timeout_seconds if autoscaling.enabled else None,
+                   routing.strategy, routing.load_bound, _api_key_secret(key, spec.get("auth")),
+                   _section(key, spec, "engine", api.EngineSpec).max_num_seqs)
 
 
-def _positive_int(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+Section = TypeVar("Section", bound=BaseModel)
+
+
+def _section(key: ServiceKey, spec: Mapping, name: str, model: type[Section]) -> Section:
+    try:
+        return model.model_validate(spec.get(name) or {})
+    except ValidationError as exc:
+        logger.warning("InferenceService %s: spec.%s is not valid, so the router reads its defaults: %s",
+                       key, name, exc)
+        return model()
+
+
+def _api_key_secret(key: ServiceKey, auth) -> str | None:
+    if auth is None:
+        return None
+    try:
+        return api.AuthSpec.model_validate(auth).api_key_secret
+    except ValidationError as exc:
+        logger.warning("InferenceService %s: spec.auth is not valid, so every request is refused: %s", key, exc)
+        return ""  # names no Secret: no key is accepted
 
 
 SecretId = tuple[str, str]  # (namespace, Secret name)

@@ -1,4 +1,5 @@
-"""`kaon-router` (or `python -m kaon_operator.router`): the OpenAI-compatible gateway in front of every InferenceService."""
+"""`kaon-router` (or `python -m kaon_operator.router`): the OpenAI-compatible gateway in front of every
+InferenceService."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,9 @@ import sys
 
 from aiohttp import web
 
+from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
-from kaon_operator.router.proxy import Router, RouterConfig
+from kaon_operator.router.proxy import Router
 
 DEFAULTS = RouterConfig()
 

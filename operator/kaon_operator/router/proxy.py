@@ -1,44 +1,42 @@
 """The HTTP edge: an aiohttp server that forwards OpenAI requests to engine pods.
 
-Per request: read the body, take `model` from it, find the InferenceService serving that
-name, hold the request while the service has no ready pod, pick a pod (the fewest
-requests in flight, or with prefix-affinity the one caching the prompt's prefix within a
-load bound: affinity.py), and relay the response as it arrives (SSE streams chunk by chunk),
-with the engine's status, headers and body unchanged.
+Per request: read the body, take `model` from it (request.py), find the InferenceService
+serving that name, hold the request while the service has no ready pod (hold.py), pick a pod
+by the service's routing strategy (strategies/), and relay the response as it arrives
+(relay.py; SSE streams in whole events, sse.py), with the engine's status, headers and body
+unchanged.
 
 Failures: an attempt that fails before the response began (refused or reset connection, the
 engine closing it, no response headers within --first-byte-timeout) goes to another pod, up to
 --max-attempts; the last failure is the answer (502, or 504 for a timeout). After the response
 began nothing is repeated: a stream that breaks off or sends nothing for --idle-timeout ends with
 an OpenAI error event (an unfinished body when it is not a stream). Either way the pod is
-ejected (balance.Backoff) so the next requests go elsewhere.
+ejected (backoff.Backoff) so the next requests go elsewhere.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
-from kaon_operator.router import affinity, auth, errors
-from kaon_operator.router.balance import Backoff, candidates, pick
+from kaon_operator.router import auth, errors
+from kaon_operator.router.backoff import Backoff, candidates
+from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 from kaon_operator.router.errors import RouterError
 from kaon_operator.router.hold import Hold, HoldFull
-from kaon_operator.router.metrics import RouterMetrics
+from kaon_operator.router.metrics import Phase, RouterMetrics
+from kaon_operator.router.relay import Relay
+from kaon_operator.router.request import engine_body, forwarded, parse_request
+from kaon_operator.router.strategies import Attempt, Strategies
+from kaon_operator.router.strategies.least_connections import pick
 
 logger = logging.getLogger("kaon.router")
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "trailers", "transfer-encoding", "upgrade"})
-# The body is already read (and any 100-continue answered); aiohttp sets the length itself.
-NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
 # Headers aiohttp's client would add on its own; the engine gets the client's, or none.
 NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a
@@ -46,87 +44,31 @@ NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 UPSTREAM_KEEPALIVE_S = 4.0
 # Errors raised before a single byte of the request was sent.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-# Where a server-sent event ends; the router passes only whole events on, so that an error
-# event after a break is never glued to half an event.
-SSE_ENDS = (b"\n\n", b"\r\n\r\n")
-MAX_PENDING_SSE = 1 << 16  # an event longer than this is passed on in pieces after all
-WHOLE_BODY_BYTES = 1 << 16  # a body of known length up to this is read whole, then sent in one write
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    queue_timeout: float = 60.0
-    """Seconds a request waits for a ready pod of its InferenceService before a 503."""
-    max_queued: int = 100
-    """Requests that may wait per InferenceService; more get a 503 at once."""
-    backoff: float = 5.0
-    """Seconds a pod that failed to connect gets no new requests (unless no other pod is left)."""
-    connect_timeout: float = 3.0
-    first_byte_timeout: float = 600.0
-    """Seconds from sending a request to the engine's response headers. A request without
-    `stream` gets its headers only with the whole completion, so this bounds the longest one."""
-    idle_timeout: float = 300.0
-    """Seconds a response (a stream) may go without sending anything once it began."""
-    max_attempts: int = 3
-    """Pods one request tries when attempts fail before a response began."""
-    max_body_bytes: int = 4 << 20  # the engine's own default limit
-
-
-def requested_model(body: bytes) -> str:
-    """The `model` field of an OpenAI request body."""
-    return parse_request(body)[0]
-
-
-def parse_request(body: bytes) -> tuple[str, dict]:
-    """The `model` field of an OpenAI request body, and the body."""
-    try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise errors.bad_request("the request body must be a JSON object")
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise errors.bad_request("`model` is required and must be a string", param="model")
-    return model, payload
-
-
-IDLE = "idle"
-
-
-def _last_event_end(data: bytes) -> int:
-    """Where the last whole server-sent event in `data` ends (0: none)."""
-    return max(data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0,
-               data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0)
-
-
-def _forwarded(headers) -> CIMultiDict:
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in NOT_FORWARDED)
 
 
 class Router:
     """The gateway's state (in-flight counts, back-offs, held requests) and its aiohttp app."""
 
-    def __init__(self, table: EndpointTable, config: RouterConfig = RouterConfig(), rng: random.Random | None = None):
+    def __init__(self, table: EndpointTable, config: RouterConfig | None = None, rng: random.Random | None = None):
         self.table = table
-        self.config = config
+        self.config = config = config or RouterConfig()
         self.rng = rng or random.Random()
         self.inflight: dict[Endpoint, int] = {}
         self.backoff = Backoff(config.backoff)
         self.hold = Hold(config.max_queued)
-        self.known = affinity.KnownPrefixes()
-        """Where prefix-affinity sent each prompt chunk lately."""
-        self._rings: dict[ServiceKey, affinity.Ring[Endpoint]] = {}
-        self.homes = affinity.Homes()
-        """Which pod each conversation prefix-affinity routed went to, while it is active."""
+        self.strategies = Strategies()
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(time.monotonic()))
+        self.relay = Relay(config.idle_timeout, self.metrics, self.backoff, self._eject)
         self._session: aiohttp.ClientSession | None = None
 
     def _changed(self, key: ServiceKey) -> None:
-        """The watch changed a service's ready pods: held requests look again, and a pod that
-        left the ready set is no longer ejected (when it is back, it was seen ready anew)."""
+        """The watch changed a service's ready pods: held requests look again; a pod that left
+        the ready set is no longer ejected (when it is back, it was seen ready anew); the
+        strategies forget a service with no ready pod left."""
         self.hold.notify(key)
+        if not self.table.endpoints(key):
+            self.strategies.forget(key)
         if self.backoff.failures:
             self.backoff.keep_only(lambda e: e in self.table.endpoints(ServiceKey(e.namespace, e.service)))
 
@@ -185,33 +127,29 @@ class Router:
                     failure = upstream
                     continue
                 relaying = True
-                return await self._relay(request, upstream, key, target, dispatched - arrival - held)
+                try:
+                    return await self.relay(request, upstream, key, target, dispatched - arrival - held)
+                finally:
+                    self._release(target)
             raise failure
         except RouterError as exc:
-            self._count(key, exc.status)
+            self.metrics.count(key, exc.status)
             return exc.response()
         except asyncio.CancelledError:
             if not relaying:
-                self._count(key, 499)  # the client went away first (nginx's code for it)
+                self.metrics.count(key, 499)  # the client went away first (nginx's code for it)
             raise
 
     def _admit(self, request: web.Request, model: str, payload: dict, body: bytes) -> bytes:
         """Check the API key of the InferenceService `model` names (before the request may wait
-        for a replica: an unauthenticated one must not wake a service from zero), and the body to
-        send: with `model` rewritten to the served name when the client addressed it otherwise
-        (`namespace/name`), since the engine answers only that. The JSON is rebuilt only then."""
+        for a replica: an unauthenticated one must not wake a service from zero); the body to
+        send (request.engine_body: `model` as the engine knows it)."""
         key = self.table.resolve(model)
         if key is None:
             return body  # _choose answers 404, or 503 while the router starts
         auth.check(self.table, key, request.headers.get("Authorization"))
         service = self.table.service(key)
-        if service is None or service.served_name == model:
-            return body
-        payload["model"] = service.served_name
-        return json.dumps(payload, ensure_ascii=False).encode()
-
-    def _count(self, key: ServiceKey | None, status: int) -> None:
-        self.metrics.requests.labels(*(key or ("", "")), str(status)).inc()
+        return body if service is None else engine_body(body, payload, model, service.served_name)
 
     async def _choose(self, model: str, tried: set[Endpoint], received: float, path: str = "",
                       payload: dict | None = None) -> tuple[ServiceKey, Endpoint, float]:
@@ -243,27 +181,14 @@ class Router:
 
     def _pick(self, key: ServiceKey, ready: tuple[Endpoint, ...], usable: list[Endpoint], path: str,
               payload: dict) -> Endpoint:
-        """By the service's routing strategy; least connections when it has none or the
-        request has no prompt to go by."""
+        """By the service's routing strategy (spec.routing.strategy)."""
         service = self.table.service(key)
-        prefix = affinity.prefix(path, payload, str(key)) if service and service.strategy == "prefix-affinity" else None
-        if prefix is None:
+        if service is None:  # gone since it was resolved
             return pick(usable, self.inflight, self.rng)
-        ring = self._rings.get(key)
-        if ring is None or ring.members != ready:
-            self._rings = {k: r for k, r in self._rings.items() if self.table.endpoints(k)}  # forget gone services
-            ring = self._rings[key] = affinity.Ring(ready, name=lambda e: e.pod)
-        order = [e for e in ring.walk(prefix.anchor) if e in usable]
-        now = time.monotonic()
-        own = prefix.hashes[prefix.own_from:]
-        first = (affinity.preferred(own, self.known, order, self.inflight, rng=self.rng)
-                 or self.homes.home(prefix.anchor, now))
-        target, hit = affinity.choose(order, usable, self.inflight, service.load_bound, first, service.max_num_seqs,
-                                      self.homes.counts(now), rng=self.rng,
-                                      popular=len(affinity.holders(own, self.known, order)) > 1)
-        (self.metrics.affinity_hits if hit else self.metrics.affinity_overrides).labels(*key).inc()
-        self.known.record(prefix.hashes, target)
-        self.homes.touch(prefix.anchor, target, now)
+        attempt = Attempt(service, ready, usable, self.inflight, path, payload, time.monotonic(), self.rng)
+        target, first_choice = self.strategies.get(service.strategy).pick(attempt)
+        if first_choice is not None:
+            (self.metrics.affinity_hits if first_choice else self.metrics.affinity_overrides).labels(*key).inc()
         return target
 
     async def _send(self, request: web.Request, body: bytes, key: ServiceKey, target: Endpoint,
@@ -276,12 +201,12 @@ class Router:
         try:
             async with asyncio.timeout(self.config.first_byte_timeout):
                 return await self._session.request(
-                    request.method, target.url + request.path_qs, data=body, headers=_forwarded(request.headers),
+                    request.method, target.url + request.path_qs, data=body, headers=forwarded(request.headers),
                     allow_redirects=False)
         except CONNECT_ERRORS as exc:  # before TimeoutError: a connect timeout is one too
             reason, error = f"cannot connect ({exc})", None
         except TimeoutError:
-            self.metrics.timeouts.labels(*key, "first_byte").inc()
+            self.metrics.timeouts.labels(*key, Phase.FIRST_BYTE).inc()
             reason = f"no response within {self.config.first_byte_timeout:g}s"
             error = errors.upstream_timeout(str(key), target.pod, "response", self.config.first_byte_timeout,
                                             len(tried) + 1)
@@ -311,132 +236,6 @@ class Router:
             self.inflight[target] = left
         else:
             del self.inflight[target]
-
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, key: ServiceKey,
-                     target: Endpoint, overhead: float) -> web.StreamResponse:
-        try:
-            async with upstream:  # releases the connection, or closes it when the body was not read to the end
-                received = time.perf_counter()
-                headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
-                sse = upstream.content_type == "text/event-stream"
-                length = upstream.content_length
-                if not sse and length is not None and length <= WHOLE_BODY_BYTES:
-                    return await self._relay_whole(upstream, key, target, headers, overhead, received)
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
-                await response.prepare(request)
-                self.metrics.added_latency.observe(overhead + time.perf_counter() - received)
-                self._count(key, upstream.status)
-                self.backoff.succeed(target)
-                try:
-                    broke_off = await self._pump(upstream, response, sse)
-                    if broke_off is None:
-                        await response.write_eof()
-                        return response
-                except ConnectionResetError:  # the client went away; closing the upstream aborts the request
-                    return response
-                if broke_off is IDLE:
-                    self.metrics.timeouts.labels(*key, "idle").inc()
-                    broke_off = f"nothing sent for {self.config.idle_timeout:g}s"
-                    error = errors.upstream_timeout(str(key), target.pod, "data", self.config.idle_timeout)
-                else:
-                    error = errors.upstream_broke_off(str(key), target.pod, broke_off)
-                self.metrics.broken.labels(*key).inc()
-                self._eject(key, target, f"response broke off: {broke_off}")
-                await self._end_broken(request, response, error, sse)
-                return response
-        finally:
-            self._release(target)
-
-    async def _relay_whole(self, upstream: aiohttp.ClientResponse, key: ServiceKey, target: Endpoint,
-                           headers: CIMultiDict, overhead: float, received: float) -> web.Response:
-        """A small body of known length (a completion without `stream`, an error) is read whole
-        and sent with the headers in one write: one system call fewer per request than
-        streaming it, and a failure while reading it can still be the router's own 502/504."""
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.config.idle_timeout):
-                body = await upstream.read()
-            read = time.perf_counter()
-        except TimeoutError:
-            self.metrics.timeouts.labels(*key, "idle").inc()
-            self._eject(key, target, f"response broke off: nothing sent for {self.config.idle_timeout:g}s")
-            raise errors.upstream_timeout(str(key), target.pod, "data", self.config.idle_timeout) from None
-        except aiohttp.ClientError as exc:
-            reason = str(exc) or type(exc).__name__
-            self._eject(key, target, f"response broke off: {reason}")
-            raise errors.upstream_broke_off(str(key), target.pod, reason) from None
-        del headers["Content-Length"]  # the Response sets it
-        response = web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
-        # The router's part only: not the time the engine took to send the body.
-        self.metrics.added_latency.observe(overhead + started - received + time.perf_counter() - read)
-        self._count(key, upstream.status)
-        self.backoff.succeed(target)
-        return response
-
-    @staticmethod
-    async def _end_broken(request: web.Request, response: web.StreamResponse, error: RouterError, sse: bool) -> None:
-        """Headers are out, so the status cannot say it. A stream ends with an error event as
-        OpenAI's does (its clients raise it); any other body is left unfinished, which clients
-        see as a broken response rather than a short, valid-looking one."""
-        if sse:
-            try:
-                await response.write(errors.stream_event(error))
-                await response.write_eof()
-                return
-            except ConnectionResetError:
-                pass
-        if request.transport is not None:
-            request.transport.close()
-
-    async def _pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, sse: bool) -> str | None:
-        """Copy the body as it arrives. None at its end; else why it broke off (IDLE: nothing
-        came for --idle-timeout). A stream is passed on in whole events."""
-        loop = asyncio.get_running_loop()
-        idle = self.config.idle_timeout
-        content = upstream.content
-        pending = b""  # the start of an event whose end has not come yet
-        last = loop.time()  # when the engine last sent something, or the client last took it
-        writing = False
-        while True:
-            # One timer per idle period rather than one per chunk (rescheduling a timer costs
-            # about a tenth of relaying a chunk): when it fires, the stream is idle only if
-            # nothing came since `last`; else it is set again from `last`.
-            try:
-                async with asyncio.timeout_at(last + idle):
-                    while True:
-                        try:
-                            chunk = await content.readany()
-                        except aiohttp.ClientError as exc:
-                            return str(exc) or type(exc).__name__
-                        last = loop.time()
-                        if not chunk:
-                            if pending:
-                                chunk, pending = pending, b""
-                                writing = True
-                                await response.write(chunk)
-                            return None
-                        if sse:
-                            if pending:
-                                chunk, pending = pending + chunk, b""
-                            if not chunk.endswith(SSE_ENDS):
-                                cut = _last_event_end(chunk)
-                                if len(chunk) - cut < MAX_PENDING_SSE:
-                                    chunk, pending = chunk[:cut], chunk[cut:]
-                                if not chunk:
-                                    continue
-                        # A slow client is not an idle engine: the time a write waits for the
-                        # client to read never counts. (A timer firing in the write stops only
-                        # its wait for the client; the chunk is already queued.)
-                        writing = True
-                        await response.write(chunk)
-                        writing = False
-                        last = loop.time()
-            except TimeoutError:
-                if not writing and loop.time() - last >= idle:
-                    return IDLE
-                if writing and not pending and content.at_eof():
-                    return None  # the timer fired in the last write
-                writing, last = False, loop.time()
 
     # the router's own endpoints --------------------------------------------------
 

@@ -1,20 +1,11 @@
-"""Which pod gets a request: pure decisions, with the clock and the randomness passed in."""
+"""Which pods a request may try next, and outlier ejection: pods that just failed get no new
+requests for a while. Pure decisions, with the clock passed in."""
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TypeVar
 
 T = TypeVar("T", bound=Hashable)
-
-
-def pick(endpoints: Sequence[T], inflight: Mapping[T, int], rng: random.Random) -> T:
-    """Least connections: the endpoint with the fewest requests in flight. LLM requests last
-    from milliseconds to minutes, so counting them beats taking turns. Ties go at random,
-    so that idle replicas share a burst instead of the first in the list taking it all."""
-    least = min(inflight.get(e, 0) for e in endpoints)
-    tied = [e for e in endpoints if inflight.get(e, 0) == least]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def candidates(endpoints: Sequence[T], tried: Collection[T], backoff_until: Mapping[T, float], now: float) -> list[T]:

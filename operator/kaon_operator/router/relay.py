@@ -1,0 +1,110 @@
+"""Passing an engine's response on to the client, once the pod has answered.
+
+A small body of known length is read whole and sent in one write; any other is copied as it
+arrives (pump.py), a stream in whole events (sse.py). The status, headers and body are the
+engine's. A response that breaks off or goes idle after it began cannot change its status any
+more: a stream ends with an OpenAI error event, any other body is left unfinished, and the pod
+is ejected.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kaon_operator.router import errors
+from kaon_operator.router.backoff import Backoff
+from kaon_operator.router.endpoints import Endpoint, ServiceKey
+from kaon_operator.router.metrics import Phase, RouterMetrics
+from kaon_operator.router.pump import Ended, Outcome, Pump
+from kaon_operator.router.request import HOP_BY_HOP, forwarded
+from kaon_operator.router.sse import EventFramer, Unframed
+
+WHOLE_BODY_BYTES = 1 << 16  # a body of known length up to this is read whole, then sent in one write
+
+
+class Relay:
+    def __init__(self, idle_timeout: float, metrics: RouterMetrics, backoff: Backoff,
+                 eject: Callable[[ServiceKey, Endpoint, str], None]):
+        self.idle_timeout, self.metrics, self.backoff, self.eject = idle_timeout, metrics, backoff, eject
+
+    async def __call__(self, request: web.Request, upstream: aiohttp.ClientResponse, key: ServiceKey,
+                       target: Endpoint, overhead: float) -> web.StreamResponse:
+        """`overhead`: the router's time before the upstream request went out."""
+        async with upstream:  # releases the connection, or closes it when the body was not read to the end
+            received = time.perf_counter()
+            headers = forwarded(upstream.headers, HOP_BY_HOP)
+            sse = upstream.content_type == "text/event-stream"
+            length = upstream.content_length
+            if not sse and length is not None and length <= WHOLE_BODY_BYTES:
+                return await self._whole(upstream, key, target, headers, overhead, received)
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+            await response.prepare(request)
+            self._answered(key, target, upstream.status, overhead + time.perf_counter() - received)
+            framer = EventFramer() if sse else Unframed()
+            try:
+                ended = await Pump(upstream.content, response.write, framer, self.idle_timeout).run()
+                if ended.outcome is Outcome.COMPLETE:
+                    await response.write_eof()
+                    return response
+            except ConnectionResetError:  # the client went away; closing the upstream aborts the request
+                return response
+            await self._broke_off(request, response, key, target, ended, sse)
+            return response
+
+    def _answered(self, key: ServiceKey, target: Endpoint, status: int, added: float) -> None:
+        self.metrics.added_latency.observe(added)
+        self.metrics.count(key, status)
+        self.backoff.succeed(target)
+
+    async def _whole(self, upstream: aiohttp.ClientResponse, key: ServiceKey, target: Endpoint,
+                     headers: CIMultiDict, overhead: float, received: float) -> web.Response:
+        """A small body of known length (a completion without `stream`, an error) is read whole
+        and sent with the headers in one write: one system call fewer per request than
+        streaming it, and a failure while reading it can still be the router's own 502/504."""
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.idle_timeout):
+                body = await upstream.read()
+            read = time.perf_counter()
+        except TimeoutError:
+            self.metrics.timeouts.labels(*key, Phase.IDLE).inc()
+            self.eject(key, target, f"response broke off: nothing sent for {self.idle_timeout:g}s")
+            raise errors.upstream_timeout(str(key), target.pod, "data", self.idle_timeout) from None
+        except aiohttp.ClientError as exc:
+            reason = str(exc) or type(exc).__name__
+            self.eject(key, target, f"response broke off: {reason}")
+            raise errors.upstream_broke_off(str(key), target.pod, reason) from None
+        del headers["Content-Length"]  # the Response sets it
+        response = web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
+        # The router's part only: not the time the engine took to send the body.
+        self._answered(key, target, upstream.status, overhead + started - received + time.perf_counter() - read)
+        return response
+
+    async def _broke_off(self, request: web.Request, response: web.StreamResponse, key: ServiceKey,
+                         target: Endpoint, ended: Ended, sse: bool) -> None:
+        """Headers are out, so the status cannot say it. A stream ends with an error event as
+        OpenAI's does (its clients raise it); any other body is left unfinished, which clients
+        see as a broken response rather than a short, valid-looking one."""
+        if ended.outcome is Outcome.IDLE:
+            self.metrics.timeouts.labels(*key, Phase.IDLE).inc()
+            reason = f"nothing sent for {self.idle_timeout:g}s"
+            error = errors.upstream_timeout(str(key), target.pod, "data", self.idle_timeout)
+        else:
+            reason = ended.reason
+            error = errors.upstream_broke_off(str(key), target.pod, reason)
+        self.metrics.broken.labels(*key).inc()
+        self.eject(key, target, f"response broke off: {reason}")
+        if sse:
+            try:
+                await response.write(errors.stream_event(error))
+                await response.write_eof()
+                return
+            except ConnectionResetError:
+                pass
+        if request.transport is not None:
+            request.transport.close()

@@ -1,0 +1,50 @@
+"""What the router takes from a client's request: its `model`, the body the engine gets, and
+the headers passed on. Pure functions."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from multidict import CIMultiDict
+
+from kaon_operator.router import errors
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "trailers", "transfer-encoding", "upgrade"})
+# The body is already read (and any 100-continue answered); aiohttp sets the length itself.
+NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
+
+
+def parse_request(body: bytes) -> tuple[str, dict]:
+    """The `model` field of an OpenAI request body, and the body."""
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise errors.bad_request("the request body must be a JSON object")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.bad_request("`model` is required and must be a string", param="model")
+    return model, payload
+
+
+def requested_model(body: bytes) -> str:
+    """The `model` field of an OpenAI request body."""
+    return parse_request(body)[0]
+
+
+def engine_body(body: bytes, payload: dict, model: str, served_name: str) -> bytes:
+    """The body to send: with `model` rewritten to the served name when the client addressed
+    the service otherwise (`namespace/name`), since the engine answers only that. The JSON is
+    rebuilt only then; a bare name goes on byte for byte."""
+    if served_name == model:
+        return body
+    payload["model"] = served_name
+    return json.dumps(payload, ensure_ascii=False).encode()
+
+
+def forwarded(headers: Mapping[str, str], dropped: frozenset[str] = NOT_FORWARDED) -> CIMultiDict:
+    """The headers without those that describe one connection only (and, for a request, those
+    the router's own connection sets)."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)

@@ -1,0 +1,54 @@
+"""Routing strategies, by the names spec.routing.strategy gives them (api.RoutingSpec).
+
+Each is a class with one `pick(attempt) -> Choice`, made once per router (prefix-affinity's
+records outlive requests):
+
+    least_connections.py  the pod with the fewest requests in flight
+    prefix_affinity.py    the pod that caches the prompt's prefix, within a load bound
+    prefixes.py, ring.py, records.py  what prefix-affinity hashes, walks and remembers
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kaon_operator.router.endpoints import ServiceKey
+from kaon_operator.router.strategies.base import Attempt, Choice, Strategy
+from kaon_operator.router.strategies.least_connections import LeastConnections
+from kaon_operator.router.strategies.prefix_affinity import PrefixAffinity
+
+__all__ = ["Attempt", "Choice", "Strategies", "Strategy", "STRATEGIES", "UnknownStrategy", "named"]
+
+STRATEGIES: dict[str, Callable[[], Strategy]] = {
+    "least-connections": LeastConnections,
+    "prefix-affinity": PrefixAffinity,
+}
+
+
+class UnknownStrategy(ValueError):
+    pass
+
+
+def named(name: str) -> Callable[[], Strategy]:
+    """The strategy class of a spec.routing.strategy value."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise UnknownStrategy(f"unknown routing strategy {name!r}: the strategies are "
+                              f"{', '.join(STRATEGIES)}") from None
+
+
+class Strategies:
+    """A router's strategies by name, each made on first use."""
+
+    def __init__(self):
+        self._made: dict[str, Strategy] = {}
+
+    def get(self, name: str) -> Strategy:
+        found = self._made.get(name)
+        if found is None:
+            found = self._made[name] = named(name)()
+        return found
+
+    def forget(self, key: ServiceKey) -> None:
+        for strategy in self._made.values():
+            strategy.forget(key)

@@ -1,0 +1,38 @@
+"""least-connections: the usable pod with the fewest requests in flight.
+
+LLM requests last from milliseconds to minutes, so counting them beats taking turns. Ties go
+at random, so that idle replicas share a burst instead of the first in the list taking it all.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TypeVar
+
+from kaon_operator.router.endpoints import ServiceKey
+from kaon_operator.router.strategies.base import Attempt, Choice
+
+T = TypeVar("T", bound=Hashable)
+
+
+def least(items: Sequence[T], key: Callable[[T], object], rng: random.Random) -> T:
+    """The item with the smallest key; ties at random. A fixed order would give every tie to
+    the same pod: a burst of one prompt onto one of several equally loaded holders of it, its
+    cheap cached prefills there and the costly uncached ones elsewhere (the same requests in
+    flight everywhere, unequal work)."""
+    lowest = min(key(m) for m in items)
+    tied = [m for m in items if key(m) == lowest]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def pick(endpoints: Sequence[T], inflight: Mapping[T, int], rng: random.Random) -> T:
+    """The endpoint with the fewest requests in flight (ties at random)."""
+    return least(endpoints, lambda e: inflight.get(e, 0), rng)
+
+
+class LeastConnections:
+    def pick(self, attempt: Attempt) -> Choice:
+        return Choice(pick(attempt.usable, attempt.inflight, attempt.rng))
+
+    def forget(self, key: ServiceKey) -> None:
+        pass  # it keeps nothing
