@@ -1,14 +1,20 @@
 """The router: one OpenAI-compatible gateway in front of every InferenceService.
 
-A request's `model` names an InferenceService (its served name); the router sends it to
-that service's ready engine pod with the fewest requests in flight.
+A request's `model` names an InferenceService (its served name); the router sends it to one
+of that service's ready engine pods, chosen by the service's routing strategy.
 
     endpoints.py  pure: pods and InferenceServices -> the endpoint table
-    balance.py    pure: least-connections pick, retry candidates, back-off
+    strategies/   pure decisions by spec.routing.strategy: least-connections, prefix-affinity
+    backoff.py    pure: retry candidates, outlier ejection
+    request.py    pure: `model`, the body the engine gets, forwarded headers
+    sse.py        pure: an SSE stream cut into whole events
+    pump.py       copies a response body as it arrives, with the idle timeout
+    relay.py      passes an engine's response on (whole, or streamed; a broken one ended cleanly)
     hold.py       requests held while a service has no ready pod (the scale-from-zero signal)
     errors.py     OpenAI-shaped error replies
     metrics.py    Prometheus metrics
-    proxy.py      the HTTP edge (aiohttp): forwards, streams, retries, holds
+    config.py     RouterConfig: the flags' values
+    proxy.py      the HTTP edge (aiohttp): resolves, holds, picks, forwards, retries
     watch.py      the Kubernetes edge: list + watch that keeps the table current
     main.py       `kaon-router` (python -m kaon_operator.router)
 
