@@ -1,50 +1,19 @@
-"""Pure functions from an InferenceService to the manifests of its children.
+"""Pure functions from an InferenceService to the manifests of its children: Deployment,
+Service, PodDisruptionBudget and NetworkPolicy (the engine pod itself: pod_template.py).
 
-No I/O: the handlers server-side apply what `render()` returns. Every child carries the
-labels in ARCHITECTURE.md and an owner reference, so deleting the InferenceService
-garbage-collects it.
+No I/O: the reconciler server-side applies what `render()` returns. Every child carries the
+labels of labels.py and an owner reference, so deleting the InferenceService garbage-collects it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from kaon_operator import api
+from kaon_operator import api, labels, pod_template
+from kaon_operator.pod_template import HTTP_PORT
 
-HTTP_PORT = 8000
 SERVICE_PORT = 80
-# `kaon serve --drain-timeout` (spec.drainSeconds): in-flight requests get this long after SIGTERM.
-# The kubelet must not SIGKILL before the drain and uvicorn's shutdown are over, hence the margin.
-TERMINATION_GRACE_MARGIN_SECONDS = 15
-DRAIN_SECONDS = api.InferenceServiceSpec.model_fields["drain_seconds"].default  # as `kaon serve`'s
-# Loading (and quantizing) a large model can take many minutes; liveness waits for it.
-STARTUP_PERIOD_SECONDS = 10
-STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes
-READINESS_PERIOD_SECONDS = 5
-READINESS_FAILURE_THRESHOLD = 2
-# The Deployment's progressDeadlineSeconds: the startup probe's whole budget, plus this for scheduling,
-# the image pull and the server's start; plus FETCH_ALLOWANCE_SECONDS when the init container downloads
-# the model first (the startup probe only starts after it). A big model may take all of it without
-# ever showing a false ProgressDeadlineExceeded; a pod stuck for a reason of its own is reported sooner
-# by the Degraded condition (Unschedulable, CrashLoopBackOff, StartupTimeout, ...).
-PROGRESS_MARGIN_SECONDS = 600
-FETCH_ALLOWANCE_SECONDS = 3600
-# CPU and memory requested per GPU when spec.resources leaves them out: the HTTP server, the tokenizer,
-# the scheduler loop and one worker process per GPU, and the host copy of the weights while they load.
-DEFAULT_REQUESTS_PER_GPU = {"cpu": 2, "memory_gib": 8}
-SHM_GIB_PER_GPU = 2  # tensor-parallel workers exchange tensors through /dev/shm
-CACHE_DIR = "/var/cache/kaon"  # Triton and Hugging Face caches, model downloads
-MODEL_CACHE_DIR = f"{CACHE_DIR}/models"  # `kaon fetch` writes hf:// and s3:// models here
-MODEL_MOUNT = "/mnt/models"  # a pvc:// model's claim, read-only
-RUN_AS = 1000
-# Where a kubelet puts a container's termination message; `kaon fetch` writes its one-line reason there.
-TERMINATION_LOG = "/dev/termination-log"
-API_KEYS_MOUNT = "/etc/kaon/api-keys"  # spec.auth.apiKeySecret, one file per key (`kaon serve --api-key-file`)
-FETCHED_SCHEMES = ("hf://", "s3://")
-# Keys of spec.model.credentialsSecret that the fetch init container reads, per scheme (all optional:
-# a public repository needs no token, and a missing key is reported by the fetch as unauthorized).
-CREDENTIAL_KEYS = {"hf://": ("HF_TOKEN",),
-                   "s3://": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")}
+# spec.rollout.strategy -> the Deployment's rolling update.
+ROLLING_UPDATES = {"Surge": {"maxSurge": 1, "maxUnavailable": 0}, "Replace": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +25,6 @@ class Owner:
     uid: str
 
 
-# kaon's own pods in the release namespace (the chart's labels; app.kubernetes.io/name is always kaon).
-ROUTER_LABELS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "router"}
-OPERATOR_LABELS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/component": "operator"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,19 +37,9 @@ class NetworkPolicyConfig:
     extra_from: tuple[dict, ...] = field(default_factory=tuple)
 
 
-def labels(name: str, component: str = "engine") -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/component": component, "kaon.dev/inferenceservice": name}
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    """Engine pods of one InferenceService (a Deployment's selector is immutable: keep it small)."""
-    return {"kaon.dev/inferenceservice": name, "app.kubernetes.io/component": "engine"}
-
-
 def selector(name: str) -> str:
-    """The same selector as a string, for status.selector (scale subresource)."""
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+    """The engine pods' selector as a string, for status.selector (scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in labels.engine_selector(name).items())
 
 
 def owner_reference(owner: Owner) -> dict:
@@ -91,262 +47,9 @@ def owner_reference(owner: Owner) -> dict:
             "controller": True, "blockOwnerDeletion": True}
 
 
-def _metadata(owner: Owner, component: str = "engine") -> dict:
-    return {"name": owner.name, "namespace": owner.namespace, "labels": labels(owner.name, component),
+def _metadata(owner: Owner) -> dict:
+    return {"name": owner.name, "namespace": owner.namespace, "labels": labels.service_labels(owner.name),
             "ownerReferences": [owner_reference(owner)]}
-
-
-def _scheme(uri: str) -> str | None:
-    return next((s for s in (*FETCHED_SCHEMES, "pvc://") if uri.startswith(s)), None)
-
-
-def pvc_source(uri: str) -> tuple[str, str]:
-    """pvc://claim/sub/path -> (claim, "sub/path")."""
-    claim, _, sub = uri[len("pvc://"):].partition("/")
-    return claim, sub.strip("/")
-
-
-def model_location(model: api.ModelSpec) -> list[str]:
-    """The model flags `kaon serve` and `kaon fetch` share: where the model is inside the pod."""
-    if model.uri.startswith("pvc://"):
-        _, sub = pvc_source(model.uri)
-        return ["--model", f"{MODEL_MOUNT}/{sub}" if sub else MODEL_MOUNT]
-    args = ["--model", model.uri]
-    if _scheme(model.uri) in FETCHED_SCHEMES:
-        args += ["--model-cache", MODEL_CACHE_DIR]
-        if model.revision:
-            args += ["--revision", model.revision]
-        if model.gguf_file:
-            args += ["--gguf-file", model.gguf_file]
-    return args
-
-
-def fetch_args(spec: api.InferenceServiceSpec) -> list[str]:
-    """The `kaon fetch` command line of the init container: download (hf://, s3://) or look at (pvc://)
-    the model, check that tensorParallelSize fits its heads, and say why not in one line."""
-    return ["kaon", "fetch", *model_location(spec.model),
-            "--tensor-parallel-size", str(spec.engine.tensor_parallel_size), "--termination-log", TERMINATION_LOG]
-
-
-def engine_args(owner: Owner, spec: api.InferenceServiceSpec) -> list[str]:
-    """The `kaon serve` command line."""
-    model, engine = spec.model, spec.engine
-    args = ["kaon", "serve", *model_location(model), "--served-model-name", model.served_name or owner.name,
-            "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(spec.drain_seconds),
-            "--tensor-parallel-size", str(engine.tensor_parallel_size),
-            "--max-num-seqs", str(engine.max_num_seqs),
-            "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-            "--kv-cache-fraction", str(engine.kv_cache_fraction),
-            "--stall-timeout", str(engine.stall_timeout_seconds)]
-    if model.quantization != "none":
-        args += ["--quantization", model.quantization]
-    if model.max_model_len is not None:
-        args += ["--max-model-len", str(model.max_model_len)]
-    if not engine.enable_prefix_caching:
-        args.append("--no-enable-prefix-caching")
-    if spec.auth is not None:  # the same keys as the router's, so pod-IP access needs one too
-        args += ["--api-key-file", API_KEYS_MOUNT]
-    return args + list(engine.extra_args)
-
-
-def default_requests(spec: api.InferenceServiceSpec) -> dict[str, str]:
-    """CPU and memory requests for the keys spec.resources sets in neither requests nor limits (a limit
-    without a request makes Kubernetes request the limit, which a default must not undercut)."""
-    given = spec.resources or api.ResourcesSpec()
-    taken = set(given.requests or {}) | set(given.limits or {})
-    gpus = spec.engine.tensor_parallel_size
-    defaults = {"cpu": str(DEFAULT_REQUESTS_PER_GPU["cpu"] * gpus),
-                "memory": f"{DEFAULT_REQUESTS_PER_GPU['memory_gib'] * gpus}Gi"}
-    return {k: v for k, v in defaults.items() if k not in taken}
-
-
-def _resources(spec: api.InferenceServiceSpec) -> dict:
-    gpus = str(spec.engine.tensor_parallel_size)
-    given = spec.resources or api.ResourcesSpec()
-    # Extended resources must have requests == limits; the CRD refuses a GPU count in spec.resources.
-    return {"requests": {**default_requests(spec), **{k: str(v) for k, v in (given.requests or {}).items()},
-                         api.GPU_RESOURCE: gpus},
-            "limits": {**{k: str(v) for k, v in (given.limits or {}).items()}, api.GPU_RESOURCE: gpus}}
-
-
-def termination_grace_seconds(spec: api.InferenceServiceSpec) -> int:
-    return spec.drain_seconds + TERMINATION_GRACE_MARGIN_SECONDS
-
-
-def startup_budget_seconds(spec: api.InferenceServiceSpec | None = None) -> int:
-    """How long a started engine may take to load its model before the kubelet restarts it."""
-    if spec is None:
-        return STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD
-    probe = startup_probe(spec.engine)
-    return probe["periodSeconds"] * probe["failureThreshold"]
-
-
-def progress_deadline_seconds(spec: api.InferenceServiceSpec) -> int:
-    fetch = FETCH_ALLOWANCE_SECONDS if _scheme(spec.model.uri) in FETCHED_SCHEMES else 0
-    return (startup_budget_seconds(spec) + READINESS_PERIOD_SECONDS * READINESS_FAILURE_THRESHOLD
-            + PROGRESS_MARGIN_SECONDS + fetch)
-
-
-# spec.rollout.strategy -> the Deployment's rolling update.
-ROLLING_UPDATES = {"Surge": {"maxSurge": 1, "maxUnavailable": 0}, "Replace": {"maxSurge": 0, "maxUnavailable": 1}}
-
-
-def _probe(path: str, *, period: int, failures: int, timeout: int = 5) -> dict:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
-            "failureThreshold": failures, "timeoutSeconds": timeout}
-
-
-# A container killed by its startup or liveness probe is loading or hung: nothing to drain, so the
-# kubelet need not wait the pod's whole grace period (a SIGSTOPped process ignores SIGTERM).
-PROBE_KILL_GRACE_SECONDS = 10
-
-
-def startup_probe(engine: api.EngineSpec) -> dict:
-    """/health every 10 s for spec.engine.startupTimeoutSeconds (finer periods for short budgets)."""
-    budget = engine.startup_timeout_seconds
-    period = max(1, min(STARTUP_PERIOD_SECONDS, budget // 10))
-    return {**_probe("/health", period=period, failures=math.ceil(budget / period), timeout=min(5, period)),
-            "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
-
-
-def liveness_probe(engine: api.EngineSpec) -> dict:
-    """/health (503 once the engine has stalled past stallTimeoutSeconds, or silence from a hung
-    process) three times in a row; probed often enough that a hang is caught within about a quarter
-    of the stall timeout more (every 10 s at the default 120 s)."""
-    stall = engine.stall_timeout_seconds
-    period = max(1, min(10, stall // 12)) if stall else 10
-    return {**_probe("/health", period=period, failures=3, timeout=min(5, period)),
-            "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
-
-
-def _cache_volume(spec: api.InferenceServiceSpec) -> dict:
-    """The model cache: a shared (ReadWriteMany) claim when the spec names one, else a per-pod emptyDir."""
-    cache = spec.model.cache
-    if cache.persistent_volume_claim:
-        return {"name": "cache", "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim}}
-    return {"name": "cache", "emptyDir": {"sizeLimit": str(cache.size_limit)}}
-
-
-def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
-    volumes = [_cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
-    if spec.model.uri.startswith("pvc://"):
-        claim, _ = pvc_source(spec.model.uri)
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    tp = spec.engine.tensor_parallel_size
-    if tp > 1:
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{tp * SHM_GIB_PER_GPU}Gi"}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    if spec.auth is not None:
-        # Not optional: without its keys the engine does not start (the pod's events say FailedMount),
-        # rather than serving with none. The kubelet refreshes the files when the Secret changes.
-        volumes.append({"name": "api-keys", "secret": {"secretName": spec.auth.api_key_secret, "defaultMode": 0o440}})
-        mounts.append({"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True})
-    engine = spec.engine
-    volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in engine.volumes or []]
-    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in engine.volume_mounts or []]
-    return volumes, mounts
-
-
-def _unique(env: list[dict]) -> list[dict]:
-    """One entry per name, the last one given (server-side apply refuses duplicate names)."""
-    last = {e["name"]: e for e in env}
-    return [last[name] for name in dict.fromkeys(e["name"] for e in env)]
-
-
-def _env(spec: api.InferenceServiceSpec) -> list[dict]:
-    """The environment of both containers: the caches on the cache volume, then the spec's own."""
-    return _unique([{"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-            {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-            {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-            {"name": "HOME", "value": "/tmp"},
-            *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env or [])])
-
-
-def _credentials_env(model: api.ModelSpec) -> list[dict]:
-    """The fetch's credentials, read from the Secret by the kubelet (never written into the spec)."""
-    scheme = _scheme(model.uri)
-    env = []
-    if model.credentials_secret and scheme in CREDENTIAL_KEYS:
-        env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": model.credentials_secret, "key": key,
-                                                             "optional": True}}}
-                for key in CREDENTIAL_KEYS[scheme]]
-    if model.endpoint:  # the spec's endpoint wins over the Secret's
-        env.append({"name": "HF_ENDPOINT" if scheme == "hf://" else "AWS_ENDPOINT_URL", "value": model.endpoint})
-    return _unique(env)
-
-
-def _fetch_container(spec: api.InferenceServiceSpec, mounts: list[dict]) -> dict:
-    container = {
-        "name": "fetch",
-        "image": spec.engine.image,
-        "args": fetch_args(spec),
-        "env": _unique([*_credentials_env(spec.model), *_env(spec)]),
-        "volumeMounts": mounts,
-        # The reason of a failure (unauthorized, not found, no space, does not fit) reaches the pod's
-        # status: kaon fetch writes it to the termination log, else the log's tail stands in.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": _SECURITY_CONTEXT,
-    }
-    if spec.engine.env_from:
-        container["envFrom"] = list(spec.engine.env_from)
-    return container
-
-
-_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                     "capabilities": {"drop": ["ALL"]}}
-
-
-def _container(owner: Owner, spec: api.InferenceServiceSpec, mounts: list[dict]) -> dict:
-    return {
-        "name": "engine",
-        "image": spec.engine.image,
-        "args": engine_args(owner, spec),
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": _env(spec),
-        **({"envFrom": list(spec.engine.env_from)} if spec.engine.env_from else {}),
-        "resources": _resources(spec),
-        # /health answers once the model is loaded; until then only the startup probe runs.
-        "startupProbe": startup_probe(spec.engine),
-        "livenessProbe": liveness_probe(spec.engine),
-        "readinessProbe": _probe("/ready", period=READINESS_PERIOD_SECONDS, failures=READINESS_FAILURE_THRESHOLD),
-        "volumeMounts": mounts,
-        # The engine's start error (e.g. a tensorParallelSize that does not fit the model) reaches the status.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": _SECURITY_CONTEXT,
-    }
-
-
-def _tolerations(spec: api.InferenceServiceSpec) -> list[dict]:
-    # GPU nodes are commonly tainted so that only GPU pods land there.
-    gpu = {"key": api.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
-    given = (spec.scheduling.tolerations if spec.scheduling else None) or []
-    return [gpu, *(t for t in given if t != gpu)]
-
-
-def _pod_spec(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
-    volumes, mounts = _volumes(spec)
-    pod = {
-        "containers": [_container(owner, spec, mounts)],
-        "volumes": volumes,
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "automountServiceAccountToken": False,  # the engine never talks to the apiserver
-        "enableServiceLinks": False,
-        "tolerations": _tolerations(spec),
-    }
-    if _scheme(spec.model.uri):  # hf://, s3://: download; pvc://: look. Either way, fail with a reason.
-        pod["initContainers"] = [_fetch_container(spec, mounts)]
-    if spec.engine.image_pull_secrets:
-        pod["imagePullSecrets"] = [s.model_dump() for s in spec.engine.image_pull_secrets]
-    scheduling = spec.scheduling or api.SchedulingSpec()
-    if scheduling.node_selector:
-        pod["nodeSelector"] = dict(scheduling.node_selector)
-    if scheduling.affinity:
-        pod["affinity"] = scheduling.affinity
-    return pod
 
 
 def deployment(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
@@ -355,13 +58,14 @@ def deployment(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
         "metadata": _metadata(owner),
         "spec": {
             "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(owner.name)},
+            "selector": {"matchLabels": labels.engine_selector(owner.name)},
             # One pod at a time either way: Surge starts the new one first (capacity never dips, one
             # replica's GPUs must be free), Replace stops an old one first (works in a full GPU pool).
             "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(ROLLING_UPDATES[spec.rollout.strategy])},
             # Loading a big model legitimately takes the startup probe's whole budget.
-            "progressDeadlineSeconds": progress_deadline_seconds(spec),
-            "template": {"metadata": {"labels": labels(owner.name)}, "spec": _pod_spec(owner, spec)},
+            "progressDeadlineSeconds": pod_template.progress_deadline_seconds(spec),
+            "template": {"metadata": {"labels": labels.service_labels(owner.name)},
+                         "spec": pod_template.pod_spec(owner.name, spec)},
         },
     }
 
@@ -370,7 +74,7 @@ def service(owner: Owner) -> dict:
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": _metadata(owner),
-        "spec": {"type": "ClusterIP", "selector": selector_labels(owner.name),
+        "spec": {"type": "ClusterIP", "selector": labels.engine_selector(owner.name),
                  "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]},
     }
 
@@ -389,7 +93,7 @@ def pod_disruption_budget(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": _metadata(owner),
-        "spec": {"minAvailable": min_available(spec), "selector": {"matchLabels": selector_labels(owner.name)}},
+        "spec": {"minAvailable": min_available(spec), "selector": {"matchLabels": labels.engine_selector(owner.name)}},
     }
 
 
@@ -397,13 +101,13 @@ def network_policy(owner: Owner, config: NetworkPolicyConfig) -> dict:
     """Engine pods take connections on the engine port only from kaon's router and operator pods in the
     release namespace (and config.extra_from). Only ingress: the engines' downloads (hf://, s3://) go out."""
     release = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.release_namespace}}}
-    peers = [{**release, "podSelector": {"matchLabels": dict(ROUTER_LABELS)}},
-             {**release, "podSelector": {"matchLabels": dict(OPERATOR_LABELS)}},
+    peers = [{**release, "podSelector": {"matchLabels": labels.component_labels(labels.ROUTER)}},
+             {**release, "podSelector": {"matchLabels": labels.component_labels(labels.OPERATOR)}},
              *(dict(peer) for peer in config.extra_from)]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _metadata(owner),
-        "spec": {"podSelector": {"matchLabels": selector_labels(owner.name)}, "policyTypes": ["Ingress"],
+        "spec": {"podSelector": {"matchLabels": labels.engine_selector(owner.name)}, "policyTypes": ["Ingress"],
                  "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]},
     }
 
@@ -416,3 +120,4 @@ def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyC
 
 def service_url(owner: Owner) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{SERVICE_PORT}"
+

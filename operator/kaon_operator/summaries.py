@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from kaon_operator import api, kubetime
+from kaon_operator.pod_template import ENGINE_CONTAINER, FETCH_CONTAINER
 
 # Container waiting reasons that mean the pod will not become ready on its own.
 STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -54,8 +55,6 @@ class DeploymentSummary:
     copies to the Deployment): a ResourceQuota or LimitRange refused them, with the apiserver's words."""
 
 
-
-FETCH_CONTAINER = "fetch"  # resources.py's init container: `kaon fetch`
 DOES_NOT_FIT = "model does not fit"  # how `kaon fetch` and `kaon serve` begin that reason
 
 
@@ -157,7 +156,7 @@ def _probe_budget(probe: dict | None, default_failures: int = 3) -> float:
 
 def _startup_budget(pod: dict) -> float | None:
     containers = (pod.get("spec") or {}).get("containers") or []
-    engine = next((c for c in containers if c.get("name") == "engine"), containers[0] if containers else None)
+    engine = next((c for c in containers if c.get("name") == ENGINE_CONTAINER), containers[0] if containers else None)
     if not engine or not (engine.get("startupProbe") or engine.get("readinessProbe")):
         return None
     return _probe_budget(engine.get("startupProbe")) + _probe_budget(engine.get("readinessProbe"))

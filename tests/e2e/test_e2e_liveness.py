@@ -187,7 +187,7 @@ def test_a_pdb_refusing_evictions_is_reported_then_clears(local, crd, namespace)
 
 
 def test_the_rendered_probes_follow_the_spec():
-    from kaon_operator import api, resources
+    from kaon_operator import api, pod_template
 
     def engine(**fields) -> api.InferenceServiceSpec:
         return api.InferenceServiceSpec.model_validate({"model": {"uri": "builtin://smollm2-135m-instruct"},
@@ -197,14 +197,14 @@ def test_the_rendered_probes_follow_the_spec():
         return probe["periodSeconds"], probe["failureThreshold"], probe["timeoutSeconds"]
 
     default = engine()
-    assert shape(resources.startup_probe(default.engine)) == (10, 180, 5)  # 30 minutes, as before
-    assert shape(resources.liveness_probe(default.engine)) == (10, 3, 5)
-    assert resources.startup_probe(default.engine)["terminationGracePeriodSeconds"] == 10
-    assert "--stall-timeout" in resources.engine_args(resources.Owner("m", "ns", "uid"), default)
-    assert shape(resources.startup_probe(engine(startupTimeoutSeconds=1).engine)) == (1, 1, 1)
-    assert shape(resources.startup_probe(engine(startupTimeoutSeconds=45).engine)) == (4, 12, 4)
-    assert shape(resources.liveness_probe(engine(stallTimeoutSeconds=12).engine)) == (1, 3, 1)
-    assert shape(resources.liveness_probe(engine(stallTimeoutSeconds=0).engine)) == (10, 3, 5)
+    assert shape(pod_template.startup_probe(default.engine)) == (10, 180, 5)  # 30 minutes, as before
+    assert shape(pod_template.liveness_probe(default.engine)) == (10, 3, 5)
+    assert pod_template.startup_probe(default.engine)["terminationGracePeriodSeconds"] == 10
+    assert "--stall-timeout" in pod_template.engine_args("m", default)
+    assert shape(pod_template.startup_probe(engine(startupTimeoutSeconds=1).engine)) == (1, 1, 1)
+    assert shape(pod_template.startup_probe(engine(startupTimeoutSeconds=45).engine)) == (4, 12, 4)
+    assert shape(pod_template.liveness_probe(engine(stallTimeoutSeconds=12).engine)) == (1, 3, 1)
+    assert shape(pod_template.liveness_probe(engine(stallTimeoutSeconds=0).engine)) == (10, 3, 5)
     # A longer startup budget moves the Deployment's progress deadline with it (no false ProgressDeadlineExceeded).
     longer = engine(startupTimeoutSeconds=7200)
-    assert resources.progress_deadline_seconds(longer) - resources.progress_deadline_seconds(default) == 7200 - 1800
+    assert pod_template.progress_deadline_seconds(longer) - pod_template.progress_deadline_seconds(default) == 7200 - 1800

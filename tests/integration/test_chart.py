@@ -469,10 +469,10 @@ def test_the_operator_image_builds_from_operator_alone():
 
 
 def test_images_run_as_the_users_pods_expect():
-    from kaon_operator import resources
+    from kaon_operator import pod_template, resources
 
     runtime = (ROOT / "runtime" / "Dockerfile").read_text()
-    assert f"USER {resources.RUN_AS}:{resources.RUN_AS}" in runtime
+    assert f"USER {pod_template.RUN_AS}:{pod_template.RUN_AS}" in runtime
     assert "ENTRYPOINT []" in runtime  # engine pods pass the whole command line ("kaon", "serve", ...) as args
     assert "EXPOSE 8000" in runtime and resources.HTTP_PORT == 8000
     operator = (ROOT / "operator" / "Dockerfile").read_text()

@@ -32,20 +32,20 @@ def test_bad_sampling_flag_is_a_clear_error():
 
 
 def test_every_flag_the_operator_renders_is_one_kaon_serve_takes():
-    from kaon_operator import api, resources
+    from kaon_operator import api, pod_template, resources
     from kaon_runtime.cli import build_parser
 
     spec = api.InferenceServiceSpec.model_validate({
         "model": {"uri": "/models/llama", "servedName": "llama", "maxModelLen": 4096},
         "engine": {"maxNumSeqs": 32, "maxNumBatchedTokens": 2048, "kvCacheFraction": 0.5,
                    "enablePrefixCaching": False}})
-    argv = resources.engine_args(resources.Owner("x", "ns", "uid"), spec)
+    argv = pod_template.engine_args("x", spec)
     assert argv[0] == "kaon"
     args = build_parser().parse_args(argv[1:])
     assert (args.model, args.served_model_name, args.max_model_len) == ("/models/llama", "llama", 4096)
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_fraction) == (32, 2048, 0.5)
     assert args.enable_prefix_caching is False and args.port == resources.HTTP_PORT
-    assert args.drain_timeout == resources.DRAIN_SECONDS and args.tensor_parallel_size == 1
+    assert args.drain_timeout == pod_template.DRAIN_SECONDS and args.tensor_parallel_size == 1
 
 
 def test_a_tensor_parallel_size_the_model_cannot_split_fails_clearly_at_start():

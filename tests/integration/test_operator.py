@@ -15,7 +15,7 @@ import time
 import urllib.parse
 
 import pytest
-from kaon_operator import api, autoscale_loop, resources, watching
+from kaon_operator import api, autoscale_loop, pod_template, resources, watching
 from kaon_operator.config import AutoscaleSettings
 from support.cluster import MODEL, STAND_IN, Cluster, isvc, wait_for
 
@@ -281,7 +281,7 @@ def test_pods_get_default_requests_the_drain_and_a_progress_deadline_past_the_st
     engine = pod["spec"]["containers"][0]
     assert engine["resources"]["requests"] == {"cpu": "500m", "memory": "8Gi", "nvidia.com/gpu": "1"}
     assert engine["args"][engine["args"].index("--drain-timeout") + 1] == "90"
-    assert pod["spec"]["terminationGracePeriodSeconds"] == 90 + resources.TERMINATION_GRACE_MARGIN_SECONDS
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 90 + pod_template.TERMINATION_GRACE_MARGIN_SECONDS
 
     cluster.kubectl("patch", "infsvc", "details", "--type=merge", "-p", json.dumps({"spec": {"drainSeconds": 5}}))
     wait_for("the pod with the new grace period", lambda: [

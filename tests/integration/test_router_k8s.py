@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from kaon_operator import api, resources
+from kaon_operator.labels import service_labels
 from kaon_operator.router import watch
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from kaon_operator.router.proxy import Router
@@ -44,7 +45,7 @@ def isvc(name: str, served_name: str | None = None) -> str:
 def engine_pod(name: str, service: str, component: str = "engine") -> str:
     """A bare pod with the labels and port the operator's Deployment gives engine pods."""
     return json.dumps({"apiVersion": "v1", "kind": "Pod",
-                       "metadata": {"name": name, "labels": resources.labels(service, component)},
+                       "metadata": {"name": name, "labels": service_labels(service, component)},
                        "spec": {"terminationGracePeriodSeconds": 0, "containers": [{
                            "name": "engine", "image": "kwok-ready/engine:1",
                            "ports": [{"name": "http", "containerPort": resources.HTTP_PORT}]}]}})

@@ -168,15 +168,15 @@ def test_router_checks_keys_per_service_rotates_and_fails_closed():
 
 
 def test_engine_pods_of_a_protected_service_mount_the_secret_and_require_its_keys():
-    from kaon_operator import api, resources
+    from kaon_operator import api, pod_template, resources
 
     owner = resources.Owner("chat", "default", "uid")
     spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}, "auth": {"apiKeySecret": "keys"}})
     pod = resources.deployment(owner, spec)["spec"]["template"]["spec"]
     (engine,) = pod["containers"]
-    assert engine["args"][engine["args"].index("--api-key-file") + 1] == resources.API_KEYS_MOUNT
+    assert engine["args"][engine["args"].index("--api-key-file") + 1] == pod_template.API_KEYS_MOUNT
     assert {"name": "api-keys", "secret": {"secretName": "keys", "defaultMode": 0o440}} in pod["volumes"]
-    assert {"name": "api-keys", "mountPath": resources.API_KEYS_MOUNT, "readOnly": True} in engine["volumeMounts"]
+    assert {"name": "api-keys", "mountPath": pod_template.API_KEYS_MOUNT, "readOnly": True} in engine["volumeMounts"]
     # The probes stay open: /health and /ready need no key.
     assert {engine[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} <= {
         "/health", "/ready"}

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from kaon_operator import api
+from kaon_operator import api, pod_template
 from kaon_operator import resources as r
 
 OWNER = r.Owner(name="llama", namespace="serving", uid="0b7c5b4e-1111-4a2b-9c3d-000000000001")
@@ -91,9 +91,9 @@ def test_drain_seconds_reach_the_engine_and_the_grace_period_outlasts_it(drain):
     s = spec(**({"drainSeconds": drain} if drain is not None else {}))
     args = container(r.render(OWNER, s))["args"]
     flag = int(args[args.index("--drain-timeout") + 1])
-    assert flag == (r.DRAIN_SECONDS if drain is None else drain) and r.DRAIN_SECONDS == 30
+    assert flag == (pod_template.DRAIN_SECONDS if drain is None else drain) and pod_template.DRAIN_SECONDS == 30
     # The kubelet waits for the drain and for uvicorn's own shutdown before it SIGKILLs.
-    assert pod_spec(s)["terminationGracePeriodSeconds"] == flag + r.TERMINATION_GRACE_MARGIN_SECONDS
+    assert pod_spec(s)["terminationGracePeriodSeconds"] == flag + pod_template.TERMINATION_GRACE_MARGIN_SECONDS
 
 
 @pytest.mark.parametrize("drain", [-1, 3601, "30s"])
@@ -103,8 +103,8 @@ def test_drain_seconds_out_of_range_are_refused(drain):
 
 
 @pytest.mark.parametrize("uri, fetch", [("builtin://smollm2-135m-instruct", 0), ("/models/llama", 0),
-                                        ("pvc://models/llama", 0), ("hf://org/name", r.FETCH_ALLOWANCE_SECONDS),
-                                        ("s3://bucket/llama", r.FETCH_ALLOWANCE_SECONDS)])
+                                        ("pvc://models/llama", 0), ("hf://org/name", pod_template.FETCH_ALLOWANCE_SECONDS),
+                                        ("s3://bucket/llama", pod_template.FETCH_ALLOWANCE_SECONDS)])
 def test_progress_deadline_outlasts_the_startup_budget(uri, fetch):
     s = spec(model={"uri": uri})
     c = container(r.render(OWNER, s))
@@ -115,7 +115,7 @@ def test_progress_deadline_outlasts_the_startup_budget(uri, fetch):
     # A model that loads in all of the time its probes allow never shows ProgressDeadlineExceeded (the
     # Deployment's default, 600 s, is a third of the 30 minutes), with room for scheduling and the pull,
     # and for the download first when the init container fetches the model.
-    assert deadline == budget + r.PROGRESS_MARGIN_SECONDS + fetch
+    assert deadline == budget + pod_template.PROGRESS_MARGIN_SECONDS + fetch
     assert deadline > 30 * 60 + 5 * 60
 
 
@@ -131,8 +131,8 @@ def test_model_cache_volume_and_writable_tmp_under_a_read_only_root():
     pod = pod_spec(spec())
     c = pod["containers"][0]
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-    assert mounts == {r.CACHE_DIR: "cache", "/tmp": "tmp"}
-    assert {"name": "TRITON_CACHE_DIR", "value": f"{r.CACHE_DIR}/triton"} in c["env"]
+    assert mounts == {pod_template.CACHE_DIR: "cache", "/tmp": "tmp"}
+    assert {"name": "TRITON_CACHE_DIR", "value": f"{pod_template.CACHE_DIR}/triton"} in c["env"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
@@ -257,7 +257,7 @@ def test_hf_source_is_fetched_by_an_init_container_with_the_secrets_token():
     (fetch,) = init_containers(s)
     assert fetch["name"] == "fetch" and fetch["image"] == s.engine.image
     assert fetch["args"] == ["kaon", "fetch", "--model", "hf://meta-llama/Llama-3.1-8B-Instruct",
-                             "--model-cache", f"{r.CACHE_DIR}/models", "--revision", "v1",
+                             "--model-cache", f"{pod_template.CACHE_DIR}/models", "--revision", "v1",
                              "--tensor-parallel-size", "2", "--termination-log", "/dev/termination-log"]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN", "optional": True}}} \
         in fetch["env"]
@@ -269,7 +269,7 @@ def test_hf_source_is_fetched_by_an_init_container_with_the_secrets_token():
     flags = dict(zip(engine["args"][2::2], engine["args"][3::2]))
     # The engine finds the fetched model by the same URI in the same cache, and never sees the token.
     assert flags["--model"] == "hf://meta-llama/Llama-3.1-8B-Instruct" and flags["--revision"] == "v1"
-    assert flags["--model-cache"] == f"{r.CACHE_DIR}/models"
+    assert flags["--model-cache"] == f"{pod_template.CACHE_DIR}/models"
     assert not any(e["name"] in ("HF_TOKEN", "HF_ENDPOINT") for e in engine["env"])
     assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
@@ -280,7 +280,7 @@ def test_s3_source_takes_keys_region_and_endpoint_from_the_secret():
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in fetch["env"] if "valueFrom" in e}
     assert refs == {k: {"name": "s3-creds", "key": k, "optional": True}
                     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")}
-    assert fetch["args"][2:8] == ["--model", "s3://models/llama", "--model-cache", f"{r.CACHE_DIR}/models",
+    assert fetch["args"][2:8] == ["--model", "s3://models/llama", "--model-cache", f"{pod_template.CACHE_DIR}/models",
                                   "--gguf-file", "llama-q4.gguf"]
     with_endpoint = spec(model={"uri": "s3://models/llama", "credentialsSecret": "s3-creds",
                                 "endpoint": "http://minio.storage:9000"})
