@@ -42,7 +42,7 @@ def check(table: EndpointTable, key: ServiceKey, authorization: str | None) -> N
         return
     if not digests:
         service = table.service(key)
-        raise errors.no_api_keys(str(key), service.api_key_secret if service else "")
+        raise errors.no_api_keys(str(key), (service and service.api_key_secret) or "")
     if not accepted(bearer(authorization), digests):
         raise errors.invalid_api_key()
 

@@ -3,7 +3,7 @@ requests for a while. Pure decisions, with the clock passed in."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
@@ -24,7 +24,7 @@ def ejection_seconds(base: float, consecutive: int, cap: int = 8) -> float:
     return base * min(2 ** (consecutive - 1), cap)
 
 
-class Backoff:
+class Backoff(Generic[T]):
     """Outlier ejection: a pod that just failed (a refused or reset connection, a stream
     broken off, a timeout) gets no new requests until its ejection runs out; then one request
     tries it again, and an answer clears its record. The watch clears it too: a pod that left
@@ -32,11 +32,11 @@ class Backoff:
 
     def __init__(self, seconds: float):
         self.seconds = seconds
-        self.until: dict[Hashable, float] = {}
-        self.failures: dict[Hashable, int] = {}
+        self.until: dict[T, float] = {}
+        self.failures: dict[T, int] = {}
         """Consecutive failures per pod, kept after the ejection ran out so a relapse counts."""
 
-    def fail(self, endpoint: Hashable, now: float) -> float:
+    def fail(self, endpoint: T, now: float) -> float:
         """Eject the pod; returns for how many seconds."""
         # Forget the expired ones here, so pods that are long gone do not pile up.
         self.until = {e: t for e, t in self.until.items() if t > now}
@@ -45,16 +45,16 @@ class Backoff:
         self.until[endpoint] = now + seconds
         return seconds
 
-    def succeed(self, endpoint: Hashable) -> None:
+    def succeed(self, endpoint: T) -> None:
         """The pod answered: its record is clean again."""
         if endpoint in self.failures:
             del self.failures[endpoint]
             self.until.pop(endpoint, None)
 
-    def ejected(self, now: float) -> list[Hashable]:
+    def ejected(self, now: float) -> list[T]:
         return [e for e, t in self.until.items() if t > now]
 
-    def keep_only(self, present: Callable[[Hashable], bool]) -> None:
+    def keep_only(self, present: Callable[[T], bool]) -> None:
         """Forget pods for which `present` is False: they left the ready set (gone, not ready,
         restarting), so when they are back the watch has seen them ready anew."""
         self.until = {e: t for e, t in self.until.items() if present(e)}

@@ -11,7 +11,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -161,7 +161,7 @@ class EndpointTable:
 
     def resolve(self, model: str) -> ServiceKey | None:
         found = naming.resolve(model, self._names, self.default_namespace, self.cluster_wide_names)
-        return found.key if found else None
+        return cast(ServiceKey, found.key) if found else None  # the keys of the Services indexed
 
     def api_keys(self, key: ServiceKey) -> tuple[bytes, ...] | None:
         """The digests of the keys a request to this InferenceService must present one of: None when it requires
@@ -183,11 +183,12 @@ class EndpointTable:
 
     def services(self) -> list[Service]:
         """The InferenceServices that answer a name (not shadowed by an older one), by key."""
-        return sorted(self._names.qualified.values(), key=lambda s: s.key)
+        return sorted(cast("Iterable[Service]", self._names.qualified.values()), key=lambda s: s.key)
 
     def addressable(self) -> list[tuple[str, Service]]:
         """Every `model` a client may send here, with the InferenceService it reaches."""
-        return naming.addressable(self._names, self.default_namespace, self.cluster_wide_names)
+        return cast("list[tuple[str, Service]]",
+                    naming.addressable(self._names, self.default_namespace, self.cluster_wide_names))
 
     # pods --------------------------------------------------------------------
 

@@ -54,13 +54,13 @@ class Router:
         self.config = config = config or RouterConfig()
         self.rng = rng or random.Random()
         self.inflight: dict[Endpoint, int] = {}
-        self.backoff = Backoff(config.backoff)
+        self.backoff: Backoff[Endpoint] = Backoff(config.backoff)
         self.hold = Hold(config.max_queued)
         self.strategies = Strategies()
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(time.monotonic()))
         self.relay = Relay(config.idle_timeout, self.metrics, self.backoff, self._eject)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession  # made when the app starts
 
     def _changed(self, key: ServiceKey) -> None:
         """The watch changed a service's ready pods: held requests look again; a pod that left
@@ -131,7 +131,7 @@ class Router:
                     return await self.relay(request, upstream, key, target, dispatched - arrival - held)
                 finally:
                     self._release(target)
-            raise failure
+            raise failure  # type: ignore[misc]  # never None here: each attempt that failed set it
         except RouterError as exc:
             self.metrics.count(key, exc.status)
             return exc.response()

@@ -28,7 +28,7 @@ WHOLE_BODY_BYTES = 1 << 16  # a body of known length up to this is read whole, t
 
 
 class Relay:
-    def __init__(self, idle_timeout: float, metrics: RouterMetrics, backoff: Backoff,
+    def __init__(self, idle_timeout: float, metrics: RouterMetrics, backoff: Backoff[Endpoint],
                  eject: Callable[[ServiceKey, Endpoint, str], None]):
         self.idle_timeout, self.metrics, self.backoff, self.eject = idle_timeout, metrics, backoff, eject
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kaon_operator.router.endpoints import ServiceKey
 from kaon_operator.router.strategies.base import Attempt, Choice
@@ -15,7 +15,7 @@ from kaon_operator.router.strategies.base import Attempt, Choice
 T = TypeVar("T", bound=Hashable)
 
 
-def least(items: Sequence[T], key: Callable[[T], object], rng: random.Random) -> T:
+def least(items: Sequence[T], key: Callable[[T], Any], rng: random.Random) -> T:
     """The item with the smallest key; ties at random. A fixed order would give every tie to
     the same pod: a burst of one prompt onto one of several equally loaded holders of it, its
     cheap cached prefills there and the costly uncached ones elsewhere (the same requests in
