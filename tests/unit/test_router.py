@@ -33,7 +33,7 @@ from kaon_operator.router.endpoints import (
 )
 from kaon_operator.router.errors import RouterError
 from kaon_operator.router.proxy import Router
-from kaon_operator.router.request import requested_model
+from kaon_operator.router.request import parse_request
 from kaon_operator.router.strategies import prefix_affinity, prefixes
 from kaon_operator.router.strategies.least_connections import LeastConnections, pick
 from kaon_operator.router.strategies.prefix_affinity import PrefixAffinity
@@ -181,11 +181,11 @@ def test_strategies_are_found_by_the_names_the_crd_allows():
 
 
 def test_requested_model_refuses_what_is_not_an_openai_request():
-    assert requested_model(b'{"model": "m", "prompt": "x"}') == "m"
+    assert parse_request(b'{"model": "m", "prompt": "x"}') == ("m", {"model": "m", "prompt": "x"})
     for body, fragment in [(b"{not json", "not valid JSON"), (b"[1]", "JSON object"), (b"\xff", "not valid JSON"),
                            (b'{"prompt": "x"}', "`model` is required"), (b'{"model": 3}', "`model` is required")]:
         with pytest.raises(RouterError) as err:
-            requested_model(body)
+            parse_request(body)
         assert err.value.status == 400 and fragment in err.value.message, body
 
 

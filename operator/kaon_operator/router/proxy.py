@@ -131,7 +131,8 @@ class Router:
                     return await self.relay(request, upstream, key, target, dispatched - arrival - held)
                 finally:
                     self._release(target)
-            raise failure  # type: ignore[misc]  # never None here: each attempt that failed set it
+            assert failure is not None  # every attempt that did not return set it
+            raise failure
         except RouterError as exc:
             self.metrics.count(key, exc.status)
             return exc.response()

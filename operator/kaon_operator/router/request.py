@@ -29,11 +29,6 @@ def parse_request(body: bytes) -> tuple[str, dict]:
     return model, payload
 
 
-def requested_model(body: bytes) -> str:
-    """The `model` field of an OpenAI request body."""
-    return parse_request(body)[0]
-
-
 def engine_body(body: bytes, payload: dict, model: str, served_name: str) -> bytes:
     """The body to send: with `model` rewritten to the served name when the client addressed
     the service otherwise (`namespace/name`), since the engine answers only that. The JSON is
