@@ -1,4 +1,5 @@
-"""Namespaced services for the router's tenancy tests: an event recorder, InferenceService and pod objects, a router on a port."""
+"""Namespaced services for the router's tenancy tests: an event recorder, InferenceService and
+pod objects, a router on a port."""
 from __future__ import annotations
 
 from aiohttp import web

@@ -331,7 +331,8 @@ def test_least_connections_spreads_long_requests_where_round_robin_piles_them_up
                     before = sum(e.longs for e in engines)
                     streams.append(asyncio.create_task(
                         client.post("/v1/completions", json={"model": "m", "prompt": "long", "stream": True})))
-                    await until("the long request to arrive", lambda: sum(e.longs for e in engines) > before)
+                    await until("the long request to arrive",
+                                lambda before=before: sum(e.longs for e in engines) > before)
                 else:
                     async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
                         assert resp.status == 200
