@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 from kaon_runtime.errors import InvalidRequestError
 
-
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as 0
+CONSTRAINTS = ("json_schema", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(slots=True)
@@ -23,6 +23,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token
     n: int = 1
+    # Structured output, as vLLM names it; at most one. The engine compiles it once (cached by
+    # value) and masks each step's logits to the tokens it allows (kaon_runtime.structured).
+    json_schema: dict | str | None = None  # a JSON Schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF, in xgrammar's dialect (GBNF-like)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    structural_tag: dict | None = None  # xgrammar's structural tag: how the server forces tool calls
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -45,10 +53,17 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        constraints = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        _check(len(constraints) <= 1, f"at most one of {', '.join(CONSTRAINTS)} may be set, got {constraints}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output."""
+        return any(getattr(self, name) not in (None, False) for name in CONSTRAINTS)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,7 +1,7 @@
 """The import graph, read from the source with ast (nothing is imported or executed).
 
 It fails on an import circle, on an arrow running up the runtime's layers (server → engine →
-models → layers → loader/quant/distributed → kernels), and on any import between kaon_runtime
+structured → models → layers → loader/quant/distributed → kernels), and on any import between kaon_runtime
 and kaon_operator: the operator image carries no torch and no engine, and the engine image
 needs no operator. Imports inside functions count: a lazy import is still an arrow.
 """
@@ -20,6 +20,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("kaon_runtime", "cli"),  # the package's facade (LLM, SamplingParams) and the `kaon` command
     ("server", "llm", "fetch"),
     ("engine",),
+    ("structured",),  # grammar-constrained decoding and tool calls: the engine masks with it, the server parses
     ("models",),
     ("layers",),
     ("loader", "quant", "distributed"),
@@ -29,7 +30,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
 )
 TIER = {part: depth for depth, parts in enumerate(TIERS) for part in parts}
 # Third-party packages the operator image does not have.
-ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "safetensors", "tokenizers", "transformers", "fastapi", "uvicorn")
+ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "safetensors", "tokenizers", "transformers", "fastapi", "uvicorn",
+               "xgrammar")
 
 
 def module_files(roots=SOURCE_ROOTS) -> dict[str, Path]:

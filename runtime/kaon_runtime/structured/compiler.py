@@ -1,0 +1,123 @@
+"""Compiling a `GrammarSpec` for one tokenizer, once: xgrammar's compiler behind a cache keyed by spec.
+
+xgrammar turns a grammar into per-state token masks ahead of time (most tokens' fate is
+decided once, at compile time), which is what makes each step's mask cheap. Compiling costs
+milliseconds to a second for a large schema, so compiled grammars are kept, least recently
+used evicted first. Compilation runs wherever `compile` is called: the server calls it from
+its validation thread, never on the engine loop. Anything xgrammar cannot compile becomes an
+InvalidRequestError naming the problem (the server's 400).
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import xgrammar as xgr
+
+from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.loader.tokenizer import Tokenizer
+from kaon_runtime.structured.spec import GrammarSpec
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept; a large schema's takes a few MB
+_NOUNS = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+          "choice": "choice list", "grammar": "EBNF grammar", "structural_tag": "tool-call grammar"}
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of our tokenizer: every token's text, how it encodes bytes, the stop tokens.
+
+    `vocab_size` is the model's (the logits' width), which can exceed the tokenizer's: padding rows
+    are never allowed.
+    """
+    backend = tokenizer.backend
+    vocab = [""] * vocab_size
+    for token, index in backend.get_vocab(with_added_tokens=True).items():
+        if index < vocab_size:
+            vocab[index] = token
+    return xgr.TokenizerInfo(vocab, vocab_type=_vocab_type(backend.to_str(), vocab), vocab_size=vocab_size,
+                             stop_token_ids=list(tokenizer.eos_token_ids) or None,
+                             add_prefix_space=_adds_prefix_space(backend.to_str()))
+
+
+def _vocab_type(backend_json: str, vocab: list[str]) -> xgr.VocabType:
+    """Byte-level BPE (GPT-2's byte alphabet), SentencePiece byte fallback (<0x0A>), or raw text."""
+    if '"ByteLevel"' in backend_json:
+        return xgr.VocabType.BYTE_LEVEL
+    if "<0x0A>" in vocab:
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
+
+
+def _adds_prefix_space(backend_json: str) -> bool:
+    # SentencePiece-style tokenizers prepend "▁" to the text; byte-level ones here never do.
+    config = json.loads(backend_json)
+    parts = [config.get("normalizer") or {}, config.get("pre_tokenizer") or {}]
+    for part in parts:
+        for step in part.get("normalizers", part.get("pretokenizers", [part])) or [part]:
+            if step.get("type") == "Prepend" or (step.get("type") == "Metaspace"
+                                                 and step.get("prepend_scheme", "always") != "never"):
+                return True
+    return False
+
+
+class GrammarCache:
+    """Compiled grammars for one tokenizer, by spec. Safe to call from several threads."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_entries: int = DEFAULT_CACHE_SIZE):
+        self.info = tokenizer_info(tokenizer, vocab_size)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=False)
+        self._compiled: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_entries = max_entries
+        self.hits = self.misses = 0
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec`; raises InvalidRequestError for one that cannot be compiled."""
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                self.hits += 1
+                return compiled
+            self.misses += 1
+        compiled = self._compile(spec)  # outside the lock: a slow schema does not hold up cached ones
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        c = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                # Compact JSON (no free whitespace): a small model left free to emit whitespace can
+                # emit it until max_tokens; the text is the same JSON either way.
+                return c.compile_json_schema(spec.source, any_whitespace=False)
+            if spec.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.source)
+            if spec.kind == "choice":
+                options = json.loads(spec.source)
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+            if spec.kind == "grammar":
+                return c.compile_grammar(spec.source)
+            if spec.kind == "structural_tag":
+                return c.compile_structural_tag(spec.source)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"the {_NOUNS[spec.kind]} cannot be compiled: "
+                                      f"{_first_line(exc)}") from None
+        raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}")
+
+
+def _first_line(exc: Exception) -> str:
+    """The message without xgrammar's "[hh:mm:ss] /project/cpp/file.cc:83: " prefix."""
+    text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)[:500]

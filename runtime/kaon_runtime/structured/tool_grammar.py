@@ -1,0 +1,42 @@
+"""Grammars that force tool calls: tool_choice "required" or a named function, in a parser's format.
+
+The grammar is an xgrammar structural tag: one tag per offered function, whose begin string
+writes the call's head (`<tool_call>\n{"name": "get_weather", "arguments": ` in Hermes' format),
+whose content is the function's parameters schema, and whose end closes the call. Tags are
+joined by the format's separator; at least one call, and only one when parallel_tool_calls is
+false. Even a small model then writes a call that parses, to a function that exists, with
+arguments valid against its schema.
+"""
+from __future__ import annotations
+
+import json
+
+from kaon_runtime.structured.spec import GrammarSpec, check_schema
+from kaon_runtime.structured.tool_parsers import ToolParser
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+# Per format: call head (with {name} to fill), call tail, separator between calls, and text around all calls.
+_FORMATS = {
+    "hermes": ('<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>", "\n", "", ""),
+    "llama3": ('{{"name": {name}, "parameters": ', "}", "; ", "", ""),
+    "mistral": ('{{"name": {name}, "arguments": ', "}", ", ", "[TOOL_CALLS][", "]"),
+}
+
+
+def forced_call_spec(functions: list[dict], parser: ToolParser, parallel: bool) -> GrammarSpec:
+    """The grammar of one call (or several when `parallel`) to one of `functions`
+    (OpenAI's function objects: name, description, parameters)."""
+    head, tail, separator, opening, closing = _FORMATS[parser.name]
+    tags = []
+    for function in functions:
+        parameters = function.get("parameters") or EMPTY_PARAMETERS
+        check_schema(parameters, f"tools[{function['name']}].function.parameters")
+        tags.append({"type": "tag", "begin": head.format(name=json.dumps(function["name"])),
+                     "content": {"type": "json_schema", "json_schema": parameters}, "end": tail})
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+             "stop_after_first": not parallel}
+    if opening or closing:
+        calls = {"type": "sequence", "elements": [{"type": "const_string", "value": opening}, calls,
+                                                  {"type": "const_string", "value": closing}]}
+    return GrammarSpec.structural_tag({"type": "structural_tag", "format": calls})
