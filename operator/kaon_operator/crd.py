@@ -1,4 +1,4 @@
-"""Generate the InferenceService CRD from the pydantic models in api.py.
+"""Generate the InferenceService CRD from the pydantic models in api.py and api_status.py.
 
     python -m kaon_operator.crd            # rewrites crds/inferenceservice.yaml and the chart's copy
     python -m kaon_operator.crd --check    # exits 1 if either file is stale
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from kaon_operator import api
+from kaon_operator import api, api_status
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
@@ -104,7 +104,7 @@ def printer_columns() -> list[dict]:
 def build_crd() -> dict:
     spec = _schema_of(api.InferenceServiceSpec, defaults=True)
     # Status is written by the operator alone; defaults there would only hide its omissions.
-    status = _schema_of(api.InferenceServiceStatus, defaults=False)
+    status = _schema_of(api_status.InferenceServiceStatus, defaults=False)
     root = {"type": "object", "required": ["spec"],
             "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
                            "metadata": {"type": "object"}, "spec": spec, "status": status},

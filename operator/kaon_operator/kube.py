@@ -11,12 +11,9 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 
-from kaon_operator import api
+from kaon_operator import api, kubetime
 
 FIELD_MANAGER = "kaon-operator"
-
-
-MICRO_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 def held_by_another(spec, holder: str, now: datetime) -> bool:
@@ -120,7 +117,7 @@ class Kube:
         A lost race (409 on create or replace) is a no for this round."""
         now = datetime.now(timezone.utc)
         metadata = {"name": name, "namespace": namespace}
-        spec = {"holderIdentity": holder, "leaseDurationSeconds": seconds, "renewTime": now.strftime(MICRO_TIME)}
+        spec = {"holderIdentity": holder, "leaseDurationSeconds": seconds, "renewTime": kubetime.micro_stamp(now)}
         try:
             lease = self.coordination.read_namespaced_lease(name, namespace)
         except ApiException as exc:

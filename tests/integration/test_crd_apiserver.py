@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import yaml
-from kaon_operator import api
+from kaon_operator import api, api_status
 from kaon_operator import crd as crd_module
 from support.crd_cases import INVALID, MINIMAL, VALID_SOURCES, manifest, with_
 
@@ -74,17 +74,17 @@ def test_a_full_spec_round_trips(crd, namespace):
 
 def test_status_scale_subresource_and_printer_columns(crd, namespace):
     crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest("llama", MINIMAL)))
-    status = api.InferenceServiceStatus(
+    status = api_status.InferenceServiceStatus(
         replicas=2, ready_replicas=1, selector="kaon.dev/inferenceservice=llama",
-        conditions=[api.Condition(type="Ready", status="False", reason="Progressing", message="1/2 ready")],
-        observed_metrics=api.ObservedMetrics(queue_depth=7, p99_latency_seconds=0.42), observed_generation=1)
+        conditions=[api_status.Condition(type="Ready", status="False", reason="Progressing", message="1/2 ready")],
+        observed_metrics=api_status.ObservedMetrics(queue_depth=7, p99_latency_seconds=0.42), observed_generation=1)
     crd.kubectl("patch", "-n", namespace, "infsvc", "llama", "--subresource=status", "--type=merge",
                 "-p", json.dumps({"status": status.model_dump(mode="json", by_alias=True, exclude_none=True)}))
 
     crd.kubectl("scale", "-n", namespace, "infsvc/llama", "--replicas=3")
     obj = crd.kubectl_json("get", "-n", namespace, "infsvc", "llama")
     assert obj["spec"]["replicas"] == 3
-    assert api.InferenceServiceStatus.model_validate(obj["status"]) == status
+    assert api_status.InferenceServiceStatus.model_validate(obj["status"]) == status
     scale = crd.kubectl_json("get", "-n", namespace, "infsvc", "llama", "--subresource=scale")
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
     assert scale["status"] == {"replicas": 2, "selector": "kaon.dev/inferenceservice=llama"}

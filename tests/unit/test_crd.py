@@ -7,7 +7,7 @@ from datetime import datetime
 
 import pydantic
 import pytest
-from kaon_operator import api
+from kaon_operator import api, api_status
 from kaon_operator import crd as crd_module
 from support.crd_cases import INVALID, with_
 
@@ -79,7 +79,7 @@ def _check_model(model: type[pydantic.BaseModel], node: dict, where: str) -> Non
 def test_every_field_type_enum_and_default_matches_the_models():
     root = crd_module.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
     _check_model(api.InferenceServiceSpec, root["spec"], "spec")
-    _check_model(api.InferenceServiceStatus, root["status"], "status")
+    _check_model(api_status.InferenceServiceStatus, root["status"], "status")
 
 
 def _cel_messages(node: dict) -> list[str]:

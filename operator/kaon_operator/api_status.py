@@ -1,0 +1,81 @@
+"""The InferenceService's status (kaon.dev/v1alpha1): pydantic models of what the operator writes.
+
+The CRD's status schema is generated from these (crd.py); status.py builds the conditions.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field
+
+from kaon_operator.api import _Model
+
+
+class Condition(_Model):
+    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods); `reason` is a CamelCase word such as Unschedulable."""
+
+    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict", "DisruptionAllowed"]
+    """Which condition."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether it holds."""
+    reason: str = ""
+    """Why, in one CamelCase word (docs/operator.md lists them)."""
+    message: str = ""
+    """Why, for people."""
+    last_transition_time: datetime | None = None
+    """When `status` last changed."""
+    observed_generation: int | None = None
+    """The metadata.generation this condition was computed for."""
+
+
+class ScaleDecision(_Model):
+    """The autoscaler's latest change of spec.replicas."""
+
+    time: datetime
+    """When the autoscaler decided."""
+    from_: int = Field(alias="from")
+    """Replicas before."""
+    to: int
+    """Replicas after."""
+    reason: str
+    """The metric and target that decided, e.g. `concurrency 90 > target 44.8 x 1`."""
+
+
+class ObservedMetrics(_Model):
+    """What the autoscaler last read from the engine pods' /metrics."""
+
+    queue_depth: float | None = None
+    """Waiting requests, summed over replicas."""
+    running_requests: float | None = None
+    """Requests being prefilled or decoded, summed over replicas."""
+    concurrency_per_replica: float | None = None
+    """Running + waiting requests (+ held at the router) per ready replica: the main autoscaling signal."""
+    target_concurrency_per_replica: float | None = None
+    """The concurrency target in force (from the spec, or targetUtilization x maxNumSeqs)."""
+    p99_latency_seconds: float | None = None
+    """P99 of `autoscaling.latencyMetric` over the scale-up window (unset with too few requests)."""
+    kv_cache_usage_ratio: float | None = None
+    """Share of KV cache blocks in use on the fullest replica (0..1)."""
+    time: datetime | None = None
+    """When these were read."""
+
+
+class InferenceServiceStatus(_Model):
+    """Written by the operator only (status subresource)."""
+
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    """Ready, Progressing and Degraded, one each; MetricsAvailable too when autoscaling is enabled."""
+    replicas: int = 0
+    """Engine pods that are not terminating (the scale subresource's status replicas)."""
+    ready_replicas: int = 0
+    """Of those, the ready ones."""
+    selector: str | None = None
+    """Label selector of the engine pods (for the scale subresource and HPA)."""
+    last_scale_decision: ScaleDecision | None = None
+    observed_metrics: ObservedMetrics | None = None
+    observed_generation: int | None = None
+    """The metadata.generation the operator last acted on."""
+    url: str | None = None
+    """In-cluster URL of the engine Service."""
