@@ -35,6 +35,9 @@ calibrated model of the engine.
   a request.
 - Never below minReplicas nor above maxReplicas (a wish above it is reported as capped);
   at most `maxStep` replicas per decision.
+
+Over 300 lines for a stated reason: the whole policy, the one function the simulator runs,
+with the rules above beside the code that applies them.
 """
 from __future__ import annotations
 
