@@ -24,8 +24,8 @@ ENGINE_CHILD = {labels.SERVICE: kopf.PRESENT, labels.COMPONENT: labels.ENGINE}
 ENGINE_CHILD_SELECTOR = f"{labels.SERVICE},{labels.COMPONENT}={labels.ENGINE}"
 WATCHED_BY_LABEL = (PODS, *CHILD_KINDS)
 # How long kopf waits to see its own annotation patch come back on the watch before it handles the
-# InferenceService's next event anyway. kopf's default (5 s) is exceeded on a busy control plane: the
-# event of the operator's own status patch, which carries no last-handled-configuration yet, was then
+# InferenceService's next event anyway. kopf's default (5 s) is too short on a busy control plane: the
+# event of the operator's own status patch, which carries no last-handled-configuration yet, would be
 # taken for a new object and reconciled a second time.
 CONSISTENCY_SECONDS = 60
 HANDLER_THREADS = 16
