@@ -197,10 +197,10 @@ class EngineSpec(_Model):
     """Engine settings for every replica."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in %s))" % list(RESERVED_VOLUMES),
+        {"rule": f"!has(self.volumes) || self.volumes.all(v, !(v.name in {list(RESERVED_VOLUMES)}))",
          "message": _RESERVED_VOLUME_MESSAGE},
-        {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in %s))"
-                 % list(RESERVED_MOUNT_PATHS), "message": _RESERVED_PATH_MESSAGE}]})
+        {"rule": f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {list(RESERVED_MOUNT_PATHS)}))",
+         "message": _RESERVED_PATH_MESSAGE}]})
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """GPUs per replica; the model's heads are sharded across them. They must divide the model's
@@ -210,7 +210,7 @@ class EngineSpec(_Model):
     max_num_batched_tokens: int = Field(1024, ge=1)
     """Most tokens (prefill + decode) in one step."""
     kv_cache_fraction: float = Field(0.85, gt=0, le=1)
-    """Share of the GPU memory left after loading weights for the KV cache and the largest step's activations (measured at start)."""
+    """Share of the GPU memory left after loading weights for the KV cache and the largest step's activations (measured at start)."""  # noqa: E501 - one line: the CRD's description
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes."""
     image: str = Field(DEFAULT_IMAGE, min_length=1)
@@ -342,16 +342,16 @@ class RoutingSpec(_Model):
     """How the router picks an engine pod."""
 
     strategy: Literal["least-connections", "prefix-affinity"] = "least-connections"
-    """`least-connections`: the ready pod with the fewest requests in flight. `prefix-affinity`: the pod that holds the request's prompt prefix in its cache (a conversation's earlier turns), by consistent hashing, unless it carries more than `loadBound` times the mean load or has no free sequence slot (`engine.maxNumSeqs`) while another pod has one."""
+    """`least-connections`: the ready pod with the fewest requests in flight. `prefix-affinity`: the pod that holds the request's prompt prefix in its cache (a conversation's earlier turns), by consistent hashing, unless it carries more than `loadBound` times the mean load or has no free sequence slot (`engine.maxNumSeqs`) while another pod has one."""  # noqa: E501 - one line: the CRD's description
     load_bound: float = Field(1.25, gt=1, le=10)
-    """With `prefix-affinity`: a pod with more than this factor times the mean requests in flight (plus one) is passed over for the least loaded pod, unless it carries at most one request more than that pod (at light loads the factor alone would round to one or two requests)."""
+    """With `prefix-affinity`: a pod with more than this factor times the mean requests in flight (plus one) is passed over for the least loaded pod, unless it carries at most one request more than that pod (at light loads the factor alone would round to one or two requests)."""  # noqa: E501 - one line: the CRD's description
 
 
 class AuthSpec(_Model):
     """Who may call the model: clients must send `Authorization: Bearer <key>`, at the router and at the engine pods."""
 
     api_key_secret: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
-    """An Opaque Secret in this namespace (`kubectl create secret generic`); every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""
+    """An Opaque Secret in this namespace (`kubectl create secret generic`); every value in its `data` is an accepted API key (several keys for several clients; rotate by editing the Secret, no restart). A missing or empty Secret refuses every request."""  # noqa: E501 - one line: the CRD's description
 
 
 class RolloutSpec(_Model):
@@ -379,7 +379,7 @@ class InferenceServiceSpec(_Model):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, json_schema_extra=_default(AutoscalingSpec))
     routing: RoutingSpec = Field(default_factory=RoutingSpec, json_schema_extra=_default(RoutingSpec))
     auth: AuthSpec | None = None
-    """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""
+    """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""  # noqa: E501 - one line: the CRD's description
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default(RolloutSpec))
     drain_seconds: int = Field(30, ge=0, le=MAX_DRAIN_SECONDS)
     """Seconds an engine pod being stopped (rollout, scale-down, node drain) gives its in-flight requests to

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -110,7 +110,7 @@ class AutoscaleLoop:
     condition whenever that changes (None once the service is no longer autoscaled)."""
 
     def __init__(self, kube, caches: Caches, settings: AutoscaleSettings, *,
-                 post: Callable[[dict, list[EventSpec]], None],
+                 post: Callable[[Mapping, list[EventSpec]], None],
                  metrics_changed: Callable[[Key, dict | None], None], identity: str):
         self.kube, self.caches, self.identity = kube, caches, identity
         self.interval, self.release_namespace = settings.interval, settings.release_namespace
@@ -134,7 +134,12 @@ class AutoscaleLoop:
         finally:
             await self.http.close()
 
-    def _autoscaled(self) -> list[tuple[tuple[str, str], dict, api.InferenceServiceSpec]]:
+    def _client(self) -> aiohttp.ClientSession:
+        if self.http is None:
+            raise RuntimeError("the HTTP session opens in run()")
+        return self.http
+
+    def _autoscaled(self) -> list[tuple[Key, Mapping, api.InferenceServiceSpec]]:
         out = []
         for key, body in self.caches.all_inference_services():
             if body["metadata"].get("deletionTimestamp"):
@@ -163,7 +168,7 @@ class AutoscaleLoop:
         urls = [url for url in map(router_url, pods) if url]
         if not urls:
             return {}
-        texts = await asyncio.gather(*(scraper.fetch(self.http, url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
+        texts = await asyncio.gather(*(scraper.fetch(self._client(), url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
         held: dict[tuple[str, str], float] = {}
         answered = False
         for text in filter(None, texts):
@@ -178,7 +183,7 @@ class AutoscaleLoop:
 
     async def _scrape_engines(self, pods: list[PodSummary]) -> dict[str, scraper.PodMetrics]:
         ready = [p for p in pods if answers_http(p)]
-        texts = await asyncio.gather(*(scraper.fetch(self.http, f"http://{p.ip}:{resources.HTTP_PORT}/metrics",
+        texts = await asyncio.gather(*(scraper.fetch(self._client(), f"http://{p.ip}:{resources.HTTP_PORT}/metrics",
                                                      SCRAPE_TIMEOUT_SECONDS) for p in ready))
         out = {}
         for pod, text in zip(ready, texts):
@@ -189,7 +194,7 @@ class AutoscaleLoop:
                 pass  # counted as not answering
         return out
 
-    async def tick(self, key: tuple[str, str], body: dict, spec: api.InferenceServiceSpec,
+    async def tick(self, key: tuple[str, str], body: Mapping, spec: api.InferenceServiceSpec,
                    held: dict[tuple[str, str], float] | None) -> None:
         uid = body["metadata"].get("uid")
         memory = self.services.get(key)
@@ -246,7 +251,7 @@ class AutoscaleLoop:
             memory.condition = condition
             await asyncio.to_thread(self.metrics_changed, key, condition)
 
-    def scale(self, body: dict, status_patch: dict, replicas: int) -> bool:
+    def scale(self, body: Mapping, status_patch: dict, replicas: int) -> bool:
         """Write the decision (status, with lastScaleDecision) then spec.replicas, both only while the
         InferenceService is still the one the decision was made on (resourceVersion preconditions).
 

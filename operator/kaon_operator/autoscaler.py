@@ -152,7 +152,7 @@ def recent_miss(history: list[Sample], goal: float, since: float) -> tuple[float
             break
         taken.append(sample)
         missed, p99, over, n = misses_target(taken, goal)
-        if missed:
+        if missed and p99 is not None:
             return p99, over, n
     return None
 
@@ -166,7 +166,8 @@ def latency_ceiling(history: list[Sample], spec: AutoscalingSpec) -> float | Non
     goal = spec.target_p99_latency_seconds
     if not goal:
         return None
-    ceilings, stretch = [], []
+    ceilings: list[float] = []
+    stretch: list[Sample] = []
     for sample in reversed(history):
         if sample.starting or not sample.ready or (stretch and sample.ready != stretch[0].ready):
             stretch = []
@@ -222,8 +223,9 @@ def _up(history: list[Sample], spec: AutoscalingSpec, target: float, current: in
                            f"per replica > target {spec.target_queue_depth_per_replica:g}"))
         goal = spec.target_p99_latency_seconds
         lookback = now - max(spec.scale_up_window_seconds, spec.scale_down_stabilization_seconds)
-        miss = goal and recent_miss(history, goal, max(lookback, last_change if last_change is not None else lookback))
-        if miss:
+        miss = recent_miss(history, goal, max(lookback, last_change if last_change is not None else lookback)) \
+            if goal else None
+        if goal and miss:
             p99, over, n = miss
             wishes.append((max(current + 1, math.ceil(current * min(p99 / goal, PANIC_FACTOR))),
                            f"P99 {spec.latency_metric} {p99:.2f}s > target {goal:g}s "

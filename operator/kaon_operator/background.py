@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 
 from kaon_operator import status, status_sync
@@ -22,7 +22,7 @@ async def watch_startups(ctx: Context) -> None:
     the services whose pods ran out of it again (StartupTimeout), every few seconds, from the caches."""
     while True:
         await asyncio.sleep(STARTUP_CHECK_SECONDS)
-        now = datetime.now(timezone.utc).replace(microsecond=0)
+        now = datetime.now(UTC).replace(microsecond=0)
         for key, pods in ctx.caches.pods_by_service():
             deadline = status.next_startup_deadline(pods)
             if deadline is None or deadline > now:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from pydantic import BaseModel
 
 from kaon_operator import api, api_status
 
@@ -79,7 +80,7 @@ def openapi(schema: dict, defs: dict, *, defaults: bool = True) -> dict:
     return node
 
 
-def _schema_of(model: type, *, defaults: bool) -> dict:
+def _schema_of(model: type[BaseModel], *, defaults: bool) -> dict:
     schema = model.model_json_schema(by_alias=True, ref_template="#/$defs/{model}")
     return openapi(schema, schema.get("$defs", {}), defaults=defaults)
 

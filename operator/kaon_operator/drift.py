@@ -3,6 +3,9 @@ again (with a Warning Event saying so). With NetworkPolicies switched off, the o
 they were on are deleted."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from kaon_operator import api, changes, status
 from kaon_operator.context import Context
 from kaon_operator.kube import NamespaceTerminating
@@ -34,7 +37,7 @@ def _owned_by_an_inference_service(child) -> bool:
                and ref.get("controller") for ref in child["metadata"].get("ownerReferences", []))
 
 
-def child_changed(ctx: Context, event: dict, child, namespace: str, owner_name: str) -> None:
+def child_changed(ctx: Context, event: Mapping[str, Any], child, namespace: str, owner_name: str) -> None:
     if child.get("kind") == "NetworkPolicy" and ctx.config.network_policy is None:
         # Switched off (--no-network-policy): the policies made while it was on go, so that the switch
         # means what it says; kopf lists them all at start-up, so this runs once for each.

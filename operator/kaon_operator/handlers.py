@@ -17,7 +17,7 @@ from __future__ import annotations
 import kopf
 
 from kaon_operator import background, drift, reconciler, status_sync, summaries
-from kaon_operator.caches import Caches
+from kaon_operator.caches import Caches, Key
 from kaon_operator.config import OperatorConfig
 from kaon_operator.context import Context
 from kaon_operator.kube import Kube
@@ -27,6 +27,10 @@ from kaon_operator.watching import CHILD_KINDS, DEPLOYMENTS, ENGINE_CHILD, ISVC,
 
 def _context(memo: kopf.Memo) -> Context:
     return memo["context"]
+
+
+def _key(namespace: str | None, name: str) -> Key:
+    return namespace or "", name  # every kind watched here is namespaced
 
 
 @kopf.on.startup()
@@ -46,24 +50,24 @@ async def stop(memo: kopf.Memo, **_) -> None:
 
 
 @kopf.index(*ISVC)
-def inference_services(namespace: str, name: str, body: kopf.Body, **_) -> dict:
-    return {(namespace, name): body}
+def inference_services(namespace: str | None, name: str, body: kopf.Body, **_) -> dict:
+    return {_key(namespace, name): body}
 
 
 @kopf.index(*ISVC)
-def served_names(namespace: str, body: kopf.Body, **_) -> dict:
+def served_names(namespace: str | None, body: kopf.Body, **_) -> dict:
     """Namespace -> who serves which name there: the NameConflict condition."""
-    return {namespace: summaries.served_name(body)}
+    return {namespace or "": summaries.served_name(body)}
 
 
 @kopf.index(*PODS, labels=ENGINE_CHILD)
-def engine_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
-    return {(namespace, labels[SERVICE]): summaries.summarize_pod(body)}
+def engine_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
+    return {_key(namespace, labels[SERVICE]): summaries.summarize_pod(body)}
 
 
 @kopf.index(*DEPLOYMENTS, labels=ENGINE_CHILD)
-def engine_deployments(namespace: str, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
-    return {(namespace, labels[SERVICE]): summaries.summarize_deployment(body)}
+def engine_deployments(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
+    return {_key(namespace, labels[SERVICE]): summaries.summarize_deployment(body)}
 
 
 # The InferenceService itself ----------------------------------------------------------------------------------------
@@ -72,18 +76,18 @@ def engine_deployments(namespace: str, labels: kopf.Labels, body: kopf.Body, **_
 @kopf.on.resume(*ISVC)
 @kopf.on.create(*ISVC)
 @kopf.on.update(*ISVC, field="spec")
-def reconcile(body: kopf.Body, namespace: str, name: str, reason: str, old, memo: kopf.Memo, **_) -> None:
-    reconciler.reconcile(_context(memo), body, (namespace, name), reason, old)
+def reconcile(body: kopf.Body, namespace: str | None, name: str, reason: str, old, memo: kopf.Memo, **_) -> None:
+    reconciler.reconcile(_context(memo), body, _key(namespace, name), reason, old)
 
 
 @kopf.on.delete(*ISVC, optional=True)
-def deleted(namespace: str, name: str, memo: kopf.Memo, **_) -> None:
-    _context(memo).records.forget((namespace, name))
+def deleted(namespace: str | None, name: str, memo: kopf.Memo, **_) -> None:
+    _context(memo).records.forget(_key(namespace, name))
 
 
 @kopf.on.event(*ISVC)
-def served_names_changed(namespace: str, memo: kopf.Memo, **_) -> None:
-    status_sync.served_names_changed(_context(memo), namespace)
+def served_names_changed(namespace: str | None, memo: kopf.Memo, **_) -> None:
+    status_sync.served_names_changed(_context(memo), namespace or "")
 
 
 # What the status is made of -----------------------------------------------------------------------------------------
@@ -91,22 +95,23 @@ def served_names_changed(namespace: str, memo: kopf.Memo, **_) -> None:
 
 @kopf.on.event(*PODS, labels=ENGINE_CHILD)
 @kopf.on.event(*DEPLOYMENTS, labels=ENGINE_CHILD)
-async def child_status_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_) -> None:
-    _context(memo).status_queue.mark((namespace, labels[SERVICE]))
+async def child_status_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_) -> None:
+    _context(memo).status_queue.mark(_key(namespace, labels[SERVICE]))
 
 
 @kopf.on.event(*PDBS, labels=ENGINE_CHILD, id="pdb-status")
-async def pdb_status_changed(event: dict, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
-                             **_) -> None:
+async def pdb_status_changed(event: kopf.RawEvent, body: kopf.Body, namespace: str | None, labels: kopf.Labels,
+                             memo: kopf.Memo, **_) -> None:
     summary = None if event.get("type") == "DELETED" else summaries.summarize_pdb(body)
-    status_sync.pdb_changed(_context(memo), (namespace, labels[SERVICE]), summary)
+    status_sync.pdb_changed(_context(memo), _key(namespace, labels[SERVICE]), summary)
 
 
 # Drift of the children ----------------------------------------------------------------------------------------------
 
 
-def child_changed(event: dict, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_) -> None:
-    drift.child_changed(_context(memo), event, body, namespace, labels[SERVICE])
+def child_changed(event: kopf.RawEvent, body: kopf.Body, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo,
+                  **_) -> None:
+    drift.child_changed(_context(memo), event, body, namespace or "", labels[SERVICE])
 
 
 for _group, _version, _plural in CHILD_KINDS:

@@ -5,7 +5,8 @@ twice changes nothing, and `force` takes back any field someone else edited.
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.rest import ApiException
@@ -65,7 +66,8 @@ class Kube:
 
     def get_inference_service(self, namespace: str, name: str) -> dict | None:
         try:
-            return self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+            return cast(dict, self.custom.get_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -75,9 +77,9 @@ class Kube:
         """Merge-patch spec.replicas; with `resource_version`, only if the object is still at that version
         (else Conflict: someone else wrote it since, and their change must not be overwritten)."""
         try:
-            return self.custom.patch_namespaced_custom_object(
+            return cast(dict, self.custom.patch_namespaced_custom_object(
                 api.GROUP, api.VERSION, namespace, api.PLURAL, name,
-                _precondition({"spec": {"replicas": replicas}}, resource_version))
+                _precondition({"spec": {"replicas": replicas}}, resource_version)))
         except ApiException as exc:
             if exc.status == 409:
                 raise Conflict(f"{namespace}/{name} changed since resourceVersion {resource_version}") from None
@@ -87,9 +89,9 @@ class Kube:
         """Merge-patch the status subresource (with `resource_version`: only at that version, else Conflict);
         the object as written, or None when the InferenceService has vanished (not an error)."""
         try:
-            return self.custom.patch_namespaced_custom_object_status(
+            return cast(dict, self.custom.patch_namespaced_custom_object_status(
                 api.GROUP, api.VERSION, namespace, api.PLURAL, name,
-                _precondition({"status": status}, resource_version))
+                _precondition({"status": status}, resource_version)))
         except ApiException as exc:
             if exc.status == 409:
                 raise Conflict(f"{namespace}/{name} changed since resourceVersion {resource_version}") from None
@@ -115,8 +117,8 @@ class Kube:
     def hold_lease(self, namespace: str, name: str, holder: str, seconds: int) -> bool:
         """Take or renew a coordination.k8s.io Lease; False while another holder's is current.
         A lost race (409 on create or replace) is a no for this round."""
-        now = datetime.now(timezone.utc)
-        metadata = {"name": name, "namespace": namespace}
+        now = datetime.now(UTC)
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
         spec = {"holderIdentity": holder, "leaseDurationSeconds": seconds, "renewTime": kubetime.micro_stamp(now)}
         try:
             lease = self.coordination.read_namespaced_lease(name, namespace)
@@ -127,7 +129,7 @@ class Kube:
                                      {"metadata": metadata, "spec": spec})
         if held_by_another(lease.spec, holder, now):
             return False
-        metadata["resourceVersion"] = lease.metadata.resource_version
+        metadata["resourceVersion"] = lease.metadata.resource_version if lease.metadata else None
         return self._lease_write(lambda ns, body: self.coordination.replace_namespaced_lease(name, ns, body),
                                  namespace, {"metadata": metadata, "spec": spec})
 
@@ -144,7 +146,7 @@ class Kube:
     def post_event(self, body: dict, type_: str, reason: str, message: str, instance: str) -> None:
         """A core/v1 Event about an InferenceService, for code outside kopf's handlers (the
         autoscale loop), where kopf.event has no queue to post through."""
-        meta, now = body["metadata"], datetime.now(timezone.utc)
+        meta, now = body["metadata"], datetime.now(UTC)
         event = {"metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
                  "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
                                     "namespace": meta["namespace"], "uid": meta.get("uid")},
@@ -152,7 +154,7 @@ class Kube:
                  "firstTimestamp": now, "lastTimestamp": now, "source": {"component": FIELD_MANAGER},
                  "reportingComponent": FIELD_MANAGER, "reportingInstance": instance}
         try:
-            self.core.create_namespaced_event(meta["namespace"], event)
+            self.core.create_namespaced_event(meta["namespace"], cast(Any, event))  # a dict serializes as well
         except ApiException as exc:
             if exc.status not in (403, 404):  # a terminating namespace takes no Events: nothing to tell
                 raise

@@ -1,4 +1,5 @@
-"""`kaon-operator` (or `python -m kaon_operator`): run the InferenceService operator (kopf) against the current cluster."""
+"""`kaon-operator` (or `python -m kaon_operator`): run the InferenceService operator (kopf) against the
+current cluster."""
 from __future__ import annotations
 
 import argparse

@@ -72,5 +72,5 @@ def conflicts(services: Iterable[Named]) -> dict[tuple[str, str], Named]:
     """InferenceService key -> the older one of its namespace that answers its served name in its
     place. Empty for the ones that answer their own name."""
     names = index(services := list(services))
-    return {tuple(s.key): winner for s in services
+    return {(s.key[0], s.key[1]): winner for s in services
             if (winner := names.qualified[(s.key[0], s.served_name)]) is not s}

@@ -176,7 +176,7 @@ def _cache_volume(spec: api.InferenceServiceSpec) -> dict:
 
 def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     volumes = [_cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[dict] = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
     if spec.model.uri.startswith("pvc://"):
         claim, _ = pvc_source(spec.model.uri)
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})

@@ -18,7 +18,7 @@ APPLY_RETRY_SECONDS = 10
 
 def _api_message(exc: ApiException) -> str:
     try:
-        return json.loads(exc.body)["message"]
+        return json.loads(exc.body or "")["message"]
     except (TypeError, ValueError, KeyError):
         return f"{exc.status} {exc.reason}"
 

@@ -53,26 +53,24 @@ def _degraded(deployment: DeploymentSummary | None, pods: list[PodSummary], gpus
         return _condition(DEGRADED, True, "Unschedulable",
                           f"{len(pending)} pod(s) need {gpus_per_pod} nvidia.com/gpu each and cannot be placed: "
                           f"{pending[0].unschedulable}" + (ROLLOUT_NEEDS_SPARE_GPUS if surge else ""))
-    failing = [p for p in live if p.model_failure]
+    failing = [(p.name, p.model_failure) for p in live if p.model_failure]
     if failing:  # before CrashLoopBackOff: the same crash loop, but with the reason
-        reason, message = failing[0].model_failure
-        return _condition(DEGRADED, True, reason,
-                          f"{len(failing)} pod(s) cannot serve the model; {failing[0].name}: {message}")
-    stuck = [p for p in live if p.stuck]
+        name, (reason, message) = failing[0]
+        return _condition(DEGRADED, True, reason, f"{len(failing)} pod(s) cannot serve the model; {name}: {message}")
+    stuck = [(p.name, p.stuck) for p in live if p.stuck]
     if stuck:
-        reason, message = stuck[0].stuck
-        return _condition(DEGRADED, True, reason, f"{len(stuck)} pod(s) failing; {stuck[0].name}: {message}")
+        name, (reason, message) = stuck[0]
+        return _condition(DEGRADED, True, reason, f"{len(stuck)} pod(s) failing; {name}: {message}")
     if deployment and deployment.replica_failure:
         return _condition(DEGRADED, True, "FailedCreate",
                           f"the ReplicaSet cannot create pods: {deployment.replica_failure}")
-    overdue = [(p, w) for p in live if (w := _overdue(p, now)) is not None]
+    overdue = [(p, p.not_ready_since) for p in live if _overdue(p, now) is not None and p.not_ready_since]
     if overdue:
-        pod = overdue[0][0]  # the message stays the same while it lasts: one write, one Event
-        since = kubetime.stamp(pod.not_ready_since)
+        pod, since = overdue[0]  # the message stays the same while it lasts: one write, one Event
         return _condition(DEGRADED, True, "StartupTimeout",
                           f"{len(overdue)} pod(s) not ready after the {pod.startup_budget_s:.0f} s their probes allow "
                           f"(model too slow to load, or the engine never answers /ready); {pod.name}: not ready "
-                          f"since {since}")
+                          f"since {kubetime.stamp(since)}")
     if deployment and deployment.progress_deadline_exceeded:
         return _condition(DEGRADED, True, "ProgressDeadlineExceeded",
                           "the rollout made no progress within its deadline")
@@ -197,8 +195,8 @@ def stamp(new: list[dict], old: list[dict], now: datetime, generation: int) -> l
     out = []
     for cond in new:
         prev = before.get(cond["type"])
-        changed = prev is None or prev.get("status") != cond["status"]
-        when = kubetime.stamp(now) if changed else prev.get("lastTransitionTime")
+        unchanged = prev is not None and prev.get("status") == cond["status"]
+        when = prev.get("lastTransitionTime") if prev is not None and unchanged else kubetime.stamp(now)
         out.append({**cond, "lastTransitionTime": when, "observedGeneration": generation})
     return out
 

@@ -38,5 +38,5 @@ class StatusQueue:
             self.queued.discard(key)  # an event from now on queues it again
             try:
                 await asyncio.to_thread(resync, key)
-            except Exception:  # noqa: BLE001 - the next event for it tries again
+            except Exception:
                 logger.exception(f"updating {key[0]}/{key[1]}'s status failed")

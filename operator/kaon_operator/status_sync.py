@@ -8,7 +8,7 @@ serialised by its record's lock.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from kaon_operator import api, resources, status
 from kaon_operator.caches import Key
@@ -19,7 +19,7 @@ from kaon_operator.summaries import PdbSummary, PodSummary
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc).replace(microsecond=0)
+    return datetime.now(UTC).replace(microsecond=0)
 
 
 def _write(ctx: Context, record: ServiceRecord, body, conditions: list[dict], pods: list[PodSummary],

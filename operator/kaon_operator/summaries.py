@@ -6,9 +6,10 @@ PodDisruptionBudgets and served names is read here.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kaon_operator import api, kubetime
 from kaon_operator.pod_template import ENGINE_CONTAINER, FETCH_CONTAINER
@@ -154,7 +155,7 @@ def _probe_budget(probe: dict | None, default_failures: int = 3) -> float:
                                                                                             default_failures)
 
 
-def _startup_budget(pod: dict) -> float | None:
+def _startup_budget(pod: Mapping[str, Any]) -> float | None:
     containers = (pod.get("spec") or {}).get("containers") or []
     engine = next((c for c in containers if c.get("name") == ENGINE_CONTAINER), containers[0] if containers else None)
     if not engine or not (engine.get("startupProbe") or engine.get("readinessProbe")):
@@ -162,7 +163,7 @@ def _startup_budget(pod: dict) -> float | None:
     return _probe_budget(engine.get("startupProbe")) + _probe_budget(engine.get("readinessProbe"))
 
 
-def summarize_pod(pod: dict) -> PodSummary:
+def summarize_pod(pod: Mapping[str, Any]) -> PodSummary:
     meta, status = pod.get("metadata", {}), pod.get("status") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     scheduled = conditions.get("PodScheduled", {})
@@ -187,7 +188,7 @@ def summarize_pod(pod: dict) -> PodSummary:
                       startup_budget_s=_startup_budget(pod))
 
 
-def summarize_deployment(deployment: dict) -> DeploymentSummary:
+def summarize_deployment(deployment: Mapping[str, Any]) -> DeploymentSummary:
     status = deployment.get("status") or {}
     deadline = any(c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
                    for c in status.get("conditions") or [])
@@ -199,7 +200,8 @@ def summarize_deployment(deployment: dict) -> DeploymentSummary:
         replicas=(deployment.get("spec") or {}).get("replicas", 1), total=status.get("replicas", 0),
         updated=status.get("updatedReplicas", 0), ready=status.get("readyReplicas", 0),
         available=status.get("availableReplicas", 0), progress_deadline_exceeded=deadline,
-        replica_failure=None if failure is None else (failure.get("message") or failure.get("reason") or "FailedCreate"))
+        replica_failure=None if failure is None
+        else (failure.get("message") or failure.get("reason") or "FailedCreate"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +214,7 @@ class PdbSummary:
     """The disruption controller has computed the status for the PDB's current spec."""
 
 
-def summarize_pdb(pdb: dict) -> PdbSummary:
+def summarize_pdb(pdb: Mapping[str, Any]) -> PdbSummary:
     st = pdb.get("status") or {}
     return PdbSummary(disruptions_allowed=st.get("disruptionsAllowed", 0), current_healthy=st.get("currentHealthy", 0),
                       desired_healthy=st.get("desiredHealthy", 0), expected_pods=st.get("expectedPods", 0),
@@ -228,7 +230,7 @@ class ServedName(NamedTuple):
     created: int
 
 
-def served_name(body: dict) -> ServedName:
+def served_name(body: Mapping[str, Any]) -> ServedName:
     """Read from the raw body (valid spec or not): every InferenceService of a namespace holds its name."""
     meta = body["metadata"]
     return ServedName((meta["namespace"], meta["name"]),

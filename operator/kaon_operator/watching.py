@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import kopf
 
@@ -20,7 +21,7 @@ NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
 CHILD_KINDS = (DEPLOYMENTS, ("", "v1", "services"), PDBS, NETWORK_POLICIES)
 # kopf's labels= filter of the handlers (applied by kopf after receiving), and the same filter
 # as the server-side labelSelector of the watches.
-ENGINE_CHILD = {labels.SERVICE: kopf.PRESENT, labels.COMPONENT: labels.ENGINE}
+ENGINE_CHILD: dict[str, Any] = {labels.SERVICE: kopf.PRESENT, labels.COMPONENT: labels.ENGINE}
 ENGINE_CHILD_SELECTOR = f"{labels.SERVICE},{labels.COMPONENT}={labels.ENGINE}"
 WATCHED_BY_LABEL = (PODS, *CHILD_KINDS)
 # How long kopf waits to see its own annotation patch come back on the watch before it handles the
