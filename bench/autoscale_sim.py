@@ -117,7 +117,7 @@ def slo_concurrency(model: EngineModel, workload: Workload, target_s: float, goa
     cap, best = capacity(model, workload, seed), 1.0
     for percent in range(10, 105, 5):
         rate = replicas * cap * percent / 100
-        arrivals = arrivals_for(Trace("probe", 2400.0, lambda t: rate), workload, seed)
+        arrivals = arrivals_for(Trace("probe", 2400.0, lambda t, rate=rate: rate), workload, seed)
         run = simulate(arrivals, 2400.0, model, Schedule([replicas]), replicas)
         if run.attainment(target_s) < goal:
             break
@@ -598,7 +598,7 @@ def oracle_schedule(arrivals: list[tuple[float, int, int]], duration: float, mod
         # Fewer replicas than the minute's work needs cannot do; start a little below that bound.
         n = max(1, min_replicas, math.ceil(0.8 * judged / 60.0 / per_replica))
         while n < max_replicas:
-            warm = n if not previous else previous
+            warm = previous or n
             run = simulate(window, 120.0, model, Schedule([warm, n]), warm, cold_start_s=0.0)
             scored = [r for r in run.requests if r.arrival >= 60.0]
             met = sum(1 for r in scored if r.ttft() is not None and r.ttft() <= target)

@@ -47,8 +47,11 @@ def rate(run, batch: int, tokens: int, repeats: int) -> float:
     run(batch, 2)  # warm-up
     rates = []
     for _ in range(repeats):
-        t0 = time.perf_counter(); run(batch, 1); t1 = time.perf_counter()
-        run(batch, 1 + tokens); t2 = time.perf_counter()
+        t0 = time.perf_counter()
+        run(batch, 1)
+        t1 = time.perf_counter()
+        run(batch, 1 + tokens)
+        t2 = time.perf_counter()
         rates.append(batch * tokens / ((t2 - t1) - (t1 - t0)))
     return statistics.median(rates)
 
@@ -141,7 +144,9 @@ def main() -> int:
         return 0
 
     import kaon_runtime  # noqa: F401  (before torch: its OpenMP settings)
+    # isort: split
     import torch
+
     from kaon_runtime.loader import resolve_model
     threads = torch.get_num_threads()
     gguf = resolve_model(MODEL)

@@ -27,8 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from kaon_runtime import LLM, SamplingParams  # noqa: E402
-from throughput import decode_rate, sync_device  # noqa: E402
+from throughput import decode_rate, sync_device
+
+from kaon_runtime import LLM, SamplingParams
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> float:
@@ -64,9 +65,8 @@ def bytes_per_token(llm: LLM, context_len: int) -> int:
     return weights + kv
 
 
-def measure(args, quantization: str) -> dict:
-    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=quantization,
-              max_model_len=args.prompt_tokens + args.tokens + 8, max_num_seqs=1)
+def figures_of(llm: LLM, args, quantization: str) -> dict:
+    """Decode rate, bytes read per token and the paths taken, for one loaded engine."""
     prompt = list(range(10, 10 + args.prompt_tokens))
 
     def generate(n):
@@ -75,10 +75,16 @@ def measure(args, quantization: str) -> dict:
     rate = decode_rate(generate, args.tokens, args.repeats)
     read = bytes_per_token(llm, args.prompt_tokens + args.tokens // 2)  # the mean context over the decode
     graphs = llm.engine.runner.decode_graphs
-    figures = {"quantization": quantization, "decode_tok_s": round(rate, 1), "ms_per_token": round(1e3 / rate, 3),
-               "bytes_per_token": read, "achieved_gb_s": round(read * rate / 1e9, 1),
-               "cuda_graphs": bool(graphs and graphs.capture),
-               "attention_backend": llm.engine.runner.model.attention_layers()[0].backend.name}
+    return {"quantization": quantization, "decode_tok_s": round(rate, 1), "ms_per_token": round(1e3 / rate, 3),
+            "bytes_per_token": read, "achieved_gb_s": round(read * rate / 1e9, 1),
+            "cuda_graphs": bool(graphs and graphs.capture),
+            "attention_backend": llm.engine.runner.model.attention_layers()[0].backend.name}
+
+
+def measure(args, quantization: str) -> dict:
+    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=quantization,
+              max_model_len=args.prompt_tokens + args.tokens + 8, max_num_seqs=1)
+    figures = figures_of(llm, args, quantization)
     llm.close()
     del llm
     gc.collect()

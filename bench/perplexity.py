@@ -102,7 +102,8 @@ def main() -> int:
     parser.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                         help="score each window in one prefill, or one decode step per token")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="the quantized methods' KV cache (auto: float16 for int8/int4; the baseline keeps float32)")
+                        help="the quantized methods' KV cache "
+                             "(auto: float16 for int8/int4; the baseline keeps float32)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     torch.manual_seed(0)

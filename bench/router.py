@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT))  # e2e
 
 from e2e.control_plane import free_port  # noqa: E402
-from kaon_operator import resources  # noqa: E402
+from kaon_operator.labels import service_labels  # noqa: E402
 from kaon_operator.router.endpoints import EndpointTable  # noqa: E402
 from kaon_operator.router.proxy import Router  # noqa: E402
 
@@ -66,7 +66,7 @@ def event(i: int) -> bytes:
 
 
 def raise_open_file_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
@@ -166,7 +166,7 @@ def run_router(port: int, engine_ports: list[int]) -> None:
     table.apply_service("ADDED", {"metadata": {"name": MODEL, "namespace": "bench"}, "spec": {"model": {}}})
     for i, engine_port in enumerate(engine_ports):
         table.apply_pod("ADDED", {
-            "metadata": {"name": f"{MODEL}-{i}", "namespace": "bench", "labels": resources.labels(MODEL)},
+            "metadata": {"name": f"{MODEL}-{i}", "namespace": "bench", "labels": service_labels(MODEL)},
             "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": engine_port}]}]},
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
     table.synced = True
@@ -225,7 +225,7 @@ async def one(session: aiohttp.ClientSession, url: str, result: Result, stream: 
                 await resp.read()
                 result.latencies.append(time.perf_counter() - start)
             result.done += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         result.error(type(exc).__name__)
 
 

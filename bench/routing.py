@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT))
 
 from e2e.control_plane import free_port  # noqa: E402
-from kaon_operator import resources  # noqa: E402
+from kaon_operator.labels import service_labels  # noqa: E402
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey  # noqa: E402
 from kaon_operator.router.proxy import Router  # noqa: E402
 
@@ -237,7 +237,7 @@ def build_table(ports: list[int], strategy: str, load_bound: float, max_num_seqs
                                            "routing": {"strategy": strategy, "loadBound": load_bound}}})
     for i, port in enumerate(ports):
         table.apply_pod("ADDED", {
-            "metadata": {"name": f"bench-{i}", "namespace": "bench", "labels": resources.labels("bench")},
+            "metadata": {"name": f"bench-{i}", "namespace": "bench", "labels": service_labels("bench")},
             "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]},
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
     table.synced = True
@@ -385,9 +385,11 @@ def summarize(rows: list[dict], names: list[str]) -> None:
         for strategy, rs in by.items():
             pooled = sorted(t for r in rs for t in r["ttft"])
             print(f"  {name:6} {strategy:17} hit {spread([r['hit_rate'] for r in rs], '.1%')}  "
-                  f"TTFT p50 {spread([r['ttft_p50'] for r in rs], '.2f')}s p99 {spread([r['ttft_p99'] for r in rs], '.2f')}s "
+                  f"TTFT p50 {spread([r['ttft_p50'] for r in rs], '.2f')}s "
+                  f"p99 {spread([r['ttft_p99'] for r in rs], '.2f')}s "
                   f"(pooled n={len(pooled)}: p50 {percentile(pooled, 0.5):.2f}s p99 {percentile(pooled, 0.99):.2f}s)  "
-                  f"req/s {spread([r['req_s'] for r in rs], '.2f')}  max/mean {spread([r['imbalance'] for r in rs], '.2f')} "
+                  f"req/s {spread([r['req_s'] for r in rs], '.2f')}  "
+                  f"max/mean {spread([r['imbalance'] for r in rs], '.2f')} "
                   f"peak {spread([r['peak'] for r in rs], 'g')}  load {min(r['load_start'] for r in rs):.1f}-"
                   f"{max(max(r['load_start'], r['load_end']) for r in rs):.1f}")
         pairs = list(zip(by["least-connections"], by["prefix-affinity"]))

@@ -170,7 +170,8 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
 
     port = free_port()
-    rows = bench_server("kaon", start_kaon_with(port, logs / "kaon_serve.log", args.kaon_args.split()), f"http://127.0.0.1:{port}", "/ready",
+    kaon = start_kaon_with(port, logs / "kaon_serve.log", args.kaon_args.split())
+    rows = bench_server("kaon", kaon, f"http://127.0.0.1:{port}", "/ready",
                         MODEL, args.rates, requests, tokenizer, args.seed)
     if not args.skip_peer:
         port = free_port()

@@ -23,8 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve import (MODEL, ROOT, free_port, load_checkpoint, make_requests, resolve_model,  # noqa: E402
-                   start_kaon_with, wait_ready)
+from serve import MODEL, ROOT, free_port, load_checkpoint, make_requests, resolve_model, start_kaon_with, wait_ready
 
 REQUEST_TIMEOUT = 300.0
 
@@ -117,8 +116,8 @@ def main() -> int:
     print(f"exit code on SIGTERM: {proc.returncode}")
     print(f"served: {counts[200] / (args.minutes * 60):.2f} req/s of {args.rate} offered")
     transport_errors = sum(v for k, v in counts.items() if str(k).startswith("transport error"))
-    passed = (counts[200] > 0 and not unexpected and not transport_errors and not counts["timed out"] and all(v == 0 for v in leftovers.values())
-              and max(last) < max(first) * 1.15 and proc.returncode == 0)
+    passed = (counts[200] > 0 and not unexpected and not transport_errors and not counts["timed out"]
+              and all(v == 0 for v in leftovers.values()) and max(last) < max(first) * 1.15 and proc.returncode == 0)
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from kaon_runtime import LLM, SamplingParams  # noqa: E402
+from kaon_runtime import LLM, SamplingParams
 
 CODE_A = '''import json
 from dataclasses import dataclass

@@ -17,8 +17,8 @@ row runs until the longest finishes), which is how HF serves a batch; only the t
 each request asked for are counted as output.
 
 Each engine is timed in a fresh process of its own, one after the other (kaon's first: it draws
-the workload, which HF's then runs): measured in one process, each ran with the other's model and
-leftovers beside it, and kaon's side took 5-15% longer with HF's model loaded (bench/RESULTS.md).
+the workload, which HF's then runs): in one process, each would run with the other's model and
+leftovers beside it (bench/history/throughput.md measured what that costs).
 Each process has its engine's own OpenMP settings: kaon's those kaon_runtime sets on import
 (GOMP_SPINCOUNT=0), HF's the user's environment (libgomp's default spin unless set).
 
@@ -134,8 +134,11 @@ def decode_rate(generate, new_tokens: int, repeats: int = 3) -> float:
     generate(4)  # warm-up
     rates = []
     for _ in range(repeats):
-        t0 = time.perf_counter(); generate(1); t1 = time.perf_counter()
-        generate(1 + new_tokens); t2 = time.perf_counter()
+        t0 = time.perf_counter()
+        generate(1)
+        t1 = time.perf_counter()
+        generate(1 + new_tokens)
+        t2 = time.perf_counter()
         rates.append(new_tokens / ((t2 - t1) - (t1 - t0)))
     return statistics.median(rates)
 

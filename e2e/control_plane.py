@@ -127,7 +127,7 @@ class _PKI:
 
     @staticmethod
     def _builder(subject: x509.Name, public_key) -> x509.CertificateBuilder:
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         return (x509.CertificateBuilder().subject_name(subject).public_key(public_key)
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -213,6 +213,13 @@ class ControlPlane:
         self._procs: dict[str, subprocess.Popen] = {}
         self._pki: _PKI | None = None
 
+    @property
+    def pki(self) -> _PKI:
+        """The certificate authority and the certificates issued so far (made by start())."""
+        if self._pki is None:
+            raise ControlPlaneError("the control plane has not started")
+        return self._pki
+
     # lifecycle ---------------------------------------------------------------
 
     def start(self) -> ControlPlane:
@@ -280,15 +287,15 @@ class ControlPlane:
         return path
 
     def _user_kubeconfig(self, user: str, common_name: str, groups: tuple[str, ...]) -> str:
-        cert, key = self._pki.issue(user, common_name, groups=groups)
-        return _kubeconfig(self.server, self._pki.ca_path.read_bytes(), user,
+        cert, key = self.pki.issue(user, common_name, groups=groups)
+        return _kubeconfig(self.server, self.pki.ca_path.read_bytes(), user,
                            {"client-certificate-data": _b64(cert), "client-key-data": _b64(key)})
 
     def service_account_kubeconfig(self, namespace: str, name: str) -> Path:
         """A kubeconfig with a token of the ServiceAccount (what a pod running as it would use)."""
         token = self.kubectl("create", "token", name, "-n", namespace, "--duration=24h").stdout.strip()
         path = self.workdir / f"sa-{namespace}-{name}.kubeconfig"
-        path.write_text(_kubeconfig(self.server, self._pki.ca_path.read_bytes(), f"{namespace}-{name}",
+        path.write_text(_kubeconfig(self.server, self.pki.ca_path.read_bytes(), f"{namespace}-{name}",
                                     {"token": token}))
         path.chmod(0o600)
         return path
@@ -313,8 +320,7 @@ class ControlPlane:
     # processes ---------------------------------------------------------------
 
     def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")
-        with log:
+        with open(self.workdir / f"{name}.log", "wb") as log:
             self._procs[name] = subprocess.Popen(
                 [str(self.bin / name), *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=self.workdir, env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
@@ -386,8 +392,8 @@ class ControlPlane:
             time.sleep(0.2)
 
     def _wait_ready(self, deadline: float) -> None:
-        ctx = ssl.create_default_context(cafile=str(self._pki.ca_path))
-        ctx.load_cert_chain(self._pki.dir / "admin.crt", self._pki.dir / "admin.key")
+        ctx = ssl.create_default_context(cafile=str(self.pki.ca_path))
+        ctx.load_cert_chain(self.pki.dir / "admin.crt", self.pki.dir / "admin.key")
 
         def readyz() -> bool:
             try:

@@ -31,7 +31,7 @@ from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
 # Only for the demo: engines from the working tree, and windows short enough to watch.
-DEMO_OVERRIDES = {"engine": {"image": LOCAL_IMAGE, "maxNumSeqs": 2},
+DEMO_OVERRIDES: dict[str, dict] = {"engine": {"image": LOCAL_IMAGE, "maxNumSeqs": 2},
                   "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3,
                                   "targetQueueDepthPerReplica": 2, "scaleUpWindowSeconds": 2,
                                   "scaleDownStabilizationSeconds": 15, "maxStep": 2}}
@@ -77,7 +77,7 @@ def open_cluster(stack: ExitStack):
             try:
                 from e2e.real_cluster import RealCluster
                 return stack.enter_context(RealCluster()), "real"
-            except Exception as e:  # noqa: BLE001 - said, then the fallback
+            except Exception as e:  # said, then the fallback
                 if wanted == "real":
                     raise
                 reason = f"it did not start: {e}"
@@ -111,7 +111,7 @@ def run(keep: bool) -> int:
         say(f"asking through the router: {question}")
         answer = client.chat.completions.create(model=served, max_tokens=48, temperature=0,
                                                 messages=[{"role": "user", "content": question}])
-        print(f"\n{answer.choices[0].message.content.strip()}\n", flush=True)
+        print(f"\n{(answer.choices[0].message.content or '').strip()}\n", flush=True)
 
         say("a burst of 12 clients: 12 requests in flight against 0.7 x maxNumSeqs 2 = 1.4 per replica, "
             "the autoscaler adds replicas")

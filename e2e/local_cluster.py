@@ -16,8 +16,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from e2e.control_plane import (ControlPlane, _die_with_parent, build_binaries, free_port, terminate,
-                               wait_until_answering)
+from e2e.control_plane import ControlPlane, _die_with_parent, build_binaries, free_port, terminate, wait_until_answering
 from e2e.operator_process import OperatorProcess
 from e2e.pod_runner import PodRunner
 
@@ -74,7 +73,7 @@ class LocalCluster:
     def _start(self) -> None:
         if self.cp is None:
             self.cp = self._stack.enter_context(ControlPlane(build_binaries(), crds=CRDS))
-        self._install_chart()
+        self._install_chart(self.cp)
         # The chart names its ServiceAccounts after kaon.fullname (_helpers.tpl): the release, plus "-kaon" if absent.
         work, name = self.cp.workdir, self.release if "kaon" in self.release else f"{self.release}-kaon"
         operator = OperatorProcess(self.cp.service_account_kubeconfig(NAMESPACE, f"{name}-operator"),
@@ -90,8 +89,8 @@ class LocalCluster:
         self.router_url = router.url
         self.pods = self._stack.enter_context(PodRunner(self.cp, work))
 
-    def _install_chart(self) -> None:
-        helm = [str(self.cp.bin / "helm"), "--kubeconfig", str(self.cp.kubeconfig)]
+    def _install_chart(self, cp: ControlPlane) -> None:
+        helm = [str(cp.bin / "helm"), "--kubeconfig", str(cp.kubeconfig)]
         subprocess.run([*helm, "install", self.release, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
                         "--set", "operator.replicas=0", "--set", "router.replicas=0", "--wait=false"],
                        check=True, capture_output=True, text=True, timeout=120)

@@ -6,7 +6,7 @@ its data in workdir, waits for /minio/health/live, and stops it by PID.
 
     with MinioServer(tmp) as s3:
         s3.client().make_bucket("models")          # minio.Minio, as the root user
-        env = s3.env()                             # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION
+        env = s3.env()                             # AWS_ACCESS_KEY_ID, _SECRET_ACCESS_KEY, _ENDPOINT_URL, _REGION
 """
 from __future__ import annotations
 

@@ -51,6 +51,8 @@ class OperatorProcess:
             return resp.read().decode()
 
     def rss_bytes(self) -> int:
+        if self.proc is None:
+            return 0
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024

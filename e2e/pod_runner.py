@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import shutil
 import signal
@@ -44,7 +43,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +51,7 @@ import psutil
 
 from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 from e2e.probes import ProbeState, http_probe, parse_quantity, probes
+from kaon_operator import labels
 
 LOCAL_IMAGE_PREFIX = "local/"
 BACKOFF_START, BACKOFF_MAX = 2.0, 30.0  # a kubelet starts at 10 s and caps at 5 min; tests are impatient
@@ -190,11 +189,11 @@ class PodRunner:
         while not self._stop.wait(self.poll):
             try:
                 self._sync()
-            except Exception as exc:  # keep playing the runtime; the test's own checks fail loudly
+            except Exception as exc:  # noqa: BLE001  keep playing the runtime; the test's own checks fail loudly
                 print(f"pod runner: {exc}", file=sys.stderr)
 
     def _sync(self) -> None:
-        items = self._kubectl_json("get", "pods", "-A", "-l", "app.kubernetes.io/component=engine")["items"]
+        items = self._kubectl_json("get", "pods", "-A", "-l", f"{labels.COMPONENT}={labels.ENGINE}")["items"]
         pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in items
                 if p["spec"]["containers"][0].get("image", "").startswith(LOCAL_IMAGE_PREFIX)}
         for key, pod in pods.items():
@@ -226,7 +225,7 @@ class PodRunner:
                     if self.log_dir in d.parents and "pods" in d.parts:
                         shutil.rmtree(d, ignore_errors=True)
 
-    # One step of a pod's life ------------------------------------------------------------------------------------------
+    # One step of a pod's life ---------------------------------------------------------------------------------------
 
     def _advance(self, key: str, pod: dict, ip: str) -> None:
         state = self.pods.get(key)
@@ -335,7 +334,7 @@ class PodRunner:
             self._report(pod, "containerStatuses", container["name"], {"running": {"startedAt": _now()}},
                          last=state.last[container["name"]], restarts=state.restarts.get(container["name"], 0))
 
-    # Volumes and environment --------------------------------------------------------------------------------------------
+    # Volumes and environment ----------------------------------------------------------------------------------------
 
     def _volumes(self, key: str, pod: dict) -> dict[str, Path]:
         namespace = pod["metadata"]["namespace"]
@@ -368,7 +367,9 @@ class PodRunner:
         self._secrets_synced_at = now
         for key, state in list(self.pods.items()):
             pod = pods.get(key)
-            for volume in (pod["spec"].get("volumes") or []) if pod else []:
+            if pod is None:
+                continue
+            for volume in pod["spec"].get("volumes") or []:
                 if "secret" not in volume or volume["name"] not in state.dirs:
                     continue
                 secret = self._get("secret", pod["metadata"]["namespace"], volume["secret"]["secretName"]) or {}
@@ -444,7 +445,7 @@ class PodRunner:
                     }.get(path, "")
         return None
 
-    # Probes, memory and termination ----------------------------------------------------------------------------------
+    # Probes, memory and termination ---------------------------------------------------------------------------------
 
     def _supervise(self, key: str, pod: dict) -> None:
         """One look at a running engine, as a kubelet's probe workers and the kernel would take."""
@@ -476,10 +477,10 @@ class PodRunner:
                     for other in engine.probes.values():  # started: liveness and readiness begin now
                         other.next_at = max(other.next_at, now) if other is probe else now
         startup, liveness = engine.probes.get("startupProbe"), engine.probes.get("livenessProbe")
-        for probe, what in ((startup, "startup"), (liveness, "liveness")):
-            if probe is not None and probe.result is False:
-                grace = probe.spec.get("terminationGracePeriodSeconds",
-                                       pod["spec"].get("terminationGracePeriodSeconds", 30))
+        for failing, what in ((startup, "startup"), (liveness, "liveness")):
+            if failing is not None and failing.result is False:
+                grace = failing.spec.get("terminationGracePeriodSeconds",
+                                         pod["spec"].get("terminationGracePeriodSeconds", 30))
                 self._event(pod, "Normal", "Killing", f"Container {pod['spec']['containers'][0]['name']} failed "
                                                       f"{what} probe, will be restarted")
                 self._kill(engine, grace)
@@ -503,7 +504,8 @@ class PodRunner:
         if ready != engine.ready:
             now = _now()
             status = "True" if ready else "False"
-            conditions = [{"type": t, "status": status, "lastTransitionTime": now} for t in ("ContainersReady", "Ready")]
+            conditions = [{"type": t, "status": status, "lastTransitionTime": now}
+                          for t in ("ContainersReady", "Ready")]
             namespace, name = key.split("/")
             self._kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=strategic",
                           "-p", json.dumps({"status": {"conditions": conditions}}), check=False)

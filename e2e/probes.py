@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 KINDS = ("startupProbe", "livenessProbe", "readinessProbe")
@@ -29,7 +30,7 @@ class ProbeState:
     failures: int = 0
     successes: int = 0
     result: bool | None = None  # the probe's verdict so far (None: not decided yet)
-    in_flight: object = None  # the Future of a running GET
+    in_flight: Future | None = None  # the Future of a running GET
 
     def __post_init__(self):
         self.next_at = self.started_at + self.spec.get("initialDelaySeconds", 0)

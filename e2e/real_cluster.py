@@ -24,6 +24,7 @@ from pathlib import Path
 
 from e2e.control_plane import ControlPlane, build_binaries
 from e2e.real_node import RealNode, images_list, node_binaries, unavailable_reason
+from kaon_operator import labels
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = (ROOT / "crds" / "inferenceservice.yaml", ROOT / "crds" / "kopf-peering.yaml")
@@ -37,10 +38,16 @@ GPUS = 4
 class RealCluster:
     def __init__(self, *, release: str = "kaon", helm_set: tuple[str, ...] = (), timeout: float = 300):
         self.release, self.helm_set, self.timeout = release, helm_set, timeout
-        self.cp: ControlPlane | None = None
+        self._cp: ControlPlane | None = None
         self.node: RealNode | None = None
         self.router_url = ""
         self._stack = ExitStack()
+
+    @property
+    def cp(self) -> ControlPlane:
+        if self._cp is None:
+            raise RuntimeError("the real cluster has not started")
+        return self._cp
 
     def __enter__(self) -> RealCluster:
         try:
@@ -60,7 +67,7 @@ class RealCluster:
         if reason:
             raise RuntimeError(f"no real node on this machine: {reason}")
         images = images_list()
-        self.cp = self._stack.enter_context(ControlPlane(bin_dir, nodes=0, crds=CRDS))
+        self._cp = self._stack.enter_context(ControlPlane(bin_dir, nodes=0, crds=CRDS))
         self.node = self._stack.enter_context(RealNode(self.cp, node_bin, images))
         self.cp.kubectl("patch", "node", self.node.name, "--subresource=status", "--type=merge",
                         "-p", json.dumps({"status": {"capacity": {"nvidia.com/gpu": str(GPUS)}}}))
@@ -89,7 +96,7 @@ class RealCluster:
 
     def engine_pods(self, name: str, namespace: str = "default") -> list[dict]:
         return self.cp.kubectl_json("get", "pods", "-n", namespace, "-l",
-                                    f"app.kubernetes.io/instance={name}")["items"]
+                                    f"{labels.INSTANCE}={name}")["items"]
 
     def wait(self, what: str, check, timeout: float, interval: float = 1.0) -> None:
         deadline = time.monotonic() + timeout

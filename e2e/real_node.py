@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from e2e.control_plane import ControlPlane, ControlPlaneError, _die_with_parent, free_port, terminate
 
@@ -148,7 +149,7 @@ class RealNode:
         self._procs: dict[str, subprocess.Popen] = {}
         self._sysctls: dict[str, str] = {}
         self._netns_before: set[str] = set()
-        self._lock = None
+        self._lock: IO[str] | None = None
         self._made_bridge = False
 
     # lifecycle ---------------------------------------------------------------
@@ -174,13 +175,13 @@ class RealNode:
             raise NodeError(reason)
         self.root.mkdir(parents=True, exist_ok=True)
         # One node per machine at a time: the bridge, the image store and the nftables tables are shared.
-        self._lock = open(self.root.parent / ".lock", "w")
+        self._lock = open(self.root.parent / ".lock", "w")  # noqa: SIM115  held (and locked) until stop()
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
             self._lock = None
-            raise NodeError("another real node is running on this machine (the lock in ~/.cache/kaon/node)")
+            raise NodeError("another real node is running on this machine (the lock in ~/.cache/kaon/node)") from None
         if Path(f"/sys/class/net/{BRIDGE}").exists():
             raise NodeError(f"a bridge {BRIDGE} already exists (left over? `ip link del {BRIDGE}`)")
         self._sysctls = {s: _sysctl_path(s).read_text().strip() for s in KUBELET_SYSCTLS}
@@ -336,7 +337,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "ports": [{"name": "https", "port": port, "protocol": "TCP"}]}))
 
     def _start_kubelet(self) -> None:
-        pki = self.cp._pki
+        pki = self.cp.pki
         pki.issue("kubelet-serving", self.name, server=True)
         port, healthz = free_port(), free_port()
         config = self.workdir / "kubelet.yaml"

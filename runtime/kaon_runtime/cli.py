@@ -9,8 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kaon_runtime.config import (DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPECULATIVE_METHODS,
-                                 EngineConfig)
+from kaon_runtime.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
 from kaon_runtime.errors import KaonError, ModelDoesNotFitError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError

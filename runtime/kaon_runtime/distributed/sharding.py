@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from kaon_runtime.config import ModelConfig
-from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
+from kaon_runtime.errors import ModelDoesNotFitError
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:

@@ -14,12 +14,21 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kaon_runtime.fetch import store
-from kaon_runtime.fetch.source import (INVALID, NOT_FOUND, FetchError, Source, cache_dir_name, check_fit,
-                                       parse_config, parse_uri, select_files)
+from kaon_runtime.fetch.source import (
+    INVALID,
+    NOT_FOUND,
+    FetchError,
+    Source,
+    cache_dir_name,
+    check_fit,
+    parse_config,
+    parse_uri,
+    select_files,
+)
 
 DEFAULT_CACHE = Path(os.environ.get("KAON_MODEL_CACHE") or Path.home() / ".cache" / "kaon" / "models")
 

@@ -52,7 +52,7 @@ class S3Store:
             if not files and prefix:  # s3://bucket/path/model.gguf names one object
                 try:
                     stat = self.client.stat_object(bucket, prefix)
-                except Exception as exc:  # noqa: BLE001 - a missing key is "not found" below
+                except Exception as exc:  # a missing key is "not found" below
                     if getattr(exc, "code", None) not in _MISSING:
                         raise
                 else:

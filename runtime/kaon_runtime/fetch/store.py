@@ -15,10 +15,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from kaon_runtime.fetch.source import INVALID, NO_SPACE, FetchError, git_blob_sha1_header
 
@@ -196,10 +196,9 @@ class ErrorTranslation:
     def __enter__(self):
         return self
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind, exc, tb) -> None:
         if exc is not None and not isinstance(exc, FetchError):
             self.translate(exc)
-        return False
 
     def translate(self, exc: BaseException) -> None:
         raise NotImplementedError

@@ -3,9 +3,9 @@
 Opening one is loader/opener.py's job; each format has its own module (gguf_file.py, hf_dir.py)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 

@@ -124,5 +124,5 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _field_value(field):
     try:
         return field.contents()
-    except Exception:
+    except Exception:  # noqa: BLE001  a field type gguf cannot decode is left out, not fatal
         return None

@@ -10,7 +10,7 @@ from another process, gives the same values. The tokenizer has one token per byt
 from __future__ import annotations
 
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -56,9 +56,12 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (c.hidden_size,), p + "post_attention_layernorm.weight": (c.hidden_size,),
-                   p + "self_attn.q_proj.weight": (q, c.hidden_size), p + "self_attn.k_proj.weight": (kv, c.hidden_size),
-                   p + "self_attn.v_proj.weight": (kv, c.hidden_size), p + "self_attn.o_proj.weight": (c.hidden_size, q),
+        shapes |= {p + "input_layernorm.weight": (c.hidden_size,),
+                   p + "post_attention_layernorm.weight": (c.hidden_size,),
+                   p + "self_attn.q_proj.weight": (q, c.hidden_size),
+                   p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+                   p + "self_attn.v_proj.weight": (kv, c.hidden_size),
+                   p + "self_attn.o_proj.weight": (c.hidden_size, q),
                    p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
                    p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
                    p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}

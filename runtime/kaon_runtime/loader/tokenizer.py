@@ -42,8 +42,9 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         # Chat templates usually write BOS themselves; never add a second one.
-        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id] + ids
+        bos = self.bos_token_id
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -66,7 +67,7 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------
 
     @classmethod
-    def bytes_only(cls, bos_token_id: int | None, eos_token_id: int | None) -> "Tokenizer":
+    def bytes_only(cls, bos_token_id: int | None, eos_token_id: int | None) -> Tokenizer:
         """One token per byte and no merges, for random-weight models: their text is never read,
         and this needs no vocabulary file. Ids past 255 decode to nothing."""
         alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -77,7 +78,7 @@ class Tokenizer:
                    add_bos=False)
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
+    def from_gguf_fields(cls, fields: dict) -> Tokenizer:
         """Build from GGUF `tokenizer.ggml.*` metadata (byte-level BPE vocabularies)."""
         kind = fields.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -86,7 +87,7 @@ class Tokenizer:
         tokens = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-        split = _PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre"))
+        split = _PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre", ""))
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
@@ -108,7 +109,7 @@ class Tokenizer:
                    add_bos=False)
 
     @classmethod
-    def from_hf_dir(cls, path: Path) -> "Tokenizer":
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError(f"{path} has no tokenizer.json")
         backend = HFTokenizer.from_file(str(path / "tokenizer.json"))

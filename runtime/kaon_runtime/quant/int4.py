@@ -10,8 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kaon_runtime.kernels.quant_gemm_cpu import (DENSE_ROWS, int4_fits_cpu, pack_int4_for_cpu, w4_dense_cpu,
-                                                  w4_matmul_cpu)
+from kaon_runtime.kernels.quant_gemm_cpu import (
+    DENSE_ROWS,
+    int4_fits_cpu,
+    pack_int4_for_cpu,
+    w4_dense_cpu,
+    w4_matmul_cpu,
+)
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, w4a16_matmul_ref
 from kaon_runtime.quant.linear import QuantizedLinear, kernel_for
 
@@ -44,6 +49,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) ->
 
 
 class Int4Linear(QuantizedLinear):
+    packed: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    scales: torch.Tensor
+    mins: torch.Tensor
+
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None):
         super().__init__(weight.packed.shape[1] * 2, weight.packed.shape[0], bias)
         self.group_size = weight.group_size
@@ -53,7 +62,7 @@ class Int4Linear(QuantizedLinear):
         self._cpu_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's CPU layout, made on first use
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
         return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(ChannelScaledLinear):
     quantize = staticmethod(quantize_int8)
+    cpu_scales: torch.Tensor  # a buffer, declared for the type checker
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(qweight, scales, bias)

@@ -47,6 +47,9 @@ class QuantizedLinear(nn.Module):
 class ChannelScaledLinear(QuantizedLinear):
     """A quantized weight [N, K] with one float32 scale per output channel (int8, fp8)."""
 
+    qweight: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    scales: torch.Tensor
+
     @staticmethod
     def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float [N, K] -> (quantized [N, K], scales [N]); each subclass brings its own."""
@@ -58,5 +61,5 @@ class ChannelScaledLinear(QuantizedLinear):
         self.register_buffer("scales", scales)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "ChannelScaledLinear":
+    def from_linear(cls, linear: nn.Linear) -> ChannelScaledLinear:
         return cls(*cls.quantize(linear.weight.detach()), linear.bias)

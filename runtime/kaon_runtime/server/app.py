@@ -18,8 +18,7 @@ from starlette.requests import ClientDisconnect
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kaon_runtime.sampling import SamplingParams
-from kaon_runtime.server import openapi as doc
-from kaon_runtime.server import protocol as p
+from kaon_runtime.server import openapi as doc, protocol as p
 from kaon_runtime.server.keys import ApiKeys
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
@@ -61,7 +60,7 @@ class ServerState:
         """Refuse new work and wait (up to grace_s) for the requests in flight to finish."""
         self.draining = True
         deadline = time.monotonic() + grace_s
-        while self.in_flight and time.monotonic() < deadline:
+        while self.in_flight and time.monotonic() < deadline:  # noqa: ASYNC110  a counter, polled to a deadline
             await asyncio.sleep(0.05)
 
 

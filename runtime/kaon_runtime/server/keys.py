@@ -67,31 +67,31 @@ class ApiKeys:
         self._signature: tuple | None = None
         self._from_file: tuple[bytes, ...] = ()
         if self.path is not None:
-            self._reload(clock())
+            self._reload(self.path, clock())
 
     def keys(self) -> tuple[bytes, ...]:
         if self.path is not None:
             now = self._clock()
             if now - self._checked >= RECHECK_S:
-                self._reload(now)
+                self._reload(self.path, now)
         return self.fixed + self._from_file
 
     def accepts(self, token: str) -> bool:
         return matches(token.encode(), self.keys())
 
-    def _reload(self, now: float) -> None:
+    def _reload(self, path: Path, now: float) -> None:
         self._checked = now
-        signature = _signature(self.path)
+        signature = _signature(path)
         if signature == self._signature:
             return
         self._signature = signature
         try:
-            self._from_file = read_keys(self.path)
+            self._from_file = read_keys(path)
         except OSError as exc:
             self._from_file = ()
-            logger.warning("API key file %s unreadable (%s): every request to /v1 is refused", self.path, exc)
+            logger.warning("API key file %s unreadable (%s): every request to /v1 is refused", path, exc)
             return
         if not self._from_file:
-            logger.warning("API key file %s holds no key: every request to /v1 is refused", self.path)
+            logger.warning("API key file %s holds no key: every request to /v1 is refused", path)
         else:
             logger.info("API keys read from %s: %d", self.path, len(self._from_file))

@@ -19,6 +19,8 @@ from kaon_runtime.server import protocol as p
 API_VERSION = "1"
 REQUEST_MODELS = (p.CompletionRequest, p.ChatCompletionRequest)
 
+Responses = dict[int | str, dict[str, Any]]  # a route's `responses=`, as FastAPI types it
+
 _ERROR = {"model": p.ErrorResponse}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}}
 _STATUS_OK = {"description": "Ready", "content": {"application/json": {"schema": {
@@ -27,12 +29,12 @@ _STATUS_OK = {"description": "Ready", "content": {"application/json": {"schema":
 # response object with the new text), an in-band error object, or the final `[DONE]`.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 
-HEALTH = {200: _STATUS_OK, 503: {**_ERROR, "description": "The engine is dead (or, for /ready, draining)"}}
-METRICS = {200: {"description": "Prometheus text format 0.0.4",
-                 "content": {"text/plain": {"schema": {"type": "string"}}}}}
-V1_ERRORS = {401: {**_ERROR, "description": "Missing or wrong API key"},
-             503: {**_ERROR, "headers": _RETRY_AFTER, "description": "Draining, or the engine is dead"}}
-GENERATE = {
+HEALTH: Responses = {200: _STATUS_OK, 503: {**_ERROR, "description": "The engine is dead (or, for /ready, draining)"}}
+METRICS: Responses = {200: {"description": "Prometheus text format 0.0.4",
+                            "content": {"text/plain": {"schema": {"type": "string"}}}}}
+V1_ERRORS: Responses = {401: {**_ERROR, "description": "Missing or wrong API key"},
+                        503: {**_ERROR, "headers": _RETRY_AFTER, "description": "Draining, or the engine is dead"}}
+GENERATE: Responses = {
     200: {"description": "The whole response; with `stream: true`, server-sent events ending with `data: [DONE]`",
           "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
     400: {**_ERROR, "description": "Invalid request (bad JSON, wrong type, unknown or unsupported field, too long)"},
@@ -55,7 +57,7 @@ def install(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int, 
         if app.openapi_schema is None:
             app.openapi_schema = _build(app, model_name, max_model_len, vocab_size, secured)
         return app.openapi_schema
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the document
 
 
 def _build(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int, secured: bool) -> dict:

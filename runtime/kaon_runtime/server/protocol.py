@@ -15,14 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # The validators' cross-field rules, as JSON Schema for the OpenAPI document.
-_STREAM_OPTIONS_NEED_STREAM = {
+_STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
-_TOP_LOGPROBS_NEED_LOGPROBS = {
+_TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
     "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
-_NON_EMPTY = {"type": "string", "minLength": 1}
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_NON_EMPTY: dict[str, Any] = {"type": "string", "minLength": 1}
+_TOKEN_IDS: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 # ---- requests --------------------------------------------------------------------------
 

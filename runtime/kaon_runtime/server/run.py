@@ -47,7 +47,7 @@ class _DrainingServer(uvicorn.Server):
 
     def _begin_drain(self) -> None:
         if self._drain_task is None:
-            self._drain_task = self._loop.create_task(self._drain())
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         logger.info("SIGTERM: draining (up to %.0fs for in-flight requests)", self._grace_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -74,9 +74,9 @@ def visible_text(text: str, stops: list[str], finished: bool) -> str:
     return text[:len(text) - hold]
 
 
-async def final_output(gen: Generation, disconnected: Callable[[], asyncio.Future]) -> RequestOutput | None:
+async def final_output(gen: Generation, disconnected: Callable[[], Awaitable[object]]) -> RequestOutput | None:
     """Run a request to its end; None if the client went away first."""
-    async def last() -> RequestOutput:
+    async def last() -> RequestOutput | None:
         async for _ in gen.outputs():
             pass
         return gen.last
@@ -115,7 +115,7 @@ async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool)
         error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error"))
         yield f"data: {error.model_dump_json()}\n\n"
         return
-    if include_usage:
+    if include_usage and gen.last is not None:
         yield _event(fmt.usage_chunk(usage(gen.last)), include_usage)
     yield "data: [DONE]\n\n"
 
@@ -127,9 +127,23 @@ def _event(chunk: BaseModel, include_usage: bool) -> str:
 
 
 class _Format:
+    """How one endpoint wraps choices: the whole response, and a stream's chunks."""
+
     def __init__(self, gen: Generation, tokenizer: Tokenizer):
         self.gen = gen
         self.tokenizer = tokenizer
+
+    def response(self, output: RequestOutput) -> BaseModel:
+        raise NotImplementedError
+
+    def opening_chunks(self, n: int) -> Sequence[BaseModel]:
+        raise NotImplementedError
+
+    def chunk(self, c: CompletionOutput, delta: str, text_offset: int, token_start: int) -> BaseModel:
+        raise NotImplementedError
+
+    def usage_chunk(self, info: p.UsageInfo) -> BaseModel:
+        raise NotImplementedError
 
     def _top(self, token_id: int, logprobs: dict[int, float]) -> tuple[str, float, list[tuple[str, float]]]:
         """The chosen token and the k most likely ones, as strings (the engine returns ids)."""
