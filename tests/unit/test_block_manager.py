@@ -9,6 +9,9 @@ another prefix's K/V (a wrong prefix hit, a shared block written to, a block reu
 too early) is caught at once. The machine runs twice: with the real chain hash and with
 a deliberately weak one whose collisions are frequent.
 
+The tests play the scheduler's part: the block manager places blocks and returns token counts,
+and the caller records them as the sequence's computed tokens (it never sets them itself).
+
 Example tests pin down the documented behaviour: hits and their counters, the last token
 always left to compute (after a full-prompt hit and after a fork), LRU eviction, and hash
 collisions never served as hits, not even through a colliding earlier block.
@@ -50,7 +53,7 @@ def make_seq(tokens) -> Sequence:
 
 def run_full(bm: BlockManager, seq: Sequence) -> None:
     """Allocate a new sequence and compute all its tokens, as one prefill would."""
-    bm.allocate_prefix(seq)
+    seq.num_computed_tokens = seq.num_cached_tokens = bm.allocate_prefix(seq)
     assert bm.ensure_slots(seq, seq.num_tokens)
     bm.record_admission(seq)
     seq.num_computed_tokens = seq.num_tokens
@@ -105,7 +108,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """allocate_prefix, room for the whole prompt, then its first prefill chunk."""
         queries, hits = self.bm.prefix_queries, self.bm.prefix_hits
         cached = self.bm.allocate_prefix(seq)
-        assert cached == seq.num_computed_tokens == len(seq.block_table) * self.bs
+        assert seq.num_computed_tokens == 0, "the block manager set the sequence's computed tokens"
+        assert cached == len(seq.block_table) * self.bs
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
         assert cached < seq.num_tokens, "a prefix hit must leave the last token to compute"
         assert (self.bm.prefix_queries, self.bm.prefix_hits) == (queries, hits), "a lookup alone counts nothing"
         if not self.grow(seq, seq.num_tokens):
@@ -119,6 +124,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def drop(self, seq: Sequence) -> None:
         self.bm.free(seq)
+        seq.num_computed_tokens = 0  # the blocks' K/V went with them
         if seq in self.live:
             self.live.remove(seq)
         assert seq.block_table == [] and seq.block_hashes == [] and seq.num_computed_tokens == 0
@@ -162,7 +168,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def fork(self, index):
         parent = self.pick(index)
         child = make_seq(parent.token_ids)
-        self.bm.fork(parent, child)
+        child.num_computed_tokens = self.bm.fork(parent, child)
         self.live.append(child)
         shared = len(child.block_table)
         assert child.block_table == parent.block_table[:shared]
@@ -182,7 +188,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def abort_new(self, tokens):
         """A request aborted after it got its blocks but before anything was computed."""
         seq = self.new_seq(tokens)
-        self.bm.allocate_prefix(seq)
+        seq.num_computed_tokens = self.bm.allocate_prefix(seq)
         self.grow(seq, seq.num_tokens)
         self.drop(seq)
 
@@ -286,10 +292,10 @@ def test_prefix_hit_reuses_blocks_and_counts_hits():
     assert (bm.prefix_queries, bm.prefix_hits) == (10, 0)
 
     second = make_seq([*range(8), 42, 43])
-    assert bm.allocate_prefix(second) == 8
+    second.num_computed_tokens = second.num_cached_tokens = bm.allocate_prefix(second)
+    assert second.num_cached_tokens == 8
     bm.record_admission(second)
     assert second.block_table == first.block_table[:2]
-    assert second.num_computed_tokens == second.num_cached_tokens == 8
     assert second.block_hashes == first.block_hashes[:2]
     assert [bm.blocks[b].ref_count for b in second.block_table] == [2, 2]
     assert (bm.prefix_queries, bm.prefix_hits) == (20, 8)
@@ -306,7 +312,8 @@ def test_full_prompt_hit_leaves_the_last_block_to_compute():
     assert len(first.block_hashes) == 2  # both blocks are cached
 
     again = make_seq(range(8))
-    assert bm.allocate_prefix(again) == 4
+    again.num_computed_tokens = bm.allocate_prefix(again)
+    assert again.num_computed_tokens == 4
     assert again.block_table == first.block_table[:1]
     assert again.num_tokens - again.num_computed_tokens == 4
     assert bm.ensure_slots(again, again.num_tokens)
@@ -407,7 +414,7 @@ def test_fork_of_a_block_aligned_prompt_leaves_the_last_token_to_compute():
     parent = make_seq(range(8))
     run_full(bm, parent)
     child = make_seq(parent.token_ids)
-    bm.fork(parent, child)
+    child.num_computed_tokens = bm.fork(parent, child)
     assert child.block_table == parent.block_table[:1]
     assert child.num_computed_tokens == 4 < child.num_tokens
     assert bm.blocks[parent.block_table[0]].ref_count == 2
@@ -419,7 +426,7 @@ def test_fork_shares_full_blocks_only():
     parent = make_seq(range(6))
     run_full(bm, parent)
     child = make_seq(parent.token_ids)
-    bm.fork(parent, child)
+    child.num_computed_tokens = bm.fork(parent, child)
     assert child.block_table == parent.block_table[:1]  # the partial tail is the child's own to fill
     assert child.num_computed_tokens == 4
     assert bm.ensure_slots(child, child.num_tokens)

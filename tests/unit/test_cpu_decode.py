@@ -16,12 +16,9 @@ from kaon_runtime.kernels.quant_gemm_ref import (
     dequantize_int8,
     quantize_activations_ref,
 )
-from kaon_runtime.layers.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    TorchAttentionBackend,
-)
-from kaon_runtime.models.cpu_decode_step import unsupported
+from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from kaon_runtime.layers.kernel_backend import torch_kernels
+from kaon_runtime.models.cpu_decode_step import blocker, unsupported
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.int4 import quantize_int4
@@ -128,15 +125,16 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def random_model(config: ModelConfig, blocks: int, kv_dtype: torch.dtype = torch.float32):
+def random_model(config: ModelConfig, blocks: int, kv_dtype: torch.dtype = torch.float32, cpu_decode: bool = True):
+    """A model built with the fused step (unless `cpu_decode` is off), its weights random, its pool attached."""
     torch.manual_seed(3)
-    model = build_model(config).float()
+    model = build_model(config, kernels=torch_kernels(cpu_decode)).float()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
     cache = torch.randn(config.num_layers, 2, config.num_kv_heads, blocks, BLOCK, config.head_dim).to(kv_dtype)
     for i, attn in enumerate(model.attention_layers()):
-        attn.k_cache, attn.v_cache, attn.backend = cache[i, 0], cache[i, 1], TorchAttentionBackend()
+        attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
     return model.eval(), cache
 
 
@@ -170,7 +168,7 @@ def test_a_decode_step_matches_the_torch_path(bias, head_dim, kv_dtype):
     config = tiny_config(attention_bias=bias, head_dim=head_dim)
     model, cache = random_model(config, blocks=10, kv_dtype=kv_dtype)
     x, positions, meta = decode_step(config, TABLES, LENS)
-    assert model.use_cpu_decode_step() is None
+    model.check_kernels()
     with torch.inference_mode():
         step = model.model.cpu_decode
         model.model.cpu_decode = None
@@ -190,7 +188,7 @@ def test_a_float16_cache_holds_the_keys_and_values_rounded_to_nearest():
     for kv_dtype in (torch.float32, torch.float16):
         model, caches[kv_dtype] = random_model(config, blocks=10, kv_dtype=kv_dtype)
         x, positions, meta = decode_step(config, TABLES, LENS)
-        assert model.use_cpu_decode_step() is None
+        model.check_kernels()
         with torch.inference_mode():
             model.model(x, positions, meta)
     assert torch.equal(caches[torch.float16][0], caches[torch.float32][0].half())
@@ -205,7 +203,7 @@ def test_a_quantized_decode_step_matches_its_reference(method, monkeypatch):
     model, _ = random_model(config, blocks=10)
     quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
     x, positions, meta = decode_step(config, TABLES, LENS)
-    assert model.use_cpu_decode_step() is None
+    model.check_kernels()
     step = model.model.cpu_decode
     with torch.inference_mode():
         model.model.cpu_decode = None
@@ -225,14 +223,14 @@ def test_the_vocabulary_head_takes_the_c_kernel_for_a_few_rows(method):
     model, _ = random_model(config, blocks=2)
     if method:
         quantize_model(model, method)
-    assert model.use_cpu_decode_step() is None
+    model.check_kernels()
     head = model.lm_head
     hidden = torch.randn(3, config.hidden_size)
     with torch.inference_mode():
         fast = model.compute_logits(hidden)
-        kernel, head.cpu_logits = head.cpu_logits, None
+        rows, head.cpu_logits_rows = head.cpu_logits_rows, 0
         expected = model.compute_logits(hidden)
-    assert kernel is not None
+    assert rows >= hidden.shape[0]
     # the int8 head's activations go in as int8 blocks (C) or bfloat16 (torch): close, not equal
     torch.testing.assert_close(fast, expected, atol=0.05 if method else 1e-4, rtol=0.05 if method else 1e-5)
 
@@ -248,7 +246,7 @@ def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch(kv_dtype):
     positions = torch.cat([positions, torch.arange(5)])
     meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([4, 5, 6, 7, 16])])
     meta.prefills = [chunk]
-    assert model.use_cpu_decode_step() is None
+    model.check_kernels()
     step = model.model.cpu_decode
     assert not step.applies(x, meta) and step.applies_to_decodes_of(meta)
     with torch.inference_mode():
@@ -264,7 +262,6 @@ def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch(kv_dtype):
 def test_which_steps_it_takes():
     config = tiny_config()
     model, _ = random_model(config, blocks=10)
-    model.use_cpu_decode_step()
     x, positions, meta = decode_step(config, TABLES, LENS)
     assert model.model.cpu_decode.applies(x, meta)
     meta.prefills = [object()]
@@ -279,10 +276,15 @@ def test_what_it_cannot_run_is_named():
     assert "q/k norms" in unsupported(tiny_config(qk_norm=True))
     assert "sliding windows" in unsupported(tiny_config(sliding_window=8))
     assert "Gemma" in unsupported(tiny_config(norm_weight_offset=1.0, sandwich_norms=True))
+    assert blocker(tiny_config()) is None
+    assert "fp8" in blocker(tiny_config(), quantization="fp8")
+    assert "tensor parallelism" in blocker(tiny_config(), tp_size=2)
+    assert "sliding windows" in blocker(tiny_config(sliding_window=8))
     model, _ = random_model(tiny_config(), blocks=2)
     quantize_model(model, "fp8")
-    assert "Fp8Linear" in model.use_cpu_decode_step()
-    assert model.model.cpu_decode is None
+    with pytest.raises(ValueError, match="Fp8Linear"):  # what the loader refuses, should the blocker miss it
+        model.check_kernels()
+    assert random_model(tiny_config(), blocks=2, cpu_decode=False)[0].model.cpu_decode is None
 
 
 def test_without_a_compiler_it_says_so_and_torch_runs(monkeypatch, tmp_path, caplog):
@@ -293,8 +295,7 @@ def test_without_a_compiler_it_says_so_and_torch_runs(monkeypatch, tmp_path, cap
         with caplog.at_level(logging.WARNING):
             assert cpu_decode.library() is None
         assert "could not be built" in caplog.text
-        model, _ = random_model(tiny_config(), blocks=2)
-        assert "could not be built" in model.use_cpu_decode_step()
+        assert "could not be built" in blocker(tiny_config())
     finally:
         cpu_decode.library.cache_clear()
     monkeypatch.undo()

@@ -142,7 +142,7 @@ def test_corrupt_gguf_is_refused(tmp_path, gguf_path):
 
 
 def test_kv_pool_is_sized_from_the_byte_budget():
-    from kaon_runtime.engine.model_runner import kv_block_bytes
+    from kaon_runtime.engine.kv_pool import kv_block_bytes
 
     small = LLM(show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=16 << 20)
     mc = small.engine.model_config
@@ -157,7 +157,7 @@ def test_kv_pool_is_sized_from_the_byte_budget():
 
 def test_kv_budget_sets_the_largest_steps_activations_aside():
     from kaon_runtime.config import EngineConfig
-    from kaon_runtime.engine.model_runner import num_kv_blocks, profile_chunks
+    from kaon_runtime.engine.kv_pool import num_kv_blocks, profile_chunks
 
     config = EngineConfig(kv_cache_fraction=0.5)
     assert num_kv_blocks(config, 1 << 20, 1000 << 20) == 500
@@ -168,6 +168,8 @@ def test_kv_budget_sets_the_largest_steps_activations_aside():
 
 
 def test_the_profiling_run_goes_through_and_lets_go_of_its_scratch_cache():
+    from kaon_runtime.engine.kv_pool import attach_kv_cache, measure_activation_peak
+
     # On CPU the peak is not measured (0), but the run itself (200 tokens as chunks of at most the
     # 96-token context, over a scratch cache) is the one a GPU makes before sizing the pool.
     llm = LLM("random://smollm2-135m", show_progress=False, device="cpu", dtype="float32", max_model_len=96,
@@ -175,10 +177,11 @@ def test_the_profiling_run_goes_through_and_lets_go_of_its_scratch_cache():
     runner = llm.engine.runner
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     before = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], params, use_tqdm=False)]
-    backend, blocks = runner.model.attention_layers()[0].backend, runner.num_blocks
-    assert runner.measure_activation_peak(backend) == 0
-    assert runner.kv_cache is None and all(a.k_cache is None for a in runner.model.attention_layers())
-    runner._attach_kv_cache(blocks, backend)  # a fresh pool: the prefix cache's entries are gone with the old one
+    blocks = runner.num_blocks
+    assert measure_activation_peak(runner.model, runner.config, runner.device, runner.kv_dtype) == 0
+    assert all(a.k_cache is None and a.v_cache is None for a in runner.model.attention_layers())
+    # a fresh pool: the prefix cache's entries are gone with the old one
+    runner.kv_cache = attach_kv_cache(runner.model, blocks, runner.block_size, runner.kv_dtype, runner.device)
     llm.engine.block_manager.__init__(blocks, runner.block_size, llm.engine.config.enable_prefix_caching)
     after = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], params, use_tqdm=False)]
     assert after == before

@@ -2,8 +2,9 @@
 
 A fake runner stands in for the model: it computes the scheduled tokens (writing "the
 prefix each token was computed under" into a shadow KV cache, and checking that every
-token a sequence attends to holds its own prefix), commits full blocks, and appends a
-token when a sequence's computed count reaches its length. The next token is a pure
+token a sequence attends to holds its own prefix), hands the step to the scheduler's
+`update` (which advances the computed counts and commits full blocks), and gives a
+sequence a token through `accept` when its computed count reaches its length. The next token is a pure
 function of the sequence so far, so every sequence's output is known in advance whatever
 the batching, chunking and preemption did to it. Like the engine, it can fork siblings
 (n > 1) off a sequence once its prompt is in the cache.
@@ -66,15 +67,17 @@ class FakeRunner:
                     f"seq {seq.seq_id} position {pos} reads another prefix's K/V"
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
                 self.kv[self.slot(seq, pos)] = tuple(seq.token_ids[:pos + 1])
-            seq.num_computed_tokens += num_new
-            self.bm.commit(seq)
+        computed = [seq.num_computed_tokens + num_new for seq, num_new in zip(batch.seqs, batch.num_new_tokens)]
+        sched.update(batch)
+        assert [seq.num_computed_tokens for seq in batch.seqs] == computed
         for seq in batch.seqs:
             if seq.num_computed_tokens == seq.num_tokens:
                 if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
                     self.fork_siblings(seq)
-                seq.token_ids.append(next_token(seq.token_ids))
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    sched.finish(seq, "length")
+                finished = seq.num_output_tokens + 1 >= seq.params.max_tokens
+                sched.accept(seq, [next_token(seq.token_ids)], finish_reason="length" if finished else None)
+                if finished:
+                    assert seq.is_finished and seq.block_table == []
                     self.finished.append(seq)
         return batch
 
@@ -82,8 +85,7 @@ class FakeRunner:
         for index in range(1, parent.params.n):
             child = Sequence(next(_seq_ids), parent.token_ids[:parent.num_prompt_tokens], parent.num_prompt_tokens,
                              parent.params, index=index)
-            self.bm.fork(parent, child)
-            self.scheduler.add(child)
+            self.scheduler.fork(parent, child)
 
     def check_batch(self, batch: ScheduledBatch, running_before: list[Sequence]) -> None:
         sched = self.scheduler

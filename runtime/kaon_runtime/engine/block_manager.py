@@ -7,6 +7,10 @@ owner lets go keeps its contents and stays findable until it is evicted, oldest 
 
 Every block is in exactly one of three states: owned (ref_count > 0), free and
 uncached (`_free`), or free but cached (`_evictable`, in LRU order).
+
+The block manager owns a sequence's `block_table` and `block_hashes` and nothing else of it:
+how far a sequence has computed is the scheduler's to change (`Scheduler.update`), so the
+calls that place a sequence's blocks return token counts instead of setting them.
 """
 from __future__ import annotations
 
@@ -56,7 +60,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def allocate_prefix(self, seq: Sequence) -> int:
-        """Give a sequence without blocks every cached block of its prefix; return the tokens covered.
+        """Give a sequence without blocks every cached block of its prefix; return the tokens covered
+        (the caller records them as computed).
 
         At least one token is always left to compute: its logits pick the next token.
         """
@@ -76,8 +81,7 @@ class BlockManager:
                 seq.block_table.append(block_id)
                 seq.block_hashes.append(h)
                 parent = h
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        return seq.num_computed_tokens
+        return len(seq.block_table) * self.block_size
 
     def record_admission(self, seq: Sequence) -> None:
         """Count an admitted sequence's lookup in the hit-rate counters, once per admission.
@@ -160,8 +164,9 @@ class BlockManager:
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens
                 self._cached[h] = block.block_id
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> int:
         """Let `child` share the parent's full computed blocks; it recomputes the partial tail.
+        Returns the tokens the shared blocks hold (the caller records them as computed).
 
         As in allocate_prefix, at least the child's last token is left to compute: its logits
         pick the child's first token.
@@ -172,10 +177,11 @@ class BlockManager:
             self._take(block_id)
         child.block_table = parent.block_table[:num_full]
         child.block_hashes = parent.block_hashes[:num_full]
-        child.num_computed_tokens = child.num_cached_tokens = num_full * self.block_size
+        return num_full * self.block_size
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's blocks. Tail blocks go first in eviction order: they are the least shared."""
+        """Drop the sequence's blocks (its computed tokens go with them: the caller resets its count).
+        Tail blocks go first in eviction order: they are the least shared."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -187,7 +193,6 @@ class BlockManager:
                     self._evictable[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._evictable):

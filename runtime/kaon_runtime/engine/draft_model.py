@@ -33,7 +33,8 @@ class _Shadow:
 
 
 class DraftModelDrafter:
-    def __init__(self, config: EngineConfig, target: ModelRunner, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, target: ModelRunner, num_blocks: int, show_progress: bool = True):
+        """`num_blocks`: the target's pool as scheduled (the smallest rank's)."""
         checkpoint = open_checkpoint(config.speculative_draft_model)
         if checkpoint.config.vocab_size != target.model_config.vocab_size:
             raise ModelLoadError(
@@ -42,7 +43,7 @@ class DraftModelDrafter:
         # As many blocks as the target: the draft caches the same tokens, at its own smaller size each.
         # It runs whole, in rank 0's process, whatever the target's tensor parallelism.
         draft_config = replace(config, model=config.speculative_draft_model, quantization="none",
-                               num_kv_blocks=target.num_blocks, speculative_method="none",
+                               num_kv_blocks=num_blocks, speculative_method="none",
                                speculative_draft_model=None, tensor_parallel_size=1)
         self.runner = ModelRunner(draft_config, checkpoint, show_progress)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)

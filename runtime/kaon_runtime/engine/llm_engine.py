@@ -9,7 +9,8 @@ from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
-from kaon_runtime.engine.model_runner import ModelRunner, pick_device
+from kaon_runtime.engine.model_loader import pick_device
+from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
@@ -53,26 +54,27 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.workers = _start_workers(config, checkpoint)
         try:
-            self.runner = ModelRunner(config, checkpoint, show_progress, TensorParallel(0, config.tensor_parallel_size))
+            self.runner = ModelRunner(config, checkpoint, show_progress, TensorParallel(0, config.tensor_parallel_size),
+                                      on_step=None if self.workers is None else self.workers.send)
+            # The blocks every rank holds: rank 0 schedules within the smallest pool.
+            self.num_blocks = self.runner.num_blocks
             if self.workers is not None:
-                # Every rank holds at least this many blocks; rank 0 schedules within the smallest pool.
                 reports = self.workers.wait_ready()
-                self.runner.num_blocks = min([self.runner.num_blocks] + [r.num_blocks for r in reports])
-                self.runner.on_step = self.workers.send
+                self.num_blocks = min([self.num_blocks] + [r.num_blocks for r in reports])
                 self.worker_weight_bytes = [r.weight_bytes for r in reports]
         except BaseException:
             self.close()
             raise
-        capacity = self.runner.num_blocks * config.block_size
+        capacity = self.num_blocks * config.block_size
         # A sequence must always fit the pool on its own, or it could never finish.
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
         if self.runner.cuda_graphs_apply():
             self.runner.prepare_decode_graphs(self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefill_delay_s=config.prefill_delay_ms / 1000)
-        self.drafter = _build_drafter(config, self.runner, show_progress)
+        self.drafter = _build_drafter(config, self.runner, self.num_blocks, show_progress)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
@@ -131,19 +133,15 @@ class LLMEngine:
         if not batch:
             return []
         result = self.runner.execute(batch)
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            # Drafts' K/V counts only once verified (below), so no block holding a rejected
-            # token is ever registered in the prefix cache.
-            seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
-            self.block_manager.commit(seq)
+        self.scheduler.update(batch)
         touched: dict[str, _Request] = {}
         for row, seq in enumerate(result.seqs):
             request = self._requests[seq.request_id]
             touched[request.request_id] = request
             if request.pending_forks and seq.index == 0:
                 self._fork_siblings(request, seq)
-            self._append_tokens(request, seq, result.token_ids[row],
-                                result.logprobs[row] if result.logprobs is not None else None)
+            self._accept(request, seq, result.token_ids[row],
+                         result.logprobs[row] if result.logprobs is not None else None)
         outputs = [self._output(r) for r in touched.values()]
         for output in outputs:
             if output.finished:
@@ -154,41 +152,34 @@ class LLMEngine:
         seqs = [seq for seq in self.scheduler.running if seq.is_decoding]
         limits = [draft_limit(seq, self.config.num_speculative_tokens, self.max_model_len) for seq in seqs]
         for seq, draft in zip(seqs, self.drafter.propose(seqs, limits)):
-            seq.draft_token_ids, seq.draft_probs = draft.token_ids, draft.probs
+            self.scheduler.attach_drafts(seq, draft.token_ids, draft.probs)
 
-    def _append_tokens(self, request: _Request, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
-        """Append the kept drafts and the sampled token, stopping at the first that ends the sequence."""
-        num_drafts = len(seq.draft_token_ids)
-        seq.keep_drafts(0)
-        self._draft_tokens += num_drafts
+    def _accept(self, request: _Request, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
+        """Hand the kept drafts and the sampled token to the scheduler, up to the first that ends the sequence."""
+        self._draft_tokens += len(seq.draft_token_ids)
         self._accepted_tokens += len(tokens) - 1
-        for i, token in enumerate(tokens):
-            self._append_token(request, seq, token, logprobs[i] if logprobs is not None else None)
-            if seq.is_finished:
-                return
-        if num_drafts:
-            seq.num_computed_tokens = seq.num_tokens - 1  # the kept drafts' K/V was computed this step
-            self.block_manager.commit(seq)
-            self.block_manager.truncate(seq)  # the rejected drafts' slots
-
-    def _append_token(self, request: _Request, seq: Sequence, token: int, logprobs: dict | None) -> None:
-        seq.token_ids.append(token)
-        self._generation_tokens += 1
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
         detok = request.texts[seq.index]
-        before = len(detok.text)
-        detok.add(token)
-        reason = self._finish_reason(seq, token, detok, before)
-        if reason is not None:
-            self._retire(seq, reason)
+        reason = None
+        for i, token in enumerate(tokens):
+            before = len(detok.text)
+            detok.add(token)
+            reason = self._finish_reason(seq, token, detok, before, seq.num_tokens + i + 1)
+            if reason is not None:
+                tokens = tokens[:i + 1]
+                break
+        self._generation_tokens += len(tokens)
+        self.scheduler.accept(seq, tokens, logprobs[:len(tokens)] if logprobs is not None else None, reason)
+        if reason is not None and self.drafter is not None:
+            self.drafter.forget(seq)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         if self.drafter is not None:
             self.drafter.forget(seq)
 
-    def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer, before: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer, before: int,
+                       num_tokens: int) -> str | None:
+        """Why the sequence ends with `token`, its `num_tokens`-th, or None; cuts a stop string off the text."""
         params = seq.params
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
@@ -200,28 +191,27 @@ class LLMEngine:
             if at >= 0:
                 detok.text = detok.text[:at]
                 return "stop"
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _fork_siblings(self, request: _Request, first: Sequence) -> None:
         for index in range(1, request.pending_forks + 1):
-            child = self._add_sequence(request, list(request.prompt_token_ids), index, parent=first)
-            child.num_cached_tokens = child.num_computed_tokens
+            self._add_sequence(request, list(request.prompt_token_ids), index, parent=first)
         request.pending_forks = 0
 
     def _add_sequence(self, request: _Request, token_ids: list[int], index: int,
                       parent: Sequence | None = None) -> Sequence:
         seq = Sequence(next(self._seq_ids), token_ids, len(request.prompt_token_ids), request.params,
-                       request_id=request.request_id, index=index,
-                       prefill_due=None if parent is None else float("-inf"))  # a fork joins its parent at once
-        if parent is not None:
-            self.block_manager.fork(parent, seq)
+                       request_id=request.request_id, index=index)
         request.seqs.append(seq)
         request.texts[index] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        self.scheduler.add(seq)
+        if parent is None:
+            self.scheduler.add(seq)
+        else:
+            self.scheduler.fork(parent, seq)
         return seq
 
     def _output(self, request: _Request) -> RequestOutput:
@@ -272,11 +262,11 @@ class LLMEngine:
                 f"{num_prompt + params.max_tokens} exceeds the context length of {limit} tokens")
 
 
-def _build_drafter(config: EngineConfig, runner: ModelRunner, show_progress: bool) -> Drafter | None:
+def _build_drafter(config: EngineConfig, runner: ModelRunner, num_blocks: int, show_progress: bool) -> Drafter | None:
     if config.speculative_method == "ngram":
         return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
     if config.speculative_method == "draft":
-        return DraftModelDrafter(config, runner, show_progress)
+        return DraftModelDrafter(config, runner, num_blocks, show_progress)
     return None
 
 

@@ -19,6 +19,11 @@ in line arrived (hold_prefills): every decoding stream waits for the prefill chu
 step, so a busy server that admits each new prompt at once stretches every stream's
 inter-token time by each newcomer's prefill. Held, the prompts go in together when the decodes
 finish or the first in line is due.
+
+The scheduler is also the one owner of a sequence's progress: after each step `update` records
+the K/V the forward pass computed, `accept` appends the verified tokens (rolling back rejected
+drafts), `finish` retires a sequence; `fork` and `attach_drafts` are the other ways in. The
+block manager places blocks and returns counts; nothing else moves a sequence's counters.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.sequence import Sequence, SequenceStatus
@@ -62,6 +69,17 @@ class Scheduler:
         if seq.prefill_due is None:
             seq.prefill_due = self.clock() + self.prefill_delay_s
         self.waiting.append(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue `child` (a sibling of an n > 1 request) sharing the parent's computed full blocks;
+        it joins the parent at once, without the prefill delay."""
+        child.num_computed_tokens = child.num_cached_tokens = self.block_manager.fork(parent, child)
+        child.prefill_due = float("-inf")
+        self.add(child)
+
+    def attach_drafts(self, seq: Sequence, token_ids: list[int], probs: torch.Tensor | None) -> None:
+        """Speculative tokens for the sequence's next step, computed after its own and kept only if verified."""
+        seq.draft_token_ids, seq.draft_probs = token_ids, probs
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -110,10 +128,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(deferred) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                bm.allocate_prefix(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = bm.allocate_prefix(seq)
             uncached = seq.num_tokens - seq.num_computed_tokens
             if pending and wait_for_shared_prefix(bm.shared_pending_tokens(seq, pending), uncached):
-                bm.free(seq)  # looked up again next step, when more of its prefix is cached
+                self._free_blocks(seq)  # looked up again next step, when more of its prefix is cached
                 deferred.append(self.waiting.popleft())
                 continue
             num_new = min(uncached, budget)
@@ -131,6 +149,33 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
         return budget
 
+    # ---- after the step ------------------------------------------------------------------
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """The forward pass ran: each sequence's chunk is in the cache, and its full blocks are
+        registered. Drafts' K/V counts only once verified (`accept`), so no block holding a
+        rejected token is ever registered in the prefix cache."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
+            self.block_manager.commit(seq)
+
+    def accept(self, seq: Sequence, token_ids: list[int], logprobs: list[dict[int, float]] | None = None,
+               finish_reason: str | None = None) -> None:
+        """Append what a sequence's step produced: its kept drafts, then the sampled token (the
+        caller cuts them at the first that ends the sequence and names the reason). The kept
+        drafts' K/V was computed this step; the rejected drafts' slots go back to the pool."""
+        num_drafts = len(seq.draft_token_ids)
+        seq.keep_drafts(0)
+        seq.token_ids.extend(token_ids)
+        if logprobs is not None:
+            seq.logprobs.extend(logprobs)
+        if finish_reason is not None:
+            self.finish(seq, finish_reason)
+        elif num_drafts:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.commit(seq)
+            self.block_manager.truncate(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (finished or aborted) and return its blocks at once."""
         if seq.status is SequenceStatus.FINISHED:
@@ -139,9 +184,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Give the sequence's blocks back; what they held must be computed again."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
 
     def _release_waiting_blocks(self) -> bool:
         """Free the blocks waiting sequences hold (forked siblings share their parent's prompt).
@@ -153,12 +203,12 @@ class Scheduler:
         released = False
         for seq in self.waiting:
             if seq.block_table:
-                self.block_manager.free(seq)
+                self._free_blocks(seq)
                 released = True
         return released
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.keep_drafts(0)
         seq.status = SequenceStatus.WAITING
         seq.prefill_due = float("-inf")  # it was running: back as soon as there is room

@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel, join_group, leave_group
 from kaon_runtime.distributed.sharding import check_tensor_parallel
-from kaon_runtime.engine.model_runner import ModelRunner, pick_device
+from kaon_runtime.engine.model_loader import pick_device
+from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.step_plan import StepPlan
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.loader import open_checkpoint

@@ -130,7 +130,7 @@ class TritonAttentionBackend:
 _BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
 
 
-def select_backend(device: torch.device):
+def backend_name(device: torch.device) -> str:
     """KAON_ATTENTION_BACKEND overrides; otherwise Triton on CUDA devices and torch elsewhere."""
     name = os.environ.get("KAON_ATTENTION_BACKEND", "triton" if device.type == "cuda" else "torch")
     if name not in _BACKENDS:
@@ -138,25 +138,31 @@ def select_backend(device: torch.device):
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") == "0":
         raise ValueError("the triton attention backend needs a CUDA device, or TRITON_INTERPRET=1 to run its "
                          "kernels in Triton's interpreter")
-    return _BACKENDS[name]()
+    return name
+
+
+def select_backend(device: torch.device):
+    """A new instance of the backend `backend_name` picks."""
+    return _BACKENDS[backend_name(device)]()
 
 
 class Attention(nn.Module):
-    """Multi-head attention core (after projections and rotary). The runner attaches the caches.
+    """Multi-head attention core (after projections and rotary), through the backend it is built
+    with. The runner attaches the caches once it has sized the pool.
 
     sliding_window: a query sees itself and the window - 1 keys before it (older keys stay in
     the cache but are masked). softcap: scores become softcap * tanh(scores / softcap) (Gemma 2).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int | None = None, softcap: float | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None, backend=None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window, self.softcap = sliding_window, softcap
         self.k_cache: torch.Tensor | None = None  # [Hkv, num_blocks, block_size, D]
         self.v_cache: torch.Tensor | None = None
-        self.backend = None
+        self.backend = backend if backend is not None else TorchAttentionBackend()
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,

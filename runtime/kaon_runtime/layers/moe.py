@@ -25,7 +25,7 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, kernel=None):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"mixture-of-experts layers support the silu activation only, not {config.hidden_act!r}")
@@ -35,7 +35,7 @@ class SparseMoE(nn.Module):
         self.gate = Router(experts, hidden)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * width, hidden))  # gate | up of each expert
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))
-        self.kernel = None  # kernels.moe.fused_moe on the Triton backend
+        self.kernel = kernel  # a fused kernel (kernels.moe.fused_moe), or None: the torch reference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)

@@ -11,12 +11,12 @@ class RMSNorm(nn.Module):
     happens in float32 before rounding (Llama rounds the normalised row first).
     """
 
-    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0):
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0, kernel=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.weight_offset = weight_offset
-        self.kernel = None  # the fused Triton kernel (kernels.norm.rms_norm) on the Triton backend; Llama's only
+        self.kernel = kernel  # a fused kernel (kernels.norm.rms_norm) for the plain norm, or None: torch's code
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.kernel is not None:

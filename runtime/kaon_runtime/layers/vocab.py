@@ -6,14 +6,13 @@ and the ranges are gathered. With one rank both are the plain operations.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import vocab_range
+from kaon_runtime.kernels import cpu_decode
 
 
 def _masked_ids(input_ids: torch.Tensor, start: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,27 +48,42 @@ class VocabHead(nn.Module):
     `quantized` (set by quant.surgery under --quantization) is a narrow-weight linear [vocab
     shard, hidden] that computes the logits in place of weight_t; the token lookup keeps
     reading weight_t in full precision.
+
+    With `cpu_logits_rows` (the fused CPU decode step is on), up to that many rows go through
+    the step's C kernel (kernels.cpu_decode): torch's own threads would contend with the
+    step's between one token and the next.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = TensorParallel()):
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = TensorParallel(),
+                 cpu_logits_rows: int = 0):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
         self.start, shard = vocab_range(vocab_size, tp.rank, tp.size)
         self.weight_t = nn.Parameter(torch.empty(hidden_size, shard))
         self.quantized: nn.Module | None = None
-        # The fused CPU decode step's kernel for up to cpu_logits_rows rows (models.cpu_decode_step):
-        # torch's own threads would contend with the step's between one token and the next.
-        self.cpu_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.cpu_logits_rows = 0
+        self.cpu_logits_rows = cpu_logits_rows
+        self._cpu_weights: tuple[object, cpu_decode.LinearWeights] | None = None  # (the weight it reads, its struct)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cpu_logits is not None and hidden.shape[0] <= self.cpu_logits_rows and hidden.device.type == "cpu":
-            logits = self.cpu_logits(hidden)
+        if hidden.shape[0] <= self.cpu_logits_rows and hidden.device.type == "cpu":
+            logits = cpu_decode.linear(self.cpu_weights(), hidden)
         else:
             logits = hidden @ self.weight_t if self.quantized is None else self.quantized(hidden)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[:, :self.vocab_size]  # padding rows dropped
+
+    def cpu_weights(self) -> cpu_decode.LinearWeights:
+        """The head as the C kernel reads it: its int8 copy under quantization, else the float one
+        in its [hidden, vocab] layout. Made on first use, after loading and quantization."""
+        source = self.quantized if self.quantized is not None else self.weight_t
+        if self._cpu_weights is None or self._cpu_weights[0] is not source:
+            if self.quantized is None:
+                weights = cpu_decode.LinearWeights.f32_t(self.weight_t)
+            else:  # quant.surgery gives the head an int8 copy under every method
+                weights = cpu_decode.LinearWeights.int8(self.quantized.qweight, self.quantized.scales)
+            self._cpu_weights = source, weights
+        return self._cpu_weights[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

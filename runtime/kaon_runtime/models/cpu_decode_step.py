@@ -2,14 +2,19 @@
 
 Steps whose every token is a decode (one new token per sequence) run all layers in one call
 of kernels/cpu_decode.c; in a step with prefill chunks or drafts the decodes do, and the chunks
-take the torch path (split_decodes). The fused
-step covers what Llama, SmolLM2, Mistral and Qwen2 need (full attention, SwiGLU, plain
-RMSNorm, biases); the other options of the shared decoder keep torch (`unsupported`).
+take the torch path (split_decodes). The fused step covers what Llama, SmolLM2, Mistral and
+Qwen2 need (full attention, SwiGLU, plain RMSNorm, biases); the other options of the shared
+decoder keep torch (`unsupported`).
+
+The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
+its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
+into the C structs.
 """
 from __future__ import annotations
 
 import ctypes
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -31,6 +36,55 @@ def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, Attention
     return decodes, prefills
 
 
+@dataclass(frozen=True, slots=True)
+class FusedLayer:
+    """What the fused step reads of one decoder layer."""
+
+    qkv: nn.Module  # the projections: float32 nn.Linear, kaon's int8 or its int4 (see linear_weights)
+    o: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    input_norm: torch.Tensor  # the two RMSNorm weights
+    post_attention_norm: torch.Tensor
+    k_cache: torch.Tensor | None  # [Hkv, num_blocks, block_size, D]; None before the pool is attached
+    v_cache: torch.Tensor | None
+    scale: float  # attention's score scale
+
+
+@dataclass(frozen=True, slots=True)
+class FusedWeights:
+    """What the fused step reads of the decoder: its layers, the final norm, the rotary tables (float32, CPU)."""
+
+    layers: list[FusedLayer]
+    final_norm: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class FusedDecoder(Protocol):
+    def fused_weights(self) -> FusedWeights:
+        """Everything the step reads, as it is now (weights loaded, KV pool attached)."""
+
+    def kv_cache_address(self) -> int:
+        """Where the first layer's key cache starts: the step rebuilds its structs when the pool changes."""
+
+
+# Quantization methods whose projections the C kernels read (fp8 has none).
+READABLE_QUANTIZATIONS = ("none", "int8", "int4")
+KV_DTYPES = (torch.float32, torch.float16)  # the caches the C step reads
+
+
+def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -> str | None:
+    """Why the fused step cannot run this model on this many ranks under this quantization (the
+    model's options, or no C compiler), or None when it can."""
+    reason = "tensor parallelism" if tp_size > 1 else unsupported(config)
+    if reason is None and quantization not in READABLE_QUANTIZATIONS:
+        reason = f"{quantization} weights"
+    if reason is None and cpu_decode.library() is None:
+        reason = "the C step could not be built (see the warning above)"
+    return reason
+
+
 def unsupported(config: ModelConfig) -> str | None:
     """Why the fused step cannot run this model, or None when it can."""
     reasons = [
@@ -48,15 +102,6 @@ def unsupported(config: ModelConfig) -> str | None:
     return ", ".join(found) or None
 
 
-# The most sequences a step may have to take the C kernels: a full batch (int4 at 64 sequences:
-# 253 against 196 tok/s through torch on the 2-vCPU test machine; float32's register-tiled
-# kernel is on a par with torch's BLAS for the projections there and saves the torch ops).
-# The vocabulary head takes the same kernels for as many rows (the float one in its [K, N]
-# layout: 64 rows in ~24 ms against ~35 through torch's BLAS, which packs the whole weight).
-MAX_ROWS = 64
-KV_DTYPES = (torch.float32, torch.float16)  # the caches the C step reads
-
-
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     """A projection as the C step reads it: float32 nn.Linear, kaon's int8 or its int4 (groups of 32)."""
     bias = getattr(module, "bias", None)
@@ -70,50 +115,37 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 
 
-def head_weights(head: nn.Module) -> cpu_decode.LinearWeights | None:
-    """The vocabulary head for the C kernel (its int8 copy under quantization, else the float
-    one), for up to MAX_ROWS rows like the step."""
-    if head.quantized is not None:
-        qweight = getattr(head.quantized, "qweight", None)
-        if qweight is None or qweight.dtype != torch.int8:
-            return None
-        return cpu_decode.LinearWeights.int8(qweight, head.quantized.scales)
-    return cpu_decode.LinearWeights.f32_t(head.weight_t)
-
-
 class CpuDecodeStep:
-    """Holds the C structs that point at the model's weights and KV pool (built on first use:
-    the pool is attached after the model is made)."""
+    """Holds the C structs that point at the decoder's weights and KV pool (built on first use:
+    the pool is attached after the model is made, and built again when it changes)."""
 
-    def __init__(self, decoder: nn.Module, config: ModelConfig):
+    def __init__(self, decoder: FusedDecoder, config: ModelConfig, max_rows: int):
         self.decoder, self.config = decoder, config
+        self.max_rows = max_rows  # wider steps go to torch
         self._built: tuple[int, cpu_decode.Model, list] | None = None
-        self.max_rows = MAX_ROWS
 
     def check(self) -> None:
-        """Raise ValueError if a projection has no fused kernel; call once before enabling."""
-        for layer in self.decoder.layers:
-            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
+        """Raise ValueError if a projection has no fused kernel (call once the weights are loaded)."""
+        for layer in self.decoder.fused_weights().layers:
+            for module in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 linear_weights(module)
 
     def _model(self) -> cpu_decode.Model:
-        first_cache = self.decoder.layers[0].self_attn.attn.k_cache
-        if self._built is not None and self._built[0] == first_cache.data_ptr():
+        address = self.decoder.kv_cache_address()
+        if self._built is not None and self._built[0] == address:
             return self._built[1]
-        c, layers, keep = self.config, self.decoder.layers, []
+        c, weights, keep = self.config, self.decoder.fused_weights(), []
+        layers = weights.layers
         structs = (cpu_decode.Layer * len(layers))()
         for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [linear_weights(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = [layer.input_layernorm.weight.detach().float().contiguous(),
-                     layer.post_attention_layernorm.weight.detach().float().contiguous()]
+            linears = [linear_weights(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            norms = [n.detach().float().contiguous() for n in (layer.input_norm, layer.post_attention_norm)]
             keep += linears + norms
             structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
-                                          attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr())
-        cos, sin = self.decoder.rotary.tables(torch.device("cpu"))
-        final_norm = self.decoder.norm.weight.detach().float().contiguous()
-        keep += [structs, cos, sin, final_norm]
+                                          layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
+        final_norm = weights.final_norm.detach().float().contiguous()
+        keep += [structs, weights.cos, weights.sin, final_norm]
+        first_cache = layers[0].k_cache
         kv_heads, num_blocks, block_size, _ = first_cache.shape
         if block_size & (block_size - 1):
             raise ValueError(f"the fused step needs a power-of-two block size, got {block_size}")
@@ -123,9 +155,10 @@ class CpuDecodeStep:
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
             kv_half=first_cache.dtype == torch.float16,
-            eps=c.rms_norm_eps, scale=layers[0].self_attn.attn.scale, final_norm=final_norm.data_ptr(),
-            cos=cos.data_ptr(), sin=sin.data_ptr(), layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)))
-        self._built = (first_cache.data_ptr(), model, keep)
+            eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
+            cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
+            layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)))
+        self._built = (address, model, keep)
         return model
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -6,10 +6,12 @@ sparse experts in place of the MLP. Checkpoint names are mapped in models.weight
 Under tensor parallelism each rank builds the model with its share of the heads and of
 the MLP width (`local_config`): q/k/v and gate/up are column-parallel, and the outputs of
 o_proj and down_proj are partial sums that an all-reduce completes.
+
+The kernels come in at construction (layers.kernel_backend): each layer takes the fused ones
+that apply to it, and the torch code where none does.
 """
 from __future__ import annotations
 
-import functools
 from typing import Iterable
 
 import torch
@@ -18,23 +20,29 @@ from torch import nn
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import local_config
-from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.layers.activation import GATED_ACTIVATIONS
 from kaon_runtime.layers.attention import Attention, AttentionMetadata
+from kaon_runtime.layers.kernel_backend import KernelBackend, torch_kernels
 from kaon_runtime.layers.moe import SparseMoE
 from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
-from kaon_runtime.models.cpu_decode_step import MAX_ROWS, CpuDecodeStep, head_weights, split_decodes, unsupported
+from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, FusedLayer, FusedWeights, split_decodes
 
 
-def _norm(c: ModelConfig, size: int | None = None) -> RMSNorm:
-    return RMSNorm(size or c.hidden_size, c.rms_norm_eps, c.norm_weight_offset)
+def _norm(c: ModelConfig, size: int | None = None, kernel=None) -> RMSNorm:
+    return RMSNorm(size or c.hidden_size, c.rms_norm_eps, c.norm_weight_offset, kernel)
+
+
+def _norm_kernel(c: ModelConfig, kernels: KernelBackend):
+    """The fused norm for the residual-stream norms, where it applies: Gemma's offset norms and
+    sandwich norms keep torch's code (as do Qwen3's q/k norms, over strided head views)."""
+    return kernels.rms_norm if c.norm_weight_offset == 0 and not c.sandwich_norms else None
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
         c = config
         self.tp = tp
@@ -46,8 +54,9 @@ class SelfAttention(nn.Module):
         # Qwen3: each head's q and k are normalised (one weight over head_dim, shared by the heads) before rotary.
         self.q_norm = _norm(c, c.head_dim) if c.qk_norm else None
         self.k_norm = _norm(c, c.head_dim) if c.qk_norm else None
-        self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale, c.window(layer), c.attn_softcap)
-        self.rotary_kernel = None  # kernels.rotary.apply_rotary on the Triton backend
+        self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale, c.window(layer), c.attn_softcap,
+                              kernels.attention)
+        self.rotary_kernel = kernels.rotary  # in place; None: torch's apply_rotary
 
     def forward(self, rope, x, meta: AttentionMetadata):
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 Hkv, D]
@@ -67,26 +76,27 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
         self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = GATED_ACTIVATIONS[config.hidden_act]
-        self.act_kernel = None  # kernels.activation.silu_and_mul on the Triton backend (SiLU models)
+        fused = kernels.silu_and_mul if config.hidden_act == "silu" else None
+        self.act = fused or GATED_ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
-        act = self.act if self.act_kernel is None else self.act_kernel
-        return self.tp.all_reduce(self.down_proj(act(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
-        self.self_attn = SelfAttention(config, layer, tp)
-        self.mlp = SparseMoE(config, tp) if config.is_moe_layer(layer) else GatedMLP(config, tp)
-        self.input_layernorm = _norm(config)
-        self.post_attention_layernorm = _norm(config)
+        self.self_attn = SelfAttention(config, layer, tp, kernels)
+        self.mlp = (SparseMoE(config, tp, kernels.fused_moe) if config.is_moe_layer(layer)
+                    else GatedMLP(config, tp, kernels))
+        norm_kernel = _norm_kernel(config, kernels)
+        self.input_layernorm = _norm(config, kernel=norm_kernel)
+        self.post_attention_layernorm = _norm(config, kernel=norm_kernel)
         # Gemma 2's sandwich: attention's and the MLP's outputs are normalised before they join the residual.
         self.sandwich = config.sandwich_norms
         if self.sandwich:
@@ -105,17 +115,33 @@ class DecoderLayer(nn.Module):
         x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
+    def fused_layer(self) -> FusedLayer:
+        """What the fused CPU decode step reads of this layer (a plain Llama-family layer)."""
+        attn, mlp = self.self_attn, self.mlp
+        return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
+                          self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)
+
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
         self.rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.embed_tokens = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size,
                                                                                      config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm = _norm(config)
-        self.cpu_decode = None  # models.cpu_decode_step.CpuDecodeStep, for decode-only steps on CPU
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers))
+        self.norm = _norm(config, kernel=_norm_kernel(config, kernels))
+        # Decode-only steps on CPU (and the decodes of mixed ones) through the fused C step.
+        self.cpu_decode = CpuDecodeStep(self, config, kernels.cpu_decode_rows) if kernels.cpu_decode else None
+
+    def fused_weights(self) -> FusedWeights:
+        """What the fused CPU decode step reads of the decoder (models.cpu_decode_step.FusedDecoder)."""
+        cos, sin = self.rotary.tables(torch.device("cpu"))
+        return FusedWeights([layer.fused_layer() for layer in self.layers], self.norm.weight, cos, sin)
+
+    def kv_cache_address(self) -> int:
+        """Where the first layer's key cache starts: a new pool means the fused step's pointers are stale."""
+        return self.layers[0].self_attn.attn.k_cache.data_ptr()
 
     def forward(self, x, positions, meta):
         step = self.cpu_decode
@@ -140,12 +166,13 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel()):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(), kernels: KernelBackend | None = None):
         super().__init__()
-        self.config, self.tp = config, tp
+        kernels = kernels or torch_kernels()
+        self.config, self.tp, self.kernels = config, tp, kernels
         self.local_config = local_config(config, tp.size)  # the shapes this rank holds
-        self.model = DecoderModel(self.local_config, tp)
-        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp)
+        self.model = DecoderModel(self.local_config, tp, kernels)
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp, kernels.cpu_decode_rows)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         embed = self.lm_head.embed if self.model.embed_tokens is None else self.model.embed_tokens
@@ -163,44 +190,13 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def use_triton_kernels(self) -> None:
-        """Fused Triton norm, rotary, SiLU-and-mul and MoE, to go with the Triton attention backend.
-
-        Gemma's offset norms, Qwen3's q/k norms (strided head views) and GeGLU keep their torch code.
-        """
-        # Imported on use: CPU-only torch builds lack Triton.
-        from kaon_runtime.kernels import activation, moe, norm, rotary
-        plain_norm = self.config.norm_weight_offset == 0
-        norms = [self.model.norm] + [n for layer in self.model.layers for n in
-                                     (layer.input_layernorm, layer.post_attention_layernorm)]
-        for n in norms if plain_norm and not self.config.sandwich_norms else []:
-            n.kernel = norm.rms_norm
-        for layer in self.model.layers:
-            layer.self_attn.rotary_kernel = rotary.apply_rotary
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.kernel = moe.fused_moe
-            elif self.config.hidden_act == "silu":
-                layer.mlp.act_kernel = activation.silu_and_mul
-
-    def use_cpu_decode_step(self) -> str | None:
-        """Run decode-only steps through the fused C step (float32 on CPU, one rank); returns why
-        not where it cannot (the model's options, or no C compiler), None when it is on."""
-        reason = "tensor parallelism" if self.tp.size > 1 else unsupported(self.local_config)
-        if reason is None and cpu_decode.library() is None:
-            reason = "the C step could not be built (see the warning above)"
-        if reason is None:
-            step = CpuDecodeStep(self.model, self.local_config)
-            try:
-                step.check()
-            except ValueError as exc:
-                reason = str(exc)
-            else:
-                self.model.cpu_decode = step
-                head = head_weights(self.lm_head)
-                if head is not None:
-                    self.lm_head.cpu_logits = functools.partial(cpu_decode.linear, head)
-                    self.lm_head.cpu_logits_rows = MAX_ROWS
-        return reason
+    def check_kernels(self) -> None:
+        """Raise ValueError if a loaded (and quantized) weight has no kernel in the backend the
+        model was built with: the fused CPU step reads float32, int8 and int4 (Q4_1) projections."""
+        if self.model.cpu_decode is not None:
+            self.model.cpu_decode.check()
+        if self.lm_head.cpu_logits_rows:
+            self.lm_head.cpu_weights()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank

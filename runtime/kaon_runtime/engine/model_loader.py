@@ -1,0 +1,119 @@
+"""A rank's model, ready to run: the device and dtypes, the kernels it is built with, its weights, quantization."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from kaon_runtime.config import EngineConfig
+from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.layers.cpu_linear import onednn_linears_apply, use_onednn_linears
+from kaon_runtime.layers.kernel_backend import KernelBackend, select_kernels
+from kaon_runtime.loader import Checkpoint
+from kaon_runtime.models import cpu_decode_step
+from kaon_runtime.models.registry import build_model
+from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.gguf import int4_from_q4_1
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def pick_device(name: str, rank: int = 0) -> torch.device:
+    """The device named, or the best one there is for "auto"; tensor-parallel rank r takes GPU r."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but no CUDA GPU is visible")
+    if name == "cuda":
+        return torch.device("cuda", rank)
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: as configured, or for "auto" float16 under int8/int4 weights on CPU
+    (decode attention there reads every cached key and value once per layer and step, bound by
+    memory; the narrow formats already give up float32's exact output, and docs/engine.md has
+    what float16 keys and values cost in perplexity), else the model's own."""
+    if config.kv_cache_dtype != "auto":
+        return _DTYPES[config.kv_cache_dtype]
+    if device.type == "cpu" and dtype == torch.float32 and config.quantization in ("int8", "int4"):
+        return torch.float16
+    return dtype
+
+
+def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, tp: TensorParallel) -> KernelBackend:
+    """The kernel backend for this device, with the fused CPU decode step where it applies
+    (float32 activations on CPU, a cache it reads, a model it covers)."""
+    cpu_decode = False
+    if device.type == "cpu" and dtype == torch.float32:
+        if kv_dtype not in cpu_decode_step.KV_DTYPES:
+            reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
+        else:
+            reason = cpu_decode_step.blocker(checkpoint.config, tp.size, config.quantization)
+        if reason is not None:
+            log.info("fused CPU decode step off for this model: %s", reason)
+        cpu_decode = reason is None
+    kernels = select_kernels(device, cpu_decode)
+    if kernels.attention.name == "triton" and kv_dtype != dtype:
+        raise ModelLoadError(f"kv_cache_dtype {str(kv_dtype).removeprefix('torch.')} needs the torch attention "
+                             "backend: the Triton kernels read a cache of the model's own dtype")
+    return kernels
+
+
+def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+               kernels: KernelBackend, tp: TensorParallel = TensorParallel(), show_progress: bool = True) -> nn.Module:
+    """Build this rank's model with `kernels`, stream its weights in, quantize it if asked; eval mode."""
+    model_config = checkpoint.config
+    if config.max_model_len is not None and config.max_model_len < model_config.max_position_embeddings:
+        # The context served is the model's context: rotary tables no longer than it, and LongRoPE
+        # picks its short or long factors by it (layers.rotary).
+        model_config = replace(model_config, max_position_embeddings=config.max_model_len)
+    with torch.device("meta"):  # no memory until the final dtype and device are known
+        model = build_model(model_config, tp, kernels).to(dtype)
+    model = model.to_empty(device=device)
+    weights = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, desc="Loading weights",
+                   unit="tensor", disable=not show_progress)
+    try:
+        model.load_weights(weights)
+        if config.quantization != "none":
+            _quantize(model, config.quantization, checkpoint, device, tp)
+        model.check_kernels()
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
+    return model.eval()
+
+
+def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device: torch.device,
+                                dtype: torch.dtype) -> None:
+    """Float32 linears on CPU through oneDNN (layers.cpu_linear), unless the fused step reads them:
+    it needs plain weights, and oneDNN's are opaque."""
+    if not kernels.cpu_decode and onednn_linears_apply(device, dtype):
+        use_onednn_linears(model)
+
+
+def _quantize(model: nn.Module, method: str, checkpoint: Checkpoint, device: torch.device,
+              tp: TensorParallel) -> None:
+    """Swap the linear layers for quantized ones; int4 takes a GGUF file's Q4_1 blocks as they are."""
+    given = {}
+    # The GGUF's own blocks are whole tensors; a shard is re-quantized from its float weights.
+    if method == "int4" and checkpoint.q4_1_blocks is not None and tp.size == 1:
+        fused = model.fuse_rows(checkpoint.q4_1_blocks())
+        given = {name.removesuffix(".weight"): int4_from_q4_1(blocks.to(device)) for name, blocks in fused.items()}
+    swapped = quantize_model(model, method, prequantized=given)
+    reused = len(given.keys() & set(swapped))
+    log.info("%s: %d linear layers quantized (%d from the checkpoint's own Q4_1 blocks)", method, len(swapped), reused)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized

@@ -1,0 +1,56 @@
+"""The kernels a model is built with, chosen once per device and handed to every layer at construction.
+
+Torch's own operations are the default everywhere. The Triton attention backend brings fused
+Triton kernels for the norm, rotary, SiLU-and-mul and the experts; the fused C decode step
+(models.cpu_decode_step) is for float32 on CPU. Each layer takes what applies to it from the
+backend when it is made, so no kernel is switched on from outside afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kaon_runtime.layers.attention import TorchAttentionBackend, TritonAttentionBackend, backend_name
+
+# The most sequences a step may have for the fused C step to take it (and the vocabulary head's
+# C kernel, for as many rows): a full batch of a decode-heavy CPU server. Wider steps go to torch.
+CPU_DECODE_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    attention: TorchAttentionBackend | TritonAttentionBackend  # one instance, shared by every layer
+    rms_norm: Callable | None = None  # kernels.norm.rms_norm: plain RMSNorm (not Gemma's offset one)
+    rotary: Callable | None = None  # kernels.rotary.apply_rotary, in place
+    silu_and_mul: Callable | None = None  # kernels.activation.silu_and_mul
+    fused_moe: Callable | None = None  # kernels.moe.fused_moe
+    cpu_decode_rows: int = 0  # decode steps of up to this many sequences through the fused C step; 0: off
+
+    @property
+    def cpu_decode(self) -> bool:
+        return self.cpu_decode_rows > 0
+
+
+def torch_kernels(cpu_decode: bool = False) -> KernelBackend:
+    """Torch everywhere; with `cpu_decode`, the fused C step for decode steps (float32 on CPU)."""
+    return KernelBackend(TorchAttentionBackend(), cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0)
+
+
+def triton_kernels(cpu_decode: bool = False) -> KernelBackend:
+    """The Triton attention backend and the fused Triton kernels that go with it (`cpu_decode`:
+    Triton's interpreter on CPU, whose decode steps the fused C step may still take)."""
+    # Imported on use: CPU-only torch builds lack Triton.
+    from kaon_runtime.kernels import activation, moe, norm, rotary
+    return KernelBackend(TritonAttentionBackend(), rms_norm=norm.rms_norm, rotary=rotary.apply_rotary,
+                         silu_and_mul=activation.silu_and_mul, fused_moe=moe.fused_moe,
+                         cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0)
+
+
+def select_kernels(device: torch.device, cpu_decode: bool = False) -> KernelBackend:
+    """Triton on CUDA devices, torch elsewhere (KAON_ATTENTION_BACKEND overrides, layers.attention);
+    `cpu_decode` adds the fused C step for decode steps (the caller checks that it applies)."""
+    if backend_name(device) == "triton":
+        return triton_kernels(cpu_decode)
+    return torch_kernels(cpu_decode)
