@@ -9,7 +9,8 @@ from kaon_operator.context import Context
 from kaon_operator.resources import NetworkPolicyConfig
 
 KEY = ("ns", "llama")
-METRICS = {"type": "MetricsAvailable", "status": "True", "reason": "Scraped", "message": "1 of 1 ready replicas answered"}
+METRICS = {"type": "MetricsAvailable", "status": "True", "reason": "Scraped",
+           "message": "1 of 1 ready replicas answered"}
 
 
 class FakeKube:
