@@ -145,9 +145,11 @@ def served_name(model: ModelSpec | Mapping[str, Any] | None, name: str) -> str:
     given = model.get("servedName") if isinstance(model, Mapping) else getattr(model, "served_name", None)
     return given or name
 
-# Names and paths the operator's own volumes take in the engine pod.
-RESERVED_VOLUMES = ("cache", "tmp", "dshm", "model")
-RESERVED_MOUNT_PATHS = ("/var/cache/kaon", "/tmp", "/dev/shm", "/mnt/models")
+# Name -> mount path of the operator's own volumes in the engine pod (pod_template.py mounts them;
+# the spec may not take them).
+OWN_VOLUMES = {"cache": "/var/cache/kaon", "tmp": "/tmp", "dshm": "/dev/shm", "model": "/mnt/models"}
+RESERVED_VOLUMES = tuple(OWN_VOLUMES)
+RESERVED_MOUNT_PATHS = tuple(OWN_VOLUMES.values())
 _RESERVED_VOLUME_MESSAGE = f"volume names {', '.join(RESERVED_VOLUMES)} are the operator's own"
 _RESERVED_PATH_MESSAGE = f"mount paths {', '.join(RESERVED_MOUNT_PATHS)} are the operator's own"
 _ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"

@@ -33,9 +33,10 @@ FETCH_ALLOWANCE_SECONDS = 3600
 # the scheduler loop and one worker process per GPU, and the host copy of the weights while they load.
 DEFAULT_REQUESTS_PER_GPU = {"cpu": 2, "memory_gib": 8}
 SHM_GIB_PER_GPU = 2  # tensor-parallel workers exchange tensors through /dev/shm
-CACHE_DIR = "/var/cache/kaon"  # Triton and Hugging Face caches, model downloads
+CACHE_DIR = api.OWN_VOLUMES["cache"]  # Triton and Hugging Face caches, model downloads
 MODEL_CACHE_DIR = f"{CACHE_DIR}/models"  # `kaon fetch` writes hf:// and s3:// models here
-MODEL_MOUNT = "/mnt/models"  # a pvc:// model's claim, read-only
+MODEL_MOUNT = api.OWN_VOLUMES["model"]  # a pvc:// model's claim, read-only
+TMP_DIR, SHM_DIR = api.OWN_VOLUMES["tmp"], api.OWN_VOLUMES["dshm"]
 RUN_AS = 1000
 # Where a kubelet puts a container's termination message; `kaon fetch` writes its one-line reason there.
 TERMINATION_LOG = "/dev/termination-log"
@@ -176,7 +177,7 @@ def _cache_volume(spec: api.InferenceServiceSpec) -> dict:
 
 def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     volumes = [_cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
-    mounts: list[dict] = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[dict] = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": TMP_DIR}]
     if spec.model.uri.startswith("pvc://"):
         claim, _ = pvc_source(spec.model.uri)
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -184,7 +185,7 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     tp = spec.engine.tensor_parallel_size
     if tp > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{tp * SHM_GIB_PER_GPU}Gi"}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        mounts.append({"name": "dshm", "mountPath": SHM_DIR})
     if spec.auth is not None:
         # Not optional: without its keys the engine does not start (the pod's events say FailedMount),
         # rather than serving with none. The kubelet refreshes the files when the Secret changes.
@@ -207,7 +208,7 @@ def _env(spec: api.InferenceServiceSpec) -> list[dict]:
     return _unique([{"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
             {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
             {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-            {"name": "HOME", "value": "/tmp"},
+            {"name": "HOME", "value": TMP_DIR},
             *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env or [])])
 
 
