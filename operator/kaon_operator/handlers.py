@@ -14,6 +14,8 @@ keep their names, which kopf writes into its progress annotations.
 """
 from __future__ import annotations
 
+import asyncio
+
 import kopf
 
 from kaon_operator import background, drift, reconciler, status_sync, summaries
@@ -36,7 +38,8 @@ def _key(namespace: str | None, name: str) -> Key:
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs) -> None:
     configure(settings)
-    memo["context"] = ctx = Context(config=memo.get("config") or OperatorConfig(), kube=Kube.from_environment(),
+    kube = await asyncio.to_thread(Kube.from_environment)  # reads the kubeconfig or the pod's token
+    memo["context"] = ctx = Context(config=memo.get("config") or OperatorConfig(), kube=kube,
                                     caches=Caches.from_kopf(kwargs))
     background.start(ctx)
 
@@ -114,5 +117,9 @@ def child_changed(event: kopf.RawEvent, body: kopf.Body, namespace: str | None, 
     drift.child_changed(_context(memo), event, body, namespace or "", labels[SERVICE])
 
 
-for _group, _version, _plural in CHILD_KINDS:
-    kopf.on.event(_group, _version, _plural, labels=ENGINE_CHILD, id=f"drift-{_plural}")(child_changed)
+def _register_drift_handlers() -> None:
+    for group, version, plural in CHILD_KINDS:
+        kopf.on.event(group, version, plural, labels=ENGINE_CHILD, id=f"drift-{plural}")(child_changed)
+
+
+_register_drift_handlers()
