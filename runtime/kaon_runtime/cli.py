@@ -13,6 +13,7 @@ from kaon_runtime.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_MET
 from kaon_runtime.errors import KaonError, ModelDoesNotFitError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
+from kaon_runtime.structured.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on CPU (half the memory attention "
                  "reads), else the model's dtype")
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/health answers 503 when requests are pending and no engine step has completed for "
                        "this long (the first step after load gets 3x); 0 turns the check off")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default="auto",
+                       help="the format tool calls are read in (and forced in); auto: the chat template's "
+                            "(Hermes for a template that knows no tools)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
     serve.add_argument("--device", default="auto")

@@ -18,7 +18,7 @@ from kaon_runtime.structured.masks import allocate_bitmask, apply_bitmasks, appl
 from kaon_runtime.structured.matcher import SequenceGrammar
 from kaon_runtime.structured.spec import GrammarSpec, spec_for
 from kaon_runtime.structured.step_masks import MaskWorker, fill_step_masks
-from kaon_runtime.structured.tool_grammar import forced_call_spec
+from kaon_runtime.structured.tool_grammar import forced_call_tag
 from kaon_runtime.structured.tool_parsers import PartialCall, ToolCall, parser_for_template, parser_named
 from kaon_runtime.structured.tool_prompt import prepare_messages
 
@@ -221,7 +221,8 @@ def test_a_forced_call_grammar_takes_only_calls_of_the_offered_functions(cache, 
         "city": {"type": "string"}, "n": {"type": "array"}}, "required": ["city"]}}, {"name": "noargs"}]
 
     def accepts(text: str, parallel: bool) -> bool:
-        grammar = SequenceGrammar(cache.compile(forced_call_spec(functions, parser, parallel)))
+        tag = forced_call_tag(functions, parser, parallel)
+        grammar = SequenceGrammar(cache.compile(GrammarSpec.structural_tag(tag)))
         return all(grammar.accept(t) for t in ids(text) + [EOS])
 
     one = parser.write(CALLS[:1])

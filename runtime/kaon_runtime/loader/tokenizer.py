@@ -53,14 +53,18 @@ class Tokenizer:
     def token_to_str(self, token_id: int) -> str:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt for `messages`; `tools` (OpenAI tool objects) reach the template as HF's
+        apply_chat_template(tools=...) passes them: a variable that is undefined when there are none."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; use a plain completion prompt")
         bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos, eos_token=eos)
+                                         bos_token=bos, eos_token=eos, **extra)
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from exc
 

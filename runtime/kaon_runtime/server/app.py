@@ -22,6 +22,7 @@ from kaon_runtime.server import openapi as doc, protocol as p
 from kaon_runtime.server.keys import ApiKeys
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
+from kaon_runtime.server.tool_calls import plan_chat, tool_parser
 
 RETRY_AFTER_S = 1  # a full queue drains in seconds; tell well-behaved clients to come back soon
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client gone before the response; only the access log sees it
@@ -34,6 +35,7 @@ class ServerSettings:
     api_key_file: str | None = None
     """A file (or a directory of files, one key each: a mounted Secret) of accepted keys, re-read on change."""
     max_body_bytes: int = 4 << 20
+    tool_call_parser: str | None = None  # hermes, llama3, mistral; None or "auto": from the chat template
 
 
 class APIError(Exception):
@@ -170,7 +172,7 @@ async def completions(request: Request, engine: Engine, settings: Settings, metr
     body = await _parse(request, p.CompletionRequest, settings)
     _check_model(body.model, settings)
     prompt = _single_prompt(body.prompt)
-    params = _sampling_params(body, body.max_tokens, body.logprobs)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, body.output_constraint())
     gen = await _start(engine, settings, metrics, "cmpl", prompt, params)
     return await _respond(request, gen, CompletionFormat(gen, engine.tokenizer), body)
 
@@ -182,11 +184,11 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
     _check_model(body.model, settings)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(body, max_tokens, num_logprobs)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+    plan = plan_chat(body, engine.tokenizer, tool_parser(engine.tokenizer, settings.tool_call_parser))
+    params = _sampling_params(body, max_tokens, num_logprobs, plan.constraint)
+    prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
     gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params)
-    return await _respond(request, gen, ChatFormat(gen, engine.tokenizer), body)
+    return await _respond(request, gen, ChatFormat(gen, engine.tokenizer, plan.calling), body)
 
 
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,
@@ -298,11 +300,13 @@ def _single_prompt(prompt: str | list) -> str | list[int]:
 
 
 def _sampling_params(body: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, constraint: dict) -> SamplingParams:
+    """The request's sampling settings; `constraint` holds its structured-output fields (json_schema=...)."""
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
-        max_tokens=max_tokens, stop=body.stop_list, ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n)
+        max_tokens=max_tokens, stop=body.stop_list, ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n,
+        **constraint)
 
 
 async def _disconnected(request: Request) -> None:

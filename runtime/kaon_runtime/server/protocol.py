@@ -4,6 +4,9 @@ Requests are strict: a field we do not know, or do not implement, is refused wit
 rather than silently ignored, and "1" is not an integer. A few OpenAI fields that change
 sampling in ways we do not support are accepted only at their neutral value, so clients
 that always send the defaults still work.
+
+One module for the whole wire format, over 300 lines: the models refer to each other, and the
+OpenAPI document is generated from them together.
 """
 from __future__ import annotations
 
@@ -35,6 +38,45 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the schema is always enforced; accepted for OpenAI's clients
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required by, and only by, type 'json_schema'")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: at most one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = {"json_schema": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": bool(self.json_object)}
+        chosen = {k: v for k, v in fields.items() if v not in (None, False)}
+        if len(chosen) > 1:
+            raise ValueError(f"structured_outputs: set one of json, regex, choice, grammar, json_object, got "
+                             f"{sorted(chosen)}")
+        return chosen
+
+
 class _SamplingRequest(_Strict):
     model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
 
@@ -54,6 +96,9 @@ class _SamplingRequest(_Strict):
     presence_penalty: float = Field(0.0, json_schema_extra={"const": 0})
     frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _supported(self):
@@ -65,7 +110,20 @@ class _SamplingRequest(_Strict):
                 raise ValueError(f"{name} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("set response_format or structured_outputs, not both")
         return self
+
+    def output_constraint(self) -> dict[str, Any]:
+        """The SamplingParams fields of the requested structured output (empty: free text)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.sampling_fields()
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return {}
+        if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            return {"json_object": True}
+        return {"json_schema": fmt.json_schema.schema_}
 
     @property
     def include_usage(self) -> bool:
@@ -97,15 +155,70 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant's tool calls
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _content_unless_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's shape: tool_calls and tool_call_id when present)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: no arguments
+    strict: bool | None = None  # the schema is always enforced when a call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -116,12 +229,39 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_fits_tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                             "which is not among the tools")
+        if self.forces_tool_call and self.output_constraint():
+            raise ValueError("a forced tool call (tool_choice 'required' or a named function) cannot be "
+                             "combined with response_format")
+        return self
+
+    @property
+    def tools_offered(self) -> bool:
+        """Tools are described to the model and its calls parsed (tool_choice none: neither)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -172,9 +312,23 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_only_when_made(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -193,9 +347,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: index, id, type and name in its first chunk, then fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler) -> dict[str, Any]:

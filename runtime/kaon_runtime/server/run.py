@@ -68,7 +68,8 @@ def serve(config: EngineConfig, args) -> int:
 
 def _run(args, engine: AsyncEngine) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes)
+                              api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,
+                              tool_call_parser=args.tool_call_parser)
     app = create_app(engine, settings)
     server = _DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -19,6 +19,7 @@ from kaon_runtime.errors import KaonError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.server import protocol as p
 from kaon_runtime.server.metrics import RequestTimer
+from kaon_runtime.server.tool_calls import ToolCalling, ToolCallStream, assistant_message
 
 
 @dataclass(eq=False)
@@ -147,7 +148,9 @@ class _Format:
 
     def _top(self, token_id: int, logprobs: dict[int, float]) -> tuple[str, float, list[tuple[str, float]]]:
         """The chosen token and the k most likely ones, as strings (the engine returns ids)."""
-        best = sorted(logprobs.items(), key=lambda item: -item[1])[:self.gen.num_logprobs]
+        # Under a grammar the forbidden tokens' logprobs are -inf: not alternatives, and not valid JSON numbers.
+        best = sorted((item for item in logprobs.items() if item[1] > float("-inf")),
+                      key=lambda item: -item[1])[:self.gen.num_logprobs]
         return (self.tokenizer.token_to_str(token_id), logprobs[token_id],
                 [(self.tokenizer.token_to_str(t), lp) for t, lp in best])
 
@@ -187,10 +190,17 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    def __init__(self, gen: Generation, tokenizer: Tokenizer, calling: ToolCalling | None = None):
+        super().__init__(gen, tokenizer)
+        self.calling = calling  # tools were offered: the text is read for calls
+        self._streams: dict[int, ToolCallStream] = {}
+
     def response(self, output: RequestOutput) -> p.ChatCompletionResponse:
-        choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
-                                logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason)
-                   for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = assistant_message(c.text, c.finish_reason, self.calling)
+            choices.append(p.ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0),
+                                        finish_reason=finish_reason))
         return p.ChatCompletionResponse(**self._head(), choices=choices, usage=usage(output))
 
     def opening_chunks(self, n: int) -> list[p.ChatCompletionChunk]:
@@ -199,8 +209,14 @@ class ChatFormat(_Format):
             p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))]) for i in range(n)]
 
     def chunk(self, c: CompletionOutput, delta: str, text_offset: int, token_start: int) -> p.ChatCompletionChunk:
-        choice = p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(content=delta or None),
-                                   logprobs=self._logprobs(c, token_start), finish_reason=c.finish_reason)
+        message, finish_reason = p.DeltaMessage(content=delta or None), c.finish_reason
+        if self.calling is not None:
+            stream = self._streams.setdefault(c.index, ToolCallStream(self.calling))
+            content, calls = stream.update(delta, c.finish_reason is not None)
+            message = p.DeltaMessage(content=content or None, tool_calls=calls or None)
+            finish_reason = stream.finish_reason(c.finish_reason)
+        choice = p.ChatChunkChoice(index=c.index, delta=message, logprobs=self._logprobs(c, token_start),
+                                   finish_reason=finish_reason)
         return p.ChatCompletionChunk(**self._head(), choices=[choice])
 
     def usage_chunk(self, info: p.UsageInfo) -> p.ChatCompletionChunk:

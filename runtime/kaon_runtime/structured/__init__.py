@@ -3,6 +3,7 @@
   spec.py          a request's constraint as a hashable GrammarSpec (the cache key)
   compiler.py      GrammarCache: xgrammar's compiler for one tokenizer, compiled grammars by spec
   matcher.py       SequenceGrammar: one sequence's matcher (next-token mask, accept, rollback)
+  grammars.py      Grammars: what the engine calls (check a request, a matcher per sequence)
   masks.py         apply_bitmasks: the batch's masks onto the logits, other rows untouched
   step_masks.py    StepMasks: the masks of one step, filled on a worker thread during the forward pass
   tool_parsers.py  tool calls out of text (Hermes, Llama 3 JSON, Mistral)

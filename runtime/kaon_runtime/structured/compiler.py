@@ -111,7 +111,7 @@ class GrammarCache:
                 return c.compile_grammar(spec.source)
             if spec.kind == "structural_tag":
                 return c.compile_structural_tag(spec.source)
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001  whatever stops a client's grammar compiling is a 400, never a 500
             raise InvalidRequestError(f"the {_NOUNS[spec.kind]} cannot be compiled: "
                                       f"{_first_line(exc)}") from None
         raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}")

@@ -33,6 +33,11 @@ class SequenceGrammar:
         """Advance by one token; False (and no change) when the grammar does not allow it."""
         return self._matcher.accept_token(token_id)
 
+    def advance(self, token_id: int) -> bool:
+        """Take a generated token; True when the output must end there: the grammar is complete
+        (its stop token taken), or it refused the token (only an unmasked step could produce one)."""
+        return not self.accept(token_id) or self.is_terminated
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self._matcher.rollback(num_tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from kaon_runtime.structured.spec import GrammarSpec, check_schema
+from kaon_runtime.structured.spec import check_schema
 from kaon_runtime.structured.tool_parsers import ToolParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -24,9 +24,9 @@ _FORMATS = {
 }
 
 
-def forced_call_spec(functions: list[dict], parser: ToolParser, parallel: bool) -> GrammarSpec:
-    """The grammar of one call (or several when `parallel`) to one of `functions`
-    (OpenAI's function objects: name, description, parameters)."""
+def forced_call_tag(functions: list[dict], parser: ToolParser, parallel: bool) -> dict:
+    """The structural tag (SamplingParams.structural_tag) of one call, or several when `parallel`, to one
+    of `functions` (OpenAI's function objects: name, description, parameters)."""
     head, tail, separator, opening, closing = _FORMATS[parser.name]
     tags = []
     for function in functions:
@@ -39,4 +39,4 @@ def forced_call_spec(functions: list[dict], parser: ToolParser, parallel: bool) 
     if opening or closing:
         calls = {"type": "sequence", "elements": [{"type": "const_string", "value": opening}, calls,
                                                   {"type": "const_string", "value": closing}]}
-    return GrammarSpec.structural_tag({"type": "structural_tag", "format": calls})
+    return {"type": "structural_tag", "format": calls}

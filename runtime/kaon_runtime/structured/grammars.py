@@ -1,0 +1,42 @@
+"""The engine's view of structured output: check a request's constraint, give each sequence its matcher.
+
+The compiled-grammar cache (and xgrammar's view of the vocabulary, half a second to build for a
+50k vocabulary) is made on the first constrained request, so an engine that never sees one pays
+nothing. `check` runs where the engine validates requests (the server's worker thread), so a
+schema is compiled there, not on the engine loop; `matcher` then finds it in the cache.
+"""
+from __future__ import annotations
+
+import threading
+
+from kaon_runtime.loader.tokenizer import Tokenizer
+from kaon_runtime.sampling import SamplingParams
+from kaon_runtime.structured.compiler import GrammarCache
+from kaon_runtime.structured.matcher import SequenceGrammar
+from kaon_runtime.structured.spec import spec_for
+
+
+class Grammars:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._cache: GrammarCache | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def cache(self) -> GrammarCache:
+        with self._lock:
+            if self._cache is None:
+                self._cache = GrammarCache(self.tokenizer, self.vocab_size)
+            return self._cache
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile the request's constraint, if any; raises InvalidRequestError naming what is wrong."""
+        spec = spec_for(params)
+        if spec is not None:
+            self.cache.compile(spec)
+
+    def matcher(self, params: SamplingParams) -> SequenceGrammar | None:
+        """A new sequence's grammar state (None: unconstrained)."""
+        spec = spec_for(params)
+        return None if spec is None else SequenceGrammar(self.cache.compile(spec))
