@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e.control_plane import free_port
 from kaon_operator import api
 from kaon_operator.labels import service_labels
+from kaon_operator.router import edge
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
 from kaon_operator.router.proxy import Router
@@ -112,16 +113,12 @@ class FakeEngine:
 
 @contextlib.asynccontextmanager
 async def serving(router: Router):
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    """The router on a free port behind its real listening edge (connection cap, head deadline)."""
+    config = router.config
+    async with edge.serving(router.app(), "127.0.0.1", 0, max_connections=config.max_connections,
+                            header_timeout=config.header_timeout, refused=router.metrics.overloaded.inc) as port:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
             yield client
-    finally:
-        await runner.cleanup()
 
 
 async def until(what: str, check, timeout: float = 5.0):

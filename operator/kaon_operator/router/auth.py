@@ -34,17 +34,21 @@ def accepted(token: bytes | None, digests: tuple[bytes, ...]) -> bool:
     return found and token is not None
 
 
-def check(table: EndpointTable, key: ServiceKey, authorization: str | None) -> None:
-    """Raise the router's refusal unless the request may reach `key`: 401 for a missing or wrong
-    key; 503 when the InferenceService's Secret is missing or holds no key (closed, never open)."""
+def check(table: EndpointTable, key: ServiceKey, model: str, authorization: str | None) -> None:
+    """Raise the router's refusal unless the request may reach `key`. A protected InferenceService
+    answers a caller without one of its keys exactly as a name that does not exist (404): what a
+    caller may not use, it cannot tell apart from nothing, so protected names cannot be probed. A
+    service whose Secret is missing or holds no key is closed to everyone, the same way."""
     digests = table.api_keys(key)
-    if digests is None:
-        return
-    if not digests:
-        service = table.service(key)
-        raise errors.no_api_keys(str(key), (service and service.api_key_secret) or "")
-    if not accepted(bearer(authorization), digests):
-        raise errors.invalid_api_key()
+    if digests is not None and not accepted(bearer(authorization), digests):
+        raise errors.model_not_found(model)
+
+
+def may_send_body(table: EndpointTable, authorization: str | None) -> bool:
+    """Whether a request is worth reading, decided on its headers: while some InferenceService is
+    open, any may be; while every one requires a key, only one whose key opens some service.
+    (Which one it names is in the body, read after this.)"""
+    return table.any_open() or accepted(bearer(authorization), table.all_api_keys())
 
 
 def may_list(table: EndpointTable, key: ServiceKey, authorization: str | None) -> bool:

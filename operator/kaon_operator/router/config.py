@@ -21,3 +21,14 @@ class RouterConfig:
     max_attempts: int = 3
     """Pods one request tries when attempts fail before a response began."""
     max_body_bytes: int = 4 << 20  # the engine's own default limit
+    header_timeout: float = 10.0
+    """Seconds a connection may go without a whole request head: a new one, or an idle keep-alive
+    one between requests (then it is closed). A client that trickles its headers holds nothing longer."""
+    body_timeout: float = 30.0
+    """Seconds to receive a request's whole body once its head is in; then a 408."""
+    max_connections: int = 4096
+    """Client connections open at once; more get a 503 (with Retry-After) and are closed at once."""
+    max_buffered_bytes: int = 128 << 20
+    """Request body bytes the router holds at once, over all requests (each counted at its
+    Content-Length, or --max-body-bytes when it has none, before it is read); a request past it
+    gets a 503 with Retry-After and is not read. Keep it well under the pod's memory limit."""

@@ -171,6 +171,15 @@ class EndpointTable:
             return None
         return self._secrets.get((key.namespace, found.api_key_secret), ())
 
+    def any_open(self) -> bool:
+        """Whether some InferenceService requires no key."""
+        return any(s.api_key_secret is None for s in self._services.values())
+
+    def all_api_keys(self) -> tuple[bytes, ...]:
+        """The digests of every key some InferenceService accepts."""
+        return tuple(d for s in self._services.values() if s.api_key_secret
+                     for d in self._secrets.get((s.key.namespace, s.api_key_secret), ()))
+
     def hold_seconds(self, key: ServiceKey) -> float | None:
         found = self._services.get(key)
         return found.hold_seconds if found else None

@@ -40,18 +40,22 @@ def invalid_api_key() -> RouterError:
     return RouterError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
 
 
-def no_api_keys(service: str, secret: str) -> RouterError:
-    """spec.auth names a Secret that is missing or holds no key: refuse everyone, say why."""
-    return RouterError(503, f"InferenceService {service} requires an API key (spec.auth), but its Secret "
-                            f"`{secret}` is missing, holds no key or is not of type Opaque; every request is "
-                            "refused until it has one",
-                       "service_unavailable", "no_api_keys")
-
-
 def model_not_found(model: str) -> RouterError:
+    """No InferenceService serves `model` here, or none that this caller holds a key of (auth.check)."""
     return RouterError(404, f"the model `{model}` does not exist: no InferenceService serves it here "
                             "(`<namespace>/<name>` names one of another namespace; GET /v1/models lists the "
                             "names you may use)", "invalid_request_error", "model_not_found", "model")
+
+
+def request_timeout(seconds: float) -> RouterError:
+    return RouterError(408, f"the request body did not arrive within {seconds:g}s", "invalid_request_error",
+                       "request_timeout")
+
+
+def overloaded(what: str) -> RouterError:
+    """A global limit of the router ran out (a request past it is not read): retry shortly."""
+    return RouterError(503, f"the router is at its limit of {what}; retry shortly", "service_unavailable",
+                       "router_overloaded", retry=True)
 
 
 def starting() -> RouterError:

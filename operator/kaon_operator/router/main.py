@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import resource
+import signal
 import sys
 
-from aiohttp import web
-
+from kaon_operator.router import edge
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
 from kaon_operator.router.proxy import Router
@@ -51,7 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a stream may send nothing; then it ends with an OpenAI error event")
     parser.add_argument("--max-attempts", type=int, default=DEFAULTS.max_attempts,
                         help="pods one request tries when attempts fail before a response began")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes)
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
+                        help="larger request bodies get a 413, unread when their Content-Length says so")
+    parser.add_argument("--max-buffered-bytes", type=int, default=DEFAULTS.max_buffered_bytes,
+                        help="request body bytes held at once over all requests; a request past it gets a 503 "
+                        "with Retry-After, unread")
+    parser.add_argument("--max-connections", type=int, default=DEFAULTS.max_connections,
+                        help="client connections open at once; more get a 503 with Retry-After and are closed")
+    parser.add_argument("--header-timeout", type=float, default=DEFAULTS.header_timeout,
+                        help="seconds a connection may wait for a whole request head (new or kept alive), "
+                        "then it is closed")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULTS.body_timeout,
+                        help="seconds to receive a request body once its head is in, then a 408")
+    parser.add_argument("--admin-port", type=int,
+                        help="serve /health, /ready and every series of /metrics here too (for the kubelet and "
+                        "the scraper only): the main port's /metrics leaves out those naming an InferenceService "
+                        "with spec.auth, and refuses connections past --max-connections")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -83,19 +99,34 @@ def main(argv: list[str] | None = None) -> int:
     router = Router(table, RouterConfig(
         queue_timeout=args.queue_timeout, max_queued=args.max_queued, backoff=args.backoff,
         connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
-        idle_timeout=args.idle_timeout, max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes))
+        idle_timeout=args.idle_timeout, max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes,
+        max_buffered_bytes=args.max_buffered_bytes, max_connections=args.max_connections,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout))
     watcher = Watcher(server, table, args.namespace, secrets=args.secrets)
-
-    async def watch(app: web.Application):
-        task = asyncio.create_task(watcher.run())
-        yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    app = router.app()
-    app.cleanup_ctx.append(watch)
-    # handler_cancellation: a client that hangs up cancels its request, which closes the
-    # engine connection, and the engine aborts the generation and frees its KV cache.
-    logging.getLogger("kaon.router").info("listening on http://%s:%d", args.host, args.port)
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, print=None)
+    try:
+        asyncio.run(serve(router, watcher, args))
+    except KeyboardInterrupt:
+        pass
     return 0
+
+
+async def serve(router: Router, watcher, args: argparse.Namespace) -> None:
+    """Until SIGTERM or SIGINT: the watch, the router's port and, with --admin-port, the kubelet's and the scraper's."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    config = router.config
+    watch = asyncio.create_task(watcher.run())
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(edge.serving(
+            router.app(), args.host, args.port, max_connections=config.max_connections,
+            header_timeout=config.header_timeout, refused=router.metrics.overloaded.inc))
+        if args.admin_port:
+            await stack.enter_async_context(edge.serving(
+                router.admin_app(), args.host, args.admin_port, max_connections=64,
+                header_timeout=config.header_timeout))
+        logging.getLogger("kaon.router").info("listening on http://%s:%d", args.host, args.port)
+        await stop.wait()
+    watch.cancel()
+    await asyncio.gather(watch, return_exceptions=True)

@@ -5,6 +5,7 @@ state at scrape time instead, so a pod or InferenceService that is gone leaves n
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 
@@ -102,11 +103,34 @@ class RouterMetrics:
             SERVICE_LABELS, registry=self.registry)
         self.held_seconds = Histogram("kaon_router_held_seconds", "Time requests waited for a ready pod",
                                       SERVICE_LABELS, registry=self.registry)
+        self.overloaded = Counter("kaon_router_overloaded", "Requests and connections refused unread because a global "
+                                  "limit ran out (--max-buffered-bytes, --max-connections)", registry=self.registry)
         self.registry.register(_LiveState(table, inflight, held, ejected))
 
     def count(self, key: ServiceKey | None, status: int) -> None:
         """A request answered (None: before it named a known InferenceService)."""
         self.requests.labels(*(key or ("", "")), str(status)).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, shown: Callable[[ServiceKey], bool] | None = None) -> bytes:
+        """The exposition; with `shown`, only the series about an InferenceService it accepts (and
+        those about none): the router's open port must not name protected services or their pods."""
+        if shown is None:
+            return generate_latest(self.registry)
+        return generate_latest(_Only(self.registry, shown))
+
+
+class _Only:
+    """A registry's series, less those about the InferenceServices `shown` refuses."""
+
+    def __init__(self, registry: CollectorRegistry, shown: Callable[[ServiceKey], bool]):
+        self.registry, self.shown = registry, shown
+
+    def _keep(self, labels: Mapping[str, str]) -> bool:
+        names = [labels.get(label) for label in SERVICE_LABELS]
+        return not all(names) or self.shown(ServiceKey(*names))  # type: ignore[arg-type]
+
+    def collect(self):
+        for family in self.registry.collect():
+            kept = copy.copy(family)
+            kept.samples = [s for s in family.samples if self._keep(s.labels)]
+            yield kept

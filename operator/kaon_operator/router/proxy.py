@@ -1,10 +1,12 @@
 """The HTTP edge: an aiohttp server that forwards OpenAI requests to engine pods.
 
-Per request: read the body, take `model` from it (request.py), find the InferenceService
-serving that name, hold the request while the service has no ready pod (hold.py), pick a pod
-by the service's routing strategy (strategies/), and relay the response as it arrives
-(relay.py; SSE streams in whole events, sse.py), with the engine's status, headers and body
-unchanged.
+Per request: decide on the headers whether to read the body at all (a key that opens nothing,
+the bytes already held: admission.py), read it within --body-timeout, take `model` from it
+(request.py), find the InferenceService serving that name, hold the request while the service
+has no ready pod (hold.py), pick a pod by the service's routing strategy (strategies/), and
+relay the response as it arrives (relay.py; SSE streams in whole events, sse.py), with the
+engine's status, headers and body unchanged. The listening socket's own limits (connections,
+request heads) are edge.py's.
 
 Failures: an attempt that fails before the response began (refused or reset connection, the
 engine closing it, no response headers within --first-byte-timeout) goes to another pod, up to
@@ -24,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from kaon_operator.router import auth, errors
+from kaon_operator.router.admission import BodyBudget, body_size
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
@@ -56,6 +59,7 @@ class Router:
         self.inflight: dict[Endpoint, int] = {}
         self.backoff: Backoff[Endpoint] = Backoff(config.backoff)
         self.hold = Hold(config.max_queued)
+        self.budget = BodyBudget(config.max_buffered_bytes)
         self.strategies = Strategies()
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(time.monotonic()))
@@ -102,44 +106,75 @@ class Router:
         arrival = time.perf_counter()
         key: ServiceKey | None = None
         relaying = False  # from then on the engine's status is the one counted
+        reserved = 0  # body bytes taken from the budget
+        read = False  # a refusal before the body was read closes the connection rather than read it
         try:
             try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise errors.too_large(self.config.max_body_bytes) from None
-            model, payload = parse_request(body)
-            body = self._admit(request, model, payload, body)
-            received = time.monotonic()
-            tried: set[Endpoint] = set()
-            held = 0.0
-            failure: RouterError | None = None  # the last attempt's, which answers when none is left
-            while len(tried) < max(1, self.config.max_attempts):  # 0 would answer nothing
-                try:
-                    key, target, waited = await self._choose(model, tried, received, request.path, payload)
-                except RouterError as exc:
-                    if failure is not None and exc.code == "upstream_unreachable":
-                        raise failure from None  # every ready pod was tried
-                    raise
-                held += waited
-                dispatched = time.perf_counter()
-                upstream = await self._send(request, body, key, target, tried)
-                if isinstance(upstream, RouterError):
-                    failure = upstream
-                    continue
-                relaying = True
-                try:
-                    return await self.relay(request, upstream, key, target, dispatched - arrival - held)
-                finally:
-                    self._release(target)
-            assert failure is not None  # every attempt that did not return set it
-            raise failure
-        except RouterError as exc:
-            self.metrics.count(key, exc.status)
-            return exc.response()
-        except asyncio.CancelledError:
-            if not relaying:
-                self.metrics.count(key, 499)  # the client went away first (nginx's code for it)
-            raise
+                reserved = self._reserve(request)
+                body = await self._read(request)
+                read = True
+                model, payload = parse_request(body)
+                body = self._admit(request, model, payload, body)
+                received = time.monotonic()
+                tried: set[Endpoint] = set()
+                held = 0.0
+                failure: RouterError | None = None  # the last attempt's, which answers when none is left
+                while len(tried) < max(1, self.config.max_attempts):  # 0 would answer nothing
+                    try:
+                        key, target, waited = await self._choose(model, tried, received, request.path, payload)
+                    except RouterError as exc:
+                        if failure is not None and exc.code == "upstream_unreachable":
+                            raise failure from None  # every ready pod was tried
+                        raise
+                    held += waited
+                    dispatched = time.perf_counter()
+                    upstream = await self._send(request, body, key, target, tried)
+                    if isinstance(upstream, RouterError):
+                        failure = upstream
+                        continue
+                    relaying = True
+                    try:
+                        return await self.relay(request, upstream, key, target, dispatched - arrival - held)
+                    finally:
+                        self._release(target)
+                assert failure is not None  # every attempt that did not return set it
+                raise failure
+            except RouterError as exc:
+                self.metrics.count(key, exc.status)
+                response = exc.response()
+                if not read:
+                    response.force_close()
+                return response
+            except asyncio.CancelledError:
+                if not relaying:
+                    self.metrics.count(key, 499)  # the client went away first (nginx's code for it)
+                raise
+        finally:
+            self.budget.release(reserved)
+
+    def _reserve(self, request: web.Request) -> int:
+        """Decide on the headers whether the body is read at all, and take its bytes from the budget:
+        a key that opens nothing (while every service needs one), a body over --max-body-bytes, or
+        one that does not fit the bytes already held (--max-buffered-bytes) is refused unread."""
+        if not auth.may_send_body(self.table, request.headers.get("Authorization")):
+            raise errors.invalid_api_key()
+        length = request.content_length
+        if length is not None and length > self.config.max_body_bytes:
+            raise errors.too_large(self.config.max_body_bytes)
+        size = body_size(length, self.config.max_body_bytes)
+        if not self.budget.reserve(size):
+            self.metrics.overloaded.inc()
+            raise errors.overloaded("buffered request bodies")
+        return size
+
+    async def _read(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise errors.too_large(self.config.max_body_bytes) from None
+        except TimeoutError:
+            raise errors.request_timeout(self.config.body_timeout) from None
 
     def _admit(self, request: web.Request, model: str, payload: dict, body: bytes) -> bytes:
         """Check the API key of the InferenceService `model` names (before the request may wait
@@ -148,7 +183,7 @@ class Router:
         key = self.table.resolve(model)
         if key is None:
             return body  # _choose answers 404, or 503 while the router starts
-        auth.check(self.table, key, request.headers.get("Authorization"))
+        auth.check(self.table, key, model, request.headers.get("Authorization"))
         service = self.table.service(key)
         return body if service is None else engine_body(body, payload, model, service.served_name)
 
@@ -256,4 +291,26 @@ class Router:
                                  status=200 if self.table.synced else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        """On the router's own port: the series of open InferenceServices only (anyone may scrape
+        it); every series is on --admin-port (admin_app)."""
+        return metrics_response(self.metrics.render(self._open))
+
+    def _open(self, key: ServiceKey) -> bool:
+        return self.table.service(key) is not None and self.table.api_keys(key) is None
+
+    def admin_app(self) -> web.Application:
+        """The port only the scraper and the kubelet reach (main.py: --admin-port): the whole of
+        /metrics, and /health and /ready, which answer there even while the main port is at
+        --max-connections."""
+        app = web.Application()
+
+        async def everything(request: web.Request) -> web.Response:
+            return metrics_response(self.metrics.render())
+        app.router.add_get("/metrics", everything)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        return app
+
+
+def metrics_response(body: bytes) -> web.Response:
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from kaon_operator.router import errors
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "trailers", "transfer-encoding", "upgrade"})
+# RFC 9110 7.6.1: these, and every field the Connection header names, describe one connection only.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
 # The body is already read (and any 100-continue answered); aiohttp sets the length itself.
 NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
 
@@ -36,10 +37,22 @@ def engine_body(body: bytes, payload: dict, model: str, served_name: str) -> byt
     if served_name == model:
         return body
     payload["model"] = served_name
-    return json.dumps(payload, ensure_ascii=False).encode()
+    try:
+        return json.dumps(payload, ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate (a valid JSON escape, no UTF-8): sent escaped, as it came
+        return json.dumps(payload).encode()
+
+
+def connection_options(headers: Mapping[str, str]) -> frozenset[str]:
+    """The fields a `Connection` header names (`Connection: close, X-Foo`): they are for the next
+    hop only, whatever their names (RFC 9110 7.6.1)."""
+    values = headers.getall("Connection", ()) if isinstance(headers, CIMultiDict | CIMultiDictProxy) \
+        else [headers.get("Connection", "")]
+    return frozenset(token.strip().lower() for value in values for token in value.split(",") if token.strip())
 
 
 def forwarded(headers: Mapping[str, str], dropped: frozenset[str] = NOT_FORWARDED) -> CIMultiDict:
     """The headers without those that describe one connection only (and, for a request, those
     the router's own connection sets)."""
+    dropped = dropped | connection_options(headers)
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)

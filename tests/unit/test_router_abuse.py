@@ -1,0 +1,242 @@
+"""The router under careless or hostile clients: slow heads and bodies closed by a deadline,
+connections and buffered bodies capped with a fast 503, a key checked before the body is read,
+hop-by-hop headers dropped, odd model strings, and a /metrics that names no protected service.
+
+Each case runs the real listening edge (router/edge.py) on a port, with limits small enough
+that the abuse fits in a fraction of a second.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kaon_operator.router.admission import BodyBudget, body_size
+from kaon_operator.router.request import forwarded
+from support.router import FakeEngine, routed, run, serving
+from support.tenancy import Recorder, engine_pod, isvc
+
+COMPLETION = b'{"model": "m", "prompt": "x"}'
+
+
+async def raw(port: int, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    return reader, writer
+
+
+def head(length: int, authorization: str | None = None) -> bytes:
+    auth = f"Authorization: Bearer {authorization}\r\n" if authorization else ""
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n{auth}"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> tuple[bytes, float]:
+    """What the router sent before closing the connection, and when it closed."""
+    start = time.monotonic()
+    data = await asyncio.wait_for(reader.read(), seconds)
+    return data, time.monotonic() - start
+
+
+@contextlib.asynccontextmanager
+async def router_on_port(router):
+    async with serving(router) as client:
+        yield client, int(str(client._base_url).rsplit(":", 1)[1])
+
+
+# pure ---------------------------------------------------------------------------------
+
+
+def test_body_budget_holds_at_most_its_limit():
+    budget = BodyBudget(1000)
+    assert budget.reserve(600) and not budget.reserve(600) and budget.reserve(400)
+    budget.release(600)
+    assert budget.reserve(500) and budget.held == 900
+    assert body_size(None, 4096) == 4096 and body_size(10, 4096) == 10 and body_size(10**9, 4096) == 4096
+
+
+def test_fields_named_in_connection_are_hop_by_hop():
+    headers = CIMultiDict(
+        [("Connection", "close, X-Internal"), ("connection", " x-other "), ("X-Internal", "1"), ("X-Other", "2"),
+         ("Proxy-Connection", "keep-alive"), ("TE", "trailers"), ("X-Kept", "3")])
+    assert list(forwarded(headers).items()) == [("X-Kept", "3")]
+
+
+# slow clients ---------------------------------------------------------------------------
+
+
+def test_a_partial_head_and_a_partial_body_are_closed_by_their_deadlines():
+    async def scenario():
+        engine = await FakeEngine("a").start()
+        async with router_on_port(routed(engine, header_timeout=0.3, body_timeout=0.3)) as (client, port):
+            reader, _ = await raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n")  # no blank line: unfinished
+            data, took = await closed_within(reader, 5)
+            assert data == b"" and took < 2
+            reader, _ = await raw(port, b"")  # connected, sends nothing
+            assert (await closed_within(reader, 5))[0] == b""
+            reader, _ = await raw(port, head(len(COMPLETION)) + COMPLETION[:10])
+            data, took = await closed_within(reader, 5)
+            assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and took < 2
+            # Between requests of a kept-alive connection the head deadline applies again.
+            reader, writer = await raw(port, head(len(COMPLETION)) + COMPLETION)
+            first = await reader.readuntil(b'"finish_reason": "stop"}]}')
+            assert first.startswith(b"HTTP/1.1 200")
+            writer.write(b"POST /v1/completions HTTP/1.1\r\n")
+            assert (await closed_within(reader, 5))[0] == b""
+            async with client.post("/v1/completions", data=COMPLETION) as resp:  # and the router still serves
+                assert resp.status == 200
+        await engine.stop()
+
+    run(scenario())
+
+
+# overload -----------------------------------------------------------------------------------
+
+
+def test_connections_past_the_cap_get_a_fast_503_and_the_router_serves_again_after():
+    async def scenario():
+        engine = await FakeEngine("a").start()
+        router = routed(engine, max_connections=20)
+        async with router_on_port(router) as (client, port):
+            idle = [await raw(port, b"") for _ in range(20)]
+            await asyncio.sleep(0.05)
+            refused = [await raw(port, head(len(COMPLETION)) + COMPLETION) for _ in range(200)]
+            for reader, _ in refused:
+                data, took = await closed_within(reader, 2)
+                assert data.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in data and took < 1
+            for _, writer in idle:
+                writer.close()
+            await asyncio.sleep(0.1)
+            async with client.post("/v1/completions", data=COMPLETION) as resp:
+                assert resp.status == 200
+        await engine.stop()
+        assert router.metrics.overloaded._value.get() == 200
+
+    run(scenario())
+
+
+def test_bodies_past_the_buffer_budget_are_refused_unread():
+    async def scenario():
+        engine = await FakeEngine("a").start()
+        router = routed(engine, max_body_bytes=600, max_buffered_bytes=1000, body_timeout=5)
+        async with router_on_port(router) as (client, port):
+            stalled = await raw(port, head(600))  # holds 600 of the 1000 bytes while it trickles
+            await asyncio.sleep(0.05)
+            reader, _ = await raw(port, head(600))
+            data, took = await closed_within(reader, 3)
+            assert data.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in data and took < 2
+            async with client.post("/v1/completions", data=COMPLETION) as resp:  # a small one still fits
+                assert resp.status == 200
+            reader, _ = await raw(port, head(10**9))  # over --max-body-bytes: 413 on its head
+            assert (await closed_within(reader, 3))[0].startswith(b"HTTP/1.1 413")
+            stalled[1].close()
+            await asyncio.sleep(0.1)
+            assert router.budget.held == 0  # given back when the stalled one went away
+        await engine.stop()
+
+    run(scenario())
+
+
+def test_while_every_service_needs_a_key_a_request_without_one_is_refused_on_its_head():
+    async def scenario():
+        engine = await Recorder().start()
+        router = routed(max_body_bytes=1 << 20)
+        table = router.table
+        table.replace_services(None, [isvc("ns", "svc", "m", secret="keys")])
+        table.apply_pod("ADDED", engine_pod("ns", "svc", engine.port))
+        table.apply_secret("ADDED", {"metadata": {"namespace": "ns", "name": "keys"}, "data": {"k": "a2V5LW9uZQ=="}})
+        async with router_on_port(router) as (client, port):
+            for key in (None, "key-two"):
+                reader, _ = await raw(port, head(1 << 20, key))  # announces 1 MiB, sends none of it
+                data, took = await closed_within(reader, 3)
+                assert data.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in data and took < 2
+            async with client.post("/v1/completions", data=COMPLETION,
+                                   headers={"Authorization": "Bearer key-one"}) as resp:
+                assert resp.status == 200
+        await engine.stop()
+
+    run(scenario())
+
+
+# what passes, and what shows ----------------------------------------------------------------
+
+
+class HeaderEcho:
+    """An engine stand-in that answers with hop-by-hop headers of its own, and keeps what it got."""
+
+    async def start(self):
+        self.seen: list[dict] = []
+
+        async def handle(request: web.Request) -> web.Response:
+            self.seen.append(dict(request.headers))
+            return web.json_response({"ok": True}, headers={"Connection": "x-engine-hop", "X-Engine-Hop": "1",
+                                                            "X-Engine-Kept": "1"})
+        app = web.Application()
+        app.router.add_post("/v1/{tail:.+}", handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+
+def test_hop_by_hop_fields_named_in_connection_do_not_cross_the_router_either_way():
+    async def scenario():
+        engine = await HeaderEcho().start()
+        router = routed()
+        router.table.apply_pod("ADDED", engine_pod("ns", "svc", engine.port))
+        async with serving(router) as client:
+            async with client.post("/v1/completions", data=COMPLETION,
+                                   headers={"Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "secret",
+                                            "X-Client-Kept": "1"}) as resp:
+                assert resp.status == 200
+                assert "X-Engine-Hop" not in resp.headers and resp.headers["X-Engine-Kept"] == "1"
+        await engine.runner.cleanup()
+        (seen,) = engine.seen
+        assert "X-Client-Hop" not in seen and seen["X-Client-Kept"] == "1"
+
+    run(scenario())
+
+
+def test_any_model_string_gets_an_answer_not_a_500():
+    async def scenario():
+        engine = await FakeEngine("a").start()
+        async with serving(routed(engine)) as client:
+            out = []
+            for body in (b'{"model": "\\ud800", "prompt": "x"}', b'{"model": "ns/\\udfff", "prompt": "x"}',
+                         b'{"model": "ns/m", "prompt": "\\ud800"}', b'{"model": "\\u0000/../m", "prompt": "x"}',
+                         b'{"model": "' + b"x" * 100_000 + b'", "prompt": "x"}', b'{"model": "ns/", "prompt": "x"}'):
+                async with client.post("/v1/completions", data=body) as resp:
+                    out.append(resp.status)
+        await engine.stop()
+        assert out == [404, 404, 200, 404, 404, 404]
+
+    run(scenario())
+
+
+def test_the_open_port_metrics_name_no_protected_service():
+    async def scenario():
+        engine = await FakeEngine("a").start()
+        router = routed(engine)
+        table = router.table
+        table.apply_service("ADDED", isvc("ns", "secure", "hidden", secret="keys"))
+        table.apply_pod("ADDED", engine_pod("ns", "secure", engine.port))
+        table.apply_secret("ADDED", {"metadata": {"namespace": "ns", "name": "keys"}, "data": {"k": "a2V5LW9uZQ=="}})
+        async with serving(router) as client:
+            for key in ("key-one", None):
+                async with client.post("/v1/completions", data=b'{"model": "hidden", "prompt": "x"}',
+                                       headers={"Authorization": f"Bearer {key}"} if key else {}) as resp:
+                    assert resp.status == (200 if key else 404)
+            async with client.get("/metrics") as resp:
+                public = await resp.text()
+        await engine.stop()
+        assert 'inferenceservice="svc"' in public and "secure" not in public
+        assert 'inferenceservice="secure"' in router.metrics.render().decode()  # the admin port's whole view
+        assert hashlib.sha256(b"key-one").hexdigest() not in public
+
+    run(scenario())
