@@ -23,15 +23,15 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs come back in prompt order. Prompts are text or token id lists."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch: list[str | list[int]] = [prompts] if one else list(prompts)  # type: ignore[list-item]
         params = params if params is not None else SamplingParams()
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
-        ids = []
+        per_prompt = params if isinstance(params, list) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
+        ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, per_prompt):
+            for prompt, p in zip(batch, per_prompt):
                 ids.append(str(next(self._ids)))
                 self.engine.add_request(ids[-1], prompt, p)
         except Exception:
@@ -54,9 +54,9 @@ class LLM:
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        one = bool(conversations) and isinstance(conversations[0], dict)
+        batch: list[list[dict]] = [conversations] if one else conversations  # type: ignore[list-item,assignment]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in batch]
         return self.generate(prompts, params, use_tqdm)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

@@ -22,8 +22,7 @@ import itertools
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -32,6 +31,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+
 from kaon_runtime.engine import block_manager as bm_module
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.sequence import Sequence

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import (
@@ -262,7 +263,7 @@ def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch(kv_dtype):
 def test_which_steps_it_takes():
     config = tiny_config()
     model, _ = random_model(config, blocks=10)
-    x, positions, meta = decode_step(config, TABLES, LENS)
+    x, _, meta = decode_step(config, TABLES, LENS)
     assert model.model.cpu_decode.applies(x, meta)
     meta.prefills = [object()]
     assert not model.model.cpu_decode.applies(x, meta)

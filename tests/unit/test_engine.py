@@ -5,6 +5,7 @@ import importlib.util
 import shutil
 
 import pytest
+
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from kaon_runtime.loader import resolve_model
@@ -49,7 +50,8 @@ def test_seed_makes_sampling_reproducible(llm):
 
 
 def test_n_completions_share_the_prompt(llm):
-    out = llm.chat(PROMPT, SamplingParams(temperature=1.0, seed=5, max_tokens=10, n=3, ignore_eos=True), use_tqdm=False)[0]
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, n=3, ignore_eos=True)
+    out = llm.chat(PROMPT, params, use_tqdm=False)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 10 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1

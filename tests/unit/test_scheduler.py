@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
+
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.scheduler import ScheduledBatch, Scheduler
 from kaon_runtime.engine.sequence import Sequence, SequenceStatus

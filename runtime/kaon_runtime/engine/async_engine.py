@@ -73,6 +73,7 @@ class RequestStream:
         await self._ready.wait()
         self._ready.clear()
         item, self._latest = self._latest, None
+        assert item is not None, "the event is set only with an item"
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -225,8 +226,8 @@ class AsyncEngine:
                 added += 1
                 try:
                     self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params)
-                except Exception as exc:  # validated already; only a duplicate id can get here
-                    self._loop.call_soon_threadsafe(command.stream._put, exc)
+                except Exception as exc:  # noqa: BLE001 -- validated already; only a duplicate id can get here, and its stream gets the error
+                    self._event_loop().call_soon_threadsafe(command.stream._put, exc)
                     continue
                 streams[command.request_id] = command.stream
             elif isinstance(command, _Abort) and streams.pop(command.request_id, None) is not None:
@@ -237,8 +238,13 @@ class AsyncEngine:
             self._num_queued -= added
             self._stats = self.engine.stats()
 
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The server's event loop, where the streams live (known once `start` ran)."""
+        assert self._loop is not None, "the engine thread runs only after start()"
+        return self._loop
+
     def _deliver(self, outputs: list[RequestOutput], streams: dict[str, RequestStream]) -> None:
-        batch = []
+        batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is not None:
@@ -246,10 +252,11 @@ class AsyncEngine:
                 if output.finished:
                     del streams[output.request_id]
         if batch:
-            self._loop.call_soon_threadsafe(_put_all, batch)
+            self._event_loop().call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, streams: dict[str, RequestStream], exc: BaseException) -> None:
-        self._loop.call_soon_threadsafe(_put_all, [(s, exc) for s in streams.values()])
+        failed: list[tuple[RequestStream, RequestOutput | BaseException]] = [(s, exc) for s in streams.values()]
+        self._event_loop().call_soon_threadsafe(_put_all, failed)
         streams.clear()
 
 

@@ -216,5 +216,6 @@ class BlockManager:
         return block_id
 
     def _uncache(self, block: Block) -> None:
+        assert block.hash is not None, f"block {block.block_id} is not cached"
         del self._cached[block.hash]
         block.hash, block.parent_hash, block.token_ids = None, None, ()

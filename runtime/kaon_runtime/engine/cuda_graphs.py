@@ -14,7 +14,7 @@ it to check the padding and buffer handling the graphs depend on.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -79,11 +79,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits of the plan's sample rows (a decode-only plan that `fits`)."""
-        n = len(plan.decode_tables)
-        size = graph_size(n, self.sizes)
+        size = graph_size(len(plan.decode_tables), self.sizes)
+        assert size is not None, "a plan that does not fit the graphs"
         self._load(plan, size)
         graph, logits = self._graphs.get(size, (None, None))
-        if graph is None:
+        if graph is None or logits is None:
             logits = self._run_static(size)
         else:
             graph.replay()
@@ -106,5 +106,6 @@ class DecodeGraphs:
     def _run_static(self, size: int) -> torch.Tensor:
         """The forward pass over the first `size` rows of the static buffers; what a graph records."""
         meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode_tokens=size,
-                                 decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size])
+                                 decode_block_tables=self.block_tables[:size],
+                                 decode_context_lens=self.context_lens[:size])
         return self.forward(self.input_ids[:size], self.positions[:size], meta)

@@ -35,6 +35,7 @@ class _Shadow:
 class DraftModelDrafter:
     def __init__(self, config: EngineConfig, target: ModelRunner, num_blocks: int, show_progress: bool = True):
         """`num_blocks`: the target's pool as scheduled (the smallest rank's)."""
+        assert config.speculative_draft_model is not None, "EngineConfig checks that the method has its model"
         checkpoint = open_checkpoint(config.speculative_draft_model)
         if checkpoint.config.vocab_size != target.model_config.vocab_size:
             raise ModelLoadError(
@@ -71,6 +72,7 @@ class DraftModelDrafter:
             if not batch:
                 break
             fed, logits = self.runner.forward(batch)
+            assert logits is not None, "every shadow's chunk reaches its end"
             row_of = {id(shadow): row for row, shadow in enumerate(fed)}  # the runner reorders the batch
             for i, shadow, num_new in zip(active, batch.seqs, batch.num_new_tokens):
                 shadow.num_computed_tokens += num_new
@@ -78,7 +80,7 @@ class DraftModelDrafter:
                 shadow.token_ids.append(token)
                 drafted[i].append(token)
                 if q is not None:
-                    probs[i].append(q)
+                    probs[i].append(q)  # type: ignore[union-attr]  # a list wherever _draw returns a q
             active = [i for i in active if len(drafted[i]) < limits[i]]
         return [Draft(tokens, torch.stack(p) if p else None) for tokens, p in zip(drafted, probs)]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.kernels.paged_attention_ref import MAX_HEAD_SLICE
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from kaon_runtime.models.decoder import DecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ def profile_chunks(num_tokens: int, max_len: int) -> list[int]:
     return [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
 
 
-def allocate_kv_cache(model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def allocate_kv_cache(model: DecoderForCausalLM, config: EngineConfig, device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
     """Size the pool for this rank's model, attach it to the model's attention layers, return it."""
     mc = model.local_config  # this rank's KV heads
     block_size = config.block_size
@@ -66,7 +67,7 @@ def allocate_kv_cache(model: nn.Module, config: EngineConfig, device: torch.devi
     return cache
 
 
-def attach_kv_cache(model: nn.Module, blocks: int, block_size: int, dtype: torch.dtype,
+def attach_kv_cache(model: DecoderForCausalLM, blocks: int, block_size: int, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """A zeroed pool of `blocks` blocks, its slices handed to the model's attention layers."""
     mc = model.local_config
@@ -77,14 +78,15 @@ def attach_kv_cache(model: nn.Module, blocks: int, block_size: int, dtype: torch
     return cache
 
 
-def detach_kv_cache(model: nn.Module) -> None:
+def detach_kv_cache(model: DecoderForCausalLM) -> None:
     """Drop the attention layers' views, so the pool they point at can be freed."""
     for attn in model.attention_layers():
         attn.k_cache = attn.v_cache = None
 
 
 @torch.inference_mode()
-def measure_activation_peak(model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+def measure_activation_peak(model: DecoderForCausalLM, config: EngineConfig, device: torch.device,
+                            dtype: torch.dtype) -> int:
     """Bytes the largest step allocates beyond the weights and its KV blocks (vLLM's profiling run).
 
     Runs max_num_batched_tokens dummy tokens as prefill chunks over a scratch KV cache of just

@@ -149,6 +149,7 @@ class LLMEngine:
         return outputs
 
     def _propose_drafts(self) -> None:
+        assert self.drafter is not None
         seqs = [seq for seq in self.scheduler.running if seq.is_decoding]
         limits = [draft_limit(seq, self.config.num_speculative_tokens, self.max_model_len) for seq in seqs]
         for seq, draft in zip(seqs, self.drafter.propose(seqs, limits)):

@@ -15,6 +15,7 @@ from kaon_runtime.layers.cpu_linear import onednn_linears_apply, use_onednn_line
 from kaon_runtime.layers.kernel_backend import KernelBackend, select_kernels
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models import cpu_decode_step
+from kaon_runtime.models.decoder import DecoderForCausalLM
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.gguf import int4_from_q4_1
@@ -59,6 +60,7 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
     (float32 activations on CPU, a cache it reads, a model it covers)."""
     cpu_decode = False
     if device.type == "cpu" and dtype == torch.float32:
+        reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
         else:
@@ -74,7 +76,8 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
 
 
 def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-               kernels: KernelBackend, tp: TensorParallel = TensorParallel(), show_progress: bool = True) -> nn.Module:
+               kernels: KernelBackend, tp: TensorParallel = TensorParallel(),
+               show_progress: bool = True) -> DecoderForCausalLM:
     """Build this rank's model with `kernels`, stream its weights in, quantize it if asked; eval mode."""
     model_config = checkpoint.config
     if config.max_model_len is not None and config.max_model_len < model_config.max_position_embeddings:
@@ -104,7 +107,7 @@ def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device
         use_onednn_linears(model)
 
 
-def _quantize(model: nn.Module, method: str, checkpoint: Checkpoint, device: torch.device,
+def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, device: torch.device,
               tp: TensorParallel) -> None:
     """Swap the linear layers for quantized ones; int4 takes a GGUF file's Q4_1 blocks as they are."""
     given = {}

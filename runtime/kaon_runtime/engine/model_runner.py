@@ -7,8 +7,8 @@ plans the batch (engine.step_plan), runs the forward pass, eagerly or from a CUD
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -16,8 +16,14 @@ from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine.cuda_graphs import DecodeGraphs, ladder
 from kaon_runtime.engine.kv_pool import allocate_kv_cache
-from kaon_runtime.engine.model_loader import (load_model, pick_device, pick_dtype, pick_kernels, pick_kv_dtype,
-                                              use_onednn_where_it_applies)
+from kaon_runtime.engine.model_loader import (
+    load_model,
+    pick_device,
+    pick_dtype,
+    pick_kernels,
+    pick_kv_dtype,
+    use_onednn_where_it_applies,
+)
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
@@ -90,7 +96,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepTokens:
         """Run the batch; return, per sequence that reached its end, its kept drafts and a new token."""
         seqs, logits = self.forward(batch)
-        return self._sample(seqs, logits) if seqs else StepTokens([], [], None)
+        if not seqs:
+            return StepTokens([], [], None)
+        assert logits is not None, "sequences to sample come with their rows' logits"
+        return self._sample(seqs, logits)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:

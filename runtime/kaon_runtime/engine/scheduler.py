@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -96,7 +96,7 @@ class Scheduler:
             i += 1
         # Admitting new work right after a preemption would only thrash the cache.
         if batch.num_preempted == 0 and not (self.waiting and hold_prefills(
-                self.clock(), self.waiting[0].prefill_due, len(self.running))):
+                self.clock(), _due(self.waiting[0]), len(self.running))):
             budget = self._admit_waiting(batch, budget)
         return batch
 
@@ -230,6 +230,12 @@ def wait_for_shared_prefix(shared_tokens: int, uncached_tokens: int) -> bool:
     chunked prefill takes) and saves the shared tokens' compute for every sequence in the
     step, so it waits only when they are at least half of what it would compute."""
     return shared_tokens > 0 and 2 * shared_tokens >= uncached_tokens
+
+
+def _due(seq: Sequence) -> float:
+    """When a waiting sequence goes in anyway; `add` sets it for every queued sequence."""
+    assert seq.prefill_due is not None, f"sequence {seq.seq_id} was queued without add()"
+    return seq.prefill_due
 
 
 def _fit_drafts(seq: Sequence, budget: int) -> int:

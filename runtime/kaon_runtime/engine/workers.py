@@ -4,8 +4,8 @@ Rank 0 is the engine's own process: it owns the scheduler and plans every step. 
 workers are spawned processes that load their shard, report how many KV blocks they hold,
 then run every step plan they receive until told to stop. Loading needs no peer, so the
 ranks join the process group only once every one of them has loaded: a worker that fails
-to load is reported by pipe at once instead of leaving the others waiting at a rendezvous. Plans travel by pipe, not by a
-collective, so a worker waits for the next step for as long as the engine is idle, and
+to load is reported by pipe at once instead of leaving the others waiting at a rendezvous.
+Plans travel by pipe, not by a collective, so a worker waits for the next step for as long as the engine is idle, and
 sees the engine's end (a closed pipe) even if the engine dies without saying goodbye. The
 activations travel by collectives inside the model (gloo on CPU, NCCL between GPUs).
 """
@@ -132,7 +132,7 @@ def worker_main(config: EngineConfig, rank: int, size: int, port: int, conn) -> 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         runner = ModelRunner(config, open_checkpoint(config.model), show_progress=False,
                              tp=TensorParallel(rank, size))
-    except Exception as exc:  # reported to rank 0, which raises it as the engine's start-up error
+    except Exception as exc:  # noqa: BLE001 -- reported to rank 0, which raises it as the engine's start-up error
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", WorkerReport(runner.num_blocks, runner.weight_bytes)))

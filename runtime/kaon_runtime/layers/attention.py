@@ -34,6 +34,11 @@ class AttentionMetadata:
     decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
+    def decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows' block tables and context lengths (a step with decodes has both)."""
+        assert self.decode_block_tables is not None and self.decode_context_lens is not None
+        return self.decode_block_tables, self.decode_context_lens
+
 
 class TorchAttentionBackend:
     """Gathers each sequence's context from the pool; runs on any device.
@@ -53,8 +58,9 @@ class TorchAttentionBackend:
         n = meta.num_decode_tokens
         decoded = None
         if n:
-            workspace = self._workspace_for(k_cache, meta.decode_block_tables.numel())
-            decoded = ref.decode_attention_ref(q[:n], k_cache, v_cache, meta.decode_block_tables,
+            tables, _ = meta.decodes()
+            workspace = self._workspace_for(k_cache, tables.numel())
+            decoded = ref.decode_attention_ref(q[:n], k_cache, v_cache, tables,
                                                self._decode_mask(meta, k_cache.shape[2], window), scale, workspace,
                                                softcap)
             if not meta.prefills:
@@ -71,14 +77,15 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode_mask(meta: AttentionMetadata, block_size: int, window: int | None) -> torch.Tensor:
         """Built once per step and window: every layer gets the same metadata."""
+        tables, lens = meta.decodes()
         if meta.decode_key_mask is None:
-            keys = torch.arange(meta.decode_block_tables.shape[1] * block_size, device=meta.decode_context_lens.device)
-            meta.decode_key_mask = keys[None, :] < meta.decode_context_lens[:, None]
+            keys = torch.arange(tables.shape[1] * block_size, device=lens.device)
+            meta.decode_key_mask = keys[None, :] < lens[:, None]
         if window is None:
             return meta.decode_key_mask
         if window not in meta.decode_window_masks:
             keys = torch.arange(meta.decode_key_mask.shape[1], device=meta.decode_key_mask.device)
-            newest = meta.decode_context_lens[:, None] - 1
+            newest = lens[:, None] - 1
             meta.decode_window_masks[window] = meta.decode_key_mask & (keys[None, :] > newest - window)
         return meta.decode_window_masks[window]
 
@@ -86,8 +93,14 @@ class TorchAttentionBackend:
         heads, _, block_size, dim = cache.shape
         size = heads * num_blocks * block_size * dim
         if self._workspace is None or self._workspace[0].numel() < size or self._workspace[0].dtype != cache.dtype:
-            self._workspace = tuple(torch.empty(size, dtype=cache.dtype, device=cache.device) for _ in range(2))
+            self._workspace = (torch.empty(size, dtype=cache.dtype, device=cache.device),
+                               torch.empty(size, dtype=cache.dtype, device=cache.device))
         return self._workspace[0][:size], self._workspace[1][:size]
+
+
+# The prefill chunks as the Triton kernel takes them: block tables, query starts and lengths,
+# context lengths, the longest query.
+_PackedPrefills = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 class TritonAttentionBackend:
@@ -100,7 +113,7 @@ class TritonAttentionBackend:
         from kaon_runtime.kernels import kv_cache, paged_attention
         self._write_kv_cache = kv_cache.write_kv_cache
         self._kernels = paged_attention
-        self._packed: tuple[AttentionMetadata, tuple] | None = None
+        self._packed: tuple[AttentionMetadata, _PackedPrefills] | None = None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -108,14 +121,16 @@ class TritonAttentionBackend:
         out = q.new_empty(q.shape)
         n = meta.num_decode_tokens
         if n:
-            self._kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_context_lens, scale, out[:n], window=window, softcap=softcap)
+            tables, lens = meta.decodes()
+            self._kernels.decode_attention(q[:n], k_cache, v_cache, tables, lens, scale, out[:n], window=window,
+                                           softcap=softcap)
         if meta.prefills:
-            self._kernels.prefill_attention(q, k_cache, v_cache, *self._packed_prefills(meta), scale, out,
-                                            window=window, softcap=softcap)
+            tables, starts, query_lens, context_lens, max_query_len = self._packed_prefills(meta)
+            self._kernels.prefill_attention(q, k_cache, v_cache, tables, starts, query_lens, context_lens,
+                                            max_query_len, scale, out, window=window, softcap=softcap)
         return out
 
-    def _packed_prefills(self, meta: AttentionMetadata) -> tuple:
+    def _packed_prefills(self, meta: AttentionMetadata) -> _PackedPrefills:
         """The chunks as kernel arguments; built once per step, since every layer gets the same metadata."""
         if self._packed is None or self._packed[0] is not meta:
             chunks = meta.prefills

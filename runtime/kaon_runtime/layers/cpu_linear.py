@@ -1,11 +1,11 @@
 """Float32 linear layers on CPU through oneDNN, their weights reordered once at load.
 
 torch's default CPU GEMM (MKL) is quick for one row and slow for a few, and a decode step is
-exactly a few rows: on the 2-vCPU test machine a 3072 x 576 projection took 172 us for 1 row,
-559 us for 3 and 662 us for 16, while oneDNN with the weight reordered once into its blocked
-layout took 122, 128 and 439 us (the path torch.compile's CPU freezing takes). Prefill chunks
-of ~1,000 rows run ~10% slower, a trade decode-heavy serving wins. The sums run in another
-order than F.linear's, so outputs differ by float32 rounding (bench/RESULTS.md, "CPU decode").
+exactly a few rows; oneDNN with the weight reordered once into its blocked layout (the path
+torch.compile's CPU freezing takes) costs about as much for a few rows as for one. Prefill
+chunks of ~1,000 rows run somewhat slower, a trade decode-heavy serving wins (docs/engine.md
+has the measurements). The sums run in another order than F.linear's, so outputs differ by
+float32 rounding.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ backend when it is made, so no kernel is switched on from outside afterwards.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -42,7 +42,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowsToSample]) -> SampledTokens
     wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
     num_logprobs = max(wanted) if wanted else None
     tokens: list[list[int]] = [[] for _ in rows]
-    logprobs = [[] for _ in rows] if num_logprobs is not None else None
+    logprobs: list[list[dict[int, float]]] | None = [[] for _ in rows] if num_logprobs is not None else None
     plain, plain_rows, at = [], [], 0
     for i, r in enumerate(rows):
         k = len(r.draft_token_ids)
@@ -52,7 +52,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowsToSample]) -> SampledTokens
         else:
             own = logits[at:at + k + 1]
             tokens[i] = verify(own, r.draft_token_ids, r.draft_probs, r.params, r.generator)
-            if logprobs is not None:
+            if logprobs is not None and num_logprobs is not None:
                 emitted = torch.tensor(tokens[i], device=logits.device)
                 logprobs[i] = logprobs_of(own[:len(emitted)], emitted, num_logprobs)
         at += k + 1
@@ -60,7 +60,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowsToSample]) -> SampledTokens
         result = sample(logits[plain_rows], _sampling_batch([rows[i] for i in plain], num_logprobs))
         for j, i in enumerate(plain):
             tokens[i] = [result.token_ids[j]]
-            if logprobs is not None:
+            if logprobs is not None and result.logprobs is not None:
                 logprobs[i] = [result.logprobs[j]]
     return SampledTokens(tokens, logprobs)
 

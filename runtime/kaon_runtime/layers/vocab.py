@@ -6,6 +6,8 @@ and the ranges are gathered. With one rank both are the plain operations.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -81,7 +83,8 @@ class VocabHead(nn.Module):
             if self.quantized is None:
                 weights = cpu_decode.LinearWeights.f32_t(self.weight_t)
             else:  # quant.surgery gives the head an int8 copy under every method
-                weights = cpu_decode.LinearWeights.int8(self.quantized.qweight, self.quantized.scales)
+                head: Any = self.quantized
+                weights = cpu_decode.LinearWeights.int8(head.qweight, head.scales)
             self._cpu_weights = source, weights
         return self._cpu_weights[1]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -108,10 +108,11 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     if type(module) is nn.Linear:
         return cpu_decode.LinearWeights.f32(module.weight, bias)
     qweight = getattr(module, "qweight", None)
+    quantized: Any = module  # quant's linears: their tensors are plain attributes
     if qweight is not None and qweight.dtype == torch.int8:
-        return cpu_decode.LinearWeights.int8(qweight, module.scales, bias)
+        return cpu_decode.LinearWeights.int8(qweight, quantized.scales, bias)
     if getattr(module, "group_size", None) == cpu_decode.QBLOCK and hasattr(module, "packed"):
-        return cpu_decode.LinearWeights.q4_1(module.packed, module.scales, module.mins, bias)
+        return cpu_decode.LinearWeights.q4_1(quantized.packed, quantized.scales, quantized.mins, bias)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 
 
@@ -134,18 +135,21 @@ class CpuDecodeStep:
         address = self.decoder.kv_cache_address()
         if self._built is not None and self._built[0] == address:
             return self._built[1]
-        c, weights, keep = self.config, self.decoder.fused_weights(), []
+        c, weights = self.config, self.decoder.fused_weights()
+        keep: list[object] = []  # what the structs point into, alive as long as they are
         layers = weights.layers
         structs = (cpu_decode.Layer * len(layers))()
         for i, layer in enumerate(layers):
             linears = [linear_weights(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             norms = [n.detach().float().contiguous() for n in (layer.input_norm, layer.post_attention_norm)]
-            keep += linears + norms
+            keep += [*linears, *norms]
+            assert layer.k_cache is not None and layer.v_cache is not None, "the KV pool is not attached"
             structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
                                           layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
         final_norm = weights.final_norm.detach().float().contiguous()
         keep += [structs, weights.cos, weights.sin, final_norm]
         first_cache = layers[0].k_cache
+        assert first_cache is not None
         kv_heads, num_blocks, block_size, _ = first_cache.shape
         if block_size & (block_size - 1):
             raise ValueError(f"the fused step needs a power-of-two block size, got {block_size}")
@@ -170,5 +174,7 @@ class CpuDecodeStep:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = x.float().clone(memory_format=torch.contiguous_format)  # written in place by the C step
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None, "a decode step's metadata"
         return cpu_decode.decode(self._model(), hidden, positions.contiguous(), meta.slot_mapping.contiguous(),
-                                 meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous())
+                                 tables.contiguous(), lens.contiguous())

@@ -12,7 +12,8 @@ that apply to it, and the torch code where none does.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 Hkv, D]
         rotated_heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :rotated_heads]  # q and k heads sit side by side: one pass
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             qk[:, :self.num_heads] = self.q_norm(qk[:, :self.num_heads])
             qk[:, self.num_heads:] = self.k_norm(qk[:, self.num_heads:])
         rotated = qk[..., :self.rotary_dim]  # Phi-3 variants may rotate only a leading part of each head
@@ -118,6 +119,7 @@ class DecoderLayer(nn.Module):
     def fused_layer(self) -> FusedLayer:
         """What the fused CPU decode step reads of this layer (a plain Llama-family layer)."""
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, GatedMLP), "the fused step has no experts"
         return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)
 
@@ -134,14 +136,18 @@ class DecoderModel(nn.Module):
         # Decode-only steps on CPU (and the decodes of mixed ones) through the fused C step.
         self.cpu_decode = CpuDecodeStep(self, config, kernels.cpu_decode_rows) if kernels.cpu_decode else None
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast("list[DecoderLayer]", list(self.layers))
+
     def fused_weights(self) -> FusedWeights:
         """What the fused CPU decode step reads of the decoder (models.cpu_decode_step.FusedDecoder)."""
         cos, sin = self.rotary.tables(torch.device("cpu"))
-        return FusedWeights([layer.fused_layer() for layer in self.layers], self.norm.weight, cos, sin)
+        return FusedWeights([layer.fused_layer() for layer in self.decoder_layers()], self.norm.weight, cos, sin)
 
     def kv_cache_address(self) -> int:
         """Where the first layer's key cache starts: a new pool means the fused step's pointers are stale."""
-        return self.layers[0].self_attn.attn.k_cache.data_ptr()
+        cache = self.decoder_layers()[0].self_attn.attn.k_cache
+        return 0 if cache is None else cache.data_ptr()
 
     def forward(self, x, positions, meta):
         step = self.cpu_decode
@@ -166,7 +172,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(), kernels: KernelBackend | None = None):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(),
+                 kernels: KernelBackend | None = None):
         super().__init__()
         kernels = kernels or torch_kernels()
         self.config, self.tp, self.kernels = config, tp, kernels
@@ -188,7 +195,7 @@ class DecoderForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.decoder_layers()]
 
     def check_kernels(self) -> None:
         """Raise ValueError if a loaded (and quantized) weight has no kernel in the backend the

@@ -7,7 +7,8 @@ from kaon_runtime.models.decoder import DecoderForCausalLM
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe")
 
 
-def build_model(config: ModelConfig, tp: TensorParallel = TensorParallel(), kernels: KernelBackend | None = None):
+def build_model(config: ModelConfig, tp: TensorParallel = TensorParallel(),
+                kernels: KernelBackend | None = None) -> DecoderForCausalLM:
     """The model for `config`, this rank's shard of it, built with `kernels` (torch's own when None)."""
     if config.architecture not in ARCHITECTURES:
         raise ValueError(f"no model for architecture {config.architecture!r}; supported: {', '.join(ARCHITECTURES)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -21,7 +21,8 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PARAMS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
-_MIXTRAL_EXPERT = {".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight", ".w2.weight": ".down_proj.weight"}
+_MIXTRAL_EXPERT = {".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",
+                   ".w2.weight": ".down_proj.weight"}
 
 Part = int | tuple[int, int | None] | None  # a fused shard, or (expert, shard) of a stacked expert tensor
 
@@ -33,7 +34,7 @@ def standard_names(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[
         for old, new in _MIXTRAL_EXPERT.items():
             if ".experts." in name and name.endswith(old):
                 name = name[:-len(old)] + new
-    if name.endswith(".self_attn.qkv_proj.weight") or name.endswith(".self_attn.qkv_proj.bias"):
+    if name.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
         sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
             yield name.replace("qkv_proj", part), piece
@@ -109,7 +110,7 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
 def fuse_rows(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack HF-named per-output-row tensors the way `load` fuses weights: q|k|v and gate|up
     along dim 0, keyed by parameter name. A fused group missing a part is left out."""
-    parts = defaultdict(dict)
+    parts: defaultdict[str, dict] = defaultdict(dict)
     for name, tensor in tensors:
         param_name, part = target(name)
         parts[param_name][part] = tensor
