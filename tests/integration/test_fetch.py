@@ -126,7 +126,9 @@ def test_hf_resumes_an_interrupted_download(hub_env, tmp_path, tiny_llama_dir):
     directory = tmp_path / "hf" / PUBLIC_REPO / "main"
     directory.mkdir(parents=True)
     whole = (tiny_llama_dir / "model.safetensors").read_bytes()
-    (directory / "model.safetensors.part").write_bytes(whole[:len(whole) // 3])  # killed a third of the way
+    version = hashlib.sha256(whole).hexdigest()  # an LFS file's part is kept under its content's id
+    part = store.part_path(directory / "model.safetensors", version)
+    part.write_bytes(whole[:len(whole) // 3])  # killed a third of the way
     logged = []
     fetch(f"hf://{PUBLIC_REPO}", tmp_path, log=logged.append)
     assert (directory / "model.safetensors").read_bytes() == whole  # and its sha256 was verified
@@ -235,7 +237,10 @@ def test_s3_resumes_an_interrupted_download(minio, tmp_path, monkeypatch, tiny_l
     directory = tmp_path / "s3" / BUCKET / PREFIX
     directory.mkdir(parents=True)
     whole = (tiny_llama_dir / "model.safetensors").read_bytes()
-    (directory / "model.safetensors.part").write_bytes(whole[:len(whole) // 3])  # killed a third of the way
+    from kaon_runtime.fetch.s3 import S3Store
+    (listed,) = [f for f in S3Store(parse_uri(f"s3://{BUCKET}/{PREFIX}")).list() if f.name == "model.safetensors"]
+    part = store.part_path(directory / "model.safetensors", listed.version)  # kept under the object's ETag
+    part.write_bytes(whole[:len(whole) // 3])  # killed a third of the way
     logged = []
     path = fetch(f"s3://{BUCKET}/{PREFIX}", tmp_path, log=logged.append)
     assert (path / "model.safetensors").read_bytes() == whole  # and its MD5 (the ETag) was verified

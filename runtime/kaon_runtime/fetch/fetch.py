@@ -24,6 +24,7 @@ from kaon_runtime.fetch.source import (
     FetchError,
     Source,
     cache_dir_name,
+    check_file_name,
     check_fit,
     parse_config,
     parse_uri,
@@ -44,10 +45,10 @@ def fetch(uri: str, cache: Path = DEFAULT_CACHE, *, revision: str | None = None,
     if source.scheme == "local":
         return check_local(Path(source.location), tensor_parallel_size, log)
     directory = Path(cache) / cache_dir_name(source)
-    marker = store.read_marker(directory, gguf_file)
+    marker = store.read_marker(directory, gguf_file, log)
     if marker is None:
         with store.locked(directory, log):
-            marker = store.read_marker(directory, gguf_file)  # the holder of the lock may have finished it
+            marker = store.read_marker(directory, gguf_file, log)  # the holder of the lock may have finished it
             if marker is None:
                 marker = _download(source, directory, gguf_file, tensor_parallel_size, log)
             else:
@@ -72,6 +73,8 @@ def _download(source: Source, directory: Path, gguf_file: str | None, tp: int, l
     start = time.monotonic()
     remote = _store(source, log)
     files = remote.list()
+    for f in files:  # one name that could leave the directory refuses the model, before anything is written
+        check_file_name(f.name, source.uri)
     by_name = {f.name: f for f in files}
     wanted = [by_name[n] for n in select_files(list(by_name), gguf_file, source.uri)]
     total = sum(f.size for f in wanted)
@@ -80,37 +83,42 @@ def _download(source: Source, directory: Path, gguf_file: str | None, tp: int, l
     directory.mkdir(parents=True, exist_ok=True)
     try:
         if tp > 1 and "config.json" in by_name and gguf_file is None:  # refuse before the weights come
-            _get(remote, by_name["config.json"], directory, log)
+            _get(remote, by_name["config.json"], directory, log, None)
             check_fit(parse_config((directory / "config.json").read_text(), source.uri), tp)
         store.check_space(directory, wanted)
-        for f in wanted:
-            _get(remote, f, directory, log)
+        recorded = store.recorded_digests(directory, gguf_file)
+        digests = {f.name: _get(remote, f, directory, log, recorded.get(f.name)) for f in wanted}
     except OSError as exc:
         full = store.no_space(exc, directory)
         if full:
             raise full from None
         raise
     marker = {"uri": source.uri, "revision": remote.revision_id, "model": gguf_file or ".",
-              "files": [{"name": f.name, "size": f.size} for f in wanted],
+              "files": [{"name": f.name, "size": f.size, "sha256": digests[f.name]} for f in wanted],
               "fetched": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     store.write_marker(directory, gguf_file, marker)
     log(f"{source.uri}: complete in {time.monotonic() - start:.1f}s ({store._gb(total)}) -> {directory}")
     return marker
 
 
-def _get(remote, f: store.RemoteFile, directory: Path, log) -> None:
-    path = directory / f.name
+def _get(remote, f: store.RemoteFile, directory: Path, log, recorded: str | None) -> str:
+    """Download `f` unless a whole copy is there; its SHA-256. A copy left by an earlier fetch is
+    kept only when the store's checksum, or the digest the last marker recorded, proves it whole."""
+    path = store.destination(directory, f.name)
     if path.is_file() and path.stat().st_size == f.size:
-        try:
-            store.verify(path, f)  # left by an interrupted fetch: keep it if it is whole
-            return
-        except FetchError:
-            pass
+        if f.checkable:
+            try:
+                return store.verify(path, f)
+            except FetchError:
+                pass
+        elif recorded and store.sha256_of(path) == recorded:
+            return recorded
     t = time.monotonic()
     log(f"{f.name}: downloading {store._gb(f.size)}")
     remote.download(f, directory)
-    store.verify(path, f)
+    digest = store.verify(path, f)
     log(f"{f.name}: done in {time.monotonic() - t:.1f}s, size and checksum verified")
+    return digest
 
 
 def check_local(path: Path, tp: int, log) -> Path:
@@ -124,6 +132,10 @@ def check_local(path: Path, tp: int, log) -> Path:
         log(f"{path}: a GGUF file, {store._gb(path.stat().st_size)}")
         return path
     names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
+    root = path.resolve()
+    outside = [n for n in names if root not in (path / n).resolve().parents]
+    if outside:
+        raise FetchError(INVALID, f"{path}: {', '.join(outside[:3])} link outside the model directory")
     select_files(names, None, str(path))
     if (path / "config.json").is_file():
         check_fit(parse_config((path / "config.json").read_text(), str(path)), tp)

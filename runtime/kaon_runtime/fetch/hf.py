@@ -29,7 +29,8 @@ class HubStore:
         self.commit = info.sha  # every file comes from this one commit, even if the branch moves meanwhile
         return [RemoteFile(s.rfilename, s.lfs.size if s.lfs else (s.size or 0),
                            sha256=s.lfs.sha256 if s.lfs else None,
-                           git_sha1=None if s.lfs else s.blob_id)
+                           git_sha1=None if s.lfs else s.blob_id,
+                           version=s.lfs.sha256 if s.lfs else s.blob_id)
                 for s in info.siblings or []]
 
     @property
@@ -44,7 +45,7 @@ class HubStore:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        part = PartFile(directory / remote.name, remote.size, remote.name, self.log)
+        part = PartFile(directory / remote.name, remote.size, remote.name, self.log, remote.version)
         url = hf_hub_url(self.source.location, remote.name, revision=self.commit or self.source.revision,
                          endpoint=_endpoint())
         headers = build_hf_headers()  # HF_TOKEN, user agent

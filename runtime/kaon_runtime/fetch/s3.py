@@ -48,7 +48,7 @@ class S3Store:
                     continue
                 name = obj.object_name[len(prefix) + 1:] if prefix else obj.object_name
                 self.keys[name] = obj.object_name
-                files.append(RemoteFile(name, obj.size or 0, md5=_md5(obj.etag)))
+                files.append(RemoteFile(name, obj.size or 0, md5=_md5(obj.etag), version=obj.etag))
             if not files and prefix:  # s3://bucket/path/model.gguf names one object
                 try:
                     stat = self.client.stat_object(bucket, prefix)
@@ -58,17 +58,22 @@ class S3Store:
                 else:
                     name = prefix.rsplit("/", 1)[-1]
                     self.keys[name] = prefix
-                    files.append(RemoteFile(name, stat.size or 0, md5=_md5(stat.etag)))
+                    files.append(RemoteFile(name, stat.size or 0, md5=_md5(stat.etag), version=stat.etag))
         if not files:
             raise FetchError(NOT_FOUND, f"{self.source.uri}: no objects under this prefix")
         return files
 
     def download(self, remote: RemoteFile, directory: Path) -> None:
-        """Into directory/name through name.part; an interrupted download resumes with a ranged GET."""
-        part = PartFile(directory / remote.name, remote.size, remote.name, self.log)
+        """Into directory/name through name.part; an interrupted download resumes with a ranged GET.
+        The GET asks for the listed version (If-Match its ETag): an object replaced meanwhile is a
+        failure to retry, never bytes of two versions in one file."""
+        part = PartFile(directory / remote.name, remote.size, remote.name, self.log, remote.version)
         if part.done < remote.size:
             with _translated(self.source, remote.name):
-                response = self.client.get_object(self.source.location, self.keys[remote.name], offset=part.done)
+                match: dict[str, str | list[str] | tuple[str]] | None = \
+                    {"If-Match": remote.version} if remote.version else None
+                response = self.client.get_object(self.source.location, self.keys[remote.name], offset=part.done,
+                                                  request_headers=match)
                 try:
                     part.write(response.stream(CHUNK))
                 finally:
@@ -98,6 +103,9 @@ class _translated(ErrorTranslation):
                 raise FetchError(UNAUTHORIZED, f"{what}: the store refused the credentials: {exc.code}{keys}") from None
             if exc.code in _MISSING:
                 raise FetchError(NOT_FOUND, f"{what}: {exc.code}") from None
+            if exc.code == "PreconditionFailed":
+                raise FetchError(UNREACHABLE, f"{what}: the object changed at the store while it was being "
+                                              "downloaded; a retry fetches the new one") from None
             raise FetchError(UNREACHABLE, f"{what}: {exc.code}: {exc.message}") from None
         if isinstance(exc, ServerError):
             raise FetchError(UNREACHABLE, f"{what}: the store answered {exc.status_code}") from None

@@ -87,6 +87,20 @@ HF_DIR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")
 
 
+def check_file_name(name: str, where: str) -> str:
+    """A file name from a store's listing (an S3 key less its prefix, a hub file name) as a path
+    under the model directory, or INVALID: a name that is absolute, climbs out (`..`), has an empty
+    or `.` part (`a//b`), a backslash or a control character could write outside the directory
+    or be read differently by another tool, so no such name is ever joined to a local path."""
+    parts = name.split("/")
+    bad = (not name or name.startswith("/") or "\\" in name or any(ord(c) < 32 or c == "\x7f" for c in name)
+           or any(part in ("", ".", "..") for part in parts))
+    if bad:
+        raise FetchError(INVALID, f"{where} lists a file named {name!r}, which is not a plain relative path "
+                                  "(no leading /, no `..` or empty parts, no backslash); refusing the model")
+    return name
+
+
 def select_files(names: list[str], gguf_file: str | None, where: str) -> list[str]:
     """Which of a repository's (or prefix's) files to download: config, safetensors and tokenizer
     files at the top level, or one GGUF file."""

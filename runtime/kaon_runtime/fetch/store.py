@@ -1,8 +1,10 @@
 """The model cache on disk: a completion marker written atomically, a lock file, free space.
 
-A model directory is complete when its marker exists; the marker is written (temp file,
-fsync, rename) only after every file was downloaded and verified, so a reader never takes a
-half-written directory for a model. Fetches of the same directory (a restarted init
+A model directory is complete when its marker exists and every file it lists still has the
+size and SHA-256 recorded there; the marker is written (temp file, fsync, rename) only after
+every file was downloaded and verified, so a reader never takes a half-written (or since
+altered) directory for a model. Files are written only at checked names (source.check_file_name)
+and never through a symlink. Fetches of the same directory (a restarted init
 container, a second replica on a shared ReadWriteMany cache) serialise on a lock file
 beside it; the second one finds the marker and downloads nothing.
 """
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kaon_runtime.fetch.source import INVALID, NO_SPACE, FetchError, git_blob_sha1_header
+from kaon_runtime.fetch.source import INVALID, NO_SPACE, FetchError, check_file_name, git_blob_sha1_header
 
 MARKER_PREFIX = ".kaon-complete"
 
@@ -32,21 +34,69 @@ class RemoteFile:
     sha256: str | None = None  # hub LFS files
     git_sha1: str | None = None  # hub non-LFS files (the git blob id)
     md5: str | None = None  # S3 objects uploaded in one part (their ETag)
+    version: str | None = None
+    """What identifies this content at the store (an S3 ETag): a resumed download continues only
+    bytes of the same version, and asks the store for that version alone."""
+
+    @property
+    def checkable(self) -> bool:
+        """Whether the store gave a checksum, so that a file already on disk can be proved whole."""
+        return bool(self.sha256 or self.git_sha1 or self.md5)
 
 
 def marker_path(directory: Path, gguf_file: str | None) -> Path:
     return directory / (MARKER_PREFIX + (f"-{gguf_file.replace('/', '--')}" if gguf_file else "") + ".json")
 
 
-def read_marker(directory: Path, gguf_file: str | None) -> dict | None:
-    """The marker, if the directory holds a complete model whose files still have their sizes."""
+def read_marker(directory: Path, gguf_file: str | None, log: Callable[[str], None] = lambda _: None) -> dict | None:
+    """The marker, if the directory holds a complete model whose files still have the sizes and
+    SHA-256 digests recorded in it (a marker without digests, from an older kaon, is not trusted)."""
     try:
         marker = json.loads(marker_path(directory, gguf_file).read_text())
-        if all((directory / f["name"]).stat().st_size == f["size"] for f in marker["files"]):
-            return marker
+        for f in marker["files"]:
+            path = destination(directory, check_file_name(f["name"], str(directory)))
+            if path.stat().st_size != f["size"] or not isinstance(f.get("sha256"), str):
+                return None
+            if sha256_of(path) != f["sha256"]:
+                log(f"{f['name']}: its SHA-256 is not the one recorded when it was fetched; fetching again")
+                return None
+        return marker
+    except (OSError, ValueError, KeyError, TypeError, FetchError):
+        return None
+
+
+def recorded_digests(directory: Path, gguf_file: str | None) -> dict[str, str]:
+    """File name -> SHA-256 as the marker recorded them, whatever the files hold now: a file that
+    still matches its record is whole, even where the store gives no checksum to prove it."""
+    try:
+        marker = json.loads(marker_path(directory, gguf_file).read_text())
+        return {f["name"]: f["sha256"] for f in marker["files"] if isinstance(f.get("sha256"), str)}
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+        return {}
+
+
+def destination(directory: Path, name: str) -> Path:
+    """Where the file `name` (checked: source.check_file_name) lives, refusing a symlink on the way:
+    a link planted in a shared cache must not send a download, or a read, outside the directory."""
+    path = directory
+    for part in name.split("/"):
+        path = path / part
+        _no_symlink(path)
+    return path
+
+
+def _no_symlink(path: Path) -> None:
+    if path.is_symlink():
+        raise FetchError(INVALID, f"{path} is a symlink; kaon writes and reads model files only inside the "
+                                  "model directory, never through a link")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_marker(directory: Path, gguf_file: str | None, marker: dict) -> None:
@@ -105,8 +155,9 @@ def no_space(exc: OSError, directory: Path) -> FetchError | None:
     return None
 
 
-def verify(path: Path, remote: RemoteFile) -> None:
-    """Size always; then the strongest checksum the store gave."""
+def verify(path: Path, remote: RemoteFile) -> str:
+    """Size always; then the strongest checksum the store gave. Returns the file's SHA-256 (for the
+    marker), computed in the same read."""
     size = _size(path)
     if size != remote.size:
         raise FetchError(INVALID, f"{remote.name}: downloaded {size} bytes, the store says {remote.size}")
@@ -117,14 +168,18 @@ def verify(path: Path, remote: RemoteFile) -> None:
     elif remote.md5:
         digest, expected = hashlib.md5(), remote.md5
     else:
-        return
+        return sha256_of(path)
+    ours = digest if remote.sha256 else hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
             digest.update(chunk)
+            if ours is not digest:
+                ours.update(chunk)
     if digest.hexdigest() != expected:
         path.unlink(missing_ok=True)  # a corrupt file must not be resumed
         raise FetchError(INVALID, f"{remote.name}: checksum mismatch (got {digest.hexdigest()}, "
                                   f"expected {expected}); deleted it, a retry downloads it again")
+    return ours.hexdigest()
 
 
 def _size(path: Path) -> int:
@@ -159,13 +214,22 @@ class Progress:
             self.log(f"{self.name}: {_gb(done)} of {_gb(self.total)} ({rate / 1e6:.1f} MB/s)")
 
 
+def part_path(dest: Path, version: str | None) -> Path:
+    """Where a download of `dest` in progress is kept: the bytes of one version of the object only,
+    so when it changed at the store since an interrupted attempt, that attempt's part has another
+    name and is not resumed."""
+    tag = f".{hashlib.sha256(version.encode()).hexdigest()[:16]}" if version else ""
+    return dest.with_name(dest.name + tag + ".part")
+
+
 class PartFile:
     """A download in progress, `name.part` beside its destination. Bytes already there are kept
     (an interrupted download resumes after them) unless there are more than the file has."""
 
-    def __init__(self, dest: Path, size: int, name: str, log: Callable[[str], None] | None):
+    def __init__(self, dest: Path, size: int, name: str, log: Callable[[str], None] | None, version: str | None = None):
         dest.parent.mkdir(parents=True, exist_ok=True)
-        self.dest, self.path = dest, dest.with_name(dest.name + ".part")
+        self.dest, self.path = dest, part_path(dest, version)
+        _no_symlink(self.path)
         self.done = self.path.stat().st_size if self.path.exists() else 0
         if self.done > size:
             self.path.unlink()
