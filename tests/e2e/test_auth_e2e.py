@@ -17,10 +17,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from kaon_operator import resources
-from support.cluster import Cluster, isvc, wait_for
 
 from e2e.local_cluster import LOCAL_IMAGE, NAMESPACE, LocalCluster, RouterProcess
+from kaon_operator import resources
+from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct"}
 INVALID_KEY = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
@@ -115,7 +115,8 @@ def test_another_namespaces_model_needs_its_namespace_and_a_taken_name_is_a_cond
     conflict = wait_for("NameConflict on the later one", lambda: cluster.condition_if("second", "NameConflict", "True"))
     assert conflict["reason"] == "ServedNameTaken" and "first" in conflict["message"]
     assert cluster.condition("first", "NameConflict") == {}
-    wait_for("a Warning Event", lambda: any(t == "Warning" and r == "NameConflict" for t, r, _ in cluster.events("second")))
+    wait_for("a Warning Event", lambda: any(t == "Warning" and r == "NameConflict"
+                                            for t, r, _ in cluster.events("second")))
     cluster.kubectl("delete", "infsvc", "first")
     wait_for("the conflict resolved", lambda: cluster.condition("second", "NameConflict") == {} and
              any(t == "Normal" and r == "NameConflictResolved" for t, r, _ in cluster.events("second")))

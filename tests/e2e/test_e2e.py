@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import NotFoundError, OpenAI
-from support.cluster import Cluster, isvc, wait_for
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from support.cluster import Cluster, isvc, wait_for
 
 SPEC = {"model": {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"},
         "engine": {"image": LOCAL_IMAGE, "maxNumSeqs": 2},
@@ -86,8 +86,8 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
 
     cluster.kubectl("delete", "infsvc", "smol", "--wait=true", "--timeout=60s")
     for kind in ("deployment", "service", "poddisruptionbudget", "pods"):
-        wait_for(f"every {kind} gone", lambda: not cluster.get(kind, selector="kaon.dev/inferenceservice=smol"),
-                 timeout=60)
+        wait_for(f"every {kind} gone",
+                 lambda kind=kind: not cluster.get(kind, selector="kaon.dev/inferenceservice=smol"), timeout=60)
     wait_for("the last engine to exit", lambda: not runner.processes, timeout=60)
     with pytest.raises(NotFoundError):
         client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)

@@ -16,10 +16,10 @@ import signal
 
 import pytest
 from openai import OpenAI
-from support.cluster import Cluster, isvc, wait_for
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
 from e2e.probes import ProbeState, parse_quantity
+from support.cluster import Cluster, isvc, wait_for
 
 ENGINE = {"image": LOCAL_IMAGE, "maxNumSeqs": 2}
 
@@ -168,14 +168,16 @@ def test_a_pdb_refusing_evictions_is_reported_then_clears(local, crd, namespace)
     # ReplicasStarting (quiet) while the pods start, InsufficientHealthyReplicas once they are seen failing
     # (its counts follow the PDB's status while the three pods come: one Warning, the message kept current).
     cond = wait_for("DisruptionAllowed False, all three replicas failing", lambda: (
-        c := cluster.condition_if("drain", "DisruptionAllowed", "False")) and c["reason"] == "InsufficientHealthyReplicas"
+        c := cluster.condition_if("drain", "DisruptionAllowed", "False"))
+        and c["reason"] == "InsufficientHealthyReplicas"
         and "the PodDisruptionBudget keeps 2 of 3 replicas healthy and 0 are" in c["message"] and c, timeout=60)
     pod = cluster.pods("drain")[0]["metadata"]["name"]
     eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
     refused = cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", "-f", "-",
                               input=json.dumps(eviction), check=False)
     assert refused.returncode != 0 and "disruption budget" in refused.stderr, refused.stderr
-    assert any(t == "Warning" and r == "DisruptionBlocked" and "are refused" in m for t, r, m in cluster.events("drain"))
+    assert any(t == "Warning" and r == "DisruptionBlocked" and "are refused" in m
+               for t, r, m in cluster.events("drain"))
 
     cluster.kubectl("patch", "infsvc", "drain", "--type=merge", "-p",
                     json.dumps({"spec": {"engine": {"image": "kwok-ready/kaon:1"}}}))
@@ -207,4 +209,5 @@ def test_the_rendered_probes_follow_the_spec():
     assert shape(pod_template.liveness_probe(engine(stallTimeoutSeconds=0).engine)) == (10, 3, 5)
     # A longer startup budget moves the Deployment's progress deadline with it (no false ProgressDeadlineExceeded).
     longer = engine(startupTimeoutSeconds=7200)
-    assert pod_template.progress_deadline_seconds(longer) - pod_template.progress_deadline_seconds(default) == 7200 - 1800
+    assert (pod_template.progress_deadline_seconds(longer) - pod_template.progress_deadline_seconds(default)
+            == 7200 - 1800)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 from openai import OpenAI
-from support.cluster import Cluster, wait_for
-from support.sources import BUCKET, HF_TOKEN, PREFIX, PRIVATE_REPO
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from support.cluster import Cluster, wait_for
+from support.sources import BUCKET, HF_TOKEN, PREFIX, PRIVATE_REPO
 
 NEEDED = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
@@ -109,7 +109,7 @@ def test_hf_s3_and_pvc_models_serve_and_bad_sources_say_why(local, crd, namespac
                 "no-fit-path": ("ModelDoesNotFit", "model does not fit: tensor_parallel_size 3 does not divide its "
                                                    "4 attention heads")}
     for name, (reason, words) in expected.items():
-        cond = wait_for(f"{name}: Degraded with {reason}", lambda: failure(cluster, name), timeout=240)
+        cond = wait_for(f"{name}: Degraded with {reason}", lambda name=name: failure(cluster, name), timeout=240)
         assert cond["reason"] == reason and words in cond["message"], cond
         events = [(t, r, m) for t, r, m in cluster.events(name) if r == reason]
         assert events and events[0][0] == "Warning" and words in events[0][2], cluster.events(name)
@@ -120,7 +120,8 @@ def test_hf_s3_and_pvc_models_serve_and_bad_sources_say_why(local, crd, namespac
 
     client = OpenAI(base_url=f"{router}/v1", api_key="unused", timeout=120, max_retries=0)
     for name in ("tiny-hf", "tiny-s3", "tiny-pvc"):
-        wait_for(f"{name} Ready (a real engine loaded the fetched weights)", lambda: cluster.ready(name), timeout=300)
+        wait_for(f"{name} Ready (a real engine loaded the fetched weights)", lambda name=name: cluster.ready(name),
+                 timeout=300)
         answer = client.completions.create(model=name, prompt="Once upon a time", max_tokens=4, temperature=0,
                                            extra_body={"ignore_eos": True})
         assert answer.usage.completion_tokens == 4 and answer.choices[0].finish_reason == "length"

@@ -76,9 +76,10 @@ def binaries():
 
 @pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to the harness"])
 def test_the_local_cluster_stops_with_everything_it_started(binaries, how, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", HARNESS], cwd=ROOT, start_new_session=True, text=True,
-                            preexec_fn=as_a_foreground_job,
-                            stdout=subprocess.PIPE, stderr=open(tmp_path / "harness.log", "w"))
+    with open(tmp_path / "harness.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-c", HARNESS], cwd=ROOT, start_new_session=True, text=True,
+                                preexec_fn=as_a_foreground_job,
+                                stdout=subprocess.PIPE, stderr=log)
     try:
         assert proc.stdout.readline().strip() == "up", (tmp_path / "harness.log").read_text()[-3000:]
         started = descendants(proc.pid)

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kaon_operator import crd as crd_module
-from kaon_operator import main as operator_main
-from kaon_operator import reference
-from kaon_operator.router.main import build_parser as router_parser
 
 from e2e.control_plane import build_binaries
+from kaon_operator import crd as crd_module, main as operator_main, reference
+from kaon_operator.router.main import build_parser as router_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kaon"
@@ -453,7 +451,8 @@ def test_the_operator_image_installs_what_kaon_operator_imports_and_nothing_of_t
         assert any(_normalize(d) in installed for d in by_module[module]), f"{module} is not in operator/pyproject.toml"
     assert not set(own) & {_normalize(m) for m in ENGINE_ONLY}
     scripts = tomllib.loads((ROOT / "operator" / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {k: v for k, v in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"].items()
+    assert scripts == {k: v for k, v
+                       in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"].items()
                        if k in ("kaon-operator", "kaon-router")}
 
 

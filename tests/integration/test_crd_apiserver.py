@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import yaml
-from kaon_operator import api, api_status
-from kaon_operator import crd as crd_module
+
+from kaon_operator import api, api_status, crd as crd_module
 from support.crd_cases import INVALID, MINIMAL, VALID_SOURCES, manifest, with_
 
 
@@ -51,7 +51,8 @@ def test_a_full_spec_round_trips(crd, namespace):
                    "envFrom": [{"configMapRef": {"name": "engine-env"}}],
                    "volumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}}],
                    "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True}],
-                   "imagePullSecrets": [{"name": "registry"}], "startupTimeoutSeconds": 3600, "stallTimeoutSeconds": 60},
+                   "imagePullSecrets": [{"name": "registry"}], "startupTimeoutSeconds": 3600,
+                   "stallTimeoutSeconds": 60},
         "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
         "scheduling": {"nodeSelector": {"gpu": "h100"},
                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],

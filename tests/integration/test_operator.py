@@ -3,8 +3,8 @@
 KWOK plays the kubelet: engine pods whose image is `kwok-ready/*` (STAND_IN, the default
 here) go Running and Ready at once with no process behind them; other images fail the way a
 kubelet would report (CrashLoopBackOff, OOMKilled, ImagePullBackOff) when their image says so,
-and any other engine image never becomes Ready (e2e/kwok-stages.yaml). Everything else (apiserver validation, garbage collection,
-the Deployment controller, the scheduler) is the real thing.
+and any other engine image never becomes Ready (e2e/kwok-stages.yaml). Everything else (apiserver
+validation, garbage collection, the Deployment controller, the scheduler) is the real thing.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import time
 import urllib.parse
 
 import pytest
-from kaon_operator import api, autoscale_loop, pod_template, resources, watching
-from kaon_operator.config import AutoscaleSettings
-from support.cluster import MODEL, STAND_IN, Cluster, isvc, wait_for
 
 from e2e.control_plane import fake_gpu_node, free_port
 from e2e.operator_process import OperatorProcess
+from kaon_operator import api, autoscale_loop, pod_template, resources, watching
+from kaon_operator.config import AutoscaleSettings
+from support.cluster import MODEL, STAND_IN, Cluster, isvc, wait_for
 
 
 @pytest.fixture
@@ -85,7 +85,8 @@ def test_deleting_the_inference_service_removes_every_child(cluster):
     wait_for("Ready", lambda: cluster.ready("gone"))
     cluster.kubectl("delete", "infsvc", "gone", "--wait=true", "--timeout=30s")
     for kind in ("deployment", "service", "poddisruptionbudget", "replicaset"):
-        wait_for(f"the {kind} to be collected", lambda: not cluster.get(kind, selector="kaon.dev/inferenceservice=gone"))
+        wait_for(f"the {kind} to be collected",
+                 lambda kind=kind: not cluster.get(kind, selector="kaon.dev/inferenceservice=gone"))
     wait_for("the pods to go", lambda: not cluster.pods("gone"))
 
 
@@ -113,7 +114,8 @@ def test_an_edited_child_is_put_back(cluster):
         spec = cluster.get("deployment", "edit")["spec"]
         return spec["replicas"] == 2 and spec["template"]["spec"]["containers"][0]["image"] == STAND_IN
     wait_for("the Deployment to be put back", restored)
-    wait_for("the Repaired event", lambda: any(r == "Repaired" and "was edited by" in m for _, r, m in cluster.events("edit")))
+    wait_for("the Repaired event", lambda: any(r == "Repaired" and "was edited by" in m
+                                               for _, r, m in cluster.events("edit")))
     wait_for("2 running pods on the right image", lambda: len(cluster.running_pods("edit")) == 2 and all(
         p["spec"]["containers"][0]["image"] == STAND_IN for p in cluster.running_pods("edit")))
 
@@ -143,7 +145,8 @@ def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
     cluster.kubectl("apply", "-f", "-", input=isvc("quota"))
     degraded = wait_for("Degraded", lambda: cluster.condition_if("quota", "Degraded", "True"))
     assert degraded["reason"] == "ApplyFailed" and "services" in degraded["message"], degraded
-    wait_for("the ApplyFailed event", lambda: ("Warning", "ApplyFailed") in [(t, r) for t, r, _m in cluster.events("quota")])
+    wait_for("the ApplyFailed event",
+             lambda: ("Warning", "ApplyFailed") in [(t, r) for t, r, _m in cluster.events("quota")])
     wait_for("the Deployment's pod up", lambda: cluster.running_pods("quota"))
     time.sleep(2)  # pod events since must not have cleared the failure
     assert cluster.condition("quota", "Degraded")["reason"] == "ApplyFailed"
@@ -154,7 +157,8 @@ def test_a_refused_child_is_degraded_apply_failed_then_retried(cluster):
 
 
 @pytest.mark.parametrize("image, reason, cause", [
-    ("kwok-fail/crashloop:1", "CrashLoopBackOff", "exited with code 2 (4 restart(s)): kaon: error: the engine could not start"),
+    ("kwok-fail/crashloop:1", "CrashLoopBackOff",
+     "exited with code 2 (4 restart(s)): kaon: error: the engine could not start"),
     ("kwok-fail/oom:1", "OOMKilled", "killed for using more memory than its limit (exit code 137"),
     ("kwok-fail/image-pull:1", "ImagePullBackOff", 'Back-off pulling image "kwok-fail/image-pull:1"')])
 def test_failing_pods_make_it_degraded_with_the_kubelet_reason_then_recover(cluster, image, reason, cause):
@@ -169,9 +173,11 @@ def test_failing_pods_make_it_degraded_with_the_kubelet_reason_then_recover(clus
     assert "Reason:" in cluster.kubectl("describe", "infsvc", "bad").stdout and cause in " ".join(
         cluster.kubectl("describe", "infsvc", "bad").stdout.split())
 
-    cluster.kubectl("patch", "infsvc", "bad", "--type=merge", "-p", json.dumps({"spec": {"engine": {"image": STAND_IN}}}))
+    cluster.kubectl("patch", "infsvc", "bad", "--type=merge", "-p",
+                    json.dumps({"spec": {"engine": {"image": STAND_IN}}}))
     wait_for("not Degraded", lambda: cluster.condition_if("bad", "Degraded", "False"), timeout=30)
-    wait_for("the Recovered event", lambda: ("Normal", "Recovered", f"no longer degraded ({reason})") in cluster.events("bad"))
+    wait_for("the Recovered event",
+             lambda: ("Normal", "Recovered", f"no longer degraded ({reason})") in cluster.events("bad"))
     assert [r for t, r, _m in cluster.events("bad") if t == "Warning"] == [reason]  # once, not per pod update
 
 
@@ -192,8 +198,10 @@ def test_pods_refused_by_a_quota_are_degraded_failed_create_then_recover(cluster
     cluster.kubectl("apply", "-f", "-", input=isvc("refused"))
     degraded = wait_for("Degraded", lambda: cluster.condition_if("refused", "Degraded", "True"), timeout=20)
     assert degraded["reason"] == "FailedCreate", degraded
-    assert "the ReplicaSet cannot create pods" in degraded["message"] and "exceeded quota: no-pods" in degraded["message"]
-    wait_for("the FailedCreate event", lambda: ("Warning", "FailedCreate", degraded["message"]) in cluster.events("refused"))
+    assert ("the ReplicaSet cannot create pods" in degraded["message"]
+            and "exceeded quota: no-pods" in degraded["message"])
+    wait_for("the FailedCreate event",
+             lambda: ("Warning", "FailedCreate", degraded["message"]) in cluster.events("refused"))
     cluster.kubectl("delete", "quota", "no-pods")
     wait_for("Ready and not Degraded", lambda: cluster.ready("refused") and
              cluster.condition("refused", "Degraded").get("status") == "False", timeout=60)
@@ -217,7 +225,8 @@ def test_a_pod_not_ready_past_its_startup_budget_is_degraded_startup_timeout(clu
     assert time.monotonic() - start < 15  # 3 s of budget, judged every 5 s
     assert degraded["reason"] == "StartupTimeout", degraded
     assert "not ready after the 3 s their probes allow" in degraded["message"] and "slow-extra" in degraded["message"]
-    wait_for("the StartupTimeout event", lambda: ("Warning", "StartupTimeout", degraded["message"]) in cluster.events("slow"))
+    wait_for("the StartupTimeout event",
+             lambda: ("Warning", "StartupTimeout", degraded["message"]) in cluster.events("slow"))
     time.sleep(6)  # judged again: no second Event for the same failure
     assert [r for t, r, _m in cluster.events("slow") if t == "Warning"] == ["StartupTimeout"]
     cluster.kubectl("delete", "pod", "slow-extra", "--wait=false")
@@ -237,7 +246,7 @@ def test_killed_mid_reconcile_then_restarted_converges_without_duplicates(operat
     finally:
         operator.start()
     for name in names:
-        wait_for(f"{name} Ready", lambda: cluster.ready(name) and
+        wait_for(f"{name} Ready", lambda name=name: cluster.ready(name) and
                  cluster.status(name).get("readyReplicas") == 2, timeout=60)
     deployments = cluster.get("deployments")
     assert sorted(d["metadata"]["name"] for d in deployments) == names
@@ -249,8 +258,9 @@ def test_killed_mid_reconcile_then_restarted_converges_without_duplicates(operat
 def test_the_operator_identity_has_only_what_it_needs(crd, operator_kubeconfig, operator):
     def can(verb: str, resource: str) -> bool:
         resource, _, subresource = resource.partition("/")
-        res = crd.kubectl("auth", "can-i", verb, resource, "--all-namespaces", kubeconfig=operator_kubeconfig,
-                          *([f"--subresource={subresource}"] if subresource else []), check=False)
+        res = crd.kubectl("auth", "can-i", verb, resource, "--all-namespaces",
+                          *([f"--subresource={subresource}"] if subresource else []),
+                          kubeconfig=operator_kubeconfig, check=False)
         return res.stdout.strip() == "yes"
     for verb, resource in [("watch", "inferenceservices.kaon.dev"), ("patch", "inferenceservices.kaon.dev/status"),
                            ("update", "inferenceservices.kaon.dev/finalizers"),  # blockOwnerDeletion (below)
@@ -408,7 +418,7 @@ def test_a_burst_of_creations_reconciles_each_once(operator, cluster):
     names = [f"burst{i}" for i in range(20)]
     cluster.kubectl("apply", "-f", "-", input="\n---\n".join(isvc(n, replicas=0) for n in names))
     for name in names:
-        wait_for(f"{name} applied", lambda: (cluster.get("infsvc", name).get("status") or {}).get(
+        wait_for(f"{name} applied", lambda name=name: (cluster.get("infsvc", name).get("status") or {}).get(
             "observedGeneration") == 1)
     time.sleep(3)
     # The bug doubled the runs (40 for 20). A loaded fresh-clone CI run still saw 21 and 22: an apply

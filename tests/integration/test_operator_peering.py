@@ -5,9 +5,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from support.cluster import Cluster, isvc, wait_for
-
 from e2e.operator_process import OperatorProcess
+from support.cluster import Cluster, isvc, wait_for
 
 PEERING = Path(__file__).resolve().parents[2] / "deploy" / "operator-peering.yaml"
 
@@ -26,13 +25,15 @@ def test_only_the_highest_priority_replica_acts_until_it_stops(crd, operator_kub
     try:
         cluster.kubectl("apply", "-f", "-", input=isvc("first"))
         wait_for("first Ready", lambda: cluster.ready("first"))
-        assert wait_for("the Created event", lambda: created_by("first")) == {f"{socket.gethostname()}-{leader.proc.pid}"}
+        assert wait_for("the Created event", lambda: created_by("first")) == {
+            f"{socket.gethostname()}-{leader.proc.pid}"}
 
         leader.stop()  # SIGTERM: kopf withdraws from the peering on the way out
         wait_for("the standby to resume", lambda: "Resuming operations after the pause" in standby.log(), timeout=30)
         cluster.kubectl("apply", "-f", "-", input=isvc("second"))
         wait_for("second Ready", lambda: cluster.ready("second"))
-        assert wait_for("the Created event", lambda: created_by("second")) == {f"{socket.gethostname()}-{standby.proc.pid}"}
+        assert wait_for("the Created event", lambda: created_by("second")) == {
+            f"{socket.gethostname()}-{standby.proc.pid}"}
     finally:
         leader.stop()
         standby.stop()

@@ -1,15 +1,16 @@
-"""Rendered children applied to a real kube-apiserver: accepted in every variant, scheduled on fake GPU nodes, garbage collected."""
+"""Rendered children applied to a real kube-apiserver: accepted in every variant, scheduled on fake GPU nodes,
+garbage collected."""
 from __future__ import annotations
 
 import json
 
-from kaon_operator import api, labels
-from kaon_operator import resources as r
+from kaon_operator import api, labels, resources as r
 
 VARIANTS = [
     {},
     {"model": {"uri": "hf://org/name@v1", "credentialsSecret": "hf", "cache": {"persistentVolumeClaim": "cache"}},
-     "engine": {"tensorParallelSize": 3, "env": [{"name": "A", "value": "1"}], "envFrom": [{"secretRef": {"name": "e"}}],
+     "engine": {"tensorParallelSize": 3, "env": [{"name": "A", "value": "1"}],
+                "envFrom": [{"secretRef": {"name": "e"}}],
                 "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
                 "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra"}],
                 "imagePullSecrets": [{"name": "registry"}]}},
@@ -21,8 +22,9 @@ VARIANTS = [
      "scheduling": {"nodeSelector": {"gpu": "h100"},
                     "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
                     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                        {"weight": 50, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                           "labelSelector": {"matchLabels": labels.service_labels("llama")}}}]}}},
+                        {"weight": 50, "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": labels.service_labels("llama")}}}]}}},
      "replicas": 4, "rollout": {"strategy": "Replace"}, "drainSeconds": 600,
      "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 8, "scaleToZeroIdleSeconds": 300}},
 ]

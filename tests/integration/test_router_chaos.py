@@ -499,7 +499,7 @@ def test_a_stopped_engine_times_its_streams_out_cleanly_and_a_lone_one_answers_5
             return victim, stuck_rest, next_status, lone_answer, await router_metrics(session, router.url)
 
     with router_process(engine_pool) as router, router_process(engine_pool, names=("a",)) as lone:
-        victim, stuck_rest, next_status, lone_answer, text = run_long(scenario(router, lone))
+        _victim, stuck_rest, next_status, lone_answer, text = run_long(scenario(router, lone))
         if lone_answer is None:  # the stream went to b: stop a on its own and ask the lone router
             os.kill(engine_pool.procs["a"].pid, signal.SIGSTOP)
             lone_answer = run_long(_ask(lone.url))
@@ -565,9 +565,11 @@ async def _running(session: aiohttp.ClientSession, port: int) -> float:
         async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
             return metric(await resp.text(), "kaon_num_requests_running")
     deadline = time.monotonic() + 30
-    while (value := await running()) and time.monotonic() < deadline:
+    while True:  # polls another process's /metrics: nothing in this loop to await instead
+        value = await running()
+        if not value or time.monotonic() >= deadline:
+            return value
         await asyncio.sleep(0.2)
-    return value
 
 
 async def until_async(check, timeout: float = HANG):

@@ -1,14 +1,15 @@
-"""Tenancy on the real control plane and chart: the router's RBAC scoped to its namespaces, NameConflict conditions and Events."""
+"""Tenancy on the real control plane and chart: the router's RBAC scoped to its namespaces, NameConflict conditions
+and Events."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
 import yaml
-from kaon_operator import status, summaries
-from kaon_operator.router.main import build_parser, default_namespace
 
 from e2e.control_plane import build_binaries
+from kaon_operator import status, summaries
+from kaon_operator.router.main import build_parser, default_namespace
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kaon"
 

@@ -5,6 +5,7 @@ import json
 import time
 
 import pytest
+
 from kaon_operator import api
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct"}
@@ -44,7 +45,7 @@ class Cluster:
         if res.returncode != 0:
             return None
         data = json.loads(res.stdout)
-        return data["items"] if "items" in data else data
+        return data.get("items", data)
 
     def condition_if(self, name: str, type_: str, status: str) -> dict | None:
         """The condition when it has this status (one read, so the answer is consistent)."""

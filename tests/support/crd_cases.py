@@ -1,4 +1,5 @@
-"""InferenceService specs the CRD tests share: a minimal one, refusals with the apiserver's message, valid model sources."""
+"""InferenceService specs the CRD tests share: a minimal one, refusals with the apiserver's message, valid model
+sources."""
 from __future__ import annotations
 
 import copy

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kaon_runtime import LLM, SamplingParams
 from support.hf_dirs import write_hf_dir
 
@@ -49,7 +50,7 @@ def build_hf_dir(family: str, path, gguf_path, **overrides):
     config._experts_implementation = "eager"  # the per-expert loop: grouped_mm has no float64
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():  # norms away from their initial ones (Gemma's zeros, others' ones): offsets matter
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.3)
     write_hf_dir(model, path, gguf_path, {"eos_token": "<|im_end|>"})
@@ -116,5 +117,5 @@ def test_phi3_short_factors_when_the_served_context_fits_the_pretraining_length(
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     from kaon_runtime.errors import ModelLoadError
     from kaon_runtime.loader.hf_dir import model_config_from_hf
-    with pytest.raises(ModelLoadError, match="supported: .*Gemma2ForCausalLM.*Qwen3MoeForCausalLM"):
+    with pytest.raises(ModelLoadError, match=r"supported: .*Gemma2ForCausalLM.*Qwen3MoeForCausalLM"):
         model_config_from_hf({"architectures": ["GPTNeoXForCausalLM"]})

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import autoscale_sim as sim  # noqa: E402
+import autoscale_sim as sim
 
 # 20 ms a step, 2 ms per decoding sequence, 0.1 ms per prompt token; 8 sequences at most.
 MODEL = sim.EngineModel(a=0.02, b=0.002, c=0.0001, cold_start_s=10.0, max_num_seqs=8, max_num_batched_tokens=256)
@@ -104,7 +104,7 @@ def test_the_scrape_builds_the_operators_sample():
     cluster = sim.Cluster(MODEL, 0.0, 30.0, 600.0)
     cluster.set_replicas(2)
     state = sim.Scrape(0.0, random.Random(0))
-    for i in range(12):
+    for _ in range(12):
         cluster.route(sim.Request(0.0, 64, 3))
     sample = cluster.scrape(state)
     assert (sample.ready, sample.answered, sample.running + sample.waiting) == (2, 2, 12.0)

@@ -6,8 +6,11 @@ With a GPU, the last test captures real graphs and compares them with eager deco
 """
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
+
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.engine.cuda_graphs import graph_size, ladder
 from support import MODEL
@@ -21,7 +24,7 @@ def test_ladder_starts_fine_then_steps_by_eight_and_ends_at_the_limit():
     assert ladder(20) == [1, 2, 4, 8, 16, 20]
     sizes = ladder(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
-    assert all(b - a <= 8 for a, b in zip(sizes, sizes[1:]))
+    assert all(b - a <= 8 for a, b in pairwise(sizes))
 
 
 def test_graph_size_is_the_smallest_that_holds_the_batch():

@@ -62,7 +62,8 @@ def test_a_tensor_parallel_size_that_does_not_fit_is_model_does_not_fit():
                                          "does not divide its 4 attention heads")}
     cond = degraded(pod("e", engine=engine))
     assert cond["reason"] == "ModelDoesNotFit"  # not a bare CrashLoopBackOff
-    assert cond["message"].endswith("e: model does not fit: tensor_parallel_size 3 does not divide its 4 attention heads")
+    assert cond["message"].endswith("e: model does not fit: tensor_parallel_size 3 does not divide its "
+                                    "4 attention heads")
     other_crash = {"state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}},
                    "lastState": terminated(1, "Segmentation fault")}
     assert degraded(pod(engine=other_crash))["reason"] == "CrashLoopBackOff"
@@ -70,7 +71,8 @@ def test_a_tensor_parallel_size_that_does_not_fit_is_model_does_not_fit():
 
 def test_the_warning_event_carries_the_reason_once():
     old = [{"type": "Degraded", "status": "False", "reason": "AsExpected", "message": ""}]
-    failing = pod(init={"state": terminated(5, "no space: the model needs 16.07 GB more but /var/cache/kaon has 2.00 GB free")})
+    failing = pod(init={"state": terminated(5, "no space: the model needs 16.07 GB more but /var/cache/kaon has "
+                                               "2.00 GB free")})
     new = [degraded(failing)]
     (event,) = status.transition_events(new, old)
     assert (event.type, event.reason) == ("Warning", "ModelFetchFailed") and "no space: " in event.message

@@ -1,7 +1,7 @@
 """The operator's pure decisions: status conditions, their Events, spec-change Events, drift."""
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from kaon_operator import api, changes, status, summaries
 from kaon_operator.kube import FIELD_MANAGER
@@ -14,7 +14,8 @@ def pod(name="p", *, ready=True, unschedulable=None, waiting=None, deleting=Fals
     if unschedulable:
         conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                            "message": unschedulable})
-    containers = [{"name": "engine", "state": {"waiting": {"reason": waiting, "message": "back-off"}}}] if waiting else []
+    containers = ([{"name": "engine", "state": {"waiting": {"reason": waiting, "message": "back-off"}}}]
+                  if waiting else [])
     meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
     return {"metadata": meta, "status": {"conditions": conditions, "containerStatuses": containers}}
 
@@ -76,10 +77,12 @@ def test_degraded_reasons_name_the_cause():
                                 desired=2, gpus_per_pod=16, generation_applied=True)
         return next(c for c in out if c["type"] == "Degraded")
 
-    unschedulable = degraded([pod("a", ready=False, unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")])
+    unschedulable = degraded([pod("a", ready=False,
+                                  unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")])
     assert unschedulable["reason"] == "Unschedulable"
     assert unschedulable["message"].startswith("1 pod(s) need 16 nvidia.com/gpu each and cannot be placed: 0/4 nodes")
-    crash = degraded([pod("a", ready=False, waiting="CrashLoopBackOff"), pod("b", ready=False, waiting="CrashLoopBackOff")])
+    crash = degraded([pod("a", ready=False, waiting="CrashLoopBackOff"),
+                      pod("b", ready=False, waiting="CrashLoopBackOff")])
     assert crash["reason"] == "CrashLoopBackOff" and crash["message"].startswith("2 pod(s) failing; a:")
     assert degraded([pod("a", ready=False, waiting="ImagePullBackOff")])["reason"] == "ImagePullBackOff"
     # Scheduling comes first: it is the cause to fix before any container can start.
@@ -92,7 +95,7 @@ def test_degraded_reasons_name_the_cause():
 
 
 def test_transition_times_and_events():
-    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
     progressing = status.conditions(deployment=None, pods=[], desired=1, gpus_per_pod=1, generation_applied=True)
     first = status.stamp(progressing, [], t0, 1)
     assert {c["lastTransitionTime"] for c in first} == {"2026-01-01T00:00:00Z"}
@@ -100,7 +103,8 @@ def test_transition_times_and_events():
 
     ready_pods = [summaries.summarize_pod(pod())]
     ready = status.stamp(status.conditions(deployment=deployment(1, updated=1, ready=1), pods=ready_pods, desired=1,
-                                           gpus_per_pod=1, generation_applied=True), first, t0 + timedelta(seconds=5), 1)
+                                           gpus_per_pod=1, generation_applied=True),
+                         first, t0 + timedelta(seconds=5), 1)
     times = {c["type"]: c["lastTransitionTime"] for c in ready}
     assert times["Ready"] == "2026-01-01T00:00:05Z" and times["Degraded"] == "2026-01-01T00:00:00Z"
     assert status.transition_events(ready, first) == [status.EventSpec("Normal", "Ready", "1/1 replicas ready")]
@@ -239,14 +243,15 @@ def slow_pod(since: str, *, ready="False") -> dict:
 
 
 def test_a_pod_not_ready_past_its_probes_budget_is_startup_timeout():
-    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
     summary = summaries.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))
     assert summary.startup_budget_s == 70  # 6 x 10 s startup + 2 x 5 s readiness
     assert status.next_startup_deadline([summary]) == t0 + timedelta(seconds=70)
     assert degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=69))["status"] == "False"
     cond = degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=71))
     assert (cond["status"], cond["reason"]) == ("True", "StartupTimeout")
-    assert "70 s their probes allow" in cond["message"] and "slow-0: not ready since 2026-01-01T00:00:00Z" in cond["message"]
+    assert ("70 s their probes allow" in cond["message"]
+            and "slow-0: not ready since 2026-01-01T00:00:00Z" in cond["message"])
     # judged from when it last became not ready, and never without a clock or once ready
     assert degraded([slow_pod("2026-01-01T00:01:00Z")], now=t0 + timedelta(seconds=71))["status"] == "False"
     assert degraded([slow_pod("2026-01-01T00:00:00Z")])["status"] == "False"
@@ -297,8 +302,8 @@ def test_a_container_killed_after_it_had_served_is_unhealthy_until_ready_again()
     cond = degraded([hung])
     assert (cond["status"], cond["reason"]) == ("True", "Unhealthy"), cond
     assert "liveness probe failed" in cond["message"] and "spec.engine.stallTimeoutSeconds" in cond["message"]
-    events = status.transition_events(status.conditions(deployment=None, pods=[summaries.summarize_pod(hung)], desired=1,
-                                                        gpus_per_pod=1, generation_applied=True), [])
+    events = status.transition_events(status.conditions(deployment=None, pods=[summaries.summarize_pod(hung)],
+                                                        desired=1, gpus_per_pod=1, generation_applied=True), [])
     assert [(e.type, e.reason) for e in events if e.type == "Warning"] == [("Warning", "Unhealthy")]
     back = killed_pod(ready_changed="2026-01-01T01:01:00Z", ready=True)
     assert degraded([back])["status"] == "False"  # restarted and ready: recovered
@@ -338,11 +343,12 @@ def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning()
     events = status.transition_events([blocked], [])
     assert [(e.type, e.reason) for e in events] == [("Warning", "DisruptionBlocked")]
     assert status.transition_events([blocked], [blocked]) == []
-    assert [(e.type, e.reason) for e in status.transition_events([fine], [blocked])] == [("Normal", "DisruptionAllowed")]
+    assert ([(e.type, e.reason) for e in status.transition_events([fine], [blocked])]
+            == [("Normal", "DisruptionAllowed")])
 
 
 def test_replicas_still_starting_block_evictions_quietly():
-    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
     starting = [summaries.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))]  # 70 s budget
     cond = status.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=10))
     assert (cond["status"], cond["reason"]) == ("False", "ReplicasStarting")

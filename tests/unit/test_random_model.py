@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelNotFoundError
 from kaon_runtime.loader import open_checkpoint
@@ -50,7 +51,7 @@ def test_greedy_tokens_match_hf_on_the_same_random_weights(weights):
 
 
 def test_an_unknown_shape_is_refused_with_the_known_ones():
-    with pytest.raises(ModelNotFoundError, match="llama-3.1-8b"):
+    with pytest.raises(ModelNotFoundError, match=r"llama-3\.1-8b"):
         open_checkpoint("random://gpt-5")
 
 

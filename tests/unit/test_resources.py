@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from kaon_operator import api, pod_template
-from kaon_operator import resources as r
+
+from kaon_operator import api, pod_template, resources as r
 
 OWNER = r.Owner(name="llama", namespace="serving", uid="0b7c5b4e-1111-4a2b-9c3d-000000000001")
 LABELS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/instance": "llama",
@@ -103,7 +103,8 @@ def test_drain_seconds_out_of_range_are_refused(drain):
 
 
 @pytest.mark.parametrize("uri, fetch", [("builtin://smollm2-135m-instruct", 0), ("/models/llama", 0),
-                                        ("pvc://models/llama", 0), ("hf://org/name", pod_template.FETCH_ALLOWANCE_SECONDS),
+                                        ("pvc://models/llama", 0),
+                                        ("hf://org/name", pod_template.FETCH_ALLOWANCE_SECONDS),
                                         ("s3://bucket/llama", pod_template.FETCH_ALLOWANCE_SECONDS)])
 def test_progress_deadline_outlasts_the_startup_budget(uri, fetch):
     s = spec(model={"uri": uri})
@@ -147,7 +148,8 @@ def test_non_root_and_locked_down():
 def test_engine_command_line_follows_the_spec():
     s = spec(model={"uri": "/models/llama", "servedName": "llama-8b", "quantization": "int4", "maxModelLen": 4096},
              engine={"tensorParallelSize": 2, "maxNumSeqs": 32, "maxNumBatchedTokens": 2048, "kvCacheFraction": 0.5,
-                     "enablePrefixCaching": False, "image": "example.com/kaon:dev", "extraArgs": ["--log-level", "debug"]})
+                     "enablePrefixCaching": False, "image": "example.com/kaon:dev",
+                     "extraArgs": ["--log-level", "debug"]})
     c = container(r.render(OWNER, s))
     assert c["image"] == "example.com/kaon:dev"
     args = c["args"]
@@ -345,6 +347,7 @@ def test_the_docs_own_model_examples_are_valid_and_render():
     import re
 
     import yaml
+
     from kaon_operator.crd import ROOT
 
     text = (ROOT / "docs" / "models.md").read_text()
