@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kaon_runtime.loader import resolve_model
-from support import MODEL  # noqa: E402
+from support import MODEL
 
 
 @pytest.fixture(scope="session")

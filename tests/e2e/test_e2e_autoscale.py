@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
-from support.cluster import Cluster, isvc, wait_for
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"}
 

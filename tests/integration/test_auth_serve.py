@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import httpx
+
 from support.secret_volume import secret_volume
 from support.server import MODEL, Server, error_body
 

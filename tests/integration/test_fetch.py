@@ -11,8 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from kaon_runtime.fetch import FetchError, fetch, parse_uri, store
-from kaon_runtime.fetch import source as src
+
+from kaon_runtime.fetch import FetchError, fetch, parse_uri, source as src, store
 from support.sources import BUCKET, HF_TOKEN, PREFIX, PRIVATE_REPO, PUBLIC_REPO
 
 NEEDED = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]

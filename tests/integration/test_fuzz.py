@@ -23,6 +23,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import CHECKS, load_all_checks  # noqa: E402
 from schemathesis.config import SchemathesisConfig  # noqa: E402
+
 from support.server import API_KEY, MODEL, Server  # noqa: E402
 
 CONTEXT = 256  # --max-model-len

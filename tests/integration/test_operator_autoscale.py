@@ -14,11 +14,11 @@ import threading
 import time
 
 import pytest
+
+from e2e.control_plane import free_port
 from kaon_operator import resources
 from support.cluster import Cluster, isvc, wait_for
 from support.metrics_text import engine_metrics_text, router_metrics_text
-
-from e2e.control_plane import free_port
 
 
 def serve_text(ip: str, port: int, text) -> http.server.ThreadingHTTPServer:
@@ -197,6 +197,7 @@ def test_deleting_an_autoscaled_service_is_not_blocked_while_the_operator_is_dow
 def test_only_one_operator_replica_holds_the_autoscaler_lease(operator_kubeconfig):
     """As the operator's own ServiceAccount (so the Role's verbs are checked too)."""
     import kubernetes
+
     from kaon_operator.kube import Kube
 
     kube = Kube(kubernetes.config.new_client_from_config(config_file=str(operator_kubeconfig)))
@@ -214,6 +215,7 @@ def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator
     else that left the spec alone (a status update) is retried at the new version; a changed spec (a
     human's `kubectl scale`) wins, the decision is dropped and the status does not claim it."""
     import kubernetes
+
     from kaon_operator.autoscale_loop import AutoscaleLoop
     from kaon_operator.caches import Caches
     from kaon_operator.config import AutoscaleSettings

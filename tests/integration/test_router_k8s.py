@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from e2e.control_plane import free_port
 from kaon_operator import api, resources
 from kaon_operator.labels import service_labels
 from kaon_operator.router import watch
@@ -23,8 +25,6 @@ from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from kaon_operator.router.proxy import Router
 from kaon_operator.router.watch import ApiServer, Watcher
 from support.router import serving
-
-from e2e.control_plane import free_port
 
 ROUTER_RBAC = Path(__file__).resolve().parents[2] / "deploy" / "router-rbac.yaml"
 POD_NETWORK = ipaddress.ip_network("127.1.0.0/16")

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+
 from support.server import API_KEY, MODEL, Server, error_body
 
 CHAT = [{"role": "user", "content": "Tell me a short story about a robot who learns to paint."}]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.distributed.sharding import (

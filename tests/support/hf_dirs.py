@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import torch
+
 from kaon_runtime.loader.gguf_file import load_gguf
 
 

@@ -9,10 +9,10 @@ import itertools
 from pathlib import Path
 
 import pytest
-from kaon_operator.crd import CRD_PATH
 
 from e2e.control_plane import ControlPlane, build_binaries
 from e2e.operator_process import OperatorProcess
+from kaon_operator.crd import CRD_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERING_CRD = ROOT / "crds" / "kopf-peering.yaml"

@@ -8,6 +8,7 @@ import hashlib
 
 import aiohttp
 import pytest
+
 from kaon_operator.router import auth
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from kaon_runtime.server import keys as engine_keys
@@ -205,6 +206,7 @@ def test_the_security_docs_auth_example_is_a_valid_spec():
     from pathlib import Path
 
     import yaml
+
     from kaon_operator import api
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()

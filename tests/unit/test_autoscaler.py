@@ -11,6 +11,7 @@ import math
 import random
 
 import pytest
+
 from kaon_operator import api, autoscale_loop, scraper
 from kaon_operator.autoscaler import Decision, Sample, concurrency_target, decide
 from support.metrics_text import engine_metrics_text, router_metrics_text
@@ -309,6 +310,7 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
     import asyncio
 
     from aiohttp import web
+
     from kaon_operator.caches import Caches
     from kaon_operator.config import AutoscaleSettings
     from kaon_operator.summaries import PodSummary

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kaon_runtime import LLM, SamplingParams
 from support.prompts import MAX_TOKENS, QUESTIONS, chat_ids
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from kaon_runtime.layers.cpu_linear import (
     OneDnnLinear,
     onednn_linears_apply,
     use_onednn_linears,
 )
-from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

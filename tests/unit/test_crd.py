@@ -7,8 +7,8 @@ from datetime import datetime
 
 import pydantic
 import pytest
-from kaon_operator import api, api_status
-from kaon_operator import crd as crd_module
+
+from kaon_operator import api, api_status, crd as crd_module
 from support.crd_cases import INVALID, with_
 
 

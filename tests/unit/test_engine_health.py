@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+
 from kaon_runtime.engine.async_engine import FIRST_STEP_ALLOWANCE, AsyncEngine
 from kaon_runtime.engine.llm_engine import EngineStats
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput

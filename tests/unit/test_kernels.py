@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kaon_runtime.kernels import activation, norm, rotary
 from kaon_runtime.kernels.kv_cache import write_kv_cache
 from kaon_runtime.kernels.paged_attention_ref import write_kv_cache_ref

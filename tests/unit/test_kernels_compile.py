@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kaon_runtime.kernels import (
     activation,
     kv_cache,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kaon_runtime.kernels import paged_attention_ref as ref
 from kaon_runtime.kernels.paged_attention import decode_attention, prefill_attention
 from kaon_runtime.layers.attention import (

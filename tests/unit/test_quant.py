@@ -8,6 +8,7 @@ import typing
 import numpy as np
 import pytest
 import torch
+
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.errors import InvalidRequestError
@@ -20,8 +21,7 @@ from kaon_runtime.kernels.quant_gemm_ref import (
     w4a16_matmul_ref,
     w8a16_matmul_ref,
 )
-from kaon_runtime.quant import METHODS as QUANT_METHODS
-from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant import METHODS as QUANT_METHODS, quantize_model
 from kaon_runtime.quant.fp8 import Fp8Linear, fp8_matmul_ref, quantize_fp8
 from kaon_runtime.quant.gguf import int4_from_q4_1
 from kaon_runtime.quant.int4 import Int4Linear, quantize_int4

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.layers.sampler import SamplingBatch, _apply_top_k_top_p, sample
 from kaon_runtime.sampling import SamplingParams

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.drafter import draft_limit, prompt_lookup

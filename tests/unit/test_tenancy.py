@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 import aiohttp
+
 from kaon_operator import naming
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from support.tenancy import Recorder, engine_pod, isvc, serve

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kaon_runtime.loader.gguf_file import load_gguf
 from kaon_runtime.loader.tokenizer import IncrementalDetokenizer
 

@@ -8,6 +8,7 @@ On a GPU the bundled model also runs in bfloat16 on both backends over the corre
 from __future__ import annotations
 
 import pytest
+
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.kernels import paged_attention
 from support import MODEL
