@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
-from kaon_operator import autoscaler, scraper  # noqa: E402
+from kaon_operator import autoscaler, perf_model, predictive, scraper  # noqa: E402
 from kaon_operator.api import AutoscalingSpec  # noqa: E402
 
 CALIBRATION = ROOT / "bench" / "data" / "autoscale_calibration.json"
@@ -80,9 +80,16 @@ class EngineModel:
     cold_start_s: float
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    d: float = 0.0
+    """Seconds per context token (prompt and generated so far) of the decoding sequences."""
 
-    def step_seconds(self, batch: int, prefill_tokens: int) -> float:
-        return self.a + self.b * batch + self.c * prefill_tokens
+    def step_seconds(self, batch: int, prefill_tokens: int, context_tokens: float = 0.0) -> float:
+        return self.a + self.b * batch + self.c * prefill_tokens + self.d * context_tokens
+
+    def perf_model(self) -> perf_model.PerfModel:
+        """What a profile of this engine measures: the predictive policy's model."""
+        return perf_model.PerfModel(self.a, self.b, self.c, self.d, cold_start_seconds=self.cold_start_s,
+                                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,9 @@ class Replica:
         self.draining_since: float | None = None
         self.gone = False
         self.finished = 0  # requests finished: the engine's kaon_requests_total
+        self.prompt_tokens = 0  # kaon_prompt_tokens_total: counted when a request is accepted
+        self.generated = 0  # kaon_generation_tokens_total
+        self.context_base = 0  # sum over decoding sequences of prompt + output - the step they finish at
         self.ttft_counts = [0] * len(BOUNDS)  # per bucket (not cumulative)
 
     @property
@@ -192,25 +202,31 @@ class Replica:
             chunks.append((req, n))
             budget -= n
         self.chunks = chunks
-        return model.step_seconds(len(self.decoding), sum(n for _, n in chunks))
+        context = self.context_base + len(self.decoding) * self.steps if model.d else 0.0
+        return model.step_seconds(len(self.decoding), sum(n for _, n in chunks), context)
 
     def finish_step(self, now: float) -> list[Request]:
         """Apply the step that ends now; return the requests it finished."""
+        self.generated += len(self.decoding)
         self.steps += 1
         done = []
         while self.decoding and self.decoding[0][0] <= self.steps:
-            req = heapq.heappop(self.decoding)[2]
+            end, _, req = heapq.heappop(self.decoding)
+            self.context_base -= req.prompt + req.output - end
             done.append(req)
         for req, n in self.chunks:
             req.todo -= n
             if req.todo == 0:
                 self.prefilling.remove(req)
                 req.first_token = now
+                self.generated += 1
                 self.ttft_counts[bisect.bisect_left(BOUNDS, now - req.arrival)] += 1
                 if req.output <= 1:
                     done.append(req)
                 else:
-                    heapq.heappush(self.decoding, (self.steps + req.output - 1, id(req), req))
+                    end = self.steps + req.output - 1
+                    heapq.heappush(self.decoding, (end, id(req), req))
+                    self.context_base += req.prompt + req.output - end
         self.chunks = []
         for req in done:
             req.done = now
@@ -226,6 +242,7 @@ class Scrape:
     failure_p: float
     rng: random.Random
     finished: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
     latency: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
 
@@ -267,6 +284,7 @@ class Cluster:
 
     def _send(self, replica: Replica, req: Request) -> None:
         replica.waiting.append(req)
+        replica.prompt_tokens += req.prompt
         if not replica.stepping:
             self._start_step(replica)
 
@@ -338,10 +356,13 @@ class Cluster:
         """Exactly the Sample the operator builds from the ready pods' /metrics and the routers."""
         ready = self.ready()
         answered = [r for r in ready if state.rng.random() >= state.failure_p]
-        finished, deltas = 0, []
+        finished, prompt, output, deltas = 0, 0, 0, []
         for r in answered:
             finished += r.finished - state.finished.get(r.id, 0)
             state.finished[r.id] = r.finished
+            before = state.tokens.get(r.id, (0, 0))
+            prompt, output = prompt + r.prompt_tokens - before[0], output + r.generated - before[1]
+            state.tokens[r.id] = (r.prompt_tokens, r.generated)
             histogram = r.histogram()
             deltas.append(scraper.bucket_delta(histogram, state.latency.get(r.id, ())))
             state.latency[r.id] = histogram
@@ -349,7 +370,8 @@ class Cluster:
             time=self.now, ready=len(ready), answered=len(answered),
             waiting=float(sum(len(r.waiting) for r in answered)), running=float(sum(r.running for r in answered)),
             starting=len(self.active) - len(ready), finished=float(finished),
-            latency=scraper.add_buckets(*deltas), held_by_router=float(len(self.held)))
+            latency=scraper.add_buckets(*deltas), held_by_router=float(len(self.held)),
+            prompt_tokens=float(prompt), output_tokens=float(output))
 
     def concurrency(self) -> float:
         """In flight at the ready replicas plus held: what Knative's queue-proxies and activator count."""
@@ -367,23 +389,29 @@ class Policy:
 
 
 class Kaon(Policy):
-    """kaon's operator: a scrape every 5 s into a history, `decide` on it."""
-    name = "kaon"
+    """kaon's operator: a scrape every 5 s into a history, `decide` on it: the reactive policy
+    (autoscaler.py), or with a performance model the predictive one (predictive.py)."""
+    name = "kaon-reactive"
     period = 5.0
 
-    def __init__(self, spec: AutoscalingSpec, max_num_seqs: int, scrape: Scrape):
-        self.spec, self.max_num_seqs, self.state = spec, max_num_seqs, scrape
+    def __init__(self, spec: AutoscalingSpec, max_num_seqs: int, scrape: Scrape,
+                 model: perf_model.PerfModel | None = None):
+        self.spec, self.max_num_seqs, self.state, self.model = spec, max_num_seqs, scrape, model
         self.history: list[autoscaler.Sample] = []
         self.keep = autoscaler.history_seconds(spec)
+        if model is not None:
+            self.name = "kaon-predictive"
 
     def decide(self, cluster: Cluster) -> int:
         now = cluster.now
         self.history.append(cluster.scrape(self.state))
         while self.history and self.history[0].time < now - self.keep:
             self.history.pop(0)
-        decision = autoscaler.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
-                                max_num_seqs=self.max_num_seqs)
-        return decision.replicas
+        if self.model is not None:
+            return predictive.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
+                                     model=self.model, max_num_seqs=self.max_num_seqs).replicas
+        return autoscaler.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
+                                 max_num_seqs=self.max_num_seqs).replicas
 
 
 class HPA(Policy):
@@ -493,8 +521,8 @@ class Schedule(Policy):
     name = "oracle"
     period = 60.0
 
-    def __init__(self, per_minute: list[int]):
-        self.per_minute = per_minute
+    def __init__(self, per_minute: list[int], name: str = "oracle"):
+        self.per_minute, self.name = per_minute, name
 
     def decide(self, cluster: Cluster) -> int:
         return self.per_minute[min(int(cluster.now // 60), len(self.per_minute) - 1)]
@@ -618,6 +646,21 @@ class Trace:
     rate: Callable[[float], float]  # requests/s at time t
     min_replicas: int = 1
     steady: bool = False
+    workload: Callable[[float], Workload] | None = None
+    """The length mix at time t (None: the run's workload throughout)."""
+
+
+LONG_PROMPTS = Workload(prompt=(96, 416))  # long-context traffic: a mean prompt 1.8x the default's
+
+
+def dwell_schedule(per_minute: list[int], minutes: int = 5) -> list[int]:
+    """The oracle held for `minutes` at a time (kaon's scale-down stabilization): each block
+    of minutes gets the most replicas any of its minutes needs."""
+    out = []
+    for start in range(0, len(per_minute), minutes):
+        block = per_minute[start:start + minutes]
+        out += [max(block)] * len(block)
+    return out
 
 
 def traces(per_replica: float, seed: int, minutes: float = 90.0) -> list[Trace]:
@@ -637,6 +680,14 @@ def traces(per_replica: float, seed: int, minutes: float = 90.0) -> list[Trace]:
         minute = x / 60.0 * 90.0 / minutes
         return c * 1.8 if 20 <= minute < 35 or 60 <= minute < 75 else 0.0
 
+    def daily(x: float) -> float:  # a working day: a slow rise, a lunchtime burst, a slow fall
+        day = x / d
+        lunch = 1.2 if 0.45 <= day < 0.55 else 0.0
+        return c * (0.3 + 2.0 * math.sin(math.pi * day) ** 2 + lunch)
+
+    def mix(x: float) -> Workload:  # the same request rate; long prompts in the middle third
+        return LONG_PROMPTS if d / 3 <= x < 2 * d / 3 else Workload()
+
     return [
         Trace("steady-30", d, lambda x: 0.9 * c, steady=True),
         Trace("steady-60", d, lambda x: 1.8 * c, steady=True),
@@ -646,6 +697,8 @@ def traces(per_replica: float, seed: int, minutes: float = 90.0) -> list[Trace]:
         Trace("diurnal", d, lambda x: c * (2.0 - 1.7 * math.cos(2 * math.pi * x / d))),
         Trace("bursts", d, bursty),
         Trace("idle-burst", d, idle_burst, min_replicas=0),
+        Trace("mix-shift", d, lambda x: 1.2 * c, workload=mix),
+        Trace("daily", d, daily),
     ]
 
 
@@ -657,9 +710,10 @@ def arrivals_for(trace: Trace, workload: Workload, seed: int) -> list[tuple[floa
         lam = trace.rate(second + 0.5)
         if lam <= 0:
             continue
+        mix = trace.workload(second + 0.5) if trace.workload else workload
         t = second + rng.expovariate(lam)
         while t < second + 1:
-            out.append((t, rng.randint(*workload.prompt), rng.randint(*workload.output)))
+            out.append((t, rng.randint(*mix.prompt), rng.randint(*mix.output)))
             t += rng.expovariate(lam)
     return out
 
@@ -697,12 +751,13 @@ def policies(config: Config, trace: Trace, oracle: list[int]) -> list[Policy]:
 
     spec = kaon_spec(config, trace.min_replicas)
     target = autoscaler.concurrency_target(spec, config.model.max_num_seqs)
-    out: list[Policy] = [Kaon(spec, config.model.max_num_seqs, scrape())]
+    out: list[Policy] = [Kaon(spec, config.model.max_num_seqs, scrape()),
+                         Kaon(spec, config.model.max_num_seqs, scrape(), model=config.model.perf_model())]
     # Knative's per-pod target is containerConcurrency x utilization: the same requests per pod.
     out += [HPA(target, trace.min_replicas, MAX_REPLICAS, scrape()),
             KPA(config.model.max_num_seqs, trace.min_replicas, MAX_REPLICAS, scrape(),
                 utilization=target / config.model.max_num_seqs),
-            Schedule(oracle)]
+            Schedule(oracle), Schedule(dwell_schedule(oracle), "oracle-dwell")]
     return out
 
 
@@ -714,10 +769,10 @@ def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
     initial = oracle[0]
     runs = {}
     for policy in policies(config, trace, oracle):
-        cold = 0.0 if policy.name == "oracle" else None
+        cold = 0.0 if policy.name.startswith("oracle") else None
         runs[policy.name] = simulate(arrivals, trace.duration, model, policy, initial, cold_start_s=cold,
                                      drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s)
-    oracle_hours = runs["oracle"].replica_hours()
+    oracle_hours, dwell_hours = runs["oracle"].replica_hours(), runs["oracle-dwell"].replica_hours()
     rows = []
     for name, run in runs.items():
         hours = run.replica_hours()
@@ -725,6 +780,7 @@ def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
             "trace": trace.name, "policy": name,
             "slo_attainment": round(run.attainment(config.ttft_target_s), 5),
             "replica_hours_vs_oracle": round(hours / oracle_hours, 3) if oracle_hours else None,
+            "replica_hours_vs_dwell_oracle": round(hours / dwell_hours, 3) if dwell_hours else None,
             "changes_per_hour": round(run.changes / (trace.duration / 3600), 2),
             "cut_requests": run.cut,
             "replica_hours": round(hours, 3),
@@ -746,13 +802,14 @@ def percentile(values: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- output
 
 def table(rows: list[dict], target: float) -> str:
-    head = (f"{'trace':11} {'policy':26} {'SLO att.':>9} {'repl-h':>7} {'vs oracle':>9} {'chg/h':>6} "
+    head = (f"{'trace':11} {'policy':16} {'SLO att.':>9} {'repl-h':>7} {'vs oracle':>9} {'vs dwell':>8} {'chg/h':>6} "
             f"{'cut':>5} {'503':>4} {'P99 TTFT':>9} {'requests':>8}")
     lines = [f"TTFT target {target:g} s", head, "-" * len(head)]
     for r in rows:
         vs = "-" if r["replica_hours_vs_oracle"] is None else f"{r['replica_hours_vs_oracle']:.2f}x"
-        lines.append(f"{r['trace']:11} {r['policy']:26} {100 * r['slo_attainment']:8.2f}% {r['replica_hours']:7.2f} "
-                     f"{vs:>9} {r['changes_per_hour']:6.1f} {r['cut_requests']:5d} {r['failed_held']:4d} "
+        dwell = "-" if r["replica_hours_vs_dwell_oracle"] is None else f"{r['replica_hours_vs_dwell_oracle']:.2f}x"
+        lines.append(f"{r['trace']:11} {r['policy']:16} {100 * r['slo_attainment']:8.2f}% {r['replica_hours']:7.2f} "
+                     f"{vs:>9} {dwell:>8} {r['changes_per_hour']:6.1f} {r['cut_requests']:5d} {r['failed_held']:4d} "
                      f"{r['p99_ttft_s']:8.2f}s {r['requests']:8d}")
     return "\n".join(lines)
 
@@ -774,12 +831,12 @@ def plot(series: dict, target: float, out: Path) -> Path:
     for name, run in runs.items():
         log = run.replica_log + [(trace.duration, run.replica_log[-1][1])]
         ax_rep.plot([t / 60 for t, _ in log], [n for _, n in log], drawstyle="steps-post", label=name,
-                    linestyle="--" if name == "oracle" else "-")
+                    linestyle="--" if name.startswith("oracle") else "-")
         p99 = []
         for m in range(minutes):
             ttfts = [r.ttft() for r in run.requests if m * 60 <= r.arrival < (m + 1) * 60 and r.ttft() is not None]
             p99.append(percentile(ttfts, 0.99) if ttfts else float("nan"))
-        ax_p99.plot(range(minutes), p99, label=name, linestyle="--" if name == "oracle" else "-")
+        ax_p99.plot(range(minutes), p99, label=name, linestyle="--" if name.startswith("oracle") else "-")
     ax_rep.set_ylabel("replicas")
     ax_rep.legend(loc="upper left", fontsize=8)
     ax_p99.axhline(target, color="red", linewidth=1, label="target")
@@ -801,16 +858,17 @@ def load_model(args: argparse.Namespace) -> EngineModel:
     cold = args.cold_start_s if args.cold_start_s is not None else calibration.get("cold_start_s")
     if step_ms is None or cold is None:
         raise SystemExit(f"no calibration at {args.calibration}: run --calibrate, or pass --step-ms and --cold-start-s")
-    a, b, c = (x / 1e3 for x in step_ms)
+    a, b, c, d = (x / 1e3 for x in [*step_ms, 0.0][:4])
     return EngineModel(a, b, c, cold, args.max_num_seqs or calibration.get("max_num_seqs", 64),
-                       args.max_num_batched_tokens or calibration.get("max_num_batched_tokens", 1024))
+                       args.max_num_batched_tokens or calibration.get("max_num_batched_tokens", 1024), d)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="measure the engine here, write --calibration")
     parser.add_argument("--calibration", default=str(CALIBRATION))
-    parser.add_argument("--step-ms", help="a,b,c: step ms = a + b * batch + c * prefill tokens (e.g. GPU figures)")
+    parser.add_argument("--step-ms", help="a,b,c[,d]: step ms = a + b * batch + c * prefill tokens "
+                        "+ d * context tokens (e.g. GPU figures)")
     parser.add_argument("--cold-start-s", type=float)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
@@ -857,7 +915,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
     else:
         m = config.model
-        print(f"engine: step = {m.a * 1e3:.2f} + {m.b * 1e3:.3f} x batch + {m.c * 1e3:.4f} x prefill tokens (ms); "
+        print(f"engine: step = {m.a * 1e3:.2f} + {m.b * 1e3:.3f} x batch + {m.c * 1e3:.4f} x prefill tokens "
+              f"+ {m.d * 1e3:.6f} x context tokens (ms); "
               f"cold start {m.cold_start_s:g} s; maxNumSeqs {m.max_num_seqs}; "
               f"one replica's capacity {capacity(m, config.workload):.2f} req/s; workload: prompts "
               f"{config.workload.prompt}, outputs {config.workload.output} tokens")

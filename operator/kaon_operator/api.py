@@ -287,6 +287,12 @@ _ZERO_NEEDS_IDLE = "self.minReplicas > 0 || has(self.scaleToZeroIdleSeconds)"
 _ZERO_NEEDS_IDLE_MESSAGE = "minReplicas 0 needs scaleToZeroIdleSeconds"
 _IDLE_NEEDS_ZERO = "!has(self.scaleToZeroIdleSeconds) || self.minReplicas == 0"
 _IDLE_NEEDS_ZERO_MESSAGE = "scaleToZeroIdleSeconds needs minReplicas 0"
+_PREDICTIVE_NEEDS_PROFILE = "self.policy != 'predictive' || has(self.profile)"
+_PREDICTIVE_NEEDS_PROFILE_MESSAGE = "policy predictive needs profile: the ConfigMap holding the engine's performance model"
+_PROFILE_NOT_AUTO = "!has(self.profile) || self.profile != 'auto'"
+_PROFILE_NOT_AUTO_MESSAGE = ("profile auto (a profiling Job run by the operator) is not implemented: profile the engine "
+                             "with bench/autoscale_calibrate.py and name the ConfigMap that holds its model")
+PROFILE_KEY = "model.json"  # the key of the profile ConfigMap that holds the performance model
 
 MAX_WINDOW_SECONDS = 3600  # the operator keeps this much history at most
 
@@ -298,6 +304,8 @@ class AutoscalingSpec(_Model):
         {"rule": _MIN_LE_MAX, "message": _MIN_LE_MAX_MESSAGE},
         {"rule": _ZERO_NEEDS_IDLE, "message": _ZERO_NEEDS_IDLE_MESSAGE},
         {"rule": _IDLE_NEEDS_ZERO, "message": _IDLE_NEEDS_ZERO_MESSAGE},
+        {"rule": _PREDICTIVE_NEEDS_PROFILE, "message": _PREDICTIVE_NEEDS_PROFILE_MESSAGE},
+        {"rule": _PROFILE_NOT_AUTO, "message": _PROFILE_NOT_AUTO_MESSAGE},
     ]})
 
     enabled: bool = False
@@ -328,6 +336,10 @@ class AutoscalingSpec(_Model):
     scale_from_zero_timeout_seconds: int = Field(600, ge=1, le=MAX_WINDOW_SECONDS)
     """How long the router holds a request while the service has no ready replica (a cold start: image pull and
     weight load), before it answers 503."""
+    policy: Literal["reactive", "predictive"] = "reactive"
+    """`reactive`: scale on concurrency, queue depth and the observed P99. `predictive`: size replicas from the arrival rate, the prompt and output lengths and the engine's measured performance model (`profile`), the observed P99 correcting the model."""  # noqa: E501 - one line: the CRD's description
+    profile: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
+    """With `predictive`: the ConfigMap (in the InferenceService's namespace) whose key `model.json` holds the engine's performance model, as `bench/autoscale_calibrate.py --profile-out` writes it."""  # noqa: E501 - one line: the CRD's description
 
     @model_validator(mode="after")
     def _consistent(self) -> AutoscalingSpec:
@@ -337,6 +349,10 @@ class AutoscalingSpec(_Model):
             raise ValueError(_ZERO_NEEDS_IDLE_MESSAGE)
         if self.scale_to_zero_idle_seconds is not None and self.min_replicas != 0:
             raise ValueError(_IDLE_NEEDS_ZERO_MESSAGE)
+        if self.policy == "predictive" and self.profile is None:
+            raise ValueError(_PREDICTIVE_NEEDS_PROFILE_MESSAGE)
+        if self.profile == "auto":
+            raise ValueError(_PROFILE_NOT_AUTO_MESSAGE)
         return self
 
 

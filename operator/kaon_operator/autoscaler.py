@@ -75,6 +75,9 @@ class Sample:
     """Cumulative histogram of the latency metric over the requests finished since the previous sample."""
     held_by_router: float | None = 0.0
     """Requests the routers hold because no pod is ready; None when no router answered."""
+    prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
+    """Prompt tokens accepted and tokens generated since the previous sample (the length mix)."""
 
     @property
     def complete(self) -> bool:
@@ -190,12 +193,12 @@ def _window(history: list[Sample], now: float, seconds: float) -> list[Sample] |
     return [s for s in history if s.time >= now - seconds] or [history[-1]]
 
 
-def _bounded(desired: int, spec: AutoscalingSpec, current: int) -> int:
+def bounded(desired: int, spec: AutoscalingSpec, current: int) -> int:
     step_bounded = max(current - spec.max_step, min(current + spec.max_step, desired))
     return max(spec.min_replicas, min(spec.max_replicas, step_bounded))
 
 
-def _up(history: list[Sample], spec: AutoscalingSpec, target: float, current: int, now: float,
+def up_wish(history: list[Sample], spec: AutoscalingSpec, target: float, current: int, now: float,
         last_change: float | None) -> tuple[int, str] | None:
     latest = history[-1]
     if latest.concurrency >= PANIC_FACTOR * current * target:
@@ -234,7 +237,7 @@ def _up(history: list[Sample], spec: AutoscalingSpec, target: float, current: in
     return wanted if wanted and wanted[0] > current else None
 
 
-def _idle(history: list[Sample], spec: AutoscalingSpec, current: int, now: float,
+def idle(history: list[Sample], spec: AutoscalingSpec, current: int, now: float,
           last_change: float | None) -> bool:
     seconds = spec.scale_to_zero_idle_seconds
     if spec.min_replicas > 0 or not seconds or (last_change is not None and last_change > now - seconds):
@@ -277,38 +280,54 @@ def _down(history: list[Sample], spec: AutoscalingSpec, target: float, current: 
     return needed, f"peak concurrency {peak:g} in {seconds}s fits {needed} at {per_replica:g} per replica"
 
 
-def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: float,
-           last_change: float | None = None, *, max_num_seqs: int = 64) -> Decision:
-    """`history` is oldest first; `last_change` is when replicas last changed (it survives
-    operator restarts through the InferenceService's status); `max_num_seqs` is the engine's
-    batch limit, which sets the default concurrency target."""
+def guard(history: list[Sample], spec: AutoscalingSpec, current: int, target: float) -> Decision | None:
+    """The decisions every policy makes alike: bounds first, nothing to go on, and zero."""
     if current < spec.min_replicas or current > spec.max_replicas:
-        bounded = max(spec.min_replicas, min(spec.max_replicas, current))
-        return Decision(bounded, f"{current} replicas is outside {spec.min_replicas}..{spec.max_replicas}")
+        within = max(spec.min_replicas, min(spec.max_replicas, current))
+        return Decision(within, f"{current} replicas is outside {spec.min_replicas}..{spec.max_replicas}")
     if not history:
         return Decision(current, "no metrics yet")
-    latest, target = history[-1], concurrency_target(spec, max_num_seqs)
+    latest = history[-1]
     if latest.held_by_router is None and current == 0:
         return Decision(0, "holding at 0", metrics_missing="no router answered, so held requests are unknown")
     if current == 0:
         if not latest.held_by_router:
             return Decision(0, "idle")
         wanted = max(1, math.ceil(latest.held_by_router / target))
-        return Decision(_bounded(wanted, spec, 0), f"{latest.held_by_router:g} requests waiting at the router")
-    missing = None if latest.complete else \
+        return Decision(bounded(wanted, spec, 0), f"{latest.held_by_router:g} requests waiting at the router")
+    return None
+
+
+def missing_metrics(latest: Sample) -> str | None:
+    return None if latest.complete else \
         f"{latest.ready - (latest.answered or 0)} of {latest.ready} ready replicas did not answer the scrape"
+
+
+def scaled_up(wanted: int, why: str, spec: AutoscalingSpec, current: int, missing: str | None) -> Decision:
+    return Decision(bounded(wanted, spec, current), why, missing,
+                    capped_from=wanted if wanted > spec.max_replicas else None)
+
+
+def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: float,
+           last_change: float | None = None, *, max_num_seqs: int = 64) -> Decision:
+    """`history` is oldest first; `last_change` is when replicas last changed (it survives
+    operator restarts through the InferenceService's status); `max_num_seqs` is the engine's
+    batch limit, which sets the default concurrency target."""
+    target = concurrency_target(spec, max_num_seqs)
+    early = guard(history, spec, current, target)
+    if early is not None:
+        return early
+    latest, missing = history[-1], missing_metrics(history[-1])
     # Up is safe on partial metrics: the pods that did not answer can only add load.
-    up = _up(history, spec, target, current, now, last_change)
+    up = up_wish(history, spec, target, current, now, last_change)
     if up is not None:
-        wanted, why = up
-        replicas = _bounded(wanted, spec, current)
-        return Decision(replicas, why, missing, capped_from=wanted if wanted > spec.max_replicas else None)
+        return scaled_up(*up, spec, current, missing)
     if missing:
         return Decision(current, f"holding at {current}", missing)
-    if _idle(history, spec, current, now, last_change):
+    if idle(history, spec, current, now, last_change):
         return Decision(0, f"no requests for {spec.scale_to_zero_idle_seconds}s")
     down = _down(history, spec, target, current, now, last_change)
     if down is not None:
         wanted, why = down
-        return Decision(max(1, _bounded(wanted, spec, current)), why)
+        return Decision(max(1, bounded(wanted, spec, current)), why)
     return Decision(current, f"concurrency {latest.concurrency:g} for {current} at target {target:g}")

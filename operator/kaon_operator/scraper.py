@@ -18,6 +18,8 @@ Buckets = tuple[tuple[float, float], ...]
 """A cumulative histogram: (upper bound, count) pairs, ascending."""
 _GAUGES = {"kaon_num_requests_waiting": "waiting", "kaon_num_requests_running": "running",
            "kaon_kv_cache_usage_ratio": "kv_cache_usage"}
+_COUNTERS = {"kaon_prompt_tokens_total": "prompt_tokens_total",
+             "kaon_generation_tokens_total": "generation_tokens_total"}
 
 
 class BadExposition(ValueError):
@@ -31,6 +33,9 @@ class PodMetrics:
     kv_cache_usage: float = 0.0
     requests_total: float = 0.0
     """All finished requests (any finish reason): the idleness signal."""
+    prompt_tokens_total: float = 0.0
+    generation_tokens_total: float = 0.0
+    """With requests_total, the length mix the predictive policy sizes replicas for."""
     latency_buckets: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per latency metric ("ttft", "e2e"): cumulative (le, count) pairs, ascending."""
 
@@ -45,12 +50,15 @@ def _samples(text: str):
 
 def parse(text: str) -> PodMetrics:
     """An engine's exposition; raises BadExposition for text that is not one."""
-    values = {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0, "requests_total": 0.0}
+    values = {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0, "requests_total": 0.0,
+              "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0}
     buckets: dict[str, list[tuple[float, float]]] = {key: [] for key in LATENCY_METRICS}
     by_name = {f"{name}_bucket": key for key, name in LATENCY_METRICS.items()}
     for sample in _samples(text):
         if sample.name == "kaon_requests_total":
             values["requests_total"] += sample.value
+        elif sample.name in _COUNTERS:
+            values[_COUNTERS[sample.name]] = sample.value
         elif sample.name in by_name and "le" in sample.labels:
             buckets[by_name[sample.name]].append((float(sample.labels["le"]), sample.value))
         elif sample.name in _GAUGES:

@@ -65,6 +65,11 @@ INVALID = [
     ("zero-without-idle", with_("autoscaling", {"minReplicas": 0}), "minReplicas 0 needs scaleToZeroIdleSeconds"),
     ("idle-without-zero", with_("autoscaling", {"scaleToZeroIdleSeconds": 60}),
      "scaleToZeroIdleSeconds needs minReplicas 0"),
+    ("predictive-without-profile", with_("autoscaling", {"policy": "predictive"}),
+     "policy predictive needs profile: the ConfigMap holding the engine's performance model"),
+    ("profile-auto", with_("autoscaling", {"policy": "predictive", "profile": "auto"}),
+     "profile auto (a profiling Job run by the operator) is not implemented: profile the engine with "
+     "bench/autoscale_calibrate.py and name the ConfigMap that holds its model"),
     ("kv-fraction-0", with_("engine.kvCacheFraction", 0), "should be greater than 0"),
     ("latency-metric", with_("autoscaling.latencyMetric", "p50"), 'Unsupported value: "p50"'),
     ("unknown-field", with_("engine.tensorParalelSize", 2), 'unknown field "spec.engine.tensorParalelSize"'),

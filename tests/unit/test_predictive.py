@@ -1,0 +1,87 @@
+"""The predictive policy, pure: histories of scrapes in, replicas out."""
+from __future__ import annotations
+
+import math
+
+from kaon_operator import api, autoscaler, predictive
+from kaon_operator.autoscaler import Sample
+from kaon_operator.perf_model import PerfModel
+
+MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, cold_start_seconds=30.0)
+TICK = 5.0
+
+
+def spec(**kw) -> api.AutoscalingSpec:
+    fields = {"policy": "predictive", "profile": "engine-profile", **kw}
+    return api.AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=10, target_p99_latency_seconds=0.3,
+                               latency_metric="ttft", **fields)
+
+
+def sample(t: float, ready: int, rate: float, prompt: float, ttft: float = 0.21, output: float = 72,
+           answered: int | None = None, in_flight: float = 3.0) -> Sample:
+    finished = rate * TICK
+    latency = ((ttft, finished), (math.inf, finished))
+    return Sample(time=t, ready=ready, answered=answered, running=in_flight, finished=finished, latency=latency,
+                  prompt_tokens=finished * prompt, output_tokens=finished * output)
+
+
+def steady(seconds: float, ready: int = 3, rate: float = 6.0, prompt: float = 144, **kw) -> list[Sample]:
+    return [sample(i * TICK, ready, rate, prompt, **kw) for i in range(int(seconds / TICK))]
+
+
+def decide(history, current: int = 3, s=None, last_change: float | None = None):
+    return predictive.decide(history, s or spec(), current, history[-1].time, last_change, model=MODEL)
+
+
+def test_steady_load_never_moves():
+    history = steady(1800)
+    for end in range(len(history) // 2, len(history)):  # every tick of the second quarter hour
+        decision = decide(history[:end + 1])
+        assert decision.replicas == 3, decision.reason
+
+
+def test_a_longer_prompt_mix_at_the_same_rate_scales_up_before_the_p99_is_missed():
+    history = steady(900) + [sample(900 + i * TICK, 3, 6.0, 400) for i in range(12)]
+    # Latency is still fine (every request at 0.21 s) and concurrency did not move ...
+    reactive = spec(policy="reactive", target_concurrency_per_replica=1.0)  # 3 in flight: at target on 3
+    assert autoscaler.decide(history, reactive, 3, history[-1].time).replicas == 3
+    # ... but the model sees three times the prefill work coming at the same rate.
+    decision = decide(history)
+    assert decision.replicas > 3 and "prompts 400" in decision.reason
+
+
+def test_fewer_replicas_only_when_the_whole_window_fits_them():
+    quiet = steady(900, rate=2.0)
+    assert decide(quiet, current=5, last_change=-1000).replicas < 5
+    # One busy minute inside the stabilization window keeps the replicas.
+    busy = [sample(900 + i * TICK, 5, 12.0, 144) for i in range(12)]
+    calm = [sample(960 + i * TICK, 5, 2.0, 144) for i in range(24)]
+    assert decide(quiet + busy + calm, current=5, last_change=-1000).replicas == 5
+
+
+def test_missing_metrics_hold():
+    history = steady(900)
+    history[-1] = sample(history[-1].time, 3, 6.0, 144, answered=2)
+    decision = decide(history)
+    assert decision.replicas == 3 and decision.metrics_missing
+    quiet = steady(900, rate=1.0)
+    quiet[-1] = sample(quiet[-1].time, 5, 1.0, 144, answered=4)
+    assert decide(quiet, current=5, last_change=-1000).replicas == 5  # never down on a partial scrape
+
+
+def test_the_observed_p99_corrects_the_model_within_bounds():
+    fast = predictive.bias(steady(900, ttft=0.1), MODEL, spec())
+    slow = predictive.bias(steady(900, ttft=0.3), MODEL, spec())
+    assert fast < 1 < slow
+    assert predictive.bias(steady(900, ttft=60.0), MODEL, spec()) == predictive.BIAS_BOUNDS[1]
+    # A model that says the replicas are slower than they are keeps fewer when corrected.
+    assert decide(steady(900, rate=9.0, ttft=0.15)).replicas < decide(steady(900, rate=9.0, ttft=0.4)).replicas
+
+
+def test_a_rising_rate_is_met_a_cold_start_ahead():
+    flat = steady(600, rate=4.0)
+    rising = flat + [sample(600 + i * TICK, 3, 4.0 + 0.4 * i, 144) for i in range(12)]
+    now = predictive.load([s for s in rising if s.time > rising[-1].time - 60])
+    ahead = predictive.projected(rising, spec(), MODEL, rising[-1].time)
+    assert ahead.rate > now.rate
+    assert predictive.projected(flat, spec(), MODEL, flat[-1].time).rate == predictive.load(flat[-12:]).rate
