@@ -5,7 +5,8 @@ writes the call's head (`<tool_call>\n{"name": "get_weather", "arguments": ` in 
 whose content is the function's parameters schema, and whose end closes the call. Tags are
 joined by the format's separator; at least one call, and only one when parallel_tool_calls is
 false. Even a small model then writes a call that parses, to a function that exists, with
-arguments valid against its schema.
+arguments valid against its schema. Whitespace inside the arguments comes one character at a
+time at most: a small model left free to indent can indent until max_tokens.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def forced_call_tag(functions: list[dict], parser: ToolParser, parallel: bool) -
         parameters = function.get("parameters") or EMPTY_PARAMETERS
         check_schema(parameters, f"tools[{function['name']}].function.parameters")
         tags.append({"type": "tag", "begin": head.format(name=json.dumps(function["name"])),
-                     "content": {"type": "json_schema", "json_schema": parameters}, "end": tail})
+                     "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": 1},
+                     "end": tail})
     calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
              "stop_after_first": not parallel}
     if opening or closing:
