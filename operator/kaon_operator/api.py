@@ -288,10 +288,11 @@ _ZERO_NEEDS_IDLE_MESSAGE = "minReplicas 0 needs scaleToZeroIdleSeconds"
 _IDLE_NEEDS_ZERO = "!has(self.scaleToZeroIdleSeconds) || self.minReplicas == 0"
 _IDLE_NEEDS_ZERO_MESSAGE = "scaleToZeroIdleSeconds needs minReplicas 0"
 _PREDICTIVE_NEEDS_PROFILE = "self.policy != 'predictive' || has(self.profile)"
-_PREDICTIVE_NEEDS_PROFILE_MESSAGE = "policy predictive needs profile: the ConfigMap holding the engine's performance model"
+_PREDICTIVE_NEEDS_PROFILE_MESSAGE = ("policy predictive needs profile: the ConfigMap holding the engine's "
+                                     "performance model")
 _PROFILE_NOT_AUTO = "!has(self.profile) || self.profile != 'auto'"
-_PROFILE_NOT_AUTO_MESSAGE = ("profile auto (a profiling Job run by the operator) is not implemented: profile the engine "
-                             "with bench/autoscale_calibrate.py and name the ConfigMap that holds its model")
+_PROFILE_NOT_AUTO_MESSAGE = ("profile auto (a profiling Job run by the operator) is not implemented: profile the "
+                             "engine with bench/autoscale_calibrate.py and name the ConfigMap that holds its model")
 PROFILE_KEY = "model.json"  # the key of the profile ConfigMap that holds the performance model
 
 MAX_WINDOW_SECONDS = 3600  # the operator keeps this much history at most

@@ -13,6 +13,9 @@ of a coordination.k8s.io Lease runs the loop.
 Counters and histograms are cumulative over an engine's life, so each pod keeps a baseline:
 a pod's first scrape is a baseline only, a pod that misses a scrape keeps its baseline (the
 next answer covers both intervals), and a restarted engine (counts went down) counts from zero.
+
+Over 300 lines for a stated reason: the loop's I/O (scrapes, the profile ConfigMap, status,
+Events) with the small pure helpers that turn scrapes into samples beside it.
 """
 from __future__ import annotations
 
@@ -24,10 +27,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kaon_operator import api, autoscaler, kubetime, labels, resources, scraper, status, summaries
+from kaon_operator import api, autoscaler, kubetime, labels, predictive, resources, scraper, status, summaries
 from kaon_operator.caches import Caches, Key
 from kaon_operator.config import AutoscaleSettings
 from kaon_operator.kube import Conflict
+from kaon_operator.perf_model import PerfModel
 from kaon_operator.status import EventSpec
 from kaon_operator.summaries import PodSummary
 
@@ -47,6 +51,8 @@ class Baseline:
 
     finished: float
     latency: scraper.Buckets = ()
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
 
 
 @dataclass(slots=True)
@@ -60,6 +66,29 @@ class ServiceState:
     capped: bool = False
     condition: dict | None = None
     """MetricsAvailable as last reported."""
+    profile: tuple[str, PerfModel | None] | None = None
+    """(ConfigMap name, the performance model read from it, None if unreadable) for the predictive policy."""
+
+
+def token_deltas(baselines: dict[str, Baseline], answers: dict[str, scraper.PodMetrics]) -> tuple[float, float]:
+    """(prompt tokens, generated tokens) since the last scrape, over the pods that answered and
+    have a baseline (a first scrape is only a baseline; a restarted engine counts from zero)."""
+    prompt = generated = 0.0
+    for pod, metrics in answers.items():
+        before = baselines.get(pod)
+        if before is None:
+            continue
+        restarted = metrics.requests_total < before.finished or metrics.prompt_tokens_total < before.prompt_tokens
+        prompt += metrics.prompt_tokens_total - (0.0 if restarted else before.prompt_tokens)
+        generated += metrics.generation_tokens_total - (0.0 if restarted else before.generation_tokens)
+    return prompt, generated
+
+
+def read_profile(text: str | None) -> PerfModel | None:
+    try:
+        return PerfModel.from_json(text) if text else None
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, scraper.PodMetrics],
@@ -70,7 +99,8 @@ def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, s
     kept = {pod: b for pod, b in baselines.items() if pod in live}
     finished, deltas = 0.0, []
     for pod, metrics in answers.items():
-        now = Baseline(metrics.requests_total, metrics.latency_buckets.get(latency_metric, ()))
+        now = Baseline(metrics.requests_total, metrics.latency_buckets.get(latency_metric, ()),
+                       metrics.prompt_tokens_total, metrics.generation_tokens_total)
         before = kept.get(pod)
         if before is not None:  # a first scrape is only a baseline: its counts span the pod's whole life
             restarted = now.finished < before.finished
@@ -203,20 +233,40 @@ class AutoscaleLoop:
         auto, now = spec.autoscaling, time.time()
         pods = [p for p in self.caches.pods(key) if not p.terminating]
         answers = await self._scrape_engines(pods)
+        prompt_tokens, output_tokens = token_deltas(memory.baselines, answers)
         memory.baselines, finished, latency = advance(memory.baselines, {p.name for p in pods}, answers,
                                                       auto.latency_metric)
         ready = sum(answers_http(p) for p in pods)
         sample = autoscaler.Sample(
             time=now, ready=ready, answered=len(answers), starting=sum(not p.ready for p in pods),
             waiting=sum(m.waiting for m in answers.values()), running=sum(m.running for m in answers.values()),
-            finished=finished, latency=latency, held_by_router=None if held is None else held.get(key, 0.0))
+            finished=finished, latency=latency, held_by_router=None if held is None else held.get(key, 0.0),
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         memory.history.append(sample)
         del memory.history[:sum(s.time < now - autoscaler.history_seconds(auto) for s in memory.history)]
 
         last = (body.get("status") or {}).get("lastScaleDecision") or {}
-        decision = autoscaler.decide(memory.history, auto, spec.replicas, now, kubetime.epoch(last.get("time")),
-                                     max_num_seqs=spec.engine.max_num_seqs)
+        decision = await self._decide(key, auto, spec, memory, now, kubetime.epoch(last.get("time")))
         await self._act(key, body, spec, sample, answers, memory, decision)
+
+    async def _decide(self, key: Key, auto: api.AutoscalingSpec, spec: api.InferenceServiceSpec,
+                      memory: ServiceState, now: float, last_change: float | None) -> autoscaler.Decision:
+        """The spec's policy; predictive without a readable profile decides as the reactive one, and says so."""
+        if auto.policy == "predictive" and auto.profile:
+            if memory.profile is None or memory.profile[0] != auto.profile or memory.profile[1] is None:
+                data = await asyncio.to_thread(self.kube.config_map_data, key[0], auto.profile)
+                memory.profile = (auto.profile, read_profile((data or {}).get(api.PROFILE_KEY)))
+            model = memory.profile[1]
+            if model is not None:
+                return predictive.decide(memory.history, auto, spec.replicas, now, last_change, model=model,
+                                         max_num_seqs=spec.engine.max_num_seqs)
+        decision = autoscaler.decide(memory.history, auto, spec.replicas, now, last_change,
+                                     max_num_seqs=spec.engine.max_num_seqs)
+        if auto.policy == "predictive":
+            why = f"no performance model in ConfigMap {auto.profile} key {api.PROFILE_KEY}: reactive"
+            return autoscaler.Decision(decision.replicas, f"{decision.reason} ({why})", decision.metrics_missing,
+                                       decision.capped_from)
+        return decision
 
     async def _act(self, key, body, spec: api.InferenceServiceSpec, sample: autoscaler.Sample,
                    answers: dict[str, scraper.PodMetrics], memory: ServiceState, decision: autoscaler.Decision) -> None:

@@ -110,6 +110,15 @@ class Kube:
             if exc.status not in (404, 409):
                 raise
 
+    def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A ConfigMap's data (the predictive autoscaler's performance model); None when it does not exist."""
+        try:
+            return self.core.read_namespaced_config_map(name, namespace).data or {}
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=label_selector)
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from kaon_operator import api, autoscaler, predictive
+from kaon_operator import api, autoscale_loop, autoscaler, predictive, scraper
 from kaon_operator.autoscaler import Sample
 from kaon_operator.perf_model import PerfModel
 
@@ -85,3 +85,15 @@ def test_a_rising_rate_is_met_a_cold_start_ahead():
     ahead = predictive.projected(rising, spec(), MODEL, rising[-1].time)
     assert ahead.rate > now.rate
     assert predictive.projected(flat, spec(), MODEL, flat[-1].time).rate == predictive.load(flat[-12:]).rate
+
+
+def test_the_loop_counts_tokens_from_per_pod_baselines_and_reads_a_profile():
+    def pod(requests, prompt, generated):
+        return scraper.PodMetrics(requests_total=requests, prompt_tokens_total=prompt, generation_tokens_total=generated)
+
+    baselines, _, _ = autoscale_loop.advance({}, {"a"}, {"a": pod(10, 1000, 500)}, "ttft")
+    assert autoscale_loop.token_deltas({}, {"a": pod(10, 1000, 500)}) == (0, 0)  # a first scrape: a baseline only
+    assert autoscale_loop.token_deltas(baselines, {"a": pod(12, 1300, 600)}) == (300, 100)
+    assert autoscale_loop.token_deltas(baselines, {"a": pod(1, 40, 7)}) == (40, 7)  # restarted: from zero
+    assert autoscale_loop.read_profile(MODEL.to_json()) == MODEL
+    assert autoscale_loop.read_profile("not json") is None and autoscale_loop.read_profile(None) is None
