@@ -137,3 +137,43 @@ def test_the_oracle_finds_the_replicas_a_minute_needs():
     assert all(n >= 3 for n in schedule[1:])  # 2.5 replicas of work cannot fit 2
     run = sim.simulate(arrivals, 180, MODEL, sim.Schedule(schedule), schedule[0], cold_start_s=0.0)
     assert run.attainment(1.0) >= 0.98
+
+
+def test_the_dwell_oracle_holds_the_most_any_minute_of_its_block_needs():
+    assert sim.dwell_schedule([1, 3, 2, 2, 1, 1, 1, 4], 5) == [3, 3, 3, 3, 3, 4, 4, 4]
+
+
+def test_a_trace_can_change_its_length_mix_at_a_constant_rate():
+    long = sim.Workload(prompt=(400, 500))
+    trace = sim.Trace("t", 200, lambda t: 2.0, workload=lambda t: long if t >= 100 else WORKLOAD)
+    arrivals = sim.arrivals_for(trace, WORKLOAD, 0)
+    assert all(p <= 128 for t, p, _ in arrivals if t < 100) and all(p >= 400 for t, p, _ in arrivals if t >= 100)
+
+
+def test_the_scrape_counts_tokens_as_the_engine_does():
+    cluster = sim.Cluster(MODEL, 0.0, 30.0, 600.0)
+    cluster.set_replicas(1)
+    state = sim.Scrape(0.0, random.Random(0))
+    for _ in range(3):
+        cluster.route(sim.Request(0.0, 64, 5))
+    assert cluster.scrape(state).prompt_tokens == 192  # counted when accepted
+    while cluster.events:
+        at, _, kind, what = sim.heapq.heappop(cluster.events)
+        cluster.now = at
+        if kind == "step":
+            cluster.step_done(what)
+    assert cluster.scrape(state).output_tokens == 15
+
+
+def test_the_predictive_policy_scales_up_on_longer_prompts_at_the_same_rate():
+    long = sim.Workload(prompt=(512, 768), output=(8, 32))
+    cap = sim.capacity(MODEL, WORKLOAD)
+    trace = sim.Trace("t", 600, lambda t: 1.5 * cap, workload=lambda t: long if t >= 300 else WORKLOAD)
+    arrivals = sim.arrivals_for(trace, WORKLOAD, 0)
+    spec = sim.AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=8, target_p99_latency_seconds=1.0,
+                               scale_down_stabilization_seconds=120)
+    policy = sim.Kaon(spec, MODEL.max_num_seqs, sim.Scrape(0.0, random.Random(0)), model=MODEL.perf_model())
+    run = sim.simulate(arrivals, 600, MODEL, policy, 2)
+    before = max(n for t, n in run.replica_log if t < 300)
+    after = max(n for t, n in run.replica_log if t >= 300)
+    assert policy.name == "kaon-predictive" and after > before
