@@ -13,6 +13,7 @@ from kaon_runtime.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_MET
 from kaon_runtime.errors import KaonError, ModelDoesNotFitError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
+from kaon_runtime.server import limits
 from kaon_runtime.structured.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on CPU (half the memory attention "
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(Hermes for a template that knows no tools)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
+    limits.add_flags(serve)  # what one request or connection may cost
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-model-len", type=int)

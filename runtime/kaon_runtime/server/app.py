@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -20,6 +20,7 @@ from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullE
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import openapi as doc, protocol as p
 from kaon_runtime.server.keys import ApiKeys
+from kaon_runtime.server.limits import Admission, Limits, check_chat, check_completion
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
@@ -36,6 +37,8 @@ class ServerSettings:
     """A file (or a directory of files, one key each: a mounted Secret) of accepted keys, re-read on change."""
     max_body_bytes: int = 4 << 20
     tool_call_parser: str | None = None  # hermes, llama3, mistral; None or "auto": from the chat template
+    limits: Limits = field(default_factory=Limits)
+    """What one request may cost, checked before it is tokenized (server/limits.py)."""
 
 
 class APIError(Exception):
@@ -82,6 +85,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.engine, app.state.settings, app.state.keys = engine, settings, keys
     app.state.server = ServerState()
     app.state.metrics = Metrics(engine.stats)
+    app.state.admission = Admission(engine)
     _install_error_handlers(app)
     doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                 secured=keys.enabled)
@@ -172,8 +176,10 @@ async def completions(request: Request, engine: Engine, settings: Settings, metr
     body = await _parse(request, p.CompletionRequest, settings)
     _check_model(body.model, settings)
     prompt = _single_prompt(body.prompt)
+    check_completion(body, prompt, settings.limits, engine.max_model_len)
     params = _sampling_params(body, body.max_tokens, body.logprobs, body.output_constraint())
-    gen = await _start(engine, settings, metrics, "cmpl", prompt, params)
+    with request.app.state.admission.slot():
+        gen = await _start(engine, settings, metrics, "cmpl", prompt, params)
     return await _respond(request, gen, CompletionFormat(gen, engine.tokenizer), body)
 
 
@@ -184,10 +190,12 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
     _check_model(body.model, settings)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    check_chat(body, max_tokens, settings.limits, engine.max_model_len)
     plan = plan_chat(body, engine.tokenizer, tool_parser(engine.tokenizer, settings.tool_call_parser))
     params = _sampling_params(body, max_tokens, num_logprobs, plan.constraint)
-    prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
-    gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params)
+    with request.app.state.admission.slot():
+        prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
+        gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params)
     return await _respond(request, gen, ChatFormat(gen, engine.tokenizer, plan.calling), body)
 
 
@@ -208,7 +216,13 @@ async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
         gen.close()
     if output is None:  # nobody is listening; the status is for the access log
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(fmt.response(output).model_dump())
+    # Off the event loop: a response with many choices and log-probabilities takes a while to
+    # build and encode, and /health must not wait for it.
+    return Response(await asyncio.to_thread(_encoded, fmt, output), media_type="application/json")
+
+
+def _encoded(fmt, output) -> bytes:
+    return fmt.response(output).model_dump_json().encode()
 
 
 class _CountInFlight:

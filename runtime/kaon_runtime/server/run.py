@@ -10,6 +10,7 @@ import uvicorn
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.llm_engine import LLMEngine
+from kaon_runtime.server import limits
 from kaon_runtime.server.app import ServerSettings, ServerState, create_app
 
 logger = logging.getLogger("uvicorn.error")  # configured by uvicorn, so these lines reach its log
@@ -69,11 +70,14 @@ def serve(config: EngineConfig, args) -> int:
 def _run(args, engine: AsyncEngine) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                               api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser, limits=limits.from_args(args))
     app = create_app(engine, settings)
+    bounds = settings.limits
     server = _DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                       timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S),
+                       timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
+                       http=limits.deadline_protocol(bounds.header_timeout, bounds.body_timeout),
+                       limit_concurrency=bounds.max_connections),
         app.state.server, args.drain_timeout)
     server.run()
     return 0 if server.started else 1  # uvicorn returns quietly when startup fails

@@ -1,0 +1,71 @@
+"""What one request may cost the engine (server/limits.py): each limit refuses with a 400 that
+names it, before the prompt is tokenized; a full queue refuses before tokenizing too."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kaon_runtime.errors import InvalidRequestError, QueueFullError
+from kaon_runtime.server import protocol as p
+from kaon_runtime.server.limits import Admission, Limits, check_chat, check_completion
+
+LIMITS = Limits(max_stop=4, max_stop_chars=8, max_logprob_entries=1000)
+CONTEXT = 100
+
+
+def completion(**fields) -> p.CompletionRequest:
+    return p.CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fields})
+
+
+def chat(**fields) -> p.ChatCompletionRequest:
+    return p.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                   **fields})
+
+
+def refused(check, *args) -> str:
+    with pytest.raises(InvalidRequestError) as exc:
+        check(*args)
+    return str(exc.value)
+
+
+def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing():
+    assert LIMITS.prompt_bytes_limit(CONTEXT) == 3200  # 32 bytes a token at most
+    check_completion(completion(), "x" * 3200, LIMITS, CONTEXT)
+    assert "3201 bytes" in refused(check_completion, completion(), "x" * 3201, LIMITS, CONTEXT)
+    assert "--max-prompt-bytes" in refused(check_completion, completion(), "é" * 1601, LIMITS, CONTEXT)  # bytes
+    assert "101 tokens" in refused(check_completion, completion(), [1] * 101, LIMITS, CONTEXT)
+    big = [{"role": "user", "content": "x" * 2000}, {"role": "user", "content": [{"type": "text", "text": "y" * 1201}]}]
+    assert "3201 bytes" in refused(check_chat, chat(messages=big), None, LIMITS, CONTEXT)
+    assert "--max-prompt-bytes" in refused(check_completion, completion(), "x" * 11, Limits(max_prompt_bytes=10),
+                                           CONTEXT)
+
+
+def test_stop_strings_are_capped_in_number_and_length():
+    check_completion(completion(stop=["a", "b", "c", "d"]), "hi", LIMITS, CONTEXT)
+    assert "--max-stop)" in refused(check_completion, completion(stop=list("abcde")), "hi", LIMITS, CONTEXT)
+    assert "--max-stop-chars" in refused(check_chat, chat(stop="123456789"), None, LIMITS, CONTEXT)
+
+
+def test_log_probability_entries_are_capped():
+    check_chat(chat(n=2, logprobs=True, top_logprobs=4, max_tokens=100), 100, LIMITS, CONTEXT)  # 1000
+    message = refused(check_chat, chat(n=2, logprobs=True, top_logprobs=4), 101, LIMITS, CONTEXT)
+    assert "1010" in message and "--max-logprob-entries" in message
+    assert "--max-logprob-entries" in refused(check_chat, chat(logprobs=True, top_logprobs=20), None,
+                                              Limits(max_logprob_entries=2000), CONTEXT)  # None: the context
+    check_chat(chat(n=128, max_tokens=10**6), 10**6, LIMITS, CONTEXT)  # no logprobs asked: nothing to cap
+    assert "--max-logprob-entries" in refused(check_completion, completion(logprobs=5, n=4, max_tokens=50), "hi",
+                                              LIMITS, CONTEXT)
+
+
+def test_a_full_queue_refuses_before_the_prompt_is_prepared():
+    engine = SimpleNamespace(max_queue=2, stats=lambda: SimpleNamespace(num_waiting=1))
+    admission = Admission(engine)
+    with admission.slot():
+        assert admission.preparing == 1
+        with pytest.raises(QueueFullError):  # one waiting in the engine, one being tokenized
+            with admission.slot():
+                pass
+    assert admission.preparing == 0
+    with admission.slot():
+        pass
