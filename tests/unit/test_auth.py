@@ -86,10 +86,6 @@ def secret(name: str, namespace: str = "default", **data: str) -> dict:
     return {"metadata": {"name": name, "namespace": namespace}, "data": {k: b64(v) for k, v in data.items()}}
 
 
-INVALID_KEY = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
-                         "param": None, "code": "invalid_api_key"}}
-
-
 def test_bearer_and_accepted():
     digests = (auth.digest(b"k1"), auth.digest(b"k2"))
     assert auth.bearer("Bearer k1") == b"k1" and auth.bearer("bearer  k1 ") == b"k1"
