@@ -13,9 +13,10 @@ from kaon_operator.api import _Model
 
 
 class Condition(_Model):
-    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods); `reason` is a CamelCase word such as Unschedulable."""  # noqa: E501 - one line: the CRD's description
+    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, ResourceConflict while a child's name is taken by an object it does not control, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods); `reason` is a CamelCase word such as Unschedulable."""  # noqa: E501 - one line: the CRD's description
 
-    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict", "DisruptionAllowed"]
+    type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict", "DisruptionAllowed",
+                  "ResourceConflict"]
     """Which condition."""
     status: Literal["True", "False", "Unknown"]
     """Whether it holds."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kaon_operator.resources import NetworkPolicyConfig
+from kaon_operator.spec_policy import SpecPolicy
 
 
 @dataclass(frozen=True)
@@ -22,3 +23,5 @@ class OperatorConfig:
     network_policy: NetworkPolicyConfig | None = None
     """Render a NetworkPolicy per InferenceService with these peers; None: none (and delete the ones made)."""
     autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)
+    spec_policy: SpecPolicy = field(default_factory=SpecPolicy)
+    """What the spec's pass-through fields may ask for (spec_policy.py): the admin's opt-ins."""

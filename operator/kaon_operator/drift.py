@@ -8,7 +8,7 @@ from typing import Any
 
 from kaon_operator import api, changes, status
 from kaon_operator.context import Context
-from kaon_operator.kube import NamespaceTerminating
+from kaon_operator.kube import NamespaceTerminating, NotOwned
 from kaon_operator.reconciler import apply_children
 
 
@@ -24,8 +24,8 @@ def _repair(ctx: Context, namespace: str, owner_name: str, child, why: str) -> N
     before = child["metadata"].get("resourceVersion")
     try:
         applied = apply_children(ctx, body, spec)
-    except NamespaceTerminating:
-        return
+    except (NamespaceTerminating, NotOwned):
+        return  # a name taken by an object not ours is reconcile's to report (ResourceConflict)
     after = next((c["metadata"]["resourceVersion"] for c in applied
                   if c["kind"] == child["kind"] and c["metadata"]["name"] == child["metadata"]["name"]), before)
     if after != before:

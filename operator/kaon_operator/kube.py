@@ -12,9 +12,25 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 
-from kaon_operator import api, kubetime
+from kaon_operator import api, kubetime, ownership
 
 FIELD_MANAGER = "kaon-operator"
+REQUEST_TIMEOUT_S = (5.0, 30.0)
+"""(connect, read) seconds for every request to the apiserver: a hung apiserver is an error the
+handler reports and kopf retries, never a worker thread blocked for good."""
+
+
+class TimedApiClient(kubernetes.client.ApiClient):
+    """The official client with a timeout on every request (it has none unless each call passes one)."""
+
+    def __init__(self, configuration: kubernetes.client.Configuration, timeout: float | tuple[float, float]):
+        super().__init__(configuration)
+        self.timeout = timeout
+
+    def call_api(self, *args, **kwargs):
+        if kwargs.get("_request_timeout") is None:
+            kwargs["_request_timeout"] = self.timeout
+        return super().call_api(*args, **kwargs)
 
 
 def held_by_another(spec, holder: str, now: datetime) -> bool:
@@ -25,6 +41,16 @@ def held_by_another(spec, holder: str, now: datetime) -> bool:
 
 class NamespaceTerminating(Exception):
     """The namespace is being deleted: nothing new can be created there, nor needs to be."""
+
+
+class NotOwned(Exception):
+    """A child's name is taken by an object this InferenceService does not control: left untouched."""
+
+    def __init__(self, kind: str, namespace: str, name: str, holder: str):
+        super().__init__(f"{kind} {namespace}/{name} already exists and is not this InferenceService's "
+                         f"(its controller: {holder}); kaon leaves it untouched: delete or rename it, or rename "
+                         "the InferenceService")
+        self.kind, self.name = kind, name
 
 
 class Conflict(Exception):
@@ -43,7 +69,7 @@ class Kube:
         self.coordination = kubernetes.client.CoordinationV1Api(client)
 
     @classmethod
-    def from_environment(cls, pool_size: int = 32) -> Kube:
+    def from_environment(cls, pool_size: int = 32, timeout: float | tuple[float, float] = REQUEST_TIMEOUT_S) -> Kube:
         """In-cluster credentials when running in a pod, $KUBECONFIG otherwise."""
         config = kubernetes.client.Configuration()
         try:
@@ -51,10 +77,17 @@ class Kube:
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config(client_configuration=config)
         config.connection_pool_maxsize = pool_size  # handlers run in a thread pool
-        return cls(kubernetes.client.ApiClient(config))
+        return cls(TimedApiClient(config, timeout=timeout))
 
     def apply(self, manifest: dict) -> dict:
+        """Server-side apply, unless the name is taken by an object this manifest's controller does
+        not control (NotOwned; ownership.py). (Between the read and the apply another client could
+        still create it: the window is one round trip, and the next reconcile reports it.)"""
         resource = self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+        meta = manifest["metadata"]
+        holder = ownership.foreign_holder(self._get(resource, meta["namespace"], meta["name"]), manifest)
+        if holder is not None:
+            raise NotOwned(manifest["kind"], meta["namespace"], meta["name"], holder)
         try:
             return self.dynamic.server_side_apply(
                 resource, body=manifest, namespace=manifest["metadata"]["namespace"],
@@ -62,6 +95,15 @@ class Kube:
         except ApiException as exc:
             if exc.status == 403 and "NamespaceTerminating" in (exc.body or ""):
                 raise NamespaceTerminating(manifest["metadata"]["namespace"]) from None
+            raise
+
+    @staticmethod
+    def _get(resource, namespace: str, name: str) -> dict | None:
+        try:
+            return resource.get(name=name, namespace=namespace).to_dict()
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
             raise
 
     def get_inference_service(self, namespace: str, name: str) -> dict | None:

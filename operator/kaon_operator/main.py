@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from kaon_operator.config import AutoscaleSettings, OperatorConfig
 from kaon_operator.resources import NetworkPolicyConfig
+from kaon_operator.spec_policy import SpecPolicy
 
 
 def priority(value: str) -> int:
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network-policy-from", type=network_peer, action="append", default=[], metavar="JSON",
                         help="one more NetworkPolicyPeer the engine port admits (repeatable), e.g. the namespace "
                              "of the Prometheus that scrapes the engines")
+    parser.add_argument("--allow-host-path", action="store_true",
+                        help="let spec.engine.volumes use hostPath (off: configMap, secret, emptyDir, "
+                        "persistentVolumeClaim and projected only)")
+    parser.add_argument("--allow-secret-env", action="store_true",
+                        help="let spec.engine.env/envFrom read Secrets of the namespace")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
 
@@ -75,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         network_policy=NetworkPolicyConfig(args.release_namespace, tuple(args.network_policy_from))
         if args.network_policy else None,
         autoscale=AutoscaleSettings(interval=args.autoscale_interval, release_namespace=args.release_namespace,
-                                    use_lease=args.peering is not None))
+                                    use_lease=args.peering is not None),
+        spec_policy=SpecPolicy(allow_host_path=args.allow_host_path, allow_secret_env=args.allow_secret_env))
 
     if args.metrics_port:
         start_http_server(args.metrics_port)

@@ -8,12 +8,13 @@ import json
 import kopf
 from kubernetes.client.rest import ApiException
 
-from kaon_operator import api, changes, resources, status, status_sync
+from kaon_operator import api, changes, resources, spec_policy, status, status_sync
 from kaon_operator.context import Context
-from kaon_operator.kube import NamespaceTerminating
+from kaon_operator.kube import NamespaceTerminating, NotOwned
 from kaon_operator.metrics import RECONCILE_SECONDS
 
 APPLY_RETRY_SECONDS = 10
+CONFLICT_RETRY_SECONDS = 30  # until the object in the way is gone (then the children are applied)
 
 
 def _api_message(exc: ApiException) -> str:
@@ -37,6 +38,8 @@ def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> Non
     """kopf's create, update (of the spec) and resume."""
     record = ctx.records.get(key)
     spec = api.parse_spec(body["spec"])
+    if not isinstance(spec, str):
+        spec = spec_policy.refusal(spec, ctx.config.spec_policy) or spec  # more than the admin allows: invalid
     if isinstance(spec, str):
         status_sync.write_invalid_spec(ctx, body, key, spec)
         return  # nothing to retry: the spec must change first, and that is another event
@@ -50,13 +53,19 @@ def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> Non
         children = apply_children(ctx, body, spec)
     except NamespaceTerminating:
         return  # the InferenceService goes with its namespace
+    except NotOwned as exc:
+        # Never taken over, never deleted: reported (condition and Warning Event naming it), and tried again.
+        record.conflict = str(exc)
+        ctx.post(body, [status.EventSpec("Warning", status.RESOURCE_CONFLICT, record.conflict)])
+        status_sync.sync_status(ctx, body, key, spec, applied=False)
+        raise kopf.TemporaryError(record.conflict, delay=CONFLICT_RETRY_SECONDS) from None
     except ApiException as exc:
         # Say why in the status and an Event, then let kopf retry: quotas, admission webhooks
         # or a full Service IP range are fixed outside the spec.
         record.apply_failure = f"applying the children failed: {_api_message(exc)}"
         status_sync.sync_status(ctx, body, key, spec, applied=False)
         raise kopf.TemporaryError(record.apply_failure, delay=APPLY_RETRY_SECONDS) from None
-    record.apply_failure, record.applied = None, version
+    record.apply_failure, record.conflict, record.applied = None, None, version
     if reason == "create":
         ctx.post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])

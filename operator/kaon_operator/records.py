@@ -18,6 +18,8 @@ class ServiceRecord:
     """The status last written."""
     apply_failure: str | None = None
     """Why applying the children failed, until an apply succeeds again."""
+    conflict: str | None = None
+    """A child's name taken by an object this service does not control (kube.NotOwned), until an apply succeeds."""
     applied: tuple[str, int] | None = None
     """(uid, generation) whose children are applied."""
     metrics_condition: dict | None = None

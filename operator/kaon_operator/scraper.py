@@ -119,10 +119,23 @@ def quantile(buckets: tuple[tuple[float, float], ...], q: float) -> float | None
     return prev_le
 
 
-async def fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
-    """One pod's /metrics text, or None when it does not answer in time (it is then left out)."""
+MAX_METRICS_BYTES = 4 << 20
+"""An engine's /metrics is tens of kilobytes; a pod that sends more is left out of the round, not read on."""
+
+
+async def fetch(session: aiohttp.ClientSession, url: str, timeout: float,
+                limit: int = MAX_METRICS_BYTES) -> str | None:
+    """One pod's /metrics text, or None when it does not answer in time or sends more than
+    `limit` bytes (it is then left out)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            return await response.text() if response.status == 200 else None
+            if response.status != 200 or (response.content_length or 0) > limit:
+                return None
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    return None
+            return body.decode()
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None

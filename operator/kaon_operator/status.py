@@ -1,7 +1,7 @@
 """Pure policy: an InferenceService's status conditions and the Events their changes deserve.
 
 Every condition dict the operator writes is built here (Ready, Progressing, Degraded,
-DisruptionAllowed, NameConflict, MetricsAvailable), from the summaries of what the cluster
+DisruptionAllowed, NameConflict, MetricsAvailable, ResourceConflict), from the summaries of what the cluster
 shows (summaries.py). No I/O, so every rule is testable in microseconds.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kaon_operator.summaries import DeploymentSummary, PdbSummary, PodSummary, S
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 METRICS = "MetricsAvailable"
 NAME_CONFLICT = "NameConflict"
+RESOURCE_CONFLICT = "ResourceConflict"
 DISRUPTION = "DisruptionAllowed"
 BLOCKED = "InsufficientHealthyReplicas"
 
@@ -134,6 +135,14 @@ def apply_failed_conditions(message: str) -> list[dict]:
             _condition(PROGRESSING, True, "Reconciling", "retrying"),
             _condition(DEGRADED, True, "ApplyFailed", message)]
 
+
+
+def resource_conflict_conditions(message: str) -> list[dict]:
+    """A child's name is taken by an object the service does not control: nothing is applied over it."""
+    return [_condition(READY, False, RESOURCE_CONFLICT, message),
+            _condition(PROGRESSING, False, RESOURCE_CONFLICT, message),
+            _condition(DEGRADED, True, RESOURCE_CONFLICT, message),
+            _condition(RESOURCE_CONFLICT, True, "NotOwned", message)]
 
 
 def metrics_condition(metrics_missing: str | None, answered: int, ready: int) -> dict:

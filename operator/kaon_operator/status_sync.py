@@ -54,7 +54,9 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
             last = record.written or body.get("status") or {}
             applied = last.get("observedGeneration") == body["metadata"].get("generation")
         pods = ctx.caches.pods(key)
-        if record.apply_failure:
+        if record.conflict:
+            conditions = status.resource_conflict_conditions(record.conflict)
+        elif record.apply_failure:
             conditions = status.apply_failed_conditions(record.apply_failure)
         else:
             conditions = status.conditions(

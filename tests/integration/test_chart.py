@@ -227,7 +227,7 @@ def test_operator_may_set_block_owner_deletion_and_manage_network_policies(helm)
     def verbs(group: str, resource: str) -> set[str]:
         return {v for r in rules if group in r["apiGroups"] and resource in r["resources"] for v in r["verbs"]}
     assert verbs("kaon.dev", "inferenceservices/finalizers") == {"update"}  # OwnerReferencesPermissionEnforcement
-    assert verbs("networking.k8s.io", "networkpolicies") == {"list", "watch", "create", "patch", "delete"}
+    assert verbs("networking.k8s.io", "networkpolicies") == {"get", "list", "watch", "create", "patch", "delete"}
 
 
 def test_service_monitors_scrape_operator_router_and_every_engine(helm):
