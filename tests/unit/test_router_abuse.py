@@ -52,11 +52,14 @@ async def router_on_port(router):
 # pure ---------------------------------------------------------------------------------
 
 
-def test_body_budget_holds_at_most_its_limit():
+def test_body_budget_holds_at_most_its_limit_and_keeps_room_for_small_bodies():
     budget = BodyBudget(1000)
     assert budget.reserve(600) and not budget.reserve(600) and budget.reserve(400)
     budget.release(600)
     assert budget.reserve(500) and budget.held == 900
+    large = BodyBudget(4 << 20)
+    assert large.reserve(3 << 20) and not large.reserve(1 << 17)  # large ones fill 3/4 at most
+    assert large.reserve(1 << 16) and large.held == (3 << 20) + (1 << 16)  # a small one still fits
     assert body_size(None, 4096) == 4096 and body_size(10, 4096) == 10 and body_size(10**9, 4096) == 4096
 
 

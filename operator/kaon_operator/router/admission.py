@@ -4,10 +4,15 @@ on its headers). Pure decisions, no I/O."""
 from __future__ import annotations
 
 
+SMALL_BODY = 64 << 10
+LARGE_SHARE = 0.75
+
+
 class BodyBudget:
     """Request body bytes held at once, over every request. A request reserves its size before its
     body is read and gives it back when it is answered: a thousand stalled uploads cannot hold a
-    thousand bodies, whoever sends them."""
+    thousand bodies, whoever sends them. Bodies over SMALL_BODY may fill only LARGE_SHARE of it,
+    so that while large uploads stall, ordinary requests still get in."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -15,7 +20,8 @@ class BodyBudget:
 
     def reserve(self, size: int) -> bool:
         """Take `size` bytes if they fit (a body larger than the whole budget never does)."""
-        if self.held + size > self.limit:
+        room = self.limit if size <= SMALL_BODY else int(self.limit * LARGE_SHARE)
+        if self.held + size > room:
             return False
         self.held += size
         return True
