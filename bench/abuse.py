@@ -117,7 +117,7 @@ asyncio.run(main())
 """
 
 
-async def stall(port: int, data: bytes, out: Counter) -> asyncio.StreamWriter | None:
+async def stall(port: int, data: bytes, out: Counter, outcomes: list) -> asyncio.StreamWriter | None:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(data)
@@ -132,91 +132,100 @@ async def stall(port: int, data: bytes, out: Counter) -> asyncio.StreamWriter | 
             out[first.decode(errors="replace").strip() or "closed"] += 1
         except OSError:
             out["reset"] += 1
-    asyncio.create_task(outcome())
+    outcomes.append(asyncio.create_task(outcome()))
     return writer
 
 
-async def router_abuse(args) -> dict:
+def router_abuse(args) -> dict:
     port, admin, engine_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-c", ROUTER_CHILD, str(port), str(admin), str(engine_port)],
                             env=ENV, cwd=ROOT)
     try:
         wait_ready(f"http://127.0.0.1:{admin}/health", 30)
-        before = rss_mib(proc.pid)
-        watch = Watch(f"http://127.0.0.1:{admin}/health", proc.pid)
-        watcher = asyncio.create_task(watch.run())
-        out: Counter = Counter()
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-        upload = head + f"Content-Length: {4 << 20}\r\n\r\n".encode()
-        writers = [await stall(port, upload, out) for _ in range(args.uploads)]
-        writers += [await stall(port, head, out) for _ in range(args.stalled)]
-        started = time.monotonic()
-        ordinary = None
-        async with httpx.AsyncClient(timeout=5) as http:
-            while time.monotonic() - started < args.seconds + 5:
-                try:
-                    r = await http.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"})
-                    out[f"ordinary {r.status_code}"] += 1
-                    if r.status_code == 200:
-                        ordinary = time.monotonic() - started
-                        break
-                except httpx.TransportError as exc:
-                    out[f"ordinary {type(exc).__name__}"] += 1
-                await asyncio.sleep(0.5)
-        await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
-        watch.done = True
-        await watcher
-        for w in writers:
-            if w is not None:
-                w.close()
-        return {"stalled": args.stalled, "uploads": args.uploads, "rss_before_mib": round(before, 1),
-                "rss_peak_mib": round(watch.peak, 1), "health_worst_ms": round(watch.worst * 1000, 1),
-                "health_failures": watch.failures, "answers": dict(out),
-                "ordinary_request_answered_after_s": None if ordinary is None else round(ordinary, 2)}
+        return asyncio.run(_router_abuse(args, port, admin, proc.pid))
     finally:
         proc.terminate()
         proc.wait(10)
 
 
+async def _router_abuse(args, port: int, admin: int, pid: int) -> dict:
+    before = rss_mib(pid)
+    watch = Watch(f"http://127.0.0.1:{admin}/health", pid)
+    watcher = asyncio.create_task(watch.run())
+    out: Counter = Counter()
+    outcomes: list[asyncio.Task] = []
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+    upload = head + f"Content-Length: {4 << 20}\r\n\r\n".encode()
+    writers = [await stall(port, upload, out, outcomes) for _ in range(args.uploads)]
+    writers += [await stall(port, head, out, outcomes) for _ in range(args.stalled)]
+    started = time.monotonic()
+    ordinary = None
+    async with httpx.AsyncClient(timeout=5) as http:
+        while time.monotonic() - started < args.seconds + 5:
+            try:
+                r = await http.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"})
+                out[f"ordinary {r.status_code}"] += 1
+                if r.status_code == 200:
+                    ordinary = time.monotonic() - started
+                    break
+            except httpx.TransportError as exc:
+                out[f"ordinary {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.5)
+    await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
+    watch.done = True
+    await watcher
+    for w in writers:
+        if w is not None:
+            w.close()
+    await asyncio.gather(*outcomes)
+    return {"stalled": args.stalled, "uploads": args.uploads, "rss_before_mib": round(before, 1),
+            "rss_peak_mib": round(watch.peak, 1), "health_worst_ms": round(watch.worst * 1000, 1),
+            "health_failures": watch.failures, "answers": dict(out),
+            "ordinary_request_answered_after_s": None if ordinary is None else round(ordinary, 2)}
+
+
 # ---- engine ---------------------------------------------------------------------------------------------------
 
 
-async def engine_abuse(args) -> dict:
+def engine_abuse() -> dict:
     port = free_port()
-    log = open(ROOT / "bench" / "out" / "abuse-serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--port", str(port),
-                             "--device", "cpu", "--dtype", "float32", "--log-level", "warning"],
-                            env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(f"{url}/ready")
-        before = rss_mib(proc.pid)
-        watch = Watch(f"{url}/health", proc.pid)
-        watcher = asyncio.create_task(watch.run())
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}
-        bodies = ([{"model": MODEL, "prompt": "word " * 760_000, "max_tokens": 1}] * 8
-                  + [{"model": MODEL, "prompt": "Once", "stop": [f"s{i}" for i in range(200_000)], "n": 4}] * 4
-                  + [{**chat, "n": 4, "logprobs": True, "top_logprobs": 20, "max_tokens": 4096}] * 4)
-        paths = ["/v1/completions"] * 12 + ["/v1/chat/completions"] * 4
-        async with httpx.AsyncClient(timeout=120) as http:
-            start = time.monotonic()
+    with open(ROOT / "bench" / "out" / "abuse-serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--port",
+                                 str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"],
+                                env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"{url}/ready")
+            return asyncio.run(_engine_abuse(url, proc.pid))
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
-            async def send(path, body):
-                r = await http.post(url + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
-                return r.status_code, time.monotonic() - start
-            answers = await asyncio.gather(*(send(p, b) for p, b in zip(paths, bodies, strict=True)))
-            ordinary = await http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8})
-        watch.done = True
-        await watcher
-        return {"rss_before_mib": round(before, 1), "rss_peak_mib": round(watch.peak, 1),
-                "health_worst_ms": round(watch.worst * 1000, 1), "health_failures": watch.failures,
-                "answers": dict(Counter(status for status, _ in answers)),
-                "slowest_answer_s": round(max(t for _, t in answers), 2),
-                "ordinary_request": ordinary.status_code}
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+
+async def _engine_abuse(url: str, pid: int) -> dict:
+    before = rss_mib(pid)
+    watch = Watch(f"{url}/health", pid)
+    watcher = asyncio.create_task(watch.run())
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    bodies = ([{"model": MODEL, "prompt": "word " * 760_000, "max_tokens": 1}] * 8
+              + [{"model": MODEL, "prompt": "Once", "stop": [f"s{i}" for i in range(200_000)], "n": 4}] * 4
+              + [{**chat, "n": 4, "logprobs": True, "top_logprobs": 20, "max_tokens": 4096}] * 4)
+    paths = ["/v1/completions"] * 12 + ["/v1/chat/completions"] * 4
+    async with httpx.AsyncClient(timeout=120) as http:
+        start = time.monotonic()
+
+        async def send(path, body):
+            r = await http.post(url + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            return r.status_code, time.monotonic() - start
+        answers = await asyncio.gather(*(send(p, b) for p, b in zip(paths, bodies, strict=True)))
+        ordinary = await http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8})
+    watch.done = True
+    await watcher
+    return {"rss_before_mib": round(before, 1), "rss_peak_mib": round(watch.peak, 1),
+            "health_worst_ms": round(watch.worst * 1000, 1), "health_failures": watch.failures,
+            "answers": dict(Counter(status for status, _ in answers)),
+            "slowest_answer_s": round(max(t for _, t in answers), 2),
+            "ordinary_request": ordinary.status_code}
 
 
 def main() -> int:
@@ -227,9 +236,9 @@ def main() -> int:
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
     (ROOT / "bench" / "out").mkdir(exist_ok=True)
-    results = {"router": asyncio.run(router_abuse(args))}
+    results = {"router": router_abuse(args)}
     if not args.skip_engine:
-        results["engine"] = asyncio.run(engine_abuse(args))
+        results["engine"] = engine_abuse()
     print(json.dumps(results, indent=1))
     return 0
 

@@ -39,7 +39,7 @@ logger = logging.getLogger("kaon.autoscaler")
 
 SCRAPE_TIMEOUT_SECONDS = 2.0
 ROUTER_PODS = ",".join(f"{k}={v}" for k, v in labels.component_labels(labels.ROUTER).items())
-ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port named http wins
+ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port named admin, else http, wins
 LEASE_NAME = "kaon-autoscaler"
 LEASE_SECONDS = 15
 CONFLICT_RETRIES = 3  # writes by others that left the spec alone (status updates, kopf's annotations)
@@ -118,9 +118,11 @@ def router_url(pod: dict) -> str | None:
     summary = summaries.summarize_pod(pod)
     if not answers_http(summary):
         return None
-    ports = [p.get("containerPort") for c in pod["spec"].get("containers", []) for p in c.get("ports") or ()
-             if p.get("name") == "http"]
-    return f"http://{summary.ip}:{ports[0] if ports else ROUTER_METRICS_PORT}/metrics"
+    # The admin port (`kaon-router --admin-port`) shows every service's held requests; the main
+    # port's /metrics leaves out those with spec.auth.
+    ports = {p.get("name"): p.get("containerPort") for c in pod["spec"].get("containers", [])
+             for p in c.get("ports") or ()}
+    return f"http://{summary.ip}:{ports.get('admin') or ports.get('http') or ROUTER_METRICS_PORT}/metrics"
 
 
 def observed(sample: autoscaler.Sample, kv_usage: list[float], target: float, spec: api.AutoscalingSpec,

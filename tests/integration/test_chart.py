@@ -134,9 +134,11 @@ def test_router_service_and_probes(helm):
     docs = template(helm, [])
     c = container(docs, "kaon-router")
     assert c["command"] == ["kaon-router"] and c["args"][:2] == ["--host=0.0.0.0", "--port=8080"]
-    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "admin", "containerPort": 8081, "protocol": "TCP"}]
+    assert "--admin-port=8081" in c["args"]  # probes answer there even at --max-connections
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "admin"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "admin"}
     service = find(docs, "Service", "kaon-router")["spec"]
     assert service["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
     assert service["selector"] == find(docs, "Deployment", "kaon-router")["spec"]["selector"]["matchLabels"]
@@ -169,6 +171,11 @@ def test_the_operator_finds_the_charts_router_pods(helm):
     assert selector.items() <= pod["metadata"]["labels"].items()
     assert {"name": "http", "containerPort": autoscale_loop.ROUTER_METRICS_PORT, "protocol": "TCP"} in \
         pod["spec"]["containers"][0]["ports"]
+    # Scraped on the admin port, where protected services' held requests show too.
+    assert autoscale_loop.router_url({**pod, "metadata": {"name": "r", "namespace": "kaon-system", **pod["metadata"]},
+                                      "status": {"podIP": "10.0.0.1", "phase": "Running",
+                                                 "conditions": [{"type": "Ready", "status": "True"}]}}) \
+        == "http://10.0.0.1:8081/metrics"
     # It looks for them in its release namespace, where the chart puts them.
     assert "--release-namespace=kaon-system" in container(docs, "kaon-operator")["args"]
 
