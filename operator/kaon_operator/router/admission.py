@@ -3,7 +3,6 @@ requests at once, and whether a request is read at all (a key that opens nothing
 on its headers). Pure decisions, no I/O."""
 from __future__ import annotations
 
-
 SMALL_BODY = 64 << 10
 LARGE_SHARE = 0.75
 
