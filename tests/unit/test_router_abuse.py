@@ -243,3 +243,19 @@ def test_the_open_port_metrics_name_no_protected_service():
         assert hashlib.sha256(b"key-one").hexdigest() not in public
 
     run(scenario())
+
+
+def test_a_starting_router_or_one_without_services_still_reads_and_answers_as_before():
+    async def scenario():
+        router = routed()
+        table = router.table
+        table.replace_services(None, [])
+        out = []
+        async with serving(router) as client:
+            for synced in (False, True):
+                table.synced = synced
+                async with client.post("/v1/completions", data=COMPLETION) as resp:
+                    out.append((resp.status, (await resp.json())["error"]["code"]))
+        assert out == [(503, "router_starting"), (404, "model_not_found")]
+
+    run(scenario())

@@ -45,10 +45,13 @@ def check(table: EndpointTable, key: ServiceKey, model: str, authorization: str 
 
 
 def may_send_body(table: EndpointTable, authorization: str | None) -> bool:
-    """Whether a request is worth reading, decided on its headers: while some InferenceService is
-    open, any may be; while every one requires a key, only one whose key opens some service.
-    (Which one it names is in the body, read after this.)"""
-    return table.any_open() or accepted(bearer(authorization), table.all_api_keys())
+    """Whether a request is worth reading, decided on its headers: while every InferenceService
+    requires a key, only one whose key opens some service is; otherwise any (a starting router,
+    one with no service, or one with an open service answers it after reading it). Which service
+    the request names is in the body, read after this."""
+    if not table.synced or not table.key_required_everywhere():
+        return True
+    return accepted(bearer(authorization), table.all_api_keys())
 
 
 def may_list(table: EndpointTable, key: ServiceKey, authorization: str | None) -> bool:

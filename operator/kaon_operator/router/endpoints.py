@@ -171,9 +171,9 @@ class EndpointTable:
             return None
         return self._secrets.get((key.namespace, found.api_key_secret), ())
 
-    def any_open(self) -> bool:
-        """Whether some InferenceService requires no key."""
-        return any(s.api_key_secret is None for s in self._services.values())
+    def key_required_everywhere(self) -> bool:
+        """Whether there are InferenceServices and every one of them requires a key."""
+        return bool(self._services) and all(s.api_key_secret is not None for s in self._services.values())
 
     def all_api_keys(self) -> tuple[bytes, ...]:
         """The digests of every key some InferenceService accepts."""
