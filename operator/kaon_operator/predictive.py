@@ -13,12 +13,13 @@ at a constant request rate scales up before the P99 is missed.
   BIAS_REQUESTS requests (in stretches of steady replicas) met it, bounded to BIAS_BOUNDS:
   the model's shape, the service's own scale.
 - **Up**: at once when the rate of the last `scaleUpWindowSeconds` (its lower bound,
-  UP_SIGMAS Poisson deviations down), projected a cold start ahead along a significant
-  rise, with the length mix of at least MIX_REQUESTS requests, needs more replicas. The reactive policy's
+  UP_SIGMAS Poisson deviations down), carried a cold start ahead along the part of a rise
+  over the window before that exceeds RISE_SIGMAS deviations, with the length mix of at
+  least MIX_REQUESTS requests, needs more replicas. The reactive policy's
   evidence (a queue over the whole window, a confident P99 miss) still adds replicas when
   the model is wrong.
 - **Down**: only when the rate of the last `scaleDownStabilizationSeconds` (its upper
-  bound) and every stretch of `scaleUpWindowSeconds` in it (their lower bounds) fit fewer
+  bound, DOWN_SIGMAS deviations up) and every stretch of `scaleUpWindowSeconds` in it (their lower bounds) fit fewer
   replicas, with no queue and the observed P99 under target in that window (as the
   reactive policy).
 - **Fail safe** exactly as the reactive policy: bounds, zero and missing metrics are judged
@@ -34,13 +35,14 @@ from kaon_operator.api import AutoscalingSpec
 from kaon_operator.autoscaler import TOLERANCE, Decision, Sample
 from kaon_operator.perf_model import OUTPUT_TAIL, PerfModel, Prediction
 
-MARGIN = 0.15  # the predicted P99 sits this far under the target: the model is an estimate
+MARGIN = 0.05  # the predicted P99 sits this far under the target: the model is an estimate
 MAX_UTILIZATION = 0.9  # past this, latency is a cliff the model cannot place precisely
 BIAS_BOUNDS = (0.5, 2.0)
 BIAS_REQUESTS = 1000  # the newest requests the bias is learned from
 MIX_REQUESTS = 120  # the mean prompt and output lengths rest on at least these (5% noise on uniform lengths)
 RISE_SIGMAS = 3.0  # a rate rise counts as a trend past this many Poisson standard deviations
-UP_SIGMAS = 1.5  # scale up for the rate's lower bound, down for its upper: Poisson noise moves nothing
+UP_SIGMAS = 2.5  # scale up for the rate's lower bound over a scale-up window: Poisson noise moves nothing
+DOWN_SIGMAS = 1.0  # scale down for the upper bound over the stabilization window (longer: less noise)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +107,9 @@ def needed(model: PerfModel, spec: AutoscalingSpec, demand: Load, bias: float) -
 
 def bias(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> float:
     """The multiplier m at which 99% of the newest requests came in within m x the model's
-    P99 for their stretch: stretches of the same ready replicas and none starting (latencies
-    measured across a change belong to the load from before), each of at least
+    P99 for their stretch: stretches of the same ready replicas, none starting and no queue
+    over target (latencies measured across a change belong to the load from before; a
+    backlog is a transient the steady-state model does not describe), each of at least
     MIN_LATENCY_REQUESTS requests, pooled newest first up to BIAS_REQUESTS; bounded to
     BIAS_BOUNDS; 1 without any. Pooled, since the P99 of one stretch of 100 is its slowest."""
     if not spec.target_p99_latency_seconds:
@@ -117,7 +120,8 @@ def bias(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> floa
     for sample in reversed(history):
         if total >= BIAS_REQUESTS:
             break
-        if sample.starting or not sample.ready or not sample.complete or \
+        queued = sample.ready and sample.waiting / sample.ready > spec.target_queue_depth_per_replica
+        if sample.starting or not sample.ready or not sample.complete or queued or \
                 (stretch and sample.ready != stretch[0].ready):
             stretch = []
             continue
@@ -169,10 +173,11 @@ def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, no
     demand = Load(demand.rate, mix.prompt, mix.output, demand.requests, demand.seconds)
     earlier = load(before)
     if earlier is not None:
-        rise = demand.requests - earlier.requests
-        if rise > RISE_SIGMAS * math.sqrt(demand.requests + earlier.requests):
+        # Only the part of the rise beyond noise is carried ahead.
+        rise = demand.requests - earlier.requests - RISE_SIGMAS * math.sqrt(demand.requests + earlier.requests)
+        if rise > 0:
             ahead = seconds / 2 + model.cold_start_seconds  # the window's mean is half a window old
-            slope = (demand.rate - earlier.rate) / seconds
+            slope = rise / demand.seconds / seconds
             return Load(demand.rate + slope * ahead, demand.prompt, demand.output, demand.requests, demand.seconds)
     return demand
 
@@ -197,7 +202,7 @@ def _down(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, curren
     whole = load(known)
     if whole is None:
         return None
-    wanted = needed(model, spec, whole.bound(UP_SIGMAS), factor)
+    wanted = needed(model, spec, whole.bound(DOWN_SIGMAS), factor)
     for end in known:  # and no stretch of a scale-up window in it needs as many as now
         demand = load([s for s in known if end.time - sub < s.time <= end.time])
         if demand is not None:
