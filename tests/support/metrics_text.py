@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 
-def engine_metrics_text(waiting: int, running: int, ttfts: list[float], finished: int) -> str:
+def engine_metrics_text(waiting: int, running: int, ttfts: list[float], finished: int, *,
+                        prompt_tokens: int = 0, generation_tokens: int = 0) -> str:
     """What a real kaon engine serves on /metrics (its own Metrics class)."""
     from kaon_runtime.engine.llm_engine import EngineStats
     from kaon_runtime.server.metrics import Metrics
 
     metrics = Metrics(lambda: EngineStats(num_running=running, num_waiting=waiting, kv_cache_usage=0.25,
                                           prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-                                          prompt_tokens=0, generation_tokens=0))
+                                          prompt_tokens=prompt_tokens, generation_tokens=generation_tokens))
     for value in ttfts:
         metrics.ttft.observe(value)
     for _ in range(finished):

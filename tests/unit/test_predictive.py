@@ -6,6 +6,7 @@ import math
 from kaon_operator import api, autoscale_loop, autoscaler, predictive, scraper
 from kaon_operator.autoscaler import Sample
 from kaon_operator.perf_model import PerfModel
+from support.metrics_text import engine_metrics_text
 
 MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, cold_start_seconds=30.0)
 TICK = 5.0
@@ -89,7 +90,8 @@ def test_a_rising_rate_is_met_a_cold_start_ahead():
 
 def test_the_loop_counts_tokens_from_per_pod_baselines_and_reads_a_profile():
     def pod(requests, prompt, generated):
-        return scraper.PodMetrics(requests_total=requests, prompt_tokens_total=prompt, generation_tokens_total=generated)
+        return scraper.PodMetrics(requests_total=requests, prompt_tokens_total=prompt,
+                                  generation_tokens_total=generated)
 
     baselines, _, _ = autoscale_loop.advance({}, {"a"}, {"a": pod(10, 1000, 500)}, "ttft")
     assert autoscale_loop.token_deltas({}, {"a": pod(10, 1000, 500)}) == (0, 0)  # a first scrape: a baseline only
@@ -97,3 +99,8 @@ def test_the_loop_counts_tokens_from_per_pod_baselines_and_reads_a_profile():
     assert autoscale_loop.token_deltas(baselines, {"a": pod(1, 40, 7)}) == (40, 7)  # restarted: from zero
     assert autoscale_loop.read_profile(MODEL.to_json()) == MODEL
     assert autoscale_loop.read_profile("not json") is None and autoscale_loop.read_profile(None) is None
+
+
+def test_the_length_mix_is_read_from_the_engines_own_token_counters():
+    parsed = scraper.parse(engine_metrics_text(0, 2, [], 10, prompt_tokens=1440, generation_tokens=720))
+    assert (parsed.requests_total, parsed.prompt_tokens_total, parsed.generation_tokens_total) == (10, 1440, 720)
