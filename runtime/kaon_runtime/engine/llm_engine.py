@@ -12,6 +12,7 @@ from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
 from kaon_runtime.engine.model_loader import pick_device
 from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
+from kaon_runtime.engine.prompt_logprobs import prompt_logprobs_list
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.workers import WorkerPool, check_devices
@@ -19,6 +20,8 @@ from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.loader import Checkpoint, open_checkpoint
 from kaon_runtime.loader.tokenizer import IncrementalDetokenizer
 from kaon_runtime.sampling import SamplingParams
+from kaon_runtime.structured.grammars import Grammars
+from kaon_runtime.structured.step_masks import MaskWorker
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +77,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefill_delay_s=config.prefill_delay_ms / 1000)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.runner.grammar_masks = MaskWorker(self.model_config.vocab_size)
         self.drafter = _build_drafter(config, self.runner, self.num_blocks, show_progress)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -157,6 +162,9 @@ class LLMEngine:
 
     def _accept(self, request: _Request, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
         """Hand the kept drafts and the sampled token to the scheduler, up to the first that ends the sequence."""
+        if seq.params.max_tokens == 0:  # scoring the prompt only: the prefill's token is not kept
+            self.scheduler.accept(seq, [], None, "length")
+            return
         self._draft_tokens += len(seq.draft_token_ids)
         self._accepted_tokens += len(tokens) - 1
         detok = request.texts[seq.index]
@@ -164,7 +172,10 @@ class LLMEngine:
         for i, token in enumerate(tokens):
             before = len(detok.text)
             detok.add(token)
+            grammar_done = seq.grammar is not None and seq.grammar.advance(token)
             reason = self._finish_reason(seq, token, detok, before, seq.num_tokens + i + 1)
+            if reason is None and grammar_done:
+                reason = "stop"  # the grammar is complete: nothing may follow
             if reason is not None:
                 tokens = tokens[:i + 1]
                 break
@@ -182,15 +193,17 @@ class LLMEngine:
                        num_tokens: int) -> str | None:
         """Why the sequence ends with `token`, its `num_tokens`-th, or None; cuts a stop string off the text."""
         params = seq.params
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        # Before min_tokens nothing but the length ends it (the sampler holds EOS and stop ids back).
+        may_stop = num_tokens - seq.num_prompt_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             return "stop"
-        for stop in params.stop:
+        for stop in params.stop if may_stop else ():
             # Only the new text, plus enough before it to catch a stop string spanning tokens.
             at = detok.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0:
-                detok.text = detok.text[:at]
+                detok.text = detok.text[:at + len(stop) if params.include_stop_str_in_output else at]
                 return "stop"
         if params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return "length"
@@ -206,7 +219,7 @@ class LLMEngine:
     def _add_sequence(self, request: _Request, token_ids: list[int], index: int,
                       parent: Sequence | None = None) -> Sequence:
         seq = Sequence(next(self._seq_ids), token_ids, len(request.prompt_token_ids), request.params,
-                       request_id=request.request_id, index=index)
+                       request_id=request.request_id, index=index, grammar=self.grammars.matcher(request.params))
         request.seqs.append(seq)
         request.texts[index] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         if parent is None:
@@ -224,8 +237,10 @@ class LLMEngine:
             for seq in request.seqs]
         if request.pending_forks:  # siblings not forked yet: the request is not done
             completions += [CompletionOutput(i, "", []) for i in range(len(completions), request.params.n)]
+        first = request.seqs[0]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.seqs[0].num_cached_tokens)
+                             first.num_cached_tokens,
+                             prompt_logprobs_list(first) if first.params.prompt_logprobs is not None else None)
 
     # ---- validation --------------------------------------------------------------------
 
@@ -237,6 +252,10 @@ class LLMEngine:
         """
         token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"logit_bias and stop_token_ids: token ids must be in [0, {vocab})")
+        self.grammars.check(params)  # compiles (and caches) the grammar here, off the engine loop
         return token_ids
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kaon_runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kaon_runtime.structured.matcher import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -34,9 +38,13 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # by prompt position (1..)
     # Speculative tokens proposed for this step: computed after token_ids, kept only if verified.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]; None: a deterministic drafter
+    # Where the generated tokens stand in the request's grammar (None: unconstrained). It follows
+    # the tokens only, so preemption and prefix-cache hits leave it as it is.
+    grammar: SequenceGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,6 @@ reference the kernel is tested against (on a GPU that is a few small kernels on 
 from __future__ import annotations
 
 import torch
-from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
 
 _BITS = torch.arange(32, dtype=torch.int32)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,6 +37,8 @@ def apply_bitmasks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     if not rows:
         return logits
     if logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES and logits.is_contiguous():
+        # Imported on first use: xgrammar takes seconds to import, which unconstrained serving never pays.
+        from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
         apply_token_bitmask_inplace_cpu(logits, bitmask, logits.shape[1], rows)
         return logits
     return apply_bitmasks_ref(logits, bitmask, rows)

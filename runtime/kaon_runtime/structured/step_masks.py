@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kaon_runtime.structured.masks import allocate_bitmask
-from kaon_runtime.structured.matcher import SequenceGrammar
+
+if TYPE_CHECKING:
+    from kaon_runtime.structured.matcher import SequenceGrammar
 
 
 @dataclass(slots=True)
