@@ -249,3 +249,43 @@ def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator
     with pytest.raises(Conflict):
         kube.patch_replicas(cluster.ns, "occ", 1, resource_version=body["metadata"]["resourceVersion"])
     assert cluster.get("infsvc", "occ")["spec"]["replicas"] == 4
+
+
+class LoadedEngines(FakeEngines):
+    """Stand-ins whose counters grow as if `rate` requests a second of `prompt` prompt tokens
+    (and 72 output tokens) arrived at every pod: the length mix the predictive policy reads."""
+
+    def __init__(self, cluster: Cluster, name: str, rate: float):
+        super().__init__(cluster, name)
+        self.rate, self.prompt = rate, 144
+        self.started, self.finished, self.prompt_tokens, self.lock = time.monotonic(), 0, 0, threading.Lock()
+
+    def _text(self) -> str | None:
+        with self.lock:
+            due = int(self.rate * (time.monotonic() - self.started))
+            self.prompt_tokens += (due - self.finished) * self.prompt
+            self.finished = due
+            finished, prompt_tokens = self.finished, self.prompt_tokens
+        return engine_metrics_text(waiting=0, running=2, ttfts=[], finished=finished, prompt_tokens=prompt_tokens,
+                                   generation_tokens=72 * finished)
+
+
+def test_predictive_scales_up_on_longer_prompts_at_the_same_rate(cluster):
+    model = {"a": 0.02, "b": 0.0015, "c": 0.0004, "cold_start_seconds": 5.0}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "engine-profile"},
+        "data": {"model.json": json.dumps(model)}}))
+    spec = {"replicas": 1, "autoscaling": {
+        "enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetConcurrencyPerReplica": 100,
+        "targetP99LatencySeconds": 0.3, "scaleUpWindowSeconds": 4, "scaleDownStabilizationSeconds": 600,
+        "maxStep": 2, "policy": "predictive", "profile": "engine-profile"}}
+    cluster.kubectl("apply", "-f", "-", input=isvc("predict", **spec))
+    wait_for("Ready", lambda: cluster.ready("predict"))
+    with LoadedEngines(cluster, "predict", rate=2.0) as engines:
+        wait_for("MetricsAvailable", lambda: cluster.condition_if("predict", "MetricsAvailable", "True"), timeout=20)
+        time.sleep(8)  # 2 requests a second of 144-token prompts fit one replica by the model
+        assert cluster.get("infsvc", "predict")["spec"]["replicas"] == 1, scaled(cluster, "predict")
+        engines.prompt = 400  # the same rate, longer prompts: no queue, no latency seen, concurrency unchanged
+        wait_for("a scale-up by the model", lambda: [m for m in scaled(cluster, "predict")
+                                                    if "by the performance model" in m], timeout=60)
+        assert cluster.get("infsvc", "predict")["spec"]["replicas"] > 1
