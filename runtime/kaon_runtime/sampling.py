@@ -17,12 +17,23 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: up to the model's context length; 0 (with prompt_logprobs): none
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token
     n: int = 1
+    # vLLM's extensions (layers/penalties.py applies them to the logits, batched).
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or the output (CTRL's rule)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, within ±100
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings do not end the output before this many tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top alternatives per prompt token (None: no prompt logprobs)
     # Structured output, as vLLM names it; at most one. The engine compiles it once (cached by
     # value) and masks each step's logits to the tokens it allows (kaon_runtime.structured).
     json_schema: dict | str | None = None  # a JSON Schema (or its text)
@@ -45,14 +56,32 @@ class SamplingParams:
                f"top_k must be in [0, 2^63), got {self.top_k!r}")
         _check(self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 63),
                f"seed must be a 64-bit integer, got {self.seed!r}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        # 0 only to score a prompt (prompt_logprobs), as evaluation harnesses do.
+        least = 0 if self.prompt_logprobs is not None else 1
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= least),
+               f"max_tokens must be >= {least}, got {self.max_tokens!r}")
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be in [0, 20], got {self.logprobs!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        _check(all(isinstance(v, (int, float)) and -2 <= v <= 2 for v in (self.presence_penalty,
+                                                                          self.frequency_penalty)),
+               "presence_penalty and frequency_penalty must be in [-2, 2]")
+        _check(isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 2 ** 16,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and t >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100
+            for t, v in self.logit_bias.items()), "logit_bias maps token ids to values in [-100, 100]")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+               f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
         constraints = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         _check(len(constraints) <= 1, f"at most one of {', '.join(CONSTRAINTS)} may be set, got {constraints}")
 

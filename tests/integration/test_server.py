@@ -61,7 +61,10 @@ def test_chat_streamed_equals_non_streamed_with_usage(client):
     text, finish, usage = _stream_chat(client, messages=CHAT, temperature=0, max_tokens=20,
                                        stream_options={"include_usage": True})
     assert text == choice.message.content and finish == "length"
-    assert usage.model_dump() == full.usage.model_dump()
+    # The second run of the same prompt finds it in the prefix cache; the counts are the same.
+    details = {"prompt_tokens_details"}
+    assert usage.model_dump(exclude=details) == full.usage.model_dump(exclude=details)
+    assert usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_completions_streamed_equals_non_streamed(client):
@@ -105,14 +108,25 @@ def test_n_choices_and_seed(client):
 # ---- errors -------------------------------------------------------------------------------
 
 
-def test_wrong_types_and_unknown_fields_are_400(client):
+def test_wrong_types_are_400_and_unknown_fields_are_ignored_but_named(server, client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens="five")
     assert "max_tokens" in str(exc.value)
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="hi", extra_body={"frobnicate": True})
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=CHAT, presence_penalty=0.5)
+    for bad in ({"presence_penalty": 3}, {"logit_bias": {"abc": 1}}, {"logit_bias": {"5": 101}}, {"min_p": "x"},
+                {"logit_bias": {"999999": 1}}, {"stream_options": {"include_usage": True, "frobnicate": 1}}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, stream="stream_options" in bad,
+                                           extra_body=bad)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client.completions.create(model=MODEL, prompt="hi", suffix="end")
+    # An unknown top-level field (a typo, or another server's extension) is ignored, and named in a header.
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2,
+                                                     extra_body={"frobnicate": True, "top_n": 3})
+    assert raw.headers["x-kaon-ignored-fields"] == "frobnicate,top_n"
+    assert raw.parse().usage.completion_tokens == 2
+    plain = client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2, user="u",
+                                                       extra_body={"metadata": {"a": "b"}, "service_tier": "auto"})
+    assert "x-kaon-ignored-fields" not in plain.headers
 
 
 def test_unknown_model_is_404(client):
@@ -230,3 +244,118 @@ def test_full_queue_is_429_and_sigterm_drains_running_and_queued(tmp_path):
         assert srv.proc.wait(timeout=30) == 0
     finally:
         srv.stop()
+
+
+# ---- vLLM's request extensions --------------------------------------------------------------
+
+
+def test_penalties_and_vllm_fields_change_the_output(client):
+    # A prompt the model goes on repeating: penalties on the output, or on the prompt too, change it.
+    rep = dict(model=MODEL, prompt="The quick brown fox. " * 6, temperature=0, max_tokens=12)
+    plain = client.completions.create(**rep).choices[0].text
+    assert plain.count("fox") >= 2
+    for extension in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 3.0}):
+        assert client.completions.create(**rep, extra_body=extension).choices[0].text != plain, extension
+    base = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=12)
+    vllm = client.chat.completions.create(**base, extra_body={
+        "repetition_penalty": 1.5, "min_p": 0.1, "min_tokens": 12, "ignore_eos": True, "stop_token_ids": [0],
+        "skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False})
+    assert vllm.usage.completion_tokens == 12
+
+
+def test_logit_bias_forces_a_token(client):
+    out = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=3, logprobs=0,
+                                    logit_bias={"42": 100})
+    assert out.choices[0].logprobs.tokens == [out.choices[0].logprobs.tokens[0]] * 3
+    again = client.completions.create(model=MODEL, prompt="Hi there", temperature=0, max_tokens=1, logprobs=0,
+                                      logit_bias={"42": 100})
+    assert again.choices[0].logprobs.tokens == out.choices[0].logprobs.tokens[:1]
+
+
+def test_stop_string_kept_with_include_stop_str_in_output(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=30)
+    text = full.choices[0].message.content
+    stop = text.split()[4]
+    kept = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=30, stop=[stop],
+                                          extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == text[:text.index(stop) + len(stop)]
+
+
+def test_continuous_usage_stats_and_cached_tokens(client):
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="The quick brown fox " * 20, temperature=0, max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
+    with_text = [c for c in chunks if c.choices]
+    assert with_text and all(c.usage is not None for c in with_text)
+    assert [c.usage.completion_tokens for c in with_text] == sorted(c.usage.completion_tokens for c in with_text)
+    assert chunks[-1].usage.completion_tokens == 5
+    # The same long prompt again: its leading blocks come from the prefix cache.
+    again = client.completions.create(model=MODEL, prompt="The quick brown fox " * 20, temperature=0, max_tokens=1)
+    details = again.usage.prompt_tokens_details
+    assert details is not None and 0 < details.cached_tokens < again.usage.prompt_tokens
+
+
+def test_echo_logprobs_and_max_tokens_0_score_the_prompt(client):
+    """What lm-evaluation-harness's loglikelihood tasks send (local-completions)."""
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == scored.usage.prompt_tokens
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # The same prompt plus one generated token: the prompt part is unchanged, then the new token.
+    more = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=1,
+                                     temperature=0).choices[0]
+    assert more.text.startswith(prompt) and len(more.logprobs.tokens) == len(lp.tokens) + 1
+    assert all(abs(a - b) < 1e-4 for a, b in zip(more.logprobs.token_logprobs[1:], lp.token_logprobs[1:]))
+    assert more.logprobs.text_offset[-1] == len(prompt)
+    # vLLM's prompt_logprobs: the same numbers, keyed by token id.
+    raw = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                    extra_body={"prompt_logprobs": 1}).model_dump()["choices"][0]["prompt_logprobs"]
+    assert raw[0] is None and len(raw) == len(lp.tokens)
+    assert [max(e.values(), key=lambda v: v["logprob"])["logprob"] for e in raw[1:]] == pytest.approx(
+        [max(t.values()) for t in lp.top_logprobs[1:]], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
+def test_tokenize_detokenize_and_models_max_model_len(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    out = httpx.post(f"{server.url}/tokenize", headers=headers,
+                     json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True}).json()
+    assert out["count"] == len(out["tokens"]) == len(out["token_strs"]) and out["max_model_len"] == 8192
+    back = httpx.post(f"{server.url}/detokenize", headers=headers, json={"tokens": out["tokens"]}).json()
+    assert back["prompt"].endswith("Hello world")
+    # Messages count as the chat endpoint counts them.
+    chat = httpx.post(f"{server.url}/tokenize", headers=headers, json={"messages": CHAT}).json()
+    used = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == used
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}).status_code == 401
+    for path, body in [("/tokenize", {"prompt": "a", "messages": CHAT}), ("/tokenize", {"prompt": 5}),
+                       ("/detokenize", {"tokens": [10 ** 9]}), ("/detokenize", {"tokens": ["a"]})]:
+        response = httpx.post(f"{server.url}{path}", headers=headers, json=body)
+        assert response.status_code == 400 and response.json()["error"]["message"], (path, body)
+    assert client.models.list().data[0].model_dump()["max_model_len"] == 8192
+
+
+def test_responses_api_subset(client):
+    out = client.responses.create(model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=8,
+                                  temperature=0)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.output_text and out.usage.output_tokens == 8
+    same = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}])
+    assert out.output_text == same.choices[0].message.content
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": "Say hello."}],
+                                          instructions="Be brief.", max_output_tokens=8, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    for stateful in ({"previous_response_id": "resp_1"}, {"store": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model=MODEL, input="hi", **stateful)

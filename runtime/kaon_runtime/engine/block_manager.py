@@ -66,7 +66,8 @@ class BlockManager:
         At least one token is always left to compute: its logits pick the next token.
         """
         assert not seq.block_table, "sequence already holds blocks"
-        if self.enable_prefix_caching:
+        # A sequence scoring its prompt needs every position's logits: it computes them all.
+        if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
             parent = None
             for i in range((seq.num_tokens - 1) // self.block_size):
                 tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])

@@ -12,6 +12,7 @@ from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
 from kaon_runtime.engine.model_loader import pick_device
 from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
+from kaon_runtime.engine.prompt_logprobs import prompt_logprobs_list
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.workers import WorkerPool, check_devices
@@ -161,6 +162,9 @@ class LLMEngine:
 
     def _accept(self, request: _Request, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
         """Hand the kept drafts and the sampled token to the scheduler, up to the first that ends the sequence."""
+        if seq.params.max_tokens == 0:  # scoring the prompt only: the prefill's token is not kept
+            self.scheduler.accept(seq, [], None, "length")
+            return
         self._draft_tokens += len(seq.draft_token_ids)
         self._accepted_tokens += len(tokens) - 1
         detok = request.texts[seq.index]
@@ -189,15 +193,17 @@ class LLMEngine:
                        num_tokens: int) -> str | None:
         """Why the sequence ends with `token`, its `num_tokens`-th, or None; cuts a stop string off the text."""
         params = seq.params
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        # Before min_tokens nothing but the length ends it (the sampler holds EOS and stop ids back).
+        may_stop = num_tokens - seq.num_prompt_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             return "stop"
-        for stop in params.stop:
+        for stop in params.stop if may_stop else ():
             # Only the new text, plus enough before it to catch a stop string spanning tokens.
             at = detok.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0:
-                detok.text = detok.text[:at]
+                detok.text = detok.text[:at + len(stop) if params.include_stop_str_in_output else at]
                 return "stop"
         if params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return "length"
@@ -231,8 +237,10 @@ class LLMEngine:
             for seq in request.seqs]
         if request.pending_forks:  # siblings not forked yet: the request is not done
             completions += [CompletionOutput(i, "", []) for i in range(len(completions), request.params.n)]
+        first = request.seqs[0]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.seqs[0].num_cached_tokens)
+                             first.num_cached_tokens,
+                             prompt_logprobs_list(first) if first.params.prompt_logprobs is not None else None)
 
     # ---- validation --------------------------------------------------------------------
 
@@ -244,6 +252,9 @@ class LLMEngine:
         """
         token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"logit_bias and stop_token_ids: token ids must be in [0, {vocab})")
         self.grammars.check(params)  # compiles (and caches) the grammar here, off the engine loop
         return token_ids
 

@@ -24,10 +24,12 @@ from kaon_runtime.engine.model_loader import (
     pick_kv_dtype,
     use_onednn_where_it_applies,
 )
+from kaon_runtime.engine.prompt_logprobs import record_prompt_logprobs, sample_rows_only
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from kaon_runtime.layers.penalties import row_history
 from kaon_runtime.layers.sample_step import RowsToSample, sample_rows, seeded_generator
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.structured.masks import apply_bitmasks
@@ -52,6 +54,7 @@ class ModelRunner:
                  tp: TensorParallel = TensorParallel(), on_step: Callable[[StepPlan], None] | None = None):
         self.config = config
         self.model_config = checkpoint.config
+        self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)  # min_tokens holds them back
         self.tp = tp
         self.on_step = on_step
         self.device = pick_device(config.device, tp.rank)
@@ -104,7 +107,7 @@ class ModelRunner:
         # grammars starts nothing.
         masks = None if self.grammar_masks is None else self.grammar_masks.start(
             [(s.grammar, s.draft_token_ids) for s in seqs])
-        logits = self._run_planned(plan)
+        logits = record_prompt_logprobs(plan, batch.seqs, self._run_planned(plan))
         if not seqs:
             return StepTokens([], [], None)
         assert logits is not None, "sequences to sample come with their rows' logits"
@@ -120,7 +123,7 @@ class ModelRunner:
         A sequence with k drafts gets k + 1 consecutive rows: its last real token's, then each draft's.
         """
         plan, sampling_seqs = plan_step(batch, self.block_size)
-        return sampling_seqs, self._run_planned(plan)
+        return sampling_seqs, sample_rows_only(plan, self._run_planned(plan))
 
     def _run_planned(self, plan: StepPlan) -> torch.Tensor | None:
         if self.on_step is not None:
@@ -130,7 +133,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """One forward pass (every tensor-parallel rank runs it); logits of the sample rows."""
-        if self.decode_graphs is not None and plan.sample_rows and self.decode_graphs.fits(plan):
+        graphable = plan.sample_rows and not plan.prompt_rows
+        if self.decode_graphs is not None and graphable and self.decode_graphs.fits(plan):
             return self.decode_graphs.run(plan)
         meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), num_decode_tokens=len(plan.decode_tables),
                                  prefills=[PrefillChunk(start, length, context, self._tensor(table))
@@ -139,12 +143,15 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor(plan.padded_decode_tables())
             meta.decode_context_lens = self._tensor(plan.decode_lens)
         hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
-        if not plan.sample_rows:
+        rows = plan.sample_rows + plan.prompt_rows  # prompt rows: prompt logprobs (engine/prompt_logprobs.py)
+        if not rows:
             return None
-        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows)])
+        return self.model.compute_logits(hidden[self._tensor(rows)])
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepTokens:
-        rows = [RowsToSample(s.params, self.generator(s), s.draft_token_ids, s.draft_probs) for s in seqs]
+        rows = [RowsToSample(s.params, self.generator(s), s.draft_token_ids, s.draft_probs,
+                             row_history(s.params, s.token_ids, s.num_prompt_tokens, self.eos_token_ids))
+                for s in seqs]
         sampled = sample_rows(logits, rows)
         return StepTokens(seqs, sampled.token_ids, sampled.logprobs)
 

@@ -20,6 +20,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, None first
 
     @property
     def finished(self) -> bool:

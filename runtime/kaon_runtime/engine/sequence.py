@@ -38,6 +38,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # by prompt position (1..)
     # Speculative tokens proposed for this step: computed after token_ids, kept only if verified.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]; None: a deterministic drafter

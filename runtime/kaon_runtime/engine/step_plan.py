@@ -21,6 +21,10 @@ class StepPlan:
     decode_lens: list[int] = field(default_factory=list)
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # start, length, context, table
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are wanted
+    # Rows that score the next prompt token, for requests asking for prompt logprobs (after the
+    # sample rows in the logits); per scoring sequence: its index in the batch, first row, count.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def padded_decode_tables(self) -> list[list[int]]:
         """The decode block tables as one rectangle, short rows padded with block 0 (never read)."""
@@ -44,6 +48,10 @@ def plan_step(batch: ScheduledBatch, block_size: int) -> tuple[StepPlan, list[Se
         plan.input_ids.extend(tokens[start:end])
         plan.positions.extend(range(start, end))
         plan.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        scored = range(start, min(end, seq.num_prompt_tokens - 1)) if wants_prompt_logprobs(seq) else range(0)
+        if scored:  # row p holds the logits that predict prompt token p + 1
+            plan.prompt_spans.append((i, scored.start, len(scored)))
+            plan.prompt_rows.extend(query_start + p - start for p in scored)
         if num_new == 1:
             plan.decode_tables.append(table)
             plan.decode_lens.append(end)
@@ -54,3 +62,8 @@ def plan_step(batch: ScheduledBatch, block_size: int) -> tuple[StepPlan, list[Se
             plan.sample_rows.extend(range(last - 1 - len(seq.draft_token_ids), last))
             sampling_seqs.append(seq)
     return plan, sampling_seqs
+
+
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    """The first completion of a request asking for prompt logprobs (its siblings share the prompt)."""
+    return seq.params.prompt_logprobs is not None and seq.index == 0

@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kaon_runtime.layers.penalties import RowHistory, adjust_logits
 from kaon_runtime.layers.rejection import verify
 from kaon_runtime.layers.sampler import SamplingBatch, logprobs_of, sample
 from kaon_runtime.sampling import SamplingParams
+
+_NO_HISTORY = RowHistory(SamplingParams(max_tokens=None), [])  # a row nothing adjusts
 
 
 @dataclass(slots=True)
@@ -19,6 +22,7 @@ class RowsToSample:
     generator: torch.Generator | None  # its seeded generator; None draws from the global RNG
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [k, V]; None: a deterministic drafter
+    history: RowHistory | None = None  # for penalties, logit_bias, min_p, min_tokens; None: none asked
 
 
 @dataclass(slots=True)
@@ -39,6 +43,8 @@ def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Gener
 
 def sample_rows(logits: torch.Tensor, rows: list[RowsToSample]) -> SampledTokens:
     """logits [sum of each sequence's rows, V], in the order of `rows`."""
+    if any(r.history is not None for r in rows):
+        logits = adjust_logits(logits, _row_histories(rows))
     wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
     num_logprobs = max(wanted) if wanted else None
     tokens: list[list[int]] = [[] for _ in rows]
@@ -73,3 +79,19 @@ def _sampling_batch(rows: list[RowsToSample], num_logprobs: int | None) -> Sampl
         generators=[r.generator for r in rows],
         num_logprobs=num_logprobs,
     )
+
+
+def _row_histories(rows: list[RowsToSample]) -> list[RowHistory]:
+    """One history per logits row: a draft's row has seen the drafts before it as output."""
+    out = []
+    for r in rows:
+        h = r.history
+        if h is None:
+            out.extend([_NO_HISTORY] * (1 + len(r.draft_token_ids)))
+            continue
+        out.append(h)
+        for j in range(1, len(r.draft_token_ids) + 1):
+            seen = h.output_token_ids + r.draft_token_ids[:j]
+            banned = h.banned_token_ids if len(seen) < h.params.min_tokens else []
+            out.append(RowHistory(h.params, seen, h.prompt_token_ids, banned))
+    return out

@@ -19,10 +19,13 @@ from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import openapi as doc, protocol as p
+from kaon_runtime.server.extensions import ignored_fields_header, sampling_extensions
 from kaon_runtime.server.keys import ApiKeys
 from kaon_runtime.server.limits import Admission, Limits, check_chat, check_completion
 from kaon_runtime.server.metrics import Metrics
+from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
+from kaon_runtime.server.tokenize import routes as tokenize_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
 
 RETRY_AFTER_S = 1  # a full queue drains in seconds; tell well-behaved clients to come back soon
@@ -91,6 +94,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 secured=keys.enabled)
     app.include_router(probes)
     app.include_router(v1)
+    # vLLM serves these outside /v1; they need the key like /v1 does.
+    app.include_router(tokenize_routes, dependencies=[Depends(_authorized), Depends(_not_draining)])
     app.add_middleware(_CountInFlight, state=app.state.server)
     return app
 
@@ -180,7 +185,8 @@ async def completions(request: Request, engine: Engine, settings: Settings, metr
     params = _sampling_params(body, body.max_tokens, body.logprobs, body.output_constraint())
     with request.app.state.admission.slot():
         gen = await _start(engine, settings, metrics, "cmpl", prompt, params)
-    return await _respond(request, gen, CompletionFormat(gen, engine.tokenizer), body)
+    fmt = CompletionFormat(gen, engine.tokenizer, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
+    return await _respond(request, gen, fmt, body)
 
 
 @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
@@ -199,6 +205,32 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
     return await _respond(request, gen, ChatFormat(gen, engine.tokenizer, plan.calling), body)
 
 
+@v1.post("/responses", include_in_schema=False)  # server/responses.py: the subset that maps onto chat
+async def responses(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
+    body = await _parse(request, ResponsesRequest, settings)
+    try:
+        chat = body.as_chat()
+    except ValidationError as exc:
+        raise _bad_input(exc.errors()) from None
+    _check_model(chat.model, settings)
+    check_chat(chat, chat.max_completion_tokens, settings.limits, engine.max_model_len)
+    params = _sampling_params(chat, chat.max_completion_tokens, None, {})
+    with request.app.state.admission.slot():
+        messages = [m.for_template() for m in chat.messages]
+        prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+        gen = await _start(engine, settings, metrics, "resp", prompt, params)
+    fmt, headers = ResponsesFormat(gen), ignored_fields_header(body)
+    if body.stream:
+        return _SSEResponse(fmt.events(), gen, headers)
+    try:
+        output = await final_output(gen, lambda: _disconnected(request))
+    finally:
+        gen.close()
+    if output is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(fmt.response(output), headers=headers)
+
+
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,
                  prompt: str | list[int], params: SamplingParams) -> Generation:
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -208,8 +240,9 @@ async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics
 
 
 async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
+    headers = ignored_fields_header(body)
     if body.stream:
-        return _SSEResponse(sse_events(gen, fmt, body.n, body.include_usage), gen)
+        return _SSEResponse(sse_events(gen, fmt, body.n, body.include_usage, body.continuous_usage), gen, headers)
     try:
         output = await final_output(gen, lambda: _disconnected(request))
     finally:
@@ -218,7 +251,7 @@ async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     # Off the event loop: a response with many choices and log-probabilities takes a while to
     # build and encode, and /health must not wait for it.
-    return Response(await asyncio.to_thread(_encoded, fmt, output), media_type="application/json")
+    return Response(await asyncio.to_thread(_encoded, fmt, output), media_type="application/json", headers=headers)
 
 
 def _encoded(fmt, output) -> bytes:
@@ -253,9 +286,9 @@ class _SSEResponse(StreamingResponse):
     so cleanup belongs here rather than in the iterator.
     """
 
-    def __init__(self, events, gen: Generation):
+    def __init__(self, events, gen: Generation, headers: dict[str, str] | None = None):
         super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._gen = gen
 
     async def __call__(self, scope, receive, send) -> None:
@@ -320,7 +353,7 @@ def _sampling_params(body: p.CompletionRequest | p.ChatCompletionRequest, max_to
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
         max_tokens=max_tokens, stop=body.stop_list, ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n,
-        **constraint)
+        **sampling_extensions(body), **constraint)
 
 
 async def _disconnected(request: Request) -> None:

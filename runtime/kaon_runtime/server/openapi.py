@@ -17,7 +17,8 @@ from pydantic.json_schema import models_json_schema
 from kaon_runtime.server import protocol as p
 
 API_VERSION = "1"
-REQUEST_MODELS = (p.CompletionRequest, p.ChatCompletionRequest)
+GENERATE_MODELS = (p.CompletionRequest, p.ChatCompletionRequest)
+REQUEST_MODELS = (*GENERATE_MODELS, p.TokenizeRequest, p.DetokenizeRequest)
 
 Responses = dict[int | str, dict[str, Any]]  # a route's `responses=`, as FastAPI types it
 
@@ -67,7 +68,7 @@ def _build(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int, s
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     schemas.update(defs["$defs"])
-    for model in REQUEST_MODELS:
+    for model in GENERATE_MODELS:
         props = schemas[model.__name__]["properties"]
         props["model"] = {**props["model"], "enum": [model_name]}
         for name in ("max_tokens", "max_completion_tokens"):
@@ -77,7 +78,7 @@ def _build(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int, s
     if secured:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, operations in schema["paths"].items():
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
                 for operation in operations.values():
                     operation["security"] = [{"bearer": []}]
     return schema

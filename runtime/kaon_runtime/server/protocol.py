@@ -1,16 +1,17 @@
 """OpenAI wire format: request bodies (validated strictly) and the responses we send back.
 
-Requests are strict: a field we do not know, or do not implement, is refused with a 400
-rather than silently ignored, and "1" is not an integer. A few OpenAI fields that change
-sampling in ways we do not support are accepted only at their neutral value, so clients
-that always send the defaults still work.
+Requests are strict about the fields we know: a malformed value is a 400, and "1" is not an
+integer. Unknown top-level fields are accepted and ignored, as vLLM does, because the ecosystem's
+clients send extensions of their own; the server logs each such name once and lists them in the
+response's x-kaon-ignored-fields header (server/extensions.py), so a typo is still visible.
+Nested objects stay closed: an unknown field inside one is a 400.
 
 One module for the whole wire format, over 300 lines: the models refer to each other, and the
 OpenAPI document is generated from them together.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -26,6 +27,7 @@ _TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
 _NON_EMPTY: dict[str, Any] = {"type": "string", "minLength": 1}
 _TOKEN_IDS: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TOKEN_ID_KEYS: dict[str, Any] = {"propertyNames": {"pattern": "^[0-9]{1,9}$"}}
 
 # ---- requests --------------------------------------------------------------------------
 
@@ -34,8 +36,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _OpenTopLevel(_Strict):
+    """A request body: unknown fields are kept in model_extra and ignored (see the module's docstring)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (with include_usage)
 
 
 class JsonSchemaFormat(_Strict):
@@ -77,7 +86,7 @@ class StructuredOutputs(_Strict):
         return chosen
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_OpenTopLevel):
     model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
 
     model: str
@@ -92,22 +101,28 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # not OpenAI's; benchmarks need fixed-length outputs
     user: str | None = None  # an end-user tag for abuse tracking; it does not change the output
-    # Accepted only at their neutral values (see `_supported`).
-    presence_penalty: float = Field(0.0, json_schema_extra={"const": 0})
-    frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    metadata: dict[str, str] | None = None  # OpenAI's; ignored
+    service_tier: str | None = None  # OpenAI's; ignored: one tier here
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, json_schema_extra=_TOKEN_ID_KEYS)  # token id (as a string, as OpenAI sends it) -> bias
+    # vLLM's extensions.
+    repetition_penalty: float = Field(1.0, gt=0, le=65536)
+    min_tokens: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _supported(self):
-        unsupported = {"presence_penalty": self.presence_penalty != 0,
-                       "frequency_penalty": self.frequency_penalty != 0,
-                       "logit_bias": bool(self.logit_bias)}
-        for name, used in unsupported.items():
-            if used:
-                raise ValueError(f"{name} is not supported by this server")
+        if any(not key.isdigit() or len(key) > 9 for key in self.logit_bias or {}):
+            raise ValueError("logit_bias: keys must be token ids")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
@@ -130,6 +145,11 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: vLLM's continuous_usage_stats, which (as in vLLM) needs include_usage."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -139,14 +159,20 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra={"anyOf": [
         _NON_EMPTY, _TOKEN_IDS, {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
         {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]})
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = Field(False, json_schema_extra={"const": False})
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt's logprobs too
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token, on the choice
+    suffix: str | None = Field(None, json_schema_extra={"type": "null"})  # insertion: not supported
 
     @model_validator(mode="after")
-    def _no_echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+    def _echo_alone(self):
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 only scores a prompt: it needs echo or prompt_logprobs")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported by this server")
         return self
 
 
@@ -264,20 +290,63 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
+# /tokenize and /detokenize, as vLLM has them (server/tokenize.py).
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn, as chat completions do
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send prompt or messages (one of them)")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # ---- responses -------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -285,6 +354,15 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token (None first), its token id -> logprob, and the top alternatives.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_when_asked(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 class CompletionResponse(BaseModel):

@@ -18,6 +18,7 @@ from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.errors import KaonError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.server import protocol as p
+from kaon_runtime.server.echo import echoed_logprobs, prompt_text, vllm_prompt_logprobs
 from kaon_runtime.server.metrics import RequestTimer
 from kaon_runtime.server.tool_calls import ToolCalling, ToolCallStream, assistant_message
 
@@ -55,7 +56,8 @@ class Generation:
 def usage(output: RequestOutput) -> p.UsageInfo:
     completion = sum(len(c.token_ids) for c in output.outputs)
     prompt = len(output.prompt_token_ids)
-    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=output.num_cached_tokens))
 
 
 def visible_text(text: str, stops: list[str], finished: bool) -> str:
@@ -92,8 +94,12 @@ async def final_output(gen: Generation, disconnected: Callable[[], Awaitable[obj
     return run.result()
 
 
-async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool) -> AsyncIterator[str]:
-    """The stream of `data:` events for one request, ending with `data: [DONE]`."""
+async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
+    """The stream of `data:` events for one request, ending with `data: [DONE]`.
+
+    continuous_usage (vLLM's continuous_usage_stats): every chunk carries the usage so far.
+    """
     for chunk in fmt.opening_chunks(n):
         yield _event(chunk, include_usage)
     sent_text = [0] * n
@@ -111,6 +117,8 @@ async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool)
                     continue
                 chunk = fmt.chunk(c, delta, sent_text[c.index], sent_tokens[c.index])
                 sent_text[c.index], sent_tokens[c.index] = len(text), len(c.token_ids)
+                if continuous_usage:
+                    chunk.usage = usage(output)
                 yield _event(chunk, include_usage)
     except KaonError as exc:  # the engine died under us: tell the client in-band, then stop
         error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error"))
@@ -159,9 +167,25 @@ class _Format:
 
 
 class CompletionFormat(_Format):
+    def __init__(self, gen: Generation, tokenizer: Tokenizer, echo: bool = False, prompt_logprobs: int | None = None):
+        super().__init__(gen, tokenizer)
+        self.echo = echo  # the prompt (and, with logprobs, its logprobs) before each choice (server/echo.py)
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs on each choice
+
     def response(self, output: RequestOutput) -> p.CompletionResponse:
-        choices = [p.CompletionChoice(index=c.index, text=c.text, logprobs=self._logprobs(c, 0, 0),
-                                      finish_reason=c.finish_reason) for c in output.outputs]
+        head = prompt_text(output, self.tokenizer) if self.echo else ""
+        prompt_part = (echoed_logprobs(output, self.tokenizer, self.gen.num_logprobs)
+                       if self.echo and self.gen.num_logprobs is not None else None)
+        scored = (vllm_prompt_logprobs(output, self.tokenizer, self.prompt_logprobs)
+                  if self.prompt_logprobs is not None else None)
+        choices = []
+        for c in output.outputs:
+            logprobs = self._logprobs(c, 0, len(head))
+            if prompt_part is not None and logprobs is not None:
+                logprobs = p.CompletionLogprobs(**{name: getattr(prompt_part, name) + getattr(logprobs, name)
+                                                   for name in p.CompletionLogprobs.model_fields})
+            choices.append(p.CompletionChoice(index=c.index, text=head + c.text, logprobs=logprobs,
+                                              finish_reason=c.finish_reason, prompt_logprobs=scored))
         return p.CompletionResponse(**self._head(), choices=choices, usage=usage(output))
 
     def opening_chunks(self, n: int) -> list[p.CompletionResponse]:

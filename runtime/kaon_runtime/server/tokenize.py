@@ -1,0 +1,69 @@
+"""/tokenize and /detokenize, as vLLM exposes them: what the model's tokenizer makes of a prompt
+(a text, or chat messages through the chat template, exactly as /v1/chat/completions renders them)."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.server import openapi as doc, protocol as p
+
+RESPONSES: doc.Responses = {
+    400: {"model": p.ErrorResponse, "description": "Invalid request (bad JSON, wrong type, unknown field)"},
+    413: {"model": p.ErrorResponse, "description": "Body larger than --max-body-bytes"},
+    **doc.V1_ERRORS}
+
+
+routes = APIRouter()
+
+
+@routes.post("/tokenize", response_model=p.TokenizeResponse, openapi_extra=doc.json_body(p.TokenizeRequest),
+              responses=RESPONSES)
+async def tokenize(request: Request) -> p.TokenizeResponse:
+    body = await _read(request, p.TokenizeRequest)
+    engine = request.app.state.engine
+    _check_model(body.model, request)
+    tokenizer = engine.tokenizer
+    if body.messages is not None:
+        messages = [m.for_template() for m in body.messages]
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt)
+    else:
+        text = body.prompt or ""
+    ids = await asyncio.to_thread(tokenizer.encode, text) if text else []
+    strs = [tokenizer.token_to_str(t) for t in ids] if body.return_token_strs else None
+    return p.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+
+
+@routes.post("/detokenize", response_model=p.DetokenizeResponse, openapi_extra=doc.json_body(p.DetokenizeRequest),
+              responses=RESPONSES)
+async def detokenize(request: Request) -> p.DetokenizeResponse:
+    body = await _read(request, p.DetokenizeRequest)
+    engine = request.app.state.engine
+    _check_model(body.model, request)
+    if not all(0 <= t < engine.vocab_size for t in body.tokens):
+        raise InvalidRequestError(f"tokens must be token ids in [0, {engine.vocab_size})")
+    return p.DetokenizeResponse(prompt=await asyncio.to_thread(engine.tokenizer.decode, body.tokens))
+
+
+def _check_model(name: str | None, request: Request) -> None:
+    served = request.app.state.settings.model_name
+    if name is not None and name != served:
+        raise InvalidRequestError(f"the model {name!r} does not exist; this server serves {served!r}")
+
+
+async def _read(request: Request, model: type[BaseModel]):
+    """The body, within --max-body-bytes (413 past it), validated (a 400 through the app's handler)."""
+    limit = request.app.state.settings.max_body_bytes
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"the request body exceeds {limit} bytes")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
