@@ -62,6 +62,15 @@ class ObservedMetrics(_Model):
     """When these were read."""
 
 
+class AuthStatus(_Model):
+    """The API keys the router accepts, as digests: the operator reads spec.auth's Secret so the router reads no Secret."""  # noqa: E501 - one line: the CRD's description
+
+    api_key_secret: str
+    """The Secret these digests were computed from (the router uses them only while it is still spec.auth.apiKeySecret)."""  # noqa: E501 - one line: the CRD's description
+    key_digests: list[str] = Field(default_factory=list)
+    """SHA-256 (hex) of each key in it, never a key; empty while the Secret is missing or holds none (every request refused)."""  # noqa: E501 - one line: the CRD's description
+
+
 class InferenceServiceStatus(_Model):
     """Written by the operator only (status subresource)."""
 
@@ -80,3 +89,5 @@ class InferenceServiceStatus(_Model):
     """The metadata.generation the operator last acted on."""
     url: str | None = None
     """In-cluster URL of the engine Service."""
+    auth: AuthStatus | None = None
+    """With spec.auth: the digests of the accepted API keys (published by the operator for the router)."""

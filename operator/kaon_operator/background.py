@@ -1,5 +1,5 @@
 """The operator's own long-running tasks, started once at start-up (no per-object timers, so
-no finalizers): the status queue's workers, the startup watch and the autoscale loop."""
+no finalizers): the status queue's workers, the startup watch, the key digests' publisher and the autoscale loop."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ import logging
 from datetime import UTC, datetime
 from functools import partial
 
-from kaon_operator import status, status_sync
+from kaon_operator import key_digests, status, status_sync
 from kaon_operator.autoscale_loop import AutoscaleLoop
 from kaon_operator.context import Context
 from kaon_operator.watching import reporting_instance
@@ -36,6 +36,7 @@ async def watch_startups(ctx: Context) -> None:
 def start(ctx: Context) -> None:
     ctx.run_in_background(ctx.status_queue.run(partial(status_sync.resync, ctx)))
     ctx.run_in_background(watch_startups(ctx))
+    ctx.run_in_background(key_digests.publish_loop(ctx))
     loop = AutoscaleLoop(ctx.kube, ctx.caches, ctx.config.autoscale, post=ctx.post,
                          metrics_changed=partial(status_sync.metrics_changed, ctx), identity=reporting_instance())
     ctx.run_in_background(loop.run())

@@ -161,6 +161,18 @@ class Kube:
                 return None
             raise
 
+    def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """An Opaque Secret's data (base64 values: spec.auth's API keys, whose digests only are
+        published); None when it does not exist or is of another type (a ServiceAccount token, a
+        TLS key, a Helm release are never read as API keys)."""
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return (secret.data or {}) if secret.type == "Opaque" else None
+
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=label_selector)
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]

@@ -13,6 +13,7 @@ the router as their own ServiceAccounts, each engine pod a real `kaon serve` on 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import urllib.error
 import urllib.request
@@ -45,7 +46,7 @@ def post(url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
 def refused_at_router(status: int, answer: dict) -> bool:
     """The router's refusal of a caller without one of the model's keys: the same 404 as for no such
     model (names cannot be probed), or a 401 on the headers while every model it serves needs a key."""
-    return (status, answer["error"]["code"]) in ((404, "model_not_found"), (401, "invalid_api_key"))
+    return (status, (answer.get("error") or {}).get("code")) in ((404, "model_not_found"), (401, "invalid_api_key"))
 
 
 def set_keys(cluster: Cluster, **keys: str) -> None:
@@ -76,17 +77,25 @@ def test_keys_are_required_at_the_router_and_the_pod_ip_and_rotate_without_a_res
     assert post(direct, body, "key-one")[0] == 200
 
     set_keys(cluster, ci="key-two")  # rotation: the Secret edited, nothing restarted
-    # Polls until both the router (its Secret watch) and the engine (its re-read volume) took the new key.
+    # Polls until both the router (the digests the operator publishes in the status) and the engine
+    # (its re-read volume) took the new key.
     wait_for("the rotated key accepted", lambda: post(routed, body, "key-two")[0] == 200
              and post(direct, body, "key-two")[0] == 200, timeout=60)
     assert refused_at_router(*post(routed, body, "key-one"))
     assert post(direct, body, "key-one")[0] == 401
+    guarded = cluster.get("inferenceservice", "guarded")  # what the router reads: digests, never a key
+    assert guarded["status"]["auth"]["keyDigests"] == [hashlib.sha256(b"key-two").hexdigest()]
+    assert "key-two" not in json.dumps(guarded)
     (after,) = cluster.running_pods("guarded")
     assert after["metadata"]["uid"] == pod["metadata"]["uid"]
     assert all(c.get("restartCount", 0) == 0 for c in after["status"].get("containerStatuses") or [])
 
     cluster.kubectl("delete", "secret", "api-keys")  # gone: closed, never open
     wait_for("a missing Secret refuses", lambda: refused_at_router(*post(routed, body, "key-two")), timeout=30)
+    # The router's own refusal, not only the engine's (its volume emptied too): no digest published.
+    wait_for("no digest published", lambda: cluster.get("inferenceservice", "guarded")["status"]["auth"]
+             == {"apiKeySecret": "api-keys", "keyDigests": []}, timeout=30)
+    wait_for("a Warning Event NoApiKeys", lambda: "NoApiKeys" in cluster.kubectl("get", "events", "-o", "json").stdout)
 
 
 def test_another_namespaces_model_needs_its_namespace_and_a_taken_name_is_a_condition(local, crd, namespace):

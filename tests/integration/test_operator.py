@@ -268,7 +268,9 @@ def test_the_operator_identity_has_only_what_it_needs(crd, operator_kubeconfig, 
                            ("patch", "networkpolicies.networking.k8s.io"),
                            ("delete", "networkpolicies.networking.k8s.io")]:
         assert can(verb, resource), (verb, resource)
-    for verb, resource in [("get", "secrets"), ("delete", "deployments.apps"), ("create", "pods"),
+    assert can("get", "secrets")  # spec.auth's Secret by name: the digests it publishes for the router
+    for verb, resource in [("list", "secrets"), ("watch", "secrets"), ("update", "secrets"),
+                           ("delete", "deployments.apps"), ("create", "pods"),
                            ("delete", "inferenceservices.kaon.dev"), ("update", "inferenceservices.kaon.dev"),
                            ("update", "nodes"), ("create", "roles")]:
         assert not can(verb, resource), (verb, resource)

@@ -24,14 +24,14 @@ def test_chart_scopes_the_routers_rbac_to_its_namespaces_and_passes_the_tenancy_
 
     default = template()
     role = next(d for d in default if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "kaon-router")
-    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["list", "watch"]} in role["rules"]
+    assert all("secrets" not in r["resources"] for r in role["rules"])  # digests in the status instead
     args = next(d for d in default if d["kind"] == "Deployment" and d["metadata"]["name"] == "kaon-router")[
         "spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--cluster-wide-names" not in args
     assert default_namespace(build_parser().parse_args(args[1:])) == "default"
 
     scoped = template("router.watchNamespaces={team-a,team-b}", "router.clusterWideNames=true",
-                      "router.defaultNamespace=team-a", "router.readApiKeySecrets=false")
+                      "router.defaultNamespace=team-a")
     kinds = {(d["kind"], d["metadata"].get("namespace")) for d in scoped if "router" in d["metadata"]["name"]}
     assert ("ClusterRole", None) not in kinds and ("ClusterRoleBinding", None) not in kinds
     assert {("Role", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-a"), ("RoleBinding", "team-b")} <= kinds
@@ -39,9 +39,9 @@ def test_chart_scopes_the_routers_rbac_to_its_namespaces_and_passes_the_tenancy_
     assert all("secrets" not in r["resources"] for role in roles for r in role["rules"])
     args = next(d for d in scoped if d["kind"] == "Deployment" and d["metadata"]["name"] == "kaon-router")[
         "spec"]["template"]["spec"]["containers"][0]["args"]
-    assert {"--default-namespace=team-a", "--cluster-wide-names", "--no-secrets"} <= set(args)
+    assert {"--default-namespace=team-a", "--cluster-wide-names"} <= set(args)
     parsed = build_parser().parse_args(args[1:])
-    assert parsed.cluster_wide_names and not parsed.secrets and parsed.namespace == ["team-a", "team-b"]
+    assert parsed.cluster_wide_names and parsed.namespace == ["team-a", "team-b"]
     # Without defaultNamespace, a router of a few namespaces resolves bare names in the first.
     assert default_namespace(build_parser().parse_args(["--namespace=team-b", "--namespace=team-a"])) == "team-b"
 

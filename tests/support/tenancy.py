@@ -2,6 +2,8 @@
 pod objects, a router on a port."""
 from __future__ import annotations
 
+import hashlib
+
 from aiohttp import web
 
 from kaon_operator.labels import service_labels
@@ -34,11 +36,16 @@ class Recorder:
 
 
 def isvc(namespace: str, name: str, served: str | None = None, created: str = "2026-01-01T00:00:00Z",
-         secret: str | None = None) -> dict:
+         secret: str | None = None, keys: tuple[str, ...] | None = None, published_for: str | None = None) -> dict:
+    """With `keys`: the digests the operator publishes in status.auth for `published_for`
+    (default: `secret`), as key_digests.py writes them."""
     spec = {"model": {"uri": "builtin://x", **({"servedName": served} if served else {})}}
     if secret:
         spec["auth"] = {"apiKeySecret": secret}
-    return {"metadata": {"namespace": namespace, "name": name, "creationTimestamp": created}, "spec": spec}
+    status = {} if keys is None else {"auth": {"apiKeySecret": published_for or secret, "keyDigests": sorted(
+        hashlib.sha256(k.encode()).hexdigest() for k in keys)}}
+    return {"metadata": {"namespace": namespace, "name": name, "creationTimestamp": created}, "spec": spec,
+            "status": status}
 
 
 def engine_pod(namespace: str, service: str, port: int) -> dict:

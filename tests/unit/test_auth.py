@@ -1,5 +1,6 @@
-"""API keys: the engine's key file (kaon serve --api-key-file) and the router's per-InferenceService
-Secrets (router/auth.py), unit-tested; one real `kaon serve` for rotation without a restart."""
+"""API keys: the engine's key file (kaon serve --api-key-file), the digests the operator publishes
+from spec.auth's Secret (key_digests.py) and the router's check of them (router/auth.py),
+unit-tested; one real `kaon serve` for rotation without a restart."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import hashlib
 import aiohttp
 import pytest
 
+from kaon_operator import key_digests
 from kaon_operator.router import auth
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from kaon_runtime.server import keys as engine_keys
@@ -94,26 +96,77 @@ def test_bearer_and_accepted():
     assert not auth.accepted(b"k1", ())
 
 
-def test_the_table_keeps_digests_not_keys():
+def test_the_operator_publishes_digests_not_keys():
+    data = secret("keys", alice="sk-alice\n", empty="", bob="sk-bob")["data"]
+    published = key_digests.published("keys", data)
+    # Trimmed, the empty value dropped, sorted: the same keys publish the same list.
+    assert published == {"apiKeySecret": "keys", "keyDigests": sorted(
+        hashlib.sha256(k).hexdigest() for k in (b"sk-alice", b"sk-bob"))}
+    assert "sk-alice" not in repr(published) and b64("sk-alice") not in repr(published)
+    assert key_digests.published("keys", None) == {"apiKeySecret": "keys", "keyDigests": []}  # missing: closed
+    assert key_digests.secret_name({}) is None and key_digests.secret_name({"auth": {"apiKeySecret": "k"}}) == "k"
+    assert key_digests.secret_name({"auth": {"apiKeySecret": "Not_Valid"}}) == ""  # no Secret read, closed
+
+
+class FakeKube:
+    def __init__(self, secrets: dict):
+        self.secrets, self.patches = secrets, []
+
+    def secret_data(self, namespace: str, name: str):
+        return self.secrets.get((namespace, name))
+
+    def patch_status(self, namespace: str, name: str, status: dict):
+        self.patches.append((namespace, name, status))
+        return {}
+
+
+def test_publish_writes_status_auth_only_when_it_changed_and_warns_of_a_missing_secret():
+    from types import SimpleNamespace
+
+    kube = FakeKube({("ns", "keys"): secret("keys", "ns", a="key-one")["data"]})
+    events = []
+    ctx = SimpleNamespace(kube=kube, post=lambda body, specs: events.extend(specs))
+    body, last = isvc("ns", "svc", secret="keys"), {}
+    key_digests.publish(ctx, ("ns", "svc"), body, last)
+    key_digests.publish(ctx, ("ns", "svc"), body, last)  # unchanged: no second write
+    assert kube.patches == [("ns", "svc", {"auth": {"apiKeySecret": "keys", "keyDigests": [
+        hashlib.sha256(b"key-one").hexdigest()]}})] and events == []
+    kube.secrets[("ns", "keys")] = secret("keys", "ns", b="key-two")["data"]  # rotated
+    key_digests.publish(ctx, ("ns", "svc"), body, last)
+    assert kube.patches[-1][2]["auth"]["keyDigests"] == [hashlib.sha256(b"key-two").hexdigest()]
+    del kube.secrets[("ns", "keys")]  # deleted: nothing published, a Warning Event
+    key_digests.publish(ctx, ("ns", "svc"), body, last)
+    assert kube.patches[-1][2] == {"auth": {"apiKeySecret": "keys", "keyDigests": []}}
+    assert [(e.type, e.reason) for e in events] == [("Warning", "NoApiKeys")]
+    key_digests.publish(ctx, ("ns", "svc"), isvc("ns", "svc"), last)  # spec.auth removed: status.auth too
+    assert kube.patches[-1][2] == {"auth": None} and len(kube.patches) == 4
+
+
+def test_the_table_keeps_digests_not_keys_and_only_those_published_for_the_named_secret():
     table = EndpointTable()
-    table.apply_secret("ADDED", secret("keys", alice="sk-alice\n", empty=""))
-    table.replace_services(None, [isvc("default", "chat", "m", secret="keys")])
-    kept = table.api_keys(ServiceKey("default", "chat"))
-    assert kept == (hashlib.sha256(b"sk-alice").digest(),)  # trimmed, the empty value dropped
+    table.replace_services(None, [isvc("default", "chat", "m", secret="keys", keys=("sk-alice",)),
+                                  isvc("default", "moved", "n", secret="new-keys", keys=("sk-old",),
+                                       published_for="old-keys")])
+    assert table.api_keys(ServiceKey("default", "chat")) == (hashlib.sha256(b"sk-alice").digest(),)
     assert b"sk-alice" not in repr(table.__dict__).encode()
+    # spec.auth names another Secret than the digests were published for: closed until republished.
+    assert table.api_keys(ServiceKey("default", "moved")) == ()
+    table.apply_service("MODIFIED", isvc("default", "chat", "m", secret="keys", keys=("sk-alice",)) | {
+        "status": {"auth": {"apiKeySecret": "keys", "keyDigests": ["not hex", "ab"]}}})
+    assert table.api_keys(ServiceKey("default", "chat")) == ()  # unreadable digests: closed, no error
 
 
 def test_router_checks_keys_per_service_rotates_and_fails_closed():
     async def scenario():
         engine = await Recorder().start()
         table = EndpointTable()
-        table.replace_services(None, [isvc("default", "locked", "secure", secret="keys"),
+        keys = ("key-one", "key-two")  # the digests the operator published from the Secret "keys"
+        table.replace_services(None, [isvc("default", "locked", "secure", secret="keys", keys=keys),
                                       isvc("default", "open", "public"),
-                                      isvc("default", "cold", "asleep", secret="keys"),  # no pod: would be held
+                                      isvc("default", "cold", "asleep", secret="keys", keys=keys),  # no pod: held
                                       isvc("default", "lost", "orphan", secret="missing")])
         table.apply_pod("ADDED", engine_pod("default", "locked", engine.port))
         table.apply_pod("ADDED", engine_pod("default", "open", engine.port))
-        table.replace_secrets(None, [secret("keys", a="key-one", b="key-two")])
         table.synced = True
         runner, url = await serve(table)
         out = {}
@@ -138,13 +191,14 @@ def test_router_checks_keys_per_service_rotates_and_fails_closed():
                     out["models-anonymous"] = [m["id"] for m in (await resp.json())["data"]]
                 async with client.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-one"}) as resp:
                     out["models-keyed"] = [m["id"] for m in (await resp.json())["data"]]
-                # Rotation: the Secret is edited (a watch event), the router is not restarted.
-                table.apply_secret("MODIFIED", secret("keys", c="key-new"))
+                # Rotation: the Secret is edited, the operator publishes the new digests (a watch
+                # event of the InferenceService), the router is not restarted.
+                table.apply_service("MODIFIED", isvc("default", "locked", "secure", secret="keys", keys=("key-new",)))
                 await post("old-after", "secure", "key-one")
                 await post("new-after", "secure", "key-new")
-                table.apply_secret("MODIFIED", secret("keys"))  # emptied: closed
+                table.apply_service("MODIFIED", isvc("default", "locked", "secure", secret="keys", keys=()))  # emptied
                 await post("emptied", "secure", "key-new")
-                table.apply_secret("DELETED", secret("keys"))
+                table.apply_service("MODIFIED", isvc("default", "locked", "secure", secret="keys"))  # none published
                 await post("deleted", "secure", "key-new")
         finally:
             await runner.cleanup()
@@ -187,14 +241,21 @@ def test_engine_pods_of_a_protected_service_mount_the_secret_and_require_its_key
     assert all(v["name"] != "api-keys" for v in plain["volumes"])
 
 
-def test_the_router_reads_only_opaque_secrets():
+def test_the_router_watches_no_secret_and_the_operator_reads_only_opaque_ones():
+    from unittest.mock import MagicMock
+
+    from kaon_operator.kube import Kube
     from kaon_operator.router.watch import ApiServer, Watcher
 
     server = ApiServer("https://127.0.0.1:1", None, lambda: None)
-    kinds = {k.plural: k for k in Watcher(server, EndpointTable()).kinds}
-    assert Watcher(server, EndpointTable())._params(kinds["secrets"])["fieldSelector"] == "type=Opaque"
-    assert "secrets" not in {k.plural for k in Watcher(server, EndpointTable(), secrets=False).kinds}
-    assert "fieldSelector" not in Watcher(server, EndpointTable())._params(kinds["pods"])
+    assert {k.plural for k in Watcher(server, EndpointTable()).kinds} == {"pods", "inferenceservices"}
+    kube = Kube.__new__(Kube)
+    kube.core = MagicMock()
+    kube.core.read_namespaced_secret.return_value = MagicMock(type="kubernetes.io/service-account-token",
+                                                              data={"token": b64("t")})
+    assert kube.secret_data("ns", "sa-token") is None  # never read as API keys
+    kube.core.read_namespaced_secret.return_value = MagicMock(type="Opaque", data={"k": b64("key")})
+    assert kube.secret_data("ns", "keys") == {"k": b64("key")}
 
 
 def test_the_security_docs_auth_example_is_a_valid_spec():

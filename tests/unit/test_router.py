@@ -147,7 +147,7 @@ def test_a_service_is_read_through_the_api_models_and_a_section_that_does_not_va
     spec = isvc("svc", "m")
     spec["spec"]["routing"] = {"strategy": "prefix-affinity", "loadBound": 2}
     read = service(spec)
-    assert (read.served_name, read.strategy, read.load_bound, read.hold_seconds, read.api_key_secret,
+    assert (read.served_name, read.strategy, read.load_bound, read.hold_seconds, read.key_digests,
             read.created) == ("m", "prefix-affinity", 2.0, None, None, 1767225600)
     # Defaults are api.py's: the same ones the apiserver writes into every InferenceService.
     defaults = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}})

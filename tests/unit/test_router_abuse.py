@@ -150,9 +150,8 @@ def test_while_every_service_needs_a_key_a_request_without_one_is_refused_on_its
         engine = await Recorder().start()
         router = routed(max_body_bytes=1 << 20)
         table = router.table
-        table.replace_services(None, [isvc("ns", "svc", "m", secret="keys")])
+        table.replace_services(None, [isvc("ns", "svc", "m", secret="keys", keys=("key-one",))])
         table.apply_pod("ADDED", engine_pod("ns", "svc", engine.port))
-        table.apply_secret("ADDED", {"metadata": {"namespace": "ns", "name": "keys"}, "data": {"k": "a2V5LW9uZQ=="}})
         async with router_on_port(router) as (client, port):
             for key in (None, "key-two"):
                 reader, _ = await raw(port, head(1 << 20, key))  # announces 1 MiB, sends none of it
@@ -227,9 +226,8 @@ def test_the_open_port_metrics_name_no_protected_service():
         engine = await FakeEngine("a").start()
         router = routed(engine)
         table = router.table
-        table.apply_service("ADDED", isvc("ns", "secure", "hidden", secret="keys"))
+        table.apply_service("ADDED", isvc("ns", "secure", "hidden", secret="keys", keys=("key-one",)))
         table.apply_pod("ADDED", engine_pod("ns", "secure", engine.port))
-        table.apply_secret("ADDED", {"metadata": {"namespace": "ns", "name": "keys"}, "data": {"k": "a2V5LW9uZQ=="}})
         async with serving(router) as client:
             for key in ("key-one", None):
                 async with client.post("/v1/completions", data=b'{"model": "hidden", "prompt": "x"}',

@@ -1,8 +1,9 @@
 """API keys at the router: an InferenceService with spec.auth accepts a request only with
 `Authorization: Bearer <key>` where the key is one of its Secret's values.
 
-The table keeps SHA-256 digests of the keys, not the keys: the router watches every Secret of
-the namespaces it serves and keeps nothing in memory that works as a key. A request's token is
+The table keeps SHA-256 digests of the keys, not the keys: the operator publishes them in the
+InferenceService's status (key_digests.py), so the router reads no Secret and holds nothing
+that works as a key. A request's token is
 hashed and compared with every digest in constant time, with no early exit, so neither which
 key matched nor how much of one did shows in the time taken.
 """
@@ -38,7 +39,7 @@ def check(table: EndpointTable, key: ServiceKey, model: str, authorization: str 
     """Raise the router's refusal unless the request may reach `key`. A protected InferenceService
     answers a caller without one of its keys exactly as a name that does not exist (404): what a
     caller may not use, it cannot tell apart from nothing, so protected names cannot be probed. A
-    service whose Secret is missing or holds no key is closed to everyone, the same way."""
+    service whose Secret is missing or holds no key (no digest published) is closed to everyone, the same way."""
     digests = table.api_keys(key)
     if digests is not None and not accepted(bearer(authorization), digests):
         raise errors.model_not_found(model)

@@ -6,8 +6,6 @@ on every request, so reads are dictionary lookups of precomputed tuples.
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -55,8 +53,10 @@ class Service:
     """spec.routing.strategy: the name of a routing strategy (strategies.STRATEGIES)."""
     load_bound: float
     """spec.routing.loadBound: with prefix-affinity, how far above the mean load a pod may go."""
-    api_key_secret: str | None
-    """spec.auth.apiKeySecret: the Secret (same namespace) whose values are the accepted API keys."""
+    key_digests: tuple[bytes, ...] | None
+    """SHA-256 digests of the accepted API keys, from status.auth (the operator publishes them from
+    spec.auth's Secret; key_digests.py): None without spec.auth (open), empty while none is
+    published for the Secret spec.auth names now (closed to everyone)."""
     max_num_seqs: int
     """spec.engine.maxNumSeqs: sequences one pod runs at once (prefix-affinity keeps a request off
     a pod with no free slot while another has one)."""
@@ -99,7 +99,7 @@ def service(isvc: dict) -> Service:
     return Service(key, api.served_name(spec.get("model"), meta["name"]),
                    int(kubetime.epoch(meta.get("creationTimestamp")) or 0),
                    autoscaling.scale_from_zero_timeout_seconds if autoscaling.enabled else None,
-                   routing.strategy, routing.load_bound, _api_key_secret(key, spec.get("auth")),
+                   routing.strategy, routing.load_bound, _key_digests(key, spec.get("auth"), isvc.get("status") or {}),
                    _section(key, spec, "engine", api.EngineSpec).max_num_seqs)
 
 
@@ -115,24 +115,29 @@ def _section(key: ServiceKey, spec: Mapping, name: str, model: type[Section]) ->
         return model()
 
 
-def _api_key_secret(key: ServiceKey, auth) -> str | None:
+def _key_digests(key: ServiceKey, auth, status: Mapping) -> tuple[bytes, ...] | None:
+    """The digests published for the Secret spec.auth names now: a digest list left from
+    another Secret (spec.auth just edited, not yet published) is not used, nor one that does not
+    read as SHA-256 hex."""
     if auth is None:
         return None
     try:
-        return api.AuthSpec.model_validate(auth).api_key_secret
+        secret = api.AuthSpec.model_validate(auth).api_key_secret
     except ValidationError as exc:
         logger.warning("InferenceService %s: spec.auth is not valid, so every request is refused: %s", key, exc)
-        return ""  # names no Secret: no key is accepted
+        return ()
+    published = status.get("auth") or {}
+    if not isinstance(published, Mapping) or published.get("apiKeySecret") != secret:
+        return ()
+    return tuple(d for d in map(_sha256, published.get("keyDigests") or ()) if d is not None)
 
 
-SecretId = tuple[str, str]  # (namespace, Secret name)
-
-
-def secret_keys(secret: dict) -> tuple[bytes, ...]:
-    """SHA-256 digests of the API keys of a Secret: every non-empty value of its data (base64 on
-    the wire), trimmed of the newline an `echo` leaves. Digests only: router/auth.py compares them."""
-    values = (base64.b64decode(v).strip() for v in (secret.get("data") or {}).values())
-    return tuple(hashlib.sha256(v).digest() for v in values if v)
+def _sha256(hex_digest) -> bytes | None:
+    try:
+        digest = bytes.fromhex(hex_digest)
+    except (TypeError, ValueError):
+        return None
+    return digest if len(digest) == 32 else None
 
 
 PodId = tuple[str, str]  # (namespace, pod name)
@@ -155,7 +160,6 @@ class EndpointTable:
         self._ready: dict[ServiceKey, tuple[Endpoint, ...]] = {}
         self._services: dict[ServiceKey, Service] = {}
         self._names = naming.index(())
-        self._secrets: dict[SecretId, tuple[bytes, ...]] = {}
 
     # reads -------------------------------------------------------------------
 
@@ -167,18 +171,15 @@ class EndpointTable:
         """The digests of the keys a request to this InferenceService must present one of: None when it requires
         none (no spec.auth); empty when its Secret is missing or holds no key (refuse all)."""
         found = self._services.get(key)
-        if found is None or found.api_key_secret is None:
-            return None
-        return self._secrets.get((key.namespace, found.api_key_secret), ())
+        return None if found is None else found.key_digests
 
     def key_required_everywhere(self) -> bool:
         """Whether there are InferenceServices and every one of them requires a key."""
-        return bool(self._services) and all(s.api_key_secret is not None for s in self._services.values())
+        return bool(self._services) and all(s.key_digests is not None for s in self._services.values())
 
     def all_api_keys(self) -> tuple[bytes, ...]:
         """The digests of every key some InferenceService accepts."""
-        return tuple(d for s in self._services.values() if s.api_key_secret
-                     for d in self._secrets.get((s.key.namespace, s.api_key_secret), ()))
+        return tuple(d for s in self._services.values() for d in s.key_digests or ())
 
     def hold_seconds(self, key: ServiceKey) -> float | None:
         found = self._services.get(key)
@@ -271,17 +272,3 @@ class EndpointTable:
         self._names = naming.index(self._services.values())
         for key in changed:
             self.on_change(key)
-
-    # Secrets (API keys) ----------------------------------------------------------
-
-    def apply_secret(self, event: str, secret: dict) -> None:
-        meta = secret["metadata"]
-        sid = (meta["namespace"], meta["name"])
-        if event == "DELETED":
-            self._secrets.pop(sid, None)
-        else:
-            self._secrets[sid] = secret_keys(secret)
-
-    def replace_secrets(self, namespace: str | None, items: Iterable[dict]) -> None:
-        fresh = {(s["metadata"]["namespace"], s["metadata"]["name"]): secret_keys(s) for s in items}
-        self._secrets = {sid: k for sid, k in self._secrets.items() if namespace not in (None, sid[0])} | fresh

@@ -32,9 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster-wide-names", action="store_true",
                         help="let a bare `model` also resolve in other namespaces (the oldest InferenceService "
                         "serving it) when the default namespace has none")
-    parser.add_argument("--no-secrets", dest="secrets", action="store_false",
-                        help="do not read Secrets (no RBAC for them): an InferenceService with spec.auth then "
-                        "refuses every request with a 503")
     parser.add_argument("--kubeconfig", help="default: the pod's ServiceAccount, else $KUBECONFIG or ~/.kube/config")
     parser.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout,
                         help="seconds a request waits for a ready pod of its InferenceService, then 503")
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_timeout=args.idle_timeout, max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes,
         max_buffered_bytes=args.max_buffered_bytes, max_connections=args.max_connections,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout))
-    watcher = Watcher(server, table, args.namespace, secrets=args.secrets)
+    watcher = Watcher(server, table, args.namespace)
     try:
         asyncio.run(serve(router, watcher, args))
     except KeyboardInterrupt:

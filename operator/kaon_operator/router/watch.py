@@ -1,6 +1,7 @@
 """Keeps an EndpointTable in step with the cluster: list, then watch, the engine pods (by their
-label selector: no other pod is ever read), the InferenceServices and, when `secrets` is on,
-the Secrets holding API keys (spec.auth), in all namespaces or the given ones.
+label selector: no other pod is ever read) and the InferenceServices, in all namespaces or the
+given ones. No Secret: the operator publishes the digests of spec.auth's keys in the
+InferenceService's status (key_digests.py), so the router's identity may read no Secret.
 
 Plain HTTP to the apiserver with aiohttp, so the watch lives on the proxy's event loop and
 stops with it (the official client is synchronous). The official client still reads the
@@ -26,7 +27,6 @@ logger = logging.getLogger("kaon.router.watch")
 WATCH_SECONDS = 300  # the apiserver ends each watch after this long; the next resumes where it left off
 RETRY_SECONDS = 2.0
 MAX_OBJECT_BYTES = 16 << 20  # one watch event is one line of JSON
-API_KEY_SECRETS = "type=Opaque"  # what `kubectl create secret generic` makes; spec.auth's must be one
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,6 @@ class _Kind:
     selector: str | None
     apply: Callable[[str, dict], None]
     replace: Callable[[str | None, list[dict]], None]
-    fields: str | None = None  # a fieldSelector
 
     def url(self, server: str, namespace: str | None) -> str:
         scope = f"/namespaces/{namespace}" if namespace else ""
@@ -89,18 +88,13 @@ class NoCredentials(Exception):
 
 
 class Watcher:
-    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = (), secrets: bool = True):
+    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = ()):
         self.server = server
         self.table = table
         self.namespaces = tuple(namespaces) or (None,)
         self.kinds = (
             _Kind("/api/v1", "pods", ENGINE_POD_SELECTOR, table.apply_pod, table.replace_pods),
             _Kind(f"/apis/{api.GROUP}/{api.VERSION}", api.PLURAL, None, table.apply_service, table.replace_services),
-            # Which Secrets spec.auth names is known only once the InferenceServices are read, and
-            # changes with them: watch them all (the table keeps digests of the values, no keys).
-            # Opaque ones only: never TLS keys, ServiceAccount tokens, registry credentials or Helm releases.
-            *([_Kind("/api/v1", "secrets", None, table.apply_secret, table.replace_secrets, API_KEY_SECRETS)]
-              if secrets else []),
         )
 
     async def run(self) -> None:
@@ -138,8 +132,7 @@ class Watcher:
                 await asyncio.sleep(RETRY_SECONDS)
 
     def _params(self, kind: _Kind, **more) -> dict[str, str]:
-        return {**({"labelSelector": kind.selector} if kind.selector else {}),
-                **({"fieldSelector": kind.fields} if kind.fields else {}), **more}
+        return {**({"labelSelector": kind.selector} if kind.selector else {}), **more}
 
     async def _list(self, session: aiohttp.ClientSession, kind: _Kind, namespace: str | None, url: str) -> str:
         async with session.get(url, params=self._params(kind), headers=self.server.headers()) as resp:
