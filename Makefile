@@ -57,9 +57,9 @@ lint: install
 test: install control-plane
 	$(PY) -m pytest -q --durations=15
 
-# The inner loop: tests/unit only, no control plane to build (a few minutes on 2 cores).
+# The inner loop: tests/unit without the tests marked slow (whole models generating), no control plane to build.
 unit: install
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m "not slow" tests/unit
 
 bench: install
 	$(PY) bench/throughput.py

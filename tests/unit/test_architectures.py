@@ -16,6 +16,9 @@ import torch
 from kaon_runtime import LLM, SamplingParams
 from support.hf_dirs import write_hf_dir
 
+# Whole models generating: `make test` runs these, `make unit` (the inner loop) leaves them out.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

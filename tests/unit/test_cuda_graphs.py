@@ -17,6 +17,9 @@ from support import MODEL
 from support.prompts import QUESTIONS, chat_ids
 from support.tiny_llama import DEVICE, PROMPTS
 
+# Whole models generating: `make test` runs these, `make unit` (the inner loop) leaves them out.
+pytestmark = pytest.mark.slow
+
 
 def test_ladder_starts_fine_then_steps_by_eight_and_ends_at_the_limit():
     assert ladder(1) == [1]

@@ -33,6 +33,7 @@ def test_stop_token_id_and_max_tokens(llm):
     assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[:full.token_ids.index(stopper) + 1]
 
 
+@pytest.mark.slow
 def test_eos_stops_unless_ignored(llm):
     short = chat(llm, SamplingParams(temperature=0, max_tokens=200))
     assert short.finish_reason == "stop" and short.token_ids[-1] in llm.tokenizer.eos_token_ids
@@ -41,6 +42,7 @@ def test_eos_stops_unless_ignored(llm):
     assert len(forced.outputs[0].token_ids) == 60
 
 
+@pytest.mark.slow
 def test_seed_makes_sampling_reproducible(llm):
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20)
     first, second = chat(llm, params), chat(llm, params)

@@ -24,6 +24,9 @@ from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.layers.rejection import residual, verify
 from kaon_runtime.server.metrics import Metrics
 
+# Whole models generating: `make test` runs these, `make unit` (the inner loop) leaves them out.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 MODEL = "builtin://smollm2-135m-instruct"

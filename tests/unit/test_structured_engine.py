@@ -12,6 +12,9 @@ from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import InvalidRequestError
 from support.server import MODEL
 
+# Whole models generating: `make test` runs these, `make unit` (the inner loop) leaves them out.
+pytestmark = pytest.mark.slow
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
     "age": {"type": "integer", "minimum": 18, "maximum": 99},
