@@ -90,7 +90,7 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library() -> ctypes.CDLL | None:
     """The built library, or None (logged once) where it cannot be had."""
     if os.environ.get("KAON_CPU_DECODE", "on") == "off":
@@ -130,7 +130,7 @@ class LinearWeights:
     tensors: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def _make(cls, kind: int, n: int, k: int, bias: torch.Tensor | None, **tensors) -> "LinearWeights":
+    def _make(cls, kind: int, n: int, k: int, bias: torch.Tensor | None, **tensors) -> LinearWeights:
         kept = {name: t.detach().contiguous() for name, t in tensors.items()}
         if bias is not None:
             kept["bias"] = bias.detach().float().contiguous()
@@ -141,18 +141,18 @@ class LinearWeights:
         return cls(struct, list(kept.values()))
 
     @classmethod
-    def f32(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeights":
+    def f32(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
         n, k = weight.shape
         return cls._make(KIND_F32, n, k, bias, w=weight.float())
 
     @classmethod
-    def f32_t(cls, weight_t: torch.Tensor) -> "LinearWeights":
+    def f32_t(cls, weight_t: torch.Tensor) -> LinearWeights:
         """A float32 weight stored [K, N] (the vocabulary head's layout)."""
         k, n = weight_t.shape
         return cls._make(KIND_F32_T, n, k, None, w=weight_t.float())
 
     @classmethod
-    def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeights":
+    def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
         """kaon's int8: int8 [N, K], one float scale per output; the C kernel reads a copy, interleaved."""
         n, k = qweight.shape
         _check_blocks(k)
@@ -162,7 +162,7 @@ class LinearWeights:
 
     @classmethod
     def q4_1(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-             bias: torch.Tensor | None = None) -> "LinearWeights":
+             bias: torch.Tensor | None = None) -> LinearWeights:
         """kaon's int4 layout with groups of 32 (GGUF Q4_1's): packed uint8 [N, K/2], float16 scales and
         mins; the C kernel reads a copy, interleaved."""
         n, k = packed.shape[0], packed.shape[1] * 2

@@ -6,7 +6,7 @@ Experts are stored stacked: w13 [E, 2I, H] holds each expert's gate and up proje
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -112,8 +112,8 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_
 
 @triton.jit
 def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr, qk_scale,
-                   window, cap_log2e, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_op, stride_lt, stride_lh,
-                   stride_ch, stride_table,
+                   window, cap_log2e, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_op,
+                   stride_lt, stride_lh, stride_ch, stride_table,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    SOFTCAP: tl.constexpr):
@@ -198,7 +198,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     grid = (triton.cdiv(max_query_len, block_m), chunks, heads)
     _prefill_kernel[grid](
         query, out, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
-        *_score_args(scale, window, softcap), query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), block_tables.stride(0),
+        *_score_args(scale, window, softcap), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), block_tables.stride(0),
         GROUP=heads // k_cache.shape[0], BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype),
         SOFTCAP=softcap is not None, num_warps=_PREFILL_WARPS)

@@ -136,7 +136,7 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
                  group_size: int, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(packed uint8 [N, K / 2], scales/mins [N, K / group_size]).T -> [M, N]."""
     assert x.dim() == 2 and packed.dim() == 2, "x [M, K], packed [N, K / 2]"
-    (m, k), n = x.shape, packed.shape[0]
+    k, n = x.shape[1], packed.shape[0]
     assert group_size >= 32 and group_size & (group_size - 1) == 0, \
         f"group_size must be a power of two >= 32 (each half-group feeds a tl.dot), got {group_size}"
     assert k % group_size == 0, f"K = {k} is not a multiple of the group size {group_size}"
