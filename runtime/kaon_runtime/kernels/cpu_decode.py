@@ -47,9 +47,9 @@ class Layer(ctypes.Structure):
 
 
 class Model(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                                      "intermediate", "block_size", "num_blocks",
-                                                      "kv_half")] + [
+    _fields_ = [
+        *((name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                              "intermediate", "block_size", "num_blocks", "kv_half")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
 
@@ -190,6 +190,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 def linear(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 -> [M, N] through the C kernel (narrow weights: activations in int8 blocks)."""
     lib = library()
+    assert lib is not None, "the fused CPU kernels are not built (cpu_decode.library())"
     rows = x.shape[0]
     x = x.float().contiguous()
     out = torch.empty(rows, weights.struct.n, dtype=torch.float32)
@@ -204,6 +205,7 @@ def decode(model: Model, x: torch.Tensor, positions: torch.Tensor, slots: torch.
     """Every layer of a decode step for x [S, hidden] (float32, contiguous, overwritten): returns
     the final norm's output in x. All index tensors int64 on the CPU; block_tables [S, M]."""
     lib = library()
+    assert lib is not None, "the fused CPU kernels are not built (cpu_decode.library())"
     rows, max_blocks = block_tables.shape
     work = torch.empty(lib.kaon_decode_workspace(ctypes.byref(model), rows, max_blocks), dtype=torch.float32)
     lib.kaon_decode(ctypes.byref(model), rows, x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
