@@ -72,6 +72,7 @@ def publish(ctx: Context, key: Key, body: Mapping, last: dict[Key, dict | None])
     namespace, name = key
     secret = secret_name(body.get("spec") or {})
     current = last.get(key, (body.get("status") or {}).get("auth"))
+    data: dict[str, str] | None
     if secret is None:
         new = None
         data = {}

@@ -171,7 +171,8 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
-        return (secret.data or {}) if secret.type == "Opaque" else None
+        data = cast(dict[str, str], secret.data or {})  # base64 text, as the apiserver sends it
+        return data if secret.type == "Opaque" else None
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=label_selector)

@@ -170,6 +170,7 @@ def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, no
             break
         mixed = [sample, *mixed]
     mix = load(mixed)
+    assert mix is not None  # `mixed` holds `recent`, which gave `demand`
     demand = Load(demand.rate, mix.prompt, mix.output, demand.requests, demand.seconds)
     earlier = load(before)
     if earlier is not None:
