@@ -359,3 +359,13 @@ def test_responses_api_subset(client):
     for stateful in ({"previous_response_id": "resp_1"}, {"store": True}):
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model=MODEL, input="hi", **stateful)
+
+
+def test_return_tokens_as_token_ids(client):
+    out = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=3, logprobs=1, echo=True,
+                                    extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert all(t.startswith("token_id:") and t[9:].isdigit() for t in out.tokens)
+    assert all(k.startswith("token_id:") for top in out.top_logprobs[1:] for k in top)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)

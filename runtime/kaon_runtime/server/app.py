@@ -241,6 +241,7 @@ async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics
 
 async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
     headers = ignored_fields_header(body)
+    fmt.token_ids_as_names = body.return_tokens_as_token_ids
     if body.stream:
         return _SSEResponse(sse_events(gen, fmt, body.n, body.include_usage, body.continuous_usage), gen, headers)
     try:

@@ -6,6 +6,8 @@ before it, so its logprob is null, as OpenAI sends it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.server import protocol as p
@@ -15,13 +17,13 @@ def prompt_text(output: RequestOutput, tokenizer: Tokenizer) -> str:
     return output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
 
 
-def echoed_logprobs(output: RequestOutput, tokenizer: Tokenizer, k: int) -> p.CompletionLogprobs:
+def echoed_logprobs(output: RequestOutput, name: Callable[[int], str], k: int) -> p.CompletionLogprobs:
     """The prompt's tokens in the legacy format: token, its logprob (None first), the top k, text offset."""
     out = p.CompletionLogprobs()
     scored = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
     offset = 0
     for token_id, entry in zip(output.prompt_token_ids, scored):
-        token = tokenizer.token_to_str(token_id)
+        token = name(token_id)
         out.tokens.append(token)
         out.text_offset.append(offset)
         offset += len(token)
@@ -31,11 +33,11 @@ def echoed_logprobs(output: RequestOutput, tokenizer: Tokenizer, k: int) -> p.Co
             continue
         out.token_logprobs.append(entry[token_id])
         best = sorted(entry.items(), key=lambda item: -item[1])[:k]
-        out.top_logprobs.append({tokenizer.token_to_str(t): lp for t, lp in best})
+        out.top_logprobs.append({name(t): lp for t, lp in best})
     return out
 
 
-def vllm_prompt_logprobs(output: RequestOutput, tokenizer: Tokenizer,
+def vllm_prompt_logprobs(output: RequestOutput, name: Callable[[int], str],
                          k: int) -> list[dict[str, p.PromptLogprob] | None] | None:
     """vLLM's shape: per prompt token, the token itself and the top k, keyed by token id."""
     if output.prompt_logprobs is None:
@@ -46,6 +48,6 @@ def vllm_prompt_logprobs(output: RequestOutput, tokenizer: Tokenizer,
             result.append(None)
             continue
         best = [t for t, _ in sorted(entry.items(), key=lambda item: -item[1])[:k]]
-        result.append({str(t): p.PromptLogprob(logprob=entry[t], decoded_token=tokenizer.token_to_str(t))
+        result.append({str(t): p.PromptLogprob(logprob=entry[t], decoded_token=name(t))
                        for t in [token_id, *best]})
     return result

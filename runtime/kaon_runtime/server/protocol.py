@@ -113,6 +113,7 @@ class _SamplingRequest(_OpenTopLevel):
     min_p: float = Field(0.0, ge=0, le=1)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).

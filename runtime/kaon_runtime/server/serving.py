@@ -141,6 +141,11 @@ class _Format:
     def __init__(self, gen: Generation, tokenizer: Tokenizer):
         self.gen = gen
         self.tokenizer = tokenizer
+        self.token_ids_as_names = False  # vLLM's return_tokens_as_token_ids: "token_id:42" for each token
+
+    def token_name(self, token_id: int) -> str:
+        """How a token appears in logprobs: its text, or "token_id:<id>" (exact where text splits characters)."""
+        return f"token_id:{token_id}" if self.token_ids_as_names else self.tokenizer.token_to_str(token_id)
 
     def response(self, output: RequestOutput) -> BaseModel:
         raise NotImplementedError
@@ -159,8 +164,7 @@ class _Format:
         # Under a grammar the forbidden tokens' logprobs are -inf: not alternatives, and not valid JSON numbers.
         best = sorted((item for item in logprobs.items() if item[1] > float("-inf")),
                       key=lambda item: -item[1])[:self.gen.num_logprobs]
-        return (self.tokenizer.token_to_str(token_id), logprobs[token_id],
-                [(self.tokenizer.token_to_str(t), lp) for t, lp in best])
+        return (self.token_name(token_id), logprobs[token_id], [(self.token_name(t), lp) for t, lp in best])
 
     def _head(self) -> dict:
         return {"id": self.gen.request_id, "created": self.gen.created, "model": self.gen.model}
@@ -174,9 +178,9 @@ class CompletionFormat(_Format):
 
     def response(self, output: RequestOutput) -> p.CompletionResponse:
         head = prompt_text(output, self.tokenizer) if self.echo else ""
-        prompt_part = (echoed_logprobs(output, self.tokenizer, self.gen.num_logprobs)
+        prompt_part = (echoed_logprobs(output, self.token_name, self.gen.num_logprobs)
                        if self.echo and self.gen.num_logprobs is not None else None)
-        scored = (vllm_prompt_logprobs(output, self.tokenizer, self.prompt_logprobs)
+        scored = (vllm_prompt_logprobs(output, self.token_name, self.prompt_logprobs)
                   if self.prompt_logprobs is not None else None)
         choices = []
         for c in output.outputs:
