@@ -369,3 +369,12 @@ def test_return_tokens_as_token_ids(client):
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True,
                                           extra_body={"return_tokens_as_token_ids": True})
     assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)
+
+
+def test_responses_text_format_json_schema(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    out = client.responses.create(model=MODEL, input="What is two plus two? Answer in JSON.", temperature=0,
+                                  max_output_tokens=40, text={"format": {"type": "json_schema", "name": "sum",
+                                                                         "schema": schema, "strict": True}})
+    assert set(json.loads(out.output_text)) == {"answer"}

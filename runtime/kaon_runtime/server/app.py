@@ -214,7 +214,7 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
         raise _bad_input(exc.errors()) from None
     _check_model(chat.model, settings)
     check_chat(chat, chat.max_completion_tokens, settings.limits, engine.max_model_len)
-    params = _sampling_params(chat, chat.max_completion_tokens, None, {})
+    params = _sampling_params(chat, chat.max_completion_tokens, None, chat.output_constraint())
     with request.app.state.admission.slot():
         messages = [m.for_template() for m in chat.messages]
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)

@@ -35,6 +35,27 @@ class InputMessage(p._Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class TextFormat(p._Strict):
+    """The Responses API's text.format: OpenAI's response_format with the schema's fields inline."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "json_schema": {
+            "name": self.name or "output", "description": self.description, "schema": self.schema_,
+            "strict": self.strict}}
+
+
+class ResponseText(p._Strict):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(p._Strict):
     model_config = ConfigDict(extra="allow")  # unknown top-level fields: ignored, as on the other endpoints
 
@@ -45,6 +66,7 @@ class ResponsesRequest(p._Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
+    text: ResponseText | None = None  # text.format: free text, any JSON object, or JSON valid against a schema
     store: bool = False  # OpenAI's default is true; nothing is stored here, so only false is accepted
     previous_response_id: str | None = None
     user: str | None = None
@@ -66,9 +88,11 @@ class ResponsesRequest(p._Strict):
             messages.append({"role": "user", "content": self.input})
         else:
             messages += [{"role": m.role, "content": m.text()} for m in self.input]
+        fmt = self.text.format if self.text is not None else None
         return p.ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature, "top_p": self.top_p})
+            "temperature": self.temperature, "top_p": self.top_p,
+            "response_format": fmt.response_format() if fmt is not None else None})
 
 
 class ResponsesFormat:
