@@ -153,7 +153,8 @@ class _Format:
     def opening_chunks(self, n: int) -> Sequence[BaseModel]:
         raise NotImplementedError
 
-    def chunk(self, c: CompletionOutput, delta: str, text_offset: int, token_start: int) -> BaseModel:
+    def chunk(self, c: CompletionOutput, delta: str, text_offset: int,
+              token_start: int) -> p.CompletionResponse | p.ChatCompletionChunk:
         raise NotImplementedError
 
     def usage_chunk(self, info: p.UsageInfo) -> BaseModel:
