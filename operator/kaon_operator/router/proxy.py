@@ -14,6 +14,10 @@ engine closing it, no response headers within --first-byte-timeout) goes to anot
 began nothing is repeated: a stream that breaks off or sends nothing for --idle-timeout ends with
 an OpenAI error event (an unfinished body when it is not a stream). Either way the pod is
 ejected (backoff.Backoff) so the next requests go elsewhere.
+
+Over 300 lines for a stated reason: one request's whole path (admit, read, choose, send,
+release) reads top to bottom in one class, beside the router's own small endpoints that read
+the same state (in-flight counts, the table, the metrics).
 """
 from __future__ import annotations
 
