@@ -205,7 +205,7 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
     return await _respond(request, gen, ChatFormat(gen, engine.tokenizer, plan.calling), body)
 
 
-@v1.post("/responses", include_in_schema=False)  # server/responses.py: the subset that maps onto chat
+@v1.post("/responses", openapi_extra=doc.json_body(ResponsesRequest), responses=doc.GENERATE)  # server/responses.py
 async def responses(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await _parse(request, ResponsesRequest, settings)
     try:

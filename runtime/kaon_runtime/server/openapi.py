@@ -15,9 +15,10 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kaon_runtime.server import protocol as p
+from kaon_runtime.server.responses import ResponsesRequest
 
 API_VERSION = "1"
-GENERATE_MODELS = (p.CompletionRequest, p.ChatCompletionRequest)
+GENERATE_MODELS = (p.CompletionRequest, p.ChatCompletionRequest, ResponsesRequest)
 REQUEST_MODELS = (*GENERATE_MODELS, p.TokenizeRequest, p.DetokenizeRequest)
 
 Responses = dict[int | str, dict[str, Any]]  # a route's `responses=`, as FastAPI types it
@@ -71,7 +72,7 @@ def _build(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int, s
     for model in GENERATE_MODELS:
         props = schemas[model.__name__]["properties"]
         props["model"] = {**props["model"], "enum": [model_name]}
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if name in props:  # at least one token must fit after the prompt
                 _integers(props[name], maximum=max_model_len - 1)
     _integers(schemas[p.CompletionRequest.__name__]["properties"]["prompt"], maximum=vocab_size - 1)
