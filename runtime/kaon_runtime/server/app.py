@@ -1,4 +1,10 @@
-"""The OpenAI-compatible HTTP app: routes, errors in OpenAI's shape, auth, readiness and drain."""
+"""The OpenAI-compatible HTTP app: routes, errors in OpenAI's shape, auth, readiness and drain.
+
+Over 300 lines for a stated reason: every route and the request plumbing they share (parsing
+into the protocol's models, admission, the in-flight count the drain waits on, the SSE response
+that aborts on a disconnect, the error handlers) are read together; what a route does with a
+request lives elsewhere (serving.py, responses.py, tokenize.py, limits.py).
+"""
 from __future__ import annotations
 
 import asyncio
