@@ -62,7 +62,7 @@ def test_a_full_spec_round_trips(crd, namespace):
                         "targetUtilization": 0.8, "targetQueueDepthPerReplica": 2.5,
                         "targetP99LatencySeconds": 1.5, "latencyMetric": "e2e", "scaleUpWindowSeconds": 10,
                         "scaleDownStabilizationSeconds": 120, "maxStep": 4, "scaleToZeroIdleSeconds": 600,
-                        "scaleFromZeroTimeoutSeconds": 300},
+                        "scaleFromZeroTimeoutSeconds": 300, "policy": "predictive", "profile": "llama-profile"},
         "routing": {"strategy": "prefix-affinity", "loadBound": 1.5},
         "rollout": {"strategy": "Replace"},
         "drainSeconds": 120,
