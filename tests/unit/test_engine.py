@@ -213,3 +213,10 @@ def test_a_prefill_delay_holds_new_prompts_but_not_a_requests_own_siblings(llm):
         assert len(outputs["later"].outputs[0].token_ids) == 2
     finally:
         scheduler.prefill_delay_s = saved
+
+
+def test_a_prompt_the_tokenizer_reads_nothing_in_is_refused_not_a_dead_engine(llm):
+    # "\x14" encodes to no token at all: an empty prefill once crashed the engine loop.
+    with pytest.raises(InvalidRequestError, match="no tokens"):
+        llm.generate(["\x14"], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)
+    assert llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

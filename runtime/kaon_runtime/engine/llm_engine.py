@@ -262,7 +262,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:  # e.g. only control characters, which the tokenizer drops: nothing to prefill
+                raise InvalidRequestError("the prompt has no tokens: the tokenizer reads nothing in it")
+            return token_ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise InvalidRequestError("the prompt must be a non-empty string or list of token ids")
         vocab = self.model_config.vocab_size
