@@ -65,7 +65,7 @@ def test_each_limit_is_a_fast_400_that_names_it(server):
 def test_health_stays_quick_while_requests_at_every_limit_run(server):
     at_limits = [{"prompt": "word " * 799, "max_tokens": 1},  # 3995 bytes: just under --max-prompt-bytes
                  {"prompt": "Once", "stop": ["zq" * 128] * 4, "max_tokens": 16, "n": 2},
-                 {"prompt": "Once", "n": 2, "logprobs": 5, "max_tokens": 40}]  # 2 x 6 x 40 = 480 entries
+                 {"prompt": "Once", "n": 2, "logprobs": 5, "max_tokens": 40, "ignore_eos": True}]  # 2 x 6 x 40 = 480 entries
     worst, stop = 0.0, threading.Event()
 
     def probe():
@@ -84,6 +84,7 @@ def test_health_stays_quick_while_requests_at_every_limit_run(server):
         stop.set()
         prober.result()
     assert [a.status_code for a in answers] == [200] * len(answers), [a.text[:200] for a in answers]
-    assert len(json.loads(answers[2].content)["choices"][0]["logprobs"]["top_logprobs"]) == 40
+    # ignore_eos: a sampled choice may otherwise end before its 40th token (seen on CI)
+    assert all(len(c["logprobs"]["top_logprobs"]) == 40 for c in json.loads(answers[2].content)["choices"])
     assert worst < 1.0, worst
     print(f"/health slowest: {worst * 1000:.0f} ms")
