@@ -69,3 +69,23 @@ def test_a_full_queue_refuses_before_the_prompt_is_prepared():
     assert admission.preparing == 0
     with admission.slot():
         pass
+
+
+def test_scored_prompt_tokens_count_against_the_logprob_cap():
+    from kaon_runtime.sampling import SamplingParams
+    from kaon_runtime.server.limits import check_prompt_logprobs
+
+    check_prompt_logprobs(10**6, SamplingParams(max_tokens=1), LIMITS, CONTEXT)  # the prompt is not scored
+    check_prompt_logprobs(50, SamplingParams(max_tokens=0, prompt_logprobs=19), LIMITS, CONTEXT)  # 20 x 50
+    message = refused(check_prompt_logprobs, 51, SamplingParams(max_tokens=0, prompt_logprobs=19), LIMITS, CONTEXT)
+    assert "1020" in message and "--max-logprob-entries" in message
+    # Generated entries add up with the prompt's: 20 x 40 + 2 x 100 = 1000, then one more generated token.
+    check_prompt_logprobs(40, SamplingParams(max_tokens=100, logprobs=1, prompt_logprobs=19), LIMITS, CONTEXT)
+    assert "--max-logprob-entries" in refused(check_prompt_logprobs, 40, SamplingParams(
+        max_tokens=101, logprobs=1, prompt_logprobs=19), LIMITS, CONTEXT)
+    # max_tokens None: the generated tokens fill the rest of the context, 2 x (100 - 40).
+    check_prompt_logprobs(40, SamplingParams(max_tokens=None, logprobs=1, prompt_logprobs=19), LIMITS, CONTEXT)
+
+
+def test_max_tokens_0_is_no_generated_logprob_entries():
+    check_completion(completion(echo=True, logprobs=5, max_tokens=0), "hi", Limits(max_logprob_entries=10), CONTEXT)

@@ -27,7 +27,7 @@ from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import openapi as doc, protocol as p
 from kaon_runtime.server.extensions import ignored_fields_header, sampling_extensions
 from kaon_runtime.server.keys import ApiKeys
-from kaon_runtime.server.limits import Admission, Limits, check_chat, check_completion
+from kaon_runtime.server.limits import Admission, Limits, check_chat, check_completion, check_prompt_logprobs
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
@@ -208,7 +208,7 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
     with request.app.state.admission.slot():
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
         gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params)
-    return await _respond(request, gen, ChatFormat(gen, engine.tokenizer, plan.calling), body)
+    return await _respond(request, gen, ChatFormat(gen, engine.tokenizer, plan.calling, body.prompt_logprobs), body)
 
 
 @v1.post("/responses", openapi_extra=doc.json_body(ResponsesRequest), responses=doc.GENERATE)  # server/responses.py
@@ -239,6 +239,9 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
 
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,
                  prompt: str | list[int], params: SamplingParams) -> Generation:
+    if params.prompt_logprobs is not None:  # scored prompts count against --max-logprob-entries by their length
+        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(engine.tokenizer.encode, prompt)
+        check_prompt_logprobs(len(ids), params, settings.limits, engine.max_model_len)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     timer = metrics.track()
     stream = await engine.add_request(request_id, prompt, params)

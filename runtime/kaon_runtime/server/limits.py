@@ -20,6 +20,7 @@ from kaon_runtime.errors import InvalidRequestError, QueueFullError
 
 if TYPE_CHECKING:  # `kaon fetch` reads the flags: no torch, no web stack imported for them
     from kaon_runtime.engine.async_engine import AsyncEngine
+    from kaon_runtime.sampling import SamplingParams
     from kaon_runtime.server import protocol as p
 
 BYTES_PER_TOKEN_BOUND = 32
@@ -37,7 +38,8 @@ class Limits:
     max_stop_chars: int = 256
     """Characters per stop string."""
     max_logprob_entries: int = 1 << 18
-    """n x (top_logprobs + 1) x max_tokens: the log-probability entries a response may carry."""
+    """n x (top_logprobs + 1) x max_tokens, plus (prompt_logprobs + 1) x prompt tokens when the prompt is
+    scored: the log-probability entries a response may carry."""
     header_timeout: float = 10.0
     """Seconds a connection may take to send a whole request head (a new one, or between requests)."""
     body_timeout: float = 30.0
@@ -57,7 +59,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
     parser.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
     parser.add_argument("--max-logprob-entries", type=int, default=d.max_logprob_entries,
-                        help="refuse (400) a request whose n x (top_logprobs + 1) x max_tokens exceeds this")
+                        help="refuse (400) a request whose n x (top_logprobs + 1) x max_tokens (plus "
+                        "(prompt_logprobs + 1) x prompt tokens, echo's included) exceeds this")
     parser.add_argument("--header-timeout", type=float, default=d.header_timeout,
                         help="seconds a connection may take to send a whole request head; then it is closed")
     parser.add_argument("--body-timeout", type=float, default=d.body_timeout,
@@ -101,11 +104,30 @@ def check_logprobs(n: int, top_logprobs: int | None, max_tokens: int | None, lim
     """`top_logprobs` None: no log-probabilities asked for; `max_tokens` None: up to the context."""
     if top_logprobs is None:
         return
-    entries = n * (top_logprobs + 1) * (max_tokens or max_model_len)
+    entries = n * (top_logprobs + 1) * (max_model_len if max_tokens is None else max_tokens)
     if entries > limits.max_logprob_entries:
         raise InvalidRequestError(f"n x (top_logprobs + 1) x max_tokens = {entries} log-probability entries, at most "
                                   f"{limits.max_logprob_entries} (--max-logprob-entries); ask for fewer tokens, "
                                   "choices or alternatives")
+
+
+def check_prompt_logprobs(prompt_tokens: int, params: SamplingParams, limits: Limits, max_model_len: int) -> None:
+    """Once the prompt's length is known: its scored tokens (vLLM's prompt_logprobs, or echo with
+    logprobs) count against the same cap as the generated ones, which now fill at most the rest of
+    the context."""
+    if params.prompt_logprobs is None:
+        return
+    prompt_entries = (params.prompt_logprobs + 1) * prompt_tokens
+    generated = 0
+    if params.logprobs is not None:
+        room = max(max_model_len - prompt_tokens, 0)
+        generated = params.n * (params.logprobs + 1) * (room if params.max_tokens is None else params.max_tokens)
+    if prompt_entries + generated > limits.max_logprob_entries:
+        raise InvalidRequestError(
+            f"(prompt_logprobs + 1) x {prompt_tokens} prompt tokens = {prompt_entries} log-probability entries"
+            f"{f' and {generated} for the generated tokens' if generated else ''}, at most "
+            f"{limits.max_logprob_entries} in all (--max-logprob-entries); score a shorter prompt or fewer "
+            "alternatives")
 
 
 def utf8_length(text: str) -> int:

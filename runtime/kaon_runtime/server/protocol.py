@@ -114,6 +114,7 @@ class _SamplingRequest(_OpenTopLevel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # per prompt token (completions: on each choice)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
@@ -163,7 +164,6 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False  # the prompt before the completion; with logprobs, the prompt's logprobs too
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token, on the choice
     suffix: str | None = Field(None, json_schema_extra={"type": "null"})  # insertion: not supported
 
     @model_validator(mode="after")
@@ -424,6 +424,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked for
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_when_asked(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 class DeltaFunction(BaseModel):

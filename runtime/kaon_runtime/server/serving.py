@@ -219,9 +219,11 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
-    def __init__(self, gen: Generation, tokenizer: Tokenizer, calling: ToolCalling | None = None):
+    def __init__(self, gen: Generation, tokenizer: Tokenizer, calling: ToolCalling | None = None,
+                 prompt_logprobs: int | None = None):
         super().__init__(gen, tokenizer)
         self.calling = calling  # tools were offered: the text is read for calls
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs, on the response (not per choice)
         self._streams: dict[int, ToolCallStream] = {}
 
     def response(self, output: RequestOutput) -> p.ChatCompletionResponse:
@@ -230,7 +232,9 @@ class ChatFormat(_Format):
             message, finish_reason = assistant_message(c.text, c.finish_reason, self.calling)
             choices.append(p.ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0),
                                         finish_reason=finish_reason))
-        return p.ChatCompletionResponse(**self._head(), choices=choices, usage=usage(output))
+        scored = (vllm_prompt_logprobs(output, self.token_name, self.prompt_logprobs)
+                  if self.prompt_logprobs is not None else None)
+        return p.ChatCompletionResponse(**self._head(), choices=choices, usage=usage(output), prompt_logprobs=scored)
 
     def opening_chunks(self, n: int) -> list[p.ChatCompletionChunk]:
         # OpenAI opens each choice with the role and empty content.
