@@ -103,6 +103,18 @@ class EngineConfig:
     speculative_draft_model: str | None = None  # model id of the draft model ("draft" only)
     prompt_lookup_max: int = 4  # longest n-gram prompt lookup matches ("ngram" only)
     prompt_lookup_min: int = 2  # shortest; shorter matches guess too often to pay for their verification
+    # LoRA adapters (PEFT directories) served from the start, by name; more can be loaded at run time.
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 0  # adapter slots (adapters running at once); 0: one per lora_modules entry (none: LoRA off)
+    max_lora_rank: int = 16  # the highest adapter rank the slots hold
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.max_loras > 0 or bool(self.lora_modules)
+
+    @property
+    def lora_slots(self) -> int:
+        return self.max_loras or len(self.lora_modules or ())
 
     def __post_init__(self):
         checks = [
@@ -138,6 +150,10 @@ class EngineConfig:
             (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
              f"{self.prompt_lookup_max}"),
+            (self.max_loras >= 0 and self.max_lora_rank >= 1,
+             f"need max_loras >= 0 and max_lora_rank >= 1, got {self.max_loras} and {self.max_lora_rank}"),
+            (not (self.lora_enabled and self.tensor_parallel_size > 1),
+             "LoRA adapters are not supported with tensor_parallel_size > 1 yet"),
         ]
         for ok, message in checks:
             if not ok:

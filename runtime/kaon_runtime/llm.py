@@ -14,26 +14,34 @@ from kaon_runtime.sampling import SamplingParams
 class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, show_progress: bool = True, **engine_options):
+    def __init__(self, model: str = DEFAULT_MODEL, show_progress: bool = True, adapters: dict[str, str] | None = None,
+                 **engine_options):
+        """`adapters`: LoRA adapters (PEFT directories) by name, for generate's `adapter`."""
+        if adapters:
+            engine_options["lora_modules"] = {**engine_options.get("lora_modules", {}), **adapters}
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs come back in prompt order. Prompts are text or token id lists."""
+                 use_tqdm: bool = True, adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Outputs come back in prompt order. Prompts are text or token id lists. `adapter`: the LoRA
+        adapter's name for every prompt, or a list with one per prompt (None: the base model)."""
         one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         batch: list[str | list[int]] = [prompts] if one else list(prompts)  # type: ignore[list-item]
         params = params if params is not None else SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(batch)
+        if len(adapters) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(adapters)} adapters")
         ids: list[str] = []
         try:
-            for prompt, p in zip(batch, per_prompt):
+            for prompt, p, name in zip(batch, per_prompt, adapters):
                 ids.append(str(next(self._ids)))
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt, p, adapter=name)
         except Exception:
             for request_id in ids[:-1]:
                 self.engine.abort_request(request_id)

@@ -33,6 +33,12 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: its LoRA adapter, so two adapters (or an adapter and
+    the base) never share K/V computed by different weights."""
+    return None if seq.lora_id == 0 else hash(("lora", seq.lora_id))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -68,7 +74,7 @@ class BlockManager:
         assert not seq.block_table, "sequence already holds blocks"
         # A sequence scoring its prompt needs every position's logits: it computes them all.
         if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
-            parent = None
+            parent = root_hash(seq)
             for i in range((seq.num_tokens - 1) // self.block_size):
                 tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 h = chain_hash(parent, tokens)
@@ -118,7 +124,7 @@ class BlockManager:
     def _hashes_after_computed(self, seq: Sequence, end: int):
         """Chain hashes of the sequence's blocks from the first it has not computed up to `end`."""
         bs = self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
         for i in range(len(seq.block_hashes), end):
             parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             yield parent
@@ -151,7 +157,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)

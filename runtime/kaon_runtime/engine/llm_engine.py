@@ -13,6 +13,7 @@ from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
+from kaon_runtime.engine.lora_pool import LoraPool
 from kaon_runtime.engine.model_loader import pick_device
 from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
@@ -39,6 +40,7 @@ class _Request:
     pending_forks: int = 0  # n > 1: siblings forked from the first once its prompt is in the cache
 
 
+    lora_id: int = 0  # its LoRA adapter (engine.lora_pool); 0: the base model
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -80,7 +82,9 @@ class LLMEngine:
             self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   prefill_delay_s=config.prefill_delay_ms / 1000)
+                                   prefill_delay_s=config.prefill_delay_ms / 1000, max_loras=config.lora_slots)
+        for name, path in (config.lora_modules or {}).items():
+            self.add_lora(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.runner.grammar_masks = MaskWorker(self.model_config.vocab_size)
         self.drafter = _build_drafter(config, self.runner, self.num_blocks, show_progress)
@@ -93,20 +97,23 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validate a request and queue it; raises InvalidRequestError."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    adapter: str | None = None) -> None:
+        """Validate a request and queue it (with the LoRA adapter of that name, None: the base model);
+        raises InvalidRequestError, or ModelNotFoundError for an unknown adapter."""
         if request_id in self._requests:  # before the tokenizer's work
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.add_validated(request_id, self.validate(prompt, params), params,
-                           prompt if isinstance(prompt, str) else None)
+                           prompt if isinstance(prompt, str) else None, adapter)
 
     def add_validated(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None) -> None:
+                      prompt: str | None = None, adapter: str | None = None) -> None:
         """Queue a request that `validate` accepted, without checking it again (the server validates
         off the engine thread, so the engine loop never tokenizes)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = _Request(request_id, prompt, token_ids, params, pending_forks=params.n - 1)
+        request = _Request(request_id, prompt, token_ids, params, pending_forks=params.n - 1,
+                           lora_id=self.lora_id(adapter))
         self._requests[request_id] = request
         self._add_sequence(request, list(token_ids), index=0)
         self._prompt_tokens += len(token_ids)
@@ -117,6 +124,27 @@ class LLMEngine:
         if request is not None:
             for seq in request.seqs:
                 self._retire(seq, "abort")
+
+    # ---- LoRA adapters -----------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter directory under `name`; raises InvalidRequestError (why it does not fit)."""
+        self._lora_pool().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter (ModelNotFoundError if unknown); requests running with it finish."""
+        self._lora_pool().remove(name)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.runner.lora is None else self.runner.lora.names()
+
+    def lora_id(self, adapter: str | None) -> int:
+        return 0 if adapter is None else self._lora_pool().id_of(adapter)
+
+    def _lora_pool(self) -> LoraPool:
+        if self.runner.lora is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with adapters or max_loras > 0")
+        return self.runner.lora
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any. The engine cannot step afterwards."""
@@ -223,7 +251,8 @@ class LLMEngine:
     def _add_sequence(self, request: _Request, token_ids: list[int], index: int,
                       parent: Sequence | None = None) -> Sequence:
         seq = Sequence(next(self._seq_ids), token_ids, len(request.prompt_token_ids), request.params,
-                       request_id=request.request_id, index=index, grammar=self.grammars.matcher(request.params))
+                       request_id=request.request_id, index=index, grammar=self.grammars.matcher(request.params),
+                       lora_id=request.lora_id)
         request.seqs.append(seq)
         request.texts[index] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         if parent is None:

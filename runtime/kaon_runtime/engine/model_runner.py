@@ -16,6 +16,7 @@ from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine.cuda_graphs import DecodeGraphs, ladder
 from kaon_runtime.engine.kv_pool import allocate_kv_cache
+from kaon_runtime.engine.lora_pool import LoraPool
 from kaon_runtime.engine.model_loader import (
     load_model,
     pick_device,
@@ -32,6 +33,7 @@ from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from kaon_runtime.layers.penalties import row_history
 from kaon_runtime.layers.sample_step import RowsToSample, sample_rows, seeded_generator
 from kaon_runtime.loader import Checkpoint
+from kaon_runtime.models.lora_targets import attach_lora
 from kaon_runtime.structured.masks import apply_bitmasks
 from kaon_runtime.structured.step_masks import MaskWorker
 
@@ -68,6 +70,10 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size()
                                 for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         use_onednn_where_it_applies(self.model, self.kernels, self.device, self.dtype)
+        self.lora: LoraPool | None = None  # the adapters' slots, wrapped around the loaded (quantized) projections
+        if config.lora_enabled:
+            batch, targets = attach_lora(self.model, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
+            self.lora = LoraPool(self.model_config, batch, targets, config.lora_slots, config.max_lora_rank)
         self.kv_cache = allocate_kv_cache(self.model, config, self.device, self.kv_dtype)
         self.num_blocks = self.kv_cache.shape[3]  # this rank's pool; the engine schedules within the smallest
         self.decode_graphs: DecodeGraphs | None = None
@@ -85,7 +91,7 @@ class ModelRunner:
         """Decode graphs need a GPU, the Triton backend (the torch one gathers by data-dependent masks)
         and one rank (collectives inside graphs are left for later)."""
         return (self.config.cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.tp.size == 1
-                and self.kernels.attention.name == "triton")
+                and self.kernels.attention.name == "triton" and self.lora is None)  # slots as graph inputs: to do
 
     def prepare_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Static buffers for decode batches up to the ladder's top, and their graphs when `capture`."""
@@ -102,7 +108,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepTokens:
         """Run the batch; return, per sequence that reached its end, its kept drafts and a new token."""
-        plan, seqs = plan_step(batch, self.block_size)
+        plan, seqs = plan_step(batch, self.block_size, self._lora_slots(batch))
         # Grammar masks are filled on a worker thread while the model runs; a step without
         # grammars starts nothing.
         masks = None if self.grammar_masks is None else self.grammar_masks.start(
@@ -122,8 +128,14 @@ class ModelRunner:
 
         A sequence with k drafts gets k + 1 consecutive rows: its last real token's, then each draft's.
         """
-        plan, sampling_seqs = plan_step(batch, self.block_size)
+        plan, sampling_seqs = plan_step(batch, self.block_size, self._lora_slots(batch))
         return sampling_seqs, sample_rows_only(plan, self._run_planned(plan))
+
+    def _lora_slots(self, batch: ScheduledBatch) -> dict[int, int] | None:
+        """The slots of the batch's adapters, loaded where they are not (LoraPool.prepare); None: none."""
+        if self.lora is None or not any(s.lora_id for s in batch.seqs):
+            return None
+        return self.lora.prepare(batch.running_adapters)
 
     def _run_planned(self, plan: StepPlan) -> torch.Tensor | None:
         if self.on_step is not None:
@@ -142,6 +154,8 @@ class ModelRunner:
         if plan.decode_tables:
             meta.decode_block_tables = self._tensor(plan.padded_decode_tables())
             meta.decode_context_lens = self._tensor(plan.decode_lens)
+        if self.lora is not None:
+            self.lora.batch.set(plan.lora_slots, self.device)
         hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
         rows = plan.sample_rows + plan.prompt_rows  # prompt rows: prompt logprobs (engine/prompt_logprobs.py)
         if not rows:

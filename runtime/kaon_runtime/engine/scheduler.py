@@ -43,6 +43,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
     num_preempted: int = 0
+    running_adapters: set[int] = field(default_factory=set)  # LoRA ids of every running sequence: they keep slots
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -50,8 +51,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+                 prefill_delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic, max_loras: int = 0):
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (the slots they run from)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_delay_s = prefill_delay_s
@@ -98,6 +100,7 @@ class Scheduler:
         if batch.num_preempted == 0 and not (self.waiting and hold_prefills(
                 self.clock(), _due(self.waiting[0]), len(self.running))):
             budget = self._admit_waiting(batch, budget)
+        batch.running_adapters = {s.lora_id for s in self.running if s.lora_id}
         return batch
 
     def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> int | None:
@@ -125,14 +128,20 @@ class Scheduler:
         bm = self.block_manager
         pending = {h for seq in self.running for h in bm.pending_hashes(seq)}
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) + len(deferred) < self.max_num_seqs:
+        num_sharing = 0  # of the deferred, those waiting for a shared prefix: they keep their slot
+        adapters = {s.lora_id for s in self.running if s.lora_id}
+        while self.waiting and budget > 0 and len(self.running) + num_sharing < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
+                deferred.append(self.waiting.popleft())  # every adapter slot is taken: until one frees up
+                continue
             if not seq.block_table:
                 seq.num_computed_tokens = seq.num_cached_tokens = bm.allocate_prefix(seq)
             uncached = seq.num_tokens - seq.num_computed_tokens
             if pending and wait_for_shared_prefix(bm.shared_pending_tokens(seq, pending), uncached):
                 self._free_blocks(seq)  # looked up again next step, when more of its prefix is cached
                 deferred.append(self.waiting.popleft())
+                num_sharing += 1
                 continue
             num_new = min(uncached, budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
@@ -142,6 +151,8 @@ class Scheduler:
             bm.record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new

@@ -27,6 +27,7 @@ class Sequence:
     params: SamplingParams
     request_id: str = ""
     index: int = 0  # which of the request's n completions this is
+    lora_id: int = 0  # the LoRA adapter it runs with (engine.lora_pool's id, never reused); 0: the base model
     status: SequenceStatus = SequenceStatus.WAITING
     # By when a prompt held back by the scheduler's prefill delay goes in anyway (its clock);
     # -inf: never held (a fork of a running request, a preempted sequence). Set when queued.

@@ -25,6 +25,7 @@ class StepPlan:
     # sample rows in the logits); per scoring sequence: its index in the batch, first row, count.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # per token, its adapter's slot (-1: base); empty: none
 
     def padded_decode_tables(self) -> list[list[int]]:
         """The decode block tables as one rectangle, short rows padded with block 0 (never read)."""
@@ -32,8 +33,10 @@ class StepPlan:
         return [t + [0] * (widest - len(t)) for t in self.decode_tables]
 
 
-def plan_step(batch: ScheduledBatch, block_size: int) -> tuple[StepPlan, list[Sequence]]:
-    """The plan, and the sequences whose chunk reaches their end (k + 1 sample rows each, k drafts)."""
+def plan_step(batch: ScheduledBatch, block_size: int,
+              lora_slots: dict[int, int] | None = None) -> tuple[StepPlan, list[Sequence]]:
+    """The plan, and the sequences whose chunk reaches their end (k + 1 sample rows each, k drafts).
+    `lora_slots`: the slot of each running adapter (by lora id), when any sequence has one."""
     # Decodes (one new token) first so their rows form one batched attention call.
     order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
     bs = block_size
@@ -48,6 +51,8 @@ def plan_step(batch: ScheduledBatch, block_size: int) -> tuple[StepPlan, list[Se
         plan.input_ids.extend(tokens[start:end])
         plan.positions.extend(range(start, end))
         plan.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if lora_slots:
+            plan.lora_slots.extend([lora_slots.get(seq.lora_id, -1)] * num_new)
         scored = range(start, min(end, seq.num_prompt_tokens - 1)) if wants_prompt_logprobs(seq) else range(0)
         if scored:  # row p holds the logits that predict prompt token p + 1
             plan.prompt_spans.append((i, scored.start, len(scored)))

@@ -24,6 +24,7 @@ from kaon_runtime.distributed.sharding import local_config
 from kaon_runtime.layers.activation import GATED_ACTIVATIONS
 from kaon_runtime.layers.attention import Attention, AttentionMetadata
 from kaon_runtime.layers.kernel_backend import KernelBackend, torch_kernels
+from kaon_runtime.layers.lora import LoraBatch, LoraLinear
 from kaon_runtime.layers.moe import SparseMoE
 from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
@@ -120,8 +121,13 @@ class DecoderLayer(nn.Module):
         """What the fused CPU decode step reads of this layer (a plain Llama-family layer)."""
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, GatedMLP), "the fused step has no experts"
-        return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
+        projections = [_without_lora(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        return FusedLayer(*projections, self.input_layernorm.weight,
                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)
+
+
+def _without_lora(module: nn.Module) -> nn.Module:
+    return module.base if isinstance(module, LoraLinear) else module
 
 
 class DecoderModel(nn.Module):
@@ -135,6 +141,7 @@ class DecoderModel(nn.Module):
         self.norm = _norm(config, kernel=_norm_kernel(config, kernels))
         # Decode-only steps on CPU (and the decodes of mixed ones) through the fused C step.
         self.cpu_decode = CpuDecodeStep(self, config, kernels.cpu_decode_rows) if kernels.cpu_decode else None
+        self.lora: LoraBatch | None = None  # set by models.lora_targets when adapters are served
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return cast("list[DecoderLayer]", list(self.layers))
@@ -150,7 +157,8 @@ class DecoderModel(nn.Module):
         return 0 if cache is None else cache.data_ptr()
 
     def forward(self, x, positions, meta):
-        step = self.cpu_decode
+        # The fused C step has no LoRA: a step where any token has an adapter runs through torch.
+        step = None if self.lora is not None and self.lora.active else self.cpu_decode
         if step is not None and step.applies(x, meta):
             return step(x, positions, meta)
         if step is not None and step.applies_to_decodes_of(meta):

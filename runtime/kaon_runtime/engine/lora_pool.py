@@ -1,0 +1,104 @@
+"""The adapters a server knows and the fixed pool of slots they run from.
+
+Registering an adapter reads and checks it once (loader.lora_adapter) and keeps its tensors in
+host memory; it takes a slot only when a running sequence needs it. Before each step the engine
+hands over the adapters of every running sequence (the scheduler keeps them within the slots):
+those already in a slot stay, the others take an empty slot or the least recently used one
+whose adapter no running sequence needs (SlotTable, the pure policy).
+
+Each registration gets a fresh id, never reused: sequences and the prefix cache key on it, so
+an adapter unloaded and loaded again under the same name never meets the K/V of the old one.
+"""
+from __future__ import annotations
+
+import itertools
+
+from kaon_runtime.config import ModelConfig
+from kaon_runtime.errors import InvalidRequestError, ModelNotFoundError
+from kaon_runtime.layers.lora import LoraBatch, LoraLinear
+from kaon_runtime.loader.lora_adapter import LoraAdapter, load_adapter
+
+
+class SlotTable:
+    """Which adapter id holds which slot, and when each slot was last used (the LRU policy)."""
+
+    def __init__(self, num_slots: int):
+        self.owner: list[int | None] = [None] * num_slots
+        self.last_used = [0] * num_slots
+        self._clock = itertools.count(1)
+
+    def assign(self, wanted: set[int]) -> tuple[dict[int, int], list[tuple[int, int]]]:
+        """Slots for the `wanted` adapter ids: the map id -> slot, and the (slot, id) loads it takes."""
+        if len(wanted) > len(self.owner):
+            raise ValueError(f"{len(wanted)} adapters wanted at once, {len(self.owner)} slots")
+        now = next(self._clock)
+        slots = {owner: slot for slot, owner in enumerate(self.owner) if owner in wanted}
+        loads = []
+        for adapter_id in sorted(wanted - slots.keys()):
+            free = [s for s, owner in enumerate(self.owner) if owner is None]
+            evictable = [s for s, owner in enumerate(self.owner) if owner is not None and owner not in wanted]
+            slot = free[0] if free else min(evictable, key=lambda s: self.last_used[s])
+            self.owner[slot] = adapter_id
+            slots[adapter_id] = slot
+            loads.append((slot, adapter_id))
+        for slot in slots.values():
+            self.last_used[slot] = now
+        return slots, loads
+
+    def forget(self, adapter_id: int) -> None:
+        """An unloaded adapter's slot becomes free."""
+        self.owner = [None if owner == adapter_id else owner for owner in self.owner]
+
+
+class LoraPool:
+    def __init__(self, model_config: ModelConfig, batch: LoraBatch,
+                 targets: dict[tuple[int, str], tuple[LoraLinear, int]], max_loras: int, max_rank: int):
+        self.model_config, self.batch, self.targets = model_config, batch, targets
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.table = SlotTable(max_loras)
+        self.by_name: dict[str, int] = {}
+        self.adapters: dict[int, LoraAdapter] = {}  # registered, plus unloaded ones running sequences still use
+        self._ids = itertools.count(1)
+        self.num_loads = 0  # adapters copied into a slot (a reload after eviction counts again)
+
+    def add(self, name: str, path: str) -> LoraAdapter:
+        """Register an adapter; raises AdapterError (the reason it does not fit) or InvalidRequestError."""
+        if name in self.by_name:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.model_config, self.max_rank)
+        adapter_id = next(self._ids)
+        self.by_name[name] = adapter_id
+        self.adapters[adapter_id] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Unregister an adapter: new requests cannot name it; running ones finish with it."""
+        if name not in self.by_name:
+            raise ModelNotFoundError(f"the LoRA adapter {name!r} is not loaded")
+        del self.by_name[name]
+
+    def id_of(self, name: str) -> int:
+        if name not in self.by_name:
+            raise ModelNotFoundError(f"the model {name!r} does not exist")
+        return self.by_name[name]
+
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    def prepare(self, running: set[int]) -> dict[int, int]:
+        """Put the running sequences' adapters in slots (loading those that are not); return id -> slot."""
+        for adapter_id in [i for i in self.adapters if i not in running and i not in self.by_name.values()]:
+            del self.adapters[adapter_id]  # unloaded, and its last sequence is done
+            self.table.forget(adapter_id)
+        slots, loads = self.table.assign(running)
+        for slot, adapter_id in loads:
+            self._load(slot, self.adapters[adapter_id])
+        return slots
+
+    def _load(self, slot: int, adapter: LoraAdapter) -> None:
+        for key, (module, part) in self.targets.items():
+            ab = adapter.weights.get(key)
+            module.load_slot(slot, part, *(ab if ab is not None else (None, None)))
+        self.batch.ranks[slot] = adapter.rank
+        self.num_loads += 1
+

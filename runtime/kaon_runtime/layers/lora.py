@@ -1,0 +1,89 @@
+"""Batched LoRA on a projection: y = base(x) + (x @ A[slot].T) @ B[slot].T for each token's adapter slot.
+
+A LoraLinear wraps a projection after its weights are loaded (and quantized: the base may be any
+linear module) and holds a fixed pool of slots, one adapter's A and B each, rank padded with
+zeros to the pool's max rank. A fused projection (q|k|v, gate|up) has one A and B per part,
+each adding into its own columns. Every LoraLinear of a model reads the same LoraBatch, which
+the runner sets before each step: which slot each token uses (-1: the base model).
+
+On CUDA the Triton kernels (kernels.lora) take every token in one launch per part, whatever
+the mix of adapters; elsewhere the tokens are grouped by slot (the runner does it once per
+step) and each group is two small matmuls, with the adapter's own rank rather than the pool's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """One step's adapters, shared by every LoraLinear of the model; empty: no token has one."""
+
+    slots: torch.Tensor | None = None  # [T] long, -1 for base tokens
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)  # slot, its rows (None: all)
+    ranks: list[int] = field(default_factory=list)  # per slot, its adapter's rank (0: empty)
+
+    @property
+    def active(self) -> bool:
+        return self.slots is not None
+
+    def set(self, token_slots: list[int] | None, device: torch.device) -> None:
+        """Group this step's tokens by slot; None or all -1 clears the batch."""
+        if not token_slots or max(token_slots) < 0:
+            self.slots, self.groups = None, []
+            return
+        self.slots = torch.tensor(token_slots, dtype=torch.long, device=device)
+        rows: dict[int, list[int]] = {}
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                rows.setdefault(slot, []).append(row)
+        whole = len(rows) == 1 and len(next(iter(rows.values()))) == len(token_slots)
+        self.groups = [(slot, None if whole else torch.tensor(r, dtype=torch.long, device=device))
+                       for slot, r in rows.items()]
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base: nn.Module, fan_in: int, parts: list[int], num_slots: int, max_rank: int,
+                 batch: LoraBatch, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.base, self.batch = base, batch
+        self.offsets = [sum(parts[:i]) for i in range(len(parts))]
+        self.parts = parts
+        # Plain attributes, not buffers: the slots are no part of the model's weights or state dict.
+        self.a = [torch.zeros(num_slots, max_rank, fan_in, dtype=dtype, device=device) for _ in parts]
+        self.b = [torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device) for size in parts]
+
+    @torch.no_grad()
+    def load_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Put one part's A [r, in] and B [out, r] in a slot (None: the adapter leaves this part alone)."""
+        self.a[part][slot].zero_()
+        self.b[part][slot].zero_()
+        if a is not None and b is not None:
+            rank = a.shape[0]
+            self.a[part][slot, :rank].copy_(a)
+            self.b[part][slot, :, :rank].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.batch
+        if batch.slots is None:
+            return y
+        if x.is_cuda:
+            from kaon_runtime.kernels.lora import lora_expand, lora_shrink  # CPU-only torch builds lack Triton
+            for a, b, offset, size in zip(self.a, self.b, self.offsets, self.parts):
+                lora_expand(y[:, offset:offset + size], lora_shrink(x, a, batch.slots), b, batch.slots)
+            return y
+        for slot, rows in batch.groups:
+            rank = batch.ranks[slot]
+            xs = x if rows is None else x[rows]
+            for a, b, offset, size in zip(self.a, self.b, self.offsets, self.parts):
+                delta = (xs @ a[slot, :rank].T) @ b[slot, :, :rank].T
+                out = y[:, offset:offset + size]
+                if rows is None:
+                    out += delta
+                else:
+                    out.index_add_(0, rows, delta)
+        return y
