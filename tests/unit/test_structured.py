@@ -18,7 +18,7 @@ from kaon_runtime.structured.masks import allocate_bitmask, apply_bitmasks, appl
 from kaon_runtime.structured.matcher import SequenceGrammar
 from kaon_runtime.structured.spec import GrammarSpec, spec_for
 from kaon_runtime.structured.step_masks import MaskWorker, fill_step_masks
-from kaon_runtime.structured.tool_grammar import forced_call_tag
+from kaon_runtime.structured.tool_grammar import MAX_PARALLEL_CALLS, forced_call_tag
 from kaon_runtime.structured.tool_parsers import PartialCall, ToolCall, parser_for_template, parser_named
 from kaon_runtime.structured.tool_prompt import prepare_messages
 
@@ -203,7 +203,7 @@ def test_text_that_is_not_a_call_stays_text():
     for text in ["The weather is fine.", '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>',
                  '<tool_call>\n{"name": "get_weather", "arguments": {"city": ']:
         assert hermes.parse(text, NAMES).calls == [] and hermes.parse(text, NAMES).content == text
-    assert hermes.partial("Let me check <tool_")[0] == "Let me check "  # could be the marker: held back
+    assert hermes.partial("Let me check <tool_")[0] == "Let me check"  # could be the marker: held back, and the space
     assert parser_named("llama3").parse('{"answer": 42}', NAMES).calls == []
 
 
@@ -231,6 +231,9 @@ def test_a_forced_call_grammar_takes_only_calls_of_the_offered_functions(cache, 
     assert not accepts(parser.write([ToolCall("other", "{}")]), parallel=True)
     assert not accepts(parser.write([ToolCall("get_weather", '{"n": []}')]), parallel=True)  # city is required
     assert not accepts("Sure. " + one, parallel=True)
+    # Parallel calls are bounded, so a model that never chooses to stop still ends with whole calls.
+    assert accepts(parser.write(CALLS[:1] * MAX_PARALLEL_CALLS), parallel=True)
+    assert not accepts(parser.write(CALLS[:1] * (MAX_PARALLEL_CALLS + 1)), parallel=True)
 
 
 def test_templates_without_tools_get_them_as_hermes_text():

@@ -64,7 +64,7 @@ def assistant_message(text: str, finish_reason: str | None,
     """The message of a finished choice and its finish reason ("tool_calls" when it made calls)."""
     if calling is None:
         return p.AssistantMessage(content=text), finish_reason
-    parsed = calling.parser.parse(text, calling.names)
+    parsed = calling.parser.parse(text, calling.names, cut=finish_reason == "length")
     if not parsed.calls:
         return p.AssistantMessage(content=text), finish_reason
     calls = [p.ToolCallOut(id=new_call_id(), function=p.FunctionCall(name=c.name, arguments=c.arguments))
@@ -90,7 +90,7 @@ class ToolCallStream:
         """Add the new text; return the content and call deltas it makes safe to send."""
         self.text += delta
         content, calls = self.calling.parser.partial(self.text)
-        if finished and not self.sent and not self.calling.parser.parse(self.text, self.calling.names).calls:
+        if finished and not self.sent and not self.calling.parser.parse(self.text, self.calling.names, cut=True).calls:
             content, calls = self.text, None  # it never became a call: it is all text
         out_content = content[self.sent_content:] if len(content) > self.sent_content else ""
         self.sent_content = max(self.sent_content, len(content))

@@ -15,7 +15,6 @@ formats (tool_choice "required" or a named function) are in tool_grammar.py.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 PARSERS = ("hermes", "llama3", "mistral")
@@ -62,23 +61,29 @@ class ToolParser:
         at = text.find(self.marker)
         return (text, None) if at < 0 else (text[:at], text[at + len(self.marker):])
 
-    def parse(self, text: str, names: set[str]) -> Parsed:
-        """The calls of a finished text; if any body is not a call of one of `names`, it is all text."""
+    def parse(self, text: str, names: set[str], cut: bool = False) -> Parsed:
+        """The calls of a finished text; if any body is not a call of one of `names`, it is all text.
+        A text `cut` at max_tokens keeps its whole calls: an unfinished last one is dropped."""
         content, tail = self.split(text)
         if tail is None:
             return Parsed(text)
-        calls = [_whole_call(body, self.args_key) for body in self.bodies(tail)]
+        bodies = self.bodies(tail)
+        if cut and bodies:
+            end = value_end(bodies[-1])
+            bodies = bodies[:-1] if end is None else bodies[:-1] + [bodies[-1][:end]]
+        calls = [_whole_call(body, self.args_key) for body in bodies]
         valid = [c for c in calls if c is not None and c.name in names]
         if not valid or len(valid) < len(calls):
             return Parsed(text)
-        return Parsed(content.strip() or None, valid)
+        return Parsed(content.rstrip() or None, valid)
 
     def partial(self, text: str) -> tuple[str, list[PartialCall] | None]:
-        """(content safe to send, calls begun so far or None): the marker's possible beginning is held back."""
+        """(content safe to send, calls begun so far or None): the marker's possible beginning is held back,
+        and trailing whitespace, which a reply with calls drops from its content."""
         content, tail = self.split(text)
         if tail is None:
-            return _hold_back(text, self.marker), None
-        return content.strip(), [_partial_call(body, self.args_key) for body in self.bodies(tail)]
+            return _hold_back(text, self.marker).rstrip(), None
+        return content.rstrip(), [_partial_call(body, self.args_key) for body in self.bodies(tail)]
 
 
 class HermesParser(ToolParser):
@@ -181,22 +186,79 @@ def _objects(text: str, separators: str) -> list[str]:
         i += end
 
 
-def _canonical_head(args_key: str) -> re.Pattern:
-    # `{"name": "f", "arguments": ` : the shape the grammars write and models are trained on.
-    return re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + args_key + r'"\s*:\s*')
+def _string_end(text: str, start: int) -> int | None:
+    """The end of the JSON string that opens at `start` (past its closing quote), or None while unfinished."""
+    escaped = False
+    for i in range(start + 1, len(text)):
+        if escaped:
+            escaped = False
+        elif text[i] == "\\":
+            escaped = True
+        elif text[i] == '"':
+            return i + 1
+    return None
 
 
-_HEADS = {key: _canonical_head(key) for key in ("arguments", "parameters")}
+def _member_value_end(text: str, start: int) -> int | None:
+    """The end of the JSON value at `start`, or None while it may still grow."""
+    if text[start] in "{[":
+        end = value_end(text[start:])
+        return None if end is None else start + end
+    if text[start] == '"':
+        return _string_end(text, start)
+    end = start  # a number or a literal: it ends where the object goes on
+    while end < len(text) and text[end] not in ",} \t\r\n":
+        end += 1
+    return None if end == len(text) else end
+
+
+def _members(body: str) -> dict[str, tuple[int, int | None]]:
+    """The top-level members of the JSON object `body` begins, in any order, as far as written:
+    key -> (start, end) of its value's text, end None for the one still being written."""
+    members: dict[str, tuple[int, int | None]] = {}
+    if not body.startswith("{"):
+        return members
+    i = 1
+    while True:
+        while i < len(body) and (body[i].isspace() or body[i] == ","):
+            i += 1
+        if i >= len(body) or body[i] != '"':
+            return members
+        key_end = _string_end(body, i)
+        if key_end is None:
+            return members
+        key = json.loads(body[i:key_end])
+        i = key_end
+        while i < len(body) and (body[i].isspace() or body[i] == ":"):
+            i += 1
+        if i >= len(body):
+            return members
+        end = _member_value_end(body, i)
+        members[key] = (i, end)
+        if end is None:
+            return members
+        i = end
+
+
+def _arguments_member(members: dict, args_key: str) -> tuple[int, int | None] | None:
+    return members.get(args_key, members.get("arguments"))
 
 
 def _partial_call(body: str, args_key: str) -> PartialCall:
-    head = _HEADS[args_key].match(body)
-    if head is not None and body[head.end():head.end() + 1] in ("", "{"):
-        raw = body[head.end():]
-        end = value_end(raw)
-        return PartialCall(json.loads(head.group(1)), raw if end is None else raw[:end])
-    whole = _whole_call(body, args_key)  # another shape: sent once it is complete
-    return PartialCall() if whole is None else PartialCall(whole.name, whole.arguments)
+    """The name once whole, whatever the order of the keys; then the arguments object as far as written
+    (arguments written before the name come all at once with it; arguments written as a string, once whole)."""
+    whole = _whole_call(body, args_key)
+    if whole is not None:
+        return PartialCall(whole.name, whole.arguments)
+    members = _members(body)
+    name = members.get("name")
+    if name is None or name[1] is None or body[name[0]] != '"':
+        return PartialCall()
+    arguments = _arguments_member(members, args_key)
+    if arguments is None or body[arguments[0]] != "{":
+        return PartialCall(json.loads(body[name[0]:name[1]]), "")
+    start, end = arguments
+    return PartialCall(json.loads(body[name[0]:name[1]]), body[start:end])
 
 
 def _whole_call(body: str, args_key: str) -> ToolCall | None:
@@ -214,12 +276,9 @@ def _whole_call(body: str, args_key: str) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    head = _HEADS[args_key].match(body)
-    if head is not None:  # the arguments exactly as written, so a stream's fragments add up to them
-        raw = body[head.end():]
-        end = value_end(raw)
-        if end is not None:
-            return ToolCall(obj["name"], raw[:end])
+    written = _arguments_member(_members(body), args_key)
+    if written is not None and body[written[0]] == "{":  # exactly as written: a stream's fragments add up to it
+        return ToolCall(obj["name"], body[written[0]:written[1]])
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
