@@ -34,6 +34,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None  # top alternatives per prompt token (None: no prompt logprobs)
+    pooling: str | None = None  # "last" or "mean": embed the prompt (with max_tokens 0; engine/pooling.py)
     # Structured output, as vLLM names it; at most one. The engine compiles it once (cached by
     # value) and masks each step's logits to the tokens it allows (kaon_runtime.structured).
     json_schema: dict | str | None = None  # a JSON Schema (or its text)
@@ -57,7 +58,7 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 63),
                f"seed must be a 64-bit integer, got {self.seed!r}")
         # 0 only to score a prompt (prompt_logprobs), as evaluation harnesses do.
-        least = 0 if self.prompt_logprobs is not None else 1
+        least = 0 if self.prompt_logprobs is not None or self.pooling is not None else 1
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= least),
                f"max_tokens must be >= {least}, got {self.max_tokens!r}")
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n!r}")
@@ -82,6 +83,7 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
                                                 and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
+        _check(self.pooling in (None, "last", "mean"), f"pooling must be 'last' or 'mean', got {self.pooling!r}")
         constraints = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         _check(len(constraints) <= 1, f"at most one of {', '.join(CONSTRAINTS)} may be set, got {constraints}")
 

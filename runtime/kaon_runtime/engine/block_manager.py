@@ -72,8 +72,9 @@ class BlockManager:
         At least one token is always left to compute: its logits pick the next token.
         """
         assert not seq.block_table, "sequence already holds blocks"
-        # A sequence scoring its prompt needs every position's logits: it computes them all.
-        if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
+        # A sequence scoring its prompt needs every position's logits, and one mean-pooling it every
+        # position's hidden state: they compute them all.
+        if self.enable_prefix_caching and seq.params.prompt_logprobs is None and seq.params.pooling != "mean":
             parent = root_hash(seq)
             for i in range((seq.num_tokens - 1) // self.block_size):
                 tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])

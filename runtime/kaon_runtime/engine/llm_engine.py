@@ -273,7 +273,8 @@ class LLMEngine:
         first = request.seqs[0]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              first.num_cached_tokens,
-                             prompt_logprobs_list(first) if first.params.prompt_logprobs is not None else None)
+                             prompt_logprobs_list(first) if first.params.prompt_logprobs is not None else None,
+                             first.embedding)
 
     # ---- validation --------------------------------------------------------------------
 

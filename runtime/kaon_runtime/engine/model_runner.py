@@ -25,6 +25,7 @@ from kaon_runtime.engine.model_loader import (
     pick_kv_dtype,
     use_onednn_where_it_applies,
 )
+from kaon_runtime.engine.pooling import pooled_rows, record_pooling
 from kaon_runtime.engine.prompt_logprobs import record_prompt_logprobs, sample_rows_only
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
@@ -59,6 +60,7 @@ class ModelRunner:
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)  # min_tokens holds them back
         self.tp = tp
         self.on_step = on_step
+        self._pooled: list[torch.Tensor] = []  # the last step's hidden rows of embedding requests
         self.device = pick_device(config.device, tp.rank)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.kv_dtype = pick_kv_dtype(config, self.dtype, self.device)
@@ -114,6 +116,8 @@ class ModelRunner:
         masks = None if self.grammar_masks is None else self.grammar_masks.start(
             [(s.grammar, s.draft_token_ids) for s in seqs])
         logits = record_prompt_logprobs(plan, batch.seqs, self._run_planned(plan))
+        if plan.pool_spans:
+            record_pooling(plan, batch.seqs, self._pooled)
         if not seqs:
             return StepTokens([], [], None)
         assert logits is not None, "sequences to sample come with their rows' logits"
@@ -145,7 +149,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """One forward pass (every tensor-parallel rank runs it); logits of the sample rows."""
-        graphable = plan.sample_rows and not plan.prompt_rows
+        graphable = plan.sample_rows and not plan.prompt_rows and not plan.pool_spans
         if self.decode_graphs is not None and graphable and self.decode_graphs.fits(plan):
             return self.decode_graphs.run(plan)
         meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), num_decode_tokens=len(plan.decode_tables),
@@ -157,6 +161,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.batch.set(plan.lora_slots, self.device)
         hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
+        self._pooled = pooled_rows(plan, hidden)  # embedding requests' rows (engine/pooling.py); usually none
         rows = plan.sample_rows + plan.prompt_rows  # prompt rows: prompt logprobs (engine/prompt_logprobs.py)
         if not rows:
             return None

@@ -21,6 +21,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, None first
+    embedding: list[float] | None = None  # an embedding request's pooled vector, not normalized
 
     @property
     def finished(self) -> bool:

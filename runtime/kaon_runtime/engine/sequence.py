@@ -40,6 +40,8 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # by prompt position (1..)
+    pooled: torch.Tensor | None = None  # an embedding request's pool so far (engine/pooling.py)
+    embedding: list[float] | None = None  # and its vector, once the whole prompt is in
     # Speculative tokens proposed for this step: computed after token_ids, kept only if verified.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]; None: a deterministic drafter

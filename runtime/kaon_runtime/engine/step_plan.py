@@ -25,6 +25,9 @@ class StepPlan:
     # sample rows in the logits); per scoring sequence: its index in the batch, first row, count.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # Per embedding sequence in the step: its index in the batch, its chunk's first row and length
+    # (engine/pooling.py keeps their final hidden states).
+    pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # per token, its adapter's slot (-1: base); empty: none
 
     def padded_decode_tables(self) -> list[list[int]]:
@@ -57,6 +60,8 @@ def plan_step(batch: ScheduledBatch, block_size: int,
         if scored:  # row p holds the logits that predict prompt token p + 1
             plan.prompt_spans.append((i, scored.start, len(scored)))
             plan.prompt_rows.extend(query_start + p - start for p in scored)
+        if seq.params.pooling is not None:
+            plan.pool_spans.append((i, query_start, num_new))
         if num_new == 1:
             plan.decode_tables.append(table)
             plan.decode_lens.append(end)
