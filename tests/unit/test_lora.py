@@ -1,0 +1,159 @@
+"""LoRA adapters: the slot pool's policy, the adapter checks, the prefix cache's key, and whole models
+generating with random PEFT adapters (made by peft itself) against transformers + peft with the
+adapter merged, token for token in float32, base and adapters mixed in one batch, on two families
+and across eviction and reload (more adapters than slots)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kaon_runtime.config import ModelConfig
+from kaon_runtime.engine.block_manager import BlockManager
+from kaon_runtime.engine.lora_pool import SlotTable
+from kaon_runtime.engine.scheduler import Scheduler
+from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.loader.lora_adapter import AdapterError, check_config, load_adapter
+from kaon_runtime.sampling import SamplingParams
+from support.lora_adapters import ADAPTERS, build_adapter, build_base, greedy, merged
+
+MODEL = ModelConfig("llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+# ---- the slot pool's policy ----------------------------------------------------------------
+
+def test_slots_load_once_and_evict_the_least_recently_used_adapter_no_running_sequence_needs():
+    table = SlotTable(2)
+    slots, loads = table.assign({7, 8})
+    assert sorted(loads) == [(0, 7), (1, 8)] and slots == {7: 0, 8: 1}
+    assert table.assign({7}) == ({7: 0}, [])  # already there: nothing to load
+    slots, loads = table.assign({7, 9})  # 8 is least recently used and not wanted
+    assert slots == {7: 0, 9: 1} and loads == [(1, 9)]
+    slots, loads = table.assign({8, 9})  # 7 goes; 9 stays where it is
+    assert slots == {8: 0, 9: 1} and loads == [(0, 8)]
+    with pytest.raises(ValueError, match="3 adapters"):
+        table.assign({1, 2, 3})
+
+
+def _seq(seq_id, tokens, lora_id=0):
+    return Sequence(seq_id, list(tokens), len(tokens), SamplingParams(max_tokens=4), lora_id=lora_id)
+
+
+def test_the_scheduler_runs_no_more_distinct_adapters_than_slots():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=256, max_loras=2)
+    seqs = [_seq(i, range(10 * i, 10 * i + 5), lora) for i, lora in enumerate([1, 2, 3, 0, 1])]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert [s.seq_id for s in batch.seqs] == [0, 1, 3, 4]  # adapter 3 waits for a slot; the base and 1 go ahead
+    assert batch.running_adapters == {1, 2}
+    assert [s.seq_id for s in scheduler.waiting] == [2]
+
+
+def test_two_adapters_never_share_prefix_blocks():
+    bm = BlockManager(16, 4)
+    tokens = list(range(13))
+    first = _seq(0, tokens, lora_id=1)
+    bm.allocate_prefix(first)
+    bm.ensure_slots(first, 13)
+    first.num_computed_tokens = 12
+    bm.commit(first)
+    assert bm.allocate_prefix(_seq(1, tokens, lora_id=1)) == 12  # the same adapter: a hit
+    assert bm.allocate_prefix(_seq(2, tokens, lora_id=2)) == 0
+    assert bm.allocate_prefix(_seq(3, tokens)) == 0  # nor the base model
+
+
+# ---- adapters checked at load ------------------------------------------------------------------
+
+@pytest.mark.parametrize("config,reason", [
+    ({"r": 8, "target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
+    ({"r": 32, "target_modules": ["q_proj"]}, "rank 32 is over"),
+    ({"r": 8, "target_modules": ["q_proj"], "use_dora": True}, "DoRA"),
+    ({"r": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"r": 8, "target_modules": ["q_proj"], "peft_type": "IA3"}, "only LoRA"),
+])
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(config, reason):
+    with pytest.raises(AdapterError, match=reason):
+        check_config(config, MODEL, max_rank=16)
+
+
+def test_adapters_on_experts_are_refused():
+    moe = ModelConfig("mixtral", 100, 64, 96, 2, 4, 2, 16, 256, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32)
+    assert check_config({"r": 4, "target_modules": ["q_proj"]}, moe, 16) == 1.0
+    with pytest.raises(AdapterError, match="experts"):
+        check_config({"r": 4, "target_modules": ["q_proj", "down_proj"]}, moe, 16)
+
+
+def test_scaling_is_alpha_over_rank_or_over_its_root_under_rslora():
+    assert check_config({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, MODEL, 16) == 2.0
+    assert check_config({"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj"]}, MODEL, 16) == 4.0
+
+
+# ---- whole models against transformers + peft ----------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+PROMPTS = [list(range(100, 120)), list(range(300, 305)), list(range(1000, 1040)), list(range(7, 30)),
+           list(range(200, 211)), list(range(100, 120))]
+NAMES = [None, "attn", "mlp", "all", "qv", "attn"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family(request, tmp_path_factory, gguf_path):
+    root = tmp_path_factory.mktemp(request.param)
+    base = build_base(request.param, root / "base", gguf_path)
+    dirs = {}
+    for seed, (name, config) in enumerate(ADAPTERS.items(), 1):
+        dirs[name] = str(root / name)
+        build_adapter(base, name, root / name, seed, **config)
+    expected = [greedy(base if n is None else merged(base, dirs[n]), p, 8) for p, n in zip(PROMPTS, NAMES)]
+    assert len({tuple(e) for e in expected[:5]}) == 5, "each adapter must change the tokens"
+    return root, dirs, expected
+
+
+@pytest.mark.slow
+def test_base_and_adapters_in_one_batch_match_transformers_with_the_adapter_merged(family):
+    from kaon_runtime import LLM
+    root, dirs, expected = family
+    llm = LLM(str(root / "base"), show_progress=False, device="cpu", dtype="float32", adapters=dirs)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, adapter=NAMES)]
+    assert got == expected
+    # The last prompt repeats the first under another adapter: no K/V of the base's is reused for it.
+    assert llm.engine.runner.lora is not None and llm.engine.runner.lora.num_loads == 4
+
+
+@pytest.mark.slow
+def test_more_adapters_than_slots_evict_and_reload(family):
+    from kaon_runtime import LLM
+    root, dirs, expected = family
+    llm = LLM(str(root / "base"), show_progress=False, device="cpu", dtype="float32", adapters=dirs, max_loras=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, adapter=NAMES)]
+    assert got == expected
+    again = llm.generate(PROMPTS[1:3], params, use_tqdm=False, adapter=NAMES[1:3])  # evicted, then reloaded
+    assert [o.outputs[0].token_ids for o in again] == expected[1:3]
+    assert llm.engine.runner.lora.num_loads > 4
+
+
+@pytest.mark.slow
+def test_an_adapter_for_another_base_or_unknown_names_are_refused(family, tmp_path):
+    from kaon_runtime import LLM
+    from kaon_runtime.errors import ModelNotFoundError
+    root, dirs, _ = family
+    wider = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)
+    other = transformers.LlamaForCausalLM(wider)
+    build_adapter(other, "other", tmp_path / "other", 1, r=4, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match="another base model"):
+        load_adapter("other", tmp_path / "other", MODEL, 16)
+    llm = LLM(str(root / "base"), show_progress=False, device="cpu", dtype="float32", adapters={"attn": dirs["attn"]})
+    with pytest.raises(AdapterError, match="another base model"):
+        llm.engine.add_lora("other", str(tmp_path / "other"))
+    with pytest.raises(ModelNotFoundError):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), adapter="nope")
+    llm.engine.remove_lora("attn")
+    assert llm.engine.lora_names() == []
+    assert json.loads((tmp_path / "other" / "adapter_config.json").read_text())["r"] == 4
