@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
     limits.add_flags(serve)  # what one request or connection may cost
+    serve.add_argument("--task", choices=("auto", "generate", "embed"), default="auto",
+                       help="generate: the completion routes (auto: a decoder's own task); embed: /v1/embeddings")
+    serve.add_argument("--pooling", choices=("auto", "last", "mean"), default="auto",
+                       help="--task embed: last token or mean of the final hidden states (auto: the checkpoint's "
+                       "sentence-transformers config, else last token, as decoder embedding models are trained)")
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-model-len", type=int)

@@ -59,3 +59,73 @@ def test_a_long_prompt_scored_with_many_alternatives_is_a_400_naming_the_flag(cl
     # The same prompt with fewer alternatives fits: (0 + 1) x ~200.
     ok = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=0, extra_body={"prompt_logprobs": 0})
     assert ok.usage.prompt_tokens > 150
+
+
+# ---- /v1/embeddings ------------------------------------------------------------------------
+
+EMBED_MODEL = "tiny-qwen3-embed"
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory, gguf_path):
+    from support.embed_model import build_embed_dir
+    path = tmp_path_factory.mktemp("qwen3-embed")
+    hf = build_embed_dir(path, gguf_path)
+    srv = Server(tmp_path_factory.mktemp("serve-embed"), "--model", str(path), "--served-model-name", EMBED_MODEL,
+                 "--task", "embed")
+    yield srv, hf
+    srv.stop()
+
+
+def test_embeddings_equal_transformers_in_every_input_and_encoding(embed_server):
+    import torch
+    import torch.nn.functional as F
+
+    from support.embed_model import reference_embedding
+    server, hf = embed_server
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Embeddings, please", "x"]
+    ids = [httpx.post(f"{server.url}/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    expected = [reference_embedding(hf, i) for i in ids]
+
+    def check(vectors):
+        assert len(vectors) == len(expected)
+        for got, want in zip(vectors, expected):
+            got = torch.tensor(got, dtype=torch.float32)
+            assert got.shape == (64,) and F.cosine_similarity(got, want, dim=0) >= 0.9999
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    # The openai client asks for base64 unless told otherwise, and decodes it.
+    batch = client.embeddings.create(model=EMBED_MODEL, input=texts)
+    assert [d.index for d in batch.data] == [0, 1, 2] and batch.object == "list" and batch.model == EMBED_MODEL
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(map(len, ids))
+    check([d.embedding for d in batch.data])
+    check([d.embedding for d in client.embeddings.create(model=EMBED_MODEL, input=texts,
+                                                         encoding_format="float").data])
+    check([client.embeddings.create(model=EMBED_MODEL, input=i, dimensions=64).data[0].embedding for i in ids])
+    check([d.embedding for d in client.embeddings.create(model=EMBED_MODEL, input=ids).data])
+    raw = httpx.post(f"{server.url}/v1/embeddings", json={"model": EMBED_MODEL, "input": texts[0],
+                                                          "encoding_format": "float"}).json()
+    assert isinstance(raw["data"][0]["embedding"][0], float) and raw["data"][0]["object"] == "embedding"
+    # vLLM's normalize: false gives the pooled vector itself.
+    plain = httpx.post(f"{server.url}/v1/embeddings", json={"model": EMBED_MODEL, "input": texts[0],
+                                                            "encoding_format": "float", "normalize": False}).json()
+    assert abs(torch.tensor(plain["data"][0]["embedding"]).norm().item() - 1) > 1e-3
+
+
+def test_bad_embedding_requests_are_400s_and_tasks_do_not_mix(embed_server, server, client):
+    srv, _ = embed_server
+    embed_client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    for bad, match in [(dict(input=""), "empty"), (dict(input=[]), "input"), (dict(input=["a", ""]), "empty"),
+                       (dict(input=[[1, 2], []]), "empty"), (dict(input=[10 ** 7]), "token ids"),
+                       (dict(input="a", dimensions=32), "dimensions"), (dict(input="a", encoding_format="int8"),
+                                                                        "encoding_format"),
+                       (dict(input=5), "input")]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            embed_client.embeddings.create(model=EMBED_MODEL, **bad)
+    with pytest.raises(openai.NotFoundError):
+        embed_client.embeddings.create(model="other", input="a")
+    with pytest.raises(openai.BadRequestError, match="--task embed"):
+        embed_client.chat.completions.create(model=EMBED_MODEL, messages=CHAT, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="--task embed"):
+        client.embeddings.create(model=MODEL, input="a")  # the generating server

@@ -3,7 +3,7 @@
 Over 300 lines for a stated reason: every route and the request plumbing they share (parsing
 into the protocol's models, admission, the in-flight count the drain waits on, the SSE response
 that aborts on a disconnect, the error handlers) are read together; what a route does with a
-request lives elsewhere (serving.py, responses.py, tokenize.py, limits.py).
+request lives elsewhere (serving.py, responses.py, embeddings.py, tokenize.py, limits.py).
 """
 from __future__ import annotations
 
@@ -22,15 +22,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kaon_runtime.engine.async_engine import AsyncEngine
-from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from kaon_runtime.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
 from kaon_runtime.sampling import SamplingParams
-from kaon_runtime.server import openapi as doc, protocol as p
+from kaon_runtime.server import embeddings, openapi as doc, protocol as p
 from kaon_runtime.server.extensions import ignored_fields_header, sampling_extensions
 from kaon_runtime.server.keys import ApiKeys
-from kaon_runtime.server.limits import Admission, Limits, check_chat, check_completion, check_prompt_logprobs
+from kaon_runtime.server.limits import (
+    Admission,
+    Limits,
+    check_chat,
+    check_completion,
+    check_prompt,
+    check_prompt_logprobs,
+    utf8_length,
+)
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
+from kaon_runtime.server.lora_routes import routes as lora_routes
 from kaon_runtime.server.tokenize import routes as tokenize_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
 
@@ -48,6 +57,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # hermes, llama3, mistral; None or "auto": from the chat template
     limits: Limits = field(default_factory=Limits)
     """What one request may cost, checked before it is tokenized (server/limits.py)."""
+    task: str = "generate"  # or "embed": /v1/embeddings instead of the generating routes (server/embeddings.py)
+    pooling: str = "last"  # how --task embed pools the hidden states (engine/pooling.py)
 
 
 class APIError(Exception):
@@ -102,6 +113,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(v1)
     # vLLM serves these outside /v1; they need the key like /v1 does.
     app.include_router(tokenize_routes, dependencies=[Depends(_authorized), Depends(_not_draining)])
+    app.include_router(lora_routes, dependencies=[Depends(_authorized), Depends(_not_draining)])
     app.add_middleware(_CountInFlight, state=app.state.server)
     return app
 
@@ -147,6 +159,12 @@ async def _not_draining(state: State) -> None:
                        code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+async def _generates(settings: Settings) -> None:
+    if settings.task == "embed":
+        raise APIError(400, "this server was started with --task embed: it serves /v1/embeddings, not generation",
+                       param="model", code="wrong_task")
+
+
 # ---- routes --------------------------------------------------------------------------------
 
 probes = APIRouter()  # no key needed: kubelets and Prometheus call these
@@ -177,29 +195,33 @@ async def prometheus(metrics: MetricsDep):
 
 @v1.get("/models", response_model=p.ModelList, responses=doc.V1_ERRORS)
 async def models(engine: Engine, settings: Settings):
-    card = p.ModelCard(id=settings.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
-    return p.ModelList(data=[card]).model_dump()
+    now, length = int(time.time()), engine.max_model_len
+    cards = [p.ModelCard(id=settings.model_name, created=now, max_model_len=length)]
+    cards += [p.ModelCard(id=name, created=now, max_model_len=length, root=path, parent=settings.model_name)
+              for name, path in engine.lora_adapters()]  # LoRA adapters, their base as parent (vLLM's)
+    return p.ModelList(data=cards).model_dump()
 
 
 @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
-         responses=doc.GENERATE)
+         responses=doc.GENERATE, dependencies=[Depends(_generates)])
 async def completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await _parse(request, p.CompletionRequest, settings)
-    _check_model(body.model, settings)
+    adapter = _check_model(body.model, settings, engine)
     prompt = _single_prompt(body.prompt)
     check_completion(body, prompt, settings.limits, engine.max_model_len)
     params = _sampling_params(body, body.max_tokens, body.logprobs, body.output_constraint())
     with request.app.state.admission.slot():
-        gen = await _start(engine, settings, metrics, "cmpl", prompt, params)
+        gen = await _start(engine, settings, metrics, "cmpl", prompt, params, adapter)
     fmt = CompletionFormat(gen, engine.tokenizer, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
     return await _respond(request, gen, fmt, body)
 
 
 @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
-         openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE)
+         openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE,
+         dependencies=[Depends(_generates)])
 async def chat_completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await _parse(request, p.ChatCompletionRequest, settings)
-    _check_model(body.model, settings)
+    adapter = _check_model(body.model, settings, engine)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_chat(body, max_tokens, settings.limits, engine.max_model_len)
@@ -207,24 +229,25 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
     params = _sampling_params(body, max_tokens, num_logprobs, plan.constraint)
     with request.app.state.admission.slot():
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
-        gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params)
+        gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params, adapter)
     return await _respond(request, gen, ChatFormat(gen, engine.tokenizer, plan.calling, body.prompt_logprobs), body)
 
 
-@v1.post("/responses", openapi_extra=doc.json_body(ResponsesRequest), responses=doc.GENERATE)  # server/responses.py
+@v1.post("/responses", openapi_extra=doc.json_body(ResponsesRequest), responses=doc.GENERATE,
+         dependencies=[Depends(_generates)])  # server/responses.py
 async def responses(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await _parse(request, ResponsesRequest, settings)
     try:
         chat = body.as_chat()
     except ValidationError as exc:
         raise _bad_input(exc.errors()) from None
-    _check_model(chat.model, settings)
+    adapter = _check_model(chat.model, settings, engine)
     check_chat(chat, chat.max_completion_tokens, settings.limits, engine.max_model_len)
     params = _sampling_params(chat, chat.max_completion_tokens, None, chat.output_constraint())
     with request.app.state.admission.slot():
         messages = [m.for_template() for m in chat.messages]
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
-        gen = await _start(engine, settings, metrics, "resp", prompt, params)
+        gen = await _start(engine, settings, metrics, "resp", prompt, params, adapter)
     fmt, headers = ResponsesFormat(gen), ignored_fields_header(body)
     if body.stream:
         return _SSEResponse(fmt.events(), gen, headers)
@@ -237,15 +260,32 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
     return JSONResponse(fmt.response(output), headers=headers)
 
 
+@v1.post("/embeddings", openapi_extra=doc.json_body(embeddings.EmbeddingRequest), responses=doc.GENERATE)
+async def create_embeddings(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
+    body = await _parse(request, embeddings.EmbeddingRequest, settings)
+    _check_model(body.model, settings)
+    if settings.task != "embed":
+        raise APIError(400, "this server generates text; embeddings are served by a server started with "
+                       "--task embed", param="model", code="wrong_task")
+    prompts = body.prompts()
+    for prompt in prompts:
+        text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
+        check_prompt(utf8_length(text), len(ids), settings.limits, engine.max_model_len)
+    embeddings.check_dimensions(body.dimensions, engine.engine.model_config.hidden_size)
+    with request.app.state.admission.slot():
+        outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
+    return JSONResponse(embeddings.response(body, settings.model_name, outputs), headers=ignored_fields_header(body))
+
+
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,
-                 prompt: str | list[int], params: SamplingParams) -> Generation:
+                 prompt: str | list[int], params: SamplingParams, adapter: str | None = None) -> Generation:
     if params.prompt_logprobs is not None:  # scored prompts count against --max-logprob-entries by their length
         ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(engine.tokenizer.encode, prompt)
         check_prompt_logprobs(len(ids), params, settings.limits, engine.max_model_len)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     timer = metrics.track()
-    stream = await engine.add_request(request_id, prompt, params)
-    return Generation(request_id, settings.model_name, stream, timer, params.stop, params.logprobs)
+    stream = await engine.add_request(request_id, prompt, params, adapter)
+    return Generation(request_id, adapter or settings.model_name, stream, timer, params.stop, params.logprobs)
 
 
 async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
@@ -342,10 +382,14 @@ def _bad_input(errors) -> APIError:
     return APIError(400, message, param=param)
 
 
-def _check_model(name: str, settings: ServerSettings) -> None:
-    if name != settings.model_name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
-                       param="model", code="model_not_found")
+def _check_model(name: str, settings: ServerSettings, engine: AsyncEngine | None = None) -> str | None:
+    """The LoRA adapter a request's model names (None: the base model); 404 for anything else."""
+    if name == settings.model_name:
+        return None
+    if engine is not None and name in (adapter for adapter, _ in engine.lora_adapters()):
+        return name
+    raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
+                   param="model", code="model_not_found")
 
 
 def _single_prompt(prompt: str | list) -> str | list[int]:
@@ -380,6 +424,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def invalid(_, exc: InvalidRequestError):
         return APIError(400, str(exc)).response()
+
+    @app.exception_handler(ModelNotFoundError)
+    async def not_found(_, exc: ModelNotFoundError):  # a LoRA adapter unloaded meanwhile, or unknown
+        return APIError(404, str(exc), param="model", code="model_not_found").response()
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_, exc: QueueFullError):

@@ -10,6 +10,7 @@ import uvicorn
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.llm_engine import LLMEngine
+from kaon_runtime.engine.pooling import pooling_of_checkpoint
 from kaon_runtime.server import limits
 from kaon_runtime.server.app import ServerSettings, ServerState, create_app
 
@@ -70,7 +71,9 @@ def serve(config: EngineConfig, args) -> int:
 def _run(args, engine: AsyncEngine) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                               api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,
-                              tool_call_parser=args.tool_call_parser, limits=limits.from_args(args))
+                              tool_call_parser=args.tool_call_parser, limits=limits.from_args(args),
+                              task="embed" if args.task == "embed" else "generate",
+                              pooling=pooling_of_checkpoint(args.model) if args.pooling == "auto" else args.pooling)
     app = create_app(engine, settings)
     bounds = settings.limits
     server = _DrainingServer(
