@@ -215,6 +215,8 @@ class EngineSpec(_Model):
     """Share of the GPU memory left after loading weights for the KV cache and the largest step's activations (measured at start)."""  # noqa: E501 - one line: the CRD's description
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes."""
+    task: Literal["generate", "embed"] = "generate"
+    """`generate`: the completion routes; `embed`: /v1/embeddings for an embedding model (`kaon serve --task`)."""
     image: str = Field(DEFAULT_IMAGE, min_length=1)
     """Engine container image."""
     extra_args: list[str] = []

@@ -89,7 +89,7 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
             "--kv-cache-fraction", str(engine.kv_cache_fraction),
-            "--stall-timeout", str(engine.stall_timeout_seconds)]
+            "--stall-timeout", str(engine.stall_timeout_seconds), "--task", engine.task]
     if model.quantization != "none":
         args += ["--quantization", model.quantization]
     if model.max_model_len is not None:
