@@ -10,6 +10,8 @@ from tqdm.auto import tqdm
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.engine.gguf_weights import gguf_prequantized, own_method
+from kaon_runtime.engine.prequantized import Prequantized, check_requested, checkpoint_scheme
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.layers.cpu_linear import onednn_linears_apply, use_onednn_linears
 from kaon_runtime.layers.kernel_backend import KernelBackend, select_kernels
@@ -18,7 +20,6 @@ from kaon_runtime.models import cpu_decode_step
 from kaon_runtime.models.decoder import DecoderForCausalLM
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
-from kaon_runtime.quant.gguf import int4_from_q4_1
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
         if kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
         else:
-            reason = cpu_decode_step.blocker(checkpoint.config, tp.size, config.quantization)
+            reason = cpu_decode_step.blocker(checkpoint.config, tp.size, _weights_quantization(config, checkpoint))
         if reason is not None:
             log.info("fused CPU decode step off for this model: %s", reason)
         cpu_decode = reason is None
@@ -84,19 +85,38 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         # The context served is the model's context: rotary tables no longer than it, and LongRoPE
         # picks its short or long factors by it (layers.rotary).
         model_config = replace(model_config, max_position_embeddings=config.max_model_len)
+    scheme = checkpoint_scheme(checkpoint)
+    if scheme is not None:
+        check_requested(scheme, config.quantization)
     with torch.device("meta"):  # no memory until the final dtype and device are known
         model = build_model(model_config, tp, kernels).to(dtype)
+        # A quantized checkpoint's linears stay narrow: none of them gets float memory.
+        prequantized = None if scheme is None else Prequantized.plan(model, checkpoint, scheme)
     model = model.to_empty(device=device)
     weights = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, desc="Loading weights",
                    unit="tensor", disable=not show_progress)
     try:
-        model.load_weights(weights)
-        if config.quantization != "none":
-            _quantize(model, config.quantization, checkpoint, device, tp)
+        if prequantized is not None:
+            model.load_weights(prequantized.set_aside(weights))
+            prequantized.install(model, device, tp)
+        else:
+            model.load_weights(weights)
+        method = own_method(config, checkpoint, device.type) or config.quantization
+        if method != "none" and prequantized is None:
+            _quantize(model, method, checkpoint, device, tp, own=method != config.quantization)
         model.check_kernels()
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
     return model.eval()
+
+
+def _weights_quantization(config: EngineConfig, checkpoint: Checkpoint) -> str:
+    """The linears' quantization as the fused CPU step asks: --quantization's, or a quantized checkpoint's
+    own family where the step reads it as kaon's int4 / int8 (else its description, which it does not)."""
+    scheme = checkpoint_scheme(checkpoint)
+    if scheme is None:
+        return own_method(config, checkpoint, "cpu") or config.quantization
+    return scheme.method if scheme.cpu_fused else scheme.description
 
 
 def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device: torch.device,
@@ -108,15 +128,15 @@ def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device
 
 
 def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, device: torch.device,
-              tp: TensorParallel) -> None:
-    """Swap the linear layers for quantized ones; int4 takes a GGUF file's Q4_1 blocks as they are."""
+              tp: TensorParallel, own: bool = False) -> None:
+    """Swap the linear layers for quantized ones: a GGUF file's own blocks where it runs in its own
+    precision (`own`), its 4-bit ones under int4 (engine/gguf_weights.py), the rest from float."""
     given = {}
     # The GGUF's own blocks are whole tensors; a shard is re-quantized from its float weights.
-    if method == "int4" and checkpoint.q4_1_blocks is not None and tp.size == 1:
-        fused = model.fuse_rows(checkpoint.q4_1_blocks())
-        given = {name.removesuffix(".weight"): int4_from_q4_1(blocks.to(device)) for name, blocks in fused.items()}
+    if (own or method == "int4") and tp.size == 1:
+        given = gguf_prequantized(checkpoint, device, int4_only=not own)
     swapped = quantize_model(model, method, prequantized=given)
     reused = len(given.keys() & set(swapped))
-    log.info("%s: %d linear layers quantized (%d from the checkpoint's own Q4_1 blocks)", method, len(swapped), reused)
+    log.info("%s: %d linear layers quantized (%d kept as the GGUF file's own blocks)", method, len(swapped), reused)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized

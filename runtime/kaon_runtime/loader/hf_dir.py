@@ -38,14 +38,18 @@ def load_hf_dir(path: Path) -> Checkpoint:
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"corrupt safetensors file {file.name}: {exc}") from exc
 
-    num_tensors = 0
+    names = []
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                num_tensors += len(list(f.keys()))
+                names += list(f.keys())
         except Exception as exc:
             raise ModelLoadError(f"corrupt safetensors file {file.name}: {exc}") from exc
-    return Checkpoint(path, config, Tokenizer.from_hf_dir(path), num_tensors, weights)
+    quantization = raw.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise ModelLoadError(f"{path / 'config.json'}: quantization_config must be an object")
+    return Checkpoint(path, config, Tokenizer.from_hf_dir(path), len(names), weights,
+                      quantization_config=quantization, tensor_names=lambda: names)
 
 
 def model_config_from_hf(raw: dict) -> ModelConfig:

@@ -1,0 +1,126 @@
+"""compressed-tensors checkpoints (what llm-compressor writes), read from their published layout.
+
+- pack-quantized (W4A16, W8A16): `weight_packed` int32 [N, K * bits / 32], value i of a word at bits
+  i * bits, stored as q + 2^(bits - 1); `weight_scale` [N, groups]; `weight_shape` [N, K];
+  `weight_zero_point` when asymmetric (packed the same way along N); `weight_g_idx` [K] for act-order.
+- int-quantized (W8A8, W8A16 naive): `weight` int8 [N, K], `weight_scale` [N, 1] (channel), [N, groups] or [1].
+- float-quantized (FP8): `weight` float8_e4m3fn [N, K], `weight_scale` [1] (tensor), [N, 1] (channel) or
+  [ceil(N / 128), ceil(K / 128)] (block).
+Activation quantization (W8A8's dynamic per-token int8, FP8's static `input_scale`) is not applied: kaon
+multiplies float activations with the kept-narrow weights; fp8 on a GPU quantizes activations per row itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.quant.checkpoint_formats.loaded import LoadedWeight, grouped_weight
+from kaon_runtime.quant.checkpoint_formats.packing import unpack_int32
+from kaon_runtime.quant.checkpoint_formats.scheme import CheckpointScheme
+
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+_SUFFIXES = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"})
+_IGNORED = frozenset({"input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale",
+                      "v_scale", "input_global_scale", "weight_global_scale"})
+
+
+def scheme(config: dict) -> CheckpointScheme:
+    groups = list((config.get("config_groups") or {}).values())
+    fmt = config.get("format")
+    formats = {group.get("format") or fmt for group in groups}
+    unknown = formats - set(FORMATS)
+    if unknown or not groups:
+        raise ModelLoadError(f"compressed-tensors format {sorted(map(str, unknown)) or 'without config_groups'} "
+                             f"is not supported; supported: {', '.join(FORMATS)}")
+    weights = [group.get("weights") or {} for group in groups]
+    kinds = {(w.get("type", "int"), w.get("num_bits")) for w in weights}
+    if not kinds <= {("int", 4), ("int", 8), ("float", 8)}:
+        raise ModelLoadError(f"compressed-tensors weights {sorted(map(str, kinds))} are not supported; "
+                             "supported: int 4-bit, int 8-bit, float 8-bit")
+    kind = sorted(kinds)[0]
+    method = "fp8" if kind[0] == "float" else f"int{kind[1]}"
+    fused = all(_cpu_fused(w) for w in weights) and method != "fp8"
+    parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)
+    return CheckpointScheme(description=f"compressed-tensors {'/'.join(sorted(map(str, formats)))} "
+                                        f"{method} ({', '.join(parts)})",
+                            method=method, cpu_fused=fused, markers=frozenset({"weight_packed", "weight_scale"}),
+                            suffixes=_SUFFIXES, ignored=_IGNORED, convert=convert)
+
+
+def _cpu_fused(weights: dict) -> bool:
+    """The fused CPU step reads kaon's int4 in groups of 32 and its symmetric per-channel int8."""
+    if weights.get("actorder") not in (None, "weight", "static"):
+        return False
+    if weights.get("num_bits") == 4:
+        return weights.get("strategy") == "group" and weights.get("group_size") == 32
+    return weights.get("strategy") == "channel" and weights.get("symmetric", True)
+
+
+def convert(name: str, t: dict[str, torch.Tensor], in_features: int) -> LoadedWeight:
+    if "weight_packed" in t:
+        return _packed(name, t, in_features)
+    weight = _need(name, t, "weight")
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(f"{name}.weight has shape {tuple(weight.shape)}; the layer has {in_features} input columns")
+    if weight.dtype == torch.float8_e4m3fn:
+        return _fp8(name, weight, _need(name, t, "weight_scale"))
+    if weight.dtype != torch.int8:
+        raise ValueError(f"{name}.weight is {weight.dtype}; a quantized layer's weight must be int8 or float8_e4m3fn")
+    n = weight.shape[0]
+    scales = _per_group(name, _need(name, t, "weight_scale"), n)
+    zeros = t.get("weight_zero_point")
+    zeros = torch.zeros_like(scales) if zeros is None else _per_group(name, zeros, n).float()
+    return grouped_weight(name, weight.int() + 128, scales, zeros + 128, 8, t.get("weight_g_idx"))
+
+
+def _packed(name: str, t: dict[str, torch.Tensor], in_features: int) -> LoadedWeight:
+    n, k = (int(v) for v in _need(name, t, "weight_shape").tolist())
+    if k != in_features:
+        raise ValueError(f"{name}.weight_shape says {k} input columns; the layer has {in_features}")
+    packed = t["weight_packed"]
+    bits = 32 * packed.shape[1] // k if k else 0
+    if bits not in (4, 8) or packed.shape != (n, k * bits // 32) or packed.dtype != torch.int32:
+        raise ValueError(f"{name}.weight_packed is {packed.dtype} {tuple(packed.shape)}; a {n} x {k} weight packs "
+                         f"into int32 [{n}, {k // 8}] (4-bit) or [{n}, {k // 4}] (8-bit)")
+    scales = _per_group(name, _need(name, t, "weight_scale"), n)
+    offset = 1 << (bits - 1)
+    zeros = t.get("weight_zero_point")
+    if zeros is None:
+        unsigned_zeros = torch.full_like(scales, offset, dtype=torch.float32)
+    elif zeros.dtype == torch.int32 and zeros.shape[0] * 32 // bits >= n > (zeros.shape[0] - 1) * 32 // bits:
+        unsigned_zeros = unpack_int32(zeros, bits, dim=0)[:n].float()  # packed along N, stored + offset
+    else:
+        unsigned_zeros = zeros.float().reshape(scales.shape) + offset
+    return grouped_weight(name, unpack_int32(packed, bits, dim=1), scales, unsigned_zeros, bits,
+                          t.get("weight_g_idx"))
+
+
+def _fp8(name: str, weight: torch.Tensor, scale: torch.Tensor) -> LoadedWeight:
+    n, k = weight.shape
+    scale = scale.float()
+    if scale.numel() == 1 or scale.shape in ((n,), (n, 1)):  # per tensor or per channel
+        return LoadedWeight("fp8", {"qweight": weight, "scales": scale.reshape(-1).expand(n).contiguous()}, k,
+                            name=name)
+    if scale.dim() == 2:
+        rows, cols = -(-n // scale.shape[0]), -(-k // scale.shape[1])
+        if (-(-n // rows), -(-k // cols)) == tuple(scale.shape):
+            return LoadedWeight("fp8_block", {"qweight": weight, "scales": scale}, cols, block_rows=rows, name=name)
+    raise ValueError(f"{name}.weight_scale has shape {tuple(scale.shape)}, which fits no FP8 strategy "
+                     f"(tensor, channel, block) of a {n} x {k} weight")
+
+
+def _per_group(name: str, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """A scale or zero point as [N, groups]: per-tensor values are repeated over the rows."""
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(n, 1)
+    if scale.dim() == 1 and scale.shape[0] == n:
+        return scale[:, None]
+    if scale.dim() != 2 or scale.shape[0] != n:
+        raise ValueError(f"{name}: scale or zero point of shape {tuple(scale.shape)} does not fit {n} output rows")
+    return scale
+
+
+def _need(name: str, t: dict[str, torch.Tensor], suffix: str) -> torch.Tensor:
+    if suffix not in t:
+        raise ValueError(f"{name}.{suffix} is missing from the checkpoint")
+    return t[suffix]

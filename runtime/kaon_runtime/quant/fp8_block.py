@@ -1,0 +1,38 @@
+"""FP8 (E4M3) weights with one scale per block of the weight (DeepSeek's and Qwen3's 128 x 128).
+
+The weight stays FP8 in memory; each matmul widens it with its block scales, in float32 on CPU
+and in the activations' dtype elsewhere (W8A16). A GPU kernel reading the blocks (torch._scaled_mm's
+block-wise scaling) is the next step.
+"""
+from __future__ import annotations
+
+import torch
+
+from kaon_runtime.quant.linear import QuantizedLinear
+
+
+def dequantize_fp8_blocks(qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float8 [N, K] with scales [ceil(N / block[0]), ceil(K / block[1])] -> float32 [N, K]."""
+    n, k = qweight.shape
+    full = scales.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+    return qweight.float() * full
+
+
+class Fp8BlockLinear(QuantizedLinear):
+    qweight: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    scales: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None):
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.block = block
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.float32 if x.device.type == "cpu" else x.dtype
+        weight = dequantize_fp8_blocks(self.qweight, self.scales, self.block).to(compute)
+        return torch.nn.functional.linear(x.to(compute), weight).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block={self.block}"

@@ -1,0 +1,241 @@
+"""Checkpoints their publisher quantized (compressed-tensors, GPTQ, AWQ), loaded kept narrow.
+
+compressed-tensors directories are written by the compressed-tensors package (llm-compressor's
+writer) and the reference is transformers decompressing the same directory; GPTQ and AWQ
+directories are packed here with numpy from the formats' published layouts, and the reference is
+transformers on the dequantized float weights. kaon runs with its float32 reference kernels
+(KAON_QUANT_KERNEL=torch, no fused C step) so both compute in float from the same weights and
+the greedy tokens must agree token for token.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.quant.checkpoint_formats import scheme_from_config
+from kaon_runtime.quant.checkpoint_formats.loaded import InputPermutedLinear
+from kaon_runtime.quant.fp8 import Fp8Linear
+from kaon_runtime.quant.fp8_block import Fp8BlockLinear
+from kaon_runtime.quant.grouped_int8 import GroupedInt8Linear
+from kaon_runtime.quant.int4 import Int4Linear
+from kaon_runtime.quant.int8 import Int8Linear
+from support.quantized_dirs import (
+    AWQ_SLOTS,
+    greedy,
+    np_dequantize,
+    np_pack_columns,
+    np_pack_rows,
+    np_quantize,
+    transformers_reference,
+    update_config,
+    write_compressed_tensors,
+    write_packed_dir,
+)
+
+pytest.importorskip("transformers")
+PROMPTS = [list(range(100, 120)), [5, 9, 300, 4000, 17]]
+TOKENS = 10
+
+COMPRESSED = {  # id -> (weight arguments, format, the linear kaon keeps)
+    "w4a16-group32": (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+                      "pack-quantized", Int4Linear),
+    "w4a16-channel": (dict(num_bits=4, type="int", symmetric=True, strategy="channel"), "pack-quantized", Int4Linear),
+    "w4a16-asym-group64": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64),
+                           "pack-quantized", Int4Linear),
+    "w8a16-channel": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized", Int8Linear),
+    "w8a16-group128": (dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=128),
+                       "pack-quantized", GroupedInt8Linear),
+    "w8a8-int": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized", Int8Linear),
+    "fp8-tensor": (dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), "float-quantized", Fp8Linear),
+    "fp8-channel": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized", Fp8Linear),
+    "fp8-block": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+                  "float-quantized", Fp8BlockLinear),
+}
+PACKED = {  # id -> (method, bits, group, sym, act_order, the linear kaon keeps)
+    "gptq-4bit-g64-asym-actorder": ("gptq", 4, 64, False, True, InputPermutedLinear),
+    "gptq-4bit-g128-sym": ("gptq", 4, 128, True, False, Int4Linear),
+    "gptq-8bit-channel-sym": ("gptq", 8, -1, True, False, Int8Linear),
+    "gptq-8bit-g32-asym": ("gptq", 8, 32, False, False, GroupedInt8Linear),
+    "awq-g128": ("awq", 4, 128, False, False, Int4Linear),
+    "awq-g32": ("awq", 4, 32, False, False, Int4Linear),
+}
+
+
+@pytest.fixture
+def float_kernels(monkeypatch):
+    """kaon's float32 reference kernels: dequantized weights times float activations, no fused C step."""
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    monkeypatch.setenv("KAON_CPU_DECODE", "off")
+    cpu_decode.library.cache_clear()
+    yield
+    cpu_decode.library.cache_clear()
+
+
+def _generate(path, **kwargs) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(path), show_progress=False, device="cpu", dtype="float32", **kwargs)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+def _linear(llm: LLM):
+    return llm.engine.runner.model.model.layers[0].mlp.gate_up_proj
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(COMPRESSED))
+def test_compressed_tensors_matches_transformers(case, tmp_path, gguf_path, float_kernels):
+    weights, fmt, kept = COMPRESSED[case]
+    write_compressed_tensors(tmp_path, gguf_path, weights, fmt)
+    reference = transformers_reference(tmp_path)
+    llm, tokens = _generate(tmp_path)
+    assert isinstance(_linear(llm), kept)
+    assert type(llm.engine.runner.model.lm_head).__name__ == "VocabHead"  # ignored: lm_head stays float
+    assert tokens == [greedy(reference, prompt, TOKENS) for prompt in PROMPTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PACKED))
+def test_gptq_and_awq_match_their_dequantized_weights(case, tmp_path, gguf_path, float_kernels):
+    method, bits, group, sym, act_order, kept = PACKED[case]
+    reference = write_packed_dir(tmp_path, gguf_path, method, bits, group, sym, act_order)
+    llm, tokens = _generate(tmp_path)
+    assert isinstance(_linear(llm), kept)
+    assert tokens == [greedy(reference, prompt, TOKENS) for prompt in PROMPTS]
+
+
+def _torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
+
+
+def _dense(weight) -> torch.Tensor:
+    """The float weight [N, K] a converted checkpoint weight multiplies by (through kaon's reference kernels)."""
+    module = weight.to_module(None, torch.device("cpu"))
+    k = module.perm.numel() if isinstance(module, InputPermutedLinear) else module.in_features
+    return module(torch.eye(k)).t()
+
+
+@pytest.mark.parametrize(("bits", "group", "sym", "act_order"), [(4, 32, False, True), (4, -1, True, False),
+                                                                 (8, 64, False, True), (8, -1, True, False)])
+def test_gptq_tensors_become_the_weights_the_spec_defines(bits, group, sym, act_order, float_kernels):
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.2, (64, 128)).astype(np.float32)
+    q, zeros, scales, g_idx = np_quantize(w, bits, group, sym, rng if act_order else None)
+    stored = (zeros - 1) & ((1 << bits) - 1)
+    tensors = {"qweight": np_pack_rows(q.T, bits), "qzeros": np_pack_columns(stored.T, bits), "scales": scales.T,
+               "g_idx": g_idx.astype(np.int32)}
+    scheme = scheme_from_config(dict(quant_method="gptq", bits=bits, group_size=group, desc_act=act_order, sym=sym))
+    weight = scheme.convert("layer", _torch(tensors), 128)
+    expected = np_dequantize(q, stored + 1, scales, g_idx)
+    torch.testing.assert_close(_dense(weight), torch.from_numpy(expected), rtol=0, atol=1e-6)
+
+
+def test_awq_tensors_become_the_weights_the_spec_defines(float_kernels):
+    rng = np.random.default_rng(2)
+    w = rng.normal(0, 0.2, (64, 128)).astype(np.float32)
+    q, zeros, scales, g_idx = np_quantize(w, 4, 64, False)
+    tensors = {"qweight": np_pack_columns(q.T, 4, AWQ_SLOTS), "qzeros": np_pack_columns(zeros.T, 4, AWQ_SLOTS),
+               "scales": scales.T}
+    scheme = scheme_from_config(dict(quant_method="awq", bits=4, group_size=64, version="gemm"))
+    weight = scheme.convert("layer", _torch(tensors), 128)
+    expected = np_dequantize(q, zeros, scales, g_idx)
+    torch.testing.assert_close(_dense(weight), torch.from_numpy(expected), rtol=0, atol=1e-6)
+
+
+def _gptq_tensors(k: int = 128, n: int = 64, group: int = 32) -> dict[str, torch.Tensor]:
+    q, zeros, scales, g_idx = np_quantize(np.random.default_rng(3).normal(size=(n, k)), 4, group, True)
+    return _torch({"qweight": np_pack_rows(q.T, 4), "qzeros": np_pack_columns((zeros - 1).T, 4), "scales": scales.T,
+                   "g_idx": g_idx.astype(np.int32)})
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: t.update(qweight=t["qweight"][:-1]), r"model\.layers\.0\.mlp\.up_proj\.qweight is torch\.int32 "
+                                                    r"\(15, 64\), expected torch\.int32 \(16, 64\)"),
+    (lambda t: t.update(g_idx=t["g_idx"][:-3]), r"model\.layers\.0\.mlp\.up_proj\.g_idx has shape \(125,\)"),
+    (lambda t: t.update(scales=t["scales"][:, :-1]), r"model\.layers\.0\.mlp\.up_proj\.scales"),
+    (lambda t: t.pop("qzeros"), r"model\.layers\.0\.mlp\.up_proj\.qzeros is missing"),
+])
+def test_bad_gptq_tensors_are_one_line_errors_naming_the_tensor(change, message):
+    tensors = _gptq_tensors()
+    change(tensors)
+    scheme = scheme_from_config(dict(quant_method="gptq", bits=4, group_size=32))
+    with pytest.raises(ValueError, match=message) as err:
+        scheme.convert("model.layers.0.mlp.up_proj", tensors, 128)
+    assert "\n" not in str(err.value)
+
+
+def test_a_group_size_that_does_not_divide_the_layer_is_refused():
+    tensors = _gptq_tensors(k=96, group=32)
+    scheme = scheme_from_config(dict(quant_method="gptq", bits=4, group_size=64))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj: the group size 64 does not divide its 96"):
+        scheme.convert("model.layers.0.mlp.up_proj", tensors, 96)
+
+
+def test_a_truncated_packed_compressed_tensors_weight_is_refused():
+    tensors = {"weight_packed": torch.zeros(64, 15, dtype=torch.int32), "weight_scale": torch.ones(64, 4),
+               "weight_shape": torch.tensor([64, 128])}
+    scheme = scheme_from_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                 "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}})
+    with pytest.raises(ValueError, match=r"^layer\.weight_packed is torch\.int32 \(64, 15\)"):
+        scheme.convert("layer", tensors, 128)
+
+
+def test_unknown_quant_method_is_refused():
+    with pytest.raises(ModelLoadError, match="quant_method 'bitsandbytes' is not supported"):
+        scheme_from_config({"quant_method": "bitsandbytes"})
+
+
+def test_a_tensor_parallel_shard_that_splits_a_group_is_refused():
+    scheme = scheme_from_config(dict(quant_method="gptq", bits=4, group_size=32))
+    weight = scheme.convert("m.o_proj", _gptq_tensors(), 128)
+    assert weight.select((0, 64), (64, 64)).tensors["scales"].shape == (64, 2)
+    with pytest.raises(ModelDoesNotFitError, match=r"o_proj\.scales: .* \[48, 96\) splits a quantization group of 32"):
+        weight.select((0, 64), (48, 48))
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory, gguf_path):
+    path = tmp_path_factory.mktemp("gptq")
+    write_packed_dir(path, gguf_path, "gptq", 4, 64, sym=True)
+    return path
+
+
+def _copy_dir(src, dst):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    return dst
+
+
+def test_quantization_flag_must_match_the_checkpoint(gptq_dir):
+    with pytest.raises(ModelLoadError, match=r"already quantized \(GPTQ 4-bit.*--quantization fp8 does not match"):
+        LLM(str(gptq_dir), show_progress=False, device="cpu", quantization="fp8")
+
+
+def test_a_truncated_tensor_in_a_directory_fails_at_load_naming_it(gptq_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_dir(gptq_dir, tmp_path / "bad")
+    state = load_file(path / "model.safetensors")
+    state["model.layers.1.self_attn.o_proj.qweight"] = state["model.layers.1.self_attn.o_proj.qweight"][:-2]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.o_proj\.qweight is torch\.int32") as err:
+        LLM(str(path), show_progress=False, device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_quant_method_in_a_directory_fails_at_load(gptq_dir, tmp_path):
+    path = _copy_dir(gptq_dir, tmp_path / "unknown")
+    update_config(path, quantization_config={"quant_method": "hqq"})
+    with pytest.raises(ModelLoadError, match="quant_method 'hqq' is not supported"):
+        LLM(str(path), show_progress=False, device="cpu")
+
+
+def test_default_kernels_serve_a_gptq_directory(gptq_dir):
+    """The CPU's own int4 kernels (and the fused step where it reads the weights) run the same checkpoint."""
+    llm, tokens = _generate(gptq_dir)
+    assert isinstance(_linear(llm), Int4Linear)
+    assert all(len(t) == TOKENS for t in tokens)
