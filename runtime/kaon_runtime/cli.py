@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_DTYPE_HELP)
     add_model_source_flags(serve)
     add_speculative_flags(serve)
+    add_lora_flags(serve)
     serve.add_argument("--log-level", default="info")
     sub.add_parser("fetch", help="download an hf:// or s3:// model into the cache, or check a local one "
                    "(see `kaon fetch --help`)", add_help=False)
@@ -138,6 +139,28 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-draft-model", help="the draft model (same tokenizer) for 'draft'")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram prompt lookup matches")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram prompt lookup matches")
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, metavar="NAME=DIR", default=[],
+                        help="LoRA adapters (PEFT directories) served from the start; requests name them as model")
+    parser.add_argument("--max-loras", type=int, default=0,
+                        help="adapter slots: distinct adapters running at once (default: one per --lora-modules; "
+                        "set it to load adapters at run time through /v1/load_lora_adapter)")
+    parser.add_argument("--max-lora-rank", type=positive_int, default=16, help="the highest adapter rank served")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """An argparse type: NAME=DIR."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, path
+
+
+def lora_options(args) -> dict:
+    return dict(lora_modules=dict(args.lora_modules) or None, max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank)
 
 
 def speculative_options(args) -> dict:
@@ -252,7 +275,7 @@ def engine_config(args) -> EngineConfig:
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
-                        **speculative_options(args))
+                        **speculative_options(args), **lora_options(args))
 
 
 def _serve(args) -> int:

@@ -155,5 +155,5 @@ def test_an_adapter_for_another_base_or_unknown_names_are_refused(family, tmp_pa
     with pytest.raises(ModelNotFoundError):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), adapter="nope")
     llm.engine.remove_lora("attn")
-    assert llm.engine.lora_names() == []
+    assert llm.engine.lora_adapters() == []
     assert json.loads((tmp_path / "other" / "adapter_config.json").read_text())["r"] == 4

@@ -34,6 +34,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: RequestStream
+    lora_id: int = 0
 
 
 @dataclass(slots=True)
@@ -161,14 +162,31 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Validate and queue a request; raises InvalidRequestError, QueueFullError or EngineDeadError.
+    # LoRA adapters: the pool locks its own maps, so these run off the engine thread.
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, directory) of every adapter requests may name."""
+        return self.engine.lora_adapters()
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Read and register an adapter (on a worker thread); InvalidRequestError says why it does not fit."""
+        await asyncio.to_thread(self.engine.add_lora, name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter (ModelNotFoundError if unknown); requests using it finish with it."""
+        self.engine.remove_lora(name)
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          adapter: str | None = None) -> RequestStream:
+        """Validate and queue a request (with the LoRA adapter of that name; None: the base model); raises
+        InvalidRequestError, ModelNotFoundError (an unknown adapter), QueueFullError or EngineDeadError.
 
         Validation (tokenizing included) runs on a worker thread, so bad input is refused here,
         before the engine loop sees it, without blocking the event loop on a long prompt.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
+        lora_id = self.engine.lora_id(adapter)
         prompt_token_ids = await asyncio.to_thread(self.engine.validate, prompt, params)
         with self._lock:
             waiting = self._num_queued + self._stats.num_waiting
@@ -176,7 +194,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_queue})")
             self._num_queued += 1
         stream = RequestStream(request_id, self)
-        self._submit(_Add(request_id, prompt_token_ids, params, stream))
+        self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id))
         return stream
 
     def _submit(self, command: _Add | _Abort) -> None:
@@ -225,7 +243,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 added += 1
                 try:
-                    self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params)
+                    self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
+                                              lora_id=command.lora_id)
                 except Exception as exc:  # noqa: BLE001 -- validated already; only a duplicate id can get here, and its stream gets the error
                     self._event_loop().call_soon_threadsafe(command.stream._put, exc)
                     continue

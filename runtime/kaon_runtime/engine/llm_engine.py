@@ -38,9 +38,9 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
     texts: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # by seq index
     pending_forks: int = 0  # n > 1: siblings forked from the first once its prompt is in the cache
+    lora_id: int = 0  # its LoRA adapter (engine.lora_pool's id); 0: the base model
 
 
-    lora_id: int = 0  # its LoRA adapter (engine.lora_pool); 0: the base model
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -104,16 +104,15 @@ class LLMEngine:
         if request_id in self._requests:  # before the tokenizer's work
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.add_validated(request_id, self.validate(prompt, params), params,
-                           prompt if isinstance(prompt, str) else None, adapter)
+                           prompt if isinstance(prompt, str) else None, self.lora_id(adapter))
 
     def add_validated(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None, adapter: str | None = None) -> None:
+                      prompt: str | None = None, lora_id: int = 0) -> None:
         """Queue a request that `validate` accepted, without checking it again (the server validates
         off the engine thread, so the engine loop never tokenizes)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = _Request(request_id, prompt, token_ids, params, pending_forks=params.n - 1,
-                           lora_id=self.lora_id(adapter))
+        request = _Request(request_id, prompt, token_ids, params, pending_forks=params.n - 1, lora_id=lora_id)
         self._requests[request_id] = request
         self._add_sequence(request, list(token_ids), index=0)
         self._prompt_tokens += len(token_ids)
@@ -135,10 +134,12 @@ class LLMEngine:
         """Unregister an adapter (ModelNotFoundError if unknown); requests running with it finish."""
         self._lora_pool().remove(name)
 
-    def lora_names(self) -> list[str]:
-        return [] if self.runner.lora is None else self.runner.lora.names()
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, directory) of every registered adapter."""
+        return [] if self.runner.lora is None else self.runner.lora.listing()
 
     def lora_id(self, adapter: str | None) -> int:
+        """The id add_validated takes for an adapter's name (None: 0, the base); ModelNotFoundError if unknown."""
         return 0 if adapter is None else self._lora_pool().id_of(adapter)
 
     def _lora_pool(self) -> LoraPool:
@@ -166,6 +167,8 @@ class LLMEngine:
         """One forward pass over a batch; returns the requests that progressed or finished."""
         if self.drafter is not None:
             self._propose_drafts()
+        if self.runner.lora is not None and self.runner.lora.retired:
+            self.runner.lora.drop_retired({r.lora_id for r in self._requests.values()})
         batch = self.scheduler.schedule()
         if not batch:
             return []

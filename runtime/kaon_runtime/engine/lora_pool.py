@@ -8,10 +8,13 @@ whose adapter no running sequence needs (SlotTable, the pure policy).
 
 Each registration gets a fresh id, never reused: sequences and the prefix cache key on it, so
 an adapter unloaded and loaded again under the same name never meets the K/V of the old one.
+An unloaded adapter's weights stay until no request uses them (drop_retired). The server
+registers and unloads from its event loop while the engine thread steps: one lock guards the maps.
 """
 from __future__ import annotations
 
 import itertools
+import threading
 
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.errors import InvalidRequestError, ModelNotFoundError
@@ -58,7 +61,9 @@ class LoraPool:
         self.table = SlotTable(max_loras)
         self.by_name: dict[str, int] = {}
         self.adapters: dict[int, LoraAdapter] = {}  # registered, plus unloaded ones running sequences still use
+        self.retired: set[int] = set()  # unloaded, perhaps still used by requests
         self._ids = itertools.count(1)
+        self._lock = threading.Lock()
         self.num_loads = 0  # adapters copied into a slot (a reload after eviction counts again)
 
     def add(self, name: str, path: str) -> LoraAdapter:
@@ -66,33 +71,47 @@ class LoraPool:
         if name in self.by_name:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is already loaded")
         adapter = load_adapter(name, path, self.model_config, self.max_rank)
-        adapter_id = next(self._ids)
-        self.by_name[name] = adapter_id
-        self.adapters[adapter_id] = adapter
+        with self._lock:
+            if name in self.by_name:
+                raise InvalidRequestError(f"the LoRA adapter {name!r} is already loaded")
+            adapter_id = next(self._ids)
+            self.by_name[name] = adapter_id
+            self.adapters[adapter_id] = adapter
         return adapter
 
     def remove(self, name: str) -> None:
         """Unregister an adapter: new requests cannot name it; running ones finish with it."""
-        if name not in self.by_name:
-            raise ModelNotFoundError(f"the LoRA adapter {name!r} is not loaded")
-        del self.by_name[name]
+        with self._lock:
+            if name not in self.by_name:
+                raise ModelNotFoundError(f"the LoRA adapter {name!r} is not loaded")
+            self.retired.add(self.by_name.pop(name))
 
     def id_of(self, name: str) -> int:
-        if name not in self.by_name:
-            raise ModelNotFoundError(f"the model {name!r} does not exist")
-        return self.by_name[name]
+        with self._lock:
+            if name not in self.by_name:
+                raise ModelNotFoundError(f"the model {name!r} does not exist")
+            return self.by_name[name]
 
-    def names(self) -> list[str]:
-        return list(self.by_name)
+    def listing(self) -> list[tuple[str, str]]:
+        """(name, path) of every registered adapter."""
+        with self._lock:
+            return [(name, self.adapters[i].path) for name, i in self.by_name.items()]
+
+    def drop_retired(self, in_use: set[int]) -> None:
+        """Free the weights and slots of unloaded adapters no request uses any more."""
+        with self._lock:
+            for adapter_id in self.retired - in_use:
+                del self.adapters[adapter_id]
+                self.table.forget(adapter_id)
+            self.retired &= in_use
 
     def prepare(self, running: set[int]) -> dict[int, int]:
         """Put the running sequences' adapters in slots (loading those that are not); return id -> slot."""
-        for adapter_id in [i for i in self.adapters if i not in running and i not in self.by_name.values()]:
-            del self.adapters[adapter_id]  # unloaded, and its last sequence is done
-            self.table.forget(adapter_id)
         slots, loads = self.table.assign(running)
         for slot, adapter_id in loads:
-            self._load(slot, self.adapters[adapter_id])
+            with self._lock:
+                adapter = self.adapters[adapter_id]
+            self._load(slot, adapter)
         return slots
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:

@@ -36,10 +36,10 @@ from kaon_runtime.server.limits import (
     check_prompt_logprobs,
     utf8_length,
 )
+from kaon_runtime.server.lora_routes import routes as lora_routes
 from kaon_runtime.server.metrics import Metrics
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
-from kaon_runtime.server.lora_routes import routes as lora_routes
 from kaon_runtime.server.tokenize import routes as tokenize_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
 

@@ -489,6 +489,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kaon"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's directory (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

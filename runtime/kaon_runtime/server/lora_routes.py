@@ -1,0 +1,46 @@
+"""Loading and unloading LoRA adapters at run time, as vLLM exposes it: POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter with {"lora_name", "lora_path"}; the app guards them with the API key.
+
+An adapter that does not fit the model (another base, target modules the engine cannot serve, a
+rank over --max-lora-rank) is refused at load with the reason (400); unloading an unknown name
+is a 404. The replies are vLLM's plain-text ones.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, Field
+
+from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.server import openapi as doc, protocol as p
+
+RESPONSES: doc.Responses = {
+    400: {"model": p.ErrorResponse, "description": "The adapter cannot be loaded (the reason), or a bad body"},
+    404: {"model": p.ErrorResponse, "description": "No adapter of that name is loaded"},
+    **doc.V1_ERRORS}
+
+routes = APIRouter()
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name is what counts
+
+
+@routes.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> str:
+    if body.lora_name == request.app.state.settings.model_name:
+        raise InvalidRequestError(f"{body.lora_name!r} is the base model's name")
+    await request.app.state.engine.add_lora(body.lora_name, body.lora_path)
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+@routes.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> str:
+    request.app.state.engine.remove_lora(body.lora_name)
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
