@@ -121,8 +121,9 @@ class DecoderLayer(nn.Module):
         """What the fused CPU decode step reads of this layer (a plain Llama-family layer)."""
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, GatedMLP), "the fused step has no experts"
-        projections = [_without_lora(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        return FusedLayer(*projections, self.input_layernorm.weight,
+        qkv, o, gate_up, down = (_without_lora(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                             mlp.down_proj))
+        return FusedLayer(qkv, o, gate_up, down, self.input_layernorm.weight,
                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)
 
 
