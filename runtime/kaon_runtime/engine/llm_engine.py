@@ -20,6 +20,7 @@ from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.engine.prompt_logprobs import prompt_logprobs_list
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.engine.stop_strings import find_stop
 from kaon_runtime.engine.workers import WorkerPool, check_devices
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.loader import Checkpoint, open_checkpoint
@@ -234,12 +235,11 @@ class LLMEngine:
             return "stop"
         if may_stop and token in params.stop_token_ids:
             return "stop"
-        for stop in params.stop if may_stop else ():
-            # Only the new text, plus enough before it to catch a stop string spanning tokens.
-            at = detok.text.find(stop, max(0, before - len(stop) + 1))
-            if at >= 0:
-                detok.text = detok.text[:at + len(stop) if params.include_stop_str_in_output else at]
-                return "stop"
+        found = find_stop(detok.text, before, params.stop) if may_stop and len(detok.text) > before else None
+        if found is not None:
+            start, end = found
+            detok.text = detok.text[:end if params.include_stop_str_in_output else start]
+            return "stop"
         if params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return "length"
         if num_tokens >= self.max_model_len:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from kaon_runtime.engine.async_engine import RequestStream
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
+from kaon_runtime.engine.stop_strings import held_back
 from kaon_runtime.errors import KaonError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.server import protocol as p
@@ -60,23 +61,6 @@ def usage(output: RequestOutput) -> p.UsageInfo:
                        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=output.num_cached_tokens))
 
 
-def visible_text(text: str, stops: list[str], finished: bool) -> str:
-    """The part of a growing text that is safe to stream.
-
-    The engine cuts the text where a stop string begins once the whole string has appeared,
-    so a tail that could still become a stop string is held back until it resolves.
-    """
-    if finished or not stops:
-        return text
-    hold = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:size]):
-                hold = size
-                break
-    return text[:len(text) - hold]
-
-
 async def final_output(gen: Generation, disconnected: Callable[[], Awaitable[object]]) -> RequestOutput | None:
     """Run a request to its end; None if the client went away first."""
     async def last() -> RequestOutput | None:
@@ -111,12 +95,14 @@ async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool,
                 if finished[c.index]:
                     continue
                 finished[c.index] = c.finish_reason is not None
-                text = visible_text(c.text, gen.stops, finished[c.index])
-                delta = text[sent_text[c.index]:]
+                # A tail that may still become a stop string waits: the engine cuts a stop string
+                # once all of it has appeared, and what was sent cannot be taken back.
+                safe = len(c.text) - (0 if finished[c.index] else held_back(c.text, gen.stops))
+                delta = c.text[sent_text[c.index]:safe]
                 if not delta and not finished[c.index]:
                     continue
                 chunk = fmt.chunk(c, delta, sent_text[c.index], sent_tokens[c.index])
-                sent_text[c.index], sent_tokens[c.index] = len(text), len(c.token_ids)
+                sent_text[c.index], sent_tokens[c.index] = safe, len(c.token_ids)
                 if continuous_usage:
                     chunk.usage = usage(output)
                 yield _event(chunk, include_usage)
