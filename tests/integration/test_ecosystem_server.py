@@ -61,6 +61,64 @@ def test_a_long_prompt_scored_with_many_alternatives_is_a_400_naming_the_flag(cl
     assert ok.usage.prompt_tokens > 150
 
 
+# ---- /v1/responses: function tools ---------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                               "required": ["city"], "additionalProperties": False}, "strict": True}
+ASK = "What is the weather like in Paris right now?"
+
+
+def test_responses_tools_make_function_calls_and_read_their_outputs(client):
+    import json
+    out = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER_TOOL], tool_choice="required",
+                                  parallel_tool_calls=False, temperature=0, max_output_tokens=60)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert calls and out.status == "completed"
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert set(json.loads(call.arguments)) == {"city"}
+    # A named function forces that one.
+    named = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER_TOOL], temperature=0, max_output_tokens=60,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    assert [i.name for i in named.output if i.type == "function_call"] == ["get_weather"]
+    # The call and its output fed back: the model answers in text, and the prompt holds both.
+    follow = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}]
+    answer = client.responses.create(model=MODEL, input=follow, tools=[WEATHER_TOOL], tool_choice="none",
+                                     temperature=0, max_output_tokens=20)
+    assert answer.output[0].type == "message" and answer.output_text
+    with_result = answer.usage.input_tokens
+    without = client.responses.create(model=MODEL, input=follow[:1], tools=[WEATHER_TOOL], tool_choice="none",
+                                      temperature=0, max_output_tokens=1).usage.input_tokens
+    assert with_result > without + 5  # the call and its result reached the prompt
+    # The same as a chat completion with tool_calls and a tool message: the same text.
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=20, tool_choice="none", tools=[
+        {"type": "function", "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"}}], messages=[
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temperature_c": 21}'}])
+    assert chat.choices[0].message.content == answer.output_text
+
+
+def test_responses_tools_stream_the_call_as_items(client):
+    events = list(client.responses.create(model=MODEL, input=ASK, tools=[WEATHER_TOOL], tool_choice="required",
+                                          temperature=0, max_output_tokens=60, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_item.added" in kinds and "response.function_call_arguments.done" in kinds
+    done = next(e for e in events if e.type == "response.output_item.done").item
+    final = [i for i in events[-1].response.output if i.type == "function_call"]
+    assert done.type == "function_call" and final[0].call_id == done.call_id and final[0].arguments == done.arguments
+    # Bad tools are 400s.
+    for bad in ({"tool_choice": "required"}, {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                                                                     "name": "nope"}},
+                {"tools": [{"type": "function"}]}):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model=MODEL, input=ASK, **bad)
+
+
 # ---- /v1/embeddings ------------------------------------------------------------------------
 
 EMBED_MODEL = "tiny-qwen3-embed"

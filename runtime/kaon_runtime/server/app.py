@@ -243,12 +243,12 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
         raise _bad_input(exc.errors()) from None
     adapter = _check_model(chat.model, settings, engine)
     check_chat(chat, chat.max_completion_tokens, settings.limits, engine.max_model_len)
-    params = _sampling_params(chat, chat.max_completion_tokens, None, chat.output_constraint())
+    plan = plan_chat(chat, engine.tokenizer, tool_parser(engine.tokenizer, settings.tool_call_parser))
+    params = _sampling_params(chat, chat.max_completion_tokens, None, plan.constraint)
     with request.app.state.admission.slot():
-        messages = [m.for_template() for m in chat.messages]
-        prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+        prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
         gen = await _start(engine, settings, metrics, "resp", prompt, params, adapter)
-    fmt, headers = ResponsesFormat(gen), ignored_fields_header(body)
+    fmt, headers = ResponsesFormat(gen, plan.calling), ignored_fields_header(body)
     if body.stream:
         return _SSEResponse(fmt.events(), gen, headers)
     try:
