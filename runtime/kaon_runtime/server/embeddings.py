@@ -50,7 +50,7 @@ class EmbeddingRequest(p._OpenTopLevel):
     def prompts(self) -> list[str | list[int]]:
         """The inputs, one per embedding: a string, token ids, or a list of either."""
         if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
-            return [self.input]  # type: ignore[list-item]
+            return [self.input]
         return list(self.input)  # type: ignore[arg-type]
 
 

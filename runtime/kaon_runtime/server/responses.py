@@ -204,7 +204,7 @@ class ResponsesFormat:
             return self._final
         status = "incomplete" if finish_reason == "length" else "completed"
         message, _ = assistant_message(text, finish_reason, self.calling)
-        items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
+        items: list[dict[str, Any]] = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
                   "name": call.function.name, "arguments": call.function.arguments, "status": "completed"}
                  for call in message.tool_calls or []]
         if message.content or not items:
