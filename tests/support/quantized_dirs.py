@@ -112,15 +112,19 @@ def np_pack_columns(q: np.ndarray, bits: int, order: tuple[int, ...] | None = No
     return np_pack_rows(runs.transpose(2, 0, 1).reshape(per, -1), bits).reshape(q.shape[0], -1)
 
 
-def np_quantize(w: np.ndarray, bits: int, group: int, sym: bool, rng: np.random.Generator | None = None):
+def np_quantize(w: np.ndarray, bits: int, group: int, sym: bool, rng: np.random.Generator | None = None,
+                order: np.ndarray | None = None):
     """Min-max quantization of float [N, K] in groups along K -> (q uint [N, K], zeros [N, G], scales fp16
-    [N, G], g_idx [K]); with `rng`, act-order: the columns are assigned to groups in a random order."""
+    [N, G], g_idx [K]); act-order with `order` (the columns in the order they are quantized) or `rng` (a
+    random order): consecutive columns of that order form the groups."""
     n, k = w.shape
     group = k if group == -1 else group
     g_idx = np.arange(k) // group
-    if rng is not None:
+    if order is None and rng is not None:
+        order = rng.permutation(k)
+    if order is not None:
         g_idx = np.empty(k, dtype=np.int64)
-        g_idx[rng.permutation(k)] = np.arange(k) // group
+        g_idx[order] = np.arange(k) // group
     q = np.zeros((n, k), dtype=np.int64)
     groups = k // group
     zeros, scales = np.zeros((n, groups), dtype=np.int64), np.zeros((n, groups), dtype=np.float16)
@@ -158,11 +162,13 @@ def write_packed_dir(path: Path, gguf_path, method: str, bits: int, group: int, 
     rng = np.random.default_rng(seed)
     state = load_file(path / "model.safetensors")
     mask = (1 << bits) - 1
+    orders: dict[str, np.ndarray] = {}  # act-order: layers that read the same input (q/k/v, gate/up) share it
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name == "lm_head":
             continue
-        q, zeros, scales, g_idx = np_quantize(module.weight.detach().numpy(), bits, group, sym,
-                                              rng if act_order else None)
+        reader = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        order = orders.setdefault(reader, rng.permutation(module.in_features)) if act_order else None
+        q, zeros, scales, g_idx = np_quantize(module.weight.detach().numpy(), bits, group, sym, order=order)
         del state[f"{name}.weight"]
         if method == "gptq":
             stored = (zeros - 1) & mask

@@ -9,6 +9,7 @@ the greedy tokens must agree token for token.
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -17,7 +18,9 @@ import torch
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
+from kaon_runtime.fetch.source import FetchError, check_fit, select_files
 from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.loader import open_checkpoint
 from kaon_runtime.quant.checkpoint_formats import scheme_from_config
 from kaon_runtime.quant.checkpoint_formats.loaded import InputPermutedLinear
 from kaon_runtime.quant.fp8 import Fp8Linear
@@ -239,3 +242,43 @@ def test_default_kernels_serve_a_gptq_directory(gptq_dir):
     llm, tokens = _generate(gptq_dir)
     assert isinstance(_linear(llm), Int4Linear)
     assert all(len(t) == TOKENS for t in tokens)
+
+
+@pytest.mark.parametrize(("kernel", "close"), [("triton", dict(atol=1e-4, rtol=1e-5)),
+                                               ("cpu", dict(atol=1e-1, rtol=2e-2))])
+def test_converted_weights_run_on_kaons_int4_kernels(kernel, close, monkeypatch):  # cpu: bfloat16 scales, zeros
+    """Zero points become kaon's per-group mins (float32 beside float16 scales): its Triton kernel
+    (interpreted without a GPU) and torch's CPU int4 kernel read them as they are."""
+    scheme = scheme_from_config(dict(quant_method="gptq", bits=4, group_size=32, sym=False))
+    q, zeros, scales, g_idx = np_quantize(np.random.default_rng(4).normal(size=(64, 128)), 4, 32, False)
+    tensors = _torch({"qweight": np_pack_rows(q.T, 4), "qzeros": np_pack_columns((zeros - 1).T, 4),
+                      "scales": scales.T})
+    module = scheme.convert("layer", tensors, 128).to_module(None, torch.device("cpu"))
+    x = torch.randn(5, 128)
+    expected = x @ torch.from_numpy(np_dequantize(q, zeros, scales, g_idx)).t()
+    monkeypatch.setenv("KAON_QUANT_KERNEL", kernel)
+    torch.testing.assert_close(module(x), expected, **close)
+
+
+def test_fetch_refuses_a_tensor_parallel_size_that_splits_groups_before_downloading():
+    config = dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, intermediate_size=11008,
+                  quantization_config=dict(quant_method="gptq", group_size=128))
+    check_fit(config, 2)  # 11008 / 2 = 43 groups of 128
+    with pytest.raises(FetchError, match=r"tensorParallelSize 4 does not divide .* quantization groups of 128"):
+        check_fit(config, 4)
+
+
+def test_fetch_takes_the_files_a_quantized_checkpoint_needs():
+    names = ["config.json", "tokenizer.json", "quantize_config.json", "model.safetensors", "README.md",
+             "model.gguf", "model.bin"]
+    assert select_files(names, None, "repo") == ["config.json", "tokenizer.json", "quantize_config.json",
+                                                 "model.safetensors"]
+
+
+def test_a_quantize_config_json_is_read_as_gptq(gptq_dir, tmp_path):
+    path = _copy_dir(gptq_dir, tmp_path / "old")
+    config = json.loads((path / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "quantize_config.json").write_text(json.dumps({k: v for k, v in quant.items() if k != "quant_method"}))
+    assert open_checkpoint(str(path)).quantization_config["quant_method"] == "gptq"

@@ -84,7 +84,8 @@ def cache_dir_name(source: Source) -> str:
 
 # The files of a repository the engine reads; everything else (other formats, README, images) stays out.
 HF_DIR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")
+                "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json",
+                "quantize_config.json")  # older GPTQ checkpoints keep their quantization there
 
 
 def check_file_name(name: str, where: str) -> str:
@@ -148,9 +149,28 @@ def check_fit(config: dict, tensor_parallel_size: int) -> None:
     width = text.get("intermediate_size")
     if isinstance(width, int) and width % tp:
         problems.append(f"its MLP width {width}")
+    group = quantization_group(config)
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
+    row_parallel = [heads * head_dim, width if isinstance(width, int) else 0]
+    if not problems and group and any(size // tp % group for size in row_parallel):
+        problems.append(f"the row-parallel layers' inputs ({' and '.join(map(str, row_parallel))}) into whole "
+                        f"quantization groups of {group}")
     if problems:
         raise FetchError(DOES_NOT_FIT, f"tensorParallelSize {tp} does not divide {' or '.join(problems)}; "
                                        f"use a tensorParallelSize that does")
+
+
+def quantization_group(config: dict) -> int | None:
+    """The input columns per scale of a quantized checkpoint (GPTQ, AWQ, compressed-tensors), if grouped."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None
+    sizes = [quant.get("group_size")]
+    for group in (quant.get("config_groups") or {}).values():
+        weights = group.get("weights") or {} if isinstance(group, dict) else {}
+        sizes += [weights.get("group_size"), (weights.get("block_structure") or [None, None])[-1]]
+    found = [size for size in sizes if isinstance(size, int) and size > 0]
+    return max(found) if found else None
 
 
 def parse_config(text: str, where: str) -> dict:

@@ -45,11 +45,23 @@ def load_hf_dir(path: Path) -> Checkpoint:
                 names += list(f.keys())
         except Exception as exc:
             raise ModelLoadError(f"corrupt safetensors file {file.name}: {exc}") from exc
-    quantization = raw.get("quantization_config")
+    quantization = raw.get("quantization_config") or _quantize_config(path)
     if quantization is not None and not isinstance(quantization, dict):
         raise ModelLoadError(f"{path / 'config.json'}: quantization_config must be an object")
     return Checkpoint(path, config, Tokenizer.from_hf_dir(path), len(names), weights,
                       quantization_config=quantization, tensor_names=lambda: names)
+
+
+def _quantize_config(path: Path) -> dict | None:
+    """Older AutoGPTQ checkpoints keep their quantization in quantize_config.json (without quant_method)."""
+    file = path / "quantize_config.json"
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+    return {"quant_method": "gptq", **config} if isinstance(config, dict) else config
 
 
 def model_config_from_hf(raw: dict) -> ModelConfig:
