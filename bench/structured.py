@@ -1,6 +1,7 @@
 """Constrained decoding's cost and validity, with and without grammars in one run (CPU by default).
 
-    python bench/structured.py [--batch 1 32] [--tokens 24] [--repeats 3] [--valid 24] [--json out.json]
+    python bench/structured.py [--batch 1 32] [--tokens 24] [--repeats 3] [--valid 24]
+                               [--serve-batch 1 8] [--serve-tokens 64] [--json out.json]
 
 - Per-token overhead: a mix of requests (a JSON schema, a forced tool call, free text, in turn)
   decoded at batch 1 and batch B, once with the schema and tool requests constrained and once
@@ -14,8 +15,10 @@
 - Time to first token of a schema request with a cold compiled-grammar cache (a schema never
   seen) and a cached one, and the compile alone.
 - Validity: --valid requests of each constrained kind at temperature 1 with seeds, run to their
-  end; the share whose output parses and validates (Person with pydantic; the tool call with
-  the Hermes parser and the function's parameters).
+  end; the share whose output parses and validates (Person with pydantic; the tool calls with
+  the Hermes parser and the function's parameters, at most MAX_PARALLEL_CALLS of them).
+- End to end (structured_serve.py): decode tokens/s through a `kaon serve` process of the same
+  chat requests with and without response_format json_schema, at batch 1 and 8, as a ratio.
 """
 from __future__ import annotations
 
@@ -28,31 +31,19 @@ from pathlib import Path
 from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the Person model, the server helper
 
 from pydantic import BaseModel, ConfigDict, Field
+from structured_serve import serve_overhead
 
 import kaon_runtime.engine.model_runner as model_runner
 import kaon_runtime.structured.step_masks as step_masks
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.structured.spec import GrammarSpec
-from kaon_runtime.structured.tool_grammar import forced_call_tag
+from kaon_runtime.structured.tool_grammar import MAX_PARALLEL_CALLS, forced_call_tag
 from kaon_runtime.structured.tool_parsers import parser_named
 from kaon_runtime.structured.tool_prompt import prepare_messages
-
-
-class Address(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    city: str = Field(max_length=24)
-    postcode: str = Field(pattern=r"^[0-9]{5}$")
-
-
-class Person(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[A-Z][a-z]{1,11}$")
-    age: int = Field(ge=18, le=99)
-    role: Literal["engineer", "artist", "doctor"]
-    skills: list[Literal["python", "painting", "surgery", "go"]] = Field(min_length=1, max_length=3)
-    address: Address
+from tests.support.structured_models import Person
 
 
 class WeatherArgs(BaseModel):
@@ -178,22 +169,26 @@ def compile_times(llm: LLM, repeats: int) -> dict:
             "ttft_ms_cold": statistics.median(ttft_cold) * 1e3, "ttft_ms_cached": statistics.median(ttft_cached) * 1e3}
 
 
+# Room for the longest replies: a Person, and MAX_PARALLEL_CALLS weather calls (a small model writes
+# a forced call's text in up to ~80 tokens, often one character a token).
+VALIDITY_MAX_TOKENS = {"schema": 200, "tool": 80 * MAX_PARALLEL_CALLS}
+
+
 def validity(llm: LLM, count: int) -> dict:
     prompts, params, kinds = [], [], []
     for kind in ("schema", "tool"):
         prompt, fields = requests(llm, kind, constrained=True)
         for seed in range(count):
             prompts.append(prompt)
-            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=200, **fields))
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=VALIDITY_MAX_TOKENS[kind], **fields))
             kinds.append(kind)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    valid, finished = {"schema": 0, "tool": 0}, {"schema": 0, "tool": 0}
+    valid, cut = {"schema": 0, "tool": 0}, {"schema": 0, "tool": 0}
     for kind, output in zip(kinds, outputs):
         out = output.outputs[0]
-        finished[kind] += out.finish_reason == "stop"
+        cut[kind] += out.finish_reason == "length"
         valid[kind] += out.finish_reason == "stop" and is_valid(kind, out.text)
-    # An output cut at max_tokens (a model that keeps calling tools in parallel) is a prefix of a valid one.
-    return {f"valid_{kind}": f"{valid[kind]}/{finished[kind]} finished ({count - finished[kind]} cut at max_tokens)"
+    return {f"valid_{kind}": f"{valid[kind]}/{count} ({cut[kind]} cut at max_tokens {VALIDITY_MAX_TOKENS[kind]})"
             for kind in valid}
 
 
@@ -205,7 +200,7 @@ def is_valid(kind: str, text: str) -> bool:
         calls = HERMES.parse(text, {"get_weather"}).calls
         for call in calls:
             WeatherArgs.model_validate_json(call.arguments)
-        return bool(calls)
+        return 0 < len(calls) <= MAX_PARALLEL_CALLS
     except ValueError:
         return False
 
@@ -216,12 +211,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--valid", type=int, default=24, help="requests of each constrained kind for the validity rate")
+    parser.add_argument("--serve-batch", type=int, nargs="*", default=[1, 8],
+                        help="batch sizes of the end-to-end run through kaon serve (none: skip it)")
+    parser.add_argument("--serve-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     llm = LLM(show_progress=False, device=args.device, dtype="float32" if args.device == "cpu" else "auto")
     results = {"overhead": [overhead(llm, b, args.tokens, args.repeats) for b in args.batch],
-               **compile_times(llm, args.repeats), **validity(llm, args.valid)}
+               **compile_times(llm, args.repeats), **validity(llm, args.valid),
+               "serve": serve_overhead(args.serve_batch, args.serve_tokens, args.repeats, args.device)
+               if args.serve_batch else []}
     for row in results["overhead"]:
         print(f"batch {row['batch']:>3}: decode step {row['step_ms_without']:.2f} ms without grammars, "
               f"{row['step_ms_with']:.2f} ms with ({row['overhead']:+.1%}); masks filled in {row['fill_ms']:.2f} ms "
@@ -230,6 +230,10 @@ def main() -> None:
     print(f"compile: cold {results['compile_ms_cold']:.1f} ms, cached {results['compile_ms_cached']:.3f} ms; "
           f"TTFT: cold schema {results['ttft_ms_cold']:.0f} ms, cached {results['ttft_ms_cached']:.0f} ms")
     print(f"valid: schema {results['valid_schema']}, tool call {results['valid_tool']}")
+    for row in results["serve"]:
+        print(f"kaon serve, batch {row['batch']}: decode {row['tok_s_without']:.1f} tok/s without response_format, "
+              f"{row['tok_s_with']:.1f} with json_schema (ratio {row['ratio']:.3f}; {row['tokens']} tokens each, "
+              f"{row['ended_short']} ended short)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -8,33 +8,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Literal
 
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
 
 from support.router import routed, serving
 from support.server import MODEL, Server
+from support.structured_models import Person
 
 KEY = "unused"
-
-
-class Address(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    city: str = Field(max_length=24)
-    postcode: str = Field(pattern=r"^[0-9]{5}$")
-
-
-class Person(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[A-Z][a-z]{1,11}$")
-    age: int = Field(ge=18, le=99)
-    role: Literal["engineer", "artist", "doctor"]
-    skills: list[Literal["python", "painting", "surgery", "go"]] = Field(min_length=1, max_length=3)
-    address: Address
-
 
 PERSON_FORMAT = {"type": "json_schema",
                  "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True}}
@@ -197,26 +180,34 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_response(client):
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
         (c.function.name, c.function.arguments) for c in whole]
+    with client.chat.completions.stream(**kwargs) as stream:  # the openai client's own reassembly
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole]
 
 
-def test_a_tool_round_trip(client):
-    call = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], temperature=0,
-                                          max_tokens=120, tool_choice="required").choices[0].message
-    arguments = check_call(call.tool_calls[0])
-    history = ASK_WEATHER + [call.model_dump(exclude_none=True), {
-        "role": "tool", "tool_call_id": call.tool_calls[0].id,
-        "content": json.dumps({"city": arguments["city"], "temperature": 21, "sky": "sunny"})}]
-    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
-                                            temperature=0, max_tokens=40)
-    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
-
-
-def test_tool_requests_that_cannot_work_are_400s(client):
-    with pytest.raises(openai.BadRequestError, match="not among the tools"):
-        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=5,
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
-    with pytest.raises(openai.BadRequestError, match="needs tools"):
-        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tool_choice="required", max_tokens=5)
+def test_parallel_calls_end_and_a_cut_keeps_the_whole_calls(client):
+    many = [{"role": "user", "content": "What is the weather in Paris, Lyon, Nice, Lille, Brest and Metz?"}]
+    forced = dict(model=MODEL, messages=many, tools=TOOLS, tool_choice="required", temperature=1.0, max_tokens=400,
+                  logprobs=True)
+    several = None
+    for seed in range(6):  # a small model left to call in parallel would go on until max_tokens
+        choice = client.chat.completions.create(seed=seed, **forced).choices[0]
+        assert choice.finish_reason == "tool_calls" and 1 <= len(choice.message.tool_calls) <= 4
+        for call in choice.message.tool_calls:
+            check_call(call)
+        if several is None and len(choice.message.tool_calls) > 1:
+            several = seed, choice
+    assert several, "no reply with several calls: nothing to cut between calls"
+    # The same seed again, cut a few tokens into the second call: the first stays, the second goes.
+    seed, choice = several
+    tokens = [t.token for t in choice.logprobs.content]
+    first_end = next(i for i in range(len(tokens)) if "</tool_call>" in "".join(tokens[:i + 1]))
+    cut = client.chat.completions.create(seed=seed, **{**forced, "max_tokens": first_end + 5}).choices[0]
+    assert cut.finish_reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in cut.message.tool_calls] == [
+        (choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments)]
 
 
 # ---- frameworks and the router ------------------------------------------------------------
