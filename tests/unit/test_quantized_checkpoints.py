@@ -282,3 +282,22 @@ def test_a_quantize_config_json_is_read_as_gptq(gptq_dir, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     (path / "quantize_config.json").write_text(json.dumps({k: v for k, v in quant.items() if k != "quant_method"}))
     assert open_checkpoint(str(path)).quantization_config["quant_method"] == "gptq"
+
+
+def test_compressed_tensors_act_order_g_idx_is_sorted_into_groups(float_kernels):
+    """An older llm-compressor's actorder="group" checkpoint: weight_g_idx beside the packed weight,
+    packed by compressed-tensors' own packer."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    rng = np.random.default_rng(5)
+    q, zeros, scales, g_idx = np_quantize(rng.normal(size=(64, 128)), 4, 32, True, rng)
+    tensors = {"weight_packed": pack_to_int32(torch.from_numpy(q - 8).to(torch.int8), 4),
+               "weight_scale": torch.from_numpy(scales.astype(np.float32)), "weight_shape": torch.tensor([64, 128]),
+               "weight_g_idx": torch.from_numpy(g_idx.astype(np.int32))}
+    scheme = scheme_from_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                 "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "group_size": 32,
+                                                                     "strategy": "group", "actorder": "group"}}}})
+    weight = scheme.convert("layer", tensors, 128)
+    assert weight.perm is not None
+    torch.testing.assert_close(_dense(weight), torch.from_numpy(np_dequantize(q, zeros, scales, g_idx)),
+                               rtol=0, atol=1e-6)

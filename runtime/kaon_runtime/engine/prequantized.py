@@ -59,6 +59,7 @@ class Prequantized:
     config: ModelConfig  # the whole model's, as tensor-parallel cutting reads it
     parts: dict[str, list[str]]  # our module -> the checkpoint modules that fill it, in fusion order
     held: defaultdict[str, dict[str, torch.Tensor]] = field(default_factory=lambda: defaultdict(dict))
+    dropped: set[str] = field(default_factory=set)  # suffixes read and not used (activation, KV cache scales)
 
     @classmethod
     def plan(cls, model: nn.Module, checkpoint: Checkpoint, scheme: CheckpointScheme) -> Prequantized:
@@ -84,7 +85,9 @@ class Prequantized:
         for name, tensor in weights:
             if self.scheme.owns(name, tensor.dtype):
                 module, _, suffix = name.rpartition(".")
-                if suffix not in self.scheme.ignored:
+                if suffix in self.scheme.ignored:
+                    self.dropped.add(suffix)
+                else:
                     self.held[module][suffix] = tensor
             else:
                 yield name, tensor
@@ -106,6 +109,10 @@ class Prequantized:
         if unused:
             raise ValueError(f"checkpoint tensors {unused[:3]}... belong to no quantized layer")
         log.info("%s: %d linear layers kept quantized", self.scheme.description, len(self.parts))
+        if self.dropped:
+            log.warning("the checkpoint's %s are not used: activations stay in the model's dtype (fp8 on a GPU "
+                        "quantizes them per row itself) and the KV cache keeps --kv-cache-dtype",
+                        ", ".join(sorted(self.dropped)))
 
     def _shard(self, name: str, tp: TensorParallel) -> LoadedWeight:
         tensors = self.held.pop(name, {})
