@@ -68,3 +68,27 @@ def test_the_checkpoint_pooling_config_picks_mean_or_last(tmp_path):
     assert pooling_of_checkpoint(str(tmp_path)) == "mean"
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
     assert pooling_of_checkpoint(str(tmp_path)) == "last"
+
+
+def test_dimensions_only_where_the_checkpoint_says_matryoshka(tmp_path):
+    import json
+
+    from kaon_runtime.engine.pooling import matryoshka_of_checkpoint
+    from kaon_runtime.errors import InvalidRequestError
+    from kaon_runtime.server.embeddings import check_dimensions, encode
+
+    assert matryoshka_of_checkpoint(str(tmp_path)) is False
+    (tmp_path / "config.json").write_text(json.dumps({"is_matryoshka": True}))
+    assert matryoshka_of_checkpoint(str(tmp_path)) is True
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [32, 64]}))
+    assert matryoshka_of_checkpoint(str(tmp_path)) == [32, 64]
+    check_dimensions(None, 64, False)
+    check_dimensions(64, 64, False)
+    check_dimensions(16, 64, True)
+    check_dimensions(32, 64, [32, 64])
+    for dimensions, matryoshka in [(32, False), (65, True), (16, [32, 64])]:
+        with pytest.raises(InvalidRequestError, match="dimensions"):
+            check_dimensions(dimensions, 64, matryoshka)
+    # Cut first, then normalized: the first two of (3, 4, 12) are (0.6, 0.8).
+    assert encode([3.0, 4.0, 12.0], True, "float", 2) == pytest.approx([0.6, 0.8])
+    assert encode([3.0, 4.0, 12.0], False, "float") == [3.0, 4.0, 12.0]

@@ -59,3 +59,17 @@ def pooling_of_checkpoint(model: str) -> str:
     except (OSError, ValueError, StopIteration, KeyError, TypeError):
         return "last"
     return "mean" if config.get("pooling_mode_mean_tokens") else "last"
+
+
+def matryoshka_of_checkpoint(model: str) -> bool | list[int]:
+    """Whether a checkpoint directory's config.json says its embeddings may be cut short
+    (Matryoshka training), under vLLM's names: `is_matryoshka` (any length), or the lengths
+    `matryoshka_dimensions` lists. False when it says neither (or is not a directory)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    dimensions = config.get("matryoshka_dimensions") if isinstance(config, dict) else None
+    if isinstance(dimensions, list) and all(isinstance(d, int) for d in dimensions):
+        return dimensions
+    return isinstance(config, dict) and config.get("is_matryoshka") is True

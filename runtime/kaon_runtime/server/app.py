@@ -59,6 +59,7 @@ class ServerSettings:
     """What one request may cost, checked before it is tokenized (server/limits.py)."""
     task: str = "generate"  # or "embed": /v1/embeddings instead of the generating routes (server/embeddings.py)
     pooling: str = "last"  # how --task embed pools the hidden states (engine/pooling.py)
+    matryoshka: bool | list[int] = False  # the embedding lengths `dimensions` may ask for besides the model's own
 
 
 class APIError(Exception):
@@ -271,7 +272,7 @@ async def create_embeddings(request: Request, engine: Engine, settings: Settings
     for prompt in prompts:
         text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
         check_prompt(utf8_length(text), len(ids), settings.limits, engine.max_model_len)
-    embeddings.check_dimensions(body.dimensions, engine.engine.model_config.hidden_size)
+    embeddings.check_dimensions(body.dimensions, engine.engine.model_config.hidden_size, settings.matryoshka)
     with request.app.state.admission.slot():
         outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
     return JSONResponse(embeddings.response(body, settings.model_name, outputs), headers=ignored_fields_header(body))

@@ -54,17 +54,26 @@ class EmbeddingRequest(p._OpenTopLevel):
         return list(self.input)  # type: ignore[arg-type]
 
 
-def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
-    """`dimensions` shortens Matryoshka embeddings; the models kaon serves are not such, so only
-    their own size is accepted (cutting another vector short would silently degrade it)."""
-    if dimensions is not None and dimensions != hidden_size:
-        raise InvalidRequestError(f"dimensions: this model embeds in {hidden_size} dimensions and is not a "
-                                  "Matryoshka model, so it cannot return fewer")
+def check_dimensions(dimensions: int | None, hidden_size: int, matryoshka: bool | list[int]) -> None:
+    """`dimensions` cuts a Matryoshka model's embeddings short (the checkpoint's config says it was
+    trained so: engine/pooling.py); any other model only has its own size (a vector cut short that
+    was not trained for it would silently lose meaning)."""
+    if dimensions is None or dimensions == hidden_size:
+        return
+    if matryoshka is True and dimensions < hidden_size:
+        return
+    if isinstance(matryoshka, list) and dimensions in matryoshka:
+        return
+    allowed = (f"one of {sorted(matryoshka)}" if isinstance(matryoshka, list) and matryoshka else
+               f"at most {hidden_size}" if matryoshka is True else f"only {hidden_size}: not a Matryoshka model")
+    raise InvalidRequestError(f"dimensions: this model embeds in {hidden_size} dimensions; it can return {allowed}")
 
 
-def encode(vector: list[float], normalize: bool, encoding_format: str) -> list[float] | str:
-    """The vector as the response carries it: normalized (L2) or not; floats, or base64 of
-    little-endian float32s (what OpenAI's client decodes)."""
+def encode(vector: list[float], normalize: bool, encoding_format: str,
+           dimensions: int | None = None) -> list[float] | str:
+    """The vector as the response carries it: its first `dimensions`, normalized (L2) or not;
+    floats, or base64 of little-endian float32s (what OpenAI's client decodes)."""
+    vector = vector[:dimensions] if dimensions is not None else vector
     if normalize:
         norm = math.sqrt(sum(x * x for x in vector)) or 1.0
         vector = [x / norm for x in vector]
@@ -78,7 +87,7 @@ def response(body: EmbeddingRequest, model: str, outputs: list[RequestOutput]) -
     for index, output in enumerate(outputs):
         assert output.embedding is not None, "a finished embedding request carries its vector"
         data.append({"object": "embedding", "index": index,
-                     "embedding": encode(output.embedding, body.normalize, body.encoding_format)})
+                     "embedding": encode(output.embedding, body.normalize, body.encoding_format, body.dimensions)})
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

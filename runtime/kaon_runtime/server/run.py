@@ -10,7 +10,7 @@ import uvicorn
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.llm_engine import LLMEngine
-from kaon_runtime.engine.pooling import pooling_of_checkpoint
+from kaon_runtime.engine.pooling import matryoshka_of_checkpoint, pooling_of_checkpoint
 from kaon_runtime.server import limits
 from kaon_runtime.server.app import ServerSettings, ServerState, create_app
 
@@ -73,7 +73,8 @@ def _run(args, engine: AsyncEngine) -> int:
                               api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,
                               tool_call_parser=args.tool_call_parser, limits=limits.from_args(args),
                               task="embed" if args.task == "embed" else "generate",
-                              pooling=pooling_of_checkpoint(args.model) if args.pooling == "auto" else args.pooling)
+                              pooling=pooling_of_checkpoint(args.model) if args.pooling == "auto" else args.pooling,
+                              matryoshka=matryoshka_of_checkpoint(args.model))
     app = create_app(engine, settings)
     bounds = settings.limits
     server = _DrainingServer(
