@@ -1,7 +1,7 @@
 """LoRA adapters: the slot pool's policy, the adapter checks, the prefix cache's key, and whole models
 generating with random PEFT adapters (made by peft itself) against transformers + peft with the
 adapter merged, token for token in float32, base and adapters mixed in one batch, on two families
-and across eviction and reload (more adapters than slots)."""
+and across eviction and reload (more adapters than slots); int8 base weights against the dequantized model."""
 from __future__ import annotations
 
 import json
@@ -157,3 +157,67 @@ def test_an_adapter_for_another_base_or_unknown_names_are_refused(family, tmp_pa
     llm.engine.remove_lora("attn")
     assert llm.engine.lora_adapters() == []
     assert json.loads((tmp_path / "other" / "adapter_config.json").read_text())["r"] == 4
+
+
+# ---- int8 base weights -----------------------------------------------------------------------
+
+
+def test_lora_on_an_int8_projection_adds_to_the_dequantized_weight():
+    import torch
+    from torch import nn
+
+    from kaon_runtime.layers.lora import LoraBatch, LoraLinear
+    from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 48, bias=False)
+    qweight, scales = quantize_int8(dense.weight.detach())
+    batch = LoraBatch(ranks=[4])
+    lora = LoraLinear(Int8Linear(qweight, scales), 64, [48], 1, 8, batch, torch.float32, torch.device("cpu"))
+    a, b = torch.randn(4, 64), torch.randn(48, 4)
+    lora.load_slot(0, 0, a, b)
+    x = torch.randn(3, 64)
+    batch.set([0, -1, 0], torch.device("cpu"))
+    dequantized = qweight.float() * scales[:, None]
+    expected = x @ dequantized.T + torch.tensor([1.0, 0.0, 1.0])[:, None] * (x @ a.T @ b.T)
+    # The CPU int8 kernel rounds its activations: close to the dequantized reference, not equal.
+    torch.testing.assert_close(lora(x), expected, rtol=2e-2, atol=2e-2)
+
+
+def _saved_base(root):
+    return transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype="float32").eval()
+
+
+def _dequantized_int8(model):
+    """A copy of an HF model whose linear weights (head included) went through kaon's int8 and back."""
+    import copy
+
+    import torch
+
+    from kaon_runtime.quant.int8 import quantize_int8
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                qweight, scales = quantize_int8(module.weight)
+                module.weight.copy_(qweight.float() * scales[:, None])
+    return model
+
+
+@pytest.mark.slow
+def test_int8_base_with_adapters_matches_the_dequantized_reference(family, monkeypatch):
+    """int8 base weights through the dequantizing torch kernel (the C kernels, which round their activations,
+    off), base and adapters mixed in one batch: the tokens of transformers + peft merged into the dequantized model."""
+    from kaon_runtime import LLM
+    from kaon_runtime.kernels import cpu_decode
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    monkeypatch.setenv("KAON_CPU_DECODE", "off")
+    cpu_decode.library.cache_clear()
+    root, dirs, _ = family
+    base = _dequantized_int8(_saved_base(root))
+    expected = [greedy(base if n is None else merged(base, dirs[n]), p, 8) for p, n in zip(PROMPTS, NAMES)]
+    llm = LLM(str(root / "base"), show_progress=False, device="cpu", dtype="float32", adapters=dirs,
+              quantization="int8", kv_cache_dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, adapter=NAMES)]
+    cpu_decode.library.cache_clear()  # the next test builds it again
+    assert got == expected
