@@ -20,6 +20,8 @@ def parse_request(body: bytes) -> tuple[str, dict]:
     """The `model` field of an OpenAI request body, and the body."""
     try:
         payload = json.loads(body)
+    except RecursionError:  # deeper than the interpreter's stack allows (about a thousand levels)
+        raise too_deep() from None
     except ValueError as exc:
         raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
@@ -41,6 +43,12 @@ def engine_body(body: bytes, payload: dict, model: str, served_name: str) -> byt
         return json.dumps(payload, ensure_ascii=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (a valid JSON escape, no UTF-8): sent escaped, as it came
         return json.dumps(payload).encode()
+    except RecursionError:  # parsed just within the stack's depth, one level short of it to encode
+        raise too_deep() from None
+
+
+def too_deep() -> errors.RouterError:
+    return errors.bad_request("the request body nests JSON arrays or objects too deeply")
 
 
 def connection_options(headers: Mapping[str, str]) -> frozenset[str]:

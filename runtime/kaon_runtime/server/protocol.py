@@ -488,7 +488,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kaon"
-    max_model_len: int
+    # Optional as in vLLM's card: the engine always sets it; kaon-router's list, which has no engine
+    # behind it, leaves it out.
+    max_model_len: int | None = None
     root: str | None = None  # a LoRA adapter's directory (vLLM's field)
     parent: str | None = None  # a LoRA adapter's base model
 
