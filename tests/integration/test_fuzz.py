@@ -5,10 +5,8 @@ None may get a 5xx. The documented ones are 503 while draining (never, here) and
 engine loop is dead, which no request, however malformed, may cause; 429 only comes from a
 full queue, which sequential requests never fill. Responses must also match the document
 (error bodies, SSE events, status codes, content types). Generation is kept short: lengths are
-clamped to a couple of tokens before each request is sent, and the context is small.
-
-schemathesis's own pytest plugin does not run under pytest 9.2 (it sets a private attribute
-pytest dropped), so the cases come from its Python API, one hypothesis test per mode.
+clamped to a couple of tokens before each request is sent, and the context is small
+(support/fuzz.py, shared with the same run against the router, test_fuzz_router.py).
 """
 from __future__ import annotations
 
@@ -21,16 +19,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import CHECKS, load_all_checks  # noqa: E402
-from schemathesis.config import SchemathesisConfig  # noqa: E402
+from schemathesis.checks import CHECKS  # noqa: E402
 
+from support.fuzz import CONTEXT, DOCUMENT_CHECKS, engine_schema, shorten  # noqa: E402
 from support.server import API_KEY, MODEL, Server  # noqa: E402
 
-CONTEXT = 256  # --max-model-len
-MAX_TOKENS = 2
-MAX_N = 2  # n=128 is valid, and costs seconds a request on a small CPU
 EXAMPLES_PER_MODE = 100  # across all operations
-DOCUMENT_CHECKS = ("response_schema_conformance", "status_code_conformance", "content_type_conformance")
 
 _fuzzed: list[str] = []  # operations called, for the check that follows the fuzzing
 
@@ -45,22 +39,7 @@ def fuzzed_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api_schema(fuzzed_server):
-    load_all_checks()
-    config = SchemathesisConfig.from_dict({"headers": {"Authorization": f"Bearer {API_KEY}"}})
-    return schemathesis.openapi.from_url(f"{fuzzed_server.url}/openapi.json", config=config)
-
-
-def _shorten(body) -> None:
-    """Clamp what a valid request would generate; leave invalid values for the server to refuse."""
-    if not isinstance(body, dict):
-        return
-    for key in ("max_tokens", "max_completion_tokens"):
-        if type(body.get(key)) is int and MAX_TOKENS < body[key] < CONTEXT:
-            body[key] = MAX_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS  # absent or null: up to the context length otherwise
-    if type(body.get("n")) is int and MAX_N < body["n"] <= 128:
-        body["n"] = MAX_N
+    return engine_schema(fuzzed_server.url)
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
@@ -73,7 +52,7 @@ def test_no_server_errors_and_responses_match_the_document(api_schema, mode):
               suppress_health_check=list(HealthCheck))
     @given(case=api_schema.as_strategy(mode))
     def fuzz(case):
-        _shorten(case.body)
+        shorten(case.body)
         response = case.call(timeout=60)
         called.add(case.operation.label)
         _fuzzed.append(case.operation.label)

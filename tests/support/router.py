@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
 
 import aiohttp
@@ -152,3 +153,31 @@ def metric(text: str, name: str, **labels) -> float:
 
 
 closed_port = free_port  # a port bound and released again: nothing listens there
+
+
+@contextlib.contextmanager
+def serving_in_thread(router: Router):
+    """The router behind its real listening edge on a free port, its event loop on a thread of its
+    own, for clients that are not asyncio (schemathesis, httpx); yields its URL."""
+    loop = asyncio.new_event_loop()
+    started, stop = threading.Event(), asyncio.Event()
+    ports: list[int] = []
+
+    async def serve() -> None:
+        config = router.config
+        async with edge.serving(router.app(), "127.0.0.1", 0, max_connections=config.max_connections,
+                                header_timeout=config.header_timeout, refused=router.metrics.overloaded.inc) as port:
+            ports.append(port)
+            started.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), name="router", daemon=True)
+    thread.start()
+    if not started.wait(30):
+        pytest.fail("the router did not start listening")
+    try:
+        yield f"http://127.0.0.1:{ports[0]}"
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
