@@ -13,6 +13,9 @@
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
+ *   Q4_F32 the same with float32 scales and mins (GGUF Q4_K's d * sc and dmin * m, exact)
+ *   Q8_G16 int8 [N, K] with a float32 scale and an optional float32 min per group of 16:
+ *         w = q * scale + min (GGUF's 5-, 6- and 8-bit types and Q2_K/Q3_K, repacked losslessly)
  *   both with eight output rows interleaved (see "narrow weights" below; cpu_decode.py
  *   makes the copy at load)
  * The narrow ones multiply activations quantized to int8 in blocks of 32 (one float scale per
@@ -55,7 +58,7 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 
 #define QBLOCK 32
 
-enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3 };
+enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5 };
 
 typedef struct {
     int32_t kind, n, k;
@@ -63,6 +66,7 @@ typedef struct {
     const float *scales;    /* INT8: [n] */
     const uint16_t *d, *m;  /* Q4_1: float16 [n, k/32] scales and mins */
     const float *bias;      /* [n] or NULL */
+    const float *gscales, *gmins;  /* Q4_F32: [n, k/32]; Q8_G16: [n, k/16], gmins may be NULL */
 } Linear;
 
 typedef struct {
@@ -449,9 +453,12 @@ static inline __attribute__((always_inline)) void group_int8(const int8_t *w, co
 
 /* The same for 4-bit weights w = q4 * wd + wm per block and output:
  * y = sum_b (wd * d[r, b]) * (q4 . q over block b) + sum_b wm * s[r, b]. */
-static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, const uint16_t *wd, const uint16_t *wm,
-                                                             const int8_t *q, const float *d, const float *s, int k,
-                                                             int rows, float out[TILE][LANES]) {
+static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, const void *wdv, const void *wmv,
+                                                             const int f32, const int8_t *q, const float *d,
+                                                             const float *s, int k, int rows, float out[TILE][LANES]) {
+    /* f32 (a constant where inlined): the scales and mins are float32 (Q4_F32), else float16 */
+    const uint16_t *wd = wdv, *wm = wmv;
+    const float *wdf = wdv, *wmf = wmv;
     const int blocks = k / QBLOCK;
 #ifdef KAON_AVX2
     const __m256i low = _mm256_set1_epi8(0x0f);
@@ -465,8 +472,10 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
             nib[t] = _mm256_and_si256(raw, low);
             nib[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         }
-        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + (size_t)b * LANES)));
-        const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + (size_t)b * LANES)));
+        const __m256 scale = f32 ? _mm256_loadu_ps(wdf + (size_t)b * LANES)
+                                 : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + (size_t)b * LANES)));
+        const __m256 min = f32 ? _mm256_loadu_ps(wmf + (size_t)b * LANES)
+                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + (size_t)b * LANES)));
         for (int r = 0; r < TILE; r++) {
             if (r >= rows) break;
             const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
@@ -492,8 +501,73 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
                         sum += (byte & 0xf) * q[(size_t)r * k + b * QBLOCK + 4 * t + i]
                              + (byte >> 4) * q[(size_t)r * k + b * QBLOCK + 16 + 4 * t + i];
                     }
-                acc = fmaf((float)sum, half_to_float(wd[(size_t)b * LANES + c]) * d[(size_t)r * blocks + b], acc);
-                mins = fmaf(half_to_float(wm[(size_t)b * LANES + c]), s[(size_t)r * blocks + b], mins);
+                const size_t at = (size_t)b * LANES + c;
+                const float scale = f32 ? wdf[at] : half_to_float(wd[at]), min = f32 ? wmf[at] : half_to_float(wm[at]);
+                acc = fmaf((float)sum, scale * d[(size_t)r * blocks + b], acc);
+                mins = fmaf(min, s[(size_t)r * blocks + b], mins);
+            }
+            out[r][c] = acc + mins;
+        }
+#endif
+}
+
+/* int8 weights with a float32 scale (and optionally a min) per 16 elements, w = q8 * ws + wm:
+ * two integer dot products per block (its halves), each with its own scale; the mins meet the
+ * activations' half-block sums (slo: the first 16 elements' d * sum(q), s - slo the rest's).
+ * Scales and mins are laid out [g][b][half][lane]. */
+static inline __attribute__((always_inline)) void group_q8_g16(const int8_t *w, const float *ws, const float *wm,
+                                                               const int8_t *q, const float *d, const float *s,
+                                                               const float *slo, int k, int rows,
+                                                               float out[TILE][LANES]) {
+    const int blocks = k / QBLOCK;
+#ifdef KAON_AVX2
+    __m256 acc[TILE], mins[TILE];
+    for (int r = 0; r < TILE; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK * LANES);
+        __m256i wv[8], aw[8];
+        for (int t = 0; t < 8; t++) {
+            wv[t] = _mm256_loadu_si256(wb + t);
+            aw[t] = _mm256_sign_epi8(wv[t], wv[t]);  /* |w| as u8 (-128 reads 128), q takes w's sign */
+        }
+        const __m256 s0 = _mm256_loadu_ps(ws + (size_t)b * 2 * LANES), s1 = _mm256_loadu_ps(ws + ((size_t)b * 2 + 1) * LANES);
+        for (int r = 0; r < TILE; r++) {
+            if (r >= rows) break;
+            const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
+            __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++)
+                lo = _mm256_add_epi32(lo, dot_u8s8(aw[t], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t])));
+            for (int t = 4; t < 8; t++)
+                hi = _mm256_add_epi32(hi, dot_u8s8(aw[t], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t])));
+            const __m256 dr = _mm256_set1_ps(d[(size_t)r * blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dr), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dr), acc[r]);
+            if (wm) {
+                const float a = slo[(size_t)r * blocks + b], z = s[(size_t)r * blocks + b] - a;
+                mins[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + (size_t)b * 2 * LANES), _mm256_set1_ps(a), mins[r]);
+                mins[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + ((size_t)b * 2 + 1) * LANES), _mm256_set1_ps(z), mins[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], _mm256_add_ps(acc[r], mins[r]));
+#else
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < LANES; c++) {
+            float acc = 0.f, mins = 0.f;
+            for (int b = 0; b < blocks; b++) {
+                int32_t sum[2] = {0, 0};
+                for (int t = 0; t < 8; t++)
+                    for (int i = 0; i < 4; i++)
+                        sum[t / 4] += w[((size_t)b * 8 + t) * 32 + c * 4 + i] * q[(size_t)r * k + b * QBLOCK + 4 * t + i];
+                const float dr = d[(size_t)r * blocks + b];
+                for (int h = 0; h < 2; h++) {
+                    const size_t at = ((size_t)b * 2 + h) * LANES + c;
+                    acc = fmaf((float)sum[h], ws[at] * dr, acc);
+                    if (wm) {
+                        const float a = slo[(size_t)r * blocks + b];
+                        mins = fmaf(wm[at], h ? s[(size_t)r * blocks + b] - a : a, mins);
+                    }
+                }
             }
             out[r][c] = acc + mins;
         }
@@ -604,7 +678,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
 /* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
-    return (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 64;
+    return (size_t)rows * ((size_t)k + 4 * sizeof(float) * (k / QBLOCK)) + 64;
 }
 
 typedef struct {
@@ -614,6 +688,7 @@ typedef struct {
     const int8_t *q;        /* x in int8 blocks, for the narrow weights */
     const float *d, *s;
     const int32_t *qs;
+    const float *slo;       /* Q8_G16 with mins: d * sum(q) over each block's first 16 elements */
     float *y;
 } LinearJob;
 
@@ -644,11 +719,23 @@ static void linear_chunk(const void *arg, int begin, int end) {
                 const int32_t *qs = job->qs + (size_t)r0 * blocks;
                 if (tile == 1) group_int8(w, scales, q, d, qs, k, 1, v);
                 else group_int8(w, scales, q, d, qs, k, tile, v);
+            } else if (l->kind == KIND_Q8_G16) {
+                const int8_t *w = (const int8_t *)l->w + (size_t)g * LANES * k;
+                const float *ws = l->gscales + (size_t)g * LANES * blocks * 2;
+                const float *wm = l->gmins ? l->gmins + (size_t)g * LANES * blocks * 2 : NULL;
+                const float *slo = job->slo + (size_t)r0 * blocks;
+                if (tile == 1) group_q8_g16(w, ws, wm, q, d, s, slo, k, 1, v);
+                else group_q8_g16(w, ws, wm, q, d, s, slo, k, tile, v);
+            } else if (l->kind == KIND_Q4_F32) {
+                const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+                const float *wd = l->gscales + (size_t)g * LANES * blocks, *wm = l->gmins + (size_t)g * LANES * blocks;
+                if (tile == 1) group_q4_1(w, wd, wm, 1, q, d, s, k, 1, v);
+                else group_q4_1(w, wd, wm, 1, q, d, s, k, tile, v);
             } else {
                 const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
                 const uint16_t *wd = l->d + (size_t)g * LANES * blocks, *wm = l->m + (size_t)g * LANES * blocks;
-                if (tile == 1) group_q4_1(w, wd, wm, q, d, s, k, 1, v);
-                else group_q4_1(w, wd, wm, q, d, s, k, tile, v);
+                if (tile == 1) group_q4_1(w, wd, wm, 0, q, d, s, k, 1, v);
+                else group_q4_1(w, wd, wm, 0, q, d, s, k, tile, v);
             }
             for (int r = 0; r < tile; r++)
                 for (int c = 0; c < LANES && g * LANES + c < n; c++) {
@@ -664,12 +751,21 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     int8_t *q = (int8_t *)work;
     float *d = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3)), *s = d + (size_t)rows * blocks;
     int32_t *qs = (int32_t *)(s + (size_t)rows * blocks);
-    const int narrow = l->kind == KIND_INT8 || l->kind == KIND_Q4_1;
+    float *slo = (float *)(qs + (size_t)rows * blocks);
+    const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T;
     if (narrow)
         for (int r = 0; r < rows; r++)
             quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks,
                         qs + (size_t)r * blocks);
-    LinearJob job = {l, rows, x, q, d, s, qs, y};
+    if (l->kind == KIND_Q8_G16 && l->gmins)
+        for (int r = 0; r < rows; r++)
+            for (int b = 0; b < blocks; b++) {
+                const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
+                int sum = 0;
+                for (int i = 0; i < QBLOCK / 2; i++) sum += qb[i];
+                slo[(size_t)r * blocks + b] = d[(size_t)r * blocks + b] * (float)sum;
+            }
+    LinearJob job = {l, rows, x, q, d, s, qs, slo, y};
     parallel_for(narrow ? (l->n + LANES - 1) / LANES : l->n, threads, linear_chunk, &job);
 }
 

@@ -31,13 +31,15 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11"]
 QBLOCK = 32  # activations are quantized in blocks of this many for the narrow weights
 LANES = 8  # the narrow kernels compute eight output channels at once, their weights interleaved
-KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T = 0, 1, 2, 3
+KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T, KIND_Q4_F32, KIND_Q8_G16 = 0, 1, 2, 3, 4, 5
+G16 = 16  # Q8_G16's group: two per activation block
 
 
 class Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("d", ctypes.c_void_p),
-                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
+                ("gmins", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -174,6 +176,33 @@ class LinearWeights:
         w = _pad_rows(packed).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
         d, m = (_pad_rows(t.half()).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
         return cls._make(KIND_Q4_1, n, k, bias, w=w, d=d, m=m)
+
+    @classmethod
+    def q4_f32(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+               bias: torch.Tensor | None = None) -> LinearWeights:
+        """q4_1's layout with float32 scales and mins (GGUF Q4_K's products, which float16 would round)."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        _check_blocks(k)
+        if scales.shape != (n, k // QBLOCK):
+            raise ValueError(f"q4_f32 needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
+        blocks = k // QBLOCK
+        w = _pad_rows(packed).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
+        d, m = (_pad_rows(t.float()).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
+        return cls._make(KIND_Q4_F32, n, k, bias, w=w, gscales=d, gmins=m)
+
+    @classmethod
+    def q8_g16(cls, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+               bias: torch.Tensor | None = None) -> LinearWeights:
+        """int8 [N, K] with float32 scales (and mins, or None) [N, K / 16]: w = q * scale + min."""
+        n, k = qweight.shape
+        _check_blocks(k)
+        if scales.shape != (n, k // G16) or (mins is not None and mins.shape != scales.shape):
+            raise ValueError(f"q8_g16 needs groups of {G16}: scales {tuple(scales.shape)} for a {n} x {k} weight")
+        w = _pad_rows(qweight).reshape(-1, LANES, k // 4, 4).transpose(1, 2)
+        # [groups, 8 lanes, blocks, 2 halves] -> [groups, blocks, 2 halves, 8 lanes]
+        per_block = {name: _pad_rows(t.float()).reshape(-1, LANES, k // QBLOCK, 2).permute(0, 2, 3, 1)
+                     for name, t in (("gscales", scales), ("gmins", mins)) if t is not None}
+        return cls._make(KIND_Q8_G16, n, k, bias, w=w, **per_block)
 
 
 def _check_blocks(k: int) -> None:

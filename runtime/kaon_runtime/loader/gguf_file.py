@@ -1,10 +1,13 @@
 """GGUF loading: metadata -> ModelConfig, quantized tensors dequantized to HF-named weights.
 
-Q4_1 tensors are also offered as their raw blocks, which int4 quantization takes as they are.
+The layers' quantized tensors are also offered as their raw blocks (GgufCheckpoint.quantized_blocks),
+which the engine keeps quantized (quant/gguf.py repacks them into kaon's layouts).
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +28,27 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+# GGML types that are not quantized blocks: the float ones, read as floats.
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+@dataclass(slots=True)
+class GgufCheckpoint(Checkpoint):
+    """A GGUF file's checkpoint: also the raw blocks of its layers' quantized tensors, each as
+    (HF name, GGML type name, uint8 [rows, bytes per row]), rows in HF order."""
+
+    quantized_blocks: Callable[[], Iterator[tuple[str, str, torch.Tensor]]] | None = None
+    quantized_types: frozenset[str] = frozenset()  # their GGML type names
+
+
 def load_gguf(path: Path) -> Checkpoint:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _checked_reader(gguf)(str(path))
         fields = {name: _field_value(field) for name, field in reader.fields.items()}
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{exc} in {path.name}") from exc
     except Exception as exc:  # the reader raises whatever numpy hits on a broken file
         raise ModelLoadError(f"{path.name} is not a valid GGUF file: {exc}") from exc
     config = model_config_from_gguf(fields, reader.tensors)
@@ -47,22 +65,52 @@ def load_gguf(path: Path) -> Checkpoint:
             try:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             except Exception as exc:
-                raise ModelLoadError(f"cannot dequantize {tensor.name} in {path.name}: {exc}") from exc
+                raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in "
+                                     f"{path.name}: {exc}") from exc
             # A copy: the file is memory-mapped read-only.
             yield name, hf_rows(name, torch.from_numpy(np.array(array, dtype=np.float32)))
 
-    q4_1 = gguf.GGMLQuantizationType.Q4_1
-    block_bytes = gguf.GGML_QUANT_SIZES[q4_1][1]
+    quantized = [t for t in reader.tensors if t.name.startswith("blk.") and t.tensor_type.name not in FLOAT_TYPES
+                 and len(t.shape) == 2]
 
-    def q4_1_blocks():
-        for tensor in reader.tensors:
-            if tensor.tensor_type == q4_1:
-                name = hf_name(tensor.name)
-                blocks = torch.from_numpy(np.array(tensor.data)).view(tensor.data.shape[0], -1, block_bytes)
-                yield name, hf_rows(name, blocks)  # Q/K rows move whole: a block never spans two rows
+    def quantized_blocks():
+        for tensor in quantized:
+            name = hf_name(tensor.name)
+            rows = torch.from_numpy(np.array(tensor.data)).view(tensor.data.shape[0], -1)
+            yield name, tensor.tensor_type.name, hf_rows(name, rows)  # Q/K rows move whole: blocks never span rows
 
-    has_q4_1 = any(t.tensor_type == q4_1 for t in reader.tensors)
-    return Checkpoint(path, config, tokenizer, len(reader.tensors), weights, q4_1_blocks if has_q4_1 else None)
+    def q4_1_blocks():  # Checkpoint's older field, read by engines that predate quantized_blocks
+        for name, type_name, rows in quantized_blocks():
+            if type_name == "Q4_1":
+                yield name, rows.view(rows.shape[0], -1, 20)
+
+    has_q4_1 = any(t.tensor_type.name == "Q4_1" for t in quantized)
+    return GgufCheckpoint(path, config, tokenizer, len(reader.tensors), weights, q4_1_blocks if has_q4_1 else None,
+                          quantized_blocks=quantized_blocks if quantized else None,
+                          quantized_types=frozenset(t.tensor_type.name for t in quantized))
+
+
+def _checked_reader(gguf):
+    """gguf's reader, refusing a tensor of a type it does not know or that the file ends inside of
+    by the tensor's name (gguf's own errors name neither)."""
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name_data, _, dims, raw_type, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    ggml_type = gguf.GGMLQuantizationType(int(raw_type[0]))
+                except ValueError:
+                    raise ModelLoadError(f"tensor {name} has an unknown GGML type {int(raw_type[0])}") from None
+                block, size = gguf.GGML_QUANT_SIZES[ggml_type]
+                end = start_offs + int(offset[0]) + int(np.prod(dims)) * size // block
+                if end > len(self.data):
+                    raise ModelLoadError(f"tensor {name} is truncated: the file ends {end - len(self.data)} bytes "
+                                         "before it does")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
 
 
 def model_config_from_gguf(fields: dict, tensors) -> ModelConfig:

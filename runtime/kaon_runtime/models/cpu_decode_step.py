@@ -103,15 +103,20 @@ def unsupported(config: ModelConfig) -> str | None:
 
 
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
-    """A projection as the C step reads it: float32 nn.Linear, kaon's int8 or its int4 (groups of 32)."""
+    """A projection as the C step reads it: float32 nn.Linear, kaon's int8 (per channel or in groups of
+    16) or its int4 (groups of 32, float16 or float32 scales)."""
     bias = getattr(module, "bias", None)
     if type(module) is nn.Linear:
         return cpu_decode.LinearWeights.f32(module.weight, bias)
     qweight = getattr(module, "qweight", None)
     quantized: Any = module  # quant's linears: their tensors are plain attributes
+    if hasattr(module, "group_scales"):  # int8 in groups of 16 (GGUF's 5/6/8-bit and Q2_K/Q3_K types)
+        return cpu_decode.LinearWeights.q8_g16(quantized.qvalues, quantized.group_scales, quantized.group_mins, bias)
     if qweight is not None and qweight.dtype == torch.int8:
         return cpu_decode.LinearWeights.int8(qweight, quantized.scales, bias)
     if getattr(module, "group_size", None) == cpu_decode.QBLOCK and hasattr(module, "packed"):
+        if quantized.scales.dtype == torch.float32:  # GGUF Q4_K's exact scales
+            return cpu_decode.LinearWeights.q4_f32(quantized.packed, quantized.scales, quantized.mins, bias)
         return cpu_decode.LinearWeights.q4_1(quantized.packed, quantized.scales, quantized.mins, bias)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 

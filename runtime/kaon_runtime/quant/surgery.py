@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kaon_runtime.quant.fp8 import Fp8Linear
+from kaon_runtime.quant.group_int8 import GroupInt8Linear, GroupInt8Weight
 from kaon_runtime.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, Int4Weight
 from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
 
@@ -20,11 +21,12 @@ METHODS = ("int8", "int4", "fp8")
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   prequantized: dict[str, Int4Weight] | None = None) -> list[str]:
+                   prequantized: dict[str, Int4Weight | GroupInt8Weight] | None = None) -> list[str]:
     """Replace every nn.Linear by its `method` twin; return the replaced modules' names.
 
-    int4 takes `prequantized` weights (module name -> Int4Weight, e.g. a GGUF file's own
-    Q4_1 blocks) where given and quantizes the rest from their float weights.
+    `prequantized` weights (module name -> Int4Weight or GroupInt8Weight: a GGUF file's own
+    blocks, repacked by quant/gguf.py) are taken as they are, whatever the method; the rest are
+    quantized from their float weights.
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
@@ -50,13 +52,24 @@ def _quantize_head(model: nn.Module) -> None:
         head.weight_t = None  # untied: the token lookup has its own table, nothing reads the float head now
 
 
-def _quantized(linear: nn.Linear, method: str, group_size: int, given: Int4Weight | None) -> nn.Module:
+def _quantized(linear: nn.Linear, method: str, group_size: int,
+               given: Int4Weight | GroupInt8Weight | None) -> nn.Module:
+    if isinstance(given, GroupInt8Weight):  # a checkpoint's own 5- to 8-bit weights, whatever the method
+        if tuple(given.qweight.shape) != (linear.out_features, linear.in_features):
+            raise ValueError(f"prequantized int8 weight {tuple(given.qweight.shape)} does not fit {linear}")
+        return GroupInt8Linear(given, linear.bias)
+    if isinstance(given, Int4Weight) and method != "int4":
+        return Int4Linear(_fitting(given, linear), linear.bias)
     if method == "int8":
         return Int8Linear.from_linear(linear)
     if method == "fp8":
         return Fp8Linear.from_linear(linear)
     if given is None:
         return Int4Linear.from_linear(linear, group_size)
+    return Int4Linear(_fitting(given, linear), linear.bias)
+
+
+def _fitting(given: Int4Weight, linear: nn.Linear) -> Int4Weight:
     if given.packed.shape[0] != linear.out_features or given.packed.shape[1] * 2 != linear.in_features:
         raise ValueError(f"prequantized int4 weight {tuple(given.packed.shape)} does not fit {linear}")
-    return Int4Linear(given, linear.bias)
+    return given

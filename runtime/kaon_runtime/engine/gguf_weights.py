@@ -1,0 +1,66 @@
+"""A GGUF file's quantized layers kept quantized: which precision the file asks for, and its
+blocks as kaon's weights, fused the way the model fuses its projections.
+
+On CPU a GGUF runs in its own precision unless asked otherwise (`own_method`): int4 for a file
+of 2- to 4-bit types (Q4_0, Q4_K_M's mix with Q6_K, Q2_K...), int8 for one of 5- to 8-bit types
+(Q8_0, Q5_K_M); either way every layer keeps the file's own blocks, repacked exactly. `--dtype
+float32` gives the dequantized float model; `--quantization int4` takes the file's 4-bit layers
+and quantizes the rest, `--quantization int8` re-quantizes everything per channel.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from kaon_runtime.config import EngineConfig
+from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.loader import Checkpoint
+from kaon_runtime.models.weights import target
+from kaon_runtime.quant.gguf import BLOCKS, INT4_TYPES, KaonWeight, concat, repack
+
+NARROW_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K"})  # files of these run "int4"
+
+
+def own_method(config: EngineConfig, checkpoint: Checkpoint, device_type: str) -> str | None:
+    """int4 / int8 when this GGUF's layers stay quantized by default (CPU, no --dtype or
+    --quantization asked), else None."""
+    if device_type != "cpu" or config.dtype != "auto" or config.quantization != "none":
+        return None
+    kept = getattr(checkpoint, "quantized_types", frozenset()) & set(BLOCKS)
+    if not kept:
+        return None
+    return "int4" if kept & NARROW_TYPES else "int8"
+
+
+def gguf_prequantized(checkpoint: Checkpoint, device: torch.device, int4_only: bool = False) -> dict[str, KaonWeight]:
+    """Module name -> the file's own weight for every projection whose parts are all kept types
+    (q|k|v and gate|up fused; parts in different types meet in the group-int8 layout); with
+    int4_only, those that are int4 (for --quantization int4)."""
+    blocks = getattr(checkpoint, "quantized_blocks", None)
+    if blocks is None:
+        return {}
+    parts: defaultdict[str, dict] = defaultdict(dict)
+    for name, type_name, data in blocks():
+        if type_name not in BLOCKS or (int4_only and type_name not in INT4_TYPES):
+            continue  # another type (an IQ quant): dequantized, then quantized by the method asked
+        try:
+            weight = repack(type_name, data)
+        except ValueError as exc:
+            raise ModelLoadError(f"{checkpoint.path.name}: tensor {name}: {exc}") from exc
+        param, part = target(name)
+        parts[param][part] = weight
+    given = {}
+    for param, shards in parts.items():
+        wanted = [0, 1, 2] if "qkv_proj" in param else [0, 1] if "gate_up_proj" in param else [None]
+        if set(shards) == set(wanted):
+            given[param.removesuffix(".weight")] = _to(concat([shards[s] for s in wanted]), device)
+    return given
+
+
+def _to(weight: KaonWeight, device: torch.device) -> KaonWeight:
+    for field in weight.__slots__:  # type: ignore[union-attr]
+        value = getattr(weight, field)
+        if isinstance(value, torch.Tensor):
+            setattr(weight, field, value.to(device))
+    return weight

@@ -1,0 +1,97 @@
+"""GGUF quantized types kept quantized: each type's blocks repacked into kaon's layouts
+(quant/gguf.py) dequantize to exactly what the gguf package's own dequantizer gives, and the
+fused CPU kernels read the new layouts (Q4_F32, Q8_G16) as torch computes them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.kernels.quant_gemm_ref import dequantize_int4, quantize_activations_ref
+from kaon_runtime.quant import gguf as gguf_quant
+from kaon_runtime.quant.group_int8 import GroupInt8Linear, GroupInt8Weight, dequantize_group_int8
+from kaon_runtime.quant.int4 import Int4Weight
+
+gguf = pytest.importorskip("gguf")
+
+TYPES = list(gguf_quant.BLOCKS)
+# Where each K-quant keeps its float16 super-block scales (d, and dmin where it has one).
+_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def gguf_blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, bytes per row] of `type_name`: quantized by gguf where it can, else blocks to
+    the published layout (random bits, finite float16 super-block scales)."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name not in _F16_FIELDS:
+        return np.asarray(gguf.quants.quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, qtype))
+    elements, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, k // elements, size), dtype=np.uint8)
+    for at in _F16_FIELDS[type_name]:
+        scale = (rng.random((rows, k // elements)) * 0.01 + 1e-4).astype(np.float16)
+        blocks[..., at:at + 2] = scale[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def dequantized(weight) -> torch.Tensor:
+    if isinstance(weight, Int4Weight):
+        return dequantize_int4(weight.packed, weight.scales, weight.mins, weight.group_size)
+    return dequantize_group_int8(weight)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_repacked_weights_dequantize_as_gguf_does(type_name):
+    raw = gguf_blocks(type_name, rows=24, k=512)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32))
+    weight = gguf_quant.repack(type_name, raw)
+    assert isinstance(weight, Int4Weight) == (type_name in gguf_quant.INT4_TYPES)
+    assert torch.equal(dequantized(weight), expected)
+
+
+def test_mixed_parts_widen_to_group_int8_exactly():
+    parts = [gguf_quant.repack(t, gguf_blocks(t, 16, 256, seed=i)) for i, t in enumerate(["Q4_K", "Q4_0", "Q6_K"])]
+    fused = gguf_quant.concat(parts)
+    assert isinstance(fused, GroupInt8Weight)
+    assert torch.equal(dequantized(fused), torch.cat([dequantized(p) for p in parts]))
+    int4 = gguf_quant.concat(parts[:2])  # float32 and float16 scales: one int4 weight, float32
+    assert isinstance(int4, Int4Weight) and int4.scales.dtype == torch.float32
+    assert torch.equal(dequantized(int4), torch.cat([dequantized(p) for p in parts[:2]]))
+
+
+def test_unknown_type_and_torn_rows_are_refused():
+    with pytest.raises(ValueError, match="IQ2_XS"):
+        gguf_quant.repack("IQ2_XS", np.zeros((2, 66), np.uint8))
+    with pytest.raises(ValueError, match="34-byte blocks"):
+        gguf_quant.repack("Q8_0", np.zeros((2, 50), np.uint8))
+
+
+needs_c = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler for the fused CPU kernels")
+
+
+@needs_c
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "Q5_1", "Q6_K", "Q2_K"])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_fused_kernels_read_the_new_layouts(type_name, rows):
+    """The C kernel multiplies int8-quantized activations: it must equal torch doing the same, in float32."""
+    n, k = 20, 256  # n not a multiple of the 8 lanes
+    weight = gguf_quant.repack(type_name, gguf_blocks(type_name, n, k, seed=3))
+    if isinstance(weight, Int4Weight):
+        fused = cpu_decode.LinearWeights.q4_f32(weight.packed, weight.scales, weight.mins)
+    else:
+        fused = cpu_decode.LinearWeights.q8_g16(weight.qweight, weight.scales, weight.mins)
+    x = torch.randn(rows, k)
+    expected = quantize_activations_ref(x) @ dequantized(weight).double().t().float()
+    torch.testing.assert_close(cpu_decode.linear(fused, x), expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_c
+def test_group_int8_linear_on_cpu_matches_its_float_weight():
+    weight = gguf_quant.repack("Q5_1", gguf_blocks("Q5_1", 32, 128))
+    layer = GroupInt8Linear(weight, torch.randn(32))
+    reference = torch.nn.Linear(128, 32)
+    reference.weight.data, reference.bias.data = dequantized(weight), layer.bias.data
+    for rows in (1, 200):  # the C kernel, then the dense GEMM
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(layer(x), reference(x), rtol=2e-2, atol=2e-2)
