@@ -242,6 +242,11 @@ def test_default_kernels_serve_a_gptq_directory(gptq_dir):
     llm, tokens = _generate(gptq_dir)
     assert isinstance(_linear(llm), Int4Linear)
     assert all(len(t) == TOKENS for t in tokens)
+    # No float copy of a quantized layer: 2 layers x (256 x 512 + 256 x 256 + 256 x 1024 + 512 x 256) weights,
+    # 4 bits each plus a float16 scale and a float32 offset per 64, beside the float embedding and head.
+    layers = 2 * 256 * (512 + 256 + 1024 + 512)
+    float_rest = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    assert llm.engine.runner.weight_bytes - float_rest == layers // 2 + layers // 64 * 6
 
 
 @pytest.mark.parametrize(("kernel", "close"), [("triton", dict(atol=1e-4, rtol=1e-5)),
