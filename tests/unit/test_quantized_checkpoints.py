@@ -243,16 +243,16 @@ def test_default_kernels_serve_a_gptq_directory(gptq_dir):
     assert isinstance(_linear(llm), Int4Linear)
     assert all(len(t) == TOKENS for t in tokens)
     # No float copy of a quantized layer: 2 layers x (256 x 512 + 256 x 256 + 256 x 1024 + 512 x 256) weights,
-    # 4 bits each plus a float16 scale and a float32 offset per 64, beside the float embedding and head.
+    # 4 bits each plus a float32 scale and offset per 64, beside the float embedding and head.
     layers = 2 * 256 * (512 + 256 + 1024 + 512)
     float_rest = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    assert llm.engine.runner.weight_bytes - float_rest == layers // 2 + layers // 64 * 6
+    assert llm.engine.runner.weight_bytes - float_rest == layers // 2 + layers // 64 * 8
 
 
 @pytest.mark.parametrize(("kernel", "close"), [("triton", dict(atol=1e-4, rtol=1e-5)),
                                                ("cpu", dict(atol=1e-1, rtol=2e-2))])
 def test_converted_weights_run_on_kaons_int4_kernels(kernel, close, monkeypatch):  # cpu: bfloat16 scales, zeros
-    """Zero points become kaon's per-group mins (float32 beside float16 scales): its Triton kernel
+    """Zero points become kaon's per-group mins (float32, as the scales): its Triton kernel
     (interpreted without a GPU) and torch's CPU int4 kernel read them as they are."""
     scheme = scheme_from_config(dict(quant_method="gptq", bits=4, group_size=32, sym=False))
     q, zeros, scales, g_idx = np_quantize(np.random.default_rng(4).normal(size=(64, 128)), 4, 32, False)

@@ -130,9 +130,10 @@ def grouped_weight(name: str, q: torch.Tensor, scales: torch.Tensor, zeros: torc
         perm = _act_order(name, g_idx, k, group_size, groups)
         if perm is not None:
             q = q[:, perm]
-    # float32 for the offsets: -zero * scale is exact there for float16 / bfloat16 scales.
-    scale = scales if scales.dtype == torch.float16 else scales.float()
-    mins = -zeros.float() * scales.float()
+    # float32 offsets: -zero * scale is exact there for float16 / bfloat16 scales; float32 scales beside
+    # them, so the fused CPU step reads both as they are (its Q4_F32 kind) instead of rounding to float16.
+    scale = scales.float()
+    mins = -zeros.float() * scale
     if bits == 4:
         if group_size == k:  # one scale per row: kernels take groups, so repeat it over groups of 128 (or 32)
             group_size = 128 if k % 128 == 0 else 32 if k % 32 == 0 else k
