@@ -35,26 +35,30 @@ def quantized_blocks(gguf, type_name: str, rows: int, k: int, rng: np.random.Gen
 
 
 def write_tiny_gguf(path: Path, source: Path, type_name: str, seed: int = 0,
-                    truncate_last: bool = False) -> Path:
+                    truncate_last: bool = False, arch: str = "llama") -> Path:
     """A small Llama whose projections are `type_name` (or a MIXES name: types per layer), norms float32 and
     token embedding float16, tokenizer copied from `source`; truncate_last cuts the file inside
-    its last tensor."""
+    its last tensor. arch "qwen3" adds its q/k norms."""
     import gguf
 
     rng = np.random.default_rng(seed)
+    # transformers reads no head size from a qwen3 GGUF and takes its default, 128
+    heads, kv_heads = (2, 1) if arch == "qwen3" else (HEADS, KV_HEADS)
     plan = MIXES.get(type_name, [(type_name, {})] * LAYERS)
     reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     writer.add_block_count(len(plan))
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTERMEDIATE)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
+    writer.add_key_length(HIDDEN // heads)
+    writer.add_value_length(HIDDEN // heads)
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
@@ -68,13 +72,17 @@ def write_tiny_gguf(path: Path, source: Path, type_name: str, seed: int = 0,
 
     writer.add_tensor("token_embd.weight", (rng.standard_normal((vocab, HIDDEN)) * 0.5).astype(np.float16))
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    head_dim = HIDDEN // HEADS
+    head_dim = HIDDEN // heads
     for i in range(len(plan)):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        if arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                weight = (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32)
+                writer.add_tensor(f"blk.{i}.{norm}.weight", weight)
         linear(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
-        linear(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        linear(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        linear(f"blk.{i}.attn_k.weight", kv_heads * head_dim, HIDDEN)
+        linear(f"blk.{i}.attn_v.weight", kv_heads * head_dim, HIDDEN)
         linear(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
         linear(f"blk.{i}.ffn_gate.weight", INTERMEDIATE, HIDDEN)
         linear(f"blk.{i}.ffn_up.weight", INTERMEDIATE, HIDDEN)

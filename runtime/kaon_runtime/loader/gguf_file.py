@@ -18,11 +18,15 @@ from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.loader.checkpoint import Checkpoint
 from kaon_runtime.loader.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")  # GGUF files (general.architecture) kaon reads
+# GGUF files (general.architecture) kaon reads. Not yet: gemma2 (llama.cpp stores its norms with
+# the +1 folded in, and its soft-capping and windows in metadata), phi3 (fused qkv and gate|up,
+# LongRoPE factor tensors), mixtral and qwen3moe (experts merged into 3-D tensors).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -144,6 +148,7 @@ def model_config_from_gguf(fields: dict, tensors) -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )
 
 
