@@ -171,7 +171,7 @@ def test_lora_on_an_int8_projection_adds_to_the_dequantized_weight():
     torch.manual_seed(0)
     dense = nn.Linear(64, 48, bias=False)
     qweight, scales = quantize_int8(dense.weight.detach())
-    batch = LoraBatch(ranks=[4])
+    batch = LoraBatch()
     lora = LoraLinear(Int8Linear(qweight, scales), 64, [48], 1, 8, batch, torch.float32, torch.device("cpu"))
     a, b = torch.randn(4, 64), torch.randn(48, 4)
     lora.load_slot(0, 0, a, b)

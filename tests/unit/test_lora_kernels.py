@@ -17,7 +17,7 @@ SLOTS = [2, -1, 0, 0, 2, -1, 1, 0]
 def _pool(num_slots, rank, fan_in, fan_out, dtype=torch.float32):
     torch.manual_seed(0)
     a = torch.randn(num_slots, rank, fan_in, device=DEVICE).to(dtype)
-    b = torch.randn(num_slots, fan_out, rank, device=DEVICE).to(dtype)
+    b = torch.randn(num_slots, rank, fan_out, device=DEVICE).to(dtype)
     return a, b
 
 
@@ -42,27 +42,34 @@ def test_triton_shrink_and_expand_match_the_reference(dtype, rank, fan_in, fan_o
 
 
 def test_cpu_lora_linear_matches_the_reference_on_a_fused_projection():
-    """Grouped by slot with each adapter's own rank (smaller than the pool's), per part of q|k|v."""
+    """Grouped by slot, the parts of q|k|v stacked in one A and a block-diagonal B, adapters of ranks below
+    the pool's; against the per-part reference, and against each adapter's own A and B."""
     torch.manual_seed(1)
     fan_in, parts, num_slots, max_rank = 32, [16, 8, 8], 3, 8
     base = nn.Linear(fan_in, sum(parts), bias=False)
-    batch = LoraBatch(ranks=[0] * num_slots)
+    batch = LoraBatch()
     lora = LoraLinear(base, fan_in, parts, num_slots, max_rank, batch, torch.float32, torch.device("cpu"))
-    ranks = [4, 8, 2]
-    for slot, rank in enumerate(ranks):
+    given = {}
+    for slot, rank in enumerate([4, 8, 2]):
         for part, size in enumerate(parts):
             if (slot, part) != (2, 1):  # one adapter leaves k alone
-                lora.load_slot(slot, part, torch.randn(rank, fan_in), torch.randn(size, rank))
-        batch.ranks[slot] = rank
+                given[slot, part] = torch.randn(rank, fan_in), torch.randn(size, rank)
+                lora.load_slot(slot, part, *given[slot, part])
     x = torch.randn(len(SLOTS), fan_in)
     batch.set(SLOTS, torch.device("cpu"))
     got = lora(x)
-    expected = base(x)
+    expected, direct = base(x), base(x)
     slots = torch.tensor(SLOTS)
     for part, (offset, size) in enumerate(zip(lora.offsets, parts)):
-        lora_expand_ref(expected[:, offset:offset + size], lora_shrink_ref(x, lora.a[part], slots), lora.b[part],
-                        slots)
+        a, b = lora.part_weights(part)
+        lora_expand_ref(expected[:, offset:offset + size], lora_shrink_ref(x, a, slots), b, slots)
+    for row, slot in enumerate(SLOTS):
+        for part, (offset, size) in enumerate(zip(lora.offsets, parts)):
+            if (slot, part) in given:
+                a, b = given[slot, part]
+                direct[row, offset:offset + size] += b @ (a @ x[row])
     torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got, direct, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got, base(x))
     batch.set([-1] * len(SLOTS), torch.device("cpu"))
     assert not batch.active

@@ -118,6 +118,5 @@ class LoraPool:
         for key, (module, part) in self.targets.items():
             ab = adapter.weights.get(key)
             module.load_slot(slot, part, *(ab if ab is not None else (None, None)))
-        self.batch.ranks[slot] = adapter.rank
         self.num_loads += 1
 

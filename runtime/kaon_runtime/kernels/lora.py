@@ -1,5 +1,5 @@
 """Triton kernels of batched LoRA, one adapter slot per token (Punica's BGMV shape): shrink
-x @ A[slot].T into a rank-wide buffer, then expand it by B[slot].T into the projection's output.
+x @ A[slot].T into a rank-wide buffer, then expand it by B[slot] into the projection's output.
 Reference: kernels.lora_ref (the layouts are described there).
 
 Each program reads its token's slot and loads only that adapter's weights, so any mix of
@@ -34,7 +34,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, fan_in, rank, stride_x, str
 
 
 @triton.jit
-def _expand_kernel(y_ptr, shrunk_ptr, b_ptr, slots_ptr, fan_out, rank, stride_y, stride_shrunk, stride_bs, stride_bn,
+def _expand_kernel(y_ptr, shrunk_ptr, b_ptr, slots_ptr, fan_out, rank, stride_y, stride_shrunk, stride_bs, stride_br,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     token, block = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + token)
@@ -43,7 +43,7 @@ def _expand_kernel(y_ptr, shrunk_ptr, b_ptr, slots_ptr, fan_out, rank, stride_y,
     r = tl.arange(0, BLOCK_R)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.load(shrunk_ptr + token * stride_shrunk + r, mask=r < rank, other=0.0)
-    b = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
+    b = tl.load(b_ptr + slot * stride_bs + r[None, :] * stride_br + n[:, None],
                 mask=(n[:, None] < fan_out) & (r[None, :] < rank), other=0.0).to(tl.float32)
     added = tl.sum(b * s[None, :], axis=1)
     y = tl.load(y_ptr + token * stride_y + n, mask=n < fan_out, other=0.0).to(tl.float32)
@@ -64,9 +64,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
 
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """y [T, out] += shrunk [T, R] @ B[slot].T with B [S, out, R], in place (y may be a column slice)."""
+    """y [T, out] += shrunk [T, R] @ B[slot] with B [S, R, out], in place (y and B may be column slices)."""
     tokens, fan_out = y.shape
-    _, b_out, rank = b.shape
+    _, rank, b_out = b.shape
     assert b_out == fan_out and shrunk.shape == (tokens, rank) and slots.shape == (tokens,), "y, B and slots disagree"
     assert y.stride(1) == 1 and b.stride(2) == 1 and shrunk.stride(1) == 1, "rows must be contiguous"
     if tokens:

@@ -1,8 +1,8 @@
 """Pure-torch reference of the batched LoRA kernels (kernels.lora): one adapter slot per token, gathered.
 
 Slots hold every adapter's weights in one stacked tensor, rank padded with zeros to the pool's
-max rank: A [S, R, in] and B [S, out, R] (the scaling folded into B). A token's slot -1 is the
-base model: it gets nothing added.
+max rank: A [S, R, in] and B [S, R, out] (the scaling folded into B; both row-major in their
+last dimension, as x and y are). A token's slot -1 is the base model: it gets nothing added.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> to
 
 
 def lora_expand_ref(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """y [T, out] += shrunk [T, R] @ B[slot].T for each token with a slot, in place."""
+    """y [T, out] += shrunk [T, R] @ B[slot] for each token with a slot, in place."""
     rows = slots >= 0
-    added = torch.einsum("tr,tor->to", shrunk[rows].float(), b[slots[rows]].float())
+    added = torch.einsum("tr,tro->to", shrunk[rows].float(), b[slots[rows]].float())
     y[rows] = (y[rows].float() + added).to(y.dtype)

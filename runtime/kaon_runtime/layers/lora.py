@@ -1,14 +1,16 @@
-"""Batched LoRA on a projection: y = base(x) + (x @ A[slot].T) @ B[slot].T for each token's adapter slot.
+"""Batched LoRA on a projection: y = base(x) + (x @ A[slot].T) @ B[slot] for each token's adapter slot.
 
 A LoraLinear wraps a projection after its weights are loaded (and quantized: the base may be any
-linear module) and holds a fixed pool of slots, one adapter's A and B each, rank padded with
-zeros to the pool's max rank. A fused projection (q|k|v, gate|up) has one A and B per part,
-each adding into its own columns. Every LoraLinear of a model reads the same LoraBatch, which
-the runner sets before each step: which slot each token uses (-1: the base model).
+linear module) and holds a fixed pool of slots, one adapter each, rank padded with zeros to the
+pool's max rank R. A fused projection (q|k|v, gate|up) has P parts, each with its own A and B:
+a slot stacks the parts' A along the rank, A [S, P*R, in], and their B block-diagonally,
+B [S, P*R, out] (part i's rows add only into its own columns), so one adapter on a fused
+projection is two matmuls. Every LoraLinear of a model reads the same LoraBatch, which the
+runner sets before each step: which slot each token uses (-1: the base model).
 
-On CUDA the Triton kernels (kernels.lora) take every token in one launch per part, whatever
-the mix of adapters; elsewhere the tokens are grouped by slot (the runner does it once per
-step) and each group is two small matmuls, with the adapter's own rank rather than the pool's.
+On CUDA the Triton kernels (kernels.lora) take every token in one launch per part, whatever the
+mix of adapters; elsewhere the tokens are grouped by slot (the runner does it once per step),
+two matmuls and one scatter-add per adapter in the step.
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ class LoraBatch:
 
     slots: torch.Tensor | None = None  # [T] long, -1 for base tokens
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)  # slot, its rows (None: all)
-    ranks: list[int] = field(default_factory=list)  # per slot, its adapter's rank (0: empty)
 
     @property
     def active(self) -> bool:
@@ -50,21 +51,27 @@ class LoraLinear(nn.Module):
                  batch: LoraBatch, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.base, self.batch = base, batch
+        self.parts, self.rank = parts, max_rank
         self.offsets = [sum(parts[:i]) for i in range(len(parts))]
-        self.parts = parts
         # Plain attributes, not buffers: the slots are no part of the model's weights or state dict.
-        self.a = [torch.zeros(num_slots, max_rank, fan_in, dtype=dtype, device=device) for _ in parts]
-        self.b = [torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device) for size in parts]
+        self.a = torch.zeros(num_slots, len(parts) * max_rank, fan_in, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, len(parts) * max_rank, sum(parts), dtype=dtype, device=device)
 
     @torch.no_grad()
     def load_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put one part's A [r, in] and B [out, r] in a slot (None: the adapter leaves this part alone)."""
-        self.a[part][slot].zero_()
-        self.b[part][slot].zero_()
+        ranks = slice(part * self.rank, (part + 1) * self.rank)
+        self.a[slot, ranks].zero_()
+        self.b[slot, ranks].zero_()
         if a is not None and b is not None:
-            rank = a.shape[0]
-            self.a[part][slot, :rank].copy_(a)
-            self.b[part][slot, :, :rank].copy_(b)
+            rank, offset = a.shape[0], self.offsets[part]
+            self.a[slot, part * self.rank:part * self.rank + rank].copy_(a)
+            self.b[slot, part * self.rank:part * self.rank + rank, offset:offset + self.parts[part]].copy_(b.T)
+
+    def part_weights(self, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One part's A [S, R, in] and B [S, R, out_part]: views of the slots, as kernels.lora takes them."""
+        ranks, offset = slice(part * self.rank, (part + 1) * self.rank), self.offsets[part]
+        return self.a[:, ranks], self.b[:, ranks, offset:offset + self.parts[part]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -73,17 +80,13 @@ class LoraLinear(nn.Module):
             return y
         if x.is_cuda:
             from kaon_runtime.kernels.lora import lora_expand, lora_shrink  # CPU-only torch builds lack Triton
-            for a, b, offset, size in zip(self.a, self.b, self.offsets, self.parts):
+            for part, (offset, size) in enumerate(zip(self.offsets, self.parts)):
+                a, b = self.part_weights(part)
                 lora_expand(y[:, offset:offset + size], lora_shrink(x, a, batch.slots), b, batch.slots)
             return y
         for slot, rows in batch.groups:
-            rank = batch.ranks[slot]
-            xs = x if rows is None else x[rows]
-            for a, b, offset, size in zip(self.a, self.b, self.offsets, self.parts):
-                delta = (xs @ a[slot, :rank].T) @ b[slot, :, :rank].T
-                out = y[:, offset:offset + size]
-                if rows is None:
-                    out += delta
-                else:
-                    out.index_add_(0, rows, delta)
+            if rows is None:
+                y += (x @ self.a[slot].T) @ self.b[slot]
+            else:
+                y.index_add_(0, rows, (x[rows] @ self.a[slot].T) @ self.b[slot])
         return y

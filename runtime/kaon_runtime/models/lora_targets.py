@@ -27,7 +27,7 @@ def attach_lora(model: DecoderForCausalLM, num_slots: int, max_rank: int, dtype:
     shapes = {"qkv_proj": (c.hidden_size, [q, kv, kv]), "o_proj": (q, [c.hidden_size]),
               "gate_up_proj": (c.hidden_size, [c.intermediate_size] * 2),
               "down_proj": (c.intermediate_size, [c.hidden_size])}
-    batch = LoraBatch(ranks=[0] * num_slots)
+    batch = LoraBatch()
     targets = {}
     for i, layer in enumerate(model.model.decoder_layers()):
         wrapped = {}
