@@ -27,7 +27,7 @@ def own_method(config: EngineConfig, checkpoint: Checkpoint, device_type: str) -
     --quantization asked), else None."""
     if device_type != "cpu" or config.dtype != "auto" or config.quantization != "none":
         return None
-    kept = getattr(checkpoint, "quantized_types", frozenset()) & set(BLOCKS)
+    kept: frozenset[str] = getattr(checkpoint, "quantized_types", frozenset()) & set(BLOCKS)
     if not kept:
         return None
     return "int4" if kept & NARROW_TYPES else "int8"
@@ -42,7 +42,9 @@ def gguf_prequantized(checkpoint: Checkpoint, device: torch.device, int4_only: b
         return {}
     parts: defaultdict[str, dict] = defaultdict(dict)
     for name, type_name, data in blocks():
-        if type_name not in BLOCKS or (int4_only and type_name not in INT4_TYPES):
+        # Off the CPU, int4 takes the float16-scaled types only (the GPU kernels are tested with those).
+        int4_types = INT4_TYPES if device.type == "cpu" else ("Q4_0", "Q4_1")
+        if type_name not in BLOCKS or (int4_only and type_name not in int4_types):
             continue  # another type (an IQ quant): dequantized, then quantized by the method asked
         try:
             weight = repack(type_name, data)
@@ -59,7 +61,7 @@ def gguf_prequantized(checkpoint: Checkpoint, device: torch.device, int4_only: b
 
 
 def _to(weight: KaonWeight, device: torch.device) -> KaonWeight:
-    for field in weight.__slots__:  # type: ignore[union-attr]
+    for field in weight.__slots__:
         value = getattr(weight, field)
         if isinstance(value, torch.Tensor):
             setattr(weight, field, value.to(device))

@@ -16,6 +16,8 @@ A block's layout is ggml's (ggml-common.h); the element order inside each is wri
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -110,8 +112,8 @@ def _group_int8(values: np.ndarray, scales: np.ndarray, mins: np.ndarray | None)
     k = q.shape[1]
 
     def per16(t: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32).reshape(rows, -1))
-        return t.repeat_interleave(k // GROUP_SIZE // t.shape[1], dim=1)
+        groups = torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32).reshape(rows, -1))
+        return groups.repeat_interleave(k // GROUP_SIZE // groups.shape[1], dim=1)
 
     return GroupInt8Weight(q, per16(scales), None if mins is None else per16(mins))
 
@@ -216,5 +218,6 @@ def _q3_k(b: np.ndarray) -> GroupInt8Weight:
     return _group_int8(values, _f16(b[..., 108:110])[..., None] * sc.astype(np.float32), None)
 
 
-_REPACKS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k,
-            "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_REPACKS: dict[str, Callable[[np.ndarray], KaonWeight]] = {
+    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
