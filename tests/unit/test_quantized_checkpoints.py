@@ -86,6 +86,10 @@ def _generate(path, **kwargs) -> tuple[LLM, list[list[int]]]:
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _linear(llm: LLM):
     return llm.engine.runner.model.model.layers[0].mlp.gate_up_proj
 
@@ -204,8 +208,7 @@ def test_a_tensor_parallel_shard_that_splits_a_group_is_refused():
 @pytest.fixture(scope="module")
 def gptq_dir(tmp_path_factory, gguf_path):
     path = tmp_path_factory.mktemp("gptq")
-    write_packed_dir(path, gguf_path, "gptq", 4, 64, sym=True)
-    return path
+    return path, write_packed_dir(path, gguf_path, "gptq", 4, 64, sym=True)
 
 
 def _copy_dir(src, dst):
@@ -214,11 +217,13 @@ def _copy_dir(src, dst):
 
 
 def test_quantization_flag_must_match_the_checkpoint(gptq_dir):
+    gptq_dir, _ = gptq_dir
     with pytest.raises(ModelLoadError, match=r"already quantized \(GPTQ 4-bit.*--quantization fp8 does not match"):
         LLM(str(gptq_dir), show_progress=False, device="cpu", quantization="fp8")
 
 
 def test_a_truncated_tensor_in_a_directory_fails_at_load_naming_it(gptq_dir, tmp_path):
+    gptq_dir, _ = gptq_dir
     from safetensors.torch import load_file, save_file
 
     path = _copy_dir(gptq_dir, tmp_path / "bad")
@@ -231,6 +236,7 @@ def test_a_truncated_tensor_in_a_directory_fails_at_load_naming_it(gptq_dir, tmp
 
 
 def test_unknown_quant_method_in_a_directory_fails_at_load(gptq_dir, tmp_path):
+    gptq_dir, _ = gptq_dir
     path = _copy_dir(gptq_dir, tmp_path / "unknown")
     update_config(path, quantization_config={"quant_method": "hqq"})
     with pytest.raises(ModelLoadError, match="quant_method 'hqq' is not supported"):
@@ -238,15 +244,22 @@ def test_unknown_quant_method_in_a_directory_fails_at_load(gptq_dir, tmp_path):
 
 
 def test_default_kernels_serve_a_gptq_directory(gptq_dir):
-    """The CPU's own int4 kernels (and the fused step where it reads the weights) run the same checkpoint."""
-    llm, tokens = _generate(gptq_dir)
+    """The fused CPU step runs a checkpoint in groups of 64 (split into its groups of 32); it quantizes
+    activations to int8 blocks, so its tokens are compared with the float reference's as a common prefix."""
+    path, reference = gptq_dir
+    llm, tokens = _generate(path)
+    assert llm.engine.runner.kernels.cpu_decode
     assert isinstance(_linear(llm), Int4Linear)
-    assert all(len(t) == TOKENS for t in tokens)
+    # Measured: the first prompt agrees on all 10 tokens, the second on 2 (a near tie that torch's own
+    # int4 CPU kernel, bfloat16 activations, resolves the same way as the fused step).
+    common = [_common_prefix(got, greedy(reference, prompt, TOKENS)) for prompt, got in zip(PROMPTS, tokens)]
+    assert sum(common) >= TOKENS, common
     # No float copy of a quantized layer: 2 layers x (256 x 512 + 256 x 256 + 256 x 1024 + 512 x 256) weights,
-    # 4 bits each plus a float32 scale and offset per 64, beside the float embedding and head.
+    # 4 bits each plus a float32 scale and offset per 32 (groups of 64 split for the fused CPU step), beside
+    # the float embedding and head.
     layers = 2 * 256 * (512 + 256 + 1024 + 512)
     float_rest = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    assert llm.engine.runner.weight_bytes - float_rest == layers // 2 + layers // 64 * 8
+    assert llm.engine.runner.weight_bytes - float_rest == layers // 2 + layers // 32 * 8
 
 
 @pytest.mark.parametrize(("kernel", "close"), [("triton", dict(atol=1e-4, rtol=1e-5)),
@@ -281,6 +294,7 @@ def test_fetch_takes_the_files_a_quantized_checkpoint_needs():
 
 
 def test_a_quantize_config_json_is_read_as_gptq(gptq_dir, tmp_path):
+    gptq_dir, _ = gptq_dir
     path = _copy_dir(gptq_dir, tmp_path / "old")
     config = json.loads((path / "config.json").read_text())
     quant = config.pop("quantization_config")

@@ -67,15 +67,18 @@ def awq_scheme(config: dict) -> CheckpointScheme:
         return grouped_weight(name, unpack_awq(qweight).t(), scales.t(), unpack_awq(qzeros).t(), 4)
 
     return CheckpointScheme(description=f"AWQ GEMM 4-bit, groups of {group_size}", method="int4",
-                            cpu_fused=group_size == 32, markers=_MARKERS, suffixes=_SUFFIXES - {"g_idx"},
+                            cpu_fused=group_size % 32 == 0, markers=_MARKERS, suffixes=_SUFFIXES - {"g_idx"},
                             ignored=frozenset(), convert=convert)
 
 
 def _fused(bits: int, group_size: int, act_order: bool, config: dict) -> bool:
-    """The fused CPU step reads kaon's int4 in groups of 32 and its symmetric per-channel int8."""
+    """The fused CPU step reads kaon's int4 in groups of 32 (wider groups are split on CPU) and its
+    symmetric per-channel int8."""
     if act_order:
         return False
-    return group_size == 32 if bits == 4 else group_size == -1 and bool(config.get("sym", True))
+    if bits == 4:
+        return group_size == -1 or group_size % 32 == 0
+    return group_size == -1 and bool(config.get("sym", True))
 
 
 def _check_groups(name: str, k: int, group_size: int) -> int:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from kaon_runtime.errors import ModelDoesNotFitError
-from kaon_runtime.kernels.quant_gemm_ref import pack_int4
+from kaon_runtime.kernels.cpu_decode import QBLOCK
+from kaon_runtime.kernels.quant_gemm_ref import pack_int4, unpack_int4
 from kaon_runtime.quant.fp8 import Fp8Linear
 from kaon_runtime.quant.fp8_block import Fp8BlockLinear
 from kaon_runtime.quant.grouped_int8 import GroupedInt8Linear
@@ -68,7 +69,8 @@ class LoadedWeight:
         t = {key: tensor.to(device).contiguous() for key, tensor in self.tensors.items()}
         module: nn.Module
         if self.kind == "int4":
-            module = Int4Linear(Int4Weight(t["packed"], t["scales"], t["mins"], self.group_size), bias)
+            weight = Int4Weight(t["packed"], t["scales"], t["mins"], self.group_size)
+            module = Int4Linear(_groups_of_32(weight) if device.type == "cpu" else weight, bias)
         elif self.kind == "int8":
             module = Int8Linear(t["qweight"], t["scales"], bias)
         elif self.kind == "int8_grouped":
@@ -78,6 +80,18 @@ class LoadedWeight:
         else:
             module = Fp8BlockLinear(t["qweight"], t["scales"], (self.block_rows, self.group_size), bias)
         return module if self.perm is None else InputPermutedLinear(module, self.perm.to(device))
+
+
+def _groups_of_32(weight: Int4Weight) -> Int4Weight:
+    """Wider int4 groups as groups of 32, their scale and offset repeated: the fused CPU step reads only
+    those (a quarter more memory for groups of 128, for its speed); the values are the same."""
+    size = weight.group_size
+    if size <= QBLOCK or size % QBLOCK:
+        return weight
+    q = unpack_int4(weight.packed, size)
+    repeat = size // QBLOCK
+    return Int4Weight(pack_int4(q, QBLOCK), weight.scales.repeat_interleave(repeat, 1),
+                      weight.mins.repeat_interleave(repeat, 1), QBLOCK)
 
 
 def concat_rows(parts: list[LoadedWeight], name: str) -> LoadedWeight:
