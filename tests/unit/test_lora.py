@@ -221,3 +221,20 @@ def test_int8_base_with_adapters_matches_the_dequantized_reference(family, monke
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, adapter=NAMES)]
     cpu_decode.library.cache_clear()  # the next test builds it again
     assert got == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_with_adapters_keeps_each_adapters_greedy_tokens(family, method):
+    """The drafter (prompt lookup, or a draft model: here the base itself) runs without adapters; the
+    target verifies with each sequence's adapter, so the tokens stay those of the merged model."""
+    from kaon_runtime import LLM
+    root, dirs, expected = family
+    draft = dict(speculative_draft_model=str(root / "base")) if method == "draft" else {}
+    llm = LLM(str(root / "base"), show_progress=False, device="cpu", dtype="float32", adapters=dirs,
+              speculative_method=method, num_speculative_tokens=3, **draft)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, adapter=NAMES)]
+    assert got == expected
+    if method == "draft":  # prompt lookup finds nothing to propose in these prompts
+        assert llm.engine.stats().spec_draft_tokens > 0

@@ -43,9 +43,10 @@ class DraftModelDrafter:
                 f"tokens, the target {target.model_config.vocab_size}: they must share a tokenizer")
         # As many blocks as the target: the draft caches the same tokens, at its own smaller size each.
         # It runs whole, in rank 0's process, whatever the target's tensor parallelism.
+        # The draft runs the base model for every sequence, with or without a LoRA adapter.
         draft_config = replace(config, model=config.speculative_draft_model, quantization="none",
                                num_kv_blocks=num_blocks, speculative_method="none",
-                               speculative_draft_model=None, tensor_parallel_size=1)
+                               speculative_draft_model=None, tensor_parallel_size=1, lora_modules=None, max_loras=0)
         self.runner = ModelRunner(draft_config, checkpoint, show_progress)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)
         self._target = target
