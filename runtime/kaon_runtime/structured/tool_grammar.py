@@ -37,15 +37,15 @@ def forced_call_tag(functions: list[dict], parser: ToolParser, parallel: bool,
     """The structural tag (SamplingParams.structural_tag) of one call, or when `parallel` one to
     `max_calls` calls, each to one of `functions` (OpenAI's function objects: name, description, parameters)."""
     head, tail, separator, opening, closing = _FORMATS[parser.name]
-    tags = []
+    tags: list[dict] = []
     for function in functions:
         parameters = function.get("parameters") or EMPTY_PARAMETERS
         check_schema(parameters, f"tools[{function['name']}].function.parameters")
         tags.append({"type": "tag", "begin": head.format(name=json.dumps(function["name"])),
                      "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": 1},
                      "end": tail})
-    call = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-    calls = call
+    call: dict = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    calls: dict = call
     if parallel and max_calls > 1:
         more = {"type": "sequence", "elements": [{"type": "const_string", "value": separator}, call]}
         calls = {"type": "sequence", "elements": [call, {"type": "repeat", "min": 0, "max": max_calls - 1,
