@@ -1,7 +1,7 @@
 """The engine loop: validate and queue requests; each step schedules, runs the model, post-processes.
 
-Just over 300 lines for a stated reason: a request's validation (prompt, sampling, grammar) sits
-beside the loop that queues it, so what the engine accepts and what it runs read together.
+Over 300 lines for a stated reason: a request's validation (prompt, sampling, grammar, LoRA adapter)
+sits beside the loop that queues it, so what the engine accepts and what it runs read together.
 """
 from __future__ import annotations
 
