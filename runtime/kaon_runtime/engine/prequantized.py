@@ -71,8 +71,8 @@ class Prequantized:
             param, part = target(f"{name}.weight")
             ours = param.removesuffix(".weight")
             if not isinstance(modules.get(ours), nn.Linear):
-                raise ModelLoadError(f"quantized tensor {name!r} has no linear layer to go to in the model "
-                                     "(quantized experts are not supported yet)")
+                raise ModelLoadError(f"quantized module {name!r} has no linear layer to go to: kaon reads the "
+                                     "decoder's projections quantized, not yet experts, the embedding or lm_head")
             found[ours].append((part if isinstance(part, int) else 0, name))
         for ours in found:
             parent, _, child = ours.rpartition(".")
@@ -107,7 +107,7 @@ class Prequantized:
             setattr(modules[parent], child, weight.to_module(pending.bias, device))
         unused = sorted(set(self.held))
         if unused:
-            raise ValueError(f"checkpoint tensors {unused[:3]}... belong to no quantized layer")
+            raise ValueError(f"checkpoint tensors of {', '.join(unused[:3])} belong to no quantized layer")
         log.info("%s: %d linear layers kept quantized", self.scheme.description, len(self.parts))
         if self.dropped:
             log.warning("the checkpoint's %s are not used: activations stay in the model's dtype (fp8 on a GPU "
