@@ -234,6 +234,10 @@ class EngineSpec(_Model):
     startup_timeout_seconds: int = Field(1800, ge=1, le=86400)
     """How long a replica may take from its start to loading the model (the startup probe's budget);
     past it the kubelet restarts the container and the condition Degraded says StartupTimeout."""
+    max_loras: int = Field(4, ge=1, le=256)
+    """With spec.adapters: adapter slots per replica, the most distinct adapters running at once (`kaon serve --max-loras`); the others stay registered and are swapped in on demand."""  # noqa: E501 - one line: the CRD's description
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    """With spec.adapters: the highest adapter rank served (`kaon serve --max-lora-rank`)."""
     stall_timeout_seconds: int = Field(120, ge=0, le=3600)
     """With requests pending and no engine step completed for this long, /health fails and the
     liveness probe restarts the replica (`kaon serve --stall-timeout`; the first step after load gets
@@ -386,6 +390,32 @@ class RolloutSpec(_Model):
 
 
 MAX_DRAIN_SECONDS = 3600
+MAX_ADAPTERS = 64
+_ADAPTER_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.]*$"
+_ADAPTER_URI_RULE = "self.startsWith('hf://') || self.startsWith('s3://') || self.startsWith('pvc://')"
+_ADAPTER_URI_MESSAGE = "an adapter's uri must be hf://, s3:// or pvc://"
+_UNIQUE_ADAPTERS_MESSAGE = "adapter names must be unique"
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter (a PEFT directory: adapter_config.json + adapter_model.safetensors) served beside the model."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=_ADAPTER_NAME)
+    """The name clients send as `model` (or `<namespace>/<name>` through the router); no `/`."""
+    uri: str = Field(min_length=1, max_length=4096, json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _ADAPTER_URI_RULE, "message": _ADAPTER_URI_MESSAGE},
+        *({"rule": rule, "message": message} for rule, _, message in _URI_RULES)]})
+    """`hf://<org>/<name>[@<revision>]` or `s3://<bucket>/<prefix>` (with the model's credentialsSecret and endpoint), or `pvc://<claim>/<path>`."""  # noqa: E501 - one line: the CRD's description
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        if not v.startswith(("hf://", "s3://", "pvc://")):
+            raise ValueError(_ADAPTER_URI_MESSAGE)
+        for _, check, message in _URI_RULES:
+            if not check(v):
+                raise ValueError(message)
+        return v
 
 
 class InferenceServiceSpec(_Model):
@@ -399,6 +429,10 @@ class InferenceServiceSpec(_Model):
     """Engine replicas; the autoscaler sets this when autoscaling is enabled (so does `kubectl scale`)."""
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, json_schema_extra=_default(AutoscalingSpec))
     routing: RoutingSpec = Field(default_factory=RoutingSpec, json_schema_extra=_default(RoutingSpec))
+    adapters: list[AdapterSpec] = Field([], max_length=MAX_ADAPTERS, json_schema_extra={
+        # the apiserver refuses two entries of one name (a list-map keyed by name)
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    """LoRA adapters of the model, each requested by its name as `model`. Adding or removing one loads or unloads it on the running replicas, without a restart."""  # noqa: E501 - one line: the CRD's description
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""  # noqa: E501 - one line: the CRD's description
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default(RolloutSpec))
@@ -406,6 +440,14 @@ class InferenceServiceSpec(_Model):
     """Seconds an engine pod being stopped (rollout, scale-down, node drain) gives its in-flight requests to
     finish, while it answers new ones with 503 and /ready fails (`kaon serve --drain-timeout`); the pod's
     terminationGracePeriodSeconds is this plus a margin for the server's own shutdown."""
+
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_adapters(cls, v: list[AdapterSpec]) -> list[AdapterSpec]:
+        if len({a.name for a in v}) != len(v):
+            raise ValueError(_UNIQUE_ADAPTERS_MESSAGE)
+        return v
 
 
 def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec | str:

@@ -13,10 +13,10 @@ from kaon_operator.api import _Model
 
 
 class Condition(_Model):
-    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, ResourceConflict while a child's name is taken by an object it does not control, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods); `reason` is a CamelCase word such as Unschedulable."""  # noqa: E501 - one line: the CRD's description
+    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, ResourceConflict while a child's name is taken by an object it does not control, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods, AdaptersReady with spec.adapters: whether every adapter is loaded on every ready pod); `reason` is a CamelCase word such as Unschedulable."""  # noqa: E501 - one line: the CRD's description
 
     type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict", "DisruptionAllowed",
-                  "ResourceConflict"]
+                  "ResourceConflict", "AdaptersReady"]
     """Which condition."""
     status: Literal["True", "False", "Unknown"]
     """Whether it holds."""
@@ -71,6 +71,17 @@ class AuthStatus(_Model):
     """SHA-256 (hex) of each key in it, never a key; empty while the Secret is missing or holds none (every request refused)."""  # noqa: E501 - one line: the CRD's description
 
 
+class AdapterStatus(_Model):
+    """One of spec.adapters, and the ready engine pods that have it loaded."""
+
+    name: str
+    """The adapter's name."""
+    pods: list[str] = Field(default_factory=list)
+    """The ready engine pods that have it loaded (the router prefers them for its requests)."""
+    failure: str | None = None
+    """Why its last load failed (a download, or an adapter that does not fit the model), if it did."""
+
+
 class InferenceServiceStatus(_Model):
     """Written by the operator only (status subresource)."""
 
@@ -91,3 +102,5 @@ class InferenceServiceStatus(_Model):
     """In-cluster URL of the engine Service."""
     auth: AuthStatus | None = None
     """With spec.auth: the digests of the accepted API keys (published by the operator for the router)."""
+    adapters: list[AdapterStatus] | None = None
+    """With spec.adapters: which ready pods hold each adapter (kept by the operator's adapter loop)."""

@@ -1,5 +1,6 @@
 """The operator's own long-running tasks, started once at start-up (no per-object timers, so
-no finalizers): the status queue's workers, the startup watch, the key digests' publisher and the autoscale loop."""
+no finalizers): the status queue's workers, the startup watch, the key digests' publisher, the
+autoscale loop and the adapter loop."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ from datetime import UTC, datetime
 from functools import partial
 
 from kaon_operator import key_digests, status, status_sync
+from kaon_operator.adapter_sync import AdapterLoop
 from kaon_operator.autoscale_loop import AutoscaleLoop
 from kaon_operator.context import Context
 from kaon_operator.watching import reporting_instance
@@ -40,3 +42,4 @@ def start(ctx: Context) -> None:
     loop = AutoscaleLoop(ctx.kube, ctx.caches, ctx.config.autoscale, post=ctx.post,
                          metrics_changed=partial(status_sync.metrics_changed, ctx), identity=reporting_instance())
     ctx.run_in_background(loop.run())
+    ctx.run_in_background(AdapterLoop(ctx).run())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from kaon_operator import api
+from kaon_operator import adapter_pods, api
 
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "fetch"  # the init container: `kaon fetch`
@@ -98,7 +98,7 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if spec.auth is not None:  # the same keys as the router's, so pod-IP access needs one too
         args += ["--api-key-file", API_KEYS_MOUNT]
-    return args + list(engine.extra_args)
+    return args + adapter_pods.engine_args(spec) + list(engine.extra_args)
 
 
 def default_requests(spec: api.InferenceServiceSpec) -> dict[str, str]:
@@ -191,6 +191,8 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
         # rather than serving with none. The kubelet refreshes the files when the Secret changes.
         volumes.append({"name": "api-keys", "secret": {"secretName": spec.auth.api_key_secret, "defaultMode": 0o440}})
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True})
+    adapter_volumes, adapter_mounts = adapter_pods.volumes(spec)
+    volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
     engine = spec.engine
     volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in engine.volumes or []]
     mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in engine.volume_mounts or []]
@@ -252,7 +254,7 @@ def _container(name: str, spec: api.InferenceServiceSpec, mounts: list[dict]) ->
         "image": spec.engine.image,
         "args": engine_args(name, spec),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": _env(spec),
+        "env": _unique([*adapter_pods.engine_env(spec), *_env(spec)]),
         **({"envFrom": list(spec.engine.env_from)} if spec.engine.env_from else {}),
         "resources": _resources(spec),
         # /health answers once the model is loaded; until then only the startup probe runs.

@@ -24,6 +24,8 @@ class ServiceRecord:
     """(uid, generation) whose children are applied."""
     metrics_condition: dict | None = None
     """MetricsAvailable, kept by the autoscale loop."""
+    adapters_condition: dict | None = None
+    """AdaptersReady, kept by the adapter loop (adapter_sync.py)."""
     pdb: PdbSummary | None = None
     """The PodDisruptionBudget's status (DisruptionAllowed)."""
 

@@ -64,6 +64,8 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
                 gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
         if spec.autoscaling.enabled and record.metrics_condition is not None:
             conditions.append(record.metrics_condition)
+        if spec.adapters and record.adapters_condition is not None:
+            conditions.append(record.adapters_condition)
         disruption = status.disruption_condition(record.pdb, pods, _now())
         conditions += [disruption] if disruption else []
         # An older InferenceService answering this one's served name.
@@ -122,4 +124,13 @@ def metrics_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     ctx.records.get(key).metrics_condition = condition
     if condition is None:
         return
+    resync(ctx, key)
+
+
+def adapters_changed(ctx: Context, key: Key, condition: dict | None) -> None:
+    """The adapter loop's AdaptersReady changed (None: no adapters): write it with the others."""
+    if ctx.caches.inference_service(key) is None:
+        ctx.records.forget(key)
+        return
+    ctx.records.get(key).adapters_condition = condition
     resync(ctx, key)

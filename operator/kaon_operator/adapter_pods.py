@@ -1,0 +1,82 @@
+"""What spec.adapters (LoRA) adds to the engine pod, as pure functions; pod_template.py calls them.
+
+Adapters are loaded at run time (`POST /v1/load_lora_adapter`, adapter_sync.py), never named on
+the command line, so that adding or removing one changes nothing in the pod template and rolls
+no pod. The template depends only on whether there are adapters at all (`--max-loras` turns the
+engine's slots on; CUDA graphs are off while they are) and on the set of PersistentVolumeClaims
+pvc:// adapters live on (each is mounted read-only; an adapter on a claim not mounted yet rolls
+the pods once). A pvc:// adapter on the model's own claim uses the model's mount.
+
+hf:// and s3:// adapters are fetched by the engine container when it loads them: their URI is the
+`lora_path` the operator sends, with the model's credentials and endpoint in the engine's
+environment (read from the Secret by the kubelet). A download that fails fails that load only
+(a 400 with the reason): the base keeps serving, and the operator reports the adapter
+(condition AdaptersReady, a Warning Event).
+"""
+from __future__ import annotations
+
+from kaon_operator import api
+
+ADAPTER_MOUNT = "/mnt/adapters"  # pvc:// adapters' claims, one folder per claim, read-only
+MODEL_MOUNT = api.OWN_VOLUMES["model"]
+MODEL_CACHE_DIR = f"{api.OWN_VOLUMES['cache']}/models"
+CREDENTIAL_KEYS = ("HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL")
+
+
+def _pvc(uri: str) -> tuple[str, str]:
+    claim, _, sub = uri[len("pvc://"):].partition("/")
+    return claim, sub.strip("/")
+
+
+def _model_claim(spec: api.InferenceServiceSpec) -> str | None:
+    return _pvc(spec.model.uri)[0] if spec.model.uri.startswith("pvc://") else None
+
+
+def adapter_claims(spec: api.InferenceServiceSpec) -> list[str]:
+    """The claims pvc:// adapters live on, besides the model's own (sorted: a stable template)."""
+    claims = {_pvc(a.uri)[0] for a in spec.adapters if a.uri.startswith("pvc://")}
+    return sorted(claims - {_model_claim(spec)})
+
+
+def _volume_name(index: int) -> str:
+    return f"kaon-adapters-{index}"
+
+
+def lora_path(spec: api.InferenceServiceSpec, adapter: api.AdapterSpec) -> str:
+    """The `lora_path` the engine is given: the adapter's folder in the pod (pvc://), else its URI,
+    which the engine fetches into the model cache."""
+    if not adapter.uri.startswith("pvc://"):
+        return adapter.uri
+    claim, sub = _pvc(adapter.uri)
+    root = MODEL_MOUNT if claim == _model_claim(spec) else f"{ADAPTER_MOUNT}/{claim}"
+    return f"{root}/{sub}" if sub else root
+
+
+def engine_args(spec: api.InferenceServiceSpec) -> list[str]:
+    if not spec.adapters:
+        return []
+    return ["--max-loras", str(spec.engine.max_loras), "--max-lora-rank", str(spec.engine.max_lora_rank)]
+
+
+def volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    """The pod volumes and the engine's mounts of the adapters' claims."""
+    claims = adapter_claims(spec)
+    return ([{"name": _volume_name(i), "persistentVolumeClaim": {"claimName": c, "readOnly": True}}
+             for i, c in enumerate(claims)],
+            [{"name": _volume_name(i), "mountPath": f"{ADAPTER_MOUNT}/{c}", "readOnly": True}
+             for i, c in enumerate(claims)])
+
+
+def engine_env(spec: api.InferenceServiceSpec) -> list[dict]:
+    """Where the engine fetches hf:// and s3:// adapters to, and with which credentials: the model's."""
+    if not spec.adapters:
+        return []
+    model = spec.model
+    env = [{"name": "KAON_MODEL_CACHE", "value": MODEL_CACHE_DIR}]
+    if model.credentials_secret:
+        env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": model.credentials_secret, "key": key,
+                                                             "optional": True}}} for key in CREDENTIAL_KEYS]
+    if model.endpoint:  # the model's source decides which kind of endpoint it is
+        env.append({"name": "HF_ENDPOINT" if model.uri.startswith("hf://") else "AWS_ENDPOINT_URL",
+                    "value": model.endpoint})
+    return env

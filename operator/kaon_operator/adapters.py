@@ -1,0 +1,76 @@
+"""LoRA adapters on running engine pods, as pure decisions: what each pod must load or unload
+(`plan`, idempotent: a pod that holds what the spec asks gets no action), what status.adapters
+and the AdaptersReady condition say. adapter_sync.py does the I/O.
+
+A pod's held adapters are read from its /v1/models (the entries with a `parent`: the engine's
+registered adapters, with their `root` = the path they were loaded from).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Literal, NamedTuple
+
+from kaon_operator import adapter_pods, api
+
+Held = Mapping[str, str]
+"""adapter name -> the path (or URI) it was loaded from, on one pod."""
+
+
+class Action(NamedTuple):
+    pod: str
+    op: Literal["load", "unload"]
+    name: str
+    path: str = ""
+
+
+def desired(spec: api.InferenceServiceSpec) -> dict[str, str]:
+    """adapter name -> the `lora_path` every ready pod must hold it from."""
+    return {a.name: adapter_pods.lora_path(spec, a) for a in spec.adapters}
+
+
+def held(models: Mapping) -> dict[str, str]:
+    """The adapters in a /v1/models reply (OpenAI's list; kaon and vLLM give adapters a `parent`)."""
+    data = models.get("data") if isinstance(models, Mapping) else None
+    return {str(m["id"]): str(m.get("root") or "") for m in data or () if isinstance(m, Mapping)
+            and m.get("parent") and m.get("id")}
+
+
+def plan(want: Mapping[str, str], pods: Mapping[str, Held], skip: Iterable[tuple[str, str]] = ()) -> list[Action]:
+    """The loads and unloads that bring every pod to `want`: unload what is not wanted (or wanted from
+    another path: unload, then load again), load what is missing, except the (pod, name) pairs in
+    `skip` (a load that failed lately: retried later, not every round). Unloads come first: they free
+    slots. Planning again after the actions gives nothing."""
+    skipped = set(skip)
+    unloads = [Action(pod, "unload", name) for pod, have in sorted(pods.items()) for name, path in sorted(have.items())
+               if want.get(name) != path]
+    loads = [Action(pod, "load", name, path) for pod, have in sorted(pods.items())
+             for name, path in sorted(want.items()) if have.get(name) != path and (pod, name) not in skipped]
+    return unloads + loads
+
+
+def status(want: Mapping[str, str], pods: Mapping[str, Held], failures: Mapping[str, str]) -> list[dict]:
+    """status.adapters: each wanted adapter, the pods holding it from its path, the last failure."""
+    out = []
+    for name, path in sorted(want.items()):
+        entry: dict = {"name": name, "pods": sorted(p for p, have in pods.items() if have.get(name) == path)}
+        if name in failures:
+            entry["failure"] = failures[name]
+        out.append(entry)
+    return out
+
+
+def condition(want: Mapping[str, str], pods: Mapping[str, Held], failures: Mapping[str, str]) -> dict | None:
+    """AdaptersReady: True when every ready pod holds every adapter; False naming the adapters that
+    failed (or are still loading). None without adapters."""
+    if not want:
+        return None
+    if failures:
+        names = ", ".join(f"{n}: {failures[n]}" for n in sorted(failures))
+        return {"type": "AdaptersReady", "status": "False", "reason": "AdapterLoadFailed",
+                "message": f"adapters that could not be loaded (the base model keeps serving): {names}"}
+    missing = sorted(n for n, path in want.items() if any(have.get(n) != path for have in pods.values()))
+    if missing:
+        return {"type": "AdaptersReady", "status": "False", "reason": "Loading",
+                "message": f"not yet loaded on every ready pod: {', '.join(missing)}"}
+    return {"type": "AdaptersReady", "status": "True", "reason": "Loaded",
+            "message": f"{len(want)} adapter(s) loaded on {len(pods)} ready pod(s)"}

@@ -1,0 +1,243 @@
+"""spec.adapters (LoRA) in the operator: the CRD field, a pod template that no adapter change
+rolls, the pure load/unload plan (idempotent), status.adapters and AdaptersReady, and the adapter
+loop against fake engine pods (loads on add, unloads on removal, a failed load reported while the
+others load)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import aiohttp
+import pydantic
+import pytest
+from aiohttp import web
+
+from kaon_operator import adapter_sync, adapters, api, pod_template
+from kaon_operator.summaries import PodSummary
+
+
+def spec_of(adapter_list, **extra) -> api.InferenceServiceSpec:
+    return api.InferenceServiceSpec.model_validate(
+        {"model": {"uri": "hf://org/base", "credentialsSecret": "creds"}, "adapters": adapter_list, **extra})
+
+
+SQL = {"name": "sql", "uri": "s3://bucket/adapters/sql"}
+CHAT = {"name": "chat", "uri": "hf://org/chat-lora"}
+LOCAL = {"name": "local", "uri": "pvc://loras/local"}
+
+
+@pytest.mark.parametrize("bad", [
+    [{"name": "a/b", "uri": "hf://org/x"}],           # a `/` would clash with <namespace>/<name>
+    [{"name": "a", "uri": "/abs/path"}],              # not a fetchable source
+    [{"name": "a", "uri": "builtin://smollm2-135m-instruct"}],
+    [{"name": "a", "uri": "s3://B/x"}],               # a bucket name the model's rules refuse
+    [{"name": "a", "uri": "hf://org/x"}, {"name": "a", "uri": "hf://org/y"}],  # one name twice
+])
+def test_invalid_adapters_are_refused(bad):
+    with pytest.raises(pydantic.ValidationError):
+        spec_of(bad)
+
+
+def test_the_crd_keys_adapters_by_name():
+    from kaon_operator import crd
+    node = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    field = node["properties"]["adapters"]
+    assert field["x-kubernetes-list-type"] == "map" and field["x-kubernetes-list-map-keys"] == ["name"]
+    assert field["items"]["required"] == ["name", "uri"]
+
+
+def test_adding_or_removing_an_adapter_does_not_change_the_pod():
+    one = pod_template.pod_spec("svc", spec_of([SQL]))
+    assert pod_template.pod_spec("svc", spec_of([SQL, CHAT])) == one
+    assert pod_template.pod_spec("svc", spec_of([CHAT])) == one
+    args = one["containers"][0]["args"]
+    assert args[args.index("--max-loras") + 1] == "4" and "--lora-modules" not in args
+    env = {e["name"]: e for e in one["containers"][0]["env"]}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "creds"  # the model's credentials
+    assert "--max-loras" not in pod_template.pod_spec("svc", spec_of([]))["containers"][0]["args"]
+
+
+def test_a_pvc_adapter_mounts_its_claim_once():
+    pod = pod_template.pod_spec("svc", spec_of([LOCAL, {"name": "other", "uri": "pvc://loras/other"}]))
+    claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert [v["persistentVolumeClaim"]["claimName"] for v in claims] == ["loras"]
+    assert adapters.desired(spec_of([LOCAL])) == {"local": "/mnt/adapters/loras/local"}
+    same_claim = api.InferenceServiceSpec.model_validate(
+        {"model": {"uri": "pvc://models/base"}, "adapters": [{"name": "x", "uri": "pvc://models/loras/x"}]})
+    assert adapters.desired(same_claim) == {"x": "/mnt/models/loras/x"}
+    assert not [v for v in pod_template.pod_spec("svc", same_claim)["volumes"] if v["name"].startswith("kaon-adapt")]
+
+
+def test_the_engine_reads_the_flags_the_operator_writes():
+    from kaon_runtime.cli import build_parser
+    args = pod_template.engine_args("svc", spec_of([SQL], engine={"maxLoras": 2, "maxLoraRank": 32}))
+    parsed = build_parser().parse_args(args[1:])
+    assert (parsed.max_loras, parsed.max_lora_rank) == (2, 32)
+
+
+def apply(pods: dict, actions: list[adapters.Action]) -> dict:
+    out = {pod: dict(have) for pod, have in pods.items()}
+    for a in actions:
+        if a.op == "load":
+            out[a.pod][a.name] = a.path
+        else:
+            out[a.pod].pop(a.name, None)
+    return out
+
+
+def test_the_plan_loads_unloads_and_is_idempotent():
+    want = {"sql": "s3://b/sql", "chat": "hf://o/chat"}
+    pods = {"p0": {}, "p1": {"sql": "s3://b/sql", "old": "s3://b/old"}, "p2": {"chat": "hf://o/chat-v1"}}
+    actions = adapters.plan(want, pods)
+    assert actions[:3] == [adapters.Action("p1", "unload", "old"), adapters.Action("p2", "unload", "chat")] + [
+        adapters.Action("p0", "load", "chat", "hf://o/chat")]
+    done = apply(pods, actions)
+    assert all(have == want for have in done.values())
+    assert adapters.plan(want, done) == []  # idempotent: nothing more to do
+    assert adapters.plan(want, pods, skip=[("p0", "sql")]) == [a for a in actions if a[:3] != ("p0", "load", "sql")]
+
+
+def test_status_and_condition_name_the_failed_adapter():
+    want = {"sql": "s3://b/sql", "chat": "hf://o/chat"}
+    pods = {"p0": {"chat": "hf://o/chat"}, "p1": {"chat": "hf://o/chat"}}
+    failures = {"sql": "fetch failed: NoSuchKey"}
+    assert adapters.status(want, pods, failures) == [
+        {"name": "chat", "pods": ["p0", "p1"]}, {"name": "sql", "pods": [], "failure": "fetch failed: NoSuchKey"}]
+    cond = adapters.condition(want, pods, failures)
+    assert cond["status"] == "False" and "sql: fetch failed" in cond["message"]
+    assert adapters.condition(want, pods, {})["reason"] == "Loading"
+    assert adapters.condition({"chat": "hf://o/chat"}, pods, {})["status"] == "True"
+    assert adapters.condition({}, pods, {}) is None
+
+
+def test_held_reads_the_adapters_of_a_models_reply():
+    reply = {"object": "list", "data": [{"id": "base", "parent": None, "root": "/m"},
+                                        {"id": "sql", "parent": "base", "root": "s3://b/sql"}]}
+    assert adapters.held(reply) == {"sql": "s3://b/sql"}
+    assert adapters.held({"error": {}}) == {}
+
+
+# The loop against fake engine pods ----------------------------------------------------------
+
+
+class FakeEngine:
+    """An engine's adapter endpoints: loads of `broken` URIs fail with a reason, as a failed fetch does."""
+
+    def __init__(self, key: str | None = None, broken: tuple[str, ...] = ()):
+        self.adapters: dict[str, str] = {}
+        self.key, self.broken, self.calls = key, broken, []
+        self.app = web.Application()
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/load_lora_adapter", self.load)
+        self.app.router.add_post("/v1/unload_lora_adapter", self.unload)
+
+    def _denied(self, request) -> web.Response | None:
+        if self.key and request.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        return None
+
+    async def models(self, request):
+        return self._denied(request) or web.json_response({"data": [{"id": "base", "parent": None}] + [
+            {"id": n, "parent": "base", "root": p} for n, p in self.adapters.items()]})
+
+    async def load(self, request):
+        if (denied := self._denied(request)) is not None:
+            return denied
+        body = await request.json()
+        self.calls.append(("load", body["lora_name"]))
+        if body["lora_path"] in self.broken:
+            return web.json_response({"error": {"message": "ModelNotFound: no such key"}}, status=400)
+        self.adapters[body["lora_name"]] = body["lora_path"]
+        return web.Response(text="Success")
+
+    async def unload(self, request):
+        if (denied := self._denied(request)) is not None:
+            return denied
+        body = await request.json()
+        self.calls.append(("unload", body["lora_name"]))
+        self.adapters.pop(body["lora_name"], None)
+        return web.Response(text="Success")
+
+
+class FakeCaches:
+    def __init__(self, body, pods):
+        self.body, self._pods = body, pods
+
+    def all_inference_services(self):
+        return [(("ns", "svc"), self.body)]
+
+    def pods(self, key):
+        return self._pods
+
+    def inference_service(self, key):
+        return self.body
+
+
+class FakeKube:
+    def __init__(self, secret=None):
+        self.patches, self.secret = [], secret
+
+    def patch_status(self, namespace, name, patch):
+        self.patches.append(patch)
+
+    def secret_data(self, namespace, name):
+        return self.secret
+
+
+class FakeCtx:
+    def __init__(self, body, pods, secret=None):
+        self.caches, self.kube, self.events = FakeCaches(body, pods), FakeKube(secret), []
+
+    def post(self, body, events):
+        self.events += events
+
+
+async def _serve(engines, port_holder):
+    runners = []
+    for engine in engines:
+        runner = web.AppRunner(engine.app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port_holder.append(runner.addresses[0][1])
+    return runners
+
+
+def test_the_loop_loads_added_and_unloads_removed_adapters(monkeypatch):
+    changed = []
+    monkeypatch.setattr(adapter_sync.status_sync, "adapters_changed", lambda ctx, key, c: changed.append(c))
+
+    async def scenario():
+        engines = [FakeEngine(key="k1"), FakeEngine(key="k1", broken=("hf://org/broken",))]
+        ports: list[int] = []
+        runners = await _serve(engines, ports)
+        pods = [PodSummary(f"p{i}", ip=f"127.0.0.1:{port}", ready=True) for i, port in enumerate(ports)]
+        body = {"metadata": {"namespace": "ns", "name": "svc"},
+                "spec": {"model": {"uri": "hf://org/base"}, "auth": {"apiKeySecret": "keys"},
+                         "adapters": [SQL, {"name": "broken", "uri": "hf://org/broken"}]}}
+        ctx = FakeCtx(body, pods, secret={"a": base64.b64encode(b"k1").decode()})
+        loop = adapter_sync.AdapterLoop(ctx, url_of=lambda pod: f"http://{pod.ip}")  # type: ignore[arg-type]
+        try:
+            async with aiohttp.ClientSession() as session:
+                await loop.tick_all(session)
+                assert engines[0].adapters == {"sql": SQL["uri"], "broken": "hf://org/broken"}
+                assert engines[1].adapters == {"sql": SQL["uri"]}  # the base and sql serve; broken is reported
+                assert [e.reason for e in ctx.events] == ["AdapterLoadFailed"] and "broken" in ctx.events[0].message
+                assert changed[-1]["status"] == "False" and "broken" in changed[-1]["message"]
+                assert ctx.kube.patches[-1]["adapters"][0] == {"name": "broken", "pods": ["p0"],
+                                                               "failure": "ModelNotFound: no such key"}
+                calls = len(engines[1].calls)
+                await loop.tick_all(session)  # the failed load waits RETRY_SECONDS; nothing else to do
+                assert len(engines[1].calls) == calls and len(ctx.events) == 1
+                body["spec"]["adapters"] = [SQL, CHAT]  # broken removed, chat added: no restart, just loads
+                await loop.tick_all(session)
+                assert engines[0].adapters == engines[1].adapters == {"sql": SQL["uri"], "chat": CHAT["uri"]}
+                assert changed[-1]["status"] == "True"
+                assert ctx.kube.patches[-1]["adapters"] == [{"name": "chat", "pods": ["p0", "p1"]},
+                                                            {"name": "sql", "pods": ["p0", "p1"]}]
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(scenario())
