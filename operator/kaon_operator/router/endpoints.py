@@ -14,6 +14,7 @@ from typing import NamedTuple, TypeVar, cast
 from pydantic import BaseModel, ValidationError
 
 from kaon_operator import api, kubetime, labels, naming, resources
+from kaon_operator.router import adapter_names
 
 logger = logging.getLogger("kaon.router.endpoints")
 
@@ -60,6 +61,18 @@ class Service:
     max_num_seqs: int
     """spec.engine.maxNumSeqs: sequences one pod runs at once (prefix-affinity keeps a request off
     a pod with no free slot while another has one)."""
+    adapters: tuple[str, ...] = ()
+    """spec.adapters' names: each is a `model` that reaches this service (the engine serves it as is)."""
+    max_loras: int = 1
+    """spec.engine.maxLoras: adapters one pod keeps in its slots (adapter affinity models them)."""
+
+    def adapter_of(self, model: object) -> str | None:
+        """The adapter a request's `model` names (`<adapter>` or `<namespace>/<adapter>`), if it names one."""
+        if not self.adapters or not isinstance(model, str) or model == self.served_name:
+            return None
+        namespace, slash, rest = model.partition("/")
+        name = rest if slash and namespace == self.key.namespace else model
+        return name if name in self.adapters else None
 
 
 def _is_ready(status: dict) -> bool:
@@ -96,11 +109,12 @@ def service(isvc: dict) -> Service:
     key = ServiceKey(meta["namespace"], meta["name"])
     autoscaling = _section(key, spec, "autoscaling", api.AutoscalingSpec)
     routing = _section(key, spec, "routing", api.RoutingSpec)
+    engine = _section(key, spec, "engine", api.EngineSpec)
     return Service(key, api.served_name(spec.get("model"), meta["name"]),
                    int(kubetime.epoch(meta.get("creationTimestamp")) or 0),
                    autoscaling.scale_from_zero_timeout_seconds if autoscaling.enabled else None,
                    routing.strategy, routing.load_bound, _key_digests(key, spec.get("auth"), isvc.get("status") or {}),
-                   _section(key, spec, "engine", api.EngineSpec).max_num_seqs)
+                   engine.max_num_seqs, adapter_names.valid(key, spec.get("adapters")), engine.max_loras)
 
 
 Section = TypeVar("Section", bound=BaseModel)
@@ -160,12 +174,19 @@ class EndpointTable:
         self._ready: dict[ServiceKey, tuple[Endpoint, ...]] = {}
         self._services: dict[ServiceKey, Service] = {}
         self._names = naming.index(())
+        self._adapters = naming.index(())
 
     # reads -------------------------------------------------------------------
 
     def resolve(self, model: str) -> ServiceKey | None:
-        found = naming.resolve(model, self._names, self.default_namespace, self.cluster_wide_names)
+        """The InferenceService a `model` names: a served name first, else an adapter's (the same rules)."""
+        found = (naming.resolve(model, self._names, self.default_namespace, self.cluster_wide_names)
+                 or naming.resolve(model, self._adapters, self.default_namespace, self.cluster_wide_names))
         return cast(ServiceKey, found.key) if found else None  # the keys of the Services indexed
+
+    def engine_model(self, model: str, service: Service) -> str:
+        """`model` as the engine knows it: the adapter's name, else the served name."""
+        return service.adapter_of(model) or service.served_name
 
     def api_keys(self, key: ServiceKey) -> tuple[bytes, ...] | None:
         """The digests of the keys a request to this InferenceService must present one of: None when it requires
@@ -270,5 +291,7 @@ class EndpointTable:
         if not changed:
             return
         self._names = naming.index(self._services.values())
+        self._adapters = naming.index(adapter_names.AdapterName(s.key, a, s.created) for s in self._services.values()
+                                      for a in s.adapters)
         for key in changed:
             self.on_change(key)

@@ -189,7 +189,7 @@ class Router:
             return body  # _choose answers 404, or 503 while the router starts
         auth.check(self.table, key, model, request.headers.get("Authorization"))
         service = self.table.service(key)
-        return body if service is None else engine_body(body, payload, model, service.served_name)
+        return body if service is None else engine_body(body, payload, model, self.table.engine_model(model, service))
 
     async def _choose(self, model: str, tried: set[Endpoint], received: float, path: str = "",
                       payload: dict | None = None) -> tuple[ServiceKey, Endpoint, float]:

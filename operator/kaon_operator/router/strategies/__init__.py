@@ -6,12 +6,14 @@ records outlive requests):
     least_connections.py  the pod with the fewest requests in flight
     prefix_affinity.py    the pod that caches the prompt's prefix, within a load bound
     prefixes.py, ring.py, records.py  what prefix-affinity hashes, walks and remembers
+    adapter_affinity.py   wraps each: a LoRA adapter's requests go to a pod holding it, within the load bound
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kaon_operator.router.endpoints import ServiceKey
+from kaon_operator.router.strategies.adapter_affinity import AdapterAffinity
 from kaon_operator.router.strategies.base import Attempt, Choice, Strategy
 from kaon_operator.router.strategies.least_connections import LeastConnections
 from kaon_operator.router.strategies.prefix_affinity import PrefixAffinity
@@ -38,7 +40,8 @@ def named(name: str) -> Callable[[], Strategy]:
 
 
 class Strategies:
-    """A router's strategies by name, each made on first use."""
+    """A router's strategies by name, each made on first use, each behind adapter affinity (which
+    passes the requests that name no adapter on to it)."""
 
     def __init__(self):
         self._made: dict[str, Strategy] = {}
@@ -46,7 +49,7 @@ class Strategies:
     def get(self, name: str) -> Strategy:
         found = self._made.get(name)
         if found is None:
-            found = self._made[name] = named(name)()
+            found = self._made[name] = AdapterAffinity(named(name)())
         return found
 
     def forget(self, key: ServiceKey) -> None:
