@@ -72,7 +72,7 @@ def engine_env(spec: api.InferenceServiceSpec) -> list[dict]:
     if not spec.adapters:
         return []
     model = spec.model
-    env = [{"name": "KAON_MODEL_CACHE", "value": MODEL_CACHE_DIR}]
+    env: list[dict] = [{"name": "KAON_MODEL_CACHE", "value": MODEL_CACHE_DIR}]
     if model.credentials_secret:
         env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": model.credentials_secret, "key": key,
                                                              "optional": True}}} for key in CREDENTIAL_KEYS]

@@ -403,8 +403,8 @@ class AdapterSpec(_Model):
     name: str = Field(min_length=1, max_length=253, pattern=_ADAPTER_NAME)
     """The name clients send as `model` (or `<namespace>/<name>` through the router); no `/`."""
     uri: str = Field(min_length=1, max_length=4096, json_schema_extra={"x-kubernetes-validations": [
-        {"rule": _ADAPTER_URI_RULE, "message": _ADAPTER_URI_MESSAGE},
-        *({"rule": rule, "message": message} for rule, _, message in _URI_RULES)]})
+        {"rule": rule, "message": message}
+        for rule, message in [(_ADAPTER_URI_RULE, _ADAPTER_URI_MESSAGE), *((r, m) for r, _, m in _URI_RULES)]]})
     """`hf://<org>/<name>[@<revision>]` or `s3://<bucket>/<prefix>` (with the model's credentialsSecret and endpoint), or `pvc://<claim>/<path>`."""  # noqa: E501 - one line: the CRD's description
 
     @field_validator("uri")
