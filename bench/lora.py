@@ -8,12 +8,15 @@ temporary directory. Each run sends the same requests (greedy, ignore_eos) as on
 to an engine without LoRA, then with 1, 8 and 32 distinct adapters spread round-robin over the
 requests (an engine with as many slots as adapters). Printed: generated tokens per second, the
 ratio to the base, and the adapter load times (registration: reading and checking the files;
-the first step that copies them into their slots is inside the timed run).
+the first step that copies them into their slots is inside the timed run). A step with an
+adapter leaves the fused C decode step for torch's path: the row "base, C step off" shows what
+that alone costs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,6 +28,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.loader.lora_adapter import projection_shapes
 
 MODEL = "builtin://smollm2-135m-instruct"
@@ -77,6 +81,15 @@ def main() -> None:
           "projections")
     print(f"base alone: {base_rate:8.1f} tok/s ({base_s:.2f} s)")
     del base
+    os.environ["KAON_CPU_DECODE"] = "off"
+    cpu_decode.library.cache_clear()
+    torch_base = LLM(MODEL, **options)
+    run(torch_base, prompts[:2], params, None)
+    seconds, tokens = run(torch_base, prompts, params, None)
+    print(f"base, C step off: {tokens / seconds:8.1f} tok/s ({seconds:.2f} s)  ratio to base "
+          f"{tokens / seconds / base_rate:.2f}x")
+    del torch_base, os.environ["KAON_CPU_DECODE"]
+    cpu_decode.library.cache_clear()
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {}
         for i in range(max(counts)):
