@@ -65,7 +65,8 @@ def test_each_limit_is_a_fast_400_that_names_it(server):
 def test_health_stays_quick_while_requests_at_every_limit_run(server):
     at_limits = [{"prompt": "word " * 799, "max_tokens": 1},  # 3995 bytes: just under --max-prompt-bytes
                  {"prompt": "Once", "stop": ["zq" * 128] * 4, "max_tokens": 16, "n": 2},
-                 {"prompt": "Once", "n": 2, "logprobs": 5, "max_tokens": 40, "ignore_eos": True}]  # 2 x 6 x 40 = 480 entries
+                 # 2 x 6 x 40 = 480 entries
+                 {"prompt": "Once", "n": 2, "logprobs": 5, "max_tokens": 40, "ignore_eos": True}]
     worst, stop = 0.0, threading.Event()
 
     def probe():
