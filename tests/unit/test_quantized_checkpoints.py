@@ -25,7 +25,7 @@ from kaon_runtime.quant.checkpoint_formats import scheme_from_config
 from kaon_runtime.quant.checkpoint_formats.loaded import InputPermutedLinear
 from kaon_runtime.quant.fp8 import Fp8Linear
 from kaon_runtime.quant.fp8_block import Fp8BlockLinear
-from kaon_runtime.quant.grouped_int8 import GroupedInt8Linear
+from kaon_runtime.quant.group_int8 import GroupInt8Linear
 from kaon_runtime.quant.int4 import Int4Linear
 from kaon_runtime.quant.int8 import Int8Linear
 from support.quantized_dirs import (
@@ -53,7 +53,7 @@ COMPRESSED = {  # id -> (weight arguments, format, the linear kaon keeps)
                            "pack-quantized", Int4Linear),
     "w8a16-channel": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized", Int8Linear),
     "w8a16-group128": (dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=128),
-                       "pack-quantized", GroupedInt8Linear),
+                       "pack-quantized", GroupInt8Linear),
     "w8a8-int": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized", Int8Linear),
     "fp8-tensor": (dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), "float-quantized", Fp8Linear),
     "fp8-channel": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized", Fp8Linear),
@@ -64,7 +64,7 @@ PACKED = {  # id -> (method, bits, group, sym, act_order, the linear kaon keeps)
     "gptq-4bit-g64-asym-actorder": ("gptq", 4, 64, False, True, InputPermutedLinear),
     "gptq-4bit-g128-sym": ("gptq", 4, 128, True, False, Int4Linear),
     "gptq-8bit-channel-sym": ("gptq", 8, -1, True, False, Int8Linear),
-    "gptq-8bit-g32-asym": ("gptq", 8, 32, False, False, GroupedInt8Linear),
+    "gptq-8bit-g32-asym": ("gptq", 8, 32, False, False, GroupInt8Linear),
     "awq-g128": ("awq", 4, 128, False, False, Int4Linear),
     "awq-g32": ("awq", 4, 32, False, False, Int4Linear),
 }

@@ -48,14 +48,14 @@ def scheme(config: dict) -> CheckpointScheme:
 
 
 def _cpu_fused(weights: dict) -> bool:
-    """The fused CPU step reads kaon's int4 in groups of 32 (wider groups are split on CPU) and its
-    symmetric per-channel int8."""
+    """The fused CPU step reads kaon's int4 in groups of 32, its per-channel int8 and GGUF's group-int8
+    (groups of 16): on CPU wider groups are split into those."""
     if weights.get("actorder") not in (None, "weight", "static"):
         return False
     if weights.get("num_bits") == 4:
         return weights.get("strategy") == "channel" or (weights.get("strategy") == "group"
                                                          and (weights.get("group_size") or 1) % 32 == 0)
-    return weights.get("strategy") == "channel" and weights.get("symmetric", True)
+    return weights.get("strategy") == "channel" or (weights.get("group_size") or 1) % 16 == 0
 
 
 def convert(name: str, t: dict[str, torch.Tensor], in_features: int) -> LoadedWeight:

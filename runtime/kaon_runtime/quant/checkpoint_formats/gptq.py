@@ -72,13 +72,11 @@ def awq_scheme(config: dict) -> CheckpointScheme:
 
 
 def _fused(bits: int, group_size: int, act_order: bool, config: dict) -> bool:
-    """The fused CPU step reads kaon's int4 in groups of 32 (wider groups are split on CPU) and its
-    symmetric per-channel int8."""
+    """The fused CPU step reads kaon's int4 in groups of 32, its per-channel int8 and GGUF's group-int8
+    (groups of 16): on CPU wider groups are split into those."""
     if act_order:
         return False
-    if bits == 4:
-        return group_size == -1 or group_size % 32 == 0
-    return group_size == -1 and bool(config.get("sym", True))
+    return group_size == -1 or group_size % (32 if bits == 4 else 16) == 0
 
 
 def _check_groups(name: str, k: int, group_size: int) -> int:
