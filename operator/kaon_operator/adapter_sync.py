@@ -155,7 +155,7 @@ class AdapterLoop:
         try:
             async with session.get(f"{url}/v1/models", headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)) as response:
-                return adapters.held(await response.json()) if response.status == 200 else None
+                return adapters.held(await response.json(content_type=None)) if response.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
 
