@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import socket
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from multidict import CIMultiDict
 from kaon_operator.router.admission import BodyBudget, body_size
 from kaon_operator.router.errors import RouterError
 from kaon_operator.router.request import engine_body, forwarded
-from support.router import FakeEngine, routed, run, serving
+from support.router import FakeEngine, metric, routed, run, serving, until
 from support.tenancy import Recorder, engine_pod, isvc
 
 COMPLETION = b'{"model": "m", "prompt": "x"}'
@@ -286,3 +287,94 @@ def test_json_nested_deeper_than_the_stack_is_a_400_not_a_500():
     with pytest.raises(RouterError) as refused:
         engine_body(b"", {"model": "ns/m", "x": nested}, "ns/m", "m")
     assert refused.value.status == 400
+
+
+# slow readers --------------------------------------------------------------------------------
+
+
+class FloodEngine:
+    """An engine that streams 16 KiB events for as long as someone takes them, as a long
+    generation (ignore_eos, a large max_tokens) would; records the requests cancelled under it."""
+
+    EVENT = b"data: " + b"x" * (16 << 10) + b"\n\n"
+
+    def __init__(self):
+        self.running = 0
+        self.cancelled = 0
+        self.port = 0
+        self.name = "flood"
+
+    async def start(self) -> FloodEngine:
+        app = web.Application()
+        app.router.add_post("/v1/{tail:.+}", self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        self.running += 1
+        try:
+            while True:
+                await response.write(self.EVENT)
+        except (asyncio.CancelledError, ConnectionError):
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+
+
+async def non_reader(port: int) -> socket.socket:
+    """A client that sends a streaming request and never reads a byte of the answer (a small
+    receive buffer, so that the router's own buffer fills sooner)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    body = b'{"model": "m", "prompt": "x", "stream": true, "ignore_eos": true, "max_tokens": 1000000}'
+    await asyncio.get_running_loop().sock_sendall(sock, head(len(body)) + body)
+    return sock
+
+
+def dropped(sock: socket.socket) -> bool:
+    """Whether the router has closed this connection (reset, or an end after what it had sent)."""
+    sock.setblocking(True)
+    sock.settimeout(1.0)
+    until = time.monotonic() + 2
+    try:
+        while sock.recv(1 << 20):
+            if time.monotonic() > until:
+                return False  # still streaming to a client that reads again
+        return True  # the end of the stream
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False  # still streaming: the router kept the client
+
+
+def test_clients_that_stop_reading_are_dropped_within_the_write_deadline_and_their_requests_cancelled():
+    async def scenario():
+        engine = await FloodEngine().start()
+        router = routed(engine, write_timeout=0.5)
+        async with router_on_port(router) as (client, port):
+            readers = [await non_reader(port) for _ in range(8)]
+            await until("every stream to begin", lambda: engine.running == 8)
+            await until("the stalled clients to be dropped", lambda: engine.running == 0, timeout=5)
+            assert engine.cancelled == 8 and router.inflight == {}  # the engine's requests were cancelled
+            stalled = [await asyncio.to_thread(dropped, sock) for sock in readers]
+            assert all(stalled)
+            text = (await (await client.get("/metrics")).read()).decode()
+            assert metric(text, "kaon_router_stalled_clients_total", namespace="ns", inferenceservice="svc") == 8
+            assert "kaon_router_ejections_total{" not in text  # the client's doing, not the pod's: none ejected
+            for sock in readers:
+                sock.close()
+        await engine.stop()
+
+    run(scenario())

@@ -18,6 +18,10 @@ class RouterConfig:
     `stream` gets its headers only with the whole completion, so this bounds the longest one."""
     idle_timeout: float = 300.0
     """Seconds a response (a stream) may go without sending anything once it began."""
+    write_timeout: float = 30.0
+    """Seconds one write of a response may wait for the client to take it (its socket buffer is
+    full: it stopped reading); then its connection is dropped and the engine's request cancelled,
+    which frees the engine's sequence and the bytes the router held for it."""
     max_attempts: int = 3
     """Pods one request tries when attempts fail before a response began."""
     max_body_bytes: int = 4 << 20  # the engine's own default limit

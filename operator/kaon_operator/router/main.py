@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "`stream` gets them with the whole completion); then another pod, or a 504")
     parser.add_argument("--idle-timeout", type=float, default=DEFAULTS.idle_timeout,
                         help="seconds a stream may send nothing; then it ends with an OpenAI error event")
+    parser.add_argument("--write-timeout", type=float, default=DEFAULTS.write_timeout,
+                        help="seconds one write of a response may wait for a client that stopped reading; then "
+                        "its connection is dropped and the engine's request cancelled")
     parser.add_argument("--max-attempts", type=int, default=DEFAULTS.max_attempts,
                         help="pods one request tries when attempts fail before a response began")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     router = Router(table, RouterConfig(
         queue_timeout=args.queue_timeout, max_queued=args.max_queued, backoff=args.backoff,
         connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
-        idle_timeout=args.idle_timeout, max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes,
+        idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
+        max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes,
         max_buffered_bytes=args.max_buffered_bytes, max_connections=args.max_connections,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout))
     watcher = Watcher(server, table, args.namespace)

@@ -88,6 +88,9 @@ class RouterMetrics:
         self.broken = Counter("kaon_router_broken_streams", "Responses that broke off after they began (the engine "
                               "died, reset or went idle): the client got an error event or an unfinished body",
                               SERVICE_LABELS, registry=self.registry)
+        self.stalled_clients = Counter("kaon_router_stalled_clients", "Responses dropped because the client took "
+                                       "none of a write for --write-timeout (it stopped reading); the engine's "
+                                       "request was cancelled", SERVICE_LABELS, registry=self.registry)
         self.ejections = Counter("kaon_router_ejections", "Times an engine pod was ejected after a failure",
                                  SERVICE_LABELS, registry=self.registry)
         self.added_latency = Histogram(

@@ -67,7 +67,7 @@ class Router:
         self.strategies = Strategies()
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(time.monotonic()))
-        self.relay = Relay(config.idle_timeout, self.metrics, self.backoff, self._eject)
+        self.relay = Relay(config.idle_timeout, config.write_timeout, self.metrics, self.backoff, self._eject)
         self._session: aiohttp.ClientSession  # made when the app starts
 
     def _changed(self, key: ServiceKey) -> None:

@@ -1,12 +1,15 @@
 """Copying an engine's response body to the client as it arrives, and how that ended.
 
-The copy stops at the body's end, when the engine's connection fails, or when nothing came
-for --idle-timeout; a client that stopped reading is not an idle engine (below). Streams go
-through an sse.EventFramer, so that only whole events are passed on.
+The copy stops at the body's end, when the engine's connection fails, when nothing came for
+--idle-timeout, or when one write waited --write-timeout for the client to take it (its socket
+buffer full: a client that stopped reading). The two deadlines never mix: the time a write
+waits for the client is not the engine's idleness. Streams go through an sse.EventFramer, so
+that only whole events are passed on.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -22,6 +25,8 @@ class Outcome(StrEnum):
     """Nothing came for --idle-timeout."""
     BROKE_OFF = "broke off"
     """The engine's connection failed part way (Ended.reason says how)."""
+    STALLED = "stalled"
+    """The client took no bytes of one write for --write-timeout."""
 
 
 class Ended(NamedTuple):
@@ -42,27 +47,41 @@ class Pump:
     """Copies `content` (the engine's body) through `framer` to `write` (the client's)."""
 
     def __init__(self, content: aiohttp.StreamReader, write: Callable[[bytes], Awaitable[None]], framer: Framer,
-                 idle_timeout: float):
-        self.content, self.write, self.framer, self.idle_timeout = content, write, framer, idle_timeout
+                 idle_timeout: float, write_timeout: float):
+        self.content, self.write, self.framer = content, write, framer
+        self.idle_timeout, self.write_timeout = idle_timeout, write_timeout
         self.clock = asyncio.get_running_loop().time
         self.last = self.clock()
         """When the engine last sent something, or the client last took it."""
-        self.writing = False
+        self.writing_since: float | None = None
+        """When the write now waiting for the client began; None between writes."""
 
     async def run(self) -> Ended:
-        # One timer per idle period rather than one per chunk (rescheduling a timer costs
-        # about a tenth of relaying a chunk): when it fires, the stream is idle only if
-        # nothing came since `last`; else it is set again.
-        while True:
-            try:
-                async with asyncio.timeout_at(self.last + self.idle_timeout):
-                    return await self._copy()
-            except TimeoutError:
-                if not self.writing and self.clock() - self.last >= self.idle_timeout:
+        # The copy runs as its own task and this one wakes a few times per deadline rather than
+        # once per chunk (a timer per chunk costs about a tenth of relaying it). A write that
+        # begins to wait does not wake it, so while none waits it looks every quarter of
+        # --write-timeout: a stalled client is dropped within 1.25 x --write-timeout.
+        copy = asyncio.ensure_future(self._copy())
+        try:
+            while True:
+                now = self.clock()
+                if self.writing_since is not None and now >= self.writing_since + self.write_timeout:
+                    return Ended(Outcome.STALLED)
+                if self.writing_since is None and now >= self.last + self.idle_timeout:
                     return Ended(Outcome.IDLE)
-                if self.writing and not self.framer.pending and self.content.at_eof():
-                    return Ended(Outcome.COMPLETE)  # the timer fired in the last write
-                self.writing, self.last = False, self.clock()
+                done, _ = await asyncio.wait((copy,), timeout=self._next_look(now) - now)
+                if done:
+                    return copy.result()
+        finally:
+            if not copy.done():
+                copy.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await copy
+
+    def _next_look(self, now: float) -> float:
+        if self.writing_since is not None:
+            return self.writing_since + self.write_timeout
+        return min(self.last + self.idle_timeout, now + self.write_timeout / 4)
 
     async def _copy(self) -> Ended:
         while True:
@@ -73,17 +92,17 @@ class Pump:
             self.last = self.clock()
             if not chunk:  # the end of the body
                 if rest := self.framer.flush():
-                    self.writing = True
-                    await self.write(rest)
+                    await self._write(rest)
                 return Ended(Outcome.COMPLETE)
             if data := self.framer.feed(chunk):
                 await self._write(data)
 
     async def _write(self, data: bytes) -> None:
-        # A slow client is not an idle engine: the time a write waits for the client to read
-        # never counts. (A timer firing in the write stops only its wait for the client; the
-        # data is already queued.)
-        self.writing = True
-        await self.write(data)
-        self.writing = False
+        # Most writes return at once (the data fits the socket's buffer); one that waits, waits
+        # for the client to read, which counts against --write-timeout and not --idle-timeout.
+        self.writing_since = self.last
+        try:
+            await self.write(data)
+        finally:
+            self.writing_since = None
         self.last = self.clock()

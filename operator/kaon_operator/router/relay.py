@@ -4,11 +4,14 @@ A small body of known length is read whole and sent in one write; any other is c
 arrives (pump.py), a stream in whole events (sse.py). The status, headers and body are the
 engine's. A response that breaks off or goes idle after it began cannot change its status any
 more: a stream ends with an OpenAI error event, any other body is left unfinished, and the pod
-is ejected.
+is ejected. A client that stopped reading (one write waited --write-timeout) is dropped at once,
+its buffered bytes with it; leaving the response unread closes the engine's connection, so the
+engine aborts the request. That is the client's doing: the pod is not ejected.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,13 +27,18 @@ from kaon_operator.router.pump import Ended, Outcome, Pump
 from kaon_operator.router.request import HOP_BY_HOP, forwarded
 from kaon_operator.router.sse import EventFramer, Unframed
 
+logger = logging.getLogger("kaon.router")
+
 WHOLE_BODY_BYTES = 1 << 16  # a body of known length up to this is read whole, then sent in one write
+STALLED_LOG_EVERY_S = 10.0  # many clients that stop reading at once make one line, not one each
 
 
 class Relay:
-    def __init__(self, idle_timeout: float, metrics: RouterMetrics, backoff: Backoff[Endpoint],
+    def __init__(self, idle_timeout: float, write_timeout: float, metrics: RouterMetrics, backoff: Backoff[Endpoint],
                  eject: Callable[[ServiceKey, Endpoint, str], None]):
-        self.idle_timeout, self.metrics, self.backoff, self.eject = idle_timeout, metrics, backoff, eject
+        self.idle_timeout, self.write_timeout = idle_timeout, write_timeout
+        self.metrics, self.backoff, self.eject = metrics, backoff, eject
+        self._stalled_unlogged, self._stalled_logged_at = 0, float("-inf")
 
     async def __call__(self, request: web.Request, upstream: aiohttp.ClientResponse, key: ServiceKey,
                        target: Endpoint, overhead: float) -> web.StreamResponse:
@@ -47,14 +55,31 @@ class Relay:
             self._answered(key, target, upstream.status, overhead + time.perf_counter() - received)
             framer = EventFramer() if sse else Unframed()
             try:
-                ended = await Pump(upstream.content, response.write, framer, self.idle_timeout).run()
+                ended = await Pump(upstream.content, response.write, framer, self.idle_timeout,
+                                   self.write_timeout).run()
                 if ended.outcome is Outcome.COMPLETE:
                     await response.write_eof()
+                    return response
+                if ended.outcome is Outcome.STALLED:
+                    self._drop_stalled(request, key, target)
                     return response
             except ConnectionResetError:  # the client went away; closing the upstream aborts the request
                 return response
             await self._broke_off(request, response, key, target, ended, sse)
             return response
+
+    def _drop_stalled(self, request: web.Request, key: ServiceKey, target: Endpoint) -> None:
+        """Abort, not close: a close waits for the buffered bytes to reach a client that never reads."""
+        self.metrics.stalled_clients.labels(*key).inc()
+        self._stalled_unlogged += 1
+        now = time.monotonic()
+        if now - self._stalled_logged_at >= STALLED_LOG_EVERY_S:
+            logger.warning("dropped %d client(s) that stopped reading (a write waited %gs, --write-timeout), the "
+                           "last %s for %s/%s; their engine requests are cancelled", self._stalled_unlogged,
+                           self.write_timeout, request.remote or "?", key.namespace, key.name)
+            self._stalled_unlogged, self._stalled_logged_at = 0, now
+        if request.transport is not None:
+            request.transport.abort()
 
     def _answered(self, key: ServiceKey, target: Endpoint, status: int, added: float) -> None:
         self.metrics.added_latency.observe(added)

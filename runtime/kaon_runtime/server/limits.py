@@ -46,6 +46,9 @@ class Limits:
     """Seconds to receive a request's body once its head is in; then the connection is closed."""
     max_connections: int = 2048
     """Connections (and requests) at once; past it uvicorn answers 503."""
+    write_timeout: float = 30.0
+    """Seconds a response may wait for a client that stopped reading (its socket buffer full); then
+    the connection is dropped, which aborts the request and frees its sequence."""
 
     def prompt_bytes_limit(self, max_model_len: int) -> int:
         return self.max_prompt_bytes or BYTES_PER_TOKEN_BOUND * max_model_len
@@ -67,12 +70,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds to receive a request body once its head is in; then it is closed")
     parser.add_argument("--max-connections", type=int, default=d.max_connections,
                         help="connections at once; past it new requests get a 503")
+    parser.add_argument("--write-timeout", type=float, default=d.write_timeout,
+                        help="seconds a response may wait for a client that stopped reading; then the "
+                        "connection is dropped and its request aborted")
 
 
 def from_args(args: argparse.Namespace) -> Limits:
     return Limits(max_prompt_bytes=args.max_prompt_bytes, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                   max_logprob_entries=args.max_logprob_entries, header_timeout=args.header_timeout,
-                  body_timeout=args.body_timeout, max_connections=args.max_connections)
+                  body_timeout=args.body_timeout, max_connections=args.max_connections,
+                  write_timeout=args.write_timeout)
 
 
 # ---- per request: pure checks --------------------------------------------------------------
@@ -173,11 +180,15 @@ class Admission:
 # ---- per connection: deadlines --------------------------------------------------------------
 
 
-def deadline_protocol(header_timeout: float, body_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol with two deadlines it lacks: a request head must arrive whole within
+def deadline_protocol(header_timeout: float, body_timeout: float, write_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with three deadlines it lacks: a request head must arrive whole within
     `header_timeout` (on a new connection, and from the first byte of a later one on a kept-alive
     connection), and a body within `body_timeout` of its head; past either the connection is closed.
-    (uvicorn's keep-alive timer only runs while no byte of a next request has come.)"""
+    (uvicorn's keep-alive timer only runs while no byte of a next request has come.) And a client
+    may leave the socket's buffer full (it stopped reading) for `write_timeout`: uvicorn's send
+    waits for it without end, so a stream would hold its connection, and its sequence until
+    max_tokens, forever. Then the connection is aborted (a close would wait for the buffer to
+    drain), which the app sees as a disconnect: the stream's generation is aborted."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class Deadlines(AutoHTTPProtocol):  # type: ignore[valid-type, misc]
@@ -185,6 +196,7 @@ def deadline_protocol(header_timeout: float, body_timeout: float) -> type[asynci
             self._deadline: asyncio.TimerHandle | None = None
             self._phase = ""  # what the deadline armed is for: "head" or "body"
             self._watched = None  # the request whose body has the deadline
+            self._stalled: asyncio.TimerHandle | None = None  # armed while the client takes no bytes
             super().connection_made(transport)
             self._arm(header_timeout, "head")
 
@@ -203,7 +215,22 @@ def deadline_protocol(header_timeout: float, body_timeout: float) -> type[asynci
 
         def connection_lost(self, exc) -> None:
             self._cancel()
+            self._unstall()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._unstall()
+            self._stalled = self.loop.call_later(write_timeout, self.transport.abort)
+
+        def resume_writing(self) -> None:
+            self._unstall()
+            super().resume_writing()
+
+        def _unstall(self) -> None:
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
 
         def _arm(self, seconds: float, phase: str) -> None:
             self._cancel()

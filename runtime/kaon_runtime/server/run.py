@@ -80,7 +80,7 @@ def _run(args, engine: AsyncEngine) -> int:
     server = _DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                        timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
-                       http=limits.deadline_protocol(bounds.header_timeout, bounds.body_timeout),
+                       http=limits.deadline_protocol(bounds.header_timeout, bounds.body_timeout, bounds.write_timeout),
                        limit_concurrency=bounds.max_connections),
         app.state.server, args.drain_timeout)
     server.run()
