@@ -41,6 +41,13 @@ def test_an_adapter_resolves_to_its_service_under_the_tenancy_rules():
     assert table(isvc("llama", adapters=["qwen"]), isvc("qwen")).resolve("qwen") == ServiceKey(NS, "qwen")
 
 
+def test_the_models_listing_names_the_adapters_after_the_services():
+    t = table(isvc("llama", adapters=["sql", "qwen"]), isvc("qwen"), isvc("mistral", "other", adapters=["legal"]))
+    assert [(name, s.key.name) for name, s in t.addressable()] == [
+        ("llama", "llama"), ("other/mistral", "mistral"), ("qwen", "qwen"), ("other/legal", "mistral"),
+        ("sql", "llama")]  # the adapter `qwen` is shadowed by the served name
+
+
 def test_the_engine_gets_the_adapters_own_name():
     t = table(isvc("llama", adapters=["sql"]))
     svc = t.service(ServiceKey(NS, "llama"))

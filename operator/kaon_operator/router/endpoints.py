@@ -217,9 +217,12 @@ class EndpointTable:
         return sorted(cast("Iterable[Service]", self._names.qualified.values()), key=lambda s: s.key)
 
     def addressable(self) -> list[tuple[str, Service]]:
-        """Every `model` a client may send here, with the InferenceService it reaches."""
-        return cast("list[tuple[str, Service]]",
-                    naming.addressable(self._names, self.default_namespace, self.cluster_wide_names))
+        """Every `model` a client may send here, with the InferenceService it reaches: served names,
+        then the adapters (those a served name does not shadow)."""
+        served = cast("list[tuple[str, Service]]",
+                      naming.addressable(self._names, self.default_namespace, self.cluster_wide_names))
+        adapters = naming.addressable(self._adapters, self.default_namespace, self.cluster_wide_names)
+        return served + [(n, self._services[ServiceKey(*a.key)]) for n, a in adapters if self.resolve(n) == a.key]
 
     # pods --------------------------------------------------------------------
 
