@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from kaon_operator import api, autoscale_loop, autoscaler, predictive, scraper
+from kaon_operator import api, autoscale_loop, autoscaler, model_bias, predictive, scraper
 from kaon_operator.autoscaler import Sample
 from kaon_operator.perf_model import PerfModel
 from support.metrics_text import engine_metrics_text
@@ -71,10 +71,10 @@ def test_missing_metrics_hold():
 
 
 def test_the_observed_p99_corrects_the_model_within_bounds():
-    fast = predictive.bias(steady(900, ttft=0.1), MODEL, spec())
-    slow = predictive.bias(steady(900, ttft=0.3), MODEL, spec())
+    fast = model_bias.bias(steady(900, ttft=0.1), MODEL, spec())
+    slow = model_bias.bias(steady(900, ttft=0.3), MODEL, spec())
     assert fast < 1 < slow
-    assert predictive.bias(steady(900, ttft=60.0), MODEL, spec()) == predictive.BIAS_BOUNDS[1]
+    assert model_bias.bias(steady(900, ttft=60.0), MODEL, spec()) == model_bias.BIAS_BOUNDS[1]
     # A model that says the replicas are slower than they are keeps fewer when corrected.
     assert decide(steady(900, rate=9.0, ttft=0.15)).replicas < decide(steady(900, rate=9.0, ttft=0.4)).replicas
 

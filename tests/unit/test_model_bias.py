@@ -1,0 +1,65 @@
+"""The bias the predictive policy learns from observed latencies, pure, and the scale-down
+rules that rest on it: no return to a count whose load the model has been seen to misjudge."""
+from __future__ import annotations
+
+import math
+
+from kaon_operator import api, model_bias, predictive
+from kaon_operator.autoscaler import Sample
+from kaon_operator.model_bias import Judged
+from kaon_operator.perf_model import PerfModel
+
+MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, cold_start_seconds=30.0)
+TICK = 5.0
+SPEC = api.AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=10, target_p99_latency_seconds=0.3,
+                           latency_metric="ttft", policy="predictive", profile="engine-profile")
+
+
+def stretch(start: float, seconds: float, ready: int, rate: float, ttft: float,
+            slow_share: float = 0.0, waiting: float = 0.0) -> list[Sample]:
+    """Scrapes of `ready` replicas at `rate` requests/s of 144-token prompts, each request in
+    `ttft` seconds (a `slow_share` of them in twice the target), `waiting` queued."""
+    finished = rate * TICK
+    slow = finished * slow_share
+    latency = ((ttft, finished - slow), (0.6, finished), (math.inf, finished)) if slow else \
+        ((ttft, finished), (math.inf, finished))
+    return [Sample(time=start + i * TICK, ready=ready, running=3.0, waiting=waiting, finished=finished, latency=latency,
+                   prompt_tokens=finished * 144, output_tokens=finished * 72) for i in range(int(seconds / TICK))]
+
+
+def test_a_bias_is_carried_only_to_a_load_no_heavier_than_it_was_seen_at():
+    fine, slow = ((0.2, 100.0), (math.inf, 100.0)), ((0.4, 100.0), (math.inf, 100.0))
+    stretches = [Judged(fine, 0.2, 0.25), Judged(slow, 0.2, 0.45)]
+    assert model_bias.at_load(stretches, 0.4, 1.0) > 1.9  # the heavier stretch was twice as slow as predicted
+    assert model_bias.at_load(stretches, 0.5, 1.0) == 1.0  # nothing seen that heavy: the current bias
+    assert model_bias.at_load(stretches, 0.4, 2.0) == 2.0  # never below the current one
+
+
+def test_the_load_of_a_confident_miss_is_a_ceiling():
+    assert model_bias.utilization_ceiling(stretch(0, 600, 4, 6.0, 0.2), MODEL, SPEC) == model_bias.MAX_UTILIZATION
+    missed = stretch(0, 600, 3, 6.3, 0.2, slow_share=0.05) + stretch(600, 600, 4, 6.0, 0.2)
+    ceiling = model_bias.utilization_ceiling(missed, MODEL, SPEC)
+    assert ceiling == MODEL.predict(6.3 / 3, 144, 72).utilization
+
+
+def test_no_scale_down_into_the_count_the_last_scale_up_left():
+    # Three replicas ran 40% slower than the model says (just inside the target, no miss), so
+    # the bias rose and a fourth came; on four the model is right again, and the newest bias
+    # says three would do. They would not: the history has seen three at this load.
+    history = stretch(0, 600, 3, 6.3, 0.295) + stretch(600, 1200, 4, 6.0, 0.19)
+    now = history[-1].time
+    assert model_bias.bias(history, MODEL, SPEC) < 1.1
+    decision = predictive.decide(history, SPEC, 4, now, 600.0, model=MODEL)
+    assert decision.replicas == 4, decision.reason
+    # Without the three-replica stretch the same newest history goes down.
+    assert predictive.decide(history[120:], SPEC, 4, now, 600.0, model=MODEL).replicas == 3
+
+
+def test_no_scale_down_to_a_load_that_confidently_missed_the_target():
+    # Three replicas missed the target with a queue (a transient the bias leaves out); four
+    # are fine and the bias says three would do: the miss's load is a ceiling.
+    missed = stretch(0, 600, 3, 6.3, 0.2, slow_share=0.05, waiting=30.0)
+    history = missed + stretch(600, 1200, 4, 6.0, 0.19)
+    assert not [j for j in model_bias.judged(missed, MODEL, SPEC)]
+    decision = predictive.decide(history, SPEC, 4, history[-1].time, 600.0, model=MODEL)
+    assert decision.replicas == 4, decision.reason
