@@ -86,3 +86,26 @@ def test_adapters_by_name_listed_loaded_and_unloaded(setup):
                            json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
     assert not_found.status_code == 404 and error_body(not_found)["code"] == "model_not_found"
     assert _tokens(client, base, PROMPTS[None]) == expected[None]
+
+
+def test_adapters_from_s3_at_start_and_at_run_time(setup, minio, tmp_path):
+    """hf:// and s3:// adapters are downloaded into the model cache as models are (the operator loads
+    spec.adapters this way); a download that fails is a 400 naming the URI, and the base keeps serving."""
+    _, base, dirs, _, expected = setup
+    for name in ("mlp", "qv"):
+        minio.upload_dir("adapters", name, dirs[name])
+    server = Server(tmp_path, "--model", base, "--max-loras", "2", "--model-cache", str(tmp_path / "cache"),
+                    "--lora-modules", "mlp=s3://adapters/mlp", env=minio.env())
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert _tokens(client, "mlp", PROMPTS["mlp"]) == expected["mlp"]
+        loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=60,
+                            json={"lora_name": "qv", "lora_path": "s3://adapters/qv"})
+        assert loaded.status_code == 200, loaded.text
+        assert _tokens(client, "qv", PROMPTS["qv"]) == expected["qv"]
+        missing = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=60,
+                             json={"lora_name": "gone", "lora_path": "s3://adapters/nowhere"})
+        assert missing.status_code == 400 and "s3://adapters/nowhere" in error_body(missing)["message"]
+        assert _tokens(client, base, PROMPTS[None]) == expected[None]
+    finally:
+        server.stop()

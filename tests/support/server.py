@@ -16,7 +16,7 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 
 
 class Server:
-    def __init__(self, tmp: Path, *extra: str):
+    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None):
         # The free port is only reserved until the server binds it, after loading the model; on
         # a busy machine something else can take it in between, so try another one then.
         for attempt in range(3):
@@ -25,13 +25,14 @@ class Server:
                 self.port = s.getsockname()[1]
             self.url = f"http://127.0.0.1:{self.port}"
             self.log = tmp / f"serve-{self.port}.log"
-            env = {**os.environ, "PYTHONPATH": f"{RUNTIME}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-            env.pop("KAON_API_KEY", None)
+            environment = {**os.environ, **(env or {}),
+                           "PYTHONPATH": f"{RUNTIME}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            environment.pop("KAON_API_KEY", None)
             with open(self.log, "wb") as log:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--port", str(self.port),
                      "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *extra],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
+                    stdout=log, stderr=subprocess.STDOUT, env=environment)
             if self._wait_ready(last_attempt=attempt == 2):
                 return
 

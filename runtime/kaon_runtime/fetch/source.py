@@ -83,6 +83,7 @@ def cache_dir_name(source: Source) -> str:
 
 
 # The files of a repository the engine reads; everything else (other formats, README, images) stays out.
+ADAPTER_CONFIG = "adapter_config.json"
 HF_DIR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json",
                 "quantize_config.json")  # older GPTQ checkpoints keep their quantization there
@@ -104,7 +105,7 @@ def check_file_name(name: str, where: str) -> str:
 
 def select_files(names: list[str], gguf_file: str | None, where: str) -> list[str]:
     """Which of a repository's (or prefix's) files to download: config, safetensors and tokenizer
-    files at the top level, or one GGUF file."""
+    files at the top level, a LoRA adapter's config and safetensors, or one GGUF file."""
     if gguf_file:
         if gguf_file not in names:
             ggufs = sorted(n for n in names if n.endswith(".gguf"))
@@ -113,6 +114,8 @@ def select_files(names: list[str], gguf_file: str | None, where: str) -> list[st
         return [gguf_file]
     top = [n for n in names if "/" not in n]
     safetensors = sorted(n for n in top if n.endswith(".safetensors"))
+    if safetensors and ADAPTER_CONFIG in top:  # a LoRA adapter (PEFT's layout): no config.json, no tokenizer
+        return [ADAPTER_CONFIG] + safetensors
     if safetensors:
         if "config.json" not in top:
             raise FetchError(INVALID, f"{where} has *.safetensors but no config.json")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -60,6 +61,8 @@ class ServerSettings:
     task: str = "generate"  # or "embed": /v1/embeddings instead of the generating routes (server/embeddings.py)
     pooling: str = "last"  # how --task embed pools the hidden states (engine/pooling.py)
     matryoshka: bool | list[int] = False  # the embedding lengths `dimensions` may ask for besides the model's own
+    fetch_adapter: Callable[[str], str] | None = None
+    """Downloads a LoRA adapter given as hf:// or s3:// (the CLI passes kaon fetch's); None: local paths only."""
 
 
 class APIError(Exception):

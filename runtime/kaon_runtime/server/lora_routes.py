@@ -1,11 +1,15 @@
 """Loading and unloading LoRA adapters at run time, as vLLM exposes it: POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter with {"lora_name", "lora_path"}; the app guards them with the API key.
+A lora_path may be hf:// or s3:// (downloaded into the model cache first, as the model was), which
+is how the operator loads the adapters of spec.adapters.
 
 An adapter that does not fit the model (another base, target modules the engine cannot serve, a
 rank over --max-lora-rank) is refused at load with the reason (400); unloading an unknown name
 is a 404. The replies are vLLM's plain-text ones.
 """
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -36,7 +40,13 @@ class UnloadLoraAdapterRequest(BaseModel):
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> str:
     if body.lora_name == request.app.state.settings.model_name:
         raise InvalidRequestError(f"{body.lora_name!r} is the base model's name")
-    await request.app.state.engine.add_lora(body.lora_name, body.lora_path)
+    path = body.lora_path
+    if path.startswith(("hf://", "s3://")):
+        fetch_adapter = request.app.state.settings.fetch_adapter
+        if fetch_adapter is None:
+            raise InvalidRequestError(f"{path}: this server downloads no adapters; give a local directory")
+        path = await asyncio.to_thread(fetch_adapter, path)  # a download: off the event loop
+    await request.app.state.engine.add_lora(body.lora_name, path)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 import uvicorn
 
@@ -59,22 +60,24 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(config: EngineConfig, args) -> int:
-    """Serve `config`'s model: the CLI built the engine configuration; `args` are the server's own flags."""
+def serve(config: EngineConfig, args, fetch_adapter: Callable[[str], str] | None = None) -> int:
+    """Serve `config`'s model: the CLI built the engine configuration; `args` are the server's own flags;
+    `fetch_adapter` turns a LoRA adapter's hf:// or s3:// path into a local directory."""
     llm_engine = LLMEngine(config, show_progress=False)
     try:
-        return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue, stall_timeout_s=args.stall_timeout))
+        return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue, stall_timeout_s=args.stall_timeout),
+                    fetch_adapter)
     finally:
         llm_engine.close()  # the tensor-parallel workers, if any
 
 
-def _run(args, engine: AsyncEngine) -> int:
+def _run(args, engine: AsyncEngine, fetch_adapter: Callable[[str], str] | None) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                               api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,
                               tool_call_parser=args.tool_call_parser, limits=limits.from_args(args),
                               task="embed" if args.task == "embed" else "generate",
                               pooling=pooling_of_checkpoint(args.model) if args.pooling == "auto" else args.pooling,
-                              matryoshka=matryoshka_of_checkpoint(args.model))
+                              matryoshka=matryoshka_of_checkpoint(args.model), fetch_adapter=fetch_adapter)
     app = create_app(engine, settings)
     bounds = settings.limits
     server = _DrainingServer(
