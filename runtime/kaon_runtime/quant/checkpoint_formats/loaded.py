@@ -129,6 +129,7 @@ class InputPermutedLinear(nn.Module):
     def __init__(self, inner: nn.Module, perm: torch.Tensor):
         super().__init__()
         self.inner = inner
+        self.in_features, self.out_features = perm.numel(), inner.out_features  # as an nn.Linear's (LoRA reads them)
         self.register_buffer("perm", perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
