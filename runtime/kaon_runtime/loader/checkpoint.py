@@ -22,8 +22,6 @@ class Checkpoint:
     tokenizer: Tokenizer
     num_tensors: int
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    # GGUF only: the raw blocks of the Q4_1 tensors, HF-named, rows in HF order, uint8 [rows, K / 32, 20].
-    q4_1_blocks: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
     # HF directories quantized by their publisher (AWQ, GPTQ, compressed-tensors): config.json's
     # quantization_config, and every tensor's name (cheap: the safetensors headers).
     quantization_config: dict | None = None

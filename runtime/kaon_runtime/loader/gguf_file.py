@@ -83,13 +83,7 @@ def load_gguf(path: Path) -> Checkpoint:
             rows = torch.from_numpy(np.array(tensor.data)).view(tensor.data.shape[0], -1)
             yield name, tensor.tensor_type.name, hf_rows(name, rows)  # Q/K rows move whole: blocks never span rows
 
-    def q4_1_blocks():  # Checkpoint's older field, read by engines that predate quantized_blocks
-        for name, type_name, rows in quantized_blocks():
-            if type_name == "Q4_1":
-                yield name, rows.view(rows.shape[0], -1, 20)
-
-    has_q4_1 = any(t.tensor_type.name == "Q4_1" for t in quantized)
-    return GgufCheckpoint(path, config, tokenizer, len(reader.tensors), weights, q4_1_blocks if has_q4_1 else None,
+    return GgufCheckpoint(path, config, tokenizer, len(reader.tensors), weights,
                           quantized_blocks=quantized_blocks if quantized else None,
                           quantized_types=frozenset(t.tensor_type.name for t in quantized))
 
