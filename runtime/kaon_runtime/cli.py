@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from kaon_runtime.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
-from kaon_runtime.errors import InvalidRequestError, KaonError, ModelDoesNotFitError
+from kaon_runtime.errors import KaonError, ModelDoesNotFitError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
 from kaon_runtime.server import limits
@@ -279,28 +279,12 @@ def engine_config(args) -> EngineConfig:
 
 
 def _serve(args) -> int:
+    from kaon_runtime.fetch.fetch import adapter_fetcher
     from kaon_runtime.server.run import serve
 
     fetch_adapter = adapter_fetcher(args.model_cache)
     args.lora_modules = [(name, fetch_adapter(path)) for name, path in args.lora_modules]
     return serve(engine_config(args), args, fetch_adapter=fetch_adapter)
-
-
-def adapter_fetcher(cache: Path):
-    """How a LoRA adapter's path becomes a local directory: hf:// and s3:// are downloaded into the
-    model cache as models are (with the same credentials); a fetch that fails is a bad request
-    naming the adapter's URI, so a failed adapter never stops the base model. Handed to the server,
-    which may not import kaon fetch itself (they are siblings)."""
-    def fetch_adapter(path: str) -> str:
-        if not path.startswith(FETCHED_SCHEMES):
-            return path
-        from kaon_runtime.fetch.fetch import fetch
-
-        try:
-            return str(fetch(path, cache))
-        except FetchError as e:
-            raise InvalidRequestError(f"adapter {path}: {e.kind}: {e.message}") from e
-    return fetch_adapter
 
 
 if __name__ == "__main__":

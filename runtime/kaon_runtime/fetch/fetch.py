@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.fetch import store
 from kaon_runtime.fetch.source import (
+    FETCHED_SCHEMES,
     INVALID,
     NOT_FOUND,
     FetchError,
@@ -59,6 +61,21 @@ def fetch(uri: str, cache: Path = DEFAULT_CACHE, *, revision: str | None = None,
     if gguf_file is None and (path / "config.json").is_file():
         check_fit(parse_config((path / "config.json").read_text(), source.uri), tensor_parallel_size)
     return path
+
+
+def adapter_fetcher(cache: Path = DEFAULT_CACHE) -> Callable[[str], str]:
+    """How a LoRA adapter's path becomes a local directory: hf:// and s3:// are downloaded into the
+    model cache as models are (with the same credentials); a fetch that fails is a bad request
+    naming the adapter's URI, so a failed adapter never stops the base model. The CLI hands it to
+    the server, which may not import kaon fetch itself (they are siblings)."""
+    def fetch_adapter(path: str) -> str:
+        if not path.startswith(FETCHED_SCHEMES):
+            return path
+        try:
+            return str(fetch(path, cache))
+        except FetchError as e:
+            raise InvalidRequestError(f"adapter {path}: {e.kind}: {e.message}") from e
+    return fetch_adapter
 
 
 def _store(source: Source, log):
