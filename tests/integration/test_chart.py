@@ -149,10 +149,10 @@ def test_router_flags_in_values_are_the_commands_own_defaults(helm):
     router = VALUES["router"]
     assert (router["queueTimeout"], router["maxQueued"], router["backoff"], router["connectTimeout"],
             router["firstByteTimeout"], router["idleTimeout"], router["maxAttempts"], router["maxBodyBytes"],
-            router["logLevel"]) == (
+            router["logLevel"], router["writeTimeout"]) == (
         defaults.queue_timeout, defaults.max_queued, defaults.backoff, defaults.connect_timeout,
         defaults.first_byte_timeout, defaults.idle_timeout, defaults.max_attempts, defaults.max_body_bytes,
-        defaults.log_level)
+        defaults.log_level, defaults.write_timeout)
     assert f"--idle-timeout={router['idleTimeout']}" in container(template(helm, []), "kaon-router")["args"]
     # Helm reads numbers as floats; a large one must not come out as 4.194304e+06.
     args = container(template(helm, []), "kaon-router")["args"]
