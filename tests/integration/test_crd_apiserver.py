@@ -52,7 +52,7 @@ def test_a_full_spec_round_trips(crd, namespace):
                    "volumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}}],
                    "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True}],
                    "imagePullSecrets": [{"name": "registry"}], "startupTimeoutSeconds": 3600,
-                   "stallTimeoutSeconds": 60},
+                   "stallTimeoutSeconds": 60, "task": "embed", "maxLoras": 8, "maxLoraRank": 32},
         "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
         "scheduling": {"nodeSelector": {"gpu": "h100"},
                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -64,6 +64,7 @@ def test_a_full_spec_round_trips(crd, namespace):
                         "scaleDownStabilizationSeconds": 120, "maxStep": 4, "scaleToZeroIdleSeconds": 600,
                         "scaleFromZeroTimeoutSeconds": 300, "policy": "predictive", "profile": "llama-profile"},
         "routing": {"strategy": "prefix-affinity", "loadBound": 1.5},
+        "adapters": [{"name": "sql", "uri": "s3://adapters/sql"}, {"name": "chat", "uri": "pvc://loras/chat"}],
         "rollout": {"strategy": "Replace"},
         "drainSeconds": 120,
     }
