@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
@@ -44,27 +45,40 @@ def api_schema(fuzzed_server):
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
 def test_no_server_errors_and_responses_match_the_document(api_schema, mode):
-    checks = CHECKS.get_by_names(DOCUMENT_CHECKS)
-    called: set[str] = set()
+    # Each operation gets its share of the examples: drawn across all of them, one of a dozen
+    # could go uncalled. The GETs take no input, so have no invalid one.
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    if mode == GenerationMode.NEGATIVE:
+        operations = [op for op in operations if not op.label.startswith("GET ")]
+    for operation in operations:
+        _fuzz(operation, mode, examples=max(4, EXAMPLES_PER_MODE // len(operations)))
+    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= set(_fuzzed)
 
-    @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, derandomize=True, database=None,
+
+def _fuzz(operation, mode: GenerationMode, examples: int) -> None:
+    checks = CHECKS.get_by_names(DOCUMENT_CHECKS)
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               phases=[Phase.explicit, Phase.generate],  # shrinking would resend slow requests
               suppress_health_check=list(HealthCheck))
-    @given(case=api_schema.as_strategy(mode))
+    @given(case=operation.as_strategy(mode))
     def fuzz(case):
         shorten(case.body)
         response = case.call(timeout=60)
-        called.add(case.operation.label)
         _fuzzed.append(case.operation.label)
         assert response.status_code < 500, (
             f"{case.operation.label} -> {response.status_code}: {response.text[:500]}\n"
             f"{case.as_curl_command()}")
         case.validate_response(response, checks=checks)
 
-    fuzz()
-    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= called
-    if mode == GenerationMode.POSITIVE:  # the GETs take no input, so have no invalid one
-        assert len(called) == len(list(api_schema.get_all_operations()))
+    try:
+        fuzz()
+    except Unsatisfiable:
+        if mode == GenerationMode.POSITIVE:
+            raise
+        # schemathesis finds no invalid body for some documents (e.g. /v1/embeddings' input is
+        # any of four shapes): nothing to send here; the positive run still fuzzes it.
+        print(f"{operation.label}: no invalid input to generate")
 
 
 # ---- what fuzzing found ------------------------------------------------------------------------

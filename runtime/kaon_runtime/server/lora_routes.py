@@ -19,6 +19,7 @@ from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.server import openapi as doc, protocol as p
 
 RESPONSES: doc.Responses = {
+    200: {"description": "vLLM's plain-text confirmation", "content": {"text/plain": {"schema": {"type": "string"}}}},
     400: {"model": p.ErrorResponse, "description": "The adapter cannot be loaded (the reason), or a bad body"},
     404: {"model": p.ErrorResponse, "description": "No adapter of that name is loaded"},
     **doc.V1_ERRORS}
@@ -36,8 +37,10 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's; the name is what counts
 
 
-@routes.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
-async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> str:
+# The replies are plain text, the errors JSON: the route returns its PlainTextResponse itself, so the
+# document keeps the errors' application/json (a response_class would label them text/plain too).
+@routes.post("/v1/load_lora_adapter", response_model=None, responses=RESPONSES)
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
     if body.lora_name == request.app.state.settings.model_name:
         raise InvalidRequestError(f"{body.lora_name!r} is the base model's name")
     path = body.lora_path
@@ -47,10 +50,10 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> s
             raise InvalidRequestError(f"{path}: this server downloads no adapters; give a local directory")
         path = await asyncio.to_thread(fetch_adapter, path)  # a download: off the event loop
     await request.app.state.engine.add_lora(body.lora_name, path)
-    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@routes.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
-async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> str:
+@routes.post("/v1/unload_lora_adapter", response_model=None, responses=RESPONSES)
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
     request.app.state.engine.remove_lora(body.lora_name)
-    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
