@@ -37,7 +37,10 @@ class WedgeableEngine:
     def validate(self, prompt, params):
         return [1, 2, 3]
 
-    def add_validated(self, request_id, prompt_token_ids, params):
+    def lora_id(self, adapter):
+        return 0  # the base model: no adapters here
+
+    def add_validated(self, request_id, prompt_token_ids, params, lora_id=0):
         self.requests[request_id] = params.max_tokens
 
     def abort_request(self, request_id):
