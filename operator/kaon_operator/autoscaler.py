@@ -42,6 +42,7 @@ with the rules above beside the code that applies them.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kaon_operator import scraper
@@ -169,7 +170,14 @@ def latency_ceiling(history: list[Sample], spec: AutoscalingSpec) -> float | Non
     goal = spec.target_p99_latency_seconds
     if not goal:
         return None
-    ceilings: list[float] = []
+    return min((sum(s.concurrency for s in stretch) / len(stretch) / stretch[0].ready
+                for stretch in missed_stretches(history, goal)), default=None)
+
+
+def missed_stretches(history: list[Sample], goal: float) -> Iterator[list[Sample]]:
+    """The stretches of the history (each newest first) of MIN_LATENCY_REQUESTS requests or more,
+    cut newest first, that keep the same ready replicas and none starting, and confidently
+    missed `goal`."""
     stretch: list[Sample] = []
     for sample in reversed(history):
         if sample.starting or not sample.ready or (stretch and sample.ready != stretch[0].ready):
@@ -180,9 +188,8 @@ def latency_ceiling(history: list[Sample], spec: AutoscalingSpec) -> float | Non
         missed, _, _, n = misses_target(stretch, goal)
         if n >= MIN_LATENCY_REQUESTS:
             if missed:
-                ceilings.append(sum(s.concurrency for s in stretch) / len(stretch) / sample.ready)
+                yield stretch
             stretch = []
-    return min(ceilings, default=None)
 
 
 def _window(history: list[Sample], now: float, seconds: float) -> list[Sample] | None:

@@ -126,18 +126,9 @@ def utilization_ceiling(history: list[Sample], model: PerfModel, spec: Autoscali
     if not goal:
         return MAX_UTILIZATION
     ceiling = MAX_UTILIZATION
-    stretch: list[Sample] = []
-    for sample in reversed(history):
-        if sample.starting or not sample.ready or (stretch and sample.ready != stretch[0].ready):
-            stretch = []
-            if sample.starting or not sample.ready:
-                continue
-        stretch.append(sample)
-        missed, _, _, n = autoscaler.misses_target(stretch, goal)
-        if n < autoscaler.MIN_LATENCY_REQUESTS:
-            continue
+    for stretch in autoscaler.missed_stretches(history, goal):
         demand = load(stretch[::-1])
-        if missed and demand is not None and demand.rate > 0:
-            ceiling = min(ceiling, model.predict(demand.rate / sample.ready, demand.prompt, demand.output).utilization)
-        stretch = []
+        if demand is not None and demand.rate > 0:
+            ceiling = min(ceiling, model.predict(demand.rate / stretch[0].ready, demand.prompt,
+                                                 demand.output).utilization)
     return ceiling
