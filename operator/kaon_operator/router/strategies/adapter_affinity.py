@@ -24,7 +24,7 @@ from kaon_operator.router.strategies import least_connections
 from kaon_operator.router.strategies.base import Attempt, Choice, Strategy
 from kaon_operator.router.strategies.prefix_affinity import choose
 from kaon_operator.router.strategies.prefixes import stable_hash
-from kaon_operator.router.strategies.ring import Ring
+from kaon_operator.router.strategies.ring import Rings
 
 
 class Slots:
@@ -53,7 +53,7 @@ class AdapterAffinity:
     def __init__(self, inner: Strategy):
         self.inner = inner
         self.slots: dict[ServiceKey, dict[Endpoint, Slots]] = {}
-        self.rings: dict[ServiceKey, Ring[Endpoint]] = {}
+        self.rings: Rings[ServiceKey, Endpoint] = Rings(name=lambda e: e.pod)
 
     def pick(self, attempt: Attempt) -> Choice:
         service, usable, inflight, rng = attempt.service, attempt.usable, attempt.inflight, attempt.rng
@@ -61,7 +61,8 @@ class AdapterAffinity:
         if adapter is None:
             return self.inner.pick(attempt)
         slots = self._slots(service.key, attempt.ready, service.max_loras)
-        order = [e for e in self._ring(service.key, attempt.ready).walk(stable_hash(adapter.encode())) if e in usable]
+        ring = self.rings.of(service.key, attempt.ready)
+        order = [e for e in ring.walk(stable_hash(adapter.encode())) if e in usable]
         holding = [e for e in order if adapter in slots[e]]
         first = least_connections.pick(holding, inflight, rng) if holding else None
         target, hit = choose(order, usable, inflight, service.load_bound, first, service.max_num_seqs,
@@ -78,13 +79,7 @@ class AdapterAffinity:
                 known[e] = Slots(size)
         return known
 
-    def _ring(self, key: ServiceKey, ready: tuple[Endpoint, ...]) -> Ring[Endpoint]:
-        ring = self.rings.get(key)
-        if ring is None or ring.members != ready:
-            ring = self.rings[key] = Ring(ready, name=lambda e: e.pod)
-        return ring
-
     def forget(self, key: ServiceKey) -> None:
         self.slots.pop(key, None)
-        self.rings.pop(key, None)
+        self.rings.forget(key)
         self.inner.forget(key)

@@ -48,7 +48,7 @@ from kaon_operator.router.strategies import least_connections
 from kaon_operator.router.strategies.base import Attempt, Choice
 from kaon_operator.router.strategies.prefixes import prefix
 from kaon_operator.router.strategies.records import Homes, KnownPrefixes
-from kaon_operator.router.strategies.ring import Ring
+from kaon_operator.router.strategies.ring import Rings
 
 T = TypeVar("T", bound=Hashable)
 
@@ -149,7 +149,7 @@ class PrefixAffinity:
         """Where each prompt chunk was sent lately."""
         self.homes = Homes()
         """Which pod each conversation went to, while it is active."""
-        self.rings: dict[ServiceKey, Ring[Endpoint]] = {}
+        self.rings: Rings[ServiceKey, Endpoint] = Rings(name=lambda e: e.pod)
 
     def pick(self, attempt: Attempt) -> Choice:
         """A request without a prompt to go by goes by least connections."""
@@ -158,7 +158,7 @@ class PrefixAffinity:
         found = prefix(attempt.path, attempt.payload, str(service.key))
         if found is None:
             return Choice(least_connections.pick(usable, inflight, rng))
-        order = [e for e in self._ring(service.key, attempt.ready).walk(found.anchor) if e in usable]
+        order = [e for e in self.rings.of(service.key, attempt.ready).walk(found.anchor) if e in usable]
         own = found.hashes[found.own_from:]
         first = preferred(own, self.known, order, inflight, rng=rng) or self.homes.home(found.anchor, now)
         target, hit = choose(order, usable, inflight, service.load_bound, first, service.max_num_seqs,
@@ -167,11 +167,5 @@ class PrefixAffinity:
         self.homes.touch(found.anchor, target, now)
         return Choice(target, hit)
 
-    def _ring(self, key: ServiceKey, ready: tuple[Endpoint, ...]) -> Ring[Endpoint]:
-        ring = self.rings.get(key)
-        if ring is None or ring.members != ready:
-            ring = self.rings[key] = Ring(ready, name=lambda e: e.pod)
-        return ring
-
     def forget(self, key: ServiceKey) -> None:
-        self.rings.pop(key, None)
+        self.rings.forget(key)

@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 from kaon_operator.router.strategies.prefixes import stable_hash
 
 T = TypeVar("T", bound=Hashable)
+K = TypeVar("K", bound=Hashable)
 
 VIRTUAL_NODES = 160
 
@@ -39,3 +40,20 @@ class Ring(Generic[T]):
                 if len(order) == len(self.members):
                     break
         return order
+
+
+class Rings(Generic[K, T]):
+    """One ring per key (a service), rebuilt only when its members (the ready pods) change."""
+
+    def __init__(self, name=str):
+        self._name = name
+        self._rings: dict[K, Ring[T]] = {}
+
+    def of(self, key: K, members: tuple[T, ...]) -> Ring[T]:
+        ring = self._rings.get(key)
+        if ring is None or ring.members != members:
+            ring = self._rings[key] = Ring(members, name=self._name)
+        return ring
+
+    def forget(self, key: K) -> None:
+        self._rings.pop(key, None)
