@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
+from serve import free_port, wait_ready  # noqa: E402  (bench/serve.py: the same server start-up)
+
 from kaon_runtime.loader import load_checkpoint, resolve_model  # noqa: E402
 
 MODEL = "builtin://smollm2-135m-instruct"
@@ -46,12 +47,6 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def random_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[str]:
@@ -156,20 +151,6 @@ def print_block(name: str, s: dict) -> None:
     print("=" * 50)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see its log under bench/out")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
-
-
 def bench(name: str, cmd: list[str], ready_path: str, port: int, args, prompts, gaps, tokenizer) -> dict:
     log = ROOT / "bench" / "out" / f"serving_load_{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +158,7 @@ def bench(name: str, cmd: list[str], ready_path: str, port: int, args, prompts, 
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base + ready_path, proc)
+        wait_ready(base + ready_path, proc, timeout=300)
         asyncio.run(run_load(base, MODEL, prompts[:2], [0.0, 0.0], 4, tokenizer))  # warm-up
         results, duration = asyncio.run(run_load(base, MODEL, prompts, gaps, args.output_len, tokenizer))
     finally:
