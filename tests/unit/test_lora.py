@@ -139,6 +139,34 @@ def test_more_adapters_than_slots_evict_and_reload(family):
 
 
 @pytest.mark.slow
+def test_eight_adapters_over_four_slots_in_one_load_serve_each_request_by_its_own_adapter(tmp_path, gguf_path):
+    """The issue's concurrency case: 8 adapters (each changing the tokens its own way) over 4
+    slots, three requests each and the base's, all submitted at once in a shuffled order, so
+    the scheduler must keep swapping adapters in and out while others run: every request's
+    tokens are its own adapter's, none another's."""
+    import random
+
+    from kaon_runtime import LLM
+    base = build_base("llama", tmp_path / "base", gguf_path)
+    dirs = {}
+    for seed, (name, config) in enumerate([*ADAPTERS.items(), *ADAPTERS.items()], 1):
+        name = f"{name}{seed}"
+        dirs[name] = str(tmp_path / name)
+        build_adapter(base, name, tmp_path / name, seed, **config)
+    prompt = list(range(100, 116))  # one prompt for all: only the adapter tells the outputs apart
+    expected = {n: greedy(base if n is None else merged(base, dirs[n]), prompt, 6) for n in [None, *dirs]}
+    assert len({tuple(tokens) for tokens in expected.values()}) == len(expected), "each adapter must differ"
+    names = [None, *dirs] * 3
+    random.Random(0).shuffle(names)
+    llm = LLM(str(tmp_path / "base"), show_progress=False, device="cpu", dtype="float32", adapters=dirs,
+              max_loras=4, max_num_seqs=6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([prompt] * len(names), params, use_tqdm=False, adapter=names)]
+    assert got == [expected[n] for n in names]
+    assert llm.engine.runner.lora.num_loads > len(dirs)  # slots were reused: adapters evicted and reloaded
+
+
+@pytest.mark.slow
 def test_an_adapter_for_another_base_or_unknown_names_are_refused(family, tmp_path):
     from kaon_runtime import LLM
     from kaon_runtime.errors import ModelNotFoundError
