@@ -11,7 +11,7 @@ OpenAPI document is generated from them together.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -345,25 +345,35 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class OmitsNone(BaseModel):
+    """A model whose `omitted_when_none` fields are left out of its JSON while None, as OpenAI
+    leaves out what a response has not got (a null would read as present)."""
+
+    omitted_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        for key in self.omitted_when_none:
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
+
+
 class PromptLogprob(BaseModel):
     logprob: float
     decoded_token: str
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(OmitsNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)  # vLLM sends it only when asked
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     # vLLM's: per prompt token (None first), its token id -> logprob, and the top alternatives.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-    @model_serializer(mode="wrap")
-    def _prompt_logprobs_when_asked(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("prompt_logprobs") is None:
-            out.pop("prompt_logprobs", None)
-        return out
 
 
 class CompletionResponse(BaseModel):
@@ -397,17 +407,12 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(OmitsNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("tool_calls",)  # only when calls were made
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
-
-    @model_serializer(mode="wrap")
-    def _calls_only_when_made(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
 
 
 class ChatChoice(BaseModel):
@@ -417,7 +422,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitsNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -426,45 +433,31 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked for
 
-    @model_serializer(mode="wrap")
-    def _prompt_logprobs_when_asked(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("prompt_logprobs") is None:
-            out.pop("prompt_logprobs", None)
-        return out
 
+class DeltaFunction(OmitsNone):
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("name", "arguments")
 
-class DeltaFunction(BaseModel):
     name: str | None = None
     arguments: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(OmitsNone):
     """A streamed call: index, id, type and name in its first chunk, then fragments of its arguments."""
 
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("id", "type")
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunction
 
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
+class DeltaMessage(OmitsNone):
+    # A delta carries only what changed: the role once, then content; the last one is {}.
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("role", "content", "tool_calls")
 
-class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict[str, Any]:
-        # A delta carries only what changed: the role once, then content; the last one is {}.
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
