@@ -152,8 +152,6 @@ class EngineConfig:
              f"{self.prompt_lookup_max}"),
             (self.max_loras >= 0 and self.max_lora_rank >= 1,
              f"need max_loras >= 0 and max_lora_rank >= 1, got {self.max_loras} and {self.max_lora_rank}"),
-            (not (self.lora_enabled and self.tensor_parallel_size > 1),
-             "LoRA adapters are not supported with tensor_parallel_size > 1 yet"),
         ]
         for ok, message in checks:
             if not ok:

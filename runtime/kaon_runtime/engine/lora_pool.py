@@ -10,13 +10,21 @@ Each registration gets a fresh id, never reused: sequences and the prefix cache 
 an adapter unloaded and loaded again under the same name never meets the K/V of the old one.
 An unloaded adapter's weights stay until no request uses them (drop_retired). The server
 registers and unloads from its event loop while the engine thread steps: one lock guards the maps.
+
+Under tensor parallelism only rank 0's pool registers adapters and picks slots; the adapters a step
+puts in slots travel with its plan (loads_for_plan), and every rank copies its own shard of them
+(distributed.lora_sharding) into the same slots.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 
+import torch
+
 from kaon_runtime.config import ModelConfig
+from kaon_runtime.distributed.lora_sharding import cut_lora
+from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.errors import InvalidRequestError, ModelNotFoundError
 from kaon_runtime.layers.lora import LoraBatch, LoraLinear
 from kaon_runtime.loader.lora_adapter import LoraAdapter, load_adapter
@@ -55,8 +63,9 @@ class SlotTable:
 
 class LoraPool:
     def __init__(self, model_config: ModelConfig, batch: LoraBatch,
-                 targets: dict[tuple[int, str], tuple[LoraLinear, int]], max_loras: int, max_rank: int):
-        self.model_config, self.batch, self.targets = model_config, batch, targets
+                 targets: dict[tuple[int, str], tuple[LoraLinear, int]], max_loras: int, max_rank: int,
+                 tp: TensorParallel = TensorParallel()):
+        self.model_config, self.batch, self.targets, self.tp = model_config, batch, targets, tp
         self.max_loras, self.max_rank = max_loras, max_rank
         self.table = SlotTable(max_loras)
         self.by_name: dict[str, int] = {}
@@ -65,6 +74,7 @@ class LoraPool:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.num_loads = 0  # adapters copied into a slot (a reload after eviction counts again)
+        self._to_share: list[tuple[int, LoraAdapter]] = []  # (slot, adapter) loaded since loads_for_plan
 
     def add(self, name: str, path: str) -> LoraAdapter:
         """Register an adapter; raises AdapterError (the reason it does not fit) or InvalidRequestError."""
@@ -111,12 +121,30 @@ class LoraPool:
         for slot, adapter_id in loads:
             with self._lock:
                 adapter = self.adapters[adapter_id]
-            self._load(slot, adapter)
+            self.load_weights(slot, adapter.weights)
+            if self.tp.size > 1:
+                self._to_share.append((slot, adapter))
         return slots
 
-    def _load(self, slot: int, adapter: LoraAdapter) -> None:
-        for key, (module, part) in self.targets.items():
-            ab = adapter.weights.get(key)
+    def loads_for_plan(self) -> list[tuple[int, dict]]:
+        """The loads since the last call, as the other ranks receive them: (slot, whole weights as numpy
+        arrays, which pickle by value through the workers' pipes, not through shared memory)."""
+        loads, self._to_share = self._to_share, []
+        return [(slot, {key: (a.numpy(), b.numpy()) for key, (a, b) in adapter.weights.items()})
+                for slot, adapter in loads]
+
+    def load_from_plan(self, loads: list[tuple[int, dict]]) -> None:
+        """A worker rank's side of loads_for_plan: the same adapters into the same slots."""
+        for slot, weights in loads:
+            self.load_weights(slot, {key: (torch.from_numpy(a), torch.from_numpy(b))
+                                     for key, (a, b) in weights.items()})
+
+    def load_weights(self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy an adapter's (layer, projection) -> (A, B) into a slot, this rank's shard of each."""
+        for (layer, proj), (module, part) in self.targets.items():
+            ab = weights.get((layer, proj))
+            if ab is not None:
+                ab = cut_lora(proj, *ab, self.model_config, self.tp.rank, self.tp.size)
             module.load_slot(slot, part, *(ab if ab is not None else (None, None)))
         self.num_loads += 1
 

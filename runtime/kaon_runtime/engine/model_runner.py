@@ -75,7 +75,7 @@ class ModelRunner:
         self.lora: LoraPool | None = None  # the adapters' slots, wrapped around the loaded (quantized) projections
         if config.lora_enabled:
             batch, targets = attach_lora(self.model, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
-            self.lora = LoraPool(self.model_config, batch, targets, config.lora_slots, config.max_lora_rank)
+            self.lora = LoraPool(self.model_config, batch, targets, config.lora_slots, config.max_lora_rank, tp)
         self.kv_cache = allocate_kv_cache(self.model, config, self.device, self.kv_dtype)
         self.num_blocks = self.kv_cache.shape[3]  # this rank's pool; the engine schedules within the smallest
         self.decode_graphs: DecodeGraphs | None = None
@@ -110,7 +110,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepTokens:
         """Run the batch; return, per sequence that reached its end, its kept drafts and a new token."""
-        plan, seqs = plan_step(batch, self.block_size, self._lora_slots(batch))
+        plan, seqs = self._plan(batch)
         # Grammar masks are filled on a worker thread while the model runs; a step without
         # grammars starts nothing.
         masks = None if self.grammar_masks is None else self.grammar_masks.start(
@@ -132,8 +132,14 @@ class ModelRunner:
 
         A sequence with k drafts gets k + 1 consecutive rows: its last real token's, then each draft's.
         """
-        plan, sampling_seqs = plan_step(batch, self.block_size, self._lora_slots(batch))
+        plan, sampling_seqs = self._plan(batch)
         return sampling_seqs, sample_rows_only(plan, self._run_planned(plan))
+
+    def _plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[Sequence]]:
+        plan, seqs = plan_step(batch, self.block_size, self._lora_slots(batch))
+        if self.lora is not None and self.tp.size > 1:
+            plan.lora_loads = self.lora.loads_for_plan()  # the other ranks load the same slots
+        return plan, seqs
 
     def _lora_slots(self, batch: ScheduledBatch) -> dict[int, int] | None:
         """The slots of the batch's adapters, loaded where they are not (LoraPool.prepare); None: none."""
@@ -159,6 +165,8 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor(plan.padded_decode_tables())
             meta.decode_context_lens = self._tensor(plan.decode_lens)
         if self.lora is not None:
+            if plan.lora_loads and self.tp.rank > 0:  # rank 0 loaded them when it planned the step
+                self.lora.load_from_plan(plan.lora_loads)
             self.lora.batch.set(plan.lora_slots, self.device)
         hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
         self._pooled = pooled_rows(plan, hidden)  # embedding requests' rows (engine/pooling.py); usually none

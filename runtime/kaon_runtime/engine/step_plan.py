@@ -29,6 +29,9 @@ class StepPlan:
     # (engine/pooling.py keeps their final hidden states).
     pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # per token, its adapter's slot (-1: base); empty: none
+    # Under tensor parallelism: the adapters rank 0 put in slots for this step, (slot, weights), which
+    # the other ranks load too (engine.lora_pool's loads_for_plan); empty on one rank.
+    lora_loads: list[tuple[int, dict]] = field(default_factory=list)
 
     def padded_decode_tables(self) -> list[list[int]]:
         """The decode block tables as one rectangle, short rows padded with block 0 (never read)."""

@@ -1,8 +1,9 @@
 """Where LoRA adapters attach to the decoder: PEFT's projection names onto kaon's fused projections.
 
 q/k/v are the three parts of qkv_proj and gate/up the two of gate_up_proj; o_proj and down_proj
-are whole. Under tensor parallelism each rank holds its shard of every part (B cut like the
-projection's output rows, A like its input columns: models.weights' rules for the base weight).
+are whole. Under tensor parallelism the slots take the rank's shape (model.local_config) and each
+rank holds its shard of every adapter (distributed.lora_sharding: A cut like the projection's input,
+B like its output).
 """
 from __future__ import annotations
 
