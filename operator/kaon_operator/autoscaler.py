@@ -136,7 +136,11 @@ def misses_target(samples: list[Sample], goal: float) -> tuple[bool, float | Non
     """Whether more than 1% of the samples' requests took longer than `goal`, with 99%
     confidence (Wilson's lower bound on the share over it): (missed, P99, over, requests).
     A window of 100 requests with 3 slow ones is not a miss; 4 are."""
-    merged = scraper.add_buckets(*(s.latency for s in samples))
+    return histogram_misses(scraper.add_buckets(*(s.latency for s in samples)), goal)
+
+
+def histogram_misses(merged: scraper.Buckets, goal: float) -> tuple[bool, float | None, float, float]:
+    """misses_target on the requests of one (merged) histogram."""
     n = merged[-1][1] if merged else 0.0
     if n < MIN_LATENCY_REQUESTS:
         return False, None, 0.0, n
@@ -150,12 +154,12 @@ def misses_target(samples: list[Sample], goal: float) -> tuple[bool, float | Non
 def recent_miss(history: list[Sample], goal: float, since: float) -> tuple[float, float, float] | None:
     """(P99, requests over the goal, requests) of the newest samples after `since` that show a
     confident miss of `goal`, widening back until they do or the samples run out; None if none."""
-    taken: list[Sample] = []
+    merged: scraper.Buckets = ()
     for sample in reversed(history):
         if sample.time <= since:
             break
-        taken.append(sample)
-        missed, p99, over, n = misses_target(taken, goal)
+        merged = scraper.add_buckets(merged, sample.latency)
+        missed, p99, over, n = histogram_misses(merged, goal)
         if missed and p99 is not None:
             return p99, over, n
     return None
@@ -179,17 +183,19 @@ def missed_stretches(history: list[Sample], goal: float) -> Iterator[list[Sample
     cut newest first, that keep the same ready replicas and none starting, and confidently
     missed `goal`."""
     stretch: list[Sample] = []
+    merged: scraper.Buckets = ()
     for sample in reversed(history):
         if sample.starting or not sample.ready or (stretch and sample.ready != stretch[0].ready):
-            stretch = []
+            stretch, merged = [], ()
             if sample.starting or not sample.ready:
                 continue
         stretch.append(sample)
-        missed, _, _, n = misses_target(stretch, goal)
+        merged = scraper.add_buckets(merged, sample.latency)
+        missed, _, _, n = histogram_misses(merged, goal)
         if n >= MIN_LATENCY_REQUESTS:
             if missed:
                 yield stretch
-            stretch = []
+            stretch, merged = [], ()
 
 
 def _window(history: list[Sample], now: float, seconds: float) -> list[Sample] | None:

@@ -47,14 +47,15 @@ def judged(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> li
         return []
     out: list[Judged] = []
     stretch: list[Sample] = []
+    merged: scraper.Buckets = ()
     for sample in reversed(history):
         queued = sample.ready and sample.waiting / sample.ready > spec.target_queue_depth_per_replica
         if sample.starting or not sample.ready or not sample.complete or queued or \
                 (stretch and sample.ready != stretch[0].ready):
-            stretch = []
+            stretch, merged = [], ()
             continue
         stretch.append(sample)
-        merged = scraper.add_buckets(*(s.latency for s in stretch))
+        merged = scraper.add_buckets(merged, sample.latency)
         if (merged[-1][1] if merged else 0.0) < autoscaler.MIN_LATENCY_REQUESTS:
             continue
         demand = load(stretch[::-1])
@@ -63,7 +64,7 @@ def judged(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> li
             predicted = latency(model, spec, p, demand.output)
             if 0 < predicted < math.inf:
                 out.append(Judged(merged, predicted, p.utilization))
-        stretch = []
+        stretch, merged = [], ()
     return out
 
 
