@@ -69,10 +69,26 @@ typedef struct {
     const float *gscales, *gmins;  /* Q4_F32: [n, k/32]; Q8_G16: [n, k/16], gmins may be NULL */
 } Linear;
 
+/* A projection's LoRA slots (layers/lora.py's LoraLinear): a projection of P parts (q|k|v: 3,
+ * gate|up: 2, else 1) holds per slot A [P * R, k] (the parts' A stacked along the rank) and
+ * B [P * R, n] (part p's rows non-zero only in its own columns), R the pool's max rank, the
+ * scaling folded into B. ranks [slots, P]: the rank each slot's adapter has on each part (0:
+ * it leaves the part alone), so padding and untouched parts cost nothing. a NULL: no slots. */
+#define LORA_PARTS 3
+typedef struct {
+    const float *a, *b;
+    const int32_t *ranks;
+    int32_t parts, rank;
+    int32_t sizes[LORA_PARTS];  /* each part's outputs, side by side in y */
+} Lora;
+
+enum { LORA_QKV = 0, LORA_O = 1, LORA_GATE_UP = 2, LORA_DOWN = 3 };
+
 typedef struct {
     Linear qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
     void *k_cache, *v_cache;  /* [kv_heads, num_blocks, block_size, head_dim]: float32, or float16 (kv_half) */
+    Lora lora[4];             /* by the LORA_ names above */
 } Layer;
 
 typedef struct {
@@ -1024,6 +1040,49 @@ static void attention_chunk(const void *arg, int begin, int end) {
     }
 }
 
+/* Which rows carry an adapter, and which slot each: rows[i] for i < count, ordered by slot so
+ * that the rows of one adapter follow each other (its weights read once from memory, then from
+ * cache). slots: [rows of the step], -1 for the base model. */
+typedef struct {
+    const int64_t *slots, *rows;
+    int count;
+} LoraRows;
+
+typedef struct {
+    const Lora *lora;
+    const LoraRows *rows;
+    int k, n;
+    const float *x;
+    float *y;
+} LoraJob;
+
+/* y[r] += (x[r] @ A[slot].T) @ B[slot] for the listed rows [begin, end): BGMV's shrink and
+ * expand, one part at a time and only over the rank the slot's adapter has on it. */
+static void lora_chunk(const void *arg, int begin, int end) {
+    const LoraJob *job = arg;
+    const Lora *l = job->lora;
+    const int k = job->k, n = job->n, rank = l->rank;
+    float shrunk[rank > 0 ? rank : 1];
+    for (int i = begin; i < end; i++) {
+        const int64_t r = job->rows->rows[i], slot = job->rows->slots[r];
+        const float *x = job->x + (size_t)r * k;
+        float *y = job->y + (size_t)r * n;
+        for (int p = 0, offset = 0; p < l->parts; offset += l->sizes[p], p++) {
+            const int used = l->ranks[slot * l->parts + p];
+            const size_t first = (size_t)slot * l->parts * rank + (size_t)p * rank;
+            for (int j = 0; j < used; j++) shrunk[j] = dot_f32(l->a + (first + j) * k, x, k);
+            for (int j = 0; j < used; j++) axpy(y + offset, shrunk[j], l->b + (first + j) * n + offset, l->sizes[p]);
+        }
+    }
+}
+
+/* A projection's output y [rows, n] gets each adapter row's LoRA term (nothing without slots). */
+static void add_lora(const Lora *l, const LoraRows *rows, int k, int n, const float *x, float *y, int threads) {
+    if (l->a == NULL || rows->count == 0) return;
+    LoraJob job = {l, rows, k, n, x, y};
+    parallel_for(rows->count, threads, lora_chunk, &job);
+}
+
 /* Floats of scratch space kaon_decode needs for `rows` sequences of up to max_blocks blocks:
  * normed and proj [hidden], qkv, attention out [heads * dim], gate_up [2 I], act [I] per row,
  * the attention scores, then kaon_linear's quantized activations. */
@@ -1037,9 +1096,13 @@ size_t kaon_decode_workspace(const Model *md, int rows, int max_blocks) {
 }
 
 /* x [rows, hidden]: the embedded tokens in, the final norm's output out. Each row is one
- * sequence's newest token at positions[r]; its key and value go to slots[r] of the pool. */
+ * sequence's newest token at positions[r]; its key and value go to slots[r] of the pool.
+ * LoRA: lora_slots[r] is row r's adapter slot (-1: the base model), lora_rows the rows with
+ * one, ordered by slot (lora_count of them; 0 and NULLs: no adapters in this step). */
 void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, const int64_t *slots,
-                 const int64_t *tables, int max_blocks, const int64_t *context_lens, float *work, int threads) {
+                 const int64_t *tables, int max_blocks, const int64_t *context_lens, const int64_t *lora_slots,
+                 const int64_t *lora_rows, int lora_count, float *work, int threads) {
+    const LoraRows adapters = {lora_slots, lora_rows, lora_count};
     const int hidden = md->hidden, dim = md->head_dim, heads = md->num_heads, kv_heads = md->num_kv_heads;
     const int qkv_width = (heads + 2 * kv_heads) * dim, inter = md->intermediate, half = dim / 2;
     const int bs = md->block_size;
@@ -1053,6 +1116,7 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         const Layer *L = md->layers + li;
         rms_norm(x, L->input_norm, md->eps, rows, hidden, normed);
         kaon_linear(&L->qkv, rows, normed, qkv, linear_work, threads);
+        add_lora(&L->lora[LORA_QKV], &adapters, hidden, qkv_width, normed, qkv, threads);
         for (int r = 0; r < rows; r++) {
             float *t = qkv + (size_t)r * qkv_width;
             const float *c = md->cos + (size_t)positions[r] * half, *s = md->sin + (size_t)positions[r] * half;
@@ -1068,14 +1132,17 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         AttentionJob job = {md, L, qkv, qkv_width, max_blocks, tables, context_lens, scores, attn};
         parallel_for(rows * md->num_kv_heads, threads, attention_chunk, &job);
         kaon_linear(&L->o, rows, attn, proj, linear_work, threads);
+        add_lora(&L->lora[LORA_O], &adapters, heads * dim, hidden, attn, proj, threads);
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
         rms_norm(x, L->post_norm, md->eps, rows, hidden, normed);
         kaon_linear(&L->gate_up, rows, normed, gate_up, linear_work, threads);
+        add_lora(&L->lora[LORA_GATE_UP], &adapters, hidden, 2 * inter, normed, gate_up, threads);
         for (int r = 0; r < rows; r++) {
             const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
             for (int i = 0; i < inter; i++) act[(size_t)r * inter + i] = silu(g[i]) * u[i];
         }
         kaon_linear(&L->down, rows, act, proj, linear_work, threads);
+        add_lora(&L->lora[LORA_DOWN], &adapters, inter, hidden, act, proj, threads);
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
     }
     atomic_store(&pool.hold, 0);

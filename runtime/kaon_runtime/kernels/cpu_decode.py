@@ -42,10 +42,21 @@ class Linear(ctypes.Structure):
                 ("gmins", ctypes.c_void_p)]
 
 
+LORA_PARTS = 3  # the most parts a fused projection has (q|k|v)
+
+
+class Lora(ctypes.Structure):
+    """A projection's LoRA slots (layers.lora.LoraLinear's a, b and ranks); all zero: none."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
+                ("parts", ctypes.c_int32), ("rank", ctypes.c_int32), ("sizes", ctypes.c_int32 * LORA_PARTS)]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("lora", Lora * 4)]  # qkv, o, gate_up, down
 
 
 class Model(ctypes.Structure):
@@ -116,7 +127,7 @@ def library() -> ctypes.CDLL | None:
     lib.kaon_decode.restype = None
     lib.kaon_decode.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                ctypes.c_void_p, ctypes.c_int]
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -230,14 +241,22 @@ def linear(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def decode(model: Model, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-           block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+           block_tables: torch.Tensor, context_lens: torch.Tensor,
+           lora_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Every layer of a decode step for x [S, hidden] (float32, contiguous, overwritten): returns
-    the final norm's output in x. All index tensors int64 on the CPU; block_tables [S, M]."""
+    the final norm's output in x. All index tensors int64 on the CPU; block_tables [S, M];
+    lora_slots [S]: each row's adapter slot, -1 for the base model (None: no adapters)."""
     lib = library()
     assert lib is not None, "the fused CPU kernels are not built (cpu_decode.library())"
     rows, max_blocks = block_tables.shape
     work = torch.empty(lib.kaon_decode_workspace(ctypes.byref(model), rows, max_blocks), dtype=torch.float32)
+    lora_rows = None
+    if lora_slots is not None:
+        # The adapter rows grouped by slot: one adapter's rows run one after another, its weights in cache.
+        lora_slots = lora_slots.to(torch.int64).contiguous()
+        with_adapter = (lora_slots >= 0).nonzero().flatten()
+        lora_rows = with_adapter[lora_slots[with_adapter].argsort(stable=True)].contiguous()
     lib.kaon_decode(ctypes.byref(model), rows, x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                    block_tables.data_ptr(), max_blocks, context_lens.data_ptr(), work.data_ptr(),
-                    torch.get_num_threads())
+                    block_tables.data_ptr(), max_blocks, context_lens.data_ptr(), _ptr(lora_slots), _ptr(lora_rows),
+                    0 if lora_rows is None else lora_rows.numel(), work.data_ptr(), torch.get_num_threads())
     return x

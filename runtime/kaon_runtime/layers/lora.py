@@ -56,6 +56,9 @@ class LoraLinear(nn.Module):
         # Plain attributes, not buffers: the slots are no part of the model's weights or state dict.
         self.a = torch.zeros(num_slots, len(parts) * max_rank, fan_in, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, len(parts) * max_rank, sum(parts), dtype=dtype, device=device)
+        # Each slot's rank on each part (0: its adapter leaves the part alone): the fused CPU step
+        # (kernels/cpu_decode.c) reads it to skip the padding.
+        self.ranks = torch.zeros(num_slots, len(parts), dtype=torch.int32)
 
     @torch.no_grad()
     def load_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
@@ -63,6 +66,7 @@ class LoraLinear(nn.Module):
         ranks = slice(part * self.rank, (part + 1) * self.rank)
         self.a[slot, ranks].zero_()
         self.b[slot, ranks].zero_()
+        self.ranks[slot, part] = 0 if a is None or b is None else a.shape[0]
         if a is not None and b is not None:
             rank, offset = a.shape[0], self.offsets[part]
             self.a[slot, part * self.rank:part * self.rank + rank].copy_(a)

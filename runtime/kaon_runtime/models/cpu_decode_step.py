@@ -9,6 +9,11 @@ decoder keep torch (`unsupported`).
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
 into the C structs.
+
+LoRA: a projection wrapped in a LoraLinear (models.lora_targets) hands the C step its base
+weights and its slots (float32 A and B, and each slot's ranks), which it reads in place; the
+step takes each row's slot (LoraBatch.slots, -1 for the base) and adds the adapters' terms
+after each projection, any mix of adapters in one call.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from torch import nn
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.layers.attention import AttentionMetadata
+from kaon_runtime.layers.lora import LoraLinear
 
 
 def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
@@ -40,7 +46,8 @@ def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, Attention
 class FusedLayer:
     """What the fused step reads of one decoder layer."""
 
-    qkv: nn.Module  # the projections: float32 nn.Linear, kaon's int8 or its int4 (see linear_weights)
+    qkv: nn.Module  # the projections: float32 nn.Linear, kaon's int8 or its int4 (see linear_weights), or
+    # any of them in a LoraLinear
     o: nn.Module
     gate_up: nn.Module
     down: nn.Module
@@ -104,7 +111,9 @@ def unsupported(config: ModelConfig) -> str | None:
 
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     """A projection as the C step reads it: float32 nn.Linear, kaon's int8 (per channel or in groups of
-    16) or its int4 (groups of 32, float16 or float32 scales)."""
+    16) or its int4 (groups of 32, float16 or float32 scales); a LoraLinear's base."""
+    if isinstance(module, LoraLinear):
+        module = module.base
     bias = getattr(module, "bias", None)
     if type(module) is nn.Linear:
         return cpu_decode.LinearWeights.f32(module.weight, bias)
@@ -121,6 +130,20 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 
 
+def lora_slots(module: nn.Module) -> tuple[cpu_decode.Lora, list[torch.Tensor]] | None:
+    """A projection's LoRA slots as the C step reads them (all zero: it has none), and the tensors
+    they point at; None where it cannot read them (not float32: steps with adapters take torch).
+    The slots are read in place, so adapters loaded later are seen."""
+    if not isinstance(module, LoraLinear):
+        return cpu_decode.Lora(), []
+    if module.a.dtype != torch.float32 or module.a.device.type != "cpu":
+        return None
+    sizes = (ctypes.c_int32 * cpu_decode.LORA_PARTS)(*module.parts)
+    struct = cpu_decode.Lora(a=module.a.data_ptr(), b=module.b.data_ptr(), ranks=module.ranks.data_ptr(),
+                             parts=len(module.parts), rank=module.rank, sizes=sizes)
+    return struct, [module.a, module.b, module.ranks]
+
+
 class CpuDecodeStep:
     """Holds the C structs that point at the decoder's weights and KV pool (built on first use:
     the pool is attached after the model is made, and built again when it changes)."""
@@ -129,6 +152,7 @@ class CpuDecodeStep:
         self.decoder, self.config = decoder, config
         self.max_rows = max_rows  # wider steps go to torch
         self._built: tuple[int, cpu_decode.Model, list] | None = None
+        self._reads_lora = False
 
     def check(self) -> None:
         """Raise ValueError if a projection has no fused kernel (call once the weights are loaded)."""
@@ -142,15 +166,21 @@ class CpuDecodeStep:
             return self._built[1]
         c, weights = self.config, self.decoder.fused_weights()
         keep: list[object] = []  # what the structs point into, alive as long as they are
+        reads_lora = True
         layers = weights.layers
         structs = (cpu_decode.Layer * len(layers))()
         for i, layer in enumerate(layers):
-            linears = [linear_weights(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            linears = [linear_weights(m) for m in projections]
+            found = [lora_slots(m) for m in projections]
+            loras = [slots or (cpu_decode.Lora(), []) for slots in found]
+            reads_lora = reads_lora and None not in found
             norms = [n.detach().float().contiguous() for n in (layer.input_norm, layer.post_attention_norm)]
-            keep += [*linears, *norms]
+            keep += [*linears, *norms, *(tensors for _, tensors in loras)]
             assert layer.k_cache is not None and layer.v_cache is not None, "the KV pool is not attached"
             structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
-                                          layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
+                                          layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
+                                          (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)))
         final_norm = weights.final_norm.detach().float().contiguous()
         keep += [structs, weights.cos, weights.sin, final_norm]
         first_cache = layers[0].k_cache
@@ -167,8 +197,13 @@ class CpuDecodeStep:
             eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
             layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)))
-        self._built = (address, model, keep)
+        self._built, self._reads_lora = (address, model, keep), reads_lora
         return model
+
+    def reads_lora(self) -> bool:
+        """Whether the step can add the adapters (their slots are float32), else their steps take torch."""
+        self._model()
+        return self._reads_lora
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         return not meta.prefills and self.max_rows >= meta.num_decode_tokens == x.shape[0] > 0
@@ -177,9 +212,11 @@ class CpuDecodeStep:
         """A mixed step whose decodes the C step can take on their own (see split_decodes)."""
         return bool(meta.prefills) and 0 < meta.num_decode_tokens <= self.max_rows
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode step; lora_slots [rows]: each row's adapter slot, -1 for the base (None: no adapters)."""
         hidden = x.float().clone(memory_format=torch.contiguous_format)  # written in place by the C step
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         assert tables is not None and lens is not None, "a decode step's metadata"
         return cpu_decode.decode(self._model(), hidden, positions.contiguous(), meta.slot_mapping.contiguous(),
-                                 tables.contiguous(), lens.contiguous())
+                                 tables.contiguous(), lens.contiguous(), lora_slots)

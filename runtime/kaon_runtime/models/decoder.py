@@ -24,7 +24,7 @@ from kaon_runtime.distributed.sharding import local_config
 from kaon_runtime.layers.activation import GATED_ACTIVATIONS
 from kaon_runtime.layers.attention import Attention, AttentionMetadata
 from kaon_runtime.layers.kernel_backend import KernelBackend, torch_kernels
-from kaon_runtime.layers.lora import LoraBatch, LoraLinear
+from kaon_runtime.layers.lora import LoraBatch
 from kaon_runtime.layers.moe import SparseMoE
 from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
@@ -121,14 +121,8 @@ class DecoderLayer(nn.Module):
         """What the fused CPU decode step reads of this layer (a plain Llama-family layer)."""
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, GatedMLP), "the fused step has no experts"
-        qkv, o, gate_up, down = (_without_lora(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                             mlp.down_proj))
-        return FusedLayer(qkv, o, gate_up, down, self.input_layernorm.weight,
+        return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)
-
-
-def _without_lora(module: nn.Module) -> nn.Module:
-    return module.base if isinstance(module, LoraLinear) else module
 
 
 class DecoderModel(nn.Module):
@@ -158,17 +152,24 @@ class DecoderModel(nn.Module):
         return 0 if cache is None else cache.data_ptr()
 
     def forward(self, x, positions, meta):
-        # The fused C step has no LoRA: a step where any token has an adapter runs through torch.
-        step = None if self.lora is not None and self.lora.active else self.cpu_decode
+        # The fused C step adds the adapters itself (each row's slot), where it can read their slots.
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        step = self.cpu_decode
+        if step is not None and lora is not None and not step.reads_lora():
+            step = None
+        slots = None if lora is None else lora.slots
         if step is not None and step.applies(x, meta):
-            return step(x, positions, meta)
+            return step(x, positions, meta, slots)
         if step is not None and step.applies_to_decodes_of(meta):
             # A step with prefill chunks: its decodes (the first rows) through the C step, the
             # chunks through torch. They are other sequences, so nothing changes but the time
             # the decoding streams wait while a new prompt is prefilled.
             n = meta.num_decode_tokens
             decodes, prefills = split_decodes(meta)
-            return torch.cat([step(x[:n], positions[:n], decodes), self._layers(x[n:], positions[n:], prefills)])
+            decoded = step(x[:n], positions[:n], decodes, None if slots is None else slots[:n])
+            if lora is not None and slots is not None:
+                lora.set(slots[n:].tolist(), x.device)  # the torch layers see the chunks' rows only
+            return torch.cat([decoded, self._layers(x[n:], positions[n:], prefills)])
         return self._layers(x, positions, meta)
 
     def _layers(self, x, positions, meta):
