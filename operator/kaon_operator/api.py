@@ -195,6 +195,13 @@ class VolumeMount(_Model):
     """Mount this path inside the volume instead of its root."""
 
 
+# Each node (pod) of a multi-node replica holds one pipeline stage on its own GPUs (the engine's contract:
+# docs/multinode.md); several stages per pod, or a pipeline inside one pod, is not offered by the CRD.
+_ONE_STAGE_PER_NODE_RULE = "self.pipelineParallelSize == self.nodesPerReplica"
+_ONE_STAGE_PER_NODE_MESSAGE = ("pipelineParallelSize must equal nodesPerReplica: each node (pod) of a replica runs "
+                               "one pipeline stage on its tensorParallelSize GPUs")
+
+
 class EngineSpec(_Model):
     """Engine settings for every replica."""
 
@@ -202,11 +209,17 @@ class EngineSpec(_Model):
         {"rule": f"!has(self.volumes) || self.volumes.all(v, !(v.name in {list(RESERVED_VOLUMES)}))",
          "message": _RESERVED_VOLUME_MESSAGE},
         {"rule": f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {list(RESERVED_MOUNT_PATHS)}))",
-         "message": _RESERVED_PATH_MESSAGE}]})
+         "message": _RESERVED_PATH_MESSAGE},
+        {"rule": _ONE_STAGE_PER_NODE_RULE, "message": _ONE_STAGE_PER_NODE_MESSAGE}]})
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """GPUs per replica; the model's heads are sharded across them. They must divide the model's
     heads: the fetch (or the engine) checks, and the condition ModelDoesNotFit says so."""
+    nodes_per_replica: int = Field(1, ge=1, le=64)
+    """Pods (nodes) of one replica. Above 1 a replica is a LeaderWorkerSet group of this many pods, each running
+    one pipeline stage on tensorParallelSize GPUs; the LeaderWorkerSet API must be installed (docs/multinode.md)."""
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    """Pipeline stages of one replica (`kaon serve --pipeline-parallel-size`): equal to nodesPerReplica, one stage per node."""  # noqa: E501 - one line: the CRD's description
     max_num_seqs: int = Field(64, ge=1)
     """Most sequences in one batch."""
     max_num_batched_tokens: int = Field(1024, ge=1)
@@ -249,7 +262,14 @@ class EngineSpec(_Model):
             raise ValueError(_RESERVED_VOLUME_MESSAGE)
         if any(m.mount_path in RESERVED_MOUNT_PATHS for m in self.volume_mounts or []):
             raise ValueError(_RESERVED_PATH_MESSAGE)
+        if self.pipeline_parallel_size != self.nodes_per_replica:
+            raise ValueError(_ONE_STAGE_PER_NODE_MESSAGE)
         return self
+
+    @property
+    def multi_node(self) -> bool:
+        """A replica spans several pods: a LeaderWorkerSet group instead of a Deployment's pod."""
+        return self.nodes_per_replica > 1
 
 
 _NO_GPU_IN_RESOURCES = (

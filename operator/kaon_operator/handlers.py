@@ -3,8 +3,8 @@
 - An InferenceService created, changed or found at start-up: reconciler.py applies its children
   and writes its status; deleted: its record is forgotten (the garbage collector removes the
   children through their owner references, even while the operator is down: no finalizer).
-- A pod, the Deployment or the PDB changed: the status queue (status_queue.py) recomputes that
-  service's status once per burst of events (status_sync.py).
+- A pod, the Deployment, the LeaderWorkerSet (multi-node) or the PDB changed: the status queue
+  (status_queue.py) recomputes that service's status once per burst of events (status_sync.py).
 - A child deleted or edited by someone else: drift.py applies it again.
 - Start-up: kopf's settings (watching.py), the shared context in the memo (context.py) and the
   background tasks (background.py: status workers, startup watch, autoscale loop).
@@ -18,7 +18,7 @@ import asyncio
 
 import kopf
 
-from kaon_operator import background, drift, reconciler, status_sync, summaries
+from kaon_operator import background, drift, leaderworkerset, reconciler, status_sync, summaries, watching
 from kaon_operator.caches import Caches, Key
 from kaon_operator.config import OperatorConfig
 from kaon_operator.context import Context
@@ -100,6 +100,13 @@ def served_names_changed(namespace: str | None, memo: kopf.Memo, **_) -> None:
 @kopf.on.event(*DEPLOYMENTS, labels=ENGINE_CHILD)
 async def child_status_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_) -> None:
     _context(memo).status_queue.mark(_key(namespace, labels[SERVICE]))
+
+
+@kopf.on.event(*watching.LEADER_WORKER_SETS, labels=ENGINE_CHILD, id="group-status")
+async def groups_changed(event: kopf.RawEvent, body: kopf.Body, namespace: str | None, labels: kopf.Labels,
+                         memo: kopf.Memo, **_) -> None:
+    summary = None if event.get("type") == "DELETED" else leaderworkerset.summarize(body)
+    status_sync.groups_changed(_context(memo), _key(namespace, labels[SERVICE]), summary)
 
 
 @kopf.on.event(*PDBS, labels=ENGINE_CHILD, id="pdb-status")

@@ -11,6 +11,7 @@ from typing import Any, cast
 import kubernetes
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from kaon_operator import api, kubetime, ownership
 
@@ -96,6 +97,28 @@ class Kube:
             if exc.status == 403 and "NamespaceTerminating" in (exc.body or ""):
                 raise NamespaceTerminating(manifest["metadata"]["namespace"]) from None
             raise
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        """Whether the apiserver serves this kind (a CRD such as the LeaderWorkerSet's is installed).
+        A miss refreshes the discovery cache first, so a CRD installed since is found."""
+        try:
+            self.dynamic.resources.get(api_version=api_version, kind=kind)
+            return True
+        except ResourceNotFoundError:
+            return False
+
+    def delete_controlled(self, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the object `name` if the owner `owner_uid` controls it (the workload of the kind the spec no
+        longer asks for: a Deployment after a switch to multi-node, or back); whether one was deleted."""
+        try:
+            resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError:
+            return False
+        existing = self._get(resource, namespace, name)
+        if existing is None or (ownership.controller(existing) or {}).get("uid") != owner_uid:
+            return False
+        self.delete({"apiVersion": api_version, "kind": kind, "metadata": existing["metadata"]})
+        return True
 
     @staticmethod
     def _get(resource, namespace: str, name: str) -> dict | None:

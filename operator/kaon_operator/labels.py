@@ -14,6 +14,9 @@ SERVICE = "kaon.dev/inferenceservice"
 APP = "kaon"
 
 ENGINE = "engine"
+# The non-leader pods of a multi-node replica (a LeaderWorkerSet group): no HTTP server, so neither
+# the router, the autoscaler nor the Service select them (they select ENGINE, the group's leaders).
+ENGINE_WORKER = "engine-worker"
 ROUTER = "router"
 OPERATOR = "operator"
 

@@ -86,6 +86,7 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
     args = ["kaon", "serve", *model_location(model), "--served-model-name", api.served_name(model, name),
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(spec.drain_seconds),
             "--tensor-parallel-size", str(engine.tensor_parallel_size),
+            *(["--pipeline-parallel-size", str(engine.pipeline_parallel_size)] if engine.multi_node else []),
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
             "--kv-cache-fraction", str(engine.kv_cache_fraction),

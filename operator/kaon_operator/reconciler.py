@@ -1,6 +1,7 @@
 """Reconcile: render an InferenceService's children (Deployment, Service, PDB, and a
 NetworkPolicy unless switched off) and server-side apply them at once (idempotent), then
-recompute its status."""
+recompute its status. Multi-node replicas need the LeaderWorkerSet API: without it nothing is
+applied and the status names what to install."""
 from __future__ import annotations
 
 import json
@@ -8,13 +9,15 @@ import json
 import kopf
 from kubernetes.client.rest import ApiException
 
-from kaon_operator import api, changes, resources, spec_policy, status, status_sync
+from kaon_operator import api, changes, leaderworkerset, resources, spec_policy, status, status_sync
 from kaon_operator.context import Context
 from kaon_operator.kube import NamespaceTerminating, NotOwned
 from kaon_operator.metrics import RECONCILE_SECONDS
 
 APPLY_RETRY_SECONDS = 10
 CONFLICT_RETRY_SECONDS = 30  # until the object in the way is gone (then the children are applied)
+MISSING_API_RETRY_SECONDS = 30  # until the LeaderWorkerSet API is installed
+_WORKLOADS = {False: ("apps/v1", "Deployment"), True: (leaderworkerset.API_VERSION, leaderworkerset.KIND)}
 
 
 def _api_message(exc: ApiException) -> str:
@@ -34,6 +37,27 @@ def apply_children(ctx: Context, body, spec: api.InferenceServiceSpec) -> list[d
         return [future.result() for future in applying]
 
 
+def missing_api(ctx: Context, spec: api.InferenceServiceSpec) -> str | None:
+    """What the cluster lacks for this spec (the LeaderWorkerSet API for multi-node replicas), in words."""
+    if spec.engine.multi_node and not ctx.kube.serves(leaderworkerset.API_VERSION, leaderworkerset.KIND):
+        return (f"engine.nodesPerReplica {spec.engine.nodes_per_replica} needs the LeaderWorkerSet API "
+                f"({leaderworkerset.API_VERSION}), which this cluster does not serve: {leaderworkerset.INSTALL_HINT}")
+    return None
+
+
+def _remove_other_workload(ctx: Context, body, key: tuple[str, str], spec: api.InferenceServiceSpec) -> None:
+    """After a switch between one and several nodes per replica, the workload of the other kind goes
+    (once the new one is applied; its pods drain as in any scale-down). The watches say whether one stands."""
+    multi_node = spec.engine.multi_node
+    if not (ctx.caches.deployment(key) is not None if multi_node else ctx.records.get(key).groups is not None):
+        return
+    meta = body["metadata"]
+    api_version, kind = _WORKLOADS[not spec.engine.multi_node]
+    if ctx.kube.delete_controlled(api_version, kind, meta["namespace"], meta["name"], meta["uid"]):
+        ctx.post(body, [status.EventSpec("Normal", "Replaced", f"deleted {kind} {meta['name']}: engine.nodesPerReplica "
+                                         f"is {spec.engine.nodes_per_replica} now")])
+
+
 def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> None:
     """kopf's create, update (of the spec) and resume."""
     record = ctx.records.get(key)
@@ -49,6 +73,10 @@ def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> Non
         # last-handled-configuration annotation (watching.CONSISTENCY_SECONDS). Nothing to apply, no Event.
         status_sync.sync_status(ctx, body, key, spec, applied=True)
         return
+    record.missing_api = missing_api(ctx, spec)
+    if record.missing_api:  # nothing half-made: no child at all until the API is there
+        status_sync.sync_status(ctx, body, key, spec, applied=False)
+        raise kopf.TemporaryError(record.missing_api, delay=MISSING_API_RETRY_SECONDS)
     try:
         children = apply_children(ctx, body, spec)
     except NamespaceTerminating:
@@ -66,6 +94,7 @@ def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> Non
         status_sync.sync_status(ctx, body, key, spec, applied=False)
         raise kopf.TemporaryError(record.apply_failure, delay=APPLY_RETRY_SECONDS) from None
     record.apply_failure, record.conflict, record.applied = None, None, version
+    _remove_other_workload(ctx, body, key, spec)
     if reason == "create":
         ctx.post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])

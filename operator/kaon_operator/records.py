@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from kaon_operator.summaries import PdbSummary
+from kaon_operator.summaries import DeploymentSummary, PdbSummary
 
 Key = tuple[str, str]  # (namespace, InferenceService name)
 
@@ -28,6 +28,10 @@ class ServiceRecord:
     """AdaptersReady, kept by the adapter loop (adapter_sync.py)."""
     pdb: PdbSummary | None = None
     """The PodDisruptionBudget's status (DisruptionAllowed)."""
+    missing_api: str | None = None
+    """A multi-node spec in a cluster without the LeaderWorkerSet API: what to install, until it is there."""
+    groups: DeploymentSummary | None = None
+    """The LeaderWorkerSet's status, in groups (multi-node replicas: leaderworkerset.py)."""
 
 
 class Records:

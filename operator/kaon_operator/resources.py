@@ -1,5 +1,6 @@
-"""Pure functions from an InferenceService to the manifests of its children: Deployment,
-Service, PodDisruptionBudget and NetworkPolicy (the engine pod itself: pod_template.py).
+"""Pure functions from an InferenceService to the manifests of its children: Deployment (or, with
+several nodes per replica, a LeaderWorkerSet: leaderworkerset.py), Service, PodDisruptionBudget
+and NetworkPolicy (the engine pod itself: pod_template.py).
 
 No I/O: the reconciler server-side applies what `render()` returns. Every child carries the
 labels of labels.py and an owner reference, so deleting the InferenceService garbage-collects it.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kaon_operator import api, labels, pod_template
+from kaon_operator import api, labels, leaderworkerset, pod_template
 from kaon_operator.pod_template import HTTP_PORT
 
 SERVICE_PORT = 80
@@ -70,11 +71,15 @@ def deployment(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
     }
 
 
-def service(owner: Owner) -> dict:
+def service(owner: Owner, spec: api.InferenceServiceSpec | None = None) -> dict:
+    """Selects the engine pods; of a multi-node replica only the leader serves HTTP."""
+    multi_node = spec is not None and spec.engine.multi_node
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": _metadata(owner),
-        "spec": {"type": "ClusterIP", "selector": labels.engine_selector(owner.name),
+        "spec": {"type": "ClusterIP",
+                 "selector": leaderworkerset.leader_selector(owner.name) if multi_node
+                 else labels.engine_selector(owner.name),
                  "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]},
     }
 
@@ -114,7 +119,13 @@ def network_policy(owner: Owner, config: NetworkPolicyConfig) -> dict:
 
 def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyConfig | None = None) -> list[dict]:
     """Every child of one InferenceService, in apply order (a NetworkPolicy when `network` is given)."""
-    children = [deployment(owner, spec), service(owner), pod_disruption_budget(owner, spec)]
+    if spec.engine.multi_node:
+        # A group's pods talk to each other (NetworkPolicy first, so that they can once they start).
+        group = [leaderworkerset.group_network_policy(_metadata(owner), owner.name)] if network is not None else []
+        workload = [*group, leaderworkerset.manifest(_metadata(owner), owner.name, spec)]
+    else:
+        workload = [deployment(owner, spec)]
+    children = [*workload, service(owner, spec), pod_disruption_budget(owner, spec)]
     return children + ([network_policy(owner, network)] if network is not None else [])
 
 

@@ -19,6 +19,7 @@ NAME_CONFLICT = "NameConflict"
 RESOURCE_CONFLICT = "ResourceConflict"
 DISRUPTION = "DisruptionAllowed"
 BLOCKED = "InsufficientHealthyReplicas"
+LWS_MISSING = "LeaderWorkerSetMissing"  # a multi-node spec where the LeaderWorkerSet API is not installed
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,13 @@ def apply_failed_conditions(message: str) -> list[dict]:
 
 
 
+def missing_api_conditions(reason: str, message: str) -> list[dict]:
+    """The spec needs an API the cluster does not serve (the LeaderWorkerSet's): nothing is applied."""
+    return [_condition(READY, False, reason, message),
+            _condition(PROGRESSING, False, reason, message),
+            _condition(DEGRADED, True, reason, message)]
+
+
 def resource_conflict_conditions(message: str) -> list[dict]:
     """A child's name is taken by an object the service does not control: nothing is applied over it."""
     return [_condition(READY, False, RESOURCE_CONFLICT, message),
@@ -162,7 +170,10 @@ def name_conflicts(peers: list[ServedName]) -> dict[tuple[str, str], dict]:
             for key, winner in naming.conflicts(peers).items()}
 
 
-def replica_counts(pods: list[PodSummary]) -> dict:
+def replica_counts(pods: list[PodSummary], groups: DeploymentSummary | None = None) -> dict:
+    """Pods, or with multi-node replicas the LeaderWorkerSet's groups (ready: every pod of the group is)."""
+    if groups is not None:
+        return {"replicas": groups.total, "readyReplicas": groups.ready}
     live = [p for p in pods if not p.terminating]
     return {"replicas": len(live), "readyReplicas": sum(p.ready for p in live)}
 

@@ -15,7 +15,7 @@ from kaon_operator.caches import Key
 from kaon_operator.context import Context
 from kaon_operator.metrics import STATUS_SECONDS
 from kaon_operator.records import ServiceRecord
-from kaon_operator.summaries import PdbSummary, PodSummary
+from kaon_operator.summaries import DeploymentSummary, PdbSummary, PodSummary
 
 
 def _now() -> datetime:
@@ -24,12 +24,13 @@ def _now() -> datetime:
 
 def _write(ctx: Context, record: ServiceRecord, body, conditions: list[dict], pods: list[PodSummary],
            spec: api.InferenceServiceSpec | None, *, applied: bool) -> None:
+    groups = record.groups if spec is not None and spec.engine.multi_node else None
     meta = body["metadata"]
     generation = meta.get("generation", 0)
     last = record.written or dict(body.get("status") or {})
     old_conditions = last.get("conditions") or []
     new = {"conditions": status.stamp(conditions, old_conditions, _now(), generation),
-           **status.replica_counts(pods), "selector": resources.selector(meta["name"])}
+           **status.replica_counts(pods, groups), "selector": resources.selector(meta["name"])}
     new["observedGeneration"] = generation if applied else last.get("observedGeneration")
     if spec is not None:
         new["url"] = resources.service_url(resources.Owner(meta["name"], meta["namespace"], meta["uid"]))
@@ -58,9 +59,13 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
             conditions = status.resource_conflict_conditions(record.conflict)
         elif record.apply_failure:
             conditions = status.apply_failed_conditions(record.apply_failure)
+        elif record.missing_api:
+            conditions = status.missing_api_conditions(status.LWS_MISSING, record.missing_api)
         else:
+            # Multi-node: the LeaderWorkerSet's groups stand where the Deployment's pods do.
+            workload = record.groups if spec.engine.multi_node else ctx.caches.deployment(key)
             conditions = status.conditions(
-                deployment=ctx.caches.deployment(key), pods=pods, desired=spec.replicas,
+                deployment=workload, pods=pods, desired=spec.replicas,
                 gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
         if spec.autoscaling.enabled and record.metrics_condition is not None:
             conditions.append(record.metrics_condition)
@@ -112,6 +117,14 @@ def pdb_changed(ctx: Context, key: Key, summary: PdbSummary | None) -> None:
     record = ctx.records.get(key)
     if record.pdb != summary:
         record.pdb = summary
+        ctx.status_queue.mark(key)
+
+
+def groups_changed(ctx: Context, key: Key, summary: DeploymentSummary | None) -> None:
+    """The LeaderWorkerSet's status (groups made, updated, ready) changed; None once it is gone."""
+    record = ctx.records.find(key) if summary is None else ctx.records.get(key)
+    if record is not None and record.groups != summary:
+        record.groups = summary
         ctx.status_queue.mark(key)
 
 

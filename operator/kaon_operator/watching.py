@@ -11,14 +11,17 @@ from typing import Any
 
 import kopf
 
-from kaon_operator import api, labels
+from kaon_operator import api, labels, leaderworkerset
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
 PODS = ("", "v1", "pods")
 DEPLOYMENTS = ("apps", "v1", "deployments")
 PDBS = ("policy", "v1", "poddisruptionbudgets")
 NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
-CHILD_KINDS = (DEPLOYMENTS, ("", "v1", "services"), PDBS, NETWORK_POLICIES)
+# Multi-node replicas. Without the LeaderWorkerSet CRD kopf serves its handlers once the CRD appears
+# (it watches CustomResourceDefinitions for that: the RBAC grants it).
+LEADER_WORKER_SETS = (leaderworkerset.GROUP, leaderworkerset.VERSION, leaderworkerset.PLURAL)
+CHILD_KINDS = (DEPLOYMENTS, ("", "v1", "services"), PDBS, NETWORK_POLICIES, LEADER_WORKER_SETS)
 # kopf's labels= filter of the handlers (applied by kopf after receiving), and the same filter
 # as the server-side labelSelector of the watches.
 ENGINE_CHILD: dict[str, Any] = {labels.SERVICE: kopf.PRESENT, labels.COMPONENT: labels.ENGINE}

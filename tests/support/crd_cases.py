@@ -77,6 +77,10 @@ INVALID = [
      "bench/autoscale_calibrate.py and name the ConfigMap that holds its model"),
     ("kv-fraction-0", with_("engine.kvCacheFraction", 0), "should be greater than 0"),
     ("latency-metric", with_("autoscaling.latencyMetric", "p50"), 'Unsupported value: "p50"'),
+    ("pp-without-nodes", with_("engine.nodesPerReplica", 2),
+     "pipelineParallelSize must equal nodesPerReplica: each node (pod) of a replica runs one pipeline stage on its "
+     "tensorParallelSize GPUs"),
+    ("nodes-0", with_("engine.nodesPerReplica", 0), "should be greater than or equal to 1"),
     ("unknown-field", with_("engine.tensorParalelSize", 2), 'unknown field "spec.engine.tensorParalelSize"'),
 ]
 
