@@ -97,6 +97,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     cuda_graph_max_batch: int = 256  # GPU decode batches up to this size replay CUDA graphs; 0: always eager
     tensor_parallel_size: int = 1  # processes holding a shard each: one per GPU (on CPU, for tests)
+    # Stages of contiguous layers, each run by its own tensor_parallel_size ranks (docs/multinode.md).
+    pipeline_parallel_size: int = 1
+    distributed_init_address: str | None = None  # the leader's HOST:PORT across hosts; else LWS_* or one host
     # Speculative decoding: "ngram" drafts by prompt lookup, "draft" with a smaller model of the same tokenizer.
     speculative_method: str = "none"
     num_speculative_tokens: int = 4  # drafts verified per step and sequence
@@ -137,6 +140,10 @@ class EngineConfig:
             (self.cuda_graph_max_batch >= 0,
              f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.pipeline_parallel_size >= 1,
+             f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"),
+            (not (self.lora_enabled and self.pipeline_parallel_size > 1),
+             "LoRA adapters are not supported with pipeline_parallel_size > 1 yet"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
             (self.quantization in QUANTIZATION_METHODS,

@@ -21,8 +21,9 @@ from kaon_runtime.engine.prompt_logprobs import prompt_logprobs_list
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.stop_strings import find_stop
-from kaon_runtime.engine.workers import WorkerPool, check_devices
-from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.engine.pipeline_group import PipelineGroup, uses_pipeline, world_rendezvous
+from kaon_runtime.engine.workers import WorkerPool, check_devices, check_pipeline
+from kaon_runtime.errors import EngineDeadError, InvalidRequestError
 from kaon_runtime.loader import Checkpoint, open_checkpoint
 from kaon_runtime.loader.tokenizer import IncrementalDetokenizer
 from kaon_runtime.sampling import SamplingParams
@@ -64,7 +65,8 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.workers = _start_workers(config, checkpoint)
         try:
-            self.runner = ModelRunner(config, checkpoint, show_progress, TensorParallel(0, config.tensor_parallel_size),
+            tp = TensorParallel(0, config.tensor_parallel_size) if self.workers is None else self.workers.tp
+            self.runner = ModelRunner(config, checkpoint, show_progress, tp,
                                       on_step=None if self.workers is None else self.workers.send)
             # The blocks every rank holds: rank 0 schedules within the smallest pool.
             self.num_blocks = self.runner.num_blocks
@@ -127,16 +129,17 @@ class LLMEngine:
 
     # ---- LoRA adapters -----------------------------------------------------------------
 
-    def add_lora(self, name: str, path: str) -> None:
-        """Register a PEFT adapter directory under `name`; raises InvalidRequestError (why it does not fit)."""
-        self._lora_pool().add(name, path)
+    def add_lora(self, name: str, path: str, source: str | None = None) -> None:
+        """Register a PEFT adapter directory under `name` (`source`: the URI it was downloaded from, which
+        lora_adapters reports); raises InvalidRequestError (why it does not fit)."""
+        self._lora_pool().add(name, path, source)
 
     def remove_lora(self, name: str) -> None:
         """Unregister an adapter (ModelNotFoundError if unknown); requests running with it finish."""
         self._lora_pool().remove(name)
 
     def lora_adapters(self) -> list[tuple[str, str]]:
-        """(name, directory) of every registered adapter."""
+        """(name, directory or the URI it came from) of every registered adapter."""
         return [] if self.runner.lora is None else self.runner.lora.listing()
 
     def lora_id(self, adapter: str | None) -> int:
@@ -166,6 +169,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One forward pass over a batch; returns the requests that progressed or finished."""
+        if self.workers is not None and self.workers.lost:
+            raise EngineDeadError(self.workers.lost)
         if self.drafter is not None:
             self._propose_drafts()
         if self.runner.lora is not None and self.runner.lora.retired:
@@ -330,8 +335,12 @@ def _build_drafter(config: EngineConfig, runner: ModelRunner, num_blocks: int, s
     return None
 
 
-def _start_workers(config: EngineConfig, checkpoint: Checkpoint) -> WorkerPool | None:
+def _start_workers(config: EngineConfig, checkpoint: Checkpoint) -> WorkerPool | PipelineGroup | None:
     """Ranks 1..N-1 start loading their shards while this process loads rank 0's."""
+    rdv = world_rendezvous(config)
+    if uses_pipeline(config, rdv):
+        check_pipeline(config, checkpoint.config)
+        return PipelineGroup(config, rdv, checkpoint.config.num_layers)
     if config.tensor_parallel_size == 1:
         return None
     device = pick_device(config.device)

@@ -64,6 +64,8 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
         reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
+        elif tp.stage.size > 1:
+            reason = "pipeline parallelism"  # the C step runs every layer and the head
         else:
             reason = cpu_decode_step.blocker(checkpoint.config, tp.size, _weights_quantization(config, checkpoint))
         if reason is not None:

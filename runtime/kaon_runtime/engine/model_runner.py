@@ -14,6 +14,8 @@ import torch
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.distributed.stages import Placement
+from kaon_runtime.distributed.transport import StageTransport
 from kaon_runtime.engine.cuda_graphs import DecodeGraphs, ladder
 from kaon_runtime.engine.kv_pool import allocate_kv_cache
 from kaon_runtime.engine.lora_pool import LoraPool
@@ -76,7 +78,12 @@ class ModelRunner:
         if config.lora_enabled:
             batch, targets = attach_lora(self.model, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
             self.lora = LoraPool(self.model_config, batch, targets, config.lora_slots, config.max_lora_rank, tp)
-        self.kv_cache = allocate_kv_cache(self.model, config, self.device, self.kv_dtype)
+        self.kv_cache = allocate_kv_cache(self.model, config, self.device, self.kv_dtype)  # its stage's layers only
+        # Pipeline parallelism: activations to and from the neighbouring stages, logits to the leader.
+        stage = tp.stage
+        self.transport = None if stage.size == 1 else StageTransport(
+            Placement(stage.index * tp.size + tp.rank, tp.size, stage.size), self.model_config.hidden_size,
+            self.model_config.vocab_size, self.dtype, self.device)
         self.num_blocks = self.kv_cache.shape[3]  # this rank's pool; the engine schedules within the smallest
         self.decode_graphs: DecodeGraphs | None = None
         # The target model's runner masks its logits by the sequences' grammars (the engine sets it).
@@ -93,6 +100,7 @@ class ModelRunner:
         """Decode graphs need a GPU, the Triton backend (the torch one gathers by data-dependent masks)
         and one rank (collectives inside graphs are left for later)."""
         return (self.config.cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.tp.size == 1
+                and self.transport is None
                 and self.kernels.attention.name == "triton" and self.lora is None)  # slots as graph inputs: to do
 
     def prepare_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
@@ -168,12 +176,21 @@ class ModelRunner:
             if plan.lora_loads and self.tp.rank > 0:  # rank 0 loaded them when it planned the step
                 self.lora.load_from_plan(plan.lora_loads)
             self.lora.batch.set(plan.lora_slots, self.device)
-        hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta)
-        self._pooled = pooled_rows(plan, hidden)  # embedding requests' rows (engine/pooling.py); usually none
         rows = plan.sample_rows + plan.prompt_rows  # prompt rows: prompt logprobs (engine/prompt_logprobs.py)
+        stage, transport = self.tp.stage, self.transport
+        intermediate = None if stage.is_first or transport is None else transport.recv_activations(len(plan.input_ids))
+        hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions), meta, intermediate)
+        if not stage.is_last:  # the next stage goes on; the leader gets the logits back from the last
+            assert transport is not None
+            transport.send_activations(hidden)
+            return transport.recv_logits(len(rows)) if rows and transport.is_leader else None
+        self._pooled = pooled_rows(plan, hidden)  # embedding requests' rows (engine/pooling.py); usually none
         if not rows:
             return None
-        return self.model.compute_logits(hidden[self._tensor(rows)])
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        if transport is not None:
+            transport.send_logits(logits)
+        return logits
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepTokens:
         rows = [RowsToSample(s.params, self.generator(s), s.draft_token_ids, s.draft_probs,

@@ -23,10 +23,11 @@ import torch.multiprocessing as mp
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel, join_group, leave_group
 from kaon_runtime.distributed.sharding import check_tensor_parallel
+from kaon_runtime.distributed.stages import split_layers
 from kaon_runtime.engine.model_loader import pick_device
 from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.step_plan import StepPlan
-from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
 from kaon_runtime.loader import open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,15 @@ def check_devices(config: EngineConfig, model: ModelConfig, device: torch.device
     check_tensor_parallel(model, size)
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ModelLoadError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+
+
+def check_pipeline(config: EngineConfig, model: ModelConfig) -> None:
+    """Refuse at start a pipeline the model cannot be cut into (more stages than layers)."""
+    check_tensor_parallel(model, config.tensor_parallel_size)
+    try:
+        split_layers(model.num_layers, config.pipeline_parallel_size)
+    except ValueError as exc:
+        raise ModelDoesNotFitError(str(exc)) from None
 
 
 # A worker that finds itself re-running the user's script (spawn imports the main module again,
@@ -81,6 +91,8 @@ class WorkerPool:
         # Whatever happens to the engine, the workers are told to go and the group is left.
         self._finalizer = weakref.finalize(self, _shut_down, self._conns, self._procs)
         self._port, self._device, self._size = port, device, size
+        self.tp = TensorParallel(0, size)  # rank 0's place (the engine's own process)
+        self.lost: str | None = None  # (the pipeline group's watch; a pipe's end surfaces in the step)
 
     def wait_ready(self) -> list[WorkerReport]:
         """Block until every worker has loaded its shard (raising its error if one could not),

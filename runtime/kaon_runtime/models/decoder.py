@@ -5,14 +5,18 @@ sparse experts in place of the MLP. Checkpoint names are mapped in models.weight
 
 Under tensor parallelism each rank builds the model with its share of the heads and of
 the MLP width (`local_config`): q/k/v and gate/up are column-parallel, and the outputs of
-o_proj and down_proj are partial sums that an all-reduce completes.
+o_proj and down_proj are partial sums that an all-reduce completes. Under pipeline parallelism
+each rank builds only its stage's layers (`tp.stage`): the embedding on the first stage, the
+final norm and the head on the last; a later stage starts from the previous one's (hidden, residual).
 
 The kernels come in at construction (layers.kernel_backend): each layer takes the fused ones
 that apply to it, and the torch code where none does.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -31,6 +35,8 @@ from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
 from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, FusedLayer, FusedWeights, split_decodes
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a checkpoint tensor's layer index
 
 
 def _norm(c: ModelConfig, size: int | None = None, kernel=None) -> RMSNorm:
@@ -126,14 +132,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel, kernels: KernelBackend):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, kernels: KernelBackend, layers: range):
         super().__init__()
+        stage = tp.stage
         self.rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
-        self.embed_tokens = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size,
-                                                                                     config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers))
-        self.norm = _norm(config, kernel=_norm_kernel(config, kernels))
+        self.embed_tokens = None if config.tie_word_embeddings or not stage.is_first else VocabEmbedding(
+            config.vocab_size, config.hidden_size, tp)
+        # Local index i is global layer layers[i] (the stage's); windows and experts go by the global one.
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels) for i in layers)
+        self.norm = _norm(config, kernel=_norm_kernel(config, kernels)) if stage.is_last else None
         # Decode-only steps on CPU (and the decodes of mixed ones) through the fused C step.
         self.cpu_decode = CpuDecodeStep(self, config, kernels.cpu_decode_rows) if kernels.cpu_decode else None
         self.lora: LoraBatch | None = None  # set by models.lora_targets when adapters are served
@@ -151,7 +159,9 @@ class DecoderModel(nn.Module):
         cache = self.decoder_layers()[0].self_attn.attn.k_cache
         return 0 if cache is None else cache.data_ptr()
 
-    def forward(self, x, positions, meta):
+    def forward(self, x, positions, meta, residual=None):
+        if self.cpu_decode is None:  # (pipeline stages never fuse: the C step runs every layer)
+            return self._layers(x, positions, meta, residual)
         # The fused C step adds the adapters itself (each row's slot), where it can read their slots.
         lora = self.lora if self.lora is not None and self.lora.active else None
         step = self.cpu_decode
@@ -172,11 +182,12 @@ class DecoderModel(nn.Module):
             return torch.cat([decoded, self._layers(x[n:], positions[n:], prefills)])
         return self._layers(x, positions, meta)
 
-    def _layers(self, x, positions, meta):
-        residual = None
+    def _layers(self, x, positions, meta, residual=None):
         rope = self.rotary.lookup(positions, x.device)
         for layer in self.layers:
             x, residual = layer(rope, x, residual, meta)
+        if self.norm is None:  # a pipeline stage before the last: the next one continues from here
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -187,20 +198,34 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         kernels = kernels or torch_kernels()
         self.config, self.tp, self.kernels = config, tp, kernels
-        self.local_config = local_config(config, tp.size)  # the shapes this rank holds
-        self.model = DecoderModel(self.local_config, tp, kernels)
-        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp, kernels.cpu_decode_rows)
+        stage = tp.stage
+        self.layer_range = stage.layers(config.num_layers)  # the global indices of the layers held here
+        # The shapes this rank holds: its share of the heads and widths, its stage's layers.
+        self.local_config = replace(local_config(config, tp.size), num_layers=len(self.layer_range))
+        self.model = DecoderModel(self.local_config, tp, kernels, self.layer_range)
+        # The head on the last stage; on the first too when tied, as the embedding.
+        holds_head = stage.is_last or (stage.is_first and config.tie_word_embeddings)
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp, kernels.cpu_decode_rows) \
+            if holds_head else None
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        embed = self.lm_head.embed if self.model.embed_tokens is None else self.model.embed_tokens
+    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
+        """Final hidden states; under pipeline parallelism, a stage before the last returns (hidden,
+        residual) and a stage after the first starts from `intermediate`, the previous stage's pair."""
+        if intermediate is not None:
+            return self.model(intermediate[0], positions, meta, intermediate[1])
+        embed = self._head().embed if self.model.embed_tokens is None else self.model.embed_tokens
         x = embed(input_ids)
         if self.config.embedding_scale is not None:
             # Gemma: the scale is a float32 constant rounded to the model's dtype, as in HF.
             x = x * torch.tensor(self.config.embedding_scale, dtype=torch.float32).to(x.dtype)
         return self.model(x, positions, meta)
 
+    def _head(self) -> VocabHead:
+        assert self.lm_head is not None, "this pipeline stage holds no head"
+        return self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = self._head()(hidden).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -212,13 +237,35 @@ class DecoderForCausalLM(nn.Module):
         model was built with: the fused CPU step reads float32, int8 and int4 (Q4_1) projections."""
         if self.model.cpu_decode is not None:
             self.model.cpu_decode.check()
-        if self.lm_head.cpu_logits_rows:
+        if self.lm_head is not None and self.lm_head.cpu_logits_rows:
             self.lm_head.cpu_weights()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank
         ever holds the whole model), fusing q/k/v, gate/up and the experts; fails loudly on anything missing."""
-        checkpoint_names.load(self, weights)
+        checkpoint_names.load(self, self._stage_weights(weights))
+
+    def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors this pipeline stage holds, its layers renumbered from 0."""
+        stage, span = self.tp.stage, self.layer_range
+        if stage.size == 1:
+            yield from weights
+            return
+        tied = self.config.tie_word_embeddings
+        for name, tensor in weights:
+            found = _LAYER.match(name)
+            if found is not None:
+                layer = int(found.group(1))
+                if layer in span:
+                    yield f"model.layers.{layer - span.start}.{name[found.end():]}", tensor
+            elif name.startswith("model.embed_tokens."):
+                if stage.is_first or (tied and stage.is_last):
+                    yield name, tensor
+            elif name.startswith(("lm_head.", "model.norm.")):
+                if stage.is_last:
+                    yield name, tensor
+            else:
+                yield name, tensor
 
     def fuse_rows(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Stack HF-named per-output-row tensors the way load_weights fuses weights: q|k|v and
