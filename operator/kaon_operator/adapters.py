@@ -61,9 +61,14 @@ def status(want: Mapping[str, str], pods: Mapping[str, Held], failures: Mapping[
 
 def condition(want: Mapping[str, str], pods: Mapping[str, Held], failures: Mapping[str, str]) -> dict | None:
     """AdaptersReady: True when every ready pod holds every adapter; False naming the adapters that
-    failed (or are still loading). None without adapters."""
+    failed (or are still loading); Unknown while no ready pod answers (not "loaded on 0 pods": a
+    `kubectl wait` for it right after creation must not pass before any pod has loaded one). None
+    without adapters."""
     if not want:
         return None
+    if not pods and not failures:
+        return {"type": "AdaptersReady", "status": "Unknown", "reason": "NoReadyPods",
+                "message": "no ready pod answered: the adapters are loaded on each pod once it is ready"}
     if failures:
         names = ", ".join(f"{n}: {failures[n]}" for n in sorted(failures))
         return {"type": "AdaptersReady", "status": "False", "reason": "AdapterLoadFailed",

@@ -108,6 +108,7 @@ def test_status_and_condition_name_the_failed_adapter():
     assert adapters.condition(want, pods, {})["reason"] == "Loading"
     assert adapters.condition({"chat": "hf://o/chat"}, pods, {})["status"] == "True"
     assert adapters.condition({}, pods, {}) is None
+    assert adapters.condition(want, {}, {})["status"] == "Unknown"  # no ready pod yet: not "loaded on 0 pods"
 
 
 def test_held_reads_the_adapters_of_a_models_reply():
