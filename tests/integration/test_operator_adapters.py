@@ -4,8 +4,8 @@ and neither restarts the pod; status.adapters lists the pods holding each; an ad
 fails gets AdaptersReady False and a Warning Event naming it while the others load.
 
 Engine pods are KWOK pods, so no engine runs in them: a stand-in serves each pod's adapter
-endpoints on the pod's own IP and port (as in test_operator_autoscale.py). The end-to-end test
-with real `kaon serve` processes and MinIO/PVC sources is not written yet.
+endpoints on the pod's own IP and port (as in test_operator_autoscale.py). With real `kaon serve`
+processes, MinIO and a PVC, through the router: tests/e2e/test_e2e_lora.py.
 """
 from __future__ import annotations
 
