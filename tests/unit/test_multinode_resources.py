@@ -39,7 +39,8 @@ def test_several_nodes_per_replica_are_a_leader_worker_set():
     assert lead["args"] == work["args"]
     assert lead["args"][lead["args"].index("--pipeline-parallel-size") + 1] == "2"
     assert lead["resources"]["limits"][api.GPU_RESOURCE] == "8"  # one stage per node on tensorParallelSize GPUs
-    assert "readinessProbe" in lead and "readinessProbe" not in work and "ports" not in work
+    assert "readinessProbe" in lead and "readinessProbe" not in work and "startupProbe" not in work
+    assert work["livenessProbe"]["httpGet"]["path"] == "/health"  # a worker answers only /health
     assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
