@@ -19,6 +19,8 @@ from kaon_runtime.structured.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on CPU (half the memory attention "
                  "reads), else the model's dtype")
 TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
+PP_HELP = ("stages of contiguous layers, each run by --tensor-parallel-size processes (on one host, or one "
+           "stage per host of a LeaderWorkerSet group: docs/multinode.md)")
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about Kubernetes.",
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quantize the linear layers' weights at load time")
     gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_DTYPE_HELP)
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
+    gen.add_argument("--pipeline-parallel-size", type=int, default=1, help=PP_HELP)
     add_model_source_flags(gen)
     add_speculative_flags(gen)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -93,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "and --kv-cache-fraction")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
+    serve.add_argument("--pipeline-parallel-size", type=int, default=1, help=PP_HELP)
+    serve.add_argument("--distributed-init-address", default=None, metavar="HOST:PORT",
+                       help="the group leader's address across hosts (default: LWS_LEADER_ADDRESS:29500 under a "
+                            "LeaderWorkerSet, else one host); a host with LWS_WORKER_INDEX > 0 serves its stage only")
     serve.add_argument("--cuda-graph-max-batch", type=int, default=256,
                        help="GPU: decode batches up to this size replay captured CUDA graphs; 0 runs them eagerly")
     serve.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
@@ -248,7 +255,8 @@ def _generate(args) -> int:
                             max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=args.tensor_parallel_size, **speculative_options(args))
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              **speculative_options(args))
     prompts = args.prompt or DEMO_PROMPTS
     start = time.perf_counter()
     if args.raw:
@@ -274,14 +282,22 @@ def engine_config(args) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        distributed_init_address=args.distributed_init_address,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
                         **speculative_options(args), **lora_options(args))
 
 
 def _serve(args) -> int:
+    from kaon_runtime.engine import pipeline_group
     from kaon_runtime.fetch.fetch import adapter_fetcher
     from kaon_runtime.server.run import serve
 
+    config = engine_config(args)
+    rdv = pipeline_group.world_rendezvous(config)
+    if not rdv.is_leader:  # a LeaderWorkerSet worker: its stage's ranks, no API (only /health)
+        return pipeline_group.serve_stage(config, rdv, (args.host, args.port))
+    pipeline_group.exit_on_peer_loss = pipeline_group.uses_pipeline(config, rdv)
     fetch_adapter = adapter_fetcher(args.model_cache)
     args.lora_modules = [(name, fetch_adapter(path)) for name, path in args.lora_modules]
     return serve(engine_config(args), args, fetch_adapter=fetch_adapter)

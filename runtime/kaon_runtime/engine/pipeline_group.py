@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection, Listener, wait
 
 import torch
@@ -137,8 +138,8 @@ class PipelineGroup:
         for conn in self._conns.values():
             conn.close()  # every other rank sees the end and exits
         if exit_on_peer_loss:
-            os.kill(os.getpid(), signal.SIGTERM)  # the server's orderly end; /health stops answering
-            threading.Timer(15, os._exit, (1,)).start()  # and the end regardless, if a step is wedged
+            os.kill(os.getpid(), signal.SIGINT)  # the server stops at once (no drain: the group is gone)
+            threading.Timer(10, os._exit, (1,)).start()  # and the process ends regardless, if a step is wedged
 
     def send(self, plan: StepPlan) -> None:
         for conn in self._conns.values():
@@ -205,12 +206,15 @@ def rank_main(config: EngineConfig, rank: int, rdv: Rendezvous, local_index: int
     leave_group()
 
 
-def serve_stage(config: EngineConfig, rdv: Rendezvous) -> int:
-    """`kaon serve` on a worker host (LWS_WORKER_INDEX > 0): run this host's ranks until the group ends."""
+def serve_stage(config: EngineConfig, rdv: Rendezvous, health_address: tuple[str, int] | None = None) -> int:
+    """`kaon serve` on a worker host (LWS_WORKER_INDEX > 0): run this host's ranks until the group ends,
+    answering GET /health with 200 at `health_address` meanwhile (the HTTP API is the leader's)."""
     ranks = ranks_of_host(config.pipeline_parallel_size * config.tensor_parallel_size, rdv.num_hosts,
                           rdv.host_index)
     log.info("worker host %d of %d: ranks %d-%d, leader %s:%d", rdv.host_index, rdv.num_hosts, ranks.start,
              ranks.stop - 1, rdv.host, rdv.port)
+    if health_address is not None:
+        _serve_health(health_address)
     procs = _spawn_local_ranks(config, rdv, ranks[1:])
     try:
         rank_main(config, ranks.start, rdv, 0, len(ranks))
@@ -220,6 +224,20 @@ def serve_stage(config: EngineConfig, rdv: Rendezvous) -> int:
             if proc.is_alive():
                 proc.kill()
     return 0
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass  # probes every few seconds: not worth a line each
+
+
+def _serve_health(address: tuple[str, int]) -> None:
+    server = ThreadingHTTPServer(address, _Health)
+    threading.Thread(target=server.serve_forever, name="kaon-pp-health", daemon=True).start()
 
 
 def _free_port_pair() -> int:

@@ -1,0 +1,177 @@
+"""Pipeline parallelism on CPU with gloo: stages of layers in separate processes generate what one process does.
+
+The tiny random models have 3 layers, so two stages split them unevenly (2 + 1). Every comparison runs
+chunked prefill (a prompt longer than the step's token budget), a prefix-cache hit (two prompts sharing
+three blocks) and preemption (a pool too small for every sequence at once), on the same engine options
+at PP=1 and at PP=2 (x TP=2).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.errors import ModelLoadError
+from support.hf_dirs import write_hf_dir
+from support.server import RUNTIME
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    # Tied: the first stage holds the embedding, the last the same tensor as its head.
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                       tie_word_embeddings=True)),
+}
+PREFIX = list(range(500, 548))  # three blocks of 16
+PROMPTS = [PREFIX + list(range(100, 130)), list(range(300, 305)), PREFIX + list(range(1000, 1040)),
+           list(range(2000, 2070))]
+# A pool of 12 blocks cannot hold all four sequences at their full length: some are preempted.
+OPTIONS = dict(device="cpu", dtype="float64", max_num_batched_tokens=64, num_kv_blocks=12, max_num_seqs=4)
+
+
+def hf_dir(name: str, tmp_path_factory, gguf_path) -> str:
+    config_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(name)
+    write_hf_dir(model_cls(config_cls(**SMALL, **extra)), path, gguf_path, {"eos_token": "<|im_end|>"})
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory, gguf_path):
+    return request.param, hf_dir(request.param, tmp_path_factory, gguf_path)
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = llm.generate(PROMPTS[:1], params, use_tqdm=False)  # in the cache before the others share its prefix
+    return [o.outputs[0].token_ids for o in first + llm.generate(PROMPTS[1:], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)])
+def test_stages_generate_what_one_process_does(family, pp, tp):
+    name, path = family
+    if name == "qwen3-moe" and tp == 1:
+        pytest.skip("one layout per MoE family keeps the run short; PP x TP covers both cuts")
+    one = LLM(path, show_progress=False, **OPTIONS)
+    expected = generate(one)
+    staged = LLM(path, show_progress=False, pipeline_parallel_size=pp, tensor_parallel_size=tp, **OPTIONS)
+    try:
+        assert generate(staged) == expected
+        stats = staged.engine.stats()
+        assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+        # Each rank holds its stage's share: with TP, a half of it; the stages differ by the head/embedding.
+        whole = one.engine.runner.weight_bytes
+        ranks = [staged.engine.runner.weight_bytes] + staged.engine.worker_weight_bytes
+        assert len(ranks) == pp * tp and sum(ranks) <= whole * (1.05 if name == "llama" else 1.6)
+        assert max(ranks) < 0.6 * whole / tp
+    finally:
+        staged.close()
+
+
+def test_ngram_speculation_rides_the_pipeline(tmp_path_factory, gguf_path):
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    spec = dict(OPTIONS, speculative_method="ngram", num_speculative_tokens=3)
+    expected = generate(LLM(path, show_progress=False, **spec))
+    staged = LLM(path, show_progress=False, pipeline_parallel_size=2, **spec)
+    try:
+        assert generate(staged) == expected and staged.engine.stats().spec_draft_tokens > 0
+    finally:
+        staged.close()
+
+
+def test_more_stages_than_layers_are_refused(tmp_path_factory, gguf_path):
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    with pytest.raises(ModelLoadError, match="pipeline_parallel_size 4 exceeds the model's 3 layers"):
+        LLM(path, show_progress=False, device="cpu", pipeline_parallel_size=4)
+
+
+def test_a_rank_that_never_joins_is_named(tmp_path_factory, gguf_path, monkeypatch):
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    monkeypatch.setenv("LWS_WORKER_INDEX", "0")
+    monkeypatch.setenv("KAON_DIST_JOIN_TIMEOUT_S", "3")
+    start = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"pipeline rank\(s\) 1 of 2 did not join within 3s"):
+        LLM(path, show_progress=False, device="cpu", pipeline_parallel_size=2,
+            distributed_init_address=f"127.0.0.1:{free_port()}")
+    assert time.monotonic() - start < 30
+
+
+# ---- two `kaon serve` hosts of one LeaderWorkerSet group ------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_host(path: str, index: int, init: str, port: int, log) -> subprocess.Popen:
+    env = {**os.environ, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(index), "LWS_LEADER_ADDRESS": "127.0.0.1",
+           "PYTHONPATH": f"{RUNTIME}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", path, "--device", "cpu",
+                             "--dtype", "float32", "--port", str(port), "--pipeline-parallel-size", "2",
+                             "--distributed-init-address", init, "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not {what} after {timeout_s}s")
+
+
+def status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+def test_a_worker_killed_mid_batch_ends_the_whole_group(tmp_path, tmp_path_factory, gguf_path):
+    """Leader and worker as LeaderWorkerSet starts them; the worker answers /health only. Killing it
+    while a long request runs ends the leader too (its /health stops answering): no hung survivor."""
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    init, leader_port, worker_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
+    with open(tmp_path / "leader.log", "wb") as leader_log, open(tmp_path / "worker.log", "wb") as worker_log:
+        worker = start_host(path, 1, init, worker_port, worker_log)
+        leader = start_host(path, 0, init, leader_port, leader_log)
+        try:
+            url = f"http://127.0.0.1:{leader_port}"
+            wait_for(lambda: status(f"{url}/ready") == 200 or leader.poll() is not None, 180, "ready")
+            assert leader.poll() is None, (tmp_path / "leader.log").read_text()
+            assert status(f"http://127.0.0.1:{worker_port}/health") == 200
+            assert status(f"http://127.0.0.1:{worker_port}/v1/models") == 404  # the API is the leader's
+            body = {"model": path, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+            long = subprocess.Popen([sys.executable, "-c", "import httpx,sys; httpx.post(sys.argv[1], json={"
+                                     "'model': sys.argv[2], 'prompt': [5, 6, 7], 'max_tokens': 400, "
+                                     "'ignore_eos': True}, timeout=120)", f"{url}/v1/completions", path])
+            wait_for(lambda: "kaon_num_requests_running 1" in httpx.get(f"{url}/metrics").text.replace(".0", ""),
+                     30, "running")
+            worker.send_signal(signal.SIGKILL)
+            wait_for(lambda: leader.poll() is not None, 30, "the leader gone")
+            assert status(f"{url}/health") is None
+            long.wait(timeout=30)
+            assert "pipeline rank 1 went away" in (tmp_path / "leader.log").read_text()
+        finally:
+            for proc in (worker, leader):
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
