@@ -27,6 +27,11 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
   reported as `OOMKilled`, exit code 137 (RSS summed over the tree, sampled every poll: an
   approximation of the cgroup's accounting, which also counts page cache and counts shared pages once).
 
+- **Paths sent at run time**: a pvc:// LoRA adapter reaches the engine as a path in the pod
+  (`/mnt/adapters/<claim>/...`, the operator's `lora_path` in a POST), which no argument
+  rewriting can reach: the runner links each such mount path on the host to the claim's
+  directory (one claim name per host: the tests give each claim its own name).
+
 The whole data path is then real: router -> pod IP -> engine, reading weights from a volume.
 Not simulated: CPU limits, readOnly mounts and the container image itself (every process runs
 this tree's Python). Of the kubelet's Events only a probe's threshold crossing (Unhealthy) and the
@@ -52,6 +57,7 @@ import psutil
 from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 from e2e.probes import ProbeState, http_probe, parse_quantity, probes
 from kaon_operator import labels
+from kaon_operator.adapter_pods import ADAPTER_MOUNT
 
 LOCAL_IMAGE_PREFIX = "local/"
 BACKOFF_START, BACKOFF_MAX = 2.0, 30.0  # a kubelet starts at 10 s and caps at 5 min; tests are impatient
@@ -138,6 +144,20 @@ def translate(value: str, mounts: list[tuple[str, Path]]) -> str:
     return value
 
 
+def link_runtime_mounts(mounts: list[tuple[str, Path]]) -> None:
+    """Link the adapters' mount paths on the host to their volumes' directories (see the docstring)."""
+    for mount_path, host in mounts:
+        if not mount_path.startswith(f"{ADAPTER_MOUNT}/"):
+            continue
+        link = Path(mount_path)
+        if link.is_symlink() and link.readlink() == host:
+            continue
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(host, target_is_directory=True)
+
+
 def _tail(path: Path | None) -> str:
     if path is None or not path.exists():
         return ""
@@ -193,7 +213,8 @@ class PodRunner:
                 print(f"pod runner: {exc}", file=sys.stderr)
 
     def _sync(self) -> None:
-        items = self._kubectl_json("get", "pods", "-A", "-l", f"{labels.COMPONENT}={labels.ENGINE}")["items"]
+        items = self._kubectl_json("get", "pods", "-A", "-l",  # a multi-node group's workers too
+                                   f"{labels.COMPONENT} in ({labels.ENGINE},{labels.ENGINE_WORKER})")["items"]
         pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in items
                 if p["spec"]["containers"][0].get("image", "").startswith(LOCAL_IMAGE_PREFIX)}
         for key, pod in pods.items():
@@ -323,6 +344,7 @@ class PodRunner:
         container = pod["spec"]["containers"][0]
         env = self._env(pod, container, state)
         args = [translate(a, self._mounts(container, state)) for a in container["args"]]
+        link_runtime_mounts(self._mounts(container, state))
         log_path = self._engine_log(key)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(_command(args, ip), stdout=log, stderr=subprocess.STDOUT, env=env,

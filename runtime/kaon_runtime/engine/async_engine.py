@@ -165,12 +165,13 @@ class AsyncEngine:
     # LoRA adapters: the pool locks its own maps, so these run off the engine thread.
 
     def lora_adapters(self) -> list[tuple[str, str]]:
-        """(name, directory) of every adapter requests may name."""
+        """(name, directory or the URI it came from) of every adapter requests may name."""
         return self.engine.lora_adapters()
 
-    async def add_lora(self, name: str, path: str) -> None:
-        """Read and register an adapter (on a worker thread); InvalidRequestError says why it does not fit."""
-        await asyncio.to_thread(self.engine.add_lora, name, path)
+    async def add_lora(self, name: str, path: str, source: str | None = None) -> None:
+        """Read and register an adapter (on a worker thread; `source`: the URI it was downloaded from);
+        InvalidRequestError says why it does not fit."""
+        await asyncio.to_thread(self.engine.add_lora, name, path, source)
 
     def remove_lora(self, name: str) -> None:
         """Unregister an adapter (ModelNotFoundError if unknown); requests using it finish with it."""

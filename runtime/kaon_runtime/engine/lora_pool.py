@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 
 import torch
 
@@ -76,11 +77,15 @@ class LoraPool:
         self.num_loads = 0  # adapters copied into a slot (a reload after eviction counts again)
         self._to_share: list[tuple[int, LoraAdapter]] = []  # (slot, adapter) loaded since loads_for_plan
 
-    def add(self, name: str, path: str) -> LoraAdapter:
-        """Register an adapter; raises AdapterError (the reason it does not fit) or InvalidRequestError."""
+    def add(self, name: str, path: str, source: str | None = None) -> LoraAdapter:
+        """Register an adapter read from the directory `path`, listed as coming from `source` (the URI it was
+        downloaded from; the operator compares it with spec.adapters) or else `path`; raises AdapterError
+        (the reason it does not fit) or InvalidRequestError."""
         if name in self.by_name:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is already loaded")
         adapter = load_adapter(name, path, self.model_config, self.max_rank)
+        if source is not None:
+            adapter = replace(adapter, path=source)
         with self._lock:
             if name in self.by_name:
                 raise InvalidRequestError(f"the LoRA adapter {name!r} is already loaded")
@@ -103,7 +108,7 @@ class LoraPool:
             return self.by_name[name]
 
     def listing(self) -> list[tuple[str, str]]:
-        """(name, path) of every registered adapter."""
+        """(name, path or source) of every registered adapter."""
         with self._lock:
             return [(name, self.adapters[i].path) for name, i in self.by_name.items()]
 

@@ -43,13 +43,15 @@ class UnloadLoraAdapterRequest(BaseModel):
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
     if body.lora_name == request.app.state.settings.model_name:
         raise InvalidRequestError(f"{body.lora_name!r} is the base model's name")
-    path = body.lora_path
+    path = source = body.lora_path
     if path.startswith(("hf://", "s3://")):
         fetch_adapter = request.app.state.settings.fetch_adapter
         if fetch_adapter is None:
             raise InvalidRequestError(f"{path}: this server downloads no adapters; give a local directory")
         path = await asyncio.to_thread(fetch_adapter, path)  # a download: off the event loop
-    await request.app.state.engine.add_lora(body.lora_name, path)
+    # Listed with the URI it was asked for as its root (as vLLM lists lora_path): the operator compares
+    # it with spec.adapters, and a cache directory there would look like another adapter every round.
+    await request.app.state.engine.add_lora(body.lora_name, path, source)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
