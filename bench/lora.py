@@ -4,13 +4,15 @@
 
 The model is SmolLM2-135M (the embedded GGUF); the adapters are random, in PEFT's format, rank
 --rank on all seven projections (q, k, v, o, gate, up, down: the heaviest case), written to a
-temporary directory. Each run sends the same requests (greedy, ignore_eos) as one batch: first
-to an engine without LoRA, then with 1, 8 and 32 distinct adapters spread round-robin over the
-requests (an engine with as many slots as adapters). Printed: generated tokens per second, the
-ratio to the base, and the adapter load times (registration: reading and checking the files;
-the first step that copies them into their slots is inside the timed run). A step with an
-adapter leaves the fused C decode step for torch's path: the row "base, C step off" shows what
-that alone costs.
+temporary directory. Each run sends the same requests (greedy, ignore_eos) as one batch: to an
+engine without LoRA, and to one engine with as many slots as the most adapters, with 1, 8 and 32
+distinct adapters spread round-robin over the requests. The runs are interleaved over --rounds
+passes and each row keeps its best, so a shared machine's load falls on all rows alike. Printed:
+generated tokens per second, the ratio to the base, and the adapter registration time (reading
+and checking the files; copying into a slot happens at the first step that needs it). Decode
+steps with adapters run in the fused C decode step (kernels/cpu_decode.c) like the base's;
+prefill chunks take torch's path with or without them. --torch-base adds the row "base, C step
+off" (torch's path for every step) for scale.
 """
 from __future__ import annotations
 
@@ -66,48 +68,52 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--counts", default="1,8,32", help="distinct adapters per run")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over base and every count, the best kept")
+    parser.add_argument("--torch-base", action="store_true", help="also the base with the fused C step off")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     prompts = [[(7 * i + j) % 40000 + 100 for j in range(args.prompt_tokens)] for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     options = dict(show_progress=False, device=args.device, max_num_seqs=args.requests)
-    base = LLM(MODEL, **options)
-    config = base.engine.model_config
-    run(base, prompts[:2], params, None)  # warm-up
-    base_s, base_tokens = run(base, prompts, params, None)
-    base_rate = base_tokens / base_s
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.requests} requests x "
           f"{args.prompt_tokens} prompt + {args.max_tokens} generated tokens; rank {args.rank} on {len(TARGETS)} "
-          "projections")
-    print(f"base alone: {base_rate:8.1f} tok/s ({base_s:.2f} s)")
-    del base
-    os.environ["KAON_CPU_DECODE"] = "off"
-    cpu_decode.library.cache_clear()
-    torch_base = LLM(MODEL, **options)
-    run(torch_base, prompts[:2], params, None)
-    seconds, tokens = run(torch_base, prompts, params, None)
-    print(f"base, C step off: {tokens / seconds:8.1f} tok/s ({seconds:.2f} s)  ratio to base "
-          f"{tokens / seconds / base_rate:.2f}x")
-    del torch_base, os.environ["KAON_CPU_DECODE"]
-    cpu_decode.library.cache_clear()
+          f"projections; best of {args.rounds} interleaved rounds")
+    if args.torch_base:
+        os.environ["KAON_CPU_DECODE"] = "off"
+        cpu_decode.library.cache_clear()
+        torch_base = LLM(MODEL, **options)
+        run(torch_base, prompts[:2], params, None)
+        seconds, tokens = run(torch_base, prompts, params, None)
+        print(f"base, C step off: {tokens / seconds:8.1f} tok/s ({seconds:.2f} s)")
+        del torch_base, os.environ["KAON_CPU_DECODE"]
+        cpu_decode.library.cache_clear()
+    # Two engines side by side, the base alone and one with as many slots as the most adapters; their
+    # runs interleaved, so that the load of a shared machine falls on every row alike.
+    base = LLM(MODEL, **options)
+    llm = LLM(MODEL, max_loras=max(counts), max_lora_rank=args.rank, **options)
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {}
         for i in range(max(counts)):
-            dirs[f"a{i}"] = str(Path(tmp) / f"a{i}")
-            write_adapter(Path(dirs[f"a{i}"]), config, args.rank, i)
-        for count in counts:
-            llm = LLM(MODEL, max_loras=count, max_lora_rank=args.rank, **options)
-            start = time.perf_counter()
-            for i in range(count):
-                llm.engine.add_lora(f"a{i}", dirs[f"a{i}"])
-            load_ms = (time.perf_counter() - start) * 1000 / count
-            names: list[str | None] = [f"a{i % count}" for i in range(args.requests)]
-            run(llm, prompts[:2], params, names[:2])  # warm-up
-            seconds, tokens = run(llm, prompts, params, names)
-            rate = tokens / seconds
-            print(f"{count:2d} adapters: {rate:8.1f} tok/s ({seconds:.2f} s)  ratio to base {rate / base_rate:.2f}x  "
-                  f"load {load_ms:.1f} ms per adapter from local disk")
-            del llm
+            write_adapter(Path(tmp) / f"a{i}", base.engine.model_config, args.rank, i)
+        start = time.perf_counter()
+        for i in range(max(counts)):
+            llm.engine.add_lora(f"a{i}", str(Path(tmp) / f"a{i}"))
+        load_ms = (time.perf_counter() - start) * 1000 / max(counts)
+    cases: dict[str, tuple[LLM, list[str | None] | None]] = {"base alone": (base, None)}
+    for count in counts:
+        cases[f"{count} adapters"] = (llm, [f"a{i % count}" for i in range(args.requests)])
+    for engine, names in cases.values():
+        run(engine, prompts[:2], params, None if names is None else names[:2])  # warm-up
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(args.rounds):
+        for label, (engine, names) in cases.items():
+            seconds, tokens = run(engine, prompts, params, names)
+            if label not in best or seconds < best[label][0]:
+                best[label] = (seconds, tokens)
+    base_rate = best["base alone"][1] / best["base alone"][0]
+    for label, (seconds, tokens) in best.items():
+        rate = tokens / seconds
+        print(f"{label:>11}: {rate:8.1f} tok/s ({seconds:.2f} s)  ratio to base {rate / base_rate:.2f}x")
+    print(f"adapter registration (read + check from local disk): {load_ms:.1f} ms per adapter")
 
 
 if __name__ == "__main__":
