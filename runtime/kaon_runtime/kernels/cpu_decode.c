@@ -1056,6 +1056,47 @@ typedef struct {
     float *y;
 } LoraJob;
 
+/* out[j] = a_j . x for `rows` rows of a ([rows, k]): four rows at a time, each x vector loaded once for them. */
+static void shrink(const float *a, int rows, const float *x, int k, float *out) {
+    int j = 0;
+#ifdef KAON_AVX2
+    for (; j + 4 <= rows; j += 4) {
+        const float *a0 = a + (size_t)j * k;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        int i = 0;
+        for (; i + 8 <= k; i += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + i);
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + (size_t)c * k + i), xv, acc[c]);
+        }
+        for (int c = 0; c < 4; c++) {
+            float sum = hsum8(acc[c]);
+            for (int t = i; t < k; t++) sum += a0[(size_t)c * k + t] * x[t];
+            out[j + c] = sum;
+        }
+    }
+#endif
+    for (; j < rows; j++) out[j] = dot_f32(a + (size_t)j * k, x, k);
+}
+
+/* y[c] += sum_j s[j] * b[j, c] for c < n, b's rows `stride` apart: eight outputs at a time held in a
+ * register over the whole rank, so y is read and written once. */
+static void expand(const float *b, size_t stride, int rank, const float *s, float *y, int n) {
+    int c = 0;
+#ifdef KAON_AVX2
+    for (; c + 8 <= n; c += 8) {
+        __m256 acc = _mm256_loadu_ps(y + c);
+        for (int j = 0; j < rank; j++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(b + j * stride + c), acc);
+        _mm256_storeu_ps(y + c, acc);
+    }
+#endif
+    for (; c < n; c++) {
+        float sum = y[c];
+        for (int j = 0; j < rank; j++) sum = madd1(s[j], b[j * stride + c], sum);
+        y[c] = sum;
+    }
+}
+
 /* y[r] += (x[r] @ A[slot].T) @ B[slot] for the listed rows [begin, end): BGMV's shrink and
  * expand, one part at a time and only over the rank the slot's adapter has on it. */
 static void lora_chunk(const void *arg, int begin, int end) {
@@ -1070,8 +1111,8 @@ static void lora_chunk(const void *arg, int begin, int end) {
         for (int p = 0, offset = 0; p < l->parts; offset += l->sizes[p], p++) {
             const int used = l->ranks[slot * l->parts + p];
             const size_t first = (size_t)slot * l->parts * rank + (size_t)p * rank;
-            for (int j = 0; j < used; j++) shrunk[j] = dot_f32(l->a + (first + j) * k, x, k);
-            for (int j = 0; j < used; j++) axpy(y + offset, shrunk[j], l->b + (first + j) * n + offset, l->sizes[p]);
+            shrink(l->a + first * k, used, x, k, shrunk);
+            expand(l->b + first * n + offset, (size_t)n, used, shrunk, y + offset, l->sizes[p]);
         }
     }
 }
