@@ -103,6 +103,9 @@ def test_adapters_from_s3_at_start_and_at_run_time(setup, minio, tmp_path):
                             json={"lora_name": "qv", "lora_path": "s3://adapters/qv"})
         assert loaded.status_code == 200, loaded.text
         assert _tokens(client, "qv", PROMPTS["qv"]) == expected["qv"]
+        # Listed with the URI it was loaded from, which the operator compares with spec.adapters.
+        roots = {m["id"]: m.get("root") for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+        assert roots["qv"] == "s3://adapters/qv", roots
         missing = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=60,
                              json={"lora_name": "gone", "lora_path": "s3://adapters/nowhere"})
         assert missing.status_code == 400 and "s3://adapters/nowhere" in error_body(missing)["message"]
