@@ -165,6 +165,32 @@ def recent_miss(history: list[Sample], goal: float, since: float) -> tuple[float
     return None
 
 
+def sustained_miss(history: list[Sample], goal: float, since: float, windows: int
+                   ) -> tuple[float, float, float] | None:
+    """As recent_miss, but the miss must hold in each of the newest `windows` disjoint stretches
+    of MIN_LATENCY_REQUESTS requests after `since`, each judged on its own: a policy checks
+    every tick over a window that slides, so one confident-looking stretch is, now and then,
+    only noise (4 of 100 over happens to 2% of stretches at a true 1%); `windows` of them in a
+    row is not."""
+    merged: scraper.Buckets = ()
+    stretch: scraper.Buckets = ()
+    found = 0
+    for sample in reversed(history):
+        if sample.time <= since:
+            break
+        stretch = scraper.add_buckets(stretch, sample.latency)
+        missed, _, _, n = histogram_misses(stretch, goal)
+        if n < MIN_LATENCY_REQUESTS:
+            continue
+        if not missed:
+            return None
+        merged, stretch, found = scraper.add_buckets(merged, stretch), (), found + 1
+        if found == windows:
+            _, p99, over, total = histogram_misses(merged, goal)
+            return (p99, over, total) if p99 is not None else None
+    return None
+
+
 def latency_ceiling(history: list[Sample], spec: AutoscalingSpec) -> float | None:
     """The lowest concurrency per ready replica at which the latency target was confidently
     missed: a scale-down must not load the replicas past it, or it would only bring the miss
@@ -212,7 +238,9 @@ def bounded(desired: int, spec: AutoscalingSpec, current: int) -> int:
 
 
 def up_wish(history: list[Sample], spec: AutoscalingSpec, target: float, current: int, now: float,
-        last_change: float | None) -> tuple[int, str] | None:
+        last_change: float | None, miss_windows: int = 1) -> tuple[int, str] | None:
+    """The replicas the load asks for beyond `current` (None: none); a P99 miss counts when
+    it holds over `miss_windows` stretches (1: the newest, widened until it shows)."""
     latest = history[-1]
     if latest.concurrency >= PANIC_FACTOR * current * target:
         return (math.ceil(latest.concurrency / target),
@@ -239,8 +267,9 @@ def up_wish(history: list[Sample], spec: AutoscalingSpec, target: float, current
                            f"per replica > target {spec.target_queue_depth_per_replica:g}"))
         goal = spec.target_p99_latency_seconds
         lookback = now - max(spec.scale_up_window_seconds, spec.scale_down_stabilization_seconds)
-        miss = recent_miss(history, goal, max(lookback, last_change if last_change is not None else lookback)) \
-            if goal else None
+        since = max(lookback, last_change if last_change is not None else lookback)
+        miss = None if not goal else recent_miss(history, goal, since) if miss_windows == 1 else \
+            sustained_miss(history, goal, since, miss_windows)
         if goal and miss:
             p99, over, n = miss
             wishes.append((max(current + 1, math.ceil(current * min(p99 / goal, PANIC_FACTOR))),

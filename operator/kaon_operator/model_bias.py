@@ -90,6 +90,45 @@ def multiplier(stretches: list[Judged]) -> float:
     return high
 
 
+def wilson(over: float, n: float, sign: float) -> float:
+    """Wilson's bound (sign -1: lower, +1: upper) on a share from `over` of `n`, at CONFIDENCE_Z."""
+    z2, share = autoscaler.CONFIDENCE_Z ** 2, over / n
+    spread = autoscaler.CONFIDENCE_Z * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n))
+    return (share + z2 / (2 * n) + sign * spread) / (1 + z2 / n)
+
+
+def confident(stretches: list[Judged]) -> float:
+    """The bias the stretches prove: 1 (the model as measured) unless 99% confidence puts the
+    multiplier above 1 (then the lowest it can be) or below 1 (the highest). The point
+    estimate over a few hundred requests is their few slowest ones and wanders with them;
+    a bias that follows it makes a steady load at a replica boundary move both ways."""
+    total = sum(j.requests for j in stretches)
+    if not total:
+        return 1.0
+
+    def share_bound(m: float, sign: float) -> float:
+        return wilson(sum(scraper.count_above(j.latencies, m * j.predicted) for j in stretches), total, sign)
+
+    low, high = BIAS_BOUNDS
+    if share_bound(1.0, -1) > 0.01:  # more than 1% over the model, confidently: the least bias that explains it
+        lo, hi = 1.0, high
+        if share_bound(hi, -1) > 0.01:
+            return high
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if share_bound(mid, -1) > 0.01 else (lo, mid)
+        return hi
+    if share_bound(1.0, +1) < 0.01:  # confidently under 1% over: the most the bias can be below 1
+        lo, hi = low, 1.0
+        if share_bound(lo, +1) < 0.01:
+            return low
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if share_bound(mid, +1) >= 0.01 else (lo, mid)
+        return hi
+    return 1.0
+
+
 def newest(stretches: list[Judged]) -> list[Judged]:
     """The newest stretches up to BIAS_REQUESTS requests: what the online bias is learned from."""
     out, total = [], 0.0

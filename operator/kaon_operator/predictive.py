@@ -45,6 +45,7 @@ MARGIN = 0.05  # the predicted P99 sits this far under the target: the model is 
 MIX_REQUESTS = 120  # the mean prompt and output lengths rest on at least these (5% noise on uniform lengths)
 RISE_SIGMAS = 3.0  # a rate rise counts as a trend past this many Poisson standard deviations
 UP_SIGMAS = 2.5  # scale up for the rate's lower bound over a scale-up window: Poisson noise moves nothing
+MISS_WINDOWS = 2  # a P99 miss overrides the model when it holds in this many stretches in a row
 DOWN_SIGMAS = UP_SIGMAS  # scale down for the upper bound over the stabilization window: the same confidence both ways
 
 
@@ -64,11 +65,25 @@ def fits(model: PerfModel, spec: AutoscalingSpec, demand: Load, replicas: int, b
 def needed(model: PerfModel, spec: AutoscalingSpec, demand: Load, bias: float,
            ceiling: float = MAX_UTILIZATION) -> int:
     """The fewest replicas that fit `demand` (maxReplicas + 1 when none up to there does),
-    each loaded under `ceiling` (a utilization)."""
+    each loaded under `ceiling` (a utilization); or, where the latency left over the target
+    is the floor that no replica count removes (a long prompt's own prefill), the count past
+    which one more replica would cut the predicted P99 by less than MARGIN of the target:
+    near the floor the count that "fits" swings from 5 to 10 with a few tokens of mean
+    prompt, and buys nothing the next replica would not."""
     if demand.rate <= 0:
         return 1
-    return next((n for n in range(1, spec.max_replicas + 1) if fits(model, spec, demand, n, bias, ceiling)),
-                spec.max_replicas + 1)
+    goal = spec.target_p99_latency_seconds
+    previous = math.inf
+    for n in range(1, spec.max_replicas + 1):
+        if fits(model, spec, demand, n, bias, ceiling):
+            return n
+        p = model.predict(demand.rate / n, demand.prompt, demand.output)
+        if goal and fits(model, spec, demand, n, bias=0.0, ceiling=ceiling):  # within every bound but latency
+            predicted = bias * latency(model, spec, p, demand.output)
+            if previous - predicted < MARGIN * goal:
+                return n - 1
+            previous = predicted
+    return spec.max_replicas + 1
 
 
 def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float) -> Load | None:
@@ -145,7 +160,7 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
         return early
     missing = autoscaler.missing_metrics(history[-1])
     stretches = model_bias.judged(history, model, spec)
-    factor = model_bias.multiplier(model_bias.newest(stretches))
+    factor = model_bias.confident(model_bias.newest(stretches))
     wishes = []
     demand = projected(history, spec, model, now)
     if demand is not None:
@@ -153,7 +168,8 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
         if n > current:
             wishes.append((n, f"rate {demand.rate:.2f}/s, prompts {demand.prompt:.0f} and outputs "
                               f"{demand.output:.0f} tokens need {n} by the performance model (bias {factor:.2f})"))
-    evidence = autoscaler.up_wish(history, spec, math.inf, current, now, last_change)  # queue, P99 missed
+    # Queue, P99 missed: a miss overrides the model only when sustained (the bias takes the rest).
+    evidence = autoscaler.up_wish(history, spec, math.inf, current, now, last_change, MISS_WINDOWS)
     if evidence is not None:
         wishes.append(evidence)
     if wishes:

@@ -63,3 +63,22 @@ def test_no_scale_down_to_a_load_that_confidently_missed_the_target():
     assert not [j for j in model_bias.judged(missed, MODEL, SPEC)]
     decision = predictive.decide(history, SPEC, 4, history[-1].time, 600.0, model=MODEL)
     assert decision.replicas == 4, decision.reason
+
+
+def judged_requests(requests: float, slow_share: float, slow: float = 1.3) -> Judged:
+    """`requests` against a model P99 of 0.2 s: most at 0.1 s, a `slow_share` at `slow` x the model."""
+    fast = requests * (1 - slow_share)
+    return Judged(((0.1, fast), (0.2, fast), (0.2 * slow, requests), (math.inf, requests)), 0.2, 0.5)
+
+
+def test_the_bias_moves_off_the_model_only_when_the_requests_prove_it():
+    # 2% of 200 requests over the model: the point estimate says 1.1 or more, 200 requests do not prove it.
+    few = [judged_requests(200, 0.02)]
+    assert model_bias.multiplier(few) > 1.1
+    assert model_bias.confident(few) == 1.0
+    # The same share over 3,000 requests does: the least bias it proves, above 1 and at most the estimate.
+    many = [judged_requests(3000, 0.03)]
+    assert 1.0 < model_bias.confident(many) <= model_bias.multiplier(many)
+    # Faster than the model, proven: below 1.
+    assert model_bias.confident([judged_requests(3000, 0.0)]) < 1.0
+    assert model_bias.confident([]) == 1.0

@@ -104,3 +104,45 @@ def test_the_loop_counts_tokens_from_per_pod_baselines_and_reads_a_profile():
 def test_the_length_mix_is_read_from_the_engines_own_token_counters():
     parsed = scraper.parse(engine_metrics_text(0, 2, [], 10, prompt_tokens=1440, generation_tokens=720))
     assert (parsed.requests_total, parsed.prompt_tokens_total, parsed.generation_tokens_total) == (10, 1440, 720)
+
+
+def test_a_bias_on_a_few_slow_requests_does_not_move_a_steady_load():
+    # One replica carries 2 requests/s; the last two minutes: 240 requests, 7% of them at 1.3x the model's P99.
+    model_p99 = predictive.latency(MODEL, spec(), MODEL.predict(2.0, 144, 72), 72)
+
+    def ticks(start: float, count: int, fast: float) -> list[Sample]:  # 10 requests a tick, `fast` of them in 0.9x
+        return [Sample(time=start + i * TICK, ready=1, running=3.0, finished=10.0,
+                       latency=((0.9 * model_p99, fast), (1.3 * model_p99, 10.0), (math.inf, 10.0)),
+                       prompt_tokens=1440, output_tokens=720) for i in range(count)]
+
+    calm, slow = ticks(0, 120, 10.0), ticks(600, 24, 9.3)
+    # The point estimate (over the newest 1,000 requests) is above the model; the requests do not prove it.
+    assert model_bias.multiplier(model_bias.newest(model_bias.judged(calm + slow, MODEL, spec()))) > 1.0
+    decision = decide(calm + slow, current=1, last_change=-1000)
+    assert decision.replicas == 1 and "bias 1.00" in decision.reason, decision.reason
+
+
+def test_a_p99_miss_overrides_the_model_only_when_it_holds_in_two_stretches():
+    def stretch(start: float, over: float) -> list[Sample]:  # 100 requests, `over` of them at 0.6 s (target 0.3)
+        fast = 10.0 - over / 10
+        return [Sample(time=start + i * TICK, ready=1, running=3.0, finished=10.0,
+                       latency=((0.1, fast), (0.3, fast), (0.6, 10.0), (math.inf, 10.0)),
+                       prompt_tokens=1440, output_tokens=720) for i in range(10)]
+
+    calm = [s for start in range(0, 600, 50) for s in stretch(start, 0)]
+    once = calm + stretch(600, 0) + stretch(650, 5)
+    assert autoscaler.recent_miss(once, 0.3, 0) is not None  # the reactive policy's single-stretch test fires
+    assert decide(once, current=1, last_change=-1000).replicas == 1
+    twice = calm + stretch(600, 5) + stretch(650, 5)
+    decision = decide(twice, current=1, last_change=-1000)
+    assert decision.replicas > 1 and "P99" in decision.reason, decision.reason
+
+
+def test_a_latency_floor_no_replica_removes_does_not_send_the_replicas_to_the_maximum():
+    # 350-token prompts: one long prompt's own prefill is about the 0.3 s target on any count.
+    demand = predictive.Load(rate=2.0, prompt=350, output=72, requests=1000, seconds=500)
+    floor = [predictive.latency(MODEL, spec(), MODEL.predict(2.0 / n, 350, 72), 72) for n in (5, 10)]
+    assert floor[0] - floor[1] < predictive.MARGIN * 0.3 and floor[1] > 0.3 * (1 - predictive.MARGIN)
+    wanted = predictive.needed(MODEL, spec(), demand, 1.0)
+    assert wanted <= 5
+    assert predictive.fits(MODEL, spec(), demand, wanted, 0.0)  # within utilization and batch all the same
