@@ -23,6 +23,7 @@ from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models.weights import target
 from kaon_runtime.quant.checkpoint_formats import CheckpointScheme, LoadedWeight, concat_rows, scheme_from_config
+from kaon_runtime.quant.static_inputs import StaticInputLinear
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +99,37 @@ class Prequantized:
         for ours, names in self.parts.items():
             pending = modules[ours]
             assert isinstance(pending, PendingLinear)
+            inputs = [self._static_input(name) for name in names] if self.scheme.static_inputs else []
             weight = concat_rows([self._shard(name, tp) for name in names], ours)
             shape, expected = (weight.out_features, _in_features(weight)), (pending.out_features, pending.in_features)
             if shape != expected:
                 raise ValueError(f"quantized {ours} is {shape[0]} x {shape[1]}, the model expects "
                                  f"{expected[0]} x {expected[1]}")
             parent, _, child = ours.rpartition(".")
-            setattr(modules[parent], child, weight.to_module(pending.bias, device))
+            module = weight.to_module(pending.bias, device)
+            if inputs:  # fused parts read one input: the widest of their grids, as vLLM takes
+                scale, zero = max(inputs, key=lambda found: float(found[0]))
+                module = StaticInputLinear(module, str(self.scheme.static_inputs), scale.to(device),
+                                           None if zero is None else zero.to(device))
+            setattr(modules[parent], child, module)
         unused = sorted(set(self.held))
         if unused:
             raise ValueError(f"checkpoint tensors of {', '.join(unused[:3])} belong to no quantized layer")
-        log.info("%s: %d linear layers kept quantized", self.scheme.description, len(self.parts))
+        log.info("%s: %d linear layers kept quantized%s", self.scheme.description, len(self.parts),
+                 f", inputs rounded to their static {self.scheme.static_inputs} scales" if self.scheme.static_inputs
+                 else "")
         if self.dropped:
             log.warning("the checkpoint's %s are not used: activations stay in the model's dtype (fp8 on a GPU "
                         "quantizes them per row itself) and the KV cache keeps --kv-cache-dtype",
                         ", ".join(sorted(self.dropped)))
+
+    def _static_input(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tensors = self.held.get(name, {})
+        scale = tensors.pop("input_scale", None)
+        if scale is None or scale.numel() != 1:
+            raise ValueError(f"{name}.input_scale is {'missing' if scale is None else tuple(scale.shape)}: the "
+                             "checkpoint's static input_activations need one scale per quantized linear")
+        return scale, tensors.pop("input_zero_point", None)
 
     def _shard(self, name: str, tp: TensorParallel) -> LoadedWeight:
         tensors = self.held.pop(name, {})

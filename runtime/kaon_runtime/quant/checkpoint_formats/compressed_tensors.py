@@ -6,8 +6,10 @@
 - int-quantized (W8A8, W8A16 naive): `weight` int8 [N, K], `weight_scale` [N, 1] (channel), [N, groups] or [1].
 - float-quantized (FP8): `weight` float8_e4m3fn [N, K], `weight_scale` [1] (tensor), [N, 1] (channel) or
   [ceil(N / 128), ceil(K / 128)] (block).
-Activation quantization (W8A8's dynamic per-token int8, FP8's static `input_scale`) is not applied: kaon
-multiplies float activations with the kept-narrow weights; fp8 on a GPU quantizes activations per row itself.
+Static activation quantization (`input_activations` with dynamic false, per tensor: FP8's or int8's
+`input_scale`) is applied (quant/static_inputs.py); dynamic per-token activations are not: kaon multiplies
+float activations with the kept-narrow weights (fp8 on a GPU quantizes activations per row itself).
+A `kv_cache_scheme` (static KV-cache scales) is refused: kaon's KV cache keeps --kv-cache-dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from kaon_runtime.quant.checkpoint_formats.scheme import CheckpointScheme
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 _SUFFIXES = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"})
+_STATIC = frozenset({"input_scale", "input_zero_point"})  # read when activations are static
 _IGNORED = frozenset({"input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale",
                       "v_scale", "input_global_scale", "weight_global_scale"})
 
@@ -37,14 +40,33 @@ def scheme(config: dict) -> CheckpointScheme:
     if not kinds <= {("int", 4), ("int", 8), ("float", 8)}:
         raise ModelLoadError(f"compressed-tensors weights {sorted(map(str, kinds))} are not supported; "
                              "supported: int 4-bit, int 8-bit, float 8-bit")
+    if config.get("kv_cache_scheme"):
+        raise ModelLoadError("compressed-tensors kv_cache_scheme (a quantized KV cache with the checkpoint's "
+                             "k_scale / v_scale) is not supported: kaon's KV cache keeps --kv-cache-dtype")
+    static = _static_inputs([group.get("input_activations") or {} for group in groups])
     kind = sorted(kinds)[0]
     method = "fp8" if kind[0] == "float" else f"int{kind[1]}"
-    fused = all(_cpu_fused(w) for w in weights) and method != "fp8"
+    fused = all(_cpu_fused(w) for w in weights) and method != "fp8" and static is None
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)
     return CheckpointScheme(description=f"compressed-tensors {'/'.join(sorted(map(str, formats)))} "
                                         f"{method} ({', '.join(parts)})",
                             method=method, cpu_fused=fused, markers=frozenset({"weight_packed", "weight_scale"}),
-                            suffixes=_SUFFIXES, ignored=_IGNORED, convert=convert)
+                            suffixes=_SUFFIXES | (_STATIC if static else frozenset()),
+                            ignored=_IGNORED - (_STATIC if static else frozenset()), convert=convert,
+                            static_inputs=static)
+
+
+def _static_inputs(activations: list[dict]) -> str | None:
+    """"fp8" / "int8" when every group quantizes its inputs statically per tensor, None when none does."""
+    static = [a for a in activations if a and a.get("dynamic") is False]
+    if not static:
+        return None
+    kinds = {(a.get("type", "int"), a.get("num_bits"), a.get("strategy", "tensor")) for a in static}
+    supported = {("float", 8, "tensor"), ("int", 8, "tensor")}
+    if len(static) != len(activations) or len(kinds) != 1 or not kinds <= supported:
+        raise ModelLoadError(f"compressed-tensors static input_activations {sorted(map(str, kinds))} are not "
+                             "supported; supported: per-tensor float 8-bit or int 8-bit in every group")
+    return "fp8" if kinds == {("float", 8, "tensor")} else "int8"
 
 
 def _cpu_fused(weights: dict) -> bool:

@@ -21,6 +21,7 @@ class CheckpointScheme:
     suffixes: frozenset[str]  # every suffix a quantized module's tensors may carry
     ignored: frozenset[str]  # suffixes read and dropped (static activation scales, KV cache scales)
     convert: Converter
+    static_inputs: str | None = None  # "fp8" / "int8": inputs rounded to the checkpoint's input_scale first
 
     def owns(self, name: str, dtype: torch.dtype) -> bool:
         """Whether the checkpoint tensor `name` belongs to a quantized module (or is one of the dropped)."""
