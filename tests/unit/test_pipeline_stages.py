@@ -8,10 +8,10 @@ from kaon_runtime.distributed.stages import Placement, ranks_of_host, split_laye
 
 
 def test_layers_split_into_contiguous_stages_the_first_ones_larger():
-    assert split_layers(8, 2) == [range(0, 4), range(4, 8)]
-    assert split_layers(3, 2) == [range(0, 2), range(2, 3)]
-    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
-    assert split_layers(5, 1) == [range(0, 5)]
+    assert split_layers(8, 2) == [range(4), range(4, 8)]
+    assert split_layers(3, 2) == [range(2), range(2, 3)]
+    assert split_layers(10, 4) == [range(3), range(3, 6), range(6, 8), range(8, 10)]
+    assert split_layers(5, 1) == [range(5)]
     for layers, pp in ((7, 3), (126, 8), (4, 4)):
         spans = split_layers(layers, pp)
         assert [i for span in spans for i in span] == list(range(layers))
@@ -27,7 +27,7 @@ def test_more_stages_than_layers_are_refused():
 
 def test_a_stage_knows_its_ends():
     first, last = stage_of(3, 2, 0), stage_of(3, 2, 1)
-    assert (first.is_first, first.is_last, first.layers(3)) == (True, False, range(0, 2))
+    assert (first.is_first, first.is_last, first.layers(3)) == (True, False, range(2))
     assert (last.is_first, last.is_last, last.layers(3)) == (False, True, range(2, 3))
     whole = stage_of(3, 1, 0)
     assert whole.is_first and whole.is_last and whole.layers(3) == range(3)
@@ -40,8 +40,8 @@ def test_ranks_are_stage_major_and_pair_with_the_same_tp_rank():
 
 
 def test_hosts_take_equal_contiguous_shares_of_the_ranks():
-    assert ranks_of_host(4, 2, 0) == range(0, 2) and ranks_of_host(4, 2, 1) == range(2, 4)
-    assert ranks_of_host(4, 1, 0) == range(0, 4)
+    assert ranks_of_host(4, 2, 0) == range(2) and ranks_of_host(4, 2, 1) == range(2, 4)
+    assert ranks_of_host(4, 1, 0) == range(4)
     with pytest.raises(ValueError, match="cannot share 3 ranks"):
         ranks_of_host(3, 2, 0)
 

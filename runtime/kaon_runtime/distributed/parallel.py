@@ -26,7 +26,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     stage: PipelineStage = field(default_factory=PipelineStage)
-    group: object | None = field(default=None, compare=False)
+    group: dist.ProcessGroup | None = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's partial result (row-parallel outputs, masked embedding lookups)."""
@@ -59,8 +59,10 @@ def join_world(placement: Placement, init_method: str, num_layers: int, device: 
                             world_size=placement.world_size, timeout=COLLECTIVE_TIMEOUT)
     # Every rank creates every stage's group, in the same order (torch.distributed requires it).
     groups = [dist.new_group(placement.stage_ranks(s)) for s in range(placement.pp_size)]
+    own = groups[placement.stage]
+    assert isinstance(own, dist.ProcessGroup), "a rank is a member of its own stage's group"
     return TensorParallel(placement.tp_rank, placement.tp_size,
-                          stage_of(num_layers, placement.pp_size, placement.stage), groups[placement.stage])
+                          stage_of(num_layers, placement.pp_size, placement.stage), own)
 
 
 def leave_group() -> None:

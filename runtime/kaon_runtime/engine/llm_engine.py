@@ -17,11 +17,11 @@ from kaon_runtime.engine.lora_pool import LoraPool
 from kaon_runtime.engine.model_loader import pick_device
 from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
+from kaon_runtime.engine.pipeline_group import PipelineGroup, uses_pipeline, world_rendezvous
 from kaon_runtime.engine.prompt_logprobs import prompt_logprobs_list
 from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.stop_strings import find_stop
-from kaon_runtime.engine.pipeline_group import PipelineGroup, uses_pipeline, world_rendezvous
 from kaon_runtime.engine.workers import WorkerPool, check_devices, check_pipeline
 from kaon_runtime.errors import EngineDeadError, InvalidRequestError
 from kaon_runtime.loader import Checkpoint, open_checkpoint
@@ -292,6 +292,8 @@ class LLMEngine:
         Reads only immutable state, so a server can call it from another thread and refuse
         bad input before the request reaches the engine loop.
         """
+        if params.pooling is not None and self.config.pipeline_parallel_size > 1:
+            raise InvalidRequestError("embeddings are not served with pipeline_parallel_size > 1 yet")
         token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
         vocab = self.model_config.vocab_size

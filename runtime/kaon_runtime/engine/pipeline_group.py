@@ -23,12 +23,13 @@ import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.multiprocessing as mp
 
 from kaon_runtime.config import EngineConfig
-from kaon_runtime.distributed.parallel import TensorParallel, join_world, leave_group
+from kaon_runtime.distributed.parallel import join_world, leave_group
 from kaon_runtime.distributed.rendezvous import Rendezvous, authkey, connect_to_leader, rendezvous_from
 from kaon_runtime.distributed.stages import Placement, ranks_of_host
 from kaon_runtime.engine.model_loader import pick_device
@@ -63,10 +64,11 @@ class PipelineGroup:
         if rdv.port == 0:
             rdv = replace(rdv, port=_free_port_pair())
         self.world = config.pipeline_parallel_size * config.tensor_parallel_size
-        self.rdv, self.lost, self._closing = rdv, None, False
+        self.rdv, self._closing = rdv, False
+        self.lost: str | None = None  # why the group broke up, once a rank went away
         self._conns: dict[int, Connection] = {}
         self._all_joined = threading.Event()
-        host = "127.0.0.1" if rdv.num_hosts == 1 else "0.0.0.0"  # noqa: S104 -- the other hosts must reach it
+        host = "127.0.0.1" if rdv.num_hosts == 1 else "0.0.0.0"  # the other hosts must reach it
         self._listener = Listener((host, rdv.port + 1), backlog=self.world, authkey=authkey())
         threading.Thread(target=self._accept, name="kaon-pp-accept", daemon=True).start()
         self._procs = _spawn_local_ranks(config, rdv, ranks_of_host(self.world, rdv.num_hosts, 0)[1:])
@@ -85,7 +87,7 @@ class PipelineGroup:
         while len(self._conns) < self.world - 1:
             try:
                 conn = self._listener.accept()
-                kind, rank = conn.recv()
+                _, rank = conn.recv()
             except OSError:
                 if self._closing:
                     return
@@ -162,9 +164,9 @@ class PipelineGroup:
         leave_group()
 
 
-def _spawn_local_ranks(config: EngineConfig, rdv: Rendezvous, ranks: range) -> dict[int, mp.Process]:
+def _spawn_local_ranks(config: EngineConfig, rdv: Rendezvous, ranks: range) -> dict[int, BaseProcess]:
     context = mp.get_context("spawn")
-    procs = {}
+    procs: dict[int, BaseProcess] = {}
     for rank in ranks:
         proc = context.Process(target=rank_main, args=(config, rank, rdv, rank - ranks.start + 1, len(ranks) + 1),
                                name=f"kaon-pp-rank{rank}", daemon=True)
@@ -200,7 +202,7 @@ def rank_main(config: EngineConfig, rank: int, rdv: Rendezvous, local_index: int
     except (EOFError, OSError):
         log.warning("rank %d: the leader went away; exiting", rank)
         os._exit(1)
-    except Exception:  # noqa: BLE001 -- a peer died mid-step (the transport fails): the group is over
+    except Exception:  # a peer died mid-step (the transport fails): the group is over
         log.exception("rank %d: the step failed; exiting", rank)
         os._exit(1)
     leave_group()
@@ -227,7 +229,7 @@ def serve_stage(config: EngineConfig, rdv: Rendezvous, health_address: tuple[str
 
 
 class _Health(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+    def do_GET(self) -> None:
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
 

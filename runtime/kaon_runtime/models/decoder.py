@@ -152,6 +152,7 @@ class DecoderModel(nn.Module):
     def fused_weights(self) -> FusedWeights:
         """What the fused CPU decode step reads of the decoder (models.cpu_decode_step.FusedDecoder)."""
         cos, sin = self.rotary.tables(torch.device("cpu"))
+        assert self.norm is not None, "the fused step runs whole models only (never a pipeline stage)"
         return FusedWeights([layer.fused_layer() for layer in self.decoder_layers()], self.norm.weight, cos, sin)
 
     def kv_cache_address(self) -> int:
