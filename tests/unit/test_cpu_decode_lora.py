@@ -23,10 +23,14 @@ BLOCK = 4
 CONFIG = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
 MAX_RANK = 8
-# slot -> (rank, target modules): padded ranks, attention only, MLP only, everything
-ADAPTERS = {0: (8, list(TARGETS)), 1: (3, ["q_proj", "v_proj", "o_proj"]), 2: (5, ["gate_proj", "up_proj", "down_proj"])}
+# slot -> (rank, target modules): everything at the full rank; part of attention and the MLP, at ranks
+# padded to the pool's
+ADAPTERS = {0: (8, list(TARGETS)), 1: (3, ["q_proj", "v_proj", "o_proj"]),
+            2: (5, ["gate_proj", "up_proj", "down_proj"])}
 TABLES, LENS = [[5], [2, 9, 0], [7, 3], [6], [8]], [1, 12, 6, 3, 2]
 ROW_SLOTS = [2, -1, 0, 1, 0]  # rows of three adapters and the base, slot 0 twice and not side by side
+# The C step takes up to four rows of one slot together: groups of 1 to 4 (and 4 + 1).
+GROUPED = [ROW_SLOTS, [0, 0, 0, 0, 0], [1, -1, 1, 1, 2]]
 
 
 def model_with_adapters(method: str | None):
@@ -82,17 +86,18 @@ def run_both(model, cache, batch, row_slots, x, positions, meta, quantized=()):
     return expected, expected_cache, out, cache.clone()
 
 
-@pytest.mark.parametrize("method", [None, "int8", "int4"])
-def test_a_decode_step_with_adapters_matches_the_torch_path(method, monkeypatch):
+@pytest.mark.parametrize("method,row_slots", [(None, GROUPED[0]), ("int8", GROUPED[0]), ("int4", GROUPED[0]),
+                                              (None, GROUPED[1]), (None, GROUPED[2])])
+def test_a_decode_step_with_adapters_matches_the_torch_path(method, row_slots, monkeypatch):
     monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")  # the dequantizing reference, fed the C step's activations
     model, cache, batch, quantized = model_with_adapters(method)
     model.check_kernels()
     x, positions, meta = decode_step()
-    expected, expected_cache, out, got_cache = run_both(model, cache, batch, ROW_SLOTS, x, positions, meta, quantized)
+    expected, expected_cache, out, got_cache = run_both(model, cache, batch, row_slots, x, positions, meta, quantized)
     _, _, base, _ = run_both(model, cache, batch, [-1] * len(LENS), x, positions, meta, quantized)
     changed = (expected - base).norm(dim=1) / base.norm(dim=1)
-    assert all(changed[r] > 0.05 for r, slot in enumerate(ROW_SLOTS) if slot >= 0), "each adapter must count"
-    assert torch.equal(out[1], base[1]), "the base row gets nothing added"
+    assert all(changed[r] > 0.05 for r, slot in enumerate(row_slots) if slot >= 0), "each adapter must count"
+    assert all(torch.equal(out[r], base[r]) for r, slot in enumerate(row_slots) if slot < 0), "base rows get nothing"
     tolerance = 1e-5 if method is None else 1e-4
     assert ((out - expected).norm(dim=1) / expected.norm(dim=1)).max() < tolerance
     torch.testing.assert_close(got_cache, expected_cache, atol=1e-5, rtol=1e-5)  # k and v carry the adapters too

@@ -1056,63 +1056,102 @@ typedef struct {
     float *y;
 } LoraJob;
 
-/* out[j] = a_j . x for `rows` rows of a ([rows, k]): four rows at a time, each x vector loaded once for them. */
-static void shrink(const float *a, int rows, const float *x, int k, float *out) {
+/* The rows of one adapter go through its weights together, up to LORA_M at a time: each weight
+ * loaded serves all of them (one adapter over a whole batch is a small matrix product, not
+ * LORA_M matrix-vector ones). */
+#define LORA_M 4
+
+/* out[m][j] = a_j . x_m for the `rows` rows of a ([rows, k]) and M activation rows (`xs`): four
+ * rows of a at a time. */
+static inline __attribute__((always_inline)) void shrink(const float *a, int rows, const float *const *xs,
+                                                         const int M, int k, float (*out)[LORA_M]) {
     int j = 0;
 #ifdef KAON_AVX2
     for (; j + 4 <= rows; j += 4) {
         const float *a0 = a + (size_t)j * k;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 acc[LORA_M][4];
+        for (int m = 0; m < M; m++) for (int c = 0; c < 4; c++) acc[m][c] = _mm256_setzero_ps();
         int i = 0;
         for (; i + 8 <= k; i += 8) {
-            const __m256 xv = _mm256_loadu_ps(x + i);
-            for (int c = 0; c < 4; c++) acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + (size_t)c * k + i), xv, acc[c]);
+            __m256 av[4];
+            for (int c = 0; c < 4; c++) av[c] = _mm256_loadu_ps(a0 + (size_t)c * k + i);
+            for (int m = 0; m < M; m++) {
+                const __m256 xv = _mm256_loadu_ps(xs[m] + i);
+                for (int c = 0; c < 4; c++) acc[m][c] = _mm256_fmadd_ps(av[c], xv, acc[m][c]);
+            }
         }
-        for (int c = 0; c < 4; c++) {
-            float sum = hsum8(acc[c]);
-            for (int t = i; t < k; t++) sum += a0[(size_t)c * k + t] * x[t];
-            out[j + c] = sum;
-        }
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 4; c++) {
+                float sum = hsum8(acc[m][c]);
+                for (int t = i; t < k; t++) sum += a0[(size_t)c * k + t] * xs[m][t];
+                out[j + c][m] = sum;
+            }
     }
 #endif
-    for (; j < rows; j++) out[j] = dot_f32(a + (size_t)j * k, x, k);
+    for (; j < rows; j++)
+        for (int m = 0; m < M; m++) out[j][m] = dot_f32(a + (size_t)j * k, xs[m], k);
 }
 
-/* y[c] += sum_j s[j] * b[j, c] for c < n, b's rows `stride` apart: eight outputs at a time held in a
- * register over the whole rank, so y is read and written once. */
-static void expand(const float *b, size_t stride, int rank, const float *s, float *y, int n) {
+/* ys[m][c] += sum_j s[j][m] * b[j, c] for c < n, b's rows `stride` apart: eight outputs of each
+ * activation row held in registers over the whole rank, so each y is read and written once. */
+static inline __attribute__((always_inline)) void expand(const float *b, size_t stride, int rank,
+                                                         const float (*s)[LORA_M], float *const *ys, const int M,
+                                                         int n) {
     int c = 0;
 #ifdef KAON_AVX2
     for (; c + 8 <= n; c += 8) {
-        __m256 acc = _mm256_loadu_ps(y + c);
-        for (int j = 0; j < rank; j++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(b + j * stride + c), acc);
-        _mm256_storeu_ps(y + c, acc);
+        __m256 acc[LORA_M];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_loadu_ps(ys[m] + c);
+        for (int j = 0; j < rank; j++) {
+            const __m256 bv = _mm256_loadu_ps(b + j * stride + c);
+            for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s[j][m]), bv, acc[m]);
+        }
+        for (int m = 0; m < M; m++) _mm256_storeu_ps(ys[m] + c, acc[m]);
     }
 #endif
-    for (; c < n; c++) {
-        float sum = y[c];
-        for (int j = 0; j < rank; j++) sum = madd1(s[j], b[j * stride + c], sum);
-        y[c] = sum;
+    for (; c < n; c++)
+        for (int m = 0; m < M; m++) {
+            float sum = ys[m][c];
+            for (int j = 0; j < rank; j++) sum = madd1(s[j][m], b[j * stride + c], sum);
+            ys[m][c] = sum;
+        }
+}
+
+/* M rows of one slot through one projection's adapter, part by part over the slot's own ranks. */
+static inline __attribute__((always_inline)) void lora_rows(const Lora *l, int64_t slot, const float *const *xs,
+                                                            float *const *ys, const int M, int k, int n,
+                                                            float (*shrunk)[LORA_M]) {
+    for (int p = 0, offset = 0; p < l->parts; offset += l->sizes[p], p++) {
+        const int used = l->ranks[slot * l->parts + p];
+        const size_t first = (size_t)slot * l->parts * l->rank + (size_t)p * l->rank;
+        float *yp[LORA_M];
+        for (int m = 0; m < M; m++) yp[m] = ys[m] + offset;
+        shrink(l->a + first * k, used, xs, M, k, shrunk);
+        expand(l->b + first * n + offset, (size_t)n, used, (const float (*)[LORA_M])shrunk, yp, M, l->sizes[p]);
     }
 }
 
 /* y[r] += (x[r] @ A[slot].T) @ B[slot] for the listed rows [begin, end): BGMV's shrink and
- * expand, one part at a time and only over the rank the slot's adapter has on it. */
+ * expand, the rows of one slot (side by side in the list) up to LORA_M at a time. */
 static void lora_chunk(const void *arg, int begin, int end) {
     const LoraJob *job = arg;
     const Lora *l = job->lora;
-    const int k = job->k, n = job->n, rank = l->rank;
-    float shrunk[rank > 0 ? rank : 1];
-    for (int i = begin; i < end; i++) {
-        const int64_t r = job->rows->rows[i], slot = job->rows->slots[r];
-        const float *x = job->x + (size_t)r * k;
-        float *y = job->y + (size_t)r * n;
-        for (int p = 0, offset = 0; p < l->parts; offset += l->sizes[p], p++) {
-            const int used = l->ranks[slot * l->parts + p];
-            const size_t first = (size_t)slot * l->parts * rank + (size_t)p * rank;
-            shrink(l->a + first * k, used, x, k, shrunk);
-            expand(l->b + first * n + offset, (size_t)n, used, shrunk, y + offset, l->sizes[p]);
+    const int k = job->k, n = job->n;
+    float shrunk[l->rank > 0 ? l->rank : 1][LORA_M];
+    for (int i = begin; i < end;) {
+        const int64_t slot = job->rows->slots[job->rows->rows[i]];
+        const float *xs[LORA_M];
+        float *ys[LORA_M];
+        int m = 0;
+        for (; m < LORA_M && i < end && job->rows->slots[job->rows->rows[i]] == slot; m++, i++) {
+            xs[m] = job->x + (size_t)job->rows->rows[i] * k;
+            ys[m] = job->y + (size_t)job->rows->rows[i] * n;
+        }
+        switch (m) {
+            case 1: lora_rows(l, slot, xs, ys, 1, k, n, shrunk); break;
+            case 2: lora_rows(l, slot, xs, ys, 2, k, n, shrunk); break;
+            case 3: lora_rows(l, slot, xs, ys, 3, k, n, shrunk); break;
+            default: lora_rows(l, slot, xs, ys, LORA_M, k, n, shrunk); break;
         }
     }
 }
