@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from e2e.control_plane import ControlPlane, _die_with_parent, build_binaries, free_port, terminate, wait_until_answering
+from e2e.lws_standin import CRD_PATH as LWS_CRD, GROUP as LWS_GROUP, LwsStandIn
 from e2e.operator_process import OperatorProcess
 from e2e.pod_runner import PodRunner
 
@@ -52,8 +53,10 @@ class RouterProcess:
 
 class LocalCluster:
     def __init__(self, cp: ControlPlane | None = None, *, release: str = "kaon", autoscale_interval: float = 1.0,
-                 queue_timeout: float = 120.0):
-        self.cp, self.release = cp, release
+                 queue_timeout: float = 120.0, leader_worker_sets: bool = False):
+        """`leader_worker_sets`: LWS's CRD and the stand-in LWS controller (e2e/lws_standin.py), for
+        multi-node InferenceServices."""
+        self.cp, self.release, self.leader_worker_sets = cp, release, leader_worker_sets
         self.autoscale_interval, self.queue_timeout = autoscale_interval, queue_timeout
         self.router_url = ""
         self.pods: PodRunner | None = None
@@ -74,6 +77,10 @@ class LocalCluster:
         if self.cp is None:
             self.cp = self._stack.enter_context(ControlPlane(build_binaries(), crds=CRDS))
         self._install_chart(self.cp)
+        if self.leader_worker_sets:
+            self.cp.kubectl("apply", "--server-side", "-f", str(LWS_CRD))
+            self.cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/leaderworkersets." + LWS_GROUP)
+            self._stack.enter_context(LwsStandIn(self.cp.kubeconfig, leader_ip=True))
         # The chart names its ServiceAccounts after kaon.fullname (_helpers.tpl): the release, plus "-kaon" if absent.
         work, name = self.cp.workdir, self.release if "kaon" in self.release else f"{self.release}-kaon"
         operator = OperatorProcess(self.cp.service_account_kubeconfig(NAMESPACE, f"{name}-operator"),

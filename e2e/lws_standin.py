@@ -55,8 +55,11 @@ def revision(lws: Mapping) -> str:
     return _hash(lws["spec"]["leaderWorkerTemplate"])
 
 
-def pod_manifest(lws: Mapping, group: int, worker: int) -> dict:
-    """Pod `worker` (0: the leader) of group `group`, as the LWS controller would make it."""
+def pod_manifest(lws: Mapping, group: int, worker: int, leader_address: str | None = None,
+                 leader_ip: bool = False) -> dict:
+    """Pod `worker` (0: the leader) of group `group`, as the LWS controller would make it. With `leader_ip`
+    the leader's pod IP stands in for its DNS name (which nothing resolves on the local cluster): the
+    leader reads its own from the downward API, a worker gets `leader_address`."""
     meta, template = lws["metadata"], lws["spec"]["leaderWorkerTemplate"]
     name, namespace, size = meta["name"], meta["namespace"], template.get("size", 1)
     source = template.get("leaderTemplate") if worker == 0 and template.get("leaderTemplate") else template[
@@ -68,7 +71,10 @@ def pod_manifest(lws: Mapping, group: int, worker: int) -> dict:
     annotations = {**(pod_template.get("metadata") or {}).get("annotations", {}), SIZE: str(size)}
     if worker:
         annotations[LEADER_NAME] = leader
-    env = [{"name": "LWS_LEADER_ADDRESS", "value": f"{leader}.{name}.{namespace}"},
+    address: dict = {"value": leader_address or f"{leader}.{name}.{namespace}"}
+    if leader_ip and worker == 0:
+        address = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    env = [{"name": "LWS_LEADER_ADDRESS", **address},
            {"name": "LWS_GROUP_SIZE", "value": str(size)}, {"name": "LWS_WORKER_INDEX", "value": str(worker)},
            {"name": "LWS_NAME", "value": name}]
     spec = pod_template["spec"]
@@ -99,13 +105,16 @@ def _broken(pod: Mapping) -> bool:
 class LwsStandIn:
     """Runs the stand-in in a thread against the cluster of `kubeconfig` (admin), polling every `interval` s."""
 
-    def __init__(self, kubeconfig: Path, interval: float = 0.5):
-        self.interval = interval
+    def __init__(self, kubeconfig: Path, interval: float = 0.5, *, leader_ip: bool = False):
+        """`leader_ip`: LWS_LEADER_ADDRESS is the leader pod's IP (workers are made once it has one), for
+        real engine groups on the local cluster, where the headless Service's DNS name resolves to nothing."""
+        self.interval, self.leader_ip = interval, leader_ip
         client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.core = kubernetes.client.CoreV1Api(client)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lws-standin", daemon=True)
+        self._whole: set[str] = set()  # leader pods' uids whose group had all its pods once
         self.recreated: list[tuple[str, str, int, str]] = []
         """(namespace, lws, group, why) of every group recreated: what the tests assert on."""
 
@@ -165,7 +174,10 @@ class LwsStandIn:
             if group >= replicas:  # scale-down: the leader first; its workers once it is gone
                 self._delete(namespace, pods, leader_only=0 in pods)
                 continue
-            lost = bool(pods) and (0 not in pods or (len(pods) < size and self._started(pods)))
+            leader_uid = (pods.get(0) or {}).get("metadata", {}).get("uid")
+            if len(pods) == size:
+                self._whole.add(leader_uid)
+            lost = bool(pods) and (0 not in pods or (len(pods) < size and leader_uid in self._whole))
             if lost or any(_broken(p) for p in pods.values()):
                 why = "a pod of the group is gone" if lost else "a pod of the group failed or restarted"
                 self.recreated.append((namespace, meta["name"], group, why))
@@ -181,15 +193,15 @@ class LwsStandIn:
             groups[max(outdated)] = {}
         for group in range(replicas):
             have = groups.get(group, {})
+            address = None
+            if self.leader_ip:
+                address = ((have.get(0) or {}).get("status") or {}).get("podIP")
             for worker in range(size):
-                if worker not in have and (worker == 0 or 0 in have or not have):
-                    self._create(namespace, pod_manifest(lws, group, worker))
+                if worker in have or (self.leader_ip and worker and address is None):
+                    continue
+                if worker == 0 or 0 in have or not have:
+                    self._create(namespace, pod_manifest(lws, group, worker, address, self.leader_ip))
         self._write_status(lws, groups, ready_groups, current)
-
-    @staticmethod
-    def _started(pods: Mapping[int, dict]) -> bool:
-        """Every pod of a group is made in one round: a group short of pods that is older than that lost one."""
-        return any((p.get("status") or {}).get("phase") in ("Running", "Failed") for p in pods.values())
 
     def _create(self, namespace: str, pod: dict) -> None:
         try:

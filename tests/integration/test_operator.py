@@ -266,11 +266,13 @@ def test_the_operator_identity_has_only_what_it_needs(crd, operator_kubeconfig, 
                            ("update", "inferenceservices.kaon.dev/finalizers"),  # blockOwnerDeletion (below)
                            ("patch", "deployments.apps"), ("create", "events"), ("list", "pods"),
                            ("patch", "networkpolicies.networking.k8s.io"),
-                           ("delete", "networkpolicies.networking.k8s.io")]:
+                           ("delete", "networkpolicies.networking.k8s.io"),
+                           # a switch between one and several nodes per replica deletes the other workload
+                           ("delete", "deployments.apps")]:
         assert can(verb, resource), (verb, resource)
     assert can("get", "secrets")  # spec.auth's Secret by name: the digests it publishes for the router
     for verb, resource in [("list", "secrets"), ("watch", "secrets"), ("update", "secrets"),
-                           ("delete", "deployments.apps"), ("create", "pods"),
+                           ("update", "deployments.apps"), ("create", "pods"),
                            ("delete", "inferenceservices.kaon.dev"), ("update", "inferenceservices.kaon.dev"),
                            ("update", "nodes"), ("create", "roles")]:
         assert not can(verb, resource), (verb, resource)
