@@ -9,8 +9,9 @@ fine for speed and memory, not for quality). SmolLM2's hidden size, 576, is not 
 
 Per file, each side in a child process of its own: batch-1 decode tokens/s after a short prompt,
 prefill excluded (bench/cpu_decode.py's `rate`); kaon also reports the bytes of its loaded weights
-(parameters and buffers), its resident memory after loading (a 32 MiB KV pool included) and after
-decoding (the fused step's interleaved copies included), against the file's size. Greedy tokens: kaon in the file's own
+(parameters and buffers), the same with every copy its kernels made of them (distinct storages
+after decoding, the KV pool not counted), the KV pool's bytes, and its process's resident memory
+after loading and after decoding (pool, libraries and allocator included), against the file's size. Greedy tokens: kaon in the file's own
 precision against kaon float32 on the same file, and llama.cpp against kaon float32, as the
 common prefix per prompt (llama.cpp and kaon's fused step both quantize activations to int8).
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from cpu_decode import AGREEMENT_PROMPTS, PROMPT, USER_ENV, agreement, rate  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "gguf"
-FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
 
 def make_file(type_name: str) -> Path:
@@ -62,6 +63,31 @@ def prompt_ids(path: Path) -> list[list[int]]:
     return [llm.tokenize(p.encode()) for p in AGREEMENT_PROMPTS]
 
 
+def resident_weight_bytes(model) -> int:
+    """Bytes of the distinct storages the loaded model's weights occupy: its parameters and buffers and
+    whatever copies the kernels made of them (the fused step's structs, a head's kernel copy); the KV
+    pool not included."""
+    from kaon_runtime.kernels.cpu_decode import LinearWeights
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if t is not None and hasattr(t, "untyped_storage"):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for module in model.modules():
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            add(t)
+        for value in vars(module).values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                for t in item.tensors if isinstance(item, LinearWeights) else (item,):
+                    add(t)
+    step = getattr(model, "cpu_decode", None)
+    for kept in (step._built[2] if step is not None and step._built is not None else []):
+        for t in kept.tensors if isinstance(kept, LinearWeights) else ():
+            add(t)
+    return sum(seen.values())
+
+
 def kaon_child(path: Path, dtype: str, tokens: int, repeats: int, ids: list[list[int]]) -> dict:
     import kaon_runtime  # noqa: F401  (before torch: its OpenMP settings)
     from kaon_runtime import LLM, SamplingParams
@@ -76,7 +102,8 @@ def kaon_child(path: Path, dtype: str, tokens: int, repeats: int, ids: list[list
     one = rate(run, 1, tokens, repeats)
     greedy = [o.outputs[0].token_ids for o in llm.generate(
         ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)]
-    return {"tok_s": one, "weight_bytes": runner.weight_bytes, "rss_loaded": loaded, "rss_decoded": rss() - before,
+    return {"tok_s": one, "weight_bytes": runner.weight_bytes, "resident_weights": resident_weight_bytes(runner.model),
+            "kv_bytes": runner.kv_cache.numel() * runner.kv_cache.element_size(), "rss_loaded": loaded, "rss_decoded": rss() - before,
             "quantization": runner.config.quantization, "greedy": [list(g) for g in greedy]}
 
 
@@ -109,7 +136,7 @@ def child(args, *extra: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--types", nargs="+", default=list(FTYPES), choices=list(FTYPES))
+    parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K_M"], choices=list(FTYPES))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # side, file, dtype
@@ -138,7 +165,9 @@ def main() -> int:
               f"{agreement(peer['greedy'], ref['greedy'])}")
         for name, r in (("kaon, the file's own", own), ("kaon float32", ref)):
             print(f"  {name:20} {r['tok_s']:7.1f} tok/s  {r['tok_s'] / peer['tok_s']:.2f}x llama.cpp;  weights "
-                  f"{r['weight_bytes'] / mib:.1f} MiB ({r['weight_bytes'] / size:.2f}x file), resident +"
+                  f"{r['weight_bytes'] / mib:.1f} MiB ({r['weight_bytes'] / size:.2f}x file), with the kernels' "
+                  f"copies {r['resident_weights'] / mib:.1f} MiB ({r['resident_weights'] / size:.2f}x), KV pool "
+                  f"{r['kv_bytes'] / mib:.0f} MiB; process +"
                   f"{r['rss_loaded'] / mib:.0f} MiB loaded, +{r['rss_decoded'] / mib:.0f} MiB after decoding"
                   + (f"; greedy as float32's: {agreement(r['greedy'], ref['greedy'])}" if r is own else ""))
     return 0

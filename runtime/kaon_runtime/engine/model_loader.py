@@ -1,6 +1,7 @@
 """A rank's model, ready to run: the device and dtypes, the kernels it is built with, its weights, quantization."""
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import replace
 
@@ -142,3 +143,14 @@ def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, de
     log.info("%s: %d linear layers quantized (%d kept as the GGUF file's own blocks)", method, len(swapped), reused)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized
+    else:
+        _return_freed_heap()
+
+
+def _return_freed_heap() -> None:
+    """Hand the float weights' freed memory back to the system: glibc keeps the small tensors'
+    heap pages otherwise, and the process stays as large as the float model for its life."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, nothing lost
+        pass

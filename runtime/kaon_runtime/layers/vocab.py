@@ -60,8 +60,9 @@ class VocabHead(nn.Module):
                  cpu_logits_rows: int = 0):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
-        self.start, shard = vocab_range(vocab_size, tp.rank, tp.size)
-        self.weight_t = nn.Parameter(torch.empty(hidden_size, shard))
+        self.start, self.shard = vocab_range(vocab_size, tp.rank, tp.size)
+        self.weight_t = nn.Parameter(torch.empty(hidden_size, self.shard))
+        self.lookup_dtype = torch.float32  # the token lookup's, once drop_float_table has run
         self.quantized: nn.Module | None = None
         self.cpu_logits_rows = cpu_logits_rows
         self._cpu_weights: tuple[object, cpu_decode.LinearWeights] | None = None  # (the weight it reads, its struct)
@@ -84,12 +85,26 @@ class VocabHead(nn.Module):
                 weights = cpu_decode.LinearWeights.f32_t(self.weight_t)
             else:  # quant.surgery gives the head an int8 copy under every method
                 head: Any = self.quantized
-                weights = cpu_decode.LinearWeights.int8(head.qweight, head.scales)
+                held = getattr(head, "kernel_weights", None)  # already in the kernel's layout (tied tables)
+                weights = held or cpu_decode.LinearWeights.int8(head.qweight, head.scales)
             self._cpu_weights = source, weights
         return self._cpu_weights[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.weight_t.index_select(1, input_ids).t()
-        local, inside = _masked_ids(input_ids, self.start, self.weight_t.shape[1])
-        return self.tp.all_reduce(self.weight_t.index_select(1, local).t() * inside[:, None])
+            return self._rows(input_ids)
+        local, inside = _masked_ids(input_ids, self.start, self.shard)
+        return self.tp.all_reduce(self._rows(local) * inside[:, None])
+
+    def drop_float_table(self) -> None:
+        """From now on the token lookup reads the rows of `quantized` (tied embeddings under
+        quantization: the float table would be the model's largest tensor, kept for lookups only)."""
+        assert self.quantized is not None and hasattr(self.quantized, "rows")
+        self.lookup_dtype = self.weight_t.dtype
+        self.weight_t = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is None:
+            quantized: Any = self.quantized
+            return quantized.rows(ids).to(self.lookup_dtype)
+        return self.weight_t.index_select(1, ids).t()

@@ -119,8 +119,9 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
         return cpu_decode.LinearWeights.f32(module.weight, bias)
     qweight = getattr(module, "qweight", None)
     quantized: Any = module  # quant's linears: their tensors are plain attributes
-    if hasattr(module, "group_scales"):  # int8 in groups of 16 (GGUF's 5/6/8-bit and Q2_K/Q3_K types)
-        return cpu_decode.LinearWeights.q8_g16(quantized.qvalues, quantized.group_scales, quantized.group_mins, bias)
+    held = getattr(module, "kernel_weights", None)  # held in the kernel's own layout (quant/group_int8.py)
+    if held is not None:
+        return held
     if qweight is not None and qweight.dtype == torch.int8:
         return cpu_decode.LinearWeights.int8(qweight, quantized.scales, bias)
     if getattr(module, "group_size", None) == cpu_decode.QBLOCK and hasattr(module, "packed"):

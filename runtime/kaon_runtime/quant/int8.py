@@ -27,6 +27,10 @@ class Int8Linear(ChannelScaledLinear):
         # The CPU kernel takes its scales in the activations' dtype; not saved with the weights.
         self.register_buffer("cpu_scales", scales.to(ACTIVATION_DTYPE), persistent=False)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), K]: the dequantized rows `ids` (a tied token lookup reads the head's)."""
+        return self.qweight.index_select(0, ids).float() * self.scales.index_select(0, ids).float()[:, None]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x)
         if kernel == "triton":

