@@ -32,7 +32,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.rest import ApiException
@@ -135,7 +135,8 @@ class LwsStandIn:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                for lws in self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]:
+                listed = cast(dict, self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL))
+                for lws in listed["items"]:
                     if not lws["metadata"].get("deletionTimestamp"):
                         self.reconcile(lws)
             except ApiException as exc:  # a namespace going away, a conflict: the next round sees anew
@@ -205,7 +206,7 @@ class LwsStandIn:
 
     def _create(self, namespace: str, pod: dict) -> None:
         try:
-            self.core.create_namespaced_pod(namespace, pod)
+            self.core.create_namespaced_pod(namespace, cast(Any, pod))  # a dict serializes as well
         except ApiException as exc:
             if exc.status != 409:  # made already (an earlier round's pod not yet in our list)
                 raise
@@ -215,7 +216,7 @@ class LwsStandIn:
         meta, replicas = lws["metadata"], lws["spec"].get("replicas", 1)
         updated = sum(1 for g, pods in groups.items() if g < replicas and pods
                       and all(p["metadata"]["labels"].get(REVISION) == current for p in pods.values()))
-        status = {"replicas": sum(1 for g, pods in groups.items() if g < replicas and 0 in pods),
+        status: dict[str, Any] = {"replicas": sum(1 for g, pods in groups.items() if g < replicas and 0 in pods),
                   "readyReplicas": len(ready), "updatedReplicas": updated,
                   "hpaPodSelector": f"{NAME}={meta['name']},{WORKER_INDEX}=0"}
         available = len(ready) >= replicas
@@ -232,9 +233,9 @@ class LwsStandIn:
 
     def _event(self, lws: Mapping, message: str) -> None:
         meta = lws["metadata"]
-        self.core.create_namespaced_event(meta["namespace"], {
+        self.core.create_namespaced_event(meta["namespace"], cast(Any, {
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LeaderWorkerSet", "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta["uid"]},
             "type": "Warning", "reason": "RecreateGroupOnPodRestart", "message": message,
-            "source": {"component": "lws-standin"}})
+            "source": {"component": "lws-standin"}}))
