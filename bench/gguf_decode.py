@@ -11,9 +11,9 @@ Per file, each side in a child process of its own: batch-1 decode tokens/s after
 prefill excluded (bench/cpu_decode.py's `rate`); kaon also reports the bytes of its loaded weights
 (parameters and buffers), the same with every copy its kernels made of them (distinct storages
 after decoding, the KV pool not counted), the KV pool's bytes, and its process's resident memory
-after loading and after decoding (pool, libraries and allocator included), against the file's size. Greedy tokens: kaon in the file's own
-precision against kaon float32 on the same file, and llama.cpp against kaon float32, as the
-common prefix per prompt (llama.cpp and kaon's fused step both quantize activations to int8).
+after loading and after decoding (pool, libraries and allocator included), against the file's size.
+Greedy tokens: kaon in the file's own precision against kaon float32 on the same file, and
+llama.cpp against kaon float32, as the common prefix per prompt (llama.cpp and kaon's fused step both quantize activations to int8).
 """
 from __future__ import annotations
 
@@ -63,28 +63,33 @@ def prompt_ids(path: Path) -> list[list[int]]:
     return [llm.tokenize(p.encode()) for p in AGREEMENT_PROMPTS]
 
 
-def resident_weight_bytes(model) -> int:
+def resident_weight_bytes(model, kv_cache) -> int:
     """Bytes of the distinct storages the loaded model's weights occupy: its parameters and buffers and
-    whatever copies the kernels made of them (the fused step's structs, a head's kernel copy); the KV
-    pool not included."""
+    whatever copies its kernels made of them (the fused step's structs, a head's kernel copy); the KV
+    pool and the rotary tables not included."""
+    import torch
+
     from kaon_runtime.kernels.cpu_decode import LinearWeights
     seen: dict[int, int] = {}
 
     def add(t) -> None:
-        if t is not None and hasattr(t, "untyped_storage"):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
     for module in model.modules():
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             add(t)
         for value in vars(module).values():
             for item in value if isinstance(value, (tuple, list)) else (value,):
-                for t in item.tensors if isinstance(item, LinearWeights) else (item,):
-                    add(t)
-    step = getattr(model, "cpu_decode", None)
+                if isinstance(item, LinearWeights):
+                    for t in item.tensors:
+                        add(t)
+                elif isinstance(item, torch.Tensor) and item.dtype in (torch.uint8, torch.int8):
+                    add(item)  # int4's second copy for torch's kernels (a tuple of tensors)
+    step = getattr(model.model, "cpu_decode", None)
     for kept in (step._built[2] if step is not None and step._built is not None else []):
         for t in kept.tensors if isinstance(kept, LinearWeights) else ():
             add(t)
+    seen.pop(kv_cache.untyped_storage().data_ptr(), None)
     return sum(seen.values())
 
 
@@ -102,8 +107,10 @@ def kaon_child(path: Path, dtype: str, tokens: int, repeats: int, ids: list[list
     one = rate(run, 1, tokens, repeats)
     greedy = [o.outputs[0].token_ids for o in llm.generate(
         ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)]
-    return {"tok_s": one, "weight_bytes": runner.weight_bytes, "resident_weights": resident_weight_bytes(runner.model),
-            "kv_bytes": runner.kv_cache.numel() * runner.kv_cache.element_size(), "rss_loaded": loaded, "rss_decoded": rss() - before,
+    return {"tok_s": one, "weight_bytes": runner.weight_bytes,
+            "resident_weights": resident_weight_bytes(runner.model, runner.kv_cache),
+            "kv_bytes": runner.kv_cache.numel() * runner.kv_cache.element_size(),
+            "rss_loaded": loaded, "rss_decoded": rss() - before,
             "quantization": runner.config.quantization, "greedy": [list(g) for g in greedy]}
 
 
