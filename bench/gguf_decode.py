@@ -13,7 +13,8 @@ prefill excluded (bench/cpu_decode.py's `rate`); kaon also reports the bytes of 
 after decoding, the KV pool not counted), the KV pool's bytes, and its process's resident memory
 after loading and after decoding (pool, libraries and allocator included), against the file's size.
 Greedy tokens: kaon in the file's own precision against kaon float32 on the same file, and
-llama.cpp against kaon float32, as the common prefix per prompt (llama.cpp and kaon's fused step both quantize activations to int8).
+llama.cpp against kaon float32, as the common prefix per prompt (llama.cpp and kaon's fused step
+both quantize activations to int8).
 """
 from __future__ import annotations
 
