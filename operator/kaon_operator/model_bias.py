@@ -22,6 +22,7 @@ from kaon_operator.perf_model import PerfModel
 
 BIAS_BOUNDS = (0.5, 2.0)
 BIAS_REQUESTS = 1000  # the newest requests the bias is learned from
+SETTLE_SECONDS = 60.0  # after replicas change, latencies still belong to the load from before
 MAX_UTILIZATION = 0.9  # past this, latency is a cliff the model cannot place precisely
 
 
@@ -48,9 +49,9 @@ def judged(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> li
     out: list[Judged] = []
     stretch: list[Sample] = []
     merged: scraper.Buckets = ()
-    for sample in reversed(history):
+    for sample, settled in reversed(list(zip(history, _settled(history)))):
         queued = sample.ready and sample.waiting / sample.ready > spec.target_queue_depth_per_replica
-        if sample.starting or not sample.ready or not sample.complete or queued or \
+        if not settled or not sample.ready or not sample.complete or queued or \
                 (stretch and sample.ready != stretch[0].ready):
             stretch, merged = [], ()
             continue
@@ -65,6 +66,20 @@ def judged(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> li
             if 0 < predicted < math.inf:
                 out.append(Judged(merged, predicted, p.utilization))
         stretch, merged = [], ()
+    return out
+
+
+def _settled(history: list[Sample]) -> list[bool]:
+    """Per sample: SETTLE_SECONDS or more since replicas last started or changed. Latencies
+    are counted when requests finish, so for a while after a change (a burst, a scale-up)
+    they are the backlog's from before it; learnt as the bias, they held 8 replicas for
+    an hour after a 2-minute burst."""
+    out, changed, previous = [], -math.inf, None
+    for sample in history:
+        if sample.starting or (previous is not None and sample.ready != previous):
+            changed = sample.time
+        previous = sample.ready
+        out.append(sample.time - changed >= SETTLE_SECONDS)
     return out
 
 

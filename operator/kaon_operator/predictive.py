@@ -11,12 +11,17 @@ at a constant request rate scales up before the P99 is missed.
 
 - **Bias**: the model's P99 is multiplied by the factor at which 99% of the newest
   requests met it, bounded (model_bias.py): the model's shape, the service's own scale.
+  Up uses the bias the requests prove with 99% confidence (1 until they do), down the
+  larger of that and the point estimate: a load between the two moves neither way.
+- **Floor**: where no replica count brings the predicted P99 under the target (a long
+  prompt's own prefill), the count stops where one more would gain less than MARGIN.
 - **Up**: at once when the rate of the last `scaleUpWindowSeconds` (its lower bound,
   UP_SIGMAS Poisson deviations down), carried a cold start ahead along the part of a rise
   over the window before that exceeds RISE_SIGMAS deviations, with the length mix of at
-  least MIX_REQUESTS requests, needs more replicas. The reactive policy's
-  evidence (a queue over the whole window, a confident P99 miss) still adds replicas when
-  the model is wrong.
+  least MIX_REQUESTS requests, plus the backlog in flight beyond that rate's steady state
+  cleared over a cold start, needs more replicas. The reactive policy's evidence (a queue
+  over the whole window, a confident P99 miss in MISS_WINDOWS stretches in a row) still
+  adds replicas when the model is wrong.
 - **Down**: only when the rate of the last `scaleDownStabilizationSeconds` (its upper
   bound, DOWN_SIGMAS deviations up: the same confidence as a scale-up needs, so that a rate
   near a replica boundary moves neither way) and every stretch of `scaleUpWindowSeconds` in
@@ -114,6 +119,21 @@ def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, no
     return demand
 
 
+def with_backlog(demand: Load, latest: Sample, model: PerfModel, current: int) -> Load:
+    """The load plus the backlog to clear: requests in flight beyond what the rate keeps in
+    flight in a steady state (Little's law, at the model's P99 TTFT: a backlog is never
+    overstated), cleared over a cold start, the time new replicas take to come. After a step
+    or a burst the steady state of the new rate is not enough: what queued while replicas
+    started still has to be served."""
+    p = model.predict(demand.rate / max(current, 1), demand.prompt, demand.output)
+    steady_in_flight = demand.rate * (p.ttft_p99 + demand.output * p.itl)
+    backlog = latest.estimated_concurrency - steady_in_flight
+    if not math.isfinite(backlog) or backlog <= 0:
+        return demand
+    drain = max(model.cold_start_seconds, autoscaler.HISTORY_MARGIN_SECONDS)
+    return Load(demand.rate + backlog / drain, demand.prompt, demand.output, demand.requests, demand.seconds)
+
+
 def _down(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, current: int, now: float,
           last_change: float | None, stretches: list[model_bias.Judged], factor: float) -> tuple[int, str] | None:
     seconds, sub = spec.scale_down_stabilization_seconds, spec.scale_up_window_seconds or 5
@@ -160,10 +180,12 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
         return early
     missing = autoscaler.missing_metrics(history[-1])
     stretches = model_bias.judged(history, model, spec)
-    factor = model_bias.confident(model_bias.newest(stretches))
+    newest = model_bias.newest(stretches)
+    factor = model_bias.confident(newest)
     wishes = []
     demand = projected(history, spec, model, now)
     if demand is not None:
+        demand = with_backlog(demand, history[-1], model, current)
         n = needed(model, spec, demand.bound(-UP_SIGMAS), factor)
         if n > current:
             wishes.append((n, f"rate {demand.rate:.2f}/s, prompts {demand.prompt:.0f} and outputs "
@@ -178,7 +200,10 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
         return Decision(current, f"holding at {current}", missing)
     if autoscaler.idle(history, spec, current, now, last_change):
         return Decision(0, f"no requests for {spec.scale_to_zero_idle_seconds}s")
-    down = _down(history, spec, model, current, now, last_change, stretches, factor)
+    # Down on the point estimate when it is above the proven bias: up and down differ by the
+    # bias's uncertainty, so that a load between them moves neither way.
+    down = _down(history, spec, model, current, now, last_change, stretches,
+                 max(factor, model_bias.multiplier(newest)))
     if down is not None:
         wanted, why = down
         return Decision(max(1, autoscaler.bounded(wanted, spec, current)), why)

@@ -82,3 +82,11 @@ def test_the_bias_moves_off_the_model_only_when_the_requests_prove_it():
     # Faster than the model, proven: below 1.
     assert model_bias.confident([judged_requests(3000, 0.0)]) < 1.0
     assert model_bias.confident([]) == 1.0
+
+
+def test_latencies_right_after_a_change_are_the_backlog_s_and_teach_no_bias():
+    # A scale-up from 2 to 3: the first minute on 3 finishes what queued on 2 (a third over twice the target).
+    history = stretch(0, 600, 2, 2.0, 0.1) + stretch(600, 60, 3, 2.0, 0.1, slow_share=0.3) + \
+        stretch(660, 300, 3, 2.0, 0.1)
+    assert all(j.requests and model_bias.multiplier([j]) < 2.0 for j in model_bias.judged(history, MODEL, SPEC))
+    assert model_bias.bias(history, MODEL, SPEC) < 1.0

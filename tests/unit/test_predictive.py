@@ -146,3 +146,14 @@ def test_a_latency_floor_no_replica_removes_does_not_send_the_replicas_to_the_ma
     wanted = predictive.needed(MODEL, spec(), demand, 1.0)
     assert wanted <= 5
     assert predictive.fits(MODEL, spec(), demand, wanted, 0.0)  # within utilization and batch all the same
+
+
+def test_a_backlog_left_by_a_burst_is_cleared_over_a_cold_start_not_left_to_the_steady_state():
+    calm = steady(600, rate=6.0)
+    assert decide(calm).replicas == 3  # the rate alone fits the three
+    # The same rate, but 900 requests in flight for two minutes: what queued while replicas started
+    # is still to be served (the rate's window, after the jump, sees no arrivals beyond the rate).
+    backlog = calm[:-24] + [sample(s.time, 3, 6.0, 144, in_flight=900.0) for s in calm[-24:]]
+    demand = predictive.load([s for s in backlog if s.time > backlog[-1].time - 60])
+    assert predictive.with_backlog(demand, backlog[-1], MODEL, 3).rate > demand.rate + 2
+    assert decide(backlog).replicas > 3
