@@ -49,7 +49,7 @@ class VocabHead(nn.Module):
 
     `quantized` (set by quant.surgery under --quantization) is a narrow-weight linear [vocab
     shard, hidden] that computes the logits in place of weight_t; the token lookup keeps
-    reading weight_t in full precision.
+    reading weight_t in full precision, unless drop_float_table() points it at `quantized`.
 
     With `cpu_logits_rows` (the fused CPU decode step is on), up to that many rows go through
     the step's C kernel (kernels.cpu_decode): torch's own threads would contend with the
