@@ -101,7 +101,7 @@ class VocabHead(nn.Module):
         quantization: the float table would be the model's largest tensor, kept for lookups only)."""
         assert self.quantized is not None and hasattr(self.quantized, "rows")
         self.lookup_dtype = self.weight_t.dtype
-        self.weight_t = None
+        self.register_parameter("weight_t", None)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_t is None:
