@@ -157,3 +157,16 @@ def test_a_backlog_left_by_a_burst_is_cleared_over_a_cold_start_not_left_to_the_
     demand = predictive.load([s for s in backlog if s.time > backlog[-1].time - 60])
     assert predictive.with_backlog(demand, backlog[-1], MODEL, 3).rate > demand.rate + 2
     assert decide(backlog).replicas > 3
+
+
+def test_a_scale_down_also_heeds_the_bias_the_requests_point_at_before_they_prove_it():
+    # Three replicas at 2.5 requests/s; the last two minutes, 7% of requests at 1.3x the model's P99:
+    # not proven (a scale-up would not take it), but fewer replicas are judged with it.
+    model_p99 = predictive.latency(MODEL, spec(), MODEL.predict(2.5 / 3, 144, 72), 72)
+    history = [Sample(time=i * TICK, ready=3, running=3.0, finished=12.5,
+                      latency=((0.9 * model_p99, 12.5 * (0.93 if i >= 96 else 1.0)), (1.3 * model_p99, 12.5),
+                               (math.inf, 12.5)), prompt_tokens=12.5 * 144, output_tokens=12.5 * 72)
+               for i in range(120)]
+    newest = model_bias.newest(model_bias.judged(history, MODEL, spec()))
+    assert model_bias.confident(newest) < model_bias.multiplier(newest)
+    assert decide(history, last_change=-1000).replicas == 2  # not 1, which the proven bias alone allows
