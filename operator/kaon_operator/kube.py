@@ -98,6 +98,26 @@ class Kube:
                 raise NamespaceTerminating(manifest["metadata"]["namespace"]) from None
             raise
 
+    def create_once(self, manifest: dict) -> dict:
+        """Create the object unless it stands already (then it is left as it is: a generated key is never
+        rotated under the pods that use it); NotOwned when what stands is someone else's, as apply says."""
+        resource = self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+        meta = manifest["metadata"]
+        existing = self._get(resource, meta["namespace"], meta["name"])
+        if existing is None:
+            try:
+                return self.dynamic.create(resource, body=manifest, namespace=meta["namespace"]).to_dict()
+            except ApiException as exc:
+                if exc.status == 403 and "NamespaceTerminating" in (exc.body or ""):
+                    raise NamespaceTerminating(meta["namespace"]) from None
+                if exc.status != 409:
+                    raise
+                existing = self._get(resource, meta["namespace"], meta["name"]) or {}  # made meanwhile
+        holder = ownership.foreign_holder(existing, manifest)
+        if holder is not None:
+            raise NotOwned(manifest["kind"], meta["namespace"], meta["name"], holder)
+        return existing
+
     def serves(self, api_version: str, kind: str) -> bool:
         """Whether the apiserver serves this kind (a CRD such as the LeaderWorkerSet's is installed).
         A miss refreshes the discovery cache first, so a CRD installed since is found."""

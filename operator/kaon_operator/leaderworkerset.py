@@ -3,10 +3,12 @@ LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, the Kubernetes SIG project, instal
 separately): a leader pod (the scheduler, the HTTP server, pipeline stage 0) and
 nodesPerReplica - 1 worker pods (the other stages), created, restarted and scaled together.
 
-Pure functions: the LeaderWorkerSet's manifest, the NetworkPolicy between a group's pods, and
-the summary of its status. The LWS controller gives every pod LWS_LEADER_ADDRESS,
-LWS_GROUP_SIZE, LWS_WORKER_INDEX and LWS_NAME, from which the engine's ranks find each other
-(docs/multinode.md, "engine contract"); the operator talks to the LeaderWorkerSet API only.
+Pure functions: the LeaderWorkerSet's manifest, the Secret of the group's control-channel key
+(`<name>-dist-key`, made once by the reconciler and never rewritten, so a running group keeps its
+key), the NetworkPolicy between a group's pods, and the summary of its status. The LWS controller
+gives every pod LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX and LWS_NAME, from which the
+engine's ranks find each other (docs/multinode.md, "engine contract"); the operator talks to the
+LeaderWorkerSet API only.
 """
 from __future__ import annotations
 
@@ -33,11 +35,33 @@ LEADER_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_N
 RESTART_POLICY = "RecreateGroupOnPodRestart"  # a pipeline missing one stage cannot serve: the group restarts whole
 # spec.rollout.strategy -> the LWS's rolling update, in groups (as the Deployment's is in pods).
 ROLLING_UPDATES = {"Surge": {"maxSurge": 1, "maxUnavailable": 0}, "Replace": {"maxSurge": 0, "maxUnavailable": 1}}
+# The engine's control channel carries pickled step plans: its key comes from a Secret per InferenceService
+# (the engine refuses a group of several hosts without one).
+DIST_KEY_ENV, DIST_KEY_FIELD = "KAON_DIST_AUTHKEY", "authkey"
 
 
 def leader_selector(name: str) -> dict[str, str]:
     """The leaders of the InferenceService `name`'s groups: what its Service selects."""
     return {**labels.engine_selector(name), WORKER_INDEX_LABEL: "0"}
+
+
+def dist_key_secret_name(name: str) -> str:
+    return f"{name}-dist-key"
+
+
+def dist_key_secret(metadata: dict, name: str, key: str) -> dict:
+    """The Secret holding the group's control-channel key `key` (random, from the reconciler)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {**metadata, "name": dist_key_secret_name(name)}, "stringData": {DIST_KEY_FIELD: key}}
+
+
+def _with_dist_key(pod: dict, name: str) -> dict:
+    """Every container of `pod` reads KAON_DIST_AUTHKEY from the group's Secret (over any value in the spec)."""
+    ref = {"name": DIST_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": dist_key_secret_name(name),
+                                                                "key": DIST_KEY_FIELD}}}
+    containers = [{**c, "env": [*(e for e in c.get("env") or [] if e["name"] != DIST_KEY_ENV), ref]}
+                  for c in pod["containers"]]
+    return {**pod, "containers": containers}
 
 
 def _worker_pod_spec(leader: dict) -> dict:
@@ -51,7 +75,7 @@ def _worker_pod_spec(leader: dict) -> dict:
 
 def manifest(metadata: dict, name: str, spec: api.InferenceServiceSpec) -> dict:
     """The LeaderWorkerSet of the InferenceService `name`: spec.replicas groups of nodesPerReplica pods."""
-    leader = pod_template.pod_spec(name, spec)
+    leader = _with_dist_key(pod_template.pod_spec(name, spec), name)
     return {
         "apiVersion": API_VERSION, "kind": KIND, "metadata": metadata,
         "spec": {

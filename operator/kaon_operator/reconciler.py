@@ -1,10 +1,12 @@
 """Reconcile: render an InferenceService's children (Deployment, Service, PDB, and a
 NetworkPolicy unless switched off) and server-side apply them at once (idempotent), then
-recompute its status. Multi-node replicas need the LeaderWorkerSet API: without it nothing is
-applied and the status names what to install."""
+recompute its status; a multi-node one's control-channel key (a Secret) is created once, first.
+Multi-node replicas need the LeaderWorkerSet API: without it nothing is applied and the status
+names what to install."""
 from __future__ import annotations
 
 import json
+import secrets
 
 import kopf
 from kubernetes.client.rest import ApiException
@@ -32,6 +34,8 @@ def apply_children(ctx: Context, body, spec: api.InferenceServiceSpec) -> list[d
     meta = body["metadata"]
     owner = resources.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     with RECONCILE_SECONDS.time():
+        if spec.engine.multi_node:  # the group's control-channel key, before any pod that reads it
+            ctx.kube.create_once(resources.dist_key_secret(owner, secrets.token_hex(32)))
         manifests = resources.render(owner, spec, ctx.config.network_policy)
         applying = [ctx.appliers.submit(ctx.kube.apply, m) for m in manifests]
         return [future.result() for future in applying]

@@ -129,6 +129,11 @@ def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyC
     return children + ([network_policy(owner, network)] if network is not None else [])
 
 
+def dist_key_secret(owner: Owner, key: str) -> dict:
+    """A multi-node service's control-channel key `key` as its Secret (made once: Kube.create_once)."""
+    return leaderworkerset.dist_key_secret(_metadata(owner), owner.name, key)
+
+
 def service_url(owner: Owner) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{SERVICE_PORT}"
 

@@ -9,6 +9,8 @@ policy, the Service of leaders, the group's NetworkPolicy, scaling in groups, st
 ready groups, and a killed worker recreating its group with Warning Events."""
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from e2e.lws_standin import CRD_PATH as LWS_CRD, LwsStandIn
@@ -127,3 +129,22 @@ def test_switching_to_one_node_replaces_the_group_with_a_deployment(lws, cluster
     wait_for("the Deployment, and the LeaderWorkerSet gone",
              lambda: cluster.get("deployment", "big") and cluster.get("leaderworkerset", "big") is None, timeout=60)
     wait_for("ready on one node", lambda: cluster.ready("big") and not _group_pods(cluster, "big"), timeout=60)
+
+
+def test_the_group_key_is_a_secret_of_the_service_made_once(lws, cluster):
+    """KAON_DIST_AUTHKEY comes from `<name>-dist-key` (random, owned by the InferenceService) in the leader's
+    and the workers' templates, and a change of the spec leaves the key as it was (no rotation under a group)."""
+    cluster.kubectl("apply", "-f", "-", input=isvc("keyed", engine=MULTI_NODE))
+    wait_for("one ready group", lambda: _ready_groups(cluster, "keyed", 1), timeout=60)
+    secret = cluster.get("secret", leaderworkerset.dist_key_secret_name("keyed"))
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    key = secret["data"][leaderworkerset.DIST_KEY_FIELD]
+    assert len(base64.b64decode(key)) == 64
+    template = cluster.get("leaderworkerset", "keyed")["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        env = {e["name"]: e for e in template[role]["spec"]["containers"][0]["env"]}
+        assert env["KAON_DIST_AUTHKEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "keyed-dist-key", "key": leaderworkerset.DIST_KEY_FIELD}, role
+    cluster.kubectl("patch", "infsvc", "keyed", "--type=merge", "-p", '{"spec": {"replicas": 2}}')
+    wait_for("two ready groups", lambda: _ready_groups(cluster, "keyed", 2), timeout=60)
+    assert cluster.get("secret", "keyed-dist-key")["data"][leaderworkerset.DIST_KEY_FIELD] == key

@@ -108,6 +108,7 @@ def test_more_stages_than_layers_are_refused(tmp_path_factory, gguf_path):
 def test_a_rank_that_never_joins_is_named(tmp_path_factory, gguf_path, monkeypatch):
     path = hf_dir("llama", tmp_path_factory, gguf_path)
     monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    monkeypatch.setenv("KAON_DIST_AUTHKEY", "test-group-key")
     monkeypatch.setenv("LWS_WORKER_INDEX", "0")
     monkeypatch.setenv("KAON_DIST_JOIN_TIMEOUT_S", "3")
     start = time.monotonic()
@@ -125,8 +126,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_host(path: str, index: int, init: str, port: int, log) -> subprocess.Popen:
-    env = {**os.environ, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(index), "LWS_LEADER_ADDRESS": "127.0.0.1",
+def start_host(path: str, index: int, init: str, port: int, log, key: str | None = "test-group-key"
+               ) -> subprocess.Popen:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KAON_DIST_")}, "LWS_GROUP_SIZE": "2",
+           "LWS_WORKER_INDEX": str(index), "LWS_LEADER_ADDRESS": "127.0.0.1",
+           **({"KAON_DIST_AUTHKEY": key} if key else {}),
            "PYTHONPATH": f"{RUNTIME}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.Popen([sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", path, "--device", "cpu",
                              "--dtype", "float32", "--port", str(port), "--pipeline-parallel-size", "2",
@@ -148,6 +152,16 @@ def status(url: str) -> int | None:
         return httpx.get(url, timeout=2).status_code
     except httpx.TransportError:
         return None
+
+
+def test_a_group_of_hosts_without_its_key_refuses_to_start(tmp_path, tmp_path_factory, gguf_path):
+    """Plans are pickled: a leader reachable from other hosts never listens with a key everyone knows."""
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    with open(tmp_path / "leader.log", "wb") as log:
+        leader = start_host(path, 0, f"127.0.0.1:{free_port()}", free_port(), log, key=None)
+        assert leader.wait(timeout=60) == 2
+    lines = (tmp_path / "leader.log").read_text().strip().splitlines()
+    assert len(lines) == 1 and "needs KAON_DIST_AUTHKEY" in lines[0], lines
 
 
 def test_a_worker_killed_mid_batch_ends_the_whole_group(tmp_path, tmp_path_factory, gguf_path):

@@ -67,3 +67,20 @@ def test_the_status_counts_groups():
     summary = leaderworkerset.summarize({"metadata": {"generation": 3}, "spec": {"replicas": 2},
                                          "status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}})
     assert (summary.replicas, summary.total, summary.ready, summary.updated) == (2, 2, 1, 2)
+
+
+def test_leader_and_workers_read_the_groups_key_from_its_secret():
+    """KAON_DIST_AUTHKEY from `<name>-dist-key` in both templates, over any value the spec's env gives."""
+    spec = _spec(engine={"nodesPerReplica": 2, "pipelineParallelSize": 2,
+                         "env": [{"name": "KAON_DIST_AUTHKEY", "value": "guessable"}]})
+    template = resources.render(OWNER, spec, NETWORK)[1]["spec"]["leaderWorkerTemplate"]
+    ref = {"secretKeyRef": {"name": "big-dist-key", "key": leaderworkerset.DIST_KEY_FIELD}}
+    for role in ("leaderTemplate", "workerTemplate"):
+        env = template[role]["spec"]["containers"][0]["env"]
+        assert [e.get("valueFrom") for e in env if e["name"] == "KAON_DIST_AUTHKEY"] == [ref], role
+    secret = resources.dist_key_secret(OWNER, "k" * 64)
+    assert (secret["kind"], secret["metadata"]["name"], secret["stringData"]) == ("Secret", "big-dist-key",
+                                                                                  {"authkey": "k" * 64})
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # it goes with the InferenceService
+    deployment = resources.render(OWNER, _spec(nodes=1), NETWORK)[0]["spec"]["template"]["spec"]["containers"][0]
+    assert all(e["name"] != "KAON_DIST_AUTHKEY" for e in deployment.get("env") or [])

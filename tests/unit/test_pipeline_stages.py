@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from kaon_runtime.distributed.rendezvous import DEFAULT_PORT, parse_address, rendezvous_from
+from kaon_runtime.distributed.rendezvous import DEFAULT_PORT, DEV_KEY, GroupConfigError, parse_address, rendezvous_from
 from kaon_runtime.distributed.stages import Placement, ranks_of_host, split_layers, stage_of
+from kaon_runtime.errors import KaonError
 
 
 def test_layers_split_into_contiguous_stages_the_first_ones_larger():
@@ -47,7 +48,8 @@ def test_hosts_take_equal_contiguous_shares_of_the_ranks():
 
 
 def test_ranks_find_the_leader_from_leaderworkerset_or_the_flag():
-    lws = {"LWS_LEADER_ADDRESS": "svc-0.svc.ns", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    lws = {"LWS_LEADER_ADDRESS": "svc-0.svc.ns", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1",
+           "KAON_DIST_AUTHKEY": "k"}
     rdv = rendezvous_from(None, lws)
     assert (rdv.host, rdv.port, rdv.num_hosts, rdv.host_index, rdv.is_leader) == ("svc-0.svc.ns", DEFAULT_PORT, 2, 1,
                                                                                  False)
@@ -61,9 +63,21 @@ def test_ranks_find_the_leader_from_leaderworkerset_or_the_flag():
 
 def test_a_group_without_the_leaders_address_or_a_bad_one_is_refused():
     with pytest.raises(ValueError, match="needs the leader's address"):
-        rendezvous_from(None, {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"})
+        rendezvous_from(None, {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "KAON_DIST_AUTHKEY": "k"})
     with pytest.raises(ValueError, match="outside a group of 2"):
-        rendezvous_from("h:1", {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "2"})
+        rendezvous_from("h:1", {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "2", "KAON_DIST_AUTHKEY": "k"})
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address("leader")
     assert parse_address("[::1]:29500") == ("[::1]", 29500)
+
+
+def test_a_group_of_several_hosts_needs_its_key():
+    """The plans are pickled: a group reachable over the network refuses the built-in key unless told."""
+    group = {"LWS_LEADER_ADDRESS": "10.0.0.7", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"}
+    with pytest.raises(GroupConfigError, match="needs KAON_DIST_AUTHKEY") as refused:
+        rendezvous_from(None, group)
+    assert isinstance(refused.value, KaonError) and "\n" not in str(refused.value)  # one line from `kaon serve`
+    assert rendezvous_from(None, {**group, "KAON_DIST_AUTHKEY": "s3cret"}).authkey == b"s3cret"
+    assert rendezvous_from(None, {**group, "KAON_DIST_INSECURE_KEY": "1"}).authkey == DEV_KEY
+    alone, again = rendezvous_from(None, {}), rendezvous_from(None, {})  # one host: a random key of its own
+    assert alone.authkey != again.authkey and len(alone.authkey) == 64 and alone.authkey not in repr(alone).encode()

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import join_world, leave_group
-from kaon_runtime.distributed.rendezvous import Rendezvous, authkey, connect_to_leader, rendezvous_from
+from kaon_runtime.distributed.rendezvous import Rendezvous, connect_to_leader, rendezvous_from
 from kaon_runtime.distributed.stages import Placement, ranks_of_host
 from kaon_runtime.engine.model_loader import pick_device
 from kaon_runtime.engine.model_runner import ModelRunner
@@ -69,7 +69,7 @@ class PipelineGroup:
         self._conns: dict[int, Connection] = {}
         self._all_joined = threading.Event()
         host = "127.0.0.1" if rdv.num_hosts == 1 else "0.0.0.0"  # the other hosts must reach it
-        self._listener = Listener((host, rdv.port + 1), backlog=self.world, authkey=authkey())
+        self._listener = Listener((host, rdv.port + 1), backlog=self.world, authkey=rdv.authkey)
         threading.Thread(target=self._accept, name="kaon-pp-accept", daemon=True).start()
         self._procs = _spawn_local_ranks(config, rdv, ranks_of_host(self.world, rdv.num_hosts, 0)[1:])
         try:
