@@ -18,6 +18,7 @@ from kaon_runtime.quant.group_int8 import (
     dequantize_group_int8,
     quantize_group_int8,
 )
+from kaon_runtime.quant.int8 import Int8Linear
 
 
 def _weight(rows: int, k: int, group: int, mins: bool) -> GroupInt8Weight:
@@ -48,20 +49,34 @@ def test_a_q8_0_table_comes_back_exactly():
     assert torch.equal(dequantize_group_int8(quantize_group_int8(q8_0)), q8_0)
 
 
-def test_a_tied_table_is_one_int8_table_for_logits_and_lookup():
+def _tied_model(q8_0: bool) -> DecoderForCausalLM:
     config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=1,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
                          tie_word_embeddings=True)
     torch.manual_seed(0)
     model = DecoderForCausalLM(config)
     with torch.no_grad():
-        model.lm_head.weight_t.normal_()
+        table = torch.randn(64, 96)
+        if q8_0:  # what a GGUF's Q8_0 table dequantizes to
+            table = dequantize_group_int8(quantize_group_int8(table.t())).t()
+        model.lm_head.weight_t.copy_(table)
+    return model
+
+
+def test_a_q8_0_tied_table_is_one_int8_table_for_logits_and_lookup():
+    model = _tied_model(q8_0=True)
     table = model.lm_head.weight_t.detach().t().clone()
     ids = torch.tensor([3, 95, 0, 3])
     quantize_model(model, "int8")
     head = model.lm_head
     assert head.weight_t is None and isinstance(head.quantized, GroupInt8Linear)
-    looked_up = head.embed(ids)
-    assert looked_up.dtype == table.dtype
-    torch.testing.assert_close(looked_up, table[ids], rtol=0, atol=float(table.abs().max()) / 127)
-    assert torch.equal(looked_up, dequantize_group_int8(head.quantized.weight)[ids])
+    assert torch.equal(head.embed(ids), table[ids])
+    assert torch.equal(dequantize_group_int8(head.quantized.weight), table)
+
+
+def test_any_other_tied_table_keeps_its_float_lookup():
+    model = _tied_model(q8_0=False)
+    table = model.lm_head.weight_t.detach().t().clone()
+    quantize_model(model, "int4")
+    assert isinstance(model.lm_head.quantized, Int8Linear)
+    assert torch.equal(model.lm_head.embed(torch.tensor([5, 1])), table[[5, 1]])

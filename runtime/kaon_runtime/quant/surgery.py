@@ -4,10 +4,10 @@ Our models keep the token embedding and the vocabulary head outside nn.Linear (V
 and VocabHead). Under every method the head's logits come from an int8 copy of its weight: at
 batch-1 decode the head is the largest single read (49,152 x 576 for SmolLM2, a fifth of its
 weights), and int8 keeps its error far below int4's or fp8's (bench/RESULTS.md, quantization
-quality). An untied head gets one scale per vocabulary row and the embedding stays in full
-precision. A tied table becomes one int8 table in groups of 32 (quant/group_int8.py), read by
-both the logits and the token lookup: the float table, the model's largest tensor, goes, and a
-GGUF's Q8_0 table comes back exactly.
+quality). An untied head gets one scale per vocabulary row; the embedding stays in full precision.
+A tied table that int8 in groups of 32 holds exactly (a GGUF's Q8_0 table, dequantized) becomes
+that one int8 table (quant/group_int8.py), read by both the logits and the token lookup: the float
+table, the model's largest tensor, goes. Any other tied table keeps its float copy for the lookup.
 """
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from kaon_runtime.quant.fp8 import Fp8Linear
-from kaon_runtime.quant.group_int8 import GroupInt8Linear, GroupInt8Weight, quantize_group_int8
+from kaon_runtime.quant.group_int8 import (
+    GroupInt8Linear,
+    GroupInt8Weight,
+    dequantize_group_int8,
+    quantize_group_int8,
+)
 from kaon_runtime.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, Int4Weight
 from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
 
@@ -50,12 +55,16 @@ def _quantize_head(model: nn.Module) -> None:
     head = getattr(model, "lm_head", None)
     if head is None or not hasattr(head, "quantized"):
         return
-    if getattr(model.model, "embed_tokens", None) is not None:
-        head.quantized = Int8Linear(*quantize_int8(head.weight_t.t()))
-        head.weight_t = None  # untied: the token lookup has its own table, nothing reads the float head now
-    else:  # tied: one int8 table, in groups of 32, for the logits and the token lookup
-        head.quantized = GroupInt8Linear(quantize_group_int8(head.weight_t.t()))
-        head.drop_float_table()
+    tied = getattr(model.model, "embed_tokens", None) is None
+    if tied:
+        table = quantize_group_int8(head.weight_t.t())
+        if torch.equal(dequantize_group_int8(table), head.weight_t.t()):  # a GGUF's Q8_0 table: held once, exactly
+            head.quantized = GroupInt8Linear(table)
+            head.drop_float_table()
+            return
+    head.quantized = Int8Linear(*quantize_int8(head.weight_t.t()))
+    if not tied:
+        head.weight_t = None  # the token lookup has its own table, nothing reads the float head now
 
 
 def _quantized(linear: nn.Linear, method: str, group_size: int,
