@@ -13,7 +13,7 @@ default, and the checkpoint's publisher tool on the very same file:
   Q4_1      the file itself, kept quantized (kaon's int4)          llama.cpp (llama-cpp-python's logits)
   Q8_0, Q4_K_M, Q4_0  made from it by llama.cpp's quantizer        llama.cpp on the same file
   W4A16     a compressed-tensors pack-quantized directory          transformers on the same directory
-            (4-bit, groups of 128, asymmetric; written here)       (it decompresses to float32)
+            (4-bit, groups of 64, asymmetric; written here)       (it decompresses to float32)
 
 kaon runs `--path decode` by default: one token per step through the fused C decode step, as serving
 does (its narrow kernels quantize activations to int8 per block of 32, as llama.cpp's do).
@@ -83,7 +83,7 @@ def transformers_on_gguf(path: Path):
 
 
 def write_w4a16(directory: Path, source: Path) -> None:
-    """The GGUF's float weights as a compressed-tensors pack-quantized W4A16 directory (groups of 128,
+    """The GGUF's float weights as a compressed-tensors pack-quantized W4A16 directory (groups of 64,
     asymmetric, round to nearest, lm_head left float), by compressed-tensors' own compressor."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -94,8 +94,12 @@ def write_w4a16(directory: Path, source: Path) -> None:
     )
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = transformers_on_gguf(source)
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
+    import transformers
+
+    loaded = transformers_on_gguf(source)  # a fresh model of its weights: transformers saves no GGUF-loaded one
+    model = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32).eval()
+    model.load_state_dict(loaded.state_dict())
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=["lm_head"], format="pack-quantized")
     apply_quantization_config(model, config)
