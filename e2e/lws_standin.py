@@ -19,6 +19,13 @@ module this machine cannot build. It does what LWS does for kaon's groups, no mo
 - **Status**: `replicas` (groups with a leader), `readyReplicas` (groups whose S pods are all ready),
   `updatedReplicas`, `hpaPodSelector` and an Available condition.
 
+- **Local cluster only** (`leader_ip`): every pod here shares the host's network, so two groups'
+  leaders cannot both listen on LWS's port 29500 (and 29501). The stand-in then picks a free port
+  pair per group, notes it on the leader pod (annotation `lws-standin.kaon.dev/distributed-port`) and
+  appends `--distributed-init-address $(LWS_LEADER_ADDRESS):<port>` to every pod of the group (the pod
+  runner expands `$(VAR)` as the kubelet does). A local artefact: on a cluster each pod has its own
+  network namespace, and the operator never sets a port.
+
 Not done: the headless Service and its DNS, exclusive topology, subgroups, maxSurge (a rollout here
 replaces in place), partitions. The operator never talks to this: it writes LeaderWorkerSets, as it
 would on a cluster with LWS installed, and this reads them.
@@ -29,6 +36,7 @@ import copy
 import hashlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,6 +53,20 @@ PREFIX = "leaderworkerset.sigs.k8s.io/"
 NAME, GROUP_INDEX, WORKER_INDEX = PREFIX + "name", PREFIX + "group-index", PREFIX + "worker-index"
 GROUP_KEY, REVISION = PREFIX + "group-key", PREFIX + "template-revision-hash"
 SIZE, LEADER_NAME = PREFIX + "size", PREFIX + "leader-name"
+DISTRIBUTED_PORT = "lws-standin.kaon.dev/distributed-port"  # leader_ip only: this group's port on the shared host
+
+
+def free_port_pair() -> int:
+    """A port whose successor is free too (a group's rendezvous and control channel), on every interface."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("0.0.0.0", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("0.0.0.0", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def _hash(value: Any) -> str:
@@ -56,10 +78,11 @@ def revision(lws: Mapping) -> str:
 
 
 def pod_manifest(lws: Mapping, group: int, worker: int, leader_address: str | None = None,
-                 leader_ip: bool = False) -> dict:
+                 leader_ip: bool = False, port: int | None = None) -> dict:
     """Pod `worker` (0: the leader) of group `group`, as the LWS controller would make it. With `leader_ip`
     the leader's pod IP stands in for its DNS name (which nothing resolves on the local cluster): the
-    leader reads its own from the downward API, a worker gets `leader_address`."""
+    leader reads its own from the downward API, a worker gets `leader_address`; `port` is then the
+    group's own distributed port (the host's network is shared: see the module's docstring)."""
     meta, template = lws["metadata"], lws["spec"]["leaderWorkerTemplate"]
     name, namespace, size = meta["name"], meta["namespace"], template.get("size", 1)
     source = template.get("leaderTemplate") if worker == 0 and template.get("leaderTemplate") else template[
@@ -80,6 +103,11 @@ def pod_manifest(lws: Mapping, group: int, worker: int, leader_address: str | No
     spec = pod_template["spec"]
     for container in spec.get("containers", []) + spec.get("initContainers", []):
         container["env"] = [*env, *container.get("env", [])]
+    if leader_ip and port is not None:
+        annotations[DISTRIBUTED_PORT] = str(port)
+        for container in spec.get("containers", []):
+            container["args"] = [*container.get("args", []), "--distributed-init-address",
+                                 f"$(LWS_LEADER_ADDRESS):{port}"]
     spec.setdefault("hostname", leader if worker == 0 else f"{leader}-{worker}")
     spec.setdefault("subdomain", name)
     owner = ({"apiVersion": f"{GROUP}/{VERSION}", "kind": "LeaderWorkerSet", "name": name, "uid": meta["uid"],
@@ -194,14 +222,17 @@ class LwsStandIn:
             groups[max(outdated)] = {}
         for group in range(replicas):
             have = groups.get(group, {})
-            address = None
+            address = port = None
             if self.leader_ip:
-                address = ((have.get(0) or {}).get("status") or {}).get("podIP")
+                leader = have.get(0)
+                address = ((leader or {}).get("status") or {}).get("podIP")
+                port = (int(leader["metadata"]["annotations"][DISTRIBUTED_PORT]) if leader
+                        else free_port_pair())  # a new group: its leader is made below, with this port
             for worker in range(size):
                 if worker in have or (self.leader_ip and worker and address is None):
                     continue
                 if worker == 0 or 0 in have or not have:
-                    self._create(namespace, pod_manifest(lws, group, worker, address, self.leader_ip))
+                    self._create(namespace, pod_manifest(lws, group, worker, address, self.leader_ip, port))
         self._write_status(lws, groups, ready_groups, current)
 
     def _create(self, namespace: str, pod: dict) -> None:

@@ -11,6 +11,8 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
 - **Environment**: `value`, `valueFrom` (secretKeyRef, configMapKeyRef, fieldRef) and
   `envFrom` are resolved from the API, as the kubelet does; a missing non-optional key
   leaves the container waiting in CreateContainerConfigError.
+- **Arguments**: `$(VAR)` in args is replaced by the container's env var VAR (`$$` escapes, an
+  undefined VAR stays as written), as the kubelet does.
 - **Init containers** run first, in order (`kaon fetch`, from this tree); one that fails is
   reported in `initContainerStatuses` (terminated, exit code, and as its message the
   termination message, or with FallbackToLogsOnError the log's tail) and restarted with a
@@ -42,6 +44,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -132,6 +135,14 @@ def _command(args: list[str], ip: str) -> list[str]:
         else:
             args += ["--host", ip]
     return [sys.executable, "-m", "kaon_runtime.cli", *args[1:]]
+
+
+_VAR_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion of an argument from the container's own env."""
+    return _VAR_REFERENCE.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
 
 
 def translate(value: str, mounts: list[tuple[str, Path]]) -> str:
@@ -275,9 +286,11 @@ class PodRunner:
         if state.init is None:
             state.init_log = self.log_dir / f"{name}-{key.replace('/', '-')}.log"
             with open(state.init_log, "wb") as log:  # a fresh log per attempt, like a container's
-                args = [translate(a, self._mounts(container, state)) for a in container["args"]]
+                env = self._env(pod, container, state)
+                args = [translate(expand(a, self._own_env(container, env)), self._mounts(container, state))
+                        for a in container["args"]]
                 state.init = subprocess.Popen(_command(args, pod["status"]["podIP"]), stdout=log,
-                                              stderr=subprocess.STDOUT, env=self._env(pod, container, state),
+                                              stderr=subprocess.STDOUT, env=env,
                                               preexec_fn=_die_with_parent)
             self._report(pod, "initContainerStatuses", name, {"running": {"startedAt": _now()}}, initialized=False,
                          last=state.last.get(name), restarts=state.restarts.get(name, 0))
@@ -343,7 +356,8 @@ class PodRunner:
     def _start(self, key: str, pod: dict, ip: str, state: _Pod) -> None:
         container = pod["spec"]["containers"][0]
         env = self._env(pod, container, state)
-        args = [translate(a, self._mounts(container, state)) for a in container["args"]]
+        args = [translate(expand(a, self._own_env(container, env)), self._mounts(container, state))
+                for a in container["args"]]
         link_runtime_mounts(self._mounts(container, state))
         log_path = self._engine_log(key)
         with open(log_path, "ab") as log:
@@ -446,6 +460,11 @@ class PodRunner:
                 env[var["name"]] = value
         mounts = self._mounts(container, state)
         return {k: translate(v, mounts) for k, v in env.items()}
+
+    @staticmethod
+    def _own_env(container: dict, env: dict[str, str]) -> dict[str, str]:
+        """What $(VAR) may name: the container's `env` entries (not the runner's own environment)."""
+        return {var["name"]: env[var["name"]] for var in container.get("env") or [] if var["name"] in env}
 
     def _env_value(self, pod: dict, namespace: str, var: dict) -> str | None:
         if "valueFrom" not in var:

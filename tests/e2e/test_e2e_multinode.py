@@ -1,17 +1,22 @@
 """A multi-node replica end to end on the local cluster (issue 39): an InferenceService with
 nodesPerReplica 2 becomes one LeaderWorkerSet group of two real engine processes (`kaon serve
 --pipeline-parallel-size 2`, one stage each, run by the pod runner on two KWOK nodes' pod IPs) that
-find each other from LWS's environment, and answers through the router.
+find each other from LWS's environment, and answers through the router; then scales to two groups
+(both answering through the router) and back to one.
 
 The LWS controller is the stand-in (e2e/lws_standin.py), which gives LWS_LEADER_ADDRESS as the
 leader's pod IP: the local cluster has no DNS for LWS's headless Service."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 from openai import OpenAI
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
-from kaon_operator import leaderworkerset
+from e2e.lws_standin import DISTRIBUTED_PORT
+from kaon_operator import leaderworkerset, resources
 from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2-pp"}
@@ -37,3 +42,35 @@ def test_a_two_node_replica_serves_through_the_router(local, namespace):
     answer = client.completions.create(model="smollm2-pp", prompt="The capital of France is", max_tokens=8,
                                        temperature=0)
     assert answer.choices[0].text.strip()
+
+    # 1 -> 2 groups: the second group's leader listens on a port of its own (the stand-in gives each group one,
+    # since every pod here shares the host's network), and the router sends requests to both leaders.
+    cluster.kubectl("patch", "infsvc", "pp", "--type=merge", "-p", '{"spec": {"replicas": 2}}')
+    wait_for("two groups Ready", lambda: cluster.status("pp").get("readyReplicas") == 2, timeout=420, interval=2)
+    leaders = [p for p in cluster.get("pods", selector=f"{leaderworkerset.NAME_LABEL}=pp") or []
+               if p["metadata"]["labels"][leaderworkerset.WORKER_INDEX_LABEL] == "0"]
+    ports = {p["metadata"]["annotations"][DISTRIBUTED_PORT] for p in leaders}
+    assert len(leaders) == 2 and len(ports) == 2
+    prompts = iter(range(10**6))
+
+    def both_leaders_generated() -> bool:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: client.completions.create(model="smollm2-pp", prompt=f"Count to {i}:",
+                                                              max_tokens=4, temperature=0),
+                          [next(prompts) for _ in range(4)]))
+        return all(_generated_tokens(p) > 0 for p in leaders)
+    wait_for("both groups answering through the router", both_leaders_generated, timeout=180, interval=1)
+
+    cluster.kubectl("patch", "infsvc", "pp", "--type=merge", "-p", '{"spec": {"replicas": 1}}')
+    wait_for("back to one group", lambda: cluster.status("pp").get("readyReplicas") == 1 and sorted(
+        p["metadata"]["name"] for p in cluster.get("pods", selector=f"{leaderworkerset.NAME_LABEL}=pp") or []
+    ) == ["pp-0", "pp-0-1"], timeout=180, interval=2)
+    answer = client.completions.create(model="smollm2-pp", prompt="The capital of Italy is", max_tokens=4,
+                                       temperature=0)
+    assert answer.choices[0].text.strip()
+
+
+def _generated_tokens(leader: dict) -> float:
+    metrics = httpx.get(f"http://{leader['status']['podIP']}:{resources.HTTP_PORT}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("kaon_generation_tokens_total"))
