@@ -85,6 +85,7 @@ def transformers_on_gguf(path: Path):
 def write_w4a16(directory: Path, source: Path) -> None:
     """The GGUF's float weights as a compressed-tensors pack-quantized W4A16 directory (groups of 64,
     asymmetric, round to nearest, lm_head left float), by compressed-tensors' own compressor."""
+    import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -93,8 +94,6 @@ def write_w4a16(directory: Path, source: Path) -> None:
         apply_quantization_config,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
-
-    import transformers
 
     loaded = transformers_on_gguf(source)  # a fresh model of its weights: transformers saves no GGUF-loaded one
     model = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32).eval()
