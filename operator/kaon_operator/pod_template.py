@@ -3,6 +3,9 @@ container, the `kaon serve` container, probes, volumes, environment and scheduli
 
 resources.py wraps the pod in the Deployment; status (summaries.py) reads the same pods back
 by the container names defined here.
+
+Just over 300 lines for a stated reason: the leader and worker pods of a multi-node group are
+the same pod with different probes, so both are built here rather than in a second copy.
 """
 from __future__ import annotations
 
