@@ -38,6 +38,9 @@ The whole data path is then real: router -> pod IP -> engine, reading weights fr
 Not simulated: CPU limits, readOnly mounts and the container image itself (every process runs
 this tree's Python). Of the kubelet's Events only a probe's threshold crossing (Unhealthy) and the
 kill (Killing) are posted, not every failed probe.
+
+Over 300 lines for a stated reason: it is one stand-in for the kubelet, and each duty above reads
+the same pod and process table; split, the pieces would pass that state around.
 """
 from __future__ import annotations
 
