@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.loader import resolve_model
 from support import MODEL
 
@@ -48,3 +49,13 @@ from support.sources import hf_hub, minio, tiny_llama_dir  # noqa: E402, F401
 
 # A tiny random Llama for the kernel and backend tests (see support/tiny_llama.py).
 from support.tiny_llama import tiny_llama  # noqa: E402, F401
+
+
+@pytest.fixture
+def float_kernels(monkeypatch):
+    """kaon's float32 reference kernels: dequantized weights times float activations, no fused C step."""
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    monkeypatch.setenv("KAON_CPU_DECODE", "off")
+    cpu_decode.library.cache_clear()
+    yield
+    cpu_decode.library.cache_clear()

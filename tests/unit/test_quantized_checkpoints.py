@@ -19,7 +19,6 @@ import torch
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
 from kaon_runtime.fetch.source import FetchError, check_fit, select_files
-from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.loader import open_checkpoint
 from kaon_runtime.quant.checkpoint_formats import scheme_from_config
 from kaon_runtime.quant.checkpoint_formats.loaded import InputPermutedLinear
@@ -68,16 +67,6 @@ PACKED = {  # id -> (method, bits, group, sym, act_order, the linear kaon keeps)
     "awq-g128": ("awq", 4, 128, False, False, Int4Linear),
     "awq-g32": ("awq", 4, 32, False, False, Int4Linear),
 }
-
-
-@pytest.fixture
-def float_kernels(monkeypatch):
-    """kaon's float32 reference kernels: dequantized weights times float activations, no fused C step."""
-    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
-    monkeypatch.setenv("KAON_CPU_DECODE", "off")
-    cpu_decode.library.cache_clear()
-    yield
-    cpu_decode.library.cache_clear()
 
 
 def _generate(path, **kwargs) -> tuple[LLM, list[list[int]]]:

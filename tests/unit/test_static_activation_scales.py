@@ -15,7 +15,6 @@ from torch import nn
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelLoadError
-from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.static_inputs import StaticInputLinear
 from support.quantized_dirs import greedy, transformers_reference, update_config, write_compressed_tensors
 
@@ -28,16 +27,6 @@ CASES = {  # weights, format, input activations, their scale (coarse: rounding c
     "int8": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized",
              dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False), 0.05),
 }
-
-
-@pytest.fixture
-def float_kernels(monkeypatch):
-    """kaon's float32 reference kernels: dequantized weights times float activations, no fused C step."""
-    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
-    monkeypatch.setenv("KAON_CPU_DECODE", "off")
-    cpu_decode.library.cache_clear()
-    yield
-    cpu_decode.library.cache_clear()
 
 
 def _add_input_scales(path, activations: dict, scale: float) -> None:
