@@ -65,6 +65,9 @@ def _precondition(body: dict, resource_version: str | None) -> dict:
 class Kube:
     def __init__(self, client: kubernetes.client.ApiClient):
         self.dynamic = DynamicClient(client)
+        # The discovery cache is a file shared by every process on the host: another process's copy may list
+        # a CRD removed since (the LeaderWorkerSet API), so start from what the apiserver serves now.
+        self.dynamic.resources.invalidate_cache()
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.core = kubernetes.client.CoreV1Api(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
