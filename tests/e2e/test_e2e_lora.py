@@ -23,7 +23,7 @@ from support.sources import BUCKET, PREFIX
 
 pytest.importorskip("peft")
 
-from support.lora_adapters import build_adapter, greedy, merged
+from support.lora_adapters import build_adapters, greedy, merged
 
 PROMPT = list(range(100, 116))
 MAX_TOKENS = 6
@@ -49,10 +49,7 @@ def adapters(tmp_path_factory, tiny_llama_dir):
 
     base = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("adapters")
-    dirs = {}
-    for seed, (name, config) in enumerate(CONFIGS.items(), 1):
-        dirs[name] = root / name
-        build_adapter(base, name, dirs[name], seed, **config)
+    dirs = build_adapters(base, root, CONFIGS)
     expected = {n: greedy(base if n is None else merged(base, dirs[n]), PROMPT, MAX_TOKENS) for n in [None, *dirs]}
     assert len({tuple(t) for t in expected.values()}) == len(expected), "each adapter must change the tokens"
     return dirs, expected

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from support.lora_adapters import ADAPTERS, build_adapter, build_base, greedy, merged
+from support.lora_adapters import ADAPTERS, build_adapter, build_adapters, build_base, greedy, merged
 from support.server import API_KEY, Server, error_body
 
 transformers = pytest.importorskip("transformers")
@@ -24,10 +24,7 @@ MAX_TOKENS = 6
 def setup(tmp_path_factory, gguf_path):
     root = tmp_path_factory.mktemp("lora-serve")
     base = build_base("llama", root / "base", gguf_path)
-    dirs = {}
-    for seed, (name, config) in enumerate(ADAPTERS.items(), 1):
-        dirs[name] = root / name
-        build_adapter(base, name, dirs[name], seed, **config)
+    dirs = build_adapters(base, root, ADAPTERS)
     other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2))

@@ -17,7 +17,7 @@ from kaon_runtime.errors import ModelNotFoundError
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from support.lora_adapters import ADAPTERS, build_adapter, build_base, greedy, merged
+from support.lora_adapters import ADAPTERS, build_adapters, build_base, greedy, merged
 
 PROMPTS = [list(range(100, 120)), list(range(300, 305)), list(range(1000, 1040)), list(range(7, 30)),
            list(range(100, 120))]
@@ -48,10 +48,7 @@ def test_the_shards_of_an_adapter_add_up_to_its_whole_change():
 def adapters(tmp_path_factory, gguf_path):
     root = tmp_path_factory.mktemp("lora-tp")
     base = build_base("llama", root / "base", gguf_path)
-    dirs = {}
-    for seed, (name, config) in enumerate(ADAPTERS.items(), 1):
-        dirs[name] = str(root / name)
-        build_adapter(base, name, root / name, seed, **config)
+    dirs = build_adapters(base, root, ADAPTERS)
     expected = {n: [greedy(base if n is None else merged(base, dirs[n]), p, 8) for p in PROMPTS]
                 for n in [None, *dirs]}
     return root, dirs, expected

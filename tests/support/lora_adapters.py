@@ -42,6 +42,15 @@ def build_adapter(base, name: str, path, seed: int, **config) -> None:
     lora.save_pretrained(path)
 
 
+def build_adapters(base, root, configs: dict[str, dict]) -> dict[str, str]:
+    """One adapter per config, saved under root/<name> with seeds 1, 2, ... in order; their directories by name."""
+    dirs = {}
+    for seed, (name, config) in enumerate(configs.items(), 1):
+        dirs[name] = str(root / name)
+        build_adapter(base, name, root / name, seed, **config)
+    return dirs
+
+
 def merged(base, adapter_dir):
     """The base with the adapter merged into its weights, by peft."""
     import peft

@@ -15,7 +15,7 @@ from kaon_runtime.engine.scheduler import Scheduler
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.loader.lora_adapter import AdapterError, check_config, load_adapter
 from kaon_runtime.sampling import SamplingParams
-from support.lora_adapters import ADAPTERS, build_adapter, build_base, greedy, merged
+from support.lora_adapters import ADAPTERS, build_adapter, build_adapters, build_base, greedy, merged
 
 MODEL = ModelConfig("llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -104,10 +104,7 @@ NAMES = [None, "attn", "mlp", "all", "qv", "attn"]
 def family(request, tmp_path_factory, gguf_path):
     root = tmp_path_factory.mktemp(request.param)
     base = build_base(request.param, root / "base", gguf_path)
-    dirs = {}
-    for seed, (name, config) in enumerate(ADAPTERS.items(), 1):
-        dirs[name] = str(root / name)
-        build_adapter(base, name, root / name, seed, **config)
+    dirs = build_adapters(base, root, ADAPTERS)
     expected = [greedy(base if n is None else merged(base, dirs[n]), p, 8) for p, n in zip(PROMPTS, NAMES)]
     assert len({tuple(e) for e in expected[:5]}) == 5, "each adapter must change the tokens"
     return root, dirs, expected
