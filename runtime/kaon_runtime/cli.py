@@ -1,5 +1,6 @@
 """`kaon` command line: `kaon generate` for a few prompts offline, `kaon serve` for the HTTP server,
-`kaon fetch` to download an hf:// or s3:// model (the engine pod's init container).
+`kaon fetch` to download an hf:// or s3:// model (the engine pod's init container), `kaon profile` to
+measure the engine's performance model (the operator's profiling Job).
 
 Over 300 lines for a stated reason: it is the one table of every flag and its help text, which
 reads better whole than split across modules."""
@@ -114,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     sub.add_parser("fetch", help="download an hf:// or s3:// model into the cache, or check a local one "
                    "(see `kaon fetch --help`)", add_help=False)
+    sub.add_parser("profile", help="measure the engine's performance model (step time over batch sizes and "
+                   "context lengths) for the predictive autoscaler (see `kaon profile --help`)", add_help=False)
     sub.add_parser("operator", help="run the InferenceService operator: the same as `kaon-operator`", add_help=False)
     sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService: the same as "
                    "`kaon-router`", add_help=False)
@@ -187,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         from kaon_runtime.fetch.fetch import run_cli
 
         return run_cli(argv[1:])
+    if argv[:1] == ["profile"]:  # runs its own `kaon serve` and talks to it over HTTP
+        from kaon_runtime.server.perf_profile import run_cli as profile_cli
+
+        return profile_cli(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         _fetch_first(args)
