@@ -313,12 +313,9 @@ _ZERO_NEEDS_IDLE = "self.minReplicas > 0 || has(self.scaleToZeroIdleSeconds)"
 _ZERO_NEEDS_IDLE_MESSAGE = "minReplicas 0 needs scaleToZeroIdleSeconds"
 _IDLE_NEEDS_ZERO = "!has(self.scaleToZeroIdleSeconds) || self.minReplicas == 0"
 _IDLE_NEEDS_ZERO_MESSAGE = "scaleToZeroIdleSeconds needs minReplicas 0"
-_PREDICTIVE_NEEDS_PROFILE = "self.policy != 'predictive' || has(self.profile)"
-_PREDICTIVE_NEEDS_PROFILE_MESSAGE = ("policy predictive needs profile: the ConfigMap holding the engine's "
-                                     "performance model")
-_PROFILE_NOT_AUTO = "!has(self.profile) || self.profile != 'auto'"
-_PROFILE_NOT_AUTO_MESSAGE = ("profile auto (a profiling Job run by the operator) is not implemented: profile the "
-                             "engine with bench/autoscale_calibrate.py and name the ConfigMap that holds its model")
+_PREDICTIVE_NEEDS_PROFILE = "self.policy != 'predictive' || (has(self.profile) && self.profile != 'none')"
+_PREDICTIVE_NEEDS_PROFILE_MESSAGE = ("policy predictive needs profile: auto (the operator measures the engine) or "
+                                     "the ConfigMap holding the engine's performance model")
 PROFILE_KEY = "model.json"  # the key of the profile ConfigMap that holds the performance model
 
 MAX_WINDOW_SECONDS = 3600  # the operator keeps this much history at most
@@ -332,7 +329,6 @@ class AutoscalingSpec(_Model):
         {"rule": _ZERO_NEEDS_IDLE, "message": _ZERO_NEEDS_IDLE_MESSAGE},
         {"rule": _IDLE_NEEDS_ZERO, "message": _IDLE_NEEDS_ZERO_MESSAGE},
         {"rule": _PREDICTIVE_NEEDS_PROFILE, "message": _PREDICTIVE_NEEDS_PROFILE_MESSAGE},
-        {"rule": _PROFILE_NOT_AUTO, "message": _PROFILE_NOT_AUTO_MESSAGE},
     ]})
 
     enabled: bool = False
@@ -366,7 +362,7 @@ class AutoscalingSpec(_Model):
     policy: Literal["reactive", "predictive"] = "reactive"
     """`reactive`: scale on concurrency, queue depth and the observed P99. `predictive`: size replicas from the arrival rate, the prompt and output lengths and the engine's measured performance model (`profile`), the observed P99 correcting the model."""  # noqa: E501 - one line: the CRD's description
     profile: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
-    """With `predictive`: the ConfigMap (in the InferenceService's namespace) whose key `model.json` holds the engine's performance model, as `bench/autoscale_calibrate.py --profile-out` writes it."""  # noqa: E501 - one line: the CRD's description
+    """The engine's performance model, for `predictive`: `auto` (the operator runs a profiling Job, `kaon profile`, on the engine's own pod and keeps the model in a ConfigMap keyed by the model, device, quantization, parallelism and engine settings: a changed spec measures again), `none`, or the name of a ConfigMap in this namespace whose key `model.json` holds the model, as `kaon profile` writes it."""  # noqa: E501 - one line: the CRD's description
 
     @model_validator(mode="after")
     def _consistent(self) -> AutoscalingSpec:
@@ -376,10 +372,8 @@ class AutoscalingSpec(_Model):
             raise ValueError(_ZERO_NEEDS_IDLE_MESSAGE)
         if self.scale_to_zero_idle_seconds is not None and self.min_replicas != 0:
             raise ValueError(_IDLE_NEEDS_ZERO_MESSAGE)
-        if self.policy == "predictive" and self.profile is None:
+        if self.policy == "predictive" and self.profile in (None, "none"):
             raise ValueError(_PREDICTIVE_NEEDS_PROFILE_MESSAGE)
-        if self.profile == "auto":
-            raise ValueError(_PROFILE_NOT_AUTO_MESSAGE)
         return self
 
 

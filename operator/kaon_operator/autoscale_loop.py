@@ -32,6 +32,8 @@ from kaon_operator.caches import Caches, Key
 from kaon_operator.config import AutoscaleSettings
 from kaon_operator.kube import Conflict
 from kaon_operator.perf_model import PerfModel
+from kaon_operator.profile_sync import ProfileMemory, resolve
+from kaon_operator.profiling import read_model
 from kaon_operator.status import EventSpec
 from kaon_operator.summaries import PodSummary
 
@@ -66,8 +68,10 @@ class ServiceState:
     capped: bool = False
     condition: dict | None = None
     """MetricsAvailable as last reported."""
-    profile: tuple[str, PerfModel | None] | None = None
-    """(ConfigMap name, the performance model read from it, None if unreadable) for the predictive policy."""
+    profile: ProfileMemory = field(default_factory=ProfileMemory)
+    """The performance model for the predictive policy, and where it comes from."""
+    profiled: dict | None = None
+    """Profiled as last reported."""
 
 
 def token_deltas(baselines: dict[str, Baseline], answers: dict[str, scraper.PodMetrics]) -> tuple[float, float]:
@@ -85,10 +89,7 @@ def token_deltas(baselines: dict[str, Baseline], answers: dict[str, scraper.PodM
 
 
 def read_profile(text: str | None) -> PerfModel | None:
-    try:
-        return PerfModel.from_json(text) if text else None
-    except (ValueError, TypeError, KeyError):
-        return None
+    return read_model(text)
 
 
 def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, scraper.PodMetrics],
@@ -139,15 +140,17 @@ class AutoscaleLoop:
     """Runs in kopf's event loop; reads the caches, writes through `kube` in threads.
 
     `post` posts Events about an InferenceService; `metrics_changed` receives its MetricsAvailable
-    condition whenever that changes (None once the service is no longer autoscaled)."""
+    condition whenever that changes (None once the service is no longer autoscaled), and
+    `profile_changed` its Profiled condition (spec.autoscaling.profile: profile_sync.py)."""
 
     def __init__(self, kube, caches: Caches, settings: AutoscaleSettings, *,
                  post: Callable[[Mapping, list[EventSpec]], None],
-                 metrics_changed: Callable[[Key, dict | None], None], identity: str):
+                 metrics_changed: Callable[[Key, dict | None], None], identity: str,
+                 profile_changed: Callable[[Key, dict | None], None] = lambda key, condition: None):
         self.kube, self.caches, self.identity = kube, caches, identity
         self.interval, self.release_namespace = settings.interval, settings.release_namespace
         self.use_lease = settings.use_lease
-        self.post, self.metrics_changed = post, metrics_changed
+        self.post, self.metrics_changed, self.profile_changed = post, metrics_changed, profile_changed
         self.services: dict[Key, ServiceState] = {}
         self.http: aiohttp.ClientSession | None = None
 
@@ -182,8 +185,11 @@ class AutoscaleLoop:
             if isinstance(spec, api.InferenceServiceSpec):  # the reconcile handler reports an invalid spec
                 out.append((key, body, spec))
         for gone in set(self.services) - {key for key, _, _ in out}:
-            if self.services.pop(gone).condition is not None:
+            memory = self.services.pop(gone)
+            if memory.condition is not None:
                 self.metrics_changed(gone, None)
+            if memory.profiled is not None:
+                self.profile_changed(gone, None)
         return out
 
     async def tick_all(self) -> None:
@@ -248,24 +254,25 @@ class AutoscaleLoop:
         del memory.history[:sum(s.time < now - autoscaler.history_seconds(auto) for s in memory.history)]
 
         last = (body.get("status") or {}).get("lastScaleDecision") or {}
-        decision = await self._decide(key, auto, spec, memory, now, kubetime.epoch(last.get("time")))
+        decision = await self._decide(key, body, spec, memory, now, kubetime.epoch(last.get("time")))
         await self._act(key, body, spec, sample, answers, memory, decision)
 
-    async def _decide(self, key: Key, auto: api.AutoscalingSpec, spec: api.InferenceServiceSpec,
+    async def _decide(self, key: Key, body: Mapping, spec: api.InferenceServiceSpec,
                       memory: ServiceState, now: float, last_change: float | None) -> autoscaler.Decision:
-        """The spec's policy; predictive without a readable profile decides as the reactive one, and says so."""
-        if auto.policy == "predictive" and auto.profile:
-            if memory.profile is None or memory.profile[0] != auto.profile or memory.profile[1] is None:
-                data = await asyncio.to_thread(self.kube.config_map_data, key[0], auto.profile)
-                memory.profile = (auto.profile, read_profile((data or {}).get(api.PROFILE_KEY)))
-            model = memory.profile[1]
-            if model is not None:
-                return predictive.decide(memory.history, auto, spec.replicas, now, last_change, model=model,
-                                         max_num_seqs=spec.engine.max_num_seqs)
+        """The spec's policy; predictive without a readable profile decides as the reactive one, and says so.
+        A profile is resolved whatever the policy (profile: auto measures the engine before a switch to predictive)."""
+        auto = spec.autoscaling
+        profile = await asyncio.to_thread(resolve, self.kube, body, spec, memory.profile, self.post)
+        if memory.profiled != profile.condition:
+            memory.profiled = profile.condition
+            await asyncio.to_thread(self.profile_changed, key, profile.condition)
+        if auto.policy == "predictive" and profile.model is not None:
+            return predictive.decide(memory.history, auto, spec.replicas, now, last_change, model=profile.model,
+                                     max_num_seqs=spec.engine.max_num_seqs)
         decision = autoscaler.decide(memory.history, auto, spec.replicas, now, last_change,
                                      max_num_seqs=spec.engine.max_num_seqs)
         if auto.policy == "predictive":
-            why = f"no performance model in ConfigMap {auto.profile} key {api.PROFILE_KEY}: reactive"
+            why = f"no performance model in ConfigMap {profile.name} key {api.PROFILE_KEY} yet: reactive"
             return autoscaler.Decision(decision.replicas, f"{decision.reason} ({why})", decision.metrics_missing,
                                        decision.capped_from)
         return decision

@@ -40,6 +40,7 @@ def start(ctx: Context) -> None:
     ctx.run_in_background(watch_startups(ctx))
     ctx.run_in_background(key_digests.publish_loop(ctx))
     loop = AutoscaleLoop(ctx.kube, ctx.caches, ctx.config.autoscale, post=ctx.post,
-                         metrics_changed=partial(status_sync.metrics_changed, ctx), identity=reporting_instance())
+                         metrics_changed=partial(status_sync.metrics_changed, ctx), identity=reporting_instance(),
+                         profile_changed=partial(status_sync.profile_changed, ctx))
     ctx.run_in_background(loop.run())
     ctx.run_in_background(AdapterLoop(ctx).run())

@@ -207,6 +207,10 @@ class Kube:
                 return None
             raise
 
+    def get_job(self, namespace: str, name: str) -> dict | None:
+        """A batch/v1 Job (the profiling Job of spec.autoscaling.profile: auto); None when it does not exist."""
+        return self._get(self.dynamic.resources.get(api_version="batch/v1", kind="Job"), namespace, name)
+
     def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         """An Opaque Secret's data (base64 values: spec.auth's API keys, whose digests only are
         published); None when it does not exist or is of another type (a ServiceAccount token, a

@@ -25,6 +25,8 @@ class ServiceRecord:
     metrics_condition: dict | None = None
     """MetricsAvailable, kept by the autoscale loop."""
     adapters_condition: dict | None = None
+    profile_condition: dict | None = None
+    """Profiled, kept by the autoscale loop (spec.autoscaling.profile: profile_sync.py)."""
     """AdaptersReady, kept by the adapter loop (adapter_sync.py)."""
     pdb: PdbSummary | None = None
     """The PodDisruptionBudget's status (DisruptionAllowed)."""

@@ -69,6 +69,9 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
                 gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
         if spec.autoscaling.enabled and record.metrics_condition is not None:
             conditions.append(record.metrics_condition)
+        if spec.autoscaling.enabled and spec.autoscaling.profile not in (None, "none") \
+                and record.profile_condition is not None:
+            conditions.append(record.profile_condition)
         if spec.adapters and record.adapters_condition is not None:
             conditions.append(record.adapters_condition)
         disruption = status.disruption_condition(record.pdb, pods, _now())
@@ -137,6 +140,15 @@ def metrics_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     ctx.records.get(key).metrics_condition = condition
     if condition is None:
         return
+    resync(ctx, key)
+
+
+def profile_changed(ctx: Context, key: Key, condition: dict | None) -> None:
+    """The autoscale loop's Profiled changed (None: no profile, or no longer autoscaled): write it with the others."""
+    if ctx.caches.inference_service(key) is None:
+        ctx.records.forget(key)
+        return
+    ctx.records.get(key).profile_condition = condition
     resync(ctx, key)
 
 

@@ -71,10 +71,11 @@ INVALID = [
     ("idle-without-zero", with_("autoscaling", {"scaleToZeroIdleSeconds": 60}),
      "scaleToZeroIdleSeconds needs minReplicas 0"),
     ("predictive-without-profile", with_("autoscaling", {"policy": "predictive"}),
-     "policy predictive needs profile: the ConfigMap holding the engine's performance model"),
-    ("profile-auto", with_("autoscaling", {"policy": "predictive", "profile": "auto"}),
-     "profile auto (a profiling Job run by the operator) is not implemented: profile the engine with "
-     "bench/autoscale_calibrate.py and name the ConfigMap that holds its model"),
+     "policy predictive needs profile: auto (the operator measures the engine) or the ConfigMap holding the "
+     "engine's performance model"),
+    ("predictive-profile-none", with_("autoscaling", {"policy": "predictive", "profile": "none"}),
+     "policy predictive needs profile: auto (the operator measures the engine) or the ConfigMap holding the "
+     "engine's performance model"),
     ("kv-fraction-0", with_("engine.kvCacheFraction", 0), "should be greater than 0"),
     ("latency-metric", with_("autoscaling.latencyMetric", "p50"), 'Unsupported value: "p50"'),
     ("pp-without-nodes", with_("engine.nodesPerReplica", 2),

@@ -1,0 +1,100 @@
+"""Where the predictive policy's performance model comes from, each autoscale tick: the I/O of
+`spec.autoscaling.profile` (the decisions are profiling.py's).
+
+- `<configmap>`: read it (until it holds a readable model, every tick; then kept).
+- `auto`: read the ConfigMap of the spec's key; without one, look at the profiling Job of
+  that key: none, create it (Normal `Profiling`); running, wait; succeeded, write its pod's
+  termination message to the ConfigMap (Normal `Profiled`); failed, say so once (Warning
+  `ProfilingFailed`). A changed key is a new name, so the same steps start again.
+- `none` or unset: no model.
+
+Every outcome is the `Profiled` condition; without a model the autoscaler scales by the
+reactive policy and says so in every decision's reason. An API error (RBAC, a name taken by
+an object kaon does not control) is reported the same way and tried again next tick.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kubernetes.client.rest import ApiException
+
+from kaon_operator import api, profiling, resources
+from kaon_operator.kube import NotOwned
+from kaon_operator.perf_model import PerfModel
+from kaon_operator.profiling import Step
+from kaon_operator.status import EventSpec
+
+
+@dataclass(slots=True)
+class ProfileMemory:
+    """What the loop remembers of one service's profile between ticks."""
+
+    name: str | None = None
+    """The ConfigMap the model was (or is to be) read from."""
+    model: PerfModel | None = None
+    warned: str | None = None
+    """The uid of the failed Job already reported."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    model: PerfModel | None
+    name: str | None
+    condition: dict | None
+    """Profiled (None without a profile)."""
+
+
+def resolve(kube, body: Mapping, spec: api.InferenceServiceSpec, memory: ProfileMemory,
+            post: Callable[[Mapping, list[EventSpec]], None]) -> Resolved:
+    """The model for this tick (blocking I/O: run it in a thread)."""
+    meta = body["metadata"]
+    setting = spec.autoscaling.profile
+    name = profiling.config_map_name(meta["name"], setting, spec)
+    if name is None:
+        return Resolved(None, None, None)
+    if memory.name == name and memory.model is not None:
+        found = (profiling.condition(Step.USE, name) if setting == profiling.AUTO
+                 else profiling.named_condition(name, memory.model))
+        return Resolved(memory.model, name, found)
+    memory.name, memory.model = name, None
+    try:
+        saved = profiling.read_model((kube.config_map_data(meta["namespace"], name) or {}).get(api.PROFILE_KEY))
+        if setting != profiling.AUTO:
+            memory.model = saved
+            return Resolved(saved, name, profiling.named_condition(name, saved))
+        memory.model, condition = _auto(kube, body, spec, name, saved, memory, post)
+    except (ApiException, NotOwned) as exc:
+        why = str(exc) if isinstance(exc, NotOwned) else f"{exc.status} {exc.reason}"
+        return Resolved(None, name, profiling.condition(Step.FAILED, name, why))
+    return Resolved(memory.model, name, condition)
+
+
+def _auto(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, saved: PerfModel | None,
+          memory: ProfileMemory, post: Callable[[Mapping, list[EventSpec]], None]) -> tuple[PerfModel | None, dict]:
+    meta = body["metadata"]
+    owner = resources.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    job = None if saved is not None else kube.get_job(owner.namespace, name)
+    state = None
+    if job is not None:
+        digest = profiling.key_digest(profiling.profile_key(spec))
+        state = profiling.job_state(job, kube.list_pods(owner.namespace, profiling.pod_selector(owner.name, digest)))
+    step = profiling.next_step(saved, state)
+    if step is Step.RUN:
+        kube.create_once(profiling.job(owner, spec))
+        post(body, [EventSpec("Normal", "Profiling", f"created Job {name} to measure the engine's performance "
+                                                     "model (spec.autoscaling.profile: auto)")])
+    elif step is Step.SAVE:
+        assert state is not None
+        saved = profiling.read_model(state.message)
+        kube.create_once(profiling.config_map(owner, spec, state.message))
+        assert saved is not None
+        post(body, [EventSpec("Normal", "Profiled", f"performance model measured by Job {name} in ConfigMap {name}: "
+                                                    f"step {saved.a * 1e3:.2f} ms + {saved.b * 1e3:.3f} ms a sequence "
+                                                    f"+ {saved.c * 1e6:.2f} us a prompt token; cold start "
+                                                    f"{saved.cold_start_seconds:.0f} s")])
+    elif step is Step.FAILED and state is not None and memory.warned != state.uid:
+        memory.warned = state.uid
+        post(body, [EventSpec("Warning", "ProfilingFailed", f"profiling Job {name} failed: "
+                                                            f"{profiling.failure(state)}")])
+    return saved, profiling.condition(step, name, profiling.failure(state) if state is not None else "")
