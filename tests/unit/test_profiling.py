@@ -1,0 +1,272 @@
+"""spec.autoscaling.profile (issue 40): the key and its digest, when to run the profiling Job, its
+manifest and the ConfigMap's, the model `kaon profile` writes as the operator reads it, and the
+autoscale loop's use of the ConfigMap. Pure, or against a fake kube."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kaon_operator import api, autoscale_loop, profile_sync, profiling, resources
+from kaon_operator.perf_model import PerfModel
+from kaon_operator.profiling import JobState, Step
+from kaon_runtime import cli
+from kaon_runtime.server import perf_profile
+
+OWNER = resources.Owner(name="chat", namespace="ns", uid="uid-1")
+MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, d=1e-6, cold_start_seconds=30.0)
+
+
+def spec(**kw) -> api.InferenceServiceSpec:
+    body = {"model": {"uri": "hf://org/model", "quantization": "int8"},
+            "engine": {"tensorParallelSize": 2, "image": "kaon:1"},
+            "autoscaling": {"enabled": True, "policy": "predictive", "profile": "auto"}}
+    for path, value in kw.items():
+        node = body
+        *parents, leaf = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return api.InferenceServiceSpec.model_validate(body)
+
+
+def digest(s: api.InferenceServiceSpec) -> str:
+    return profiling.key_digest(profiling.profile_key(s))
+
+
+# The key --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", [
+    {"model__uri": "hf://org/other"}, {"model__quantization": "int4"}, {"engine__tensorParallelSize": 4},
+    {"engine__image": "kaon:2"}, {"engine__extraArgs": ["--dtype", "float16"]}, {"engine__maxNumSeqs": 32},
+    {"scheduling": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}}])
+def test_what_the_engine_speed_depends_on_changes_the_digest(change):
+    assert digest(spec(**change)) != digest(spec())
+
+
+@pytest.mark.parametrize("change", [{"replicas": 3}, {"autoscaling__maxReplicas": 9}, {"drainSeconds": 5},
+                                    {"scheduling": {"nodeSelector": {"zone": "a"}}}])
+def test_what_it_does_not_depend_on_keeps_the_digest(change):
+    assert digest(spec(**change)) == digest(spec())
+
+
+def test_names_fit_a_label_value_and_follow_the_setting():
+    name = profiling.object_name("a" * 63, "0123456789")
+    assert len(name) <= 63 and name.endswith("-profile-0123456789")
+    s = spec()
+    assert profiling.config_map_name("chat", "auto", s) == f"chat-profile-{digest(s)}"
+    assert profiling.config_map_name("chat", "mine", s) == "mine"
+    assert profiling.config_map_name("chat", "none", s) is None and profiling.config_map_name("chat", None, s) is None
+
+
+def test_predictive_needs_a_profile_other_than_none():
+    with pytest.raises(ValueError, match="policy predictive needs profile"):
+        spec(autoscaling__profile="none")
+    assert spec(autoscaling__policy="reactive", autoscaling__profile="none").autoscaling.profile == "none"
+
+
+# When to run the Job --------------------------------------------------------------------------------------------------
+
+
+def job_body(condition: str | None) -> dict:
+    return {"metadata": {"uid": "job-1"},
+            "status": {"conditions": [{"type": condition, "status": "True", "reason": "BackoffLimitExceeded"}]
+                       if condition else []}}
+
+
+def pod(message: str, code: int = 0) -> dict:
+    return {"status": {"containerStatuses": [{"name": profiling.CONTAINER, "state": {
+        "terminated": {"exitCode": code, "message": message}}}]}}
+
+
+def test_the_next_step_follows_the_configmap_then_the_job():
+    good = JobState(True, True, MODEL.to_json(), "j")
+    assert profiling.next_step(MODEL, None) is Step.USE
+    assert profiling.next_step(MODEL, good) is Step.USE  # a saved model wins over any Job
+    assert profiling.next_step(None, None) is Step.RUN
+    assert profiling.next_step(None, JobState(False, False, "")) is Step.WAIT
+    assert profiling.next_step(None, good) is Step.SAVE
+    assert profiling.next_step(None, JobState(True, True, "not a model")) is Step.FAILED
+    assert profiling.next_step(None, JobState(True, False, "kaon profile: error: boom")) is Step.FAILED
+
+
+def test_the_job_state_reads_the_pods_termination_message():
+    assert profiling.job_state(job_body(None), []) == JobState(False, False, "", "job-1")
+    assert profiling.job_state(job_body("Complete"), [pod(MODEL.to_json())]).message == MODEL.to_json()
+    failed = profiling.job_state(job_body("Failed"), [pod("loading...\nkaon profile: error: OOM", 1)])
+    assert not failed.succeeded and failed.message == "kaon profile: error: OOM"
+    assert profiling.job_state(job_body("Failed"), []).message == "BackoffLimitExceeded"
+
+
+def test_conditions_say_true_unknown_false():
+    assert profiling.condition(Step.USE, "cm")["status"] == "True"
+    assert profiling.condition(Step.WAIT, "cm")["status"] == "Unknown"
+    failed = profiling.condition(Step.FAILED, "cm", "boom")
+    assert (failed["status"], failed["reason"]) == ("False", "ProfilingFailed") and "boom" in failed["message"]
+    assert profiling.named_condition("cm", None)["reason"] == "ProfileUnreadable"
+
+
+# The manifests --------------------------------------------------------------------------------------------------------
+
+
+def test_the_job_runs_kaon_profile_on_the_engines_own_pod():
+    s = spec(auth={"apiKeySecret": "keys"})
+    manifest = profiling.job(OWNER, s)
+    name = f"chat-profile-{digest(s)}"
+    assert manifest["metadata"]["name"] == name and manifest["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert manifest["spec"]["backoffLimit"] == 0 and manifest["spec"]["ttlSecondsAfterFinished"] > 0
+    pod_spec = manifest["spec"]["template"]["spec"]
+    assert pod_spec["restartPolicy"] == "Never" and pod_spec["initContainers"][0]["args"][:2] == ["kaon", "fetch"]
+    (container,) = pod_spec["containers"]
+    assert container["image"] == "kaon:1" and container["resources"]["limits"][api.GPU_RESOURCE] == "2"
+    assert not {"startupProbe", "livenessProbe", "readinessProbe", "ports"} & set(container)
+    args = container["args"]
+    assert args[:6] == ["kaon", "profile", "--out", "/dev/termination-log", "--max-bytes", "4096"]
+    serve_args = args[args.index("--") + 1:]
+    assert "--api-key-file" not in serve_args  # it serves only itself, on loopback
+    assert serve_args[serve_args.index("--quantization") + 1] == "int8"
+    assert serve_args[serve_args.index("--tensor-parallel-size") + 1] == "2"
+    # The engine reads these command lines: the profile's flags, and the serve arguments after `--`.
+    parsed = perf_profile.build_parser().parse_args(args[2:])
+    assert parsed.out == "/dev/termination-log" and parsed.max_bytes == 4096
+    assert cli.build_parser().parse_args(["serve", *serve_args]).quantization == "int8"
+    labels = manifest["spec"]["template"]["metadata"]["labels"]
+    assert profiling.pod_selector("chat", digest(s)) == ",".join(
+        f"{k}={labels[k]}" for k in ("kaon.dev/inferenceservice", "app.kubernetes.io/component", profiling.KEY_LABEL))
+
+
+def test_the_configmap_holds_the_model_under_its_key():
+    manifest = profiling.config_map(OWNER, spec(), MODEL.to_json())
+    assert manifest["metadata"]["name"] == profiling.job(OWNER, spec())["metadata"]["name"]
+    assert PerfModel.from_json(manifest["data"][api.PROFILE_KEY]) == MODEL
+    assert json.loads(manifest["metadata"]["annotations"][profiling.KEY_ANNOTATION])["quantization"] == "int8"
+
+
+# What kaon profile writes, as the operator reads it -------------------------------------------------------------------
+
+
+def measured_model(points: int) -> dict:
+    grid = [perf_profile.GridPoint(b, p, c, 0.02 + 0.0015 * b + 0.0004 * p + 1e-6 * c)
+            for b, p, c in [(1, 0, 40), (4, 0, 160), (16, 0, 6000), (64, 0, 2600), (0, 64, 64), (0, 512, 512),
+                            (2, 0, 800), (8, 0, 3200)][:points]]
+    a, b, c, d = perf_profile.fit(grid)
+    return {"a": a, "b": b, "c": c, "d": d, "cold_start_seconds": 9.0, "max_num_seqs": 64,
+            "max_num_batched_tokens": 1024, "kv_cache_tokens": None,
+            "key": {"device": "cpu (2 cores)", "model": "builtin://smollm2-135m-instruct"},
+            "grid": [{"batch": g.batch, "prefill_tokens": g.prefill_tokens, "context_tokens": g.context_tokens,
+                      "seconds": g.seconds} for g in grid]}
+
+
+def test_the_fit_recovers_known_coefficients():
+    model = measured_model(8)
+    assert [model[t] for t in "abcd"] == pytest.approx([0.02, 0.0015, 0.0004, 1e-6], rel=1e-6)
+
+
+def test_the_written_model_is_the_operators_and_fits_a_termination_message():
+    body = measured_model(8)
+    body["grid"] = body["grid"] * 12  # 96 points: more than 4 KiB
+    text = perf_profile.fitting(body, 4096)
+    assert len(text.encode()) <= 4096
+    model = PerfModel.from_json(text)
+    assert 2 <= len(model.grid) < 96 and model.a == pytest.approx(0.02)
+    assert len(PerfModel.from_json(perf_profile.fitting(body, None)).grid) == 96  # unlimited: every point
+    with pytest.raises(ValueError):
+        perf_profile.fitting(body, 50)
+
+
+# The I/O, against a fake kube -----------------------------------------------------------------------------------------
+
+
+class FakeKube:
+    def __init__(self):
+        self.config_maps: dict[str, dict] = {}
+        self.jobs: dict[str, dict] = {}
+        self.pods: list[dict] = []
+
+    def config_map_data(self, namespace, name):
+        found = self.config_maps.get(name)
+        return None if found is None else found["data"]
+
+    def get_job(self, namespace, name):
+        return self.jobs.get(name)
+
+    def list_pods(self, namespace, selector):
+        return self.pods
+
+    def create_once(self, manifest):
+        store = self.jobs if manifest["kind"] == "Job" else self.config_maps
+        return store.setdefault(manifest["metadata"]["name"], manifest)
+
+
+def body(s: api.InferenceServiceSpec) -> dict:
+    return {"metadata": {"namespace": "ns", "name": "chat", "uid": "uid-1"},
+            "spec": s.model_dump(by_alias=True, exclude_none=True)}
+
+
+def test_auto_runs_the_job_once_saves_its_model_and_reads_it_after():
+    kube, events, memory, s = FakeKube(), [], profile_sync.ProfileMemory(), spec()
+
+    def resolve():
+        return profile_sync.resolve(kube, body(s), s, memory, lambda _, ev: events.extend(ev))
+
+    first = resolve()
+    assert first.model is None and first.condition["status"] == "Unknown" and list(kube.jobs) == [first.name]
+    assert resolve().condition["reason"] == "Profiling" and len(kube.jobs) == 1  # waiting: no second Job
+    kube.jobs[first.name]["status"] = job_body("Complete")["status"]
+    kube.pods = [pod(MODEL.to_json())]
+    saved = resolve()
+    assert saved.model == MODEL and saved.condition["status"] == "True"
+    assert PerfModel.from_json(kube.config_maps[first.name]["data"][api.PROFILE_KEY]) == MODEL
+    kube.config_maps[first.name]["data"] = {}  # kept in memory: no reads once it has the model
+    assert resolve().model == MODEL
+    assert [e.reason for e in events] == ["Profiling", "Profiled"]
+    changed = spec(model__quantization="int4")  # a new key: a new Job, the old model no more
+    s = changed
+    assert resolve().model is None and len(kube.jobs) == 2
+
+
+def test_a_failed_job_is_reported_once_and_the_reactive_policy_goes_on():
+    kube, events, memory, s = FakeKube(), [], profile_sync.ProfileMemory(), spec()
+    name = profiling.object_name("chat", digest(s))
+    kube.jobs[name] = {**profiling.job(OWNER, s), **job_body("Failed")}
+    kube.pods = [pod("kaon profile: error: kaon serve exited with 2 before it was ready", 1)]
+    for _ in range(3):
+        result = profile_sync.resolve(kube, body(s), s, memory, lambda _, ev: events.extend(ev))
+        assert result.model is None and result.condition["reason"] == "ProfilingFailed"
+    assert [(e.type, e.reason) for e in events] == [("Warning", "ProfilingFailed")]
+    assert "exited with 2" in events[0].message and not kube.config_maps
+
+
+def test_a_named_configmap_is_read_and_none_reads_nothing():
+    kube, s = FakeKube(), spec(autoscaling__profile="mine")
+    assert profile_sync.resolve(kube, body(s), s, profile_sync.ProfileMemory(), print).condition["status"] == "False"
+    kube.config_maps["mine"] = {"data": {api.PROFILE_KEY: MODEL.to_json()}}
+    found = profile_sync.resolve(kube, body(s), s, profile_sync.ProfileMemory(), print)
+    assert found.model == MODEL and found.condition["reason"] == "ProfileConfigMap" and not kube.jobs
+    off = spec(autoscaling__policy="reactive", autoscaling__profile="none")
+    assert profile_sync.resolve(kube, body(off), off, profile_sync.ProfileMemory(), print) == \
+        profile_sync.Resolved(None, None, None)
+
+
+def test_the_loop_decides_by_the_profiled_model_or_says_why_not():
+    import asyncio
+
+    from kaon_operator.autoscaler import Sample
+    from kaon_operator.caches import Caches
+    from kaon_operator.config import AutoscaleSettings
+
+    kube, s, conditions = FakeKube(), spec(), {}
+    loop = autoscale_loop.AutoscaleLoop(kube, Caches(), AutoscaleSettings(interval=1), post=lambda *_: None,
+                                        metrics_changed=lambda *_: None, identity="me",
+                                        profile_changed=conditions.__setitem__)
+    memory = autoscale_loop.ServiceState(history=[Sample(time=0.0, ready=1, answered=1, held_by_router=0.0)])
+
+    def decide():
+        return asyncio.run(loop._decide(("ns", "chat"), body(s), s, memory, 1.0, None))
+
+    assert "no performance model in ConfigMap chat-profile-" in decide().reason
+    assert conditions[("ns", "chat")]["reason"] == "Profiling"
+    kube.config_maps[profiling.object_name("chat", digest(s))] = {"data": {api.PROFILE_KEY: MODEL.to_json()}}
+    assert "performance model" in decide().reason and "no performance model" not in decide().reason
+    assert conditions[("ns", "chat")]["status"] == "True"
