@@ -1,6 +1,6 @@
 """Batch-1 decode against the memory-bandwidth roofline, for each weight format, in one run.
 
-    python bench/decode_roofline.py [--model random://llama-3.1-8b] [--quantization none int8 int4]
+    python bench/decode_roofline.py [--model random://llama-3.1-8b] [--quantization none int8 int4 fp8] [--profile]
 
 Batch-1 decode reads every weight once per token, plus the context's KV cache, so a step
 can take no less than bytes read / memory bandwidth. The bandwidth is measured in the same
@@ -12,6 +12,9 @@ token, the bandwidth that implies and its fraction of the copy's.
 The default model is Llama-3.1-8B's shape with random weights (random://): speed depends
 on the shape, not on the values. On a GPU the engine runs its Triton kernels and CUDA
 graphs; `--device cpu --model random://smollm2-135m --dtype float32` runs anywhere.
+
+`--profile` also records a few decode steps of each format under torch's profiler and prints the
+slowest format's top operators by device time: where a format misses the roofline, it says why.
 """
 from __future__ import annotations
 
@@ -81,10 +84,24 @@ def figures_of(llm: LLM, args, quantization: str) -> dict:
             "attention_backend": llm.engine.runner.model.attention_layers()[0].backend.name}
 
 
+def operator_table(llm: LLM, args, rows: int = 15) -> str:
+    """The top operators of 16 batch-1 decode steps by device time (CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = torch.device(args.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with profile(activities=activities) as prof:
+        llm.generate([list(range(10, 10 + args.prompt_tokens))], params, use_tqdm=False)
+        sync_device(torch.device(args.device))
+    return prof.key_averages().table(sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=rows)
+
+
 def measure(args, quantization: str) -> dict:
     llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=quantization,
               max_model_len=args.prompt_tokens + args.tokens + 8, max_num_seqs=1)
     figures = figures_of(llm, args, quantization)
+    if args.profile:
+        figures["profile"] = operator_table(llm, args)
     llm.close()
     del llm
     gc.collect()
@@ -96,13 +113,14 @@ def measure(args, quantization: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="random://llama-3.1-8b")
-    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int4"])
+    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int4", "fp8"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256, help="decoded tokens per timing")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's buffer")
+    parser.add_argument("--profile", action="store_true", help="print the slowest format's top operators")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -114,7 +132,12 @@ def main() -> int:
           f"batch 1, {args.tokens} tokens after a {args.prompt_tokens}-token prompt)")
     rows = []
     for quantization in args.quantization:
-        row = measure(args, quantization)
+        try:
+            row = measure(args, quantization)
+        except Exception as exc:  # noqa: BLE001  one format's failure must not hide the others' figures
+            print(f"{quantization:>5}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"quantization": quantization, "error": f"{type(exc).__name__}: {exc}"})
+            continue
         row["roofline_fraction"] = round(row["achieved_gb_s"] * 1e9 / bandwidth, 3)
         rows.append(row)
         print(f"{quantization:>5}: {row['decode_tok_s']:8.1f} tok/s  {row['ms_per_token']:7.2f} ms/token  "
@@ -122,15 +145,21 @@ def main() -> int:
               f"{100 * row['roofline_fraction']:5.1f}% of the copy bandwidth  "
               f"(attention {row['attention_backend']}, CUDA graphs {'on' if row['cuda_graphs'] else 'off'})",
               flush=True)
-    base = next((r for r in rows if r["quantization"] == "none"), None)
-    for row in rows:
+    measured = [r for r in rows if "error" not in r]
+    base = next((r for r in measured if r["quantization"] == "none"), None)
+    for row in measured:
         if base is not None and row is not base:
             row["speedup_vs_none"] = round(row["decode_tok_s"] / base["decode_tok_s"], 2)
             print(f"{row['quantization']} vs none: {row['speedup_vs_none']}x tokens/s")
+    if args.profile and measured:
+        slowest = min(measured, key=lambda r: r["roofline_fraction"])
+        print(f"profile of the format furthest from the roofline ({slowest['quantization']}):")
+        print(slowest["profile"])
     if args.json:
-        args.json.write_text(json.dumps({"device": name, "copy_gb_s": round(bandwidth / 1e9, 1),
-                                         "model": args.model, "dtype": args.dtype, "rows": rows}, indent=2))
-    return 0
+        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__,
+                                         "copy_gb_s": round(bandwidth / 1e9, 1), "model": args.model,
+                                         "dtype": args.dtype, "rows": rows}, indent=2))
+    return 0 if len(measured) == len(rows) else 1
 
 
 if __name__ == "__main__":

