@@ -24,6 +24,11 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
   the process (SIGTERM, SIGKILL after the grace period) with the kubelet's Unhealthy and Killing
   Events. SIGTERM when the pod is deleted (so it drains), SIGKILL after its grace period. If it
   exits, its termination is reported the same way and it is restarted with a back-off.
+- **Run to completion** (`restartPolicy: Never`: the operator's profiling Job, `kaon profile`): the
+  container's `terminationMessagePath` is a file of the pod's (that path in its args is rewritten
+  to it), and when the process exits the pod is reported `Succeeded` or `Failed` with the
+  container terminated, its message that file's content (the kubelet's 4 KiB), else with
+  FallbackToLogsOnError and a failure the log's tail; it is not restarted.
 - **Memory limits**: a process tree whose resident memory passes the container's
   `limits.memory` is SIGKILLed, as the kernel's OOM killer would in the container's cgroup, and
   reported as `OOMKilled`, exit code 137 (RSS summed over the tree, sampled every poll: an
@@ -64,11 +69,13 @@ from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 from e2e.probes import ProbeState, http_probe, parse_quantity, probes
 from kaon_operator import labels
 from kaon_operator.adapter_pods import ADAPTER_MOUNT
+from kaon_operator.profiling import PROFILER, TERMINATION_MESSAGE_BYTES
 
 LOCAL_IMAGE_PREFIX = "local/"
 BACKOFF_START, BACKOFF_MAX = 2.0, 30.0  # a kubelet starts at 10 s and caps at 5 min; tests are impatient
 KUBECTL_TIMEOUT = 15.0  # seconds per kubectl call; the /ready probe has 1 s
 LOG_TAIL_LINES, LOG_TAIL_BYTES = 80, 2048  # what FallbackToLogsOnError takes from the log
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"  # a container's default terminationMessagePath
 # The runner's own environment reaches the processes (PATH, the venv...), but not credentials
 # or endpoints of its own: a pod gets those only from its spec.
 _PRIVATE_ENV = ("HF_", "AWS_", "KAON_", "HUGGING_FACE")
@@ -179,6 +186,10 @@ def _tail(path: Path | None) -> str:
     return "\n".join(lines)[-LOG_TAIL_BYTES:]
 
 
+def _runs_to_completion(pod: dict) -> bool:
+    return pod["spec"].get("restartPolicy") == "Never"
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -227,8 +238,8 @@ class PodRunner:
                 print(f"pod runner: {exc}", file=sys.stderr)
 
     def _sync(self) -> None:
-        items = self._kubectl_json("get", "pods", "-A", "-l",  # a multi-node group's workers too
-                                   f"{labels.COMPONENT} in ({labels.ENGINE},{labels.ENGINE_WORKER})")["items"]
+        components = ",".join((labels.ENGINE, labels.ENGINE_WORKER, PROFILER))  # a group's workers, profiling pods
+        items = self._kubectl_json("get", "pods", "-A", "-l", f"{labels.COMPONENT} in ({components})")["items"]
         pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in items
                 if p["spec"]["containers"][0].get("image", "").startswith(LOCAL_IMAGE_PREFIX)}
         for key, pod in pods.items():
@@ -270,6 +281,9 @@ class PodRunner:
             engine = self.processes[key]
             if engine.proc.poll() is None:
                 self._supervise(key, pod)
+            elif _runs_to_completion(pod):
+                if not state.engine_reported:
+                    self._completed(key, pod, state)
             elif not state.engine_reported:
                 self._engine_exited(key, pod, state)
             elif time.monotonic() >= state.retry_at:
@@ -332,10 +346,34 @@ class PodRunner:
                                   "message": f"back-off restarting failed container {container['name']}"}},
                      last=state.last[container["name"]], restarts=restarts)
 
+    def _completed(self, key: str, pod: dict, state: _Pod) -> None:
+        """A run-to-completion pod's process exited: the pod Succeeded or Failed, for good."""
+        container = pod["spec"]["containers"][0]
+        engine = self.processes[key]
+        code = _exit_code(engine.proc.returncode)
+        terminated = self._terminated(code, container, self._engine_log(key), oom_killed=engine.oom_killed,
+                                      message_file=self._termination_file(key))
+        status = {"name": container["name"], "image": "local", "ready": False, "restartCount": 0,
+                  "state": terminated}
+        conditions = [{"type": t, "status": "False", "reason": "PodCompleted", "lastTransitionTime": _now()}
+                      for t in ("ContainersReady", "Ready")]
+        patch = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [status],
+                 "conditions": conditions}
+        meta = pod["metadata"]
+        self._kubectl("patch", "pod", meta["name"], "-n", meta["namespace"], "--subresource=status",
+                      "--type=strategic", "-p", json.dumps({"status": patch}), check=False)
+        engine.ready, state.engine_reported = False, True
+
+    def _termination_file(self, key: str) -> Path:
+        return self.log_dir / f"termination-{key.replace('/', '-')}"
+
     @staticmethod
-    def _terminated(code: int, container: dict, log: Path | None, oom_killed: bool = False) -> dict:
+    def _terminated(code: int, container: dict, log: Path | None, oom_killed: bool = False,
+                    message_file: Path | None = None) -> dict:
         message = ""
-        if code != 0 and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+        if message_file is not None and message_file.exists():
+            message = message_file.read_bytes()[:TERMINATION_MESSAGE_BYTES].decode(errors="replace")
+        if not message and code != 0 and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
             message = _tail(log)
         reason = "OOMKilled" if oom_killed else "Error" if code else "Completed"
         return {"terminated": {"exitCode": code, "reason": reason, "message": message, "finishedAt": _now()}}
@@ -359,8 +397,12 @@ class PodRunner:
     def _start(self, key: str, pod: dict, ip: str, state: _Pod) -> None:
         container = pod["spec"]["containers"][0]
         env = self._env(pod, container, state)
-        args = [translate(expand(a, self._own_env(container, env)), self._mounts(container, state))
-                for a in container["args"]]
+        mounts = self._mounts(container, state)
+        if _runs_to_completion(pod):  # its termination message is read back (the profiling Job's model)
+            self._termination_file(key).unlink(missing_ok=True)
+            mounts.append((container.get("terminationMessagePath", TERMINATION_MESSAGE_PATH),
+                           self._termination_file(key)))
+        args = [translate(expand(a, self._own_env(container, env)), mounts) for a in container["args"]]
         link_runtime_mounts(self._mounts(container, state))
         log_path = self._engine_log(key)
         with open(log_path, "ab") as log:
