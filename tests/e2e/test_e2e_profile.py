@@ -3,14 +3,21 @@ operator runs the profiling Job, the pod runner runs its real `kaon profile` on 
 SmolLM2 (a small grid, through the engine's environment), the operator writes the model to the
 ConfigMap of the spec's key, and the predictive policy decides by it.
 
-The decision seen here is a scale-down (2 -> 1 with no load): the one the predictive policy
-takes from the model within a test's minutes on a shared CPU. A scale-up on a prompt-length
-shift at a constant rate is tested in the simulator and the pure tests (tests/unit/test_predictive.py).
+Then, at a constant request rate, the prompts get ten times longer: the predictive policy scales
+up by the model (its reason says so) after fewer than the 100 requests the reactive policy's
+latency evidence needs, and with the concurrency per replica under the reactive target. The
+latency target is set from the profiled model itself (between what one and two replicas are
+predicted to reach), so the test holds on a faster or a busier machine.
 """
 from __future__ import annotations
 
 import json
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
@@ -29,34 +36,101 @@ def local(crd):
         yield local
 
 
-def test_profile_auto_measures_the_engine_and_the_predictive_policy_reads_the_model(local, crd, namespace):
+class OpenLoop:
+    """Completions through the router at a constant rate, whatever their latency (an open loop),
+    with the prompt of the current phase."""
+
+    def __init__(self, router: str, rate: float, max_tokens: int):
+        self.url, self.interval, self.max_tokens = f"{router}/v1/completions", 1 / rate, max_tokens
+        self.prompt = SHORT_PROMPT
+        self.sent: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(32)
+        self.futures: list = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> OpenLoop:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self.stop.wait(max(0.0, next_at - time.monotonic())):
+            self.sent.append((time.monotonic(), self.prompt))
+            self.futures.append(self.pool.submit(self._one, self.prompt))
+            next_at += self.interval
+
+    def _one(self, prompt: str) -> str:
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True}
+        return httpx.post(self.url, json=body, timeout=300).json()["choices"][0]["finish_reason"]
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.pool.shutdown(wait=True)
+
+
+SHORT_PROMPT = "Tell me about the sea."
+LONG_WORDS = 250
+RATE, OUTPUT, WINDOW = 1.0, 8, 20
+
+
+def target_between_one_and_two_replicas(model: PerfModel) -> float:
+    """A P99 TTFT target that one replica misses and two meet, by the profiled model, at the long
+    prompts' mix and the rate's lower bound over a window (what the policy scales for)."""
+    arrivals = RATE * WINDOW
+    low = (arrivals - 2.5 * math.sqrt(arrivals)) / WINDOW
+    one, two = (model.predict(low / n, LONG_WORDS, OUTPUT).ttft_p99 for n in (1, 2))
+    short = model.predict(RATE, 8, OUTPUT).ttft_p99
+    goal = math.sqrt(one * two) / 0.95
+    assert short < two < one and one - two > 0.1 * goal, (short, one, two)
+    return round(goal, 3)
+
+
+def test_a_longer_prompt_mix_at_a_constant_rate_scales_up_by_the_model(local, crd, namespace):
     cluster = Cluster(crd, namespace)
     spec = {"model": MODEL, "replicas": 1,
             "engine": {"image": LOCAL_IMAGE, "maxNumSeqs": 8,
                        "env": [{"name": "KAON_PROFILE_ARGS", "value": PROFILE_ARGS}]},
-            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "policy": "reactive",
-                            "profile": "auto", "scaleUpWindowSeconds": 10, "scaleDownStabilizationSeconds": 20}}
-    cluster.kubectl("apply", "-f", "-", input=isvc("measured", **spec))
-    profiled = wait_for("Profiled", lambda: cluster.condition_if("measured", "Profiled", "True"), timeout=300,
+            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "policy": "predictive",
+                            "profile": "auto", "scaleUpWindowSeconds": WINDOW, "scaleDownStabilizationSeconds": 30,
+                            "targetP99LatencySeconds": 30}}
+    cluster.kubectl("apply", "-f", "-", input=isvc("shift", **spec))
+    profiled = wait_for("Profiled", lambda: cluster.condition_if("shift", "Profiled", "True"), timeout=300,
                         interval=2)
     name = profiled["message"].rsplit(" ", 1)[-1]
-    assert name.startswith("measured-profile-"), profiled
+    assert name.startswith("shift-profile-"), profiled
     model = PerfModel.from_json(cluster.get("configmap", name)["data"]["model.json"])
     assert model.a > 0 and len(model.grid) >= 6 and model.cold_start_seconds > 0
     assert model.key["model"] == MODEL["uri"] and model.max_num_seqs == 8
     job = cluster.get("job", name)
     assert job["status"].get("succeeded") == 1 and json.loads(
         job["metadata"]["annotations"]["kaon.dev/profile-key"])["model"] == MODEL["uri"]
-    reasons = [r for _, r, _ in cluster.events("measured")]
+    reasons = [r for _, r, _ in cluster.events("shift")]
     assert "Profiling" in reasons and "Profiled" in reasons and "ProfilingFailed" not in reasons
+    goal = target_between_one_and_two_replicas(model)  # the target is no part of the key: no new Job
+    cluster.kubectl("patch", "infsvc", "shift", "--type=merge", "-p",
+                    json.dumps({"spec": {"autoscaling": {"targetP99LatencySeconds": goal}}}))
+    wait_for("Ready", lambda: cluster.ready("shift"), timeout=120)
 
-    # Predictive now, with a replica more than an idle service needs: the model says one fits.
-    cluster.kubectl("patch", "infsvc", "measured", "--type=merge", "-p",
-                    json.dumps({"spec": {"replicas": 2, "autoscaling": {"policy": "predictive"}}}))
-    down = wait_for("a scale-down", lambda: [m for _, r, m in cluster.events("measured")
-                                             if r == "Scaled" and m.startswith("Scaled down")], timeout=180, interval=2)
-    assert down[0].startswith("Scaled down 2 → 1: ") and "by the performance model" in down[0], down
-    assert "no performance model" not in down[0]
-    # Neither the replica count nor the policy is in the key: still the one Job.
-    jobs = cluster.get("jobs", selector="kaon.dev/inferenceservice=measured") or []
+    def scaled() -> list[str]:
+        return [m for _, r, m in cluster.events("shift") if r == "Scaled" and m.startswith("Scaled up")]
+
+    with OpenLoop(local.router_url, RATE, OUTPUT) as load:
+        time.sleep(30)  # short prompts: the model says one replica holds them
+        assert not scaled(), scaled()
+        shift = time.monotonic()
+        load.prompt = " river" * LONG_WORDS  # the same rate, prompts ten times longer
+        up = wait_for("a scale-up", scaled, timeout=150, interval=1)
+        after = sum(t >= shift for t, _ in load.sent)
+        print(f"scaled up {time.monotonic() - shift:.0f} s and {after} requests after the shift; target {goal} s; "
+              f"model a={model.a:.4f} b={model.b:.5f} c={model.c:.6f} d={model.d:.8f}")
+    assert up[0].startswith("Scaled up 1 → 2: ") and "by the performance model" in up[0], up
+    # The reactive policy's latency evidence needs 100 requests over the target, and its concurrency
+    # target (0.7 x 8 in flight per replica) was never reached at this rate: it had not moved yet.
+    assert after < 100, after
+    assert cluster.status("shift")["observedMetrics"]["concurrencyPerReplica"] < 5.6
+    assert {f.result() for f in load.futures} == {"length"}
+    jobs = cluster.get("jobs", selector="kaon.dev/inferenceservice=shift") or []
     assert [j["metadata"]["name"] for j in jobs] == [name]
