@@ -5,13 +5,35 @@ Every rank of a stage holds the whole (hidden, residual) pair after its all-redu
 stage s sends it to rank t of stage s + 1 (the pairs run side by side). The last stage's TP rank 0
 sends the logits of the step's sample rows back to the leader (rank 0), which samples. Shapes are
 never sent: every rank has the step's plan, so it knows how many tokens and rows to expect.
+
+Several micro-batches may be in the pipeline at once, so nothing here blocks a stage on its
+neighbour: activations leave by `isend` (the buffer kept until it is delivered) and the leader posts
+the receive of a micro-batch's logits as soon as its own stage is done, collecting them later
+(`PendingLogits`). Every pair of ranks delivers in the order it posted, which is the micro-batches' order.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from kaon_runtime.distributed.stages import Placement
+
+
+class PendingLogits:
+    """Logits on their way back from the last stage; `wait` blocks until they are here."""
+
+    def __init__(self, work: dist.Work, logits: torch.Tensor):
+        self._work, self._logits = work, logits
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._logits
+
+
+# Sends not yet known delivered, kept (with their buffers) until they are: enough for a pipeline's depth.
+MAX_UNCONFIRMED_SENDS = 4
 
 
 class StageTransport:
@@ -20,14 +42,21 @@ class StageTransport:
         self.placement = placement
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.dtype, self.device = dtype, device
+        self._sending: deque[tuple[dist.Work, torch.Tensor]] = deque()
 
     @property
     def is_leader(self) -> bool:
         return self.placement.rank == 0
 
     def send_activations(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """This stage's (hidden, residual), one tensor, to the next stage's peer."""
-        dist.send(torch.stack(pair).contiguous(), dst=self.placement.peer(self.placement.stage + 1))
+        """This stage's (hidden, residual), one tensor, to the next stage's peer, without waiting for it
+        to be received (the next stage may still be busy with the micro-batch before)."""
+        stacked = torch.stack(pair).contiguous()
+        work = dist.isend(stacked, dst=self.placement.peer(self.placement.stage + 1))
+        assert work is not None, "a point-to-point send outside a coalescing block returns its work"
+        self._sending.append((work, stacked))
+        while len(self._sending) > MAX_UNCONFIRMED_SENDS:
+            self._sending.popleft()[0].wait()
 
     def recv_activations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         pair = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)
@@ -39,7 +68,9 @@ class StageTransport:
         if self.placement.tp_rank == 0:
             dist.send(logits.contiguous(), dst=0)
 
-    def recv_logits(self, num_rows: int) -> torch.Tensor:
+    def recv_logits(self, num_rows: int) -> PendingLogits:
+        """Post the receive of a micro-batch's logits now; they are collected by `wait`."""
         logits = torch.empty((num_rows, self.vocab_size), dtype=torch.float32, device=self.device)
-        dist.recv(logits, src=(self.placement.pp_size - 1) * self.placement.tp_size)
-        return logits
+        work = dist.irecv(logits, src=(self.placement.pp_size - 1) * self.placement.tp_size)
+        assert work is not None, "a point-to-point receive outside a coalescing block returns its work"
+        return PendingLogits(work, logits)

@@ -14,13 +14,14 @@ from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
 from kaon_runtime.engine.lora_pool import LoraPool
+from kaon_runtime.engine.micro_batches import InFlight, pipeline_depth, without_finished
 from kaon_runtime.engine.model_loader import pick_device
 from kaon_runtime.engine.model_runner import ModelRunner
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.engine.pipeline_group import PipelineGroup, uses_pipeline, world_rendezvous
 from kaon_runtime.engine.prompt_logprobs import prompt_logprobs_list
 from kaon_runtime.engine.scheduler import Scheduler
-from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.engine.sequence import Sequence, SequenceStatus
 from kaon_runtime.engine.stop_strings import find_stop
 from kaon_runtime.engine.workers import WorkerPool, check_devices, check_pipeline
 from kaon_runtime.errors import EngineDeadError, InvalidRequestError
@@ -91,6 +92,8 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.runner.grammar_masks = MaskWorker(self.model_config.vocab_size)
         self.drafter = _build_drafter(config, self.runner, self.num_blocks, show_progress)
+        depth = pipeline_depth(config, self.drafter is not None)
+        self.in_flight = InFlight(depth) if depth > 1 else None  # pipeline stages overlap (engine.micro_batches)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
@@ -175,13 +178,23 @@ class LLMEngine:
             self._propose_drafts()
         if self.runner.lora is not None and self.runner.lora.retired:
             self.runner.lora.drop_retired({r.lora_id for r in self._requests.values()})
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        result = self.runner.execute(batch)
+        if self.in_flight is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            result = self.runner.execute(batch)
+        else:
+            self.in_flight.fill(self.scheduler, self.runner)
+            if not self.in_flight:
+                return []
+            launched = self.in_flight.pop()
+            result = self.runner.finish(launched)
+            batch = without_finished(launched.batch)
         self.scheduler.update(batch)
         touched: dict[str, _Request] = {}
         for row, seq in enumerate(result.seqs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted while its micro-batch was in flight
             request = self._requests[seq.request_id]
             touched[request.request_id] = request
             if request.pending_forks and seq.index == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.stages import Placement
-from kaon_runtime.distributed.transport import StageTransport
+from kaon_runtime.distributed.transport import PendingLogits, StageTransport
 from kaon_runtime.engine.cuda_graphs import DecodeGraphs, ladder
 from kaon_runtime.engine.kv_pool import allocate_kv_cache
 from kaon_runtime.engine.lora_pool import LoraPool
@@ -48,6 +49,17 @@ class StepTokens:
     seqs: list[Sequence]
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]]] | None  # per sequence, one dict per gained token
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward pass has started (`ModelRunner.launch`) and whose tokens `finish` samples."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    seqs: list[Sequence]  # those that sample
+    masks: Future | None  # their grammar masks, being filled
+    logits: torch.Tensor | PendingLogits | None
 
 
 class ModelRunner:
@@ -115,15 +127,27 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepTokens:
         """Run the batch; return, per sequence that reached its end, its kept drafts and a new token."""
+        return self.finish(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Plan the batch and start its forward pass. Under pipeline parallelism the leader's own stage
+        is done when this returns and the logits come back later, so another micro-batch can go in
+        meanwhile (engine.micro_batches)."""
         plan, seqs = self._plan(batch)
         # Grammar masks are filled on a worker thread while the model runs; a step without
         # grammars starts nothing.
         masks = None if self.grammar_masks is None else self.grammar_masks.start(
             [(s.grammar, s.draft_token_ids) for s in seqs])
-        logits = record_prompt_logprobs(plan, batch.seqs, self._run_planned(plan))
+        return LaunchedStep(batch, plan, seqs, masks, self._run_planned(plan))
+
+    @torch.inference_mode()
+    def finish(self, step: LaunchedStep) -> StepTokens:
+        """Wait for a launched step's logits and sample its sequences' tokens."""
+        plan, batch, seqs, masks = step.plan, step.batch, step.seqs, step.masks
+        logits = record_prompt_logprobs(plan, batch.seqs, _arrived(step.logits))
         if plan.pool_spans:
             record_pooling(plan, batch.seqs, self._pooled)
         if not seqs:
@@ -141,7 +165,7 @@ class ModelRunner:
         A sequence with k drafts gets k + 1 consecutive rows: its last real token's, then each draft's.
         """
         plan, sampling_seqs = self._plan(batch)
-        return sampling_seqs, sample_rows_only(plan, self._run_planned(plan))
+        return sampling_seqs, sample_rows_only(plan, _arrived(self._run_planned(plan)))
 
     def _plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[Sequence]]:
         plan, seqs = plan_step(batch, self.block_size, self._lora_slots(batch))
@@ -155,14 +179,15 @@ class ModelRunner:
             return None
         return self.lora.prepare(batch.running_adapters)
 
-    def _run_planned(self, plan: StepPlan) -> torch.Tensor | None:
+    def _run_planned(self, plan: StepPlan) -> torch.Tensor | PendingLogits | None:
         if self.on_step is not None:
             self.on_step(plan)
         return self.run(plan)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """One forward pass (every tensor-parallel rank runs it); logits of the sample rows."""
+    def run(self, plan: StepPlan) -> torch.Tensor | PendingLogits | None:
+        """One forward pass (every tensor-parallel rank runs it); logits of the sample rows (on the
+        leader of a pipeline, on their way back from the last stage)."""
         graphable = plan.sample_rows and not plan.prompt_rows and not plan.pool_spans
         if self.decode_graphs is not None and graphable and self.decode_graphs.fits(plan):
             return self.decode_graphs.run(plan)
@@ -207,3 +232,7 @@ class ModelRunner:
         if seq.generator is None and seq.params.seed is not None:
             seq.generator = seeded_generator(seq.params.seed, seq.index, self.device)
         return seq.generator
+
+
+def _arrived(logits: torch.Tensor | PendingLogits | None) -> torch.Tensor | None:
+    return logits.wait() if isinstance(logits, PendingLogits) else logits

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -83,13 +83,20 @@ class Scheduler:
         """Speculative tokens for the sequence's next step, computed after its own and kept only if verified."""
         seq.draft_token_ids, seq.draft_probs = token_ids, probs
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, busy: Collection[Sequence] = (), max_seqs: int | None = None) -> ScheduledBatch:
+        """The next batch. Under pipeline parallelism several are in flight at once: `busy` are the
+        sequences of those (never scheduled again, nor preempted, until their step is done) and
+        `max_seqs` caps this one's sequences (engine.micro_batches)."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        cap = self.max_num_seqs if max_seqs is None else max_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch.seqs) < cap:
             seq = self.running[i]
-            num_new = self._make_room(seq, _fit_drafts(seq, budget), batch)
+            if seq in busy:
+                i += 1
+                continue
+            num_new = self._make_room(seq, _fit_drafts(seq, budget), batch, busy)
             if num_new is None:  # seq itself was preempted: it was the newest, nothing is left after it
                 break
             batch.seqs.append(seq)
@@ -99,26 +106,26 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         if batch.num_preempted == 0 and not (self.waiting and hold_prefills(
                 self.clock(), _due(self.waiting[0]), len(self.running))):
-            budget = self._admit_waiting(batch, budget)
+            budget = self._admit_waiting(batch, budget, cap)
         batch.running_adapters = {s.lora_id for s in self.running if s.lora_id}
         return batch
 
-    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> int | None:
+    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch, busy: Collection[Sequence]) -> int | None:
         """Find blocks for `seq`'s next `num_new` tokens: drop its drafts first (they are optional), then
-        take back what waiting sequences hold, then preempt the newest running sequence, until they fit.
-        Returns the tokens that fit, or None when `seq` itself had to be preempted."""
+        take back what waiting sequences hold, then preempt the newest running sequence not in flight
+        (not `busy`), until they fit. Returns the tokens that fit, or None when `seq` itself had to be preempted."""
         while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
             if seq.draft_token_ids:
                 num_new = _fit_drafts(seq, 1)
             elif not self._release_waiting_blocks():
-                victim = self.running.pop()
+                victim = self.running.pop(max(i for i, s in enumerate(self.running) if s not in busy))
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is seq:
                     return None
         return num_new
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, cap: int) -> int:
         """Admit waiting sequences in arrival order while the budget, the slots and the blocks
         last. One whose next blocks another sequence is computing now waits for them
         (`wait_for_shared_prefix`) and keeps its slot and its place in line; those behind it
@@ -130,7 +137,8 @@ class Scheduler:
         deferred: list[Sequence] = []
         num_sharing = 0  # of the deferred, those waiting for a shared prefix: they keep their slot
         adapters = {s.lora_id for s in self.running if s.lora_id}
-        while self.waiting and budget > 0 and len(self.running) + num_sharing < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) + num_sharing < self.max_num_seqs
+               and len(batch.seqs) < cap):
             seq = self.waiting[0]
             if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
                 deferred.append(self.waiting.popleft())  # every adapter slot is taken: until one frees up
