@@ -1,11 +1,12 @@
 """GGUF files kept quantized: kaon against llama.cpp on the same Q4_K_M and Q8_0 files, in one run.
 
-    python bench/gguf_decode.py [--types Q8_0 Q4_K_M] [--tokens 64] [--repeats 3]
+    python bench/gguf_decode.py [--types Q8_0 Q4_K_M Q5_K_M] [--tokens 64] [--repeats 3]
 
 The files are made here by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize)
 from the bundled SmolLM2-135M-Instruct Q4_1 GGUF (requantized: no bf16 weights on this machine;
 fine for speed and memory, not for quality). SmolLM2's hidden size, 576, is not a multiple of
-256, so llama.cpp's Q4_K_M falls back to Q5_0 for most tensors (Q4_K/Q6_K only where K = 1536).
+256, so llama.cpp's Q4_K_M falls back to Q5_0 for most tensors (Q4_K/Q6_K only where K = 1536),
+and its Q5_K_M to Q5_1 (Q5_K/Q6_K where K = 1536).
 
 Per file, each side in a child process of its own: batch-1 decode tokens/s after a short prompt,
 prefill excluded (bench/cpu_decode.py's `rate`); kaon also reports the bytes of its loaded weights
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from cpu_decode import AGREEMENT_PROMPTS, PROMPT, USER_ENV, agreement, rate  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "gguf"
-FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+FTYPES = {name: f"LLAMA_FTYPE_MOSTLY_{name}" for name in ("Q8_0", "Q4_K_M", "Q5_K_M", "Q4_0")}
 
 
 def make_file(type_name: str) -> Path:

@@ -10,6 +10,7 @@ import torch
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import dequantize_int4, quantize_activations_ref
 from kaon_runtime.quant import gguf as gguf_quant
+from kaon_runtime.quant.bit_planes import BitPlanesLinear, BitPlanesWeight, dequantize_bit_planes
 from kaon_runtime.quant.group_int8 import GroupInt8Linear, GroupInt8Weight, dequantize_group_int8
 from kaon_runtime.quant.int4 import Int4Weight
 
@@ -38,6 +39,8 @@ def gguf_blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
 def dequantized(weight) -> torch.Tensor:
     if isinstance(weight, Int4Weight):
         return dequantize_int4(weight.packed, weight.scales, weight.mins, weight.group_size)
+    if isinstance(weight, BitPlanesWeight):
+        return dequantize_bit_planes(weight)
     return dequantize_group_int8(weight)
 
 
@@ -47,7 +50,10 @@ def test_repacked_weights_dequantize_as_gguf_does(type_name):
     expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32))
     weight = gguf_quant.repack(type_name, raw)
     assert isinstance(weight, Int4Weight) == (type_name in gguf_quant.INT4_TYPES)
+    assert isinstance(weight, BitPlanesWeight) == (type_name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K"))
     assert torch.equal(dequantized(weight), expected)
+    if isinstance(weight, BitPlanesWeight):  # held no wider than the values: 5 or 6 bits each
+        assert int(weight.values.max()) < 2 ** weight.bits
 
 
 def test_mixed_parts_widen_to_group_int8_exactly():
@@ -71,7 +77,7 @@ needs_c = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler
 
 
 @needs_c
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "Q5_1", "Q6_K", "Q2_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q2_K"])
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_fused_kernels_read_the_new_layouts(type_name, rows):
     """The C kernel multiplies int8-quantized activations: it must equal torch doing the same, in float32."""
@@ -79,6 +85,10 @@ def test_fused_kernels_read_the_new_layouts(type_name, rows):
     weight = gguf_quant.repack(type_name, gguf_blocks(type_name, n, k, seed=3))
     if isinstance(weight, Int4Weight):
         fused = cpu_decode.LinearWeights.q4_f32(weight.packed, weight.scales, weight.mins)
+    elif isinstance(weight, BitPlanesWeight):
+        held = BitPlanesLinear(weight).kernel_weights
+        assert held is not None
+        fused = held
     else:
         fused = cpu_decode.LinearWeights.q8_g16(weight.qweight, weight.scales, weight.mins)
     x = torch.randn(rows, k)
@@ -87,11 +97,30 @@ def test_fused_kernels_read_the_new_layouts(type_name, rows):
 
 
 @needs_c
-def test_group_int8_linear_on_cpu_matches_its_float_weight():
-    weight = gguf_quant.repack("Q5_1", gguf_blocks("Q5_1", 32, 128))
-    layer = GroupInt8Linear(weight, torch.randn(32))
-    reference = torch.nn.Linear(128, 32)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_1", "Q6_K"])
+def test_kept_linears_on_cpu_match_their_float_weight(type_name):
+    weight = gguf_quant.repack(type_name, gguf_blocks(type_name, 32, 256))
+    layer = (BitPlanesLinear if isinstance(weight, BitPlanesWeight) else GroupInt8Linear)(weight, torch.randn(32))
+    reference = torch.nn.Linear(256, 32)
     reference.weight.data, reference.bias.data = dequantized(weight), layer.bias.data
     for rows in (1, 200):  # the C kernel, then the dense GEMM
-        x = torch.randn(rows, 128)
-        torch.testing.assert_close(layer(x), reference(x), rtol=2e-2, atol=2e-2)
+        x = torch.randn(rows, 256)
+        expected = reference(x)  # random Q6_K blocks give outputs in the hundreds: error relative to those
+        torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_5_and_6_bit_weights_are_held_once_in_their_own_width(type_name):
+    """The kernel's planes are the module's only copy, give every value back, and take the values' own
+    bits (a nibble, one or two high bits) plus the scales (and mins)."""
+    rows, k = 20, 512  # 20 rows: padded to 24, three groups of the kernel's eight lanes
+    weight = gguf_quant.repack(type_name, gguf_blocks(type_name, rows, k, seed=5))
+    assert isinstance(weight, BitPlanesWeight)
+    layer = BitPlanesLinear(weight)
+    assert layer.kernel_weights is not None
+    assert {t.data_ptr() for t in layer.kernel_weights.tensors} <= {b.data_ptr() for b in layer.buffers()}
+    back = layer.weight
+    assert torch.equal(back.values, weight.values) and torch.equal(dequantized(back), dequantized(weight))
+    scale_bytes = weight.scales.element_size() * (2 if weight.mins is not None else 1) / weight.group_size
+    per_weight = weight.bits / 8 + scale_bytes  # Q5_0 and Q5_1: 6 bits, Q5_K 7, Q6_K 8
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) == 24 * k * per_weight

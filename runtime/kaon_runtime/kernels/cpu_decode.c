@@ -15,7 +15,10 @@
  *         byte j of a group holds element j low and element j + 16 high)
  *   Q4_F32 the same with float32 scales and mins (GGUF Q4_K's d * sc and dmin * m, exact)
  *   Q8_G16 int8 [N, K] with a float32 scale and an optional float32 min per group of 16:
- *         w = q * scale + min (GGUF's 5-, 6- and 8-bit types and Q2_K/Q3_K, repacked losslessly)
+ *         w = q * scale + min (GGUF's 8-bit types and Q2_K/Q3_K, repacked losslessly)
+ *   Q5, Q5_F32  Q4_1's / Q4_F32's layout and a plane of fifth bits (GGUF Q5_0, Q5_1, Q5_K)
+ *   Q6_G16 a 4-bit plane as Q4_1's, a plane of two high bits, a float32 scale per group of
+ *         16: w = (u6 - 32) * scale (GGUF Q6_K)
  *   both with eight output rows interleaved (see "narrow weights" below; cpu_decode.py
  *   makes the copy at load)
  * The narrow ones multiply activations quantized to int8 in blocks of 32 (one float scale per
@@ -58,7 +61,8 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 
 #define QBLOCK 32
 
-enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5 };
+enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
+       KIND_Q5_F32 = 7, KIND_Q6_G16 = 8 };
 
 typedef struct {
     int32_t kind, n, k;
@@ -66,7 +70,8 @@ typedef struct {
     const float *scales;    /* INT8: [n] */
     const uint16_t *d, *m;  /* Q4_1: float16 [n, k/32] scales and mins */
     const float *bias;      /* [n] or NULL */
-    const float *gscales, *gmins;  /* Q4_F32: [n, k/32]; Q8_G16: [n, k/16], gmins may be NULL */
+    const float *gscales, *gmins;  /* Q4_F32, Q5_F32: [n, k/32]; Q8_G16, Q6_G16: [n, k/16], gmins may be NULL */
+    const uint8_t *high;    /* Q5*: one bit per weight, Q6_G16: two (see "narrow weights" below) */
 } Linear;
 
 /* A projection's LoRA slots (layers/lora.py's LoraLinear): a projection of P parts (q|k|v: 3,
@@ -408,7 +413,12 @@ static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s, in
  *   INT8: 256 bytes, [t = 0..7][lane][4]: w[8g + lane][32b + 4t + i];
  *   Q4_1: 128 bytes, [t = 0..3][lane][4], GGUF's bytes as they are: the low nibble of byte i
  *         is element 32b + 4t + i, the high one element 32b + 16 + 4t + i;
- *         scales and mins float16 [g][b][lane].
+ *         scales and mins float16 [g][b][lane];
+ *   Q5:   Q4_1's, and 32 bytes [lane][4] of high bits: bit t of byte (lane, i) is the fifth bit
+ *         of the value whose nibble sits in vector t (t < 4 low nibbles, t >= 4 high ones) at
+ *         byte (lane, i), so one shift and mask per vector puts it in place;
+ *   Q6_G16: Q4_1's nibbles, and 64 bytes [half][lane][4]: bits 2j, 2j + 1 of byte (lane, i) in
+ *         half h are the top two bits of the value in nibble vector 4h + j at byte (lane, i).
  * Each output's sum is one chain over the blocks, whatever the number of rows, so a sequence's
  * bits do not depend on its batch. */
 #define LANES 8
@@ -469,10 +479,12 @@ static inline __attribute__((always_inline)) void group_int8(const int8_t *w, co
 
 /* The same for 4-bit weights w = q4 * wd + wm per block and output:
  * y = sum_b (wd * d[r, b]) * (q4 . q over block b) + sum_b wm * s[r, b]. */
-static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, const void *wdv, const void *wmv,
-                                                             const int f32, const int8_t *q, const float *d,
-                                                             const float *s, int k, int rows, float out[TILE][LANES]) {
-    /* f32 (a constant where inlined): the scales and mins are float32 (Q4_F32), else float16 */
+static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, const uint8_t *hi, const void *wdv,
+                                                             const void *wmv, const int f32, const int8_t *q,
+                                                             const float *d, const float *s, int k, int rows,
+                                                             float out[TILE][LANES]) {
+    /* f32 (a constant where inlined): the scales and mins are float32 (Q4_F32), else float16;
+     * hi: the plane of fifth bits (Q5: values 0..31, still within maddubs' exact range), or NULL */
     const uint16_t *wd = wdv, *wm = wmv;
     const float *wdf = wdv, *wmf = wmv;
     const int blocks = k / QBLOCK;
@@ -487,6 +499,17 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
             __m256i raw = _mm256_loadu_si256(wb + t);
             nib[t] = _mm256_and_si256(raw, low);
             nib[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        if (hi) {  /* bit t of each byte -> bit 4 (16-bit shifts: the mask drops what crossed a byte) */
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)(hi + (size_t)b * QBLOCK)), five = _mm256_set1_epi8(0x10);
+            nib[0] = _mm256_or_si256(nib[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), five));
+            nib[1] = _mm256_or_si256(nib[1], _mm256_and_si256(_mm256_slli_epi16(hv, 3), five));
+            nib[2] = _mm256_or_si256(nib[2], _mm256_and_si256(_mm256_slli_epi16(hv, 2), five));
+            nib[3] = _mm256_or_si256(nib[3], _mm256_and_si256(_mm256_slli_epi16(hv, 1), five));
+            nib[4] = _mm256_or_si256(nib[4], _mm256_and_si256(hv, five));
+            nib[5] = _mm256_or_si256(nib[5], _mm256_and_si256(_mm256_srli_epi16(hv, 1), five));
+            nib[6] = _mm256_or_si256(nib[6], _mm256_and_si256(_mm256_srli_epi16(hv, 2), five));
+            nib[7] = _mm256_or_si256(nib[7], _mm256_and_si256(_mm256_srli_epi16(hv, 3), five));
         }
         const __m256 scale = f32 ? _mm256_loadu_ps(wdf + (size_t)b * LANES)
                                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + (size_t)b * LANES)));
@@ -513,9 +536,9 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
                 int32_t sum = 0;
                 for (int t = 0; t < 4; t++)
                     for (int i = 0; i < 4; i++) {
-                        uint8_t byte = wb[t * 32 + c * 4 + i];
-                        sum += (byte & 0xf) * q[(size_t)r * k + b * QBLOCK + 4 * t + i]
-                             + (byte >> 4) * q[(size_t)r * k + b * QBLOCK + 16 + 4 * t + i];
+                        uint8_t byte = wb[t * 32 + c * 4 + i], h = hi ? hi[(size_t)b * QBLOCK + c * 4 + i] : 0;
+                        sum += ((byte & 0xf) | (((h >> t) & 1) << 4)) * q[(size_t)r * k + b * QBLOCK + 4 * t + i]
+                             + ((byte >> 4) | (((h >> (t + 4)) & 1) << 4)) * q[(size_t)r * k + b * QBLOCK + 16 + 4 * t + i];
                     }
                 const size_t at = (size_t)b * LANES + c;
                 const float scale = f32 ? wdf[at] : half_to_float(wd[at]), min = f32 ? wmf[at] : half_to_float(wm[at]);
@@ -586,6 +609,72 @@ static inline __attribute__((always_inline)) void group_q8_g16(const int8_t *w, 
                 }
             }
             out[r][c] = acc + mins;
+        }
+#endif
+}
+
+/* 6-bit weights w = (u6 - 32) * ws per 16 elements (GGUF Q6_K): u6 = nibble | two high bits << 4,
+ * u8 x s8 dots as Q4_1's (u6 <= 63 keeps maddubs exact), and the offset comes off exactly in
+ * integers: 32 * sum(q) over each half block (qlo: the first half's, qs - qlo the second's). */
+static inline __attribute__((always_inline)) void group_q6_g16(const uint8_t *w, const uint8_t *hi, const float *ws,
+                                                               const int8_t *q, const float *d, const int32_t *qs,
+                                                               const int32_t *qlo, int k, int rows,
+                                                               float out[TILE][LANES]) {
+    const int blocks = k / QBLOCK;
+#ifdef KAON_AVX2
+    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    __m256 acc[TILE];
+    for (int r = 0; r < TILE; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK / 2 * LANES);
+        const __m256i *hb = (const __m256i *)(hi + (size_t)b * 2 * QBLOCK);
+        __m256i u[8];
+        for (int t = 0; t < 4; t++) {
+            __m256i raw = _mm256_loadu_si256(wb + t);
+            u[t] = _mm256_and_si256(raw, low);
+            u[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        for (int h = 0; h < 2; h++) {  /* bits 2j, 2j + 1 -> bits 4, 5 */
+            const __m256i hv = _mm256_loadu_si256(hb + h);
+            u[4 * h] = _mm256_or_si256(u[4 * h], _mm256_and_si256(_mm256_slli_epi16(hv, 4), top));
+            u[4 * h + 1] = _mm256_or_si256(u[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), top));
+            u[4 * h + 2] = _mm256_or_si256(u[4 * h + 2], _mm256_and_si256(hv, top));
+            u[4 * h + 3] = _mm256_or_si256(u[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), top));
+        }
+        const __m256 s0 = _mm256_loadu_ps(ws + (size_t)b * 2 * LANES), s1 = _mm256_loadu_ps(ws + ((size_t)b * 2 + 1) * LANES);
+        for (int r = 0; r < TILE; r++) {
+            if (r >= rows) break;
+            const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
+            const int32_t first = qlo[(size_t)r * blocks + b], second = qs[(size_t)r * blocks + b] - first;
+            __m256i lo = _mm256_set1_epi32(-32 * first), up = _mm256_set1_epi32(-32 * second);
+            for (int t = 0; t < 4; t++)
+                lo = _mm256_add_epi32(lo, dot_u8s8(u[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+            for (int t = 4; t < 8; t++)
+                up = _mm256_add_epi32(up, dot_u8s8(u[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+            const __m256 dr = _mm256_set1_ps(d[(size_t)r * blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dr), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(up), _mm256_mul_ps(s1, dr), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], acc[r]);
+#else
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < LANES; c++) {
+            float acc = 0.f;
+            for (int b = 0; b < blocks; b++) {
+                const uint8_t *wb = w + (size_t)b * QBLOCK / 2 * LANES, *hb = hi + (size_t)b * 2 * QBLOCK;
+                int32_t sum[2] = {0, 0};
+                for (int t = 0; t < 8; t++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = wb[(t % 4) * 32 + c * 4 + i], h = hb[(t / 4) * 32 + c * 4 + i];
+                        const int u6 = (t < 4 ? byte & 0xf : byte >> 4) | (((h >> (2 * (t % 4))) & 3) << 4);
+                        const int e = t < 4 ? 4 * t + i : 16 + 4 * (t - 4) + i;
+                        sum[e / 16] += (u6 - 32) * q[(size_t)r * k + b * QBLOCK + e];
+                    }
+                const float dr = d[(size_t)r * blocks + b];
+                for (int h = 0; h < 2; h++) acc = fmaf((float)sum[h], ws[((size_t)b * 2 + h) * LANES + c] * dr, acc);
+            }
+            out[r][c] = acc;
         }
 #endif
 }
@@ -694,7 +783,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
 /* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
-    return (size_t)rows * ((size_t)k + 4 * sizeof(float) * (k / QBLOCK)) + 64;
+    return (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK)) + 64;
 }
 
 typedef struct {
@@ -705,6 +794,7 @@ typedef struct {
     const float *d, *s;
     const int32_t *qs;
     const float *slo;       /* Q8_G16 with mins: d * sum(q) over each block's first 16 elements */
+    const int32_t *qlo;     /* Q6_G16: sum(q) over each block's first 16 elements */
     float *y;
 } LinearJob;
 
@@ -742,16 +832,31 @@ static void linear_chunk(const void *arg, int begin, int end) {
                 const float *slo = job->slo + (size_t)r0 * blocks;
                 if (tile == 1) group_q8_g16(w, ws, wm, q, d, s, slo, k, 1, v);
                 else group_q8_g16(w, ws, wm, q, d, s, slo, k, tile, v);
-            } else if (l->kind == KIND_Q4_F32) {
+            } else if (l->kind == KIND_Q6_G16) {
+                const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+                const uint8_t *hi = l->high + (size_t)g * LANES * k / 4;
+                const float *ws = l->gscales + (size_t)g * LANES * blocks * 2;
+                const int32_t *qs = job->qs + (size_t)r0 * blocks, *qlo = job->qlo + (size_t)r0 * blocks;
+                if (tile == 1) group_q6_g16(w, hi, ws, q, d, qs, qlo, k, 1, v);
+                else group_q6_g16(w, hi, ws, q, d, qs, qlo, k, tile, v);
+            } else if (l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32) {
                 const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
                 const float *wd = l->gscales + (size_t)g * LANES * blocks, *wm = l->gmins + (size_t)g * LANES * blocks;
-                if (tile == 1) group_q4_1(w, wd, wm, 1, q, d, s, k, 1, v);
-                else group_q4_1(w, wd, wm, 1, q, d, s, k, tile, v);
+                if (l->kind == KIND_Q5_F32) {
+                    const uint8_t *hi = l->high + (size_t)g * LANES * k / 8;
+                    if (tile == 1) group_q4_1(w, hi, wd, wm, 1, q, d, s, k, 1, v);
+                    else group_q4_1(w, hi, wd, wm, 1, q, d, s, k, tile, v);
+                } else if (tile == 1) group_q4_1(w, NULL, wd, wm, 1, q, d, s, k, 1, v);
+                else group_q4_1(w, NULL, wd, wm, 1, q, d, s, k, tile, v);
             } else {
                 const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
                 const uint16_t *wd = l->d + (size_t)g * LANES * blocks, *wm = l->m + (size_t)g * LANES * blocks;
-                if (tile == 1) group_q4_1(w, wd, wm, 0, q, d, s, k, 1, v);
-                else group_q4_1(w, wd, wm, 0, q, d, s, k, tile, v);
+                if (l->kind == KIND_Q5) {
+                    const uint8_t *hi = l->high + (size_t)g * LANES * k / 8;
+                    if (tile == 1) group_q4_1(w, hi, wd, wm, 0, q, d, s, k, 1, v);
+                    else group_q4_1(w, hi, wd, wm, 0, q, d, s, k, tile, v);
+                } else if (tile == 1) group_q4_1(w, NULL, wd, wm, 0, q, d, s, k, 1, v);
+                else group_q4_1(w, NULL, wd, wm, 0, q, d, s, k, tile, v);
             }
             for (int r = 0; r < tile; r++)
                 for (int c = 0; c < LANES && g * LANES + c < n; c++) {
@@ -768,20 +873,22 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     float *d = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3)), *s = d + (size_t)rows * blocks;
     int32_t *qs = (int32_t *)(s + (size_t)rows * blocks);
     float *slo = (float *)(qs + (size_t)rows * blocks);
+    int32_t *qlo = (int32_t *)(slo + (size_t)rows * blocks);
     const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T;
     if (narrow)
         for (int r = 0; r < rows; r++)
             quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks,
                         qs + (size_t)r * blocks);
-    if (l->kind == KIND_Q8_G16 && l->gmins)
+    if ((l->kind == KIND_Q8_G16 && l->gmins) || l->kind == KIND_Q6_G16)
         for (int r = 0; r < rows; r++)
             for (int b = 0; b < blocks; b++) {
                 const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
                 int sum = 0;
                 for (int i = 0; i < QBLOCK / 2; i++) sum += qb[i];
+                qlo[(size_t)r * blocks + b] = sum;
                 slo[(size_t)r * blocks + b] = d[(size_t)r * blocks + b] * (float)sum;
             }
-    LinearJob job = {l, rows, x, q, d, s, qs, slo, y};
+    LinearJob job = {l, rows, x, q, d, s, qs, slo, qlo, y};
     parallel_for(narrow ? (l->n + LANES - 1) / LANES : l->n, threads, linear_chunk, &job);
 }
 

@@ -32,6 +32,7 @@ FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11"]
 QBLOCK = 32  # activations are quantized in blocks of this many for the narrow weights
 LANES = 8  # the narrow kernels compute eight output channels at once, their weights interleaved
 KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T, KIND_Q4_F32, KIND_Q8_G16 = 0, 1, 2, 3, 4, 5
+KIND_Q5, KIND_Q5_F32, KIND_Q6_G16 = 6, 7, 8
 G16 = 16  # Q8_G16's group: two per activation block
 
 
@@ -39,7 +40,7 @@ class Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("d", ctypes.c_void_p),
                 ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
-                ("gmins", ctypes.c_void_p)]
+                ("gmins", ctypes.c_void_p), ("high", ctypes.c_void_p)]
 
 
 LORA_PARTS = 3  # the most parts a fused projection has (q|k|v)
@@ -214,6 +215,52 @@ class LinearWeights:
         per_block = {name: _pad_rows(t.float()).reshape(-1, LANES, k // QBLOCK, 2).permute(0, 2, 3, 1)
                      for name, t in (("gscales", scales), ("gmins", mins)) if t is not None}
         return cls._make(KIND_Q8_G16, n, k, bias, w=w, **per_block)
+
+
+    @classmethod
+    def q5(cls, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+           bias: torch.Tensor | None = None) -> LinearWeights:
+        """5-bit values uint8 [N, K] (0..31) with scales and mins [N, K / 32], float16 or float32 alike:
+        w = u * scale + min, held as Q4_1's nibbles and a plane of fifth bits (cpu_decode.c, Q5)."""
+        n, k = values.shape
+        _check_blocks(k)
+        if scales.shape != (n, k // QBLOCK) or mins.shape != scales.shape or mins.dtype != scales.dtype:
+            raise ValueError(f"q5 needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
+        blocks = k // QBLOCK
+        # bit t of byte (lane, i): t < 4 the value 4t + i of a block, t >= 4 the value 16 + 4(t - 4) + i
+        bits = (_pad_rows(values) >> 4).reshape(-1, LANES, blocks, 2, 4, 4)  # [g, lane, b, half, t', i]
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).reshape(1, 1, 1, 2, 4, 1)
+        high = (bits * weights).sum(dim=(3, 4), dtype=torch.uint8).permute(0, 2, 1, 3)  # [g, b, lane, i]
+        nibbles = _interleaved_nibbles(values)
+        f32 = scales.dtype == torch.float32
+        d, m = (_pad_rows(t.float() if f32 else t.half()).reshape(-1, LANES, blocks).transpose(1, 2)
+                for t in (scales, mins))
+        named = {"gscales": d, "gmins": m} if f32 else {"d": d, "m": m}
+        return cls._make(KIND_Q5_F32 if f32 else KIND_Q5, n, k, bias, w=nibbles, high=high, **named)
+
+    @classmethod
+    def q6_g16(cls, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
+        """6-bit values uint8 [N, K] (0..63) with float32 scales [N, K / 16]: w = (u - 32) * scale
+        (GGUF Q6_K), held as Q4_1's nibbles and a plane of the top two bits (cpu_decode.c, Q6_G16)."""
+        n, k = values.shape
+        _check_blocks(k)
+        if scales.shape != (n, k // G16):
+            raise ValueError(f"q6_g16 needs groups of {G16}: scales {tuple(scales.shape)} for a {n} x {k} weight")
+        blocks = k // QBLOCK
+        # byte (lane, i) of half h: bits 2j, 2j + 1 are the top bits of the value 16h + 4j + i of a block
+        bits = (_pad_rows(values) >> 4).reshape(-1, LANES, blocks, 2, 4, 4)  # [g, lane, b, h, j, i]
+        weights = torch.tensor([1, 4, 16, 64], dtype=torch.uint8).reshape(1, 1, 1, 1, 4, 1)
+        high = (bits * weights).sum(dim=4, dtype=torch.uint8).permute(0, 2, 3, 1, 4)  # [g, b, h, lane, i]
+        gscales = _pad_rows(scales.float()).reshape(-1, LANES, blocks, 2).permute(0, 2, 3, 1)
+        return cls._make(KIND_Q6_G16, n, k, bias, w=_interleaved_nibbles(values), high=high, gscales=gscales)
+
+
+def _interleaved_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """The low four bits of values uint8 [N, K] in Q4_1's interleaved layout (see q4_1)."""
+    n, k = values.shape
+    low = (values & 0x0F).reshape(n, -1, 2, 16)
+    packed = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, -1)  # byte j: value j low, j + 16 high
+    return _pad_rows(packed).reshape(-1, LANES, k // QBLOCK, 4, 4).permute(0, 2, 3, 1, 4)
 
 
 def _check_blocks(k: int) -> None:

@@ -7,10 +7,14 @@ package's own dequantizer):
   Q4_0, Q4_1      -> Int4Weight, groups of 32, float16 scale and min (Q4_0: min = -8 * scale)
   Q4_K            -> Int4Weight, groups of 32, float32 scale d * sc and min -dmin * m (float16
                      would round the products of a float16 and a 6-bit integer)
-  Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, Q2_K, Q3_K
-                  -> GroupInt8Weight, groups of 16: the values fit int8; Q2_K, Q3_K and Q6_K
-                     scale every 16 elements, which kaon's int4 (groups of 32) cannot carry,
-                     so the 2- and 3-bit types take the int8 layout too (more memory, no loss)
+  Q5_0, Q5_1, Q5_K -> BitPlanesWeight, 5 bits, groups of 32: scale and min float16 (Q5_0's min
+                     -16 * d, exact) or, for Q5_K's products, float32
+  Q6_K            -> BitPlanesWeight, 6 bits, groups of 16, offset 32, float32 d * sc
+  Q8_0, Q2_K, Q3_K
+                  -> GroupInt8Weight, groups of 16: the values fit int8; Q2_K and Q3_K scale
+                     every 16 elements, which kaon's int4 (groups of 32) cannot carry, so they
+                     take the int8 layout (more memory, no loss)
+(quant/bit_planes.py says why 5- and 6-bit values are held as a 4-bit plane and high-bit planes.)
 
 A block's layout is ggml's (ggml-common.h); the element order inside each is written out below.
 """
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, unpack_int4
+from kaon_runtime.quant.bit_planes import BitPlanesWeight, concat_bit_planes
 from kaon_runtime.quant.group_int8 import GROUP_SIZE, GroupInt8Weight, concat_rows
 from kaon_runtime.quant.int4 import Int4Weight
 
@@ -32,7 +37,7 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
           "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
-KaonWeight = Int4Weight | GroupInt8Weight
+KaonWeight = Int4Weight | GroupInt8Weight | BitPlanesWeight
 
 
 def int4_from_q4_1(blocks: torch.Tensor) -> Int4Weight:
@@ -62,10 +67,15 @@ def repack(type_name: str, data: torch.Tensor | np.ndarray) -> KaonWeight:
 
 
 def widen(weight: KaonWeight) -> GroupInt8Weight:
-    """An int4 weight (groups of 32) in the group-int8 layout, exactly: for a fused projection whose
-    parts came in different types (Q4_K_M's q/k in Q4_K beside v in Q6_K)."""
+    """An int4 or 5-/6-bit weight in the group-int8 layout, exactly: for a fused projection whose
+    parts came in different types (Q4_K_M's q/k in Q5_0 beside v in Q8_0)."""
     if isinstance(weight, GroupInt8Weight):
         return weight
+    if isinstance(weight, BitPlanesWeight):
+        q = (weight.values.to(torch.int16) - weight.offset).to(torch.int8)
+        per16 = weight.group_size // GROUP_SIZE
+        mins = None if weight.mins is None else weight.mins.float().repeat_interleave(per16, dim=1)
+        return GroupInt8Weight(q, weight.scales.float().repeat_interleave(per16, dim=1), mins)
     rows = weight.packed.shape[0]
     q = unpack_int4(weight.packed, weight.group_size).reshape(rows, -1).to(torch.int8)
     per16 = weight.group_size // GROUP_SIZE
@@ -74,7 +84,12 @@ def widen(weight: KaonWeight) -> GroupInt8Weight:
 
 
 def concat(parts: list[KaonWeight]) -> KaonWeight:
-    """Parts stacked along the output rows in one layout: int4 when all are int4 alike, else group int8."""
+    """Parts stacked along the output rows in one layout: int4 when all are int4 alike, 5 or 6 bits when
+    all are of one such shape, else group int8."""
+    if all(isinstance(p, BitPlanesWeight) for p in parts):
+        planes = concat_bit_planes([p for p in parts if isinstance(p, BitPlanesWeight)])
+        if planes is not None:
+            return planes
     if all(isinstance(p, Int4Weight) for p in parts):
         int4 = [p for p in parts if isinstance(p, Int4Weight)]
         if len({(p.group_size, p.scales.dtype) for p in int4}) == 1:
@@ -136,12 +151,27 @@ def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return _nibbles_32(qs).astype(np.int16) | (bits.astype(np.int16) << 4)
 
 
-def _q5_0(b: np.ndarray) -> GroupInt8Weight:
-    return _group_int8(_q5(b[..., 2:6], b[..., 6:22]) - 16, _f16(b[..., 0:2]), None)
+def _planes(values: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int, group: int,
+            offset: int = 0, dtype: torch.dtype = torch.float32) -> BitPlanesWeight:
+    """values [rows, ...] (unsigned, below 2 ** bits), scales (and mins) [rows, ...] per group."""
+    rows = values.shape[0]
+
+    def per_row(t: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32).reshape(rows, -1)).to(dtype)
+
+    return BitPlanesWeight(torch.from_numpy(values.reshape(rows, -1).astype(np.uint8)), per_row(scales),
+                           None if mins is None else per_row(mins), bits, group, offset)
 
 
-def _q5_1(b: np.ndarray) -> GroupInt8Weight:
-    return _group_int8(_q5(b[..., 4:8], b[..., 8:24]), _f16(b[..., 0:2]), _f16(b[..., 2:4]))
+def _q5_0(b: np.ndarray) -> BitPlanesWeight:
+    d = _f16(b[..., 0:2])
+    mins = -16 * d  # exact: a power of two times a float16
+    dtype = torch.float16 if np.isfinite(mins.astype(np.float16)).all() else torch.float32
+    return _planes(_q5(b[..., 2:6], b[..., 6:22]), d, mins, 5, 32, dtype=dtype)
+
+
+def _q5_1(b: np.ndarray) -> BitPlanesWeight:
+    return _planes(_q5(b[..., 4:8], b[..., 8:24]), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 5, 32, dtype=torch.float16)
 
 
 def _q8_0(b: np.ndarray) -> GroupInt8Weight:
@@ -172,16 +202,16 @@ def _q4_k(b: np.ndarray) -> Int4Weight:
     return _int4(values, scales, mins, torch.float32)
 
 
-def _q5_k(b: np.ndarray) -> GroupInt8Weight:
+def _q5_k(b: np.ndarray) -> BitPlanesWeight:
     qh = b[..., 16:48][..., None, :]  # bit i of byte l: the fifth bit of element 32i + l
     qs = b[..., 48:176].reshape(*b.shape[:2], 4, 1, 32)
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:2], 8, 32)
     high = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1
     scales, mins = _k_scale_min(b)
-    return _group_int8(low.astype(np.int16) | (high.astype(np.int16) << 4), scales, mins)
+    return _planes(low | (high << 4), scales, mins, 5, 32)
 
 
-def _q6_k(b: np.ndarray) -> GroupInt8Weight:
+def _q6_k(b: np.ndarray) -> BitPlanesWeight:
     # per 128-element half n: ql bytes 64n.. hold elements l (low nibble) and 64 + l (high) of 32n..;
     # qh byte 32n + l holds the top two bits of elements l, 32 + l, 64 + l, 96 + l
     lead = b.shape[:2]
@@ -190,9 +220,8 @@ def _q6_k(b: np.ndarray) -> GroupInt8Weight:
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)  # [half, 2, 2 (low/high nibble), 32]
     low = low.transpose(0, 1, 2, 4, 3, 5).reshape(*lead, 2, 4, 32)  # element 32 * (2 * nibble + byte) + l
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
-    values = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
     scales = _f16(b[..., 208:210])[..., None] * np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    return _group_int8(values, scales, None)
+    return _planes(low | (high << 4), scales, None, 6, 16, offset=32)
 
 
 def _q2_k(b: np.ndarray) -> GroupInt8Weight:

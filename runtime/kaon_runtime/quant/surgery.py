@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kaon_runtime.quant.bit_planes import BitPlanesLinear, BitPlanesWeight
 from kaon_runtime.quant.fp8 import Fp8Linear
 from kaon_runtime.quant.group_int8 import (
     GroupInt8Linear,
@@ -29,7 +30,7 @@ METHODS = ("int8", "int4", "fp8")
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   prequantized: dict[str, Int4Weight | GroupInt8Weight] | None = None) -> list[str]:
+                   prequantized: dict[str, Int4Weight | GroupInt8Weight | BitPlanesWeight] | None = None) -> list[str]:
     """Replace every nn.Linear by its `method` twin; return the replaced modules' names.
 
     `prequantized` weights (module name -> Int4Weight or GroupInt8Weight: a GGUF file's own
@@ -68,7 +69,11 @@ def _quantize_head(model: nn.Module) -> None:
 
 
 def _quantized(linear: nn.Linear, method: str, group_size: int,
-               given: Int4Weight | GroupInt8Weight | None) -> nn.Module:
+               given: Int4Weight | GroupInt8Weight | BitPlanesWeight | None) -> nn.Module:
+    if isinstance(given, BitPlanesWeight):  # a GGUF's own 5- and 6-bit weights, whatever the method
+        if tuple(given.values.shape) != (linear.out_features, linear.in_features):
+            raise ValueError(f"prequantized {given.bits}-bit weight {tuple(given.values.shape)} does not fit {linear}")
+        return BitPlanesLinear(given, linear.bias)
     if isinstance(given, GroupInt8Weight):  # a checkpoint's own 5- to 8-bit weights, whatever the method
         if tuple(given.qweight.shape) != (linear.out_features, linear.in_features):
             raise ValueError(f"prequantized int8 weight {tuple(given.qweight.shape)} does not fit {linear}")
