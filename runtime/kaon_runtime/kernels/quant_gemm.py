@@ -101,11 +101,49 @@ def _w4a16_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_xm,
     _store(out_ptr, acc, rm, rn, M, N, stride_om, stride_os)
 
 
+@triton.jit
+def _w4a16_dequant_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn,
+                          stride_gn, stride_om, stride_os, steps_per_split,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """W4A16 over BLOCK_K (several groups) per step: the tile is widened to q * scale + min in x's dtype
+    in registers and multiplied once. Larger loads per step than _w4a16_kernel's one group (16
+    bytes a column for group 32), for decode, where the loads' latency, not arithmetic, sets the pace;
+    the price is rounding each weight to x's dtype, as GPTQ/AWQ kernels do."""
+    HALF: tl.constexpr = GROUP // 2
+    ROWS: tl.constexpr = BLOCK_K // 2  # packed bytes per column per step
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    # Byte r of a step holds, for group r // HALF, k = r % HALF (low nibble) and k + HALF (high nibble).
+    k_lo = (r // HALF) * GROUP + r % HALF
+    row_ok, col_ok = rm < M, rn < N
+    first = tl.program_id(2) * steps_per_split
+    last = tl.minimum(K // BLOCK_K, first + steps_per_split)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        k0 = step * BLOCK_K
+        x_row = x_ptr + rm[:, None] * stride_xm
+        x_lo = tl.load(x_row + (k0 + k_lo[None, :]) * stride_xk, mask=row_ok[:, None], other=0.0)
+        x_hi = tl.load(x_row + (k0 + HALF + k_lo[None, :]) * stride_xk, mask=row_ok[:, None], other=0.0)
+        packed = tl.load(w_ptr + rn[None, :] * stride_wn + step * ROWS + r[:, None], mask=col_ok[None, :], other=0)
+        group = step * (BLOCK_K // GROUP) + r // HALF
+        scale = tl.load(scale_ptr + rn[None, :] * stride_gn + group[:, None], mask=col_ok[None, :], other=0.0)
+        low = tl.load(min_ptr + rn[None, :] * stride_gn + group[:, None], mask=col_ok[None, :], other=0.0)
+        scale, low = scale.to(tl.float32), low.to(tl.float32)
+        w_lo = ((packed & 0xF).to(tl.float32) * scale + low).to(x_lo.dtype)
+        w_hi = ((packed >> 4).to(tl.float32) * scale + low).to(x_lo.dtype)
+        acc += tl.dot(x_lo, w_lo, input_precision=PRECISION) + tl.dot(x_hi, w_hi, input_precision=PRECISION)
+    _store(out_ptr, acc, rm, rn, M, N, stride_om, stride_os)
+
+
 def _launch(kernel, x: torch.Tensor, weights: tuple, weight_strides: tuple, n: int, k_steps: int,
-            split_k: int | None, **constexprs) -> torch.Tensor:
-    """Run `kernel` over (row tiles, column tiles, K ranges) and add up the ranges' partial sums."""
+            split_k: int | None, block_n: int = _BLOCK_N, **options) -> torch.Tensor:
+    """Run `kernel` over (row tiles, column tiles, K ranges) and add up the ranges' partial sums.
+    `options`: the kernel's constexprs, and Triton's num_stages / num_warps where given
+    (bench/gpu/gemv_sweep.py tries tile shapes through here)."""
     m = x.shape[0]
-    block_m, n_blocks = _block_m(m), triton.cdiv(n, _BLOCK_N)
+    block_m, n_blocks = _block_m(m), triton.cdiv(n, block_n)
     splits = _split_k(m, n_blocks, k_steps, x.device) if split_k is None else max(1, min(split_k, k_steps))
     # One range writes the output in x's dtype; several write float32 partials, summed once at the end.
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if splits == 1 else \
@@ -114,8 +152,8 @@ def _launch(kernel, x: torch.Tensor, weights: tuple, weight_strides: tuple, n: i
         kernel[(triton.cdiv(m, block_m), n_blocks, splits)](
             x, *weights, out, m, n, x.shape[1], x.stride(0), x.stride(1), *weight_strides,
             out.stride(-2), out.stride(0) if splits > 1 else 0, triton.cdiv(k_steps, splits),
-            BLOCK_M=block_m, BLOCK_N=_BLOCK_N, PRECISION=_precision(x.dtype), num_warps=_warps(block_m),
-            **constexprs)
+            **({"BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": _precision(x.dtype),
+                "num_warps": _warps(block_m)} | options))
     return out if splits == 1 else out.sum(0).to(x.dtype)
 
 
