@@ -35,7 +35,8 @@ def own_method(config: EngineConfig, checkpoint: Checkpoint, device_type: str) -
 
 def gguf_prequantized(checkpoint: Checkpoint, device: torch.device, int4_only: bool = False) -> dict[str, KaonWeight]:
     """Module name -> the file's own weight for every projection whose parts are all kept types
-    (q|k|v and gate|up fused; parts in different types meet in the group-int8 layout); with
+    (q|k|v and gate|up fused; parts in different types meet in the group-int8 layout; an MoE layer's
+    experts under "<moe>.experts.<e>.gate_up_proj" and ".down_proj", quant/surgery.py's keys); with
     int4_only, those that are int4 (for --quantization int4)."""
     blocks = getattr(checkpoint, "quantized_blocks", None)
     if blocks is None:
@@ -51,6 +52,11 @@ def gguf_prequantized(checkpoint: Checkpoint, device: torch.device, int4_only: b
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path.name}: tensor {name}: {exc}") from exc
         param, part = target(name)
+        if isinstance(part, tuple):  # an expert's gate / up (fused per expert) or down: a linear of its own
+            expert, shard = part
+            moe = param.rpartition(".")[0]
+            param, part = (f"{moe}.experts.{expert}.gate_up_proj.weight", shard) if shard is not None else (
+                f"{moe}.experts.{expert}.down_proj.weight", None)
         parts[param][part] = weight
     given = {}
     for param, shards in parts.items():

@@ -34,6 +34,7 @@ from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from kaon_runtime.layers.moe import has_quantized_experts
 from kaon_runtime.layers.penalties import row_history
 from kaon_runtime.layers.sample_step import RowsToSample, sample_rows, seeded_generator
 from kaon_runtime.loader import Checkpoint
@@ -109,10 +110,11 @@ class ModelRunner:
     # ---- CUDA graphs -----------------------------------------------------------------
 
     def cuda_graphs_apply(self) -> bool:
-        """Decode graphs need a GPU, the Triton backend (the torch one gathers by data-dependent masks)
-        and one rank (collectives inside graphs are left for later)."""
+        """Decode graphs need a GPU, the Triton backend (the torch one gathers by data-dependent masks),
+        one rank (collectives inside graphs are left for later) and no quantized experts (they read the routing
+        on the host)."""
         return (self.config.cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.tp.size == 1
-                and self.transport is None
+                and self.transport is None and not has_quantized_experts(self.model)
                 and self.kernels.attention.name == "triton" and self.lora is None)  # slots as graph inputs: to do
 
     def prepare_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:

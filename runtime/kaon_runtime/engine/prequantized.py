@@ -5,6 +5,8 @@ replaced by a PendingLinear (its bias only), so no float copy of those weights e
 The float tensors stream into the model as usual; the quantized modules' tensors are set
 aside, and once the stream ends each module's parts are converted to kaon's layouts
 (quant/checkpoint_formats), cut to this rank's shard, fused (q|k|v, gate|up) and installed.
+A mixture-of-experts layer whose experts are quantized drops its float w13 / w2 the same way
+(before any memory), and gets one quantized linear per expert's gate|up and down (layers.moe).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import cut
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.loader import Checkpoint
-from kaon_runtime.models.weights import target
+from kaon_runtime.models.weights import qwen3_moe_name, target
 from kaon_runtime.quant.checkpoint_formats import CheckpointScheme, LoadedWeight, concat_rows, scheme_from_config
 from kaon_runtime.quant.static_inputs import StaticInputLinear
 
@@ -59,6 +61,9 @@ class Prequantized:
     scheme: CheckpointScheme
     config: ModelConfig  # the whole model's, as tensor-parallel cutting reads it
     parts: dict[str, list[str]]  # our module -> the checkpoint modules that fill it, in fusion order
+    # our MoE layer -> (its local gate|up rows and hidden size; per expert, the checkpoint modules of its
+    # gate|up, in order, and of its down projection)
+    experts: dict[str, tuple[tuple[int, int], list[tuple[list[str], list[str]]]]] = field(default_factory=dict)
     held: defaultdict[str, dict[str, torch.Tensor]] = field(default_factory=lambda: defaultdict(dict))
     dropped: set[str] = field(default_factory=set)  # suffixes read and not used (activation, KV cache scales)
 
@@ -68,18 +73,23 @@ class Prequantized:
         assert checkpoint.tensor_names is not None, "a quantized checkpoint lists its tensors"
         modules = dict(model.named_modules())
         found: defaultdict[str, list[tuple[int, str]]] = defaultdict(list)
+        experts: defaultdict[str, dict[tuple[int, int | None], str]] = defaultdict(dict)
         for name in scheme.quantized_modules(checkpoint.tensor_names()):
-            param, part = target(f"{name}.weight")
+            param, part = target(qwen3_moe_name(f"{name}.weight"))
+            if isinstance(part, tuple):  # (expert, gate 0 / up 1 / down None) of the MoE layer `param` is in
+                experts[param.rpartition(".")[0]][part] = name
+                continue
             ours = param.removesuffix(".weight")
             if not isinstance(modules.get(ours), nn.Linear):
                 raise ModelLoadError(f"quantized module {name!r} has no linear layer to go to: kaon reads the "
-                                     "decoder's projections quantized, not yet experts, the embedding or lm_head")
+                                     "decoder's projections and experts quantized, not the embedding or lm_head")
             found[ours].append((part if isinstance(part, int) else 0, name))
         for ours in found:
             parent, _, child = ours.rpartition(".")
             setattr(modules[parent], child, PendingLinear(modules[ours]))
         parts = {ours: [name for _, name in sorted(found_parts)] for ours, found_parts in found.items()}
-        return cls(scheme, checkpoint.config, parts)
+        return cls(scheme, checkpoint.config, parts, {moe: _expert_plan(modules.get(moe), moe, named)
+                                                      for moe, named in experts.items()})
 
     def set_aside(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The float tensors, passed on; the quantized modules' tensors kept for install()."""
@@ -99,29 +109,42 @@ class Prequantized:
         for ours, names in self.parts.items():
             pending = modules[ours]
             assert isinstance(pending, PendingLinear)
-            inputs = [self._static_input(name) for name in names] if self.scheme.static_inputs else []
-            weight = concat_rows([self._shard(name, tp) for name in names], ours)
-            shape, expected = (weight.out_features, _in_features(weight)), (pending.out_features, pending.in_features)
-            if shape != expected:
-                raise ValueError(f"quantized {ours} is {shape[0]} x {shape[1]}, the model expects "
-                                 f"{expected[0]} x {expected[1]}")
             parent, _, child = ours.rpartition(".")
-            module = weight.to_module(pending.bias, device)
-            if inputs:  # fused parts read one input: the widest of their grids, as vLLM takes
-                scale, zero = max(inputs, key=lambda found: float(found[0]))
-                module = StaticInputLinear(module, str(self.scheme.static_inputs), scale.to(device),
-                                           None if zero is None else zero.to(device))
+            module = self._module(ours, names, (pending.out_features, pending.in_features), pending.bias, device, tp)
             setattr(modules[parent], child, module)
+        for moe, ((two_width, hidden), experts) in self.experts.items():
+            gate_up = [self._module(f"{moe}.experts.{e}.gate_up_proj", names, (two_width, hidden), None, device, tp)
+                       for e, (names, _) in enumerate(experts)]
+            down = [self._module(f"{moe}.experts.{e}.down_proj", names, (hidden, two_width // 2), None, device, tp)
+                    for e, (_, names) in enumerate(experts)]
+            modules[moe].keep_experts_quantized(gate_up, down)
         unused = sorted(set(self.held))
         if unused:
             raise ValueError(f"checkpoint tensors of {', '.join(unused[:3])} belong to no quantized layer")
-        log.info("%s: %d linear layers kept quantized%s", self.scheme.description, len(self.parts),
+        log.info("%s: %d linear layers and %d MoE layers' experts kept quantized%s", self.scheme.description,
+                 len(self.parts), len(self.experts),
                  f", inputs rounded to their static {self.scheme.static_inputs} scales" if self.scheme.static_inputs
                  else "")
         if self.dropped:
             log.warning("the checkpoint's %s are not used: activations stay in the model's dtype (fp8 on a GPU "
                         "quantizes them per row itself) and the KV cache keeps --kv-cache-dtype",
                         ", ".join(sorted(self.dropped)))
+
+    def _module(self, ours: str, names: list[str], expected: tuple[int, int], bias: torch.Tensor | None,
+                device: torch.device, tp: TensorParallel) -> nn.Module:
+        """The quantized linear `ours` of the checkpoint modules `names` (their rows stacked), this rank's shard."""
+        inputs = [self._static_input(name) for name in names] if self.scheme.static_inputs else []
+        weight = concat_rows([self._shard(name, tp) for name in names], ours)
+        shape = (weight.out_features, _in_features(weight))
+        if shape != expected:
+            raise ValueError(f"quantized {ours} is {shape[0]} x {shape[1]}, the model expects "
+                             f"{expected[0]} x {expected[1]}")
+        module = weight.to_module(bias, device)
+        if inputs:  # fused parts read one input: the widest of their grids, as vLLM takes
+            scale, zero = max(inputs, key=lambda found: float(found[0]))
+            module = StaticInputLinear(module, str(self.scheme.static_inputs), scale.to(device),
+                                       None if zero is None else zero.to(device))
+        return module
 
     def _static_input(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         tensors = self.held.get(name, {})
@@ -133,19 +156,20 @@ class Prequantized:
 
     def _shard(self, name: str, tp: TensorParallel) -> LoadedWeight:
         tensors = self.held.pop(name, {})
+        standard = qwen3_moe_name(f"{name}.weight")  # the names tensor-parallel cutting knows
         try:
-            weight = self.scheme.convert(name, tensors, _in_features_of(name, self.config))
+            weight = self.scheme.convert(name, tensors, _in_features_of(standard, self.config))
         except (RuntimeError, IndexError) as exc:  # torch on a tensor of the wrong size
             raise ValueError(f"{name}: quantized tensors {sorted(tensors)} do not fit together: {exc}") from exc
         if tp.size == 1:
             return weight
-        if weight.perm is not None and (".o_proj" in name or ".down_proj" in name):
+        if weight.perm is not None and (".o_proj" in standard or ".down_proj" in standard):
             raise ModelLoadError(f"{name}: act-order (g_idx) weights of a row-parallel layer cannot be split "
                                  "across tensor-parallel ranks yet; use tensor_parallel_size 1")
         n, k = weight.out_features, _in_features(weight)
         # Cut index grids the way a float weight is cut: the rows and input columns this rank keeps.
-        rows = cut(f"{name}.weight", torch.arange(n)[:, None].expand(n, k), self.config, tp.rank, tp.size)[:, 0]
-        cols = cut(f"{name}.weight", torch.arange(k)[None, :].expand(n, k), self.config, tp.rank, tp.size)[0]
+        rows = cut(standard, torch.arange(n)[:, None].expand(n, k), self.config, tp.rank, tp.size)[:, 0]
+        cols = cut(standard, torch.arange(k)[None, :].expand(n, k), self.config, tp.rank, tp.size)[0]
         return weight.select((int(rows[0]), rows.numel()), (int(cols[0]), cols.numel()))
 
 
@@ -153,6 +177,8 @@ def _in_features_of(name: str, c: ModelConfig) -> int:
     """A checkpoint linear's whole input width (the model's row-parallel layers hold a shard of it)."""
     if ".o_proj" in name:
         return c.num_heads * c.head_dim
+    if ".experts." in name and ".down_proj" in name:
+        return c.moe_intermediate_size
     if ".down_proj" in name:
         return c.intermediate_size
     return c.hidden_size
@@ -161,3 +187,21 @@ def _in_features_of(name: str, c: ModelConfig) -> int:
 def _in_features(weight: LoadedWeight) -> int:
     first = next(iter(weight.tensors.values()))
     return first.shape[1] * (2 if weight.kind == "int4" else 1)
+
+
+def _expert_plan(moe: nn.Module | None, name: str, named: dict[tuple[int, int | None], str]
+                 ) -> tuple[tuple[int, int], list[tuple[list[str], list[str]]]]:
+    """Per expert of the MoE layer `name`, its checkpoint gate and up modules and its down module; the layer's
+    float experts are dropped (on meta). Every expert's three projections must be quantized."""
+    if moe is None or not hasattr(moe, "drop_float_experts"):
+        raise ModelLoadError(f"quantized experts {sorted(named.values())[:2]} have no mixture-of-experts layer "
+                             "to go to")
+    experts, two_width, hidden = moe.w13.shape
+    missing = [f"expert {e} {part}" for e in range(experts) for shard, part in ((0, "gate"), (1, "up"), (None, "down"))
+               if (e, shard) not in named]
+    if missing or len(named) != 3 * experts:
+        raise ModelLoadError(f"{name}: the checkpoint quantizes some of its {experts} experts' projections and not "
+                             f"others ({', '.join(missing[:3]) or 'experts beyond the model'}); kaon keeps a "
+                             "layer's experts all quantized or all float")
+    moe.drop_float_experts()
+    return (two_width, hidden), [([named[(e, 0)], named[(e, 1)]], [named[(e, None)]]) for e in range(experts)]

@@ -3,6 +3,13 @@
 Under tensor parallelism every rank holds every expert, cut like a dense MLP (its share
 of each expert's intermediate features); the router is replicated and the partial outputs
 are summed by one all-reduce.
+
+A quantized checkpoint's experts (AWQ, GPTQ, compressed-tensors, GGUF blocks) stay quantized: each
+expert's gate|up and down become one of kaon's quantized linears (QuantizedExperts), and the float
+w13 / w2 are dropped before any memory is given to them. Each expert then multiplies the rows routed
+to it through that linear's own kernel: torch's packed int4 / int8 kernels on CPU, the Triton
+W4A16 / W8A16 GEMMs on a GPU (there is no quantized variant of the fused kernel yet). Picking the
+experts reads the routing on the host, so such a model runs its GPU decode steps without CUDA graphs.
 """
 from __future__ import annotations
 
@@ -36,12 +43,49 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(experts, 2 * width, hidden))  # gate | up of each expert
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))
         self.kernel = kernel  # a fused kernel (kernels.moe.fused_moe), or None: the torch reference
+        self.quantized: QuantizedExperts | None = None
+
+    def drop_float_experts(self) -> None:
+        """Forget w13 and w2 (call on the meta model): a quantized checkpoint fills the experts instead."""
+        del self.w13, self.w2
+
+    def keep_experts_quantized(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
+        """Run the experts through these quantized linears (one per expert, stacked gate|up rows), float copy gone."""
+        if "w13" in self._parameters:
+            self.drop_float_experts()
+        self.quantized = QuantizedExperts(gate_up, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
         weights = weights.to(x.dtype)  # HF scales the experts' outputs in the model's dtype
-        if self.kernel is None:
+        if self.quantized is not None:
+            out = self.quantized(x, weights, ids)
+        elif self.kernel is None:
             out = moe_ref(x, self.w13, self.w2, weights, ids, silu_and_mul)
         else:
             out = self.kernel(x, self.w13, self.w2, weights, ids)
         return self.tp.all_reduce(out)
+
+
+class QuantizedExperts(nn.Module):
+    """Each expert's gate|up and down projection as a quantized linear; the rows each expert was
+    picked for go through its two linears (what moe_ref does with float weights)."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]):
+        super().__init__()
+        if len(gate_up) != len(down):
+            raise ValueError(f"{len(gate_up)} experts' gate|up projections but {len(down)} down projections")
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in ids.unique().tolist():
+            tokens, slots = (ids == expert).nonzero(as_tuple=True)
+            hidden = silu_and_mul(self.gate_up[expert](x[tokens]))
+            out.index_add_(0, tokens, self.down[expert](hidden) * weights[tokens, slots, None].to(x.dtype))
+        return out
+
+
+def has_quantized_experts(model: nn.Module) -> bool:
+    """Whether any MoE layer of `model` runs quantized experts (their routing is read on the host)."""
+    return any(isinstance(m, SparseMoE) and m.quantized is not None for m in model.modules())

@@ -57,17 +57,13 @@ def load_gguf(path: Path) -> Checkpoint:
             # A copy: the file is memory-mapped read-only.
             yield from hf_tensors(config, tensor.name, torch.from_numpy(np.array(array, dtype=np.float32)))
 
+    # The layers' quantized projections and experts (3-D: [experts, rows, bytes]), offered as blocks too.
     quantized = [t for t in reader.tensors if t.name.startswith("blk.") and t.tensor_type.name not in FLOAT_TYPES
-                 and len(t.shape) == 2]
-    experts = [t for t in reader.tensors if t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 3]
-    if experts:
-        log.warning("%s: the experts' %d quantized tensors (%s) are dequantized to float at load: kaon keeps "
-                    "only dense projections of a GGUF file quantized", path.name, len(experts),
-                    ", ".join(sorted({t.tensor_type.name for t in experts})))
+                 and len(t.shape) in (2, 3)]
 
     def quantized_blocks():
         for tensor in quantized:
-            rows = torch.from_numpy(np.array(tensor.data)).view(tensor.data.shape[0], -1)
+            rows = torch.from_numpy(np.array(tensor.data)).view(*tensor.data.shape[:-1], -1)
             for name, data in hf_tensors(config, tensor.name, rows):  # rows move whole: blocks never span rows
                 yield name, tensor.tensor_type.name, data
 

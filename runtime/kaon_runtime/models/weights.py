@@ -29,11 +29,7 @@ Part = int | tuple[int, int | None] | None  # a fused shard, or (expert, shard) 
 
 def standard_names(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensor under Llama/Qwen3-MoE names, split into q/k/v and gate/up when the checkpoint fused them."""
-    if ".block_sparse_moe." in name:  # Mixtral
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        for old, new in _MIXTRAL_EXPERT.items():
-            if ".experts." in name and name.endswith(old):
-                name = name[:-len(old)] + new
+    name = qwen3_moe_name(name)
     if name.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
         sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
@@ -44,6 +40,16 @@ def standard_names(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[
         yield name.replace("gate_up_proj", "up_proj"), up
     else:
         yield name, tensor
+
+
+def qwen3_moe_name(name: str) -> str:
+    """A Mixtral checkpoint name (block_sparse_moe, experts' w1 / w3 / w2) under Qwen3-MoE's names; others as is."""
+    if ".block_sparse_moe." in name:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, new in _MIXTRAL_EXPERT.items():
+            if ".experts." in name and name.endswith(old):
+                name = name[:-len(old)] + new
+    return name
 
 
 def target(name: str) -> tuple[str, Part]:

@@ -8,6 +8,8 @@ quality). An untied head gets one scale per vocabulary row; the embedding stays 
 A tied table that int8 in groups of 32 holds exactly (a GGUF's Q8_0 table, dequantized) becomes
 that one int8 table (quant/group_int8.py), read by both the logits and the token lookup: the float
 table, the model's largest tensor, goes. Any other tied table keeps its float copy for the lookup.
+A mixture-of-experts layer's experts are kept as the GGUF file's own blocks where it gives them all
+(prequantized keys "<moe>.experts.<e>.gate_up_proj" / ".down_proj"); otherwise they stay float.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
                    prequantized: dict[str, Int4Weight | GroupInt8Weight | BitPlanesWeight] | None = None) -> list[str]:
     """Replace every nn.Linear by its `method` twin; return the replaced modules' names.
 
-    `prequantized` weights (module name -> Int4Weight or GroupInt8Weight: a GGUF file's own
+    `prequantized` weights (module name -> Int4Weight, GroupInt8Weight or BitPlanesWeight: a GGUF file's own
     blocks, repacked by quant/gguf.py) are taken as they are, whatever the method; the rest are
     quantized from their float weights.
     """
@@ -48,8 +50,26 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             setattr(parent, child_name, _quantized(child, method, group_size, prequantized.get(name)))
             swapped.append(name)
+    swapped += _keep_experts(model, prequantized)
     _quantize_head(model)
     return swapped
+
+
+def _keep_experts(model: nn.Module, given: dict[str, Int4Weight | GroupInt8Weight | BitPlanesWeight]) -> list[str]:
+    """Give each MoE layer (layers.moe.SparseMoE) whose every expert is prequantized those weights as linears."""
+    kept = []
+    for name, moe in model.named_modules():
+        if not hasattr(moe, "keep_experts_quantized") or "w13" not in moe._parameters:
+            continue
+        experts, two_i, hidden = moe.w13.shape
+        keys = [f"{name}.experts.{e}.{part}" for e in range(experts) for part in ("gate_up_proj", "down_proj")]
+        if not all(key in given for key in keys):
+            continue
+        gate_up = [_prequantized(given[keys[2 * e]], two_i, hidden, None) for e in range(experts)]
+        down = [_prequantized(given[keys[2 * e + 1]], hidden, two_i // 2, None) for e in range(experts)]
+        moe.keep_experts_quantized(gate_up, down)
+        kept += keys
+    return kept
 
 
 def _quantize_head(model: nn.Module) -> None:
@@ -70,16 +90,9 @@ def _quantize_head(model: nn.Module) -> None:
 
 def _quantized(linear: nn.Linear, method: str, group_size: int,
                given: Int4Weight | GroupInt8Weight | BitPlanesWeight | None) -> nn.Module:
-    if isinstance(given, BitPlanesWeight):  # a GGUF's own 5- and 6-bit weights, whatever the method
-        if tuple(given.values.shape) != (linear.out_features, linear.in_features):
-            raise ValueError(f"prequantized {given.bits}-bit weight {tuple(given.values.shape)} does not fit {linear}")
-        return BitPlanesLinear(given, linear.bias)
-    if isinstance(given, GroupInt8Weight):  # a checkpoint's own 5- to 8-bit weights, whatever the method
-        if tuple(given.qweight.shape) != (linear.out_features, linear.in_features):
-            raise ValueError(f"prequantized int8 weight {tuple(given.qweight.shape)} does not fit {linear}")
-        return GroupInt8Linear(given, linear.bias)
-    if isinstance(given, Int4Weight) and method != "int4":
-        return Int4Linear(_fitting(given, linear), linear.bias)
+    if isinstance(given, (BitPlanesWeight, GroupInt8Weight)) or (isinstance(given, Int4Weight) and method != "int4"):
+        # a checkpoint's own weights, whatever the method
+        return _prequantized(given, linear.out_features, linear.in_features, linear.bias)
     if method == "int8":
         return Int8Linear.from_linear(linear)
     if method == "fp8":
@@ -87,6 +100,21 @@ def _quantized(linear: nn.Linear, method: str, group_size: int,
     if given is None:
         return Int4Linear.from_linear(linear, group_size)
     return Int4Linear(_fitting(given, linear), linear.bias)
+
+
+def _prequantized(given: Int4Weight | GroupInt8Weight | BitPlanesWeight, out_features: int, in_features: int,
+                  bias: torch.Tensor | None) -> nn.Module:
+    """The linear that runs a checkpoint's own weight, which must be out_features x in_features."""
+    if isinstance(given, BitPlanesWeight):  # a GGUF's own 5- and 6-bit weights
+        shape, module = tuple(given.values.shape), BitPlanesLinear(given, bias)
+    elif isinstance(given, GroupInt8Weight):  # a checkpoint's own 5- to 8-bit weights
+        shape, module = tuple(given.qweight.shape), GroupInt8Linear(given, bias)
+    else:
+        shape, module = (given.packed.shape[0], given.packed.shape[1] * 2), Int4Linear(given, bias)
+    if shape != (out_features, in_features):
+        raise ValueError(f"prequantized {type(given).__name__} {shape} does not fit a {out_features} x {in_features} "
+                         "linear layer")
+    return module
 
 
 def _fitting(given: Int4Weight, linear: nn.Linear) -> Int4Weight:
