@@ -3,7 +3,8 @@
 The tiny random models have 3 layers, so two stages split them unevenly (2 + 1). Every comparison runs
 chunked prefill (a prompt longer than the step's token budget), a prefix-cache hit (two prompts sharing
 three blocks) and preemption (a pool too small for every sequence at once), on the same engine options
-at PP=1 and at PP=2 (x TP=2).
+at PP=1 and at PP=2 (x TP=2). Under PP several micro-batches are in flight at once (engine/micro_batches.py):
+each test checks the stages did overlap.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def test_stages_generate_what_one_process_does(family, pp, tp):
         assert generate(staged) == expected
         stats = staged.engine.stats()
         assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+        assert staged.engine.in_flight is not None and staged.engine.in_flight.peak == pp
         # Each rank holds its share of its stage, nothing more: the ranks together hold the model once,
         # but for a tied embedding, which the first stage reads as embedding and the last as head.
         model = one.engine.runner.model
@@ -80,6 +82,25 @@ def test_stages_generate_what_one_process_does(family, pp, tp):
         ranks = [staged.engine.runner.weight_bytes] + staged.engine.worker_weight_bytes
         assert len(ranks) == pp * tp and sum(ranks) <= 1.01 * (one.engine.runner.weight_bytes + tied)
         assert max(ranks) <= 1.05 * (one.engine.runner.weight_bytes + tied) / (pp * tp)
+    finally:
+        staged.close()
+
+
+def test_a_busy_pipeline_keeps_a_micro_batch_per_stage_and_the_tokens(tmp_path_factory, gguf_path):
+    """Eight requests of different lengths at once: two micro-batches of four stay in flight, so stage 0 runs
+    one while stage 1 runs the other, and each sequence's tokens are still PP=1's."""
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    prompts = [PREFIX + list(range(100 + 9 * i, 110 + 12 * i)) for i in range(4)] + \
+              [list(range(3000 + 100 * i, 3020 + 100 * i + 11 * i)) for i in range(4)]
+    options = dict(OPTIONS, num_kv_blocks=64, max_num_seqs=8)
+    params = [SamplingParams(temperature=0, max_tokens=12 + 3 * (i % 4), ignore_eos=True) for i in range(8)]
+    expected = [o.outputs[0].token_ids for o in LLM(path, show_progress=False, **options).generate(
+        prompts, params, use_tqdm=False)]
+    staged = LLM(path, show_progress=False, pipeline_parallel_size=2, **options)
+    try:
+        outputs = staged.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert staged.engine.in_flight is not None and staged.engine.in_flight.peak == 2
     finally:
         staged.close()
 
@@ -95,6 +116,7 @@ def test_speculative_decoding_rides_the_pipeline(tmp_path_factory, gguf_path):
         assert generate(staged) == expected
         stats = staged.engine.stats()
         assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens > 0
+        assert staged.engine.in_flight is None  # drafts need every sequence's latest token: one step in flight
     finally:
         staged.close()
 
