@@ -16,6 +16,7 @@ from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import dequantize_int4
 from kaon_runtime.loader import open_checkpoint
 from kaon_runtime.quant.gguf import BLOCKS
+from kaon_runtime.quant.bit_planes import BitPlanesLinear, dequantize_bit_planes
 from kaon_runtime.quant.group_int8 import GroupInt8Linear, dequantize_group_int8
 from kaon_runtime.quant.int4 import Int4Linear
 from support.gguf_files import write_tiny_gguf
@@ -43,6 +44,8 @@ def _projections(llm: LLM) -> dict[str, nn.Module]:
 def _dequantized(module: nn.Module) -> torch.Tensor:
     if isinstance(module, GroupInt8Linear):
         return dequantize_group_int8(module.weight)
+    if isinstance(module, BitPlanesLinear):
+        return dequantize_bit_planes(module.weight)
     assert isinstance(module, Int4Linear), type(module)
     return dequantize_int4(module.packed, module.scales, module.mins, module.group_size)
 
@@ -65,7 +68,7 @@ def test_every_type_loads_kept_quantized_and_exact(mixed_gguf, float_llm):
     projections = _projections(kept)
     assert projections.keys() == floats.keys()
     for name, module in projections.items():
-        assert isinstance(module, (Int4Linear, GroupInt8Linear)), f"{name} is {type(module).__name__}"
+        assert isinstance(module, (Int4Linear, GroupInt8Linear, BitPlanesLinear)), f"{name} is {type(module).__name__}"
         assert torch.equal(_dequantized(module), floats[name].weight.float()), name
     # the fused C step reads every layout: it decodes (its int8 activations may part from float32's tokens)
     assert all(len(t) == GREEDY.max_tokens for t in _tokens(kept))
