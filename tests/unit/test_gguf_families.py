@@ -2,7 +2,7 @@
 (support/gguf_from_hf.py): Gemma 2 (norms with +1 folded in, soft-caps and windows in metadata),
 Phi-3 (fused q|k|v and gate|up, LongRoPE factor tensors, partial rotary), Mixtral (llama with 3-D
 experts) and Qwen3-MoE. Q8_0 weights; kaon's greedy tokens in float32 equal transformers' on the
-dequantized weights, and the file also loads kept quantized (the default on CPU) and decodes; against
+dequantized weights, and the file also loads kept quantized (the default on CPU, experts included) and decodes; against
 llama.cpp on the same file, whose kernels quantize activations, the common prefix is printed."""
 from __future__ import annotations
 
@@ -82,14 +82,16 @@ def family_gguf(request, tmp_path_factory, gguf_path):
     return request.param, path, dequantized_reference(model, "Q8_0")
 
 
-def test_config_is_the_family_of_the_file(family_gguf, caplog):
+def test_config_is_the_family_of_the_file(family_gguf):
     family, path, model = family_gguf
-    config = open_checkpoint(str(path)).config
+    checkpoint = open_checkpoint(str(path))
+    config = checkpoint.config
     assert config.architecture == family
     assert config.num_experts == (getattr(model.config, "num_local_experts", None)
                                   or getattr(model.config, "num_experts", 0) or 0)
-    # Experts are not yet kept quantized: said, not silent
-    assert ("experts' 6 quantized tensors (Q8_0) are dequantized to float" in caplog.text) == bool(config.num_experts)
+    # The experts' blocks are offered too, to be kept quantized (tests/unit/test_quantized_experts.py)
+    experts = {name for name, _, _ in checkpoint.quantized_blocks() if ".experts." in name}
+    assert len(experts) == 2 * 3 * config.num_experts
 
 
 def test_float32_greedy_tokens_equal_transformers_on_the_dequantized_weights(family_gguf):

@@ -1,0 +1,207 @@
+"""Mixture-of-experts checkpoints whose experts are quantized (AWQ, GPTQ, compressed-tensors, GGUF) keep
+them quantized: one of kaon's quantized linears per expert's gate|up and down, no float copy.
+
+Tiny Mixtral and Qwen3-MoE directories (support/quantized_moe_dirs.py: GPTQ and AWQ packed to their
+published layouts, compressed-tensors written by its own package) decode with kaon's reference kernels
+to the greedy tokens of transformers on the dequantized weights; GGUF files (written by the gguf package,
+support/gguf_from_hf.py) decode as they do with the experts dequantized to float. The layer itself runs
+on each quantized kernel (torch's CPU int4 / int8, Triton's W4A16 / W8A16 in its interpreter)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.kernels.moe_ref import moe_ref
+from kaon_runtime.layers.activation import silu_and_mul
+from kaon_runtime.layers.moe import QuantizedExperts, SparseMoE, has_quantized_experts
+from kaon_runtime.quant import surgery
+from kaon_runtime.quant.checkpoint_formats import scheme_from_config
+from kaon_runtime.quant.group_int8 import GroupInt8Linear
+from kaon_runtime.quant.int4 import Int4Linear
+from kaon_runtime.quant.int8 import Int8Linear
+from support.quantized_dirs import np_dequantize, np_pack_columns, np_pack_rows, np_quantize
+from support.quantized_moe_dirs import (
+    tiny_moe,
+    write_compressed_tensors_moe_dir,
+    write_packed_moe_dir,
+)
+
+transformers = pytest.importorskip("transformers")
+PROMPTS = [list(range(100, 120)), [5, 9, 300, 4000, 17]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+HIDDEN, WIDTH, EXPERTS = 128, 128, 4  # support/quantized_moe_dirs.py's shape
+INT4 = dict(num_bits=4, type="int", strategy="group", group_size=32)
+CASES = {  # id -> (family, writer arguments, the linear each expert's projections become)
+    "mixtral-gptq-4bit-g32-asym": ("mixtral", ("gptq", 4, 32, False), Int4Linear),
+    "qwen3_moe-gptq-8bit-channel-sym": ("qwen3_moe", ("gptq", 8, -1, True), Int8Linear),
+    "qwen3_moe-awq-g64": ("qwen3_moe", ("awq", 4, 64, False), Int4Linear),
+    "qwen3_moe-ct-w4a16-group32": ("qwen3_moe", ({**INT4, "symmetric": True}, "pack-quantized"), Int4Linear),
+    "mixtral-ct-w8a16-group64": ("mixtral", (dict(num_bits=8, type="int", symmetric=True, strategy="group",
+                                                  group_size=64), "pack-quantized"), GroupInt8Linear),
+}
+
+
+def _write(case: str, path, gguf_path):
+    family, args, _ = CASES[case]
+    if len(args) == 2:
+        return write_compressed_tensors_moe_dir(path, gguf_path, family, *args)
+    return write_packed_moe_dir(path, gguf_path, family, *args)
+
+
+def _generate(path, **kwargs) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=1 << 22, **kwargs)
+    return llm, [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens, do_sample=False,
+                             pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def _moe_layers(llm: LLM) -> list[SparseMoE]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+
+
+def _assert_no_float_experts(moe: SparseMoE, kept: type) -> None:
+    """The experts are the quantized linears alone: the layer's only parameter is its router."""
+    assert isinstance(moe.quantized, QuantizedExperts)
+    assert all(isinstance(linear, kept) for linear in [*moe.quantized.gate_up, *moe.quantized.down])
+    assert [name for name, _ in moe.named_parameters()] == ["gate.weight"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_quantized_experts_decode_as_transformers_on_the_dequantized_weights(case, tmp_path, gguf_path,
+                                                                             float_kernels):
+    reference = _write(case, tmp_path / "model", gguf_path)
+    llm, tokens = _generate(tmp_path / "model")
+    for moe in _moe_layers(llm):
+        _assert_no_float_experts(moe, CASES[case][2])
+    assert tokens == [_hf_greedy(reference, prompt) for prompt in PROMPTS]
+
+
+@pytest.mark.slow
+def test_memory_held_is_the_quantized_size(tmp_path, gguf_path):
+    """GPTQ 4-bit in groups of 32: each expert weight costs half a byte per value plus a float32 scale and
+    offset per 32 values; a float copy of the experts (4 x 3 x 128 x 128 float32 per layer) would show."""
+    _write("mixtral-gptq-4bit-g32-asym", tmp_path / "model", gguf_path)
+    llm, _ = _generate(tmp_path / "model")
+    values = EXPERTS * 3 * HIDDEN * WIDTH
+    moes = _moe_layers(llm)
+    assert len(moes) == 2 and all(moe.quantized is not None for moe in moes)
+    for moe in moes:
+        assert moe.quantized is not None
+        held = sum(t.numel() * t.element_size() for t in moe.quantized.buffers())
+        assert held == values // 2 + values // 32 * 8
+    float_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
+    embed_head_norms_routers = 4 * (2 * 49152 * HIDDEN + 2 * (2 * HIDDEN + 2 * 32 + EXPERTS * HIDDEN) + HIDDEN)
+    assert float_bytes <= embed_head_norms_routers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "type_name", "kept"), [("mixtral", "Q4_0", Int4Linear),
+                                                           ("qwen3_moe", "Q8_0", GroupInt8Linear)])
+def test_gguf_experts_stay_quantized_and_decode_as_when_dequantized(family, type_name, kept, tmp_path, gguf_path,
+                                                                    float_kernels, monkeypatch):
+    from support.gguf_from_hf import dequantized_reference, write_gguf_from_hf
+
+    model = tiny_moe(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = write_gguf_from_hf(model, tmp_path / "model.gguf", gguf_path, type_name)
+    kept_llm = LLM(str(path), show_progress=False, device="cpu", kv_cache_bytes=1 << 22)  # the file's own blocks
+    ours = [list(o.outputs[0].token_ids) for o in kept_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    for moe in _moe_layers(kept_llm):
+        _assert_no_float_experts(moe, kept)
+    monkeypatch.setattr(surgery, "_keep_experts", lambda model, given: [])  # experts dequantized to float
+    float_llm = LLM(str(path), show_progress=False, device="cpu", kv_cache_bytes=1 << 22)
+    assert not has_quantized_experts(float_llm.engine.runner.model)
+    assert ours == [list(o.outputs[0].token_ids) for o in float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    float_experts = 2 * EXPERTS * 3 * HIDDEN * WIDTH * 4
+    assert kept_llm.engine.runner.weight_bytes < float_llm.engine.runner.weight_bytes - float_experts // 2
+    reference = dequantized_reference(model, type_name)  # transformers: the head in float, kaon's int8
+    common = [_prefix(a, _hf_greedy(reference, p)) for a, p in zip(ours, PROMPTS)]
+    print(f"{family} {type_name}: common prefix with transformers on the dequantized weights {common}")
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_experts_equal_the_float_layer_on_their_dequantized_weights(kernel, bits, monkeypatch):
+    """QuantizedExperts on each kernel (Triton's interpreted without a GPU) against moe_ref on the float weights."""
+    rng = np.random.default_rng(bits)
+    scheme = scheme_from_config(dict(quant_method="gptq", bits=bits, group_size=32, sym=False))
+    linears: dict[str, list] = {"gate_up": [], "down": []}
+    dense: dict[str, list] = {"gate_up": [], "down": []}
+    for _ in range(EXPERTS):
+        for part, (n, k) in {"gate_up": (2 * WIDTH, HIDDEN), "down": (HIDDEN, WIDTH)}.items():
+            q, zeros, scales, g_idx = np_quantize(rng.normal(size=(n, k)) * 0.1, bits, 32, False)
+            tensors = {"qweight": np_pack_rows(q.T, bits), "qzeros": np_pack_columns((zeros - 1).T, bits),
+                       "scales": scales.T}
+            tensors = {key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in tensors.items()}
+            linears[part].append(scheme.convert(part, tensors, k).to_module(None, torch.device("cpu")))
+            dense[part].append(torch.from_numpy(np_dequantize(q, zeros, scales, g_idx)))
+    experts = QuantizedExperts(linears["gate_up"], linears["down"])
+    x = torch.randn(7, HIDDEN)
+    ids = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2)
+    expected = moe_ref(x, torch.stack(dense["gate_up"]), torch.stack(dense["down"]), weights, ids, silu_and_mul)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", kernel)
+    close = dict(atol=1e-4, rtol=1e-4) if kernel != "cpu" else dict(atol=5e-2, rtol=2e-2)  # cpu: bfloat16 int4
+    torch.testing.assert_close(experts(x, weights, ids), expected, **close)
+
+
+@pytest.fixture(scope="module")
+def gptq_moe_dir(tmp_path_factory, gguf_path):
+    path = tmp_path_factory.mktemp("gptq-moe") / "model"
+    write_packed_moe_dir(path, gguf_path, "qwen3_moe", "gptq", 4, 32, False)
+    return path
+
+
+def _edited_copy(src, dst, edit) -> None:
+    import shutil
+
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    edit(state)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+def test_a_layer_with_some_experts_float_is_a_one_line_error(gptq_moe_dir, tmp_path):
+    expert = "model.layers.1.mlp.experts.2.down_proj"
+
+    def float_expert(state):
+        for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+            del state[f"{expert}.{suffix}"]
+        state[f"{expert}.weight"] = torch.zeros(HIDDEN, WIDTH)
+
+    _edited_copy(gptq_moe_dir, tmp_path / "m", float_expert)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp: .*expert 2 down") as error:
+        LLM(str(tmp_path / "m"), show_progress=False, device="cpu", dtype="float32")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_truncated_expert_tensor_is_a_one_line_error_naming_it(gptq_moe_dir, tmp_path):
+    expert = "model.layers.0.mlp.experts.3.up_proj"
+
+    def truncate(state):
+        state[f"{expert}.qweight"] = state[f"{expert}.qweight"][:-1].contiguous()
+
+    _edited_copy(gptq_moe_dir, tmp_path / "m", truncate)
+    with pytest.raises(ModelLoadError, match=rf"{expert}\.qweight") as error:
+        LLM(str(tmp_path / "m"), show_progress=False, device="cpu", dtype="float32")
+    assert "\n" not in str(error.value)
