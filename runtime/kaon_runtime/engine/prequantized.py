@@ -14,6 +14,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -22,9 +23,11 @@ from kaon_runtime.config import ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import cut
 from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.layers.moe import SparseMoE
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models.weights import qwen3_moe_name, target
 from kaon_runtime.quant.checkpoint_formats import CheckpointScheme, LoadedWeight, concat_rows, scheme_from_config
+from kaon_runtime.quant.dynamic_inputs import DynamicInt8Linear
 from kaon_runtime.quant.static_inputs import StaticInputLinear
 
 log = logging.getLogger(__name__)
@@ -117,7 +120,7 @@ class Prequantized:
                        for e, (names, _) in enumerate(experts)]
             down = [self._module(f"{moe}.experts.{e}.down_proj", names, (hidden, two_width // 2), None, device, tp)
                     for e, (_, names) in enumerate(experts)]
-            modules[moe].keep_experts_quantized(gate_up, down)
+            cast(SparseMoE, modules[moe]).keep_experts_quantized(gate_up, down)
         unused = sorted(set(self.held))
         if unused:
             raise ValueError(f"checkpoint tensors of {', '.join(unused[:3])} belong to no quantized layer")
@@ -140,6 +143,8 @@ class Prequantized:
             raise ValueError(f"quantized {ours} is {shape[0]} x {shape[1]}, the model expects "
                              f"{expected[0]} x {expected[1]}")
         module = weight.to_module(bias, device)
+        if self.scheme.dynamic_inputs:  # W8A8: inputs quantized per token, int8 x int8 products
+            module = DynamicInt8Linear.from_int8(module)
         if inputs:  # fused parts read one input: the widest of their grids, as vLLM takes
             scale, zero = max(inputs, key=lambda found: float(found[0]))
             module = StaticInputLinear(module, str(self.scheme.static_inputs), scale.to(device),
@@ -193,7 +198,7 @@ def _expert_plan(moe: nn.Module | None, name: str, named: dict[tuple[int, int | 
                  ) -> tuple[tuple[int, int], list[tuple[list[str], list[str]]]]:
     """Per expert of the MoE layer `name`, its checkpoint gate and up modules and its down module; the layer's
     float experts are dropped (on meta). Every expert's three projections must be quantized."""
-    if moe is None or not hasattr(moe, "drop_float_experts"):
+    if not isinstance(moe, SparseMoE):
         raise ModelLoadError(f"quantized experts {sorted(named.values())[:2]} have no mixture-of-experts layer "
                              "to go to")
     experts, two_width, hidden = moe.w13.shape

@@ -7,8 +7,9 @@
 - float-quantized (FP8): `weight` float8_e4m3fn [N, K], `weight_scale` [1] (tensor), [N, 1] (channel) or
   [ceil(N / 128), ceil(K / 128)] (block).
 Static activation quantization (`input_activations` with dynamic false, per tensor: FP8's or int8's
-`input_scale`) is applied (quant/static_inputs.py); dynamic per-token activations are not: kaon multiplies
-float activations with the kept-narrow weights (fp8 on a GPU quantizes activations per row itself).
+`input_scale`) is applied (quant/static_inputs.py), and so is W8A8's dynamic per-token int8 (int8 x int8
+products, quant/dynamic_inputs.py); dynamic FP8 activations are not: kaon multiplies float activations
+with the kept-narrow weights (fp8 on a GPU quantizes activations per row itself).
 A `kv_cache_scheme` (static KV-cache scales) is refused: kaon's KV cache keeps --kv-cache-dtype.
 """
 from __future__ import annotations
@@ -44,16 +45,33 @@ def scheme(config: dict) -> CheckpointScheme:
         raise ModelLoadError("compressed-tensors kv_cache_scheme (a quantized KV cache with the checkpoint's "
                              "k_scale / v_scale) is not supported: kaon's KV cache keeps --kv-cache-dtype")
     static = _static_inputs([group.get("input_activations") or {} for group in groups])
+    dynamic = _dynamic_inputs([group.get("input_activations") or {} for group in groups], weights)
     kind = sorted(kinds)[0]
     method = "fp8" if kind[0] == "float" else f"int{kind[1]}"
-    fused = all(_cpu_fused(w) for w in weights) and method != "fp8" and static is None
+    fused = all(_cpu_fused(w) for w in weights) and method != "fp8" and static is None and dynamic is None
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)
     return CheckpointScheme(description=f"compressed-tensors {'/'.join(sorted(map(str, formats)))} "
                                         f"{method} ({', '.join(parts)})",
                             method=method, cpu_fused=fused, markers=frozenset({"weight_packed", "weight_scale"}),
                             suffixes=_SUFFIXES | (_STATIC if static else frozenset()),
                             ignored=_IGNORED - (_STATIC if static else frozenset()), convert=convert,
-                            static_inputs=static)
+                            static_inputs=static, dynamic_inputs=dynamic)
+
+
+def _dynamic_inputs(activations: list[dict], weights: list[dict]) -> str | None:
+    """"int8" when every group quantizes its inputs to int8 per token at run time (W8A8), None when
+    none does int8 dynamically; those need int8 weights per channel (or per tensor)."""
+    dynamic = [a for a in activations if a and a.get("dynamic") in (True, "local") and a.get("type", "int") == "int"]
+    if not dynamic:
+        return None
+    kinds = {(a.get("num_bits"), a.get("strategy"), a.get("symmetric", True)) for a in dynamic}
+    weight_kinds = {(w.get("type", "int"), w.get("num_bits"), w.get("strategy")) for w in weights}
+    if (len(dynamic) != len(activations) or kinds != {(8, "token", True)}
+            or not weight_kinds <= {("int", 8, "channel"), ("int", 8, "tensor")}):
+        raise ModelLoadError(f"compressed-tensors dynamic input_activations {sorted(map(str, kinds))} with weights "
+                             f"{sorted(map(str, weight_kinds))} are not supported; supported: symmetric int 8-bit "
+                             "per token in every group, with int 8-bit weights per channel or per tensor")
+    return "int8"
 
 
 def _static_inputs(activations: list[dict]) -> str | None:
