@@ -15,8 +15,8 @@ from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import dequantize_int4
 from kaon_runtime.loader import open_checkpoint
-from kaon_runtime.quant.gguf import BLOCKS
 from kaon_runtime.quant.bit_planes import BitPlanesLinear, dequantize_bit_planes
+from kaon_runtime.quant.gguf import BLOCKS
 from kaon_runtime.quant.group_int8 import GroupInt8Linear, dequantize_group_int8
 from kaon_runtime.quant.int4 import Int4Linear
 from support.gguf_files import write_tiny_gguf
