@@ -105,6 +105,7 @@ def _quantized(linear: nn.Linear, method: str, group_size: int,
 def _prequantized(given: Int4Weight | GroupInt8Weight | BitPlanesWeight, out_features: int, in_features: int,
                   bias: torch.Tensor | None) -> nn.Module:
     """The linear that runs a checkpoint's own weight, which must be out_features x in_features."""
+    module: nn.Module
     if isinstance(given, BitPlanesWeight):  # a GGUF's own 5- and 6-bit weights
         shape, module = tuple(given.values.shape), BitPlanesLinear(given, bias)
     elif isinstance(given, GroupInt8Weight):  # a checkpoint's own 5- to 8-bit weights
