@@ -15,6 +15,7 @@ these activations runs the torch path (its scheme is not `cpu_fused`).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from kaon_runtime.quant.linear import ChannelScaledLinear
 
@@ -49,9 +50,10 @@ class DynamicInt8Linear(ChannelScaledLinear):
     """int8 weights, one float32 scale per output channel, and int8 inputs quantized per token at run time."""
 
     @classmethod
-    def from_int8(cls, inner: ChannelScaledLinear) -> DynamicInt8Linear:
-        if inner.qweight.dtype != torch.int8:
-            raise ValueError(f"dynamic int8 activations need int8 weights, got {inner.qweight.dtype}")
+    def from_int8(cls, inner: nn.Module) -> DynamicInt8Linear:
+        """The same weight (a per-channel int8 linear's), its inputs now quantized per token."""
+        if not isinstance(inner, ChannelScaledLinear) or inner.qweight.dtype != torch.int8:
+            raise ValueError(f"dynamic int8 activations need per-channel int8 weights, got {type(inner).__name__}")
         return cls(inner.qweight, inner.scales.float().reshape(-1), inner.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
