@@ -205,3 +205,29 @@ def test_a_truncated_expert_tensor_is_a_one_line_error_naming_it(gptq_moe_dir, t
     with pytest.raises(ModelLoadError, match=rf"{expert}\.qweight") as error:
         LLM(str(tmp_path / "m"), show_progress=False, device="cpu", dtype="float32")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.block_sparse_moe.experts.1.w2",  # Mixtral's down
+                                  "model.layers.0.mlp.experts.1.gate_proj"])
+def test_tensor_parallel_ranks_take_their_share_of_each_quantized_expert(name, float_kernels):
+    """Each rank holds every expert, cut like a dense MLP: gate/up by rows, down by (whole groups of) columns."""
+    from kaon_runtime.config import ModelConfig
+    from kaon_runtime.distributed.parallel import TensorParallel
+    from kaon_runtime.engine.prequantized import Prequantized
+
+    config = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=HIDDEN, intermediate_size=256,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64,
+                         num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=WIDTH)
+    down = name.endswith(("down_proj", ".w2"))
+    n, k = (HIDDEN, WIDTH) if down else (WIDTH, HIDDEN)
+    q, zeros, scales, g_idx = np_quantize(np.random.default_rng(1).normal(size=(n, k)), 4, 32, False)
+    tensors = {"qweight": np_pack_rows(q.T, 4), "qzeros": np_pack_columns((zeros - 1).T, 4), "scales": scales.T}
+    scheme = scheme_from_config(dict(quant_method="gptq", bits=4, group_size=32, sym=False))
+    whole = torch.from_numpy(np_dequantize(q, zeros, scales, g_idx))
+    shards = []
+    for rank in range(2):
+        plan = Prequantized(scheme, config, {})
+        plan.held[name] = {key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in tensors.items()}
+        module = plan._shard(name, TensorParallel(rank=rank, size=2)).to_module(None, torch.device("cpu"))
+        shards.append(module(torch.eye(module.in_features)).t())  # its dequantized weight
+    torch.testing.assert_close(torch.cat(shards, dim=1 if down else 0), whole, atol=1e-5, rtol=0)
