@@ -111,6 +111,9 @@ def bench_hf(model, prompts, output_lens, pad_id: int, batch: int = 0) -> float:
     each run until its longest request is done. Each batch's time is printed as it ends, so a run cut
     short still shows how far it got."""
     batch = batch or len(prompts)
+    with torch.inference_mode():  # warm-up, as kaon's side has: CUDA and cuBLAS start, kernels chosen
+        model.generate(torch.tensor([prompts[0][:16]], device=model.device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=pad_id)
     total = 0.0
     for first in range(0, len(prompts), batch):
         chunk, lens = prompts[first:first + batch], output_lens[first:first + batch]
