@@ -3,7 +3,8 @@ them quantized: one of kaon's quantized linears per expert's gate|up and down, n
 
 Tiny Mixtral and Qwen3-MoE directories (support/quantized_moe_dirs.py: GPTQ and AWQ packed to their
 published layouts, compressed-tensors written by its own package) decode with kaon's reference kernels
-to the greedy tokens of transformers on the dequantized weights; GGUF files (written by the gguf package,
+to the greedy tokens of transformers on the dequantized weights (and, for compressed-tensors, of
+transformers decompressing the same directory); GGUF files (written by the gguf package,
 support/gguf_from_hf.py) decode as they do with the experts dequantized to float. The layer itself runs
 on each quantized kernel (torch's CPU int4 / int8, Triton's W4A16 / W8A16 in its interpreter)."""
 from __future__ import annotations
@@ -23,7 +24,13 @@ from kaon_runtime.quant.checkpoint_formats import scheme_from_config
 from kaon_runtime.quant.group_int8 import GroupInt8Linear
 from kaon_runtime.quant.int4 import Int4Linear
 from kaon_runtime.quant.int8 import Int8Linear
-from support.quantized_dirs import np_dequantize, np_pack_columns, np_pack_rows, np_quantize
+from support.quantized_dirs import (
+    np_dequantize,
+    np_pack_columns,
+    np_pack_rows,
+    np_quantize,
+    transformers_reference,
+)
 from support.quantized_moe_dirs import (
     tiny_moe,
     write_compressed_tensors_moe_dir,
@@ -85,6 +92,8 @@ def test_quantized_experts_decode_as_transformers_on_the_dequantized_weights(cas
     for moe in _moe_layers(llm):
         _assert_no_float_experts(moe, CASES[case][2])
     assert tokens == [_hf_greedy(reference, prompt) for prompt in PROMPTS]
+    if "-ct-" in case:  # transformers decompresses compressed-tensors itself: the same directory, its own reading
+        assert tokens == [_hf_greedy(transformers_reference(tmp_path / "model"), prompt) for prompt in PROMPTS]
 
 
 @pytest.mark.slow
