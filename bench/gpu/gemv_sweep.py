@@ -33,6 +33,7 @@ if DRY:
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 
 import triton  # noqa: E402
+from gemv_candidates import w4a16_gemv  # noqa: E402
 
 from kaon_runtime.kernels import quant_gemm as qg  # noqa: E402
 from kaon_runtime.kernels.quant_gemm_ref import w4a16_matmul_ref, w8a16_matmul_ref  # noqa: E402
@@ -78,10 +79,12 @@ def variants():
     yield "int4", "default", {}
     for bn in (32, 128):
         yield "int4", f"n{bn}", {"block_n": bn}
+    for bn, groups in itertools.product((16, 32, 64), (4, 8)):  # gemv_candidates.py
+        yield "int4", f"gemv n{bn}-g{groups}", {"gemv": True, "block_n": bn, "groups_per_step": groups}
 
 
 def call(fmt: str, x, w, options: dict, split_k: int | None):
-    if not options and split_k is None:  # what the engine runs today
+    if not options and split_k is None and w[0].dtype != torch.float8_e4m3fn:  # what the engine runs today
         return qg.w8a16_matmul(x, *w) if fmt == "int8" else qg.w4a16_matmul(x, *w, GROUP)
     if fmt == "int8":
         qweight, scales = w
@@ -90,6 +93,8 @@ def call(fmt: str, x, w, options: dict, split_k: int | None):
         return qg._launch(qg._w8a16_kernel, x, (qweight, scales), (qweight.stride(0),), qweight.shape[0],
                           triton.cdiv(x.shape[1], block_k), split_k, **opts)
     packed, scales, mins = w
+    if options.get("gemv"):
+        return w4a16_gemv(x, packed, scales, mins, GROUP, options["block_n"], options["groups_per_step"], split_k)
     return qg._launch(qg._w4a16_kernel, x, (packed, scales, mins), (packed.stride(0), scales.stride(0)),
                       packed.shape[0], x.shape[1] // GROUP, split_k, GROUP=GROUP, **options)
 
@@ -119,13 +124,24 @@ def sweep_shape(n: int, k: int, device: torch.device, dtype: torch.dtype) -> tup
         rows["fp8 scaled_mm"] = {"us": timer(lambda i: fp8_matmul_scaled_mm(x, *fp8[i % len(fp8)]), copies)}
         rows["fp8 activation quant only"] = {"us": timer(lambda i: (x / x.abs().amax()).to(torch.float8_e4m3fn),
                                                          copies)}
+        # fp8 weights read by the W8A16 kernel (e4m3 widens to bf16 exactly): no activation quantization.
+        for split_k in (None, 4):
+            key = "fp8 w8a16 kernel" + ("" if split_k is None else f" split{split_k}")
+            try:
+                expected = torch.nn.functional.linear(x.float(), fp8[0][0].float()) * fp8[0][1]
+                out = call("int8", x, fp8[0], {}, split_k)
+                error = ((out.float() - expected).norm() / expected.norm()).item()
+                rows[key] = {"us": timer(lambda i, split_k=split_k: call("int8", x, fp8[i % len(fp8)], {}, split_k),
+                                         copies), "rel_error": round(error, 5)}
+            except Exception as exc:  # noqa: BLE001  the compiler may refuse fp8 loads: a result too
+                rows[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         fp8.clear()
     dense.clear()  # frees the memory (the timed lambdas are done with it)
     for fmt in ("int8", "int4"):
         pool = [weights_of(fmt, n, k, device) for _ in range(copies)]
         expected = reference(fmt, x, pool[0])
         for kind, label, options in variants():
-            if kind != fmt or (DRY and label not in ("default", "n32-k256", "n32")):
+            if kind != fmt or (DRY and label not in ("default", "n32-k256", "n32", "gemv n32-g4")):
                 continue
             for split_k in (None, 4) if label != "default" else (None,):
                 key = f"{kind} {label}" + ("" if split_k is None else f" split{split_k}")
