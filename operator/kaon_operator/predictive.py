@@ -16,10 +16,12 @@ at a constant request rate scales up before the P99 is missed.
 - **Floor**: where no replica count brings the predicted P99 under the target (a long
   prompt's own prefill), the count stops where one more would gain less than MARGIN.
 - **Up**: at once when the rate of the last `scaleUpWindowSeconds` (its lower bound,
-  UP_SIGMAS Poisson deviations down), carried a cold start ahead along the part of a rise
-  over the window before that exceeds RISE_SIGMAS deviations, with the length mix of at
+  UP_SIGMAS Poisson deviations down), or of a SHORT_WINDOWS stretch (SHORT_SIGMAS down: a
+  step or a burst shows in seconds), carried a cold start ahead along the part of a rise
+  over the stretch before that exceeds RISE_SIGMAS deviations, with the length mix of at
   least MIX_REQUESTS requests, plus the backlog in flight beyond that rate's steady state
-  cleared over a cold start, needs more replicas. The reactive policy's evidence (a queue
+  cleared over a cold start, needs more replicas; then to what the rate itself (not its
+  lower bound) needs, so that a step is met in one move. The reactive policy's evidence (a queue
   over the whole window, a confident P99 miss in MISS_WINDOWS stretches in a row) still
   adds replicas when the model is wrong.
 - **Down**: only when the rate of the last `scaleDownStabilizationSeconds` (its upper
@@ -51,6 +53,8 @@ MIX_REQUESTS = 120  # the mean prompt and output lengths rest on at least these 
 RISE_SIGMAS = 3.0  # a rate rise counts as a trend past this many Poisson standard deviations
 UP_SIGMAS = 2.5  # scale up for the rate's lower bound over a scale-up window: Poisson noise moves nothing
 MISS_WINDOWS = 2  # a P99 miss overrides the model when it holds in this many stretches in a row
+SHORT_SIGMAS = 3.0  # more than UP_SIGMAS: every tick tests these windows too, and few requests are in them
+SHORT_WINDOWS = ((10.0, SHORT_SIGMAS), (20.0, SHORT_SIGMAS))  # (seconds, sigmas)
 DOWN_SIGMAS = UP_SIGMAS  # scale down for the upper bound over the stabilization window: the same confidence both ways
 
 
@@ -91,13 +95,32 @@ def needed(model: PerfModel, spec: AutoscalingSpec, demand: Load, bias: float,
     return spec.max_replicas + 1
 
 
-def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float) -> Load | None:
-    """The load of the last scale-up window, its rate carried a cold start ahead when it rose
-    significantly over the window before."""
-    seconds = spec.scale_up_window_seconds or 5
+def arrivals(history: list[Sample], since: float, until: float) -> Load | None:
+    """The load of (since, until]: the requests finished in it plus the change in concurrency
+    from the scrape that opens it (the last at or before `since`) to the one that closes it.
+    demand.load takes the change from its first sample, an interval short: on a window of a
+    few scrapes that alone doubled a jump of concurrency into a "rate". None without a usable
+    scrape at both ends."""
+    usable = [s for s in history if s.time <= until and s.mostly_answered]
+    opening = [s for s in usable if s.time <= since]
+    if not opening or usable[-1].time <= since:
+        return None
+    start, end = opening[-1], usable[-1]
+    inside = [s for s in history if start.time < s.time <= end.time]
+    arrived = max(0.0, sum(s.finished for s in inside) + end.estimated_concurrency - start.estimated_concurrency)
+    seconds = end.time - start.time
+    prompt = sum(s.prompt_tokens for s in inside) / arrived if arrived else 0.0
+    output = sum(s.output_tokens for s in inside) / arrived if arrived else 0.0
+    return Load(arrived / seconds, prompt, max(1.0, output), arrived, seconds)
+
+
+def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float,
+              seconds: float | None = None) -> Load | None:
+    """The load of the last `seconds` (the scale-up window), its rate carried a cold start
+    ahead when it rose significantly over the stretch before."""
+    seconds = seconds or spec.scale_up_window_seconds or 5
     recent = [s for s in history if s.time > now - seconds and s.mostly_answered]
-    before = [s for s in history if now - 2 * seconds < s.time <= now - seconds and s.mostly_answered]
-    demand = load(recent)
+    demand = arrivals(history, now - seconds, now) or load(recent)
     if demand is None:
         return None
     mixed = recent
@@ -108,7 +131,7 @@ def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, no
     mix = load(mixed)
     assert mix is not None  # `mixed` holds `recent`, which gave `demand`
     demand = Load(demand.rate, mix.prompt, mix.output, demand.requests, demand.seconds)
-    earlier = load(before)
+    earlier = arrivals(history, now - 2 * seconds, now - seconds)
     if earlier is not None:
         # Only the part of the rise beyond noise is carried ahead.
         rise = demand.requests - earlier.requests - RISE_SIGMAS * math.sqrt(demand.requests + earlier.requests)
@@ -183,13 +206,18 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
     newest = model_bias.newest(stretches)
     factor = model_bias.confident(newest)
     wishes = []
-    demand = projected(history, spec, model, now)
-    if demand is not None:
+    for seconds, sigmas in ((spec.scale_up_window_seconds or 5, UP_SIGMAS), *SHORT_WINDOWS):
+        demand = projected(history, spec, model, now, seconds)
+        if demand is None:
+            continue
         demand = with_backlog(demand, history[-1], model, current)
-        n = needed(model, spec, demand.bound(-UP_SIGMAS), factor)
-        if n > current:
-            wishes.append((n, f"rate {demand.rate:.2f}/s, prompts {demand.prompt:.0f} and outputs "
-                              f"{demand.output:.0f} tokens need {n} by the performance model (bias {factor:.2f})"))
+        # Whether from the rate's lower bound, how many from the rate itself: once a window
+        # proves that more are needed, a step is met in one move, not a replica a tick.
+        if needed(model, spec, demand.bound(-sigmas), factor) > current:
+            n = needed(model, spec, demand, factor)
+            wishes.append((n, f"rate {demand.rate:.2f}/s over {seconds:g}s, prompts {demand.prompt:.0f} and "
+                              f"outputs {demand.output:.0f} tokens need {n} by the performance model "
+                              f"(bias {factor:.2f})"))
     # Queue, P99 missed: a miss overrides the model only when sustained (the bias takes the rest).
     evidence = autoscaler.up_wish(history, spec, math.inf, current, now, last_change, MISS_WINDOWS)
     if evidence is not None:

@@ -170,3 +170,24 @@ def test_a_scale_down_also_heeds_the_bias_the_requests_point_at_before_they_prov
     newest = model_bias.newest(model_bias.judged(history, MODEL, spec()))
     assert model_bias.confident(newest) < model_bias.multiplier(newest)
     assert decide(history, last_change=-1000).replicas == 2  # not 1, which the proven bias alone allows
+
+
+def test_a_short_window_counts_arrivals_from_the_scrape_that_opens_it():
+    # 5 requests finished a tick; concurrency jumped from 3 to 13 two ticks ago and stayed.
+    history = steady(300, rate=1.0) + [sample(300.0, 3, 1.0, 144, in_flight=13.0),
+                                      sample(305.0, 3, 1.0, 144, in_flight=13.0)]
+    counted = predictive.arrivals(history, 295.0, 305.0)
+    assert counted is not None and math.isclose(counted.rate, 2.0)  # 10 finished + 10 more in flight over 10 s
+    assert math.isclose(predictive.load(history[-2:]).rate, 1.0)  # the samples alone miss the jump
+
+
+def test_a_step_in_rate_is_met_in_one_move_sized_by_the_rate_not_its_lower_bound():
+    s = spec(max_step=10)
+    history = steady(600, ready=1, rate=1.0) + [sample(600 + i * TICK, 1, 5.0, 144) for i in range(4)]
+    decision = decide(history, current=1, s=s, last_change=-1000)
+    windows = ((60, predictive.UP_SIGMAS), *predictive.SHORT_WINDOWS)
+    bias = model_bias.confident(model_bias.newest(model_bias.judged(history, MODEL, s)))
+    lower = [predictive.needed(MODEL, s, predictive.projected(history, s, MODEL, history[-1].time, w).bound(-z), bias)
+             for w, z in windows]
+    # Each window's lower bound proves more are needed; the rate itself says how many.
+    assert max(lower) > 1 and decision.replicas > max(lower), (lower, decision.reason)
