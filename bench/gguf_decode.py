@@ -1,6 +1,6 @@
 """GGUF files kept quantized: kaon against llama.cpp on the same Q4_K_M and Q8_0 files, in one run.
 
-    python bench/gguf_decode.py [--types Q8_0 Q4_K_M Q5_K_M] [--tokens 64] [--repeats 3]
+    python bench/gguf_decode.py [--types Q8_0 Q4_K_M Q5_K_M] [--tokens 64] [--repeats 3] [--rounds 1]
 
 The files are made here by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize)
 from the bundled SmolLM2-135M-Instruct Q4_1 GGUF (requantized: no bf16 weights on this machine;
@@ -8,7 +8,9 @@ fine for speed and memory, not for quality). SmolLM2's hidden size, 576, is not 
 256, so llama.cpp's Q4_K_M falls back to Q5_0 for most tensors (Q4_K/Q6_K only where K = 1536),
 and its Q5_K_M to Q5_1 (Q5_K/Q6_K where K = 1536).
 
-Per file, each side in a child process of its own: batch-1 decode tokens/s after a short prompt,
+Per file, each side in a child process of its own (with --rounds N, llama.cpp and kaon alternate N
+times and each side's median is reported with every round's ratio: on a shared machine the load moves
+between two children more than the kernels differ): batch-1 decode tokens/s after a short prompt,
 prefill excluded (bench/cpu_decode.py's `rate`); kaon also reports the bytes of its loaded weights
 (parameters and buffers), the same with every copy its kernels made of them (distinct storages
 after decoding, the KV pool not counted), the KV pool's bytes, and its process's resident memory
@@ -24,6 +26,7 @@ import ctypes
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +151,7 @@ def main() -> int:
     parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K_M"], choices=list(FTYPES))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # side, file, dtype
     args = parser.parse_args()
     if args.child:
@@ -165,9 +169,13 @@ def main() -> int:
     for type_name in args.types:
         path = make_file(type_name)
         USER_ENV["KAON_BENCH_IDS"] = json.dumps(prompt_ids(path))
-        peer = child(args, "--child", "llama.cpp", str(path), "-")
-        own = child(args, "--child", "kaon", str(path), "auto")
+        peers, owns = [], []
+        for _ in range(args.rounds):
+            peers.append(child(args, "--child", "llama.cpp", str(path), "-"))
+            owns.append(child(args, "--child", "kaon", str(path), "auto"))
         ref = child(args, "--child", "kaon", str(path), "float32")
+        peer = dict(peers[0], tok_s=statistics.median(p["tok_s"] for p in peers))
+        own = dict(owns[0], tok_s=statistics.median(o["tok_s"] for o in owns))
         size = path.stat().st_size
         print(f"{path.name}: {size / mib:.1f} MiB")
         print(f"  llama.cpp            {peer['tok_s']:7.1f} tok/s                      greedy as kaon float32's: "
@@ -179,6 +187,9 @@ def main() -> int:
                   f"{r['kv_bytes'] / mib:.0f} MiB; process +"
                   f"{r['rss_loaded'] / mib:.0f} MiB loaded, +{r['rss_decoded'] / mib:.0f} MiB after decoding"
                   + (f"; greedy as float32's: {agreement(r['greedy'], ref['greedy'])}" if r is own else ""))
+        if args.rounds > 1:
+            print("  rounds (llama.cpp / kaon tok/s, ratio): " + ", ".join(
+                f"{p['tok_s']:.1f} / {o['tok_s']:.1f} {o['tok_s'] / p['tok_s']:.2f}x" for p, o in zip(peers, owns)))
     return 0
 
 
