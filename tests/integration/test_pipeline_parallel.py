@@ -88,7 +88,8 @@ def test_stages_generate_what_one_process_does(family, pp, tp):
 
 def test_a_busy_pipeline_keeps_a_micro_batch_per_stage_and_the_tokens(tmp_path_factory, gguf_path):
     """Eight requests of different lengths at once: two micro-batches of four stay in flight, so stage 0 runs
-    one while stage 1 runs the other, and each sequence's tokens are still PP=1's."""
+    one while stage 1 runs the other, and each sequence's tokens are still PP=1's, also when one of them is
+    aborted while its micro-batch is in flight."""
     path = hf_dir("llama", tmp_path_factory, gguf_path)
     prompts = [PREFIX + list(range(100 + 9 * i, 110 + 12 * i)) for i in range(4)] + \
               [list(range(3000 + 100 * i, 3020 + 100 * i + 11 * i)) for i in range(4)]
@@ -101,6 +102,18 @@ def test_a_busy_pipeline_keeps_a_micro_batch_per_stage_and_the_tokens(tmp_path_f
         outputs = staged.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert staged.engine.in_flight is not None and staged.engine.in_flight.peak == 2
+        # A request aborted while its micro-batch is in flight: the others finish as before.
+        engine = staged.engine
+        for i in range(8):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        finished = {o.request_id: o for o in engine.step() if o.finished}
+        aborted = next(seq.request_id for seq in engine.in_flight.busy)
+        engine.abort_request(aborted)
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert aborted not in finished
+        assert {r: o.outputs[0].token_ids for r, o in finished.items()} == \
+            {f"r{i}": expected[i] for i in range(8) if f"r{i}" != aborted}
     finally:
         staged.close()
 
