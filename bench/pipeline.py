@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +49,29 @@ def write_model(path: Path, layers: int, hidden: int) -> None:
     model.save_pretrained(path, safe_serialization=True)
     load_gguf(resolve_model(BUNDLED)).tokenizer.backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+
+
+MATMUL_LOOP = """
+import sys, time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+a @ b
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < float(sys.argv[1]):
+    a @ b
+    n += 1
+print(n * 2 * 1024 ** 3 / (time.perf_counter() - start) / 1e9)
+"""
+
+
+def parallel_capacity(seconds: float = 4.0) -> tuple[float, float]:
+    """GFLOP/s of one single-thread matmul process alone, and of two at once in all: what the machine
+    gives two busy processes now (on a shared machine, often less than twice one)."""
+    def run(count: int) -> float:
+        procs = [subprocess.Popen([sys.executable, "-c", MATMUL_LOOP, str(seconds)], stdout=subprocess.PIPE, text=True)
+                 for _ in range(count)]
+        return sum(float(p.communicate()[0]) for p in procs)
+    return run(1), run(2)
 
 
 def load(path: str, pp: int, max_num_seqs: int) -> tuple[LLM, float]:
@@ -96,6 +120,7 @@ def main() -> None:
             for llm in (one, two):  # warm-up
                 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             identical = True
+            alone, pair = parallel_capacity()
             # Interleaved, so that the other load on a shared machine falls on both alike.
             for _ in range(args.rounds):
                 tok_s, expected = timed(one, prompts, params, cores)
@@ -129,6 +154,8 @@ def main() -> None:
                         ("pp1_half", f"PP=1, {half} thread(s)")):
         print(f"throughput {label}: median {statistics.median(runs[name]):.1f} tok/s "
               f"(rounds: {', '.join(f'{x:.1f}' for x in runs[name])})")
+    print(f"this machine now: one single-thread matmul process {alone:.1f} GFLOP/s, two at once {pair:.1f} GFLOP/s "
+          f"in all ({pair / alone:.2f}x: what overlapping two stages can gain at most)")
     ratios = [b / a for a, b in zip(runs["pp1"], runs["pp2"])]
     print(f"ratio PP=2 (2 in flight) / PP=1 on the same {cores} cores: median {statistics.median(ratios):.2f} "
           f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}; goal >= 0.9); overlap's gain over 1 in flight: "
