@@ -49,8 +49,8 @@ def test_repacked_weights_dequantize_as_gguf_does(type_name):
     raw = gguf_blocks(type_name, rows=24, k=512)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32))
     weight = gguf_quant.repack(type_name, raw)
-    assert isinstance(weight, Int4Weight) == (type_name in gguf_quant.INT4_TYPES)
-    assert isinstance(weight, BitPlanesWeight) == (type_name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K"))
+    assert isinstance(weight, Int4Weight) == (type_name in ("Q4_0", "Q4_1"))
+    assert isinstance(weight, BitPlanesWeight) == (type_name in ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"))
     assert torch.equal(dequantized(weight), expected)
     if isinstance(weight, BitPlanesWeight):  # held no wider than the values: 5 or 6 bits each
         assert int(weight.values.max()) < 2 ** weight.bits
@@ -61,9 +61,12 @@ def test_mixed_parts_widen_to_group_int8_exactly():
     fused = gguf_quant.concat(parts)
     assert isinstance(fused, GroupInt8Weight)
     assert torch.equal(dequantized(fused), torch.cat([dequantized(p) for p in parts]))
-    int4 = gguf_quant.concat(parts[:2])  # float32 and float16 scales: one int4 weight, float32
-    assert isinstance(int4, Int4Weight) and int4.scales.dtype == torch.float32
-    assert torch.equal(dequantized(int4), torch.cat([dequantized(p) for p in parts[:2]]))
+    q4_1 = gguf_quant.repack("Q4_1", gguf_blocks("Q4_1", 16, 256))
+    int4 = gguf_quant.concat([parts[1], q4_1])  # float16 scales alike: one int4 weight
+    assert isinstance(int4, Int4Weight)
+    assert torch.equal(dequantized(int4), torch.cat([dequantized(parts[1]), dequantized(q4_1)]))
+    planes = gguf_quant.concat([parts[0], gguf_quant.repack("Q4_K", gguf_blocks("Q4_K", 8, 256, seed=9))])
+    assert isinstance(planes, BitPlanesWeight) and planes.bits == 4 and planes.values.shape == (24, 256)
 
 
 def test_unknown_type_and_torn_rows_are_refused():
@@ -109,8 +112,8 @@ def test_kept_linears_on_cpu_match_their_float_weight(type_name):
         torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
-def test_5_and_6_bit_weights_are_held_once_in_their_own_width(type_name):
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_4_5_and_6_bit_weights_are_held_once_in_their_own_width(type_name):
     """The kernel's planes are the module's only copy, give every value back, and take the values' own
     bits (a nibble, one or two high bits) plus the scales (and mins)."""
     rows, k = 20, 512  # 20 rows: padded to 24, three groups of the kernel's eight lanes
@@ -122,5 +125,5 @@ def test_5_and_6_bit_weights_are_held_once_in_their_own_width(type_name):
     back = layer.weight
     assert torch.equal(back.values, weight.values) and torch.equal(dequantized(back), dequantized(weight))
     scale_bytes = weight.scales.element_size() * (2 if weight.mins is not None else 1) / weight.group_size
-    per_weight = weight.bits / 8 + scale_bytes  # Q5_0 and Q5_1: 6 bits, Q5_K 7, Q6_K 8
+    per_weight = weight.bits / 8 + scale_bytes  # Q4_K 6 bits, Q5_0 and Q5_1 6, Q5_K 7, Q6_K 8
     assert sum(b.numel() * b.element_size() for b in layer.buffers()) == 24 * k * per_weight

@@ -1,4 +1,4 @@
-"""5- and 6-bit weights held in 5 and 6 bits: a 4-bit plane and a plane of the bits above it.
+"""4-, 5- and 6-bit weights held in their own width: a 4-bit plane and a plane of the bits above it.
 
 GGUF's Q5_0, Q5_1, Q5_K (5-bit values, a scale and a min per 32) and Q6_K (6-bit values, a
 scale per 16) used to widen to int8 (quant/group_int8.py: 8 bits and a float32 scale per 16),
@@ -13,7 +13,10 @@ them with one shift, mask and or per vector, so the kernel is Q4_1's plus three 
 The values stay unsigned (u <= 63 keeps the u8 x s8 products exact); Q6_K's offset of 32 comes
 off in integers in the kernel.
 
-Two shapes, each what the file's blocks hold exactly:
+Three shapes, each what the file's blocks hold exactly:
+  4 bits, groups of 32, float32 scale and min (Q4_K: d * sc, -dmin * m; no high plane): held here
+         rather than as quant/int4.py's Int4Weight so that the kernel's copy is the only one (Int4Linear
+         keeps its own layout and makes torch's for few-row matmuls);
   5 bits, groups of 32, scale and min (Q5_0: min = -16 d; Q5_1: d, m; Q5_K: d * sc, -dmin * m),
          float16 where the file's own float16s are the scale and min (Q5_0, Q5_1), else float32;
   6 bits, groups of 16, scale only, offset 32 (Q6_K: d * sc in float32).
@@ -38,8 +41,8 @@ class BitPlanesWeight:
     values: torch.Tensor  # uint8 [N, K], each below 2 ** bits
     scales: torch.Tensor  # float16 or float32 [N, K / group_size]
     mins: torch.Tensor | None  # as scales, or None
-    bits: int  # 5 or 6
-    group_size: int  # 32 (5 bits) or 16 (6 bits)
+    bits: int  # 4, 5 or 6
+    group_size: int  # 32 (4 and 5 bits) or 16 (6 bits)
     offset: int = 0  # subtracted from every value: 32 for Q6_K
 
 
@@ -73,7 +76,12 @@ def _kernel_layout(weight: BitPlanesWeight, bias: torch.Tensor | None) -> cpu_de
     """The fused CPU kernel's copy, for the two shapes it reads (None: another shape, or off the CPU)."""
     if weight.values.device.type != "cpu" or weight.values.shape[1] % cpu_decode.QBLOCK:
         return None
-    if (weight.bits, weight.group_size, weight.offset) == (5, cpu_decode.QBLOCK, 0) and weight.mins is not None:
+    shape = (weight.bits, weight.group_size, weight.offset)
+    if shape == (4, cpu_decode.QBLOCK, 0) and weight.mins is not None and weight.scales.dtype == torch.float32:
+        packed = weight.values.reshape(weight.values.shape[0], -1, 2, 16)
+        packed = (packed[:, :, 0] | (packed[:, :, 1] << 4)).reshape(weight.values.shape[0], -1)  # Q4_1's order
+        return cpu_decode.LinearWeights.q4_f32(packed, weight.scales, weight.mins.float(), bias)
+    if shape == (5, cpu_decode.QBLOCK, 0) and weight.mins is not None:
         return cpu_decode.LinearWeights.q5(weight.values, weight.scales, weight.mins, bias)
     if (weight.bits, weight.group_size, weight.offset) == (6, cpu_decode.G16, 32) and weight.mins is None:
         return cpu_decode.LinearWeights.q6_g16(weight.values, weight.scales.float(), bias)
@@ -85,6 +93,8 @@ def _values_from_kernel(nibbles: torch.Tensor, high: torch.Tensor, bits: int, n:
     blocks = k // cpu_decode.QBLOCK
     raw = nibbles.reshape(-1, blocks, 4, _LANES, 4).permute(0, 3, 1, 2, 4)  # [g, lane, b, t, i]
     low = torch.stack([raw & 0x0F, raw >> 4], dim=3)  # [g, lane, b, half, t, i]: value 16 half + 4t + i
+    if bits == 4:
+        return low.reshape(-1, k)[:n]
     if bits == 5:
         plane = high.reshape(-1, blocks, _LANES, 4).permute(0, 2, 1, 3)[:, :, :, None, None, :]  # [g, lane, b, 1, 1, i]
         shifts = torch.arange(8, dtype=torch.uint8).reshape(2, 4, 1)
@@ -117,8 +127,9 @@ class BitPlanesLinear(QuantizedLinear):
             unbiased = cpu_decode.Linear.from_buffer_copy(held.struct)
             unbiased.bias = None
             self._unbiased = cpu_decode.LinearWeights(unbiased, held.tensors)
-            nibbles, high, scales, *rest = held.tensors
-            mins = rest[0] if weight.mins is not None else None
+            nibbles, *rest = held.tensors
+            high = rest.pop(0) if weight.bits > 4 else torch.empty(0, dtype=torch.uint8)
+            scales, mins = rest[0], rest[1] if weight.mins is not None else None
         else:
             nibbles, high, scales, mins = weight.values, torch.empty(0, dtype=torch.uint8), weight.scales, weight.mins
         self.register_buffer("nibbles", nibbles)

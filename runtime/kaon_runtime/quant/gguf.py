@@ -5,8 +5,9 @@ them exactly (`repack`; tests/unit/test_gguf_quant.py checks every type against 
 package's own dequantizer):
 
   Q4_0, Q4_1      -> Int4Weight, groups of 32, float16 scale and min (Q4_0: min = -8 * scale)
-  Q4_K            -> Int4Weight, groups of 32, float32 scale d * sc and min -dmin * m (float16
-                     would round the products of a float16 and a 6-bit integer)
+  Q4_K            -> BitPlanesWeight, 4 bits (no high plane), groups of 32, float32 scale d * sc
+                     and min -dmin * m (float16 would round the products of a float16 and a 6-bit
+                     integer), held once in the fused kernel's layout
   Q5_0, Q5_1, Q5_K -> BitPlanesWeight, 5 bits, groups of 32: scale and min float16 (Q5_0's min
                      -16 * d, exact) or, for Q5_K's products, float32
   Q6_K            -> BitPlanesWeight, 6 bits, groups of 16, offset 32, float32 d * sc
@@ -194,12 +195,12 @@ def _k_scale_min(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
 
 
-def _q4_k(b: np.ndarray) -> Int4Weight:
+def _q4_k(b: np.ndarray) -> BitPlanesWeight:
     # 128 bytes: for j < 4, sub-block 2j in the low nibbles of bytes 32j.., 2j + 1 in their high ones
     qs = b[..., 16:144].reshape(*b.shape[:2], 4, 1, 32)
     values = np.concatenate([qs & 0x0F, qs >> 4], axis=-2)
     scales, mins = _k_scale_min(b)
-    return _int4(values, scales, mins, torch.float32)
+    return _planes(values, scales, mins, 4, 32)
 
 
 def _q5_k(b: np.ndarray) -> BitPlanesWeight:
