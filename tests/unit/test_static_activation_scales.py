@@ -1,5 +1,5 @@
 """compressed-tensors checkpoints with static activation quantization (`input_activations`, dynamic
-false: an `input_scale` per linear) are applied, and a `kv_cache_scheme` is refused in one line.
+false: an `input_scale` per linear) are applied, and a `kv_cache_scheme` loads with a warning.
 
 The reference is transformers on the same directory (weights decompressed to float32) with each
 quantized linear's input rounded to the checkpoint's grid by a forward hook written here from the
@@ -76,13 +76,25 @@ def test_static_input_scales_are_applied(case, tmp_path, gguf_path, float_kernel
     assert expected != unrounded  # the scales matter: a loader that dropped them would fail
 
 
-def test_a_kv_cache_scheme_is_refused_naming_it(tmp_path, gguf_path):
+def test_a_kv_cache_scheme_loads_with_a_warning_and_its_scales_unused(tmp_path, gguf_path, caplog):
+    """As llm-compressor writes an FP8 KV cache: the scheme in the config, k_scale / v_scale on every
+    attention; the tokens are those of the same checkpoint without it."""
+    from safetensors.torch import load_file, save_file
+
     write_compressed_tensors(tmp_path, gguf_path, CASES["fp8"][0], "float-quantized")
+    _, expected = _generate(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     config["kv_cache_scheme"] = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
     update_config(tmp_path, quantization_config=config)
-    with pytest.raises(ModelLoadError, match=r"^compressed-tensors kv_cache_scheme .* is not supported: [^\n]*$"):
-        LLM(str(tmp_path), show_progress=False, device="cpu")
+    tensors = load_file(tmp_path / "model.safetensors")
+    for layer in range(2):
+        for name in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([0.05])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        _, tokens = _generate(tmp_path)
+    assert tokens == expected
+    assert any("kv_cache_scheme" in r.getMessage() for r in caplog.records)
 
 
 def test_a_missing_input_scale_is_named(tmp_path, gguf_path):

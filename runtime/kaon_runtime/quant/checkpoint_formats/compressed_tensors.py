@@ -10,9 +10,13 @@ Static activation quantization (`input_activations` with dynamic false, per tens
 `input_scale`) is applied (quant/static_inputs.py), and so is W8A8's dynamic per-token int8 (int8 x int8
 products, quant/dynamic_inputs.py); dynamic FP8 activations are not: kaon multiplies float activations
 with the kept-narrow weights (fp8 on a GPU quantizes activations per row itself).
-A `kv_cache_scheme` (static KV-cache scales) is refused: kaon's KV cache keeps --kv-cache-dtype.
+A `kv_cache_scheme` (an FP8 KV cache's static k_scale / v_scale) loads with a warning and its scales
+unused: kaon has no FP8 KV cache, so keys and values stay in --kv-cache-dtype (more memory than the
+publisher planned, no less accuracy), as vLLM does unless told `--kv-cache-dtype fp8`.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -24,6 +28,7 @@ from kaon_runtime.quant.checkpoint_formats.scheme import CheckpointScheme
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 _SUFFIXES = frozenset({"weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"})
 _STATIC = frozenset({"input_scale", "input_zero_point"})  # read when activations are static
+log = logging.getLogger(__name__)
 _IGNORED = frozenset({"input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale",
                       "v_scale", "input_global_scale", "weight_global_scale"})
 
@@ -42,8 +47,8 @@ def scheme(config: dict) -> CheckpointScheme:
         raise ModelLoadError(f"compressed-tensors weights {sorted(map(str, kinds))} are not supported; "
                              "supported: int 4-bit, int 8-bit, float 8-bit")
     if config.get("kv_cache_scheme"):
-        raise ModelLoadError("compressed-tensors kv_cache_scheme (a quantized KV cache with the checkpoint's "
-                             "k_scale / v_scale) is not supported: kaon's KV cache keeps --kv-cache-dtype")
+        log.warning("compressed-tensors kv_cache_scheme: kaon has no quantized KV cache, so the checkpoint's "
+                    "k_scale / v_scale are not used and keys and values stay in --kv-cache-dtype")
     static = _static_inputs([group.get("input_activations") or {} for group in groups])
     dynamic = _dynamic_inputs([group.get("input_activations") or {} for group in groups], weights)
     kind = sorted(kinds)[0]
