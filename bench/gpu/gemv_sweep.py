@@ -99,13 +99,29 @@ def call(fmt: str, x, w, options: dict, split_k: int | None):
                       packed.shape[0], x.shape[1] // GROUP, split_k, GROUP=GROUP, **options)
 
 
-def weights_of(fmt: str, n: int, k: int, device):
+def weights_of(fmt: str, n: int, k: int, device, group: int = GROUP):
     if fmt == "int8":
         return (torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device),
                 torch.rand(n, device=device) / 100)
     return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
-            (torch.rand(n, k // GROUP, device=device) / 50).half(),
-            (-torch.rand(n, k // GROUP, device=device) / 7).half())
+            (torch.rand(n, k // group, device=device) / 50).half(),
+            (-torch.rand(n, k // group, device=device) / 7).half())
+
+
+def checkpoint_formats(x: torch.Tensor, n: int, k: int, copies: int, timer) -> dict:
+    """What issue 36's GPU goals compare, at the kernel: W4A16 in AWQ/GPTQ's usual groups of 128 (they
+    load into kaon's int4 layout, g_idx reordered once) against kaon's own groups of 32, and
+    DeepSeek/Qwen3-style FP8 with 128 x 128 block scales (Fp8BlockLinear) against per-channel fp8."""
+    from kaon_runtime.quant.fp8_block import Fp8BlockLinear
+    rows: dict = {}
+    pool = [weights_of("int4", n, k, x.device, 128) for _ in range(copies)]
+    rows["int4 g128 (AWQ/GPTQ) default"] = {"us": timer(lambda i: qg.w4a16_matmul(x, *pool[i], 128), copies)}
+    pool.clear()
+    blocks = [Fp8BlockLinear(quantize_fp8(torch.randn(n, k, device=x.device, dtype=x.dtype) / 64)[0],
+                             torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), device=x.device) / 100, (128, 128))
+              for _ in range(max(1, copies // 2))]
+    rows["fp8 block128 (Fp8BlockLinear)"] = {"us": timer(lambda i: blocks[i % len(blocks)].matmul(x), copies)}
+    return rows
 
 
 def reference(fmt: str, x, w):
@@ -136,6 +152,7 @@ def sweep_shape(n: int, k: int, device: torch.device, dtype: torch.dtype) -> tup
             except Exception as exc:  # noqa: BLE001  the compiler may refuse fp8 loads: a result too
                 rows[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         fp8.clear()
+        rows |= checkpoint_formats(x, n, k, copies, timer)
     dense.clear()  # frees the memory (the timed lambdas are done with it)
     for fmt in ("int8", "int4"):
         pool = [weights_of(fmt, n, k, device) for _ in range(copies)]
