@@ -1,6 +1,7 @@
 """Perplexity of SmolLM2 in each checkpoint format kaon serves, against the format's own tool on the same file.
 
-    python bench/format_perplexity.py [--rows float32 int8 Q4_1 Q8_0 Q4_K_M Q5_K_M Q4_0 W4A16 W8A8 GPTQ]
+    python bench/format_perplexity.py [--rows float32 int8 Q4_1 Q8_0 Q4_K_M Q5_K_M Q4_0 W4A16 W8A8 GPTQ
+                                              AWQ FP8 GPTQ8 GPTQ-act Q6_K Q5_0]
                                       [--window 1024] [--tokens N]
                                       [--path decode|prefill] [--json out.json]
 
@@ -12,7 +13,7 @@ default, and the checkpoint's publisher tool on the very same file:
   float32   the Q4_1 file dequantized (kaon --dtype float32)      transformers, the same GGUF in float32
   int8      kaon's own int8 of it (--quantization int8)            (none: against float32)
   Q4_1      the file itself, kept quantized (kaon's int4)          llama.cpp (llama-cpp-python's logits)
-  Q8_0, Q4_K_M, Q5_K_M, Q4_0  made from it by llama.cpp's quantizer  llama.cpp on the same file
+  Q8_0, Q4_K_M, Q5_K_M, Q4_0, Q6_K, Q5_0  made from it by llama.cpp's quantizer   llama.cpp on the same file
   W4A16     a compressed-tensors pack-quantized directory          transformers on the same directory
             (4-bit, groups of 64, asymmetric; written here)       (it decompresses to float32)
   W8A8      compressed-tensors int-quantized: int8 per-channel     transformers on the same directory with
@@ -21,6 +22,10 @@ default, and the checkpoint's publisher tool on the very same file:
   GPTQ      4-bit, groups of 64, asymmetric, AutoGPTQ's v1          transformers on the weights unpacked and
             layout (bench/quantized_checkpoints.py writes it)     dequantized here (transformers loads GPTQ
                                                                   only through gptqmodel, not installed)
+  FP8       compressed-tensors float-quantized, per-channel       transformers on the same directory
+  AWQ, GPTQ8, GPTQ-act  AutoAWQ GEMM 4-bit g64 asymmetric;       transformers on the float weights the
+            GPTQ 8-bit g64 and 4-bit g64 act-order (g_idx),       writer quantized to (transformers loads
+            symmetric (bench/packed_checkpoints.py writes them)   AWQ only through autoawq, not installed)
 
 kaon runs `--path decode` by default: one token per step through the fused C decode step, as serving
 does (its narrow kernels quantize activations to int8 per block of 32, as llama.cpp's do).
@@ -47,7 +52,12 @@ from perplexity import TEXT, score  # noqa: E402
 from kaon_runtime import LLM  # noqa: E402
 from kaon_runtime.loader import resolve_model  # noqa: E402
 
-ROWS = ("float32", "int8", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q4_0", "W4A16", "W8A8", "GPTQ")
+ROWS = ("float32", "int8", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q4_0", "W4A16", "W8A8", "GPTQ",
+        "AWQ", "FP8", "GPTQ8", "GPTQ-act", "Q6_K", "Q5_0")
+PACKED = {"AWQ": dict(method="awq", bits=4, group=64, sym=False),  # name -> bench/packed_checkpoints.py's arguments
+          "GPTQ8": dict(method="gptq", bits=8, group=64, sym=True),
+          "GPTQ-act": dict(method="gptq", bits=4, group=64, sym=True, act_order=True)}
+FP8 = dict(num_bits=8, type="float", symmetric=True, strategy="channel")
 W4A16 = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64)
 W8A8_WEIGHTS = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
 PER_TOKEN_INT8 = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
@@ -154,12 +164,12 @@ def gptq_dequantized(directory: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def transformers_on_gptq(directory: Path, source: Path):
-    """transformers' Llama on the GGUF's float weights with every linear replaced by the GPTQ one dequantized."""
-    model, weights = transformers_on_gguf(source), gptq_dequantized(directory)
+def transformers_on_weights(source: Path, weights: dict[str, torch.Tensor]):
+    """transformers' Llama on the GGUF's float weights with the linears in `weights` replaced by those."""
+    model = transformers_on_gguf(source)
     missing = set(weights) - set(model.state_dict())
     if missing:
-        raise SystemExit(f"GPTQ tensors with no place in transformers' model: {sorted(missing)[:3]}")
+        raise SystemExit(f"quantized tensors with no place in transformers' model: {sorted(missing)[:3]}")
     model.load_state_dict(weights, strict=False)
     return model
 
@@ -197,9 +207,28 @@ def row(name: str, windows: list[list[int]], path: str, bundled: Path, tmp: Path
         directory.mkdir()
         write_gptq(directory, GPTQ_GROUP)
         return (kaon_perplexity(str(directory), windows, path),
-                transformers_perplexity(transformers_on_gptq(directory, bundled), windows),
+                transformers_perplexity(transformers_on_weights(bundled, gptq_dequantized(directory)), windows),
                 "transformers, GPTQ dequantized")
-    file = bundled if name == "Q4_1" else make_file(name)
+    if name == "FP8":
+        directory = tmp / "fp8"
+        write_compressed(directory, bundled, FP8, "float-quantized")
+        return (kaon_perplexity(str(directory), windows, path),
+                transformers_perplexity(transformers_on_compressed(directory), windows), "transformers, same dir")
+    if name in PACKED:
+        from packed_checkpoints import write_packed
+
+        directory = tmp / name
+        directory.mkdir()
+        floats = write_packed(directory, **PACKED[name])
+        return (kaon_perplexity(str(directory), windows, path),
+                transformers_perplexity(transformers_on_weights(bundled, floats), windows),
+                "transformers, weights as written")
+    if name in ("Q6_K", "Q5_0"):
+        from packed_checkpoints import quantized_gguf
+
+        file = quantized_gguf(name, tmp)
+    else:
+        file = bundled if name == "Q4_1" else make_file(name)
     return kaon_perplexity(str(file), windows, path), llama_cpp_perplexity(file, windows), "llama.cpp, same file"
 
 
