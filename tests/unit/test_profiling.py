@@ -163,6 +163,18 @@ def test_the_fit_recovers_known_coefficients():
     assert [model[t] for t in "abcd"] == pytest.approx([0.02, 0.0015, 0.0004, 1e-6], rel=1e-6)
 
 
+def test_a_noisy_grid_without_a_fixed_cost_still_gives_the_operator_a_model():
+    """Least squares puts this grid's intercept below zero (a small grid measured on a busy machine, as
+    CI's kaon profile once was); every step costs something, and PerfModel refuses a <= 0."""
+    grid = [perf_profile.GridPoint(1, 0, 0, 0.02), perf_profile.GridPoint(2, 0, 0, 0.06),
+            perf_profile.GridPoint(0, 32, 32, 0.14), perf_profile.GridPoint(0, 128, 128, 0.89)]
+    a, b, c, d = perf_profile.fit(grid)
+    assert 0 < a <= 0.01 * 0.02 and min(b, c, d) >= 0
+    body = {"a": a, "b": b, "c": c, "d": d, "cold_start_seconds": 9.0, "max_num_seqs": 8,
+            "max_num_batched_tokens": 1024, "kv_cache_tokens": None, "key": {}, "grid": []}
+    PerfModel.from_json(json.dumps(body))
+
+
 def test_the_written_model_is_the_operators_and_fits_a_termination_message():
     body = measured_model(8)
     body["grid"] = body["grid"] * 12  # 96 points: more than 4 KiB

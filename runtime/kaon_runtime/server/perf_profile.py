@@ -72,20 +72,29 @@ def low_quantile(values: list[float], q: float = 0.25) -> float:
 
 def fit(grid: list[GridPoint]) -> tuple[float, float, float, float]:
     """(a, b, c, d) by least squares; the slopes that come out negative are refitted without
-    (measurement noise: more work never makes a step faster)."""
+    (measurement noise: more work never makes a step faster). When noise leaves no fixed cost
+    (a <= 0), a is set to 1% of the fastest step and the slopes refitted to what remains: every
+    step costs something, and the operator's model requires a > 0."""
     if len(grid) < 2:
         raise ValueError("fitting a step-time model needs at least two measured points")
     features = np.array([(1.0, p.batch, p.prefill_tokens, p.context_tokens) for p in grid])
     seconds = np.array([p.seconds for p in grid])
-    keep = [0, 1, 2, 3]
-    while True:
-        solved, *_ = np.linalg.lstsq(features[:, keep], seconds, rcond=None)
+    terms = _nonnegative_slopes(features, seconds, [0, 1, 2, 3])
+    if terms.get(0, 0.0) <= 0:
+        floor = 0.01 * float(seconds.min())
+        terms = {0: floor, **_nonnegative_slopes(features, seconds - floor, [1, 2, 3])}
+    return terms[0], terms.get(1, 0.0), terms.get(2, 0.0), terms.get(3, 0.0)
+
+
+def _nonnegative_slopes(features: np.ndarray, target: np.ndarray, keep: list[int]) -> dict[int, float]:
+    """Least squares over the columns `keep`, dropping the slopes (columns but 0) that come out negative."""
+    while keep:
+        solved, *_ = np.linalg.lstsq(features[:, keep], target, rcond=None)
         negative = [term for term, value in zip(keep, solved) if term and value < 0]
         if not negative:
-            break
+            return dict(zip(keep, solved.tolist()))
         keep = [term for term in keep if term not in negative]
-    terms = dict(zip(keep, solved.tolist()))
-    return max(terms[0], 0.0), terms.get(1, 0.0), terms.get(2, 0.0), terms.get(3, 0.0)
+    return {}
 
 
 def fitting(model: dict, max_bytes: int | None) -> str:
