@@ -8,6 +8,9 @@ caller keeps its torch path (`library()` returns None and says why once).
 
 ctypes, not a torch extension: the step is one call with raw pointers, so nothing here needs
 torch's C++ headers (a torch extension takes about a minute to compile and needs ninja).
+
+Over 300 lines for a stated reason: the ctypes mirror of the C step's structs and every weight
+kind's packing must match cpu_decode.c field for field, so they stay in one module beside it.
 """
 from __future__ import annotations
 
