@@ -166,6 +166,7 @@ class Replica:
         self.finished = 0  # requests finished: the engine's kaon_requests_total
         self.prompt_tokens = 0  # kaon_prompt_tokens_total: counted when a request is accepted
         self.generated = 0  # kaon_generation_tokens_total
+        self.finished_output = 0  # kaon_request_generation_tokens_sum: the output lengths of finished requests
         self.context_base = 0  # sum over decoding sequences of prompt + output - the step they finish at
         self.ttft_counts = [0] * len(BOUNDS)  # per bucket (not cumulative)
 
@@ -230,6 +231,7 @@ class Replica:
         self.chunks = []
         for req in done:
             req.done = now
+            self.finished_output += req.output
         self.finished += len(done)
         return done
 
@@ -242,7 +244,7 @@ class Scrape:
     failure_p: float
     rng: random.Random
     finished: dict[int, int] = field(default_factory=dict)
-    tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
+    tokens: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     latency: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
 
@@ -356,13 +358,14 @@ class Cluster:
         """Exactly the Sample the operator builds from the ready pods' /metrics and the routers."""
         ready = self.ready()
         answered = [r for r in ready if state.rng.random() >= state.failure_p]
-        finished, prompt, output, deltas = 0, 0, 0, []
+        finished, prompt, output, finished_output, deltas = 0, 0, 0, 0, []
         for r in answered:
             finished += r.finished - state.finished.get(r.id, 0)
             state.finished[r.id] = r.finished
-            before = state.tokens.get(r.id, (0, 0))
+            before = state.tokens.get(r.id, (0, 0, 0))
             prompt, output = prompt + r.prompt_tokens - before[0], output + r.generated - before[1]
-            state.tokens[r.id] = (r.prompt_tokens, r.generated)
+            finished_output += r.finished_output - before[2]
+            state.tokens[r.id] = (r.prompt_tokens, r.generated, r.finished_output)
             histogram = r.histogram()
             deltas.append(scraper.bucket_delta(histogram, state.latency.get(r.id, ())))
             state.latency[r.id] = histogram
@@ -371,7 +374,7 @@ class Cluster:
             waiting=float(sum(len(r.waiting) for r in answered)), running=float(sum(r.running for r in answered)),
             starting=len(self.active) - len(ready), finished=float(finished),
             latency=scraper.add_buckets(*deltas), held_by_router=float(len(self.held)),
-            prompt_tokens=float(prompt), output_tokens=float(output))
+            prompt_tokens=float(prompt), output_tokens=float(output), finished_output_tokens=float(finished_output))
 
     def concurrency(self) -> float:
         """In flight at the ready replicas plus held: what Knative's queue-proxies and activator count."""

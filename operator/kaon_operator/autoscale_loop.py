@@ -55,6 +55,7 @@ class Baseline:
     latency: scraper.Buckets = ()
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
+    finished_output_tokens: float | None = None
 
 
 @dataclass(slots=True)
@@ -74,10 +75,14 @@ class ServiceState:
     """Profiled as last reported."""
 
 
-def token_deltas(baselines: dict[str, Baseline], answers: dict[str, scraper.PodMetrics]) -> tuple[float, float]:
-    """(prompt tokens, generated tokens) since the last scrape, over the pods that answered and
-    have a baseline (a first scrape is only a baseline; a restarted engine counts from zero)."""
+def token_deltas(baselines: dict[str, Baseline], answers: dict[str, scraper.PodMetrics]
+                 ) -> tuple[float, float, float | None]:
+    """(prompt tokens, generated tokens, the output lengths of the requests finished) since the
+    last scrape, over the pods that answered and have a baseline (a first scrape is only a
+    baseline; a restarted engine counts from zero). The third is None when a pod does not
+    report output lengths (an older engine)."""
     prompt = generated = 0.0
+    finished_output: float | None = 0.0
     for pod, metrics in answers.items():
         before = baselines.get(pod)
         if before is None:
@@ -85,7 +90,12 @@ def token_deltas(baselines: dict[str, Baseline], answers: dict[str, scraper.PodM
         restarted = metrics.requests_total < before.finished or metrics.prompt_tokens_total < before.prompt_tokens
         prompt += metrics.prompt_tokens_total - (0.0 if restarted else before.prompt_tokens)
         generated += metrics.generation_tokens_total - (0.0 if restarted else before.generation_tokens)
-    return prompt, generated
+        lengths, earlier = metrics.finished_output_tokens_total, before.finished_output_tokens
+        if finished_output is None or lengths is None or (earlier is None and not restarted):
+            finished_output = None
+        else:
+            finished_output += lengths - (0.0 if restarted or earlier is None else earlier)
+    return prompt, generated, finished_output
 
 
 def read_profile(text: str | None) -> PerfModel | None:
@@ -101,7 +111,8 @@ def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, s
     finished, deltas = 0.0, []
     for pod, metrics in answers.items():
         now = Baseline(metrics.requests_total, metrics.latency_buckets.get(latency_metric, ()),
-                       metrics.prompt_tokens_total, metrics.generation_tokens_total)
+                       metrics.prompt_tokens_total, metrics.generation_tokens_total,
+                       metrics.finished_output_tokens_total)
         before = kept.get(pod)
         if before is not None:  # a first scrape is only a baseline: its counts span the pod's whole life
             restarted = now.finished < before.finished
@@ -241,7 +252,7 @@ class AutoscaleLoop:
         auto, now = spec.autoscaling, time.time()
         pods = [p for p in self.caches.pods(key) if not p.terminating]
         answers = await self._scrape_engines(pods)
-        prompt_tokens, output_tokens = token_deltas(memory.baselines, answers)
+        prompt_tokens, output_tokens, finished_output_tokens = token_deltas(memory.baselines, answers)
         memory.baselines, finished, latency = advance(memory.baselines, {p.name for p in pods}, answers,
                                                       auto.latency_metric)
         ready = sum(answers_http(p) for p in pods)
@@ -249,7 +260,7 @@ class AutoscaleLoop:
             time=now, ready=ready, answered=len(answers), starting=sum(not p.ready for p in pods),
             waiting=sum(m.waiting for m in answers.values()), running=sum(m.running for m in answers.values()),
             finished=finished, latency=latency, held_by_router=None if held is None else held.get(key, 0.0),
-            prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens, finished_output_tokens=finished_output_tokens)
         memory.history.append(sample)
         del memory.history[:sum(s.time < now - autoscaler.history_seconds(auto) for s in memory.history)]
 

@@ -79,6 +79,10 @@ class Sample:
     prompt_tokens: float = 0.0
     output_tokens: float = 0.0
     """Prompt tokens accepted and tokens generated since the previous sample (the length mix)."""
+    finished_output_tokens: float | None = None
+    """The output lengths of the requests finished since the previous sample, summed (None: the
+    engines do not report them). Generated tokens lag arrivals while a load rises (the new
+    requests have not decoded yet), so they understate the mean output just when it matters."""
 
     @property
     def complete(self) -> bool:

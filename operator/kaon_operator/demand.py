@@ -30,11 +30,21 @@ class Load:
         return Load(max(0.0, self.rate + spread), self.prompt, self.output, self.requests, self.seconds)
 
 
+def mean_output(samples: list[Sample], arrived: float) -> float:
+    """Output tokens per request: the lengths of the requests that finished over their count
+    where the engines report them; else tokens generated over arrivals (in a steady state
+    tokens are generated at the arrival rate x the mean output, but while a load rises they
+    lag: a burst's requests read 25 tokens long against a true 72)."""
+    finished = sum(s.finished for s in samples)
+    if finished and all(s.finished_output_tokens is not None for s in samples):
+        return sum(s.finished_output_tokens or 0.0 for s in samples) / finished
+    return sum(s.output_tokens for s in samples) / arrived if arrived else 0.0
+
+
 def load(samples: list[Sample]) -> Load | None:
     """The load over consecutive samples: arrivals = finished + the change in concurrency;
-    mean lengths = tokens over arrivals (prompt tokens are counted as requests are accepted,
-    and in a steady state tokens are generated at the arrival rate x the mean output).
-    None with fewer than two samples."""
+    mean prompt = prompt tokens over arrivals (counted as requests are accepted), mean output
+    as `mean_output`. None with fewer than two samples."""
     if len(samples) < 2:
         return None
     span = samples[-1].time - samples[0].time
@@ -42,8 +52,8 @@ def load(samples: list[Sample]) -> Load | None:
     finished = sum(s.finished for s in samples)
     arrived = max(0.0, finished + samples[-1].estimated_concurrency - samples[0].estimated_concurrency)
     prompt = sum(s.prompt_tokens for s in samples) / arrived if arrived else 0.0
-    output = sum(s.output_tokens for s in samples) / arrived if arrived else 0.0
-    return Load(arrived / seconds if seconds > 0 else 0.0, prompt, max(1.0, output), arrived, seconds)
+    return Load(arrived / seconds if seconds > 0 else 0.0, prompt, max(1.0, mean_output(samples, arrived)),
+                arrived, seconds)
 
 
 def latency(model: PerfModel, spec: AutoscalingSpec, prediction: Prediction, output: float) -> float:

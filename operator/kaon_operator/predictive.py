@@ -44,7 +44,7 @@ import math
 from kaon_operator import autoscaler, model_bias
 from kaon_operator.api import AutoscalingSpec
 from kaon_operator.autoscaler import TOLERANCE, Decision, Sample
-from kaon_operator.demand import Load, latency, load
+from kaon_operator.demand import Load, latency, load, mean_output
 from kaon_operator.model_bias import MAX_UTILIZATION, utilization_ceiling
 from kaon_operator.perf_model import PerfModel
 
@@ -110,8 +110,7 @@ def arrivals(history: list[Sample], since: float, until: float) -> Load | None:
     arrived = max(0.0, sum(s.finished for s in inside) + end.estimated_concurrency - start.estimated_concurrency)
     seconds = end.time - start.time
     prompt = sum(s.prompt_tokens for s in inside) / arrived if arrived else 0.0
-    output = sum(s.output_tokens for s in inside) / arrived if arrived else 0.0
-    return Load(arrived / seconds, prompt, max(1.0, output), arrived, seconds)
+    return Load(arrived / seconds, prompt, max(1.0, mean_output(inside, arrived)), arrived, seconds)
 
 
 def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float,

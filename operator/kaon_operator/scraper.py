@@ -36,6 +36,8 @@ class PodMetrics:
     prompt_tokens_total: float = 0.0
     generation_tokens_total: float = 0.0
     """With requests_total, the length mix the predictive policy sizes replicas for."""
+    finished_output_tokens_total: float | None = None
+    """The output lengths of all finished requests, summed (None: an engine that does not report them)."""
     latency_buckets: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Per latency metric ("ttft", "e2e"): cumulative (le, count) pairs, ascending."""
 
@@ -52,18 +54,22 @@ def parse(text: str) -> PodMetrics:
     """An engine's exposition; raises BadExposition for text that is not one."""
     values = {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0, "requests_total": 0.0,
               "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0}
+    finished_output: float | None = None
     buckets: dict[str, list[tuple[float, float]]] = {key: [] for key in LATENCY_METRICS}
     by_name = {f"{name}_bucket": key for key, name in LATENCY_METRICS.items()}
     for sample in _samples(text):
         if sample.name == "kaon_requests_total":
             values["requests_total"] += sample.value
+        elif sample.name == "kaon_request_generation_tokens_sum":
+            finished_output = sample.value
         elif sample.name in _COUNTERS:
             values[_COUNTERS[sample.name]] = sample.value
         elif sample.name in by_name and "le" in sample.labels:
             buckets[by_name[sample.name]].append((float(sample.labels["le"]), sample.value))
         elif sample.name in _GAUGES:
             values[_GAUGES[sample.name]] = sample.value
-    return PodMetrics(**values, latency_buckets={k: tuple(sorted(v)) for k, v in buckets.items() if v})
+    return PodMetrics(**values, finished_output_tokens_total=finished_output,
+                      latency_buckets={k: tuple(sorted(v)) for k, v in buckets.items() if v})
 
 
 def parse_router_held(text: str) -> dict[tuple[str, str], float]:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 
 def engine_metrics_text(waiting: int, running: int, ttfts: list[float], finished: int, *,
-                        prompt_tokens: int = 0, generation_tokens: int = 0) -> str:
+                        prompt_tokens: int = 0, generation_tokens: int = 0,
+                        output_lengths: tuple[int, ...] = ()) -> str:
     """What a real kaon engine serves on /metrics (its own Metrics class)."""
     from kaon_runtime.engine.llm_engine import EngineStats
     from kaon_runtime.server.metrics import Metrics
@@ -15,6 +16,8 @@ def engine_metrics_text(waiting: int, running: int, ttfts: list[float], finished
         metrics.ttft.observe(value)
     for _ in range(finished):
         metrics.requests.labels(finish_reason="stop").inc()
+    for length in output_lengths:
+        metrics.output_lengths.observe(length)
     return metrics.render().decode()
 
 

@@ -1,6 +1,7 @@
 """The predictive policy, pure: histories of scrapes in, replicas out."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from kaon_operator import api, autoscale_loop, autoscaler, model_bias, predictive, scraper
@@ -89,21 +90,43 @@ def test_a_rising_rate_is_met_a_cold_start_ahead():
 
 
 def test_the_loop_counts_tokens_from_per_pod_baselines_and_reads_a_profile():
-    def pod(requests, prompt, generated):
+    def pod(requests, prompt, generated, lengths=None):
         return scraper.PodMetrics(requests_total=requests, prompt_tokens_total=prompt,
-                                  generation_tokens_total=generated)
+                                  generation_tokens_total=generated, finished_output_tokens_total=lengths)
 
-    baselines, _, _ = autoscale_loop.advance({}, {"a"}, {"a": pod(10, 1000, 500)}, "ttft")
-    assert autoscale_loop.token_deltas({}, {"a": pod(10, 1000, 500)}) == (0, 0)  # a first scrape: a baseline only
-    assert autoscale_loop.token_deltas(baselines, {"a": pod(12, 1300, 600)}) == (300, 100)
-    assert autoscale_loop.token_deltas(baselines, {"a": pod(1, 40, 7)}) == (40, 7)  # restarted: from zero
+    baselines, _, _ = autoscale_loop.advance({}, {"a"}, {"a": pod(10, 1000, 500, 450)}, "ttft")
+    assert autoscale_loop.token_deltas({}, {"a": pod(10, 1000, 500)}) == (0, 0, 0)  # a first scrape: a baseline only
+    assert autoscale_loop.token_deltas(baselines, {"a": pod(12, 1300, 600, 530)}) == (300, 100, 80)
+    assert autoscale_loop.token_deltas(baselines, {"a": pod(1, 40, 7, 5)}) == (40, 7, 5)  # restarted: from zero
+    assert autoscale_loop.token_deltas(baselines, {"a": pod(12, 1300, 600)}) == (300, 100, None)  # an older engine
     assert autoscale_loop.read_profile(MODEL.to_json()) == MODEL
     assert autoscale_loop.read_profile("not json") is None and autoscale_loop.read_profile(None) is None
 
 
 def test_the_length_mix_is_read_from_the_engines_own_token_counters():
-    parsed = scraper.parse(engine_metrics_text(0, 2, [], 10, prompt_tokens=1440, generation_tokens=720))
-    assert (parsed.requests_total, parsed.prompt_tokens_total, parsed.generation_tokens_total) == (10, 1440, 720)
+    parsed = scraper.parse(engine_metrics_text(0, 2, [], 2, prompt_tokens=1440, generation_tokens=720,
+                                               output_lengths=(30, 90)))
+    assert (parsed.requests_total, parsed.prompt_tokens_total, parsed.generation_tokens_total) == (2, 1440, 720)
+    assert parsed.finished_output_tokens_total == 120
+    assert scraper.parse(engine_metrics_text(0, 2, [], 2)).finished_output_tokens_total == 0
+    assert scraper.parse("kaon_num_requests_running 1\n").finished_output_tokens_total is None  # an older engine
+
+
+def test_a_rising_load_is_sized_by_the_lengths_of_finished_requests_not_the_lagging_token_count():
+    # Steady at 1 request/s of 72-token outputs, then 4/s for 20 s: the new requests have
+    # barely started decoding, so generated tokens per arrival read a third of the truth.
+    def tick(t: float, rate: float, running: float) -> Sample:
+        return Sample(time=t, ready=1, running=running, finished=TICK * 1.0, prompt_tokens=144 * rate * TICK,
+                      output_tokens=72 * TICK * 1.0, finished_output_tokens=72 * TICK * 1.0)
+
+    history = [tick(i * TICK, 1.0, 8.0) for i in range(120)]
+    history += [tick(600 + i * TICK, 4.0, 8.0 + 15.0 * (i + 1)) for i in range(4)]
+    recent = history[-5:]
+    assert predictive.load(recent).output == 72
+    lagging = [dataclasses.replace(s, finished_output_tokens=None) for s in history]
+    assert predictive.load(lagging[-5:]).output < 30
+    sized = decide(history, current=1, last_change=-1000)
+    assert sized.replicas > decide(lagging, current=1, last_change=-1000).replicas, sized.reason
 
 
 def test_a_bias_on_a_few_slow_requests_does_not_move_a_steady_load():

@@ -22,6 +22,7 @@ from kaon_runtime.engine.outputs import RequestOutput
 # P99 inside a bucket, and a 4 s target inside (2.5, 5] would read a 2.6 s P99 as over it.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
                    1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+OUTPUT_LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class _EngineCollector(Collector):
@@ -62,6 +63,10 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.requests = Counter("kaon_requests_total", "Requests ended, by finish reason.", ["finish_reason"],
                                 registry=self.registry)
+        # Its _sum over _count is the mean output of the requests that ended: the predictive
+        # autoscaler's length mix (generated tokens lag arrivals while a load rises).
+        self.output_lengths = Histogram("kaon_request_generation_tokens", "Tokens generated per request, at its end.",
+                                        buckets=OUTPUT_LENGTH_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -93,5 +98,6 @@ class RequestTimer:
         reason = "abort" if aborted or output is None else (output.outputs[0].finish_reason or "abort")
         self._metrics.requests.labels(finish_reason=reason).inc()
         num_tokens = max((len(c.token_ids) for c in output.outputs), default=0) if output else 0
+        self._metrics.output_lengths.observe(num_tokens)
         if self._first_token is not None and num_tokens > 1:
             self._metrics.tpot.observe((now - self._first_token) / (num_tokens - 1))
