@@ -477,6 +477,31 @@ static inline __attribute__((always_inline)) void group_int8(const int8_t *w, co
 #endif
 }
 
+#ifdef KAON_AVX2
+/* A block's packed 4-bit values (four 32-byte words of eight lanes' nibbles): u[t] the low nibbles
+ * of word t, u[t + 4] its high ones. Shared by Q4_1, Q5 and Q6. */
+static inline __attribute__((always_inline)) void split_nibbles(const __m256i *wb, __m256i low, __m256i u[8]) {
+    for (int t = 0; t < 4; t++) {
+        const __m256i raw = _mm256_loadu_si256(wb + t);
+        u[t] = _mm256_and_si256(raw, low);
+        u[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+}
+
+/* The high bits from one plane hv onto n nibbles: bits width * j .. width * (j + 1) - 1 of each byte
+ * -> bits 4.. of u[j] (Q5: width 1, Q6: width 2). 16-bit shifts: the mask drops what crossed a byte.
+ * Inlined with constant n and width (-O3), the loop unrolls and each shift, its direction included,
+ * is an immediate: no branch and no variable shift in the block loop. */
+static inline __attribute__((always_inline)) void add_high_bits(__m256i *u, const int n, __m256i hv, const int width) {
+    const __m256i mask = _mm256_set1_epi8((char)(((1 << width) - 1) << 4));
+    for (int j = 0; j < n; j++) {
+        const int up = 4 - width * j;
+        const __m256i bits = up >= 0 ? _mm256_slli_epi16(hv, up) : _mm256_srli_epi16(hv, -up);
+        u[j] = _mm256_or_si256(u[j], _mm256_and_si256(bits, mask));
+    }
+}
+#endif
+
 /* The same for 4-bit weights w = q4 * wd + wm per block and output:
  * y = sum_b (wd * d[r, b]) * (q4 . q over block b) + sum_b wm * s[r, b]. */
 static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, const uint8_t *hi, const void *wdv,
@@ -493,24 +518,10 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
     __m256 acc[TILE], mins[TILE];
     for (int r = 0; r < TILE; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK / 2 * LANES);
         __m256i nib[8];
-        for (int t = 0; t < 4; t++) {
-            __m256i raw = _mm256_loadu_si256(wb + t);
-            nib[t] = _mm256_and_si256(raw, low);
-            nib[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        }
-        if (hi) {  /* bit t of each byte -> bit 4 (16-bit shifts: the mask drops what crossed a byte) */
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)(hi + (size_t)b * QBLOCK)), five = _mm256_set1_epi8(0x10);
-            nib[0] = _mm256_or_si256(nib[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), five));
-            nib[1] = _mm256_or_si256(nib[1], _mm256_and_si256(_mm256_slli_epi16(hv, 3), five));
-            nib[2] = _mm256_or_si256(nib[2], _mm256_and_si256(_mm256_slli_epi16(hv, 2), five));
-            nib[3] = _mm256_or_si256(nib[3], _mm256_and_si256(_mm256_slli_epi16(hv, 1), five));
-            nib[4] = _mm256_or_si256(nib[4], _mm256_and_si256(hv, five));
-            nib[5] = _mm256_or_si256(nib[5], _mm256_and_si256(_mm256_srli_epi16(hv, 1), five));
-            nib[6] = _mm256_or_si256(nib[6], _mm256_and_si256(_mm256_srli_epi16(hv, 2), five));
-            nib[7] = _mm256_or_si256(nib[7], _mm256_and_si256(_mm256_srli_epi16(hv, 3), five));
-        }
+        split_nibbles((const __m256i *)(w + (size_t)b * QBLOCK / 2 * LANES), low, nib);
+        if (hi)  /* bit t of each byte -> bit 4 of nib[t] */
+            add_high_bits(nib, 8, _mm256_loadu_si256((const __m256i *)(hi + (size_t)b * QBLOCK)), 1);
         const __m256 scale = f32 ? _mm256_loadu_ps(wdf + (size_t)b * LANES)
                                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + (size_t)b * LANES)));
         const __m256 min = f32 ? _mm256_loadu_ps(wmf + (size_t)b * LANES)
@@ -622,25 +633,15 @@ static inline __attribute__((always_inline)) void group_q6_g16(const uint8_t *w,
                                                                float out[TILE][LANES]) {
     const int blocks = k / QBLOCK;
 #ifdef KAON_AVX2
-    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 acc[TILE];
     for (int r = 0; r < TILE; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK / 2 * LANES);
         const __m256i *hb = (const __m256i *)(hi + (size_t)b * 2 * QBLOCK);
         __m256i u[8];
-        for (int t = 0; t < 4; t++) {
-            __m256i raw = _mm256_loadu_si256(wb + t);
-            u[t] = _mm256_and_si256(raw, low);
-            u[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        }
-        for (int h = 0; h < 2; h++) {  /* bits 2j, 2j + 1 -> bits 4, 5 */
-            const __m256i hv = _mm256_loadu_si256(hb + h);
-            u[4 * h] = _mm256_or_si256(u[4 * h], _mm256_and_si256(_mm256_slli_epi16(hv, 4), top));
-            u[4 * h + 1] = _mm256_or_si256(u[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), top));
-            u[4 * h + 2] = _mm256_or_si256(u[4 * h + 2], _mm256_and_si256(hv, top));
-            u[4 * h + 3] = _mm256_or_si256(u[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), top));
-        }
+        split_nibbles((const __m256i *)(w + (size_t)b * QBLOCK / 2 * LANES), low, u);
+        for (int h = 0; h < 2; h++)  /* bits 2j, 2j + 1 of plane h -> bits 4, 5 of u[4h + j] */
+            add_high_bits(u + 4 * h, 4, _mm256_loadu_si256(hb + h), 2);
         const __m256 s0 = _mm256_loadu_ps(ws + (size_t)b * 2 * LANES), s1 = _mm256_loadu_ps(ws + ((size_t)b * 2 + 1) * LANES);
         for (int r = 0; r < TILE; r++) {
             if (r >= rows) break;
