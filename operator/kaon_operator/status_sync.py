@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from typing import Literal
 
 from kaon_operator import api, resources, status
 from kaon_operator.caches import Key
@@ -134,28 +135,26 @@ def groups_changed(ctx: Context, key: Key, summary: DeploymentSummary | None) ->
 def metrics_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     """The autoscale loop's MetricsAvailable changed (None: the service is no longer autoscaled):
     write it with the others."""
-    if ctx.caches.inference_service(key) is None:
-        ctx.records.forget(key)  # deleted meanwhile: no record to bring back
-        return
-    ctx.records.get(key).metrics_condition = condition
-    if condition is None:
-        return
-    resync(ctx, key)
+    _loop_condition_changed(ctx, key, "metrics_condition", condition, write=condition is not None)
 
 
 def profile_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     """The autoscale loop's Profiled changed (None: no profile, or no longer autoscaled): write it with the others."""
-    if ctx.caches.inference_service(key) is None:
-        ctx.records.forget(key)
-        return
-    ctx.records.get(key).profile_condition = condition
-    resync(ctx, key)
+    _loop_condition_changed(ctx, key, "profile_condition", condition)
 
 
 def adapters_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     """The adapter loop's AdaptersReady changed (None: no adapters): write it with the others."""
+    _loop_condition_changed(ctx, key, "adapters_condition", condition)
+
+
+def _loop_condition_changed(ctx: Context, key: Key,
+                            field: Literal["metrics_condition", "profile_condition", "adapters_condition"],
+                            condition: dict | None, *, write: bool = True) -> None:
+    """Keep a loop's condition in the service's record as `field` and, with `write`, resync its status."""
     if ctx.caches.inference_service(key) is None:
-        ctx.records.forget(key)
+        ctx.records.forget(key)  # deleted meanwhile: no record to bring back
         return
-    ctx.records.get(key).adapters_condition = condition
-    resync(ctx, key)
+    setattr(ctx.records.get(key), field, condition)
+    if write:
+        resync(ctx, key)
