@@ -3,7 +3,7 @@
 compressed-tensors directories are written by the compressed-tensors package itself (the library
 llm-compressor saves with): its scheme applied to a tiny random Llama, the weight scales set from
 each group's range (what llm-compressor's min-max observer computes), then its ModelCompressor.
-GPTQ and AWQ directories are packed here with numpy, from the formats' published layouts.
+GPTQ and AWQ directories are packed with numpy from the formats' published layouts (support/gptq_awq.py).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from support.gptq_awq import act_orders, pack_linears, quantization_config
 from support.hf_dirs import write_hf_dir
 
 SHAPE = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -93,64 +94,6 @@ def update_config(path: Path, **fields) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def np_pack_rows(q: np.ndarray, bits: int) -> np.ndarray:
-    """uint values [K, N] -> int32 [K * bits / 32, N], value i of a word at bits i * bits (GPTQ's qweight)."""
-    per = 32 // bits
-    words = np.zeros((q.shape[0] // per, q.shape[1]), dtype=np.uint32)
-    for i in range(per):
-        words |= q[i::per].astype(np.uint32) << np.uint32(i * bits)
-    return words.view(np.int32)
-
-
-def np_pack_columns(q: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
-    """uint values [R, N] -> int32 [R, N * bits / 32] packed along N; `order`: which column of each run of
-    32 / bits goes in slot i (AutoAWQ's interleave), else column i in slot i."""
-    per = 32 // bits
-    runs = q.reshape(q.shape[0], -1, per)
-    if order is not None:
-        runs = runs[:, :, list(order)]
-    return np_pack_rows(runs.transpose(2, 0, 1).reshape(per, -1), bits).reshape(q.shape[0], -1)
-
-
-def np_quantize(w: np.ndarray, bits: int, group: int, sym: bool, rng: np.random.Generator | None = None,
-                order: np.ndarray | None = None):
-    """Min-max quantization of float [N, K] in groups along K -> (q uint [N, K], zeros [N, G], scales fp16
-    [N, G], g_idx [K]); act-order with `order` (the columns in the order they are quantized) or `rng` (a
-    random order): consecutive columns of that order form the groups."""
-    n, k = w.shape
-    group = k if group == -1 else group
-    g_idx = np.arange(k) // group
-    if order is None and rng is not None:
-        order = rng.permutation(k)
-    if order is not None:
-        g_idx = np.empty(k, dtype=np.int64)
-        g_idx[order] = np.arange(k) // group
-    q = np.zeros((n, k), dtype=np.int64)
-    groups = k // group
-    zeros, scales = np.zeros((n, groups), dtype=np.int64), np.zeros((n, groups), dtype=np.float16)
-    top = (1 << bits) - 1
-    for g in range(groups):
-        cols = g_idx == g
-        block = w[:, cols]
-        if sym:
-            s = (np.abs(block).max(1) / ((top + 1) // 2 - 0.5)).astype(np.float16)
-            z = np.full(n, (top + 1) // 2)
-        else:
-            lo, hi = np.minimum(block.min(1), 0), np.maximum(block.max(1), 0)
-            s = ((hi - lo) / top).astype(np.float16)
-            z = np.clip(np.round(-lo / s.astype(np.float32)), 0, top).astype(np.int64)
-        q[:, cols] = np.clip(np.round(block / s.astype(np.float32)[:, None]) + z[:, None], 0, top)
-        zeros[:, g], scales[:, g] = z, s
-    return q, zeros, scales, g_idx
-
-
-def np_dequantize(q, zeros, scales, g_idx) -> np.ndarray:
-    return ((q - zeros[:, g_idx]) * scales.astype(np.float32)[:, g_idx]).astype(np.float32)
-
-
-AWQ_SLOTS = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: slot i of a word holds column AWQ_SLOTS[i] of its eight
-
-
 def write_packed_dir(path: Path, gguf_path, method: str, bits: int, group: int, sym: bool = True,
                      act_order: bool = False, seed: int = 0):
     """A tiny Llama as a GPTQ ("gptq", AutoGPTQ's v1 format with its zero - 1) or AutoAWQ GEMM ("awq")
@@ -159,33 +102,15 @@ def write_packed_dir(path: Path, gguf_path, method: str, bits: int, group: int, 
 
     model = tiny_llama(seed)
     write_hf_dir(model, path, gguf_path, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
-    rng = np.random.default_rng(seed)
+    linears = {name: module for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+    widths = {name: module.in_features for name, module in linears.items()}
+    orders = act_orders(widths, np.random.default_rng(seed)) if act_order else dict.fromkeys(linears)
     state = load_file(path / "model.safetensors")
-    mask = (1 << bits) - 1
-    orders: dict[str, np.ndarray] = {}  # act-order: layers that read the same input (q/k/v, gate/up) share it
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
-            continue
-        reader = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-        order = orders.setdefault(reader, rng.permutation(module.in_features)) if act_order else None
-        q, zeros, scales, g_idx = np_quantize(module.weight.detach().numpy(), bits, group, sym, order=order)
-        del state[f"{name}.weight"]
-        if method == "gptq":
-            stored = (zeros - 1) & mask
-            zeros = stored + 1  # what AutoGPTQ's own dequantizer reads back
-            packed = {"qweight": np_pack_rows(q.T, bits), "qzeros": np_pack_columns(stored.T, bits),
-                      "scales": scales.T, "g_idx": g_idx.astype(np.int32)}
-        else:
-            packed = {"qweight": np_pack_columns(q.T, 4, AWQ_SLOTS), "qzeros": np_pack_columns(zeros.T, 4, AWQ_SLOTS),
-                      "scales": scales.T}
-        state.update({f"{name}.{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in packed.items()})
-        with torch.no_grad():
-            module.weight.copy_(torch.from_numpy(np_dequantize(q, zeros, scales, g_idx)))
+    dequantized = pack_linears(state, orders, method, bits, group, sym)
+    with torch.no_grad():
+        for name, module in linears.items():
+            module.weight.copy_(dequantized[f"{name}.weight"])
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    if method == "gptq":
-        config = dict(quant_method="gptq", bits=bits, group_size=group, desc_act=act_order, sym=sym,
-                      checkpoint_format="gptq")
-    else:
-        config = dict(quant_method="awq", bits=4, group_size=group, version="gemm", zero_point=True)
-    update_config(path, quantization_config=config)
+    update_config(path, quantization_config=quantization_config(method, bits, group, sym, act_order))
     return model

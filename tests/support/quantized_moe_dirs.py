@@ -3,7 +3,7 @@
 transformers saves the experts under their per-expert names (Mixtral's block_sparse_moe.experts.<e>.w1/w3/w2,
 Qwen3-MoE's mlp.experts.<e>.gate_proj/up_proj/down_proj), which is how published AWQ, GPTQ and
 compressed-tensors MoE checkpoints store them. Every linear of the layers but the routers is quantized:
-GPTQ and AWQ packed here with numpy from their published layouts (support/quantized_dirs.py); compressed-
+GPTQ and AWQ packed with numpy from their published layouts (support/gptq_awq.py); compressed-
 tensors by the compressed-tensors package itself (its scheme applied to modules of the checkpoint's
 names, scales from each group's range, its ModelCompressor, and its own fake_quantize as the dequantizer).
 Each writer returns the transformers model holding the dequantized weights: the float reference.
@@ -13,19 +13,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
+from support.gptq_awq import pack_linears, quantization_config
 from support.hf_dirs import write_hf_dir
-from support.quantized_dirs import (
-    AWQ_SLOTS,
-    np_dequantize,
-    np_pack_columns,
-    np_pack_rows,
-    np_quantize,
-    update_config,
-)
+from support.quantized_dirs import update_config
 
 SHAPE = dict(vocab_size=49152, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -57,27 +50,10 @@ def write_packed_moe_dir(path: Path, gguf_path, family: str, method: str, bits: 
 
     write_hf_dir(tiny_moe(family), path, gguf_path, TOKENIZER)
     state = load_file(path / "model.safetensors")
-    dequantized, mask = {}, (1 << bits) - 1
-    for name in quantized_names(state):
-        q, zeros, scales, g_idx = np_quantize(state.pop(f"{name}.weight").numpy(), bits, group, sym)
-        if method == "gptq":
-            stored = (zeros - 1) & mask
-            zeros = stored + 1
-            packed = {"qweight": np_pack_rows(q.T, bits), "qzeros": np_pack_columns(stored.T, bits),
-                      "scales": scales.T, "g_idx": g_idx.astype(np.int32)}
-        else:
-            packed = {"qweight": np_pack_columns(q.T, 4, AWQ_SLOTS), "qzeros": np_pack_columns(zeros.T, 4, AWQ_SLOTS),
-                      "scales": scales.T}
-        state.update({f"{name}.{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in packed.items()})
-        dequantized[f"{name}.weight"] = torch.from_numpy(np_dequantize(q, zeros, scales, g_idx))
+    dequantized = pack_linears(state, dict.fromkeys(quantized_names(state)), method, bits, group, sym)
     reference = _reference(path, dequantized)
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    if method == "gptq":
-        config = dict(quant_method="gptq", bits=bits, group_size=group, desc_act=False, sym=sym,
-                      checkpoint_format="gptq")
-    else:
-        config = dict(quant_method="awq", bits=4, group_size=group, version="gemm", zero_point=True)
-    update_config(path, quantization_config=config)
+    update_config(path, quantization_config=quantization_config(method, bits, group, sym))
     return reference
 
 

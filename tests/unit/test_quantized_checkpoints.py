@@ -27,13 +27,9 @@ from kaon_runtime.quant.fp8_block import Fp8BlockLinear
 from kaon_runtime.quant.group_int8 import GroupInt8Linear
 from kaon_runtime.quant.int4 import Int4Linear
 from kaon_runtime.quant.int8 import Int8Linear
+from support.gptq_awq import AWQ_SLOTS, np_dequantize, np_pack_columns, np_pack_rows, np_quantize
 from support.quantized_dirs import (
-    AWQ_SLOTS,
     greedy,
-    np_dequantize,
-    np_pack_columns,
-    np_pack_rows,
-    np_quantize,
     transformers_reference,
     update_config,
     write_compressed_tensors,

@@ -24,13 +24,8 @@ from kaon_runtime.quant.checkpoint_formats import scheme_from_config
 from kaon_runtime.quant.group_int8 import GroupInt8Linear
 from kaon_runtime.quant.int4 import Int4Linear
 from kaon_runtime.quant.int8 import Int8Linear
-from support.quantized_dirs import (
-    np_dequantize,
-    np_pack_columns,
-    np_pack_rows,
-    np_quantize,
-    transformers_reference,
-)
+from support.gptq_awq import np_dequantize, np_pack_columns, np_pack_rows, np_quantize
+from support.quantized_dirs import greedy, transformers_reference
 from support.quantized_moe_dirs import (
     tiny_moe,
     write_compressed_tensors_moe_dir,
@@ -64,14 +59,6 @@ def _generate(path, **kwargs) -> tuple[LLM, list[list[int]]]:
     return llm, [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens, do_sample=False,
-                             pad_token_id=2)
-    return out[0, len(prompt):].tolist()
-
-
 def _moe_layers(llm: LLM) -> list[SparseMoE]:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
 
@@ -91,9 +78,10 @@ def test_quantized_experts_decode_as_transformers_on_the_dequantized_weights(cas
     llm, tokens = _generate(tmp_path / "model")
     for moe in _moe_layers(llm):
         _assert_no_float_experts(moe, CASES[case][2])
-    assert tokens == [_hf_greedy(reference, prompt) for prompt in PROMPTS]
+    assert tokens == [greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
     if "-ct-" in case:  # transformers decompresses compressed-tensors itself: the same directory, its own reading
-        assert tokens == [_hf_greedy(transformers_reference(tmp_path / "model"), prompt) for prompt in PROMPTS]
+        assert tokens == [greedy(transformers_reference(tmp_path / "model"), prompt, GREEDY.max_tokens)
+                          for prompt in PROMPTS]
 
 
 @pytest.mark.slow
@@ -138,7 +126,7 @@ def test_gguf_experts_stay_quantized_and_decode_as_when_dequantized(family, type
     float_experts = 2 * EXPERTS * 3 * HIDDEN * WIDTH * 4
     assert kept_llm.engine.runner.weight_bytes < float_llm.engine.runner.weight_bytes - float_experts // 2
     reference = dequantized_reference(model, type_name)  # transformers: the head in float, kaon's int8
-    common = [_prefix(a, _hf_greedy(reference, p)) for a, p in zip(ours, PROMPTS)]
+    common = [_prefix(a, greedy(reference, p, GREEDY.max_tokens)) for a, p in zip(ours, PROMPTS)]
     print(f"{family} {type_name}: common prefix with transformers on the dequantized weights {common}")
 
 
