@@ -116,7 +116,8 @@ def arrivals(history: list[Sample], since: float, until: float) -> Load | None:
 def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float,
               seconds: float | None = None) -> Load | None:
     """The load of the last `seconds` (the scale-up window), its rate carried a cold start
-    ahead when it rose significantly over the stretch before."""
+    ahead when it rose significantly over the stretch before. None when no request of the
+    history has finished: without a length mix the model cannot size the load."""
     seconds = seconds or spec.scale_up_window_seconds or 5
     recent = [s for s in history if s.time > now - seconds and s.mostly_answered]
     demand = arrivals(history, now - seconds, now) or load(recent)
@@ -128,7 +129,12 @@ def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, no
             break
         mixed = [sample, *mixed]
     mix = load(mixed)
-    assert mix is not None  # `mixed` holds `recent`, which gave `demand`
+    if mix is None or not any(s.finished for s in mixed) or not any(s.prompt_tokens for s in mixed):
+        # Nothing accepted or finished lately (from zero, the first requests wait at the router
+        # and read as zero tokens long): the lengths the whole history knows.
+        mix = load([s for s in history if s.mostly_answered])
+        if mix is None or not any(s.finished for s in history):
+            return None
     demand = Load(demand.rate, mix.prompt, mix.output, demand.requests, demand.seconds)
     earlier = arrivals(history, now - 2 * seconds, now - seconds)
     if earlier is not None:
@@ -204,11 +210,12 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
     stretches = model_bias.judged(history, model, spec)
     newest = model_bias.newest(stretches)
     factor = model_bias.confident(newest)
-    wishes = []
+    wishes, sized = [], False
     for seconds, sigmas in ((spec.scale_up_window_seconds or 5, UP_SIGMAS), *SHORT_WINDOWS):
         demand = projected(history, spec, model, now, seconds)
         if demand is None:
             continue
+        sized = True
         demand = with_backlog(demand, history[-1], model, current)
         # Whether from the rate's lower bound, how many from the rate itself: once a window
         # proves that more are needed, a step is met in one move, not a replica a tick.
@@ -218,7 +225,10 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
                               f"outputs {demand.output:.0f} tokens need {n} by the performance model "
                               f"(bias {factor:.2f})"))
     # Queue, P99 missed: a miss overrides the model only when sustained (the bias takes the rest).
-    evidence = autoscaler.up_wish(history, spec, math.inf, current, now, last_change, MISS_WINDOWS)
+    # Without a length mix to size by (a service's first requests), concurrency as the reactive
+    # policy reads it.
+    evidence = autoscaler.up_wish(history, spec, math.inf if sized else target, current, now, last_change,
+                                  MISS_WINDOWS)
     if evidence is not None:
         wishes.append(evidence)
     if wishes:

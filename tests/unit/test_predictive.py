@@ -214,3 +214,18 @@ def test_a_step_in_rate_is_met_in_one_move_sized_by_the_rate_not_its_lower_bound
              for w, z in windows]
     # Each window's lower bound proves more are needed; the rate itself says how many.
     assert max(lower) > 1 and decision.replicas > max(lower), (lower, decision.reason)
+
+
+def test_from_zero_held_requests_are_sized_by_the_lengths_the_history_knows():
+    # The first requests after an idle spell wait at the router while a replica starts: no
+    # tokens are counted yet, so the window alone reads them as zero tokens long.
+    served = steady(600, ready=1, rate=1.0)
+    idle = [Sample(time=600 + i * TICK, ready=0, held_by_router=0.0) for i in range(60)]
+    held = [Sample(time=900 + i * TICK, ready=0, starting=1, held_by_router=40.0 * (i + 1)) for i in range(3)]
+    decision = decide(served + idle + held, current=1, last_change=900)
+    assert decision.replicas > 1 and "performance model" in decision.reason, decision.reason
+    # A service that never finished a request has no length mix: concurrency decides, as in the reactive policy.
+    fresh = [Sample(time=i * TICK, ready=0, held_by_router=0.0) for i in range(60)]
+    fresh += [dataclasses.replace(s, time=300 + i * TICK) for i, s in enumerate(held)]
+    decision = decide(fresh, current=1, last_change=300)
+    assert decision.replicas > 1 and "concurrency" in decision.reason, decision.reason
