@@ -16,12 +16,13 @@ at a constant request rate scales up before the P99 is missed.
 - **Floor**: where no replica count brings the predicted P99 under the target (a long
   prompt's own prefill), the count stops where one more would gain less than MARGIN.
 - **Up**: at once when the rate of the last `scaleUpWindowSeconds` (its lower bound,
-  UP_SIGMAS Poisson deviations down), or of a SHORT_WINDOWS stretch (SHORT_SIGMAS down: a
-  step or a burst shows in seconds), carried a cold start ahead along the part of a rise
-  over the stretch before that exceeds RISE_SIGMAS deviations, with the length mix of at
+  UP_SIGMAS Poisson deviations down), or of an EXTRA_WINDOWS stretch (10 and 20 s, where a
+  step or a burst shows; 120 and 300 s, where a slow rise does), with the length mix of at
   least MIX_REQUESTS requests, plus the backlog in flight beyond that rate's steady state
-  cleared over a cold start, needs more replicas; then to what the rate itself (not its
-  lower bound) needs, so that a step is met in one move. The reactive policy's evidence (a queue
+  (beyond its noise too) cleared over a cold start, needs more replicas; then to what the
+  rate itself (not its lower bound) needs, carried a cold start ahead along the part of a
+  rise over the stretch before that exceeds RISE_SIGMAS deviations, so that a step is met
+  in one move. The reactive policy's evidence (a queue
   over the whole window, a confident P99 miss in MISS_WINDOWS stretches in a row) still
   adds replicas when the model is wrong.
 - **Down**: only when the rate of the last `scaleDownStabilizationSeconds` (its upper
@@ -54,7 +55,11 @@ RISE_SIGMAS = 3.0  # a rate rise counts as a trend past this many Poisson standa
 UP_SIGMAS = 2.5  # scale up for the rate's lower bound over a scale-up window: Poisson noise moves nothing
 MISS_WINDOWS = 2  # a P99 miss overrides the model when it holds in this many stretches in a row
 SHORT_SIGMAS = 3.0  # more than UP_SIGMAS: every tick tests these windows too, and few requests are in them
-SHORT_WINDOWS = ((10.0, SHORT_SIGMAS), (20.0, SHORT_SIGMAS))  # (seconds, sigmas)
+LONG_SIGMAS = 2.0  # less: these windows hold hundreds of requests, and a slow rise shows in them first
+# (seconds, sigmas) tested beside the scale-up window: a step or a burst shows in seconds, a
+# slow rise past a replica boundary only over minutes (at 2.5 deviations of 60 s a ramp
+# was 40% past the boundary before it showed).
+EXTRA_WINDOWS = ((10.0, SHORT_SIGMAS), (20.0, SHORT_SIGMAS), (120.0, LONG_SIGMAS), (300.0, LONG_SIGMAS))
 DOWN_SIGMAS = UP_SIGMAS  # scale down for the upper bound over the stabilization window: the same confidence both ways
 
 
@@ -113,12 +118,10 @@ def arrivals(history: list[Sample], since: float, until: float) -> Load | None:
     return Load(arrived / seconds, prompt, max(1.0, mean_output(inside, arrived)), arrived, seconds)
 
 
-def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float,
-              seconds: float | None = None) -> Load | None:
-    """The load of the last `seconds` (the scale-up window), its rate carried a cold start
-    ahead when it rose significantly over the stretch before. None when no request of the
-    history has finished: without a length mix the model cannot size the load."""
-    seconds = seconds or spec.scale_up_window_seconds or 5
+def window_load(history: list[Sample], spec: AutoscalingSpec, now: float, seconds: float) -> Load | None:
+    """The load of the last `seconds`, with the length mix of at least MIX_REQUESTS requests.
+    None when no request of the history has finished: without a length mix the model cannot
+    size the load."""
     recent = [s for s in history if s.time > now - seconds and s.mostly_answered]
     demand = arrivals(history, now - seconds, now) or load(recent)
     if demand is None:
@@ -135,27 +138,42 @@ def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, no
         mix = load([s for s in history if s.mostly_answered])
         if mix is None or not any(s.finished for s in history):
             return None
-    demand = Load(demand.rate, mix.prompt, mix.output, demand.requests, demand.seconds)
+    return Load(demand.rate, mix.prompt, mix.output, demand.requests, demand.seconds)
+
+
+def carried_ahead(history: list[Sample], demand: Load, model: PerfModel, now: float, seconds: float) -> Load:
+    """`demand`, the load of the last `seconds`, its rate carried a cold start ahead along the
+    part of its rise over the stretch before that is beyond noise."""
     earlier = arrivals(history, now - 2 * seconds, now - seconds)
-    if earlier is not None:
-        # Only the part of the rise beyond noise is carried ahead.
-        rise = demand.requests - earlier.requests - RISE_SIGMAS * math.sqrt(demand.requests + earlier.requests)
-        if rise > 0:
-            ahead = seconds / 2 + model.cold_start_seconds  # the window's mean is half a window old
-            slope = rise / demand.seconds / seconds
-            return Load(demand.rate + slope * ahead, demand.prompt, demand.output, demand.requests, demand.seconds)
-    return demand
+    if earlier is None:
+        return demand
+    rise = demand.requests - earlier.requests - RISE_SIGMAS * math.sqrt(demand.requests + earlier.requests)
+    if rise <= 0:
+        return demand
+    ahead = seconds / 2 + model.cold_start_seconds  # the window's mean is half a window old
+    slope = rise / demand.seconds / seconds
+    return Load(demand.rate + slope * ahead, demand.prompt, demand.output, demand.requests, demand.seconds)
 
 
-def with_backlog(demand: Load, latest: Sample, model: PerfModel, current: int) -> Load:
+def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float,
+              seconds: float | None = None) -> Load | None:
+    """The load of the last `seconds` (the scale-up window) carried ahead (`carried_ahead`)."""
+    seconds = seconds or spec.scale_up_window_seconds or 5
+    demand = window_load(history, spec, now, seconds)
+    return None if demand is None else carried_ahead(history, demand, model, now, seconds)
+
+
+def with_backlog(demand: Load, latest: Sample, model: PerfModel, current: int, sigmas: float = 0.0) -> Load:
     """The load plus the backlog to clear: requests in flight beyond what the rate keeps in
     flight in a steady state (Little's law, at the model's P99 TTFT: a backlog is never
-    overstated), cleared over a cold start, the time new replicas take to come. After a step
-    or a burst the steady state of the new rate is not enough: what queued while replicas
-    started still has to be served."""
+    overstated), less `sigmas` of that count's own Poisson spread, cleared over a cold start,
+    the time new replicas take to come. After a step or a burst the steady state of the new
+    rate is not enough: what queued while replicas started still has to be served. (Without
+    the spread, a steady load's in-flight count, 50 +- 7, read as a backlog one tick in three
+    and moved a replica boundary's count both ways every ten minutes.)"""
     p = model.predict(demand.rate / max(current, 1), demand.prompt, demand.output)
     steady_in_flight = demand.rate * (p.ttft_p99 + demand.output * p.itl)
-    backlog = latest.estimated_concurrency - steady_in_flight
+    backlog = latest.estimated_concurrency - steady_in_flight - sigmas * math.sqrt(max(steady_in_flight, 0.0))
     if not math.isfinite(backlog) or backlog <= 0:
         return demand
     drain = max(model.cold_start_seconds, autoscaler.HISTORY_MARGIN_SECONDS)
@@ -211,15 +229,17 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
     newest = model_bias.newest(stretches)
     factor = model_bias.confident(newest)
     wishes, sized = [], False
-    for seconds, sigmas in ((spec.scale_up_window_seconds or 5, UP_SIGMAS), *SHORT_WINDOWS):
-        demand = projected(history, spec, model, now, seconds)
-        if demand is None:
+    for seconds, sigmas in ((spec.scale_up_window_seconds or 5, UP_SIGMAS), *EXTRA_WINDOWS):
+        observed = window_load(history, spec, now, seconds)
+        if observed is None:
             continue
         sized = True
-        demand = with_backlog(demand, history[-1], model, current)
-        # Whether from the rate's lower bound, how many from the rate itself: once a window
-        # proves that more are needed, a step is met in one move, not a replica a tick.
-        if needed(model, spec, demand.bound(-sigmas), factor) > current:
+        # Whether from the rate's lower bound as observed, how many from the rate itself carried
+        # ahead: once a window proves that more are needed, a step is met in one move, not a
+        # replica a tick; a rise projected from noise proves nothing.
+        proof = with_backlog(observed, history[-1], model, current, sigmas).bound(-sigmas)
+        if needed(model, spec, proof, factor) > current:
+            demand = with_backlog(carried_ahead(history, observed, model, now, seconds), history[-1], model, current)
             n = needed(model, spec, demand, factor)
             wishes.append((n, f"rate {demand.rate:.2f}/s over {seconds:g}s, prompts {demand.prompt:.0f} and "
                               f"outputs {demand.output:.0f} tokens need {n} by the performance model "

@@ -208,7 +208,7 @@ def test_a_step_in_rate_is_met_in_one_move_sized_by_the_rate_not_its_lower_bound
     s = spec(max_step=10)
     history = steady(600, ready=1, rate=1.0) + [sample(600 + i * TICK, 1, 5.0, 144) for i in range(4)]
     decision = decide(history, current=1, s=s, last_change=-1000)
-    windows = ((60, predictive.UP_SIGMAS), *predictive.SHORT_WINDOWS)
+    windows = ((60, predictive.UP_SIGMAS), *predictive.EXTRA_WINDOWS)
     bias = model_bias.confident(model_bias.newest(model_bias.judged(history, MODEL, s)))
     lower = [predictive.needed(MODEL, s, predictive.projected(history, s, MODEL, history[-1].time, w).bound(-z), bias)
              for w, z in windows]
@@ -229,3 +229,10 @@ def test_from_zero_held_requests_are_sized_by_the_lengths_the_history_knows():
     fresh += [dataclasses.replace(s, time=300 + i * TICK) for i, s in enumerate(held)]
     decision = decide(fresh, current=1, last_change=300)
     assert decision.replicas > 1 and "concurrency" in decision.reason, decision.reason
+
+
+def test_a_load_just_past_a_replica_boundary_shows_over_minutes_before_the_scale_up_window_proves_it():
+    s = spec().model_copy(update={"target_p99_latency_seconds": None})  # sized by utilization alone
+    history = steady(1200, ready=3, rate=13.5)  # 60 s hold 810 requests: their lower bound still fits 3
+    decision = decide(history, current=3, s=s, last_change=-1000)
+    assert decision.replicas == 4 and "over 300s" in decision.reason, decision.reason
