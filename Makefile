@@ -93,7 +93,7 @@ bench-operator: install control-plane
 # from this machine's engine (bench/data/autoscale_calibration.json; `--calibrate` remeasures).
 bench-autoscale: install
 	$(PY) -m pip install --quiet matplotlib
-	$(PY) bench/autoscale_sim.py --plot bench/autoscale
+	$(PY) bench/autoscale_sim.py --seeds 3 --plot bench/autoscale
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -162,7 +162,9 @@ def test_the_scrape_counts_tokens_as_the_engine_does():
         cluster.now = at
         if kind == "step":
             cluster.step_done(what)
-    assert cluster.scrape(state).output_tokens == 15
+    sample = cluster.scrape(state)
+    assert sample.output_tokens == 15 and sample.finished == 3
+    assert sample.finished_output_tokens == 15  # the lengths of the requests that finished
 
 
 def test_the_predictive_policy_scales_up_on_longer_prompts_at_the_same_rate():
@@ -177,3 +179,24 @@ def test_the_predictive_policy_scales_up_on_longer_prompts_at_the_same_rate():
     before = max(n for t, n in run.replica_log if t < 300)
     after = max(n for t, n in run.replica_log if t >= 300)
     assert policy.name == "kaon-predictive" and after > before
+
+
+def test_seeds_pool_into_one_row_and_kaon_meets_the_cheapest_hpa_at_its_slo():
+    def row(policy, seed, slo, hours, requests=1000):
+        return {"trace": "t", "policy": policy, "slo_attainment": slo, "replica_hours": hours, "requests": requests,
+                "changes_per_hour": 2.0, "cut_requests": 0, "failed_held": 0, "p99_ttft_s": 3.0 + seed,
+                "replica_hours_vs_oracle": None, "replica_hours_vs_dwell_oracle": None}
+
+    rows = [row("kaon-predictive", 0, 0.99, 4.0), row("kaon-predictive", 1, 0.98, 5.0, 3000),
+            row("hpa", 0, 0.97, 3.0), row("hpa", 1, 0.97, 3.0, 3000),
+            row("hpa-x0.8", 0, 0.99, 5.0), row("hpa-x0.8", 1, 0.99, 5.0, 3000),
+            row("hpa-x0.5", 0, 1.0, 7.0), row("hpa-x0.5", 1, 1.0, 7.0, 3000),
+            row("oracle", 0, 1.0, 2.0), row("oracle", 1, 1.0, 2.0, 3000)]
+    pooled = {r["policy"]: r for r in sim.pooled(rows)}
+    kaon = pooled["kaon-predictive"]
+    assert kaon["slo_attainment"] == 0.9825 and kaon["requests"] == 4000  # misses summed, not rates averaged
+    assert kaon["replica_hours"] == 9.0 and kaon["replica_hours_vs_oracle"] == 2.25 and kaon["p99_ttft_s"] == 4.0
+    # The default HPA is cheaper but worse; the cheapest setting at kaon's SLO or better is x0.8.
+    verdict = sim.iso_slo(list(pooled.values()))[0]
+    assert verdict["hpa_setting"] == "hpa-x0.8" and verdict["below_hpa"]
+    assert not sim.iso_slo([*list(pooled.values())[:1], {**pooled["hpa-x0.8"], "replica_hours": 8.0}])[0]["below_hpa"]
