@@ -33,6 +33,7 @@ def test_kaon_profile_writes_the_operators_model_within_a_termination_message(tm
     assert model.a > 0 and model.c > 0 and model.cold_start_seconds > 0
     assert {(p.batch, p.prefill_tokens > 0) for p in model.grid} == {(1, False), (2, False), (0, True)}
     assert len(model.grid) == 6 and model.max_num_seqs == 8 and model.key["model"] == MODEL
+    assert model.kv_cache_tokens and model.kv_cache_tokens % 16 == 0  # the engine's blocks x block size
 
 
 def test_kaon_profile_fails_in_one_line():

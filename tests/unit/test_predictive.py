@@ -236,3 +236,13 @@ def test_a_load_just_past_a_replica_boundary_shows_over_minutes_before_the_scale
     history = steady(1200, ready=3, rate=13.5)  # 60 s hold 810 requests: their lower bound still fits 3
     decision = decide(history, current=3, s=s, last_change=-1000)
     assert decision.replicas == 4 and "over 300s" in decision.reason, decision.reason
+
+
+def test_no_replica_is_sized_past_its_kv_cache():
+    history = steady(900, ready=3, rate=6.0)
+    assert decide(history).replicas == 3
+    # The same load and latencies, but each replica's cache holds fewer tokens than its running sequences need.
+    per_replica = MODEL.predict(2.0, 144, 72).kv_tokens
+    small = dataclasses.replace(MODEL, kv_cache_tokens=int(per_replica * 0.8))
+    decision = predictive.decide(history, spec(), 3, history[-1].time, None, model=small)
+    assert decision.replicas > 3, decision.reason

@@ -56,6 +56,7 @@ class EngineStats:
     generation_tokens: int
     spec_draft_tokens: int = 0  # drafted tokens the target verified
     spec_accepted_tokens: int = 0  # of those, how many it kept
+    kv_cache_tokens: int = 0  # the KV cache's size in tokens (blocks x block size)
 
 
 class LLMEngine:
@@ -166,7 +167,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
                            bm.prefix_hits, self.scheduler.num_preemptions, self._prompt_tokens,
-                           self._generation_tokens, self._draft_tokens, self._accepted_tokens)
+                           self._generation_tokens, self._draft_tokens, self._accepted_tokens,
+                           self.num_blocks * self.config.block_size)
 
     # ---- the step ----------------------------------------------------------------------
 

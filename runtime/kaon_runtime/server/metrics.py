@@ -37,6 +37,8 @@ class _EngineCollector(Collector):
                                 value=s.num_waiting)
         yield GaugeMetricFamily("kaon_kv_cache_usage_ratio", "Share of KV cache blocks in use (0..1).",
                                 value=s.kv_cache_usage)
+        yield GaugeMetricFamily("kaon_kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size).",
+                                value=s.kv_cache_tokens)
         yield CounterMetricFamily("kaon_prompt_tokens_total", "Prompt tokens accepted.", value=s.prompt_tokens)
         yield CounterMetricFamily("kaon_generation_tokens_total", "Tokens generated.", value=s.generation_tokens)
         yield CounterMetricFamily("kaon_prefix_cache_queries_total",

@@ -220,6 +220,21 @@ async def measure(base: str, args: argparse.Namespace, settings: argparse.Namesp
     return grid
 
 
+def kv_cache_tokens(base: str) -> int | None:
+    """The KV cache's size in tokens, as the server's /metrics states it (None: not stated)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kaon_kv_cache_capacity_tokens" and sample.value > 0:
+                return int(sample.value)
+    return None
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = READY_TIMEOUT_SECONDS) -> None:
     import urllib.error
     import urllib.request
@@ -250,6 +265,7 @@ def profile(args: argparse.Namespace, log=None) -> dict:
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", proc)
         cold_start = time.perf_counter() - started
+        kv_tokens = kv_cache_tokens(f"http://127.0.0.1:{port}")
         grid = asyncio.run(measure(f"http://127.0.0.1:{port}", args, settings))
     finally:
         proc.terminate()
@@ -260,7 +276,7 @@ def profile(args: argparse.Namespace, log=None) -> dict:
     a, b, c, d = fit(grid)
     return {"a": round(a, 7), "b": round(b, 8), "c": round(c, 9), "d": round(d, 11),
             "cold_start_seconds": round(cold_start, 2), "max_num_seqs": int(settings.max_num_seqs),
-            "max_num_batched_tokens": int(settings.max_num_batched_tokens), "kv_cache_tokens": None,
+            "max_num_batched_tokens": int(settings.max_num_batched_tokens), "kv_cache_tokens": kv_tokens,
             "key": {"device": _device(), "model": settings.model, "quantization": settings.quantization,
                     "dtype": settings.dtype, "kv_cache_dtype": settings.kv_cache_dtype,
                     "tensor_parallel_size": int(settings.tensor_parallel_size)},
