@@ -187,13 +187,16 @@ class Kube:
                 raise
             return None
 
-    def delete(self, manifest: dict) -> None:
-        """Delete one object, only if it is still the one named (uid precondition); gone already is fine."""
+    def delete(self, manifest: dict, propagation: str | None = None) -> None:
+        """Delete one object, only if it is still the one named (uid precondition); gone already is fine.
+        `propagation`: the DeleteOptions' propagationPolicy (`Background`: a Job's pods go too)."""
         meta = manifest["metadata"]
         resource = self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+        options: dict[str, Any] = {"preconditions": {"uid": meta["uid"]}} if meta.get("uid") else {}
+        if propagation:
+            options["propagationPolicy"] = propagation
         try:
-            resource.delete(name=meta["name"], namespace=meta["namespace"],
-                            body={"preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None)
+            resource.delete(name=meta["name"], namespace=meta["namespace"], body=options or None)
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise
@@ -223,6 +226,13 @@ class Kube:
             raise
         data = cast(dict[str, str], secret.data or {})  # base64 text, as the apiserver sends it
         return data if secret.type == "Opaque" else None
+
+    def list_objects(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
+        """The objects of a kind in a namespace that carry these labels, each with its apiVersion and kind
+        (a list's items come without them)."""
+        resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        items = resource.get(namespace=namespace, label_selector=label_selector).to_dict().get("items") or []
+        return [{**item, "apiVersion": api_version, "kind": kind} for item in items]
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=label_selector)

@@ -8,12 +8,18 @@
   `ProfilingFailed`). A changed key is a new name, so the same steps start again.
 - `none` or unset: no model.
 
+Clean-up (profiling.stale): once auto reads the current key's model, or with any other setting,
+the profiling Jobs (with their pods) and ConfigMaps this service made that the setting no longer reads are deleted
+(Normal `ProfileCleaned`), once per setting and operator run; a failure is logged, not retried
+until the setting changes or the operator restarts (the service's deletion removes them anyway).
+
 Every outcome is the `Profiled` condition; without a model the autoscaler scales by the
 reactive policy and says so in every decision's reason. An API error (RBAC, a name taken by
 an object kaon does not control) is reported the same way and tried again next tick.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -25,6 +31,8 @@ from kaon_operator.perf_model import PerfModel
 from kaon_operator.profiling import Step
 from kaon_operator.status import EventSpec
 
+logger = logging.getLogger("kaon.autoscaler")
+
 
 @dataclass(slots=True)
 class ProfileMemory:
@@ -35,6 +43,8 @@ class ProfileMemory:
     model: PerfModel | None = None
     warned: str | None = None
     """The uid of the failed Job already reported."""
+    cleaned: str | None = None
+    """The setting whose stale profiling objects were looked for (see `_clean`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +62,28 @@ def resolve(kube, body: Mapping, spec: api.InferenceServiceSpec, memory: Profile
     setting = spec.autoscaling.profile
     name = profiling.config_map_name(meta["name"], setting, spec)
     if name is None:
+        _clean(kube, body, None, None, memory, post)
         return Resolved(None, None, None)
+    auto = setting == profiling.AUTO
     if memory.name == name and memory.model is not None:
-        found = (profiling.condition(Step.USE, name) if setting == profiling.AUTO
-                 else profiling.named_condition(name, memory.model))
-        return Resolved(memory.model, name, found)
+        found = profiling.condition(Step.USE, name) if auto else profiling.named_condition(name, memory.model)
+        resolved = Resolved(memory.model, name, found)
+    else:
+        resolved = _read(kube, body, spec, name, memory, post)
+    if not auto:
+        _clean(kube, body, None, name, memory, post)
+    elif resolved.model is not None:  # auto settled on the current key's model
+        _clean(kube, body, profiling.key_digest(profiling.profile_key(spec)), None, memory, post)
+    return resolved
+
+
+def _read(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, memory: ProfileMemory,
+          post: Callable[[Mapping, list[EventSpec]], None]) -> Resolved:
+    meta = body["metadata"]
     memory.name, memory.model = name, None
     try:
         saved = profiling.read_model((kube.config_map_data(meta["namespace"], name) or {}).get(api.PROFILE_KEY))
-        if setting != profiling.AUTO:
+        if spec.autoscaling.profile != profiling.AUTO:
             memory.model = saved
             return Resolved(saved, name, profiling.named_condition(name, saved))
         memory.model, condition = _auto(kube, body, spec, name, saved, memory, post)
@@ -68,6 +91,33 @@ def resolve(kube, body: Mapping, spec: api.InferenceServiceSpec, memory: Profile
         why = str(exc) if isinstance(exc, NotOwned) else f"{exc.status} {exc.reason}"
         return Resolved(None, name, profiling.condition(Step.FAILED, name, why))
     return Resolved(memory.model, name, condition)
+
+
+def _clean(kube, body: Mapping, keep_digest: str | None, keep_name: str | None, memory: ProfileMemory,
+           post: Callable[[Mapping, list[EventSpec]], None]) -> None:
+    """Delete this service's profiling Jobs (pods too) and ConfigMaps that the setting no longer reads
+    (profiling.stale), once per setting: two label-selected lists, then nothing until it changes."""
+    done = f"{keep_digest}/{keep_name}"
+    if memory.cleaned == done:
+        return
+    memory.cleaned = done
+    meta = body["metadata"]
+    if not meta.get("uid"):  # no uid to check the objects' controller against: touch nothing
+        return
+    owner = resources.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    removed: list[dict] = []
+    try:
+        found = [obj for api_version, kind in profiling.PROFILE_KINDS
+                 for obj in kube.list_objects(api_version, kind, owner.namespace,
+                                              profiling.profile_selector(owner.name))]
+        for obj in profiling.stale(found, owner, keep_digest, keep_name):
+            kube.delete(obj, propagation="Background")
+            removed.append(obj)
+    except ApiException as exc:  # RBAC without list or delete: the objects stay until the service goes
+        logger.warning("%s/%s: cleaning up old profiling objects failed: %s %s", owner.namespace, owner.name,
+                       exc.status, exc.reason)
+    if removed:
+        post(body, [EventSpec("Normal", "ProfileCleaned", profiling.cleaned_message(removed))])
 
 
 def _auto(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, saved: PerfModel | None,

@@ -8,7 +8,13 @@ Pure functions; the I/O is profile_sync.py's.
   there) and the device: the GPU type the pods are pinned to by `nodeSelector`
   (`nvidia.com/gpu.product`, as GPU feature discovery labels nodes), else `any`. Its SHA-256
   digest names the Job and the ConfigMap (`<service>-profile-<digest>`), so a changed spec
-  looks for another profile and the old one is never read again (both go with the service).
+  looks for another profile and the old one is never read again.
+- **Clean-up** (`stale`): once the current key's ConfigMap holds a readable model, the Jobs and
+  ConfigMaps of other keys that this InferenceService controls are deleted (a Job with its pods);
+  so are all of them once the setting is `none`, unset or a named ConfigMap, except the one it
+  names (a user may name an auto one to keep a measured model after a spec change). Found by
+  their labels (the service's, component `profiler`, the key's digest), and never an object
+  another controller holds. The rest go with the service.
 - **The Job** runs the engine's own pod (same image, model volume or fetch, resources, GPU
   count, node selection, environment) with `kaon profile ... -- <the kaon serve arguments>`
   in place of `kaon serve` (without spec.auth: it serves only itself, on loopback), once
@@ -29,7 +35,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from kaon_operator import api, labels, pod_template, resources
+from kaon_operator import api, labels, ownership, pod_template, resources
 from kaon_operator.perf_model import PerfModel
 
 AUTO, NONE = "auto", "none"
@@ -116,6 +122,36 @@ def config_map(owner: resources.Owner, spec: api.InferenceServiceSpec, model_jso
 def pod_selector(service: str, digest: str) -> str:
     """The profiling pods of one key."""
     return f"{labels.SERVICE}={service},{labels.COMPONENT}={PROFILER},{KEY_LABEL}={digest}"
+
+
+PROFILE_KINDS = (("batch/v1", "Job"), ("v1", "ConfigMap"))  # what profile: auto makes, in the order cleaned
+
+
+def profile_selector(service: str) -> str:
+    """Every profiling Job and ConfigMap of one service, whatever its key."""
+    return f"{labels.SERVICE}={service},{labels.COMPONENT}={PROFILER}"
+
+
+def stale(objects: list[dict], owner: resources.Owner, keep_digest: str | None = None,
+          keep_name: str | None = None) -> list[dict]:
+    """The profiling Jobs and ConfigMaps among `objects` that no setting reads any more: those of the
+    InferenceService `owner` (its labels and its uid as their controller) whose key digest is not
+    `keep_digest` (auto's current key) and whose name is not `keep_name` (a ConfigMap the spec names).
+    Both None: all of them (profile `none` or unset)."""
+    def is_stale(obj: dict) -> bool:
+        meta = obj.get("metadata") or {}
+        found = meta.get("labels") or {}
+        return (found.get(labels.SERVICE) == owner.name and found.get(labels.COMPONENT) == PROFILER
+                and KEY_LABEL in found and found[KEY_LABEL] != keep_digest
+                and meta.get("namespace", owner.namespace) == owner.namespace and meta.get("name") != keep_name
+                and bool(owner.uid) and (ownership.controller(obj) or {}).get("uid") == owner.uid)
+    return [obj for obj in objects if is_stale(obj)]
+
+
+def cleaned_message(removed: list[dict]) -> str:
+    """The Normal event's message: what was deleted, as `Job a, ConfigMap a`."""
+    return ("deleted the profiling objects of an earlier spec (spec.autoscaling.profile): "
+            + ", ".join(f"{obj['kind']} {obj['metadata']['name']}" for obj in removed))
 
 
 # The Job's progress and what to do next ------------------------------------------------------------------------------

@@ -195,6 +195,8 @@ class FakeKube:
         self.config_maps: dict[str, dict] = {}
         self.jobs: dict[str, dict] = {}
         self.pods: list[dict] = []
+        self.listed: list[tuple[str, str]] = []
+        self.deleted: list[tuple[str, str, str | None]] = []
 
     def config_map_data(self, namespace, name):
         found = self.config_maps.get(name)
@@ -209,6 +211,18 @@ class FakeKube:
     def create_once(self, manifest):
         store = self.jobs if manifest["kind"] == "Job" else self.config_maps
         return store.setdefault(manifest["metadata"]["name"], manifest)
+
+    def list_objects(self, api_version, kind, namespace, selector):
+        self.listed.append((kind, selector))
+        wanted = dict(part.split("=") for part in selector.split(","))
+        store = self.jobs if kind == "Job" else self.config_maps
+        return [{**o, "apiVersion": api_version, "kind": kind} for o in store.values()
+                if wanted.items() <= ((o.get("metadata") or {}).get("labels") or {}).items()]
+
+    def delete(self, manifest, propagation=None):
+        store = self.jobs if manifest["kind"] == "Job" else self.config_maps
+        del store[manifest["metadata"]["name"]]
+        self.deleted.append((manifest["kind"], manifest["metadata"]["name"], propagation))
 
 
 def body(s: api.InferenceServiceSpec) -> dict:
@@ -236,6 +250,85 @@ def test_auto_runs_the_job_once_saves_its_model_and_reads_it_after():
     changed = spec(model__quantization="int4")  # a new key: a new Job, the old model no more
     s = changed
     assert resolve().model is None and len(kube.jobs) == 2
+
+
+def profile_objects(s: api.InferenceServiceSpec, owner: resources.Owner = OWNER) -> list[dict]:
+    return [profiling.job(owner, s), profiling.config_map(owner, s, MODEL.to_json())]
+
+
+def test_stale_profiles_are_this_services_other_keys_only():
+    current, old = spec(), spec(model__quantization="int4")
+    foreign = resources.Owner(name="chat", namespace="ns", uid="uid-0")  # a deleted service of the same name
+    other = resources.Owner(name="other", namespace="ns", uid="uid-1")
+    unowned = profiling.config_map(OWNER, spec(engine__maxNumSeqs=8), "{}")
+    unowned["metadata"]["ownerReferences"] = []
+    objects = [*profile_objects(current), *profile_objects(old), *profile_objects(spec(engine__maxNumSeqs=4), foreign),
+               *profile_objects(spec(engine__maxNumSeqs=16), other), unowned,
+               {"kind": "ConfigMap", "metadata": {"name": "mine", "namespace": "ns",  # no profile labels
+                                                  "ownerReferences": [resources.owner_reference(OWNER)]}}]
+    found = profiling.stale(objects, OWNER, keep_digest=digest(current))
+    assert [(o["kind"], o["metadata"]["name"]) for o in found] == \
+        [("Job", profiling.object_name("chat", digest(old))), ("ConfigMap", profiling.object_name("chat", digest(old)))]
+    assert len(profiling.stale(objects, OWNER)) == 4  # profile none: every key of this service's
+    kept = profiling.object_name("chat", digest(old))  # a named ConfigMap that auto once wrote is kept
+    assert [o["metadata"]["name"] for o in profiling.stale(objects, OWNER, keep_name=kept)] == \
+        [profiling.object_name("chat", digest(current))] * 2
+    assert profiling.stale(objects, resources.Owner(name="chat", namespace="ns", uid="")) == []
+    assert "Job a, ConfigMap a" in profiling.cleaned_message(
+        [{"kind": k, "metadata": {"name": "a"}} for k in ("Job", "ConfigMap")])
+
+
+def test_auto_deletes_the_old_keys_objects_once_the_new_model_is_saved():
+    kube, events, memory, old = FakeKube(), [], profile_sync.ProfileMemory(), spec(model__quantization="int4")
+    for o in profile_objects(old):
+        (kube.jobs if o["kind"] == "Job" else kube.config_maps)[o["metadata"]["name"]] = o
+    foreign = profile_objects(spec(engine__maxNumSeqs=4), resources.Owner(name="chat", namespace="ns", uid="uid-0"))
+    kube.jobs["foreign"], kube.config_maps["foreign"] = foreign
+    s = spec()
+
+    def resolve():
+        return profile_sync.resolve(kube, body(s), s, memory, lambda _, ev: events.extend(ev))
+
+    name, stale_name = profiling.object_name("chat", digest(s)), profiling.object_name("chat", digest(old))
+    assert resolve().model is None and stale_name in kube.jobs and not kube.deleted  # measuring: nothing removed
+    kube.jobs[name]["status"] = job_body("Complete")["status"]
+    kube.pods = [pod(MODEL.to_json())]
+    assert resolve().model == MODEL
+    assert kube.deleted == [("Job", stale_name, "Background"), ("ConfigMap", stale_name, "Background")]
+    assert set(kube.jobs) == {name, "foreign"} and set(kube.config_maps) == {name, "foreign"}
+    assert [e.reason for e in events] == ["Profiling", "Profiled", "ProfileCleaned"]
+    assert events[-1].type == "Normal" and f"Job {stale_name}, ConfigMap {stale_name}" in events[-1].message
+    listed = len(kube.listed)
+    for _ in range(3):
+        assert resolve().model == MODEL
+    assert len(kube.listed) == listed and len(events) == 3  # once per setting
+
+
+def test_leaving_auto_deletes_its_objects_but_not_a_named_one():
+    kube, events, memory, s = FakeKube(), [], profile_sync.ProfileMemory(), spec()
+    for o in profile_objects(s) + profile_objects(spec(model__quantization="int4")):
+        (kube.jobs if o["kind"] == "Job" else kube.config_maps)[o["metadata"]["name"]] = o
+    kept = profiling.object_name("chat", digest(s))
+    named = spec(autoscaling__profile=kept)  # the model auto measured, pinned by name
+    found = profile_sync.resolve(kube, body(named), named, memory, lambda _, ev: events.extend(ev))
+    assert found.model == MODEL and set(kube.config_maps) == {kept} and set(kube.jobs) == {kept}
+    off = spec(autoscaling__policy="reactive", autoscaling__profile="none")
+    assert profile_sync.resolve(kube, body(off), off, memory, lambda _, ev: events.extend(ev)).model is None
+    assert not kube.jobs and not kube.config_maps and all(p == "Background" for *_, p in kube.deleted)
+    assert [e.reason for e in events] == ["ProfileCleaned", "ProfileCleaned"]
+
+
+def test_a_failed_cleanup_keeps_the_model():
+    class Forbidden(FakeKube):
+        def list_objects(self, api_version, kind, namespace, selector):
+            self.listed.append((kind, selector))
+            raise profile_sync.ApiException(status=403, reason="Forbidden")
+
+    kube, s = Forbidden(), spec()
+    kube.config_maps[profiling.object_name("chat", digest(s))] = {"data": {api.PROFILE_KEY: MODEL.to_json()}}
+    found = profile_sync.resolve(kube, body(s), s, profile_sync.ProfileMemory(), print)
+    assert found.model == MODEL and found.condition["status"] == "True"
+    assert kube.listed == [("Job", profiling.profile_selector("chat"))]  # tried once, then left to the next change
 
 
 def test_a_failed_job_is_reported_once_and_the_reactive_policy_goes_on():
