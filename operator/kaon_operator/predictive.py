@@ -155,14 +155,6 @@ def carried_ahead(history: list[Sample], demand: Load, model: PerfModel, now: fl
     return Load(demand.rate + slope * ahead, demand.prompt, demand.output, demand.requests, demand.seconds)
 
 
-def projected(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, now: float,
-              seconds: float | None = None) -> Load | None:
-    """The load of the last `seconds` (the scale-up window) carried ahead (`carried_ahead`)."""
-    seconds = seconds or spec.scale_up_window_seconds or 5
-    demand = window_load(history, spec, now, seconds)
-    return None if demand is None else carried_ahead(history, demand, model, now, seconds)
-
-
 def with_backlog(demand: Load, latest: Sample, model: PerfModel, current: int, sigmas: float = 0.0) -> Load:
     """The load plus the backlog to clear: requests in flight beyond what the rate keeps in
     flight in a steady state (Little's law, at the model's P99 TTFT: a backlog is never

@@ -83,10 +83,10 @@ def test_the_observed_p99_corrects_the_model_within_bounds():
 def test_a_rising_rate_is_met_a_cold_start_ahead():
     flat = steady(600, rate=4.0)
     rising = flat + [sample(600 + i * TICK, 3, 4.0 + 0.4 * i, 144) for i in range(12)]
-    now = predictive.load([s for s in rising if s.time > rising[-1].time - 60])
-    ahead = predictive.projected(rising, spec(), MODEL, rising[-1].time)
-    assert ahead.rate > now.rate
-    assert predictive.projected(flat, spec(), MODEL, flat[-1].time).rate == predictive.load(flat[-12:]).rate
+    now = predictive.window_load(rising, spec(), rising[-1].time, 60)
+    assert predictive.carried_ahead(rising, now, MODEL, rising[-1].time, 60).rate > now.rate
+    flat_load = predictive.window_load(flat, spec(), flat[-1].time, 60)
+    assert predictive.carried_ahead(flat, flat_load, MODEL, flat[-1].time, 60).rate == predictive.load(flat[-12:]).rate
 
 
 def test_the_loop_counts_tokens_from_per_pod_baselines_and_reads_a_profile():
@@ -210,7 +210,7 @@ def test_a_step_in_rate_is_met_in_one_move_sized_by_the_rate_not_its_lower_bound
     decision = decide(history, current=1, s=s, last_change=-1000)
     windows = ((60, predictive.UP_SIGMAS), *predictive.EXTRA_WINDOWS)
     bias = model_bias.confident(model_bias.newest(model_bias.judged(history, MODEL, s)))
-    lower = [predictive.needed(MODEL, s, predictive.projected(history, s, MODEL, history[-1].time, w).bound(-z), bias)
+    lower = [predictive.needed(MODEL, s, predictive.window_load(history, s, history[-1].time, w).bound(-z), bias)
              for w, z in windows]
     # Each window's lower bound proves more are needed; the rate itself says how many.
     assert max(lower) > 1 and decision.replicas > max(lower), (lower, decision.reason)
