@@ -6,8 +6,8 @@ simulator's engine model and the predictive autoscaler's performance model (one 
     python bench/autoscale_sim.py --calibrate
 
 The measurement and the fit are `kaon profile`'s (kaon_runtime/server/perf_profile.py: cold
-start, decode step time over batch sizes and context lengths, prefill cost per token, the
-least-squares fit step = a + b * batch + c * prefill tokens + d * context tokens seconds);
+start, decode step time over batch sizes and context lengths, prefill cost per token;
+perf_fit.py: the least-squares fit step = a + b * batch + c * prefill tokens + d * context tokens seconds);
 this script runs it on the bundled model with the full grid and keeps, beside the model, the
 record the simulator reads (step_ms, cold_start_s, the measured points). One server at a
 time (the machine is shared), a few minutes of wall time.

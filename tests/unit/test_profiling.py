@@ -11,7 +11,7 @@ from kaon_operator import api, autoscale_loop, profile_sync, profiling, resource
 from kaon_operator.perf_model import PerfModel
 from kaon_operator.profiling import JobState, Step
 from kaon_runtime import cli
-from kaon_runtime.server import perf_profile
+from kaon_runtime.server import perf_fit, perf_profile
 
 OWNER = resources.Owner(name="chat", namespace="ns", uid="uid-1")
 MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, d=1e-6, cold_start_seconds=30.0)
@@ -147,10 +147,10 @@ def test_the_configmap_holds_the_model_under_its_key():
 
 
 def measured_model(points: int) -> dict:
-    grid = [perf_profile.GridPoint(b, p, c, 0.02 + 0.0015 * b + 0.0004 * p + 1e-6 * c)
+    grid = [perf_fit.GridPoint(b, p, c, 0.02 + 0.0015 * b + 0.0004 * p + 1e-6 * c)
             for b, p, c in [(1, 0, 40), (4, 0, 160), (16, 0, 6000), (64, 0, 2600), (0, 64, 64), (0, 512, 512),
                             (2, 0, 800), (8, 0, 3200)][:points]]
-    a, b, c, d = perf_profile.fit(grid)
+    a, b, c, d = perf_fit.fit(grid)
     return {"a": a, "b": b, "c": c, "d": d, "cold_start_seconds": 9.0, "max_num_seqs": 64,
             "max_num_batched_tokens": 1024, "kv_cache_tokens": None,
             "key": {"device": "cpu (2 cores)", "model": "builtin://smollm2-135m-instruct"},
@@ -166,9 +166,9 @@ def test_the_fit_recovers_known_coefficients():
 def test_a_noisy_grid_without_a_fixed_cost_still_gives_the_operator_a_model():
     """Least squares puts this grid's intercept below zero (a small grid measured on a busy machine, as
     CI's kaon profile once was); every step costs something, and PerfModel refuses a <= 0."""
-    grid = [perf_profile.GridPoint(1, 0, 0, 0.02), perf_profile.GridPoint(2, 0, 0, 0.06),
-            perf_profile.GridPoint(0, 32, 32, 0.14), perf_profile.GridPoint(0, 128, 128, 0.89)]
-    a, b, c, d = perf_profile.fit(grid)
+    grid = [perf_fit.GridPoint(1, 0, 0, 0.02), perf_fit.GridPoint(2, 0, 0, 0.06),
+            perf_fit.GridPoint(0, 32, 32, 0.14), perf_fit.GridPoint(0, 128, 128, 0.89)]
+    a, b, c, d = perf_fit.fit(grid)
     assert 0 < a <= 0.01 * 0.02 and min(b, c, d) >= 0
     body = {"a": a, "b": b, "c": c, "d": d, "cold_start_seconds": 9.0, "max_num_seqs": 8,
             "max_num_batched_tokens": 1024, "kv_cache_tokens": None, "key": {}, "grid": []}
@@ -178,13 +178,13 @@ def test_a_noisy_grid_without_a_fixed_cost_still_gives_the_operator_a_model():
 def test_the_written_model_is_the_operators_and_fits_a_termination_message():
     body = measured_model(8)
     body["grid"] = body["grid"] * 12  # 96 points: more than 4 KiB
-    text = perf_profile.fitting(body, 4096)
+    text = perf_fit.fitting(body, 4096)
     assert len(text.encode()) <= 4096
     model = PerfModel.from_json(text)
     assert 2 <= len(model.grid) < 96 and model.a == pytest.approx(0.02)
-    assert len(PerfModel.from_json(perf_profile.fitting(body, None)).grid) == 96  # unlimited: every point
+    assert len(PerfModel.from_json(perf_fit.fitting(body, None)).grid) == 96  # unlimited: every point
     with pytest.raises(ValueError):
-        perf_profile.fitting(body, 50)
+        perf_fit.fitting(body, 50)
 
 
 # The I/O, against a fake kube -----------------------------------------------------------------------------------------

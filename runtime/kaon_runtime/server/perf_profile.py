@@ -15,16 +15,14 @@ so every repeat prefills in full) and measures it through its HTTP API, as a cli
 Of repeated measurements the low quantile is kept: on a shared machine contention only ever
 adds time.
 
-The fit is step(batch, prefill tokens, context tokens) = a + b batch + c prefill + d context
-seconds, by least squares, terms that come out negative refitted without (a step never gets
-faster with more work). The JSON is what the operator's `perf_model.PerfModel.from_json`
-reads (the two packages share this format, not code): the coefficients, the measured grid,
-the cold start, the engine's batch limits and the `key` it was measured on (device, model,
-quantization, dtype, tensor parallelism).
+- the KV cache's size in tokens, as the server's /metrics states it.
 
+The fit and the JSON's size are perf_fit.py's. The JSON is what the operator's
+`perf_model.PerfModel.from_json` reads (the two packages share this format, not code): the
+coefficients, the measured grid, the cold start, the engine's batch limits and KV cache size,
+and the `key` it was measured on (device, model, quantization, dtype, tensor parallelism).
 `--max-bytes`: the operator's profiling Job writes the model to the container's termination
-message, which the kubelet cuts at 4 KiB; the model is then written compact and, if it still
-does not fit, with grid points left out evenly (the coefficients always stay).
+message, which the kubelet cuts at 4 KiB (perf_fit.fitting).
 `KAON_PROFILE_ARGS` (shell words) is read before the command line's own flags: the profiling
 Job runs with the engine's environment, so a spec can narrow the grid (the tests' small one).
 """
@@ -33,17 +31,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import shlex
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import aiohttp
-import numpy as np
+
+from kaon_runtime.server.perf_fit import GridPoint, fit, fitting
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_LENGTHS = (0, 384)  # 0: a short prompt
@@ -57,58 +55,9 @@ READY_TIMEOUT_SECONDS = 1800.0
 REQUEST_TIMEOUT_SECONDS = 600.0
 
 
-@dataclass(frozen=True, slots=True)
-class GridPoint:
-    batch: float
-    prefill_tokens: float
-    context_tokens: float
-    seconds: float
-
-
 def low_quantile(values: list[float], q: float = 0.25) -> float:
     ordered = sorted(values)
     return ordered[int(q * (len(ordered) - 1))]
-
-
-def fit(grid: list[GridPoint]) -> tuple[float, float, float, float]:
-    """(a, b, c, d) by least squares; the slopes that come out negative are refitted without
-    (measurement noise: more work never makes a step faster). When noise leaves no fixed cost
-    (a <= 0), a is set to 1% of the fastest step and the slopes refitted to what remains: every
-    step costs something, and the operator's model requires a > 0."""
-    if len(grid) < 2:
-        raise ValueError("fitting a step-time model needs at least two measured points")
-    features = np.array([(1.0, p.batch, p.prefill_tokens, p.context_tokens) for p in grid])
-    seconds = np.array([p.seconds for p in grid])
-    terms = _nonnegative_slopes(features, seconds, [0, 1, 2, 3])
-    if terms.get(0, 0.0) <= 0:
-        floor = 0.01 * float(seconds.min())
-        terms = {0: floor, **_nonnegative_slopes(features, seconds - floor, [1, 2, 3])}
-    return terms[0], terms.get(1, 0.0), terms.get(2, 0.0), terms.get(3, 0.0)
-
-
-def _nonnegative_slopes(features: np.ndarray, target: np.ndarray, keep: list[int]) -> dict[int, float]:
-    """Least squares over the columns `keep`, dropping the slopes (columns but 0) that come out negative."""
-    while keep:
-        solved, *_ = np.linalg.lstsq(features[:, keep], target, rcond=None)
-        negative = [term for term, value in zip(keep, solved) if term and value < 0]
-        if not negative:
-            return dict(zip(keep, solved.tolist()))
-        keep = [term for term in keep if term not in negative]
-    return {}
-
-
-def fitting(model: dict, max_bytes: int | None) -> str:
-    """The model as JSON: indented without a limit; compact within `max_bytes`, grid points
-    left out evenly until it fits (ValueError when not even the coefficients do)."""
-    if max_bytes is None:
-        return json.dumps(model, indent=2) + "\n"
-    grid = list(model.get("grid", ()))
-    for kept in range(len(grid), -1, -1):
-        chosen = [grid[round(i * (len(grid) - 1) / max(kept - 1, 1))] for i in range(kept)] if kept else []
-        text = json.dumps({**model, "grid": chosen}, separators=(",", ":"))
-        if len(text.encode()) <= max_bytes:
-            return text
-    raise ValueError(f"the performance model does not fit in {max_bytes} bytes")
 
 
 def _ints(text: str) -> tuple[int, ...]:
