@@ -826,9 +826,8 @@ def pooled(rows: list[dict]) -> list[dict]:
         o["replica_hours"] = round(o.pop("hours_total"), 3)
         o["changes_per_hour"] = round(o.pop("changes") / o["seeds"], 2)
         for name, column in (("oracle", "replica_hours_vs_oracle"), ("oracle-dwell", "replica_hours_vs_dwell_oracle")):
-            base = out.get((trace, name))
             hours = sum(r["replica_hours"] for r in rows if r["trace"] == trace and r["policy"] == name)
-            o[column] = round(o["replica_hours"] / hours, 3) if base and hours else None
+            o[column] = round(o["replica_hours"] / hours, 3) if hours else None
     return list(out.values())
 
 
