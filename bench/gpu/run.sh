@@ -52,9 +52,9 @@ kernels() {
     # --noconftest: tests/conftest.py brings the control plane, MinIO and the bundled model, which
     # do not travel; bench/gpu/gpu_fixtures.py stands in for the part these tests use.
     $PY -m pytest -q -p no:cacheprovider --noconftest -p gpu_fixtures -rfE "${workers[@]}" \
-        --junitxml "$OUT/kernels.xml" "${select[@]}" tests/unit/test_kernels.py tests/unit/test_paged_attention.py \
-        tests/unit/test_quant.py tests/unit/test_lora_kernels.py tests/unit/test_triton_engine.py \
-        tests/unit/test_cuda_graphs.py
+        --junitxml "$OUT/kernels.xml" "${select[@]}" tests/unit/runtime/kernels/test_kernels.py tests/unit/runtime/kernels/test_paged_attention.py \
+        tests/unit/runtime/quant/test_quant.py tests/unit/runtime/kernels/test_lora_kernels.py tests/unit/runtime/engine/test_triton_engine.py \
+        tests/unit/runtime/engine/test_cuda_graphs.py
 }
 engine() { $PY bench/gpu/engine_check.py --json "$OUT/engine.json"; }
 roofline() {

@@ -1,7 +1,7 @@
 """GGUF quantized blocks -> kaon's own quantized weights, without changing a weight.
 
 Each type's integer values and scales are taken apart and put into the kaon layout that holds
-them exactly (`repack`; tests/unit/test_gguf_quant.py checks every type against the gguf
+them exactly (`repack`; tests/unit/runtime/quant/test_gguf_quant.py checks every type against the gguf
 package's own dequantizer):
 
   Q4_0, Q4_1      -> Int4Weight, groups of 32, float16 scale and min (Q4_0: min = -8 * scale)

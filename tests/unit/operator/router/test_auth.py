@@ -266,7 +266,7 @@ def test_the_security_docs_auth_example_is_a_valid_spec():
 
     from kaon_operator import api
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    text = (Path(__file__).resolve().parents[4] / "docs" / "security.md").read_text()
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
     (example,) = [b for b in blocks if "auth" in (b or {}).get("spec", {})]
     spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}, **example["spec"]})

@@ -2,7 +2,7 @@
 grouped matmuls): a tiny random Llama with every projection wrapped, slots holding adapters of
 different ranks and target modules, rows of several adapters and of the base in one step; float32,
 int8 and int4 base weights, and a mixed step whose decodes take the C step and its prefill torch.
-Whole models against transformers + peft through this step: tests/unit/test_lora.py."""
+Whole models against transformers + peft through this step: tests/unit/runtime/engine/test_lora.py."""
 from __future__ import annotations
 
 import pytest

@@ -89,7 +89,7 @@ def test_config_is_the_family_of_the_file(family_gguf):
     assert config.architecture == family
     assert config.num_experts == (getattr(model.config, "num_local_experts", None)
                                   or getattr(model.config, "num_experts", 0) or 0)
-    # The experts' blocks are offered too, to be kept quantized (tests/unit/test_quantized_experts.py)
+    # The experts' blocks are offered too, to be kept quantized (tests/unit/runtime/quant/test_quantized_experts.py)
     experts = {name for name, _, _ in checkpoint.quantized_blocks() if ".experts." in name}
     assert len(experts) == 2 * 3 * config.num_experts
 

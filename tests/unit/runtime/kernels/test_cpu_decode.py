@@ -2,7 +2,7 @@
 its pure-torch reference, and a whole decode step against the model's own torch path, on a
 tiny random Llama with GQA, biases, a paged pool of small blocks and sequences of different
 lengths. The greedy HF identity of the default float32 model goes through this step too
-(tests/unit/test_correctness.py runs on CPU with it on)."""
+(tests/unit/runtime/test_correctness.py runs on CPU with it on)."""
 from __future__ import annotations
 
 import logging
