@@ -2,7 +2,8 @@
 
 etcd, kube-apiserver (TLS, RBAC), kube-controller-manager, kube-scheduler and KWOK,
 from the binaries that `build-control-plane.sh` caches. KWOK plays the kubelet for
-fake GPU nodes, so scheduled pods go Running with pod IPs from a loopback range.
+fake GPU nodes, so scheduled pods go Running with pod IPs from a loopback range of this
+control plane's own (e2e/pod_range.py: a second cluster on the machine gets another).
 Every process is ours and is stopped by PID; everything they write lives in one
 temp dir.
 
@@ -33,12 +34,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from e2e import pod_range
+
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build-control-plane.sh"
 KWOK_STAGES = HERE / "kwok-stages.yaml"
 FAKE_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 SERVICE_CIDR = "10.96.0.0/16"  # bookkeeping for Services only (room for thousands); nothing connects to it
-POD_CIDR = "127.1.0.1/16"  # loopback, so a real process can listen on a fake pod's IP
 
 
 class ControlPlaneError(RuntimeError):
@@ -212,6 +214,15 @@ class ControlPlane:
         self.server = ""
         self._procs: dict[str, subprocess.Popen] = {}
         self._pki: _PKI | None = None
+        self._pod_range: pod_range.PodRange | None = None
+
+    @property
+    def pod_network(self) -> ipaddress.IPv4Network:
+        """The loopback /16 KWOK gives this cluster's pods IPs from (so a real process can listen
+        on a fake pod's IP), reserved by start() for as long as it runs."""
+        if self._pod_range is None:
+            raise ControlPlaneError("the control plane has not started")
+        return self._pod_range.network
 
     @property
     def pki(self) -> _PKI:
@@ -233,6 +244,7 @@ class ControlPlane:
     def _start(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         pki = self._pki = _PKI(self.workdir / "pki")
+        pods = self._pod_range = pod_range.reserve()
         etcd_port, api_port = free_port(), free_port()
         self.server = f"https://127.0.0.1:{api_port}"
         self._start_etcd(etcd_port)
@@ -245,7 +257,7 @@ class ControlPlane:
         manager = self.user_kubeconfig("kube-controller-manager", "system:kube-controller-manager")
         self._start_controller_manager(manager, pki)
         self._start_scheduler(scheduler)
-        self._start_kwok()
+        self._start_kwok(pods.kwok_cidr)
         if self.nodes:  # nodes=0: no fake nodes (e2e/real_node.py adds a real one)
             self.kubectl("apply", "-f", "-", input=json.dumps(
                 {"apiVersion": "v1", "kind": "List",
@@ -268,6 +280,8 @@ class ControlPlane:
         for proc in reversed(list(self._procs.values())):
             terminate(proc, grace=15)
         self._procs.clear()
+        if self._pod_range is not None:  # after KWOK and every engine of ours is gone
+            self._pod_range.release()
         if self._own_workdir and not os.environ.get("KAON_KEEP_CONTROL_PLANE"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -367,12 +381,12 @@ class ControlPlane:
         self._spawn("kube-scheduler", f"--kubeconfig={kubeconfig}", "--bind-address=127.0.0.1",
                     f"--secure-port={free_port()}", "--leader-elect=false", "--profiling=false")
 
-    def _start_kwok(self) -> None:
+    def _start_kwok(self, pod_cidr: str) -> None:
         key, value = FAKE_NODE_ANNOTATION
         # HOME points at the work dir so a stray ~/.kwok/kwok.yaml is not read.
         self._spawn("kwok", f"--kubeconfig={self.kubeconfig}", f"--config={KWOK_STAGES}",
                     "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={key}={value}",
-                    f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1", "--node-lease-duration-seconds=40",
+                    f"--cidr={pod_cidr}", "--node-ip=127.0.0.1", "--node-lease-duration-seconds=40",
                     env={"HOME": str(self.workdir)})
 
     # readiness ---------------------------------------------------------------
