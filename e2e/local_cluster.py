@@ -88,7 +88,7 @@ class LocalCluster:
         self._stack.callback(operator.stop)
         operator.start()
         # --cluster-wide-names: each test has a namespace of its own and sends bare names to this one
-        # router (tests/test_tenancy_e2e.py runs one with the defaults beside it).
+        # router (tests/e2e/test_auth_e2e.py runs one with the defaults beside it).
         router = RouterProcess(self.cp.service_account_kubeconfig(NAMESPACE, f"{name}-router"), work / "router.log",
                                "--queue-timeout", str(self.queue_timeout), "--cluster-wide-names")
         self._stack.callback(router.stop)

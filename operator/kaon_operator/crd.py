@@ -22,7 +22,7 @@ from kaon_operator import api, api_status
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
 # Helm installs what lies in a chart's crds/ and can read nothing outside the chart, so the
-# chart carries a copy, written by the same generator (and compared by tests/test_chart.py).
+# chart carries a copy, written by the same generator (and compared by tests/integration/test_chart.py).
 CHART_CRD_PATH = ROOT / "charts" / "kaon" / "crds" / "inferenceservice.yaml"
 
 _KEEP = ("type", "description", "enum", "format", "minimum", "maximum", "minLength", "maxLength",

@@ -27,7 +27,7 @@
  *
  * Threads: the caller's and a small pool of our own (see parallel_for for why not OpenMP), as
  * many as torch.get_num_threads(). Built with -march=native; without AVX2 scalar loops run.
- * References: tests/test_cpu_decode.py compares each kernel and the whole step with torch.
+ * References: tests/unit/runtime/kernels/test_cpu_decode.py compares each kernel and the whole step with torch.
  */
 #include <math.h>
 #include <stdint.h>

@@ -24,7 +24,7 @@ import triton.language as tl
 from kaon_runtime.kernels.paged_attention_ref import MAX_HEAD_SLICE
 
 # Tile sizes (prefill query rows per program, keys per inner-loop step). Compiled for sm_90
-# (tests/test_kernels_compile.py), float32 at 64 x 64 spilled 30 KB per program in prefill:
+# (tests/unit/runtime/kernels/test_kernels_compile.py), float32 at 64 x 64 spilled 30 KB per program in prefill:
 # its exact products run on the CUDA cores and hold twice the bytes, so its tiles are halved.
 _TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (32, 32)}
 # 8 warps: 128 registers per thread instead of 234 at 4 (bf16, sm_90), twice the warps per SM.

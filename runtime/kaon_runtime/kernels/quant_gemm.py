@@ -29,7 +29,7 @@ def _block_m(m: int) -> int:
 
 def _warps(block_m: int) -> int:
     # 64-row tiles hold four times the accumulator: with 8 warps W4A16 needs 125 registers per
-    # thread on sm_90 instead of 207 (tests/test_kernels_compile.py), W8A16 48 instead of 77.
+    # thread on sm_90 instead of 207 (tests/unit/runtime/kernels/test_kernels_compile.py), W8A16 48 instead of 77.
     return 4 if block_m <= 16 else 8
 
 

@@ -4,7 +4,7 @@ torch ships CPU kernels for int8 and int4 weights (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`, the ones torchao's CPU weight-only paths call). Fed float32
 activations they take a slow generic path, so the activations go in as bfloat16 and the
 result comes back in x's dtype: the rounding that adds is of the order of the weights' own
-quantization step. The references are in quant_gemm_ref.py (tests/test_quant.py compares).
+quantization step. The references are in quant_gemm_ref.py (tests/unit/runtime/quant/test_quant.py compares).
 
 int4 needs torch's own packed layout, so a weight is re-packed once (pack_int4_for_cpu):
 torch's grid is w = (q - 8) * scale + zero, ours (GGUF Q4_1's) is w = q * scale + min, so
