@@ -16,7 +16,7 @@ flight, and holds requests while no replica is ready (until one is, or the hold 
 A new replica is ready after the cold start. A removed replica takes no new requests and
 drains; what is still in flight after the drain grace period is cut (and counted).
 
-Policies, on the same trace and seed: kaon (`kaon_operator.autoscaler.decide` fed the very
+Policies, on the same trace and seed: kaon (`kaon_operator.autoscaling.autoscaler.decide` fed the very
 `Sample`s the operator builds, every 5 s), an HPA-style policy, Knative's KPA and an oracle
 (see `oracle_schedule`). The yardstick: SLO attainment (TTFT <= target), replica-hours
 relative to the oracle, replica changes per hour, requests cut by scale-down.
@@ -40,8 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
-from kaon_operator import autoscaler, perf_model, predictive, scraper  # noqa: E402
 from kaon_operator.api import AutoscalingSpec  # noqa: E402
+from kaon_operator.autoscaling import autoscaler, perf_model, predictive, scraper  # noqa: E402
 
 CALIBRATION = ROOT / "bench" / "data" / "autoscale_calibration.json"
 MAX_REPLICAS = 10
@@ -999,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{autoscaler.concurrency_target(spec, m.max_num_seqs):g}; drain {config.drain_s:g} s; "
               f"scrape failures {config.scrape_failure_p:g}; {config.minutes:g} min per trace; "
               f"seeds {args.seed}..{args.seed + args.seeds - 1}" + (" pooled" if args.seeds > 1 else ""))
-        print(f"kaon policy: operator/kaon_operator/autoscaler.py, git blob {policy_version()}")
+        print(f"kaon policy: operator/kaon_operator/autoscaling/autoscaler.py, git blob {policy_version()}")
         print(table([r for r in rows if not r["policy"].startswith("hpa-x")], config.ttft_target_s))
         print(f"\nkaon-predictive against the HPA at {', '.join(f'{m:g}' for m in (*HPA_FRONTIER, 1))} x its "
               f"target (the cheapest that reaches kaon's SLO attainment or better):")

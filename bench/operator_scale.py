@@ -27,7 +27,9 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 from e2e.control_plane import ControlPlane, build_binaries  # noqa: E402
 from e2e.operator_process import OperatorProcess  # noqa: E402
-from kaon_operator import api, resources, scraper  # noqa: E402
+from kaon_operator import api  # noqa: E402
+from kaon_operator.autoscaling import scraper  # noqa: E402
+from kaon_operator.children import resources  # noqa: E402
 from kaon_operator.crd import CRD_PATH  # noqa: E402
 
 # KWOK marks engine pods with a kwok-ready/* image Ready with nothing behind them (e2e/kwok-stages.yaml).

@@ -68,8 +68,8 @@ import psutil
 from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 from e2e.probes import ProbeState, http_probe, parse_quantity, probes
 from kaon_operator import labels
-from kaon_operator.adapter_pods import ADAPTER_MOUNT
-from kaon_operator.profiling import PROFILER, TERMINATION_MESSAGE_BYTES
+from kaon_operator.autoscaling.profiling import PROFILER, TERMINATION_MESSAGE_BYTES
+from kaon_operator.lora.adapter_pods import ADAPTER_MOUNT
 
 LOCAL_IMAGE_PREFIX = "local/"
 BACKOFF_START, BACKOFF_MAX = 2.0, 30.0  # a kubelet starts at 10 s and caps at 5 min; tests are impatient

@@ -8,10 +8,11 @@ import logging
 from datetime import UTC, datetime
 from functools import partial
 
-from kaon_operator import key_digests, status, status_sync
-from kaon_operator.adapter_sync import AdapterLoop
-from kaon_operator.autoscale_loop import AutoscaleLoop
+from kaon_operator import key_digests
+from kaon_operator.autoscaling.autoscale_loop import AutoscaleLoop
 from kaon_operator.context import Context
+from kaon_operator.lora.adapter_sync import AdapterLoop
+from kaon_operator.status import conditions, status_sync
 from kaon_operator.watching import reporting_instance
 
 STARTUP_CHECK_SECONDS = 5.0
@@ -26,7 +27,7 @@ async def watch_startups(ctx: Context) -> None:
         await asyncio.sleep(STARTUP_CHECK_SECONDS)
         now = datetime.now(UTC).replace(microsecond=0)
         for key, pods in ctx.caches.pods_by_service():
-            deadline = status.next_startup_deadline(pods)
+            deadline = conditions.next_startup_deadline(pods)
             if deadline is None or deadline > now:
                 continue
             try:

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kaon_operator.summaries import DeploymentSummary, PodSummary, ServedName
+from kaon_operator.status.summaries import DeploymentSummary, PodSummary, ServedName
 
 Key = tuple[str, str]  # (namespace, InferenceService name)
 

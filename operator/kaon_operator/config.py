@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kaon_operator.resources import NetworkPolicyConfig
+from kaon_operator.children.resources import NetworkPolicyConfig
 from kaon_operator.spec_policy import SpecPolicy
 
 

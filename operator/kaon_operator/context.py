@@ -14,8 +14,8 @@ from kaon_operator.caches import Caches
 from kaon_operator.config import OperatorConfig
 from kaon_operator.kube import Kube
 from kaon_operator.records import Records
-from kaon_operator.status import EventSpec
-from kaon_operator.status_queue import StatusQueue
+from kaon_operator.status.conditions import EventSpec
+from kaon_operator.status.status_queue import StatusQueue
 from kaon_operator.watching import reporting_instance
 
 APPLY_THREADS = 32  # as many as the API client's connection pool (Kube.from_environment)

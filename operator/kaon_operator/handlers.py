@@ -18,12 +18,14 @@ import asyncio
 
 import kopf
 
-from kaon_operator import background, drift, leaderworkerset, reconciler, status_sync, summaries, watching
+from kaon_operator import background, reconciler, watching
 from kaon_operator.caches import Caches, Key
+from kaon_operator.children import drift, leaderworkerset
 from kaon_operator.config import OperatorConfig
 from kaon_operator.context import Context
 from kaon_operator.kube import Kube
 from kaon_operator.labels import SERVICE
+from kaon_operator.status import status_sync, summaries
 from kaon_operator.watching import CHILD_KINDS, DEPLOYMENTS, ENGINE_CHILD, ISVC, PDBS, PODS, configure
 
 

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from kaon_operator import api
 from kaon_operator.caches import Key
 from kaon_operator.context import Context
-from kaon_operator.status import EventSpec
+from kaon_operator.status.conditions import EventSpec
 
 PUBLISH_SECONDS = 3.0
 

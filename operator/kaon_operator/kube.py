@@ -13,7 +13,8 @@ from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from kaon_operator import api, kubetime, ownership
+from kaon_operator import api, kubetime
+from kaon_operator.children import ownership
 
 FIELD_MANAGER = "kaon-operator"
 REQUEST_TIMEOUT_S = (5.0, 30.0)

@@ -11,10 +11,12 @@ import secrets
 import kopf
 from kubernetes.client.rest import ApiException
 
-from kaon_operator import api, changes, leaderworkerset, resources, spec_policy, status, status_sync
+from kaon_operator import api, spec_policy
+from kaon_operator.children import changes, leaderworkerset, resources
 from kaon_operator.context import Context
 from kaon_operator.kube import NamespaceTerminating, NotOwned
 from kaon_operator.metrics import RECONCILE_SECONDS
+from kaon_operator.status import conditions, status_sync
 
 APPLY_RETRY_SECONDS = 10
 CONFLICT_RETRY_SECONDS = 30  # until the object in the way is gone (then the children are applied)
@@ -58,8 +60,8 @@ def _remove_other_workload(ctx: Context, body, key: tuple[str, str], spec: api.I
     meta = body["metadata"]
     api_version, kind = _WORKLOADS[not spec.engine.multi_node]
     if ctx.kube.delete_controlled(api_version, kind, meta["namespace"], meta["name"], meta["uid"]):
-        ctx.post(body, [status.EventSpec("Normal", "Replaced", f"deleted {kind} {meta['name']}: engine.nodesPerReplica "
-                                         f"is {spec.engine.nodes_per_replica} now")])
+        ctx.post(body, [conditions.EventSpec("Normal", "Replaced", f"deleted {kind} {meta['name']}: "
+                                             f"engine.nodesPerReplica is {spec.engine.nodes_per_replica} now")])
 
 
 def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> None:
@@ -88,7 +90,7 @@ def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> Non
     except NotOwned as exc:
         # Never taken over, never deleted: reported (condition and Warning Event naming it), and tried again.
         record.conflict = str(exc)
-        ctx.post(body, [status.EventSpec("Warning", status.RESOURCE_CONFLICT, record.conflict)])
+        ctx.post(body, [conditions.EventSpec("Warning", conditions.RESOURCE_CONFLICT, record.conflict)])
         status_sync.sync_status(ctx, body, key, spec, applied=False)
         raise kopf.TemporaryError(record.conflict, delay=CONFLICT_RETRY_SECONDS) from None
     except ApiException as exc:
@@ -100,7 +102,7 @@ def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> Non
     record.apply_failure, record.conflict, record.applied = None, None, version
     _remove_other_workload(ctx, body, key, spec)
     if reason == "create":
-        ctx.post(body, [status.EventSpec("Normal", "Created", "created " + ", ".join(
+        ctx.post(body, [conditions.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])
     elif reason == "update":
         previous = api.parse_spec(old) if old else None

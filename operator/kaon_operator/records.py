@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from kaon_operator.summaries import DeploymentSummary, PdbSummary
+from kaon_operator.status.summaries import DeploymentSummary, PdbSummary
 
 Key = tuple[str, str]  # (namespace, InferenceService name)
 

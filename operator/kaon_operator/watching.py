@@ -11,7 +11,8 @@ from typing import Any
 
 import kopf
 
-from kaon_operator import api, labels, leaderworkerset
+from kaon_operator import api, labels
+from kaon_operator.children import leaderworkerset
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
 PODS = ("", "v1", "pods")

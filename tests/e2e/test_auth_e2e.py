@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from e2e.local_cluster import LOCAL_IMAGE, NAMESPACE, LocalCluster, RouterProcess
-from kaon_operator import resources
+from kaon_operator.children import resources
 from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct"}

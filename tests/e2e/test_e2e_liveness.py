@@ -189,7 +189,8 @@ def test_a_pdb_refusing_evictions_is_reported_then_clears(local, crd, namespace)
 
 
 def test_the_rendered_probes_follow_the_spec():
-    from kaon_operator import api, pod_template
+    from kaon_operator import api
+    from kaon_operator.children import pod_template
 
     def engine(**fields) -> api.InferenceServiceSpec:
         return api.InferenceServiceSpec.model_validate({"model": {"uri": "builtin://smollm2-135m-instruct"},

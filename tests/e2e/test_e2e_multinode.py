@@ -18,7 +18,7 @@ from openai import OpenAI
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
 from e2e.lws_standin import DISTRIBUTED_PORT
-from kaon_operator import leaderworkerset, resources
+from kaon_operator.children import leaderworkerset, resources
 from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2-pp"}

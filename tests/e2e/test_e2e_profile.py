@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
-from kaon_operator.perf_model import PerfModel
+from kaon_operator.autoscaling.perf_model import PerfModel
 from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"}

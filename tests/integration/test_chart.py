@@ -161,9 +161,7 @@ def test_router_flags_in_values_are_the_commands_own_defaults(helm):
 
 
 def test_the_operator_finds_the_charts_router_pods(helm):
-    from kaon_operator import (
-        autoscale_loop,  # the labels and port the autoscaler scrapes routers by
-    )
+    from kaon_operator.autoscaling import autoscale_loop  # the labels and port the autoscaler scrapes routers by
 
     docs = template(helm, [])
     pod = find(docs, "Deployment", "kaon-router")["spec"]["template"]
@@ -475,7 +473,7 @@ def test_the_operator_image_builds_from_operator_alone():
 
 
 def test_images_run_as_the_users_pods_expect():
-    from kaon_operator import pod_template, resources
+    from kaon_operator.children import pod_template, resources
 
     runtime = (ROOT / "runtime" / "Dockerfile").read_text()
     assert f"USER {pod_template.RUN_AS}:{pod_template.RUN_AS}" in runtime

@@ -32,7 +32,8 @@ def test_bad_sampling_flag_is_a_clear_error():
 
 
 def test_every_flag_the_operator_renders_is_one_kaon_serve_takes():
-    from kaon_operator import api, pod_template, resources
+    from kaon_operator import api
+    from kaon_operator.children import pod_template, resources
     from kaon_runtime.cli import build_parser
 
     spec = api.InferenceServiceSpec.model_validate({

@@ -18,7 +18,9 @@ import pytest
 
 from e2e.control_plane import fake_gpu_node, free_port
 from e2e.operator_process import OperatorProcess
-from kaon_operator import api, autoscale_loop, pod_template, resources, watching
+from kaon_operator import api, watching
+from kaon_operator.autoscaling import autoscale_loop
+from kaon_operator.children import pod_template, resources
 from kaon_operator.config import AutoscaleSettings
 from support.cluster import MODEL, STAND_IN, Cluster, isvc, wait_for
 

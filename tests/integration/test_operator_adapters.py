@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from kaon_operator import resources
+from kaon_operator.children import resources
 from support.cluster import Cluster, isvc, wait_for
 
 BROKEN = "hf://org/missing-adapter"

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from e2e.control_plane import free_port
-from kaon_operator import resources
+from kaon_operator.children import resources
 from support.cluster import Cluster, isvc, wait_for
 from support.metrics_text import engine_metrics_text, router_metrics_text
 
@@ -216,7 +216,7 @@ def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator
     human's `kubectl scale`) wins, the decision is dropped and the status does not claim it."""
     import kubernetes
 
-    from kaon_operator.autoscale_loop import AutoscaleLoop
+    from kaon_operator.autoscaling.autoscale_loop import AutoscaleLoop
     from kaon_operator.caches import Caches
     from kaon_operator.config import AutoscaleSettings
     from kaon_operator.kube import Conflict, Kube

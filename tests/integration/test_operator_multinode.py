@@ -15,7 +15,8 @@ import pytest
 
 from e2e.lws_standin import CRD_PATH as LWS_CRD, LwsStandIn
 from e2e.operator_process import OperatorProcess
-from kaon_operator import labels, leaderworkerset
+from kaon_operator import labels
+from kaon_operator.children import leaderworkerset
 from support.cluster import Cluster, isvc, wait_for
 
 MULTI_NODE = {"nodesPerReplica": 2, "pipelineParallelSize": 2}

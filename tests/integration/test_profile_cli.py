@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kaon_operator.perf_model import PerfModel
+from kaon_operator.autoscaling.perf_model import PerfModel
 
 MODEL = "builtin://smollm2-135m-instruct"
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"

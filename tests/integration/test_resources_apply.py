@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kaon_operator import api, labels, resources as r
+from kaon_operator import api, labels
+from kaon_operator.children import resources as r
 
 VARIANTS = [
     {},

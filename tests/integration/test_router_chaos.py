@@ -306,7 +306,8 @@ SERVED = "smollm2"
 ROUTER = """
 import json, sys
 from aiohttp import web
-from kaon_operator import api, resources
+from kaon_operator import api
+from kaon_operator.children import resources
 from kaon_operator.labels import service_labels
 from kaon_operator.router.endpoints import EndpointTable
 from kaon_operator.router.config import RouterConfig

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from e2e.control_plane import free_port
-from kaon_operator import api, resources
+from kaon_operator import api
+from kaon_operator.children import resources
 from kaon_operator.labels import service_labels
 from kaon_operator.router import watch
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey

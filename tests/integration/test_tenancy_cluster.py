@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 
 from e2e.control_plane import build_binaries
-from kaon_operator import status, summaries
 from kaon_operator.router.main import build_parser, default_namespace
+from kaon_operator.status import conditions, summaries
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kaon"
 
@@ -55,14 +55,14 @@ def test_the_later_of_two_serving_one_name_gets_name_conflict_and_events_on_both
     later = summaries.served_name(body("second", "dup", "2026-01-01T00:00:05Z"))
     alone = summaries.served_name(body("third", "solo", "2026-01-01T00:00:09Z"))
     assert later == summaries.ServedName(("a", "second"), "dup", older.created + 5)
-    found = status.name_conflicts([later, alone, older])
+    found = conditions.name_conflicts([later, alone, older])
     assert set(found) == {("a", "second")}
     cond = found[("a", "second")]
     assert cond["type"] == "NameConflict" and cond["status"] == "True" and cond["reason"] == "ServedNameTaken"
     assert "`dup`" in cond["message"] and "first" in cond["message"]
     ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": ""}
-    raised = status.transition_events([ready, cond], [ready])
+    raised = conditions.transition_events([ready, cond], [ready])
     assert [(e.type, e.reason) for e in raised] == [("Warning", "NameConflict")]
-    assert status.transition_events([ready, cond], [ready, cond]) == []  # no repeat while it holds
-    cleared = status.transition_events([ready], [ready, cond])
+    assert conditions.transition_events([ready, cond], [ready, cond]) == []  # no repeat while it holds
+    cleared = conditions.transition_events([ready], [ready, cond])
     assert [(e.type, e.reason) for e in cleared] == [("Normal", "NameConflictResolved")]

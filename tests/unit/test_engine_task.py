@@ -5,7 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from kaon_operator import api, pod_template
+from kaon_operator import api
+from kaon_operator.children import pod_template
 
 
 def engine_args(**engine) -> list[str]:

@@ -13,7 +13,8 @@ from typing import NamedTuple, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
-from kaon_operator import api, kubetime, labels, naming, resources
+from kaon_operator import api, kubetime, labels, naming
+from kaon_operator.children import resources
 from kaon_operator.router import adapter_names
 
 logger = logging.getLogger("kaon.router.endpoints")

@@ -12,8 +12,10 @@ import pydantic
 import pytest
 from aiohttp import web
 
-from kaon_operator import adapter_sync, adapters, api, pod_template
-from kaon_operator.summaries import PodSummary
+from kaon_operator import api
+from kaon_operator.children import pod_template
+from kaon_operator.lora import adapter_sync, adapters
+from kaon_operator.status.summaries import PodSummary
 
 
 def spec_of(adapter_list, **extra) -> api.InferenceServiceSpec:

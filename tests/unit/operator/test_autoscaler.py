@@ -12,8 +12,9 @@ import random
 
 import pytest
 
-from kaon_operator import api, autoscale_loop, scraper
-from kaon_operator.autoscaler import Decision, Sample, concurrency_target, decide
+from kaon_operator import api
+from kaon_operator.autoscaling import autoscale_loop, scraper
+from kaon_operator.autoscaling.autoscaler import Decision, Sample, concurrency_target, decide
 from support.metrics_text import engine_metrics_text, router_metrics_text
 
 TICK = 5.0
@@ -313,7 +314,7 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
 
     from kaon_operator.caches import Caches
     from kaon_operator.config import AutoscaleSettings
-    from kaon_operator.summaries import PodSummary
+    from kaon_operator.status.summaries import PodSummary
 
     class FakeKube:
         def __init__(self, router_port):

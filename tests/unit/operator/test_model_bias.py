@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
-from kaon_operator import api, model_bias, predictive
-from kaon_operator.autoscaler import Sample
-from kaon_operator.model_bias import Judged
-from kaon_operator.perf_model import PerfModel
+from kaon_operator import api
+from kaon_operator.autoscaling import model_bias, predictive
+from kaon_operator.autoscaling.autoscaler import Sample
+from kaon_operator.autoscaling.model_bias import Judged
+from kaon_operator.autoscaling.perf_model import PerfModel
 
 MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, cold_start_seconds=30.0)
 TICK = 5.0

@@ -2,7 +2,7 @@
 (summaries.py and status.py, pure): the condition's reason and message and the Warning Event."""
 from __future__ import annotations
 
-from kaon_operator import status, summaries
+from kaon_operator.status import conditions, summaries
 
 FETCH_401 = "kaon fetch: hf://org/private@main: 1 of 3 files\nkaon fetch: unauthorized: hf://org/private@main: " \
             "the hub refused the credentials (401) (HF_TOKEN is set)\n"
@@ -23,7 +23,7 @@ def terminated(code: int, message: str = "") -> dict:
 
 def degraded(*pods: dict) -> dict:
     summarized = [summaries.summarize_pod(p) for p in pods]
-    conds = status.conditions(deployment=None, pods=summarized, desired=1, gpus_per_pod=1, generation_applied=True)
+    conds = conditions.conditions(deployment=None, pods=summarized, desired=1, gpus_per_pod=1, generation_applied=True)
     return next(c for c in conds if c["type"] == "Degraded")
 
 
@@ -74,6 +74,6 @@ def test_the_warning_event_carries_the_reason_once():
     failing = pod(init={"state": terminated(5, "no space: the model needs 16.07 GB more but /var/cache/kaon has "
                                                "2.00 GB free")})
     new = [degraded(failing)]
-    (event,) = status.transition_events(new, old)
+    (event,) = conditions.transition_events(new, old)
     assert (event.type, event.reason) == ("Warning", "ModelFetchFailed") and "no space: " in event.message
-    assert status.transition_events(new, new) == []  # the crash loop goes on: no new Event each retry
+    assert conditions.transition_events(new, new) == []  # the crash loop goes on: no new Event each retry

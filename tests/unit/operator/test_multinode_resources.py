@@ -2,7 +2,8 @@
 its templates, group size and restart policy, a Service of the leaders, the group's NetworkPolicy."""
 from __future__ import annotations
 
-from kaon_operator import api, labels, leaderworkerset, resources
+from kaon_operator import api, labels
+from kaon_operator.children import leaderworkerset, resources
 
 OWNER = resources.Owner("big", "ns", "uid-1")
 NETWORK = resources.NetworkPolicyConfig(release_namespace="kaon-system")

@@ -2,11 +2,12 @@
 caches, one record per InferenceService, forgotten once and never brought back by late events."""
 from __future__ import annotations
 
-from kaon_operator import reconciler, status_sync, summaries
+from kaon_operator import reconciler
 from kaon_operator.caches import Caches
+from kaon_operator.children.resources import NetworkPolicyConfig
 from kaon_operator.config import OperatorConfig
 from kaon_operator.context import Context
-from kaon_operator.resources import NetworkPolicyConfig
+from kaon_operator.status import status_sync, summaries
 
 KEY = ("ns", "llama")
 METRICS = {"type": "MetricsAvailable", "status": "True", "reason": "Scraped",

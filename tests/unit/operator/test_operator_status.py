@@ -3,21 +3,23 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from kaon_operator import api, changes, status, summaries
+from kaon_operator import api
+from kaon_operator.children import changes
 from kaon_operator.kube import FIELD_MANAGER
+from kaon_operator.status import conditions, summaries
 
 SPEC = api.InferenceServiceSpec.model_validate({"model": {"uri": "builtin://smollm2-135m-instruct"}, "replicas": 2})
 
 
 def pod(name="p", *, ready=True, unschedulable=None, waiting=None, deleting=False) -> dict:
-    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    pod_conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
     if unschedulable:
-        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        pod_conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                            "message": unschedulable})
     containers = ([{"name": "engine", "state": {"waiting": {"reason": waiting, "message": "back-off"}}}]
                   if waiting else [])
     meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
-    return {"metadata": meta, "status": {"conditions": conditions, "containerStatuses": containers}}
+    return {"metadata": meta, "status": {"conditions": pod_conditions, "containerStatuses": containers}}
 
 
 def deployment(replicas=2, *, total=None, updated=None, ready=None, generation=1, observed=1):
@@ -45,7 +47,7 @@ def test_pod_summaries():
 
 def test_conditions_through_a_life():
     def conds(dep, pods, desired=2, applied=True):
-        return by_type(status.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods],
+        return by_type(conditions.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods],
                                          desired=desired, gpus_per_pod=1, generation_applied=applied))
 
     assert conds(None, []) == {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "Reconciling"),
@@ -73,8 +75,9 @@ def test_conditions_through_a_life():
 
 def test_degraded_reasons_name_the_cause():
     def degraded(pods, dep=None):
-        out = status.conditions(deployment=dep or deployment(ready=0), pods=[summaries.summarize_pod(p) for p in pods],
-                                desired=2, gpus_per_pod=16, generation_applied=True)
+        out = conditions.conditions(deployment=dep or deployment(ready=0),
+                                    pods=[summaries.summarize_pod(p) for p in pods],
+                                    desired=2, gpus_per_pod=16, generation_applied=True)
         return next(c for c in out if c["type"] == "Degraded")
 
     unschedulable = degraded([pod("a", ready=False,
@@ -96,41 +99,41 @@ def test_degraded_reasons_name_the_cause():
 
 def test_transition_times_and_events():
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
-    progressing = status.conditions(deployment=None, pods=[], desired=1, gpus_per_pod=1, generation_applied=True)
-    first = status.stamp(progressing, [], t0, 1)
+    progressing = conditions.conditions(deployment=None, pods=[], desired=1, gpus_per_pod=1, generation_applied=True)
+    first = conditions.stamp(progressing, [], t0, 1)
     assert {c["lastTransitionTime"] for c in first} == {"2026-01-01T00:00:00Z"}
-    assert status.transition_events(first, []) == []  # nothing to announce while merely starting
+    assert conditions.transition_events(first, []) == []  # nothing to announce while merely starting
 
     ready_pods = [summaries.summarize_pod(pod())]
-    ready = status.stamp(status.conditions(deployment=deployment(1, updated=1, ready=1), pods=ready_pods, desired=1,
-                                           gpus_per_pod=1, generation_applied=True),
-                         first, t0 + timedelta(seconds=5), 1)
+    ready = conditions.stamp(conditions.conditions(deployment=deployment(1, updated=1, ready=1), pods=ready_pods,
+                                                   desired=1, gpus_per_pod=1, generation_applied=True),
+                             first, t0 + timedelta(seconds=5), 1)
     times = {c["type"]: c["lastTransitionTime"] for c in ready}
     assert times["Ready"] == "2026-01-01T00:00:05Z" and times["Degraded"] == "2026-01-01T00:00:00Z"
-    assert status.transition_events(ready, first) == [status.EventSpec("Normal", "Ready", "1/1 replicas ready")]
-    assert status.transition_events(ready, ready) == []  # a repeat is silent
+    assert conditions.transition_events(ready, first) == [conditions.EventSpec("Normal", "Ready", "1/1 replicas ready")]
+    assert conditions.transition_events(ready, ready) == []  # a repeat is silent
 
     crashing = [summaries.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))]
-    bad = status.conditions(deployment=deployment(1, ready=0), pods=crashing, desired=1, gpus_per_pod=1,
+    bad = conditions.conditions(deployment=deployment(1, ready=0), pods=crashing, desired=1, gpus_per_pod=1,
                             generation_applied=True)
-    events = status.transition_events(bad, ready)
+    events = conditions.transition_events(bad, ready)
     assert [(e.type, e.reason) for e in events] == [("Warning", "NotReady"), ("Warning", "CrashLoopBackOff")]
     pulling = [summaries.summarize_pod(pod(ready=False, waiting="ImagePullBackOff"))]
-    worse = status.conditions(deployment=deployment(1, ready=0), pods=pulling, desired=1, gpus_per_pod=1,
+    worse = conditions.conditions(deployment=deployment(1, ready=0), pods=pulling, desired=1, gpus_per_pod=1,
                               generation_applied=True)
-    assert [e.reason for e in status.transition_events(worse, bad)] == ["ImagePullBackOff"]  # a new cause is news
-    assert [e.reason for e in status.transition_events(ready, worse)] == ["Ready", "Recovered"]
+    assert [e.reason for e in conditions.transition_events(worse, bad)] == ["ImagePullBackOff"]  # a new cause is news
+    assert [e.reason for e in conditions.transition_events(ready, worse)] == ["Ready", "Recovered"]
 
-    rolling = status.conditions(deployment=deployment(1, total=2, ready=2), pods=ready_pods,
+    rolling = conditions.conditions(deployment=deployment(1, total=2, ready=2), pods=ready_pods,
                                 desired=1, gpus_per_pod=1, generation_applied=True)
-    assert status.transition_events(rolling, ready) == []
-    assert status.transition_events(ready, rolling) == [
-        status.EventSpec("Normal", "RolloutComplete", "1 replicas up to date")]
+    assert conditions.transition_events(rolling, ready) == []
+    assert conditions.transition_events(ready, rolling) == [
+        conditions.EventSpec("Normal", "RolloutComplete", "1 replicas up to date")]
 
 
 def test_replica_counts_skip_terminating_pods():
     pods = [summaries.summarize_pod(p) for p in (pod("a"), pod("b", ready=False), pod("c", deleting=True))]
-    assert status.replica_counts(pods) == {"replicas": 2, "readyReplicas": 1}
+    assert conditions.replica_counts(pods) == {"replicas": 2, "readyReplicas": 1}
 
 
 def test_spec_change_events():
@@ -175,7 +178,7 @@ def engine_status(state: dict, last: dict | None = None, restarts: int = 3) -> d
 
 
 def degraded(pods=(), dep=None, now=None) -> dict:
-    conds = status.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods], desired=1,
+    conds = conditions.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods], desired=1,
                               gpus_per_pod=1, generation_applied=True, now=now)
     return next(c for c in conds if c["type"] == "Degraded")
 
@@ -246,7 +249,7 @@ def test_a_pod_not_ready_past_its_probes_budget_is_startup_timeout():
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
     summary = summaries.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))
     assert summary.startup_budget_s == 70  # 6 x 10 s startup + 2 x 5 s readiness
-    assert status.next_startup_deadline([summary]) == t0 + timedelta(seconds=70)
+    assert conditions.next_startup_deadline([summary]) == t0 + timedelta(seconds=70)
     assert degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=69))["status"] == "False"
     cond = degraded([slow_pod("2026-01-01T00:00:00Z")], now=t0 + timedelta(seconds=71))
     assert (cond["status"], cond["reason"]) == ("True", "StartupTimeout")
@@ -257,22 +260,23 @@ def test_a_pod_not_ready_past_its_probes_budget_is_startup_timeout():
     assert degraded([slow_pod("2026-01-01T00:00:00Z")])["status"] == "False"
     ready = slow_pod("2026-01-01T00:00:00Z", ready="True")
     assert degraded([ready], now=t0 + timedelta(hours=1))["status"] == "False"
-    assert status.next_startup_deadline([summaries.summarize_pod(ready)]) is None
+    assert conditions.next_startup_deadline([summaries.summarize_pod(ready)]) is None
 
 
 def test_each_failure_posts_one_warning_and_recovery_one_normal_event():
-    crash = status.conditions(deployment=None, pods=[summaries.summarize_pod(engine_status(BACK_OFF, {"exitCode": 1}))],
-                              desired=1, gpus_per_pod=1, generation_applied=True)
-    first = status.transition_events(crash, [])
+    crash = conditions.conditions(deployment=None,
+                                  pods=[summaries.summarize_pod(engine_status(BACK_OFF, {"exitCode": 1}))],
+                                  desired=1, gpus_per_pod=1, generation_applied=True)
+    first = conditions.transition_events(crash, [])
     assert [(e.type, e.reason) for e in first if e.type == "Warning"] == [("Warning", "CrashLoopBackOff")]
-    assert status.transition_events(crash, crash) == []  # the same failure on the next tick: no new Event
-    oom = status.conditions(deployment=None, pods=[summaries.summarize_pod(engine_status(BACK_OFF, {
+    assert conditions.transition_events(crash, crash) == []  # the same failure on the next tick: no new Event
+    oom = conditions.conditions(deployment=None, pods=[summaries.summarize_pod(engine_status(BACK_OFF, {
         "exitCode": 137, "reason": "OOMKilled"}))], desired=1, gpus_per_pod=1, generation_applied=True)
-    assert [(e.type, e.reason) for e in status.transition_events(oom, crash)] == [("Warning", "OOMKilled")]
-    healthy = status.conditions(deployment=None, pods=[summaries.summarize_pod(pod())], desired=1, gpus_per_pod=1,
+    assert [(e.type, e.reason) for e in conditions.transition_events(oom, crash)] == [("Warning", "OOMKilled")]
+    healthy = conditions.conditions(deployment=None, pods=[summaries.summarize_pod(pod())], desired=1, gpus_per_pod=1,
                                 generation_applied=True)
     assert ("Normal", "Recovered", "no longer degraded (OOMKilled)") in [
-        (e.type, e.reason, e.message) for e in status.transition_events(healthy, oom)]
+        (e.type, e.reason, e.message) for e in conditions.transition_events(healthy, oom)]
 
 
 def killed_pod(*, ready_changed: str, restarts: int = 1, state: dict | None = None, ready: bool = False) -> dict:
@@ -302,7 +306,7 @@ def test_a_container_killed_after_it_had_served_is_unhealthy_until_ready_again()
     cond = degraded([hung])
     assert (cond["status"], cond["reason"]) == ("True", "Unhealthy"), cond
     assert "liveness probe failed" in cond["message"] and "spec.engine.stallTimeoutSeconds" in cond["message"]
-    events = status.transition_events(status.conditions(deployment=None, pods=[summaries.summarize_pod(hung)],
+    events = conditions.transition_events(conditions.conditions(deployment=None, pods=[summaries.summarize_pod(hung)],
                                                         desired=1, gpus_per_pod=1, generation_applied=True), [])
     assert [(e.type, e.reason) for e in events if e.type == "Warning"] == [("Warning", "Unhealthy")]
     back = killed_pod(ready_changed="2026-01-01T01:01:00Z", ready=True)
@@ -325,34 +329,34 @@ def pdb(allowed: int, healthy: int, desired: int, expected: int = 3) -> summarie
 
 def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning():
     crashing = [summaries.summarize_pod(engine_status(BACK_OFF, {"exitCode": 2}))]
-    blocked = status.disruption_condition(pdb(0, 0, 2), crashing)
+    blocked = conditions.disruption_condition(pdb(0, 0, 2), crashing)
     assert (blocked["status"], blocked["reason"]) == ("False", "InsufficientHealthyReplicas")
     assert blocked["message"].startswith("evictions of every engine pod are refused") and "0 are" in blocked["message"]
     assert "scale-downs and rollouts delete pods directly and are not blocked" in blocked["message"]
     # at the budget: ready pods cannot be evicted, the unhealthy one could
-    at_budget = status.disruption_condition(pdb(0, 2, 2), crashing)
+    at_budget = conditions.disruption_condition(pdb(0, 2, 2), crashing)
     assert at_budget["reason"] == "InsufficientHealthyReplicas" and at_budget["message"].startswith(
         "evictions of ready engine pods")
-    fine = status.disruption_condition(pdb(1, 3, 2), [summaries.summarize_pod(pod())])
+    fine = conditions.disruption_condition(pdb(1, 3, 2), [summaries.summarize_pod(pod())])
     assert (fine["status"], fine["reason"]) == ("True", "SufficientHealthyReplicas")
     # a single replica (minAvailable 0) crash-looping blocks nothing; no PDB or no status yet: no condition
-    assert status.disruption_condition(pdb(0, 0, 0, expected=1), crashing)["status"] == "True"
-    assert status.disruption_condition(None, crashing) is None
-    assert status.disruption_condition(pdb(0, 0, 0, expected=0), []) is None
+    assert conditions.disruption_condition(pdb(0, 0, 0, expected=1), crashing)["status"] == "True"
+    assert conditions.disruption_condition(None, crashing) is None
+    assert conditions.disruption_condition(pdb(0, 0, 0, expected=0), []) is None
 
-    events = status.transition_events([blocked], [])
+    events = conditions.transition_events([blocked], [])
     assert [(e.type, e.reason) for e in events] == [("Warning", "DisruptionBlocked")]
-    assert status.transition_events([blocked], [blocked]) == []
-    assert ([(e.type, e.reason) for e in status.transition_events([fine], [blocked])]
+    assert conditions.transition_events([blocked], [blocked]) == []
+    assert ([(e.type, e.reason) for e in conditions.transition_events([fine], [blocked])]
             == [("Normal", "DisruptionAllowed")])
 
 
 def test_replicas_still_starting_block_evictions_quietly():
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
     starting = [summaries.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))]  # 70 s budget
-    cond = status.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=10))
+    cond = conditions.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=10))
     assert (cond["status"], cond["reason"]) == ("False", "ReplicasStarting")
-    assert status.transition_events([cond], []) == []  # a scale-up is no incident
-    overdue = status.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=71))
+    assert conditions.transition_events([cond], []) == []  # a scale-up is no incident
+    overdue = conditions.disruption_condition(pdb(0, 1, 1), starting, now=t0 + timedelta(seconds=71))
     assert overdue["reason"] == "InsufficientHealthyReplicas"
-    assert [e.reason for e in status.transition_events([overdue], [cond])] == ["DisruptionBlocked"]
+    assert [e.reason for e in conditions.transition_events([overdue], [cond])] == ["DisruptionBlocked"]

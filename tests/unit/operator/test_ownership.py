@@ -11,7 +11,8 @@ import kubernetes
 import pytest
 from aiohttp import web
 
-from kaon_operator import ownership, scraper
+from kaon_operator.autoscaling import scraper
+from kaon_operator.children import ownership
 from kaon_operator.kube import Kube, TimedApiClient
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kaon_operator.perf_model import GridPoint, PerfModel, fit
+from kaon_operator.autoscaling.perf_model import GridPoint, PerfModel, fit
 
 TRUE = (0.02, 0.0015, 0.0004, 0.000002)  # a, b, c, d
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kaon_operator import api, autoscale_loop, autoscaler, model_bias, predictive, scraper
-from kaon_operator.autoscaler import Sample
-from kaon_operator.perf_model import PerfModel
+from kaon_operator import api
+from kaon_operator.autoscaling import autoscale_loop, autoscaler, model_bias, predictive, scraper
+from kaon_operator.autoscaling.autoscaler import Sample
+from kaon_operator.autoscaling.perf_model import PerfModel
 from support.metrics_text import engine_metrics_text
 
 MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, cold_start_seconds=30.0)

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from kaon_operator import api, autoscale_loop, profile_sync, profiling, resources
-from kaon_operator.perf_model import PerfModel
-from kaon_operator.profiling import JobState, Step
+from kaon_operator import api
+from kaon_operator.autoscaling import autoscale_loop, profile_sync, profiling
+from kaon_operator.autoscaling.perf_model import PerfModel
+from kaon_operator.autoscaling.profiling import JobState, Step
+from kaon_operator.children import resources
 from kaon_runtime import cli
 from kaon_runtime.server import perf_fit, perf_profile
 
@@ -357,7 +359,7 @@ def test_a_named_configmap_is_read_and_none_reads_nothing():
 def test_the_loop_decides_by_the_profiled_model_or_says_why_not():
     import asyncio
 
-    from kaon_operator.autoscaler import Sample
+    from kaon_operator.autoscaling.autoscaler import Sample
     from kaon_operator.caches import Caches
     from kaon_operator.config import AutoscaleSettings
 

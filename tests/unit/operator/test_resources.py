@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from kaon_operator import api, pod_template, resources as r
+from kaon_operator import api
+from kaon_operator.children import pod_template, resources as r
 
 OWNER = r.Owner(name="llama", namespace="serving", uid="0b7c5b4e-1111-4a2b-9c3d-000000000001")
 LABELS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/instance": "llama",
@@ -236,7 +237,7 @@ def test_network_policy_admits_only_the_router_and_the_operator_on_the_engine_po
 
 
 def test_operator_never_imports_torch_or_the_runtime():
-    code = ("import sys, kaon_operator.api, kaon_operator.crd, kaon_operator.resources; "
+    code = ("import sys, kaon_operator.api, kaon_operator.crd, kaon_operator.children.resources; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kaon_runtime', 'triton')); "
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

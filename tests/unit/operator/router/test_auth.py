@@ -223,7 +223,8 @@ def test_router_checks_keys_per_service_rotates_and_fails_closed():
 
 
 def test_engine_pods_of_a_protected_service_mount_the_secret_and_require_its_keys():
-    from kaon_operator import api, pod_template, resources
+    from kaon_operator import api
+    from kaon_operator.children import pod_template, resources
 
     owner = resources.Owner("chat", "default", "uid")
     spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}, "auth": {"apiKeySecret": "keys"}})

@@ -19,7 +19,8 @@ from itertools import cycle
 
 import pytest
 
-from kaon_operator import api, resources
+from kaon_operator import api
+from kaon_operator.children import resources
 from kaon_operator.router import strategies
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig

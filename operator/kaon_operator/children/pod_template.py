@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from kaon_operator import adapter_pods, api
+from kaon_operator import api
+from kaon_operator.lora import adapter_pods
 
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "fetch"  # the init container: `kaon fetch`

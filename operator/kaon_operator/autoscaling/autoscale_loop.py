@@ -27,15 +27,18 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kaon_operator import api, autoscaler, kubetime, labels, predictive, resources, scraper, status, summaries
+from kaon_operator import api, kubetime, labels
+from kaon_operator.autoscaling import autoscaler, predictive, scraper
+from kaon_operator.autoscaling.perf_model import PerfModel
+from kaon_operator.autoscaling.profile_sync import ProfileMemory, resolve
+from kaon_operator.autoscaling.profiling import read_model
 from kaon_operator.caches import Caches, Key
+from kaon_operator.children import resources
 from kaon_operator.config import AutoscaleSettings
 from kaon_operator.kube import Conflict
-from kaon_operator.perf_model import PerfModel
-from kaon_operator.profile_sync import ProfileMemory, resolve
-from kaon_operator.profiling import read_model
-from kaon_operator.status import EventSpec
-from kaon_operator.summaries import PodSummary
+from kaon_operator.status import conditions, summaries
+from kaon_operator.status.conditions import EventSpec
+from kaon_operator.status.summaries import PodSummary
 
 logger = logging.getLogger("kaon.autoscaler")
 
@@ -316,7 +319,7 @@ class AutoscaleLoop:
         memory.capped = decision.capped_from is not None
         if events:
             await asyncio.to_thread(self.post, body, events)
-        condition = status.metrics_condition(decision.metrics_missing, sample.answered or 0, sample.ready)
+        condition = conditions.metrics_condition(decision.metrics_missing, sample.answered or 0, sample.ready)
         if memory.condition != condition:
             memory.condition = condition
             await asyncio.to_thread(self.metrics_changed, key, condition)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Literal, NamedTuple
 
-from kaon_operator import adapter_pods, api
+from kaon_operator import api
+from kaon_operator.lora import adapter_pods
 
 Held = Mapping[str, str]
 """adapter name -> the path (or URI) it was loaded from, on one pod."""

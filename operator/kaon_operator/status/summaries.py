@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from kaon_operator import api, kubetime
-from kaon_operator.pod_template import ENGINE_CONTAINER, FETCH_CONTAINER
+from kaon_operator.children.pod_template import ENGINE_CONTAINER, FETCH_CONTAINER
 
 # Container waiting reasons that mean the pod will not become ready on its own.
 STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",

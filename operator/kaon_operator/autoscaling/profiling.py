@@ -35,8 +35,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from kaon_operator import api, labels, ownership, pod_template, resources
-from kaon_operator.perf_model import PerfModel
+from kaon_operator import api, labels
+from kaon_operator.autoscaling.perf_model import PerfModel
+from kaon_operator.children import ownership, pod_template, resources
 
 AUTO, NONE = "auto", "none"
 PROFILER = "profiler"  # the component label of the Job, its pod and the ConfigMap

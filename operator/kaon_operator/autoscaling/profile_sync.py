@@ -25,11 +25,13 @@ from dataclasses import dataclass
 
 from kubernetes.client.rest import ApiException
 
-from kaon_operator import api, profiling, resources
+from kaon_operator import api
+from kaon_operator.autoscaling import profiling
+from kaon_operator.autoscaling.perf_model import PerfModel
+from kaon_operator.autoscaling.profiling import Step
+from kaon_operator.children import resources
 from kaon_operator.kube import NotOwned
-from kaon_operator.perf_model import PerfModel
-from kaon_operator.profiling import Step
-from kaon_operator.status import EventSpec
+from kaon_operator.status.conditions import EventSpec
 
 logger = logging.getLogger("kaon.autoscaler")
 

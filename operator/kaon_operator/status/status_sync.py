@@ -11,27 +11,29 @@ import time
 from datetime import UTC, datetime
 from typing import Literal
 
-from kaon_operator import api, resources, status
+from kaon_operator import api
 from kaon_operator.caches import Key
+from kaon_operator.children import resources
 from kaon_operator.context import Context
 from kaon_operator.metrics import STATUS_SECONDS
 from kaon_operator.records import ServiceRecord
-from kaon_operator.summaries import DeploymentSummary, PdbSummary, PodSummary
+from kaon_operator.status import conditions
+from kaon_operator.status.summaries import DeploymentSummary, PdbSummary, PodSummary
 
 
 def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
-def _write(ctx: Context, record: ServiceRecord, body, conditions: list[dict], pods: list[PodSummary],
+def _write(ctx: Context, record: ServiceRecord, body, wanted: list[dict], pods: list[PodSummary],
            spec: api.InferenceServiceSpec | None, *, applied: bool) -> None:
     groups = record.groups if spec is not None and spec.engine.multi_node else None
     meta = body["metadata"]
     generation = meta.get("generation", 0)
     last = record.written or dict(body.get("status") or {})
     old_conditions = last.get("conditions") or []
-    new = {"conditions": status.stamp(conditions, old_conditions, _now(), generation),
-           **status.replica_counts(pods, groups), "selector": resources.selector(meta["name"])}
+    new = {"conditions": conditions.stamp(wanted, old_conditions, _now(), generation),
+           **conditions.replica_counts(pods, groups), "selector": resources.selector(meta["name"])}
     new["observedGeneration"] = generation if applied else last.get("observedGeneration")
     if spec is not None:
         new["url"] = resources.service_url(resources.Owner(meta["name"], meta["namespace"], meta["uid"]))
@@ -39,13 +41,13 @@ def _write(ctx: Context, record: ServiceRecord, body, conditions: list[dict], po
         return
     ctx.kube.patch_status(meta["namespace"], meta["name"], new)
     record.written = new
-    ctx.post(body, status.transition_events(new["conditions"], old_conditions))
+    ctx.post(body, conditions.transition_events(new["conditions"], old_conditions))
 
 
 def write_invalid_spec(ctx: Context, body, key: Key, message: str) -> None:
     record = ctx.records.get(key)
     with record.lock:
-        _write(ctx, record, body, status.invalid_spec_conditions(message), [], None, applied=False)
+        _write(ctx, record, body, conditions.invalid_spec_conditions(message), [], None, applied=False)
 
 
 def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *, applied: bool | None = None) -> None:
@@ -57,30 +59,30 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
             applied = last.get("observedGeneration") == body["metadata"].get("generation")
         pods = ctx.caches.pods(key)
         if record.conflict:
-            conditions = status.resource_conflict_conditions(record.conflict)
+            wanted = conditions.resource_conflict_conditions(record.conflict)
         elif record.apply_failure:
-            conditions = status.apply_failed_conditions(record.apply_failure)
+            wanted = conditions.apply_failed_conditions(record.apply_failure)
         elif record.missing_api:
-            conditions = status.missing_api_conditions(status.LWS_MISSING, record.missing_api)
+            wanted = conditions.missing_api_conditions(conditions.LWS_MISSING, record.missing_api)
         else:
             # Multi-node: the LeaderWorkerSet's groups stand where the Deployment's pods do.
             workload = record.groups if spec.engine.multi_node else ctx.caches.deployment(key)
-            conditions = status.conditions(
+            wanted = conditions.conditions(
                 deployment=workload, pods=pods, desired=spec.replicas,
                 gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
         if spec.autoscaling.enabled and record.metrics_condition is not None:
-            conditions.append(record.metrics_condition)
+            wanted.append(record.metrics_condition)
         if spec.autoscaling.enabled and spec.autoscaling.profile not in (None, "none") \
                 and record.profile_condition is not None:
-            conditions.append(record.profile_condition)
+            wanted.append(record.profile_condition)
         if spec.adapters and record.adapters_condition is not None:
-            conditions.append(record.adapters_condition)
-        disruption = status.disruption_condition(record.pdb, pods, _now())
-        conditions += [disruption] if disruption else []
+            wanted.append(record.adapters_condition)
+        disruption = conditions.disruption_condition(record.pdb, pods, _now())
+        wanted += [disruption] if disruption else []
         # An older InferenceService answering this one's served name.
-        conflict = status.name_conflicts(ctx.caches.served_names_in(key[0])).get(key)
-        conditions += [conflict] if conflict else []
-        _write(ctx, record, body, conditions, pods, spec, applied=applied)
+        conflict = conditions.name_conflicts(ctx.caches.served_names_in(key[0])).get(key)
+        wanted += [conflict] if conflict else []
+        _write(ctx, record, body, wanted, pods, spec, applied=applied)
     STATUS_SECONDS.observe(time.perf_counter() - start)
 
 
@@ -102,11 +104,11 @@ def served_names_changed(ctx: Context, namespace: str) -> None:
     if ctx.name_peers.get(namespace) == peers:
         return  # a status patch or another change that moves no name
     ctx.name_peers[namespace] = peers
-    expected = status.name_conflicts(list(peers))
+    expected = conditions.name_conflicts(list(peers))
     for peer in peers:
         record = ctx.records.find(peer.key)
         written = next((c for c in ((record and record.written) or {}).get("conditions") or []
-                        if c.get("type") == status.NAME_CONFLICT), None)
+                        if c.get("type") == conditions.NAME_CONFLICT), None)
         want = expected.get(peer.key)
         if (written or {}).get("message") != (want or {}).get("message"):
             resync(ctx, peer.key)

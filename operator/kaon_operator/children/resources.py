@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kaon_operator import api, labels, leaderworkerset, pod_template
-from kaon_operator.pod_template import HTTP_PORT
+from kaon_operator import api, labels
+from kaon_operator.children import leaderworkerset, pod_template
+from kaon_operator.children.pod_template import HTTP_PORT
 
 SERVICE_PORT = 80
 # spec.rollout.strategy -> the Deployment's rolling update.

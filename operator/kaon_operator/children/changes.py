@@ -2,9 +2,10 @@
 child was edited by someone other than the operator."""
 from __future__ import annotations
 
-from kaon_operator import api, resources
+from kaon_operator import api
+from kaon_operator.children import resources
 from kaon_operator.kube import FIELD_MANAGER
-from kaon_operator.status import EventSpec
+from kaon_operator.status.conditions import EventSpec
 
 _OWNER = resources.Owner(name="x", namespace="x", uid="x")  # only the pod template is compared
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kaon_operator import api, changes, status
+from kaon_operator import api
+from kaon_operator.children import changes
 from kaon_operator.context import Context
 from kaon_operator.kube import NamespaceTerminating, NotOwned
 from kaon_operator.reconciler import apply_children
+from kaon_operator.status import conditions
 
 
 def _repair(ctx: Context, namespace: str, owner_name: str, child, why: str) -> None:
@@ -29,7 +31,8 @@ def _repair(ctx: Context, namespace: str, owner_name: str, child, why: str) -> N
     after = next((c["metadata"]["resourceVersion"] for c in applied
                   if c["kind"] == child["kind"] and c["metadata"]["name"] == child["metadata"]["name"]), before)
     if after != before:
-        ctx.post(body, [status.EventSpec("Warning", "Repaired", f"{child['kind']} {child['metadata']['name']} {why}")])
+        what = f"{child['kind']} {child['metadata']['name']} {why}"
+        ctx.post(body, [conditions.EventSpec("Warning", "Repaired", what)])
 
 
 def _owned_by_an_inference_service(child) -> bool:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kaon_operator import api, labels, pod_template
-from kaon_operator.summaries import DeploymentSummary
+from kaon_operator import api, labels
+from kaon_operator.children import pod_template
+from kaon_operator.status.summaries import DeploymentSummary
 
 GROUP, VERSION, PLURAL, KIND = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet"
 API_VERSION = f"{GROUP}/{VERSION}"

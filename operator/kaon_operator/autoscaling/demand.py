@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 
 from kaon_operator.api import AutoscalingSpec
-from kaon_operator.autoscaler import Sample
-from kaon_operator.perf_model import OUTPUT_TAIL, PerfModel, Prediction
+from kaon_operator.autoscaling.autoscaler import Sample
+from kaon_operator.autoscaling.perf_model import OUTPUT_TAIL, PerfModel, Prediction
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import math
 
-from kaon_operator import autoscaler, model_bias
 from kaon_operator.api import AutoscalingSpec
-from kaon_operator.autoscaler import TOLERANCE, Decision, Sample
-from kaon_operator.demand import Load, latency, load, mean_output
-from kaon_operator.model_bias import MAX_UTILIZATION, utilization_ceiling
-from kaon_operator.perf_model import PerfModel
+from kaon_operator.autoscaling import autoscaler, model_bias
+from kaon_operator.autoscaling.autoscaler import TOLERANCE, Decision, Sample
+from kaon_operator.autoscaling.demand import Load, latency, load, mean_output
+from kaon_operator.autoscaling.model_bias import MAX_UTILIZATION, utilization_ceiling
+from kaon_operator.autoscaling.perf_model import PerfModel
 
 MARGIN = 0.05  # the predicted P99 sits this far under the target: the model is an estimate
 MIX_REQUESTS = 120  # the mean prompt and output lengths rest on at least these (5% noise on uniform lengths)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kaon_operator import autoscaler, scraper
 from kaon_operator.api import AutoscalingSpec
-from kaon_operator.autoscaler import Sample
-from kaon_operator.demand import latency, load
-from kaon_operator.perf_model import PerfModel
+from kaon_operator.autoscaling import autoscaler, scraper
+from kaon_operator.autoscaling.autoscaler import Sample
+from kaon_operator.autoscaling.demand import latency, load
+from kaon_operator.autoscaling.perf_model import PerfModel
 
 BIAS_BOUNDS = (0.5, 2.0)
 BIAS_REQUESTS = 1000  # the newest requests the bias is learned from

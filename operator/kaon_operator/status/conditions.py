@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from kaon_operator import kubetime, naming
-from kaon_operator.summaries import DeploymentSummary, PdbSummary, PodSummary, ServedName
+from kaon_operator.status.summaries import DeploymentSummary, PdbSummary, PodSummary, ServedName
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 METRICS = "MetricsAvailable"

@@ -45,8 +45,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kaon_operator import scraper
 from kaon_operator.api import MAX_WINDOW_SECONDS, AutoscalingSpec
+from kaon_operator.autoscaling import scraper
 
 PANIC_FACTOR = 2.0  # the latest sample alone wants this many times the replicas: react now
 TOLERANCE = 0.1  # within 10% of target is "at target", both ways (HPA's default tolerance)

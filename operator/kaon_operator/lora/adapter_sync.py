@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kaon_operator import adapters, api, pod_template, status_sync
+from kaon_operator import api
 from kaon_operator.caches import Key
+from kaon_operator.children import pod_template
 from kaon_operator.context import Context
-from kaon_operator.status import EventSpec
-from kaon_operator.summaries import PodSummary
+from kaon_operator.lora import adapters
+from kaon_operator.status import status_sync
+from kaon_operator.status.conditions import EventSpec
+from kaon_operator.status.summaries import PodSummary
 
 logger = logging.getLogger("kaon.adapters")
 
