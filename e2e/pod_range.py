@@ -66,5 +66,5 @@ def reserve(lock_dir: Path = LOCK_DIR) -> PodRange:
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")  # for a person wondering who holds it
         lock.flush()
-        return PodRange(ipaddress.ip_network(f"127.{octet}.0.0/16"), lock)
+        return PodRange(ipaddress.IPv4Network(f"127.{octet}.0.0/16"), lock)
     raise PodRangeError(f"every pod range in 127.0.0.0/8 is held ({lock_dir})")

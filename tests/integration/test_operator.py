@@ -8,6 +8,7 @@ validation, garbage collection, the Deployment controller, the scheduler) is the
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import subprocess
@@ -41,7 +42,7 @@ def test_apply_creates_children_and_becomes_ready(cluster):
         assert child["metadata"]["labels"]["app.kubernetes.io/instance"] == "smol"
         assert child["metadata"]["ownerReferences"][0]["uid"] == uid
     pods = cluster.running_pods("smol")
-    assert len(pods) == 2 and all(p["status"]["podIP"].startswith("127.1.") for p in pods)
+    assert len(pods) == 2 and all(ipaddress.ip_address(p["status"]["podIP"]) in cluster.cp.pod_network for p in pods)
     assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
     obj = cluster.get("infsvc", "smol")

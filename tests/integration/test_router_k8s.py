@@ -1,6 +1,6 @@
 """The router's watch against a real control plane, as the router's own ServiceAccount.
 
-KWOK makes pods Running and Ready with an IP in 127.1.0.0/16, but nothing listens there:
+KWOK makes pods Running and Ready with an IP in the control plane's pod range, but nothing listens there:
 these tests look at the endpoint table only, never connect to a pod.
 """
 from __future__ import annotations
@@ -28,7 +28,6 @@ from kaon_operator.router.watch import ApiServer, Watcher
 from support.router import serving
 
 ROUTER_RBAC = Path(__file__).resolve().parents[2] / "deploy" / "router-rbac.yaml"
-POD_NETWORK = ipaddress.ip_network("127.1.0.0/16")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +124,7 @@ def test_the_table_follows_pods_and_served_names(crd, namespace, router_kubeconf
             await until("llama-a ready", lambda: pods_of(table, llama) == ["llama-a"])
             (a,) = table.endpoints(llama)
             host, port = a.url.removeprefix("http://").rsplit(":", 1)
-            assert ipaddress.ip_address(host) in POD_NETWORK and int(port) == resources.HTTP_PORT, a.url
+            assert ipaddress.ip_address(host) in crd.pod_network and int(port) == resources.HTTP_PORT, a.url
 
             await cluster.set_ready("llama-a", False)
             await until("llama-a not ready", lambda: pods_of(table, llama) == [])
