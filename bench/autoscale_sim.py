@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
 from kaon_operator.api import AutoscalingSpec  # noqa: E402
-from kaon_operator.autoscaling import autoscaler, perf_model, predictive, scraper  # noqa: E402
+from kaon_operator.autoscaling import autoscaler, histogram, perf_model, predictive  # noqa: E402
 
 CALIBRATION = ROOT / "bench" / "data" / "autoscale_calibration.json"
 MAX_REPLICAS = 10
@@ -370,14 +370,14 @@ class Cluster:
             prompt, output = prompt + r.prompt_tokens - before[0], output + r.generated - before[1]
             finished_output += r.finished_output - before[2]
             state.tokens[r.id] = (r.prompt_tokens, r.generated, r.finished_output)
-            histogram = r.histogram()
-            deltas.append(scraper.bucket_delta(histogram, state.latency.get(r.id, ())))
-            state.latency[r.id] = histogram
+            buckets = r.histogram()
+            deltas.append(histogram.bucket_delta(buckets, state.latency.get(r.id, ())))
+            state.latency[r.id] = buckets
         return autoscaler.Sample(
             time=self.now, ready=len(ready), answered=len(answered),
             waiting=float(sum(len(r.waiting) for r in answered)), running=float(sum(r.running for r in answered)),
             starting=len(self.active) - len(ready), finished=float(finished),
-            latency=scraper.add_buckets(*deltas), held_by_router=float(len(self.held)),
+            latency=histogram.add_buckets(*deltas), held_by_router=float(len(self.held)),
             prompt_tokens=float(prompt), output_tokens=float(output), finished_output_tokens=float(finished_output))
 
     def concurrency(self) -> float:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 from e2e.control_plane import ControlPlane, build_binaries  # noqa: E402
 from e2e.operator_process import OperatorProcess  # noqa: E402
 from kaon_operator import api  # noqa: E402
-from kaon_operator.autoscaling import scraper  # noqa: E402
+from kaon_operator.autoscaling import histogram  # noqa: E402
 from kaon_operator.children import resources  # noqa: E402
 from kaon_operator.crd import CRD_PATH  # noqa: E402
 
@@ -72,7 +72,7 @@ def histogram_quantile(metrics: str, name: str, q: float) -> float:
     """The q-quantile of one of the operator's Prometheus histograms."""
     buckets = tuple((float(le), float(v)) for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$',
                                                                   metrics, re.M))
-    return scraper.quantile(buckets, q) or 0.0
+    return histogram.quantile(buckets, q) or 0.0
 
 
 def histogram_count(metrics: str, name: str) -> int:

@@ -1,11 +1,28 @@
 """The operator's configuration, from its command line (main.py) to the handlers through
-kopf's memo (`kopf.run(memo=...)`): no module-level settings to set before kopf starts."""
+kopf's memo (`kopf.run(memo=...)`): no module-level settings to set before kopf starts.
+Plain values at the bottom of the operator's layers: the code they configure imports them,
+never the other way round."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kaon_operator.children.resources import NetworkPolicyConfig
-from kaon_operator.spec_policy import SpecPolicy
+
+@dataclass(frozen=True, slots=True)
+class NetworkPolicyConfig:
+    """Who may reach the engine port when the operator renders a NetworkPolicy per InferenceService:
+    kaon's router pods (the requests) and operator pods (the autoscaler's scrapes) in the release
+    namespace, and `extra_from` (NetworkPolicyPeer objects, e.g. the Prometheus that scrapes /metrics)."""
+
+    release_namespace: str
+    extra_from: tuple[dict, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecPolicy:
+    """The admin's opt-ins for the spec's pass-through fields (spec_policy.py checks them)."""
+
+    allow_host_path: bool = False
+    allow_secret_env: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from kaon_operator import api, kubetime
 from kaon_operator.children import ownership
+from kaon_operator.children.ownership import FIELD_MANAGER
 
-FIELD_MANAGER = "kaon-operator"
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 """(connect, read) seconds for every request to the apiserver: a hung apiserver is an error the
 handler reports and kopf retries, never a worker thread blocked for good."""

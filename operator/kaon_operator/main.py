@@ -11,9 +11,7 @@ import secrets
 import kopf
 from prometheus_client import start_http_server
 
-from kaon_operator.children.resources import NetworkPolicyConfig
-from kaon_operator.config import AutoscaleSettings, OperatorConfig
-from kaon_operator.spec_policy import SpecPolicy
+from kaon_operator.config import AutoscaleSettings, NetworkPolicyConfig, OperatorConfig, SpecPolicy
 
 
 def priority(value: str) -> int:

@@ -15,19 +15,12 @@ InvalidSpec and applies nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kaon_operator import api
+from kaon_operator.config import SpecPolicy
 
 VOLUME_SOURCES = frozenset({"configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected"})
 SECURITY_FLAGS = ("--api-key", "--api-key-file", "--host", "--port")
 CONTROL_PLANE_TAINTS = frozenset({"node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master"})
-
-
-@dataclass(frozen=True, slots=True)
-class SpecPolicy:
-    allow_host_path: bool = False
-    allow_secret_env: bool = False
 
 
 def refusal(spec: api.InferenceServiceSpec, policy: SpecPolicy) -> str | None:

@@ -1,7 +1,9 @@
 """The import graph, read from the source with ast (nothing is imported or executed).
 
 It fails on an import circle, on an arrow running up the runtime's layers (server → engine →
-structured → models → layers → loader/quant/distributed → kernels), and on any import between kaon_runtime
+structured → models → layers → loader/quant/distributed → kernels), on an arrow running up the
+operator's (commands → handlers → background → what acts on a service → context → the edges → pure
+decisions → config; the router over the pure decisions alone), and on any import between kaon_runtime
 and kaon_operator: the operator image carries no torch and no engine, and the engine image
 needs no operator. Imports inside functions count: a lazy import is still an arrow.
 """
@@ -29,6 +31,30 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
 )
 TIER = {part: depth for depth, parts in enumerate(TIERS) for part in parts}
+# The operator's layers, top first (modules relative to kaon_operator). A module imports its own
+# layer and the layers below it, never one above: the pure decisions (renderers, policies, status
+# builders) know nothing of the API, kopf or a clock, so each is a unit test, and the configuration
+# is plain values the configured code imports. The router (its own command) imports the operator's
+# pure decisions alone; the operator never imports the router.
+OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
+    ("__main__", "main", "crd", "reference"),  # the commands
+    ("handlers",),  # kopf registrations
+    ("background",),  # the long-running tasks
+    # what acts on a service
+    ("reconciler", "children.drift", "status.status_sync", "autoscaling.autoscale_loop", "autoscaling.profile_sync",
+     "lora.adapter_sync", "key_digests"),
+    ("context",),  # what they share
+    ("kube", "caches", "records", "watching", "status.status_queue", "autoscaling.scraper", "metrics"),  # the edges
+    ("api", "api_status", "labels", "kubetime", "naming", "spec_policy",  # pure decisions
+     "children.resources", "children.pod_template", "children.leaderworkerset", "children.changes",
+     "children.ownership",
+     "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
+     "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
+     "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling"),
+    ("config",),  # plain values
+)
+OPERATOR_TIER = {f"kaon_operator.{m}": depth for depth, modules in enumerate(OPERATOR_TIERS) for m in modules}
+PURE = len(OPERATOR_TIERS) - 2  # the pure decisions' tier: the lowest the router may import
 # Third-party packages the operator image does not have.
 ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "safetensors", "tokenizers", "transformers", "fastapi", "uvicorn",
                "xgrammar")
@@ -127,6 +153,33 @@ def wrong_arrows(edges: dict[str, set[str]]) -> list[str]:
     return sorted(wrong)
 
 
+def is_router(module: str) -> bool:
+    return module == "kaon_operator.router" or module.startswith("kaon_operator.router.")
+
+
+def operator_packages(modules: dict[str, Path]) -> set[str]:
+    """The operator's packages (their __init__ holds no code), which need no tier."""
+    return {m for m, path in modules.items() if m.startswith("kaon_operator") and path.name == "__init__.py"
+            and not is_router(m)}
+
+
+def wrong_operator_arrows(edges: dict[str, set[str]]) -> list[str]:
+    """Operator imports that go up a tier; router imports of anything but the pure decisions; operator
+    imports of the router."""
+    wrong = []
+    for source, targets in edges.items():
+        if not source.startswith("kaon_operator"):
+            continue
+        for target in targets:
+            if is_router(source):
+                up = target in OPERATOR_TIER and OPERATOR_TIER[target] < PURE
+            else:
+                up = is_router(target) or OPERATOR_TIER.get(target, len(OPERATOR_TIERS)) < OPERATOR_TIER.get(source, 0)
+            if up:
+                wrong.append(f"{source} -> {target}")
+    return sorted(wrong)
+
+
 def crossings(modules: dict[str, Path]) -> list[str]:
     """Imports between kaon_runtime and kaon_operator, and engine-only libraries in the operator."""
     wrong = []
@@ -156,6 +209,16 @@ def test_no_import_circles():
 
 def test_no_arrow_runs_up_the_runtimes_layers():
     assert wrong_arrows(EDGES) == []
+
+
+def test_every_operator_module_has_a_tier():
+    modules = {m for m in MODULES if m.startswith("kaon_operator") and not is_router(m)} - operator_packages(MODULES)
+    missing, gone = sorted(modules - set(OPERATOR_TIER)), sorted(set(OPERATOR_TIER) - modules)
+    assert not missing and not gone, f"give these a tier in OPERATOR_TIERS: {missing}; these are gone: {gone}"
+
+
+def test_no_arrow_runs_up_the_operators_layers():
+    assert wrong_operator_arrows(EDGES) == []
 
 
 def test_the_runtime_and_the_operator_import_nothing_of_each_other():
@@ -206,3 +269,23 @@ def test_imports_between_the_packages_are_found(tmp_path):
     })
     assert crossings(modules) == ["kaon_operator.scraper -> kaon_runtime.server.metrics",
                                   "kaon_operator.scraper -> torch", "kaon_runtime.cli -> kaon_operator.main"]
+
+
+def test_upward_arrows_in_the_operator_are_found(tmp_path):
+    modules = _tree(tmp_path, {
+        "kaon_operator/__init__.py": "",
+        "kaon_operator/kube.py": "",
+        "kaon_operator/config.py": "from kaon_operator.children import resources\n",
+        "kaon_operator/children/__init__.py": "",
+        "kaon_operator/children/changes.py": "from kaon_operator.kube import FIELD_MANAGER\n",
+        "kaon_operator/children/resources.py": "from kaon_operator.config import NetworkPolicyConfig\n",
+        "kaon_operator/reconciler.py": "from kaon_operator import kube\nfrom kaon_operator.router import main\n",
+        "kaon_operator/router/__init__.py": "",
+        "kaon_operator/router/main.py": "from kaon_operator.children import resources\nfrom . import watch\n",
+        "kaon_operator/router/watch.py": "def run():\n    from kaon_operator import caches\n",
+        "kaon_operator/caches.py": "",
+    })
+    assert wrong_operator_arrows(graph(modules)) == [
+        "kaon_operator.children.changes -> kaon_operator.kube",
+        "kaon_operator.config -> kaon_operator.children.resources",
+        "kaon_operator.reconciler -> kaon_operator.router.main", "kaon_operator.router.watch -> kaon_operator.caches"]

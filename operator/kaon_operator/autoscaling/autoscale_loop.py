@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kaon_operator import api, kubetime, labels
-from kaon_operator.autoscaling import autoscaler, predictive, scraper
+from kaon_operator.autoscaling import autoscaler, histogram, predictive, scraper
 from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profile_sync import ProfileMemory, resolve
 from kaon_operator.autoscaling.profiling import read_model
@@ -55,7 +55,7 @@ class Baseline:
     """One pod's cumulative counts at its last answered scrape."""
 
     finished: float
-    latency: scraper.Buckets = ()
+    latency: histogram.Buckets = ()
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     finished_output_tokens: float | None = None
@@ -106,7 +106,7 @@ def read_profile(text: str | None) -> PerfModel | None:
 
 
 def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, scraper.PodMetrics],
-            latency_metric: str) -> tuple[dict[str, Baseline], float, scraper.Buckets]:
+            latency_metric: str) -> tuple[dict[str, Baseline], float, histogram.Buckets]:
     """(new baselines, requests finished since the last scrape, their latency histogram).
 
     `live` are the pods that still exist; `answers` the metrics of those that answered."""
@@ -120,9 +120,9 @@ def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, s
         if before is not None:  # a first scrape is only a baseline: its counts span the pod's whole life
             restarted = now.finished < before.finished
             finished += now.finished if restarted else now.finished - before.finished
-            deltas.append(now.latency if restarted else scraper.bucket_delta(now.latency, before.latency))
+            deltas.append(now.latency if restarted else histogram.bucket_delta(now.latency, before.latency))
         kept[pod] = now
-    return kept, finished, scraper.add_buckets(*deltas)
+    return kept, finished, histogram.add_buckets(*deltas)
 
 
 def answers_http(pod: PodSummary) -> bool:

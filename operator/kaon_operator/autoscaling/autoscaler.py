@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kaon_operator.api import MAX_WINDOW_SECONDS, AutoscalingSpec
-from kaon_operator.autoscaling import scraper
+from kaon_operator.autoscaling import histogram
 
 PANIC_FACTOR = 2.0  # the latest sample alone wants this many times the replicas: react now
 TOLERANCE = 0.1  # within 10% of target is "at target", both ways (HPA's default tolerance)
@@ -72,7 +72,7 @@ class Sample:
     """Pods created but not ready yet (image pull, weight load)."""
     finished: float = 0.0
     """Requests finished since the previous sample."""
-    latency: scraper.Buckets = ()
+    latency: histogram.Buckets = ()
     """Cumulative histogram of the latency metric over the requests finished since the previous sample."""
     held_by_router: float | None = 0.0
     """Requests the routers hold because no pod is ready; None when no router answered."""
@@ -131,38 +131,38 @@ def history_seconds(spec: AutoscalingSpec) -> float:
 def window_p99(samples: list[Sample]) -> tuple[float | None, float]:
     """(P99 over the samples' finished requests, or None with fewer than MIN_LATENCY_REQUESTS;
     how many finished)."""
-    merged = scraper.add_buckets(*(s.latency for s in samples))
+    merged = histogram.add_buckets(*(s.latency for s in samples))
     count = merged[-1][1] if merged else 0.0
-    return (scraper.quantile(merged, 0.99) if count >= MIN_LATENCY_REQUESTS else None), count
+    return (histogram.quantile(merged, 0.99) if count >= MIN_LATENCY_REQUESTS else None), count
 
 
 def misses_target(samples: list[Sample], goal: float) -> tuple[bool, float | None, float, float]:
     """Whether more than 1% of the samples' requests took longer than `goal`, with 99%
     confidence (Wilson's lower bound on the share over it): (missed, P99, over, requests).
     A window of 100 requests with 3 slow ones is not a miss; 4 are."""
-    return histogram_misses(scraper.add_buckets(*(s.latency for s in samples)), goal)
+    return histogram_misses(histogram.add_buckets(*(s.latency for s in samples)), goal)
 
 
-def histogram_misses(merged: scraper.Buckets, goal: float) -> tuple[bool, float | None, float, float]:
+def histogram_misses(merged: histogram.Buckets, goal: float) -> tuple[bool, float | None, float, float]:
     """misses_target on the requests of one (merged) histogram."""
     n = merged[-1][1] if merged else 0.0
     if n < MIN_LATENCY_REQUESTS:
         return False, None, 0.0, n
-    over = scraper.count_above(merged, goal)
+    over = histogram.count_above(merged, goal)
     z2, share = CONFIDENCE_Z ** 2, over / n
     spread = CONFIDENCE_Z * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n))
     lower = (share + z2 / (2 * n) - spread) / (1 + z2 / n)
-    return lower > 0.01, scraper.quantile(merged, 0.99), over, n
+    return lower > 0.01, histogram.quantile(merged, 0.99), over, n
 
 
 def recent_miss(history: list[Sample], goal: float, since: float) -> tuple[float, float, float] | None:
     """(P99, requests over the goal, requests) of the newest samples after `since` that show a
     confident miss of `goal`, widening back until they do or the samples run out; None if none."""
-    merged: scraper.Buckets = ()
+    merged: histogram.Buckets = ()
     for sample in reversed(history):
         if sample.time <= since:
             break
-        merged = scraper.add_buckets(merged, sample.latency)
+        merged = histogram.add_buckets(merged, sample.latency)
         missed, p99, over, n = histogram_misses(merged, goal)
         if missed and p99 is not None:
             return p99, over, n
@@ -176,19 +176,19 @@ def sustained_miss(history: list[Sample], goal: float, since: float, windows: in
     every tick over a window that slides, so one confident-looking stretch is, now and then,
     only noise (4 of 100 over happens to 2% of stretches at a true 1%); `windows` of them in a
     row is not."""
-    merged: scraper.Buckets = ()
-    stretch: scraper.Buckets = ()
+    merged: histogram.Buckets = ()
+    stretch: histogram.Buckets = ()
     found = 0
     for sample in reversed(history):
         if sample.time <= since:
             break
-        stretch = scraper.add_buckets(stretch, sample.latency)
+        stretch = histogram.add_buckets(stretch, sample.latency)
         missed, _, _, n = histogram_misses(stretch, goal)
         if n < MIN_LATENCY_REQUESTS:
             continue
         if not missed:
             return None
-        merged, stretch, found = scraper.add_buckets(merged, stretch), (), found + 1
+        merged, stretch, found = histogram.add_buckets(merged, stretch), (), found + 1
         if found == windows:
             _, p99, over, total = histogram_misses(merged, goal)
             return (p99, over, total) if p99 is not None else None
@@ -213,14 +213,14 @@ def missed_stretches(history: list[Sample], goal: float) -> Iterator[list[Sample
     cut newest first, that keep the same ready replicas and none starting, and confidently
     missed `goal`."""
     stretch: list[Sample] = []
-    merged: scraper.Buckets = ()
+    merged: histogram.Buckets = ()
     for sample in reversed(history):
         if sample.starting or not sample.ready or (stretch and sample.ready != stretch[0].ready):
             stretch, merged = [], ()
             if sample.starting or not sample.ready:
                 continue
         stretch.append(sample)
-        merged = scraper.add_buckets(merged, sample.latency)
+        merged = histogram.add_buckets(merged, sample.latency)
         missed, _, _, n = histogram_misses(merged, goal)
         if n >= MIN_LATENCY_REQUESTS:
             if missed:

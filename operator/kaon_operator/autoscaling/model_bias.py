@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from kaon_operator.api import AutoscalingSpec
-from kaon_operator.autoscaling import autoscaler, scraper
+from kaon_operator.autoscaling import autoscaler, histogram
 from kaon_operator.autoscaling.autoscaler import Sample
 from kaon_operator.autoscaling.demand import latency, load
 from kaon_operator.autoscaling.perf_model import PerfModel
@@ -30,7 +30,7 @@ MAX_UTILIZATION = 0.9  # past this, latency is a cliff the model cannot place pr
 class Judged:
     """A stretch of steady replicas: its latencies, the model's P99 and utilization for its load."""
 
-    latencies: scraper.Buckets
+    latencies: histogram.Buckets
     predicted: float
     utilization: float
 
@@ -48,7 +48,7 @@ def judged(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> li
         return []
     out: list[Judged] = []
     stretch: list[Sample] = []
-    merged: scraper.Buckets = ()
+    merged: histogram.Buckets = ()
     for sample, settled in reversed(list(zip(history, _settled(history)))):
         queued = sample.ready and sample.waiting / sample.ready > spec.target_queue_depth_per_replica
         if not settled or not sample.ready or not sample.complete or queued or \
@@ -56,7 +56,7 @@ def judged(history: list[Sample], model: PerfModel, spec: AutoscalingSpec) -> li
             stretch, merged = [], ()
             continue
         stretch.append(sample)
-        merged = scraper.add_buckets(merged, sample.latency)
+        merged = histogram.add_buckets(merged, sample.latency)
         if (merged[-1][1] if merged else 0.0) < autoscaler.MIN_LATENCY_REQUESTS:
             continue
         demand = load(stretch[::-1])
@@ -92,7 +92,7 @@ def multiplier(stretches: list[Judged]) -> float:
         return 1.0
 
     def share_over(m: float) -> float:
-        return sum(scraper.count_above(j.latencies, m * j.predicted) for j in stretches) / total
+        return sum(histogram.count_above(j.latencies, m * j.predicted) for j in stretches) / total
 
     low, high = BIAS_BOUNDS
     if share_over(high) > 0.01:
@@ -122,7 +122,7 @@ def confident(stretches: list[Judged]) -> float:
         return 1.0
 
     def share_bound(m: float, sign: float) -> float:
-        return wilson(sum(scraper.count_above(j.latencies, m * j.predicted) for j in stretches), total, sign)
+        return wilson(sum(histogram.count_above(j.latencies, m * j.predicted) for j in stretches), total, sign)
 
     low, high = BIAS_BOUNDS
     if share_bound(1.0, -1) > 0.01:  # more than 1% over the model, confidently: the least bias that explains it

@@ -1,21 +1,19 @@
 """Reads engine and router pods' /metrics (the names in the README are the contract).
 
 `parse` turns an engine's Prometheus text (read with prometheus_client's own parser) into a
-`PodMetrics`; `bucket_delta` and `quantile` compute a latency quantile over a time window
-from the difference of two cumulative histograms, which is what a scrape-based autoscaler
-can know (the engine's histogram covers its whole life). Only `fetch` does I/O.
+`PodMetrics` (its latency histograms as histogram.py's `Buckets`, the math on them there).
+Only `fetch` does I/O.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kaon_operator.autoscaling.histogram import Buckets
+
 LATENCY_METRICS = {"ttft": "kaon_time_to_first_token_seconds", "e2e": "kaon_e2e_request_latency_seconds"}
-Buckets = tuple[tuple[float, float], ...]
-"""A cumulative histogram: (upper bound, count) pairs, ascending."""
 _GAUGES = {"kaon_num_requests_waiting": "waiting", "kaon_num_requests_running": "running",
            "kaon_kv_cache_usage_ratio": "kv_cache_usage"}
 _COUNTERS = {"kaon_prompt_tokens_total": "prompt_tokens_total",
@@ -38,7 +36,7 @@ class PodMetrics:
     """With requests_total, the length mix the predictive policy sizes replicas for."""
     finished_output_tokens_total: float | None = None
     """The output lengths of all finished requests, summed (None: an engine that does not report them)."""
-    latency_buckets: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    latency_buckets: dict[str, Buckets] = field(default_factory=dict)
     """Per latency metric ("ttft", "e2e"): cumulative (le, count) pairs, ascending."""
 
 
@@ -76,53 +74,6 @@ def parse_router_held(text: str) -> dict[tuple[str, str], float]:
     """A router's requests held per (namespace, InferenceService): they wait for a first replica."""
     return {(s.labels.get("namespace", ""), s.labels.get("inferenceservice", "")): s.value
             for s in _samples(text) if s.name == "kaon_router_held_requests"}
-
-
-def bucket_delta(new: tuple[tuple[float, float], ...], old: tuple[tuple[float, float], ...]
-                 ) -> tuple[tuple[float, float], ...]:
-    """Requests per bucket between two scrapes; a restarted engine (counts went down) counts from zero."""
-    before = dict(old)
-    if any(count < before.get(le, 0.0) for le, count in new):
-        return new
-    return tuple((le, count - before.get(le, 0.0)) for le, count in new)
-
-
-def add_buckets(*histograms: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
-    total: dict[float, float] = {}
-    for histogram in histograms:
-        for le, count in histogram:
-            total[le] = total.get(le, 0.0) + count
-    return tuple(sorted(total.items()))
-
-
-def count_above(buckets: Buckets, value: float) -> float:
-    """Observations above `value`, linear inside the bucket that holds it (as `quantile` assumes)."""
-    if not buckets:
-        return 0.0
-    total, prev_le, prev_count = buckets[-1][1], 0.0, 0.0
-    for le, count in buckets:
-        if value <= le:
-            if math.isinf(le):
-                return total - prev_count
-            return total - (prev_count + (count - prev_count) * (value - prev_le) / max(le - prev_le, 1e-12))
-        prev_le, prev_count = le, count
-    return 0.0
-
-
-def quantile(buckets: tuple[tuple[float, float], ...], q: float) -> float | None:
-    """Prometheus' histogram_quantile: linear inside the bucket; None without observations.
-    Past the last finite bound it answers that bound (the histogram knows no more)."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    prev_le, prev_count = 0.0, 0.0
-    for le, count in buckets:
-        if count >= rank:
-            if math.isinf(le):
-                return prev_le
-            return prev_le + (le - prev_le) * (rank - prev_count) / max(count - prev_count, 1e-12)
-        prev_le, prev_count = le, count
-    return prev_le
 
 
 MAX_METRICS_BYTES = 4 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kaon_operator import api
 from kaon_operator.children import resources
-from kaon_operator.kube import FIELD_MANAGER
+from kaon_operator.children.ownership import FIELD_MANAGER
 from kaon_operator.status.conditions import EventSpec
 
 _OWNER = resources.Owner(name="x", namespace="x", uid="x")  # only the pod template is compared

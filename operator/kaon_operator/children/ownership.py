@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+FIELD_MANAGER = "kaon-operator"
+"""The operator's name as the field manager of what it applies (and its Events' source): an edit
+by any other manager is someone else's (changes.py)."""
+
 
 def controller(obj: Mapping) -> Mapping | None:
     """The ownerReference with controller: true, if any."""

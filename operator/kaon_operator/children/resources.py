@@ -7,11 +7,12 @@ labels of labels.py and an owner reference, so deleting the InferenceService gar
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kaon_operator import api, labels
 from kaon_operator.children import leaderworkerset, pod_template
 from kaon_operator.children.pod_template import HTTP_PORT
+from kaon_operator.config import NetworkPolicyConfig
 
 SERVICE_PORT = 80
 # spec.rollout.strategy -> the Deployment's rolling update.
@@ -27,16 +28,6 @@ class Owner:
     uid: str
 
 
-
-
-@dataclass(frozen=True, slots=True)
-class NetworkPolicyConfig:
-    """Who may reach the engine port when the operator renders a NetworkPolicy per InferenceService:
-    kaon's router pods (the requests) and operator pods (the autoscaler's scrapes) in the release
-    namespace, and `extra_from` (NetworkPolicyPeer objects, e.g. the Prometheus that scrapes /metrics)."""
-
-    release_namespace: str
-    extra_from: tuple[dict, ...] = field(default_factory=tuple)
 
 
 def selector(name: str) -> str:

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kaon_operator import api
-from kaon_operator.autoscaling import autoscale_loop, scraper
+from kaon_operator.autoscaling import autoscale_loop, histogram, scraper
 from kaon_operator.autoscaling.autoscaler import Decision, Sample, concurrency_target, decide
 from support.metrics_text import engine_metrics_text, router_metrics_text
 
@@ -284,20 +284,20 @@ def test_parse_reads_the_engines_own_exposition():
     assert (parsed.waiting, parsed.running, parsed.kv_cache_usage, parsed.requests_total) == (7, 3, 0.25, 100)
     ttft = parsed.latency_buckets["ttft"]
     assert ttft[-1] == (math.inf, 100) and dict(ttft)[0.025] == 98
-    p99 = scraper.quantile(ttft, 0.99)
+    p99 = histogram.quantile(ttft, 0.99)
     assert 2.5 < p99 <= 5.0  # the two slow requests sit in the (2.5, 5] bucket
-    assert scraper.quantile(parsed.latency_buckets["e2e"], 0.99) is None  # no observations
+    assert histogram.quantile(parsed.latency_buckets["e2e"], 0.99) is None  # no observations
 
 
 def test_window_quantile_from_bucket_deltas_and_restarts():
     before = scraper.parse(engine_metrics_text(0, 0, [5.0] * 50, 50)).latency_buckets["ttft"]
     after = scraper.parse(engine_metrics_text(0, 0, [5.0] * 50 + [0.01] * 100, 150)).latency_buckets["ttft"]
-    window = scraper.bucket_delta(after, before)
+    window = histogram.bucket_delta(after, before)
     assert window[-1][1] == 100
-    assert scraper.quantile(window, 0.99) <= 0.01  # the old slow requests are outside the window
+    assert histogram.quantile(window, 0.99) <= 0.01  # the old slow requests are outside the window
     restarted = scraper.parse(engine_metrics_text(0, 0, [0.3] * 3, 3)).latency_buckets["ttft"]
-    assert scraper.bucket_delta(restarted, after) == restarted
-    assert scraper.add_buckets(window, restarted)[-1] == (math.inf, 103)
+    assert histogram.bucket_delta(restarted, after) == restarted
+    assert histogram.add_buckets(window, restarted)[-1] == (math.inf, 103)
 
 
 def test_router_held_requests_parse_from_the_routers_own_exposition():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from kaon_operator import api, labels
 from kaon_operator.children import leaderworkerset, resources
+from kaon_operator.config import NetworkPolicyConfig
 
 OWNER = resources.Owner("big", "ns", "uid-1")
-NETWORK = resources.NetworkPolicyConfig(release_namespace="kaon-system")
+NETWORK = NetworkPolicyConfig(release_namespace="kaon-system")
 
 
 def _spec(nodes: int = 2, **extra) -> api.InferenceServiceSpec:

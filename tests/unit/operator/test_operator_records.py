@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from kaon_operator import reconciler
 from kaon_operator.caches import Caches
-from kaon_operator.children.resources import NetworkPolicyConfig
-from kaon_operator.config import OperatorConfig
+from kaon_operator.config import NetworkPolicyConfig, OperatorConfig
 from kaon_operator.context import Context
 from kaon_operator.status import status_sync, summaries
 

@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 from kaon_operator import api
 from kaon_operator.children import changes
-from kaon_operator.kube import FIELD_MANAGER
+from kaon_operator.children.ownership import FIELD_MANAGER
 from kaon_operator.status import conditions, summaries
 
 SPEC = api.InferenceServiceSpec.model_validate({"model": {"uri": "builtin://smollm2-135m-instruct"}, "replicas": 2})

@@ -8,6 +8,7 @@ import pytest
 
 from kaon_operator import api
 from kaon_operator.children import pod_template, resources as r
+from kaon_operator.config import NetworkPolicyConfig
 
 OWNER = r.Owner(name="llama", namespace="serving", uid="0b7c5b4e-1111-4a2b-9c3d-000000000001")
 LABELS = {"app.kubernetes.io/name": "kaon", "app.kubernetes.io/instance": "llama",
@@ -208,7 +209,7 @@ def test_deployment_replicas_and_rollout():
 
 
 def test_network_policy_admits_only_the_router_and_the_operator_on_the_engine_port():
-    config = r.NetworkPolicyConfig(release_namespace="kaon-system")
+    config = NetworkPolicyConfig(release_namespace="kaon-system")
     children = r.render(OWNER, spec(), config)
     assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]
     policy = children[-1]
@@ -229,7 +230,7 @@ def test_network_policy_admits_only_the_router_and_the_operator_on_the_engine_po
     assert all({"namespaceSelector", "podSelector"} == set(peer) for peer in rule["from"])
 
     prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    extra = r.render(OWNER, spec(), r.NetworkPolicyConfig("kaon", extra_from=(prometheus,)))[-1]
+    extra = r.render(OWNER, spec(), NetworkPolicyConfig("kaon", extra_from=(prometheus,)))[-1]
     assert extra["spec"]["ingress"][0]["from"][-1] == prometheus
     assert extra["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "kaon"}

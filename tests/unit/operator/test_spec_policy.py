@@ -3,7 +3,8 @@ create one must not get any pod they like."""
 from __future__ import annotations
 
 from kaon_operator import api
-from kaon_operator.spec_policy import SpecPolicy, refusal
+from kaon_operator.config import SpecPolicy
+from kaon_operator.spec_policy import refusal
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct"}
 
