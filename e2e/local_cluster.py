@@ -53,10 +53,12 @@ class RouterProcess:
 
 class LocalCluster:
     def __init__(self, cp: ControlPlane | None = None, *, release: str = "kaon", autoscale_interval: float = 1.0,
-                 queue_timeout: float = 120.0, leader_worker_sets: bool = False):
+                 queue_timeout: float = 120.0, leader_worker_sets: bool = False, probe_look: float | None = 1.0):
         """`leader_worker_sets`: LWS's CRD and the stand-in LWS controller (e2e/lws_standin.py), for
-        multi-node InferenceServices."""
+        multi-node InferenceServices. `probe_look`: the pod runner's quick looks between probe runs
+        until a probe first succeeds (e2e/probes.py; None: only the declared runs, as a kubelet)."""
         self.cp, self.release, self.leader_worker_sets = cp, release, leader_worker_sets
+        self.probe_look = probe_look
         self.autoscale_interval, self.queue_timeout = autoscale_interval, queue_timeout
         self.router_url = ""
         self.pods: PodRunner | None = None
@@ -94,7 +96,7 @@ class LocalCluster:
         self._stack.callback(router.stop)
         router.start()
         self.router_url = router.url
-        self.pods = self._stack.enter_context(PodRunner(self.cp, work))
+        self.pods = self._stack.enter_context(PodRunner(self.cp, work, probe_look=self.probe_look))
 
     def _install_chart(self, cp: ControlPlane) -> None:
         helm = [str(cp.bin / "helm"), "--kubeconfig", str(cp.kubeconfig)]

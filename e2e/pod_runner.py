@@ -195,8 +195,10 @@ def _now() -> str:
 
 
 class PodRunner:
-    def __init__(self, cp: ControlPlane, log_dir: Path, *, poll: float = 0.5):
-        self.cp, self.log_dir, self.poll = cp, log_dir, poll
+    def __init__(self, cp: ControlPlane, log_dir: Path, *, poll: float = 0.5, probe_look: float | None = None):
+        """`probe_look`: quick looks between a probe's declared runs until it first succeeds
+        (e2e/probes.py: a new engine is seen serving sooner; failures count as declared)."""
+        self.cp, self.log_dir, self.poll, self.probe_look = cp, log_dir, poll, probe_look
         self.processes: dict[str, _Process] = {}  # "namespace/name" -> its engine
         self.pods: dict[str, _Pod] = {}
         self._stop = threading.Event()
@@ -409,7 +411,8 @@ class PodRunner:
             proc = subprocess.Popen(_command(args, ip), stdout=log, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent)
         limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
-        self.processes[key] = _Process(proc, ip, _ports(container, args), probes(container, time.monotonic()),
+        self.processes[key] = _Process(proc, ip, _ports(container, args),
+                                       probes(container, time.monotonic(), self.probe_look),
                                        memory_limit=parse_quantity(limit) if limit else None)
         if container["name"] in state.last:  # a restart: running again, the failure kept as lastState
             self._report(pod, "containerStatuses", container["name"], {"running": {"startedAt": _now()}},
@@ -577,7 +580,7 @@ class PodRunner:
             if (kind == "startupProbe") == started:  # startup until it succeeds, then the other two
                 continue
             if probe.due(now):
-                probe.in_flight = self._probe_pool.submit(http_probe, probe.spec, engine.ip, engine.ports)
+                probe.begin(self._probe_pool.submit(http_probe, probe.spec, engine.ip, engine.ports), now)
         readiness = engine.probes.get("readinessProbe")
         self._set_ready(key, engine, started and (readiness is None or readiness.result is True))
 

@@ -26,7 +26,7 @@ ENGINE = {"image": LOCAL_IMAGE, "maxNumSeqs": 2}
 
 @pytest.fixture
 def local(crd):
-    with LocalCluster(crd, release="kaon-liveness") as local:
+    with LocalCluster(crd, release="kaon-liveness", probe_look=None) as local:  # probes as declared, no quick looks
         yield local
 
 
