@@ -37,6 +37,7 @@ LANES = 8  # the narrow kernels compute eight output channels at once, their wei
 KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T, KIND_Q4_F32, KIND_Q8_G16 = 0, 1, 2, 3, 4, 5
 KIND_Q5, KIND_Q5_F32, KIND_Q6_G16 = 6, 7, 8
 G16 = 16  # Q8_G16's group: two per activation block
+NO_COMPILER = "no C compiler on this machine: the fused CPU decode step and its tests are off (install gcc or set CC)"
 
 
 class Linear(ctypes.Structure):
@@ -87,10 +88,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kaon" / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def compiler() -> str | None:
+    """The C compiler the step is built with: $CC, else cc or gcc on PATH; None where there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(compiler: str, flags: list[str] = FLAGS) -> Path:
+    """The library built with these flags (the cached one if built before); RuntimeError with the
+    compiler's message if it fails. Other flags than FLAGS: the tests' builds of each CPU-flag path."""
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir() / f"cpu_decode-{key}.so"
     if target.exists():
@@ -99,7 +107,7 @@ def _build(compiler: str) -> Path:
     # Built beside the target and renamed into place: engines starting together never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -107,20 +115,9 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built library, or None (logged once) where it cannot be had."""
-    if os.environ.get("KAON_CPU_DECODE", "on") == "off":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: the fused CPU decode step is off (torch ops instead, slower)")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError) as exc:
-        log.warning("the fused CPU decode step could not be built, torch ops instead: %s", exc)
-        return None
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
     lib.kaon_linear_workspace.restype = ctypes.c_size_t
     lib.kaon_linear_workspace.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.kaon_decode_workspace.restype = ctypes.c_size_t
@@ -133,6 +130,24 @@ def library() -> ctypes.CDLL | None:
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot be had. An engine runs on without it
+    (torch ops); the tests do not: tests/unit/runtime/kernels/test_cpu_decode.py builds it and fails
+    with the compiler's message wherever there is a compiler."""
+    if os.environ.get("KAON_CPU_DECODE", "on") == "off":
+        return None
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler found: the fused CPU decode step is off (torch ops instead, slower)")
+        return None
+    try:
+        return load(build(cc))
+    except (OSError, RuntimeError) as exc:
+        log.warning("the fused CPU decode step could not be built, torch ops instead: %s", exc)
+        return None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -25,7 +25,8 @@ from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
 
-pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler: the fused step is off")
+# Skipped only where there is no compiler at all: a compile error fails (test_cpu_decode_build.py).
+pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
 
 BLOCK = 4
 
@@ -160,6 +161,21 @@ TABLES, LENS = [[5], [2, 9, 0], [7, 3]], [1, 12, 6]
 # A float16 cache: the same keys and values stored (rounded alike, to within the one float16 step
 # that float32 sums in a different order can tip), and the same attention over them.
 KV_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+# The layers after the first: their keys and values are projections of the previous layer's output,
+# which the C step and torch compute in float32 in different orders, through a softmax over these
+# random weights' large scores (against float64, the second layer's stored keys are off by up to
+# 7e-6 through the C step and 2.5e-5 through torch, head_dim 96): held to the output's tolerance.
+# Torch's rounding differs by CPU (its kernels are picked at run time by CPU): 1e-5 held on AMD Zen 4
+# and failed on Intel AVX-512 by 1.8e-5, while the C step gives the same bits on both CPUs' flag
+# paths (test_cpu_decode_build.py).
+LATER_LAYERS_TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: KV_TOLERANCE[torch.float16]}
+
+
+def assert_same_cache(cache: torch.Tensor, expected: torch.Tensor) -> None:
+    """The keys and values stored: the first layer's as tight as one projection allows, later ones as
+    tight as the previous layer's output (see LATER_LAYERS_TOLERANCE)."""
+    torch.testing.assert_close(cache[0], expected[0], **KV_TOLERANCE[cache.dtype])
+    torch.testing.assert_close(cache[1:], expected[1:], **LATER_LAYERS_TOLERANCE[cache.dtype])
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
@@ -178,7 +194,7 @@ def test_a_decode_step_matches_the_torch_path(bias, head_dim, kv_dtype):
         meta.decode_key_mask = None
         out = model.model(x.clone(), positions, meta)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache, expected_cache, **KV_TOLERANCE[kv_dtype])  # the same keys and values stored
+    assert_same_cache(cache, expected_cache)
 
 
 def test_a_float16_cache_holds_the_keys_and_values_rounded_to_nearest():
@@ -257,7 +273,7 @@ def test_a_mixed_steps_decodes_take_the_c_step_and_its_prefill_torch(kv_dtype):
         meta.decode_key_mask = None
         out = model.model(x.clone(), positions, meta)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache, expected_cache, **KV_TOLERANCE[kv_dtype])
+    assert_same_cache(cache, expected_cache)
 
 
 def test_which_steps_it_takes():

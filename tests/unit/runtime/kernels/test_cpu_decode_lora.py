@@ -17,7 +17,7 @@ from kaon_runtime.models.lora_targets import TARGETS, attach_lora
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
 
-pytestmark = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler: the fused step is off")
+pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)  # a compile error fails
 
 BLOCK = 4
 CONFIG = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,

@@ -76,7 +76,7 @@ def test_unknown_type_and_torn_rows_are_refused():
         gguf_quant.repack("Q8_0", np.zeros((2, 50), np.uint8))
 
 
-needs_c = pytest.mark.skipif(cpu_decode.library() is None, reason="no C compiler for the fused CPU kernels")
+needs_c = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)  # a compile error fails
 
 
 @needs_c
