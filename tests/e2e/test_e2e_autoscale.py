@@ -3,8 +3,8 @@ each engine pod is a `kaon serve` of the bundled SmolLM2 on the pod's IP, the ro
 operator run as their own ServiceAccounts, and clients go through the router.
 
 - A steady load at about 60% of two replicas' capacity brings one replica up to two, then,
-  for more than three minutes with short windows, never moves the replica count, and every
-  request is served. (The policy before concurrency counted only waiting requests: it saw
+  for two whole stabilization windows past the scale-up window, never moves the replica count,
+  and every request is served. (The policy before concurrency counted only waiting requests: it saw
   these busy replicas as idle and scaled down after the 30 s window.)
 - A P99 time-to-first-token target that neither the concurrency nor the queue target would
   trigger scales up on latency alone.
@@ -22,6 +22,11 @@ from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
 from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"}
+UP_WINDOW, STABILIZATION = 10, 30
+# A scale-down may come once the last change is a scale-up window old and a stabilization window
+# of history says it fits (autoscaler._down): held for twice that, every scale-down the policy
+# could make has been due at least once (the old policy's came after one window).
+HOLD_SECONDS = UP_WINDOW + 2 * STABILIZATION
 
 
 @pytest.fixture
@@ -65,8 +70,8 @@ def test_steady_load_holds_replicas_still_and_serves_every_request(local, crd, n
     # maxNumSeqs 4 and the default utilization 0.7: 2.8 requests per replica; 5 clients keep
     # about 5 in flight: two replicas' worth, 60% of their 8 slots.
     spec = {"model": MODEL, "engine": {"image": LOCAL_IMAGE, "maxNumSeqs": 4}, "replicas": 1,
-            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": 10,
-                            "scaleDownStabilizationSeconds": 30, "maxStep": 2}}
+            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleUpWindowSeconds": UP_WINDOW,
+                            "scaleDownStabilizationSeconds": STABILIZATION, "maxStep": 2}}
     cluster.kubectl("apply", "-f", "-", input=isvc("steady", **spec))
     wait_for("Ready", lambda: cluster.ready("steady"), timeout=240)
     with Clients(local.router_url, 5, "Tell me about the sea.", max_tokens=16) as clients:
@@ -74,7 +79,7 @@ def test_steady_load_holds_replicas_still_and_serves_every_request(local, crd, n
                  timeout=240)
         up = [m for _, r, m in cluster.events("steady") if r == "Scaled"]
         assert len(up) == 1 and up[0].startswith("Scaled up 1 → 2: concurrency "), up
-        deadline = time.monotonic() + 200  # more than six stabilization windows
+        deadline = time.monotonic() + HOLD_SECONDS
         while time.monotonic() < deadline:
             assert cluster.get("infsvc", "steady")["spec"]["replicas"] == 2, cluster.events("steady")
             time.sleep(5)
