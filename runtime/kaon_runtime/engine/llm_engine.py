@@ -87,7 +87,8 @@ class LLMEngine:
             self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   prefill_delay_s=config.prefill_delay_ms / 1000, max_loras=config.lora_slots)
+                                   prefill_delay_s=config.prefill_delay_ms / 1000, max_loras=config.lora_slots,
+                                   max_model_len=self.max_model_len)
         for name, path in (config.lora_modules or {}).items():
             self.add_lora(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
@@ -217,27 +218,26 @@ class LLMEngine:
             self.scheduler.attach_drafts(seq, draft.token_ids, draft.probs)
 
     def _accept(self, request: _Request, seq: Sequence, tokens: list[int], logprobs: list | None) -> None:
-        """Hand the kept drafts and the sampled token to the scheduler, up to the first that ends the sequence."""
-        if seq.params.max_tokens == 0:  # scoring the prompt only: the prefill's token is not kept
-            self.scheduler.accept(seq, [], None, "length")
+        """Hand the kept drafts and the sampled token to the scheduler, up to the first whose text ends
+        the sequence; the scheduler adds the length stop."""
+        if seq.params.max_tokens == 0:  # scoring the prompt only: the prefill's token is not kept (length stop)
+            self.scheduler.accept(seq, [])
             return
         self._draft_tokens += len(seq.draft_token_ids)
         self._accepted_tokens += len(tokens) - 1
         detok = request.texts[seq.index]
-        reason = None
+        reason, complete = None, False
         for i, token in enumerate(tokens):
             before = len(detok.text)
             detok.add(token)
-            grammar_done = seq.grammar is not None and seq.grammar.advance(token)
-            reason = self._finish_reason(seq, token, detok, before, seq.num_tokens + i + 1)
-            if reason is None and grammar_done:
-                reason = "stop"  # the grammar is complete: nothing may follow
-            if reason is not None:
+            complete = seq.grammar is not None and seq.grammar.advance(token)  # nothing may follow
+            reason = self._stop_reason(seq, token, detok, before, seq.num_tokens + i + 1)
+            if reason is not None or complete:
                 tokens = tokens[:i + 1]
                 break
         self._generation_tokens += len(tokens)
-        self.scheduler.accept(seq, tokens, logprobs[:len(tokens)] if logprobs is not None else None, reason)
-        if reason is not None and self.drafter is not None:
+        self.scheduler.accept(seq, tokens, logprobs[:len(tokens)] if logprobs is not None else None, reason, complete)
+        if seq.is_finished and self.drafter is not None:
             self.drafter.forget(seq)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
@@ -245,9 +245,11 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.forget(seq)
 
-    def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer, before: int,
-                       num_tokens: int) -> str | None:
-        """Why the sequence ends with `token`, its `num_tokens`-th, or None; cuts a stop string off the text."""
+    def _stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer, before: int,
+                     num_tokens: int) -> str | None:
+        """"stop" if `token`, the sequence's `num_tokens`-th, ends it by what it says (an EOS, a stop
+        token, the end of a stop string, which is cut off the text), else None. Its length is the
+        scheduler's to stop."""
         params = seq.params
         # Before min_tokens nothing but the length ends it (the sampler holds EOS and stop ids back).
         may_stop = num_tokens - seq.num_prompt_tokens >= params.min_tokens
@@ -260,10 +262,6 @@ class LLMEngine:
             start, end = found
             detok.text = detok.text[:end if params.include_stop_str_in_output else start]
             return "stop"
-        if params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens:
-            return "length"
-        if num_tokens >= self.max_model_len:
-            return "length"
         return None
 
     def _fork_siblings(self, request: _Request, first: Sequence) -> None:

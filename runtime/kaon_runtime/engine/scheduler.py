@@ -22,8 +22,11 @@ finish or the first in line is due.
 
 The scheduler is also the one owner of a sequence's progress: after each step `update` records
 the K/V the forward pass computed, `accept` appends the verified tokens (rolling back rejected
-drafts), `finish` retires a sequence; `fork` and `attach_drafts` are the other ways in. The
-block manager places blocks and returns counts; nothing else moves a sequence's counters.
+drafts) and ends the sequence when it should, `finish` retires a sequence; `fork` and
+`attach_drafts` are the other ways in. The block manager places blocks and returns counts;
+nothing else moves a sequence's counters. So the length stop (max_tokens, or the context full)
+is decided here, from the counts, with the stops the engine reads in the tokens (an EOS, a stop
+token or string, a complete grammar: it needs the tokenizer and the text) handed to `accept`.
 """
 from __future__ import annotations
 
@@ -51,8 +54,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic, max_loras: int = 0):
+                 prefill_delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic, max_loras: int = 0,
+                 max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len  # the context: a sequence this long ends ("length"); None: no limit
         self.max_loras = max_loras  # distinct LoRA adapters running at once (the slots they run from)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -179,21 +184,34 @@ class Scheduler:
             self.block_manager.commit(seq)
 
     def accept(self, seq: Sequence, token_ids: list[int], logprobs: list[dict[int, float]] | None = None,
-               finish_reason: str | None = None) -> None:
-        """Append what a sequence's step produced: its kept drafts, then the sampled token (the
-        caller cuts them at the first that ends the sequence and names the reason). The kept
-        drafts' K/V was computed this step; the rejected drafts' slots go back to the pool."""
+               finish_reason: str | None = None, complete: bool = False) -> None:
+        """Append what a sequence's step produced: its kept drafts, then the sampled token; end the
+        sequence if it should. The kept drafts' K/V was computed this step; the rejected drafts'
+        slots go back to the pool.
+
+        The caller reads the tokens and cuts them at the first that ends the sequence: with
+        `finish_reason` ("stop": an EOS, a stop token or string), or `complete` (a grammar that
+        can take nothing more). The length stop is decided here, between the two: a sequence at
+        max_tokens or the end of the context ends with "length" unless its last token stopped it;
+        a complete grammar ends it as the EOS it would force next would, a token later, so the
+        length stop comes first."""
         num_drafts = len(seq.draft_token_ids)
+        assert len(token_ids) <= self.tokens_left(seq), "drafts are cut to fit the length (drafter.draft_limit)"
         seq.keep_drafts(0)
         seq.token_ids.extend(token_ids)
         if logprobs is not None:
             seq.logprobs.extend(logprobs)
-        if finish_reason is not None:
-            self.finish(seq, finish_reason)
+        reason = finish_reason or ("length" if self.tokens_left(seq) == 0 else None) or ("stop" if complete else None)
+        if reason is not None:
+            self.finish(seq, reason)
         elif num_drafts:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.block_manager.commit(seq)
             self.block_manager.truncate(seq)
+
+    def tokens_left(self, seq: Sequence) -> int | float:
+        """How many more tokens the sequence may take before its length stop (inf: no limit)."""
+        return length_left(seq.num_tokens, seq.num_output_tokens, seq.params.max_tokens, self.max_model_len)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (finished or aborted) and return its blocks at once."""
@@ -249,6 +267,18 @@ def wait_for_shared_prefix(shared_tokens: int, uncached_tokens: int) -> bool:
     chunked prefill takes) and saves the shared tokens' compute for every sequence in the
     step, so it waits only when they are at least half of what it would compute."""
     return shared_tokens > 0 and 2 * shared_tokens >= uncached_tokens
+
+
+def length_left(num_tokens: int, num_output_tokens: int, max_tokens: int | None,
+                max_model_len: int | None) -> int | float:
+    """Tokens a sequence may still generate: the rest of its max_tokens and of the context, each
+    None when unlimited (inf when both are). At 0 it ends with finish_reason "length"."""
+    left: int | float = float("inf")
+    if max_tokens is not None:
+        left = max_tokens - num_output_tokens
+    if max_model_len is not None:
+        left = min(left, max_model_len - num_tokens)
+    return max(left, 0)
 
 
 def _due(seq: Sequence) -> float:

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP app: routes, errors in OpenAI's shape, auth, readiness and drain.
 
-Over 300 lines for a stated reason: every route and the request plumbing they share (parsing
-into the protocol's models, admission, the in-flight count the drain waits on, the SSE response
-that aborts on a disconnect, the error handlers) are read together; what a route does with a
-request lives elsewhere (serving.py, responses.py, embeddings.py, tokenize.py, limits.py).
+Every route reads its request the same way (pipeline.py: the body, the model it names, the errors);
+what is here is what the routes share besides (admission, the in-flight count the drain waits
+on, the SSE response that aborts on a disconnect); what a route does with a request lives
+elsewhere (serving.py, responses.py, embeddings.py, tokenize.py, lora_routes.py, limits.py).
 """
 from __future__ import annotations
 
@@ -16,17 +16,13 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from pydantic import ValidationError
 
 from kaon_runtime.engine.async_engine import AsyncEngine
-from kaon_runtime.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import embeddings, openapi as doc, protocol as p
-from kaon_runtime.server.extensions import ignored_fields_header, sampling_extensions
+from kaon_runtime.server.extensions import ignored_fields_header
 from kaon_runtime.server.keys import ApiKeys
 from kaon_runtime.server.limits import (
     Admission,
@@ -39,13 +35,19 @@ from kaon_runtime.server.limits import (
 )
 from kaon_runtime.server.lora_routes import routes as lora_routes
 from kaon_runtime.server.metrics import Metrics
+from kaon_runtime.server.pipeline import (
+    CLIENT_CLOSED_REQUEST,
+    RETRY_AFTER_S,
+    APIError,
+    bad_input,
+    check_model,
+    install_error_handlers,
+    parse,
+)
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
 from kaon_runtime.server.tokenize import routes as tokenize_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
-
-RETRY_AFTER_S = 1  # a full queue drains in seconds; tell well-behaved clients to come back soon
-CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client gone before the response; only the access log sees it
 
 
 @dataclass(slots=True)
@@ -63,19 +65,6 @@ class ServerSettings:
     matryoshka: bool | list[int] = False  # the embedding lengths `dimensions` may ask for besides the model's own
     fetch_adapter: Callable[[str], str] | None = None
     """Downloads a LoRA adapter given as hf:// or s3:// (the CLI passes kaon fetch's); None: local paths only."""
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                                 code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 class ServerState:
@@ -110,7 +99,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.server = ServerState()
     app.state.metrics = Metrics(engine.stats)
     app.state.admission = Admission(engine)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                 secured=keys.enabled)
     app.include_router(probes)
@@ -209,11 +198,11 @@ async def models(engine: Engine, settings: Settings):
 @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
          responses=doc.GENERATE, dependencies=[Depends(_generates)])
 async def completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
-    body = await _parse(request, p.CompletionRequest, settings)
-    adapter = _check_model(body.model, settings, engine)
+    body = await parse(request, p.CompletionRequest)
+    adapter = check_model(request, body.model)
     prompt = _single_prompt(body.prompt)
     check_completion(body, prompt, settings.limits, engine.max_model_len)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, body.output_constraint())
+    params = body.to_sampling_params()
     with request.app.state.admission.slot():
         gen = await _start(engine, settings, metrics, "cmpl", prompt, params, adapter)
     fmt = CompletionFormat(gen, engine.tokenizer, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
@@ -224,13 +213,11 @@ async def completions(request: Request, engine: Engine, settings: Settings, metr
          openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE,
          dependencies=[Depends(_generates)])
 async def chat_completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
-    body = await _parse(request, p.ChatCompletionRequest, settings)
-    adapter = _check_model(body.model, settings, engine)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    check_chat(body, max_tokens, settings.limits, engine.max_model_len)
+    body = await parse(request, p.ChatCompletionRequest)
+    adapter = check_model(request, body.model)
+    check_chat(body, body.max_output_tokens, settings.limits, engine.max_model_len)
     plan = plan_chat(body, engine.tokenizer, tool_parser(engine.tokenizer, settings.tool_call_parser))
-    params = _sampling_params(body, max_tokens, num_logprobs, plan.constraint)
+    params = body.to_sampling_params(plan.constraint)
     with request.app.state.admission.slot():
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
         gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params, adapter)
@@ -240,15 +227,15 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
 @v1.post("/responses", openapi_extra=doc.json_body(ResponsesRequest), responses=doc.GENERATE,
          dependencies=[Depends(_generates)])  # server/responses.py
 async def responses(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
-    body = await _parse(request, ResponsesRequest, settings)
+    body = await parse(request, ResponsesRequest)
     try:
         chat = body.as_chat()
     except ValidationError as exc:
-        raise _bad_input(exc.errors()) from None
-    adapter = _check_model(chat.model, settings, engine)
-    check_chat(chat, chat.max_completion_tokens, settings.limits, engine.max_model_len)
+        raise bad_input(exc.errors()) from None
+    adapter = check_model(request, chat.model)
+    check_chat(chat, chat.max_output_tokens, settings.limits, engine.max_model_len)
     plan = plan_chat(chat, engine.tokenizer, tool_parser(engine.tokenizer, settings.tool_call_parser))
-    params = _sampling_params(chat, chat.max_completion_tokens, None, plan.constraint)
+    params = chat.to_sampling_params(plan.constraint)
     with request.app.state.admission.slot():
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
         gen = await _start(engine, settings, metrics, "resp", prompt, params, adapter)
@@ -266,8 +253,8 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
 
 @v1.post("/embeddings", openapi_extra=doc.json_body(embeddings.EmbeddingRequest), responses=doc.GENERATE)
 async def create_embeddings(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
-    body = await _parse(request, embeddings.EmbeddingRequest, settings)
-    _check_model(body.model, settings)
+    body = await parse(request, embeddings.EmbeddingRequest)
+    check_model(request, body.model, adapters=False)  # an embedding runs on the base model
     if settings.task != "embed":
         raise APIError(400, "this server generates text; embeddings are served by a server started with "
                        "--task embed", param="model", code="wrong_task")
@@ -355,47 +342,6 @@ class _SSEResponse(StreamingResponse):
 # ---- request plumbing --------------------------------------------------------------------
 
 
-async def _parse(request: Request, model: type[BaseModel], settings: ServerSettings):
-    """Read the body within the size limit and validate it strictly; every failure is a 400 or 413."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
-        raise _too_large(settings)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > settings.max_body_bytes:
-            raise _too_large(settings)
-    try:
-        return model.model_validate_json(bytes(body))
-    except ValidationError as exc:
-        raise _bad_input(exc.errors()) from None
-
-
-def _too_large(settings: ServerSettings) -> APIError:
-    return APIError(413, f"the request body exceeds {settings.max_body_bytes} bytes", code="request_too_large")
-
-
-def _bad_input(errors) -> APIError:
-    first = errors[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "json_invalid":
-        message = f"the body is not valid JSON: {message}"
-    elif param is not None:
-        message = f"{param}: {message}"
-    return APIError(400, message, param=param)
-
-
-def _check_model(name: str, settings: ServerSettings, engine: AsyncEngine | None = None) -> str | None:
-    """The LoRA adapter a request's model names (None: the base model); 404 for anything else."""
-    if name == settings.model_name:
-        return None
-    if engine is not None and name in (adapter for adapter, _ in engine.lora_adapters()):
-        return name
-    raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
-                   param="model", code="model_not_found")
-
-
 def _single_prompt(prompt: str | list) -> str | list[int]:
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return prompt  # an empty one is refused by the engine's own validation
@@ -404,57 +350,7 @@ def _single_prompt(prompt: str | list) -> str | list[int]:
     raise APIError(400, "batched prompts are not supported; send one request per prompt", param="prompt")
 
 
-def _sampling_params(body: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None,
-                     logprobs: int | None, constraint: dict) -> SamplingParams:
-    """The request's sampling settings; `constraint` holds its structured-output fields (json_schema=...)."""
-    return SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
-        max_tokens=max_tokens, stop=body.stop_list, ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n,
-        **sampling_extensions(body), **constraint)
-
-
 async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body is already read, so only a disconnect is left)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(InvalidRequestError)
-    async def invalid(_, exc: InvalidRequestError):
-        return APIError(400, str(exc)).response()
-
-    @app.exception_handler(ModelNotFoundError)
-    async def not_found(_, exc: ModelNotFoundError):  # a LoRA adapter unloaded meanwhile, or unknown
-        return APIError(404, str(exc), param="model", code="model_not_found").response()
-
-    @app.exception_handler(QueueFullError)
-    async def queue_full(_, exc: QueueFullError):
-        return APIError(429, f"the server is at capacity: {exc}", type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_S)}).response()
-
-    @app.exception_handler(EngineDeadError)
-    async def dead(_, exc: EngineDeadError):
-        return APIError(503, str(exc), type="server_error", code="engine_dead").response()
-
-    @app.exception_handler(ClientDisconnect)
-    async def client_gone(_, exc: ClientDisconnect):  # left while sending the body: not a server error
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation(_, exc: RequestValidationError):  # FastAPI's own checks say 422; OpenAI says 400
-        return _bad_input(exc.errors()).response()
-
-    @app.exception_handler(Exception)
-    async def internal(_, exc: Exception):
-        return APIError(500, f"internal error: {exc!r}", type="server_error").response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail), type="invalid_request_error",
-                        headers=getattr(exc, "headers", None)).response()

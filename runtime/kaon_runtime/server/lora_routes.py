@@ -13,34 +13,27 @@ import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, Field
 
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.server import openapi as doc, protocol as p
+from kaon_runtime.server.pipeline import parse
 
 RESPONSES: doc.Responses = {
     200: {"description": "vLLM's plain-text confirmation", "content": {"text/plain": {"schema": {"type": "string"}}}},
     400: {"model": p.ErrorResponse, "description": "The adapter cannot be loaded (the reason), or a bad body"},
     404: {"model": p.ErrorResponse, "description": "No adapter of that name is loaded"},
+    413: {"model": p.ErrorResponse, "description": "Body larger than --max-body-bytes"},
     **doc.V1_ERRORS}
 
 routes = APIRouter()
 
 
-class LoadLoraAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-
-
-class UnloadLoraAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None  # vLLM's; the name is what counts
-
-
 # The replies are plain text, the errors JSON: the route returns its PlainTextResponse itself, so the
 # document keeps the errors' application/json (a response_class would label them text/plain too).
-@routes.post("/v1/load_lora_adapter", response_model=None, responses=RESPONSES)
-async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+@routes.post("/v1/load_lora_adapter", response_model=None, responses=RESPONSES,
+             openapi_extra=doc.json_body(p.LoadLoraAdapterRequest))
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    body = await parse(request, p.LoadLoraAdapterRequest)
     if body.lora_name == request.app.state.settings.model_name:
         raise InvalidRequestError(f"{body.lora_name!r} is the base model's name")
     path = source = body.lora_path
@@ -55,7 +48,9 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@routes.post("/v1/unload_lora_adapter", response_model=None, responses=RESPONSES)
-async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+@routes.post("/v1/unload_lora_adapter", response_model=None, responses=RESPONSES,
+             openapi_extra=doc.json_body(p.UnloadLoraAdapterRequest))
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    body = await parse(request, p.UnloadLoraAdapterRequest)
     request.app.state.engine.remove_lora(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

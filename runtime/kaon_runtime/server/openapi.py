@@ -1,7 +1,7 @@
 """The server's OpenAPI document (/openapi.json): what each route takes and answers.
 
-The generation routes read and validate their bodies themselves (the size limit first, then
-strict validation with OpenAI-shaped 400s), so FastAPI does not know their request models.
+Every route reads and validates its body itself (server/pipeline.py: the size limit first, then
+strict validation with OpenAI-shaped 400s), so FastAPI does not know the request models.
 They are declared here for the document only, and narrowed to what this server accepts: the
 one model it serves, its context length, its vocabulary. Every error is an ErrorResponse.
 """
@@ -15,11 +15,14 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kaon_runtime.server import protocol as p
+from kaon_runtime.server.embeddings import EmbeddingRequest
 from kaon_runtime.server.responses import ResponsesRequest
 
 API_VERSION = "1"
 GENERATE_MODELS = (p.CompletionRequest, p.ChatCompletionRequest, ResponsesRequest)
-REQUEST_MODELS = (*GENERATE_MODELS, p.TokenizeRequest, p.DetokenizeRequest)
+NAMED_MODELS = (*GENERATE_MODELS, EmbeddingRequest)  # `model` must be the served name
+REQUEST_MODELS = (*NAMED_MODELS, p.TokenizeRequest, p.DetokenizeRequest, p.LoadLoraAdapterRequest,
+                  p.UnloadLoraAdapterRequest)
 
 Responses = dict[int | str, dict[str, Any]]  # a route's `responses=`, as FastAPI types it
 
@@ -69,7 +72,7 @@ def _build(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int, s
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     schemas.update(defs["$defs"])
-    for model in GENERATE_MODELS:
+    for model in NAMED_MODELS:
         props = schemas[model.__name__]["properties"]
         props["model"] = {**props["model"], "enum": [model_name]}
         for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):

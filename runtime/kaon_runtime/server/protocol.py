@@ -6,6 +6,9 @@ clients send extensions of their own; the server logs each such name once and li
 response's x-kaon-ignored-fields header (server/extensions.py), so a typo is still visible.
 Nested objects stay closed: an unknown field inside one is a 400.
 
+A request model owns its translation into the engine's SamplingParams (`to_sampling_params`, as
+vLLM's request models do), so what a field means is written beside the field.
+
 One module for the whole wire format, over 300 lines: the models refer to each other, and the
 OpenAPI document is generated from them together.
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from kaon_runtime.sampling import SamplingParams
 
 # JSON integers are unbounded; seeds and top_k end up in torch's 64-bit integers.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -155,6 +160,27 @@ class _SamplingRequest(_OpenTopLevel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def scored_prompt(self) -> int | None:
+        """How many alternatives to score per prompt token (vLLM's prompt_logprobs); None: the prompt is not scored."""
+        return self.prompt_logprobs
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         constraint: dict[str, Any]) -> SamplingParams:
+        """What both endpoints share; each passes its own token limit, logprobs and structured output
+        (`constraint`: SamplingParams' json_schema=..., or nothing for free text)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+            max_tokens=max_tokens, stop=self.stop_list, ignore_eos=self.ignore_eos, logprobs=logprobs, n=self.n,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens, min_p=self.min_p, stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            prompt_logprobs=self.scored_prompt(), **constraint)
+
 
 class CompletionRequest(_SamplingRequest):
     # One prompt: a string or token ids, possibly wrapped in a one-element batch.
@@ -175,6 +201,17 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix is not None:
             raise ValueError("suffix is not supported by this server")
         return self
+
+    def scored_prompt(self) -> int | None:
+        """vLLM's prompt_logprobs, or echo with logprobs (what evaluation harnesses send): the larger;
+        echo with max_tokens 0 alone scores the prompt with no alternatives."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if wanted:
+            return max(wanted)
+        return 0 if self.echo and self.max_tokens == 0 else None
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, self.output_constraint())
 
 
 class TextPart(_Strict):
@@ -290,6 +327,22 @@ class ChatCompletionRequest(_SamplingRequest):
     def forces_tool_call(self) -> bool:
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
+    @property
+    def max_output_tokens(self) -> int | None:
+        """max_completion_tokens, or the deprecated max_tokens; None: up to the context."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per generated token; None: no logprobs asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def to_sampling_params(self, constraint: dict[str, Any] | None = None) -> SamplingParams:
+        """`constraint`: the structured output the chat's plan settled on (a forced tool call's grammar
+        takes response_format's place: server/tool_calls.py); None: the request's own."""
+        return self._sampling_params(self.max_output_tokens, self.num_logprobs,
+                                     self.output_constraint() if constraint is None else constraint)
+
 
 # /tokenize and /detokenize, as vLLM has them (server/tokenize.py).
 
@@ -322,6 +375,19 @@ class DetokenizeRequest(_Strict):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# Loading and unloading LoRA adapters, as vLLM has them (server/lora_routes.py).
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name is what counts
 
 
 # ---- responses -------------------------------------------------------------------------

@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException
 
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.server import openapi as doc, protocol as p
+from kaon_runtime.server.pipeline import check_model, parse
 
 RESPONSES: doc.Responses = {
     400: {"model": p.ErrorResponse, "description": "Invalid request (bad JSON, wrong type, unknown field)"},
+    404: {"model": p.ErrorResponse, "description": "Unknown model"},
     413: {"model": p.ErrorResponse, "description": "Body larger than --max-body-bytes"},
     **doc.V1_ERRORS}
 
@@ -24,9 +23,9 @@ routes = APIRouter()
 @routes.post("/tokenize", response_model=p.TokenizeResponse, openapi_extra=doc.json_body(p.TokenizeRequest),
               responses=RESPONSES)
 async def tokenize(request: Request) -> p.TokenizeResponse:
-    body = await _read(request, p.TokenizeRequest)
+    body = await parse(request, p.TokenizeRequest)
+    check_model(request, body.model)  # an adapter's name too: adapters share the base model's tokenizer
     engine = request.app.state.engine
-    _check_model(body.model, request)
     tokenizer = engine.tokenizer
     if body.messages is not None:
         messages = [m.for_template() for m in body.messages]
@@ -41,29 +40,9 @@ async def tokenize(request: Request) -> p.TokenizeResponse:
 @routes.post("/detokenize", response_model=p.DetokenizeResponse, openapi_extra=doc.json_body(p.DetokenizeRequest),
               responses=RESPONSES)
 async def detokenize(request: Request) -> p.DetokenizeResponse:
-    body = await _read(request, p.DetokenizeRequest)
+    body = await parse(request, p.DetokenizeRequest)
+    check_model(request, body.model)
     engine = request.app.state.engine
-    _check_model(body.model, request)
     if not all(0 <= t < engine.vocab_size for t in body.tokens):
         raise InvalidRequestError(f"tokens must be token ids in [0, {engine.vocab_size})")
     return p.DetokenizeResponse(prompt=await asyncio.to_thread(engine.tokenizer.decode, body.tokens))
-
-
-def _check_model(name: str | None, request: Request) -> None:
-    served = request.app.state.settings.model_name
-    if name is not None and name != served:
-        raise InvalidRequestError(f"the model {name!r} does not exist; this server serves {served!r}")
-
-
-async def _read(request: Request, model: type[BaseModel]):
-    """The body, within --max-body-bytes (413 past it), validated (a 400 through the app's handler)."""
-    limit = request.app.state.settings.max_body_bytes
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"the request body exceeds {limit} bytes")
-    try:
-        return model.model_validate_json(bytes(body))
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None

@@ -4,7 +4,8 @@ A fake runner stands in for the model: it computes the scheduled tokens (writing
 prefix each token was computed under" into a shadow KV cache, and checking that every
 token a sequence attends to holds its own prefix), hands the step to the scheduler's
 `update` (which advances the computed counts and commits full blocks), and gives a
-sequence a token through `accept` when its computed count reaches its length. The next token is a pure
+sequence a token through `accept` when its computed count reaches its length (the scheduler
+ends it at max_tokens: the length stop is its own). The next token is a pure
 function of the sequence so far, so every sequence's output is known in advance whatever
 the batching, chunking and preemption did to it. Like the engine, it can fork siblings
 (n > 1) off a sequence once its prompt is in the cache.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kaon_runtime.engine.block_manager import BlockManager
@@ -74,8 +76,9 @@ class FakeRunner:
             if seq.num_computed_tokens == seq.num_tokens:
                 if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
                     self.fork_siblings(seq)
-                finished = seq.num_output_tokens + 1 >= seq.params.max_tokens
-                sched.accept(seq, [next_token(seq.token_ids)], finish_reason="length" if finished else None)
+                finished = seq.num_output_tokens + 1 == seq.params.max_tokens
+                sched.accept(seq, [next_token(seq.token_ids)])
+                assert seq.is_finished == finished, "the scheduler ends a sequence at max_tokens, not before"
                 if finished:
                     assert seq.is_finished and seq.block_table == []
                     self.finished.append(seq)
@@ -470,6 +473,43 @@ def test_finish_a_preempted_sequence_removes_it_from_the_queue():
     runner.run()
     assert a.is_finished and a.finish_reason == "length"
     assert_all_blocks_free(sched.block_manager)
+
+
+# ---- the length stop -------------------------------------------------------------------
+
+def accepted(max_tokens=None, max_model_len=None, prompt=(1, 2, 3), tokens=(0,), pooling=None, **stops) -> Sequence:
+    """A prefilled sequence given `tokens` in one step (with the stops its caller read in them)."""
+    sched = make_scheduler()
+    sched.max_model_len = max_model_len
+    seq = Sequence(next(_seq_ids), list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens, pooling=pooling))
+    sched.add(seq)
+    while seq.num_computed_tokens < seq.num_tokens:
+        sched.update(sched.schedule())
+    sched.accept(seq, list(tokens), **stops)
+    return seq
+
+
+def test_the_scheduler_ends_a_sequence_at_max_tokens_or_the_end_of_the_context():
+    assert accepted(max_tokens=2, tokens=[0]).finish_reason is None
+    assert accepted(max_tokens=2, tokens=[0, 1]).finish_reason == "length"  # a draft and the sampled token
+    assert accepted(max_tokens=None, max_model_len=5, tokens=[0]).finish_reason is None
+    assert accepted(max_tokens=None, max_model_len=5, tokens=[0, 1]).finish_reason == "length"
+    assert accepted(max_tokens=9, max_model_len=4, tokens=[0]).finish_reason == "length"
+    assert accepted(max_tokens=0, tokens=[], pooling="last").finish_reason == "length"  # an embedding: no tokens
+    assert accepted(max_tokens=None, tokens=[0] * 50).finish_reason is None  # no limit but the caller's stops
+
+
+def test_what_the_last_token_says_wins_over_the_length_and_the_length_over_a_complete_grammar():
+    assert accepted(max_tokens=1, finish_reason="stop").finish_reason == "stop"  # an EOS or a stop string
+    assert accepted(max_tokens=1, complete=True).finish_reason == "length"  # the grammar's EOS would come after
+    assert accepted(max_tokens=2, complete=True).finish_reason == "stop"
+    seq = accepted(max_tokens=1)
+    assert seq.is_finished and seq.block_table == []
+
+
+def test_more_tokens_than_the_length_allows_is_a_bug_in_the_caller():
+    with pytest.raises(AssertionError, match="draft_limit"):
+        accepted(max_tokens=1, tokens=[0, 1])
 
 
 # ---- the prefix-cache counters ---------------------------------------------------------
