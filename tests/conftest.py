@@ -41,7 +41,9 @@ def hf_tokenizer(gguf_path):
     return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
-# A real Kubernetes control plane and the operator under test (see conftest_k8s.py).
+# One `kaon serve --task embed` of a tiny Qwen3 for the session (see support/embed_model.py);
+# a real Kubernetes control plane and the operator under test (see support/k8s.py).
+from support.embed_model import embed_server  # noqa: E402, F401
 from support.k8s import control_plane, crd, namespace, operator, operator_kubeconfig  # noqa: E402, F401
 
 # Model sources: the stand-in HF hub and a real MinIO (see conftest_sources.py).

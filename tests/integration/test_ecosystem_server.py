@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from support.embed_model import EMBED_MODEL
 from support.server import MODEL, Server
 
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -121,18 +122,7 @@ def test_responses_tools_stream_the_call_as_items(client):
 
 # ---- /v1/embeddings ------------------------------------------------------------------------
 
-EMBED_MODEL = "tiny-qwen3-embed"
-
-
-@pytest.fixture(scope="module")
-def embed_server(tmp_path_factory, gguf_path):
-    from support.embed_model import build_embed_dir
-    path = tmp_path_factory.mktemp("qwen3-embed")
-    hf = build_embed_dir(path, gguf_path)
-    srv = Server(tmp_path_factory.mktemp("serve-embed"), "--model", str(path), "--served-model-name", EMBED_MODEL,
-                 "--task", "embed")
-    yield srv, hf
-    srv.stop()
+# The embedding server is the session's (support/embed_model.py), shared with test_router_ecosystem.
 
 
 def test_embeddings_equal_transformers_in_every_input_and_encoding(embed_server):

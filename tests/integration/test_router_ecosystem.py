@@ -9,10 +9,10 @@ import math
 import httpx
 import pytest
 
+from support.embed_model import EMBED_MODEL
 from support.router import routed, serving
 from support.server import MODEL, Server
 
-EMBED_MODEL = "tiny-qwen3-embed"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 VOLATILE = {"id", "created", "created_at", "call_id", "cached_tokens"}  # what differs between two answers (the
@@ -26,15 +26,9 @@ def generating(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def embedding(tmp_path_factory, gguf_path):
-    from support.embed_model import build_embed_dir
-    path = tmp_path_factory.mktemp("qwen3-embed")
-    build_embed_dir(path, gguf_path)
-    srv = Server(tmp_path_factory.mktemp("serve-embed"), "--model", str(path), "--served-model-name", EMBED_MODEL,
-                 "--task", "embed")
-    yield srv
-    srv.stop()
+@pytest.fixture
+def embedding(embed_server):
+    return embed_server[0]  # the session's one (tests/conftest.py), shared with test_ecosystem_server
 
 
 def same(a, b) -> bool:
