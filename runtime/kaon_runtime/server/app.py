@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app: routes, errors in OpenAI's shape, auth, readiness and drain.
+"""The OpenAI-compatible HTTP app: routes, auth, readiness and drain.
 
 Every route reads its request the same way (pipeline.py: the body, the model it names, the errors);
 what is here is what the routes share besides (admission, the in-flight count the drain waits
@@ -152,10 +152,18 @@ async def _not_draining(state: State) -> None:
                        code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+# A route of the other task is refused before its body is read, whatever the body (the embeddings
+# route as the generating ones).
 async def _generates(settings: Settings) -> None:
     if settings.task == "embed":
         raise APIError(400, "this server was started with --task embed: it serves /v1/embeddings, not generation",
                        param="model", code="wrong_task")
+
+
+async def _embeds(settings: Settings) -> None:
+    if settings.task != "embed":
+        raise APIError(400, "this server generates text; embeddings are served by a server started with "
+                       "--task embed", param="model", code="wrong_task")
 
 
 # ---- routes --------------------------------------------------------------------------------
@@ -251,13 +259,11 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
     return JSONResponse(fmt.response(output), headers=headers)
 
 
-@v1.post("/embeddings", openapi_extra=doc.json_body(embeddings.EmbeddingRequest), responses=doc.GENERATE)
+@v1.post("/embeddings", openapi_extra=doc.json_body(embeddings.EmbeddingRequest), responses=doc.GENERATE,
+         dependencies=[Depends(_embeds)])
 async def create_embeddings(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await parse(request, embeddings.EmbeddingRequest)
     check_model(request, body.model, adapters=False)  # an embedding runs on the base model
-    if settings.task != "embed":
-        raise APIError(400, "this server generates text; embeddings are served by a server started with "
-                       "--task embed", param="model", code="wrong_task")
     prompts = body.prompts()
     for prompt in prompts:
         text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)

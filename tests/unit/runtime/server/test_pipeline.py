@@ -136,6 +136,15 @@ def test_an_embedding_runs_on_the_base_model_so_an_adapter_name_is_unknown_there
     assert response.status_code == 404 and openai_error(response)["code"] == "model_not_found"
 
 
+def test_a_route_of_the_other_task_is_refused_whatever_its_body(http, embed_http):
+    """It used to fail on a generating server: /v1/embeddings read the body and checked the model
+    first (an unknown model a 404), where an embedding server refused /v1/completions outright."""
+    for client, path, body in [(http, "/v1/embeddings", {"model": "gpt-nope", "input": "hi"}),
+                               (embed_http, "/v1/completions", ROUTES["/v1/completions"]("gpt-nope"))]:
+        response = client.post(path, json=body)
+        assert response.status_code == 400 and openai_error(response)["code"] == "wrong_task", path
+
+
 PATHS = [*ROUTES, "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 
 
