@@ -23,6 +23,8 @@ VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 API_VERSION = f"{GROUP}/{VERSION}"
+Key = tuple[str, str]
+"""An InferenceService's (namespace, name): how the operator's caches and records name it."""
 
 DEFAULT_IMAGE = "ghcr.io/kaon-dev/kaon:0.1.0"
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -1,6 +1,6 @@
 """The InferenceService's status (kaon.dev/v1alpha1): pydantic models of what the operator writes.
 
-The CRD's status schema is generated from these (crd.py); status.py builds the conditions.
+The CRD's status schema is generated from these (crd.py); status/conditions.py builds the conditions.
 """
 from __future__ import annotations
 

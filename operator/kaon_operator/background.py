@@ -13,7 +13,6 @@ from kaon_operator.autoscaling.autoscale_loop import AutoscaleLoop
 from kaon_operator.context import Context
 from kaon_operator.lora.adapter_sync import AdapterLoop
 from kaon_operator.status import conditions, status_sync
-from kaon_operator.watching import reporting_instance
 
 STARTUP_CHECK_SECONDS = 5.0
 
@@ -40,8 +39,5 @@ def start(ctx: Context) -> None:
     ctx.run_in_background(ctx.status_queue.run(partial(status_sync.resync, ctx)))
     ctx.run_in_background(watch_startups(ctx))
     ctx.run_in_background(key_digests.publish_loop(ctx))
-    loop = AutoscaleLoop(ctx.kube, ctx.caches, ctx.config.autoscale, post=ctx.post,
-                         metrics_changed=partial(status_sync.metrics_changed, ctx), identity=reporting_instance(),
-                         profile_changed=partial(status_sync.profile_changed, ctx))
-    ctx.run_in_background(loop.run())
+    ctx.run_in_background(AutoscaleLoop(ctx).run())
     ctx.run_in_background(AdapterLoop(ctx).run())

@@ -9,9 +9,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kaon_operator.api import Key
 from kaon_operator.status.summaries import DeploymentSummary, PodSummary, ServedName
-
-Key = tuple[str, str]  # (namespace, InferenceService name)
 
 
 def _one(index: Mapping[Any, Collection], key):

@@ -19,7 +19,8 @@ import asyncio
 import kopf
 
 from kaon_operator import background, reconciler, watching
-from kaon_operator.caches import Caches, Key
+from kaon_operator.api import Key
+from kaon_operator.caches import Caches
 from kaon_operator.children import drift, leaderworkerset
 from kaon_operator.config import OperatorConfig
 from kaon_operator.context import Context

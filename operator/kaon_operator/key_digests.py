@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pydantic import ValidationError
 
 from kaon_operator import api
-from kaon_operator.caches import Key
+from kaon_operator.api import Key
 from kaon_operator.context import Context
 from kaon_operator.status.conditions import EventSpec
 
@@ -67,11 +67,13 @@ def missing_event(secret: str, data: Mapping[str, str] | None) -> EventSpec:
                      "the router refuses every request to this InferenceService")
 
 
-def publish(ctx: Context, key: Key, body: Mapping, last: dict[Key, dict | None]) -> None:
-    """Write `body`'s status.auth when it differs from what was last written (or read)."""
+def publish(ctx: Context, key: Key, body: Mapping) -> None:
+    """Write `body`'s status.auth when it differs from what was last written (or read); the
+    service's record keeps which."""
     namespace, name = key
+    record = ctx.records.get(key)
     secret = secret_name(body.get("spec") or {})
-    current = last.get(key, (body.get("status") or {}).get("auth"))
+    current = record.auth if record.auth_known else (body.get("status") or {}).get("auth")
     data: dict[str, str] | None
     if secret is None:
         new = None
@@ -80,10 +82,10 @@ def publish(ctx: Context, key: Key, body: Mapping, last: dict[Key, dict | None])
         data = ctx.kube.secret_data(namespace, secret) if secret else None
         new = published(secret, data)
     if new == current:
-        last[key] = current
+        record.auth, record.auth_known = current, True
         return
     if ctx.kube.patch_status(namespace, name, {"auth": new}) is not None:
-        last[key] = new
+        record.auth, record.auth_known = new, True
         logger.info(f"{namespace}/{name}: published {len(new['keyDigests']) if new else 0} API key digests")
         if new is not None and not new["keyDigests"]:
             ctx.post(body, [missing_event(secret or "", data)])
@@ -91,14 +93,10 @@ def publish(ctx: Context, key: Key, body: Mapping, last: dict[Key, dict | None])
 
 async def publish_loop(ctx: Context) -> None:
     """Every PUBLISH_SECONDS, publish every InferenceService's key digests (status.auth)."""
-    last: dict[Key, dict | None] = {}
     while True:
-        services = ctx.caches.all_inference_services()
-        for key in set(last) - {k for k, _ in services}:
-            del last[key]  # deleted: forget
-        for key, body in services:
+        for key, body in ctx.caches.all_inference_services():
             try:
-                await asyncio.to_thread(publish, ctx, key, body, last)
+                await asyncio.to_thread(publish, ctx, key, body)
             except Exception as exc:  # noqa: BLE001 - the next round tries again
                 logger.warning(f"publishing {key[0]}/{key[1]}'s key digests failed: {exc}")
         await asyncio.sleep(PUBLISH_SECONDS)

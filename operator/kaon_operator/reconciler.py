@@ -107,6 +107,8 @@ def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> Non
     elif reason == "update":
         previous = api.parse_spec(old) if old else None
         if isinstance(previous, api.InferenceServiceSpec):
-            decision = (body.get("status") or {}).get("lastScaleDecision") or {}
-            ctx.post(body, changes.describe_spec_change(previous, spec, autoscaled=decision.get("to") == spec.replicas))
+            autoscaled = record.scaled_to == spec.replicas  # the autoscaler's own change: it posted its Event
+            if autoscaled:
+                record.scaled_to = None
+            ctx.post(body, changes.describe_spec_change(previous, spec, autoscaled=autoscaled))
     status_sync.sync_status(ctx, body, key, spec, applied=True)

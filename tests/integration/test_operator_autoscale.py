@@ -218,12 +218,13 @@ def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator
 
     from kaon_operator.autoscaling.autoscale_loop import AutoscaleLoop
     from kaon_operator.caches import Caches
-    from kaon_operator.config import AutoscaleSettings
+    from kaon_operator.config import AutoscaleSettings, OperatorConfig
+    from kaon_operator.context import Context
     from kaon_operator.kube import Conflict, Kube
 
     kube = Kube(kubernetes.config.new_client_from_config(config_file=str(operator_kubeconfig)))
-    loop = AutoscaleLoop(kube, Caches(), AutoscaleSettings(interval=1), post=lambda *_: None,
-                         metrics_changed=lambda *_: None, identity="test")
+    loop = AutoscaleLoop(Context(OperatorConfig(autoscale=AutoscaleSettings(interval=1)), kube, Caches()))
+    record = loop.ctx.records.get((cluster.ns, "occ"))
     cluster.kubectl("apply", "-f", "-", input=isvc("occ"))
     wait_for("Ready", lambda: cluster.ready("occ"))
 
@@ -238,6 +239,7 @@ def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator
     assert loop.scale(body, decision(2), 2)
     now = cluster.get("infsvc", "occ")
     assert now["spec"]["replicas"] == 2 and now["status"]["lastScaleDecision"]["to"] == 2
+    assert record.scaled_to == 2  # the update it causes is the autoscaler's
 
     # A human scaled since the read: their 4 stays, and the status still shows the last real decision.
     body = cluster.get("infsvc", "occ")
@@ -245,6 +247,7 @@ def test_a_scale_decision_never_overwrites_a_change_made_since(cluster, operator
     assert not loop.scale(body, decision(3), 3)
     now = cluster.get("infsvc", "occ")
     assert now["spec"]["replicas"] == 4 and now["status"]["lastScaleDecision"]["to"] == 2
+    assert record.scaled_to is None  # the human's 4 is not
     # The precondition itself, as the apiserver enforces it.
     with pytest.raises(Conflict):
         kube.patch_replicas(cluster.ns, "occ", 1, resource_version=body["metadata"]["resourceVersion"])

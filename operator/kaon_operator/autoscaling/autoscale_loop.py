@@ -22,23 +22,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
 import aiohttp
 
 from kaon_operator import api, kubetime, labels
+from kaon_operator.api import Key
 from kaon_operator.autoscaling import autoscaler, histogram, predictive, scraper
 from kaon_operator.autoscaling.perf_model import PerfModel
-from kaon_operator.autoscaling.profile_sync import ProfileMemory, resolve
+from kaon_operator.autoscaling.profile_sync import resolve
 from kaon_operator.autoscaling.profiling import read_model
-from kaon_operator.caches import Caches, Key
 from kaon_operator.children import resources
-from kaon_operator.config import AutoscaleSettings
+from kaon_operator.context import Context
 from kaon_operator.kube import Conflict
-from kaon_operator.status import conditions, summaries
+from kaon_operator.records import AutoscaleMemory, Baseline
+from kaon_operator.status import conditions, status_sync, summaries
 from kaon_operator.status.conditions import EventSpec
 from kaon_operator.status.summaries import PodSummary
+from kaon_operator.watching import reporting_instance
 
 logger = logging.getLogger("kaon.autoscaler")
 
@@ -48,34 +49,6 @@ ROUTER_METRICS_PORT = 8080  # `kaon router --port` default; a container port nam
 LEASE_NAME = "kaon-autoscaler"
 LEASE_SECONDS = 15
 CONFLICT_RETRIES = 3  # writes by others that left the spec alone (status updates, kopf's annotations)
-
-
-@dataclass(frozen=True, slots=True)
-class Baseline:
-    """One pod's cumulative counts at its last answered scrape."""
-
-    finished: float
-    latency: histogram.Buckets = ()
-    prompt_tokens: float = 0.0
-    generation_tokens: float = 0.0
-    finished_output_tokens: float | None = None
-
-
-@dataclass(slots=True)
-class ServiceState:
-    """What the loop remembers of one InferenceService between ticks."""
-
-    uid: str | None = None
-    """The InferenceService's: one deleted and made again under its name starts afresh."""
-    history: list[autoscaler.Sample] = field(default_factory=list)
-    baselines: dict[str, Baseline] = field(default_factory=dict)
-    capped: bool = False
-    condition: dict | None = None
-    """MetricsAvailable as last reported."""
-    profile: ProfileMemory = field(default_factory=ProfileMemory)
-    """The performance model for the predictive policy, and where it comes from."""
-    profiled: dict | None = None
-    """Profiled as last reported."""
 
 
 def token_deltas(baselines: dict[str, Baseline], answers: dict[str, scraper.PodMetrics]
@@ -151,21 +124,16 @@ def observed(sample: autoscaler.Sample, kv_usage: list[float], target: float, sp
 
 
 class AutoscaleLoop:
-    """Runs in kopf's event loop; reads the caches, writes through `kube` in threads.
+    """Runs in kopf's event loop; reads the caches, writes through the API client in threads, and
+    keeps what it remembers of a service in the service's record (records.AutoscaleMemory). Its
+    conditions go to the status writer whenever they change: MetricsAvailable (dropped once the
+    service is no longer autoscaled) and Profiled (spec.autoscaling.profile: profile_sync.py)."""
 
-    `post` posts Events about an InferenceService; `metrics_changed` receives its MetricsAvailable
-    condition whenever that changes (None once the service is no longer autoscaled), and
-    `profile_changed` its Profiled condition (spec.autoscaling.profile: profile_sync.py)."""
-
-    def __init__(self, kube, caches: Caches, settings: AutoscaleSettings, *,
-                 post: Callable[[Mapping, list[EventSpec]], None],
-                 metrics_changed: Callable[[Key, dict | None], None], identity: str,
-                 profile_changed: Callable[[Key, dict | None], None] = lambda key, condition: None):
-        self.kube, self.caches, self.identity = kube, caches, identity
+    def __init__(self, ctx: Context):
+        self.ctx, self.kube, self.caches = ctx, ctx.kube, ctx.caches
+        settings = ctx.config.autoscale
         self.interval, self.release_namespace = settings.interval, settings.release_namespace
-        self.use_lease = settings.use_lease
-        self.post, self.metrics_changed, self.profile_changed = post, metrics_changed, profile_changed
-        self.services: dict[Key, ServiceState] = {}
+        self.use_lease, self.identity = settings.use_lease, reporting_instance()
         self.http: aiohttp.ClientSession | None = None
 
     async def run(self) -> None:
@@ -188,7 +156,7 @@ class AutoscaleLoop:
             raise RuntimeError("the HTTP session opens in run()")
         return self.http
 
-    def _autoscaled(self) -> list[tuple[Key, Mapping, api.InferenceServiceSpec]]:
+    async def _autoscaled(self) -> list[tuple[Key, Mapping, api.InferenceServiceSpec]]:
         out = []
         for key, body in self.caches.all_inference_services():
             if body["metadata"].get("deletionTimestamp"):
@@ -198,16 +166,19 @@ class AutoscaleLoop:
             spec = api.parse_spec(body["spec"])
             if isinstance(spec, api.InferenceServiceSpec):  # the reconcile handler reports an invalid spec
                 out.append((key, body, spec))
-        for gone in set(self.services) - {key for key, _, _ in out}:
-            memory = self.services.pop(gone)
-            if memory.condition is not None:
-                self.metrics_changed(gone, None)
-            if memory.profiled is not None:
-                self.profile_changed(gone, None)
+        autoscaled = {key for key, _, _ in out}
+        for key, record in self.ctx.records.items():
+            if key in autoscaled or record.autoscale is None:
+                continue
+            record.autoscale = None
+            if conditions.METRICS in record.conditions:
+                await asyncio.to_thread(status_sync.metrics_changed, self.ctx, key, None)
+            if conditions.PROFILED in record.conditions:
+                await asyncio.to_thread(status_sync.profile_changed, self.ctx, key, None)
         return out
 
     async def tick_all(self) -> None:
-        services = self._autoscaled()
+        services = await self._autoscaled()
         if not services:
             return
         held = await self._router_held()
@@ -249,9 +220,10 @@ class AutoscaleLoop:
     async def tick(self, key: tuple[str, str], body: Mapping, spec: api.InferenceServiceSpec,
                    held: dict[tuple[str, str], float] | None) -> None:
         uid = body["metadata"].get("uid")
-        memory = self.services.get(key)
+        record = self.ctx.records.get(key)
+        memory = record.autoscale
         if memory is None or memory.uid != uid:
-            memory = self.services[key] = ServiceState(uid=uid)
+            memory = record.autoscale = AutoscaleMemory(uid=uid)
         auto, now = spec.autoscaling, time.time()
         pods = [p for p in self.caches.pods(key) if not p.terminating]
         answers = await self._scrape_engines(pods)
@@ -272,14 +244,13 @@ class AutoscaleLoop:
         await self._act(key, body, spec, sample, answers, memory, decision)
 
     async def _decide(self, key: Key, body: Mapping, spec: api.InferenceServiceSpec,
-                      memory: ServiceState, now: float, last_change: float | None) -> autoscaler.Decision:
+                      memory: AutoscaleMemory, now: float, last_change: float | None) -> autoscaler.Decision:
         """The spec's policy; predictive without a readable profile decides as the reactive one, and says so.
         A profile is resolved whatever the policy (profile: auto measures the engine before a switch to predictive)."""
         auto = spec.autoscaling
-        profile = await asyncio.to_thread(resolve, self.kube, body, spec, memory.profile, self.post)
-        if memory.profiled != profile.condition:
-            memory.profiled = profile.condition
-            await asyncio.to_thread(self.profile_changed, key, profile.condition)
+        profile = await asyncio.to_thread(resolve, self.kube, body, spec, memory.profile, self.ctx.post)
+        if self.ctx.records.get(key).conditions.get(conditions.PROFILED) != profile.condition:
+            await asyncio.to_thread(status_sync.profile_changed, self.ctx, key, profile.condition)
         if auto.policy == "predictive" and profile.model is not None:
             return predictive.decide(memory.history, auto, spec.replicas, now, last_change, model=profile.model,
                                      max_num_seqs=spec.engine.max_num_seqs)
@@ -292,7 +263,8 @@ class AutoscaleLoop:
         return decision
 
     async def _act(self, key, body, spec: api.InferenceServiceSpec, sample: autoscaler.Sample,
-                   answers: dict[str, scraper.PodMetrics], memory: ServiceState, decision: autoscaler.Decision) -> None:
+                   answers: dict[str, scraper.PodMetrics], memory: AutoscaleMemory,
+                   decision: autoscaler.Decision) -> None:
         namespace, name = key
         target = autoscaler.concurrency_target(spec.autoscaling, spec.engine.max_num_seqs)
         patch = {"observedMetrics": observed(sample, [m.kv_cache_usage for m in answers.values()], target,
@@ -318,17 +290,16 @@ class AutoscaleLoop:
                                     f"{spec.autoscaling.max_replicas}: {decision.reason}"))
         memory.capped = decision.capped_from is not None
         if events:
-            await asyncio.to_thread(self.post, body, events)
+            await asyncio.to_thread(self.ctx.post, body, events)
         condition = conditions.metrics_condition(decision.metrics_missing, sample.answered or 0, sample.ready)
-        if memory.condition != condition:
-            memory.condition = condition
-            await asyncio.to_thread(self.metrics_changed, key, condition)
+        if self.ctx.records.get(key).conditions.get(conditions.METRICS) != condition:
+            await asyncio.to_thread(status_sync.metrics_changed, self.ctx, key, condition)
 
     def scale(self, body: Mapping, status_patch: dict, replicas: int) -> bool:
         """Write the decision (status, with lastScaleDecision) then spec.replicas, both only while the
         InferenceService is still the one the decision was made on (resourceVersion preconditions).
 
-        Status first: the update handler then knows this replica change is the autoscaler's. A 409 from
+        The record first: the update handler then knows this replica change is the autoscaler's. A 409 from
         a write that left the spec alone (metadata.generation unchanged: the operator's own status
         updates, kopf's annotations) is retried at the new resourceVersion; a changed spec (a human's
         `kubectl scale`, a new maxReplicas) drops the decision, puts lastScaleDecision back, and the next
@@ -336,6 +307,7 @@ class AutoscaleLoop:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         version, generation = meta.get("resourceVersion"), meta.get("generation")
+        record = self.ctx.records.get((namespace, name))
         status_written = False
         for _ in range(CONFLICT_RETRIES):
             try:
@@ -344,7 +316,12 @@ class AutoscaleLoop:
                     if written is None:
                         return False
                     status_written, version = True, written["metadata"]["resourceVersion"]
-                self.kube.patch_replicas(namespace, name, replicas, resource_version=version)
+                record.scaled_to = replicas  # before the write: its update event may be handled before it returns
+                try:
+                    self.kube.patch_replicas(namespace, name, replicas, resource_version=version)
+                except BaseException:
+                    record.scaled_to = None
+                    raise
                 return True
             except Conflict:
                 current = self.kube.get_inference_service(namespace, name)

@@ -31,22 +31,11 @@ from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profiling import Step
 from kaon_operator.children import resources
 from kaon_operator.kube import NotOwned
+from kaon_operator.records import ProfileMemory
+from kaon_operator.status import conditions
 from kaon_operator.status.conditions import EventSpec
 
 logger = logging.getLogger("kaon.autoscaler")
-
-
-@dataclass(slots=True)
-class ProfileMemory:
-    """What the loop remembers of one service's profile between ticks."""
-
-    name: str | None = None
-    """The ConfigMap the model was (or is to be) read from."""
-    model: PerfModel | None = None
-    warned: str | None = None
-    """The uid of the failed Job already reported."""
-    cleaned: str | None = None
-    """The setting whose stale profiling objects were looked for (see `_clean`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +57,8 @@ def resolve(kube, body: Mapping, spec: api.InferenceServiceSpec, memory: Profile
         return Resolved(None, None, None)
     auto = setting == profiling.AUTO
     if memory.name == name and memory.model is not None:
-        found = profiling.condition(Step.USE, name) if auto else profiling.named_condition(name, memory.model)
+        found = (conditions.profiled_condition(Step.USE, name) if auto
+                 else conditions.named_profile_condition(name, memory.model))
         resolved = Resolved(memory.model, name, found)
     else:
         resolved = _read(kube, body, spec, name, memory, post)
@@ -87,11 +77,11 @@ def _read(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, memory
         saved = profiling.read_model((kube.config_map_data(meta["namespace"], name) or {}).get(api.PROFILE_KEY))
         if spec.autoscaling.profile != profiling.AUTO:
             memory.model = saved
-            return Resolved(saved, name, profiling.named_condition(name, saved))
+            return Resolved(saved, name, conditions.named_profile_condition(name, saved))
         memory.model, condition = _auto(kube, body, spec, name, saved, memory, post)
     except (ApiException, NotOwned) as exc:
         why = str(exc) if isinstance(exc, NotOwned) else f"{exc.status} {exc.reason}"
-        return Resolved(None, name, profiling.condition(Step.FAILED, name, why))
+        return Resolved(None, name, conditions.profiled_condition(Step.FAILED, name, why))
     return Resolved(memory.model, name, condition)
 
 
@@ -149,4 +139,4 @@ def _auto(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, saved:
         memory.warned = state.uid
         post(body, [EventSpec("Warning", "ProfilingFailed", f"profiling Job {name} failed: "
                                                             f"{profiling.failure(state)}")])
-    return saved, profiling.condition(step, name, profiling.failure(state) if state is not None else "")
+    return saved, conditions.profiled_condition(step, name, profiling.failure(state) if state is not None else "")

@@ -49,7 +49,6 @@ TERMINATION_MESSAGE_BYTES = 4096  # the kubelet keeps this much of a termination
 JOB_TTL_SECONDS = 3600  # a finished Job (and its pod's log) stays this long; a failed one is retried after
 PROFILE_SECONDS = 3600  # the grid's measurement, on top of the engine's own start-up budget
 DIGEST_CHARS = 10
-PROFILED = "Profiled"  # the condition
 
 
 def profile_key(spec: api.InferenceServiceSpec) -> dict:
@@ -214,26 +213,3 @@ def failure(state: JobState) -> str:
     if state.succeeded:
         return "it ended without writing a performance model to its termination message"
     return state.message
-
-
-def condition(step: Step, name: str, why: str = "") -> dict:
-    """Profiled: True with a model to read, Unknown while the Job measures, False when it failed."""
-    if step in (Step.USE, Step.SAVE):
-        return {"type": PROFILED, "status": "True", "reason": PROFILED,
-                "message": f"the performance model is in ConfigMap {name}"}
-    if step is Step.FAILED:
-        return {"type": PROFILED, "status": "False", "reason": "ProfilingFailed",
-                "message": f"profiling Job {name} failed: {why}; the reactive policy scales meanwhile; deleting the "
-                           f"Job tries again (it is retried {JOB_TTL_SECONDS // 60} minutes after it ended)"}
-    return {"type": PROFILED, "status": "Unknown", "reason": "Profiling",
-            "message": f"profiling Job {name} measures the engine; the reactive policy scales meanwhile"}
-
-
-def named_condition(name: str, model: PerfModel | None) -> dict:
-    """Profiled for a ConfigMap the user names."""
-    if model is not None:
-        return {"type": PROFILED, "status": "True", "reason": "ProfileConfigMap",
-                "message": f"the performance model is in ConfigMap {name}"}
-    return {"type": PROFILED, "status": "False", "reason": "ProfileUnreadable",
-            "message": f"ConfigMap {name} has no readable performance model under key {api.PROFILE_KEY}; "
-                       "the reactive policy scales meanwhile"}

@@ -112,7 +112,7 @@ def group_policy_name(name: str) -> str:
 
 
 def summarize(body: Mapping) -> DeploymentSummary:
-    """A LeaderWorkerSet's status, counted in groups, in the Deployment's terms (status.py judges both).
+    """A LeaderWorkerSet's status, counted in groups, in the Deployment's terms (conditions.py judges both).
     Its status carries no observedGeneration: the controller's Progressing condition stands in."""
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     generation = meta.get("generation") or 0

@@ -17,16 +17,16 @@ import base64
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import aiohttp
 
 from kaon_operator import api
-from kaon_operator.caches import Key
+from kaon_operator.api import Key
 from kaon_operator.children import pod_template
 from kaon_operator.context import Context
 from kaon_operator.lora import adapters
-from kaon_operator.status import status_sync
+from kaon_operator.records import AdapterMemory
+from kaon_operator.status import conditions, status_sync
 from kaon_operator.status.conditions import EventSpec
 from kaon_operator.status.summaries import PodSummary
 
@@ -36,18 +36,6 @@ INTERVAL_SECONDS = 10.0
 RETRY_SECONDS = 60.0
 REQUEST_TIMEOUT_SECONDS = 5.0
 LOAD_TIMEOUT_SECONDS = 600.0  # a load may download the adapter first
-
-
-@dataclass(slots=True)
-class ServiceState:
-    failures: dict[str, str] = field(default_factory=dict)
-    """adapter -> why its last load failed."""
-    failed_at: dict[tuple[str, str], float] = field(default_factory=dict)
-    """(pod, adapter) -> when its load last failed (retried after RETRY_SECONDS)."""
-    reported: set[tuple[str, str]] = field(default_factory=set)
-    """(adapter, reason) pairs already posted as an Event."""
-    written: list | None = None
-    condition: dict | None = None
 
 
 def api_key(data: Mapping[str, str] | None) -> str | None:
@@ -78,7 +66,6 @@ class AdapterLoop:
     def __init__(self, ctx: Context, interval: float = INTERVAL_SECONDS,
                  url_of: Callable[[PodSummary], str] = engine_url):
         self.ctx, self.interval, self.url_of = ctx, interval, url_of
-        self.states: dict[Key, ServiceState] = {}
 
     async def run(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -93,12 +80,14 @@ class AdapterLoop:
         live = set()
         for key, body in self.ctx.caches.all_inference_services():
             spec = api.parse_spec(body.get("spec") or {})
-            if isinstance(spec, str) or (not spec.adapters and key not in self.states):
+            record = self.ctx.records.find(key)
+            if isinstance(spec, str) or (not spec.adapters and (record is None or record.adapters is None)):
                 continue
             live.add(key)
             await self.tick(session, key, body, spec)
-        for key in set(self.states) - live:
-            del self.states[key]
+        for key, record in self.ctx.records.items():
+            if key not in live:
+                record.adapters = None
 
     async def _headers(self, key: Key, spec: api.InferenceServiceSpec) -> dict[str, str]:
         if spec.auth is None:
@@ -109,7 +98,8 @@ class AdapterLoop:
 
     async def tick(self, session: aiohttp.ClientSession, key: Key, body: Mapping,
                    spec: api.InferenceServiceSpec) -> None:
-        state = self.states.setdefault(key, ServiceState())
+        record = self.ctx.records.get(key)
+        state = record.adapters = record.adapters or AdapterMemory()
         headers = await self._headers(key, spec)
         urls = {p.name: self.url_of(p) for p in self.ctx.caches.pods(key)
                 if p.ready and not p.terminating and p.ip}
@@ -142,15 +132,14 @@ class AdapterLoop:
             await asyncio.to_thread(self.ctx.post, body, events)
         await self._report(key, state, want, pods)
 
-    async def _report(self, key: Key, state: ServiceState, want: Mapping[str, str],
+    async def _report(self, key: Key, state: AdapterMemory, want: Mapping[str, str],
                       pods: Mapping[str, adapters.Held]) -> None:
         written = adapters.status(want, pods, state.failures)
         if written != state.written:
             await asyncio.to_thread(self.ctx.kube.patch_status, key[0], key[1], {"adapters": written or None})
             state.written = written
-        condition = adapters.condition(want, pods, state.failures)
-        if condition != state.condition:
-            state.condition = condition
+        condition = conditions.adapters_condition(want, pods, state.failures)
+        if condition != self.ctx.records.get(key).conditions.get(conditions.ADAPTERS_READY):
             await asyncio.to_thread(status_sync.adapters_changed, self.ctx, key, condition)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """LoRA adapters on running engine pods, as pure decisions: what each pod must load or unload
-(`plan`, idempotent: a pod that holds what the spec asks gets no action), what status.adapters
-and the AdaptersReady condition say. adapter_sync.py does the I/O.
+(`plan`, idempotent: a pod that holds what the spec asks gets no action) and what status.adapters
+says (the AdaptersReady condition, from the same facts, is status/conditions.py's). adapter_sync.py
+does the I/O.
 
 A pod's held adapters are read from its /v1/models (the entries with a `parent`: the engine's
 registered adapters, with their `root` = the path they were loaded from).
@@ -58,25 +59,3 @@ def status(want: Mapping[str, str], pods: Mapping[str, Held], failures: Mapping[
             entry["failure"] = failures[name]
         out.append(entry)
     return out
-
-
-def condition(want: Mapping[str, str], pods: Mapping[str, Held], failures: Mapping[str, str]) -> dict | None:
-    """AdaptersReady: True when every ready pod holds every adapter; False naming the adapters that
-    failed (or are still loading); Unknown while no ready pod answers (not "loaded on 0 pods": a
-    `kubectl wait` for it right after creation must not pass before any pod has loaded one). None
-    without adapters."""
-    if not want:
-        return None
-    if not pods and not failures:
-        return {"type": "AdaptersReady", "status": "Unknown", "reason": "NoReadyPods",
-                "message": "no ready pod answered: the adapters are loaded on each pod once it is ready"}
-    if failures:
-        names = ", ".join(f"{n}: {failures[n]}" for n in sorted(failures))
-        return {"type": "AdaptersReady", "status": "False", "reason": "AdapterLoadFailed",
-                "message": f"adapters that could not be loaded (the base model keeps serving): {names}"}
-    missing = sorted(n for n, path in want.items() if any(have.get(n) != path for have in pods.values()))
-    if missing:
-        return {"type": "AdaptersReady", "status": "False", "reason": "Loading",
-                "message": f"not yet loaded on every ready pod: {', '.join(missing)}"}
-    return {"type": "AdaptersReady", "status": "True", "reason": "Loaded",
-            "message": f"{len(want)} adapter(s) loaded on {len(pods)} ready pod(s)"}

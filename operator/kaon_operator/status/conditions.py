@@ -1,20 +1,25 @@
 """Pure policy: an InferenceService's status conditions and the Events their changes deserve.
 
 Every condition dict the operator writes is built here (Ready, Progressing, Degraded,
-DisruptionAllowed, NameConflict, MetricsAvailable, ResourceConflict), from the summaries of what the cluster
-shows (summaries.py). No I/O, so every rule is testable in microseconds.
+DisruptionAllowed, NameConflict, MetricsAvailable, Profiled, AdaptersReady, ResourceConflict), from the
+summaries of what the cluster shows (summaries.py) and what the loops found. No I/O, so every rule is
+testable in microseconds.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from kaon_operator import kubetime, naming
+from kaon_operator import api, kubetime, naming
+from kaon_operator.autoscaling.perf_model import PerfModel
+from kaon_operator.autoscaling.profiling import JOB_TTL_SECONDS, Step
 from kaon_operator.status.summaries import DeploymentSummary, PdbSummary, PodSummary, ServedName
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 METRICS = "MetricsAvailable"
+PROFILED = "Profiled"
+ADAPTERS_READY = "AdaptersReady"
 NAME_CONFLICT = "NameConflict"
 RESOURCE_CONFLICT = "ResourceConflict"
 DISRUPTION = "DisruptionAllowed"
@@ -33,8 +38,10 @@ ROLLOUT_NEEDS_SPARE_GPUS = ("; the rollout (spec.rollout.strategy Surge) starts 
                             "one and waits for spare GPUs: Replace rolls out on the GPUs the old pods free")
 
 
-def _condition(type_: str, ok: bool, reason: str, message: str) -> dict:
-    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+def _condition(type_: str, ok: bool | None, reason: str, message: str) -> dict:
+    """One condition; `ok` None: Unknown."""
+    status = "Unknown" if ok is None else "True" if ok else "False"
+    return {"type": type_, "status": status, "reason": reason, "message": message}
 
 
 def _overdue(pod: PodSummary, now: datetime | None) -> float | None:
@@ -158,6 +165,48 @@ def metrics_condition(metrics_missing: str | None, answered: int, ready: int) ->
     if metrics_missing:
         return _condition(METRICS, False, "ScrapeFailed", f"{metrics_missing}; no scale-down until they answer")
     return _condition(METRICS, True, "Scraped", f"{answered} of {ready} ready replicas answered")
+
+
+def profiled_condition(step: Step, name: str, why: str = "") -> dict:
+    """Profiled: True with a model to read, Unknown while the Job measures, False when it failed."""
+    if step in (Step.USE, Step.SAVE):
+        return _condition(PROFILED, True, PROFILED, f"the performance model is in ConfigMap {name}")
+    if step is Step.FAILED:
+        return _condition(PROFILED, False, "ProfilingFailed",
+                          f"profiling Job {name} failed: {why}; the reactive policy scales meanwhile; deleting the "
+                          f"Job tries again (it is retried {JOB_TTL_SECONDS // 60} minutes after it ended)")
+    return _condition(PROFILED, None, "Profiling",
+                      f"profiling Job {name} measures the engine; the reactive policy scales meanwhile")
+
+
+def named_profile_condition(name: str, model: PerfModel | None) -> dict:
+    """Profiled for a ConfigMap the user names."""
+    if model is not None:
+        return _condition(PROFILED, True, "ProfileConfigMap", f"the performance model is in ConfigMap {name}")
+    return _condition(PROFILED, False, "ProfileUnreadable",
+                      f"ConfigMap {name} has no readable performance model under key {api.PROFILE_KEY}; "
+                      "the reactive policy scales meanwhile")
+
+
+def adapters_condition(want: Mapping[str, str], pods: Mapping[str, Mapping[str, str]],
+                       failures: Mapping[str, str]) -> dict | None:
+    """AdaptersReady: True when every ready pod holds every adapter; False naming the adapters that
+    failed (or are still loading); Unknown while no ready pod answers (not "loaded on 0 pods": a
+    `kubectl wait` for it right after creation must not pass before any pod has loaded one). None
+    without adapters."""
+    if not want:
+        return None
+    if not pods and not failures:
+        return _condition(ADAPTERS_READY, None, "NoReadyPods",
+                          "no ready pod answered: the adapters are loaded on each pod once it is ready")
+    if failures:
+        names = ", ".join(f"{n}: {failures[n]}" for n in sorted(failures))
+        return _condition(ADAPTERS_READY, False, "AdapterLoadFailed",
+                          f"adapters that could not be loaded (the base model keeps serving): {names}")
+    missing = sorted(n for n, path in want.items() if any(have.get(n) != path for have in pods.values()))
+    if missing:
+        return _condition(ADAPTERS_READY, False, "Loading", f"not yet loaded on every ready pod: {', '.join(missing)}")
+    return _condition(ADAPTERS_READY, True, "Loaded", f"{len(want)} adapter(s) loaded on {len(pods)} ready pod(s)")
 
 
 def name_conflicts(peers: list[ServedName]) -> dict[tuple[str, str], dict]:

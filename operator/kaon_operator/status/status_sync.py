@@ -1,6 +1,6 @@
 """Write an InferenceService's status: recompute its conditions and replica counts from the
 caches, PATCH the status only when it changed, and post an Event for every condition that
-flipped (status.py decides which).
+flipped (conditions.py decides which).
 
 Runs in kopf's handler threads and the status queue's workers; one service's writes are
 serialised by its record's lock.
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Literal
 
 from kaon_operator import api
-from kaon_operator.caches import Key
+from kaon_operator.api import Key
 from kaon_operator.children import resources
 from kaon_operator.context import Context
 from kaon_operator.metrics import STATUS_SECONDS
@@ -70,13 +69,12 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
             wanted = conditions.conditions(
                 deployment=workload, pods=pods, desired=spec.replicas,
                 gpus_per_pod=spec.engine.tensor_parallel_size, generation_applied=applied, now=_now())
-        if spec.autoscaling.enabled and record.metrics_condition is not None:
-            wanted.append(record.metrics_condition)
-        if spec.autoscaling.enabled and spec.autoscaling.profile not in (None, "none") \
-                and record.profile_condition is not None:
-            wanted.append(record.profile_condition)
-        if spec.adapters and record.adapters_condition is not None:
-            wanted.append(record.adapters_condition)
+        profiled = spec.autoscaling.enabled and spec.autoscaling.profile not in (None, "none")
+        for type_, shown in ((conditions.METRICS, spec.autoscaling.enabled), (conditions.PROFILED, profiled),
+                             (conditions.ADAPTERS_READY, bool(spec.adapters))):
+            kept = record.conditions.get(type_)  # one read: a loop may replace it meanwhile
+            if shown and kept is not None:
+                wanted.append(kept)
         disruption = conditions.disruption_condition(record.pdb, pods, _now())
         wanted += [disruption] if disruption else []
         # An older InferenceService answering this one's served name.
@@ -137,26 +135,29 @@ def groups_changed(ctx: Context, key: Key, summary: DeploymentSummary | None) ->
 def metrics_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     """The autoscale loop's MetricsAvailable changed (None: the service is no longer autoscaled):
     write it with the others."""
-    _loop_condition_changed(ctx, key, "metrics_condition", condition, write=condition is not None)
+    _loop_condition_changed(ctx, key, conditions.METRICS, condition, write=condition is not None)
 
 
 def profile_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     """The autoscale loop's Profiled changed (None: no profile, or no longer autoscaled): write it with the others."""
-    _loop_condition_changed(ctx, key, "profile_condition", condition)
+    _loop_condition_changed(ctx, key, conditions.PROFILED, condition)
 
 
 def adapters_changed(ctx: Context, key: Key, condition: dict | None) -> None:
     """The adapter loop's AdaptersReady changed (None: no adapters): write it with the others."""
-    _loop_condition_changed(ctx, key, "adapters_condition", condition)
+    _loop_condition_changed(ctx, key, conditions.ADAPTERS_READY, condition)
 
 
-def _loop_condition_changed(ctx: Context, key: Key,
-                            field: Literal["metrics_condition", "profile_condition", "adapters_condition"],
-                            condition: dict | None, *, write: bool = True) -> None:
-    """Keep a loop's condition in the service's record as `field` and, with `write`, resync its status."""
+def _loop_condition_changed(ctx: Context, key: Key, type_: str, condition: dict | None, *, write: bool = True) -> None:
+    """Keep a loop's condition of `type_` in the service's record (None: drop it) and, with `write`,
+    resync its status."""
     if ctx.caches.inference_service(key) is None:
         ctx.records.forget(key)  # deleted meanwhile: no record to bring back
         return
-    setattr(ctx.records.get(key), field, condition)
+    kept = ctx.records.get(key).conditions
+    if condition is None:
+        kept.pop(type_, None)
+    else:
+        kept[type_] = condition
     if write:
         resync(ctx, key)

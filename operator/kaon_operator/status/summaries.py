@@ -1,6 +1,6 @@
 """What the cluster shows, read from its objects' dicts into small frozen records.
 
-kopf's indexes keep these summaries (not whole pods) for the status policy (status.py) and
+kopf's indexes keep these summaries (not whole pods) for the status policy (conditions.py) and
 the autoscaler; every Kubernetes field name the operator reads about pods, Deployments,
 PodDisruptionBudgets and served names is read here.
 """

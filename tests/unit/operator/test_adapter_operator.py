@@ -15,6 +15,8 @@ from aiohttp import web
 from kaon_operator import api
 from kaon_operator.children import pod_template
 from kaon_operator.lora import adapter_sync, adapters
+from kaon_operator.records import Records
+from kaon_operator.status import conditions
 from kaon_operator.status.summaries import PodSummary
 
 
@@ -105,12 +107,12 @@ def test_status_and_condition_name_the_failed_adapter():
     failures = {"sql": "fetch failed: NoSuchKey"}
     assert adapters.status(want, pods, failures) == [
         {"name": "chat", "pods": ["p0", "p1"]}, {"name": "sql", "pods": [], "failure": "fetch failed: NoSuchKey"}]
-    cond = adapters.condition(want, pods, failures)
+    cond = conditions.adapters_condition(want, pods, failures)
     assert cond["status"] == "False" and "sql: fetch failed" in cond["message"]
-    assert adapters.condition(want, pods, {})["reason"] == "Loading"
-    assert adapters.condition({"chat": "hf://o/chat"}, pods, {})["status"] == "True"
-    assert adapters.condition({}, pods, {}) is None
-    assert adapters.condition(want, {}, {})["status"] == "Unknown"  # no ready pod yet: not "loaded on 0 pods"
+    assert conditions.adapters_condition(want, pods, {})["reason"] == "Loading"
+    assert conditions.adapters_condition({"chat": "hf://o/chat"}, pods, {})["status"] == "True"
+    assert conditions.adapters_condition({}, pods, {}) is None
+    assert conditions.adapters_condition(want, {}, {})["status"] == "Unknown"  # no ready pod: not "loaded on 0 pods"
 
 
 def test_held_reads_the_adapters_of_a_models_reply():
@@ -189,7 +191,7 @@ class FakeKube:
 
 class FakeCtx:
     def __init__(self, body, pods, secret=None):
-        self.caches, self.kube, self.events = FakeCaches(body, pods), FakeKube(secret), []
+        self.caches, self.kube, self.events, self.records = FakeCaches(body, pods), FakeKube(secret), [], Records()
 
     def post(self, body, events):
         self.events += events

@@ -305,7 +305,7 @@ def test_router_held_requests_parse_from_the_routers_own_exposition():
     assert scraper.parse_router_held(text) == {("team-a", "llama"): 3.0}
 
 
-def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
+def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe(monkeypatch):
     """The loop against real HTTP servers: two autoscaled services, one router, engines
     that answer, then an engine that does not."""
     import asyncio
@@ -313,7 +313,8 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
     from aiohttp import web
 
     from kaon_operator.caches import Caches
-    from kaon_operator.config import AutoscaleSettings
+    from kaon_operator.config import AutoscaleSettings, OperatorConfig
+    from kaon_operator.context import Context
     from kaon_operator.status.summaries import PodSummary
 
     class FakeKube:
@@ -360,12 +361,14 @@ def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe():
             servers.append((runner, site._server.sockets[0].getsockname()[1]))
         (_, router_port), (_, engine_port) = servers
         kube, events, conditions = FakeKube(router_port), [], {}
+        monkeypatch.setattr(autoscale_loop.status_sync, "metrics_changed",
+                            lambda ctx, key, condition: conditions.__setitem__(key, condition))
         pods = {("ns", "a"): [PodSummary(name="a-0", ip="127.0.0.1", ready=True)],
                 ("ns", "b"): [PodSummary(name="b-0", ip="127.0.0.2", ready=True)]}  # b's engine never answers
         caches = Caches(inference_services={("ns", n): [isvc(n)] for n in "ab"}, engine_pods=pods)
-        loop = autoscale_loop.AutoscaleLoop(kube, caches, AutoscaleSettings(interval=1),
-                                            post=lambda body, ev: events.extend(ev),
-                                            metrics_changed=conditions.__setitem__, identity="me")
+        ctx = Context(OperatorConfig(autoscale=AutoscaleSettings(interval=1)), kube, caches)
+        ctx.post = lambda body, ev: events.extend(ev)
+        loop = autoscale_loop.AutoscaleLoop(ctx)
         import aiohttp
         loop.http = aiohttp.ClientSession()
         old_port = autoscale_loop.resources.HTTP_PORT

@@ -76,7 +76,19 @@ def test_the_autoscalers_condition_is_written_with_the_others_and_dropped_with_a
     status_sync.metrics_changed(ctx, KEY, METRICS)
     assert METRICS.items() <= ctx.kube.statuses[-1]["conditions"][-1].items()
     status_sync.metrics_changed(ctx, KEY, None)
-    assert ctx.records.get(KEY).metrics_condition is None
+    assert "MetricsAvailable" not in ctx.records.get(KEY).conditions
+
+
+def test_the_record_says_whose_replica_change_an_update_is():
+    """The autoscaler posts its own Scaled Event (with its reason): the update its spec.replicas write
+    causes posts none, a human's `kubectl scale` does. The record says which, not the status."""
+    ctx = context(isvc(replicas=1))
+    reconciler.reconcile(ctx, isvc(replicas=1), KEY, "create", None)
+    ctx.records.get(KEY).scaled_to = 3  # the autoscale loop, as it writes spec.replicas
+    reconciler.reconcile(ctx, isvc(generation=2, replicas=3), KEY, "update", isvc(replicas=1)["spec"])
+    assert ctx.kube.events == ["Created"] and ctx.records.get(KEY).scaled_to is None
+    reconciler.reconcile(ctx, isvc(generation=3, replicas=5), KEY, "update", isvc(replicas=3)["spec"])
+    assert ctx.kube.events == ["Created", "Scaled"]
 
 
 def test_a_deleted_service_is_forgotten_and_late_events_do_not_bring_it_back():

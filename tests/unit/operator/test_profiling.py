@@ -12,6 +12,8 @@ from kaon_operator.autoscaling import autoscale_loop, profile_sync, profiling
 from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profiling import JobState, Step
 from kaon_operator.children import resources
+from kaon_operator.records import AutoscaleMemory
+from kaon_operator.status import conditions
 from kaon_runtime import cli
 from kaon_runtime.server import perf_fit, perf_profile
 
@@ -102,11 +104,11 @@ def test_the_job_state_reads_the_pods_termination_message():
 
 
 def test_conditions_say_true_unknown_false():
-    assert profiling.condition(Step.USE, "cm")["status"] == "True"
-    assert profiling.condition(Step.WAIT, "cm")["status"] == "Unknown"
-    failed = profiling.condition(Step.FAILED, "cm", "boom")
+    assert conditions.profiled_condition(Step.USE, "cm")["status"] == "True"
+    assert conditions.profiled_condition(Step.WAIT, "cm")["status"] == "Unknown"
+    failed = conditions.profiled_condition(Step.FAILED, "cm", "boom")
     assert (failed["status"], failed["reason"]) == ("False", "ProfilingFailed") and "boom" in failed["message"]
-    assert profiling.named_condition("cm", None)["reason"] == "ProfileUnreadable"
+    assert conditions.named_profile_condition("cm", None)["reason"] == "ProfileUnreadable"
 
 
 # The manifests --------------------------------------------------------------------------------------------------------
@@ -356,24 +358,26 @@ def test_a_named_configmap_is_read_and_none_reads_nothing():
         profile_sync.Resolved(None, None, None)
 
 
-def test_the_loop_decides_by_the_profiled_model_or_says_why_not():
+def test_the_loop_decides_by_the_profiled_model_or_says_why_not(monkeypatch):
     import asyncio
 
     from kaon_operator.autoscaling.autoscaler import Sample
     from kaon_operator.caches import Caches
-    from kaon_operator.config import AutoscaleSettings
+    from kaon_operator.config import AutoscaleSettings, OperatorConfig
+    from kaon_operator.context import Context
 
-    kube, s, conditions = FakeKube(), spec(), {}
-    loop = autoscale_loop.AutoscaleLoop(kube, Caches(), AutoscaleSettings(interval=1), post=lambda *_: None,
-                                        metrics_changed=lambda *_: None, identity="me",
-                                        profile_changed=conditions.__setitem__)
-    memory = autoscale_loop.ServiceState(history=[Sample(time=0.0, ready=1, answered=1, held_by_router=0.0)])
+    kube, s, profiled = FakeKube(), spec(), {}
+    monkeypatch.setattr(autoscale_loop.status_sync, "profile_changed", lambda ctx, key, c: profiled.__setitem__(key, c))
+    ctx = Context(OperatorConfig(autoscale=AutoscaleSettings(interval=1)), kube, Caches())  # type: ignore[arg-type]
+    ctx.post = lambda *_: None  # type: ignore[method-assign]
+    loop = autoscale_loop.AutoscaleLoop(ctx)
+    memory = AutoscaleMemory(history=[Sample(time=0.0, ready=1, answered=1, held_by_router=0.0)])
 
     def decide():
         return asyncio.run(loop._decide(("ns", "chat"), body(s), s, memory, 1.0, None))
 
     assert "no performance model in ConfigMap chat-profile-" in decide().reason
-    assert conditions[("ns", "chat")]["reason"] == "Profiling"
+    assert profiled[("ns", "chat")]["reason"] == "Profiling"
     kube.config_maps[profiling.object_name("chat", digest(s))] = {"data": {api.PROFILE_KEY: MODEL.to_json()}}
     assert "performance model" in decide().reason and "no performance model" not in decide().reason
-    assert conditions[("ns", "chat")]["status"] == "True"
+    assert profiled[("ns", "chat")]["status"] == "True"

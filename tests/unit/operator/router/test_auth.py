@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from kaon_operator import key_digests
+from kaon_operator.records import Records
 from kaon_operator.router import auth
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from kaon_runtime.server import keys as engine_keys
@@ -125,20 +126,20 @@ def test_publish_writes_status_auth_only_when_it_changed_and_warns_of_a_missing_
 
     kube = FakeKube({("ns", "keys"): secret("keys", "ns", a="key-one")["data"]})
     events = []
-    ctx = SimpleNamespace(kube=kube, post=lambda body, specs: events.extend(specs))
-    body, last = isvc("ns", "svc", secret="keys"), {}
-    key_digests.publish(ctx, ("ns", "svc"), body, last)
-    key_digests.publish(ctx, ("ns", "svc"), body, last)  # unchanged: no second write
+    ctx = SimpleNamespace(kube=kube, post=lambda body, specs: events.extend(specs), records=Records())
+    body = isvc("ns", "svc", secret="keys")
+    key_digests.publish(ctx, ("ns", "svc"), body)
+    key_digests.publish(ctx, ("ns", "svc"), body)  # unchanged: no second write
     assert kube.patches == [("ns", "svc", {"auth": {"apiKeySecret": "keys", "keyDigests": [
         hashlib.sha256(b"key-one").hexdigest()]}})] and events == []
     kube.secrets[("ns", "keys")] = secret("keys", "ns", b="key-two")["data"]  # rotated
-    key_digests.publish(ctx, ("ns", "svc"), body, last)
+    key_digests.publish(ctx, ("ns", "svc"), body)
     assert kube.patches[-1][2]["auth"]["keyDigests"] == [hashlib.sha256(b"key-two").hexdigest()]
     del kube.secrets[("ns", "keys")]  # deleted: nothing published, a Warning Event
-    key_digests.publish(ctx, ("ns", "svc"), body, last)
+    key_digests.publish(ctx, ("ns", "svc"), body)
     assert kube.patches[-1][2] == {"auth": {"apiKeySecret": "keys", "keyDigests": []}}
     assert [(e.type, e.reason) for e in events] == [("Warning", "NoApiKeys")]
-    key_digests.publish(ctx, ("ns", "svc"), isvc("ns", "svc"), last)  # spec.auth removed: status.auth too
+    key_digests.publish(ctx, ("ns", "svc"), isvc("ns", "svc"))  # spec.auth removed: status.auth too
     assert kube.patches[-1][2] == {"auth": None} and len(kube.patches) == 4
 
 
