@@ -405,6 +405,9 @@ class RolloutSpec(_Model):
     the cost of one replica less while each pod reloads the model (and no replica at all with `replicas: 1`)."""
 
 
+# spec.rollout.strategy -> the rolling update it means: of the Deployment's pods, or with several nodes per
+# replica of the LeaderWorkerSet's groups (the same two numbers, in its units).
+ROLLING_UPDATES = {"Surge": {"maxSurge": 1, "maxUnavailable": 0}, "Replace": {"maxSurge": 0, "maxUnavailable": 1}}
 MAX_DRAIN_SECONDS = 3600
 MAX_ADAPTERS = 64
 _ADAPTER_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.]*$"

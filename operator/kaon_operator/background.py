@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime
 from functools import partial
 
-from kaon_operator import key_digests
+from kaon_operator import clock, key_digests
 from kaon_operator.autoscaling.autoscale_loop import AutoscaleLoop
 from kaon_operator.context import Context
 from kaon_operator.lora.adapter_sync import AdapterLoop
@@ -24,7 +23,7 @@ async def watch_startups(ctx: Context) -> None:
     the services whose pods ran out of it again (StartupTimeout), every few seconds, from the caches."""
     while True:
         await asyncio.sleep(STARTUP_CHECK_SECONDS)
-        now = datetime.now(UTC).replace(microsecond=0)
+        now = clock.now().replace(microsecond=0)
         for key, pods in ctx.caches.pods_by_service():
             deadline = conditions.next_startup_deadline(pods)
             if deadline is None or deadline > now:

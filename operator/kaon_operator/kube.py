@@ -5,7 +5,7 @@ twice changes nothing, and `force` takes back any field someone else edited.
 """
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, cast
 
 import kubernetes
@@ -13,7 +13,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from kaon_operator import api, kubetime
+from kaon_operator import api, clock, kubetime
 from kaon_operator.children import ownership
 from kaon_operator.children.ownership import FIELD_MANAGER
 
@@ -242,7 +242,7 @@ class Kube:
     def hold_lease(self, namespace: str, name: str, holder: str, seconds: int) -> bool:
         """Take or renew a coordination.k8s.io Lease; False while another holder's is current.
         A lost race (409 on create or replace) is a no for this round."""
-        now = datetime.now(UTC)
+        now = clock.now()
         metadata: dict[str, Any] = {"name": name, "namespace": namespace}
         spec = {"holderIdentity": holder, "leaseDurationSeconds": seconds, "renewTime": kubetime.micro_stamp(now)}
         try:
@@ -271,7 +271,7 @@ class Kube:
     def post_event(self, body: dict, type_: str, reason: str, message: str, instance: str) -> None:
         """A core/v1 Event about an InferenceService, for code outside kopf's handlers (the
         autoscale loop), where kopf.event has no queue to post through."""
-        meta, now = body["metadata"], datetime.now(UTC)
+        meta, now = body["metadata"], clock.now()
         event = {"metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
                  "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
                                     "namespace": meta["namespace"], "uid": meta.get("uid")},

@@ -45,7 +45,8 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
      "lora.adapter_sync", "key_digests"),
     ("context",),  # what they share
     ("kube", "caches", "records", "watching", "status.status_queue", "autoscaling.scraper", "metrics"),  # the edges
-    ("api", "api_status", "labels", "kubetime", "naming", "spec_policy",  # pure decisions
+    # pure decisions, with the leaves they share (names, stamps, URLs; the clock is the edges' seam, the router's too)
+    ("api", "api_status", "labels", "kubetime", "naming", "spec_policy", "urls", "clock",
      "children.resources", "children.pod_template", "children.leaderworkerset", "children.changes",
      "children.ownership",
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
@@ -54,7 +55,7 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
     ("config",),  # plain values
 )
 OPERATOR_TIER = {f"kaon_operator.{m}": depth for depth, modules in enumerate(OPERATOR_TIERS) for m in modules}
-PURE = len(OPERATOR_TIERS) - 2  # the pure decisions' tier: the lowest the router may import
+PURE = len(OPERATOR_TIERS) - 2  # the pure decisions' tier: the router imports it and the tier below, nothing above
 # Third-party packages the operator image does not have.
 ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "safetensors", "tokenizers", "transformers", "fastapi", "uvicorn",
                "xgrammar")

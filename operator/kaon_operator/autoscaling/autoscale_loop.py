@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from kaon_operator import api, kubetime, labels
+from kaon_operator import api, clock, kubetime, labels, urls
 from kaon_operator.api import Key
 from kaon_operator.autoscaling import autoscaler, histogram, predictive, scraper
 from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profile_sync import resolve
 from kaon_operator.autoscaling.profiling import read_model
-from kaon_operator.children import resources
 from kaon_operator.context import Context
 from kaon_operator.kube import Conflict
 from kaon_operator.records import AutoscaleMemory, Baseline
@@ -108,9 +106,8 @@ def router_url(pod: dict) -> str | None:
         return None
     # The admin port (`kaon-router --admin-port`) shows every service's held requests; the main
     # port's /metrics leaves out those with spec.auth.
-    ports = {p.get("name"): p.get("containerPort") for c in pod["spec"].get("containers", [])
-             for p in c.get("ports") or ()}
-    return f"http://{summary.ip}:{ports.get('admin') or ports.get('http') or ROUTER_METRICS_PORT}/metrics"
+    port = urls.named_port(pod, "admin", "http", default=ROUTER_METRICS_PORT)
+    return f"{urls.base_url(summary.ip or '', port)}/metrics"
 
 
 def observed(sample: autoscaler.Sample, kv_usage: list[float], target: float, spec: api.AutoscalingSpec,
@@ -129,8 +126,8 @@ class AutoscaleLoop:
     conditions go to the status writer whenever they change: MetricsAvailable (dropped once the
     service is no longer autoscaled) and Profiled (spec.autoscaling.profile: profile_sync.py)."""
 
-    def __init__(self, ctx: Context):
-        self.ctx, self.kube, self.caches = ctx, ctx.kube, ctx.caches
+    def __init__(self, ctx: Context, url_of: Callable[[PodSummary], str] = urls.engine_url):
+        self.ctx, self.kube, self.caches, self.url_of = ctx, ctx.kube, ctx.caches, url_of
         settings = ctx.config.autoscale
         self.interval, self.release_namespace = settings.interval, settings.release_namespace
         self.use_lease, self.identity = settings.use_lease, reporting_instance()
@@ -140,14 +137,14 @@ class AutoscaleLoop:
         self.http = aiohttp.ClientSession()
         try:
             while True:
-                started = time.monotonic()
+                started = clock.monotonic()
                 try:
                     if not self.use_lease or await asyncio.to_thread(self.kube.hold_lease, self.release_namespace,
                                                                      LEASE_NAME, self.identity, LEASE_SECONDS):
                         await self.tick_all()
                 except Exception:  # one bad tick (an apiserver hiccup) must not end autoscaling
                     logger.exception("autoscale tick failed")
-                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+                await asyncio.sleep(max(0.0, self.interval - (clock.monotonic() - started)))
         finally:
             await self.http.close()
 
@@ -206,7 +203,7 @@ class AutoscaleLoop:
 
     async def _scrape_engines(self, pods: list[PodSummary]) -> dict[str, scraper.PodMetrics]:
         ready = [p for p in pods if answers_http(p)]
-        texts = await asyncio.gather(*(scraper.fetch(self._client(), f"http://{p.ip}:{resources.HTTP_PORT}/metrics",
+        texts = await asyncio.gather(*(scraper.fetch(self._client(), f"{self.url_of(p)}/metrics",
                                                      SCRAPE_TIMEOUT_SECONDS) for p in ready))
         out = {}
         for pod, text in zip(ready, texts):
@@ -224,7 +221,7 @@ class AutoscaleLoop:
         memory = record.autoscale
         if memory is None or memory.uid != uid:
             memory = record.autoscale = AutoscaleMemory(uid=uid)
-        auto, now = spec.autoscaling, time.time()
+        auto, now = spec.autoscaling, clock.seconds()
         pods = [p for p in self.caches.pods(key) if not p.terminating]
         answers = await self._scrape_engines(pods)
         prompt_tokens, output_tokens, finished_output_tokens = token_deltas(memory.baselines, answers)

@@ -34,8 +34,6 @@ SIZE_ANNOTATION = "leaderworkerset.sigs.k8s.io/size"
 LEADER_NAME_ANNOTATION = "leaderworkerset.sigs.k8s.io/leader-name"
 LEADER_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_NAME")
 RESTART_POLICY = "RecreateGroupOnPodRestart"  # a pipeline missing one stage cannot serve: the group restarts whole
-# spec.rollout.strategy -> the LWS's rolling update, in groups (as the Deployment's is in pods).
-ROLLING_UPDATES = {"Surge": {"maxSurge": 1, "maxUnavailable": 0}, "Replace": {"maxSurge": 0, "maxUnavailable": 1}}
 # The engine's control channel carries pickled step plans: its key comes from a Secret per InferenceService
 # (the engine refuses a group of several hosts without one).
 DIST_KEY_ENV, DIST_KEY_FIELD = "KAON_DIST_AUTHKEY", "authkey"
@@ -83,7 +81,7 @@ def manifest(metadata: dict, name: str, spec: api.InferenceServiceSpec) -> dict:
             "replicas": spec.replicas,
             "startupPolicy": "LeaderCreated",  # the workers start with the leader: they load their stages meanwhile
             "rolloutStrategy": {"type": "RollingUpdate",
-                                "rollingUpdateConfiguration": dict(ROLLING_UPDATES[spec.rollout.strategy])},
+                                "rollingUpdateConfiguration": dict(api.ROLLING_UPDATES[spec.rollout.strategy])},
             "leaderWorkerTemplate": {
                 "size": spec.engine.nodes_per_replica,
                 "restartPolicy": RESTART_POLICY,

@@ -15,8 +15,6 @@ from kaon_operator.children.pod_template import HTTP_PORT
 from kaon_operator.config import NetworkPolicyConfig
 
 SERVICE_PORT = 80
-# spec.rollout.strategy -> the Deployment's rolling update.
-ROLLING_UPDATES = {"Surge": {"maxSurge": 1, "maxUnavailable": 0}, "Replace": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +52,7 @@ def deployment(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
             "selector": {"matchLabels": labels.engine_selector(owner.name)},
             # One pod at a time either way: Surge starts the new one first (capacity never dips, one
             # replica's GPUs must be free), Replace stops an old one first (works in a full GPU pool).
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(ROLLING_UPDATES[spec.rollout.strategy])},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(api.ROLLING_UPDATES[spec.rollout.strategy])},
             # Loading a big model legitimately takes the startup probe's whole budget.
             "progressDeadlineSeconds": pod_template.progress_deadline_seconds(spec),
             "template": {"metadata": {"labels": labels.service_labels(owner.name)},

@@ -15,14 +15,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from kaon_operator import api
+from kaon_operator import api, clock, urls
 from kaon_operator.api import Key
-from kaon_operator.children import pod_template
 from kaon_operator.context import Context
 from kaon_operator.lora import adapters
 from kaon_operator.records import AdapterMemory
@@ -48,12 +46,6 @@ def api_key(data: Mapping[str, str] | None) -> str | None:
     return None
 
 
-def engine_url(pod: PodSummary) -> str:
-    """The engine's base URL: its IP (bracketed for IPv6) and the container port."""
-    host = f"[{pod.ip}]" if pod.ip and ":" in pod.ip else pod.ip
-    return f"http://{host}:{pod_template.HTTP_PORT}"
-
-
 async def _reason(response: aiohttp.ClientResponse) -> str:
     text = await response.text()
     try:
@@ -64,7 +56,7 @@ async def _reason(response: aiohttp.ClientResponse) -> str:
 
 class AdapterLoop:
     def __init__(self, ctx: Context, interval: float = INTERVAL_SECONDS,
-                 url_of: Callable[[PodSummary], str] = engine_url):
+                 url_of: Callable[[PodSummary], str] = urls.engine_url):
         self.ctx, self.interval, self.url_of = ctx, interval, url_of
 
     async def run(self) -> None:
@@ -105,7 +97,7 @@ class AdapterLoop:
                 if p.ready and not p.terminating and p.ip}
         answers = await asyncio.gather(*(self._held(session, url, headers) for url in urls.values()))
         pods = {pod: found for pod, found in zip(urls, answers, strict=True) if found is not None}
-        want, now = adapters.desired(spec), time.monotonic()
+        want, now = adapters.desired(spec), clock.monotonic()
         state.failures = {n: r for n, r in state.failures.items() if n in want}
         skip = [pk for pk, at in state.failed_at.items() if now - at < RETRY_SECONDS]
         events = []

@@ -13,7 +13,7 @@ from typing import NamedTuple, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
-from kaon_operator import api, kubetime, labels, naming
+from kaon_operator import api, kubetime, labels, naming, urls
 from kaon_operator.children import resources
 from kaon_operator.router import adapter_names
 
@@ -80,15 +80,6 @@ def _is_ready(status: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
 
 
-def _http_port(pod: dict) -> int:
-    # Probes and the Service address the container port by its name, and so does the router.
-    for container in (pod.get("spec") or {}).get("containers") or ():
-        for port in container.get("ports") or ():
-            if port.get("name") == "http":
-                return port["containerPort"]
-    return resources.HTTP_PORT
-
-
 def endpoint(pod: dict) -> Endpoint | None:
     """The pod as a target, or None while it must get no traffic: not Ready, without an IP
     yet, or terminating (its engine is draining; Ready lags behind the deletion)."""
@@ -96,8 +87,9 @@ def endpoint(pod: dict) -> Endpoint | None:
     ip = status.get("podIP")
     if not ip or meta.get("deletionTimestamp") or not _is_ready(status):
         return None
-    host = f"[{ip}]" if ":" in ip else ip
-    return Endpoint(meta["namespace"], meta["name"], meta["labels"][labels.SERVICE], f"http://{host}:{_http_port(pod)}")
+    # Probes and the Service address the container port by its name, and so does the router.
+    url = urls.base_url(ip, urls.named_port(pod, "http", default=resources.HTTP_PORT))
+    return Endpoint(meta["namespace"], meta["name"], meta["labels"][labels.SERVICE], url)
 
 
 def service(isvc: dict) -> Service:

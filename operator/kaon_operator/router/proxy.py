@@ -29,6 +29,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from kaon_operator import clock
 from kaon_operator.router import auth, errors
 from kaon_operator.router.admission import BodyBudget, body_size
 from kaon_operator.router.backoff import Backoff, candidates
@@ -66,7 +67,7 @@ class Router:
         self.budget = BodyBudget(config.max_buffered_bytes)
         self.strategies = Strategies()
         table.on_change = self._changed
-        self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(time.monotonic()))
+        self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(clock.monotonic()))
         self.relay = Relay(config.idle_timeout, config.write_timeout, self.metrics, self.backoff, self._eject)
         self._session: aiohttp.ClientSession  # made when the app starts
 
@@ -119,7 +120,7 @@ class Router:
                 read = True
                 model, payload = parse_request(body)
                 body = self._admit(request, model, payload, body)
-                received = time.monotonic()
+                received = clock.monotonic()
                 tried: set[Endpoint] = set()
                 held = 0.0
                 failure: RouterError | None = None  # the last attempt's, which answers when none is left
@@ -194,7 +195,7 @@ class Router:
     async def _choose(self, model: str, tried: set[Endpoint], received: float, path: str = "",
                       payload: dict | None = None) -> tuple[ServiceKey, Endpoint, float]:
         """The service and pod for this attempt, and how long the request was held for it."""
-        held_since, was_held = time.monotonic(), False
+        held_since, was_held = clock.monotonic(), False
         while True:
             key = self.table.resolve(model)
             if key is None:
@@ -203,7 +204,7 @@ class Router:
             limit = max(self.config.queue_timeout, self.table.hold_seconds(key) or 0.0)
             deadline = received + limit
             ready = self.table.endpoints(key)
-            now = time.monotonic()
+            now = clock.monotonic()
             usable = candidates(ready, tried, self.backoff.until, now)
             if usable:
                 if was_held:
@@ -225,7 +226,7 @@ class Router:
         service = self.table.service(key)
         if service is None:  # gone since it was resolved
             return pick(usable, self.inflight, self.rng)
-        attempt = Attempt(service, ready, usable, self.inflight, path, payload, time.monotonic(), self.rng)
+        attempt = Attempt(service, ready, usable, self.inflight, path, payload, clock.monotonic(), self.rng)
         target, first_choice = self.strategies.get(service.strategy).pick(attempt)
         if first_choice is not None:
             (self.metrics.affinity_hits if first_choice else self.metrics.affinity_overrides).labels(*key).inc()
@@ -263,7 +264,7 @@ class Router:
         return error or errors.upstream_unreachable(str(key), len(tried))
 
     def _eject(self, key: ServiceKey, target: Endpoint, reason: str) -> None:
-        now = time.monotonic()
+        now = clock.monotonic()
         was_out = self.backoff.until.get(target, 0.0) > now
         seconds = self.backoff.fail(target, now)
         self.metrics.ejections.labels(*key).inc()

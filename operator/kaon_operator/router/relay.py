@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kaon_operator import clock
 from kaon_operator.router import errors
 from kaon_operator.router.backoff import Backoff
 from kaon_operator.router.endpoints import Endpoint, ServiceKey
@@ -72,7 +73,7 @@ class Relay:
         """Abort, not close: a close waits for the buffered bytes to reach a client that never reads."""
         self.metrics.stalled_clients.labels(*key).inc()
         self._stalled_unlogged += 1
-        now = time.monotonic()
+        now = clock.monotonic()
         if now - self._stalled_logged_at >= STALLED_LOG_EVERY_S:
             logger.warning("dropped %d client(s) that stopped reading (a write waited %gs, --write-timeout), the "
                            "last %s for %s/%s; their engine requests are cancelled", self._stalled_unlogged,

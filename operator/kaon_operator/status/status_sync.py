@@ -8,9 +8,9 @@ serialised by its record's lock.
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 
-from kaon_operator import api
+from kaon_operator import api, clock
 from kaon_operator.api import Key
 from kaon_operator.children import resources
 from kaon_operator.context import Context
@@ -21,7 +21,7 @@ from kaon_operator.status.summaries import DeploymentSummary, PdbSummary, PodSum
 
 
 def _now() -> datetime:
-    return datetime.now(UTC).replace(microsecond=0)
+    return clock.now().replace(microsecond=0)
 
 
 def _write(ctx: Context, record: ServiceRecord, body, wanted: list[dict], pods: list[PodSummary],

@@ -305,88 +305,132 @@ def test_router_held_requests_parse_from_the_routers_own_exposition():
     assert scraper.parse_router_held(text) == {("team-a", "llama"): 3.0}
 
 
+class FakeKube:
+    """The API client the loop needs: the router pods (at `ip`, answering on `router_port`), writes."""
+
+    def __init__(self, router_port, ip="127.0.0.1"):
+        self.router_port, self.ip, self.patches, self.replicas = router_port, ip, [], []
+
+    def list_pods(self, namespace, selector):
+        assert namespace == "kaon-system" and "component=router" in selector
+        return [{"metadata": {"name": "router"}, "spec": {"containers": [{"ports": [
+            {"name": "http", "containerPort": self.router_port}]}]},
+                 "status": {"podIP": self.ip, "conditions": [{"type": "Ready", "status": "True"}]}}]
+
+    def patch_status(self, namespace, name, patch, resource_version=None):
+        self.patches.append((name, patch))
+        return {"metadata": {"resourceVersion": "2"}}
+
+    def patch_replicas(self, namespace, name, replicas, resource_version=None):
+        self.replicas.append((name, replicas))
+
+
+def autoscaled(name):
+    return {"metadata": {"namespace": "ns", "name": name}, "spec": {
+        "model": {"uri": "builtin://x"}, "replicas": 1,
+        "autoscaling": {"enabled": True, "scaleUpWindowSeconds": 0}}}
+
+
+async def serve_metrics(host, *texts):
+    """One server per exposition text on `host`, each answering /metrics: (runners, ports, hits)."""
+    from aiohttp import web
+
+    runners, ports, hits = [], [], []
+    for index, text in enumerate(texts):
+        async def metrics(request, index=index, text=text):
+            hits.append(index)
+            return web.Response(text=text)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, 0)
+        await site.start()
+        runners.append(runner)
+        ports.append(site._server.sockets[0].getsockname()[1])
+    return runners, ports, hits
+
+
+async def one_tick(kube, caches, engine_port, monkeypatch):
+    """One tick of the loop on a context over `kube` and `caches`: (MetricsAvailable per service, Events)."""
+    from functools import partial
+
+    import aiohttp
+
+    from kaon_operator import urls
+    from kaon_operator.config import AutoscaleSettings, OperatorConfig
+    from kaon_operator.context import Context
+
+    conditions, events = {}, []
+    monkeypatch.setattr(autoscale_loop.status_sync, "metrics_changed",
+                        lambda ctx, key, condition: conditions.__setitem__(key, condition))
+    ctx = Context(OperatorConfig(autoscale=AutoscaleSettings(interval=1)), kube, caches)
+    ctx.post = lambda body, ev: events.extend(ev)
+    loop = autoscale_loop.AutoscaleLoop(ctx, url_of=partial(urls.engine_url, port=engine_port))
+
+    loop.http = aiohttp.ClientSession()
+    try:
+        await loop.tick_all()
+    finally:
+        await loop.http.close()
+    return conditions, events
+
+
+async def tick_against(host, kube_at, caches, monkeypatch):
+    """Serve a router's and an engine's /metrics on `host`, and tick once: (hits, kube, conditions, events).
+    `kube_at(router_port)` makes the API client that lists the router pod."""
+    router = 'kaon_router_held_requests{namespace="ns",inferenceservice="a"} 0\n'
+    engine = engine_metrics_text(waiting=100, running=64, ttfts=[], finished=0)
+    runners, (router_port, engine_port), hits = await serve_metrics(host, router, engine)
+    kube = kube_at(router_port)
+    try:
+        conditions, events = await one_tick(kube, caches, engine_port, monkeypatch)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    return hits, kube, conditions, events
+
+
 def test_one_tick_scrapes_the_routers_once_for_every_service_and_fails_safe(monkeypatch):
     """The loop against real HTTP servers: two autoscaled services, one router, engines
     that answer, then an engine that does not."""
     import asyncio
 
-    from aiohttp import web
-
     from kaon_operator.caches import Caches
-    from kaon_operator.config import AutoscaleSettings, OperatorConfig
-    from kaon_operator.context import Context
     from kaon_operator.status.summaries import PodSummary
 
-    class FakeKube:
-        def __init__(self, router_port):
-            self.router_port, self.patches, self.replicas = router_port, [], []
-
-        def list_pods(self, namespace, selector):
-            assert namespace == "kaon-system" and "component=router" in selector
-            return [{"metadata": {"name": "router"}, "spec": {"containers": [{"ports": [
-                {"name": "http", "containerPort": self.router_port}]}]},
-                     "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}]
-
-        def patch_status(self, namespace, name, patch, resource_version=None):
-            self.patches.append((name, patch))
-            return {"metadata": {"resourceVersion": "2"}}
-
-        def patch_replicas(self, namespace, name, replicas, resource_version=None):
-            self.replicas.append((name, replicas))
-
-    def isvc(name):
-        return {"metadata": {"namespace": "ns", "name": name}, "spec": {
-            "model": {"uri": "builtin://x"}, "replicas": 1,
-            "autoscaling": {"enabled": True, "scaleUpWindowSeconds": 0}}}
-
-    async def scenario():
-        hits = []
-
-        async def router_metrics(request):
-            hits.append("router")
-            return web.Response(text='kaon_router_held_requests{namespace="ns",inferenceservice="a"} 0\n')
-
-        async def engine_metrics(request):
-            hits.append("engine")
-            return web.Response(text=engine_metrics_text(waiting=100, running=64, ttfts=[], finished=0))
-
-        servers = []
-        for handler in (router_metrics, engine_metrics):
-            app = web.Application()
-            app.router.add_get("/metrics", handler)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            servers.append((runner, site._server.sockets[0].getsockname()[1]))
-        (_, router_port), (_, engine_port) = servers
-        kube, events, conditions = FakeKube(router_port), [], {}
-        monkeypatch.setattr(autoscale_loop.status_sync, "metrics_changed",
-                            lambda ctx, key, condition: conditions.__setitem__(key, condition))
-        pods = {("ns", "a"): [PodSummary(name="a-0", ip="127.0.0.1", ready=True)],
-                ("ns", "b"): [PodSummary(name="b-0", ip="127.0.0.2", ready=True)]}  # b's engine never answers
-        caches = Caches(inference_services={("ns", n): [isvc(n)] for n in "ab"}, engine_pods=pods)
-        ctx = Context(OperatorConfig(autoscale=AutoscaleSettings(interval=1)), kube, caches)
-        ctx.post = lambda body, ev: events.extend(ev)
-        loop = autoscale_loop.AutoscaleLoop(ctx)
-        import aiohttp
-        loop.http = aiohttp.ClientSession()
-        old_port = autoscale_loop.resources.HTTP_PORT
-        autoscale_loop.resources.HTTP_PORT = engine_port
-        try:
-            await loop.tick_all()
-        finally:
-            autoscale_loop.resources.HTTP_PORT = old_port
-            await loop.http.close()
-            for runner, _ in servers:
-                await runner.cleanup()
-        return hits, kube, events, conditions
-
-    hits, kube, events, conditions = asyncio.run(scenario())
-    assert hits.count("router") == 1  # two services, one scrape of the routers
+    pods = {("ns", "a"): [PodSummary(name="a-0", ip="127.0.0.1", ready=True)],
+            ("ns", "b"): [PodSummary(name="b-0", ip="127.0.0.2", ready=True)]}  # b's engine never answers
+    caches = Caches(inference_services={("ns", n): [autoscaled(n)] for n in "ab"}, engine_pods=pods)
+    hits, kube, conditions, events = asyncio.run(tick_against("127.0.0.1", FakeKube, caches, monkeypatch))
+    assert hits.count(0) == 1  # two services, one scrape of the routers
     assert kube.replicas == [("a", 3)]  # 164 in flight at a target of 44.8 -> 4, max step 2 -> 3
     assert conditions[("ns", "a")]["status"] == "True"
     assert conditions[("ns", "b")] == {"type": "MetricsAvailable", "status": "False", "reason": "ScrapeFailed",
                                        "message": "1 of 1 ready replicas did not answer the scrape; "
                                                   "no scale-down until they answer"}
     assert [e.reason for e in events] == ["Scaled"]
+
+
+def test_the_loop_scrapes_engines_and_routers_at_ipv6_pod_ips(monkeypatch):
+    """An IPv6-only cluster: pod IPs like fd00::1 go in brackets (http://[fd00::1]:8000), else
+    no scrape reaches a pod and the autoscaler never sees a load."""
+    import asyncio
+    import socket
+
+    from kaon_operator.caches import Caches
+    from kaon_operator.status.summaries import PodSummary
+
+    try:
+        socket.socket(socket.AF_INET6).close()
+        socket.getaddrinfo("::1", 0, socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    caches = Caches(inference_services={("ns", "a"): [autoscaled("a")]},
+                    engine_pods={("ns", "a"): [PodSummary(name="a-0", ip="::1", ready=True)]})
+    hits, kube, conditions, _ = asyncio.run(tick_against("::1", lambda port: FakeKube(port, ip="::1"), caches,
+                                                         monkeypatch))
+    assert sorted(hits) == [0, 1]  # the router and the engine were both reached
+    assert conditions[("ns", "a")]["status"] == "True" and kube.replicas == [("a", 3)]
+

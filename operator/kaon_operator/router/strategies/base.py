@@ -22,7 +22,7 @@ class Attempt:
     payload: Mapping
     """The request's body, parsed."""
     now: float
-    """time.monotonic()."""
+    """clock.monotonic()."""
     rng: random.Random
     """Breaks ties."""
 
