@@ -296,11 +296,12 @@ class AutoscaleLoop:
         """Write the decision (status, with lastScaleDecision) then spec.replicas, both only while the
         InferenceService is still the one the decision was made on (resourceVersion preconditions).
 
-        The record first: the update handler then knows this replica change is the autoscaler's. A 409 from
-        a write that left the spec alone (metadata.generation unchanged: the operator's own status
-        updates, kopf's annotations) is retried at the new resourceVersion; a changed spec (a human's
-        `kubectl scale`, a new maxReplicas) drops the decision, puts lastScaleDecision back, and the next
-        tick decides on the new spec. False when dropped (or the object is gone)."""
+        The service's record says `scaled_to` before spec.replicas is written, so the update handler
+        knows the change is the autoscaler's (which posts its own Event). A 409 from a write that left
+        the spec alone (metadata.generation unchanged: the operator's own status updates, kopf's
+        annotations) is retried at the new resourceVersion; a changed spec (a human's `kubectl scale`,
+        a new maxReplicas) drops the decision, puts lastScaleDecision back, and the next tick decides
+        on the new spec. False when dropped (or the object is gone)."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         version, generation = meta.get("resourceVersion"), meta.get("generation")
