@@ -18,19 +18,11 @@ import json
 import urllib.error
 import urllib.request
 
-import pytest
-
-from e2e.local_cluster import LOCAL_IMAGE, NAMESPACE, LocalCluster, RouterProcess
+from e2e.local_cluster import LOCAL_IMAGE, NAMESPACE, RouterProcess
 from kaon_operator.children import resources
 from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct"}
-
-
-@pytest.fixture(scope="module")
-def local(crd):
-    with LocalCluster(crd, release="kaon-auth") as local:
-        yield local
 
 
 def post(url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
@@ -103,7 +95,7 @@ def test_another_namespaces_model_needs_its_namespace_and_a_taken_name_is_a_cond
     cluster.kubectl("apply", "-f", "-", input=isvc(
         "chat", model={**MODEL, "servedName": "chat"}, engine={"image": LOCAL_IMAGE, "maxNumSeqs": 2}))
     # A router with the defaults: bare names resolve in `default` only.
-    name = "kaon-auth"
+    name = local.release  # the chart's ServiceAccounts are named after it
     router = RouterProcess(local.cp.service_account_kubeconfig(NAMESPACE, f"{name}-router"),
                            local.cp.workdir / "router-defaults.log").start()
     try:

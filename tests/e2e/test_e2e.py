@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import NotFoundError, OpenAI
 
-from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from e2e.local_cluster import LOCAL_IMAGE
 from support.cluster import Cluster, isvc, wait_for
 
 SPEC = {"model": {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"},
@@ -25,15 +25,13 @@ SPEC = {"model": {"uri": "builtin://smollm2-135m-instruct", "servedName": "smoll
                         "scaleUpWindowSeconds": 2, "scaleDownStabilizationSeconds": 10, "maxStep": 2}}
 
 
-@pytest.fixture
-def local(crd):
-    """The operator, the router and the pod runner on the session's control plane."""
-    with LocalCluster(crd, release="kaon-e2e") as local:  # the other modules use deploy/'s "kaon-*" names
-        yield local
+def engines(local, namespace: str) -> list[str]:
+    """This test's engine processes (the local cluster is shared: tests/e2e/conftest.py)."""
+    return [key for key in local.pods.processes if key.startswith(f"{namespace}/")]
 
 
 def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace):
-    cluster, runner, router = Cluster(crd, namespace), local.pods, local.router_url
+    cluster, router = Cluster(crd, namespace), local.router_url
     cluster.kubectl("apply", "-f", "-", input=isvc("smol", **SPEC))
     wait_for("Ready (a real engine loaded the model)", lambda: cluster.ready("smol"), timeout=180)
 
@@ -61,7 +59,7 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
             # 12 in flight against 0.7 x maxNumSeqs 2 = 1.4 per replica: a burst, capped at maxReplicas.
             assert "concurrency" in scaled[0] and "target 1.4" in scaled[0], scaled
             wait_for("3 ready replicas, each a real engine", lambda: cluster.status("smol")
-                     .get("readyReplicas") == 3 and len(runner.processes) == 3, timeout=240)
+                     .get("readyReplicas") == 3 and len(engines(local, namespace)) == 3, timeout=240)
         finally:
             stop.set()
         finishes = [f for c in clients for f in c.result()]
@@ -74,7 +72,7 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
     # Down to what the peak load of the window needs (the tail of the burst may still be in it),
     # so 3 -> 1 directly or through 2.
     assert any(m.startswith("Scaled down 3 → ") and "peak concurrency" in m for m in downs), downs
-    wait_for("the removed engines to drain and exit", lambda: len(runner.processes) == 1, timeout=90)
+    wait_for("the removed engines to drain and exit", lambda: len(engines(local, namespace)) == 1, timeout=90)
     again = client.completions.create(model="smollm2", prompt="The capital of Italy is", max_tokens=4,
                                       temperature=0)
     assert "Rome" in again.choices[0].text
@@ -88,6 +86,6 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
     for kind in ("deployment", "service", "poddisruptionbudget", "pods"):
         wait_for(f"every {kind} gone",
                  lambda kind=kind: not cluster.get(kind, selector="kaon.dev/inferenceservice=smol"), timeout=60)
-    wait_for("the last engine to exit", lambda: not runner.processes, timeout=60)
+    wait_for("the last engine to exit", lambda: not engines(local, namespace), timeout=60)
     with pytest.raises(NotFoundError):
         client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from e2e.local_cluster import LOCAL_IMAGE
 from support.cluster import Cluster, isvc, wait_for
 
 MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"}
@@ -27,12 +27,6 @@ UP_WINDOW, STABILIZATION = 10, 30
 # of history says it fits (autoscaler._down): held for twice that, every scale-down the policy
 # could make has been due at least once (the old policy's came after one window).
 HOLD_SECONDS = UP_WINDOW + 2 * STABILIZATION
-
-
-@pytest.fixture
-def local(crd):
-    with LocalCluster(crd, release="kaon-e2e") as local:
-        yield local
 
 
 class Clients:

@@ -17,7 +17,7 @@ import signal
 import pytest
 from openai import OpenAI
 
-from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from e2e.local_cluster import LOCAL_IMAGE
 from e2e.probes import ProbeState, parse_quantity
 from support.cluster import Cluster, isvc, wait_for
 
@@ -25,9 +25,12 @@ ENGINE = {"image": LOCAL_IMAGE, "maxNumSeqs": 2}
 
 
 @pytest.fixture
-def local(crd):
-    with LocalCluster(crd, release="kaon-liveness", probe_look=None) as local:  # probes as declared, no quick looks
-        yield local
+def local(local):
+    """The shared local cluster (tests/e2e/conftest.py), its pod runner probing as declared: these
+    tests are of the probes, so no quick looks between runs for the engines they start."""
+    look, local.pods.probe_look = local.pods.probe_look, None
+    yield local
+    local.pods.probe_look = look
 
 
 def pod_events(cluster: Cluster, pod: str) -> list[tuple[str, str, str]]:

@@ -35,12 +35,6 @@ CONFIGS = {"sql": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o
 ADAPTER_BUCKET = "adapters"
 
 
-@pytest.fixture
-def local(crd):
-    with LocalCluster(crd, release="kaon-lora") as local:
-        yield local
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, tiny_llama_dir):
     """The adapters' directories and each one's expected greedy tokens (None: the base's)."""

@@ -13,10 +13,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 from openai import OpenAI
 
-from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from e2e.local_cluster import LOCAL_IMAGE
 from e2e.lws_standin import DISTRIBUTED_PORT
 from kaon_operator.children import leaderworkerset, resources
 from support.cluster import Cluster, isvc, wait_for
@@ -25,12 +24,6 @@ MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2-pp"}
 # Windows short enough for a test (the demo's): 2 sequences per engine, a queue of 2 per replica.
 AUTOSCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetQueueDepthPerReplica": 2,
                "scaleUpWindowSeconds": 2, "scaleDownStabilizationSeconds": 15, "maxStep": 1}
-
-
-@pytest.fixture
-def local(crd):
-    with LocalCluster(crd, release="kaon-mn", leader_worker_sets=True) as local:
-        yield local
 
 
 def test_a_two_node_replica_serves_through_the_router(local, namespace):

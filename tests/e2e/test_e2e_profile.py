@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from e2e.local_cluster import LOCAL_IMAGE
 from kaon_operator.api import AutoscalingSpec
 from kaon_operator.autoscaling.demand import Load
 from kaon_operator.autoscaling.model_bias import MAX_UTILIZATION
@@ -34,12 +34,6 @@ MODEL = {"uri": "builtin://smollm2-135m-instruct", "servedName": "smollm2"}
 # About 25 s of measurement on a CPU (the default grid takes minutes).
 PROFILE_ARGS = ("--batch-sizes 1,2,4 --context-lengths 0,128 --prompt-lengths 32,128,256 --decode-tokens 8 "
                 "--repeats 2")
-
-
-@pytest.fixture
-def local(crd):
-    with LocalCluster(crd, release="kaon-e2e") as local:
-        yield local
 
 
 class OpenLoop:

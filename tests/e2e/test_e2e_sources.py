@@ -21,17 +21,11 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from e2e.local_cluster import LOCAL_IMAGE, LocalCluster
+from e2e.local_cluster import LOCAL_IMAGE
 from support.cluster import Cluster, wait_for
 from support.sources import BUCKET, HF_TOKEN, PREFIX, PRIVATE_REPO
 
 NEEDED = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-
-
-@pytest.fixture
-def local(crd):
-    with LocalCluster(crd, release="kaon-sources") as local:
-        yield local
 
 
 def isvc(name: str, model: dict, **spec) -> str:
