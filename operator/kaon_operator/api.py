@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -23,13 +23,22 @@ VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 API_VERSION = f"{GROUP}/{VERSION}"
-Key = tuple[str, str]
-"""An InferenceService's (namespace, name): how the operator's caches and records name it."""
 
 DEFAULT_IMAGE = "ghcr.io/kaon-dev/kaon:0.1.0"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 Quantity = int | str  # a Kubernetes resource quantity: 2, "500m", "16Gi"
+
+
+class Key(NamedTuple):
+    """An InferenceService's namespace and name: how the operator's caches and records and the
+    router's table name it."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
 
 
 def _cel(rule: str, message: str) -> dict:

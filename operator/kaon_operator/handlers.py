@@ -35,7 +35,7 @@ def _context(memo: kopf.Memo) -> Context:
 
 
 def _key(namespace: str | None, name: str) -> Key:
-    return namespace or "", name  # every kind watched here is namespaced
+    return Key(namespace or "", name)  # every kind watched here is namespaced
 
 
 @kopf.on.startup()

@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
+from kaon_operator.api import Key
+
 
 class Named(Protocol):
     @property
-    def key(self) -> tuple[str, str]: ...  # (namespace, InferenceService name)
+    def key(self) -> Key: ...
 
     @property
     def served_name(self) -> str: ...
@@ -68,9 +70,9 @@ def addressable(names: Names, default_namespace: str, cluster_wide: bool) -> lis
     return sorted(out, key=lambda pair: pair[0])
 
 
-def conflicts(services: Iterable[Named]) -> dict[tuple[str, str], Named]:
+def conflicts(services: Iterable[Named]) -> dict[Key, Named]:
     """InferenceService key -> the older one of its namespace that answers its served name in its
     place. Empty for the ones that answer their own name."""
     names = index(services := list(services))
-    return {(s.key[0], s.key[1]): winner for s in services
+    return {s.key: winner for s in services
             if (winner := names.qualified[(s.key[0], s.served_name)]) is not s}

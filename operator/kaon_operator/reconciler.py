@@ -12,6 +12,7 @@ import kopf
 from kubernetes.client.rest import ApiException
 
 from kaon_operator import api, spec_policy
+from kaon_operator.api import Key
 from kaon_operator.children import changes, leaderworkerset, resources
 from kaon_operator.context import Context
 from kaon_operator.kube import NamespaceTerminating, NotOwned
@@ -51,7 +52,7 @@ def missing_api(ctx: Context, spec: api.InferenceServiceSpec) -> str | None:
     return None
 
 
-def _remove_other_workload(ctx: Context, body, key: tuple[str, str], spec: api.InferenceServiceSpec) -> None:
+def _remove_other_workload(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec) -> None:
     """After a switch between one and several nodes per replica, the workload of the other kind goes
     (once the new one is applied; its pods drain as in any scale-down). The watches say whether one stands."""
     multi_node = spec.engine.multi_node
@@ -64,7 +65,7 @@ def _remove_other_workload(ctx: Context, body, key: tuple[str, str], spec: api.I
                                              f"engine.nodesPerReplica is {spec.engine.nodes_per_replica} now")])
 
 
-def reconcile(ctx: Context, body, key: tuple[str, str], reason: str, old) -> None:
+def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
     """kopf's create, update (of the spec) and resume."""
     record = ctx.records.get(key)
     spec = api.parse_spec(body["spec"])

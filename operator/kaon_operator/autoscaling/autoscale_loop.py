@@ -181,7 +181,7 @@ class AutoscaleLoop:
         held = await self._router_held()
         await asyncio.gather(*(self.tick(key, body, spec, held) for key, body, spec in services))
 
-    async def _router_held(self) -> dict[tuple[str, str], float] | None:
+    async def _router_held(self) -> dict[Key, float] | None:
         """Requests the routers hold per (namespace, InferenceService); None when there are
         routers and none answered (then nobody knows what they hold)."""
         pods = await asyncio.to_thread(self.kube.list_pods, self.release_namespace, ROUTER_PODS)
@@ -189,7 +189,7 @@ class AutoscaleLoop:
         if not urls:
             return {}
         texts = await asyncio.gather(*(scraper.fetch(self._client(), url, SCRAPE_TIMEOUT_SECONDS) for url in urls))
-        held: dict[tuple[str, str], float] = {}
+        held: dict[Key, float] = {}
         answered = False
         for text in filter(None, texts):
             try:
@@ -214,8 +214,8 @@ class AutoscaleLoop:
                 pass  # counted as not answering
         return out
 
-    async def tick(self, key: tuple[str, str], body: Mapping, spec: api.InferenceServiceSpec,
-                   held: dict[tuple[str, str], float] | None) -> None:
+    async def tick(self, key: Key, body: Mapping, spec: api.InferenceServiceSpec,
+                   held: dict[Key, float] | None) -> None:
         uid = body["metadata"].get("uid")
         record = self.ctx.records.get(key)
         memory = record.autoscale
@@ -305,7 +305,7 @@ class AutoscaleLoop:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         version, generation = meta.get("resourceVersion"), meta.get("generation")
-        record = self.ctx.records.get((namespace, name))
+        record = self.ctx.records.get(Key(namespace, name))
         status_written = False
         for _ in range(CONFLICT_RETRIES):
             try:

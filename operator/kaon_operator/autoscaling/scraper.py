@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kaon_operator.api import Key
 from kaon_operator.autoscaling.histogram import Buckets
 
 LATENCY_METRICS = {"ttft": "kaon_time_to_first_token_seconds", "e2e": "kaon_e2e_request_latency_seconds"}
@@ -70,9 +71,9 @@ def parse(text: str) -> PodMetrics:
                       latency_buckets={k: tuple(sorted(v)) for k, v in buckets.items() if v})
 
 
-def parse_router_held(text: str) -> dict[tuple[str, str], float]:
-    """A router's requests held per (namespace, InferenceService): they wait for a first replica."""
-    return {(s.labels.get("namespace", ""), s.labels.get("inferenceservice", "")): s.value
+def parse_router_held(text: str) -> dict[Key, float]:
+    """A router's requests held per InferenceService: they wait for a first replica."""
+    return {Key(s.labels.get("namespace", ""), s.labels.get("inferenceservice", "")): s.value
             for s in _samples(text) if s.name == "kaon_router_held_requests"}
 
 

@@ -16,7 +16,7 @@ logger = logging.getLogger("kaon.router.endpoints")
 class AdapterName(NamedTuple):
     """An adapter as naming.index takes it (naming.Named): it answers for its InferenceService."""
 
-    key: tuple[str, str]
+    key: api.Key
     served_name: str
     created: int
 

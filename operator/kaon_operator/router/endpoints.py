@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar, cast
+from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -23,12 +23,7 @@ logger = logging.getLogger("kaon.router.endpoints")
 ENGINE_POD_SELECTOR = f"{labels.COMPONENT}={labels.ENGINE},{labels.SERVICE}"
 
 
-class ServiceKey(NamedTuple):
-    namespace: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name}"
+ServiceKey = api.Key  # the router's name for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +170,7 @@ class EndpointTable:
         """The InferenceService a `model` names: a served name first, else an adapter's (the same rules)."""
         found = (naming.resolve(model, self._names, self.default_namespace, self.cluster_wide_names)
                  or naming.resolve(model, self._adapters, self.default_namespace, self.cluster_wide_names))
-        return cast(ServiceKey, found.key) if found else None  # the keys of the Services indexed
+        return found.key if found else None
 
     def engine_model(self, model: str, service: Service) -> str:
         """`model` as the engine knows it: the adapter's name, else the served name."""

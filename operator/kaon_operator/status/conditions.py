@@ -209,7 +209,7 @@ def adapters_condition(want: Mapping[str, str], pods: Mapping[str, Mapping[str, 
     return _condition(ADAPTERS_READY, True, "Loaded", f"{len(want)} adapter(s) loaded on {len(pods)} ready pod(s)")
 
 
-def name_conflicts(peers: list[ServedName]) -> dict[tuple[str, str], dict]:
+def name_conflicts(peers: list[ServedName]) -> dict[api.Key, dict]:
     """The NameConflict condition of each InferenceService of one namespace that another, older one
     shadows (the router sends its served name there: naming.py). The others have none."""
     return {key: _condition(NAME_CONFLICT, True, "ServedNameTaken",

@@ -225,7 +225,7 @@ def summarize_pdb(pdb: Mapping[str, Any]) -> PdbSummary:
 class ServedName(NamedTuple):
     """What naming.conflicts needs of an InferenceService."""
 
-    key: tuple[str, str]
+    key: api.Key
     served_name: str
     created: int
 
@@ -233,6 +233,6 @@ class ServedName(NamedTuple):
 def served_name(body: Mapping[str, Any]) -> ServedName:
     """Read from the raw body (valid spec or not): every InferenceService of a namespace holds its name."""
     meta = body["metadata"]
-    return ServedName((meta["namespace"], meta["name"]),
+    return ServedName(api.Key(meta["namespace"], meta["name"]),
                       api.served_name((body.get("spec") or {}).get("model"), meta["name"]),
                       int(kubetime.epoch(meta.get("creationTimestamp")) or 0))
