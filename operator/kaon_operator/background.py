@@ -1,6 +1,6 @@
 """The operator's own long-running tasks, started once at start-up (no per-object timers, so
-no finalizers): the status queue's workers, the startup watch, the key digests' publisher, the
-autoscale loop and the adapter loop."""
+no finalizers): the status queue's workers, the startup watch, the records' sweep, the key digests'
+publisher, the autoscale loop and the adapter loop."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +14,7 @@ from kaon_operator.lora.adapter_sync import AdapterLoop
 from kaon_operator.status import conditions, status_sync
 
 STARTUP_CHECK_SECONDS = 5.0
+SWEEP_SECONDS = 30.0
 
 logger = logging.getLogger("kaon.status")
 
@@ -34,9 +35,26 @@ async def watch_startups(ctx: Context) -> None:
                 logger.warning(f"judging {key[0]}/{key[1]}'s startup failed: {exc}")
 
 
+def forget_the_gone(ctx: Context) -> None:
+    """Forget the records of InferenceServices the caches no longer hold. The delete handler forgets
+    a service's record at once, but a loop's round that read the caches just before the deletion
+    can make it again; a record must not outlive its service (one made again under its name would
+    inherit it)."""
+    for key, _ in ctx.records.items():
+        if ctx.caches.inference_service(key) is None:
+            ctx.records.forget(key)
+
+
+async def sweep_records(ctx: Context) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_SECONDS)
+        forget_the_gone(ctx)
+
+
 def start(ctx: Context) -> None:
     ctx.run_in_background(ctx.status_queue.run(partial(status_sync.resync, ctx)))
     ctx.run_in_background(watch_startups(ctx))
+    ctx.run_in_background(sweep_records(ctx))
     ctx.run_in_background(key_digests.publish_loop(ctx))
     ctx.run_in_background(AutoscaleLoop(ctx).run())
     ctx.run_in_background(AdapterLoop(ctx).run())

@@ -106,6 +106,16 @@ def test_a_deleted_service_is_forgotten_and_late_events_do_not_bring_it_back():
     assert gone.records.find(KEY) is None and gone.kube.statuses == []
 
 
+def test_a_record_made_again_by_a_round_that_raced_the_deletion_is_swept():
+    from kaon_operator.background import forget_the_gone
+
+    ctx = context(isvc())
+    ctx.records.get(KEY)
+    ctx.records.get(("ns", "gone")).scaled_to = 2  # a loop's round read the caches just before the deletion
+    forget_the_gone(ctx)
+    assert ctx.records.find(KEY) is not None and ctx.records.find(("ns", "gone")) is None
+
+
 def test_a_pdb_change_queues_one_status_update():
     body = isvc()
     ctx = context(body)

@@ -48,7 +48,7 @@ def test_pod_summaries():
 def test_conditions_through_a_life():
     def conds(dep, pods, desired=2, applied=True):
         return by_type(conditions.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods],
-                                         desired=desired, gpus_per_pod=1, generation_applied=applied))
+                                             desired=desired, gpus_per_pod=1, generation_applied=applied))
 
     assert conds(None, []) == {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "Reconciling"),
                                "Degraded": ("False", "AsExpected")}
@@ -115,17 +115,17 @@ def test_transition_times_and_events():
 
     crashing = [summaries.summarize_pod(pod(ready=False, waiting="CrashLoopBackOff"))]
     bad = conditions.conditions(deployment=deployment(1, ready=0), pods=crashing, desired=1, gpus_per_pod=1,
-                            generation_applied=True)
+                                generation_applied=True)
     events = conditions.transition_events(bad, ready)
     assert [(e.type, e.reason) for e in events] == [("Warning", "NotReady"), ("Warning", "CrashLoopBackOff")]
     pulling = [summaries.summarize_pod(pod(ready=False, waiting="ImagePullBackOff"))]
     worse = conditions.conditions(deployment=deployment(1, ready=0), pods=pulling, desired=1, gpus_per_pod=1,
-                              generation_applied=True)
+                                  generation_applied=True)
     assert [e.reason for e in conditions.transition_events(worse, bad)] == ["ImagePullBackOff"]  # a new cause is news
     assert [e.reason for e in conditions.transition_events(ready, worse)] == ["Ready", "Recovered"]
 
     rolling = conditions.conditions(deployment=deployment(1, total=2, ready=2), pods=ready_pods,
-                                desired=1, gpus_per_pod=1, generation_applied=True)
+                                    desired=1, gpus_per_pod=1, generation_applied=True)
     assert conditions.transition_events(rolling, ready) == []
     assert conditions.transition_events(ready, rolling) == [
         conditions.EventSpec("Normal", "RolloutComplete", "1 replicas up to date")]
@@ -179,7 +179,7 @@ def engine_status(state: dict, last: dict | None = None, restarts: int = 3) -> d
 
 def degraded(pods=(), dep=None, now=None) -> dict:
     conds = conditions.conditions(deployment=dep, pods=[summaries.summarize_pod(p) for p in pods], desired=1,
-                              gpus_per_pod=1, generation_applied=True, now=now)
+                                  gpus_per_pod=1, generation_applied=True, now=now)
     return next(c for c in conds if c["type"] == "Degraded")
 
 
@@ -274,7 +274,7 @@ def test_each_failure_posts_one_warning_and_recovery_one_normal_event():
         "exitCode": 137, "reason": "OOMKilled"}))], desired=1, gpus_per_pod=1, generation_applied=True)
     assert [(e.type, e.reason) for e in conditions.transition_events(oom, crash)] == [("Warning", "OOMKilled")]
     healthy = conditions.conditions(deployment=None, pods=[summaries.summarize_pod(pod())], desired=1, gpus_per_pod=1,
-                                generation_applied=True)
+                                    generation_applied=True)
     assert ("Normal", "Recovered", "no longer degraded (OOMKilled)") in [
         (e.type, e.reason, e.message) for e in conditions.transition_events(healthy, oom)]
 
