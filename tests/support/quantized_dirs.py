@@ -88,6 +88,16 @@ def greedy(model, prompt: list[int], tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def shortfalls(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """How far below `model`'s best logit each of `tokens` is, scored on prompt + tokens at once:
+    0 where it is the model's greedy choice. Teacher-forced (the tokens' own path), so one near-tie
+    that parts two greedy runs does not count the rest of the run against them."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return (logits.max(dim=1).values - chosen).tolist()
+
+
 def update_config(path: Path, **fields) -> None:
     config = json.loads((path / "config.json").read_text())
     config.update(fields)

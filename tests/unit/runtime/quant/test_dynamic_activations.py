@@ -5,7 +5,7 @@ integers (int8 x int8, int32 sums).
 The per-token quantization is checked against compressed-tensors' own `quantize` bit for bit, a
 linear's output against a pure-torch reference of the same quantization exactly, and whole-model
 greedy tokens against transformers on the same directory (which fake-quantizes the activations in
-float: the tokens are reported as agreement, the issue's rule where kernels quantize activations)."""
+float: each of kaon's tokens is its greedy choice, or within a near-tie of it, NEAR_TIE)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.quant.dynamic_inputs import DynamicInt8Linear, quantize_per_token, w8a8_reference
 from kaon_runtime.quant.int8 import quantize_int8
-from support.quantized_dirs import greedy, transformers_reference, update_config, write_compressed_tensors
+from support.quantized_dirs import shortfalls, transformers_reference, update_config, write_compressed_tensors
 
 PROMPTS = [[1, 500, 600, 700], [1, 42, 4242, 9000, 12, 7], list(range(100, 120))]
 TOKENS = 10
@@ -61,10 +61,6 @@ def _dynamic_w8a8_dir(path, gguf_path) -> None:
     update_config(path, quantization_config=config)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def _transformers_quantizing_inputs(path):
     """transformers on the directory with compressed-tensors' scheme kept on each linear (run_compressed):
     its forward fake-quantizes the inputs per token; `transformers_reference` (dequantize) drops the scheme."""
@@ -75,8 +71,17 @@ def _transformers_quantizing_inputs(path):
                                                              dtype=torch.float32).eval()
 
 
+# Where kaon's greedy token may differ from transformers': both quantize each token's activations at
+# run time from float inputs that differ by float rounding, so an input at an int8 rounding boundary
+# lands on the neighbouring level and moves the logits (by up to 0.051 here, measured on these prompts
+# through kaon's logprobs, 2026-11-29). A token can then be chosen over another at most twice that
+# below it: 0.2 leaves room for other CPUs' rounding, and is below a real fault's (activations
+# truncated instead of rounded put a token 0.99 below). The runs do have near-ties (a margin of 0.004).
+NEAR_TIE = 0.2
+
+
 @pytest.mark.slow
-def test_w8a8_dynamic_tokens_agree_with_transformers(tmp_path, gguf_path, capsys):
+def test_w8a8_dynamic_tokens_agree_with_transformers(tmp_path, gguf_path):
     pytest.importorskip("compressed_tensors")
     pytest.importorskip("transformers")
     _dynamic_w8a8_dir(tmp_path, gguf_path)
@@ -85,17 +90,15 @@ def test_w8a8_dynamic_tokens_agree_with_transformers(tmp_path, gguf_path, capsys
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():  # the reference does quantize its inputs: its logits move
         assert not torch.allclose(reference(ids).logits, float_inputs(ids).logits, atol=1e-3)
-    expected = [greedy(reference, prompt, TOKENS) for prompt in PROMPTS]
 
     llm = LLM(str(tmp_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=1 << 22)
     assert isinstance(llm.engine.runner.model.model.layers[0].mlp.gate_up_proj, DynamicInt8Linear)
     assert not llm.engine.runner.kernels.cpu_decode  # the fused step quantizes its own way: torch path
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    agreement = [_common_prefix(a, b) for a, b in zip(tokens, expected)]
-    with capsys.disabled():
-        print(f"\nW8A8 dynamic per-token: common prefix with transformers, of {TOKENS}: {agreement}")
-    assert sum(agreement) >= 2 * TOKENS  # float rounding may part them at a near-tie
+    # Every token is transformers' greedy choice on kaon's path, or within a near-tie of it.
+    below = [shortfalls(reference, prompt, run) for prompt, run in zip(PROMPTS, tokens)]
+    assert max(max(b) for b in below) <= NEAR_TIE, below
 
 
 def test_unsupported_dynamic_activations_are_refused_in_one_line(tmp_path, gguf_path):

@@ -25,7 +25,7 @@ from kaon_runtime.quant.group_int8 import GroupInt8Linear
 from kaon_runtime.quant.int4 import Int4Linear
 from kaon_runtime.quant.int8 import Int8Linear
 from support.gptq_awq import np_dequantize, np_pack_columns, np_pack_rows, np_quantize
-from support.quantized_dirs import greedy, transformers_reference
+from support.quantized_dirs import greedy, shortfalls, transformers_reference
 from support.quantized_moe_dirs import (
     tiny_moe,
     write_compressed_tensors_moe_dir,
@@ -37,6 +37,7 @@ PROMPTS = [list(range(100, 120)), [5, 9, 300, 4000, 17]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 HIDDEN, WIDTH, EXPERTS = 128, 128, 4  # support/quantized_moe_dirs.py's shape
 INT4 = dict(num_bits=4, type="int", strategy="group", group_size=32)
+NEAR_TIE = 0.2  # how far below transformers' best a GGUF run's token may be: twice what the int8 head explains
 CASES = {  # id -> (family, writer arguments, the linear each expert's projections become)
     "mixtral-gptq-4bit-g32-asym": ("mixtral", ("gptq", 4, 32, False), Int4Linear),
     "qwen3_moe-gptq-8bit-channel-sym": ("qwen3_moe", ("gptq", 8, -1, True), Int8Linear),
@@ -126,12 +127,12 @@ def test_gguf_experts_stay_quantized_and_decode_as_when_dequantized(family, type
     float_experts = 2 * EXPERTS * 3 * HIDDEN * WIDTH * 4
     assert kept_llm.engine.runner.weight_bytes < float_llm.engine.runner.weight_bytes - float_experts // 2
     reference = dequantized_reference(model, type_name)  # transformers: the head in float, kaon's int8
-    common = [_prefix(a, greedy(reference, p, GREEDY.max_tokens)) for a, p in zip(ours, PROMPTS)]
-    print(f"{family} {type_name}: common prefix with transformers on the dequantized weights {common}")
+    # Every token is transformers' greedy choice on kaon's path, or within a near-tie of it: the int8
+    # head moves the logits by up to 0.04 here (measured through kaon's logprobs, 2026-11-29), so a
+    # token can be chosen over one at most twice that above it; these runs have top-two margins of 0.01.
+    below = [shortfalls(reference, prompt, run) for prompt, run in zip(PROMPTS, ours)]
+    assert max(max(b) for b in below) <= NEAR_TIE, below
 
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @pytest.mark.parametrize("kernel", ["torch", "cpu", "triton"])

@@ -88,4 +88,11 @@ def test_scored_prompt_tokens_count_against_the_logprob_cap():
 
 
 def test_max_tokens_0_is_no_generated_logprob_entries():
-    check_completion(completion(echo=True, logprobs=5, max_tokens=0), "hi", Limits(max_logprob_entries=10), CONTEXT)
+    cap = Limits(max_logprob_entries=10)
+    echo = dict(echo=True, logprobs=5)
+    check_completion(completion(**echo, max_tokens=0), "hi", cap, CONTEXT)  # 0 entries: accepted
+    # the bug it guards: 0 read as no max_tokens (the rest of the context), 600 entries, refused
+    assert "600 log-probability entries" in refused(check_completion, completion(**echo, max_tokens=None), "hi",
+                                                    cap, CONTEXT)
+    assert "12 log-probability entries" in refused(check_completion, completion(**echo, max_tokens=2), "hi",
+                                                   cap, CONTEXT)
