@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = (ROOT / "runtime", ROOT / "operator")
 
 # The runtime's layers, top first. A module may import its own layer's modules and any layer below;
-# not one above, nor a sibling in its own tier. The leaves (config, sampling, errors) are below everything.
+# not one above, nor a sibling in its own tier. The leaves (config, sampling, errors, arith) are below everything.
 TIERS: tuple[tuple[str, ...], ...] = (
     ("kaon_runtime", "cli"),  # the package's facade (LLM, SamplingParams) and the `kaon` command
     ("server", "llm", "fetch"),
@@ -28,7 +28,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("loader", "quant", "distributed"),
     ("kernels",),
     ("config", "sampling"),
-    ("errors",),
+    ("errors", "arith"),
 )
 TIER = {part: depth for depth, parts in enumerate(TIERS) for part in parts}
 # The operator's layers, top first (modules relative to kaon_operator). A module imports its own

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from kaon_runtime.arith import ceil_div
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.errors import ModelDoesNotFitError
 
@@ -43,7 +44,7 @@ def local_config(config: ModelConfig, size: int) -> ModelConfig:
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
     """[start, start + shard) of the vocabulary on this rank; the last range may run past the end."""
-    shard = -(-vocab_size // size)
+    shard = ceil_div(vocab_size, size)
     return rank * shard, shard
 
 

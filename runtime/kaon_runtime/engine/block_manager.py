@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from kaon_runtime.arith import ceil_div
 from kaon_runtime.engine.sequence import Sequence
 
 
@@ -63,7 +64,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Give a sequence without blocks every cached block of its prefix; return the tokens covered

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from kaon_runtime.arith import ceil_div
 from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.kernels.paged_attention_ref import MAX_HEAD_SLICE
@@ -98,7 +99,7 @@ def measure_activation_peak(model: DecoderForCausalLM, config: EngineConfig, dev
     max_len = min(config.max_model_len or max_position, max_position)
     chunks = profile_chunks(config.max_num_batched_tokens, max_len)
     block_size = config.block_size
-    per_chunk = -(-max(chunks) // block_size)
+    per_chunk = ceil_div(max(chunks), block_size)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections import deque
 
+from kaon_runtime.arith import ceil_div
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.engine.model_runner import LaunchedStep, ModelRunner
 from kaon_runtime.engine.scheduler import ScheduledBatch, Scheduler
@@ -40,7 +41,7 @@ def pipeline_depth(config: EngineConfig, speculative: bool) -> int:
 def micro_batch_cap(num_unfinished: int, max_num_seqs: int, depth: int) -> int:
     """The most sequences one micro-batch takes: an equal share of the work at hand, so that `depth`
     micro-batches split it instead of the first taking everything and leaving the rest idle."""
-    return max(1, -(-min(num_unfinished, max_num_seqs) // depth))
+    return max(1, ceil_div(min(num_unfinished, max_num_seqs), depth))
 
 
 class InFlight:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kaon_runtime.arith import ceil_div
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.stages import Placement
@@ -120,8 +121,8 @@ class ModelRunner:
     def prepare_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Static buffers for decode batches up to the ladder's top, and their graphs when `capture`."""
         sizes = ladder(min(self.config.cuda_graph_max_batch, self.config.max_num_seqs))
-        self.decode_graphs = DecodeGraphs(self._logits_of_all_rows, self.device, -(-max_model_len // self.block_size),
-                                          sizes, capture)
+        max_blocks = ceil_div(max_model_len, self.block_size)
+        self.decode_graphs = DecodeGraphs(self._logits_of_all_rows, self.device, max_blocks, sizes, capture)
         self.decode_graphs.capture_all()
 
     def _logits_of_all_rows(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:

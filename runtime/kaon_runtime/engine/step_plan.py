@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kaon_runtime.arith import ceil_div
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 
@@ -52,7 +53,7 @@ def plan_step(batch: ScheduledBatch, block_size: int,
         # Drafts ride along like a short prefill chunk; their K/V counts only once verified.
         tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-        table = seq.block_table[:-(-end // bs)]
+        table = seq.block_table[:ceil_div(end, bs)]
         query_start = len(plan.input_ids)
         plan.input_ids.extend(tokens[start:end])
         plan.positions.extend(range(start, end))

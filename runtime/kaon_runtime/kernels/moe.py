@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kaon_runtime.arith import round_up
 from kaon_runtime.kernels.activation import silu_and_mul
 
 BLOCK_M = 16  # rows per program: tl.dot's minimum, and little padding when few tokens pick an expert
@@ -66,10 +67,10 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M)
     order = flat.argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    padded = round_up(counts, block_m)
     group_starts = padded.cumsum(0) - padded
     capacity = num_rows + num_experts * (block_m - 1)  # the most padding can take: no sync to learn the real size
-    capacity = (capacity + block_m - 1) // block_m * block_m
+    capacity = round_up(capacity, block_m)
     experts_in_order = flat[order]
     rank = torch.arange(num_rows, device=ids.device) - (counts.cumsum(0) - counts)[experts_in_order]
     sorted_ids = torch.full((capacity,), num_rows, dtype=torch.long, device=ids.device)

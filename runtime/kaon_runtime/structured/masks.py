@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import torch
 
+from kaon_runtime.arith import ceil_div
+
 _BITS = torch.arange(32, dtype=torch.int32)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A bitmask of `rows` rows allowing every token (all bits set), on the CPU where matchers fill it."""
-    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+    return torch.full((rows, ceil_div(vocab_size, 32)), -1, dtype=torch.int32)
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

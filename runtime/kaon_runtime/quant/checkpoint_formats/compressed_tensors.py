@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from kaon_runtime.arith import ceil_div
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.quant.checkpoint_formats.loaded import LoadedWeight, grouped_weight
 from kaon_runtime.quant.checkpoint_formats.packing import unpack_int32
@@ -149,8 +150,8 @@ def _fp8(name: str, weight: torch.Tensor, scale: torch.Tensor) -> LoadedWeight:
         return LoadedWeight("fp8", {"qweight": weight, "scales": scale.reshape(-1).expand(n).contiguous()}, k,
                             name=name)
     if scale.dim() == 2:
-        rows, cols = -(-n // scale.shape[0]), -(-k // scale.shape[1])
-        if (-(-n // rows), -(-k // cols)) == tuple(scale.shape):
+        rows, cols = ceil_div(n, scale.shape[0]), ceil_div(k, scale.shape[1])
+        if (ceil_div(n, rows), ceil_div(k, cols)) == tuple(scale.shape):
             return LoadedWeight("fp8_block", {"qweight": weight, "scales": scale}, cols, block_rows=rows, name=name)
     raise ValueError(f"{name}.weight_scale has shape {tuple(scale.shape)}, which fits no FP8 strategy "
                      f"(tensor, channel, block) of a {n} x {k} weight")
