@@ -3,7 +3,7 @@
 A tiny random Llama keeps the interpreter's cost low. The batch covers what the kernels
 must get right inside the engine: chunked prefill next to decodes, prefix-cache hits
 (a chunk that starts after cached blocks), GQA, and contexts spanning several blocks.
-On a GPU the bundled model also runs in bfloat16 on both backends over the correctness prompts.
+On a GPU the model, its weights spread, also runs in bfloat16 on both backends (support.tiny_llama.spread_copy).
 """
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.kernels import paged_attention
-from support import MODEL
-from support.prompts import MAX_TOKENS, QUESTIONS, chat_ids
-from support.tiny_llama import DEVICE, PROMPTS
+from support.tiny_llama import DEVICE, PROMPTS, first_difference_at_a_near_tie, spread_copy
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,13 +37,20 @@ def test_triton_backend_generates_the_torch_tokens(tiny_llama, monkeypatch, spli
     assert tokens == expected
 
 
+# bf16 keeps 8 bits of a logit: one of 10 is rounded to 0.0625. Kernels summing in other orders part
+# only where the top two are within a few such steps.
+BF16_NEAR_TIE = 0.25
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="bfloat16 needs compiled kernels (the interpreter's bf16 dot is wrong)")
-def test_triton_backend_generates_the_torch_tokens_in_bf16_on_the_correctness_prompts(monkeypatch):
-    tokens = {}
+def test_triton_backend_generates_the_torch_tokens_in_bf16(tiny_llama, tmp_path, monkeypatch):
+    path = spread_copy(tiny_llama, tmp_path / "spread")  # not the bundled model: it runs on a lent GPU too
+    outputs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("KAON_ATTENTION_BACKEND", backend)
-        llm = LLM(MODEL, show_progress=False, device="cuda", dtype="bfloat16")
-        prompts = [chat_ids(llm, q) for q in QUESTIONS]
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
-        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
-    assert tokens["triton"] == tokens["torch"]
+        llm = LLM(path, show_progress=False, device="cuda", dtype="bfloat16")
+        assert llm.engine.runner.model.model.layers[0].self_attn.attn.backend.name == backend
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+        outputs[backend] = llm.generate(PROMPTS, params, use_tqdm=False)
+    first_difference_at_a_near_tie(outputs["torch"], [o.outputs[0].token_ids for o in outputs["triton"]],
+                                   BF16_NEAR_TIE)
