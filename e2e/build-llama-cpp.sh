@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Install llama-cpp-python into the venv from a wheel built once and cached outside the repository.
+#
+# Why: tests/unit/runtime/loader/test_gguf_families.py checks kaon's GGUF decoding against llama.cpp
+# on the same file, and the benches use it as the peer. PyPI serves it as source only, so pip
+# compiles llama.cpp with cmake each time (minutes on 2 cores): this builds the wheel once,
+#   ${KAON_CACHE:-$HOME/.cache/kaon}/wheels/llama-cpp-python/<version>-<python>-<cpu>/
+# and later calls install that wheel (seconds), or return at once when it is already installed.
+#
+# Keyed by the CPU too: llama.cpp is built for this CPU (GGML_NATIVE, as kaon's own C step is
+# built with -march=native), so the benches compare kaon with llama.cpp at its speed here, and a
+# cache copied to another machine never hands it a library with instructions it lacks.
+#
+# Environment (all optional):
+#   LLAMA_CPP_PYTHON_VERSION  the pinned release (default below)
+#   PY                        the venv's python (default .venv/bin/python)
+#   KAON_CACHE                cache root (default $HOME/.cache/kaon)
+#   CMAKE_BUILD_PARALLEL_LEVEL  compile jobs (default: the machine's cores)
+set -euo pipefail
+
+# 0.3.36: the release the benches were measured with (bench/RESULTS.md) and pyproject's floor.
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+PY="${PY:-.venv/bin/python}"
+CACHE_ROOT="${KAON_CACHE:-$HOME/.cache/kaon}"
+
+log() { printf '[build-llama-cpp %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+
+installed=$("$PY" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
+if [[ "$installed" == "$VERSION" ]]; then
+  exit 0
+fi
+
+python_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+# What GGML_NATIVE depends on: the CPU's model and feature flags (as kaon's cpu_decode.py keys its build).
+cpu=$(grep -E '^(model name|flags)' /proc/cpuinfo 2>/dev/null | sort -u | sha256sum | cut -c1-12)
+WHEELS="$CACHE_ROOT/wheels/llama-cpp-python/$VERSION-$python_tag-$cpu"
+
+if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
+  log "building llama-cpp-python $VERSION from source (a few minutes per core; cached in $WHEELS)"
+  start=$SECONDS
+  mkdir -p "$WHEELS"
+  tmp=$(mktemp -d "$WHEELS.tmp.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  # Only the text library: mtmd (images and audio, imported by llama-cpp-python only for those)
+  # would be compiled for nothing: no test or bench uses it.
+  CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" \
+  CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+    nice -n 19 "$PY" -m pip wheel --quiet --no-deps --no-binary llama-cpp-python \
+      "llama-cpp-python==$VERSION" -w "$tmp"
+  # Moved into place whole: an interrupted build leaves no half wheel for the next call to trust.
+  mv "$tmp"/llama_cpp_python-*.whl "$WHEELS/"
+  log "done in $((SECONDS - start))s"
+fi
+
+"$PY" -m pip install --quiet "$WHEELS"/llama_cpp_python-*.whl
+log "llama-cpp-python $VERSION installed"
