@@ -1,7 +1,9 @@
 """The router's settings (the kaon-router flags, main.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kaon_operator.router.json_cost import Limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,5 +36,11 @@ class RouterConfig:
     """Client connections open at once; more get a 503 (with Retry-After) and are closed at once."""
     max_buffered_bytes: int = 128 << 20
     """Request body bytes the router holds at once, over all requests (each counted at its
-    Content-Length, or --max-body-bytes when it has none, before it is read); a request past it
-    gets a 503 with Retry-After and is not read. Keep it well under the pod's memory limit."""
+    Content-Length, or --max-body-bytes when it has none, before it is read; then what parsing it
+    costs, json_cost.estimate); a request past it gets a 503 with Retry-After (unread, when its
+    Content-Length says so). Keep it well under the pod's memory limit."""
+    max_client_share: float = 0.125
+    """The part of --max-buffered-bytes one client (an address, an IPv6 /64) may hold at once; past
+    it, its own requests get the 503, not everyone's."""
+    json_limits: Limits = field(default_factory=Limits)
+    """Nesting depth and counts of a request body's JSON, checked before it is parsed (400/413)."""

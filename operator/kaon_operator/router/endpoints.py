@@ -167,9 +167,9 @@ class EndpointTable:
     # reads -------------------------------------------------------------------
 
     def resolve(self, model: str) -> ServiceKey | None:
-        """The InferenceService a `model` names: a served name first, else an adapter's (the same rules)."""
-        found = (naming.resolve(model, self._names, self.default_namespace, self.cluster_wide_names)
-                 or naming.resolve(model, self._adapters, self.default_namespace, self.cluster_wide_names))
+        """The InferenceService a `model` names (naming.py: one reading only; in each reading a served name
+        before an adapter's)."""
+        found = naming.resolve(model, (self._names, self._adapters), self.default_namespace, self.cluster_wide_names)
         return found.key if found else None
 
     def engine_model(self, model: str, service: Service) -> str:
@@ -207,9 +207,10 @@ class EndpointTable:
     def addressable(self) -> list[tuple[str, Service]]:
         """Every `model` a client may send here, with the InferenceService it reaches: served names,
         then the adapters (those a served name does not shadow)."""
+        both = (self._names, self._adapters)
         served = cast("list[tuple[str, Service]]",
-                      naming.addressable(self._names, self.default_namespace, self.cluster_wide_names))
-        adapters = naming.addressable(self._adapters, self.default_namespace, self.cluster_wide_names)
+                      naming.addressable(self._names, self.default_namespace, self.cluster_wide_names, both))
+        adapters = naming.addressable(self._adapters, self.default_namespace, self.cluster_wide_names, both)
         return served + [(n, self._services[ServiceKey(*a.key)]) for n, a in adapters if self.resolve(n) == a.key]
 
     # pods --------------------------------------------------------------------
@@ -284,5 +285,9 @@ class EndpointTable:
         self._names = naming.index(self._services.values())
         self._adapters = naming.index(adapter_names.AdapterName(s.key, a, s.created) for s in self._services.values()
                                       for a in s.adapters)
+        for key, winner in naming.shadowed(self._services.values(), self.default_namespace).items():
+            if key in changed or winner.key in changed:  # once per change, not per event
+                logger.warning("InferenceService %s gets no traffic: the default namespace's %s serves its "
+                               "`namespace/name` (naming.py)", key, winner.key)
         for key in changed:
             self.on_change(key)

@@ -35,6 +35,11 @@ def too_large(limit: int) -> RouterError:
                        "request_too_large")
 
 
+def too_costly(message: str) -> RouterError:
+    """A body within --max-body-bytes whose JSON would cost more to parse than the router allows."""
+    return RouterError(413, message, "invalid_request_error", "request_too_large")
+
+
 def invalid_api_key() -> RouterError:
     # OpenAI's own words and code for it, so clients raise AuthenticationError.
     return RouterError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
@@ -45,6 +50,12 @@ def model_not_found(model: str) -> RouterError:
     return RouterError(404, f"the model `{model}` does not exist: no InferenceService serves it here "
                             "(`<namespace>/<name>` names one of another namespace; GET /v1/models lists the "
                             "names you may use)", "invalid_request_error", "model_not_found", "model")
+
+
+def unknown_url(method: str, path: str, routes: tuple[str, ...]) -> RouterError:
+    """A method and path the router forwards nowhere; OpenAI's words for it, and what it does forward."""
+    return RouterError(404, f"Invalid URL ({method} {path}): the router forwards only POST "
+                            f"{', '.join(routes)} (and answers GET /v1/models)", "invalid_request_error", "unknown_url")
 
 
 def request_timeout(seconds: float) -> RouterError:

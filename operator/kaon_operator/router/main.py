@@ -55,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                         help="larger request bodies get a 413, unread when their Content-Length says so")
     parser.add_argument("--max-buffered-bytes", type=int, default=DEFAULTS.max_buffered_bytes,
-                        help="request body bytes held at once over all requests; a request past it gets a 503 "
-                        "with Retry-After, unread")
+                        help="request bytes held at once over all requests (bodies, then what parsing them "
+                        "costs); a request past it gets a 503 with Retry-After, unread when its length says so")
+    parser.add_argument("--max-client-share", type=float, default=DEFAULTS.max_client_share,
+                        help="the part of --max-buffered-bytes one client (an address, an IPv6 /64) may hold; past "
+                        "it, its own requests get the 503")
     parser.add_argument("--max-connections", type=int, default=DEFAULTS.max_connections,
                         help="client connections open at once; more get a 503 with Retry-After and are closed")
     parser.add_argument("--header-timeout", type=float, default=DEFAULTS.header_timeout,
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
         idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
         max_attempts=args.max_attempts, max_body_bytes=args.max_body_bytes,
-        max_buffered_bytes=args.max_buffered_bytes, max_connections=args.max_connections,
+        max_buffered_bytes=args.max_buffered_bytes, max_client_share=args.max_client_share,
+        max_connections=args.max_connections,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout))
     watcher = Watcher(server, table, args.namespace)
     try:

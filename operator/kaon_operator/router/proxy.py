@@ -28,10 +28,11 @@ import time
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kaon_operator import clock
-from kaon_operator.router import auth, errors
-from kaon_operator.router.admission import BodyBudget, body_size
+from kaon_operator.router import auth, errors, json_cost
+from kaon_operator.router.admission import BodyBudget, body_size, source_of
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
@@ -39,7 +40,7 @@ from kaon_operator.router.errors import RouterError
 from kaon_operator.router.hold import Hold, HoldFull
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.relay import Relay
-from kaon_operator.router.request import engine_body, forwarded, parse_request
+from kaon_operator.router.request import engine_body, parse_request, upstream_headers
 from kaon_operator.router.strategies import Attempt, Strategies
 from kaon_operator.router.strategies.least_connections import pick
 
@@ -50,6 +51,12 @@ NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a
 # connection it is closing fails after it went out, which is not safe to retry: stay under.
 UPSTREAM_KEEPALIVE_S = 4.0
+# What a client may ask of an engine through the router: the engine's OpenAI routes
+# (runtime/kaon_runtime/server/app.py). Not its admin routes (/v1/load_lora_adapter,
+# /v1/unload_lora_adapter: the operator reaches pods directly), nor any route the engine may add
+# later until it is listed here. /tokenize and /detokenize are left out while the engine admits
+# them outside the generation queue (issue 48, item 4).
+CLIENT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # Errors raised before a single byte of the request was sent.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
@@ -64,7 +71,7 @@ class Router:
         self.inflight: dict[Endpoint, int] = {}
         self.backoff: Backoff[Endpoint] = Backoff(config.backoff)
         self.hold = Hold(config.max_queued)
-        self.budget = BodyBudget(config.max_buffered_bytes)
+        self.budget = BodyBudget(config.max_buffered_bytes, config.max_client_share)
         self.strategies = Strategies()
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(clock.monotonic()))
@@ -88,11 +95,13 @@ class Router:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/v1/{tail:.+}", self._forward)
+        for path in CLIENT_ROUTES:
+            app.router.add_post(path, self._forward)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_route("*", "/{tail:.*}", self._unknown)  # last: what no route above takes
         app.cleanup_ctx.append(self._upstream_session)
         return app
 
@@ -111,13 +120,15 @@ class Router:
         arrival = time.perf_counter()
         key: ServiceKey | None = None
         relaying = False  # from then on the engine's status is the one counted
-        reserved = 0  # body bytes taken from the budget
+        reserved = 0  # bytes taken from the budget: the body's, then what parsing it costs
+        source = source_of(request.remote)
         read = False  # a refusal before the body was read closes the connection rather than read it
         try:
             try:
-                reserved = self._reserve(request)
+                reserved = self._reserve(request, source)
                 body = await self._read(request)
                 read = True
+                reserved += self._parse_cost(body, reserved, source)
                 model, payload = parse_request(body)
                 body = self._admit(request, model, payload, body)
                 received = clock.monotonic()
@@ -126,7 +137,8 @@ class Router:
                 failure: RouterError | None = None  # the last attempt's, which answers when none is left
                 while len(tried) < max(1, self.config.max_attempts):  # 0 would answer nothing
                     try:
-                        key, target, waited = await self._choose(model, tried, received, request.path, payload)
+                        key, target, waited = await self._choose(model, tried, received, request.path, payload,
+                                                                request.headers.get("Authorization"))
                     except RouterError as exc:
                         if failure is not None and exc.code == "upstream_unreachable":
                             raise failure from None  # every ready pod was tried
@@ -155,22 +167,43 @@ class Router:
                     self.metrics.count(key, 499)  # the client went away first (nginx's code for it)
                 raise
         finally:
-            self.budget.release(reserved)
+            self.budget.release(reserved, source)
 
-    def _reserve(self, request: web.Request) -> int:
+    def _reserve(self, request: web.Request, source: str) -> int:
         """Decide on the headers whether the body is read at all, and take its bytes from the budget:
         a key that opens nothing (while every service needs one), a body over --max-body-bytes, or
-        one that does not fit the bytes already held (--max-buffered-bytes) is refused unread."""
+        one that does not fit the bytes already held (--max-buffered-bytes, of which this client
+        may hold --max-client-share) is refused unread."""
         if not auth.may_send_body(self.table, request.headers.get("Authorization")):
             raise errors.invalid_api_key()
         length = request.content_length
         if length is not None and length > self.config.max_body_bytes:
             raise errors.too_large(self.config.max_body_bytes)
         size = body_size(length, self.config.max_body_bytes)
-        if not self.budget.reserve(size):
+        if not self.budget.reserve(size, source):
             self.metrics.overloaded.inc()
             raise errors.overloaded("buffered request bodies")
         return size
+
+    def _parse_cost(self, body: bytes, reserved: int, source: str) -> int:
+        """Take from the budget what parsing `body` will hold beyond the bytes already reserved
+        (json_cost.py), before it is parsed: a body over the JSON limits is a 400/413 naming the
+        limit, one that would cost more than a request may hold a 413, one that does not fit now
+        a 503."""
+        limits = self.config.json_limits
+        shape = json_cost.scan(body, limits)
+        if (refusal := json_cost.over(shape, limits)) is not None:
+            status, message = refusal
+            raise errors.bad_request(message) if status == 400 else errors.too_costly(message)
+        cost = json_cost.estimate(len(body), shape)
+        if cost > self.budget.most_one_request():
+            raise errors.too_costly(f"parsing the request body would hold about {cost >> 20} MiB, more than the "
+                                    f"router lets one request hold ({self.budget.most_one_request() >> 20} MiB)")
+        extra = max(0, cost - reserved)
+        if not self.budget.reserve(extra, source):
+            self.metrics.overloaded.inc()
+            raise errors.overloaded("buffered request bodies")
+        return extra
 
     async def _read(self, request: web.Request) -> bytes:
         try:
@@ -193,13 +226,17 @@ class Router:
         return body if service is None else engine_body(body, payload, model, self.table.engine_model(model, service))
 
     async def _choose(self, model: str, tried: set[Endpoint], received: float, path: str = "",
-                      payload: dict | None = None) -> tuple[ServiceKey, Endpoint, float]:
-        """The service and pod for this attempt, and how long the request was held for it."""
+                      payload: dict | None = None,
+                      authorization: str | None = None) -> tuple[ServiceKey, Endpoint, float]:
+        """The service and pod for this attempt, and how long the request was held for it. The key
+        is checked again for the service `model` names now: while the request was held the name may
+        have moved to another one, which must not get this client's key nor its prompt unchecked."""
         held_since, was_held = clock.monotonic(), False
         while True:
             key = self.table.resolve(model)
             if key is None:
                 raise errors.model_not_found(model) if self.table.synced else errors.starting()
+            auth.check(self.table, key, model, authorization)
             # An autoscaled service at zero waits for a cold start: it may hold longer than the default.
             limit = max(self.config.queue_timeout, self.table.hold_seconds(key) or 0.0)
             deadline = received + limit
@@ -242,7 +279,7 @@ class Router:
         try:
             async with asyncio.timeout(self.config.first_byte_timeout):
                 return await self._session.request(
-                    request.method, target.url + request.path_qs, data=body, headers=forwarded(request.headers),
+                    request.method, target.url + _engine_path(request), data=body, headers=self._headers(request, key),
                     allow_redirects=False)
         except CONNECT_ERRORS as exc:  # before TimeoutError: a connect timeout is one too
             reason, error = f"cannot connect ({exc})", None
@@ -262,6 +299,12 @@ class Router:
         self.metrics.retries.labels(*key).inc()
         self._eject(key, target, reason)
         return error or errors.upstream_unreachable(str(key), len(tried))
+
+    def _headers(self, request: web.Request, key: ServiceKey) -> CIMultiDict:
+        """The client's headers less its credentials; the key back only to a keyed service (the
+        request got here past auth.check, so it holds one of that service's keys)."""
+        keyed = self.table.api_keys(key) is not None
+        return upstream_headers(request.headers, request.headers.get("Authorization") if keyed else None)
 
     def _eject(self, key: ServiceKey, target: Endpoint, reason: str) -> None:
         now = clock.monotonic()
@@ -287,6 +330,13 @@ class Router:
         data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kaon"}
                 for name, s in self.table.addressable() if auth.may_list(self.table, s.key, authorization)]
         return web.json_response({"object": "list", "data": data})
+
+    async def _unknown(self, request: web.Request) -> web.Response:
+        """Any other method and path: OpenAI's 404, unread (the body is no one's)."""
+        self.metrics.count(None, 404)
+        response = errors.unknown_url(request.method, request.path, CLIENT_ROUTES).response()
+        response.force_close()
+        return response
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -315,6 +365,15 @@ class Router:
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         return app
+
+
+def _engine_path(request: web.Request) -> str:
+    """The route as listed (CLIENT_ROUTES), not as the client spelled it (percent-escapes, `..`):
+    the engine routes exactly what the router matched."""
+    resource = request.match_info.route.resource
+    assert resource is not None  # only the routes of CLIENT_ROUTES forward
+    query = request.rel_url.raw_query_string
+    return resource.canonical + ("?" + query if query else "")
 
 
 def metrics_response(body: bytes) -> web.Response:

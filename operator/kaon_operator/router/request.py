@@ -19,7 +19,10 @@ NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
 def parse_request(body: bytes) -> tuple[str, dict]:
     """The `model` field of an OpenAI request body, and the body."""
     try:
-        payload = json.loads(body)
+        # UTF-8 only (RFC 8259 8.1): json.loads would take UTF-16 and UTF-32 too, which json_cost's scan misreads.
+        payload = json.loads(body.decode("utf-8", "surrogatepass"))
+    except UnicodeDecodeError:
+        raise errors.bad_request("the request body is not valid JSON: it is not UTF-8") from None
     except RecursionError:  # deeper than the interpreter's stack allows (about a thousand levels)
         raise too_deep() from None
     except ValueError as exc:
@@ -57,6 +60,25 @@ def connection_options(headers: Mapping[str, str]) -> frozenset[str]:
     values = headers.getall("Connection", ()) if isinstance(headers, CIMultiDict | CIMultiDictProxy) \
         else [headers.get("Connection", "")]
     return frozenset(token.strip().lower() for value in values for token in value.split(",") if token.strip())
+
+
+# A client's credentials and what it says of itself: they go to no pod (an open one has asked for
+# none, and a pod runs a tenant's code), except a keyed service's own key (upstream_headers).
+CREDENTIALS = frozenset({"authorization", "cookie", "cookie2", "x-api-key", "api-key", "forwarded", "x-real-ip"})
+CREDENTIAL_PREFIXES = ("x-forwarded-",)
+
+
+def upstream_headers(headers: Mapping[str, str], authorization: str | None) -> CIMultiDict:
+    """The headers an engine pod gets: the client's without hop-by-hop fields and without its
+    credentials (cookies, Authorization, X-Forwarded-*). `authorization`: the client's header when
+    the service is keyed and it holds one of that service's keys (auth.check), for the engine
+    checks it too; an open service gets None, so no key at all."""
+    out = forwarded(headers)
+    for name in {k for k in out if k.lower() in CREDENTIALS or k.lower().startswith(CREDENTIAL_PREFIXES)}:
+        del out[name]
+    if authorization is not None:
+        out["Authorization"] = authorization
+    return out
 
 
 def forwarded(headers: Mapping[str, str], dropped: frozenset[str] = NOT_FORWARDED) -> CIMultiDict:
