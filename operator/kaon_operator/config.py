@@ -23,6 +23,10 @@ class SpecPolicy:
 
     allow_host_path: bool = False
     allow_secret_env: bool = False
+    allow_secret_volumes: bool = False
+    """Let engine.volumes mount Secrets (`secret`, `projected` secret or token sources)."""
+    allowed_images: tuple[str, ...] = ()
+    """The engine images a spec may name (spec_policy.image_allowed); empty: any image."""
 
 
 @dataclass(frozen=True)

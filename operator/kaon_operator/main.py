@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
                         "persistentVolumeClaim and projected only)")
     parser.add_argument("--allow-secret-env", action="store_true",
                         help="let spec.engine.env/envFrom read Secrets of the namespace")
+    parser.add_argument("--allow-secret-volumes", action="store_true",
+                        help="let spec.engine.volumes mount Secrets of the namespace (secret, projected secret or "
+                             "serviceAccountToken sources)")
+    parser.add_argument("--allowed-image", action="append", default=[], metavar="IMAGE",
+                        help="an engine image a spec may name (repeatable): a repository (any tag or digest), an "
+                             "image, or a prefix ending in '/'; none given: any image")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
 
@@ -80,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.network_policy else None,
         autoscale=AutoscaleSettings(interval=args.autoscale_interval, release_namespace=args.release_namespace,
                                     use_lease=args.peering is not None),
-        spec_policy=SpecPolicy(allow_host_path=args.allow_host_path, allow_secret_env=args.allow_secret_env))
+        spec_policy=SpecPolicy(allow_host_path=args.allow_host_path, allow_secret_env=args.allow_secret_env,
+                               allow_secret_volumes=args.allow_secret_volumes,
+                               allowed_images=tuple(args.allowed_image)))
 
     if args.metrics_port:
         start_http_server(args.metrics_port)

@@ -68,9 +68,7 @@ def _remove_other_workload(ctx: Context, body, key: Key, spec: api.InferenceServ
 def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
     """kopf's create, update (of the spec) and resume."""
     record = ctx.records.get(key)
-    spec = api.parse_spec(body["spec"])
-    if not isinstance(spec, str):
-        spec = spec_policy.refusal(spec, ctx.config.spec_policy) or spec  # more than the admin allows: invalid
+    spec = spec_policy.checked(body["spec"], ctx.config.spec_policy)  # more than the admin allows: invalid
     if isinstance(spec, str):
         status_sync.write_invalid_spec(ctx, body, key, spec)
         return  # nothing to retry: the spec must change first, and that is another event

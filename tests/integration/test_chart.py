@@ -208,6 +208,17 @@ def test_watched_namespaces_become_flags(helm):
     assert [a for a in container(docs, "kaon-router")["args"] if a.startswith("--namespace")] == ["--namespace=c"]
 
 
+def test_the_spec_policy_values_become_the_operators_flags(helm):
+    assert VALUES["operator"]["allowedImages"] == [] and VALUES["operator"]["allowSecretVolumes"] is False
+    args = container(template(helm, []), "kaon-operator")["args"]
+    assert not [a for a in args if a.startswith(("--allowed-image", "--allow-secret"))]
+    args = container(template(helm, ["operator.allowedImages={ghcr.io/kaon-dev/kaon,registry.example/ml/}",
+                                     "operator.allowSecretVolumes=true"]), "kaon-operator")["args"]
+    assert [a for a in args if a.startswith("--allowed-image")] == [
+        "--allowed-image=ghcr.io/kaon-dev/kaon", "--allowed-image=registry.example/ml/"]
+    assert "--allow-secret-volumes" in args
+
+
 def test_network_policy_is_on_by_default_and_the_switch_reaches_the_operator(helm):
     args = container(template(helm, []), "kaon-operator")["args"]
     assert VALUES["networkPolicy"]["enabled"] is True

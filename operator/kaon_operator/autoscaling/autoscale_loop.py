@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from kaon_operator import api, clock, kubetime, labels, urls
+from kaon_operator import api, clock, kubetime, labels, spec_policy, urls
 from kaon_operator.api import Key
 from kaon_operator.autoscaling import autoscaler, histogram, predictive, scraper
 from kaon_operator.autoscaling.perf_model import PerfModel
@@ -160,7 +160,8 @@ class AutoscaleLoop:
                 continue
             if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
                 continue
-            spec = api.parse_spec(body["spec"])
+            # A spec the admin's policy refuses gets no profiling Job either (its image, its Secrets).
+            spec = spec_policy.checked(body["spec"], self.ctx.config.spec_policy)
             if isinstance(spec, api.InferenceServiceSpec):  # the reconcile handler reports an invalid spec
                 out.append((key, body, spec))
         autoscaled = {key for key, _, _ in out}

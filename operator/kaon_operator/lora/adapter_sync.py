@@ -9,17 +9,26 @@ answer is left out of the round. A load that fails (the engine could not fetch t
 does not fit the model) leaves the base serving: the condition and a Warning Event name the
 adapter and the reason, and the load is retried after RETRY_SECONDS, not every round.
 Loads and unloads are idempotent, so two operator replicas running the loop do no harm.
+
+A tenant's pod is the tenant's code as far as the loop knows, so it bounds what a pod can cost it:
+each service's round is its own task (a pod that holds a load for LOAD_TIMEOUT_SECONDS delays
+only its own service: the next rounds skip a service whose task still runs, and start the
+others'), the pool's connections are not shared out (a stalled tenant cannot hold the slots
+another's requests wait for), and every body read from a pod is capped (MAX_MODELS_BYTES,
+MAX_ERROR_BYTES: a larger /v1/models leaves the pod out of the round, a larger error is cut).
+A spec the admin's policy refuses (spec_policy.checked) is skipped: no API key goes to its pods.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from kaon_operator import api, clock, urls
+from kaon_operator import api, clock, spec_policy, urls
 from kaon_operator.api import Key
 from kaon_operator.context import Context
 from kaon_operator.lora import adapters
@@ -34,6 +43,9 @@ INTERVAL_SECONDS = 10.0
 RETRY_SECONDS = 60.0
 REQUEST_TIMEOUT_SECONDS = 5.0
 LOAD_TIMEOUT_SECONDS = 600.0  # a load may download the adapter first
+UNLOAD_TIMEOUT_SECONDS = 30.0
+MAX_MODELS_BYTES = 1 << 20  # /v1/models with MAX_ADAPTERS adapters is a few kilobytes
+MAX_ERROR_BYTES = 16 << 10  # the reason shown is 300 characters
 
 
 def api_key(data: Mapping[str, str] | None) -> str | None:
@@ -46,11 +58,22 @@ def api_key(data: Mapping[str, str] | None) -> str | None:
     return None
 
 
+async def read_at_most(response: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """Up to `limit` bytes of the body, and whether there was more (not read: the connection is dropped)."""
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            return bytes(body[:limit]), True
+    return bytes(body), False
+
+
 async def _reason(response: aiohttp.ClientResponse) -> str:
-    text = await response.text()
+    body, _ = await read_at_most(response, MAX_ERROR_BYTES)
+    text = body.decode(errors="replace")
     try:
-        return str((await response.json(content_type=None))["error"]["message"])
-    except (ValueError, KeyError, TypeError):
+        return str(json.loads(text)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError, RecursionError):
         return text.strip()[:300] or f"HTTP {response.status}"
 
 
@@ -58,28 +81,52 @@ class AdapterLoop:
     def __init__(self, ctx: Context, interval: float = INTERVAL_SECONDS,
                  url_of: Callable[[PodSummary], str] = urls.engine_url):
         self.ctx, self.interval, self.url_of = ctx, interval, url_of
+        self.tasks: dict[Key, asyncio.Task] = {}
+        """Each service's running round: a slow one is left to finish while the others go on."""
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession() as session:
-            while True:
-                try:
-                    await self.tick_all(session)
-                except Exception as exc:  # noqa: BLE001 - the next round tries again
-                    logger.warning(f"adapter round failed: {exc}")
-                await asyncio.sleep(self.interval)
+        # No pool-wide connection limit: the pods of one tenant that answer slowly must not hold
+        # the connections every other tenant's round waits for (each round's are bounded by its pods).
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            try:
+                while True:
+                    try:
+                        await self.tick_all(session)
+                    except Exception as exc:  # noqa: BLE001 - the next round tries again
+                        logger.warning(f"adapter round failed: {exc}")
+                    await asyncio.sleep(self.interval)
+            finally:
+                for task in self.tasks.values():
+                    task.cancel()
 
     async def tick_all(self, session: aiohttp.ClientSession) -> None:
-        live = set()
+        """Start a round for every service with adapters whose last round is over, and wait for them
+        up to `interval`: a round that takes longer runs on, and delays no other service."""
+        live, started = set(), []
         for key, body in self.ctx.caches.all_inference_services():
-            spec = api.parse_spec(body.get("spec") or {})
+            spec = spec_policy.checked(body.get("spec") or {}, self.ctx.config.spec_policy)
             record = self.ctx.records.find(key)
             if isinstance(spec, str) or (not spec.adapters and (record is None or record.adapters is None)):
                 continue
             live.add(key)
-            await self.tick(session, key, body, spec)
+            running = self.tasks.get(key)
+            if running is None or running.done():
+                self.tasks[key] = task = asyncio.create_task(self._round(session, key, body, spec))
+                started.append(task)
+        for key in [k for k in self.tasks if k not in live]:
+            self.tasks.pop(key).cancel()
         for key, record in self.ctx.records.items():
             if key not in live:
                 record.adapters = None
+        if started:
+            await asyncio.wait(started, timeout=self.interval)
+
+    async def _round(self, session: aiohttp.ClientSession, key: Key, body: Mapping,
+                     spec: api.InferenceServiceSpec) -> None:
+        try:
+            await self.tick(session, key, body, spec)
+        except Exception as exc:  # noqa: BLE001 - this service's next round tries again
+            logger.warning(f"{key}: adapter round failed: {exc}")
 
     async def _headers(self, key: Key, spec: api.InferenceServiceSpec) -> dict[str, str]:
         if spec.auth is None:
@@ -139,8 +186,11 @@ class AdapterLoop:
         try:
             async with session.get(f"{url}/v1/models", headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)) as response:
-                return adapters.held(await response.json(content_type=None)) if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+                if response.status != 200 or (response.content_length or 0) > MAX_MODELS_BYTES:
+                    return None
+                body, more = await read_at_most(response, MAX_MODELS_BYTES)
+                return None if more else adapters.held(json.loads(body))
+        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError):
             return None
 
     @staticmethod
@@ -150,7 +200,8 @@ class AdapterLoop:
         body = {"lora_name": action.name, **({"lora_path": action.path} if action.op == "load" else {})}
         try:
             async with session.post(f"{url}/v1/{action.op}_lora_adapter", json=body, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_SECONDS)) as response:
+                                    timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_SECONDS if action.op == "load"
+                                                                  else UNLOAD_TIMEOUT_SECONDS)) as response:
                 if response.status == 200 or (action.op == "unload" and response.status == 404):
                     return None
                 return await _reason(response)

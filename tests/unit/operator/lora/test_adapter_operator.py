@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kaon_operator import api
 from kaon_operator.children import pod_template
+from kaon_operator.config import OperatorConfig
 from kaon_operator.lora import adapter_sync, adapters
 from kaon_operator.records import Records
 from kaon_operator.status import conditions
@@ -192,6 +193,7 @@ class FakeKube:
 class FakeCtx:
     def __init__(self, body, pods, secret=None):
         self.caches, self.kube, self.events, self.records = FakeCaches(body, pods), FakeKube(secret), [], Records()
+        self.config = OperatorConfig()
 
     def post(self, body, events):
         self.events += events
