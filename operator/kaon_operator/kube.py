@@ -211,6 +211,10 @@ class Kube:
                 return None
             raise
 
+    def get_config_map(self, namespace: str, name: str) -> dict | None:
+        """A ConfigMap, metadata and all (profile: auto checks whose it is); None when it does not exist."""
+        return self._get(self.dynamic.resources.get(api_version="v1", kind="ConfigMap"), namespace, name)
+
     def get_job(self, namespace: str, name: str) -> dict | None:
         """A batch/v1 Job (the profiling Job of spec.autoscaling.profile: auto); None when it does not exist."""
         return self._get(self.dynamic.resources.get(api_version="batch/v1", kind="Job"), namespace, name)

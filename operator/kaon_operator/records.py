@@ -33,6 +33,8 @@ class ProfileMemory:
     model: PerfModel | None = None
     warned: str | None = None
     """The uid of the failed Job already reported."""
+    strangers: frozenset[str] = frozenset()
+    """The objects posing as this service's profile (profiling.strangers) already reported."""
     cleaned: str | None = None
     """The setting whose stale profiling objects were looked for (profile_sync._clean)."""
 

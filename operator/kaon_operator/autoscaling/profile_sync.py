@@ -13,6 +13,11 @@ the profiling Jobs (with their pods) and ConfigMaps this service made that the s
 (Normal `ProfileCleaned`), once per setting and operator run; a failure is logged, not retried
 until the setting changes or the operator restarts (the service's deletion removes them anyway).
 
+auto trusts its ConfigMap and Job only when this service controls them, and the Job's pods only
+when the Job controls them (profiling.controlled_by): a ConfigMap or Job of that name that is not
+the service's leaves the setting without a model (the condition says why), and every such object
+is named once in a Warning `ProfileNotOwned` Event.
+
 Every outcome is the `Profiled` condition; without a model the autoscaler scales by the
 reactive policy and says so in every decision's reason. An API error (RBAC, a name taken by
 an object kaon does not control) is reported the same way and tried again next tick.
@@ -74,10 +79,15 @@ def _read(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, memory
     meta = body["metadata"]
     memory.name, memory.model = name, None
     try:
-        saved = profiling.read_model((kube.config_map_data(meta["namespace"], name) or {}).get(api.PROFILE_KEY))
-        if spec.autoscaling.profile != profiling.AUTO:
+        if spec.autoscaling.profile != profiling.AUTO:  # the user's own ConfigMap, by the name it gave
+            saved = profiling.read_model((kube.config_map_data(meta["namespace"], name) or {}).get(api.PROFILE_KEY))
             memory.model = saved
             return Resolved(saved, name, conditions.named_profile_condition(name, saved))
+        found = kube.get_config_map(meta["namespace"], name)
+        if found is not None and not profiling.controlled_by(found, meta.get("uid")):
+            _report_strangers(body, [{**found, "kind": "ConfigMap"}], memory, post)
+            raise NotOwned("ConfigMap", meta["namespace"], name, "not this InferenceService")
+        saved = profiling.read_model(((found or {}).get("data") or {}).get(api.PROFILE_KEY))
         memory.model, condition = _auto(kube, body, spec, name, saved, memory, post)
     except (ApiException, NotOwned) as exc:
         why = str(exc) if isinstance(exc, NotOwned) else f"{exc.status} {exc.reason}"
@@ -112,6 +122,18 @@ def _clean(kube, body: Mapping, keep_digest: str | None, keep_name: str | None, 
         post(body, [EventSpec("Normal", "ProfileCleaned", profiling.cleaned_message(removed))])
 
 
+def _report_strangers(body: Mapping, objects: list[dict], memory: ProfileMemory,
+                      post: Callable[[Mapping, list[EventSpec]], None]) -> None:
+    """A Warning Event naming the objects posing as this service's profile, once per object."""
+    named = profiling.strangers(objects, None)
+    new = [n for n in named if n not in memory.strangers]
+    if new:
+        memory.strangers |= frozenset(new)
+        post(body, [EventSpec("Warning", "ProfileNotOwned", f"ignored {', '.join(new)}: carries the name or labels "
+                                                            "of this InferenceService's profile (spec.autoscaling."
+                                                            "profile: auto) but is not controlled by it")])
+
+
 def _auto(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, saved: PerfModel | None,
           memory: ProfileMemory, post: Callable[[Mapping, list[EventSpec]], None]) -> tuple[PerfModel | None, dict]:
     meta = body["metadata"]
@@ -119,8 +141,14 @@ def _auto(kube, body: Mapping, spec: api.InferenceServiceSpec, name: str, saved:
     job = None if saved is not None else kube.get_job(owner.namespace, name)
     state = None
     if job is not None:
+        if not profiling.controlled_by(job, owner.uid):
+            _report_strangers(body, [{**job, "kind": "Job"}], memory, post)
+            raise NotOwned("Job", owner.namespace, name, "not this InferenceService")
         digest = profiling.key_digest(profiling.profile_key(spec))
-        state = profiling.job_state(job, kube.list_pods(owner.namespace, profiling.pod_selector(owner.name, digest)))
+        pods = kube.list_pods(owner.namespace, profiling.pod_selector(owner.name, digest))
+        _report_strangers(body, [p for p in pods if not profiling.controlled_by(p, job["metadata"].get("uid"))],
+                          memory, post)
+        state = profiling.job_state(job, pods)
     step = profiling.next_step(saved, state)
     if step is Step.RUN:
         kube.create_once(profiling.job(owner, spec))

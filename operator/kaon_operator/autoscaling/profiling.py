@@ -27,6 +27,11 @@ Pure functions; the I/O is profile_sync.py's.
   operator, which may already read pods and write ConfigMaps, is the one writer. The model
   fits: the coefficients take ~400 bytes and `kaon profile` leaves grid points out evenly
   until the whole fits the kubelet's 4 KiB.
+- **Whose objects are read**: labels and names can be chosen by anyone who may write in the
+  namespace, so auto's ConfigMap and Job are trusted only when this InferenceService's uid is their
+  controller, and the Job's pods only when the Job's uid is theirs (`controlled_by`). Anything else
+  under those names or labels (`strangers`) is ignored (a pre-made ConfigMap cannot plant a model,
+  a labelled pod cannot end the measurement with its own message), and reported with an Event.
 """
 from __future__ import annotations
 
@@ -166,8 +171,22 @@ class JobState:
     uid: str = ""
 
 
+def controlled_by(obj: dict, uid: str | None) -> bool:
+    """Whether `uid` (an InferenceService's, a Job's) is the object's controller."""
+    return bool(uid) and (ownership.controller(obj) or {}).get("uid") == uid
+
+
+def strangers(objects: list[dict], uid: str | None) -> list[str]:
+    """`Kind name` of each object not controlled by `uid`: what a name or a label alone does not make ours."""
+    return [f"{obj.get('kind') or 'Pod'} {(obj.get('metadata') or {}).get('name')}"
+            for obj in objects if not controlled_by(obj, uid)]
+
+
 def job_state(job_body: dict, pods: list[dict]) -> JobState:
-    """What the Job and its pod say: running, succeeded with the model, or failed and why."""
+    """What the Job and its pod say: running, succeeded with the model, or failed and why. Only the
+    pods the Job controls are read (a pod that only carries the labels says nothing)."""
+    job_uid = (job_body.get("metadata") or {}).get("uid")
+    pods = [p for p in pods if controlled_by(p, job_uid)]
     conditions = {c.get("type"): c for c in (job_body.get("status") or {}).get("conditions") or []
                   if c.get("status") == "True"}
     uid = job_body.get("metadata", {}).get("uid", "")

@@ -79,9 +79,11 @@ def job_body(condition: str | None) -> dict:
                        if condition else []}}
 
 
-def pod(message: str, code: int = 0) -> dict:
-    return {"status": {"containerStatuses": [{"name": profiling.CONTAINER, "state": {
-        "terminated": {"exitCode": code, "message": message}}}]}}
+def pod(message: str, code: int = 0, job_uid: str = "job-1", name: str = "p") -> dict:
+    """A pod of the Job `job_uid` (its controller, as the Job controller makes them)."""
+    return {"metadata": {"name": name, "ownerReferences": [{"kind": "Job", "uid": job_uid, "controller": True}]},
+            "status": {"containerStatuses": [{"name": profiling.CONTAINER, "state": {
+                "terminated": {"exitCode": code, "message": message}}}]}}
 
 
 def test_the_next_step_follows_the_configmap_then_the_job():
@@ -206,6 +208,9 @@ class FakeKube:
         found = self.config_maps.get(name)
         return None if found is None else found["data"]
 
+    def get_config_map(self, namespace, name):
+        return self.config_maps.get(name)
+
     def get_job(self, namespace, name):
         return self.jobs.get(name)
 
@@ -214,6 +219,7 @@ class FakeKube:
 
     def create_once(self, manifest):
         store = self.jobs if manifest["kind"] == "Job" else self.config_maps
+        manifest["metadata"].setdefault("uid", "job-1" if manifest["kind"] == "Job" else "cm-1")
         return store.setdefault(manifest["metadata"]["name"], manifest)
 
     def list_objects(self, api_version, kind, namespace, selector):
@@ -329,7 +335,7 @@ def test_a_failed_cleanup_keeps_the_model():
             raise profile_sync.ApiException(status=403, reason="Forbidden")
 
     kube, s = Forbidden(), spec()
-    kube.config_maps[profiling.object_name("chat", digest(s))] = {"data": {api.PROFILE_KEY: MODEL.to_json()}}
+    kube.config_maps[profiling.object_name("chat", digest(s))] = profiling.config_map(OWNER, s, MODEL.to_json())
     found = profile_sync.resolve(kube, body(s), s, profile_sync.ProfileMemory(), print)
     assert found.model == MODEL and found.condition["status"] == "True"
     assert kube.listed == [("Job", profiling.profile_selector("chat"))]  # tried once, then left to the next change
@@ -338,7 +344,7 @@ def test_a_failed_cleanup_keeps_the_model():
 def test_a_failed_job_is_reported_once_and_the_reactive_policy_goes_on():
     kube, events, memory, s = FakeKube(), [], profile_sync.ProfileMemory(), spec()
     name = profiling.object_name("chat", digest(s))
-    kube.jobs[name] = {**profiling.job(OWNER, s), **job_body("Failed")}
+    kube.jobs[name] = kube.create_once(profiling.job(OWNER, s)) | {"status": job_body("Failed")["status"]}
     kube.pods = [pod("kaon profile: error: kaon serve exited with 2 before it was ready", 1)]
     for _ in range(3):
         result = profile_sync.resolve(kube, body(s), s, memory, lambda _, ev: events.extend(ev))
@@ -378,6 +384,51 @@ def test_the_loop_decides_by_the_profiled_model_or_says_why_not(monkeypatch):
 
     assert "no performance model in ConfigMap chat-profile-" in decide().reason
     assert profiled[("ns", "chat")]["reason"] == "Profiling"
-    kube.config_maps[profiling.object_name("chat", digest(s))] = {"data": {api.PROFILE_KEY: MODEL.to_json()}}
+    kube.config_maps[profiling.object_name("chat", digest(s))] = profiling.config_map(OWNER, s, MODEL.to_json())
     assert "performance model" in decide().reason and "no performance model" not in decide().reason
     assert profiled[("ns", "chat")]["status"] == "True"
+
+
+# Objects posing as the profile (issue 48, low): someone who may write ConfigMaps or pods in the namespace,
+# but not this InferenceService, tries to plant the performance model the autoscaler sizes replicas by.
+PLANTED = PerfModel(a=5.0, b=0.0, c=0.0, d=0.0, cold_start_seconds=1.0)  # "one replica is always enough"
+
+
+def test_a_pre_made_configmap_under_autos_name_is_ignored_and_reported():
+    kube, events, s = FakeKube(), [], spec()
+    name = profiling.object_name("chat", digest(s))
+    planted = profiling.config_map(OWNER, s, PLANTED.to_json())
+    for refs in ([], [{"kind": "InferenceService", "uid": "someone-else", "controller": True}]):
+        planted["metadata"]["ownerReferences"] = refs
+        kube.config_maps[name] = planted
+        found = profile_sync.resolve(kube, body(s), s, profile_sync.ProfileMemory(), lambda _, ev: events.extend(ev))
+        assert found.model is None and found.condition["status"] == "False", found
+        assert "not this InferenceService" in found.condition["message"]
+        assert events[-1].type == "Warning" and events[-1].reason == "ProfileNotOwned" and name in events[-1].message
+    assert not kube.jobs  # nor is a Job run beside it: the name is taken
+
+
+def test_a_labelled_pod_the_job_does_not_control_cannot_end_the_measurement():
+    kube, events, memory, s = FakeKube(), [], profile_sync.ProfileMemory(), spec()
+
+    def resolve():
+        return profile_sync.resolve(kube, body(s), s, memory, lambda _, ev: events.extend(ev))
+
+    first = resolve()
+    kube.jobs[first.name]["status"] = job_body("Complete")["status"]
+    kube.pods = [pod(PLANTED.to_json(), job_uid="not-the-job", name="impostor"), pod("", name="real")]
+    found = resolve()
+    assert found.model is None and first.name not in kube.config_maps  # the impostor's model was not saved
+    assert [(e.type, e.reason) for e in events if "impostor" in e.message] == [("Warning", "ProfileNotOwned")]
+    resolve()
+    assert len([e for e in events if e.reason == "ProfileNotOwned"]) == 1  # once per object
+
+
+def test_a_foreign_job_under_autos_name_is_not_read():
+    kube, events, s = FakeKube(), [], spec()
+    name = profiling.object_name("chat", digest(s))
+    kube.jobs[name] = {"metadata": {"name": name, "uid": "job-x"}, "status": job_body("Complete")["status"]}
+    kube.pods = [pod(PLANTED.to_json(), job_uid="job-x")]
+    found = profile_sync.resolve(kube, body(s), s, profile_sync.ProfileMemory(), lambda _, ev: events.extend(ev))
+    assert found.model is None and not kube.config_maps and "not this InferenceService" in found.condition["message"]
+    assert events[-1].reason == "ProfileNotOwned" and f"Job {name}" in events[-1].message
