@@ -1,0 +1,59 @@
+"""json_cost: its estimate is an upper bound of what json.loads holds (tracemalloc's peak), on the
+shapes that cost most per byte and on ordinary ones; its counts are the parser's, strings and
+escapes notwithstanding; and its own work stays small on a body built to slow it."""
+from __future__ import annotations
+
+import json
+import time
+import tracemalloc
+
+import pytest
+
+from kaon_operator.router import json_cost
+
+SIZE = 1 << 20
+
+
+def filled(unit: bytes) -> bytes:
+    head, tail = b'{"model": "m", "x": [', b"]}"
+    return head + b",".join([unit] * ((SIZE - len(head) - len(tail)) // (len(unit) + 1))) + tail
+
+
+SHAPES = {"empty dicts": filled(b"{}"), "empty lists": filled(b"[]"), "one-key dicts": filled(b'{"a":0}'),
+          "floats": filled(b"0.5"), "token ids": filled(b"123456"), "short strings": filled(b'"ab"'),
+          "nested": filled(b"[[[]]]"), "prose": json.dumps({"model": "m", "prompt": "hi, there. " * 90_000}).encode(),
+          "wide prose": json.dumps({"model": "m", "prompt": "hi. " * 200_000 + "\U0001F600"},
+                                   ensure_ascii=False).encode(),
+          "chat": json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 50}] * 2000}).encode()}
+UNLIMITED = json_cost.Limits(depth=10**9, containers=10**9, values=10**9, strings=10**9)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_the_estimate_bounds_what_parsing_holds(name):
+    body = SHAPES[name]
+    estimate = json_cost.estimate(len(body), json_cost.scan(body, UNLIMITED))
+    tracemalloc.start()
+    try:
+        parsed = json.loads(body.decode("utf-8", "surrogatepass"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    del parsed
+    assert peak <= estimate <= max(8 * peak, 8 * len(body)), (name, peak, estimate)
+
+
+def test_strings_hide_no_structure_and_escapes_do_not_end_them():
+    body = b'{"model": "m", "p": "[{,:}] \\" [[[ \\\\", "q": [1, [2, {"a": 3}]]}'
+    shape = json_cost.scan(body)
+    assert json.loads(body)["p"] == '[{,:}] " [[[ \\'
+    assert (shape.containers, shape.depth) == (4, 4) and shape.values >= 9
+
+
+def test_limits_are_named_and_the_scan_stays_cheap_on_a_body_built_to_slow_it():
+    assert json_cost.over(json_cost.scan(b'{"a": ' + b"[" * 129 + b"]" * 129 + b"}")) == (
+        400, "the request body nests JSON arrays and objects deeper than 128 levels")
+    many_strings = b"[" + b",".join([b'"a"'] * 1_000_000) + b"]"
+    started = time.perf_counter()
+    shape = json_cost.scan(many_strings)
+    assert time.perf_counter() - started < 0.2  # refused on a count, not a million regex matches
+    assert json_cost.over(shape) == (413, "the request body holds more than 65536 JSON strings")
