@@ -6,7 +6,9 @@ of that service's ready engine pods, chosen by the service's routing strategy.
     endpoints.py  pure: pods and InferenceServices -> the endpoint table
     strategies/   pure decisions by spec.routing.strategy: least-connections, prefix-affinity
     backoff.py    pure: retry candidates, outlier ejection
-    request.py    pure: `model`, the body the engine gets, forwarded headers
+    request.py    pure: `model`, the body the engine gets, the headers a pod gets (no client credentials)
+    json_cost.py  pure: what parsing a body costs (depth, counts, bytes), read off its bytes first
+    admission.py  pure: the byte budget (bodies and their parse cost; one client's share of it)
     sse.py        pure: an SSE stream cut into whole events
     pump.py       copies a response body as it arrives, with the idle timeout
     relay.py      passes an engine's response on (whole, or streamed; a broken one ended cleanly)

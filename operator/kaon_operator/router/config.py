@@ -39,7 +39,7 @@ class RouterConfig:
     Content-Length, or --max-body-bytes when it has none, before it is read; then what parsing it
     costs, json_cost.estimate); a request past it gets a 503 with Retry-After (unread, when its
     Content-Length says so). Keep it well under the pod's memory limit."""
-    max_client_share: float = 0.125
+    max_client_share: float = 0.25
     """The part of --max-buffered-bytes one client (an address, an IPv6 /64) may hold at once; past
     it, its own requests get the 503, not everyone's."""
     json_limits: Limits = field(default_factory=Limits)

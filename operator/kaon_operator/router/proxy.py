@@ -1,11 +1,15 @@
 """The HTTP edge: an aiohttp server that forwards OpenAI requests to engine pods.
 
+Only the engine's OpenAI routes are forwarded (CLIENT_ROUTES); anything else is OpenAI's 404.
 Per request: decide on the headers whether to read the body at all (a key that opens nothing,
-the bytes already held: admission.py), read it within --body-timeout, take `model` from it
-(request.py), find the InferenceService serving that name, hold the request while the service
+the bytes already held, this client's share of them: admission.py), read it within
+--body-timeout, scan it and take what parsing it costs from the same budget (json_cost.py), take
+`model` from it (request.py), find the InferenceService serving that name (naming.py: one
+reading only), check its key again at each attempt, hold the request while the service
 has no ready pod (hold.py), pick a pod by the service's routing strategy (strategies/), and
 relay the response as it arrives (relay.py; SSE streams in whole events, sse.py), with the
-engine's status, headers and body unchanged. The listening socket's own limits (connections,
+engine's status, headers and body unchanged. A pod gets none of the client's credentials but
+a keyed service's own key (request.upstream_headers). The listening socket's own limits (connections,
 request heads) are edge.py's.
 
 Failures: an attempt that fails before the response began (refused or reset connection, the
