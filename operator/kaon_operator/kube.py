@@ -211,6 +211,16 @@ class Kube:
                 return None
             raise
 
+    def set_pod_condition(self, namespace: str, name: str, condition: dict) -> None:
+        """Set one condition of a pod's status (a readiness gate's), merged by type with the kubelet's;
+        a pod that has gone meanwhile is not an error."""
+        try:
+            self.core.patch_namespaced_pod_status(name, namespace, {"status": {"conditions": [condition]}},
+                                                  _content_type="application/strategic-merge-patch+json")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
     def get_config_map(self, namespace: str, name: str) -> dict | None:
         """A ConfigMap, metadata and all (profile: auto checks whose it is); None when it does not exist."""
         return self._get(self.dynamic.resources.get(api_version="v1", kind="ConfigMap"), namespace, name)

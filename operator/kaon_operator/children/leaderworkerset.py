@@ -66,10 +66,11 @@ def _with_dist_key(pod: dict, name: str) -> dict:
 def _worker_pod_spec(leader: dict) -> dict:
     """A worker runs `kaon serve` as the leader does (LWS_WORKER_INDEX tells it its stage) but serves only
     GET /health, from its start: the liveness probe stays, the startup and readiness probes go (the group
-    is ready when its leader is, which needs every stage joined). A dead worker is seen by the leader, whose
+    is ready when its leader is, which needs every stage joined; nor the adapters' readiness gate: the
+    leader holds the adapters). A dead worker is seen by the leader, whose
     /health then fails, and by the kubelet, which makes the LWS controller recreate the whole group."""
     container = {k: v for k, v in leader["containers"][0].items() if k not in ("startupProbe", "readinessProbe")}
-    return {**leader, "containers": [container]}
+    return {**{k: v for k, v in leader.items() if k != "readinessGates"}, "containers": [container]}
 
 
 def manifest(metadata: dict, name: str, spec: api.InferenceServiceSpec) -> dict:

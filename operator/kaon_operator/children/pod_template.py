@@ -295,6 +295,8 @@ def pod_spec(name: str, spec: api.InferenceServiceSpec) -> dict:
     }
     if _scheme(spec.model.uri):  # hf://, s3://: download; pvc://: look. Either way, fail with a reason.
         pod["initContainers"] = [_fetch_container(spec, mounts)]
+    if gates := adapter_pods.readiness_gates(spec):  # not Ready before its adapters are loaded
+        pod["readinessGates"] = gates
     if spec.engine.image_pull_secrets:
         pod["imagePullSecrets"] = [s.model_dump() for s in spec.engine.image_pull_secrets]
     scheduling = spec.scheduling or api.SchedulingSpec()

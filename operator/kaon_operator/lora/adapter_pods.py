@@ -12,6 +12,14 @@ hf:// and s3:// adapters are fetched by the engine container when it loads them:
 environment (read from the Secret by the kubelet). A download that fails fails that load only
 (a 400 with the reason): the base keeps serving, and the operator reports the adapter
 (condition AdaptersReady, a Warning Event).
+
+A new pod (a scale-up, a rollout) must not take requests before it holds spec.adapters, or it
+answers 404 for them until the loop's next round: with adapters, the pod has a readiness gate
+(ADAPTERS_GATE) that the adapter loop sets once every adapter is loaded on it or has failed (the
+failure reported; the base serves). Until then the pod is not Ready: no Service endpoint, no
+router traffic, and a rollout does not take an old pod down for it. Loading at run time, not on
+the command line, keeps an adapter change from rolling the pods. A multi-node group's workers
+serve no API and carry no gate (leaderworkerset.py).
 """
 from __future__ import annotations
 
@@ -50,6 +58,14 @@ def lora_path(spec: api.InferenceServiceSpec, adapter: api.AdapterSpec) -> str:
     claim, sub = _pvc(adapter.uri)
     root = MODEL_MOUNT if claim == _model_claim(spec) else f"{ADAPTER_MOUNT}/{claim}"
     return f"{root}/{sub}" if sub else root
+
+
+ADAPTERS_GATE = "kaon.dev/adapters-loaded"
+
+
+def readiness_gates(spec: api.InferenceServiceSpec) -> list[dict]:
+    """The pod's readiness gates: ADAPTERS_GATE when it serves adapters."""
+    return [{"conditionType": ADAPTERS_GATE}] if spec.adapters else []
 
 
 def engine_args(spec: api.InferenceServiceSpec) -> list[str]:

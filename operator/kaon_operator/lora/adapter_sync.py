@@ -8,6 +8,10 @@ adapters.plan says, and writes status.adapters and the AdaptersReady condition. 
 answer is left out of the round. A load that fails (the engine could not fetch the adapter, or it
 does not fit the model) leaves the base serving: the condition and a Warning Event name the
 adapter and the reason, and the load is retried after RETRY_SECONDS, not every round.
+A pod whose containers are ready but whose adapter readiness gate (adapter_pods.ADAPTERS_GATE) is
+not set yet is served too, and once it holds every adapter (or its load failed: adapters.settled)
+the loop sets the gate's pod condition, and the pod turns Ready: a scale-up never answers 404 for
+an adapter of spec.adapters.
 Loads and unloads are idempotent, so two operator replicas running the loop do no harm.
 
 A tenant's pod is the tenant's code as far as the loop knows, so it bounds what a pod can cost it:
@@ -28,10 +32,10 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from kaon_operator import api, clock, spec_policy, urls
+from kaon_operator import api, clock, kubetime, spec_policy, urls
 from kaon_operator.api import Key
 from kaon_operator.context import Context
-from kaon_operator.lora import adapters
+from kaon_operator.lora import adapter_pods, adapters
 from kaon_operator.records import AdapterMemory
 from kaon_operator.status import conditions, status_sync
 from kaon_operator.status.conditions import EventSpec
@@ -75,6 +79,13 @@ async def _reason(response: aiohttp.ClientResponse) -> str:
         return str(json.loads(text)["error"]["message"])[:300]
     except (ValueError, KeyError, TypeError, RecursionError):
         return text.strip()[:300] or f"HTTP {response.status}"
+
+
+def _gate_condition(failed: list[str]) -> dict:
+    return {"type": adapter_pods.ADAPTERS_GATE, "status": "True", "lastTransitionTime": kubetime.stamp(clock.now()),
+            "reason": "AdaptersLoaded" if not failed else "AdaptersFailed",
+            "message": "every adapter of spec.adapters is loaded" if not failed else
+                       f"loaded all but {', '.join(sorted(failed))} (see AdaptersReady); the base model serves"}
 
 
 class AdapterLoop:
@@ -140,8 +151,9 @@ class AdapterLoop:
         record = self.ctx.records.get(key)
         state = record.adapters = record.adapters or AdapterMemory()
         headers = await self._headers(key, spec)
-        urls = {p.name: self.url_of(p) for p in self.ctx.caches.pods(key)
-                if p.ready and not p.terminating and p.ip}
+        serving = [p for p in self.ctx.caches.pods(key)
+                   if (p.ready or p.containers_ready) and not p.terminating and p.ip]
+        urls = {p.name: self.url_of(p) for p in serving}
         answers = await asyncio.gather(*(self._held(session, url, headers) for url in urls.values()))
         pods = {pod: found for pod, found in zip(urls, answers, strict=True) if found is not None}
         want, now = adapters.desired(spec), clock.monotonic()
@@ -169,6 +181,10 @@ class AdapterLoop:
                                             f"{action.pod}: {error}; the base model keeps serving"))
         if events:
             await asyncio.to_thread(self.ctx.post, body, events)
+        for pod in (p.name for p in serving if adapter_pods.ADAPTERS_GATE in p.gates_pending):
+            failed = [n for pn, n in state.failed_at if pn == pod]
+            if pod in pods and adapters.settled(want, pods[pod], failed):
+                await asyncio.to_thread(self.ctx.kube.set_pod_condition, key[0], pod, _gate_condition(failed))
         await self._report(key, state, want, pods)
 
     async def _report(self, key: Key, state: AdapterMemory, want: Mapping[str, str],

@@ -50,6 +50,13 @@ def plan(want: Mapping[str, str], pods: Mapping[str, Held], skip: Iterable[tuple
     return unloads + loads
 
 
+def settled(want: Mapping[str, str], have: Held, failed: Iterable[str]) -> bool:
+    """Whether a pod may take requests: each wanted adapter is held from its path, or its load on this
+    pod failed (reported; the base serves). The adapter readiness gate waits for this."""
+    failures = set(failed)
+    return all(have.get(name) == path or name in failures for name, path in want.items())
+
+
 def status(want: Mapping[str, str], pods: Mapping[str, Held], failures: Mapping[str, str]) -> list[dict]:
     """status.adapters: each wanted adapter, the pods holding it from its path, the last failure."""
     out = []

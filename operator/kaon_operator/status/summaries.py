@@ -25,6 +25,10 @@ class PodSummary:
     ip: str | None = None
     ready: bool = False
     terminating: bool = False
+    containers_ready: bool = False
+    """Its containers pass their probes: the engine answers, though a readiness gate may hold the pod."""
+    gates_pending: frozenset[str] = frozenset()
+    """Its readiness gates (spec.readinessGates) whose pod condition is not True yet."""
     unschedulable: str | None = None
     """The scheduler's message while the pod cannot be placed."""
     stuck: tuple[str, str] | None = None
@@ -182,7 +186,10 @@ def summarize_pod(pod: Mapping[str, Any]) -> PodSummary:
     if status.get("phase") == "Running" and ready.get("status") != "True":
         not_ready_since = (_time(ready.get("lastTransitionTime")) if ready.get("status") == "False" else None) \
             or _time(status.get("startTime"))
+    gate_types = {g.get("conditionType") for g in (pod.get("spec") or {}).get("readinessGates") or ()}
     return PodSummary(name=meta.get("name", ""), ip=status.get("podIP"), ready=ready.get("status") == "True",
+                      containers_ready=conditions.get("ContainersReady", {}).get("status") == "True",
+                      gates_pending=frozenset(t for t in gate_types if conditions.get(t, {}).get("status") != "True"),
                       terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck,
                       model_failure=model_failure(status), not_ready_since=not_ready_since,
                       startup_budget_s=_startup_budget(pod))

@@ -181,13 +181,16 @@ class FakeCaches:
 
 class FakeKube:
     def __init__(self, secret=None):
-        self.patches, self.secret = [], secret
+        self.patches, self.secret, self.conditions = [], secret, []
 
     def patch_status(self, namespace, name, patch):
         self.patches.append(patch)
 
     def secret_data(self, namespace, name):
         return self.secret
+
+    def set_pod_condition(self, namespace, name, condition):
+        self.conditions.append((name, condition))
 
 
 class FakeCtx:
@@ -248,3 +251,61 @@ def test_the_loop_loads_added_and_unloads_removed_adapters(monkeypatch):
                 await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+# A new pod turns Ready only with its adapters (issue 48, item 2) ----------------------------
+
+
+def test_a_pod_with_adapters_waits_for_them_behind_a_readiness_gate():
+    from kaon_operator.children import leaderworkerset
+    from kaon_operator.lora import adapter_pods
+    pod = pod_template.pod_spec("svc", spec_of([SQL]))
+    assert pod["readinessGates"] == [{"conditionType": adapter_pods.ADAPTERS_GATE}]
+    assert adapter_pods.ADAPTERS_GATE == "kaon.dev/adapters-loaded"
+    assert "readinessGates" not in pod_template.pod_spec("svc", spec_of([]))
+    group = leaderworkerset.manifest({"name": "svc"}, "svc", spec_of(
+        [SQL], engine={"nodesPerReplica": 2, "pipelineParallelSize": 2}))["spec"]["leaderWorkerTemplate"]
+    assert "readinessGates" in group["leaderTemplate"]["spec"] and "readinessGates" not in group["workerTemplate"]["spec"]
+
+
+def test_the_gate_is_set_only_once_the_new_pod_holds_its_adapters(monkeypatch):
+    """A scale-up's pod: its engine answers (containers ready) but the gate holds it out of the
+    Service and the router. The loop loads the adapters on it, then sets the gate; a load that fails
+    sets it too (the base serves, the failure is reported), so a broken adapter stalls no rollout."""
+    monkeypatch.setattr(adapter_sync.status_sync, "adapters_changed", lambda ctx, key, c: None)
+    gate = "kaon.dev/adapters-loaded"  # the pod template's readinessGates entry (the test above)
+
+    async def scenario():
+        engines = [FakeEngine(), FakeEngine(broken=("hf://org/broken",)), FakeEngine()]
+        ports: list[int] = []
+        runners = await _serve(engines, ports)
+        pods = [PodSummary("new", ip=f"127.0.0.1:{ports[0]}", containers_ready=True, gates_pending=frozenset({gate})),
+                PodSummary("bad", ip=f"127.0.0.1:{ports[1]}", containers_ready=True, gates_pending=frozenset({gate})),
+                PodSummary("old", ip=f"127.0.0.1:{ports[2]}", ready=True, containers_ready=True)]
+        body = {"metadata": {"namespace": "ns", "name": "svc"},
+                "spec": {"model": {"uri": "hf://org/base"}, "adapters": [SQL, {"name": "broken", "uri": "hf://org/broken"}]}}
+        ctx = FakeCtx(body, pods)
+        loop = adapter_sync.AdapterLoop(ctx, url_of=lambda pod: f"http://{pod.ip}")  # type: ignore[arg-type]
+        try:
+            async with aiohttp.ClientSession() as session:
+                await loop.tick_all(session)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        assert engines[0].adapters == {"sql": SQL["uri"], "broken": "hf://org/broken"}
+        set_on = {name: c for name, c in ctx.kube.conditions}
+        assert set(set_on) == {"new", "bad"}  # "old" has no gate pending: nothing to set
+        assert set_on["new"]["type"] == gate and set_on["new"]["status"] == "True"
+        assert set_on["new"]["reason"] == "AdaptersLoaded"
+        assert set_on["bad"]["reason"] == "AdaptersFailed" and "broken" in set_on["bad"]["message"]
+
+    asyncio.run(scenario())
+
+
+def test_the_gate_waits_while_an_adapter_is_missing():
+    from kaon_operator.lora import adapters as plan
+    want = {"sql": "s3://b/sql", "chat": "hf://o/chat"}
+    assert not plan.settled(want, {"sql": "s3://b/sql"}, [])
+    assert plan.settled(want, {"sql": "s3://b/sql"}, ["chat"])
+    assert not plan.settled(want, {"sql": "s3://b/other", "chat": "hf://o/chat"}, [])
+    assert plan.settled({}, {}, [])
