@@ -101,6 +101,10 @@ def test_an_added_adapter_is_loaded_on_the_running_pod_without_a_restart(cluster
     with StandIns(cluster, "lora") as engines:
         wait_for("sql loaded", lambda: engines.held() == [{"sql": SQL["uri"]}], timeout=40)
         pod = cluster.running_pods("lora")[0]["metadata"]
+        # The pod's readiness gate, set by the operator's own ServiceAccount once sql is loaded (pods/status).
+        wait_for("the adapters' readiness gate", lambda: any(
+            c["type"] == "kaon.dev/adapters-loaded" and c["status"] == "True"
+            for c in (cluster.get("pod", pod["name"]) or {}).get("status", {}).get("conditions") or ()), timeout=20)
         wait_for("status.adapters", lambda: cluster.status("lora").get("adapters") == [
             {"name": "sql", "pods": [pod["name"]]}], timeout=20)
         wait_for("AdaptersReady", lambda: cluster.condition_if("lora", "AdaptersReady", "True"), timeout=20)
