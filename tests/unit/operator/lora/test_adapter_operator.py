@@ -265,7 +265,8 @@ def test_a_pod_with_adapters_waits_for_them_behind_a_readiness_gate():
     assert "readinessGates" not in pod_template.pod_spec("svc", spec_of([]))
     group = leaderworkerset.manifest({"name": "svc"}, "svc", spec_of(
         [SQL], engine={"nodesPerReplica": 2, "pipelineParallelSize": 2}))["spec"]["leaderWorkerTemplate"]
-    assert "readinessGates" in group["leaderTemplate"]["spec"] and "readinessGates" not in group["workerTemplate"]["spec"]
+    assert "readinessGates" in group["leaderTemplate"]["spec"]
+    assert "readinessGates" not in group["workerTemplate"]["spec"]  # workers serve no API, hold no adapter
 
 
 def test_the_gate_is_set_only_once_the_new_pod_holds_its_adapters(monkeypatch):
