@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_source_flags(serve)
     add_speculative_flags(serve)
     add_lora_flags(serve)
+    add_runtime_lora_flags(serve)
     serve.add_argument("--log-level", default="info")
     sub.add_parser("fetch", help="download an hf:// or s3:// model into the cache, or check a local one "
                    "(see `kaon fetch --help`)", add_help=False)
@@ -161,6 +162,24 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
                         help="adapter slots: distinct adapters running at once (default: one per --lora-modules; "
                         "set it to load adapters at run time through /v1/load_lora_adapter)")
     parser.add_argument("--max-lora-rank", type=positive_int, default=16, help="the highest adapter rank served")
+
+
+def add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """Who may change the adapters at run time, and what one change may cost (server/lora_routes.py)."""
+    allowed = os.environ.get("KAON_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true", "yes")
+    parser.add_argument("--enable-runtime-lora", action="store_true", default=allowed,
+                        help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter, for the holder of "
+                        "--admin-key only (default: off, a 404; $KAON_ALLOW_RUNTIME_LORA_UPDATING=true)")
+    parser.add_argument("--admin-key", default=os.environ.get("KAON_ADMIN_KEY"),
+                        help="the key (Authorization: Bearer) that changes adapters; the serving keys do not "
+                        "(default: $KAON_ADMIN_KEY; needed by --enable-runtime-lora)")
+    parser.add_argument("--max-cpu-loras", type=positive_int, default=16,
+                        help="adapters registered at once (at start and at run time); a load past it is refused "
+                        "before its download")
+    parser.add_argument("--max-lora-bytes", type=positive_int, default=1 << 30,
+                        help="the largest adapter (its files' bytes), refused before it is read")
+    parser.add_argument("--lora-load-timeout", type=non_negative_float, default=600.0, metavar="SECONDS",
+                        help="how long a load (its download included) is waited for before a 400")
 
 
 def lora_module(text: str) -> tuple[str, str]:
@@ -303,6 +322,9 @@ def _serve(args) -> int:
     from kaon_runtime.fetch.fetch import adapter_fetcher
     from kaon_runtime.server.run import serve
 
+    if args.enable_runtime_lora and not args.admin_key:  # on for no one would read as on for everyone
+        raise SystemExit("kaon serve: --enable-runtime-lora needs --admin-key (or $KAON_ADMIN_KEY): only its "
+                         "holder may change adapters")
     config = engine_config(args)
     rdv = pipeline_group.world_rendezvous(config)
     if not rdv.is_leader:  # a LeaderWorkerSet worker: its stage's ranks, no API (only /health)

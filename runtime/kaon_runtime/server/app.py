@@ -23,7 +23,7 @@ from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import embeddings, openapi as doc, protocol as p
 from kaon_runtime.server.extensions import ignored_fields_header
-from kaon_runtime.server.keys import ApiKeys
+from kaon_runtime.server.keys import ApiKeys, matches
 from kaon_runtime.server.limits import (
     Admission,
     Limits,
@@ -65,6 +65,13 @@ class ServerSettings:
     matryoshka: bool | list[int] = False  # the embedding lengths `dimensions` may ask for besides the model's own
     fetch_adapter: Callable[[str], str] | None = None
     """Downloads a LoRA adapter given as hf:// or s3:// (the CLI passes kaon fetch's); None: local paths only."""
+    runtime_lora: bool = False
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter answer (with admin_key only); else they are a 404."""
+    admin_key: str | None = None
+    """The operator's key for the adapter routes; the serving keys do not open them (lora_routes.py)."""
+    max_registered_loras: int = 16  # adapters registered at once (vLLM's --max-cpu-loras), checked before a download
+    max_lora_bytes: int = 1 << 30  # one adapter's files, checked before they are read
+    lora_load_timeout: float = 600.0  # seconds a load (its download included) is waited for
 
 
 class ServerState:
@@ -99,6 +106,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.server = ServerState()
     app.state.metrics = Metrics(engine.stats)
     app.state.admission = Admission(engine)
+    app.state.lora_lock = asyncio.Lock()  # one adapter load at a time (lora_routes.py)
     install_error_handlers(app)
     doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                 secured=keys.enabled)
@@ -106,7 +114,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(v1)
     # vLLM serves these outside /v1; they need the key like /v1 does.
     app.include_router(tokenize_routes, dependencies=[Depends(_authorized), Depends(_not_draining)])
-    app.include_router(lora_routes, dependencies=[Depends(_authorized), Depends(_not_draining)])
+    app.include_router(lora_routes, dependencies=[Depends(_not_draining)])  # the admin key, not the serving keys
     app.add_middleware(_CountInFlight, state=app.state.server)
     return app
 
@@ -141,7 +149,9 @@ async def _authorized(request: Request) -> None:
     if not keys.enabled:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if not keys.accepts(token) or scheme.lower() != "bearer":  # compare first: same time either way
+    admin = request.app.state.settings.admin_key  # the operator reads /v1/models with it
+    allowed = keys.accepts(token) | (admin is not None and matches(token.encode(), (admin.encode(),)))
+    if not allowed or scheme.lower() != "bearer":  # compare first: same time either way
         raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
                        code="invalid_api_key")
 

@@ -77,7 +77,10 @@ def _run(args, engine: AsyncEngine, fetch_adapter: Callable[[str], str] | None) 
                               tool_call_parser=args.tool_call_parser, limits=limits.from_args(args),
                               task="embed" if args.task == "embed" else "generate",
                               pooling=pooling_of_checkpoint(args.model) if args.pooling == "auto" else args.pooling,
-                              matryoshka=matryoshka_of_checkpoint(args.model), fetch_adapter=fetch_adapter)
+                              matryoshka=matryoshka_of_checkpoint(args.model), fetch_adapter=fetch_adapter,
+                              runtime_lora=args.enable_runtime_lora, admin_key=args.admin_key or None,
+                              max_registered_loras=args.max_cpu_loras, max_lora_bytes=args.max_lora_bytes,
+                              lora_load_timeout=args.lora_load_timeout)
     app = create_app(engine, settings)
     bounds = settings.limits
     server = _DrainingServer(

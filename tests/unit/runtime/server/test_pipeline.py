@@ -77,8 +77,10 @@ class StubEngine:
 
 @pytest.fixture(scope="module")
 def http():
-    app = create_app(AsyncEngine(StubEngine()), ServerSettings(model_name=MODEL, max_body_bytes=BODY_LIMIT))
-    with TestClient(app) as client:
+    # The adapter routes answer the admin key only (a server without serving keys ignores it elsewhere).
+    app = create_app(AsyncEngine(StubEngine()), ServerSettings(model_name=MODEL, max_body_bytes=BODY_LIMIT,
+                                                               runtime_lora=True, admin_key="admin"))
+    with TestClient(app, headers={"Authorization": "Bearer admin"}) as client:
         yield client
 
 
