@@ -229,16 +229,21 @@ class Kube:
         """A batch/v1 Job (the profiling Job of spec.autoscaling.profile: auto); None when it does not exist."""
         return self._get(self.dynamic.resources.get(api_version="batch/v1", kind="Job"), namespace, name)
 
-    def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+    def secret_data(self, namespace: str, name: str, owner_uid: str | None = None) -> dict[str, str] | None:
         """An Opaque Secret's data (base64 values: spec.auth's API keys, whose digests only are
         published); None when it does not exist or is of another type (a ServiceAccount token, a
-        TLS key, a Helm release are never read as API keys)."""
+        TLS key, a Helm release are never read as API keys), or, given `owner_uid`, when that
+        object does not control it (a Secret the operator made: not one planted under its name)."""
         try:
             secret = self.core.read_namespaced_secret(name, namespace)
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
+        if owner_uid is not None and not any(
+                ref.uid == owner_uid and ref.controller
+                for ref in (secret.metadata.owner_references if secret.metadata else None) or ()):
+            return None
         data = cast(dict[str, str], secret.data or {})  # base64 text, as the apiserver sends it
         return data if secret.type == "Opaque" else None
 

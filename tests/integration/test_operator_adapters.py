@@ -9,6 +9,7 @@ processes, MinIO and a PVC, through the router: tests/e2e/test_e2e_lora.py.
 """
 from __future__ import annotations
 
+import base64
 import http.server
 import json
 import threading
@@ -39,6 +40,10 @@ class StandIn(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         held = self.server.adapters  # type: ignore[attr-defined]
+        # As `kaon serve --enable-runtime-lora`: the admin key of the pod's KAON_ADMIN_KEY, nothing else.
+        if self.headers.get("Authorization") != f"Bearer {self.server.admin_key}":  # type: ignore[attr-defined]
+            self._reply(401, {"error": {"message": "changing adapters needs the admin key"}})
+            return
         if self.path == "/v1/load_lora_adapter":
             if body["lora_path"] == BROKEN:
                 self._reply(400, {"error": {"message": "ModelNotFound: hf://org/missing-adapter does not exist"}})
@@ -82,8 +87,19 @@ class StandIns:
                 if ip and ip not in self.servers:
                     server = http.server.ThreadingHTTPServer((ip, resources.HTTP_PORT), StandIn)
                     server.adapters = {}  # type: ignore[attr-defined]
+                    server.admin_key = admin_key(self.cluster, self.name, pod)  # type: ignore[attr-defined]
                     threading.Thread(target=server.serve_forever, daemon=True).start()
                     self.servers[ip] = server
+
+
+def admin_key(cluster: Cluster, name: str, pod: dict) -> str:
+    """The key the pod's engine would take as KAON_ADMIN_KEY: from the Secret its env names."""
+    engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    assert "--enable-runtime-lora" in engine["args"]
+    ref = next(e for e in engine["env"] if e["name"] == "KAON_ADMIN_KEY")["valueFrom"]["secretKeyRef"]
+    secret = cluster.get("secret", ref["name"])
+    assert isinstance(secret, dict) and secret["metadata"]["ownerReferences"][0]["name"] == name
+    return base64.b64decode(secret["data"][ref["key"]]).decode()
 
 
 @pytest.fixture

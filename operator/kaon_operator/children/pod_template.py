@@ -259,7 +259,7 @@ def _container(name: str, spec: api.InferenceServiceSpec, mounts: list[dict]) ->
         "image": spec.engine.image,
         "args": engine_args(name, spec),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": _unique([*adapter_pods.engine_env(spec), *_env(spec)]),
+        "env": _unique([*adapter_pods.engine_env(spec), *_env(spec), *adapter_pods.admin_env(spec, name)]),
         **({"envFrom": list(spec.engine.env_from)} if spec.engine.env_from else {}),
         "resources": _resources(spec),
         # /health answers once the model is loaded; until then only the startup probe runs.

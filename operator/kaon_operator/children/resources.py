@@ -13,6 +13,7 @@ from kaon_operator import api, labels
 from kaon_operator.children import leaderworkerset, pod_template
 from kaon_operator.children.pod_template import HTTP_PORT
 from kaon_operator.config import NetworkPolicyConfig
+from kaon_operator.lora import adapter_pods
 
 SERVICE_PORT = 80
 
@@ -122,6 +123,11 @@ def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyC
 def dist_key_secret(owner: Owner, key: str) -> dict:
     """A multi-node service's control-channel key `key` as its Secret (made once: Kube.create_once)."""
     return leaderworkerset.dist_key_secret(_metadata(owner), owner.name, key)
+
+
+def admin_key_secret(owner: Owner, key: str) -> dict:
+    """A service with adapters: the engine's admin key `key` as its Secret (made once: Kube.create_once)."""
+    return adapter_pods.admin_key_secret(_metadata(owner), owner.name, key)
 
 
 def service_url(owner: Owner) -> str:

@@ -20,6 +20,13 @@ failure reported; the base serves). Until then the pod is not Ready: no Service 
 router traffic, and a rollout does not take an old pod down for it. Loading at run time, not on
 the command line, keeps an adapter change from rolling the pods. A multi-node group's workers
 serve no API and carry no gate (leaderworkerset.py).
+
+Changing adapters at run time administers the engine, so clients must not (issue 48): with
+adapters, the engine runs with --enable-runtime-lora and an admin key (KAON_ADMIN_KEY) that only
+the operator knows, from a Secret per InferenceService (`<name>-admin-key`, random, made once by
+the reconciler and owned by the service; the adapter loop reads it only while the service owns
+it). The serving keys of spec.auth do not open the adapter routes, and the router never forwards
+them.
 """
 from __future__ import annotations
 
@@ -68,10 +75,34 @@ def readiness_gates(spec: api.InferenceServiceSpec) -> list[dict]:
     return [{"conditionType": ADAPTERS_GATE}] if spec.adapters else []
 
 
+ADMIN_KEY_ENV, ADMIN_KEY_FIELD = "KAON_ADMIN_KEY", "key"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin-key"
+
+
+def admin_key_secret(metadata: dict, name: str, key: str) -> dict:
+    """The Secret of the service `name`'s admin key `key` (random, from the reconciler)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {**metadata, "name": admin_secret_name(name)}, "stringData": {ADMIN_KEY_FIELD: key}}
+
+
 def engine_args(spec: api.InferenceServiceSpec) -> list[str]:
     if not spec.adapters:
         return []
-    return ["--max-loras", str(spec.engine.max_loras), "--max-lora-rank", str(spec.engine.max_lora_rank)]
+    # Registered adapters are bounded by spec.adapters' own bound, not by the slots: the template
+    # must not change with the number of adapters (that would roll the pods).
+    return ["--max-loras", str(spec.engine.max_loras), "--max-lora-rank", str(spec.engine.max_lora_rank),
+            "--enable-runtime-lora", "--max-cpu-loras", str(api.MAX_ADAPTERS)]
+
+
+def admin_env(spec: api.InferenceServiceSpec, name: str) -> list[dict]:
+    """The engine's admin key, from the service's own Secret (after the spec's env: it cannot be replaced)."""
+    if not spec.adapters:
+        return []
+    return [{"name": ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": admin_secret_name(name),
+                                                                   "key": ADMIN_KEY_FIELD}}}]
 
 
 def volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:

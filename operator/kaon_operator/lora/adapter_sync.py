@@ -3,7 +3,7 @@
 One task for the whole operator (like the autoscale loop: no kopf timer, so no finalizer). Every
 INTERVAL_SECONDS, for each InferenceService with adapters (or that had some last round), it reads
 each ready pod's /v1/models, loads and unloads through `POST /v1/load_lora_adapter` /
-`/v1/unload_lora_adapter` (vLLM's names, with the service's API key when spec.auth is set) what
+`/v1/unload_lora_adapter` (vLLM's names, with the engine's admin key: adapter_pods.py) what
 adapters.plan says, and writes status.adapters and the AdaptersReady condition. A pod that does not
 answer is left out of the round. A load that fails (the engine could not fetch the adapter, or it
 does not fit the model) leaves the base serving: the condition and a Warning Event name the
@@ -20,7 +20,8 @@ only its own service: the next rounds skip a service whose task still runs, and 
 others'), the pool's connections are not shared out (a stalled tenant cannot hold the slots
 another's requests wait for), and every body read from a pod is capped (MAX_MODELS_BYTES,
 MAX_ERROR_BYTES: a larger /v1/models leaves the pod out of the round, a larger error is cut).
-A spec the admin's policy refuses (spec_policy.checked) is skipped: no API key goes to its pods.
+A spec the admin's policy refuses (spec_policy.checked) is skipped: no key goes to its pods; and the
+admin key is read only from a Secret the service controls (one planted under its name is not sent).
 """
 from __future__ import annotations
 
@@ -139,10 +140,10 @@ class AdapterLoop:
         except Exception as exc:  # noqa: BLE001 - this service's next round tries again
             logger.warning(f"{key}: adapter round failed: {exc}")
 
-    async def _headers(self, key: Key, spec: api.InferenceServiceSpec) -> dict[str, str]:
-        if spec.auth is None:
-            return {}
-        data = await asyncio.to_thread(self.ctx.kube.secret_data, key[0], spec.auth.api_key_secret)
+    async def _headers(self, key: Key, uid: str | None) -> dict[str, str]:
+        """The engine's admin key (it opens /v1/models too), from the service's own Secret."""
+        data = await asyncio.to_thread(self.ctx.kube.secret_data, key[0], adapter_pods.admin_secret_name(key[1]),
+                                       uid)
         found = api_key(data)
         return {"Authorization": f"Bearer {found}"} if found else {}
 
@@ -150,7 +151,7 @@ class AdapterLoop:
                    spec: api.InferenceServiceSpec) -> None:
         record = self.ctx.records.get(key)
         state = record.adapters = record.adapters or AdapterMemory()
-        headers = await self._headers(key, spec)
+        headers = await self._headers(key, (body.get("metadata") or {}).get("uid"))
         serving = [p for p in self.ctx.caches.pods(key)
                    if (p.ready or p.containers_ready) and not p.terminating and p.ip]
         urls = {p.name: self.url_of(p) for p in serving}

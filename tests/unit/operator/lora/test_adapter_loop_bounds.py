@@ -72,7 +72,7 @@ class Kube:
     def patch_status(self, namespace, name, patch):
         pass
 
-    def secret_data(self, namespace, name):
+    def secret_data(self, namespace, name, owner_uid=None):
         return {"k": base64.b64encode(f"key-of-{namespace}".encode()).decode()}
 
 

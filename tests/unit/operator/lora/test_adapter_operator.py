@@ -15,7 +15,7 @@ from aiohttp import web
 from kaon_operator import api
 from kaon_operator.children import pod_template
 from kaon_operator.config import OperatorConfig
-from kaon_operator.lora import adapter_sync, adapters
+from kaon_operator.lora import adapter_pods, adapter_sync, adapters
 from kaon_operator.records import Records
 from kaon_operator.status import conditions
 from kaon_operator.status.summaries import PodSummary
@@ -186,7 +186,7 @@ class FakeKube:
     def patch_status(self, namespace, name, patch):
         self.patches.append(patch)
 
-    def secret_data(self, namespace, name):
+    def secret_data(self, namespace, name, owner_uid=None):
         return self.secret
 
     def set_pod_condition(self, namespace, name, condition):
@@ -310,3 +310,61 @@ def test_the_gate_waits_while_an_adapter_is_missing():
     assert plan.settled(want, {"sql": "s3://b/sql"}, ["chat"])
     assert not plan.settled(want, {"sql": "s3://b/other", "chat": "hf://o/chat"}, [])
     assert plan.settled({}, {}, [])
+
+
+# Only the operator changes adapters (issue 48, item 2) --------------------------------------
+
+
+def test_the_engine_takes_adapter_changes_only_with_the_services_admin_key():
+    """The pod runs with --enable-runtime-lora and KAON_ADMIN_KEY from `<name>-admin-key`, after the
+    spec's own env (a KAON_ADMIN_KEY there does not replace it); without adapters, neither."""
+    spec = spec_of([SQL], engine={"env": [{"name": "KAON_ADMIN_KEY", "value": "chosen-by-the-tenant"}]})
+    engine = pod_template.pod_spec("svc", spec)["containers"][0]
+    assert "--enable-runtime-lora" in engine["args"]
+    assert engine["args"][engine["args"].index("--max-cpu-loras") + 1] == str(api.MAX_ADAPTERS)
+    keys = [e for e in engine["env"] if e["name"] == "KAON_ADMIN_KEY"]
+    assert keys == [{"name": "KAON_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": "svc-admin-key", "key": "key"}}}]
+    plain = pod_template.pod_spec("svc", spec_of([]))["containers"][0]
+    assert "--enable-runtime-lora" not in plain["args"]
+    assert not [e for e in plain.get("env") or () if e["name"] == "KAON_ADMIN_KEY"]
+    secret = adapter_pods.admin_key_secret({"namespace": "ns", "ownerReferences": []}, "svc", "k")
+    assert secret["metadata"]["name"] == "svc-admin-key" and secret["stringData"] == {"key": "k"}
+
+
+class KeyedKube(FakeKube):
+    """spec.auth's serving keys in "keys"; the admin key in the service's own "svc-admin-key" (uid u1)."""
+
+    def secret_data(self, namespace, name, owner_uid=None):
+        if name == "keys":
+            return {"a": base64.b64encode(b"serving").decode()}
+        if name == "svc-admin-key" and owner_uid == "u1":
+            return {"key": base64.b64encode(b"admin").decode()}
+        return None
+
+
+def test_the_loop_sends_the_admin_key_not_the_serving_key(monkeypatch):
+    """It failed before: the loop sent spec.auth's serving key, which the engine no longer takes."""
+    monkeypatch.setattr(adapter_sync.status_sync, "adapters_changed", lambda ctx, key, c: None)
+
+    async def scenario():
+        engine = FakeEngine(key="admin")
+        ports: list[int] = []
+        runners = await _serve([engine], ports)
+        body = {"metadata": {"namespace": "ns", "name": "svc", "uid": "u1"},
+                "spec": {"model": {"uri": "hf://org/base"}, "auth": {"apiKeySecret": "keys"}, "adapters": [SQL]}}
+        ctx = FakeCtx(body, [PodSummary("p0", ip=f"127.0.0.1:{ports[0]}", ready=True)])
+        ctx.kube = KeyedKube()
+        loop = adapter_sync.AdapterLoop(ctx, url_of=lambda pod: f"http://{pod.ip}")  # type: ignore[arg-type]
+        try:
+            async with aiohttp.ClientSession() as session:
+                await loop.tick_all(session)
+                assert engine.adapters == {"sql": SQL["uri"]}
+                body["metadata"]["uid"] = "another"  # a Secret the service does not control is not read
+                engine.adapters.clear()
+                await loop.tick_all(session)
+                assert engine.adapters == {}
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(scenario())
