@@ -9,10 +9,12 @@ that carried any lists them in the x-kaon-ignored-fields header.
 from __future__ import annotations
 
 import logging
+import re
 
 from pydantic import BaseModel
 
 IGNORED_FIELDS_HEADER = "x-kaon-ignored-fields"
+FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what a field name in the header may be
 MAX_LOGGED_NAMES = 1000  # a client inventing names on every call must not grow this set without end
 
 log = logging.getLogger("kaon.server")
@@ -31,6 +33,7 @@ def ignored_fields(body: BaseModel) -> list[str]:
 
 def ignored_fields_header(body: BaseModel) -> dict[str, str]:
     names = ignored_fields(body)
-    # Header values are latin-1 text: names outside it are left out of the header (still ignored).
-    shown = [n for n in names if n.isascii() and n.isprintable() and "," not in n and len(n) <= 64][:50]
+    # Only names that are plain tokens go in the header (the rest are still ignored): a header value
+    # must not be empty around its commas nor start or end with a space (h11 refuses the response).
+    shown = [n for n in names if FIELD_NAME.fullmatch(n)][:50]
     return {IGNORED_FIELDS_HEADER: ",".join(shown)} if shown else {}
