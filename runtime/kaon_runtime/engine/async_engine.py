@@ -17,13 +17,15 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
-from kaon_runtime.errors import EngineDeadError, QueueFullError
+from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.sampling import SamplingParams
+from kaon_runtime.structured.spec import spec_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,11 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 # so it gets this many stall timeouts. Later steps are bounded by max_num_batched_tokens
 # (chunked prefill), so a long prompt does not make one step long.
 FIRST_STEP_ALLOWANCE = 3
+# Grammars compile on threads of their own, not the default pool that validates (tokenizes) every
+# request: a flood of large grammars waits for these, and ordinary prompts do not wait behind it.
+GRAMMAR_THREADS = 2
+MAX_PENDING_COMPILES = 16  # compiling or waiting to; past it a constrained request gets a 429
+COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then is a 400 (its compile finishes on its thread)
 
 
 class RequestStream:
@@ -104,6 +111,8 @@ class AsyncEngine:
         self._intake: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards the admission count below against the engine thread
         self._num_queued = 0  # accepted here, not yet handed to the engine
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="kaon-grammar")
+        self._compiles = 0  # submitted to the grammar pool and not finished (timed-out ones included)
         self._stats = engine.stats()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,6 +197,8 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         lora_id = self.engine.lora_id(adapter)
+        if spec_for(params) is not None:  # compiled (and cached) first, on the grammar threads
+            await self._compile(params)
         prompt_token_ids = await asyncio.to_thread(self.engine.validate, prompt, params)
         with self._lock:
             waiting = self._num_queued + self._stats.num_waiting
@@ -197,6 +208,24 @@ class AsyncEngine:
         stream = RequestStream(request_id, self)
         self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id))
         return stream
+
+    async def _compile(self, params: SamplingParams) -> None:
+        if self._compiles >= MAX_PENDING_COMPILES:
+            raise QueueFullError(f"{self._compiles} grammars are compiling or waiting to "
+                                 f"(limit {MAX_PENDING_COMPILES})")
+        self._compiles += 1
+        future = self._grammar_pool.submit(self.engine.grammars.check, params)
+        loop = asyncio.get_running_loop()
+        # Counted until its thread is done, not until the request gives up: the bound is on the threads' work.
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._compiled))
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequestError(f"the grammar did not compile within {COMPILE_TIMEOUT_S:g} s; send a smaller "
+                                      "one") from None
+
+    def _compiled(self) -> None:
+        self._compiles -= 1
 
     def _submit(self, command: _Add | _Abort) -> None:
         self._intake.put(command)

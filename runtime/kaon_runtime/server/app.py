@@ -281,7 +281,8 @@ async def create_embeddings(request: Request, engine: Engine, settings: Settings
     embeddings.check_dimensions(body.dimensions, engine.engine.model_config.hidden_size, settings.matryoshka)
     with request.app.state.admission.slot():
         outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
-    return JSONResponse(embeddings.response(body, settings.model_name, outputs), headers=ignored_fields_header(body))
+    reply = await asyncio.to_thread(embeddings.encoded_response, body, settings.model_name, outputs)  # off the loop
+    return Response(reply, media_type="application/json", headers=ignored_fields_header(body))
 
 
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,

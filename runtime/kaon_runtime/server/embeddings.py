@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import math
 import struct
 import time
@@ -80,6 +81,13 @@ def encode(vector: list[float], normalize: bool, encoding_format: str,
     if encoding_format == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
     return vector
+
+
+def encoded_response(body: EmbeddingRequest, model: str, outputs: list[RequestOutput]) -> bytes:
+    """The response's JSON: normalizing and serializing 2,048 vectors takes seconds, so the route
+    calls this on a worker thread, never on the event loop (/health must not wait for it)."""
+    return json.dumps(response(body, model, outputs), ensure_ascii=False, allow_nan=False,  # as JSONResponse
+                      separators=(",", ":")).encode()
 
 
 def response(body: EmbeddingRequest, model: str, outputs: list[RequestOutput]) -> dict[str, Any]:

@@ -23,6 +23,10 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
 _JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+# What one request's grammar may be: compile time and memory grow with it (a 20,000-entry choice
+# list took 12-14 s and 370 MB), so a larger one is a 400 naming the limit before it is compiled.
+MAX_GRAMMAR_BYTES = 64 << 10  # the source: a schema's JSON, a regex, EBNF, the choices' JSON
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,7 @@ class GrammarSpec:
     def choice(cls, options: list[str]) -> GrammarSpec:
         _need(isinstance(options, (list, tuple)) and options and all(isinstance(o, str) and o for o in options),
               "choice must be a non-empty list of non-empty strings")
+        _need(len(options) <= MAX_CHOICES, f"choice: {len(options)} options, at most {MAX_CHOICES} (the grammar limit)")
         return cls("choice", json.dumps(list(options)))
 
     @classmethod
@@ -69,7 +74,17 @@ class GrammarSpec:
 
 
 def spec_for(params: SamplingParams) -> GrammarSpec | None:
-    """The spec of a request's constraint (SamplingParams allows at most one), or None."""
+    """The spec of a request's constraint (SamplingParams allows at most one), or None; a 400 for one
+    over the grammar limits."""
+    spec = _spec_for(params)
+    # A tool-call grammar is kaon's, made from the tools, which count against --max-prompt-bytes.
+    if spec is not None and spec.kind != "structural_tag" and len(spec.source) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} is {len(spec.source)} characters, at most "
+                                  f"{MAX_GRAMMAR_BYTES} (the grammar limit)")
+    return spec
+
+
+def _spec_for(params: SamplingParams) -> GrammarSpec | None:
     if params.json_schema is not None:
         return GrammarSpec.json_schema(params.json_schema)
     if params.regex is not None:

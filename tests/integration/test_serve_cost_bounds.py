@@ -1,0 +1,97 @@
+"""Issue 48 item 4, as an attacker on a real `kaon serve` (default limits): requests that cost the
+server seconds of work on its event loop, or of the threads that tokenize every request, while
+/health must answer within a second (the kubelet's probe gives up at 5 s and restarts the pod)."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from support.server import MODEL, Server, error_body
+
+HEALTH_BOUND_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve-cost"))
+    yield srv
+    srv.stop()
+
+
+class HealthWatch:
+    """Polls /health every 50 ms while the block runs; `worst` is its slowest answer (s)."""
+
+    def __init__(self, url: str):
+        self.url, self.worst, self.failures = url, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not self._stop.wait(0.05):
+                start = time.monotonic()
+                if http.get(f"{self.url}/health").status_code != 200:
+                    self.failures += 1
+                self.worst = max(self.worst, time.monotonic() - start)
+
+
+def _attack(url: str, body: dict, times: int) -> list[httpx.Response]:
+    with ThreadPoolExecutor(times) as pool, httpx.Client(timeout=120) as http:
+        return list(pool.map(lambda _: http.post(url, json=body), range(times)))
+
+
+def test_tokenize_of_a_huge_prompt_is_refused_like_generation_and_health_answers(server):
+    """It failed before: 200 with every token and its string, /health held for seconds meanwhile."""
+    prompt = "the quick brown fox jumps over a lazy dog " * 90_000  # 3.8 MB, ~800k tokens
+    with HealthWatch(server.url) as health:
+        replies = _attack(f"{server.url}/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True}, 3)
+    assert [r.status_code for r in replies] == [400] * 3, [r.text[:200] for r in replies]
+    assert "--max-prompt-bytes" in error_body(replies[0])["message"]
+    assert health.failures == 0 and health.worst < HEALTH_BOUND_S, health.worst
+    ordinary = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "hello", "return_token_strs": True})
+    assert ordinary.status_code == 200 and ordinary.json()["count"] >= 1
+
+
+def test_a_huge_choice_list_is_a_400_naming_the_limit_before_it_compiles(server):
+    """It failed before: a 20,000-entry choice list compiled for 12-14 s (370 MB) and answered."""
+    choices = [f"option number {i}" for i in range(20_000)]
+    body = {"model": MODEL, "prompt": "pick one", "max_tokens": 4, "structured_outputs": {"choice": choices}}
+    start = time.monotonic()
+    with HealthWatch(server.url) as health:
+        replies = _attack(f"{server.url}/v1/completions", body, 3)
+    assert [r.status_code for r in replies] == [400] * 3, [r.text[:200] for r in replies]
+    assert "the grammar limit" in error_body(replies[0])["message"]
+    assert time.monotonic() - start < 5 and health.worst < HEALTH_BOUND_S, health.worst
+
+
+def test_compiles_do_not_starve_the_requests_that_need_none(server):
+    """Grammars within the limits compile on threads of their own: 16 distinct ones at once leave an
+    ordinary request's tokenizing and /health unaffected."""
+    def constrained(i: int) -> httpx.Response:
+        choices = [f"{i} answer {j} of many" for j in range(1024)]
+        return httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "pick", "max_tokens": 2, "structured_outputs": {"choice": choices}})
+
+    with HealthWatch(server.url) as health, ThreadPoolExecutor(16) as pool:
+        flood = [pool.submit(constrained, i) for i in range(16)]
+        time.sleep(0.5)
+        start = time.monotonic()
+        plain = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        took = time.monotonic() - start
+        codes = {f.result().status_code for f in flood}
+    assert plain.status_code == 200 and took < 5, took
+    assert codes <= {200, 400, 429}, codes
+    assert health.worst < HEALTH_BOUND_S, health.worst
