@@ -40,3 +40,17 @@ def test_kaon_serve_api_key_file_rotates_without_restart(tmp_path):
         assert server.proc.pid == pid and server.proc.poll() is None
     finally:
         server.stop()
+
+
+def test_the_openapi_document_needs_the_key_when_one_is_set(tmp_path):
+    """Issue 48 (low): it failed before: /openapi.json answered 200 to anyone on a keyed server."""
+    server = Server(tmp_path, "--api-key", "the-key")
+    try:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            refused = httpx.get(f"{server.url}/openapi.json", headers=headers, timeout=30)
+            assert refused.status_code == 401 and error_body(refused)["code"] == "invalid_api_key"
+        document = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": "Bearer the-key"}, timeout=30)
+        assert document.status_code == 200 and "/v1/chat/completions" in document.json()["paths"]
+        assert "/openapi.json" not in document.json()["paths"]
+    finally:
+        server.stop()

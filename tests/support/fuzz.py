@@ -22,7 +22,7 @@ def engine_schema(engine_url: str):
     """The engine's OpenAPI document, every request carrying the engine's key."""
     load_all_checks()
     config = SchemathesisConfig.from_dict({"headers": {"Authorization": f"Bearer {API_KEY}"}})
-    return from_url(f"{engine_url}/openapi.json", config=config)
+    return from_url(f"{engine_url}/openapi.json", config=config, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
 def shorten(body) -> None:

@@ -100,8 +100,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         yield
         await engine.stop()
 
+    # The document is served below, behind the key like /v1 (FastAPI's own openapi_url would need none).
     app = FastAPI(title="kaon", version=doc.API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+                  openapi_url=None)
     app.state.engine, app.state.settings, app.state.keys = engine, settings, keys
     app.state.server = ServerState()
     app.state.metrics = Metrics(engine.stats)
@@ -111,6 +112,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                 secured=keys.enabled)
     app.include_router(probes)
+    app.include_router(document, dependencies=[Depends(_authorized)])
     app.include_router(v1)
     # vLLM serves these outside /v1; they need the key like /v1 does.
     app.include_router(tokenize_routes, dependencies=[Depends(_authorized), Depends(_not_draining)])
@@ -180,6 +182,14 @@ async def _embeds(settings: Settings) -> None:
 
 probes = APIRouter()  # no key needed: kubelets and Prometheus call these
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorized), Depends(_not_draining)])
+
+
+document = APIRouter()
+
+
+@document.get("/openapi.json", include_in_schema=False)
+async def openapi_document(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
 
 
 @probes.get("/health", responses=doc.HEALTH)

@@ -10,6 +10,7 @@ The error handlers turn the engine's exceptions into the same body,
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -27,6 +28,7 @@ RETRY_AFTER_S = 1  # a full queue drains in seconds; tell well-behaved clients t
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client gone before the response; only the access log sees it
 
 Body = TypeVar("Body", bound=BaseModel)
+logger = logging.getLogger("kaon.server")
 
 
 class APIError(Exception):
@@ -134,8 +136,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return bad_input(exc.errors()).response()
 
     @app.exception_handler(Exception)
-    async def internal(_, exc: Exception):
-        return APIError(500, f"internal error: {exc!r}", type="server_error").response()
+    async def internal(request: Request, exc: Exception):
+        # The detail goes to the log, not to the client: an exception's repr can hold paths, keys, prompts.
+        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError(500, "internal error; the server's log has the detail", type="server_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):
