@@ -4,12 +4,13 @@
 # Why: tests/unit/runtime/loader/test_gguf_families.py checks kaon's GGUF decoding against llama.cpp
 # on the same file, and the benches use it as the peer. PyPI serves it as source only, so pip
 # compiles llama.cpp with cmake each time (minutes on 2 cores): this builds the wheel once,
-#   ${KAON_CACHE:-$HOME/.cache/kaon}/wheels/llama-cpp-python/<version>-<python>-<cpu>/
+#   ${KAON_CACHE:-$HOME/.cache/kaon}/wheels/llama-cpp-python/<version>-<python>-<arch>-portable/
 # and later calls install that wheel (seconds), or return at once when it is already installed.
 #
-# Keyed by the CPU too: llama.cpp is built for this CPU (GGML_NATIVE, as kaon's own C step is
-# built with -march=native), so the benches compare kaon with llama.cpp at its speed here, and a
-# cache copied to another machine never hands it a library with instructions it lacks.
+# Built portable (GGML_NATIVE=OFF: AVX2, FMA and F16C, no AVX-512 or AMX), so the wheel is the same on
+# every x86-64 machine of this kind, Intel or AMD: the native build on an Intel Xeon with AMX crashed
+# (SIGSEGV) in its first decode of every model (2026-11-29). The tests need llama.cpp's results, not
+# its top speed.
 #
 # Environment (all optional):
 #   LLAMA_CPP_PYTHON_VERSION  the pinned release (default below)
@@ -31,9 +32,7 @@ if [[ "$installed" == "$VERSION" ]]; then
 fi
 
 python_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-# What GGML_NATIVE depends on: the CPU's model and feature flags (as kaon's cpu_decode.py keys its build).
-cpu=$(grep -E '^(model name|flags)' /proc/cpuinfo 2>/dev/null | sort -u | sha256sum | cut -c1-12)
-WHEELS="$CACHE_ROOT/wheels/llama-cpp-python/$VERSION-$python_tag-$cpu"
+WHEELS="$CACHE_ROOT/wheels/llama-cpp-python/$VERSION-$python_tag-$(uname -m)-portable"
 
 if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
   log "building llama-cpp-python $VERSION from source (a few minutes per core; cached in $WHEELS)"
@@ -43,11 +42,12 @@ if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
   trap 'rm -rf "$tmp"' EXIT
   # Only the text library: mtmd (images and audio, imported by llama-cpp-python only for those)
   # would be compiled for nothing: no test or bench uses it.
-  CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" \
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-    nice -n 19 "$PY" -m pip wheel --quiet --no-deps --no-binary llama-cpp-python \
+    "$PY" -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
       "llama-cpp-python==$VERSION" -w "$tmp"
-  # Moved into place whole: an interrupted build leaves no half wheel for the next call to trust.
+  # --no-cache-dir: pip's own wheel cache ignores CMAKE_ARGS and would hand back a build made with
+  # other flags. Moved into place whole: an interrupted build leaves no half wheel for the next call.
   mv "$tmp"/llama_cpp_python-*.whl "$WHEELS/"
   log "done in $((SECONDS - start))s"
 fi

@@ -2,9 +2,13 @@
 (support/gguf_from_hf.py): Gemma 2 (norms with +1 folded in, soft-caps and windows in metadata),
 Phi-3 (fused q|k|v and gate|up, LongRoPE factor tensors, partial rotary), Mixtral (llama with 3-D
 experts) and Qwen3-MoE. Q8_0 weights; kaon's greedy tokens in float32 equal transformers' on the
-dequantized weights, and the file also loads kept quantized (the default on CPU, experts included) and decodes; against
-llama.cpp on the same file, whose kernels quantize activations, the common prefix is printed."""
+dequantized weights, and the file also loads kept quantized (the default on CPU, experts included) and
+decodes as llama.cpp does the same file: each of kaon's greedy tokens is llama.cpp's greedy choice on
+the same tokens, or within NEAR_TIE of it (both quantize activations, each its own way).
+llama-cpp-python is installed by `make install` (e2e/build-llama-cpp.sh); in CI its absence fails."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -34,6 +38,11 @@ FAMILIES = {
 }
 PROMPTS = [[1, *range(300, 340)], [1, 42, 4242, 9000, 12, 7, *range(1000, 1034)]]  # longer than the windows
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# kaon's kept Q8_0 path quantizes activations in int8 blocks of 32, llama.cpp in its own Q8 blocks:
+# the logits differ by a few hundredths, so at a near-tie each may pick the other's runner-up (measured
+# 2026-11-29, llama-cpp-python 0.3.36, Gemma 2, Mixtral, Qwen3-MoE: 69 of 72 tokens its first choice, 0.017,
+# 0.036 and 0.055 below it, where its top two were that close). 0.15: about three times that.
+NEAR_TIE = 0.15
 
 
 def _hf_model(family: str):
@@ -61,18 +70,22 @@ def _kaon_greedy(path, **options) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _llama_cpp_greedy(path, prompt: list[int]) -> list[int] | None:
-    llama_cpp = pytest.importorskip("llama_cpp")
+def _llama_cpp():
     try:
-        llm = llama_cpp.Llama(str(path), n_ctx=256, verbose=False)
-    except Exception:  # noqa: BLE001  llama.cpp refusing the file is reported, not a failure of kaon's
-        return None
-    tokens = []
-    for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-        tokens.append(token)
-        if len(tokens) == GREEDY.max_tokens:
-            break
-    return tokens
+        import llama_cpp
+    except ImportError:
+        missing = "llama-cpp-python is not installed (`make install` builds it: e2e/build-llama-cpp.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return llama_cpp
+
+
+def _llama_cpp_logits(path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """llama.cpp's logits before each of `tokens`, prompt + tokens fed at once (teacher-forced)."""
+    llm = _llama_cpp().Llama(str(path), n_ctx=256, logits_all=True, verbose=False)
+    llm.eval(prompt + tokens)
+    return torch.from_numpy(llm.scores[len(prompt) - 1:len(prompt) + len(tokens) - 1].copy())
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -99,16 +112,17 @@ def test_float32_greedy_tokens_equal_transformers_on_the_dequantized_weights(fam
     assert _kaon_greedy(path, dtype="float32") == [_hf_greedy(model, p) for p in PROMPTS]
 
 
-def test_kept_quantized_decodes_and_agrees_with_llama_cpp(family_gguf):
-    family, path, model = family_gguf
+def test_kept_quantized_decodes_and_agrees_with_llama_cpp(family_gguf, request):
+    family, path, _model = family_gguf
+    if family == "phi3":
+        # Not a near-tie: kaon's tokens are 0.2 to 8 below llama.cpp's best at almost every step, while
+        # kaon's float32 tokens equal transformers' on this file (the test above). Which part of the file
+        # (LongRoPE factors past the 32-token pretraining length, partial rotary) llama.cpp reads
+        # otherwise is not found yet; strict: this fails once they agree, to be turned back on.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="llama.cpp disagrees with transformers on it"))
     ours = _kaon_greedy(path)  # the default on CPU: the file's own Q8_0 blocks
-    reference = [_hf_greedy(model, p) for p in PROMPTS]
     assert all(len(tokens) == GREEDY.max_tokens for tokens in ours)
-    for prompt, tokens, expected in zip(PROMPTS, ours, reference):
-        theirs = _llama_cpp_greedy(path, prompt)
-        print(f"{family}: kept-quantized common prefix with float {_prefix(tokens, expected)}/{len(tokens)}, "
-              f"with llama.cpp {'(does not load the file)' if theirs is None else _prefix(tokens, theirs)}")
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    for prompt, tokens in zip(PROMPTS, ours):
+        logits = _llama_cpp_logits(path, prompt, tokens)
+        below = logits.max(dim=1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert float(below.max()) <= NEAR_TIE, f"{family}: kaon's tokens below llama.cpp's best by {below.tolist()}"
