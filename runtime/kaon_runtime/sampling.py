@@ -43,6 +43,9 @@ class SamplingParams:
     grammar: str | None = None  # EBNF, in xgrammar's dialect (GBNF-like)
     json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
     structural_tag: dict | None = None  # xgrammar's structural tag: how the server forces tool calls
+    # vLLM's cache_salt: requests with different salts share no prefix-cache blocks, so one tenant
+    # cannot tell by timing whether another's prompt is cached (the server salts per API key).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -54,3 +54,29 @@ def test_the_openapi_document_needs_the_key_when_one_is_set(tmp_path):
         assert "/openapi.json" not in document.json()["paths"]
     finally:
         server.stop()
+
+
+def test_one_key_cannot_probe_anothers_cached_prefix(tmp_path):
+    """Issue 48 (low): it failed before: the prefix cache was shared across keys, so a tenant could
+    tell by timing (here: by the hit counter) that another had just sent a prompt. With several keys
+    each key's requests are salted apart; a request's own cache_salt (vLLM's) does the same."""
+    volume = tmp_path / "secret"
+    volume.mkdir()
+    secret_volume(volume, {"a": "tenant-a", "b": "tenant-b"}, "1")
+    server = Server(tmp_path, "--api-key-file", str(volume))
+    try:
+        prompt = "The victim's confidential memo, paragraph one, reads as follows: " * 12
+
+        def hits_after(key: str, **extra) -> float:
+            before = server.metric("kaon_prefix_cache_hits_total")
+            reply = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                               json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra})
+            assert reply.status_code == 200, reply.text
+            return server.metric("kaon_prefix_cache_hits_total") - before
+
+        hits_after("tenant-a")  # the victim's prompt, now cached under a's salt
+        assert hits_after("tenant-b") == 0  # the attacker's probe finds nothing
+        assert hits_after("tenant-a") > 0  # the victim's own next request still hits
+        assert hits_after("tenant-a", cache_salt="another") == 0
+    finally:
+        server.stop()

@@ -36,8 +36,12 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 def root_hash(seq: Sequence) -> int | None:
     """The parent of a sequence's first block: its LoRA adapter, so two adapters (or an adapter and
-    the base) never share K/V computed by different weights."""
-    return None if seq.lora_id == 0 else hash(("lora", seq.lora_id))
+    the base) never share K/V computed by different weights; and its cache salt, so requests of
+    different salts (tenants) never share cached blocks, nor learn by timing what another cached."""
+    salt = seq.params.cache_salt
+    if salt is None:
+        return None if seq.lora_id == 0 else hash(("lora", seq.lora_id))
+    return hash(("salted", seq.lora_id, salt))
 
 
 class BlockManager:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -230,7 +232,7 @@ async def completions(request: Request, engine: Engine, settings: Settings, metr
     adapter = check_model(request, body.model)
     prompt = _single_prompt(body.prompt)
     check_completion(body, prompt, settings.limits, engine.max_model_len)
-    params = body.to_sampling_params()
+    params = _salted(request, body.to_sampling_params())
     with request.app.state.admission.slot():
         gen = await _start(engine, settings, metrics, "cmpl", prompt, params, adapter)
     fmt = CompletionFormat(gen, engine.tokenizer, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
@@ -245,7 +247,7 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
     adapter = check_model(request, body.model)
     check_chat(body, body.max_output_tokens, settings.limits, engine.max_model_len)
     plan = plan_chat(body, engine.tokenizer, tool_parser(engine.tokenizer, settings.tool_call_parser))
-    params = body.to_sampling_params(plan.constraint)
+    params = _salted(request, body.to_sampling_params(plan.constraint))
     with request.app.state.admission.slot():
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
         gen = await _start(engine, settings, metrics, "chatcmpl", prompt, params, adapter)
@@ -263,7 +265,7 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
     adapter = check_model(request, chat.model)
     check_chat(chat, chat.max_output_tokens, settings.limits, engine.max_model_len)
     plan = plan_chat(chat, engine.tokenizer, tool_parser(engine.tokenizer, settings.tool_call_parser))
-    params = chat.to_sampling_params(plan.constraint)
+    params = _salted(request, chat.to_sampling_params(plan.constraint))
     with request.app.state.admission.slot():
         prompt = await asyncio.to_thread(engine.tokenizer.apply_chat_template, plan.messages, tools=plan.tools)
         gen = await _start(engine, settings, metrics, "resp", prompt, params, adapter)
@@ -293,6 +295,16 @@ async def create_embeddings(request: Request, engine: Engine, settings: Settings
         outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
     reply = await asyncio.to_thread(embeddings.encoded_response, body, settings.model_name, outputs)  # off the loop
     return Response(reply, media_type="application/json", headers=ignored_fields_header(body))
+
+
+def _salted(request: Request, params: SamplingParams) -> SamplingParams:
+    """With several API keys, each key's requests get their own prefix cache (a salt from the key),
+    unless the request names its own cache_salt: one tenant cannot probe another's cached prompts."""
+    keys: ApiKeys = request.app.state.keys
+    if params.cache_salt is not None or len(keys.keys()) < 2:
+        return params
+    token = request.headers.get("authorization", "").partition(" ")[2]
+    return dataclasses.replace(params, cache_salt="key:" + hashlib.sha256(token.encode()).hexdigest())
 
 
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,

@@ -122,6 +122,7 @@ class _SamplingRequest(_OpenTopLevel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # per prompt token (completions: on each choice)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # no prefix-cache sharing across salts
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -179,7 +180,7 @@ class _SamplingRequest(_OpenTopLevel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            prompt_logprobs=self.scored_prompt(), **constraint)
+            prompt_logprobs=self.scored_prompt(), cache_salt=self.cache_salt, **constraint)
 
 
 class CompletionRequest(_SamplingRequest):
