@@ -231,3 +231,27 @@ def test_a_worker_killed_mid_batch_ends_the_whole_group(tmp_path, tmp_path_facto
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
+
+
+def test_an_idle_connection_to_the_control_channel_does_not_stop_the_group(tmp_path, tmp_path_factory, gguf_path):
+    """Issue 48 item 7, as an attacker who reaches the leader: one TCP connection to its control
+    channel that never speaks. It failed before: the leader's accept loop sat in that connection's
+    handshake, the worker was never accepted, and the group never formed (its join timeout: 300 s)."""
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    init_port, leader_http, worker_http = free_port(), free_port(), free_port()
+    hosts: list[subprocess.Popen] = []
+    idle = socket.socket()
+    try:
+        with open(tmp_path / "group.log", "wb") as log:
+            hosts.append(start_host(path, 0, f"127.0.0.1:{init_port}", leader_http, log))
+            wait_for(lambda: idle.connect_ex(("127.0.0.1", init_port + 1)) == 0, 60, "the control channel listening")
+            hosts.append(start_host(path, 1, f"127.0.0.1:{init_port}", worker_http, log))
+            wait_for(lambda: status(f"http://127.0.0.1:{leader_http}/health") == 200, 120, "the group formed")
+        reply = httpx.post(f"http://127.0.0.1:{leader_http}/v1/completions", timeout=60,
+                           json={"model": path, "prompt": [5, 6, 7], "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+    finally:
+        idle.close()
+        for host in hosts:
+            host.kill()
+            host.wait()

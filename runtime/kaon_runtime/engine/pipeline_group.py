@@ -18,11 +18,12 @@ import logging
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -44,6 +45,17 @@ log = logging.getLogger(__name__)
 # Set by `kaon serve`: a leader whose group lost a rank ends its process (in a Python program the
 # engine's next step raises instead).
 exit_on_peer_loss = False
+HANDSHAKE_TIMEOUT_S = 10.0  # a rank answers the control channel's challenge in milliseconds
+
+
+def _receive_deadline(conn: Connection, seconds: float) -> None:
+    """Make `conn`'s blocking reads fail after `seconds` (0: wait forever), through the socket's
+    SO_RCVTIMEO: a Connection has no timeout of its own, and the option is the socket's, shared
+    with the duplicate set here."""
+    whole = int(seconds)
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("ll", whole, int((seconds - whole) * 1_000_000)))
 
 
 def uses_pipeline(config: EngineConfig, rdv: Rendezvous) -> bool:
@@ -68,8 +80,11 @@ class PipelineGroup:
         self.lost: str | None = None  # why the group broke up, once a rank went away
         self._conns: dict[int, Connection] = {}
         self._all_joined = threading.Event()
-        host = "127.0.0.1" if rdv.num_hosts == 1 else "0.0.0.0"  # the other hosts must reach it
-        self._listener = Listener((host, rdv.port + 1), backlog=self.world, authkey=rdv.authkey)
+        # The given address only (the leader's pod IP under a LeaderWorkerSet, 127.0.0.1 on one host),
+        # never every interface. The handshake is ours (_handshake), so a connection that says nothing
+        # holds only its own thread, for HANDSHAKE_TIMEOUT_S, not the accept loop.
+        self._listener = Listener(rdv.control_address, backlog=self.world + 16)
+        self._joining = threading.Lock()
         threading.Thread(target=self._accept, name="kaon-pp-accept", daemon=True).start()
         self._procs = _spawn_local_ranks(config, rdv, ranks_of_host(self.world, rdv.num_hosts, 0)[1:])
         try:
@@ -84,18 +99,31 @@ class PipelineGroup:
             raise
 
     def _accept(self) -> None:
-        while len(self._conns) < self.world - 1:
+        while not self._all_joined.is_set():
             try:
                 conn = self._listener.accept()
-                _, rank = conn.recv()
             except OSError:
                 if self._closing:
                     return
                 continue
-            except Exception:  # noqa: BLE001 -- a stranger failing the handshake: ignored
-                continue
+            threading.Thread(target=self._handshake, args=(conn,), name="kaon-pp-handshake", daemon=True).start()
+
+    def _handshake(self, conn: Connection) -> None:
+        """Authenticate one connection (both ways, as Listener(authkey=...) does) and take its rank,
+        within HANDSHAKE_TIMEOUT_S: a stranger, or one that never speaks, is dropped."""
+        try:
+            _receive_deadline(conn, HANDSHAKE_TIMEOUT_S)
+            deliver_challenge(conn, self.rdv.authkey)
+            answer_challenge(conn, self.rdv.authkey)
+            _, rank = conn.recv()
+            _receive_deadline(conn, 0)  # from now on the channel waits as long as the group lives
+        except Exception:  # noqa: BLE001 -- a stranger failing or sitting on the handshake: dropped
+            conn.close()
+            return
+        with self._joining:
             self._conns[rank] = conn
-        self._all_joined.set()
+            if len(self._conns) >= self.world - 1:
+                self._all_joined.set()
 
     def _wait_joined(self) -> None:
         deadline = time.monotonic() + self.rdv.join_timeout_s
