@@ -86,8 +86,16 @@ def encode(vector: list[float], normalize: bool, encoding_format: str,
 def encoded_response(body: EmbeddingRequest, model: str, outputs: list[RequestOutput]) -> bytes:
     """The response's JSON: normalizing and serializing 2,048 vectors takes seconds, so the route
     calls this on a worker thread, never on the event loop (/health must not wait for it)."""
-    return json.dumps(response(body, model, outputs), ensure_ascii=False, allow_nan=False,  # as JSONResponse
-                      separators=(",", ":")).encode()
+    whole = response(body, model, outputs)
+    # One vector at a time: json.dumps holds the GIL for the whole of one call (8M floats: a second),
+    # so /health, on the event loop's thread, gets its turn between vectors. `"data":null` cannot
+    # occur inside a string of the head (its quotes would be escaped there).
+    items = b",".join(_dumps(item) for item in whole["data"])
+    return _dumps({**whole, "data": None}).replace(b'"data":null', b'"data":[' + items + b"]", 1)
+
+
+def _dumps(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()  # as JSONResponse
 
 
 def response(body: EmbeddingRequest, model: str, outputs: list[RequestOutput]) -> dict[str, Any]:
