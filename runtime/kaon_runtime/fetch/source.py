@@ -58,12 +58,19 @@ def parse_uri(uri: str, revision: str | None = None) -> Source:
             raise FetchError(INVALID, f"{uri!r}: an hf:// URI is hf://<org>/<name> or hf://<org>/<name>@<revision>")
         if m["rev"] and revision and m["rev"] != revision:
             raise FetchError(INVALID, f"{uri!r} names revision {m['rev']!r} but --revision says {revision!r}")
-        return Source("hf", m["repo"], revision=m["rev"] or revision or "main")
-    if uri.startswith("s3://"):
+        source = Source("hf", m["repo"], revision=m["rev"] or revision or "main")
+    elif uri.startswith("s3://"):
         m = _S3.match(uri)
         if not m:
             raise FetchError(INVALID, f"{uri!r}: an s3:// URI is s3://<bucket>/<prefix> with a valid bucket name")
-        return Source("s3", m["bucket"], path=(m["prefix"] or "").strip("/"))
+        source = Source("s3", m["bucket"], path=(m["prefix"] or "").strip("/"))
+    else:
+        return _local(uri)
+    cache_dir_name(source)  # refused here, before anything is listed or written, if it names no directory
+    return source
+
+
+def _local(uri: str) -> Source:
     if "://" in uri:
         raise FetchError(INVALID, f"{uri!r}: kaon fetch takes hf://, s3:// or a local path "
                                   "(pvc:// is mounted by the operator; builtin:// needs no fetch)")
@@ -74,6 +81,10 @@ def cache_dir_name(source: Source) -> str:
     """The model's directory under the cache root, a function of the URI only (so the init container
     and the engine, or two replicas, agree on it without talking)."""
     def safe(part: str) -> str:
+        # '.' and '..' are the only parts the substitution leaves able to climb out of the cache root
+        # (an s3 prefix s3://b/../../x, a revision '..'): never a directory name, whatever the URI.
+        if part in (".", ".."):
+            raise FetchError(INVALID, f"{source.uri!r}: a '.' or '..' part would leave the model cache")
         return re.sub(r"[^A-Za-z0-9._-]", "--", part)
     if source.scheme == "hf":
         return str(PurePosixPath("hf", *map(safe, source.location.split("/")), safe(source.revision or "main")))

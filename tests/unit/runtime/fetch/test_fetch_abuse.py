@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kaon_runtime.fetch import store
-from kaon_runtime.fetch.source import INVALID, FetchError, check_file_name
+from kaon_runtime.fetch.source import INVALID, FetchError, cache_dir_name, check_file_name, parse_uri
 from kaon_runtime.fetch.store import PartFile, RemoteFile
 
 fetch_module = importlib.import_module("kaon_runtime.fetch.fetch")  # the package's `fetch` is the function
@@ -120,3 +120,18 @@ def test_a_local_model_with_a_file_linking_outside_it_is_refused(tmp_path):
     (directory / "tokenizer.json").symlink_to(tmp_path / "secret")
     with pytest.raises(FetchError, match="outside the model directory"):
         fetch_module.fetch(str(directory), tmp_path / "cache", log=lambda _: None)
+
+
+@pytest.mark.parametrize("uri, revision", [
+    ("s3://models/../../etc", None), ("s3://models/team/..", None), ("s3://models/./x/../../..", None),
+    ("hf://org/name@..", None), ("hf://org/name", ".."), ("hf://org/name@.", None),
+])
+def test_a_prefix_or_revision_that_climbs_out_of_the_cache_is_refused(tmp_path, uri, revision):
+    # The cache directory is a function of the URI (init container and engine agree on it without
+    # talking): '..' in an S3 prefix or an HF revision must not make it a directory outside the cache.
+    with pytest.raises(FetchError) as refused:
+        parse_uri(uri, revision)
+    assert refused.value.kind == INVALID and "leave the model cache" in str(refused.value)
+    for fine in ("s3://models/team/llama", "hf://org/name@v1.0", "s3://models/a..b/c"):
+        name = cache_dir_name(parse_uri(fine))
+        assert (tmp_path / name).resolve().is_relative_to(tmp_path)
