@@ -51,14 +51,19 @@ def test_a_maximal_embeddings_reply_does_not_hold_health(monkeypatch):
                                     json={"model": MODEL, "input": ["hi"] * INPUTS}))
             done.set()
 
+        began = time.monotonic()
         threading.Thread(target=attack, daemon=True).start()
         with httpx.Client(timeout=60) as http:
             while not done.wait(0.05):
                 start = time.monotonic()
                 assert http.get(f"{url}/health").status_code == 200
                 worst = max(worst, time.monotonic() - start)
+        total = time.monotonic() - began
         assert reply[0].status_code == 200 and len(reply[0].json()["data"]) == INPUTS
-        assert worst < 1.0, worst
+        # Held on the loop, /health waited out the whole reply (5.5 of ~6 s here). Off it, no wait is
+        # more than a fraction of the reply's time: relative, so a busy CI machine (everything slower,
+        # the client's read of ~80 MB in this same process too) cannot fail it, while the bug still does.
+        assert worst < max(1.0, total / 3), (worst, total)
     finally:
         server.should_exit = True
         thread.join(10)
