@@ -80,14 +80,16 @@ bench-gpu: install
 bench-roofline: install
 	$(PY) bench/decode_roofline.py
 
-# The serving peer (llama.cpp's OpenAI server) compiles from source: minutes on 2 cores.
+# llama.cpp's OpenAI server (it serves one request at a time: bench/RESULTS.md says what that compares).
+# The pin keeps make install's cached portable build (e2e/build-llama-cpp.sh) and adds only the server's
+# own packages; an unpinned install would compile a native build from source, which crashed on AMX Xeons.
 bench-serve: install
-	$(PY) -m pip install --quiet "llama-cpp-python[server]"
+	$(PY) -m pip install --quiet "llama-cpp-python[server]==0.3.36"
 	$(PY) bench/serve.py
 
 # CPU batch-1 and batch-16 decode, kaon in float32/int8/int4 vs llama.cpp on the same GGUF.
 bench-cpu: install
-	$(PY) -m pip install --quiet "llama-cpp-python[server]"
+	$(PY) -m pip install --quiet "llama-cpp-python[server]==0.3.36"
 	$(PY) bench/cpu_decode.py
 
 soak: install
