@@ -272,11 +272,13 @@ class CollidingHashMachine(BlockManagerMachine):
     vocab = 2
 
 
+@pytest.mark.slow
 def test_block_manager_state_machine():
     run_state_machine_as_test(BlockManagerMachine, settings=settings(
         max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
 
 
+@pytest.mark.slow
 def test_block_manager_state_machine_with_colliding_hashes(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", weak_hash)
     run_state_machine_as_test(CollidingHashMachine, settings=settings(

@@ -1,9 +1,12 @@
 """Prompt logprobs (what evaluation harnesses score with) equal transformers' on the same prompt."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kaon_runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # transformers' model loaded and compared (make unit leaves it out)
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain is Madrid."
 

@@ -13,6 +13,8 @@ from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.kernels import paged_attention
 from support.tiny_llama import DEVICE, PROMPTS, first_difference_at_a_near_tie, spread_copy
 
+pytestmark = pytest.mark.slow  # whole models generating on Triton's interpreter (make unit leaves it out)
+
 transformers = pytest.importorskip("transformers")
 
 

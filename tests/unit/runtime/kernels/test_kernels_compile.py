@@ -34,6 +34,8 @@ from kaon_runtime.layers.rotary import RotaryEmbedding
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
 
+pytestmark = pytest.mark.slow  # every Triton kernel compiled for sm_90a (make unit leaves it out)
+
 triton = pytest.importorskip("triton")
 if __name__ != "__main__" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("records launches through the interpreter (a GPU runs the kernels themselves)", allow_module_level=True)

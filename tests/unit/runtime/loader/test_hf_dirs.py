@@ -16,6 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+
+pytestmark = pytest.mark.slow  # transformers' models loaded and compared (make unit leaves it out)
+
 FAMILIES = {
     "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                dict(tie_word_embeddings=False, rope_theta=500000.0,

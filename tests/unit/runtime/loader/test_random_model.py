@@ -37,6 +37,7 @@ def test_weights_are_the_same_on_every_pass(weights):
     assert not torch.equal(q, first["model.layers.1.self_attn.q_proj.weight"])  # a seed per tensor
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_hf_on_the_same_random_weights(weights):
     llm = LLM("random://smollm2-135m", show_progress=False, device="cpu", dtype="float32")
     prompts = [list(range(1, 9)), list(range(100, 140))]

@@ -101,6 +101,7 @@ def test_w8a8_dynamic_tokens_agree_with_transformers(tmp_path, gguf_path):
     assert max(max(b) for b in below) <= NEAR_TIE, below
 
 
+@pytest.mark.slow
 def test_unsupported_dynamic_activations_are_refused_in_one_line(tmp_path, gguf_path):
     pytest.importorskip("compressed_tensors")
     write_compressed_tensors(tmp_path, gguf_path, dict(WEIGHTS, strategy="group", group_size=64), "int-quantized")

@@ -361,6 +361,7 @@ def test_int4_takes_the_gguf_q4_1_blocks_bit_for_bit(llm):
             [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_on_the_triton_kernels_generates_the_torch_tokens(tiny_llama, monkeypatch, method):
     # A tiny random Llama keeps the interpreter's cost low; its logits are spread far from ties.

@@ -18,6 +18,8 @@ from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.quant.static_inputs import StaticInputLinear
 from support.quantized_dirs import greedy, transformers_reference, update_config, write_compressed_tensors
 
+pytestmark = pytest.mark.slow  # whole quantized checkpoints loaded (make unit leaves it out)
+
 pytest.importorskip("compressed_tensors")
 PROMPTS = [[1, 500, 600, 700], [1, 42, 4242, 9000, 12, 7]]
 TOKENS = 10

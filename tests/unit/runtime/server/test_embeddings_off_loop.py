@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 
 from kaon_runtime.engine.async_engine import AsyncEngine
@@ -17,6 +18,8 @@ from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.server import embeddings
 from kaon_runtime.server.app import ServerSettings, create_app
 from tests.unit.runtime.server.test_pipeline import MODEL, StubEngine
+
+pytestmark = pytest.mark.slow  # a 2,048 x 4,096 reply through a real uvicorn (make unit leaves it out)
 
 INPUTS, DIMS = 2048, 4096
 

@@ -12,6 +12,7 @@ import contextlib
 import socket
 import time
 
+import pytest
 import uvicorn
 from starlette.responses import StreamingResponse
 
@@ -112,6 +113,7 @@ def test_a_stream_whose_client_stopped_reading_is_dropped_and_ended_after_the_wr
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow
 def test_without_the_deadline_such_a_stream_runs_on():
     """What the deadline guards against: uvicorn waits on a full socket buffer without end."""
     ended, gone = asyncio.run(scenario(write_timeout=1e9, wait_s=2))
