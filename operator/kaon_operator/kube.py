@@ -2,6 +2,9 @@
 
 Children are server-side applied under one field manager: applying the same manifest
 twice changes nothing, and `force` takes back any field someone else edited.
+
+Over 300 lines for a stated reason: it is the one client of the apiserver (timeouts, field
+manager, the error mapping every call shares); splitting it by verb would spread that contract.
 """
 from __future__ import annotations
 

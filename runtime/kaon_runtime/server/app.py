@@ -4,6 +4,8 @@ Every route reads its request the same way (pipeline.py: the body, the model it 
 what is here is what the routes share besides (admission, the in-flight count the drain waits
 on, the SSE response that aborts on a disconnect); what a route does with a request lives
 elsewhere (serving.py, responses.py, embeddings.py, tokenize.py, lora_routes.py, limits.py).
+Over 300 lines for a stated reason: the route table itself, one short handler a route, reads best
+in one place beside the admission and drain state those handlers share.
 """
 from __future__ import annotations
 
