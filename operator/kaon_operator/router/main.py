@@ -107,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         max_buffered_bytes=args.max_buffered_bytes, max_client_share=args.max_client_share,
         max_connections=args.max_connections,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout))
-    watcher = Watcher(server, table, args.namespace)
+    from kaon_operator.router.route_gateway import RouteGateway
+    from kaon_operator.routes.table import RouteTable
+
+    routes = RouteTable(default_namespace=table.default_namespace)
+    router.routes = RouteGateway(router, routes)
+    watcher = Watcher(server, table, args.namespace, routes=routes)
     try:
         asyncio.run(serve(router, watcher, args))
     except KeyboardInterrupt:
