@@ -16,6 +16,7 @@ import array
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -29,7 +30,8 @@ TIMEOUT_S = 1.0
 
 class ValkeyStore:
     def __init__(self, url: str, prefix: str, max_entries: int):
-        self.client = aioredis.from_url(url.replace("valkey://", "redis://", 1), socket_timeout=TIMEOUT_S,
+        # Any: redis-py types every reply as bytes | str (decode_responses is off here: always bytes).
+        self.client: Any = aioredis.from_url(url.replace("valkey://", "redis://", 1), socket_timeout=TIMEOUT_S,
                                         socket_connect_timeout=TIMEOUT_S)
         self.prefix, self.max_entries = prefix, max_entries
         self._warned = 0.0
