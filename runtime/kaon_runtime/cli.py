@@ -25,6 +25,8 @@ KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on 
 TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
 PP_HELP = ("stages of contiguous layers, each run by --tensor-parallel-size processes (on one host, or one "
            "stage per host of a LeaderWorkerSet group: docs/multinode.md)")
+# Below this many uncached prompt tokens a transfer costs more than the prefill it saves (bench/disagg.py).
+DISAGG_MIN_PROMPT_TOKENS = 256
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about Kubernetes.",
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_flags(serve)
     add_lora_flags(serve)
     add_runtime_lora_flags(serve)
+    add_disagg_flags(serve)
     serve.add_argument("--log-level", default="info")
     sub.add_parser("fetch", help="download an hf:// or s3:// model into the cache, or check a local one "
                    "(see `kaon fetch --help`)", add_help=False)
@@ -153,6 +156,19 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-draft-model", help="the draft model (same tokenizer) for 'draft'")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram prompt lookup matches")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram prompt lookup matches")
+
+
+def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation (docs/disaggregation.md; server/disagg.py)."""
+    parser.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                        help="both: prefill and decode here; prefill: also compute prompts' K/V for decode engines; "
+                        "decode: have --prefill-url engines prefill long prompts and receive their K/V")
+    parser.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                        help="a prefill engine (repeatable), for --role decode")
+    parser.add_argument("--disagg-min-prompt-tokens", type=positive_int, default=DISAGG_MIN_PROMPT_TOKENS, metavar="N",
+                        help="a decode engine prefills prompts with fewer uncached tokens itself (bench/disagg.py)")
+    parser.add_argument("--disagg-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+                        help="a transfer not complete by then is given up: the decode engine prefills the prompt")
 
 
 def add_lora_flags(parser: argparse.ArgumentParser) -> None:
@@ -322,6 +338,14 @@ def _serve(args) -> int:
     from kaon_runtime.fetch.fetch import adapter_fetcher
     from kaon_runtime.server.run import serve
 
+    if args.role == "decode" and not args.prefill_url:
+        raise SystemExit("kaon serve: --role decode needs at least one --prefill-url")
+    if args.prefill_url and args.role != "decode":
+        raise SystemExit("kaon serve: --prefill-url is for --role decode")
+    if args.role != "both" and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1
+                                or args.speculative_method == "draft"):
+        raise SystemExit("kaon serve: --role prefill/decode runs one process per engine, without a draft model "
+                         "(the transfer moves one pool's K/V)")
     if args.enable_runtime_lora and not args.admin_key:  # on for no one would read as on for everyone
         raise SystemExit("kaon serve: --enable-runtime-lora needs --admin-key (or $KAON_ADMIN_KEY): only its "
                          "holder may change adapters")

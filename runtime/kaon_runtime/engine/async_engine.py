@@ -22,13 +22,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from kaon_runtime.engine.kv_transfer import ImportedKv
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.structured.spec import spec_for
+
+if TYPE_CHECKING:
+    from kaon_runtime.engine.remote_prefill import RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     lora_id: int = 0
+    kv: ImportedKv | None = None  # its prompt's K/V from a prefill engine
 
 
 @dataclass(slots=True)
@@ -120,6 +126,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # A decode engine's prefill engines (engine.remote_prefill); None: every prompt is prefilled here.
+        self.remote_prefill: RemotePrefill | None = None
 
     # ---- event-loop side ---------------------------------------------------------------
 
@@ -203,13 +211,16 @@ class AsyncEngine:
         if spec_for(params) is not None:  # compiled (and cached) first, on the grammar threads
             await self._compile(params)
         prompt_token_ids = await asyncio.to_thread(self.engine.validate, prompt, params)
+        kv = None
+        if self.remote_prefill is not None and self._num_queued + self._stats.num_waiting < self.max_queue:
+            kv = await self.remote_prefill.fetch(prompt_token_ids, params, adapter, lora_id)
         with self._lock:
             waiting = self._num_queued + self._stats.num_waiting
             if waiting >= self.max_queue:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_queue})")
             self._num_queued += 1
         stream = RequestStream(request_id, self)
-        self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id))
+        self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id, kv))
         return stream
 
     async def _compile(self, params: SamplingParams) -> None:
@@ -277,7 +288,7 @@ class AsyncEngine:
                 added += 1
                 try:
                     self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
-                                              lora_id=command.lora_id)
+                                              lora_id=command.lora_id, kv=command.kv)
                 except Exception as exc:  # noqa: BLE001 -- validated already; only a duplicate id can get here, and its stream gets the error
                     self._event_loop().call_soon_threadsafe(command.stream._put, exc)
                     continue
