@@ -53,7 +53,7 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
      "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling",
      "routes.api", "routes.classifier", "routes.cache_keys", "routes.answers", "routes.memory_store", "routes.monitor",
-     "routes.figures", "routes.table"),
+     "routes.figures", "routes.table", "routes.status"),
     ("config",),  # plain values
 )
 OPERATOR_TIER = {f"kaon_operator.{m}": depth for depth, modules in enumerate(OPERATOR_TIERS) for m in modules}

@@ -166,3 +166,28 @@ def test_the_crd_files_are_generated_from_the_models():
     from kaon_operator.routes import crd
 
     assert crd.main(["--check"]) == 0, "crds/inferenceroute.yaml is stale: run `python -m kaon_operator.routes.crd`"
+
+
+def test_status_and_escalation_event():
+    from kaon_operator.routes import status
+    from kaon_operator.routes.table import route
+
+    r = route({"metadata": {"name": "a", "namespace": "ns", "generation": 3},
+               "spec": {"tiers": [{"service": "small", "costPerMillionTokens": 0.1},
+                                  {"service": "large", "costPerMillionTokens": 1}]}})
+    assert r is not None
+    agreement = monitor.Agreement()
+    agreement.record("small", "simple/general", False)
+    agreement.escalated.add(("small", "simple/general"))
+    figures = Figures()
+    figures.answered("small", 100, 0.1, 1.0)
+    out = status.status(r, figures, agreement, ["large"], "2026-11-29T00:00:00Z")
+    assert out["shares"] == "small 100% / large 0%" and out["observedGeneration"] == 3
+    assert out["agreement"] == [{"tier": "small", "class": "simple/general", "agreement": 0.0, "samples": 1,
+                                 "escalated": True}]
+    assert out["conditions"][0]["reason"] == "TierMissing" and "large" in out["conditions"][0]["message"]
+    later = status.status(r, figures, agreement, ["large"], "2026-11-29T01:00:00Z", out)
+    assert later["conditions"][0]["lastTransitionTime"] == "2026-11-29T00:00:00Z"  # kept while it holds
+    assert status.status(r, None, None, [], "t")["conditions"][0]["status"] == "True"
+    event = status.escalation_event(r, "small", "simple/general", 0.25, 20)
+    assert event["reason"] == "Escalated" and "large" in event["message"] and "25%" in event["message"]

@@ -292,3 +292,48 @@ def test_a_route_reaches_only_services_of_its_namespace():
         await stop(found)
     run(main())
 
+
+
+def test_a_second_router_replica_hits_what_the_first_stored_in_valkey():
+    from support.valkey import valkey_server
+
+    async def main(url: str):
+        found = await engines("small", "large")
+        route = route_object(cache={"valkey": url, "maxEntries": 2})
+        first, second = routed(found, route), routed(found, route)
+        request = chat(SIMPLE, temperature=0, stream=True)
+        async with serving(first) as client:
+            async with client.post("/v1/chat/completions", json=request) as r:
+                original = await r.read()
+                assert r.headers[CACHE_HEADER] == "miss"
+        async with serving(second) as client:
+            async with client.post("/v1/chat/completions", json=request) as r:
+                assert r.headers[CACHE_HEADER] == "hit" and await r.read() == original
+            assert found["small"].calls == 1
+            # the size bound holds in the server: two newer entries push the first out
+            for prompt in ("Who wrote Hamlet?", "Who painted the Mona Lisa?"):
+                async with client.post("/v1/chat/completions", json=chat(prompt, temperature=0)) as r:
+                    assert r.headers[CACHE_HEADER] == "miss"
+            async with client.post("/v1/chat/completions", json=request) as r:
+                assert r.headers[CACHE_HEADER] == "miss"
+        for router in (first, second):
+            await router.routes.close()
+        await stop(found)
+
+    with valkey_server() as url:
+        run(main(url))
+
+
+def test_an_unreachable_valkey_means_misses_not_errors():
+    from e2e.control_plane import free_port
+
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object(cache={"valkey": f"redis://127.0.0.1:{free_port()}/0"}))
+        async with serving(router) as client:
+            for _ in range(2):
+                async with client.post("/v1/chat/completions", json=chat(SIMPLE, temperature=0)) as r:
+                    assert r.status == 200 and r.headers[CACHE_HEADER] == "miss"
+        await router.routes.close()
+        await stop(found)
+    run(main())
