@@ -181,14 +181,22 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """Who may change the adapters at run time, and what one change may cost (server/lora_routes.py)."""
+    """Who may change the adapters at run time, and what one change may cost (server/lora_routes.py); who may
+    put the engine to sleep (server/sleep.py)."""
     allowed = os.environ.get("KAON_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true", "yes")
     parser.add_argument("--enable-runtime-lora", action="store_true", default=allowed,
                         help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter, for the holder of "
                         "--admin-key only (default: off, a 404; $KAON_ALLOW_RUNTIME_LORA_UPDATING=true)")
     parser.add_argument("--admin-key", default=os.environ.get("KAON_ADMIN_KEY"),
-                        help="the key (Authorization: Bearer) that changes adapters; the serving keys do not "
-                        "(default: $KAON_ADMIN_KEY; needed by --enable-runtime-lora)")
+                        help="the key (Authorization: Bearer) that changes adapters and puts the engine to sleep; the "
+                        "serving keys do not (default: $KAON_ADMIN_KEY; needed by --enable-runtime-lora and "
+                        "--enable-sleep-mode)")
+    parser.add_argument("--enable-sleep-mode", action="store_true",
+                        default=os.environ.get("KAON_ENABLE_SLEEP_MODE", "").lower() in ("1", "true", "yes"),
+                        help="answer POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's), for the "
+                        "holder of --admin-key only (default: off, a 404; $KAON_ENABLE_SLEEP_MODE=true)")
+    parser.add_argument("--sleep-grace-period", type=non_negative_float, default=30.0, metavar="SECONDS",
+                        help="how long a sleep waits for the requests in flight before it aborts them")
     parser.add_argument("--max-cpu-loras", type=positive_int, default=16,
                         help="adapters registered at once (at start and at run time); a load past it is refused "
                         "before its download")
@@ -349,6 +357,9 @@ def _serve(args) -> int:
     if args.enable_runtime_lora and not args.admin_key:  # on for no one would read as on for everyone
         raise SystemExit("kaon serve: --enable-runtime-lora needs --admin-key (or $KAON_ADMIN_KEY): only its "
                          "holder may change adapters")
+    if args.enable_sleep_mode and not args.admin_key:
+        raise SystemExit("kaon serve: --enable-sleep-mode needs --admin-key (or $KAON_ADMIN_KEY): only its "
+                         "holder may put the engine to sleep")
     config = engine_config(args)
     rdv = pipeline_group.world_rendezvous(config)
     if not rdv.is_leader:  # a LeaderWorkerSet worker: its stage's ranks, no API (only /health)

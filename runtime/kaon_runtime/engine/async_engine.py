@@ -20,9 +20,10 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kaon_runtime.engine.kv_transfer import ImportedKv
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
@@ -51,6 +52,13 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps (sleep and wake: engine/sleep.py)."""
+    fn: Callable[[LLMEngine], Any]
+    done: Future = field(default_factory=Future)
 
 
 _STOP = object()
@@ -126,6 +134,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.refuse_new: Callable[[], BaseException | None] = lambda: None
+        """Read on the engine thread for every request it takes: an error fails the request instead (asleep)."""
         # A decode engine's prefill engines (engine.remote_prefill); None: every prompt is prefilled here.
         self.remote_prefill: RemotePrefill | None = None
 
@@ -241,7 +251,15 @@ class AsyncEngine:
     def _compiled(self) -> None:
         self._compiles -= 1
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps; its result, or its exception."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        command = _Call(fn)
+        self._submit(command)
+        return await asyncio.wrap_future(command.done)
+
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         self._intake.put(command)
 
     # ---- engine thread -----------------------------------------------------------------
@@ -284,8 +302,15 @@ class AsyncEngine:
     def _apply(self, commands: list, streams: dict[str, RequestStream]) -> None:
         added = 0
         for command in commands:
-            if isinstance(command, _Add):
+            if isinstance(command, _Call):
+                _run_call(command, self.engine)
+                self._fail_dropped(streams)
+            elif isinstance(command, _Add):
                 added += 1
+                refused = self.refuse_new()
+                if refused is not None:
+                    self._event_loop().call_soon_threadsafe(command.stream._put, refused)
+                    continue
                 try:
                     self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
                                               lora_id=command.lora_id, kv=command.kv)
@@ -300,6 +325,12 @@ class AsyncEngine:
         with self._lock:
             self._num_queued -= added
             self._stats = self.engine.stats()
+
+    def _fail_dropped(self, streams: dict[str, RequestStream]) -> None:
+        """Fail the open streams once a call has left the engine without requests (a sleep aborts what is left)."""
+        if streams and not self.engine.has_unfinished_requests():
+            self._fail_all(streams, self.refuse_new() or EngineDeadError("the request was stopped by an "
+                                                                         "administrative call"))
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The server's event loop, where the streams live (known once `start` ran)."""
@@ -321,6 +352,13 @@ class AsyncEngine:
         failed: list[tuple[RequestStream, RequestOutput | BaseException]] = [(s, exc) for s in streams.values()]
         self._event_loop().call_soon_threadsafe(_put_all, failed)
         streams.clear()
+
+
+def _run_call(command: _Call, engine: LLMEngine) -> None:
+    try:
+        command.done.set_result(command.fn(engine))
+    except Exception as exc:  # noqa: BLE001 -- handed to the caller, which raises it
+        command.done.set_exception(exc)
 
 
 def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

@@ -95,7 +95,8 @@ def _run(args, engine: AsyncEngine, fetch_adapter: Callable[[str], str] | None) 
                               matryoshka=matryoshka_of_checkpoint(args.model), fetch_adapter=fetch_adapter,
                               runtime_lora=args.enable_runtime_lora, admin_key=args.admin_key or None,
                               max_registered_loras=args.max_cpu_loras, max_lora_bytes=args.max_lora_bytes,
-                              lora_load_timeout=args.lora_load_timeout)
+                              lora_load_timeout=args.lora_load_timeout, sleep_mode=args.enable_sleep_mode,
+                              sleep_grace_s=args.sleep_grace_period)
     app = create_app(engine, settings)
     bounds = settings.limits
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
