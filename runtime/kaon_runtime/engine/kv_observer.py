@@ -9,6 +9,8 @@ order it was loaded in, so the same chain hash could name another adapter's K/V 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kaon_runtime.config import EngineConfig
@@ -98,10 +100,10 @@ def check_tier_config(config: EngineConfig) -> None:
                                   "pipeline parallelism yet")
 
 
-def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, kv_cache: torch.Tensor | None,
+def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: Callable[[], torch.Tensor | None],
                        model_id: str) -> KVObserver | None:
     """Start what the config asks for (the events publisher, the tiers) and hang it on the block
-    manager; None when it asks for neither."""
+    manager; None when it asks for neither. `pool` returns the engine's pool now (None: asleep)."""
     check_tier_config(config)
     events = parse_kv_events_config(config.kv_events_config)
     tiered = config.kv_offload_bytes > 0 or config.kv_offload_dir is not None
@@ -110,11 +112,12 @@ def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, kv_cac
     publisher = EventPublisher(events) if events is not None else None
     tiers = None
     if tiered:
+        kv_cache = pool()
         assert kv_cache is not None, "the tiers need this process's pool"
         layout = KVLayout(model_id, str(kv_cache.dtype).removeprefix("torch."), config.block_size,
                           tuple(kv_cache[:, :, :, 0].shape))
         try:
-            tiers = KVTiers(kv_cache, layout, config.kv_offload_bytes, config.kv_offload_dir,
+            tiers = KVTiers(pool, layout, config.kv_offload_bytes, config.kv_offload_dir,
                             config.kv_offload_dir_bytes, emit=publisher.emit if publisher else None)
         except BaseException:
             if publisher is not None:

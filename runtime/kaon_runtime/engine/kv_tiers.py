@@ -152,13 +152,17 @@ class _DiskBlock:
 class KVTiers:
     """The host and disk tiers of one engine's pool, and the mover thread between them.
 
-    `kv_cache` is the pool ([layers, 2, kv heads, blocks, block size, head dim]); a block is its
-    slice on dimension 3. `emit` receives the tiers' KV events (none when events are off).
+    `pool` returns the pool ([layers, 2, kv heads, blocks, block size, head dim]; a block is its
+    slice on dimension 3), or None while the engine sleeps: read at each move, never kept, so a
+    sleeping engine's pool is freed and a woken one's new pool is the one used (engine/sleep.py).
+    `emit` receives the tiers' KV events (none when events are off).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, host_bytes: int, disk_dir: str | None = None,
-                 disk_bytes: int = 0, emit: Callable[[KVEvent], None] | None = None):
-        self.kv_cache = kv_cache
+    def __init__(self, pool: torch.Tensor | Callable[[], torch.Tensor | None], layout: KVLayout, host_bytes: int,
+                 disk_dir: str | None = None, disk_bytes: int = 0, emit: Callable[[KVEvent], None] | None = None):
+        self._pool = pool if callable(pool) else (lambda: pool)
+        kv_cache = self._pool()
+        assert kv_cache is not None, "the tiers start beside a pool"
         self.layout = layout
         self.dtype = kv_cache.dtype
         self.block_bytes = kv_cache[:, :, :, 0].numel() * kv_cache.element_size()
@@ -205,10 +209,13 @@ class KVTiers:
         with self._lock:
             host = self._host.get(block_hash)
             disk = self._disk.get(block_hash) if host is None else None
+        kv_cache = self._pool()
+        if kv_cache is None:
+            return False
         if host is not None:
             if (host.parent, host.tokens) != (parent, tokens):
                 return False  # a hash collision: never serve another prefix's K/V
-            self.kv_cache[:, :, :, block_id].copy_(host.data)
+            kv_cache[:, :, :, block_id].copy_(host.data)
             with self._lock:
                 if block_hash in self._host:
                     self._host.move_to_end(block_hash)
@@ -220,7 +227,7 @@ class KVTiers:
         loaded = self._read(block_hash)
         if loaded is None:
             return False
-        self.kv_cache[:, :, :, block_id].copy_(loaded)
+        kv_cache[:, :, :, block_id].copy_(loaded)
         with self._lock:
             self.stats.hits["disk"] += 1
             self.stats.count("disk_to_pool", 1, time.perf_counter() - start)
@@ -269,10 +276,12 @@ class KVTiers:
     def _offload(self, block_id: int, block_hash: int, parent: int | None, tokens: tuple[int, ...],
                  generation: int) -> None:
         start = time.perf_counter()
-        data = self.kv_cache[:, :, :, block_id].to("cpu", copy=True).contiguous()
+        kv_cache = self._pool()
+        data = None if kv_cache is None else kv_cache[:, :, :, block_id].to("cpu", copy=True).contiguous()
         with self._lock:
             self._in_flight.discard(block_hash)
-            if self._generation[block_id] != generation:  # reused while we copied: the copy is void
+            # Reused (or the pool freed: asleep) while we copied: the copy is void.
+            if data is None or self._generation[block_id] != generation:
                 self.stats.discarded += 1
                 return
         self._put_host(block_hash, _HostBlock(parent, tokens, data))

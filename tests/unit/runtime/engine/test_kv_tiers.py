@@ -184,3 +184,20 @@ def test_the_tier_metrics_are_exported():
                  'kaon_kv_tier_seconds_total{direction="pool_to_host"} 0.5'):
         assert line in text
     assert "kaon_kv_tier" not in Metrics(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)).render().decode()
+
+
+def test_an_asleep_engines_pool_is_neither_read_nor_written():
+    """engine/sleep.py frees the pool and attaches a new one on wake: the tiers hold no reference to it."""
+    kv = pool(4)
+    current: list[torch.Tensor | None] = [kv]
+    tiers = KVTiers(lambda: current[0], layout(kv), host_bytes=64 * block_bytes(kv))
+    kv[:, :, :, 0] = 5.0
+    tiers.offload(0, 42, None, (1, 2, 3, 4))
+    tiers.drain()
+    current[0] = None  # asleep
+    assert not tiers.restore(42, None, (1, 2, 3, 4), 1)
+    tiers._offload(2, 43, None, (5, 6, 7, 8), generation=0)
+    assert not tiers.holds(43)
+    current[0] = woken = pool(4)  # awake: a new pool
+    assert tiers.restore(42, None, (1, 2, 3, 4), 1) and torch.all(woken[:, :, :, 1] == 5.0)
+    tiers.close()
