@@ -38,14 +38,14 @@ STALLED_LOG_EVERY_S = 10.0  # many clients that stop reading at once make one li
 class Tap(Protocol):
     headers: dict[str, str]
 
-    def tee(self, data: bytes) -> None: ...
+    async def tee(self, data: bytes) -> None: ...
 
     def done(self, status: int, content_type: str) -> None: ...
 
 
 def _tapped(write: Callable[[bytes], Awaitable[None]], tap: Tap) -> Callable[[bytes], Awaitable[None]]:
     async def tapped(data: bytes) -> None:
-        tap.tee(data)
+        await tap.tee(data)
         await write(data)
     return tapped
 
@@ -71,7 +71,7 @@ class Relay:
             if not sse and length is not None and length <= WHOLE_BODY_BYTES:
                 whole = await self._whole(upstream, key, target, headers, overhead, received)
                 if tap is not None and isinstance(whole.body, bytes):
-                    tap.tee(whole.body)
+                    await tap.tee(whole.body)
                     tap.done(upstream.status, upstream.headers.get("Content-Type", ""))
                 return whole
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)

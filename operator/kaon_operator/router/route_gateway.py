@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -73,13 +73,20 @@ class Plan:
     status: int = 0
     content_type: str = ""
     complete: bool = False
+    stored: bool = False
+    on_stream_end: Callable[[Plan], Awaitable[None]] | None = None
 
     @property
     def service(self) -> str:
         return self.route.services[self.tier]
 
-    def tee(self, data: bytes) -> None:
+    async def tee(self, data: bytes) -> None:
         self.chunks.append(bytes(data))
+        # A stream's last event: store the answer before the client gets it, so that a client asking
+        # again as soon as it read [DONE] finds it (a whole body is stored before it is sent at all).
+        if self.stream and data.rstrip().endswith(b"data: [DONE]") and self.on_stream_end is not None:
+            self.done(200, "text/event-stream")
+            await self.on_stream_end(self)
 
     def done(self, status: int, content_type: str) -> None:
         self.status, self.content_type, self.complete = status, content_type, True
@@ -178,7 +185,7 @@ class RouteGateway:
         body = json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass")
         headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss" if cache_key else "none"}
         return Plan(route, tier, decision.request_class, model, body, payload, path, authorization, stream,
-                    cache_key, semantic, headers)
+                    cache_key, semantic, headers, on_stream_end=self._store)
 
     def _tier_model(self, route: Route, tier: int) -> str:
         """`<namespace>/<served name>` of the tier's InferenceService, which the table resolves to it."""
@@ -233,16 +240,24 @@ class RouteGateway:
         self.metrics.top_cost.labels(*labels).inc(tokens * top / 1e6)
         if plan.status != 200:
             return
-        if plan.cache_key is not None:
-            answer = Answer(plan.status, plan.content_type, tuple(plan.chunks), tier.service, tokens)
-            store = self.store(route)
-            ttl = route.spec.cache.ttl_seconds
-            await store.put(plan.cache_key, answer, ttl)
-            if plan.semantic is not None:
-                await store.add_vector(plan.semantic[0], plan.semantic[1], plan.cache_key, ttl)
+        await self._store(plan)
         if monitor.should_verify(self.rng, route.spec.verify.fraction, plan.tier, len(route.spec.tiers)):
             text = answer_text(plan.chunks, plan.stream)
             self._spawn(self._verify(plan, text))
+
+    async def _store(self, plan: Plan) -> None:
+        """Keep a complete 200 answer under the plan's key (once)."""
+        if plan.stored or plan.cache_key is None or plan.status != 200:
+            return
+        plan.stored = True
+        route = plan.route
+        answer = Answer(plan.status, plan.content_type, tuple(plan.chunks), plan.service,
+                        usage_tokens(plan.chunks, plan.stream))
+        store = self.store(route)
+        ttl = route.spec.cache.ttl_seconds
+        await store.put(plan.cache_key, answer, ttl)
+        if plan.semantic is not None:
+            await store.add_vector(plan.semantic[0], plan.semantic[1], plan.cache_key, ttl)
 
     # the quality monitor ---------------------------------------------------------
 
