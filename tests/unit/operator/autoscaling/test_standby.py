@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from kaon_operator import api
 from kaon_operator.autoscaling import standby
+from kaon_operator.autoscaling.autoscaler import Decision
 from kaon_operator.autoscaling.standby import Loaded, Plan, plan
 from kaon_operator.children import resources as r
 from kaon_operator.status import conditions, summaries
@@ -84,3 +85,16 @@ def test_a_sleeping_pod_is_counted_as_standby_not_as_overdue_or_starting():
     loading = summaries.PodSummary("c", not_ready_since=since, startup_budget_s=600.0)
     assert conditions._overdue(loading, late) is not None
     assert conditions._overdue(replace(loading, asleep=True), late) is None  # a standby is not ready on purpose
+
+
+def test_from_zero_every_standby_wakes_at_once():
+    auto = spec(replicas=0, standby_replicas=3).autoscaling.model_copy(update={"min_replicas": 0,
+                                                                              "scale_to_zero_idle_seconds": 60})
+    one = Decision(1, "requests held at the router")
+    assert standby.from_zero(one, auto, current=0).replicas == 3
+    assert "all 3 standbys" in standby.from_zero(one, auto, current=0).reason
+    assert standby.from_zero(one, auto, current=1) == one  # not from zero: the policy's own step
+    assert standby.from_zero(Decision(0, "idle"), auto, current=0).replicas == 0  # staying at zero stays
+    assert standby.from_zero(Decision(5, "a burst"), auto, current=0).replicas == 5  # more than the standbys
+    capped = auto.model_copy(update={"max_replicas": 2})
+    assert standby.from_zero(one, capped, current=0).replicas == 2
