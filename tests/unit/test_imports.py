@@ -48,7 +48,7 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
     # pure decisions, with the leaves they share (names, stamps, URLs; the clock is the edges' seam, the router's too)
     ("api", "api_status", "labels", "kubetime", "naming", "spec_policy", "urls", "clock",
      "children.resources", "children.pod_template", "children.leaderworkerset", "children.changes",
-     "children.ownership",
+     "children.ownership", "children.prefill_pool", "children.disagg_args", "status.prefill_status",
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
      "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling",

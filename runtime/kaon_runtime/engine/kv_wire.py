@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Protocol
 
@@ -163,14 +163,15 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, api_key: str | None = None):
-        self.api_key = api_key
+    def __init__(self, api_key: Callable[[], str | None] = lambda: None):
+        self.api_key = api_key  # read per transfer: a mounted key file may rotate
         self._session: aiohttp.ClientSession | None = None
 
     async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float) -> ImportedKv:
         assembler = KvAssembler(layout, ask["start"], len(ask["token_ids"]) - 1)
         reader = FrameReader()
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        key = self.api_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             async with self._client().post(url.rstrip("/") + PREFILL_PATH, json=ask, headers=headers,
                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
@@ -211,6 +212,6 @@ def nixl_unavailable() -> str | None:
     return "nixl imports, but kaon's NIXL transfer is not written yet (the interface, Transport, is ready)"
 
 
-def pick_transport(api_key: str | None) -> tuple[Transport, str]:
+def pick_transport(api_key: Callable[[], str | None]) -> tuple[Transport, str]:
     """The transport a decode engine uses, and why not NIXL (the server logs both)."""
     return TcpTransport(api_key), nixl_unavailable() or ""

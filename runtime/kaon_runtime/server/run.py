@@ -17,6 +17,7 @@ from kaon_runtime.engine.pooling import matryoshka_of_checkpoint, pooling_of_che
 from kaon_runtime.engine.remote_prefill import RemotePrefill
 from kaon_runtime.server import disagg, limits
 from kaon_runtime.server.app import ServerSettings, ServerState, create_app
+from kaon_runtime.server.keys import ApiKeys
 
 logger = logging.getLogger("uvicorn.error")  # configured by uvicorn, so these lines reach its log
 
@@ -79,7 +80,12 @@ def _remote_prefill(args, engine: AsyncEngine) -> RemotePrefill | None:
     if getattr(args, "role", "both") != "decode":
         return None
     llm = engine.engine
-    transport, why_not_nixl = pick_transport(args.api_key)
+    own = ApiKeys(args.api_key, args.api_key_file)  # the prefill engines take the same keys (the operator mounts them)
+
+    def first_key() -> str | None:
+        return next((key.decode() for key in own.keys()), None)  # noqa: SIM118 -- ApiKeys.keys(), not a dict's
+
+    transport, why_not_nixl = pick_transport(first_key)
     remote = RemotePrefill(args.prefill_url, transport, KvLayout.of_cache(llm.runner.kv_cache), llm.block_manager,
                            args.disagg_min_prompt_tokens, args.disagg_timeout)
     remote.why_not_nixl = why_not_nixl
