@@ -446,8 +446,31 @@ class AdapterSpec(_Model):
         return v
 
 
+_PREFILL_ONE_PROCESS_MESSAGE = ("prefill (disaggregation) needs engine.tensorParallelSize 1, engine.nodesPerReplica 1 "
+                                 "and engine.task generate: each engine's K/V moves from one process")
+
+
+class PrefillSpec(_Model):
+    """A pool of prefill engines (prefill/decode disaggregation, docs/disaggregation.md): they compute long prompts' K/V and stream it to the decode engines (the rest of the spec), which the router keeps sending requests to."""  # noqa: E501 - one line: the CRD's description
+
+    replicas: int = Field(1, ge=0)
+    """Prefill engine replicas (0: the decode engines prefill everything themselves)."""
+    resources: ResourcesSpec | None = None
+    """The prefill pods' resources (unset: the same as the decode pods', spec.resources)."""
+    min_prompt_tokens: int | None = Field(None, ge=1)
+    """Prompts with fewer tokens missing from a decode engine's prefix cache are prefilled there (`kaon serve --disagg-min-prompt-tokens`; unset: the engine's default)."""  # noqa: E501 - one line: the CRD's description
+    timeout_seconds: int = Field(30, ge=1, le=600)
+    """A transfer not complete by then is given up and the decode engine prefills the prompt itself."""
+
+
 class InferenceServiceSpec(_Model):
     """The desired state of an InferenceService."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.prefill) || ((!has(self.engine.tensorParallelSize) || self.engine.tensorParallelSize == 1)"
+                 " && (!has(self.engine.nodesPerReplica) || self.engine.nodesPerReplica == 1)"
+                 " && (!has(self.engine.task) || self.engine.task == 'generate'))",
+         "message": _PREFILL_ONE_PROCESS_MESSAGE}]})
 
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_default(EngineSpec))
@@ -464,11 +487,21 @@ class InferenceServiceSpec(_Model):
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""  # noqa: E501 - one line: the CRD's description
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default(RolloutSpec))
+    prefill: PrefillSpec | None = None
+    """An optional pool of prefill engines; the rest of the spec describes the decode pool (docs/disaggregation.md)."""
     drain_seconds: int = Field(30, ge=0, le=MAX_DRAIN_SECONDS)
     """Seconds an engine pod being stopped (rollout, scale-down, node drain) gives its in-flight requests to
     finish, while it answers new ones with 503 and /ready fails (`kaon serve --drain-timeout`); the pod's
     terminationGracePeriodSeconds is this plus a margin for the server's own shutdown."""
 
+
+    @model_validator(mode="after")
+    def _prefill_one_process(self) -> InferenceServiceSpec:
+        engine = self.engine
+        if self.prefill is not None and (engine.tensor_parallel_size > 1 or engine.nodes_per_replica > 1
+                                         or engine.task != "generate"):
+            raise ValueError(_PREFILL_ONE_PROCESS_MESSAGE)
+        return self
 
     @field_validator("adapters")
     @classmethod

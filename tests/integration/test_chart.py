@@ -282,7 +282,8 @@ def test_chart_crds_equal_the_repositorys(helm):
     assert crd_module.main(["--check"]) == 0  # both copies are what api.py generates
     names = {d["metadata"]["name"] for d in template(helm, [], include_crds=True)
              if d["kind"] == "CustomResourceDefinition"}
-    assert names == {"inferenceservices.kaon.dev", "clusterkopfpeerings.kopf.dev"}
+    assert names == {"inferenceservices.kaon.dev", "inferenceroutes.kaon.dev", "clusterkopfpeerings.kopf.dev"}
+    assert (CHART / "crds" / "inferenceroute.yaml").read_text() == (ROOT / "crds" / "inferenceroute.yaml").read_text()
 
 
 def test_docs_crd_reference_is_current():
@@ -302,7 +303,7 @@ def _metric_names() -> set[str]:
     """Every metric name the engine, the router and the operator define (counters get _total)."""
     names = set()
     for path in ("runtime/kaon_runtime/server/metrics.py", "operator/kaon_operator/router/metrics.py",
-                 "operator/kaon_operator/metrics.py"):
+                 "operator/kaon_operator/metrics.py", "operator/kaon_operator/router/route_gateway.py"):
         for kind, name in re.findall(r'(\w+)\(\s*"(kaon_\w+)"', (ROOT / path).read_text()):
             names.add(f"{name}_total" if kind == "Counter" and not name.endswith("_total") else name)
     return names

@@ -37,7 +37,7 @@ TIER = {part: depth for depth, parts in enumerate(TIERS) for part in parts}
 # is plain values the configured code imports. The router (its own command) imports the operator's
 # pure decisions alone; the operator never imports the router.
 OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
-    ("__main__", "main", "crd", "reference"),  # the commands
+    ("__main__", "main", "crd", "reference", "routes.crd"),  # the commands
     ("handlers",),  # kopf registrations
     ("background",),  # the long-running tasks
     # what acts on a service
@@ -48,10 +48,12 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
     # pure decisions, with the leaves they share (names, stamps, URLs; the clock is the edges' seam, the router's too)
     ("api", "api_status", "labels", "kubetime", "naming", "spec_policy", "urls", "clock",
      "children.resources", "children.pod_template", "children.leaderworkerset", "children.changes",
-     "children.ownership",
+     "children.ownership", "children.prefill_pool", "children.disagg_args", "status.prefill_status",
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
-     "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling"),
+     "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling",
+     "routes.api", "routes.classifier", "routes.cache_keys", "routes.answers", "routes.memory_store", "routes.monitor",
+     "routes.figures", "routes.table", "routes.status"),
     ("config",),  # plain values
 )
 OPERATOR_TIER = {f"kaon_operator.{m}": depth for depth, modules in enumerate(OPERATOR_TIERS) for m in modules}

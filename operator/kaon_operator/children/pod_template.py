@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from kaon_operator import api
+from kaon_operator.children import disagg_args
 from kaon_operator.lora import adapter_pods
 
 ENGINE_CONTAINER = "engine"
@@ -103,7 +104,7 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if spec.auth is not None:  # the same keys as the router's, so pod-IP access needs one too
         args += ["--api-key-file", API_KEYS_MOUNT]
-    return args + adapter_pods.engine_args(spec) + list(engine.extra_args)
+    return args + adapter_pods.engine_args(spec) + disagg_args.decode_args(name, spec) + list(engine.extra_args)
 
 
 def default_requests(spec: api.InferenceServiceSpec) -> dict[str, str]:

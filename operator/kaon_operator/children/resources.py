@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kaon_operator import api, labels
-from kaon_operator.children import leaderworkerset, pod_template
+from kaon_operator.children import leaderworkerset, pod_template, prefill_pool
 from kaon_operator.children.pod_template import HTTP_PORT
 from kaon_operator.config import NetworkPolicyConfig
 from kaon_operator.lora import adapter_pods
@@ -117,7 +117,9 @@ def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyC
     else:
         workload = [deployment(owner, spec)]
     children = [*workload, service(owner, spec), pod_disruption_budget(owner, spec)]
-    return children + ([network_policy(owner, network)] if network is not None else [])
+    children += [network_policy(owner, network)] if network is not None else []
+    # spec.prefill: the prefill pool (docs/disaggregation.md), after the decode pods that connect to it
+    return children + prefill_pool.render(owner.name, owner.namespace, owner_reference(owner), spec, network)
 
 
 def dist_key_secret(owner: Owner, key: str) -> dict:
