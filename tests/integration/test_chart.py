@@ -494,3 +494,12 @@ def test_images_run_as_the_users_pods_expect():
     operator = (ROOT / "operator" / "Dockerfile").read_text()
     uid = VALUES["podSecurityContext"]["runAsUser"]
     assert f"USER {uid}:{uid}" in operator and "ENTRYPOINT" not in operator  # the chart sets the command
+
+
+def test_the_chart_can_deploy_valkey_for_the_route_cache(helm):
+    assert not [d for d in template(helm, []) if d["metadata"]["name"] == "kaon-valkey"]
+    docs = template(helm, ["valkey.enabled=true"])
+    deployment = find(docs, "Deployment", "kaon-valkey")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][-2:] == ["--maxmemory-policy", "allkeys-lru"]
+    assert find(docs, "Service", "kaon-valkey")["spec"]["ports"][0]["port"] == 6379
