@@ -204,7 +204,7 @@ async def run(args) -> None:
         # Disaggregated: prefill on core 0, decode on core 1.
         prefill = start("0", "--role", "prefill")
         decode = start("1", "--role", "decode", "--prefill-url", prefill.url,
-                       "--disagg-min-prompt-tokens", str(args.min_prompt_tokens))
+                       "--disagg-min-prompt-tokens", str(args.min_prompt_tokens), "--kv-transport", args.kv_transport)
         try:
             await wait_ready(session, [prefill, decode])
             alone = {n: await ttft_alone(decode.url, int(n / 1.3), 100 + n) for n in lengths}
@@ -231,6 +231,7 @@ async def run(args) -> None:
 def report(args, results, cold: float, cached: float, metrics: list[str]) -> None:
     print(f"bench/disagg.py  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  load average "
           f"{os.getloadavg()[0]:.1f} (the machine is shared with other work)")
+    print(f"decode engine's K/V transport: {args.kv_transport}")
     print(f"mixed load: {args.streams} decoding streams (48 tokens each, back to back) + a {args.long_tokens}-token "
           f"prompt every {args.long_every:g} s, for {args.seconds:g} s")
     rows = {}
@@ -261,6 +262,8 @@ def main() -> None:
     parser.add_argument("--long-every", type=float, default=4.0)
     parser.add_argument("--min-prompt-tokens", type=int, default=64, help="the decode engine's threshold")
     parser.add_argument("--transfer-tokens", type=int, default=1001)
+    parser.add_argument("--kv-transport", choices=("auto", "nixl", "tcp"), default="auto",
+                        help="the decode engine's (the transfer-alone figure is always over TCP)")
     parser.add_argument("--alone-tokens", default="128,512,2048")
     asyncio.run(run(parser.parse_args()))
 

@@ -20,9 +20,11 @@ buffer the decode engine offers, the stream carrying only the frames' headers ("
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import struct
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
@@ -36,6 +38,8 @@ from kaon_runtime.engine.kv_transfer import ImportedKv, KvLayout
 PREFILL_PATH = "/kaon/v1/kv/prefill"
 _LENGTH = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 16
+PROGRESS_INTERVAL_S = 0.001  # NIXL: how often a transfer's two agents ask UCX to progress
+WRITE_TIMEOUT_S = 30.0  # a WRITE the decode engine does not take in this long: it has gone
 
 
 class TransferError(Exception):
@@ -235,7 +239,9 @@ class NixlTransport(TcpTransport):
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.agent_name = f"kaon-decode-{uuid.uuid4().hex[:16]}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: it polls a core even when idle (a quarter of one here). UCX progresses when
+        # asked instead, by `_progress` while a transfer is in flight.
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.staging = torch.empty((staging_tokens, layout.token_bytes), dtype=torch.uint8)
         self.agent.register_memory(self.staging)
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
@@ -246,12 +252,21 @@ class NixlTransport(TcpTransport):
         offset = self.ranges.take(end - start)
         if offset is None:
             return await super().fetch(url, ask, layout, timeout_s)
+        progress = asyncio.create_task(self._progress())
         try:
             staging = self.staging[offset:offset + end - start]
             ask = ask | {"nixl": {"agent": self.agent_name, "metadata": self.metadata, "addr": staging.data_ptr()}}
             return await self._stream(url, ask, KvAssembler(layout, start, end, staging), timeout_s)
         finally:
+            progress.cancel()
             self.ranges.give(offset, end - start)
+
+    async def _progress(self) -> None:
+        """Let UCX complete the prefill engine's WRITEs into our memory (its TCP transport needs the target's
+        progress too)."""
+        while True:
+            self.agent.get_new_notifs()
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
 
 
 class TokenRanges:
@@ -282,7 +297,8 @@ class NixlWriter:
     def __init__(self) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(f"kaon-prefill-{uuid.uuid4().hex[:16]}", nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(f"kaon-prefill-{uuid.uuid4().hex[:16]}",
+                                nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.peers: set[str] = set()
 
     def write(self, peer: dict, offset_bytes: int, kv: torch.Tensor) -> None:
@@ -297,12 +313,13 @@ class NixlWriter:
         try:
             remote = self.agent.get_xfer_descs([(peer["addr"] + offset_bytes, nbytes, 0)], "DRAM")
             handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(rows), remote, peer["agent"])
-            state = self.agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
+            state, deadline = self.agent.transfer(handle), time.monotonic() + WRITE_TIMEOUT_S
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                time.sleep(PROGRESS_INTERVAL_S / 4)  # not a spin: the engine thread shares the core
                 state = self.agent.check_xfer_state(handle)
             handle.release()
             if state != "DONE":
-                raise RuntimeError(f"the NIXL WRITE to {peer['agent']} failed")
+                raise RuntimeError(f"the NIXL WRITE to {peer['agent']} ended {state}")
         finally:
             self.agent.deregister_memory(registered)
 
