@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the KV cache pool in blocks of 16 tokens, on any device; overrides --kv-cache-bytes "
                             "and --kv-cache-fraction")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_kv_tier_flags(serve)
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     serve.add_argument("--pipeline-parallel-size", type=int, default=1, help=PP_HELP)
     serve.add_argument("--distributed-init-address", default=None, metavar="HOST:PORT",
@@ -147,6 +148,24 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def add_kv_tier_flags(parser: argparse.ArgumentParser) -> None:
+    """The KV tiers below the pool and KV events (docs/kv_cache.md)."""
+    parser.add_argument("--kv-offload-bytes", type=int, default=0, metavar="N",
+                        help="host memory for KV blocks evicted from the pool, brought back on a prefix hit "
+                             "(default 0: none)")
+    parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                        help="a disk tier below host memory, kept across restarts of the same model and settings")
+    parser.add_argument("--kv-offload-dir-bytes", type=int, default=0, metavar="N", help="the disk tier's size")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="KV cache events in vLLM's format, e.g. '{\"enable_kv_cache_events\": true, "
+                             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'")
+
+
+def kv_tier_options(args) -> dict:
+    return {"kv_offload_bytes": args.kv_offload_bytes, "kv_offload_dir": args.kv_offload_dir,
+            "kv_offload_dir_bytes": args.kv_offload_dir_bytes, "kv_events_config": args.kv_events_config}
 
 
 def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
@@ -341,7 +360,7 @@ def engine_config(args) -> EngineConfig:
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         distributed_init_address=args.distributed_init_address,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
-                        **speculative_options(args), **lora_options(args))
+                        **speculative_options(args), **lora_options(args), **kv_tier_options(args))
 
 
 def _serve(args) -> int:

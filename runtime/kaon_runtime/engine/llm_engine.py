@@ -13,6 +13,8 @@ from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
+from kaon_runtime.engine.kv_observer import attach_kv_observer
+from kaon_runtime.engine.kv_tiers import TierStats
 from kaon_runtime.engine.kv_transfer import ImportedKv, KvExports, place_imported
 from kaon_runtime.engine.lora_pool import LoraPool
 from kaon_runtime.engine.micro_batches import InFlight, pipeline_depth, without_finished
@@ -58,6 +60,7 @@ class EngineStats:
     spec_draft_tokens: int = 0  # drafted tokens the target verified
     spec_accepted_tokens: int = 0  # of those, how many it kept
     kv_cache_tokens: int = 0  # the KV cache's size in tokens (blocks x block size)
+    kv_tiers: TierStats | None = None  # the host/disk tiers' counters; None without tiers
 
 
 class LLMEngine:
@@ -87,6 +90,12 @@ class LLMEngine:
         if self.runner.cuda_graphs_apply():
             self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        try:  # KV events and the tiers below the pool; None: neither asked for
+            self.kv_observer = attach_kv_observer(config, self.block_manager, lambda: self.runner.kv_cache,
+                                                  config.model)
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefill_delay_s=config.prefill_delay_ms / 1000, max_loras=config.lora_slots,
                                    max_model_len=self.max_model_len)
@@ -166,6 +175,10 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any. The engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.close()
+        observer = getattr(self, "kv_observer", None)  # None: never built (a failed start), or closed
+        if observer is not None:
+            observer.close()
+            self.kv_observer = None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -175,7 +188,8 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
                            bm.prefix_hits, self.scheduler.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, self._draft_tokens, self._accepted_tokens,
-                           self.num_blocks * self.config.block_size)
+                           self.num_blocks * self.config.block_size,
+                           self.kv_observer.tier_stats() if self.kv_observer is not None else None)
 
     # ---- the step ----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -81,8 +82,10 @@ def put_to_sleep(engine: LLMEngine, level: int, spill_dir: str | None = None) ->
     engine.block_manager.reset_prefix_cache()  # the blocks' contents are gone with the pool
     runner = engine.runner
     slept = Sleep(level, runner.num_blocks)
+    pool = weakref.ref(runner.kv_cache)
     detach_kv_cache(runner.model)
     runner.kv_cache = None  # type: ignore[assignment]  # asleep: no pool until wake_up attaches one
+    engine.kv_exports.cache = torch.empty(0, device=runner.device)  # disaggregation's view of the pool
     runner.decode_graphs = None  # captured over the pool's and the weights' addresses
     _forget_fused_step(runner.model)
     if level == 2:
@@ -90,6 +93,8 @@ def put_to_sleep(engine: LLMEngine, level: int, spill_dir: str | None = None) ->
     elif runner.device.type == "cuda":
         slept.host_weights = _offload(runner.model)
     _give_back_memory(runner.device)
+    if pool() is not None:  # a new holder of the pool (a feature added later) would keep its memory
+        log.warning("asleep, but something still holds the KV pool: its memory is not freed")
     log.info("asleep at level %d: KV pool freed%s", level,
              {1: " (weights in host memory)" if slept.host_weights else "", 2: ", weights freed"}[level])
     return slept
@@ -110,6 +115,7 @@ def wake_up(engine: LLMEngine, slept: Sleep) -> None:
     slept.host_weights = []
     runner.kv_cache = attach_kv_cache(runner.model, slept.kv_blocks, config.block_size, runner.kv_dtype,
                                       runner.device)
+    engine.kv_exports.cache = runner.kv_cache
     if runner.cuda_graphs_apply():
         runner.prepare_decode_graphs(engine.max_model_len)
     log.info("awake (from level %d)", slept.level)

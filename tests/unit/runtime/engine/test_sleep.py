@@ -1,6 +1,8 @@
 """Issue 53: what a sleeping engine frees and how waking puts it back (engine/sleep.py)."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -40,7 +42,7 @@ def test_an_opaque_layout_falls_back_to_loading_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_level_one_frees_the_pool_and_wakes_with_one_of_the_same_size(llm):
+def test_level_one_frees_the_pool_and_wakes_with_one_of_the_same_size(llm, caplog):
     """(That the answers stay the same: tests/integration/test_sleep_serve.py, on a real server.)"""
     engine = llm.engine
     llm.generate(["A prefix left in the cache, long enough to fill a block or two of it. " * 3],
@@ -51,12 +53,15 @@ def test_level_one_frees_the_pool_and_wakes_with_one_of_the_same_size(llm):
 
     assert cached() > 0
     blocks, weights = engine.runner.num_blocks, engine.runner.model.model.norm.weight
+    pool = weakref.ref(engine.runner.kv_cache)
     slept = sleep.put_to_sleep(engine, 1)
+    assert pool() is None and "still holds the KV pool" not in caplog.text  # freed: nothing else holds it
     assert engine.runner.kv_cache is None and all(a.k_cache is None for a in engine.runner.model.attention_layers())
     assert cached() == 0  # the cached prefixes went with the pool
     assert weights.numel() > 0  # on CPU, level 1 leaves the weights where they are
     sleep.wake_up(engine, slept)
     assert engine.runner.kv_cache is not None and engine.runner.kv_cache.shape[3] == blocks
+    assert engine.kv_exports.cache is engine.runner.kv_cache
     assert all(a.k_cache is not None for a in engine.runner.model.attention_layers())
 
 
