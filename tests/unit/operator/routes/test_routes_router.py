@@ -123,6 +123,8 @@ def test_tiers_by_complexity_and_headers():
             assert simple["model"] == f"{NS}/small" or simple["model"] == "small"
             async with client.post("/v1/chat/completions", json=chat(SIMPLE, model="nothing")) as r:
                 assert r.status == 404
+            async with client.get("/v1/models") as r:
+                assert "assistant" in {m["id"] for m in (await r.json())["data"]}
         await stop(found)
     run(main())
 
@@ -273,6 +275,10 @@ def test_route_keys_are_its_own():
         async with serving(router) as client:
             async with client.post("/v1/chat/completions", json=chat(SIMPLE)) as r:
                 assert r.status == 404  # as a name that does not exist
+            async with client.get("/v1/models") as r:
+                assert "assistant" not in {m["id"] for m in (await r.json())["data"]}
+            async with client.get("/v1/models", headers={"Authorization": "Bearer route-key"}) as r:
+                assert "assistant" in {m["id"] for m in (await r.json())["data"]}
             async with client.post("/v1/chat/completions", json=chat(SIMPLE),
                                    headers={"Authorization": "Bearer route-key"}) as r:
                 assert r.status == 200
@@ -287,7 +293,8 @@ def test_a_route_reaches_only_services_of_its_namespace():
         async with serving(router) as client:
             async with client.post("/v1/chat/completions", json=chat(COMPLEX)) as r:
                 assert r.status == 503
-                assert "large" in (await r.json())["error"]["message"]
+                error = (await r.json())["error"]
+                assert error["code"] == "route_tier_missing" and "'large'" in error["message"]
             assert found["other/large"].calls == 0
         await stop(found)
     run(main())
