@@ -318,6 +318,9 @@ class RouteGateway:
             return exc.status, b""
         keyed = self.table.api_keys(key) is not None
         headers = upstream_headers({"Content-Type": "application/json"}, authorization if keyed else None)
+        service = self.table.service(key)
+        if service is not None:  # the engine answers its served name only, not `<namespace>/<name>`
+            payload = {**payload, "model": self.table.engine_model(model, service)}
         router.inflight[target] = router.inflight.get(target, 0) + 1
         try:
             async with asyncio.timeout(router.config.first_byte_timeout + router.config.idle_timeout):
