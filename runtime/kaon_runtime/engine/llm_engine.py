@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
@@ -62,7 +63,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        checkpoint = open_checkpoint(config.model)
+        startup.engine_starting()  # the start-up breakdown (engine/startup.py)
+        with startup.phase("load"):
+            checkpoint = open_checkpoint(config.model)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.workers = _start_workers(config, checkpoint)
@@ -84,7 +87,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
         if self.runner.cuda_graphs_apply():
-            self.runner.prepare_decode_graphs(self.max_model_len)
+            with startup.phase("warmup"):
+                self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefill_delay_s=config.prefill_delay_ms / 1000, max_loras=config.lora_slots,
