@@ -92,6 +92,10 @@ class InferenceServiceStatus(_Model):
     """Engine pods that are not terminating (the scale subresource's status replicas)."""
     ready_replicas: int = 0
     """Of those, the ready ones."""
+    prefill_replicas: int | None = None
+    """With spec.prefill: prefill pods of any template (docs/disaggregation.md)."""
+    prefill_ready_replicas: int | None = None
+    """Of those, the ready ones."""
     selector: str | None = None
     """Label selector of the engine pods (for the scale subresource and HPA)."""
     last_scale_decision: ScaleDecision | None = None

@@ -24,6 +24,7 @@ class Caches:
     inference_services: Mapping[Key, Collection[Mapping]] = field(default_factory=dict)
     engine_pods: Mapping[Key, Collection[PodSummary]] = field(default_factory=dict)
     engine_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
+    prefill_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
     served_names: Mapping[str, Collection[ServedName]] = field(default_factory=dict)
 
     @classmethod
@@ -46,6 +47,10 @@ class Caches:
 
     def deployment(self, key: Key) -> DeploymentSummary | None:
         return _one(self.engine_deployments, key)
+
+    def prefill_deployment(self, key: Key) -> DeploymentSummary | None:
+        """spec.prefill's Deployment (docs/disaggregation.md)."""
+        return _one(self.prefill_deployments, key)
 
     def served_names_in(self, namespace: str) -> list[ServedName]:
         return sorted(self.served_names.get(namespace, ()))

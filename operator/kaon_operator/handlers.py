@@ -27,7 +27,7 @@ from kaon_operator.context import Context
 from kaon_operator.kube import Kube
 from kaon_operator.labels import SERVICE
 from kaon_operator.status import status_sync, summaries
-from kaon_operator.watching import CHILD_KINDS, DEPLOYMENTS, ENGINE_CHILD, ISVC, PDBS, PODS, configure
+from kaon_operator.watching import CHILD_KINDS, DEPLOYMENTS, ENGINE_CHILD, ISVC, PDBS, PODS, PREFILL_CHILD, configure
 
 
 def _context(memo: kopf.Memo) -> Context:
@@ -76,6 +76,11 @@ def engine_deployments(namespace: str | None, labels: kopf.Labels, body: kopf.Bo
     return {_key(namespace, labels[SERVICE]): summaries.summarize_deployment(body)}
 
 
+@kopf.index(*DEPLOYMENTS, labels=PREFILL_CHILD)
+def prefill_deployments(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
+    return {_key(namespace, labels[SERVICE]): summaries.summarize_deployment(body)}
+
+
 # The InferenceService itself ----------------------------------------------------------------------------------------
 
 
@@ -101,6 +106,7 @@ def served_names_changed(namespace: str | None, memo: kopf.Memo, **_) -> None:
 
 @kopf.on.event(*PODS, labels=ENGINE_CHILD)
 @kopf.on.event(*DEPLOYMENTS, labels=ENGINE_CHILD)
+@kopf.on.event(*DEPLOYMENTS, labels=PREFILL_CHILD, id="prefill-status")
 async def child_status_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_) -> None:
     _context(memo).status_queue.mark(_key(namespace, labels[SERVICE]))
 

@@ -69,6 +69,9 @@ class _Kind:
     selector: str | None
     apply: Callable[[str, dict], None]
     replace: Callable[[str | None, list[dict]], None]
+    required: bool = True
+    """Whether the table is `synced` only once this kind was listed (InferenceRoutes are not: a cluster
+    without their CRD still routes its InferenceServices)."""
 
     def url(self, server: str, namespace: str | None) -> str:
         scope = f"/namespaces/{namespace}" if namespace else ""
@@ -88,14 +91,18 @@ class NoCredentials(Exception):
 
 
 class Watcher:
-    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = ()):
+    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = (), routes=None):
+        """`routes`: a routes.table.RouteTable to keep in step with the InferenceRoutes too."""
         self.server = server
         self.table = table
         self.namespaces = tuple(namespaces) or (None,)
-        self.kinds = (
+        self.kinds: tuple[_Kind, ...] = (
             _Kind("/api/v1", "pods", ENGINE_POD_SELECTOR, table.apply_pod, table.replace_pods),
             _Kind(f"/apis/{api.GROUP}/{api.VERSION}", api.PLURAL, None, table.apply_service, table.replace_services),
         )
+        if routes is not None:
+            self.kinds += (_Kind(f"/apis/{api.GROUP}/{api.VERSION}", "inferenceroutes", None, routes.apply_route,
+                                 routes.replace_routes, required=False),)
 
     async def run(self) -> None:
         """Follow every (kind, namespace) until cancelled; the table is `synced` once all were listed."""
@@ -103,8 +110,9 @@ class Watcher:
             streams = [(kind, ns, asyncio.Event()) for kind in self.kinds for ns in self.namespaces]
             tasks = [asyncio.create_task(self._follow(session, *stream)) for stream in streams]
             try:
-                for *_, listed in streams:
-                    await listed.wait()
+                for kind, _, listed in streams:
+                    if kind.required:
+                        await listed.wait()
                 self.table.synced = True
                 logger.info("endpoint table synced: %d served names", len(self.table.services()))
                 await asyncio.gather(*tasks)

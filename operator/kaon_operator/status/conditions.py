@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from kaon_operator import api, kubetime, naming
 from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profiling import JOB_TTL_SECONDS, Step
+from kaon_operator.status import prefill_status
 from kaon_operator.status.summaries import DeploymentSummary, PdbSummary, PodSummary, ServedName
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
@@ -331,7 +332,8 @@ def _name_conflict_event(new: dict, prev: dict) -> EventSpec | None:
 
 TRANSITIONS: dict[str, Callable[[dict, dict], EventSpec | None]] = {
     READY: _ready_event, DEGRADED: _degraded_event, PROGRESSING: _progressing_event,
-    DISRUPTION: _disruption_event, METRICS: _metrics_event, NAME_CONFLICT: _name_conflict_event}
+    DISRUPTION: _disruption_event, METRICS: _metrics_event, NAME_CONFLICT: _name_conflict_event,
+    prefill_status.PREFILL_READY: lambda new, prev: EventSpec(*e) if (e := prefill_status.event(new, prev)) else None}
 
 
 def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kaon_runtime.engine import startup
+from kaon_runtime.engine.kv_tiers import TierStats
 from kaon_runtime.engine.llm_engine import EngineStats
 from kaon_runtime.engine.outputs import RequestOutput
 
@@ -52,6 +53,32 @@ class _EngineCollector(Collector):
                                   value=s.spec_draft_tokens)
         yield CounterMetricFamily("kaon_spec_decode_accepted_tokens_total",
                                   "Speculative tokens the target model kept.", value=s.spec_accepted_tokens)
+        if s.kv_tiers is not None:
+            yield from kv_tier_metrics(s.kv_tiers)
+
+
+def kv_tier_metrics(t: TierStats):
+    """`kaon_kv_tier_*`: the host and disk tiers below the pool (engine/kv_tiers.py)."""
+    size = GaugeMetricFamily("kaon_kv_tier_bytes", "Bytes of KV blocks a tier holds.", labels=["tier"])
+    capacity = GaugeMetricFamily("kaon_kv_tier_capacity_bytes", "Bytes a tier may hold.", labels=["tier"])
+    for tier, held, cap in (("host", t.host_bytes, t.host_capacity_bytes), ("disk", t.disk_bytes,
+                                                                           t.disk_capacity_bytes)):
+        size.add_metric([tier], held)
+        capacity.add_metric([tier], cap)
+    hits = CounterMetricFamily("kaon_kv_tier_hits", "Prefix blocks brought back into the pool from a tier.",
+                               labels=["tier"])
+    for tier, n in t.hits.items():
+        hits.add_metric([tier], n)
+    moved = CounterMetricFamily("kaon_kv_tier_blocks_moved", "Blocks copied between the pool and the tiers.",
+                                labels=["direction"])
+    seconds = CounterMetricFamily("kaon_kv_tier_seconds", "Time spent copying blocks, by direction (off the "
+                                  "engine's step except *_to_pool).", labels=["direction"])
+    for direction, n in t.moved.items():
+        moved.add_metric([direction], n)
+        seconds.add_metric([direction], t.seconds.get(direction, 0.0))
+    discarded = CounterMetricFamily("kaon_kv_tier_copies_discarded", "Copies down voided because the pool reused "
+                                    "their block first.", value=t.discarded)
+    yield from (size, capacity, hits, moved, seconds, discarded)
 
 
 class _StartupCollector(Collector):

@@ -23,7 +23,7 @@ def test_tensors_are_views_of_one_mapping_equal_to_the_file(tmp_path):
     for name, tensor in found.items():
         assert tensor.dtype == expected[name].dtype and tensor.shape == expected[name].shape
         assert torch.equal(tensor.view(torch.uint8), expected[name].view(torch.uint8)), name
-    start, entries = header(file)
+    _, entries = header(file)
     a, b = (found[n] for n in ("a.weight", "b.qweight"))
     # Views of one mapping: their addresses are as far apart as their data in the file (a read would not be).
     distance = entries["b.qweight"]["data_offsets"][0] - entries["a.weight"]["data_offsets"][0]
@@ -61,5 +61,5 @@ def test_a_directory_with_a_truncated_file_fails_at_load_in_one_line(tmp_path):
         checkpoint = load_hf_dir(tmp_path)
     except ModelLoadError:
         return  # refused at open: as good
-    with pytest.raises(ModelLoadError, match="corrupt safetensors file model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"corrupt safetensors file model\.safetensors"):
         list(checkpoint.weights())
