@@ -186,6 +186,9 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
                         help="a prefill engine (repeatable), for --role decode")
     parser.add_argument("--disagg-min-prompt-tokens", type=positive_int, default=DISAGG_MIN_PROMPT_TOKENS, metavar="N",
                         help="a decode engine prefills prompts with fewer uncached tokens itself (bench/disagg.py)")
+    parser.add_argument("--kv-transport", choices=("auto", "nixl", "tcp"), default="auto",
+                        help="how a decode engine receives K/V: auto: NIXL where it runs (pip install kaon[nixl]), "
+                        "else TCP")
     parser.add_argument("--disagg-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                         help="a transfer not complete by then is given up: the decode engine prefills the prompt")
 

@@ -65,18 +65,18 @@ def kv_tier_metrics(t: TierStats):
                                                                            t.disk_capacity_bytes)):
         size.add_metric([tier], held)
         capacity.add_metric([tier], cap)
-    hits = CounterMetricFamily("kaon_kv_tier_hits", "Prefix blocks brought back into the pool from a tier.",
+    hits = CounterMetricFamily("kaon_kv_tier_hits_total", "Prefix blocks brought back into the pool from a tier.",
                                labels=["tier"])
     for tier, n in t.hits.items():
         hits.add_metric([tier], n)
-    moved = CounterMetricFamily("kaon_kv_tier_blocks_moved", "Blocks copied between the pool and the tiers.",
+    moved = CounterMetricFamily("kaon_kv_tier_blocks_moved_total", "Blocks copied between the pool and the tiers.",
                                 labels=["direction"])
-    seconds = CounterMetricFamily("kaon_kv_tier_seconds", "Time spent copying blocks, by direction (off the "
+    seconds = CounterMetricFamily("kaon_kv_tier_seconds_total", "Time spent copying blocks, by direction (off the "
                                   "engine's step except *_to_pool).", labels=["direction"])
     for direction, n in t.moved.items():
         moved.add_metric([direction], n)
         seconds.add_metric([direction], t.seconds.get(direction, 0.0))
-    discarded = CounterMetricFamily("kaon_kv_tier_copies_discarded", "Copies down voided because the pool reused "
+    discarded = CounterMetricFamily("kaon_kv_tier_copies_discarded_total", "Copies down voided because the pool reused "
                                     "their block first.", value=t.discarded)
     yield from (size, capacity, hits, moved, seconds, discarded)
 

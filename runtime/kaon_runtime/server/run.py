@@ -91,9 +91,10 @@ def _remote_prefill(args, engine: AsyncEngine) -> RemotePrefill | None:
     def first_key() -> str | None:
         return next((key.decode() for key in own.keys()), None)  # noqa: SIM118 -- ApiKeys.keys(), not a dict's
 
-    transport, why_not_nixl = pick_transport(first_key)
-    remote = RemotePrefill(args.prefill_url, transport, KvLayout.of_cache(llm.runner.kv_cache), llm.block_manager,
-                           args.disagg_min_prompt_tokens, args.disagg_timeout)
+    layout = KvLayout.of_cache(llm.runner.kv_cache)
+    transport, why_not_nixl = pick_transport(first_key, layout, args.kv_transport)
+    remote = RemotePrefill(args.prefill_url, transport, layout, llm.block_manager, args.disagg_min_prompt_tokens,
+                           args.disagg_timeout)
     remote.why_not_nixl = why_not_nixl
     return remote
 
