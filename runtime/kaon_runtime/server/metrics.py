@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.kv_tiers import TierStats
 from kaon_runtime.engine.llm_engine import EngineStats
 from kaon_runtime.engine.outputs import RequestOutput
@@ -80,10 +81,22 @@ def kv_tier_metrics(t: TierStats):
     yield from (size, capacity, hits, moved, seconds, discarded)
 
 
+class _StartupCollector(Collector):
+    def collect(self):
+        found = startup.seconds()
+        family = GaugeMetricFamily("kaon_startup_seconds", "Seconds this engine's start-up took, by phase "
+                                   "(import, fetch, load, kv_allocation, warmup; engine/startup.py).", labels=["phase"])
+        for name in startup.PHASES:
+            if name in found:
+                family.add_metric([name], found[name])
+        yield family
+
+
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
+        self.registry.register(_StartupCollector())
         self.ttft = Histogram("kaon_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kaon_time_per_output_token_seconds", "Mean time between output tokens of a request.",
