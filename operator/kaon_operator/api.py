@@ -388,6 +388,9 @@ class AutoscalingSpec(_Model):
     profile: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
     """The engine's performance model, for `predictive`: `auto` (the operator runs a profiling Job, `kaon profile`, on the engine's own pod and keeps the model in a ConfigMap keyed by the model, device, quantization, parallelism and engine settings: a changed spec measures again), `none`, or the name of a ConfigMap in this namespace whose key `model.json` holds the model, as `kaon profile` writes it."""  # noqa: E501 - one line: the CRD's description
 
+    standby: int = Field(0, ge=0, le=16)
+    """Replicas kept scheduled, loaded and asleep beside `replicas`: a scale-up wakes one (seconds) instead of starting a pod (a cold start: minutes on a GPU), and the operator starts a new standby behind it; a scale-down puts a replica to sleep rather than cutting one. A standby costs what its pod reserves: on a GPU it keeps its device (asleep at level 1 the device memory is free, the weights wait in host memory) unless the GPU is shared, so standby trades money for latency (docs/autoscaling.md has the trade in numbers). The engine's sleep mode does not support tensor or pipeline parallelism or a draft model yet: there the standbys stay awake and a Warning Event says so."""  # noqa: E501 - one line: the CRD's description
+
     @model_validator(mode="after")
     def _consistent(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:

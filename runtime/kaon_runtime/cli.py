@@ -310,11 +310,13 @@ def _fetch_first(args) -> None:
     """hf:// and s3:// models are downloaded into --model-cache first (nothing to do when a fetch, e.g.
     the init container, completed them there), then served from that directory under their URI."""
     if args.model.startswith(FETCHED_SCHEMES):
+        from kaon_runtime.engine import startup
         from kaon_runtime.fetch.fetch import fetch
 
         uri = args.model
-        args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
-                               tensor_parallel_size=args.tensor_parallel_size))
+        with startup.phase("fetch"):
+            args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
+                                   tensor_parallel_size=args.tensor_parallel_size))
         if getattr(args, "served_model_name", "unset") is None:
             args.served_model_name = uri
     elif args.model.startswith("pvc://"):

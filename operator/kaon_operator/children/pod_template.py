@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from kaon_operator import api
+from kaon_operator.autoscaling import standby
 from kaon_operator.children import disagg_args, kv_cache_args
 from kaon_operator.lora import adapter_pods
 
@@ -104,7 +105,7 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if spec.auth is not None:  # the same keys as the router's, so pod-IP access needs one too
         args += ["--api-key-file", API_KEYS_MOUNT]
-    return (args + adapter_pods.engine_args(spec) + disagg_args.decode_args(name, spec)
+    return (args + adapter_pods.engine_args(spec) + standby.engine_args(spec) + disagg_args.decode_args(name, spec)
             + kv_cache_args.engine_args(spec) + list(engine.extra_args))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kaon_operator import api, labels
+from kaon_operator.autoscaling import standby
 from kaon_operator.children import kv_cache_args, leaderworkerset, pod_template, prefill_pool
 from kaon_operator.children.pod_template import HTTP_PORT
 from kaon_operator.config import NetworkPolicyConfig
@@ -49,7 +50,7 @@ def deployment(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _metadata(owner),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": standby.deployment_replicas(spec),  # spec.replicas, and the standbys behind them
             "selector": {"matchLabels": labels.engine_selector(owner.name)},
             # One pod at a time either way: Surge starts the new one first (capacity never dips, one
             # replica's GPUs must be free), Replace stops an old one first (works in a full GPU pool).

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import uvicorn
 
 from kaon_runtime.config import EngineConfig
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.kv_transfer import KvLayout
 from kaon_runtime.engine.kv_wire import pick_transport
@@ -44,6 +45,11 @@ class _DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening: /ready answers from here on
+            logger.info("%s", startup.serving())
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and self._drain_task is None and self._loop is not None:
