@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -89,9 +89,12 @@ def _host(endpoint: Endpoint) -> str:
 
 
 class KvFeed:
-    def __init__(self, index: KvIndex, events_port: int = EVENTS_PORT, replay_port: int = REPLAY_PORT):
+    def __init__(self, index: KvIndex, events_port: int = EVENTS_PORT, replay_port: int = REPLAY_PORT,
+                 ports: Callable[[Endpoint], tuple[int, int]] | None = None):
+        """`ports`: a pod's events and replay ports, where they are not the same on every pod (several
+        engines on one host: bench/routing.py); by default `events_port` and `replay_port`."""
         self.index = index
-        self.events_port, self.replay_port = events_port, replay_port
+        self.ports = ports or (lambda endpoint: (events_port, replay_port))
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._tokenizers: dict[ServiceKey, PromptTokenizer | None] = {}
@@ -140,9 +143,10 @@ class KvFeed:
     async def _follow(self, endpoint: Endpoint) -> None:
         assert self._ctx is not None
         host = _host(endpoint)
+        events_port, replay_port = self.ports(endpoint)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(f"tcp://{host}:{self.events_port}")
+        sub.connect(f"tcp://{host}:{events_port}")
         sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
         try:
             while True:
@@ -150,7 +154,7 @@ class KvFeed:
                 seq = int.from_bytes(seq_bytes, "big")
                 missed = self.index.sequence(endpoint.pod, seq)
                 if missed is not None:
-                    await self._replay(host, endpoint.pod, missed, seq)
+                    await self._replay(f"tcp://{host}:{replay_port}", endpoint.pod, missed, seq)
                 try:
                     apply(self.index, endpoint.pod, DECODER.decode(payload))
                 except msgspec.DecodeError as e:
@@ -160,12 +164,12 @@ class KvFeed:
         finally:
             sub.close(linger=0)
 
-    async def _replay(self, host: str, pod: str, missed: int, upto: int) -> None:
+    async def _replay(self, address: str, pod: str, missed: int, upto: int) -> None:
         """Ask the pod's replay socket for the batches from `missed` up to (not with) `upto`."""
         assert self._ctx is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(f"tcp://{host}:{self.replay_port}")
+        dealer.connect(address)
         try:
             await dealer.send_multipart((b"", missed.to_bytes(8, "big")))
             while await dealer.poll(500):

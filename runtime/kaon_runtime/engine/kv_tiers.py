@@ -262,8 +262,15 @@ class KVTiers:
         done.wait(timeout)
 
     def close(self) -> None:
+        """Finish the queued moves, then write host memory's blocks down to disk (when there is one), so a
+        restarted engine finds them there too."""
         self._jobs.put(None)
         self._thread.join(timeout=30)
+        if self.disk_dir is not None and self.stats.disk_capacity_bytes >= self.block_bytes:
+            with self._lock:
+                kept = [(h, b) for h, b in self._host.items() if h not in self._disk]
+            for h, block in kept:  # oldest first: the newest stay if the disk tier is full
+                self._put_disk(h, block)
 
     def snapshot(self) -> TierStats:
         with self._lock:
