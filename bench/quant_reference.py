@@ -3,7 +3,8 @@
     python bench/quant_reference.py [--rows GPTQ AWQ W4A16 W8A16 W8A8 FP8-dynamic] [--tokens 512]
 
 Each row is the bundled SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized) written as a checkpoint of that
-format (compressed-tensors by its own compressor, GPTQ / AWQ packed by the tests' numpy writer), then loaded
+format (compressed-tensors by its own compressor from a float HF directory of it, GPTQ / AWQ packed by the
+tests' numpy writer), then loaded
 twice in the same run: kaon's default (`dtype="auto"`: the fused C decode step, whose narrow kernels round
 activations to int8 in blocks of 32, and torch's int4 / int8 kernels taking bfloat16 activations) and its
 reference mode (`dtype="float32"`: float32 activations times the dequantized weights, plus only the
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from format_perplexity import FP8, PER_TOKEN_INT8, W4A16, W8A8_WEIGHTS, write_compressed  # noqa: E402
+from format_perplexity import FP8, PER_TOKEN_INT8, W4A16, W8A8_WEIGHTS  # noqa: E402
 from perplexity import TEXT, score  # noqa: E402
 
 from kaon_runtime import LLM  # noqa: E402
@@ -59,14 +60,78 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a te
 
 
 def write(name: str, directory: Path, bundled: Path) -> None:
-    if name in PACKED:
-        from packed_checkpoints import write_packed
+    directory.mkdir()
+    from packed_checkpoints import write_packed
 
-        directory.mkdir()
+    if name in PACKED:
         write_packed(directory, **PACKED[name])
-    else:
-        weights, fmt, inputs = COMPRESSED[name]
-        write_compressed(directory, bundled, weights, fmt, inputs)
+        return
+    # The bundled model's float weights as an HF directory (packed_checkpoints' writer, with nothing packed:
+    # a GPTQ run whose quantization_config is then replaced), then quantized by compressed-tensors itself.
+    weights, fmt, inputs = COMPRESSED[name]
+    float_dir = directory.parent / f"{name}-float"
+    float_dir.mkdir()
+    write_float(float_dir)
+    write_compressed_from_dir(directory, float_dir, weights, fmt, inputs)
+
+
+def write_float(directory: Path) -> None:
+    """The bundled GGUF dequantized, as a float32 HF directory (config.json, model.safetensors, tokenizer)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from kaon_runtime.loader import open_checkpoint
+
+    checkpoint = open_checkpoint("builtin://smollm2-135m-instruct")
+    c = checkpoint.config
+    save_file({name: t.contiguous() for name, t in checkpoint.weights()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=checkpoint.tokenizer.bos_token_id, eos_token_id=checkpoint.tokenizer.eos_token_ids[0])))
+    checkpoint.tokenizer.backend.save(str(directory / "tokenizer.json"))
+
+
+def write_compressed_from_dir(directory: Path, source: Path, weights: dict, fmt: str, inputs: dict | None) -> None:
+    """format_perplexity.write_compressed's quantization (round to nearest, min-max scales, lm_head float), from an
+    HF float directory instead of transformers' GGUF conversion (minutes on a shared 2-vCPU machine)."""
+    import shutil
+
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args,
+                                input_activations=QuantizationArgs(**inputs) if inputs else None)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+                                                        format=fmt))
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "weight_scale", None) is None:
+                continue
+            n, k = module.weight.shape
+            groups = module.weight.reshape(n, k // (args.group_size or k), -1)
+            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if getattr(module, "weight_zero_point", None) is not None:
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(str(directory))
+    shutil.copy(source / "tokenizer.json", directory / "tokenizer.json")
 
 
 @torch.inference_mode()

@@ -25,7 +25,8 @@ KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on 
 TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
 PP_HELP = ("stages of contiguous layers, each run by --tensor-parallel-size processes (on one host, or one "
            "stage per host of a LeaderWorkerSet group: docs/multinode.md)")
-# Below this many uncached prompt tokens a transfer costs more than the prefill it saves (bench/disagg.py).
+# Below this many uncached prompt tokens a decode engine prefills locally: a first guess, not tuned:
+# bench/disagg.py found no length where a transfer paid off on a shared 2-core CPU (docs/disaggregation.md).
 DISAGG_MIN_PROMPT_TOKENS = 256
 DEMO_PROMPTS = [
     "What is the capital of France?",

@@ -112,7 +112,7 @@ class LLMEngine:
         self.in_flight = InFlight(depth) if depth > 1 else None  # pipeline stages overlap (engine.micro_batches)
         self._requests: dict[str, _Request] = {}
         # Disaggregation (engine.kv_transfer): K/V leaving for decode engines; received K/V that no longer fit.
-        self.kv_exports = KvExports(self.runner.kv_cache, config.block_size)
+        self.kv_exports = KvExports(lambda: self.runner.kv_cache, config.block_size)
         self.kv_imports_evicted = 0
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0

@@ -105,7 +105,7 @@ def test_exports_hand_on_each_steps_tokens_then_done():
     scatter_tokens(cache, token_slots([2, 5, 6], BS, 0, 12), tokens_kv(0, 12))
     s = seq(list(range(11)))
     s.request_id, s.block_table = "x", [2, 5, 6]
-    exports, got = KvExports(cache, BS), []
+    exports, got = KvExports(lambda: cache, BS), []
     exports.watch("x", 3, 10, lambda first, kv: got.append((first, kv)))
     for computed in (6, 11):  # two chunked-prefill steps; the second runs past `end` (the sampled token)
         s.num_computed_tokens = computed
