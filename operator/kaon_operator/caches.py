@@ -26,6 +26,7 @@ class Caches:
     engine_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
     prefill_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
     served_names: Mapping[str, Collection[ServedName]] = field(default_factory=dict)
+    inference_routes: Mapping[Key, Collection[Mapping]] = field(default_factory=dict)
 
     @classmethod
     def from_kopf(cls, kwargs: Mapping[str, Any]) -> Caches:
@@ -37,6 +38,10 @@ class Caches:
 
     def all_inference_services(self) -> list[tuple[Key, Mapping]]:
         return [(key, body) for key, bodies in list(self.inference_services.items())
+                if (body := next(iter(bodies), None)) is not None]
+
+    def all_inference_routes(self) -> list[tuple[Key, Mapping]]:
+        return [(key, body) for key, bodies in list(self.inference_routes.items())
                 if (body := next(iter(bodies), None)) is not None]
 
     def pods(self, key: Key) -> list[PodSummary]:

@@ -91,6 +91,8 @@ def printer_columns() -> list[dict]:
          "description": "Engine replicas that are ready"},
         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
          "description": "Engine replicas wanted"},
+        {"name": "Standby", "type": "integer", "jsonPath": ".status.standbyReplicas",
+         "description": "Replicas loaded and asleep, woken by a scale-up (spec.autoscaling.standby)"},
         {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefillReadyReplicas",
          "description": "Prefill replicas that are ready (spec.prefill)", "priority": 1},
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},

@@ -27,7 +27,17 @@ from kaon_operator.context import Context
 from kaon_operator.kube import Kube
 from kaon_operator.labels import SERVICE
 from kaon_operator.status import status_sync, summaries
-from kaon_operator.watching import CHILD_KINDS, DEPLOYMENTS, ENGINE_CHILD, ISVC, PDBS, PODS, PREFILL_CHILD, configure
+from kaon_operator.watching import (
+    CHILD_KINDS,
+    DEPLOYMENTS,
+    ENGINE_CHILD,
+    ISVC,
+    PDBS,
+    PODS,
+    PREFILL_CHILD,
+    ROUTES,
+    configure,
+)
 
 
 def _context(memo: kopf.Memo) -> Context:
@@ -57,6 +67,12 @@ async def stop(memo: kopf.Memo, **_) -> None:
 
 @kopf.index(*ISVC)
 def inference_services(namespace: str | None, name: str, body: kopf.Body, **_) -> dict:
+    return {_key(namespace, name): body}
+
+
+@kopf.index(*ROUTES)
+def inference_routes(namespace: str | None, name: str, body: kopf.Body, **_) -> dict:
+    """InferenceRoutes (issue 52): key_digests.py publishes their spec.auth keys' digests, as for a service."""
     return {_key(namespace, name): body}
 
 

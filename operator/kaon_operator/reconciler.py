@@ -39,7 +39,8 @@ def apply_children(ctx: Context, body, spec: api.InferenceServiceSpec) -> list[d
     with RECONCILE_SECONDS.time():
         if spec.engine.multi_node:  # the group's control-channel key, before any pod that reads it
             ctx.kube.create_once(resources.dist_key_secret(owner, secrets.token_hex(32)))
-        if spec.adapters:  # the engine's admin key, which only the adapter loop sends (adapter_pods.py)
+        # The engine's admin key, which only the adapter and standby loops send (adapter_pods.py).
+        if spec.adapters or (spec.autoscaling.enabled and spec.autoscaling.standby):
             ctx.kube.create_once(resources.admin_key_secret(owner, secrets.token_hex(32)))
         manifests = resources.render(owner, spec, ctx.config.network_policy)
         applying = [ctx.appliers.submit(ctx.kube.apply, m) for m in manifests]

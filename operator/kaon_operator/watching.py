@@ -15,6 +15,7 @@ from kaon_operator import api, labels
 from kaon_operator.children import leaderworkerset
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
+ROUTES = (api.GROUP, api.VERSION, "inferenceroutes")  # InferenceRoute: the operator publishes its keys' digests
 PODS = ("", "v1", "pods")
 DEPLOYMENTS = ("apps", "v1", "deployments")
 PDBS = ("policy", "v1", "poddisruptionbudgets")

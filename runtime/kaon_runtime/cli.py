@@ -25,7 +25,8 @@ KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on 
 TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
 PP_HELP = ("stages of contiguous layers, each run by --tensor-parallel-size processes (on one host, or one "
            "stage per host of a LeaderWorkerSet group: docs/multinode.md)")
-# Below this many uncached prompt tokens a transfer costs more than the prefill it saves (bench/disagg.py).
+# Below this many uncached prompt tokens a decode engine prefills locally: a first guess, not tuned:
+# bench/disagg.py found no length where a transfer paid off on a shared 2-core CPU (docs/disaggregation.md).
 DISAGG_MIN_PROMPT_TOKENS = 256
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -186,6 +187,9 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
                         help="a prefill engine (repeatable), for --role decode")
     parser.add_argument("--disagg-min-prompt-tokens", type=positive_int, default=DISAGG_MIN_PROMPT_TOKENS, metavar="N",
                         help="a decode engine prefills prompts with fewer uncached tokens itself (bench/disagg.py)")
+    parser.add_argument("--kv-transport", choices=("auto", "nixl", "tcp"), default="auto",
+                        help="how a decode engine receives K/V: auto: NIXL where it runs (pip install kaon[nixl]), "
+                        "else TCP")
     parser.add_argument("--disagg-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                         help="a transfer not complete by then is given up: the decode engine prefills the prompt")
 
@@ -307,11 +311,13 @@ def _fetch_first(args) -> None:
     """hf:// and s3:// models are downloaded into --model-cache first (nothing to do when a fetch, e.g.
     the init container, completed them there), then served from that directory under their URI."""
     if args.model.startswith(FETCHED_SCHEMES):
+        from kaon_runtime.engine import startup
         from kaon_runtime.fetch.fetch import fetch
 
         uri = args.model
-        args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
-                               tensor_parallel_size=args.tensor_parallel_size))
+        with startup.phase("fetch"):
+            args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
+                                   tensor_parallel_size=args.tensor_parallel_size))
         if getattr(args, "served_model_name", "unset") is None:
             args.served_model_name = uri
     elif args.model.startswith("pvc://"):

@@ -2,7 +2,8 @@
 it, driven by the official client (docs/disaggregation.md).
 
 The prefill engine also serves /v1 as an ordinary (aggregated) engine: it is the reference the decode
-engine's greedy tokens must equal. Two engines of the bundled model, started together; the last test
+engine's greedy tokens must equal. The K/V moves by NIXL (UCX between the two processes' host memory).
+Two engines of the bundled model, started together; the last test
 kills the prefill engine, so the order of the tests matters (pytest keeps a module's order)."""
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def engines(tmp_path_factory):
     while not hasattr(prefill, "proc"):
         time.sleep(0.05)
     decode = Server(tmp, "--role", "decode", "--prefill-url", prefill.url, "--api-key", API_KEY,
-                    "--disagg-min-prompt-tokens", str(MIN_PROMPT), "--disagg-timeout", "20")
+                    "--disagg-min-prompt-tokens", str(MIN_PROMPT), "--disagg-timeout", "20",
+                    "--kv-transport", "nixl")  # UCX on host memory; TCP's frames: the unit tests and the test below
     thread.join()
     yield prefill, decode
     decode.stop()

@@ -346,6 +346,8 @@ class Router:
         authorization = request.headers.get("Authorization")
         data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kaon"}
                 for name, s in self.table.addressable() if auth.may_list(self.table, s.key, authorization)]
+        if self.routes is not None:  # InferenceRoutes: each a `model` too
+            data += self.routes.listed(authorization)
         return web.json_response({"object": "list", "data": data})
 
     async def _unknown(self, request: web.Request) -> web.Response:

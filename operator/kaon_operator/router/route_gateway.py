@@ -40,6 +40,7 @@ TIER_HEADER = "x-kaon-route-tier"
 CACHE_HEADER = "x-kaon-cache"
 ROUTE_LABELS = ("namespace", "inferenceroute")
 EMBED_PATH = "/v1/embeddings"
+MAX_VERIFYING = 32
 
 
 class Store(Protocol):
@@ -141,6 +142,20 @@ class RouteGateway:
             return None  # an InferenceService of that name is reached as before
         return self.routes.resolve(model)
 
+    def listed(self, authorization: str | None) -> list[dict]:
+        """GET /v1/models' entries for the routes this caller may use (a keyed route only to a holder of one
+        of its keys), under the name that reaches them; one an InferenceService's name shadows is left out."""
+        out = []
+        token = auth.bearer(authorization)
+        for route in self.routes.routes():
+            bare = route.key.namespace == self.routes.default_namespace
+            name = route.key.name if bare else f"{route.key.namespace}/{route.key.name}"
+            if self.match(name) is not route:
+                continue
+            if route.key_digests is None or auth.accepted(token, route.key_digests):
+                out.append({"id": name, "object": "model", "created": 0, "owned_by": "kaon"})
+        return out
+
     def store(self, route: Route) -> Store:
         where = (route.key, route.spec.cache.valkey)
         found = self._stores.get(where)
@@ -191,11 +206,13 @@ class RouteGateway:
         """`<namespace>/<served name>` of the tier's InferenceService, which the table resolves to it."""
         key = Key(route.key.namespace, route.services[tier])
         service = self.table.service(key)
-        if service is None:
-            raise errors.no_ready_replica(f"{route.key.namespace}/{route.key.name}", str(key), 0)
-        model = f"{key.namespace}/{service.served_name}"
-        if self.table.resolve(model) != key:
-            raise errors.no_ready_replica(f"{route.key.namespace}/{route.key.name}", str(key), 0)
+        model = f"{key.namespace}/{service.served_name}" if service is not None else ""
+        if service is None or self.table.resolve(model) != key:
+            why = "does not exist" if service is None else "does not answer its served name (another serves it)"
+            raise errors.RouterError(503, f"InferenceRoute {route.key}: its tier {key.name!r} is no reachable "
+                                     f"InferenceService of namespace {key.namespace} (it {why}); the route's "
+                                     "Ready condition says so", "service_unavailable", "route_tier_missing",
+                                     retry=True)
         return model
 
     def _generation(self, route: Route) -> str:
@@ -241,7 +258,10 @@ class RouteGateway:
         if plan.status != 200:
             return
         await self._store(plan)
-        if monitor.should_verify(self.rng, route.spec.verify.fraction, plan.tier, len(route.spec.tiers)):
+        # At most MAX_VERIFYING second opinions at once: under load the monitor samples less rather than
+        # doubling the top tier's queue.
+        if len(self._background) < MAX_VERIFYING and monitor.should_verify(
+                self.rng, route.spec.verify.fraction, plan.tier, len(route.spec.tiers)):
             text = answer_text(plan.chunks, plan.stream)
             self._spawn(self._verify(plan, text))
 
@@ -302,6 +322,9 @@ class RouteGateway:
             return exc.status, b""
         keyed = self.table.api_keys(key) is not None
         headers = upstream_headers({"Content-Type": "application/json"}, authorization if keyed else None)
+        service = self.table.service(key)
+        if service is not None:  # the engine answers its served name only, not `<namespace>/<name>`
+            payload = {**payload, "model": self.table.engine_model(model, service)}
         router.inflight[target] = router.inflight.get(target, 0) + 1
         try:
             async with asyncio.timeout(router.config.first_byte_timeout + router.config.idle_timeout):

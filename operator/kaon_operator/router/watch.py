@@ -26,6 +26,7 @@ logger = logging.getLogger("kaon.router.watch")
 
 WATCH_SECONDS = 300  # the apiserver ends each watch after this long; the next resumes where it left off
 RETRY_SECONDS = 2.0
+MISSING_RETRY_SECONDS = 30.0
 MAX_OBJECT_BYTES = 16 << 20  # one watch event is one line of JSON
 
 
@@ -82,6 +83,10 @@ class _Expired(Exception):
     """410 Gone: the resource version is too old to resume from; list again."""
 
 
+class _Missing(Exception):
+    """404 on the list of an optional kind (InferenceRoute without its CRD)."""
+
+
 class ApiError(Exception):
     pass
 
@@ -124,6 +129,7 @@ class Watcher:
     async def _follow(self, session: aiohttp.ClientSession, kind: _Kind, namespace: str | None,
                       listed: asyncio.Event) -> None:
         url = kind.url(self.server.url, namespace)
+        missing_logged = False
         while True:
             try:
                 version = await self._list(session, kind, namespace, url)
@@ -132,6 +138,12 @@ class Watcher:
                     version = await self._watch(session, kind, url, version)
             except _Expired:
                 logger.info("%s: resource version expired; listing again", url)
+            except _Missing:  # an optional kind whose CRD is not installed: look again now and then
+                if not missing_logged:
+                    logger.info("%s: not served (its CRD is not installed); looking again every %gs", url,
+                                MISSING_RETRY_SECONDS)
+                    missing_logged = True
+                await asyncio.sleep(MISSING_RETRY_SECONDS)
             except (aiohttp.ClientError, TimeoutError, ApiError, ValueError) as exc:
                 logger.warning("%s: %s; retrying in %gs", url, exc or type(exc).__name__, RETRY_SECONDS)
                 await asyncio.sleep(RETRY_SECONDS)
@@ -144,6 +156,8 @@ class Watcher:
 
     async def _list(self, session: aiohttp.ClientSession, kind: _Kind, namespace: str | None, url: str) -> str:
         async with session.get(url, params=self._params(kind), headers=self.server.headers()) as resp:
+            if resp.status == 404 and not kind.required:
+                raise _Missing
             if resp.status != 200:
                 raise ApiError(f"list: {resp.status} {await resp.text()}")
             body = await resp.json()

@@ -22,6 +22,7 @@ processes (engine/block_manager.py) for this.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, KVEvent, block_stored
@@ -99,6 +101,19 @@ def check_manifest(directory: Path, layout: KVLayout) -> None:
         raise ModelLoadError(f"--kv-offload-dir {directory} holds the KV cache of another model or layout "
                              f"({', '.join(f'{k}: {found.get(k)!r}, here {layout.manifest()[k]!r}' for k in differ)}); "
                              "give this engine its own directory")
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_block(kv_cache: torch.Tensor, block_id: int) -> torch.Tensor:
+    """A contiguous host copy of one pool block. On CPU through numpy, one thread: torch's copy of a
+    strided view would start an OpenMP team of its own beside the step's (twice the threads on the cores)."""
+    view = kv_cache[:, :, :, block_id]
+    if kv_cache.device.type != "cpu":
+        return view.to("cpu", copy=True).contiguous()
+    raw = view.view(_SAME_SIZE_INTS[kv_cache.element_size()]).numpy()  # bfloat16 has no numpy type: its bits do
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(kv_cache.dtype)
 
 
 def _file_name(block_hash: int) -> str:
@@ -247,8 +262,15 @@ class KVTiers:
         done.wait(timeout)
 
     def close(self) -> None:
+        """Finish the queued moves, then write host memory's blocks down to disk (when there is one), so a
+        restarted engine finds them there too."""
         self._jobs.put(None)
         self._thread.join(timeout=30)
+        if self.disk_dir is not None and self.stats.disk_capacity_bytes >= self.block_bytes:
+            with self._lock:
+                kept = [(h, b) for h, b in self._host.items() if h not in self._disk]
+            for h, block in kept:  # oldest first: the newest stay if the disk tier is full
+                self._put_disk(h, block)
 
     def snapshot(self) -> TierStats:
         with self._lock:
@@ -259,6 +281,10 @@ class KVTiers:
     # ---- the mover thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        # The copies are spares: under contention for the CPU (an engine on CPU, its step's threads) they
+        # yield to the step. On Linux a thread's id is its own scheduling entity.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -277,7 +303,7 @@ class KVTiers:
                  generation: int) -> None:
         start = time.perf_counter()
         kv_cache = self._pool()
-        data = None if kv_cache is None else kv_cache[:, :, :, block_id].to("cpu", copy=True).contiguous()
+        data = None if kv_cache is None else copy_block(kv_cache, block_id)
         with self._lock:
             self._in_flight.discard(block_hash)
             # Reused (or the pool freed: asleep) while we copied: the copy is void.

@@ -97,16 +97,19 @@ class KvExports:
     Runs on the engine thread (the pool is only read between steps); a sink must return quickly (it
     queues the chunk for the network)."""
 
-    def __init__(self, cache: torch.Tensor, block_size: int):
-        self.cache = cache
+    def __init__(self, cache: Callable[[], torch.Tensor], block_size: int):
+        self.cache = cache  # the runner's pool as it is now (a sleeping engine gives it up and makes a new one)
         self.block_size = block_size
-        self.layout = KvLayout.of_cache(cache)
         self._watches: dict[str, _Watch] = {}
         self._lock = threading.Lock()  # add() comes from the event loop's thread
         self.sent_tokens = 0
 
     def __bool__(self) -> bool:
         return bool(self._watches)
+
+    @property
+    def layout(self) -> KvLayout:
+        return KvLayout.of_cache(self.cache())
 
     def watch(self, request_id: str, start: int, end: int, sink: Callable[[int, torch.Tensor | None], None]) -> None:
         with self._lock:
@@ -128,7 +131,7 @@ class KvExports:
             upto = min(seq.num_computed_tokens, watch.end)
             if upto > watch.sent:
                 slots = token_slots(seq.block_table, self.block_size, watch.sent, upto)
-                watch.sink(watch.sent, gather_tokens(self.cache, slots))
+                watch.sink(watch.sent, gather_tokens(self.cache(), slots))
                 self.sent_tokens += upto - watch.sent
                 watch.sent = upto
             if watch.sent >= watch.end:

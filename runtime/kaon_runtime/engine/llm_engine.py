@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
@@ -66,7 +67,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        checkpoint = open_checkpoint(config.model)
+        startup.engine_starting()  # the start-up breakdown (engine/startup.py)
+        with startup.phase("load"):
+            checkpoint = open_checkpoint(config.model)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.workers = _start_workers(config, checkpoint)
@@ -88,7 +91,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
         if self.runner.cuda_graphs_apply():
-            self.runner.prepare_decode_graphs(self.max_model_len)
+            with startup.phase("warmup"):
+                self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         try:  # KV events and the tiers below the pool; None: neither asked for
             self.kv_observer = attach_kv_observer(config, self.block_manager, lambda: self.runner.kv_cache,
@@ -108,7 +112,7 @@ class LLMEngine:
         self.in_flight = InFlight(depth) if depth > 1 else None  # pipeline stages overlap (engine.micro_batches)
         self._requests: dict[str, _Request] = {}
         # Disaggregation (engine.kv_transfer): K/V leaving for decode engines; received K/V that no longer fit.
-        self.kv_exports = KvExports(self.runner.kv_cache, config.block_size)
+        self.kv_exports = KvExports(lambda: self.runner.kv_cache, config.block_size)
         self.kv_imports_evicted = 0
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0

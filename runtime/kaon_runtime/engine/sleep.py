@@ -85,7 +85,6 @@ def put_to_sleep(engine: LLMEngine, level: int, spill_dir: str | None = None) ->
     pool = weakref.ref(runner.kv_cache)
     detach_kv_cache(runner.model)
     runner.kv_cache = None  # type: ignore[assignment]  # asleep: no pool until wake_up attaches one
-    engine.kv_exports.cache = torch.empty(0, device=runner.device)  # disaggregation's view of the pool
     runner.decode_graphs = None  # captured over the pool's and the weights' addresses
     _forget_fused_step(runner.model)
     if level == 2:
@@ -115,7 +114,6 @@ def wake_up(engine: LLMEngine, slept: Sleep) -> None:
     slept.host_weights = []
     runner.kv_cache = attach_kv_cache(runner.model, slept.kv_blocks, config.block_size, runner.kv_dtype,
                                       runner.device)
-    engine.kv_exports.cache = runner.kv_cache
     if runner.cuda_graphs_apply():
         runner.prepare_decode_graphs(engine.max_model_len)
     log.info("awake (from level %d)", slept.level)

@@ -51,6 +51,7 @@ from kaon_runtime.server.pipeline import (
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
 from kaon_runtime.server.tokenize import routes as tokenize_routes
+from kaon_runtime.server.tokenizer_info import routes as tokenizer_info_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
 
 
@@ -119,6 +120,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                 secured=keys.enabled)
     app.include_router(probes)
+    app.include_router(tokenizer_info_routes)  # open, for the router's kv-aware strategy
     app.include_router(document, dependencies=[Depends(_authorized)])
     app.include_router(v1)
     # vLLM serves these outside /v1; they need the key like /v1 does.

@@ -11,6 +11,7 @@ transfer's metrics to /metrics.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +26,15 @@ from pydantic import BaseModel, Field, model_validator
 
 from kaon_runtime.engine.async_engine import AsyncEngine, RequestStream
 from kaon_runtime.engine.kv_transfer import FALLBACK_REASONS, KvExports, TransferStats, prefill_params
-from kaon_runtime.engine.kv_wire import PREFILL_PATH, chunk_frame, done_frame, error_frame, meta_frame
+from kaon_runtime.engine.kv_wire import (
+    PREFILL_PATH,
+    NixlWriter,
+    chunk_frame,
+    done_frame,
+    error_frame,
+    frame,
+    meta_frame,
+)
 from kaon_runtime.engine.llm_engine import LLMEngine
 from kaon_runtime.engine.remote_prefill import RemotePrefill
 from kaon_runtime.server.app import _authorized, _not_draining
@@ -37,6 +46,12 @@ ROLES = ("both", "prefill", "decode")
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class NixlPeer(BaseModel):
+    agent: str = Field(min_length=1, max_length=128)
+    metadata: str  # base64 of its agent metadata
+    addr: int = Field(gt=0)
+
+
 class PrefillAsk(BaseModel):
     """A decode engine's request: the whole prompt, and the first token whose K/V it lacks."""
 
@@ -44,6 +59,9 @@ class PrefillAsk(BaseModel):
     start: int = Field(ge=0)
     adapter: str | None = None
     cache_salt: str | None = None
+    nixl: NixlPeer | None = None  # the decode engine's NIXL agent and staging range: the bytes go there
+
+
 
     @model_validator(mode="after")
     def _start_within(self) -> PrefillAsk:
@@ -74,7 +92,7 @@ async def prefill(ask: PrefillAsk, request: Request) -> StreamingResponse:
         exports.drop(request_id)
         raise
     watcher = asyncio.create_task(_watch_engine(stream, queue))
-    return StreamingResponse(_frames(exports, ask.start, end, queue, stream, watcher),
+    return StreamingResponse(_frames(exports, ask, queue, stream, watcher),
                              media_type="application/octet-stream")
 
 
@@ -88,15 +106,27 @@ async def _watch_engine(stream: RequestStream, queue: asyncio.Queue) -> None:
         queue.put_nowait(("ended", f"the prefill engine failed: {exc}"))
 
 
-async def _frames(exports: KvExports, start: int, end: int, queue: asyncio.Queue, stream: RequestStream,
+async def _frames(exports: KvExports, ask: PrefillAsk, queue: asyncio.Queue, stream: RequestStream,
                   watcher: asyncio.Task) -> AsyncIterator[bytes]:
+    start, end = ask.start, len(ask.token_ids) - 1
     try:
         yield meta_frame(exports.layout, start, end)
         while True:
             kind, item = await queue.get()
             if kind == "chunk":
                 first, kv = item
-                yield chunk_frame(first, kv)
+                if ask.nixl is None:
+                    yield chunk_frame(first, kv)
+                    continue
+                # NIXL: the bytes into the decode engine's staging range, the header on the stream once they landed
+                try:
+                    await asyncio.to_thread(_nixl_writer().write, ask.nixl.model_dump(),
+                                            (first - start) * exports.layout.token_bytes, kv)
+                except Exception as exc:  # noqa: BLE001 -- the decode engine prefills itself; it reads why
+                    log.warning("NIXL write to %s failed: %r", ask.nixl.agent, exc)
+                    yield error_frame(f"the NIXL write failed: {exc!r}")
+                    return
+                yield frame({"type": "chunk", "first": first, "tokens": kv.shape[3], "placed": True})
             elif kind == "done":
                 yield done_frame()
                 return
@@ -107,6 +137,12 @@ async def _frames(exports: KvExports, start: int, end: int, queue: asyncio.Queue
         stream.abort()
         exports.drop(stream.request_id)
         watcher.cancel()
+
+
+@functools.cache
+def _nixl_writer() -> NixlWriter:
+    """This engine's NIXL agent, started by the first decode engine that offers a staging range."""
+    return NixlWriter()
 
 
 class _TransferCollector(Collector):
@@ -143,6 +179,6 @@ def install(app: FastAPI, engine: AsyncEngine, role: str, remote: RemotePrefill 
     if remote is None:
         log.info("disaggregation: role %s", role)
     else:
-        log.info("disaggregation: role decode, prefill engines %s, K/V transport %s (NIXL not used: %s), prompts "
-                 "of %d+ uncached tokens prefilled there", [p.url for p in remote.peers], remote.transport.name,
-                 remote.why_not_nixl, remote.min_prompt_tokens)
+        log.info("disaggregation: role decode, prefill engines %s, K/V transport %s%s, prompts of %d+ uncached "
+                 "tokens prefilled there", [p.url for p in remote.peers], remote.transport.name,
+                 f" (NIXL not used: {remote.why_not_nixl})" if remote.why_not_nixl else "", remote.min_prompt_tokens)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.kv_tiers import TierStats
 from kaon_runtime.engine.llm_engine import EngineStats
 from kaon_runtime.engine.outputs import RequestOutput
@@ -64,26 +65,38 @@ def kv_tier_metrics(t: TierStats):
                                                                            t.disk_capacity_bytes)):
         size.add_metric([tier], held)
         capacity.add_metric([tier], cap)
-    hits = CounterMetricFamily("kaon_kv_tier_hits", "Prefix blocks brought back into the pool from a tier.",
+    hits = CounterMetricFamily("kaon_kv_tier_hits_total", "Prefix blocks brought back into the pool from a tier.",
                                labels=["tier"])
     for tier, n in t.hits.items():
         hits.add_metric([tier], n)
-    moved = CounterMetricFamily("kaon_kv_tier_blocks_moved", "Blocks copied between the pool and the tiers.",
+    moved = CounterMetricFamily("kaon_kv_tier_blocks_moved_total", "Blocks copied between the pool and the tiers.",
                                 labels=["direction"])
-    seconds = CounterMetricFamily("kaon_kv_tier_seconds", "Time spent copying blocks, by direction (off the "
+    seconds = CounterMetricFamily("kaon_kv_tier_seconds_total", "Time spent copying blocks, by direction (off the "
                                   "engine's step except *_to_pool).", labels=["direction"])
     for direction, n in t.moved.items():
         moved.add_metric([direction], n)
         seconds.add_metric([direction], t.seconds.get(direction, 0.0))
-    discarded = CounterMetricFamily("kaon_kv_tier_copies_discarded", "Copies down voided because the pool reused "
+    discarded = CounterMetricFamily("kaon_kv_tier_copies_discarded_total", "Copies down voided because the pool reused "
                                     "their block first.", value=t.discarded)
     yield from (size, capacity, hits, moved, seconds, discarded)
+
+
+class _StartupCollector(Collector):
+    def collect(self):
+        found = startup.seconds()
+        family = GaugeMetricFamily("kaon_startup_seconds", "Seconds this engine's start-up took, by phase "
+                                   "(import, fetch, load, kv_allocation, warmup; engine/startup.py).", labels=["phase"])
+        for name in startup.PHASES:
+            if name in found:
+                family.add_metric([name], found[name])
+        yield family
 
 
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
+        self.registry.register(_StartupCollector())
         self.ttft = Histogram("kaon_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kaon_time_per_output_token_seconds", "Mean time between output tokens of a request.",

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import uvicorn
 
 from kaon_runtime.config import EngineConfig
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.kv_transfer import KvLayout
 from kaon_runtime.engine.kv_wire import pick_transport
@@ -44,6 +45,11 @@ class _DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening: /ready answers from here on
+            logger.info("%s", startup.serving())
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and self._drain_task is None and self._loop is not None:
@@ -85,9 +91,10 @@ def _remote_prefill(args, engine: AsyncEngine) -> RemotePrefill | None:
     def first_key() -> str | None:
         return next((key.decode() for key in own.keys()), None)  # noqa: SIM118 -- ApiKeys.keys(), not a dict's
 
-    transport, why_not_nixl = pick_transport(first_key)
-    remote = RemotePrefill(args.prefill_url, transport, KvLayout.of_cache(llm.runner.kv_cache), llm.block_manager,
-                           args.disagg_min_prompt_tokens, args.disagg_timeout)
+    layout = KvLayout.of_cache(llm.runner.kv_cache)
+    transport, why_not_nixl = pick_transport(first_key, layout, args.kv_transport)
+    remote = RemotePrefill(args.prefill_url, transport, layout, llm.block_manager, args.disagg_min_prompt_tokens,
+                           args.disagg_timeout)
     remote.why_not_nixl = why_not_nixl
     return remote
 

@@ -191,3 +191,34 @@ def test_status_and_escalation_event():
     assert status.status(r, None, None, [], "t")["conditions"][0]["status"] == "True"
     event = status.escalation_event(r, "small", "simple/general", 0.25, 20)
     assert event["reason"] == "Escalated" and "large" in event["message"] and "25%" in event["message"]
+
+
+def test_the_operator_publishes_a_routes_key_digests():
+    import base64
+    import hashlib
+    from types import SimpleNamespace
+
+    from kaon_operator import key_digests
+    from kaon_operator.api import Key
+
+    patches = []
+    kube = SimpleNamespace(
+        secret_data=lambda ns, name: {"k": base64.b64encode(b"route-key\n").decode()} if name == "keys" else None,
+        patch_status=lambda ns, name, status, plural: patches.append((ns, name, status, plural)) or {})
+    ctx = SimpleNamespace(kube=kube)
+    key, written = Key("ns", "assistant"), {}
+    body = {"spec": {"tiers": [], "auth": {"apiKeySecret": "keys"}}, "status": {}}
+    key_digests.publish_route(ctx, key, body, written)  # type: ignore[arg-type]
+    digest = hashlib.sha256(b"route-key").hexdigest()
+    assert patches == [("ns", "assistant", {"auth": {"apiKeySecret": "keys", "keyDigests": [digest]}},
+                        "inferenceroutes")]
+    key_digests.publish_route(ctx, key, body, written)  # type: ignore[arg-type]
+    assert len(patches) == 1  # unchanged: not written again
+    key_digests.publish_route(ctx, key, {"spec": {"auth": {"apiKeySecret": "gone"}}}, written)  # type: ignore[arg-type]
+    assert patches[-1][2] == {"auth": {"apiKeySecret": "gone", "keyDigests": []}}  # closed, never open
+    # and the router reads what was published: only that key opens the route
+    from kaon_operator.routes.table import route
+    r = route({"metadata": {"name": "assistant", "namespace": "ns"},
+               "spec": {"tiers": [{"service": "a", "costPerMillionTokens": 1}], "auth": {"apiKeySecret": "keys"}},
+               "status": {"auth": patches[0][2]["auth"]}})
+    assert r is not None and r.key_digests == (bytes.fromhex(digest),)

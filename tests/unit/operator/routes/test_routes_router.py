@@ -48,6 +48,8 @@ class Engine:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if body["model"] != self.name:  # a real engine answers its served name only
+            return web.json_response({"error": {"message": f"no model {body['model']}"}}, status=404)
         self.calls += 1
         if request.path == "/v1/embeddings":
             words = set(body["input"].lower().replace("?", "").split())
@@ -120,9 +122,11 @@ def test_tiers_by_complexity_and_headers():
                 assert r.status == 200 and r.headers[TIER_HEADER] == "large"
                 assert (await r.json())["choices"][0]["message"]["content"].startswith("large:")
             # the engine got its own served name, not the route's
-            assert simple["model"] == f"{NS}/small" or simple["model"] == "small"
+            assert simple["model"] == "small"  # the tier's served name, not the route's
             async with client.post("/v1/chat/completions", json=chat(SIMPLE, model="nothing")) as r:
                 assert r.status == 404
+            async with client.get("/v1/models") as r:
+                assert "assistant" in {m["id"] for m in (await r.json())["data"]}
         await stop(found)
     run(main())
 
@@ -250,7 +254,7 @@ def test_agreeing_tiers_are_not_escalated():
     async def main():
         found = await engines("small", "large")
         for engine in found.values():
-            engine.name = "same"  # both answer alike
+            engine.wrong = True  # both answer alike ("wrong")
         route = route_object(verify={"fraction": 1.0, "minAgreement": 0.8, "minSamples": 2})
         router = routed(found, route)
         async with serving(router) as client:
@@ -273,6 +277,10 @@ def test_route_keys_are_its_own():
         async with serving(router) as client:
             async with client.post("/v1/chat/completions", json=chat(SIMPLE)) as r:
                 assert r.status == 404  # as a name that does not exist
+            async with client.get("/v1/models") as r:
+                assert "assistant" not in {m["id"] for m in (await r.json())["data"]}
+            async with client.get("/v1/models", headers={"Authorization": "Bearer route-key"}) as r:
+                assert "assistant" in {m["id"] for m in (await r.json())["data"]}
             async with client.post("/v1/chat/completions", json=chat(SIMPLE),
                                    headers={"Authorization": "Bearer route-key"}) as r:
                 assert r.status == 200
@@ -287,7 +295,8 @@ def test_a_route_reaches_only_services_of_its_namespace():
         async with serving(router) as client:
             async with client.post("/v1/chat/completions", json=chat(COMPLEX)) as r:
                 assert r.status == 503
-                assert "large" in (await r.json())["error"]["message"]
+                error = (await r.json())["error"]
+                assert error["code"] == "route_tier_missing" and "'large'" in error["message"]
             assert found["other/large"].calls == 0
         await stop(found)
     run(main())
@@ -335,5 +344,22 @@ def test_an_unreachable_valkey_means_misses_not_errors():
                 async with client.post("/v1/chat/completions", json=chat(SIMPLE, temperature=0)) as r:
                     assert r.status == 200 and r.headers[CACHE_HEADER] == "miss"
         await router.routes.close()
+        await stop(found)
+    run(main())
+
+
+def test_second_opinions_are_capped_under_load(monkeypatch):
+    from kaon_operator.router import route_gateway
+
+    monkeypatch.setattr(route_gateway, "MAX_VERIFYING", 0)
+
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object(verify={"fraction": 1.0}))
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat("Who wrote book 1?")) as r:
+                assert r.headers[TIER_HEADER] == "small"
+            await router.routes.drain()
+        assert found["large"].calls == 0 and (NS, "assistant") not in router.routes.agreement
         await stop(found)
     run(main())

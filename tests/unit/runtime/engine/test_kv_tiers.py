@@ -114,11 +114,13 @@ def test_disk_keeps_its_bytes(tmp_path):
 
 def test_a_restarted_engine_serves_from_its_disk_tier(tmp_path):
     kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv))
+    tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv), disk_dir=str(tmp_path),
+                    disk_bytes=64 * block_bytes(kv))
     first = Engine(kv, tiers)
     for i in range(3):
         first.run(doc(i))
-    tiers.close()
+    assert not list(tmp_path.glob("*.kv"))  # all in host memory so far
+    tiers.close()  # a clean stop writes host memory's blocks down
     kv2 = pool(4)  # a new process: a zeroed pool, a new block manager
     again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
     assert Engine(kv2, again).run(doc(0)) == 3 * BS

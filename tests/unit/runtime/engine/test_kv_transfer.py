@@ -26,13 +26,17 @@ from kaon_runtime.engine.kv_wire import (
     PREFILL_PATH,
     FrameReader,
     KvAssembler,
+    NixlTransport,
+    NixlWriter,
     TcpTransport,
+    TokenRanges,
     TransferError,
     chunk_frame,
     done_frame,
     error_frame,
     frame,
     meta_frame,
+    pick_transport,
 )
 from kaon_runtime.engine.remote_prefill import RemotePrefill, wants_remote
 from kaon_runtime.engine.scheduler import ScheduledBatch
@@ -101,7 +105,7 @@ def test_exports_hand_on_each_steps_tokens_then_done():
     scatter_tokens(cache, token_slots([2, 5, 6], BS, 0, 12), tokens_kv(0, 12))
     s = seq(list(range(11)))
     s.request_id, s.block_table = "x", [2, 5, 6]
-    exports, got = KvExports(cache, BS), []
+    exports, got = KvExports(lambda: cache, BS), []
     exports.watch("x", 3, 10, lambda first, kv: got.append((first, kv)))
     for computed in (6, 11):  # two chunked-prefill steps; the second runs past `end` (the sampled token)
         s.num_computed_tokens = computed
@@ -211,6 +215,56 @@ def test_a_failed_transfer_is_counted_and_prefilled_here(behaviour, reason):
     else:
         assert kv is None and remote.stats.received_tokens == 0
         assert remote.stats.fallbacks == {r: int(r == reason) for r in remote.stats.fallbacks}
+
+
+def test_token_ranges_first_fit():
+    ranges = TokenRanges(10)
+    assert ranges.take(4) == 0 and ranges.take(4) == 4 and ranges.take(4) is None
+    ranges.give(0, 4)
+    assert ranges.take(3) == 0 and ranges.take(2) == 8 and ranges.take(1) == 3
+
+
+def test_nixl_moves_the_bytes_into_the_offered_staging_range():
+    """Two real NIXL agents (UCX, host memory) in this process: the "prefill engine" WRITEs each chunk into the
+    decode side's staging buffer and sends only the headers, as server/disagg.py does."""
+    pytest.importorskip("nixl._api")
+
+    async def main():
+        writer = NixlWriter()
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            ask = await request.json()
+            start, end, peer = ask["start"], len(ask["token_ids"]) - 1, ask["nixl"]
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(meta_frame(LAYOUT, start, end))
+            for first in range(start, end, 3):
+                kv = tokens_kv(first, min(first + 3, end))
+                await asyncio.to_thread(writer.write, peer, (first - start) * LAYOUT.token_bytes, kv)
+                await response.write(frame({"type": "chunk", "first": first, "tokens": kv.shape[3], "placed": True}))
+            await response.write(done_frame())
+            return response
+
+        app = web.Application()
+        app.router.add_post(PREFILL_PATH, handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        transport, why = pick_transport(lambda: None, LAYOUT, "auto", staging_tokens=64)
+        assert isinstance(transport, NixlTransport) and why == ""
+        try:
+            first = await transport.fetch(url, {"token_ids": list(range(11)), "start": 2}, LAYOUT, 10)
+            second = await transport.fetch(url, {"token_ids": list(range(21)), "start": 0}, LAYOUT, 10)
+        finally:
+            await transport.close()
+            await runner.cleanup()
+        return first, second, transport
+
+    first, second, transport = asyncio.run(main())
+    assert torch.equal(first.kv, tokens_kv(2, 10)) and torch.equal(second.kv, tokens_kv(0, 20))
+    assert transport.ranges.held == {}  # each transfer gave its staging range back
 
 
 def test_layout_states_the_model_and_dtype():
