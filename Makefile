@@ -57,7 +57,9 @@ lint: install
 # tests/unit on two pytest-xdist workers, one compute thread each (tests/conftest.py), a test file per
 # worker at a time (its module fixtures built once): one process left the second core idle (1.07 cores
 # used). Back to back beside other work (load 15-21, 2026-11-29), make unit's tests took 463 s instead of
-# 612 s. tests/integration and tests/e2e stay in one process: their servers and cluster are shared.
+# 612 s. Each worker loads its own models: about twice the memory (one reached 3.9 GB RSS; on a machine
+# short of memory, `make test UNIT_WORKERS=` runs one process). tests/integration and tests/e2e stay in
+# one process: their servers and cluster are shared.
 UNIT_WORKERS ?= -n 2 --dist loadfile
 
 # Everything: tests/unit (no cluster, no server process), tests/integration (the control plane,
