@@ -109,7 +109,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         quantized, reference = write_dirs(Path(tmp), args.experts, args.layers)
         for label, directory in (("float32 (dequantized weights)", reference), ("GPTQ 4-bit g32, kept", quantized)):
-            llm = LLM(str(directory), device="cpu", dtype="float32", show_progress=False)
+            # dtype auto (float32 activations on CPU) with kaon's fast kernels: `dtype="float32"` on the quantized
+            # directory would be its reference arithmetic (quant/reference.py), not what serving runs.
+            llm = LLM(str(directory), device="cpu", dtype="auto", show_progress=False)
             rows.append((label, llm.engine.runner.weight_bytes, experts_bytes(llm.engine.runner.model),
                          rate(llm, args.tokens, args.repeats), greedy(llm, args.tokens)))
             del llm

@@ -1,6 +1,7 @@
-"""Routing strategies on real engines: least-connections vs prefix-affinity, in the same run.
+"""Routing strategies on real engines: least-connections vs prefix-affinity (and kv-aware), in the same run.
 
     python bench/routing.py [--replicas 3] [--repeats 2] [--workloads chat long pressure skewed] [--kv-blocks N]
+                            [--strategies least-connections prefix-affinity kv-aware]
 
 Starts --replicas `kaon serve` processes (builtin://smollm2-135m-instruct, --max-num-seqs 4,
 prefix caching on) and, for each strategy, kaon's Router in this process on an endpoint
@@ -70,6 +71,7 @@ sys.path.insert(0, str(ROOT))
 
 from e2e.control_plane import free_port  # noqa: E402
 from kaon_operator.labels import service_labels  # noqa: E402
+from kaon_operator.router import kv_feed  # noqa: E402
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey  # noqa: E402
 from kaon_operator.router.proxy import Router  # noqa: E402
 
@@ -247,6 +249,9 @@ def build_table(ports: list[int], strategy: str, load_bound: float, max_num_seqs
 async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -> dict:
     table = build_table(ports, strategy, args.load_bound, args.max_num_seqs)
     router = Router(table, rng=random.Random(tag))
+    if strategy == "kv-aware":  # the engines share one host: each publishes its KV events on ports of its own
+        kv = router.strategies.get("kv-aware").inner
+        kv.feed.ports = lambda e: EVENT_PORTS[int(e.url.rsplit(":", 1)[1])]
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -287,6 +292,8 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
                 router_metrics = await resp.text()
     finally:
         await runner.cleanup()
+        if strategy == "kv-aware":
+            await kv.feed.close()
     hits = sum(after[p][0] - before[p][0] for p in ports)
     queries = sum(after[p][1] - before[p][1] for p in ports)
     busy = [s for s in phase.samples if any(s.values())]
@@ -322,6 +329,9 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+EVENT_PORTS: dict[int, tuple[int, int]] = {}  # an engine's HTTP port -> its KV events and replay ports (kv-aware)
+
+
 def start_engines(n: int, args, logs: Path) -> tuple[list[subprocess.Popen], list[int]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "runtime"), "OMP_NUM_THREADS": str(args.threads)}
     procs, ports = [], []
@@ -331,6 +341,12 @@ def start_engines(n: int, args, logs: Path) -> tuple[list[subprocess.Popen], lis
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching"]
         if args.kv_blocks:
             cmd += ["--num-kv-blocks", str(args.kv_blocks)]
+        if "kv-aware" in args.strategies:
+            EVENT_PORTS[port] = (free_port(), free_port())
+            cmd += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "topic": kv_feed.TOPIC,
+                "endpoint": f"tcp://127.0.0.1:{EVENT_PORTS[port][0]}",
+                "replay_endpoint": f"tcp://127.0.0.1:{EVENT_PORTS[port][1]}"})]
         procs.append(subprocess.Popen(cmd, stdout=(logs / f"routing_engine_{i}.log").open("w"),
                                       stderr=subprocess.STDOUT, env=env))
         ports.append(port)
@@ -381,7 +397,7 @@ def summarize(rows: list[dict], names: list[str]) -> None:
     print("summary: median [min..max] over repeats; TTFT also pooled over the repeats' requests")
     for name in names:
         by = {s: [r for r in rows if r["workload"] == name and r["strategy"] == s]
-              for s in ("least-connections", "prefix-affinity")}
+              for s in dict.fromkeys(r["strategy"] for r in rows)}
         for strategy, rs in by.items():
             pooled = sorted(t for r in rs for t in r["ttft"])
             print(f"  {name:6} {strategy:17} hit {spread([r['hit_rate'] for r in rs], '.1%')}  "
@@ -392,6 +408,15 @@ def summarize(rows: list[dict], names: list[str]) -> None:
                   f"max/mean {spread([r['imbalance'] for r in rs], '.2f')} "
                   f"peak {spread([r['peak'] for r in rs], 'g')}  load {min(r['load_start'] for r in rs):.1f}-"
                   f"{max(max(r['load_start'], r['load_end']) for r in rs):.1f}")
+        if "kv-aware" in by:
+            for base in ("prefix-affinity", "least-connections"):
+                kv_pairs = list(zip(by.get(base, []), by["kv-aware"]))
+                hits = " ".join(f"{kv['hit_rate'] / b['hit_rate']:.2f}x" for b, kv in kv_pairs)
+                p50s = " ".join(f"{kv['ttft_p50'] / b['ttft_p50'] - 1:+.0%}" for b, kv in kv_pairs)
+                p99s = " ".join(f"{kv['ttft_p99'] / b['ttft_p99'] - 1:+.0%}" for b, kv in kv_pairs)
+                print(f"  {name:6} kv-aware vs {base}, per repeat: hit rate {hits}; TTFT p50 {p50s}; p99 {p99s}")
+        if "least-connections" not in by or "prefix-affinity" not in by:
+            continue
         pairs = list(zip(by["least-connections"], by["prefix-affinity"]))
         hit = [pa["hit_rate"] / lc["hit_rate"] for lc, pa in pairs]
         p50 = [pa["ttft_p50"] / lc["ttft_p50"] - 1 for lc, pa in pairs]
@@ -420,7 +445,7 @@ async def bench(args) -> list[dict]:
         tag = 0
         workloads = {"chat": chat_workload, "long": long_workload, "pressure": pressure_workload,
                      "skewed": skewed_workload}
-        strategies = ("least-connections", "prefix-affinity")
+        strategies = tuple(args.strategies)
         for repeat in range(args.repeats):
             for name in args.workloads:
                 for strategy in (strategies if repeat % 2 == 0 else strategies[::-1]):
@@ -467,6 +492,9 @@ def main() -> None:
     parser.add_argument("--load-bound", type=float, default=1.25)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", default=["least-connections", "prefix-affinity"],
+                        choices=["least-connections", "prefix-affinity", "kv-aware"],
+                        help="run in this order, reversed every other repeat (kv-aware: the engines publish KV events)")
     parser.add_argument("--workloads", nargs="+", default=["chat", "long", "skewed"],
                         choices=["chat", "long", "pressure", "skewed"])
     parser.add_argument("--json", type=Path)

@@ -6,6 +6,9 @@
 # compiles llama.cpp with cmake each time (minutes on 2 cores): this builds the wheel once,
 #   ${KAON_CACHE:-$HOME/.cache/kaon}/wheels/llama-cpp-python/<version>-<python>-<arch>-portable/
 # and later calls install that wheel (seconds), or return at once when it is already installed.
+# `make test` runs it in the background beside tests/unit (nice 19, with the Go builds), not in
+# `make install`: a cold build no longer holds up install and lint. The GGUF test that needs it runs
+# it too, which waits on the build's lock (the wait goes to $KAON_BUILD_WAIT_LOG, as the Go builds').
 #
 # Built portable (GGML_NATIVE=OFF: AVX2, FMA and F16C, no AVX-512 or AMX), so the wheel is the same on
 # every x86-64 machine of this kind, Intel or AMD: the native build on an Intel Xeon with AMX crashed
@@ -26,6 +29,18 @@ CACHE_ROOT="${KAON_CACHE:-$HOME/.cache/kaon}"
 
 log() { printf '[build-llama-cpp %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 
+# One build at a time (the background build of `make test`, the test that waits for it): the second
+# waits on the lock, then finds the wheel installed (the check is under the lock: a half-done
+# install is never taken for a whole one).
+mkdir -p "$CACHE_ROOT/wheels"
+exec 9>"$CACHE_ROOT/wheels/.llama-cpp-python.lock"
+if ! flock -n 9; then
+  log "another build of llama-cpp-python is running; waiting for it"
+  asked=$SECONDS
+  flock 9
+  # A test that waited on the build beside it (`make test`): .ci/run takes this out of the suite's time.
+  [[ -z "${KAON_BUILD_WAIT_LOG:-}" ]] || echo "llama-cpp $((SECONDS - asked))" >> "$KAON_BUILD_WAIT_LOG"
+fi
 installed=$("$PY" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
 if [[ "$installed" == "$VERSION" ]]; then
   exit 0

@@ -213,6 +213,17 @@ _ONE_STAGE_PER_NODE_MESSAGE = ("pipelineParallelSize must equal nodesPerReplica:
                                "one pipeline stage on its tensorParallelSize GPUs")
 
 
+class KvOffloadSpec(_Model):
+    """KV cache tiers below the engine's pool (docs/kv_cache.md): blocks evicted from the pool are kept in host memory, then on disk, and come back on a prefix hit."""  # noqa: E501 - one line: the CRD's description
+
+    host_bytes: int = Field(0, ge=0)
+    """Host memory for evicted KV blocks (`--kv-offload-bytes`); count it in spec.resources' memory."""
+    disk_bytes: int = Field(0, ge=0)
+    """A disk tier below host memory (`--kv-offload-dir-bytes`), on the node's local disk (an emptyDir that outlives an engine container's restart) unless `diskPath` is a volume mounted through engine.volumeMounts (a PVC: kept across pods)."""  # noqa: E501 - one line: the CRD's description
+    disk_path: str = Field("/var/cache/kaon-kv", pattern=r"^/")
+    """Where the disk tier lives in the engine container."""
+
+
 class EngineSpec(_Model):
     """Engine settings for every replica."""
 
@@ -239,6 +250,8 @@ class EngineSpec(_Model):
     """Share of the GPU memory left after loading weights for the KV cache and the largest step's activations (measured at start)."""  # noqa: E501 - one line: the CRD's description
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes."""
+    kv_offload: KvOffloadSpec | None = None
+    """KV cache tiers below the pool: host memory, then disk (docs/kv_cache.md)."""
     task: Literal["generate", "embed"] = "generate"
     """`generate`: the completion routes; `embed`: /v1/embeddings for an embedding model (`kaon serve --task`)."""
     image: str = Field(DEFAULT_IMAGE, min_length=1)
@@ -375,6 +388,9 @@ class AutoscalingSpec(_Model):
     profile: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
     """The engine's performance model, for `predictive`: `auto` (the operator runs a profiling Job, `kaon profile`, on the engine's own pod and keeps the model in a ConfigMap keyed by the model, device, quantization, parallelism and engine settings: a changed spec measures again), `none`, or the name of a ConfigMap in this namespace whose key `model.json` holds the model, as `kaon profile` writes it."""  # noqa: E501 - one line: the CRD's description
 
+    standby: int = Field(0, ge=0, le=16)
+    """Replicas kept scheduled, loaded and asleep beside `replicas`: a scale-up wakes one (seconds) instead of starting a pod (a cold start: minutes on a GPU), and the operator starts a new standby behind it; a scale-down puts a replica to sleep rather than cutting one. A standby costs what its pod reserves: on a GPU it keeps its device (asleep at level 1 the device memory is free, the weights wait in host memory) unless the GPU is shared, so standby trades money for latency (docs/autoscaling.md has the trade in numbers). The engine's sleep mode does not support tensor or pipeline parallelism or a draft model yet: there the standbys stay awake and a Warning Event says so."""  # noqa: E501 - one line: the CRD's description
+
     @model_validator(mode="after")
     def _consistent(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
@@ -391,8 +407,8 @@ class AutoscalingSpec(_Model):
 class RoutingSpec(_Model):
     """How the router picks an engine pod."""
 
-    strategy: Literal["least-connections", "prefix-affinity"] = "least-connections"
-    """`least-connections`: the ready pod with the fewest requests in flight. `prefix-affinity`: the pod that holds the request's prompt prefix in its cache (a conversation's earlier turns), by consistent hashing, unless it carries more than `loadBound` times the mean load or has no free sequence slot (`engine.maxNumSeqs`) while another pod has one."""  # noqa: E501 - one line: the CRD's description
+    strategy: Literal["least-connections", "prefix-affinity", "kv-aware"] = "least-connections"
+    """`least-connections`: the ready pod with the fewest requests in flight. `prefix-affinity`: the pod that holds the request's prompt prefix in its cache (a conversation's earlier turns), by consistent hashing, unless it carries more than `loadBound` times the mean load or has no free sequence slot (`engine.maxNumSeqs`) while another pod has one. `kv-aware`: the pod whose engine announces (KV events, port 5557) the longest prefix of the request's tokens in its pool, host memory or disk tier, within the same bounds."""  # noqa: E501 - one line: the CRD's description
     load_bound: float = Field(1.25, gt=1, le=10)
     """With `prefix-affinity`: a pod with more than this factor times the mean requests in flight (plus one) is passed over for the least loaded pod, unless it carries at most one request more than that pod (at light loads the factor alone would round to one or two requests)."""  # noqa: E501 - one line: the CRD's description
 
@@ -446,8 +462,31 @@ class AdapterSpec(_Model):
         return v
 
 
+_PREFILL_ONE_PROCESS_MESSAGE = ("prefill (disaggregation) needs engine.tensorParallelSize 1, engine.nodesPerReplica 1 "
+                                 "and engine.task generate: each engine's K/V moves from one process")
+
+
+class PrefillSpec(_Model):
+    """A pool of prefill engines (prefill/decode disaggregation, docs/disaggregation.md): they compute long prompts' K/V and stream it to the decode engines (the rest of the spec), which the router keeps sending requests to."""  # noqa: E501 - one line: the CRD's description
+
+    replicas: int = Field(1, ge=0)
+    """Prefill engine replicas (0: the decode engines prefill everything themselves)."""
+    resources: ResourcesSpec | None = None
+    """The prefill pods' resources (unset: the same as the decode pods', spec.resources)."""
+    min_prompt_tokens: int | None = Field(None, ge=1)
+    """Prompts with fewer tokens missing from a decode engine's prefix cache are prefilled there (`kaon serve --disagg-min-prompt-tokens`; unset: the engine's default)."""  # noqa: E501 - one line: the CRD's description
+    timeout_seconds: int = Field(30, ge=1, le=600)
+    """A transfer not complete by then is given up and the decode engine prefills the prompt itself."""
+
+
 class InferenceServiceSpec(_Model):
     """The desired state of an InferenceService."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.prefill) || ((!has(self.engine.tensorParallelSize) || self.engine.tensorParallelSize == 1)"
+                 " && (!has(self.engine.nodesPerReplica) || self.engine.nodesPerReplica == 1)"
+                 " && (!has(self.engine.task) || self.engine.task == 'generate'))",
+         "message": _PREFILL_ONE_PROCESS_MESSAGE}]})
 
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_default(EngineSpec))
@@ -464,11 +503,21 @@ class InferenceServiceSpec(_Model):
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""  # noqa: E501 - one line: the CRD's description
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default(RolloutSpec))
+    prefill: PrefillSpec | None = None
+    """An optional pool of prefill engines; the rest of the spec describes the decode pool (docs/disaggregation.md)."""
     drain_seconds: int = Field(30, ge=0, le=MAX_DRAIN_SECONDS)
     """Seconds an engine pod being stopped (rollout, scale-down, node drain) gives its in-flight requests to
     finish, while it answers new ones with 503 and /ready fails (`kaon serve --drain-timeout`); the pod's
     terminationGracePeriodSeconds is this plus a margin for the server's own shutdown."""
 
+
+    @model_validator(mode="after")
+    def _prefill_one_process(self) -> InferenceServiceSpec:
+        engine = self.engine
+        if self.prefill is not None and (engine.tensor_parallel_size > 1 or engine.nodes_per_replica > 1
+                                         or engine.task != "generate"):
+            raise ValueError(_PREFILL_ONE_PROCESS_MESSAGE)
+        return self
 
     @field_validator("adapters")
     @classmethod

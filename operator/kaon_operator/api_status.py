@@ -91,6 +91,12 @@ class InferenceServiceStatus(_Model):
     replicas: int = 0
     """Engine pods that are not terminating (the scale subresource's status replicas)."""
     ready_replicas: int = 0
+    standby_replicas: int | None = None
+    """Replicas loaded and asleep (spec.autoscaling.standby), which a scale-up wakes."""
+    """Of those, the ready ones."""
+    prefill_replicas: int | None = None
+    """With spec.prefill: prefill pods of any template (docs/disaggregation.md)."""
+    prefill_ready_replicas: int | None = None
     """Of those, the ready ones."""
     selector: str | None = None
     """Label selector of the engine pods (for the scale subresource and HPA)."""

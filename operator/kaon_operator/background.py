@@ -9,6 +9,7 @@ from functools import partial
 
 from kaon_operator import clock, key_digests
 from kaon_operator.autoscaling.autoscale_loop import AutoscaleLoop
+from kaon_operator.autoscaling.standby_sync import StandbyLoop
 from kaon_operator.context import Context
 from kaon_operator.lora.adapter_sync import AdapterLoop
 from kaon_operator.status import conditions, status_sync
@@ -58,3 +59,4 @@ def start(ctx: Context) -> None:
     ctx.run_in_background(key_digests.publish_loop(ctx))
     ctx.run_in_background(AutoscaleLoop(ctx).run())
     ctx.run_in_background(AdapterLoop(ctx).run())
+    ctx.run_in_background(StandbyLoop(ctx).run())

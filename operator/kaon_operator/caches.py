@@ -24,7 +24,9 @@ class Caches:
     inference_services: Mapping[Key, Collection[Mapping]] = field(default_factory=dict)
     engine_pods: Mapping[Key, Collection[PodSummary]] = field(default_factory=dict)
     engine_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
+    prefill_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
     served_names: Mapping[str, Collection[ServedName]] = field(default_factory=dict)
+    inference_routes: Mapping[Key, Collection[Mapping]] = field(default_factory=dict)
 
     @classmethod
     def from_kopf(cls, kwargs: Mapping[str, Any]) -> Caches:
@@ -38,6 +40,10 @@ class Caches:
         return [(key, body) for key, bodies in list(self.inference_services.items())
                 if (body := next(iter(bodies), None)) is not None]
 
+    def all_inference_routes(self) -> list[tuple[Key, Mapping]]:
+        return [(key, body) for key, bodies in list(self.inference_routes.items())
+                if (body := next(iter(bodies), None)) is not None]
+
     def pods(self, key: Key) -> list[PodSummary]:
         return list(self.engine_pods.get(key, ()))
 
@@ -46,6 +52,10 @@ class Caches:
 
     def deployment(self, key: Key) -> DeploymentSummary | None:
         return _one(self.engine_deployments, key)
+
+    def prefill_deployment(self, key: Key) -> DeploymentSummary | None:
+        """spec.prefill's Deployment (docs/disaggregation.md)."""
+        return _one(self.prefill_deployments, key)
 
     def served_names_in(self, namespace: str) -> list[ServedName]:
         return sorted(self.served_names.get(namespace, ()))

@@ -27,7 +27,17 @@ from kaon_operator.context import Context
 from kaon_operator.kube import Kube
 from kaon_operator.labels import SERVICE
 from kaon_operator.status import status_sync, summaries
-from kaon_operator.watching import CHILD_KINDS, DEPLOYMENTS, ENGINE_CHILD, ISVC, PDBS, PODS, configure
+from kaon_operator.watching import (
+    CHILD_KINDS,
+    DEPLOYMENTS,
+    ENGINE_CHILD,
+    ISVC,
+    PDBS,
+    PODS,
+    PREFILL_CHILD,
+    ROUTES,
+    configure,
+)
 
 
 def _context(memo: kopf.Memo) -> Context:
@@ -60,6 +70,12 @@ def inference_services(namespace: str | None, name: str, body: kopf.Body, **_) -
     return {_key(namespace, name): body}
 
 
+@kopf.index(*ROUTES)
+def inference_routes(namespace: str | None, name: str, body: kopf.Body, **_) -> dict:
+    """InferenceRoutes (issue 52): key_digests.py publishes their spec.auth keys' digests, as for a service."""
+    return {_key(namespace, name): body}
+
+
 @kopf.index(*ISVC)
 def served_names(namespace: str | None, body: kopf.Body, **_) -> dict:
     """Namespace -> who serves which name there: the NameConflict condition."""
@@ -73,6 +89,11 @@ def engine_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_
 
 @kopf.index(*DEPLOYMENTS, labels=ENGINE_CHILD)
 def engine_deployments(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
+    return {_key(namespace, labels[SERVICE]): summaries.summarize_deployment(body)}
+
+
+@kopf.index(*DEPLOYMENTS, labels=PREFILL_CHILD)
+def prefill_deployments(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
     return {_key(namespace, labels[SERVICE]): summaries.summarize_deployment(body)}
 
 
@@ -101,6 +122,7 @@ def served_names_changed(namespace: str | None, memo: kopf.Memo, **_) -> None:
 
 @kopf.on.event(*PODS, labels=ENGINE_CHILD)
 @kopf.on.event(*DEPLOYMENTS, labels=ENGINE_CHILD)
+@kopf.on.event(*DEPLOYMENTS, labels=PREFILL_CHILD, id="prefill-status")
 async def child_status_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_) -> None:
     _context(memo).status_queue.mark(_key(namespace, labels[SERVICE]))
 

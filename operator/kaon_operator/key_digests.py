@@ -91,12 +91,44 @@ def publish(ctx: Context, key: Key, body: Mapping) -> None:
             ctx.post(body, [missing_event(secret or "", data)])
 
 
+ROUTE_PLURAL = "inferenceroutes"
+
+
+def publish_route(ctx: Context, key: Key, body: Mapping, written: dict[Key, dict | None]) -> None:
+    """An InferenceRoute's status.auth, as publish() writes an InferenceService's (issue 52: a route's keys are
+    its own); `written` remembers what was last written per route, as the services' records do."""
+    namespace, name = key
+    secret = secret_name(body.get("spec") or {})
+    current = written[key] if key in written else (body.get("status") or {}).get("auth")
+    data: dict[str, str] | None = {}
+    new = None
+    if secret is not None:
+        data = ctx.kube.secret_data(namespace, secret) if secret else None
+        new = published(secret, data)
+    if new == current:
+        written[key] = current
+        return
+    if ctx.kube.patch_status(namespace, name, {"auth": new}, plural=ROUTE_PLURAL) is not None:
+        written[key] = new
+        logger.info(f"InferenceRoute {namespace}/{name}: published {len(new['keyDigests']) if new else 0} API key "
+                    "digests")
+
+
 async def publish_loop(ctx: Context) -> None:
-    """Every PUBLISH_SECONDS, publish every InferenceService's key digests (status.auth)."""
+    """Every PUBLISH_SECONDS, publish every InferenceService's and InferenceRoute's key digests (status.auth)."""
+    routes_written: dict[Key, dict | None] = {}
     while True:
         for key, body in ctx.caches.all_inference_services():
             try:
                 await asyncio.to_thread(publish, ctx, key, body)
             except Exception as exc:  # noqa: BLE001 - the next round tries again
                 logger.warning(f"publishing {key[0]}/{key[1]}'s key digests failed: {exc}")
+        routes = ctx.caches.all_inference_routes()
+        for key in set(routes_written) - {key for key, _ in routes}:
+            del routes_written[key]  # deleted routes
+        for key, body in routes:
+            try:
+                await asyncio.to_thread(publish_route, ctx, key, body, routes_written)
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                logger.warning(f"publishing InferenceRoute {key[0]}/{key[1]}'s key digests failed: {exc}")
         await asyncio.sleep(PUBLISH_SECONDS)

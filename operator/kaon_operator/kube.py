@@ -177,12 +177,14 @@ class Kube:
                 raise Conflict(f"{namespace}/{name} changed since resourceVersion {resource_version}") from None
             raise
 
-    def patch_status(self, namespace: str, name: str, status: dict, resource_version: str | None = None) -> dict | None:
+    def patch_status(self, namespace: str, name: str, status: dict, resource_version: str | None = None,
+                     plural: str = api.PLURAL) -> dict | None:
         """Merge-patch the status subresource (with `resource_version`: only at that version, else Conflict);
-        the object as written, or None when the InferenceService has vanished (not an error)."""
+        the object as written, or None when the InferenceService (or, by `plural`, the InferenceRoute) has
+        vanished (not an error)."""
         try:
             return cast(dict, self.custom.patch_namespaced_custom_object_status(
-                api.GROUP, api.VERSION, namespace, api.PLURAL, name,
+                api.GROUP, api.VERSION, namespace, plural, name,
                 _precondition({"status": status}, resource_version)))
         except ApiException as exc:
             if exc.status == 409:

@@ -17,6 +17,9 @@ ENGINE = "engine"
 # The non-leader pods of a multi-node replica (a LeaderWorkerSet group): no HTTP server, so neither
 # the router, the autoscaler nor the Service select them (they select ENGINE, the group's leaders).
 ENGINE_WORKER = "engine-worker"
+# The prefill pods of a disaggregated InferenceService (spec.prefill): neither the router, the autoscaler nor
+# the engine Service select them; the decode pods (ENGINE) reach them through their own Service.
+PREFILL = "prefill"
 ROUTER = "router"
 OPERATOR = "operator"
 

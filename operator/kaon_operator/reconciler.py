@@ -13,7 +13,7 @@ from kubernetes.client.rest import ApiException
 
 from kaon_operator import api, spec_policy
 from kaon_operator.api import Key
-from kaon_operator.children import changes, leaderworkerset, resources
+from kaon_operator.children import changes, disagg_args, leaderworkerset, prefill_pool, resources
 from kaon_operator.context import Context
 from kaon_operator.kube import NamespaceTerminating, NotOwned
 from kaon_operator.metrics import RECONCILE_SECONDS
@@ -39,7 +39,8 @@ def apply_children(ctx: Context, body, spec: api.InferenceServiceSpec) -> list[d
     with RECONCILE_SECONDS.time():
         if spec.engine.multi_node:  # the group's control-channel key, before any pod that reads it
             ctx.kube.create_once(resources.dist_key_secret(owner, secrets.token_hex(32)))
-        if spec.adapters:  # the engine's admin key, which only the adapter loop sends (adapter_pods.py)
+        # The engine's admin key, which only the adapter and standby loops send (adapter_pods.py).
+        if spec.adapters or (spec.autoscaling.enabled and spec.autoscaling.standby):
             ctx.kube.create_once(resources.admin_key_secret(owner, secrets.token_hex(32)))
         manifests = resources.render(owner, spec, ctx.config.network_policy)
         applying = [ctx.appliers.submit(ctx.kube.apply, m) for m in manifests]
@@ -65,6 +66,20 @@ def _remove_other_workload(ctx: Context, body, key: Key, spec: api.InferenceServ
     if ctx.kube.delete_controlled(api_version, kind, meta["namespace"], meta["name"], meta["uid"]):
         ctx.post(body, [conditions.EventSpec("Normal", "Replaced", f"deleted {kind} {meta['name']}: "
                                              f"engine.nodesPerReplica is {spec.engine.nodes_per_replica} now")])
+
+
+def _remove_prefill_pool(ctx: Context, body, spec: api.InferenceServiceSpec, old) -> None:
+    """spec.prefill removed: its Deployment, Service and NetworkPolicy go (the decode pods, re-rendered without
+    --role decode, roll first)."""
+    if spec.prefill is not None or not old or old.get("prefill") is None:
+        return
+    meta = body["metadata"]
+    name = disagg_args.name_of(meta["name"])
+    deleted = [kind for api_version, kind in prefill_pool.KINDS
+               if ctx.kube.delete_controlled(api_version, kind, meta["namespace"], name, meta["uid"])]
+    if deleted:
+        ctx.post(body, [conditions.EventSpec("Normal", "PrefillPoolRemoved", f"deleted {', '.join(deleted)} {name}: "
+                                             "spec.prefill is gone, the decode pods prefill every prompt")])
 
 
 def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
@@ -102,6 +117,7 @@ def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
         raise kopf.TemporaryError(record.apply_failure, delay=APPLY_RETRY_SECONDS) from None
     record.apply_failure, record.conflict, record.applied = None, None, version
     _remove_other_workload(ctx, body, key, spec)
+    _remove_prefill_pool(ctx, body, spec, old)
     if reason == "create":
         ctx.post(body, [conditions.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])

@@ -15,6 +15,7 @@ from kaon_operator import api, labels
 from kaon_operator.children import leaderworkerset
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
+ROUTES = (api.GROUP, api.VERSION, "inferenceroutes")  # InferenceRoute: the operator publishes its keys' digests
 PODS = ("", "v1", "pods")
 DEPLOYMENTS = ("apps", "v1", "deployments")
 PDBS = ("policy", "v1", "poddisruptionbudgets")
@@ -26,7 +27,9 @@ CHILD_KINDS = (DEPLOYMENTS, ("", "v1", "services"), PDBS, NETWORK_POLICIES, LEAD
 # kopf's labels= filter of the handlers (applied by kopf after receiving), and the same filter
 # as the server-side labelSelector of the watches.
 ENGINE_CHILD: dict[str, Any] = {labels.SERVICE: kopf.PRESENT, labels.COMPONENT: labels.ENGINE}
-ENGINE_CHILD_SELECTOR = f"{labels.SERVICE},{labels.COMPONENT}={labels.ENGINE}"
+# The server-side selector takes the prefill pool's children too (spec.prefill); the handlers tell them apart.
+ENGINE_CHILD_SELECTOR = f"{labels.SERVICE},{labels.COMPONENT} in ({labels.ENGINE},{labels.PREFILL})"
+PREFILL_CHILD: dict[str, Any] = {labels.SERVICE: kopf.PRESENT, labels.COMPONENT: labels.PREFILL}
 WATCHED_BY_LABEL = (PODS, *CHILD_KINDS)
 # How long kopf waits to see its own annotation patch come back on the watch before it handles the
 # InferenceService's next event anyway. kopf's default (5 s) is too short on a busy control plane: the

@@ -25,6 +25,9 @@ KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on 
 TP_HELP = "processes that each hold a shard of the model: one per GPU (on CPU, for testing)"
 PP_HELP = ("stages of contiguous layers, each run by --tensor-parallel-size processes (on one host, or one "
            "stage per host of a LeaderWorkerSet group: docs/multinode.md)")
+# Below this many uncached prompt tokens a decode engine prefills locally: a first guess, not tuned:
+# bench/disagg.py found no length where a transfer paid off on a shared 2-core CPU (docs/disaggregation.md).
+DISAGG_MIN_PROMPT_TOKENS = 256
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about Kubernetes.",
@@ -104,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the KV cache pool in blocks of 16 tokens, on any device; overrides --kv-cache-bytes "
                             "and --kv-cache-fraction")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_kv_tier_flags(serve)
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     serve.add_argument("--pipeline-parallel-size", type=int, default=1, help=PP_HELP)
     serve.add_argument("--distributed-init-address", default=None, metavar="HOST:PORT",
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_flags(serve)
     add_lora_flags(serve)
     add_runtime_lora_flags(serve)
+    add_disagg_flags(serve)
     serve.add_argument("--log-level", default="info")
     sub.add_parser("fetch", help="download an hf:// or s3:// model into the cache, or check a local one "
                    "(see `kaon fetch --help`)", add_help=False)
@@ -151,6 +156,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_kv_tier_flags(parser: argparse.ArgumentParser) -> None:
+    """The KV tiers below the pool and KV events (docs/kv_cache.md)."""
+    parser.add_argument("--kv-offload-bytes", type=int, default=0, metavar="N",
+                        help="host memory for KV blocks evicted from the pool, brought back on a prefix hit "
+                             "(default 0: none)")
+    parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                        help="a disk tier below host memory, kept across restarts of the same model and settings")
+    parser.add_argument("--kv-offload-dir-bytes", type=int, default=0, metavar="N", help="the disk tier's size")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="KV cache events in vLLM's format, e.g. '{\"enable_kv_cache_events\": true, "
+                             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'")
+
+
+def kv_tier_options(args) -> dict:
+    return {"kv_offload_bytes": args.kv_offload_bytes, "kv_offload_dir": args.kv_offload_dir,
+            "kv_offload_dir_bytes": args.kv_offload_dir_bytes, "kv_events_config": args.kv_events_config}
+
+
 def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default="none",
                         help="speculative decoding: 'ngram' drafts by prompt lookup, 'draft' with a smaller model")
@@ -158,6 +181,22 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-draft-model", help="the draft model (same tokenizer) for 'draft'")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram prompt lookup matches")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram prompt lookup matches")
+
+
+def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation (docs/disaggregation.md; server/disagg.py)."""
+    parser.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                        help="both: prefill and decode here; prefill: also compute prompts' K/V for decode engines; "
+                        "decode: have --prefill-url engines prefill long prompts and receive their K/V")
+    parser.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                        help="a prefill engine (repeatable), for --role decode")
+    parser.add_argument("--disagg-min-prompt-tokens", type=positive_int, default=DISAGG_MIN_PROMPT_TOKENS, metavar="N",
+                        help="a decode engine prefills prompts with fewer uncached tokens itself (bench/disagg.py)")
+    parser.add_argument("--kv-transport", choices=("auto", "nixl", "tcp"), default="auto",
+                        help="how a decode engine receives K/V: auto: NIXL where it runs (pip install kaon[nixl]), "
+                        "else TCP")
+    parser.add_argument("--disagg-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+                        help="a transfer not complete by then is given up: the decode engine prefills the prompt")
 
 
 def add_lora_flags(parser: argparse.ArgumentParser) -> None:
@@ -170,14 +209,22 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_runtime_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """Who may change the adapters at run time, and what one change may cost (server/lora_routes.py)."""
+    """Who may change the adapters at run time, and what one change may cost (server/lora_routes.py); who may
+    put the engine to sleep (server/sleep.py)."""
     allowed = os.environ.get("KAON_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true", "yes")
     parser.add_argument("--enable-runtime-lora", action="store_true", default=allowed,
                         help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter, for the holder of "
                         "--admin-key only (default: off, a 404; $KAON_ALLOW_RUNTIME_LORA_UPDATING=true)")
     parser.add_argument("--admin-key", default=os.environ.get("KAON_ADMIN_KEY"),
-                        help="the key (Authorization: Bearer) that changes adapters; the serving keys do not "
-                        "(default: $KAON_ADMIN_KEY; needed by --enable-runtime-lora)")
+                        help="the key (Authorization: Bearer) that changes adapters and puts the engine to sleep; the "
+                        "serving keys do not (default: $KAON_ADMIN_KEY; needed by --enable-runtime-lora and "
+                        "--enable-sleep-mode)")
+    parser.add_argument("--enable-sleep-mode", action="store_true",
+                        default=os.environ.get("KAON_ENABLE_SLEEP_MODE", "").lower() in ("1", "true", "yes"),
+                        help="answer POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's), for the "
+                        "holder of --admin-key only (default: off, a 404; $KAON_ENABLE_SLEEP_MODE=true)")
+    parser.add_argument("--sleep-grace-period", type=non_negative_float, default=30.0, metavar="SECONDS",
+                        help="how long a sleep waits for the requests in flight before it aborts them")
     parser.add_argument("--max-cpu-loras", type=positive_int, default=16,
                         help="adapters registered at once (at start and at run time); a load past it is refused "
                         "before its download")
@@ -269,11 +316,13 @@ def _fetch_first(args) -> None:
     """hf:// and s3:// models are downloaded into --model-cache first (nothing to do when a fetch, e.g.
     the init container, completed them there), then served from that directory under their URI."""
     if args.model.startswith(FETCHED_SCHEMES):
+        from kaon_runtime.engine import startup
         from kaon_runtime.fetch.fetch import fetch
 
         uri = args.model
-        args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
-                               tensor_parallel_size=args.tensor_parallel_size))
+        with startup.phase("fetch"):
+            args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
+                                   tensor_parallel_size=args.tensor_parallel_size))
         if getattr(args, "served_model_name", "unset") is None:
             args.served_model_name = uri
     elif args.model.startswith("pvc://"):
@@ -319,7 +368,7 @@ def engine_config(args) -> EngineConfig:
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         distributed_init_address=args.distributed_init_address,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
-                        **speculative_options(args), **lora_options(args))
+                        **speculative_options(args), **lora_options(args), **kv_tier_options(args))
 
 
 def _serve(args) -> int:
@@ -327,9 +376,20 @@ def _serve(args) -> int:
     from kaon_runtime.fetch.fetch import adapter_fetcher
     from kaon_runtime.server.run import serve
 
+    if args.role == "decode" and not args.prefill_url:
+        raise SystemExit("kaon serve: --role decode needs at least one --prefill-url")
+    if args.prefill_url and args.role != "decode":
+        raise SystemExit("kaon serve: --prefill-url is for --role decode")
+    if args.role != "both" and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1
+                                or args.speculative_method == "draft"):
+        raise SystemExit("kaon serve: --role prefill/decode runs one process per engine, without a draft model "
+                         "(the transfer moves one pool's K/V)")
     if args.enable_runtime_lora and not args.admin_key:  # on for no one would read as on for everyone
         raise SystemExit("kaon serve: --enable-runtime-lora needs --admin-key (or $KAON_ADMIN_KEY): only its "
                          "holder may change adapters")
+    if args.enable_sleep_mode and not args.admin_key:
+        raise SystemExit("kaon serve: --enable-sleep-mode needs --admin-key (or $KAON_ADMIN_KEY): only its "
+                         "holder may put the engine to sleep")
     config = engine_config(args)
     rdv = pipeline_group.world_rendezvous(config)
     if not rdv.is_leader:  # a LeaderWorkerSet worker: its stage's ranks, no API (only /health)

@@ -110,6 +110,11 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 0  # adapter slots (adapters running at once); 0: one per lora_modules entry (none: LoRA off)
     max_lora_rank: int = 16  # the highest adapter rank the slots hold
+    # KV tiers below the pool and KV events (engine/kv_observer.py checks and builds them; docs/kv_cache.md):
+    kv_offload_bytes: int = 0  # host memory for blocks evicted from the pool; 0: none
+    kv_offload_dir: str | None = None  # a directory for a disk tier below host memory (kept across restarts)
+    kv_offload_dir_bytes: int = 0  # the disk tier's size
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
 
     @property
     def lora_enabled(self) -> bool:

@@ -256,8 +256,9 @@ def test_service_monitors_scrape_operator_router_and_every_engine(helm):
     assert router["port"] == "http" and router["honorLabels"] is True  # keep the series' own namespace label
     engines = find(docs, "PodMonitor", "kaon-engines")
     assert engines["spec"]["namespaceSelector"] == {"any": True}
-    assert engines["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kaon",
-                                                          "app.kubernetes.io/component": "engine"}
+    assert engines["spec"]["selector"] == {  # the engine pods and spec.prefill's prefill pods
+        "matchLabels": {"app.kubernetes.io/name": "kaon"},
+        "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["engine", "prefill"]}]}
     assert all(d["metadata"]["labels"]["release"] == "prometheus" for d in (operator, engines))
 
 
@@ -282,7 +283,8 @@ def test_chart_crds_equal_the_repositorys(helm):
     assert crd_module.main(["--check"]) == 0  # both copies are what api.py generates
     names = {d["metadata"]["name"] for d in template(helm, [], include_crds=True)
              if d["kind"] == "CustomResourceDefinition"}
-    assert names == {"inferenceservices.kaon.dev", "clusterkopfpeerings.kopf.dev"}
+    assert names == {"inferenceservices.kaon.dev", "inferenceroutes.kaon.dev", "clusterkopfpeerings.kopf.dev"}
+    assert (CHART / "crds" / "inferenceroute.yaml").read_text() == (ROOT / "crds" / "inferenceroute.yaml").read_text()
 
 
 def test_docs_crd_reference_is_current():
@@ -302,9 +304,11 @@ def _metric_names() -> set[str]:
     """Every metric name the engine, the router and the operator define (counters get _total)."""
     names = set()
     for path in ("runtime/kaon_runtime/server/metrics.py", "operator/kaon_operator/router/metrics.py",
-                 "operator/kaon_operator/metrics.py"):
+                 "operator/kaon_operator/metrics.py", "operator/kaon_operator/router/route_gateway.py",
+                 "runtime/kaon_runtime/server/disagg.py"):
         for kind, name in re.findall(r'(\w+)\(\s*"(kaon_\w+)"', (ROOT / path).read_text()):
-            names.add(f"{name}_total" if kind == "Counter" and not name.endswith("_total") else name)
+            counter = kind in ("Counter", "CounterMetricFamily")  # a family's samples get _total too
+            names.add(f"{name}_total" if counter and not name.endswith("_total") else name)
     return names
 
 
@@ -336,7 +340,10 @@ def test_dashboard_plots_the_five_signals_from_metrics_that_exist(helm):
 # that the chart uses, with the same field names and types. Strict field validation then
 # refuses any field outside it, so a misspelt field fails as it would on a real cluster.
 _STR, _BOOL = {"type": "string"}, {"type": "boolean"}
-_SELECTOR = {"type": "object", "properties": {"matchLabels": {"type": "object", "additionalProperties": _STR}}}
+_SELECTOR = {"type": "object", "properties": {"matchLabels": {"type": "object", "additionalProperties": _STR},
+                                              "matchExpressions": {"type": "array", "items": {"type": "object",
+                                                  "properties": {"key": _STR, "operator": _STR,
+                                                                 "values": {"type": "array", "items": _STR}}}}}}
 _INTERVAL = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
                                           r"(([0-9]+)s)?(([0-9]+)ms)?)$"}
 _RELABEL = {"type": "array", "items": {"type": "object", "properties": {
@@ -409,9 +416,9 @@ def test_notes_say_how_to_serve_a_model_and_call_it(helm, crd):
 
 # the images ------------------------------------------------------------------------------
 
-# Libraries only the engine uses; the operator image has none of them.
-ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "tokenizers", "safetensors", "jinja2", "tqdm", "fastapi",
-               "uvicorn", "transformers")
+# Libraries only the engine uses; the operator image has none of them. (tokenizers and jinja2 it has: the
+# router's kv-aware strategy tokenizes a prompt as the engine will, router/kv_tokens.py.)
+ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "safetensors", "tqdm", "fastapi", "uvicorn", "transformers")
 
 
 def test_operator_and_router_run_without_the_engines_libraries():
@@ -493,3 +500,12 @@ def test_images_run_as_the_users_pods_expect():
     operator = (ROOT / "operator" / "Dockerfile").read_text()
     uid = VALUES["podSecurityContext"]["runAsUser"]
     assert f"USER {uid}:{uid}" in operator and "ENTRYPOINT" not in operator  # the chart sets the command
+
+
+def test_the_chart_can_deploy_valkey_for_the_route_cache(helm):
+    assert not [d for d in template(helm, []) if d["metadata"]["name"] == "kaon-valkey"]
+    docs = template(helm, ["valkey.enabled=true"])
+    deployment = find(docs, "Deployment", "kaon-valkey")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][-2:] == ["--maxmemory-policy", "allkeys-lru"]
+    assert find(docs, "Service", "kaon-valkey")["spec"]["ports"][0]["port"] == 6379

@@ -97,6 +97,7 @@ def test_status_scale_subresource_and_printer_columns(crd, namespace):
     assert table[1].split()[:6] == ["llama", "1", "3", "builtin://smollm2-135m-instruct", "7", "0.42"]
     wide = crd.kubectl("get", "-n", namespace, "infsvc", "-o", "wide").stdout.splitlines()
     assert "STATUS" in wide[0].split() and "Progressing" in wide[1].split()
+    assert "PREFILL" in wide[0].split()  # spec.prefill's ready replicas (docs/disaggregation.md)
 
 
 def test_status_is_validated_too(crd, namespace):

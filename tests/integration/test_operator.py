@@ -495,3 +495,22 @@ def test_block_owner_deletion_needs_the_finalizers_rule_where_it_is_enforced(crd
                 "--resource=inferenceservices.kaon.dev/finalizers")
     crd.kubectl("create", "-n", namespace, "rolebinding", "finalizers", "--role=finalizers", "--user=limited")
     crd.kubectl("create", "--as=limited", "-f", "-", input=json.dumps(child))
+
+
+def test_an_inference_routes_key_digests_are_published(cluster):
+    """InferenceRoute (issue 52): the operator publishes the digests of its own spec.auth keys in its status,
+    where the router reads them, as for an InferenceService."""
+    import hashlib
+
+    cluster.kubectl("create", "secret", "generic", "route-keys", "--from-literal=key=route-secret")
+    route = {"apiVersion": api.API_VERSION, "kind": "InferenceRoute", "metadata": {"name": "assistant"},
+             "spec": {"tiers": [{"service": "small", "costPerMillionTokens": 0.1}],
+                      "auth": {"apiKeySecret": "route-keys"}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(route))
+
+    def published():
+        found = cluster.get("inferenceroute", "assistant")
+        return ((found or {}).get("status") or {}).get("auth")
+
+    auth = wait_for("status.auth of the route", published)
+    assert auth == {"apiKeySecret": "route-keys", "keyDigests": [hashlib.sha256(b"route-secret").hexdigest()]}

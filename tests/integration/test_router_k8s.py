@@ -99,8 +99,12 @@ def test_the_router_identity_may_only_list_and_watch(crd, router_kubeconfig):
     # No Secret at all: spec.auth's keys reach the router as digests in the InferenceService's status.
     for verb in ("get", "list", "watch"):
         assert not can(verb, "secrets", "-A") and not can(verb, "secrets", "-n", "kaon-system"), verb
+    # InferenceRoutes: read, and only their status written (the router holds their figures), with Events.
+    assert can("list", "inferenceroutes.kaon.dev", "-A") and can("watch", "inferenceroutes.kaon.dev", "-A")
+    assert can("patch", "inferenceroutes.kaon.dev", "--subresource=status", "-A") and can("create", "events", "-A")
     for verb, resource in [("get", "pods"), ("create", "pods"), ("delete", "pods"), ("create", "secrets"),
-                           ("patch", "inferenceservices.kaon.dev"), ("list", "services")]:
+                           ("patch", "inferenceservices.kaon.dev"), ("list", "services"),
+                           ("patch", "inferenceroutes.kaon.dev"), ("delete", "events")]:
         assert not can(verb, resource, "-A"), (verb, resource)
 
 
@@ -213,3 +217,50 @@ def test_kaon_router_runs_as_a_process(crd, namespace, router_kubeconfig):
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out
+
+
+def test_routes_are_watched_and_their_status_written_as_the_router(crd, namespace, router_kubeconfig):
+    """An InferenceRoute reaches the router's route table through the watch; the router's status writer
+    patches its status as the router's own ServiceAccount; `kubectl get inferenceroute` shows the columns."""
+    import aiohttp
+
+    from kaon_operator.router import route_status
+    from kaon_operator.router.route_gateway import RouteGateway
+    from kaon_operator.routes.figures import Figures
+    from kaon_operator.routes.table import RouteTable
+
+    cluster = Cluster(crd, namespace)
+    route = {"apiVersion": "kaon.dev/v1alpha1", "kind": "InferenceRoute", "metadata": {"name": "assistant"},
+             "spec": {"tiers": [{"service": "small", "costPerMillionTokens": 0.1},
+                                {"service": "large", "costPerMillionTokens": 1.0}]}}
+    bad = {**route, "metadata": {"name": "bad"}, "spec": {"tiers": [{"service": "a", "costPerMillionTokens": 1},
+                                                                      {"service": "a", "costPerMillionTokens": 2}]}}
+    refused = crd.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused.returncode != 0 and "distinct" in refused.stderr  # the CRD's CEL rule
+
+    async def scenario():
+        table = EndpointTable(default_namespace=namespace)
+        routes = RouteTable(default_namespace=namespace)
+        server = ApiServer.from_environment(str(router_kubeconfig))
+        task = asyncio.create_task(Watcher(server, table, [namespace], routes=routes).run())
+        try:
+            await cluster.apply(isvc("small"))
+            await cluster.apply(json.dumps(route))
+            await until("the route", lambda: routes.resolve("assistant") is not None)
+            gateway = RouteGateway(Router(table), routes)
+            gateway.figures.setdefault(routes.resolve("assistant").key, Figures()).answered(
+                "small", 1000, 0.1, 1.0)
+            writer = route_status.RouteStatusWriter(server, gateway)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=server.ssl)) as session:
+                await writer._write(session, routes.resolve("assistant"))
+            assert writer._written, "the status patch was refused"
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(scenario(), 50))
+    shown = crd.kubectl("-n", namespace, "get", "inferenceroute", "assistant").stdout
+    assert "small 100% / large 0%" in shown and "0.1" in shown, shown  # Tiers, Cost-vs-Top
+    ready = crd.kubectl("-n", namespace, "get", "inferenceroute", "assistant", "-o",
+                        "jsonpath={.status.conditions[0].reason}").stdout
+    assert ready == "TierMissing"  # `large` does not exist in the namespace

@@ -10,17 +10,19 @@ import time
 
 import pytest
 
-from support.server import MODEL, Server
+from support.server import MODEL, Server, small_send_buffer_launcher
 
 MAX_TOKENS = 1800
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # Large events (n=8 choices with 5 alternatives each) fill the socket's buffers in a few
-    # hundred steps; the log-probability cap is raised to let them through.
+    # Large events (n=8 choices with 5 alternatives each) fill the socket's buffers in a few dozen
+    # steps: the server's send buffer is held at 16 KiB (8192, doubled by Linux), where the kernel's
+    # autotuning lets it grow to net.ipv4.tcp_wmem's 4 MB (hundreds of steps: 61 s in CI, 2026-11-29);
+    # the log-probability cap is raised to let them through.
     srv = Server(tmp_path_factory.mktemp("serve-slow-reader"), "--write-timeout", "1",
-                 "--max-logprob-entries", "100000000")
+                 "--max-logprob-entries", "100000000", launcher=small_send_buffer_launcher(8192))
     yield srv
     srv.stop()
 

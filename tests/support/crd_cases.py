@@ -82,6 +82,9 @@ INVALID = [
      "pipelineParallelSize must equal nodesPerReplica: each node (pod) of a replica runs one pipeline stage on its "
      "tensorParallelSize GPUs"),
     ("nodes-0", with_("engine.nodesPerReplica", 0), "should be greater than or equal to 1"),
+    ("prefill-with-tp", with_("prefill", {}, with_("engine.tensorParallelSize", 2)),
+     "prefill (disaggregation) needs engine.tensorParallelSize 1, engine.nodesPerReplica 1 and engine.task "
+     "generate: each engine's K/V moves from one process"),
     ("unknown-field", with_("engine.tensorParalelSize", 2), 'unknown field "spec.engine.tensorParalelSize"'),
 ]
 

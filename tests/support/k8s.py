@@ -16,6 +16,7 @@ from kaon_operator.crd import CRD_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERING_CRD = ROOT / "crds" / "kopf-peering.yaml"
+ROUTE_CRD = ROOT / "crds" / "inferenceroute.yaml"  # InferenceRoute (issue 52): the router watches it
 OPERATOR_RBAC = ROOT / "deploy" / "operator-rbac.yaml"
 
 _names = itertools.count()
@@ -26,16 +27,16 @@ def control_plane():
     """etcd, kube-apiserver (RBAC), controller-manager, scheduler, KWOK with 4 fake 8-GPU nodes,
     and the InferenceService CRD (installed before the controller-manager starts, so garbage
     collection of its children works at once)."""
-    with ControlPlane(build_binaries(), crds=(CRD_PATH, PEERING_CRD)) as cp:
+    with ControlPlane(build_binaries(), crds=(CRD_PATH, PEERING_CRD, ROUTE_CRD)) as cp:
         yield cp
 
 
 @pytest.fixture(scope="session")
 def crd(control_plane):
     """The InferenceService CRD, applied (again: a no-op unless it changed) and Established."""
-    control_plane.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
+    control_plane.kubectl("apply", "--server-side", "-f", str(CRD_PATH), "-f", str(ROUTE_CRD))
     control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                          "crd/inferenceservices.kaon.dev")
+                          "crd/inferenceservices.kaon.dev", "crd/inferenceroutes.kaon.dev")
     return control_plane
 
 

@@ -16,7 +16,9 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 
 
 class Server:
-    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None):
+    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None,
+                 launcher: tuple[str, ...] = ("-m", "kaon_runtime.cli")):
+        """`launcher`: what python runs with the CLI's arguments (small_send_buffer_launcher below)."""
         # The free port is only reserved until the server binds it, after loading the model; on
         # a busy machine something else can take it in between, so try another one then.
         for attempt in range(3):
@@ -30,7 +32,7 @@ class Server:
             environment.pop("KAON_API_KEY", None)
             with open(self.log, "wb") as log:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--port", str(self.port),
+                    [sys.executable, *launcher, "serve", "--model", MODEL, "--port", str(self.port),
                      "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *extra],
                     stdout=log, stderr=subprocess.STDOUT, env=environment)
             if self._wait_ready(last_attempt=attempt == 2):
@@ -64,6 +66,25 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def small_send_buffer_launcher(send_buffer_bytes: int) -> tuple[str, ...]:
+    """`kaon serve` whose listening socket has a fixed SO_SNDBUF, which Linux gives each accepted
+    connection (and so turns off its autotuning, which grows a loopback send buffer to 4 MB): a
+    client that stops reading stalls the server's writes after kilobytes instead of megabytes.
+    Only the kernel's buffer changes; the server's code is the one users run."""
+    code = f"""
+import asyncio, runpy, socket
+create_server = asyncio.BaseEventLoop.create_server
+async def with_small_send_buffer(self, *args, **kwargs):
+    server = await create_server(self, *args, **kwargs)
+    for sock in server.sockets:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, {send_buffer_bytes})
+    return server
+asyncio.BaseEventLoop.create_server = with_small_send_buffer
+runpy.run_module("kaon_runtime.cli", run_name="__main__", alter_sys=True)
+"""
+    return ("-c", code)
 
 
 def error_body(response: httpx.Response) -> dict:

@@ -37,27 +37,31 @@ TIER = {part: depth for depth, parts in enumerate(TIERS) for part in parts}
 # is plain values the configured code imports. The router (its own command) imports the operator's
 # pure decisions alone; the operator never imports the router.
 OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
-    ("__main__", "main", "crd", "reference"),  # the commands
+    ("__main__", "main", "crd", "reference", "routes.crd"),  # the commands
     ("handlers",),  # kopf registrations
     ("background",),  # the long-running tasks
     # what acts on a service
     ("reconciler", "children.drift", "status.status_sync", "autoscaling.autoscale_loop", "autoscaling.profile_sync",
-     "lora.adapter_sync", "key_digests"),
+     "lora.adapter_sync", "autoscaling.standby_sync", "key_digests"),
     ("context",),  # what they share
     ("kube", "caches", "records", "watching", "status.status_queue", "autoscaling.scraper", "metrics"),  # the edges
     # pure decisions, with the leaves they share (names, stamps, URLs; the clock is the edges' seam, the router's too)
     ("api", "api_status", "labels", "kubetime", "naming", "spec_policy", "urls", "clock",
      "children.resources", "children.pod_template", "children.leaderworkerset", "children.changes",
-     "children.ownership",
+     "children.ownership", "children.prefill_pool", "children.disagg_args", "children.kv_cache_args",
+     "status.prefill_status",
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
-     "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling"),
+     "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling", "autoscaling.standby",
+     "routes.api", "routes.classifier", "routes.cache_keys", "routes.answers", "routes.memory_store", "routes.monitor",
+     "routes.figures", "routes.table", "routes.status"),
     ("config",),  # plain values
 )
 OPERATOR_TIER = {f"kaon_operator.{m}": depth for depth, modules in enumerate(OPERATOR_TIERS) for m in modules}
 PURE = len(OPERATOR_TIERS) - 2  # the pure decisions' tier: the router imports it and the tier below, nothing above
 # Third-party packages the operator image does not have.
-ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "safetensors", "tokenizers", "transformers", "fastapi", "uvicorn",
+# (tokenizers and jinja2 are in the operator image too: the router's kv-aware strategy tokenizes prompts.)
+ENGINE_ONLY = ("torch", "triton", "numpy", "gguf", "safetensors", "transformers", "fastapi", "uvicorn",
                "xgrammar")
 
 

@@ -27,7 +27,7 @@ import aiohttp
 
 from kaon_operator import api, clock, kubetime, labels, spec_policy, urls
 from kaon_operator.api import Key
-from kaon_operator.autoscaling import autoscaler, histogram, predictive, scraper
+from kaon_operator.autoscaling import autoscaler, histogram, predictive, scraper, standby
 from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profile_sync import resolve
 from kaon_operator.autoscaling.profiling import read_model
@@ -230,7 +230,7 @@ class AutoscaleLoop:
                                                       auto.latency_metric)
         ready = sum(answers_http(p) for p in pods)
         sample = autoscaler.Sample(
-            time=now, ready=ready, answered=len(answers), starting=sum(not p.ready for p in pods),
+            time=now, ready=ready, answered=len(answers), starting=sum(not p.ready and not p.asleep for p in pods),
             waiting=sum(m.waiting for m in answers.values()), running=sum(m.running for m in answers.values()),
             finished=finished, latency=latency, held_by_router=None if held is None else held.get(key, 0.0),
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, finished_output_tokens=finished_output_tokens)
@@ -239,6 +239,7 @@ class AutoscaleLoop:
 
         last = (body.get("status") or {}).get("lastScaleDecision") or {}
         decision = await self._decide(key, body, spec, memory, now, kubetime.epoch(last.get("time")))
+        decision = standby.from_zero(decision, spec.autoscaling, spec.replicas)
         await self._act(key, body, spec, sample, answers, memory, decision)
 
     async def _decide(self, key: Key, body: Mapping, spec: api.InferenceServiceSpec,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 
 from kaon_operator import api
+from kaon_operator.autoscaling import standby
+from kaon_operator.children import disagg_args, kv_cache_args
 from kaon_operator.lora import adapter_pods
 
 ENGINE_CONTAINER = "engine"
@@ -103,7 +105,8 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if spec.auth is not None:  # the same keys as the router's, so pod-IP access needs one too
         args += ["--api-key-file", API_KEYS_MOUNT]
-    return args + adapter_pods.engine_args(spec) + list(engine.extra_args)
+    return (args + adapter_pods.engine_args(spec) + standby.engine_args(spec) + disagg_args.decode_args(name, spec)
+            + kv_cache_args.engine_args(spec) + list(engine.extra_args))
 
 
 def default_requests(spec: api.InferenceServiceSpec) -> dict[str, str]:
@@ -198,6 +201,8 @@ def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True})
     adapter_volumes, adapter_mounts = adapter_pods.volumes(spec)
     volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
+    tier_volumes, tier_mounts = kv_cache_args.volumes(spec)  # the KV disk tier (spec.engine.kvOffload)
+    volumes, mounts = volumes + tier_volumes, mounts + tier_mounts
     engine = spec.engine
     volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in engine.volumes or []]
     mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in engine.volume_mounts or []]
@@ -258,7 +263,8 @@ def _container(name: str, spec: api.InferenceServiceSpec, mounts: list[dict]) ->
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
         "args": engine_args(name, spec),
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  *kv_cache_args.container_ports(spec)],
         "env": _unique([*adapter_pods.engine_env(spec), *_env(spec), *adapter_pods.admin_env(spec, name)]),
         **({"envFrom": list(spec.engine.env_from)} if spec.engine.env_from else {}),
         "resources": _resources(spec),

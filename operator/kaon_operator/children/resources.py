@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kaon_operator import api, labels
-from kaon_operator.children import leaderworkerset, pod_template
+from kaon_operator.autoscaling import standby
+from kaon_operator.children import kv_cache_args, leaderworkerset, pod_template, prefill_pool
 from kaon_operator.children.pod_template import HTTP_PORT
 from kaon_operator.config import NetworkPolicyConfig
 from kaon_operator.lora import adapter_pods
@@ -49,7 +50,7 @@ def deployment(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _metadata(owner),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": standby.deployment_replicas(spec),  # spec.replicas, and the standbys behind them
             "selector": {"matchLabels": labels.engine_selector(owner.name)},
             # One pod at a time either way: Surge starts the new one first (capacity never dips, one
             # replica's GPUs must be free), Replace stops an old one first (works in a full GPU pool).
@@ -93,7 +94,7 @@ def pod_disruption_budget(owner: Owner, spec: api.InferenceServiceSpec) -> dict:
     }
 
 
-def network_policy(owner: Owner, config: NetworkPolicyConfig) -> dict:
+def network_policy(owner: Owner, config: NetworkPolicyConfig, spec: api.InferenceServiceSpec | None = None) -> dict:
     """Engine pods take connections on the engine port only from kaon's router and operator pods in the
     release namespace (and config.extra_from). Only ingress: the engines' downloads (hf://, s3://) go out."""
     release = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.release_namespace}}}
@@ -104,7 +105,8 @@ def network_policy(owner: Owner, config: NetworkPolicyConfig) -> dict:
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _metadata(owner),
         "spec": {"podSelector": {"matchLabels": labels.engine_selector(owner.name)}, "policyTypes": ["Ingress"],
-                 "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]},
+                 "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT},
+                                                       *kv_cache_args.policy_ports(spec)]}]},
     }
 
 
@@ -117,7 +119,9 @@ def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyC
     else:
         workload = [deployment(owner, spec)]
     children = [*workload, service(owner, spec), pod_disruption_budget(owner, spec)]
-    return children + ([network_policy(owner, network)] if network is not None else [])
+    children += [network_policy(owner, network, spec)] if network is not None else []
+    # spec.prefill: the prefill pool (docs/disaggregation.md), after the decode pods that connect to it
+    return children + prefill_pool.render(owner.name, owner.namespace, owner_reference(owner), spec, network)
 
 
 def dist_key_secret(owner: Owner, key: str) -> dict:

@@ -98,8 +98,9 @@ def engine_args(spec: api.InferenceServiceSpec) -> list[str]:
 
 
 def admin_env(spec: api.InferenceServiceSpec, name: str) -> list[dict]:
-    """The engine's admin key, from the service's own Secret (after the spec's env: it cannot be replaced)."""
-    if not spec.adapters:
+    """The engine's admin key, from the service's own Secret (after the spec's env: it cannot be replaced); the
+    standby loop sends it too (autoscaling/standby.py)."""
+    if not spec.adapters and not (spec.autoscaling.enabled and spec.autoscaling.standby):
         return []
     return [{"name": ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": admin_secret_name(name),
                                                                    "key": ADMIN_KEY_FIELD}}}]

@@ -6,6 +6,8 @@ on every request, so reads are dictionary lookups of precomputed tuples.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ class Service:
     """spec.adapters' names: each is a `model` that reaches this service (the engine serves it as is)."""
     max_loras: int = 1
     """spec.engine.maxLoras: adapters one pod keeps in its slots (adapter affinity models them)."""
+    model_digest: str = ""
+    """A digest of spec.model: an InferenceRoute's cache entries end with a change of it (routes/cache_keys.py)."""
 
     def adapter_of(self, model: object) -> str | None:
         """The adapter a request's `model` names (`<adapter>` or `<namespace>/<adapter>`), if it names one."""
@@ -102,7 +106,12 @@ def service(isvc: dict) -> Service:
                    int(kubetime.epoch(meta.get("creationTimestamp")) or 0),
                    autoscaling.scale_from_zero_timeout_seconds if autoscaling.enabled else None,
                    routing.strategy, routing.load_bound, _key_digests(key, spec.get("auth"), isvc.get("status") or {}),
-                   engine.max_num_seqs, adapter_names.valid(key, spec.get("adapters")), engine.max_loras)
+                   engine.max_num_seqs, adapter_names.valid(key, spec.get("adapters")), engine.max_loras,
+                   _model_digest(spec.get("model")))
+
+
+def _model_digest(model) -> str:
+    return hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 Section = TypeVar("Section", bound=BaseModel)

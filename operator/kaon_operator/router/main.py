@@ -107,15 +107,22 @@ def main(argv: list[str] | None = None) -> int:
         max_buffered_bytes=args.max_buffered_bytes, max_client_share=args.max_client_share,
         max_connections=args.max_connections,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout))
-    watcher = Watcher(server, table, args.namespace)
+    from kaon_operator.router.route_gateway import RouteGateway
+    from kaon_operator.router.route_status import RouteStatusWriter
+    from kaon_operator.routes.table import RouteTable
+
+    routes = RouteTable(default_namespace=table.default_namespace)
+    router.routes = RouteGateway(router, routes)
+    watcher = Watcher(server, table, args.namespace, routes=routes)
+    statuses = RouteStatusWriter(server, router.routes)
     try:
-        asyncio.run(serve(router, watcher, args))
+        asyncio.run(serve(router, watcher, args, statuses.run))
     except KeyboardInterrupt:
         pass
     return 0
 
 
-async def serve(router: Router, watcher, args: argparse.Namespace) -> None:
+async def serve(router: Router, watcher, args: argparse.Namespace, *loops) -> None:
     """Until SIGTERM or SIGINT: the watch, the router's port and, with --admin-port, the kubelet's and the scraper's."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,6 +130,7 @@ async def serve(router: Router, watcher, args: argparse.Namespace) -> None:
         loop.add_signal_handler(signum, stop.set)
     config = router.config
     watch = asyncio.create_task(watcher.run())
+    others = [asyncio.create_task(loop()) for loop in loops]  # the InferenceRoutes' status writer
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(edge.serving(
             router.app(), args.host, args.port, max_connections=config.max_connections,
@@ -133,5 +141,6 @@ async def serve(router: Router, watcher, args: argparse.Namespace) -> None:
                 header_timeout=config.header_timeout))
         logging.getLogger("kaon.router").info("listening on http://%s:%d", args.host, args.port)
         await stop.wait()
-    watch.cancel()
-    await asyncio.gather(watch, return_exceptions=True)
+    for task in (watch, *others):
+        task.cancel()
+    await asyncio.gather(watch, *others, return_exceptions=True)

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -77,6 +78,9 @@ class Router:
         self.hold = Hold(config.max_queued)
         self.budget = BodyBudget(config.max_buffered_bytes, config.max_client_share)
         self.strategies = Strategies()
+        self.routes: Any = None
+        """router.route_gateway.RouteGateway when InferenceRoutes are watched (main.py): a `model` naming a route goes
+        through it (tier, cache) and on as its tier's request."""
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(clock.monotonic()))
         self.relay = Relay(config.idle_timeout, config.write_timeout, self.metrics, self.backoff, self._eject)
@@ -127,6 +131,7 @@ class Router:
         reserved = 0  # bytes taken from the budget: the body's, then what parsing it costs
         source = source_of(request.remote)
         read = False  # a refusal before the body was read closes the connection rather than read it
+        plan = None  # an InferenceRoute's plan (router/route_gateway.py), when `model` names a route
         try:
             try:
                 reserved = self._reserve(request, source)
@@ -134,6 +139,12 @@ class Router:
                 read = True
                 reserved += self._parse_cost(body, reserved, source)
                 model, payload = parse_request(body)
+                if self.routes is not None and (route := self.routes.match(model)) is not None:
+                    plan = await self.routes.plan(route, _route_path(request), payload,
+                                                  request.headers.get("Authorization"))
+                    if not hasattr(plan, "model"):  # a cache hit: no engine is asked
+                        return await self.routes.replay(request, plan)
+                    model, payload, body = plan.model, plan.payload, plan.body
                 body = self._admit(request, model, payload, body)
                 received = clock.monotonic()
                 tried: set[Endpoint] = set()
@@ -155,9 +166,11 @@ class Router:
                         continue
                     relaying = True
                     try:
-                        return await self.relay(request, upstream, key, target, dispatched - arrival - held)
+                        return await self.relay(request, upstream, key, target, dispatched - arrival - held, plan)
                     finally:
                         self._release(target)
+                        if plan is not None:
+                            await self.routes.finish(plan)
                 assert failure is not None  # every attempt that did not return set it
                 raise failure
             except RouterError as exc:
@@ -333,6 +346,8 @@ class Router:
         authorization = request.headers.get("Authorization")
         data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kaon"}
                 for name, s in self.table.addressable() if auth.may_list(self.table, s.key, authorization)]
+        if self.routes is not None:  # InferenceRoutes: each a `model` too
+            data += self.routes.listed(authorization)
         return web.json_response({"object": "list", "data": data})
 
     async def _unknown(self, request: web.Request) -> web.Response:
@@ -378,6 +393,11 @@ def _engine_path(request: web.Request) -> str:
     assert resource is not None  # only the routes of CLIENT_ROUTES forward
     query = request.rel_url.raw_query_string
     return resource.canonical + ("?" + query if query else "")
+
+
+def _route_path(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
 
 
 def metrics_response(body: bytes) -> web.Response:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -34,6 +35,21 @@ WHOLE_BODY_BYTES = 1 << 16  # a body of known length up to this is read whole, t
 STALLED_LOG_EVERY_S = 10.0  # many clients that stop reading at once make one line, not one each
 
 
+class Tap(Protocol):
+    headers: dict[str, str]
+
+    async def tee(self, data: bytes) -> None: ...
+
+    def done(self, status: int, content_type: str) -> None: ...
+
+
+def _tapped(write: Callable[[bytes], Awaitable[None]], tap: Tap) -> Callable[[bytes], Awaitable[None]]:
+    async def tapped(data: bytes) -> None:
+        await tap.tee(data)
+        await write(data)
+    return tapped
+
+
 class Relay:
     def __init__(self, idle_timeout: float, write_timeout: float, metrics: RouterMetrics, backoff: Backoff[Endpoint],
                  eject: Callable[[ServiceKey, Endpoint, str], None]):
@@ -42,24 +58,34 @@ class Relay:
         self._stalled_unlogged, self._stalled_logged_at = 0, float("-inf")
 
     async def __call__(self, request: web.Request, upstream: aiohttp.ClientResponse, key: ServiceKey,
-                       target: Endpoint, overhead: float) -> web.StreamResponse:
-        """`overhead`: the router's time before the upstream request went out."""
+                       target: Endpoint, overhead: float, tap: Tap | None = None) -> web.StreamResponse:
+        """`overhead`: the router's time before the upstream request went out. `tap`: an InferenceRoute's
+        (router/route_gateway.py): its headers are added, and it sees the body as it is passed on."""
         async with upstream:  # releases the connection, or closes it when the body was not read to the end
             received = time.perf_counter()
             headers = forwarded(upstream.headers, HOP_BY_HOP)
+            if tap is not None:
+                headers.update(tap.headers)
             sse = upstream.content_type == "text/event-stream"
             length = upstream.content_length
             if not sse and length is not None and length <= WHOLE_BODY_BYTES:
-                return await self._whole(upstream, key, target, headers, overhead, received)
+                whole = await self._whole(upstream, key, target, headers, overhead, received)
+                if tap is not None and isinstance(whole.body, bytes):
+                    await tap.tee(whole.body)
+                    tap.done(upstream.status, upstream.headers.get("Content-Type", ""))
+                return whole
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
             await response.prepare(request)
             self._answered(key, target, upstream.status, overhead + time.perf_counter() - received)
             framer = EventFramer() if sse else Unframed()
+            write = response.write if tap is None else _tapped(response.write, tap)
             try:
-                ended = await Pump(upstream.content, response.write, framer, self.idle_timeout,
+                ended = await Pump(upstream.content, write, framer, self.idle_timeout,
                                    self.write_timeout).run()
                 if ended.outcome is Outcome.COMPLETE:
                     await response.write_eof()
+                    if tap is not None:
+                        tap.done(upstream.status, upstream.headers.get("Content-Type", ""))
                     return response
                 if ended.outcome is Outcome.STALLED:
                     self._drop_stalled(request, key, target)

@@ -26,6 +26,7 @@ logger = logging.getLogger("kaon.router.watch")
 
 WATCH_SECONDS = 300  # the apiserver ends each watch after this long; the next resumes where it left off
 RETRY_SECONDS = 2.0
+MISSING_RETRY_SECONDS = 30.0
 MAX_OBJECT_BYTES = 16 << 20  # one watch event is one line of JSON
 
 
@@ -69,6 +70,9 @@ class _Kind:
     selector: str | None
     apply: Callable[[str, dict], None]
     replace: Callable[[str | None, list[dict]], None]
+    required: bool = True
+    """Whether the table is `synced` only once this kind was listed (InferenceRoutes are not: a cluster
+    without their CRD still routes its InferenceServices)."""
 
     def url(self, server: str, namespace: str | None) -> str:
         scope = f"/namespaces/{namespace}" if namespace else ""
@@ -77,6 +81,10 @@ class _Kind:
 
 class _Expired(Exception):
     """410 Gone: the resource version is too old to resume from; list again."""
+
+
+class _Missing(Exception):
+    """404 on the list of an optional kind (InferenceRoute without its CRD)."""
 
 
 class ApiError(Exception):
@@ -88,14 +96,18 @@ class NoCredentials(Exception):
 
 
 class Watcher:
-    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = ()):
+    def __init__(self, server: ApiServer, table: EndpointTable, namespaces: Sequence[str] = (), routes=None):
+        """`routes`: a routes.table.RouteTable to keep in step with the InferenceRoutes too."""
         self.server = server
         self.table = table
         self.namespaces = tuple(namespaces) or (None,)
-        self.kinds = (
+        self.kinds: tuple[_Kind, ...] = (
             _Kind("/api/v1", "pods", ENGINE_POD_SELECTOR, table.apply_pod, table.replace_pods),
             _Kind(f"/apis/{api.GROUP}/{api.VERSION}", api.PLURAL, None, table.apply_service, table.replace_services),
         )
+        if routes is not None:
+            self.kinds += (_Kind(f"/apis/{api.GROUP}/{api.VERSION}", "inferenceroutes", None, routes.apply_route,
+                                 routes.replace_routes, required=False),)
 
     async def run(self) -> None:
         """Follow every (kind, namespace) until cancelled; the table is `synced` once all were listed."""
@@ -103,8 +115,9 @@ class Watcher:
             streams = [(kind, ns, asyncio.Event()) for kind in self.kinds for ns in self.namespaces]
             tasks = [asyncio.create_task(self._follow(session, *stream)) for stream in streams]
             try:
-                for *_, listed in streams:
-                    await listed.wait()
+                for kind, _, listed in streams:
+                    if kind.required:
+                        await listed.wait()
                 self.table.synced = True
                 logger.info("endpoint table synced: %d served names", len(self.table.services()))
                 await asyncio.gather(*tasks)
@@ -116,6 +129,7 @@ class Watcher:
     async def _follow(self, session: aiohttp.ClientSession, kind: _Kind, namespace: str | None,
                       listed: asyncio.Event) -> None:
         url = kind.url(self.server.url, namespace)
+        missing_logged = False
         while True:
             try:
                 version = await self._list(session, kind, namespace, url)
@@ -124,6 +138,12 @@ class Watcher:
                     version = await self._watch(session, kind, url, version)
             except _Expired:
                 logger.info("%s: resource version expired; listing again", url)
+            except _Missing:  # an optional kind whose CRD is not installed: look again now and then
+                if not missing_logged:
+                    logger.info("%s: not served (its CRD is not installed); looking again every %gs", url,
+                                MISSING_RETRY_SECONDS)
+                    missing_logged = True
+                await asyncio.sleep(MISSING_RETRY_SECONDS)
             except (aiohttp.ClientError, TimeoutError, ApiError, ValueError) as exc:
                 logger.warning("%s: %s; retrying in %gs", url, exc or type(exc).__name__, RETRY_SECONDS)
                 await asyncio.sleep(RETRY_SECONDS)
@@ -136,6 +156,8 @@ class Watcher:
 
     async def _list(self, session: aiohttp.ClientSession, kind: _Kind, namespace: str | None, url: str) -> str:
         async with session.get(url, params=self._params(kind), headers=self.server.headers()) as resp:
+            if resp.status == 404 and not kind.required:
+                raise _Missing
             if resp.status != 200:
                 raise ApiError(f"list: {resp.status} {await resp.text()}")
             body = await resp.json()

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from kaon_operator import api, kubetime, naming
 from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profiling import JOB_TTL_SECONDS, Step
+from kaon_operator.status import prefill_status
 from kaon_operator.status.summaries import DeploymentSummary, PdbSummary, PodSummary, ServedName
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
@@ -49,7 +50,7 @@ def _condition(type_: str, ok: bool | None, reason: str, message: str) -> dict:
 
 def _overdue(pod: PodSummary, now: datetime | None) -> float | None:
     """Seconds a pod has been not ready past what its probes allow, or None."""
-    if now is None or pod.ready or pod.not_ready_since is None or pod.startup_budget_s is None:
+    if now is None or pod.ready or pod.asleep or pod.not_ready_since is None or pod.startup_budget_s is None:
         return None
     waited = (now - pod.not_ready_since).total_seconds()
     return waited if waited > pod.startup_budget_s else None
@@ -115,7 +116,7 @@ def _progressing(deployment: DeploymentSummary | None, generation_applied: bool,
         return _condition(PROGRESSING, True, "ScalingUp", f"{d.updated}/{desired} replicas created")
     if d.available < desired:
         return _condition(PROGRESSING, True, "ReplicasStarting", f"{d.available}/{desired} replicas available")
-    if d.total > desired:
+    if d.total > max(desired, d.replicas):  # the Deployment's own count has the standbys too
         return _condition(PROGRESSING, True, "ScalingDown", f"{d.total} replicas, {desired} wanted")
     return _condition(PROGRESSING, False, "RolloutComplete", f"{desired} replicas up to date")
 
@@ -227,7 +228,8 @@ def replica_counts(pods: list[PodSummary], groups: DeploymentSummary | None = No
     if groups is not None:
         return {"replicas": groups.total, "readyReplicas": groups.ready}
     live = [p for p in pods if not p.terminating]
-    return {"replicas": len(live), "readyReplicas": sum(p.ready for p in live)}
+    return {"replicas": len(live), "readyReplicas": sum(p.ready for p in live),
+            "standbyReplicas": sum(p.asleep for p in live)}
 
 
 # Voluntary disruptions ----------------------------------------------------------------------------------------------
@@ -331,7 +333,8 @@ def _name_conflict_event(new: dict, prev: dict) -> EventSpec | None:
 
 TRANSITIONS: dict[str, Callable[[dict, dict], EventSpec | None]] = {
     READY: _ready_event, DEGRADED: _degraded_event, PROGRESSING: _progressing_event,
-    DISRUPTION: _disruption_event, METRICS: _metrics_event, NAME_CONFLICT: _name_conflict_event}
+    DISRUPTION: _disruption_event, METRICS: _metrics_event, NAME_CONFLICT: _name_conflict_event,
+    prefill_status.PREFILL_READY: lambda new, prev: EventSpec(*e) if (e := prefill_status.event(new, prev)) else None}
 
 
 def transition_events(new: list[dict], old: list[dict]) -> list[EventSpec]:

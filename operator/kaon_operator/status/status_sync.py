@@ -16,7 +16,7 @@ from kaon_operator.children import resources
 from kaon_operator.context import Context
 from kaon_operator.metrics import STATUS_SECONDS
 from kaon_operator.records import ServiceRecord
-from kaon_operator.status import conditions
+from kaon_operator.status import conditions, prefill_status
 from kaon_operator.status.summaries import DeploymentSummary, PdbSummary, PodSummary
 
 
@@ -34,6 +34,8 @@ def _write(ctx: Context, record: ServiceRecord, body, wanted: list[dict], pods: 
     new = {"conditions": conditions.stamp(wanted, old_conditions, _now(), generation),
            **conditions.replica_counts(pods, groups), "selector": resources.selector(meta["name"])}
     new["observedGeneration"] = generation if applied else last.get("observedGeneration")
+    if spec is not None and spec.prefill is not None:
+        new.update(prefill_status.counts(ctx.caches.prefill_deployment(Key(meta["namespace"], meta["name"]))))
     if spec is not None:
         new["url"] = resources.service_url(resources.Owner(meta["name"], meta["namespace"], meta["uid"]))
     if {k: v for k, v in last.items() if k in new} == new:
@@ -80,6 +82,8 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
         # An older InferenceService answering this one's served name.
         conflict = conditions.name_conflicts(ctx.caches.served_names_in(key[0])).get(key)
         wanted += [conflict] if conflict else []
+        if spec.prefill is not None:  # the prefill pool (docs/disaggregation.md)
+            wanted.append(prefill_status.condition(ctx.caches.prefill_deployment(key), spec.prefill.replicas))
         _write(ctx, record, body, wanted, pods, spec, applied=applied)
     STATUS_SECONDS.observe(time.perf_counter() - start)
 

@@ -41,6 +41,8 @@ class PodSummary:
     startup_budget_s: float | None = None
     """How long the pod's own probes allow before it must be ready: the startup probe's whole budget
     plus the readiness probe's failures."""
+    asleep: bool = False
+    """A standby replica put to sleep by the operator (its kaon.dev/asleep condition): not ready on purpose."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +194,8 @@ def summarize_pod(pod: Mapping[str, Any]) -> PodSummary:
                       gates_pending=frozenset(t for t in gate_types if conditions.get(t, {}).get("status") != "True"),
                       terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck,
                       model_failure=model_failure(status), not_ready_since=not_ready_since,
-                      startup_budget_s=_startup_budget(pod))
+                      startup_budget_s=_startup_budget(pod),
+                      asleep=conditions.get("kaon.dev/asleep", {}).get("status") == "True")
 
 
 def summarize_deployment(deployment: Mapping[str, Any]) -> DeploymentSummary:

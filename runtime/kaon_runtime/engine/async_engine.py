@@ -20,16 +20,22 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kaon_runtime.engine.admission import FinishRate, admission, expected_wait_s, retry_after_s
+from kaon_runtime.engine.kv_transfer import ImportedKv
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.errors import EngineDeadError, InvalidRequestError, OverloadedError, QueueFullError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.structured.spec import spec_for
+
+if TYPE_CHECKING:
+    from kaon_runtime.engine.remote_prefill import RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +47,19 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     lora_id: int = 0
+    kv: ImportedKv | None = None  # its prompt's K/V from a prefill engine
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps (sleep and wake: engine/sleep.py)."""
+    fn: Callable[[LLMEngine], Any]
+    done: Future = field(default_factory=Future)
 
 
 _STOP = object()
@@ -128,6 +142,10 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.refuse_new: Callable[[], BaseException | None] = lambda: None
+        """Read on the engine thread for every request it takes: an error fails the request instead (asleep)."""
+        # A decode engine's prefill engines (engine.remote_prefill); None: every prompt is prefilled here.
+        self.remote_prefill: RemotePrefill | None = None
 
     # ---- event-loop side ---------------------------------------------------------------
 
@@ -211,6 +229,9 @@ class AsyncEngine:
         if spec_for(params) is not None:  # compiled (and cached) first, on the grammar threads
             await self._compile(params)
         prompt_token_ids = await asyncio.to_thread(self.engine.validate, prompt, params)
+        kv = None
+        if self.remote_prefill is not None and self._num_queued + self._stats.num_waiting < self.max_queue:
+            kv = await self.remote_prefill.fetch(prompt_token_ids, params, adapter, lora_id)
         with self._lock:
             stats = self._stats
             waiting = self._num_queued + stats.num_waiting
@@ -222,7 +243,7 @@ class AsyncEngine:
                 raise error(refusal.reason, refusal.retry_after_s)
             self._num_queued += 1
         stream = RequestStream(request_id, self)
-        self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id))
+        self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id, kv))
         return stream
 
     async def _compile(self, params: SamplingParams) -> None:
@@ -243,7 +264,15 @@ class AsyncEngine:
     def _compiled(self) -> None:
         self._compiles -= 1
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps; its result, or its exception."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        command = _Call(fn)
+        self._submit(command)
+        return await asyncio.wrap_future(command.done)
+
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         self._intake.put(command)
 
     # ---- engine thread -----------------------------------------------------------------
@@ -288,11 +317,18 @@ class AsyncEngine:
     def _apply(self, commands: list, streams: dict[str, RequestStream]) -> None:
         added = 0
         for command in commands:
-            if isinstance(command, _Add):
+            if isinstance(command, _Call):
+                _run_call(command, self.engine)
+                self._fail_dropped(streams)
+            elif isinstance(command, _Add):
                 added += 1
+                refused = self.refuse_new()
+                if refused is not None:
+                    self._event_loop().call_soon_threadsafe(command.stream._put, refused)
+                    continue
                 try:
                     self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
-                                              lora_id=command.lora_id)
+                                              lora_id=command.lora_id, kv=command.kv)
                 except Exception as exc:  # noqa: BLE001 -- validated already; only a duplicate id can get here, and its stream gets the error
                     self._event_loop().call_soon_threadsafe(command.stream._put, exc)
                     continue
@@ -326,6 +362,12 @@ class AsyncEngine:
         with self._lock:
             self._stats = self.engine.stats()
 
+    def _fail_dropped(self, streams: dict[str, RequestStream]) -> None:
+        """Fail the open streams once a call has left the engine without requests (a sleep aborts what is left)."""
+        if streams and not self.engine.has_unfinished_requests():
+            self._fail_all(streams, self.refuse_new() or EngineDeadError("the request was stopped by an "
+                                                                         "administrative call"))
+
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The server's event loop, where the streams live (known once `start` ran)."""
         assert self._loop is not None, "the engine thread runs only after start()"
@@ -351,6 +393,13 @@ class AsyncEngine:
         failed: list[tuple[RequestStream, RequestOutput | BaseException]] = [(s, exc) for s in streams.values()]
         self._event_loop().call_soon_threadsafe(_put_all, failed)
         streams.clear()
+
+
+def _run_call(command: _Call, engine: LLMEngine) -> None:
+    try:
+        command.done.set_result(command.fn(engine))
+    except Exception as exc:  # noqa: BLE001 -- handed to the caller, which raises it
+        command.done.set_exception(exc)
 
 
 def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

@@ -14,8 +14,10 @@ calls that place a sequence's blocks return token counts instead of setting them
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from kaon_runtime.arith import ceil_div
 from kaon_runtime.engine.sequence import Sequence
@@ -30,8 +32,18 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
+# Roots of the chain hashes. Ints and tuples of ints hash alike in every Python process, None and
+# strings do not (PYTHONHASHSEED, addresses): a block's hash names it across restarts and engines
+# (the disk tier, KV events: engine/kv_tiers.py, engine/kv_events.py), so no chain starts from those.
+_NO_PARENT, _LORA_ROOT, _SALT_ROOT = 0x6B616F6E, 0x6C6F7261, 0x73616C74
+
+
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+    return hash((_NO_PARENT if parent_hash is None else parent_hash, token_ids))
+
+
+def _stable_text_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
 
 
 def root_hash(seq: Sequence) -> int | None:
@@ -40,8 +52,20 @@ def root_hash(seq: Sequence) -> int | None:
     different salts (tenants) never share cached blocks, nor learn by timing what another cached."""
     salt = seq.params.cache_salt
     if salt is None:
-        return None if seq.lora_id == 0 else hash(("lora", seq.lora_id))
-    return hash(("salted", seq.lora_id, salt))
+        return None if seq.lora_id == 0 else hash((_LORA_ROOT, seq.lora_id))
+    return hash((_SALT_ROOT, seq.lora_id, _stable_text_hash(salt)))
+
+
+class BlockListener(Protocol):
+    """What sees the pool's cached blocks come and go, and holds blocks below it (engine/kv_observer.py:
+    KV events and the host/disk tiers). Called on the engine thread; must not block on I/O."""
+
+    def stored(self, blocks: list[Block], seq: Sequence) -> None: ...  # newly cached in the pool
+    def evictable(self, block: Block) -> None: ...  # its last owner let go; it stays cached
+    def removed(self, block: Block) -> None: ...  # about to leave the pool (its id is reused)
+    def holds(self, block_hash: int) -> bool: ...  # a lower tier has it
+    def restore(self, block_hash: int, parent: int | None, tokens: tuple[int, ...], block_id: int) -> bool: ...
+    def prefetch(self, block_hashes: list[int]) -> None: ...  # a queued sequence's prompt blocks
 
 
 class BlockManager:
@@ -54,6 +78,7 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self.prefix_queries = 0  # tokens of admitted sequences looked up (record_admission)
         self.prefix_hits = 0  # of those, served from the cache
+        self.listener: BlockListener | None = None  # KV events and lower tiers (engine/kv_observer.py)
 
     @property
     def num_blocks(self) -> int:
@@ -86,15 +111,40 @@ class BlockManager:
                 h = chain_hash(parent, tokens)
                 block_id = self._cached.get(h)
                 if block_id is None:
-                    break
-                block = self.blocks[block_id]
-                if block.token_ids != tokens or block.parent_hash != parent:
-                    break  # a hash collision: never serve another prefix's K/V
-                self._take(block_id)
+                    block_id = self._restore(seq, h, parent, tokens)  # from a lower tier, taken
+                    if block_id is None:
+                        break
+                else:
+                    block = self.blocks[block_id]
+                    if block.token_ids != tokens or block.parent_hash != parent:
+                        break  # a hash collision: never serve another prefix's K/V
+                    self._take(block_id)
                 seq.block_table.append(block_id)
                 seq.block_hashes.append(h)
                 parent = h
         return len(seq.block_table) * self.block_size
+
+    def _restore(self, seq: Sequence, h: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+        """A prefix block only a lower tier holds, copied into a free block, cached and taken; None
+        without a tier, a free block, or the block (the tier checks its tokens and parent)."""
+        if self.listener is None or self.num_free_blocks == 0 or not self.listener.holds(h):
+            return None
+        block_id = self._pop_free()
+        if not self.listener.restore(h, parent, tokens, block_id):
+            self.blocks[block_id].ref_count = 0
+            self._free.appendleft(block_id)
+            return None
+        block = self.blocks[block_id]
+        block.hash, block.parent_hash, block.token_ids = h, parent, tokens
+        self._cached[h] = block_id
+        self.listener.stored([block], seq)
+        return block_id
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Tell the lower tiers a sequence is queued, so they lift its prompt's blocks toward the pool
+        while it waits."""
+        if self.listener is not None and self.enable_prefix_caching:
+            self.listener.prefetch(self.pending_hashes(seq))
 
     def record_admission(self, seq: Sequence) -> None:
         """Count an admitted sequence's lookup in the hit-rate counters, once per admission.
@@ -162,6 +212,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        stored = []
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -176,6 +227,9 @@ class BlockManager:
             if parent_ok and block.hash is None and h not in self._cached:
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens
                 self._cached[h] = block.block_id
+                stored.append(block)
+        if stored and self.listener is not None:
+            self.listener.stored(stored, seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
         """Let `child` share the parent's full computed blocks; it recomputes the partial tail.
@@ -204,6 +258,8 @@ class BlockManager:
                     self._free.append(block_id)
                 else:
                     self._evictable[block_id] = None
+                    if self.listener is not None:
+                        self.listener.evictable(block)
         seq.block_table = []
         seq.block_hashes = []
 
@@ -230,5 +286,7 @@ class BlockManager:
 
     def _uncache(self, block: Block) -> None:
         assert block.hash is not None, f"block {block.block_id} is not cached"
+        if self.listener is not None:
+            self.listener.removed(block)
         del self._cached[block.hash]
         block.hash, block.parent_hash, block.token_ids = None, None, ()

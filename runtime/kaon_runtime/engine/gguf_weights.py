@@ -18,6 +18,7 @@ from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models.weights import target
 from kaon_runtime.quant.gguf import BLOCKS, INT4_TYPES, KaonWeight, concat, repack
+from kaon_runtime.quant.group_int8 import GroupInt8Weight
 
 NARROW_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K"})  # files of these run "int4"
 
@@ -42,10 +43,9 @@ def gguf_prequantized(checkpoint: Checkpoint, device: torch.device, int4_only: b
     if blocks is None:
         return {}
     parts: defaultdict[str, dict] = defaultdict(dict)
+    given = {}
     for name, type_name, data in blocks():
-        # Off the CPU, int4 takes the float16-scaled types only (the GPU kernels are tested with those).
-        int4_types = INT4_TYPES if device.type == "cpu" else ("Q4_0", "Q4_1")
-        if type_name not in BLOCKS or (int4_only and type_name not in int4_types):
+        if not _kept(type_name, device, int4_only):
             continue  # another type (an IQ quant): dequantized, then quantized by the method asked
         try:
             weight = repack(type_name, data)
@@ -58,12 +58,51 @@ def gguf_prequantized(checkpoint: Checkpoint, device: torch.device, int4_only: b
             param, part = (f"{moe}.experts.{expert}.gate_up_proj.weight", shard) if shard is not None else (
                 f"{moe}.experts.{expert}.down_proj.weight", None)
         parts[param][part] = weight
-    given = {}
-    for param, shards in parts.items():
-        wanted = [0, 1, 2] if "qkv_proj" in param else [0, 1] if "gate_up_proj" in param else [None]
-        if set(shards) == set(wanted):
+        wanted = _parts(param)
+        if set(parts[param]) == set(wanted):  # fused now: the parts go before the next tensor is read
+            shards = parts.pop(param)
             given[param.removesuffix(".weight")] = _to(concat([shards[s] for s in wanted]), device)
     return given
+
+
+def held_linears(checkpoint: Checkpoint, device: torch.device, int4_only: bool = False) -> set[str]:
+    """The model's linears (module names) that gguf_prequantized will give the file's own blocks for, read
+    from the file's header alone: the loader holds their places on meta (quant/pending.py), so their float
+    weights are never allocated nor dequantized. An MoE layer's experts are left to the float path."""
+    names = getattr(checkpoint, "quantized_names", None)
+    if names is None or getattr(checkpoint, "quantized_blocks", None) is None:
+        return set()
+    parts: defaultdict[str, set] = defaultdict(set)
+    for name, type_name in names().items():
+        param, part = target(name)
+        if _kept(type_name, device, int4_only) and not isinstance(part, tuple):
+            parts[param].add(part)
+    return {param.removesuffix(".weight") for param, found in parts.items() if found == set(_parts(param))}
+
+
+def table_held(checkpoint: Checkpoint, tied: bool, device: torch.device) -> bool:
+    """Whether a tied vocabulary table comes as the file's own Q8_0 blocks: the int8 table kaon would make of it
+    anyway (quant/surgery.py), exactly, so its float table need never exist."""
+    return tied and device.type == "cpu" and getattr(checkpoint, "table_type", None) == "Q8_0"
+
+
+def gguf_table(checkpoint: Checkpoint) -> GroupInt8Weight:
+    blocks = getattr(checkpoint, "table_blocks", None)
+    assert blocks is not None, "table_held said the checkpoint has its table's blocks"
+    weight = repack("Q8_0", blocks())
+    assert isinstance(weight, GroupInt8Weight)
+    return weight
+
+
+def _kept(type_name: str, device: torch.device, int4_only: bool) -> bool:
+    """Whether a tensor of this GGML type keeps its blocks (int4_only: only where they are int4)."""
+    # Off the CPU, int4 takes the float16-scaled types only (the GPU kernels are tested with those).
+    int4_types = INT4_TYPES if device.type == "cpu" else ("Q4_0", "Q4_1")
+    return type_name in BLOCKS and (not int4_only or type_name in int4_types)
+
+
+def _parts(param: str) -> list[int | None]:
+    return [0, 1, 2] if "qkv_proj" in param else [0, 1] if "gate_up_proj" in param else [None]
 
 
 def _to(weight: KaonWeight, device: torch.device) -> KaonWeight:

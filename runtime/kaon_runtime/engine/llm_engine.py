@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.admission import queue_expired
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
+from kaon_runtime.engine.kv_observer import attach_kv_observer
+from kaon_runtime.engine.kv_tiers import TierStats
+from kaon_runtime.engine.kv_transfer import ImportedKv, KvExports, place_imported
 from kaon_runtime.engine.lora_pool import LoraPool
 from kaon_runtime.engine.micro_batches import InFlight, pipeline_depth, without_finished
 from kaon_runtime.engine.model_loader import pick_device
@@ -61,12 +65,15 @@ class EngineStats:
     spec_draft_tokens: int = 0  # drafted tokens the target verified
     spec_accepted_tokens: int = 0  # of those, how many it kept
     kv_cache_tokens: int = 0  # the KV cache's size in tokens (blocks x block size)
+    kv_tiers: TierStats | None = None  # the host/disk tiers' counters; None without tiers
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        checkpoint = open_checkpoint(config.model)
+        startup.engine_starting()  # the start-up breakdown (engine/startup.py)
+        with startup.phase("load"):
+            checkpoint = open_checkpoint(config.model)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.workers = _start_workers(config, checkpoint)
@@ -92,8 +99,15 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
         if self.runner.cuda_graphs_apply():
-            self.runner.prepare_decode_graphs(self.max_model_len)
+            with startup.phase("warmup"):
+                self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        try:  # KV events and the tiers below the pool; None: neither asked for
+            self.kv_observer = attach_kv_observer(config, self.block_manager, lambda: self.runner.kv_cache,
+                                                  config.model)
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefill_delay_s=config.prefill_delay_ms / 1000, max_loras=config.lora_slots,
                                    max_model_len=self.max_model_len)
@@ -105,6 +119,9 @@ class LLMEngine:
         depth = pipeline_depth(config, self.drafter is not None)
         self.in_flight = InFlight(depth) if depth > 1 else None  # pipeline stages overlap (engine.micro_batches)
         self._requests: dict[str, _Request] = {}
+        # Disaggregation (engine.kv_transfer): K/V leaving for decode engines; received K/V that no longer fit.
+        self.kv_exports = KvExports(lambda: self.runner.kv_cache, config.block_size)
+        self.kv_imports_evicted = 0
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -123,18 +140,20 @@ class LLMEngine:
                            prompt if isinstance(prompt, str) else None, self.lora_id(adapter))
 
     def add_validated(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None, lora_id: int = 0) -> None:
+                      prompt: str | None = None, lora_id: int = 0, kv: ImportedKv | None = None) -> None:
         """Queue a request that `validate` accepted, without checking it again (the server validates
-        off the engine thread, so the engine loop never tokenizes)."""
+        off the engine thread, so the engine loop never tokenizes); `kv`: its prompt's K/V, computed by a
+        prefill engine."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request = _Request(request_id, prompt, token_ids, params, pending_forks=params.n - 1, lora_id=lora_id)
         self._requests[request_id] = request
-        self._add_sequence(request, list(token_ids), index=0)
+        self._add_sequence(request, list(token_ids), index=0, kv=kv)
         self._prompt_tokens += len(token_ids)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its KV blocks return to the pool at once. Unknown ids are ignored."""
+        self.kv_exports.drop(request_id)
         request = self._requests.pop(request_id, None)
         if request is not None:
             for seq in request.seqs:
@@ -178,6 +197,10 @@ class LLMEngine:
         """Stop the workers, if any, release the process groups, and drop the model and its KV cache.
         The engine cannot step afterwards; closing twice is harmless."""
         self._release()
+        observer = getattr(self, "kv_observer", None)  # None: never built (a failed start), or closed
+        if observer is not None:
+            observer.close()
+            self.kv_observer = None
         if self.closed:
             return
         self.closed = True
@@ -196,7 +219,8 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
                            bm.prefix_hits, self.scheduler.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, self._draft_tokens, self._accepted_tokens,
-                           self.num_blocks * self.config.block_size)
+                           self.num_blocks * self.config.block_size,
+                           self.kv_observer.tier_stats() if self.kv_observer is not None else None)
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -223,6 +247,8 @@ class LLMEngine:
             result = self.runner.finish(launched)
             batch = without_finished(launched.batch)
         self.scheduler.update(batch)
+        if self.kv_exports:  # before _accept, which may finish a sequence and free its blocks
+            self.kv_exports.after_step(batch)
         touched: dict[str, _Request] = {}
         for row, seq in enumerate(result.seqs):
             if seq.status is SequenceStatus.FINISHED:
@@ -299,12 +325,14 @@ class LLMEngine:
         request.pending_forks = 0
 
     def _add_sequence(self, request: _Request, token_ids: list[int], index: int,
-                      parent: Sequence | None = None) -> Sequence:
+                      parent: Sequence | None = None, kv: ImportedKv | None = None) -> Sequence:
         seq = Sequence(next(self._seq_ids), token_ids, len(request.prompt_token_ids), request.params,
                        request_id=request.request_id, index=index, grammar=self.grammars.matcher(request.params),
                        lora_id=request.lora_id)
         request.seqs.append(seq)
         request.texts[index] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        if kv is not None and not place_imported(self.block_manager, self.runner.kv_cache, seq, kv):
+            self.kv_imports_evicted += 1  # the prefix it was sent for is gone, or no room: prefilled here
         if parent is None:
             self.scheduler.add(seq)
         else:

@@ -3,24 +3,37 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kaon_runtime.config import EngineConfig
+from kaon_runtime.config import EngineConfig, ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
-from kaon_runtime.engine.gguf_weights import gguf_prequantized, own_method
-from kaon_runtime.engine.prequantized import Prequantized, check_requested, checkpoint_scheme
-from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.engine import memory_fit
+from kaon_runtime.engine.gguf_weights import gguf_prequantized, gguf_table, held_linears, own_method, table_held
+from kaon_runtime.engine.kv_pool import kv_block_bytes
+from kaon_runtime.engine.prequantized import (
+    Prequantized,
+    check_requested,
+    checkpoint_scheme,
+    reference_arithmetic,
+)
+from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
 from kaon_runtime.layers.cpu_linear import onednn_linears_apply, use_onednn_linears
 from kaon_runtime.layers.kernel_backend import KernelBackend, select_kernels
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models import cpu_decode_step
 from kaon_runtime.models.decoder import DecoderForCausalLM
 from kaon_runtime.models.registry import build_model
+from kaon_runtime.models.weights import target
 from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.pending import hold_places, hold_table
+from kaon_runtime.quant.reference import use_reference_kernels
+from kaon_runtime.quant.surgery import HEAD_TABLE
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +80,8 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
         elif tp.stage.size > 1:
             reason = "pipeline parallelism"  # the C step runs every layer and the head
+        elif reference_arithmetic(config.dtype, checkpoint_scheme(checkpoint)):
+            reason = "--dtype float32 on a quantized checkpoint runs its reference arithmetic (quant/reference.py)"
         else:
             reason = cpu_decode_step.blocker(checkpoint.config, tp.size, _weights_quantization(config, checkpoint))
         if reason is not None:
@@ -91,26 +106,84 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
     scheme = checkpoint_scheme(checkpoint)
     if scheme is not None:
         check_requested(scheme, config.quantization)
+    method = own_method(config, checkpoint, device.type) or config.quantization
     with torch.device("meta"):  # no memory until the final dtype and device are known
         model = build_model(model_config, tp, kernels).to(dtype)
         # A quantized checkpoint's linears stay narrow: none of them gets float memory.
         prequantized = None if scheme is None else Prequantized.plan(model, checkpoint, scheme)
+        # Nor do a GGUF's linears that keep the file's own blocks (engine/gguf_weights.py).
+        held = _gguf_held(checkpoint, method, config.quantization, device, tp) if prequantized is None else set()
+        held &= {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+        hold_places(model, held)
+        # And a tied vocabulary table the file holds as Q8_0: those blocks are its int8 table, exactly.
+        table = bool(held) and model.lm_head is not None and table_held(checkpoint, model_config.tie_word_embeddings,
+                                                                          device)
+        if table:
+            hold_table(model.lm_head, dtype)
+    if device.type == "cpu":
+        _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None)
     model = model.to_empty(device=device)
-    weights = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, desc="Loading weights",
+    stream = checkpoint.weights() if not held else _without(checkpoint, held, table)
+    weights = tqdm(stream, total=checkpoint.num_tensors, desc="Loading weights",
                    unit="tensor", disable=not show_progress)
     try:
         if prequantized is not None:
             model.load_weights(prequantized.set_aside(weights))
             prequantized.install(model, device, tp)
+            if reference_arithmetic(config.dtype, scheme):
+                marked = use_reference_kernels(model)
+                log.info("--dtype float32: %d quantized linears run the checkpoint's reference arithmetic "
+                         "(float32 activations; only the activation quantization the checkpoint specifies)", marked)
         else:
             model.load_weights(weights)
-        method = own_method(config, checkpoint, device.type) or config.quantization
         if method != "none" and prequantized is None:
-            _quantize(model, method, checkpoint, device, tp, own=method != config.quantization)
+            _quantize(model, method, checkpoint, device, tp, own=method != config.quantization, table=table)
         model.check_kernels()
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
     return model.eval()
+
+
+def _check_memory(config: EngineConfig, checkpoint: Checkpoint, model_config: ModelConfig, dtype: torch.dtype,
+                  kept_narrow: bool) -> None:
+    """ModelDoesNotFit when the load's peak would pass the container's memory limit (engine/memory_fit.py)."""
+    if checkpoint.tensor_sizes is None:
+        return  # random weights: nothing stored to size
+    limit = memory_fit.memory_limit()
+    if limit is None:
+        return
+    kv_dtype = pick_kv_dtype(config, dtype, torch.device("cpu"))
+    block = kv_block_bytes(model_config, config.block_size, kv_dtype)
+    kv = config.num_kv_blocks * block if config.num_kv_blocks is not None else config.kv_cache_bytes
+    peak = memory_fit.estimate(checkpoint.tensor_sizes(), torch.empty((), dtype=dtype).element_size(), kept_narrow,
+                               kv, memory_fit.resident_bytes())
+    problem = memory_fit.check_fits(peak, limit)
+    if problem is not None:
+        raise ModelDoesNotFitError(f"{checkpoint.path.name}: {problem}")
+    log.info("memory: the load peaks at about %d MiB of the container's %d MiB", peak.total >> 20, limit >> 20)
+
+
+def _gguf_held(checkpoint: Checkpoint, method: str, requested: str, device: torch.device,
+               tp: TensorParallel) -> set[str]:
+    """The linears whose GGUF blocks _quantize will take as they are (the same rule as there)."""
+    own = method != requested
+    # A pipeline stage renumbers its layers as the weights stream in: it keeps the float path.
+    if method == "none" or not (own or method == "int4") or tp.size != 1 or tp.stage.size > 1:
+        return set()
+    return held_linears(checkpoint, device, int4_only=not own)
+
+
+def _without(checkpoint: Checkpoint, held: set[str], table: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors less the held linears' weights and the held table (those are never
+    dequantized where the checkpoint can skip them, and dropped here where it cannot)."""
+    def skipped(name: str) -> bool:
+        if table and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return True
+        return name.endswith(".weight") and target(name)[0].removesuffix(".weight") in held
+
+    skipping = getattr(checkpoint, "weights_skipping", None)
+    stream = checkpoint.weights() if skipping is None else skipping(skipped)
+    return ((name, tensor) for name, tensor in stream if not skipped(name))
 
 
 def _weights_quantization(config: EngineConfig, checkpoint: Checkpoint) -> str:
@@ -131,13 +204,16 @@ def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device
 
 
 def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, device: torch.device,
-              tp: TensorParallel, own: bool = False) -> None:
+              tp: TensorParallel, own: bool = False, table: bool = False) -> None:
     """Swap the linear layers for quantized ones: a GGUF file's own blocks where it runs in its own
-    precision (`own`), its 4-bit ones under int4 (engine/gguf_weights.py), the rest from float."""
-    given = {}
+    precision (`own`), its 4-bit ones under int4 (engine/gguf_weights.py), the rest from float; `table`:
+    the tied vocabulary table from the file's Q8_0 blocks."""
+    given: dict[str, Any] = {}
     # The GGUF's own blocks are whole tensors; a shard is re-quantized from its float weights.
     if (own or method == "int4") and tp.size == 1:
-        given = gguf_prequantized(checkpoint, device, int4_only=not own)
+        given = dict(gguf_prequantized(checkpoint, device, int4_only=not own))
+    if table:
+        given[HEAD_TABLE] = gguf_table(checkpoint)
     swapped = quantize_model(model, method, prequantized=given)
     reused = len(given.keys() & set(swapped))
     log.info("%s: %d linear layers quantized (%d kept as the GGUF file's own blocks)", method, len(swapped), reused)

@@ -18,6 +18,7 @@ from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.stages import Placement
 from kaon_runtime.distributed.transport import PendingLogits, StageTransport
+from kaon_runtime.engine import startup
 from kaon_runtime.engine.cuda_graphs import DecodeGraphs, ladder
 from kaon_runtime.engine.kv_pool import allocate_kv_cache
 from kaon_runtime.engine.lora_pool import LoraPool
@@ -82,7 +83,8 @@ class ModelRunner:
         self.kv_dtype = pick_kv_dtype(config, self.dtype, self.device)
         self.block_size = config.block_size
         self.kernels = pick_kernels(config, checkpoint, self.device, self.dtype, self.kv_dtype, tp)
-        self.model = load_model(config, checkpoint, self.device, self.dtype, self.kernels, tp, show_progress)
+        with startup.phase("load"):
+            self.model = load_model(config, checkpoint, self.device, self.dtype, self.kernels, tp, show_progress)
         # This rank's weights (parameters and quantized buffers), KV cache not included; counted
         # before oneDNN's reordered weights, which are opaque tensors of the same size, replace them.
         self.weight_bytes = sum(t.numel() * t.element_size()
@@ -92,7 +94,8 @@ class ModelRunner:
         if config.lora_enabled:
             batch, targets = attach_lora(self.model, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
             self.lora = LoraPool(self.model_config, batch, targets, config.lora_slots, config.max_lora_rank, tp)
-        self.kv_cache = allocate_kv_cache(self.model, config, self.device, self.kv_dtype)  # its stage's layers only
+        with startup.phase("kv_allocation"):
+            self.kv_cache = allocate_kv_cache(self.model, config, self.device, self.kv_dtype)  # its stage's layers only
         # Pipeline parallelism: activations to and from the neighbouring stages, logits to the leader.
         stage = tp.stage
         self.transport = None if stage.size == 1 or tp.world is None else StageTransport(

@@ -27,7 +27,9 @@ from kaon_runtime.layers.moe import SparseMoE
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models.weights import qwen3_moe_name, target
 from kaon_runtime.quant.checkpoint_formats import CheckpointScheme, LoadedWeight, concat_rows, scheme_from_config
+from kaon_runtime.quant.dynamic_fp8 import DynamicFp8InputLinear
 from kaon_runtime.quant.dynamic_inputs import DynamicInt8Linear
+from kaon_runtime.quant.pending import PendingLinear
 from kaon_runtime.quant.static_inputs import StaticInputLinear
 
 log = logging.getLogger(__name__)
@@ -40,23 +42,17 @@ def checkpoint_scheme(checkpoint: Checkpoint) -> CheckpointScheme | None:
     return scheme_from_config(checkpoint.quantization_config)
 
 
+def reference_arithmetic(requested_dtype: str, scheme: CheckpointScheme | None) -> bool:
+    """Whether a quantized checkpoint runs what its format specifies (quant/reference.py): asked for by
+    `--dtype float32` on a checkpoint its publisher quantized; the default keeps kaon's fast kernels."""
+    return scheme is not None and requested_dtype == "float32"
+
+
 def check_requested(scheme: CheckpointScheme, requested: str) -> None:
     """--quantization on a quantized checkpoint must name the checkpoint's own family (or be "none")."""
     if requested not in ("none", scheme.method):
         raise ModelLoadError(f"the checkpoint is already quantized ({scheme.description}); --quantization "
                              f"{requested} does not match it: leave it out, or pass {scheme.method}")
-
-
-class PendingLinear(nn.Module):
-    """Holds a linear's place (and its float bias) until its quantized weight is installed."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a quantized linear was never installed")
 
 
 @dataclass
@@ -143,8 +139,10 @@ class Prequantized:
             raise ValueError(f"quantized {ours} is {shape[0]} x {shape[1]}, the model expects "
                              f"{expected[0]} x {expected[1]}")
         module = weight.to_module(bias, device)
-        if self.scheme.dynamic_inputs:  # W8A8: inputs quantized per token, int8 x int8 products
+        if self.scheme.dynamic_inputs == "int8":  # W8A8: inputs quantized per token, int8 x int8 products
             module = DynamicInt8Linear.from_int8(module)
+        elif self.scheme.dynamic_inputs == "fp8":  # FP8 dynamic: inputs rounded to FP8 per token
+            module = DynamicFp8InputLinear(module)
         if inputs:  # fused parts read one input: the widest of their grids, as vLLM takes
             scale, zero = max(inputs, key=lambda found: float(found[0]))
             module = StaticInputLinear(module, str(self.scheme.static_inputs), scale.to(device),

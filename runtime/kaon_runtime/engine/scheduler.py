@@ -76,6 +76,7 @@ class Scheduler:
         if seq.prefill_due is None:
             seq.prefill_due = self.clock() + self.prefill_delay_s
         self.waiting.append(seq)
+        self.block_manager.prefetch(seq)  # lower KV tiers lift its prompt's blocks while it waits
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Queue `child` (a sibling of an n > 1 request) sharing the parent's computed full blocks;

@@ -26,3 +26,6 @@ class Checkpoint:
     # quantization_config, and every tensor's name (cheap: the safetensors headers).
     quantization_config: dict | None = None
     tensor_names: Callable[[], list[str]] | None = None
+    # Each stored tensor's (elements, bytes in the file, whether it is stored quantized: integer or FP8 values,
+    # or GGUF blocks), from the headers alone: what the engine's memory check reads (engine/memory_fit.py).
+    tensor_sizes: Callable[[], list[tuple[int, int, bool]]] | None = None

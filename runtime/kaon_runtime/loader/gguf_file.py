@@ -6,7 +6,9 @@ which the engine keeps quantized (quant/gguf.py repacks them into kaon's layouts
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ log = logging.getLogger(__name__)
 
 # GGML types that are not quantized blocks: the float ones, read as floats.
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+DEQUANTIZE_ROWS = 2048  # rows of a quantized tensor dequantized at once (2048 x 576 floats: 4.5 MB for SmolLM2)
 
 
 @dataclass(slots=True)
@@ -32,6 +35,14 @@ class GgufCheckpoint(Checkpoint):
 
     quantized_blocks: Callable[[], Iterator[tuple[str, str, torch.Tensor]]] | None = None
     quantized_types: frozenset[str] = frozenset()  # their GGML type names
+    # HF name -> GGML type of each of those, read from the header alone (no tensor data touched)
+    quantized_names: Callable[[], dict[str, str]] | None = None
+    # weights() leaving out the GGUF tensors whose every HF name `skip` says (never dequantized: the
+    # engine takes their blocks as they are)
+    weights_skipping: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]] | None = None
+    # the token embedding's GGML type when it is quantized, and its raw blocks (uint8 [vocab, bytes])
+    table_type: str | None = None
+    table_blocks: Callable[[], torch.Tensor] | None = None
 
 
 def load_gguf(path: Path) -> Checkpoint:
@@ -47,15 +58,24 @@ def load_gguf(path: Path) -> Checkpoint:
     config = model_config(fields, reader.tensors)
     tokenizer = Tokenizer.from_gguf_fields(fields)
 
-    def weights():
+    def hf_names(tensor) -> list[str]:
+        """The HF names `tensor` becomes, from its shape alone (a meta tensor: nothing read or copied)."""
+        shape = tuple(int(d) for d in reversed(tensor.shape)) if len(tensor.shape) > 1 else (int(tensor.shape[0]),)
+        return [name for name, _ in hf_tensors(config, tensor.name, torch.empty(shape, device="meta"))]
+
+    def weights(skip: Callable[[str], bool] | None = None):
         for tensor in reader.tensors:
+            if skip is not None and tensor.tensor_type.name not in FLOAT_TYPES:
+                names = hf_names(tensor)
+                if names and all(skip(name) for name in names):
+                    continue
             try:
-                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+                floats = _dequantized(gguf, tensor)
             except Exception as exc:
                 raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in "
                                      f"{path.name}: {exc}") from exc
-            # A copy: the file is memory-mapped read-only.
-            yield from hf_tensors(config, tensor.name, torch.from_numpy(np.array(array, dtype=np.float32)))
+            _release(reader, tensor)
+            yield from hf_tensors(config, tensor.name, floats)
 
     # The layers' quantized projections and experts (3-D: [experts, rows, bytes]), offered as blocks too.
     quantized = [t for t in reader.tensors if t.name.startswith("blk.") and t.tensor_type.name not in FLOAT_TYPES
@@ -64,12 +84,61 @@ def load_gguf(path: Path) -> Checkpoint:
     def quantized_blocks():
         for tensor in quantized:
             rows = torch.from_numpy(np.array(tensor.data)).view(*tensor.data.shape[:-1], -1)
+            _release(reader, tensor)
             for name, data in hf_tensors(config, tensor.name, rows):  # rows move whole: blocks never span rows
                 yield name, tensor.tensor_type.name, data
 
+    table = next((t for t in reader.tensors if t.name == "token_embd.weight" and t.tensor_type.name not in FLOAT_TYPES
+                  and len(t.data.shape) == 2), None)
+
+    def table_blocks() -> torch.Tensor:
+        assert table is not None
+        blocks = torch.from_numpy(np.array(table.data)).view(table.data.shape[0], -1)
+        _release(reader, table)
+        return blocks
+
+    def quantized_names() -> dict[str, str]:
+        return {name: tensor.tensor_type.name for tensor in quantized for name in hf_names(tensor)}
+
     return GgufCheckpoint(path, config, tokenizer, len(reader.tensors), weights,
                           quantized_blocks=quantized_blocks if quantized else None,
-                          quantized_types=frozenset(t.tensor_type.name for t in quantized))
+                          quantized_types=frozenset(t.tensor_type.name for t in quantized),
+                          quantized_names=quantized_names, weights_skipping=weights,
+                          tensor_sizes=lambda: [(int(t.n_elements), int(t.n_bytes),
+                                                 t.tensor_type.name not in FLOAT_TYPES) for t in reader.tensors],
+                          table_type=None if table is None else table.tensor_type.name,
+                          table_blocks=None if table is None else table_blocks)
+
+
+def _release(reader, tensor) -> None:
+    """Drop the file's pages under `tensor` from this process's resident memory once it is copied out: the
+    mapping stays (the page cache keeps them, a later read faults them back), but a load that touched every
+    page would otherwise count the whole file on top of the weights made from it (issue 49 §3)."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mapping, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    start = int(tensor.data_offset) // page * page
+    end = int(tensor.data_offset) + int(tensor.n_bytes)
+    with contextlib.suppress(OSError, ValueError):  # an advice, not a need: the worst is the old footprint
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _dequantized(gguf, tensor) -> torch.Tensor:
+    """The tensor in float32, its own memory (the file is memory-mapped read-only). A quantized one is
+    dequantized DEQUANTIZE_ROWS rows at a time into that one tensor: gguf's dequantizer makes several
+    float temporaries the size of what it is given, which for the whole vocabulary table were the
+    largest allocation of the load (issue 49 §3)."""
+    data = tensor.data
+    if tensor.tensor_type.name in FLOAT_TYPES:
+        return torch.from_numpy(np.array(data, dtype=np.float32))
+    rows = data.reshape(-1, data.shape[-1])  # blocks never span rows
+    first = gguf.quants.dequantize(rows[:1], tensor.tensor_type)
+    out = torch.empty((rows.shape[0], first.shape[-1]), dtype=torch.float32)
+    for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
+        chunk = gguf.quants.dequantize(rows[start:start + DEQUANTIZE_ROWS], tensor.tensor_type)
+        out[start:start + DEQUANTIZE_ROWS] = torch.from_numpy(np.asarray(chunk, dtype=np.float32))
+    return out.view(*data.shape[:-1], first.shape[-1])
 
 
 def _checked_reader(gguf):

@@ -7,6 +7,7 @@ from pathlib import Path
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.loader.checkpoint import Checkpoint
+from kaon_runtime.loader.mapped_safetensors import mapped_tensors
 from kaon_runtime.loader.tokenizer import Tokenizer
 
 # HF class -> our architecture (a key of models.registry). Mistral is Llama with a sliding window.
@@ -30,12 +31,12 @@ def load_hf_dir(path: Path) -> Checkpoint:
     from safetensors import safe_open
 
     def weights():
+        # Memory-mapped views, not reads (loader/mapped_safetensors.py): each tensor is converted or used in
+        # place from the file's pages, one at a time.
         for file in files:
             try:
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118  a safetensors handle, not a dict
-                        yield name, f.get_tensor(name)
-            except Exception as exc:  # safetensors raises its own error types
+                yield from mapped_tensors(file)
+            except (ValueError, OSError, KeyError, TypeError, RuntimeError) as exc:
                 raise ModelLoadError(f"corrupt safetensors file {file.name}: {exc}") from exc
 
     names = []
@@ -49,7 +50,28 @@ def load_hf_dir(path: Path) -> Checkpoint:
     if quantization is not None and not isinstance(quantization, dict):
         raise ModelLoadError(f"{path / 'config.json'}: quantization_config must be an object")
     return Checkpoint(path, config, Tokenizer.from_hf_dir(path), len(names), weights,
-                      quantization_config=quantization, tensor_names=lambda: names)
+                      quantization_config=quantization, tensor_names=lambda: names,
+                      tensor_sizes=lambda: _tensor_sizes(files))
+
+
+def _tensor_sizes(files: list[Path]) -> list[tuple[int, int, bool]]:
+    """(elements, bytes, stored quantized) of every tensor, from the safetensors headers (no data read)."""
+    import struct
+
+    sizes = []
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            elements = 1
+            for dim in entry["shape"]:
+                elements *= int(dim)
+            start, end = entry["data_offsets"]
+            sizes.append((elements, int(end) - int(start), not entry["dtype"].startswith(("F", "BF"))
+                          or entry["dtype"].startswith("F8")))
+    return sizes
 
 
 def _quantize_config(path: Path) -> dict | None:

@@ -156,7 +156,7 @@ class BitPlanesLinear(QuantizedLinear):
                                self.bits, self.group_size, self.offset)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = kernel_for(x)
+        kernel = kernel_for(x, self.reference)
         if kernel == "cpu" and x.shape[0] >= DENSE_ROWS:
             dtype = dense_dtype()
             return torch.mm(x.to(dtype), dequantize_bit_planes(self.weight).to(dtype).t()).to(x.dtype)

@@ -133,7 +133,7 @@ class GroupInt8Linear(QuantizedLinear):
         return dequantize_group_int8(GroupInt8Weight(q.reshape(len(ids), -1), scales.reshape(len(ids), -1), mins))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = kernel_for(x)
+        kernel = kernel_for(x, self.reference)
         if kernel == "cpu" and x.shape[0] >= DENSE_ROWS:
             dtype = dense_dtype()
             return torch.mm(x.to(dtype), dequantize_group_int8(self.weight).to(dtype).t()).to(x.dtype)

@@ -66,7 +66,7 @@ class Int4Linear(QuantizedLinear):
         return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = kernel_for(x)
+        kernel = kernel_for(x, self.reference)
         if kernel == "triton":
             from kaon_runtime.kernels.quant_gemm import w4a16_matmul  # on use: CPU-only torch builds lack Triton
             return w4a16_matmul(x, self.packed, self.scales, self.mins, self.group_size)

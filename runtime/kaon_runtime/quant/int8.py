@@ -32,7 +32,7 @@ class Int8Linear(ChannelScaledLinear):
         return self.qweight.index_select(0, ids).float() * self.scales.index_select(0, ids).float()[:, None]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = kernel_for(x)
+        kernel = kernel_for(x, self.reference)
         if kernel == "triton":
             from kaon_runtime.kernels.quant_gemm import w8a16_matmul  # on use: CPU-only torch builds lack Triton
             return w8a16_matmul(x, self.qweight, self.scales)

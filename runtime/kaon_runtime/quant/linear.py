@@ -9,11 +9,14 @@ from torch import nn
 _KERNEL_CHOICES = ("auto", "triton", "cpu", "torch")
 
 
-def kernel_for(x: torch.Tensor) -> str:
+def kernel_for(x: torch.Tensor, reference: bool = False) -> str:
     """Which matmul a quantized linear runs for x: "triton" on CUDA, "cpu" on CPU (kernels/quant_gemm_cpu.py:
     torch's packed-weight kernels for few rows, a dense GEMM for many), "torch" (the dequantizing
-    reference) elsewhere. KAON_QUANT_KERNEL overrides: =triton forces Triton (its interpreter in CPU
-    tests), =torch the reference."""
+    reference) elsewhere, and always for a `reference` linear (quant/reference.py: the format's own
+    arithmetic, float32 activations). KAON_QUANT_KERNEL overrides: =triton forces Triton (its
+    interpreter in CPU tests), =torch the reference."""
+    if reference:
+        return "torch"
     choice = os.environ.get("KAON_QUANT_KERNEL", "auto")
     if choice not in _KERNEL_CHOICES:
         raise ValueError(f"KAON_QUANT_KERNEL must be one of {_KERNEL_CHOICES}, got {choice!r}")
@@ -24,6 +27,10 @@ def kernel_for(x: torch.Tensor) -> str:
 
 class QuantizedLinear(nn.Module):
     """Stands in for nn.Linear; subclasses hold the quantized weight as buffers and define matmul."""
+
+    # True: matmul multiplies float activations by the dequantized weight, whatever the device's fast
+    # kernels would do to the activations (quant/reference.py sets it for `--dtype float32`).
+    reference = False
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()

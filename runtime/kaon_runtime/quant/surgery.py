@@ -18,16 +18,14 @@ from torch import nn
 
 from kaon_runtime.quant.bit_planes import BitPlanesLinear, BitPlanesWeight
 from kaon_runtime.quant.fp8 import Fp8Linear
-from kaon_runtime.quant.group_int8 import (
-    GroupInt8Linear,
-    GroupInt8Weight,
-    dequantize_group_int8,
-    quantize_group_int8,
-)
+from kaon_runtime.quant.group_int8 import GroupInt8Linear, GroupInt8Weight
 from kaon_runtime.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, Int4Weight
-from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
+from kaon_runtime.quant.int8 import Int8Linear
+from kaon_runtime.quant.pending import PendingLinear
+from kaon_runtime.quant.row_chunks import equal_after_group_int8, quantize_group_int8_rows, quantize_int8_rows
 
 METHODS = ("int8", "int4", "fp8")
+HEAD_TABLE = "lm_head"  # prequantized's key for a tied head's int8 table given as it is (a GGUF's Q8_0 blocks)
 
 
 @torch.no_grad()
@@ -43,15 +41,27 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
     prequantized = prequantized or {}
     swapped = []
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
+    # The parents alone are listed: a list of every module would keep each replaced float linear alive
+    # until the end, and the load's peak with it.
+    parents = [(name, module) for name, module in model.named_modules()
+               if any(isinstance(child, (nn.Linear, PendingLinear)) for child in module.children())]
+    for parent_name, parent in parents:
+        for child_name in [name for name, _ in parent.named_children()]:
+            child = getattr(parent, child_name)
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            setattr(parent, child_name, _quantized(child, method, group_size, prequantized.get(name)))
+            if isinstance(child, PendingLinear):  # its place held on meta: the given weight is the only one
+                if name not in prequantized:
+                    raise ValueError(f"{name}: no quantized weight was given for its held place")
+                module = _prequantized(prequantized[name], child.out_features, child.in_features, child.bias)
+            elif isinstance(child, nn.Linear):
+                module = _quantized(child, method, group_size, prequantized.get(name))
+            else:
+                continue
+            del child  # the float weight goes as soon as its module does, not after its siblings'
+            setattr(parent, child_name, module)
             swapped.append(name)
     swapped += _keep_experts(model, prequantized)
-    _quantize_head(model)
+    _quantize_head(model, prequantized.get(HEAD_TABLE))
     return swapped
 
 
@@ -72,18 +82,25 @@ def _keep_experts(model: nn.Module, given: dict[str, Int4Weight | GroupInt8Weigh
     return kept
 
 
-def _quantize_head(model: nn.Module) -> None:
+def _quantize_head(model: nn.Module, table: object = None) -> None:
     head = getattr(model, "lm_head", None)
     if head is None or not hasattr(head, "quantized"):
         return
+    if head.weight_t is None:  # its float table was never allocated (quant/pending.py hold_table)
+        if not isinstance(table, GroupInt8Weight):
+            raise ValueError("the vocabulary table's place was held but no int8 table was given")
+        head.quantized = GroupInt8Linear(table)
+        return
     tied = getattr(model.model, "embed_tokens", None) is None
+    # Row by row in chunks (quant/row_chunks.py): the table is the largest tensor, and whole-table
+    # temporaries would be the load's peak.
     if tied:
-        table = quantize_group_int8(head.weight_t.t())
-        if torch.equal(dequantize_group_int8(table), head.weight_t.t()):  # a GGUF's Q8_0 table: held once, exactly
+        table = quantize_group_int8_rows(head.weight_t.t())
+        if equal_after_group_int8(table, head.weight_t.t()):  # a GGUF's Q8_0 table: held once, exactly
             head.quantized = GroupInt8Linear(table)
             head.drop_float_table()
             return
-    head.quantized = Int8Linear(*quantize_int8(head.weight_t.t()))
+    head.quantized = Int8Linear(*quantize_int8_rows(head.weight_t.t()))
     if not tied:
         head.weight_t = None  # the token lookup has its own table, nothing reads the float head now
 

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.sampling import SamplingParams
-from kaon_runtime.server import embeddings, openapi as doc, protocol as p
+from kaon_runtime.server import embeddings, openapi as doc, protocol as p, sleep as sleep_mode
 from kaon_runtime.server.extensions import ignored_fields_header
 from kaon_runtime.server.keys import ApiKeys, matches
 from kaon_runtime.server.limits import (
@@ -51,6 +51,7 @@ from kaon_runtime.server.pipeline import (
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
 from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
 from kaon_runtime.server.tokenize import routes as tokenize_routes
+from kaon_runtime.server.tokenizer_info import routes as tokenizer_info_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
 
 
@@ -76,6 +77,9 @@ class ServerSettings:
     max_registered_loras: int = 16  # adapters registered at once (vLLM's --max-cpu-loras), checked before a download
     max_lora_bytes: int = 1 << 30  # one adapter's files, checked before they are read
     lora_load_timeout: float = 600.0  # seconds a load (its download included) is waited for
+    sleep_mode: bool = False
+    """/sleep, /wake_up and /is_sleeping answer (with admin_key only); else they are a 404 (server/sleep.py)."""
+    sleep_grace_s: float = 30.0  # how long a sleep waits for the requests in flight before it aborts them
 
 
 class ServerState:
@@ -116,11 +120,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     doc.install(app, settings.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                 secured=keys.enabled)
     app.include_router(probes)
+    app.include_router(tokenizer_info_routes)  # open, for the router's kv-aware strategy
     app.include_router(document, dependencies=[Depends(_authorized)])
     app.include_router(v1)
     # vLLM serves these outside /v1; they need the key like /v1 does.
     app.include_router(tokenize_routes, dependencies=[Depends(_authorized), Depends(_not_draining)])
     app.include_router(lora_routes, dependencies=[Depends(_not_draining)])  # the admin key, not the serving keys
+    sleep_mode.install(app, engine)  # /sleep, /wake_up, /is_sleeping: the admin key too
     app.add_middleware(_CountInFlight, state=app.state.server)
     return app
 
@@ -207,9 +213,10 @@ async def health(engine: Engine):
 
 
 @probes.get("/ready", responses=doc.HEALTH)
-async def ready(engine: Engine, state: State):
+async def ready(request: Request, engine: Engine, state: State):
     if state.draining:
         raise APIError(503, "the server is draining", type="service_unavailable", code="draining")
+    await sleep_mode.awake(request)  # asleep: not ready, so the router sends nothing
     return await health(engine)
 
 
@@ -228,7 +235,7 @@ async def models(engine: Engine, settings: Settings):
 
 
 @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
-         responses=doc.GENERATE, dependencies=[Depends(_generates)])
+         responses=doc.GENERATE, dependencies=[Depends(_generates), Depends(sleep_mode.awake)])
 async def completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await parse(request, p.CompletionRequest)
     adapter = check_model(request, body.model)
@@ -243,7 +250,7 @@ async def completions(request: Request, engine: Engine, settings: Settings, metr
 
 @v1.post("/chat/completions", response_model=p.ChatCompletionResponse,
          openapi_extra=doc.json_body(p.ChatCompletionRequest), responses=doc.GENERATE,
-         dependencies=[Depends(_generates)])
+         dependencies=[Depends(_generates), Depends(sleep_mode.awake)])
 async def chat_completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await parse(request, p.ChatCompletionRequest)
     adapter = check_model(request, body.model)
@@ -257,7 +264,7 @@ async def chat_completions(request: Request, engine: Engine, settings: Settings,
 
 
 @v1.post("/responses", openapi_extra=doc.json_body(ResponsesRequest), responses=doc.GENERATE,
-         dependencies=[Depends(_generates)])  # server/responses.py
+         dependencies=[Depends(_generates), Depends(sleep_mode.awake)])  # server/responses.py
 async def responses(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await parse(request, ResponsesRequest)
     try:
@@ -284,7 +291,7 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
 
 
 @v1.post("/embeddings", openapi_extra=doc.json_body(embeddings.EmbeddingRequest), responses=doc.GENERATE,
-         dependencies=[Depends(_embeds)])
+         dependencies=[Depends(_embeds), Depends(sleep_mode.awake)])
 async def create_embeddings(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await parse(request, embeddings.EmbeddingRequest)
     check_model(request, body.model, adapters=False)  # an embedding runs on the base model

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kaon_runtime.engine import startup
+from kaon_runtime.engine.kv_tiers import TierStats
 from kaon_runtime.engine.llm_engine import EngineStats
 from kaon_runtime.engine.outputs import RequestOutput
 
@@ -51,12 +53,50 @@ class _EngineCollector(Collector):
                                   value=s.spec_draft_tokens)
         yield CounterMetricFamily("kaon_spec_decode_accepted_tokens_total",
                                   "Speculative tokens the target model kept.", value=s.spec_accepted_tokens)
+        if s.kv_tiers is not None:
+            yield from kv_tier_metrics(s.kv_tiers)
+
+
+def kv_tier_metrics(t: TierStats):
+    """`kaon_kv_tier_*`: the host and disk tiers below the pool (engine/kv_tiers.py)."""
+    size = GaugeMetricFamily("kaon_kv_tier_bytes", "Bytes of KV blocks a tier holds.", labels=["tier"])
+    capacity = GaugeMetricFamily("kaon_kv_tier_capacity_bytes", "Bytes a tier may hold.", labels=["tier"])
+    for tier, held, cap in (("host", t.host_bytes, t.host_capacity_bytes), ("disk", t.disk_bytes,
+                                                                           t.disk_capacity_bytes)):
+        size.add_metric([tier], held)
+        capacity.add_metric([tier], cap)
+    hits = CounterMetricFamily("kaon_kv_tier_hits_total", "Prefix blocks brought back into the pool from a tier.",
+                               labels=["tier"])
+    for tier, n in t.hits.items():
+        hits.add_metric([tier], n)
+    moved = CounterMetricFamily("kaon_kv_tier_blocks_moved_total", "Blocks copied between the pool and the tiers.",
+                                labels=["direction"])
+    seconds = CounterMetricFamily("kaon_kv_tier_seconds_total", "Time spent copying blocks, by direction (off the "
+                                  "engine's step except *_to_pool).", labels=["direction"])
+    for direction, n in t.moved.items():
+        moved.add_metric([direction], n)
+        seconds.add_metric([direction], t.seconds.get(direction, 0.0))
+    discarded = CounterMetricFamily("kaon_kv_tier_copies_discarded_total", "Copies down voided because the pool reused "
+                                    "their block first.", value=t.discarded)
+    yield from (size, capacity, hits, moved, seconds, discarded)
+
+
+class _StartupCollector(Collector):
+    def collect(self):
+        found = startup.seconds()
+        family = GaugeMetricFamily("kaon_startup_seconds", "Seconds this engine's start-up took, by phase "
+                                   "(import, fetch, load, kv_allocation, warmup; engine/startup.py).", labels=["phase"])
+        for name in startup.PHASES:
+            if name in found:
+                family.add_metric([name], found[name])
+        yield family
 
 
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
+        self.registry.register(_StartupCollector())
         self.ttft = Histogram("kaon_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kaon_time_per_output_token_seconds", "Mean time between output tokens of a request.",

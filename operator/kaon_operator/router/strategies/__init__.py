@@ -5,6 +5,7 @@ records outlive requests):
 
     least_connections.py  the pod with the fewest requests in flight
     prefix_affinity.py    the pod that caches the prompt's prefix, within a load bound
+    kv_aware.py           the pod whose engine announces the longest prefix (KV events), within a load bound
     prefixes.py, ring.py, records.py  what prefix-affinity hashes, walks and remembers
     adapter_affinity.py   wraps each: a LoRA adapter's requests go to a pod holding it, within the load bound
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from kaon_operator.router.endpoints import ServiceKey
 from kaon_operator.router.strategies.adapter_affinity import AdapterAffinity
 from kaon_operator.router.strategies.base import Attempt, Choice, Strategy
+from kaon_operator.router.strategies.kv_aware import KvAware
 from kaon_operator.router.strategies.least_connections import LeastConnections
 from kaon_operator.router.strategies.prefix_affinity import PrefixAffinity
 
@@ -23,6 +25,7 @@ __all__ = ["Attempt", "Choice", "Strategies", "Strategy", "STRATEGIES", "Unknown
 STRATEGIES: dict[str, Callable[[], Strategy]] = {
     "least-connections": LeastConnections,
     "prefix-affinity": PrefixAffinity,
+    "kv-aware": KvAware,
 }
 
 

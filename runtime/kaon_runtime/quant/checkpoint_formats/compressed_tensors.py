@@ -8,8 +8,8 @@
   [ceil(N / 128), ceil(K / 128)] (block).
 Static activation quantization (`input_activations` with dynamic false, per tensor: FP8's or int8's
 `input_scale`) is applied (quant/static_inputs.py), and so is W8A8's dynamic per-token int8 (int8 x int8
-products, quant/dynamic_inputs.py); dynamic FP8 activations are not: kaon multiplies float activations
-with the kept-narrow weights (fp8 on a GPU quantizes activations per row itself).
+products, quant/dynamic_inputs.py) and FP8 dynamic's per-token FP8 (inputs rounded to FP8 per row,
+quant/dynamic_fp8.py).
 A `kv_cache_scheme` (an FP8 KV cache's static k_scale / v_scale) loads with a warning and its scales
 unused: kaon has no FP8 KV cache, so keys and values stay in --kv-cache-dtype (more memory than the
 publisher planned, no less accuracy), as vLLM does unless told `--kv-cache-dtype fp8`.
@@ -65,8 +65,11 @@ def scheme(config: dict) -> CheckpointScheme:
 
 
 def _dynamic_inputs(activations: list[dict], weights: list[dict]) -> str | None:
-    """"int8" when every group quantizes its inputs to int8 per token at run time (W8A8), None when
-    none does int8 dynamically; those need int8 weights per channel (or per tensor)."""
+    """"int8" when every group quantizes its inputs to int8 per token at run time (W8A8), "fp8" when every
+    group rounds them to FP8 per token (FP8 dynamic), None when none quantizes them dynamically; int8 needs
+    int8 weights per channel (or per tensor), fp8 FP8 weights per channel or per tensor."""
+    if any(a and a.get("dynamic") in (True, "local") and a.get("type") == "float" for a in activations):
+        return _dynamic_fp8_inputs(activations, weights)
     dynamic = [a for a in activations if a and a.get("dynamic") in (True, "local") and a.get("type", "int") == "int"]
     if not dynamic:
         return None
@@ -78,6 +81,17 @@ def _dynamic_inputs(activations: list[dict], weights: list[dict]) -> str | None:
                              f"{sorted(map(str, weight_kinds))} are not supported; supported: symmetric int 8-bit "
                              "per token in every group, with int 8-bit weights per channel or per tensor")
     return "int8"
+
+
+def _dynamic_fp8_inputs(activations: list[dict], weights: list[dict]) -> str:
+    kinds = {(a.get("type"), a.get("num_bits"), a.get("strategy"), a.get("dynamic") in (True, "local"))
+             for a in activations}
+    weight_kinds = {(w.get("type", "int"), w.get("num_bits"), w.get("strategy")) for w in weights}
+    if kinds != {("float", 8, "token", True)} or not weight_kinds <= {("float", 8, "channel"), ("float", 8, "tensor")}:
+        raise ModelLoadError(f"compressed-tensors dynamic input_activations {sorted(map(str, kinds))} with weights "
+                             f"{sorted(map(str, weight_kinds))} are not supported; supported: float 8-bit per token "
+                             "in every group, with float 8-bit weights per channel or per tensor")
+    return "fp8"
 
 
 def _static_inputs(activations: list[dict]) -> str | None:

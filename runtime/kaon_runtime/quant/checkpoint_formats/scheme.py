@@ -22,7 +22,8 @@ class CheckpointScheme:
     ignored: frozenset[str]  # suffixes read and dropped (static activation scales, KV cache scales)
     convert: Converter
     static_inputs: str | None = None  # "fp8" / "int8": inputs rounded to the checkpoint's input_scale first
-    dynamic_inputs: str | None = None  # "int8": inputs quantized per token at run time (quant/dynamic_inputs.py)
+    # "int8" / "fp8": inputs quantized per token at run time (quant/dynamic_inputs.py, quant/dynamic_fp8.py)
+    dynamic_inputs: str | None = None
 
     def owns(self, name: str, dtype: torch.dtype) -> bool:
         """Whether the checkpoint tensor `name` belongs to a quantized module (or is one of the dropped)."""

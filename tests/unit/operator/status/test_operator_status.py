@@ -133,7 +133,7 @@ def test_transition_times_and_events():
 
 def test_replica_counts_skip_terminating_pods():
     pods = [summaries.summarize_pod(p) for p in (pod("a"), pod("b", ready=False), pod("c", deleting=True))]
-    assert conditions.replica_counts(pods) == {"replicas": 2, "readyReplicas": 1}
+    assert conditions.replica_counts(pods) == {"replicas": 2, "readyReplicas": 1, "standbyReplicas": 0}
 
 
 def test_spec_change_events():

@@ -5,10 +5,16 @@ experts) and Qwen3-MoE. Q8_0 weights; kaon's greedy tokens in float32 equal tran
 dequantized weights, and the file also loads kept quantized (the default on CPU, experts included) and
 decodes as llama.cpp does the same file: each of kaon's greedy tokens is llama.cpp's greedy choice on
 the same tokens, or within NEAR_TIE of it (both quantize activations, each its own way).
-llama-cpp-python is installed by `make install` (e2e/build-llama-cpp.sh); in CI its absence fails."""
+llama-cpp-python comes from e2e/build-llama-cpp.sh, which `make test` runs beside tests/unit and this
+test runs too (it waits for that build, or builds the cached wheel itself); in CI its absence fails."""
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,11 +76,21 @@ def _kaon_greedy(path, **options) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
 
 
+BUILD_LLAMA_CPP = Path(__file__).resolve().parents[4] / "e2e" / "build-llama-cpp.sh"
+
+
+@functools.cache  # the script once per session (a failure raises, and is not cached)
 def _llama_cpp():
+    # The build script returns at once when the wheel is installed; under `make test` it waits for
+    # the build running beside tests/unit; else it builds (minutes) or installs the cached wheel.
+    build = subprocess.run(["bash", str(BUILD_LLAMA_CPP)], env={**os.environ, "PY": sys.executable},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    importlib.invalidate_caches()  # installed by the script meanwhile: let the import find it
     try:
         import llama_cpp
     except ImportError:
-        missing = "llama-cpp-python is not installed (`make install` builds it: e2e/build-llama-cpp.sh)"
+        missing = (f"llama-cpp-python is not installed (e2e/build-llama-cpp.sh exited {build.returncode}):\n"
+                   f"{build.stdout[-2000:]}")
         if os.environ.get("CI"):
             pytest.fail(missing)
         pytest.skip(missing)

@@ -3,9 +3,10 @@
 compressed-tensors directories are written by the compressed-tensors package (llm-compressor's
 writer) and the reference is transformers decompressing the same directory; GPTQ and AWQ
 directories are packed here with numpy from the formats' published layouts, and the reference is
-transformers on the dequantized float weights. kaon runs with its float32 reference kernels
-(KAON_QUANT_KERNEL=torch, no fused C step) so both compute in float from the same weights and
-the greedy tokens must agree token for token.
+transformers on the dequantized float weights. kaon runs with `dtype="float32"`, which on a quantized
+checkpoint is its reference arithmetic (quant/reference.py: float32 activations times the dequantized
+weights, no fused C step, no bfloat16 or int8-rounded activations), so both compute in float from the
+same weights and the greedy tokens must agree token for token.
 """
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ PACKED = {  # id -> (method, bits, group, sym, act_order, the linear kaon keeps)
 }
 
 
-def _generate(path, **kwargs) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(str(path), show_progress=False, device="cpu", dtype="float32", **kwargs)
+def _generate(path, dtype: str = "float32", **kwargs) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(path), show_progress=False, device="cpu", dtype=dtype, **kwargs)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outputs]
 
@@ -81,7 +82,7 @@ def _linear(llm: LLM):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(COMPRESSED))
-def test_compressed_tensors_matches_transformers(case, tmp_path, gguf_path, float_kernels):
+def test_compressed_tensors_matches_transformers(case, tmp_path, gguf_path):
     weights, fmt, kept = COMPRESSED[case]
     write_compressed_tensors(tmp_path, gguf_path, weights, fmt)
     reference = transformers_reference(tmp_path)
@@ -93,7 +94,7 @@ def test_compressed_tensors_matches_transformers(case, tmp_path, gguf_path, floa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(PACKED))
-def test_gptq_and_awq_match_their_dequantized_weights(case, tmp_path, gguf_path, float_kernels):
+def test_gptq_and_awq_match_their_dequantized_weights(case, tmp_path, gguf_path):
     method, bits, group, sym, act_order, kept = PACKED[case]
     reference = write_packed_dir(tmp_path, gguf_path, method, bits, group, sym, act_order)
     llm, tokens = _generate(tmp_path)
@@ -229,10 +230,11 @@ def test_unknown_quant_method_in_a_directory_fails_at_load(gptq_dir, tmp_path):
 
 
 def test_default_kernels_serve_a_gptq_directory(gptq_dir):
-    """The fused CPU step runs a checkpoint in groups of 64 (split into its groups of 32); it quantizes
-    activations to int8 blocks, so its tokens are compared with the float reference's as a common prefix."""
+    """By default (not --dtype float32, the reference) the fused CPU step runs a checkpoint in groups of 64
+    (split into its groups of 32); it quantizes activations to int8 blocks, so its tokens are compared with
+    the float reference's as a common prefix."""
     path, reference = gptq_dir
-    llm, tokens = _generate(path)
+    llm, tokens = _generate(path, dtype="auto")
     assert llm.engine.runner.kernels.cpu_decode
     assert isinstance(_linear(llm), Int4Linear)
     # Measured: the first prompt agrees on all 10 tokens, the second on 2 (a near tie that torch's own

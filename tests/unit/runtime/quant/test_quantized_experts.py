@@ -73,8 +73,7 @@ def _assert_no_float_experts(moe: SparseMoE, kept: type) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_quantized_experts_decode_as_transformers_on_the_dequantized_weights(case, tmp_path, gguf_path,
-                                                                             float_kernels):
+def test_quantized_experts_decode_as_transformers_on_the_dequantized_weights(case, tmp_path, gguf_path):
     reference = _write(case, tmp_path / "model", gguf_path)
     llm, tokens = _generate(tmp_path / "model")
     for moe in _moe_layers(llm):

@@ -64,7 +64,7 @@ def _generate(path) -> tuple[LLM, list[list[int]]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_static_input_scales_are_applied(case, tmp_path, gguf_path, float_kernels):
+def test_static_input_scales_are_applied(case, tmp_path, gguf_path):
     weights, fmt, activations, scale = CASES[case]
     write_compressed_tensors(tmp_path, gguf_path, weights, fmt)
     reference = transformers_reference(tmp_path)

@@ -51,7 +51,7 @@ class StubEngine:
     def validate(self, prompt, params):
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def add_validated(self, request_id, prompt_token_ids, params, lora_id=0):
+    def add_validated(self, request_id, prompt_token_ids, params, lora_id=0, kv=None):
         self.requests[request_id] = (prompt_token_ids, params.max_tokens or 1)
 
     def abort_request(self, request_id):

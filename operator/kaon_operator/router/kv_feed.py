@@ -1,0 +1,192 @@
+"""The kv-aware strategy's I/O: one ZMQ subscription to each ready pod's KV events (vLLM's wire
+format, decoded with vLLM's published types), applied to the index (kv_index.py), and each
+service's tokenizer, fetched once from one of its pods (kv_tokens.py).
+
+Every router replica subscribes to every pod itself, so each builds the same index from the same
+events. A batch missed (a sequence number skipped) is asked again from the pod's replay socket; a
+pod that restarted (its sequence numbers start over, or it says AllBlocksCleared) or left the
+ready set loses its entries.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kaon_operator.router.endpoints import Endpoint, ServiceKey
+from kaon_operator.router.kv_index import KvIndex
+from kaon_operator.router.kv_tokens import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+EVENTS_PORT = 5557
+REPLAY_PORT = 5558
+TOPIC = "kv-events"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+def _name(h: bytes | int) -> int:
+    """vLLM's hashes are ints or bytes (sha256); the index keys engine hashes by int."""
+    return h if isinstance(h, int) else int.from_bytes(h, "big")
+
+
+def apply(index: KvIndex, pod: str, batch: KVEventBatch) -> None:
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            parent = None if event.parent_block_hash is None else _name(event.parent_block_hash)
+            index.stored(pod, [_name(h) for h in event.block_hashes], parent, event.token_ids, event.block_size,
+                         event.lora_id, event.medium)
+        elif isinstance(event, BlockRemoved):
+            index.removed(pod, [_name(h) for h in event.block_hashes], event.medium)
+        else:
+            index.clear(pod)
+
+
+def _host(endpoint: Endpoint) -> str:
+    host = urlsplit(endpoint.url).hostname or ""
+    return f"[{host}]" if ":" in host else host
+
+
+class KvFeed:
+    def __init__(self, index: KvIndex, events_port: int = EVENTS_PORT, replay_port: int = REPLAY_PORT,
+                 ports: Callable[[Endpoint], tuple[int, int]] | None = None):
+        """`ports`: a pod's events and replay ports, where they are not the same on every pod (several
+        engines on one host: bench/routing.py); by default `events_port` and `replay_port`."""
+        self.index = index
+        self.ports = ports or (lambda endpoint: (events_port, replay_port))
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._tokenizers: dict[ServiceKey, PromptTokenizer | None] = {}
+        self._fetching: dict[ServiceKey, asyncio.Task] = {}
+
+    def follow(self, pods: Iterable[Endpoint]) -> None:
+        """Subscribe to the pods not followed yet; stop following (and forget) pods gone. Called in the loop."""
+        wanted = {e.pod: e for e in pods}
+        for pod in set(self._tasks) - set(wanted):
+            self._tasks.pop(pod).cancel()
+            self.index.clear(pod)
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        for pod, endpoint in wanted.items():
+            if pod not in self._tasks:
+                self._tasks[pod] = asyncio.get_running_loop().create_task(self._follow(endpoint))
+
+    def tokenizer(self, key: ServiceKey, pods: Iterable[Endpoint]) -> PromptTokenizer | None:
+        """The service's tokenizer, or None while it is being fetched (the request goes by prefix-affinity)."""
+        found = self._tokenizers.get(key)
+        if found is None and key not in self._fetching:
+            first = next(iter(pods), None)
+            if first is not None:
+                self._fetching[key] = asyncio.get_running_loop().create_task(self._fetch_tokenizer(key, first))
+        return found
+
+    def forget(self, key: ServiceKey) -> None:
+        self._tokenizers.pop(key, None)
+        task = self._fetching.pop(key, None)
+        if task is not None:
+            task.cancel()
+
+    async def _fetch_tokenizer(self, key: ServiceKey, endpoint: Endpoint) -> None:
+        try:
+            async with aiohttp.ClientSession() as session, session.get(
+                    f"{endpoint.url}/kaon/tokenizer", timeout=aiohttp.ClientTimeout(total=30)) as response:
+                response.raise_for_status()
+                info = await response.json()
+            self._tokenizers[key] = await asyncio.to_thread(PromptTokenizer, info)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+            log.warning("kv-aware: no tokenizer from %s (%s); prefix-affinity until it answers", endpoint.pod, e)
+            await asyncio.sleep(5)
+        finally:
+            self._fetching.pop(key, None)
+
+    async def _follow(self, endpoint: Endpoint) -> None:
+        assert self._ctx is not None
+        host = _host(endpoint)
+        events_port, replay_port = self.ports(endpoint)
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(f"tcp://{host}:{events_port}")
+        sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        try:
+            while True:
+                _, seq_bytes, payload = await sub.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big")
+                missed = self.index.sequence(endpoint.pod, seq)
+                if missed is not None:
+                    await self._replay(f"tcp://{host}:{replay_port}", endpoint.pod, missed, seq)
+                try:
+                    apply(self.index, endpoint.pod, DECODER.decode(payload))
+                except msgspec.DecodeError as e:
+                    log.warning("kv-aware: undecodable KV events from %s (%s)", endpoint.pod, e)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            sub.close(linger=0)
+
+    async def _replay(self, address: str, pod: str, missed: int, upto: int) -> None:
+        """Ask the pod's replay socket for the batches from `missed` up to (not with) `upto`."""
+        assert self._ctx is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        try:
+            await dealer.send_multipart((b"", missed.to_bytes(8, "big")))
+            while await dealer.poll(500):
+                _, seq_bytes, payload = await dealer.recv_multipart()
+                if not payload:
+                    break
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if missed <= seq < upto:
+                    apply(self.index, pod, DECODER.decode(payload))
+        finally:
+            dealer.close(linger=0)
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for task in list(self._tasks.values()) + list(self._fetching.values()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)

@@ -1,0 +1,377 @@
+"""The router's side of InferenceRoute: the one object the proxy calls for a `model` that names a route.
+
+`match()` tells whether `model` names a route (an InferenceService of the same name wins). `plan()`
+checks the route's keys, classifies the request (classifier.py, then the monitor's escalations),
+looks it up in the cache (exact, then semantic) and either returns the cached Answer (replayed by
+`replay()`) or a Plan: the tier's `model` and body, the headers to add, and a tee that keeps the
+response as it is relayed. `finish()` stores a complete answer, counts it, and with
+`verify.fraction` re-asks the top tier in the background (monitor.py).
+
+Internal requests (the top tier's second opinion, the embedder's vectors) go through the router's
+own choice of pod and its session, with the client's key, so a route reaches nothing its caller
+could not reach directly in the route's namespace.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kaon_operator import clock
+from kaon_operator.api import Key
+from kaon_operator.router import auth, errors
+from kaon_operator.router.request import upstream_headers
+from kaon_operator.routes import cache_keys, classifier, monitor
+from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
+from kaon_operator.routes.figures import Figures
+from kaon_operator.routes.memory_store import MemoryStore
+from kaon_operator.routes.table import Route, RouteTable
+
+logger = logging.getLogger("kaon.routes")
+
+TIER_HEADER = "x-kaon-route-tier"
+CACHE_HEADER = "x-kaon-cache"
+ROUTE_LABELS = ("namespace", "inferenceroute")
+EMBED_PATH = "/v1/embeddings"
+MAX_VERIFYING = 32
+
+
+class Store(Protocol):
+    max_entries: int
+
+    async def get(self, key: str) -> Answer | None: ...
+    async def put(self, key: str, answer: Answer, ttl: float) -> None: ...
+    async def nearest(self, scope: str, vector: list[float]) -> tuple[float, str] | None: ...
+    async def add_vector(self, scope: str, vector: list[float], key: str, ttl: float) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Plan:
+    """A route request on its way to a tier; the relay calls `tee` with each chunk it passes on and
+    `done` once the body ended complete."""
+
+    route: Route
+    tier: int
+    request_class: str
+    model: str
+    body: bytes
+    payload: dict
+    path: str
+    authorization: str | None
+    stream: bool
+    cache_key: str | None
+    semantic: tuple[str, list[float]] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: list[bytes] = field(default_factory=list)
+    status: int = 0
+    content_type: str = ""
+    complete: bool = False
+    stored: bool = False
+    on_stream_end: Callable[[Plan], Awaitable[None]] | None = None
+
+    @property
+    def service(self) -> str:
+        return self.route.services[self.tier]
+
+    async def tee(self, data: bytes) -> None:
+        self.chunks.append(bytes(data))
+        # A stream's last event: store the answer before the client gets it, so that a client asking
+        # again as soon as it read [DONE] finds it (a whole body is stored before it is sent at all).
+        if self.stream and data.rstrip().endswith(b"data: [DONE]") and self.on_stream_end is not None:
+            self.done(200, "text/event-stream")
+            await self.on_stream_end(self)
+
+    def done(self, status: int, content_type: str) -> None:
+        self.status, self.content_type, self.complete = status, content_type, True
+
+
+@dataclass
+class Hit:
+    route: Route
+    answer: Answer
+
+
+class RouteMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("kaon_route_requests", "Requests to an InferenceRoute, by the tier that answered "
+                                "(for a cache hit: the tier that answered first) and cache (hit, miss, none)",
+                                [*ROUTE_LABELS, "tier", "cache"], registry=registry)
+        self.tokens = Counter("kaon_route_engine_tokens", "Prompt and completion tokens the tiers' engines computed "
+                              "for the route (cache hits add none)", [*ROUTE_LABELS, "tier"], registry=registry)
+        self.cost = Counter("kaon_route_cost", "The route's engine tokens priced at each tier's "
+                            "costPerMillionTokens", ROUTE_LABELS, registry=registry)
+        self.top_cost = Counter("kaon_route_top_tier_cost", "What the same requests (cache hits included) would "
+                                "have cost on the top tier", ROUTE_LABELS, registry=registry)
+        self.verifications = Counter("kaon_route_verifications", "Lower-tier answers re-asked of the top tier, "
+                                     "by whether they agreed", [*ROUTE_LABELS, "tier", "class", "agreed"],
+                                     registry=registry)
+        self.agreement = Gauge("kaon_route_agreement", "Agreement with the top tier over the last comparisons, per "
+                               "tier and class", [*ROUTE_LABELS, "tier", "class"], registry=registry)
+        self.escalations = Counter("kaon_route_escalations", "Classes escalated to the next tier because their "
+                                   "agreement fell below verify.minAgreement", [*ROUTE_LABELS, "tier", "class"],
+                                   registry=registry)
+
+
+class RouteGateway:
+    def __init__(self, router: Any, routes: RouteTable, rng: random.Random | None = None,
+                 store_factory: Callable[[Route], Store] | None = None):
+        """`router`: the proxy's Router (its table, pod choice and session)."""
+        self.router, self.routes = router, routes
+        self.table = router.table
+        self.rng = rng or random.Random()
+        self.metrics = RouteMetrics(router.metrics.registry)
+        self.store_factory = store_factory or _default_store
+        self._stores: dict[tuple[Key, str | None], Store] = {}
+        self.figures: dict[Key, Figures] = {}
+        self.agreement: dict[Key, monitor.Agreement] = {}
+        self.on_escalation: list[Callable[[Route, str, str, float, int], None]] = []
+        self._background: set[asyncio.Task] = set()
+
+    # which requests ------------------------------------------------------------
+
+    def match(self, model: str) -> Route | None:
+        if self.table.resolve(model) is not None:
+            return None  # an InferenceService of that name is reached as before
+        return self.routes.resolve(model)
+
+    def listed(self, authorization: str | None) -> list[dict]:
+        """GET /v1/models' entries for the routes this caller may use (a keyed route only to a holder of one
+        of its keys), under the name that reaches them; one an InferenceService's name shadows is left out."""
+        out = []
+        token = auth.bearer(authorization)
+        for route in self.routes.routes():
+            bare = route.key.namespace == self.routes.default_namespace
+            name = route.key.name if bare else f"{route.key.namespace}/{route.key.name}"
+            if self.match(name) is not route:
+                continue
+            if route.key_digests is None or auth.accepted(token, route.key_digests):
+                out.append({"id": name, "object": "model", "created": 0, "owned_by": "kaon"})
+        return out
+
+    def store(self, route: Route) -> Store:
+        where = (route.key, route.spec.cache.valkey)
+        found = self._stores.get(where)
+        if found is None:
+            found = self._stores[where] = self.store_factory(route)
+        found.max_entries = route.spec.cache.max_entries
+        return found
+
+    # the request ----------------------------------------------------------------
+
+    async def plan(self, route: Route, path: str, payload: dict, authorization: str | None) -> Plan | Hit:
+        token = auth.bearer(authorization)
+        if route.key_digests is not None and not auth.accepted(token, route.key_digests):
+            raise errors.model_not_found(f"{route.key.namespace}/{route.key.name}")
+        spec = route.spec
+        decision = classifier.classify(classifier.prompt_text(path, payload), spec.classifier.rules.thresholds,
+                                       len(spec.tiers))
+        agreement = self.agreement.get(route.key)
+        tier = monitor.escalate(decision.tier, decision.request_class, route.services,
+                                agreement.escalated if agreement else set())
+        stream = payload.get("stream") is True
+        generation = self._generation(route)
+        scope = cache_keys.scope(route.key.namespace, route.key.name, auth.digest(token) if token else None)
+        cache_key, semantic = None, None
+        if spec.cache.exact.enabled and cache_keys.cacheable(payload, spec.cache.exact.deterministic_only):
+            cache_key = cache_keys.exact_key(scope, generation, path, payload)
+            store = self.store(route)
+            found = await store.get(cache_key)
+            if found is None and spec.cache.semantic.enabled and spec.cache.semantic.embedder:
+                text = classifier.prompt_text(path, payload)
+                vector = await self._embed(route, text, authorization)
+                if vector is not None:
+                    sem_scope = cache_keys.semantic_scope(scope, generation, path, payload, text)
+                    semantic = (sem_scope, vector)
+                    near = await store.nearest(sem_scope, vector)
+                    if near is not None and near[0] >= spec.cache.semantic.threshold:
+                        found = await store.get(near[1])
+            if found is not None:
+                return Hit(route, found)
+        model = self._tier_model(route, tier)
+        payload = {**payload, "model": model}
+        body = json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss" if cache_key else "none"}
+        return Plan(route, tier, decision.request_class, model, body, payload, path, authorization, stream,
+                    cache_key, semantic, headers, on_stream_end=self._store)
+
+    def _tier_model(self, route: Route, tier: int) -> str:
+        """`<namespace>/<served name>` of the tier's InferenceService, which the table resolves to it."""
+        key = Key(route.key.namespace, route.services[tier])
+        service = self.table.service(key)
+        model = f"{key.namespace}/{service.served_name}" if service is not None else ""
+        if service is None or self.table.resolve(model) != key:
+            why = "does not exist" if service is None else "does not answer its served name (another serves it)"
+            raise errors.RouterError(503, f"InferenceRoute {route.key}: its tier {key.name!r} is no reachable "
+                                     f"InferenceService of namespace {key.namespace} (it {why}); the route's "
+                                     "Ready condition says so", "service_unavailable", "route_tier_missing",
+                                     retry=True)
+        return model
+
+    def _generation(self, route: Route) -> str:
+        models = []
+        for name in route.services:
+            service = self.table.service(Key(route.key.namespace, name))
+            models.append(getattr(service, "model_digest", "") if service else "")
+        return cache_keys.generation(models)
+
+    async def replay(self, request: web.Request, hit: Hit) -> web.StreamResponse:
+        """The cached answer as it was sent the first time: a stream event by event, a body whole."""
+        answer, route = hit.answer, hit.route
+        figures = self.figures.setdefault(route.key, Figures())
+        top = route.spec.tiers[-1].cost_per_million_tokens
+        figures.hit(answer.tokens, top)
+        labels = list(route.key)
+        self.metrics.requests.labels(*labels, answer.tier, "hit").inc()
+        self.metrics.top_cost.labels(*labels).inc(answer.tokens * top / 1e6)
+        headers = {"Content-Type": answer.content_type, TIER_HEADER: answer.tier, CACHE_HEADER: "hit"}
+        if len(answer.chunks) <= 1 and not answer.content_type.startswith("text/event-stream"):
+            return web.Response(status=answer.status, body=answer.body, headers=headers)
+        response = web.StreamResponse(status=answer.status, headers={**headers, "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in answer.chunks:
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    async def finish(self, plan: Plan) -> None:
+        """After the relay: count the answer, store it when it is complete and cacheable, maybe verify it."""
+        route, labels = plan.route, list(plan.route.key)
+        if not plan.complete:
+            return
+        tokens = usage_tokens(plan.chunks, plan.stream)
+        tier = route.spec.tiers[plan.tier]
+        top = route.spec.tiers[-1].cost_per_million_tokens
+        self.figures.setdefault(route.key, Figures()).answered(tier.service, tokens, tier.cost_per_million_tokens,
+                                                               top)
+        self.metrics.requests.labels(*labels, tier.service, plan.headers[CACHE_HEADER]).inc()
+        self.metrics.tokens.labels(*labels, tier.service).inc(tokens)
+        self.metrics.cost.labels(*labels).inc(tokens * tier.cost_per_million_tokens / 1e6)
+        self.metrics.top_cost.labels(*labels).inc(tokens * top / 1e6)
+        if plan.status != 200:
+            return
+        await self._store(plan)
+        # At most MAX_VERIFYING second opinions at once: under load the monitor samples less rather than
+        # doubling the top tier's queue.
+        if len(self._background) < MAX_VERIFYING and monitor.should_verify(
+                self.rng, route.spec.verify.fraction, plan.tier, len(route.spec.tiers)):
+            text = answer_text(plan.chunks, plan.stream)
+            self._spawn(self._verify(plan, text))
+
+    async def _store(self, plan: Plan) -> None:
+        """Keep a complete 200 answer under the plan's key (once)."""
+        if plan.stored or plan.cache_key is None or plan.status != 200:
+            return
+        plan.stored = True
+        route = plan.route
+        answer = Answer(plan.status, plan.content_type, tuple(plan.chunks), plan.service,
+                        usage_tokens(plan.chunks, plan.stream))
+        store = self.store(route)
+        ttl = route.spec.cache.ttl_seconds
+        await store.put(plan.cache_key, answer, ttl)
+        if plan.semantic is not None:
+            await store.add_vector(plan.semantic[0], plan.semantic[1], plan.cache_key, ttl)
+
+    # the quality monitor ---------------------------------------------------------
+
+    async def _verify(self, plan: Plan, text: str) -> None:
+        route = plan.route
+        top = len(route.services) - 1
+        payload = {k: v for k, v in plan.payload.items() if k not in ("stream", "stream_options")}
+        payload["model"] = self._tier_model(route, top)
+        status, body = await self.call(payload["model"], plan.path, payload, plan.authorization)
+        if status != 200:
+            logger.info("route %s: the top tier's second opinion failed (%d); not counted", route.key, status)
+            return
+        reference = answer_text([body], False)
+        agreed = monitor.agree(text, reference)
+        self.record(route, plan.service, plan.request_class, agreed)
+
+    def record(self, route: Route, tier: str, request_class: str, agreed: bool) -> None:
+        agreement = self.agreement.setdefault(route.key, monitor.Agreement())
+        agreement.record(tier, request_class, agreed)
+        labels = list(route.key)
+        self.metrics.verifications.labels(*labels, tier, request_class, str(agreed).lower()).inc()
+        rate, _ = agreement.rate(tier, request_class)
+        self.metrics.agreement.labels(*labels, tier, request_class).set(rate)
+        for tier_, cls, rate, samples in agreement.newly_escalated(route.spec.verify.min_agreement,
+                                                                   route.spec.verify.min_samples):
+            self.metrics.escalations.labels(*labels, tier_, cls).inc()
+            logger.warning("route %s: class %s on tier %s agrees with the top tier in %.0f%% of %d comparisons "
+                           "(below verify.minAgreement %.0f%%): escalated to the next tier", route.key, cls, tier_,
+                           rate * 100, samples, route.spec.verify.min_agreement * 100)
+            for callback in self.on_escalation:
+                callback(route, tier_, cls, rate, samples)
+
+    # internal requests -----------------------------------------------------------
+
+    async def call(self, model: str, path: str, payload: dict, authorization: str | None) -> tuple[int, bytes]:
+        """One request of the router's own to the service `model` names (the same pod choice and key
+        checks as a client's); (status, body), 502 when no pod answered."""
+        router = self.router
+        try:
+            key, target, _ = await router._choose(model, set(), clock.monotonic(), path, payload, authorization)
+        except errors.RouterError as exc:
+            return exc.status, b""
+        keyed = self.table.api_keys(key) is not None
+        headers = upstream_headers({"Content-Type": "application/json"}, authorization if keyed else None)
+        service = self.table.service(key)
+        if service is not None:  # the engine answers its served name only, not `<namespace>/<name>`
+            payload = {**payload, "model": self.table.engine_model(model, service)}
+        router.inflight[target] = router.inflight.get(target, 0) + 1
+        try:
+            async with asyncio.timeout(router.config.first_byte_timeout + router.config.idle_timeout):
+                async with router._session.post(target.url + path, data=json.dumps(payload).encode(),
+                                                headers=headers) as response:
+                    return response.status, await response.read()
+        except (TimeoutError, OSError, Exception) as exc:  # noqa: BLE001 - an internal request's failure is logged
+            logger.info("route: internal request to %s failed: %s", key, exc or type(exc).__name__)
+            return 502, b""
+        finally:
+            router._release(target)
+
+    async def _embed(self, route: Route, text: str, authorization: str | None) -> list[float] | None:
+        embedder = route.spec.cache.semantic.embedder
+        assert embedder is not None
+        service = self.table.service(Key(route.key.namespace, embedder))
+        if service is None:
+            return None
+        model = f"{route.key.namespace}/{service.served_name}"
+        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": text}, authorization)
+        if status != 200:
+            return None
+        try:
+            vector = json.loads(body)["data"][0]["embedding"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
+        return [float(x) for x in vector] if isinstance(vector, list) else None
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for the background verifications (tests, shutdown)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def close(self) -> None:
+        for store in self._stores.values():
+            await store.close()
+
+
+def _default_store(route: Route) -> Store:
+    if route.spec.cache.valkey:
+        from kaon_operator.router.valkey_store import ValkeyStore  # redis is imported only when a route names one
+
+        return ValkeyStore(route.spec.cache.valkey, f"kaon:route:{route.key.namespace}:{route.key.name}",
+                           route.spec.cache.max_entries)
+    return MemoryStore(route.spec.cache.max_entries)

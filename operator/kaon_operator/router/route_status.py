@@ -1,0 +1,91 @@
+"""The router writes each InferenceRoute's status (tier shares, cache hit rate, cost against the top
+tier, the monitor's agreement, the Ready condition) every STATUS_SECONDS when it changed, and an Event
+when the monitor escalates a class. The router is where these figures are; with several router
+replicas the status holds the figures of the replica that wrote last (the kaon_route_* metrics, summed
+over replicas, hold the whole)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+
+import aiohttp
+
+from kaon_operator import clock, kubetime
+from kaon_operator.api import GROUP, VERSION, Key
+from kaon_operator.router.route_gateway import RouteGateway
+from kaon_operator.routes import status as route_status
+from kaon_operator.routes.table import Route
+
+logger = logging.getLogger("kaon.routes.status")
+STATUS_SECONDS = 10.0
+
+
+class RouteStatusWriter:
+    def __init__(self, server, gateway: RouteGateway):
+        """`server`: watch.ApiServer (its URL, TLS and credentials)."""
+        self.server, self.gateway = server, gateway
+        self._written: dict[Key, dict] = {}
+        self._events: asyncio.Queue[tuple[Route, dict]] = asyncio.Queue()
+        gateway.on_escalation.append(self._escalated)
+
+    def _escalated(self, route: Route, tier: str, request_class: str, rate: float, samples: int) -> None:
+        self._events.put_nowait((route, route_status.escalation_event(route, tier, request_class, rate, samples)))
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.server.ssl)) as session:
+            events = asyncio.create_task(self._post_events(session))
+            try:
+                while True:
+                    await asyncio.sleep(STATUS_SECONDS)
+                    for route in self.gateway.routes.routes():
+                        try:
+                            await self._write(session, route)
+                        except (aiohttp.ClientError, TimeoutError) as exc:
+                            logger.info("InferenceRoute %s: status not written (%s); next round", route.key, exc)
+            finally:
+                events.cancel()
+
+    def _url(self, key: Key) -> str:
+        return f"{self.server.url}/apis/{GROUP}/{VERSION}/namespaces/{key.namespace}/inferenceroutes/{key.name}"
+
+    async def _write(self, session: aiohttp.ClientSession, route: Route) -> None:
+        table = self.gateway.table
+        missing = [s for s in route.services if table.service(Key(route.key.namespace, s)) is None]
+        new = route_status.status(route, self.gateway.figures.get(route.key), self.gateway.agreement.get(route.key),
+                                  missing, _now(), self._written.get(route.key))
+        if self._written.get(route.key) == new:
+            return
+        headers = {**self.server.headers(), "Content-Type": "application/merge-patch+json"}
+        async with session.patch(self._url(route.key) + "/status", data=json.dumps({"status": new}),
+                                 headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status == 200:
+                self._written[route.key] = new
+            else:
+                logger.info("InferenceRoute %s: status patch got %d: %s", route.key, resp.status,
+                            (await resp.text())[:200])
+
+    async def _post_events(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            route, event = await self._events.get()
+            now = _now()
+            body = {"apiVersion": "v1", "kind": "Event",
+                    "metadata": {"name": f"{route.key.name}.{secrets.token_hex(8)}", "namespace": route.key.namespace},
+                    "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceRoute",
+                                       "name": route.key.name, "namespace": route.key.namespace, "uid": route.uid},
+                    "reason": event["reason"], "message": event["message"], "type": event["type"],
+                    "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+                    "source": {"component": "kaon-router"}, "reportingComponent": "kaon-router"}
+            url = f"{self.server.url}/api/v1/namespaces/{route.key.namespace}/events"
+            try:
+                async with session.post(url, json=body, headers=self.server.headers(),
+                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    if resp.status >= 300:
+                        logger.info("InferenceRoute %s: Event not posted (%d)", route.key, resp.status)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                logger.info("InferenceRoute %s: Event not posted (%s)", route.key, exc)
+
+
+def _now() -> str:
+    return kubetime.stamp(clock.now())

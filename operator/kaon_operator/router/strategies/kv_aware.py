@@ -1,0 +1,94 @@
+"""kv-aware: send a request to the pod whose KV cache holds the longest prefix of its prompt, as
+the engines themselves announce it (KV events: kv_feed.py, kv_index.py), within a load bound.
+
+Where prefix-affinity guesses from what this router sent (and cannot see an eviction, another
+replica's requests, or a restart), kv-aware reads what each pod holds, in which tier: a block in
+the pool counts fully, one in host memory or on disk a little less (it must be copied back).
+
+The choice (`choose`, pure): the pods ranked by their score (the prompt's leading blocks they
+hold, weighted by tier), ties and pods holding nothing by fewest requests in flight; the first
+whose requests in flight are within prefix-affinity's bound (`capacity`: ceil(loadBound x mean),
+or the least loaded pod's count + BOUND_SLACK + 1) and below the engine's sequence slots when
+another pod has a free one, else the least loaded pod. A request the router cannot tokenize yet
+(the service's tokenizer is still being fetched) or that holds no prefix anywhere goes by
+prefix-affinity, which spreads new conversations and keeps their turns together.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TypeVar
+
+from kaon_operator.router.endpoints import Endpoint, ServiceKey
+from kaon_operator.router.kv_feed import KvFeed
+from kaon_operator.router.kv_index import KvIndex, Match, block_keys
+from kaon_operator.router.strategies import least_connections
+from kaon_operator.router.strategies.base import Attempt, Choice
+from kaon_operator.router.strategies.prefix_affinity import BOUND_SLACK, PrefixAffinity, capacity
+from kaon_operator.router.strategies.prefixes import prefix
+
+T = TypeVar("T", bound=Hashable)
+
+
+def choose(matches: Mapping[T, Match], usable: Sequence[T], inflight: Mapping[T, int], load_bound: float,
+           slots: int | None, rng: random.Random) -> tuple[T, bool]:
+    """The pod for a request and whether it is the pod holding the longest prefix (False: passed
+    over for load). `matches`: what each usable pod holds of the prompt."""
+    loads = {m: inflight.get(m, 0) for m in usable}
+    least = min(loads.values())
+    limit = max(capacity(inflight, usable, load_bound), least + BOUND_SLACK + 1)
+    if slots is not None:
+        limit = min(limit, max(slots, least + 1))
+    def score(m: T) -> float:
+        found = matches.get(m)
+        return found.score if found is not None else 0.0
+
+    best = max(score(m) for m in usable)
+    within = sorted((m for m in usable if loads[m] < limit), key=lambda m: (-score(m), loads[m]))
+    if within:
+        head = within[0]
+        target = least_connections.least([m for m in within if score(m) == score(head)], lambda m: loads[m], rng)
+    else:
+        target = least_connections.pick(usable, inflight, rng)
+    return target, score(target) == best
+
+
+class KvAware:
+    """One per router, for all its services; each pod's events are followed while it is ready."""
+
+    def __init__(self, index: KvIndex | None = None, feed: KvFeed | None = None):
+        self.index = index or KvIndex()
+        self.feed = feed or KvFeed(self.index)
+        self.fallback = PrefixAffinity()
+        self._ready: dict[ServiceKey, tuple[Endpoint, ...]] = {}  # each service's ready pods, as last seen
+
+    def pick(self, attempt: Attempt) -> Choice:
+        self.feed.follow(self._all_ready(attempt))
+        tokenizer = self.feed.tokenizer(attempt.service.key, attempt.ready)
+        ids = tokenizer.prompt_ids(attempt.path, attempt.payload) if tokenizer is not None else None
+        block_size = next((b for b in (self.index.block_size(e.pod) for e in attempt.ready) if b), None)
+        if ids is None or block_size is None:
+            return self.fallback.pick(attempt)
+        keys = block_keys(ids[:-1], block_size)  # the engine always computes the last token itself
+        matches = {e: self.index.match(e.pod, keys) for e in attempt.usable}
+        if not any(m.blocks for m in matches.values()):
+            return self.fallback.pick(attempt)
+        target, hit = choose(matches, attempt.usable, attempt.inflight, attempt.service.load_bound,
+                             attempt.service.max_num_seqs, attempt.rng)
+        # prefix-affinity's records follow kv-aware's choices, for a later request the index knows nothing of.
+        found = prefix(attempt.path, attempt.payload, str(attempt.service.key))
+        if found is not None:
+            self.fallback.known.record(found.hashes, target)
+        return Choice(target, hit)
+
+    def _all_ready(self, attempt: Attempt) -> list[Endpoint]:
+        self._ready[attempt.service.key] = attempt.ready
+        return [e for ready in self._ready.values() for e in ready]
+
+    def forget(self, key: ServiceKey) -> None:
+        """The service has no ready pod left: its tokenizer and its pods' entries go."""
+        self.fallback.forget(key)
+        self.feed.forget(key)
+        self._ready.pop(key, None)
+        still = {e.pod for ready in self._ready.values() for e in ready}
+        self.index.keep_only(still)

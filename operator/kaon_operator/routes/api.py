@@ -1,0 +1,116 @@
+"""The InferenceRoute API (kaon.dev/v1alpha1): pydantic models of its spec and status.
+
+The CRD (crds/inferenceroute.yaml) is generated from them by `python -m kaon_operator.routes.crd`.
+"""
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from kaon_operator.api import GROUP, VERSION, AuthSpec, _cel, _Model
+
+KIND = "InferenceRoute"
+PLURAL = "inferenceroutes"
+API_VERSION = f"{GROUP}/{VERSION}"
+MAX_TIERS = 8
+_SERVICE_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+
+class TierSpec(_Model):
+    service: str = Field(pattern=_SERVICE_NAME, max_length=63)
+    """An InferenceService of the route's namespace (its metadata.name)."""
+    cost_per_million_tokens: float = Field(ge=0)
+    """What a million tokens (prompt and completion) cost on this tier, in any currency: the route's
+    cost figures (status, metrics) are in it."""
+
+
+class RulesSpec(_Model):
+    thresholds: list[float] = Field(default_factory=lambda: [1.5, 3.5], min_length=1, max_length=MAX_TIERS - 1)
+    """Complexity scores at which a request moves up one tier (classifier.py's rule set scores a request
+    from its length, reasoning keywords, entity count and domain); with 2 tiers only the first is used."""
+
+
+class ClassifierSpec(_Model):
+    mode: str = Field(default="rules", pattern="^rules$")
+    """`rules`: the built-in rule set (the only mode so far; the learned mode on all-MiniLM-L6-v2
+    embeddings is not built yet: docs/routing.md)."""
+    rules: RulesSpec = Field(default_factory=RulesSpec)
+
+
+class VerifySpec(_Model):
+    fraction: float = Field(default=0.0, ge=0, le=1)
+    """The share of lower tiers' answers re-asked of the top tier in the background and compared."""
+    min_agreement: float = Field(default=0.8, ge=0, le=1)
+    """A class whose agreement with the top tier falls below this (over at least `minSamples`
+    comparisons) is escalated to the next tier, with an Event."""
+    min_samples: int = Field(default=20, ge=1, le=100000)
+    """Comparisons of a (tier, class) needed before its agreement may escalate it."""
+
+
+class ExactCacheSpec(_Model):
+    enabled: bool = True
+    deterministic_only: bool = True
+    """Cache only requests whose answer is deterministic: temperature 0 or a fixed seed."""
+
+
+class SemanticCacheSpec(_Model):
+    enabled: bool = False
+    """Opt-in: a request whose prompt embeds within `threshold` (cosine) of a cached one's gets that answer."""
+    embedder: str | None = Field(default=None, pattern=_SERVICE_NAME, max_length=63)
+    """An InferenceService of the namespace serving `--task embed` (/v1/embeddings)."""
+    threshold: float = Field(default=0.95, gt=0, le=1)
+
+
+class CacheSpec(_Model):
+    exact: ExactCacheSpec = Field(default_factory=ExactCacheSpec)
+    semantic: SemanticCacheSpec = Field(default_factory=SemanticCacheSpec)
+    ttl_seconds: int = Field(default=3600, ge=1, le=30 * 86400)
+    max_entries: int = Field(default=10000, ge=1, le=10_000_000)
+    valkey: str | None = Field(default=None, pattern=r"^(redis|valkey)://[^ ]+$", max_length=512)
+    """`redis://host:port/db` of a Valkey or Redis server shared by every router replica; without it the
+    cache lives in each router's memory."""
+
+
+class InferenceRouteSpec(_Model):
+    tiers: list[TierSpec] = Field(min_length=1, max_length=MAX_TIERS, json_schema_extra=_cel(
+        "self.all(t, self.exists_one(u, u.service == t.service))", "tiers must name distinct services"))
+    """Cheapest first; each an InferenceService in this namespace."""
+    classifier: ClassifierSpec = Field(default_factory=ClassifierSpec)
+    verify: VerifySpec = Field(default_factory=VerifySpec)
+    cache: CacheSpec = Field(default_factory=CacheSpec)
+    auth: AuthSpec | None = None
+    """API keys of the route itself (a Secret of this namespace); a keyed tier also checks its own."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> InferenceRouteSpec:
+        names = [t.service for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError("tiers must name distinct services")
+        return self
+
+
+class TierStatus(_Model):
+    service: str
+    share: float = 0.0
+    """This tier's share of the requests the models answered (cache hits left out)."""
+    requests: int = 0
+
+
+class AgreementStatus(_Model):
+    tier: str
+    request_class: str = Field(alias="class")
+    agreement: float
+    samples: int
+    escalated: bool = False
+
+
+class InferenceRouteStatus(_Model):
+    tiers: list[TierStatus] = Field(default_factory=list)
+    shares: str = ""
+    """The tiers' shares in one line (`small 80% / large 20%`): the `kubectl get` column."""
+    requests: int = 0
+    cache_hit_rate: float = 0.0
+    cost_vs_top_tier: float = 1.0
+    """What the answered requests cost against sending every one to the top tier (1.0: the same)."""
+    agreement: list[AgreementStatus] = Field(default_factory=list)
+    conditions: list[dict] = Field(default_factory=list)
+    observed_generation: int | None = None

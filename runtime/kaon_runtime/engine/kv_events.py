@@ -1,0 +1,212 @@
+"""KV cache events in vLLM's wire format (`--kv-events-config`), so that KV-aware routers written
+for vLLM (llm-d's precise prefix-cache scorer, Dynamo's KV router, kaon's own `kv-aware` strategy)
+read a kaon engine unchanged.
+
+The wire format is vLLM's (vllm/distributed/kv_events.py and its example subscriber): each ZMQ
+PUB message is three frames, (topic, sequence number as 8 big-endian bytes, msgpack payload), the
+payload an `EventBatch` (msgspec structs encoded as arrays, events tagged by class name) of
+`BlockStored`, `BlockRemoved` and `AllBlocksCleared`. A ROUTER socket at `replay_endpoint`
+answers a request carrying a start sequence number with every buffered batch from there on, then an
+end marker (sequence -1, empty payload). The structs are our own definitions with vLLM's field order
+and options; a test decodes them with types written from vLLM's published ones.
+
+Media: "GPU" for the engine's pool (vLLM's name for the device tier, on any device), "CPU" for the
+host-memory tier and "DISK" for the disk tier (engine/kv_tiers.py).
+
+Events are queued from the engine thread (and the tier's mover thread) and sent by one publisher
+thread, which batches whatever has arrived: the engine loop never waits on a socket.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kaon_runtime.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+MEDIUM_POOL, MEDIUM_HOST, MEDIUM_DISK = "GPU", "CPU", "DISK"
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """One change to what a medium holds."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def block_stored(block_hashes: list[int], parent: int | None, tokens: tuple[int, ...] | list[int], block_size: int,
+                 medium: str, lora_id: int = 0) -> BlockStored:
+    """A run of chained blocks (each the parent of the next) newly held by `medium`; lora_id 0: the base model."""
+    return BlockStored(block_hashes=list(block_hashes), parent_block_hash=parent, token_ids=list(tokens),
+                       block_size=block_size, lora_id=lora_id or None, medium=medium)
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig, the fields kaon reads (others are accepted and ignored, as vLLM's are optional)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" or "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
+    """`--kv-events-config`'s JSON as a config; None when absent or not enabled. Raises InvalidRequestError."""
+    if text is None:
+        return None
+    try:
+        raw = json.loads(text) if isinstance(text, str) else dict(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"--kv-events-config is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("--kv-events-config must be a JSON object")
+    known = {f: raw[f] for f in KVEventsConfig.__dataclass_fields__ if f in raw}
+    try:
+        config = KVEventsConfig(**known)
+    except TypeError as e:
+        raise InvalidRequestError(f"--kv-events-config: {e}") from None
+    if config.publisher not in ("zmq", "null"):
+        raise InvalidRequestError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {config.publisher!r}")
+    for name in ("buffer_steps", "hwm"):
+        if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+            raise InvalidRequestError(f"--kv-events-config: {name} must be a positive integer")
+    return config if config.enabled else None
+
+
+class EventPublisher:
+    """One ZMQ PUB socket (and the replay ROUTER socket), driven by its own thread."""
+
+    def __init__(self, config: KVEventsConfig):
+        import zmq  # only an engine that publishes needs it loaded
+
+        self.config = config
+        self._queue: queue.Queue[KVEvent | None] = queue.Queue()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._seq = 0
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._bind(self._pub, config.endpoint)
+        self._replay = None
+        if config.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._bind(self._replay, config.replay_endpoint)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        # A restarted engine holds nothing: subscribers that knew its previous life drop what they had.
+        self.emit(AllBlocksCleared())
+
+    def _bind(self, socket, endpoint: str) -> None:
+        import zmq
+
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError as e:
+            self._ctx.destroy(linger=0)
+            raise InvalidRequestError(f"--kv-events-config: cannot bind {endpoint}: {e}") from None
+
+    def emit(self, event: KVEvent) -> None:
+        self._queue.put(event)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        topic = self.config.topic.encode()
+        running = True
+        while running:
+            events: list[KVEvent] = []
+            try:
+                first = self._queue.get(timeout=0.01)
+                if first is None:
+                    running = False
+                else:
+                    events.append(first)
+                while running:  # everything that has arrived goes in one batch
+                    more = self._queue.get_nowait()
+                    if more is None:
+                        running = False
+                    else:
+                        events.append(more)
+            except queue.Empty:
+                pass
+            if events:
+                payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
+                seq = self._seq
+                self._seq += 1
+                self._buffer.append((seq, payload))
+                try:
+                    self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+                except zmq.Again:  # no subscriber keeps up: it can replay from the buffer
+                    log.warning("KV events: batch %d dropped at the high-water mark", seq)
+            if self._replay is not None:
+                while poller.poll(0):
+                    self._serve_replay(self._replay)
+
+    def _serve_replay(self, replay) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("KV events: a replay request of %d frames ignored (want client, empty, sequence)",
+                        len(frames))
+            return
+        client, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_OF_REPLAY, b""))

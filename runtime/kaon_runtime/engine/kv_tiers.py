@@ -1,0 +1,415 @@
+"""The KV tiers below the pool: host memory (`--kv-offload-bytes`), then a disk directory
+(`--kv-offload-dir`, `--kv-offload-dir-bytes`).
+
+A cached block whose last owner lets go is copied down to host memory by the mover thread while
+it is still intact in the pool (it may stay there for long: the copy is a spare, made early so
+that evicting the block costs nothing). When the pool reuses a block the copy was being made
+from, the copy is discarded: each pool block carries a generation that its eviction bumps, and a
+copy is kept only if the generation it started from is still current when it is done. So nothing
+on the engine's step waits for a copy to host or to disk.
+
+The host tier keeps blocks in LRU order within its bytes; the oldest go down to disk, which
+keeps its own LRU within its bytes. A prefix lookup that misses the pool asks the tiers
+(BlockManager._restore): a hit is copied back into a free pool block (from host memory, or read
+from disk). A queued request's prompt blocks found on disk are read into host memory by the
+mover thread while it waits (prefetch).
+
+The disk tier outlives the engine: a `manifest.json` names the model and the KV layout it was
+written with, and a restarted engine with the same ones indexes the blocks it finds (each file
+carries its block's parent hash and tokens, checked on every restore as the pool checks its own).
+Another model's or layout's directory is refused at start. Chain hashes are stable across
+processes (engine/block_manager.py) for this.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, KVEvent, block_stored
+from kaon_runtime.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct(">I")  # the length of a block file's JSON header
+
+
+@dataclass(slots=True)
+class TierStats:
+    """The tiers' counters (`kaon_kv_tier_*`); blocks unless named bytes or seconds."""
+
+    host_bytes: int = 0
+    host_capacity_bytes: int = 0
+    disk_bytes: int = 0
+    disk_capacity_bytes: int = 0
+    hits: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    # pool_to_host, host_to_disk, host_to_pool, disk_to_pool, disk_to_host (prefetch)
+    moved: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    discarded: int = 0  # copies whose pool block was reused before they were done
+
+    def count(self, direction: str, blocks: int, seconds: float) -> None:
+        self.moved[direction] = self.moved.get(direction, 0) + blocks
+        self.seconds[direction] = self.seconds.get(direction, 0.0) + seconds
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What a block's bytes mean: the disk tier is only read back by an engine with the same one."""
+
+    model: str
+    dtype: str
+    block_size: int
+    block_shape: tuple[int, ...]  # one block across layers: [layers, 2, kv heads, block size, head dim]
+
+    def manifest(self) -> dict:
+        return {"format": FORMAT_VERSION, "model": self.model, "dtype": self.dtype, "block_size": self.block_size,
+                "block_shape": list(self.block_shape)}
+
+
+def check_manifest(directory: Path, layout: KVLayout) -> None:
+    """Write the layout's manifest into a new directory, or check an existing one against it.
+    Raises ModelLoadError when the directory holds another model's or layout's blocks."""
+    path = directory / MANIFEST
+    if not path.exists():
+        if any(directory.glob("*.kv")):
+            raise ModelLoadError(f"--kv-offload-dir {directory} holds KV blocks but no {MANIFEST}: not a kaon disk "
+                                 "tier, or a damaged one; give an empty directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(layout.manifest(), indent=1))
+        return
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"--kv-offload-dir {directory}: unreadable {MANIFEST} ({e})") from None
+    if found != layout.manifest():
+        differ = sorted(k for k in layout.manifest() if found.get(k) != layout.manifest()[k])
+        raise ModelLoadError(f"--kv-offload-dir {directory} holds the KV cache of another model or layout "
+                             f"({', '.join(f'{k}: {found.get(k)!r}, here {layout.manifest()[k]!r}' for k in differ)}); "
+                             "give this engine its own directory")
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_block(kv_cache: torch.Tensor, block_id: int) -> torch.Tensor:
+    """A contiguous host copy of one pool block. On CPU through numpy, one thread: torch's copy of a
+    strided view would start an OpenMP team of its own beside the step's (twice the threads on the cores)."""
+    view = kv_cache[:, :, :, block_id]
+    if kv_cache.device.type != "cpu":
+        return view.to("cpu", copy=True).contiguous()
+    raw = view.view(_SAME_SIZE_INTS[kv_cache.element_size()]).numpy()  # bfloat16 has no numpy type: its bits do
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(kv_cache.dtype)
+
+
+def _file_name(block_hash: int) -> str:
+    return f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}.kv"
+
+
+def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor) -> int:
+    """One block file: header length, JSON header (parent, tokens), the raw bytes. Atomic (rename)."""
+    header = json.dumps({"parent": parent, "tokens": list(tokens)}).encode()
+    raw = data.contiguous().view(torch.uint8).numpy().tobytes()
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_HEADER.pack(len(header)) + header + raw)
+    os.replace(tmp, path)
+    return len(raw)
+
+
+def read_header(path: Path) -> tuple[int | None, tuple[int, ...], int]:
+    """A block file's parent, tokens and data size, without its data."""
+    with open(path, "rb") as f:
+        (n,) = _HEADER.unpack(f.read(_HEADER.size))
+        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size - _HEADER.size - n
+    return header["parent"], tuple(header["tokens"]), size
+
+
+def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int | None, tuple[int, ...],
+                                                                             torch.Tensor]:
+    data = path.read_bytes()
+    (n,) = _HEADER.unpack_from(data)
+    header = json.loads(data[_HEADER.size:_HEADER.size + n])
+    raw = bytearray(data[_HEADER.size + n:])
+    tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+    return header["parent"], tuple(header["tokens"]), tensor
+
+
+@dataclass(slots=True)
+class _HostBlock:
+    parent: int | None
+    tokens: tuple[int, ...]
+    data: torch.Tensor
+
+
+@dataclass(slots=True)
+class _DiskBlock:
+    parent: int | None
+    tokens: tuple[int, ...]
+    size: int
+
+
+class KVTiers:
+    """The host and disk tiers of one engine's pool, and the mover thread between them.
+
+    `pool` returns the pool ([layers, 2, kv heads, blocks, block size, head dim]; a block is its
+    slice on dimension 3), or None while the engine sleeps: read at each move, never kept, so a
+    sleeping engine's pool is freed and a woken one's new pool is the one used (engine/sleep.py).
+    `emit` receives the tiers' KV events (none when events are off).
+    """
+
+    def __init__(self, pool: torch.Tensor | Callable[[], torch.Tensor | None], layout: KVLayout, host_bytes: int,
+                 disk_dir: str | None = None, disk_bytes: int = 0, emit: Callable[[KVEvent], None] | None = None):
+        self._pool = pool if callable(pool) else (lambda: pool)
+        kv_cache = self._pool()
+        assert kv_cache is not None, "the tiers start beside a pool"
+        self.layout = layout
+        self.dtype = kv_cache.dtype
+        self.block_bytes = kv_cache[:, :, :, 0].numel() * kv_cache.element_size()
+        self.stats = TierStats(host_capacity_bytes=host_bytes, disk_capacity_bytes=disk_bytes if disk_dir else 0)
+        self._emit = emit or (lambda event: None)
+        self._lock = threading.Lock()
+        self._host: OrderedDict[int, _HostBlock] = OrderedDict()
+        self._disk: OrderedDict[int, _DiskBlock] = OrderedDict()
+        self._generation = [0] * kv_cache.shape[3]  # per pool block: bumped when the pool reuses it
+        self._in_flight: set[int] = set()  # hashes queued for the move down
+        self.disk_dir = Path(disk_dir) if disk_dir else None
+        if self.disk_dir is not None:
+            check_manifest(self.disk_dir, layout)
+            self._index_disk()
+        self._jobs: queue.Queue[tuple | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
+        self._thread.start()
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def offload(self, block_id: int, block_hash: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        """Queue a copy of a pool block that just became evictable (nothing if a tier has it)."""
+        with self._lock:
+            if block_hash in self._host or block_hash in self._disk or block_hash in self._in_flight:
+                if block_hash in self._host:
+                    self._host.move_to_end(block_hash)  # used again: the last to go down
+                return
+            self._in_flight.add(block_hash)
+            generation = self._generation[block_id]
+        self._jobs.put(("offload", block_id, block_hash, parent, tokens, generation))
+
+    def pool_reuses(self, block_id: int) -> None:
+        """The pool is about to overwrite a block: a copy of it still in flight is void."""
+        with self._lock:
+            self._generation[block_id] += 1
+
+    def holds(self, block_hash: int) -> bool:
+        with self._lock:
+            return block_hash in self._host or block_hash in self._disk
+
+    def restore(self, block_hash: int, parent: int | None, tokens: tuple[int, ...], block_id: int) -> bool:
+        """Copy a block held below into pool block `block_id`; False when gone or not the same tokens."""
+        start = time.perf_counter()
+        with self._lock:
+            host = self._host.get(block_hash)
+            disk = self._disk.get(block_hash) if host is None else None
+        kv_cache = self._pool()
+        if kv_cache is None:
+            return False
+        if host is not None:
+            if (host.parent, host.tokens) != (parent, tokens):
+                return False  # a hash collision: never serve another prefix's K/V
+            kv_cache[:, :, :, block_id].copy_(host.data)
+            with self._lock:
+                if block_hash in self._host:
+                    self._host.move_to_end(block_hash)
+                self.stats.hits["host"] += 1
+                self.stats.count("host_to_pool", 1, time.perf_counter() - start)
+            return True
+        if disk is None or (disk.parent, disk.tokens) != (parent, tokens):
+            return False
+        loaded = self._read(block_hash)
+        if loaded is None:
+            return False
+        kv_cache[:, :, :, block_id].copy_(loaded)
+        with self._lock:
+            self.stats.hits["disk"] += 1
+            self.stats.count("disk_to_pool", 1, time.perf_counter() - start)
+        return True
+
+    def prefetch(self, block_hashes: list[int]) -> None:
+        """Read a queued prompt's blocks that only the disk holds into host memory, in the background."""
+        with self._lock:
+            wanted = [h for h in block_hashes if h in self._disk and h not in self._host]
+        if wanted and self.stats.host_capacity_bytes >= self.block_bytes:
+            self._jobs.put(("prefetch", wanted))
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every queued move is done (tests, benchmarks, shutdown)."""
+        done = threading.Event()
+        self._jobs.put(("mark", done))
+        done.wait(timeout)
+
+    def close(self) -> None:
+        """Finish the queued moves, then write host memory's blocks down to disk (when there is one), so a
+        restarted engine finds them there too."""
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+        if self.disk_dir is not None and self.stats.disk_capacity_bytes >= self.block_bytes:
+            with self._lock:
+                kept = [(h, b) for h, b in self._host.items() if h not in self._disk]
+            for h, block in kept:  # oldest first: the newest stay if the disk tier is full
+                self._put_disk(h, block)
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            s = self.stats
+            return TierStats(s.host_bytes, s.host_capacity_bytes, s.disk_bytes, s.disk_capacity_bytes, dict(s.hits),
+                             dict(s.moved), dict(s.seconds), s.discarded)
+
+    # ---- the mover thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        # The copies are spares: under contention for the CPU (an engine on CPU, its step's threads) they
+        # yield to the step. On Linux a thread's id is its own scheduling entity.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if job[0] == "offload":
+                    self._offload(*job[1:])
+                elif job[0] == "prefetch":
+                    self._prefetch(job[1])
+                else:
+                    job[1].set()
+            except Exception:  # a failed move loses a spare copy, never the engine: logged
+                log.exception("KV tiers: a %s failed", job[0])
+
+    def _offload(self, block_id: int, block_hash: int, parent: int | None, tokens: tuple[int, ...],
+                 generation: int) -> None:
+        start = time.perf_counter()
+        kv_cache = self._pool()
+        data = None if kv_cache is None else copy_block(kv_cache, block_id)
+        with self._lock:
+            self._in_flight.discard(block_hash)
+            # Reused (or the pool freed: asleep) while we copied: the copy is void.
+            if data is None or self._generation[block_id] != generation:
+                self.stats.discarded += 1
+                return
+        self._put_host(block_hash, _HostBlock(parent, tokens, data))
+        with self._lock:
+            self.stats.count("pool_to_host", 1, time.perf_counter() - start)
+
+    def _put_host(self, block_hash: int, block: _HostBlock) -> None:
+        """Into host memory, the oldest blocks beyond its bytes down to disk (or dropped without one)."""
+        down: list[tuple[int, _HostBlock]] = []
+        with self._lock:
+            # A host tier of at least one block never sends the newest block down at once.
+            kept = self.stats.host_capacity_bytes >= self.block_bytes
+            if kept:
+                self._host[block_hash] = block
+                self.stats.host_bytes += self.block_bytes
+                while self.stats.host_bytes > self.stats.host_capacity_bytes:
+                    down.append(self._host.popitem(last=False))
+                    self.stats.host_bytes -= self.block_bytes
+            else:
+                down.append((block_hash, block))  # no host tier: straight to disk
+        if kept:
+            self._emit(block_stored([block_hash], block.parent, block.tokens, self.layout.block_size, MEDIUM_HOST))
+        for h, old in down:
+            if kept:
+                self._emit(BlockRemoved(block_hashes=[h], medium=MEDIUM_HOST))
+            self._put_disk(h, old)
+
+    def _put_disk(self, block_hash: int, block: _HostBlock) -> None:
+        if self.disk_dir is None or self.stats.disk_capacity_bytes < self.block_bytes:
+            return
+        with self._lock:
+            if block_hash in self._disk:
+                self._disk.move_to_end(block_hash)
+                return
+        start = time.perf_counter()
+        size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data)
+        gone: list[int] = []
+        with self._lock:
+            self._disk[block_hash] = _DiskBlock(block.parent, block.tokens, size)
+            self.stats.disk_bytes += size
+            while self.stats.disk_bytes > self.stats.disk_capacity_bytes:
+                h, old = self._disk.popitem(last=False)
+                self.stats.disk_bytes -= old.size
+                gone.append(h)
+            self.stats.count("host_to_disk", 1, time.perf_counter() - start)
+        self._emit(block_stored([block_hash], block.parent, block.tokens, self.layout.block_size, MEDIUM_DISK))
+        for h in gone:
+            (self.disk_dir / _file_name(h)).unlink(missing_ok=True)
+        if gone:
+            self._emit(BlockRemoved(block_hashes=gone, medium=MEDIUM_DISK))
+
+    def _prefetch(self, block_hashes: list[int]) -> None:
+        for h in block_hashes:
+            start = time.perf_counter()
+            with self._lock:
+                disk = self._disk.get(h)
+                if disk is None or h in self._host:
+                    continue
+            data = self._read(h)
+            if data is None:
+                continue
+            self._put_host(h, _HostBlock(disk.parent, disk.tokens, data))
+            with self._lock:
+                self.stats.count("disk_to_host", 1, time.perf_counter() - start)
+
+    def _read(self, block_hash: int) -> torch.Tensor | None:
+        assert self.disk_dir is not None
+        try:
+            _, _, data = read_block(self.disk_dir / _file_name(block_hash), self.dtype, self.layout.block_shape)
+        except (OSError, ValueError, RuntimeError) as e:  # deleted or damaged under us: a miss
+            log.warning("KV tiers: block file %s unreadable (%s); dropped", _file_name(block_hash), e)
+            with self._lock:
+                old = self._disk.pop(block_hash, None)
+                if old is not None:
+                    self.stats.disk_bytes -= old.size
+            return None
+        return data
+
+    def _index_disk(self) -> None:
+        """Index the blocks a previous engine left, oldest first (their files' modification times)."""
+        assert self.disk_dir is not None
+        files = sorted(self.disk_dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            try:
+                parent, tokens, size = read_header(path)
+                block_hash = int(path.stem, 16)
+            except (OSError, ValueError, KeyError, struct.error) as e:
+                log.warning("KV tiers: %s unreadable (%s); removed", path.name, e)
+                path.unlink(missing_ok=True)
+                continue
+            if block_hash >= 1 << 63:
+                block_hash -= 1 << 64  # the file name holds the hash's two's complement
+            if size != self.block_bytes:
+                path.unlink(missing_ok=True)
+                continue
+            self._disk[block_hash] = _DiskBlock(parent, tokens, size)
+            self.stats.disk_bytes += size
+        while self.stats.disk_bytes > self.stats.disk_capacity_bytes and self._disk:
+            h, old = self._disk.popitem(last=False)
+            self.stats.disk_bytes -= old.size
+            (self.disk_dir / _file_name(h)).unlink(missing_ok=True)
+        if self._disk:
+            log.info("KV tiers: %d blocks found in %s from an earlier run", len(self._disk), self.disk_dir)
+        for h, found in self._disk.items():  # subscribers learn what this engine holds from its last life
+            self._emit(block_stored([h], found.parent, found.tokens, self.layout.block_size, MEDIUM_DISK))

@@ -1,0 +1,27 @@
+"""The reference arithmetic of quantized weights: what a checkpoint's format specifies, nothing faster.
+
+kaon's fast CPU paths change the activations a quantized weight multiplies: the fused C decode step and
+the group-int8 / bit-plane few-row kernels round them to int8 in blocks of 32 (llama.cpp's trade), torch's
+int4 / int8 weight-only kernels and the many-row dense GEMM take them in bfloat16. A W4A16 or W8A16
+checkpoint specifies float activations, so those paths move its logits (by up to 0.06 nats on
+llm-compressor's W8A16, issue 49). Under `--dtype float32` on a checkpoint quantized by its publisher,
+every quantized linear is marked `reference`: it multiplies float32 activations by its dequantized
+weight (kernels/quant_gemm_ref.py), and the activation quantization a W8A8 checkpoint specifies stays
+where it is (quant/dynamic_inputs.py, quant/dynamic_fp8.py, quant/static_inputs.py). The engine also
+leaves the fused C step off (engine/model_loader.py).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from kaon_runtime.quant.linear import QuantizedLinear
+
+
+def use_reference_kernels(model: nn.Module) -> int:
+    """Mark every quantized linear of `model` to run its reference arithmetic; how many there were."""
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.reference = True
+            marked += 1
+    return marked

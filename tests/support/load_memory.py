@@ -1,0 +1,43 @@
+"""Peak and settled resident memory of loading a model, measured in a fresh process of its own.
+
+    python tests/support/load_memory.py MODEL [LLM keyword=value ...]
+
+prints one JSON line: {"peak": bytes, "settled": bytes, "seconds": s}. peak is the process's
+high-water mark (getrusage's ru_maxrss: the load, the KV pool, the first steps); settled is its
+resident memory once the engine has loaded and served a short greedy request (the engine's
+working size: weights in their kernel layouts, the KV pool, torch). A fresh process, because
+ru_maxrss never goes down: a test process that loaded anything before would hide the load's peak.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main() -> int:
+    model, *options = sys.argv[1:]
+    kwargs: dict = {"show_progress": False, "device": "cpu", "num_kv_blocks": 64}
+    for option in options:
+        key, _, value = option.partition("=")
+        kwargs[key] = int(value) if value.isdigit() else value
+    start = time.perf_counter()
+    from kaon_runtime import LLM, SamplingParams
+
+    llm = LLM(model, **kwargs)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    settled = resident_bytes()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    print(json.dumps({"peak": peak, "settled": settled, "seconds": time.perf_counter() - start}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The kv-aware strategy: its index (which pod holds which prefix, in which tier, from the engines'
+KV events), its choice (the longest prefix within the load bound), both pure; and the feed, which
+subscribes to a real publisher (the engine's own, over ZMQ) and builds the index from it."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import socket
+import time
+
+from kaon_operator.router.endpoints import Endpoint
+from kaon_operator.router.kv_feed import KvFeed
+from kaon_operator.router.kv_index import KvIndex, Match, block_keys
+from kaon_operator.router.strategies.kv_aware import choose
+
+BS = 4
+PROMPT = list(range(100, 117))  # 4 whole blocks (the engine leaves the last token to compute)
+H = [11, 12, 13, 14]  # an engine's own hashes of those blocks
+
+
+def stored(index: KvIndex, pod: str, hashes=H, parent=None, tokens=PROMPT[:16], medium="GPU", lora=None):
+    index.stored(pod, hashes, parent, tokens, BS, lora, medium)
+
+
+def keys(tokens=PROMPT) -> list[int]:
+    return block_keys(tokens[:-1], BS)
+
+
+# ---- the index -------------------------------------------------------------------------
+
+def test_a_pod_matches_the_blocks_its_engine_announced():
+    index = KvIndex()
+    stored(index, "a", hashes=H[:2], tokens=PROMPT[:8])  # two blocks, then two more chained to them
+    stored(index, "a", hashes=H[2:], parent=H[1], tokens=PROMPT[8:16])
+    stored(index, "b", hashes=H[:1], tokens=PROMPT[:4])
+    assert index.match("a", keys()).blocks == 4
+    assert index.match("b", keys()).blocks == 1
+    assert index.match("c", keys()).blocks == 0
+    other = PROMPT[:4] + [9, 9, 9, 9] + PROMPT[8:]
+    assert index.match("a", keys(other)).blocks == 1  # a prefix, never a block past a difference
+
+
+def test_evictions_and_tiers():
+    index = KvIndex()
+    stored(index, "a")
+    stored(index, "a", hashes=H[3:], parent=H[2], tokens=PROMPT[12:16], medium="CPU")  # copied to host memory
+    index.removed("a", H[2:], "GPU")  # the pool let blocks 3 and 4 go; the host copy of 4 stays
+    assert index.match("a", keys()).blocks == 2  # block 3 is nowhere: the prefix stops there
+    index.removed("a", H[:2], "GPU")
+    assert index.match("a", keys()).blocks == 0
+    stored(index, "b", tokens=PROMPT[:16], medium="DISK")
+    stored(index, "c")
+    assert index.match("c", keys()).score > index.match("b", keys()).score > 0  # the pool beats the disk
+
+
+def test_chains_the_router_cannot_follow_are_left_out():
+    index = KvIndex()
+    stored(index, "a", parent=999)  # a salted root, or a parent never seen
+    stored(index, "b", lora=3)  # an adapter's blocks
+    assert index.match("a", keys()).blocks == 0 and index.match("b", keys()).blocks == 0
+
+
+def test_a_restart_clears_a_pods_entries():
+    index = KvIndex()
+    assert index.sequence("a", 0) is None
+    stored(index, "a")
+    assert index.sequence("a", 1) is None
+    assert index.sequence("a", 4) == 2  # batches 2 and 3 missed: replay from 2
+    assert index.match("a", keys()).blocks == 4
+    index.sequence("a", 0)  # numbers start over: a new engine
+    assert index.match("a", keys()).blocks == 0
+    stored(index, "a")
+    index.clear("a")  # AllBlocksCleared
+    assert index.match("a", keys()).blocks == 0
+
+
+def test_router_replicas_fed_the_same_events_agree():
+    first, second = KvIndex(), KvIndex()
+    for index in (first, second):
+        stored(index, "a", hashes=[7, 8], tokens=PROMPT[:8])
+        stored(index, "b")
+        index.removed("b", [14], "GPU")
+    assert [first.match(p, keys()) for p in "ab"] == [second.match(p, keys()) for p in "ab"]
+    assert block_keys(PROMPT, BS) == block_keys(list(PROMPT), BS)
+
+
+# ---- the choice ------------------------------------------------------------------------
+
+def test_the_longest_prefix_wins_within_the_load_bound():
+    rng = random.Random(0)
+    matches = {"a": Match(1, 1.0), "b": Match(4, 4.0), "c": Match(0, 0.0)}
+    assert choose(matches, ["a", "b", "c"], {}, 1.25, None, rng) == ("b", True)
+    # b is far above the mean: the next longest prefix, a, within the bound
+    assert choose(matches, ["a", "b", "c"], {"b": 9}, 1.25, None, rng) == ("a", False)
+    # no free sequence slot at b while a has one
+    assert choose(matches, ["a", "b", "c"], {"b": 2}, 10, 2, rng) == ("a", False)
+
+
+def test_ties_go_to_the_least_loaded():
+    matches = {"a": Match(2, 2.0), "b": Match(2, 2.0)}
+    assert choose(matches, ["a", "b"], {"a": 1}, 1.25, None, random.Random(0)) == ("b", True)
+
+
+def test_everyone_over_the_bound_goes_by_least_connections():
+    matches = {"a": Match(4, 4.0), "b": Match(0, 0.0)}
+    target, hit = choose(matches, ["a", "b"], {"a": 5, "b": 3}, 1.01, 3, random.Random(0))
+    assert (target, hit) == ("b", False)
+
+
+# ---- the feed, from the engine's own publisher -----------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def until(condition, timeout: float = 5.0) -> bool:
+    """Poll a condition the feed's task makes true (it has no event to wait on: the index is plain data)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def test_the_feed_builds_the_index_from_an_engines_events():
+    from kaon_runtime.engine.block_manager import BlockManager
+    from kaon_runtime.engine.kv_events import EventPublisher, parse_kv_events_config
+    from kaon_runtime.engine.kv_observer import KVObserver
+    from kaon_runtime.engine.sequence import Sequence
+    from kaon_runtime.sampling import SamplingParams
+
+    port, replay = free_port(), free_port()
+    publisher = EventPublisher(parse_kv_events_config(json.dumps({
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv-events"})))
+    bm = BlockManager(8, BS)
+    bm.listener = KVObserver(BS, publisher, None)
+    ids = itertools.count()
+
+    def run(tokens):
+        seq = Sequence(next(ids), list(tokens), len(tokens), SamplingParams())
+        seq.num_computed_tokens = bm.allocate_prefix(seq)
+        assert bm.ensure_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+        bm.free(seq)
+
+    async def main():
+        index = KvIndex()
+        feed = KvFeed(index, events_port=port, replay_port=replay)
+        feed.follow([Endpoint("ns", "pod-a", "svc", "http://127.0.0.1:8000")])
+        await asyncio.sleep(0.3)  # subscribed
+        run(PROMPT)
+        held = await until(lambda: index.match("pod-a", keys()).blocks == 4)
+        run(list(range(500, 532)))  # 8 whole blocks through a pool of 8: the first prompt's go
+        gone = await until(lambda: index.match("pod-a", keys()).blocks == 0)
+        await feed.close()
+        return held, gone
+
+    try:
+        held, gone = asyncio.run(main())
+    finally:
+        publisher.close()
+    assert held and gone
+
+
+# ---- the strategy ----------------------------------------------------------------------
+
+class StubTokenizer:
+    def prompt_ids(self, path, payload):
+        return list(PROMPT)
+
+
+class StubFeed:
+    """The feed's I/O stands aside: the index is filled by hand, the tokenizer known or not."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.followed = tokenizer, []
+
+    def follow(self, pods):
+        self.followed = [e.pod for e in pods]
+
+    def tokenizer(self, key, pods):
+        return self._tokenizer
+
+    def forget(self, key):
+        pass
+
+
+def attempt(inflight=None):
+    from kaon_operator.router.endpoints import service
+    from kaon_operator.router.strategies import Attempt
+
+    svc = service({"metadata": {"namespace": "ns", "name": "llama"},
+                   "spec": {"model": {"uri": "builtin://smollm2-135m-instruct"}, "routing": {"strategy": "kv-aware"}}})
+    fleet = tuple(Endpoint("ns", f"pod-{i}", "llama", f"http://10.0.0.{i}:8000") for i in range(3))
+    payload = {"model": "llama", "prompt": "text"}
+    return fleet, Attempt(svc, fleet, fleet, inflight or {}, "/v1/completions", payload, 0.0, random.Random(0))
+
+
+def test_the_strategy_sends_a_request_where_its_prefix_is():
+    from kaon_operator.router.strategies.kv_aware import KvAware
+
+    index = KvIndex()
+    stored(index, "pod-2")
+    stored(index, "pod-1", hashes=H[:1], tokens=PROMPT[:4])
+    strategy = KvAware(index, StubFeed(StubTokenizer()))
+    fleet, a = attempt()
+    assert strategy.pick(a) == (fleet[2], True)
+    assert strategy.feed.followed == ["pod-0", "pod-1", "pod-2"]  # every ready pod's events
+    fleet, busy = attempt({fleet[2]: 6})
+    assert strategy.pick(busy) == (fleet[1], False)  # over the bound: the next longest prefix
+
+
+def test_without_a_tokenizer_or_a_held_prefix_it_goes_by_prefix_affinity():
+    from kaon_operator.router.strategies.kv_aware import KvAware
+
+    index = KvIndex()
+    strategy = KvAware(index, StubFeed(None))
+    picked = []
+    strategy.fallback.pick = lambda a: picked.append(a) or ("fallback", None)
+    assert strategy.pick(attempt()[1]) == ("fallback", None)
+    stored(index, "pod-0", hashes=[1], tokens=[7, 7, 7, 7])  # a block size is known, but not this prompt
+    strategy.feed = StubFeed(StubTokenizer())
+    assert strategy.pick(attempt()[1]) == ("fallback", None) and len(picked) == 2
+
+
+def test_the_router_tokenizes_as_the_engine(llm):
+    """The same ids from the router's tokenizer (built from the engine's GET /kaon/tokenizer) as the engine's."""
+    from kaon_operator.router.kv_tokens import PromptTokenizer
+    from kaon_runtime.server.tokenizer_info import _info
+
+    router = PromptTokenizer(json.loads(_info(llm.tokenizer)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"},
+                {"role": "assistant", "content": "Memory of past tokens."}, {"role": "user", "content": "Why tiers?"}]
+    engine = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
+    assert router.prompt_ids("/v1/chat/completions", {"messages": messages}) == engine
+    assert router.prompt_ids("/v1/completions", {"prompt": "Once upon a time"}) == llm.tokenizer.encode(
+        "Once upon a time")
+    assert router.prompt_ids("/v1/completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert router.prompt_ids("/v1/embeddings", {"input": "x"}) is None
+
+
+def test_a_batch_applies_in_order_and_all_blocks_cleared_empties_the_pod():
+    from kaon_operator.router.kv_feed import AllBlocksCleared, BlockStored, KVEventBatch, apply
+
+    index = KvIndex()
+    store = BlockStored([b"\x0b", b"\x0c", b"\x0d", b"\x0e"], None, PROMPT[:16], BS, None, "GPU")  # vLLM's bytes
+    apply(index, "a", KVEventBatch(0.0, [store]))
+    assert index.match("a", keys()).blocks == 4
+    apply(index, "a", KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert index.match("a", keys()).blocks == 0
+    apply(index, "a", KVEventBatch(0.0, [AllBlocksCleared(), store]))
+    assert index.match("a", keys()).blocks == 4

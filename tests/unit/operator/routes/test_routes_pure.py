@@ -1,0 +1,224 @@
+"""InferenceRoute's pure pieces: the rule classifier, the cache's keys and store, the monitor's decisions,
+the figures, and the spec's validation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from kaon_operator.routes import cache_keys, classifier, monitor
+from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
+from kaon_operator.routes.api import InferenceRouteSpec
+from kaon_operator.routes.figures import Figures
+from kaon_operator.routes.memory_store import MemoryStore
+from kaon_operator.routes.table import RouteTable
+
+SIMPLE = ["What is the capital of France?", "Who wrote Hamlet?", "How many legs does a spider have?",
+          "Translate 'good morning' into Spanish.", "What year did World War II end?"]
+COMPLEX = ["Analyze the trade-offs between microservices and a monolith for a five-person startup, step by step.",
+           "Compare the time complexity of quicksort and mergesort and explain why one is preferred in practice.",
+           "Evaluate the pros and cons of remote work for productivity, and justify your conclusion.",
+           "Walk me through how to design a rate limiter for a distributed API, with its failure modes.",
+           "Derive the closed form of the sum of the first n squares and prove it by induction."]
+
+
+@pytest.mark.parametrize("text", SIMPLE)
+def test_short_factual_questions_go_to_the_cheapest_tier(text):
+    assert classifier.classify(text, [1.5], 2).tier == 0
+
+
+@pytest.mark.parametrize("text", COMPLEX)
+def test_multi_step_analysis_goes_to_the_top_tier(text):
+    decision = classifier.classify(text, [1.5, 3.5], 2)
+    assert decision.tier == 1 and decision.request_class.startswith("complex/")
+
+
+def test_three_tiers_split_by_thresholds_and_domains_are_whole_words():
+    assert classifier.tier_for(0.0, [1.5, 3.5], 3) == 0
+    assert classifier.tier_for(2.0, [1.5, 3.5], 3) == 1
+    assert classifier.tier_for(9.0, [1.5, 3.5], 3) == 2
+    assert classifier.tier_for(9.0, [1.5], 3) == 1  # fewer thresholds than cuts: the rest stays below
+    assert classifier.features("What is the capital of France?").domain == "general"  # not "api" in "capital"
+    assert classifier.features("Fix this python function").domain == "code"
+
+
+def test_prompt_text_of_each_api():
+    chat = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "compare a and b"}]}]}
+    assert classifier.prompt_text("/v1/chat/completions", chat) == "be brief\ncompare a and b"
+    assert classifier.prompt_text("/v1/completions", {"prompt": "hi"}) == "hi"
+    assert classifier.prompt_text("/v1/responses", {"input": "hello"}) == "hello"
+
+
+def test_only_deterministic_requests_are_cached_by_default():
+    assert cache_keys.cacheable({"temperature": 0}, True)
+    assert cache_keys.cacheable({"temperature": 0.7, "seed": 3}, True)
+    assert not cache_keys.cacheable({}, True)  # OpenAI's default temperature is 1
+    assert not cache_keys.cacheable({"temperature": 0.2}, True)
+    assert not cache_keys.cacheable({"seed": True}, True)
+    assert cache_keys.cacheable({"temperature": 0.2}, False)
+
+
+def test_keys_separate_scopes_generations_paths_and_requests():
+    scope = cache_keys.scope("ns", "r", b"\x01" * 32)
+    body = {"model": "r", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    key = cache_keys.exact_key(scope, "g", "/v1/chat/completions", body)
+    assert key == cache_keys.exact_key(scope, "g", "/v1/chat/completions",
+                                       {**dict(reversed(list(body.items()))), "model": "ns/r", "user": "u1"})
+    for other in (cache_keys.exact_key(cache_keys.scope("ns", "r", b"\x02" * 32), "g", "/v1/chat/completions", body),
+                  cache_keys.exact_key(cache_keys.scope("ns2", "r", b"\x01" * 32), "g", "/v1/chat/completions", body),
+                  cache_keys.exact_key(cache_keys.scope("ns", "r", None), "g", "/v1/chat/completions", body),
+                  cache_keys.exact_key(scope, "g2", "/v1/chat/completions", body),
+                  cache_keys.exact_key(scope, "g", "/v1/completions", body),
+                  cache_keys.exact_key(scope, "g", "/v1/chat/completions", {**body, "stream": True}),
+                  cache_keys.exact_key(scope, "g", "/v1/chat/completions", {**body, "max_tokens": 5})):
+        assert other != key
+    assert cache_keys.generation(["a", "b"]) != cache_keys.generation(["a", "c"])
+
+
+def test_memory_store_ttl_size_bound_and_nearest():
+    now = [0.0]
+    store = MemoryStore(2, now=lambda: now[0])
+    answer = Answer(200, "application/json", (b"{}",), "small", 3)
+
+    async def main():
+        await store.put("a", answer, 10)
+        await store.put("b", answer, 10)
+        assert await store.get("a") == answer  # a is now the most recently used
+        await store.put("c", answer, 10)
+        assert await store.get("b") is None and await store.get("a") == answer  # b went first
+        now[0] = 11.0
+        assert await store.get("a") is None  # expired
+        await store.put("d", answer, 10)
+        await store.add_vector("s", [1.0, 0.0], "d", 10)
+        found = await store.nearest("s", [2.0, 0.1])
+        assert found is not None and found[1] == "d" and found[0] == pytest.approx(0.99875, abs=1e-4)
+        assert await store.nearest("other", [1.0, 0.0]) is None
+    import asyncio
+    asyncio.run(main())
+
+
+def test_answers_round_trip_and_read_usage_and_text():
+    stream = (b'data: {"choices":[{"index":0,"delta":{"content":"Par"}}]}\n\n',
+              b'data: {"choices":[{"index":0,"delta":{"content":"is"}}]}\n\n',
+              b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}\n\n',
+              b"data: [DONE]\n\n")
+    assert usage_tokens(stream, True) == 9 and answer_text(stream, True) == "Paris"
+    body = b'{"choices":[{"message":{"content":"Paris"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}'
+    assert usage_tokens([body], False) == 4 and answer_text([body], False) == "Paris"
+    answer = Answer(200, "text/event-stream", stream, "small", 9)
+    assert Answer.loads(answer.dumps()) == answer
+
+
+def test_monitor_agreement_and_escalation():
+    assert monitor.agree("Paris.", "paris")
+    assert not monitor.agree("Paris", "Lyon")
+    long_a = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun all day"
+    assert monitor.agree(long_a, long_a.replace("warm", "hot"))
+    assert not monitor.agree(long_a, "Completely different words describing an unrelated topic with no overlap at all")
+    agreement = monitor.Agreement()
+    for agreed in (True, False, False):
+        agreement.record("small", "simple/general", agreed)
+    assert agreement.newly_escalated(0.8, 4) == []  # too few samples
+    agreement.record("small", "simple/general", False)
+    assert agreement.newly_escalated(0.8, 4) == [("small", "simple/general", 0.25, 4)]
+    assert agreement.newly_escalated(0.8, 4) == []  # once
+    services = ["small", "mid", "large"]
+    assert monitor.escalate(0, "simple/general", services, agreement.escalated) == 1
+    assert monitor.escalate(0, "complex/code", services, agreement.escalated) == 0
+    assert monitor.escalate(0, "x", services, {("small", "x"), ("mid", "x")}) == 2
+    rng = random.Random(0)
+    assert not monitor.should_verify(rng, 1.0, 1, 2)  # the top tier is never re-asked of itself
+    assert sum(monitor.should_verify(rng, 0.1, 0, 2) for _ in range(10000)) in range(900, 1100)
+
+
+def test_figures():
+    f = Figures()
+    f.answered("small", 1000, 0.1, 1.0)
+    f.answered("large", 1000, 1.0, 1.0)
+    f.hit(1000, 1.0)
+    status = f.status(["small", "large"])
+    assert status["shares"] == "small 50% / large 50%"
+    assert status["cacheHitRate"] == pytest.approx(1 / 3, abs=1e-4)
+    assert status["costVsTopTier"] == pytest.approx(1.1 / 3, abs=1e-4)
+
+
+def test_spec_validation_and_table():
+    with pytest.raises(ValidationError):
+        InferenceRouteSpec.model_validate({"tiers": []})
+    with pytest.raises(ValidationError):
+        InferenceRouteSpec.model_validate({"tiers": [{"service": "a", "costPerMillionTokens": 1},
+                                                     {"service": "a", "costPerMillionTokens": 2}]})
+    with pytest.raises(ValidationError):
+        InferenceRouteSpec.model_validate({"tiers": [{"service": "a", "costPerMillionTokens": -1}]})
+    table = RouteTable(default_namespace="ns")
+    table.apply_route("ADDED", {"metadata": {"name": "r", "namespace": "ns"},
+                                "spec": {"tiers": [{"service": "a", "costPerMillionTokens": 1}]}})
+    table.apply_route("ADDED", {"metadata": {"name": "bad", "namespace": "ns"}, "spec": {"tiers": []}})
+    assert table.resolve("r") is not None and table.resolve("ns/r") is not None
+    assert table.resolve("bad") is None and table.resolve("other/r") is None
+    table.replace_routes("ns", [])
+    assert table.resolve("r") is None
+
+
+def test_the_crd_files_are_generated_from_the_models():
+    from kaon_operator.routes import crd
+
+    assert crd.main(["--check"]) == 0, "crds/inferenceroute.yaml is stale: run `python -m kaon_operator.routes.crd`"
+
+
+def test_status_and_escalation_event():
+    from kaon_operator.routes import status
+    from kaon_operator.routes.table import route
+
+    r = route({"metadata": {"name": "a", "namespace": "ns", "generation": 3},
+               "spec": {"tiers": [{"service": "small", "costPerMillionTokens": 0.1},
+                                  {"service": "large", "costPerMillionTokens": 1}]}})
+    assert r is not None
+    agreement = monitor.Agreement()
+    agreement.record("small", "simple/general", False)
+    agreement.escalated.add(("small", "simple/general"))
+    figures = Figures()
+    figures.answered("small", 100, 0.1, 1.0)
+    out = status.status(r, figures, agreement, ["large"], "2026-11-29T00:00:00Z")
+    assert out["shares"] == "small 100% / large 0%" and out["observedGeneration"] == 3
+    assert out["agreement"] == [{"tier": "small", "class": "simple/general", "agreement": 0.0, "samples": 1,
+                                 "escalated": True}]
+    assert out["conditions"][0]["reason"] == "TierMissing" and "large" in out["conditions"][0]["message"]
+    later = status.status(r, figures, agreement, ["large"], "2026-11-29T01:00:00Z", out)
+    assert later["conditions"][0]["lastTransitionTime"] == "2026-11-29T00:00:00Z"  # kept while it holds
+    assert status.status(r, None, None, [], "t")["conditions"][0]["status"] == "True"
+    event = status.escalation_event(r, "small", "simple/general", 0.25, 20)
+    assert event["reason"] == "Escalated" and "large" in event["message"] and "25%" in event["message"]
+
+
+def test_the_operator_publishes_a_routes_key_digests():
+    import base64
+    import hashlib
+    from types import SimpleNamespace
+
+    from kaon_operator import key_digests
+    from kaon_operator.api import Key
+
+    patches = []
+    kube = SimpleNamespace(
+        secret_data=lambda ns, name: {"k": base64.b64encode(b"route-key\n").decode()} if name == "keys" else None,
+        patch_status=lambda ns, name, status, plural: patches.append((ns, name, status, plural)) or {})
+    ctx = SimpleNamespace(kube=kube)
+    key, written = Key("ns", "assistant"), {}
+    body = {"spec": {"tiers": [], "auth": {"apiKeySecret": "keys"}}, "status": {}}
+    key_digests.publish_route(ctx, key, body, written)  # type: ignore[arg-type]
+    digest = hashlib.sha256(b"route-key").hexdigest()
+    assert patches == [("ns", "assistant", {"auth": {"apiKeySecret": "keys", "keyDigests": [digest]}},
+                        "inferenceroutes")]
+    key_digests.publish_route(ctx, key, body, written)  # type: ignore[arg-type]
+    assert len(patches) == 1  # unchanged: not written again
+    key_digests.publish_route(ctx, key, {"spec": {"auth": {"apiKeySecret": "gone"}}}, written)  # type: ignore[arg-type]
+    assert patches[-1][2] == {"auth": {"apiKeySecret": "gone", "keyDigests": []}}  # closed, never open
+    # and the router reads what was published: only that key opens the route
+    from kaon_operator.routes.table import route
+    r = route({"metadata": {"name": "assistant", "namespace": "ns"},
+               "spec": {"tiers": [{"service": "a", "costPerMillionTokens": 1}], "auth": {"apiKeySecret": "keys"}},
+               "status": {"auth": patches[0][2]["auth"]}})
+    assert r is not None and r.key_digests == (bytes.fromhex(digest),)

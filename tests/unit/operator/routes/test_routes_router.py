@@ -1,0 +1,365 @@
+"""InferenceRoute through the real router (its HTTP edge, proxy, relay) against small fake engines:
+tier choice, headers, the exact cache (hit identical to the original, streamed replay, zero engine
+tokens, no hit across keys or namespaces, invalidation by a tier's model), the semantic cache, and
+the quality monitor's escalation. The fake engines are aiohttp servers on 127.0.0.1 that say which
+tier answered; the route and services are fed to the tables by hand (the watch feeds them in a
+cluster)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from aiohttp import web
+
+from kaon_operator.router.config import RouterConfig
+from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.proxy import Router
+from kaon_operator.router.route_gateway import CACHE_HEADER, TIER_HEADER, RouteGateway
+from kaon_operator.routes.table import RouteTable
+from support.router import NS, isvc, metric, pod, run, serving
+
+SIMPLE = "What is the capital of France?"
+COMPLEX = ("Analyze step by step the trade-offs between a monolith and microservices for a startup, "
+           "and compare their operating costs.")
+
+
+class Engine:
+    """A tier's stand-in: answers `<name>: <prompt>` (or `wrong` when told to disagree), with usage; a
+    stream as three SSE events; /v1/embeddings as a bag-of-words vector."""
+
+    def __init__(self, name: str, wrong: bool = False):
+        self.name, self.wrong, self.calls, self.port = name, wrong, 0, 0
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> Engine:
+        app = web.Application()
+        app.router.add_post("/v1/{tail:.+}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["model"] != self.name:  # a real engine answers its served name only
+            return web.json_response({"error": {"message": f"no model {body['model']}"}}, status=404)
+        self.calls += 1
+        if request.path == "/v1/embeddings":
+            words = set(body["input"].lower().replace("?", "").split())
+            vocab = ["capital", "france", "of", "what", "is", "the", "city", "main", "germany", "which"]
+            return web.json_response({"data": [{"embedding": [float(w in words) for w in vocab]}]})
+        prompt = body["messages"][-1]["content"]
+        text = "wrong" if self.wrong else f"{self.name}: {prompt}"
+        usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for piece in (text[:3], text[3:]):
+                event = {"id": f"c-{self.calls}", "object": "chat.completion.chunk", "model": body["model"],
+                         "choices": [{"index": 0, "delta": {"content": piece}}]}
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write(b"data: " + json.dumps({"id": f"c-{self.calls}", "choices": [],
+                                                         "usage": usage}).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        return web.json_response({"id": f"c-{self.calls}", "object": "chat.completion", "model": body["model"],
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                               "finish_reason": "stop"}], "usage": usage})
+
+
+def route_object(name: str = "assistant", namespace: str = NS, **spec) -> dict:
+    spec = {"tiers": [{"service": "small", "costPerMillionTokens": 0.1},
+                      {"service": "large", "costPerMillionTokens": 1.0}], **spec}
+    return {"metadata": {"name": name, "namespace": namespace, "generation": 1}, "spec": spec}
+
+
+def routed(engines: dict[str, Engine], *routes: dict, namespace: str = NS) -> Router:
+    table = EndpointTable(default_namespace=NS)
+    for service, engine in engines.items():
+        ns, _, name = service.rpartition("/")
+        table.apply_service("ADDED", isvc(name, name, namespace=ns or namespace))
+        table.apply_pod("ADDED", pod(f"{name}-0", name, port=engine.port, namespace=ns or namespace))
+    table.synced = True
+    router = Router(table, RouterConfig(), rng=random.Random(0))
+    route_table = RouteTable(default_namespace=NS)
+    for obj in routes:
+        route_table.apply_route("ADDED", obj)
+    router.routes = RouteGateway(router, route_table, rng=random.Random(0))
+    return router
+
+
+def chat(prompt: str, model: str = "assistant", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], **extra}
+
+
+async def engines(*names: str, wrong: tuple[str, ...] = ()) -> dict[str, Engine]:
+    return {n: await Engine(n.rpartition("/")[2], wrong=n in wrong).start() for n in names}
+
+
+async def stop(found: dict[str, Engine]) -> None:
+    for engine in found.values():
+        await engine.stop()
+
+
+def test_tiers_by_complexity_and_headers():
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object())
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE)) as r:
+                simple = await r.json()
+                assert r.status == 200 and r.headers[TIER_HEADER] == "small"
+                assert r.headers[CACHE_HEADER] == "none"  # sampled (no temperature 0): not cacheable
+            async with client.post("/v1/chat/completions", json=chat(COMPLEX)) as r:
+                assert r.status == 200 and r.headers[TIER_HEADER] == "large"
+                assert (await r.json())["choices"][0]["message"]["content"].startswith("large:")
+            # the engine got its own served name, not the route's
+            assert simple["model"] == "small"  # the tier's served name, not the route's
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE, model="nothing")) as r:
+                assert r.status == 404
+            async with client.get("/v1/models") as r:
+                assert "assistant" in {m["id"] for m in (await r.json())["data"]}
+        await stop(found)
+    run(main())
+
+
+def test_exact_cache_hit_is_identical_and_costs_no_engine_tokens():
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object())
+        async with serving(router) as client:
+            request = chat(SIMPLE, temperature=0)
+            async with client.post("/v1/chat/completions", json=request) as r:
+                first = await r.read()
+                assert r.headers[CACHE_HEADER] == "miss"
+            async with client.post("/v1/chat/completions", json=request) as r:
+                assert r.headers[CACHE_HEADER] == "hit" and r.headers[TIER_HEADER] == "small"
+                assert await r.read() == first
+            assert found["small"].calls == 1  # the hit reached no engine
+            async with client.get("/metrics") as r:
+                text = await r.text()
+            labels = {"namespace": NS, "inferenceroute": "assistant"}
+            assert metric(text, "kaon_route_engine_tokens_total", **labels, tier="small") == 15
+            assert metric(text, "kaon_route_requests_total", **labels, tier="small", cache="hit") == 1
+            figures = router.routes.figures[(NS, "assistant")]
+            assert figures.hit_rate() == 0.5
+            # 15 tokens at 0.1 against 30 at 1.0 (the hit would have cost the top tier too)
+            assert figures.cost_vs_top() == pytest.approx(0.05)
+        await stop(found)
+    run(main())
+
+
+def test_streamed_request_gets_a_streamed_replay():
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object())
+        async with serving(router) as client:
+            request = chat(SIMPLE, temperature=0, stream=True)
+            async with client.post("/v1/chat/completions", json=request) as r:
+                first = await r.read()
+                assert r.headers[CACHE_HEADER] == "miss"
+            async with client.post("/v1/chat/completions", json=request) as r:
+                assert r.headers[CACHE_HEADER] == "hit"
+                assert r.content_type == "text/event-stream"
+                assert await r.read() == first
+            assert first.endswith(b"data: [DONE]\n\n") and found["small"].calls == 1
+            # the same request without stream is another entry: it gets JSON, not a replayed stream
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE, temperature=0)) as r:
+                assert r.headers[CACHE_HEADER] == "miss" and r.content_type == "application/json"
+        await stop(found)
+    run(main())
+
+
+def test_no_hit_across_keys_or_namespaces_and_none_after_a_model_change():
+    async def main():
+        found = await engines("small", "large", "other/small", "other/large")
+        router = routed(found, route_object(), route_object(namespace="other"))
+        async with serving(router) as client:
+            request = chat(SIMPLE, temperature=0)
+            async with client.post("/v1/chat/completions", json=request,
+                                   headers={"Authorization": "Bearer tenant-a"}) as r:
+                assert r.headers[CACHE_HEADER] == "miss"
+            async with client.post("/v1/chat/completions", json=request,
+                                   headers={"Authorization": "Bearer tenant-b"}) as r:
+                assert r.headers[CACHE_HEADER] == "miss"  # another key: never the first one's answer
+            async with client.post("/v1/chat/completions", json={**request, "model": "other/assistant"},
+                                   headers={"Authorization": "Bearer tenant-a"}) as r:
+                assert r.headers[CACHE_HEADER] == "miss"  # another namespace's route
+                assert (await r.json())["choices"][0]["message"]["content"].startswith("small:")
+            assert found["other/small"].calls == 1
+            # the small tier's model changes: its earlier answers are not served any more
+            changed = isvc("small", "small", namespace=NS)
+            changed["spec"]["model"]["uri"] = "builtin://another"
+            router.table.apply_service("MODIFIED", changed)
+            async with client.post("/v1/chat/completions", json=request,
+                                   headers={"Authorization": "Bearer tenant-a"}) as r:
+                assert r.headers[CACHE_HEADER] == "miss"
+        await stop(found)
+    run(main())
+
+
+def test_semantic_cache_paraphrase_hit_and_near_miss_miss():
+    async def main():
+        found = await engines("small", "large", "embed")
+        route = route_object(cache={"semantic": {"enabled": True, "embedder": "embed", "threshold": 0.85}})
+        router = routed(found, route)
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions",
+                                   json=chat("What is the capital of France?", temperature=0)) as r:
+                first = await r.read()
+                assert r.headers[CACHE_HEADER] == "miss"
+            async with client.post("/v1/chat/completions",
+                                   json=chat("what is the capital of france", temperature=0)) as r:
+                assert r.headers[CACHE_HEADER] == "hit" and await r.read() == first
+            async with client.post("/v1/chat/completions",
+                                   json=chat("What is the capital of Germany?", temperature=0)) as r:
+                assert r.headers[CACHE_HEADER] == "miss"
+                assert "Germany" in (await r.json())["choices"][0]["message"]["content"]
+        await stop(found)
+    run(main())
+
+
+def test_monitor_escalates_a_class_that_disagrees():
+    async def main():
+        found = await engines("small", "large", wrong=("small",))
+        route = route_object(verify={"fraction": 1.0, "minAgreement": 0.8, "minSamples": 3})
+        router = routed(found, route)
+        events = []
+        router.routes.on_escalation.append(lambda r, tier, cls, rate, n: events.append((tier, cls, rate, n)))
+        async with serving(router) as client:
+            for i in range(3):
+                async with client.post("/v1/chat/completions", json=chat(f"Who wrote book {i}?")) as r:
+                    assert r.headers[TIER_HEADER] == "small"
+                await router.routes.drain()
+            assert events == [("small", "simple/general", 0.0, 3)]
+            async with client.post("/v1/chat/completions", json=chat("Who wrote book 9?")) as r:
+                assert r.headers[TIER_HEADER] == "large"  # escalated from now on
+            async with client.get("/metrics") as r:
+                text = await r.text()
+            labels = {"namespace": NS, "inferenceroute": "assistant", "tier": "small", "class": "simple/general"}
+            assert metric(text, "kaon_route_agreement", **labels) == 0.0
+        await stop(found)
+    run(main())
+
+
+def test_agreeing_tiers_are_not_escalated():
+    async def main():
+        found = await engines("small", "large")
+        for engine in found.values():
+            engine.wrong = True  # both answer alike ("wrong")
+        route = route_object(verify={"fraction": 1.0, "minAgreement": 0.8, "minSamples": 2})
+        router = routed(found, route)
+        async with serving(router) as client:
+            for i in range(3):
+                async with client.post("/v1/chat/completions", json=chat(f"Who wrote book {i}?")) as r:
+                    assert r.headers[TIER_HEADER] == "small"
+                await router.routes.drain()
+        assert router.routes.agreement[(NS, "assistant")].rate("small", "simple/general") == (1.0, 3)
+        await stop(found)
+    run(main())
+
+
+def test_route_keys_are_its_own():
+    async def main():
+        found = await engines("small", "large")
+        digest = __import__("hashlib").sha256(b"route-key").hexdigest()
+        obj = route_object(auth={"apiKeySecret": "route-keys"})
+        obj["status"] = {"auth": {"apiKeySecret": "route-keys", "keyDigests": [digest]}}
+        router = routed(found, obj)
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE)) as r:
+                assert r.status == 404  # as a name that does not exist
+            async with client.get("/v1/models") as r:
+                assert "assistant" not in {m["id"] for m in (await r.json())["data"]}
+            async with client.get("/v1/models", headers={"Authorization": "Bearer route-key"}) as r:
+                assert "assistant" in {m["id"] for m in (await r.json())["data"]}
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE),
+                                   headers={"Authorization": "Bearer route-key"}) as r:
+                assert r.status == 200
+        await stop(found)
+    run(main())
+
+
+def test_a_route_reaches_only_services_of_its_namespace():
+    async def main():
+        found = await engines("small", "other/large")  # `large` exists in another namespace only
+        router = routed(found, route_object())
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat(COMPLEX)) as r:
+                assert r.status == 503
+                error = (await r.json())["error"]
+                assert error["code"] == "route_tier_missing" and "'large'" in error["message"]
+            assert found["other/large"].calls == 0
+        await stop(found)
+    run(main())
+
+
+
+def test_a_second_router_replica_hits_what_the_first_stored_in_valkey():
+    from support.valkey import valkey_server
+
+    async def main(url: str):
+        found = await engines("small", "large")
+        route = route_object(cache={"valkey": url, "maxEntries": 2})
+        first, second = routed(found, route), routed(found, route)
+        request = chat(SIMPLE, temperature=0, stream=True)
+        async with serving(first) as client:
+            async with client.post("/v1/chat/completions", json=request) as r:
+                original = await r.read()
+                assert r.headers[CACHE_HEADER] == "miss"
+        async with serving(second) as client:
+            async with client.post("/v1/chat/completions", json=request) as r:
+                assert r.headers[CACHE_HEADER] == "hit" and await r.read() == original
+            assert found["small"].calls == 1
+            # the size bound holds in the server: two newer entries push the first out
+            for prompt in ("Who wrote Hamlet?", "Who painted the Mona Lisa?"):
+                async with client.post("/v1/chat/completions", json=chat(prompt, temperature=0)) as r:
+                    assert r.headers[CACHE_HEADER] == "miss"
+            async with client.post("/v1/chat/completions", json=request) as r:
+                assert r.headers[CACHE_HEADER] == "miss"
+        for router in (first, second):
+            await router.routes.close()
+        await stop(found)
+
+    with valkey_server() as url:
+        run(main(url))
+
+
+def test_an_unreachable_valkey_means_misses_not_errors():
+    from e2e.control_plane import free_port
+
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object(cache={"valkey": f"redis://127.0.0.1:{free_port()}/0"}))
+        async with serving(router) as client:
+            for _ in range(2):
+                async with client.post("/v1/chat/completions", json=chat(SIMPLE, temperature=0)) as r:
+                    assert r.status == 200 and r.headers[CACHE_HEADER] == "miss"
+        await router.routes.close()
+        await stop(found)
+    run(main())
+
+
+def test_second_opinions_are_capped_under_load(monkeypatch):
+    from kaon_operator.router import route_gateway
+
+    monkeypatch.setattr(route_gateway, "MAX_VERIFYING", 0)
+
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object(verify={"fraction": 1.0}))
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat("Who wrote book 1?")) as r:
+                assert r.headers[TIER_HEADER] == "small"
+            await router.routes.drain()
+        assert found["large"].calls == 0 and (NS, "assistant") not in router.routes.agreement
+        await stop(found)
+    run(main())

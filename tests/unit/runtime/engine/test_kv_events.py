@@ -1,0 +1,189 @@
+"""KV events in vLLM's wire format (engine/kv_events.py), read by a subscriber written from vLLM's
+published types (vllm/distributed/kv_events.py, as its examples/online_serving/kv_events_subscriber.py
+declares them), over real ZMQ sockets, from the real block manager: every whole block of every
+prompt is announced with its token ids, evictions are announced, and a late subscriber replays
+what it missed."""
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from msgspec.msgpack import Decoder
+
+from kaon_runtime.engine.block_manager import BlockManager
+from kaon_runtime.engine.kv_events import EventPublisher, parse_kv_events_config
+from kaon_runtime.engine.kv_observer import KVObserver
+from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.sampling import SamplingParams
+
+# ---- vLLM's published types (ExternalBlockHash = bytes | int) ---------------------------------
+
+ExternalBlockHash = bytes | int
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# ---------------------------------------------------------------------------------------------
+
+BS = 4
+_ids = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Subscriber:
+    def __init__(self, port: int, replay_port: int, topic: str = "kv-events"):
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self.replay_port = replay_port
+        self.decoder = Decoder(type=KVEventBatch)
+        self.batches: list[tuple[int, KVEventBatch]] = []
+
+    def receive(self, timeout_ms: int = 1000) -> None:
+        while self.sub.poll(timeout_ms):
+            topic, seq, payload = self.sub.recv_multipart()
+            assert topic == b"kv-events"
+            self.batches.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
+            timeout_ms = 200
+
+    def replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
+        # vLLM's example asks with a REQ socket, which keeps only the first reply of a replay; a DEALER
+        # (with REQ's empty delimiter frame, as llm-d's and Dynamo's readers do) receives them all.
+        req = self.ctx.socket(zmq.DEALER)
+        req.connect(f"tcp://127.0.0.1:{self.replay_port}")
+        req.send_multipart((b"", start.to_bytes(8, "big")))
+        got = []
+        while req.poll(2000):
+            _, seq, payload = req.recv_multipart()
+            if not payload:
+                break
+            got.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
+        req.close(linger=0)
+        return got
+
+    def events(self) -> list:
+        return [e for _, batch in self.batches for e in batch.events]
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def published():
+    port, replay_port = free_port(), free_port()
+    config = parse_kv_events_config(
+        f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}", '
+        f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "topic": "kv-events"}}')
+    subscriber = Subscriber(port, replay_port)
+    publisher = EventPublisher(config)
+    time.sleep(0.3)  # ZMQ's slow joiner: the subscription reaches the publisher a moment after it binds
+    bm = BlockManager(6, BS)
+    bm.listener = KVObserver(BS, publisher, None)
+    yield bm, publisher, subscriber
+    publisher.close()
+    subscriber.close()
+
+
+def run(bm: BlockManager, tokens: list[int]) -> list[int]:
+    """Prefill a prompt and free it; returns its whole blocks' chain hashes."""
+    seq = Sequence(next(_ids), list(tokens), len(tokens), SamplingParams())
+    seq.num_computed_tokens = bm.allocate_prefix(seq)
+    assert bm.ensure_slots(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq)
+    hashes = list(seq.block_hashes)
+    bm.free(seq)
+    return hashes
+
+
+def test_every_whole_block_is_announced_with_its_tokens_and_evictions_too(published):
+    bm, _, subscriber = published
+    first = list(range(100, 111))  # 2 whole blocks and a partial one
+    second = list(range(200, 217))  # 4 whole blocks and a partial one: the pool of 6 evicts some of the first
+    a, b = run(bm, first), run(bm, second)
+    subscriber.receive()
+    seqs = [seq for seq, _ in subscriber.batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a batch went missing"  # (the start's may race)
+    events = subscriber.events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    announced = {h: e for e in stored for h in e.block_hashes}
+    for prompt, hashes in ((first, a), (second, b)):
+        whole = len(prompt) // BS
+        assert len(hashes) == whole
+        tokens = [t for e in stored if set(e.block_hashes) <= set(hashes) for t in e.token_ids]
+        assert tokens == prompt[:whole * BS]  # every whole block, with its tokens, in order
+        assert all(announced[h].medium == "GPU" and announced[h].block_size == BS for h in hashes)
+    assert stored[0].parent_block_hash is None  # a chain's first block has no parent block
+    assert stored[1].parent_block_hash is None and stored[1].block_hashes == b  # one event per run of blocks
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed and set(removed) <= set(a)  # the first prompt's blocks were evicted
+    assert all(e.medium == "GPU" for e in events if isinstance(e, BlockRemoved))
+
+
+def test_a_late_subscriber_replays_what_it_missed(published):
+    bm, _, subscriber = published
+    run(bm, list(range(300, 309)))
+    subscriber.receive()
+    live = subscriber.batches
+    assert live, "no batch arrived"
+    replayed = subscriber.replay(0)
+    assert [seq for seq, _ in replayed] == list(range(len(replayed)))
+    assert isinstance(replayed[0][1].events[0], AllBlocksCleared)  # a (re)started engine holds nothing
+    assert {seq: b.events for seq, b in replayed if seq >= live[0][0]} == {seq: b.events for seq, b in live}
+
+
+def test_bad_configs_are_clear_errors():
+    assert parse_kv_events_config(None) is None
+    assert parse_kv_events_config('{"enable_kv_cache_events": false, "publisher": "zmq"}') is None
+    with pytest.raises(InvalidRequestError, match="not JSON"):
+        parse_kv_events_config("{enable")
+    with pytest.raises(InvalidRequestError, match="publisher"):
+        parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "kafka"}')
+    busy = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy))
+        s.listen()
+        with pytest.raises(InvalidRequestError, match="cannot bind"):
+            EventPublisher(parse_kv_events_config(
+                f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{busy}"}}'))

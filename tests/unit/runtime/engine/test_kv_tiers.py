@@ -1,0 +1,205 @@
+"""The KV tiers below the pool (engine/kv_tiers.py), on a small stand-in pool tensor and the real
+block manager: blocks move down when evictable, come back on a prefix hit holding the K/V they
+left with, overflow from host memory to disk, survive a restart on disk, and another layout's
+directory is refused. The engine-level checks (greedy answers equal with and without tiers) are in
+test_kv_tiers_engine.py."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kaon_runtime.engine.block_manager import BlockManager, chain_hash, root_hash
+from kaon_runtime.engine.kv_observer import KVObserver
+from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, check_manifest
+from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.sampling import SamplingParams
+
+BS = 4
+_ids = itertools.count()
+
+
+def pool(num_blocks: int) -> torch.Tensor:
+    return torch.zeros((2, 2, 1, num_blocks, BS, 3))  # [layers, 2, kv heads, blocks, block size, head dim]
+
+
+def layout(kv: torch.Tensor, model: str = "m") -> KVLayout:
+    return KVLayout(model, "float32", BS, tuple(kv[:, :, :, 0].shape))
+
+
+def block_bytes(kv: torch.Tensor) -> int:
+    return kv[:, :, :, 0].numel() * kv.element_size()
+
+
+def fingerprint(block_hash: int) -> float:
+    return float(block_hash % 100_003)
+
+
+class Engine:
+    """Plays the scheduler and the model: each computed block's K/V is a value derived from its chain hash."""
+
+    def __init__(self, kv: torch.Tensor, tiers: KVTiers):
+        self.kv, self.tiers = kv, tiers
+        self.bm = BlockManager(kv.shape[3], BS)
+        self.bm.listener = KVObserver(BS, None, tiers)
+
+    def run(self, tokens: list[int]) -> int:
+        """Prefill a prompt to the end, free it; returns the tokens found cached (pool or tiers)."""
+        seq = Sequence(next(_ids), list(tokens), len(tokens), SamplingParams())
+        cached = self.bm.allocate_prefix(seq)
+        for i, block_id in enumerate(seq.block_table):  # every cached block holds its own prefix's K/V
+            assert torch.all(self.kv[:, :, :, block_id] == fingerprint(seq.block_hashes[i])), "wrong K/V served"
+        assert self.bm.ensure_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.commit(seq)
+        for i, h in enumerate(seq.block_hashes):
+            self.kv[:, :, :, seq.block_table[i]] = fingerprint(h)
+        self.bm.free(seq)
+        self.tiers.drain()
+        return cached
+
+
+def doc(i: int, blocks: int = 3) -> list[int]:
+    return [1000 * i + t for t in range(blocks * BS + 1)]
+
+
+def test_a_working_set_larger_than_the_pool_comes_back_from_host_memory():
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv))
+    engine = Engine(kv, tiers)
+    for i in range(4):  # 12 blocks of prompts through a pool of 4
+        assert engine.run(doc(i)) == 0
+    assert engine.run(doc(0)) == 3 * BS  # all three blocks, restored
+    stats = tiers.snapshot()
+    assert stats.hits["host"] == 3 and stats.moved["pool_to_host"] >= 9
+    tiers.close()
+
+
+def test_without_tiers_the_same_run_misses():
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=0)  # no host, no disk: nothing is kept
+    engine = Engine(kv, tiers)
+    for i in range(4):
+        engine.run(doc(i))
+    assert engine.run(doc(0)) == 0
+    tiers.close()
+
+
+def test_host_overflow_goes_to_disk_and_comes_back(tmp_path):
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
+                    disk_bytes=64 * block_bytes(kv))
+    engine = Engine(kv, tiers)
+    for i in range(4):
+        engine.run(doc(i))
+    stats = tiers.snapshot()
+    assert stats.host_bytes <= 2 * block_bytes(kv) and stats.moved["host_to_disk"] >= 6
+    assert len(list(tmp_path.glob("*.kv"))) == stats.moved["host_to_disk"]
+    assert engine.run(doc(0)) == 3 * BS
+    assert tiers.snapshot().hits["disk"] >= 1
+    tiers.close()
+
+
+def test_disk_keeps_its_bytes(tmp_path):
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=5 * block_bytes(kv))
+    engine = Engine(kv, tiers)
+    for i in range(4):
+        engine.run(doc(i))
+    assert len(list(tmp_path.glob("*.kv"))) == 5 and tiers.snapshot().disk_bytes == 5 * block_bytes(kv)
+    tiers.close()
+
+
+def test_a_restarted_engine_serves_from_its_disk_tier(tmp_path):
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv), disk_dir=str(tmp_path),
+                    disk_bytes=64 * block_bytes(kv))
+    first = Engine(kv, tiers)
+    for i in range(3):
+        first.run(doc(i))
+    assert not list(tmp_path.glob("*.kv"))  # all in host memory so far
+    tiers.close()  # a clean stop writes host memory's blocks down
+    kv2 = pool(4)  # a new process: a zeroed pool, a new block manager
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
+    assert Engine(kv2, again).run(doc(0)) == 3 * BS
+    again.close()
+
+
+def test_chain_hashes_are_the_same_in_every_process():
+    """The disk tier names blocks by chain hash across restarts, so no per-process value (a string's
+    seeded hash, None's address) may enter it: these values were computed by other processes with
+    other PYTHONHASHSEEDs (and hold for CPython's tuple hash, unchanged since 3.8)."""
+    salted = Sequence(0, [1], 1, SamplingParams(cache_salt="tenant"), lora_id=2)
+    adapter = Sequence(0, [1], 1, SamplingParams(), lora_id=2)
+    assert chain_hash(None, (1, 2, 3)) == 3584776007460696897
+    assert root_hash(salted) == -638766419494089011
+    assert root_hash(adapter) == -7201733514866981715
+
+
+def test_another_models_disk_tier_is_refused(tmp_path):
+    kv = pool(4)
+    check_manifest(tmp_path, layout(kv, "model-a"))
+    with pytest.raises(ModelLoadError, match="another model or layout"):
+        check_manifest(tmp_path, layout(kv, "model-b"))
+    other_shape = KVLayout("model-a", "float32", BS, (3, 2, 1, BS, 3))
+    with pytest.raises(ModelLoadError, match="block_shape"):
+        KVTiers(kv, other_shape, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+
+
+def test_a_copy_whose_block_the_pool_reused_is_discarded():
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv))
+    kv[:, :, :, 1] = 7.0
+    tiers.pool_reuses(1)  # evicted after the copy was queued (generation 0), before it was done
+    tiers._offload(1, 42, None, (1, 2, 3, 4), generation=0)
+    assert not tiers.holds(42) and tiers.snapshot().discarded == 1
+    tiers._offload(1, 42, None, (1, 2, 3, 4), generation=1)
+    assert tiers.holds(42)
+    tiers.close()
+
+
+def test_restore_checks_the_tokens():
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv))
+    kv[:, :, :, 0] = 3.0
+    tiers.offload(0, 42, None, (1, 2, 3, 4))
+    tiers.drain()
+    assert not tiers.restore(42, None, (9, 9, 9, 9), 2)  # a colliding hash: another prefix's K/V
+    assert not torch.any(kv[:, :, :, 2] == 3.0)
+    assert tiers.restore(42, None, (1, 2, 3, 4), 2) and torch.all(kv[:, :, :, 2] == 3.0)
+    tiers.close()
+
+
+def test_the_tier_metrics_are_exported():
+    from kaon_runtime.engine.kv_tiers import TierStats
+    from kaon_runtime.engine.llm_engine import EngineStats
+    from kaon_runtime.server.metrics import Metrics
+
+    tiers = TierStats(host_bytes=3, host_capacity_bytes=8, hits={"host": 5, "disk": 2})
+    tiers.count("pool_to_host", 4, 0.5)
+    text = Metrics(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, kv_tiers=tiers)).render().decode()
+    for line in ('kaon_kv_tier_bytes{tier="host"} 3.0', 'kaon_kv_tier_capacity_bytes{tier="host"} 8.0',
+                 'kaon_kv_tier_hits_total{tier="disk"} 2.0',
+                 'kaon_kv_tier_blocks_moved_total{direction="pool_to_host"} 4.0',
+                 'kaon_kv_tier_seconds_total{direction="pool_to_host"} 0.5'):
+        assert line in text
+    assert "kaon_kv_tier" not in Metrics(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)).render().decode()
+
+
+def test_an_asleep_engines_pool_is_neither_read_nor_written():
+    """engine/sleep.py frees the pool and attaches a new one on wake: the tiers hold no reference to it."""
+    kv = pool(4)
+    current: list[torch.Tensor | None] = [kv]
+    tiers = KVTiers(lambda: current[0], layout(kv), host_bytes=64 * block_bytes(kv))
+    kv[:, :, :, 0] = 5.0
+    tiers.offload(0, 42, None, (1, 2, 3, 4))
+    tiers.drain()
+    current[0] = None  # asleep
+    assert not tiers.restore(42, None, (1, 2, 3, 4), 1)
+    tiers._offload(2, 43, None, (5, 6, 7, 8), generation=0)
+    assert not tiers.holds(43)
+    current[0] = woken = pool(4)  # awake: a new pool
+    assert tiers.restore(42, None, (1, 2, 3, 4), 1) and torch.all(woken[:, :, :, 1] == 5.0)
+    tiers.close()

@@ -1,0 +1,273 @@
+"""Disaggregation's pieces without a model: the pool's token slots, placing received K/V, the wire's frames and
+the checks that turn a bad transfer into a local prefill (engine/kv_transfer.py, kv_wire.py, remote_prefill.py).
+
+Two real engines exchanging K/V over HTTP: tests/integration/test_disagg.py."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+
+import pytest
+import torch
+from aiohttp import web
+
+from kaon_runtime.engine.block_manager import BlockManager
+from kaon_runtime.engine.kv_transfer import (
+    ImportedKv,
+    KvExports,
+    KvLayout,
+    cached_prefix_tokens,
+    gather_tokens,
+    place_imported,
+    scatter_tokens,
+    token_slots,
+)
+from kaon_runtime.engine.kv_wire import (
+    PREFILL_PATH,
+    FrameReader,
+    KvAssembler,
+    NixlTransport,
+    NixlWriter,
+    TcpTransport,
+    TokenRanges,
+    TransferError,
+    chunk_frame,
+    done_frame,
+    error_frame,
+    frame,
+    meta_frame,
+    pick_transport,
+)
+from kaon_runtime.engine.remote_prefill import RemotePrefill, wants_remote
+from kaon_runtime.engine.scheduler import ScheduledBatch
+from kaon_runtime.engine.sequence import Sequence
+from kaon_runtime.sampling import SamplingParams
+
+BS = 4  # block size
+LAYERS, HEADS, DIM, BLOCKS = 2, 1, 3, 16
+
+
+def pool() -> torch.Tensor:
+    return torch.zeros((LAYERS, 2, HEADS, BLOCKS, BS, DIM))
+
+
+def tokens_kv(start: int, end: int) -> torch.Tensor:
+    """Distinct K/V per token position, so a misplaced token shows."""
+    kv = torch.arange(start, end, dtype=torch.float32).view(1, 1, 1, -1, 1)
+    return kv.expand(LAYERS, 2, HEADS, end - start, DIM).clone()
+
+
+LAYOUT = KvLayout(LAYERS, HEADS, DIM, "float32")
+
+
+def seq(token_ids: list[int], seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id, token_ids, len(token_ids), SamplingParams(), request_id=f"r{seq_id}")
+
+
+def test_token_slots_follow_the_block_table():
+    assert token_slots([5, 2], BS, 2, 6).tolist() == [22, 23, 8, 9]
+
+
+def test_gather_returns_what_scatter_wrote():
+    cache, slots = pool(), token_slots([7, 3, 9], BS, 1, 10)
+    scatter_tokens(cache, slots, tokens_kv(1, 10))
+    assert torch.equal(gather_tokens(cache, slots), tokens_kv(1, 10))
+    assert cache[:, :, :, 7, 0].sum() == 0  # the slot before the range was not touched
+
+
+def test_place_imported_writes_past_the_cached_prefix_and_leaves_the_last_token():
+    bm, cache = BlockManager(BLOCKS, BS), pool()
+    prompt = list(range(100, 111))  # 11 tokens: [0, 10) arrive, the last is computed here
+    first = seq(prompt)
+    assert place_imported(bm, cache, first, ImportedKv(0, 10, tokens_kv(0, 10)))
+    assert first.num_computed_tokens == 10 and first.num_cached_tokens == 0 and first.is_decoding
+    slots = token_slots(first.block_table, BS, 0, 10)
+    assert torch.equal(gather_tokens(cache, slots), tokens_kv(0, 10))
+    assert len(first.block_table) == 3  # room for the eleventh token too
+    # A second prompt sharing the first two blocks finds them cached: only what follows is written.
+    assert cached_prefix_tokens(bm, prompt[:9] + [7, 7], 0, None) == 8
+    second = seq(prompt[:9] + [7, 7], 1)
+    assert place_imported(bm, cache, second, ImportedKv(8, 10, tokens_kv(50, 52)))
+    assert second.num_cached_tokens == 8 and second.block_table[:2] == first.block_table[:2]
+    assert gather_tokens(cache, token_slots(second.block_table, BS, 8, 10)).flatten()[::DIM].unique().tolist() == [
+        50.0, 51.0]
+
+
+def test_place_imported_refuses_when_the_prefix_it_was_sent_for_is_gone():
+    bm, cache = BlockManager(BLOCKS, BS), pool()
+    s = seq(list(range(11)))
+    assert not place_imported(bm, cache, s, ImportedKv(8, 10, tokens_kv(8, 10)))  # nothing cached here
+    assert s.block_table == [] and bm.num_free_blocks == BLOCKS and s.num_computed_tokens == 0
+
+
+def test_exports_hand_on_each_steps_tokens_then_done():
+    cache = pool()
+    scatter_tokens(cache, token_slots([2, 5, 6], BS, 0, 12), tokens_kv(0, 12))
+    s = seq(list(range(11)))
+    s.request_id, s.block_table = "x", [2, 5, 6]
+    exports, got = KvExports(lambda: cache, BS), []
+    exports.watch("x", 3, 10, lambda first, kv: got.append((first, kv)))
+    for computed in (6, 11):  # two chunked-prefill steps; the second runs past `end` (the sampled token)
+        s.num_computed_tokens = computed
+        exports.after_step(ScheduledBatch([s], [0]))
+    assert [f for f, _ in got] == [3, 6, 10] and got[-1][1] is None
+    assert torch.equal(torch.cat([got[0][1], got[1][1]], dim=3), tokens_kv(3, 10))
+    assert exports.sent_tokens == 7 and not exports  # done: no longer watched
+
+
+def test_short_prompts_and_scored_prompts_stay_local():
+    params = SamplingParams()
+    assert wants_remote(101, 0, params, 100) and not wants_remote(100, 0, params, 100)
+    assert not wants_remote(301, 250, params, 100)  # most of it is cached here
+    assert not wants_remote(301, 0, SamplingParams(prompt_logprobs=1), 100)
+
+
+# ---- the wire ------------------------------------------------------------------------------
+
+
+def transfer(start: int, end: int, step: int = 3) -> bytes:
+    data = meta_frame(LAYOUT, start, end)
+    for first in range(start, end, step):
+        data += chunk_frame(first, tokens_kv(first, min(first + step, end)))
+    return data + done_frame()
+
+
+def assemble(data: bytes, start: int = 2, end: int = 10, cut: int = 5) -> ImportedKv:
+    """Feed the bytes in pieces of `cut`, as a socket would."""
+    reader, assembler = FrameReader(), KvAssembler(LAYOUT, start, end)
+    for i in range(0, len(data), cut):
+        for header, payload in reader.feed(data[i:i + cut]):
+            assembler.add(header, payload)
+    assert assembler.done
+    return assembler.result()
+
+
+def test_frames_reassemble_the_transfer_from_any_split():
+    for cut in (1, 7, 1000):
+        kv = assemble(transfer(2, 10), cut=cut)
+        assert (kv.start, kv.end) == (2, 10) and torch.equal(kv.kv, tokens_kv(2, 10))
+
+
+@pytest.mark.parametrize("data, why", [
+    (meta_frame(KvLayout(LAYERS, HEADS, DIM, "bfloat16"), 2, 10), "bfloat16"),  # another model or dtype
+    (meta_frame(LAYOUT, 2, 10) + chunk_frame(5, tokens_kv(5, 8)), "chunk"),  # a gap
+    (meta_frame(LAYOUT, 2, 10) + chunk_frame(2, tokens_kv(2, 5)) + done_frame(), "done after 3"),  # cut short
+    (meta_frame(LAYOUT, 2, 10) + chunk_frame(2, tokens_kv(2, 5) * float("nan")), "finite"),
+    (meta_frame(LAYOUT, 2, 10) + frame({"type": "chunk", "first": 2, "tokens": 3}, b"\0" * 8), "bytes"),
+    (b"\0\0\0\x05{oops", "JSON"),
+    (b"\xff\xff\xff\xff", "header"),
+    (error_frame("out of blocks"), "out of blocks"),
+])
+def test_a_bad_transfer_is_refused_with_the_reason(data, why):
+    with pytest.raises(TransferError, match=why) as caught:
+        assemble(data)
+    assert caught.value.reason == ("refused" if why == "out of blocks" else "garbage")
+
+
+# ---- the client against a real socket: what it does when the prefill engine misbehaves -------
+
+
+async def serve_prefill(behaviour: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        ask = await request.json()
+        start, end = ask["start"], len(ask["token_ids"]) - 1
+        if behaviour == "busy":
+            return web.json_response({"error": {"message": "queue full"}}, status=429)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        body = transfer(start, end) if behaviour != "garbage" else meta_frame(LAYOUT, start, end) + b"\0\0\0\x03abc"
+        await response.write(body[:len(body) // 2])
+        if behaviour == "slow":
+            await asyncio.sleep(1.5)
+        await response.write(body[len(body) // 2:])
+        return response
+
+    app = web.Application()
+    app.router.add_post(PREFILL_PATH, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("behaviour, reason", [
+    ("good", None), ("garbage", "garbage"), ("slow", "timeout"), ("busy", "refused"), ("down", "unreachable")])
+def test_a_failed_transfer_is_counted_and_prefilled_here(behaviour, reason):
+    async def main():
+        runner, url = await serve_prefill(behaviour)
+        if behaviour == "down":
+            await runner.cleanup()
+        transport = TcpTransport()
+        remote = RemotePrefill([url], transport, LAYOUT, BlockManager(BLOCKS, BS), min_prompt_tokens=4,
+                               timeout_s=0.3)
+        try:
+            return remote, await remote.fetch(list(range(11)), SamplingParams(), None, 0)
+        finally:
+            await transport.close()
+            await runner.cleanup()
+
+    remote, kv = asyncio.run(main())
+    if reason is None:
+        assert kv is not None and torch.equal(kv.kv, tokens_kv(0, 10))
+        assert remote.stats.received_tokens == 10 and not any(remote.stats.fallbacks.values())
+    else:
+        assert kv is None and remote.stats.received_tokens == 0
+        assert remote.stats.fallbacks == {r: int(r == reason) for r in remote.stats.fallbacks}
+
+
+def test_token_ranges_first_fit():
+    ranges = TokenRanges(10)
+    assert ranges.take(4) == 0 and ranges.take(4) == 4 and ranges.take(4) is None
+    ranges.give(0, 4)
+    assert ranges.take(3) == 0 and ranges.take(2) == 8 and ranges.take(1) == 3
+
+
+def test_nixl_moves_the_bytes_into_the_offered_staging_range():
+    """Two real NIXL agents (UCX, host memory) in this process: the "prefill engine" WRITEs each chunk into the
+    decode side's staging buffer and sends only the headers, as server/disagg.py does."""
+    pytest.importorskip("nixl._api")
+
+    async def main():
+        writer = NixlWriter()
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            ask = await request.json()
+            start, end, peer = ask["start"], len(ask["token_ids"]) - 1, ask["nixl"]
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(meta_frame(LAYOUT, start, end))
+            for first in range(start, end, 3):
+                kv = tokens_kv(first, min(first + 3, end))
+                await asyncio.to_thread(writer.write, peer, (first - start) * LAYOUT.token_bytes, kv)
+                await response.write(frame({"type": "chunk", "first": first, "tokens": kv.shape[3], "placed": True}))
+            await response.write(done_frame())
+            return response
+
+        app = web.Application()
+        app.router.add_post(PREFILL_PATH, handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        transport, why = pick_transport(lambda: None, LAYOUT, "auto", staging_tokens=64)
+        assert isinstance(transport, NixlTransport) and why == ""
+        try:
+            first = await transport.fetch(url, {"token_ids": list(range(11)), "start": 2}, LAYOUT, 10)
+            second = await transport.fetch(url, {"token_ids": list(range(21)), "start": 0}, LAYOUT, 10)
+        finally:
+            await transport.close()
+            await runner.cleanup()
+        return first, second, transport
+
+    first, second, transport = asyncio.run(main())
+    assert torch.equal(first.kv, tokens_kv(2, 10)) and torch.equal(second.kv, tokens_kv(0, 20))
+    assert transport.ranges.held == {}  # each transfer gave its staging range back
+
+
+def test_layout_states_the_model_and_dtype():
+    assert asdict(KvLayout.of_cache(pool())) == {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": DIM,
+                                                 "dtype": "float32"}
+    assert LAYOUT.token_bytes == 2 * LAYERS * HEADS * DIM * 4

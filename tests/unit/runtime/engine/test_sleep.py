@@ -1,0 +1,70 @@
+"""Issue 53: what a sleeping engine frees and how waking puts it back (engine/sleep.py)."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from kaon_runtime import SamplingParams
+from kaon_runtime.engine import sleep
+
+
+class _Packed(nn.Module):
+    """A module that keeps a tensor as a plain attribute (as packed and quantized linears do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.register_buffer("scale", torch.arange(4.0))
+        self.packed = torch.randn(2, 5)
+        self.head = self.weight  # the same tensor held twice: written once
+
+
+def test_level_two_writes_every_tensor_out_and_maps_it_back_unchanged(tmp_path):
+    model = nn.Sequential(_Packed(), _Packed())
+    before = [t.clone() for t in sleep._tensors(model)]
+    assert len(before) == 6  # weight, scale, packed per module; the alias once
+    spill = sleep._spill(model, str(tmp_path))
+    assert spill is not None and all(t.numel() == 0 for t in sleep._tensors(model) + spill.tensors)
+    assert model[0].head is model[0].weight  # whoever holds a tensor sees it emptied, and refilled below
+    sleep._unspill(model, spill)
+    assert [torch.equal(a, b) for a, b in zip(before, sleep._tensors(model), strict=True)] == [True] * 6
+    assert list(tmp_path.iterdir()) == []  # the file's name is gone; its pages stay mapped
+
+
+def test_an_opaque_layout_falls_back_to_loading_the_checkpoint(tmp_path):
+    model = _Packed()
+    model.packed = torch.randn(4, 4).to_sparse()
+    assert sleep._spill(model, str(tmp_path)) is None and model.weight.numel() == 12  # nothing freed, no file
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_level_one_frees_the_pool_and_wakes_with_one_of_the_same_size(llm, caplog):
+    """(That the answers stay the same: tests/integration/test_sleep_serve.py, on a real server.)"""
+    engine = llm.engine
+    llm.generate(["A prefix left in the cache, long enough to fill a block or two of it. " * 3],
+                 SamplingParams(max_tokens=1))
+
+    def cached() -> int:
+        return sum(block.hash is not None for block in engine.block_manager.blocks)
+
+    assert cached() > 0
+    blocks, weights = engine.runner.num_blocks, engine.runner.model.model.norm.weight
+    pool = weakref.ref(engine.runner.kv_cache)
+    slept = sleep.put_to_sleep(engine, 1)
+    assert pool() is None and "still holds the KV pool" not in caplog.text  # freed: nothing else holds it
+    assert engine.runner.kv_cache is None and all(a.k_cache is None for a in engine.runner.model.attention_layers())
+    assert cached() == 0  # the cached prefixes went with the pool
+    assert weights.numel() > 0  # on CPU, level 1 leaves the weights where they are
+    sleep.wake_up(engine, slept)
+    assert engine.runner.kv_cache is not None and engine.runner.kv_cache.shape[3] == blocks
+    assert engine.kv_exports.cache() is engine.runner.kv_cache  # disaggregation reads the new pool
+    assert all(a.k_cache is not None for a in engine.runner.model.attention_layers())
+
+
+def test_what_cannot_sleep_says_why(llm):
+    assert sleep.unsupported(llm.engine, 1) is None and sleep.unsupported(llm.engine, 2) is None
+    assert "level must be 1 or 2" in sleep.unsupported(llm.engine, 0)
