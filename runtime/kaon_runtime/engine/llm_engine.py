@@ -66,6 +66,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of those, how many it kept
     kv_cache_tokens: int = 0  # the KV cache's size in tokens (blocks x block size)
     kv_tiers: TierStats | None = None  # the host/disk tiers' counters; None without tiers
+    prompt_tokens_waiting: int = 0  # prompt tokens not computed yet, waiting or mid-prefill: a prefill pool's queue
 
 
 class LLMEngine:
@@ -220,7 +221,9 @@ class LLMEngine:
                            bm.prefix_hits, self.scheduler.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, self._draft_tokens, self._accepted_tokens,
                            self.num_blocks * self.config.block_size,
-                           self.kv_observer.tier_stats() if self.kv_observer is not None else None)
+                           self.kv_observer.tier_stats() if self.kv_observer is not None else None,
+                           sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                               for queue in (self.scheduler.waiting, self.scheduler.running) for seq in queue))
 
     # ---- the step ----------------------------------------------------------------------
 
