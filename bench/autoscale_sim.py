@@ -18,7 +18,10 @@ drains; what is still in flight after the drain grace period is cut (and counted
 
 Policies, on the same trace and seed: kaon (`kaon_operator.autoscaling.autoscaler.decide` fed the very
 `Sample`s the operator builds, every 5 s), an HPA-style policy, Knative's KPA and an oracle
-(see `oracle_schedule`). The yardstick: SLO attainment (TTFT <= target), replica-hours
+(see `oracle_schedule`); kaon-standby is the predictive policy with standby replicas (issue 53):
+`--standby` of them loaded and asleep, a scale-up waking one in `--wake-s` and starting another
+behind it, each costing `--standby-cost` of an awake replica in its replica-hours.
+The yardstick: SLO attainment (TTFT <= target), replica-hours
 relative to the oracle, replica changes per hour, requests cut by scale-down.
 """
 from __future__ import annotations
@@ -41,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
 from kaon_operator.api import AutoscalingSpec  # noqa: E402
-from kaon_operator.autoscaling import autoscaler, histogram, perf_model, predictive  # noqa: E402
+from kaon_operator.autoscaling import autoscaler, histogram, perf_model, predictive, standby  # noqa: E402
 
 CALIBRATION = ROOT / "bench" / "data" / "autoscale_calibration.json"
 MAX_REPLICAS = 10
@@ -268,6 +271,11 @@ class Cluster:
         self.pod_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, pods that exist): replica-hours
         self.replica_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, replicas wanted): the plot
         self.last_change: float | None = None
+        # Standby replicas (spec.autoscaling.standby): loaded and asleep, woken in wake_s by a scale-up,
+        # a new one started behind each one woken. Each entry: when that standby is loaded (asleep).
+        self.standby, self.wake_s = 0, 0.0
+        self.sleepers: list[float] = []
+        self.standby_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, standby pods that exist)
 
     # events
     def push(self, at: float, kind: str, what: object = None) -> None:
@@ -335,12 +343,27 @@ class Cluster:
         self._remove(replica)
 
     # scaling
+    def _start_at(self) -> float:
+        """When a new active replica is ready: a standby's wake (the soonest loaded one, and a new standby
+        starts behind it), else a cold start."""
+        if not self.sleepers:
+            return self.now + self.cold_start_s
+        self.sleepers.sort()
+        loaded = self.sleepers.pop(0)
+        self.sleepers.append(self.now + self.cold_start_s)
+        return max(loaded, self.now) + self.wake_s
+
+    def fill_standby(self, loaded_at: float) -> None:
+        while len(self.sleepers) < self.standby:
+            self.sleepers.append(loaded_at)
+        self.standby_log.append((self.now, len(self.sleepers)))
+
     def set_replicas(self, wanted: int) -> None:
         if wanted == len(self.active):
             return
         self.last_change = self.now
         while len(self.active) < wanted:
-            replica = Replica(self.next_id, self.now + self.cold_start_s)
+            replica = Replica(self.next_id, self._start_at())
             self.next_id += 1
             self.active.append(replica)
             self.push(replica.ready_at, "ready", replica)
@@ -348,6 +371,11 @@ class Cluster:
         while len(self.active) > wanted:
             victim = max(self.active, key=lambda r: (r.ready_at > self.now, r.id))
             self.active.remove(victim)
+            if self.sleepers and victim.ready_at <= self.now:
+                # The operator puts the victim to sleep (after its drain) and removes the surplus standby,
+                # the one still starting if any: the standby pool is loaded sooner, its size unchanged.
+                self.sleepers.sort()
+                self.sleepers[-1] = min(self.sleepers[-1], self.now + self.drain_s)
             victim.draining_since = self.now
             self.draining.append(victim)
             if victim.in_flight == 0:
@@ -402,12 +430,13 @@ class Kaon(Policy):
     period = 5.0
 
     def __init__(self, spec: AutoscalingSpec, max_num_seqs: int, scrape: Scrape,
-                 model: perf_model.PerfModel | None = None):
+                 model: perf_model.PerfModel | None = None, name: str | None = None):
         self.spec, self.max_num_seqs, self.state, self.model = spec, max_num_seqs, scrape, model
         self.history: list[autoscaler.Sample] = []
         self.keep = autoscaler.history_seconds(spec)
         if model is not None:
             self.name = "kaon-predictive"
+        self.name = name or self.name
 
     def decide(self, cluster: Cluster) -> int:
         now = cluster.now
@@ -415,8 +444,9 @@ class Kaon(Policy):
         while self.history and self.history[0].time < now - self.keep:
             self.history.pop(0)
         if self.model is not None:
-            return predictive.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
-                                     model=self.model, max_num_seqs=self.max_num_seqs).replicas
+            decision = predictive.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
+                                         model=self.model, max_num_seqs=self.max_num_seqs)
+            return standby.from_zero(decision, self.spec, len(cluster.active)).replicas
         return autoscaler.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
                                  max_num_seqs=self.max_num_seqs).replicas
 
@@ -546,16 +576,27 @@ class Run:
     changes: int
     cut: int
     duration: float
+    standby_log: list[tuple[float, int]] = field(default_factory=list)
+    standby_cost: float = 0.0
+    """What a standby replica costs, as a share of an awake one's (see --standby-cost)."""
 
     def replica_hours(self) -> float:
-        total = 0.0
-        for (t0, n), (t1, _) in zip(self.pod_log, [*self.pod_log[1:], (self.duration, 0)]):
-            total += n * (max(0.0, min(t1, self.duration) - min(t0, self.duration)))
-        return total / 3600
+        """Awake (and starting, and draining) replica-hours, plus standby_cost x the standby replica-hours."""
+        return _hours(self.pod_log, self.duration) + self.standby_cost * self.standby_hours()
+
+    def standby_hours(self) -> float:
+        return _hours(self.standby_log, self.duration)
 
     def attainment(self, target: float) -> float:
         met = sum(1 for r in self.requests if not r.failed and r.ttft() is not None and r.ttft() <= target)
         return met / len(self.requests) if self.requests else 1.0
+
+
+def _hours(log: list[tuple[float, int]], duration: float) -> float:
+    total = 0.0
+    for (t0, n), (t1, _) in zip(log, [*log[1:], (duration, 0)]):
+        total += n * (max(0.0, min(t1, duration) - min(t0, duration)))
+    return total / 3600
 
 
 def make_requests(arrivals: list[tuple[float, int, int]]) -> list[Request]:
@@ -564,14 +605,17 @@ def make_requests(arrivals: list[tuple[float, int, int]]) -> list[Request]:
 
 def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: EngineModel, policy: Policy,
              initial: int, *, cold_start_s: float | None = None, drain_s: float = 30.0,
-             hold_timeout_s: float = 600.0) -> Run:
+             hold_timeout_s: float = 600.0, standby: int = 0, wake_s: float = 0.0, standby_cost: float = 0.0) -> Run:
     """Run one policy over one trace. Policies tick until `duration`; afterwards the engines
-    finish what they have, so every request gets its outcome."""
+    finish what they have, so every request gets its outcome. `standby` replicas wait loaded and
+    asleep; a scale-up wakes one in `wake_s` and starts another behind it."""
     cluster = Cluster(model, model.cold_start_s if cold_start_s is None else cold_start_s, drain_s, hold_timeout_s)
     requests = make_requests(arrivals)
-    # The trace starts warm: the initial replicas are ready at time 0.
+    # The trace starts warm: the initial replicas are ready at time 0, the standbys loaded.
     saved, cluster.cold_start_s = cluster.cold_start_s, 0.0
     cluster.set_replicas(initial)
+    cluster.standby, cluster.wake_s = standby, wake_s
+    cluster.fill_standby(0.0)
     cluster.cold_start_s, cluster.last_change, cluster.replica_log = saved, None, [(0.0, initial)]
     changes = 0
     cluster.push(policy.period, "tick")
@@ -607,7 +651,8 @@ def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: Eng
             cluster.push(at + policy.period, "tick")
         if at > duration and cluster.held and not cluster.active:
             cluster.set_replicas(1)  # the trace is over: serve what is left rather than lose it
-    return Run(requests, cluster.pod_log, cluster.replica_log, changes, cluster.cut, duration)
+    return Run(requests, cluster.pod_log, cluster.replica_log, changes, cluster.cut, duration, cluster.standby_log,
+               standby_cost)
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -740,6 +785,18 @@ class Config:
     minutes: float = 90.0
     target_concurrency: float | None = None
     """Requests per replica for kaon, HPA and KPA alike; None: kaon's default (targetUtilization x maxNumSeqs)."""
+    standby: int = 3
+    """kaon-standby's spec.autoscaling.standby: replicas kept loaded and asleep."""
+    wake_s: float = 2.0
+    """Seconds from a scale-up to a woken standby taking requests (the wake, then the readiness probe)."""
+    standby_cost: float = 0.1
+    """What a standby replica costs, as a share of an awake one's: counted in kaon-standby's replica-hours."""
+    standby_window_s: int = 15
+    """kaon-standby's scaleUpWindowSeconds: with starts that cheap, a shorter look back reacts sooner."""
+    standby_stabilization_s: int = 120
+    """kaon-standby's scaleDownStabilizationSeconds: a replica let go comes back in a wake."""
+    standby_max_step: int = 4
+    """kaon-standby's maxStep: a step up of several replicas costs several wakes, not several cold starts."""
 
 
 def kaon_spec(config: Config, min_replicas: int) -> AutoscalingSpec:
@@ -767,6 +824,12 @@ def policies(config: Config, trace: Trace, oracle: list[int]) -> list[Policy]:
             KPA(config.model.max_num_seqs, trace.min_replicas, MAX_REPLICAS, scrape(),
                 utilization=target / config.model.max_num_seqs),
             Schedule(oracle), Schedule(dwell_schedule(oracle), "oracle-dwell")]
+    if config.standby:  # the predictive policy, told that a start takes a wake (its first `standby` ones do)
+        woken = replace(config.model.perf_model(), cold_start_seconds=config.wake_s)
+        quick = spec.model_copy(update={"standby": config.standby, "scale_up_window_seconds": config.standby_window_s,
+                                        "scale_down_stabilization_seconds": config.standby_stabilization_s,
+                                        "max_step": config.standby_max_step})
+        out.append(Kaon(quick, config.model.max_num_seqs, scrape(), model=woken, name="kaon-standby"))
     return out
 
 
@@ -779,8 +842,10 @@ def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
     runs = {}
     for policy in policies(config, trace, oracle):
         cold = 0.0 if policy.name.startswith("oracle") else None
+        sleepers = dict(standby=config.standby, wake_s=config.wake_s, standby_cost=config.standby_cost) \
+            if policy.name == "kaon-standby" else {}
         runs[policy.name] = simulate(arrivals, trace.duration, model, policy, initial, cold_start_s=cold,
-                                     drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s)
+                                     drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s, **sleepers)
     oracle_hours, dwell_hours = runs["oracle"].replica_hours(), runs["oracle-dwell"].replica_hours()
     rows = []
     for name, run in runs.items():
@@ -793,6 +858,7 @@ def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
             "changes_per_hour": round(run.changes / (trace.duration / 3600), 2),
             "cut_requests": run.cut,
             "replica_hours": round(hours, 3),
+            "standby_hours": round(run.standby_hours(), 3),
             "requests": len(run.requests),
             "failed_held": sum(1 for r in run.requests if r.failed),
             "p99_ttft_s": round(percentile([r.ttft() for r in run.requests if r.ttft() is not None], 0.99), 3),
@@ -811,12 +877,13 @@ def pooled(rows: list[dict]) -> list[dict]:
         key = (r["trace"], r["policy"])
         if key not in out:
             out[key] = {**r, "seeds": 0, "met": 0.0, "hours_total": 0.0, "changes": 0.0, "requests": 0,
-                        "cut_requests": 0, "failed_held": 0, "p99_ttft_s": 0.0}
+                        "standby_hours": 0.0, "cut_requests": 0, "failed_held": 0, "p99_ttft_s": 0.0}
         o = out[key]
         o["seeds"] += 1
         o["met"] += r["slo_attainment"] * r["requests"]
         o["requests"] += r["requests"]
         o["hours_total"] += r["replica_hours"]
+        o["standby_hours"] = round(o["standby_hours"] + r.get("standby_hours", 0.0), 3)
         o["changes"] += r["changes_per_hour"]
         o["cut_requests"] += r["cut_requests"]
         o["failed_held"] += r["failed_held"]
@@ -950,6 +1017,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-timeout-s", type=float, default=600.0)
     parser.add_argument("--scrape-failure", type=float, default=0.0, help="probability a pod misses a scrape")
     parser.add_argument("--minutes", type=float, default=90.0, help="length of every trace")
+    parser.add_argument("--standby", type=int, default=3,
+                        help="kaon-standby's spec.autoscaling.standby (0: no such row)")
+    parser.add_argument("--wake-s", type=float, default=2.0,
+                        help="seconds from a scale-up to a woken standby taking requests: the wake (bench/RESULTS.md: "
+                        "about 1 s on the bundled model) and the readiness probe's period")
+    parser.add_argument("--standby-cost", type=float, default=0.1,
+                        help="a standby replica's cost as a share of an awake one's, counted in kaon-standby's "
+                        "replica-hours: about 0.1 where a sleeping (level 2) replica holds only host memory and its "
+                        "GPU goes to other work (shared GPUs, DRA); 1.0 where it keeps a whole GPU")
+    parser.add_argument("--standby-window-s", type=int, default=15, help="kaon-standby's scaleUpWindowSeconds")
+    parser.add_argument("--standby-stabilization-s", type=int, default=120,
+                        help="kaon-standby's scaleDownStabilizationSeconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=1, help="run every trace with seeds seed..seed+N-1 and pool them")
     parser.add_argument("--traces", nargs="+")
@@ -969,7 +1048,9 @@ def main(argv: list[str] | None = None) -> int:
         target = float(args.target_concurrency)
     config = Config(model, workload, ttft_target_s=args.ttft_target, drain_s=args.drain_s,
                     hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
-                    minutes=args.minutes, target_concurrency=target)
+                    minutes=args.minutes, target_concurrency=target, standby=args.standby, wake_s=args.wake_s,
+                    standby_cost=args.standby_cost, standby_window_s=args.standby_window_s,
+                    standby_stabilization_s=args.standby_stabilization_s)
     rows = []
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + args.seeds):
@@ -1000,6 +1081,11 @@ def main(argv: list[str] | None = None) -> int:
               f"scrape failures {config.scrape_failure_p:g}; {config.minutes:g} min per trace; "
               f"seeds {args.seed}..{args.seed + args.seeds - 1}" + (" pooled" if args.seeds > 1 else ""))
         print(f"kaon policy: operator/kaon_operator/autoscaling/autoscaler.py, git blob {policy_version()}")
+        if config.standby:
+            print(f"kaon-standby: kaon-predictive with spec.autoscaling.standby {config.standby} (a wake takes "
+                  f"{config.wake_s:g} s; a standby costs {config.standby_cost:g} of an awake replica, counted in its "
+                  f"replica-hours), scaleUpWindowSeconds {config.standby_window_s}, "
+                  f"scaleDownStabilizationSeconds {config.standby_stabilization_s}, maxStep {config.standby_max_step}")
         print(table([r for r in rows if not r["policy"].startswith("hpa-x")], config.ttft_target_s))
         print(f"\nkaon-predictive against the HPA at {', '.join(f'{m:g}' for m in (*HPA_FRONTIER, 1))} x its "
               f"target (the cheapest that reaches kaon's SLO attainment or better):")

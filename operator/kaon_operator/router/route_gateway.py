@@ -40,6 +40,7 @@ TIER_HEADER = "x-kaon-route-tier"
 CACHE_HEADER = "x-kaon-cache"
 ROUTE_LABELS = ("namespace", "inferenceroute")
 EMBED_PATH = "/v1/embeddings"
+MAX_VERIFYING = 32
 
 
 class Store(Protocol):
@@ -257,7 +258,10 @@ class RouteGateway:
         if plan.status != 200:
             return
         await self._store(plan)
-        if monitor.should_verify(self.rng, route.spec.verify.fraction, plan.tier, len(route.spec.tiers)):
+        # At most MAX_VERIFYING second opinions at once: under load the monitor samples less rather than
+        # doubling the top tier's queue.
+        if len(self._background) < MAX_VERIFYING and monitor.should_verify(
+                self.rng, route.spec.verify.fraction, plan.tier, len(route.spec.tiers)):
             text = answer_text(plan.chunks, plan.stream)
             self._spawn(self._verify(plan, text))
 

@@ -200,3 +200,31 @@ def test_seeds_pool_into_one_row_and_kaon_meets_the_cheapest_hpa_at_its_slo():
     verdict = sim.iso_slo(list(pooled.values()))[0]
     assert verdict["hpa_setting"] == "hpa-x0.8" and verdict["below_hpa"]
     assert not sim.iso_slo([*list(pooled.values())[:1], {**pooled["hpa-x0.8"], "replica_hours": 8.0}])[0]["below_hpa"]
+
+
+def test_a_standby_wakes_in_its_wake_time_a_new_one_starts_behind_and_its_cost_is_counted():
+    """Issue 53: the simulator's standby replicas (what kaon-standby is judged with)."""
+    class FromZero(sim.Policy):
+        period = 1.0
+
+        def decide(self, cluster):
+            return 2 if cluster.held or cluster.active else 0
+
+    arrivals = [(1.0, 64, 4), (1.5, 64, 4), (30.0, 64, 4)]
+    run = sim.simulate(arrivals, 60, MODEL, FromZero(), 0, standby=1, wake_s=0.5, standby_cost=0.25)
+    # Asked for at the 2 s tick: the standby is ready 0.5 s later, not after the 10 s cold start.
+    assert run.requests[0].ttft() == pytest.approx(2.5 - 1.0 + MODEL.a + MODEL.c * 64, abs=0.05)
+    cold = sim.simulate(arrivals, 60, MODEL, FromZero(), 0)
+    assert cold.requests[0].ttft() > 10.0
+    # One standby the whole minute, counted at a quarter of a replica; the second replica started cold.
+    assert run.standby_hours() == pytest.approx(60 / 3600)
+    assert run.replica_hours() == pytest.approx(cold.replica_hours() + 0.25 * 60 / 3600)
+    # The standby woken was replaced by one starting behind it: the next scale-up finds it loaded.
+    cluster = sim.Cluster(MODEL, 10.0, 30.0, 600.0)
+    cluster.standby, cluster.wake_s = 1, 0.5
+    cluster.fill_standby(0.0)
+    cluster.set_replicas(1)
+    assert cluster.active[0].ready_at == 0.5 and cluster.sleepers == [10.0]
+    cluster.now = 4.0
+    cluster.set_replicas(2)  # the standby behind is still loading: ready when it has loaded, then woken
+    assert cluster.active[1].ready_at == pytest.approx(10.5)

@@ -346,3 +346,20 @@ def test_an_unreachable_valkey_means_misses_not_errors():
         await router.routes.close()
         await stop(found)
     run(main())
+
+
+def test_second_opinions_are_capped_under_load(monkeypatch):
+    from kaon_operator.router import route_gateway
+
+    monkeypatch.setattr(route_gateway, "MAX_VERIFYING", 0)
+
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object(verify={"fraction": 1.0}))
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat("Who wrote book 1?")) as r:
+                assert r.headers[TIER_HEADER] == "small"
+            await router.routes.drain()
+        assert found["large"].calls == 0 and (NS, "assistant") not in router.routes.agreement
+        await stop(found)
+    run(main())
