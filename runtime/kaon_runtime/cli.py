@@ -385,6 +385,12 @@ def _serve(args) -> int:
     if args.enable_sleep_mode and not args.admin_key:
         raise SystemExit("kaon serve: --enable-sleep-mode needs --admin-key (or $KAON_ADMIN_KEY): only its "
                          "holder may put the engine to sleep")
+    if args.task in ("embed", "auto"):  # a sentence encoder (BERT family) has its own small server
+        from kaon_runtime.server.encoder_run import encoder_checkpoint, serve_encoder
+
+        encoder = encoder_checkpoint(args.model)
+        if encoder is not None:
+            return serve_encoder(encoder, args)
     config = engine_config(args)
     rdv = pipeline_group.world_rendezvous(config)
     if not rdv.is_leader:  # a LeaderWorkerSet worker: its stage's ranks, no API (only /health)

@@ -45,6 +45,7 @@ def engine_starting() -> None:
     """A new engine is being built: its phases start from nothing; import is what the process took so far."""
     for name in _ENGINE_PHASES:
         _seconds.pop(name, None)
+    _seconds.setdefault("fetch", 0.0)  # a local or cached model: nothing fetched, and /metrics says so
     if "import" not in _seconds:
         record("import", process_age() - _seconds.get("fetch", 0.0))
 
