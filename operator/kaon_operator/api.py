@@ -96,13 +96,28 @@ _MODEL_RULES = [  # (CEL rule, Python check on the ModelSpec, message)
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
+_NODE_OR_PVC = "!(has(self.node) && self.node && has(self.persistentVolumeClaim))"
+_NODE_OR_PVC_MESSAGE = "node and persistentVolumeClaim are two places for the cache: name one"
+
+
 class ModelCacheSpec(_Model):
-    """Where fetched models (hf://, s3://) are kept: a per-pod emptyDir, or a shared PersistentVolumeClaim."""
+    """Where fetched models (hf://, s3://) are kept: a per-pod emptyDir, a shared PersistentVolumeClaim, or the node."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _NODE_OR_PVC, "message": _NODE_OR_PVC_MESSAGE}]})
 
     persistent_volume_claim: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
     """An existing ReadWriteMany PVC that every replica mounts: the first one downloads, the others reuse it."""
     size_limit: Quantity = "100Gi"
     """Size limit of the per-pod emptyDir used when no PVC is named."""
+    node: bool = False
+    """Keep the fetched files on the node (a hostPath, /var/lib/kaon/cache/<namespace>), so a later pod on a node that has the model (a scale-up, a restart) skips the download. Needs the admin's operator.allowHostPath."""  # noqa: E501 - one line: the CRD's description
+
+    @model_validator(mode="after")
+    def _one_place(self) -> ModelCacheSpec:
+        if self.node and self.persistent_volume_claim:
+            raise ValueError(_NODE_OR_PVC_MESSAGE)
+        return self
 
 
 class ModelSpec(_Model):
