@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "Secret) on /v1; re-read when it changes, so keys rotate without a restart; missing or "
                        "empty refuses every request (default: $KAON_API_KEY_FILE)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get a 429")
+    serve.add_argument("--max-queue-wait", type=float, default=limits.MAX_QUEUE_WAIT_S, metavar="SECONDS",
+                       help="the admission limit past capacity: a request that has waited this long for its turn "
+                       "(no token yet) gets a 503 with Retry-After, and one that would wait longer, at the rate "
+                       "requests finish, gets it at once; so the time to first token stays within it. 0: no limit "
+                       "(requests wait as long as it takes)")
     serve.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                        help="/health answers 503 when requests are pending and no engine step has completed for "
                        "this long (the first step after load gets 3x); 0 turns the check off")
