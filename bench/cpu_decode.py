@@ -1,11 +1,14 @@
 """CPU decode: kaon in each weight format against llama.cpp on the same GGUF, in one run.
 
-    python bench/cpu_decode.py [--formats float32 int8 int4] [--torch-ops float32 int4] [--tokens 64] [--batch 16]
+    python bench/cpu_decode.py [--formats float32 bfloat16 float16 int8 int4] [--torch-ops float32 int4]
+                               [--tokens 64] [--batch 16] [--invariance int4 float32]
 
-The bundled SmolLM2-135M-Instruct is a Q4_1 GGUF. kaon loads it as float32 (the default:
-greedy output matches HF transformers), int8 (re-quantized per channel) or int4 (the file's
-own Q4_1 blocks); `--formats bfloat16` adds a bfloat16 model. The peer is llama-cpp-python
-(`pip install llama-cpp-python`, compiled from source), which runs the Q4_1 blocks with
+The bundled SmolLM2-135M-Instruct is a Q4_1 GGUF. kaon loads it as float32 (greedy output
+matches HF transformers), bfloat16 or float16 (the weights stored in that dtype, widened to
+float32 in registers by the fused step), int8 (re-quantized per channel) or int4 (the file's
+own Q4_1 blocks, the default without --dtype); every precision is measured by default, with
+its ratio to float32 (no precision should be slower than the float32 it saves memory against).
+The peer is llama-cpp-python (`pip install llama-cpp-python`, compiled from source), which runs the Q4_1 blocks with
 llama.cpp's hand-written CPU kernels, with as many threads as torch uses.
 
 Batch-1 decode: tokens/s after a short prompt, prefill excluded: (time(1 + N tokens) -
@@ -17,6 +20,12 @@ kaon runs its decode steps through the fused C step (kernels/cpu_decode.c); the 
 `--torch-ops` are measured a second time with it off (torch ops, the path before it). The last
 column: for a few prompts, how many greedy tokens each run shares with float32's before the
 first that differs (64/64/64/64: the same text), the narrow formats' error as a user sees it.
+
+--invariance: the cost of batch invariance (issue 49). Every step, prefill chunks included, runs
+through the fused C step, whose rows are computed alone (models/cpu_decode_step.py); before, the
+prefill chunks went through torch's GEMMs (KAON_CPU_PREFILL=torch, still there). Per format asked,
+both settings: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~500-token prompt
+(time to the first token), with the invariant setting's ratio to the old one.
 """
 from __future__ import annotations
 
@@ -61,20 +70,63 @@ AGREEMENT_PROMPTS = [PROMPT, "def fibonacci(n):", "The three primary colors are"
                      "Write a short letter to a friend about your summer holiday."]
 
 
-def kaon_llm(fmt: str, fused: bool):
-    """An LLM in this format; fused=False builds it with the fused CPU decode step off (torch ops)."""
+FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
+
+
+def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", **engine_options):
+    """An LLM in this format; fused=False builds it with the fused CPU decode step off (torch ops);
+    prefill: KAON_CPU_PREFILL (fused: every step through the C step; torch: the chunks through torch)."""
     from kaon_runtime import LLM
     from kaon_runtime.kernels import cpu_decode
-    options = dict(dtype="bfloat16") if fmt == "bfloat16" else dict(
+    options = dict(dtype=fmt) if fmt in ("bfloat16", "float16") else dict(
         dtype="float32", quantization="none" if fmt == "float32" else fmt)
-    saved = os.environ.get("KAON_CPU_DECODE")
-    os.environ["KAON_CPU_DECODE"] = "on" if fused else "off"
+    saved = {name: os.environ.get(name) for name in ("KAON_CPU_DECODE", "KAON_CPU_PREFILL")}
+    os.environ.update(KAON_CPU_DECODE="on" if fused else "off", KAON_CPU_PREFILL=prefill)
     cpu_decode.library.cache_clear()
     try:
-        return LLM(MODEL, device="cpu", show_progress=False, **options)
+        return LLM(MODEL, device="cpu", show_progress=False, **options, **engine_options)
     finally:
-        os.environ.pop("KAON_CPU_DECODE") if saved is None else os.environ.update(KAON_CPU_DECODE=saved)
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
         cpu_decode.library.cache_clear()
+
+
+LONG_PROMPT = " ".join([PROMPT] * 24)  # ~500 tokens
+
+
+def prefill_rate(llm, repeats: int) -> float:
+    """Prompt tokens/s of a ~500-token prompt: its time to the first token, prefix caching off."""
+    from kaon_runtime import SamplingParams
+    ids = llm.tokenizer.encode(LONG_PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([ids], params, use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate([ids], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    return len(ids) / statistics.median(times)
+
+
+def invariance_cost(formats: list[str], args) -> None:
+    """Decode and prefill rates with every step through the C step (invariant) and with the prefill
+    chunks through torch (before), per format; the ratio invariant / before."""
+    print("\nbatch invariance: every step through the fused C step vs prefill chunks through torch "
+          "(KAON_CPU_PREFILL=fused vs torch)")
+    print(f"{'':26} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
+    for fmt in formats:
+        figures = {}
+        for prefill in ("torch", "fused"):
+            llm = kaon_llm(fmt, True, prefill, enable_prefix_caching=False)
+            run = kaon_runner(llm)
+            figures[prefill] = (rate(run, 1, args.tokens, args.repeats), rate(run, args.batch, args.tokens, 1),
+                                prefill_rate(llm, args.repeats))
+            del run, llm
+        before, now = figures["torch"], figures["fused"]
+        print(f"{'kaon ' + fmt + ' before':26} {before[0]:14.1f} {before[1]:15.1f} {before[2]:14.1f}")
+        print(f"{'kaon ' + fmt + ' invariant':26} {now[0]:14.1f} {now[1]:15.1f} {now[2]:14.1f}")
+        print(f"{'  invariant / before':26} {now[0] / before[0]:13.2f}x {now[1] / before[1]:14.2f}x "
+              f"{now[2] / before[2]:13.2f}x")
 
 
 def kaon_runner(llm):
@@ -126,11 +178,11 @@ def llama_cpp_rates(gguf: Path, threads: int, args) -> tuple[float, float] | Non
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--formats", nargs="+", default=["float32", "int8", "int4"],
-                        choices=["float32", "bfloat16", "int8", "int4"])
-    parser.add_argument("--torch-ops", nargs="*", default=["float32", "int4"],
-                        choices=["float32", "bfloat16", "int8", "int4"],
+    parser.add_argument("--formats", nargs="*", default=FORMATS, choices=FORMATS)
+    parser.add_argument("--torch-ops", nargs="*", default=["float32", "int4"], choices=FORMATS,
                         help="formats also measured with the fused CPU decode step off")
+    parser.add_argument("--invariance", nargs="*", default=[], choices=FORMATS,
+                        help="formats whose decode and prefill are measured with and without batch invariance")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -168,12 +220,17 @@ def main() -> int:
     print(f"{platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}, "
           f"{gguf.name}, {args.tokens} tokens after a {len(PROMPT.split())}-word prompt")
     base = rows.get("llama.cpp Q4_1")
-    print(f"{'':26} {'batch-1 tok/s':>14} {'vs llama.cpp':>13} {f'batch-{args.batch} tok/s':>15} {'vs llama.cpp':>13}"
-          f"  greedy tokens as float32's (per prompt, of {args.tokens})")
+    f32 = rows.get("kaon float32")
+    print(f"{'':26} {'batch-1 tok/s':>14} {'vs llama.cpp':>13} {'vs float32':>11} {f'batch-{args.batch} tok/s':>15} "
+          f"{'vs llama.cpp':>13} {'vs float32':>11}  greedy tokens as float32's (per prompt, of {args.tokens})")
     for name, (one, many) in rows.items():
         r1 = f"{one / base[0]:.2f}x" if base else "-"
         rb = f"{many / base[1]:.2f}x" if base else "-"
-        print(f"{name:26} {one:14.1f} {r1:>13} {many:15.1f} {rb:>13}  {agree.get(name, '-')}")
+        f1 = f"{one / f32[0]:.2f}x" if f32 else "-"
+        fb = f"{many / f32[1]:.2f}x" if f32 else "-"
+        print(f"{name:26} {one:14.1f} {r1:>13} {f1:>11} {many:15.1f} {rb:>13} {fb:>11}  {agree.get(name, '-')}")
+    if args.invariance:
+        invariance_cost(args.invariance, args)
     if args.json:
         args.json.write_text(json.dumps({k: {"batch1_tok_s": v[0], f"batch{args.batch}_tok_s": v[1],
                                              "greedy_agreement": agree.get(k)} for k, v in rows.items()}, indent=2))

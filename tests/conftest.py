@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs tests/unit on two workers): one compute thread per worker (torch's,
+# and the C kernels', which use as many as torch), so two workers on two cores do not run four.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.loader import resolve_model
 from support import MODEL

@@ -96,13 +96,28 @@ _MODEL_RULES = [  # (CEL rule, Python check on the ModelSpec, message)
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
+_NODE_OR_PVC = "!(has(self.node) && self.node && has(self.persistentVolumeClaim))"
+_NODE_OR_PVC_MESSAGE = "node and persistentVolumeClaim are two places for the cache: name one"
+
+
 class ModelCacheSpec(_Model):
-    """Where fetched models (hf://, s3://) are kept: a per-pod emptyDir, or a shared PersistentVolumeClaim."""
+    """Where fetched models (hf://, s3://) are kept: a per-pod emptyDir, a shared PersistentVolumeClaim, or the node."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _NODE_OR_PVC, "message": _NODE_OR_PVC_MESSAGE}]})
 
     persistent_volume_claim: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
     """An existing ReadWriteMany PVC that every replica mounts: the first one downloads, the others reuse it."""
     size_limit: Quantity = "100Gi"
     """Size limit of the per-pod emptyDir used when no PVC is named."""
+    node: bool = False
+    """Keep the fetched files on the node (a hostPath, /var/lib/kaon/cache/<namespace>), so a later pod on a node that has the model (a scale-up, a restart) skips the download. Needs the admin's operator.allowHostPath."""  # noqa: E501 - one line: the CRD's description
+
+    @model_validator(mode="after")
+    def _one_place(self) -> ModelCacheSpec:
+        if self.node and self.persistent_volume_claim:
+            raise ValueError(_NODE_OR_PVC_MESSAGE)
+        return self
 
 
 class ModelSpec(_Model):
@@ -369,8 +384,8 @@ class AutoscalingSpec(_Model):
     """Waiting requests per ready replica above which the autoscaler adds replicas."""
     target_p99_latency_seconds: float | None = Field(None, gt=0)
     """P99 of `latencyMetric` above which the autoscaler adds replicas (unset: no latency target)."""
-    latency_metric: Literal["ttft", "e2e"] = "ttft"
-    """Time to first token, or end-to-end request latency."""
+    latency_metric: Literal["ttft", "e2e", "itl"] = "ttft"
+    """Time to first token, end-to-end request latency, or inter-token latency (time per output token). With spec.prefill the decode pool is scaled on `itl` whatever this says (its prompts are prefilled elsewhere)."""  # noqa: E501 - one line: the CRD's description
     scale_up_window_seconds: int = Field(60, ge=0, le=MAX_WINDOW_SECONDS)
     """The window whose mean concurrency (and whole-window queue depth or P99) decides a scale-up; bursts of
     twice the capacity act at once."""
@@ -466,6 +481,34 @@ _PREFILL_ONE_PROCESS_MESSAGE = ("prefill (disaggregation) needs engine.tensorPar
                                  "and engine.task generate: each engine's K/V moves from one process")
 
 
+class PrefillAutoscalingSpec(_Model):
+    """Scale the prefill pool (spec.prefill.replicas) on its own signals: prompt tokens queued on the prefill engines and the decode engines' time to first token (the transfer included); the decode pool scales on spec.autoscaling."""  # noqa: E501 - one line: the CRD's description
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _MIN_LE_MAX, "message": _MIN_LE_MAX_MESSAGE}]})
+
+    enabled: bool = False
+    """Let the operator set spec.prefill.replicas."""
+    min_replicas: int = Field(1, ge=0)
+    """Fewest prefill replicas (0: the decode engines prefill everything themselves)."""
+    max_replicas: int = Field(4, ge=1)
+    """Most prefill replicas."""
+    target_queued_prompt_tokens_per_replica: float = Field(4096, gt=0)
+    """Prompt tokens waiting on one prefill replica above which replicas are added (`kaon_num_prompt_tokens_waiting`: waiting or mid-prefill)."""  # noqa: E501 - one line: the CRD's description
+    target_p99_ttft_seconds: float | None = Field(None, gt=0)
+    """P99 time to first token on the decode engines above which a prefill replica is added (unset: no TTFT target)."""
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=MAX_WINDOW_SECONDS)
+    """How long after the last change before a replica may go."""
+    max_step: int = Field(2, ge=1)
+    """Most replicas added or removed by one decision."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrefillAutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(_MIN_LE_MAX_MESSAGE)
+        return self
+
+
 class PrefillSpec(_Model):
     """A pool of prefill engines (prefill/decode disaggregation, docs/disaggregation.md): they compute long prompts' K/V and stream it to the decode engines (the rest of the spec), which the router keeps sending requests to."""  # noqa: E501 - one line: the CRD's description
 
@@ -477,6 +520,9 @@ class PrefillSpec(_Model):
     """Prompts with fewer tokens missing from a decode engine's prefix cache are prefilled there (`kaon serve --disagg-min-prompt-tokens`; unset: the engine's default)."""  # noqa: E501 - one line: the CRD's description
     timeout_seconds: int = Field(30, ge=1, le=600)
     """A transfer not complete by then is given up and the decode engine prefills the prompt itself."""
+    autoscaling: PrefillAutoscalingSpec = Field(default_factory=PrefillAutoscalingSpec,
+                                                json_schema_extra=_default(PrefillAutoscalingSpec))
+    """The prefill pool's own autoscaler (docs/disaggregation.md)."""
 
 
 class InferenceServiceSpec(_Model):

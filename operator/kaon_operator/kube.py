@@ -177,6 +177,11 @@ class Kube:
                 raise Conflict(f"{namespace}/{name} changed since resourceVersion {resource_version}") from None
             raise
 
+    def patch_prefill_replicas(self, namespace: str, name: str, replicas: int) -> dict:
+        """Merge-patch spec.prefill.replicas (the prefill pool's autoscaler, docs/disaggregation.md)."""
+        return cast(dict, self.custom.patch_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"spec": {"prefill": {"replicas": replicas}}}))
+
     def patch_status(self, namespace: str, name: str, status: dict, resource_version: str | None = None,
                      plural: str = api.PLURAL) -> dict | None:
         """Merge-patch the status subresource (with `resource_version`: only at that version, else Conflict);

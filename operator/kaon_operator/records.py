@@ -50,6 +50,15 @@ class AutoscaleMemory:
     capped: bool = False
     """A ScaleCapped Event was posted and the cap still holds."""
     profile: ProfileMemory = field(default_factory=ProfileMemory)
+    model: PerfModel | None = None
+    """The performance model the decode pool's predictive policy last resolved: it sizes the prefill pool too."""
+    prefill_baselines: dict[str, Baseline] = field(default_factory=dict)
+    """The prefill pods' counters at the last scrape (spec.prefill.autoscaling)."""
+    ttft_baselines: dict[str, Baseline] = field(default_factory=dict)
+    """The decode pods' TTFT histograms at the last scrape: the prefill pool's latency signal."""
+    prefill_scraped_at: float | None = None
+    prefill_last_change: float | None = None
+    """When this operator last changed spec.prefill.replicas (None after a restart: no stabilization wait)."""
 
 
 @dataclass(slots=True)

@@ -83,6 +83,9 @@ def refusal(spec: api.InferenceServiceSpec, policy: SpecPolicy) -> str | None:
             return (f"engine.volumes: {volume.name} mounts {mounted}, which this cluster's admin does not allow "
                     "(operator.allowSecretVolumes); API keys go in spec.auth, model credentials in "
                     "spec.model.credentialsSecret")
+    if spec.model.cache.node and not policy.allow_host_path:
+        return ("model.cache.node keeps the model on the node through a hostPath, which this cluster's admin does "
+                "not allow (operator.allowHostPath)")
     for arg in engine.extra_args:
         name = arg.split("=", 1)[0]
         if len(name) > 2 and name.startswith("--") and any(flag.startswith(name) for flag in SECURITY_FLAGS):

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "Secret) on /v1; re-read when it changes, so keys rotate without a restart; missing or "
                        "empty refuses every request (default: $KAON_API_KEY_FILE)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get a 429")
+    serve.add_argument("--max-queue-wait", type=float, default=limits.MAX_QUEUE_WAIT_S, metavar="SECONDS",
+                       help="the admission limit past capacity: a request that has waited this long for its turn "
+                       "(no token yet) gets a 503 with Retry-After, and one that would wait longer, at the rate "
+                       "requests finish, gets it at once; so the time to first token stays within it. 0: no limit "
+                       "(requests wait as long as it takes)")
     serve.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                        help="/health answers 503 when requests are pending and no engine step has completed for "
                        "this long (the first step after load gets 3x); 0 turns the check off")
@@ -385,6 +390,12 @@ def _serve(args) -> int:
     if args.enable_sleep_mode and not args.admin_key:
         raise SystemExit("kaon serve: --enable-sleep-mode needs --admin-key (or $KAON_ADMIN_KEY): only its "
                          "holder may put the engine to sleep")
+    if args.task in ("embed", "auto"):  # a sentence encoder (BERT family) has its own small server
+        from kaon_runtime.server.encoder_run import encoder_checkpoint, serve_encoder
+
+        encoder = encoder_checkpoint(args.model)
+        if encoder is not None:
+            return serve_encoder(encoder, args)
     config = engine_config(args)
     rdv = pipeline_group.world_rendezvous(config)
     if not rdv.is_leader:  # a LeaderWorkerSet worker: its stage's ranks, no API (only /health)

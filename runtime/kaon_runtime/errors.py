@@ -24,6 +24,19 @@ class ModelDoesNotFitError(ModelLoadError):
 class QueueFullError(KaonError):
     """Too many requests are waiting already; retry later (HTTP 429)."""
 
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class OverloadedError(KaonError):
+    """Past capacity: the request would wait, or has waited, longer than the admission limit for its turn
+    (engine.admission); retry after `retry_after_s` (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
 
 class EngineDeadError(KaonError):
     """The engine loop stopped on an internal error; the process needs a restart."""

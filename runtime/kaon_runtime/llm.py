@@ -12,7 +12,12 @@ from kaon_runtime.sampling import SamplingParams
 
 
 class LLM:
-    """Load a model once, then generate for batches of prompts with continuous batching."""
+    """Load a model once, then generate for batches of prompts with continuous batching.
+
+    An LLM holds worker processes (tensor or pipeline parallelism), their process groups and ports, and
+    the model's memory: `close()`, a `with LLM(...) as llm:` block, or the object's garbage collection
+    gives them all back, so any number of LLMs, of any settings, can come and go in one process.
+    """
 
     def __init__(self, model: str = DEFAULT_MODEL, show_progress: bool = True, adapters: dict[str, str] | None = None,
                  **engine_options):
@@ -56,8 +61,14 @@ class LLM:
         return [done[i] for i in ids]
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel workers, if any."""
+        """Stop the engine's workers, if any, and release its process groups, ports and memory."""
         self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

@@ -42,7 +42,7 @@ def test_a_full_spec_round_trips(crd, namespace):
     spec = {
         "model": {"uri": "hf://meta-llama/Llama-3.1-8B", "revision": "0e9e39f", "ggufFile": "llama-q4.gguf",
                   "credentialsSecret": "hf-token", "endpoint": "https://hub.example.com",
-                  "cache": {"persistentVolumeClaim": "model-cache", "sizeLimit": "200Gi"},
+                  "cache": {"persistentVolumeClaim": "model-cache", "sizeLimit": "200Gi", "node": False},
                   "servedName": "llama", "quantization": "fp8", "maxModelLen": 8192},
         "engine": {"tensorParallelSize": 6, "maxNumSeqs": 128, "maxNumBatchedTokens": 8192, "kvCacheFraction": 0.9,
                    "enablePrefixCaching": False, "image": "example.com/kaon:dev", "extraArgs": ["--log-level", "debug"],
@@ -63,7 +63,8 @@ def test_a_full_spec_round_trips(crd, namespace):
                         "targetUtilization": 0.8, "targetQueueDepthPerReplica": 2.5,
                         "targetP99LatencySeconds": 1.5, "latencyMetric": "e2e", "scaleUpWindowSeconds": 10,
                         "scaleDownStabilizationSeconds": 120, "maxStep": 4, "scaleToZeroIdleSeconds": 600,
-                        "scaleFromZeroTimeoutSeconds": 300, "policy": "predictive", "profile": "llama-profile"},
+                        "scaleFromZeroTimeoutSeconds": 300, "policy": "predictive", "profile": "llama-profile",
+                        "standby": 1},
         "routing": {"strategy": "prefix-affinity", "loadBound": 1.5},
         "adapters": [{"name": "sql", "uri": "s3://adapters/sql"}, {"name": "chat", "uri": "pvc://loras/chat"}],
         "rollout": {"strategy": "Replace"},
@@ -93,7 +94,7 @@ def test_status_scale_subresource_and_printer_columns(crd, namespace):
     assert scale["status"] == {"replicas": 2, "selector": "kaon.dev/inferenceservice=llama"}
 
     table = crd.kubectl("get", "-n", namespace, "infsvc").stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "DESIRED", "MODEL", "QUEUE", "P99", "AGE"]
+    assert table[0].split() == ["NAME", "READY", "DESIRED", "STANDBY", "MODEL", "QUEUE", "P99", "AGE"]
     assert table[1].split()[:6] == ["llama", "1", "3", "builtin://smollm2-135m-instruct", "7", "0.42"]
     wide = crd.kubectl("get", "-n", namespace, "infsvc", "-o", "wide").stdout.splitlines()
     assert "STATUS" in wide[0].split() and "Progressing" in wide[1].split()

@@ -19,6 +19,8 @@ from support.server import API_KEY, MODEL, Server
 
 pytestmark = pytest.mark.slow
 
+KV_BYTES = str(256 << 20)  # ~5,800 tokens of the bundled model's float32 K/V: ample here; the 1 GiB default's zeroing
+# is start-up time each engine pays (the module's time is mostly the two engines' start-up)
 MIN_PROMPT = 48  # --disagg-min-prompt-tokens: prompts with fewer uncached tokens stay on the decode engine
 LONG = "Kubernetes schedules pods onto nodes; the kubelet starts their containers. " * 8  # ~115 tokens
 PROMPTS = [
@@ -35,14 +37,20 @@ def engines(tmp_path_factory):
     # decode engine asks it nothing until a request comes).
     prefill = Server.__new__(Server)
     thread = threading.Thread(target=Server.__init__, args=(prefill, tmp, "--role", "prefill", "--api-key", API_KEY,
-                                                            "--max-num-batched-tokens", "64"))
+                                                            "--max-num-batched-tokens", "64",
+                                                            "--kv-cache-bytes", KV_BYTES))
     thread.start()
     while not hasattr(prefill, "proc"):
         time.sleep(0.05)
     decode = Server(tmp, "--role", "decode", "--prefill-url", prefill.url, "--api-key", API_KEY,
                     "--disagg-min-prompt-tokens", str(MIN_PROMPT), "--disagg-timeout", "20",
+                    "--kv-cache-bytes", KV_BYTES,
                     "--kv-transport", "nixl")  # UCX on host memory; TCP's frames: the unit tests and the test below
     thread.join()
+    for role, server in (("prefill", prefill), ("decode", decode)):  # where the set-up time went (--durations)
+        phases = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+                  if line.startswith("kaon_startup_seconds{")]
+        print(role, " ".join(phases))
     yield prefill, decode
     decode.stop()
     prefill.stop()

@@ -54,8 +54,8 @@ def test_apply_creates_children_and_becomes_ready(cluster):
     assert cluster.condition("smol", "Degraded")["status"] == "False"
 
     table = cluster.kubectl("get", "infsvc", "smol").stdout.splitlines()
-    assert table[0].split()[:4] == ["NAME", "READY", "DESIRED", "MODEL"]
-    assert table[1].split()[:4] == ["smol", "2", "2", MODEL["uri"]]
+    assert table[0].split()[:5] == ["NAME", "READY", "DESIRED", "STANDBY", "MODEL"]
+    assert table[1].split()[:5] == ["smol", "2", "2", "0", MODEL["uri"]]  # no standby replicas
     described = cluster.kubectl("describe", "infsvc", "smol").stdout
     assert "Created" in described and "created Deployment smol, Service smol, PodDisruptionBudget smol" in described
     assert "2/2 replicas ready" in described and "kaon-operator" in described

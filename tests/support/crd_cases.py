@@ -32,6 +32,9 @@ INVALID = [
     ("tp-128", with_("engine.tensorParallelSize", 128), "should be less than or equal to 64"),
     ("quant-int3", with_("model.quantization", "int3"), 'Unsupported value: "int3"'),
     ("negative-replicas", with_("replicas", -1), "should be greater than or equal to 0"),
+    ("cache-node-and-pvc", with_("model.cache", {"node": True, "persistentVolumeClaim": "models"}),
+     "node and persistentVolumeClaim are two places for the cache: name one"),
+    ("standby-17", with_("autoscaling.standby", 17), "should be less than or equal to 16"),
     ("missing-model", {"replicas": 1}, "spec.model: Required value"),
     ("relative-uri", with_("model.uri", "models/x.gguf"),
      "must be hf://<org>/<name>[@<revision>], s3://<bucket>/<prefix>, pvc://<claim>/<path>, builtin://<name> or "

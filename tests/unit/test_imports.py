@@ -53,6 +53,7 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
      "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling", "autoscaling.standby",
+     "autoscaling.prefill_scaling",
      "routes.api", "routes.classifier", "routes.cache_keys", "routes.answers", "routes.memory_store", "routes.monitor",
      "routes.figures", "routes.table", "routes.status"),
     ("config",),  # plain values

@@ -27,10 +27,11 @@ import aiohttp
 
 from kaon_operator import api, clock, kubetime, labels, spec_policy, urls
 from kaon_operator.api import Key
-from kaon_operator.autoscaling import autoscaler, histogram, predictive, scraper, standby
+from kaon_operator.autoscaling import autoscaler, histogram, predictive, prefill_scaling, scraper, standby
 from kaon_operator.autoscaling.perf_model import PerfModel
 from kaon_operator.autoscaling.profile_sync import resolve
 from kaon_operator.autoscaling.profiling import read_model
+from kaon_operator.children import prefill_pool
 from kaon_operator.context import Context
 from kaon_operator.kube import Conflict
 from kaon_operator.records import AutoscaleMemory, Baseline
@@ -100,6 +101,18 @@ def answers_http(pod: PodSummary) -> bool:
     return pod.ready and not pod.terminating and bool(pod.ip)
 
 
+def prefill_autoscaled(spec: Mapping) -> bool:
+    return bool((((spec.get("prefill") or {}).get("autoscaling")) or {}).get("enabled"))
+
+
+def decode_pool_spec(spec: api.InferenceServiceSpec) -> api.InferenceServiceSpec:
+    """With spec.prefill the decode pool (spec.replicas) scales on concurrency and inter-token latency: its
+    prompts' time to first token is the prefill pool's signal."""
+    if spec.prefill is None:
+        return spec
+    return spec.model_copy(update={"autoscaling": spec.autoscaling.model_copy(update={"latency_metric": "itl"})})
+
+
 def router_url(pod: dict) -> str | None:
     summary = summaries.summarize_pod(pod)
     if not answers_http(summary):
@@ -158,7 +171,8 @@ class AutoscaleLoop:
         for key, body in self.caches.all_inference_services():
             if body["metadata"].get("deletionTimestamp"):
                 continue
-            if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
+            if not (((body.get("spec") or {}).get("autoscaling") or {}).get("enabled")
+                    or prefill_autoscaled(body.get("spec") or {})):
                 continue
             # A spec the admin's policy refuses gets no profiling Job either (its image, its Secrets).
             spec = spec_policy.checked(body["spec"], self.ctx.config.spec_policy)
@@ -222,9 +236,14 @@ class AutoscaleLoop:
         memory = record.autoscale
         if memory is None or memory.uid != uid:
             memory = record.autoscale = AutoscaleMemory(uid=uid)
+        spec = decode_pool_spec(spec)
         auto, now = spec.autoscaling, clock.seconds()
         pods = [p for p in self.caches.pods(key) if not p.terminating]
         answers = await self._scrape_engines(pods)
+        if spec.prefill is not None and spec.prefill.autoscaling.enabled:
+            await self._tick_prefill(key, body, spec.prefill, memory, pods, answers, now)
+        if not auto.enabled:
+            return
         prompt_tokens, output_tokens, finished_output_tokens = token_deltas(memory.baselines, answers)
         memory.baselines, finished, latency = advance(memory.baselines, {p.name for p in pods}, answers,
                                                       auto.latency_metric)
@@ -250,6 +269,7 @@ class AutoscaleLoop:
         profile = await asyncio.to_thread(resolve, self.kube, body, spec, memory.profile, self.ctx.post)
         if self.ctx.records.get(key).conditions.get(conditions.PROFILED) != profile.condition:
             await asyncio.to_thread(status_sync.profile_changed, self.ctx, key, profile.condition)
+        memory.model = profile.model  # the prefill pool's tick sizes from it too
         if auto.policy == "predictive" and profile.model is not None:
             return predictive.decide(memory.history, auto, spec.replicas, now, last_change, model=profile.model,
                                      max_num_seqs=spec.engine.max_num_seqs)
@@ -260,6 +280,36 @@ class AutoscaleLoop:
             return autoscaler.Decision(decision.replicas, f"{decision.reason} ({why})", decision.metrics_missing,
                                        decision.capped_from)
         return decision
+
+    async def _tick_prefill(self, key: Key, body: Mapping, prefill: api.PrefillSpec, memory: AutoscaleMemory,
+                            decode_pods: list[PodSummary], decode_answers: dict[str, scraper.PodMetrics],
+                            now: float) -> None:
+        """The prefill pool's own tick: its queued prompt tokens and prompt-token rate, the decode pods' TTFT
+        (prefill_scaling.py decides); writes spec.prefill.replicas and posts a PrefillScaled Event."""
+        namespace, name = key
+        selector = ",".join(f"{k}={v}" for k, v in prefill_pool.selector(name).items())
+        listed = await asyncio.to_thread(self.kube.list_pods, namespace, selector)
+        pods = [p for p in map(summaries.summarize_pod, listed) if not p.terminating]
+        answers = await self._scrape_engines(pods)
+        prompt_tokens, _, _ = token_deltas(memory.prefill_baselines, answers)
+        memory.prefill_baselines, _, _ = advance(memory.prefill_baselines, {p.name for p in pods}, answers, "ttft")
+        memory.ttft_baselines, _, ttft = advance(memory.ttft_baselines, {p.name for p in decode_pods},
+                                                 decode_answers, "ttft")
+        elapsed = None if memory.prefill_scraped_at is None else now - memory.prefill_scraped_at
+        memory.prefill_scraped_at = now
+        load = prefill_scaling.PrefillLoad(
+            queued_prompt_tokens=sum(m.prompt_tokens_waiting for m in answers.values()),
+            ttft_p99=histogram.quantile(ttft, 0.99) if ttft else None,
+            prompt_tokens_per_second=prompt_tokens / elapsed if elapsed else 0.0)
+        replicas, why = prefill_scaling.decide(load, prefill.autoscaling, prefill.replicas, now,
+                                               memory.prefill_last_change, memory.model)
+        if replicas == prefill.replicas:
+            return
+        await asyncio.to_thread(self.kube.patch_prefill_replicas, namespace, name, replicas)
+        memory.prefill_last_change = now
+        direction = "up" if replicas > prefill.replicas else "down"
+        await asyncio.to_thread(self.ctx.post, body, [EventSpec(
+            "Normal", "PrefillScaled", f"Scaled the prefill pool {direction} {prefill.replicas} → {replicas}: {why}")])
 
     async def _act(self, key, body, spec: api.InferenceServiceSpec, sample: autoscaler.Sample,
                    answers: dict[str, scraper.PodMetrics], memory: AutoscaleMemory,

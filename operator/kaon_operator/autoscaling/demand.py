@@ -60,4 +60,6 @@ def latency(model: PerfModel, spec: AutoscalingSpec, prediction: Prediction, out
     """The predicted P99 of the spec's latency metric."""
     if spec.latency_metric == "e2e":
         return prediction.ttft_p99 + OUTPUT_TAIL * output * prediction.itl
+    if spec.latency_metric == "itl":  # a decode pool's (spec.prefill): one step, its tail not modelled
+        return prediction.itl
     return prediction.ttft_p99

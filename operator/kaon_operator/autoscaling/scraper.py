@@ -14,9 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kaon_operator.api import Key
 from kaon_operator.autoscaling.histogram import Buckets
 
-LATENCY_METRICS = {"ttft": "kaon_time_to_first_token_seconds", "e2e": "kaon_e2e_request_latency_seconds"}
+LATENCY_METRICS = {"ttft": "kaon_time_to_first_token_seconds", "e2e": "kaon_e2e_request_latency_seconds",
+                   "itl": "kaon_time_per_output_token_seconds"}
 _GAUGES = {"kaon_num_requests_waiting": "waiting", "kaon_num_requests_running": "running",
-           "kaon_kv_cache_usage_ratio": "kv_cache_usage"}
+           "kaon_kv_cache_usage_ratio": "kv_cache_usage", "kaon_num_prompt_tokens_waiting": "prompt_tokens_waiting"}
 _COUNTERS = {"kaon_prompt_tokens_total": "prompt_tokens_total",
              "kaon_generation_tokens_total": "generation_tokens_total"}
 
@@ -30,6 +31,8 @@ class PodMetrics:
     waiting: float = 0.0
     running: float = 0.0
     kv_cache_usage: float = 0.0
+    prompt_tokens_waiting: float = 0.0
+    """Prompt tokens not computed yet: a prefill pool's queue (0 from an engine older than the metric)."""
     requests_total: float = 0.0
     """All finished requests (any finish reason): the idleness signal."""
     prompt_tokens_total: float = 0.0
@@ -51,8 +54,8 @@ def _samples(text: str):
 
 def parse(text: str) -> PodMetrics:
     """An engine's exposition; raises BadExposition for text that is not one."""
-    values = {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0, "requests_total": 0.0,
-              "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0}
+    values = {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0, "prompt_tokens_waiting": 0.0,
+              "requests_total": 0.0, "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0}
     finished_output: float | None = None
     buckets: dict[str, list[tuple[float, float]]] = {key: [] for key in LATENCY_METRICS}
     by_name = {f"{name}_bucket": key for key, name in LATENCY_METRICS.items()}

@@ -40,6 +40,8 @@ FETCH_ALLOWANCE_SECONDS = 3600
 DEFAULT_REQUESTS_PER_GPU = {"cpu": 2, "memory_gib": 8}
 SHM_GIB_PER_GPU = 2  # tensor-parallel workers exchange tensors through /dev/shm
 CACHE_DIR = api.OWN_VOLUMES["cache"]  # Triton and Hugging Face caches, model downloads
+NODE_CACHE_ROOT = "/var/lib/kaon/cache"  # spec.model.cache.node: one folder a namespace, on the node
+NAMESPACE_ENV = "KAON_POD_NAMESPACE"
 MODEL_CACHE_DIR = f"{CACHE_DIR}/models"  # `kaon fetch` writes hf:// and s3:// models here
 MODEL_MOUNT = api.OWN_VOLUMES["model"]  # a pvc:// model's claim, read-only
 TMP_DIR, SHM_DIR = api.OWN_VOLUMES["tmp"], api.OWN_VOLUMES["dshm"]
@@ -176,8 +178,11 @@ def liveness_probe(engine: api.EngineSpec) -> dict:
 
 
 def _cache_volume(spec: api.InferenceServiceSpec) -> dict:
-    """The model cache: a shared (ReadWriteMany) claim when the spec names one, else a per-pod emptyDir."""
+    """The model cache: a shared (ReadWriteMany) claim when the spec names one, the node's folder with
+    cache.node (a pod on a node that has the model finds it there: no download), else a per-pod emptyDir."""
     cache = spec.model.cache
+    if cache.node:
+        return {"name": "cache", "hostPath": {"path": NODE_CACHE_ROOT, "type": "DirectoryOrCreate"}}
     if cache.persistent_volume_claim:
         return {"name": "cache", "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim}}
     return {"name": "cache", "emptyDir": {"sizeLimit": str(cache.size_limit)}}
@@ -186,6 +191,8 @@ def _cache_volume(spec: api.InferenceServiceSpec) -> dict:
 def _volumes(spec: api.InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     volumes = [_cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
     mounts: list[dict] = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": TMP_DIR}]
+    if spec.model.cache.node:  # the namespace's own folder on the node: one tenant's models are not another's
+        mounts[0]["subPathExpr"] = f"$({NAMESPACE_ENV})"
     if spec.model.uri.startswith("pvc://"):
         claim, _ = pvc_source(spec.model.uri)
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -217,7 +224,9 @@ def _unique(env: list[dict]) -> list[dict]:
 
 def _env(spec: api.InferenceServiceSpec) -> list[dict]:
     """The environment of both containers: the caches on the cache volume, then the spec's own."""
-    return _unique([{"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+    node = [{"name": NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}] \
+        if spec.model.cache.node else []
+    return _unique([*node, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
             {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
             {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
             {"name": "HOME", "value": TMP_DIR},

@@ -18,6 +18,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from kaon_runtime.distributed.parallel import Group
 from kaon_runtime.distributed.stages import Placement
 
 
@@ -37,9 +38,10 @@ MAX_UNCONFIRMED_SENDS = 4
 
 
 class StageTransport:
-    def __init__(self, placement: Placement, hidden_size: int, vocab_size: int, dtype: torch.dtype,
+    def __init__(self, placement: Placement, world: Group, hidden_size: int, vocab_size: int, dtype: torch.dtype,
                  device: torch.device):
-        self.placement = placement
+        """`world`: the engine's group of every rank (point-to-point ranks are world ranks)."""
+        self.placement, self.world = placement, world
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.dtype, self.device = dtype, device
         self._sending: deque[tuple[dist.Work, torch.Tensor]] = deque()
@@ -52,25 +54,23 @@ class StageTransport:
         """This stage's (hidden, residual), one tensor, to the next stage's peer, without waiting for it
         to be received (the next stage may still be busy with the micro-batch before)."""
         stacked = torch.stack(pair).contiguous()
-        work = dist.isend(stacked, dst=self.placement.peer(self.placement.stage + 1))
-        assert work is not None, "a point-to-point send outside a coalescing block returns its work"
+        work = self.world.isend(stacked, self.placement.peer(self.placement.stage + 1))
         self._sending.append((work, stacked))
         while len(self._sending) > MAX_UNCONFIRMED_SENDS:
             self._sending.popleft()[0].wait()
 
     def recv_activations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         pair = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)
-        dist.recv(pair, src=self.placement.peer(self.placement.stage - 1))
+        self.world.irecv(pair, self.placement.peer(self.placement.stage - 1)).wait()
         return pair[0], pair[1]
 
     def send_logits(self, logits: torch.Tensor) -> None:
         """From the last stage's TP rank 0 to the leader; the other ranks of that stage send nothing."""
         if self.placement.tp_rank == 0:
-            dist.send(logits.contiguous(), dst=0)
+            self.world.isend(logits.contiguous(), 0).wait()
 
     def recv_logits(self, num_rows: int) -> PendingLogits:
         """Post the receive of a micro-batch's logits now; they are collected by `wait`."""
         logits = torch.empty((num_rows, self.vocab_size), dtype=torch.float32, device=self.device)
-        work = dist.irecv(logits, src=(self.placement.pp_size - 1) * self.placement.tp_size)
-        assert work is not None, "a point-to-point receive outside a coalescing block returns its work"
+        work = self.world.irecv(logits, (self.placement.pp_size - 1) * self.placement.tp_size)
         return PendingLogits(work, logits)

@@ -25,10 +25,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kaon_runtime.engine.admission import FinishRate, admission, expected_wait_s, retry_after_s
 from kaon_runtime.engine.kv_transfer import ImportedKv
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
-from kaon_runtime.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from kaon_runtime.errors import EngineDeadError, InvalidRequestError, OverloadedError, QueueFullError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.structured.spec import spec_for
@@ -117,9 +118,16 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int = 256, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
+    def __init__(self, engine: LLMEngine, max_queue: int = 256, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                 max_queue_wait_s: float | None = None, max_running: int = 0):
+        """`max_queue_wait_s`: the admission limit (engine.admission), None: requests wait for their turn
+        as long as it takes; `max_running`: the scheduler's running slots (max_num_seqs; 0: counted as none
+        free), which a new request takes without waiting."""
         self.engine = engine
         self.max_queue = max_queue
+        self.max_queue_wait_s = max_queue_wait_s
+        self.max_running = max_running
+        self._finishes = FinishRate()  # the queue's drain rate, for refusing at once what would wait too long
         self.stall_timeout_s = stall_timeout_s
         # Written by the engine thread, read by health(): floats and bools are replaced whole.
         self._progress_at = time.monotonic()  # last completed step, or when work arrived to an idle engine
@@ -225,9 +233,14 @@ class AsyncEngine:
         if self.remote_prefill is not None and self._num_queued + self._stats.num_waiting < self.max_queue:
             kv = await self.remote_prefill.fetch(prompt_token_ids, params, adapter, lora_id)
         with self._lock:
-            waiting = self._num_queued + self._stats.num_waiting
-            if waiting >= self.max_queue:
-                raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_queue})")
+            stats = self._stats
+            waiting = self._num_queued + stats.num_waiting
+            wait = expected_wait_s(waiting, max(self.max_running - stats.num_running, 0),
+                                   self._finishes.rate(time.monotonic()))
+            refusal = admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
+            if refusal is not None:
+                error = QueueFullError if refusal.status == 429 else OverloadedError
+                raise error(refusal.reason, refusal.retry_after_s)
             self._num_queued += 1
         stream = RequestStream(request_id, self)
         self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id, kv))
@@ -275,6 +288,8 @@ class AsyncEngine:
                 self._apply(commands, streams)
                 if _STOP in commands:
                     break
+                if self.max_queue_wait_s is not None:
+                    self._expire(streams)
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step(), streams)
                     self._stats = self.engine.stats()
@@ -326,6 +341,27 @@ class AsyncEngine:
             self._num_queued -= added
             self._stats = self.engine.stats()
 
+    def _expire(self, streams: dict[str, RequestStream]) -> None:
+        """Answer the queued requests that waited past the admission limit: a 503 each, not a silent wait."""
+        assert self.max_queue_wait_s is not None
+        expired = self.engine.expire_waiting(self.max_queue_wait_s)
+        if not expired:
+            return
+        with self._lock:
+            rate = self._finishes.rate(time.monotonic())
+        waiting = self.engine.stats().num_waiting
+        retry = retry_after_s(waiting / rate if rate else None, self.max_queue_wait_s)
+        failed: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for request_id in expired:
+            stream = streams.pop(request_id, None)
+            if stream is not None:
+                failed.append((stream, OverloadedError(
+                    f"the server is past its capacity: the request waited {self.max_queue_wait_s:g} s, the admission "
+                    "limit (--max-queue-wait), without its turn", retry)))
+        self._event_loop().call_soon_threadsafe(_put_all, failed)
+        with self._lock:
+            self._stats = self.engine.stats()
+
     def _fail_dropped(self, streams: dict[str, RequestStream]) -> None:
         """Fail the open streams once a call has left the engine without requests (a sleep aborts what is left)."""
         if streams and not self.engine.has_unfinished_requests():
@@ -339,12 +375,17 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput], streams: dict[str, RequestStream]) -> None:
         batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        finished = 0
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is not None:
                 batch.append((stream, output))
                 if output.finished:
                     del streams[output.request_id]
+                    finished += 1
+        if finished:
+            with self._lock:
+                self._finishes.record(time.monotonic(), finished)
         if batch:
             self._event_loop().call_soon_threadsafe(_put_all, batch)
 

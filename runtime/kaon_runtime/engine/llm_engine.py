@@ -6,11 +6,14 @@ sits beside the loop that queues it, so what the engine accepts and what it runs
 from __future__ import annotations
 
 import itertools
+import time
+import weakref
 from dataclasses import dataclass, field
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine import startup
+from kaon_runtime.engine.admission import queue_expired
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
@@ -46,6 +49,7 @@ class _Request:
     texts: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # by seq index
     pending_forks: int = 0  # n > 1: siblings forked from the first once its prompt is in the cache
     lora_id: int = 0  # its LoRA adapter (engine.lora_pool's id); 0: the base model
+    arrival: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -62,6 +66,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of those, how many it kept
     kv_cache_tokens: int = 0  # the KV cache's size in tokens (blocks x block size)
     kv_tiers: TierStats | None = None  # the host/disk tiers' counters; None without tiers
+    prompt_tokens_waiting: int = 0  # prompt tokens not computed yet, waiting or mid-prefill: a prefill pool's queue
 
 
 class LLMEngine:
@@ -73,6 +78,10 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.workers = _start_workers(config, checkpoint)
+        # However the engine ends (close, an error at start, garbage collection) its workers stop and its
+        # process groups are released: the callback holds the workers, never the engine.
+        self._release = weakref.finalize(self, _stop_workers, self.workers)
+        self.closed = False
         try:
             tp = TensorParallel(0, config.tensor_parallel_size) if self.workers is None else self.workers.tp
             self.runner = ModelRunner(config, checkpoint, show_progress, tp,
@@ -151,6 +160,16 @@ class LLMEngine:
             for seq in request.seqs:
                 self._retire(seq, "abort")
 
+    def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[str]:
+        """Abort the requests that have waited longer than `max_wait_s` without a token computed for them
+        (engine.admission: the admission limit); their ids. A request that has started is never expired."""
+        now = time.monotonic() if now is None else now
+        expired = [r.request_id for r in self._requests.values()
+                   if r.seqs and queue_expired(now - r.arrival, max_wait_s) and not any(map(_started, r.seqs))]
+        for request_id in expired:
+            self.abort_request(request_id)
+        return expired
+
     # ---- LoRA adapters -----------------------------------------------------------------
 
     def add_lora(self, name: str, path: str, source: str | None = None) -> None:
@@ -176,13 +195,22 @@ class LLMEngine:
         return self.runner.lora
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any. The engine cannot step afterwards."""
-        if self.workers is not None:
-            self.workers.close()
+        """Stop the workers, if any, release the process groups, and drop the model and its KV cache.
+        The engine cannot step afterwards; closing twice is harmless."""
+        self._release()
         observer = getattr(self, "kv_observer", None)  # None: never built (a failed start), or closed
         if observer is not None:
             observer.close()
             self.kv_observer = None
+        if self.closed:
+            return
+        self.closed = True
+        runner = getattr(self, "runner", None)  # absent when the start failed before it
+        if runner is not None and runner.grammar_masks is not None:
+            runner.grammar_masks.close()
+        for heavy in ("runner", "drafter"):  # the weights and the KV cache (the draft model's too)
+            if hasattr(self, heavy):
+                delattr(self, heavy)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -193,12 +221,16 @@ class LLMEngine:
                            bm.prefix_hits, self.scheduler.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, self._draft_tokens, self._accepted_tokens,
                            self.num_blocks * self.config.block_size,
-                           self.kv_observer.tier_stats() if self.kv_observer is not None else None)
+                           self.kv_observer.tier_stats() if self.kv_observer is not None else None,
+                           sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                               for queue in (self.scheduler.waiting, self.scheduler.running) for seq in queue))
 
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One forward pass over a batch; returns the requests that progressed or finished."""
+        if self.closed:
+            raise EngineDeadError("the engine was closed")
         if self.workers is not None and self.workers.lost:
             raise EngineDeadError(self.workers.lost)
         if self.drafter is not None:
@@ -376,6 +408,17 @@ def _build_drafter(config: EngineConfig, runner: ModelRunner, num_blocks: int, s
     if config.speculative_method == "draft":
         return DraftModelDrafter(config, runner, num_blocks, show_progress)
     return None
+
+
+def _started(seq: Sequence) -> bool:
+    """Admitted to the batch at least once: running or finished, or back in the queue after a preemption
+    (which marks it due at once, as it does a forked sibling of a started request)."""
+    return seq.status is not SequenceStatus.WAITING or seq.num_output_tokens > 0 or seq.prefill_due == float("-inf")
+
+
+def _stop_workers(workers: WorkerPool | PipelineGroup | None) -> None:
+    if workers is not None:
+        workers.close()
 
 
 def _start_workers(config: EngineConfig, checkpoint: Checkpoint) -> WorkerPool | PipelineGroup | None:

@@ -72,11 +72,13 @@ def pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device
 def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  kv_dtype: torch.dtype, tp: TensorParallel) -> KernelBackend:
     """The kernel backend for this device, with the fused CPU decode step where it applies
-    (float32 activations on CPU, a cache it reads, a model it covers)."""
+    (CPU; float32, or float16 / bfloat16 float weights; a cache it reads, a model it covers)."""
     cpu_decode = False
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None
-        if kv_dtype not in cpu_decode_step.KV_DTYPES:
+        if dtype != torch.float32 and _weights_quantization(config, checkpoint) != "none":
+            reason = f"quantized weights under --dtype {str(dtype).removeprefix('torch.')}"
+        elif kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
         elif tp.stage.size > 1:
             reason = "pipeline parallelism"  # the C step runs every layer and the head

@@ -98,8 +98,8 @@ class ModelRunner:
             self.kv_cache = allocate_kv_cache(self.model, config, self.device, self.kv_dtype)  # its stage's layers only
         # Pipeline parallelism: activations to and from the neighbouring stages, logits to the leader.
         stage = tp.stage
-        self.transport = None if stage.size == 1 else StageTransport(
-            Placement(stage.index * tp.size + tp.rank, tp.size, stage.size), self.model_config.hidden_size,
+        self.transport = None if stage.size == 1 or tp.world is None else StageTransport(
+            Placement(stage.index * tp.size + tp.rank, tp.size, stage.size), tp.world, self.model_config.hidden_size,
             self.model_config.vocab_size, self.dtype, self.device)
         self.num_blocks = self.kv_cache.shape[3]  # this rank's pool; the engine schedules within the smallest
         self.decode_graphs: DecodeGraphs | None = None

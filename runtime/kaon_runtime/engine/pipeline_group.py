@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kaon_runtime.config import EngineConfig
-from kaon_runtime.distributed.parallel import join_world, leave_group
+from kaon_runtime.distributed.parallel import TensorParallel, join_world
 from kaon_runtime.distributed.rendezvous import Rendezvous, connect_to_leader, rendezvous_from
 from kaon_runtime.distributed.stages import Placement, ranks_of_host
 from kaon_runtime.engine.model_loader import pick_device
@@ -78,6 +78,7 @@ class PipelineGroup:
         self.world = config.pipeline_parallel_size * config.tensor_parallel_size
         self.rdv, self._closing = rdv, False
         self.lost: str | None = None  # why the group broke up, once a rank went away
+        self._procs: dict[int, BaseProcess] = {}
         self._conns: dict[int, Connection] = {}
         self._all_joined = threading.Event()
         # The given address only (the leader's pod IP under a LeaderWorkerSet, 127.0.0.1 on one host),
@@ -93,7 +94,7 @@ class PipelineGroup:
                 conn.send(("go", num_layers))
             device = pick_device(config.device)
             self.tp = join_world(Placement(0, config.tensor_parallel_size, config.pipeline_parallel_size),
-                                 rdv.init_method, num_layers, device)
+                                 rdv.host, rdv.port, num_layers, device)
         except BaseException:
             self.close()
             raise
@@ -188,8 +189,13 @@ class PipelineGroup:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=10)
+        for conn in self._conns.values():
+            conn.close()
         self._listener.close()
-        leave_group()
+        tp: TensorParallel | None = getattr(self, "tp", None)  # absent when the group never formed
+        if tp is not None:
+            tp.release()
 
 
 def _spawn_local_ranks(config: EngineConfig, rdv: Rendezvous, ranks: range) -> dict[int, BaseProcess]:
@@ -217,12 +223,12 @@ def rank_main(config: EngineConfig, rank: int, rdv: Rendezvous, local_index: int
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
     placement = Placement(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     try:
-        tp = join_world(placement, rdv.init_method, num_layers, device)
+        tp = join_world(placement, rdv.host, rdv.port, num_layers, device)
         checkpoint = open_checkpoint(config.model)
         runner = ModelRunner(config, checkpoint, show_progress=False, tp=tp)
     except Exception as exc:  # noqa: BLE001 -- reported to the leader, which raises it as the start-up error
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        os._exit(1)  # not leave_group: the others may never reach it
+        os._exit(1)  # at once: the others may never reach a shutdown
     conn.send(("ready", WorkerReport(runner.num_blocks, runner.weight_bytes)))
     try:
         while (plan := conn.recv()) is not None:
@@ -233,7 +239,7 @@ def rank_main(config: EngineConfig, rank: int, rdv: Rendezvous, local_index: int
     except Exception:  # a peer died mid-step (the transport fails): the group is over
         log.exception("rank %d: the step failed; exiting", rank)
         os._exit(1)
-    leave_group()
+    tp.release()
 
 
 def serve_stage(config: EngineConfig, rdv: Rendezvous, health_address: tuple[str, int] | None = None) -> int:

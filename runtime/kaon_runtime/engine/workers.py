@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kaon_runtime.config import EngineConfig, ModelConfig
-from kaon_runtime.distributed.parallel import TensorParallel, join_group, leave_group
+from kaon_runtime.distributed.parallel import Group, TensorParallel, join_group
 from kaon_runtime.distributed.sharding import check_tensor_parallel
 from kaon_runtime.distributed.stages import split_layers
 from kaon_runtime.engine.model_loader import pick_device
@@ -88,10 +88,12 @@ class WorkerPool:
             theirs.close()
             self._conns.append(ours)
             self._procs.append(proc)
-        # Whatever happens to the engine, the workers are told to go and the group is left.
-        self._finalizer = weakref.finalize(self, _shut_down, self._conns, self._procs)
+        # Rank 0's place (the engine's own process); its group is bound once the workers have loaded.
+        self._group = Group()
+        self.tp = TensorParallel(0, size, group=self._group, world=self._group)
+        # Whatever happens to the engine, the workers are told to go and the group is released.
+        self._finalizer = weakref.finalize(self, _shut_down, self._conns, self._procs, self._group)
         self._port, self._device, self._size = port, device, size
-        self.tp = TensorParallel(0, size)  # rank 0's place (the engine's own process)
         self.lost: str | None = None  # (the pipeline group's watch; a pipe's end surfaces in the step)
 
     def wait_ready(self) -> list[WorkerReport]:
@@ -112,7 +114,7 @@ class WorkerPool:
                 self.close()
                 raise ModelLoadError(f"tensor-parallel rank {rank}: {payload}")
             reports.append(payload)
-        join_group(0, self._size, self._port, self._device)
+        join_group(0, self._size, self._port, self._device, self._group)
         return reports
 
     def send(self, plan: StepPlan) -> None:
@@ -123,7 +125,7 @@ class WorkerPool:
         self._finalizer()
 
 
-def _shut_down(conns, procs) -> None:
+def _shut_down(conns, procs, group: Group) -> None:
     for conn in conns:
         try:
             conn.send(None)
@@ -133,29 +135,38 @@ def _shut_down(conns, procs) -> None:
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-    leave_group()
+            proc.join(timeout=10)
+    for conn in conns:
+        conn.close()
+    for proc in procs:
+        try:
+            proc.close()  # its sentinel's descriptor
+        except ValueError:
+            pass  # still running after its kill: the OS reaps it with us
+    group.release()
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, port: int, conn) -> None:
-    """A worker's life: join the group, load the shard, run plans until None or a closed pipe."""
+    """A worker's life: load the shard, join the group, run plans until None or a closed pipe."""
+    group = Group()  # bound once every rank has loaded
     try:
         if pick_device(config.device, rank).type == "cpu":
             # CPU tensor parallelism is for tests: the ranks share the cores instead of fighting over them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         runner = ModelRunner(config, open_checkpoint(config.model), show_progress=False,
-                             tp=TensorParallel(rank, size))
+                             tp=TensorParallel(rank, size, group=group, world=group))
     except Exception as exc:  # noqa: BLE001 -- reported to rank 0, which raises it as the engine's start-up error
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", WorkerReport(runner.num_blocks, runner.weight_bytes)))
     try:
-        join_group(rank, size, port, runner.device)
+        join_group(rank, size, port, runner.device, group)
         while (plan := conn.recv()) is not None:
             runner.run(plan)
     except EOFError:
         log.warning("rank %d: the engine went away; exiting", rank)
     finally:
-        leave_group()
+        group.release()
 
 
 def _free_port() -> int:

@@ -10,6 +10,13 @@
  * Projections read their weights as stored:
  *   F32   float32 [N, K]
  *   F32_T float32 [K, N] (kaon's vocabulary head: the transposed embedding)
+ *   F16, BF16, F16_T, BF16_T  the same in float16 or bfloat16 (a --dtype float16 / bfloat16
+ *         model's own weights): each weight widened to float32 in registers as it is loaded
+ *         (F16C's vcvtph2ps; bfloat16 is float32's top half, one shift), then the float32 path
+ *         in its order, so the result equals the float32 kernel's on the widened weight, bit for
+ *         bit. Decode reads half the bytes of float32. Why not AVX512-BF16's dot products: they
+ *         round the activations to bfloat16 too, and a decode step is bound by reading weights,
+ *         not by arithmetic (cvtph and a shift are all that AVX2 CPUs, Zen 4 and Intel share).
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
@@ -62,7 +69,10 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #define QBLOCK 32
 
 enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
-       KIND_Q5_F32 = 7, KIND_Q6_G16 = 8 };
+       KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12 };
+
+/* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16. */
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2 };
 
 typedef struct {
     int32_t kind, n, k;
@@ -98,7 +108,7 @@ typedef struct {
 
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_blocks;
-    int32_t kv_half;  /* the KV cache holds float16 (1) or float32 (0) */
+    int32_t kv_half;  /* the KV cache holds float32 (0), float16 (1) or bfloat16 (2): an FMT_ */
     float eps, scale;
     const float *final_norm;
     const float *cos, *sin;  /* [positions, head_dim / 2] */
@@ -147,7 +157,35 @@ static inline uint16_t float_to_half(float f) {
 #endif
 }
 
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* Rounded to nearest, ties to even, as torch's .to(torch.bfloat16) rounds (NaN stays NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x; memcpy(&x, &f, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40);
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+/* Element i of a float row stored in format fmt, as float32 (exact: both halves widen exactly). */
+static inline float load1(const void *row, size_t i, int fmt) {
+    return fmt == FMT_F32 ? ((const float *)row)[i]
+         : fmt == FMT_F16 ? half_to_float(((const uint16_t *)row)[i]) : bf16_to_float(((const uint16_t *)row)[i]);
+}
+
+static inline size_t fmt_bytes(int fmt) { return fmt == FMT_F32 ? sizeof(float) : sizeof(uint16_t); }
+
 #ifdef KAON_AVX2
+/* Elements i..i+7 of a float row stored in format fmt, widened to float32 in registers. */
+static inline __m256 load8(const void *row, size_t i, int fmt) {
+    if (fmt == FMT_F32) return _mm256_loadu_ps((const float *)row + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    if (fmt == FMT_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -191,8 +229,9 @@ static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 2); }
  * then hsum8, then the scalar tail; so a sequence's result does not depend on its batch.
  * R and C are constants at every call (always_inline) and the arrays have fixed sizes, so once
  * the loops unroll the accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile_f32(const float *w, const float *x, int k, const int R,
-                                                           const int C, const float *bias, float *y, size_t ystride) {
+static inline __attribute__((always_inline)) void tile_f32(const void *w, const int fmt, const float *x, int k,
+                                                           const int R, const int C, const float *bias, float *y,
+                                                           size_t ystride) {
     int i = 0;
     float sums[TILE_ROWS_MAX][TILE_COLS_MAX];
 #ifdef KAON_AVX2
@@ -200,7 +239,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *w, const
     for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (; i + 8 <= k; i += 8) {
         __m256 wv[TILE_COLS_MAX];
-        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + (size_t)c * k + i);
+        for (int c = 0; c < C; c++) wv[c] = load8(w, (size_t)c * k + i, fmt);
         for (int r = 0; r < R; r++) {
             __m256 xv = _mm256_loadu_ps(x + (size_t)r * k + i);
             __asm__("" : "+x"(xv));  /* keep it in a register: GCC would load it again for each output */
@@ -214,21 +253,24 @@ static inline __attribute__((always_inline)) void tile_f32(const float *w, const
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float sum = sums[r][c];
-            for (int j = i; j < k; j++) sum += x[(size_t)r * k + j] * w[(size_t)c * k + j];
+            for (int j = i; j < k; j++) sum += x[(size_t)r * k + j] * load1(w, (size_t)c * k + j, fmt);
             y[r * ystride + c] = bias ? sum + bias[c] : sum;
         }
 }
 
-static void tile_f32_any(const float *w, const float *x, int k, int R, int C, const float *bias, float *y,
+static void tile_f32_any(const void *w, int fmt, const float *x, int k, int R, int C, const float *bias, float *y,
                          size_t ystride) {
-#define TILE_CASE(r, c) case (r) * 16 + (c): tile_f32(w, x, k, r, c, bias, y, ystride); return;
-    switch (R * 16 + C) {
-        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
-        TILE_CASE(1, 5) TILE_CASE(1, 6) TILE_CASE(1, 7) TILE_CASE(1, 8)
-        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(3, 1) TILE_CASE(3, 2)
-        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(5, 1) TILE_CASE(5, 2)
-        TILE_CASE(6, 1) TILE_CASE(6, 2)
+#define TILE_CASE(f, r, c) case (f) * 256 + (r) * 16 + (c): tile_f32(w, f, x, k, r, c, bias, y, ystride); return;
+#define TILE_CASES(f) \
+        TILE_CASE(f, 1, 1) TILE_CASE(f, 1, 2) TILE_CASE(f, 1, 3) TILE_CASE(f, 1, 4) \
+        TILE_CASE(f, 1, 5) TILE_CASE(f, 1, 6) TILE_CASE(f, 1, 7) TILE_CASE(f, 1, 8) \
+        TILE_CASE(f, 2, 1) TILE_CASE(f, 2, 2) TILE_CASE(f, 3, 1) TILE_CASE(f, 3, 2) \
+        TILE_CASE(f, 4, 1) TILE_CASE(f, 4, 2) TILE_CASE(f, 5, 1) TILE_CASE(f, 5, 2) \
+        TILE_CASE(f, 6, 1) TILE_CASE(f, 6, 2)
+    switch (fmt * 256 + R * 16 + C) {
+        TILE_CASES(FMT_F32) TILE_CASES(FMT_F16) TILE_CASES(FMT_BF16)
     }
+#undef TILE_CASES
 #undef TILE_CASE
     abort();  /* a shape the dispatch lacks: MR, NR or NR1 changed without it */
 }
@@ -237,8 +279,10 @@ static void tile_f32_any(const float *w, const float *x, int k, int R, int C, co
  * (~64 KB) while every row tile of the batch passes over them, so each weight is read from
  * memory once a call; within a block a row tile's activations stay in L1. */
 #define F32_BLOCK 16384  /* floats: 64 KB of weights */
-static void f32_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
-                        int begin, int end) {
+static void f32_outputs(const void *weights, int fmt, const float *bias, int n, int k, int rows, const float *x,
+                        float *y, int begin, int end) {
+    const char *w = weights;
+    const size_t row_bytes = (size_t)k * fmt_bytes(fmt);
     const int r_step = rows == 1 ? 1 : MR, c_step = rows == 1 ? NR1 : NR;
     int block = (F32_BLOCK / k) / c_step * c_step;
     if (block < c_step) block = c_step;
@@ -249,8 +293,8 @@ static void f32_outputs(const float *w, const float *bias, int n, int k, int row
          * the whole model far larger than the caches, each block would otherwise arrive at the
          * latency of the first tile's loads, not at memory's bandwidth. One row needs no help:
          * its single pass streams, which the hardware prefetcher follows. */
-        const char *ahead = (const char *)(w + (size_t)j1 * k);
-        const char *ahead_end = (const char *)(w + (size_t)(j1 + block < n ? j1 + block : n) * k);
+        const char *ahead = w + (size_t)j1 * row_bytes;
+        const char *ahead_end = w + (size_t)(j1 + block < n ? j1 + block : n) * row_bytes;
         const size_t tiles = (size_t)((rows + r_step - 1) / r_step) * ((j1 - j0 + c_step - 1) / c_step);
         const size_t left = ahead_end > ahead ? (size_t)(ahead_end - ahead) : 0;
         const size_t slice = rows == 1 ? 0 : (left / tiles + 63) & ~(size_t)63;  /* whole cache lines */
@@ -260,7 +304,7 @@ static void f32_outputs(const float *w, const float *bias, int n, int k, int row
                 const int C = j1 - j < c_step ? j1 - j : c_step;
                 for (const char *stop = ahead + slice; ahead < stop && ahead < ahead_end; ahead += 64)
                     prefetch(ahead);
-                tile_f32_any(w + (size_t)j * k, x + (size_t)r0 * k, k, R, C, bias ? bias + j : NULL,
+                tile_f32_any(w + (size_t)j * row_bytes, fmt, x + (size_t)r0 * k, k, R, C, bias ? bias + j : NULL,
                              y + (size_t)r0 * n + j, (size_t)n);
             }
         }
@@ -338,29 +382,33 @@ static void tile_f32_t_any(const float *packed, const float *x, int kt, int k, i
  * the 2-core test machine (Zen 4), the 49,152 x 576 head: 6-7 ms for 1 to 4 rows, 15.7 for 35
  * and 24.3 for 64, against MKL's 4.8, 19, 28 and 38.5 ms (MKL packs the whole weight per call). */
 #define NC 128
-static void f32_t_outputs(const float *w, const float *bias, int n, int k, int rows, const float *x, float *y,
-                          int begin, int end) {
+static void f32_t_outputs(const void *w, int fmt, const float *bias, int n, int k, int rows, const float *x,
+                          float *y, int begin, int end) {
+    const size_t es = fmt_bytes(fmt);
     float packed[KT * NC];  /* 64 KB, on the stack of the caller or a pool thread */
     int j = begin;
     while (j + NT <= end) {
         const int nc = (end - j) / NT * NT < NC ? (end - j) / NT * NT : NC;
         for (int k0 = 0; k0 < k; k0 += KT) {
             const int kt = k - k0 < KT ? k - k0 : KT;
-            for (int i = 0; i < kt; i++)
-                for (int p = 0; p < nc / NT; p++)
-                    memcpy(packed + ((size_t)p * kt + i) * NT, w + (size_t)(k0 + i) * n + j + p * NT,
-                           sizeof(float) * NT);
+            for (int i = 0; i < kt; i++)  /* (float16 and bfloat16 rows widen here, once per call) */
+                for (int p = 0; p < nc / NT; p++) {
+                    float *to = packed + ((size_t)p * kt + i) * NT;
+                    const size_t from = (size_t)(k0 + i) * n + j + p * NT;
+                    if (fmt == FMT_F32) memcpy(to, (const float *)w + from, sizeof(float) * NT);
+                    else for (int c = 0; c < NT; c++) to[c] = load1(w, from + c, fmt);
+                }
             /* The next block's row segments (the next k-block of these columns, or the next
              * columns' first), a few per strip: 128 rows a whole row of W apart, which the
              * hardware prefetcher does not guess. */
             const int k_next = k0 + KT < k ? k0 + KT : 0, j_next = k0 + KT < k ? j : j + nc;
             const int kt_next = j_next < end ? (k - k_next < KT ? k - k_next : KT) : 0;  /* 0: none left */
             const int strips = nc / NT, per_strip = (kt_next + strips - 1) / strips;
-            const int segment = (j_next + nc <= end ? nc : end - j_next) * (int)sizeof(float);
+            const int segment = (j_next + nc <= end ? nc : end - j_next) * (int)es;
             for (int p = 0; p < strips; p++) {
                 for (int i = p * per_strip; i < (p + 1) * per_strip && i < kt_next; i++)
                     for (int b = 0; b < segment; b += 64)
-                        prefetch((const char *)(w + (size_t)(k_next + i) * n + j_next) + b);
+                        prefetch((const char *)w + ((size_t)(k_next + i) * n + j_next) * es + b);
                 for (int r0 = 0; r0 < rows; r0 += MR)
                     tile_f32_t_any(packed + (size_t)p * kt * NT, x + (size_t)r0 * k + k0, kt, k, n,
                                    rows - r0 < MR ? rows - r0 : MR, k0 == 0, y + (size_t)r0 * n + j + p * NT);
@@ -371,7 +419,7 @@ static void f32_t_outputs(const float *w, const float *bias, int n, int k, int r
     for (int r = 0; r < rows; r++)  /* the last columns, fewer than a strip: the same chains */
         for (int c = j; c < end; c++) {
             float sum = 0.f;
-            for (int i = 0; i < k; i++) sum = madd1(x[(size_t)r * k + i], w[(size_t)i * n + c], sum);
+            for (int i = 0; i < k; i++) sum = madd1(x[(size_t)r * k + i], load1(w, (size_t)i * n + c, fmt), sum);
             y[(size_t)r * n + c] = sum;
         }
     if (bias)
@@ -806,12 +854,14 @@ static void linear_chunk(const void *arg, int begin, int end) {
     const LinearJob *job = arg;
     const Linear *l = job->l;
     const int n = l->n, k = l->k, blocks = k / QBLOCK;
-    if (l->kind == KIND_F32) {
-        f32_outputs((const float *)l->w, l->bias, n, k, job->rows, job->x, job->y, begin, end);
+    if (l->kind == KIND_F32 || l->kind == KIND_F16 || l->kind == KIND_BF16) {
+        const int fmt = l->kind == KIND_F32 ? FMT_F32 : l->kind == KIND_F16 ? FMT_F16 : FMT_BF16;
+        f32_outputs(l->w, fmt, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
     }
-    if (l->kind == KIND_F32_T) {
-        f32_t_outputs((const float *)l->w, l->bias, n, k, job->rows, job->x, job->y, begin, end);
+    if (l->kind == KIND_F32_T || l->kind == KIND_F16_T || l->kind == KIND_BF16_T) {
+        const int fmt = l->kind == KIND_F32_T ? FMT_F32 : l->kind == KIND_F16_T ? FMT_F16 : FMT_BF16;
+        f32_t_outputs(l->w, fmt, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
     }
     float v[TILE][LANES];
@@ -875,7 +925,8 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     int32_t *qs = (int32_t *)(s + (size_t)rows * blocks);
     float *slo = (float *)(qs + (size_t)rows * blocks);
     int32_t *qlo = (int32_t *)(slo + (size_t)rows * blocks);
-    const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T;
+    const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
+                       && l->kind != KIND_F16_T && l->kind != KIND_BF16_T;
     if (narrow)
         for (int r = 0; r < rows; r++)
             quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks,
@@ -946,22 +997,14 @@ static inline const void *token_row(const void *cache, int half, const int64_t *
     return half ? (const void *)((const uint16_t *)cache + at) : (const void *)((const float *)cache + at);
 }
 
-/* A cached row as float32: the row itself, or widened into buf. */
+/* A cached row as float32: the row itself, or widened into buf. A 16-bit cache (half: FMT_F16 or
+ * FMT_BF16, read with load8) halves what attention reads (it is bound by memory: every cached key
+ * and value of every sequence, once per layer and step); the arithmetic stays float32. */
 static inline const float *row_f32(const void *row, int half, int n, float *buf) {
     if (!half) return row;
-    for (int i = 0; i < n; i++) buf[i] = half_to_float(((const uint16_t *)row)[i]);
+    for (int i = 0; i < n; i++) buf[i] = load1(row, i, half);
     return buf;
 }
-
-#ifdef KAON_AVX2
-/* Elements d..d+7 of a cached row. A float16 cache halves what attention reads (it is bound by
- * memory: every cached key and value of every sequence, once per layer and step); the
- * arithmetic stays float32. */
-static inline __m256 load8(const void *row, int d, int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)))
-                : _mm256_loadu_ps((const float *)row + d);
-}
-#endif
 
 /* One token's key or value into its cache slot. */
 static void store_row(void *cache, int half, size_t at, const float *x, int dim) {
@@ -971,6 +1014,10 @@ static void store_row(void *cache, int half, size_t at, const float *x, int dim)
     }
     uint16_t *h = (uint16_t *)cache + at;
     int i = 0;
+    if (half == FMT_BF16) {
+        for (; i < dim; i++) h[i] = float_to_bf16(x[i]);
+        return;
+    }
 #ifdef KAON_AVX2
     for (; i + 8 <= dim; i += 8)
         _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
@@ -1140,10 +1187,12 @@ static void attention_chunk(const void *arg, int begin, int end) {
         const int r = task / kv_heads, h_end = (task % kv_heads + 1) * group;
         for (int h0 = (task % kv_heads) * group; h0 < h_end; h0 += GH) {
             const int gh = h_end - h0 < GH ? h_end - h0 : GH;
-            if (job->md->kv_half)  /* each cache type its own copies too */
-                attend_group(job, r, h0, gh, 1);
+            if (job->md->kv_half == FMT_F16)  /* each cache type its own copies too */
+                attend_group(job, r, h0, gh, FMT_F16);
+            else if (job->md->kv_half == FMT_BF16)
+                attend_group(job, r, h0, gh, FMT_BF16);
             else
-                attend_group(job, r, h0, gh, 0);
+                attend_group(job, r, h0, gh, FMT_F32);
         }
     }
 }

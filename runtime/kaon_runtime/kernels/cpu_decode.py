@@ -36,6 +36,11 @@ QBLOCK = 32  # activations are quantized in blocks of this many for the narrow w
 LANES = 8  # the narrow kernels compute eight output channels at once, their weights interleaved
 KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T, KIND_Q4_F32, KIND_Q8_G16 = 0, 1, 2, 3, 4, 5
 KIND_Q5, KIND_Q5_F32, KIND_Q6_G16 = 6, 7, 8
+KIND_F16, KIND_BF16, KIND_F16_T, KIND_BF16_T = 9, 10, 11, 12
+# Float weights read as stored (widened to float32 in registers, cpu_decode.c): kind by dtype, [N, K] and [K, N].
+FLOAT_KINDS = {torch.float32: (KIND_F32, KIND_F32_T), torch.float16: (KIND_F16, KIND_F16_T),
+               torch.bfloat16: (KIND_BF16, KIND_BF16_T)}
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # Model.kv_half: the cache's format
 G16 = 16  # Q8_G16's group: two per activation block
 NO_COMPILER = "no C compiler on this machine: the fused CPU decode step and its tests are off (install gcc or set CC)"
 
@@ -174,14 +179,18 @@ class LinearWeights:
 
     @classmethod
     def f32(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
+        """A float weight [N, K]: float32, float16 and bfloat16 are read as they are (no copy); other
+        dtypes as a float32 copy."""
         n, k = weight.shape
-        return cls._make(KIND_F32, n, k, bias, w=weight.float())
+        w = weight if weight.dtype in FLOAT_KINDS else weight.float()
+        return cls._make(FLOAT_KINDS[w.dtype][0], n, k, bias, w=w)
 
     @classmethod
     def f32_t(cls, weight_t: torch.Tensor) -> LinearWeights:
-        """A float32 weight stored [K, N] (the vocabulary head's layout)."""
+        """A float weight stored [K, N] (the vocabulary head's layout), read as f32 reads."""
         k, n = weight_t.shape
-        return cls._make(KIND_F32_T, n, k, None, w=weight_t.float())
+        w = weight_t if weight_t.dtype in FLOAT_KINDS else weight_t.float()
+        return cls._make(FLOAT_KINDS[w.dtype][1], n, k, None, w=w)
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:

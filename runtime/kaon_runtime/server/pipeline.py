@@ -21,7 +21,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kaon_runtime.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
+from kaon_runtime.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+    QueueFullError,
+)
 from kaon_runtime.server import protocol as p
 
 RETRY_AFTER_S = 1  # a full queue drains in seconds; tell well-behaved clients to come back soon
@@ -121,7 +127,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     async def queue_full(_, exc: QueueFullError):
         return APIError(429, f"the server is at capacity: {exc}", type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_S)}).response()
+                        headers={"Retry-After": str(exc.retry_after_s)}).response()
+
+    @app.exception_handler(OverloadedError)
+    async def overloaded(_, exc: OverloadedError):
+        return APIError(503, str(exc), type="server_error", code="overloaded",
+                        headers={"Retry-After": str(exc.retry_after_s)}).response()
 
     @app.exception_handler(EngineDeadError)
     async def dead(_, exc: EngineDeadError):

@@ -75,8 +75,9 @@ def serve(config: EngineConfig, args, fetch_adapter: Callable[[str], str] | None
     `fetch_adapter` turns a LoRA adapter's hf:// or s3:// path into a local directory."""
     llm_engine = LLMEngine(config, show_progress=False)
     try:
-        return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue, stall_timeout_s=args.stall_timeout),
-                    fetch_adapter)
+        return _run(args, AsyncEngine(llm_engine, max_queue=args.max_queue, stall_timeout_s=args.stall_timeout,
+                                      max_queue_wait_s=args.max_queue_wait or None,
+                                      max_running=config.max_num_seqs), fetch_adapter)
     finally:
         llm_engine.close()  # the tensor-parallel workers, if any
 

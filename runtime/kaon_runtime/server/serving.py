@@ -37,8 +37,31 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     last: RequestOutput | None = None
     _closed: bool = False
+    _head: RequestOutput | None = None  # the first output, taken by `start`, not yet yielded
+
+    async def start(self, disconnected: Callable[[], Awaitable[object]]) -> bool:
+        """Wait for the request's first output (its first token) before a stream's response head is sent, so
+        a request refused while it waited (past capacity: engine.admission) is answered by its status, a 503
+        with Retry-After, not by a 200 stream carrying an error. Raises the stream's error; False if the
+        client went away first."""
+        first = asyncio.ensure_future(anext(self.stream))
+        gone = asyncio.ensure_future(disconnected())
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not first.done():
+            first.cancel()
+            return False
+        self._head = first.result()
+        self.timer.observe(self._head)
+        self.last = self._head
+        return True
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        if self._head is not None:
+            head, self._head = self._head, None
+            yield head
+            if head.finished:
+                return
         async for output in self.stream:
             self.timer.observe(output)
             self.last = output

@@ -98,3 +98,28 @@ def test_from_zero_every_standby_wakes_at_once():
     assert standby.from_zero(Decision(5, "a burst"), auto, current=0).replicas == 5  # more than the standbys
     capped = auto.model_copy(update={"max_replicas": 2})
     assert standby.from_zero(one, capped, current=0).replicas == 2
+
+
+def test_the_node_cache_is_the_namespaces_folder_on_the_node_and_needs_the_admins_hostpath():
+    """Issue 53 part 4: spec.model.cache.node; kaon fetch's completion marker (fetch/store.py) is what lets a
+    second pod on the node skip the download (tests/integration/test_fetch.py: two fetches of one cache download
+    each file once)."""
+    from kaon_operator import spec_policy
+    from kaon_operator.children import pod_template
+    from kaon_operator.config import SpecPolicy
+
+    node = api.InferenceServiceSpec.model_validate({"model": {"uri": "hf://org/model", "cache": {"node": True}}})
+    pod = r.deployment(OWNER, node)["spec"]["template"]["spec"]
+    assert {"name": "cache", "hostPath": {"path": pod_template.NODE_CACHE_ROOT, "type": "DirectoryOrCreate"}} \
+        in pod["volumes"]
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        cache = next(m for m in container["volumeMounts"] if m["name"] == "cache")
+        assert cache["subPathExpr"] == "$(KAON_POD_NAMESPACE)", container["name"]
+        assert {"name": "KAON_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} \
+            in container["env"], container["name"]
+    plain = r.deployment(OWNER, spec())["spec"]["template"]["spec"]
+    assert not any("hostPath" in v for v in plain["volumes"])
+    assert "model.cache.node" in spec_policy.refusal(node, SpecPolicy())
+    assert spec_policy.refusal(node, SpecPolicy(allow_host_path=True)) is None
+    with pytest.raises(ValidationError, match="name one"):
+        api.ModelCacheSpec.model_validate({"node": True, "persistentVolumeClaim": "models"})

@@ -89,7 +89,12 @@ def _projections() -> list[tuple[cpu_decode.LinearWeights, torch.Tensor]]:
             (cpu_decode.LinearWeights.q8_g16(quantize_int8(w)[0], torch.rand(84, 8) / 10, torch.randn(84, 8) / 10), x),
             (cpu_decode.LinearWeights.q5(values >> 1, scales32.half(), mins32.half()), x),
             (cpu_decode.LinearWeights.q5(values >> 1, scales32, mins32), x),
-            (cpu_decode.LinearWeights.q6_g16(values, torch.rand(84, 8) / 10), x)]
+            (cpu_decode.LinearWeights.q6_g16(values, torch.rand(84, 8) / 10), x),
+            *((cpu_decode.LinearWeights.f32(w.to(half), torch.randn(84)), x) for half in HALVES),
+            *((cpu_decode.LinearWeights.f32_t(w.T.contiguous().to(half)), x) for half in HALVES)]
+
+
+HALVES = (torch.float16, torch.bfloat16)  # float weights read as stored, widened in registers
 
 
 def _linear(lib, weights: cpu_decode.LinearWeights, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,7 @@ def test_every_projection_kind_agrees_across_the_flag_paths(level_library):
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [20, 96])  # the attention's tail path, and its 64-wide one
 def test_a_decode_step_agrees_across_the_flag_paths(level_library, head_dim, kv_dtype):
     name, native, _level = level_library

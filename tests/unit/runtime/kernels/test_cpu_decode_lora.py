@@ -103,7 +103,11 @@ def test_a_decode_step_with_adapters_matches_the_torch_path(method, row_slots, m
     torch.testing.assert_close(got_cache, expected_cache, atol=1e-5, rtol=1e-5)  # k and v carry the adapters too
 
 
-def test_a_mixed_steps_decodes_take_their_adapters_in_the_c_step_and_the_prefill_in_torch():
+@pytest.mark.parametrize("prefill", ["fused", "torch"])
+def test_a_mixed_steps_adapters_apply_to_its_decodes_and_its_prefill(prefill, monkeypatch):
+    """KAON_CPU_PREFILL=fused (the default): the prefill's rows take their adapter in the C step too;
+    torch: the decodes in the C step, the prefill through torch. Both against the torch path."""
+    monkeypatch.setenv("KAON_CPU_PREFILL", prefill)
     model, cache, batch, _ = model_with_adapters(None)
     model.check_kernels()
     x, positions, meta = decode_step()
@@ -113,7 +117,8 @@ def test_a_mixed_steps_decodes_take_their_adapters_in_the_c_step_and_the_prefill
     x = torch.cat([x, torch.randn(5, CONFIG.hidden_size)])
     positions = torch.cat([positions, torch.arange(5)])
     meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([4, 5, 6, 7, 16])])
-    assert model.model.cpu_decode.applies_to_decodes_of(meta)
+    step = model.model.cpu_decode
+    assert step.applies(x, meta) if prefill == "fused" else step.applies_to_decodes_of(meta)
     expected, expected_cache, out, got_cache = run_both(model, cache, batch, ROW_SLOTS + [1] * 5, x, positions, meta)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_cache, expected_cache, atol=1e-5, rtol=1e-5)

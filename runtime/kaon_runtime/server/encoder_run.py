@@ -1,0 +1,32 @@
+"""`kaon serve` of a sentence encoder: the checkpoint test, and uvicorn around server/encoder_app.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import uvicorn
+
+from kaon_runtime.engine.encoder import EncoderEngine
+from kaon_runtime.errors import ModelNotFoundError
+from kaon_runtime.loader.resolve import resolve_model
+from kaon_runtime.models.bert import is_encoder_checkpoint
+from kaon_runtime.server.encoder_app import EncoderSettings, create_encoder_app
+
+
+def encoder_checkpoint(model: str) -> Path | None:
+    """The HF directory of `model` when it is an encoder (models/bert.py); None for anything else
+    (a decoder, a .gguf, random://, or a name the decoder path reports on)."""
+    try:
+        path = resolve_model(model)
+    except ModelNotFoundError:
+        return None
+    return path if path.is_dir() and is_encoder_checkpoint(path) else None
+
+
+def serve_encoder(root: Path, args) -> int:
+    engine = EncoderEngine(root)
+    settings = EncoderSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                               api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(create_encoder_app(engine, settings), host=args.host, port=args.port,
+                                           log_level=args.log_level))
+    server.run()
+    return 0 if server.started else 1

