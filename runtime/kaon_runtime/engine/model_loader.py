@@ -138,6 +138,8 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
                          "(float32 activations; only the activation quantization the checkpoint specifies)", marked)
         else:
             model.load_weights(weights)
+            if device.type == "cpu":
+                _return_freed_heap()  # the stream's per-tensor temporaries, before quantization adds its own
         if method != "none" and prequantized is None:
             _quantize(model, method, checkpoint, device, tp, own=method != config.quantization, table=table)
         model.check_kernels()

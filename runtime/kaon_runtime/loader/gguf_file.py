@@ -125,11 +125,16 @@ def _release(reader, tensor) -> None:
 
 
 def _dequantized(gguf, tensor) -> torch.Tensor:
-    """The tensor in float32, its own memory (the file is memory-mapped read-only). A quantized one is
+    """The tensor in float32 (float16 ones stay float16), its own memory (the file is memory-mapped read-only). A
+    quantized one is
     dequantized DEQUANTIZE_ROWS rows at a time into that one tensor: gguf's dequantizer makes several
     float temporaries the size of what it is given, which for the whole vocabulary table were the
     largest allocation of the load (issue 49 §3)."""
     data = tensor.data
+    if tensor.tensor_type.name == "F16" and data.dtype == np.float16:
+        # Kept float16 (a copy, half the bytes): the parameter it is copied into widens it, so a float16 vocabulary
+        # table never has a float32 copy beside the model's own.
+        return torch.from_numpy(np.array(data))
     if tensor.tensor_type.name in FLOAT_TYPES:
         return torch.from_numpy(np.array(data, dtype=np.float32))
     rows = data.reshape(-1, data.shape[-1])  # blocks never span rows

@@ -22,7 +22,12 @@ from kaon_runtime.quant.group_int8 import GroupInt8Linear, GroupInt8Weight
 from kaon_runtime.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, Int4Weight
 from kaon_runtime.quant.int8 import Int8Linear
 from kaon_runtime.quant.pending import PendingLinear
-from kaon_runtime.quant.row_chunks import equal_after_group_int8, quantize_group_int8_rows, quantize_int8_rows
+from kaon_runtime.quant.row_chunks import (
+    CHUNK_ROWS,
+    equal_after_group_int8,
+    quantize_group_int8_rows,
+    quantize_int8_rows,
+)
 
 METHODS = ("int8", "int4", "fp8")
 HEAD_TABLE = "lm_head"  # prequantized's key for a tied head's int8 table given as it is (a GGUF's Q8_0 blocks)
@@ -94,7 +99,9 @@ def _quantize_head(model: nn.Module, table: object = None) -> None:
     tied = getattr(model.model, "embed_tokens", None) is None
     # Row by row in chunks (quant/row_chunks.py): the table is the largest tensor, and whole-table
     # temporaries would be the load's peak.
-    if tied:
+    # A table int8 holds exactly shows it in its first rows already: any other skips the whole group-int8 try.
+    if tied and equal_after_group_int8(quantize_group_int8_rows(head.weight_t.t()[:CHUNK_ROWS]),
+                                       head.weight_t.t()[:CHUNK_ROWS]):
         table = quantize_group_int8_rows(head.weight_t.t())
         if equal_after_group_int8(table, head.weight_t.t()):  # a GGUF's Q8_0 table: held once, exactly
             head.quantized = GroupInt8Linear(table)
