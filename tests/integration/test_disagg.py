@@ -110,9 +110,11 @@ def test_a_decode_engine_gone_mid_transfer_frees_the_prefill_engines_blocks(engi
         next(response.iter_bytes())  # the first frames, then the "decode engine" is gone
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (prefill.metric("kaon_num_requests_running") or
-                                           prefill.metric("kaon_kv_cache_usage_ratio")):
+                                           prefill.metric("kaon_kv_cache_usage_ratio") or
+                                           prefill.metric("kaon_num_prompt_tokens_waiting")):
         time.sleep(0.1)
     assert prefill.metric("kaon_num_requests_running") == 0 and prefill.metric("kaon_kv_cache_usage_ratio") == 0
+    assert prefill.metric("kaon_num_prompt_tokens_waiting") == 0  # not left queued either (the prefill pool's signal)
     assert metric(prefill, "kaon_kv_transfer_tokens_total", 'direction="sent"') - sent_before < len(token_ids) - 1
 
 
