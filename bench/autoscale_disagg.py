@@ -189,6 +189,7 @@ def simulate_disagg(arrivals: list[tuple[float, int, int]], duration: float, mod
         pool.cold_start_s = 0.0  # the trace starts warm
         pool.set_replicas(n)
         pool.cold_start_s, pool.last_change = cold, None
+    prefill_policy.last_change = 0.0  # the pool was sized at the start: its scale-down waits its window
     decode.push(decode_policy.period, "tick")
     prefill.push(prefill_policy.period, "tick")
     for pool in (prefill, decode):
@@ -279,11 +280,17 @@ def run_trace(config: sim.Config, trace: sim.Trace, itl_target: float, min_promp
                               sim.Kaon(spec, model.max_num_seqs, scrape(), model=model.perf_model()), initial,
                               drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s)
     decode_model = replace(model.perf_model())
+    # Both fleets start as a user would have sized them for the trace's first rate: the aggregated one
+    # by requests, the prefill pool by prompt tokens over 70% of one prefill replica's measured rate
+    # (prefill_scaling.py's sizing).
+    prompt_rate = trace.rate(0.5) * sum((trace.workload(0.5) if trace.workload else config.workload).prompt) / 2
+    per_prefill = prefill_scaling.UTILIZATION * prefill_scaling.replica_capacity(model.perf_model())
+    initial_prefill = max(1, math.ceil(prompt_rate / per_prefill))
     fleet = simulate_disagg(
         arrivals, trace.duration, model, PrefillPolicy(prefill_spec(config), model.perf_model()),
         sim.Kaon(decode_spec(config, max(1, trace.min_replicas), itl_target), model.max_num_seqs, scrape(),
                  model=decode_model, name="kaon-decode"),
-        1, initial, min_prompt_tokens=min_prompt_tokens, transfer_s_per_token=transfer_s_per_token,
+        initial_prefill, initial, min_prompt_tokens=min_prompt_tokens, transfer_s_per_token=transfer_s_per_token,
         drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s)
     agg_hours = sim._hours(aggregated.pod_log, trace.duration)
     rows = []
@@ -302,6 +309,35 @@ def run_trace(config: sim.Config, trace: sim.Trace, itl_target: float, min_promp
                      "p99_itl_s": round(sim.percentile(itls, 0.99), 3) if itls else None,
                      "cut_requests": cut, "requests": len(reqs)})
     return rows
+
+
+def pooled(rows: list[dict]) -> list[dict]:
+    """Rows of several seeds as one per (trace, fleet): attainments over all their requests, hours summed,
+    the worst seed's P99s (as autoscale_sim.pooled)."""
+    out: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        o = out.setdefault((r["trace"], r["fleet"]), {"trace": r["trace"], "seed": "all", "fleet": r["fleet"],
+                                                     "requests": 0, "cut_requests": 0, "replica_hours": 0.0,
+                                                     "p99_ttft_s": 0.0, "p99_itl_s": 0.0, "agg_hours": 0.0,
+                                                     "_ok": [0.0, 0.0, 0.0]})
+        for i, key in enumerate(("ttft_attainment", "itl_attainment", "slo_attainment")):
+            o["_ok"][i] += r[key] * r["requests"]
+        for key in ("requests", "cut_requests", "replica_hours"):
+            o[key] += r[key]
+        for key in ("prefill_hours", "decode_hours"):
+            if key in r:
+                o[key] = round(o.get(key, 0.0) + r[key], 3)
+        o["agg_hours"] += r["replica_hours"] / r["hours_vs_aggregated"] if r["hours_vs_aggregated"] else 0.0
+        o["p99_ttft_s"] = max(o["p99_ttft_s"], r["p99_ttft_s"])
+        o["p99_itl_s"] = max(o["p99_itl_s"], r["p99_itl_s"] or 0.0)
+    for o in out.values():
+        ok = o.pop("_ok")
+        n = o["requests"] or 1
+        o["ttft_attainment"], o["itl_attainment"], o["slo_attainment"] = (round(x / n, 5) for x in ok)
+        o["hours_vs_aggregated"] = round(o["replica_hours"] / o["agg_hours"], 3) if o["agg_hours"] else None
+        del o["agg_hours"]
+        o["replica_hours"] = round(o["replica_hours"], 3)
+    return list(out.values())
 
 
 def table(rows: list[dict]) -> str:
@@ -351,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows += run_trace(config, trace, args.itl_target, args.min_prompt_tokens, args.transfer_ms_per_1k / 1e6)
             print(f"{trace.name} seed {seed} done", file=sys.stderr)
+    if args.seeds > 1:
+        rows += pooled(rows)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
