@@ -257,6 +257,7 @@ class Scrape:
 
 class Cluster:
     """The replicas of one InferenceService, the router in front and the event queue."""
+    replica_type: type[Replica] = Replica  # a pool of another kind of engine (autoscale_disagg.py) overrides it
 
     def __init__(self, model: EngineModel, cold_start_s: float, drain_s: float, hold_timeout_s: float):
         self.model, self.cold_start_s, self.drain_s, self.hold_timeout_s = model, cold_start_s, drain_s, hold_timeout_s
@@ -363,7 +364,7 @@ class Cluster:
             return
         self.last_change = self.now
         while len(self.active) < wanted:
-            replica = Replica(self.next_id, self._start_at())
+            replica = self.replica_type(self.next_id, self._start_at())
             self.next_id += 1
             self.active.append(replica)
             self.push(replica.ready_at, "ready", replica)
