@@ -6,6 +6,7 @@ Pure: the embedding is fetched by the router (route_gateway.py) from the route's
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 from kaon_operator.routes.api import LearnedModel
@@ -40,9 +41,9 @@ def scores(model: LearnedModel, vector: list[float]) -> list[float]:
                                 "classifier.learned.embedder at a service serving that model, or retrain")
     x = vector
     if model.normalize:
-        norm = math.sqrt(math.fsum(v * v for v in vector)) or 1.0
+        norm = math.sqrt(sum(map(operator.mul, vector, vector))) or 1.0
         x = [v / norm for v in vector]
-    return [math.fsum(w * v for w, v in zip(row, x)) + b for row, b in zip(model.weights, model.bias)]
+    return [sum(map(operator.mul, row, x)) + b for row, b in zip(model.weights, model.bias)]
 
 
 def softmax(values: list[float]) -> list[float]:
