@@ -38,14 +38,19 @@ class LearnedModel(_Model):
     encoder's embeddings of the prompt. Class k's score is weights[k] . x + bias[k], x the embedding
     (L2-normalized first when `normalize`); the highest score wins."""
     format: str = Field(default="kaon.route-classifier/v1", pattern=r"^kaon\.route-classifier/v1$")
+    """The file's format and version."""
     embedder: str = Field(min_length=1, max_length=253)
     """The encoder the model was trained on (e.g. all-minilm-l6-v2); the route's embedder must serve it."""
     dimension: int = Field(ge=1, le=MAX_DIMENSION)
+    """The embeddings' size (384 for all-MiniLM-L6-v2); a vector of another size falls back to the rules."""
     normalize: bool = True
+    """L2-normalize the embedding before scoring (as in training)."""
     classes: list[str] = Field(min_length=2, max_length=MAX_CLASSES)
     """Per class, the tier it sends to: a tier's index ("0" the cheapest) or its service name."""
     weights: list[list[float]] = Field(min_length=2, max_length=MAX_CLASSES)
+    """One row of `dimension` weights per class, in `classes`' order."""
     bias: list[float] = Field(min_length=2, max_length=MAX_CLASSES)
+    """One per class."""
     examples: int = Field(default=0, ge=0)
     """How many labelled examples it was fitted on (information only)."""
 

@@ -11,12 +11,15 @@ router scores it in plain Python (routes/learned.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from kaon_runtime.errors import KaonError
 
 FORMAT = "kaon.route-classifier/v1"
 DEFAULT_EMBEDDER = "builtin://all-minilm-l6-v2"
@@ -161,16 +164,23 @@ def train(examples: list[Example], embed, embedder: str, test_fraction: float = 
     return model, train_accuracy, test_accuracy
 
 
+@functools.cache
+def _encoder(root: Path):
+    from kaon_runtime.engine.encoder import EncoderEngine  # torch is loaded only when embedding
+
+    return EncoderEngine(root)
+
+
 def encoder_embed(model: str):
-    """The encoder engine's embed over a list of texts (vectors as the checkpoint's config says)."""
-    from kaon_runtime.engine.encoder import EncoderEngine
+    """The encoder engine's embed over a list of texts (vectors as the checkpoint's config says); the
+    engine is loaded once per process (the bench and tests embed several times)."""
     from kaon_runtime.loader.resolve import resolve_model
     from kaon_runtime.models.bert import is_encoder_checkpoint
 
     root = resolve_model(model)
     if not (root.is_dir() and is_encoder_checkpoint(root)):
         raise ExamplesError(f"{model} is not a sentence encoder (a BERT-family checkpoint) kaon can run")
-    engine = EncoderEngine(root)
+    engine = _encoder(root)
     return lambda texts: [vector for vector, _ in engine.embed(list(texts))]
 
 
@@ -199,7 +209,7 @@ def run_cli(argv: list[str]) -> int:
         model, train_accuracy, test_accuracy = train(examples, encoder_embed(args.embedder),
                                                      embedder_name(args.embedder), args.test_fraction, args.seed,
                                                      args.l2)
-    except (OSError, ExamplesError) as exc:
+    except (OSError, ExamplesError, KaonError) as exc:  # a bad file or model: one line, no traceback
         print(f"kaon route train: error: {exc}", file=sys.stderr)
         return 2
     args.output.write_text(json.dumps(model) + "\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kaon_operator.router.route_gateway import TIER_HEADER
+from kaon_operator.router.route_gateway import CACHE_HEADER, TIER_HEADER
 from kaon_operator.routes import learned
 from kaon_operator.routes.api import InferenceRouteSpec, LearnedModel
 from support.router import NS, metric, run, serving
@@ -88,6 +88,24 @@ def test_the_router_routes_by_the_learned_model():
             async with client.post("/v1/chat/completions", json=chat("What is the capital of France?")) as r:
                 assert r.status == 200 and r.headers[TIER_HEADER] == "small"
             assert found["embed"].calls == 2
+        await stop(found)
+    run(main())
+
+
+def test_the_semantic_cache_reuses_the_classifiers_embedding():
+    async def main():
+        found = await engines("small", "large", "embed")
+        route = learned_route()
+        route["spec"]["cache"] = {"semantic": {"enabled": True, "embedder": "embed", "threshold": 0.85}}
+        router = routed(found, route)
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions",
+                                   json=chat("What is the capital of Germany?", temperature=0)) as r:
+                assert r.headers[TIER_HEADER] == "large" and r.headers[CACHE_HEADER] == "miss"
+            async with client.post("/v1/chat/completions",
+                                   json=chat("what is the capital of germany", temperature=0)) as r:
+                assert r.headers[CACHE_HEADER] == "hit"
+            assert found["embed"].calls == 2  # one embedding per request, shared by classifier and cache
         await stop(found)
     run(main())
 

@@ -99,3 +99,5 @@ def test_the_cli_trains_on_real_minilm_embeddings(tmp_path, capsys):
     tiers = [learned.decide(model, v, ["small", "large"]).tier for v in vectors]
     assert tiers == [0, 1]  # unseen prompts, scored by the router's pure-Python path
     assert main(["route", "train", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["route", "train", str(tmp_path / "examples.jsonl"), "--embedder", str(tmp_path / "nothing")]) == 2
+    assert "kaon route train: error:" in capsys.readouterr().err
