@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(see `kaon fetch --help`)", add_help=False)
     sub.add_parser("profile", help="measure the engine's performance model (step time over batch sizes and "
                    "context lengths) for the predictive autoscaler (see `kaon profile --help`)", add_help=False)
+    sub.add_parser("route", help="InferenceRoute tools: `kaon route train examples.jsonl` fits the learned "
+                   "classifier (see `kaon route --help`)", add_help=False)
     sub.add_parser("operator", help="run the InferenceService operator: the same as `kaon-operator`", add_help=False)
     sub.add_parser("router", help="run the OpenAI gateway in front of every InferenceService: the same as "
                    "`kaon-router`", add_help=False)
@@ -265,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         from kaon_runtime.server.perf_profile import run_cli as profile_cli
 
         return profile_cli(argv[1:])
+    if argv[:1] == ["route"]:  # InferenceRoute tools: `kaon route train examples.jsonl`
+        from kaon_runtime.server.route_train import run_cli as route_cli
+
+        return route_cli(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         _fetch_first(args)

@@ -28,7 +28,7 @@ from kaon_operator import clock
 from kaon_operator.api import Key
 from kaon_operator.router import auth, errors
 from kaon_operator.router.request import upstream_headers
-from kaon_operator.routes import cache_keys, classifier, monitor
+from kaon_operator.routes import cache_keys, classifier, learned, monitor
 from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
 from kaon_operator.routes.figures import Figures
 from kaon_operator.routes.memory_store import MemoryStore
@@ -118,6 +118,10 @@ class RouteMetrics:
         self.escalations = Counter("kaon_route_escalations", "Classes escalated to the next tier because their "
                                    "agreement fell below verify.minAgreement", [*ROUTE_LABELS, "tier", "class"],
                                    registry=registry)
+        self.classifier_fallbacks = Counter("kaon_route_classifier_fallbacks", "Requests of a route with the learned "
+                                            "classifier that the rule set decided instead, by why (embedder "
+                                            "unreachable, dimension mismatch)", [*ROUTE_LABELS, "reason"],
+                                            registry=registry)
 
 
 class RouteGateway:
@@ -171,11 +175,11 @@ class RouteGateway:
         if route.key_digests is not None and not auth.accepted(token, route.key_digests):
             raise errors.model_not_found(f"{route.key.namespace}/{route.key.name}")
         spec = route.spec
-        decision = classifier.classify(classifier.prompt_text(path, payload), spec.classifier.rules.thresholds,
-                                       len(spec.tiers))
+        text = classifier.prompt_text(path, payload)
+        vectors: dict[str, list[float] | None] = {}  # embedder -> the prompt's embedding (fetched once)
+        tier, request_class = await self._classify(route, text, authorization, vectors)
         agreement = self.agreement.get(route.key)
-        tier = monitor.escalate(decision.tier, decision.request_class, route.services,
-                                agreement.escalated if agreement else set())
+        tier = monitor.escalate(tier, request_class, route.services, agreement.escalated if agreement else set())
         stream = payload.get("stream") is True
         generation = self._generation(route)
         scope = cache_keys.scope(route.key.namespace, route.key.name, auth.digest(token) if token else None)
@@ -184,9 +188,11 @@ class RouteGateway:
             cache_key = cache_keys.exact_key(scope, generation, path, payload)
             store = self.store(route)
             found = await store.get(cache_key)
-            if found is None and spec.cache.semantic.enabled and spec.cache.semantic.embedder:
-                text = classifier.prompt_text(path, payload)
-                vector = await self._embed(route, text, authorization)
+            embedder = spec.cache.semantic.embedder
+            if found is None and spec.cache.semantic.enabled and embedder:
+                if embedder not in vectors:
+                    vectors[embedder] = await self._embed(route, embedder, text, authorization)
+                vector = vectors[embedder]
                 if vector is not None:
                     sem_scope = cache_keys.semantic_scope(scope, generation, path, payload, text)
                     semantic = (sem_scope, vector)
@@ -199,8 +205,28 @@ class RouteGateway:
         payload = {**payload, "model": model}
         body = json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass")
         headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss" if cache_key else "none"}
-        return Plan(route, tier, decision.request_class, model, body, payload, path, authorization, stream,
+        return Plan(route, tier, request_class, model, body, payload, path, authorization, stream,
                     cache_key, semantic, headers, on_stream_end=self._store)
+
+    async def _classify(self, route: Route, text: str, authorization: str | None,
+                        vectors: dict[str, list[float] | None]) -> tuple[int, str]:
+        """(tier, class): the learned model on the prompt's embedding when the route has one and its embedder
+        answers a vector of the model's size; otherwise the rule set (a learned route's fallback is counted)."""
+        spec = route.spec
+        chosen = spec.classifier.learned if spec.classifier.mode == "learned" else None
+        if chosen is not None:
+            vector = vectors[chosen.embedder] = await self._embed(route, chosen.embedder, text, authorization)
+            reason = "embedder_unreachable"
+            if vector is not None:
+                try:
+                    found = learned.decide(chosen.model, vector, route.services)
+                    return found.tier, found.request_class
+                except learned.DimensionMismatch as exc:
+                    reason = "dimension_mismatch"
+                    logger.warning("route %s: %s; the rule set decides", route.key, exc)
+            self.metrics.classifier_fallbacks.labels(*route.key, reason).inc()
+        decision = classifier.classify(text, spec.classifier.rules.thresholds, len(spec.tiers))
+        return decision.tier, decision.request_class
 
     def _tier_model(self, route: Route, tier: int) -> str:
         """`<namespace>/<served name>` of the tier's InferenceService, which the table resolves to it."""
@@ -337,9 +363,7 @@ class RouteGateway:
         finally:
             router._release(target)
 
-    async def _embed(self, route: Route, text: str, authorization: str | None) -> list[float] | None:
-        embedder = route.spec.cache.semantic.embedder
-        assert embedder is not None
+    async def _embed(self, route: Route, embedder: str, text: str, authorization: str | None) -> list[float] | None:
         service = self.table.service(Key(route.key.namespace, embedder))
         if service is None:
             return None

@@ -29,11 +29,63 @@ class RulesSpec(_Model):
     from its length, reasoning keywords, entity count and domain); with 2 tiers only the first is used."""
 
 
+MAX_DIMENSION = 4096
+MAX_CLASSES = MAX_TIERS
+
+
+class LearnedModel(_Model):
+    """What `kaon route train` writes (a JSON file): a multinomial logistic regression over a sentence
+    encoder's embeddings of the prompt. Class k's score is weights[k] . x + bias[k], x the embedding
+    (L2-normalized first when `normalize`); the highest score wins."""
+    format: str = Field(default="kaon.route-classifier/v1", pattern=r"^kaon\.route-classifier/v1$")
+    """The file's format and version."""
+    embedder: str = Field(min_length=1, max_length=253)
+    """The encoder the model was trained on (e.g. all-minilm-l6-v2); the route's embedder must serve it."""
+    dimension: int = Field(ge=1, le=MAX_DIMENSION)
+    """The embeddings' size (384 for all-MiniLM-L6-v2); a vector of another size falls back to the rules."""
+    normalize: bool = True
+    """L2-normalize the embedding before scoring (as in training)."""
+    classes: list[str] = Field(min_length=2, max_length=MAX_CLASSES)
+    """Per class, the tier it sends to: a tier's index ("0" the cheapest) or its service name."""
+    weights: list[list[float]] = Field(min_length=2, max_length=MAX_CLASSES)
+    """One row of `dimension` weights per class, in `classes`' order."""
+    bias: list[float] = Field(min_length=2, max_length=MAX_CLASSES)
+    """One per class."""
+    examples: int = Field(default=0, ge=0)
+    """How many labelled examples it was fitted on (information only)."""
+
+    @model_validator(mode="after")
+    def _shapes(self) -> LearnedModel:
+        if not len(self.classes) == len(self.weights) == len(self.bias):
+            raise ValueError(f"the model has {len(self.classes)} classes, {len(self.weights)} weight rows and "
+                             f"{len(self.bias)} biases: they must be equal")
+        for k, row in enumerate(self.weights):
+            if len(row) != self.dimension:
+                raise ValueError(f"weights row {k} has {len(row)} values but the model's dimension is "
+                                 f"{self.dimension}: the file is damaged or was edited")
+        return self
+
+
+class LearnedSpec(_Model):
+    embedder: str = Field(pattern=_SERVICE_NAME, max_length=63)
+    """An InferenceService of the namespace serving the model's encoder with `--task embed`
+    (e.g. `kaon serve --model builtin://all-minilm-l6-v2 --task embed`)."""
+    model: LearnedModel
+    """The JSON `kaon route train` wrote, inline."""
+
+
 class ClassifierSpec(_Model):
-    mode: str = Field(default="rules", pattern="^rules$")
-    """`rules`: the built-in rule set (the only mode so far; the learned mode on all-MiniLM-L6-v2
-    embeddings is not built yet: docs/routing.md)."""
+    mode: str = Field(default="rules", pattern="^(rules|learned)$")
+    """`rules`: the built-in rule set. `learned`: the model in `learned` on the prompt's embedding (the
+    rule set decides when the embedder cannot answer)."""
     rules: RulesSpec = Field(default_factory=RulesSpec)
+    learned: LearnedSpec | None = None
+
+    @model_validator(mode="after")
+    def _learned_present(self) -> ClassifierSpec:
+        if self.mode == "learned" and self.learned is None:
+            raise ValueError("classifier.mode learned needs classifier.learned (embedder and model)")
+        return self
 
 
 class VerifySpec(_Model):
@@ -85,6 +137,12 @@ class InferenceRouteSpec(_Model):
         names = [t.service for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError("tiers must name distinct services")
+        learned = self.classifier.learned
+        if learned is not None:
+            for label in learned.model.classes:
+                if not (label in names or (label.isdigit() and int(label) < len(names))):
+                    raise ValueError(f"classifier.learned.model's class {label!r} names no tier: use a tier's "
+                                     f"index (0..{len(names) - 1}) or service ({', '.join(names)})")
         return self
 
 
