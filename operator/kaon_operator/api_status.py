@@ -91,9 +91,9 @@ class InferenceServiceStatus(_Model):
     replicas: int = 0
     """Engine pods that are not terminating (the scale subresource's status replicas)."""
     ready_replicas: int = 0
+    """Of those, the ready ones."""
     standby_replicas: int | None = None
     """Replicas loaded and asleep (spec.autoscaling.standby), which a scale-up wakes."""
-    """Of those, the ready ones."""
     prefill_replicas: int | None = None
     """With spec.prefill: prefill pods of any template (docs/disaggregation.md)."""
     prefill_ready_replicas: int | None = None
