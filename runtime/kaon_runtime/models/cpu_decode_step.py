@@ -12,7 +12,9 @@ torch's GEMMs would not hold that: their kernels switch paths and blocking with 
 and so the same prompt gave other answers at near-ties when its prefix was cached, its prefill
 chunked, or its neighbours in the batch changed. Wide steps run in pieces of max_rows rows, in
 order (a piece's rows see the keys the earlier pieces wrote). KAON_CPU_PREFILL=torch sends the
-chunks back to torch (faster prefill on long prompts, answers no longer invariant).
+chunks back to torch (faster prefill on long prompts, answers no longer invariant); it is the
+default for int8/int4 weights until their C prefill answers as the reference does (see
+prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
 (widened in registers); the activations are float32 inside the step. The fused step covers what
@@ -44,9 +46,14 @@ from kaon_runtime.layers.attention import AttentionMetadata
 from kaon_runtime.layers.lora import LoraLinear
 
 
-def prefills_take_the_c_step() -> bool:
-    """KAON_CPU_PREFILL: fused (default: invariant answers) or torch (the chunks through torch's GEMMs)."""
-    choice = os.environ.get("KAON_CPU_PREFILL", "fused")
+def prefills_take_the_c_step(quantized: bool) -> bool:
+    """KAON_CPU_PREFILL: fused (invariant answers) or torch (the chunks through torch's GEMMs).
+
+    The default is fused for float weights and torch for int8/int4 ones: through the C step a
+    quantized model's prompt rows are invariant but its answers leave the reference's (the bundled
+    int4 model answered "What is the capital of France?" with "L'Etoile, la Marseillaise,"), a bug
+    not found yet (tests/unit/runtime/quant/test_quant.py guards the default)."""
+    choice = os.environ.get("KAON_CPU_PREFILL", "torch" if quantized else "fused")
     if choice not in ("fused", "torch"):
         raise ValueError(f"KAON_CPU_PREFILL must be fused or torch, got {choice!r}")
     return choice == "fused"
@@ -110,8 +117,8 @@ class FusedDecoder(Protocol):
     def fused_weights(self) -> FusedWeights:
         """Everything the step reads, as it is now (weights loaded, KV pool attached)."""
 
-    def kv_cache_address(self) -> int:
-        """Where the first layer's key cache starts: the step rebuilds its structs when the pool changes."""
+    def kv_cache_address(self) -> tuple[int, ...]:
+        """The first layer's key cache address and shape: the step rebuilds its structs when either changes."""
 
 
 # Quantization methods whose projections the C kernels read (fp8 has none).
@@ -193,15 +200,19 @@ class CpuDecodeStep:
     def __init__(self, decoder: FusedDecoder, config: ModelConfig, max_rows: int):
         self.decoder, self.config = decoder, config
         self.max_rows = max_rows  # wider steps run in pieces of this many rows (or go to torch, see applies)
-        self.prefills = prefills_take_the_c_step()
-        self._built: tuple[int, cpu_decode.Model, list] | None = None
+        self.prefills = prefills_take_the_c_step(quantized=False)  # settled by check(), once the weights are in
+        self._built: tuple[tuple[int, ...], cpu_decode.Model, list] | None = None
         self._reads_lora = False
 
     def check(self) -> None:
         """Raise ValueError if a projection has no fused kernel (call once the weights are loaded)."""
+        quantized = False
         for layer in self.decoder.fused_weights().layers:
             for module in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 linear_weights(module)
+                base = module.base if isinstance(module, LoraLinear) else module
+                quantized |= type(base) is not nn.Linear
+        self.prefills = prefills_take_the_c_step(quantized)
 
     def _model(self) -> cpu_decode.Model:
         address = self.decoder.kv_cache_address()

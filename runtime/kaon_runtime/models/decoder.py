@@ -155,10 +155,12 @@ class DecoderModel(nn.Module):
         assert self.norm is not None, "the fused step runs whole models only (never a pipeline stage)"
         return FusedWeights([layer.fused_layer() for layer in self.decoder_layers()], self.norm.weight, cos, sin)
 
-    def kv_cache_address(self) -> int:
-        """Where the first layer's key cache starts: a new pool means the fused step's pointers are stale."""
+    def kv_cache_address(self) -> tuple[int, ...]:
+        """Where the first layer's key cache starts, and its shape: a new pool means the fused step's
+        pointers and strides are stale. The shape too, because a pool freed and another allocated can
+        start at the same address (the profiling run's scratch cache, then the real pool)."""
         cache = self.decoder_layers()[0].self_attn.attn.k_cache
-        return 0 if cache is None else cache.data_ptr()
+        return (0,) if cache is None else (cache.data_ptr(), *cache.shape)
 
     def forward(self, x, positions, meta, residual=None):
         if self.cpu_decode is None:  # (pipeline stages never fuse: the C step runs every layer)
