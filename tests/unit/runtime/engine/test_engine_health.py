@@ -40,7 +40,7 @@ class WedgeableEngine:
     def lora_id(self, adapter):
         return 0  # the base model: no adapters here
 
-    def add_validated(self, request_id, prompt_token_ids, params, lora_id=0):
+    def add_validated(self, request_id, prompt_token_ids, params, lora_id=0, kv=None):
         self.requests[request_id] = params.max_tokens
 
     def abort_request(self, request_id):
