@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.sleep import EngineAsleepError, Sleep, put_to_sleep, unsupported, wake_up
+from kaon_runtime.server import openapi as doc, protocol as p
 from kaon_runtime.server.lora_routes import admin_allowed
 from kaon_runtime.server.pipeline import RETRY_AFTER_S, APIError
 
@@ -84,9 +85,17 @@ async def _admin(request: Request) -> None:
 
 
 routes = APIRouter(dependencies=[Depends(_admin)])
+# Every route answers 404 when sleep mode is off and 401 without the admin key (_admin).
+ADMIN_ERRORS: doc.Responses = {
+    401: {"model": p.ErrorResponse, "description": "Missing or wrong admin key"},
+    404: {"model": p.ErrorResponse, "description": "Sleep mode is off (kaon serve --enable-sleep-mode)"}}
+CHANGES: doc.Responses = {
+    200: {"description": "Done (or already in that state)"},
+    400: {"model": p.ErrorResponse, "description": "Not supported for this engine or level, or asleep at another"},
+    **ADMIN_ERRORS}
 
 
-@routes.post("/sleep", response_model=None)
+@routes.post("/sleep", response_model=None, responses=CHANGES)
 async def sleep(request: Request, level: int = 1) -> Response:
     state: SleepState = request.app.state.sleep
     engine: AsyncEngine = request.app.state.engine
@@ -111,7 +120,7 @@ async def sleep(request: Request, level: int = 1) -> Response:
     return Response(status_code=200)
 
 
-@routes.post("/wake_up", response_model=None)
+@routes.post("/wake_up", response_model=None, responses=CHANGES)
 async def wake(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Response:
     if tags:  # vLLM's partial wakes (weights only, then the cache) serve weight updates, which kaon has not
         raise APIError(400, "waking by tags is not supported: POST /wake_up wakes the whole engine", param="tags",
@@ -129,7 +138,7 @@ async def wake(request: Request, tags: Annotated[list[str] | None, Query()] = No
     return Response(status_code=200)
 
 
-@routes.get("/is_sleeping")
+@routes.get("/is_sleeping", responses=ADMIN_ERRORS)
 async def is_sleeping(request: Request) -> JSONResponse:
     return JSONResponse({"is_sleeping": request.app.state.sleep.asleep})
 
