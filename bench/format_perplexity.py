@@ -108,6 +108,18 @@ def write_compressed(directory: Path, source: Path, weights: dict, fmt: str, inp
     `weights`, round to nearest, lm_head left float; `inputs` the activation arguments, if any), by
     compressed-tensors' own compressor."""
     import transformers
+
+    loaded = transformers_on_gguf(source)  # a fresh model of its weights: transformers saves no GGUF-loaded one
+    model = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32).eval()
+    model.load_state_dict(loaded.state_dict())
+    compress_and_save(model, directory, weights, fmt, inputs)
+    LLM(str(source), show_progress=False, device="cpu", dtype="float32").tokenizer.backend.save(
+        str(directory / "tokenizer.json"))
+
+
+def compress_and_save(model, directory: Path, weights: dict, fmt: str, inputs: dict | None) -> None:
+    """Quantize a float transformers model's linears (lm_head kept float) by round to nearest with min-max
+    scales, as llm-compressor's QuantizationModifier without calibration does, and save it compressed."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -117,9 +129,6 @@ def write_compressed(directory: Path, source: Path, weights: dict, fmt: str, inp
     )
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    loaded = transformers_on_gguf(source)  # a fresh model of its weights: transformers saves no GGUF-loaded one
-    model = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32).eval()
-    model.load_state_dict(loaded.state_dict())
     args = QuantizationArgs(**weights)
     scheme = QuantizationScheme(targets=["Linear"], weights=args,
                                 input_activations=QuantizationArgs(**inputs) if inputs else None)
@@ -139,8 +148,6 @@ def write_compressed(directory: Path, source: Path, weights: dict, fmt: str, inp
     compressor.compress_model(model)
     model.save_pretrained(directory)
     compressor.update_config(str(directory))
-    LLM(str(source), show_progress=False, device="cpu", dtype="float32").tokenizer.backend.save(
-        str(directory / "tokenizer.json"))
 
 
 def unpack_rows(words: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from format_perplexity import FP8, PER_TOKEN_INT8, W4A16, W8A8_WEIGHTS  # noqa: E402
+from format_perplexity import FP8, PER_TOKEN_INT8, W4A16, W8A8_WEIGHTS, compress_and_save  # noqa: E402
 from perplexity import TEXT, score  # noqa: E402
 
 from kaon_runtime import LLM  # noqa: E402
@@ -102,39 +102,12 @@ def write_compressed_from_dir(directory: Path, source: Path, weights: dict, fmt:
     import shutil
 
     import transformers
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    args = QuantizationArgs(**weights)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args,
-                                input_activations=QuantizationArgs(**inputs) if inputs else None)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
-                                                        format=fmt))
-    with torch.no_grad():
-        for module in model.modules():
-            if getattr(module, "weight_scale", None) is None:
-                continue
-            n, k = module.weight.shape
-            groups = module.weight.reshape(n, k // (args.group_size or k), -1)
-            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
-            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-            if getattr(module, "weight_zero_point", None) is not None:
-                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    model.save_pretrained(directory)
-    compressor.update_config(str(directory))
+    compress_and_save(model, directory, weights, fmt, inputs)
     shutil.copy(source / "tokenizer.json", directory / "tokenizer.json")
 
 
-@torch.inference_mode()
 def first_token_logprobs(runner, ids: list[int]) -> torch.Tensor:
     """log-softmax of the token after `ids`, from one prefill of them."""
     n, device = len(ids), runner.device
