@@ -146,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, action="append",
                         help="write here instead (repeatable; default: crds/ and the chart's crds/)")
     args = parser.parse_args(argv)
-    outputs = args.output or [CRD_PATH, CHART_CRD_PATH]
-    text = render()
-    if args.check:
+    return write_or_check(render(), args.output or [CRD_PATH, CHART_CRD_PATH], args.check, "kaon_operator.crd")
+
+
+def write_or_check(text: str, outputs: list[Path], check: bool, module: str) -> int:
+    """Write a generated CRD to each path, or (check) exit status 1 naming each path that differs."""
+    if check:
         stale = [path for path in outputs if not path.exists() or path.read_text() != text]
         for path in stale:
-            print(f"{path} is stale: run python -m kaon_operator.crd", file=sys.stderr)
+            print(f"{path} is stale: run python -m {module}", file=sys.stderr)
         return 1 if stale else 0
     for path in outputs:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import yaml
 
 from kaon_operator.api import GROUP, VERSION
-from kaon_operator.crd import ROOT, _schema_of
+from kaon_operator.crd import ROOT, _schema_of, write_or_check
 from kaon_operator.routes import api
 
 CRD_PATH = ROOT / "crds" / "inferenceroute.yaml"
@@ -65,16 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if a file differs from the models")
     args = parser.parse_args(argv)
-    text = render()
-    outputs: list[Path] = [CRD_PATH, CHART_CRD_PATH]
-    if args.check:
-        stale = [path for path in outputs if not path.exists() or path.read_text() != text]
-        for path in stale:
-            print(f"{path} is stale: run python -m kaon_operator.routes.crd", file=sys.stderr)
-        return 1 if stale else 0
-    for path in outputs:
-        path.write_text(text)
-    return 0
+    return write_or_check(render(), [CRD_PATH, CHART_CRD_PATH], args.check, "kaon_operator.routes.crd")
 
 
 if __name__ == "__main__":
