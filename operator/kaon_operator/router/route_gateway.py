@@ -10,6 +10,9 @@ response as it is relayed. `finish()` stores a complete answer, counts it, and w
 Internal requests (the top tier's second opinion, the embedder's vectors) go through the router's
 own choice of pod and its session, with the client's key, so a route reaches nothing its caller
 could not reach directly in the route's namespace.
+
+Why one module past 300 lines: RouteGateway is one request's path (classify, cache, forward, verify)
+and its decisions already live in routes/ as pure modules; what is left here is the I/O between them.
 """
 from __future__ import annotations
 

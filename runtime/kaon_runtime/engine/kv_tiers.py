@@ -19,6 +19,9 @@ written with, and a restarted engine with the same ones indexes the blocks it fi
 carries its block's parent hash and tokens, checked on every restore as the pool checks its own).
 Another model's or layout's directory is refused at start. Chain hashes are stable across
 processes (engine/block_manager.py) for this.
+
+Why one module past 300 lines: the tier store, its mover thread and the disk format share KVLayout
+and the block header; the disk format (check_manifest to read_block) is the piece to move out next.
 """
 from __future__ import annotations
 

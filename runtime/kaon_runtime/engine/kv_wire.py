@@ -17,6 +17,9 @@ NetworkPolicy cover it). `NixlTransport` moves the bytes with NIXL (the library 
 SGLang move K/V with; UCX over host memory here, RDMA or GPU memory where there is one) into a staging
 buffer the decode engine offers, the stream carrying only the frames' headers ("placed": true).
 `pick_transport` chooses NIXL where it runs, else TCP, and says why.
+
+Why one module past 300 lines: the frames, their reader and assembler and the two transports are
+one wire protocol read together; the transports move out when a third one comes.
 """
 from __future__ import annotations
 
