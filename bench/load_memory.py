@@ -3,7 +3,7 @@
     python bench/load_memory.py [--baseline PATH] [--models bundled Q4_K_M float32]
 
 Each load runs in a fresh process (tests/support/load_memory.py: KV pool fixed at 64 blocks, one short
-greedy request; peak = ru_maxrss, settled = resident memory after the request). Models: the bundled
+greedy request; peak = VmHWM, settled = resident memory after the request). Models: the bundled
 SmolLM2-135M Q4_1 GGUF (kept as its own blocks), SmolLM2 as Q4_K_M made from it by llama.cpp's quantizer
 (bench/gguf_decode.py's make_file), and the bundled file dequantized (`dtype=float32`, not a quantized
 format: shown for scale). --baseline PATH runs the same loads with another checkout's runtime/ (e.g. a

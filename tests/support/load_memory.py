@@ -3,16 +3,17 @@
     python tests/support/load_memory.py MODEL [LLM keyword=value ...]
 
 prints one JSON line: {"peak": bytes, "settled": bytes, "seconds": s}. peak is the process's
-high-water mark (getrusage's ru_maxrss: the load, the KV pool, the first steps); settled is its
+high-water mark (VmHWM in /proc/self/status: the load, the KV pool, the first steps); settled is its
 resident memory once the engine has loaded and served a short greedy request (the engine's
 working size: weights in their kernel layouts, the KV pool, torch). A fresh process, because
-ru_maxrss never goes down: a test process that loaded anything before would hide the load's peak.
+a high-water mark never goes down: a test process that loaded anything before would hide the load's peak.
+VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork and exec, so a child of a 7 GB
+pytest worker reported a 7 GB "peak" (CI, stop 55); VmHWM belongs to the new address space exec makes.
 """
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,13 @@ from pathlib import Path
 
 def resident_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main() -> int:
@@ -34,7 +42,7 @@ def main() -> int:
     llm = LLM(model, **kwargs)
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     settled = resident_bytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    peak = peak_resident_bytes()
     print(json.dumps({"peak": peak, "settled": settled, "seconds": time.perf_counter() - start}))
     return 0
 

@@ -4,7 +4,7 @@ tensor at a time (no float copy of the model, nor of the file, ever exists), and
 load whose peak would not fit its container's memory limit with ModelDoesNotFit.
 
 Peak and settled resident memory are measured in a fresh process each (tests/support/load_memory.py:
-ru_maxrss never goes down, so the test process itself could not show a load's peak); the two models
+a high-water mark never goes down, so the test process itself could not show a load's peak); the two models
 load one after the other. Before this, the bundled Q4_1 file peaked at 1.66x
 its settled memory (a float copy of the whole model, the dequantized vocabulary table and the file's
 pages all at once)."""
