@@ -169,7 +169,7 @@ def test_the_crd_files_are_generated_from_the_models():
 
 
 def test_status_and_escalation_event():
-    from kaon_operator.routes import status
+    from kaon_operator.routes import replicas, status
     from kaon_operator.routes.table import route
 
     r = route({"metadata": {"name": "a", "namespace": "ns", "generation": 3},
@@ -181,16 +181,58 @@ def test_status_and_escalation_event():
     agreement.escalated.add(("small", "simple/general"))
     figures = Figures()
     figures.answered("small", 100, 0.1, 1.0)
-    out = status.status(r, figures, agreement, ["large"], "2026-11-29T00:00:00Z")
+    own = replicas.entry("router-a", figures, agreement, "2026-11-29T00:00:00Z")
+    out = status.status(r, own, [], ["large"], "2026-11-29T00:00:00Z", 1.0)
     assert out["shares"] == "small 100% / large 0%" and out["observedGeneration"] == 3
     assert out["agreement"] == [{"tier": "small", "class": "simple/general", "agreement": 0.0, "samples": 1,
                                  "escalated": True}]
+    assert out["replicas"] == [own]
     assert out["conditions"][0]["reason"] == "TierMissing" and "large" in out["conditions"][0]["message"]
-    later = status.status(r, figures, agreement, ["large"], "2026-11-29T01:00:00Z", out)
+    later = status.status(r, own, [], ["large"], "2026-11-29T01:00:00Z", 2.0, out)
     assert later["conditions"][0]["lastTransitionTime"] == "2026-11-29T00:00:00Z"  # kept while it holds
-    assert status.status(r, None, None, [], "t")["conditions"][0]["status"] == "True"
+    assert status.status(r, replicas.entry("x", None, None, "t"), [], [], "t", 0.0)["conditions"][0]["status"] == "True"
     event = status.escalation_event(r, "small", "simple/general", 0.25, 20)
     assert event["reason"] == "Escalated" and "large" in event["message"] and "25%" in event["message"]
+
+
+def test_the_status_is_the_sum_of_every_replica_not_the_last_writer():
+    """Two router replicas, each with its own figures: whichever applies last, the totals count both; an
+    entry not renewed for STALE_SECONDS is left out."""
+    from kaon_operator import kubetime
+    from kaon_operator.routes import replicas, status
+    from kaon_operator.routes.table import route
+
+    r = route({"metadata": {"name": "a", "namespace": "ns"},
+               "spec": {"tiers": [{"service": "small", "costPerMillionTokens": 0.1},
+                                  {"service": "large", "costPerMillionTokens": 1}]}})
+    assert r is not None
+    now = 1_800_000_000.0
+    stamp = kubetime.stamp(now)
+    a, b = Figures(), Figures()
+    for _ in range(3):
+        a.answered("small", 100, 0.1, 1.0)
+    a.hit(100, 1.0)
+    b.answered("large", 100, 1.0, 1.0)
+    agree_a, agree_b = monitor.Agreement(), monitor.Agreement()
+    agree_a.record("small", "c", True)
+    agree_b.record("small", "c", False)
+    agree_b.escalated.add(("small", "c"))
+    entry_a = replicas.entry("router-a", a, agree_a, stamp)
+    entry_b = replicas.entry("router-b", b, agree_b, stamp)
+    # b read a's entry from the apiserver and applies its own: the totals are both replicas' requests.
+    out = status.status(r, entry_b, replicas.others({"replicas": [entry_a, entry_b]}, "router-b"), [], stamp, now)
+    assert out["requests"] == 5 and out["tiers"] == [{"service": "small", "share": 0.75, "requests": 3},
+                                                     {"service": "large", "share": 0.25, "requests": 1}]
+    assert out["shares"] == "small 75% / large 25%" and out["cacheHitRate"] == 0.2
+    assert out["costVsTopTier"] == pytest.approx((3 * 100 * 0.1 + 100) / 500, abs=1e-4)
+    assert out["agreement"] == [{"tier": "small", "class": "c", "agreement": 0.5, "samples": 2, "escalated": True}]
+    assert out["replicas"] == [entry_b]  # it applies its own entry only (a's stays a's)
+    # a replica gone for longer than STALE_SECONDS no longer counts
+    later = now + replicas.STALE_SECONDS + 1
+    alone = status.status(r, replicas.entry("router-b", b, agree_b, kubetime.stamp(later)), [entry_a], [],
+                          kubetime.stamp(later), later)
+    assert alone["requests"] == 1 and alone["shares"] == "small 0% / large 100%"
+    assert replicas.fresh([{"name": "x", "updated": "garbage"}, {"name": "y"}], later) == []
 
 
 def test_the_operator_publishes_a_routes_key_digests():
