@@ -36,8 +36,10 @@ class RouteStatusWriter:
         self._events: asyncio.Queue[tuple[Route, dict]] = asyncio.Queue()
         gateway.on_escalation.append(self._escalated)
 
-    def _escalated(self, route: Route, tier: str, request_class: str, rate: float, samples: int) -> None:
-        self._events.put_nowait((route, route_status.escalation_event(route, tier, request_class, rate, samples)))
+    def _escalated(self, route: Route, tier: str, request_class: str, rate: float, samples: int,
+                   escalated: bool) -> None:
+        event = route_status.escalation_event if escalated else route_status.recovery_event
+        self._events.put_nowait((route, event(route, tier, request_class, rate, samples)))
 
     async def run(self) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.server.ssl)) as session:

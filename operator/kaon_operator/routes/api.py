@@ -95,7 +95,11 @@ class VerifySpec(_Model):
     """A class whose agreement with the top tier falls below this (over at least `minSamples`
     comparisons) is escalated to the next tier, with an Event."""
     min_samples: int = Field(default=20, ge=1, le=100000)
-    """Comparisons of a (tier, class) needed before its agreement may escalate it."""
+    """Comparisons of a (tier, class) needed before its agreement may escalate it (or bring it back)."""
+    recover_agreement: float | None = Field(default=None, ge=0, le=1)
+    """An escalated class returns to its tier once its agreement, over at least `minSamples` comparisons
+    since it was escalated (a `fraction` of its requests is also asked of the tier it left), reaches
+    this. Default: minAgreement + 0.1 (at most 1); never below minAgreement (hysteresis: no flapping)."""
 
 
 class ExactCacheSpec(_Model):

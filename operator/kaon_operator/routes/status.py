@@ -2,7 +2,7 @@
 (router/route_status.py) sends what these return."""
 from __future__ import annotations
 
-from kaon_operator.routes import replicas
+from kaon_operator.routes import monitor, replicas
 from kaon_operator.routes.table import Route
 
 
@@ -42,3 +42,13 @@ def escalation_event(route: Route, tier: str, request_class: str, rate: float, s
             "message": f"requests of class {request_class} agreed with the top tier in {rate:.0%} of {samples} "
                        f"comparisons on tier {tier}, below verify.minAgreement "
                        f"{route.spec.verify.min_agreement:.0%}: they go to {to} from now on"}
+
+
+def recovery_event(route: Route, tier: str, request_class: str, rate: float, samples: int) -> dict:
+    """A Normal Event on the route: an escalated class returns to its tier."""
+    verify = route.spec.verify
+    bar = monitor.recovery_bar(verify.min_agreement, verify.recover_agreement)
+    return {"type": "Normal", "reason": "EscalationEnded",
+            "message": f"requests of class {request_class} agreed with the top tier in {rate:.0%} of {samples} "
+                       f"comparisons on tier {tier} since they were escalated, at or above {bar:.0%} "
+                       f"(verify.recoverAgreement): they go to {tier} again"}

@@ -120,10 +120,10 @@ def test_monitor_agreement_and_escalation():
     agreement = monitor.Agreement()
     for agreed in (True, False, False):
         agreement.record("small", "simple/general", agreed)
-    assert agreement.newly_escalated(0.8, 4) == []  # too few samples
+    assert agreement.changes(0.8, 4, 0.9) == []  # too few samples
     agreement.record("small", "simple/general", False)
-    assert agreement.newly_escalated(0.8, 4) == [("small", "simple/general", 0.25, 4)]
-    assert agreement.newly_escalated(0.8, 4) == []  # once
+    assert agreement.changes(0.8, 4, 0.9) == [("small", "simple/general", 0.25, 4, True)]
+    assert agreement.changes(0.8, 4, 0.9) == []  # once
     services = ["small", "mid", "large"]
     assert monitor.escalate(0, "simple/general", services, agreement.escalated) == 1
     assert monitor.escalate(0, "complex/code", services, agreement.escalated) == 0
@@ -168,6 +168,39 @@ def test_the_crd_files_are_generated_from_the_models():
     assert crd.main(["--check"]) == 0, "crds/inferenceroute.yaml is stale: run `python -m kaon_operator.routes.crd`"
 
 
+def test_escalation_decision_has_hysteresis():
+    """Escalated below minAgreement, back only at recoverAgreement (higher), held in between and while
+    too few comparisons are in."""
+    decide = monitor.next_escalated
+    assert decide(False, 7, 10, 0.8, 10, 0.9)  # 70% < 80%: escalate
+    assert not decide(False, 8, 10, 0.8, 10, 0.9)  # at the bar: stays
+    assert not decide(False, 0, 9, 0.8, 10, 0.9)  # too few samples to judge
+    assert decide(True, 8, 10, 0.8, 10, 0.9)  # 80%: above the escalation bar but below recovery: held
+    assert decide(True, 10, 9, 0.8, 10, 0.9)  # too few since the escalation
+    assert not decide(True, 9, 10, 0.8, 10, 0.9)  # 90%: back to its tier
+    assert monitor.recovery_bar(0.8, None) == pytest.approx(0.9)
+    assert monitor.recovery_bar(0.95, None) == 1.0 and monitor.recovery_bar(0.8, 0.5) == 0.8
+
+
+def test_an_escalated_class_returns_when_its_agreement_recovers():
+    """The window the decision reads starts afresh at each change: the failures that escalated a class
+    do not hold it escalated once the probes agree, and it does not flap at the bar."""
+    agreement = monitor.Agreement()
+    key = ("small", "c")
+    for _ in range(4):
+        agreement.record(*key, False)
+    assert agreement.changes(0.8, 4, 0.9) == [("small", "c", 0.0, 4, True)]
+    for agreed in (True, True, True, False):  # 75%: below the recovery bar
+        agreement.record(*key, agreed)
+    assert agreement.changes(0.8, 4, 0.9) == [] and key in agreement.escalated
+    for _ in range(8):  # now 11 of 12 since the escalation (92%): at or above 90%
+        agreement.record(*key, True)
+    assert agreement.changes(0.8, 4, 0.9) == [("small", "c", 11 / 12, 12, False)] and key not in agreement.escalated
+    assert agreement.rate(*key)[1] == 16  # the metric's window is the plain rolling one
+    agreement.record(*key, False)
+    assert agreement.changes(0.8, 4, 0.9) == []  # one failure after returning: too few to escalate again
+
+
 def test_status_and_escalation_event():
     from kaon_operator.routes import replicas, status
     from kaon_operator.routes.table import route
@@ -193,6 +226,8 @@ def test_status_and_escalation_event():
     assert status.status(r, replicas.entry("x", None, None, "t"), [], [], "t", 0.0)["conditions"][0]["status"] == "True"
     event = status.escalation_event(r, "small", "simple/general", 0.25, 20)
     assert event["reason"] == "Escalated" and "large" in event["message"] and "25%" in event["message"]
+    back = status.recovery_event(r, "small", "simple/general", 0.95, 20)
+    assert back["reason"] == "EscalationEnded" and back["type"] == "Normal" and "90%" in back["message"]
 
 
 def test_the_status_is_the_sum_of_every_replica_not_the_last_writer():
