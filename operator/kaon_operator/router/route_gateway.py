@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kaon_operator import clock
 from kaon_operator.api import Key
 from kaon_operator.router import auth, errors
+from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
 from kaon_operator.routes import cache_keys, classifier, learned, monitor
 from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
@@ -41,7 +42,6 @@ logger = logging.getLogger("kaon.routes")
 
 TIER_HEADER = "x-kaon-route-tier"
 CACHE_HEADER = "x-kaon-cache"
-ROUTE_LABELS = ("namespace", "inferenceroute")
 EMBED_PATH = "/v1/embeddings"
 MAX_VERIFYING = 32
 

@@ -304,6 +304,18 @@ def test_route_keys_are_its_own():
             async with client.post("/v1/chat/completions", json=chat(SIMPLE),
                                    headers={"Authorization": "Bearer route-key"}) as r:
                 assert r.status == 200
+            # The open port's /metrics names no keyed route (a tenant's route and its traffic); the
+            # admin port's (the scraper's) has every series. An open route's series stay open.
+            async with client.get("/metrics") as r:
+                assert 'inferenceroute="assistant"' not in await r.text()
+            assert 'kaon_route_requests_total{cache="none",inferenceroute="assistant"' in \
+                router.metrics.render().decode()
+            router.routes.routes.apply_route("ADDED", route_object(name="public"))
+            async with client.post("/v1/chat/completions", json={**chat(SIMPLE), "model": "public"}) as r:
+                assert r.status == 200
+            async with client.get("/metrics") as r:
+                text = await r.text()
+            assert 'inferenceroute="public"' in text and 'inferenceroute="assistant"' not in text
         await stop(found)
     run(main())
 
