@@ -127,6 +127,9 @@ class RouteMetrics:
         self.recoveries = Counter("kaon_route_escalation_ends", "Escalated classes returned to their tier because "
                                   "their agreement since the escalation reached verify.recoverAgreement",
                                   [*ROUTE_LABELS, "tier", "class"], registry=registry)
+        self.monitor_fallbacks = Counter("kaon_route_monitor_fallbacks", "Long answers the quality monitor "
+                                         "compared by word overlap because the route's embedder did not answer",
+                                         ROUTE_LABELS, registry=registry)
         self.classifier_fallbacks = Counter("kaon_route_classifier_fallbacks", "Requests of a route with the learned "
                                             "classifier that the rule set decided instead, by why (embedder "
                                             "unreachable, dimension mismatch)", [*ROUTE_LABELS, "reason"],
@@ -334,7 +337,7 @@ class RouteGateway:
             logger.info("route %s: the top tier's second opinion failed (%d); not counted", route.key, status)
             return
         reference = answer_text([body], False)
-        agreed = monitor.agree(text, reference)
+        agreed = await self._agree(route, text, reference, plan.authorization)
         self.record(route, plan.service, plan.request_class, agreed)
 
     async def _probe(self, plan: Plan, text: str) -> None:
@@ -354,7 +357,21 @@ class RouteGateway:
                 return
             answers[tier] = answer_text([body], False)
         reference = answers.get(top, text)
-        self.record(route, route.services[lower], plan.request_class, monitor.agree(answers[lower], reference))
+        agreed = await self._agree(route, answers[lower], reference, plan.authorization)
+        self.record(route, route.services[lower], plan.request_class, agreed)
+
+    async def _agree(self, route: Route, answer: str, reference: str, authorization: str | None) -> bool:
+        """monitor.agree, with the cosine of the two answers' embeddings for long answers when the route
+        has an embedder that answers (else word overlap, counted in kaon_route_monitor_fallbacks)."""
+        embedder = route.spec.monitor_embedder()
+        similarity = None
+        if embedder and monitor.is_long(answer, reference):
+            vectors = await self._embed_many(route, embedder, [answer, reference], authorization)
+            if vectors is not None and len(vectors[0]) == len(vectors[1]):
+                similarity = monitor.cosine(vectors[0], vectors[1])
+            else:
+                self.metrics.monitor_fallbacks.labels(*route.key).inc()
+        return monitor.agree(answer, reference, similarity, route.spec.verify.similarity)
 
     def record(self, route: Route, tier: str, request_class: str, agreed: bool) -> None:
         agreement = self.agreement.setdefault(route.key, monitor.Agreement())
@@ -407,18 +424,25 @@ class RouteGateway:
             router._release(target)
 
     async def _embed(self, route: Route, embedder: str, text: str, authorization: str | None) -> list[float] | None:
+        vectors = await self._embed_many(route, embedder, text, authorization)
+        return vectors[0] if vectors else None
+
+    async def _embed_many(self, route: Route, embedder: str, texts: str | list[str],
+                          authorization: str | None) -> list[list[float]] | None:
+        """The embedder's vectors of `texts` (one request; a str is one text), None when it fails."""
         service = self.table.service(Key(route.key.namespace, embedder))
         if service is None:
             return None
         model = f"{route.key.namespace}/{service.served_name}"
-        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": text}, authorization)
+        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": texts}, authorization)
         if status != 200:
             return None
         try:
-            vector = json.loads(body)["data"][0]["embedding"]
-        except (ValueError, KeyError, IndexError, TypeError):
+            data = sorted(json.loads(body)["data"], key=lambda row: row.get("index", 0))
+            vectors = [[float(x) for x in row["embedding"]] for row in data]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
-        return [float(x) for x in vector] if isinstance(vector, list) else None
+        return vectors if len(vectors) == (1 if isinstance(texts, str) else len(texts)) else None
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

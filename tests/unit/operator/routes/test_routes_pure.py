@@ -117,6 +117,12 @@ def test_monitor_agreement_and_escalation():
     long_a = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun all day"
     assert monitor.agree(long_a, long_a.replace("warm", "hot"))
     assert not monitor.agree(long_a, "Completely different words describing an unrelated topic with no overlap at all")
+    # With an embedder, long answers agree by the cosine of their embeddings (word overlap ignored).
+    assert not monitor.agree(long_a, long_a.replace("warm", "hot"), similarity=0.5, threshold=0.8)
+    assert monitor.agree(long_a, "Completely different words describing an unrelated topic with no overlap at all",
+                         similarity=0.85, threshold=0.8)
+    assert not monitor.agree("Paris", "Lyon", similarity=1.0)  # short answers: still the same words
+    assert monitor.cosine([1.0, 0.0], [1.0, 1.0]) == pytest.approx(0.5 ** 0.5) and monitor.cosine([0.0], [1.0]) == 0
     agreement = monitor.Agreement()
     for agreed in (True, False, False):
         agreement.record("small", "simple/general", agreed)
