@@ -374,12 +374,19 @@ class Router:
                                  status=200 if self.table.synced else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """On the router's own port: the series of open InferenceServices only (anyone may scrape
-        it); every series is on --admin-port (admin_app)."""
-        return metrics_response(self.metrics.render(self._open))
+        """On the router's own port: the series of open InferenceServices and InferenceRoutes only
+        (anyone may scrape it); every series is on --admin-port (admin_app)."""
+        return metrics_response(self.metrics.render(self._open, self._open_route))
 
     def _open(self, key: ServiceKey) -> bool:
         return self.table.service(key) is not None and self.table.api_keys(key) is None
+
+    def _open_route(self, namespace: str, name: str) -> bool:
+        """A route without keys that still exists (a keyed one's series name its tenant's route)."""
+        if self.routes is None:
+            return False
+        route = self.routes.routes.resolve(f"{namespace}/{name}")
+        return route is not None and route.key_digests is None
 
     def admin_app(self) -> web.Application:
         """The port only the scraper and the kubelet reach (main.py: --admin-port): the whole of
