@@ -49,6 +49,7 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
     ("api", "api_status", "labels", "kubetime", "naming", "spec_policy", "urls", "clock",
      "children.resources", "children.pod_template", "children.leaderworkerset", "children.changes",
      "children.ownership", "children.prefill_pool", "children.disagg_args", "children.kv_cache_args",
+     "children.node_prefetch",
      "status.prefill_status",
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
