@@ -391,11 +391,19 @@ def percentile(ordered: list[float], q: float) -> float:
 EVENT_PORTS: dict[int, tuple[int, int]] = {}  # an engine's HTTP port -> its KV events and replay ports (kv-aware)
 
 
+def distinct_port(taken: set[int]) -> int:
+    """A free port none of the engines was given yet (free_port may hand out a port twice: it is free until bound)."""
+    while (port := free_port()) in taken:
+        pass
+    taken.add(port)
+    return port
+
+
 def start_engines(n: int, args, logs: Path) -> tuple[list[subprocess.Popen], list[int]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "runtime"), "OMP_NUM_THREADS": str(args.threads)}
-    procs, ports = [], []
+    procs, ports, taken = [], [], set()
     for i in range(n):
-        port = free_port()
+        port = distinct_port(taken)
         cmd = [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--served-model-name", SERVED,
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching"]
         if args.kv_blocks:
@@ -403,7 +411,7 @@ def start_engines(n: int, args, logs: Path) -> tuple[list[subprocess.Popen], lis
         if args.max_queue_wait is not None:
             cmd += ["--max-queue-wait", str(args.max_queue_wait)]
         if "kv-aware" in args.strategies:
-            EVENT_PORTS[port] = (free_port(), free_port())
+            EVENT_PORTS[port] = (distinct_port(taken), distinct_port(taken))
             cmd += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "topic": kv_feed.TOPIC,
                 "endpoint": f"tcp://127.0.0.1:{EVENT_PORTS[port][0]}",
@@ -506,7 +514,7 @@ async def bench(args) -> list[dict]:
     procs, ports = start_engines(args.replicas, args, logs)
     rows = []
     try:
-        await wait_ready(procs, ports)
+        await wait_ready(procs, ports, args.ready_timeout)
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
         print(f"commit {commit}; python {sys.version.split()[0]}, torch {importlib.metadata.version('torch')}, "
@@ -574,6 +582,8 @@ def main() -> None:
                         help="run in this order, reversed every other repeat (kv-aware: the engines publish KV events)")
     parser.add_argument("--workloads", nargs="+", default=["chat", "long", "skewed"],
                         choices=["chat", "long", "pressure", "skewed"])
+    parser.add_argument("--ready-timeout", type=float, default=600,
+                        help="seconds the engines may take to start (8 of them on a loaded 2-core machine: minutes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     asyncio.run(bench(args))
