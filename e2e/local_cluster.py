@@ -53,13 +53,17 @@ class RouterProcess:
 
 class LocalCluster:
     def __init__(self, cp: ControlPlane | None = None, *, release: str = "kaon", autoscale_interval: float = 1.0,
-                 queue_timeout: float = 120.0, leader_worker_sets: bool = False, probe_look: float | None = 1.0):
+                 adapter_interval: float = 1.0, queue_timeout: float = 120.0, leader_worker_sets: bool = False,
+                 probe_look: float | None = 1.0):
         """`leader_worker_sets`: LWS's CRD and the stand-in LWS controller (e2e/lws_standin.py), for
         multi-node InferenceServices. `probe_look`: the pod runner's quick looks between probe runs
-        until a probe first succeeds (e2e/probes.py; None: only the declared runs, as a kubelet)."""
+        until a probe first succeeds (e2e/probes.py; None: only the declared runs, as a kubelet).
+        The operator's loops run every `autoscale_interval` and `adapter_interval` seconds (its
+        defaults, 5 and 10, would leave a change waiting for the next round on a small cluster)."""
         self.cp, self.release, self.leader_worker_sets = cp, release, leader_worker_sets
         self.probe_look = probe_look
-        self.autoscale_interval, self.queue_timeout = autoscale_interval, queue_timeout
+        self.autoscale_interval, self.adapter_interval = autoscale_interval, adapter_interval
+        self.queue_timeout = queue_timeout
         self.router_url = ""
         self.pods: PodRunner | None = None
         self._stack = ExitStack()
@@ -86,7 +90,8 @@ class LocalCluster:
         # The chart names its ServiceAccounts after kaon.fullname (_helpers.tpl): the release, plus "-kaon" if absent.
         work, name = self.cp.workdir, self.release if "kaon" in self.release else f"{self.release}-kaon"
         operator = OperatorProcess(self.cp.service_account_kubeconfig(NAMESPACE, f"{name}-operator"),
-                                   work / "operator.log", "--autoscale-interval", str(self.autoscale_interval))
+                                   work / "operator.log", "--autoscale-interval", str(self.autoscale_interval),
+                                   "--adapter-interval", str(self.adapter_interval))
         self._stack.callback(operator.stop)
         operator.start()
         # --cluster-wide-names: each test has a namespace of its own and sends bare names to this one

@@ -58,5 +58,5 @@ def start(ctx: Context) -> None:
     ctx.run_in_background(sweep_records(ctx))
     ctx.run_in_background(key_digests.publish_loop(ctx))
     ctx.run_in_background(AutoscaleLoop(ctx).run())
-    ctx.run_in_background(AdapterLoop(ctx).run())
+    ctx.run_in_background(AdapterLoop(ctx, interval=ctx.config.adapter_interval).run())
     ctx.run_in_background(StandbyLoop(ctx).run())

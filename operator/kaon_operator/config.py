@@ -46,3 +46,6 @@ class OperatorConfig:
     autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)
     spec_policy: SpecPolicy = field(default_factory=SpecPolicy)
     """What the spec's pass-through fields may ask for (spec_policy.py): the admin's opt-ins."""
+    adapter_interval: float = 10.0
+    """Seconds between the adapter loop's rounds (lora/adapter_sync.py): how soon an adapter added to
+    or removed from spec.adapters is loaded or unloaded on the running pods."""

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--liveness-port", type=int, default=0, help="serve kopf's /healthz here (0: off)")
     parser.add_argument("--autoscale-interval", type=float, default=5.0,
                         help="seconds between scrapes of the autoscaled InferenceServices' pods")
+    parser.add_argument("--adapter-interval", type=float, default=10.0,
+                        help="seconds between the adapter loop's rounds, which load and unload spec.adapters "
+                             "on the running pods")
     parser.add_argument("--release-namespace", default=os.environ.get("POD_NAMESPACE") or "kaon-system",
                         help="the namespace of kaon's router pods (and of the autoscaler's Lease with "
                              "--peering); default: $POD_NAMESPACE, else kaon-system")
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                                     use_lease=args.peering is not None),
         spec_policy=SpecPolicy(allow_host_path=args.allow_host_path, allow_secret_env=args.allow_secret_env,
                                allow_secret_volumes=args.allow_secret_volumes,
-                               allowed_images=tuple(args.allowed_image)))
+                               allowed_images=tuple(args.allowed_image)),
+        adapter_interval=args.adapter_interval)
 
     if args.metrics_port:
         start_http_server(args.metrics_port)

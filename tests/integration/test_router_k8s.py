@@ -247,20 +247,30 @@ def test_routes_are_watched_and_their_status_written_as_the_router(crd, namespac
             await cluster.apply(isvc("small"))
             await cluster.apply(json.dumps(route))
             await until("the route", lambda: routes.resolve("assistant") is not None)
-            gateway = RouteGateway(Router(table), routes)
-            gateway.figures.setdefault(routes.resolve("assistant").key, Figures()).answered(
-                "small", 1000, 0.1, 1.0)
-            writer = route_status.RouteStatusWriter(server, gateway)
+            # Two router replicas, each with its own figures, write in turn (and the first once more):
+            # the status is their sum, not the last writer's figures.
+            writers = []
+            for replica, tier, cost in (("router-a", "small", 0.1), ("router-b", "large", 1.0)):
+                gateway = RouteGateway(Router(table), routes)
+                figures = gateway.figures.setdefault(routes.resolve("assistant").key, Figures())
+                for _ in range(3 if replica == "router-a" else 1):
+                    figures.answered(tier, 1000, cost, 1.0)
+                writers.append(route_status.RouteStatusWriter(server, gateway, replica=replica))
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=server.ssl)) as session:
-                await writer._write(session, routes.resolve("assistant"))
-            assert writer._written, "the status patch was refused"
+                for writer in (*writers, writers[0]):
+                    writer._written.clear()  # write now, not only when changed
+                    await writer._write(session, routes.resolve("assistant"))
+                    assert writer._written, "the status apply was refused"
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(asyncio.wait_for(scenario(), 50))
     shown = crd.kubectl("-n", namespace, "get", "inferenceroute", "assistant").stdout
-    assert "small 100% / large 0%" in shown and "0.1" in shown, shown  # Tiers, Cost-vs-Top
+    assert "small 75% / large 25%" in shown and "0.325" in shown, shown  # Tiers, Cost-vs-Top of both replicas
+    names = crd.kubectl("-n", namespace, "get", "inferenceroute", "assistant", "-o",
+                        "jsonpath={.status.replicas[*].name} {.status.requests}").stdout
+    assert names == "router-a router-b 4", names
     ready = crd.kubectl("-n", namespace, "get", "inferenceroute", "assistant", "-o",
                         "jsonpath={.status.conditions[0].reason}").stdout
     assert ready == "TierMissing"  # `large` does not exist in the namespace

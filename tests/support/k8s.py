@@ -60,7 +60,9 @@ def operator_kubeconfig(crd):
 @pytest.fixture(scope="module")
 def operator(crd, operator_kubeconfig):
     """`python -m kaon_operator` as that ServiceAccount, for one test module (the CRD tests
-    write statuses by hand and must not meet a running operator)."""
-    proc = OperatorProcess(operator_kubeconfig, crd.workdir / "operator.log", "--autoscale-interval", "1").start()
+    write statuses by hand and must not meet a running operator). Its loops run every second
+    (5 s and 10 s by default), so a test waits for what it checks, not for the next round."""
+    proc = OperatorProcess(operator_kubeconfig, crd.workdir / "operator.log", "--autoscale-interval", "1",
+                           "--adapter-interval", "1").start()
     yield proc
     proc.stop()

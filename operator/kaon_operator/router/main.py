@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admin-port", type=int,
                         help="serve /health, /ready and every series of /metrics here too (for the kubelet and "
                         "the scraper only): the main port's /metrics leaves out those naming an InferenceService "
-                        "with spec.auth, and refuses connections past --max-connections")
+                        "or InferenceRoute with spec.auth, and refuses connections past --max-connections")
     parser.add_argument("--log-level", default="info")
     return parser
 

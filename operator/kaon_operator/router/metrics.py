@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 
 SERVICE_LABELS = ("namespace", "inferenceservice")
+ROUTE_LABELS = ("namespace", "inferenceroute")  # the kaon_route_* series (route_gateway.py)
 # The issue's goal is < 2 ms added at P99: resolution below and around it.
 ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
                          0.1, 0.25, 1.0)
@@ -114,21 +115,28 @@ class RouterMetrics:
         """A request answered (None: before it named a known InferenceService)."""
         self.requests.labels(*(key or ("", "")), str(status)).inc()
 
-    def render(self, shown: Callable[[ServiceKey], bool] | None = None) -> bytes:
+    def render(self, shown: Callable[[ServiceKey], bool] | None = None,
+               route_shown: Callable[[str, str], bool] = lambda namespace, name: True) -> bytes:
         """The exposition; with `shown`, only the series about an InferenceService it accepts (and
-        those about none): the router's open port must not name protected services or their pods."""
+        those about none), and about an InferenceRoute `route_shown` accepts: the router's open port
+        must not name protected services, their pods or keyed routes."""
         if shown is None:
             return generate_latest(self.registry)
-        return generate_latest(_Only(self.registry, shown))
+        return generate_latest(_Only(self.registry, shown, route_shown))
 
 
 class _Only:
-    """A registry's series, less those about the InferenceServices `shown` refuses."""
+    """A registry's series, less those about the InferenceServices `shown` refuses and the
+    InferenceRoutes `route_shown` refuses."""
 
-    def __init__(self, registry: CollectorRegistry, shown: Callable[[ServiceKey], bool]):
-        self.registry, self.shown = registry, shown
+    def __init__(self, registry: CollectorRegistry, shown: Callable[[ServiceKey], bool],
+                 route_shown: Callable[[str, str], bool]):
+        self.registry, self.shown, self.route_shown = registry, shown, route_shown
 
     def _keep(self, labels: Mapping[str, str]) -> bool:
+        route = [labels.get(label) for label in ROUTE_LABELS]
+        if all(route):
+            return self.route_shown(*route)  # type: ignore[arg-type]
         names = [labels.get(label) for label in SERVICE_LABELS]
         return not all(names) or self.shown(ServiceKey(*names))  # type: ignore[arg-type]
 

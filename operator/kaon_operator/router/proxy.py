@@ -63,6 +63,7 @@ UPSTREAM_KEEPALIVE_S = 4.0
 # them outside the generation queue (issue 48, item 4).
 CLIENT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # Errors raised before a single byte of the request was sent.
+ASLEEP_HEADER = "Kaon-Engine-Asleep"  # on an engine's 503 while asleep (kaon_runtime server/sleep.py)
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
@@ -163,6 +164,14 @@ class Router:
                     upstream = await self._send(request, body, key, target, tried)
                     if isinstance(upstream, RouterError):
                         failure = upstream
+                        continue
+                    if _asleep(upstream):
+                        # A standby the operator just put to sleep stays Ready until its readiness probe
+                        # fails (seconds): it answered nothing, so another pod may take the request.
+                        self._release(target)
+                        tried.add(target)
+                        self._eject(key, target, "asleep (a standby replica)")
+                        failure = errors.replicas_asleep(str(key), len(tried))
                         continue
                     relaying = True
                     try:
@@ -365,12 +374,19 @@ class Router:
                                  status=200 if self.table.synced else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """On the router's own port: the series of open InferenceServices only (anyone may scrape
-        it); every series is on --admin-port (admin_app)."""
-        return metrics_response(self.metrics.render(self._open))
+        """On the router's own port: the series of open InferenceServices and InferenceRoutes only
+        (anyone may scrape it); every series is on --admin-port (admin_app)."""
+        return metrics_response(self.metrics.render(self._open, self._open_route))
 
     def _open(self, key: ServiceKey) -> bool:
         return self.table.service(key) is not None and self.table.api_keys(key) is None
+
+    def _open_route(self, namespace: str, name: str) -> bool:
+        """A route without keys that still exists (a keyed one's series name its tenant's route)."""
+        if self.routes is None:
+            return False
+        route = self.routes.routes.resolve(f"{namespace}/{name}")
+        return route is not None and route.key_digests is None
 
     def admin_app(self) -> web.Application:
         """The port only the scraper and the kubelet reach (main.py: --admin-port): the whole of
@@ -384,6 +400,14 @@ class Router:
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         return app
+
+
+def _asleep(upstream: aiohttp.ClientResponse) -> bool:
+    """The engine's refusal while asleep: a 503 marked by ASLEEP_HEADER (kaon_runtime's server/sleep.py)."""
+    if upstream.status != 503 or ASLEEP_HEADER not in upstream.headers:
+        return False
+    upstream.release()
+    return True
 
 
 def _engine_path(request: web.Request) -> str:

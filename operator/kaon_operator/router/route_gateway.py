@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kaon_operator import clock
 from kaon_operator.api import Key
 from kaon_operator.router import auth, errors
+from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
 from kaon_operator.routes import cache_keys, classifier, learned, monitor
 from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
@@ -41,7 +42,6 @@ logger = logging.getLogger("kaon.routes")
 
 TIER_HEADER = "x-kaon-route-tier"
 CACHE_HEADER = "x-kaon-cache"
-ROUTE_LABELS = ("namespace", "inferenceroute")
 EMBED_PATH = "/v1/embeddings"
 MAX_VERIFYING = 32
 
@@ -72,6 +72,9 @@ class Plan:
     stream: bool
     cache_key: str | None
     semantic: tuple[str, list[float]] | None = None
+    escalated_from: int | None = None
+    """The tier just below `tier` when the monitor's escalation moved the request up to it: a
+    `verify.fraction` of these is also asked of that tier, to see whether the class may return."""
     headers: dict[str, str] = field(default_factory=dict)
     chunks: list[bytes] = field(default_factory=list)
     status: int = 0
@@ -121,6 +124,12 @@ class RouteMetrics:
         self.escalations = Counter("kaon_route_escalations", "Classes escalated to the next tier because their "
                                    "agreement fell below verify.minAgreement", [*ROUTE_LABELS, "tier", "class"],
                                    registry=registry)
+        self.recoveries = Counter("kaon_route_escalation_ends", "Escalated classes returned to their tier because "
+                                  "their agreement since the escalation reached verify.recoverAgreement",
+                                  [*ROUTE_LABELS, "tier", "class"], registry=registry)
+        self.monitor_fallbacks = Counter("kaon_route_monitor_fallbacks", "Long answers the quality monitor "
+                                         "compared by word overlap because the route's embedder did not answer",
+                                         ROUTE_LABELS, registry=registry)
         self.classifier_fallbacks = Counter("kaon_route_classifier_fallbacks", "Requests of a route with the learned "
                                             "classifier that the rule set decided instead, by why (embedder "
                                             "unreachable, dimension mismatch)", [*ROUTE_LABELS, "reason"],
@@ -139,7 +148,9 @@ class RouteGateway:
         self._stores: dict[tuple[Key, str | None], Store] = {}
         self.figures: dict[Key, Figures] = {}
         self.agreement: dict[Key, monitor.Agreement] = {}
-        self.on_escalation: list[Callable[[Route, str, str, float, int], None]] = []
+        self.on_escalation: list[Callable[[Route, str, str, float, int, bool], None]] = []
+        """Called with (route, tier, class, agreement, samples, escalated) when a class is escalated
+        (True) or returns to its tier (False)."""
         self._background: set[asyncio.Task] = set()
 
     # which requests ------------------------------------------------------------
@@ -182,6 +193,7 @@ class RouteGateway:
         vectors: dict[str, list[float] | None] = {}  # embedder -> the prompt's embedding (fetched once)
         tier, request_class = await self._classify(route, text, authorization, vectors)
         agreement = self.agreement.get(route.key)
+        classified = tier
         tier = monitor.escalate(tier, request_class, route.services, agreement.escalated if agreement else set())
         stream = payload.get("stream") is True
         generation = self._generation(route)
@@ -209,7 +221,8 @@ class RouteGateway:
         body = json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass")
         headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss" if cache_key else "none"}
         return Plan(route, tier, request_class, model, body, payload, path, authorization, stream,
-                    cache_key, semantic, headers, on_stream_end=self._store)
+                    cache_key, semantic, tier - 1 if tier > classified else None, headers,
+                    on_stream_end=self._store)
 
     async def _classify(self, route: Route, text: str, authorization: str | None,
                         vectors: dict[str, list[float] | None]) -> tuple[int, str]:
@@ -293,6 +306,10 @@ class RouteGateway:
                 self.rng, route.spec.verify.fraction, plan.tier, len(route.spec.tiers)):
             text = answer_text(plan.chunks, plan.stream)
             self._spawn(self._verify(plan, text))
+        elif (plan.escalated_from is not None and len(self._background) < MAX_VERIFYING
+              and monitor.should_verify(self.rng, route.spec.verify.fraction, plan.escalated_from,
+                                        len(route.spec.tiers))):
+            self._spawn(self._probe(plan, answer_text(plan.chunks, plan.stream)))
 
     async def _store(self, plan: Plan) -> None:
         """Keep a complete 200 answer under the plan's key (once)."""
@@ -320,8 +337,41 @@ class RouteGateway:
             logger.info("route %s: the top tier's second opinion failed (%d); not counted", route.key, status)
             return
         reference = answer_text([body], False)
-        agreed = monitor.agree(text, reference)
+        agreed = await self._agree(route, text, reference, plan.authorization)
         self.record(route, plan.service, plan.request_class, agreed)
+
+    async def _probe(self, plan: Plan, text: str) -> None:
+        """An escalated class's request, answered one tier up, asked also of the tier it left and compared
+        with the top tier's answer (this one when it came from the top tier): may the class return?"""
+        route, lower = plan.route, plan.escalated_from
+        assert lower is not None
+        top = len(route.services) - 1
+        payload = {k: v for k, v in plan.payload.items() if k not in ("stream", "stream_options")}
+        answers = {}
+        for tier in (lower, top) if plan.tier != top else (lower,):
+            payload["model"] = self._tier_model(route, tier)
+            status, body = await self.call(payload["model"], plan.path, payload, plan.authorization)
+            if status != 200:
+                logger.info("route %s: the escalation probe of tier %s failed (%d); not counted", route.key,
+                            route.services[tier], status)
+                return
+            answers[tier] = answer_text([body], False)
+        reference = answers.get(top, text)
+        agreed = await self._agree(route, answers[lower], reference, plan.authorization)
+        self.record(route, route.services[lower], plan.request_class, agreed)
+
+    async def _agree(self, route: Route, answer: str, reference: str, authorization: str | None) -> bool:
+        """monitor.agree, with the cosine of the two answers' embeddings for long answers when the route
+        has an embedder that answers (else word overlap, counted in kaon_route_monitor_fallbacks)."""
+        embedder = route.spec.monitor_embedder()
+        similarity = None
+        if embedder and monitor.is_long(answer, reference):
+            vectors = await self._embed_many(route, embedder, [answer, reference], authorization)
+            if vectors is not None and len(vectors[0]) == len(vectors[1]):
+                similarity = monitor.cosine(vectors[0], vectors[1])
+            else:
+                self.metrics.monitor_fallbacks.labels(*route.key).inc()
+        return monitor.agree(answer, reference, similarity, route.spec.verify.similarity)
 
     def record(self, route: Route, tier: str, request_class: str, agreed: bool) -> None:
         agreement = self.agreement.setdefault(route.key, monitor.Agreement())
@@ -330,14 +380,21 @@ class RouteGateway:
         self.metrics.verifications.labels(*labels, tier, request_class, str(agreed).lower()).inc()
         rate, _ = agreement.rate(tier, request_class)
         self.metrics.agreement.labels(*labels, tier, request_class).set(rate)
-        for tier_, cls, rate, samples in agreement.newly_escalated(route.spec.verify.min_agreement,
-                                                                   route.spec.verify.min_samples):
-            self.metrics.escalations.labels(*labels, tier_, cls).inc()
-            logger.warning("route %s: class %s on tier %s agrees with the top tier in %.0f%% of %d comparisons "
-                           "(below verify.minAgreement %.0f%%): escalated to the next tier", route.key, cls, tier_,
-                           rate * 100, samples, route.spec.verify.min_agreement * 100)
+        verify = route.spec.verify
+        bar = monitor.recovery_bar(verify.min_agreement, verify.recover_agreement)
+        for tier_, cls, rate, samples, escalated in agreement.changes(verify.min_agreement, verify.min_samples, bar):
+            if escalated:
+                self.metrics.escalations.labels(*labels, tier_, cls).inc()
+                logger.warning("route %s: class %s on tier %s agrees with the top tier in %.0f%% of %d comparisons "
+                               "(below verify.minAgreement %.0f%%): escalated to the next tier", route.key, cls,
+                               tier_, rate * 100, samples, verify.min_agreement * 100)
+            else:
+                self.metrics.recoveries.labels(*labels, tier_, cls).inc()
+                logger.warning("route %s: class %s on tier %s agrees with the top tier in %.0f%% of %d comparisons "
+                               "since its escalation (at least %.0f%%): back on its tier", route.key, cls, tier_,
+                               rate * 100, samples, bar * 100)
             for callback in self.on_escalation:
-                callback(route, tier_, cls, rate, samples)
+                callback(route, tier_, cls, rate, samples, escalated)
 
     # internal requests -----------------------------------------------------------
 
@@ -367,18 +424,25 @@ class RouteGateway:
             router._release(target)
 
     async def _embed(self, route: Route, embedder: str, text: str, authorization: str | None) -> list[float] | None:
+        vectors = await self._embed_many(route, embedder, text, authorization)
+        return vectors[0] if vectors else None
+
+    async def _embed_many(self, route: Route, embedder: str, texts: str | list[str],
+                          authorization: str | None) -> list[list[float]] | None:
+        """The embedder's vectors of `texts` (one request; a str is one text), None when it fails."""
         service = self.table.service(Key(route.key.namespace, embedder))
         if service is None:
             return None
         model = f"{route.key.namespace}/{service.served_name}"
-        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": text}, authorization)
+        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": texts}, authorization)
         if status != 200:
             return None
         try:
-            vector = json.loads(body)["data"][0]["embedding"]
-        except (ValueError, KeyError, IndexError, TypeError):
+            data = sorted(json.loads(body)["data"], key=lambda row: row.get("index", 0))
+            vectors = [[float(x) for x in row["embedding"]] for row in data]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
-        return [float(x) for x in vector] if isinstance(vector, list) else None
+        return vectors if len(vectors) == (1 if isinstance(texts, str) else len(texts)) else None
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

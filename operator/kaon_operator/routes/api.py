@@ -95,7 +95,18 @@ class VerifySpec(_Model):
     """A class whose agreement with the top tier falls below this (over at least `minSamples`
     comparisons) is escalated to the next tier, with an Event."""
     min_samples: int = Field(default=20, ge=1, le=100000)
-    """Comparisons of a (tier, class) needed before its agreement may escalate it."""
+    """Comparisons of a (tier, class) needed before its agreement may escalate it (or bring it back)."""
+    embedder: str | None = Field(default=None, min_length=1)
+    """The InferenceService (serving `--task embed`, e.g. builtin://all-minilm-l6-v2) whose embeddings
+    compare long answers (over 12 words); default: cache.semantic's embedder, else
+    classifier.learned's. Without any (or when it does not answer), long answers are compared by the
+    overlap of their word sets."""
+    similarity: float = Field(default=0.8, ge=0, le=1)
+    """The cosine of two long answers' embeddings at which they agree."""
+    recover_agreement: float | None = Field(default=None, ge=0, le=1)
+    """An escalated class returns to its tier once its agreement, over at least `minSamples` comparisons
+    since it was escalated (a `fraction` of its requests is also asked of the tier it left), reaches
+    this. Default: minAgreement + 0.1 (at most 1); never below minAgreement (hysteresis: no flapping)."""
 
 
 class ExactCacheSpec(_Model):
@@ -132,6 +143,12 @@ class InferenceRouteSpec(_Model):
     auth: AuthSpec | None = None
     """API keys of the route itself (a Secret of this namespace); a keyed tier also checks its own."""
 
+    def monitor_embedder(self) -> str | None:
+        """The InferenceService whose embeddings compare the monitor's long answers (None: word overlap)."""
+        learned = self.classifier.learned if self.classifier.mode == "learned" else None
+        semantic = self.cache.semantic.embedder if self.cache.semantic.enabled else None
+        return self.verify.embedder or semantic or (learned.embedder if learned else None)
+
     @model_validator(mode="after")
     def _distinct(self) -> InferenceRouteSpec:
         names = [t.service for t in self.tiers]
@@ -161,6 +178,34 @@ class AgreementStatus(_Model):
     escalated: bool = False
 
 
+class ReplicaTierCount(_Model):
+    service: str
+    requests: int = 0
+
+
+class ReplicaAgreementCount(_Model):
+    tier: str
+    request_class: str = Field(alias="class")
+    agreed: int = 0
+    samples: int = 0
+    escalated: bool = False
+
+
+class ReplicaStatus(_Model):
+    """One router replica's raw counts (routes/replicas.py); the status' totals are their sum."""
+
+    name: str
+    """The router pod."""
+    updated: str
+    """When it last wrote; an entry older than 3 minutes is not counted (its replica is gone)."""
+    tiers: list[ReplicaTierCount] = Field(default_factory=list)
+    hits: int = 0
+    misses: int = 0
+    cost: float = 0.0
+    top_cost: float = 0.0
+    agreement: list[ReplicaAgreementCount] = Field(default_factory=list)
+
+
 class InferenceRouteStatus(_Model):
     tiers: list[TierStatus] = Field(default_factory=list)
     shares: str = ""
@@ -170,5 +215,8 @@ class InferenceRouteStatus(_Model):
     cost_vs_top_tier: float = 1.0
     """What the answered requests cost against sending every one to the top tier (1.0: the same)."""
     agreement: list[AgreementStatus] = Field(default_factory=list)
+    replicas: list[ReplicaStatus] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    """Per router replica, the counts the totals add up (each replica writes its own entry)."""
     conditions: list[dict] = Field(default_factory=list)
     observed_generation: int | None = None

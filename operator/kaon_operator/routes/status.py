@@ -2,8 +2,7 @@
 (router/route_status.py) sends what these return."""
 from __future__ import annotations
 
-from kaon_operator.routes.figures import Figures
-from kaon_operator.routes.monitor import Agreement
+from kaon_operator.routes import monitor, replicas
 from kaon_operator.routes.table import Route
 
 
@@ -17,15 +16,15 @@ def ready_condition(route: Route, missing: list[str], now: str) -> dict:
             "observedGeneration": route.generation}
 
 
-def status(route: Route, figures: Figures | None, agreement: Agreement | None, missing: list[str],
-           now: str, previous: dict | None = None) -> dict:
-    """The status to write. The Ready condition keeps its lastTransitionTime while its status holds."""
-    out = (figures or Figures()).status(route.services)
-    rows = []
-    for (tier, cls), results in sorted((agreement.results if agreement else {}).items()):
-        rows.append({"tier": tier, "class": cls, "agreement": round(sum(results) / len(results), 4),
-                     "samples": len(results), "escalated": (tier, cls) in agreement.escalated})  # type: ignore[union-attr]
-    out["agreement"] = rows
+def status(route: Route, own: dict, others: list[dict], missing: list[str], now: str, now_epoch: float,
+           previous: dict | None = None) -> dict:
+    """The status one router replica applies: its own `replicas` entry (`own`, replicas.entry) and the
+    totals of it and the other replicas' fresh entries (as last read). The Ready condition keeps its
+    lastTransitionTime while its status holds."""
+    counted = [own, *replicas.fresh(others, now_epoch)]
+    out = replicas.total_figures(counted).status(route.services)
+    out["agreement"] = replicas.total_agreement(counted)
+    out["replicas"] = [own]
     condition = ready_condition(route, missing, now)
     for old in (previous or {}).get("conditions") or ():
         if old.get("type") == "Ready" and old.get("status") == condition["status"]:
@@ -43,3 +42,13 @@ def escalation_event(route: Route, tier: str, request_class: str, rate: float, s
             "message": f"requests of class {request_class} agreed with the top tier in {rate:.0%} of {samples} "
                        f"comparisons on tier {tier}, below verify.minAgreement "
                        f"{route.spec.verify.min_agreement:.0%}: they go to {to} from now on"}
+
+
+def recovery_event(route: Route, tier: str, request_class: str, rate: float, samples: int) -> dict:
+    """A Normal Event on the route: an escalated class returns to its tier."""
+    verify = route.spec.verify
+    bar = monitor.recovery_bar(verify.min_agreement, verify.recover_agreement)
+    return {"type": "Normal", "reason": "EscalationEnded",
+            "message": f"requests of class {request_class} agreed with the top tier in {rate:.0%} of {samples} "
+                       f"comparisons on tier {tier} since they were escalated, at or above {bar:.0%} "
+                       f"(verify.recoverAgreement): they go to {tier} again"}

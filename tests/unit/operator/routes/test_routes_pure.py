@@ -117,13 +117,19 @@ def test_monitor_agreement_and_escalation():
     long_a = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun all day"
     assert monitor.agree(long_a, long_a.replace("warm", "hot"))
     assert not monitor.agree(long_a, "Completely different words describing an unrelated topic with no overlap at all")
+    # With an embedder, long answers agree by the cosine of their embeddings (word overlap ignored).
+    assert not monitor.agree(long_a, long_a.replace("warm", "hot"), similarity=0.5, threshold=0.8)
+    assert monitor.agree(long_a, "Completely different words describing an unrelated topic with no overlap at all",
+                         similarity=0.85, threshold=0.8)
+    assert not monitor.agree("Paris", "Lyon", similarity=1.0)  # short answers: still the same words
+    assert monitor.cosine([1.0, 0.0], [1.0, 1.0]) == pytest.approx(0.5 ** 0.5) and monitor.cosine([0.0], [1.0]) == 0
     agreement = monitor.Agreement()
     for agreed in (True, False, False):
         agreement.record("small", "simple/general", agreed)
-    assert agreement.newly_escalated(0.8, 4) == []  # too few samples
+    assert agreement.changes(0.8, 4, 0.9) == []  # too few samples
     agreement.record("small", "simple/general", False)
-    assert agreement.newly_escalated(0.8, 4) == [("small", "simple/general", 0.25, 4)]
-    assert agreement.newly_escalated(0.8, 4) == []  # once
+    assert agreement.changes(0.8, 4, 0.9) == [("small", "simple/general", 0.25, 4, True)]
+    assert agreement.changes(0.8, 4, 0.9) == []  # once
     services = ["small", "mid", "large"]
     assert monitor.escalate(0, "simple/general", services, agreement.escalated) == 1
     assert monitor.escalate(0, "complex/code", services, agreement.escalated) == 0
@@ -168,8 +174,41 @@ def test_the_crd_files_are_generated_from_the_models():
     assert crd.main(["--check"]) == 0, "crds/inferenceroute.yaml is stale: run `python -m kaon_operator.routes.crd`"
 
 
+def test_escalation_decision_has_hysteresis():
+    """Escalated below minAgreement, back only at recoverAgreement (higher), held in between and while
+    too few comparisons are in."""
+    decide = monitor.next_escalated
+    assert decide(False, 7, 10, 0.8, 10, 0.9)  # 70% < 80%: escalate
+    assert not decide(False, 8, 10, 0.8, 10, 0.9)  # at the bar: stays
+    assert not decide(False, 0, 9, 0.8, 10, 0.9)  # too few samples to judge
+    assert decide(True, 8, 10, 0.8, 10, 0.9)  # 80%: above the escalation bar but below recovery: held
+    assert decide(True, 10, 9, 0.8, 10, 0.9)  # too few since the escalation
+    assert not decide(True, 9, 10, 0.8, 10, 0.9)  # 90%: back to its tier
+    assert monitor.recovery_bar(0.8, None) == pytest.approx(0.9)
+    assert monitor.recovery_bar(0.95, None) == 1.0 and monitor.recovery_bar(0.8, 0.5) == 0.8
+
+
+def test_an_escalated_class_returns_when_its_agreement_recovers():
+    """The window the decision reads starts afresh at each change: the failures that escalated a class
+    do not hold it escalated once the probes agree, and it does not flap at the bar."""
+    agreement = monitor.Agreement()
+    key = ("small", "c")
+    for _ in range(4):
+        agreement.record(*key, False)
+    assert agreement.changes(0.8, 4, 0.9) == [("small", "c", 0.0, 4, True)]
+    for agreed in (True, True, True, False):  # 75%: below the recovery bar
+        agreement.record(*key, agreed)
+    assert agreement.changes(0.8, 4, 0.9) == [] and key in agreement.escalated
+    for _ in range(8):  # now 11 of 12 since the escalation (92%): at or above 90%
+        agreement.record(*key, True)
+    assert agreement.changes(0.8, 4, 0.9) == [("small", "c", 11 / 12, 12, False)] and key not in agreement.escalated
+    assert agreement.rate(*key)[1] == 16  # the metric's window is the plain rolling one
+    agreement.record(*key, False)
+    assert agreement.changes(0.8, 4, 0.9) == []  # one failure after returning: too few to escalate again
+
+
 def test_status_and_escalation_event():
-    from kaon_operator.routes import status
+    from kaon_operator.routes import replicas, status
     from kaon_operator.routes.table import route
 
     r = route({"metadata": {"name": "a", "namespace": "ns", "generation": 3},
@@ -181,16 +220,60 @@ def test_status_and_escalation_event():
     agreement.escalated.add(("small", "simple/general"))
     figures = Figures()
     figures.answered("small", 100, 0.1, 1.0)
-    out = status.status(r, figures, agreement, ["large"], "2026-11-29T00:00:00Z")
+    own = replicas.entry("router-a", figures, agreement, "2026-11-29T00:00:00Z")
+    out = status.status(r, own, [], ["large"], "2026-11-29T00:00:00Z", 1.0)
     assert out["shares"] == "small 100% / large 0%" and out["observedGeneration"] == 3
     assert out["agreement"] == [{"tier": "small", "class": "simple/general", "agreement": 0.0, "samples": 1,
                                  "escalated": True}]
+    assert out["replicas"] == [own]
     assert out["conditions"][0]["reason"] == "TierMissing" and "large" in out["conditions"][0]["message"]
-    later = status.status(r, figures, agreement, ["large"], "2026-11-29T01:00:00Z", out)
+    later = status.status(r, own, [], ["large"], "2026-11-29T01:00:00Z", 2.0, out)
     assert later["conditions"][0]["lastTransitionTime"] == "2026-11-29T00:00:00Z"  # kept while it holds
-    assert status.status(r, None, None, [], "t")["conditions"][0]["status"] == "True"
+    assert status.status(r, replicas.entry("x", None, None, "t"), [], [], "t", 0.0)["conditions"][0]["status"] == "True"
     event = status.escalation_event(r, "small", "simple/general", 0.25, 20)
     assert event["reason"] == "Escalated" and "large" in event["message"] and "25%" in event["message"]
+    back = status.recovery_event(r, "small", "simple/general", 0.95, 20)
+    assert back["reason"] == "EscalationEnded" and back["type"] == "Normal" and "90%" in back["message"]
+
+
+def test_the_status_is_the_sum_of_every_replica_not_the_last_writer():
+    """Two router replicas, each with its own figures: whichever applies last, the totals count both; an
+    entry not renewed for STALE_SECONDS is left out."""
+    from kaon_operator import kubetime
+    from kaon_operator.routes import replicas, status
+    from kaon_operator.routes.table import route
+
+    r = route({"metadata": {"name": "a", "namespace": "ns"},
+               "spec": {"tiers": [{"service": "small", "costPerMillionTokens": 0.1},
+                                  {"service": "large", "costPerMillionTokens": 1}]}})
+    assert r is not None
+    now = 1_800_000_000.0
+    stamp = kubetime.stamp(now)
+    a, b = Figures(), Figures()
+    for _ in range(3):
+        a.answered("small", 100, 0.1, 1.0)
+    a.hit(100, 1.0)
+    b.answered("large", 100, 1.0, 1.0)
+    agree_a, agree_b = monitor.Agreement(), monitor.Agreement()
+    agree_a.record("small", "c", True)
+    agree_b.record("small", "c", False)
+    agree_b.escalated.add(("small", "c"))
+    entry_a = replicas.entry("router-a", a, agree_a, stamp)
+    entry_b = replicas.entry("router-b", b, agree_b, stamp)
+    # b read a's entry from the apiserver and applies its own: the totals are both replicas' requests.
+    out = status.status(r, entry_b, replicas.others({"replicas": [entry_a, entry_b]}, "router-b"), [], stamp, now)
+    assert out["requests"] == 5 and out["tiers"] == [{"service": "small", "share": 0.75, "requests": 3},
+                                                     {"service": "large", "share": 0.25, "requests": 1}]
+    assert out["shares"] == "small 75% / large 25%" and out["cacheHitRate"] == 0.2
+    assert out["costVsTopTier"] == pytest.approx((3 * 100 * 0.1 + 100) / 500, abs=1e-4)
+    assert out["agreement"] == [{"tier": "small", "class": "c", "agreement": 0.5, "samples": 2, "escalated": True}]
+    assert out["replicas"] == [entry_b]  # it applies its own entry only (a's stays a's)
+    # a replica gone for longer than STALE_SECONDS no longer counts
+    later = now + replicas.STALE_SECONDS + 1
+    alone = status.status(r, replicas.entry("router-b", b, agree_b, kubetime.stamp(later)), [entry_a], [],
+                          kubetime.stamp(later), later)
+    assert alone["requests"] == 1 and alone["shares"] == "small 0% / large 100%"
+    assert replicas.fresh([{"name": "x", "updated": "garbage"}, {"name": "y"}], later) == []
 
 
 def test_the_operator_publishes_a_routes_key_digests():

@@ -52,9 +52,11 @@ class Engine:
             return web.json_response({"error": {"message": f"no model {body['model']}"}}, status=404)
         self.calls += 1
         if request.path == "/v1/embeddings":
-            words = set(body["input"].lower().replace("?", "").split())
             vocab = ["capital", "france", "of", "what", "is", "the", "city", "main", "germany", "which"]
-            return web.json_response({"data": [{"embedding": [float(w in words) for w in vocab]}]})
+            texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+            return web.json_response({"data": [
+                {"index": i, "embedding": [float(w in set(text.lower().replace("?", "").split())) for w in vocab]}
+                for i, text in enumerate(texts)]})
         prompt = body["messages"][-1]["content"]
         text = "wrong" if self.wrong else f"{self.name}: {prompt}"
         usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
@@ -233,19 +235,68 @@ def test_monitor_escalates_a_class_that_disagrees():
         route = route_object(verify={"fraction": 1.0, "minAgreement": 0.8, "minSamples": 3})
         router = routed(found, route)
         events = []
-        router.routes.on_escalation.append(lambda r, tier, cls, rate, n: events.append((tier, cls, rate, n)))
+        router.routes.on_escalation.append(lambda r, *args: events.append(args))
         async with serving(router) as client:
             for i in range(3):
                 async with client.post("/v1/chat/completions", json=chat(f"Who wrote book {i}?")) as r:
                     assert r.headers[TIER_HEADER] == "small"
                 await router.routes.drain()
-            assert events == [("small", "simple/general", 0.0, 3)]
+            assert events == [("small", "simple/general", 0.0, 3, True)]
             async with client.post("/v1/chat/completions", json=chat("Who wrote book 9?")) as r:
-                assert r.headers[TIER_HEADER] == "large"  # escalated from now on
+                assert r.headers[TIER_HEADER] == "large"  # escalated
+            await router.routes.drain()
             async with client.get("/metrics") as r:
                 text = await r.text()
             labels = {"namespace": NS, "inferenceroute": "assistant", "tier": "small", "class": "simple/general"}
             assert metric(text, "kaon_route_agreement", **labels) == 0.0
+            # The tiers agree again (the stand-ins agree when both answer "wrong"): the probes (escalated
+            # requests asked of small too) agree, and once 90% of those since the escalation do (the
+            # default recoverAgreement: minAgreement + 0.1), the class returns to small, with an event.
+            found["large"].wrong = True
+            tiers = []
+            for i in range(4):
+                async with client.post("/v1/chat/completions", json=chat(f"Who wrote book {i}?")) as r:
+                    tiers.append(r.headers[TIER_HEADER])
+                await router.routes.drain()
+            # Book 9's probe disagreed, then 4 agree: 80%, at minAgreement but below 90%: held (hysteresis).
+            assert tiers == ["large", "large", "large", "large"], tiers
+            for i in range(4, 12):
+                async with client.post("/v1/chat/completions", json=chat(f"Who wrote book {i}?")) as r:
+                    tiers.append(r.headers[TIER_HEADER])
+                await router.routes.drain()
+            assert events[-1][0:2] == ("small", "simple/general") and events[-1][4] is False, events
+            assert tiers == ["large"] * 9 + ["small"] * 3, tiers  # the 9th agreeing probe (90%) brings it back
+            async with client.get("/metrics") as r:
+                assert metric(await r.text(), "kaon_route_escalation_ends_total", **labels) == 1.0
+        await stop(found)
+    run(main())
+
+
+def test_the_monitor_compares_long_answers_by_the_routes_embedder():
+    """Long answers (over 12 words) are compared by the cosine of their embeddings when the route names
+    an embedder; by word overlap only without one (or when it fails, counted). The top tier answers
+    `wrong`, sharing no word with the small tier's long answer: word overlap says they disagree, the
+    embeddings' cosine (0 here) meets the route's similarity of 0 (set so that the two ways differ)."""
+    long_prompt = "Who wrote the book about the whale and the sea that many of us read at school?"
+
+    async def agreement(found, embedder: str) -> tuple[float, float]:
+        route = route_object(verify={"fraction": 1.0, "minSamples": 100, "embedder": embedder, "similarity": 0.0})
+        router = routed(found, route)
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat(long_prompt)) as r:
+                assert r.headers[TIER_HEADER] == "small"
+            await router.routes.drain()
+            async with client.get("/metrics") as r:
+                text = await r.text()
+        fallbacks = metric(text, "kaon_route_monitor_fallbacks_total", namespace=NS, inferenceroute="assistant") \
+            if "kaon_route_monitor_fallbacks_total{" in text else 0.0
+        return router.routes.agreement[(NS, "assistant")].rate("small", "simple/general")[0], fallbacks
+
+    async def main():
+        found = await engines("small", "large", "embed", wrong=("large",))
+        assert await agreement(found, "embed") == (1.0, 0.0)  # by embeddings
+        assert found["embed"].calls == 1  # both answers in one request
+        assert await agreement(found, "absent") == (0.0, 1.0)  # no such embedder: word overlap, counted
         await stop(found)
     run(main())
 
@@ -284,6 +335,18 @@ def test_route_keys_are_its_own():
             async with client.post("/v1/chat/completions", json=chat(SIMPLE),
                                    headers={"Authorization": "Bearer route-key"}) as r:
                 assert r.status == 200
+            # The open port's /metrics names no keyed route (a tenant's route and its traffic); the
+            # admin port's (the scraper's) has every series. An open route's series stay open.
+            async with client.get("/metrics") as r:
+                assert 'inferenceroute="assistant"' not in await r.text()
+            assert 'kaon_route_requests_total{cache="none",inferenceroute="assistant"' in \
+                router.metrics.render().decode()
+            router.routes.routes.apply_route("ADDED", route_object(name="public"))
+            async with client.post("/v1/chat/completions", json={**chat(SIMPLE), "model": "public"}) as r:
+                assert r.status == 200
+            async with client.get("/metrics") as r:
+                text = await r.text()
+            assert 'inferenceroute="public"' in text and 'inferenceroute="assistant"' not in text
         await stop(found)
     run(main())
 
