@@ -32,7 +32,7 @@ from kaon_operator.api import Key
 from kaon_operator.router import auth, errors
 from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
-from kaon_operator.routes import cache_keys, classifier, learned, monitor
+from kaon_operator.routes import anchors, cache_keys, classifier, learned, monitor
 from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
 from kaon_operator.routes.figures import Figures
 from kaon_operator.routes.memory_store import MemoryStore
@@ -71,7 +71,8 @@ class Plan:
     authorization: str | None
     stream: bool
     cache_key: str | None
-    semantic: tuple[str, list[float]] | None = None
+    semantic: tuple[str, list[float], str] | None = None
+    """(semantic scope, the prompt's embedding, the prompt's text) when the semantic cache is on."""
     escalated_from: int | None = None
     """The tier just below `tier` when the monitor's escalation moved the request up to it: a
     `verify.fraction` of these is also asked of that tier, to see whether the class may return."""
@@ -130,6 +131,9 @@ class RouteMetrics:
         self.monitor_fallbacks = Counter("kaon_route_monitor_fallbacks", "Long answers the quality monitor "
                                          "compared by word overlap because the route's embedder did not answer",
                                          ROUTE_LABELS, registry=registry)
+        self.semantic_refused = Counter("kaon_route_semantic_refused", "Semantic cache matches above the "
+                                        "threshold refused as near misses (another anchor, the same words "
+                                        "reordered, or one word put for another)", ROUTE_LABELS, registry=registry)
         self.classifier_fallbacks = Counter("kaon_route_classifier_fallbacks", "Requests of a route with the learned "
                                             "classifier that the rule set decided instead, by why (embedder "
                                             "unreachable, dimension mismatch)", [*ROUTE_LABELS, "reason"],
@@ -210,10 +214,15 @@ class RouteGateway:
                 vector = vectors[embedder]
                 if vector is not None:
                     sem_scope = cache_keys.semantic_scope(scope, generation, path, payload, text)
-                    semantic = (sem_scope, vector)
+                    semantic = (sem_scope, vector, text)
                     near = await store.nearest(sem_scope, vector)
                     if near is not None and near[0] >= spec.cache.semantic.threshold:
                         found = await store.get(near[1])
+                        # The embedder finds near misses close too (another number, direction, a
+                        # word put for its opposite): anchors.may_match refuses their shape.
+                        if found is not None and not anchors.may_match(text, found.prompt):
+                            self.metrics.semantic_refused.labels(*route.key).inc()
+                            found = None
             if found is not None:
                 return Hit(route, found)
         model = self._tier_model(route, tier)
@@ -318,7 +327,7 @@ class RouteGateway:
         plan.stored = True
         route = plan.route
         answer = Answer(plan.status, plan.content_type, tuple(plan.chunks), plan.service,
-                        usage_tokens(plan.chunks, plan.stream))
+                        usage_tokens(plan.chunks, plan.stream), plan.semantic[2] if plan.semantic else "")
         store = self.store(route)
         ttl = route.spec.cache.ttl_seconds
         await store.put(plan.cache_key, answer, ttl)
