@@ -139,7 +139,8 @@ class PrefillPolicy:
         self.tokens_seen = seen
         ttfts, decode.recent_ttft = decode.recent_ttft, []
         p99 = sim.percentile(ttfts, 0.99) if ttfts else None
-        load = prefill_scaling.PrefillLoad(prefill.queued_prompt_tokens(), p99, accepted / self.period)
+        load = prefill_scaling.PrefillLoad(prefill.queued_prompt_tokens(), p99, accepted / self.period,
+                                           ready_replicas=len(prefill.ready()))
         wanted, _ = prefill_scaling.decide(load, self.spec, len(prefill.active), prefill.now, self.last_change,
                                            self.model)
         if wanted != len(prefill.active):

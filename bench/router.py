@@ -161,7 +161,15 @@ def nginx_version(nginx: str) -> str:
     return subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip().removeprefix("nginx version: ")
 
 
-def run_router(port: int, engine_ports: list[int]) -> None:
+def new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """asyncio's event loop, or uvloop's (libuv, in C): the router ships on asyncio's; this measures the other."""
+    if kind == "uvloop":
+        import uvloop
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def run_router(port: int, engine_ports: list[int], loop: str) -> None:
     table = EndpointTable(default_namespace="bench")  # clients send the bare name
     table.apply_service("ADDED", {"metadata": {"name": MODEL, "namespace": "bench"}, "spec": {"model": {}}})
     for i, engine_port in enumerate(engine_ports):
@@ -171,7 +179,7 @@ def run_router(port: int, engine_ports: list[int]) -> None:
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
     table.synced = True
     web.run_app(Router(table).app(), host="127.0.0.1", port=port, handler_cancellation=True, access_log=None,
-                print=None, backlog=4096)
+                print=None, backlog=4096, loop=new_loop(loop))
 
 
 # the load generator -------------------------------------------------------------------
@@ -311,19 +319,19 @@ def report(name: str, results: dict[str, Result]) -> None:
         print(f"  {name:10} {label:6}: n={r.done:6d} p50 {ms(percentile(r.latencies, 0.5))} ms  "
               f"p99 {ms(percentile(r.latencies, 0.99))} ms {throughput}  errors {r.errors or 0}{cpu}")
     direct = results["direct"]
-    for label in ("nginx", "routed"):
-        r = results.get(label)
-        if r is None:
+    for label, r in results.items():
+        if label == "direct":
             continue
         print(f"  {name:10} {label} added: p50 {ms(percentile(r.latencies, 0.5) - percentile(direct.latencies, 0.5))} "
               f"ms  p99 {ms(percentile(r.latencies, 0.99) - percentile(direct.latencies, 0.99))} ms"
               + (f"  throughput {rate(r) / rate(direct):.2f}x direct" if direct.seconds and direct.done else ""))
     if "nginx" in results and results["nginx"].seconds and results["nginx"].done:
-        print(f"  {name:10} router/nginx throughput {rate(results['routed']) / rate(results['nginx']):.2f}x")
+        for label in (label for label in results if label.startswith("routed")):
+            print(f"  {name:10} {label}/nginx throughput {rate(results[label]) / rate(results['nginx']):.2f}x")
 
 
 async def wait_listening(port: int) -> None:
-    for _ in range(200):
+    for _ in range(1200):  # a minute: a loaded machine starts a Python process slowly
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.close()
@@ -335,28 +343,34 @@ async def wait_listening(port: int) -> None:
 
 async def bench(args) -> None:
     engine_ports = [free_port() for _ in range(args.engines)]
-    router_port, nginx_port = free_port(), free_port()
+    router_ports, nginx_port = {loop: free_port() for loop in args.loops}, free_port()
     nginx = None if args.no_nginx else find_nginx()
     me = [sys.executable, __file__]
     children = [
         subprocess.Popen(me + ["--role", "engines", "--ports", ",".join(map(str, engine_ports)),
                                "--events", str(args.events), "--gap-ms", str(args.gap_ms)]),
-        subprocess.Popen(me + ["--role", "router", "--ports", ",".join(map(str, [router_port, *engine_ports]))]),
+        *(subprocess.Popen(me + ["--role", "router", "--loops", loop,
+                                 "--ports", ",".join(map(str, [router_port, *engine_ports]))])
+          for loop, router_port in router_ports.items()),
     ]
+    routers = {loop: child for loop, child in zip(args.loops, children[1:])}
     workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
     if nginx:
-        children.append(start_nginx(nginx, nginx_port, engine_ports, workdir))
+        children.append(nginx_process := start_nginx(nginx, nginx_port, engine_ports, workdir))
     else:
         print("nginx: not found and not installable here (not root, or no apt-get): left out")
     try:
-        for port in (*engine_ports, router_port, *([nginx_port] if nginx else [])):
+        for port in (*engine_ports, *router_ports.values(), *([nginx_port] if nginx else [])):
             await wait_listening(port)
         ways = {"direct": [f"http://127.0.0.1:{p}" for p in engine_ports]}
-        pids: dict[str, list[int]] = {"direct": [], "routed": [children[1].pid]}
+        pids: dict[str, list[int]] = {"direct": []}
         if nginx:
             ways["nginx"] = [f"http://127.0.0.1:{nginx_port}"]
-            pids["nginx"] = [children[2].pid]
-        ways["routed"] = [f"http://127.0.0.1:{router_port}"]
+            pids["nginx"] = [nginx_process.pid]
+        for loop, router_port in router_ports.items():  # "routed": the first --loops, the router's default
+            way = "routed" if loop == args.loops[0] else f"routed-{loop}"
+            ways[way] = [f"http://127.0.0.1:{router_port}"]
+            pids[way] = [routers[loop].pid]
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.engines} fake engines; "
               f"Python {sys.version.split()[0]}, aiohttp {aiohttp.__version__}"
               + (f", nginx {nginx_version(nginx)} ({nginx})" if nginx else ""))
@@ -371,7 +385,7 @@ async def bench(args) -> None:
               f"{args.duration:g}s; latency = time to first byte")
         report("streams", {way: await measured(pids[way], closed_loop(urls, args.streams, args.duration, True))
                            for way, urls in ways.items()})
-        p50, p99, count = await router_added_latency(ways["routed"][0])
+        p50, p99, count = await router_added_latency(ways["routed"][0])  # the first --loops
         print(f"router's own added-latency histogram over {count} requests: p50 <= {ms(p50)} ms, p99 <= {ms(p99)} ms")
     finally:
         for child in children:
@@ -390,6 +404,9 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=50.0, help="time between a stream's events")
     parser.add_argument("--engines", type=int, default=2, help="fake engine pods (ports of one process)")
     parser.add_argument("--no-nginx", action="store_true", help="leave nginx, the router's peer, out")
+    parser.add_argument("--loops", nargs="+", choices=["asyncio", "uvloop"], default=["asyncio"],
+                        help="the router's event loop (uvloop: pip install uvloop, or the uvloop extra); several: one "
+                             "router process each, all measured in this run")
     parser.add_argument("--role", choices=["bench", "engines", "router"], default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--ports", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -398,7 +415,7 @@ def main() -> None:
     if args.role == "engines":
         run_engines(ports, args.events, args.gap_ms / 1000)
     elif args.role == "router":
-        run_router(ports[0], ports[1:])
+        run_router(ports[0], ports[1:], args.loops[0])
     else:
         asyncio.run(bench(args))
 

@@ -73,6 +73,7 @@ from e2e.control_plane import free_port  # noqa: E402
 from kaon_operator.labels import service_labels  # noqa: E402
 from kaon_operator.router import kv_feed  # noqa: E402
 from kaon_operator.router.endpoints import EndpointTable, ServiceKey  # noqa: E402
+from kaon_operator.router.kv_index import block_keys  # noqa: E402
 from kaon_operator.router.proxy import Router  # noqa: E402
 
 MODEL = "builtin://smollm2-135m-instruct"
@@ -116,7 +117,31 @@ class Phase:
     TTFT, and the pod the router chose with every pod's requests in flight at that moment."""
 
 
-async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int, phase: Phase,
+class Routers:
+    """The router replicas' URLs, taken in turn per request (as a Service in front of them spreads
+    connections): each replica chooses with only its own in-flight counts and its own index."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.i = urls, -1
+
+    def next(self) -> str:
+        self.i += 1
+        return self.urls[self.i % len(self.urls)]
+
+
+def predicted_tokens(kv, key: ServiceKey, pod: str, path: str, payload: dict) -> int | None:
+    """The prompt tokens the kv-aware index said `pod` held when the router chose it (None when it
+    could not tell: no tokenizer yet, or no block size heard from the pods)."""
+    tokenizer = kv.feed._tokenizers.get(key)
+    block_size = kv.index.block_size(pod) or next(
+        (b for b in map(kv.index.block_size, kv.index.pods()) if b), None)
+    ids = tokenizer.prompt_ids(path, payload) if tokenizer is not None else None
+    if ids is None or block_size is None:
+        return None
+    return kv.index.match(pod, block_keys(ids[:-1], block_size)).blocks * block_size
+
+
+async def ask(session: aiohttp.ClientSession, url: str | Routers, messages: list[dict], max_tokens: int, phase: Phase,
               ignore_eos: bool = False, tag: str | None = None) -> tuple[str, int]:
     """The reply, and the tokens of prompt and reply together (the conversation's length now).
     `tag` ("kind:id") goes as OpenAI's `user` field, which the engine ignores, so that the
@@ -127,7 +152,9 @@ async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], ma
         body["user"] = tag
     if ignore_eos:
         body["ignore_eos"] = True
-    start, first, text, tokens = time.perf_counter(), None, [], 0
+    if isinstance(url, Routers):
+        url = url.next()
+    start, first, text, tokens, cached = time.perf_counter(), None, [], 0, None
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             phase.failed += 1
@@ -140,6 +167,7 @@ async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], ma
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["total_tokens"]
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             if not chunk["choices"]:  # the usage chunk
                 continue
             piece = (chunk["choices"][0].get("delta") or {}).get("content") or ""
@@ -152,7 +180,8 @@ async def ask(session: aiohttp.ClientSession, url: str, messages: list[dict], ma
         return "", tokens
     phase.ttft.append(first - start)
     if tag:
-        phase.requests.setdefault(tag, {}).update(kind=tag.split(":")[0], sent=start, ttft=first - start)
+        phase.requests.setdefault(tag, {}).update(kind=tag.split(":")[0], sent=start, ttft=first - start,
+                                                  cached_tokens=cached)
     phase.done += 1
     return "".join(text), tokens
 
@@ -247,34 +276,34 @@ def build_table(ports: list[int], strategy: str, load_bound: float, max_num_seqs
 
 
 async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -> dict:
-    table = build_table(ports, strategy, args.load_bound, args.max_num_seqs)
-    router = Router(table, rng=random.Random(tag))
-    if strategy == "kv-aware":  # the engines share one host: each publishes its KV events on ports of its own
-        kv = router.strategies.get("kv-aware").inner
-        kv.feed.ports = lambda e: EVENT_PORTS[int(e.url.rsplit(":", 1)[1])]
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
     phase = Phase()
-    endpoints = table.endpoints(ServiceKey("bench", "bench"))
+    routers, runners, urls, feeds = [], [], [], []
+    for replica in range(args.routers):  # each replica its own table, in-flight counts and KV index
+        table = build_table(ports, strategy, args.load_bound, args.max_num_seqs)
+        router = Router(table, rng=random.Random(tag * 10 + replica))
+        kv = None
+        if strategy == "kv-aware":  # the engines share one host: each publishes its KV events on ports of its own
+            kv = router.strategies.get("kv-aware").inner
+            kv.feed.ports = lambda e: EVENT_PORTS[int(e.url.rsplit(":", 1)[1])]
+            feeds.append(kv.feed)
+        trace(router, phase, replica, kv)
+        runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        routers.append(router)
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions")
+    url = urls[0] if len(urls) == 1 else Routers(urls)
+    endpoints = routers[0].table.endpoints(ServiceKey("bench", "bench"))
     stop = asyncio.Event()
 
-    choose = router._pick  # the router's choice per request, with the loads it saw (a bench's peek inside)
-
-    def traced(key, ready, usable, path, payload):
-        target = choose(key, ready, usable, path, payload)
-        if isinstance(payload.get("user"), str):
-            phase.requests.setdefault(payload["user"], {}).update(
-                pod=target.pod, loads={e.pod: router.inflight.get(e, 0) for e in endpoints})
-        return target
-
-    router._pick = traced
+    def inflight(e) -> int:  # every replica's requests to the pod
+        return sum(r.inflight.get(e, 0) for r in routers)
 
     async def sample() -> None:
         while not stop.is_set():
-            phase.samples.append({e.pod: router.inflight.get(e, 0) for e in endpoints})
+            phase.samples.append({e.pod: inflight(e) for e in endpoints})
             await asyncio.sleep(0.02)
 
     load_start = os.getloadavg()[0]
@@ -288,23 +317,24 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
             stop.set()
             await sampler
             after = await engine_counters(session, ports)
-            async with session.get(url.replace("/v1/chat/completions", "/metrics")) as resp:
-                router_metrics = await resp.text()
+            router_metrics = ""
+            for one in urls:
+                async with session.get(one.replace("/v1/chat/completions", "/metrics")) as resp:
+                    router_metrics += await resp.text()
     finally:
-        await runner.cleanup()
-        if strategy == "kv-aware":
-            await kv.feed.close()
+        for runner in runners:
+            await runner.cleanup()
+        for feed in feeds:
+            await feed.close()
     hits = sum(after[p][0] - before[p][0] for p in ports)
     queries = sum(after[p][1] - before[p][1] for p in ports)
     busy = [s for s in phase.samples if any(s.values())]
     mean_per = {pod: sum(s[pod] for s in busy) / max(1, len(busy)) for pod in (e.pod for e in endpoints)}
     overall = sum(mean_per.values()) / len(mean_per)
 
-    def counter(name: str) -> float:
-        for line in router_metrics.splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+    def counter(name: str) -> float:  # summed over the router replicas
+        return sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
+                   if line.startswith(name + "{"))
 
     ttft = sorted(phase.ttft)
     return {"strategy": strategy, "requests": phase.done, "failed": phase.failed, "seconds": phase.seconds,
@@ -320,7 +350,36 @@ async def run_phase(workload, strategy: str, ports: list[int], args, tag: int) -
             # Prompt tokens each replica computed (not served from its cache): the prefill work
             # it got, which equal in-flight counts can hide.
             "prefilled": [round((after[p][1] - before[p][1]) - (after[p][0] - before[p][0])) for p in ports],
-            "per_request": phase.requests}
+            "per_request": phase.requests, "precision": precision(phase.requests)}
+
+
+def trace(router: Router, phase: Phase, replica: int, kv) -> None:
+    """Note the router's choice per request, with the loads it saw and (kv-aware) the prompt tokens
+    its index said the chosen pod held (a bench's peek inside)."""
+    choose = router._pick
+
+    def traced(key, ready, usable, path, payload):
+        target = choose(key, ready, usable, path, payload)
+        if isinstance(payload.get("user"), str):
+            phase.requests.setdefault(payload["user"], {}).update(
+                pod=target.pod, router=replica, loads={e.pod: router.inflight.get(e, 0) for e in ready},
+                predicted=predicted_tokens(kv, key, target.pod, path, payload) if kv is not None else None)
+        return target
+
+    router._pick = traced
+
+
+def precision(requests: dict[str, dict]) -> dict:
+    """kv-aware's routing precision: of the requests sent to a pod the index said held part of the
+    prompt, the share whose engine found at least that much cached (usage.prompt_tokens_details.
+    cached_tokens); and how the others fell short."""
+    said = [r for r in requests.values() if r.get("predicted") and r.get("cached_tokens") is not None]
+    held = [r for r in said if r["cached_tokens"] >= r["predicted"]]
+    short = sorted(r["predicted"] - r["cached_tokens"] for r in said if r["cached_tokens"] < r["predicted"])
+    return {"said": len(said), "held": len(held), "precision": len(held) / len(said) if said else float("nan"),
+            "short_tokens": short,
+            "predicted_tokens": sum(r["predicted"] for r in said),
+            "cached_tokens": sum(r["cached_tokens"] for r in said)}
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -332,17 +391,27 @@ def percentile(ordered: list[float], q: float) -> float:
 EVENT_PORTS: dict[int, tuple[int, int]] = {}  # an engine's HTTP port -> its KV events and replay ports (kv-aware)
 
 
+def distinct_port(taken: set[int]) -> int:
+    """A free port none of the engines was given yet (free_port may hand out a port twice: it is free until bound)."""
+    while (port := free_port()) in taken:
+        pass
+    taken.add(port)
+    return port
+
+
 def start_engines(n: int, args, logs: Path) -> tuple[list[subprocess.Popen], list[int]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "runtime"), "OMP_NUM_THREADS": str(args.threads)}
-    procs, ports = [], []
+    procs, ports, taken = [], [], set()
     for i in range(n):
-        port = free_port()
+        port = distinct_port(taken)
         cmd = [sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL, "--served-model-name", SERVED,
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching"]
         if args.kv_blocks:
             cmd += ["--num-kv-blocks", str(args.kv_blocks)]
+        if args.max_queue_wait is not None:
+            cmd += ["--max-queue-wait", str(args.max_queue_wait)]
         if "kv-aware" in args.strategies:
-            EVENT_PORTS[port] = (free_port(), free_port())
+            EVENT_PORTS[port] = (distinct_port(taken), distinct_port(taken))
             cmd += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "topic": kv_feed.TOPIC,
                 "endpoint": f"tcp://127.0.0.1:{EVENT_PORTS[port][0]}",
@@ -385,6 +454,12 @@ def show(name: str, r: dict) -> None:
           f"peak {r['peak']}  affinity hits {r['affinity_hits']:.0f} overrides {r['affinity_overrides']:.0f}"
           + f"  prefilled per replica {r['prefilled']}"
           + (f"  working set {r['working_set_blocks']} blocks" if r["working_set_blocks"] else ""))
+    p = r["precision"]
+    if p["said"]:
+        print(f"  {name:6} #{r['repeat']} {r['strategy']:17} routing precision {p['held']}/{p['said']} = "
+              f"{p['precision']:.3f} (requests whose chosen pod the index said held part of the prompt, and whose "
+              f"engine found at least that much cached); tokens said {p['predicted_tokens']}, found "
+              f"{p['cached_tokens']}; short by {p['short_tokens']}")
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -409,6 +484,11 @@ def summarize(rows: list[dict], names: list[str]) -> None:
                   f"peak {spread([r['peak'] for r in rs], 'g')}  load {min(r['load_start'] for r in rs):.1f}-"
                   f"{max(max(r['load_start'], r['load_end']) for r in rs):.1f}")
         if "kv-aware" in by:
+            said = sum(r["precision"]["said"] for r in by["kv-aware"])
+            held = sum(r["precision"]["held"] for r in by["kv-aware"])
+            if said:
+                print(f"  {name:6} kv-aware routing precision, all repeats: {held}/{said} = {held / said:.3f} "
+                      f"({by['kv-aware'][0]['routers']} router replicas)")
             for base in ("prefix-affinity", "least-connections"):
                 kv_pairs = list(zip(by.get(base, []), by["kv-aware"]))
                 hits = " ".join(f"{kv['hit_rate'] / b['hit_rate']:.2f}x" for b, kv in kv_pairs)
@@ -434,7 +514,7 @@ async def bench(args) -> list[dict]:
     procs, ports = start_engines(args.replicas, args, logs)
     rows = []
     try:
-        await wait_ready(procs, ports)
+        await wait_ready(procs, ports, args.ready_timeout)
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
         print(f"commit {commit}; python {sys.version.split()[0]}, torch {importlib.metadata.version('torch')}, "
@@ -451,7 +531,7 @@ async def bench(args) -> list[dict]:
                 for strategy in (strategies if repeat % 2 == 0 else strategies[::-1]):
                     tag += 1
                     row = await run_phase(workloads[name], strategy, ports, args, tag)
-                    row["workload"], row["repeat"] = name, repeat
+                    row["workload"], row["repeat"], row["routers"] = name, repeat, args.routers
                     show(name, row)
                     rows.append(row)
                     if args.json:  # after every phase, so that an interrupted run keeps what it measured
@@ -468,6 +548,8 @@ async def bench(args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--routers", type=int, default=1,
+                        help="router replicas, each its own in-flight counts and KV index; requests go to them in turn")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=18)
     parser.add_argument("--stagger", type=float, default=0.5, help="seconds between conversation starts")
@@ -491,12 +573,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--load-bound", type=float, default=1.25)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
+    parser.add_argument("--max-queue-wait", type=float,
+                        help="the engines' admission limit (kaon serve --max-queue-wait; 0: none). Default: the "
+                             "engine's (30 s), whose 503s count as failed requests when a loaded machine slows all")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=["least-connections", "prefix-affinity"],
                         choices=["least-connections", "prefix-affinity", "kv-aware"],
                         help="run in this order, reversed every other repeat (kv-aware: the engines publish KV events)")
     parser.add_argument("--workloads", nargs="+", default=["chat", "long", "skewed"],
                         choices=["chat", "long", "pressure", "skewed"])
+    parser.add_argument("--ready-timeout", type=float, default=600,
+                        help="seconds the engines may take to start (8 of them on a loaded 2-core machine: minutes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     asyncio.run(bench(args))

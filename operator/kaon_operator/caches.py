@@ -24,6 +24,7 @@ class Caches:
     inference_services: Mapping[Key, Collection[Mapping]] = field(default_factory=dict)
     engine_pods: Mapping[Key, Collection[PodSummary]] = field(default_factory=dict)
     engine_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
+    prefill_pods: Mapping[Key, Collection[PodSummary]] = field(default_factory=dict)
     prefill_deployments: Mapping[Key, Collection[DeploymentSummary]] = field(default_factory=dict)
     served_names: Mapping[str, Collection[ServedName]] = field(default_factory=dict)
     inference_routes: Mapping[Key, Collection[Mapping]] = field(default_factory=dict)
@@ -46,6 +47,11 @@ class Caches:
 
     def pods(self, key: Key) -> list[PodSummary]:
         return list(self.engine_pods.get(key, ()))
+
+    def adapter_pods(self, key: Key) -> list[PodSummary]:
+        """The pods that serve spec.adapters: the engine pods and spec.prefill's (a LoRA prompt's K/V is computed
+        there with its adapter, docs/disaggregation.md)."""
+        return [*self.engine_pods.get(key, ()), *self.prefill_pods.get(key, ())]
 
     def pods_by_service(self) -> list[tuple[Key, list[PodSummary]]]:
         return [(key, list(pods)) for key, pods in list(self.engine_pods.items())]

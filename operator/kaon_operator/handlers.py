@@ -87,6 +87,12 @@ def engine_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_
     return {_key(namespace, labels[SERVICE]): summaries.summarize_pod(body)}
 
 
+@kopf.index(*PODS, labels=PREFILL_CHILD)
+def prefill_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
+    """spec.prefill's pods: the adapter loop loads spec.adapters on them too (docs/disaggregation.md)."""
+    return {_key(namespace, labels[SERVICE]): summaries.summarize_pod(body)}
+
+
 @kopf.index(*DEPLOYMENTS, labels=ENGINE_CHILD)
 def engine_deployments(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_) -> dict:
     return {_key(namespace, labels[SERVICE]): summaries.summarize_deployment(body)}

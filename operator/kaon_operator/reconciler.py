@@ -13,7 +13,7 @@ from kubernetes.client.rest import ApiException
 
 from kaon_operator import api, spec_policy
 from kaon_operator.api import Key
-from kaon_operator.children import changes, disagg_args, leaderworkerset, prefill_pool, resources
+from kaon_operator.children import changes, disagg_args, leaderworkerset, node_prefetch, prefill_pool, resources
 from kaon_operator.context import Context
 from kaon_operator.kube import NamespaceTerminating, NotOwned
 from kaon_operator.metrics import RECONCILE_SECONDS
@@ -82,6 +82,17 @@ def _remove_prefill_pool(ctx: Context, body, spec: api.InferenceServiceSpec, old
                                              "spec.prefill is gone, the decode pods prefill every prompt")])
 
 
+def _remove_prefetch(ctx: Context, body, spec: api.InferenceServiceSpec, old) -> None:
+    """The node cache switched off (or the model no longer fetched): the prefetch DaemonSet goes."""
+    if not node_prefetch.dropped(spec, api.parse_spec(old) if old else None):
+        return
+    meta = body["metadata"]
+    name = node_prefetch.name_of(meta["name"])
+    if ctx.kube.delete_controlled(node_prefetch.API_VERSION, node_prefetch.KIND, meta["namespace"], name, meta["uid"]):
+        ctx.post(body, [conditions.EventSpec("Normal", "PrefetchRemoved", f"deleted DaemonSet {name}: the model "
+                                             "is no longer prefetched to the nodes' cache")])
+
+
 def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
     """kopf's create, update (of the spec) and resume."""
     record = ctx.records.get(key)
@@ -118,6 +129,7 @@ def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
     record.apply_failure, record.conflict, record.applied = None, None, version
     _remove_other_workload(ctx, body, key, spec)
     _remove_prefill_pool(ctx, body, spec, old)
+    _remove_prefetch(ctx, body, spec, old)
     if reason == "create":
         ctx.post(body, [conditions.EventSpec("Normal", "Created", "created " + ", ".join(
             f"{c['kind']} {c['metadata']['name']}" for c in children))])

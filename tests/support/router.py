@@ -58,6 +58,7 @@ class FakeEngine:
         self.gates = [asyncio.Event() for _ in self.events]
         self.finished = False
         self.aborted = False
+        self.asleep = False  # answers every request as a sleeping kaon engine does (server/sleep.py)
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -76,6 +77,11 @@ class FakeEngine:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.asleep:
+            error = {"message": "the engine is asleep", "type": "service_unavailable", "param": None,
+                     "code": "engine_asleep"}
+            return web.json_response({"error": error}, status=503,
+                                     headers={"Retry-After": "1", "Kaon-Engine-Asleep": "true"})
         if "fake" in body:
             fake = body["fake"]
             return web.Response(status=fake["status"], body=fake["body"].encode(), headers=fake.get("headers"))

@@ -17,8 +17,9 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 
 class Server:
     def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None,
-                 launcher: tuple[str, ...] = ("-m", "kaon_runtime.cli")):
-        """`launcher`: what python runs with the CLI's arguments (small_send_buffer_launcher below)."""
+                 launcher: tuple[str, ...] = ("-m", "kaon_runtime.cli"), ready_timeout_s: float = 120):
+        """`launcher`: what python runs with the CLI's arguments (small_send_buffer_launcher below);
+        `ready_timeout_s`: how long it may take to answer /ready (two engines loading at once take longer)."""
         # The free port is only reserved until the server binds it, after loading the model; on
         # a busy machine something else can take it in between, so try another one then.
         for attempt in range(3):
@@ -35,7 +36,7 @@ class Server:
                     [sys.executable, *launcher, "serve", "--model", MODEL, "--port", str(self.port),
                      "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *extra],
                     stdout=log, stderr=subprocess.STDOUT, env=environment)
-            if self._wait_ready(last_attempt=attempt == 2):
+            if self._wait_ready(last_attempt=attempt == 2, timeout_s=ready_timeout_s):
                 return
 
     def _wait_ready(self, last_attempt: bool, timeout_s: float = 120) -> bool:

@@ -49,13 +49,14 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
     ("api", "api_status", "labels", "kubetime", "naming", "spec_policy", "urls", "clock",
      "children.resources", "children.pod_template", "children.leaderworkerset", "children.changes",
      "children.ownership", "children.prefill_pool", "children.disagg_args", "children.kv_cache_args",
+     "children.node_prefetch",
      "status.prefill_status",
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
      "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling", "autoscaling.standby",
      "autoscaling.prefill_scaling",
      "routes.api", "routes.classifier", "routes.cache_keys", "routes.answers", "routes.memory_store", "routes.monitor",
-     "routes.figures", "routes.table", "routes.status", "routes.learned", "routes.replicas"),
+     "routes.figures", "routes.table", "routes.status", "routes.learned", "routes.replicas", "routes.anchors"),
     ("config",),  # plain values
 )
 OPERATOR_TIER = {f"kaon_operator.{m}": depth for depth, modules in enumerate(OPERATOR_TIERS) for m in modules}

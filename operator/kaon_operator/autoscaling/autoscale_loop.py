@@ -300,7 +300,8 @@ class AutoscaleLoop:
         load = prefill_scaling.PrefillLoad(
             queued_prompt_tokens=sum(m.prompt_tokens_waiting for m in answers.values()),
             ttft_p99=histogram.quantile(ttft, 0.99) if ttft else None,
-            prompt_tokens_per_second=prompt_tokens / elapsed if elapsed else 0.0)
+            prompt_tokens_per_second=prompt_tokens / elapsed if elapsed else 0.0,
+            ready_replicas=sum(p.ready for p in pods))
         replicas, why = prefill_scaling.decide(load, prefill.autoscaling, prefill.replicas, now,
                                                memory.prefill_last_change, memory.model)
         if replicas == prefill.replicas:

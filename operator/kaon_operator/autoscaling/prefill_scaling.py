@@ -29,6 +29,9 @@ class PrefillLoad:
     """The decode engines' P99 time to first token since the last tick (None: no request finished)."""
     prompt_tokens_per_second: float
     """Prompt tokens the prefill engines accepted per second since the last tick."""
+    ready_replicas: int
+    """Prefill pods Ready now. Fewer than the pool's replicas: the rest are starting (or not created yet),
+    capacity already on its way that a missed TTFT must not ask for again."""
 
 
 def replica_capacity(model: PerfModel) -> float:
@@ -40,7 +43,12 @@ def replica_capacity(model: PerfModel) -> float:
 def decide(load: PrefillLoad, spec: PrefillAutoscalingSpec, current: int, now: float,
            last_change: float | None, model: PerfModel | None = None) -> tuple[int, str]:
     """(replicas, why). Up at once when the queue or TTFT says so; down only after the stabilization
-    window since the last change, and only while TTFT (if targeted) is under its target."""
+    window since the last change, and only while TTFT (if targeted) is under its target.
+
+    A missed TTFT adds one replica relative to `current`, so it waits while replicas are starting: the TTFT
+    of the requests finished meanwhile still shows the shortage that those replicas answer (without this, a
+    pool whose replicas take a minute to start grew by one every tick: 1 -> 10 in 45 s in the simulator).
+    The queue and the rate size the pool absolutely, so they count every replica, starting or not."""
     wanted = math.ceil(load.queued_prompt_tokens / spec.target_queued_prompt_tokens_per_replica)
     per_replica = spec.target_queued_prompt_tokens_per_replica
     why = f"{load.queued_prompt_tokens:.0f} prompt tokens queued (target {per_replica:g}/replica)"
@@ -52,8 +60,12 @@ def decide(load: PrefillLoad, spec: PrefillAutoscalingSpec, current: int, now: f
                    f"at {UTILIZATION:g} utilization (the profile)")
     goal = spec.target_p99_ttft_seconds
     ttft_over = goal is not None and load.ttft_p99 is not None and load.ttft_p99 > goal
+    starting = max(0, current - load.ready_replicas)
     if ttft_over and wanted <= current:
-        wanted, why = current + 1, f"P99 TTFT {load.ttft_p99:.2f}s > target {goal:g}s"
+        if starting:
+            wanted, why = current, f"P99 TTFT {load.ttft_p99:.2f}s > target {goal:g}s, {starting} replica(s) starting"
+        else:
+            wanted, why = current + 1, f"P99 TTFT {load.ttft_p99:.2f}s > target {goal:g}s"
     if wanted < current:
         stable = last_change is None or now - last_change >= spec.scale_down_stabilization_seconds
         if ttft_over or not stable:

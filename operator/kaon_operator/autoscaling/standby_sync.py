@@ -71,8 +71,9 @@ class StandbyLoop:
         candidates = [p for p in self.ctx.caches.pods(key) if p.containers_ready or p.ready or p.asleep]
         candidates = [p for p in candidates if p.ip and not p.terminating]
         urls_of = {p.name: self.url_of(p) for p in candidates}
+        created = {p.name: p.created for p in candidates}
         answers = await asyncio.gather(*(self._is_sleeping(session, url, headers) for url in urls_of.values()))
-        loaded = [standby.Loaded(name, asleep) for name, asleep in zip(urls_of, answers, strict=True)
+        loaded = [standby.Loaded(name, asleep, created[name]) for name, asleep in zip(urls_of, answers, strict=True)
                   if asleep is not None]
         marked = {p.name: p.asleep for p in candidates}
         for pod in loaded:  # a pod woken or put to sleep by hand, or a round cut short, is marked as it is

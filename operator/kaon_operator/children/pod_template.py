@@ -280,7 +280,8 @@ def _container(name: str, spec: api.InferenceServiceSpec, mounts: list[dict]) ->
         # /health answers once the model is loaded; until then only the startup probe runs.
         "startupProbe": startup_probe(spec.engine),
         "livenessProbe": liveness_probe(spec.engine),
-        "readinessProbe": _probe("/ready", period=READINESS_PERIOD_SECONDS, failures=READINESS_FAILURE_THRESHOLD),
+        "readinessProbe": _probe("/ready", period=standby.readiness_period(spec, READINESS_PERIOD_SECONDS),
+                                 failures=READINESS_FAILURE_THRESHOLD),
         "volumeMounts": mounts,
         # The engine's start error (e.g. a tensorParallelSize that does not fit the model) reaches the status.
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -20,10 +20,11 @@ def selector(name: str) -> dict[str, str]:
 
 
 def _pool_spec(spec: api.InferenceServiceSpec) -> api.InferenceServiceSpec:
-    """The spec a prefill pod is rendered from: the pool's replicas and resources, no adapters (the adapter loop
-    loads them on the decode pods; a LoRA prompt is prefilled there) and no pool of its own."""
+    """The spec a prefill pod is rendered from: the pool's replicas and resources and no pool of its own. It keeps
+    spec.adapters: the adapter loop loads them on the prefill pods as on the decode pods (and gates their
+    readiness on it), so a LoRA prompt's K/V is computed with its adapter here."""
     assert spec.prefill is not None
-    return spec.model_copy(update={"prefill": None, "adapters": [], "replicas": spec.prefill.replicas,
+    return spec.model_copy(update={"prefill": None, "replicas": spec.prefill.replicas,
                                    "resources": spec.prefill.resources or spec.resources})
 
 

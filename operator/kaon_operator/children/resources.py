@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kaon_operator import api, labels
 from kaon_operator.autoscaling import standby
-from kaon_operator.children import kv_cache_args, leaderworkerset, pod_template, prefill_pool
+from kaon_operator.children import kv_cache_args, leaderworkerset, node_prefetch, pod_template, prefill_pool
 from kaon_operator.children.pod_template import HTTP_PORT
 from kaon_operator.config import NetworkPolicyConfig
 from kaon_operator.lora import adapter_pods
@@ -121,7 +121,9 @@ def render(owner: Owner, spec: api.InferenceServiceSpec, network: NetworkPolicyC
     children = [*workload, service(owner, spec), pod_disruption_budget(owner, spec)]
     children += [network_policy(owner, network, spec)] if network is not None else []
     # spec.prefill: the prefill pool (docs/disaggregation.md), after the decode pods that connect to it
-    return children + prefill_pool.render(owner.name, owner.namespace, owner_reference(owner), spec, network)
+    children += prefill_pool.render(owner.name, owner.namespace, owner_reference(owner), spec, network)
+    # spec.model.cache.node: the model fetched to every node's cache before a pod needs it (node_prefetch.py)
+    return children + node_prefetch.render(owner.name, owner.namespace, owner_reference(owner), spec)
 
 
 def dist_key_secret(owner: Owner, key: str) -> dict:

@@ -152,7 +152,7 @@ class AdapterLoop:
         record = self.ctx.records.get(key)
         state = record.adapters = record.adapters or AdapterMemory()
         headers = await self._headers(key, (body.get("metadata") or {}).get("uid"))
-        serving = [p for p in self.ctx.caches.pods(key)
+        serving = [p for p in self.ctx.caches.adapter_pods(key)
                    if (p.ready or p.containers_ready) and not p.terminating and p.ip]
         urls = {p.name: self.url_of(p) for p in serving}
         answers = await asyncio.gather(*(self._held(session, url, headers) for url in urls.values()))

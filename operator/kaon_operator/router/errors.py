@@ -91,6 +91,12 @@ def upstream_unreachable(service: str, attempts: int) -> RouterError:
                             f"({attempts} tried)", "server_error", "upstream_unreachable", retry=True)
 
 
+def replicas_asleep(service: str, attempts: int) -> RouterError:
+    return RouterError(503, f"the replicas of InferenceService {service} that were tried are asleep (standby "
+                            f"replicas the operator is putting to sleep; {attempts} tried)", "service_unavailable",
+                       "engine_asleep", retry=True)
+
+
 def upstream_failed(service: str, pod: str, reason: str) -> RouterError:
     return RouterError(502, f"replica {pod} of InferenceService {service} failed before answering: {reason}",
                        "server_error", "upstream_failed")

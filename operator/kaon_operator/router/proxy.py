@@ -63,6 +63,7 @@ UPSTREAM_KEEPALIVE_S = 4.0
 # them outside the generation queue (issue 48, item 4).
 CLIENT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # Errors raised before a single byte of the request was sent.
+ASLEEP_HEADER = "Kaon-Engine-Asleep"  # on an engine's 503 while asleep (kaon_runtime server/sleep.py)
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
@@ -163,6 +164,14 @@ class Router:
                     upstream = await self._send(request, body, key, target, tried)
                     if isinstance(upstream, RouterError):
                         failure = upstream
+                        continue
+                    if _asleep(upstream):
+                        # A standby the operator just put to sleep stays Ready until its readiness probe
+                        # fails (seconds): it answered nothing, so another pod may take the request.
+                        self._release(target)
+                        tried.add(target)
+                        self._eject(key, target, "asleep (a standby replica)")
+                        failure = errors.replicas_asleep(str(key), len(tried))
                         continue
                     relaying = True
                     try:
@@ -391,6 +400,14 @@ class Router:
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         return app
+
+
+def _asleep(upstream: aiohttp.ClientResponse) -> bool:
+    """The engine's refusal while asleep: a 503 marked by ASLEEP_HEADER (kaon_runtime's server/sleep.py)."""
+    if upstream.status != 503 or ASLEEP_HEADER not in upstream.headers:
+        return False
+    upstream.release()
+    return True
 
 
 def _engine_path(request: web.Request) -> str:

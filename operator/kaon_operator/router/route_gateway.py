@@ -32,7 +32,7 @@ from kaon_operator.api import Key
 from kaon_operator.router import auth, errors
 from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
-from kaon_operator.routes import cache_keys, classifier, learned, monitor
+from kaon_operator.routes import anchors, cache_keys, classifier, learned, monitor
 from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
 from kaon_operator.routes.figures import Figures
 from kaon_operator.routes.memory_store import MemoryStore
@@ -71,7 +71,8 @@ class Plan:
     authorization: str | None
     stream: bool
     cache_key: str | None
-    semantic: tuple[str, list[float]] | None = None
+    semantic: tuple[str, list[float], str] | None = None
+    """(semantic scope, the prompt's embedding, the prompt's text) when the semantic cache is on."""
     escalated_from: int | None = None
     """The tier just below `tier` when the monitor's escalation moved the request up to it: a
     `verify.fraction` of these is also asked of that tier, to see whether the class may return."""
@@ -127,6 +128,12 @@ class RouteMetrics:
         self.recoveries = Counter("kaon_route_escalation_ends", "Escalated classes returned to their tier because "
                                   "their agreement since the escalation reached verify.recoverAgreement",
                                   [*ROUTE_LABELS, "tier", "class"], registry=registry)
+        self.monitor_fallbacks = Counter("kaon_route_monitor_fallbacks", "Long answers the quality monitor "
+                                         "compared by word overlap because the route's embedder did not answer",
+                                         ROUTE_LABELS, registry=registry)
+        self.semantic_refused = Counter("kaon_route_semantic_refused", "Semantic cache matches above the "
+                                        "threshold refused as near misses (another anchor, the same words "
+                                        "reordered, or one word put for another)", ROUTE_LABELS, registry=registry)
         self.classifier_fallbacks = Counter("kaon_route_classifier_fallbacks", "Requests of a route with the learned "
                                             "classifier that the rule set decided instead, by why (embedder "
                                             "unreachable, dimension mismatch)", [*ROUTE_LABELS, "reason"],
@@ -207,10 +214,15 @@ class RouteGateway:
                 vector = vectors[embedder]
                 if vector is not None:
                     sem_scope = cache_keys.semantic_scope(scope, generation, path, payload, text)
-                    semantic = (sem_scope, vector)
+                    semantic = (sem_scope, vector, text)
                     near = await store.nearest(sem_scope, vector)
                     if near is not None and near[0] >= spec.cache.semantic.threshold:
                         found = await store.get(near[1])
+                        # The embedder finds near misses close too (another number, direction, a
+                        # word put for its opposite): anchors.may_match refuses their shape.
+                        if found is not None and not anchors.may_match(text, found.prompt):
+                            self.metrics.semantic_refused.labels(*route.key).inc()
+                            found = None
             if found is not None:
                 return Hit(route, found)
         model = self._tier_model(route, tier)
@@ -315,7 +327,7 @@ class RouteGateway:
         plan.stored = True
         route = plan.route
         answer = Answer(plan.status, plan.content_type, tuple(plan.chunks), plan.service,
-                        usage_tokens(plan.chunks, plan.stream))
+                        usage_tokens(plan.chunks, plan.stream), plan.semantic[2] if plan.semantic else "")
         store = self.store(route)
         ttl = route.spec.cache.ttl_seconds
         await store.put(plan.cache_key, answer, ttl)
@@ -334,7 +346,7 @@ class RouteGateway:
             logger.info("route %s: the top tier's second opinion failed (%d); not counted", route.key, status)
             return
         reference = answer_text([body], False)
-        agreed = monitor.agree(text, reference)
+        agreed = await self._agree(route, text, reference, plan.authorization)
         self.record(route, plan.service, plan.request_class, agreed)
 
     async def _probe(self, plan: Plan, text: str) -> None:
@@ -354,7 +366,21 @@ class RouteGateway:
                 return
             answers[tier] = answer_text([body], False)
         reference = answers.get(top, text)
-        self.record(route, route.services[lower], plan.request_class, monitor.agree(answers[lower], reference))
+        agreed = await self._agree(route, answers[lower], reference, plan.authorization)
+        self.record(route, route.services[lower], plan.request_class, agreed)
+
+    async def _agree(self, route: Route, answer: str, reference: str, authorization: str | None) -> bool:
+        """monitor.agree, with the cosine of the two answers' embeddings for long answers when the route
+        has an embedder that answers (else word overlap, counted in kaon_route_monitor_fallbacks)."""
+        embedder = route.spec.monitor_embedder()
+        similarity = None
+        if embedder and monitor.is_long(answer, reference):
+            vectors = await self._embed_many(route, embedder, [answer, reference], authorization)
+            if vectors is not None and len(vectors[0]) == len(vectors[1]):
+                similarity = monitor.cosine(vectors[0], vectors[1])
+            else:
+                self.metrics.monitor_fallbacks.labels(*route.key).inc()
+        return monitor.agree(answer, reference, similarity, route.spec.verify.similarity)
 
     def record(self, route: Route, tier: str, request_class: str, agreed: bool) -> None:
         agreement = self.agreement.setdefault(route.key, monitor.Agreement())
@@ -407,18 +433,25 @@ class RouteGateway:
             router._release(target)
 
     async def _embed(self, route: Route, embedder: str, text: str, authorization: str | None) -> list[float] | None:
+        vectors = await self._embed_many(route, embedder, text, authorization)
+        return vectors[0] if vectors else None
+
+    async def _embed_many(self, route: Route, embedder: str, texts: str | list[str],
+                          authorization: str | None) -> list[list[float]] | None:
+        """The embedder's vectors of `texts` (one request; a str is one text), None when it fails."""
         service = self.table.service(Key(route.key.namespace, embedder))
         if service is None:
             return None
         model = f"{route.key.namespace}/{service.served_name}"
-        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": text}, authorization)
+        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": texts}, authorization)
         if status != 200:
             return None
         try:
-            vector = json.loads(body)["data"][0]["embedding"]
-        except (ValueError, KeyError, IndexError, TypeError):
+            data = sorted(json.loads(body)["data"], key=lambda row: row.get("index", 0))
+            vectors = [[float(x) for x in row["embedding"]] for row in data]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
-        return [float(x) for x in vector] if isinstance(vector, list) else None
+        return vectors if len(vectors) == (1 if isinstance(texts, str) else len(texts)) else None
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -16,6 +16,9 @@ class Answer:
     tier: str
     tokens: int
     """Prompt plus completion tokens the engine counted (its `usage`), 0 when it gave none."""
+    prompt: str = ""
+    """The request's prompt text, kept when the route's semantic cache is on: a semantic match must
+    pass anchors.may_match against it ("" for an exact-only entry: never a semantic match)."""
 
     @property
     def body(self) -> bytes:
@@ -23,14 +26,14 @@ class Answer:
 
     def dumps(self) -> bytes:
         return json.dumps({"status": self.status, "contentType": self.content_type, "tier": self.tier,
-                           "tokens": self.tokens,
+                           "tokens": self.tokens, "prompt": self.prompt,
                            "chunks": [base64.b64encode(c).decode() for c in self.chunks]}).encode()
 
     @classmethod
     def loads(cls, data: bytes) -> Answer:
         d = json.loads(data)
         return cls(int(d["status"]), str(d["contentType"]), tuple(base64.b64decode(c) for c in d["chunks"]),
-                   str(d["tier"]), int(d["tokens"]))
+                   str(d["tier"]), int(d["tokens"]), str(d.get("prompt", "")))
 
 
 def usage_tokens(chunks: tuple[bytes, ...] | list[bytes], stream: bool) -> int:

@@ -96,6 +96,13 @@ class VerifySpec(_Model):
     comparisons) is escalated to the next tier, with an Event."""
     min_samples: int = Field(default=20, ge=1, le=100000)
     """Comparisons of a (tier, class) needed before its agreement may escalate it (or bring it back)."""
+    embedder: str | None = Field(default=None, min_length=1)
+    """The InferenceService (serving `--task embed`, e.g. builtin://all-minilm-l6-v2) whose embeddings
+    compare long answers (over 12 words); default: cache.semantic's embedder, else
+    classifier.learned's. Without any (or when it does not answer), long answers are compared by the
+    overlap of their word sets."""
+    similarity: float = Field(default=0.8, ge=0, le=1)
+    """The cosine of two long answers' embeddings at which they agree."""
     recover_agreement: float | None = Field(default=None, ge=0, le=1)
     """An escalated class returns to its tier once its agreement, over at least `minSamples` comparisons
     since it was escalated (a `fraction` of its requests is also asked of the tier it left), reaches
@@ -135,6 +142,12 @@ class InferenceRouteSpec(_Model):
     cache: CacheSpec = Field(default_factory=CacheSpec)
     auth: AuthSpec | None = None
     """API keys of the route itself (a Secret of this namespace); a keyed tier also checks its own."""
+
+    def monitor_embedder(self) -> str | None:
+        """The InferenceService whose embeddings compare the monitor's long answers (None: word overlap)."""
+        learned = self.classifier.learned if self.classifier.mode == "learned" else None
+        semantic = self.cache.semantic.embedder if self.cache.semantic.enabled else None
+        return self.verify.embedder or semantic or (learned.embedder if learned else None)
 
     @model_validator(mode="after")
     def _distinct(self) -> InferenceRouteSpec:

@@ -15,6 +15,8 @@ import hashlib
 import json
 from collections.abc import Iterable
 
+from kaon_operator.routes.anchors import anchors
+
 IGNORED_FIELDS = frozenset({"model", "user"})
 
 
@@ -59,6 +61,8 @@ def exact_key(scope_: str, generation_: str, path: str, payload: dict) -> str:
 def semantic_scope(scope_: str, generation_: str, path: str, payload: dict, text: str) -> str:
     """Where a semantic match may come from: the same scope and generation, and the same request but for
     its prompt text (its sampling parameters, tools, format, stream): a paraphrase shares an answer,
-    a request asking for another format does not."""
+    a request asking for another format does not. And the same anchors (numbers, quoted text, names, in
+    order: anchors.py): the embedding decides only among prompts about the same things."""
     rest = {k: v for k, v in payload.items() if k not in ("messages", "prompt", "input")}
+    rest["\0anchors"] = list(anchors(text))
     return exact_key(scope_, generation_, path, rest)

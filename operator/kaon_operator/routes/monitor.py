@@ -2,8 +2,9 @@
 
 A `verify.fraction` of the answers from lower tiers is re-asked of the top tier (the gateway does
 that in the background); `agree()` compares the two answers: exact match (case, spacing and
-punctuation aside) for short answers, word overlap for long ones (the stand-in for embedding
-similarity until the learned classifier's encoder runs here; docs/routing.md). `Agreement` keeps the
+punctuation aside) for short answers; for long ones the cosine similarity of their embeddings when
+the route has an embedder (verify.embedder, else the semantic cache's or the learned classifier's),
+and word-set overlap as the fallback when it has none or it does not answer (docs/routing.md). `Agreement` keeps the
 last WINDOW comparisons per (tier, class); a class whose agreement falls below `minAgreement` over at
 least `minSamples` comparisons is escalated: its requests go one tier up.
 
@@ -19,6 +20,7 @@ plain rolling window (`results`).
 """
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections import deque
@@ -28,6 +30,8 @@ WINDOW = 200
 RECOVERY_MARGIN = 0.1
 SHORT_ANSWER_WORDS = 12
 LONG_ANSWER_SIMILARITY = 0.5
+EMBEDDING_SIMILARITY = 0.8
+"""verify.similarity's default: the cosine of two long answers' embeddings that counts as agreeing."""
 _TOKEN = re.compile(r"\w+")
 
 
@@ -58,11 +62,28 @@ def _words(text: str) -> list[str]:
     return _TOKEN.findall(text.lower())
 
 
-def agree(answer: str, reference: str) -> bool:
+def is_long(answer: str, reference: str) -> bool:
+    """Whether the two answers are compared by similarity (embeddings, else word overlap), not exactly."""
+    return max(len(_words(answer)), len(_words(reference))) > SHORT_ANSWER_WORDS
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+def agree(answer: str, reference: str, similarity: float | None = None,
+          threshold: float = EMBEDDING_SIMILARITY) -> bool:
+    """Short answers: the same words. Long ones: with `similarity` (the cosine of the two answers'
+    embeddings, when the route has an embedder that answered) at least `threshold`; without, the
+    documented fallback: the Jaccard overlap of their word sets (order and repetition aside) at least
+    LONG_ANSWER_SIMILARITY."""
     a, b = _words(answer), _words(reference)
     if max(len(a), len(b)) <= SHORT_ANSWER_WORDS:
         return a == b
-    # Long answers: the Jaccard overlap of their word sets (order and repetition aside).
+    if similarity is not None:
+        return similarity >= threshold
     sa, sb = set(a), set(b)
     return len(sa & sb) / max(1, len(sa | sb)) >= LONG_ANSWER_SIMILARITY
 

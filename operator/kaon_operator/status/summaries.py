@@ -43,6 +43,8 @@ class PodSummary:
     plus the readiness probe's failures."""
     asleep: bool = False
     """A standby replica put to sleep by the operator (its kaon.dev/asleep condition): not ready on purpose."""
+    created: str = ""
+    """metadata.creationTimestamp (RFC 3339, comparable as text): the standby loop puts the newest to sleep."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +197,8 @@ def summarize_pod(pod: Mapping[str, Any]) -> PodSummary:
                       terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, stuck=stuck,
                       model_failure=model_failure(status), not_ready_since=not_ready_since,
                       startup_budget_s=_startup_budget(pod),
-                      asleep=conditions.get("kaon.dev/asleep", {}).get("status") == "True")
+                      asleep=conditions.get("kaon.dev/asleep", {}).get("status") == "True",
+                      created=meta.get("creationTimestamp") or "")
 
 
 def summarize_deployment(deployment: Mapping[str, Any]) -> DeploymentSummary:

@@ -13,7 +13,7 @@ and so the same prompt gave other answers at near-ties when its prefix was cache
 chunked, or its neighbours in the batch changed. Wide steps run in pieces of max_rows rows, in
 order (a piece's rows see the keys the earlier pieces wrote). KAON_CPU_PREFILL=torch sends the
 chunks back to torch (faster prefill on long prompts, answers no longer invariant); it is the
-default for int8/int4 weights until their C prefill answers as the reference does (see
+default for int8/int4 weights, whose C prefill is invariant but less precise than torch's (see
 prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
@@ -49,10 +49,18 @@ from kaon_runtime.layers.lora import LoraLinear
 def prefills_take_the_c_step(quantized: bool) -> bool:
     """KAON_CPU_PREFILL: fused (invariant answers) or torch (the chunks through torch's GEMMs).
 
-    The default is fused for float weights and torch for int8/int4 ones: through the C step a
-    quantized model's prompt rows are invariant but its answers leave the reference's (the bundled
-    int4 model answered "What is the capital of France?" with "L'Etoile, la Marseillaise,"), a bug
-    not found yet (tests/unit/runtime/quant/test_quant.py guards the default)."""
+    The default is fused for float weights and torch for int8/int4 ones. Through the C step a
+    quantized model's prompt rows are invariant, and they compute exactly what their kernels specify
+    (tests/unit/runtime/kernels/test_cpu_decode_invariance.py: row for row the dequantized weights
+    times int8-block activations; no scale, min or block of another row or group is read), but
+    every projection rounds its activations to int8 in blocks of 32, where torch's int4/int8 CPU
+    kernels take bfloat16 ones. Against the int4 weights' exact arithmetic (float32 activations),
+    the bundled model's final hidden states are off by ~4.3% through the C step and ~1.9% through
+    torch (bench/prefill_precision.py), and the first answer to "What is the capital of France?",
+    a near tie in the exact arithmetic ("The" ahead of "L" by 0.08 nats), tips to "L'Etoile, la
+    Marseillaise," through the C step. Making it the default for int8/int4 waits for activations
+    that keep more precision at the same decode speed (a second int8 pass on each block's residue,
+    or float activations for prompt rows, which the decode rows would then need too)."""
     choice = os.environ.get("KAON_CPU_PREFILL", "torch" if quantized else "fused")
     if choice not in ("fused", "torch"):
         raise ValueError(f"KAON_CPU_PREFILL must be fused or torch, got {choice!r}")

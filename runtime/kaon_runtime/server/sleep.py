@@ -32,6 +32,8 @@ from kaon_runtime.server.pipeline import RETRY_AFTER_S, APIError
 logger = logging.getLogger("kaon.server")
 
 ASLEEP_MESSAGE = "the engine is asleep (sleep mode): retry on another replica"
+ASLEEP_HEADER = "Kaon-Engine-Asleep"
+"""Marks the 503 so that kaon's router tries another replica without reading the body (its proxy.py)."""
 
 
 @dataclass(slots=True)
@@ -56,7 +58,7 @@ def install(app: FastAPI, engine: AsyncEngine) -> None:
 
 def _asleep_error() -> APIError:
     return APIError(503, ASLEEP_MESSAGE, type="service_unavailable", code="engine_asleep",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
+                    headers={"Retry-After": str(RETRY_AFTER_S), ASLEEP_HEADER: "true"})
 
 
 async def _asleep_response(_request: Request, _exc: Exception) -> Response:

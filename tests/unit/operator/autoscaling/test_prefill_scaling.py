@@ -16,8 +16,10 @@ SPEC = api.PrefillAutoscalingSpec(enabled=True, min_replicas=1, max_replicas=6,
 MODEL = PerfModel(a=0.02, b=0.0015, c=0.0004, max_num_batched_tokens=1024)
 
 
-def load(queued=0.0, ttft=None, rate=0.0) -> PrefillLoad:
-    return PrefillLoad(queued_prompt_tokens=queued, ttft_p99=ttft, prompt_tokens_per_second=rate)
+def load(queued=0.0, ttft=None, rate=0.0, ready=SPEC.max_replicas) -> PrefillLoad:
+    """`ready`: prefill pods Ready now (default: every replica asked for, none starting)."""
+    return PrefillLoad(queued_prompt_tokens=queued, ttft_p99=ttft, prompt_tokens_per_second=rate,
+                       ready_replicas=ready)
 
 
 def test_queued_prompt_tokens_size_the_pool():
@@ -30,6 +32,24 @@ def test_a_missed_ttft_target_adds_a_replica_even_with_an_empty_queue():
     assert decide(load(queued=0, ttft=3.5), SPEC, current=2, now=1000, last_change=None) == \
         (3, "P99 TTFT 3.50s > target 2s")
     assert decide(load(queued=0, ttft=1.0), SPEC, current=2, now=1000, last_change=None)[0] == 1
+
+
+def test_a_missed_ttft_target_waits_for_the_replicas_already_starting():
+    """The overshoot the simulator found (1 -> 10 in 45 s): TTFT stays over target until a started replica
+    serves, and each tick asked for one more. Ticks every 5 s, a replica ready 60 s after it is asked for."""
+    current, asked_at, now = 1, {}, 0.0
+    for _ in range(12):  # TTFT over target the whole minute
+        ready = 1 + sum(now - t >= 60 for t in asked_at.values())
+        replicas, why = decide(load(ttft=3.5, ready=ready), SPEC, current=current, now=now, last_change=None)
+        for n in range(current, replicas):
+            asked_at[n] = now
+        current, now = replicas, now + 5
+    assert current == 2, "one replica asked for, then held while it starts"
+    assert "1 replica(s) starting" in why
+    assert decide(load(ttft=3.5, ready=2), SPEC, current=2, now=now, last_change=None)[0] == 3  # it serves: next
+    # The queue sizes the pool absolutely: starting replicas count, and a longer queue still asks for more at once.
+    assert decide(load(queued=2500, ready=1), SPEC, current=3, now=now, last_change=None)[0] == 3
+    assert decide(load(queued=4500, ttft=3.5, ready=1), SPEC, current=3, now=now, last_change=None)[0] == 5
 
 
 def test_the_profile_sizes_the_pool_from_the_prompt_token_rate():

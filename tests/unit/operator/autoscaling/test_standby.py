@@ -36,6 +36,13 @@ def test_the_deployment_runs_the_standbys_beside_the_replicas_with_sleep_mode_an
     assert r.deployment(OWNER, spec(replicas=2, standby_replicas=1, enabled=False))["spec"]["replicas"] == 2
 
 
+def test_standby_pods_are_probed_for_readiness_every_second_so_a_wake_serves_at_once():
+    def period(s: api.InferenceServiceSpec) -> int:
+        return r.deployment(OWNER, s)["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["periodSeconds"]
+    assert period(spec(standby_replicas=1)) == 1
+    assert period(spec(standby_replicas=0)) == period(spec(standby_replicas=1, enabled=False)) == 5
+
+
 def test_standby_is_bounded():
     with pytest.raises(ValidationError):
         spec(standby_replicas=-1)

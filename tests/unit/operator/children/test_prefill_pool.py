@@ -63,7 +63,10 @@ def test_prefill_pool_is_a_second_deployment_behind_its_own_service():
     (container,) = pool["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["requests"]["cpu"] == "6"  # the pool's own resources
     assert flag(args(pool), "--role") == "prefill" and "--prefill-url" not in args(pool)
-    assert "readinessGates" not in pool["spec"]["template"]["spec"]  # adapters are loaded on the decode pods
+    # spec.adapters on the prefill pods too (a LoRA prompt's K/V is computed there with its adapter): loadable at
+    # run time by the adapter loop, and Ready only once they hold them, as the decode pods
+    assert "--enable-runtime-lora" in args(pool) and "--enable-runtime-lora" in args(children[("Deployment", "llama")])
+    assert pool["spec"]["template"]["spec"]["readinessGates"] == [{"conditionType": "kaon.dev/adapters-loaded"}]
 
 
 def test_decode_pods_point_at_the_prefill_service():

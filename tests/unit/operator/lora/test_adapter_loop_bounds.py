@@ -67,6 +67,9 @@ class Caches:
     def pods(self, key):
         return self.services[key][1]
 
+    def adapter_pods(self, key):
+        return self.services[key][1]
+
 
 class Kube:
     def patch_status(self, namespace, name, patch):

@@ -175,6 +175,9 @@ class FakeCaches:
     def pods(self, key):
         return self._pods
 
+    def adapter_pods(self, key):
+        return self._pods
+
     def inference_service(self, key):
         return self.body
 
@@ -299,6 +302,38 @@ def test_the_gate_is_set_only_once_the_new_pod_holds_its_adapters(monkeypatch):
         assert set_on["new"]["type"] == gate and set_on["new"]["status"] == "True"
         assert set_on["new"]["reason"] == "AdaptersLoaded"
         assert set_on["bad"]["reason"] == "AdaptersFailed" and "broken" in set_on["bad"]["message"]
+
+    asyncio.run(scenario())
+
+
+def test_the_loop_loads_the_adapters_on_the_prefill_pool_too(monkeypatch):
+    """spec.prefill: a LoRA prompt's K/V is computed on a prefill pod with its adapter, so the prefill pods
+    (kopf's prefill_pods index) hold spec.adapters as the decode pods do, and are gated on them the same way."""
+    from kaon_operator.caches import Caches
+    monkeypatch.setattr(adapter_sync.status_sync, "adapters_changed", lambda ctx, key, c: None)
+    gate = "kaon.dev/adapters-loaded"
+
+    async def scenario():
+        engines = [FakeEngine(), FakeEngine()]
+        ports: list[int] = []
+        runners = await _serve(engines, ports)
+        body = {"metadata": {"namespace": "ns", "name": "svc"},
+                "spec": {"model": {"uri": "hf://org/base"}, "adapters": [SQL], "prefill": {"replicas": 1}}}
+        ctx = FakeCtx(body, [])
+        ctx.caches = Caches(inference_services={("ns", "svc"): [body]},  # type: ignore[assignment]
+                            engine_pods={("ns", "svc"): [PodSummary("decode", ip=f"127.0.0.1:{ports[0]}", ready=True)]},
+                            prefill_pods={("ns", "svc"): [PodSummary("prefill", ip=f"127.0.0.1:{ports[1]}",
+                                                                     containers_ready=True,
+                                                                     gates_pending=frozenset({gate}))]})
+        loop = adapter_sync.AdapterLoop(ctx, url_of=lambda pod: f"http://{pod.ip}")  # type: ignore[arg-type]
+        try:
+            async with aiohttp.ClientSession() as session:
+                await loop.tick_all(session)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        assert engines[0].adapters == engines[1].adapters == {"sql": SQL["uri"]}
+        assert [(name, c["status"]) for name, c in ctx.kube.conditions] == [("prefill", "True")]
 
     asyncio.run(scenario())
 

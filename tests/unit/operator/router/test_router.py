@@ -446,6 +446,34 @@ def test_a_dead_pod_is_skipped_the_request_succeeds_elsewhere_and_the_pod_backs_
     assert (during, after) == (1, 2)
 
 
+def test_a_sleeping_pod_still_marked_ready_passes_its_requests_on_and_only_sleepers_is_a_clear_503():
+    """A standby the operator just put to sleep stays Ready until its readiness probe fails: the
+    router tries another pod rather than answer the client with the engine's refusal."""
+    async def scenario():
+        asleep, live = FakeEngine("a-asleep"), FakeEngine("b-live")
+        asleep.asleep = True
+        await asleep.start()
+        await live.start()
+        router = routed(asleep, live, backoff=30)
+        router.rng = FirstOfTies()
+        async with serving(router) as client:
+            answers = []
+            for _ in range(3):
+                async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                    answers.append((resp.status, await resp.json()))
+            live.asleep = True
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+                last = resp.status, resp.headers.get("Retry-After"), await resp.json()
+        await asleep.stop()
+        await live.stop()
+        return answers, last
+
+    answers, last = run(scenario())
+    assert [(status, body.get("backend")) for status, body in answers] == [(200, "b-live")] * 3
+    assert last[0] == 503 and last[1] and last[2]["error"]["code"] == "engine_asleep", last
+    assert "2 tried" in last[2]["error"]["message"]
+
+
 def test_only_dead_pods_is_a_502_not_a_hang():
     async def scenario():
         table = EndpointTable(default_namespace=NS)

@@ -103,7 +103,7 @@ def test_the_semantic_cache_reuses_the_classifiers_embedding():
                                    json=chat("What is the capital of Germany?", temperature=0)) as r:
                 assert r.headers[TIER_HEADER] == "large" and r.headers[CACHE_HEADER] == "miss"
             async with client.post("/v1/chat/completions",
-                                   json=chat("what is the capital of germany", temperature=0)) as r:
+                                   json=chat("Tell me, what is the capital of Germany?", temperature=0)) as r:
                 assert r.headers[CACHE_HEADER] == "hit"
             assert found["embed"].calls == 2  # one embedding per request, shared by classifier and cache
         await stop(found)

@@ -80,7 +80,7 @@ def test_keys_separate_scopes_generations_paths_and_requests():
 def test_memory_store_ttl_size_bound_and_nearest():
     now = [0.0]
     store = MemoryStore(2, now=lambda: now[0])
-    answer = Answer(200, "application/json", (b"{}",), "small", 3)
+    answer = Answer(200, "application/json", (b"{}",), "small", 3, "What is 2+2?")
 
     async def main():
         await store.put("a", answer, 10)
@@ -117,6 +117,12 @@ def test_monitor_agreement_and_escalation():
     long_a = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun all day"
     assert monitor.agree(long_a, long_a.replace("warm", "hot"))
     assert not monitor.agree(long_a, "Completely different words describing an unrelated topic with no overlap at all")
+    # With an embedder, long answers agree by the cosine of their embeddings (word overlap ignored).
+    assert not monitor.agree(long_a, long_a.replace("warm", "hot"), similarity=0.5, threshold=0.8)
+    assert monitor.agree(long_a, "Completely different words describing an unrelated topic with no overlap at all",
+                         similarity=0.85, threshold=0.8)
+    assert not monitor.agree("Paris", "Lyon", similarity=1.0)  # short answers: still the same words
+    assert monitor.cosine([1.0, 0.0], [1.0, 1.0]) == pytest.approx(0.5 ** 0.5) and monitor.cosine([0.0], [1.0]) == 0
     agreement = monitor.Agreement()
     for agreed in (True, False, False):
         agreement.record("small", "simple/general", agreed)
@@ -299,3 +305,20 @@ def test_the_operator_publishes_a_routes_key_digests():
                "spec": {"tiers": [{"service": "a", "costPerMillionTokens": 1}], "auth": {"apiKeySecret": "keys"}},
                "status": {"auth": patches[0][2]["auth"]}})
     assert r is not None and r.key_digests == (bytes.fromhex(digest),)
+
+
+def test_the_semantic_guard_refuses_the_shapes_of_near_misses():
+    from kaon_operator.routes.anchors import anchors, may_match
+
+    assert anchors("Translate 'hello' from English to French. I think 3.5% of 1,000 is 35.") == (
+        "hello", "english", "french", "3.5%", "1000", "35")
+    assert anchors("What's gold's symbol in C++ or C#?") == ("c++", "c#")  # apostrophes quote nothing
+    assert may_match("Tell me, what is the capital of France?", "What is the capital of France?")
+    assert may_match("What's gold's chemical symbol?", "What is the chemical symbol for gold?")
+    assert not may_match("What is the capital of Germany?", "What is the capital of France?")  # another name
+    assert not may_match("What is 17 times 24?", "What is 17 times 23?")  # another number
+    assert not may_match("Translate 'hi' from French to English.", "Translate 'hi' from English to French.")
+    assert not may_match("Convert 5 kilometers to miles.", "Convert 5 miles to kilometers.")  # reordered
+    assert not may_match("Give me arguments against remote work.", "Give me arguments for remote work.")
+    assert not may_match("What is the capital of France?", "")  # no prompt kept: no semantic match
+    assert may_match("What is the capital of France?", "What is the capital of France?")

@@ -52,9 +52,11 @@ class Engine:
             return web.json_response({"error": {"message": f"no model {body['model']}"}}, status=404)
         self.calls += 1
         if request.path == "/v1/embeddings":
-            words = set(body["input"].lower().replace("?", "").split())
             vocab = ["capital", "france", "of", "what", "is", "the", "city", "main", "germany", "which"]
-            return web.json_response({"data": [{"embedding": [float(w in words) for w in vocab]}]})
+            texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+            return web.json_response({"data": [
+                {"index": i, "embedding": [float(w in set(text.lower().replace("?", "").split())) for w in vocab]}
+                for i, text in enumerate(texts)]})
         prompt = body["messages"][-1]["content"]
         text = "wrong" if self.wrong else f"{self.name}: {prompt}"
         usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
@@ -217,12 +219,21 @@ def test_semantic_cache_paraphrase_hit_and_near_miss_miss():
                 first = await r.read()
                 assert r.headers[CACHE_HEADER] == "miss"
             async with client.post("/v1/chat/completions",
-                                   json=chat("what is the capital of france", temperature=0)) as r:
+                                   json=chat("Tell me, what is the capital of France?", temperature=0)) as r:
                 assert r.headers[CACHE_HEADER] == "hit" and await r.read() == first
             async with client.post("/v1/chat/completions",
                                    json=chat("What is the capital of Germany?", temperature=0)) as r:
                 assert r.headers[CACHE_HEADER] == "miss"
                 assert "Germany" in (await r.json())["choices"][0]["message"]["content"]
+            # A near miss the (bag-of-words) embedder puts at cosine 1: one word put for another. The
+            # guard refuses it (anchors.may_match) and counts it.
+            async with client.post("/v1/chat/completions",
+                                   json=chat("What was the capital of France?", temperature=0)) as r:
+                assert r.headers[CACHE_HEADER] == "miss"
+                assert "was" in (await r.json())["choices"][0]["message"]["content"]
+            async with client.get("/metrics") as r:
+                assert metric(await r.text(), "kaon_route_semantic_refused_total", namespace=NS,
+                              inferenceroute="assistant") == 1.0
         await stop(found)
     run(main())
 
@@ -266,6 +277,35 @@ def test_monitor_escalates_a_class_that_disagrees():
             assert tiers == ["large"] * 9 + ["small"] * 3, tiers  # the 9th agreeing probe (90%) brings it back
             async with client.get("/metrics") as r:
                 assert metric(await r.text(), "kaon_route_escalation_ends_total", **labels) == 1.0
+        await stop(found)
+    run(main())
+
+
+def test_the_monitor_compares_long_answers_by_the_routes_embedder():
+    """Long answers (over 12 words) are compared by the cosine of their embeddings when the route names
+    an embedder; by word overlap only without one (or when it fails, counted). The top tier answers
+    `wrong`, sharing no word with the small tier's long answer: word overlap says they disagree, the
+    embeddings' cosine (0 here) meets the route's similarity of 0 (set so that the two ways differ)."""
+    long_prompt = "Who wrote the book about the whale and the sea that many of us read at school?"
+
+    async def agreement(found, embedder: str) -> tuple[float, float]:
+        route = route_object(verify={"fraction": 1.0, "minSamples": 100, "embedder": embedder, "similarity": 0.0})
+        router = routed(found, route)
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat(long_prompt)) as r:
+                assert r.headers[TIER_HEADER] == "small"
+            await router.routes.drain()
+            async with client.get("/metrics") as r:
+                text = await r.text()
+        fallbacks = metric(text, "kaon_route_monitor_fallbacks_total", namespace=NS, inferenceroute="assistant") \
+            if "kaon_route_monitor_fallbacks_total{" in text else 0.0
+        return router.routes.agreement[(NS, "assistant")].rate("small", "simple/general")[0], fallbacks
+
+    async def main():
+        found = await engines("small", "large", "embed", wrong=("large",))
+        assert await agreement(found, "embed") == (1.0, 0.0)  # by embeddings
+        assert found["embed"].calls == 1  # both answers in one request
+        assert await agreement(found, "absent") == (0.0, 1.0)  # no such embedder: word overlap, counted
         await stop(found)
     run(main())
 

@@ -13,7 +13,9 @@ import torch
 from test_cpu_decode import BLOCK, LENS, TABLES, decode_step, random_model, tiny_config
 
 from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.kernels.quant_gemm_ref import quantize_activations_ref
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from kaon_runtime.quant import quantize_model
 
 pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
 
@@ -58,11 +60,16 @@ def test_a_half_model_step_equals_the_float32_step_on_the_same_values(dtype):
     assert torch.equal(half, full.to(dtype)) and torch.equal(half_cache, full_cache)
 
 
-def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: int | None = None):
+def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: int | None = None,
+                 method: str | None = None):
     """A 7-token prompt (blocks 1 and 4) prefilled in `steps` (token ranges), optionally beside the
-    three decodes of TABLES; returns its rows' outputs, in order."""
+    three decodes of TABLES, its projections quantized by `method` (int8, int4) or float; returns its
+    rows' outputs, in order."""
     model, _ = random_model(config, blocks=10, kv_dtype=kv_dtype)
+    if method:
+        quantize_model(model, method)
     model.check_kernels()
+    assert model.model.cpu_decode.prefills, "the prompt's rows go through the C step"
     step = model.model.cpu_decode
     if max_rows:
         step.max_rows = max_rows
@@ -87,14 +94,19 @@ def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: in
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "method"), [(torch.float32, None), (torch.float16, None),
+                                                  (torch.float32, "int8"), (torch.float16, "int4")])
+def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, method, monkeypatch):
+    monkeypatch.setenv("KAON_CPU_PREFILL", "fused")  # (the default for float weights; int8/int4 opt in)
     config = tiny_config(attention_bias=True)
-    whole = _prompt_rows(config, kv_dtype, [(0, 7)])
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)]), whole), "chunked prefill"
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)]), whole), "a cached prefix"
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 4), (4, 7)], neighbours=True), whole), "neighbours"
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3), whole), "pieces"
+    whole = _prompt_rows(config, kv_dtype, [(0, 7)], method=method)
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)], method=method), whole), "chunked prefill"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method=method), whole), \
+        "a cached prefix"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 4), (4, 7)], neighbours=True, method=method), whole), \
+        "neighbours"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3, method=method),
+                       whole), "pieces"
 
 
 def test_the_prefill_rows_match_the_torch_path():
@@ -110,3 +122,28 @@ def test_the_prefill_rows_match_the_torch_path():
     with torch.inference_mode():
         expected = model.model(prompt, torch.arange(7), AttentionMetadata(slot_mapping=slots, prefills=[chunk]))
     torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_prefill_rows_compute_their_reference(method, monkeypatch):
+    """int8/int4 prompt rows through the C step (KAON_CPU_PREFILL=fused; the default for float weights) compute what
+    the dequantizing torch path computes when fed the activations the kernels see (int8 blocks of 32,
+    quantize_activations_ref), row for row: 7 rows (more than one tile of 4 rows of the narrow
+    kernels), in two chunks beside three decodes. Scales, mins or activation blocks read from another
+    row or group, or a tile's rows mixed up, put a row off by far more than float32's rounding."""
+    monkeypatch.setenv("KAON_CPU_PREFILL", "fused")
+    config = tiny_config(attention_bias=True)
+    fused = _prompt_rows(config, torch.float32, [(0, 3), (3, 7)], neighbours=True, method=method)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    model, _ = random_model(config, blocks=10, cpu_decode=False)
+    quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
+    for module in quantized:
+        module.register_forward_pre_hook(lambda _, args: (quantize_activations_ref(args[0]),))
+    torch.manual_seed(9)
+    prompt = torch.randn(7, config.hidden_size)
+    slots = torch.tensor([[1, 4][i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
+    chunk = PrefillChunk(query_start=0, query_len=7, context_len=7, block_table=torch.tensor([1, 4]))
+    with torch.inference_mode():
+        expected = model.model(prompt, torch.arange(7), AttentionMetadata(slot_mapping=slots, prefills=[chunk]))
+    error = (fused - expected).norm(dim=1) / expected.norm(dim=1)
+    assert error.max() < 1e-4, f"rows off their reference: {error.tolist()}"

@@ -59,6 +59,7 @@ def test_asleep_the_server_is_alive_not_ready_and_refuses_generation(calls):
                            ("/v1/responses", {"model": MODEL, "input": "x"})):
             refused = http.post(path, json=body, headers=SERVING)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_asleep", path
+            assert refused.headers["Kaon-Engine-Asleep"] == "true"  # the router tries another replica on it
             assert refused.headers["retry-after"]
         assert http.get("/v1/models", headers=SERVING).status_code == 200
         assert http.post("/tokenize", json={"model": MODEL, "prompt": "hi"}, headers=SERVING).status_code == 200

@@ -1,0 +1,91 @@
+"""The semantic cache's false hits on near misses, with the real all-MiniLM-L6-v2 (kaon's encoder).
+
+    .venv/bin/python bench/semantic_near_misses.py [--embedder builtin://all-minilm-l6-v2]
+
+A near miss is a question that differs from a cached one in a way that changes the answer (another
+name, number, direction, polarity, language): bench/data/routing_near_misses.jsonl, written from
+templates by bench/data/make_near_misses.py (370 pairs). The paraphrases are the 20 of
+bench/data/routing_cache_pairs.jsonl. For each threshold it compares a plain semantic cache (cosine >=
+threshold: what a threshold alone gives) with kaon's (the same, plus the near-miss guard of
+operator/kaon_operator/routes/anchors.py, which the router applies) and prints the false-hit rates,
+their ratio and the exact one-sided 95% upper bound of kaon's rate, and the paraphrase hit rates. The
+decision per pair is the router's: MemoryStore.nearest's cosine of the unit vectors, then may_match.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for part in ("runtime", "operator"):
+    sys.path.insert(0, str(ROOT / part))
+
+from kaon_operator.routes.anchors import may_match  # noqa: E402
+from kaon_operator.routes.api import SemanticCacheSpec  # noqa: E402
+from kaon_operator.routes.memory_store import cosine_of_units, unit  # noqa: E402
+from kaon_runtime.server.route_train import encoder_embed  # noqa: E402
+
+DATA = ROOT / "bench" / "data"
+THRESHOLDS = (0.85, 0.88, 0.90, 0.92, 0.95)
+
+
+def load(name: str) -> list[dict]:
+    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+
+
+def upper_bound(hits: int, n: int, confidence: float = 0.95) -> float:
+    """Exact (Clopper-Pearson) one-sided upper bound of a rate seen `hits` times in `n`."""
+    if hits >= n:
+        return 1.0
+    from scipy.stats import beta  # scipy comes with sentence-transformers (the test extras)
+
+    return float(beta.ppf(confidence, hits + 1, n - hits))
+
+
+def similarities(embed, pairs: list[tuple[str, str]]) -> list[float]:
+    texts = sorted({t for pair in pairs for t in pair})
+    vectors = dict(zip(texts, embed(texts), strict=True))
+    return [cosine_of_units(unit(vectors[a]), unit(vectors[b])) for a, b in pairs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--embedder", default="builtin://all-minilm-l6-v2")
+    args = parser.parse_args()
+    near, para = load("routing_near_misses.jsonl"), load("routing_cache_pairs.jsonl")
+    started = time.monotonic()
+    embed = encoder_embed(args.embedder)
+    near_pairs = [(r["near_miss"], r["prompt"]) for r in near]  # (the new request, the cached one)
+    para_pairs = [(r["paraphrase"], r["prompt"]) for r in para]
+    near_cos, para_cos = similarities(embed, near_pairs), similarities(embed, para_pairs)
+    print(f"{len(near)} near-miss pairs, {len(para)} paraphrase pairs; embedded in "
+          f"{time.monotonic() - started:.0f} s ({args.embedder}, kaon's encoder, CPU)")
+    guard_near = [may_match(a, b) for a, b in near_pairs]
+    guard_para = [may_match(a, b) for a, b in para_pairs]
+    default = SemanticCacheSpec().threshold
+    for t in THRESHOLDS:
+        plain = sum(c >= t for c in near_cos)
+        kaon = sum(c >= t and g for c, g in zip(near_cos, guard_near, strict=True))
+        para_plain = sum(c >= t for c in para_cos)
+        para_kaon = sum(c >= t and g for c, g in zip(para_cos, guard_para, strict=True))
+        kinds = collections.Counter(r["kind"] for r, c, g in zip(near, near_cos, guard_near, strict=True)
+                                    if c >= t and g)
+        ratio = f"{kaon / plain:.3f}" if plain else "n/a"
+        mark = " (the CRD's default)" if abs(t - default) < 1e-9 else ""
+        print(f"threshold {t:.2f}{mark}: false hits threshold alone {plain}/{len(near)} "
+              f"({plain / len(near):.1%}); kaon (threshold + guard) {kaon}/{len(near)} ({kaon / len(near):.2%}, "
+              f"95% upper bound {upper_bound(kaon, len(near)):.2%}){' ' + str(dict(kinds)) if kinds else ''}; "
+              f"ratio {ratio}; "
+              f"paraphrase hits {para_plain}/{len(para)} alone, {para_kaon}/{len(para)} with the guard")
+    print(f"cosine: near misses mean {sum(near_cos) / len(near_cos):.3f} (max {max(near_cos):.3f}); "
+          f"paraphrases mean {sum(para_cos) / len(para_cos):.3f} (min {min(para_cos):.3f})")
+    print(f"guard alone refuses {guard_near.count(False)}/{len(near)} near misses and "
+          f"{guard_para.count(False)}/{len(para)} paraphrases")
+
+
+if __name__ == "__main__":
+    main()
