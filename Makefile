@@ -58,8 +58,7 @@ lint: install
 # worker at a time (its module fixtures built once): one process left the second core idle (1.07 cores
 # used). Back to back beside other work (load 15-21, 2026-11-29), make unit's tests took 463 s instead of
 # 612 s. Each worker loads its own models: about twice the memory (one reached 3.9 GB RSS; on a machine
-# short of memory, `make test UNIT_WORKERS=` runs one process). tests/integration and tests/e2e stay in
-# one process: their servers and cluster are shared.
+# short of memory, `make test UNIT_WORKERS=` runs one process).
 UNIT_WORKERS ?= -n 2 --dist loadfile
 
 # Everything: tests/unit (no cluster, no server process), tests/integration (the control plane,
@@ -68,12 +67,19 @@ UNIT_WORKERS ?= -n 2 --dist loadfile
 # tests/unit runs, which needs only the first, in one GGUF test: the builds run under nice 19 and take
 # the CPU the unit tests leave idle (about one core of two). A test that needs a build still running
 # waits on its lock; a failed build fails that test. The builds' output: .venv/builds.log.
+# Then tests/integration and tests/e2e run side by side, two pytest processes with a control plane each
+# (tests/run_cluster_tests.sh says why; `make test CLUSTER_TESTS=serial` runs them in one process). The
+# builds are waited for first, and that wait goes to $KAON_BUILD_WAIT_LOG (.ci/run takes it out of the
+# suite's time): two processes waiting on a build's lock at once would log the same wait twice.
+CLUSTER_TESTS ?= side-by-side
 test: install
 	@echo "llama.cpp, the control plane and MinIO build beside tests/unit: $(VENV)/builds.log"
 	@(PY=$(PY) nice -n 19 bash e2e/build-llama-cpp.sh; \
-	  bash e2e/build-control-plane.sh && bash e2e/build-minio.sh) > $(VENV)/builds.log 2>&1 & \
+	  bash e2e/build-control-plane.sh && bash e2e/build-minio.sh) > $(VENV)/builds.log 2>&1 & builds=$$!; \
 	$(PY) -m pytest -q $(UNIT_WORKERS) --durations=15 tests/unit; unit=$$?; \
-	$(PY) -m pytest -q --durations=15 tests/integration tests/e2e; status=$$?; wait; \
+	asked=$$(date +%s); wait $$builds; \
+	[ -z "$$KAON_BUILD_WAIT_LOG" ] || echo "builds $$(($$(date +%s) - asked))" >> "$$KAON_BUILD_WAIT_LOG"; \
+	CLUSTER_TESTS=$(CLUSTER_TESTS) PY=$(PY) bash tests/run_cluster_tests.sh -q --durations=15; status=$$?; \
 	[ $$unit -eq 0 ] && exit $$status || exit $$unit
 
 # The inner loop: tests/unit without the tests marked slow (whole models generating), no control plane to build.

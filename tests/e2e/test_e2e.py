@@ -14,6 +14,7 @@ the test prints the woken and the cold-started replica's time to serve, from the
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,28 @@ def seconds_between(earlier: str, later: str) -> float:
     return (kubetime.parse(later) - kubetime.parse(earlier)).total_seconds()
 
 
+def route_requests(cluster: Cluster, client: OpenAI, namespace: str) -> None:
+    """An InferenceRoute over the running engine (issue 52; one tier: no second engine to start): the
+    deployed router answers its name with the tier and cache headers, and a repeat from its cache, the
+    same answer byte for byte."""
+    route = {"apiVersion": "kaon.dev/v1alpha1", "kind": "InferenceRoute", "metadata": {"name": "assistant"},
+             "spec": {"tiers": [{"service": "smol", "costPerMillionTokens": 1.0}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(route))
+    ask = {"model": f"{namespace}/assistant", "max_tokens": 8, "temperature": 0,
+           "messages": [{"role": "user", "content": "What is the capital of Italy?"}]}
+    first = wait_for("the router to see the route", lambda: _routed(client, ask), timeout=30)
+    assert first.headers["x-kaon-route-tier"] == "smol" and first.headers["x-kaon-cache"] == "miss"
+    again = client.chat.completions.with_raw_response.create(**ask)
+    assert again.headers["x-kaon-cache"] == "hit" and again.content == first.content
+
+
+def _routed(client: OpenAI, ask: dict):
+    try:
+        return client.chat.completions.with_raw_response.create(**ask)
+    except NotFoundError:
+        return None
+
+
 def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace):
     cluster, router = Cluster(crd, namespace), local.router_url
     cluster.kubectl("apply", "-f", "-", input=isvc("smol", **SPEC))
@@ -68,6 +91,7 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
     chat = client.chat.completions.create(model="smollm2", max_tokens=16, temperature=0,
                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in chat.choices[0].message.content
+    route_requests(cluster, client, namespace)
     wait_for("the standby loaded and put to sleep", lambda: standby_settled(
         cluster, "smol", 1, len(engines(local, namespace))), timeout=180)
     [standby] = asleep_pods(cluster, "smol")
@@ -139,6 +163,10 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
     assert "Rome" in again.choices[0].text
     described = cluster.kubectl("describe", "infsvc", "smol").stdout
     assert "Scaled up 1 → 3" in described and "Scaled down 3 → " in described
+    # The deployed router wrote the route's status meanwhile (every 10 s), as its own ServiceAccount.
+    header, row = cluster.kubectl("get", "inferenceroute", "assistant").stdout.splitlines()[:2]
+    columns = dict(zip(header.split()[1:], row.split(None, 1)[1].rsplit(None, 3), strict=True))
+    assert columns["TIERS"] == "smol 100%" and columns["CACHE-HITS"] == "0.5", (header, row)
 
     bad = cluster.kubectl("apply", "-f", "-", check=False, input=isvc("bad", replicas=-1))
     assert bad.returncode != 0 and "should be greater than or equal to 0" in bad.stderr

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# tests/integration and tests/e2e, `make test`'s second stage: two pytest processes side by side
+# (CLUSTER_TESTS=side-by-side, the default) or one after the other (CLUSTER_TESTS=serial).
+#
+# Why side by side: in one process the two took 1,317 s in CI, much of it in waits (engines loading,
+# autoscaling windows and holds, probes, drains) that a second process can overlap. Each process gets its own control
+# plane (free loopback ports, its own temp dir), its own MinIO and stand-in hub, and the e2e local
+# cluster its own pod range (e2e/pod_range.py), so neither sees the other's objects or engines.
+# The two are about even in CI: of the last serial run's 1,317 s, the e2e tests in its slowest list
+# alone took ~550 s (a run beside other work here, load 10-90, is no guide: there the load-sensitive
+# integration tests took several times their CI time). tests/e2e prints as it runs;
+# tests/integration's output goes to $LOG and is printed when both are done. Exit status: the first
+# failing stage's (integration's, then e2e's), so any failure fails it.
+#
+# usage: PY=.venv/bin/python tests/run_cluster_tests.sh [pytest options...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+LOG=${LOG:-.venv/integration.log}
+
+if [[ ${CLUSTER_TESTS:-side-by-side} == serial ]]; then
+  exec "$PY" -m pytest "$@" tests/integration tests/e2e
+fi
+
+start=$SECONDS
+( "$PY" -m pytest "$@" tests/integration > "$LOG" 2>&1 & pytest_pid=$!
+  trap 'kill "$pytest_pid" 2>/dev/null' INT TERM
+  wait "$pytest_pid"; rc=$?
+  echo "[tests] tests/integration took $((SECONDS - start)) s" >> "$LOG"; exit $rc ) &
+integration_pid=$!
+trap 'kill "$integration_pid" 2>/dev/null' INT TERM
+"$PY" -m pytest "$@" tests/e2e
+e2e=$?
+echo "[tests] tests/e2e took $((SECONDS - start)) s"
+wait "$integration_pid"
+integration=$?
+echo
+echo "==================== tests/integration (ran beside tests/e2e; also in $LOG) ===================="
+cat "$LOG"
+echo "[tests] tests/integration exit $integration, tests/e2e exit $e2e"
+((integration == 0)) || exit "$integration"
+exit "$e2e"
