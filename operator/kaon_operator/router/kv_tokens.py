@@ -46,11 +46,7 @@ class PromptTokenizer:
                 messages = payload.get("messages")
                 if self._template is None or not isinstance(messages, list) or not messages:
                     return None
-                bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-                eos = self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
-                text = self._template.render(messages=[_plain(m) for m in messages], add_generation_prompt=True,
-                                             bos_token=bos, eos_token=eos)
-                return self.encode(text)
+                return self._chat_ids(messages)
             if path.endswith("/completions"):
                 prompt = payload.get("prompt")
                 if isinstance(prompt, list) and len(prompt) == 1:
@@ -62,6 +58,39 @@ class PromptTokenizer:
         except (jinja2.TemplateError, TypeError, ValueError):
             return None
         return None
+
+    def preamble_length(self, path: str, payload: Mapping, ids: list[int]) -> int:
+        """How many leading tokens of a chat prompt (`ids`, from prompt_ids) are its preamble: what
+        the template writes before the first user message's text (the system prompt, its own
+        default one where none is given). Every conversation with that system prompt shares them,
+        so they tell nothing of where a conversation lives. Found as the common prefix with the
+        preamble followed by an empty user message, so that no template's layout is assumed.
+        0 for a completion, or when the router cannot tell."""
+        messages = payload.get("messages") if path.endswith("/chat/completions") else None
+        if self._template is None or not isinstance(messages, list):
+            return 0
+        first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
+        if first_user is None:
+            return 0
+        try:
+            preamble = self._chat_ids([*messages[:first_user], {"role": "user", "content": ""}])
+        except (jinja2.TemplateError, TypeError, ValueError):
+            return 0
+        common = 0
+        for mine, theirs in zip(preamble, ids):
+            if mine != theirs:
+                break
+            common += 1
+        return common
+
+    def _chat_ids(self, messages: list) -> list[int]:
+        if self._template is None:
+            raise ValueError("no chat template")
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        text = self._template.render(messages=[_plain(m) for m in messages], add_generation_prompt=True,
+                                     bos_token=bos, eos_token=eos)
+        return self.encode(text)
 
 
 def _plain(message) -> dict:

@@ -4,6 +4,7 @@ subscribes to a real publisher (the engine's own, over ZMQ) and builds the index
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import random
@@ -109,6 +110,36 @@ def test_everyone_over_the_bound_goes_by_least_connections():
     assert (target, hit) == ("b", False)
 
 
+def test_new_conversations_sharing_a_system_prompt_spread_over_all_pods():
+    """Bench run KV8c: ranked by match first, every new conversation went to the 2 pods (of 8)
+    holding the shared system prompt, its only match; 3 pods got no request at all."""
+    rng = random.Random(0)
+    pods = [f"p{i}" for i in range(8)]
+    system = {"p0": Match(3, 3.0), "p1": Match(3, 3.0)}  # 3 blocks of system prompt, at 2 pods
+    went = collections.Counter()
+    for _ in range(40):  # light load: each first turn finishes before the next arrives
+        target, _ = choose(system, pods, {}, 1.25, 2, rng)
+        went[target] += 1
+    assert set(went) == set(pods) and max(went.values()) <= 10
+    # busy holders are no magnet either: the least loaded pods get the next first turns
+    assert choose(system, pods, {"p0": 1, "p1": 1}, 1.25, 2, rng)[0] not in ("p0", "p1")
+
+
+def test_a_system_prompt_at_one_pod_draws_no_new_conversation():
+    """The chat's preamble (its system prompt) never picks a pod, even where one pod alone holds
+    it; a returning conversation's own blocks past it still do."""
+    rng = random.Random(0)
+    pods = [f"p{i}" for i in range(8)]
+    went = {choose({"p0": Match(3, 3.0)}, pods, {}, 1.25, 2, rng, preamble=3)[0] for _ in range(40)}
+    assert went == set(pods)
+    returning = {"p0": Match(3, 3.0), "p1": Match(3, 3.0), "p5": Match(7, 7.0)}  # its turns at p5
+    assert choose(returning, pods, {"p5": 1}, 1.25, 2, rng, preamble=3) == ("p5", True)
+    assert choose({"p5": Match(7, 7.0)}, pods, {}, 1.25, 2, rng, preamble=3) == ("p5", True)
+    # over the bound, its pod is passed over as before
+    target, hit = choose(returning, pods, {"p5": 3}, 1.25, 2, rng, preamble=3)
+    assert target != "p5" and not hit
+
+
 # ---- the feed, from the engine's own publisher -----------------------------------------
 
 def free_port() -> int:
@@ -175,6 +206,9 @@ class StubTokenizer:
     def prompt_ids(self, path, payload):
         return list(PROMPT)
 
+    def preamble_length(self, path, payload, ids):
+        return 0
+
 
 class StubFeed:
     """The feed's I/O stands aside: the index is filled by hand, the tokenizer known or not."""
@@ -240,6 +274,14 @@ def test_the_router_tokenizes_as_the_engine(llm):
                 {"role": "assistant", "content": "Memory of past tokens."}, {"role": "user", "content": "Why tiers?"}]
     engine = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
     assert router.prompt_ids("/v1/chat/completions", {"messages": messages}) == engine
+    # the preamble: the system prompt as the template writes it, which every such conversation shares
+    preamble = router.preamble_length("/v1/chat/completions", {"messages": messages}, engine)
+    other = [messages[0], {"role": "user", "content": "Hello there"}]
+    other_ids = router.prompt_ids("/v1/chat/completions", {"messages": other})
+    assert 0 < preamble < len(engine) and engine[:preamble] == other_ids[:preamble]
+    assert "Be brief." in llm.tokenizer.decode(engine[:preamble]) and "KV" not in llm.tokenizer.decode(
+        engine[:preamble])
+    assert router.preamble_length("/v1/completions", {"prompt": "Once"}, [1, 2]) == 0
     assert router.prompt_ids("/v1/completions", {"prompt": "Once upon a time"}) == llm.tokenizer.encode(
         "Once upon a time")
     assert router.prompt_ids("/v1/completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
