@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import json
 import random
@@ -249,6 +250,25 @@ def test_the_strategy_sends_a_request_where_its_prefix_is():
     assert strategy.feed.followed == ["pod-0", "pod-1", "pod-2"]  # every ready pod's events
     fleet, busy = attempt({fleet[2]: 6})
     assert strategy.pick(busy) == (fleet[1], False)  # over the bound: the next longest prefix
+
+
+def test_the_strategy_passes_the_chats_preamble_over():
+    """pod-0 alone holds the prompt's first two blocks, all of them the preamble (a system prompt):
+    no reason to send every request there."""
+    from kaon_operator.router.strategies.kv_aware import KvAware
+
+    class WithPreamble(StubTokenizer):
+        def preamble_length(self, path, payload, ids):
+            return 2 * BS + 1  # two whole blocks and a token of the third
+
+    index = KvIndex()
+    stored(index, "pod-0", hashes=H[:2], tokens=PROMPT[:8])
+    strategy = KvAware(index, StubFeed(WithPreamble()))
+    went = set()
+    for seed in range(12):
+        _, a = attempt()
+        went.add(strategy.pick(dataclasses.replace(a, rng=random.Random(seed))).target.pod)
+    assert went == {"pod-0", "pod-1", "pod-2"}
 
 
 def test_without_a_tokenizer_or_a_held_prefix_it_goes_by_prefix_affinity():
