@@ -54,11 +54,14 @@ def distinct_score(found: Match | None, shared: int) -> float:
 
 
 def choose(matches: Mapping[T, Match], usable: Sequence[T], inflight: Mapping[T, int], load_bound: float,
-           slots: int | None, rng: random.Random, preamble: int = 0) -> tuple[T, bool]:
+           slots: int | None, rng: random.Random, preamble: int = 0,
+           homes: Mapping[T, int] | None = None) -> tuple[T, bool]:
     """The pod for a request and whether it holds the longest prefix (False: passed over for
     load, or the prefix is shared and the request went by load). `matches`: what each usable
     pod holds of the prompt; `preamble`: its leading whole blocks every conversation with its
-    system prompt shares (never a reason to pick a pod, even where one pod alone holds them)."""
+    system prompt shares (never a reason to pick a pod, even where one pod alone holds them);
+    `homes`: the conversations active lately per pod (prefix-affinity's `Homes.counts`), which
+    break ties between equally loaded pods when no pod holds a distinguishing block."""
     loads = {m: inflight.get(m, 0) for m in usable}
     least = min(loads.values())
     limit = max(capacity(inflight, usable, load_bound), least + BOUND_SLACK + 1)
@@ -77,9 +80,13 @@ def choose(matches: Mapping[T, Match], usable: Sequence[T], inflight: Mapping[T,
     shared = max(shared_blocks(matches, within), preamble)
     distinct = {m: distinct_score(matches.get(m), shared) for m in within}
     top = max(distinct.values())
-    # No pod within the bound holds a block the others do not: least connections over all of
-    # them, ties at random (preferring a holder of the shared part on ties is what herded).
-    target = least_connections.least([m for m in within if distinct[m] == top], lambda m: loads[m], rng)
+    # No pod within the bound holds a block the others do not (a conversation's first turn):
+    # least connections over all of them, ties by the fewest conversations (between turns a
+    # conversation has nothing in flight, and its later turns follow it), then at random;
+    # preferring a holder of the shared part on ties is what herded.
+    counts = homes if top <= 0 and homes is not None else {}
+    target = least_connections.least([m for m in within if distinct[m] == top],
+                                     lambda m: (loads[m], counts.get(m, 0)), rng)
     return target, score(target) == best
 
 
@@ -104,12 +111,14 @@ class KvAware:
         if not any(m.blocks for m in matches.values()):
             return self.fallback.pick(attempt)
         preamble = tokenizer.preamble_length(attempt.path, attempt.payload, ids) // block_size
+        homes = self.fallback.homes
         target, hit = choose(matches, attempt.usable, attempt.inflight, attempt.service.load_bound,
-                             attempt.service.max_num_seqs, attempt.rng, preamble)
+                             attempt.service.max_num_seqs, attempt.rng, preamble, homes.counts(attempt.now))
         # prefix-affinity's records follow kv-aware's choices, for a later request the index knows nothing of.
         found = prefix(attempt.path, attempt.payload, str(attempt.service.key))
         if found is not None:
             self.fallback.known.record(found.hashes, target)
+            homes.touch(found.anchor, target, attempt.now)
         return Choice(target, hit)
 
     def _all_ready(self, attempt: Attempt) -> list[Endpoint]:

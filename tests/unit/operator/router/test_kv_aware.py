@@ -122,6 +122,9 @@ def test_new_conversations_sharing_a_system_prompt_spread_over_all_pods():
         target, _ = choose(system, pods, {}, 1.25, 2, rng)
         went[target] += 1
     assert set(went) == set(pods) and max(went.values()) <= 10
+    # between turns conversations have nothing in flight: ties go to the pod home to the fewest
+    homes = {p: 1 for p in pods[:7]}
+    assert choose(system, pods, {}, 1.25, 2, rng, homes=homes)[0] == "p7"
     # busy holders are no magnet either: the least loaded pods get the next first turns
     assert choose(system, pods, {"p0": 1, "p1": 1}, 1.25, 2, rng)[0] not in ("p0", "p1")
 
