@@ -15,7 +15,8 @@ conversation has, and ranked by it, every new conversation went to the few pods 
 (bench run KV8c: 3 of 8 pods got no request; balance max/mean 3.38 vs prefix-affinity's 1.46).
 A returning conversation's own turns are at one pod, past the shared part: it still goes there.
 When no pod within the bound holds a distinguishing block (a new conversation, a prompt
-several pods hold), the least loaded of them gets it, ties at random: a conversation's first
+several pods hold), the least loaded of them gets it, ties by the fewest conversations lately
+(prefix-affinity's `Homes`, which kv-aware keeps up to date too), then at random: a conversation's first
 turn saves only the shared part wherever it goes, and its later turns follow its own blocks.
 All pods over the bound: the least loaded pod. A request the router cannot tokenize yet (the
 service's tokenizer is still being fetched) or that holds no prefix anywhere goes by
