@@ -6,7 +6,8 @@ similarity threshold alone cannot keep such near misses out (bench/routing_tiers
 docs/routing.md). Their difference is in the request's anchors: numbers, quoted text and names
 (capitalized words past a sentence's first), and in their order. A semantic match must have the same
 anchors in the same order (`anchors()` is part of the semantic scope, cache_keys.semantic_scope), so
-the embedding decides only among prompts about the same things.
+the embedding decides only among prompts about the same things. A negation on one side only ("have
+rings" / "have no rings") refuses a match too.
 
 What it does not catch: a change of a lowercase word that flips the answer (high/low, for/against,
 install/uninstall, a unit's direction such as miles to kilometers). What it costs: a paraphrase that
@@ -52,18 +53,29 @@ def _tokens(text: str) -> list[str]:
     return _TOKEN.findall(text.lower())
 
 
+# Negations flip an answer while moving an embedding very little ("Which planets have rings?" / "... have no
+# rings?": cosine 0.96 with all-MiniLM-L6-v2), a known weakness of sentence encoders.
+_NEGATIONS = frozenset({"not", "no", "never", "none", "nothing", "nobody", "neither", "nor", "without", "cannot"})
+
+
+def _negated(tokens: list[str]) -> bool:
+    """Whether the words say no an odd number of times ("not", "no", "never", "cannot", "don't", ...)."""
+    count = sum(t in _NEGATIONS or t.endswith("n't") for t in tokens)
+    return count % 2 == 1
+
+
 def may_match(prompt: str, cached: str) -> bool:
     """Whether a semantic match between two prompts the embedder finds close may stand. Refused:
     different anchors (or in another order); the same words in another order ("from English to
     French" / "from French to English", "miles to kilometers" / "kilometers to miles"); and one word
     put for another ("arguments for" / "against", "high" / "low in protein"): the shape of a near
-    miss, rarely of a paraphrase (which rewords more than one word). An unknown cached prompt ("")
-    is refused."""
+    miss, rarely of a paraphrase (which rewords more than one word); and one negated where the other is
+    not ("reasons to learn" / "reasons not to learn"). An unknown cached prompt ("") is refused."""
     if not cached or anchors(prompt) != anchors(cached):
         return False
     a, b = _tokens(prompt), _tokens(cached)
     if a == b:
         return True
-    if sorted(a) == sorted(b):
+    if sorted(a) == sorted(b) or _negated(a) != _negated(b):
         return False
     return not (len(a) == len(b) and sum(x != y for x, y in zip(a, b, strict=True)) == 1)
