@@ -205,6 +205,17 @@ class FakeCtx:
         self.events += events
 
 
+async def _one_round(ctx, runners) -> None:
+    """One round of the adapter loop over ctx's pods, then the fake engines' servers stopped."""
+    loop = adapter_sync.AdapterLoop(ctx, url_of=lambda pod: f"http://{pod.ip}")  # type: ignore[arg-type]
+    try:
+        async with aiohttp.ClientSession() as session:
+            await loop.tick_all(session)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
 async def _serve(engines, port_holder):
     runners = []
     for engine in engines:
@@ -289,13 +300,7 @@ def test_the_gate_is_set_only_once_the_new_pod_holds_its_adapters(monkeypatch):
         body = {"metadata": {"namespace": "ns", "name": "svc"},
                 "spec": {"model": {"uri": "hf://org/base"}, "adapters": [SQL, {"name": "broken", "uri": "hf://org/broken"}]}}
         ctx = FakeCtx(body, pods)
-        loop = adapter_sync.AdapterLoop(ctx, url_of=lambda pod: f"http://{pod.ip}")  # type: ignore[arg-type]
-        try:
-            async with aiohttp.ClientSession() as session:
-                await loop.tick_all(session)
-        finally:
-            for runner in runners:
-                await runner.cleanup()
+        await _one_round(ctx, runners)
         assert engines[0].adapters == {"sql": SQL["uri"], "broken": "hf://org/broken"}
         set_on = {name: c for name, c in ctx.kube.conditions}
         assert set(set_on) == {"new", "bad"}  # "old" has no gate pending: nothing to set
@@ -325,13 +330,7 @@ def test_the_loop_loads_the_adapters_on_the_prefill_pool_too(monkeypatch):
                             prefill_pods={("ns", "svc"): [PodSummary("prefill", ip=f"127.0.0.1:{ports[1]}",
                                                                      containers_ready=True,
                                                                      gates_pending=frozenset({gate}))]})
-        loop = adapter_sync.AdapterLoop(ctx, url_of=lambda pod: f"http://{pod.ip}")  # type: ignore[arg-type]
-        try:
-            async with aiohttp.ClientSession() as session:
-                await loop.tick_all(session)
-        finally:
-            for runner in runners:
-                await runner.cleanup()
+        await _one_round(ctx, runners)
         assert engines[0].adapters == engines[1].adapters == {"sql": SQL["uri"]}
         assert [(name, c["status"]) for name, c in ctx.kube.conditions] == [("prefill", "True")]
 

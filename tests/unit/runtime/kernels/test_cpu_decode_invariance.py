@@ -109,18 +109,23 @@ def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype,
                        whole), "pieces"
 
 
+def _torch_prompt_rows(model, config) -> torch.Tensor:
+    """Torch's prefill of the 7 prompt rows _prompt_rows feeds the C step (same seed, blocks 1 and 4)."""
+    torch.manual_seed(9)
+    prompt = torch.randn(7, config.hidden_size)
+    slots = torch.tensor([[1, 4][i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
+    chunk = PrefillChunk(query_start=0, query_len=7, context_len=7, block_table=torch.tensor([1, 4]))
+    with torch.inference_mode():
+        return model.model(prompt, torch.arange(7), AttentionMetadata(slot_mapping=slots, prefills=[chunk]))
+
+
 def test_the_prefill_rows_match_the_torch_path():
     """The C step's prefill (each token a row over the cache up to itself) computes what torch's
     prefill attention does, to float32 rounding."""
     config = tiny_config(attention_bias=True)
     fused = _prompt_rows(config, torch.float32, [(0, 3), (3, 7)], neighbours=True)
     model, _ = random_model(config, blocks=10, cpu_decode=False)
-    torch.manual_seed(9)
-    prompt = torch.randn(7, config.hidden_size)
-    slots = torch.tensor([[1, 4][i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
-    chunk = PrefillChunk(query_start=0, query_len=7, context_len=7, block_table=torch.tensor([1, 4]))
-    with torch.inference_mode():
-        expected = model.model(prompt, torch.arange(7), AttentionMetadata(slot_mapping=slots, prefills=[chunk]))
+    expected = _torch_prompt_rows(model, config)
     torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -139,11 +144,6 @@ def test_quantized_prefill_rows_compute_their_reference(method, monkeypatch):
     quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
     for module in quantized:
         module.register_forward_pre_hook(lambda _, args: (quantize_activations_ref(args[0]),))
-    torch.manual_seed(9)
-    prompt = torch.randn(7, config.hidden_size)
-    slots = torch.tensor([[1, 4][i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
-    chunk = PrefillChunk(query_start=0, query_len=7, context_len=7, block_table=torch.tensor([1, 4]))
-    with torch.inference_mode():
-        expected = model.model(prompt, torch.arange(7), AttentionMetadata(slot_mapping=slots, prefills=[chunk]))
+    expected = _torch_prompt_rows(model, config)
     error = (fused - expected).norm(dim=1) / expected.norm(dim=1)
     assert error.max() < 1e-4, f"rows off their reference: {error.tolist()}"
