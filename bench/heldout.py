@@ -7,7 +7,9 @@ near_misses.jsonl (questions alike that need different answers: a cache hit betw
 hit), paraphrases.jsonl (the same question reworded: should hit), answer_pairs.jsonl (two long answers
 labelled agree / disagree: what verify.similarity decides). A figure is held out only while nothing was
 tuned on the rows it counts: `split` gives a fixed half for development (dev) and the other half (test),
-which is only ever measured, never looked at to change code or a default.
+which is only ever measured, never looked at to change code or a default. The whole set was measured
+once with the guard as it was (bench/history/routing_tiers.md, 2026-11-29); the dev half has been read
+since, so only the test half is held out now.
 """
 from __future__ import annotations
 
