@@ -60,7 +60,7 @@ class Response:
     or closes it when the body was not read to its end."""
 
     __slots__ = ("status", "reason", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter", "complete", "_error",
-                 "_conn", "keep_alive", "until_close", "released")
+                 "_conn", "keep_alive", "until_close", "released", "_type", "_length", "_coding")
 
     def __init__(self, conn: _Connection):
         self.status = 0
@@ -78,6 +78,10 @@ class Response:
         self.until_close = False
         """The body ends when the engine closes the connection (no Content-Length, not chunked)."""
         self.released = False
+        # The three fields the relay and the framing read, noted as they are parsed: no scan of the headers.
+        self._type: bytes | None = None
+        self._length: bytes | None = None
+        self._coding: bytes | None = None
 
     # what the relay reads ------------------------------------------------------------
 
@@ -96,12 +100,12 @@ class Response:
 
     @property
     def content_type(self) -> str:
-        value = self.header(b"content-type")
-        return value.split(";", 1)[0].strip().lower() if value else "application/octet-stream"
+        value = self._type
+        return value.split(b";", 1)[0].strip().lower().decode("latin-1") if value else "application/octet-stream"
 
     @property
     def content_length(self) -> int | None:
-        value = self.header(b"content-length")
+        value = self._length
         return int(value) if value is not None and value.strip().isdigit() else None
 
     @property
@@ -222,8 +226,17 @@ class _Connection(asyncio.Protocol):
         self.response.reason += reason.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.response is not None
-        self.response.raw_headers.append((name, value))
+        response = self.response
+        assert response is not None
+        response.raw_headers.append((name, value))
+        if len(name) in (12, 14, 17):  # the length of the three names below: most fields skip the compare
+            lower = name.lower()
+            if lower == b"content-type":
+                response._type = value
+            elif lower == b"content-length":
+                response._length = value
+            elif lower == b"transfer-encoding":
+                response._coding = value
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -233,8 +246,7 @@ class _Connection(asyncio.Protocol):
             return
         response.keep_alive = self.parser.should_keep_alive()
         if response.status not in (204, 304):
-            response.until_close = (response.header(b"content-length") is None
-                                    and "chunked" not in (response.header(b"transfer-encoding") or "").lower())
+            response.until_close = response._length is None and b"chunked" not in (response._coding or b"").lower()
         head, self.head = self.head, None
         if head is not None and not head.done():
             head.set_result(response)

@@ -7,13 +7,14 @@ rest run against small raw asyncio servers on 127.0.0.1 that answer with canned 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from multidict import CIMultiDict
 
 from kaon_operator.router.request import response_headers, upstream_fields, upstream_headers
 from kaon_operator.router.upstream import ConnectFailed, Pool, Response, UpstreamError, _Connection
-from support.router import closed_port, run
+from support.router import FakeEngine, closed_port, routed, run, serving, until
 
 CONTENT_LENGTH = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n"
                   b"X-Engine: a\r\n\r\n{\"a\": true}")
@@ -48,7 +49,7 @@ def fed(raw: bytes, cuts: list[int]) -> tuple[Response, bytes]:
         head = loop.create_future()
         conn.send(b"POST / HTTP/1.1\r\n\r\n", head)
         bounds = [0, *cuts, len(raw)]
-        for start, end in zip(bounds, bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             conn.data_received(raw[start:end])
         response = await head
         return response, await response.read()
@@ -260,4 +261,28 @@ def test_an_idle_connection_past_the_keepalive_is_not_used():
             async with await post(pool, url) as second:
                 await second.read()
             assert pool.connects == 2
+    run(go())
+
+
+def test_the_router_keeps_one_engine_connection_for_requests_in_turn_and_none_for_a_stream_cut_short():
+    async def go():
+        engine = await FakeEngine("e0").start()
+        router = routed(engine)
+        async with serving(router) as client:
+            for stream in (False, True) * 5:  # whole bodies and streams (chunked) alike
+                body = {"model": "m", "prompt": "hi", "stream": stream}
+                async with client.post("/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            assert router.upstream.connects == 1
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": "long", "stream": True})
+            await resp.content.readexactly(len(b"data: started\n\n"))
+            resp.close()  # the client goes: the engine's connection is closed, not kept
+            await until("the engine to see the hang-up", lambda: engine.aborted)
+            url = f"http://127.0.0.1:{engine.port}"
+            await until("the connection to leave the pool", lambda: router.upstream.idle(url) == 0)
+            async with client.post("/v1/completions", json={"model": "m", "prompt": "hi"}) as resp:
+                assert resp.status == 200
+            assert router.upstream.connects == 2
+        await engine.stop()
     run(go())
