@@ -197,7 +197,8 @@ class ReplicaStatus(_Model):
     name: str
     """The router pod."""
     updated: str
-    """When it last wrote; an entry older than 3 minutes is not counted (its replica is gone)."""
+    """When it last wrote; an entry older than 3 minutes is not counted (its replica is gone), one older than
+    10 minutes is removed by a live router replica."""
     tiers: list[ReplicaTierCount] = Field(default_factory=list)
     hits: int = 0
     misses: int = 0

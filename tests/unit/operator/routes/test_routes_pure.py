@@ -276,6 +276,33 @@ def test_the_status_is_the_sum_of_every_replica_not_the_last_writer():
     assert replicas.fresh([{"name": "x", "updated": "garbage"}, {"name": "y"}], later) == []
 
 
+def test_entries_of_replicas_gone_for_ten_minutes_are_pruned_by_a_guarded_patch():
+    """Only entries older than PRUNE_SECONDS, never this replica's or an unreadable one; each removal
+    guarded by tests of its name and stamp, removals from the highest index down."""
+    import jsonpatch
+
+    from kaon_operator import kubetime
+    from kaon_operator.routes import replicas
+
+    now = 1_800_000_000.0
+    old, recent = kubetime.stamp(now - replicas.PRUNE_SECONDS - 1), kubetime.stamp(now - replicas.STALE_SECONDS - 1)
+    entries = [{"name": "gone-1", "updated": old}, {"name": "live", "updated": kubetime.stamp(now)},
+               {"name": "me", "updated": old}, {"name": "stale", "updated": recent},
+               {"name": "gone-2", "updated": old}, {"name": "odd", "updated": "garbage"}]
+    patch = replicas.prune_patch(entries, now, keep="me")
+    kept = jsonpatch.apply_patch({"status": {"replicas": entries}}, patch)["status"]["replicas"]
+    assert [e["name"] for e in kept] == ["live", "me", "stale", "odd"]
+    assert [op["op"] for op in patch] == ["test"] * 4 + ["remove"] * 2
+    # read before another replica pruned gone-1: its tests fail at the index, nothing else goes
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"status": {"replicas": entries[1:]}}, patch)
+    # renewed since the read: refused too
+    renewed = [{**entries[0], "updated": kubetime.stamp(now)}, *entries[1:]]
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch({"status": {"replicas": renewed}}, patch)
+    assert replicas.prune_patch(entries[1:4], now, keep="me") == []
+
+
 def test_the_operator_publishes_a_routes_key_digests():
     import base64
     import hashlib
