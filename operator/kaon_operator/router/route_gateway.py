@@ -216,11 +216,14 @@ class RouteGateway:
                     sem_scope = cache_keys.semantic_scope(scope, generation, path, payload, text)
                     semantic = (sem_scope, vector, text)
                     near = await store.nearest(sem_scope, vector)
-                    if near is not None and near[0] >= spec.cache.semantic.threshold:
+                    semantic_spec = spec.cache.semantic
+                    if near is not None and near[0] >= min(semantic_spec.threshold, semantic_spec.same_words_threshold):
                         found = await store.get(near[1])
                         # The embedder finds near misses close too (another number, direction, a
-                        # word put for its opposite): anchors.may_match refuses their shape.
-                        if found is not None and not anchors.may_match(text, found.prompt):
+                        # word put for its opposite): the guard refuses their shape, and asks a close
+                        # embedding of prompts in other words (anchors.accepts).
+                        if found is not None and not anchors.accepts(text, found.prompt, near[0], semantic_spec.threshold,
+                                                                     semantic_spec.same_words_threshold):
                             self.metrics.semantic_refused.labels(*route.key).inc()
                             found = None
             if found is not None:
