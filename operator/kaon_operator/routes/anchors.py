@@ -104,10 +104,15 @@ def may_match(prompt: str, cached: str) -> bool:
     return verdict(prompt, cached) != REFUSED
 
 
+def cut_off(found: str, threshold: float, same_words_threshold: float) -> float | None:
+    """The cosine a match of this verdict needs (None: refused at any cosine)."""
+    if found == SAME_WORDS:
+        return min(threshold, same_words_threshold)
+    return threshold if found == REWORDED else None
+
+
 def accepts(prompt: str, cached: str, similarity: float, threshold: float, same_words_threshold: float) -> bool:
     """The semantic cache's decision for the nearest cached prompt: its cosine at least the cut-off of what
     the guard verified (SAME_WORDS: min(threshold, same_words_threshold); REWORDED: threshold)."""
-    found = verdict(prompt, cached)
-    if found == SAME_WORDS:
-        return similarity >= min(threshold, same_words_threshold)
-    return found == REWORDED and similarity >= threshold
+    needed = cut_off(verdict(prompt, cached), threshold, same_words_threshold)
+    return needed is not None and similarity >= needed
