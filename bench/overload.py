@@ -3,10 +3,10 @@
     python bench/overload.py [--kaon-args "--device cpu"] [--capacity-s 30] [--overload-s 60] [--factor 2]
 
 One server, two phases, in the same run:
-1. Capacity (1x): closed loop, `--concurrency` clients (default: the running batch the server admits,
-   --max-num-seqs or its default for the device) each sending its next request as soon as the last one
-   finished, for --capacity-s seconds, the last ones waited for: completed requests per second (over the
-   time to the last completion) is the capacity.
+1. Capacity (1x): closed loop, `--concurrency` clients (default: twice the running batch the server
+   admits, --max-num-seqs or its default for the device, so that a backlog keeps it at its best) each
+   sending its next request as soon as the last one finished, for --capacity-s seconds, the last ones
+   waited for: completed requests per second (over the time to the last completion) is the capacity.
 2. Overload: an open loop at --factor x that capacity (constant arrivals) for --overload-s seconds, every
    request waited for to its end: completed requests per second over the offer (completions / offer's
    duration, so a server that finishes work only after the offer ends is not credited for it), time to
@@ -203,8 +203,8 @@ def _flag(extra: list[str], name: str, kind):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kaon-args", default="--device cpu", help="extra `kaon serve` flags")
-    parser.add_argument("--concurrency", type=int, default=0, help="capacity phase's clients (0: --max-num-seqs "
-                        "from --kaon-args, else 8)")
+    parser.add_argument("--concurrency", type=int, default=0, help="capacity phase's clients (0: twice the "
+                        "server's --max-num-seqs, from --kaon-args or its default for the device)")
     parser.add_argument("--capacity-s", type=float, default=30.0)
     parser.add_argument("--overload-s", type=float, default=60.0)
     parser.add_argument("--factor", type=float, default=2.0)
@@ -215,8 +215,11 @@ def main() -> int:
     parser.add_argument("--guidellm-s", type=float, default=30.0)
     args = parser.parse_args()
     extra = args.kaon_args.split()
-    concurrency = args.concurrency or serving_max_num_seqs(_flag(extra, "--max-num-seqs", int),
-                                                           _flag(extra, "--device", str) or "auto")
+    # Twice the running batch: a backlog as deep as the batch keeps every slot busy and lets the server batch
+    # what waits (--prefill-group), so the closed loop finds its best throughput, not one slowed by the
+    # clients' own round trips
+    concurrency = args.concurrency or 2 * serving_max_num_seqs(_flag(extra, "--max-num-seqs", int),
+                                                               _flag(extra, "--device", str) or "auto")
     limit = _flag(extra, "--max-queue-wait", float)
     limit = MAX_QUEUE_WAIT_S if limit is None else (limit or None)  # 0: no admission limit
     tokenizer = load_checkpoint(resolve_model(MODEL)).tokenizer
