@@ -34,6 +34,8 @@ is closing fails after it went out; stay under (and see the one retry on a fresh
 HIGH_WATER = 1 << 18
 """Unread response bytes per connection above which the engine's socket is not read."""
 MAX_IDLE_PER_POD = 256
+MAX_ADDRESSES = 4096
+"""Parsed pod URLs kept (pods come and go: past this the cache starts afresh)."""
 
 
 class UpstreamError(Exception):
@@ -331,6 +333,8 @@ class Pool:
         deadline = loop.time() + timeout
         address = self._addresses.get(url)
         if address is None:
+            if len(self._addresses) >= MAX_ADDRESSES:
+                self._addresses.clear()
             address = self._addresses[url] = _Address(url)
         data = _encode(method, path, address.host_header, fields, body)
         conn = self._take(url, loop.time())
@@ -358,6 +362,8 @@ class Pool:
         idle = self._idle.get(conn.url)
         if idle and conn in idle:
             idle.remove(conn)
+            if not idle:
+                del self._idle[conn.url]
 
     def close(self) -> None:
         for conn in list(self._open):
@@ -374,6 +380,8 @@ class Pool:
             if not conn.closed and now - conn.idle_since < self.keepalive:
                 return conn
             conn.close()
+        if idle is not None:
+            del self._idle[url]  # none left: a pod that is gone leaves no entry behind
         return None
 
     async def _connect(self, url: str, address: _Address, deadline: float,

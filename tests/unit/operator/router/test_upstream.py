@@ -286,3 +286,14 @@ def test_the_router_keeps_one_engine_connection_for_requests_in_turn_and_none_fo
             assert router.upstream.connects == 2
         await engine.stop()
     run(go())
+
+
+def test_a_kept_connection_the_engine_closes_leaves_the_pool_and_no_entry_behind():
+    async def go():
+        async with Canned(CONTENT_LENGTH, close=True) as url:  # answers, then closes the idle connection
+            pool = Pool(1.0)
+            async with await post(pool, url) as response:
+                await response.read()
+            await until("the closed connection to leave the pool", lambda: url not in pool._idle)
+            assert pool.idle(url) == 0 and not pool._open
+    run(go())
