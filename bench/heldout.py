@@ -9,7 +9,10 @@ labelled agree / disagree: what verify.similarity decides). A figure is held out
 tuned on the rows it counts: `split` gives a fixed half for development (dev) and the other half (test),
 which is only ever measured, never looked at to change code or a default. The whole set was measured
 once with the guard as it was (bench/history/routing_tiers.md, 2026-11-29); the dev half has been read
-since, so only the test half is held out now.
+since, so only the test half is held out now. routes4 developed the next guard and the monitor's fact
+comparison on the dev half and measured the test half once at the end (its README's use log); every
+further measurement of the test half after a change spends some of its worth: say so with the figure.
+bench/data/heldout2/ (a second set, written blind) is measured whole, never split or read.
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def prefills_take_the_c_step(quantized: bool) -> bool:
     so under that setting (the default) int8/int4 prompt rows keep torch's prefill (answers not
     invariant). With two passes (~15 bits) the C step is ~100x nearer the exact arithmetic than
     torch's prefill (bench/prefill_precision.py), but batched decode pays for the second pass (a
-    16-sequence int4 step ~1.6x slower; bench/cpu_decode.py --activations): so it is opt-in."""
+    16-sequence int4 step 0.64-0.75x the tokens/s; bench/cpu_decode.py --activations): so it is opt-in."""
     precise = cpu_decode.activation_passes() == 2
     choice = os.environ.get("KAON_CPU_PREFILL", "torch" if quantized and not precise else "fused")
     if choice not in ("fused", "torch"):
