@@ -76,7 +76,8 @@ test: install
 	@echo "llama.cpp, the control plane and MinIO build beside tests/unit: $(VENV)/builds.log"
 	@(PY=$(PY) nice -n 19 bash e2e/build-llama-cpp.sh; \
 	  bash e2e/build-control-plane.sh && bash e2e/build-minio.sh) > $(VENV)/builds.log 2>&1 & builds=$$!; \
-	$(PY) -m pytest -q $(UNIT_WORKERS) --durations=15 tests/unit; unit=$$?; \
+	ticks=$$(tests/cpu_busy.sh); $(PY) -m pytest -q $(UNIT_WORKERS) --durations=15 tests/unit; unit=$$?; \
+	echo "[tests] tests/unit: the CPUs were $$(tests/cpu_busy.sh "$$ticks")% busy (the builds beside it included)"; \
 	asked=$$(date +%s); wait $$builds; \
 	[ -z "$$KAON_BUILD_WAIT_LOG" ] || echo "builds $$(($$(date +%s) - asked))" >> "$$KAON_BUILD_WAIT_LOG"; \
 	CLUSTER_TESTS=$(CLUSTER_TESTS) PY=$(PY) bash tests/run_cluster_tests.sh -q --durations=15; status=$$?; \

@@ -1,7 +1,7 @@
 """CPU decode: kaon in each weight format against llama.cpp on the same GGUF, in one run.
 
     python bench/cpu_decode.py [--formats float32 bfloat16 float16 int8 int4] [--torch-ops float32 int4]
-                               [--tokens 64] [--batch 16] [--invariance int4 float32]
+                               [--tokens 64] [--batch 16] [--invariance int4 float32] [--activations int4 int8]
 
 The bundled SmolLM2-135M-Instruct is a Q4_1 GGUF. kaon loads it as float32 (greedy output
 matches HF transformers), bfloat16 or float16 (the weights stored in that dtype, widened to
@@ -26,6 +26,11 @@ through the fused C step, whose rows are computed alone (models/cpu_decode_step.
 prefill chunks went through torch's GEMMs (KAON_CPU_PREFILL=torch, still there). Per format asked,
 both settings: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~500-token prompt
 (time to the first token), with the invariant setting's ratio to the old one.
+
+--activations: the same figures for int8/int4 weights, their invariant setting (two int8 passes per
+activation block, every row through the C step: KAON_CPU_ACTIVATIONS=int8x2) against the default (one
+pass, the prompt rows through torch's prefill), alternated in one engine; the median of the per-repeat
+ratios. `--formats --torch-ops --activations int4` measures only that.
 """
 from __future__ import annotations
 
@@ -73,18 +78,23 @@ AGREEMENT_PROMPTS = [PROMPT, "def fibonacci(n):", "The three primary colors are"
 FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
 
 
-def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", **engine_options):
+def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", activations: str | None = None, **engine_options):
     """An LLM in this format; fused=False builds it with the fused CPU decode step off (torch ops);
-    prefill: KAON_CPU_PREFILL (fused: every step through the C step; torch: the chunks through torch)."""
-    from kaon_runtime import LLM
+    prefill: KAON_CPU_PREFILL (fused: every step through the C step; torch: the chunks through torch);
+    activations: KAON_CPU_ACTIVATIONS (None: the default), held while one request makes its structs."""
+    from kaon_runtime import LLM, SamplingParams
     from kaon_runtime.kernels import cpu_decode
     options = dict(dtype=fmt) if fmt in ("bfloat16", "float16") else dict(
         dtype="float32", quantization="none" if fmt == "float32" else fmt)
-    saved = {name: os.environ.get(name) for name in ("KAON_CPU_DECODE", "KAON_CPU_PREFILL")}
+    saved = {name: os.environ.get(name) for name in ("KAON_CPU_DECODE", "KAON_CPU_PREFILL", "KAON_CPU_ACTIVATIONS")}
     os.environ.update(KAON_CPU_DECODE="on" if fused else "off", KAON_CPU_PREFILL=prefill)
+    if activations:
+        os.environ["KAON_CPU_ACTIVATIONS"] = activations
     cpu_decode.library.cache_clear()
     try:
-        return LLM(MODEL, device="cpu", show_progress=False, **options, **engine_options)
+        llm = LLM(MODEL, device="cpu", show_progress=False, **options, **engine_options)
+        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # (the head's struct)
+        return llm
     finally:
         for name, value in saved.items():
             os.environ.pop(name) if value is None else os.environ.update({name: value})
@@ -127,6 +137,45 @@ def invariance_cost(formats: list[str], args) -> None:
         print(f"{'kaon ' + fmt + ' invariant':26} {now[0]:14.1f} {now[1]:15.1f} {now[2]:14.1f}")
         print(f"{'  invariant / before':26} {now[0] / before[0]:13.2f}x {now[1] / before[1]:14.2f}x "
               f"{now[2] / before[2]:13.2f}x")
+
+
+def use_activations(llm, passes: int, c_prefill: bool) -> None:
+    """Switch a built engine's narrow kernels to one or two int8 activation passes (KAON_CPU_ACTIVATIONS
+    int8 / int8x2) and its prompt rows to the C step or torch (KAON_CPU_PREFILL), in place: the same
+    weights and pool, so the two settings are measured turn about in one process (ratios that hold
+    on a shared machine)."""
+    model = llm.engine.runner.model
+    step = model.model.cpu_decode
+    step.activation_passes, step.prefills, step._built = passes, c_prefill, None  # structs rebuilt on the next step
+    model.lm_head.cpu_weights().struct.act_passes = passes
+
+
+def activations_cost(formats: list[str], args) -> None:
+    """Two int8 passes per activation block with every row through the C step (invariant, opt-in:
+    KAON_CPU_ACTIVATIONS=int8x2) against the default (one pass, prompt rows through torch's prefill):
+    batch-1 and batch-B decode tokens/s (decode runs the C step in both: the second pass's cost) and
+    prefill tokens/s of a ~500-token prompt (the C step's prompt rows against torch's prefill),
+    the two settings alternated `--repeats` times in one engine, medians."""
+    print("\nactivations: two int8 passes, prompt rows through the C step vs one pass, prompt rows through torch "
+          "(KAON_CPU_ACTIVATIONS=int8x2 vs the default)")
+    print(f"{'':30} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
+    settings = {"one pass, torch prefill": (1, False), "two passes, C prefill": (2, True)}
+    for fmt in formats:
+        llm = kaon_llm(fmt, True, "torch", "int8", enable_prefix_caching=False)
+        run = kaon_runner(llm)
+        figures: dict[str, list[tuple[float, float, float]]] = {label: [] for label in settings}
+        for _ in range(args.repeats):
+            for label, (passes, c_prefill) in settings.items():
+                use_activations(llm, passes, c_prefill)
+                figures[label].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1),
+                                       prefill_rate(llm, 1)))
+        medians = {label: [statistics.median(f[i] for f in runs) for i in range(3)] for label, runs in figures.items()}
+        for label, (one, many, prefill) in medians.items():
+            print(f"{'kaon ' + fmt + ' ' + label:30} {one:14.1f} {many:15.1f} {prefill:14.1f}")
+        ratios = [[b[i] / a[i] for a, b in zip(*figures.values())] for i in range(3)]
+        print(f"{'  two / one (median ratio)':30} {statistics.median(ratios[0]):13.2f}x "
+              f"{statistics.median(ratios[1]):14.2f}x {statistics.median(ratios[2]):13.2f}x", flush=True)
+        del run, llm
 
 
 def kaon_runner(llm):
@@ -183,6 +232,8 @@ def main() -> int:
                         help="formats also measured with the fused CPU decode step off")
     parser.add_argument("--invariance", nargs="*", default=[], choices=FORMATS,
                         help="formats whose decode and prefill are measured with and without batch invariance")
+    parser.add_argument("--activations", nargs="*", default=[], choices=["int8", "int4"],
+                        help="formats measured with one and two int8 passes per activation block")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -203,7 +254,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     gguf = resolve_model(MODEL)
     rows = {}
-    peer = llama_cpp_rates(gguf, threads, args)
+    peer = llama_cpp_rates(gguf, threads, args) if args.formats else None  # (no table without formats)
     if peer is not None:
         rows["llama.cpp Q4_1"] = peer
     reference, agree = None, {}
@@ -231,6 +282,8 @@ def main() -> int:
         print(f"{name:26} {one:14.1f} {r1:>13} {f1:>11} {many:15.1f} {rb:>13} {fb:>11}  {agree.get(name, '-')}")
     if args.invariance:
         invariance_cost(args.invariance, args)
+    if args.activations:
+        activations_cost(args.activations, args)
     if args.json:
         args.json.write_text(json.dumps({k: {"batch1_tok_s": v[0], f"batch{args.batch}_tok_s": v[1],
                                              "greedy_agreement": agree.get(k)} for k, v in rows.items()}, indent=2))

@@ -165,22 +165,35 @@ async def ttft_alone(url: str, words: int, seed: int) -> float:
     return statistics.median(stats.ttft_long)
 
 
-async def transfer_per_1000(prefill_url: str, tokens: int) -> tuple[float, float]:
-    """(cold: prefill + move, cached: the move alone) seconds per 1,000 tokens, asking the prefill engine directly."""
-    from kaon_runtime.engine.kv_wire import TcpTransport
+async def transfer_per_1000(prefill_url: str, tokens: int) -> list[tuple[float, float]]:
+    """[(ask to first chunk, first chunk to done)] seconds per 1,000 tokens, cold then cached on the prefill engine,
+    asking it directly over TCP: the first phase is the prefill engine's queue and prefill (cached: one step for
+    the last partial block), the second the K/V's move (the prompt is one chunk when it fits one step)."""
+    from kaon_runtime.engine.kv_wire import KvAssembler, TcpTransport
+
+    class Timed(KvAssembler):
+        first_chunk_at: float | None = None
+
+        def destination(self, header: dict):
+            if self.first_chunk_at is None and header.get("type") == "chunk":
+                self.first_chunk_at = time.perf_counter()
+            return super().destination(header)
 
     rng = random.Random(7)
     token_ids = [rng.randrange(1000, 40000) for _ in range(tokens)]
     transport, layout, times = TcpTransport(), await _layout(prefill_url), []
+    per_1000 = 1000 / (tokens - 1)
     try:
         for _ in range(2):  # the second time the prefill engine holds the prompt in its prefix cache
             ask = {"token_ids": token_ids, "start": 0, "adapter": None, "cache_salt": None}
+            assembler = Timed(layout, 0, tokens - 1)
             began = time.perf_counter()
-            await transport.fetch(prefill_url, ask, layout, 600)
-            times.append(time.perf_counter() - began)
+            await transport._stream(prefill_url, ask, assembler, 600)
+            ended, first = time.perf_counter(), assembler.first_chunk_at or began
+            times.append(((first - began) * per_1000, (ended - first) * per_1000))
     finally:
         await transport.close()
-    return times[0] * 1000 / (tokens - 1), times[1] * 1000 / (tokens - 1)
+    return times
 
 
 async def _layout(prefill_url: str):
@@ -210,7 +223,7 @@ async def run(args) -> None:
             alone = {n: await ttft_alone(decode.url, int(n / 1.3), 100 + n) for n in lengths}
             results["disaggregated"] = (*await mixed_load(decode.url, args.seconds, args.streams, args.long_tokens,
                                                            args.long_every, 1), alone)
-            cold, cached = await transfer_per_1000(prefill.url, args.transfer_tokens)
+            transfer = await transfer_per_1000(prefill.url, args.transfer_tokens)
             async with session.get(decode.url + "/metrics") as r:
                 metrics = [m for m in (await r.text()).splitlines() if m.startswith("kaon_kv_transfer")
                            and ("tokens_total" in m or "fallbacks_total" in m or "seconds_sum" in m
@@ -225,10 +238,10 @@ async def run(args) -> None:
                                                        args.long_every, 1), alone)
         finally:
             stop([aggregated])
-    report(args, results, cold, cached, metrics)
+    report(args, results, transfer, metrics)
 
 
-def report(args, results, cold: float, cached: float, metrics: list[str]) -> None:
+def report(args, results, transfer: list[tuple[float, float]], metrics: list[str]) -> None:
     print(f"bench/disagg.py  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  load average "
           f"{os.getloadavg()[0]:.1f} (the machine is shared with other work)")
     print(f"decode engine's K/V transport: {args.kv_transport}")
@@ -245,8 +258,10 @@ def report(args, results, cold: float, cached: float, metrics: list[str]) -> Non
     print(f"  ratios (disaggregated / aggregated): ITL p99 {d[1] / a[1]:.2f}x (goal <= 0.33x), "
           f"TTFT p50 long {d[2] / a[2]:.2f}x (goal <= 1.2x), short {d[3] / a[3]:.2f}x, "
           f"output tok/s {d[4] / a[4]:.2f}x (goal >= 0.9x)")
-    print(f"transfer of {args.transfer_tokens} tokens: {cold * 1000:.0f} ms per 1,000 tokens with the prefill, "
-          f"{cached * 1000:.0f} ms per 1,000 tokens cached on the prefill engine (the move alone)")
+    (cold_prefill, cold_move), (cached_prefill, cached_move) = transfer
+    print(f"transfer of {args.transfer_tokens} tokens over TCP, per 1,000 tokens: cold: ask to first chunk (the "
+          f"prefill) {cold_prefill * 1000:.0f} ms, then the move {cold_move * 1000:.0f} ms; cached on the prefill "
+          f"engine: ask to first chunk {cached_prefill * 1000:.0f} ms, then the move {cached_move * 1000:.0f} ms")
     print("one prompt alone, TTFT p50 (disaggregated vs aggregated):")
     for n in results["aggregated"][2]:
         dn, an = results["disaggregated"][2][n], results["aggregated"][2][n]

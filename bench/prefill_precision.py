@@ -1,21 +1,24 @@
 """Where do the bundled model's int4/int8 prompt rows land, through the C step and through torch?
 
-Issue 49 §2: the invariant C prefill (KAON_CPU_PREFILL=fused) is the default for float weights
-only; with int4 weights it answered "What is the capital of France?" with "L'Étoile, la
-Marseillaise," where torch's prefill answers "The capital of France is Paris." This measures, per
+Issue 49 §2: with one int8 pass per activation block (KAON_CPU_ACTIVATIONS=int8) the invariant C
+prefill of the int4 model answered "What is the capital of France?" with "L'Étoile, la
+Marseillaise," where torch's prefill answers "The capital of France is Paris."; with two passes
+(KAON_CPU_ACTIVATIONS=int8x2) it is nearer the weights' exact arithmetic than torch's prefill. This measures, per
 chat prompt, the first answer token's log-probabilities of three computations of the same prompt
 in the same engine:
   reference  every quantized linear, the head too, multiplies float32 activations by its
              dequantized weight (quant/reference.py: what the weights specify, no activation rounding);
-  torch      the default prefill of quantized weights: torch's int4/int8 CPU kernels (bfloat16
-             activations), the head through the C kernel (int8-block activations);
-  fused      the invariant C step (int8-block activations in every projection) and the same head.
+  torch      torch's prefill of quantized weights (their default unless KAON_CPU_ACTIVATIONS=int8x2):
+             torch's int4/int8 CPU kernels (bfloat16 activations), the head through the C kernel;
+  fused      the invariant C step and the same head; both C kernels take the activations as
+             KAON_CPU_ACTIVATIONS says: int8 (the default) one int8 pass per block of 32
+             (llama.cpp's trade), int8x2 two (the block and its rounding remainder).
 It prints the reference's top-two margin, whether each path keeps the reference's top token, the
 largest |difference| of log-probability over the reference's top 5, and each path's final hidden
 state's error against the reference. A bug in the C step's indexing (scales of another row or
 group) shows as errors far above torch's; the activations' rounding as errors of the same order.
 
-    .venv/bin/python bench/prefill_precision.py [--quantization int8] [--prompts 8]
+    [KAON_CPU_ACTIVATIONS=int8x2] .venv/bin/python bench/prefill_precision.py [--quantization int8] [--prompts 8]
 """
 from __future__ import annotations
 

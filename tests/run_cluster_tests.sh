@@ -28,7 +28,7 @@ if [[ ${CLUSTER_TESTS:-side-by-side} == serial ]]; then
 fi
 
 IN_E2E_PROCESS=(tests/integration/test_pipeline_parallel.py tests/integration/test_engine_lifecycle.py)
-start=$SECONDS
+start=$SECONDS ticks=$(tests/cpu_busy.sh)
 ( "$PY" -m pytest "$@" tests/integration "${IN_E2E_PROCESS[@]/#/--ignore=}" > "$LOG" 2>&1 & pytest_pid=$!
   trap 'kill "$pytest_pid" 2>/dev/null' INT TERM
   wait "$pytest_pid"; rc=$?
@@ -43,6 +43,6 @@ integration=$?
 echo
 echo "==================== tests/integration (ran beside tests/e2e; also in $LOG) ===================="
 cat "$LOG"
-echo "[tests] tests/integration exit $integration, tests/e2e exit $e2e"
+echo "[tests] tests/integration exit $integration, tests/e2e exit $e2e; the CPUs were $(tests/cpu_busy.sh "$ticks")% busy"
 ((integration == 0)) || exit "$integration"
 exit "$e2e"

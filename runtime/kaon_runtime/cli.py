@@ -93,8 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-model-len", type=int)
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help="sequences in the running batch; the rest wait, oldest first (default: 8 on a CPU, "
+                            "where a larger batch adds no throughput, 64 on a GPU; engine/admission.py)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens one step computes at most: longer prompts are prefilled in chunks of it "
+                            "(default 1024; 256 for --role decode, whose steps its streams wait on)")
+    serve.add_argument("--prefill-group", type=positive_int, default=None, metavar="N",
+                       help="past capacity, waiting prompts go in once N running slots are free, their prefills in "
+                            "one step (default: half of --max-num-seqs on a CPU, 1 on a GPU; engine/admission.py)")
     serve.add_argument("--prefill-delay-ms", type=non_negative_float, default=0.0, metavar="MS",
                        help="while sequences decode, hold a new prompt's prefill up to MS for them to finish: "
                             "a steadier token pace for a longer time to first token (default 0: prefill at once)")
@@ -197,6 +204,9 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transport", choices=("auto", "nixl", "tcp"), default="auto",
                         help="how a decode engine receives K/V: auto: NIXL where it runs (pip install kaon[nixl]), "
                         "else TCP")
+    parser.add_argument("--disagg-max-in-flight", type=positive_int, default=2, metavar="N",
+                        help="transfers a decode engine keeps in flight per prefill engine; past it, it prefills "
+                        "the prompt itself at once (in chunks) instead of queueing it there")
     parser.add_argument("--disagg-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                         help="a transfer not complete by then is given up: the decode engine prefills the prompt")
 
@@ -364,8 +374,12 @@ def _generate(args) -> int:
 
 def engine_config(args) -> EngineConfig:
     """`kaon serve`'s flags as the engine's configuration, which the server takes finished."""
+    from kaon_runtime.engine.remote_prefill import step_token_budget  # here: the CLI starts without torch
+
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=_max_num_seqs(args), prefill_group=_prefill_group(args),
+                        max_num_batched_tokens=step_token_budget(args.max_num_batched_tokens,
+                                                                 getattr(args, "role", "both")),
                         prefill_delay_ms=args.prefill_delay_ms, kv_cache_fraction=args.kv_cache_fraction,
                         kv_cache_bytes=args.kv_cache_bytes,
                         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
@@ -375,6 +389,19 @@ def engine_config(args) -> EngineConfig:
                         distributed_init_address=args.distributed_init_address,
                         cuda_graph_max_batch=args.cuda_graph_max_batch,
                         **speculative_options(args), **lora_options(args), **kv_tier_options(args))
+
+
+def _max_num_seqs(args) -> int:
+    """--max-num-seqs, else the measured default for the device the engine will run on."""
+    from kaon_runtime.engine.admission import serving_max_num_seqs
+
+    return serving_max_num_seqs(args.max_num_seqs, args.device)
+
+
+def _prefill_group(args) -> int:
+    from kaon_runtime.engine.admission import serving_prefill_group
+
+    return serving_prefill_group(args.prefill_group, _max_num_seqs(args), args.device)
 
 
 def _serve(args) -> int:

@@ -86,6 +86,8 @@ class EngineConfig:
     # (0: it joins the next step). Prefill chunks lengthen the step every decoding stream waits
     # on; waiting trades time to first token for a steadier token pace (docs/serving.md).
     prefill_delay_ms: float = 0.0
+    # past capacity, waiting prompts go in once this many slots are free (scheduler.gather_prefills)
+    prefill_group: int = 1
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_fraction: float = 0.85  # GPU: share of the memory left after loading weights
     kv_cache_bytes: int = 1 << 30  # CPU: bytes for the KV pool
@@ -133,6 +135,8 @@ class EngineConfig:
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
             (0 < self.kv_cache_fraction <= 1, f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"),
             (self.prefill_delay_ms >= 0, f"prefill_delay_ms must be >= 0, got {self.prefill_delay_ms}"),
+            (1 <= self.prefill_group <= self.max_num_seqs,
+             f"prefill_group must be between 1 and max_num_seqs ({self.max_num_seqs}), got {self.prefill_group}"),
             (self.kv_cache_bytes > 0, f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),

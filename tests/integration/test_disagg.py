@@ -155,7 +155,7 @@ def received(server: Server) -> float:
 
 def fallbacks(server: Server) -> float:
     return sum(metric(server, "kaon_kv_transfer_fallbacks_total", f'reason="{r}"')
-               for r in ("unreachable", "timeout", "garbage", "refused", "evicted"))
+               for r in ("unreachable", "timeout", "garbage", "refused", "evicted", "busy"))
 
 
 def sse_events(url: str, path: str, body: dict) -> list[dict]:

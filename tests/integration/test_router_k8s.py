@@ -219,11 +219,13 @@ def test_kaon_router_runs_as_a_process(crd, namespace, router_kubeconfig):
     assert proc.returncode == 0, out
 
 
-def test_routes_are_watched_and_their_status_written_as_the_router(crd, namespace, router_kubeconfig):
+def test_routes_are_watched_and_their_status_written_as_the_router(crd, namespace, router_kubeconfig, monkeypatch):
     """An InferenceRoute reaches the router's route table through the watch; the router's status writer
-    patches its status as the router's own ServiceAccount; `kubectl get inferenceroute` shows the columns."""
+    patches its status as the router's own ServiceAccount; `kubectl get inferenceroute` shows the columns.
+    The entry of a router replica gone for more than 10 minutes is removed by a live one, once."""
     import aiohttp
 
+    from kaon_operator import clock, kubetime
     from kaon_operator.router import route_status
     from kaon_operator.router.route_gateway import RouteGateway
     from kaon_operator.routes.figures import Figures
@@ -257,6 +259,37 @@ def test_routes_are_watched_and_their_status_written_as_the_router(crd, namespac
                     figures.answered(tier, 1000, cost, 1.0)
                 writers.append(route_status.RouteStatusWriter(server, gateway, replica=replica))
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=server.ssl)) as session:
+                # A replica whose last write was 11 minutes ago (its pod is gone), then router-a's entry
+                # (written without pruning, as before this rule):
+                key = routes.resolve("assistant").key
+                gone = route_status.RouteStatusWriter(server, RouteGateway(Router(table), routes), "router-gone")
+                gone.gateway.figures.setdefault(key, Figures()).answered("large", 1000, 1.0, 1.0)
+
+                async def write_gone():
+                    with monkeypatch.context() as m:
+                        m.setattr(route_status, "_now", lambda: kubetime.stamp(clock.seconds() - 660))
+                        gone._written.clear()
+                        await gone._write(session, routes.resolve("assistant"))
+
+                async def no_prune(*args) -> bool:
+                    return False
+
+                await write_gone()
+                with monkeypatch.context() as m:
+                    m.setattr(writers[0], "prune", no_prune)
+                    await writers[0]._write(session, routes.resolve("assistant"))
+                listed = json.loads((await cluster.kubectl("get", "inferenceroute", "assistant", "-o", "json")).stdout)
+                assert [e["name"] for e in listed["status"]["replicas"]] == ["router-gone", "router-a"]
+                # Two live replicas that read this status both prune: the apiserver removes the gone entry for
+                # the first and refuses the second's patch (its tests fail), which would otherwise remove
+                # router-a's entry, now where router-gone's was.
+                assert await writers[0].prune(session, key, listed["status"], clock.seconds())
+                assert not await writers[1].prune(session, key, listed["status"], clock.seconds())
+                names = await cluster.kubectl("get", "inferenceroute", "assistant", "-o",
+                                              "jsonpath={.status.replicas[*].name}")
+                assert names.stdout == "router-a", names.stdout
+                # The gone replica's entry again: the live replicas' own rounds remove it.
+                await write_gone()
                 for writer in (*writers, writers[0]):
                     writer._written.clear()  # write now, not only when changed
                     await writer._write(session, routes.resolve("assistant"))

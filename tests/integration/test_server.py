@@ -18,7 +18,10 @@ CHAT = [{"role": "user", "content": "Tell me a short story about a robot who lea
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve"), "--api-key", API_KEY, "--max-body-bytes", str(1 << 20))
+    # 64 running slots (a CPU server's default is 8): test_64_concurrent_streams_match_non_streamed runs them
+    # all in one batch, so that a chunk sent to the wrong stream would show
+    srv = Server(tmp_path_factory.mktemp("serve"), "--api-key", API_KEY, "--max-body-bytes", str(1 << 20),
+                 "--max-num-seqs", "64")
     yield srv
     srv.stop()
 

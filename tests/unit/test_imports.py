@@ -56,7 +56,8 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
      "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling", "autoscaling.standby",
      "autoscaling.prefill_scaling",
      "routes.api", "routes.classifier", "routes.cache_keys", "routes.answers", "routes.memory_store", "routes.monitor",
-     "routes.figures", "routes.table", "routes.status", "routes.learned", "routes.replicas", "routes.anchors"),
+     "routes.figures", "routes.table", "routes.status", "routes.learned", "routes.replicas", "routes.anchors",
+     "routes.prompt_words", "routes.answer_facts"),
     ("config",),  # plain values
 )
 OPERATOR_TIER = {f"kaon_operator.{m}": depth for depth, modules in enumerate(OPERATOR_TIERS) for m in modules}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import resource
 import signal
@@ -87,6 +88,21 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+GC_GENERATION0 = 100_000
+"""Net container allocations between collections of the youngest generation (CPython's default: 700).
+Each request allocates a few hundred objects (aiohttp's request and response, headers, futures) that
+reference counting frees; at the default the collector ran every few requests and cost ~13% of the
+router's CPU per request (bench/router.py, 238 -> 208 us under load). Cycles are still collected,
+just in batches."""
+
+
+def quiet_gc() -> None:
+    """After start-up: what was imported and built so far (the kubernetes client, the app) is moved out of
+    the collector's view for good (gc.freeze), and the youngest generation is collected less often."""
+    gc.freeze()
+    gc.set_threshold(GC_GENERATION0, 50, 100)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -140,6 +156,7 @@ async def serve(router: Router, watcher, args: argparse.Namespace, *loops) -> No
                 router.admin_app(), args.host, args.admin_port, max_connections=64,
                 header_timeout=config.header_timeout))
         logging.getLogger("kaon.router").info("listening on http://%s:%d", args.host, args.port)
+        quiet_gc()
         await stop.wait()
     for task in (watch, *others):
         task.cancel()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -79,6 +80,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("kaon_router_requests", "Requests answered, by status code",
                                 [*SERVICE_LABELS, "code"], registry=self.registry)
+        self._request_series: dict[tuple[ServiceKey | None, int], Any] = {}
         self.retries = Counter("kaon_router_retries", "Attempts that failed before a response began (refused or "
                                "reset connection, upstream closed, first-byte timeout): the request went to "
                                "another pod, or got the router's error when none was left", SERVICE_LABELS,
@@ -113,7 +115,12 @@ class RouterMetrics:
 
     def count(self, key: ServiceKey | None, status: int) -> None:
         """A request answered (None: before it named a known InferenceService)."""
-        self.requests.labels(*(key or ("", "")), str(status)).inc()
+        # The labelled child is looked up once per (service, status): labels() cost as much as the rest of
+        # the count. No series is ever removed, so a kept child stays the registry's.
+        child = self._request_series.get((key, status))
+        if child is None:
+            child = self._request_series[(key, status)] = self.requests.labels(*(key or ("", "")), str(status))
+        child.inc()
 
     def render(self, shown: Callable[[ServiceKey], bool] | None = None,
                route_shown: Callable[[str, str], bool] = lambda namespace, name: True) -> bytes:

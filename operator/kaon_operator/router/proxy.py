@@ -33,7 +33,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from kaon_operator import clock
 from kaon_operator.router import auth, errors, json_cost
@@ -45,17 +44,15 @@ from kaon_operator.router.errors import RouterError
 from kaon_operator.router.hold import Hold, HoldFull
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.relay import Relay
-from kaon_operator.router.request import engine_body, parse_request, upstream_headers
+from kaon_operator.router.request import engine_body, parse_request, upstream_fields
 from kaon_operator.router.strategies import Attempt, Strategies
 from kaon_operator.router.strategies.least_connections import pick
+from kaon_operator.router.upstream import UPSTREAM_KEEPALIVE_S, ConnectFailed, Pool, Response, UpstreamError
 
 logger = logging.getLogger("kaon.router")
 
 # Headers aiohttp's client would add on its own; the engine gets the client's, or none.
 NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
-# The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a
-# connection it is closing fails after it went out, which is not safe to retry: stay under.
-UPSTREAM_KEEPALIVE_S = 4.0
 # What a client may ask of an engine through the router: the engine's OpenAI routes
 # (runtime/kaon_runtime/server/app.py). Not its admin routes (/v1/load_lora_adapter,
 # /v1/unload_lora_adapter: the operator reaches pods directly), nor any route the engine may add
@@ -64,7 +61,6 @@ UPSTREAM_KEEPALIVE_S = 4.0
 CLIENT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # Errors raised before a single byte of the request was sent.
 ASLEEP_HEADER = "Kaon-Engine-Asleep"  # on an engine's 503 while asleep (kaon_runtime server/sleep.py)
-CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 class Router:
@@ -85,7 +81,8 @@ class Router:
         table.on_change = self._changed
         self.metrics = RouterMetrics(table, self.inflight, self.held, lambda: self.backoff.ejected(clock.monotonic()))
         self.relay = Relay(config.idle_timeout, config.write_timeout, self.metrics, self.backoff, self._eject)
-        self._session: aiohttp.ClientSession  # made when the app starts
+        self._session: aiohttp.ClientSession  # made when the app starts: the routes' own requests (route_gateway.call)
+        self.upstream: Pool  # made when the app starts: the clients' requests to the engines (upstream.py)
 
     def _changed(self, key: ServiceKey) -> None:
         """The watch changed a service's ready pods: held requests look again; a pod that left
@@ -120,7 +117,9 @@ class Router:
             connector=connector, auto_decompress=False, skip_auto_headers=NO_AUTO_HEADERS,
             cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to the next
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout))
+        self.upstream = Pool(self.config.connect_timeout)
         yield
+        self.upstream.close()
         await self._session.close()
 
     # forwarding ----------------------------------------------------------------
@@ -233,6 +232,8 @@ class Router:
 
     async def _read(self, request: web.Request) -> bytes:
         try:
+            if request.content.is_eof():  # the whole body came with the head: nothing to wait for
+                return await request.read()
             async with asyncio.timeout(self.config.body_timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -296,25 +297,24 @@ class Router:
         return target
 
     async def _send(self, request: web.Request, body: bytes, key: ServiceKey, target: Endpoint,
-                    tried: set[Endpoint]) -> aiohttp.ClientResponse | RouterError:
+                    tried: set[Endpoint]) -> Response | RouterError:
         """The upstream response (headers read), or the error when the attempt failed before
         the response began: nothing reached the client yet, so the caller may try another pod.
         (An engine that failed part way through a request has produced nothing the client saw;
         repeating the request elsewhere costs compute, never a duplicated answer.)"""
         self.inflight[target] = self.inflight.get(target, 0) + 1
         try:
-            async with asyncio.timeout(self.config.first_byte_timeout):
-                return await self._session.request(
-                    request.method, target.url + _engine_path(request), data=body, headers=self._headers(request, key),
-                    allow_redirects=False)
-        except CONNECT_ERRORS as exc:  # before TimeoutError: a connect timeout is one too
+            return await self.upstream.request(target.url, request.method, _engine_path(request),
+                                               self._fields(request, key), body,
+                                               self.config.first_byte_timeout)
+        except ConnectFailed as exc:
             reason, error = f"cannot connect ({exc})", None
         except TimeoutError:
             self.metrics.timeouts.labels(*key, Phase.FIRST_BYTE).inc()
             reason = f"no response within {self.config.first_byte_timeout:g}s"
             error = errors.upstream_timeout(str(key), target.pod, "response", self.config.first_byte_timeout,
                                             len(tried) + 1)
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             reason = str(exc) or type(exc).__name__
             error = errors.upstream_failed(str(key), target.pod, reason)
         except BaseException:
@@ -326,11 +326,11 @@ class Router:
         self._eject(key, target, reason)
         return error or errors.upstream_unreachable(str(key), len(tried))
 
-    def _headers(self, request: web.Request, key: ServiceKey) -> CIMultiDict:
+    def _fields(self, request: web.Request, key: ServiceKey) -> list[bytes]:
         """The client's headers less its credentials; the key back only to a keyed service (the
         request got here past auth.check, so it holds one of that service's keys)."""
         keyed = self.table.api_keys(key) is not None
-        return upstream_headers(request.headers, request.headers.get("Authorization") if keyed else None)
+        return upstream_fields(request.raw_headers, request.headers.get("Authorization") if keyed else None)
 
     def _eject(self, key: ServiceKey, target: Endpoint, reason: str) -> None:
         now = clock.monotonic()
@@ -402,9 +402,9 @@ class Router:
         return app
 
 
-def _asleep(upstream: aiohttp.ClientResponse) -> bool:
+def _asleep(upstream: Response) -> bool:
     """The engine's refusal while asleep: a 503 marked by ASLEEP_HEADER (kaon_runtime's server/sleep.py)."""
-    if upstream.status != 503 or ASLEEP_HEADER not in upstream.headers:
+    if upstream.status != 503 or upstream.header(ASLEEP_HEADER.lower().encode()) is None:
         return False
     upstream.release()
     return True

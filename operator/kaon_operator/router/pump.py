@@ -16,6 +16,8 @@ from typing import NamedTuple, Protocol
 
 import aiohttp
 
+from kaon_operator.router.upstream import UpstreamError
+
 
 class Outcome(StrEnum):
     """How a response body that had begun ended."""
@@ -35,6 +37,10 @@ class Ended(NamedTuple):
     """With BROKE_OFF: the connection's error."""
 
 
+class Body(Protocol):
+    async def readany(self) -> bytes: ...
+
+
 class Framer(Protocol):
     pending: bytes
 
@@ -46,7 +52,7 @@ class Framer(Protocol):
 class Pump:
     """Copies `content` (the engine's body) through `framer` to `write` (the client's)."""
 
-    def __init__(self, content: aiohttp.StreamReader, write: Callable[[bytes], Awaitable[None]], framer: Framer,
+    def __init__(self, content: aiohttp.StreamReader | Body, write: Callable[[bytes], Awaitable[None]], framer: Framer,
                  idle_timeout: float, write_timeout: float):
         self.content, self.write, self.framer = content, write, framer
         self.idle_timeout, self.write_timeout = idle_timeout, write_timeout
@@ -87,7 +93,7 @@ class Pump:
         while True:
             try:
                 chunk = await self.content.readany()
-            except aiohttp.ClientError as exc:
+            except (aiohttp.ClientError, UpstreamError) as exc:
                 return Ended(Outcome.BROKE_OFF, str(exc) or type(exc).__name__)
             self.last = self.clock()
             if not chunk:  # the end of the body

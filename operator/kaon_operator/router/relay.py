@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -26,8 +25,9 @@ from kaon_operator.router.backoff import Backoff
 from kaon_operator.router.endpoints import Endpoint, ServiceKey
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.pump import Ended, Outcome, Pump
-from kaon_operator.router.request import HOP_BY_HOP, forwarded
+from kaon_operator.router.request import response_headers
 from kaon_operator.router.sse import EventFramer, Unframed
+from kaon_operator.router.upstream import Response, UpstreamError
 
 logger = logging.getLogger("kaon.router")
 
@@ -57,18 +57,19 @@ class Relay:
         self.metrics, self.backoff, self.eject = metrics, backoff, eject
         self._stalled_unlogged, self._stalled_logged_at = 0, float("-inf")
 
-    async def __call__(self, request: web.Request, upstream: aiohttp.ClientResponse, key: ServiceKey,
+    async def __call__(self, request: web.Request, upstream: Response, key: ServiceKey,
                        target: Endpoint, overhead: float, tap: Tap | None = None) -> web.StreamResponse:
         """`overhead`: the router's time before the upstream request went out. `tap`: an InferenceRoute's
         (router/route_gateway.py): its headers are added, and it sees the body as it is passed on."""
         async with upstream:  # releases the connection, or closes it when the body was not read to the end
             received = time.perf_counter()
-            headers = forwarded(upstream.headers, HOP_BY_HOP)
-            if tap is not None:
-                headers.update(tap.headers)
             sse = upstream.content_type == "text/event-stream"
             length = upstream.content_length
-            if not sse and length is not None and length <= WHOLE_BODY_BYTES:
+            at_once = not sse and length is not None and length <= WHOLE_BODY_BYTES
+            headers = response_headers(upstream.raw_headers, drop_length=at_once)  # the Response sets it then
+            if tap is not None:
+                headers.update(tap.headers)
+            if at_once:
                 whole = await self._whole(upstream, key, target, headers, overhead, received)
                 if tap is not None and isinstance(whole.body, bytes):
                     await tap.tee(whole.body)
@@ -113,25 +114,27 @@ class Relay:
         self.metrics.count(key, status)
         self.backoff.succeed(target)
 
-    async def _whole(self, upstream: aiohttp.ClientResponse, key: ServiceKey, target: Endpoint,
+    async def _whole(self, upstream: Response, key: ServiceKey, target: Endpoint,
                      headers: CIMultiDict, overhead: float, received: float) -> web.Response:
         """A small body of known length (a completion without `stream`, an error) is read whole
         and sent with the headers in one write: one system call fewer per request than
         streaming it, and a failure while reading it can still be the router's own 502/504."""
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self.idle_timeout):
+            if upstream.complete:  # the body came with the head: nothing to wait for
                 body = await upstream.read()
+            else:
+                async with asyncio.timeout(self.idle_timeout):
+                    body = await upstream.read()
             read = time.perf_counter()
         except TimeoutError:
             self.metrics.timeouts.labels(*key, Phase.IDLE).inc()
             self.eject(key, target, f"response broke off: nothing sent for {self.idle_timeout:g}s")
             raise errors.upstream_timeout(str(key), target.pod, "data", self.idle_timeout) from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             reason = str(exc) or type(exc).__name__
             self.eject(key, target, f"response broke off: {reason}")
             raise errors.upstream_broke_off(str(key), target.pod, reason) from None
-        del headers["Content-Length"]  # the Response sets it
         response = web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
         # The router's part only: not the time the engine took to send the body.
         self._answered(key, target, upstream.status, overhead + started - received + time.perf_counter() - read)

@@ -3,7 +3,7 @@ the headers passed on. Pure functions."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -86,3 +86,40 @@ def forwarded(headers: Mapping[str, str], dropped: frozenset[str] = NOT_FORWARDE
     the router's own connection sets)."""
     dropped = dropped | connection_options(headers)
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
+
+
+# The same rules on the raw fields (name and value bytes as aiohttp's parser and httptools give them):
+# the hot path builds the engine's request head and the client's response headers from these in one
+# pass, without a CIMultiDict per direction (tests/unit/operator/router/test_upstream.py checks that
+# both ways agree).
+_NOT_FORWARDED_RAW = frozenset(name.encode() for name in NOT_FORWARDED)
+_HOP_BY_HOP_RAW = frozenset(name.encode() for name in HOP_BY_HOP)
+_CREDENTIALS_RAW = frozenset(name.encode() for name in CREDENTIALS)
+_CREDENTIAL_PREFIXES_RAW = tuple(prefix.encode() for prefix in CREDENTIAL_PREFIXES)
+
+
+def _connection_options_raw(fields: Sequence[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    return frozenset(token.strip().lower() for name, value in fields if name.lower() == b"connection"
+                     for token in value.split(b",") if token.strip())
+
+
+def upstream_fields(fields: Sequence[tuple[bytes, bytes]], authorization: str | None) -> list[bytes]:
+    """upstream_headers on the client's raw fields, as the lines of the engine's request head."""
+    dropped = _NOT_FORWARDED_RAW | _CREDENTIALS_RAW
+    if any(name.lower() == b"connection" for name, _ in fields):
+        dropped = dropped | _connection_options_raw(fields)
+    out = [name + b": " + value + b"\r\n" for name, value in fields
+           if (lower := name.lower()) not in dropped and not lower.startswith(_CREDENTIAL_PREFIXES_RAW)]
+    if authorization is not None:
+        out.append(b"Authorization: " + authorization.encode("utf-8", "surrogateescape") + b"\r\n")
+    return out
+
+
+def response_headers(fields: Sequence[tuple[bytes, bytes]], drop_length: bool = False) -> CIMultiDict:
+    """forwarded(headers, HOP_BY_HOP) on an engine's raw response fields; without Content-Length
+    when the body is sent whole (the server sets it)."""
+    dropped = _HOP_BY_HOP_RAW | {b"content-length"} if drop_length else _HOP_BY_HOP_RAW
+    if any(name.lower() == b"connection" for name, _ in fields):
+        dropped = dropped | _connection_options_raw(fields)
+    return CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in fields
+                       if name.lower() not in dropped)

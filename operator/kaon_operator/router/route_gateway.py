@@ -132,8 +132,9 @@ class RouteMetrics:
                                          "compared by word overlap because the route's embedder did not answer",
                                          ROUTE_LABELS, registry=registry)
         self.semantic_refused = Counter("kaon_route_semantic_refused", "Semantic cache matches above the "
-                                        "threshold refused as near misses (another anchor, the same words "
-                                        "reordered, or one word put for another)", ROUTE_LABELS, registry=registry)
+                                        "threshold refused as near misses by the guard (another number or "
+                                        "name, a swap, one word put for another, a constraint added: anchors.py)",
+                                        ROUTE_LABELS, registry=registry)
         self.classifier_fallbacks = Counter("kaon_route_classifier_fallbacks", "Requests of a route with the learned "
                                             "classifier that the rule set decided instead, by why (embedder "
                                             "unreachable, dimension mismatch)", [*ROUTE_LABELS, "reason"],
@@ -216,13 +217,20 @@ class RouteGateway:
                     sem_scope = cache_keys.semantic_scope(scope, generation, path, payload, text)
                     semantic = (sem_scope, vector, text)
                     near = await store.nearest(sem_scope, vector)
-                    if near is not None and near[0] >= spec.cache.semantic.threshold:
+                    semantic_spec = spec.cache.semantic
+                    if near is not None and near[0] >= min(semantic_spec.threshold, semantic_spec.same_words_threshold):
                         found = await store.get(near[1])
                         # The embedder finds near misses close too (another number, direction, a
-                        # word put for its opposite): anchors.may_match refuses their shape.
-                        if found is not None and not anchors.may_match(text, found.prompt):
-                            self.metrics.semantic_refused.labels(*route.key).inc()
-                            found = None
+                        # word put for its opposite): the guard refuses their shape, and asks a close
+                        # embedding of prompts in other words (anchors.verdict, cut_off).
+                        if found is not None:
+                            verdict = anchors.verdict(text, found.prompt)
+                            needed = anchors.cut_off(verdict, semantic_spec.threshold,
+                                                     semantic_spec.same_words_threshold)
+                            if needed is None or near[0] < needed:
+                                if verdict == anchors.REFUSED and near[0] >= semantic_spec.threshold:
+                                    self.metrics.semantic_refused.labels(*route.key).inc()  # the guard's doing
+                                found = None
             if found is not None:
                 return Hit(route, found)
         model = self._tier_model(route, tier)

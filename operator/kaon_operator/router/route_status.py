@@ -3,7 +3,8 @@ tier, the monitor's agreement, the Ready condition) every STATUS_SECONDS when it
 when the monitor escalates a class. The router is where these figures are. With several router
 replicas each reads the route, then applies (server-side apply, a field manager per replica) its own
 `status.replicas` entry and the totals over every replica's fresh entry (routes/replicas.py), so the
-status is the sum of the replicas, never the figures of whichever wrote last."""
+status is the sum of the replicas, never the figures of whichever wrote last. The entries of replicas
+gone for 10 minutes are removed by whichever live replica reads them (`prune`)."""
 from __future__ import annotations
 
 import asyncio
@@ -72,6 +73,7 @@ class RouteStatusWriter:
             items = (await resp.json()).get("items") or [{}]
             current = items[0].get("status") or {}
         now, stamp = clock.seconds(), _now()
+        await self.prune(session, route.key, current, now)
         own = replicas.entry(self.replica, self.gateway.figures.get(route.key), self.gateway.agreement.get(route.key),
                              stamp)
         new = route_status.status(route, own, replicas.others(current, self.replica), missing, stamp, now,
@@ -92,6 +94,26 @@ class RouteStatusWriter:
             else:
                 logger.info("InferenceRoute %s: status patch got %d: %s", route.key, resp.status,
                             (await resp.text())[:200])
+
+    async def prune(self, session: aiohttp.ClientSession, key: Key, current: dict, now: float) -> bool:
+        """Remove the entries of replicas gone for replicas.PRUNE_SECONDS from the status as read
+        (`current`). Every live replica may try: the patch's `test` operations make the apiserver refuse
+        it (422) when another replica removed them first or anything moved since the read, and then
+        nothing is removed; the next round reads again. True when the apiserver removed them."""
+        patch = replicas.prune_patch(current.get("replicas") or [], now, keep=self.replica)
+        if not patch:
+            return False
+        headers = {**self.server.headers(), "Content-Type": "application/json-patch+json"}
+        async with session.patch(self._url(key) + "/status", data=json.dumps(patch),
+                                 params={"fieldManager": f"kaon-router-{self.replica}"[:128]}, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            gone = [op["value"] for op in patch if op["path"].endswith("/name")]
+            if resp.status == 200:
+                logger.info("InferenceRoute %s: removed the status entries of gone router replicas %s", key, gone)
+                return True
+            # 422: a test failed (pruned by another replica, renewed, moved): nothing removed.
+            logger.info("InferenceRoute %s: entries of %s not removed (%d); next round", key, gone, resp.status)
+            return False
 
     async def _post_events(self, session: aiohttp.ClientSession) -> None:
         while True:

@@ -101,8 +101,10 @@ class VerifySpec(_Model):
     compare long answers (over 12 words); default: cache.semantic's embedder, else
     classifier.learned's. Without any (or when it does not answer), long answers are compared by the
     overlap of their word sets."""
-    similarity: float = Field(default=0.8, ge=0, le=1)
-    """The cosine of two long answers' embeddings at which they agree."""
+    similarity: float = Field(default=0.77, ge=0, le=1)
+    """The cosine of two long answers' embeddings at which they agree, when their facts do not decide: two
+    answers that are one text edited agree exactly when the edits keep the same numbers, names, negations
+    and code; two answers whose numbers conflict disagree (routes/answer_facts.py)."""
     recover_agreement: float | None = Field(default=None, ge=0, le=1)
     """An escalated class returns to its tier once its agreement, over at least `minSamples` comparisons
     since it was escalated (a `fraction` of its requests is also asked of the tier it left), reaches
@@ -121,6 +123,12 @@ class SemanticCacheSpec(_Model):
     embedder: str | None = Field(default=None, pattern=_SERVICE_NAME, max_length=63)
     """An InferenceService of the namespace serving `--task embed` (/v1/embeddings)."""
     threshold: float = Field(default=0.95, gt=0, le=1)
+    """The cosine at which a cached prompt in other words matches (the near-miss guard's `reworded` verdict,
+    routes/anchors.py)."""
+    same_words_threshold: float = Field(default=0.5, ge=0, le=1)
+    """The cosine at which a cached prompt with the same content words matches (the guard's `same-words`
+    verdict: only case, punctuation, contractions, politeness, framing, plurals, common synonyms, a typo or
+    a moved clause differ); the lower of this and `threshold`. Set it to `threshold` for one cut-off."""
 
 
 class CacheSpec(_Model):
@@ -197,7 +205,8 @@ class ReplicaStatus(_Model):
     name: str
     """The router pod."""
     updated: str
-    """When it last wrote; an entry older than 3 minutes is not counted (its replica is gone)."""
+    """When it last wrote; an entry older than 3 minutes is not counted (its replica is gone), one older than
+    10 minutes is removed by a live router replica."""
     tiers: list[ReplicaTierCount] = Field(default_factory=list)
     hits: int = 0
     misses: int = 0

@@ -15,7 +15,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 
-from kaon_operator.routes.anchors import anchors
+from kaon_operator.routes.prompt_words import numbers
 
 IGNORED_FIELDS = frozenset({"model", "user"})
 
@@ -61,8 +61,10 @@ def exact_key(scope_: str, generation_: str, path: str, payload: dict) -> str:
 def semantic_scope(scope_: str, generation_: str, path: str, payload: dict, text: str) -> str:
     """Where a semantic match may come from: the same scope and generation, and the same request but for
     its prompt text (its sampling parameters, tools, format, stream): a paraphrase shares an answer,
-    a request asking for another format does not. And the same anchors (numbers, quoted text, names, in
-    order: anchors.py): the embedding decides only among prompts about the same things."""
+    a request asking for another format does not. And the same numbers (sorted; number words as digits:
+    prompt_words.numbers), which the near-miss guard (anchors.verdict) requires equal in every match: the
+    embedding decides only among prompts about the same quantities. Names are compared by the guard, not
+    here: they may differ in case ("Paris" / "paris") between a prompt and its paraphrase."""
     rest = {k: v for k, v in payload.items() if k not in ("messages", "prompt", "input")}
-    rest["\0anchors"] = list(anchors(text))
+    rest["\0numbers"] = list(numbers(text))
     return exact_key(scope_, generation_, path, rest)

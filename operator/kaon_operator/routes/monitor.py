@@ -2,7 +2,8 @@
 
 A `verify.fraction` of the answers from lower tiers is re-asked of the top tier (the gateway does
 that in the background); `agree()` compares the two answers: exact match (case, spacing and
-punctuation aside) for short answers; for long ones the cosine similarity of their embeddings when
+punctuation aside) for short answers; for long ones their facts first (answer_facts.py: numbers, names,
+negations, code that one answer changes in the other's words), then the cosine similarity of their embeddings when
 the route has an embedder (verify.embedder, else the semantic cache's or the learned classifier's),
 and word-set overlap as the fallback when it has none or it does not answer (docs/routing.md). `Agreement` keeps the
 last WINDOW comparisons per (tier, class); a class whose agreement falls below `minAgreement` over at
@@ -26,12 +27,16 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 
+from kaon_operator.routes import answer_facts
+
 WINDOW = 200
 RECOVERY_MARGIN = 0.1
 SHORT_ANSWER_WORDS = 12
 LONG_ANSWER_SIMILARITY = 0.5
-EMBEDDING_SIMILARITY = 0.8
-"""verify.similarity's default: the cosine of two long answers' embeddings that counts as agreeing."""
+EMBEDDING_SIMILARITY = 0.77
+"""verify.similarity's default: the cosine of two long answers' embeddings that counts as agreeing, when
+their facts did not decide (answer_facts.py). Chosen on the dev half of bench/data/heldout/answer_pairs.jsonl
+(bench/monitor_similarity.py: 0.772; 0.8 before the facts were compared)."""
 _TOKEN = re.compile(r"\w+")
 
 
@@ -75,17 +80,31 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 def agree(answer: str, reference: str, similarity: float | None = None,
           threshold: float = EMBEDDING_SIMILARITY) -> bool:
-    """Short answers: the same words. Long ones: with `similarity` (the cosine of the two answers'
-    embeddings, when the route has an embedder that answered) at least `threshold`; without, the
-    documented fallback: the Jaccard overlap of their word sets (order and repetition aside) at least
+    """Short answers: the same words. Long ones: their facts first (answer_facts.facts_differ: one
+    text edited whose edits change a number, name, negation or code, or two texts whose numbers
+    conflict, disagree), then, when the facts do not tell, with `similarity` (the cosine of the two
+    answers' embeddings, when the route has an embedder that answered) at least `threshold`; without,
+    the documented fallback: the Jaccard overlap of their word sets (order and repetition aside) at least
     LONG_ANSWER_SIMILARITY."""
+    return compare(answer, reference, similarity, threshold)[0]
+
+
+def compare(answer: str, reference: str, similarity: float | None = None,
+            threshold: float = EMBEDDING_SIMILARITY) -> tuple[bool, str]:
+    """(agreed, what decided): "words" (short answers), "edited" (one text edited: its facts decide),
+    "numbers" (two texts whose numbers conflict), "embedding" or "overlap"."""
     a, b = _words(answer), _words(reference)
     if max(len(a), len(b)) <= SHORT_ANSWER_WORDS:
-        return a == b
+        return a == b, "words"
+    edited = answer_facts.edited(answer, reference)
+    if edited is not None:
+        return edited, "edited"
+    if answer_facts.numbers_conflict(answer, reference):
+        return False, "numbers"
     if similarity is not None:
-        return similarity >= threshold
+        return similarity >= threshold, "embedding"
     sa, sb = set(a), set(b)
-    return len(sa & sb) / max(1, len(sa | sb)) >= LONG_ANSWER_SIMILARITY
+    return len(sa & sb) / max(1, len(sa | sb)) >= LONG_ANSWER_SIMILARITY, "overlap"
 
 
 @dataclass

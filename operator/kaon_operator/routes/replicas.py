@@ -8,9 +8,13 @@ sum over the replicas whatever the order of their writes (at most one status rou
 figures of whichever replica wrote last.
 
 An entry not renewed for STALE_SECONDS (its replica is gone or cut off) is left out of the totals; it
-stays listed with its `updated` stamp until the route is recreated, so that an admin sees which
-replica stopped reporting. A restarted replica is a new pod with a new name: the totals are the
-figures of the replicas that run now, each since its start (the kaon_route_* counters behave the same).
+stays listed with its `updated` stamp for PRUNE_SECONDS, so that an admin sees which replica stopped
+reporting, and is then removed by whichever live replica reads it first (`prune_patch`: a JSON patch
+whose `test` operations make the apiserver refuse it when the entry moved, was renewed or was already
+removed, so several replicas pruning at once remove it once and nothing else). A restarted replica is a
+new pod with a new name: the totals are the figures of the replicas that run now, each since its start
+(the kaon_route_* counters behave the same). A replica cut off for longer than PRUNE_SECONDS that comes
+back writes its entry again at its next heartbeat.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ HEARTBEAT_SECONDS = 60.0
 """A replica rewrites its entry at least this often, even when nothing changed, to show it is alive."""
 STALE_SECONDS = 180.0
 """An entry older than this is not counted."""
+PRUNE_SECONDS = 600.0
+"""An entry older than this is removed from the status: its replica is gone (a live one renews its entry
+every HEARTBEAT_SECONDS). Ten heartbeats: clocks of the replicas a few seconds apart never prune a live one."""
 
 
 def entry(replica: str, figures: Figures | None, agreement: Agreement | None, now: str) -> dict:
@@ -50,6 +57,32 @@ def fresh(entries: Iterable[dict], now: float, stale_seconds: float = STALE_SECO
         if updated is not None and now - updated <= stale_seconds:
             out.append(e)
     return out
+
+
+def prune_patch(entries: list, now: float, keep: str, prune_seconds: float = PRUNE_SECONDS) -> list[dict]:
+    """A JSON patch (RFC 6902) removing the `status.replicas` entries (as read, in order) not renewed
+    within `prune_seconds` of `now` (epoch seconds); [] when there is none. Each removal is guarded by
+    `test` operations on the entry's name and `updated` stamp at its index, all before any removal
+    (removals last, from the highest index down, so that the tested indices still hold): if another
+    replica pruned first, the entry was renewed or the list changed since the read, the apiserver refuses
+    the whole patch and nothing is removed. `keep` (this replica) and entries without a readable stamp
+    are never removed."""
+    tests: list[dict] = []
+    removes: list[dict] = []
+    for index, e in enumerate(entries):
+        if not isinstance(e, dict) or e.get("name") == keep or not isinstance(e.get("name"), str):
+            continue
+        try:
+            updated = kubetime.epoch(e.get("updated"))
+        except (TypeError, ValueError):
+            updated = None
+        if updated is None or now - updated <= prune_seconds:
+            continue
+        path = f"/status/replicas/{index}"
+        tests += [{"op": "test", "path": f"{path}/name", "value": e["name"]},
+                  {"op": "test", "path": f"{path}/updated", "value": e["updated"]}]
+        removes.insert(0, {"op": "remove", "path": path})
+    return tests + removes
 
 
 def total_figures(entries: Iterable[dict]) -> Figures:

@@ -11,6 +11,15 @@ the longest a request waits for its turn, so the time to its first token is at m
   (`--max-queue`), 503 when the requests ahead of it, at the rate requests have been finishing, would
   keep it waiting past the limit (`admission`). Retry-After says when the queue should have room.
 
+The limit bounds the time to the first token, not only the wait: a queued request is expired once its
+wait plus the slowest recent step (the step that would compute its prompt) would pass the limit
+(`start_deadline_s`, `StepTimes`), and a new one is refused when the wait ahead of it plus that step would.
+
+The running batch's size is what sets the throughput past capacity. On a CPU a batch past 8 sequences
+adds no throughput (2-vCPU Xeon, 128+32-token requests offline: 4.3 / 6.7 / 6.4 / 5.7 req/s at 4 / 8 / 16 /
+64 sequences) while every sequence in it slows, so `kaon serve` runs at most CPU_MAX_NUM_SEQS on a CPU
+unless --max-num-seqs says otherwise (`serving_max_num_seqs`); the rest wait, oldest first.
+
 vLLM bounds the batch (max_num_seqs, max_num_batched_tokens) and lets its waiting queue grow without
 limit; SGLang bounds the batch (--max-running-requests) and the queue (--max-queued-requests, 503 past
 it). Neither bounds the wait itself, which is what a client's timeout sees.
@@ -23,6 +32,45 @@ from dataclasses import dataclass
 
 MIN_FINISHES_FOR_RATE = 4  # finishes seen before the rate estimate is trusted for an early refusal
 RATE_WINDOW_S = 30.0  # the finish rate is measured over this trailing window
+# The slowest of this many recent steps stands for the step that computes a prompt: enough to hold the last few
+# prefill steps when the backlog's prompts go in as groups (a group every tens of decode steps; with 32, the
+# window missed them, and completed requests' first tokens came up to 2 s past a 30 s limit at load 13)
+STEP_WINDOW = 256
+CPU_MAX_NUM_SEQS = 8  # the running batch that maximises throughput on a CPU (measured: see the docstring)
+GPU_MAX_NUM_SEQS = 64
+
+
+def serving_max_num_seqs(requested: int | None, device: str) -> int:
+    """The running batch's bound: what --max-num-seqs asked for, else the measured default for the device
+    (`device` as --device names it: "auto", "cpu", "cuda", "cuda:1")."""
+    if requested is not None:
+        return requested
+    return CPU_MAX_NUM_SEQS if device_type(device) == "cpu" else GPU_MAX_NUM_SEQS
+
+
+def serving_prefill_group(requested: int | None, max_num_seqs: int, device: str) -> int:
+    """How many free slots a backlog's prompts wait for, to share one prefill step (scheduler.gather_prefills):
+    what --prefill-group asked for, else on a CPU half the running batch (a step there costs about the same
+    for one prompt as for several), on a GPU 1 (each goes in at once). Never more than the batch."""
+    if requested is None:
+        requested = max(max_num_seqs // 2, 1) if device_type(device) == "cpu" else 1
+    return max(min(requested, max_num_seqs), 1)
+
+
+def device_type(device: str) -> str:
+    """"cpu" or "cuda" for a --device value; "auto" is the engine's choice (a GPU when one is visible)."""
+    if device != "auto":
+        return device.split(":")[0]
+    import torch  # only here: the decisions above need no torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def start_deadline_s(max_queue_wait_s: float, slowest_step_s: float) -> float:
+    """How long a request may wait for its turn and still get its first token within the admission limit:
+    the limit less the step that computes its prompt, but at least half the limit (a step longer than the
+    limit would otherwise expire every queued request before its turn could come)."""
+    return max(max_queue_wait_s - slowest_step_s, max_queue_wait_s / 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +85,15 @@ def queue_expired(waited_s: float, max_queue_wait_s: float | None) -> bool:
     return max_queue_wait_s is not None and waited_s > max_queue_wait_s
 
 
-def expected_wait_s(ahead: int, free_slots: int, finishes_per_s: float | None) -> float | None:
-    """How long a new request would wait for a running slot: nothing while one is free; else one finish
-    for each request ahead of it past the free slots, plus its own. None: no rate known yet."""
+def expected_wait_s(ahead: int, free_slots: int, finishes_per_s: float | None, step_s: float = 0.0) -> float | None:
+    """How long a new request would wait for its first token: nothing while a slot is free (it starts in the
+    next step whatever that costs); else one finish for each request ahead of it past the free slots, plus
+    its own, plus the step that computes its prompt (`step_s`). None: no rate known yet."""
     if ahead < free_slots:
         return 0.0
     if not finishes_per_s:
         return None
-    return (ahead - free_slots + 1) / finishes_per_s
+    return (ahead - free_slots + 1) / finishes_per_s + step_s
 
 
 def admission(num_waiting: int, max_queue: int, wait_s: float | None, max_queue_wait_s: float | None) -> Refusal | None:
@@ -88,3 +137,16 @@ class FinishRate:
     def _trim(self, now: float) -> None:
         while self._times and now - self._times[0] > self.window_s:
             self._times.popleft()
+
+
+class StepTimes:
+    """The engine's recent step durations; the slowest stands for the step that computes a new prompt."""
+
+    def __init__(self, window: int = STEP_WINDOW):
+        self._durations: deque[float] = deque(maxlen=window)
+
+    def record(self, duration_s: float) -> None:
+        self._durations.append(duration_s)
+
+    def slowest(self) -> float:
+        return max(self._durations, default=0.0)

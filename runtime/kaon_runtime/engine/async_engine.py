@@ -25,7 +25,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kaon_runtime.engine.admission import FinishRate, admission, expected_wait_s, retry_after_s
+from kaon_runtime.engine.admission import (
+    FinishRate,
+    StepTimes,
+    admission,
+    expected_wait_s,
+    retry_after_s,
+    start_deadline_s,
+)
 from kaon_runtime.engine.kv_transfer import ImportedKv
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
@@ -128,6 +135,7 @@ class AsyncEngine:
         self.max_queue_wait_s = max_queue_wait_s
         self.max_running = max_running
         self._finishes = FinishRate()  # the queue's drain rate, for refusing at once what would wait too long
+        self._step_times = StepTimes()  # the engine thread's recent steps: a prompt's step counts against the limit
         self.stall_timeout_s = stall_timeout_s
         # Written by the engine thread, read by health(): floats and bools are replaced whole.
         self._progress_at = time.monotonic()  # last completed step, or when work arrived to an idle engine
@@ -236,7 +244,7 @@ class AsyncEngine:
             stats = self._stats
             waiting = self._num_queued + stats.num_waiting
             wait = expected_wait_s(waiting, max(self.max_running - stats.num_running, 0),
-                                   self._finishes.rate(time.monotonic()))
+                                   self._finishes.rate(time.monotonic()), self._step_times.slowest())
             refusal = admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
             if refusal is not None:
                 error = QueueFullError if refusal.status == 429 else OverloadedError
@@ -291,9 +299,12 @@ class AsyncEngine:
                 if self.max_queue_wait_s is not None:
                     self._expire(streams)
                 if self.engine.has_unfinished_requests():
+                    began = time.monotonic()
                     self._deliver(self.engine.step(), streams)
                     self._stats = self.engine.stats()
                     self._progress_at, self._steps = time.monotonic(), self._steps + 1
+                    with self._lock:
+                        self._step_times.record(self._progress_at - began)
         except BaseException as exc:  # a bug in the engine: fail every request, refuse new ones
             logger.exception("engine loop crashed")
             self._error = exc
@@ -342,9 +353,13 @@ class AsyncEngine:
             self._stats = self.engine.stats()
 
     def _expire(self, streams: dict[str, RequestStream]) -> None:
-        """Answer the queued requests that waited past the admission limit: a 503 each, not a silent wait."""
+        """Answer the queued requests that waited past the admission limit: a 503 each, not a silent wait.
+        Their deadline leaves room for the step that would compute their prompt, so that a request that does
+        get its turn has its first token within the limit."""
         assert self.max_queue_wait_s is not None
-        expired = self.engine.expire_waiting(self.max_queue_wait_s)
+        with self._lock:
+            deadline = start_deadline_s(self.max_queue_wait_s, self._step_times.slowest())
+        expired = self.engine.expire_waiting(deadline)
         if not expired:
             return
         with self._lock:
@@ -356,8 +371,9 @@ class AsyncEngine:
             stream = streams.pop(request_id, None)
             if stream is not None:
                 failed.append((stream, OverloadedError(
-                    f"the server is past its capacity: the request waited {self.max_queue_wait_s:g} s, the admission "
-                    "limit (--max-queue-wait), without its turn", retry)))
+                    f"the server is past its capacity: the request waited {deadline:.3g} s without its turn, and its "
+                    f"first token would come later than the admission limit of {self.max_queue_wait_s:g} s "
+                    "(--max-queue-wait)", retry)))
         self._event_loop().call_soon_threadsafe(_put_all, failed)
         with self._lock:
             self._stats = self.engine.stats()

@@ -28,7 +28,8 @@ from kaon_runtime.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 # Why a decode engine prefilled a prompt itself, after asking: the labels of kaon_kv_transfer_fallbacks_total.
-FALLBACK_REASONS = ("unreachable", "timeout", "garbage", "refused", "evicted")
+# `busy`: every prefill engine already had its --disagg-max-in-flight transfers (the ask would only queue there).
+FALLBACK_REASONS = ("unreachable", "timeout", "garbage", "refused", "evicted", "busy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +68,13 @@ def token_slots(block_table: list[int], block_size: int, start: int, end: int) -
 
 
 def gather_tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """A copy of those slots' K/V, [layers, 2, kv heads, tokens, head dim], on the host."""
+    """A copy of those slots' K/V, [layers, 2, kv heads, tokens, head dim], on the host.
+
+    One pass, token-major underneath: the result is a view of a contiguous [tokens, layers, 2, kv heads,
+    head dim] tensor, which is what the wire carries (kv_wire.token_rows), so sending it copies nothing more."""
     layers, two, heads, blocks, block_size, head_dim = cache.shape
-    flat = cache.view(layers, two, heads, blocks * block_size, head_dim)
-    return flat[:, :, :, slots.to(cache.device), :].to("cpu")
+    by_slot = cache.view(layers, two, heads, blocks * block_size, head_dim).permute(3, 0, 1, 2, 4)
+    return by_slot[slots.to(cache.device)].to("cpu").permute(1, 2, 3, 0, 4)
 
 
 def scatter_tokens(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:

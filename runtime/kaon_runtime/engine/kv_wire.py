@@ -8,7 +8,9 @@ header length, a JSON header and `nbytes` of payload:
     {"type": "done"}                                                       after token E - 1
     {"type": "error", "message": "..."}                                    instead of the rest
 
-A chunk's payload is [layers, 2, kv heads, T, head dim] in the layout's dtype, C order. The client
+A chunk's payload is token-major, [T, layers, 2, kv heads, head dim] in the layout's dtype, C order (one
+token's K/V is one row: a chunk is contiguous in the decode engine's buffer, and lands there straight from
+the socket). The client
 checks every frame (the layout against its own, chunks contiguous from S, the count, finite values):
 anything else is garbage, and the decode engine prefills the prompt itself.
 
@@ -65,9 +67,23 @@ def meta_frame(layout: KvLayout, start: int, end: int) -> bytes:
     return frame({"type": "meta", "layout": asdict(layout), "start": start, "end": end})
 
 
+def token_rows(kv: torch.Tensor) -> torch.Tensor:
+    """A chunk's K/V ([layers, 2, kv heads, tokens, head dim]) as the wire carries it: token-major bytes,
+    [tokens, token bytes]. No copy when kv came from gather_tokens (a view of token-major memory)."""
+    rows = kv.permute(3, 0, 1, 2, 4).contiguous()
+    return rows.view(torch.uint8).view(rows.shape[0], -1)
+
+
+def chunk_frame_parts(first: int, kv: torch.Tensor) -> tuple[bytes, memoryview]:
+    """A chunk frame as (length + header, payload): the payload is the K/V's own memory, sent without a copy."""
+    payload = token_rows(kv).numpy().data.cast("B")
+    head = json.dumps({"type": "chunk", "first": first, "tokens": kv.shape[3], "nbytes": payload.nbytes}).encode()
+    return _LENGTH.pack(len(head)) + head, payload
+
+
 def chunk_frame(first: int, kv: torch.Tensor) -> bytes:
-    data = kv.contiguous().view(torch.uint8).numpy().tobytes()
-    return frame({"type": "chunk", "first": first, "tokens": kv.shape[3]}, data)
+    head, payload = chunk_frame_parts(first, kv)
+    return head + payload.tobytes()
 
 
 def done_frame() -> bytes:
@@ -79,54 +95,129 @@ def error_frame(message: str) -> bytes:
 
 
 class FrameReader:
-    """Splits a byte stream into (header, payload) frames; raises TransferError("garbage") on a bad one."""
+    """Splits a byte stream into (header, payload) frames; raises TransferError("garbage") on a bad one.
 
-    def __init__(self) -> None:
-        self._buffer = bytearray()
+    With `destination`, a frame's payload is copied straight from the received pieces into the memory
+    `destination(header)` returns (exactly `nbytes` long; None: collect it as bytes) and the frame comes
+    out as (header, None): a 46 MB chunk is copied once on the decode engine's core, not joined, sliced
+    and copied again."""
 
-    def feed(self, data: bytes) -> list[tuple[dict, bytes]]:
-        self._buffer += data
-        frames = []
-        while len(self._buffer) >= _LENGTH.size:
-            (head_len,) = _LENGTH.unpack_from(self._buffer)
-            if head_len > MAX_HEADER_BYTES:
-                raise TransferError("garbage", f"a frame header of {head_len} bytes")
-            if len(self._buffer) < _LENGTH.size + head_len:
-                break
-            try:
-                header = json.loads(self._buffer[_LENGTH.size:_LENGTH.size + head_len])
-            except ValueError as exc:
-                raise TransferError("garbage", f"a frame header that is not JSON: {exc}") from None
-            if not isinstance(header, dict):
-                raise TransferError("garbage", "a frame header that is not an object")
-            nbytes = header.get("nbytes", 0)
-            if not isinstance(nbytes, int) or nbytes < 0:
-                raise TransferError("garbage", f"a frame of {nbytes!r} bytes")
-            total = _LENGTH.size + head_len + nbytes
-            if len(self._buffer) < total:
-                break
-            frames.append((header, bytes(self._buffer[_LENGTH.size + head_len:total])))
-            del self._buffer[:total]
+    def __init__(self, destination: Callable[[dict], memoryview | None] | None = None) -> None:
+        self._destination = destination
+        self._head = bytearray()  # the length and header of the frame being read
+        self._header: dict | None = None  # read; its payload is arriving
+        self._into: memoryview | None = None
+        self._collected = bytearray()
+        self._left = 0  # payload bytes still to come
+
+    def feed(self, data: bytes | memoryview) -> list[tuple[dict, bytes | None]]:
+        frames: list[tuple[dict, bytes | None]] = []
+        view = memoryview(data).cast("B")
+        while view:
+            if self._header is None:
+                view = self._read_header(view)
+                if self._header is not None and self._left == 0:
+                    frames.append(self._finish())
+                continue
+            n = min(len(view), self._left)
+            if self._into is not None:
+                at = len(self._into) - self._left
+                self._into[at:at + n] = view[:n]
+            else:
+                self._collected += view[:n]
+            self._left -= n
+            view = view[n:]
+            if self._left == 0:
+                frames.append(self._finish())
         return frames
+
+    def _read_header(self, view: memoryview) -> memoryview:
+        """Take what the frame's length and header still need from `view`; the rest of it."""
+        need = _LENGTH.size - len(self._head)
+        if need > 0:
+            self._head += view[:need]
+            view = view[need:]
+            if len(self._head) < _LENGTH.size:
+                return view
+        (head_len,) = _LENGTH.unpack_from(self._head)
+        if head_len > MAX_HEADER_BYTES:
+            raise TransferError("garbage", f"a frame header of {head_len} bytes")
+        need = _LENGTH.size + head_len - len(self._head)
+        self._head += view[:need]
+        view = view[need:]
+        if len(self._head) < _LENGTH.size + head_len:
+            return view
+        try:
+            header = json.loads(self._head[_LENGTH.size:])
+        except ValueError as exc:
+            raise TransferError("garbage", f"a frame header that is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise TransferError("garbage", "a frame header that is not an object")
+        nbytes = header.get("nbytes", 0)
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise TransferError("garbage", f"a frame of {nbytes!r} bytes")
+        self._head.clear()
+        self._header, self._left = header, nbytes
+        self._into = self._destination(header) if nbytes and self._destination is not None else None
+        if self._into is not None and len(self._into) != nbytes:
+            raise TransferError("garbage", f"a payload of {nbytes} bytes for {len(self._into)} bytes of room")
+        return view
+
+    def _finish(self) -> tuple[dict, bytes | None]:
+        assert self._header is not None
+        done = (self._header, None if self._into is not None else bytes(self._collected))
+        self._header, self._into = None, None
+        self._collected.clear()
+        return done
 
     @property
     def pending(self) -> int:
-        return len(self._buffer)
+        """Bytes of a frame not yet complete."""
+        return len(self._head) + (len(self._collected) if self._header is not None else 0)
+
+
+def all_finite(rows: torch.Tensor) -> bool:
+    """Whether K/V holds only finite values, by one sum (a NaN or an infinity makes it non-finite): a tenth of
+    isfinite().all()'s time on 46 MB. Finite values summing past float32's range are refused too: no model's
+    K/V is that large."""
+    return bool(torch.isfinite(rows.sum(dtype=torch.float32)))
 
 
 class KvAssembler:
-    """Checks the frames of one transfer and gathers its chunks into an ImportedKv. With `staging` (NIXL), the
-    chunks' bytes are written there by the prefill engine, token-major ([tokens, token bytes]), and the frames
-    only say which have landed."""
+    """Checks the frames of one transfer and gathers its chunks into an ImportedKv, token-major ([tokens, token
+    bytes], the wire's order): a chunk's payload lands in its rows straight from the socket (`destination`).
+    With `staging` (NIXL), the chunks' bytes are written there by the prefill engine, and the frames only say
+    which have landed."""
 
     def __init__(self, layout: KvLayout, start: int, end: int, staging: torch.Tensor | None = None):
         self.layout, self.start, self.end = layout, start, end
-        self.kv = layout.empty(end - start)
+        self.rows = torch.empty((end - start, layout.token_bytes), dtype=torch.uint8)
         self.staging = staging
-        self.received = start
+        self.received = start  # chunks checked and in place
+        self.due = start  # the next chunk header's first token (ahead of `received` while a payload arrives)
         self.done = False
 
-    def add(self, header: dict, payload: bytes) -> None:
+    def destination(self, header: dict) -> memoryview | None:
+        """Where a chunk frame's payload goes (its rows), once its header is checked; None for other frames."""
+        if header.get("type") != "chunk":
+            return None
+        if header.get("placed") or header.get("nbytes") != self._check_chunk(header) * self.layout.token_bytes:
+            return None  # add() says what is wrong with it
+        tokens = self._check_chunk(header, take=True)
+        offset = header["first"] - self.start
+        return self.rows[offset:offset + tokens].numpy().data.cast("B")
+
+    def _check_chunk(self, header: dict, take: bool = False) -> int:
+        """The chunk's tokens, if it is the one due; `take`: it is, and the next one is due after it."""
+        first, tokens = header.get("first"), header.get("tokens")
+        if first != self.due or not isinstance(tokens, int) or tokens < 1 or first + tokens > self.end:
+            raise TransferError("garbage", f"chunk [{first}, +{tokens}) where [{self.due}, {self.end}) was due")
+        if take:
+            self.due += tokens
+        return tokens
+
+    def add(self, header: dict, payload: bytes | None) -> None:
+        """One frame; `payload` None: a chunk whose bytes `destination` already put in place."""
         kind = header.get("type")
         if kind == "error":
             raise TransferError("refused", f"the prefill engine: {header.get('message')}")
@@ -144,33 +235,27 @@ class KvAssembler:
             return
         if kind != "chunk":
             raise TransferError("garbage", f"a frame of type {kind!r}")
-        first, tokens = header.get("first"), header.get("tokens")
-        if first != self.received or not isinstance(tokens, int) or tokens < 1 or first + tokens > self.end:
-            raise TransferError("garbage", f"chunk [{first}, +{tokens}) where [{self.received}, {self.end}) was due")
-        offset = first - self.start
+        tokens = header["tokens"] if payload is None else self._check_chunk(header, take=True)
+        offset = header["first"] - self.start
+        rows = self.rows[offset:offset + tokens]
         if header.get("placed"):
             if self.staging is None or payload:
                 raise TransferError("garbage", "a chunk said to be placed where no staging buffer was offered")
-            chunk = self._from_staging(offset, tokens)
-        elif len(payload) != tokens * self.layout.token_bytes:
-            raise TransferError("garbage", f"a chunk of {tokens} tokens in {len(payload)} bytes")
-        else:
-            shape = (self.layout.num_layers, 2, self.layout.num_kv_heads, tokens, self.layout.head_dim)
-            chunk = torch.frombuffer(bytearray(payload), dtype=self.layout.torch_dtype).view(shape)
-        if not torch.isfinite(chunk).all():
+            rows.copy_(self.staging[offset:offset + tokens])
+        elif payload is not None:
+            if len(payload) != tokens * self.layout.token_bytes:
+                raise TransferError("garbage", f"a chunk of {tokens} tokens in {len(payload)} bytes")
+            rows.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(tokens, -1))
+        if not all_finite(rows.view(self.layout.torch_dtype)):
             raise TransferError("garbage", "a chunk with values that are not finite")
-        self.kv[:, :, :, offset:offset + tokens] = chunk
         self.received += tokens
-
-    def _from_staging(self, offset: int, tokens: int) -> torch.Tensor:
-        assert self.staging is not None
-        layout = self.layout
-        rows = self.staging[offset:offset + tokens].view(layout.torch_dtype)
-        return rows.view(tokens, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim).permute(1, 2, 3, 0, 4)
 
     def result(self) -> ImportedKv:
         assert self.done
-        return ImportedKv(self.start, self.end, self.kv)
+        layout = self.layout
+        kv = self.rows.view(layout.torch_dtype).view(self.end - self.start, layout.num_layers, 2,
+                                                    layout.num_kv_heads, layout.head_dim)
+        return ImportedKv(self.start, self.end, kv.permute(1, 2, 3, 0, 4))
 
 
 # ---- transports ------------------------------------------------------------------------------
@@ -189,13 +274,31 @@ class TcpTransport:
 
     def __init__(self, api_key: Callable[[], str | None] = lambda: None):
         self.api_key = api_key  # read per transfer: a mounted key file may rotate
+        self.ticks = 0  # _keep_awake's wake-ups
         self._session: aiohttp.ClientSession | None = None
 
     async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float) -> ImportedKv:
-        return await self._stream(url, ask, KvAssembler(layout, ask["start"], len(ask["token_ids"]) - 1), timeout_s)
+        awake = asyncio.create_task(self._keep_awake())
+        try:
+            return await self._stream(url, ask, KvAssembler(layout, ask["start"], len(ask["token_ids"]) - 1),
+                                      timeout_s)
+        finally:
+            awake.cancel()
+
+    async def _keep_awake(self) -> None:
+        """Wake the event loop every millisecond while a transfer is open (most of the time on a busy decode
+        engine: the ask waits seconds for the prefill). Measured on this 2-core machine under load 11-17
+        (bench/history/disagg.md): a decode engine whose loop sleeps until the engine thread wakes it decodes
+        its streams 3-5x slower (ITL p50 68-123 ms against 22-30 ms, output 17-33 against 78-105 tokens/s);
+        NIXL's progress loop did this all along, which is why NIXL runs looked faster. The mechanism (the
+        engine thread's hand-off to a sleeping loop on a loaded core) is not understood and not the GIL's
+        switch interval; this keeps both transports alike until the engine's hand-off is fixed."""
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
 
     async def _stream(self, url: str, ask: dict, assembler: KvAssembler, timeout_s: float) -> ImportedKv:
-        reader = FrameReader()
+        reader = FrameReader(assembler.destination)
         key = self.api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
@@ -255,7 +358,7 @@ class NixlTransport(TcpTransport):
         offset = self.ranges.take(end - start)
         if offset is None:
             return await super().fetch(url, ask, layout, timeout_s)
-        progress = asyncio.create_task(self._progress())
+        progress = asyncio.create_task(self._keep_awake())
         try:
             staging = self.staging[offset:offset + end - start]
             ask = ask | {"nixl": {"agent": self.agent_name, "metadata": self.metadata, "addr": staging.data_ptr()}}
@@ -264,10 +367,11 @@ class NixlTransport(TcpTransport):
             progress.cancel()
             self.ranges.give(offset, end - start)
 
-    async def _progress(self) -> None:
-        """Let UCX complete the prefill engine's WRITEs into our memory (its TCP transport needs the target's
-        progress too)."""
+    async def _keep_awake(self) -> None:
+        """Also let UCX complete the prefill engine's WRITEs into our memory (its TCP transport needs the
+        target's progress too)."""
         while True:
+            self.ticks += 1
             self.agent.get_new_notifs()
             await asyncio.sleep(PROGRESS_INTERVAL_S)
 
@@ -310,8 +414,8 @@ class NixlWriter:
         if peer["agent"] not in self.peers:
             self.agent.add_remote_agent(base64.b64decode(peer["metadata"]))
             self.peers.add(peer["agent"])
-        rows = kv.permute(3, 0, 1, 2, 4).contiguous()
-        nbytes = rows.numel() * rows.element_size()
+        rows = token_rows(kv)
+        nbytes = rows.numel()
         registered = self.agent.register_memory(rows)
         try:
             remote = self.agent.get_xfer_descs([(peer["addr"] + offset_bytes, nbytes, 0)], "DRAM")

@@ -111,7 +111,7 @@ class LLMEngine:
             raise
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefill_delay_s=config.prefill_delay_ms / 1000, max_loras=config.lora_slots,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, prefill_group=config.prefill_group)
         for name, path in (config.lora_modules or {}).items():
             self.add_lora(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)

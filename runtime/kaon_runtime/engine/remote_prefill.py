@@ -22,6 +22,21 @@ from kaon_runtime.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+# Transfers a decode engine keeps in flight to one prefill engine (one computing, one queued behind it).
+DEFAULT_MAX_IN_FLIGHT = 2
+DEFAULT_STEP_TOKENS = 1024  # the engine's step budget (EngineConfig.max_num_batched_tokens)
+# A decode engine's: the prompts it prefills itself (short ones, and any whose transfer failed) go in chunks
+# of this many tokens, so a fallback's 1,000-token prefill is four short steps between its streams' decode
+# steps, not one long one (measured on one core: ~2 s for 1,000 tokens in one step; bench/disagg.py).
+DECODE_STEP_TOKENS = 256
+
+
+def step_token_budget(explicit: int | None, role: str) -> int:
+    """Tokens one step computes at most: what the user set, else the role's default (a decode engine's steps
+    are what its streams wait on, so its local prefills are chunked smaller)."""
+    if explicit is not None:
+        return explicit
+    return DECODE_STEP_TOKENS if role == "decode" else DEFAULT_STEP_TOKENS
 
 
 def wants_remote(num_prompt: int, num_cached: int, params: SamplingParams, min_prompt_tokens: int) -> bool:
@@ -37,9 +52,21 @@ class _Peer:
     in_flight: int = 0
 
 
+def pick_peer(peers: list[_Peer], max_in_flight: int) -> _Peer | None:
+    """The prefill engine with the fewest transfers in flight; None when each has `max_in_flight` already.
+
+    A prefill engine runs the prompts it is asked for one after another; an ask beyond the first few only
+    queues there, its prompt's first token waiting for every prompt ahead of it and then the deadline
+    giving it back to this engine after all (measured: 3 of 7 asks timed out after 30 s each while the queue
+    grew). Prefilled here at once instead, in chunks (DECODE_STEP_TOKENS), it costs its own time only."""
+    peer = min(peers, key=lambda p: p.in_flight)
+    return peer if peer.in_flight < max_in_flight else None
+
+
 class RemotePrefill:
     def __init__(self, urls: list[str], transport: Transport, layout: KvLayout, block_manager: BlockManager,
-                 min_prompt_tokens: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 min_prompt_tokens: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
         if not urls:
             raise ValueError("a decode engine needs at least one prefill URL")
         self.peers = [_Peer(u) for u in urls]
@@ -48,6 +75,7 @@ class RemotePrefill:
         self.block_manager = block_manager
         self.min_prompt_tokens = min_prompt_tokens
         self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
         self.stats = TransferStats()
         self.observe: Callable[[float], None] = lambda seconds: None  # the server's histogram, once it has one
         self.why_not_nixl = ""  # logged beside the transport's name
@@ -58,7 +86,10 @@ class RemotePrefill:
         cached = cached_prefix_tokens(self.block_manager, token_ids, lora_id, params.cache_salt)
         if not wants_remote(len(token_ids), cached, params, self.min_prompt_tokens):
             return None
-        peer = min(self.peers, key=lambda p: p.in_flight)
+        peer = pick_peer(self.peers, self.max_in_flight)
+        if peer is None:
+            self.stats.fallbacks["busy"] += 1
+            return None
         ask = {"token_ids": token_ids, "start": cached, "adapter": adapter, "cache_salt": params.cache_salt}
         peer.in_flight += 1
         began = time.perf_counter()

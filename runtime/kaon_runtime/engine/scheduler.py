@@ -20,6 +20,10 @@ step, so a busy server that admits each new prompt at once stretches every strea
 inter-token time by each newcomer's prefill. Held, the prompts go in together when the decodes
 finish or the first in line is due.
 
+Past capacity (a backlog), prompts go in as a group once `prefill_group` slots are free
+(gather_prefills), not one per freed slot: on a CPU a step pays about the same for one prompt
+as for several, so one at a time costs throughput.
+
 The scheduler is also the one owner of a sequence's progress: after each step `update` records
 the K/V the forward pass computed, `accept` appends the verified tokens (rolling back rejected
 drafts) and ends the sequence when it should, `finish` retires a sequence; `fork` and
@@ -52,11 +56,15 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+MAX_GATHER_STEPS = 16  # gather_prefills keeps a backlog out for at most this many steps in a row
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic, max_loras: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, prefill_group: int = 1):
         self.block_manager = block_manager
+        self.prefill_group = prefill_group  # backlogged prompts go in when this many slots are free (gather_prefills)
+        self._held_steps = 0  # steps in a row that gather_prefills kept the backlog out
         self.max_model_len = max_model_len  # the context: a sequence this long ends ("length"); None: no limit
         self.max_loras = max_loras  # distinct LoRA adapters running at once (the slots they run from)
         self.max_num_seqs = max_num_seqs
@@ -110,7 +118,10 @@ class Scheduler:
             budget -= num_new
             i += 1
         # Admitting new work right after a preemption would only thrash the cache.
-        if batch.num_preempted == 0 and not (self.waiting and hold_prefills(
+        gathering = bool(self.waiting) and gather_prefills(len(self.waiting), self.max_num_seqs - len(self.running),
+                                                           len(self.running), self.prefill_group, self._held_steps)
+        self._held_steps = self._held_steps + 1 if gathering else 0
+        if batch.num_preempted == 0 and not gathering and not (self.waiting and hold_prefills(
                 self.clock(), _due(self.waiting[0]), len(self.running))):
             budget = self._admit_waiting(batch, budget, cap)
         batch.running_adapters = {s.lora_id for s in self.running if s.lora_id}
@@ -258,6 +269,18 @@ def hold_prefills(now: float, head_due: float, num_running: int) -> bool:
     """Whether waiting prompts stay out of this step: only while others run, and only until the
     first in line is due (its arrival plus the delay)."""
     return num_running > 0 and now < head_due
+
+
+def gather_prefills(num_waiting: int, free_slots: int, num_running: int, group: int, held_steps: int = 0,
+                    max_held_steps: int = MAX_GATHER_STEPS) -> bool:
+    """Whether backlogged prompts stay out of this step until `group` slots are free, so that their prefills
+    share one step. A step that computes a prompt beside the decodes costs, on a CPU, about what one
+    computing a group of them costs (the weights are read or widened once per step either way), so past
+    capacity, when every freed slot is taken at once by the next in line, each prompt gets a step of its
+    own and throughput falls by a third (8 slots, 128+32-token requests, 2-vCPU Xeon: 0.99 vs 1.46 req/s).
+    Never holds while nothing runs, nor when fewer wait than are free (below capacity nothing waits), nor
+    past `max_held_steps` steps in a row (long generations that free no slot for a while)."""
+    return num_running > 0 and free_slots < min(group, num_waiting) and held_steps < max_held_steps
 
 
 def wait_for_shared_prefix(shared_tokens: int, uncached_tokens: int) -> bool:

@@ -82,6 +82,8 @@ typedef struct {
     const float *bias;      /* [n] or NULL */
     const float *gscales, *gmins;  /* Q4_F32, Q5_F32: [n, k/32]; Q8_G16, Q6_G16: [n, k/16], gmins may be NULL */
     const uint8_t *high;    /* Q5*: one bit per weight, Q6_G16: two (see "narrow weights" below) */
+    int32_t act_passes;     /* narrow kinds: the activations in 1 int8 pass per block (0 reads as 1), or 2:
+                             * the block's rounding remainder in a second (see quantize_passes) */
 } Linear;
 
 /* A projection's LoRA slots (layers/lora.py's LoraLinear): a projection of P parts (q|k|v: 3,
@@ -450,6 +452,24 @@ static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s, in
     }
 }
 
+/* Two int8 passes over each block: x ~ d1 q1 + d2 q2, q1 the block rounded as quantize_q8 rounds
+ * it, q2 the rounding remainder x - d1 q1 (at most d1 / 2 per element) quantized the same way in
+ * its own block scale. About 15 bits of each block's largest magnitude instead of 7, for twice the
+ * integer dot products (the weights are unpacked once for both: a decode step bound by reading
+ * weights barely notices). The two passes are two rows of the quantized activations (q, d, s, qs
+ * at row 2 of x's rows and the next), so every kernel below runs them unchanged, each pass's output
+ * summed into one row afterwards in a fixed order: a row's bits still depend on that row alone.
+ * Why: with one pass the int4 model's hidden states sit ~4% off the weights' exact arithmetic
+ * against ~2% for bfloat16 activations, which tips near ties (issue 49, bench/prefill_precision.py). */
+static void quantize_passes(const float *x, int k, int8_t *q, float *d, float *s, int32_t *qs) {
+    const int blocks = k / QBLOCK;
+    float rest[QBLOCK];
+    quantize_q8(x, k, q, d, s, qs);
+    for (int b = 0; b < blocks; b++) {
+        for (int i = 0; i < QBLOCK; i++) rest[i] = x[b * QBLOCK + i] - d[b] * (float)q[b * QBLOCK + i];
+        quantize_q8(rest, QBLOCK, q + k + b * QBLOCK, d + blocks + b, s + blocks + b, qs + blocks + b);
+    }
+}
 
 /* ---- narrow weights, eight output channels interleaved -----------------------------------
  * A batch's rows make a decode step compute-bound in these kernels, and with one output per
@@ -832,12 +852,14 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
 /* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
-    return (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK)) + 64;
+    /* room for two int8 passes of every row (act_passes 2) */
+    return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK)) + 64;
 }
 
 typedef struct {
     const Linear *l;
-    int rows;
+    int rows;               /* quantized rows: passes per activation row */
+    int passes;
     const float *x;
     const int8_t *q;        /* x in int8 blocks, for the narrow weights */
     const float *d, *s;
@@ -909,25 +931,40 @@ static void linear_chunk(const void *arg, int begin, int end) {
                 } else if (tile == 1) group_q4_1(w, NULL, wd, wm, 0, q, d, s, k, 1, v);
                 else group_q4_1(w, NULL, wd, wm, 0, q, d, s, k, tile, v);
             }
-            for (int r = 0; r < tile; r++)
-                for (int c = 0; c < LANES && g * LANES + c < n; c++) {
-                    const int j = g * LANES + c;
-                    job->y[(size_t)(r0 + r) * n + j] = l->bias ? v[r][c] + l->bias[j] : v[r][c];
-                }
+            if (job->passes == 2)  /* the pairs (hi, lo) of one row never straddle tiles: TILE is even */
+                for (int r = 0; r < tile; r += 2)
+                    for (int c = 0; c < LANES && g * LANES + c < n; c++) {
+                        const int j = g * LANES + c;
+                        const float sum = v[r][c] + v[r + 1][c];
+                        job->y[(size_t)((r0 + r) / 2) * n + j] = l->bias ? sum + l->bias[j] : sum;
+                    }
+            else
+                for (int r = 0; r < tile; r++)
+                    for (int c = 0; c < LANES && g * LANES + c < n; c++) {
+                        const int j = g * LANES + c;
+                        job->y[(size_t)(r0 + r) * n + j] = l->bias ? v[r][c] + l->bias[j] : v[r][c];
+                    }
         }
     }
 }
 
 void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work, int threads) {
     const int k = l->k, blocks = k / QBLOCK;
+    const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
+                       && l->kind != KIND_F16_T && l->kind != KIND_BF16_T;
+    const int passes = narrow && l->act_passes == 2 ? 2 : 1;
+    const int activation_rows = rows;
+    rows *= passes;  /* quantized rows: with two passes row 2r is x_r's first pass, 2r + 1 its remainder's */
     int8_t *q = (int8_t *)work;
     float *d = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3)), *s = d + (size_t)rows * blocks;
     int32_t *qs = (int32_t *)(s + (size_t)rows * blocks);
     float *slo = (float *)(qs + (size_t)rows * blocks);
     int32_t *qlo = (int32_t *)(slo + (size_t)rows * blocks);
-    const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
-                       && l->kind != KIND_F16_T && l->kind != KIND_BF16_T;
-    if (narrow)
+    if (narrow && passes == 2)
+        for (int r = 0; r < activation_rows; r++)
+            quantize_passes(x + (size_t)r * k, k, q + (size_t)2 * r * k, d + (size_t)2 * r * blocks,
+                            s + (size_t)2 * r * blocks, qs + (size_t)2 * r * blocks);
+    else if (narrow)
         for (int r = 0; r < rows; r++)
             quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks,
                         qs + (size_t)r * blocks);
@@ -940,7 +977,7 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
                 qlo[(size_t)r * blocks + b] = sum;
                 slo[(size_t)r * blocks + b] = d[(size_t)r * blocks + b] * (float)sum;
             }
-    LinearJob job = {l, rows, x, q, d, s, qs, slo, qlo, y};
+    LinearJob job = {l, rows, passes, x, q, d, s, qs, slo, qlo, y};
     parallel_for(narrow ? (l->n + LANES - 1) / LANES : l->n, threads, linear_chunk, &job);
 }
 

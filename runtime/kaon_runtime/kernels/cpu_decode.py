@@ -40,6 +40,7 @@ KIND_F16, KIND_BF16, KIND_F16_T, KIND_BF16_T = 9, 10, 11, 12
 # Float weights read as stored (widened to float32 in registers, cpu_decode.c): kind by dtype, [N, K] and [K, N].
 FLOAT_KINDS = {torch.float32: (KIND_F32, KIND_F32_T), torch.float16: (KIND_F16, KIND_F16_T),
                torch.bfloat16: (KIND_BF16, KIND_BF16_T)}
+FLOAT_KIND_SET = frozenset(kind for pair in FLOAT_KINDS.values() for kind in pair)
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # Model.kv_half: the cache's format
 G16 = 16  # Q8_G16's group: two per activation block
 NO_COMPILER = "no C compiler on this machine: the fused CPU decode step and its tests are off (install gcc or set CC)"
@@ -49,7 +50,25 @@ class Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("d", ctypes.c_void_p),
                 ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
-                ("gmins", ctypes.c_void_p), ("high", ctypes.c_void_p)]
+                ("gmins", ctypes.c_void_p), ("high", ctypes.c_void_p), ("act_passes", ctypes.c_int32)]
+
+
+# How the narrow kernels quantize activations (KAON_CPU_ACTIVATIONS): "int8", one int8 pass per block
+# of 32 (llama.cpp's Q8 trade: ~7 bits; the int4 model's hidden states ~4% off its exact arithmetic,
+# bench/prefill_precision.py), or "int8x2", two (the block, then its rounding remainder: ~15 bits,
+# ~0.02% off; twice the integer dot products, which batched decode pays: bench/cpu_decode.py
+# --activations). See quantize_passes in cpu_decode.c. int8x2 also sends int8/int4 prompt rows
+# through the C step by default (models/cpu_decode_step.prefills_take_the_c_step: invariant answers).
+ACTIVATIONS = {"int8": 1, "int8x2": 2}
+DEFAULT_ACTIVATIONS = "int8"
+
+
+def activation_passes() -> int:
+    """The int8 passes per activation block that narrow weights made now get (KAON_CPU_ACTIVATIONS)."""
+    choice = os.environ.get("KAON_CPU_ACTIVATIONS", DEFAULT_ACTIVATIONS)
+    if choice not in ACTIVATIONS:
+        raise ValueError(f"KAON_CPU_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}, got {choice!r}")
+    return ACTIVATIONS[choice]
 
 
 LORA_PARTS = 3  # the most parts a fused projection has (q|k|v)
@@ -174,7 +193,8 @@ class LinearWeights:
         for name, t in kept.items():
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}, not the CPU")
-        struct = Linear(kind=kind, n=n, k=k, **{name: _ptr(t) for name, t in kept.items()})
+        struct = Linear(kind=kind, n=n, k=k, **{name: _ptr(t) for name, t in kept.items()},
+                        act_passes=1 if kind in FLOAT_KIND_SET else activation_passes())
         return cls(struct, list(kept.values()))
 
     @classmethod

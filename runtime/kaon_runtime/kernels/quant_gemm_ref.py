@@ -52,9 +52,13 @@ def w4a16_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     return torch.nn.functional.linear(x.float(), weight).to(x.dtype)
 
 
-def quantize_activations_ref(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def quantize_activations_ref(x: torch.Tensor, block: int = 32, passes: int = 1) -> torch.Tensor:
     """x [M, K] as the fused CPU step's narrow-weight kernels see it (kernels/cpu_decode.c): each
-    block of 32 scaled to int8 by its largest magnitude, rounded half to even, then scaled back."""
+    block of 32 scaled to int8 by its largest magnitude, rounded half to even, then scaled back;
+    with passes=2 (KAON_CPU_ACTIVATIONS=int8x2) plus the block's rounding remainder quantized the same way."""
+    if passes == 2:
+        first = quantize_activations_ref(x, block)
+        return first + quantize_activations_ref(x.float() - first, block)
     rows = x.shape[0]
     blocks = x.float().reshape(rows, -1, block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)

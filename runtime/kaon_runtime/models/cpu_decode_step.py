@@ -13,8 +13,8 @@ and so the same prompt gave other answers at near-ties when its prefix was cache
 chunked, or its neighbours in the batch changed. Wide steps run in pieces of max_rows rows, in
 order (a piece's rows see the keys the earlier pieces wrote). KAON_CPU_PREFILL=torch sends the
 chunks back to torch (faster prefill on long prompts, answers no longer invariant); it is the
-default for int8/int4 weights, whose C prefill is invariant but less precise than torch's (see
-prefills_take_the_c_step).
+default for int8/int4 weights unless KAON_CPU_ACTIVATIONS=int8x2: the default one int8 pass per
+activation block is less precise than torch's prefill (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
 (widened in registers); the activations are float32 inside the step. The fused step covers what
@@ -49,19 +49,22 @@ from kaon_runtime.layers.lora import LoraLinear
 def prefills_take_the_c_step(quantized: bool) -> bool:
     """KAON_CPU_PREFILL: fused (invariant answers) or torch (the chunks through torch's GEMMs).
 
-    The default is fused for float weights and torch for int8/int4 ones. Through the C step a
-    quantized model's prompt rows are invariant, and they compute exactly what their kernels specify
-    (tests/unit/runtime/kernels/test_cpu_decode_invariance.py: row for row the dequantized weights
-    times int8-block activations; no scale, min or block of another row or group is read), but
-    every projection rounds its activations to int8 in blocks of 32, where torch's int4/int8 CPU
-    kernels take bfloat16 ones. Against the int4 weights' exact arithmetic (float32 activations),
-    the bundled model's final hidden states are off by ~4.3% through the C step and ~1.9% through
-    torch (bench/prefill_precision.py), and the first answer to "What is the capital of France?",
-    a near tie in the exact arithmetic ("The" ahead of "L" by 0.08 nats), tips to "L'Etoile, la
-    Marseillaise," through the C step. Making it the default for int8/int4 waits for activations
-    that keep more precision at the same decode speed (a second int8 pass on each block's residue,
-    or float activations for prompt rows, which the decode rows would then need too)."""
-    choice = os.environ.get("KAON_CPU_PREFILL", "torch" if quantized else "fused")
+    The default is fused for float weights; for int8/int4 ones fused only where their kernels take the
+    activations in two int8 passes per block (KAON_CPU_ACTIVATIONS=int8x2, opt-in: kernels/cpu_decode.py),
+    else torch.
+    Through the C step a quantized model's prompt rows are invariant and compute exactly what their
+    kernels specify (tests/unit/runtime/kernels/test_cpu_decode_invariance.py: row for row the
+    dequantized weights times the activations as the kernels round them). With one int8 pass per
+    block (KAON_CPU_ACTIVATIONS=int8, llama.cpp's trade) every projection rounds its activations to
+    ~7 bits: against the int4 weights' exact arithmetic the bundled model's final hidden states were
+    off by ~4.3% through the C step and ~1.9% through torch's prefill (bfloat16 activations), and
+    "What is the capital of France?", a 0.08-nat near tie, tipped to "L'Etoile, la Marseillaise,";
+    so under that setting (the default) int8/int4 prompt rows keep torch's prefill (answers not
+    invariant). With two passes (~15 bits) the C step is ~100x nearer the exact arithmetic than
+    torch's prefill (bench/prefill_precision.py), but batched decode pays for the second pass (a
+    16-sequence int4 step 0.64-0.75x the tokens/s; bench/cpu_decode.py --activations): so it is opt-in."""
+    precise = cpu_decode.activation_passes() == 2
+    choice = os.environ.get("KAON_CPU_PREFILL", "torch" if quantized and not precise else "fused")
     if choice not in ("fused", "torch"):
         raise ValueError(f"KAON_CPU_PREFILL must be fused or torch, got {choice!r}")
     return choice == "fused"
@@ -209,6 +212,8 @@ class CpuDecodeStep:
         self.decoder, self.config = decoder, config
         self.max_rows = max_rows  # wider steps run in pieces of this many rows (or go to torch, see applies)
         self.prefills = prefills_take_the_c_step(quantized=False)  # settled by check(), once the weights are in
+        # KAON_CPU_ACTIVATIONS as the engine was built: its structs get it, whenever they are (re)built
+        self.activation_passes = cpu_decode.activation_passes()
         self._built: tuple[tuple[int, ...], cpu_decode.Model, list] | None = None
         self._reads_lora = False
 
@@ -221,6 +226,7 @@ class CpuDecodeStep:
                 base = module.base if isinstance(module, LoraLinear) else module
                 quantized |= type(base) is not nn.Linear
         self.prefills = prefills_take_the_c_step(quantized)
+        self.activation_passes = cpu_decode.activation_passes()
 
     def _model(self) -> cpu_decode.Model:
         address = self.decoder.kv_cache_address()
@@ -243,6 +249,10 @@ class CpuDecodeStep:
             structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
                                           layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
                                           (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)))
+            for name in ("qkv", "o", "gate_up", "down"):  # (copies of the structs: shared weights keep theirs)
+                linear = getattr(structs[i], name)
+                if linear.kind not in cpu_decode.FLOAT_KIND_SET:
+                    linear.act_passes = self.activation_passes
         final_norm = weights.final_norm.detach().float().contiguous()
         keep += [structs, weights.cos, weights.sin, final_norm]
         first_cache = layers[0].k_cache

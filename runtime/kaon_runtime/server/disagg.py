@@ -29,7 +29,7 @@ from kaon_runtime.engine.kv_transfer import FALLBACK_REASONS, KvExports, Transfe
 from kaon_runtime.engine.kv_wire import (
     PREFILL_PATH,
     NixlWriter,
-    chunk_frame,
+    chunk_frame_parts,
     done_frame,
     error_frame,
     frame,
@@ -107,7 +107,7 @@ async def _watch_engine(stream: RequestStream, queue: asyncio.Queue) -> None:
 
 
 async def _frames(exports: KvExports, ask: PrefillAsk, queue: asyncio.Queue, stream: RequestStream,
-                  watcher: asyncio.Task) -> AsyncIterator[bytes]:
+                  watcher: asyncio.Task) -> AsyncIterator[bytes | memoryview]:
     start, end = ask.start, len(ask.token_ids) - 1
     try:
         yield meta_frame(exports.layout, start, end)
@@ -116,7 +116,9 @@ async def _frames(exports: KvExports, ask: PrefillAsk, queue: asyncio.Queue, str
             if kind == "chunk":
                 first, kv = item
                 if ask.nixl is None:
-                    yield chunk_frame(first, kv)
+                    head, payload = chunk_frame_parts(first, kv)
+                    yield head
+                    yield payload  # the K/V's own memory: no copy before the socket
                     continue
                 # NIXL: the bytes into the decode engine's staging range, the header on the stream once they landed
                 try:

@@ -41,6 +41,7 @@ from dataclasses import asdict
 
 import aiohttp
 
+from kaon_runtime.engine.admission import serving_max_num_seqs
 from kaon_runtime.server.perf_fit import GridPoint, fit, fitting
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -86,9 +87,13 @@ def _serve_settings(serve_args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     for flag, default in (("--model", None), ("--quantization", "none"), ("--dtype", "auto"),
                           ("--kv-cache-dtype", "auto"), ("--tensor-parallel-size", "1"),
-                          ("--max-num-seqs", "64"), ("--max-num-batched-tokens", "1024")):
+                          ("--max-num-seqs", None), ("--max-num-batched-tokens", "1024"), ("--device", "auto")):
         parser.add_argument(flag, default=default)
-    return parser.parse_known_args(serve_args)[0]
+    settings = parser.parse_known_args(serve_args)[0]
+    # unset: the server's own default for the device (engine/admission.py)
+    settings.max_num_seqs = serving_max_num_seqs(None if settings.max_num_seqs is None else int(settings.max_num_seqs),
+                                                 settings.device)
+    return settings
 
 
 def _device() -> str:

@@ -95,7 +95,7 @@ def _remote_prefill(args, engine: AsyncEngine) -> RemotePrefill | None:
     layout = KvLayout.of_cache(llm.runner.kv_cache)
     transport, why_not_nixl = pick_transport(first_key, layout, args.kv_transport)
     remote = RemotePrefill(args.prefill_url, transport, layout, llm.block_manager, args.disagg_min_prompt_tokens,
-                           args.disagg_timeout)
+                           args.disagg_timeout, getattr(args, "disagg_max_in_flight", 2))
     remote.why_not_nixl = why_not_nixl
     return remote
 

@@ -20,8 +20,9 @@ def least(items: Sequence[T], key: Callable[[T], Any], rng: random.Random) -> T:
     the same pod: a burst of one prompt onto one of several equally loaded holders of it, its
     cheap cached prefills there and the costly uncached ones elsewhere (the same requests in
     flight everywhere, unequal work)."""
-    lowest = min(key(m) for m in items)
-    tied = [m for m in items if key(m) == lowest]
+    keys = [key(m) for m in items]  # once each: this runs on every request
+    lowest = min(keys)
+    tied = [m for m, k in zip(items, keys) if k == lowest]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kaon_runtime.engine.admission import (
+    CPU_MAX_NUM_SEQS,
+    GPU_MAX_NUM_SEQS,
     FinishRate,
+    StepTimes,
     admission,
+    device_type,
     expected_wait_s,
     queue_expired,
     retry_after_s,
+    serving_max_num_seqs,
+    start_deadline_s,
 )
 
 
@@ -24,6 +30,39 @@ def test_expected_wait_counts_the_requests_ahead_past_the_free_slots():
     assert expected_wait_s(ahead=4, free_slots=4, finishes_per_s=2.0) == pytest.approx(0.5)  # its own turn
     assert expected_wait_s(ahead=10, free_slots=0, finishes_per_s=2.0) == pytest.approx(5.5)
     assert expected_wait_s(ahead=10, free_slots=0, finishes_per_s=None) is None  # no rate yet: unknown
+
+
+def test_expected_wait_adds_the_step_that_computes_the_prompt_only_behind_a_queue():
+    # a free slot: it starts in the next step, whatever that step costs (never refused for it)
+    assert expected_wait_s(ahead=0, free_slots=1, finishes_per_s=2.0, step_s=5.0) == 0.0
+    assert expected_wait_s(ahead=10, free_slots=0, finishes_per_s=2.0, step_s=1.5) == pytest.approx(7.0)
+    late = admission(num_waiting=10, max_queue=256, wait_s=expected_wait_s(10, 0, 2.0, step_s=1.5),
+                     max_queue_wait_s=6.0)
+    assert late is not None and late.status == 503  # 5.5 s of queue fits 6 s; with the step it does not
+
+
+def test_a_queued_request_expires_early_enough_for_its_first_token_to_come_within_the_limit():
+    assert start_deadline_s(30.0, 1.2) == pytest.approx(28.8)
+    assert start_deadline_s(30.0, 0.0) == 30.0  # no step seen yet
+    assert start_deadline_s(1.0, 5.0) == 0.5  # a step past the limit leaves half of it to wait
+
+
+def test_the_slowest_recent_step_stands_for_a_prompts_step():
+    steps = StepTimes(window=3)
+    assert steps.slowest() == 0.0
+    for duration in (0.1, 0.9, 0.2):
+        steps.record(duration)
+    assert steps.slowest() == 0.9
+    steps.record(0.3)
+    steps.record(0.1)
+    assert steps.slowest() == 0.3  # the 0.9 s step left the window
+
+
+def test_the_running_batch_defaults_to_the_measured_cpu_size_and_a_flag_wins():
+    assert serving_max_num_seqs(None, "cpu") == CPU_MAX_NUM_SEQS == 8
+    assert serving_max_num_seqs(None, "cuda:1") == serving_max_num_seqs(None, "cuda") == GPU_MAX_NUM_SEQS == 64
+    assert serving_max_num_seqs(3, "cpu") == 3 and serving_max_num_seqs(64, "cpu") == 64
+    assert device_type("cuda:0") == "cuda" and device_type("auto") in ("cpu", "cuda")
 
 
 def test_a_full_queue_is_a_429_and_a_wait_past_the_limit_a_503_with_when_to_come_back():

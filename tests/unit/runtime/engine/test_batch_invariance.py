@@ -1,7 +1,8 @@
 """The same request gets the same answer, whatever else the engine is doing (issue 49, section 2).
 
-On the bundled model in its default precision (int4 weights, float16 KV cache, the fused C step, its
-prompt rows through the C step too: KAON_CPU_PREFILL=fused, not yet the default for int4 weights),
+On the bundled model in its default precision (int4 weights, float16 KV cache, the fused C step for
+decode and prompt rows alike) with its activations in two int8 passes per block (KAON_CPU_ACTIVATIONS=
+int8x2, opt-in: its batched decode is slower; with it int4 prompt rows take the C step by default),
 greedy: each prompt answered alone is the reference, and the same prompts answered
   - in one batch with prompts of other lengths (batch neighbours),
   - in prefill chunks of 16 tokens (chunked prefill),
@@ -56,10 +57,12 @@ def _together(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
 @pytest.fixture(scope="module")
 def engines():
     """(no prefix cache, whole prompts in one step), (prefix cache, prefill chunks of 16 tokens)."""
-    # int4 prefill through the C step is opt-in for now (models/cpu_decode_step.prefills_take_the_c_step:
-    # its answers leave the reference's); this holds that mode's rows invariant.
+    # Only the opt-in set (models/cpu_decode_step.prefills_take_the_c_step then sends the prompt rows
+    # through the C step itself): a change of that policy that loses invariance fails here.
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("KAON_CPU_PREFILL", "fused")
+        for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE"):
+            env.delenv(name, raising=False)
+        env.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
         plain = LLM(MODEL, show_progress=False, device="cpu", enable_prefix_caching=False)
         chunked = LLM(MODEL, show_progress=False, device="cpu", enable_prefix_caching=True,
                       max_num_batched_tokens=16)

@@ -31,14 +31,23 @@ from kaon_runtime.engine.kv_wire import (
     TcpTransport,
     TokenRanges,
     TransferError,
+    all_finite,
     chunk_frame,
+    chunk_frame_parts,
     done_frame,
     error_frame,
     frame,
     meta_frame,
     pick_transport,
+    token_rows,
 )
-from kaon_runtime.engine.remote_prefill import RemotePrefill, wants_remote
+from kaon_runtime.engine.remote_prefill import (
+    DECODE_STEP_TOKENS,
+    DEFAULT_STEP_TOKENS,
+    RemotePrefill,
+    step_token_budget,
+    wants_remote,
+)
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.sampling import SamplingParams
@@ -132,20 +141,52 @@ def transfer(start: int, end: int, step: int = 3) -> bytes:
     return data + done_frame()
 
 
-def assemble(data: bytes, start: int = 2, end: int = 10, cut: int = 5) -> ImportedKv:
-    """Feed the bytes in pieces of `cut`, as a socket would."""
-    reader, assembler = FrameReader(), KvAssembler(LAYOUT, start, end)
+def assemble(data: bytes, start: int = 2, end: int = 10, cut: int = 5, in_place: bool = True) -> ImportedKv:
+    """Feed the bytes in pieces of `cut`, as a socket would; `in_place`: payloads straight into the assembler's
+    rows, as TcpTransport reads them."""
+    assembler = KvAssembler(LAYOUT, start, end)
+    reader = FrameReader(assembler.destination if in_place else None)
     for i in range(0, len(data), cut):
         for header, payload in reader.feed(data[i:i + cut]):
+            handed.append((header["type"], payload is None))
             assembler.add(header, payload)
-    assert assembler.done
+    assert assembler.done and reader.pending == 0
     return assembler.result()
 
 
-def test_frames_reassemble_the_transfer_from_any_split():
+handed: list[tuple[str, bool]] = []  # (frame type, whether its payload was placed rather than handed over)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_frames_reassemble_the_transfer_from_any_split(in_place):
     for cut in (1, 7, 1000):
-        kv = assemble(transfer(2, 10), cut=cut)
+        handed.clear()
+        kv = assemble(transfer(2, 10), cut=cut, in_place=in_place)
         assert (kv.start, kv.end) == (2, 10) and torch.equal(kv.kv, tokens_kv(2, 10))
+        assert handed == [("meta", False)] + [("chunk", in_place)] * 3 + [("done", False)]
+
+
+def test_the_wire_carries_the_gathered_kv_without_another_copy():
+    """gather_tokens copies the pool's slots once, token-major; the frame's payload is that memory (the old path
+    copied a 1,000-token chunk's 46 MB four more times on the way out)."""
+    cache = pool()
+    scatter_tokens(cache, token_slots([2, 5, 6], BS, 0, 12), tokens_kv(0, 12))
+    kv = gather_tokens(cache, token_slots([2, 5, 6], BS, 3, 10))
+    head, payload = chunk_frame_parts(3, kv)
+    assert token_rows(kv).data_ptr() == kv.data_ptr()  # already token-major: no copy to send it
+    assert torch.frombuffer(payload, dtype=torch.uint8).data_ptr() == kv.data_ptr()
+    assert head + payload.tobytes() == chunk_frame(3, kv)
+    rows = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(7, LAYERS, 2, HEADS, DIM)
+    assert torch.equal(rows.permute(1, 2, 3, 0, 4), tokens_kv(3, 10))  # token by token on the wire
+
+
+def test_finite_check_finds_one_bad_value_among_many():
+    kv = tokens_kv(0, 50)
+    assert all_finite(kv)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoiled = kv.clone()
+        spoiled[1, 0, 0, 37, 2] = bad
+        assert not all_finite(spoiled)
 
 
 @pytest.mark.parametrize("data, why", [
@@ -153,6 +194,8 @@ def test_frames_reassemble_the_transfer_from_any_split():
     (meta_frame(LAYOUT, 2, 10) + chunk_frame(5, tokens_kv(5, 8)), "chunk"),  # a gap
     (meta_frame(LAYOUT, 2, 10) + chunk_frame(2, tokens_kv(2, 5)) + done_frame(), "done after 3"),  # cut short
     (meta_frame(LAYOUT, 2, 10) + chunk_frame(2, tokens_kv(2, 5) * float("nan")), "finite"),
+    (meta_frame(LAYOUT, 2, 10) + chunk_frame(2, tokens_kv(2, 5)) + chunk_frame(5, tokens_kv(5, 8) / 0), "finite"),
+    (meta_frame(LAYOUT, 2, 10) + chunk_frame(2, tokens_kv(2, 5)) + chunk_frame(4, tokens_kv(4, 7)), "chunk"),
     (meta_frame(LAYOUT, 2, 10) + frame({"type": "chunk", "first": 2, "tokens": 3}, b"\0" * 8), "bytes"),
     (b"\0\0\0\x05{oops", "JSON"),
     (b"\xff\xff\xff\xff", "header"),
@@ -215,6 +258,64 @@ def test_a_failed_transfer_is_counted_and_prefilled_here(behaviour, reason):
     else:
         assert kv is None and remote.stats.received_tokens == 0
         assert remote.stats.fallbacks == {r: int(r == reason) for r in remote.stats.fallbacks}
+
+
+def test_the_event_loop_is_kept_awake_while_a_tcp_transfer_is_open():
+    """A decode engine's loop that sleeps while it waits for the prefill measured 3-5x slower streams on a loaded
+    core (bench/history/disagg.md): a TCP transfer wakes it every millisecond, as NIXL's progress loop does, and
+    stops when the transfer ends."""
+    async def main():
+        runner, url = await serve_prefill("slow")  # 1.5 s between the two halves
+        transport = TcpTransport()
+        try:
+            await transport.fetch(url, {"token_ids": list(range(11)), "start": 0}, LAYOUT, 0.3)
+        except TransferError:
+            pass
+        after = transport.ticks
+        await asyncio.sleep(0.1)
+        await transport.close()
+        await runner.cleanup()
+        return after, transport.ticks
+
+    during, later = asyncio.run(main())
+    assert during >= 10 and later == during  # woke the loop over 0.3 s; nothing once the transfer ended
+
+
+def test_an_ask_past_the_in_flight_limit_is_prefilled_here_at_once():
+    """Every prefill engine holds --disagg-max-in-flight transfers: the next prompt is not queued behind them (to
+    wait there and time out), it is counted `busy` and prefilled here without any connection."""
+    async def main():
+        runner, url = await serve_prefill("good")
+        transport = TcpTransport()
+        remote = RemotePrefill([url], transport, LAYOUT, BlockManager(BLOCKS, BS), min_prompt_tokens=4,
+                               timeout_s=5, max_in_flight=1)
+        try:
+            remote.peers[0].in_flight = 1  # one transfer already there
+            busy = await remote.fetch(list(range(11)), SamplingParams(), None, 0)
+            remote.peers[0].in_flight = 0
+            fetched = await remote.fetch(list(range(11)), SamplingParams(), None, 0)
+        finally:
+            await transport.close()
+            await runner.cleanup()
+        return remote, busy, fetched
+
+    remote, busy, fetched = asyncio.run(main())
+    assert busy is None and fetched is not None and torch.equal(fetched.kv, tokens_kv(0, 10))
+    assert remote.stats.fallbacks == {r: int(r == "busy") for r in remote.stats.fallbacks}
+    assert remote.stats.requests == 1 and remote.peers[0].in_flight == 0
+
+
+def test_a_decode_engine_prefills_what_it_keeps_in_short_chunks():
+    """A decode engine's own prefills (short prompts, fallbacks) go in steps of DECODE_STEP_TOKENS, so a failed
+    transfer's 1,000-token prompt does not stall its streams for one long step; set by hand, the flag wins."""
+    assert step_token_budget(None, "decode") == DECODE_STEP_TOKENS < DEFAULT_STEP_TOKENS
+    assert step_token_budget(None, "both") == step_token_budget(None, "prefill") == DEFAULT_STEP_TOKENS
+    assert step_token_budget(2048, "decode") == 2048
+    from kaon_runtime.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["serve", "--role", "decode", "--prefill-url", "http://p:80"])
+    assert engine_config(args).max_num_batched_tokens == DECODE_STEP_TOKENS
+    assert engine_config(build_parser().parse_args(["serve"])).max_num_batched_tokens == DEFAULT_STEP_TOKENS
 
 
 def test_token_ranges_first_fit():

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kaon_runtime.engine.block_manager import BlockManager
-from kaon_runtime.engine.scheduler import ScheduledBatch, Scheduler
+from kaon_runtime.engine.scheduler import MAX_GATHER_STEPS, ScheduledBatch, Scheduler, gather_prefills
 from kaon_runtime.engine.sequence import Sequence, SequenceStatus
 from kaon_runtime.sampling import SamplingParams
 
@@ -603,3 +603,54 @@ def test_without_a_delay_a_new_prompt_joins_the_next_step():
     sched.add(second)
     assert runner.step().seqs == [first, second]
 
+
+
+def test_gather_prefills_holds_a_backlog_until_a_group_of_slots_is_free():
+    assert gather_prefills(num_waiting=10, free_slots=1, num_running=7, group=4)  # one slot: wait for more
+    assert not gather_prefills(num_waiting=10, free_slots=4, num_running=4, group=4)  # a group: in they go
+    assert not gather_prefills(num_waiting=1, free_slots=1, num_running=7, group=4)  # no backlog: at once
+    assert gather_prefills(num_waiting=2, free_slots=1, num_running=7, group=4)  # two wait: one slot is not both
+    assert not gather_prefills(num_waiting=10, free_slots=1, num_running=0, group=4)  # nothing runs: never hold
+    assert not gather_prefills(num_waiting=10, free_slots=1, num_running=7, group=1)  # group 1: off
+    assert gather_prefills(num_waiting=10, free_slots=1, num_running=7, group=4, held_steps=MAX_GATHER_STEPS - 1)
+    assert not gather_prefills(num_waiting=10, free_slots=1, num_running=7, group=4, held_steps=MAX_GATHER_STEPS)
+
+
+def test_a_long_generation_holding_its_slot_keeps_the_backlog_out_only_for_a_bounded_number_of_steps():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64, prefill_group=2)
+    runner = FakeRunner(sched)
+    long, short = make_seq([1, 1], max_tokens=60), make_seq([1, 2], max_tokens=1)
+    sched.add(long)
+    sched.add(short)
+    runner.step()
+    waiting = make_seq([3, 3], max_tokens=2)
+    sched.add(waiting)
+    sched.add(make_seq([3, 4], max_tokens=2))
+    held = 0
+    while waiting not in runner.step().seqs:
+        held += 1
+        assert held <= MAX_GATHER_STEPS, "the backlog waited for a second free slot without end"
+    assert held == MAX_GATHER_STEPS  # it did wait for one, that long
+
+
+def test_past_capacity_prompts_go_in_as_a_group_once_enough_slots_are_free():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, prefill_group=2)
+    runner = FakeRunner(sched)
+    running = [make_seq([1, i], max_tokens=3 + 2 * i) for i in range(4)]  # they finish two steps apart
+    for seq in running:
+        sched.add(seq)
+    runner.step()
+    backlog = [make_seq([2, i], max_tokens=2) for i in range(4)]
+    for seq in backlog:
+        sched.add(seq)
+    admitted = []  # (prompts admitted, slots that were free) for each step that admitted any
+    while not all(seq.is_finished for seq in backlog):
+        before = list(sched.running)
+        free = 4 - len(before)
+        new = [seq for seq in runner.step().seqs if seq not in before]
+        if new:
+            admitted.append((len(new), free))
+    assert [n for n, _ in admitted] == [2, 2] and all(free >= 2 for _, free in admitted), admitted  # never one alone
+    runner.run()
+    for i, seq in enumerate(backlog):
+        assert seq.output_token_ids == expected_output([2, i], 2)

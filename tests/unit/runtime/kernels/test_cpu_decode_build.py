@@ -105,7 +105,9 @@ def _linear(lib, weights: cpu_decode.LinearWeights, x: torch.Tensor) -> torch.Te
     return out
 
 
-def test_every_projection_kind_agrees_across_the_flag_paths(level_library):
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])  # KAON_CPU_ACTIVATIONS: one int8 pass or two
+def test_every_projection_kind_agrees_across_the_flag_paths(level_library, activations, monkeypatch):
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
     name, native, level = level_library
     for weights, x in _projections():
         ours, theirs = _linear(level, weights, x), _linear(native, weights, x)

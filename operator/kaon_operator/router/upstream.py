@@ -1,0 +1,426 @@
+"""The router's client to the engine pods: pooled keep-alive HTTP/1.1 on asyncio protocols.
+
+aiohttp's ClientSession was about a third of the router's CPU per request (py-spy; bench/router.py):
+a request object, a connector, a timer and a task per request, all for one POST of a body already in
+memory. This does only that: one write of the request head and body on a pooled connection, the
+response parsed by httptools (llhttp, the parser uvicorn uses: chunked and content-length bodies,
+keep-alive), and the body handed on as it arrives, each piece as the parser gave it (no copy but
+the join of what a slow reader let pile up).
+
+A connection goes back to its pod's pool only after a whole response on a keep-alive connection,
+and is not used after UPSTREAM_KEEPALIVE_S idle (the engine closes at 5 s). A response released
+before its end closes its connection: the engine sees the client gone and aborts the request.
+A reused connection that fails before any byte of the answer came (the engine closed it as the
+request went out) is tried once more on a new connection to the same pod; any other failure is
+the caller's (UpstreamError: the router retries another pod, or ends a begun response).
+
+Reading is paused while more than HIGH_WATER bytes wait for a reader (a client slower than its
+engine), so a slow client holds at most that much of the router's memory per stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+import httptools
+from multidict import CIMultiDict
+
+UPSTREAM_KEEPALIVE_S = 4.0
+"""The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a connection it
+is closing fails after it went out; stay under (and see the one retry on a fresh connection)."""
+HIGH_WATER = 1 << 18
+"""Unread response bytes per connection above which the engine's socket is not read."""
+MAX_IDLE_PER_POD = 256
+MAX_ADDRESSES = 4096
+"""Parsed pod URLs kept (pods come and go: past this the cache starts afresh)."""
+
+
+class UpstreamError(Exception):
+    """The engine's connection failed: refused, reset, closed, or a response that is not HTTP."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection could be made (refused, unreachable, or not within the connect timeout)."""
+
+
+class _Address:
+    __slots__ = ("host", "port", "host_header")
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.host_header = parts.netloc.encode("ascii")
+
+
+class Response:
+    """One engine response: status and headers once the head is in; the body through `readany`
+    (b"" at its end) or `read`. `release()` (or leaving `async with`) hands the connection back,
+    or closes it when the body was not read to its end."""
+
+    __slots__ = ("status", "reason", "raw_headers", "_headers", "_chunks", "_buffered", "_waiter", "complete", "_error",
+                 "_conn", "keep_alive", "until_close", "released", "_type", "_length", "_coding")
+
+    def __init__(self, conn: _Connection):
+        self.status = 0
+        self.reason = ""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        """The fields as they came: (name, value) bytes."""
+        self._headers: CIMultiDict[str] | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self.complete = False
+        self._error: UpstreamError | None = None
+        self._conn = conn
+        self.keep_alive = False
+        self.until_close = False
+        """The body ends when the engine closes the connection (no Content-Length, not chunked)."""
+        self.released = False
+        # The three fields the relay and the framing read, noted as they are parsed: no scan of the headers.
+        self._type: bytes | None = None
+        self._length: bytes | None = None
+        self._coding: bytes | None = None
+
+    # what the relay reads ------------------------------------------------------------
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        if self._headers is None:  # built once, when asked (the asleep check asks for one field)
+            self._headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers)
+        return self._headers
+
+    def header(self, name: bytes) -> str | None:
+        """One field by its lower-case name, without building the headers."""
+        for k, v in self.raw_headers:
+            if k.lower() == name:
+                return v.decode("latin-1")
+        return None
+
+    @property
+    def content_type(self) -> str:
+        value = self._type
+        return value.split(b";", 1)[0].strip().lower().decode("latin-1") if value else "application/octet-stream"
+
+    @property
+    def content_length(self) -> int | None:
+        value = self._length
+        return int(value) if value is not None and value.strip().isdigit() else None
+
+    @property
+    def content(self) -> Response:
+        """The body as a stream (pump.Pump reads `readany()` from it)."""
+        return self
+
+    async def readany(self) -> bytes:
+        """What has arrived of the body since the last call (waiting for some); b"" at its end."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        if self._buffered > HIGH_WATER:
+            self._conn.resume()
+        self._buffered = 0
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._conn.done(self)
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    # what the connection feeds -------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, error: UpstreamError) -> None:
+        self._error = error
+        self._wake()
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection to a pod; httptools calls the on_* methods as it parses."""
+
+    def __init__(self, pool: Pool, url: str):
+        self.pool, self.url = pool, url
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.head: asyncio.Future[Response] | None = None
+        self.closed = False
+        self.received = False  # any byte of the current response
+        self.idle_since = 0.0
+        self.paused = False
+        self.uses = 0
+
+    # asyncio's side --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a TCP connection's: an asyncio.Transport
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._failed(UpstreamError(f"the engine's response is not valid HTTP/1.1 ({exc})"))
+            self.close()
+        except httptools.HttpParserUpgrade:
+            self._failed(UpstreamError("the engine's response upgraded the connection"))
+            self.close()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        response = self.response
+        if response is not None and not response.complete and response._error is None:
+            if self.head is None and response.until_close:
+                response._finish()  # a body without a length ends with the connection
+            else:
+                reason = str(exc) if exc else "the engine closed the connection"
+                self._failed(UpstreamError(reason if self.head is not None else
+                                           f"the response broke off: {reason}"))
+
+    # httptools' side --------------------------------------------------------------------
+
+    def on_status(self, reason: bytes) -> None:
+        assert self.response is not None
+        self.response.reason += reason.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        response = self.response
+        assert response is not None
+        response.raw_headers.append((name, value))
+        if len(name) in (12, 14, 17):  # the length of the three names below: most fields skip the compare
+            lower = name.lower()
+            if lower == b"content-type":
+                response._type = value
+            elif lower == b"content-length":
+                response._length = value
+            elif lower == b"transfer-encoding":
+                response._coding = value
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response.status = self.parser.get_status_code()
+        if response.status < 200:  # an interim answer (100 Continue): the real one follows
+            return
+        response.keep_alive = self.parser.should_keep_alive()
+        if response.status not in (204, 304):
+            response.until_close = response._length is None and b"chunked" not in (response._coding or b"").lower()
+        head, self.head = self.head, None
+        if head is not None and not head.done():
+            head.set_result(response)
+
+    def on_body(self, data: bytes) -> None:
+        if self.response is not None and self.head is None:
+            self.response._body(data)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        if response.status < 200:  # the interim answer's end: parse the next head afresh
+            self.response = Response(self)
+            return
+        response._finish()
+        if response.released:
+            self.done(response)
+
+    # the pool's side ----------------------------------------------------------------------
+
+    def send(self, data: bytes, head: asyncio.Future[Response]) -> None:
+        assert self.transport is not None
+        self.response, self.head, self.received = Response(self), head, False
+        self.uses += 1
+        self.transport.write(data)
+
+    def done(self, response: Response) -> None:
+        """The response was released: keep the connection for the next request if it is whole."""
+        if response is not self.response:
+            return
+        if not response.complete:
+            self.close()  # the engine sees the client gone and aborts the request
+            return
+        self.response = None
+        if response.keep_alive and not self.closed and response._error is None:
+            self.pool.put(self)
+        else:
+            self.close()
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        self.closed = True
+
+    def _failed(self, error: UpstreamError) -> None:
+        head, self.head = self.head, None
+        if head is not None and not head.done():
+            head.set_exception(error)
+        elif self.response is not None:
+            self.response._fail(error)
+
+
+class Pool:
+    """Keep-alive connections per pod (its URL), newest first."""
+
+    def __init__(self, connect_timeout: float, keepalive: float = UPSTREAM_KEEPALIVE_S,
+                 max_idle: int = MAX_IDLE_PER_POD):
+        self.connect_timeout, self.keepalive, self.max_idle = connect_timeout, keepalive, max_idle
+        self._idle: dict[str, list[_Connection]] = {}
+        self._addresses: dict[str, _Address] = {}
+        self._open: set[_Connection] = set()
+        self.connects = 0
+        """New connections made (the tests' and the bench's view of reuse)."""
+
+    async def request(self, url: str, method: str, path: str, fields: Iterable[bytes], body: bytes,
+                      timeout: float) -> Response:
+        """Send the request to the pod at `url` and return its response once the head is in. `fields`:
+        the head's lines (b"Name: value\r\n", request.upstream_fields) past Host and Content-Length.
+        TimeoutError when no head came within `timeout` seconds of the call (connecting included),
+        ConnectFailed when no connection could be made, UpstreamError when it failed after."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        address = self._addresses.get(url)
+        if address is None:
+            if len(self._addresses) >= MAX_ADDRESSES:
+                self._addresses.clear()
+            address = self._addresses[url] = _Address(url)
+        data = _encode(method, path, address.host_header, fields, body)
+        conn = self._take(url, loop.time())
+        if conn is not None:
+            try:
+                return await self._exchange(conn, data, deadline, loop)
+            except UpstreamError:
+                if conn.received:
+                    raise
+                # The engine closed a kept-alive connection as the request went out: nothing was
+                # answered, so the request is sent once more, on a new connection.
+        conn = await self._connect(url, address, deadline, loop)
+        return await self._exchange(conn, data, deadline, loop)
+
+    def put(self, conn: _Connection) -> None:
+        idle = self._idle.setdefault(conn.url, [])
+        if len(idle) >= self.max_idle:
+            conn.close()
+            return
+        conn.idle_since = asyncio.get_running_loop().time()
+        idle.append(conn)
+
+    def forget(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+        idle = self._idle.get(conn.url)
+        if idle and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.url]
+
+    def close(self) -> None:
+        for conn in list(self._open):
+            conn.close()
+        self._idle.clear()
+
+    def idle(self, url: str) -> int:
+        return len(self._idle.get(url, ()))
+
+    def _take(self, url: str, now: float) -> _Connection | None:
+        idle = self._idle.get(url)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive:
+                return conn
+            conn.close()
+        if idle is not None:
+            del self._idle[url]  # none left: a pod that is gone leaves no entry behind
+        return None
+
+    async def _connect(self, url: str, address: _Address, deadline: float,
+                       loop: asyncio.AbstractEventLoop) -> _Connection:
+        limit = min(self.connect_timeout, deadline - loop.time())
+        try:
+            async with asyncio.timeout(max(0.0, limit)):
+                _, conn = await loop.create_connection(lambda: _Connection(self, url), address.host, address.port)
+        except TimeoutError:
+            if limit < self.connect_timeout:
+                raise  # the caller's deadline, not the connect timeout
+            raise ConnectFailed(f"no connection within {self.connect_timeout:g}s") from None
+        except OSError as exc:
+            raise ConnectFailed(exc.strerror or str(exc)) from None
+        self.connects += 1
+        self._open.add(conn)
+        return conn
+
+    @staticmethod
+    async def _exchange(conn: _Connection, data: bytes, deadline: float, loop: asyncio.AbstractEventLoop) -> Response:
+        head: asyncio.Future[Response] = loop.create_future()
+        conn.send(data, head)
+        timer = loop.call_at(deadline, _expire, head)
+        try:
+            return await head
+        except BaseException:  # a timeout, a failure, or the client gone (cancelled): the engine sees a close
+            conn.close()
+            raise
+        finally:
+            timer.cancel()
+
+
+def _expire(head: asyncio.Future[Any]) -> None:
+    if not head.done():
+        head.set_exception(TimeoutError())
+
+
+def _encode(method: str, path: str, host: bytes, fields: Iterable[bytes], body: bytes) -> bytes:
+    """The request head and body as one buffer: one send. The fields come from aiohttp's parser, which
+    refuses CR and LF in them."""
+    return b"".join((f"{method} {path} HTTP/1.1\r\nHost: ".encode("utf-8", "surrogateescape"), host,
+                     b"\r\nContent-Length: %d\r\n" % len(body), *fields, b"\r\n", body))
