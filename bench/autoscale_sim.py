@@ -277,6 +277,9 @@ class Cluster:
         self.standby, self.wake_s = 0, 0.0
         self.sleepers: list[float] = []
         self.standby_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, standby pods that exist)
+        # [start, loaded] of every standby started behind a woken one: while it loads it holds its device
+        # like any replica starting, so those seconds count in full whatever a sleeping standby costs.
+        self.standby_loads: list[list[float]] = []
 
     # events
     def push(self, at: float, kind: str, what: object = None) -> None:
@@ -351,7 +354,12 @@ class Cluster:
             return self.now + self.cold_start_s
         self.sleepers.sort()
         loaded = self.sleepers.pop(0)
+        for load in self.standby_loads:  # one still loading becomes this replica: counted as such from now
+            if load[1] == loaded and loaded > self.now:
+                load[1] = max(load[0], self.now)
+                break
         self.sleepers.append(self.now + self.cold_start_s)
+        self.standby_loads.append([self.now, self.now + self.cold_start_s])
         return max(loaded, self.now) + self.wake_s
 
     def fill_standby(self, loaded_at: float) -> None:
@@ -376,6 +384,11 @@ class Cluster:
                 # The operator puts the victim to sleep (after its drain) and removes the surplus standby,
                 # the one still starting if any: the standby pool is loaded sooner, its size unchanged.
                 self.sleepers.sort()
+                if self.sleepers[-1] > self.now:  # the standby still loading is deleted now
+                    for load in self.standby_loads:
+                        if load[1] == self.sleepers[-1]:
+                            load[1] = max(load[0], self.now)
+                            break
                 self.sleepers[-1] = min(self.sleepers[-1], self.now + self.drain_s)
             victim.draining_since = self.now
             self.draining.append(victim)
@@ -580,10 +593,17 @@ class Run:
     standby_log: list[tuple[float, int]] = field(default_factory=list)
     standby_cost: float = 0.0
     """What a standby replica costs, as a share of an awake one's (see --standby-cost)."""
+    standby_loads: list[list[float]] = field(default_factory=list)
 
     def replica_hours(self) -> float:
-        """Awake (and starting, and draining) replica-hours, plus standby_cost x the standby replica-hours."""
-        return _hours(self.pod_log, self.duration) + self.standby_cost * self.standby_hours()
+        """Awake (and starting, and draining) replica-hours, plus standby_cost x the standby replica-hours,
+        except that a standby counts in full while it loads (it holds its device as any starting replica)."""
+        return _hours(self.pod_log, self.duration) + self.standby_cost * self.standby_hours() \
+            + (1.0 - self.standby_cost) * self.standby_loading_hours()
+
+    def standby_loading_hours(self) -> float:
+        return sum(max(0.0, min(end, self.duration) - min(start, self.duration))
+                   for start, end in self.standby_loads) / 3600
 
     def standby_hours(self) -> float:
         return _hours(self.standby_log, self.duration)
@@ -653,7 +673,7 @@ def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: Eng
         if at > duration and cluster.held and not cluster.active:
             cluster.set_replicas(1)  # the trace is over: serve what is left rather than lose it
     return Run(requests, cluster.pod_log, cluster.replica_log, changes, cluster.cut, duration, cluster.standby_log,
-               standby_cost)
+               standby_cost, cluster.standby_loads)
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -798,6 +818,8 @@ class Config:
     """kaon-standby's scaleDownStabilizationSeconds: a replica let go comes back in a wake."""
     standby_max_step: int = 4
     """kaon-standby's maxStep: a step up of several replicas costs several wakes, not several cold starts."""
+    only: tuple[str, ...] = ()
+    """Run only these policies (and the two oracles, the yardstick); empty: all."""
 
 
 def kaon_spec(config: Config, min_replicas: int) -> AutoscalingSpec:
@@ -842,11 +864,17 @@ def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
     initial = oracle[0]
     runs = {}
     for policy in policies(config, trace, oracle):
+        if config.only and policy.name not in config.only and not policy.name.startswith("oracle"):
+            continue
         cold = 0.0 if policy.name.startswith("oracle") else None
         sleepers = dict(standby=config.standby, wake_s=config.wake_s, standby_cost=config.standby_cost) \
             if policy.name == "kaon-standby" else {}
         runs[policy.name] = simulate(arrivals, trace.duration, model, policy, initial, cold_start_s=cold,
                                      drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s, **sleepers)
+    if "kaon-standby" in runs and config.standby_cost != 1.0:
+        # The same run with every standby costing a whole replica: a dedicated GPU, which a sleeping
+        # engine keeps (it freed the device memory, but the pod still holds the device).
+        runs["kaon-standby@1.0"] = replace(runs["kaon-standby"], standby_cost=1.0)
     oracle_hours, dwell_hours = runs["oracle"].replica_hours(), runs["oracle-dwell"].replica_hours()
     rows = []
     for name, run in runs.items():
@@ -1030,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standby-window-s", type=int, default=15, help="kaon-standby's scaleUpWindowSeconds")
     parser.add_argument("--standby-stabilization-s", type=int, default=120,
                         help="kaon-standby's scaleDownStabilizationSeconds")
+    parser.add_argument("--policies", nargs="+", default=[],
+                        help="run only these policies (the oracles always run): e.g. kaon-predictive kaon-standby")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=1, help="run every trace with seeds seed..seed+N-1 and pool them")
     parser.add_argument("--traces", nargs="+")
@@ -1051,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
                     hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
                     minutes=args.minutes, target_concurrency=target, standby=args.standby, wake_s=args.wake_s,
                     standby_cost=args.standby_cost, standby_window_s=args.standby_window_s,
-                    standby_stabilization_s=args.standby_stabilization_s)
+                    standby_stabilization_s=args.standby_stabilization_s, only=tuple(args.policies))
     rows = []
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + args.seeds):
@@ -1088,6 +1118,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"replica-hours), scaleUpWindowSeconds {config.standby_window_s}, "
                   f"scaleDownStabilizationSeconds {config.standby_stabilization_s}, maxStep {config.standby_max_step}")
         print(table([r for r in rows if not r["policy"].startswith("hpa-x")], config.ttft_target_s))
+        if not any(r["policy"].startswith("hpa") for r in rows) or \
+                not any(r["policy"] == "kaon-predictive" for r in rows):
+            return 0  # --policies left them out
         print(f"\nkaon-predictive against the HPA at {', '.join(f'{m:g}' for m in (*HPA_FRONTIER, 1))} x its "
               f"target (the cheapest that reaches kaon's SLO attainment or better):")
         print(iso_table(iso_slo(rows)))

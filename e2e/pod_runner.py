@@ -5,7 +5,11 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
 
 - **Volumes**: each pod volume becomes a host directory: an emptyDir a fresh temp dir per pod,
   a persistentVolumeClaim the hostPath/local path of the PersistentVolume bound to it, a
-  secret or configMap a directory of its keys. Paths in a container's args and environment
+  secret or configMap a directory of its keys, a hostPath that path under the folder of the
+  pod's node (`<log dir>/nodes/<spec.nodeName>/...`: the fake nodes share this machine's disk, so
+  each gets a folder; two pods on one node share it, a pod on another node does not). A mount's
+  `subPath` or `subPathExpr` ($(VAR) of the container's env, e.g. the downward API's namespace)
+  picks a folder inside the volume. Paths in a container's args and environment
   that lie under one of its volumeMounts are rewritten to the host directory, so a process
   reads and writes where it would inside the container (`/mnt/models/llama` -> the PV's dir).
 - **Environment**: `value`, `valueFrom` (secretKeyRef, configMapKeyRef, fieldRef) and
@@ -17,6 +21,8 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
   reported in `initContainerStatuses` (terminated, exit code, and as its message the
   termination message, or with FallbackToLogsOnError the log's tail) and restarted with a
   back-off, shown as CrashLoopBackOff.
+- **Other containers**: a container with its own `command` that is not kaon's (the node-cache
+  prefetch DaemonSet's `hold` container, `python3 -c ...`) runs as written, with this Python.
 - **The engine**: the pod's own command line (`kaon serve ...`) as a real process bound to
   the pod's IP. Its startupProbe, livenessProbe and readinessProbe run as declared (e2e/probes.py:
   periods, thresholds, timeouts, initial delays; liveness and readiness only after startup):
@@ -69,6 +75,7 @@ from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 from e2e.probes import ProbeState, http_probe, parse_quantity, probes
 from kaon_operator import labels
 from kaon_operator.autoscaling.profiling import PROFILER, TERMINATION_MESSAGE_BYTES
+from kaon_operator.children.node_prefetch import PREFETCH
 from kaon_operator.lora.adapter_pods import ADAPTER_MOUNT
 
 LOCAL_IMAGE_PREFIX = "local/"
@@ -136,8 +143,11 @@ def _tree_rss(pid: int) -> int:
         return 0
 
 
-def _command(args: list[str], ip: str) -> list[str]:
-    """The pod's `kaon ...` arguments, run with this Python and bound to the pod's IP."""
+def _command(args: list[str], ip: str, command: list[str] | None = None) -> list[str]:
+    """The pod's `kaon ...` arguments, run with this Python and bound to the pod's IP; a container's own
+    `python3 ...` command runs with this Python as written."""
+    if command and command[0].startswith("python"):
+        return [sys.executable, *command[1:], *args]
     args = list(args)
     if args[1:2] == ["serve"]:
         if "--host" in args:
@@ -184,6 +194,13 @@ def _tail(path: Path | None) -> str:
         return ""
     lines = path.read_bytes()[-64 * 1024:].decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
     return "\n".join(lines)[-LOG_TAIL_BYTES:]
+
+
+def _field(pod: dict, path: str) -> str:
+    """A downward-API fieldRef's value."""
+    return {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
+            "status.podIP": (pod.get("status") or {}).get("podIP", ""), "spec.nodeName": pod["spec"].get("nodeName", "")
+            }.get(path, "")
 
 
 def _runs_to_completion(pod: dict) -> bool:
@@ -240,7 +257,8 @@ class PodRunner:
                 print(f"pod runner: {exc}", file=sys.stderr)
 
     def _sync(self) -> None:
-        components = ",".join((labels.ENGINE, labels.ENGINE_WORKER, PROFILER))  # a group's workers, profiling pods
+        # a group's workers, profiling pods, the node-cache prefetch DaemonSet's pods
+        components = ",".join((labels.ENGINE, labels.ENGINE_WORKER, PROFILER, PREFETCH))
         items = self._kubectl_json("get", "pods", "-A", "-l", f"{labels.COMPONENT} in ({components})")["items"]
         pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in items
                 if p["spec"]["containers"][0].get("image", "").startswith(LOCAL_IMAGE_PREFIX)}
@@ -305,11 +323,8 @@ class PodRunner:
         if state.init is None:
             state.init_log = self.log_dir / f"{name}-{key.replace('/', '-')}.log"
             with open(state.init_log, "wb") as log:  # a fresh log per attempt, like a container's
-                env = self._env(pod, container, state)
-                args = [translate(expand(a, self._own_env(container, env)), self._mounts(container, state))
-                        for a in container["args"]]
-                state.init = subprocess.Popen(_command(args, pod["status"]["podIP"]), stdout=log,
-                                              stderr=subprocess.STDOUT, env=env,
+                command, env = self.init_command(pod, state, container)
+                state.init = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                               preexec_fn=_die_with_parent)
             self._report(pod, "initContainerStatuses", name, {"running": {"startedAt": _now()}}, initialized=False,
                          last=state.last.get(name), restarts=state.restarts.get(name, 0))
@@ -332,6 +347,13 @@ class PodRunner:
                      {"waiting": {"reason": "CrashLoopBackOff",
                                   "message": f"back-off restarting failed container {name}"}},
                      last=state.last[name], restarts=restarts, initialized=False)
+
+    def init_command(self, pod: dict, state: _Pod, container: dict) -> tuple[list[str], dict[str, str]]:
+        """An init container's command line and environment, as the kubelet would start it."""
+        env = self._env(pod, container, state)
+        args = [translate(expand(a, self._own_env(container, env)), self._mounts(container, state, pod))
+                for a in container.get("args") or []]
+        return _command(args, pod["status"]["podIP"], container.get("command")), env
 
     def _engine_exited(self, key: str, pod: dict, state: _Pod) -> None:
         container = pod["spec"]["containers"][0]
@@ -399,17 +421,17 @@ class PodRunner:
     def _start(self, key: str, pod: dict, ip: str, state: _Pod) -> None:
         container = pod["spec"]["containers"][0]
         env = self._env(pod, container, state)
-        mounts = self._mounts(container, state)
+        mounts = self._mounts(container, state, pod)
         if _runs_to_completion(pod):  # its termination message is read back (the profiling Job's model)
             self._termination_file(key).unlink(missing_ok=True)
             mounts.append((container.get("terminationMessagePath", TERMINATION_MESSAGE_PATH),
                            self._termination_file(key)))
-        args = [translate(expand(a, self._own_env(container, env)), mounts) for a in container["args"]]
-        link_runtime_mounts(self._mounts(container, state))
+        args = [translate(expand(a, self._own_env(container, env)), mounts) for a in container.get("args") or []]
+        link_runtime_mounts(self._mounts(container, state, pod))
         log_path = self._engine_log(key)
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(_command(args, ip), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(_command(args, ip, container.get("command")), stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
         self.processes[key] = _Process(proc, ip, _ports(container, args),
                                        probes(container, time.monotonic(), self.probe_look),
@@ -428,6 +450,10 @@ class PodRunner:
             name = volume["name"]
             if "persistentVolumeClaim" in volume:
                 dirs[name] = self._claim_dir(namespace, volume["persistentVolumeClaim"]["claimName"])
+                continue
+            if "hostPath" in volume:  # the node's own folder: kept when the pod goes, shared by its pods
+                dirs[name] = self.node_dir(pod) / volume["hostPath"]["path"].lstrip("/")
+                dirs[name].mkdir(parents=True, exist_ok=True)
                 continue
             path = base / name
             path.mkdir(parents=True, exist_ok=True)
@@ -465,6 +491,10 @@ class PodRunner:
                     tmp.write_bytes(base64.b64decode(v))
                     os.replace(tmp, path / k)
 
+    def node_dir(self, pod: dict) -> Path:
+        """The folder that stands for the disk of the pod's node."""
+        return self.log_dir / "nodes" / (pod["spec"].get("nodeName") or "unscheduled")
+
     def _claim_dir(self, namespace: str, claim: str) -> Path:
         pvc = self._get("pvc", namespace, claim)
         volume = (pvc or {}).get("spec", {}).get("volumeName")
@@ -482,12 +512,20 @@ class PodRunner:
         return json.loads(res.stdout) if res.returncode == 0 else None
 
     @staticmethod
-    def _mounts(container: dict, state: _Pod) -> list[tuple[str, Path]]:
+    def _mounts(container: dict, state: _Pod, pod: dict | None = None) -> list[tuple[str, Path]]:
         mounts = []
         for m in container.get("volumeMounts") or []:
             host = state.dirs.get(m["name"])
-            if host is not None:
-                mounts.append((m["mountPath"], host / m["subPath"] if m.get("subPath") else host))
+            if host is None:
+                continue
+            sub = m.get("subPath") or ""
+            if m.get("subPathExpr") and pod is not None:  # $(VAR) of the container's plain and downward-API env
+                own = {v["name"]: v["value"] if "value" in v else _field(pod, v["valueFrom"]["fieldRef"]["fieldPath"])
+                       for v in container.get("env") or []
+                       if "value" in v or "fieldRef" in (v.get("valueFrom") or {})}
+                sub = expand(m["subPathExpr"], own)
+                (host / sub).mkdir(parents=True, exist_ok=True)  # the kubelet creates it
+            mounts.append((m["mountPath"], host / sub if sub else host))
         return mounts
 
     def _env(self, pod: dict, container: dict, state: _Pod) -> dict[str, str]:
@@ -506,7 +544,7 @@ class PodRunner:
             value = self._env_value(pod, namespace, var)
             if value is not None:
                 env[var["name"]] = value
-        mounts = self._mounts(container, state)
+        mounts = self._mounts(container, state, pod)
         return {k: translate(v, mounts) for k, v in env.items()}
 
     @staticmethod
@@ -528,10 +566,7 @@ class PodRunner:
                     raise ContainerConfigError(f"couldn't find key {sel['key']} in {kind} {namespace}/{sel['name']}")
                 return base64.b64decode(data[sel["key"]]).decode() if kind == "secret" else data[sel["key"]]
         if "fieldRef" in source:
-            path = source["fieldRef"]["fieldPath"]
-            return {"metadata.name": pod["metadata"]["name"], "metadata.namespace": namespace,
-                    "status.podIP": pod["status"].get("podIP", ""), "spec.nodeName": pod["spec"].get("nodeName", "")
-                    }.get(path, "")
+            return _field(pod, source["fieldRef"]["fieldPath"])
         return None
 
     # Probes, memory and termination ---------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ at a constant request rate scales up before the P99 is missed.
   (beyond its noise too) cleared over a cold start, needs more replicas; then to what the
   rate itself (not its lower bound) needs, carried a cold start ahead along the part of a
   rise over the stretch before that exceeds RISE_SIGMAS deviations, so that a step is met
-  in one move. The reactive policy's evidence (a queue
+  in one move. A longer window proves nothing while the newest scale-up window (its upper bound)
+  fits the current replicas: its rate is then a load that has ended. The reactive policy's evidence (a queue
   over the whole window, a confident P99 miss in MISS_WINDOWS stretches in a row) still
   adds replicas when the model is wrong.
 - **Down**: only when the rate of the last `scaleDownStabilizationSeconds` (its upper
@@ -32,7 +33,8 @@ at a constant request rate scales up before the P99 is missed.
   target in that window (as the reactive policy). And the fewer replicas are judged with
   what the history (an hour) has seen at their load: the bias of the stretches measured at
   that utilization or more when it is larger than today's (the model's error grows with the
-  load), and no load at or past one that confidently missed the target. Without these a
+  load), and no load at or past one that confidently missed the target. Never while the window holds a
+  scrape at zero ready replicas (a burst from idle: the idle seconds would average its rate down). Without these a
   steady load near a boundary flaps: down on the bias learned at the lighter load, up again
   when the heavier one misses.
 - **Fail safe** exactly as the reactive policy: bounds, zero and missing metrics are judged
@@ -180,6 +182,10 @@ def _down(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, curren
     window = [s for s in history if s.time >= now - seconds]
     if not window or history[0].time > now - seconds or not history[-1].complete:
         return None
+    if any(not s.ready for s in window):
+        # Part of the window was spent at zero (a burst from idle): its rate averages the idle
+        # seconds in. It read a burst 15 s old as a tenth of itself (3 replicas -> 1, then up again).
+        return None
     known = [s for s in window if s.mostly_answered and s.held_by_router is not None]
     if len(known) < autoscaler.MIN_COMPLETE_SHARE * len(window):
         return None
@@ -209,6 +215,18 @@ def _down(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, curren
                     f"by the performance model (bias {factor:.2f})")
 
 
+def _newest_fits(history: list[Sample], spec: AutoscalingSpec, model: PerfModel, current: int, now: float,
+                 factor: float) -> bool:
+    """Whether the newest scale-up window's rate, at its upper bound (UP_SIGMAS deviations up) with its
+    backlog, fits the current replicas. Then a longer window's rate is the past, not a slow rise: after a
+    burst ended, the 300 s window still read 0.9 requests/s while none came, and scaled 1 -> 3 and back
+    again every 20 s for two minutes."""
+    newest = window_load(history, spec, now, spec.scale_up_window_seconds or 5)
+    if newest is None:
+        return False
+    return needed(model, spec, with_backlog(newest, history[-1], model, current).bound(UP_SIGMAS), factor) <= current
+
+
 def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: float,
            last_change: float | None = None, *, model: PerfModel, max_num_seqs: int = 64) -> Decision:
     """As autoscaler.decide, with the engine's performance model."""
@@ -221,11 +239,14 @@ def decide(history: list[Sample], spec: AutoscalingSpec, current: int, now: floa
     newest = model_bias.newest(stretches)
     factor = model_bias.confident(newest)
     wishes, sized = [], False
+    newest_fits = _newest_fits(history, spec, model, current, now, factor)
     for seconds, sigmas in ((spec.scale_up_window_seconds or 5, UP_SIGMAS), *EXTRA_WINDOWS):
         observed = window_load(history, spec, now, seconds)
         if observed is None:
             continue
         sized = True
+        if newest_fits and seconds > (spec.scale_up_window_seconds or 5):
+            continue  # a load that fell shows in a long window's rate for minutes after it is gone
         # Whether from the rate's lower bound as observed, how many from the rate itself carried
         # ahead: once a window proves that more are needed, a step is met in one move, not a
         # replica a tick; a rise projected from noise proves nothing.

