@@ -9,5 +9,5 @@ now=$(awk '/^cpu / {busy = $2 + $3 + $4 + $7 + $8; print busy, busy + $5 + $6}' 
 if [[ $# -eq 0 ]]; then
   echo "$now"
 else
-  echo "$1 $now" | awk '{d = $4 - $2; printf "%d\n", d > 0 ? 100 * ($3 - $1) / d : 0}'
+  echo "$1 $now" | awk '{d = $4 - $2; printf "%d\n", (d > 0 ? 100 * ($3 - $1) / d : 0)}'
 fi
