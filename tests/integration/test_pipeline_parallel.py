@@ -149,16 +149,37 @@ def test_a_rank_that_never_joins_is_named(tmp_path_factory, gguf_path, monkeypat
     start = time.monotonic()
     with pytest.raises(ModelLoadError, match=r"pipeline rank\(s\) 1 of 2 did not join within 3s"):
         LLM(path, show_progress=False, device="cpu", pipeline_parallel_size=2,
-            distributed_init_address=f"127.0.0.1:{free_port()}")
+            distributed_init_address=f"127.0.0.1:{group_ports()[0]}")
     assert time.monotonic() - start < 30
 
 
 # ---- two `kaon serve` hosts of one LeaderWorkerSet group ------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def group_ports() -> tuple[int, int, int]:
+    """A rendezvous port whose next port is free too (the leader's control channel listens there:
+    rendezvous.control_address) and two HTTP ports apart from both. All are held open while chosen, so
+    they differ; CI failed once with the control channel's port taken ("Address already in use"), when
+    only the rendezvous port had been checked and tests/e2e ran beside this file."""
+    held: list[socket.socket] = []
+
+    def bound(port: int) -> int:
+        s = socket.socket()
+        held.append(s)
+        s.bind(("127.0.0.1", port))
         return s.getsockname()[1]
+
+    try:
+        while True:
+            init = bound(0)
+            try:
+                bound(init + 1)
+                break
+            except OSError:
+                continue
+        return init, bound(0), bound(0)
+    finally:
+        for s in held:
+            s.close()
 
 
 def start_host(path: str, index: int, init: str, port: int, log, key: str | None = "test-group-key"
@@ -193,7 +214,8 @@ def test_a_group_of_hosts_without_its_key_refuses_to_start(tmp_path, tmp_path_fa
     """Plans are pickled: a leader reachable from other hosts never listens with a key everyone knows."""
     path = hf_dir("llama", tmp_path_factory, gguf_path)
     with open(tmp_path / "leader.log", "wb") as log:
-        leader = start_host(path, 0, f"127.0.0.1:{free_port()}", free_port(), log, key=None)
+        init_port, leader_http, _ = group_ports()
+        leader = start_host(path, 0, f"127.0.0.1:{init_port}", leader_http, log, key=None)
         assert leader.wait(timeout=60) == 2
     lines = (tmp_path / "leader.log").read_text().strip().splitlines()
     assert len(lines) == 1 and "needs KAON_DIST_AUTHKEY" in lines[0], lines
@@ -203,7 +225,8 @@ def test_a_worker_killed_mid_batch_ends_the_whole_group(tmp_path, tmp_path_facto
     """Leader and worker as LeaderWorkerSet starts them; the worker answers /health only. Killing it
     while a long request runs ends the leader too (its /health stops answering): no hung survivor."""
     path = hf_dir("llama", tmp_path_factory, gguf_path)
-    init, leader_port, worker_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
+    init_port, leader_port, worker_port = group_ports()
+    init = f"127.0.0.1:{init_port}"
     with open(tmp_path / "leader.log", "wb") as leader_log, open(tmp_path / "worker.log", "wb") as worker_log:
         worker = start_host(path, 1, init, worker_port, worker_log)
         leader = start_host(path, 0, init, leader_port, leader_log)
@@ -238,7 +261,7 @@ def test_an_idle_connection_to_the_control_channel_does_not_stop_the_group(tmp_p
     channel that never speaks. It failed before: the leader's accept loop sat in that connection's
     handshake, the worker was never accepted, and the group never formed (its join timeout: 300 s)."""
     path = hf_dir("llama", tmp_path_factory, gguf_path)
-    init_port, leader_http, worker_http = free_port(), free_port(), free_port()
+    init_port, leader_http, worker_http = group_ports()
     hosts: list[subprocess.Popen] = []
     idle = socket.socket()
     try:
