@@ -1,6 +1,8 @@
 """Issue 48 item 4, as an attacker on a real `kaon serve` (default limits): requests that cost the
 server seconds of work on its event loop, or of the threads that tokenize every request, while
-/health must answer within a second (the kubelet's probe gives up at 5 s and restarts the pod)."""
+/health must keep answering: the kubelet's probe gives up at 5 s and restarts the pod, and the
+attacks here stalled it for many seconds before the fixes (a 20,000-entry choice list compiled on
+the loop for 12-14 s)."""
 from __future__ import annotations
 
 import threading
@@ -12,7 +14,9 @@ import pytest
 
 from support.server import MODEL, Server, error_body
 
-HEALTH_BOUND_S = 1.0
+# Half the probe's 5 s timeout. It was 1 s: CI failed once at 1.49 s with tests/e2e running beside this
+# file on the same two cores (the machine's wait, not a stall of the loop).
+HEALTH_BOUND_S = 2.5
 
 
 @pytest.fixture(scope="module")
