@@ -16,6 +16,10 @@ the caller's (UpstreamError: the router retries another pod, or ends a begun res
 
 Reading is paused while more than HIGH_WATER bytes wait for a reader (a client slower than its
 engine), so a slow client holds at most that much of the router's memory per stream.
+
+Over 300 lines for a stated reason: the pool, the protocol and the body reader share one connection's
+state (the parser's callbacks feed the reader, the reader decides when the connection goes back to the
+pool); split apart, each would reach into the other's fields.
 """
 from __future__ import annotations
 

@@ -31,6 +31,10 @@ drafts) and ends the sequence when it should, `finish` retires a sequence; `fork
 nothing else moves a sequence's counters. So the length stop (max_tokens, or the context full)
 is decided here, from the counts, with the stops the engine reads in the tokens (an EOS, a stop
 token or string, a complete grammar: it needs the tokenizer and the text) handed to `accept`.
+
+Over 300 lines for a stated reason: admission, chunking, preemption and the pure decisions beside them
+(hold_prefills, gather_prefills, wait_for_shared_prefix) read and change one queue state; the pure
+decisions are the next to move out if it grows.
 """
 from __future__ import annotations
 

@@ -29,6 +29,9 @@ LoRA: a projection wrapped in a LoraLinear (models.lora_targets) hands the C ste
 weights and its slots (float32 A and B, and each slot's ranks), which it reads in place; the
 step takes each row's slot (LoraBatch.slots, -1 for the base) and adds the adapters' terms
 after each projection, any mix of adapters in one call.
+
+Over 300 lines for a stated reason: the decode-only and mixed-row paths share the weights' packing
+and the activation passes; the packing is what moves out next.
 """
 from __future__ import annotations
 
