@@ -388,7 +388,7 @@ class FrontProtocol(asyncio.Protocol):
     def _next(self, request: FrontRequest, keep: bool) -> None:
         self.queue.popleft()
         self.task = None
-        if self.refusal is not None and (keep or request.complete):
+        if self.refusal is not None and keep:  # (after a close, what follows is nobody's)
             self.queue.clear()
             self._refuse(self.refusal)
             return
