@@ -77,6 +77,12 @@ def read_profile(text: str | None) -> PerfModel | None:
     return read_model(text)
 
 
+def slots_measured(model: PerfModel | None) -> int | None:
+    """The engine's own --max-num-seqs as its profile recorded it (`kaon profile` resolves the device's default),
+    for a spec that leaves engine.maxNumSeqs to the engine."""
+    return model.max_num_seqs if model is not None else None
+
+
 def advance(baselines: dict[str, Baseline], live: set[str], answers: dict[str, scraper.PodMetrics],
             latency_metric: str) -> tuple[dict[str, Baseline], float, histogram.Buckets]:
     """(new baselines, requests finished since the last scrape, their latency histogram).
@@ -272,9 +278,9 @@ class AutoscaleLoop:
         memory.model = profile.model  # the prefill pool's tick sizes from it too
         if auto.policy == "predictive" and profile.model is not None:
             return predictive.decide(memory.history, auto, spec.replicas, now, last_change, model=profile.model,
-                                     max_num_seqs=spec.engine.max_num_seqs)
+                                     max_num_seqs=spec.engine.batch_slots(slots_measured(profile.model)))
         decision = autoscaler.decide(memory.history, auto, spec.replicas, now, last_change,
-                                     max_num_seqs=spec.engine.max_num_seqs)
+                                     max_num_seqs=spec.engine.batch_slots(slots_measured(profile.model)))
         if auto.policy == "predictive":
             why = f"no performance model in ConfigMap {profile.name} key {api.PROFILE_KEY} yet: reactive"
             return autoscaler.Decision(decision.replicas, f"{decision.reason} ({why})", decision.metrics_missing,
@@ -316,7 +322,8 @@ class AutoscaleLoop:
                    answers: dict[str, scraper.PodMetrics], memory: AutoscaleMemory,
                    decision: autoscaler.Decision) -> None:
         namespace, name = key
-        target = autoscaler.concurrency_target(spec.autoscaling, spec.engine.max_num_seqs)
+        slots = spec.engine.batch_slots(slots_measured(memory.model))
+        target = autoscaler.concurrency_target(spec.autoscaling, slots)
         patch = {"observedMetrics": observed(sample, [m.kv_cache_usage for m in answers.values()], target,
                                              spec.autoscaling, memory.history)}
         changed = decision.replicas != spec.replicas
