@@ -15,9 +15,14 @@ Printed per format:
   first-token logprob   over PROMPTS, each prompt's first generated token's distribution (a prefill): the
                         largest |default - reference| log-probability among the reference's top 5 tokens,
                         and on how many prompts the top token differs;
-  perplexity            bench/data/perplexity_sample.txt's first --tokens tokens in one window, through the
-                        decode path (one token per step, as serving runs), default vs reference, and their
-                        ratio.
+  perplexity            bench/data/perplexity_sample.txt's first --tokens tokens in one window, default vs
+                        reference, and their ratio. The default runs the decode path (one token per step, as
+                        serving runs: the fused C step). The reference runs the window as one prefill
+                        (--reference-path): its arithmetic is row by row (float activations; the activation
+                        quantization these checkpoints specify is per token), so a prefill computes what decode
+                        steps would, up to float32 summation order, and its weights are dequantized once per
+                        forward instead of once per token (decoding, the reference dequantizes every weight once
+                        per token: earlier runs on a loaded 2-vCPU machine never finished a row).
 """
 from __future__ import annotations
 
@@ -117,28 +122,33 @@ def first_token_logprobs(runner, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(runner.model.compute_logits(hidden[-1:])[0].float(), dim=-1)
 
 
-def measure(directory: Path, dtype: str, prompts: list[list[int]], window: list[int]) -> dict:
+def measure(directory: Path, dtype: str, prompts: list[list[int]], window: list[int], path: str) -> dict:
     start = time.perf_counter()
-    llm = LLM(str(directory), show_progress=False, device="cpu", dtype=dtype)
-    runner = llm.engine.runner
-    logprobs = [first_token_logprobs(runner, ids) for ids in prompts]
-    perplexity = score(runner, [window], "decode")[0]
-    return dict(logprobs=logprobs, perplexity=perplexity, cpu_decode=runner.kernels.cpu_decode,
-                seconds=time.perf_counter() - start)
+    with LLM(str(directory), show_progress=False, device="cpu", dtype=dtype) as llm:  # closed: one engine at a time
+        runner = llm.engine.runner
+        logprobs = [first_token_logprobs(runner, ids) for ids in prompts]
+        perplexity = score(runner, [window], path)[0]
+        cpu_decode = runner.kernels.cpu_decode
+    return dict(logprobs=logprobs, perplexity=perplexity, cpu_decode=cpu_decode, seconds=time.perf_counter() - start)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N of the 9 prompts")
+    parser.add_argument("--reference-path", choices=("prefill", "decode"), default="prefill",
+                        help="how the reference mode runs the perplexity window (the default mode always decodes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bundled = resolve_model("builtin://smollm2-135m-instruct")
-    tokenizer = LLM(str(bundled), show_progress=False, device="cpu", dtype="float32").tokenizer
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    with LLM(str(bundled), show_progress=False, device="cpu", dtype="float32") as llm:
+        tokenizer = llm.tokenizer
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
     window = tokenizer.encode(TEXT.read_text())[:args.tokens]
     print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; "
-          f"{len(PROMPTS)} prompts; perplexity on {len(window)} tokens of {TEXT.relative_to(ROOT)}, decode path")
+          f"{len(prompts)} prompts; perplexity on {len(window)} tokens of {TEXT.relative_to(ROOT)}: default by decode "
+          f"steps, reference by {args.reference_path}")
     print(f"{'format':<12} {'max |dlogp| top5':>17} {'top-1 flips':>11} {'ppl default':>12} {'ppl reference':>14} "
           f"{'ratio':>7}")
     rows = []
@@ -146,7 +156,8 @@ def main() -> int:
         for name in args.rows:
             directory = Path(tmp) / name
             write(name, directory, bundled)
-            fast, ref = (measure(directory, dtype, prompts, window) for dtype in ("auto", "float32"))
+            fast = measure(directory, "auto", prompts, window, "decode")
+            ref = measure(directory, "float32", prompts, window, args.reference_path)
             gaps, flips = [], 0
             for ours, theirs in zip(fast["logprobs"], ref["logprobs"]):
                 top = theirs.topk(5).indices
@@ -160,7 +171,8 @@ def main() -> int:
                              prompts=len(prompts), perplexity_default=fast["perplexity"],
                              perplexity_reference=ref["perplexity"], ratio=ratio))
     if args.json:
-        args.json.write_text(json.dumps(dict(tokens=len(window), rows=rows), indent=2))
+        args.json.write_text(json.dumps(dict(tokens=len(window), reference_path=args.reference_path, rows=rows),
+                                        indent=2))
     return 0
 
 

@@ -26,6 +26,11 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 DEFAULT_IMAGE = "ghcr.io/kaon-dev/kaon:0.1.0"
 GPU_RESOURCE = "nvidia.com/gpu"
+# The engine's own --max-num-seqs default on a GPU (engine/admission.py: 8 on a CPU). With engine.maxNumSeqs
+# unset the operator passes no flag, so each engine resolves its device's default; the router's slot rule and the
+# autoscaler's target, which need a number before any pod runs, count this one (a GPU pod's) unless a profile
+# measured the engine's own.
+ENGINE_GPU_MAX_NUM_SEQS = 64
 
 Quantity = int | str  # a Kubernetes resource quantity: 2, "500m", "16Gi"
 
@@ -257,10 +262,10 @@ class EngineSpec(_Model):
     one pipeline stage on tensorParallelSize GPUs; the LeaderWorkerSet API must be installed (docs/multinode.md)."""
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
     """Pipeline stages of one replica (`kaon serve --pipeline-parallel-size`): equal to nodesPerReplica, one stage per node."""  # noqa: E501 - one line: the CRD's description
-    max_num_seqs: int = Field(64, ge=1)
-    """Most sequences in one batch."""
-    max_num_batched_tokens: int = Field(1024, ge=1)
-    """Most tokens (prefill + decode) in one step."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Most sequences in one batch (`kaon serve --max-num-seqs`). Unset: the engine's own default for its device, 8 on a CPU and 64 on a GPU; the router's free-slot rule and the autoscaler's target then count 64 (or the profile's measured value)."""  # noqa: E501 - one line: the CRD's description
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """Most tokens (prefill + decode) in one step (`kaon serve --max-num-batched-tokens`). Unset: the engine's own default, 1024, and 256 on the decode pods of spec.prefill."""  # noqa: E501 - one line: the CRD's description
     kv_cache_fraction: float = Field(0.85, gt=0, le=1)
     """Share of the GPU memory left after loading weights for the KV cache and the largest step's activations (measured at start)."""  # noqa: E501 - one line: the CRD's description
     enable_prefix_caching: bool = True
@@ -309,6 +314,11 @@ class EngineSpec(_Model):
     def multi_node(self) -> bool:
         """A replica spans several pods: a LeaderWorkerSet group instead of a Deployment's pod."""
         return self.nodes_per_replica > 1
+
+    def batch_slots(self, measured: int | None = None) -> int:
+        """Sequences one replica runs at once, as the operator's sums count them: maxNumSeqs when set, else the
+        engine's own resolved value where a profile measured it, else a GPU engine's default."""
+        return self.max_num_seqs or measured or ENGINE_GPU_MAX_NUM_SEQS
 
 
 _NO_GPU_IN_RESOURCES = (

@@ -95,9 +95,7 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--drain-timeout", str(spec.drain_seconds),
             "--tensor-parallel-size", str(engine.tensor_parallel_size),
             *(["--pipeline-parallel-size", str(engine.pipeline_parallel_size)] if engine.multi_node else []),
-            "--max-num-seqs", str(engine.max_num_seqs),
-            "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-            "--kv-cache-fraction", str(engine.kv_cache_fraction),
+            *batch_args(engine), "--kv-cache-fraction", str(engine.kv_cache_fraction),
             "--stall-timeout", str(engine.stall_timeout_seconds), "--task", engine.task]
     if model.quantization != "none":
         args += ["--quantization", model.quantization]
@@ -109,6 +107,18 @@ def engine_args(name: str, spec: api.InferenceServiceSpec) -> list[str]:
         args += ["--api-key-file", API_KEYS_MOUNT]
     return (args + adapter_pods.engine_args(spec) + standby.engine_args(spec) + disagg_args.decode_args(name, spec)
             + kv_cache_args.engine_args(spec) + list(engine.extra_args))
+
+
+def batch_args(engine: api.EngineSpec) -> list[str]:
+    """The batch limits the spec sets, as flags; an unset one is left to the engine, whose default depends on what
+    only the pod knows: its device (--max-num-seqs 8 on a CPU, 64 on a GPU) and its role (a decode pod's
+    256-token steps)."""
+    args = []
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    return args
 
 
 def default_requests(spec: api.InferenceServiceSpec) -> dict[str, str]:

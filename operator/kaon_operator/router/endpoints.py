@@ -57,8 +57,8 @@ class Service:
     spec.auth's Secret; key_digests.py): None without spec.auth (open), empty while none is
     published for the Secret spec.auth names now (closed to everyone)."""
     max_num_seqs: int
-    """spec.engine.maxNumSeqs: sequences one pod runs at once (prefix-affinity keeps a request off
-    a pod with no free slot while another has one)."""
+    """spec.engine.maxNumSeqs (unset: a GPU engine's default, api.ENGINE_GPU_MAX_NUM_SEQS): sequences one pod runs
+    at once (prefix-affinity keeps a request off a pod with no free slot while another has one)."""
     adapters: tuple[str, ...] = ()
     """spec.adapters' names: each is a `model` that reaches this service (the engine serves it as is)."""
     max_loras: int = 1
@@ -106,7 +106,7 @@ def service(isvc: dict) -> Service:
                    int(kubetime.epoch(meta.get("creationTimestamp")) or 0),
                    autoscaling.scale_from_zero_timeout_seconds if autoscaling.enabled else None,
                    routing.strategy, routing.load_bound, _key_digests(key, spec.get("auth"), isvc.get("status") or {}),
-                   engine.max_num_seqs, adapter_names.valid(key, spec.get("adapters")), engine.max_loras,
+                   engine.batch_slots(), adapter_names.valid(key, spec.get("adapters")), engine.max_loras,
                    _model_digest(spec.get("model")))
 
 

@@ -35,12 +35,13 @@ import aiohttp
 from aiohttp import web
 
 from kaon_operator import clock
-from kaon_operator.router import auth, errors, json_cost
+from kaon_operator.router import auth, errors, json_cost, pressure as pressure_report
 from kaon_operator.router.admission import BodyBudget, body_size, source_of
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 from kaon_operator.router.errors import RouterError
+from kaon_operator.router.front import FRONT, Front, FrontRequest
 from kaon_operator.router.hold import Hold, HoldFull
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.relay import Relay
@@ -109,7 +110,15 @@ class Router:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._unknown)  # last: what no route above takes
         app.cleanup_ctx.append(self._upstream_session)
+        app[FRONT] = self.front  # edge.serving serves the same routes with the router's own server (front.py)
         return app
+
+    def front(self, header_timeout: float) -> Front:
+        """The router's own HTTP server for its main port (front.py): the routes of app()."""
+        routes: dict[tuple[str, str], Any] = {("POST", path): self._forward for path in CLIENT_ROUTES}
+        routes.update({("GET", "/v1/models"): self._models, ("GET", "/health"): self._health,
+                       ("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics})
+        return Front(routes, self._unknown, self.config.max_body_bytes, header_timeout)
 
     async def _upstream_session(self, app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
@@ -406,7 +415,10 @@ class Router:
 
         async def everything(request: web.Request) -> web.Response:
             return metrics_response(self.metrics.render())
+        async def pressure(request: web.Request) -> web.Response:
+            return web.json_response(pressure_report.report(self.table, self.inflight, self.held()))
         app.router.add_get("/metrics", everything)
+        app.router.add_get("/pressure", pressure)  # the operator's pressure loop (router/pressure.py)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         return app
@@ -420,16 +432,21 @@ def _asleep(upstream: Response) -> bool:
     return True
 
 
-def _engine_path(request: web.Request) -> str:
+def _engine_path(request: web.Request | FrontRequest) -> str:
     """The route as listed (CLIENT_ROUTES), not as the client spelled it (percent-escapes, `..`):
     the engine routes exactly what the router matched."""
+    if isinstance(request, FrontRequest):
+        assert request.canonical is not None  # only the routes of CLIENT_ROUTES forward
+        return request.canonical + ("?" + request.query if request.query else "")
     resource = request.match_info.route.resource
     assert resource is not None  # only the routes of CLIENT_ROUTES forward
     query = request.rel_url.raw_query_string
     return resource.canonical + ("?" + query if query else "")
 
 
-def _route_path(request: web.Request) -> str:
+def _route_path(request: web.Request | FrontRequest) -> str:
+    if isinstance(request, FrontRequest):
+        return request.canonical or request.path
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else request.path
 

@@ -42,6 +42,7 @@ from dataclasses import asdict
 import aiohttp
 
 from kaon_runtime.engine.admission import serving_max_num_seqs
+from kaon_runtime.engine.remote_prefill import step_token_budget
 from kaon_runtime.server.perf_fit import GridPoint, fit, fitting
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -87,12 +88,15 @@ def _serve_settings(serve_args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     for flag, default in (("--model", None), ("--quantization", "none"), ("--dtype", "auto"),
                           ("--kv-cache-dtype", "auto"), ("--tensor-parallel-size", "1"),
-                          ("--max-num-seqs", None), ("--max-num-batched-tokens", "1024"), ("--device", "auto")):
+                          ("--max-num-seqs", None), ("--max-num-batched-tokens", None), ("--device", "auto"),
+                          ("--role", "both")):
         parser.add_argument(flag, default=default)
     settings = parser.parse_known_args(serve_args)[0]
     # unset: the server's own default for the device (engine/admission.py)
     settings.max_num_seqs = serving_max_num_seqs(None if settings.max_num_seqs is None else int(settings.max_num_seqs),
                                                  settings.device)
+    settings.max_num_batched_tokens = step_token_budget(  # unset: the role's (a decode engine's 256-token steps)
+        None if settings.max_num_batched_tokens is None else int(settings.max_num_batched_tokens), settings.role)
     return settings
 
 

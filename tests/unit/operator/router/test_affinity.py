@@ -155,9 +155,9 @@ def test_the_router_reads_a_pods_slots_from_engine_max_num_seqs():
         return {"metadata": {"name": "svc", "namespace": NS},
                 "spec": {"model": {"uri": "x"}, **({"engine": engine} if engine is not None else {})}}
 
-    # Unsaid (or not valid: the apiserver refuses it), it is api.py's default, which the
-    # apiserver writes into every InferenceService and the operator passes to the engine.
-    default = api.EngineSpec().max_num_seqs
+    # Unsaid (or not valid: the apiserver refuses it), the operator passes no flag and the engine runs its
+    # device's default; the router counts a GPU engine's (api.ENGINE_GPU_MAX_NUM_SEQS).
+    default = api.EngineSpec().batch_slots()
     assert service(spec({"maxNumSeqs": 4})).max_num_seqs == 4 != default
     assert service(spec({})).max_num_seqs == default
     assert service(spec(None)).max_num_seqs == default

@@ -154,7 +154,7 @@ def test_a_service_is_read_through_the_api_models_and_a_section_that_does_not_va
     defaults = api.InferenceServiceSpec.model_validate({"model": {"uri": "/m"}})
     plain = service(isvc("svc"))
     assert (plain.strategy, plain.load_bound, plain.max_num_seqs) == (
-        defaults.routing.strategy, defaults.routing.load_bound, defaults.engine.max_num_seqs)
+        defaults.routing.strategy, defaults.routing.load_bound, defaults.engine.batch_slots())
     # A section the apiserver would refuse (an object written by hand) reads as its defaults...
     spec["spec"]["routing"] = {"strategy": "round-robin", "loadBound": "far"}
     spec["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 0}  # no scaleToZeroIdleSeconds

@@ -51,6 +51,8 @@ COMPRESSED = {  # id -> (weight arguments, format, the linear kaon keeps)
     "w8a16-group128": (dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=128),
                        "pack-quantized", GroupInt8Linear),
     "w8a8-int": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized", Int8Linear),
+    "w8a16-naive-tensor": (dict(num_bits=8, type="int", symmetric=True, strategy="tensor"), "naive-quantized",
+                           Int8Linear),
     "fp8-tensor": (dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), "float-quantized", Fp8Linear),
     "fp8-channel": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized", Fp8Linear),
     "fp8-block": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
@@ -95,6 +97,9 @@ def test_compressed_tensors_matches_transformers(case, tmp_path, gguf_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(PACKED))
 def test_gptq_and_awq_match_their_dequantized_weights(case, tmp_path, gguf_path):
+    # A stand-in for transformers on the same directory: transformers loads GPTQ / AWQ only through gptqmodel,
+    # a source-only package whose kernels do not build here; the reference is transformers on the weights the
+    # tests' numpy code (support/gptq_awq.py) dequantizes from the same packed tensors by the formats' rules.
     method, bits, group, sym, act_order, kept = PACKED[case]
     reference = write_packed_dir(tmp_path, gguf_path, method, bits, group, sym, act_order)
     llm, tokens = _generate(tmp_path)

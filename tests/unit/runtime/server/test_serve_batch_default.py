@@ -28,3 +28,10 @@ def test_a_cpu_server_gathers_backlogged_prompts_in_half_its_batch_and_a_gpu_one
 def test_the_profile_records_the_batch_the_server_runs():
     assert _serve_settings(["--model", "m", "--device", "cpu"]).max_num_seqs == 8
     assert _serve_settings(["--model", "m", "--device", "cpu", "--max-num-seqs", "16"]).max_num_seqs == 16
+
+
+def test_the_profile_records_the_step_budget_the_server_runs():
+    assert _serve_settings(["--model", "m"]).max_num_batched_tokens == 1024
+    assert _serve_settings(["--model", "m", "--role", "decode"]).max_num_batched_tokens == 256
+    assert _serve_settings(["--model", "m", "--role", "decode", "--max-num-batched-tokens", "512"]
+                           ).max_num_batched_tokens == 512
