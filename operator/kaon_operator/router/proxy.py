@@ -35,7 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from kaon_operator import clock
-from kaon_operator.router import auth, errors, json_cost, retry
+from kaon_operator.router import auth, errors, json_cost, pressure as pressure_report, retry
 from kaon_operator.router.admission import BodyBudget, body_size, source_of
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
@@ -410,7 +410,10 @@ class Router:
 
         async def everything(request: web.Request) -> web.Response:
             return metrics_response(self.metrics.render())
+        async def pressure(request: web.Request) -> web.Response:
+            return web.json_response(pressure_report.report(self.table, self.inflight, self.held()))
         app.router.add_get("/metrics", everything)
+        app.router.add_get("/pressure", pressure)  # the operator's pressure loop (router/pressure.py)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         return app
