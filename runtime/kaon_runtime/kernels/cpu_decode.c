@@ -36,7 +36,9 @@
  * many as torch.get_num_threads(). Built with -march=native; without AVX2 scalar loops run.
  * References: tests/unit/runtime/kernels/test_cpu_decode.py compares each kernel and the whole step with torch.
  */
+#define _GNU_SOURCE  /* sched_yield under -std=c11 */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -764,6 +766,36 @@ typedef void (*chunk_fn)(const void *ctx, int begin, int end);
  * sampler and any prefill on its own threads, and a spinning worker would slow them. */
 #define SPIN_ROUNDS 1000
 
+/* Past SPIN_ROUNDS a waiting thread yields its core on every round instead of spinning on.
+ * Why: on a machine with more runnable threads than cores (other processes, or two engines
+ * sharing cores) the thread waited for is often not running: a worker preempted with a chunk
+ * claimed, or the caller preempted between jobs while a worker holds its spin. A spinning
+ * waiter then burns the rest of its time slice (milliseconds) on the core that thread needs,
+ * and a step of ~150 jobs paid it again and again: measured under load ~12 on 2 cores, a
+ * 4-sequence decode step took 140-320 ms on 2 threads against ~60 ms on 1 (bench/history/
+ * engine_contention.md). A 1 ms timer on the server's event loop hid part of it (its wakeups
+ * preempt the spinner, so the waited-for thread runs sooner): that was the "timer effect".
+ * sched_yield returns at once when nothing else wants the core, so a quiet machine keeps the
+ * spin's microsecond hand-offs. kaon_pool_set_yield(0) restores pure spinning (the A/B bench). */
+static atomic_int yield_waits = 1;
+static atomic_long yields;  /* rounds that yielded, for the tests */
+
+static void pause_cpu(void);
+
+/* One round of a wait for another pool thread; `spins` counts this wait's rounds. */
+static void wait_round(int *spins) {
+    if (*spins < SPIN_ROUNDS || !atomic_load_explicit(&yield_waits, memory_order_relaxed)) {
+        (*spins)++;
+        pause_cpu();
+        return;
+    }
+    atomic_fetch_add_explicit(&yields, 1, memory_order_relaxed);
+    sched_yield();
+}
+
+void kaon_pool_set_yield(int on) { atomic_store(&yield_waits, on != 0); }
+long kaon_pool_yields(void) { return atomic_load(&yields); }
+
 static struct {
     pthread_mutex_t jobs, mutex;
     pthread_cond_t wake;
@@ -802,8 +834,8 @@ static void *worker(void *arg) {
     int seen = 0;
     for (;;) {
         int g = atomic_load(&pool.generation);
-        for (int spins = 0; g == seen || (g & 1); spins++, g = atomic_load(&pool.generation)) {
-            if (spins < SPIN_ROUNDS || atomic_load(&pool.hold)) { pause_cpu(); continue; }
+        for (int spins = 0; g == seen || (g & 1); g = atomic_load(&pool.generation)) {
+            if (spins < SPIN_ROUNDS || atomic_load(&pool.hold)) { wait_round(&spins); continue; }
             pthread_mutex_lock(&pool.mutex);
             atomic_fetch_add(&pool.sleeping, 1);
             while ((g = atomic_load(&pool.generation)) == seen || (g & 1))
@@ -833,7 +865,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
         pool.workers++;
     }
     atomic_fetch_add(&pool.generation, 1);  /* odd: workers keep off while the job is rewritten */
-    while (atomic_load(&pool.active)) pause_cpu();
+    for (int spins = 0; atomic_load(&pool.active);) wait_round(&spins);
     pool.fn = fn; pool.ctx = ctx; pool.total = total; pool.helpers = helpers;
     pool.chunk = total / ((helpers + 1) * 8) > 0 ? total / ((helpers + 1) * 8) : 1;
     atomic_store(&pool.next, 0);
@@ -845,7 +877,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
         pthread_mutex_unlock(&pool.mutex);
     }
     run_chunks();
-    while (atomic_load(&pool.done) < total) pause_cpu();
+    for (int spins = 0; atomic_load(&pool.done) < total;) wait_round(&spins);
     pthread_mutex_unlock(&pool.jobs);
 }
 

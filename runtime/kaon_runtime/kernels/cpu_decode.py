@@ -153,7 +153,22 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kaon_decode.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.kaon_pool_set_yield.restype = None
+    lib.kaon_pool_set_yield.argtypes = [ctypes.c_int]
+    lib.kaon_pool_yields.restype = ctypes.c_long
+    lib.kaon_pool_yields.argtypes = []
     return lib
+
+
+def set_pool_yield(lib: ctypes.CDLL, on: bool) -> None:
+    """Whether the step's threads yield their core while they wait for each other past a short spin (the
+    default: see wait_round in cpu_decode.c), or spin on (only bench/engine_contention.py's A/B sets it)."""
+    lib.kaon_pool_set_yield(int(on))
+
+
+def pool_yields(lib: ctypes.CDLL) -> int:
+    """How many wait rounds of the step's threads have yielded their core so far (this process)."""
+    return int(lib.kaon_pool_yields())
 
 
 @functools.cache
