@@ -12,12 +12,12 @@ engine's status, headers and body unchanged. A pod gets none of the client's cre
 a keyed service's own key (request.upstream_headers). The listening socket's own limits (connections,
 request heads) are edge.py's.
 
-Failures: an attempt that fails before the response began (refused or reset connection, the
-engine closing it, no response headers within --first-byte-timeout) goes to another pod, up to
---max-attempts; the last failure is the answer (502, or 504 for a timeout). After the response
-began nothing is repeated: a stream that breaks off or sends nothing for --idle-timeout ends with
-an OpenAI error event (an unfinished body when it is not a stream). Either way the pod is
-ejected (backoff.Backoff) so the next requests go elsewhere.
+Failures (every rule for sending again: retry.py): an attempt that fails before the response
+began (refused or reset connection, the engine closing it, no response headers within
+--first-byte-timeout) goes to another pod, up to --max-attempts; the last failure is the answer
+(502, or 504 for a timeout). After the response began nothing is repeated: a stream that breaks
+off or sends nothing for --idle-timeout ends with an OpenAI error event (an unfinished body when
+it is not a stream). Either way the pod is ejected (backoff.Backoff) so the next requests go elsewhere.
 
 Over 300 lines for a stated reason: one request's whole path (admit, read, choose, send,
 release) reads top to bottom in one class, beside the router's own small endpoints that read
@@ -35,7 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from kaon_operator import clock
-from kaon_operator.router import auth, errors, json_cost, pressure as pressure_report
+from kaon_operator.router import auth, errors, json_cost, pressure as pressure_report, retry
 from kaon_operator.router.admission import BodyBudget, body_size, source_of
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
@@ -159,7 +159,7 @@ class Router:
                 tried: set[Endpoint] = set()
                 held = 0.0
                 failure: RouterError | None = None  # the last attempt's, which answers when none is left
-                while len(tried) < max(1, self.config.max_attempts):  # 0 would answer nothing
+                while retry.may_try_another(len(tried), self.config.max_attempts):  # retry.py
                     try:
                         key, target, waited = await self._choose(model, tried, received, request.path, payload,
                                                                 request.headers.get("Authorization"), admitted)
@@ -326,24 +326,19 @@ class Router:
             return await self.upstream.request(target.url, request.method, _engine_path(request),
                                                self._fields(request, key), body,
                                                self.config.first_byte_timeout)
-        except ConnectFailed as exc:
-            reason, error = f"cannot connect ({exc})", None
-        except TimeoutError:
-            self.metrics.timeouts.labels(*key, Phase.FIRST_BYTE).inc()
-            reason = f"no response within {self.config.first_byte_timeout:g}s"
-            error = errors.upstream_timeout(str(key), target.pod, "response", self.config.first_byte_timeout,
-                                            len(tried) + 1)
-        except UpstreamError as exc:
-            reason = str(exc) or type(exc).__name__
-            error = errors.upstream_failed(str(key), target.pod, reason)
+        except (TimeoutError, UpstreamError) as exc:  # retry.py, rule 2
+            failed = retry.failed_attempt(exc, isinstance(exc, ConnectFailed), str(key), target.pod,
+                                          self.config.first_byte_timeout, len(tried) + 1)
         except BaseException:
             self._release(target)
             raise
         self._release(target)
+        if failed.timed_out:
+            self.metrics.timeouts.labels(*key, Phase.FIRST_BYTE).inc()
         tried.add(target)
         self.metrics.retries.labels(*key).inc()
-        self._eject(key, target, reason)
-        return error or errors.upstream_unreachable(str(key), len(tried))
+        self._eject(key, target, failed.reason)
+        return failed.error or errors.upstream_unreachable(str(key), len(tried))
 
     def _fields(self, request: web.Request, key: ServiceKey) -> list[bytes]:
         """The client's headers less its credentials; the key back only to a keyed service (the
