@@ -42,6 +42,7 @@ from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.sampling import SamplingParams
 
 MODEL = "builtin://smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[1]
 ARMS = [("spin", False), ("spin", True), ("yield", False), ("yield", True)]
 WORDS = "cluster node pod engine token cache block prefill decode stream latency".split()
 
@@ -145,9 +146,8 @@ def free_port() -> int:
 async def http_run(args) -> None:
     import aiohttp
 
-    root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-           "PYTHONPATH": f"{root / 'runtime'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "PYTHONPATH": f"{ROOT / 'runtime'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     engines: dict[str, tuple[subprocess.Popen, str]] = {}
     for arm in ("timer off", "timer on"):
         port = free_port()
@@ -175,8 +175,9 @@ async def http_run(args) -> None:
             async def client(i: int) -> None:
                 n = 0
                 while target[0]:
-                    body = {"model": MODEL, "prompt": f"Stream {i}.{n}: " + " ".join(rng.choice(WORDS) for _ in range(20)),
-                            "max_tokens": 48, "temperature": 0, "stream": True, "ignore_eos": True}
+                    prompt = f"Stream {i}.{n}: " + " ".join(rng.choice(WORDS) for _ in range(20))
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": True,
+                            "ignore_eos": True}
                     url, last = target[0], None
                     async with session.post(url + "/v1/completions", json=body) as r:
                         async for raw in r.content:
@@ -204,7 +205,8 @@ async def http_run(args) -> None:
                     took = time.perf_counter() - began
                     row = (len(gaps) / took, 1e3 * statistics.median(gaps) if gaps else float("nan"))
                     results[arm].append(row)
-                    print(f"round {r} {arm:9} tokens/s={row[0]:6.1f} ITL p50={row[1]:6.1f} ms load1={load:.1f}", flush=True)
+                    print(f"round {r} {arm:9} tokens/s={row[0]:6.1f} ITL p50={row[1]:6.1f} ms load1={load:.1f}",
+                          flush=True)
                     target[0] = ""
                     await asyncio.gather(*clients)
                     target[0] = url
