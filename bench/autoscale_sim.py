@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
 from kaon_operator.api import AutoscalingSpec  # noqa: E402
-from kaon_operator.autoscaling import autoscaler, histogram, perf_model, predictive, standby  # noqa: E402
+from kaon_operator.autoscaling import autoscaler, histogram, perf_model, predictive, router_pressure, standby  # noqa: E402
 
 CALIBRATION = ROOT / "bench" / "data" / "autoscale_calibration.json"
 MAX_REPLICAS = 10
@@ -422,6 +422,16 @@ class Cluster:
             latency=histogram.add_buckets(*deltas), held_by_router=float(len(self.held)),
             prompt_tokens=float(prompt), output_tokens=float(output), finished_output_tokens=float(finished_output))
 
+    def pressure(self) -> router_pressure.Pressure:
+        """What the router reports on GET /pressure: held requests, requests in flight to ready replicas, ready ones."""
+        ready = self.ready()
+        return router_pressure.Pressure(held=float(len(self.held)), in_flight=float(sum(r.in_flight for r in ready)),
+                                        ready=len(ready))
+
+    def asleep(self) -> int:
+        """Standbys loaded and asleep now (what a wake brings within wake_s)."""
+        return sum(1 for loaded in self.sleepers if loaded <= self.now)
+
     def concurrency(self) -> float:
         """In flight at the ready replicas plus held: what Knative's queue-proxies and activator count."""
         return float(sum(r.in_flight for r in self.ready()) + len(self.held))
@@ -435,6 +445,10 @@ class Policy:
 
     def decide(self, cluster: Cluster) -> int:
         raise NotImplementedError
+
+    def poked(self, cluster: Cluster, pressure: router_pressure.Pressure) -> int | None:
+        """What the policy does with the routers' report (kaon with standbys: router_pressure.py); None: nothing."""
+        return None
 
 
 class Kaon(Policy):
@@ -463,6 +477,12 @@ class Kaon(Policy):
             return standby.from_zero(decision, self.spec, len(cluster.active)).replicas
         return autoscaler.decide(self.history, self.spec, len(cluster.active), now, cluster.last_change,
                                  max_num_seqs=self.max_num_seqs).replicas
+
+    def poked(self, cluster: Cluster, pressure: router_pressure.Pressure) -> int | None:
+        """The operator's pressure loop: the same pure decision (router_pressure.decide) on what the router reported."""
+        decision = router_pressure.decide(pressure, self.spec, len(cluster.active), cluster.asleep(),
+                                          self.max_num_seqs)
+        return None if decision is None else decision.replicas
 
 
 class HPA(Policy):
@@ -626,10 +646,13 @@ def make_requests(arrivals: list[tuple[float, int, int]]) -> list[Request]:
 
 def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: EngineModel, policy: Policy,
              initial: int, *, cold_start_s: float | None = None, drain_s: float = 30.0,
-             hold_timeout_s: float = 600.0, standby: int = 0, wake_s: float = 0.0, standby_cost: float = 0.0) -> Run:
+             hold_timeout_s: float = 600.0, standby: int = 0, wake_s: float = 0.0, standby_cost: float = 0.0,
+             poke: Poke | None = None) -> Run:
     """Run one policy over one trace. Policies tick until `duration`; afterwards the engines
     finish what they have, so every request gets its outcome. `standby` replicas wait loaded and
-    asleep; a scale-up wakes one in `wake_s` and starts another behind it."""
+    asleep; a scale-up wakes one in `wake_s` and starts another behind it. With `poke` the operator
+    also reads the router's pressure every `poke.interval_s` (each read lost with `poke.loss`, acted on
+    `poke.latency_s` later) and the policy's `poked` acts on it."""
     cluster = Cluster(model, model.cold_start_s if cold_start_s is None else cold_start_s, drain_s, hold_timeout_s)
     requests = make_requests(arrivals)
     # The trace starts warm: the initial replicas are ready at time 0, the standbys loaded.
@@ -641,6 +664,8 @@ def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: Eng
     changes = 0
     cluster.push(policy.period, "tick")
     cluster.push(1.0, "router")
+    if poke is not None:
+        cluster.push(poke.interval_s, "poll")
     i = 0
     while True:
         next_arrival = requests[i].arrival if i < len(requests) else math.inf
@@ -664,6 +689,15 @@ def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: Eng
             cluster.release_held()
             if at + 1.0 < duration or cluster.held:
                 cluster.push(at + 1.0, "router")
+        elif kind == "poll" and poke is not None and at <= duration:
+            if poke.rng.random() >= poke.loss:  # the router's answer (or the operator's read) is lost: no poke
+                cluster.push(at + poke.latency_s, "poke", cluster.pressure())
+            cluster.push(at + poke.interval_s, "poll")
+        elif kind == "poke":
+            wanted = policy.poked(cluster, what)
+            if wanted is not None and wanted > len(cluster.active):
+                cluster.set_replicas(wanted)
+                changes += 1
         elif kind == "tick" and at <= duration:
             wanted = policy.decide(cluster)
             if wanted != len(cluster.active):
@@ -674,6 +708,19 @@ def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: Eng
             cluster.set_replicas(1)  # the trace is over: serve what is left rather than lose it
     return Run(requests, cluster.pod_log, cluster.replica_log, changes, cluster.cut, duration, cluster.standby_log,
                standby_cost, cluster.standby_loads)
+
+
+@dataclass
+class Poke:
+    """The operator's pressure loop (autoscaling/pressure_sync.py): it reads every router's GET /pressure each
+    `interval_s`; a read is lost (a router that does not answer in time) with probability `loss`, and what it
+    reports is acted on `latency_s` later (the read, the decision, spec.replicas written, the standby's wake sent;
+    the wake itself is wake_s on top). Only what the router sees counts: requests held, or in flight to ready
+    replicas."""
+    interval_s: float = 1.0
+    latency_s: float = 0.5
+    loss: float = 0.05
+    rng: random.Random = field(default_factory=random.Random)
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -818,6 +865,12 @@ class Config:
     """kaon-standby's scaleDownStabilizationSeconds: a replica let go comes back in a wake."""
     standby_max_step: int = 4
     """kaon-standby's maxStep: a step up of several replicas costs several wakes, not several cold starts."""
+    poke_interval_s: float = 1.0
+    """kaon-standby's pressure loop: how often the operator reads the router's GET /pressure (0: no such loop)."""
+    poke_latency_s: float = 0.5
+    """From the router's answer to spec.replicas written and the wake sent (the wake's own wake_s comes after)."""
+    poke_loss: float = 0.05
+    """The share of the router's answers lost (not answered in time): the regular scrape decides then."""
     only: tuple[str, ...] = ()
     """Run only these policies (and the two oracles, the yardstick); empty: all."""
 
@@ -867,7 +920,9 @@ def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
         if config.only and policy.name not in config.only and not policy.name.startswith("oracle"):
             continue
         cold = 0.0 if policy.name.startswith("oracle") else None
-        sleepers = dict(standby=config.standby, wake_s=config.wake_s, standby_cost=config.standby_cost) \
+        sleepers = dict(standby=config.standby, wake_s=config.wake_s, standby_cost=config.standby_cost,
+                        poke=Poke(config.poke_interval_s, config.poke_latency_s, config.poke_loss,
+                                  random.Random(config.seed + 11)) if config.poke_interval_s > 0 else None) \
             if policy.name == "kaon-standby" else {}
         runs[policy.name] = simulate(arrivals, trace.duration, model, policy, initial, cold_start_s=cold,
                                      drain_s=config.drain_s, hold_timeout_s=config.hold_timeout_s, **sleepers)
@@ -1058,6 +1113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standby-window-s", type=int, default=15, help="kaon-standby's scaleUpWindowSeconds")
     parser.add_argument("--standby-stabilization-s", type=int, default=120,
                         help="kaon-standby's scaleDownStabilizationSeconds")
+    parser.add_argument("--poke-interval-s", type=float, default=1.0,
+                        help="kaon-standby: how often the operator reads the routers' GET /pressure (held requests, "
+                        "requests in flight) and wakes standbys when capacity is short; 0: no such signal")
+    parser.add_argument("--poke-latency-s", type=float, default=0.5,
+                        help="from the routers' answer to the wake sent (the wake itself takes --wake-s more)")
+    parser.add_argument("--poke-loss", type=float, default=0.05, help="share of the routers' answers lost")
     parser.add_argument("--policies", nargs="+", default=[],
                         help="run only these policies (the oracles always run): e.g. kaon-predictive kaon-standby")
     parser.add_argument("--seed", type=int, default=0)
@@ -1081,7 +1142,8 @@ def main(argv: list[str] | None = None) -> int:
                     hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
                     minutes=args.minutes, target_concurrency=target, standby=args.standby, wake_s=args.wake_s,
                     standby_cost=args.standby_cost, standby_window_s=args.standby_window_s,
-                    standby_stabilization_s=args.standby_stabilization_s, only=tuple(args.policies))
+                    standby_stabilization_s=args.standby_stabilization_s, poke_interval_s=args.poke_interval_s,
+                    poke_latency_s=args.poke_latency_s, poke_loss=args.poke_loss, only=tuple(args.policies))
     rows = []
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + args.seeds):
@@ -1116,7 +1178,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kaon-standby: kaon-predictive with spec.autoscaling.standby {config.standby} (a wake takes "
                   f"{config.wake_s:g} s; a standby costs {config.standby_cost:g} of an awake replica, counted in its "
                   f"replica-hours), scaleUpWindowSeconds {config.standby_window_s}, "
-                  f"scaleDownStabilizationSeconds {config.standby_stabilization_s}, maxStep {config.standby_max_step}")
+                  f"scaleDownStabilizationSeconds {config.standby_stabilization_s}, maxStep {config.standby_max_step}; "
+                  + (f"the routers' pressure read every {config.poke_interval_s:g} s, acted on "
+                     f"{config.poke_latency_s:g} s later, {100 * config.poke_loss:g}% of reads lost "
+                     f"(router_pressure.py, short at {router_pressure.SHORT_FACTOR:g}x the target)"
+                     if config.poke_interval_s > 0 else "no router pressure signal"))
         print(table([r for r in rows if not r["policy"].startswith("hpa-x")], config.ttft_target_s))
         if not any(r["policy"].startswith("hpa") for r in rows) or \
                 not any(r["policy"] == "kaon-predictive" for r in rows):

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))  # e2e
 
 from e2e.control_plane import free_port  # noqa: E402
 from kaon_operator.labels import service_labels  # noqa: E402
+from kaon_operator.router import edge  # noqa: E402
 from kaon_operator.router.endpoints import EndpointTable  # noqa: E402
 from kaon_operator.router.main import quiet_gc  # noqa: E402
 from kaon_operator.router.proxy import Router  # noqa: E402
@@ -179,9 +180,16 @@ def run_router(port: int, engine_ports: list[int], loop: str) -> None:
             "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": engine_port}]}]},
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
     table.synced = True
-    quiet_gc()  # as kaon-router does once it listens (router/main.py)
-    web.run_app(Router(table).app(), host="127.0.0.1", port=port, handler_cancellation=True, access_log=None,
-                print=None, backlog=4096, loop=new_loop(loop))
+    router = Router(table)
+
+    async def serve() -> None:  # behind the listening edge kaon-router uses (its own server: router/front.py)
+        config = router.config
+        async with edge.serving(router.app(), "127.0.0.1", port, max_connections=config.max_connections,
+                                header_timeout=config.header_timeout):
+            quiet_gc()  # as kaon-router does once it listens (router/main.py)
+            await asyncio.Event().wait()
+
+    new_loop(loop).run_until_complete(serve())
 
 
 # the load generator -------------------------------------------------------------------

@@ -181,7 +181,8 @@ build_operator() {
   local name=kaon.local/kaon-operator:dev base key
   base="$(build_base)"
   base="$(build_pybase "$base")"
-  key="operator-$(hash_of "$base" "$ROOT/operator/Dockerfile" "$ROOT/operator/pyproject.toml" "$ROOT/operator/kaon_operator")"
+  key="operator-$(hash_of "$base" "$ROOT/operator/Dockerfile" "$ROOT/operator/pyproject.toml" "$ROOT/operator/kaon_operator" \
+    "$ROOT/operator/kaon_wire")"
   have "$key" || bud "$name" "$key" "$ROOT/operator" "$ROOT/operator/Dockerfile" --build-arg "PYTHON_IMAGE=$PYBASE"
   record "$name" "$key"
 }
@@ -190,7 +191,7 @@ build_runtime() {
   local name=kaon.local/kaon:dev base key
   base="$(build_base)"
   key="runtime-$(hash_of "$base $TORCH_INDEX_URL" "$ROOT/runtime/Dockerfile" "$ROOT/pyproject.toml" \
-    "$ROOT/runtime/kaon_runtime" "$ROOT/operator/kaon_operator")"
+    "$ROOT/runtime/kaon_runtime" "$ROOT/operator/kaon_operator" "$ROOT/operator/kaon_wire")"
   have "$key" || bud "$name" "$key" "$ROOT" "$ROOT/runtime/Dockerfile" \
     --build-arg "CUDA_IMAGE=$BASE" --build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL"
   record "$name" "$key"

@@ -1,6 +1,6 @@
 """The operator's own long-running tasks, started once at start-up (no per-object timers, so
 no finalizers): the status queue's workers, the startup watch, the records' sweep, the key digests'
-publisher, the autoscale loop and the adapter loop."""
+publisher, the autoscale loop, the standby loop, the routers' pressure loop and the adapter loop."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ from functools import partial
 
 from kaon_operator import clock, key_digests
 from kaon_operator.autoscaling.autoscale_loop import AutoscaleLoop
+from kaon_operator.autoscaling.pressure_sync import PressureLoop
 from kaon_operator.autoscaling.standby_sync import StandbyLoop
 from kaon_operator.context import Context
 from kaon_operator.lora.adapter_sync import AdapterLoop
@@ -57,6 +58,8 @@ def start(ctx: Context) -> None:
     ctx.run_in_background(watch_startups(ctx))
     ctx.run_in_background(sweep_records(ctx))
     ctx.run_in_background(key_digests.publish_loop(ctx))
-    ctx.run_in_background(AutoscaleLoop(ctx).run())
+    autoscale, standby = AutoscaleLoop(ctx), StandbyLoop(ctx)
+    ctx.run_in_background(autoscale.run())
     ctx.run_in_background(AdapterLoop(ctx, interval=ctx.config.adapter_interval).run())
-    ctx.run_in_background(StandbyLoop(ctx).run())
+    ctx.run_in_background(standby.run())
+    ctx.run_in_background(PressureLoop(ctx, standby, leading=lambda: autoscale.leading).run())

@@ -483,11 +483,11 @@ def test_the_operator_image_builds_from_operator_alone():
     """`docker build operator/`: every COPY source lies inside that directory."""
     dockerfile = (ROOT / "operator" / "Dockerfile").read_text()
     sources = [line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith(("COPY", "ADD"))]
-    assert sources, "the image copies kaon_operator and its pyproject.toml"
+    assert sources, "the image copies kaon_operator, kaon_wire and its pyproject.toml"
     for source in (s for group in sources for s in group):
         resolved = (ROOT / "operator" / source).resolve()
         assert resolved.is_relative_to(ROOT / "operator") and resolved.exists(), source
-    assert {s for group in sources for s in group} == {"pyproject.toml", "kaon_operator"}
+    assert {s for group in sources for s in group} == {"pyproject.toml", "kaon_operator", "kaon_wire"}
 
 
 def test_images_run_as_the_users_pods_expect():

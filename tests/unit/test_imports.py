@@ -42,7 +42,7 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
     ("background",),  # the long-running tasks
     # what acts on a service
     ("reconciler", "children.drift", "status.status_sync", "autoscaling.autoscale_loop", "autoscaling.profile_sync",
-     "lora.adapter_sync", "autoscaling.standby_sync", "key_digests"),
+     "lora.adapter_sync", "autoscaling.standby_sync", "autoscaling.pressure_sync", "key_digests"),
     ("context",),  # what they share
     ("kube", "caches", "records", "watching", "status.status_queue", "autoscaling.scraper", "metrics"),  # the edges
     # pure decisions, with the leaves they share (names, stamps, URLs; the clock is the edges' seam, the router's too)
@@ -54,7 +54,7 @@ OPERATOR_TIERS: tuple[tuple[str, ...], ...] = (
      "status.conditions", "status.summaries", "lora.adapters", "lora.adapter_pods",
      "autoscaling.autoscaler", "autoscaling.predictive", "autoscaling.demand", "autoscaling.model_bias",
      "autoscaling.perf_model", "autoscaling.histogram", "autoscaling.profiling", "autoscaling.standby",
-     "autoscaling.prefill_scaling",
+     "autoscaling.prefill_scaling", "autoscaling.router_pressure",
      "routes.api", "routes.classifier", "routes.cache_keys", "routes.answers", "routes.memory_store", "routes.monitor",
      "routes.figures", "routes.table", "routes.status", "routes.learned", "routes.replicas", "routes.anchors",
      "routes.prompt_words", "routes.answer_facts"),
@@ -189,7 +189,8 @@ def wrong_operator_arrows(edges: dict[str, set[str]]) -> list[str]:
 
 
 def crossings(modules: dict[str, Path]) -> list[str]:
-    """Imports between kaon_runtime and kaon_operator, and engine-only libraries in the operator."""
+    """Imports between kaon_runtime and kaon_operator, and engine-only libraries in the operator; kaon_wire,
+    which both carry, imports neither."""
     wrong = []
     for module, path in modules.items():
         package = module.split(".")[0]
@@ -199,6 +200,8 @@ def crossings(modules: dict[str, Path]) -> list[str]:
                 wrong.append(f"{module} -> {name}")
             if package == "kaon_operator" and (top == "kaon_runtime" or top in ENGINE_ONLY):
                 wrong.append(f"{module} -> {name}")
+            if package == "kaon_wire" and (top in ("kaon_runtime", "kaon_operator") or top in ENGINE_ONLY):
+                wrong.append(f"{module} -> {name}")  # both images carry it: it must need neither side
     return sorted(wrong)
 
 

@@ -150,6 +150,8 @@ class AutoscaleLoop:
         settings = ctx.config.autoscale
         self.interval, self.release_namespace = settings.interval, settings.release_namespace
         self.use_lease, self.identity = settings.use_lease, reporting_instance()
+        self.leading = not self.use_lease
+        """Whether this operator held the Lease at its last tick (the pressure loop acts only then)."""
         self.http: aiohttp.ClientSession | None = None
 
     async def run(self) -> None:
@@ -158,8 +160,9 @@ class AutoscaleLoop:
             while True:
                 started = clock.monotonic()
                 try:
-                    if not self.use_lease or await asyncio.to_thread(self.kube.hold_lease, self.release_namespace,
-                                                                     LEASE_NAME, self.identity, LEASE_SECONDS):
+                    self.leading = not self.use_lease or await asyncio.to_thread(
+                        self.kube.hold_lease, self.release_namespace, LEASE_NAME, self.identity, LEASE_SECONDS)
+                    if self.leading:
                         await self.tick_all()
                 except Exception:  # one bad tick (an apiserver hiccup) must not end autoscaling
                     logger.exception("autoscale tick failed")
@@ -353,42 +356,46 @@ class AutoscaleLoop:
             await asyncio.to_thread(status_sync.metrics_changed, self.ctx, key, condition)
 
     def scale(self, body: Mapping, status_patch: dict, replicas: int) -> bool:
-        """Write the decision (status, with lastScaleDecision) then spec.replicas, both only while the
-        InferenceService is still the one the decision was made on (resourceVersion preconditions).
+        return write_scale(self.ctx, body, status_patch, replicas)
 
-        The service's record says `scaled_to` before spec.replicas is written, so the update handler
-        knows the change is the autoscaler's (which posts its own Event). A 409 from a write that left
-        the spec alone (metadata.generation unchanged: the operator's own status updates, kopf's
-        annotations) is retried at the new resourceVersion; a changed spec (a human's `kubectl scale`,
-        a new maxReplicas) drops the decision, puts lastScaleDecision back, and the next tick decides
-        on the new spec. False when dropped (or the object is gone)."""
-        meta = body["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
-        version, generation = meta.get("resourceVersion"), meta.get("generation")
-        record = self.ctx.records.get(Key(namespace, name))
-        status_written = False
-        for _ in range(CONFLICT_RETRIES):
-            try:
-                if not status_written:
-                    written = self.kube.patch_status(namespace, name, status_patch, resource_version=version)
-                    if written is None:
-                        return False
-                    status_written, version = True, written["metadata"]["resourceVersion"]
-                record.scaled_to = replicas  # before the write: its update event may be handled before it returns
-                try:
-                    self.kube.patch_replicas(namespace, name, replicas, resource_version=version)
-                except BaseException:
-                    record.scaled_to = None
-                    raise
-                return True
-            except Conflict:
-                current = self.kube.get_inference_service(namespace, name)
-                if current is None:
+
+def write_scale(ctx: Context, body: Mapping, status_patch: dict, replicas: int) -> bool:
+    """Write the decision (status, with lastScaleDecision) then spec.replicas, both only while the
+    InferenceService is still the one the decision was made on (resourceVersion preconditions).
+
+    The service's record says `scaled_to` before spec.replicas is written, so the update handler
+    knows the change is the autoscaler's (which posts its own Event). A 409 from a write that left
+    the spec alone (metadata.generation unchanged: the operator's own status updates, kopf's
+    annotations) is retried at the new resourceVersion; a changed spec (a human's `kubectl scale`,
+    a new maxReplicas) drops the decision, puts lastScaleDecision back, and the next tick decides
+    on the new spec. False when dropped (or the object is gone)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    version, generation = meta.get("resourceVersion"), meta.get("generation")
+    record = ctx.records.get(Key(namespace, name))
+    status_written = False
+    for _ in range(CONFLICT_RETRIES):
+        try:
+            if not status_written:
+                written = ctx.kube.patch_status(namespace, name, status_patch, resource_version=version)
+                if written is None:
                     return False
-                if current["metadata"].get("generation") != generation:
-                    break
-                version = current["metadata"]["resourceVersion"]
-        if status_written:  # the change did not happen: the status must not say it did
-            previous = (body.get("status") or {}).get("lastScaleDecision")
-            self.kube.patch_status(namespace, name, {"lastScaleDecision": previous})
-        return False
+                status_written, version = True, written["metadata"]["resourceVersion"]
+            record.scaled_to = replicas  # before the write: its update event may be handled before it returns
+            try:
+                ctx.kube.patch_replicas(namespace, name, replicas, resource_version=version)
+            except BaseException:
+                record.scaled_to = None
+                raise
+            return True
+        except Conflict:
+            current = ctx.kube.get_inference_service(namespace, name)
+            if current is None:
+                return False
+            if current["metadata"].get("generation") != generation:
+                break
+            version = current["metadata"]["resourceVersion"]
+    if status_written:  # the change did not happen: the status must not say it did
+        previous = (body.get("status") or {}).get("lastScaleDecision")
+        ctx.kube.patch_status(namespace, name, {"lastScaleDecision": previous})
+    return False

@@ -12,12 +12,12 @@ engine's status, headers and body unchanged. A pod gets none of the client's cre
 a keyed service's own key (request.upstream_headers). The listening socket's own limits (connections,
 request heads) are edge.py's.
 
-Failures: an attempt that fails before the response began (refused or reset connection, the
-engine closing it, no response headers within --first-byte-timeout) goes to another pod, up to
---max-attempts; the last failure is the answer (502, or 504 for a timeout). After the response
-began nothing is repeated: a stream that breaks off or sends nothing for --idle-timeout ends with
-an OpenAI error event (an unfinished body when it is not a stream). Either way the pod is
-ejected (backoff.Backoff) so the next requests go elsewhere.
+Failures (every rule for sending again: retry.py): an attempt that fails before the response
+began (refused or reset connection, the engine closing it, no response headers within
+--first-byte-timeout) goes to another pod, up to --max-attempts; the last failure is the answer
+(502, or 504 for a timeout). After the response began nothing is repeated: a stream that breaks
+off or sends nothing for --idle-timeout ends with an OpenAI error event (an unfinished body when
+it is not a stream). Either way the pod is ejected (backoff.Backoff) so the next requests go elsewhere.
 
 Over 300 lines for a stated reason: one request's whole path (admit, read, choose, send,
 release) reads top to bottom in one class, beside the router's own small endpoints that read
@@ -35,12 +35,13 @@ import aiohttp
 from aiohttp import web
 
 from kaon_operator import clock
-from kaon_operator.router import auth, errors, json_cost
+from kaon_operator.router import auth, errors, json_cost, pressure as pressure_report, retry
 from kaon_operator.router.admission import BodyBudget, body_size, source_of
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 from kaon_operator.router.errors import RouterError
+from kaon_operator.router.front import FRONT, Front, FrontRequest
 from kaon_operator.router.hold import Hold, HoldFull
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.relay import Relay
@@ -109,7 +110,15 @@ class Router:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._unknown)  # last: what no route above takes
         app.cleanup_ctx.append(self._upstream_session)
+        app[FRONT] = self.front  # edge.serving serves the same routes with the router's own server (front.py)
         return app
+
+    def front(self, header_timeout: float) -> Front:
+        """The router's own HTTP server for its main port (front.py): the routes of app()."""
+        routes: dict[tuple[str, str], Any] = {("POST", path): self._forward for path in CLIENT_ROUTES}
+        routes.update({("GET", "/v1/models"): self._models, ("GET", "/health"): self._health,
+                       ("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics})
+        return Front(routes, self._unknown, self.config.max_body_bytes, header_timeout)
 
     async def _upstream_session(self, app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
@@ -150,7 +159,7 @@ class Router:
                 tried: set[Endpoint] = set()
                 held = 0.0
                 failure: RouterError | None = None  # the last attempt's, which answers when none is left
-                while len(tried) < max(1, self.config.max_attempts):  # 0 would answer nothing
+                while retry.may_try_another(len(tried), self.config.max_attempts):  # retry.py
                     try:
                         key, target, waited = await self._choose(model, tried, received, request.path, payload,
                                                                 request.headers.get("Authorization"), admitted)
@@ -317,24 +326,19 @@ class Router:
             return await self.upstream.request(target.url, request.method, _engine_path(request),
                                                self._fields(request, key), body,
                                                self.config.first_byte_timeout)
-        except ConnectFailed as exc:
-            reason, error = f"cannot connect ({exc})", None
-        except TimeoutError:
-            self.metrics.timeouts.labels(*key, Phase.FIRST_BYTE).inc()
-            reason = f"no response within {self.config.first_byte_timeout:g}s"
-            error = errors.upstream_timeout(str(key), target.pod, "response", self.config.first_byte_timeout,
-                                            len(tried) + 1)
-        except UpstreamError as exc:
-            reason = str(exc) or type(exc).__name__
-            error = errors.upstream_failed(str(key), target.pod, reason)
+        except (TimeoutError, UpstreamError) as exc:  # retry.py, rule 2
+            failed = retry.failed_attempt(exc, isinstance(exc, ConnectFailed), str(key), target.pod,
+                                          self.config.first_byte_timeout, len(tried) + 1)
         except BaseException:
             self._release(target)
             raise
         self._release(target)
+        if failed.timed_out:
+            self.metrics.timeouts.labels(*key, Phase.FIRST_BYTE).inc()
         tried.add(target)
         self.metrics.retries.labels(*key).inc()
-        self._eject(key, target, reason)
-        return error or errors.upstream_unreachable(str(key), len(tried))
+        self._eject(key, target, failed.reason)
+        return failed.error or errors.upstream_unreachable(str(key), len(tried))
 
     def _fields(self, request: web.Request, key: ServiceKey) -> list[bytes]:
         """The client's headers less its credentials; the key back only to a keyed service (the
@@ -406,7 +410,10 @@ class Router:
 
         async def everything(request: web.Request) -> web.Response:
             return metrics_response(self.metrics.render())
+        async def pressure(request: web.Request) -> web.Response:
+            return web.json_response(pressure_report.report(self.table, self.inflight, self.held()))
         app.router.add_get("/metrics", everything)
+        app.router.add_get("/pressure", pressure)  # the operator's pressure loop (router/pressure.py)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         return app
@@ -420,16 +427,21 @@ def _asleep(upstream: Response) -> bool:
     return True
 
 
-def _engine_path(request: web.Request) -> str:
+def _engine_path(request: web.Request | FrontRequest) -> str:
     """The route as listed (CLIENT_ROUTES), not as the client spelled it (percent-escapes, `..`):
     the engine routes exactly what the router matched."""
+    if isinstance(request, FrontRequest):
+        assert request.canonical is not None  # only the routes of CLIENT_ROUTES forward
+        return request.canonical + ("?" + request.query if request.query else "")
     resource = request.match_info.route.resource
     assert resource is not None  # only the routes of CLIENT_ROUTES forward
     query = request.rel_url.raw_query_string
     return resource.canonical + ("?" + query if query else "")
 
 
-def _route_path(request: web.Request) -> str:
+def _route_path(request: web.Request | FrontRequest) -> str:
+    if isinstance(request, FrontRequest):
+        return request.canonical or request.path
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else request.path
 

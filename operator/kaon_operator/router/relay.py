@@ -23,6 +23,7 @@ from kaon_operator import clock
 from kaon_operator.router import errors
 from kaon_operator.router.backoff import Backoff
 from kaon_operator.router.endpoints import Endpoint, ServiceKey
+from kaon_operator.router.front import open_stream
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.pump import Ended, Outcome, Pump
 from kaon_operator.router.request import response_headers
@@ -76,8 +77,7 @@ class Relay:
                     await tap.tee(whole.body)
                     tap.done(upstream.status, upstream.headers.get("Content-Type", ""))
                 return whole
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
-            await response.prepare(request)
+            response = await open_stream(request, upstream.status, upstream.reason, headers)
             self._answered(key, target, upstream.status, overhead + time.perf_counter() - received)
             framer = EventFramer() if sse else Unframed()
             write = response.write if tap is None else _tapped(response.write, tap)

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kaon_operator import clock
 from kaon_operator.api import Key
 from kaon_operator.router import auth, errors
+from kaon_operator.router.front import open_stream
 from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
 from kaon_operator.routes import anchors, cache_keys, classifier, learned, monitor
@@ -293,8 +294,7 @@ class RouteGateway:
         headers = {"Content-Type": answer.content_type, TIER_HEADER: answer.tier, CACHE_HEADER: "hit"}
         if len(answer.chunks) <= 1 and not answer.content_type.startswith("text/event-stream"):
             return web.Response(status=answer.status, body=answer.body, headers=headers)
-        response = web.StreamResponse(status=answer.status, headers={**headers, "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await open_stream(request, answer.status, None, {**headers, "Cache-Control": "no-cache"})
         for chunk in answer.chunks:
             await response.write(chunk)
         await response.write_eof()

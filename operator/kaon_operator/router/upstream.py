@@ -32,9 +32,11 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict
 
+from kaon_operator.router import retry
+
 UPSTREAM_KEEPALIVE_S = 4.0
 """The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a connection it
-is closing fails after it went out; stay under (and see the one retry on a fresh connection)."""
+is closing fails after it went out; stay under (and see the one retry on a fresh connection: retry.py, rule 1)."""
 HIGH_WATER = 1 << 18
 """Unread response bytes per connection above which the engine's socket is not read."""
 MAX_IDLE_PER_POD = 256
@@ -346,10 +348,8 @@ class Pool:
             try:
                 return await self._exchange(conn, data, deadline, loop)
             except UpstreamError:
-                if conn.received:
+                if not retry.resend_on_new_connection(reused=True, answered=conn.received):
                     raise
-                # The engine closed a kept-alive connection as the request went out: nothing was
-                # answered, so the request is sent once more, on a new connection.
         conn = await self._connect(url, address, deadline, loop)
         return await self._exchange(conn, data, deadline, loop)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kaon_wire import content_text
+
 # Phrases that ask for reasoning rather than recall; each found adds REASONING_WEIGHT.
 REASONING = ("analyze", "analyse", "analysis", "compare", "comparison", "contrast", "step by step", "step-by-step",
              "explain why", "explain how", "evaluate", "assess", "prove", "derive", "justify", "trade-off",
@@ -60,18 +62,9 @@ def prompt_text(path: str, payload: dict) -> str:
     """The text a request asks about: chat messages' text parts (all roles), a completion's prompt,
     an embeddings request's input, a /v1/responses input."""
     if path.endswith("/chat/completions"):
-        return "\n".join(_content_text(m.get("content")) for m in payload.get("messages") or () if isinstance(m, dict))
+        return "\n".join(content_text(m.get("content")) for m in payload.get("messages") or () if isinstance(m, dict))
     value = payload.get("prompt") if "prompt" in payload else payload.get("input")
-    return _content_text(value)
-
-
-def _content_text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p if isinstance(p, str) else _content_text(p.get("text") or p.get("content"))
-                         if isinstance(p, dict) else "" for p in content)
-    return ""
+    return content_text(value)
 
 
 def features(text: str) -> Features:

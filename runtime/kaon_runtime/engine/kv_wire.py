@@ -274,28 +274,10 @@ class TcpTransport:
 
     def __init__(self, api_key: Callable[[], str | None] = lambda: None):
         self.api_key = api_key  # read per transfer: a mounted key file may rotate
-        self.ticks = 0  # _keep_awake's wake-ups
         self._session: aiohttp.ClientSession | None = None
 
     async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float) -> ImportedKv:
-        awake = asyncio.create_task(self._keep_awake())
-        try:
-            return await self._stream(url, ask, KvAssembler(layout, ask["start"], len(ask["token_ids"]) - 1),
-                                      timeout_s)
-        finally:
-            awake.cancel()
-
-    async def _keep_awake(self) -> None:
-        """Wake the event loop every millisecond while a transfer is open (most of the time on a busy decode
-        engine: the ask waits seconds for the prefill). Measured on this 2-core machine under load 11-17
-        (bench/history/disagg.md): a decode engine whose loop sleeps until the engine thread wakes it decodes
-        its streams 3-5x slower (ITL p50 68-123 ms against 22-30 ms, output 17-33 against 78-105 tokens/s);
-        NIXL's progress loop did this all along, which is why NIXL runs looked faster. The mechanism (the
-        engine thread's hand-off to a sleeping loop on a loaded core) is not understood and not the GIL's
-        switch interval; this keeps both transports alike until the engine's hand-off is fixed."""
-        while True:
-            self.ticks += 1
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
+        return await self._stream(url, ask, KvAssembler(layout, ask["start"], len(ask["token_ids"]) - 1), timeout_s)
 
     async def _stream(self, url: str, ask: dict, assembler: KvAssembler, timeout_s: float) -> ImportedKv:
         reader = FrameReader(assembler.destination)
@@ -358,7 +340,7 @@ class NixlTransport(TcpTransport):
         offset = self.ranges.take(end - start)
         if offset is None:
             return await super().fetch(url, ask, layout, timeout_s)
-        progress = asyncio.create_task(self._keep_awake())
+        progress = asyncio.create_task(self._progress())
         try:
             staging = self.staging[offset:offset + end - start]
             ask = ask | {"nixl": {"agent": self.agent_name, "metadata": self.metadata, "addr": staging.data_ptr()}}
@@ -367,11 +349,10 @@ class NixlTransport(TcpTransport):
             progress.cancel()
             self.ranges.give(offset, end - start)
 
-    async def _keep_awake(self) -> None:
-        """Also let UCX complete the prefill engine's WRITEs into our memory (its TCP transport needs the
-        target's progress too)."""
+    async def _progress(self) -> None:
+        """Let UCX complete the prefill engine's WRITEs into our memory while the transfer is open (its TCP
+        transport needs the target's progress too, and there is no progress thread: see __init__)."""
         while True:
-            self.ticks += 1
             self.agent.get_new_notifs()
             await asyncio.sleep(PROGRESS_INTERVAL_S)
 

@@ -36,7 +36,9 @@
  * many as torch.get_num_threads(). Built with -march=native; without AVX2 scalar loops run.
  * References: tests/unit/runtime/kernels/test_cpu_decode.py compares each kernel and the whole step with torch.
  */
+#define _GNU_SOURCE  /* sched_yield under -std=c11 */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,13 +57,16 @@
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define KAON_VNNI 1
 #endif
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+/* acc + the dot: with VNNI the accumulate is the instruction's own (one uop where an add followed
+ * each dot: 8 of a block's ~24 integer ops per row); integer sums are exact, so the order of the
+ * adds changes no bit and every flag path still agrees with the others. */
+static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 #endif
@@ -431,24 +436,64 @@ static void f32_t_outputs(const void *w, int fmt, const float *bias, int n, int 
 
 /* ---- activations quantized in blocks of 32: x ~ d[b] * q[b*32 + i]; qs[b] = sum(q), s[b] = d[b] * qs[b] */
 
+/* One block of 32: q = x / d rounded half to even, d = amax / 127; returns sum(q); rest (or NULL):
+ * the rounding remainder x - d q. The AVX2 path computes the same bits as the scalar one (max,
+ * one multiply, round to nearest even, exact integer sums; the remainder as a product then a
+ * difference, as the scalar code is compiled without contraction: -std=c11), and is ~8x faster: the
+ * caller quantizes before the projection's threads start, so at 16 rows with two passes the scalar
+ * loops were a third of a small projection's time. */
+static inline int32_t quantize_block(const float *xb, int8_t *qb, float *d, float *rest) {
+#ifdef KAON_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 xv[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        xv[j] = _mm256_loadu_ps(xb + 8 * j);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, xv[j]), m);  /* a NaN element loses, as below */
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < QBLOCK; i++) {
+        float a = fabsf(xb[i]);
+        amax = a > amax ? a : amax;  /* fmaxf's NaN rule, without a call into libm per element */
+    }
+#endif
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    *d = scale;
+#ifdef KAON_AVX2
+    __m256i qi[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(xv[j], _mm256_set1_ps(inv)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[j] = _mm256_cvtps_epi32(r);
+        total = _mm256_add_epi32(total, qi[j]);
+        if (rest) _mm256_storeu_ps(rest + 8 * j, _mm256_sub_ps(xv[j], _mm256_mul_ps(_mm256_set1_ps(scale), r)));
+    }
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+#else
+    int sum = 0;
+    for (int i = 0; i < QBLOCK; i++) {
+        int v = (int)nearbyintf(xb[i] * inv);
+        qb[i] = (int8_t)v;
+        sum += v;
+        if (rest) rest[i] = xb[i] - scale * (float)v;
+    }
+    return sum;
+#endif
+}
+
 static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s, int32_t *qs) {
     for (int b = 0; b < k / QBLOCK; b++) {
-        const float *xb = x + b * QBLOCK;
-        float amax = 0.f;
-        for (int i = 0; i < QBLOCK; i++) {
-            float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;  /* fmaxf's NaN rule, without a call into libm per element */
-        }
-        float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int i = 0; i < QBLOCK; i++) {
-            int v = (int)nearbyintf(xb[i] * inv);
-            q[b * QBLOCK + i] = (int8_t)v;
-            sum += v;
-        }
-        d[b] = scale;
-        qs[b] = sum;
-        s[b] = scale * (float)sum;
+        qs[b] = quantize_block(x + b * QBLOCK, q + b * QBLOCK, d + b, NULL);
+        s[b] = d[b] * (float)qs[b];
     }
 }
 
@@ -464,10 +509,26 @@ static void quantize_q8(const float *x, int k, int8_t *q, float *d, float *s, in
 static void quantize_passes(const float *x, int k, int8_t *q, float *d, float *s, int32_t *qs) {
     const int blocks = k / QBLOCK;
     float rest[QBLOCK];
-    quantize_q8(x, k, q, d, s, qs);
     for (int b = 0; b < blocks; b++) {
-        for (int i = 0; i < QBLOCK; i++) rest[i] = x[b * QBLOCK + i] - d[b] * (float)q[b * QBLOCK + i];
-        quantize_q8(rest, QBLOCK, q + k + b * QBLOCK, d + blocks + b, s + blocks + b, qs + blocks + b);
+        qs[b] = quantize_block(x + b * QBLOCK, q + b * QBLOCK, d + b, rest);
+        s[b] = d[b] * (float)qs[b];
+        qs[blocks + b] = quantize_block(rest, q + k + b * QBLOCK, d + blocks + b, NULL);
+        s[blocks + b] = d[blocks + b] * (float)qs[blocks + b];
+    }
+}
+
+/* quantize_passes' two passes of one row written as pairs for the 512-bit kernels (KAON_PAIRS):
+ * per block [t][pass][4 bytes], and d, s, qs as [block][pass]. */
+static void quantize_pairs(const float *x, int k, int8_t *qp, float *dp, float *sp, int32_t *qsp) {
+    int8_t pass_q[2][QBLOCK];
+    float rest[QBLOCK];
+    for (int b = 0; b < k / QBLOCK; b++) {
+        qsp[2 * b] = quantize_block(x + b * QBLOCK, pass_q[0], dp + 2 * b, rest);
+        qsp[2 * b + 1] = quantize_block(rest, pass_q[1], dp + 2 * b + 1, NULL);
+        for (int pass = 0; pass < 2; pass++) {
+            sp[2 * b + pass] = dp[2 * b + pass] * (float)qsp[2 * b + pass];
+            for (int t = 0; t < QBLOCK / 4; t++) memcpy(qp + (size_t)b * 2 * QBLOCK + 8 * t + 4 * pass, pass_q[pass] + 4 * t, 4);
+        }
     }
 }
 
@@ -518,12 +579,12 @@ static inline __attribute__((always_inline)) void group_int8(const int8_t *w, co
 #ifdef KAON_VNNI
             __m256i sum = _mm256_set1_epi32(-128 * qs[(size_t)r * blocks + b]);
             for (int t = 0; t < 8; t++)
-                sum = _mm256_add_epi32(sum, dot_u8s8(wv[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+                sum = dot_u8s8_acc(sum, wv[t], _mm256_set1_epi32(load_i32(qb + 4 * t)));
 #else       /* maddubs would overflow int16 on w + 128: |w| against q carrying w's sign instead */
             __m256i sum = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++)
-                sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_sign_epi8(wv[t], wv[t]),
-                                                     _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t])));
+                sum = dot_u8s8_acc(sum, _mm256_sign_epi8(wv[t], wv[t]),
+                                                     _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t]));
 #endif
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d[(size_t)r * blocks + b]), acc[r]);
         }
@@ -599,7 +660,7 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
             const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
             __m256i sum = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++)  /* nibbles t < 4: elements 4t.., t >= 4: 16 + 4(t - 4).. */
-                sum = _mm256_add_epi32(sum, dot_u8s8(nib[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+                sum = dot_u8s8_acc(sum, nib[t], _mm256_set1_epi32(load_i32(qb + 4 * t)));
             const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(d[(size_t)r * blocks + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sd, acc[r]);
             mins[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(s[(size_t)r * blocks + b]), mins[r]);
@@ -654,9 +715,9 @@ static inline __attribute__((always_inline)) void group_q8_g16(const int8_t *w, 
             const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
             __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
             for (int t = 0; t < 4; t++)
-                lo = _mm256_add_epi32(lo, dot_u8s8(aw[t], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t])));
+                lo = dot_u8s8_acc(lo, aw[t], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t]));
             for (int t = 4; t < 8; t++)
-                hi = _mm256_add_epi32(hi, dot_u8s8(aw[t], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t])));
+                hi = dot_u8s8_acc(hi, aw[t], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * t)), wv[t]));
             const __m256 dr = _mm256_set1_ps(d[(size_t)r * blocks + b]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dr), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dr), acc[r]);
@@ -717,9 +778,9 @@ static inline __attribute__((always_inline)) void group_q6_g16(const uint8_t *w,
             const int32_t first = qlo[(size_t)r * blocks + b], second = qs[(size_t)r * blocks + b] - first;
             __m256i lo = _mm256_set1_epi32(-32 * first), up = _mm256_set1_epi32(-32 * second);
             for (int t = 0; t < 4; t++)
-                lo = _mm256_add_epi32(lo, dot_u8s8(u[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+                lo = dot_u8s8_acc(lo, u[t], _mm256_set1_epi32(load_i32(qb + 4 * t)));
             for (int t = 4; t < 8; t++)
-                up = _mm256_add_epi32(up, dot_u8s8(u[t], _mm256_set1_epi32(load_i32(qb + 4 * t))));
+                up = dot_u8s8_acc(up, u[t], _mm256_set1_epi32(load_i32(qb + 4 * t)));
             const __m256 dr = _mm256_set1_ps(d[(size_t)r * blocks + b]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dr), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(up), _mm256_mul_ps(s1, dr), acc[r]);
@@ -748,6 +809,125 @@ static inline __attribute__((always_inline)) void group_q6_g16(const uint8_t *w,
 #endif
 }
 
+/* ---- the two activation passes side by side in 512-bit registers -----------------------
+ * With KAON_CPU_ACTIVATIONS=int8x2 each activation row is two quantized rows (the block and its
+ * remainder), which above cost two passes of 256-bit dot products: batched decode paid 25-40%.
+ * With AVX-512 (VNNI and BW) a 512-bit register holds both: lane 2c is output c's first pass,
+ * lane 2c + 1 its remainder's, the weights' dwords duplicated into both (one permute per weight
+ * vector per block, shared by the tile's rows) and the two passes' four bytes of activations
+ * side by side in memory (the "pair" layout kaon_linear makes: [row][block][t][pass][4]), so one
+ * 64-bit broadcast feeds both. Every lane computes exactly what the 256-bit path computes for
+ * that quantized row and output (the same integer sums, the same float operations in the same
+ * order), and the lanes are split back into the two quantized rows before linear_chunk adds
+ * them: the bits equal the AVX2 and scalar paths' (test_cpu_decode_build.py checks). Zen 4 runs
+ * 512-bit operations in two halves, so there it saves the broadcasts and scalar work only;
+ * Intel's cores with two 512-bit ports do both passes for about the price of one. */
+#define PAIRS_TILE 4  /* activation rows (pairs of quantized rows) per pass over a group's weights */
+#if defined(KAON_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KAON_PAIRS 1
+
+static inline __m512i dup_lanes(__m256i v) {  /* dwords [a b c ..] -> [a a b b c c ..] */
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                    _mm512_castsi256_si512(v));
+}
+static inline __m512 dup_lanes_ps(__m256 v) { return _mm512_castsi512_ps(dup_lanes(_mm256_castps_si256(v))); }
+static inline __m512 load_pair_ps(const float *p) {  /* (p[0], p[1]) in every pair of lanes */
+    double v; memcpy(&v, p, sizeof v); return _mm512_castpd_ps(_mm512_set1_pd(v));
+}
+static inline __m512i load_pair_q(const int8_t *p) { int64_t v; memcpy(&v, p, sizeof v); return _mm512_set1_epi64(v); }
+
+/* The even lanes (first passes) to out[0], the odd ones to out[1]. */
+static inline void split_pair(__m512 v, float *first, float *second) {
+    const __m512 parted = _mm512_permutexvar_ps(
+        _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0), v);
+    _mm256_storeu_ps(first, _mm512_castps512_ps256(parted));
+    _mm256_storeu_ps(second, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(parted), 1)));
+}
+
+/* group_int8 for `rows` (<= PAIRS_TILE) activation rows in pairs: qp/dp/qsp the pair layouts. */
+static inline __attribute__((always_inline)) void group_int8_pairs(const int8_t *w, const float *scales,
+                                                                   const int8_t *qp, const float *dp,
+                                                                   const int32_t *qsp, int k, int rows,
+                                                                   float out[][LANES]) {
+    const int blocks = k / QBLOCK;
+    __m512 acc[PAIRS_TILE];
+    for (int r = 0; r < PAIRS_TILE; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK * LANES);
+        __m512i wv[8];
+        for (int t = 0; t < 8; t++)  /* w + 128 as group_int8's VNNI path: the -128 sum(q) term below */
+            wv[t] = _mm512_xor_si512(dup_lanes(_mm256_loadu_si256(wb + t)), _mm512_set1_epi8((char)0x80));
+        for (int r = 0; r < PAIRS_TILE; r++) {
+            if (r >= rows) break;
+            const size_t at = (size_t)r * blocks + b;
+            const int8_t *qb = qp + at * 2 * QBLOCK;
+            const uint64_t first = (uint32_t)(-128 * qsp[2 * at]), second = (uint32_t)(-128 * qsp[2 * at + 1]);
+            __m512i sum = _mm512_set1_epi64((int64_t)(first | second << 32));
+            for (int t = 0; t < 8; t++) sum = _mm512_dpbusd_epi32(sum, wv[t], load_pair_q(qb + 8 * t));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), load_pair_ps(dp + 2 * at), acc[r]);
+        }
+    }
+    const __m512 sc = dup_lanes_ps(_mm256_loadu_ps(scales));
+    for (int r = 0; r < rows; r++) split_pair(_mm512_mul_ps(acc[r], sc), out[2 * r], out[2 * r + 1]);
+}
+
+/* group_q4_1 (Q4_1, Q4_F32, Q5, Q5_F32) in pairs; sp: the pair layout of s. */
+static inline __attribute__((always_inline)) void group_q4_1_pairs(const uint8_t *w, const uint8_t *hi,
+                                                                   const void *wdv, const void *wmv, const int f32,
+                                                                   const int8_t *qp, const float *dp,
+                                                                   const float *sp, int k, int rows,
+                                                                   float out[][LANES]) {
+    const uint16_t *wd = wdv, *wm = wmv;
+    const float *wdf = wdv, *wmf = wmv;
+    const int blocks = k / QBLOCK;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[PAIRS_TILE], mins[PAIRS_TILE];
+    for (int r = 0; r < PAIRS_TILE; r++) acc[r] = mins[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK / 2 * LANES);
+        __m512i nib[8];
+        for (int t = 0; t < 4; t++) {  /* as split_nibbles */
+            const __m512i raw = dup_lanes(_mm256_loadu_si256(wb + t));
+            nib[t] = _mm512_and_si512(raw, low);
+            nib[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        if (hi) {  /* as add_high_bits(nib, 8, ., 1): bit t of each byte -> bit 4 of nib[t] */
+            const __m512i hv = dup_lanes(_mm256_loadu_si256((const __m256i *)(hi + (size_t)b * QBLOCK)));
+            const __m512i mask = _mm512_set1_epi8(0x10);
+            for (int t = 0; t < 8; t++) {
+                const int up = 4 - t;
+                const __m512i bits = up >= 0 ? _mm512_slli_epi16(hv, up) : _mm512_srli_epi16(hv, -up);
+                nib[t] = _mm512_or_si512(nib[t], _mm512_and_si512(bits, mask));
+            }
+        }
+        const __m512 scale = dup_lanes_ps(f32 ? _mm256_loadu_ps(wdf + (size_t)b * LANES)
+                                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + (size_t)b * LANES))));
+        const __m512 min = dup_lanes_ps(f32 ? _mm256_loadu_ps(wmf + (size_t)b * LANES)
+                                            : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + (size_t)b * LANES))));
+        for (int r = 0; r < PAIRS_TILE; r++) {
+            if (r >= rows) break;
+            const size_t at = (size_t)r * blocks + b;
+            const int8_t *qb = qp + at * 2 * QBLOCK;
+            __m512i sum = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t++) sum = _mm512_dpbusd_epi32(sum, nib[t], load_pair_q(qb + 8 * t));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, load_pair_ps(dp + 2 * at)), acc[r]);
+            mins[r] = _mm512_fmadd_ps(min, load_pair_ps(sp + 2 * at), mins[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) split_pair(_mm512_add_ps(acc[r], mins[r]), out[2 * r], out[2 * r + 1]);
+}
+#endif
+
+/* Whether kind runs in pairs (above) when its activations take two passes. */
+static inline int pairs_kind(int kind) {
+#ifdef KAON_PAIRS
+    return kind == KIND_INT8 || kind == KIND_Q4_1 || kind == KIND_Q4_F32 || kind == KIND_Q5 || kind == KIND_Q5_F32;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
 /* ---- a pool of worker threads ----------------------------------------------------------
  * Why not OpenMP: its parallel regions end in a barrier that waits for every thread, so when
  * another thread of the process (the server's event loop, the tokenizer) takes a core for a
@@ -763,6 +943,36 @@ typedef void (*chunk_fn)(const void *ctx, int begin, int end);
  * microseconds apart. Otherwise it spins briefly and sleeps: between steps torch runs the
  * sampler and any prefill on its own threads, and a spinning worker would slow them. */
 #define SPIN_ROUNDS 1000
+
+/* Past SPIN_ROUNDS a waiting thread yields its core on every round instead of spinning on.
+ * Why: on a machine with more runnable threads than cores (other processes, or two engines
+ * sharing cores) the thread waited for is often not running: a worker preempted with a chunk
+ * claimed, or the caller preempted between jobs while a worker holds its spin. A spinning
+ * waiter then burns the rest of its time slice (milliseconds) on the core that thread needs,
+ * and a step of ~150 jobs paid it again and again: measured under load ~12 on 2 cores, a
+ * 4-sequence decode step took 140-320 ms on 2 threads against ~60 ms on 1 (bench/history/
+ * engine_contention.md). A 1 ms timer on the server's event loop hid part of it (its wakeups
+ * preempt the spinner, so the waited-for thread runs sooner): that was the "timer effect".
+ * sched_yield returns at once when nothing else wants the core, so a quiet machine keeps the
+ * spin's microsecond hand-offs. kaon_pool_set_yield(0) restores pure spinning (the A/B bench). */
+static atomic_int yield_waits = 1;
+static atomic_long yields;  /* rounds that yielded, for the tests */
+
+static void pause_cpu(void);
+
+/* One round of a wait for another pool thread; `spins` counts this wait's rounds. */
+static void wait_round(int *spins) {
+    if (*spins < SPIN_ROUNDS || !atomic_load_explicit(&yield_waits, memory_order_relaxed)) {
+        (*spins)++;
+        pause_cpu();
+        return;
+    }
+    atomic_fetch_add_explicit(&yields, 1, memory_order_relaxed);
+    sched_yield();
+}
+
+void kaon_pool_set_yield(int on) { atomic_store(&yield_waits, on != 0); }
+long kaon_pool_yields(void) { return atomic_load(&yields); }
 
 static struct {
     pthread_mutex_t jobs, mutex;
@@ -802,8 +1012,8 @@ static void *worker(void *arg) {
     int seen = 0;
     for (;;) {
         int g = atomic_load(&pool.generation);
-        for (int spins = 0; g == seen || (g & 1); spins++, g = atomic_load(&pool.generation)) {
-            if (spins < SPIN_ROUNDS || atomic_load(&pool.hold)) { pause_cpu(); continue; }
+        for (int spins = 0; g == seen || (g & 1); g = atomic_load(&pool.generation)) {
+            if (spins < SPIN_ROUNDS || atomic_load(&pool.hold)) { wait_round(&spins); continue; }
             pthread_mutex_lock(&pool.mutex);
             atomic_fetch_add(&pool.sleeping, 1);
             while ((g = atomic_load(&pool.generation)) == seen || (g & 1))
@@ -833,7 +1043,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
         pool.workers++;
     }
     atomic_fetch_add(&pool.generation, 1);  /* odd: workers keep off while the job is rewritten */
-    while (atomic_load(&pool.active)) pause_cpu();
+    for (int spins = 0; atomic_load(&pool.active);) wait_round(&spins);
     pool.fn = fn; pool.ctx = ctx; pool.total = total; pool.helpers = helpers;
     pool.chunk = total / ((helpers + 1) * 8) > 0 ? total / ((helpers + 1) * 8) : 1;
     atomic_store(&pool.next, 0);
@@ -845,15 +1055,16 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
         pthread_mutex_unlock(&pool.mutex);
     }
     run_chunks();
-    while (atomic_load(&pool.done) < total) pause_cpu();
+    for (int spins = 0; atomic_load(&pool.done) < total;) wait_round(&spins);
     pthread_mutex_unlock(&pool.jobs);
 }
 
 /* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
-    /* room for two int8 passes of every row (act_passes 2) */
-    return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK)) + 64;
+    /* room for two int8 passes of every row (act_passes 2), and their pair layout (KAON_PAIRS) */
+    return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK))
+           + 2 * (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 128;
 }
 
 typedef struct {
@@ -866,8 +1077,38 @@ typedef struct {
     const int32_t *qs;
     const float *slo;       /* Q8_G16 with mins: d * sum(q) over each block's first 16 elements */
     const int32_t *qlo;     /* Q6_G16: sum(q) over each block's first 16 elements */
+    const int8_t *qp;       /* two passes in pairs (KAON_PAIRS): q, d, s, qs as [row][block][(t)][pass] */
+    const float *dp, *sp;
+    const int32_t *qsp;
     float *y;
 } LinearJob;
+
+#ifdef KAON_PAIRS
+/* Group g's outputs for activation rows [row, row + rows) in pairs (KAON_PAIRS): each quantized
+ * row's eight outputs in v[2 (r - row) + pass]. */
+static inline __attribute__((always_inline)) void linear_pairs(const LinearJob *job, int g, int row, int rows,
+                                                               float v[][LANES]) {
+    const Linear *l = job->l;
+    const int k = l->k, blocks = k / QBLOCK;
+    const size_t at = (size_t)row * blocks;  /* the row's first block */
+    const int8_t *qp = job->qp + at * 2 * QBLOCK;
+    const float *dp = job->dp + at * 2, *sp = job->sp + at * 2;
+    if (l->kind == KIND_INT8) {
+        group_int8_pairs((const int8_t *)l->w + (size_t)g * LANES * k, l->scales + (size_t)g * LANES, qp, dp,
+                         job->qsp + at * 2, k, rows, v);
+        return;
+    }
+    const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+    const int f32 = l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32;
+    const uint8_t *hi = l->kind == KIND_Q5 || l->kind == KIND_Q5_F32 ? l->high + (size_t)g * LANES * k / 8 : NULL;
+    const void *wd = f32 ? (const void *)(l->gscales + (size_t)g * LANES * blocks) : (const void *)(l->d + (size_t)g * LANES * blocks);
+    const void *wm = f32 ? (const void *)(l->gmins + (size_t)g * LANES * blocks) : (const void *)(l->m + (size_t)g * LANES * blocks);
+    if (f32 && hi) group_q4_1_pairs(w, hi, wd, wm, 1, qp, dp, sp, k, rows, v);
+    else if (f32) group_q4_1_pairs(w, NULL, wd, wm, 1, qp, dp, sp, k, rows, v);
+    else if (hi) group_q4_1_pairs(w, hi, wd, wm, 0, qp, dp, sp, k, rows, v);
+    else group_q4_1_pairs(w, NULL, wd, wm, 0, qp, dp, sp, k, rows, v);
+}
+#endif
 
 /* Float kinds: output channels [begin, end). Narrow kinds: groups of eight output channels,
  * each group's weights read once for up to TILE activation rows (one row, the batch-1 case,
@@ -886,13 +1127,20 @@ static void linear_chunk(const void *arg, int begin, int end) {
         f32_t_outputs(l->w, fmt, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
     }
-    float v[TILE][LANES];
+    float v[2 * TILE][LANES];
+    const int paired = job->qp != NULL, step = paired ? 2 * PAIRS_TILE : TILE;
     for (int g = begin; g < end; g++) {
-        for (int r0 = 0; r0 < job->rows; r0 += TILE) {
-            const int tile = job->rows - r0 < TILE ? job->rows - r0 : TILE;
+        for (int r0 = 0; r0 < job->rows; r0 += step) {
+            const int tile = job->rows - r0 < step ? job->rows - r0 : step;
             const int8_t *q = job->q + (size_t)r0 * k;
             const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
-            if (l->kind == KIND_INT8) {
+            if (paired) {
+#ifdef KAON_PAIRS
+                /* one activation row (batch-1 decode) gets its own copy of the loops, as below */
+                if (tile == 2) linear_pairs(job, g, r0 / 2, 1, v);
+                else linear_pairs(job, g, r0 / 2, tile / 2, v);
+#endif
+            } else if (l->kind == KIND_INT8) {
                 const int8_t *w = (const int8_t *)l->w + (size_t)g * LANES * k;
                 const float *scales = l->scales + (size_t)g * LANES;
                 const int32_t *qs = job->qs + (size_t)r0 * blocks;
@@ -960,11 +1208,12 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     int32_t *qs = (int32_t *)(s + (size_t)rows * blocks);
     float *slo = (float *)(qs + (size_t)rows * blocks);
     int32_t *qlo = (int32_t *)(slo + (size_t)rows * blocks);
-    if (narrow && passes == 2)
+    const int paired = narrow && passes == 2 && pairs_kind(l->kind);  /* quantized straight into pairs, below */
+    if (narrow && passes == 2 && !paired)
         for (int r = 0; r < activation_rows; r++)
             quantize_passes(x + (size_t)r * k, k, q + (size_t)2 * r * k, d + (size_t)2 * r * blocks,
                             s + (size_t)2 * r * blocks, qs + (size_t)2 * r * blocks);
-    else if (narrow)
+    else if (narrow && passes == 1)
         for (int r = 0; r < rows; r++)
             quantize_q8(x + (size_t)r * k, k, q + (size_t)r * k, d + (size_t)r * blocks, s + (size_t)r * blocks,
                         qs + (size_t)r * blocks);
@@ -977,7 +1226,19 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
                 qlo[(size_t)r * blocks + b] = sum;
                 slo[(size_t)r * blocks + b] = d[(size_t)r * blocks + b] * (float)sum;
             }
-    LinearJob job = {l, rows, passes, x, q, d, s, qs, slo, qlo, y};
+    int8_t *qp = NULL;
+    float *dp = NULL, *sp = NULL;
+    int32_t *qsp = NULL;
+    if (paired) {  /* the pair layout (KAON_PAIRS, above) */
+        qp = (int8_t *)(qlo + (size_t)rows * blocks);
+        dp = (float *)(qp + (size_t)rows * k);
+        sp = dp + (size_t)rows * blocks;
+        qsp = (int32_t *)(sp + (size_t)rows * blocks);
+        for (int r = 0; r < activation_rows; r++)
+            quantize_pairs(x + (size_t)r * k, k, qp + (size_t)2 * r * k, dp + (size_t)2 * r * blocks,
+                           sp + (size_t)2 * r * blocks, qsp + (size_t)2 * r * blocks);
+    }
+    LinearJob job = {l, rows, passes, x, q, d, s, qs, slo, qlo, qp, dp, sp, qsp, y};
     parallel_for(narrow ? (l->n + LANES - 1) / LANES : l->n, threads, linear_chunk, &job);
 }
 

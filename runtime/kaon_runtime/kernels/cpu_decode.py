@@ -153,7 +153,22 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kaon_decode.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.kaon_pool_set_yield.restype = None
+    lib.kaon_pool_set_yield.argtypes = [ctypes.c_int]
+    lib.kaon_pool_yields.restype = ctypes.c_long
+    lib.kaon_pool_yields.argtypes = []
     return lib
+
+
+def set_pool_yield(lib: ctypes.CDLL, on: bool) -> None:
+    """Whether the step's threads yield their core while they wait for each other past a short spin (the
+    default: see wait_round in cpu_decode.c), or spin on (only bench/engine_contention.py's A/B sets it)."""
+    lib.kaon_pool_set_yield(int(on))
+
+
+def pool_yields(lib: ctypes.CDLL) -> int:
+    """How many wait rounds of the step's threads have yielded their core so far (this process)."""
+    return int(lib.kaon_pool_yields())
 
 
 @functools.cache
@@ -226,27 +241,14 @@ class LinearWeights:
              bias: torch.Tensor | None = None) -> LinearWeights:
         """kaon's int4 layout with groups of 32 (GGUF Q4_1's): packed uint8 [N, K/2], float16 scales and
         mins; the C kernel reads a copy, interleaved."""
-        n, k = packed.shape[0], packed.shape[1] * 2
-        _check_blocks(k)
-        if scales.shape != (n, k // QBLOCK):
-            raise ValueError(f"q4_1 needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
-        blocks = k // QBLOCK
-        # bytes [groups, 8 lanes, blocks, 4 t, 4] -> [groups, blocks, 4 t, 8 lanes, 4]; scales [groups, blocks, 8 lanes]
-        w = _pad_rows(packed).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
-        d, m = (_pad_rows(t.half()).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
+        n, k, w, d, m = _q4_groups("q4_1", packed, scales, mins, torch.float16)
         return cls._make(KIND_Q4_1, n, k, bias, w=w, d=d, m=m)
 
     @classmethod
     def q4_f32(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                bias: torch.Tensor | None = None) -> LinearWeights:
         """q4_1's layout with float32 scales and mins (GGUF Q4_K's products, which float16 would round)."""
-        n, k = packed.shape[0], packed.shape[1] * 2
-        _check_blocks(k)
-        if scales.shape != (n, k // QBLOCK):
-            raise ValueError(f"q4_f32 needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
-        blocks = k // QBLOCK
-        w = _pad_rows(packed).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
-        d, m = (_pad_rows(t.float()).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
+        n, k, w, d, m = _q4_groups("q4_f32", packed, scales, mins, torch.float32)
         return cls._make(KIND_Q4_F32, n, k, bias, w=w, gscales=d, gmins=m)
 
     @classmethod
@@ -309,6 +311,20 @@ def _interleaved_nibbles(values: torch.Tensor) -> torch.Tensor:
     packed = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, -1)  # byte j: value j low, j + 16 high
     return _pad_rows(packed).reshape(-1, LANES, k // QBLOCK, 4, 4).permute(0, 2, 3, 1, 4)
 
+
+
+def _q4_groups(kind: str, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype):
+    """The int4 layout with groups of 32 that q4_1 and q4_f32 share, their scales and mins in `dtype`:
+    (n, k, interleaved weights, scales, mins)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    _check_blocks(k)
+    if scales.shape != (n, k // QBLOCK):
+        raise ValueError(f"{kind} needs groups of {QBLOCK}: scales {tuple(scales.shape)} for a {n} x {k} weight")
+    blocks = k // QBLOCK
+    # bytes [groups, 8 lanes, blocks, 4 t, 4] -> [groups, blocks, 4 t, 8 lanes, 4]; scales [groups, blocks, 8 lanes]
+    w = _pad_rows(packed).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
+    d, m = (_pad_rows(t.to(dtype)).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
+    return n, k, w, d, m
 
 def _check_blocks(k: int) -> None:
     if k % QBLOCK:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kaon_runtime.errors import KaonError
+from kaon_wire import content_text
 
 FORMAT = "kaon.route-classifier/v1"
 DEFAULT_EMBEDDER = "builtin://all-minilm-l6-v2"
@@ -42,20 +43,11 @@ def prompt_text(example: dict) -> str:
         messages = example["messages"]
         if not isinstance(messages, list):
             raise ValueError('"messages" must be a list of chat messages')
-        return "\n".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
+        return "\n".join(content_text(m.get("content")) for m in messages if isinstance(m, dict))
     prompt = example.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError('each example needs "prompt" (a string) or "messages"')
     return prompt
-
-
-def _content_text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p if isinstance(p, str) else _content_text(p.get("text") or p.get("content"))
-                         if isinstance(p, dict) else "" for p in content)
-    return ""
 
 
 def parse_examples(lines: list[str]) -> list[Example]:

@@ -231,3 +231,31 @@ def test_a_standby_wakes_in_its_wake_time_a_new_one_starts_behind_and_its_cost_i
     cluster.now = 4.0
     cluster.set_replicas(2)  # the standby behind is still loading: ready when it has loaded, then woken
     assert cluster.active[1].ready_at == pytest.approx(10.5)
+
+
+def test_the_routers_pressure_wakes_a_standby_after_the_read_and_its_latency_and_a_lost_read_does_nothing():
+    """Issue 53: kaon-standby's fast signal as the simulator models it: the router's pressure is read every
+    interval, acted on a latency later by the operator's own decision (router_pressure.decide), and a read
+    may be lost; it fires only when the router holds (or queues) requests."""
+    spec = sim.AutoscalingSpec(enabled=True, min_replicas=0, max_replicas=4, scale_to_zero_idle_seconds=120, standby=1)
+
+    class Still(sim.Kaon):
+        """The regular policy never moves (its tick is past the trace): only the pressure can wake."""
+        period = 1000.0
+
+        def decide(self, cluster):
+            return len(cluster.active)
+
+    def poked(arrivals, loss: float) -> sim.Run:
+        policy = Still(spec, MODEL.max_num_seqs, sim.Scrape(0.0, random.Random(0)))
+        return sim.simulate(arrivals, 60, MODEL, policy, 0, standby=1, wake_s=0.5,
+                            poke=sim.Poke(interval_s=1.0, latency_s=0.5, loss=loss, rng=random.Random(0)))
+
+    run = poked([(1.2, 64, 4)], loss=0.0)
+    # Held at 1.2, seen at the 2 s read, acted on at 2.5, the standby awake at 3.0.
+    assert run.requests[0].ttft() == pytest.approx(3.0 - 1.2 + MODEL.a + MODEL.c * 64, abs=0.01)
+    assert run.changes == 1
+    lost = poked([(1.2, 64, 4)], loss=1.0)  # every read lost: served only when the trace is over
+    assert lost.requests[0].ttft() > 55 and lost.changes == 0
+    idle = poked([], loss=0.0)  # nothing held, nothing queued: no wake
+    assert idle.changes == 0 and idle.pod_log[-1][1] == 0

@@ -260,27 +260,6 @@ def test_a_failed_transfer_is_counted_and_prefilled_here(behaviour, reason):
         assert remote.stats.fallbacks == {r: int(r == reason) for r in remote.stats.fallbacks}
 
 
-def test_the_event_loop_is_kept_awake_while_a_tcp_transfer_is_open():
-    """A decode engine's loop that sleeps while it waits for the prefill measured 3-5x slower streams on a loaded
-    core (bench/history/disagg.md): a TCP transfer wakes it every millisecond, as NIXL's progress loop does, and
-    stops when the transfer ends."""
-    async def main():
-        runner, url = await serve_prefill("slow")  # 1.5 s between the two halves
-        transport = TcpTransport()
-        try:
-            await transport.fetch(url, {"token_ids": list(range(11)), "start": 0}, LAYOUT, 0.3)
-        except TransferError:
-            pass
-        after = transport.ticks
-        await asyncio.sleep(0.1)
-        await transport.close()
-        await runner.cleanup()
-        return after, transport.ticks
-
-    during, later = asyncio.run(main())
-    assert during >= 10 and later == during  # woke the loop over 0.3 s; nothing once the transfer ended
-
-
 def test_an_ask_past_the_in_flight_limit_is_prefilled_here_at_once():
     """Every prefill engine holds --disagg-max-in-flight transfers: the next prompt is not queued behind them (to
     wait there and time out), it is counted `busy` and prefilled here without any connection."""

@@ -6,6 +6,7 @@ lengths. The greedy HF identity of the default float32 model goes through this s
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -111,6 +112,37 @@ def test_the_thread_pool_gives_every_output_once(threads):
                                        expected, atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+def test_threads_waiting_for_a_preempted_thread_give_their_core_away():
+    """The pool's threads wait for each other (a claimed chunk, the next job of a step); on a busy machine the
+    thread waited for is often not running, and a waiter that spins on burns the core it needs: under load ~12
+    on 2 cores a decode step took 1.5x longer spinning (bench/engine_contention.py). Here every thread of
+    the process shares one core, so a worker that claims a chunk is preempted holding it and the caller must
+    wait for it: past a short spin that wait yields the core (counted), instead of spinning to the tick."""
+    lib = cpu_decode.library()
+    weights, x = cpu_decode.LinearWeights.f32(torch.randn(4096, 1024)), torch.randn(8, 1024)  # ~2 ms a job
+    cpu_decode.linear(weights, x)  # starts the pool's worker
+    tasks = [int(t) for t in os.listdir("/proc/self/task")]
+    before_affinity = {t: os.sched_getaffinity(t) for t in tasks}
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for t in tasks:
+            os.sched_setaffinity(t, {min(before_affinity[t])})
+        yields = cpu_decode.pool_yields(lib)
+        for _ in range(1000):  # many scheduler ticks, each a chance to preempt a chunk's holder; ends at a yield
+            cpu_decode.linear(weights, x)
+            if cpu_decode.pool_yields(lib) > yields:
+                break
+        assert cpu_decode.pool_yields(lib) > yields, "the caller spun on while the worker holding a chunk waited"
+    finally:
+        torch.set_num_threads(before_threads)
+        for t, cpus in before_affinity.items():
+            try:
+                os.sched_setaffinity(t, cpus)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
 
 
 def test_a_row_gets_the_same_bits_alone_or_in_a_batch():

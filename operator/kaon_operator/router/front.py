@@ -1,0 +1,512 @@
+"""The router's own HTTP/1.1 server for its main port: an asyncio Protocol that parses requests with
+httptools (llhttp, the parser the engine client uses too: upstream.py) and writes responses straight
+to the socket, in place of aiohttp's server, which cost about a quarter of the router's CPU per request.
+
+The handlers stay the router's (proxy.py): they get a `FrontRequest`, which offers the part of aiohttp's
+web.Request they read (headers, raw fields, the body, the peer, the transport), and answer with an
+aiohttp web.Response, written here in one go, or a stream opened with `open_stream` (chunked). What
+aiohttp's server did and this one does the same way:
+- --header-timeout: a connection waiting that long for a whole request head (new, or kept alive between
+  requests) is closed without an answer; the body has its own deadline (proxy.py).
+- A client that hangs up cancels its request's handler (the engine's request is aborted with it).
+- Keep-alive and pipelining: requests on one connection are answered in order, one at a time; a
+  second request's head pauses reading until the first is answered. `Connection: close`, HTTP/1.0
+  without keep-alive, a refusal before the body was read, a body not read to its end, or a stream
+  that did not end close the connection after the answer; a body left unread is read and dropped
+  for LINGER_S first, so that the client sees the answer rather than a reset.
+- `Expect: 100-continue` is answered when the handler reads the body (a refusal on the head goes
+  out without it).
+- Bodies past --max-body-bytes stop being kept (the handler answers 413); a request head past
+  MAX_HEAD_BYTES or MAX_FIELDS is a 431, a malformed request a 400, each in OpenAI's error shape and
+  closed; never a stack trace. A handler that fails is logged and answered 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from typing import Any
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from kaon_operator.router import errors
+
+logger = logging.getLogger("kaon.router")
+
+LINGER_S = 1.0
+MAX_HEAD_BYTES = 64 << 10
+"""A request head (request line and fields) larger than this is refused (aiohttp's limit: 8190 bytes a line)."""
+MAX_FIELDS = 128
+MAX_LINE_BYTES = 8190
+
+Handler = Callable[[Any], Awaitable[Any]]
+"""A router handler: takes a FrontRequest (or aiohttp's request: the same handlers serve aiohttp's app)."""
+
+
+class FrontRequest:
+    """One request as the router's handlers read it (the part of aiohttp's web.Request they use)."""
+
+    __slots__ = ("conn", "method", "raw_url", "path", "query", "canonical", "raw_headers", "_headers",
+                 "content_length", "_chunks", "size", "complete", "too_large", "_waiter", "keep_alive",
+                 "expect_continue", "head_done", "http10", "error")
+
+    def __init__(self, conn: FrontProtocol):
+        self.conn = conn
+        self.raw_url = b""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers: CIMultiDictProxy[str] | None = None
+        self.content_length: int | None = None
+        self._chunks: list[bytes] = []
+        self.size = 0
+        self.complete = self.too_large = self.expect_continue = self.head_done = self.http10 = False
+        self._waiter: asyncio.Future[None] | None = None
+        self.error: errors.RouterError | None = None
+        """Set when the body turned out malformed: reading it raises this."""
+        self.keep_alive = True
+        self.method = self.path = self.query = ""
+        self.canonical: str | None = None
+        """The route as listed, when the path names one of the router's routes."""
+
+    # what the handlers read ---------------------------------------------------------------
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        if self._headers is None:
+            self._headers = CIMultiDictProxy(CIMultiDict(
+                (n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in self.raw_headers))
+        return self._headers
+
+    @property
+    def remote(self) -> str | None:
+        return self.conn.remote
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.conn.transport
+
+    @property
+    def content(self) -> FrontRequest:
+        return self
+
+    def is_eof(self) -> bool:
+        return self.complete
+
+    async def read(self) -> bytes:
+        if not self.complete:
+            if self.expect_continue:
+                self.expect_continue = False
+                self.conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self.error is not None:
+            raise self.error
+        if self.too_large:
+            raise errors.too_large(self.conn.front.max_body_bytes)
+        return self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+
+    # fed by the protocol ---------------------------------------------------------------------
+
+    def body(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self.conn.front.max_body_bytes:
+            self.too_large = True
+            self._chunks.clear()
+        elif not self.too_large:
+            self._chunks.append(data)
+
+    def fail(self, error: errors.RouterError) -> None:
+        self.error = error
+        self.finish()
+
+    def finish(self) -> None:
+        self.complete = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class Front:
+    """The protocol factory of the main port (edge.py puts the connection cap in front of it)."""
+
+    def __init__(self, routes: dict[tuple[str, str], Handler], default: Handler, max_body_bytes: int,
+                 header_timeout: float):
+        self.routes, self.default = routes, default
+        self.max_body_bytes, self.header_timeout = max_body_bytes, header_timeout
+        self.connections: set[FrontProtocol] = set()
+
+    def __call__(self) -> FrontProtocol:
+        return FrontProtocol(self)
+
+    def handler(self, request: FrontRequest) -> Handler:
+        found = self.routes.get((request.method, request.path))
+        if found is None and request.method == "HEAD":
+            found = self.routes.get(("GET", request.path))
+        if found is not None:
+            request.canonical = request.path
+            return found
+        return self.default
+
+    def close(self) -> None:
+        for conn in list(self.connections):
+            conn.close()
+
+
+FRONT: web.AppKey[Callable[[float], Front]] = web.AppKey("kaon_front")
+"""On the router's app (proxy.Router.app): makes the Front that edge.serving puts on the port in place of
+aiohttp's server, given the --header-timeout."""
+
+_date_cache: list[Any] = [0, b""]
+
+
+def _date() -> bytes:
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache[0], _date_cache[1] = now, formatdate(now, usegmt=True).encode()
+    return _date_cache[1]
+
+
+class FrontProtocol(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, front: Front):
+        self.front = front
+        self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: collections.deque[FrontRequest] = collections.deque()
+        self.parsing: FrontRequest | None = None
+        self.head_bytes = 0
+        self.fields = 0
+        self.task: asyncio.Task | None = None
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.paused_reading = False
+        self.paused_writing: asyncio.Future[None] | None = None
+        self.closing = False
+        self.lingering = False
+        self.refusal: errors.RouterError | None = None
+        """A malformed request pipelined behind one being answered: answered after it."""
+
+    # connection -------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.remote = peer[0] if isinstance(peer, tuple) else None
+        self.front.connections.add(self)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.front.connections.discard(self)
+        self.closing = True
+        self._cancel_head_timer()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client went away: its request ends (the engine's is aborted)
+        if self.paused_writing is not None and not self.paused_writing.done():
+            self.paused_writing.set_exception(ConnectionResetError("the client closed the connection"))
+        self.transport = None
+
+    def eof_received(self) -> bool | None:
+        if self.lingering:
+            self.close()
+        return None
+
+    def pause_writing(self) -> None:
+        if self.paused_writing is None or self.paused_writing.done():
+            self.paused_writing = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.paused_writing is not None and not self.paused_writing.done():
+            self.paused_writing.set_result(None)
+
+    async def drain(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        if self.paused_writing is not None and not self.paused_writing.done():
+            await asyncio.shield(self.paused_writing)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.closing = True
+        self._cancel_head_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _await_head(self) -> None:
+        self._cancel_head_timer()
+        self.head_timer = asyncio.get_running_loop().call_later(self.front.header_timeout, self.close)
+
+    def _cancel_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    # parsing ----------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering or self.closing or self.refusal is not None:
+            return  # after a refusal: read and dropped until LINGER_S has passed
+        if self.parsing is None or not self.parsing.head_done:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self.parsing is not None:
+                self.parsing.keep_alive = False
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, errors.RouterError):
+                self._refuse(cause)
+            else:
+                logger.exception("parsing a request failed", exc_info=cause)
+                self._refuse(errors.bad_request("the HTTP request is malformed"))
+            return
+        except httptools.HttpParserError as exc:
+            self._refuse(errors.bad_request(f"the HTTP request is malformed: {exc}"))
+            return
+        if self.parsing is not None and not self.parsing.head_done and self.head_bytes > MAX_HEAD_BYTES:
+            self._refuse(_head_too_large())
+
+    def on_message_begin(self) -> None:
+        self.parsing = FrontRequest(self)
+        self.fields = 0
+
+    def on_url(self, url: bytes) -> None:
+        assert self.parsing is not None
+        self.parsing.raw_url += url
+        if len(self.parsing.raw_url) > MAX_LINE_BYTES:
+            raise errors.RouterError(414, f"the request URL is longer than {MAX_LINE_BYTES} bytes",
+                                     "invalid_request_error", "url_too_long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.parsing is not None
+        self.fields += 1
+        if self.fields > MAX_FIELDS or len(name) + len(value) > MAX_LINE_BYTES:
+            raise _head_too_large()
+        self.parsing.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        request = self.parsing
+        assert request is not None
+        request.head_done = True
+        self.head_bytes = 0
+        parser = self.parser
+        request.method = parser.get_method().decode("ascii", "replace")
+        request.http10 = parser.get_http_version() == "1.0"
+        request.keep_alive = parser.should_keep_alive()
+        raw = request.raw_url
+        path, _, query = raw.partition(b"?")
+        if b"%" in path or b"/." in path or not path.startswith(b"/"):
+            # Percent-escapes, dot segments, an absolute URL: read as aiohttp's router did (yarl).
+            try:
+                url = URL(raw.decode("utf-8", "surrogateescape"), encoded=True)
+                request.path, request.query = url.path, url.raw_query_string
+            except ValueError:
+                raise errors.bad_request("the request URL is malformed") from None
+        else:
+            request.path, request.query = path.decode("latin-1"), query.decode("latin-1")
+        for name, value in request.raw_headers:
+            if len(name) == 14 and name.lower() == b"content-length":
+                request.content_length = int(value) if value.strip().isdigit() else None
+            elif len(name) == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
+                request.expect_continue = True
+        self.queue.append(request)
+        if len(self.queue) == 1:
+            self._cancel_head_timer()
+            self._start(request)
+        elif not self.paused_reading and self.transport is not None:
+            self.paused_reading = True  # pipelined: the next is read once this one is answered
+            self.transport.pause_reading()
+
+    def on_body(self, data: bytes) -> None:
+        assert self.parsing is not None
+        self.parsing.body(data)
+
+    def on_message_complete(self) -> None:
+        request = self.parsing
+        assert request is not None
+        self.parsing = None
+        request.finish()
+
+    # answering --------------------------------------------------------------------------------
+
+    def _start(self, request: FrontRequest) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._answer(request))
+
+    async def _answer(self, request: FrontRequest) -> None:
+        try:
+            response = await self.front.handler(request)(request)
+        except asyncio.CancelledError:
+            return
+        except errors.RouterError as exc:
+            response = exc.response()
+        except Exception:
+            logger.exception("a request to %s failed in the router", request.path)
+            response = errors.RouterError(500, "the router failed on this request", "server_error").response()
+            response.force_close()
+        if self.transport is None:
+            return
+        try:
+            if isinstance(response, FrontStream):
+                if not response.finished:
+                    await response.write_eof()
+                keep = response.keep_alive
+            else:
+                keep = self._write_whole(request, response)
+        except ConnectionResetError:
+            return
+        except Exception:  # an answer that cannot be written: logged, and the connection closed (no half answer)
+            logger.exception("answering a request to %s failed in the router", request.path)
+            self.close()
+            return
+        self._next(request, keep and request.keep_alive and request.complete)
+
+    def _write_whole(self, request: FrontRequest, response: web.Response) -> bool:
+        body = response.body
+        if body is None:
+            body = b""
+        elif not isinstance(body, bytes | bytearray):  # the router's handlers answer bytes only
+            raise TypeError(f"the router cannot send a {type(body).__name__} body")
+        keep = response.keep_alive is not False and request.keep_alive and request.complete
+        head = _head(request, response.status, response.reason, response.headers, keep)
+        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        if request.method != "HEAD" and body:
+            head.append(bytes(body))
+        self.write(b"".join(head))
+        return keep
+
+    def _next(self, request: FrontRequest, keep: bool) -> None:
+        self.queue.popleft()
+        self.task = None
+        if self.refusal is not None and keep:  # (after a close, what follows is nobody's)
+            self.queue.clear()
+            self._refuse(self.refusal)
+            return
+        if not keep:
+            self.queue.clear()
+            if request.complete or self.transport is None:
+                self.close()
+            else:  # the body is still coming: read and drop it a while, so the client sees the answer
+                self.lingering = True
+                if self.transport.can_write_eof():
+                    self.transport.write_eof()
+                asyncio.get_running_loop().call_later(LINGER_S, self.close)
+                if self.paused_reading:
+                    self.transport.resume_reading()
+            return
+        if self.paused_reading and len(self.queue) < 2 and self.transport is not None:
+            self.paused_reading = False
+            self.transport.resume_reading()
+        if self.queue:
+            self._start(self.queue[0])
+        else:
+            self._await_head()
+
+    def _refuse(self, error: errors.RouterError) -> None:
+        """A request that cannot be read (malformed, a head too large): its error, then closed."""
+        if self.closing or self.transport is None:
+            return
+        request = self.parsing
+        if request is not None and request.head_done and self.queue and self.queue[0] is request:
+            # Its body is malformed (bad chunked encoding) while it is being answered: reading it fails.
+            request.keep_alive = False
+            request.fail(error)
+            self.lingering = True
+            return
+        if self.task is not None:  # pipelined behind a request being answered: refused once that one is
+            self.refusal = error
+            if not self.paused_reading:
+                self.paused_reading = True
+                self.transport.pause_reading()
+            return
+        body = json.dumps(error.body()).encode()
+        self.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (error.status, _reason(error.status), len(body), body))
+        self.lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        if self.paused_reading:
+            self.transport.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER_S, self.close)
+
+
+def _head_too_large() -> errors.RouterError:
+    return errors.RouterError(431, f"the request head is larger than the router reads ({MAX_HEAD_BYTES} bytes, "
+                              f"{MAX_FIELDS} fields, {MAX_LINE_BYTES} bytes a field)", "invalid_request_error",
+                              "request_header_fields_too_large")
+
+
+def _reason(status: int) -> bytes:
+    from http import HTTPStatus
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
+def _head(request: FrontRequest, status: int, reason: str | None, headers, keep: bool) -> list[bytes]:
+    out = [b"HTTP/1.1 %d %s\r\n" % (status, (reason or "").encode("latin-1", "replace") or _reason(status))]
+    date = server = False
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in ("content-length", "connection", "transfer-encoding"):
+            continue
+        date = date or lower == "date"
+        server = server or lower == "server"
+        out.append(name.encode("latin-1") + b": " + value.encode("latin-1", "surrogateescape") + b"\r\n")
+    if not date:
+        out.append(b"Date: " + _date() + b"\r\n")
+    if not keep:
+        out.append(b"Connection: close\r\n")
+    elif request.http10:
+        out.append(b"Connection: keep-alive\r\n")
+    return out
+
+
+class FrontStream:
+    """A response whose body follows in pieces: chunked to an HTTP/1.1 client; to an HTTP/1.0 one, the body
+    ends with the connection."""
+
+    def __init__(self, request: FrontRequest, status: int, reason: str | None, headers):
+        self.conn = request.conn
+        self.chunked = not request.http10
+        self.keep_alive = self.chunked and request.keep_alive and request.complete
+        self.finished = False
+        head = _head(request, status, reason, headers, self.keep_alive)
+        head.append(b"Transfer-Encoding: chunked\r\n\r\n" if self.chunked else b"\r\n")
+        self.conn.write(b"".join(head))
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        self.conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+        await self.conn.drain()
+
+    async def write_eof(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.chunked:
+            self.conn.write(b"0\r\n\r\n")
+        else:
+            self.keep_alive = False
+        await self.conn.drain()
+
+
+async def open_stream(request: Any, status: int, reason: str | None, headers) -> Any:
+    """A response whose body is written in pieces (write, write_eof), on either server: ours or aiohttp's."""
+    if isinstance(request, FrontRequest):
+        return FrontStream(request, status, reason, headers)
+    response = web.StreamResponse(status=status, reason=reason, headers=headers)
+    await response.prepare(request)
+    return response
