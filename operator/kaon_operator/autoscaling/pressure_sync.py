@@ -105,8 +105,9 @@ class PressureLoop:
                 continue
             body, spec = services[key]
             asleep = sum(p.asleep and not p.terminating for p in self.ctx.caches.pods(key))
-            decision = router_pressure.decide(pressure, spec.autoscaling, spec.replicas, asleep,
-                                              spec.engine.max_num_seqs)
+            memory = self.ctx.records.get(key).autoscale  # the profile the autoscale loop read, if any
+            slots = spec.engine.batch_slots(autoscale_loop.slots_measured(memory.model if memory else None))
+            decision = router_pressure.decide(pressure, spec.autoscaling, spec.replicas, asleep, slots)
             if decision is not None:
                 self._acted[key] = now
                 await self._act(session, key, body, spec, decision)
