@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import socket
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from sse import text_arrivals  # bench/sse.py: this script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "builtin://smollm2-135m-instruct"
@@ -107,13 +107,7 @@ async def complete(session, url: str, prompt: str, max_tokens: int, stats: Stats
             if r.status != 200:
                 stats.failed += 1
                 return
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                if not json.loads(line[6:])["choices"][0]["text"]:
-                    continue
-                now = time.perf_counter()
+            async for now in text_arrivals(r):
                 if last is None:
                     (stats.ttft_long if long else stats.ttft_short).append(now - start_t)
                 elif not long:

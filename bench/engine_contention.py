@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import socket
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from sse import text_arrivals  # bench/sse.py: this script's folder is on sys.path
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.engine.async_engine import AsyncEngine
@@ -180,13 +180,7 @@ async def http_run(args) -> None:
                             "ignore_eos": True}
                     url, last = target[0], None
                     async with session.post(url + "/v1/completions", json=body) as r:
-                        async for raw in r.content:
-                            line = raw.decode().strip()
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            if not json.loads(line[6:])["choices"][0]["text"]:
-                                continue
-                            now = time.perf_counter()
+                        async for now in text_arrivals(r):
                             if last is not None and url == target[0]:
                                 gaps.append(now - last)
                             last = now
