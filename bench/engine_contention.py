@@ -47,6 +47,11 @@ ARMS = [("spin", False), ("spin", True), ("yield", False), ("yield", True)]
 WORDS = "cluster node pod engine token cache block prefill decode stream latency".split()
 
 
+
+def medians(rows: list[tuple[float, ...]]) -> list[float]:
+    """Each column's median over the rounds (one row a round: tokens/s, ITL p50, and step p50 in process)."""
+    return [statistics.median(column) for column in zip(*rows)]
+
 async def run(args) -> None:
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=MODEL, device="cpu"), show_progress=False)
@@ -108,11 +113,11 @@ async def run(args) -> None:
     for task in tasks:
         task.cancel()
     await served.stop()
-    base = [statistics.median(row[i] for row in results[("spin", False)]) for i in range(3)]
+    base = medians(results[("spin", False)])
     print(f"\nmedian of {args.rounds} rounds ({args.threads} threads, {args.streams} streams, load1 now "
           f"{os.getloadavg()[0]:.1f}); ratios against pool=spin timer=off:")
     for arm in ARMS:
-        med = [statistics.median(row[i] for row in results[arm]) for i in range(3)]
+        med = medians(results[arm])
         print(f"  pool={arm[0]:5} timer={'on' if arm[1] else 'off':3} tokens/s={med[0]:6.1f} ({med[0] / base[0]:.2f}x) "
               f"ITL p50={med[1]:6.1f} ms ({med[1] / base[1]:.2f}x) step p50={med[2]:6.1f} ms ({med[2] / base[2]:.2f}x)")
 
@@ -204,11 +209,11 @@ async def http_run(args) -> None:
                     target[0] = ""
                     await asyncio.gather(*clients)
                     target[0] = url
-            base = [statistics.median(row[i] for row in results["timer off"]) for i in range(2)]
+            base = medians(results["timer off"])
             print(f"\nmedian of {args.rounds} rounds (kaon serve on cpus {args.cpus}, {args.threads} threads, "
                   f"{args.streams} streams); ratios against timer off:")
             for arm in engines:
-                med = [statistics.median(row[i] for row in results[arm]) for i in range(2)]
+                med = medians(results[arm])
                 print(f"  {arm:9} tokens/s={med[0]:6.1f} ({med[0] / base[0]:.2f}x) ITL p50={med[1]:6.1f} ms "
                       f"({med[1] / base[1]:.2f}x)")
     finally:
