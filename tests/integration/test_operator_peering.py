@@ -23,6 +23,14 @@ def test_only_the_highest_priority_replica_acts_until_it_stops(crd, operator_kub
         return {e["reportingInstance"] for e in cluster.get("events") or []
                 if e["involvedObject"]["name"] == name and e["reason"] == "Created"}
     try:
+        # Each replica announces itself in the peering object on its own schedule: a standby that
+        # reads it before the leader's entry lands acts until it does (kopf's peering works that
+        # way, and on a busy machine the window is seconds). The claim is about the settled state.
+        def settled() -> bool:
+            peers = crd.kubectl_json("get", "clusterkopfpeering", "kaon-operator").get("status")
+            log = standby.log(10**6)
+            return len(peers or {}) == 2 and log.rfind("Pausing operations") >= log.rfind("Resuming operations")
+        wait_for("both replicas in the peering and the standby paused", settled, timeout=60)
         cluster.kubectl("apply", "-f", "-", input=isvc("first"))
         wait_for("first Ready", lambda: cluster.ready("first"))
         assert wait_for("the Created event", lambda: created_by("first")) == {
