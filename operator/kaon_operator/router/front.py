@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
-from typing import Any
+from typing import Any, cast
 
 import httptools
 from aiohttp import web
@@ -195,8 +195,8 @@ class FrontProtocol(asyncio.Protocol):
     # connection -------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport, though not always an asyncio.Transport subclass (uvloop's is not).
+        self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) else None
         self.front.connections.add(self)
