@@ -172,6 +172,7 @@ class EndpointTable:
         self._services: dict[ServiceKey, Service] = {}
         self._names = naming.index(())
         self._adapters = naming.index(())
+        self._key_required_everywhere = False  # key_required_everywhere(), noted at each change of the services
 
     # reads -------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class EndpointTable:
 
     def key_required_everywhere(self) -> bool:
         """Whether there are InferenceServices and every one of them requires a key."""
-        return bool(self._services) and all(s.key_digests is not None for s in self._services.values())
+        return self._key_required_everywhere
 
     def all_api_keys(self) -> tuple[bytes, ...]:
         """The digests of every key some InferenceService accepts."""
@@ -292,6 +293,9 @@ class EndpointTable:
         if not changed:
             return
         self._names = naming.index(self._services.values())
+        # Asked of every request (auth.may_send_body): noted here, where the services change, not counted each time.
+        self._key_required_everywhere = bool(self._services) and all(s.key_digests is not None
+                                                                     for s in self._services.values())
         self._adapters = naming.index(adapter_names.AdapterName(s.key, a, s.created) for s in self._services.values()
                                       for a in s.adapters)
         for key, winner in naming.shadowed(self._services.values(), self.default_namespace).items():
