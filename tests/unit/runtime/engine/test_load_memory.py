@@ -49,12 +49,10 @@ def test_quantized_loads_peak_within_15_percent_of_their_settled_memory(tmp_path
     results = {name: _result(_start(model)) for name, model in (("bundled Q4_1", MODEL), ("Q4_K_M", str(k_quant)))}
     for name, found in results.items():
         ratio = found["peak"] / found["settled"]
-        # The tiny K-quant file measures 1.11-1.15x run alone from a shell and 1.21x inside this test (not yet
-        # understood; its float16 vocabulary table, kept float for the lookup, is most of its weights): it is held
-        # to 1.25x until that is found, the bundled model to the 1.15x (it measures 1.03-1.05x).
-        bound = PEAK_OVER_SETTLED if name == "bundled Q4_1" else 1.25
-        assert ratio <= bound, (name, f"peak {found['peak'] >> 20} MiB, settled {found['settled'] >> 20} MiB: "
-                                      f"{ratio:.2f}x")
+        # Both to the 1.15x (the K-quant was held to 1.25x until 2026-11-29: it measured 1.21x inside this
+        # test once; now 1.05x for llama.cpp's full-size Q4_K_M / Q5_K_M, bench/load_memory.py).
+        assert ratio <= PEAK_OVER_SETTLED, (name, f"peak {found['peak'] >> 20} MiB, settled "
+                                                  f"{found['settled'] >> 20} MiB: {ratio:.2f}x")
 
 
 def test_a_load_whose_peak_exceeds_the_memory_limit_is_refused_before_loading(monkeypatch):
