@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
@@ -36,6 +36,15 @@ class Endpoint:
     pod: str
     service: str
     url: str  # http://ip:port, no trailing slash
+    _hash: int = field(init=False, repr=False, compare=False)
+    """Its hash, reckoned once: a request looks its pods up in several maps (in flight, back-off, tried), and the
+    hash dataclass writes builds a tuple of the four fields in Python at every lookup."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.namespace, self.pod, self.service, self.url)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True, slots=True)

@@ -1160,7 +1160,7 @@ static inline __m256 load8_scales(const void *p, size_t at, int f32) {  /* eight
  * its remainder's). A slice of blocks at a time, in two phases: the tiles' integer sums of every
  * block of the slice (two sets of tiles in turn, so a block's dot product runs while the other's
  * sums are stored), then the float work row by row over the slice, its accumulators in registers. */
-#define AMX_SLICE 16  /* blocks: sums 16 KB, weights 8 KB, scales 2 KB, within L1 */
+#define AMX_SLICE 8  /* blocks: sums 8 KB, weights 4 KB (16 and 24 were 10-20% slower at 16-64 rows: bench/cpu_projections.py) */
 static void amx_groups(const Linear *l, int g, int two, const int8_t *q, const float *d, const float *s, int m,
                        float v[][2 * LANES]) {
     const int k = l->k, blocks = k / QBLOCK;
