@@ -40,6 +40,13 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
   reported as `OOMKilled`, exit code 137 (RSS summed over the tree, sampled every poll: an
   approximation of the cgroup's accounting, which also counts page cache and counts shared pages once).
 
+- **The C kernels' cache**: every engine process gets `KAON_KERNEL_CACHE`, the machine's own cache of
+  kaon's compiled C kernels (where `kaon_runtime.kernels.cpu_decode.cache_dir()` puts them for this
+  user), unless its spec sets the variable. Each pod's `XDG_CACHE_HOME` is its own emptyDir, so
+  without this every engine start compiled `cpu_decode.c` again (~4-5 s of CPU each, warm caches or
+  cold, measured 2026-11-29), a cost a cluster pays once per node image, not once per pod start. The
+  build is race-free (built beside, renamed into place); the compile itself is tested in tests/unit.
+
 - **Paths sent at run time**: a pvc:// LoRA adapter reaches the engine as a path in the pod
   (`/mnt/adapters/<claim>/...`, the operator's `lora_path` in a POST), which no argument
   rewriting can reach: the runner links each such mount path on the host to the claim's
@@ -86,6 +93,15 @@ TERMINATION_MESSAGE_PATH = "/dev/termination-log"  # a container's default termi
 # The runner's own environment reaches the processes (PATH, the venv...), but not credentials
 # or endpoints of its own: a pod gets those only from its spec.
 _PRIVATE_ENV = ("HF_", "AWS_", "KAON_", "HUGGING_FACE")
+KERNEL_CACHE_ENV = "KAON_KERNEL_CACHE"
+
+
+def shared_kernel_cache() -> Path:
+    """The runner's own cache of kaon's compiled C kernels, found as kaon_runtime.kernels.cpu_decode.cache_dir()
+    finds it (not imported: the runner does not load torch); shared by every local engine pod (see above)."""
+    if KERNEL_CACHE_ENV in os.environ:
+        return Path(os.environ[KERNEL_CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kaon" / "kernels"
 
 
 @dataclass(slots=True)
@@ -545,7 +561,11 @@ class PodRunner:
             if value is not None:
                 env[var["name"]] = value
         mounts = self._mounts(container, state, pod)
-        return {k: translate(v, mounts) for k, v in env.items()}
+        env = {k: translate(v, mounts) for k, v in env.items()}
+        # After translating: the machine's cache may lie under a path a pod mounts (/tmp in a cold CI).
+        if not any(var["name"] == KERNEL_CACHE_ENV for var in container.get("env") or []):
+            env[KERNEL_CACHE_ENV] = str(shared_kernel_cache())
+        return env
 
     @staticmethod
     def _own_env(container: dict, env: dict[str, str]) -> dict[str, str]:

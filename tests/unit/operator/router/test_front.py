@@ -12,6 +12,8 @@ import json
 import logging
 import random
 
+import pytest
+
 from kaon_operator.router import front
 from support.router import FakeEngine, routed, run, serving
 
@@ -197,3 +199,48 @@ def test_random_damage_to_a_request_never_gets_a_5xx_a_hang_or_a_stack_trace(cap
 def test_the_router_app_names_its_own_server_for_the_port():
     engine = FakeEngine("a")
     assert front.FRONT in routed(engine).app()
+
+
+def test_the_front_answers_on_uvloops_event_loop():
+    """kaon-router may run on uvloop (bench/router.py --loops uvloop; the `uvloop` extra), whose transports are not
+    asyncio.Transport subclasses: a plain answer, a pipelined pair, a stream passed on whole, and a client that hangs
+    up mid-stream aborting the engine's request, all on uvloop's loop."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario():
+        assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+        async with router_port() as (port, engine):
+            assert [s for s, _ in answers(await exchange(port, [POST + CHUNKED + LAST]))] == [200, 200, 200]
+            assert engine.quick == 2
+            stream = json.dumps({"model": "m", "prompt": "long", "stream": True}).encode()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(stream), stream))
+            head = await asyncio.wait_for(reader.readuntil(b"data: started\n\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
+            writer.close()  # the client hangs up: the engine's request is cancelled
+            deadline = asyncio.get_running_loop().time() + 5
+            while not engine.aborted:
+                assert asyncio.get_running_loop().time() < deadline, "the engine's request was not aborted"
+                await asyncio.sleep(0.01)
+
+    uvloop.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_kept_alive_connections_head_deadline_starts_again_after_each_answer():
+    """One timer per connection looks again when it fires (front._await_head): requests each sent within
+    --header-timeout of the last answer are all answered, though together they take longer than it."""
+    async def scenario():
+        async with router_port(header_timeout=2.0) as (port, engine):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for i in range(3):
+                writer.write(POST)
+                assert (await asyncio.wait_for(reader.readuntil(ANSWER_END), 5)).startswith(b"HTTP/1.1 200")
+                if i < 2:
+                    await asyncio.sleep(1.2)  # 2.4 s in all, past the first deadline; each gap well within it
+            writer.write(LAST)
+            assert [s for s, _ in answers(await asyncio.wait_for(reader.read(), 5))] == [200]
+            writer.close()
+            assert engine.quick == 3
+
+    run(scenario())

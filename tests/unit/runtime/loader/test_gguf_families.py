@@ -5,8 +5,10 @@ experts) and Qwen3-MoE. Q8_0 weights; kaon's greedy tokens in float32 equal tran
 dequantized weights, and the file also loads kept quantized (the default on CPU, experts included) and
 decodes as llama.cpp does the same file: each of kaon's greedy tokens is llama.cpp's greedy choice on
 the same tokens, or within NEAR_TIE of it (both quantize activations, each its own way).
-llama-cpp-python comes from e2e/build-llama-cpp.sh, which `make test` runs beside tests/unit and this
-test runs too (it waits for that build, or builds the cached wheel itself); in CI its absence fails."""
+llama-cpp-python comes from e2e/build-llama-cpp.sh, which `make test` runs beside tests/unit; the
+agreement test is marked llama_cpp, and `make test` runs it after that build instead of in tests/unit
+(a cold build kept a unit worker waiting ~10 min). Run alone, it runs the script itself (returns at once
+when the wheel is installed, else installs the cached wheel or builds it); in CI its absence fails."""
 from __future__ import annotations
 
 import functools
@@ -128,6 +130,7 @@ def test_float32_greedy_tokens_equal_transformers_on_the_dequantized_weights(fam
     assert _kaon_greedy(path, dtype="float32") == [_hf_greedy(model, p) for p in PROMPTS]
 
 
+@pytest.mark.llama_cpp  # `make test` runs it after the builds (the Makefile says why)
 def test_kept_quantized_decodes_and_agrees_with_llama_cpp(family_gguf, request):
     family, path, _model = family_gguf
     if family == "phi3":
