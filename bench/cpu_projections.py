@@ -14,6 +14,10 @@ batch-1 decode, 16 a batched decode step, 64 a prefill chunk's share. The weight
 runs; bench/cpu_decode.py --activations measures the engine. --baseline-source times another
 version of the C file beside this one (`git show <rev>:runtime/kaon_runtime/kernels/cpu_decode.c`),
 its one pass the reference for the "vs baseline" column: what the default decode cost before.
+Two passes are timed twice where the CPU has AMX-INT8 (Intel): in AMX tiles from 4 rows (the default
+there) and in the 512-bit pair kernels at every row count (kaon_set_amx(0): Zen 4's path, and this
+machine's before the tiles); the bits are the same. Times are the process's CPU time (one thread),
+so other work on a shared machine slows both sides alike rather than whichever it preempts.
 """
 from __future__ import annotations
 
@@ -50,6 +54,9 @@ def library(source: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.kaon_linear_workspace.restype = ctypes.c_size_t
     lib.kaon_linear_workspace.argtypes = [ctypes.c_int, ctypes.c_int]
+    if hasattr(lib, "kaon_set_amx"):  # an older source may lack it
+        lib.kaon_set_amx.restype = ctypes.c_int
+        lib.kaon_set_amx.argtypes = [ctypes.c_int]
     lib.kaon_linear.restype = None
     lib.kaon_linear.argtypes = [ctypes.POINTER(cpu_decode.Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int]
@@ -69,8 +76,10 @@ def layer(kind: str) -> list[cpu_decode.LinearWeights]:
     return out
 
 
-def time_layer(lib, weights, passes: int, rows: int, threads: int, iters: int) -> float:
-    """Microseconds for the layer's four projections at `rows` rows."""
+def time_layer(lib, weights, passes: int, rows: int, threads: int, iters: int, amx: bool = True) -> float:
+    """CPU microseconds for the layer's four projections at `rows` rows (amx: two passes may take AMX tiles)."""
+    if hasattr(lib, "kaon_set_amx"):
+        lib.kaon_set_amx(int(amx))
     calls = []
     for lw in weights:
         k, n = lw.struct.k, lw.struct.n
@@ -78,11 +87,11 @@ def time_layer(lib, weights, passes: int, rows: int, threads: int, iters: int) -
         calls.append((lw, x, torch.empty(rows, n), torch.empty(lib.kaon_linear_workspace(k, rows), dtype=torch.uint8)))
     for lw, *_ in calls:
         lw.struct.act_passes = passes
-    start = time.perf_counter()
+    start = time.process_time()
     for _ in range(iters):
         for lw, x, y, work in calls:
             lib.kaon_linear(ctypes.byref(lw.struct), rows, x.data_ptr(), y.data_ptr(), work.data_ptr(), threads)
-    return (time.perf_counter() - start) / iters * 1e6
+    return (time.process_time() - start) / iters * 1e6
 
 
 def main() -> None:
@@ -95,9 +104,12 @@ def main() -> None:
     libs = {"this": library(cpu_decode.SOURCE)}
     if args.baseline_source:
         libs["baseline"] = library(args.baseline_source)
+    amx = bool(libs["this"].kaon_set_amx(1))
     print(f"torch {torch.__version__}, {args.threads} thread(s), the four projections of a SmolLM2-135M layer, "
-          f"median of {args.repeats} alternations (us)")
+          f"median of {args.repeats} alternations (CPU us); AMX tiles: {'yes' if amx else 'no (pairs only)'}")
     header = f"{'':14} {'one pass':>9} {'two':>9} {'two/one':>8}"
+    if amx:
+        header += f" {'two, pairs':>11} {'pairs/one':>10}"
     if "baseline" in libs:
         header += f" {'baseline one':>13} {'two':>9} {'this two / baseline one':>24}"
     print(header)
@@ -105,13 +117,17 @@ def main() -> None:
         weights = layer(kind)
         for rows in args.rows:
             iters = max(3, 400 // rows)
-            times: dict[tuple[str, int], list[float]] = {(lib, p): [] for lib in libs for p in (1, 2)}
+            arms = [(lib, p, True) for lib in libs for p in (1, 2)] + ([("this", 2, False)] if amx else [])
+            times: dict[tuple[str, int, bool], list[float]] = {arm: [] for arm in arms}
             for _ in range(args.repeats):
-                for (name, passes), found in times.items():
-                    found.append(time_layer(libs[name], weights, passes, rows, args.threads, iters))
-            med = {key: statistics.median(v) for key, v in times.items()}
+                for (name, passes, tiles), found in times.items():
+                    found.append(time_layer(libs[name], weights, passes, rows, args.threads, iters, tiles))
+            med = {(name, passes): statistics.median(v) for (name, passes, tiles), v in times.items() if tiles}
             line = (f"{kind + f' {rows:3d} rows':14} {med['this', 1]:9.1f} {med['this', 2]:9.1f} "
                     f"{med['this', 2] / med['this', 1]:7.2f}x")
+            if amx:
+                pairs = statistics.median(times["this", 2, False])
+                line += f" {pairs:11.1f} {pairs / med['this', 1]:9.2f}x"
             if "baseline" in libs:
                 line += (f" {med['baseline', 1]:13.1f} {med['baseline', 2]:9.1f} "
                          f"{med['this', 2] / med['baseline', 1]:23.2f}x")

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation against one aggregated engine, on this machine's two cores (docs/disaggregation.md).
 
-    python bench/disagg.py [--seconds 60] [--streams 4] [--long-tokens 1500] [--long-every 4]
+    python bench/disagg.py [--seconds 60] [--streams 4] [--long-tokens 1500] [--long-every 4[,12,30]]
+                           [--omp-wait-policy passive] [--prefill-chunk-tokens N]
 
 In one run, with the bundled model:
 - disaggregated: a prefill engine pinned to core 0 (taskset) and a decode engine pinned to core 1, one thread each;
@@ -51,10 +52,10 @@ class Engine:
     url: str
 
 
-def start(cpus: str, *args: str) -> Engine:
+def start(cpus: str, *args: str, env: dict[str, str] | None = None) -> Engine:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus.split(","))),
-           "PYTHONPATH": f"{ROOT / 'runtime'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "PYTHONPATH": f"{ROOT / 'runtime'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     proc = subprocess.Popen(["taskset", "-c", cpus, sys.executable, "-m", "kaon_runtime.cli", "serve", "--model", MODEL,
                              "--port", str(port), "--device", "cpu", "--log-level", "warning", *args],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -206,18 +207,20 @@ async def _layout(prefill_url: str):
 
 
 async def run(args) -> None:
-    results = {}
+    results: dict[str, dict] = {}  # setup -> {"alone": {tokens: s}, rate: (Stats, seconds)}
     lengths = [int(x) for x in args.alone_tokens.split(",")]
+    rates = [float(x) for x in str(args.long_every).split(",")]
+    env = {"OMP_WAIT_POLICY": args.omp_wait_policy} if args.omp_wait_policy else {}
+    chunk = ("--disagg-chunk-tokens", str(args.prefill_chunk_tokens)) if args.prefill_chunk_tokens else ()
     async with aiohttp.ClientSession() as session:
         # Disaggregated: prefill on core 0, decode on core 1.
-        prefill = start("0", "--role", "prefill")
+        prefill = start("0", "--role", "prefill", *chunk, env=env)
         decode = start("1", "--role", "decode", "--prefill-url", prefill.url,
-                       "--disagg-min-prompt-tokens", str(args.min_prompt_tokens), "--kv-transport", args.kv_transport)
+                       "--disagg-min-prompt-tokens", str(args.min_prompt_tokens), "--kv-transport", args.kv_transport,
+                       env=env)
         try:
             await wait_ready(session, [prefill, decode])
-            alone = {n: await ttft_alone(decode.url, int(n / 1.3), 100 + n) for n in lengths}
-            results["disaggregated"] = (*await mixed_load(decode.url, args.seconds, args.streams, args.long_tokens,
-                                                           args.long_every, 1), alone)
+            results["disaggregated"] = await one_setup(decode.url, args, lengths, rates)
             transfer = await transfer_per_1000(prefill.url, args.transfer_tokens)
             async with session.get(decode.url + "/metrics") as r:
                 metrics = [m for m in (await r.text()).splitlines() if m.startswith("kaon_kv_transfer")
@@ -225,47 +228,58 @@ async def run(args) -> None:
                                 or "seconds_count" in m)]
         finally:
             stop([prefill, decode])
-        aggregated = start("0,1")
+        aggregated = start("0,1", env=env)
         try:
             await wait_ready(session, [aggregated])
-            alone = {n: await ttft_alone(aggregated.url, int(n / 1.3), 100 + n) for n in lengths}
-            results["aggregated"] = (*await mixed_load(aggregated.url, args.seconds, args.streams, args.long_tokens,
-                                                       args.long_every, 1), alone)
+            results["aggregated"] = await one_setup(aggregated.url, args, lengths, rates)
         finally:
             stop([aggregated])
-    report(args, results, transfer, metrics)
+    report(args, results, rates, transfer, metrics)
 
 
-def report(args, results, transfer: list[tuple[float, float]], metrics: list[str]) -> None:
+async def one_setup(url: str, args, lengths: list[int], rates: list[float]) -> dict:
+    """One setup's figures: one prompt alone by length, then the mixed load at each long-prompt rate."""
+    out: dict = {"alone": {n: await ttft_alone(url, int(n / 1.3), 100 + n) for n in lengths}}
+    for i, every in enumerate(rates):
+        out[every] = await mixed_load(url, args.seconds, args.streams, args.long_tokens, every, 1 + i)
+    return out
+
+
+def report(args, results, rates: list[float], transfer: list[tuple[float, float]], metrics: list[str]) -> None:
     print(f"bench/disagg.py  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  load average "
           f"{os.getloadavg()[0]:.1f} (the machine is shared with other work)")
-    print(f"decode engine's K/V transport: {args.kv_transport}")
-    print(f"mixed load: {args.streams} decoding streams (48 tokens each, back to back) + a {args.long_tokens}-token "
-          f"prompt every {args.long_every:g} s, for {args.seconds:g} s")
-    rows = {}
-    for name, (stats, seconds, _) in results.items():
-        rows[name] = (pct(stats.itl, 0.5), pct(stats.itl, 0.99), pct(stats.ttft_long, 0.5),
-                      pct(stats.ttft_short, 0.5), stats.tokens / seconds, stats.failed, len(stats.ttft_long))
-        print(f"  {name:14s} ITL p50 {rows[name][0] * 1000:7.1f} ms  p99 {rows[name][1] * 1000:7.1f} ms  "
-              f"TTFT p50 long {rows[name][2]:6.2f} s  short {rows[name][3]:6.2f} s  "
-              f"output {rows[name][4]:6.1f} tok/s  long prompts {rows[name][6]}  failed {rows[name][5]}")
-        # A long prompt's prefill stalls every stream once: 4 gaps per long prompt among thousands, under 1% of
-        # them at --long-every 12, so p99 can miss the stalls altogether; these show them.
-        stalls = [gap for gap in stats.itl if gap > STALL_S]
-        worst = max(stats.itl, default=0.0)
-        print(f"  {'':14s} ITL p99.9 {pct(stats.itl, 0.999) * 1000:7.1f} ms  max {worst * 1000:7.1f} ms"
-              f"  gaps over {STALL_S * 1000:.0f} ms: {len(stalls)} of {len(stats.itl)} ({sum(stalls):.1f} s in all)")
-    d, a = rows["disaggregated"], rows["aggregated"]
-    print(f"  ratios (disaggregated / aggregated): ITL p99 {d[1] / a[1]:.2f}x (goal <= 0.33x), "
-          f"TTFT p50 long {d[2] / a[2]:.2f}x (goal <= 1.2x), short {d[3] / a[3]:.2f}x, "
-          f"output tok/s {d[4] / a[4]:.2f}x (goal >= 0.9x)")
+    print(f"decode engine's K/V transport: {args.kv_transport}; OMP_WAIT_POLICY "
+          f"{args.omp_wait_policy or '(unset)'}; prefill engine's chunk "
+          f"{args.prefill_chunk_tokens or '(its default)'} tokens")
+    for every in rates:
+        print(f"mixed load: {args.streams} decoding streams (48 tokens each, back to back) + a "
+              f"{args.long_tokens}-token prompt every {every:g} s, for {args.seconds:g} s")
+        rows = {}
+        for name in ("disaggregated", "aggregated"):
+            stats, seconds = results[name][every]
+            rows[name] = (pct(stats.itl, 0.5), pct(stats.itl, 0.99), pct(stats.ttft_long, 0.5),
+                          pct(stats.ttft_short, 0.5), stats.tokens / seconds, stats.failed, len(stats.ttft_long))
+            print(f"  {name:14s} ITL p50 {rows[name][0] * 1000:7.1f} ms  p99 {rows[name][1] * 1000:7.1f} ms  "
+                  f"TTFT p50 long {rows[name][2]:6.2f} s  short {rows[name][3]:6.2f} s  "
+                  f"output {rows[name][4]:6.1f} tok/s  long prompts {rows[name][6]}  failed {rows[name][5]}")
+            # A long prompt's prefill stalls every stream once: 4 gaps per long prompt among thousands, under 1% of
+            # them at --long-every 12, so p99 can miss the stalls altogether; these show them.
+            stalls = [gap for gap in stats.itl if gap > STALL_S]
+            worst = max(stats.itl, default=0.0)
+            print(f"  {'':14s} ITL p99.9 {pct(stats.itl, 0.999) * 1000:7.1f} ms  max {worst * 1000:7.1f} ms  gaps "
+                  f"over {STALL_S * 1000:.0f} ms: {len(stalls)} of {len(stats.itl)} ({sum(stalls):.1f} s in all)")
+        d, a = rows["disaggregated"], rows["aggregated"]
+        print(f"  ratios at one long prompt every {every:g} s (disaggregated / aggregated): ITL p99 {d[1] / a[1]:.2f}x "
+              f"(goal <= 0.33x), TTFT p50 long {d[2] / a[2]:.2f}x (goal <= 1.2x), short {d[3] / a[3]:.2f}x, "
+              f"output tok/s {d[4] / a[4]:.2f}x (goal >= 0.9x)")
     (cold_prefill, cold_move), (cached_prefill, cached_move) = transfer
     print(f"transfer of {args.transfer_tokens} tokens over TCP, per 1,000 tokens: cold: ask to first chunk (the "
-          f"prefill) {cold_prefill * 1000:.0f} ms, then the move {cold_move * 1000:.0f} ms; cached on the prefill "
-          f"engine: ask to first chunk {cached_prefill * 1000:.0f} ms, then the move {cached_move * 1000:.0f} ms")
+          f"prefill's first chunk) {cold_prefill * 1000:.0f} ms, then to the last byte {cold_move * 1000:.0f} ms (the "
+          f"rest of the prefill, the moves overlapping it); cached on the prefill engine: ask to first chunk "
+          f"{cached_prefill * 1000:.0f} ms, then the move {cached_move * 1000:.0f} ms")
     print("one prompt alone, TTFT p50 (disaggregated vs aggregated):")
-    for n in results["aggregated"][2]:
-        dn, an = results["disaggregated"][2][n], results["aggregated"][2][n]
+    for n in results["aggregated"]["alone"]:
+        dn, an = results["disaggregated"]["alone"][n], results["aggregated"]["alone"][n]
         print(f"  ~{n:5d} tokens: {dn:6.3f} s vs {an:6.3f} s  ({dn / an:.2f}x)")
     print("decode engine's transfer metrics:\n  " + "\n  ".join(metrics))
 
@@ -275,7 +289,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--long-tokens", type=int, default=1500)
-    parser.add_argument("--long-every", type=float, default=4.0)
+    parser.add_argument("--long-every", default="4",
+                        help="seconds between long prompts; a comma-separated list runs the mixed load at each rate "
+                        "on the same engines (where disaggregation starts to pay)")
+    parser.add_argument("--omp-wait-policy", choices=("passive", "active"), default=None,
+                        help="OMP_WAIT_POLICY for every engine (passive: libgomp's threads sleep at barriers rather "
+                        "than spin; unset: libgomp's default)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="the prefill engine's --disagg-chunk-tokens (unset: its default)")
     parser.add_argument("--min-prompt-tokens", type=int, default=64, help="the decode engine's threshold")
     parser.add_argument("--transfer-tokens", type=int, default=1001)
     parser.add_argument("--kv-transport", choices=("auto", "nixl", "tcp"), default="auto",

@@ -2,6 +2,7 @@
 
     git archive <old commit> operator bench e2e | tar -x -C /tmp/old
     python bench/router_ab.py --base /tmp/old [--rounds 6] [--seconds 5] [--concurrency 64]
+    python bench/router_ab.py --loops asyncio uvloop    # this tree on asyncio's loop (old) against uvloop's (new)
 
 Starts bench/router.py's fake engines once and two routers (bench/router.py --role router: the old tree's
 and this one's), then sends each in turn (alternating which goes first) --concurrency clients in a closed
@@ -27,7 +28,8 @@ import router as bench  # noqa: E402  (bench/router.py: the engines, the load ge
 from e2e.control_plane import free_port  # noqa: E402
 
 
-async def compare(trees: dict[str, Path], rounds: int, seconds: float, clients: int) -> None:
+async def compare(trees: dict[str, Path], rounds: int, seconds: float, clients: int,
+                  loops: dict[str, str] | None = None) -> None:
     engines = [free_port(), free_port()]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # each router imports its own tree
     children = [subprocess.Popen([sys.executable, str(HERE / "router.py"), "--role", "engines",
@@ -36,6 +38,7 @@ async def compare(trees: dict[str, Path], rounds: int, seconds: float, clients: 
     for name, tree in trees.items():
         port = free_port()
         child = subprocess.Popen([sys.executable, str(tree / "bench" / "router.py"), "--role", "router",
+                                  "--loops", (loops or {}).get(name, "asyncio"),
                                   "--ports", ",".join(map(str, [port, *engines]))], env=env)
         children.append(child)
         routers[name] = (port, child.pid)
@@ -65,13 +68,17 @@ async def compare(trees: dict[str, Path], rounds: int, seconds: float, clients: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", type=Path, required=True, help="the old tree (its bench/router.py and operator/)")
+    parser.add_argument("--base", type=Path, default=HERE.parent,
+                        help="the old tree (its bench/router.py and operator/); default: this one (with --loops)")
+    parser.add_argument("--loops", nargs=2, default=["asyncio", "asyncio"], choices=["asyncio", "uvloop"],
+                        metavar=("OLD", "NEW"), help="each router's event loop (uvloop: the `uvloop` extra)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args()
     bench.raise_open_file_limit()
-    asyncio.run(compare({"old": args.base, "new": HERE.parent}, args.rounds, args.seconds, args.concurrency))
+    asyncio.run(compare({"old": args.base, "new": HERE.parent}, args.rounds, args.seconds, args.concurrency,
+                        dict(zip(("old", "new"), args.loops))))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "where a larger batch adds no throughput, 64 on a GPU; engine/admission.py)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens one step computes at most: longer prompts are prefilled in chunks of it "
-                            "(default 1024; 256 for --role decode, whose steps its streams wait on)")
+                            "(default 1024; 256 for --role decode, whose steps its streams wait on; "
+                            "--disagg-chunk-tokens for --role prefill)")
     serve.add_argument("--prefill-group", type=positive_int, default=None, metavar="N",
                        help="past capacity, waiting prompts go in once N running slots are free, their prefills in "
                             "one step (default: half of --max-num-seqs on a CPU, 1 on a GPU; engine/admission.py)")
@@ -207,6 +208,11 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disagg-max-in-flight", type=positive_int, default=2, metavar="N",
                         help="transfers a decode engine keeps in flight per prefill engine; past it, it prefills "
                         "the prompt itself at once (in chunks) instead of queueing it there")
+    parser.add_argument("--disagg-chunk-tokens", type=positive_int, default=None, metavar="N",
+                        help="--role prefill: tokens per prefill step, each step's K/V sent to the decode engine as "
+                        "soon as the step is done, so moving one chunk overlaps computing the next (default 1024: "
+                        "smaller steps cost more on a CPU than the move they hide, bench/disagg_chunks.py; "
+                        "--max-num-batched-tokens, when set, wins)")
     parser.add_argument("--disagg-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                         help="a transfer not complete by then is given up: the decode engine prefills the prompt")
 
@@ -338,7 +344,7 @@ def _fetch_first(args) -> None:
         uri = args.model
         with startup.phase("fetch"):
             args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
-                                   tensor_parallel_size=args.tensor_parallel_size))
+                                   tensor_parallel_size=args.tensor_parallel_size, hold=True))
         if getattr(args, "served_model_name", "unset") is None:
             args.served_model_name = uri
     elif args.model.startswith("pvc://"):
@@ -372,6 +378,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _prefill_chunk(args) -> tuple[int, ...]:
+    """--disagg-chunk-tokens when given (parsers without the disaggregation flags: the default)."""
+    chunk = getattr(args, "disagg_chunk_tokens", None)
+    return () if chunk is None else (chunk,)
+
+
 def engine_config(args) -> EngineConfig:
     """`kaon serve`'s flags as the engine's configuration, which the server takes finished."""
     from kaon_runtime.engine.remote_prefill import step_token_budget  # here: the CLI starts without torch
@@ -379,7 +391,8 @@ def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=_max_num_seqs(args), prefill_group=_prefill_group(args),
                         max_num_batched_tokens=step_token_budget(args.max_num_batched_tokens,
-                                                                 getattr(args, "role", "both")),
+                                                                 getattr(args, "role", "both"),
+                                                                 *_prefill_chunk(args)),
                         prefill_delay_ms=args.prefill_delay_ms, kv_cache_fraction=args.kv_cache_fraction,
                         kv_cache_bytes=args.kv_cache_bytes,
                         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,

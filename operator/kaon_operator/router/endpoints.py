@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
@@ -36,6 +36,15 @@ class Endpoint:
     pod: str
     service: str
     url: str  # http://ip:port, no trailing slash
+    _hash: int = field(init=False, repr=False, compare=False)
+    """Its hash, reckoned once: a request looks its pods up in several maps (in flight, back-off, tried), and the
+    hash dataclass writes builds a tuple of the four fields in Python at every lookup."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.namespace, self.pod, self.service, self.url)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +181,7 @@ class EndpointTable:
         self._services: dict[ServiceKey, Service] = {}
         self._names = naming.index(())
         self._adapters = naming.index(())
+        self._key_required_everywhere = False  # key_required_everywhere(), noted at each change of the services
 
     # reads -------------------------------------------------------------------
 
@@ -193,7 +203,7 @@ class EndpointTable:
 
     def key_required_everywhere(self) -> bool:
         """Whether there are InferenceServices and every one of them requires a key."""
-        return bool(self._services) and all(s.key_digests is not None for s in self._services.values())
+        return self._key_required_everywhere
 
     def all_api_keys(self) -> tuple[bytes, ...]:
         """The digests of every key some InferenceService accepts."""
@@ -292,6 +302,9 @@ class EndpointTable:
         if not changed:
             return
         self._names = naming.index(self._services.values())
+        # Asked of every request (auth.may_send_body): noted here, where the services change, not counted each time.
+        self._key_required_everywhere = bool(self._services) and all(s.key_digests is not None
+                                                                     for s in self._services.values())
         self._adapters = naming.index(adapter_names.AdapterName(s.key, a, s.created) for s in self._services.values()
                                       for a in s.adapters)
         for key, winner in naming.shadowed(self._services.values(), self.default_namespace).items():

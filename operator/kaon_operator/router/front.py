@@ -55,7 +55,7 @@ class FrontRequest:
 
     __slots__ = ("conn", "method", "raw_url", "path", "query", "canonical", "raw_headers", "_headers",
                  "content_length", "_chunks", "size", "complete", "too_large", "_waiter", "keep_alive",
-                 "expect_continue", "head_done", "http10", "error")
+                 "expect_continue", "head_done", "http10", "error", "authorization")
 
     def __init__(self, conn: FrontProtocol):
         self.conn = conn
@@ -73,6 +73,8 @@ class FrontRequest:
         self.method = self.path = self.query = ""
         self.canonical: str | None = None
         """The route as listed, when the path names one of the router's routes."""
+        self.authorization: str | None = None
+        """The first Authorization field, noted as the head is read: no `headers` built for it (authorization())."""
 
     # what the handlers read ---------------------------------------------------------------
 
@@ -131,6 +133,13 @@ class FrontRequest:
             self._waiter.set_result(None)
 
 
+def authorization(request: Any) -> str | None:
+    """The request's Authorization header (the first), on either server: ours notes it while parsing."""
+    if isinstance(request, FrontRequest):
+        return request.authorization
+    return request.headers.get("Authorization")
+
+
 class Front:
     """The protocol factory of the main port (edge.py puts the connection cap in front of it)."""
 
@@ -185,6 +194,8 @@ class FrontProtocol(asyncio.Protocol):
         self.fields = 0
         self.task: asyncio.Task | None = None
         self.head_timer: asyncio.TimerHandle | None = None
+        self.head_due: float | None = None
+        """When the awaited request head is due (the event loop's clock), or None while none is awaited."""
         self.paused_reading = False
         self.paused_writing: asyncio.Future[None] | None = None
         self.closing = False
@@ -205,7 +216,7 @@ class FrontProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.front.connections.discard(self)
         self.closing = True
-        self._cancel_head_timer()
+        self._drop_head_timer()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its request ends (the engine's is aborted)
         if self.paused_writing is not None and not self.paused_writing.done():
@@ -238,15 +249,35 @@ class FrontProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         self.closing = True
-        self._cancel_head_timer()
+        self._drop_head_timer()
         if self.transport is not None:
             self.transport.close()
 
     def _await_head(self) -> None:
-        self._cancel_head_timer()
-        self.head_timer = asyncio.get_running_loop().call_later(self.front.header_timeout, self.close)
+        """From now the next request's head is due within --header-timeout. One timer per connection is kept armed
+        and looks again when it fires (a kept-alive connection's next request moves the deadline on): no timer made
+        and cancelled per request."""
+        loop = asyncio.get_running_loop()
+        self.head_due = loop.time() + self.front.header_timeout
+        if self.head_timer is None:
+            self.head_timer = loop.call_at(self.head_due, self._head_overdue)
+
+    def _head_overdue(self) -> None:
+        self.head_timer = None
+        if self.head_due is None or self.closing:
+            return  # a request is being answered: its next head's deadline starts after it (_await_head)
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self.head_due:
+            self.close()
+        else:
+            self.head_timer = loop.call_at(self.head_due, self._head_overdue)
 
     def _cancel_head_timer(self) -> None:
+        self.head_due = None  # the armed timer, if any, finds nothing due and lapses
+
+    def _drop_head_timer(self) -> None:
+        """The connection is done: its timer goes (it would hold the connection until it fired)."""
+        self.head_due = None
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
@@ -320,6 +351,8 @@ class FrontProtocol(asyncio.Protocol):
                 request.content_length = int(value) if value.strip().isdigit() else None
             elif len(name) == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
                 request.expect_continue = True
+            elif len(name) == 13 and request.authorization is None and name.lower() == b"authorization":
+                request.authorization = value.decode("utf-8", "surrogateescape")  # as `headers` reads it
         self.queue.append(request)
         if len(self.queue) == 1:
             self._cancel_head_timer()
@@ -371,7 +404,9 @@ class FrontProtocol(asyncio.Protocol):
             return
         self._next(request, keep and request.keep_alive and request.complete)
 
-    def _write_whole(self, request: FrontRequest, response: web.Response) -> bool:
+    def _write_whole(self, request: FrontRequest, response: web.Response | Whole) -> bool:
+        if isinstance(response, Whole):
+            return self._write_lines(request, response)
         body = response.body
         if body is None:
             body = b""
@@ -383,6 +418,18 @@ class FrontProtocol(asyncio.Protocol):
         if request.method != "HEAD" and body:
             head.append(bytes(body))
         self.write(b"".join(head))
+        return keep
+
+    def _write_lines(self, request: FrontRequest, response: Whole) -> bool:
+        keep = request.keep_alive and request.complete
+        body = response.body
+        self.write(b"".join((
+            b"HTTP/1.1 %d %s\r\n" % (response.status, response.reason.encode("latin-1", "replace")
+                                      or _reason(response.status)),
+            response.lines, b"" if response.dated else b"Date: " + _date() + b"\r\n",
+            b"" if keep else b"Connection: close\r\n",
+            b"Connection: keep-alive\r\n" if keep and request.http10 else b"",
+            b"Content-Length: %d\r\n\r\n" % len(body), body if request.method != "HEAD" else b"")))
         return keep
 
     def _next(self, request: FrontRequest, keep: bool) -> None:
@@ -471,6 +518,18 @@ def _head(request: FrontRequest, status: int, reason: str | None, headers, keep:
     elif request.http10:
         out.append(b"Connection: keep-alive\r\n")
     return out
+
+
+class Whole:
+    """A whole answer as the router's server writes it, built without aiohttp's web.Response (relay.py: an engine's
+    small body): the head's field lines as bytes (each ending in CRLF; no Content-Length, Connection nor
+    Transfer-Encoding: written here), whether they hold a Date, and the body."""
+
+    __slots__ = ("status", "reason", "lines", "dated", "body")
+    keep_alive = None  # as web.Response's: the request's own keep-alive decides
+
+    def __init__(self, status: int, reason: str, lines: bytes, dated: bool, body: bytes):
+        self.status, self.reason, self.lines, self.dated, self.body = status, reason, lines, dated, body
 
 
 class FrontStream:

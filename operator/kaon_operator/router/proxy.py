@@ -41,7 +41,7 @@ from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 from kaon_operator.router.errors import RouterError
-from kaon_operator.router.front import FRONT, Front, FrontRequest
+from kaon_operator.router.front import FRONT, Front, FrontRequest, Whole, authorization
 from kaon_operator.router.hold import Hold, HoldFull
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.relay import Relay
@@ -103,7 +103,7 @@ class Router:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         for path in CLIENT_ROUTES:
-            app.router.add_post(path, self._forward)
+            app.router.add_post(path, self._forward)  # type: ignore[arg-type]  # (a Whole answers our server only)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
@@ -133,7 +133,7 @@ class Router:
 
     # forwarding ----------------------------------------------------------------
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
+    async def _forward(self, request: web.Request) -> web.StreamResponse | Whole:
         arrival = time.perf_counter()
         key: ServiceKey | None = None
         relaying = False  # from then on the engine's status is the one counted
@@ -150,7 +150,7 @@ class Router:
                 model, payload = parse_request(body)
                 if self.routes is not None and (route := self.routes.match(model)) is not None:
                     plan = await self.routes.plan(route, _route_path(request), payload,
-                                                  request.headers.get("Authorization"))
+                                                  authorization(request))
                     if not hasattr(plan, "model"):  # a cache hit: no engine is asked
                         return await self.routes.replay(request, plan)
                     model, payload, body = plan.model, plan.payload, plan.body
@@ -162,7 +162,7 @@ class Router:
                 while retry.may_try_another(len(tried), self.config.max_attempts):  # retry.py
                     try:
                         key, target, waited = await self._choose(model, tried, received, request.path, payload,
-                                                                request.headers.get("Authorization"), admitted)
+                                                                authorization(request), admitted)
                         admitted = None  # a later attempt follows an await: `model` is resolved and checked anew
                     except RouterError as exc:
                         if failure is not None and exc.code == "upstream_unreachable":
@@ -209,7 +209,7 @@ class Router:
         a key that opens nothing (while every service needs one), a body over --max-body-bytes, or
         one that does not fit the bytes already held (--max-buffered-bytes, of which this client
         may hold --max-client-share) is refused unread."""
-        if not auth.may_send_body(self.table, request.headers.get("Authorization")):
+        if not auth.may_send_body(self.table, authorization(request)):
             raise errors.invalid_api_key()
         length = request.content_length
         if length is not None and length > self.config.max_body_bytes:
@@ -258,7 +258,7 @@ class Router:
         key = self.table.resolve(model)
         if key is None:
             return body, None  # _choose answers 404, or 503 while the router starts
-        auth.check(self.table, key, model, request.headers.get("Authorization"))
+        auth.check(self.table, key, model, authorization(request))
         service = self.table.service(key)
         if service is None:
             return body, key
@@ -344,7 +344,7 @@ class Router:
         """The client's headers less its credentials; the key back only to a keyed service (the
         request got here past auth.check, so it holds one of that service's keys)."""
         keyed = self.table.api_keys(key) is not None
-        return upstream_fields(request.raw_headers, request.headers.get("Authorization") if keyed else None)
+        return upstream_fields(request.raw_headers, authorization(request) if keyed else None)
 
     def _eject(self, key: ServiceKey, target: Endpoint, reason: str) -> None:
         now = clock.monotonic()
@@ -366,11 +366,11 @@ class Router:
     async def _models(self, request: web.Request) -> web.Response:
         # What this client may send as `model`: every addressable name, but a protected
         # InferenceService only to a caller with one of its keys.
-        authorization = request.headers.get("Authorization")
+        key = authorization(request)
         data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kaon"}
-                for name, s in self.table.addressable() if auth.may_list(self.table, s.key, authorization)]
+                for name, s in self.table.addressable() if auth.may_list(self.table, s.key, key)]
         if self.routes is not None:  # InferenceRoutes: each a `model` too
-            data += self.routes.listed(authorization)
+            data += self.routes.listed(key)
         return web.json_response({"object": "list", "data": data})
 
     async def _unknown(self, request: web.Request) -> web.Response:

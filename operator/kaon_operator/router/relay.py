@@ -23,10 +23,10 @@ from kaon_operator import clock
 from kaon_operator.router import errors
 from kaon_operator.router.backoff import Backoff
 from kaon_operator.router.endpoints import Endpoint, ServiceKey
-from kaon_operator.router.front import open_stream
+from kaon_operator.router.front import FrontRequest, Whole, open_stream
 from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.pump import Ended, Outcome, Pump
-from kaon_operator.router.request import response_headers
+from kaon_operator.router.request import response_headers, response_lines
 from kaon_operator.router.sse import EventFramer, Unframed
 from kaon_operator.router.upstream import Response, UpstreamError
 
@@ -59,7 +59,7 @@ class Relay:
         self._stalled_unlogged, self._stalled_logged_at = 0, float("-inf")
 
     async def __call__(self, request: web.Request, upstream: Response, key: ServiceKey,
-                       target: Endpoint, overhead: float, tap: Tap | None = None) -> web.StreamResponse:
+                       target: Endpoint, overhead: float, tap: Tap | None = None) -> web.StreamResponse | Whole:
         """`overhead`: the router's time before the upstream request went out. `tap`: an InferenceRoute's
         (router/route_gateway.py): its headers are added, and it sees the body as it is passed on."""
         async with upstream:  # releases the connection, or closes it when the body was not read to the end
@@ -67,14 +67,19 @@ class Relay:
             sse = upstream.content_type == "text/event-stream"
             length = upstream.content_length
             at_once = not sse and length is not None and length <= WHOLE_BODY_BYTES
+            if at_once and tap is None and isinstance(request, FrontRequest):
+                # The router's own server: the engine's field lines as they came, no web.Response (front.Whole).
+                body = await self._whole(upstream, key, target, overhead, received)
+                return Whole(upstream.status, upstream.reason, *response_lines(upstream.raw_headers), body)
             headers: CIMultiDict | CIMultiDictProxy = response_headers(upstream.raw_headers, drop_length=at_once)
             if tap is not None:  # (without Content-Length when at_once: the Response sets it then)
                 headers = CIMultiDict(headers)  # response_headers' result is shared and read-only
                 headers.update(tap.headers)
             if at_once:
-                whole = await self._whole(upstream, key, target, headers, overhead, received)
-                if tap is not None and isinstance(whole.body, bytes):
-                    await tap.tee(whole.body)
+                body = await self._whole(upstream, key, target, overhead, received)
+                whole = web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
+                if tap is not None:
+                    await tap.tee(body)
                     tap.done(upstream.status, upstream.headers.get("Content-Type", ""))
                 return whole
             response = await open_stream(request, upstream.status, upstream.reason, headers)
@@ -115,8 +120,8 @@ class Relay:
         self.metrics.count(key, status)
         self.backoff.succeed(target)
 
-    async def _whole(self, upstream: Response, key: ServiceKey, target: Endpoint,
-                     headers: CIMultiDict | CIMultiDictProxy, overhead: float, received: float) -> web.Response:
+    async def _whole(self, upstream: Response, key: ServiceKey, target: Endpoint, overhead: float,
+                     received: float) -> bytes:
         """A small body of known length (a completion without `stream`, an error) is read whole
         and sent with the headers in one write: one system call fewer per request than
         streaming it, and a failure while reading it can still be the router's own 502/504."""
@@ -136,10 +141,9 @@ class Relay:
             reason = str(exc) or type(exc).__name__
             self.eject(key, target, f"response broke off: {reason}")
             raise errors.upstream_broke_off(str(key), target.pod, reason) from None
-        response = web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
         # The router's part only: not the time the engine took to send the body.
         self._answered(key, target, upstream.status, overhead + started - received + time.perf_counter() - read)
-        return response
+        return body
 
     async def _broke_off(self, request: web.Request, response: web.StreamResponse, key: ServiceKey,
                          target: Endpoint, ended: Ended, sse: bool) -> None:

@@ -163,3 +163,18 @@ def _response_headers(fields: tuple[tuple[bytes, bytes], ...], drop_length: bool
         dropped = dropped | _connection_options_raw(fields)
     return CIMultiDictProxy(CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in fields
                                         if name.lower() not in dropped))
+
+
+def response_lines(fields: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
+    """response_headers(fields, drop_length=True) as the lines of the router's own server's answer head (front.Whole),
+    and whether a Date is among them: the engine's bytes as they came, with no CIMultiDict nor str in between."""
+    return _response_lines(tuple(fields))
+
+
+@functools.lru_cache(maxsize=256)  # an engine's fields only, as _response_headers
+def _response_lines(fields: tuple[tuple[bytes, bytes], ...]) -> tuple[bytes, bool]:
+    dropped = _HOP_BY_HOP_RAW | {b"content-length"}
+    if any(name.lower() == b"connection" for name, _ in fields):
+        dropped = dropped | _connection_options_raw(fields)
+    kept = [(name, value) for name, value in fields if name.lower() not in dropped]
+    return b"".join(name + b": " + value + b"\r\n" for name, value in kept), any(n.lower() == b"date" for n, _ in kept)

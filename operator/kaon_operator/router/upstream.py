@@ -195,6 +195,11 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.paused = False
         self.uses = 0
+        self.head_due: float | None = None
+        """When the response head in wait is due (the event loop's clock); None when none is awaited."""
+        self.head_timer: asyncio.TimerHandle | None = None
+        """One timer per connection, kept armed across its requests and looking again when it fires (expect_head_by):
+        no timer made and cancelled per request."""
 
     # asyncio's side --------------------------------------------------------------------
 
@@ -217,6 +222,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.head_due = None
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
         self.pool.forget(self)
         response = self.response
         if response is not None and not response.complete and response._error is None:
@@ -280,6 +289,24 @@ class _Connection(asyncio.Protocol):
         self.response, self.head, self.received = Response(self), head, False
         self.uses += 1
         self.transport.write(data)
+
+    def expect_head_by(self, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+        """The response head to the request just sent is due by `deadline`: its future fails with TimeoutError then."""
+        self.head_due = deadline
+        timer = self.head_timer
+        if timer is None or timer.when() > deadline:  # (the same timeout for every request: rarely the case)
+            if timer is not None:
+                timer.cancel()
+            self.head_timer = loop.call_at(deadline, self._head_overdue, loop)
+
+    def _head_overdue(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.head_timer = None
+        if self.head is None or self.head_due is None:
+            return  # the head came (or the exchange ended): the next request arms it again
+        if loop.time() >= self.head_due:
+            _expire(self.head)
+        else:  # a later request's deadline
+            self.head_timer = loop.call_at(self.head_due, self._head_overdue, loop)
 
     def done(self, response: Response) -> None:
         """The response was released: keep the connection for the next request if it is whole."""
@@ -408,14 +435,14 @@ class Pool:
     async def _exchange(conn: _Connection, data: bytes, deadline: float, loop: asyncio.AbstractEventLoop) -> Response:
         head: asyncio.Future[Response] = loop.create_future()
         conn.send(data, head)
-        timer = loop.call_at(deadline, _expire, head)
+        conn.expect_head_by(deadline, loop)
         try:
             return await head
         except BaseException:  # a timeout, a failure, or the client gone (cancelled): the engine sees a close
             conn.close()
             raise
         finally:
-            timer.cancel()
+            conn.head_due = None
 
 
 def _expire(head: asyncio.Future[Any]) -> None:

@@ -247,6 +247,8 @@ class AsyncEngine:
                                    self._finishes.rate(time.monotonic()), self._step_times.slowest())
             refusal = admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
             if refusal is not None:
+                if kv is not None and kv.reservation is not None:  # its blocks go back (on the engine thread)
+                    self._submit(_Call(lambda engine: engine.discard_imported(kv)))
                 error = QueueFullError if refusal.status == 429 else OverloadedError
                 raise error(refusal.reason, refusal.retry_after_s)
             self._num_queued += 1
@@ -335,12 +337,14 @@ class AsyncEngine:
                 added += 1
                 refused = self.refuse_new()
                 if refused is not None:
+                    self.engine.discard_imported(command.kv)
                     self._event_loop().call_soon_threadsafe(command.stream._put, refused)
                     continue
                 try:
                     self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
                                               lora_id=command.lora_id, kv=command.kv)
                 except Exception as exc:  # noqa: BLE001 -- validated already; only a duplicate id can get here, and its stream gets the error
+                    self.engine.discard_imported(command.kv)
                     self._event_loop().call_soon_threadsafe(command.stream._put, exc)
                     continue
                 streams[command.request_id] = command.stream

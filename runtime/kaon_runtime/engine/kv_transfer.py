@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -154,12 +155,40 @@ def prefill_params(cache_salt: str | None = None) -> SamplingParams:
 
 
 @dataclass(slots=True)
+class KvReservation:
+    """Blocks a decode engine holds for a prompt whose K/V is on its way, so each chunk goes into them as it
+    arrives (`place`, on the event loop's thread) and no copy of the whole prompt is left for the engine
+    thread once the last one is in. Taken and given back on the engine thread (the block manager is its);
+    the blocks past the cached prefix are this reservation's alone, so writing them beside a running step,
+    which reads and writes only its own sequences' blocks, is safe."""
+
+    holder: Sequence  # owns the blocks until a sequence adopts them (adopt_reserved)
+    # The pool they are in, weakly: an engine put to sleep mid-transfer frees it (engine/sleep.py checks that
+    # nothing else holds it) and wakes with a new one; adopt_reserved then refuses the blocks.
+    cache: weakref.ref[torch.Tensor]
+    start: int  # the prompt tokens the prefix cache covered: the transfer starts there
+    end: int
+    slots: torch.Tensor  # the pool slots of tokens [start, end)
+    placed: int  # tokens [start, placed) are in the pool
+
+    def place(self, first: int, kv: torch.Tensor) -> None:
+        """Write one received chunk (tokens [first, first + T), as gather_tokens returns it) into its blocks."""
+        assert first == self.placed, f"chunk at {first} where {self.placed} was due"
+        tokens = kv.shape[3]
+        cache = self.cache()
+        if cache is not None:  # None: the pool went with a sleep; adoption will refuse these blocks
+            scatter_tokens(cache, self.slots[first - self.start:first - self.start + tokens], kv)
+        self.placed += tokens
+
+
+@dataclass(slots=True)
 class ImportedKv:
     """A prompt's K/V received from a prefill engine: tokens [start, end) of the prompt, end = its length - 1."""
 
     start: int
     end: int
     kv: torch.Tensor  # [layers, 2, kv heads, end - start, head dim]
+    reservation: KvReservation | None = None  # set: the K/V is in these blocks already
 
 
 @dataclass(slots=True)
@@ -204,5 +233,42 @@ def place_imported(bm: BlockManager, cache: torch.Tensor, seq: Sequence, kv: Imp
     scatter_tokens(cache, slots, kv.kv[:, :, :, cached - kv.start:])
     seq.num_cached_tokens = cached
     seq.num_computed_tokens = kv.end
+    bm.commit(seq)  # its full blocks are in this engine's prefix cache now, as if computed here
+    return True
+
+
+def reserve_blocks(bm: BlockManager, cache: torch.Tensor, token_ids: list[int], params: SamplingParams,
+                   lora_id: int) -> KvReservation | None:
+    """Blocks for a whole prompt, its cached prefix shared (on the engine thread, before the ask): the transfer
+    asks for the tokens past that prefix and `place`s them as they arrive. None: the pool has no room now."""
+    holder = Sequence(-1, list(token_ids), len(token_ids), params, lora_id=lora_id)
+    cached = bm.allocate_prefix(holder)
+    if not bm.ensure_slots(holder, holder.num_tokens):
+        bm.free(holder)
+        return None
+    end = len(token_ids) - 1
+    return KvReservation(holder, weakref.ref(cache), cached, end,
+                         token_slots(holder.block_table, bm.block_size, cached, end), cached)
+
+
+def release_reserved(bm: BlockManager, reservation: KvReservation) -> None:
+    """Give a reservation's blocks back (the transfer failed, or its request never joined the engine)."""
+    bm.free(reservation.holder)
+    reservation.holder.block_table, reservation.holder.block_hashes = [], []
+
+
+def adopt_reserved(bm: BlockManager, cache: torch.Tensor, seq: Sequence, reservation: KvReservation) -> bool:
+    """Hand a complete reservation's blocks to the new sequence, so every prompt token but the last is computed
+    (as place_imported does at once); False (blocks given back) when it is not complete or the pool changed
+    under it: the sequence prefills itself then."""
+    assert not seq.block_table and reservation.end == seq.num_tokens - 1
+    if reservation.placed != reservation.end or reservation.cache() is not cache:
+        release_reserved(bm, reservation)
+        return False
+    holder = reservation.holder
+    seq.block_table, seq.block_hashes = holder.block_table, holder.block_hashes
+    holder.block_table, holder.block_hashes = [], []
+    seq.num_cached_tokens = reservation.start
+    seq.num_computed_tokens = reservation.end
     bm.commit(seq)  # its full blocks are in this engine's prefix cache now, as if computed here
     return True

@@ -189,8 +189,11 @@ class KvAssembler:
     With `staging` (NIXL), the chunks' bytes are written there by the prefill engine, and the frames only say
     which have landed."""
 
-    def __init__(self, layout: KvLayout, start: int, end: int, staging: torch.Tensor | None = None):
+    def __init__(self, layout: KvLayout, start: int, end: int, staging: torch.Tensor | None = None,
+                 on_chunk: Callable[[int, torch.Tensor], None] | None = None):
         self.layout, self.start, self.end = layout, start, end
+        # (first token, its K/V as gather_tokens gives it) per checked chunk: the decode engine's blocks
+        self.on_chunk = on_chunk
         self.rows = torch.empty((end - start, layout.token_bytes), dtype=torch.uint8)
         self.staging = staging
         self.received = start  # chunks checked and in place
@@ -249,13 +252,19 @@ class KvAssembler:
         if not all_finite(rows.view(self.layout.torch_dtype)):
             raise TransferError("garbage", "a chunk with values that are not finite")
         self.received += tokens
+        if self.on_chunk is not None:
+            self.on_chunk(header["first"], self._as_kv(rows))
+
+    def _as_kv(self, rows: torch.Tensor) -> torch.Tensor:
+        """Token-major rows as [layers, 2, kv heads, tokens, head dim] (a view)."""
+        layout = self.layout
+        kv = rows.view(layout.torch_dtype).view(rows.shape[0], layout.num_layers, 2, layout.num_kv_heads,
+                                                layout.head_dim)
+        return kv.permute(1, 2, 3, 0, 4)
 
     def result(self) -> ImportedKv:
         assert self.done
-        layout = self.layout
-        kv = self.rows.view(layout.torch_dtype).view(self.end - self.start, layout.num_layers, 2,
-                                                    layout.num_kv_heads, layout.head_dim)
-        return ImportedKv(self.start, self.end, kv.permute(1, 2, 3, 0, 4))
+        return ImportedKv(self.start, self.end, self._as_kv(self.rows))
 
 
 # ---- transports ------------------------------------------------------------------------------
@@ -264,7 +273,8 @@ class KvAssembler:
 class Transport(Protocol):
     name: str
 
-    async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float) -> ImportedKv: ...
+    async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float,
+                    on_chunk: Callable[[int, torch.Tensor], None] | None = None) -> ImportedKv: ...
 
 
 class TcpTransport:
@@ -276,8 +286,10 @@ class TcpTransport:
         self.api_key = api_key  # read per transfer: a mounted key file may rotate
         self._session: aiohttp.ClientSession | None = None
 
-    async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float) -> ImportedKv:
-        return await self._stream(url, ask, KvAssembler(layout, ask["start"], len(ask["token_ids"]) - 1), timeout_s)
+    async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float,
+                    on_chunk: Callable[[int, torch.Tensor], None] | None = None) -> ImportedKv:
+        assembler = KvAssembler(layout, ask["start"], len(ask["token_ids"]) - 1, on_chunk=on_chunk)
+        return await self._stream(url, ask, assembler, timeout_s)
 
     async def _stream(self, url: str, ask: dict, assembler: KvAssembler, timeout_s: float) -> ImportedKv:
         reader = FrameReader(assembler.destination)
@@ -335,16 +347,17 @@ class NixlTransport(TcpTransport):
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self.ranges = TokenRanges(staging_tokens)
 
-    async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float) -> ImportedKv:
+    async def fetch(self, url: str, ask: dict, layout: KvLayout, timeout_s: float,
+                    on_chunk: Callable[[int, torch.Tensor], None] | None = None) -> ImportedKv:
         start, end = ask["start"], len(ask["token_ids"]) - 1
         offset = self.ranges.take(end - start)
         if offset is None:
-            return await super().fetch(url, ask, layout, timeout_s)
+            return await super().fetch(url, ask, layout, timeout_s, on_chunk)
         progress = asyncio.create_task(self._progress())
         try:
             staging = self.staging[offset:offset + end - start]
             ask = ask | {"nixl": {"agent": self.agent_name, "metadata": self.metadata, "addr": staging.data_ptr()}}
-            return await self._stream(url, ask, KvAssembler(layout, start, end, staging), timeout_s)
+            return await self._stream(url, ask, KvAssembler(layout, start, end, staging, on_chunk), timeout_s)
         finally:
             progress.cancel()
             self.ranges.give(offset, end - start)

@@ -19,7 +19,7 @@ from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
 from kaon_runtime.engine.kv_observer import attach_kv_observer
 from kaon_runtime.engine.kv_tiers import TierStats
-from kaon_runtime.engine.kv_transfer import ImportedKv, KvExports, place_imported
+from kaon_runtime.engine.kv_transfer import ImportedKv, KvExports, adopt_reserved, place_imported, release_reserved
 from kaon_runtime.engine.lora_pool import LoraPool
 from kaon_runtime.engine.micro_batches import InFlight, pipeline_depth, without_finished
 from kaon_runtime.engine.model_loader import pick_device
@@ -151,6 +151,11 @@ class LLMEngine:
         self._requests[request_id] = request
         self._add_sequence(request, list(token_ids), index=0, kv=kv)
         self._prompt_tokens += len(token_ids)
+
+    def discard_imported(self, kv: ImportedKv | None) -> None:
+        """A received prompt's K/V whose request never joined: give back the blocks it holds (if any)."""
+        if kv is not None and kv.reservation is not None:
+            release_reserved(self.block_manager, kv.reservation)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its KV blocks return to the pool at once. Unknown ids are ignored."""
@@ -334,7 +339,9 @@ class LLMEngine:
                        lora_id=request.lora_id)
         request.seqs.append(seq)
         request.texts[index] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        if kv is not None and not place_imported(self.block_manager, self.runner.kv_cache, seq, kv):
+        if kv is not None and not (adopt_reserved(self.block_manager, self.runner.kv_cache, seq, kv.reservation)
+                                   if kv.reservation is not None
+                                   else place_imported(self.block_manager, self.runner.kv_cache, seq, kv)):
             self.kv_imports_evicted += 1  # the prefix it was sent for is gone, or no room: prefilled here
         if parent is None:
             self.scheduler.add(seq)

@@ -9,13 +9,23 @@ counted by its reason, and the engine prefills the prompt itself.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kaon_runtime.engine.block_manager import BlockManager
-from kaon_runtime.engine.kv_transfer import ImportedKv, KvLayout, TransferStats, cached_prefix_tokens
+from kaon_runtime.engine.kv_transfer import (
+    ImportedKv,
+    KvLayout,
+    KvReservation,
+    TransferStats,
+    cached_prefix_tokens,
+    release_reserved,
+    reserve_blocks,
+)
 from kaon_runtime.engine.kv_wire import TransferError, Transport
 from kaon_runtime.sampling import SamplingParams
 
@@ -29,14 +39,23 @@ DEFAULT_STEP_TOKENS = 1024  # the engine's step budget (EngineConfig.max_num_bat
 # of this many tokens, so a fallback's 1,000-token prefill is four short steps between its streams' decode
 # steps, not one long one (measured on one core: ~2 s for 1,000 tokens in one step; bench/disagg.py).
 DECODE_STEP_TOKENS = 256
+# A prefill engine's: each step's K/V leaves as soon as the step is done (KvExports), so the step is the transfer's
+# chunk, and a chunk's move overlaps the next chunk's prefill: only the last chunk's move is left after it.
+# `--disagg-chunk-tokens`. Measured (bench/disagg_chunks.py, one core, 1,001 tokens, arms alternating): smaller
+# chunks do hide the move (tail 798 -> 120 ms per 1,000 tokens at 256 under load 12), but on this CPU engine a
+# step costs a fixed part on top of its tokens (in-process: 256 tokens ~2.0 s, 1,024 ~5.2 s at load 13), so four
+# 256-token steps took 1.4-2.1x one 1,024-token step in all: more than the whole move. Hence the engine's usual
+# step: a 1,000-token prompt goes in one chunk, a 4,000-token one in four whose moves overlap the prefill.
+PREFILL_CHUNK_TOKENS = DEFAULT_STEP_TOKENS
 
 
-def step_token_budget(explicit: int | None, role: str) -> int:
+def step_token_budget(explicit: int | None, role: str, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> int:
     """Tokens one step computes at most: what the user set, else the role's default (a decode engine's steps
-    are what its streams wait on, so its local prefills are chunked smaller)."""
+    are what its streams wait on, so its local prefills are chunked smaller; a prefill engine's steps are its
+    transfers' chunks)."""
     if explicit is not None:
         return explicit
-    return DECODE_STEP_TOKENS if role == "decode" else DEFAULT_STEP_TOKENS
+    return {"decode": DECODE_STEP_TOKENS, "prefill": prefill_chunk}.get(role, DEFAULT_STEP_TOKENS)
 
 
 def wants_remote(num_prompt: int, num_cached: int, params: SamplingParams, min_prompt_tokens: int) -> bool:
@@ -79,6 +98,11 @@ class RemotePrefill:
         self.stats = TransferStats()
         self.observe: Callable[[float], None] = lambda seconds: None  # the server's histogram, once it has one
         self.why_not_nixl = ""  # logged beside the transport's name
+        # Runs fn(LLMEngine) on the engine thread (AsyncEngine.call), set by the server: with it the K/V goes into
+        # blocks reserved before the ask, chunk by chunk as it arrives; without it (tests of this class alone)
+        # into one buffer that place_imported copies into the blocks once the whole prompt is in.
+        self.engine_call: Callable[[Callable[[Any], Any]], Awaitable[Any]] | None = None
+        self._releases: set[asyncio.Task] = set()
 
     async def fetch(self, token_ids: list[int], params: SamplingParams, adapter: str | None,
                     lora_id: int) -> ImportedKv | None:
@@ -90,20 +114,47 @@ class RemotePrefill:
         if peer is None:
             self.stats.fallbacks["busy"] += 1
             return None
-        ask = {"token_ids": token_ids, "start": cached, "adapter": adapter, "cache_salt": params.cache_salt}
         peer.in_flight += 1
         began = time.perf_counter()
+        reservation: KvReservation | None = None
         try:
-            kv = await self.transport.fetch(peer.url, ask, self.layout, self.timeout_s)
+            if self.engine_call is not None:
+                reservation = await self.engine_call(
+                    lambda engine: reserve_blocks(engine.block_manager, engine.runner.kv_cache, token_ids, params,
+                                                  lora_id))
+                if reservation is None:  # no room for its blocks now: the scheduler will find it when there is
+                    self.stats.fallbacks["evicted"] += 1
+                    return None
+                cached = reservation.start  # exact now: the prefix these blocks share
+                if not wants_remote(len(token_ids), cached, params, self.min_prompt_tokens):
+                    self._release(reservation)
+                    return None
+            ask = {"token_ids": token_ids, "start": cached, "adapter": adapter, "cache_salt": params.cache_salt}
+            placing = {} if reservation is None else {"on_chunk": reservation.place}
+            kv = await self.transport.fetch(peer.url, ask, self.layout, self.timeout_s, **placing)
         except TransferError as exc:
+            self._release(reservation)
             self.stats.fallbacks[exc.reason] += 1
             log.warning("KV transfer from %s failed (%s: %s); prefilling %d tokens here", peer.url, exc.reason, exc,
                         len(token_ids))
             return None
+        except BaseException:  # cancelled (the client went away), or a bug: its blocks go back all the same
+            self._release(reservation)
+            raise
         finally:
             peer.in_flight -= 1
+        kv.reservation = reservation
         seconds = time.perf_counter() - began
         self.stats.requests += 1
         self.stats.received_tokens += kv.end - kv.start
         self.observe(seconds)
         return kv
+
+    def _release(self, reservation: KvReservation | None) -> None:
+        """Give a failed transfer's blocks back on the engine thread, without waiting (a cancelled task cannot)."""
+        if reservation is None or self.engine_call is None:
+            return
+        task = asyncio.ensure_future(self.engine_call(
+            lambda engine: release_reserved(engine.block_manager, reservation)))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)

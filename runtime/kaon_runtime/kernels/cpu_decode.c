@@ -1081,7 +1081,217 @@ typedef struct {
     const float *dp, *sp;
     const int32_t *qsp;
     float *y;
+    int amx;                /* KAON_AMX: two passes of many rows in AMX tiles (q, d, s as quantize_passes) */
 } LinearJob;
+
+/* ---- AMX: the two passes of many rows at once (Intel AMX-INT8; not Zen 4) ---------------
+ * With two passes the pair kernels above still do twice the integer dot products of one pass,
+ * so a batched decode step or a prompt chunk paid ~40-50% more in its projections. An AMX tile
+ * instruction multiplies up to 16 quantized rows by 16 outputs over a block of 32 in one go
+ * (TDPBSUD: int8 activations x the 4-bit weights as bytes; TDPBSSD for int8 weights), so the
+ * second pass's integer work nearly disappears. The integer block sums are exact, the same as
+ * VNNI's, and every lane then does the pair kernel's float operations in its order (per block
+ * fma(sum, scale * d, acc), fma(min, s, mins); acc + mins per pass; the passes summed in
+ * linear_chunk), so the bits equal the other paths' and a row's result still depends on that row
+ * alone, whichever path its step's row count picks (test_cpu_decode_invariance.py checks).
+ * Used from AMX_MIN_ROWS activation rows up (batch 1 stays on the pair kernels: one row would
+ * use a sixteenth of a tile); the kernel asks Linux for the tile state once (arch_prctl) and
+ * falls back to the pair kernels where that fails. */
+#if defined(KAON_PAIRS) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KAON_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_MIN_ROWS 4      /* activation rows */
+#define AMX_TILE_ROWS 16    /* quantized rows per tile */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static atomic_int amx_permitted = -1;  /* -1: not asked yet */
+static atomic_int amx_wanted = 1;      /* kaon_set_amx: the tests' and bench's A/B */
+
+static int amx_permission(void) {  /* asked once per process: it covers every thread */
+    int state = atomic_load(&amx_permitted);
+    if (state < 0) {
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        atomic_store(&amx_permitted, state);
+    }
+    return state;
+}
+static int amx_usable(void) { return atomic_load(&amx_wanted) && amx_permission(); }
+
+/* tmm0 and tmm3: C (m rows of 16 int32), tmm1 and tmm4: A (m rows of a block's 32 int8), tmm2 and
+ * tmm5: B (8 rows of 16 outputs x 4 bytes). */
+static inline void amx_configure(int m) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int set = 0; set < 6; set += 3) {
+        cfg.rows[set] = (uint8_t)m; cfg.colsb[set] = 64;
+        cfg.rows[set + 1] = (uint8_t)m; cfg.colsb[set + 1] = QBLOCK;
+        cfg.rows[set + 2] = QBLOCK / 4; cfg.colsb[set + 2] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Two groups' eight-lane words side by side (the second group's half zero where there is none). */
+static inline __m512i two_groups(const void *a, const void *b) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)a);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), b ? _mm256_loadu_si256((const __m256i *)b)
+                                                                : _mm256_setzero_si256(), 1);
+}
+static inline __m512 two_groups_ps(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+static inline __m256 load8_scales(const void *p, size_t at, int f32) {  /* eight scales or mins */
+    if (!p) return _mm256_setzero_ps();
+    return f32 ? _mm256_loadu_ps((const float *)p + at)
+               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
+}
+
+/* Outputs of groups g and g + 1 (g + 1 < groups or not) for quantized rows [m0, m0 + m) (m <= 16,
+ * even: both passes of each activation row): v[i][c] for quantized row m0 + i, output 8g + c
+ * (c < 16). q, d, s: quantize_passes' layout (row 2r the first pass of activation row r, 2r + 1
+ * its remainder's). A slice of blocks at a time, in two phases: the tiles' integer sums of every
+ * block of the slice (two sets of tiles in turn, so a block's dot product runs while the other's
+ * sums are stored), then the float work row by row over the slice, its accumulators in registers. */
+#define AMX_SLICE 8  /* blocks: sums 8 KB, weights 4 KB (16 and 24 were 10-20% slower at 16-64 rows: bench/cpu_projections.py) */
+static void amx_groups(const Linear *l, int g, int two, const int8_t *q, const float *d, const float *s, int m,
+                       float v[][2 * LANES]) {
+    const int k = l->k, blocks = k / QBLOCK;
+    const int int8 = l->kind == KIND_INT8;
+    const int f32 = l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32;
+    const int five = l->kind == KIND_Q5 || l->kind == KIND_Q5_F32;
+    const size_t wbytes = int8 ? (size_t)LANES * k : (size_t)LANES * k / 2;  /* a group's weights */
+    const uint8_t *w0 = (const uint8_t *)l->w + (size_t)g * wbytes, *w1 = two ? w0 + wbytes : NULL;
+    const uint8_t *h0 = five ? l->high + (size_t)g * LANES * k / 8 : NULL;
+    const uint8_t *h1 = five && two ? h0 + (size_t)LANES * k / 8 : NULL;
+    const void *wd = f32 ? (const void *)l->gscales : (const void *)l->d;
+    const void *wm = f32 ? (const void *)l->gmins : (const void *)l->m;
+    const size_t sg = (size_t)g * LANES * blocks;  /* group g's first scale */
+    __m512 acc[AMX_TILE_ROWS], mins[AMX_TILE_ROWS];
+    for (int i = 0; i < m; i++) acc[i] = mins[i] = _mm512_setzero_ps();
+    uint8_t bt[AMX_SLICE][QBLOCK / 4][64] __attribute__((aligned(64)));
+    int32_t ct[AMX_SLICE][AMX_TILE_ROWS][16] __attribute__((aligned(64)));
+    __m512 scale[AMX_SLICE], min[AMX_SLICE];
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int b0 = 0; b0 < blocks; b0 += AMX_SLICE) {
+        const int nb = blocks - b0 < AMX_SLICE ? blocks - b0 : AMX_SLICE;
+        for (int j = 0; j < nb; j++) {  /* the slice's weights as B tiles, and its scales */
+            const int b = b0 + j;
+            if (int8) {  /* [t][lane][4]: word t is B's row t */
+                for (int t = 0; t < 8; t++)
+                    _mm512_store_si512(bt[j][t], two_groups(w0 + ((size_t)b * 8 + t) * 32,
+                                                            w1 ? w1 + ((size_t)b * 8 + t) * 32 : NULL));
+                continue;
+            }
+            /* word t's low nibbles: elements 4t.., B's row t; its high ones: 16 + 4t.., row 4 + t */
+            __m512i nib[8];
+            for (int t = 0; t < 4; t++) {
+                const size_t at = (size_t)b * QBLOCK / 2 * LANES + 32 * t;
+                const __m512i raw = two_groups(w0 + at, w1 ? w1 + at : NULL);
+                nib[t] = _mm512_and_si512(raw, low);
+                nib[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+            if (five) {  /* as add_high_bits(nib, 8, ., 1) */
+                const __m512i hv = two_groups(h0 + (size_t)b * QBLOCK, h1 ? h1 + (size_t)b * QBLOCK : NULL);
+                const __m512i mask = _mm512_set1_epi8(0x10);
+                for (int t = 0; t < 8; t++) {
+                    const int up = 4 - t;
+                    const __m512i bits = up >= 0 ? _mm512_slli_epi16(hv, up) : _mm512_srli_epi16(hv, -up);
+                    nib[t] = _mm512_or_si512(nib[t], _mm512_and_si512(bits, mask));
+                }
+            }
+            for (int t = 0; t < 8; t++) _mm512_store_si512(bt[j][t], nib[t]);
+            const size_t at = sg + (size_t)b * LANES, next = at + (size_t)LANES * blocks;
+            scale[j] = two_groups_ps(load8_scales(wd, at, f32), two ? load8_scales(wd, next, f32) : _mm256_setzero_ps());
+            min[j] = two_groups_ps(load8_scales(wm, at, f32), two ? load8_scales(wm, next, f32) : _mm256_setzero_ps());
+        }
+        /* tiles 0-2 and 3-5 in turn: C, A, B of one block */
+#define AMX_BLOCK(C, A, B, j) do {                                             \
+            _tile_loadd(B, bt[j], 64);                                         \
+            _tile_loadd(A, q + (size_t)(b0 + (j)) * QBLOCK, k);                \
+            _tile_zero(C);                                                     \
+            if (int8) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);       \
+            _tile_stored(C, ct[j], 64);                                        \
+        } while (0)
+        int j = 0;
+        for (; j + 1 < nb; j += 2) { AMX_BLOCK(0, 1, 2, j); AMX_BLOCK(3, 4, 5, j + 1); }
+        if (j < nb) AMX_BLOCK(0, 1, 2, j);
+#undef AMX_BLOCK
+        for (int i = 0; i < m; i += 2) {  /* the pair kernels' float operations, block by block; two rows
+                                           * at a time (m is even): independent chains hide the FMA latency */
+            __m512 a0 = acc[i], a1 = acc[i + 1], n0 = mins[i], n1 = mins[i + 1];
+            const float *d0 = d + (size_t)i * blocks + b0, *d1 = d0 + blocks;
+            const float *s0 = s + (size_t)i * blocks + b0, *s1 = s0 + blocks;
+            if (int8)  /* group_int8_pairs: acc = fma(sum, d, acc); the row scales at the end */
+                for (int jj = 0; jj < nb; jj++) {
+                    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i])), _mm512_set1_ps(d0[jj]), a0);
+                    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i + 1])), _mm512_set1_ps(d1[jj]), a1);
+                }
+            else  /* group_q4_1_pairs */
+                for (int jj = 0; jj < nb; jj++) {
+                    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i])),
+                                         _mm512_mul_ps(scale[jj], _mm512_set1_ps(d0[jj])), a0);
+                    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i + 1])),
+                                         _mm512_mul_ps(scale[jj], _mm512_set1_ps(d1[jj])), a1);
+                    n0 = _mm512_fmadd_ps(min[jj], _mm512_set1_ps(s0[jj]), n0);
+                    n1 = _mm512_fmadd_ps(min[jj], _mm512_set1_ps(s1[jj]), n1);
+                }
+            acc[i] = a0; acc[i + 1] = a1; mins[i] = n0; mins[i + 1] = n1;
+        }
+    }
+    if (int8) {
+        const __m512 sc = two_groups_ps(_mm256_loadu_ps(l->scales + (size_t)g * LANES),
+                                        two ? _mm256_loadu_ps(l->scales + (size_t)(g + 1) * LANES) : _mm256_setzero_ps());
+        for (int i = 0; i < m; i++) _mm512_storeu_ps(v[i], _mm512_mul_ps(acc[i], sc));
+    } else {
+        for (int i = 0; i < m; i++) _mm512_storeu_ps(v[i], _mm512_add_ps(acc[i], mins[i]));
+    }
+}
+
+/* linear_chunk's AMX case: units are pairs of groups (16 outputs). */
+static void amx_chunk(const LinearJob *job, int begin, int end) {
+    const Linear *l = job->l;
+    const int n = l->n, k = l->k, blocks = k / QBLOCK, groups = (n + LANES - 1) / LANES;
+    float v[AMX_TILE_ROWS][2 * LANES];
+    int configured = 0;
+    for (int m0 = 0; m0 < job->rows; m0 += AMX_TILE_ROWS) {  /* rows outside: the tiles' shape changes at most once */
+        const int m = job->rows - m0 < AMX_TILE_ROWS ? job->rows - m0 : AMX_TILE_ROWS;
+        if (m != configured) { amx_configure(m); configured = m; }
+        for (int unit = begin; unit < end; unit++) {
+            const int g = 2 * unit, two = g + 1 < groups;
+            amx_groups(l, g, two, job->q + (size_t)m0 * k, job->d + (size_t)m0 * blocks,
+                       job->s + (size_t)m0 * blocks, m, v);
+            const int j = g * LANES, width = n - j < 2 * LANES ? n - j : 2 * LANES;
+            const __mmask16 keep = (__mmask16)((1u << width) - 1);
+            for (int i = 0; i < m; i += 2) {  /* as linear_chunk: the passes summed, then the bias */
+                __m512 sum = _mm512_add_ps(_mm512_loadu_ps(v[i]), _mm512_loadu_ps(v[i + 1]));
+                if (l->bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(keep, l->bias + j));
+                _mm512_mask_storeu_ps(job->y + (size_t)((m0 + i) / 2) * n + j, keep, sum);
+            }
+        }
+    }
+    if (configured) _tile_release();
+}
+#endif
+
+/* Whether the AMX path is on where this build has it (1: the default); off, the pair kernels run
+ * every row count (the tests' and the bench's comparison). Returns whether this build and kernel have it. */
+int kaon_set_amx(int on) {
+#ifdef KAON_AMX
+    atomic_store(&amx_wanted, on != 0);
+    return amx_permission();
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 #ifdef KAON_PAIRS
 /* Group g's outputs for activation rows [row, row + rows) in pairs (KAON_PAIRS): each quantized
@@ -1127,6 +1337,9 @@ static void linear_chunk(const void *arg, int begin, int end) {
         f32_t_outputs(l->w, fmt, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
     }
+#ifdef KAON_AMX
+    if (job->amx) { amx_chunk(job, begin, end); return; }
+#endif
     float v[2 * TILE][LANES];
     const int paired = job->qp != NULL, step = paired ? 2 * PAIRS_TILE : TILE;
     for (int g = begin; g < end; g++) {
@@ -1209,7 +1422,12 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     float *slo = (float *)(qs + (size_t)rows * blocks);
     int32_t *qlo = (int32_t *)(slo + (size_t)rows * blocks);
     const int paired = narrow && passes == 2 && pairs_kind(l->kind);  /* quantized straight into pairs, below */
-    if (narrow && passes == 2 && !paired)
+#ifdef KAON_AMX
+    const int amx = paired && activation_rows >= AMX_MIN_ROWS && amx_usable();  /* the passes' layout, in tiles */
+#else
+    const int amx = 0;
+#endif
+    if (narrow && passes == 2 && (!paired || amx))
         for (int r = 0; r < activation_rows; r++)
             quantize_passes(x + (size_t)r * k, k, q + (size_t)2 * r * k, d + (size_t)2 * r * blocks,
                             s + (size_t)2 * r * blocks, qs + (size_t)2 * r * blocks);
@@ -1229,7 +1447,7 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     int8_t *qp = NULL;
     float *dp = NULL, *sp = NULL;
     int32_t *qsp = NULL;
-    if (paired) {  /* the pair layout (KAON_PAIRS, above) */
+    if (paired && !amx) {  /* the pair layout (KAON_PAIRS, above) */
         qp = (int8_t *)(qlo + (size_t)rows * blocks);
         dp = (float *)(qp + (size_t)rows * k);
         sp = dp + (size_t)rows * blocks;
@@ -1238,8 +1456,9 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
             quantize_pairs(x + (size_t)r * k, k, qp + (size_t)2 * r * k, dp + (size_t)2 * r * blocks,
                            sp + (size_t)2 * r * blocks, qsp + (size_t)2 * r * blocks);
     }
-    LinearJob job = {l, rows, passes, x, q, d, s, qs, slo, qlo, qp, dp, sp, qsp, y};
-    parallel_for(narrow ? (l->n + LANES - 1) / LANES : l->n, threads, linear_chunk, &job);
+    LinearJob job = {l, rows, passes, x, q, d, s, qs, slo, qlo, qp, dp, sp, qsp, y, amx};
+    const int groups = (l->n + LANES - 1) / LANES;
+    parallel_for(amx ? (groups + 1) / 2 : narrow ? groups : l->n, threads, linear_chunk, &job);
 }
 
 /* ---- the rest of a layer ------------------------------------------------------------- */

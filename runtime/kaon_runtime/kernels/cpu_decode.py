@@ -157,6 +157,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kaon_pool_set_yield.argtypes = [ctypes.c_int]
     lib.kaon_pool_yields.restype = ctypes.c_long
     lib.kaon_pool_yields.argtypes = []
+    lib.kaon_set_amx.restype = ctypes.c_int
+    lib.kaon_set_amx.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -164,6 +166,13 @@ def set_pool_yield(lib: ctypes.CDLL, on: bool) -> None:
     """Whether the step's threads yield their core while they wait for each other past a short spin (the
     default: see wait_round in cpu_decode.c), or spin on (only bench/engine_contention.py's A/B sets it)."""
     lib.kaon_pool_set_yield(int(on))
+
+
+def set_amx(lib: ctypes.CDLL, on: bool) -> bool:
+    """Whether two-pass activations of many rows take the AMX tiles (on by default where the CPU and the kernel
+    have them: Intel AMX-INT8) or the 512-bit pair kernels at every row count (the tests' and the bench's A/B;
+    the bits are the same). Returns whether this CPU, build and kernel have the AMX path at all."""
+    return bool(lib.kaon_set_amx(int(on)))
 
 
 def pool_yields(lib: ctypes.CDLL) -> int:

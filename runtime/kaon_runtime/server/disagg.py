@@ -178,6 +178,7 @@ def install(app: FastAPI, engine: AsyncEngine, role: str, remote: RemotePrefill 
                         registry=registry)
     if remote is not None:
         remote.observe = seconds.observe
+        remote.engine_call = engine.call  # chunks go into blocks reserved on the engine thread as they arrive
     if remote is None:
         log.info("disaggregation: role %s", role)
     else:

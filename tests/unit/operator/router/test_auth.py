@@ -157,6 +157,23 @@ def test_the_table_keeps_digests_not_keys_and_only_those_published_for_the_named
     assert table.api_keys(ServiceKey("default", "chat")) == ()  # unreadable digests: closed, no error
 
 
+def test_a_body_is_worth_reading_by_its_key_only_while_every_service_requires_one():
+    """may_send_body follows the services as they come and go (the table notes key_required_everywhere
+    at each change, not at each request)."""
+    table = EndpointTable()
+    table.synced = True
+    assert auth.may_send_body(table, None)  # no service yet: read, then answered 404
+    table.apply_service("ADDED", isvc("default", "chat", "m", secret="keys", keys=("sk-alice",)))
+    assert not auth.may_send_body(table, None) and not auth.may_send_body(table, "Bearer sk-bob")
+    assert auth.may_send_body(table, "Bearer sk-alice")
+    table.apply_service("ADDED", isvc("default", "open", "o"))
+    assert auth.may_send_body(table, None)  # an open service may be named in the body
+    table.apply_service("DELETED", isvc("default", "open", "o"))
+    assert not auth.may_send_body(table, None)
+    table.replace_services(None, [])
+    assert auth.may_send_body(table, None)
+
+
 def test_router_checks_keys_per_service_rotates_and_fails_closed():
     async def scenario():
         engine = await Recorder().start()

@@ -225,3 +225,22 @@ def test_the_front_answers_on_uvloops_event_loop():
                 await asyncio.sleep(0.01)
 
     uvloop.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_kept_alive_connections_head_deadline_starts_again_after_each_answer():
+    """One timer per connection looks again when it fires (front._await_head): requests each sent within
+    --header-timeout of the last answer are all answered, though together they take longer than it."""
+    async def scenario():
+        async with router_port(header_timeout=2.0) as (port, engine):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for i in range(3):
+                writer.write(POST)
+                assert (await asyncio.wait_for(reader.readuntil(ANSWER_END), 5)).startswith(b"HTTP/1.1 200")
+                if i < 2:
+                    await asyncio.sleep(1.2)  # 2.4 s in all, past the first deadline; each gap well within it
+            writer.write(LAST)
+            assert [s for s, _ in answers(await asyncio.wait_for(reader.read(), 5))] == [200]
+            writer.close()
+            assert engine.quick == 3
+
+    run(scenario())

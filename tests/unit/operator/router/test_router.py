@@ -752,3 +752,15 @@ def test_least_connections_stays_the_default_and_ignores_prefixes():
             await e.stop()
 
     run(scenario())
+
+
+def test_an_endpoint_is_the_same_map_key_however_it_was_built():
+    """Endpoint keeps its hash (reckoned once): equal endpoints built apart find each other's entries
+    (in flight, back-off), and one differing in any field does not."""
+    fields = ("ns", "pod-0", "svc", "http://10.0.0.1:8000")
+    inflight = {Endpoint(*fields): 3}
+    assert inflight[Endpoint(*fields)] == 3
+    for i in range(4):
+        other = list(fields)
+        other[i] += "x"
+        assert Endpoint(*other) not in inflight and Endpoint(*other) != Endpoint(*fields)

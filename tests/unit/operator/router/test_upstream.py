@@ -12,7 +12,7 @@ import itertools
 import pytest
 from multidict import CIMultiDict
 
-from kaon_operator.router.request import response_headers, upstream_fields, upstream_headers
+from kaon_operator.router.request import response_headers, response_lines, upstream_fields, upstream_headers
 from kaon_operator.router.upstream import ConnectFailed, Pool, Response, UpstreamError, _Connection
 from support.router import FakeEngine, closed_port, routed, run, serving, until
 
@@ -99,6 +99,21 @@ def test_raw_fields_follow_the_same_rules_as_the_header_maps():
                              (b"Content-Length", b"3"), (b"Keep-Alive", b"timeout=5"), (b"X-Id", b"9")])
     assert list(back.items()) == [("Content-Type", "text/plain"), ("Content-Length", "3"), ("X-Id", "9")]
     assert "Content-Length" not in response_headers([(b"Content-Length", b"3")], drop_length=True)
+
+
+def test_an_answers_head_lines_keep_what_its_headers_keep():
+    """response_lines (the router's own server's whole answers: front.Whole) drops what response_headers does when
+    the body is sent whole, byte for byte, and says whether a Date is kept."""
+    cases = [[(b"Content-Type", b"text/plain"), (b"Connection", b"close, X-Hop"), (b"X-Hop", b"1"), (b"date", b"D"),
+              (b"Content-Length", b"3"), (b"Keep-Alive", b"timeout=5"), (b"X-Id", b"9"), (b"X-Id", b"10")],
+             [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked"), (b"TE", b"x")],
+             [(b"Server", b"uvicorn"), (b"Date", b"Sun, 29 Nov 2026 17:00:00 GMT"), (b"X-Raw", b"\xe9")]]
+    for fields in cases:
+        lines, dated = response_lines(fields)
+        expected = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in response_headers(fields, True).items())
+        assert lines == expected
+        assert dated == any(k.lower() == b"date" for k, _ in fields)
+    assert response_lines(cases[0])[0] == b"Content-Type: text/plain\r\ndate: D\r\nX-Id: 9\r\nX-Id: 10\r\n"
 
 
 def test_a_large_body_pauses_reading_until_it_is_read():
@@ -248,6 +263,29 @@ def test_a_kept_connection_the_engine_closed_is_retried_once_on_a_new_one_and_a_
             with pytest.raises(UpstreamError, match="not valid HTTP"):
                 await post(Pool(1.0), url)
     run(go())
+
+
+def test_each_request_on_a_kept_connection_gets_its_own_whole_first_byte_deadline():
+    """The connection's one head timer (expect_head_by) is armed by the first request: a later request on it
+    waits its own whole `timeout` for a head, then fails with TimeoutError, and the connection is closed."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        conn = _Connection(Pool(1.0), "http://10.0.0.7:8000")
+        conn.connection_made(transport := FakeTransport())
+        pool = Pool(1.0)
+        pool._take = lambda url, now: conn  # type: ignore[method-assign]
+        first = asyncio.ensure_future(pool.request("http://10.0.0.7:8000", "POST", "/", [], b"", 0.4))
+        await asyncio.sleep(0)
+        conn.data_received(CONTENT_LENGTH)
+        async with await first as response:
+            await response.read()
+        await asyncio.sleep(0.25)  # the first request's deadline passes while the second waits
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await pool.request("http://10.0.0.7:8000", "POST", "/", [], b"", 0.4)
+        return loop.time() - started, transport.closed
+    waited, closed = run(go())
+    assert 0.38 <= waited < 3 and closed
 
 
 def test_an_idle_connection_past_the_keepalive_is_not_used():

@@ -16,9 +16,11 @@ from kaon_runtime.engine.kv_transfer import (
     ImportedKv,
     KvExports,
     KvLayout,
+    adopt_reserved,
     cached_prefix_tokens,
     gather_tokens,
     place_imported,
+    reserve_blocks,
     scatter_tokens,
     token_slots,
 )
@@ -44,6 +46,7 @@ from kaon_runtime.engine.kv_wire import (
 from kaon_runtime.engine.remote_prefill import (
     DECODE_STEP_TOKENS,
     DEFAULT_STEP_TOKENS,
+    PREFILL_CHUNK_TOKENS,
     RemotePrefill,
     step_token_budget,
     wants_remote,
@@ -235,29 +238,97 @@ async def serve_prefill(behaviour: str):
     return runner, f"http://127.0.0.1:{port}"
 
 
+class _EngineThread:
+    """What AsyncEngine.call gives RemotePrefill: fn(engine) run between steps (here at once)."""
+
+    def __init__(self) -> None:
+        self.block_manager, self.runner = BlockManager(BLOCKS, BS), type("Runner", (), {"kv_cache": pool()})()
+
+    async def call(self, fn):
+        return fn(self)
+
+
+@pytest.mark.parametrize("reserved", [False, True], ids=["assembled", "into-reserved-blocks"])
 @pytest.mark.parametrize("behaviour, reason", [
     ("good", None), ("garbage", "garbage"), ("slow", "timeout"), ("busy", "refused"), ("down", "unreachable")])
-def test_a_failed_transfer_is_counted_and_prefilled_here(behaviour, reason):
+def test_a_failed_transfer_is_counted_and_prefilled_here(behaviour, reason, reserved):
+    engine = _EngineThread()
+
     async def main():
         runner, url = await serve_prefill(behaviour)
         if behaviour == "down":
             await runner.cleanup()
         transport = TcpTransport()
-        remote = RemotePrefill([url], transport, LAYOUT, BlockManager(BLOCKS, BS), min_prompt_tokens=4,
-                               timeout_s=0.3)
+        remote = RemotePrefill([url], transport, LAYOUT, engine.block_manager, min_prompt_tokens=4, timeout_s=0.3)
+        if reserved:
+            remote.engine_call = engine.call
         try:
             return remote, await remote.fetch(list(range(11)), SamplingParams(), None, 0)
         finally:
+            await asyncio.sleep(0)  # a failed transfer's release runs as its own task
             await transport.close()
             await runner.cleanup()
 
     remote, kv = asyncio.run(main())
+    bm = engine.block_manager
     if reason is None:
         assert kv is not None and torch.equal(kv.kv, tokens_kv(0, 10))
         assert remote.stats.received_tokens == 10 and not any(remote.stats.fallbacks.values())
+        if reserved:  # the K/V is in the decode engine's blocks already, held for the sequence that adopts them
+            assert kv.reservation is not None and kv.reservation.placed == 10
+            held = kv.reservation.holder.block_table
+            assert len(held) == 3 and bm.num_free_blocks == BLOCKS - 3
+            assert torch.equal(gather_tokens(engine.runner.kv_cache, token_slots(held, BS, 0, 10)), tokens_kv(0, 10))
+        else:
+            assert kv.reservation is None and bm.num_free_blocks == BLOCKS
     else:
         assert kv is None and remote.stats.received_tokens == 0
         assert remote.stats.fallbacks == {r: int(r == reason) for r in remote.stats.fallbacks}
+        assert bm.num_free_blocks == BLOCKS  # a failed transfer's reserved blocks went back
+
+
+def test_chunks_go_into_the_reserved_blocks_as_they_arrive():
+    """The decode engine writes each chunk into its blocks when the chunk arrives, not the whole prompt after the
+    last one; a sequence adopts the blocks (its cached prefix shared) only once every token is in."""
+    bm, cache = BlockManager(BLOCKS, BS), pool()
+    prompt = list(range(100, 111))
+    first = seq(prompt)
+    assert place_imported(bm, cache, first, ImportedKv(0, 10, tokens_kv(0, 10)))  # caches blocks [0, 8)
+    later = prompt[:9] + [7, 7, 7, 7, 7]  # 14 tokens: 8 cached, [8, 13) to move
+    reservation = reserve_blocks(bm, cache, later, SamplingParams(), 0)
+    assert reservation is not None and (reservation.start, reservation.end) == (8, 13)
+    assembler = KvAssembler(LAYOUT, 8, 13, on_chunk=reservation.place)
+    reader = FrameReader(assembler.destination)
+    slots = token_slots(reservation.holder.block_table, BS, 8, 13)
+    frames = transfer(8, 13, step=3)
+    placed_after_each = []
+    for i in range(0, len(frames), 7):
+        for header, payload in reader.feed(frames[i:i + 7]):
+            assembler.add(header, payload)
+            if header["type"] == "chunk":
+                placed_after_each.append(reservation.placed)
+                got = gather_tokens(cache, slots[:reservation.placed - 8])
+                assert torch.equal(got, tokens_kv(8, reservation.placed))  # in the pool before the next arrives
+    assert placed_after_each == [11, 13] and assembler.done
+    later_seq = seq(later, 1)
+    assert not adopt_reserved(bm, pool(), seq(later, 2), reserve_blocks(bm, cache, later, SamplingParams(), 0))
+    assert adopt_reserved(bm, cache, later_seq, reservation)
+    assert later_seq.num_cached_tokens == 8 and later_seq.num_computed_tokens == 13 and later_seq.is_decoding
+    assert later_seq.block_table[:2] == first.block_table[:2] and reservation.holder.block_table == []
+    bm.free(later_seq)
+    bm.free(first)
+    assert bm.num_free_blocks == BLOCKS
+
+
+def test_an_incomplete_reservation_is_not_adopted():
+    bm, cache = BlockManager(BLOCKS, BS), pool()
+    prompt = list(range(11))
+    reservation = reserve_blocks(bm, cache, prompt, SamplingParams(), 0)
+    assert reservation is not None
+    reservation.place(0, tokens_kv(0, 6))
+    s = seq(prompt)
+    assert not adopt_reserved(bm, cache, s, reservation)
+    assert s.block_table == [] and s.num_computed_tokens == 0 and bm.num_free_blocks == BLOCKS
 
 
 def test_an_ask_past_the_in_flight_limit_is_prefilled_here_at_once():
@@ -288,13 +359,33 @@ def test_a_decode_engine_prefills_what_it_keeps_in_short_chunks():
     """A decode engine's own prefills (short prompts, fallbacks) go in steps of DECODE_STEP_TOKENS, so a failed
     transfer's 1,000-token prompt does not stall its streams for one long step; set by hand, the flag wins."""
     assert step_token_budget(None, "decode") == DECODE_STEP_TOKENS < DEFAULT_STEP_TOKENS
-    assert step_token_budget(None, "both") == step_token_budget(None, "prefill") == DEFAULT_STEP_TOKENS
+    assert step_token_budget(None, "both") == DEFAULT_STEP_TOKENS
     assert step_token_budget(2048, "decode") == 2048
     from kaon_runtime.cli import build_parser, engine_config
 
     args = build_parser().parse_args(["serve", "--role", "decode", "--prefill-url", "http://p:80"])
     assert engine_config(args).max_num_batched_tokens == DECODE_STEP_TOKENS
     assert engine_config(build_parser().parse_args(["serve"])).max_num_batched_tokens == DEFAULT_STEP_TOKENS
+
+
+def test_a_prefill_engine_steps_in_transfer_chunks():
+    """A prefill engine's step is its transfers' chunk (each step's K/V leaves once the step is done, so a chunk's
+    move overlaps the next chunk's prefill): --disagg-chunk-tokens sets it, --max-num-batched-tokens set by hand
+    wins."""
+    from kaon_runtime.cli import build_parser, engine_config
+
+    assert step_token_budget(None, "prefill") == PREFILL_CHUNK_TOKENS
+    assert step_token_budget(None, "prefill", 300) == 300
+    assert engine_config(build_parser().parse_args(["serve", "--role", "prefill"])).max_num_batched_tokens \
+        == PREFILL_CHUNK_TOKENS
+    args = build_parser().parse_args(["serve", "--role", "prefill", "--disagg-chunk-tokens", "128"])
+    assert engine_config(args).max_num_batched_tokens == 128
+    args = build_parser().parse_args(["serve", "--role", "prefill", "--disagg-chunk-tokens", "128",
+                                      "--max-num-batched-tokens", "512"])
+    assert engine_config(args).max_num_batched_tokens == 512
+    # the chunk flag is a prefill engine's: an aggregated engine keeps its steps
+    args = build_parser().parse_args(["serve", "--disagg-chunk-tokens", "128"])
+    assert engine_config(args).max_num_batched_tokens == DEFAULT_STEP_TOKENS
 
 
 def test_token_ranges_first_fit():
@@ -351,3 +442,18 @@ def test_layout_states_the_model_and_dtype():
     assert asdict(KvLayout.of_cache(pool())) == {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": DIM,
                                                  "dtype": "float32"}
     assert LAYOUT.token_bytes == 2 * LAYERS * HEADS * DIM * 4
+
+
+def test_a_reservation_does_not_keep_a_slept_engines_pool():
+    """An engine put to sleep mid-transfer frees its pool (engine/sleep.py warns if anything still holds it): the
+    reservation holds it only weakly, its chunks then go nowhere, and the woken engine's new pool refuses them."""
+    bm, cache = BlockManager(BLOCKS, BS), pool()
+    prompt = list(range(11))
+    reservation = reserve_blocks(bm, cache, prompt, SamplingParams(), 0)
+    assert reservation is not None
+    del cache  # put_to_sleep drops the pool
+    assert reservation.cache() is None
+    reservation.place(0, tokens_kv(0, 10))  # arrives after: no error, nothing written
+    s = seq(prompt)
+    assert not adopt_reserved(bm, pool(), s, reservation)
+    assert s.block_table == [] and bm.num_free_blocks == BLOCKS

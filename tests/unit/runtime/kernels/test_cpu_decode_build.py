@@ -45,9 +45,12 @@ def test_it_builds_wherever_there_is_a_compiler():
 
 # x86-64 levels: v3 is AVX2, FMA and F16C (the vector paths, without VNNI); v3 with AVX-VNNI takes
 # the 256-bit VNNI dot products (Intel's client cores; native here may be AVX-512's, whose two activation
-# passes run side by side in 512-bit registers); v2 has none of them.
+# passes run side by side in 512-bit registers); v2 has none of them. avx512-no-amx: this CPU without its
+# AMX tiles, as Zen 4 runs (the pair kernels at every row count, where native Intel takes AMX from 4 rows).
 AVX2 = {"avx2", "fma", "f16c", "bmi2", "movbe"}
 LEVELS = {"avx2": ("-march=x86-64-v3", AVX2), "avx2-vnni": ("-march=x86-64-v3 -mavxvnni", AVX2 | {"avx_vnni"}),
+          "avx512-no-amx": ("-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                            {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_int8"}),
           "scalar": ("-march=x86-64-v2", set())}
 
 

@@ -13,9 +13,11 @@ import torch
 from test_cpu_decode import BLOCK, LENS, TABLES, decode_step, random_model, tiny_config
 
 from kaon_runtime.kernels import cpu_decode
-from kaon_runtime.kernels.quant_gemm_ref import quantize_activations_ref
+from kaon_runtime.kernels.quant_gemm_ref import pack_int4, quantize_activations_ref
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.int4 import quantize_int4
+from kaon_runtime.quant.int8 import quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
 
@@ -163,3 +165,37 @@ def test_quantized_prefill_rows_compute_their_reference(method, activations, mon
     # 1.2-1.5e-4 from their reference here, 2-4e-4 from float32 activations, 0.04-0.09 from one
     # pass's reference (the second pass skipped), ~1 for a row that reads another row's scale.
     assert error.max() < TOLERANCE[activations], f"rows off their reference: {error.tolist()}"
+
+
+@pytest.mark.parametrize("kind", ["int8", "q4_1", "q4_f32", "q5"])
+def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
+    """Two activation passes of many rows take AMX tiles where the CPU has AMX-INT8 (cpu_decode.c, KAON_AMX),
+    fewer rows the 512-bit pair kernels: the same bits, so a row's result does not depend on which path its
+    step's row count picks. Row counts: below the tiles' minimum, a partial tile, a full one, one and a half;
+    84 outputs: an odd group of eight, padded in the tile."""
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
+    lib = cpu_decode.library()
+    if not cpu_decode.set_amx(lib, True):
+        pytest.skip("no AMX-INT8 here (or the kernel refuses its tile state): the pair kernels run every row count")
+    torch.manual_seed(5)
+    n, k = 84, 160
+    values = torch.randint(0, 32, (n, k), dtype=torch.uint8)
+    scales, mins = torch.rand(n, k // 32) / 10, torch.randn(n, k // 32) / 10
+    w4 = quantize_int4(torch.randn(n, k), 32)
+    make = {"int8": lambda: cpu_decode.LinearWeights.int8(*quantize_int8(torch.randn(n, k)), torch.randn(n)),
+            "q4_1": lambda: cpu_decode.LinearWeights.q4_1(w4.packed, w4.scales, w4.mins, torch.randn(n)),
+            "q4_f32": lambda: cpu_decode.LinearWeights.q4_f32(pack_int4(values & 15, 32), scales, mins),
+            "q5": lambda: cpu_decode.LinearWeights.q5(values, scales.half(), mins.half())}[kind]
+    weights = make()
+    x = torch.randn(24, k) * torch.logspace(-2, 1, k)
+    try:
+        for rows in (3, 4, 7, 8, 20, 24):
+            cpu_decode.set_amx(lib, True)
+            tiles = cpu_decode.linear(weights, x[:rows])
+            cpu_decode.set_amx(lib, False)
+            pairs = cpu_decode.linear(weights, x[:rows])
+            assert torch.equal(tiles, pairs), f"{rows} rows"
+            alone = cpu_decode.linear(weights, x[rows - 1:rows])[0]  # one row: always the pair kernels
+            assert torch.equal(tiles[-1], alone), f"{rows} rows, the last alone"
+    finally:
+        cpu_decode.set_amx(lib, True)
