@@ -442,3 +442,18 @@ def test_layout_states_the_model_and_dtype():
     assert asdict(KvLayout.of_cache(pool())) == {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": DIM,
                                                  "dtype": "float32"}
     assert LAYOUT.token_bytes == 2 * LAYERS * HEADS * DIM * 4
+
+
+def test_a_reservation_does_not_keep_a_slept_engines_pool():
+    """An engine put to sleep mid-transfer frees its pool (engine/sleep.py warns if anything still holds it): the
+    reservation holds it only weakly, its chunks then go nowhere, and the woken engine's new pool refuses them."""
+    bm, cache = BlockManager(BLOCKS, BS), pool()
+    prompt = list(range(11))
+    reservation = reserve_blocks(bm, cache, prompt, SamplingParams(), 0)
+    assert reservation is not None
+    del cache  # put_to_sleep drops the pool
+    assert reservation.cache() is None
+    reservation.place(0, tokens_kv(0, 10))  # arrives after: no error, nothing written
+    s = seq(prompt)
+    assert not adopt_reserved(bm, pool(), s, reservation)
+    assert s.block_table == [] and bm.num_free_blocks == BLOCKS
