@@ -416,6 +416,8 @@ class AsyncEngine:
 
 
 def _run_call(command: _Call, engine: LLMEngine) -> None:
+    if not command.done.set_running_or_notify_cancel():  # its caller gave up while it was queued: not run (setting
+        return  # a cancelled future's result would raise here, on the engine thread)
     try:
         command.done.set_result(command.fn(engine))
     except Exception as exc:  # noqa: BLE001 -- handed to the caller, which raises it
