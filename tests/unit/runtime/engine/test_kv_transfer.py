@@ -5,6 +5,7 @@ Two real engines exchanging K/V over HTTP: tests/integration/test_disagg.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -457,3 +458,43 @@ def test_a_reservation_does_not_keep_a_slept_engines_pool():
     s = seq(prompt)
     assert not adopt_reserved(bm, pool(), s, reservation)
     assert s.block_table == [] and bm.num_free_blocks == BLOCKS
+
+
+def test_a_request_cancelled_while_its_blocks_are_reserved_gives_them_back():
+    """The client goes away while the engine thread has the reservation queued: the engine thread's call still runs
+    to its end (a cancelled call's future would make it fail as AsyncEngine's _run_call sets the result), and the
+    blocks it took go back once it is done, not held for ever."""
+    from concurrent.futures import Future
+
+    engine, errors = _EngineThread(), []
+
+    async def engine_call(fn):  # as AsyncEngine.call: a future the engine thread completes between steps, later
+        done: Future = Future()
+
+        def between_steps():
+            try:
+                done.set_result(fn(engine))
+            except Exception as exc:  # noqa: BLE001 -- what would kill the engine thread
+                errors.append(exc)
+
+        threading.Timer(0.05, between_steps).start()
+        return await asyncio.wrap_future(done)
+
+    async def main():
+        remote = RemotePrefill(["http://127.0.0.1:9"], TcpTransport(), LAYOUT, engine.block_manager,
+                               min_prompt_tokens=4)
+        remote.engine_call = engine_call
+        task = asyncio.create_task(remote.fetch(list(range(11)), SamplingParams(), None, 0))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)  # the engine thread has run the reservation by now
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if engine.block_manager.num_free_blocks == BLOCKS:
+                break
+        return remote
+
+    remote = asyncio.run(main())
+    assert errors == [] and engine.block_manager.num_free_blocks == BLOCKS and remote.peers[0].in_flight == 0
