@@ -67,8 +67,9 @@ UNIT_WORKERS ?= -n 2 --dist loadfile
 # tests/unit runs: the builds run under nice 19 and take the CPU the unit tests leave idle (about one
 # core of two). tests/unit needs none of them: its tests marked llama_cpp (the GGUF agreement with
 # llama.cpp, in $(LLAMA_CPP_TESTS)) are left out of it and run after the builds, because in the first
-# cold CI (2026-11-29) one of them held a unit worker 593 s waiting on the wheel's build. A failed build
-# fails the tests that need it. The builds' output: .venv/builds.log.
+# cold CI (2026-11-29) one of them held a unit worker 593 s waiting on the wheel's build. The wheel holds
+# only what llama-cpp-python loads (e2e/build-llama-cpp.sh says what is left out, docs/testing.md what
+# that saves). A failed build fails the tests that need it. The builds' output: .venv/builds.log.
 # Then tests/integration and tests/e2e run side by side, two pytest processes with a control plane each
 # (tests/run_cluster_tests.sh says why; `make test CLUSTER_TESTS=serial` runs them in one process). The
 # builds are waited for first, and that wait goes to $KAON_BUILD_WAIT_LOG (.ci/run takes it out of the

@@ -863,6 +863,9 @@ class Config:
     """kaon-standby's scaleUpWindowSeconds: with starts that cheap, a shorter look back reacts sooner."""
     standby_stabilization_s: int = 120
     """kaon-standby's scaleDownStabilizationSeconds: a replica let go comes back in a wake."""
+    standby_idle_s: int = 30
+    """kaon-standby's scaleToZeroIdleSeconds (minReplicas 0): back from zero is a wake, not a cold start, so
+    the idle time before zero need not outlast a cold start (the other policies': max(120, 2 x cold start))."""
     standby_max_step: int = 4
     """kaon-standby's maxStep: a step up of several replicas costs several wakes, not several cold starts."""
     poke_interval_s: float = 1.0
@@ -904,7 +907,9 @@ def policies(config: Config, trace: Trace, oracle: list[int]) -> list[Policy]:
         woken = replace(config.model.perf_model(), cold_start_seconds=config.wake_s)
         quick = spec.model_copy(update={"standby": config.standby, "scale_up_window_seconds": config.standby_window_s,
                                         "scale_down_stabilization_seconds": config.standby_stabilization_s,
-                                        "max_step": config.standby_max_step})
+                                        "max_step": config.standby_max_step,
+                                        **({"scale_to_zero_idle_seconds": config.standby_idle_s}
+                                           if spec.scale_to_zero_idle_seconds else {})})
         out.append(Kaon(quick, config.model.max_num_seqs, scrape(), model=woken, name="kaon-standby"))
     return out
 
@@ -1111,6 +1116,8 @@ def main(argv: list[str] | None = None) -> int:
                         "replica-hours: about 0.1 where a sleeping (level 2) replica holds only host memory and its "
                         "GPU goes to other work (shared GPUs, DRA); 1.0 where it keeps a whole GPU")
     parser.add_argument("--standby-window-s", type=int, default=15, help="kaon-standby's scaleUpWindowSeconds")
+    parser.add_argument("--standby-idle-s", type=int, default=30,
+                        help="kaon-standby's scaleToZeroIdleSeconds where minReplicas is 0 (back from zero is a wake)")
     parser.add_argument("--standby-stabilization-s", type=int, default=120,
                         help="kaon-standby's scaleDownStabilizationSeconds")
     parser.add_argument("--poke-interval-s", type=float, default=1.0,
@@ -1142,7 +1149,8 @@ def main(argv: list[str] | None = None) -> int:
                     hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
                     minutes=args.minutes, target_concurrency=target, standby=args.standby, wake_s=args.wake_s,
                     standby_cost=args.standby_cost, standby_window_s=args.standby_window_s,
-                    standby_stabilization_s=args.standby_stabilization_s, poke_interval_s=args.poke_interval_s,
+                    standby_stabilization_s=args.standby_stabilization_s, standby_idle_s=args.standby_idle_s,
+                    poke_interval_s=args.poke_interval_s,
                     poke_latency_s=args.poke_latency_s, poke_loss=args.poke_loss, only=tuple(args.policies))
     rows = []
     started = time.perf_counter()
@@ -1178,7 +1186,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kaon-standby: kaon-predictive with spec.autoscaling.standby {config.standby} (a wake takes "
                   f"{config.wake_s:g} s; a standby costs {config.standby_cost:g} of an awake replica, counted in its "
                   f"replica-hours), scaleUpWindowSeconds {config.standby_window_s}, "
-                  f"scaleDownStabilizationSeconds {config.standby_stabilization_s}, maxStep {config.standby_max_step}; "
+                  f"scaleDownStabilizationSeconds {config.standby_stabilization_s}, maxStep {config.standby_max_step}, "
+                  f"scaleToZeroIdleSeconds {config.standby_idle_s} (minReplicas 0); "
                   + (f"the routers' pressure read every {config.poke_interval_s:g} s, acted on "
                      f"{config.poke_latency_s:g} s later, {100 * config.poke_loss:g}% of reads lost "
                      f"(router_pressure.py, short at {router_pressure.SHORT_FACTOR:g}x the target)"

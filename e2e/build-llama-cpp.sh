@@ -4,7 +4,9 @@
 # Why: tests/unit/runtime/loader/test_gguf_families.py checks kaon's GGUF decoding against llama.cpp
 # on the same file, and the benches use it as the peer. PyPI serves it as source only, so pip
 # compiles llama.cpp with cmake each time (minutes on 2 cores): this builds the wheel once,
-#   ${KAON_CACHE:-$HOME/.cache/kaon}/wheels/llama-cpp-python/<version>-<python>-<arch>-portable/
+#   ${KAON_CACHE:-$HOME/.cache/kaon}/wheels/llama-cpp-python/<version>-<python>-<arch>-portable-<flags>/
+# (<flags>: a digest of the CMake flags below and of llama-cpp-python-lean.cmake, so a change of flags
+# builds a new wheel instead of installing one built otherwise)
 # and later calls install that wheel (seconds), or return at once when it is already installed.
 # `make test` runs it in the background beside tests/unit (nice 19, with the Go builds), not in
 # `make install`: a cold build no longer holds up install and lint. The GGUF test that needs it runs
@@ -29,6 +31,21 @@ CACHE_ROOT="${KAON_CACHE:-$HOME/.cache/kaon}"
 
 log() { printf '[build-llama-cpp %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 
+# Only what llama-cpp-python's Python loads: libllama and ggml's CPU backend, one portable variant.
+# - No mtmd (LLAVA_BUILD=OFF: images and audio, imported only for those; no test or bench uses it).
+# - No tests, tools, examples, server or app: llama.cpp leaves them off as a subproject; said here so
+#   that a release changing that default cannot bring them back unnoticed.
+# - No "common" library and no cpp-httplib: llama-cpp-python forces common on, and only the project
+#   include below can turn it off (measured 2026-11-29: see docs/testing.md, "A cold CI").
+# - One CPU backend linked in (no GGML_BACKEND_DL, so no per-CPU variants).
+CMAKE_FLAGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DGGML_BACKEND_DL=OFF"
+LEAN="$(cd "$(dirname "$0")" && pwd)/llama-cpp-python-lean.cmake"
+# The cache key: the flags and the include's content (not its path, which differs from clone to clone).
+flags_key=$(cat <(echo "$CMAKE_FLAGS") "$LEAN" | sha256sum | cut -c1-12)
+python_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+WHEELS="$CACHE_ROOT/wheels/llama-cpp-python/$VERSION-$python_tag-$(uname -m)-portable-$flags_key"
+
 # One build at a time (the background build of `make test`, the test that waits for it): the second
 # waits on the lock, then finds the wheel installed (the check is under the lock: a half-done
 # install is never taken for a whole one).
@@ -42,12 +59,11 @@ if ! flock -n 9; then
   [[ -z "${KAON_BUILD_WAIT_LOG:-}" ]] || echo "llama-cpp $((SECONDS - asked))" >> "$KAON_BUILD_WAIT_LOG"
 fi
 installed=$("$PY" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
-if [[ "$installed" == "$VERSION" ]]; then
+# Which wheel the venv has: a venv holding this version built with other flags gets this build instead.
+marker="$("$PY" -c 'import sys; print(sys.prefix)')/.llama-cpp-python-flags"
+if [[ "$installed" == "$VERSION" && "$(cat "$marker" 2>/dev/null)" == "$flags_key" ]]; then
   exit 0
 fi
-
-python_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEELS="$CACHE_ROOT/wheels/llama-cpp-python/$VERSION-$python_tag-$(uname -m)-portable"
 
 if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
   log "building llama-cpp-python $VERSION from source (a few minutes per core; cached in $WHEELS)"
@@ -55,9 +71,7 @@ if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
   mkdir -p "$WHEELS"
   tmp=$(mktemp -d "$WHEELS.tmp.XXXXXX")
   trap 'rm -rf "$tmp"' EXIT
-  # Only the text library: mtmd (images and audio, imported by llama-cpp-python only for those)
-  # would be compiled for nothing: no test or bench uses it.
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
+  CMAKE_ARGS="$CMAKE_FLAGS -DCMAKE_PROJECT_llama.cpp_INCLUDE=$LEAN" \
   CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     "$PY" -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
       "llama-cpp-python==$VERSION" -w "$tmp"
@@ -67,5 +81,7 @@ if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
   log "done in $((SECONDS - start))s"
 fi
 
-"$PY" -m pip install --quiet "$WHEELS"/llama_cpp_python-*.whl
+# --force-reinstall: the same version built with other flags counts as installed to pip.
+"$PY" -m pip install --quiet --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
+echo "$flags_key" > "$marker"
 log "llama-cpp-python $VERSION installed"

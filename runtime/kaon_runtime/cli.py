@@ -344,7 +344,7 @@ def _fetch_first(args) -> None:
         uri = args.model
         with startup.phase("fetch"):
             args.model = str(fetch(uri, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
-                                   tensor_parallel_size=args.tensor_parallel_size))
+                                   tensor_parallel_size=args.tensor_parallel_size, hold=True))
         if getattr(args, "served_model_name", "unset") is None:
             args.served_model_name = uri
     elif args.model.startswith("pvc://"):

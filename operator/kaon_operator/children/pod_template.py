@@ -84,7 +84,10 @@ def model_location(model: api.ModelSpec) -> list[str]:
 def fetch_args(spec: api.InferenceServiceSpec) -> list[str]:
     """The `kaon fetch` command line of the init container: download (hf://, s3://) or look at (pvc://)
     the model, check that tensorParallelSize fits its heads, and say why not in one line."""
-    return ["kaon", "fetch", *model_location(spec.model),
+    # The node cache is bounded by sizeLimit: the least recently used models no pod uses go (kaon fetch's sweep).
+    bound = ["--cache-limit", str(spec.model.cache.size_limit)] \
+        if spec.model.cache.node and _scheme(spec.model.uri) in FETCHED_SCHEMES else []
+    return ["kaon", "fetch", *model_location(spec.model), *bound,
             "--tensor-parallel-size", str(spec.engine.tensor_parallel_size), "--termination-log", TERMINATION_LOG]
 
 

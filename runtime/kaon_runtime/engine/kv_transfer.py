@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -162,7 +163,9 @@ class KvReservation:
     which reads and writes only its own sequences' blocks, is safe."""
 
     holder: Sequence  # owns the blocks until a sequence adopts them (adopt_reserved)
-    cache: torch.Tensor  # the pool they are in (a sleeping engine makes a new one: adopt_reserved checks)
+    # The pool they are in, weakly: an engine put to sleep mid-transfer frees it (engine/sleep.py checks that
+    # nothing else holds it) and wakes with a new one; adopt_reserved then refuses the blocks.
+    cache: weakref.ref[torch.Tensor]
     start: int  # the prompt tokens the prefix cache covered: the transfer starts there
     end: int
     slots: torch.Tensor  # the pool slots of tokens [start, end)
@@ -172,7 +175,9 @@ class KvReservation:
         """Write one received chunk (tokens [first, first + T), as gather_tokens returns it) into its blocks."""
         assert first == self.placed, f"chunk at {first} where {self.placed} was due"
         tokens = kv.shape[3]
-        scatter_tokens(self.cache, self.slots[first - self.start:first - self.start + tokens], kv)
+        cache = self.cache()
+        if cache is not None:  # None: the pool went with a sleep; adoption will refuse these blocks
+            scatter_tokens(cache, self.slots[first - self.start:first - self.start + tokens], kv)
         self.placed += tokens
 
 
@@ -242,8 +247,8 @@ def reserve_blocks(bm: BlockManager, cache: torch.Tensor, token_ids: list[int], 
         bm.free(holder)
         return None
     end = len(token_ids) - 1
-    return KvReservation(holder, cache, cached, end, token_slots(holder.block_table, bm.block_size, cached, end),
-                         cached)
+    return KvReservation(holder, weakref.ref(cache), cached, end,
+                         token_slots(holder.block_table, bm.block_size, cached, end), cached)
 
 
 def release_reserved(bm: BlockManager, reservation: KvReservation) -> None:
@@ -257,7 +262,7 @@ def adopt_reserved(bm: BlockManager, cache: torch.Tensor, seq: Sequence, reserva
     (as place_imported does at once); False (blocks given back) when it is not complete or the pool changed
     under it: the sequence prefills itself then."""
     assert not seq.block_table and reservation.end == seq.num_tokens - 1
-    if reservation.placed != reservation.end or reservation.cache is not cache:
+    if reservation.placed != reservation.end or reservation.cache() is not cache:
         release_reserved(bm, reservation)
         return False
     holder = reservation.holder

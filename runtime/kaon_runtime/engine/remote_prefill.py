@@ -119,9 +119,7 @@ class RemotePrefill:
         reservation: KvReservation | None = None
         try:
             if self.engine_call is not None:
-                reservation = await self.engine_call(
-                    lambda engine: reserve_blocks(engine.block_manager, engine.runner.kv_cache, token_ids, params,
-                                                  lora_id))
+                reservation = await self._reserve(token_ids, params, lora_id)
                 if reservation is None:  # no room for its blocks now: the scheduler will find it when there is
                     self.stats.fallbacks["evicted"] += 1
                     return None
@@ -149,6 +147,19 @@ class RemotePrefill:
         self.stats.received_tokens += kv.end - kv.start
         self.observe(seconds)
         return kv
+
+    async def _reserve(self, token_ids: list[int], params: SamplingParams, lora_id: int) -> KvReservation | None:
+        """Blocks for the prompt, taken on the engine thread. Shielded: a request cancelled meanwhile (its client
+        went away) must not cancel the engine thread's call half-way; its blocks go back once it is done."""
+        assert self.engine_call is not None
+        call = asyncio.ensure_future(self.engine_call(
+            lambda engine: reserve_blocks(engine.block_manager, engine.runner.kv_cache, token_ids, params, lora_id)))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: None if done.cancelled() or done.exception() is not None
+                                   else self._release(done.result()))
+            raise
 
     def _release(self, reservation: KvReservation | None) -> None:
         """Give a failed transfer's blocks back on the engine thread, without waiting (a cancelled task cannot)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kaon_runtime.errors import InvalidRequestError
-from kaon_runtime.fetch import store
+from kaon_runtime.fetch import evict, store
 from kaon_runtime.fetch.source import (
     FETCHED_SCHEMES,
     INVALID,
@@ -41,12 +41,34 @@ def _stderr(message: str) -> None:
 
 
 def fetch(uri: str, cache: Path = DEFAULT_CACHE, *, revision: str | None = None, gguf_file: str | None = None,
-          tensor_parallel_size: int = 1, log: Callable[[str], None] = _stderr) -> Path:
-    """The local path (HF directory or .gguf file) of `uri`, downloaded into `cache` unless already complete."""
+          tensor_parallel_size: int = 1, log: Callable[[str], None] = _stderr, hold: bool = False,
+          cache_limit: int | None = None) -> Path:
+    """The local path (HF directory or .gguf file) of `uri`, downloaded into `cache` unless already complete.
+
+    The model is marked in use while this runs (evict.py), and for the rest of the process with `hold`
+    (`kaon serve`); with `cache_limit` (bytes), least recently used models no process uses are then removed
+    from `cache` until its models fit (the node cache's bound)."""
     source = parse_uri(uri, revision)
     if source.scheme == "local":
         return check_local(Path(source.location), tensor_parallel_size, log)
     directory = Path(cache) / cache_dir_name(source)
+    in_use = evict.use(directory)
+    try:
+        path = _fetch_into(source, directory, gguf_file, tensor_parallel_size, log)
+        if cache_limit is not None:
+            evict.sweep(Path(cache), cache_limit, keep=directory, log=log)
+    except BaseException:
+        evict.release(in_use)
+        raise
+    if hold:
+        evict.keep_open(in_use)
+    else:
+        evict.release(in_use)
+    return path
+
+
+def _fetch_into(source: Source, directory: Path, gguf_file: str | None, tensor_parallel_size: int,
+                log: Callable[[str], None]) -> Path:
     marker = store.read_marker(directory, gguf_file, log)
     if marker is None:
         with store.locked(directory, log):
@@ -179,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_source_flags(parser)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="refuse (exit 6) when this does not divide the model's heads")
+    parser.add_argument("--cache-limit", type=evict.parse_size, metavar="SIZE",
+                        help="after the fetch, remove the least recently used models no process uses until the "
+                             "cache's models fit in SIZE (bytes, or a quantity: 100Gi, 500G); the node cache's bound")
     parser.add_argument("--termination-log", type=Path,
                         help="also write the failure line here if the file exists (a kubelet's /dev/termination-log)")
     return parser
@@ -188,7 +213,7 @@ def run_cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         path = fetch(args.model, args.model_cache, revision=args.revision, gguf_file=args.gguf_file,
-                     tensor_parallel_size=args.tensor_parallel_size)
+                     tensor_parallel_size=args.tensor_parallel_size, cache_limit=args.cache_limit)
     except FetchError as exc:
         line = exc.line()
         if args.termination_log is not None and args.termination_log.is_file():

@@ -1113,7 +1113,7 @@ typedef struct {
 } TileConfig;
 
 static atomic_int amx_permitted = -1;  /* -1: not asked yet */
-static atomic_int amx_wanted = 1;      /* kaon_set_amx: the tests' and bench's A/B */
+static atomic_int amx_wanted = -1;     /* kaon_set_amx (the tests' and bench's A/B), else KAON_CPU_AMX=0 turns it off */
 
 static int amx_permission(void) {  /* asked once per process: it covers every thread */
     int state = atomic_load(&amx_permitted);
@@ -1123,7 +1123,15 @@ static int amx_permission(void) {  /* asked once per process: it covers every th
     }
     return state;
 }
-static int amx_usable(void) { return atomic_load(&amx_wanted) && amx_permission(); }
+static int amx_usable(void) {
+    int wanted = atomic_load(&amx_wanted);
+    if (wanted < 0) {
+        const char *env = getenv("KAON_CPU_AMX");
+        wanted = !(env && (strcmp(env, "0") == 0 || strcmp(env, "off") == 0));
+        atomic_store(&amx_wanted, wanted);
+    }
+    return wanted && amx_permission();
+}
 
 /* tmm0 and tmm3: C (m rows of 16 int32), tmm1 and tmm4: A (m rows of a block's 32 int8), tmm2 and
  * tmm5: B (8 rows of 16 outputs x 4 bytes). */
@@ -1255,6 +1263,80 @@ static void amx_groups(const Linear *l, int g, int two, const int8_t *q, const f
     }
 }
 
+/* The same for Q8_G16 (int8 weights, a float32 scale and optional min per 16 elements: the int8
+ * copy of a quantized model's vocabulary head among others): each half block its own dot product,
+ * tiles 0-2 the first 16 elements (A 16 bytes a row, B 4 rows), 3-5 the second; then
+ * group_q8_g16's float operations in its order. */
+static inline void amx_configure_halves(int m) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int set = 0; set < 6; set += 3) {
+        cfg.rows[set] = (uint8_t)m; cfg.colsb[set] = 64;
+        cfg.rows[set + 1] = (uint8_t)m; cfg.colsb[set + 1] = QBLOCK / 2;
+        cfg.rows[set + 2] = QBLOCK / 8; cfg.colsb[set + 2] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static void amx_groups_g16(const Linear *l, int g, int two, const int8_t *q, const float *d, const float *s,
+                           const float *slo, int m, float v[][2 * LANES]) {
+    const int k = l->k, blocks = k / QBLOCK;
+    const size_t wbytes = (size_t)LANES * k, sbytes = (size_t)LANES * blocks * 2;  /* a group's weights, scales */
+    const int8_t *w0 = (const int8_t *)l->w + (size_t)g * wbytes, *w1 = two ? w0 + wbytes : NULL;
+    const float *ws0 = l->gscales + (size_t)g * sbytes, *ws1 = two ? ws0 + sbytes : NULL;
+    const float *wm0 = l->gmins ? l->gmins + (size_t)g * sbytes : NULL, *wm1 = wm0 && two ? wm0 + sbytes : NULL;
+    __m512 acc[AMX_TILE_ROWS], mins[AMX_TILE_ROWS];
+    for (int i = 0; i < m; i++) acc[i] = mins[i] = _mm512_setzero_ps();
+    uint8_t bt[AMX_SLICE][QBLOCK / 4][64] __attribute__((aligned(64)));
+    int32_t ct[AMX_SLICE][2][AMX_TILE_ROWS][16] __attribute__((aligned(64)));
+    __m512 scale[AMX_SLICE][2], min[AMX_SLICE][2];
+    const __m256 zero = _mm256_setzero_ps();
+    for (int b0 = 0; b0 < blocks; b0 += AMX_SLICE) {
+        const int nb = blocks - b0 < AMX_SLICE ? blocks - b0 : AMX_SLICE;
+        for (int j = 0; j < nb; j++) {
+            const int b = b0 + j;
+            for (int t = 0; t < 8; t++)  /* [t][lane][4]: word t is B's row t (t < 4 the first half) */
+                _mm512_store_si512(bt[j][t], two_groups(w0 + ((size_t)b * 8 + t) * 32,
+                                                        w1 ? w1 + ((size_t)b * 8 + t) * 32 : NULL));
+            for (int h = 0; h < 2; h++) {
+                const size_t at = ((size_t)b * 2 + h) * LANES;
+                scale[j][h] = two_groups_ps(_mm256_loadu_ps(ws0 + at), ws1 ? _mm256_loadu_ps(ws1 + at) : zero);
+                min[j][h] = two_groups_ps(wm0 ? _mm256_loadu_ps(wm0 + at) : zero, wm1 ? _mm256_loadu_ps(wm1 + at) : zero);
+            }
+        }
+        for (int j = 0; j < nb; j++) {
+            const int8_t *qb = q + (size_t)(b0 + j) * QBLOCK;
+            _tile_loadd(2, bt[j][0], 64);
+            _tile_loadd(1, qb, k);
+            _tile_zero(0);
+            _tile_dpbssd(0, 1, 2);
+            _tile_loadd(5, bt[j][4], 64);
+            _tile_loadd(4, qb + QBLOCK / 2, k);
+            _tile_zero(3);
+            _tile_dpbssd(3, 4, 5);
+            _tile_stored(0, ct[j][0], 64);
+            _tile_stored(3, ct[j][1], 64);
+        }
+        for (int i = 0; i < m; i++) {
+            __m512 a = acc[i], mn = mins[i];
+            const size_t row = (size_t)i * blocks + b0;
+            for (int j = 0; j < nb; j++) {
+                const __m512 dr = _mm512_set1_ps(d[row + j]);
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[j][0][i])), _mm512_mul_ps(scale[j][0], dr), a);
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[j][1][i])), _mm512_mul_ps(scale[j][1], dr), a);
+                if (wm0) {
+                    const float lo = slo[row + j], hi = s[row + j] - lo;
+                    mn = _mm512_fmadd_ps(min[j][0], _mm512_set1_ps(lo), mn);
+                    mn = _mm512_fmadd_ps(min[j][1], _mm512_set1_ps(hi), mn);
+                }
+            }
+            acc[i] = a; mins[i] = mn;
+        }
+    }
+    for (int i = 0; i < m; i++) _mm512_storeu_ps(v[i], _mm512_add_ps(acc[i], mins[i]));
+}
+
 /* linear_chunk's AMX case: units are pairs of groups (16 outputs). */
 static void amx_chunk(const LinearJob *job, int begin, int end) {
     const Linear *l = job->l;
@@ -1263,11 +1345,20 @@ static void amx_chunk(const LinearJob *job, int begin, int end) {
     int configured = 0;
     for (int m0 = 0; m0 < job->rows; m0 += AMX_TILE_ROWS) {  /* rows outside: the tiles' shape changes at most once */
         const int m = job->rows - m0 < AMX_TILE_ROWS ? job->rows - m0 : AMX_TILE_ROWS;
-        if (m != configured) { amx_configure(m); configured = m; }
+        const int halves = l->kind == KIND_Q8_G16, shape = m + (halves ? 64 : 0);
+        if (shape != configured) {
+            if (halves) amx_configure_halves(m);
+            else amx_configure(m);
+            configured = shape;
+        }
         for (int unit = begin; unit < end; unit++) {
             const int g = 2 * unit, two = g + 1 < groups;
-            amx_groups(l, g, two, job->q + (size_t)m0 * k, job->d + (size_t)m0 * blocks,
-                       job->s + (size_t)m0 * blocks, m, v);
+            if (halves)
+                amx_groups_g16(l, g, two, job->q + (size_t)m0 * k, job->d + (size_t)m0 * blocks,
+                               job->s + (size_t)m0 * blocks, job->slo + (size_t)m0 * blocks, m, v);
+            else
+                amx_groups(l, g, two, job->q + (size_t)m0 * k, job->d + (size_t)m0 * blocks,
+                           job->s + (size_t)m0 * blocks, m, v);
             const int j = g * LANES, width = n - j < 2 * LANES ? n - j : 2 * LANES;
             const __mmask16 keep = (__mmask16)((1u << width) - 1);
             for (int i = 0; i < m; i += 2) {  /* as linear_chunk: the passes summed, then the bias */
@@ -1423,7 +1514,8 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     int32_t *qlo = (int32_t *)(slo + (size_t)rows * blocks);
     const int paired = narrow && passes == 2 && pairs_kind(l->kind);  /* quantized straight into pairs, below */
 #ifdef KAON_AMX
-    const int amx = paired && activation_rows >= AMX_MIN_ROWS && amx_usable();  /* the passes' layout, in tiles */
+    const int amx = narrow && passes == 2 && (paired || l->kind == KIND_Q8_G16) && activation_rows >= AMX_MIN_ROWS
+                    && amx_usable();  /* the passes' layout, in tiles */
 #else
     const int amx = 0;
 #endif

@@ -259,3 +259,15 @@ def test_the_routers_pressure_wakes_a_standby_after_the_read_and_its_latency_and
     assert lost.requests[0].ttft() > 55 and lost.changes == 0
     idle = poked([], loss=0.0)  # nothing held, nothing queued: no wake
     assert idle.changes == 0 and idle.pod_log[-1][1] == 0
+
+
+def test_kaon_standby_goes_to_zero_after_its_own_idle_time_the_others_after_a_cold_starts_worth():
+    """A return from zero with standbys is a wake: kaon-standby's user writes a short scaleToZeroIdleSeconds
+    (Config.standby_idle_s); with minReplicas 1 there is nothing to set."""
+    config = sim.Config(MODEL, WORKLOAD, standby_idle_s=30)
+    idle = sim.Trace("idle", 60.0, lambda t: 0.0, min_replicas=0)
+    by_name = {p.name: p for p in sim.policies(config, idle, [0])}
+    assert by_name["kaon-standby"].spec.scale_to_zero_idle_seconds == 30
+    assert by_name["kaon-predictive"].spec.scale_to_zero_idle_seconds == 120
+    busy = {p.name: p for p in sim.policies(config, sim.Trace("busy", 60.0, lambda t: 1.0), [1])}
+    assert busy["kaon-standby"].spec.scale_to_zero_idle_seconds is None

@@ -63,3 +63,14 @@ def test_switching_the_node_cache_off_drops_the_daemonset_and_nothing_else_does(
     assert not node_prefetch.dropped(on, on) and not node_prefetch.dropped(spec("hf://org/other"), on)
     assert not node_prefetch.dropped(off, off) and not node_prefetch.dropped(off, None)
     assert not node_prefetch.dropped(off, "an invalid old spec")
+
+
+def test_the_node_cache_is_bounded_by_size_limit_through_kaon_fetch():
+    """With cache.node, `kaon fetch` (the engine pod's init container and the prefetch pod's) removes the least
+    recently used models no pod uses past model.cache.sizeLimit (runtime fetch/evict.py); an emptyDir is not swept."""
+    def fetch_args(s: api.InferenceServiceSpec) -> list[str]:
+        return r.deployment(OWNER, s)["spec"]["template"]["spec"]["initContainers"][0]["args"]
+    bounded = fetch_args(api.InferenceServiceSpec.model_validate(
+        {"model": {"uri": "hf://org/model", "cache": {"node": True, "sizeLimit": "500Gi"}}}))
+    assert bounded[bounded.index("--cache-limit") + 1] == "500Gi"
+    assert "--cache-limit" not in fetch_args(spec(node=False))

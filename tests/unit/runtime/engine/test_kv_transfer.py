@@ -5,6 +5,7 @@ Two real engines exchanging K/V over HTTP: tests/integration/test_disagg.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -442,3 +443,58 @@ def test_layout_states_the_model_and_dtype():
     assert asdict(KvLayout.of_cache(pool())) == {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": DIM,
                                                  "dtype": "float32"}
     assert LAYOUT.token_bytes == 2 * LAYERS * HEADS * DIM * 4
+
+
+def test_a_reservation_does_not_keep_a_slept_engines_pool():
+    """An engine put to sleep mid-transfer frees its pool (engine/sleep.py warns if anything still holds it): the
+    reservation holds it only weakly, its chunks then go nowhere, and the woken engine's new pool refuses them."""
+    bm, cache = BlockManager(BLOCKS, BS), pool()
+    prompt = list(range(11))
+    reservation = reserve_blocks(bm, cache, prompt, SamplingParams(), 0)
+    assert reservation is not None
+    del cache  # put_to_sleep drops the pool
+    assert reservation.cache() is None
+    reservation.place(0, tokens_kv(0, 10))  # arrives after: no error, nothing written
+    s = seq(prompt)
+    assert not adopt_reserved(bm, pool(), s, reservation)
+    assert s.block_table == [] and bm.num_free_blocks == BLOCKS
+
+
+def test_a_request_cancelled_while_its_blocks_are_reserved_gives_them_back():
+    """The client goes away while the engine thread has the reservation queued: the engine thread's call still runs
+    to its end (a cancelled call's future would make it fail as AsyncEngine's _run_call sets the result), and the
+    blocks it took go back once it is done, not held for ever."""
+    from concurrent.futures import Future
+
+    engine, errors = _EngineThread(), []
+
+    async def engine_call(fn):  # as AsyncEngine.call: a future the engine thread completes between steps, later
+        done: Future = Future()
+
+        def between_steps():
+            try:
+                done.set_result(fn(engine))
+            except Exception as exc:  # noqa: BLE001 -- what would kill the engine thread
+                errors.append(exc)
+
+        threading.Timer(0.05, between_steps).start()
+        return await asyncio.wrap_future(done)
+
+    async def main():
+        remote = RemotePrefill(["http://127.0.0.1:9"], TcpTransport(), LAYOUT, engine.block_manager,
+                               min_prompt_tokens=4)
+        remote.engine_call = engine_call
+        task = asyncio.create_task(remote.fetch(list(range(11)), SamplingParams(), None, 0))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)  # the engine thread has run the reservation by now
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if engine.block_manager.num_free_blocks == BLOCKS:
+                break
+        return remote
+
+    remote = asyncio.run(main())
+    assert errors == [] and engine.block_manager.num_free_blocks == BLOCKS and remote.peers[0].in_flight == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kaon_runtime.fetch import store
+from kaon_runtime.fetch import evict, store
 from kaon_runtime.fetch.source import INVALID, FetchError, cache_dir_name, check_file_name, parse_uri
 from kaon_runtime.fetch.store import PartFile, RemoteFile
 
@@ -66,7 +66,7 @@ def test_a_key_that_could_leave_the_model_directory_refuses_the_model(tmp_path, 
     cache = tmp_path / "cache"
     with pytest.raises(FetchError, match="not a plain relative path"):
         fetch(cache)
-    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith((".lock", evict.IN_USE_SUFFIX))]
     assert written == []
 
 

@@ -167,11 +167,12 @@ def test_quantized_prefill_rows_compute_their_reference(method, activations, mon
     assert error.max() < TOLERANCE[activations], f"rows off their reference: {error.tolist()}"
 
 
-@pytest.mark.parametrize("kind", ["int8", "q4_1", "q4_f32", "q5"])
+@pytest.mark.parametrize("kind", ["int8", "q4_1", "q4_f32", "q5", "q8_g16", "q8_g16 with mins"])
 def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
     """Two activation passes of many rows take AMX tiles where the CPU has AMX-INT8 (cpu_decode.c, KAON_AMX),
-    fewer rows the 512-bit pair kernels: the same bits, so a row's result does not depend on which path its
-    step's row count picks. Row counts: below the tiles' minimum, a partial tile, a full one, one and a half;
+    Q8_G16 (a quantized model's int8 vocabulary head) in half blocks; fewer rows take the 512-bit pair kernels
+    (Q8_G16: the two-row kernels): the same bits, so a row's result does not depend on which path its step's
+    row count picks. Row counts: below the tiles' minimum, a partial tile, a full one, one and a half;
     84 outputs: an odd group of eight, padded in the tile."""
     monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
     lib = cpu_decode.library()
@@ -181,11 +182,15 @@ def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
     n, k = 84, 160
     values = torch.randint(0, 32, (n, k), dtype=torch.uint8)
     scales, mins = torch.rand(n, k // 32) / 10, torch.randn(n, k // 32) / 10
+    q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)  # Q8_G16: the int8 head's kind
+    scales16, mins16 = torch.rand(n, k // 16) / 10, torch.randn(n, k // 16) / 10
     w4 = quantize_int4(torch.randn(n, k), 32)
     make = {"int8": lambda: cpu_decode.LinearWeights.int8(*quantize_int8(torch.randn(n, k)), torch.randn(n)),
             "q4_1": lambda: cpu_decode.LinearWeights.q4_1(w4.packed, w4.scales, w4.mins, torch.randn(n)),
             "q4_f32": lambda: cpu_decode.LinearWeights.q4_f32(pack_int4(values & 15, 32), scales, mins),
-            "q5": lambda: cpu_decode.LinearWeights.q5(values, scales.half(), mins.half())}[kind]
+            "q5": lambda: cpu_decode.LinearWeights.q5(values, scales.half(), mins.half()),
+            "q8_g16": lambda: cpu_decode.LinearWeights.q8_g16(q8, scales16, None, torch.randn(n)),
+            "q8_g16 with mins": lambda: cpu_decode.LinearWeights.q8_g16(q8, scales16, mins16)}[kind]
     weights = make()
     x = torch.randn(24, k) * torch.logspace(-2, 1, k)
     try:
