@@ -1133,16 +1133,16 @@ static int amx_usable(void) {
     return wanted && amx_permission();
 }
 
-/* tmm0 and tmm3: C (m rows of 16 int32), tmm1 and tmm4: A (m rows of a block's 32 int8), tmm2 and
- * tmm5: B (8 rows of 16 outputs x 4 bytes). */
-static inline void amx_configure(int m) {
+/* tmm0 and tmm3: C (m rows of 16 int32), tmm1 and tmm4: A (m rows of `bytes` int8: a block's 32, or
+ * a half block's 16), tmm2 and tmm5: B (bytes / 4 rows of 16 outputs x 4 bytes). */
+static inline void amx_configure(int m, int bytes) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int set = 0; set < 6; set += 3) {
         cfg.rows[set] = (uint8_t)m; cfg.colsb[set] = 64;
-        cfg.rows[set + 1] = (uint8_t)m; cfg.colsb[set + 1] = QBLOCK;
-        cfg.rows[set + 2] = QBLOCK / 4; cfg.colsb[set + 2] = 64;
+        cfg.rows[set + 1] = (uint8_t)m; cfg.colsb[set + 1] = (uint16_t)bytes;
+        cfg.rows[set + 2] = (uint8_t)(bytes / 4); cfg.colsb[set + 2] = 64;
     }
     _tile_loadconfig(&cfg);
 }
@@ -1267,18 +1267,6 @@ static void amx_groups(const Linear *l, int g, int two, const int8_t *q, const f
  * copy of a quantized model's vocabulary head among others): each half block its own dot product,
  * tiles 0-2 the first 16 elements (A 16 bytes a row, B 4 rows), 3-5 the second; then
  * group_q8_g16's float operations in its order. */
-static inline void amx_configure_halves(int m) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int set = 0; set < 6; set += 3) {
-        cfg.rows[set] = (uint8_t)m; cfg.colsb[set] = 64;
-        cfg.rows[set + 1] = (uint8_t)m; cfg.colsb[set + 1] = QBLOCK / 2;
-        cfg.rows[set + 2] = QBLOCK / 8; cfg.colsb[set + 2] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 static void amx_groups_g16(const Linear *l, int g, int two, const int8_t *q, const float *d, const float *s,
                            const float *slo, int m, float v[][2 * LANES]) {
     const int k = l->k, blocks = k / QBLOCK;
@@ -1347,8 +1335,7 @@ static void amx_chunk(const LinearJob *job, int begin, int end) {
         const int m = job->rows - m0 < AMX_TILE_ROWS ? job->rows - m0 : AMX_TILE_ROWS;
         const int halves = l->kind == KIND_Q8_G16, shape = m + (halves ? 64 : 0);
         if (shape != configured) {
-            if (halves) amx_configure_halves(m);
-            else amx_configure(m);
+            amx_configure(m, halves ? QBLOCK / 2 : QBLOCK);
             configured = shape;
         }
         for (int unit = begin; unit < end; unit++) {
