@@ -58,7 +58,8 @@ if ! flock -n 9; then
   # A test that waited on the build beside it (`make test`): .ci/run takes this out of the suite's time.
   [[ -z "${KAON_BUILD_WAIT_LOG:-}" ]] || echo "llama-cpp $((SECONDS - asked))" >> "$KAON_BUILD_WAIT_LOG"
 fi
-installed=$("$PY" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
+# (imported, not only listed: a wheel installed without its dependencies is not installed)
+installed=$("$PY" -c 'import importlib.metadata as m, llama_cpp; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
 # Which wheel the venv has: a venv holding this version built with other flags gets this build instead.
 marker="$("$PY" -c 'import sys; print(sys.prefix)')/.llama-cpp-python-flags"
 if [[ "$installed" == "$VERSION" && "$(cat "$marker" 2>/dev/null)" == "$flags_key" ]]; then
@@ -81,7 +82,9 @@ if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
   log "done in $((SECONDS - start))s"
 fi
 
-# --force-reinstall: the same version built with other flags counts as installed to pip.
+# --force-reinstall: the same version built with other flags counts as installed to pip (--no-deps: not
+# numpy and the rest again); then a plain install adds the dependencies a fresh venv lacks (diskcache, ...).
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
+"$PY" -m pip install --quiet "$WHEELS"/llama_cpp_python-*.whl
 echo "$flags_key" > "$marker"
 log "llama-cpp-python $VERSION installed"
