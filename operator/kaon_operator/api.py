@@ -114,7 +114,7 @@ class ModelCacheSpec(_Model):
     persistent_volume_claim: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
     """An existing ReadWriteMany PVC that every replica mounts: the first one downloads, the others reuse it."""
     size_limit: Quantity = "100Gi"
-    """Size limit of the per-pod emptyDir used when no PVC is named."""
+    """Size limit of the per-pod emptyDir used when no PVC is named; with `cache.node`, the bound of the namespace's node folder (least recently used models no pod uses are removed past it)."""  # noqa: E501 - one line: the CRD's description
     node: bool = False
     """Keep the fetched files on the node (a hostPath, /var/lib/kaon/cache/<namespace>), so a later pod on a node that has the model (a scale-up, a restart) skips the download. Needs the admin's operator.allowHostPath."""  # noqa: E501 - one line: the CRD's description
 
