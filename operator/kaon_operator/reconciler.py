@@ -55,11 +55,16 @@ def missing_api(ctx: Context, spec: api.InferenceServiceSpec) -> str | None:
     return None
 
 
-def _remove_other_workload(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec) -> None:
+def _remove_other_workload(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, old) -> None:
     """After a switch between one and several nodes per replica, the workload of the other kind goes
-    (once the new one is applied; its pods drain as in any scale-down). The watches say whether one stands."""
+    (once the new one is applied; its pods drain as in any scale-down). Whether one stands: the previous spec
+    says so (an update), else the watches (a resume). Not the LWS watch alone: it starts only once kopf has
+    found the LWS API, which may be after the group was made, and a switch must not wait on it."""
     multi_node = spec.engine.multi_node
-    if not (ctx.caches.deployment(key) is not None if multi_node else ctx.records.get(key).groups is not None):
+    previous = api.parse_spec(old) if old else None
+    switched = isinstance(previous, api.InferenceServiceSpec) and previous.engine.multi_node != multi_node
+    if not (switched or (ctx.caches.deployment(key) is not None if multi_node
+                         else ctx.records.get(key).groups is not None)):
         return
     meta = body["metadata"]
     api_version, kind = _WORKLOADS[not spec.engine.multi_node]
@@ -127,7 +132,7 @@ def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
         status_sync.sync_status(ctx, body, key, spec, applied=False)
         raise kopf.TemporaryError(record.apply_failure, delay=APPLY_RETRY_SECONDS) from None
     record.apply_failure, record.conflict, record.applied = None, None, version
-    _remove_other_workload(ctx, body, key, spec)
+    _remove_other_workload(ctx, body, key, spec, old)
     _remove_prefill_pool(ctx, body, spec, old)
     _remove_prefetch(ctx, body, spec, old)
     if reason == "create":
