@@ -33,7 +33,10 @@ def test_per_token_quantization_is_compressed_tensors_own():
 
     x = torch.randn(7, 96) * torch.logspace(-3, 2, 7)[:, None]
     x[3] = 0  # a zero row: the spec's eps scale
-    x[5, 10] = -x[5].abs().max() * 1.5  # the row's extreme is negative: -128 is reachable
+    # The row's extreme negative, and exactly -127.5 scales (7.96875 / (7.96875 / 127.5) in binary floats):
+    # -128 is reached whatever the random values (a -1.5x-the-max extreme landed on -127.4999 now and then).
+    x[5] = x[5] / x[5].abs().max() * 4
+    x[5, 10] = -7.96875
     args = QuantizationArgs(**TOKEN_INT8)
     scale, zero = calculate_qparams(x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True), args)
     q, ours = quantize_per_token(x)
