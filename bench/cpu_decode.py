@@ -97,7 +97,7 @@ def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", activations: str | N
         return llm
     finally:
         for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.update({name: value})
+            os.environ.pop(name, None) if value is None else os.environ.update({name: value})
         cpu_decode.library.cache_clear()
 
 
