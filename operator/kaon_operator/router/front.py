@@ -19,6 +19,10 @@ aiohttp's server did and this one does the same way:
 - Bodies past --max-body-bytes stop being kept (the handler answers 413); a request head past
   MAX_HEAD_BYTES or MAX_FIELDS is a 431, a malformed request a 400, each in OpenAI's error shape and
   closed; never a stack trace. A handler that fails is logged and answered 500.
+
+Over 300 lines for a stated reason: one connection's parser callbacks, its deadlines, its queue of
+pipelined requests and its writes share one state machine; split apart, each part would reach into the
+others' fields (as upstream.py's client, its mirror on the engine side).
 """
 from __future__ import annotations
 
