@@ -337,14 +337,16 @@ class AsyncEngine:
                 added += 1
                 refused = self.refuse_new()
                 if refused is not None:
-                    self.engine.discard_imported(command.kv)  # its reserved blocks, if any, go back
+                    if command.kv is not None:  # its reserved blocks go back
+                        self.engine.discard_imported(command.kv)
                     self._event_loop().call_soon_threadsafe(command.stream._put, refused)
                     continue
                 try:
                     self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
                                               lora_id=command.lora_id, kv=command.kv)
                 except Exception as exc:  # noqa: BLE001 -- validated already; only a duplicate id can get here, and its stream gets the error
-                    self.engine.discard_imported(command.kv)
+                    if command.kv is not None:
+                        self.engine.discard_imported(command.kv)
                     self._event_loop().call_soon_threadsafe(command.stream._put, exc)
                     continue
                 streams[command.request_id] = command.stream
