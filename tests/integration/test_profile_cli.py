@@ -30,7 +30,9 @@ def test_kaon_profile_writes_the_operators_model_within_a_termination_message(tm
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(out.read_bytes()) <= 4096
     model = PerfModel.from_json(out.read_text())
-    assert model.a > 0 and model.c > 0 and model.cold_start_seconds > 0
+    # The slopes' sizes are timings (a loaded machine can make a 32-token prefill slower than a
+    # 128-token one): the fit of known grids is tests/unit/operator/autoscaling/test_profiling.py's.
+    assert model.a > 0 and min(model.b, model.c, model.d) >= 0 and model.cold_start_seconds > 0
     assert {(p.batch, p.prefill_tokens > 0) for p in model.grid} == {(1, False), (2, False), (0, True)}
     assert len(model.grid) == 6 and model.max_num_seqs == 8 and model.key["model"] == MODEL
     assert model.kv_cache_tokens and model.kv_cache_tokens % 16 == 0  # the engine's blocks x block size
