@@ -16,8 +16,9 @@ version of the C file beside this one (`git show <rev>:runtime/kaon_runtime/kern
 its one pass the reference for the "vs baseline" column: what the default decode cost before.
 Two passes are timed twice where the CPU has AMX-INT8 or AVX-512 VNNI: the default (AMX tiles from 4
 rows on Intel, the half-register kernels at one row) and the 512-bit pair kernels at every row count
-(kaon_set_amx(0) and kaon_set_halves(0): this machine's path before them); the bits are the same. Times are the process's CPU time (one thread),
-so other work on a shared machine slows both sides alike rather than whichever it preempts.
+(kaon_set_amx(0) and kaon_set_halves(0): this machine's path before them); the bits are the same.
+Times are the process's CPU time (one thread), so other work on a shared machine slows both sides
+alike rather than whichever it preempts.
 """
 from __future__ import annotations
 
