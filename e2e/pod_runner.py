@@ -50,7 +50,12 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
 - **Paths sent at run time**: a pvc:// LoRA adapter reaches the engine as a path in the pod
   (`/mnt/adapters/<claim>/...`, the operator's `lora_path` in a POST), which no argument
   rewriting can reach: the runner links each such mount path on the host to the claim's
-  directory (one claim name per host: the tests give each claim its own name).
+  directory (one claim name per host: the tests give each claim a name unique on the machine, and a
+  link to another live cluster's volume is refused, not re-pointed under that cluster's engine).
+- **Two clusters on one machine** share the host's network and disk: each gets its own pod range
+  (e2e/pod_range.py), ports and folders; the engine binds its KV events' `tcp://*:` endpoints to the
+  pod's IP, not every address (two kv-aware pods would otherwise share port 5557, and one cluster's
+  router could read the other's events), as `--host` is.
 
 The whole data path is then real: router -> pod IP -> engine, reading weights from a volume.
 Not simulated: CPU limits, readOnly mounts and the container image itself (every process runs
@@ -72,6 +77,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +176,9 @@ def _command(args: list[str], ip: str, command: list[str] | None = None) -> list
             args[args.index("--host") + 1] = ip
         else:
             args += ["--host", ip]
+        if "--kv-events-config" in args:
+            at = args.index("--kv-events-config") + 1
+            args[at] = args[at].replace("tcp://*:", f"tcp://{ip}:")
     return [sys.executable, "-m", "kaon_runtime.cli", *args[1:]]
 
 
@@ -191,18 +200,40 @@ def translate(value: str, mounts: list[tuple[str, Path]]) -> str:
     return value
 
 
+class SharedPathError(ContainerConfigError):
+    """A host path that another live local cluster on this machine uses (reported on the pod, tried again)."""
+
+
+def may_relink(current: Path | None, ours: Path, owner: int | None, alive: Callable[[int], bool]) -> bool:
+    """Whether a host link now pointing at `current`, made by the process `owner`, may be pointed at `ours`:
+    yes when it is unset, ours already, or made by this process or one that is gone; no while another live
+    process's cluster uses it (re-pointing would swap the volume under that cluster's engine)."""
+    return current is None or current == ours or owner is None or owner == os.getpid() or not alive(owner)
+
+
 def link_runtime_mounts(mounts: list[tuple[str, Path]]) -> None:
-    """Link the adapters' mount paths on the host to their volumes' directories (see the docstring)."""
+    """Link the adapters' mount paths on the host to their volumes' directories (see the docstring); the
+    link's owner (this process) is noted beside it, in `.<name>.owner`."""
     for mount_path, host in mounts:
         if not mount_path.startswith(f"{ADAPTER_MOUNT}/"):
             continue
         link = Path(mount_path)
         if link.is_symlink() and link.readlink() == host:
             continue
+        owner_file = link.with_name(f".{link.name}.owner")
+        current = link.readlink() if link.is_symlink() else None
+        try:
+            owner: int | None = int(owner_file.read_text())
+        except (OSError, ValueError):
+            owner = None
+        if not may_relink(current, host, owner, psutil.pid_exists):
+            raise SharedPathError(f"{link} links the volume of another local cluster (process {owner}: {current}): "
+                                  f"a claim name must be unique on this machine while both clusters run")
         link.parent.mkdir(parents=True, exist_ok=True)
         if link.is_symlink():
             link.unlink()
         link.symlink_to(host, target_is_directory=True)
+        owner_file.write_text(f"{os.getpid()}\n")
 
 
 def _tail(path: Path | None) -> str:

@@ -1982,3 +1982,77 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
     rms_norm(x, md->final_norm, md->eps, rows, hidden, normed);
     memcpy(x, normed, sizeof(float) * (size_t)rows * hidden);
 }
+
+/* ---- int4 (Q4_1) weights widened for prefill's dense GEMM --------------------------------
+ *
+ * A prefill chunk of many rows multiplies a dense copy of an int4 weight (kernels/quant_gemm_cpu.py
+ * w4_dense_cpu), made on every call: keeping one per layer would undo the 4-bit memory saving.
+ * Made by torch ops (unpack, cat, multiply, add, convert: five passes over the weight) it cost
+ * more than the GEMM itself at 256-row chunks, one thread: ~20 ms against ~6 ms per SmolLM2
+ * layer, the fixed cost per prefill step that made small chunks dear (bench/prefill_steps.py).
+ * Here one pass per group. The numbers are torch's, bit for bit: w = q * scale + min with the
+ * product and the sum each rounded to float32 (no fused multiply-add: -std=c11 keeps GCC from
+ * contracting), then rounded to bfloat16 to nearest even as .to(torch.bfloat16) does
+ * (float_to_bf16), or kept as float32 where the CPU has no bfloat16 GEMM. */
+typedef struct {
+    const uint8_t *packed;  /* [n, k / 2]: byte j of a group holds element j low, j + group / 2 high */
+    const uint16_t *scales, *mins;  /* float16 [n, k / group] */
+    int k, group, bf16;
+    void *out;  /* [n, k]: bfloat16 (bf16) or float32 */
+} WidenJob;
+
+static inline void widen_store(void *out, size_t at, float w, int bf16) {
+    if (bf16) ((uint16_t *)out)[at] = float_to_bf16(w);
+    else ((float *)out)[at] = w;
+}
+
+#ifdef KAON_AVX2
+/* Eight elements q (as int32) * scale + min, stored at out + at. */
+static inline void widen8(__m256i q, __m256 scale, __m256 min, void *out, size_t at, int bf16) {
+    const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), min);
+    if (!bf16) { _mm256_storeu_ps((float *)out + at, w); return; }
+    const __m256i x = _mm256_castps_si256(w);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    /* NaN (none in a finite checkpoint): keep it a NaN as float_to_bf16 does */
+    const __m256 nan = _mm256_cmp_ps(w, w, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40)),
+                           _mm256_castps_si256(nan));
+    const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + at), packed16);
+}
+#endif
+
+static void widen_rows(const void *arg, int begin, int end) {
+    const WidenJob *job = arg;
+    const int k = job->k, group = job->group, half = group / 2, groups = k / group;
+    for (int row = begin; row < end; row++) {
+        const uint8_t *p = job->packed + (size_t)row * (k / 2);
+        for (int g = 0; g < groups; g++) {
+            const float scale = half_to_float(job->scales[(size_t)row * groups + g]);
+            const float min = half_to_float(job->mins[(size_t)row * groups + g]);
+            const uint8_t *bytes = p + (size_t)g * half;
+            const size_t at = (size_t)row * k + (size_t)g * group;
+            int j = 0;
+#ifdef KAON_AVX2
+            const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(min);
+            for (; j + 8 <= half; j += 8) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + j)));
+                widen8(_mm256_and_si256(b, _mm256_set1_epi32(0xf)), vs, vm, job->out, at + j, job->bf16);
+                widen8(_mm256_srli_epi32(b, 4), vs, vm, job->out, at + half + j, job->bf16);
+            }
+#endif
+            for (; j < half; j++) {
+                widen_store(job->out, at + j, (float)(bytes[j] & 0xf) * scale + min, job->bf16);
+                widen_store(job->out, at + half + j, (float)(bytes[j] >> 4) * scale + min, job->bf16);
+            }
+        }
+    }
+}
+
+/* out [n, k] = the dequantized weight, in bfloat16 (bf16 != 0) or float32, on `threads` threads. */
+void kaon_widen_q4_1(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins, int n, int k, int group,
+                     int bf16, void *out, int threads) {
+    WidenJob job = {packed, scales, mins, k, group, bf16, out};
+    parallel_for(n, threads, widen_rows, &job);
+}
