@@ -16,7 +16,7 @@ import pytest
 
 from e2e import pod_runner
 from e2e.control_plane import ephemeral_ports, free_port, port_range_outside
-from e2e.pod_runner import SharedPathError, _command, link_runtime_mounts, may_relink
+from e2e.pod_runner import SharedPathError, _command, link_runtime_mounts, may_relink, unlink_owned
 from kaon_operator.children.kv_cache_args import KV_EVENTS_PORT, KV_REPLAY_PORT
 
 
@@ -57,10 +57,11 @@ def test_another_live_clusters_adapter_link_is_refused_and_taken_once_it_is_gone
         assert Path(mount).readlink() == theirs  # left as it was
     finally:
         other.communicate(b"")
-    link_runtime_mounts([(mount, ours)])
+    assert link_runtime_mounts([(mount, ours)]) == [Path(mount)]
     assert Path(mount).readlink() == ours
-    link_runtime_mounts([(mount, ours)])  # our own again: kept
-    assert Path(mount).readlink() == ours
+    assert link_runtime_mounts([(mount, ours)]) == []  # our own again: kept
+    unlink_owned({Path(mount)})  # the runner's stop: the link and its owner note go
+    assert not Path(mount).is_symlink() and not (tmp_path / "adapters" / ".shared-claim.owner").exists()
 
 
 def test_free_ports_lie_outside_the_range_the_kernel_hands_out_by_itself():
