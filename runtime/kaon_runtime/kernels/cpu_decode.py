@@ -159,6 +159,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kaon_pool_yields.argtypes = []
     lib.kaon_set_amx.restype = ctypes.c_int
     lib.kaon_set_amx.argtypes = [ctypes.c_int]
+    lib.kaon_set_halves.restype = ctypes.c_int
+    lib.kaon_set_halves.argtypes = [ctypes.c_int]
     lib.kaon_widen_q4_1.restype = None
     lib.kaon_widen_q4_1.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                     ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
@@ -176,6 +178,13 @@ def set_amx(lib: ctypes.CDLL, on: bool) -> bool:
     have them: Intel AMX-INT8) or the 512-bit pair kernels at every row count (the tests' and the bench's A/B;
     the bits are the same). Returns whether this CPU, build and kernel have the AMX path at all."""
     return bool(lib.kaon_set_amx(int(on)))
+
+
+def set_halves(lib: ctypes.CDLL, on: bool) -> bool:
+    """Whether batch 1's two activation passes take the half-register kernels (on by default where the build has
+    the 512-bit pair kernels: AVX-512 VNNI) or the pair kernels (the tests' and the bench's A/B; the bits are the
+    same). Returns whether this build has the half-register kernels at all."""
+    return bool(lib.kaon_set_halves(int(on)))
 
 
 def pool_yields(lib: ctypes.CDLL) -> int:
