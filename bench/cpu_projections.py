@@ -14,10 +14,11 @@ batch-1 decode, 16 a batched decode step, 64 a prefill chunk's share. The weight
 runs; bench/cpu_decode.py --activations measures the engine. --baseline-source times another
 version of the C file beside this one (`git show <rev>:runtime/kaon_runtime/kernels/cpu_decode.c`),
 its one pass the reference for the "vs baseline" column: what the default decode cost before.
-Two passes are timed twice where the CPU has AMX-INT8 (Intel): in AMX tiles from 4 rows (the default
-there) and in the 512-bit pair kernels at every row count (kaon_set_amx(0): Zen 4's path, and this
-machine's before the tiles); the bits are the same. Times are the process's CPU time (one thread),
-so other work on a shared machine slows both sides alike rather than whichever it preempts.
+Two passes are timed twice where the CPU has AMX-INT8 or AVX-512 VNNI: the default (AMX tiles from 4
+rows on Intel, the half-register kernels at one row) and the 512-bit pair kernels at every row count
+(kaon_set_amx(0) and kaon_set_halves(0): this machine's path before them); the bits are the same.
+Times are the process's CPU time (one thread), so other work on a shared machine slows both sides
+alike rather than whichever it preempts.
 """
 from __future__ import annotations
 
@@ -54,9 +55,10 @@ def library(source: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.kaon_linear_workspace.restype = ctypes.c_size_t
     lib.kaon_linear_workspace.argtypes = [ctypes.c_int, ctypes.c_int]
-    if hasattr(lib, "kaon_set_amx"):  # an older source may lack it
-        lib.kaon_set_amx.restype = ctypes.c_int
-        lib.kaon_set_amx.argtypes = [ctypes.c_int]
+    for name in ("kaon_set_amx", "kaon_set_halves"):  # an older source may lack them
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ctypes.c_int]
     lib.kaon_linear.restype = None
     lib.kaon_linear.argtypes = [ctypes.POINTER(cpu_decode.Linear), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int]
@@ -77,9 +79,12 @@ def layer(kind: str) -> list[cpu_decode.LinearWeights]:
 
 
 def time_layer(lib, weights, passes: int, rows: int, threads: int, iters: int, amx: bool = True) -> float:
-    """CPU microseconds for the layer's four projections at `rows` rows (amx: two passes may take AMX tiles)."""
+    """CPU microseconds for the layer's four projections at `rows` rows (amx: two passes may take AMX tiles and,
+    at one row, the half-register kernels; off: the pair kernels)."""
     if hasattr(lib, "kaon_set_amx"):
         lib.kaon_set_amx(int(amx))
+    if hasattr(lib, "kaon_set_halves"):
+        lib.kaon_set_halves(int(amx))
     calls = []
     for lw in weights:
         k, n = lw.struct.k, lw.struct.n
@@ -104,9 +109,10 @@ def main() -> None:
     libs = {"this": library(cpu_decode.SOURCE)}
     if args.baseline_source:
         libs["baseline"] = library(args.baseline_source)
-    amx = bool(libs["this"].kaon_set_amx(1))
+    amx = bool(libs["this"].kaon_set_amx(1)) or bool(libs["this"].kaon_set_halves(1))
     print(f"torch {torch.__version__}, {args.threads} thread(s), the four projections of a SmolLM2-135M layer, "
-          f"median of {args.repeats} alternations (CPU us); AMX tiles: {'yes' if amx else 'no (pairs only)'}")
+          f"median of {args.repeats} alternations (CPU us); AMX tiles / batch-1 halves: "
+          f"{'yes' if amx else 'no (pairs only)'}")
     header = f"{'':14} {'one pass':>9} {'two':>9} {'two/one':>8}"
     if amx:
         header += f" {'two, pairs':>11} {'pairs/one':>10}"

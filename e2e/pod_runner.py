@@ -50,7 +50,13 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
 - **Paths sent at run time**: a pvc:// LoRA adapter reaches the engine as a path in the pod
   (`/mnt/adapters/<claim>/...`, the operator's `lora_path` in a POST), which no argument
   rewriting can reach: the runner links each such mount path on the host to the claim's
-  directory (one claim name per host: the tests give each claim its own name).
+  directory (one claim name per host: the tests give each claim a name unique on the machine, and a
+  link to another live cluster's volume is refused, not re-pointed under that cluster's engine); the
+  runner removes the links it made when it stops.
+- **Two clusters on one machine** share the host's network and disk: each gets its own pod range
+  (e2e/pod_range.py), ports and folders; the engine binds its KV events' `tcp://*:` endpoints to the
+  pod's IP, not every address (two kv-aware pods would otherwise share port 5557, and one cluster's
+  router could read the other's events), as `--host` is.
 
 The whole data path is then real: router -> pod IP -> engine, reading weights from a volume.
 Not simulated: CPU limits, readOnly mounts and the container image itself (every process runs
@@ -72,6 +78,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +177,9 @@ def _command(args: list[str], ip: str, command: list[str] | None = None) -> list
             args[args.index("--host") + 1] = ip
         else:
             args += ["--host", ip]
+        if "--kv-events-config" in args:
+            at = args.index("--kv-events-config") + 1
+            args[at] = args[at].replace("tcp://*:", f"tcp://{ip}:")
     return [sys.executable, "-m", "kaon_runtime.cli", *args[1:]]
 
 
@@ -191,18 +201,60 @@ def translate(value: str, mounts: list[tuple[str, Path]]) -> str:
     return value
 
 
-def link_runtime_mounts(mounts: list[tuple[str, Path]]) -> None:
-    """Link the adapters' mount paths on the host to their volumes' directories (see the docstring)."""
+class SharedPathError(ContainerConfigError):
+    """A host path that another live local cluster on this machine uses (reported on the pod, tried again)."""
+
+
+def may_relink(current: Path | None, ours: Path, owner: int | None, alive: Callable[[int], bool]) -> bool:
+    """Whether a host link now pointing at `current`, made by the process `owner`, may be pointed at `ours`:
+    yes when it is unset, ours already, or made by this process or one that is gone; no while another live
+    process's cluster uses it (re-pointing would swap the volume under that cluster's engine)."""
+    return current is None or current == ours or owner is None or owner == os.getpid() or not alive(owner)
+
+
+def _owner_file(link: Path) -> Path:
+    return link.with_name(f".{link.name}.owner")
+
+
+def link_runtime_mounts(mounts: list[tuple[str, Path]]) -> list[Path]:
+    """Link the adapters' mount paths on the host to their volumes' directories (see the docstring); the
+    link's owner (this process) is noted beside it, in `.<name>.owner`. Returns the links made."""
+    made = []
     for mount_path, host in mounts:
         if not mount_path.startswith(f"{ADAPTER_MOUNT}/"):
             continue
         link = Path(mount_path)
         if link.is_symlink() and link.readlink() == host:
             continue
+        owner_file = _owner_file(link)
+        current = link.readlink() if link.is_symlink() else None
+        try:
+            owner: int | None = int(owner_file.read_text())
+        except (OSError, ValueError):
+            owner = None
+        if not may_relink(current, host, owner, psutil.pid_exists):
+            raise SharedPathError(f"{link} links the volume of another local cluster (process {owner}: {current}): "
+                                  f"a claim name must be unique on this machine while both clusters run")
         link.parent.mkdir(parents=True, exist_ok=True)
         if link.is_symlink():
             link.unlink()
         link.symlink_to(host, target_is_directory=True)
+        owner_file.write_text(f"{os.getpid()}\n")
+        made.append(link)
+    return made
+
+
+def unlink_owned(links: set[Path]) -> None:
+    """Remove the links this process made and still owns (a cluster's stop leaves no link behind)."""
+    for link in links:
+        owner_file = _owner_file(link)
+        try:
+            mine = int(owner_file.read_text()) == os.getpid()
+        except (OSError, ValueError):
+            continue
+        if mine:
+            link.unlink(missing_ok=True)
+            owner_file.unlink(missing_ok=True)
 
 
 def _tail(path: Path | None) -> str:
@@ -232,6 +284,7 @@ class PodRunner:
         """`probe_look`: quick looks between a probe's declared runs until it first succeeds
         (e2e/probes.py: a new engine is seen serving sooner; failures count as declared)."""
         self.cp, self.log_dir, self.poll, self.probe_look = cp, log_dir, poll, probe_look
+        self._links: set[Path] = set()  # the adapter links on the host this runner made (removed at its stop)
         self.processes: dict[str, _Process] = {}  # "namespace/name" -> its engine
         self.pods: dict[str, _Pod] = {}
         self._stop = threading.Event()
@@ -264,6 +317,7 @@ class PodRunner:
             if pod.init:
                 wait_or_kill(pod.init, grace=10)
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        unlink_owned(self._links)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll):
@@ -443,7 +497,7 @@ class PodRunner:
             mounts.append((container.get("terminationMessagePath", TERMINATION_MESSAGE_PATH),
                            self._termination_file(key)))
         args = [translate(expand(a, self._own_env(container, env)), mounts) for a in container.get("args") or []]
-        link_runtime_mounts(self._mounts(container, state, pod))
+        self._links.update(link_runtime_mounts(self._mounts(container, state, pod)))
         log_path = self._engine_log(key)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(_command(args, ip, container.get("command")), stdout=log,

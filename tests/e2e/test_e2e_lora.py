@@ -12,6 +12,7 @@ while the base and the other adapters keep serving.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import httpx
@@ -78,7 +79,9 @@ def test_adapters_from_s3_and_a_pvc_serve_by_name_and_follow_the_spec_without_a_
         minio.upload_dir(ADAPTER_BUCKET, name, dirs[name])
     store = tmp_path / "adapter-store"
     shutil.copytree(dirs["poem"], store / "poem")
-    claim = f"{namespace}-adapters"  # the pod runner links /mnt/adapters/<claim> on the host: one name per test
+    # The pod runner links /mnt/adapters/<claim> on the host: one name per test and per process (another
+    # cluster on this machine, a second checkout's tests, counts its namespaces from t1 too).
+    claim = f"{namespace}-p{os.getpid()}-adapters"
     pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": claim},
           "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
                    "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(store)},

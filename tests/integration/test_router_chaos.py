@@ -121,7 +121,8 @@ async def post_many(client, n: int) -> list[tuple[int, str | None]]:
 def test_no_response_headers_in_time_goes_to_another_pod_and_ejects_the_slow_one():
     async def scenario():
         hung, good = await BadEngine("hung").start(), await BadEngine("good").start()
-        router = routed(hung, good, first_byte_timeout=0.3)
+        # 1 s: the good engine must answer within it, and a busy machine can stall this process a few tenths.
+        router = routed(hung, good, first_byte_timeout=1.0)
         retarget(router, {"hung": "hang"})
         async with serving(router) as client:
             answers = await post_many(client, 4)
@@ -221,12 +222,14 @@ def test_a_stream_longer_than_the_idle_timeout_but_never_silent_that_long_passes
 
     async def scenario():
         engine = await FakeEngine("e0", events).start()
-        router = routed(engine, idle_timeout=0.3)
+        # A gap a quarter of the idle timeout: a busy machine may stall this process most of a second and the
+        # stream is still never silent for a whole period (0.1 s gaps under 0.3 s were not, under load).
+        router = routed(engine, idle_timeout=1.0)
         async with serving(router) as client:
             async with client.post("/v1/completions", json={"model": "m", "prompt": "gated"}) as resp:
                 for gate in engine.gates:
                     gate.set()
-                    await asyncio.sleep(0.1)  # 9 events over ~0.9 s: three idle periods, no silence of one
+                    await asyncio.sleep(0.25)  # 9 events over ~2.25 s: the timer fires twice, no silence of 1 s
                 body = await resp.read()
             text = await (await client.get("/metrics")).text()
         await engine.stop()

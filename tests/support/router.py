@@ -128,7 +128,7 @@ async def serving(router: Router):
             yield client
 
 
-async def until(what: str, check, timeout: float = 5.0):
+async def until(what: str, check, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:

@@ -26,6 +26,7 @@ from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
 from kaon_runtime.layers.cpu_linear import onednn_linears_apply, use_onednn_linears
 from kaon_runtime.layers.kernel_backend import KernelBackend, select_kernels
 from kaon_runtime.loader import Checkpoint
+from kaon_runtime.loader.mapped_safetensors import release_pages
 from kaon_runtime.models import cpu_decode_step
 from kaon_runtime.models.decoder import DecoderForCausalLM
 from kaon_runtime.models.registry import build_model
@@ -126,7 +127,7 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None)
     model = model.to_empty(device=device)
     stream = checkpoint.weights() if not held else _without(checkpoint, held, table)
-    weights = tqdm(stream, total=checkpoint.num_tensors, desc="Loading weights",
+    weights = tqdm(_released_once_copied(stream), total=checkpoint.num_tensors, desc="Loading weights",
                    unit="tensor", disable=not show_progress)
     try:
         if prequantized is not None:
@@ -146,6 +147,21 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
     return model.eval()
+
+
+def _released_once_copied(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream, each tensor's file pages released (loader/mapped_safetensors.release_pages) when the next
+    is asked for: by then load_weights has copied it into its parameter, or Prequantized.set_aside holds it
+    unread (its pages are read, and released, at install). Without this a safetensors checkpoint's pages
+    stayed resident beside their copies until the load ended (issue 49 §3)."""
+    previous = None
+    for name, tensor in stream:
+        if previous is not None:
+            release_pages(previous)
+        previous = tensor
+        yield name, tensor
+    if previous is not None:
+        release_pages(previous)
 
 
 def _check_memory(config: EngineConfig, checkpoint: Checkpoint, model_config: ModelConfig, dtype: torch.dtype,

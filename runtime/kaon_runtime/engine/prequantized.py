@@ -25,6 +25,7 @@ from kaon_runtime.distributed.sharding import cut
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.layers.moe import SparseMoE
 from kaon_runtime.loader import Checkpoint
+from kaon_runtime.loader.mapped_safetensors import release_pages
 from kaon_runtime.models.weights import qwen3_moe_name, target
 from kaon_runtime.quant.checkpoint_formats import CheckpointScheme, LoadedWeight, concat_rows, scheme_from_config
 from kaon_runtime.quant.dynamic_fp8 import DynamicFp8InputLinear
@@ -133,6 +134,7 @@ class Prequantized:
                 device: torch.device, tp: TensorParallel) -> nn.Module:
         """The quantized linear `ours` of the checkpoint modules `names` (their rows stacked), this rank's shard."""
         inputs = [self._static_input(name) for name in names] if self.scheme.static_inputs else []
+        sources = [tensor for name in names for tensor in self.held.get(name, {}).values()]
         weight = concat_rows([self._shard(name, tp) for name in names], ours)
         shape = (weight.out_features, _in_features(weight))
         if shape != expected:
@@ -147,6 +149,10 @@ class Prequantized:
             scale, zero = max(inputs, key=lambda found: float(found[0]))
             module = StaticInputLinear(module, str(self.scheme.static_inputs), scale.to(device),
                                        None if zero is None else zero.to(device))
+        # Converted: the file's pages under the checkpoint's tensors leave resident memory now, not when the
+        # load ends (they were one more copy of the narrow weights at the load's peak: issue 49 §3).
+        for tensor in sources:
+            release_pages(tensor)
         return module
 
     def _static_input(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -345,6 +345,7 @@ static void axpy(float *y, float a, const float *x, int n) {
  * batched. */
 #define NT 16
 #define KT 128
+_Static_assert(NT == 16, "f32_t_outputs widens a 16-bit strip row as two vectors of eight");
 static inline __attribute__((always_inline)) void tile_f32_t(const float *packed, const float *x, int kt, int k,
                                                              int n, const int R, int first, float *y) {
 #ifdef KAON_AVX2
@@ -403,7 +404,17 @@ static void f32_t_outputs(const void *w, int fmt, const float *bias, int n, int 
                     float *to = packed + ((size_t)p * kt + i) * NT;
                     const size_t from = (size_t)(k0 + i) * n + j + p * NT;
                     if (fmt == FMT_F32) memcpy(to, (const float *)w + from, sizeof(float) * NT);
+#ifdef KAON_AVX2
+                    /* Eight at a time (vcvtph2ps / a shift): one element at a time, the float16 head's
+                     * widening cost more than its halved reads saved, and a float16 model decoded
+                     * slower than float32 at batch 1 (issue 49 §5). Exact either way: the same bits. */
+                    else {
+                        _mm256_storeu_ps(to, load8(w, from, fmt));
+                        _mm256_storeu_ps(to + 8, load8(w, from + 8, fmt));
+                    }
+#else
                     else for (int c = 0; c < NT; c++) to[c] = load1(w, from + c, fmt);
+#endif
                 }
             /* The next block's row segments (the next k-block of these columns, or the next
              * columns' first), a few per strip: 128 rows a whole row of W apart, which the
@@ -916,6 +927,141 @@ static inline __attribute__((always_inline)) void group_q4_1_pairs(const uint8_t
     }
     for (int r = 0; r < rows; r++) split_pair(_mm512_add_ps(acc[r], mins[r]), out[2 * r], out[2 * r + 1]);
 }
+
+/* ---- batch 1: the two passes as the two halves of a 512-bit register --------------------
+ * One activation row (batch-1 decode) reads each group's weights for one quantized row pair only,
+ * and in the pair layout above every weight vector then paid a lane-duplicating permute (the
+ * shuffle port, beside the dot products' ports). Here lanes 0-7 are the first pass's eight outputs
+ * and lanes 8-15 the remainder's: the weights' 32 bytes are broadcast into both halves straight
+ * from memory (a load, no shuffle), and the activations, shared by every group, are laid out once
+ * per projection as whole 64-byte vectors (HalfRow). Each lane does the pair kernels' integer sums
+ * (exact) and float operations in their order, so the bits are the pair kernels' and the tiles'
+ * (test_cpu_decode_invariance.py checks every path against the others). Q8_G16 (the vocabulary
+ * head) gets the same: at batch 1 with two passes it ran the two-row 256-bit kernel. */
+typedef struct {
+    const int8_t *q;       /* [block][t][64]: bytes 4t..4t+3 of the first pass x8, then the second's x8 */
+    const float *d, *s;    /* [block][16]: the first pass's x8, then the second's */
+    const int32_t *q0;     /* [block][16] int8: -128 qs; Q8_G16: -128 sum(q) over the first half block */
+    const int32_t *q1;     /* [block][16] Q8_G16: -128 sum(q) over the second half */
+    const float *a, *z;    /* [block][16] Q8_G16 with mins: slo and s - slo (group_q8_g16's a, z) */
+} HalfRow;
+
+static inline __m512i halves_i(const void *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512 halves_ps(const float *p) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+static inline void split_halves(__m512 v, float *first, float *second) {
+    _mm256_storeu_ps(first, _mm512_castps512_ps256(v));
+    _mm256_storeu_ps(second, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* HalfRow from quantize_passes' layout of one activation row (q, d, s, qs: rows 0 and 1). */
+static void half_row(const int8_t *q, const float *d, const float *s, const int32_t *qs, int k, int g16,
+                     int8_t *hq, float *hd, float *hs, int32_t *h0, int32_t *h1, float *ha, float *hz) {
+    const int blocks = k / QBLOCK;
+    for (int b = 0; b < blocks; b++) {
+        for (int pass = 0; pass < 2; pass++) {
+            const int8_t *qb = q + (size_t)pass * k + (size_t)b * QBLOCK;
+            const size_t at = (size_t)pass * blocks + b, lane = (size_t)b * 16 + 8 * pass;
+            for (int t = 0; t < 8; t++)
+                _mm256_storeu_si256((__m256i *)(hq + ((size_t)b * 8 + t) * 64 + 32 * pass),
+                                    _mm256_set1_epi32(load_i32(qb + 4 * t)));
+            int lo = 0;  /* Q8_G16: sum(q) over the first half block */
+            for (int i = 0; g16 && i < QBLOCK / 2; i++) lo += qb[i];
+            const float slo = d[at] * (float)lo;  /* kaon_linear's slo */
+            _mm256_storeu_ps(hd + lane, _mm256_set1_ps(d[at]));
+            _mm256_storeu_ps(hs + lane, _mm256_set1_ps(s[at]));
+            _mm256_storeu_si256((__m256i *)(h0 + lane), _mm256_set1_epi32(-128 * (g16 ? lo : qs[at])));
+            if (g16) {
+                _mm256_storeu_si256((__m256i *)(h1 + lane), _mm256_set1_epi32(-128 * (qs[at] - lo)));
+                _mm256_storeu_ps(ha + lane, _mm256_set1_ps(slo));
+                _mm256_storeu_ps(hz + lane, _mm256_set1_ps(s[at] - slo));
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void group_int8_halves(const int8_t *w, const float *scales,
+                                                                    const HalfRow *h, int k, float out[][LANES]) {
+    const int blocks = k / QBLOCK;
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const int8_t *wb = w + (size_t)b * QBLOCK * LANES;
+        const int8_t *qb = h->q + (size_t)b * 8 * 64;
+        __m512i sum = _mm512_loadu_si512(h->q0 + (size_t)b * 16);
+        for (int t = 0; t < 8; t++)  /* w + 128 as group_int8_pairs: the -128 sum(q) start above */
+            sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(halves_i(wb + 32 * t), _mm512_set1_epi8((char)0x80)),
+                                      _mm512_loadu_si512(qb + 64 * t));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(h->d + (size_t)b * 16), acc);
+    }
+    split_halves(_mm512_mul_ps(acc, halves_ps(scales)), out[0], out[1]);
+}
+
+static inline __attribute__((always_inline)) void group_q4_1_halves(const uint8_t *w, const uint8_t *hi,
+                                                                     const void *wdv, const void *wmv, const int f32,
+                                                                     const HalfRow *h, int k, float out[][LANES]) {
+    const uint16_t *wd = wdv, *wm = wmv;
+    const float *wdf = wdv, *wmf = wmv;
+    const int blocks = k / QBLOCK;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *wb = w + (size_t)b * QBLOCK / 2 * LANES;
+        const int8_t *qb = h->q + (size_t)b * 8 * 64;
+        __m512i nib[8];
+        for (int t = 0; t < 4; t++) {  /* as split_nibbles */
+            const __m512i raw = halves_i(wb + 32 * t);
+            nib[t] = _mm512_and_si512(raw, low);
+            nib[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        if (hi) {  /* as add_high_bits(nib, 8, ., 1) */
+            const __m512i hv = halves_i(hi + (size_t)b * QBLOCK);
+            const __m512i mask = _mm512_set1_epi8(0x10);
+            for (int t = 0; t < 8; t++) {
+                const int up = 4 - t;
+                const __m512i bits = up >= 0 ? _mm512_slli_epi16(hv, up) : _mm512_srli_epi16(hv, -up);
+                nib[t] = _mm512_or_si512(nib[t], _mm512_and_si512(bits, mask));
+            }
+        }
+        const __m512 scale = f32 ? halves_ps(wdf + (size_t)b * LANES)
+                                 : _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wd + (size_t)b * LANES))));
+        const __m512 min = f32 ? halves_ps(wmf + (size_t)b * LANES)
+                               : _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wm + (size_t)b * LANES))));
+        __m512i sum = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) sum = _mm512_dpbusd_epi32(sum, nib[t], _mm512_loadu_si512(qb + 64 * t));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_loadu_ps(h->d + (size_t)b * 16)), acc);
+        mins = _mm512_fmadd_ps(min, _mm512_loadu_ps(h->s + (size_t)b * 16), mins);
+    }
+    split_halves(_mm512_add_ps(acc, mins), out[0], out[1]);
+}
+
+/* group_q8_g16 for the two passes of one row; its integer sums by the w + 128 start (exact, so the
+ * same sums as its sign trick). */
+static inline __attribute__((always_inline)) void group_q8_g16_halves(const int8_t *w, const float *ws,
+                                                                       const float *wm, const HalfRow *h, int k,
+                                                                       float out[][LANES]) {
+    const int blocks = k / QBLOCK;
+    __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const int8_t *wb = w + (size_t)b * QBLOCK * LANES;
+        const int8_t *qb = h->q + (size_t)b * 8 * 64;
+        __m512i lo = _mm512_loadu_si512(h->q0 + (size_t)b * 16), hi = _mm512_loadu_si512(h->q1 + (size_t)b * 16);
+        for (int t = 0; t < 4; t++)
+            lo = _mm512_dpbusd_epi32(lo, _mm512_xor_si512(halves_i(wb + 32 * t), _mm512_set1_epi8((char)0x80)),
+                                     _mm512_loadu_si512(qb + 64 * t));
+        for (int t = 4; t < 8; t++)
+            hi = _mm512_dpbusd_epi32(hi, _mm512_xor_si512(halves_i(wb + 32 * t), _mm512_set1_epi8((char)0x80)),
+                                     _mm512_loadu_si512(qb + 64 * t));
+        const __m512 dr = _mm512_loadu_ps(h->d + (size_t)b * 16);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(halves_ps(ws + (size_t)b * 2 * LANES), dr), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(halves_ps(ws + ((size_t)b * 2 + 1) * LANES), dr), acc);
+        if (wm) {
+            mins = _mm512_fmadd_ps(halves_ps(wm + (size_t)b * 2 * LANES), _mm512_loadu_ps(h->a + (size_t)b * 16), mins);
+            mins = _mm512_fmadd_ps(halves_ps(wm + ((size_t)b * 2 + 1) * LANES), _mm512_loadu_ps(h->z + (size_t)b * 16), mins);
+        }
+    }
+    split_halves(_mm512_add_ps(acc, mins), out[0], out[1]);
+}
 #endif
 
 /* Whether kind runs in pairs (above) when its activations take two passes. */
@@ -1064,7 +1210,8 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
 size_t kaon_linear_workspace(int k, int rows) {
     /* room for two int8 passes of every row (act_passes 2), and their pair layout (KAON_PAIRS) */
     return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK))
-           + 2 * (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 128;
+           + 2 * (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 128
+           + (size_t)(k / QBLOCK) * (8 * 64 + 6 * 16 * sizeof(float)) + 64;  /* HalfRow (KAON_PAIRS, batch 1) */
 }
 
 typedef struct {
@@ -1082,6 +1229,7 @@ typedef struct {
     const int32_t *qsp;
     float *y;
     int amx;                /* KAON_AMX: two passes of many rows in AMX tiles (q, d, s as quantize_passes) */
+    const void *half;       /* KAON_PAIRS: a HalfRow, the two passes of one activation row (batch 1) */
 } LinearJob;
 
 /* ---- AMX: the two passes of many rows at once (Intel AMX-INT8; not Zen 4) ---------------
@@ -1371,6 +1519,19 @@ int kaon_set_amx(int on) {
 #endif
 }
 
+/* Whether batch 1's two passes take HalfRow's kernels where this build has them (1: the default);
+ * off, the pair kernels run (the tests' and bench's A/B; the bits are the same). Returns whether the
+ * build has them. */
+static atomic_int kaon_halves_on = 1;
+int kaon_set_halves(int on) {
+    atomic_store(&kaon_halves_on, on != 0);
+#ifdef KAON_PAIRS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #ifdef KAON_PAIRS
 /* Group g's outputs for activation rows [row, row + rows) in pairs (KAON_PAIRS): each quantized
  * row's eight outputs in v[2 (r - row) + pass]. */
@@ -1395,6 +1556,34 @@ static inline __attribute__((always_inline)) void linear_pairs(const LinearJob *
     else if (f32) group_q4_1_pairs(w, NULL, wd, wm, 1, qp, dp, sp, k, rows, v);
     else if (hi) group_q4_1_pairs(w, hi, wd, wm, 0, qp, dp, sp, k, rows, v);
     else group_q4_1_pairs(w, NULL, wd, wm, 0, qp, dp, sp, k, rows, v);
+}
+#endif
+
+#ifdef KAON_PAIRS
+/* Group g's outputs for one activation row's two passes (HalfRow): v[0] the first's, v[1] the second's. */
+static inline __attribute__((always_inline)) void linear_halves(const LinearJob *job, int g, float v[][LANES]) {
+    const Linear *l = job->l;
+    const int k = l->k, blocks = k / QBLOCK;
+    const HalfRow *h = job->half;
+    if (l->kind == KIND_INT8) {
+        group_int8_halves((const int8_t *)l->w + (size_t)g * LANES * k, l->scales + (size_t)g * LANES, h, k, v);
+        return;
+    }
+    if (l->kind == KIND_Q8_G16) {
+        const float *wm = l->gmins ? l->gmins + (size_t)g * LANES * blocks * 2 : NULL;
+        group_q8_g16_halves((const int8_t *)l->w + (size_t)g * LANES * k, l->gscales + (size_t)g * LANES * blocks * 2,
+                            wm, h, k, v);
+        return;
+    }
+    const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+    const int f32 = l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32;
+    const uint8_t *hi = l->kind == KIND_Q5 || l->kind == KIND_Q5_F32 ? l->high + (size_t)g * LANES * k / 8 : NULL;
+    const void *wd = f32 ? (const void *)(l->gscales + (size_t)g * LANES * blocks) : (const void *)(l->d + (size_t)g * LANES * blocks);
+    const void *wm = f32 ? (const void *)(l->gmins + (size_t)g * LANES * blocks) : (const void *)(l->m + (size_t)g * LANES * blocks);
+    if (f32 && hi) group_q4_1_halves(w, hi, wd, wm, 1, h, k, v);
+    else if (f32) group_q4_1_halves(w, NULL, wd, wm, 1, h, k, v);
+    else if (hi) group_q4_1_halves(w, hi, wd, wm, 0, h, k, v);
+    else group_q4_1_halves(w, NULL, wd, wm, 0, h, k, v);
 }
 #endif
 
@@ -1425,7 +1614,11 @@ static void linear_chunk(const void *arg, int begin, int end) {
             const int tile = job->rows - r0 < step ? job->rows - r0 : step;
             const int8_t *q = job->q + (size_t)r0 * k;
             const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
-            if (paired) {
+            if (job->half) {  /* rows == 2: one activation row's two passes */
+#ifdef KAON_PAIRS
+                linear_halves(job, g, v);
+#endif
+            } else if (paired) {
 #ifdef KAON_PAIRS
                 /* one activation row (batch-1 decode) gets its own copy of the loops, as below */
                 if (tile == 2) linear_pairs(job, g, r0 / 2, 1, v);
@@ -1506,7 +1699,13 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
 #else
     const int amx = 0;
 #endif
-    if (narrow && passes == 2 && (!paired || amx))
+#ifdef KAON_PAIRS  /* batch 1 with two passes: HalfRow's kernels (above) */
+    const int halves = narrow && passes == 2 && activation_rows == 1 && !amx
+                       && (paired || l->kind == KIND_Q8_G16) && kaon_halves_on;
+#else
+    const int halves = 0;
+#endif
+    if (narrow && passes == 2 && (!paired || amx || halves))
         for (int r = 0; r < activation_rows; r++)
             quantize_passes(x + (size_t)r * k, k, q + (size_t)2 * r * k, d + (size_t)2 * r * blocks,
                             s + (size_t)2 * r * blocks, qs + (size_t)2 * r * blocks);
@@ -1526,7 +1725,21 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     int8_t *qp = NULL;
     float *dp = NULL, *sp = NULL;
     int32_t *qsp = NULL;
-    if (paired && !amx) {  /* the pair layout (KAON_PAIRS, above) */
+    const void *half = NULL;
+#ifdef KAON_PAIRS
+    HalfRow half_row_layout;
+    if (halves) {
+        const size_t used = (size_t)((int8_t *)(qlo + (size_t)rows * blocks) - (int8_t *)work);
+        int8_t *hq = (int8_t *)work + ((used + 63) & ~(size_t)63);
+        float *hd = (float *)(hq + (size_t)blocks * 8 * 64), *hs = hd + (size_t)blocks * 16;
+        int32_t *h0 = (int32_t *)(hs + (size_t)blocks * 16), *h1 = h0 + (size_t)blocks * 16;
+        float *ha = (float *)(h1 + (size_t)blocks * 16), *hz = ha + (size_t)blocks * 16;
+        half_row(q, d, s, qs, k, l->kind == KIND_Q8_G16, hq, hd, hs, h0, h1, ha, hz);
+        half_row_layout = (HalfRow){hq, hd, hs, h0, h1, ha, hz};
+        half = &half_row_layout;
+    }
+#endif
+    if (paired && !amx && !halves) {  /* the pair layout (KAON_PAIRS, above) */
         qp = (int8_t *)(qlo + (size_t)rows * blocks);
         dp = (float *)(qp + (size_t)rows * k);
         sp = dp + (size_t)rows * blocks;
@@ -1535,7 +1748,7 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
             quantize_pairs(x + (size_t)r * k, k, qp + (size_t)2 * r * k, dp + (size_t)2 * r * blocks,
                            sp + (size_t)2 * r * blocks, qsp + (size_t)2 * r * blocks);
     }
-    LinearJob job = {l, rows, passes, x, q, d, s, qs, slo, qlo, qp, dp, sp, qsp, y, amx};
+    LinearJob job = {l, rows, passes, x, q, d, s, qs, slo, qlo, qp, dp, sp, qsp, y, amx, half};
     const int groups = (l->n + LANES - 1) / LANES;
     parallel_for(amx ? (groups + 1) / 2 : narrow ? groups : l->n, threads, linear_chunk, &job);
 }
@@ -1981,4 +2194,78 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
     atomic_store(&pool.hold, 0);
     rms_norm(x, md->final_norm, md->eps, rows, hidden, normed);
     memcpy(x, normed, sizeof(float) * (size_t)rows * hidden);
+}
+
+/* ---- int4 (Q4_1) weights widened for prefill's dense GEMM --------------------------------
+ *
+ * A prefill chunk of many rows multiplies a dense copy of an int4 weight (kernels/quant_gemm_cpu.py
+ * w4_dense_cpu), made on every call: keeping one per layer would undo the 4-bit memory saving.
+ * Made by torch ops (unpack, cat, multiply, add, convert: five passes over the weight) it cost
+ * more than the GEMM itself at 256-row chunks, one thread: ~20 ms against ~6 ms per SmolLM2
+ * layer, the fixed cost per prefill step that made small chunks dear (bench/prefill_steps.py).
+ * Here one pass per group. The numbers are torch's, bit for bit: w = q * scale + min with the
+ * product and the sum each rounded to float32 (no fused multiply-add: -std=c11 keeps GCC from
+ * contracting), then rounded to bfloat16 to nearest even as .to(torch.bfloat16) does
+ * (float_to_bf16), or kept as float32 where the CPU has no bfloat16 GEMM. */
+typedef struct {
+    const uint8_t *packed;  /* [n, k / 2]: byte j of a group holds element j low, j + group / 2 high */
+    const uint16_t *scales, *mins;  /* float16 [n, k / group] */
+    int k, group, bf16;
+    void *out;  /* [n, k]: bfloat16 (bf16) or float32 */
+} WidenJob;
+
+static inline void widen_store(void *out, size_t at, float w, int bf16) {
+    if (bf16) ((uint16_t *)out)[at] = float_to_bf16(w);
+    else ((float *)out)[at] = w;
+}
+
+#ifdef KAON_AVX2
+/* Eight elements q (as int32) * scale + min, stored at out + at. */
+static inline void widen8(__m256i q, __m256 scale, __m256 min, void *out, size_t at, int bf16) {
+    const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), min);
+    if (!bf16) { _mm256_storeu_ps((float *)out + at, w); return; }
+    const __m256i x = _mm256_castps_si256(w);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    /* NaN (none in a finite checkpoint): keep it a NaN as float_to_bf16 does */
+    const __m256 nan = _mm256_cmp_ps(w, w, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40)),
+                           _mm256_castps_si256(nan));
+    const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + at), packed16);
+}
+#endif
+
+static void widen_rows(const void *arg, int begin, int end) {
+    const WidenJob *job = arg;
+    const int k = job->k, group = job->group, half = group / 2, groups = k / group;
+    for (int row = begin; row < end; row++) {
+        const uint8_t *p = job->packed + (size_t)row * (k / 2);
+        for (int g = 0; g < groups; g++) {
+            const float scale = half_to_float(job->scales[(size_t)row * groups + g]);
+            const float min = half_to_float(job->mins[(size_t)row * groups + g]);
+            const uint8_t *bytes = p + (size_t)g * half;
+            const size_t at = (size_t)row * k + (size_t)g * group;
+            int j = 0;
+#ifdef KAON_AVX2
+            const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(min);
+            for (; j + 8 <= half; j += 8) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + j)));
+                widen8(_mm256_and_si256(b, _mm256_set1_epi32(0xf)), vs, vm, job->out, at + j, job->bf16);
+                widen8(_mm256_srli_epi32(b, 4), vs, vm, job->out, at + half + j, job->bf16);
+            }
+#endif
+            for (; j < half; j++) {
+                widen_store(job->out, at + j, (float)(bytes[j] & 0xf) * scale + min, job->bf16);
+                widen_store(job->out, at + half + j, (float)(bytes[j] >> 4) * scale + min, job->bf16);
+            }
+        }
+    }
+}
+
+/* out [n, k] = the dequantized weight, in bfloat16 (bf16 != 0) or float32, on `threads` threads. */
+void kaon_widen_q4_1(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins, int n, int k, int group,
+                     int bf16, void *out, int threads) {
+    WidenJob job = {packed, scales, mins, k, group, bf16, out};
+    parallel_for(n, threads, widen_rows, &job);
 }

@@ -159,6 +159,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kaon_pool_yields.argtypes = []
     lib.kaon_set_amx.restype = ctypes.c_int
     lib.kaon_set_amx.argtypes = [ctypes.c_int]
+    lib.kaon_set_halves.restype = ctypes.c_int
+    lib.kaon_set_halves.argtypes = [ctypes.c_int]
+    lib.kaon_widen_q4_1.restype = None
+    lib.kaon_widen_q4_1.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -175,9 +180,32 @@ def set_amx(lib: ctypes.CDLL, on: bool) -> bool:
     return bool(lib.kaon_set_amx(int(on)))
 
 
+def set_halves(lib: ctypes.CDLL, on: bool) -> bool:
+    """Whether batch 1's two activation passes take the half-register kernels (on by default where the build has
+    the 512-bit pair kernels: AVX-512 VNNI) or the pair kernels (the tests' and the bench's A/B; the bits are the
+    same). Returns whether this build has the half-register kernels at all."""
+    return bool(lib.kaon_set_halves(int(on)))
+
+
 def pool_yields(lib: ctypes.CDLL) -> int:
     """How many wait rounds of the step's threads have yielded their core so far (this process)."""
     return int(lib.kaon_pool_yields())
+
+
+def widen_q4_1(lib: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """kaon's int4 weight (packed uint8 [N, K / 2], float16 scales and mins [N, K / group_size]) dequantized to
+    `dtype` (bfloat16 or float32) [N, K] in one pass on torch's thread count: the same bits as
+    dequantize_int4(...).to(dtype) (kaon_widen_q4_1 in cpu_decode.c)."""
+    assert dtype in (torch.bfloat16, torch.float32) and group_size % 2 == 0
+    assert packed.dtype == torch.uint8 and scales.dtype == mins.dtype == torch.float16
+    packed, scales, mins = packed.contiguous(), scales.contiguous(), mins.contiguous()
+    n, k = packed.shape[0], packed.shape[1] * 2
+    assert scales.shape == mins.shape == (n, k // group_size)
+    out = torch.empty(n, k, dtype=dtype)
+    lib.kaon_widen_q4_1(packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, group_size,
+                        int(dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 @functools.cache

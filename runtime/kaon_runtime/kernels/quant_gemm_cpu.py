@@ -45,11 +45,26 @@ def w8_dense_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
     return (torch.mm(x.to(dtype), qweight.to(dtype).t()).float() * scales).to(x.dtype)
 
 
+def widen_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The int4 weight dequantized to `dtype` [N, K]: in one pass by the C kernels where they are built
+    (cpu_decode.widen_q4_1, the same bits), else by torch ops. Made on every prefill GEMM, so its cost is
+    fixed per step: torch's five passes cost more than a 256-row GEMM (~20 ms vs ~6 ms per SmolLM2 layer,
+    one thread), which made chunked prefill ~1.8-2.1x slower than one 1,024-row step (bench/prefill_steps.py)."""
+    from kaon_runtime.kernels import cpu_decode  # on use: the library is built (or found cached) once
+
+    lib = cpu_decode.library()
+    if (lib is not None and packed.device.type == "cpu" and scales.dtype == mins.dtype == torch.float16
+            and dtype in (torch.bfloat16, torch.float32)):
+        return cpu_decode.widen_q4_1(lib, packed, scales, mins, group_size, dtype)
+    return dequantize_int4(packed, scales, mins, group_size).to(dtype)
+
+
 def w4_dense_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  group_size: int) -> torch.Tensor:
     """x [M, K] @ dequant(weight).T for many rows, from kaon's int4 layout (any group size)."""
     dtype = dense_dtype()
-    weight = dequantize_int4(packed, scales, mins, group_size).to(dtype)
+    weight = widen_int4(packed, scales, mins, group_size, dtype)
     return torch.mm(x.to(dtype), weight.t()).to(x.dtype)
 
 

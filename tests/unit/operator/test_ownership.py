@@ -43,7 +43,7 @@ def test_a_hung_apiserver_is_a_timeout_and_an_error_not_a_hang():
         start = time.monotonic()
         with pytest.raises(Exception) as failed:  # the dynamic client's discovery is the first request
             Kube(TimedApiClient(config, timeout=(1.0, 0.5))).list_pods("ns", "a=b")
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 15  # a few 0.5 s reads, with room for a busy machine; no timeout hangs
         assert "timed out" in repr(failed.value).lower() or "timeout" in repr(failed.value).lower()
 
 

@@ -149,7 +149,7 @@ def test_a_pod_that_never_answers_a_load_delays_no_other_tenant(monkeypatch):
         start = time.monotonic()
         await asyncio.wait_for(loop.tick_all(session), 30)
         assert honest.loaded == {"sql": ADAPTER["uri"]}, "the victim's adapter waited on another tenant"
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 25  # far under the stalled load's own 600 s timeout
         assert stall.calls == ["sql"]  # its load is still held by its pod, in its own task
         await asyncio.wait_for(loop.tick_all(session), 30)
         assert stall.calls == ["sql"], "a service whose round still runs got a second one"

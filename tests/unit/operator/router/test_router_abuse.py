@@ -39,11 +39,9 @@ def head(length: int, authorization: str | None = None) -> bytes:
             f"Content-Length: {length}\r\n\r\n").encode()
 
 
-async def closed_within(reader: asyncio.StreamReader, seconds: float) -> tuple[bytes, float]:
-    """What the router sent before closing the connection, and when it closed."""
-    start = time.monotonic()
-    data = await asyncio.wait_for(reader.read(), seconds)
-    return data, time.monotonic() - start
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """What the router sent before closing the connection (a TimeoutError if it has not within `seconds`)."""
+    return await asyncio.wait_for(reader.read(), seconds)
 
 
 @contextlib.asynccontextmanager
@@ -80,14 +78,15 @@ def test_a_partial_head_and_a_partial_body_are_closed_by_their_deadlines():
     async def scenario():
         engine = await FakeEngine("a").start()
         async with router_on_port(routed(engine, header_timeout=0.3, body_timeout=0.3)) as (client, port):
+            # Closed within 8 s: the 0.3 s deadlines at work (a busy machine may stretch them a few times),
+            # not the defaults (10 s head, 30 s body), which a router ignoring its settings would apply.
             reader, _ = await raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n")  # no blank line: unfinished
-            data, took = await closed_within(reader, 5)
-            assert data == b"" and took < 2
+            assert await closed_within(reader, 8) == b""
             reader, _ = await raw(port, b"")  # connected, sends nothing
-            assert (await closed_within(reader, 5))[0] == b""
+            assert await closed_within(reader, 8) == b""
             reader, _ = await raw(port, head(len(COMPLETION)) + COMPLETION[:10])
-            data, took = await closed_within(reader, 5)
-            assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and took < 2
+            data = await closed_within(reader, 8)
+            assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data
         # Between requests of a kept-alive connection the head deadline applies again. A longer one
         # here: the client must read its first answer before the deadline, and a busy machine can
         # stall this process past 0.3 s (then the router closes first, and rightly).
@@ -96,7 +95,7 @@ def test_a_partial_head_and_a_partial_body_are_closed_by_their_deadlines():
             first = await reader.readuntil(b'"finish_reason": "stop"}]}')
             assert first.startswith(b"HTTP/1.1 200")
             writer.write(b"POST /v1/completions HTTP/1.1\r\n")
-            assert (await closed_within(reader, 5))[0] == b""
+            assert await closed_within(reader, 8) == b""
             async with client.post("/v1/completions", data=COMPLETION) as resp:  # and the router still serves
                 assert resp.status == 200
         await engine.stop()
@@ -116,8 +115,8 @@ def test_connections_past_the_cap_get_a_fast_503_and_the_router_serves_again_aft
             await asyncio.sleep(0.05)
             refused = [await raw(port, head(len(COMPLETION)) + COMPLETION) for _ in range(200)]
             for reader, _ in refused:
-                data, took = await closed_within(reader, 2)
-                assert data.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in data and took < 1
+                data = await closed_within(reader, 8)  # answered on connect, not at the 10 s head deadline
+                assert data.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in data
             for _, writer in idle:
                 writer.close()
             await asyncio.sleep(0.1)
@@ -138,15 +137,14 @@ def test_bodies_past_the_buffer_budget_are_refused_unread():
             stalled = await raw(port, head(1000))  # holds 1000 of the 1800 bytes while it trickles
             await asyncio.sleep(0.05)
             reader, _ = await raw(port, head(1000))
-            data, took = await closed_within(reader, 3)
-            assert data.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in data and took < 2
+            data = await closed_within(reader, 8)  # a 503 on its head (held, it would end in a 408 at 5 s)
+            assert data.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in data
             async with client.post("/v1/completions", data=COMPLETION) as resp:  # a small one still fits
                 assert resp.status == 200
             reader, _ = await raw(port, head(10**9))  # over --max-body-bytes: 413 on its head
-            assert (await closed_within(reader, 3))[0].startswith(b"HTTP/1.1 413")
+            assert (await closed_within(reader, 8)).startswith(b"HTTP/1.1 413")
             stalled[1].close()
-            await asyncio.sleep(0.1)
-            assert router.budget.held == 0  # given back when the stalled one went away
+            await until("the stalled body's bytes to be given back", lambda: router.budget.held == 0)
         await engine.stop()
 
     run(scenario())
@@ -162,8 +160,8 @@ def test_while_every_service_needs_a_key_a_request_without_one_is_refused_on_its
         async with router_on_port(router) as (client, port):
             for key in (None, "key-two"):
                 reader, _ = await raw(port, head(1 << 20, key))  # announces 1 MiB, sends none of it
-                data, took = await closed_within(reader, 3)
-                assert data.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in data and took < 2
+                data = await closed_within(reader, 8)  # on its head, not after the 30 s body deadline
+                assert data.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in data
             async with client.post("/v1/completions", data=COMPLETION,
                                    headers={"Authorization": "Bearer key-one"}) as resp:
                 assert resp.status == 200
@@ -371,7 +369,7 @@ def test_clients_that_stop_reading_are_dropped_within_the_write_deadline_and_the
         async with router_on_port(router) as (client, port):
             readers = [await non_reader(port) for _ in range(8)]
             await until("every stream to begin", lambda: engine.running == 8)
-            await until("the stalled clients to be dropped", lambda: engine.running == 0, timeout=5)
+            await until("the stalled clients to be dropped", lambda: engine.running == 0, timeout=15)
             assert engine.cancelled == 8 and router.inflight == {}  # the engine's requests were cancelled
             stalled = [await asyncio.to_thread(dropped, sock) for sock in readers]
             assert all(stalled)

@@ -19,10 +19,10 @@ from aiohttp import web
 
 from kaon_operator import naming
 from kaon_operator.router.config import RouterConfig
-from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.endpoints import EndpointTable, ServiceKey
 from kaon_operator.router.proxy import Router
 from kaon_operator.router.request import upstream_headers
-from support.router import run, serving
+from support.router import run, serving, until
 from support.tenancy import engine_pod, isvc
 
 VICTIM_KEY = "victim-key"
@@ -142,7 +142,7 @@ def test_a_request_held_while_its_name_moves_to_another_service_is_checked_again
         async with serving(router) as client:
             sent = asyncio.ensure_future(client.post("/v1/completions", data=b'{"model": "m", "prompt": "x"}',
                                                      headers={"Authorization": "Bearer someone-elses"}))
-            await asyncio.sleep(0.2)
+            await until("the request to be held", lambda: router.held() == {ServiceKey("default", "one"): 1})
             table.apply_service("DELETED", isvc("default", "one", "m"))
             table.apply_service("ADDED", isvc("default", "two", "m", secret="keys", keys=(VICTIM_KEY,)))
             table.apply_pod("ADDED", engine_pod("default", "two", second.port))
@@ -217,6 +217,10 @@ def test_two_thousand_idle_uploads_from_one_address_leave_the_budget_to_everyone
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(head)
                 idle.append((reader, writer))
+            # The uploads fill their address's share first (on a busy machine the router reads 2,048 heads later),
+            # then have half a second more to take more than it, which they must not.
+            share = router.config.max_buffered_bytes * router.config.max_client_share
+            await until("the uploads to fill their address's share", lambda: router.budget.held >= share)
             await asyncio.sleep(0.5)
             held = router.budget.held
             connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))

@@ -85,7 +85,7 @@ def serving(engine: AsyncEngine, wedge: WedgeableEngine):
 
 
 def _wait_for(predicate, what: str):
-    deadline = time.monotonic() + 10  # a liveness bound on the test itself, not an assertion on speed
+    deadline = time.monotonic() + 30  # a liveness bound on the test itself, not an assertion on speed
     while not predicate():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.005)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -16,7 +17,11 @@ import zmq
 from msgspec.msgpack import Decoder
 
 from kaon_runtime.engine.block_manager import BlockManager
-from kaon_runtime.engine.kv_events import EventPublisher, parse_kv_events_config
+from kaon_runtime.engine.kv_events import (
+    AllBlocksCleared as AllBlocksClearedEvent,
+    EventPublisher,
+    parse_kv_events_config,
+)
 from kaon_runtime.engine.kv_observer import KVObserver
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import InvalidRequestError
@@ -80,12 +85,26 @@ class Subscriber:
         self.decoder = Decoder(type=KVEventBatch)
         self.batches: list[tuple[int, KVEventBatch]] = []
 
-    def receive(self, timeout_ms: int = 1000) -> None:
-        while self.sub.poll(timeout_ms):
+    def receive(self, until: Callable[[list], bool], seconds: float = 30.0) -> None:
+        """Batches until `until(events)` holds: a condition, not a quiet period, which a busy machine's
+        publisher thread can outlast between two batches (a deadline only fails a broken build)."""
+        deadline = time.monotonic() + seconds
+        while not until(self.events()):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0 and self.sub.poll(left_ms), f"no batch within {seconds}s; got {self.batches}"
             topic, seq, payload = self.sub.recv_multipart()
             assert topic == b"kv-events"
             self.batches.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
-            timeout_ms = 200
+
+    def subscribed(self, publisher: EventPublisher, seconds: float = 30.0) -> None:
+        """Wait out ZMQ's slow joiner: a subscription reaches the publisher a moment after it binds (longer on a
+        busy machine), and what is published before is lost. AllBlocksCleared, the event a starting publisher
+        sends anyway, is sent until one arrives; the probes' batches are then left out."""
+        deadline = time.monotonic() + seconds
+        while not self.sub.poll(50):
+            assert time.monotonic() < deadline, f"not subscribed within {seconds}s"
+            publisher.emit(AllBlocksClearedEvent())
+        self.sub.recv_multipart()
 
     def replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
         # vLLM's example asks with a REQ socket, which keeps only the first reply of a replay; a DEALER
@@ -117,7 +136,7 @@ def published():
         f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "topic": "kv-events"}}')
     subscriber = Subscriber(port, replay_port)
     publisher = EventPublisher(config)
-    time.sleep(0.3)  # ZMQ's slow joiner: the subscription reaches the publisher a moment after it binds
+    subscriber.subscribed(publisher)
     bm = BlockManager(6, BS)
     bm.listener = KVObserver(BS, publisher, None)
     yield bm, publisher, subscriber
@@ -137,14 +156,18 @@ def run(bm: BlockManager, tokens: list[int]) -> list[int]:
     return hashes
 
 
+def announced_hashes(events: list) -> set:
+    return {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
+
+
 def test_every_whole_block_is_announced_with_its_tokens_and_evictions_too(published):
     bm, _, subscriber = published
     first = list(range(100, 111))  # 2 whole blocks and a partial one
     second = list(range(200, 217))  # 4 whole blocks and a partial one: the pool of 6 evicts some of the first
     a, b = run(bm, first), run(bm, second)
-    subscriber.receive()
+    subscriber.receive(until=lambda events: announced_hashes(events) >= {*a, *b})  # the evictions come before b's
     seqs = [seq for seq, _ in subscriber.batches]
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a batch went missing"  # (the start's may race)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a batch went missing"
     events = subscriber.events()
     stored = [e for e in events if isinstance(e, BlockStored)]
     announced = {h: e for e in stored for h in e.block_hashes}
@@ -163,8 +186,8 @@ def test_every_whole_block_is_announced_with_its_tokens_and_evictions_too(publis
 
 def test_a_late_subscriber_replays_what_it_missed(published):
     bm, _, subscriber = published
-    run(bm, list(range(300, 309)))
-    subscriber.receive()
+    hashes = run(bm, list(range(300, 309)))
+    subscriber.receive(until=lambda events: announced_hashes(events) >= set(hashes))
     live = subscriber.batches
     assert live, "no batch arrived"
     replayed = subscriber.replay(0)

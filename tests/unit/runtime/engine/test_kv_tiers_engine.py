@@ -14,6 +14,7 @@ from msgspec.msgpack import Decoder
 from test_kv_events import BlockRemoved, BlockStored, KVEventBatch, free_port
 
 from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.engine.kv_events import AllBlocksCleared
 from support import MODEL
 
 POOL_BLOCKS = 6
@@ -45,8 +46,12 @@ def test_tiers_serve_a_working_set_larger_than_the_pool(llm, tmp_path):
     sub.connect(f"tcp://127.0.0.1:{port}")
     sub.setsockopt_string(zmq.SUBSCRIBE, "kv-events")
     engine = tiered(tmp_path, port)
-    time.sleep(0.3)  # ZMQ's slow joiner
     try:
+        # ZMQ's slow joiner (longer on a busy machine): the event a starting engine sends, until one arrives.
+        deadline = time.monotonic() + 30
+        while not sub.poll(50):
+            assert time.monotonic() < deadline, "not subscribed within 30 s"
+            engine.engine.kv_observer.publisher.emit(AllBlocksCleared())
         first = answers(engine)
         second = answers(engine)
         stats = engine.engine.stats()

@@ -167,19 +167,13 @@ def test_quantized_prefill_rows_compute_their_reference(method, activations, mon
     assert error.max() < TOLERANCE[activations], f"rows off their reference: {error.tolist()}"
 
 
-@pytest.mark.parametrize("kind", ["int8", "q4_1", "q4_f32", "q5", "q8_g16", "q8_g16 with mins"])
-def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
-    """Two activation passes of many rows take AMX tiles where the CPU has AMX-INT8 (cpu_decode.c, KAON_AMX),
-    Q8_G16 (a quantized model's int8 vocabulary head) in half blocks; fewer rows take the 512-bit pair kernels
-    (Q8_G16: the two-row kernels): the same bits, so a row's result does not depend on which path its step's
-    row count picks. Row counts: below the tiles' minimum, a partial tile, a full one, one and a half;
-    84 outputs: an odd group of eight, padded in the tile."""
-    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
-    lib = cpu_decode.library()
-    if not cpu_decode.set_amx(lib, True):
-        pytest.skip("no AMX-INT8 here (or the kernel refuses its tile state): the pair kernels run every row count")
+TWO_PASS_KINDS = ["int8", "q4_1", "q4_f32", "q5", "q8_g16", "q8_g16 with mins"]
+
+
+def _two_pass_weights(kind: str, n: int = 84, k: int = 160) -> cpu_decode.LinearWeights:
+    """A weight of each kind whose two activation passes have their own paths (pairs, AMX tiles, half
+    registers); 84 outputs: an odd group of eight."""
     torch.manual_seed(5)
-    n, k = 84, 160
     values = torch.randint(0, 32, (n, k), dtype=torch.uint8)
     scales, mins = torch.rand(n, k // 32) / 10, torch.randn(n, k // 32) / 10
     q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)  # Q8_G16: the int8 head's kind
@@ -191,7 +185,22 @@ def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
             "q5": lambda: cpu_decode.LinearWeights.q5(values, scales.half(), mins.half()),
             "q8_g16": lambda: cpu_decode.LinearWeights.q8_g16(q8, scales16, None, torch.randn(n)),
             "q8_g16 with mins": lambda: cpu_decode.LinearWeights.q8_g16(q8, scales16, mins16)}[kind]
-    weights = make()
+    return make()
+
+
+@pytest.mark.parametrize("kind", TWO_PASS_KINDS)
+def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
+    """Two activation passes of many rows take AMX tiles where the CPU has AMX-INT8 (cpu_decode.c, KAON_AMX),
+    Q8_G16 (a quantized model's int8 vocabulary head) in half blocks; fewer rows take the 512-bit pair kernels
+    (Q8_G16: the two-row kernels): the same bits, so a row's result does not depend on which path its step's
+    row count picks. Row counts: below the tiles' minimum, a partial tile, a full one, one and a half;
+    84 outputs: an odd group of eight, padded in the tile."""
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
+    lib = cpu_decode.library()
+    if not cpu_decode.set_amx(lib, True):
+        pytest.skip("no AMX-INT8 here (or the kernel refuses its tile state): the pair kernels run every row count")
+    weights = _two_pass_weights(kind)
+    k = weights.struct.k
     x = torch.randn(24, k) * torch.logspace(-2, 1, k)
     try:
         for rows in (3, 4, 7, 8, 20, 24):
@@ -200,7 +209,43 @@ def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
             cpu_decode.set_amx(lib, False)
             pairs = cpu_decode.linear(weights, x[:rows])
             assert torch.equal(tiles, pairs), f"{rows} rows"
-            alone = cpu_decode.linear(weights, x[rows - 1:rows])[0]  # one row: always the pair kernels
+            alone = cpu_decode.linear(weights, x[rows - 1:rows])[0]  # one row: batch 1's half-register kernels
             assert torch.equal(tiles[-1], alone), f"{rows} rows, the last alone"
     finally:
         cpu_decode.set_amx(lib, True)
+
+
+@pytest.mark.parametrize("kind", TWO_PASS_KINDS)
+def test_batch_one_half_registers_give_the_batch_kernels_bits(kind, monkeypatch):
+    """One activation row's two passes (batch-1 decode) take the half-register kernels where the build has
+    AVX-512 VNNI (cpu_decode.c, HalfRow: the passes in the two halves of a register, no lane permutes):
+    the same bits as the pair kernels, and a row alone equals that row inside a batch (pairs, or AMX tiles
+    from 4 rows where the CPU has them), so batch 1 and a batch give one answer. int8 also against the
+    pure-torch reference (the activations as quantize_activations_ref's two passes, dequantized weights)."""
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
+    lib = cpu_decode.library()
+    if not cpu_decode.set_halves(lib, True):
+        pytest.skip("no AVX-512 VNNI here: batch 1 takes the 256-bit kernels (test_cpu_decode_build.py compares them)")
+    torch.manual_seed(6)
+    weights = _two_pass_weights(kind)
+    k = weights.struct.k
+    x = torch.randn(6, k) * torch.logspace(-2, 1, k)
+    try:
+        together = cpu_decode.linear(weights, x)  # six rows: tiles or pairs
+        for r in range(x.shape[0]):
+            cpu_decode.set_halves(lib, True)
+            halves = cpu_decode.linear(weights, x[r:r + 1])
+            cpu_decode.set_halves(lib, False)
+            pairs = cpu_decode.linear(weights, x[r:r + 1])
+            assert torch.equal(halves, pairs), f"row {r}: half registers against the pair kernels"
+            assert torch.equal(halves[0], together[r]), f"row {r}: alone against in a batch of {x.shape[0]}"
+    finally:
+        cpu_decode.set_halves(lib, True)
+    if kind == "int8":
+        torch.manual_seed(7)
+        qweight, scales = quantize_int8(torch.randn(84, k))
+        bias = torch.randn(84)
+        one = cpu_decode.linear(cpu_decode.LinearWeights.int8(qweight, scales, bias), x[:1])
+        expected = torch.nn.functional.linear(quantize_activations_ref(x[:1], passes=2),
+                                              qweight.float() * scales[:, None], bias)
+        torch.testing.assert_close(one, expected, atol=1e-4, rtol=1e-4)

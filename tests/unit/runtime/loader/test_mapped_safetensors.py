@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kaon_runtime.errors import ModelLoadError
-from kaon_runtime.loader.mapped_safetensors import header, mapped_tensors
+from kaon_runtime.loader.mapped_safetensors import header, mapped_tensors, release_pages
+from support.resident import mapping_resident_bytes
 
 TENSORS = {"a.weight": torch.randn(64, 32), "b.qweight": torch.randint(-128, 127, (16, 48), dtype=torch.int8),
            "c.scales": torch.randn(16).to(torch.bfloat16), "d.fp8": torch.randn(8, 16).to(torch.float8_e4m3fn),
@@ -63,3 +64,19 @@ def test_a_directory_with_a_truncated_file_fails_at_load_in_one_line(tmp_path):
         return  # refused at open: as good
     with pytest.raises(ModelLoadError, match=r"corrupt safetensors file model\.safetensors"):
         list(checkpoint.weights())
+
+
+def test_released_pages_leave_resident_memory_and_read_back_the_same(tmp_path):
+    """Issue 49 §3: a converted tensor's pages must not stay resident beside its copy until the load ends."""
+    file = tmp_path / "model.safetensors"
+    big = torch.randn(1024, 1024)  # 4 MiB: many pages
+    save_file({"small": torch.randn(4), "big": big}, file)
+    found = dict(mapped_tensors(file))
+    copy = found["big"].clone()  # read: every page of it faulted in; and a copy, which release must not touch
+    assert mapping_resident_bytes(found["big"]) >= 2 << 20 or pytest.skip("the kernel reclaimed the pages at once")
+    release_pages(found["big"])
+    release_pages(copy)  # not a mapping's: left alone (MADV_DONTNEED on it would zero it)
+    # Memory pressure can only lower what stays resident: this cannot fail on a loaded machine.
+    assert mapping_resident_bytes(found["big"]) < 1 << 20
+    assert torch.equal(copy, big)
+    assert torch.equal(found["big"], big)  # faulted back in from the file

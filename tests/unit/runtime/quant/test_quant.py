@@ -215,6 +215,31 @@ def test_the_dense_path_in_float32_is_the_reference(make, monkeypatch):
     torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k, group_size", [(40, 576, 32), (24, 128, 64), (8, 60, 20), (3, 12, 6)],
+                         ids=["q4_1", "group-64", "group-20-tail", "group-6-scalar"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_c_widening_of_int4_weights_is_torchs_bit_for_bit(dtype, n, k, group_size, threads):
+    # Prefill's dense GEMM widens each int4 weight on every call (quant_gemm_cpu.widen_int4); the C pass must give
+    # the bits torch's dequantize-then-convert gives (product and sum each rounded to float32, no fused
+    # multiply-add; bfloat16 rounded to nearest even), or prefill would no longer compute what it did.
+    lib = cpu_decode.library()
+    assert lib is not None
+    weight = quantize_int4(torch.randn(n, k) * 0.05, group_size)
+    expected = dequantize_int4(weight.packed, weight.scales, weight.mins, group_size).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        widened = cpu_decode.widen_q4_1(lib, weight.packed, weight.scales, weight.mins, group_size, dtype)
+    finally:
+        torch.set_num_threads(before)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert widened.dtype == dtype and torch.equal(widened.view(bits), expected.view(bits))
+    assert torch.equal(quant_gemm_cpu.widen_int4(weight.packed, weight.scales, weight.mins, group_size, dtype)
+                       .view(bits), expected.view(bits))
+
+
 def test_unknown_kernel_choice_is_refused(monkeypatch):
     monkeypatch.setenv("KAON_QUANT_KERNEL", "cuda")
     with pytest.raises(ValueError, match="KAON_QUANT_KERNEL"):

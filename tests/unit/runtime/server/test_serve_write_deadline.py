@@ -109,8 +109,8 @@ async def scenario(write_timeout: float, wait_s: float) -> tuple[int, list[bool]
 def test_a_stream_whose_client_stopped_reading_is_dropped_and_ended_after_the_write_deadline():
     start = time.monotonic()
     ended, gone = asyncio.run(scenario(write_timeout=0.5, wait_s=10))
-    assert ended == 4 and all(gone)
-    assert time.monotonic() - start < 10
+    assert ended == 4 and all(gone)  # within the 10 s wait: the 0.5 s deadline at work, with room for a busy machine
+    assert time.monotonic() - start < 30  # a liveness bound on the whole, not a claim on speed
 
 
 @pytest.mark.slow
