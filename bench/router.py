@@ -164,7 +164,7 @@ def nginx_version(nginx: str) -> str:
 
 
 def new_loop(kind: str) -> asyncio.AbstractEventLoop:
-    """asyncio's event loop, or uvloop's (libuv, in C): the router ships on asyncio's; this measures the other."""
+    """asyncio's event loop, or uvloop's (libuv, in C): kaon-router's own when installed (router/event_loop.py)."""
     if kind == "uvloop":
         import uvloop
         return uvloop.new_event_loop()
@@ -415,7 +415,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2, help="fake engine pods (ports of one process)")
     parser.add_argument("--no-nginx", action="store_true", help="leave nginx, the router's peer, out")
     parser.add_argument("--loops", nargs="+", choices=["asyncio", "uvloop"], default=["asyncio"],
-                        help="the router's event loop (uvloop: pip install uvloop, or the uvloop extra); several: one "
+                        help="the router's event loop (uvloop: kaon-router's default, a dependency); several: one "
                              "router process each, all measured in this run")
     parser.add_argument("--role", choices=["bench", "engines", "router"], default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--ports", help=argparse.SUPPRESS)

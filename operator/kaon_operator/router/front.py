@@ -190,6 +190,7 @@ class FrontProtocol(asyncio.Protocol):
     def __init__(self, front: Front):
         self.front = front
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop
         self.remote: str | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: collections.deque[FrontRequest] = collections.deque()
@@ -212,6 +213,7 @@ class FrontProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport, though not always an asyncio.Transport subclass (uvloop's is not).
         self.transport = cast(asyncio.Transport, transport)
+        self.loop = asyncio.get_running_loop()  # kept: each get_running_loop() asks the system for the process id
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) else None
         self.front.connections.add(self)
@@ -261,7 +263,7 @@ class FrontProtocol(asyncio.Protocol):
         """From now the next request's head is due within --header-timeout. One timer per connection is kept armed
         and looks again when it fires (a kept-alive connection's next request moves the deadline on): no timer made
         and cancelled per request."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.head_due = loop.time() + self.front.header_timeout
         if self.head_timer is None:
             self.head_timer = loop.call_at(self.head_due, self._head_overdue)
@@ -270,7 +272,7 @@ class FrontProtocol(asyncio.Protocol):
         self.head_timer = None
         if self.head_due is None or self.closing:
             return  # a request is being answered: its next head's deadline starts after it (_await_head)
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if loop.time() >= self.head_due:
             self.close()
         else:
@@ -378,7 +380,7 @@ class FrontProtocol(asyncio.Protocol):
     # answering --------------------------------------------------------------------------------
 
     def _start(self, request: FrontRequest) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._answer(request))
+        self.task = self.loop.create_task(self._answer(request))
 
     async def _answer(self, request: FrontRequest) -> None:
         try:

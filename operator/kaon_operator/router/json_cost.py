@@ -1,8 +1,9 @@
 """What parsing a JSON body will cost, read off its bytes before json.loads: pure functions.
 
 A 4 MiB body of `[{},{},...]` parses into about a million dicts, ~100 MB: the bytes a request
-announces say little of what the router then holds. The scan blanks the strings out (one
-regular expression, C speed: a string's contents are never structure), then counts what is left:
+announces say little of what the router then holds. The scan blanks the strings out (split on
+`"`, or one regular expression where a quote is escaped; C speed either way: a string's contents are
+never structure), then counts what is left:
 containers (`[`, `{`), values (at most one per `,` and `:`, plus one per container) and, only
 when the containers are within their cap, the nesting depth. Limits bounds each (over), so that
 neither the parse nor the engine's validation after it runs long on a body built to cost.
@@ -53,15 +54,26 @@ def scan(body: bytes, limits: Limits = DEFAULT) -> Shape:
     """The body's shape, measured only as far as the limits: past the strings' cap nothing
     else is (the regular expression's work grows with the strings), past the containers' the depth
     is not."""
-    strings = body.count(b'"') // 2
+    quotes = body.count(b'"')
+    strings = quotes // 2
     width = 1 if body.isascii() else 4 if _WIDE.search(body) else 2
     if strings > limits.strings:
         return Shape(strings, 0, 0, None, width)
-    skeleton = _STRING.sub(b'""', body)
-    containers = skeleton.count(b"{") + skeleton.count(b"[")
-    values = skeleton.count(b",") + skeleton.count(b":") + containers + 1
-    depth = None if containers > limits.containers else _depth(skeleton.translate(None, _NOT_BRACKETS))
+    bare = skeleton(body, quotes)
+    containers = bare.count(b"{") + bare.count(b"[")
+    values = bare.count(b",") + bare.count(b":") + containers + 1
+    depth = None if containers > limits.containers else _depth(bare.translate(None, _NOT_BRACKETS))
     return Shape(strings, containers, values, depth, width)
+
+
+def skeleton(body: bytes, quotes: int) -> bytes:
+    """The body with its strings' contents taken out: what is left is structure. With no escaped quote in it (no
+    backslash before a `"`) and an even count of them, every `"` opens or closes a string in turn, so the odd
+    pieces between them are the strings: split and joined, about twice as fast as the regular expression on a
+    request's body, and the same counts (the brackets, `,` and `:` left are the same; only the `""` are not kept)."""
+    if quotes % 2 == 0 and b'\\"' not in body:
+        return b"".join(body.split(b'"')[::2])
+    return _STRING.sub(b'""', body)
 
 
 def over(shape: Shape, limits: Limits = DEFAULT) -> tuple[int, str] | None:

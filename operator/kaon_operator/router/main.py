@@ -14,6 +14,7 @@ import sys
 from kaon_operator.router import edge
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.event_loop import CHOICES, LoopUnavailable, loop_factory
 from kaon_operator.router.proxy import Router
 
 DEFAULTS = RouterConfig()
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the scraper only): the main port's /metrics leaves out those naming an InferenceService "
                         "or InferenceRoute with spec.auth, and refuses connections past --max-connections")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--event-loop", choices=CHOICES, default="auto",
+                        help="auto (default): uvloop's when installed (the router's install brings it), else "
+                             "asyncio's; asyncio: asyncio's own (router/event_loop.py)")
     return parser
 
 
@@ -132,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     watcher = Watcher(server, table, args.namespace, routes=routes)
     statuses = RouteStatusWriter(server, router.routes)
     try:
-        asyncio.run(serve(router, watcher, args, statuses.run))
+        factory = loop_factory(args.event_loop)
+    except LoopUnavailable as exc:
+        print(f"kaon-router: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(serve(router, watcher, args, statuses.run))
     except KeyboardInterrupt:
         pass
     return 0

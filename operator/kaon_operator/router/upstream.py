@@ -353,6 +353,8 @@ class Pool:
         self._idle: dict[str, list[_Connection]] = {}
         self._addresses: dict[str, _Address] = {}
         self._open: set[_Connection] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop of the requests (asyncio.get_running_loop() asks the system for the process id on each call)."""
         self.connects = 0
         """New connections made (the tests' and the bench's view of reuse)."""
 
@@ -362,7 +364,9 @@ class Pool:
         the head's lines (b"Name: value\r\n", request.upstream_fields) past Host and Content-Length.
         TimeoutError when no head came within `timeout` seconds of the call (connecting included),
         ConnectFailed when no connection could be made, UpstreamError when it failed after."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         address = self._addresses.get(url)
         if address is None:
@@ -385,7 +389,7 @@ class Pool:
         if len(idle) >= self.max_idle:
             conn.close()
             return
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = (self._loop or asyncio.get_running_loop()).time()
         idle.append(conn)
 
     def forget(self, conn: _Connection) -> None:

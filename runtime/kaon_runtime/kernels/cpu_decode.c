@@ -367,6 +367,7 @@ static void axpy(float *y, float a, const float *x, int n) {
  * batched. */
 #define NT 16
 #define KT 128
+_Static_assert(NT == 16, "f32_t_outputs widens a 16-bit strip row as two vectors of eight");
 static inline __attribute__((always_inline)) void tile_f32_t(const float *packed, const float *x, int kt, int k,
                                                              int n, const int R, int first, float *y) {
 #ifdef KAON_AVX2
@@ -425,7 +426,17 @@ static void f32_t_outputs(const void *w, int fmt, const float *bias, int n, int 
                     float *to = packed + ((size_t)p * kt + i) * NT;
                     const size_t from = (size_t)(k0 + i) * n + j + p * NT;
                     if (fmt == FMT_F32) memcpy(to, (const float *)w + from, sizeof(float) * NT);
+#ifdef KAON_AVX2
+                    /* Eight at a time (vcvtph2ps / a shift): one element at a time, the float16 head's
+                     * widening cost more than its halved reads saved, and a float16 model decoded
+                     * slower than float32 at batch 1 (issue 49 §5). Exact either way: the same bits. */
+                    else {
+                        _mm256_storeu_ps(to, load8(w, from, fmt));
+                        _mm256_storeu_ps(to + 8, load8(w, from + 8, fmt));
+                    }
+#else
                     else for (int c = 0; c < NT; c++) to[c] = load1(w, from + c, fmt);
+#endif
                 }
             /* The next block's row segments (the next k-block of these columns, or the next
              * columns' first), a few per strip: 128 rows a whole row of W apart, which the

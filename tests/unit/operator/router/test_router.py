@@ -33,10 +33,11 @@ from kaon_operator.router.endpoints import (
     service,
 )
 from kaon_operator.router.errors import RouterError
+from kaon_operator.router.event_loop import LoopUnavailable, loop_factory
 from kaon_operator.router.proxy import Router
 from kaon_operator.router.request import parse_request
 from kaon_operator.router.strategies import prefix_affinity, prefixes
-from kaon_operator.router.strategies.least_connections import LeastConnections, pick
+from kaon_operator.router.strategies.least_connections import LeastConnections, least, pick
 from kaon_operator.router.strategies.prefix_affinity import PrefixAffinity
 from kaon_operator.router.strategies.records import KnownPrefixes
 from kaon_operator.router.strategies.ring import Ring
@@ -67,6 +68,18 @@ def test_pick_takes_the_least_loaded_and_breaks_ties_at_random():
     assert pick([a, b, c], {a: 3, b: 1, c: 2}, rng) == b
     picks = Counter(pick([a, b, c], {a: 1}, rng).pod for _ in range(600))
     assert set(picks) == {"b", "c"} and min(picks.values()) > 200, picks
+
+
+def test_pick_chooses_as_least_does_with_the_same_random_draws():
+    """pick is least() over the in-flight counts written out in one pass: same pod, same ties, same use of rng."""
+    pods = [ep(name) for name in "abcdef"]
+    shapes = random.Random(7)
+    for _ in range(2000):
+        usable = shapes.sample(pods, shapes.randint(1, len(pods)))
+        inflight = {p: shapes.randint(0, 2) for p in pods if shapes.random() < 0.7}
+        seed = shapes.random()
+        expected = least(usable, lambda p, counts=inflight: counts.get(p, 0), random.Random(seed))
+        assert pick(usable, inflight, random.Random(seed)) == expected, (usable, inflight)
 
 
 def test_candidates_skip_tried_and_backing_off_pods_unless_none_is_left():
@@ -188,6 +201,41 @@ def test_requested_model_refuses_what_is_not_an_openai_request():
         with pytest.raises(RouterError) as err:
             parse_request(body)
         assert err.value.status == 400 and fragment in err.value.message, body
+
+
+def test_requested_model_reads_every_body_as_json_loads_does():
+    """parse_request reads with msgspec first and json.loads after it refuses: the payload is json's either way
+    (huge ints stay ints, NaN and a lone surrogate are read), and a refusal keeps json's message."""
+    reference = json.loads
+    for body in [b'{"model": "m", "seed": 123456789012345678901234567890, "x": -9223372036854775809}',
+                 b'{"model": "m", "t": NaN, "u": Infinity, "v": -Infinity, "w": 1e400}',
+                 b'{"model": "m", "s": "\\ud800", "e": "\xed\xa0\x80", "d": 1, "d": 2, "f": 1.0000000000000001}',
+                 b'{"model": "m\\u00e9", "messages": [{"role": "user", "content": "h\xc3\xa9 \\n"}], "n": -0}']:
+        model, payload = parse_request(body)
+        expected = reference(body.decode("utf-8", "surrogatepass"))
+        assert repr(payload) == repr(expected) and model == expected["model"], body  # repr: NaN != NaN
+        assert [type(v) for v in payload.values()] == [type(v) for v in expected.values()], body
+    with pytest.raises(RouterError) as err:
+        parse_request(b'{"model": "m", "x": [1,]}')
+    assert err.value.message.startswith("the request body is not valid JSON: Expecting value: line 1 column 24")
+    with pytest.raises(RouterError) as err:
+        parse_request(b'{"model": "m"' + b', "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    assert "too deeply" in err.value.message
+
+
+def test_the_router_runs_on_uvloop_when_it_is_installed():
+    uvloop = pytest.importorskip("uvloop")
+    assert loop_factory() is uvloop.new_event_loop and loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is asyncio.new_event_loop
+    with pytest.raises(ValueError):
+        loop_factory("trio")
+
+
+def test_without_uvloop_auto_is_asyncios_loop_and_asking_for_uvloop_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
+    assert loop_factory("auto") is asyncio.new_event_loop
+    with pytest.raises(LoopUnavailable, match="uvloop is not installed"):
+        loop_factory("uvloop")
 
 
 # prefix affinity: pure decisions ------------------------------------------------------

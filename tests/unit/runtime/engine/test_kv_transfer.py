@@ -260,7 +260,10 @@ def test_a_failed_transfer_is_counted_and_prefilled_here(behaviour, reason, rese
         if behaviour == "down":
             await runner.cleanup()
         transport = TcpTransport()
-        remote = RemotePrefill([url], transport, LAYOUT, engine.block_manager, min_prompt_tokens=4, timeout_s=0.3)
+        # The 0.3 s deadline is the slow case's subject; every other case must not race it (a busy machine can
+        # stall this process that long between two writes of the good one).
+        timeout_s = 0.3 if behaviour == "slow" else 30.0
+        remote = RemotePrefill([url], transport, LAYOUT, engine.block_manager, min_prompt_tokens=4, timeout_s=timeout_s)
         if reserved:
             remote.engine_call = engine.call
         try:
@@ -466,7 +469,8 @@ def test_a_request_cancelled_while_its_blocks_are_reserved_gives_them_back():
     blocks it took go back once it is done, not held for ever."""
     from concurrent.futures import Future
 
-    engine, errors = _EngineThread(), []
+    engine, errors, ran = _EngineThread(), [], threading.Event()
+    queued: asyncio.Event | None = None
 
     async def engine_call(fn):  # as AsyncEngine.call: a future the engine thread completes between steps, later
         done: Future = Future()
@@ -476,24 +480,32 @@ def test_a_request_cancelled_while_its_blocks_are_reserved_gives_them_back():
                 done.set_result(fn(engine))
             except Exception as exc:  # noqa: BLE001 -- what would kill the engine thread
                 errors.append(exc)
+            finally:
+                ran.set()
 
         threading.Timer(0.05, between_steps).start()
+        assert queued is not None
+        queued.set()
         return await asyncio.wrap_future(done)
 
     async def main():
+        nonlocal queued
+        queued = asyncio.Event()
         remote = RemotePrefill(["http://127.0.0.1:9"], TcpTransport(), LAYOUT, engine.block_manager,
                                min_prompt_tokens=4)
         remote.engine_call = engine_call
         task = asyncio.create_task(remote.fetch(list(range(11)), SamplingParams(), None, 0))
-        await asyncio.sleep(0.01)
+        # Cancelled while the reservation waits for the engine thread, and checked after that thread ran it:
+        # events, not sleeps (on a busy machine a sleep's guess passed without testing anything).
+        await asyncio.wait_for(queued.wait(), 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.1)  # the engine thread has run the reservation by now
-        for _ in range(50):
-            await asyncio.sleep(0.02)
+        assert await asyncio.to_thread(ran.wait, 30), "the engine thread never ran the reservation"
+        for _ in range(1500):  # 30 s at most: the release runs as its own task after the call
             if engine.block_manager.num_free_blocks == BLOCKS:
                 break
+            await asyncio.sleep(0.02)
         return remote
 
     remote = asyncio.run(main())
