@@ -31,6 +31,11 @@ both settings: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~5
 activation block, every row through the C step: KAON_CPU_ACTIVATIONS=int8x2) against the default (one
 pass, the prompt rows through torch's prefill), alternated in one engine; the median of the per-repeat
 ratios. `--formats --torch-ops --activations int4` measures only that.
+
+--pair A B: two formats' engines built side by side and measured turn about (A, B, A, B, ...,
+`--repeats` turns), each turn's batch-1 and batch-B rates; prints the median of the per-turn ratios
+B / A. On a shared machine this ratio holds where the table's (one format after another) drifts with
+the load. `--formats --torch-ops --pair float32 float16` measures only that.
 """
 from __future__ import annotations
 
@@ -178,6 +183,26 @@ def activations_cost(formats: list[str], args) -> None:
         del run, llm
 
 
+def pair_cost(first: str, second: str, args) -> None:
+    """Batch-1 and batch-B decode of two formats, their engines alive together, alternated turn by turn."""
+    llms = {fmt: kaon_llm(fmt, True) for fmt in (first, second)}
+    runs = {fmt: kaon_runner(llm) for fmt, llm in llms.items()}
+    figures: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in llms}
+    for _ in range(args.repeats):
+        for fmt, run in runs.items():
+            figures[fmt].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1)))
+    print(f"\npair: {first} and {second} alternated, {args.repeats} turns (medians)")
+    print(f"{'':30} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15}")
+    for fmt, turns in figures.items():
+        print(f"{'kaon ' + fmt:30} {statistics.median(t[0] for t in turns):14.1f} "
+              f"{statistics.median(t[1] for t in turns):15.1f}")
+    ratios = [[b[i] / a[i] for a, b in zip(figures[first], figures[second])] for i in range(2)]
+    print(f"{'  ' + second + ' / ' + first + ' (median ratio)':30} {statistics.median(ratios[0]):13.2f}x "
+          f"{statistics.median(ratios[1]):14.2f}x   per turn, batch 1: "
+          + " ".join(f"{r:.2f}" for r in ratios[0]), flush=True)
+    del runs, llms
+
+
 def kaon_runner(llm):
     from kaon_runtime import SamplingParams
 
@@ -234,6 +259,8 @@ def main() -> int:
                         help="formats whose decode and prefill are measured with and without batch invariance")
     parser.add_argument("--activations", nargs="*", default=[], choices=["int8", "int4"],
                         help="formats measured with one and two int8 passes per activation block")
+    parser.add_argument("--pair", nargs=2, choices=FORMATS, metavar=("A", "B"),
+                        help="two formats alternated turn by turn in one process: the ratio B / A")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -284,6 +311,8 @@ def main() -> int:
         invariance_cost(args.invariance, args)
     if args.activations:
         activations_cost(args.activations, args)
+    if args.pair:
+        pair_cost(args.pair[0], args.pair[1], args)
     if args.json:
         args.json.write_text(json.dumps({k: {"batch1_tok_s": v[0], f"batch{args.batch}_tok_s": v[1],
                                              "greedy_agreement": agree.get(k)} for k, v in rows.items()}, indent=2))

@@ -19,6 +19,7 @@ import datetime
 import ipaddress
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,8 +54,42 @@ def build_binaries() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
+FIXED_PORTS = (10000, 32768)  # where free_port looks: below Linux's default ephemeral range (32768-60999)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (connect()'s source ports, bind to port 0)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_range_outside(ephemeral: tuple[int, int], wanted: tuple[int, int] = FIXED_PORTS) -> tuple[int, int] | None:
+    """The part of `wanted` that the kernel never hands out by itself, or None if too little is left."""
+    low, high = wanted
+    if ephemeral[0] < high and ephemeral[1] >= low:  # overlapping: keep what lies below the kernel's range
+        high = min(high, ephemeral[0])
+    return (low, high) if high - low >= 1000 else None
+
+
 def free_port() -> int:
-    # A small race until the process binds it; fine on a test machine.
+    """A loopback port free now, for a process that binds it a moment later. Picked at random outside the
+    kernel's ephemeral range: a port from bind(0) lies inside it, where on a busy machine any process's outgoing
+    connection can take it as its source port before the server binds (two local clusters and a test suite's
+    thousands of connections widen that window); outside it only another free_port caller could, by chance."""
+    span = port_range_outside(ephemeral_ports())
+    if span is not None:
+        rng = random.SystemRandom()
+        for _ in range(50):
+            port = rng.randrange(*span)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # someone listens there: another
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -51,7 +51,8 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
   (`/mnt/adapters/<claim>/...`, the operator's `lora_path` in a POST), which no argument
   rewriting can reach: the runner links each such mount path on the host to the claim's
   directory (one claim name per host: the tests give each claim a name unique on the machine, and a
-  link to another live cluster's volume is refused, not re-pointed under that cluster's engine).
+  link to another live cluster's volume is refused, not re-pointed under that cluster's engine); the
+  runner removes the links it made when it stops.
 - **Two clusters on one machine** share the host's network and disk: each gets its own pod range
   (e2e/pod_range.py), ports and folders; the engine binds its KV events' `tcp://*:` endpoints to the
   pod's IP, not every address (two kv-aware pods would otherwise share port 5557, and one cluster's
@@ -211,16 +212,21 @@ def may_relink(current: Path | None, ours: Path, owner: int | None, alive: Calla
     return current is None or current == ours or owner is None or owner == os.getpid() or not alive(owner)
 
 
-def link_runtime_mounts(mounts: list[tuple[str, Path]]) -> None:
+def _owner_file(link: Path) -> Path:
+    return link.with_name(f".{link.name}.owner")
+
+
+def link_runtime_mounts(mounts: list[tuple[str, Path]]) -> list[Path]:
     """Link the adapters' mount paths on the host to their volumes' directories (see the docstring); the
-    link's owner (this process) is noted beside it, in `.<name>.owner`."""
+    link's owner (this process) is noted beside it, in `.<name>.owner`. Returns the links made."""
+    made = []
     for mount_path, host in mounts:
         if not mount_path.startswith(f"{ADAPTER_MOUNT}/"):
             continue
         link = Path(mount_path)
         if link.is_symlink() and link.readlink() == host:
             continue
-        owner_file = link.with_name(f".{link.name}.owner")
+        owner_file = _owner_file(link)
         current = link.readlink() if link.is_symlink() else None
         try:
             owner: int | None = int(owner_file.read_text())
@@ -234,6 +240,21 @@ def link_runtime_mounts(mounts: list[tuple[str, Path]]) -> None:
             link.unlink()
         link.symlink_to(host, target_is_directory=True)
         owner_file.write_text(f"{os.getpid()}\n")
+        made.append(link)
+    return made
+
+
+def unlink_owned(links: set[Path]) -> None:
+    """Remove the links this process made and still owns (a cluster's stop leaves no link behind)."""
+    for link in links:
+        owner_file = _owner_file(link)
+        try:
+            mine = int(owner_file.read_text()) == os.getpid()
+        except (OSError, ValueError):
+            continue
+        if mine:
+            link.unlink(missing_ok=True)
+            owner_file.unlink(missing_ok=True)
 
 
 def _tail(path: Path | None) -> str:
@@ -263,6 +284,7 @@ class PodRunner:
         """`probe_look`: quick looks between a probe's declared runs until it first succeeds
         (e2e/probes.py: a new engine is seen serving sooner; failures count as declared)."""
         self.cp, self.log_dir, self.poll, self.probe_look = cp, log_dir, poll, probe_look
+        self._links: set[Path] = set()  # the adapter links on the host this runner made (removed at its stop)
         self.processes: dict[str, _Process] = {}  # "namespace/name" -> its engine
         self.pods: dict[str, _Pod] = {}
         self._stop = threading.Event()
@@ -295,6 +317,7 @@ class PodRunner:
             if pod.init:
                 wait_or_kill(pod.init, grace=10)
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        unlink_owned(self._links)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll):
@@ -474,7 +497,7 @@ class PodRunner:
             mounts.append((container.get("terminationMessagePath", TERMINATION_MESSAGE_PATH),
                            self._termination_file(key)))
         args = [translate(expand(a, self._own_env(container, env)), mounts) for a in container.get("args") or []]
-        link_runtime_mounts(self._mounts(container, state, pod))
+        self._links.update(link_runtime_mounts(self._mounts(container, state, pod)))
         log_path = self._engine_log(key)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(_command(args, ip, container.get("command")), stdout=log,

@@ -1,11 +1,13 @@
 """What two local clusters on one machine share, made per cluster by the pod runner (e2e/pod_runner.py):
 an engine's KV events are bound to its pod's IP, as its HTTP port is (bound to every address, two
 kv-aware pods would share port 5557 and a router could read another cluster's events), and the host
-link of a pvc:// adapter's mount is not re-pointed while another live cluster's engine uses it.
+link of a pvc:// adapter's mount is not re-pointed while another live cluster's engine uses it; and the
+ports the harness picks (e2e/control_plane.py free_port) lie outside the kernel's ephemeral range.
 (The pod range, the third shared thing, is tests/unit/e2e/test_pod_range.py's.)"""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from e2e import pod_runner
-from e2e.pod_runner import SharedPathError, _command, link_runtime_mounts, may_relink
+from e2e.control_plane import ephemeral_ports, free_port, port_range_outside
+from e2e.pod_runner import SharedPathError, _command, link_runtime_mounts, may_relink, unlink_owned
 from kaon_operator.children.kv_cache_args import KV_EVENTS_PORT, KV_REPLAY_PORT
 
 
@@ -54,7 +57,23 @@ def test_another_live_clusters_adapter_link_is_refused_and_taken_once_it_is_gone
         assert Path(mount).readlink() == theirs  # left as it was
     finally:
         other.communicate(b"")
-    link_runtime_mounts([(mount, ours)])
+    assert link_runtime_mounts([(mount, ours)]) == [Path(mount)]
     assert Path(mount).readlink() == ours
-    link_runtime_mounts([(mount, ours)])  # our own again: kept
-    assert Path(mount).readlink() == ours
+    assert link_runtime_mounts([(mount, ours)]) == []  # our own again: kept
+    unlink_owned({Path(mount)})  # the runner's stop: the link and its owner note go
+    assert not Path(mount).is_symlink() and not (tmp_path / "adapters" / ".shared-claim.owner").exists()
+
+
+def test_free_ports_lie_outside_the_range_the_kernel_hands_out_by_itself():
+    # A port from bind(0) lies in the ephemeral range, where any process's outgoing connection may take it as its
+    # source port before the cluster's server binds it; a free_port lies below it.
+    assert port_range_outside((32768, 60999)) == (10000, 32768)
+    assert port_range_outside((15000, 60999)) == (10000, 15000)
+    assert port_range_outside((40000, 60999)) == (10000, 32768)  # no overlap: all of it
+    assert port_range_outside((10500, 60999)) is None  # too little left: bind(0) after all
+    low, _ = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(port < low for port in ports) and len(ports) > 1, ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free, as promised
