@@ -139,6 +139,18 @@ def test_the_oracle_finds_the_replicas_a_minute_needs():
     assert run.attainment(1.0) >= 0.98
 
 
+def test_the_oracle_cache_returns_the_schedule_it_kept_and_a_new_trace_is_computed(tmp_path, monkeypatch):
+    arrivals = poisson(1.5 * sim.capacity(MODEL, WORKLOAD), 120)
+    computed = []
+    real = sim.oracle_schedule
+    monkeypatch.setattr(sim, "oracle_schedule", lambda *a, **kw: computed.append(1) or real(*a, **kw))
+    first = sim.cached_oracle_schedule(tmp_path, arrivals, 120, MODEL, WORKLOAD, 1.0, 1)
+    again = sim.cached_oracle_schedule(tmp_path, arrivals, 120, MODEL, WORKLOAD, 1.0, 1)
+    assert again == first == real(arrivals, 120, MODEL, WORKLOAD, 1.0, 1) and len(computed) == 1
+    sim.cached_oracle_schedule(tmp_path, arrivals[:-1], 120, MODEL, WORKLOAD, 1.0, 1)  # another trace: not the kept one
+    assert len(computed) == 2
+
+
 def test_the_dwell_oracle_holds_the_most_any_minute_of_its_block_needs():
     assert sim.dwell_schedule([1, 3, 2, 2, 1, 1, 1, 4], 5) == [3, 3, 3, 3, 3, 4, 4, 4]
 
