@@ -1,7 +1,7 @@
 """The narrow projections alone: one int8 activation pass per block against two (issue 49 §2).
 
     python bench/cpu_projections.py [--rows 1 16 64] [--threads 1] [--repeats 9]
-                                    [--baseline-source OLD_cpu_decode.c]
+                                    [--baseline-source OLD_cpu_decode.c] [--layers 30]
 
 KAON_CPU_ACTIVATIONS=int8x2 (two int8 passes per activation block: the block, then its rounding
 remainder) is what makes int8/int4 prompt rows precise enough for the invariant C step; its price
@@ -11,8 +11,11 @@ int4 = Q4_1 and int8 layouts) through kernels/cpu_decode.c's kaon_linear, one pa
 alternated in one process, and prints the median of each and their ratio per row count: 1 is
 batch-1 decode, 16 a batched decode step, 64 a prefill chunk's share. The weights stay in cache
 (the same layer over and over), so batch 1 here is compute, not the memory-bound step the engine
-runs; bench/cpu_decode.py --activations measures the engine. --baseline-source times another
-version of the C file beside this one (`git show <rev>:runtime/kaon_runtime/kernels/cpu_decode.c`),
+runs; bench/cpu_decode.py --activations measures the engine. --layers 30 times
+30 distinct copies (the whole model's projections, ~106 MB in int8, more than any core's L2): each pass
+streams them from L3 or memory as batch-1 decode does, the regime where the weights' prefetch counts.
+--baseline-source times another version of the C file beside this one
+(`git show <rev>:runtime/kaon_runtime/kernels/cpu_decode.c`),
 its one pass the reference for the "vs baseline" column: what the default decode cost before.
 Two passes are timed twice where the CPU has AMX-INT8 or AVX-512 VNNI: the default (AMX tiles from 4
 rows on Intel, the half-register kernels at one row) and the 512-bit pair kernels at every row count
@@ -65,10 +68,10 @@ def library(source: Path) -> ctypes.CDLL:
     return lib
 
 
-def layer(kind: str) -> list[cpu_decode.LinearWeights]:
+def layer(kind: str, layers: int = 1) -> list[cpu_decode.LinearWeights]:
     torch.manual_seed(0)
     out = []
-    for n, k in LAYER:
+    for n, k in LAYER * layers:
         w = torch.randn(n, k) * 0.05
         if kind == "int4":
             q4 = quantize_int4(w, 32)
@@ -105,12 +108,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--baseline-source", type=Path, default=None)
+    parser.add_argument("--layers", type=int, default=1,
+                        help="distinct copies of the layer timed in turn (30: the whole model's ~106 MB of int8 "
+                             "weights, streamed from memory each pass as batch-1 decode does; 1: in cache, compute)")
     args = parser.parse_args()
     libs = {"this": library(cpu_decode.SOURCE)}
     if args.baseline_source:
         libs["baseline"] = library(args.baseline_source)
     amx = bool(libs["this"].kaon_set_amx(1)) or bool(libs["this"].kaon_set_halves(1))
-    print(f"torch {torch.__version__}, {args.threads} thread(s), the four projections of a SmolLM2-135M layer, "
+    print(f"torch {torch.__version__}, {args.threads} thread(s), the four projections of {args.layers} SmolLM2-135M "
+          f"layer(s), "
           f"median of {args.repeats} alternations (CPU us); AMX tiles / batch-1 halves: "
           f"{'yes' if amx else 'no (pairs only)'}")
     header = f"{'':14} {'one pass':>9} {'two':>9} {'two/one':>8}"
@@ -120,9 +127,9 @@ def main() -> None:
         header += f" {'baseline one':>13} {'two':>9} {'this two / baseline one':>24}"
     print(header)
     for kind in ("int4", "int8"):
-        weights = layer(kind)
+        weights = layer(kind, args.layers)
         for rows in args.rows:
-            iters = max(3, 400 // rows)
+            iters = max(3, 400 // rows // args.layers)
             arms = [(lib, p, True) for lib in libs for p in (1, 2)] + ([("this", 2, False)] if amx else [])
             times: dict[tuple[str, int, bool], list[float]] = {arm: [] for arm in arms}
             for _ in range(args.repeats):

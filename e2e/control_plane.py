@@ -75,24 +75,42 @@ def port_range_outside(ephemeral: tuple[int, int], wanted: tuple[int, int] = FIX
 
 
 def free_port() -> int:
-    """A loopback port free now, for a process that binds it a moment later. Picked at random outside the
-    kernel's ephemeral range: a port from bind(0) lies inside it, where on a busy machine any process's outgoing
-    connection can take it as its source port before the server binds (two local clusters and a test suite's
-    thousands of connections widen that window); outside it only another free_port caller could, by chance."""
+    """A loopback port free now, for a process that binds it a moment later (see free_ports)."""
+    return free_ports(1, "127.0.0.1")
+
+
+def free_ports(count: int, host: str) -> int:
+    """The first of `count` consecutive ports free on `host` now. Picked at random outside the kernel's
+    ephemeral range: a port from bind(0) lies inside it, where on a busy machine any process's outgoing
+    connection can take it as its source port before the server binds it (two local clusters and a test suite's
+    thousands of connections widen that window); outside it only another caller of this could, by chance."""
     span = port_range_outside(ephemeral_ports())
-    if span is not None:
-        rng = random.SystemRandom()
-        for _ in range(50):
-            port = rng.randrange(*span)
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue  # someone listens there: another
-                return port
+    rng = random.SystemRandom()
+    for _ in range(100):
+        first = rng.randrange(span[0], span[1] - count + 1) if span else _kernel_port(host)
+        if _all_free(host, range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+def _kernel_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _all_free(host: str, ports: range) -> bool:
+    sockets = []
+    try:
+        for port in ports:
+            sockets.append(s := socket.socket())
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False  # someone holds one of them: another pick
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _die_with_parent() -> None:

@@ -36,7 +36,6 @@ import copy
 import hashlib
 import json
 import logging
-import socket
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +43,8 @@ from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.rest import ApiException
+
+from e2e.control_plane import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +58,10 @@ DISTRIBUTED_PORT = "lws-standin.kaon.dev/distributed-port"  # leader_ip only: th
 
 
 def free_port_pair() -> int:
-    """A port whose successor is free too (a group's rendezvous and control channel), on every interface."""
-    while True:
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("0.0.0.0", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("0.0.0.0", port + 1))
-            except OSError:
-                continue
-            return port
+    """A port whose successor is free too (a group's rendezvous and control channel), on every interface: the
+    leader binds them only once it starts, so they are picked outside the kernel's ephemeral range
+    (control_plane.free_ports)."""
+    return free_ports(2, "0.0.0.0")
 
 
 def _hash(value: Any) -> str:

@@ -198,7 +198,7 @@ def test_64_concurrent_streams_match_non_streamed(aclient):
     assert len(set().union(*ids)) == NUM_CONCURRENT
 
 
-def _poll(condition, timeout_s: float = 15) -> bool:
+def _poll(condition, timeout_s: float = 60) -> bool:  # a deadline only fails a broken build
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
@@ -237,7 +237,7 @@ def test_full_queue_is_429_and_sigterm_drains_running_and_queued(tmp_path):
                 assert full.headers["retry-after"] == "1"
 
                 srv.proc.send_signal(signal.SIGTERM)
-                assert _poll(lambda: http.get(f"{srv.url}/ready").status_code == 503, 5)
+                assert _poll(lambda: http.get(f"{srv.url}/ready").status_code == 503, 30)
                 refused = http.post(url, json=body)
                 assert refused.status_code == 503 and error_body(refused)["code"] == "draining"
                 rest = [line for line in lines if line]

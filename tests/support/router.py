@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import random
 import threading
 import time
@@ -18,6 +19,7 @@ from kaon_operator.labels import service_labels
 from kaon_operator.router import edge
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
+from kaon_operator.router.event_loop import loop_factory
 from kaon_operator.router.proxy import Router
 
 NS = "ns"
@@ -145,8 +147,15 @@ def routed(*engines: FakeEngine, service: str = "svc", served_name: str = "m", *
     return Router(table, RouterConfig(**config), rng=random.Random(0))
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
+def run(coro, loop: str = "asyncio"):
+    """`coro` within 30 s on asyncio's loop, or on uvloop's (kaon-router's own: router/event_loop.py)."""
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        return runner.run(asyncio.wait_for(coro, 30))
+
+
+LOOPS = pytest.param("asyncio"), pytest.param("uvloop", marks=pytest.mark.skipif(
+    importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed"))
+"""For @pytest.mark.parametrize("loop", LOOPS): a test of the router's own sockets on both loops it runs on."""
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 
 from aiohttp import web
 
@@ -31,9 +32,10 @@ class _Refuse(asyncio.Protocol):
     """A connection past the cap: the 503, then closed."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(REFUSAL % (len(REFUSAL_BODY), REFUSAL_BODY))
-        transport.close()
+        # A stream transport, though not always an asyncio.Transport subclass (uvloop's is not: no isinstance here).
+        stream = cast(asyncio.Transport, transport)
+        stream.write(REFUSAL % (len(REFUSAL_BODY), REFUSAL_BODY))
+        stream.close()
 
 
 class ConnectionCap:

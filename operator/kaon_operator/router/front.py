@@ -447,9 +447,10 @@ class FrontProtocol(asyncio.Protocol):
             return
         if not keep:
             self.queue.clear()
-            if request.complete or self.transport is None:
+            if (request.complete and not self.lingering) or self.transport is None:
                 self.close()
-            else:  # the body is still coming: read and drop it a while, so the client sees the answer
+            else:  # the body is still coming (or was malformed part way: the rest may be): read and drop it a while,
+                # so the client sees the answer rather than a reset (uvloop's loop closed before reading it more often)
                 self.lingering = True
                 if self.transport.can_write_eof():
                     self.transport.write_eof()

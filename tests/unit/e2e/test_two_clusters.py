@@ -16,6 +16,7 @@ import pytest
 
 from e2e import pod_runner
 from e2e.control_plane import ephemeral_ports, free_port, port_range_outside
+from e2e.lws_standin import free_port_pair
 from e2e.pod_runner import SharedPathError, _command, link_runtime_mounts, may_relink, unlink_owned
 from kaon_operator.children.kv_cache_args import KV_EVENTS_PORT, KV_REPLAY_PORT
 
@@ -77,3 +78,8 @@ def test_free_ports_lie_outside_the_range_the_kernel_hands_out_by_itself():
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free, as promised
+    pair = free_port_pair()  # an LWS group's rendezvous and control channel, bound by its leader on every address
+    assert pair + 1 < low
+    with socket.socket() as first, socket.socket() as second:
+        first.bind(("0.0.0.0", pair))
+        second.bind(("0.0.0.0", pair + 1))

@@ -227,6 +227,32 @@ def test_the_front_answers_on_uvloops_event_loop():
     uvloop.run(asyncio.wait_for(scenario(), 30))
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_body_malformed_part_way_is_answered_and_the_rest_of_the_upload_dropped_not_reset(loop):
+    """A chunked body that turns malformed while more of it is on its way: the client gets its 400, then the end
+    of the connection, never a reset for the bytes it was still sending (front._next lingers, reading and
+    dropping them). uvloop's loop closed before reading them more often than asyncio's did."""
+    new_loop = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    malformed = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcdefgh\r\n"
+
+    async def scenario():
+        async with router_port() as (port, engine):
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(malformed)
+                for _ in range(16):  # the rest of the upload, still coming after the answer went out
+                    writer.write(b"x" * (16 << 10))
+                    await writer.drain()
+                    await asyncio.sleep(0.005)
+                data = await asyncio.wait_for(reader.read(), 10)  # a reset raises here
+                writer.close()
+                assert [s for s, _ in answers(data)] == [400], data[:200]
+            assert engine.quick == 0
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(asyncio.wait_for(scenario(), 30))
+
+
 def test_a_kept_alive_connections_head_deadline_starts_again_after_each_answer():
     """One timer per connection looks again when it fires (front._await_head): requests each sent within
     --header-timeout of the last answer are all answered, though together they take longer than it."""

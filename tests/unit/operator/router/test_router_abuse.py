@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 from kaon_operator.router.admission import BodyBudget, body_size
 from kaon_operator.router.errors import RouterError
 from kaon_operator.router.request import engine_body, forwarded
-from support.router import FakeEngine, metric, routed, run, serving, until
+from support.router import LOOPS, FakeEngine, metric, routed, run, serving, until
 from support.tenancy import Recorder, engine_pod, isvc
 
 COMPLETION = b'{"model": "m", "prompt": "x"}'
@@ -106,7 +106,8 @@ def test_a_partial_head_and_a_partial_body_are_closed_by_their_deadlines():
 # overload -----------------------------------------------------------------------------------
 
 
-def test_connections_past_the_cap_get_a_fast_503_and_the_router_serves_again_after():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_connections_past_the_cap_get_a_fast_503_and_the_router_serves_again_after(loop):
     async def scenario():
         engine = await FakeEngine("a").start()
         router = routed(engine, max_connections=20)
@@ -125,7 +126,7 @@ def test_connections_past_the_cap_get_a_fast_503_and_the_router_serves_again_aft
         await engine.stop()
         assert router.metrics.overloaded._value.get() == 200
 
-    run(scenario())
+    run(scenario(), loop)
 
 
 def test_bodies_past_the_buffer_budget_are_refused_unread():
