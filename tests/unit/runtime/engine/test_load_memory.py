@@ -88,3 +88,33 @@ def test_the_weight_stream_releases_each_safetensors_tensor_once_the_next_is_ask
         held.append(tensor)  # the views keep the mapping alive to be measured
     assert mapping_resident_bytes(held[0]) < 1 << 20  # of 4 MiB read (pressure could only lower it)
     assert all(torch.equal(view, copy) for view, copy in zip(held, copies))
+
+
+def test_a_quantized_checkpoints_tensors_leave_resident_memory_once_their_module_is_built(tmp_path):
+    """The other half of the FP8-dynamic / W8A8 peak: the quantized tensors set aside for install() were read
+    by their conversion and stayed resident beside the converted copy until the load ended."""
+    import numpy as np
+
+    from kaon_runtime.config import ModelConfig
+    from kaon_runtime.distributed.parallel import TensorParallel
+    from kaon_runtime.engine.prequantized import Prequantized
+    from kaon_runtime.quant.checkpoint_formats import scheme_from_config
+    from support.gptq_awq import np_pack_columns, np_pack_rows, np_quantize
+
+    n = k = 2048  # a 4-bit GPTQ o_proj: 2 MiB of packed weights
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=n, intermediate_size=4096, num_layers=1,
+                         num_heads=16, num_kv_heads=16, head_dim=128, max_position_embeddings=64)
+    name = "model.layers.0.self_attn.o_proj"
+    q, zeros, scales, _ = np_quantize(np.random.default_rng(0).normal(size=(n, k)), 4, 32, False)
+    packed = {"qweight": np_pack_rows(q.T, 4), "qzeros": np_pack_columns((zeros - 1).T, 4), "scales": scales.T}
+    file = tmp_path / "model.safetensors"
+    save_file({f"{name}.{key}": torch.from_numpy(np.ascontiguousarray(v)) for key, v in packed.items()}, file)
+    mapped = {key.rpartition(".")[2]: tensor for key, tensor in mapped_tensors(file)}
+    plan = Prequantized(scheme_from_config(dict(quant_method="gptq", bits=4, group_size=32, sym=False)), config, {})
+    plan.held[name] = dict(mapped)
+    module = plan._module(name, [name], (n, k), None, torch.device("cpu"), TensorParallel())
+    assert mapping_resident_bytes(mapped["qweight"]) < 512 << 10  # of 2 MiB read (pressure could only lower it)
+    plan.held[name] = {key: tensor.clone() for key, tensor in mapped.items()}  # the same, never mapped
+    from_copies = plan._module(name, [name], (n, k), None, torch.device("cpu"), TensorParallel())
+    x = torch.randn(2, k)
+    assert torch.equal(module(x), from_copies(x))  # released pages read back as they were
