@@ -1569,6 +1569,27 @@ int kaon_set_halves(int on) {
 }
 
 #ifdef KAON_PAIRS
+/* Group g's 4-bit weights as the Q4_1-family group kernels take them: the nibbles, Q5's high bits (NULL for
+ * the 4-bit kinds), the scales and mins (float per group for the *_F32 kinds, else 16-bit per block). */
+typedef struct {
+    const uint8_t *w, *hi;
+    const void *wd, *wm;
+    int f32;
+} Q4Group;
+
+static inline __attribute__((always_inline)) Q4Group q4_group(const Linear *l, int g) {
+    const int k = l->k;
+    const size_t first = (size_t)g * LANES * (k / QBLOCK);  /* group g's first scale */
+    const int f32 = l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32;
+    return (Q4Group){
+        .w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2,
+        .hi = l->kind == KIND_Q5 || l->kind == KIND_Q5_F32 ? l->high + (size_t)g * LANES * k / 8 : NULL,
+        .wd = f32 ? (const void *)(l->gscales + first) : (const void *)(l->d + first),
+        .wm = f32 ? (const void *)(l->gmins + first) : (const void *)(l->m + first),
+        .f32 = f32,
+    };
+}
+
 /* Group g's outputs for activation rows [row, row + rows) in pairs (KAON_PAIRS): each quantized
  * row's eight outputs in v[2 (r - row) + pass]. */
 static inline __attribute__((always_inline)) void linear_pairs(const LinearJob *job, int g, int row, int rows,
@@ -1583,15 +1604,11 @@ static inline __attribute__((always_inline)) void linear_pairs(const LinearJob *
                          job->qsp + at * 2, k, rows, v);
         return;
     }
-    const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
-    const int f32 = l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32;
-    const uint8_t *hi = l->kind == KIND_Q5 || l->kind == KIND_Q5_F32 ? l->high + (size_t)g * LANES * k / 8 : NULL;
-    const void *wd = f32 ? (const void *)(l->gscales + (size_t)g * LANES * blocks) : (const void *)(l->d + (size_t)g * LANES * blocks);
-    const void *wm = f32 ? (const void *)(l->gmins + (size_t)g * LANES * blocks) : (const void *)(l->m + (size_t)g * LANES * blocks);
-    if (f32 && hi) group_q4_1_pairs(w, hi, wd, wm, 1, qp, dp, sp, k, rows, v);
-    else if (f32) group_q4_1_pairs(w, NULL, wd, wm, 1, qp, dp, sp, k, rows, v);
-    else if (hi) group_q4_1_pairs(w, hi, wd, wm, 0, qp, dp, sp, k, rows, v);
-    else group_q4_1_pairs(w, NULL, wd, wm, 0, qp, dp, sp, k, rows, v);
+    const Q4Group q = q4_group(l, g);
+    if (q.f32 && q.hi) group_q4_1_pairs(q.w, q.hi, q.wd, q.wm, 1, qp, dp, sp, k, rows, v);
+    else if (q.f32) group_q4_1_pairs(q.w, NULL, q.wd, q.wm, 1, qp, dp, sp, k, rows, v);
+    else if (q.hi) group_q4_1_pairs(q.w, q.hi, q.wd, q.wm, 0, qp, dp, sp, k, rows, v);
+    else group_q4_1_pairs(q.w, NULL, q.wd, q.wm, 0, qp, dp, sp, k, rows, v);
 }
 #endif
 
@@ -1611,15 +1628,11 @@ static inline __attribute__((always_inline)) void linear_halves(const LinearJob 
                             wm, h, k, v);
         return;
     }
-    const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
-    const int f32 = l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32;
-    const uint8_t *hi = l->kind == KIND_Q5 || l->kind == KIND_Q5_F32 ? l->high + (size_t)g * LANES * k / 8 : NULL;
-    const void *wd = f32 ? (const void *)(l->gscales + (size_t)g * LANES * blocks) : (const void *)(l->d + (size_t)g * LANES * blocks);
-    const void *wm = f32 ? (const void *)(l->gmins + (size_t)g * LANES * blocks) : (const void *)(l->m + (size_t)g * LANES * blocks);
-    if (f32 && hi) group_q4_1_halves(w, hi, wd, wm, 1, h, k, v);
-    else if (f32) group_q4_1_halves(w, NULL, wd, wm, 1, h, k, v);
-    else if (hi) group_q4_1_halves(w, hi, wd, wm, 0, h, k, v);
-    else group_q4_1_halves(w, NULL, wd, wm, 0, h, k, v);
+    const Q4Group q = q4_group(l, g);
+    if (q.f32 && q.hi) group_q4_1_halves(q.w, q.hi, q.wd, q.wm, 1, h, k, v);
+    else if (q.f32) group_q4_1_halves(q.w, NULL, q.wd, q.wm, 1, h, k, v);
+    else if (q.hi) group_q4_1_halves(q.w, q.hi, q.wd, q.wm, 0, h, k, v);
+    else group_q4_1_halves(q.w, NULL, q.wd, q.wm, 0, h, k, v);
 }
 #endif
 
