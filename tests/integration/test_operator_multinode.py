@@ -111,12 +111,15 @@ def test_a_multi_node_replica_is_one_leader_worker_set_group(lws, cluster):
 def test_a_killed_worker_recreates_its_group(lws, cluster):
     cluster.kubectl("apply", "-f", "-", input=isvc("big", engine=MULTI_NODE))
     wait_for("one ready group", lambda: _ready_groups(cluster, "big", 1), timeout=60)
+    # The Event under test is Ready going True -> False: the service must be Ready first, not only its pods
+    # (on a busy machine the operator can write Ready after the worker is already gone, and then no Event).
+    wait_for("the service Ready", lambda: cluster.ready("big"), timeout=60)
     leader = cluster.get("pod", "big-0")["metadata"]["uid"]
     cluster.kubectl("delete", "pod", "big-0-1", "--wait=false")
     wait_for("a new leader (the whole group recreated)",
              lambda: (cluster.get("pod", "big-0") or {}).get("metadata", {}).get("uid") not in (None, leader))
     wait_for("the Warning Event of the lost group", lambda: any(
-        t == "Warning" and r == "NotReady" for t, r, _ in cluster.events("big")))
+        t == "Warning" and r == "NotReady" for t, r, _ in cluster.events("big")), timeout=60)
     recreate = [e for e in cluster.get("events") or [] if e["reason"] == "RecreateGroupOnPodRestart"]
     assert recreate and recreate[0]["type"] == "Warning"
     wait_for("the group ready again", lambda: _ready_groups(cluster, "big", 1), timeout=60)
