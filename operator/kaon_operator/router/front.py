@@ -227,6 +227,9 @@ class FrontProtocol(asyncio.Protocol):
             self.task.cancel()  # the client went away: its request ends (the engine's is aborted)
         if self.paused_writing is not None and not self.paused_writing.done():
             self.paused_writing.set_exception(ConnectionResetError("the client closed the connection"))
+            # Marked as seen: a drain waiting on it gets the error through its shield; with none waiting (the
+            # request's task was cancelled just above) asyncio would log "exception was never retrieved".
+            self.paused_writing.exception()
         self.transport = None
 
     def eof_received(self) -> bool | None:
