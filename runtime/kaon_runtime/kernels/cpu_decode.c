@@ -1359,8 +1359,8 @@ static inline __m256 load8_scales(const void *p, size_t at, int f32) {  /* eight
  * integer sums of every block of the slice (two sets of tiles in turn, so a block's dot product
  * runs while the other's sums are stored), then the float work row by row over the slice.
  * Before, every 16 rows unpacked (nibble split) and read the weights again; now every AMX_SPAN rows:
- * bench/cpu_projections.py --rows 16 64 --layers 30, two passes, CPU time under load 8-10: 16 rows
- * (batch 16) 15-17% less time, 64 rows (a prompt piece) ~10% less. 128 rows per span was 12% slower
+ * bench/cpu_projections.py --rows 16 64 --layers 30, two passes, CPU time under load ~9: 16 rows
+ * (batch 16) 9-15% less time, 64 rows (a prompt piece) 2-5% less. 128 rows per span was 12% slower
  * than 64 at 64 rows (each unit then read 32 KB of activation tiles per slice from L2); 32 as 64. */
 #define AMX_SLICE 8  /* blocks: sums 8 KB, weights 4 KB (16 and 24 were 10-20% slower at 16-64 rows: bench/cpu_projections.py) */
 #define AMX_SPAN 64  /* quantized rows per amx_groups call: four tiles, their slice of activations 16 KB */
