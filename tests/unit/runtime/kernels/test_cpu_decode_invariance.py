@@ -74,7 +74,7 @@ def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: in
     assert model.model.cpu_decode.prefills, "the prompt's rows go through the C step"
     step = model.model.cpu_decode
     if max_rows:
-        step.max_rows = max_rows
+        step.max_rows = step.piece_rows = max_rows
     torch.manual_seed(9)
     prompt, table = torch.randn(7, config.hidden_size), torch.tensor([1, 4])
     slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
