@@ -52,18 +52,20 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 GEMV_ROWS = (1, 2, 4)
 GEMM_ROWS = (8, 16)
 L2_FLUSH_BYTES = 256 << 20
-MAX_ERROR = 2e-2  # bf16 outputs against float32 references: a kernel that is right lands near 4e-3
+MAX_ERROR = 2e-2  # bf16 outputs against float32 references: a kernel that is right lands near 2e-3
+MAX_ERROR_W8A8 = 5e-2  # torch._scaled_mm quantizes x to FP8 too: about 2.6e-2 from the weight-only reference
 Tile = quant_gemv.Tile
 
 # (label, tile): the first is the runtime's default. Rows per thread (block_n / warps' share) and bytes
 # per row per step (subs x 8) set the work per thread and the loads in flight; bench/gpu/README.md.
-CANDIDATES = [("n8-s128-w4", Tile(8, 128)), ("n4-s128-w4", Tile(4, 128)), ("n2-s256-w8", Tile(2, 256, 8)),
-              ("n4-s256-w8", Tile(4, 256, 8)), ("n16-s64-w8", Tile(16, 64, 8)), ("n8-s64-w4", Tile(8, 64)),
-              ("n16-s32-w4", Tile(16, 32)), ("n2-s128-w4 x/thread", Tile(2, 128, x_shared=False)),
-              ("n1-s256-w8 x/thread", Tile(1, 256, 8, x_shared=False)),
-              ("n8-s128-w4 no-asm", Tile(8, 128, asm=False))]
+CANDIDATES = [("n2-s128-w4 x/thread", Tile(2, 128, x_shared=False)), ("n4-s128-w4", Tile(4, 128)),
+              ("n8-s128-w4", Tile(8, 128)), ("n4-s256-w8", Tile(4, 256, 8)), ("n8-s64-w4", Tile(8, 64)),
+              ("n1-s128-w4 x/thread", Tile(1, 128, x_shared=False)),
+              ("n4-s128-w4 x/thread", Tile(4, 128, x_shared=False)),
+              ("n2-s64-w2 x/thread", Tile(2, 64, 2, x_shared=False)), ("n2-s256-w8", Tile(2, 256, 8)),
+              ("n2-s128-w4 x/thread no-asm", Tile(2, 128, x_shared=False, asm=False))]
 # Per format: how many of the candidates above to try (the GPTQ-like int4 and the FP8 blocks: fewer).
-FORMATS = {"int4": 10, "int4 g128": 6, "int8": 10, "fp8": 8, "fp8_block": 6}
+FORMATS = {"int4": 10, "int4 g128": 6, "int8": 9, "fp8": 9, "fp8_block": 6}
 TILE_FORMAT = {"int4": "int4", "int4 g128": "int4", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
@@ -165,14 +167,15 @@ def precompile() -> None:
           + (f"; {len(failures)} failed, first: {failures[0]}" if failures else ""), flush=True)
 
 
-def timed(fmt: str, fn, x, pool: list, expected: torch.Tensor, timer, copies: int) -> dict:
+def timed(fmt: str, fn, x, pool: list, expected: torch.Tensor, timer, copies: int,
+          max_error: float = MAX_ERROR) -> dict:
     """One variant: its error against the reference, then its time; failures are figures too."""
     try:
         out = fn(fmt, x, pool[0])
         if out is None:
             return {"error": "not supported here"}
         error = ((out.float() - expected).norm() / expected.norm()).item()
-        if not error < MAX_ERROR:
+        if not error < max_error:
             return {"rel_error": error, "error": "wrong result"}
         return {"us": timer(lambda i: fn(fmt, x, pool[i % len(pool)]), copies), "rel_error": round(error, 5)}
     except Exception as exc:  # noqa: BLE001
@@ -196,7 +199,8 @@ def sweep_shape(n: int, k: int, device, dtype) -> dict:
             x = torch.randn(m, k, dtype=dtype, device=device)
             expected = reference(fmt, x, pool[0])
             if fmt != "fp8_block" or m == 1:  # the blocks' old GPU path widens the whole weight: once is enough
-                rows[f"{fmt} before m{m}"] = timed(fmt, before, x, pool, expected, timer, copies)
+                rows[f"{fmt} before m{m}"] = timed(fmt, before, x, pool, expected, timer, copies,
+                                                   MAX_ERROR_W8A8 if fmt == "fp8" else MAX_ERROR)
             if m not in GEMV_ROWS:
                 continue
             tried = candidates(fmt) if m == 1 or DRY else candidates(fmt)[:3]

@@ -1,4 +1,4 @@
-"""Decode's quantized matrix-vector products on a GPU: a few rows of x (M <= 4) against a whole weight.
+"""Decode's quantized matrix-vector products on a GPU: a few rows of x (1-4) against a whole weight.
 
 Why not quant_gemm's kernels at batch 1: tl.dot wants 16 rows, so they pad x to 16 and widen every
 weight into a matrix-multiply operand; the first GPU run measured int4 at 0.40x and FP8
@@ -36,7 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # more rows than this go to quant_gemm's tl.dot kernels (one accumulator per row of x)
+# Per format, the most rows of x these kernels take; more go to quant_gemm's tl.dot kernels (int4, int8) or
+# torch._scaled_mm (FP8). From the first sweep (H200, 2026-11-30, bench/RESULTS.md): each added row costs
+# about as much as a whole bf16 pass over the weight, so int8 beats its tl.dot kernel at one row only,
+# int4 and FP8 blocks (whose other paths are far slower) up to four.
+MAX_ROWS: dict[str, int] = {"int4": 4, "int8": 1, "fp8": 2, "fp8_block": 4}
+ROWS_LIMIT = 4  # the kernel's unrolled accumulators
 
 _INT4, _INT8, _FP8 = 0, 1, 2
 _ROW_SCALE, _GROUP_SCALE, _BLOCK_SCALE = 0, 1, 2
@@ -52,14 +57,13 @@ class Tile:
     vec: int = 8  # contiguous weight bytes per thread and run; x's bfloat16 run is then one 16-byte load
 
 
-# Per format: the tile of the fastest variant measured (bench/gpu/gemv_sweep.py). Until a GPU has
-# measured them: 4 weight rows per thread, and runs of 128 x 8 bytes per row per step, which keeps
-# about 16-32 KB of loads in flight per SM on Llama-sized widths (bench/gpu/README.md says why).
+# Per format: the tile with the least time over Llama-3.1-8B's four projections at one row, measured by
+# bench/gpu/gemv_sweep.py on an H200 (2026-11-30, Triton 3.6; bench/RESULTS.md).
 TILES: dict[str, Tile] = {
-    "int4": Tile(block_n=8, subs=128),
-    "int8": Tile(block_n=8, subs=128),
-    "fp8": Tile(block_n=8, subs=128),
-    "fp8_block": Tile(block_n=8, subs=128),
+    "int4": Tile(block_n=2, subs=128, x_shared=False),
+    "int8": Tile(block_n=4, subs=128),
+    "fp8": Tile(block_n=4, subs=128),
+    "fp8_block": Tile(block_n=4, subs=128),
 }
 
 
@@ -224,15 +228,15 @@ def _store_row(out_row, acc, row_scale, rn, n_ok, M, ROW: tl.constexpr):
     tl.store(out_row + rn, out.to(out_row.dtype.element_ty), mask=n_ok & (rn * 0 + ROW < M))
 
 
-def fits(x: torch.Tensor) -> bool:
-    """Whether x [M, K] has few enough rows for these kernels."""
-    return 1 <= x.shape[0] <= MAX_ROWS
+def fits(x: torch.Tensor, fmt: str) -> bool:
+    """Whether x [M, K] has few enough rows for this format's kernel to beat the format's other path."""
+    return 1 <= x.shape[0] <= min(MAX_ROWS[fmt], ROWS_LIMIT)
 
 
 def _launch(fmt: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
             kind: int, scale_mode: int, group: int = 1, scale_rows: int = 1) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
-    assert 1 <= m <= MAX_ROWS, f"{m} rows: these kernels take 1..{MAX_ROWS}"
+    assert 1 <= m <= ROWS_LIMIT, f"{m} rows: these kernels take 1..{ROWS_LIMIT}"
     assert weight.stride(1) == 1 and scales.stride(-1) == 1, "weights and scales: rows contiguous"
     x = x if x.stride(1) == 1 else x.contiguous()
     tile = TILES[fmt]

@@ -49,7 +49,7 @@ class Fp8Linear(ChannelScaledLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if kernel_for(x, self.reference) == "triton":
             from kaon_runtime.kernels import quant_gemv  # on use: CPU-only torch builds lack Triton
-            if quant_gemv.fits(x):
+            if quant_gemv.fits(x, "fp8"):
                 return quant_gemv.fp8_gemv(x, self.qweight, self.scales)
         if scaled_mm_supported(x, self.qweight):
             return fp8_matmul_scaled_mm(x, self.qweight, self.scales)

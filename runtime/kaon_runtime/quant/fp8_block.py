@@ -33,7 +33,7 @@ class Fp8BlockLinear(QuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if kernel_for(x, self.reference) == "triton":
             from kaon_runtime.kernels import quant_gemv  # on use: CPU-only torch builds lack Triton
-            if quant_gemv.fits(x) and self.block[1] % quant_gemv.TILES["fp8_block"].vec == 0:
+            if quant_gemv.fits(x, "fp8_block") and self.block[1] % quant_gemv.TILES["fp8_block"].vec == 0:
                 return quant_gemv.fp8_block_gemv(x, self.qweight, self.scales, self.block)
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         weight = dequantize_fp8_blocks(self.qweight, self.scales, self.block).to(compute)

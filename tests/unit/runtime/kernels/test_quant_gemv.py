@@ -106,10 +106,11 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_batch():
 
 
 def test_linears_take_the_gemv_for_few_rows_and_the_gemm_for_more(monkeypatch):
-    """The quantized linears' Triton path: up to MAX_ROWS rows through these kernels, more through
-    quant_gemm's tl.dot kernels (spied here: their interpreted run would take long)."""
+    """The quantized linears' Triton path: up to the format's MAX_ROWS rows through these kernels, more
+    through quant_gemm's tl.dot kernels (spied here: their interpreted run would take long)."""
     from kaon_runtime.kernels import quant_gemm
     monkeypatch.setenv("KAON_QUANT_KERNEL", "triton")
+    monkeypatch.setattr(quant_gemv, "MAX_ROWS", dict.fromkeys(quant_gemv.MAX_ROWS, 3))
     used = []
     for name in ("w4a16_matmul", "w8a16_matmul"):
         monkeypatch.setattr(quant_gemm, name, lambda *a, _name=name, **kw: used.append(_name) or "gemm")
@@ -120,12 +121,12 @@ def test_linears_take_the_gemv_for_few_rows_and_the_gemm_for_more(monkeypatch):
                "fp8": Fp8Linear.from_linear(linear), "fp8 blocks": fp8_blocks}
     for name, module in modules.items():
         module.to(DEVICE)
-        x = torch.randn(quant_gemv.MAX_ROWS, 64, device=DEVICE).to(DTYPE)
+        x = torch.randn(3, 64, device=DEVICE).to(DTYPE)
         weight = dequantize_fp8_blocks(module.qweight, module.scales, module.block) if name == "fp8 blocks" \
             else linear.weight.to(DEVICE)
         expected = torch.nn.functional.linear(x.float(), weight).to(DTYPE)
         assert relative_error(module(x), expected) < 0.2, name  # the formats' own rounding
     assert used == []
-    x = torch.randn(quant_gemv.MAX_ROWS + 1, 64, device=DEVICE).to(DTYPE)
+    x = torch.randn(4, 64, device=DEVICE).to(DTYPE)
     assert modules["int4"].matmul(x) == "gemm" and modules["int8"].matmul(x) == "gemm"
     assert used == ["w4a16_matmul", "w8a16_matmul"]
