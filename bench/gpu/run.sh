@@ -43,19 +43,28 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 
 # Per stage: its time limit on a GPU, and its command (the dry run's shapes where they differ).
 kernels() {
-    # All of them: the bf16 engine tests run a spread copy of tiny_llama, not the bundled model (not carried).
-    local select=() workers=(-n 8)
-    if [[ $dry == 1 ]]; then  # the interpreter is slow: a few kernels prove the stage
-        select=(-k "write_kv_cache_matches or rms_norm or w8a16_kernel_matches or int8_matches_the_reference")
+    # Kernel tests in 8 processes; the tests that build engines (each sizes its KV pool to 85% of the
+    # free device memory) after them in one process: in 8 at once they ran out of memory (2026-11-30).
+    # The bf16 engine tests run a spread copy of tiny_llama, not the bundled model (not carried).
+    local select="not engine_on_the_triton_kernels" engines=() workers=(-n 8)
+    if [[ $dry == 1 ]]; then  # the interpreter is slow: a few tests prove the stage
+        select="write_kv_cache_matches or rms_norm or w8a16_kernel_matches or int8_matches_the_reference"
+        engines=(-k "static_decode_path_gives_the_eager_tokens and all-decodes-torch")
         workers=()
     fi
     # --noconftest: tests/conftest.py brings the control plane, MinIO and the bundled model, which
     # do not travel; bench/gpu/gpu_fixtures.py stands in for the part these tests use.
-    $PY -m pytest -q -p no:cacheprovider --noconftest -p gpu_fixtures -rfE "${workers[@]}" \
-        --junitxml "$OUT/kernels.xml" "${select[@]}" tests/unit/runtime/kernels/test_kernels.py tests/unit/runtime/kernels/test_paged_attention.py \
-        tests/unit/runtime/quant/test_quant.py tests/unit/runtime/kernels/test_lora_kernels.py tests/unit/runtime/engine/test_triton_engine.py \
-        tests/unit/runtime/kernels/test_quant_gemv.py \
-        tests/unit/runtime/engine/test_cuda_graphs.py
+    local pytest=($PY -m pytest -q -p no:cacheprovider --noconftest -p gpu_fixtures -rfE)
+    "${pytest[@]}" "${workers[@]}" --junitxml "$OUT/kernels.xml" -k "$select" \
+        tests/unit/runtime/kernels/test_kernels.py tests/unit/runtime/kernels/test_paged_attention.py \
+        tests/unit/runtime/kernels/test_lora_kernels.py tests/unit/runtime/kernels/test_quant_gemv.py \
+        tests/unit/runtime/quant/test_quant.py
+    local kernels_rc=$?
+    "${pytest[@]}" --junitxml "$OUT/engine-tests.xml" "${engines[@]}" tests/unit/runtime/engine/test_cuda_graphs.py \
+        tests/unit/runtime/engine/test_triton_engine.py \
+        tests/unit/runtime/quant/test_quant.py::test_engine_on_the_triton_kernels_generates_the_torch_tokens
+    local engines_rc=$?
+    return $((kernels_rc || engines_rc))
 }
 engine() { $PY bench/gpu/engine_check.py --json "$OUT/engine.json"; }
 roofline() {
@@ -78,9 +87,9 @@ throughput() {
         --json "$OUT/throughput.json"
 }
 gemv() { $PY bench/gpu/gemv_sweep.py --json "$OUT/gemv.json"; }
-# On the first lease (2026-11-26) kernels, engine, roofline, throughput (with HF) and gemv took 30, 85, 50,
-# ~220 and 40 s; gemv now compiles ~130 variants (in parallel) and roofline runs seven formats.
-declare -A LIMIT=([kernels]=90 [engine]=110 [gemv]=180 [roofline]=170 [throughput]=120)
+# On the 2026-11-30 lease gemv, roofline (seven formats) and throughput (kaon's side) took 28, 62 and 71 s;
+# the engine tests, run alone, more than 170 s (five passed by then). engine took 85 s on 2026-11-26.
+declare -A LIMIT=([kernels]=300 [engine]=110 [gemv]=180 [roofline]=170 [throughput]=120)
 if [[ $dry == 1 ]]; then  # a CPU shared with other work is slower than any GPU: the dry run proves the script, not speed
     for stage in "${!LIMIT[@]}"; do LIMIT[$stage]=600; done
 fi
