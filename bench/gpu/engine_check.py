@@ -183,17 +183,18 @@ def check_kv_sizing(device: str, big_model: str, dtype: str, sequences: int) -> 
 
 
 def check_nccl(device: str) -> dict:
-    """A one-rank process group over NCCL (gloo on the CPU), one all-reduce through it."""
-    import torch.distributed as dist
-
-    from kaon_runtime.distributed.parallel import join_group, leave_group
-    join_group(0, 1, 29533, torch.device(device))
+    """A one-rank process group over NCCL (gloo on the CPU), one all-reduce through it: the engine's own
+    groups (distributed/parallel.py: each engine its own store, never torch.distributed's default group)."""
+    from kaon_runtime.distributed.parallel import join_group
+    tp = join_group(0, 1, 29533, torch.device(device))
     try:
         x = torch.arange(4, dtype=torch.float32, device=device)
-        dist.all_reduce(x)
-        figures = {"backend": dist.get_backend(), "all_reduce_ok": x.tolist() == [0.0, 1.0, 2.0, 3.0]}
+        assert tp.group is not None
+        tp.group.all_reduce(x)  # the group itself: TensorParallel skips the collective for one rank
+        figures = {"backend": "nccl" if device == "cuda" else "gloo",
+                   "all_reduce_ok": x.tolist() == [0.0, 1.0, 2.0, 3.0]}
     finally:
-        leave_group()
+        tp.release()
     print(f"  process group: {figures}", flush=True)
     return figures
 

@@ -103,9 +103,12 @@ class LLMEngine:
             with startup.phase("warmup"):
                 self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # The pool as it is now (sleep frees and re-makes it), read through the runner, never the engine: a
+        # callback holding the engine would make a cycle, and a dropped engine would keep its device memory
+        # until Python's cycle collector happened to run.
+        runner = self.runner
         try:  # KV events and the tiers below the pool; None: neither asked for
-            self.kv_observer = attach_kv_observer(config, self.block_manager, lambda: self.runner.kv_cache,
-                                                  config.model)
+            self.kv_observer = attach_kv_observer(config, self.block_manager, lambda: runner.kv_cache, config.model)
         except BaseException:
             self.close()
             raise
@@ -121,7 +124,7 @@ class LLMEngine:
         self.in_flight = InFlight(depth) if depth > 1 else None  # pipeline stages overlap (engine.micro_batches)
         self._requests: dict[str, _Request] = {}
         # Disaggregation (engine.kv_transfer): K/V leaving for decode engines; received K/V that no longer fit.
-        self.kv_exports = KvExports(lambda: self.runner.kv_cache, config.block_size)
+        self.kv_exports = KvExports(lambda: runner.kv_cache, config.block_size)
         self.kv_imports_evicted = 0
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0

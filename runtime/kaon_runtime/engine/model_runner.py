@@ -125,11 +125,13 @@ class ModelRunner:
         """Static buffers for decode batches up to the ladder's top, and their graphs when `capture`."""
         sizes = ladder(min(self.config.cuda_graph_max_batch, self.config.max_num_seqs))
         max_blocks = ceil_div(max_model_len, self.block_size)
-        self.decode_graphs = DecodeGraphs(self._logits_of_all_rows, self.device, max_blocks, sizes, capture)
-        self.decode_graphs.capture_all()
+        model = self.model  # not a method of the runner: the graphs would hold it in a cycle (see llm_engine)
 
-    def _logits_of_all_rows(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+        def logits_of_all_rows(input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+            return model.compute_logits(model(input_ids, positions, meta))
+
+        self.decode_graphs = DecodeGraphs(logits_of_all_rows, self.device, max_blocks, sizes, capture)
+        self.decode_graphs.capture_all()
 
     # ---- one step ----------------------------------------------------------------------
 

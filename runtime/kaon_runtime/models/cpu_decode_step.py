@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -229,7 +230,10 @@ class CpuDecodeStep:
     the pool is attached after the model is made, and built again when it changes)."""
 
     def __init__(self, decoder: FusedDecoder, config: ModelConfig, max_rows: int):
-        self.decoder, self.config = decoder, config
+        # The decoder holds this step: a weak reference back, so that dropping the model frees it (and the
+        # KV pool its attention layers point at) at once rather than when Python's cycle collector runs.
+        self._decoder = weakref.ref(decoder)
+        self.config = config
         self.max_rows = max_rows  # decode-only steps up to this many rows (wider ones go to torch, see applies)
         self.piece_rows = PIECE_ROWS  # wider steps' pieces: at most this many rows (see piece_rows)
         self.prefills = prefills_take_the_c_step(quantized=False)  # settled by check(), once the weights are in
@@ -237,6 +241,12 @@ class CpuDecodeStep:
         self.activation_passes = cpu_decode.activation_passes()
         self._built: tuple[tuple[int, ...], cpu_decode.Model, list] | None = None
         self._reads_lora = False
+
+    @property
+    def decoder(self) -> FusedDecoder:
+        decoder = self._decoder()
+        assert decoder is not None, "the decoder this step belongs to is gone"
+        return decoder
 
     def check(self) -> None:
         """Raise ValueError if a projection has no fused kernel (call once the weights are loaded)."""
