@@ -15,6 +15,10 @@ graphs; `--device cpu --model random://smollm2-135m --dtype float32` runs anywhe
 
 `--profile` also records a few decode steps of each format under torch's profiler and prints the
 slowest format's top operators by device time: where a format misses the roofline, it says why.
+
+A format written `int4:before` runs with kernels/quant_gemv.py switched off (the tl.dot kernels and
+torch._scaled_mm that batch-1 decode ran before it), so one run gives the before/after pair;
+`--gemv-tiles gemv.json` takes quant_gemv's tile table from a bench/gpu/gemv_sweep.py run.
 """
 from __future__ import annotations
 
@@ -96,12 +100,19 @@ def operator_table(llm: LLM, args, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=rows)
 
 
-def measure(args, quantization: str) -> dict:
-    llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=quantization,
-              max_model_len=args.prompt_tokens + args.tokens + 8, max_num_seqs=1)
-    figures = figures_of(llm, args, quantization)
-    if args.profile:
-        figures["profile"] = operator_table(llm, args)
+def measure(args, label: str) -> dict:
+    from kaon_runtime.kernels import quant_gemv
+    quantization, _, variant = label.partition(":")
+    rows = quant_gemv.MAX_ROWS
+    quant_gemv.MAX_ROWS = dict.fromkeys(rows, 0) if variant == "before" else rows  # read at each call
+    try:
+        llm = LLM(args.model, show_progress=False, device=args.device, dtype=args.dtype, quantization=quantization,
+                  max_model_len=args.prompt_tokens + args.tokens + 8, max_num_seqs=1)
+        figures = figures_of(llm, args, label)
+        if args.profile:
+            figures["profile"] = operator_table(llm, args)
+    finally:
+        quant_gemv.MAX_ROWS = rows
     llm.close()
     del llm
     gc.collect()
@@ -121,9 +132,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's buffer")
     parser.add_argument("--profile", action="store_true", help="print the slowest format's top operators")
+    parser.add_argument("--gemv-tiles", type=Path, help="quant_gemv's tiles from a gemv_sweep.py JSON")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.gemv_tiles:
+        from kaon_runtime.kernels import quant_gemv
+        tiles = json.loads(args.gemv_tiles.read_text()).get("tiles", {})
+        quant_gemv.configure({fmt: quant_gemv.Tile(**tile) for fmt, tile in tiles.items()})
+        print(f"quant_gemv tiles from {args.gemv_tiles}: {tiles or 'none measured, defaults kept'}")
 
     bandwidth = copy_bandwidth(device, args.copy_mib << 20)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
@@ -135,12 +152,12 @@ def main() -> int:
         try:
             row = measure(args, quantization)
         except Exception as exc:  # noqa: BLE001  one format's failure must not hide the others' figures
-            print(f"{quantization:>5}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            print(f"{quantization:>11}: FAILED {type(exc).__name__}: {exc}", flush=True)
             rows.append({"quantization": quantization, "error": f"{type(exc).__name__}: {exc}"})
             continue
         row["roofline_fraction"] = round(row["achieved_gb_s"] * 1e9 / bandwidth, 3)
         rows.append(row)
-        print(f"{quantization:>5}: {row['decode_tok_s']:8.1f} tok/s  {row['ms_per_token']:7.2f} ms/token  "
+        print(f"{quantization:>11}: {row['decode_tok_s']:8.1f} tok/s  {row['ms_per_token']:7.2f} ms/token  "
               f"{row['bytes_per_token'] / 1e9:6.2f} GB/token  {row['achieved_gb_s']:7.1f} GB/s  "
               f"{100 * row['roofline_fraction']:5.1f}% of the copy bandwidth  "
               f"(attention {row['attention_backend']}, CUDA graphs {'on' if row['cuda_graphs'] else 'off'})",

@@ -22,6 +22,11 @@ leftovers beside it (bench/history/throughput.md measured what that costs).
 Each process has its engine's own OpenMP settings: kaon's those kaon_runtime sets on import
 (GOMP_SPINCOUNT=0), HF's the user's environment (libgomp's default spin unless set).
 
+`--profile FILE` runs the set's first 64 requests once more on kaon's side under torch's profiler and
+writes the top operators by device and by CPU time, and the share of that pass the device was busy
+(the rest is the host between steps: scheduling, sampling, launches). `--kaon-only` skips HF's side
+(no ratio: for a profile when device time is short).
+
 `--quantization int8|int4` runs kaon's side with narrow weights (int4: the GGUF's own Q4_1
 blocks); HF's side stays as HF loads the file, dequantized to --dtype. That compares what each
 engine makes of the same file, not the same arithmetic: the default (none) is the like-for-like
@@ -106,6 +111,29 @@ def bench_kaon(llm: LLM, prompts, output_lens) -> float:
     return elapsed
 
 
+def profile_kaon(llm: LLM, prompts, output_lens, path: Path, requests: int = 64) -> None:
+    """The first `requests` of the set under torch's profiler: top operators, and the device's busy share."""
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = torch.cuda.is_available() and llm.engine.runner.device.type == "cuda"
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens[:requests]]
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts[:requests], params, use_tqdm=False)
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    lines = [f"{requests} requests, {sum(output_lens[:requests])} output tokens, {wall:.2f}s under the profiler"]
+    if on_gpu:
+        busy = sum(event.self_device_time_total for event in averages) / 1e6
+        lines.append(f"device busy {busy:.2f}s of {wall:.2f}s ({100 * busy / wall:.0f}%): the rest is the host "
+                     "between kernels")
+        lines.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    path.write_text("\n".join(lines))
+    print(lines[0] + ("; " + lines[1] if on_gpu else ""), flush=True)
+
+
 def bench_hf(model, prompts, output_lens, pad_id: int, batch: int = 0) -> float:
     """Seconds for HF to serve the set as padded static batches of `batch` requests (0: one batch of all),
     each run until its longest request is done. Each batch's time is printed as it ends, so a run cut
@@ -162,6 +190,8 @@ def kaon_side(args) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts, output_lens = make_workload(llm, args.requests, args.seed, args.input_len, args.output_len)
     seconds = bench_kaon(llm, prompts, output_lens)
+    if args.profile:
+        profile_kaon(llm, prompts, output_lens, args.profile)
 
     def one(n):
         llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
@@ -218,10 +248,21 @@ def main() -> int:
     parser.add_argument("--hf-batch", type=int, default=0, help="HF's static batch size (0: the whole set at once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--profile", type=Path, help="kaon's operators under torch's profiler, written here")
+    parser.add_argument("--kaon-only", action="store_true", help="skip HF's side (no ratio)")
     args = parser.parse_args()
 
     kaon = in_fresh_process(kaon_side, args)
     print(f"kaon: {kaon['seconds']:.1f}s for the set, batch-1 decode {kaon['decode']:.1f} tok/s", flush=True)
+    if args.kaon_only:
+        total_out = sum(kaon["output_lens"])
+        figures = {"requests": args.requests, "output_tokens": total_out, "kaon_seconds": round(kaon["seconds"], 2),
+                   "kaon_output_tok_s": round(total_out / kaon["seconds"], 1),
+                   "kaon_batch1_decode_tok_s": round(kaon["decode"], 1)}
+        print(f"throughput  kaon {figures['kaon_output_tok_s']:8.1f} out tok/s (HF's side skipped: no ratio)")
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
+        return 0
     hf = in_fresh_process(hf_side, args, kaon["prompts"], kaon["output_lens"], kaon["pad_id"], env=USER_OMP_ENV)
     total_out, total_in = sum(kaon["output_lens"]), sum(map(len, kaon["prompts"]))
     kaon_s, hf_s, kaon_decode, hf_decode = kaon["seconds"], hf["seconds"], kaon["decode"], hf["decode"]

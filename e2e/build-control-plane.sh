@@ -5,6 +5,11 @@
 #   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok,
 #   and helm (for the chart's tests)
 #
+# etcd, the four Kubernetes binaries and kwok are built by one `go build` in one
+# wrapper module (their shared modules -- k8s.io/*, grpc, OpenTelemetry, etcd's
+# client -- resolved to one version each and compiled once); helm, which needs
+# newer k8s.io/* modules, is built apart.
+#
 # The binaries are cached outside the repository, keyed by the Kubernetes
 # version:  ${KAON_CACHE:-$HOME/.cache/kaon}/k8s/<K8S_VERSION>/bin/
 # A second run finds them there and returns at once. The last line of stdout
@@ -37,6 +42,13 @@ BIN_DIR="$VERSION_DIR/bin"
 WORK_DIR="$VERSION_DIR/work"   # wrapper modules, kept for inspection/rebuilds
 
 K8S_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+# What the one wrapper module builds: the Kubernetes binaries, etcd and kwok.
+CLUSTER_BINARIES=("${K8S_BINARIES[@]}" etcd kwok)
+# The stamp of that build: a change of any version, or of how they are built
+# together (RECIPE), rebuilds all of them once. Recipe 2: one module (before:
+# etcd and kwok each in their own module, with their own versions of the shared ones).
+CLUSTER_RECIPE=2
+CLUSTER_STAMP="$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION recipe=$CLUSTER_RECIPE"
 
 log() { printf '[build-control-plane %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -77,9 +89,7 @@ is_built() {  # is_built <component> <version> <binary>...
 }
 
 all_built() {
-  is_built kubernetes "$K8S_VERSION" "${K8S_BINARIES[@]}" &&
-    is_built etcd "$ETCD_VERSION" etcd &&
-    is_built kwok "$KWOK_VERSION" kwok &&
+  is_built cluster "$CLUSTER_STAMP" "${CLUSTER_BINARIES[@]}" &&
     is_built helm "$HELM_VERSION" helm
 }
 
@@ -130,7 +140,11 @@ write_kubernetes_wrapper() {  # write_kubernetes_wrapper <dir>
          /^godebug \(/ {block=1}
          block {print; if ($0 ~ /^\)/) {block=0; print ""}; next}
          /^godebug [^(]/ {print; print ""}' "$k8s_gomod"
-    echo "require k8s.io/kubernetes $K8S_VERSION"
+    echo "require ("
+    echo "	k8s.io/kubernetes $K8S_VERSION"
+    echo "	go.etcd.io/etcd/server/v3 $ETCD_VERSION"
+    echo "	sigs.k8s.io/kwok $KWOK_VERSION"
+    echo ")"
     echo
     echo "replace ("
     # Lines look like "k8s.io/api => ./staging/src/k8s.io/api", inside a
@@ -143,6 +157,7 @@ write_kubernetes_wrapper() {  # write_kubernetes_wrapper <dir>
     echo
     echo "tool ("
     printf '\tk8s.io/kubernetes/cmd/%s\n' "${K8S_BINARIES[@]}"
+    printf '\t%s\n' go.etcd.io/etcd/server/v3 sigs.k8s.io/kwok/cmd/kwok
     echo ")"
   } >"$dir/go.mod"
 
@@ -171,70 +186,35 @@ kubernetes_ldflags() {
   echo "$flags"
 }
 
-build_kubernetes() {
-  if is_built kubernetes "$K8S_VERSION" "${K8S_BINARIES[@]}"; then
-    log "kubernetes $K8S_VERSION: cached"
+build_cluster() {
+  if is_built cluster "$CLUSTER_STAMP" "${CLUSTER_BINARIES[@]}"; then
+    log "kubernetes $K8S_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION: cached"
     return
   fi
-  local dir="$WORK_DIR/kubernetes" scratch="$VERSION_DIR/.scratch-kubernetes" pkgs=()
+  local dir="$WORK_DIR/kubernetes" scratch="$VERSION_DIR/.scratch-cluster" pkgs=()
   write_kubernetes_wrapper "$dir"
   local bin
   for bin in "${K8S_BINARIES[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$bin"); done
+  # etcd: go.etcd.io/etcd/server/v3 is itself etcd's main package, but `go install
+  # ...@v3.x` refuses it because its go.mod has replace directives; required from
+  # the wrapper, those replaces are ignored and the build works. kwok: it asks for
+  # k8s.io/* v0.36.1, and the wrapper's replaces pin every k8s.io/* staging module
+  # to Kubernetes' own release, so kwok shares them (and Go's version selection
+  # gives all binaries the newest grpc/OpenTelemetry/etcd client any of them asks
+  # for: the local cluster's e2e tests are what checks that they still serve).
+  pkgs+=(go.etcd.io/etcd/server/v3 sigs.k8s.io/kwok/cmd/kwok)
 
-  log "kubernetes $K8S_VERSION: resolving modules (go mod tidy)"
+  log "kubernetes $K8S_VERSION + etcd $ETCD_VERSION + kwok $KWOK_VERSION: resolving modules (go mod tidy)"
   (cd "$dir" && run_go mod tidy)
 
-  log "kubernetes $K8S_VERSION: building ${K8S_BINARIES[*]} (empty build cache: ~10 min on 2 cores)"
+  log "building ${CLUSTER_BINARIES[*]} in one go build (empty build cache: ~10 min on 2 cores)"
   rm -rf "$scratch" && mkdir -p "$scratch"
   (cd "$dir" && run_go build -trimpath -tags selinux,notest \
     -ldflags "$(kubernetes_ldflags)" -o "$scratch/" "${pkgs[@]}")
-  install_binaries kubernetes "$K8S_VERSION" "$scratch" "${K8S_BINARIES[@]}"
-}
-
-# etcd ------------------------------------------------------------------------
-#
-# go.etcd.io/etcd/server/v3 is itself the etcd main package, but `go install
-# ...@v3.x` refuses it because its go.mod has replace directives. Requiring it
-# from a wrapper module ignores those replaces, and the build works. Its own
-# go.mod requires the sibling etcd modules at the same version.
-
-build_etcd() {
-  if is_built etcd "$ETCD_VERSION" etcd; then
-    log "etcd $ETCD_VERSION: cached"
-    return
-  fi
-  local dir="$WORK_DIR/etcd" scratch="$VERSION_DIR/.scratch-etcd"
-  mkdir -p "$dir"
-  cat >"$dir/go.mod" <<EOF
-// Generated by e2e/build-control-plane.sh.
-module kaon.local/etcd
-
-go 1.26.0
-
-require go.etcd.io/etcd/server/v3 $ETCD_VERSION
-
-tool go.etcd.io/etcd/server/v3
-EOF
-  log "etcd $ETCD_VERSION: resolving modules (go mod tidy)"
-  (cd "$dir" && run_go mod tidy)
-  log "etcd $ETCD_VERSION: building"
-  rm -rf "$scratch" && mkdir -p "$scratch"
-  (cd "$dir" && run_go build -trimpath -ldflags "-s -w" -o "$scratch/etcd" go.etcd.io/etcd/server/v3)
-  install_binaries etcd "$ETCD_VERSION" "$scratch" etcd
-}
-
-# KWOK ------------------------------------------------------------------------
-#
-# sigs.k8s.io/kwok has no replace directives, so a plain `go install` works.
-# It gets its own build (not the Kubernetes wrapper) because that wrapper pins
-# every k8s.io/* module to one version, which need not be the one KWOK wants.
-
-build_kwok() {
-  if is_built kwok "$KWOK_VERSION" kwok; then
-    log "kwok $KWOK_VERSION: cached"
-    return
-  fi
-  go_install_cached kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok "-s -w"
+  # go build names a binary after its package path less a major-version suffix:
+  # go.etcd.io/etcd/server/v3 comes out as "server".
+  [[ -x "$scratch/server" ]] && mv -f "$scratch/server" "$scratch/etcd"
+  install_binaries cluster "$CLUSTER_STAMP" "$scratch" "${CLUSTER_BINARIES[@]}"
 }
 
 # `go install package@version` into a scratch dir, then into the bin cache with its stamp.
@@ -305,10 +285,8 @@ main() {
   log "Kubernetes $K8S_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION, helm $HELM_VERSION; $("$GO" version)"
   log "cache: $BIN_DIR"
   local start=$SECONDS
-  build_etcd
-  build_kwok
   build_helm
-  build_kubernetes
+  build_cluster
   all_built || die "build finished but the cache is incomplete"
   log "done in $((SECONDS - start))s"
   echo "$BIN_DIR"

@@ -20,6 +20,7 @@ the pod's); a failed readiness probe only takes it out of Ready.
 """
 from __future__ import annotations
 
+import http.client
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
@@ -96,9 +97,15 @@ def http_probe(spec: dict, ip: str, ports: dict[str, int]) -> tuple[bool, str]:
             ok = 200 <= resp.status < 400
             return ok, "" if ok else f"HTTP probe failed with statuscode: {resp.status}"
     except urllib.error.HTTPError as exc:
-        body = exc.read(300).decode(errors="replace")
+        try:
+            body = exc.read(300).decode(errors="replace")
+        except (OSError, http.client.HTTPException):  # the engine died while sending it
+            body = ""
         return False, f"HTTP probe failed with statuscode: {exc.code}: {body}"
-    except (OSError, ValueError) as exc:  # refused, reset, or timed out (a hung process)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        # refused, reset, timed out (a hung process), or cut off mid-answer (killed while answering: a bad
+        # status line or a short body are HTTPExceptions, not OSErrors). A probe that raised would stay in
+        # flight with its exception, and the runner would never probe this pod again.
         return False, f"Get {url!r}: {getattr(exc, 'reason', exc)}"
 
 

@@ -1,28 +1,36 @@
-"""Decode's matrix-vector products on a GPU: each weight format's kernel against cuBLAS bf16, per tile shape.
+"""Decode's quantized matrix products on a GPU: each format's kernels against cuBLAS bf16, per tile shape.
 
     python bench/gpu/gemv_sweep.py --json gemv.json [--dry-run]
 
-The first GPU run (bench/RESULTS.md, 2026-11-26, H200) found batch-1 decode of Llama-3.1-8B's
-shape slower in int8 (1.04x bf16) and int4 (0.44x) than their bytes promise (2x and ~3.5x), and
-its profile put 90% of int4's time in _w4a16_kernel. This sweep times, for M = 1 on that model's
-four projection shapes, bf16 F.linear (cuBLAS), fp8 through torch._scaled_mm (and its activation
-quantization alone), and the W8A16 / W4A16 Triton kernels over tile shapes (BLOCK_N, BLOCK_K,
-split-K). (A W4A16 variant that widened several groups per step to bf16 in registers was tried in
-the same run: 0.42-0.53x bf16, little better than the default and inexact; it is in bench/history.) Each timing is
-the device time of one call inside a captured CUDA graph that runs the call over enough weight
-copies to overflow the L2 cache (so weights come from memory, as in decode), and each variant's
-output is checked against the torch reference first.
+On Llama-3.1-8B's four projection shapes, at M = 1, 2 and 4 rows (decode's batches) and 8 and 16 (where
+quant_gemm's tl.dot kernels take over), it times:
+- bf16 F.linear (cuBLAS): the baseline every ratio is against;
+- the kernels the engine ran before kernels/quant_gemv.py: quant_gemm's W4A16 / W8A16 tl.dot kernels,
+  and torch._scaled_mm for FP8 (with its per-row activation quantization);
+- quant_gemv's kernels over candidate tiles, for each format the engine loads: int4 in groups of 32
+  with float16 scales (kaon's own and GGUF Q4_1's), int4 in groups of 128 with float32 scales (GPTQ and
+  AWQ as loaded), int8 per row, FP8 per row, FP8 in 128 x 128 blocks (DeepSeek, Qwen3).
+Every variant's output is first checked against the torch reference: one that errs or misses is
+reported and never chosen. The choice per format, the tile with the least time summed over the four
+shapes at M = 1, goes to the JSON's "tiles"; decode_roofline.py --gemv-tiles runs the engine with it.
+
+Each timing is the device time of one call inside a captured CUDA graph that runs the call over enough
+weight copies to overflow the L2 cache (weights come from memory, as in decode), median of 5 replays.
+Every variant is compiled first by a pool of processes (Triton's cache is shared), so the timing loop
+only loads kernels.
 
 `--dry-run`: tiny shapes on the CPU through Triton's interpreter (the script proven, no timings).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import json
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,17 +41,77 @@ if DRY:
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 
 import triton  # noqa: E402
-from gemv_candidates import w4a16_gemv  # noqa: E402
 
-from kaon_runtime.kernels import quant_gemm as qg  # noqa: E402
+from kaon_runtime.kernels import quant_gemm, quant_gemv  # noqa: E402
 from kaon_runtime.kernels.quant_gemm_ref import w4a16_matmul_ref, w8a16_matmul_ref  # noqa: E402
-from kaon_runtime.quant.fp8 import fp8_matmul_scaled_mm, quantize_fp8  # noqa: E402
+from kaon_runtime.quant.fp8 import fp8_matmul_scaled_mm, quantize_fp8, scaled_mm_supported  # noqa: E402
+from kaon_runtime.quant.fp8_block import dequantize_fp8_blocks  # noqa: E402
 
 # Llama-3.1-8B: q|k|v, o, gate|up, down as (N, K).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-GROUP = 32  # kaon's int4 group (GGUF Q4_1's)
-
+GEMV_ROWS = (1, 2, 4)
+GEMM_ROWS = (8, 16)
 L2_FLUSH_BYTES = 256 << 20
+MAX_ERROR = 2e-2  # bf16 outputs against float32 references: a kernel that is right lands near 2e-3
+MAX_ERROR_W8A8 = 5e-2  # torch._scaled_mm quantizes x to FP8 too: about 2.6e-2 from the weight-only reference
+Tile = quant_gemv.Tile
+
+# (label, tile): the first is the runtime's default. Rows per thread (block_n / warps' share) and bytes
+# per row per step (subs x 8) set the work per thread and the loads in flight; bench/gpu/README.md.
+CANDIDATES = [("n2-s128-w4 x/thread", Tile(2, 128, x_shared=False)), ("n4-s128-w4", Tile(4, 128)),
+              ("n8-s128-w4", Tile(8, 128)), ("n4-s256-w8", Tile(4, 256, 8)), ("n8-s64-w4", Tile(8, 64)),
+              ("n1-s128-w4 x/thread", Tile(1, 128, x_shared=False)),
+              ("n4-s128-w4 x/thread", Tile(4, 128, x_shared=False)),
+              ("n2-s64-w2 x/thread", Tile(2, 64, 2, x_shared=False)), ("n2-s256-w8", Tile(2, 256, 8)),
+              ("n2-s128-w4 x/thread no-asm", Tile(2, 128, x_shared=False, asm=False))]
+# Per format: how many of the candidates above to try (the GPTQ-like int4 and the FP8 blocks: fewer).
+FORMATS = {"int4": 10, "int4 g128": 6, "int8": 9, "fp8": 9, "fp8_block": 6}
+TILE_FORMAT = {"int4": "int4", "int4 g128": "int4", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}
+
+
+def weights_of(fmt: str, n: int, k: int, device, dtype) -> tuple:
+    """Random weights in the format's layout (never zeros: they can time faster than real data)."""
+    if fmt.startswith("int4"):
+        group = 128 if fmt == "int4 g128" else 32
+        scale_dtype = torch.float32 if fmt == "int4 g128" else torch.float16
+        return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
+                (torch.rand(n, k // group, device=device) / 50).to(scale_dtype),
+                (-torch.rand(n, k // group, device=device) / 7).to(scale_dtype), group)
+    if fmt == "int8":
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device), torch.rand(n, device=device) / 100
+    qweight = quantize_fp8(torch.randn(n, k, device=device, dtype=dtype) / 64)[0]
+    if fmt == "fp8":
+        return qweight, torch.rand(n, device=device) / 100
+    return qweight, torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), device=device) / 100, (128, 128)
+
+
+def gemv(fmt: str, x, w):
+    if fmt.startswith("int4"):
+        return quant_gemv.w4a16_gemv(x, *w)
+    if fmt == "int8":
+        return quant_gemv.w8a16_gemv(x, *w)
+    return quant_gemv.fp8_gemv(x, *w) if fmt == "fp8" else quant_gemv.fp8_block_gemv(x, *w)
+
+
+def before(fmt: str, x, w):
+    """What the engine ran for this format before quant_gemv (and still runs above MAX_ROWS rows)."""
+    if fmt.startswith("int4"):
+        return quant_gemm.w4a16_matmul(x, *w)
+    if fmt == "int8":
+        return quant_gemm.w8a16_matmul(x, *w)
+    if fmt == "fp8":
+        return fp8_matmul_scaled_mm(x, *w) if scaled_mm_supported(x, w[0]) else None
+    return torch.nn.functional.linear(x, dequantize_fp8_blocks(*w).to(x.dtype))  # Fp8BlockLinear's GPU path
+
+
+def reference(fmt: str, x, w) -> torch.Tensor:
+    if fmt.startswith("int4"):
+        return w4a16_matmul_ref(x.float(), *w)
+    if fmt == "int8":
+        return w8a16_matmul_ref(x.float(), *w)
+    if fmt == "fp8":
+        return torch.nn.functional.linear(x.float(), w[0].float()) * w[1]
+    return torch.nn.functional.linear(x.float(), dequantize_fp8_blocks(*w))
 
 
 def device_time_us(fn_per_copy, copies: int) -> float:
@@ -71,107 +139,119 @@ def device_time_us(fn_per_copy, copies: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def variants():
-    """(format, label, kwargs for the call) to try; the first of each format is today's default."""
-    yield "int8", "default", {}
-    for bn, bk in itertools.product((32, 64, 128), (256, 512)):
-        yield "int8", f"n{bn}-k{bk}", {"block_n": bn, "BLOCK_K": bk}
-    yield "int4", "default", {}
-    for bn in (32, 128):
-        yield "int4", f"n{bn}", {"block_n": bn}
-    for bn, groups in itertools.product((16, 32, 64), (4, 8)):  # gemv_candidates.py
-        yield "int4", f"gemv n{bn}-g{groups}", {"gemv": True, "block_n": bn, "groups_per_step": groups}
+def candidates(fmt: str) -> list[tuple[str, Tile]]:
+    return CANDIDATES[:FORMATS[fmt]]
 
 
-def call(fmt: str, x, w, options: dict, split_k: int | None):
-    if not options and split_k is None and w[0].dtype != torch.float8_e4m3fn:  # what the engine runs today
-        return qg.w8a16_matmul(x, *w) if fmt == "int8" else qg.w4a16_matmul(x, *w, GROUP)
-    if fmt == "int8":
-        qweight, scales = w
-        block_k = options.get("BLOCK_K", qg._BLOCK_K)
-        opts = {"BLOCK_K": qg._BLOCK_K} | options
-        return qg._launch(qg._w8a16_kernel, x, (qweight, scales), (qweight.stride(0),), qweight.shape[0],
-                          triton.cdiv(x.shape[1], block_k), split_k, **opts)
-    packed, scales, mins = w
-    if options.get("gemv"):
-        return w4a16_gemv(x, packed, scales, mins, GROUP, options["block_n"], options["groups_per_step"], split_k)
-    return qg._launch(qg._w4a16_kernel, x, (packed, scales, mins), (packed.stride(0), scales.stride(0)),
-                      packed.shape[0], x.shape[1] // GROUP, split_k, GROUP=GROUP, **options)
+def compile_one(task: tuple) -> str:
+    """A worker: one variant called once on a real shape, which leaves the compiled kernel in Triton's cache."""
+    fmt, tile, rows, (n, k) = task
+    quant_gemv.configure({TILE_FORMAT[fmt]: tile})
+    dtype = torch.bfloat16
+    try:
+        gemv(fmt, torch.randn(rows, k, device="cuda", dtype=dtype), weights_of(fmt, n, k, "cuda", dtype))
+        torch.cuda.synchronize()
+        return ""
+    except Exception as exc:  # noqa: BLE001  a tile the compiler refuses is a result, reported by the timing loop
+        return f"{fmt} {tile}: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-def weights_of(fmt: str, n: int, k: int, device, group: int = GROUP):
-    if fmt == "int8":
-        return (torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device),
-                torch.rand(n, device=device) / 100)
-    return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
-            (torch.rand(n, k // group, device=device) / 50).half(),
-            (-torch.rand(n, k // group, device=device) / 7).half())
+def precompile() -> None:
+    """Compile every variant in parallel; the shapes share their specialization (all divisible by 16)."""
+    tasks = [(fmt, tile, rows, SHAPES["o"]) for fmt in FORMATS for _, tile in candidates(fmt) for rows in GEMV_ROWS]
+    workers = max(1, min(len(tasks), (os.cpu_count() or 2) - 2))
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failures = [f for f in pool.map(compile_one, tasks) if f]
+    print(f"compiled {len(tasks)} variants in {time.perf_counter() - started:.0f}s with {workers} processes"
+          + (f"; {len(failures)} failed, first: {failures[0]}" if failures else ""), flush=True)
 
 
-def checkpoint_formats(x: torch.Tensor, n: int, k: int, copies: int, timer) -> dict:
-    """What issue 36's GPU goals compare, at the kernel: W4A16 in AWQ/GPTQ's usual groups of 128 (they
-    load into kaon's int4 layout, g_idx reordered once) against kaon's own groups of 32, and
-    DeepSeek/Qwen3-style FP8 with 128 x 128 block scales (Fp8BlockLinear) against per-channel fp8."""
-    from kaon_runtime.quant.fp8_block import Fp8BlockLinear
-    rows: dict = {}
-    pool = [weights_of("int4", n, k, x.device, 128) for _ in range(copies)]
-    rows["int4 g128 (AWQ/GPTQ) default"] = {"us": timer(lambda i: qg.w4a16_matmul(x, *pool[i], 128), copies)}
-    pool.clear()
-    blocks = [Fp8BlockLinear(quantize_fp8(torch.randn(n, k, device=x.device, dtype=x.dtype) / 64)[0],
-                             torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), device=x.device) / 100, (128, 128))
-              for _ in range(max(1, copies // 2))]
-    rows["fp8 block128 (Fp8BlockLinear)"] = {"us": timer(lambda i: blocks[i % len(blocks)].matmul(x), copies)}
-    return rows
+def timed(fmt: str, fn, x, pool: list, expected: torch.Tensor, timer, copies: int,
+          max_error: float = MAX_ERROR) -> dict:
+    """One variant: its error against the reference, then its time; failures are figures too."""
+    try:
+        out = fn(fmt, x, pool[0])
+        if out is None:
+            return {"error": "not supported here"}
+        error = ((out.float() - expected).norm() / expected.norm()).item()
+        if not error < max_error:
+            return {"rel_error": error, "error": "wrong result"}
+        return {"us": timer(lambda i: fn(fmt, x, pool[i % len(pool)]), copies), "rel_error": round(error, 5)}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
-def reference(fmt: str, x, w):
-    return w8a16_matmul_ref(x, *w) if fmt == "int8" else w4a16_matmul_ref(x, *w, GROUP)
-
-
-def sweep_shape(n: int, k: int, device: torch.device, dtype: torch.dtype) -> tuple[int, dict]:
-    """Every variant's device time (and error against the reference) for one [1, K] x [K, N] product."""
-    x = torch.randn(1, k, dtype=dtype, device=device)
-    copies = 1 if DRY else max(2, L2_FLUSH_BYTES // (n * k))  # int8's bytes; int4 re-reads half as often
+def sweep_shape(n: int, k: int, device, dtype) -> dict:
+    """Every variant's time (and error) for one [M, K] x [K, N] product, per M."""
+    copies = 1 if DRY else max(2, L2_FLUSH_BYTES // (n * k))
     timer = (lambda fn, c: float("nan")) if DRY else device_time_us
+    rows: dict = {}
     dense = [torch.randn(n, k, dtype=dtype, device=device) / 64 for _ in range(max(1, copies // 2))]
-    rows: dict = {"bf16 cublas": {"us": timer(lambda i: torch.nn.functional.linear(x, dense[i % len(dense)]), copies)}}
-    if not DRY:
-        fp8 = [quantize_fp8(d) for d in dense]
-        rows["fp8 scaled_mm"] = {"us": timer(lambda i: fp8_matmul_scaled_mm(x, *fp8[i % len(fp8)]), copies)}
-        rows["fp8 activation quant only"] = {"us": timer(lambda i: (x / x.abs().amax()).to(torch.float8_e4m3fn),
-                                                         copies)}
-        # fp8 weights read by the W8A16 kernel (e4m3 widens to bf16 exactly): no activation quantization.
-        for split_k in (None, 4):
-            key = "fp8 w8a16 kernel" + ("" if split_k is None else f" split{split_k}")
-            try:
-                expected = torch.nn.functional.linear(x.float(), fp8[0][0].float()) * fp8[0][1]
-                out = call("int8", x, fp8[0], {}, split_k)
-                error = ((out.float() - expected).norm() / expected.norm()).item()
-                rows[key] = {"us": timer(lambda i, split_k=split_k: call("int8", x, fp8[i % len(fp8)], {}, split_k),
-                                         copies), "rel_error": round(error, 5)}
-            except Exception as exc:  # noqa: BLE001  the compiler may refuse fp8 loads: a result too
-                rows[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        fp8.clear()
-        rows |= checkpoint_formats(x, n, k, copies, timer)
-    dense.clear()  # frees the memory (the timed lambdas are done with it)
-    for fmt in ("int8", "int4"):
-        pool = [weights_of(fmt, n, k, device) for _ in range(copies)]
-        expected = reference(fmt, x, pool[0])
-        for kind, label, options in variants():
-            if kind != fmt or (DRY and label not in ("default", "n32-k256", "n32", "gemv n32-g4")):
+    for m in GEMV_ROWS + GEMM_ROWS:
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        rows[f"bf16 cublas m{m}"] = {"us": timer(lambda i, x=x: torch.nn.functional.linear(x, dense[i % len(dense)]),
+                                                 copies)}
+    dense.clear()
+    for fmt in FORMATS:
+        pool = [weights_of(fmt, n, k, device, dtype) for _ in range(copies if fmt != "fp8_block" else 2)]
+        for m in GEMV_ROWS + GEMM_ROWS:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            expected = reference(fmt, x, pool[0])
+            if fmt != "fp8_block" or m == 1:  # the blocks' old GPU path widens the whole weight: once is enough
+                rows[f"{fmt} before m{m}"] = timed(fmt, before, x, pool, expected, timer, copies,
+                                                   MAX_ERROR_W8A8 if fmt == "fp8" else MAX_ERROR)
+            if m not in GEMV_ROWS:
                 continue
-            for split_k in (None, 4) if label != "default" else (None,):
-                key = f"{kind} {label}" + ("" if split_k is None else f" split{split_k}")
-                try:
-                    out = call(kind, x, pool[0], options, split_k)
-                    error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-                    us = timer(lambda i, kind=kind, options=options, split_k=split_k, pool=pool:
-                               call(kind, x, pool[i], options, split_k), copies)
-                    rows[key] = {"us": us, "rel_error": round(error, 5)}
-                except Exception as exc:  # noqa: BLE001  a tile shape the compiler refuses is a result too
-                    rows[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            tried = candidates(fmt) if m == 1 or DRY else candidates(fmt)[:3]
+            for label, tile in tried[:2] if DRY else tried:
+                quant_gemv.configure({TILE_FORMAT[fmt]: tile})
+                rows[f"{fmt} gemv {label} m{m}"] = timed(fmt, gemv, x, pool, expected, timer, copies) | \
+                    {"tile": dataclasses.asdict(tile)}
         pool.clear()
-    return copies, rows
+    return {"n": n, "k": k, "copies": copies, "rows": rows}
+
+
+def choose(shapes: dict) -> dict:
+    """Per format, the tile with the least time summed over the shapes at M = 1 (only tiles right on all)."""
+    tiles = {}
+    for fmt in FORMATS:
+        totals = {}
+        for label, _ in candidates(fmt):
+            times = [s["rows"].get(f"{fmt} gemv {label} m1", {}).get("us") for s in shapes.values()]
+            if all(t is not None and t == t for t in times):  # every shape timed (NaN in the dry run)
+                totals[label] = sum(times)
+        if totals:
+            best = min(totals, key=totals.get)
+            tiles.setdefault(TILE_FORMAT[fmt], dict(CANDIDATES)[best])  # int4: kaon's own groups of 32 decide
+            print(f"{fmt}: fastest tile {best} ({totals[best]:.1f} us over the four shapes)")
+    return {fmt: dataclasses.asdict(tile) for fmt, tile in tiles.items()}
+
+
+def summary(shapes: dict) -> list[str]:
+    """Totals over the four shapes per M: cuBLAS bf16, each format's old kernel and its best gemv tile."""
+    def total(key):
+        times = [s["rows"].get(key, {}).get("us") for s in shapes.values()]
+        return sum(times) if all(t is not None and t == t for t in times) else None
+
+    lines = [f"{'format':10} {'M':>3} {'bf16 us':>9} {'before us':>10} {'best gemv us':>13} {'tile':22} "
+             f"{'before/bf16':>11} {'gemv/bf16':>9}"]
+    for fmt in FORMATS:
+        for m in GEMV_ROWS + GEMM_ROWS:
+            bf16, old = total(f"bf16 cublas m{m}"), total(f"{fmt} before m{m}")
+            best = min(((total(f"{fmt} gemv {label} m{m}"), label) for label, _ in candidates(fmt)
+                        if total(f"{fmt} gemv {label} m{m}") is not None), default=(None, "-"))
+            lines.append(f"{fmt:10} {m:>3} {_us(bf16):>9} {_us(old):>10} {_us(best[0]):>13} {best[1]:22} "
+                         f"{_ratio(bf16, old):>11} {_ratio(bf16, best[0]):>9}")
+    return lines
+
+
+def _us(t: float | None) -> str:
+    return f"{t:.1f}" if t else "-"
+
+
+def _ratio(bf16: float | None, t: float | None) -> str:
+    return f"{bf16 / t:.2f}x" if t and bf16 else "-"
 
 
 def main() -> int:
@@ -181,29 +261,22 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cpu" if DRY else "cuda")
     dtype = torch.float32 if DRY else torch.bfloat16
-    shapes = {"tiny": (96, 512)} if DRY else SHAPES
+    shapes = {"tiny": (20, 512)} if DRY else SHAPES
     report: dict = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "triton": triton.__version__, "m": 1, "shapes": {}}
+                    "triton": triton.__version__, "shapes": {}}
     started = time.perf_counter()
+    if not DRY:
+        precompile()
     for name, (n, k) in shapes.items():
-        copies, rows = sweep_shape(n, k, device, dtype)
-        bf16_us = rows["bf16 cublas"]["us"]
-        for row in rows.values():
-            if "us" in row and not DRY:
-                row["us"] = round(row["us"], 2)
-                row["vs_bf16"] = round(bf16_us / row["us"], 2)
-        report["shapes"][name] = {"n": n, "k": k, "copies": copies, "rows": rows}
-        print(f"{name} ({n}x{k}):")
-        for fmt in ("bf16", "fp8", "int8", "int4"):
-            ranked = sorted(((r["us"], key) for key, r in rows.items() if key.startswith(fmt) and "us" in r),
-                            key=lambda t: t[0])
-            for us, key in ranked[:3]:
-                print(f"  {key:34} {us:9.2f} us  {rows[key].get('vs_bf16', '')}x bf16  "
-                      f"err {rows[key].get('rel_error', '')}")
-        failed = [key for key, r in rows.items() if "error" in r]
-        if failed:
-            print(f"  failed: {failed} ({rows[failed[0]]['error']})")
+        report["shapes"][name] = sweep_shape(n, k, device, dtype)
+        failed = {key: r["error"] for key, r in report["shapes"][name]["rows"].items() if "error" in r}
+        print(f"{name} ({n}x{k}) done at {time.perf_counter() - started:.0f}s"
+              + (f"; failed: {len(failed)}, e.g. {next(iter(failed.items()))}" if failed else ""), flush=True)
         args.json.write_text(json.dumps(report, indent=1))
+    report["tiles"] = choose(report["shapes"])
+    report["summary"] = summary(report["shapes"])
+    args.json.write_text(json.dumps(report, indent=1))
+    print("\n".join(report["summary"]))
     print(f"sweep took {time.perf_counter() - started:.0f}s")
     return 0
 

@@ -7,6 +7,7 @@ give token ids); the fixtures that need the bundled model itself skip, saying wh
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -39,3 +40,19 @@ def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     save_with_word_tokenizer(tiny_llama_model(), path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def release_device_memory(record_property):
+    """After each test: collect the engines it dropped, give their memory back, and record what stays.
+
+    An engine holds reference cycles, which Python frees only when its cycle collector runs, and that
+    counts Python objects, not device memory. On the 2026-11-30 lease the engine tests ran out of the
+    H200's memory in one process (each engine sizes its KV pool to 85% of the free memory, and the
+    earlier tests' engines were still allocated): collecting after each test frees them; the figure
+    recorded per test in kernels.xml shows any that does not."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+        record_property("cuda_allocated_after_mib", torch.cuda.memory_allocated() >> 20)

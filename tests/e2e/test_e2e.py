@@ -133,7 +133,7 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
     # Every request of the load was served, but for clear overload refusals (none lost, none cut).
     assert finishes.count("length") > len(finishes) / 2 and set(finishes) <= {"length", "overloaded"}, finishes
     # The scale-up woke the standby rather than starting a pod for it: it serves, and a new one sleeps.
-    woken = [m for _, r, m in cluster.events("smol") if r == "StandbyWoken"]
+    woken = [m for _, r, m in cluster.event_posted("smol", "StandbyWoken") if r == "StandbyWoken"]
     assert woken and standby in woken[0] and "new standbys start behind them" in woken[0], woken
     assert _condition(pods[standby], "Ready").get("status") == "True" and standby not in asleep_pods(cluster, "smol")
     scaled_at = next(e["metadata"]["creationTimestamp"] for e in cluster.get("events") or []
@@ -156,8 +156,8 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
     # 4 pods -> 2: the sleeping one goes first, and an awake one is put to sleep in its place.
     wait_for("the removed engines to drain and exit, and one replica asleep as the standby",
              lambda: standby_settled(cluster, "smol", 1, len(engines(local, namespace))), timeout=90)
-    asleep_events = [m for _, r, m in cluster.events("smol") if r == "StandbyAsleep"]
-    assert any("for 1 serving replicas" in m for m in asleep_events), asleep_events
+    # The standby loop posts its Event after it set the pod's condition: wait for the Event itself.
+    cluster.event_posted("smol", "StandbyAsleep", contains="for 1 serving replicas")
     again = client.completions.create(model="smollm2", prompt="The capital of Italy is", max_tokens=4,
                                       temperature=0)
     assert "Rome" in again.choices[0].text

@@ -73,7 +73,8 @@ def test_steady_load_holds_replicas_still_and_serves_every_request(local, crd, n
     with Clients(local.router_url, 5, "Tell me about the sea.", max_tokens=16) as clients:
         wait_for("2 ready replicas", lambda: cluster.status("steady").get("readyReplicas") == 2,
                  timeout=240)
-        up = [m for _, r, m in cluster.events("steady") if r == "Scaled"]
+        # The autoscale loop posts its Event after writing spec.replicas: wait for the Event itself.
+        up = [m for _, r, m in cluster.event_posted("steady", "Scaled", contains="Scaled up 1 → 2") if r == "Scaled"]
         assert len(up) == 1 and up[0].startswith("Scaled up 1 → 2: concurrency "), up
         deadline = time.monotonic() + HOLD_SECONDS
         while time.monotonic() < deadline:

@@ -148,7 +148,8 @@ def test_a_longer_prompt_mix_at_a_constant_rate_scales_up_by_the_model(local, cr
     job = cluster.get("job", name)
     assert job["status"].get("succeeded") == 1 and json.loads(
         job["metadata"]["annotations"]["kaon.dev/profile-key"])["model"] == MODEL["uri"]
-    reasons = [r for _, r, _ in cluster.events("shift")]
+    # Posted through kopf's queue before the condition is written, so it can land after it: wait for it.
+    reasons = [r for _, r, _ in cluster.event_posted("shift", "Profiled")]
     assert "Profiling" in reasons and "Profiled" in reasons and "ProfilingFailed" not in reasons
     goal = target_between_one_and_two_replicas(model)  # the target is no part of the key: no new Job
     assert replicas_needed(model, goal, RATE, SHORT_TOKENS) == 1, (model, goal)

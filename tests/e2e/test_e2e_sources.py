@@ -105,7 +105,7 @@ def test_hf_s3_and_pvc_models_serve_and_bad_sources_say_why(local, crd, namespac
     for name, (reason, words) in expected.items():
         cond = wait_for(f"{name}: Degraded with {reason}", lambda name=name: failure(cluster, name), timeout=240)
         assert cond["reason"] == reason and words in cond["message"], cond
-        events = [(t, r, m) for t, r, m in cluster.events(name) if r == reason]
+        events = [(t, r, m) for t, r, m in cluster.event_posted(name, reason) if r == reason]  # trails the condition
         assert events and events[0][0] == "Warning" and words in events[0][2], cluster.events(name)
         assert not cluster.ready(name)
     for name in expected:  # retried with a back-off meanwhile, but never taken for recovered in between
@@ -141,7 +141,7 @@ def test_hf_s3_and_pvc_models_serve_and_bad_sources_say_why(local, crd, namespac
     # Fixing the Secret is enough: the retried fetch succeeds and the service becomes Ready.
     cluster.kubectl("apply", "-f", "-", input=secret("hf-wrong", {"HF_TOKEN": HF_TOKEN}))
     wait_for("wrong-token Ready once its Secret is fixed", lambda: cluster.ready("wrong-token"), timeout=300)
-    assert any(r == "Recovered" for _, r, _ in cluster.events("wrong-token"))
+    cluster.event_posted("wrong-token", "Recovered")  # kopf posts it from its queue, after the status
 
 
 def test_an_engine_that_cannot_start_is_a_crash_loop_with_its_error_then_recovers(local, crd, namespace):
@@ -161,7 +161,7 @@ def test_an_engine_that_cannot_start_is_a_crash_loop_with_its_error_then_recover
                     json.dumps({"spec": {"model": {"uri": "builtin://smollm2-135m-instruct"}}}))
     wait_for("Ready and not Degraded", lambda: cluster.ready("nomodel") and
              cluster.condition("nomodel", "Degraded").get("status") == "False", timeout=240)
-    events = cluster.events("nomodel")
+    events = cluster.event_posted("nomodel", "Recovered")  # kopf posts it from its queue, after the status
     assert [r for t, r, _m in events if t == "Warning"] == ["CrashLoopBackOff"], events  # once, not per restart
     assert ("Normal", "Recovered", "no longer degraded (CrashLoopBackOff)") in events
 

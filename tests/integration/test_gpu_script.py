@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # (schemathesis, absent too, is a pytest plugin here: blocking it would stop pytest itself, not a stage.)
 ABSENT = ["xgrammar", "kopf", "kubernetes", "minio", "cryptography", "openai", "langchain_openai",
           "compressed_tensors", "llama_cpp", "llguidance", "outlines_core", "e2e"]
-STAGE_FILES = ["run.log", "kernels.xml", "engine.json", "roofline.json", "throughput.json", "gemv.json"]
+STAGE_FILES = ["run.log", "kernels.xml", "engine-tests.xml", "engine.json", "gemv.json", "roofline.json",
+               "throughput.json", "throughput-profile.txt"]
 
 
 @pytest.mark.slow
@@ -42,16 +43,20 @@ def test_the_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     # The device tool brings back at most 8 files: the stages write exactly these.
     assert sorted(p.name for p in out.iterdir()) == sorted(STAGE_FILES)
-    suite = ET.parse(out / "kernels.xml").getroot().find("testsuite")
-    assert suite is not None and int(suite.get("tests")) > 0
-    assert suite.get("failures") == "0" and suite.get("errors") == "0"
+    for tests in ("kernels.xml", "engine-tests.xml"):
+        suite = ET.parse(out / tests).getroot().find("testsuite")
+        assert suite is not None and int(suite.get("tests")) > 0
+        assert suite.get("failures") == "0" and suite.get("errors") == "0"
     engine = json.loads((out / "engine.json").read_text())
     assert engine["errors"] == {}
     assert set(engine["checks"]) == {"families", "cuda_graphs", "kv_sizing", "process_group"}
     assert all(engine["checks"]["families"][f]["float32"]["identical"] == 4 for f in ("llama", "qwen3", "mixtral"))
     roofline = json.loads((out / "roofline.json").read_text())
-    assert [r["quantization"] for r in roofline["rows"]] == ["none", "int8", "int4", "fp8"]
+    assert [r["quantization"] for r in roofline["rows"]] == ["none", "int4", "int4:before", "int8", "int8:before",
+                                                              "fp8", "fp8:before"]
     assert all("error" not in r and r["decode_tok_s"] > 0 for r in roofline["rows"])
-    assert json.loads((out / "throughput.json").read_text())["throughput_ratio"] > 0
+    assert json.loads((out / "throughput.json").read_text())["kaon_output_tok_s"] > 0
+    assert "under the profiler" in (out / "throughput-profile.txt").read_text()
     gemv = json.loads((out / "gemv.json").read_text())["shapes"]["tiny"]["rows"]
     assert all(row["rel_error"] < 1e-3 for key, row in gemv.items() if key.startswith("int")), gemv
+    assert any(" gemv " in key for key in gemv)

@@ -105,13 +105,15 @@ def test_a_burst_scales_up_with_an_event_and_quiet_scales_back_down(cluster):
         engines.in_flight = 20  # 20 per replica against a target of 4: a burst
         wait_for("4 ready replicas", lambda: cluster.status("auto").get("readyReplicas") == 4,
                  timeout=40)
+        # The loop posts its Events after writing spec.replicas, and KWOK's pods are Ready at once: wait for them.
+        cluster.event_posted("auto", "Scaled", contains="Scaled up 3 → 4")
         assert "Scaled up 1 → 3: concurrency 20 > 2x target 4 x 1 (burst)" in scaled(cluster, "auto")
         assert cluster.get("deployment", "auto")["spec"]["replicas"] == 4
         decision = cluster.status("auto")["lastScaleDecision"]
         assert (decision["from"], decision["to"]) == (3, 4)
         # 20 in flight on the first replica already ask for 5: capped at 4, and said once for the episode
         # (then 60 on 3 ask for 15, 80 on 4 for 20).
-        capped = [m for _, r, m in cluster.events("auto") if r == "ScaleCapped"]
+        capped = [m for _, r, m in cluster.event_posted("auto", "ScaleCapped") if r == "ScaleCapped"]
         assert capped == ["the load asks for 5 replicas; capped at maxReplicas 4: "
                           "concurrency 20 > 2x target 4 x 1 (burst)"], capped
         observed = cluster.status("auto")["observedMetrics"]
@@ -173,7 +175,8 @@ def test_requests_held_by_the_router_bring_a_service_up_from_zero(cluster):
     try:
         held["count"] = 2
         wait_for("one replica", lambda: cluster.get("infsvc", "zero")["spec"]["replicas"] == 1, timeout=30)
-        assert "Scaled up 0 → 1: 2 requests waiting at the router" in scaled(cluster, "zero")
+        # Posted after spec.replicas is written: wait for the Event itself.
+        cluster.event_posted("zero", "Scaled", contains="Scaled up 0 → 1: 2 requests waiting at the router")
         wait_for("Ready", lambda: cluster.ready("zero"))
     finally:
         server.shutdown()

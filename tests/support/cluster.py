@@ -68,6 +68,18 @@ class Cluster:
         return [(e["type"], e["reason"], e["message"]) for e in items
                 if e["involvedObject"]["kind"] == api.KIND and e["involvedObject"]["name"] == name]
 
+    def event_posted(self, name: str, reason: str, type_: str | None = None, contains: str = "",
+                     timeout: float = 30.0) -> list[tuple[str, str, str]]:
+        """The InferenceService's Events once one with `reason` (of `type_`, with `contains` in its message) is
+        among them. An Event trails the status it reports: kopf posts Events from a queue of its own task, the
+        autoscale and standby loops after their writes, so a test that waited for a condition, a replica count
+        or a pod must wait again for the Event (reading it at once fails on a busy machine)."""
+        def posted() -> list[tuple[str, str, str]] | None:
+            events = self.events(name)
+            found = any(r == reason and (type_ is None or t == type_) and contains in m for t, r, m in events)
+            return events if found else None
+        return wait_for(f"the {type_ or ''} {reason} Event of {name} ({contains!r})", posted, timeout=timeout)
+
     def pods(self, name: str) -> list[dict]:
         return self.get("pods", selector=f"kaon.dev/inferenceservice={name}") or []
 

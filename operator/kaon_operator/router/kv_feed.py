@@ -21,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kaon_operator.router import unawaited
 from kaon_operator.router.endpoints import Endpoint, ServiceKey
 from kaon_operator.router.kv_index import KvIndex
 from kaon_operator.router.kv_tokens import PromptTokenizer
@@ -110,7 +111,10 @@ class KvFeed:
             self._ctx = zmq.asyncio.Context()
         for pod, endpoint in wanted.items():
             if pod not in self._tasks:
-                self._tasks[pod] = asyncio.get_running_loop().create_task(self._follow(endpoint))
+                self._tasks[pod] = task = asyncio.get_running_loop().create_task(self._follow(endpoint))
+                # A follower that fails stays failed until its pod leaves (the index keeps what it had): said
+                # once, now, and not as asyncio's "exception was never retrieved" at some later collection.
+                task.add_done_callback(unawaited.log_failure(log, f"kv-aware: following {pod}'s KV events"))
 
     def tokenizer(self, key: ServiceKey, pods: Iterable[Endpoint]) -> PromptTokenizer | None:
         """The service's tokenizer, or None while it is being fetched (the request goes by prefix-affinity)."""
@@ -118,7 +122,8 @@ class KvFeed:
         if found is None and key not in self._fetching:
             first = next(iter(pods), None)
             if first is not None:
-                self._fetching[key] = asyncio.get_running_loop().create_task(self._fetch_tokenizer(key, first))
+                self._fetching[key] = task = asyncio.get_running_loop().create_task(self._fetch_tokenizer(key, first))
+                task.add_done_callback(unawaited.log_failure(log, f"kv-aware: the tokenizer fetch from {first.pod}"))
         return found
 
     def forget(self, key: ServiceKey) -> None:

@@ -83,6 +83,8 @@ class Pump:
                 copy.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await copy
+            elif not copy.cancelled():
+                copy.exception()  # it failed as a deadline ended the pump (or the pump was cancelled): seen
 
     def _next_look(self, now: float) -> float:
         if self.writing_since is not None:

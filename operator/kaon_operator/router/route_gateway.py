@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kaon_operator import clock
 from kaon_operator.api import Key
-from kaon_operator.router import auth, errors
+from kaon_operator.router import auth, errors, unawaited
 from kaon_operator.router.front import open_stream
 from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
@@ -462,9 +462,7 @@ class RouteGateway:
         return vectors if len(vectors) == (1 if isinstance(texts, str) else len(texts)) else None
 
     def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        unawaited.keep(self._background, asyncio.ensure_future(coro), logger, "route: a background check")
 
     async def drain(self) -> None:
         """Wait for the background verifications (tests, shutdown)."""

@@ -18,6 +18,7 @@ import aiohttp
 
 from kaon_operator import clock, kubetime
 from kaon_operator.api import GROUP, VERSION, Key
+from kaon_operator.router import unawaited
 from kaon_operator.router.route_gateway import RouteGateway
 from kaon_operator.routes import replicas, status as route_status
 from kaon_operator.routes.table import Route
@@ -45,6 +46,7 @@ class RouteStatusWriter:
     async def run(self) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.server.ssl)) as session:
             events = asyncio.create_task(self._post_events(session))
+            events.add_done_callback(unawaited.log_failure(logger, "InferenceRoute Events' poster"))
             try:
                 while True:
                     await asyncio.sleep(STATUS_SECONDS)

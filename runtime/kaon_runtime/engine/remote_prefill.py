@@ -169,3 +169,11 @@ class RemotePrefill:
             lambda engine: release_reserved(engine.block_manager, reservation)))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+        task.add_done_callback(_log_failed_release)  # nobody awaits it: else "exception was never retrieved"
+
+
+def _log_failed_release(task: asyncio.Future) -> None:
+    """A release nobody awaits (the engine stopped, or the blocks' release raised): its error retrieved and
+    logged as a warning, not left for asyncio to report at error level when the task is collected."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("a failed K/V transfer's blocks were not given back: %r", exc)

@@ -1318,8 +1318,9 @@ static int amx_usable(void) {
 }
 
 /* tmm0 and tmm3: C (m rows of 16 int32), tmm1 and tmm4: A (m rows of `bytes` int8: a block's 32, or
- * a half block's 16), tmm2 and tmm5: B (bytes / 4 rows of 16 outputs x 4 bytes). */
-static inline void amx_configure(int m, int bytes) {
+ * a half block's 16), tmm2 and tmm5: B (bytes / 4 rows of 16 outputs x 4 bytes); tmm6 and tmm7 (when
+ * rest > 0): C and A of `rest` rows, a shorter last tile (B: tmm2). */
+static inline void amx_configure(int m, int rest, int bytes) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -1327,6 +1328,10 @@ static inline void amx_configure(int m, int bytes) {
         cfg.rows[set] = (uint8_t)m; cfg.colsb[set] = 64;
         cfg.rows[set + 1] = (uint8_t)m; cfg.colsb[set + 1] = (uint16_t)bytes;
         cfg.rows[set + 2] = (uint8_t)(bytes / 4); cfg.colsb[set + 2] = 64;
+    }
+    if (rest > 0) {
+        cfg.rows[6] = (uint8_t)rest; cfg.colsb[6] = 64;
+        cfg.rows[7] = (uint8_t)rest; cfg.colsb[7] = (uint16_t)bytes;
     }
     _tile_loadconfig(&cfg);
 }
@@ -1346,13 +1351,19 @@ static inline __m256 load8_scales(const void *p, size_t at, int f32) {  /* eight
                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
 }
 
-/* Outputs of groups g and g + 1 (g + 1 < groups or not) for quantized rows [m0, m0 + m) (m <= 16,
- * even: both passes of each activation row): v[i][c] for quantized row m0 + i, output 8g + c
- * (c < 16). q, d, s: quantize_passes' layout (row 2r the first pass of activation row r, 2r + 1
- * its remainder's). A slice of blocks at a time, in two phases: the tiles' integer sums of every
- * block of the slice (two sets of tiles in turn, so a block's dot product runs while the other's
- * sums are stored), then the float work row by row over the slice, its accumulators in registers. */
+/* Outputs of groups g and g + 1 (g + 1 < groups or not) for quantized rows [0, m) (m <= AMX_SPAN,
+ * even: both passes of each activation row): v[i][c] for quantized row i, output 8g + c (c < 16).
+ * q, d, s: quantize_passes' layout (row 2r the first pass of activation row r, 2r + 1 its
+ * remainder's). A slice of blocks at a time: its weights unpacked into B tiles once, then for each
+ * tile of 16 quantized rows (a shorter last one: tiles 6 and 7, see amx_configure) the tiles'
+ * integer sums of every block of the slice (two sets of tiles in turn, so a block's dot product
+ * runs while the other's sums are stored), then the float work row by row over the slice.
+ * Before, every 16 rows unpacked (nibble split) and read the weights again; now every AMX_SPAN rows:
+ * bench/cpu_projections.py --rows 16 64 --layers 30, two passes, CPU time under load ~9: 16 rows
+ * (batch 16) 9-15% less time, 64 rows (a prompt piece) 2-5% less. 128 rows per span was 12% slower
+ * than 64 at 64 rows (each unit then read 32 KB of activation tiles per slice from L2); 32 as 64. */
 #define AMX_SLICE 8  /* blocks: sums 8 KB, weights 4 KB (16 and 24 were 10-20% slower at 16-64 rows: bench/cpu_projections.py) */
+#define AMX_SPAN 64  /* quantized rows per amx_groups call: four tiles, their slice of activations 16 KB */
 static void amx_groups(const Linear *l, int g, int two, const int8_t *q, const float *d, const float *s, int m,
                        float v[][2 * LANES]) {
     const int k = l->k, blocks = k / QBLOCK;
@@ -1366,8 +1377,7 @@ static void amx_groups(const Linear *l, int g, int two, const int8_t *q, const f
     const void *wd = f32 ? (const void *)l->gscales : (const void *)l->d;
     const void *wm = f32 ? (const void *)l->gmins : (const void *)l->m;
     const size_t sg = (size_t)g * LANES * blocks;  /* group g's first scale */
-    __m512 acc[AMX_TILE_ROWS], mins[AMX_TILE_ROWS];
-    for (int i = 0; i < m; i++) acc[i] = mins[i] = _mm512_setzero_ps();
+    __m512 acc[AMX_SPAN], mins[AMX_SPAN];  /* set by the first slice (a zeroing loop here became a memset: 2.5%) */
     uint8_t bt[AMX_SLICE][QBLOCK / 4][64] __attribute__((aligned(64)));
     int32_t ct[AMX_SLICE][AMX_TILE_ROWS][16] __attribute__((aligned(64)));
     __m512 scale[AMX_SLICE], min[AMX_SLICE];
@@ -1404,38 +1414,49 @@ static void amx_groups(const Linear *l, int g, int two, const int8_t *q, const f
             scale[j] = two_groups_ps(load8_scales(wd, at, f32), two ? load8_scales(wd, next, f32) : _mm256_setzero_ps());
             min[j] = two_groups_ps(load8_scales(wm, at, f32), two ? load8_scales(wm, next, f32) : _mm256_setzero_ps());
         }
-        /* tiles 0-2 and 3-5 in turn: C, A, B of one block */
+        for (int m0 = 0; m0 < m; m0 += AMX_TILE_ROWS) {
+            const int8_t *qt = q + (size_t)m0 * k;
+            const int rows = m - m0 < AMX_TILE_ROWS ? m - m0 : AMX_TILE_ROWS;
+            /* tiles 0-2 and 3-5 in turn: C, A, B of one block (16 rows); a shorter last tile: 6, 7 and 2 */
 #define AMX_BLOCK(C, A, B, j) do {                                             \
             _tile_loadd(B, bt[j], 64);                                         \
-            _tile_loadd(A, q + (size_t)(b0 + (j)) * QBLOCK, k);                \
+            _tile_loadd(A, qt + (size_t)(b0 + (j)) * QBLOCK, k);               \
             _tile_zero(C);                                                     \
             if (int8) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);       \
             _tile_stored(C, ct[j], 64);                                        \
         } while (0)
-        int j = 0;
-        for (; j + 1 < nb; j += 2) { AMX_BLOCK(0, 1, 2, j); AMX_BLOCK(3, 4, 5, j + 1); }
-        if (j < nb) AMX_BLOCK(0, 1, 2, j);
+            if (rows == AMX_TILE_ROWS) {
+                int j = 0;
+                for (; j + 1 < nb; j += 2) { AMX_BLOCK(0, 1, 2, j); AMX_BLOCK(3, 4, 5, j + 1); }
+                if (j < nb) AMX_BLOCK(0, 1, 2, j);
+            } else {
+                for (int j = 0; j < nb; j++) AMX_BLOCK(6, 7, 2, j);
+            }
 #undef AMX_BLOCK
-        for (int i = 0; i < m; i += 2) {  /* the pair kernels' float operations, block by block; two rows
-                                           * at a time (m is even): independent chains hide the FMA latency */
-            __m512 a0 = acc[i], a1 = acc[i + 1], n0 = mins[i], n1 = mins[i + 1];
-            const float *d0 = d + (size_t)i * blocks + b0, *d1 = d0 + blocks;
-            const float *s0 = s + (size_t)i * blocks + b0, *s1 = s0 + blocks;
-            if (int8)  /* group_int8_pairs: acc = fma(sum, d, acc); the row scales at the end */
-                for (int jj = 0; jj < nb; jj++) {
-                    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i])), _mm512_set1_ps(d0[jj]), a0);
-                    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i + 1])), _mm512_set1_ps(d1[jj]), a1);
-                }
-            else  /* group_q4_1_pairs */
-                for (int jj = 0; jj < nb; jj++) {
-                    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i])),
-                                         _mm512_mul_ps(scale[jj], _mm512_set1_ps(d0[jj])), a0);
-                    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][i + 1])),
-                                         _mm512_mul_ps(scale[jj], _mm512_set1_ps(d1[jj])), a1);
-                    n0 = _mm512_fmadd_ps(min[jj], _mm512_set1_ps(s0[jj]), n0);
-                    n1 = _mm512_fmadd_ps(min[jj], _mm512_set1_ps(s1[jj]), n1);
-                }
-            acc[i] = a0; acc[i + 1] = a1; mins[i] = n0; mins[i + 1] = n1;
+            for (int t = 0; t < rows; t += 2) {  /* the pair kernels' float operations, block by block; two
+                                                  * rows at a time (m is even): independent chains hide the FMA latency */
+                const int i = m0 + t;
+                const __m512 zero = _mm512_setzero_ps();
+                __m512 a0 = b0 ? acc[i] : zero, a1 = b0 ? acc[i + 1] : zero;
+                __m512 n0 = b0 ? mins[i] : zero, n1 = b0 ? mins[i + 1] : zero;
+                const float *d0 = d + (size_t)i * blocks + b0, *d1 = d0 + blocks;
+                const float *s0 = s + (size_t)i * blocks + b0, *s1 = s0 + blocks;
+                if (int8)  /* group_int8_pairs: acc = fma(sum, d, acc); the row scales at the end */
+                    for (int jj = 0; jj < nb; jj++) {
+                        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][t])), _mm512_set1_ps(d0[jj]), a0);
+                        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][t + 1])), _mm512_set1_ps(d1[jj]), a1);
+                    }
+                else  /* group_q4_1_pairs */
+                    for (int jj = 0; jj < nb; jj++) {
+                        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][t])),
+                                             _mm512_mul_ps(scale[jj], _mm512_set1_ps(d0[jj])), a0);
+                        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[jj][t + 1])),
+                                             _mm512_mul_ps(scale[jj], _mm512_set1_ps(d1[jj])), a1);
+                        n0 = _mm512_fmadd_ps(min[jj], _mm512_set1_ps(s0[jj]), n0);
+                        n1 = _mm512_fmadd_ps(min[jj], _mm512_set1_ps(s1[jj]), n1);
+                    }
+                acc[i] = a0; acc[i + 1] = a1; mins[i] = n0; mins[i + 1] = n1;
+            }
         }
     }
     if (int8) {
@@ -1513,13 +1534,16 @@ static void amx_groups_g16(const Linear *l, int g, int two, const int8_t *q, con
 static void amx_chunk(const LinearJob *job, int begin, int end) {
     const Linear *l = job->l;
     const int n = l->n, k = l->k, blocks = k / QBLOCK, groups = (n + LANES - 1) / LANES;
-    float v[AMX_TILE_ROWS][2 * LANES];
+    const int halves = l->kind == KIND_Q8_G16;
+    const int span = halves ? AMX_TILE_ROWS : AMX_SPAN;  /* quantized rows per amx_groups(_g16) call */
+    float v[AMX_SPAN][2 * LANES];
     int configured = 0;
-    for (int m0 = 0; m0 < job->rows; m0 += AMX_TILE_ROWS) {  /* rows outside: the tiles' shape changes at most once */
-        const int m = job->rows - m0 < AMX_TILE_ROWS ? job->rows - m0 : AMX_TILE_ROWS;
-        const int halves = l->kind == KIND_Q8_G16, shape = m + (halves ? 64 : 0);
+    for (int m0 = 0; m0 < job->rows; m0 += span) {  /* rows outside: the tiles' shape changes at most once */
+        const int m = job->rows - m0 < span ? job->rows - m0 : span;
+        const int shape = halves ? m + 1024 : (m % AMX_TILE_ROWS) + 64 * (m >= AMX_TILE_ROWS);
         if (shape != configured) {
-            amx_configure(m, halves ? QBLOCK / 2 : QBLOCK);
+            if (halves) amx_configure(m, 0, QBLOCK / 2);
+            else amx_configure(AMX_TILE_ROWS, m % AMX_TILE_ROWS, QBLOCK);
             configured = shape;
         }
         for (int unit = begin; unit < end; unit++) {

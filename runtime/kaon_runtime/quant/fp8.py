@@ -1,16 +1,18 @@
 """FP8 (E4M3) weights, one scale per output channel.
 
-On a GPU with FP8 tensor cores (compute capability 9.0+, for row-wise scales) and bfloat16
-activations, the activations are quantized per row on the fly and torch._scaled_mm runs
-FP8 x FP8 (W8A8). Everywhere else the weight is widened and multiplied in float32 (W8A16),
-which is also the reference the GPU path is compared with.
+On a GPU, a few rows (decode; kernels/quant_gemv.py) multiply the FP8 weight as it is, in float32
+(W8A16: no activation quantization, and half bfloat16's bytes read). More rows, on a GPU with FP8
+tensor cores (compute capability 9.0+, for row-wise scales) and bfloat16 activations, have their
+activations quantized per row on the fly for torch._scaled_mm, FP8 x FP8 (W8A8). Everywhere else
+the weight is widened and multiplied in float32 (W8A16), which is also the reference the GPU paths
+are compared with.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kaon_runtime.quant.linear import ChannelScaledLinear
+from kaon_runtime.quant.linear import ChannelScaledLinear, kernel_for
 
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max
@@ -45,6 +47,10 @@ class Fp8Linear(ChannelScaledLinear):
     quantize = staticmethod(quantize_fp8)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_for(x, self.reference) == "triton":
+            from kaon_runtime.kernels import quant_gemv  # on use: CPU-only torch builds lack Triton
+            if quant_gemv.fits(x, "fp8"):
+                return quant_gemv.fp8_gemv(x, self.qweight, self.scales)
         if scaled_mm_supported(x, self.qweight):
             return fp8_matmul_scaled_mm(x, self.qweight, self.scales)
         return fp8_matmul_ref(x, self.qweight, self.scales)

@@ -1,14 +1,15 @@
 """FP8 (E4M3) weights with one scale per block of the weight (DeepSeek's and Qwen3's 128 x 128).
 
-The weight stays FP8 in memory; each matmul widens it with its block scales, in float32 on CPU
-and in the activations' dtype elsewhere (W8A16). A GPU kernel reading the blocks (torch._scaled_mm's
-block-wise scaling) is the next step.
+The weight stays FP8 in memory. On a GPU a few rows (decode) go through kernels/quant_gemv.py, which
+reads the block scales as it goes; otherwise each matmul widens the weight with its block scales, in
+float32 on CPU and in the activations' dtype elsewhere (W8A16). For many rows on a GPU, torch._scaled_mm's
+block-wise scaling is the next step.
 """
 from __future__ import annotations
 
 import torch
 
-from kaon_runtime.quant.linear import QuantizedLinear
+from kaon_runtime.quant.linear import QuantizedLinear, kernel_for
 
 
 def dequantize_fp8_blocks(qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -30,6 +31,10 @@ class Fp8BlockLinear(QuantizedLinear):
         self.register_buffer("scales", scales)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_for(x, self.reference) == "triton":
+            from kaon_runtime.kernels import quant_gemv  # on use: CPU-only torch builds lack Triton
+            if quant_gemv.fits(x, "fp8_block") and self.block[1] % quant_gemv.TILES["fp8_block"].vec == 0:
+                return quant_gemv.fp8_block_gemv(x, self.qweight, self.scales, self.block)
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         weight = dequantize_fp8_blocks(self.qweight, self.scales, self.block).to(compute)
         return torch.nn.functional.linear(x.to(compute), weight).to(x.dtype)

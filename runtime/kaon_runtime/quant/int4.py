@@ -67,8 +67,11 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
-        if kernel == "triton":
-            from kaon_runtime.kernels.quant_gemm import w4a16_matmul  # on use: CPU-only torch builds lack Triton
+        if kernel == "triton":  # on use: CPU-only torch builds lack Triton
+            from kaon_runtime.kernels import quant_gemv
+            from kaon_runtime.kernels.quant_gemm import w4a16_matmul
+            if quant_gemv.fits(x, "int4"):
+                return quant_gemv.w4a16_gemv(x, self.packed, self.scales, self.mins, self.group_size)
             return w4a16_matmul(x, self.packed, self.scales, self.mins, self.group_size)
         if kernel == "cpu" and x.shape[0] >= DENSE_ROWS:
             return w4_dense_cpu(x, self.packed, self.scales, self.mins, self.group_size)

@@ -33,8 +33,11 @@ class Int8Linear(ChannelScaledLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
-        if kernel == "triton":
-            from kaon_runtime.kernels.quant_gemm import w8a16_matmul  # on use: CPU-only torch builds lack Triton
+        if kernel == "triton":  # on use: CPU-only torch builds lack Triton
+            from kaon_runtime.kernels import quant_gemv
+            from kaon_runtime.kernels.quant_gemm import w8a16_matmul
+            if quant_gemv.fits(x, "int8"):
+                return quant_gemv.w8a16_gemv(x, self.qweight, self.scales)
             return w8a16_matmul(x, self.qweight, self.scales)
         if kernel == "cpu":
             if x.shape[0] >= DENSE_ROWS:

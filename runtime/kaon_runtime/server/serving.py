@@ -46,8 +46,12 @@ class Generation:
         client went away first."""
         first = asyncio.ensure_future(anext(self.stream))
         gone = asyncio.ensure_future(disconnected())
-        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
+        try:
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled while waiting: neither helper may outlive this call
+            _settle(first, gone)
+            raise
+        _settle(gone)
         if not first.done():
             first.cancel()
             return False
@@ -93,12 +97,26 @@ async def final_output(gen: Generation, disconnected: Callable[[], Awaitable[obj
 
     run = asyncio.ensure_future(last())
     gone = asyncio.ensure_future(disconnected())
-    await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
+    try:
+        await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled while waiting: neither helper may outlive this call
+        _settle(run, gone)
+        raise
+    _settle(gone)
     if not run.done():
         run.cancel()
         return None
     return run.result()
+
+
+def _settle(*tasks: asyncio.Future) -> None:
+    """Helpers whose answer is no longer wanted: cancelled if still running, their error marked seen if they
+    failed (else asyncio logs "exception was never retrieved" at error level when it collects them)."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()
 
 
 async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool,

@@ -39,3 +39,36 @@ def test_without_looks_a_probe_runs_only_as_declared():
     probe = ProbeState("startupProbe", STARTUP, started_at=0.0)
     assert run(probe, False, 0.0) is None
     assert not any(probe.due(t) for t in (1.0, 5.0, 9.9)) and probe.due(10.0)
+
+
+def _answering(reply: bytes):
+    """A one-connection TCP server on 127.0.0.1 that sends `reply` to the first request and closes: (port, thread)."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with server:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server.getsockname()[1], thread
+
+
+def test_an_engine_cut_off_mid_answer_is_a_failed_probe_not_an_exception():
+    """Killed while answering, an engine leaves a bad status line or a short body: HTTPExceptions, which are no
+    OSErrors. Raised, the probe would stay in flight with its exception, and the pod runner would never probe
+    that pod again (every later look at it raising first)."""
+    from e2e.probes import http_probe
+
+    for reply in (b"garbage that is no status line\r\n\r\n",
+                  b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\nshort"):
+        port, thread = _answering(reply)
+        ok, why = http_probe({"httpGet": {"path": "/health", "port": port}, "timeoutSeconds": 5}, "127.0.0.1", {})
+        thread.join(5)
+        assert ok is False and why, reply

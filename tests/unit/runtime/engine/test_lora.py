@@ -229,14 +229,12 @@ def _dequantized_int8(model):
 
 
 @pytest.mark.slow
-def test_int8_base_with_adapters_matches_the_dequantized_reference(family, monkeypatch):
+def test_int8_base_with_adapters_matches_the_dequantized_reference(family, float_kernels):
     """int8 base weights through the dequantizing torch kernel (the C kernels, which round their activations,
     off), base and adapters mixed in one batch: the tokens of transformers + peft merged into the dequantized model."""
     from kaon_runtime import LLM
-    from kaon_runtime.kernels import cpu_decode
-    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
-    monkeypatch.setenv("KAON_CPU_DECODE", "off")
-    cpu_decode.library.cache_clear()
+    # float_kernels: the torch kernel, the C library off, its cached None cleared at teardown even when this
+    # fails (cleared only on success, a failure here left the worker's later tests without the C kernels).
     root, dirs, _ = family
     base = _dequantized_int8(_saved_base(root))
     expected = [greedy(base if n is None else merged(base, dirs[n]), p, 8) for p, n in zip(PROMPTS, NAMES)]
@@ -244,7 +242,6 @@ def test_int8_base_with_adapters_matches_the_dequantized_reference(family, monke
               quantization="int8", kv_cache_dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, adapter=NAMES)]
-    cpu_decode.library.cache_clear()  # the next test builds it again
     assert got == expected
 
 

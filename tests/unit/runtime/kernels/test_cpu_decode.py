@@ -21,7 +21,7 @@ from kaon_runtime.kernels.quant_gemm_ref import (
 )
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from kaon_runtime.layers.kernel_backend import torch_kernels
-from kaon_runtime.models.cpu_decode_step import blocker, unsupported
+from kaon_runtime.models.cpu_decode_step import PIECE_ROWS, blocker, piece_rows, unsupported
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.int4 import quantize_int4
@@ -367,6 +367,15 @@ def test_which_steps_it_takes(monkeypatch):
     monkeypatch.setenv("KAON_CPU_PREFILL", "fast")
     with pytest.raises(ValueError, match="KAON_CPU_PREFILL"):
         random_model(config, blocks=10)
+
+
+def test_wide_steps_run_in_pieces_sized_by_the_scores_room():
+    """A prompt chunk runs in pieces of up to PIECE_ROWS rows; where rows x heads x context float32 scores
+    would pass PIECE_SCORES_BYTES (64 MiB) fewer, but never fewer than max_rows (the pieces before)."""
+    assert piece_rows(64, PIECE_ROWS, heads=9, context=512) == PIECE_ROWS  # SmolLM2, a 512-token prompt
+    assert piece_rows(64, PIECE_ROWS, heads=32, context=4096) == 128  # 128 x 32 x 4096 x 4 B = 64 MiB
+    assert piece_rows(64, PIECE_ROWS, heads=32, context=32768) == 64
+    assert piece_rows(3, 3, heads=4, context=7) == 3  # the tests' small pieces
 
 
 def test_what_it_cannot_run_is_named():

@@ -74,7 +74,7 @@ def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: in
     assert model.model.cpu_decode.prefills, "the prompt's rows go through the C step"
     step = model.model.cpu_decode
     if max_rows:
-        step.max_rows = max_rows
+        step.max_rows = step.piece_rows = max_rows
     torch.manual_seed(9)
     prompt, table = torch.randn(7, config.hidden_size), torch.tensor([1, 4])
     slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(7)])
@@ -193,17 +193,18 @@ def test_the_amx_tiles_give_the_pair_kernels_bits(kind, monkeypatch):
     """Two activation passes of many rows take AMX tiles where the CPU has AMX-INT8 (cpu_decode.c, KAON_AMX),
     Q8_G16 (a quantized model's int8 vocabulary head) in half blocks; fewer rows take the 512-bit pair kernels
     (Q8_G16: the two-row kernels): the same bits, so a row's result does not depend on which path its step's
-    row count picks. Row counts: below the tiles' minimum, a partial tile, a full one, one and a half;
-    84 outputs: an odd group of eight, padded in the tile."""
+    row count picks. Row counts: below the tiles' minimum, a partial tile, a full one, one and a half, and
+    past two spans of 64 quantized rows (amx_groups unpacks a slice's weights once per span) with a short last
+    tile; 84 outputs: an odd group of eight, padded in the tile."""
     monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
     lib = cpu_decode.library()
     if not cpu_decode.set_amx(lib, True):
         pytest.skip("no AMX-INT8 here (or the kernel refuses its tile state): the pair kernels run every row count")
     weights = _two_pass_weights(kind)
     k = weights.struct.k
-    x = torch.randn(24, k) * torch.logspace(-2, 1, k)
+    x = torch.randn(75, k) * torch.logspace(-2, 1, k)
     try:
-        for rows in (3, 4, 7, 8, 20, 24):
+        for rows in (3, 4, 7, 8, 20, 24, 75):
             cpu_decode.set_amx(lib, True)
             tiles = cpu_decode.linear(weights, x[:rows])
             cpu_decode.set_amx(lib, False)

@@ -28,9 +28,11 @@ from kaon_runtime.kernels import (
     norm,
     paged_attention,
     quant_gemm,
+    quant_gemv,
     rotary,
 )
 from kaon_runtime.layers.rotary import RotaryEmbedding
+from kaon_runtime.quant.fp8 import quantize_fp8
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
 
@@ -40,7 +42,7 @@ triton = pytest.importorskip("triton")
 if __name__ != "__main__" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("records launches through the interpreter (a GPU runs the kernels themselves)", allow_module_level=True)
 
-MODULES = (activation, kv_cache, norm, paged_attention, quant_gemm, rotary)
+MODULES = (activation, kv_cache, norm, paged_attention, quant_gemm, quant_gemv, rotary)
 
 
 def _launches(dtype: torch.dtype) -> None:
@@ -75,6 +77,16 @@ def _launches(dtype: torch.dtype) -> None:
         a = torch.randn(rows, 512).to(dtype)
         quant_gemm.w8a16_matmul(a, qweight, scales, split_k=split)
         quant_gemm.w4a16_matmul(a, w4.packed, w4.scales, w4.mins, w4.group_size, split_k=split)
+    # Decode's matrix-vector kernels with the default tiles: each format at one row, int4 at several too
+    # (one accumulator per row); float32 only the int4 kernel (a GPU serves quantized models in bf16).
+    a = torch.randn(1, 512).to(dtype)
+    quant_gemv.w4a16_gemv(torch.randn(3, 512).to(dtype), w4.packed, w4.scales, w4.mins, w4.group_size)
+    quant_gemv.w4a16_gemv(a, w4.packed, w4.scales, w4.mins, w4.group_size)
+    if dtype == torch.bfloat16:
+        fp8, fp8_scales = quantize_fp8(w)
+        quant_gemv.w8a16_gemv(a, qweight, scales)
+        quant_gemv.fp8_gemv(a, fp8, fp8_scales)
+        quant_gemv.fp8_block_gemv(a, fp8, torch.ones(1, 4), (128, 128))
 
 
 def _signature(kernel, args: tuple, kwargs: dict) -> dict:
@@ -125,7 +137,11 @@ def record_launches() -> list[dict]:
     finally:
         for kernel, original in originals.items():
             kernel.run = original
-    return list(specs.values())
+    # The matrix-vector kernels widen bytes with inline PTX on a GPU only (the interpreter runs the plain
+    # path): compile that path too, so a PTX the assembler refuses fails here rather than on a lease.
+    on_gpu = [spec | {"constexprs": spec["constexprs"] | {"ASM": True}} for spec in specs.values()
+              if spec["kernel"] == "_gemv_kernel" and spec["activations"] == str(torch.bfloat16)]
+    return list(specs.values()) + on_gpu
 
 
 def compile_for_hopper(specs: list[dict], tmp_path: Path) -> list[dict]:
