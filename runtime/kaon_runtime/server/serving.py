@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pydantic import BaseModel
 
@@ -22,6 +23,8 @@ from kaon_runtime.server import protocol as p
 from kaon_runtime.server.echo import echoed_logprobs, prompt_text, vllm_prompt_logprobs
 from kaon_runtime.server.metrics import RequestTimer
 from kaon_runtime.server.tool_calls import ToolCalling, ToolCallStream, assistant_message
+
+_T = TypeVar("_T")
 
 
 @dataclass(eq=False)
@@ -44,16 +47,8 @@ class Generation:
         a request refused while it waited (past capacity: engine.admission) is answered by its status, a 503
         with Retry-After, not by a 200 stream carrying an error. Raises the stream's error; False if the
         client went away first."""
-        first = asyncio.ensure_future(anext(self.stream))
-        gone = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled while waiting: neither helper may outlive this call
-            _settle(first, gone)
-            raise
-        _settle(gone)
-        if not first.done():
-            first.cancel()
+        first = await _unless_gone(anext(self.stream), disconnected)
+        if first is None:
             return False
         self._head = first.result()
         self.timer.observe(self._head)
@@ -95,18 +90,25 @@ async def final_output(gen: Generation, disconnected: Callable[[], Awaitable[obj
             pass
         return gen.last
 
-    run = asyncio.ensure_future(last())
+    run = await _unless_gone(last(), disconnected)
+    return None if run is None else run.result()
+
+
+async def _unless_gone(work: Awaitable[_T], disconnected: Callable[[], Awaitable[object]]) -> asyncio.Future[_T] | None:
+    """`work`'s finished future, or None (work cancelled) if the client went away first. Cancelled while
+    waiting, neither helper outlives the call."""
+    done = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # cancelled while waiting: neither helper may outlive this call
-        _settle(run, gone)
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        _settle(done, gone)
         raise
     _settle(gone)
-    if not run.done():
-        run.cancel()
+    if not done.done():
+        done.cancel()
         return None
-    return run.result()
+    return done
 
 
 def _settle(*tasks: asyncio.Future) -> None:
