@@ -8,7 +8,10 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
@@ -103,12 +106,8 @@ class LLMEngine:
             with startup.phase("warmup"):
                 self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        # The pool as it is now (sleep frees and re-makes it), read through the runner, never the engine: a
-        # callback holding the engine would make a cycle, and a dropped engine would keep its device memory
-        # until Python's cycle collector happened to run.
-        runner = self.runner
         try:  # KV events and the tiers below the pool; None: neither asked for
-            self.kv_observer = attach_kv_observer(config, self.block_manager, lambda: runner.kv_cache, config.model)
+            self.kv_observer = attach_kv_observer(config, self.block_manager, self._pool_reader(), config.model)
         except BaseException:
             self.close()
             raise
@@ -124,7 +123,7 @@ class LLMEngine:
         self.in_flight = InFlight(depth) if depth > 1 else None  # pipeline stages overlap (engine.micro_batches)
         self._requests: dict[str, _Request] = {}
         # Disaggregation (engine.kv_transfer): K/V leaving for decode engines; received K/V that no longer fit.
-        self.kv_exports = KvExports(lambda: runner.kv_cache, config.block_size)
+        self.kv_exports = KvExports(self._pool_reader(), config.block_size)
         self.kv_imports_evicted = 0
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
@@ -201,6 +200,20 @@ class LLMEngine:
         if self.runner.lora is None:
             raise InvalidRequestError("LoRA adapters are off: start the engine with adapters or max_loras > 0")
         return self.runner.lora
+
+    def _pool_reader(self) -> Callable[[], torch.Tensor]:
+        """The KV pool as it is now (sleep frees and re-makes it), read through a weak reference to the engine:
+        a callback holding the engine or its runner would keep the model and the pool alive, after close()
+        or until Python's cycle collector happened to run (on a GPU, the next engine then finds no memory)."""
+        engine = weakref.ref(self)
+
+        def pool() -> torch.Tensor:
+            alive = engine()
+            if alive is None or alive.closed:
+                raise RuntimeError("the engine is closed: its KV pool is gone")
+            return alive.runner.kv_cache
+
+        return pool
 
     def close(self) -> None:
         """Stop the workers, if any, release the process groups, and drop the model and its KV cache.

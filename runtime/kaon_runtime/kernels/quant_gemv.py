@@ -16,8 +16,8 @@ few instructions on each weight, or the instructions become the bound. Here:
 - group and block scales (and int4's mins) are applied to the widened weights, then multiplied by x
   into an accumulator of the tile's own shape: one fused multiply-add per weight, no sums inside the
   loop. Sums over K happen once, after it: so K needs no split into separate programs, no
-  partial-sum buffer and no second launch, and a row's result never depends on the batch or on how
-  many programs run.
+  partial-sum buffer and no second launch, and a row gives the same bits alone as beside up to three
+  others (above a format's MAX_ROWS another kernel takes over, with its own rounding).
 
 Formats (layouts as in quant_gemm_ref.py and quant/fp8_block.py):
 - int4: packed uint8 [N, K / 2], scales and mins [N, K / group] (float16 from kaon and GGUF, float32
