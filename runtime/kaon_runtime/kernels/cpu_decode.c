@@ -224,11 +224,14 @@ static float dot_f32(const float *a, const float *b, int n) {
 static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 2); }
 
 /* Batch 1 reads each weight once per token, and each projection starts a new stream the hardware
- * prefetcher has to find again: the narrow kernels' one-row loops ask for the weights STREAM_AHEAD
- * bytes ahead (into L2) as they go. A whole int8/int4 model's projections at batch 1, one thread
- * (weights from L3; load ~10): one pass 13% / 21% less time, two passes (half registers) 17% / 22%.
+ * prefetcher has to find again: the narrow kernels' one-row loops (and two-row ones: batch 1's two
+ * activation passes in the 256-bit kernels) ask for the weights STREAM_AHEAD bytes ahead (into L2)
+ * as they go. A whole int8/int4 model's projections at batch 1, one thread (weights from L3; load
+ * ~10): one pass 13% / 21% less time, two passes (half registers) 17% / 22%; two passes in the
+ * 256-bit kernels on a Zen 2: 0.67x / 0.65x the time once they had it and their constant two-row
+ * copy (narrow_group), 0.98x / 1.05x one pass's (bench/cpu_projections.py --rows 1 --layers 30).
  * 1-4 KiB ahead measured alike. In asm: GCC 12 dropped __builtin_prefetch calls inlined into these
- * loops. -DSTREAM_AHEAD=0 (no prefetches) and -DONE_PASS_AHEAD=0 (none in the one-pass kernels) are
+ * loops. -DSTREAM_AHEAD=0 (no prefetches) and -DONE_PASS_AHEAD=0 (none in the 256-bit kernels) are
  * for A/B builds. */
 #ifndef STREAM_AHEAD
 #define STREAM_AHEAD 2048
@@ -592,6 +595,32 @@ static void quantize_pairs(const float *x, int k, int8_t *qp, float *dp, float *
 
 static inline int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+#ifdef KAON_AVX2
+/* acc + the u8 x s8 dots of u[t] with activation bytes q[4t..4t+3] broadcast, for t < n (n, run:
+ * constants where inlined). With VNNI one instruction each. Without, maddubs's int16 pair sums are
+ * added `run` at a time in int16 before one madd widens them to int32, where each maddubs had its
+ * own madd: maddubs and madd both take Zen 2's one multiply port (and Intel's two before Ice Lake),
+ * so a 4-bit block's integer work at one pass was 16 multiply-port instructions per row and is now
+ * 9. Exact, so the same bits as before and as VNNI: the activations are quantize_block's (|q| <= 127)
+ * and `run` x 2 pair products of unsigned weights up to umax stay within int16 while
+ * run * 2 * umax * 127 < 32768 (4-bit weights: run 8; 5-bit: 4; 6-bit: 2). */
+static inline __attribute__((always_inline)) __m256i dots_u8s8(__m256i acc, const __m256i *u, const int8_t *q,
+                                                               const int n, const int run) {
+#ifdef KAON_VNNI
+    (void)run;
+    for (int t = 0; t < n; t++) acc = dot_u8s8_acc(acc, u[t], _mm256_set1_epi32(load_i32(q + 4 * t)));
+#else
+    for (int t0 = 0; t0 < n; t0 += run) {
+        __m256i pairs = _mm256_maddubs_epi16(u[t0], _mm256_set1_epi32(load_i32(q + 4 * t0)));
+        for (int t = t0 + 1; t < t0 + run && t < n; t++)
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[t], _mm256_set1_epi32(load_i32(q + 4 * t))));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+#endif
+    return acc;
+}
+#endif
+
 /* y[r][c] for r < rows (<= TILE) of group g's eight outputs c, int8 weights:
  * y = scale_c * sum_b d[r, b] * (sum_i w[c, i] q[r, i] over block b). */
 static inline __attribute__((always_inline)) void group_int8(const int8_t *w, const float *scales, const int8_t *q,
@@ -603,7 +632,7 @@ static inline __attribute__((always_inline)) void group_int8(const int8_t *w, co
     for (int r = 0; r < TILE; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK * LANES);
-        if (rows == 1 && ONE_PASS_AHEAD) prefetch_ahead(wb, QBLOCK * LANES);
+        if (rows <= 2 && ONE_PASS_AHEAD) prefetch_ahead(wb, QBLOCK * LANES);
         __m256i wv[8];
         for (int t = 0; t < 8; t++) wv[t] = _mm256_loadu_si256(wb + t);
 #ifdef KAON_VNNI
@@ -686,7 +715,7 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
     for (int r = 0; r < TILE; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         __m256i nib[8];
-        if (rows == 1 && ONE_PASS_AHEAD) {
+        if (rows <= 2 && ONE_PASS_AHEAD) {
             prefetch_ahead(w + (size_t)b * QBLOCK / 2 * LANES, QBLOCK / 2 * LANES);
             if (hi) prefetch_ahead(hi + (size_t)b * QBLOCK, QBLOCK);
         }
@@ -700,9 +729,10 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *w, c
         for (int r = 0; r < TILE; r++) {
             if (r >= rows) break;
             const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
-            __m256i sum = _mm256_setzero_si256();
-            for (int t = 0; t < 8; t++)  /* nibbles t < 4: elements 4t.., t >= 4: 16 + 4(t - 4).. */
-                sum = dot_u8s8_acc(sum, nib[t], _mm256_set1_epi32(load_i32(qb + 4 * t)));
+            /* nibbles t < 4: elements 4t.., t >= 4: 16 + 4(t - 4).., so q + 4t for every t; 5-bit values
+             * (hi) take runs of 4 (dots_u8s8) */
+            const __m256i sum = hi ? dots_u8s8(_mm256_setzero_si256(), nib, qb, 8, 4)
+                                   : dots_u8s8(_mm256_setzero_si256(), nib, qb, 8, 8);
             const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(d[(size_t)r * blocks + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sd, acc[r]);
             mins[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(s[(size_t)r * blocks + b]), mins[r]);
@@ -746,7 +776,7 @@ static inline __attribute__((always_inline)) void group_q8_g16(const int8_t *w, 
     for (int r = 0; r < TILE; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const __m256i *wb = (const __m256i *)(w + (size_t)b * QBLOCK * LANES);
-        if (rows == 1 && ONE_PASS_AHEAD) prefetch_ahead(wb, QBLOCK * LANES);
+        if (rows <= 2 && ONE_PASS_AHEAD) prefetch_ahead(wb, QBLOCK * LANES);
         __m256i wv[8], aw[8];
         for (int t = 0; t < 8; t++) {
             wv[t] = _mm256_loadu_si256(wb + t);
@@ -819,11 +849,8 @@ static inline __attribute__((always_inline)) void group_q6_g16(const uint8_t *w,
             if (r >= rows) break;
             const int8_t *qb = q + (size_t)r * k + b * QBLOCK;
             const int32_t first = qlo[(size_t)r * blocks + b], second = qs[(size_t)r * blocks + b] - first;
-            __m256i lo = _mm256_set1_epi32(-32 * first), up = _mm256_set1_epi32(-32 * second);
-            for (int t = 0; t < 4; t++)
-                lo = dot_u8s8_acc(lo, u[t], _mm256_set1_epi32(load_i32(qb + 4 * t)));
-            for (int t = 4; t < 8; t++)
-                up = dot_u8s8_acc(up, u[t], _mm256_set1_epi32(load_i32(qb + 4 * t)));
+            const __m256i lo = dots_u8s8(_mm256_set1_epi32(-32 * first), u, qb, 4, 2);
+            const __m256i up = dots_u8s8(_mm256_set1_epi32(-32 * second), u + 4, qb + 16, 4, 2);
             const __m256 dr = _mm256_set1_ps(d[(size_t)r * blocks + b]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dr), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(up), _mm256_mul_ps(s1, dr), acc[r]);
@@ -1660,13 +1687,57 @@ static inline __attribute__((always_inline)) void linear_halves(const LinearJob 
 }
 #endif
 
+/* Group g's outputs for quantized rows [r0, r0 + tile) through the 256-bit (or scalar) kernels: v[r - r0].
+ * Inlined with tile a constant where it is 1 or 2 (batch 1 at one pass, and at two: the passes of one
+ * row), so those copies of the loops know their row count (no per-row branch, their accumulators in
+ * registers) and stream the weights with prefetches. */
+static inline __attribute__((always_inline)) void narrow_group(const LinearJob *job, int g, int r0, const int tile,
+                                                               float v[][LANES]) {
+    const Linear *l = job->l;
+    const int k = l->k, blocks = k / QBLOCK;
+    const int8_t *q = job->q + (size_t)r0 * k;
+    const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
+    if (l->kind == KIND_INT8) {
+        const int8_t *w = (const int8_t *)l->w + (size_t)g * LANES * k;
+        const float *scales = l->scales + (size_t)g * LANES;
+        const int32_t *qs = job->qs + (size_t)r0 * blocks;
+        group_int8(w, scales, q, d, qs, k, tile, v);
+    } else if (l->kind == KIND_Q8_G16) {
+        const int8_t *w = (const int8_t *)l->w + (size_t)g * LANES * k;
+        const float *ws = l->gscales + (size_t)g * LANES * blocks * 2;
+        const float *wm = l->gmins ? l->gmins + (size_t)g * LANES * blocks * 2 : NULL;
+        const float *slo = job->slo + (size_t)r0 * blocks;
+        group_q8_g16(w, ws, wm, q, d, s, slo, k, tile, v);
+    } else if (l->kind == KIND_Q6_G16) {
+        const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+        const uint8_t *hi = l->high + (size_t)g * LANES * k / 4;
+        const float *ws = l->gscales + (size_t)g * LANES * blocks * 2;
+        const int32_t *qs = job->qs + (size_t)r0 * blocks, *qlo = job->qlo + (size_t)r0 * blocks;
+        group_q6_g16(w, hi, ws, q, d, qs, qlo, k, tile, v);
+    } else if (l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32) {
+        const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+        const float *wd = l->gscales + (size_t)g * LANES * blocks, *wm = l->gmins + (size_t)g * LANES * blocks;
+        if (l->kind == KIND_Q5_F32) {
+            const uint8_t *hi = l->high + (size_t)g * LANES * k / 8;
+            group_q4_1(w, hi, wd, wm, 1, q, d, s, k, tile, v);
+        } else group_q4_1(w, NULL, wd, wm, 1, q, d, s, k, tile, v);
+    } else {
+        const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
+        const uint16_t *wd = l->d + (size_t)g * LANES * blocks, *wm = l->m + (size_t)g * LANES * blocks;
+        if (l->kind == KIND_Q5) {
+            const uint8_t *hi = l->high + (size_t)g * LANES * k / 8;
+            group_q4_1(w, hi, wd, wm, 0, q, d, s, k, tile, v);
+        } else group_q4_1(w, NULL, wd, wm, 0, q, d, s, k, tile, v);
+    }
+}
+
 /* Float kinds: output channels [begin, end). Narrow kinds: groups of eight output channels,
- * each group's weights read once for up to TILE activation rows (one row, the batch-1 case,
- * gets its own copy of the loops with the row count constant). */
+ * each group's weights read once for up to TILE quantized rows (one row and two, batch 1 at one
+ * activation pass and at two, get their own copies of the loops with the row count constant). */
 static void linear_chunk(const void *arg, int begin, int end) {
     const LinearJob *job = arg;
     const Linear *l = job->l;
-    const int n = l->n, k = l->k, blocks = k / QBLOCK;
+    const int n = l->n, k = l->k;
     if (l->kind == KIND_F32 || l->kind == KIND_F16 || l->kind == KIND_BF16) {
         const int fmt = l->kind == KIND_F32 ? FMT_F32 : l->kind == KIND_F16 ? FMT_F16 : FMT_BF16;
         f32_outputs(l->w, fmt, l->bias, n, k, job->rows, job->x, job->y, begin, end);
@@ -1685,8 +1756,6 @@ static void linear_chunk(const void *arg, int begin, int end) {
     for (int g = begin; g < end; g++) {
         for (int r0 = 0; r0 < job->rows; r0 += step) {
             const int tile = job->rows - r0 < step ? job->rows - r0 : step;
-            const int8_t *q = job->q + (size_t)r0 * k;
-            const float *d = job->d + (size_t)r0 * blocks, *s = job->s + (size_t)r0 * blocks;
             if (job->half) {  /* rows == 2: one activation row's two passes */
 #ifdef KAON_PAIRS
                 linear_halves(job, g, v);
@@ -1697,44 +1766,12 @@ static void linear_chunk(const void *arg, int begin, int end) {
                 if (tile == 2) linear_pairs(job, g, r0 / 2, 1, v);
                 else linear_pairs(job, g, r0 / 2, tile / 2, v);
 #endif
-            } else if (l->kind == KIND_INT8) {
-                const int8_t *w = (const int8_t *)l->w + (size_t)g * LANES * k;
-                const float *scales = l->scales + (size_t)g * LANES;
-                const int32_t *qs = job->qs + (size_t)r0 * blocks;
-                if (tile == 1) group_int8(w, scales, q, d, qs, k, 1, v);
-                else group_int8(w, scales, q, d, qs, k, tile, v);
-            } else if (l->kind == KIND_Q8_G16) {
-                const int8_t *w = (const int8_t *)l->w + (size_t)g * LANES * k;
-                const float *ws = l->gscales + (size_t)g * LANES * blocks * 2;
-                const float *wm = l->gmins ? l->gmins + (size_t)g * LANES * blocks * 2 : NULL;
-                const float *slo = job->slo + (size_t)r0 * blocks;
-                if (tile == 1) group_q8_g16(w, ws, wm, q, d, s, slo, k, 1, v);
-                else group_q8_g16(w, ws, wm, q, d, s, slo, k, tile, v);
-            } else if (l->kind == KIND_Q6_G16) {
-                const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
-                const uint8_t *hi = l->high + (size_t)g * LANES * k / 4;
-                const float *ws = l->gscales + (size_t)g * LANES * blocks * 2;
-                const int32_t *qs = job->qs + (size_t)r0 * blocks, *qlo = job->qlo + (size_t)r0 * blocks;
-                if (tile == 1) group_q6_g16(w, hi, ws, q, d, qs, qlo, k, 1, v);
-                else group_q6_g16(w, hi, ws, q, d, qs, qlo, k, tile, v);
-            } else if (l->kind == KIND_Q4_F32 || l->kind == KIND_Q5_F32) {
-                const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
-                const float *wd = l->gscales + (size_t)g * LANES * blocks, *wm = l->gmins + (size_t)g * LANES * blocks;
-                if (l->kind == KIND_Q5_F32) {
-                    const uint8_t *hi = l->high + (size_t)g * LANES * k / 8;
-                    if (tile == 1) group_q4_1(w, hi, wd, wm, 1, q, d, s, k, 1, v);
-                    else group_q4_1(w, hi, wd, wm, 1, q, d, s, k, tile, v);
-                } else if (tile == 1) group_q4_1(w, NULL, wd, wm, 1, q, d, s, k, 1, v);
-                else group_q4_1(w, NULL, wd, wm, 1, q, d, s, k, tile, v);
+            } else if (tile == 1) {
+                narrow_group(job, g, r0, 1, v);
+            } else if (tile == 2) {  /* batch 1's two passes, or batch 2's one */
+                narrow_group(job, g, r0, 2, v);
             } else {
-                const uint8_t *w = (const uint8_t *)l->w + (size_t)g * LANES * k / 2;
-                const uint16_t *wd = l->d + (size_t)g * LANES * blocks, *wm = l->m + (size_t)g * LANES * blocks;
-                if (l->kind == KIND_Q5) {
-                    const uint8_t *hi = l->high + (size_t)g * LANES * k / 8;
-                    if (tile == 1) group_q4_1(w, hi, wd, wm, 0, q, d, s, k, 1, v);
-                    else group_q4_1(w, hi, wd, wm, 0, q, d, s, k, tile, v);
-                } else if (tile == 1) group_q4_1(w, NULL, wd, wm, 0, q, d, s, k, 1, v);
-                else group_q4_1(w, NULL, wd, wm, 0, q, d, s, k, tile, v);
+                narrow_group(job, g, r0, tile, v);
             }
             if (job->passes == 2)  /* the pairs (hi, lo) of one row never straddle tiles: TILE is even */
                 for (int r = 0; r < tile; r += 2)

@@ -145,20 +145,26 @@ def test_threads_waiting_for_a_preempted_thread_give_their_core_away():
                 pass
 
 
-def test_a_row_gets_the_same_bits_alone_or_in_a_batch():
-    """Batch invariance: a sequence's greedy output must not depend on what it was batched with."""
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch(activations, monkeypatch):
+    """Batch invariance: a sequence's greedy output must not depend on what it was batched with. Every
+    weight kind, at one activation pass and at two: a row alone runs the one- or two-row copies of the
+    narrow kernels (their row count a constant, cpu_decode.c narrow_group), in a batch the tiles of four."""
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
     torch.manual_seed(7)
     weight, x = torch.randn(40, 96 + 8), torch.randn(7, 96 + 8)  # 104: the 32-wide loop and its tail
     w4 = quantize_int4(torch.randn(40, 128), 32)
-    x4 = torch.randn(7, 128)
+    x4 = torch.randn(7, 128) * torch.logspace(-2, 1, 128)
     head_t, x_head = torch.randn(300, 1000), torch.randn(7, 300)
+    narrow = [(make(), x4) for make, _ in _narrow_kinds().values()]
     for weights, rows in [(cpu_decode.LinearWeights.f32(weight), x),
                           (cpu_decode.LinearWeights.f32_t(head_t), x_head),
                           (cpu_decode.LinearWeights.int8(*quantize_int8(weight[:, :96])), x[:, :96]),
-                          (cpu_decode.LinearWeights.q4_1(w4.packed, w4.scales, w4.mins), x4)]:
+                          (cpu_decode.LinearWeights.q4_1(w4.packed, w4.scales, w4.mins), x4), *narrow]:
         batched = cpu_decode.linear(weights, rows)
         for i in range(rows.shape[0]):
-            assert torch.equal(cpu_decode.linear(weights, rows[i:i + 1])[0], batched[i])
+            assert torch.equal(cpu_decode.linear(weights, rows[i:i + 1])[0], batched[i]), \
+                f"kind {weights.struct.kind}, row {i}"
 
 
 def test_a_layout_it_cannot_read_is_refused():
@@ -442,3 +448,34 @@ def test_every_narrow_kind_keeps_its_activation_passes_precision(kind, activatio
     exact = x @ weight.T
     out = cpu_decode.linear(make(), x)
     assert (out - exact).norm() / exact.norm() < ACTIVATION_ERROR[activations]
+
+
+def _widest_kinds() -> dict[str, tuple]:
+    """(LinearWeights, the dequantized float weight) for the unsigned narrow kinds with every value at its
+    largest (4-bit 15, 5-bit 31, 6-bit 63): the integer dots' largest sums."""
+    n, k = 16, 128
+    scale, low = 1 / 128, -1 / 16  # exact in float16 too
+    s32, m32, s16 = torch.full((n, 4), scale), torch.full((n, 4), low), torch.full((n, 8), scale)
+    full4, full5, full6 = (torch.full((n, k), top, dtype=torch.uint8) for top in (15, 31, 63))
+    q4 = pack_int4(full4, 32)
+    return {"q4_1": (cpu_decode.LinearWeights.q4_1(q4, s32.half(), m32.half()), full4 * scale + low),
+            "q4_f32": (cpu_decode.LinearWeights.q4_f32(q4, s32, m32), full4 * scale + low),
+            "q5 float16": (cpu_decode.LinearWeights.q5(full5, s32.half(), m32.half()), full5 * scale + low),
+            "q5 float32": (cpu_decode.LinearWeights.q5(full5, s32, m32), full5 * scale + low),
+            "q6_g16": (cpu_decode.LinearWeights.q6_g16(full6, s16), (full6.float() - 32) * scale)}
+
+
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+@pytest.mark.parametrize("kind", sorted(_widest_kinds()))
+def test_the_integer_dots_hold_at_their_largest_sums(kind, activations, monkeypatch):
+    """Without VNNI the kernels add maddubs's int16 pair sums in int16 before widening them (cpu_decode.c
+    dots_u8s8: 4-bit weights 8 at a time, 5-bit 4, 6-bit 2), exact only while those sums fit int16. Every
+    weight at its largest against activations at +-127 (a constant row: every element its block's largest)
+    gives the largest sums there are: a longer run wraps an int16 lane and puts the output off by ~65536
+    steps. One row (batch 1's copies of the loops) and a batch."""
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
+    weights, weight = _widest_kinds()[kind]
+    x = torch.tensor([1.0, -1.0, 0.5, -2.0, 3.0])[:, None].expand(5, 128).contiguous()
+    exact = x @ weight.T
+    for first, last in ((0, 1), (1, 2), (0, 5)):
+        torch.testing.assert_close(cpu_decode.linear(weights, x[first:last]), exact[first:last], atol=1e-4, rtol=1e-5)
