@@ -32,6 +32,12 @@ activation block, every row through the C step: KAON_CPU_ACTIVATIONS=int8x2) aga
 pass, the prompt rows through torch's prefill), alternated in one engine; the median of the per-repeat
 ratios. `--formats --torch-ops --activations int4` measures only that.
 
+`--baseline-source OLD_cpu_decode.c` adds the default on that version's kernels, swapped in turn about
+(the two / baseline one ratio: the invariant setting against the default before a kernel change).
+
+--clock cpu: every rate per CPU second of the process (all its threads) instead of per wall second:
+on a shared machine the other work's preemptions then cost each side less unevenly (A/B only).
+
 --pair A B: two formats' engines built side by side and measured turn about (A, B, A, B, ...,
 `--repeats` turns), each turn's batch-1 and batch-B rates; prints the median of the per-turn ratios
 B / A. On a shared machine this ratio holds where the table's (one format after another) drifts with
@@ -61,16 +67,25 @@ MODEL = "builtin://smollm2-135m-instruct"
 PROMPT = "The river kept its own calendar. In spring it ran brown and fast with snowmelt, and in summer"
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK = ["wall"]  # --clock: cpu times this process's CPU seconds (every thread's), which a shared machine's
+# other work slows less than the wall clock; "tok/s" is then per CPU second
+
+
+def clock() -> float:
+    return CLOCKS[CLOCK[0]]()
+
+
 def rate(run, batch: int, tokens: int, repeats: int) -> float:
     """Decoded tokens/s for `batch` sequences, prefill excluded (see the module docstring)."""
     run(batch, 2)  # warm-up
     rates = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         run(batch, 1)
-        t1 = time.perf_counter()
+        t1 = clock()
         run(batch, 1 + tokens)
-        t2 = time.perf_counter()
+        t2 = clock()
         rates.append(batch * tokens / ((t2 - t1) - (t1 - t0)))
     return statistics.median(rates)
 
@@ -117,9 +132,9 @@ def prefill_rate(llm, repeats: int) -> float:
     llm.generate([ids], params, use_tqdm=False)  # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         llm.generate([ids], params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return len(ids) / statistics.median(times)
 
 
@@ -155,31 +170,64 @@ def use_activations(llm, passes: int, c_prefill: bool) -> None:
     model.lm_head.cpu_weights().struct.act_passes = passes
 
 
+def baseline_library(source: Path):
+    """kernels/cpu_decode.c as another version (`git show <rev>:runtime/kaon_runtime/kernels/cpu_decode.c`),
+    built and loaded beside this one (its own cache key: the source is part of it)."""
+    from kaon_runtime.kernels import cpu_decode
+    compiler = cpu_decode.compiler()
+    if compiler is None:
+        raise SystemExit(cpu_decode.NO_COMPILER)
+    saved, cpu_decode.SOURCE = cpu_decode.SOURCE, source
+    try:
+        return cpu_decode.load(cpu_decode.build(compiler))
+    finally:
+        cpu_decode.SOURCE = saved
+
+
 def activations_cost(formats: list[str], args) -> None:
     """Two int8 passes per activation block with every row through the C step (invariant, opt-in:
     KAON_CPU_ACTIVATIONS=int8x2) against the default (one pass, prompt rows through torch's prefill):
     batch-1 and batch-B decode tokens/s (decode runs the C step in both: the second pass's cost) and
     prefill tokens/s of a ~500-token prompt (the C step's prompt rows against torch's prefill),
-    the two settings alternated `--repeats` times in one engine, medians."""
+    the settings alternated `--repeats` times in one engine, medians. --baseline-source OLD.c adds the
+    default setting on that version's kernels (the engine's library swapped between turns: the structs
+    are the same), so "two / baseline one" is the invariant setting against the default before a change."""
+    from kaon_runtime.kernels import cpu_decode
     print("\nactivations: two int8 passes, prompt rows through the C step vs one pass, prompt rows through torch "
           "(KAON_CPU_ACTIVATIONS=int8x2 vs the default)")
-    print(f"{'':30} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
-    settings = {"one pass, torch prefill": (1, False), "two passes, C prefill": (2, True)}
+    print(f"{'':44} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
+    settings = {"one pass, torch prefill": (1, False, "this"), "two passes, C prefill": (2, True, "this")}
+    libraries = {"this": cpu_decode.library}
+    if args.baseline_source:
+        baseline = baseline_library(args.baseline_source)
+        libraries["baseline"] = lambda: baseline
+        settings["baseline one pass, torch prefill"] = (1, False, "baseline")
+    this_library = cpu_decode.library
     for fmt in formats:
         llm = kaon_llm(fmt, True, "torch", "int8", enable_prefix_caching=False)
         run = kaon_runner(llm)
         figures: dict[str, list[tuple[float, float, float]]] = {label: [] for label in settings}
-        for _ in range(args.repeats):
-            for label, (passes, c_prefill) in settings.items():
-                use_activations(llm, passes, c_prefill)
-                figures[label].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1),
-                                       prefill_rate(llm, 1)))
+        try:
+            for _ in range(args.repeats):
+                for label, (passes, c_prefill, lib) in settings.items():
+                    cpu_decode.library = libraries[lib]
+                    use_activations(llm, passes, c_prefill)
+                    figures[label].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1),
+                                           prefill_rate(llm, 1)))
+        finally:
+            cpu_decode.library = this_library
         medians = {label: [statistics.median(f[i] for f in runs) for i in range(3)] for label, runs in figures.items()}
         for label, (one, many, prefill) in medians.items():
-            print(f"{'kaon ' + fmt + ' ' + label:30} {one:14.1f} {many:15.1f} {prefill:14.1f}")
-        ratios = [[b[i] / a[i] for a, b in zip(*figures.values())] for i in range(3)]
-        print(f"{'  two / one (median ratio)':30} {statistics.median(ratios[0]):13.2f}x "
-              f"{statistics.median(ratios[1]):14.2f}x {statistics.median(ratios[2]):13.2f}x", flush=True)
+            print(f"{'kaon ' + fmt + ' ' + label:44} {one:14.1f} {many:15.1f} {prefill:14.1f}")
+        pairs = [("two / one", "one pass, torch prefill")]
+        if args.baseline_source:
+            pairs += [("two / baseline one", "baseline one pass, torch prefill"),
+                      ("one / baseline one", "baseline one pass, torch prefill")]
+        for name, reference in pairs:
+            this = figures["one pass, torch prefill" if name.startswith("one") else "two passes, C prefill"]
+            ratios = [[b[i] / a[i] for a, b in zip(figures[reference], this)] for i in range(3)]
+            print(f"{'  ' + name + ' (median ratio)':44} {statistics.median(ratios[0]):13.2f}x "
+                  f"{statistics.median(ratios[1]):14.2f}x {statistics.median(ratios[2]):13.2f}x", flush=True)
         del run, llm
 
 
@@ -242,7 +290,7 @@ def llama_cpp_runner(gguf: Path, threads: int):
 def llama_cpp_rates(gguf: Path, threads: int, args) -> tuple[float, float] | None:
     """(batch-1, batch-B) tokens/s of llama.cpp, measured in a child process (see USER_ENV)."""
     cmd = [sys.executable, __file__, "--peer", str(gguf), "--threads", str(threads), "--tokens", str(args.tokens),
-           "--batch", str(args.batch), "--repeats", str(args.repeats)]
+           "--batch", str(args.batch), "--repeats", str(args.repeats), "--clock", args.clock]
     child = subprocess.run(cmd, env=USER_ENV, capture_output=True, text=True)
     if child.returncode != 0:
         print(f"llama.cpp peer failed (pip install llama-cpp-python?): {child.stderr.strip()[-300:]}")
@@ -259,8 +307,12 @@ def main() -> int:
                         help="formats whose decode and prefill are measured with and without batch invariance")
     parser.add_argument("--activations", nargs="*", default=[], choices=["int8", "int4"],
                         help="formats measured with one and two int8 passes per activation block")
+    parser.add_argument("--baseline-source", type=Path,
+                        help="--activations: also the default on this version of kernels/cpu_decode.c")
     parser.add_argument("--pair", nargs=2, choices=FORMATS, metavar=("A", "B"),
                         help="two formats alternated turn by turn in one process: the ratio B / A")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="cpu: rates per CPU second of this process (A/B on a shared machine)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -268,6 +320,7 @@ def main() -> int:
     parser.add_argument("--peer", type=Path, help=argparse.SUPPRESS)  # the child: llama.cpp on this GGUF
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    CLOCK[0] = args.clock
     if args.peer:
         peer = llama_cpp_runner(args.peer, args.threads)
         print(json.dumps([rate(peer, 1, args.tokens, args.repeats), rate(peer, args.batch, args.tokens, 1)]))
