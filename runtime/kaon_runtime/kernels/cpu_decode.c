@@ -599,11 +599,13 @@ static inline int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); r
 /* acc + the u8 x s8 dots of u[t] with activation bytes q[4t..4t+3] broadcast, for t < n (n, run:
  * constants where inlined). With VNNI one instruction each. Without, maddubs's int16 pair sums are
  * added `run` at a time in int16 before one madd widens them to int32, where each maddubs had its
- * own madd: maddubs and madd both take Zen 2's one multiply port (and Intel's two before Ice Lake),
- * so a 4-bit block's integer work at one pass was 16 multiply-port instructions per row and is now
- * 9. Exact, so the same bits as before and as VNNI: the activations are quantize_block's (|q| <= 127)
- * and `run` x 2 pair products of unsigned weights up to umax stay within int16 while
- * run * 2 * umax * 127 < 32768 (4-bit weights: run 8; 5-bit: 4; 6-bit: 2). */
+ * own madd: maddubs and madd both take the vector-multiply port(s) (one on Zen 2), so a 4-bit
+ * block's integer work per row was 16 multiply-port instructions and is now 9 (batched 4-bit
+ * projections on a Zen 2: 0.80-0.83x the CPU time, bench/cpu_projections.py). Exact, so the same bits
+ * as before and as VNNI: the activations are quantize_block's (|q| <= 127) and `run` x 2 pair products
+ * of unsigned weights up to umax stay within int16 while run * 2 * umax * 127 < 32768 (4-bit weights:
+ * run 8; 5-bit: 4; 6-bit: 2; test_cpu_decode.py's largest-sums test). int8 weights (|w| up to 128
+ * against q carrying w's sign) fill an int16 lane with one pair: they keep a madd per maddubs. */
 static inline __attribute__((always_inline)) __m256i dots_u8s8(__m256i acc, const __m256i *u, const int8_t *q,
                                                                const int n, const int run) {
 #ifdef KAON_VNNI
