@@ -117,6 +117,13 @@ class FrontRequest:
             raise errors.too_large(self.conn.front.max_body_bytes)
         return self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
 
+    def body_now(self) -> bytes | None:
+        """The whole body when all of it is in and kept: what `read` returns at once, without a coroutine; else None
+        (`read` waits for it, or raises the refusal)."""
+        if not self.complete or self.error is not None or self.too_large:
+            return None
+        return self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+
     # fed by the protocol ---------------------------------------------------------------------
 
     def body(self, data: bytes) -> None:

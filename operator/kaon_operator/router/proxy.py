@@ -47,7 +47,7 @@ from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.relay import Relay
 from kaon_operator.router.request import engine_body, parse_request, upstream_fields
 from kaon_operator.router.strategies import Attempt, Strategies
-from kaon_operator.router.strategies.least_connections import pick
+from kaon_operator.router.strategies.least_connections import LEAST_CONNECTIONS, pick
 from kaon_operator.router.upstream import UPSTREAM_KEEPALIVE_S, ConnectFailed, Pool, Response, UpstreamError
 
 logger = logging.getLogger("kaon.router")
@@ -144,7 +144,9 @@ class Router:
         try:
             try:
                 reserved = self._reserve(request, source)
-                body = await self._read(request)
+                body = request.body_now() if isinstance(request, FrontRequest) else None
+                if body is None:  # (None: not all of it is in yet, or it is refused: _read waits, or raises why)
+                    body = await self._read(request)
                 read = True
                 reserved += self._parse_cost(body, reserved, source)
                 model, payload = parse_request(body)
@@ -273,6 +275,11 @@ class Router:
         have moved to another one, which must not get this client's key nor its prompt unchecked.
         `admitted`: the service _admit resolved `model` to and checked the key for with no await since
         (the table cannot have changed): not resolved nor checked again before the first wait."""
+        if admitted is not None and not tried and not self.backoff.until:
+            # The common case, decided as the loop below would on its first turn: a first attempt while no pod failed
+            # (candidates: every ready pod is usable) and the service has some.
+            if ready := self.table.endpoints(admitted):
+                return admitted, self._pick(admitted, ready, ready, path, payload or {}), 0.0
         held_since, was_held = clock.monotonic(), False
         while True:
             if admitted is not None and not was_held:
@@ -307,7 +314,9 @@ class Router:
               payload: dict) -> Endpoint:
         """By the service's routing strategy (spec.routing.strategy)."""
         service = self.table.service(key)
-        if service is None:  # gone since it was resolved
+        if service is None or (service.strategy == LEAST_CONNECTIONS and not service.adapters):
+            # Gone since it was resolved; or least-connections with no adapter to keep (what AdapterAffinity and
+            # LeastConnections do then, the same draws, without an Attempt and two calls through them).
             return pick(usable, self.inflight, self.rng)
         attempt = Attempt(service, ready, usable, self.inflight, path, payload, clock.monotonic(), self.rng)
         target, first_choice = self.strategies.get(service.strategy).pick(attempt)
