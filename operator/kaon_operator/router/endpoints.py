@@ -13,8 +13,8 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -33,23 +33,17 @@ MOST_RESOLVED = 4096
 MOST_RESOLVED_LENGTH = 256
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One ready engine pod."""
+class Endpoint(NamedTuple):
+    """One ready engine pod.
+
+    A tuple: a request looks its pod up in several maps (in flight, back-off, tried), and a tuple's hash and
+    equality are the interpreter's own, in C, where a dataclass's are Python methods (a frozen dataclass builds a
+    tuple of its fields at every lookup; even a kept hash returned by a Python __hash__ cost a call each time)."""
 
     namespace: str
     pod: str
     service: str
     url: str  # http://ip:port, no trailing slash
-    _hash: int = field(init=False, repr=False, compare=False)
-    """Its hash, reckoned once: a request looks its pods up in several maps (in flight, back-off, tried), and the
-    hash dataclass writes builds a tuple of the four fields in Python at every lookup."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.namespace, self.pod, self.service, self.url)))
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 @dataclass(frozen=True, slots=True)
