@@ -124,6 +124,7 @@ def run(tree: Path, requests: int, clients: int, loop_kind: str, stream: bool, p
     sys.path.insert(0, str(tree / "operator"))
     from kaon_operator.labels import service_labels
     from kaon_operator.router.endpoints import EndpointTable
+    from kaon_operator.router.main import quiet_gc
     from kaon_operator.router.proxy import Router
     from kaon_operator.router.upstream import Pool, _Connection
 
@@ -177,6 +178,7 @@ def run(tree: Path, requests: int, clients: int, loop_kind: str, stream: bool, p
             side.done = lambda p=proto: answered(p)
             proto.connection_made(side)
             protocols.append(proto)
+        quiet_gc()  # as kaon-router does once it listens (router/main.py)
         started = time.process_time()
         for proto in protocols:
             issue(proto)
