@@ -163,8 +163,11 @@ class Router:
                 failure: RouterError | None = None  # the last attempt's, which answers when none is left
                 while retry.may_try_another(len(tried), self.config.max_attempts):  # retry.py
                     try:
-                        key, target, waited = await self._choose(model, tried, received, request.path, payload,
-                                                                authorization(request), admitted)
+                        if (first := self._first_choice(admitted, tried, request.path, payload)) is not None:
+                            key, target, waited = *first, 0.0  # the common case, without _choose's coroutine
+                        else:
+                            key, target, waited = await self._choose(model, tried, received, request.path, payload,
+                                                                    authorization(request), admitted)
                         admitted = None  # a later attempt follows an await: `model` is resolved and checked anew
                     except RouterError as exc:
                         if failure is not None and exc.code == "upstream_unreachable":
@@ -186,7 +189,11 @@ class Router:
                         continue
                     relaying = True
                     try:
-                        return await self.relay(request, upstream, key, target, dispatched - arrival - held, plan)
+                        overhead = dispatched - arrival - held
+                        if plan is None and (whole := self.relay.whole_now(request, upstream, key, target,
+                                                                          overhead)) is not None:
+                            return whole  # the common answer, without the relay's coroutine
+                        return await self.relay(request, upstream, key, target, overhead, plan)
                     finally:
                         self._release(target)
                         if plan is not None:
@@ -275,11 +282,8 @@ class Router:
         have moved to another one, which must not get this client's key nor its prompt unchecked.
         `admitted`: the service _admit resolved `model` to and checked the key for with no await since
         (the table cannot have changed): not resolved nor checked again before the first wait."""
-        if admitted is not None and not tried and not self.backoff.until:
-            # The common case, decided as the loop below would on its first turn: a first attempt while no pod failed
-            # (candidates: every ready pod is usable) and the service has some.
-            if ready := self.table.endpoints(admitted):
-                return admitted, self._pick(admitted, ready, ready, path, payload or {}), 0.0
+        if (first := self._first_choice(admitted, tried, path, payload)) is not None:
+            return *first, 0.0
         held_since, was_held = clock.monotonic(), False
         while True:
             if admitted is not None and not was_held:
@@ -309,6 +313,17 @@ class Router:
                 await self.hold.wait(key, deadline - now)
             except HoldFull:
                 raise errors.queue_full(model, str(key), self.config.max_queued) from None
+
+    def _first_choice(self, admitted: ServiceKey | None, tried: set[Endpoint], path: str,
+                      payload: dict | None) -> tuple[ServiceKey, Endpoint] | None:
+        """The common case of _choose, decided as its loop would on its first turn: a first attempt (`admitted`: the
+        service _admit checked, with no await since) while no pod failed (candidates: every ready pod is usable), to
+        a service that has some. None: ask _choose."""
+        if admitted is None or tried or self.backoff.until:
+            return None
+        if ready := self.table.endpoints(admitted):
+            return admitted, self._pick(admitted, ready, ready, path, payload or {})
+        return None
 
     def _pick(self, key: ServiceKey, ready: tuple[Endpoint, ...], usable: list[Endpoint], path: str,
               payload: dict) -> Endpoint:
