@@ -32,8 +32,9 @@ STREAM_BODY = json.dumps({"model": "bench", "prompt": "Once upon a time", "max_t
 
 def client_request(body: bytes) -> bytes:
     """A request as aiohttp's client (bench/router.py's load) sends it."""
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nAccept: */*\r\nAccept-Encoding: gzip, deflate\r\n"
-            b"User-Agent: Python/3.11 aiohttp/3.14.5\r\nContent-Length: %d\r\nContent-Type: application/json\r\n\r\n"
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nAccept: */*\r\n"
+            b"Accept-Encoding: gzip, deflate\r\nUser-Agent: Python/3.11 aiohttp/3.14.5\r\nContent-Length: %d\r\n"
+            b"Content-Type: application/json\r\n\r\n"
             % len(body)) + body
 
 

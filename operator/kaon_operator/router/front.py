@@ -453,7 +453,8 @@ class FrontProtocol(asyncio.Protocol):
         keep = request.keep_alive and request.complete
         body = response.body
         self.write(b"".join((
-            _status_line(response.status, response.reason), response.lines, b"" if response.dated else b"Date: " + _date() + b"\r\n",
+            _status_line(response.status, response.reason), response.lines,
+            b"" if response.dated else b"Date: " + _date() + b"\r\n",
             b"" if keep else b"Connection: close\r\n",
             b"Connection: keep-alive\r\n" if keep and request.http10 else b"",
             b"Content-Length: %d\r\n\r\n" % len(body), body if request.method != "HEAD" else b"")))

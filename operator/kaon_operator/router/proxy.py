@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -325,7 +326,7 @@ class Router:
             return admitted, self._pick(admitted, ready, ready, path, payload or {})
         return None
 
-    def _pick(self, key: ServiceKey, ready: tuple[Endpoint, ...], usable: list[Endpoint], path: str,
+    def _pick(self, key: ServiceKey, ready: tuple[Endpoint, ...], usable: Sequence[Endpoint], path: str,
               payload: dict) -> Endpoint:
         """By the service's routing strategy (spec.routing.strategy)."""
         service = self.table.service(key)

@@ -69,7 +69,8 @@ class _Address:
         query string is the client's, so the kept ones are few and short)."""
         start = self._starts.get((method, path))
         if start is None:
-            start = f"{method} {path} HTTP/1.1\r\nHost: ".encode("utf-8", "surrogateescape") + self.host_header + b"\r\n"
+            line = f"{method} {path} HTTP/1.1\r\nHost: ".encode("utf-8", "surrogateescape")
+            start = line + self.host_header + b"\r\n"
             if len(self._starts) < MAX_STARTS and len(path) <= 256:
                 self._starts[(method, path)] = start
         return start
