@@ -63,31 +63,36 @@ UNIT_WORKERS ?= -n 2 --dist loadfile
 
 # Everything: tests/unit (no cluster, no server process), tests/integration (the control plane,
 # MinIO, engine processes), tests/e2e (the local cluster); the suite's own time is printed last.
-# llama.cpp's wheel, the control plane and MinIO build in the background (instant when cached) while
-# tests/unit runs: the builds run under nice 19 and take the CPU the unit tests leave idle (about one
-# core of two). tests/unit needs none of them: its tests marked llama_cpp (the GGUF agreement with
-# llama.cpp, in $(LLAMA_CPP_TESTS)) are left out of it and run after the builds, because in the first
-# cold CI (2026-11-29) one of them held a unit worker 593 s waiting on the wheel's build. The wheel holds
-# only what llama-cpp-python loads (e2e/build-llama-cpp.sh says what is left out, docs/testing.md what
-# that saves). A failed build fails the tests that need it. The builds' output: .venv/builds.log.
-# Then tests/integration and tests/e2e run side by side, two pytest processes with a control plane each
+# The control plane and MinIO build in the background (instant when cached) while tests/unit runs, side
+# by side and under nice 19, on the CPU the unit tests leave idle; tests/integration and tests/e2e wait
+# for them. llama.cpp's wheel, which only the GGUF agreement tests need (the tests marked llama_cpp, in
+# $(LLAMA_CPP_TESTS), left out of tests/unit and run last), builds under SCHED_IDLE (chrt --idle): only
+# on CPU nothing else wants, so it never slows the tests nor the Go builds, and mostly fills the cluster
+# tests' waits. In the cold CI of 2026-11-30 the three built one after the other and ran 35 minutes past
+# the unit tests; .ci/run also starts the Go builds beside the install. The wheel holds only what
+# llama-cpp-python loads (e2e/build-llama-cpp.sh says what is left out, docs/testing.md what that saves).
+# A failed build fails the tests that need it. The builds' output: .venv/builds.log.
+# tests/integration and tests/e2e run side by side, two pytest processes with a control plane each
 # (tests/run_cluster_tests.sh says why; `make test CLUSTER_TESTS=serial` runs them in one process). The
-# builds are waited for first, and that wait goes to $KAON_BUILD_WAIT_LOG (.ci/run takes it out of the
-# suite's time): two processes waiting on a build's lock at once would log the same wait twice.
+# waits for the builds go to $KAON_BUILD_WAIT_LOG (.ci/run takes them out of the suite's time); the
+# builds themselves log no wait (one waiting on .ci/run's early build's lock would count it twice).
 CLUSTER_TESTS ?= side-by-side
 # The files with tests marked llama_cpp (a test marked so elsewhere would run in neither step: list it here).
 LLAMA_CPP_TESTS := tests/unit/runtime/loader/test_gguf_families.py
 test: install
-	@echo "llama.cpp, the control plane and MinIO build beside tests/unit: $(VENV)/builds.log"
-	@(PY=$(PY) nice -n 19 bash e2e/build-llama-cpp.sh; \
-	  bash e2e/build-control-plane.sh && bash e2e/build-minio.sh) > $(VENV)/builds.log 2>&1 & builds=$$!; \
+	@echo "the control plane and MinIO build beside tests/unit, llama.cpp's wheel in idle time: $(VENV)/builds.log"
+	@: > $(VENV)/builds.log; export KAON_BUILD_WAIT_LOG=$${KAON_BUILD_WAIT_LOG:-}; \
+	(KAON_BUILD_WAIT_LOG= bash e2e/build-control-plane.sh & KAON_BUILD_WAIT_LOG= bash e2e/build-minio.sh & wait) \
+	  >> $(VENV)/builds.log 2>&1 & go_builds=$$!; \
+	(KAON_BUILD_WAIT_LOG= PY=$(PY) chrt --idle 0 bash e2e/build-llama-cpp.sh) >> $(VENV)/builds.log 2>&1 & llama_build=$$!; \
+	waited() { [ -z "$$KAON_BUILD_WAIT_LOG" ] || echo "$$1 $$(($$(date +%s) - $$2))" >> "$$KAON_BUILD_WAIT_LOG"; }; \
 	ticks=$$(tests/cpu_busy.sh); $(PY) -m pytest -q $(UNIT_WORKERS) --durations=15 -m "not llama_cpp" tests/unit; unit=$$?; \
 	echo "[tests] tests/unit: the CPUs were $$(tests/cpu_busy.sh "$$ticks")% busy (the builds beside it included)"; \
-	asked=$$(date +%s); wait $$builds; \
-	[ -z "$$KAON_BUILD_WAIT_LOG" ] || echo "builds $$(($$(date +%s) - asked))" >> "$$KAON_BUILD_WAIT_LOG"; \
-	$(PY) -m pytest -q -m llama_cpp $(LLAMA_CPP_TESTS); llama=$$?; \
+	asked=$$(date +%s); wait $$go_builds; waited builds $$asked; \
 	CLUSTER_TESTS=$(CLUSTER_TESTS) PY=$(PY) bash tests/run_cluster_tests.sh -q --durations=15; status=$$?; \
-	for rc in $$unit $$llama $$status; do [ $$rc -eq 0 ] || exit $$rc; done
+	asked=$$(date +%s); wait $$llama_build; waited llama.cpp $$asked; \
+	$(PY) -m pytest -q -m llama_cpp $(LLAMA_CPP_TESTS); llama=$$?; \
+	for rc in $$unit $$status $$llama; do [ $$rc -eq 0 ] || exit $$rc; done
 
 # The inner loop: tests/unit without the tests marked slow (whole models generating), no control plane to build.
 unit: install

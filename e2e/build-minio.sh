@@ -52,9 +52,10 @@ scratch="$DIR/.scratch"
 rm -rf "$scratch" && mkdir -p "$scratch"
 log "minio $MINIO_VERSION: building with $("$GO" version) (empty Go caches: tens of minutes on 2 cores)"
 start=$SECONDS
-# nice -n 19: only idle CPU; GOTOOLCHAIN=local: never fetch another Go; CGO_ENABLED=0: static.
+# nice -n 19: only idle CPU; GOTOOLCHAIN=local: never fetch another Go; CGO_ENABLED=0: static;
+# no DWARF compiled that -ldflags "-s -w" would drop (build-control-plane.sh).
 (cd "$scratch" && GOBIN="$scratch" GOTOOLCHAIN=local CGO_ENABLED=0 nice -n 19 \
-  "$GO" install -trimpath -ldflags "-s -w" "github.com/minio/minio@$MINIO_VERSION" >&2)
+  "$GO" install -trimpath -gcflags=all=-dwarf=false -ldflags "-s -w" "github.com/minio/minio@$MINIO_VERSION" >&2)
 [[ -x "$scratch/minio" ]] || die "minio was not produced"
 mv -f "$scratch/minio" "$BIN"
 echo "$MINIO_VERSION" >"$DIR/bin/.version"

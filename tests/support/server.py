@@ -74,15 +74,21 @@ def small_send_buffer_launcher(send_buffer_bytes: int) -> tuple[str, ...]:
     connection (and so turns off its autotuning, which grows a loopback send buffer to 4 MB): a
     client that stops reading stalls the server's writes after kilobytes instead of megabytes.
     Only the kernel's buffer changes; the server's code is the one users run."""
+    # uvicorn picks uvloop when it is installed (a dependency since the router moved to it), whose
+    # create_server is not asyncio's: the listening socket is made here, for either loop, and handed to
+    # uvicorn as a process manager would hand it one.
     code = f"""
-import asyncio, runpy, socket
-create_server = asyncio.BaseEventLoop.create_server
-async def with_small_send_buffer(self, *args, **kwargs):
-    server = await create_server(self, *args, **kwargs)
-    for sock in server.sockets:
+import runpy, socket, uvicorn
+startup = uvicorn.Server.startup
+async def with_small_send_buffer(self, sockets=None):
+    if sockets is None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, {send_buffer_bytes})
-    return server
-asyncio.BaseEventLoop.create_server = with_small_send_buffer
+        sock.bind((self.config.host, self.config.port))
+        sockets = [sock]
+    await startup(self, sockets)
+uvicorn.Server.startup = with_small_send_buffer
 runpy.run_module("kaon_runtime.cli", run_name="__main__", alter_sys=True)
 """
     return ("-c", code)
