@@ -152,7 +152,7 @@ def test_served_names_default_to_the_name_and_the_oldest_service_keeps_a_contest
     assert table.resolve("llama-3") == ServiceKey(NS, "llama")  # the older one
     assert table.resolve("llama") is None
     table.apply_service("DELETED", isvc("llama", "llama-3"))
-    assert table.resolve("llama-3") == ServiceKey("a", "llama")  # (resolved before: the kept answer went with the change)
+    assert table.resolve("llama-3") == ServiceKey("a", "llama")  # (resolved before: kept, then dropped)
     assert table.resolve("new") is None
     table.replace_services(None, [isvc("new")])
     assert [s.served_name for s in table.services()] == ["new"]
@@ -842,8 +842,7 @@ def test_the_cheap_request_counter_is_exposed_as_prometheus_counter_exposes_the_
     Counter's for the same counts, series for series (`_total` and `_created`), in the order they were first counted."""
     import re
 
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client import Counter as PrometheusCounter
+    from prometheus_client import CollectorRegistry, Counter as PrometheusCounter, generate_latest
 
     from kaon_operator.router.metrics import CheapCounter
 
