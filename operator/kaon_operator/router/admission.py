@@ -22,6 +22,7 @@ class BodyBudget:
     def __init__(self, limit: int, source_share: float = 1.0):
         self.limit = limit
         self.per_source = max(1, int(limit * source_share))
+        self._most = min(int(limit * LARGE_SHARE), self.per_source)
         self.held = 0
         self.by_source: dict[str, int] = {}
 
@@ -43,8 +44,9 @@ class BodyBudget:
             self.by_source.pop(source, None)
 
     def most_one_request(self) -> int:
-        """What one request may hold at most, were the budget empty: beyond it, a 413."""
-        return min(int(self.limit * LARGE_SHARE), self.per_source)
+        """What one request may hold at most, were the budget empty: beyond it, a 413 (reckoned once: asked of every
+        request)."""
+        return self._most
 
 
 def body_size(content_length: int | None, max_body_bytes: int) -> int:

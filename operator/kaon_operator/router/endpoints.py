@@ -13,8 +13,8 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -29,25 +29,21 @@ ENGINE_POD_SELECTOR = f"{labels.COMPONENT}={labels.ENGINE},{labels.SERVICE}"
 
 
 ServiceKey = api.Key  # the router's name for it
+MOST_RESOLVED = 4096
+MOST_RESOLVED_LENGTH = 256
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One ready engine pod."""
+class Endpoint(NamedTuple):
+    """One ready engine pod.
+
+    A tuple: a request looks its pod up in several maps (in flight, back-off, tried), and a tuple's hash and
+    equality are the interpreter's own, in C, where a dataclass's are Python methods (a frozen dataclass builds a
+    tuple of its fields at every lookup; even a kept hash returned by a Python __hash__ cost a call each time)."""
 
     namespace: str
     pod: str
     service: str
     url: str  # http://ip:port, no trailing slash
-    _hash: int = field(init=False, repr=False, compare=False)
-    """Its hash, reckoned once: a request looks its pods up in several maps (in flight, back-off, tried), and the
-    hash dataclass writes builds a tuple of the four fields in Python at every lookup."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.namespace, self.pod, self.service, self.url)))
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,14 +181,25 @@ class EndpointTable:
         self._names = naming.index(())
         self._adapters = naming.index(())
         self._key_required_everywhere = False  # key_required_everywhere(), noted at each change of the services
+        self._resolved: dict[str, ServiceKey | None] = {}
+        """resolve()'s answers since the names last changed (_reindex empties it): every request resolves its `model`,
+        and the same few names come again and again. Bounded (a client may send any name): short names only, and at
+        most MOST_RESOLVED; default_namespace and cluster_wide_names are fixed once the table is made."""
 
     # reads -------------------------------------------------------------------
 
     def resolve(self, model: str) -> ServiceKey | None:
         """The InferenceService a `model` names (naming.py: one reading only; in each reading a served name
         before an adapter's)."""
+        try:
+            return self._resolved[model]
+        except KeyError:
+            pass
         found = naming.resolve(model, (self._names, self._adapters), self.default_namespace, self.cluster_wide_names)
-        return found.key if found else None
+        key = found.key if found else None
+        if len(model) <= MOST_RESOLVED_LENGTH and len(self._resolved) < MOST_RESOLVED:
+            self._resolved[model] = key
+        return key
 
     def engine_model(self, model: str, service: Service) -> str:
         """`model` as the engine knows it: the adapter's name, else the served name."""
@@ -305,6 +312,7 @@ class EndpointTable:
         if not changed:
             return
         self._names = naming.index(self._services.values())
+        self._resolved = {}
         # Asked of every request (auth.may_send_body): noted here, where the services change, not counted each time.
         self._key_required_everywhere = bool(self._services) and all(s.key_digests is not None
                                                                      for s in self._services.values())

@@ -49,6 +49,8 @@ MAX_HEAD_BYTES = 64 << 10
 """A request head (request line and fields) larger than this is refused (aiohttp's limit: 8190 bytes a line)."""
 MAX_FIELDS = 128
 MAX_LINE_BYTES = 8190
+_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
+"""The common methods' names as str, made once."""
 
 Handler = Callable[[Any], Awaitable[Any]]
 """A router handler: takes a FrontRequest (or aiohttp's request: the same handlers serve aiohttp's app)."""
@@ -115,6 +117,13 @@ class FrontRequest:
             raise self.error
         if self.too_large:
             raise errors.too_large(self.conn.front.max_body_bytes)
+        return self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+
+    def body_now(self) -> bytes | None:
+        """The whole body when all of it is in and kept: what `read` returns at once, without a coroutine; else None
+        (`read` waits for it, or raises the refusal)."""
+        if not self.complete or self.error is not None or self.too_large:
+            return None
         return self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
 
     # fed by the protocol ---------------------------------------------------------------------
@@ -329,11 +338,26 @@ class FrontProtocol(asyncio.Protocol):
                                      "invalid_request_error", "url_too_long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.parsing is not None
+        request = self.parsing
+        assert request is not None
         self.fields += 1
-        if self.fields > MAX_FIELDS or len(name) + len(value) > MAX_LINE_BYTES:
+        size = len(name)
+        if self.fields > MAX_FIELDS or size + len(value) > MAX_LINE_BYTES:
             raise _head_too_large()
-        self.parsing.raw_headers.append((name, value))
+        request.raw_headers.append((name, value))
+        # The three fields the router reads, noted here (the length first: most fields skip the compare). The last
+        # Content-Length counts, the first Authorization (as `headers` reads it); a chunked body's trailer fields
+        # (after the head) are kept but none of these.
+        if request.head_done:
+            pass
+        elif size == 14:
+            if name.lower() == b"content-length":
+                request.content_length = int(value) if value.strip().isdigit() else None
+        elif size == 6:
+            if name.lower() == b"expect" and value.lower() == b"100-continue":
+                request.expect_continue = True
+        elif size == 13 and request.authorization is None and name.lower() == b"authorization":
+            request.authorization = value.decode("utf-8", "surrogateescape")
 
     def on_headers_complete(self) -> None:
         request = self.parsing
@@ -341,7 +365,8 @@ class FrontProtocol(asyncio.Protocol):
         request.head_done = True
         self.head_bytes = 0
         parser = self.parser
-        request.method = parser.get_method().decode("ascii", "replace")
+        method = parser.get_method()
+        request.method = _METHODS.get(method) or method.decode("ascii", "replace")
         request.http10 = parser.get_http_version() == "1.0"
         request.keep_alive = parser.should_keep_alive()
         raw = request.raw_url
@@ -355,17 +380,10 @@ class FrontProtocol(asyncio.Protocol):
                 raise errors.bad_request("the request URL is malformed") from None
         else:
             request.path, request.query = path.decode("latin-1"), query.decode("latin-1")
-        for name, value in request.raw_headers:
-            if len(name) == 14 and name.lower() == b"content-length":
-                request.content_length = int(value) if value.strip().isdigit() else None
-            elif len(name) == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
-                request.expect_continue = True
-            elif len(name) == 13 and request.authorization is None and name.lower() == b"authorization":
-                request.authorization = value.decode("utf-8", "surrogateescape")  # as `headers` reads it
         self.queue.append(request)
         if len(self.queue) == 1:
-            self._cancel_head_timer()
-            self._start(request)
+            self.head_due = None  # (_cancel_head_timer)
+            self.task = self.loop.create_task(self._answer(request))  # (_start)
         elif not self.paused_reading and self.transport is not None:
             self.paused_reading = True  # pipelined: the next is read once this one is answered
             self.transport.pause_reading()
@@ -399,7 +417,9 @@ class FrontProtocol(asyncio.Protocol):
         if self.transport is None:
             return
         try:
-            if isinstance(response, FrontStream):
+            if isinstance(response, Whole):  # (first: the common answer)
+                keep = self._write_lines(request, response)
+            elif isinstance(response, FrontStream):
                 if not response.finished:
                     await response.write_eof()
                 keep = response.keep_alive
@@ -433,9 +453,8 @@ class FrontProtocol(asyncio.Protocol):
         keep = request.keep_alive and request.complete
         body = response.body
         self.write(b"".join((
-            b"HTTP/1.1 %d %s\r\n" % (response.status, response.reason.encode("latin-1", "replace")
-                                      or _reason(response.status)),
-            response.lines, b"" if response.dated else b"Date: " + _date() + b"\r\n",
+            _status_line(response.status, response.reason), response.lines,
+            b"" if response.dated else b"Date: " + _date() + b"\r\n",
             b"" if keep else b"Connection: close\r\n",
             b"Connection: keep-alive\r\n" if keep and request.http10 else b"",
             b"Content-Length: %d\r\n\r\n" % len(body), body if request.method != "HEAD" else b"")))
@@ -501,6 +520,19 @@ def _head_too_large() -> errors.RouterError:
     return errors.RouterError(431, f"the request head is larger than the router reads ({MAX_HEAD_BYTES} bytes, "
                               f"{MAX_FIELDS} fields, {MAX_LINE_BYTES} bytes a field)", "invalid_request_error",
                               "request_header_fields_too_large")
+
+
+_status_lines: dict[tuple[int, str], bytes] = {}
+
+
+def _status_line(status: int, reason: str) -> bytes:
+    """`HTTP/1.1 <status> <reason>` and its CRLF, made once per status and reason (an engine's: a few)."""
+    line = _status_lines.get((status, reason))
+    if line is None:
+        line = b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1", "replace") or _reason(status))
+        if len(_status_lines) < 256 and len(reason) <= 64:
+            _status_lines[(status, reason)] = line
+    return line
 
 
 def _reason(status: int) -> bytes:

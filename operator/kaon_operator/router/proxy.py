@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -47,7 +48,7 @@ from kaon_operator.router.metrics import Phase, RouterMetrics
 from kaon_operator.router.relay import Relay
 from kaon_operator.router.request import engine_body, parse_request, upstream_fields
 from kaon_operator.router.strategies import Attempt, Strategies
-from kaon_operator.router.strategies.least_connections import pick
+from kaon_operator.router.strategies.least_connections import LEAST_CONNECTIONS, pick
 from kaon_operator.router.upstream import UPSTREAM_KEEPALIVE_S, ConnectFailed, Pool, Response, UpstreamError
 
 logger = logging.getLogger("kaon.router")
@@ -144,7 +145,9 @@ class Router:
         try:
             try:
                 reserved = self._reserve(request, source)
-                body = await self._read(request)
+                body = request.body_now() if isinstance(request, FrontRequest) else None
+                if body is None:  # (None: not all of it is in yet, or it is refused: _read waits, or raises why)
+                    body = await self._read(request)
                 read = True
                 reserved += self._parse_cost(body, reserved, source)
                 model, payload = parse_request(body)
@@ -161,8 +164,11 @@ class Router:
                 failure: RouterError | None = None  # the last attempt's, which answers when none is left
                 while retry.may_try_another(len(tried), self.config.max_attempts):  # retry.py
                     try:
-                        key, target, waited = await self._choose(model, tried, received, request.path, payload,
-                                                                authorization(request), admitted)
+                        if (first := self._first_choice(admitted, tried, request.path, payload)) is not None:
+                            key, target, waited = *first, 0.0  # the common case, without _choose's coroutine
+                        else:
+                            key, target, waited = await self._choose(model, tried, received, request.path, payload,
+                                                                    authorization(request), admitted)
                         admitted = None  # a later attempt follows an await: `model` is resolved and checked anew
                     except RouterError as exc:
                         if failure is not None and exc.code == "upstream_unreachable":
@@ -184,7 +190,11 @@ class Router:
                         continue
                     relaying = True
                     try:
-                        return await self.relay(request, upstream, key, target, dispatched - arrival - held, plan)
+                        overhead = dispatched - arrival - held
+                        if plan is None and (whole := self.relay.whole_now(request, upstream, key, target,
+                                                                          overhead)) is not None:
+                            return whole  # the common answer, without the relay's coroutine
+                        return await self.relay(request, upstream, key, target, overhead, plan)
                     finally:
                         self._release(target)
                         if plan is not None:
@@ -273,6 +283,8 @@ class Router:
         have moved to another one, which must not get this client's key nor its prompt unchecked.
         `admitted`: the service _admit resolved `model` to and checked the key for with no await since
         (the table cannot have changed): not resolved nor checked again before the first wait."""
+        if (first := self._first_choice(admitted, tried, path, payload)) is not None:
+            return *first, 0.0
         held_since, was_held = clock.monotonic(), False
         while True:
             if admitted is not None and not was_held:
@@ -303,11 +315,24 @@ class Router:
             except HoldFull:
                 raise errors.queue_full(model, str(key), self.config.max_queued) from None
 
-    def _pick(self, key: ServiceKey, ready: tuple[Endpoint, ...], usable: list[Endpoint], path: str,
+    def _first_choice(self, admitted: ServiceKey | None, tried: set[Endpoint], path: str,
+                      payload: dict | None) -> tuple[ServiceKey, Endpoint] | None:
+        """The common case of _choose, decided as its loop would on its first turn: a first attempt (`admitted`: the
+        service _admit checked, with no await since) while no pod failed (candidates: every ready pod is usable), to
+        a service that has some. None: ask _choose."""
+        if admitted is None or tried or self.backoff.until:
+            return None
+        if ready := self.table.endpoints(admitted):
+            return admitted, self._pick(admitted, ready, ready, path, payload or {})
+        return None
+
+    def _pick(self, key: ServiceKey, ready: tuple[Endpoint, ...], usable: Sequence[Endpoint], path: str,
               payload: dict) -> Endpoint:
         """By the service's routing strategy (spec.routing.strategy)."""
         service = self.table.service(key)
-        if service is None:  # gone since it was resolved
+        if service is None or (service.strategy == LEAST_CONNECTIONS and not service.adapters):
+            # Gone since it was resolved; or least-connections with no adapter to keep (what AdapterAffinity and
+            # LeastConnections do then, the same draws, without an Attempt and two calls through them).
             return pick(usable, self.inflight, self.rng)
         attempt = Attempt(service, ready, usable, self.inflight, path, payload, clock.monotonic(), self.rng)
         target, first_choice = self.strategies.get(service.strategy).pick(attempt)

@@ -62,6 +62,8 @@ class Relay:
                        target: Endpoint, overhead: float, tap: Tap | None = None) -> web.StreamResponse | Whole:
         """`overhead`: the router's time before the upstream request went out. `tap`: an InferenceRoute's
         (router/route_gateway.py): its headers are added, and it sees the body as it is passed on."""
+        if tap is None and (at_once_now := self.whole_now(request, upstream, key, target, overhead)) is not None:
+            return at_once_now
         async with upstream:  # releases the connection, or closes it when the body was not read to the end
             received = time.perf_counter()
             sse = upstream.content_type == "text/event-stream"
@@ -101,6 +103,22 @@ class Relay:
                 return response
             await self._broke_off(request, response, key, target, ended, sse)
             return response
+
+    def whole_now(self, request: web.Request | FrontRequest, upstream: Response, key: ServiceKey, target: Endpoint,
+                  overhead: float) -> Whole | None:
+        """The common answer, at once: a small body that came with the head, for the router's own server, taken whole
+        (what `_whole` reads, without its coroutines), the connection back to the pool, the engine's field lines as
+        they came (front.Whole). None when the answer is not that (the relay's coroutine passes it on)."""
+        if not upstream.complete or not isinstance(request, FrontRequest):
+            return None
+        received = time.perf_counter()
+        length = upstream.content_length
+        if length is None or length > WHOLE_BODY_BYTES or upstream.content_type == "text/event-stream" \
+                or (body := upstream.body_now()) is None:
+            return None
+        upstream.release()
+        self._answered(key, target, upstream.status, overhead + time.perf_counter() - received)
+        return Whole(upstream.status, upstream.reason, *response_lines(upstream.raw_headers), body)
 
     def _drop_stalled(self, request: web.Request, key: ServiceKey, target: Endpoint) -> None:
         """Abort, not close: a close waits for the buffered bytes to reach a client that never reads."""

@@ -42,6 +42,8 @@ HIGH_WATER = 1 << 18
 MAX_IDLE_PER_POD = 256
 MAX_ADDRESSES = 4096
 """Parsed pod URLs kept (pods come and go: past this the cache starts afresh)."""
+MAX_STARTS = 64
+"""Request lines kept per pod URL."""
 
 
 class UpstreamError(Exception):
@@ -53,13 +55,25 @@ class ConnectFailed(UpstreamError):
 
 
 class _Address:
-    __slots__ = ("host", "port", "host_header")
+    __slots__ = ("host", "port", "host_header", "_starts")
 
     def __init__(self, url: str):
         parts = urlsplit(url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.host_header = parts.netloc.encode("ascii")
+        self._starts: dict[tuple[str, str], bytes] = {}
+
+    def request_line(self, method: str, path: str) -> bytes:
+        """The request line and Host field, as bytes: made once per method and path (most requests share a few; the
+        query string is the client's, so the kept ones are few and short)."""
+        start = self._starts.get((method, path))
+        if start is None:
+            line = f"{method} {path} HTTP/1.1\r\nHost: ".encode("utf-8", "surrogateescape")
+            start = line + self.host_header + b"\r\n"
+            if len(self._starts) < MAX_STARTS and len(path) <= 256:
+                self._starts[(method, path)] = start
+        return start
 
 
 class Response:
@@ -135,6 +149,19 @@ class Response:
                 self._waiter = None
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
+        if self._buffered > HIGH_WATER:
+            self._conn.resume()
+        self._buffered = 0
+        return data
+
+    def body_now(self) -> bytes | None:
+        """The whole body when all of it is in (complete, not failed): what `read` would return at once, without a
+        coroutine; None otherwise (read it)."""
+        if not self.complete or self._error is not None:
+            return None
+        chunks = self._chunks
+        data = b"" if not chunks else chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
         if self._buffered > HIGH_WATER:
             self._conn.resume()
         self._buffered = 0
@@ -373,14 +400,23 @@ class Pool:
             if len(self._addresses) >= MAX_ADDRESSES:
                 self._addresses.clear()
             address = self._addresses[url] = _Address(url)
-        data = _encode(method, path, address.host_header, fields, body)
+        data = _encode(address.request_line(method, path), fields, body)
         conn = self._take(url, loop.time())
-        if conn is not None:
+        if conn is not None:  # (_exchange, written out: the common case, one coroutine fewer)
+            head: asyncio.Future[Response] = loop.create_future()
+            conn.send(data, head)
+            conn.expect_head_by(deadline, loop)
             try:
-                return await self._exchange(conn, data, deadline, loop)
+                return await head
             except UpstreamError:
+                conn.close()
                 if not retry.resend_on_new_connection(reused=True, answered=conn.received):
                     raise
+            except BaseException:  # a timeout, or the client gone (cancelled): the engine sees a close
+                conn.close()
+                raise
+            finally:
+                conn.head_due = None
         conn = await self._connect(url, address, deadline, loop)
         return await self._exchange(conn, data, deadline, loop)
 
@@ -454,8 +490,7 @@ def _expire(head: asyncio.Future[Any]) -> None:
         head.set_exception(TimeoutError())
 
 
-def _encode(method: str, path: str, host: bytes, fields: Iterable[bytes], body: bytes) -> bytes:
-    """The request head and body as one buffer: one send. The fields come from aiohttp's parser, which
-    refuses CR and LF in them."""
-    return b"".join((f"{method} {path} HTTP/1.1\r\nHost: ".encode("utf-8", "surrogateescape"), host,
-                     b"\r\nContent-Length: %d\r\n" % len(body), *fields, b"\r\n", body))
+def _encode(start: bytes, fields: Iterable[bytes], body: bytes) -> bytes:
+    """The request head and body as one buffer: one send. `start`: the request line and Host (_Address.request_line).
+    The fields come from the router's parser (httptools) or aiohttp's, which refuse CR and LF in them."""
+    return b"".join((start, b"Content-Length: %d\r\n" % len(body), *fields, b"\r\n", body))

@@ -17,13 +17,13 @@ from kaon_operator.router.endpoints import ServiceKey
 from kaon_operator.router.strategies.adapter_affinity import AdapterAffinity
 from kaon_operator.router.strategies.base import Attempt, Choice, Strategy
 from kaon_operator.router.strategies.kv_aware import KvAware
-from kaon_operator.router.strategies.least_connections import LeastConnections
+from kaon_operator.router.strategies.least_connections import LEAST_CONNECTIONS, LeastConnections
 from kaon_operator.router.strategies.prefix_affinity import PrefixAffinity
 
 __all__ = ["Attempt", "Choice", "Strategies", "Strategy", "STRATEGIES", "UnknownStrategy", "named"]
 
 STRATEGIES: dict[str, Callable[[], Strategy]] = {
-    "least-connections": LeastConnections,
+    LEAST_CONNECTIONS: LeastConnections,
     "prefix-affinity": PrefixAffinity,
     "kv-aware": KvAware,
 }

@@ -13,6 +13,7 @@ from kaon_operator.router.endpoints import ServiceKey
 from kaon_operator.router.strategies.base import Attempt, Choice
 
 T = TypeVar("T", bound=Hashable)
+LEAST_CONNECTIONS = "least-connections"  # its spec.routing.strategy name
 
 
 def least(items: Sequence[T], key: Callable[[T], Any], rng: random.Random) -> T:

@@ -271,3 +271,62 @@ def test_a_kept_alive_connections_head_deadline_starts_again_after_each_answer()
             assert engine.quick == 3
 
     run(scenario())
+
+
+class _Sink:
+    """A client connection's transport that keeps what the router writes."""
+
+    def __init__(self):
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def can_write_eof(self) -> bool:
+        return False
+
+
+def test_the_fields_the_router_reads_come_from_the_head_never_from_a_chunked_bodys_trailer():
+    """Authorization (the first), Content-Length and Expect are noted as the head is parsed; a trailer's fields
+    (after a chunked body, parsed before the handler runs) are kept with the others but change none of them."""
+    seen = []
+
+    async def handler(request: front.FrontRequest):
+        seen.append((request.authorization, request.content_length, request.expect_continue, await request.read()))
+        return front.Whole(200, "OK", b"", False, b"{}")
+
+    async def scenario():
+        server = front.Front({("POST", "/v1/completions"): handler}, handler, 1 << 20, 60.0)
+        for head, trailer in ((b"", b"Authorization: Bearer trailer\r\nExpect: 100-continue\r\n"),
+                              (b"Authorization: Bearer first\r\nAuthorization: Bearer second\r\nContent-Length: 5\r\n",
+                               b"Authorization: Bearer trailer\r\n")):
+            conn = server()
+            sink = _Sink()
+            conn.connection_made(sink)
+            chunked = b"Transfer-Encoding: chunked\r\n" if not head else b""
+            body = b"5\r\nhello\r\n0\r\n" + trailer + b"\r\n" if chunked else b"hello"
+            conn.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n" + chunked + head + b"\r\n" + body)
+            for _ in range(100):
+                await asyncio.sleep(0)
+                if sink.written:
+                    break
+            assert sink.written.startswith(b"HTTP/1.1 200 OK\r\n"), sink.written
+            conn.close()
+
+    run(scenario())
+    assert seen == [(None, None, False, b"hello"), ("Bearer first", 5, False, b"hello")]

@@ -21,7 +21,7 @@ import pytest
 
 from kaon_operator import api, clock
 from kaon_operator.children import resources
-from kaon_operator.router import strategies
+from kaon_operator.router import endpoints, strategies
 from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import (
@@ -152,9 +152,24 @@ def test_served_names_default_to_the_name_and_the_oldest_service_keeps_a_contest
     assert table.resolve("llama-3") == ServiceKey(NS, "llama")  # the older one
     assert table.resolve("llama") is None
     table.apply_service("DELETED", isvc("llama", "llama-3"))
-    assert table.resolve("llama-3") == ServiceKey("a", "llama")
+    assert table.resolve("llama-3") == ServiceKey("a", "llama")  # (resolved before: kept, then dropped)
+    assert table.resolve("new") is None
     table.replace_services(None, [isvc("new")])
     assert [s.served_name for s in table.services()] == ["new"]
+    assert table.resolve("new") == ServiceKey(NS, "new") and table.resolve("llama-3") is None
+
+
+def test_the_names_a_table_keeps_resolved_are_few_and_short():
+    """resolve() keeps its answers (every request resolves its `model`), but a client may send any name: past
+    MOST_RESOLVED names, and for names longer than MOST_RESOLVED_LENGTH, it answers without keeping."""
+    table = EndpointTable(default_namespace=NS)
+    table.apply_service("ADDED", isvc("svc"))
+    long = "x" * (endpoints.MOST_RESOLVED_LENGTH + 1)
+    assert table.resolve(long) is None and long not in table._resolved
+    for i in range(endpoints.MOST_RESOLVED + 10):
+        assert table.resolve(f"name-{i}") is None
+    assert len(table._resolved) == endpoints.MOST_RESOLVED
+    assert table.resolve("svc") == ServiceKey(NS, "svc")  # answered, though no longer kept
 
 
 def test_a_service_is_read_through_the_api_models_and_a_section_that_does_not_validate_stops_nothing():
@@ -820,3 +835,28 @@ def test_an_endpoint_is_the_same_map_key_however_it_was_built():
         other = list(fields)
         other[i] += "x"
         assert Endpoint(*other) not in inflight and Endpoint(*other) != Endpoint(*fields)
+
+
+def test_the_cheap_request_counter_is_exposed_as_prometheus_counter_exposes_the_same_counts():
+    """kaon_router_requests is counted in plain ints (metrics.CheapCounter): its exposition is prometheus_client's
+    Counter's for the same counts, series for series (`_total` and `_created`), in the order they were first counted."""
+    import re
+
+    from prometheus_client import CollectorRegistry, Counter as PrometheusCounter, generate_latest
+
+    from kaon_operator.router.metrics import CheapCounter
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    counter = PrometheusCounter("kaon_router_requests", "Requests answered", ["namespace", "inferenceservice", "code"],
+                                registry=theirs)
+    cheap = CheapCounter("kaon_router_requests", "Requests answered", ["namespace", "inferenceservice", "code"])
+    ours.register(cheap)
+    for labels in [("ns", "svc", "200"), ("", "", "404"), ("ns", "svc", "200"), ("ns", "other", "502")]:
+        counter.labels(*labels).inc()
+        cheap.of(labels)[0] += 1
+
+    def stamps_out(text: bytes) -> str:  # the _created values are each series' own time
+        return re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", text.decode())
+
+    assert "kaon_router_requests_created" in generate_latest(ours).decode()
+    assert stamps_out(generate_latest(ours)) == stamps_out(generate_latest(theirs))
