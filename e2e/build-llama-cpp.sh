@@ -72,10 +72,17 @@ if ! compgen -G "$WHEELS/llama_cpp_python-*.whl" >/dev/null; then
   mkdir -p "$WHEELS"
   tmp=$(mktemp -d "$WHEELS.tmp.XXXXXX")
   trap 'rm -rf "$tmp"' EXIT
-  CMAKE_ARGS="$CMAKE_FLAGS -DCMAKE_PROJECT_llama.cpp_INCLUDE=$LEAN" \
-  CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-    "$PY" -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
-      "llama-cpp-python==$VERSION" -w "$tmp"
+  # Three tries, a minute apart: in the cold CI of 2026-11-30 the package index reset every connection
+  # for a few seconds (pip's own five retries came within them) and the wheel was missing for the tests.
+  for try in 1 2 3; do
+    CMAKE_ARGS="$CMAKE_FLAGS -DCMAKE_PROJECT_llama.cpp_INCLUDE=$LEAN" \
+    CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+      "$PY" -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
+        "llama-cpp-python==$VERSION" -w "$tmp" && break
+    ((try < 3)) || exit 1
+    log "pip wheel failed (try $try of 3); again in 60 s"
+    sleep 60
+  done
   # --no-cache-dir: pip's own wheel cache ignores CMAKE_ARGS and would hand back a build made with
   # other flags. Moved into place whole: an interrupted build leaves no half wheel for the next call.
   mv "$tmp"/llama_cpp_python-*.whl "$WHEELS/"
