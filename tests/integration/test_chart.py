@@ -307,7 +307,7 @@ def _metric_names() -> set[str]:
                  "operator/kaon_operator/metrics.py", "operator/kaon_operator/router/route_gateway.py",
                  "runtime/kaon_runtime/server/disagg.py"):
         for kind, name in re.findall(r'(\w+)\(\s*"(kaon_\w+)"', (ROOT / path).read_text()):
-            counter = kind in ("Counter", "CounterMetricFamily")  # a family's samples get _total too
+            counter = kind in ("Counter", "CounterMetricFamily", "CheapCounter")  # their samples get _total
             names.add(f"{name}_total" if counter and not name.endswith("_total") else name)
     return names
 
