@@ -382,8 +382,8 @@ class FrontProtocol(asyncio.Protocol):
             request.path, request.query = path.decode("latin-1"), query.decode("latin-1")
         self.queue.append(request)
         if len(self.queue) == 1:
-            self.head_due = None  # (_cancel_head_timer)
-            self.task = self.loop.create_task(self._answer(request))  # (_start)
+            self._cancel_head_timer()
+            self._start(request)
         elif not self.paused_reading and self.transport is not None:
             self.paused_reading = True  # pipelined: the next is read once this one is answered
             self.transport.pause_reading()

@@ -283,8 +283,6 @@ class Router:
         have moved to another one, which must not get this client's key nor its prompt unchecked.
         `admitted`: the service _admit resolved `model` to and checked the key for with no await since
         (the table cannot have changed): not resolved nor checked again before the first wait."""
-        if (first := self._first_choice(admitted, tried, path, payload)) is not None:
-            return *first, 0.0
         held_since, was_held = clock.monotonic(), False
         while True:
             if admitted is not None and not was_held:

@@ -62,8 +62,6 @@ class Relay:
                        target: Endpoint, overhead: float, tap: Tap | None = None) -> web.StreamResponse | Whole:
         """`overhead`: the router's time before the upstream request went out. `tap`: an InferenceRoute's
         (router/route_gateway.py): its headers are added, and it sees the body as it is passed on."""
-        if tap is None and (at_once_now := self.whole_now(request, upstream, key, target, overhead)) is not None:
-            return at_once_now
         async with upstream:  # releases the connection, or closes it when the body was not read to the end
             received = time.perf_counter()
             sse = upstream.content_type == "text/event-stream"

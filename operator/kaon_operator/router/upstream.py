@@ -402,7 +402,10 @@ class Pool:
             address = self._addresses[url] = _Address(url)
         data = _encode(address.request_line(method, path), fields, body)
         conn = self._take(url, loop.time())
-        if conn is not None:  # (_exchange, written out: the common case, one coroutine fewer)
+        reused = conn is not None
+        while True:  # a reused connection first, if one is idle; a new one once when it fails unanswered (retry.py)
+            if conn is None:
+                conn = await self._connect(url, address, deadline, loop)
             head: asyncio.Future[Response] = loop.create_future()
             conn.send(data, head)
             conn.expect_head_by(deadline, loop)
@@ -410,15 +413,14 @@ class Pool:
                 return await head
             except UpstreamError:
                 conn.close()
-                if not retry.resend_on_new_connection(reused=True, answered=conn.received):
+                if not retry.resend_on_new_connection(reused=reused, answered=conn.received):
                     raise
             except BaseException:  # a timeout, or the client gone (cancelled): the engine sees a close
                 conn.close()
                 raise
             finally:
                 conn.head_due = None
-        conn = await self._connect(url, address, deadline, loop)
-        return await self._exchange(conn, data, deadline, loop)
+            conn, reused = None, False
 
     def put(self, conn: _Connection) -> None:
         idle = self._idle.setdefault(conn.url, [])
@@ -470,19 +472,6 @@ class Pool:
         self.connects += 1
         self._open.add(conn)
         return conn
-
-    @staticmethod
-    async def _exchange(conn: _Connection, data: bytes, deadline: float, loop: asyncio.AbstractEventLoop) -> Response:
-        head: asyncio.Future[Response] = loop.create_future()
-        conn.send(data, head)
-        conn.expect_head_by(deadline, loop)
-        try:
-            return await head
-        except BaseException:  # a timeout, a failure, or the client gone (cancelled): the engine sees a close
-            conn.close()
-            raise
-        finally:
-            conn.head_due = None
 
 
 def _expire(head: asyncio.Future[Any]) -> None:

@@ -265,6 +265,21 @@ def test_a_kept_connection_the_engine_closed_is_retried_once_on_a_new_one_and_a_
     run(go())
 
 
+def test_a_new_connection_that_fails_unanswered_is_not_sent_again():
+    async def go():
+        # A kept connection dropped unanswered goes once more on a new one; that one dropped too, the request fails
+        # (retry.py rule 1: only a reused connection's failure is resent).
+        canned = Canned(CONTENT_LENGTH, None, None)
+        async with canned as url:
+            pool = Pool(1.0)
+            async with await post(pool, url) as first:
+                await first.read()
+            with pytest.raises(UpstreamError):
+                await post(pool, url)
+            assert (pool.connects, len(canned.requests)) == (2, 3)
+    run(go())
+
+
 def test_each_request_on_a_kept_connection_gets_its_own_whole_first_byte_deadline():
     """The connection's one head timer (expect_head_by) is armed by the first request: a later request on it
     waits its own whole `timeout` for a head, then fails with TimeoutError, and the connection is closed."""
