@@ -81,7 +81,7 @@ CLUSTER_TESTS ?= side-by-side
 LLAMA_CPP_TESTS := tests/unit/runtime/loader/test_gguf_families.py
 test: install
 	@echo "the control plane and MinIO build beside tests/unit, llama.cpp's wheel in idle time: $(VENV)/builds.log"
-	@: > $(VENV)/builds.log; export KAON_BUILD_WAIT_LOG=$${KAON_BUILD_WAIT_LOG:-}; \
+	@: > $(VENV)/builds.log; \
 	(KAON_BUILD_WAIT_LOG= bash e2e/build-control-plane.sh & KAON_BUILD_WAIT_LOG= bash e2e/build-minio.sh & wait) \
 	  >> $(VENV)/builds.log 2>&1 & go_builds=$$!; \
 	(KAON_BUILD_WAIT_LOG= PY=$(PY) chrt --idle 0 bash e2e/build-llama-cpp.sh) >> $(VENV)/builds.log 2>&1 & llama_build=$$!; \
