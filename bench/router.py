@@ -1,13 +1,15 @@
 """The router's cost: the same load sent straight to fake engines, through nginx and
 through the router, in the same run.
 
-    python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx]
+    python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx] [--compiled DIR]
 
 Four processes: fake engines (one aiohttp process listening on --engines ports: a fixed
 small completion, or a short SSE stream), the router (kaon's Router on a table that lists
 those ports as the pods of one InferenceService), nginx as the router's peer (one worker
 process, as the router is one process: `upstream { least_conn; keepalive }` over the same
 ports, buffering off so that streams pass through as they come), and this load generator.
+With --compiled, one more router process runs the same code compiled with mypyc (bench/router_compile.py's
+copy), to measure what compiling the data path would give.
 nginx is the Debian package: found on PATH or in /usr/sbin, else installed with apt-get when
 this runs as root (it says so), else left out. Phases, each direct, then nginx, then routed:
 
@@ -43,7 +45,9 @@ import aiohttp
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "operator"))
+OPERATOR_ENV = "KAON_BENCH_ROUTER_OPERATOR"
+"""Set for the --compiled router's process: the operator/ it imports (bench/router_compile.py's copy)."""
+sys.path.insert(0, os.environ.get(OPERATOR_ENV) or str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT))  # e2e
 
 from e2e.control_plane import free_port  # noqa: E402
@@ -364,13 +368,20 @@ async def bench(args) -> None:
           for loop, router_port in router_ports.items()),
     ]
     routers = {loop: child for loop, child in zip(args.loops, children[1:])}
+    compiled_port = free_port()
+    if args.compiled:  # the same router compiled (bench/router_compile.py), on the first of --loops
+        children.append(compiled := subprocess.Popen(
+            me + ["--role", "router", "--loops", args.loops[0],
+                  "--ports", ",".join(map(str, [compiled_port, *engine_ports]))],
+            env={**os.environ, OPERATOR_ENV: str(args.compiled.resolve() / "operator")}))
     workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
     if nginx:
         children.append(nginx_process := start_nginx(nginx, nginx_port, engine_ports, workdir))
     else:
         print("nginx: not found and not installable here (not root, or no apt-get): left out")
     try:
-        for port in (*engine_ports, *router_ports.values(), *([nginx_port] if nginx else [])):
+        for port in (*engine_ports, *router_ports.values(), *([nginx_port] if nginx else []),
+                     *([compiled_port] if args.compiled else [])):
             await wait_listening(port)
         ways = {"direct": [f"http://127.0.0.1:{p}" for p in engine_ports]}
         pids: dict[str, list[int]] = {"direct": []}
@@ -381,6 +392,8 @@ async def bench(args) -> None:
             way = "routed" if loop == args.loops[0] else f"routed-{loop}"
             ways[way] = [f"http://127.0.0.1:{router_port}"]
             pids[way] = [routers[loop].pid]
+        if args.compiled:
+            ways["routed-compiled"], pids["routed-compiled"] = [f"http://127.0.0.1:{compiled_port}"], [compiled.pid]
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.engines} fake engines; "
               f"Python {sys.version.split()[0]}, aiohttp {aiohttp.__version__}"
               + (f", nginx {nginx_version(nginx)} ({nginx})" if nginx else ""))
@@ -417,6 +430,8 @@ def main() -> None:
     parser.add_argument("--loops", nargs="+", choices=["asyncio", "uvloop"], default=["asyncio"],
                         help="the router's event loop (uvloop: kaon-router's default, a dependency); several: one "
                              "router process each, all measured in this run")
+    parser.add_argument("--compiled", type=Path, help="also a router process importing this tree's operator/: "
+                        "bench/router_compile.py's compiled copy (measured beside the others, label routed-compiled)")
     parser.add_argument("--role", choices=["bench", "engines", "router"], default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--ports", help=argparse.SUPPRESS)
     args = parser.parse_args()
