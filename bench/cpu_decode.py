@@ -22,10 +22,11 @@ column: for a few prompts, how many greedy tokens each run shares with float32's
 first that differs (64/64/64/64: the same text), the narrow formats' error as a user sees it.
 
 --invariance: the cost of batch invariance (issue 49). Every step, prefill chunks included, runs
-through the fused C step, whose rows are computed alone (models/cpu_decode_step.py); before, the
-prefill chunks went through torch's GEMMs (KAON_CPU_PREFILL=torch, still there). Per format asked,
-both settings: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~500-token prompt
-(time to the first token), with the invariant setting's ratio to the old one.
+through the fused C step, whose rows are computed alone (models/cpu_decode_step.py; the default in
+every precision, int8/int4 at their default one activation pass too); before, the prefill chunks went
+through torch's GEMMs (KAON_CPU_PREFILL=torch, still there). Per format asked, both settings alternated
+in one engine: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~500-token prompt (time
+to the first token), with the invariant setting's ratio to torch's prefill.
 
 --activations: the same figures for int8/int4 weights, their invariant setting (two int8 passes per
 activation block, every row through the C step: KAON_CPU_ACTIVATIONS=int8x2) against the default (one
@@ -142,24 +143,30 @@ def prefill_rate(llm, repeats: int) -> float:
 
 
 def invariance_cost(formats: list[str], args) -> None:
-    """Decode and prefill rates with every step through the C step (invariant) and with the prefill
-    chunks through torch (before), per format; the ratio invariant / before."""
+    """Decode and prefill rates with every step through the C step (invariant, the default) and with the
+    prefill chunks through torch (KAON_CPU_PREFILL=torch), per format, the two settings alternated
+    `--repeats` times in one engine at its default activation passes (so a shared machine's load falls
+    on both alike); medians, and the median of the per-turn ratios invariant / torch."""
+    from kaon_runtime.kernels import cpu_decode
     print("\nbatch invariance: every step through the fused C step vs prefill chunks through torch "
-          "(KAON_CPU_PREFILL=fused vs torch)")
-    print(f"{'':26} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
+          "(KAON_CPU_PREFILL=fused vs torch), alternated in one engine")
+    print(f"{'':30} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
     for fmt in formats:
-        figures = {}
-        for prefill in ("torch", "fused"):
-            llm = kaon_llm(fmt, True, prefill, enable_prefix_caching=False)
-            run = kaon_runner(llm)
-            figures[prefill] = (rate(run, 1, args.tokens, args.repeats), rate(run, args.batch, args.tokens, 1),
-                                prefill_rate(llm, args.repeats))
-            del run, llm
-        before, now = figures["torch"], figures["fused"]
-        print(f"{'kaon ' + fmt + ' before':26} {before[0]:14.1f} {before[1]:15.1f} {before[2]:14.1f}")
-        print(f"{'kaon ' + fmt + ' invariant':26} {now[0]:14.1f} {now[1]:15.1f} {now[2]:14.1f}")
-        print(f"{'  invariant / before':26} {now[0] / before[0]:13.2f}x {now[1] / before[1]:14.2f}x "
-              f"{now[2] / before[2]:13.2f}x")
+        llm = kaon_llm(fmt, True, "torch", enable_prefix_caching=False)
+        run, passes = kaon_runner(llm), cpu_decode.activation_passes()
+        figures: dict[str, list[tuple[float, float, float]]] = {"torch": [], "fused": []}
+        for _ in range(args.repeats):
+            for prefill in figures:
+                use_activations(llm, passes, prefill == "fused")
+                figures[prefill].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1),
+                                         prefill_rate(llm, 1)))
+        for prefill, label in (("torch", "torch prefill"), ("fused", "invariant")):
+            one, many, rows = (statistics.median(f[i] for f in figures[prefill]) for i in range(3))
+            print(f"{'kaon ' + fmt + ' ' + label:30} {one:14.1f} {many:15.1f} {rows:14.1f}")
+        ratios = [statistics.median(b[i] / a[i] for a, b in zip(figures["torch"], figures["fused"])) for i in range(3)]
+        print(f"{'  invariant / torch (median)':30} {ratios[0]:13.2f}x {ratios[1]:14.2f}x {ratios[2]:13.2f}x",
+              flush=True)
+        del run, llm
 
 
 def use_activations(llm, passes: int, c_prefill: bool) -> None:
