@@ -28,9 +28,10 @@ through torch's GEMMs (KAON_CPU_PREFILL=torch, still there). Per format asked, b
 in one engine: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~500-token prompt (time
 to the first token), with the invariant setting's ratio to torch's prefill.
 
---activations: the same figures for int8/int4 weights, their invariant setting (two int8 passes per
-activation block, every row through the C step: KAON_CPU_ACTIVATIONS=int8x2) against the default (one
-pass, the prompt rows through torch's prefill), alternated in one engine; the median of the per-repeat
+--activations: the same figures for int8/int4 weights, two int8 passes per activation block with every
+row through the C step (KAON_CPU_ACTIVATIONS=int8x2) against one pass with the prompt rows through
+torch's prefill (the default before invariance at one pass; --invariance compares that with today's
+default, one pass through the C step), alternated in one engine; the median of the per-repeat
 ratios. `--formats --torch-ops --activations int4` measures only that.
 
 `--baseline-source OLD_cpu_decode.c` adds the default on that version's kernels, swapped in turn about
@@ -125,13 +126,13 @@ def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", activations: str | N
         cpu_decode.library.cache_clear()
 
 
-LONG_PROMPT = " ".join([PROMPT] * 24)  # ~500 tokens
+PROMPT_COPIES = [24]  # --prompt-copies: the prefill prompt is PROMPT this many times (24: ~500 tokens)
 
 
 def prefill_rate(llm, repeats: int) -> float:
-    """Prompt tokens/s of a ~500-token prompt: its time to the first token, prefix caching off."""
+    """Prompt tokens/s of a ~500-token prompt (--prompt-copies): its time to the first token, prefix caching off."""
     from kaon_runtime import SamplingParams
-    ids = llm.tokenizer.encode(LONG_PROMPT)
+    ids = llm.tokenizer.encode(" ".join([PROMPT] * PROMPT_COPIES[0]))
     params = SamplingParams(temperature=0, max_tokens=1)
     llm.generate([ids], params, use_tqdm=False)  # warm-up
     times = []
@@ -324,6 +325,8 @@ def main() -> int:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: rates per CPU second of this process (A/B on a shared machine)")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-copies", type=int, default=PROMPT_COPIES[0],
+                        help="the prefill figures' prompt: the decode prompt this many times (24: ~500 tokens)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -331,6 +334,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     CLOCK[0] = args.clock
+    PROMPT_COPIES[0] = args.prompt_copies
     if args.peer:
         peer = llama_cpp_runner(args.peer, args.threads)
         print(json.dumps([rate(peer, 1, args.tokens, args.repeats), rate(peer, args.batch, args.tokens, 1)]))
