@@ -377,6 +377,8 @@ async def bench(args) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
     if nginx:
         children.append(nginx_process := start_nginx(nginx, nginx_port, engine_ports, workdir))
+    elif args.no_nginx:
+        print("nginx: left out (--no-nginx)")
     else:
         print("nginx: not found and not installable here (not root, or no apt-get): left out")
     try:
