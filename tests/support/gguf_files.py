@@ -74,8 +74,8 @@ def write_tiny_gguf(path: Path, source: Path, type_name: str, seed: int = 0,
     writer.add_vocab_size(vocab)
     writer.add_key_length(HIDDEN // heads)
     writer.add_value_length(HIDDEN // heads)
-    for key, contents, kind, sub in tokenizer:
-        writer.add_key_value(key, contents, kind, sub)
+    for key, contents, value_type, sub in tokenizer:
+        writer.add_key_value(key, contents, value_type, sub)
 
     def linear(name: str, rows: int, k: int) -> None:
         layer, part = int(name.split(".")[1]), name.split(".")[2]

@@ -84,8 +84,8 @@ def write_gguf_from_hf(model, path: Path, source: Path, type_name: str) -> Path:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         if c.sliding_window:
             writer.add_sliding_window(c.sliding_window)
-    for key, contents, kind, sub in tokenizer_fields(Path(source)):  # read once per process
-        writer.add_key_value(key, contents, kind, sub)
+    for key, contents, value_type, sub in tokenizer_fields(Path(source)):  # read once per process
+        writer.add_key_value(key, contents, value_type, sub)
 
     def add(name: str, tensor: torch.Tensor, quantize: bool) -> None:
         array = tensor.detach().float().numpy()
