@@ -19,7 +19,6 @@ LONGEST_FIRST = (
     "runtime/quant/test_quantized_checkpoints.py",
     "runtime/quant/test_quantized_experts.py",
     "runtime/engine/test_stop_strings.py",
-    "runtime/engine/test_prompt_logprobs.py",
     "runtime/structured/test_structured_engine.py",
     "runtime/kernels/test_kernels_compile.py",
     "runtime/loader/test_architectures.py",

@@ -142,3 +142,27 @@ def test_logprobs_match_hf_logits(llm, hf_model):
             worst = max(worst, abs(logprob - ref[step, token_id].item()))
         assert set(alternatives) - {token} <= set(ref[step].topk(6).indices.tolist())
     assert worst < 1e-3, f"max |logprob difference| {worst:.2e}"
+
+
+# Prompt logprobs against HF's (from test_prompt_logprobs.py: here, HF's model is loaded once per worker).
+PROMPT = "The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain is Madrid."
+
+
+def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_prompt_logprobs_equal_transformers_and_max_tokens_0_generates_nothing(llm, hf_model):
+    ids = llm.tokenizer.encode(PROMPT)
+    out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=3), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    scored = out.prompt_logprobs
+    assert scored is not None and len(scored) == len(ids) and scored[0] is None
+    reference = hf_logprobs(hf_model, ids)
+    for p in range(1, len(ids)):
+        entry = scored[p]
+        assert abs(entry[ids[p]] - reference[p - 1, ids[p]].item()) < 1e-4, p
+        top = reference[p - 1].topk(3)
+        assert set(top.indices.tolist()) <= set(entry), p
