@@ -22,14 +22,16 @@ column: for a few prompts, how many greedy tokens each run shares with float32's
 first that differs (64/64/64/64: the same text), the narrow formats' error as a user sees it.
 
 --invariance: the cost of batch invariance (issue 49). Every step, prefill chunks included, runs
-through the fused C step, whose rows are computed alone (models/cpu_decode_step.py); before, the
-prefill chunks went through torch's GEMMs (KAON_CPU_PREFILL=torch, still there). Per format asked,
-both settings: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~500-token prompt
-(time to the first token), with the invariant setting's ratio to the old one.
+through the fused C step, whose rows are computed alone (models/cpu_decode_step.py; the default in
+every precision, int8/int4 at their default one activation pass too); before, the prefill chunks went
+through torch's GEMMs (KAON_CPU_PREFILL=torch, still there). Per format asked, both settings alternated
+in one engine: batch-1 and batch-B decode tokens/s, and prefill tokens/s of a ~500-token prompt (time
+to the first token), with the invariant setting's ratio to torch's prefill.
 
---activations: the same figures for int8/int4 weights, their invariant setting (two int8 passes per
-activation block, every row through the C step: KAON_CPU_ACTIVATIONS=int8x2) against the default (one
-pass, the prompt rows through torch's prefill), alternated in one engine; the median of the per-repeat
+--activations: the same figures for int8/int4 weights, two int8 passes per activation block with every
+row through the C step (KAON_CPU_ACTIVATIONS=int8x2) against one pass with the prompt rows through
+torch's prefill (the default before invariance at one pass; --invariance compares that with today's
+default, one pass through the C step), alternated in one engine; the median of the per-repeat
 ratios. `--formats --torch-ops --activations int4` measures only that.
 
 `--baseline-source OLD_cpu_decode.c` adds the default on that version's kernels, swapped in turn about
@@ -124,13 +126,13 @@ def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", activations: str | N
         cpu_decode.library.cache_clear()
 
 
-LONG_PROMPT = " ".join([PROMPT] * 24)  # ~500 tokens
+PROMPT_COPIES = [24]  # --prompt-copies: the prefill prompt is PROMPT this many times (24: ~500 tokens)
 
 
 def prefill_rate(llm, repeats: int) -> float:
-    """Prompt tokens/s of a ~500-token prompt: its time to the first token, prefix caching off."""
+    """Prompt tokens/s of a ~500-token prompt (--prompt-copies): its time to the first token, prefix caching off."""
     from kaon_runtime import SamplingParams
-    ids = llm.tokenizer.encode(LONG_PROMPT)
+    ids = llm.tokenizer.encode(" ".join([PROMPT] * PROMPT_COPIES[0]))
     params = SamplingParams(temperature=0, max_tokens=1)
     llm.generate([ids], params, use_tqdm=False)  # warm-up
     times = []
@@ -142,24 +144,30 @@ def prefill_rate(llm, repeats: int) -> float:
 
 
 def invariance_cost(formats: list[str], args) -> None:
-    """Decode and prefill rates with every step through the C step (invariant) and with the prefill
-    chunks through torch (before), per format; the ratio invariant / before."""
+    """Decode and prefill rates with every step through the C step (invariant, the default) and with the
+    prefill chunks through torch (KAON_CPU_PREFILL=torch), per format, the two settings alternated
+    `--repeats` times in one engine at its default activation passes (so a shared machine's load falls
+    on both alike); medians, and the median of the per-turn ratios invariant / torch."""
+    from kaon_runtime.kernels import cpu_decode
     print("\nbatch invariance: every step through the fused C step vs prefill chunks through torch "
-          "(KAON_CPU_PREFILL=fused vs torch)")
-    print(f"{'':26} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
+          "(KAON_CPU_PREFILL=fused vs torch), alternated in one engine")
+    print(f"{'':30} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
     for fmt in formats:
-        figures = {}
-        for prefill in ("torch", "fused"):
-            llm = kaon_llm(fmt, True, prefill, enable_prefix_caching=False)
-            run = kaon_runner(llm)
-            figures[prefill] = (rate(run, 1, args.tokens, args.repeats), rate(run, args.batch, args.tokens, 1),
-                                prefill_rate(llm, args.repeats))
-            del run, llm
-        before, now = figures["torch"], figures["fused"]
-        print(f"{'kaon ' + fmt + ' before':26} {before[0]:14.1f} {before[1]:15.1f} {before[2]:14.1f}")
-        print(f"{'kaon ' + fmt + ' invariant':26} {now[0]:14.1f} {now[1]:15.1f} {now[2]:14.1f}")
-        print(f"{'  invariant / before':26} {now[0] / before[0]:13.2f}x {now[1] / before[1]:14.2f}x "
-              f"{now[2] / before[2]:13.2f}x")
+        llm = kaon_llm(fmt, True, "torch", enable_prefix_caching=False)
+        run, passes = kaon_runner(llm), cpu_decode.activation_passes()
+        figures: dict[str, list[tuple[float, float, float]]] = {"torch": [], "fused": []}
+        for _ in range(args.repeats):
+            for prefill in figures:
+                use_activations(llm, passes, prefill == "fused")
+                figures[prefill].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1),
+                                         prefill_rate(llm, 1)))
+        for prefill, label in (("torch", "torch prefill"), ("fused", "invariant")):
+            one, many, rows = (statistics.median(f[i] for f in figures[prefill]) for i in range(3))
+            print(f"{'kaon ' + fmt + ' ' + label:30} {one:14.1f} {many:15.1f} {rows:14.1f}")
+        ratios = [statistics.median(b[i] / a[i] for a, b in zip(figures["torch"], figures["fused"])) for i in range(3)]
+        print(f"{'  invariant / torch (median)':30} {ratios[0]:13.2f}x {ratios[1]:14.2f}x {ratios[2]:13.2f}x",
+              flush=True)
+        del run, llm
 
 
 def use_activations(llm, passes: int, c_prefill: bool) -> None:
@@ -317,6 +325,8 @@ def main() -> int:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: rates per CPU second of this process (A/B on a shared machine)")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-copies", type=int, default=PROMPT_COPIES[0],
+                        help="the prefill figures' prompt: the decode prompt this many times (24: ~500 tokens)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -324,6 +334,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     CLOCK[0] = args.clock
+    PROMPT_COPIES[0] = args.prompt_copies
     if args.peer:
         peer = llama_cpp_runner(args.peer, args.threads)
         print(json.dumps([rate(peer, 1, args.tokens, args.repeats), rate(peer, args.batch, args.tokens, 1)]))

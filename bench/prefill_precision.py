@@ -1,16 +1,16 @@
 """Where do the bundled model's int4/int8 prompt rows land, through the C step and through torch?
 
 Issue 49 §2: with one int8 pass per activation block (KAON_CPU_ACTIVATIONS=int8) the invariant C
-prefill of the int4 model answered "What is the capital of France?" with "L'Étoile, la
+prefill of the int4 model (the default since onepass) answered "What is the capital of France?" with "L'Étoile, la
 Marseillaise," where torch's prefill answers "The capital of France is Paris."; with two passes
 (KAON_CPU_ACTIVATIONS=int8x2) it is nearer the weights' exact arithmetic than torch's prefill. This measures, per
 chat prompt, the first answer token's log-probabilities of three computations of the same prompt
 in the same engine:
   reference  every quantized linear, the head too, multiplies float32 activations by its
              dequantized weight (quant/reference.py: what the weights specify, no activation rounding);
-  torch      torch's prefill of quantized weights (their default unless KAON_CPU_ACTIVATIONS=int8x2):
+  torch      torch's prefill of quantized weights (KAON_CPU_PREFILL=torch; not invariant):
              torch's int4/int8 CPU kernels (bfloat16 activations), the head through the C kernel;
-  fused      the invariant C step and the same head; both C kernels take the activations as
+  fused      the invariant C step (the default) and the same head; both C kernels take the activations as
              KAON_CPU_ACTIVATIONS says: int8 (the default) one int8 pass per block of 32
              (llama.cpp's trade), int8x2 two (the block and its rounding remainder).
 It prints the reference's top-two margin, whether each path keeps the reference's top token, the

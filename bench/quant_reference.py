@@ -5,8 +5,9 @@
 Each row is the bundled SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized) written as a checkpoint of that
 format (compressed-tensors by its own compressor from a float HF directory of it, GPTQ / AWQ packed by the
 tests' numpy writer), then loaded
-twice in the same run: kaon's default (`dtype="auto"`: the fused C decode step, whose narrow kernels round
-activations to int8 in blocks of 32, and torch's int4 / int8 kernels taking bfloat16 activations) and its
+twice in the same run: kaon's default (`dtype="auto"`: the fused C step, whose narrow kernels round
+activations to int8 in blocks of 32, for decode and, since invariance at one pass, prompt rows too; before,
+prompt rows took torch's int4 / int8 kernels with bfloat16 activations, KAON_CPU_PREFILL=torch) and its
 reference mode (`dtype="float32"`: float32 activations times the dequantized weights, plus only the
 activation quantization the checkpoint specifies; it equals transformers token for token, see
 tests/unit/runtime/quant/test_reference_arithmetic.py).

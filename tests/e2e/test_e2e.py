@@ -88,9 +88,10 @@ def test_chat_burst_scale_up_and_down_refusal_and_deletion(local, crd, namespace
     wait_for("Ready (a real engine loaded the model)", lambda: cluster.ready("smol"), timeout=180)
 
     client = OpenAI(base_url=f"{router}/v1", api_key="unused", timeout=300, max_retries=0)
+    # (not the capital of France: a 0.08-nat tie for the bundled model, which its default int4 arithmetic tips)
     chat = client.chat.completions.create(model="smollm2", max_tokens=16, temperature=0,
-                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in chat.choices[0].message.content
+                                          messages=[{"role": "user", "content": "Who wrote 'Pride and Prejudice'?"}])
+    assert "Austen" in chat.choices[0].message.content
     route_requests(cluster, client, namespace)
     wait_for("the standby loaded and put to sleep", lambda: standby_settled(
         cluster, "smol", 1, len(engines(local, namespace))), timeout=180)

@@ -87,9 +87,10 @@ def test_chart_pods_are_real_and_a_chat_goes_through_the_router_service(real):
     assert pod["status"]["podIP"].startswith("10.244.0.")
 
     client = OpenAI(base_url=f"{real.router_url}/v1", api_key="unused", timeout=120, max_retries=0)
+    # (not the capital of France: a 0.08-nat tie for the bundled model, which its default int4 arithmetic tips)
     answer = client.chat.completions.create(model="chat", max_tokens=32, temperature=0, messages=[
-        {"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in answer.choices[0].message.content
+        {"role": "user", "content": "Who wrote 'Pride and Prejudice'?"}])
+    assert "Austen" in answer.choices[0].message.content
     real.cp.kubectl("delete", "infsvc", "chat", "-n", NS, "--wait=true", "--timeout=120s")
 
 

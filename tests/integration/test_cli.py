@@ -11,10 +11,12 @@ def kaon(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_prints_an_answer():
-    result = kaon("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12")
+    # Not "What is the capital of France?": its first token is a 0.08-nat tie for the bundled model ("The capital
+    # of France is Paris." / "L'Étoile, ..."), which the default int4 arithmetic tips (docs/serving.md)
+    result = kaon("generate", "--prompt", "Who wrote 'Pride and Prejudice'?", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
-    assert ">>> What is the capital of France?" in result.stdout
-    assert "Paris" in result.stdout
+    assert ">>> Who wrote 'Pride and Prejudice'?" in result.stdout
+    assert "Austen" in result.stdout
     assert "tokens/s" in result.stdout
 
 

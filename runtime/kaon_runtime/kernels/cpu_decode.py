@@ -57,8 +57,8 @@ class Linear(ctypes.Structure):
 # of 32 (llama.cpp's Q8 trade: ~7 bits; the int4 model's hidden states ~4% off its exact arithmetic,
 # bench/prefill_precision.py), or "int8x2", two (the block, then its rounding remainder: ~15 bits,
 # ~0.02% off; twice the integer dot products, which batched decode pays: bench/cpu_decode.py
-# --activations). See quantize_passes in cpu_decode.c. int8x2 also sends int8/int4 prompt rows
-# through the C step by default (models/cpu_decode_step.prefills_take_the_c_step: invariant answers).
+# --activations). See quantize_passes in cpu_decode.c. Prompt rows take the same passes as decode rows
+# (models/cpu_decode_step.prefills_take_the_c_step: invariant answers under either setting).
 ACTIVATIONS = {"int8": 1, "int8x2": 2}
 DEFAULT_ACTIVATIONS = "int8"
 

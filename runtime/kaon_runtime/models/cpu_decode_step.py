@@ -12,9 +12,10 @@ torch's GEMMs would not hold that: their kernels switch paths and blocking with 
 and so the same prompt gave other answers at near-ties when its prefix was cached, its prefill
 chunked, or its neighbours in the batch changed. Wide steps run in pieces (piece_rows), in
 order (a piece's rows see the keys the earlier pieces wrote). KAON_CPU_PREFILL=torch sends the
-chunks back to torch (faster prefill on long prompts, answers no longer invariant); it is the
-default for int8/int4 weights unless KAON_CPU_ACTIVATIONS=int8x2: the default one int8 pass per
-activation block is less precise than torch's prefill (see prefills_take_the_c_step).
+chunks back to torch (faster prefill on long prompts, answers no longer invariant). int8/int4 prompt
+rows take the C step too, at the activation passes their decode rows take (one int8 pass per block
+by default): so every precision's answers are invariant, at the price of prompt rows rounded as decode
+rows are (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
 (widened in registers); the activations are float32 inside the step. The fused step covers what
@@ -50,25 +51,20 @@ from kaon_runtime.layers.attention import AttentionMetadata
 from kaon_runtime.layers.lora import LoraLinear
 
 
-def prefills_take_the_c_step(quantized: bool) -> bool:
-    """KAON_CPU_PREFILL: fused (invariant answers) or torch (the chunks through torch's GEMMs).
+def prefills_take_the_c_step() -> bool:
+    """KAON_CPU_PREFILL: fused (the default: invariant answers) or torch (the chunks through torch's GEMMs).
 
-    The default is fused for float weights; for int8/int4 ones fused only where their kernels take the
-    activations in two int8 passes per block (KAON_CPU_ACTIVATIONS=int8x2, opt-in: kernels/cpu_decode.py),
-    else torch.
-    Through the C step a quantized model's prompt rows are invariant and compute exactly what their
-    kernels specify (tests/unit/runtime/kernels/test_cpu_decode_invariance.py: row for row the
-    dequantized weights times the activations as the kernels round them). With one int8 pass per
-    block (KAON_CPU_ACTIVATIONS=int8, llama.cpp's trade) every projection rounds its activations to
-    ~7 bits: against the int4 weights' exact arithmetic the bundled model's final hidden states were
-    off by ~4.3% through the C step and ~1.9% through torch's prefill (bfloat16 activations), and
-    "What is the capital of France?", a 0.08-nat near tie, tipped to "L'Etoile, la Marseillaise,";
-    so under that setting (the default) int8/int4 prompt rows keep torch's prefill (answers not
-    invariant). With two passes (~15 bits) the C step is ~100x nearer the exact arithmetic than
-    torch's prefill (bench/prefill_precision.py), but batched decode pays for the second pass (a
-    16-sequence int4 step 0.64-0.75x the tokens/s; bench/cpu_decode.py --activations): so it is opt-in."""
-    precise = cpu_decode.activation_passes() == 2
-    choice = os.environ.get("KAON_CPU_PREFILL", "torch" if quantized and not precise else "fused")
+    Fused for every weight the C step reads, float32/float16/bfloat16 and int8/int4 alike (issue 49 §2:
+    the same request gets the same answer in every precision). int8/int4 prompt rows then take the
+    kernels their decode rows take, at the same activation passes (KAON_CPU_ACTIVATIONS: one int8 pass
+    per block of 32 by default, llama.cpp's trade; int8x2 two), so a token's numbers do not depend on
+    whether it was computed in a prompt chunk or a decode step: nothing decode does changes. Torch's
+    prefill (bfloat16 activations, torch's int4/int8 CPU kernels) is nearer the weights' exact
+    arithmetic than one int8 pass (the bundled model's final hidden states ~1.9% off it against ~4.2%;
+    bench/prefill_precision.py), which tips the bundled model's 0.08-nat near tie on "What is the
+    capital of France?"; docs/serving.md gives the default's measured deviation per format, and
+    KAON_CPU_PREFILL=torch keeps torch's prefill (answers not invariant)."""
+    choice = os.environ.get("KAON_CPU_PREFILL", "fused")
     if choice not in ("fused", "torch"):
         raise ValueError(f"KAON_CPU_PREFILL must be fused or torch, got {choice!r}")
     return choice == "fused"
@@ -236,7 +232,7 @@ class CpuDecodeStep:
         self.config = config
         self.max_rows = max_rows  # decode-only steps up to this many rows (wider ones go to torch, see applies)
         self.piece_rows = PIECE_ROWS  # wider steps' pieces: at most this many rows (see piece_rows)
-        self.prefills = prefills_take_the_c_step(quantized=False)  # settled by check(), once the weights are in
+        self.prefills = prefills_take_the_c_step()  # read again by check(), once the weights are in
         # KAON_CPU_ACTIVATIONS as the engine was built: its structs get it, whenever they are (re)built
         self.activation_passes = cpu_decode.activation_passes()
         self._built: tuple[tuple[int, ...], cpu_decode.Model, list] | None = None
@@ -250,13 +246,10 @@ class CpuDecodeStep:
 
     def check(self) -> None:
         """Raise ValueError if a projection has no fused kernel (call once the weights are loaded)."""
-        quantized = False
         for layer in self.decoder.fused_weights().layers:
             for module in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 linear_weights(module)
-                base = module.base if isinstance(module, LoraLinear) else module
-                quantized |= type(base) is not nn.Linear
-        self.prefills = prefills_take_the_c_step(quantized)
+        self.prefills = prefills_take_the_c_step()
         self.activation_passes = cpu_decode.activation_passes()
 
     def _model(self) -> cpu_decode.Model:

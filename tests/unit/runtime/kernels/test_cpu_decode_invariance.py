@@ -96,13 +96,15 @@ def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: in
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize(("kv_dtype", "method"), [(torch.float32, None), (torch.float16, None),
-                                                  (torch.float32, "int8"), (torch.float16, "int4")])
-def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, method, monkeypatch):
-    # float: the defaults; int8/int4: two activation passes, whose prompt rows then take the C step by default
+@pytest.mark.parametrize(("kv_dtype", "method", "activations"), [
+    (torch.float32, None, None), (torch.float16, None, None),
+    (torch.float32, "int8", None), (torch.float16, "int4", None),  # the default: one int8 pass per block
+    (torch.float32, "int8", "int8x2"), (torch.float16, "int4", "int8x2")])
+def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, method, activations, monkeypatch):
+    # Nothing set but the activation passes: every precision's prompt rows take the C step by default
     monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
-    if method:
-        monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
+    if activations:
+        monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
     else:
         monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
     config = tiny_config(attention_bias=True)

@@ -379,9 +379,11 @@ def test_int4_takes_the_gguf_q4_1_blocks_bit_for_bit(llm):
     for name, layer in layers:  # fused q|k|v and gate|up, Q/K rows unpermuted: all as the float loader has them
         dequantized = dequantize_int4(layer.packed, layer.scales, layer.mins, layer.group_size)
         assert torch.equal(dequantized, float_model.get_submodule(name).weight), name
-    # The CPU reference dequantizes every layer on every step, so the engine run stays short.
+    # The CPU reference dequantizes every layer on every step, so the engine run stays short. Not the capital
+    # question: its first token is a 0.08-nat tie in float32 ("The" / "L"), which int4's int8-block activations
+    # tip (its prompt rows take the C step since issue 49 §2's invariance at one pass; bench/prefill_precision.py).
     params = SamplingParams(temperature=0, max_tokens=6)
-    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS[1:3]]
     assert ([o.outputs[0].token_ids for o in int4.chat(prompts, params, use_tqdm=False)] ==
             [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)])
 
