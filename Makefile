@@ -58,8 +58,10 @@ lint: install
 # worker at a time (its module fixtures built once): one process left the second core idle (1.07 cores
 # used). Back to back beside other work (load 15-21, 2026-11-29), make unit's tests took 463 s instead of
 # 612 s. Each worker loads its own models: about twice the memory (one reached 3.9 GB RSS; on a machine
-# short of memory, `make test UNIT_WORKERS=` runs one process).
-UNIT_WORKERS ?= -n 2 --dist loadfile
+# short of memory, `make test UNIT_WORKERS=` runs one process). The longest files go first
+# (tests/unit/conftest.py, which xdist's own reorder, by number of tests, would undo), so that no worker
+# runs a long file alone at the end.
+UNIT_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 # Everything: tests/unit (no cluster, no server process), tests/integration (the control plane,
 # MinIO, engine processes), tests/e2e (the local cluster); the suite's own time is printed last.

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from support.gguf_files import tokenizer_fields
+
 # HF model_type -> GGUF general.architecture (Mixtral is llama with experts, as llama.cpp writes it)
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "phi3": "phi3",
              "qwen3": "qwen3"}
@@ -82,11 +84,8 @@ def write_gguf_from_hf(model, path: Path, source: Path, type_name: str) -> Path:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         if c.sliding_window:
             writer.add_sliding_window(c.sliding_window)
-    reader = gguf.GGUFReader(str(source))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, contents, value_type, sub in tokenizer_fields(Path(source)):  # read once per process
+        writer.add_key_value(key, contents, value_type, sub)
 
     def add(name: str, tensor: torch.Tensor, quantize: bool) -> None:
         array = tensor.detach().float().numpy()
