@@ -147,20 +147,19 @@ class Response:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        if self._buffered > HIGH_WATER:
-            self._conn.resume()
-        self._buffered = 0
-        return data
+        return self._take()
 
     def body_now(self) -> bytes | None:
         """The whole body when all of it is in (complete, not failed): what `read` would return at once, without a
         coroutine; None otherwise (read it)."""
         if not self.complete or self._error is not None:
             return None
+        return self._take()
+
+    def _take(self) -> bytes:
+        """What has arrived of the body (b"" if nothing), taken; the connection read again if it had been paused."""
         chunks = self._chunks
-        data = b"" if not chunks else chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         if self._buffered > HIGH_WATER:
             self._conn.resume()
