@@ -88,12 +88,18 @@ def greedy(model, prompt: list[int], tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """`model`'s float32 logits at each of `tokens`' steps ([len(tokens), vocab]: row i follows prompt +
+    tokens[:i]), from one forward pass over prompt + tokens."""
+    with torch.inference_mode():
+        return model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+
+
 def shortfalls(model, prompt: list[int], tokens: list[int]) -> list[float]:
     """How far below `model`'s best logit each of `tokens` is, scored on prompt + tokens at once:
     0 where it is the model's greedy choice. Teacher-forced (the tokens' own path), so one near-tie
     that parts two greedy runs does not count the rest of the run against them."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    logits = teacher_forced_logits(model, prompt, tokens)
     chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     return (logits.max(dim=1).values - chosen).tolist()
 

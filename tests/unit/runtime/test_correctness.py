@@ -18,6 +18,7 @@ import torch
 
 from kaon_runtime import LLM, SamplingParams
 from support.prompts import MAX_TOKENS, QUESTIONS, chat_ids
+from support.quantized_dirs import teacher_forced_logits
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +30,7 @@ def greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
 def hf_choices(hf_model, prompt: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
     """HF's first choice after each prefix prompt + tokens[:i] (i = 0..len(tokens)-1), from one forward
     pass over prompt + tokens, and by how much it leads the token at that step (0 where they agree)."""
-    with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    logits = teacher_forced_logits(hf_model, prompt, tokens)
     best = logits.max(dim=-1)
     lead = best.values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     return best.indices.tolist(), lead.tolist()
@@ -132,10 +132,7 @@ def test_logprobs_match_hf_logits(llm, hf_model):
     """Every generated token's log-probability, and the top-5, agree with HF's logits."""
     prompt = chat_ids(llm, QUESTIONS[2])
     out = llm.generate([prompt], greedy(logprobs=5), use_tqdm=False)[0].outputs[0]
-    ids = torch.tensor([prompt + out.token_ids])
-    with torch.inference_mode():
-        logits = hf_model(ids).logits[0, len(prompt) - 1:-1].float()
-    ref = torch.log_softmax(logits, dim=-1)
+    ref = torch.log_softmax(teacher_forced_logits(hf_model, prompt, out.token_ids), dim=-1)
     worst = 0.0
     for step, (token, alternatives) in enumerate(zip(out.token_ids, out.logprobs)):
         for token_id, logprob in alternatives.items():
@@ -148,19 +145,13 @@ def test_logprobs_match_hf_logits(llm, hf_model):
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain is Madrid."
 
 
-def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
 def test_prompt_logprobs_equal_transformers_and_max_tokens_0_generates_nothing(llm, hf_model):
     ids = llm.tokenizer.encode(PROMPT)
     out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=3), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
     scored = out.prompt_logprobs
     assert scored is not None and len(scored) == len(ids) and scored[0] is None
-    reference = hf_logprobs(hf_model, ids)
+    reference = torch.log_softmax(teacher_forced_logits(hf_model, ids[:1], ids[1:]), dim=-1)  # row p-1: token p's
     for p in range(1, len(ids)):
         entry = scored[p]
         assert abs(entry[ids[p]] - reference[p - 1, ids[p]].item()) < 1e-4, p
