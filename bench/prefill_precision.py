@@ -18,7 +18,12 @@ largest |difference| of log-probability over the reference's top 5, and each pat
 state's error against the reference. A bug in the C step's indexing (scales of another row or
 group) shows as errors far above torch's; the activations' rounding as errors of the same order.
 
-    [KAON_CPU_ACTIVATIONS=int8x2] .venv/bin/python bench/prefill_precision.py [--quantization int8] [--prompts 8]
+--dtype bfloat16 / float16 (with --quantization): the same three computations of the model in that dtype
+(its int4/int8 weights, norms and KV cache in it): torch's path is then what such a model ran before the C
+step took it (the dtype's activations between layers), the reference its dequantized weights in that dtype.
+
+    [KAON_CPU_ACTIVATIONS=int8x2] .venv/bin/python bench/prefill_precision.py [--quantization int8]
+        [--dtype bfloat16] [--prompts 8]
 """
 from __future__ import annotations
 
@@ -45,9 +50,11 @@ from support.prompts import QUESTIONS
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quantization", default=None, help="int8 or int4 (default: the bundled model's own)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the model's dtype under --quantization")
     parser.add_argument("--prompts", type=int, default=8)
     args = parser.parse_args()
-    extra = {} if args.quantization is None else {"quantization": args.quantization, "dtype": "float32"}
+    extra = {} if args.quantization is None else {"quantization": args.quantization, "dtype": args.dtype}
     llm = LLM(MODEL, show_progress=False, device="cpu", enable_prefix_caching=False, **extra)
     lm = llm.engine.runner.model
     quantized = [m for m in lm.modules() if isinstance(m, QuantizedLinear)]
@@ -88,7 +95,7 @@ def main() -> None:
     decoder.DecoderModel.forward = measured
     start = time.time()
     params = SamplingParams(temperature=0, max_tokens=1)
-    print(f"model {MODEL} quantization {args.quantization or 'bundled default'}; torch {torch.__version__}, "
+    print(f"model {MODEL} quantization {args.quantization or 'bundled default'} dtype {extra.get('dtype', 'auto')}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'prompt':44s} {'rows':>4s} {'margin':>7s} | {'torch: top dlogp hidden':>26s} | "
           f"{'fused: top dlogp hidden':>26s}")
