@@ -101,18 +101,20 @@ def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: in
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize(("kv_dtype", "method", "activations"), [
-    (torch.float32, None, None), (torch.float16, None, None),
-    (torch.float32, "int8", None), (torch.float16, "int4", None),  # the default: one int8 pass per block
-    (torch.float32, "int8", "int8x2"), (torch.float16, "int4", "int8x2")])
-def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, method, activations, monkeypatch):
+@pytest.mark.parametrize(("kv_dtype", "method", "activations", "window"), [
+    (torch.float32, None, None, None), (torch.float16, None, None, None),
+    (torch.float32, "int8", None, None), (torch.float16, "int4", None, None),  # the default: one int8 pass per block
+    (torch.float32, "int8", "int8x2", None), (torch.float16, "int4", "int8x2", None),
+    (torch.float32, None, None, 3), (torch.float16, "int4", None, 3)])  # sliding windows shorter than the prompt
+def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, method, activations, window,
+                                                                        monkeypatch):
     # Nothing set but the activation passes: every precision's prompt rows take the C step by default
     monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
     if activations:
         monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
     else:
         monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
-    config = tiny_config(attention_bias=True)
+    config = tiny_config(attention_bias=True, sliding_window=window)
     whole = _prompt_rows(config, kv_dtype, [(0, 7)], method=method)
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)], method=method), whole), "chunked prefill"
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method=method), whole), \
