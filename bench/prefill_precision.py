@@ -85,17 +85,20 @@ def main() -> None:
                  "fused": self.cpu_decode(x, positions, meta).float()}
         top = ref.topk(5).indices
         row = {"rows": x.shape[0], "margin": (ref[top[0]] - ref[top[1]]).item(), "ref_top": int(top[0])}
+        found = {}
         for name, hidden in paths.items():
-            lp = logprobs(hidden, reference=False)
+            lp = found[name] = logprobs(hidden, reference=False)
             row[name] = dict(top=int(lp.argmax()) == int(top[0]), dlogp=(lp[top] - ref[top]).abs().max().item(),
                              hidden=((hidden - ref_hidden).norm() / ref_hidden.norm()).item(), first=int(lp.argmax()))
+        row["apart"] = (found["fused"][top] - found["torch"][top]).abs().max().item()  # the two paths, directly
         rows.append(row)
         return paths["fused"].to(x.dtype)
 
     decoder.DecoderModel.forward = measured
     start = time.time()
     params = SamplingParams(temperature=0, max_tokens=1)
-    print(f"model {MODEL} quantization {args.quantization or 'bundled default'} dtype {extra.get('dtype', 'auto')}; torch {torch.__version__}, "
+    print(f"model {MODEL} quantization {args.quantization or 'bundled default'} dtype {extra.get('dtype', 'auto')}; "
+          f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'prompt':44s} {'rows':>4s} {'margin':>7s} | {'torch: top dlogp hidden':>26s} | "
           f"{'fused: top dlogp hidden':>26s}")
@@ -114,6 +117,9 @@ def main() -> None:
         print(f"{name}: reference's top token kept {kept}/{len(rows)}; mean max|dlogp| on its top 5 "
               f"{statistics.mean(r[name]['dlogp'] for r in rows):.3f} nats; mean hidden error "
               f"{statistics.mean(r[name]['hidden'] for r in rows):.4f}")
+    apart = [r["apart"] for r in rows]
+    print(f"fused against torch: mean max|dlogp| on the reference's top 5 {statistics.mean(apart):.3f} nats "
+          f"(largest {max(apart):.3f})")
     ratio = statistics.mean(r["fused"]["hidden"] for r in rows) / statistics.mean(r["torch"]["hidden"] for r in rows)
     print(f"fused / torch hidden-state error: {ratio:.2f}x ({time.time() - start:.0f} s)")
 

@@ -18,9 +18,9 @@ by default): so every precision's answers are invariant, at the price of prompt 
 rows are (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
-(widened in registers); the activations are float32 inside the step. The fused step covers what
-Llama, SmolLM2, Mistral and Qwen2 need (full or sliding-window attention, SwiGLU, plain RMSNorm, biases); the other options of the shared
-decoder keep torch (`unsupported`).
+(widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
+the step. The fused step covers what Llama, SmolLM2, Mistral and Qwen2 need (full or sliding-window
+attention, SwiGLU, plain RMSNorm, biases); the other options of the shared decoder keep torch (`unsupported`).
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them

@@ -104,7 +104,7 @@ def test_mistral_windows_through_the_fused_cpu_step_give_transformers_log_probab
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # the later ones hit the cache
     assert llm.engine.stats().prefix_cache_hits > 0
-    unwindowed = getattr(transformers, "MistralForCausalLM")(
+    unwindowed = transformers.MistralForCausalLM(
         transformers.MistralConfig(**{**hf.config.to_dict(), "sliding_window": None})).to(torch.float64).eval()
     unwindowed.load_state_dict(hf.state_dict())
     for prompt, output in zip(prompts, outputs):
