@@ -44,6 +44,9 @@ MAX_ADDRESSES = 4096
 """Parsed pod URLs kept (pods come and go: past this the cache starts afresh)."""
 MAX_STARTS = 64
 """Request lines kept per pod URL."""
+MAX_MEDIA_TYPES = 256
+_MEDIA_TYPES: dict[bytes, str] = {}
+"""An engine's Content-Type field values -> their media type, lower-case (Response.content_type)."""
 
 
 class UpstreamError(Exception):
@@ -123,12 +126,23 @@ class Response:
     @property
     def content_type(self) -> str:
         value = self._type
-        return value.split(b";", 1)[0].strip().lower().decode("latin-1") if value else "application/octet-stream"
+        if not value:
+            return "application/octet-stream"
+        found = _MEDIA_TYPES.get(value)  # an engine sends a few Content-Types: each read once
+        if found is None:
+            found = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+            if len(_MEDIA_TYPES) < MAX_MEDIA_TYPES:
+                _MEDIA_TYPES[value] = found
+        return found
 
     @property
     def content_length(self) -> int | None:
         value = self._length
-        return int(value) if value is not None and value.strip().isdigit() else None
+        if value is None:
+            return None
+        if value.isdigit():  # (int() takes the ASCII digits as they are)
+            return int(value)
+        return int(value) if (value := value.strip()).isdigit() else None
 
     @property
     def content(self) -> Response:
