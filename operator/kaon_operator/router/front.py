@@ -41,6 +41,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from kaon_operator.router import errors
+from kaon_operator.router.upstream import content_length_line
 
 logger = logging.getLogger("kaon.router")
 
@@ -453,7 +454,7 @@ class FrontProtocol(asyncio.Protocol):
             b"" if response.dated else b"Date: " + _date() + b"\r\n",
             b"" if keep else b"Connection: close\r\n",
             b"Connection: keep-alive\r\n" if keep and request.http10 else b"",
-            b"Content-Length: %d\r\n\r\n" % len(body), body if request.method != "HEAD" else b"")))
+            content_length_line(len(body)), b"\r\n", body if request.method != "HEAD" else b"")))
         return keep
 
     def _next(self, request: FrontRequest, keep: bool) -> None:

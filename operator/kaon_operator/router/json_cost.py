@@ -71,7 +71,7 @@ def skeleton(body: bytes, quotes: int) -> bytes:
     backslash before a `"`) and an even count of them, every `"` opens or closes a string in turn, so the odd
     pieces between them are the strings: split and joined, about twice as fast as the regular expression on a
     request's body, and the same counts (the brackets, `,` and `:` left are the same; only the `""` are not kept)."""
-    if quotes % 2 == 0 and b'\\"' not in body:
+    if quotes % 2 == 0 and (b"\\" not in body or b'\\"' not in body):  # (one byte's search first: the quicker)
         return b"".join(body.split(b'"')[::2])
     return _STRING.sub(b'""', body)
 

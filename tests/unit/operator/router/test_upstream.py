@@ -386,3 +386,19 @@ def test_the_media_type_and_length_read_as_the_engine_spelled_them_and_the_kept_
     for value, expected in [(b"12", 12), (b" 12 ", 12), (b"1x", None), (b"-1", None), (None, None)]:
         response._length = value
         assert response.content_length == expected, value
+
+
+def test_length_lines_and_reason_phrases_are_kept_bounded(monkeypatch):
+    """The Content-Length lines and the engines' reason phrases kept per value: the same bytes as made afresh, and no
+    more kept than their bounds however many sizes and phrases come."""
+    from kaon_operator.router import upstream
+    monkeypatch.setattr(upstream, "_LENGTH_LINES", {})
+    monkeypatch.setattr(upstream, "_REASONS", {})
+    for size in range(upstream.MAX_LENGTH_LINES + 30):
+        assert upstream.content_length_line(size) == b"Content-Length: %d\r\n" % size
+    assert len(upstream._LENGTH_LINES) == upstream.MAX_LENGTH_LINES
+    for i in range(upstream.MAX_REASONS + 30):
+        raw = b"HTTP/1.1 200 Fine %d\r\nContent-Length: 2\r\n\r\nok" % i
+        response, body = fed(raw, [len(raw)])
+        assert (response.reason, body) == (f"Fine {i}", b"ok")
+    assert len(upstream._REASONS) == upstream.MAX_REASONS
