@@ -2,7 +2,7 @@
 through the router, in the same run.
 
     python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx] [--compiled DIR]
-                           [--rounds 6] [--round-seconds 4]
+                           [--base DIR] [--rounds 6] [--round-seconds 4]
 
 Four processes: fake engines (one aiohttp process listening on --engines ports: a fixed
 small completion, or a short SSE stream), the router (kaon's Router on a table that lists
@@ -10,7 +10,8 @@ those ports as the pods of one InferenceService), nginx as the router's peer (on
 process, as the router is one process: `upstream { least_conn; keepalive }` over the same
 ports, buffering off so that streams pass through as they come), and this load generator.
 With --compiled, one more router process runs the same code compiled with mypyc (bench/router_compile.py's
-copy), to measure what compiling the data path would give.
+copy), to measure what compiling the data path would give. With --base, one more runs another tree's operator/
+(a checkout from before a change: label routed-base), so that a change is measured with its sockets in one run.
 nginx is the Debian package: found on PATH or in /usr/sbin, else installed with apt-get when
 this runs as root (it says so), else left out. Phases, each direct, then nginx, then routed:
 
@@ -417,12 +418,15 @@ async def bench(args) -> None:
           for loop, router_port in router_ports.items()),
     ]
     routers = {loop: child for loop, child in zip(args.loops, children[1:])}
-    compiled_port = free_port()
-    if args.compiled:  # the same router compiled (bench/router_compile.py), on the first of --loops
-        children.append(compiled := subprocess.Popen(
+    others = {label: tree for label, tree in (("routed-compiled", args.compiled), ("routed-base", args.base)) if tree}
+    other_ports = {label: free_port() for label in others}
+    other_processes = {}
+    for label, tree in others.items():  # another tree's router (compiled, or before a change), on the first --loops
+        other_processes[label] = subprocess.Popen(
             me + ["--role", "router", "--loops", args.loops[0],
-                  "--ports", ",".join(map(str, [compiled_port, *engine_ports]))],
-            env={**os.environ, OPERATOR_ENV: str(args.compiled.resolve() / "operator")}))
+                  "--ports", ",".join(map(str, [other_ports[label], *engine_ports]))],
+            env={**os.environ, OPERATOR_ENV: str(tree.resolve() / "operator")})
+        children.append(other_processes[label])
     workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
     if nginx:
         children.append(nginx_process := start_nginx(nginx, nginx_port, engine_ports, workdir))
@@ -432,7 +436,7 @@ async def bench(args) -> None:
         print("nginx: not found and not installable here (not root, or no apt-get): left out")
     try:
         for port in (*engine_ports, *router_ports.values(), *([nginx_port] if nginx else []),
-                     *([compiled_port] if args.compiled else [])):
+                     *other_ports.values()):
             await wait_listening(port)
         ways = {"direct": [f"http://127.0.0.1:{p}" for p in engine_ports]}
         pids: dict[str, list[int]] = {"direct": []}
@@ -443,8 +447,8 @@ async def bench(args) -> None:
             way = "routed" if loop == args.loops[0] else f"routed-{loop}"
             ways[way] = [f"http://127.0.0.1:{router_port}"]
             pids[way] = [routers[loop].pid]
-        if args.compiled:
-            ways["routed-compiled"], pids["routed-compiled"] = [f"http://127.0.0.1:{compiled_port}"], [compiled.pid]
+        for label, port in other_ports.items():
+            ways[label], pids[label] = [f"http://127.0.0.1:{port}"], [other_processes[label].pid]
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.engines} fake engines; "
               f"Python {sys.version.split()[0]}, aiohttp {aiohttp.__version__}"
               + (f", nginx {nginx_version(nginx)} ({nginx})" if nginx else ""))
@@ -485,6 +489,8 @@ def main() -> None:
                              "router process each, all measured in this run")
     parser.add_argument("--compiled", type=Path, help="also a router process importing this tree's operator/: "
                         "bench/router_compile.py's compiled copy (measured beside the others, label routed-compiled)")
+    parser.add_argument("--base", type=Path, help="also a router process importing DIR/operator: another tree, e.g. "
+                        "before a change (measured beside the others, label routed-base)")
     parser.add_argument("--rounds", type=int, default=6, help="phase 2b: rounds of nginx and the routers in turn "
                         "(0: none)")
     parser.add_argument("--round-seconds", type=float, default=4.0, help="phase 2b: seconds per way and round")
