@@ -43,7 +43,9 @@ on a shared machine the other work's preemptions then cost each side less uneven
 --pair A B: two formats' engines built side by side and measured turn about (A, B, A, B, ...,
 `--repeats` turns), each turn's batch-1 and batch-B rates; prints the median of the per-turn ratios
 B / A. On a shared machine this ratio holds where the table's (one format after another) drifts with
-the load. `--formats --torch-ops --pair float32 float16` measures only that.
+the load. `--formats --torch-ops --pair float32 float16` measures only that; `--pair
+bfloat16-int4:torch bfloat16-int4` the C step against torch ops for int4 weights in a bfloat16 model
+(formats DTYPE-METHOD: --dtype DTYPE --quantization METHOD, named only when asked for).
 
 Over 300 lines for a stated reason: the modes share one engine builder, one timing loop and one table,
 and each is a few dozen lines on them; split into files, each would import the others' helpers back.
@@ -101,6 +103,20 @@ AGREEMENT_PROMPTS = [PROMPT, "def fibonacci(n):", "The three primary colors are"
 
 
 FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
+# The narrow weights in a half-precision model (--dtype bfloat16 --quantization int4: bfloat16 norms,
+# embedding rows and KV cache), measured when asked for by name (--formats, --torch-ops, --pair).
+HALF_QUANTIZED = [f"{dtype}-{method}" for dtype in ("bfloat16", "float16") for method in ("int8", "int4")]
+ALL_FORMATS = FORMATS + HALF_QUANTIZED
+
+
+def format_options(fmt: str) -> dict[str, str]:
+    """The LLM options of a format name: a float dtype, a quantization (in float32), or dtype-quantization."""
+    if fmt in HALF_QUANTIZED:
+        dtype, method = fmt.split("-")
+        return dict(dtype=dtype, quantization=method)
+    if fmt in ("bfloat16", "float16"):
+        return dict(dtype=fmt)
+    return dict(dtype="float32", quantization="none" if fmt == "float32" else fmt)
 
 
 def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", activations: str | None = None, **engine_options):
@@ -109,8 +125,7 @@ def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", activations: str | N
     activations: KAON_CPU_ACTIVATIONS (None: the default), held while one request makes its structs."""
     from kaon_runtime import LLM, SamplingParams
     from kaon_runtime.kernels import cpu_decode
-    options = dict(dtype=fmt) if fmt in ("bfloat16", "float16") else dict(
-        dtype="float32", quantization="none" if fmt == "float32" else fmt)
+    options = format_options(fmt)
     saved = {name: os.environ.get(name) for name in ("KAON_CPU_DECODE", "KAON_CPU_PREFILL", "KAON_CPU_ACTIVATIONS")}
     os.environ.update(KAON_CPU_DECODE="on" if fused else "off", KAON_CPU_PREFILL=prefill)
     if activations:
@@ -243,8 +258,9 @@ def activations_cost(formats: list[str], args) -> None:
 
 
 def pair_cost(first: str, second: str, args) -> None:
-    """Batch-1 and batch-B decode of two formats, their engines alive together, alternated turn by turn."""
-    llms = {fmt: kaon_llm(fmt, True) for fmt in (first, second)}
+    """Batch-1 and batch-B decode of two formats, their engines alive together, alternated turn by turn;
+    a name ending in ":torch" is that format with the fused step off (torch ops: the C step's A/B)."""
+    llms = {fmt: kaon_llm(fmt.removesuffix(":torch"), not fmt.endswith(":torch")) for fmt in (first, second)}
     runs = {fmt: kaon_runner(llm) for fmt, llm in llms.items()}
     figures: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in llms}
     for _ in range(args.repeats):
@@ -311,8 +327,8 @@ def llama_cpp_rates(gguf: Path, threads: int, args) -> tuple[float, float] | Non
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--formats", nargs="*", default=FORMATS, choices=FORMATS)
-    parser.add_argument("--torch-ops", nargs="*", default=["float32", "int4"], choices=FORMATS,
+    parser.add_argument("--formats", nargs="*", default=FORMATS, choices=ALL_FORMATS)
+    parser.add_argument("--torch-ops", nargs="*", default=["float32", "int4"], choices=ALL_FORMATS,
                         help="formats also measured with the fused CPU decode step off")
     parser.add_argument("--invariance", nargs="*", default=[], choices=FORMATS,
                         help="formats whose decode and prefill are measured with and without batch invariance")
@@ -320,8 +336,9 @@ def main() -> int:
                         help="formats measured with one and two int8 passes per activation block")
     parser.add_argument("--baseline-source", type=Path,
                         help="--activations: also the default on this version of kernels/cpu_decode.c")
-    parser.add_argument("--pair", nargs=2, choices=FORMATS, metavar=("A", "B"),
-                        help="two formats alternated turn by turn in one process: the ratio B / A")
+    parser.add_argument("--pair", nargs=2, choices=ALL_FORMATS + [f + ":torch" for f in ALL_FORMATS],
+                        metavar=("A", "B"), help="two formats alternated turn by turn in one process: the ratio "
+                        "B / A (FORMAT:torch: that format with the fused step off)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: rates per CPU second of this process (A/B on a shared machine)")
     parser.add_argument("--tokens", type=int, default=64)

@@ -18,7 +18,12 @@ largest |difference| of log-probability over the reference's top 5, and each pat
 state's error against the reference. A bug in the C step's indexing (scales of another row or
 group) shows as errors far above torch's; the activations' rounding as errors of the same order.
 
-    [KAON_CPU_ACTIVATIONS=int8x2] .venv/bin/python bench/prefill_precision.py [--quantization int8] [--prompts 8]
+--dtype bfloat16 / float16 (with --quantization): the same three computations of the model in that dtype
+(its int4/int8 weights, norms and KV cache in it): torch's path is then what such a model ran before the C
+step took it (the dtype's activations between layers), the reference its dequantized weights in that dtype.
+
+    [KAON_CPU_ACTIVATIONS=int8x2] .venv/bin/python bench/prefill_precision.py [--quantization int8]
+        [--dtype bfloat16] [--prompts 8]
 """
 from __future__ import annotations
 
@@ -45,9 +50,11 @@ from support.prompts import QUESTIONS
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quantization", default=None, help="int8 or int4 (default: the bundled model's own)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the model's dtype under --quantization")
     parser.add_argument("--prompts", type=int, default=8)
     args = parser.parse_args()
-    extra = {} if args.quantization is None else {"quantization": args.quantization, "dtype": "float32"}
+    extra = {} if args.quantization is None else {"quantization": args.quantization, "dtype": args.dtype}
     llm = LLM(MODEL, show_progress=False, device="cpu", enable_prefix_caching=False, **extra)
     lm = llm.engine.runner.model
     quantized = [m for m in lm.modules() if isinstance(m, QuantizedLinear)]
@@ -78,17 +85,20 @@ def main() -> None:
                  "fused": self.cpu_decode(x, positions, meta).float()}
         top = ref.topk(5).indices
         row = {"rows": x.shape[0], "margin": (ref[top[0]] - ref[top[1]]).item(), "ref_top": int(top[0])}
+        found = {}
         for name, hidden in paths.items():
-            lp = logprobs(hidden, reference=False)
+            lp = found[name] = logprobs(hidden, reference=False)
             row[name] = dict(top=int(lp.argmax()) == int(top[0]), dlogp=(lp[top] - ref[top]).abs().max().item(),
                              hidden=((hidden - ref_hidden).norm() / ref_hidden.norm()).item(), first=int(lp.argmax()))
+        row["apart"] = (found["fused"][top] - found["torch"][top]).abs().max().item()  # the two paths, directly
         rows.append(row)
         return paths["fused"].to(x.dtype)
 
     decoder.DecoderModel.forward = measured
     start = time.time()
     params = SamplingParams(temperature=0, max_tokens=1)
-    print(f"model {MODEL} quantization {args.quantization or 'bundled default'}; torch {torch.__version__}, "
+    print(f"model {MODEL} quantization {args.quantization or 'bundled default'} dtype {extra.get('dtype', 'auto')}; "
+          f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'prompt':44s} {'rows':>4s} {'margin':>7s} | {'torch: top dlogp hidden':>26s} | "
           f"{'fused: top dlogp hidden':>26s}")
@@ -107,6 +117,9 @@ def main() -> None:
         print(f"{name}: reference's top token kept {kept}/{len(rows)}; mean max|dlogp| on its top 5 "
               f"{statistics.mean(r[name]['dlogp'] for r in rows):.3f} nats; mean hidden error "
               f"{statistics.mean(r[name]['hidden'] for r in rows):.4f}")
+    apart = [r["apart"] for r in rows]
+    print(f"fused against torch: mean max|dlogp| on the reference's top 5 {statistics.mean(apart):.3f} nats "
+          f"(largest {max(apart):.3f})")
     ratio = statistics.mean(r["fused"]["hidden"] for r in rows) / statistics.mean(r["torch"]["hidden"] for r in rows)
     print(f"fused / torch hidden-state error: {ratio:.2f}x ({time.time() - start:.0f} s)")
 

@@ -72,14 +72,15 @@ def pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device
 
 def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  kv_dtype: torch.dtype, tp: TensorParallel) -> KernelBackend:
-    """The kernel backend for this device, with the fused CPU decode step where it applies
-    (CPU; float32, or float16 / bfloat16 float weights; a cache it reads, a model it covers)."""
+    """The kernel backend for this device, with the fused CPU decode step where it applies (CPU; a float32,
+    float16 or bfloat16 model, its weights float in that dtype or int8 / int4 in the step's layouts; a cache
+    it reads, a model it covers). Quantized weights in a float16 / bfloat16 model take it too (issue 49 §2):
+    the step reads their blocks as at float32 and the model's norms, embedding rows and cache as stored, so a
+    row's numbers are its own; torch's path, which they ran before, sums prompt rows by the row count."""
     cpu_decode = False
     if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None
-        if dtype != torch.float32 and _weights_quantization(config, checkpoint) != "none":
-            reason = f"quantized weights under --dtype {str(dtype).removeprefix('torch.')}"
-        elif kv_dtype not in cpu_decode_step.KV_DTYPES:
+        if kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
         elif tp.stage.size > 1:
             reason = "pipeline parallelism"  # the C step runs every layer and the head

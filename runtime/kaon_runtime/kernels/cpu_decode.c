@@ -111,6 +111,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     void *k_cache, *v_cache;  /* [kv_heads, num_blocks, block_size, head_dim]: float32, or float16 (kv_half) */
     Lora lora[4];             /* by the LORA_ names above */
+    int32_t window;           /* sliding window: a query at position p sees keys p - window + 1 .. p; 0: all */
 } Layer;
 
 typedef struct {
@@ -1950,11 +1951,13 @@ static void store_row(void *cache, int half, size_t at, const float *x, int dim)
  * and value row loaded serves all of them; each head's arithmetic is what it would be alone. */
 #define GH 3
 
-/* sc[h * sc_stride + t] = scale * q_h . k_t for gh (<= GH) heads whose queries are `dim` apart. */
+/* sc[h * sc_stride + t] = scale * q_h . k_t for first <= t < ctx, for gh (<= GH) heads whose queries are `dim`
+ * apart. */
 static inline __attribute__((always_inline)) void attention_scores(const float *q, int gh, const void *kc, int half,
                                                                    const int64_t *table, int shift, int dim,
-                                                                   int ctx, float scale, float *sc, size_t sc_stride) {
-    int t = 0;
+                                                                   int first, int ctx, float scale, float *sc,
+                                                                   size_t sc_stride) {
+    int t = first;
 #ifdef KAON_AVX2
     if (dim % 8 == 0)
         for (; t + 8 <= ctx; t += 8) {
@@ -2038,19 +2041,20 @@ static void softmax(float *sc, int ctx) {
     for (t = 0; t < ctx; t++) sc[t] *= inv;
 }
 
-/* o_h = sum_t p_h[t] * v_t for gh (<= GH) heads (p_h p_stride apart, o_h dim apart). Sixty-four
+/* o_h = sum_t p_h[t] * v_t over first <= t < ctx for gh (<= GH) heads (p_h p_stride apart, o_h dim apart). Sixty-four
  * outputs at a time stay in registers across the whole context (the rest, if head_dim is not a
  * multiple of 64, through axpy in memory). */
 static inline __attribute__((always_inline)) void attention_values(const float *p, size_t p_stride, int gh,
                                                                    const void *vc, int half, const int64_t *table,
-                                                                   int shift, int dim, int ctx, float *o) {
+                                                                   int shift, int dim, int first, int ctx,
+                                                                   float *o) {
     int c0 = 0;
 #ifdef KAON_AVX2
     for (; c0 + 64 <= dim; c0 += 64) {
         __m256 acc[GH][8];
         for (int h = 0; h < gh; h++)
             for (int j = 0; j < 8; j++) acc[h][j] = _mm256_setzero_ps();
-        for (int t = 0; t < ctx; t++) {
+        for (int t = first; t < ctx; t++) {
             const void *v = token_row(vc, half, table, shift, t, dim);
             for (int j = 0; j < 8; j++) {
                 const __m256 vv = load8(v, c0 + 8 * j, half);
@@ -2065,7 +2069,7 @@ static inline __attribute__((always_inline)) void attention_values(const float *
     if (c0 < dim) {
         float buf[dim];
         for (int h = 0; h < gh; h++) memset(o + (size_t)h * dim + c0, 0, sizeof(float) * (dim - c0));
-        for (int t = 0; t < ctx; t++) {
+        for (int t = first; t < ctx; t++) {
             const float *v = row_f32(token_row(vc, half, table, shift, t, dim), half, dim, buf);
             for (int h = 0; h < gh; h++) axpy(o + (size_t)h * dim + c0, p[h * p_stride + t], v + c0, dim - c0);
         }
@@ -2076,17 +2080,20 @@ static inline __attribute__((always_inline)) void attention_values(const float *
 static inline __attribute__((always_inline)) void attend(const AttentionJob *job, int r, int h0, int gh, int half) {
     const Model *md = job->md;
     const int heads = md->num_heads, dim = md->head_dim, bs = md->block_size, shift = __builtin_ctz(bs);
-    const int group = heads / md->num_kv_heads, ctx = (int)job->context_lens[r];
+    const int group = heads / md->num_kv_heads, ctx = (int)job->context_lens[r], window = job->layer->window;
+    /* A windowed layer's row sees its newest `window` keys: the same loops from the window's first key, so a
+     * row's sums still depend on its own context only (and a layer without one runs from 0, as before). */
+    const int first = window > 0 && ctx > window ? ctx - window : 0;
     const size_t max_ctx = (size_t)job->max_blocks * bs, kv_offset = (size_t)(h0 / group) * md->num_blocks * bs * dim;
     const int64_t *table = job->tables + (size_t)r * job->max_blocks;
     const float *q = job->qkv + (size_t)r * job->qkv_width + (size_t)h0 * dim;
     float *sc = job->scores + ((size_t)r * heads + h0) * max_ctx;
     const size_t kv_bytes = kv_offset * (half ? sizeof(uint16_t) : sizeof(float));
-    attention_scores(q, gh, (const char *)job->layer->k_cache + kv_bytes, half, table, shift, dim, ctx, md->scale, sc,
-                     max_ctx);
-    for (int h = 0; h < gh; h++) softmax(sc + h * max_ctx, ctx);
-    attention_values(sc, max_ctx, gh, (const char *)job->layer->v_cache + kv_bytes, half, table, shift, dim, ctx,
-                     job->out + ((size_t)r * heads + h0) * dim);
+    attention_scores(q, gh, (const char *)job->layer->k_cache + kv_bytes, half, table, shift, dim, first, ctx,
+                     md->scale, sc, max_ctx);
+    for (int h = 0; h < gh; h++) softmax(sc + h * max_ctx + first, ctx - first);
+    attention_values(sc, max_ctx, gh, (const char *)job->layer->v_cache + kv_bytes, half, table, shift, dim, first,
+                     ctx, job->out + ((size_t)r * heads + h0) * dim);
 }
 
 /* attend for gh (<= GH) heads, with the head count a constant in each copy of the loops. */

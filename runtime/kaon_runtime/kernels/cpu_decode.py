@@ -85,7 +85,8 @@ class Layer(ctypes.Structure):
     _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("lora", Lora * 4)]  # qkv, o, gate_up, down
+                ("lora", Lora * 4),  # qkv, o, gate_up, down
+                ("window", ctypes.c_int32)]  # the sliding window (keys a query sees, itself included); 0: all
 
 
 class Model(ctypes.Structure):

@@ -18,9 +18,9 @@ by default): so every precision's answers are invariant, at the price of prompt 
 rows are (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
-(widened in registers); the activations are float32 inside the step. The fused step covers what
-Llama, SmolLM2, Mistral and Qwen2 need (full attention, SwiGLU, plain RMSNorm, biases); the other options of the shared
-decoder keep torch (`unsupported`).
+(widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
+the step. The fused step covers what Llama, SmolLM2, Mistral and Qwen2 need (full or sliding-window
+attention, SwiGLU, plain RMSNorm, biases); the other options of the shared decoder keep torch (`unsupported`).
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
@@ -129,6 +129,7 @@ class FusedLayer:
     k_cache: torch.Tensor | None  # [Hkv, num_blocks, block_size, D]; None before the pool is attached
     v_cache: torch.Tensor | None
     scale: float  # attention's score scale
+    window: int | None = None  # the sliding window: a query sees itself and the window - 1 keys before it
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,6 @@ def unsupported(config: ModelConfig) -> str | None:
         (config.sandwich_norms or config.norm_weight_offset != 0, "Gemma's norms"),
         (config.hidden_act != "silu", f"the {config.hidden_act} activation"),
         (config.rotary_dim not in (None, config.head_dim), "partial rotary"),
-        (any(config.window(i) is not None for i in range(config.num_layers)), "sliding windows"),
         (config.attn_softcap is not None, "attention soft-capping"),
         (config.num_experts > 0, "experts"),
         (config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK,
@@ -272,7 +272,7 @@ class CpuDecodeStep:
             assert layer.k_cache is not None and layer.v_cache is not None, "the KV pool is not attached"
             structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
                                           layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
-                                          (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)))
+                                          (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)), layer.window or 0)
             for name in ("qkv", "o", "gate_up", "down"):  # (copies of the structs: shared weights keep theirs)
                 linear = getattr(structs[i], name)
                 if linear.kind not in cpu_decode.FLOAT_KIND_SET:

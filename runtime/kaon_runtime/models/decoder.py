@@ -128,7 +128,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, GatedMLP), "the fused step has no experts"
         return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
-                          self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)
+                          self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale,
+                          attn.attn.sliding_window)
 
 
 class DecoderModel(nn.Module):

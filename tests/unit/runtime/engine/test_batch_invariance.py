@@ -1,9 +1,10 @@
 """The same request gets the same answer, whatever else the engine is doing (issue 49, section 2).
 
 On the bundled model in its default precision (int4 weights, float16 KV cache, the fused C step for
-decode and prompt rows alike, one int8 activation pass per block), and again with two passes
-(KAON_CPU_ACTIVATIONS=int8x2, opt-in), greedy: each prompt answered alone is the reference, and the
-same prompts answered
+decode and prompt rows alike, one int8 activation pass per block), again with two passes
+(KAON_CPU_ACTIVATIONS=int8x2, opt-in), and with its int4 weights in a bfloat16 model (--dtype bfloat16
+--quantization int4: bfloat16 norms, embedding rows and KV cache, the same C step; float16 and int8
+on the tiny model: test_quant.py), greedy: each prompt answered alone is the reference, and the same prompts answered
   - in one batch with prompts of other lengths (batch neighbours),
   - in prefill chunks of 16 tokens (chunked prefill),
   - a second time, their prefix blocks already cached (prefix-cache hits),
@@ -54,7 +55,12 @@ def _together(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
     return [_answer(o) for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
 
 
-@pytest.fixture(scope="module", params=["default", "int8x2"])
+# name: (KAON_CPU_ACTIVATIONS or None for the default, the engine's dtype and quantization options)
+SETTINGS = {"default": (None, {}), "int8x2": ("int8x2", {}),
+            "bfloat16-int4": (None, {"dtype": "bfloat16", "quantization": "int4"})}
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
 def engines(request):
     """(no prefix cache, whole prompts in one step), (prefix cache, prefill chunks of 16 tokens)."""
     # Nothing set but the activation passes (models/cpu_decode_step.prefills_take_the_c_step then sends
@@ -62,11 +68,12 @@ def engines(request):
     with pytest.MonkeyPatch.context() as env:
         for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
             env.delenv(name, raising=False)
-        if request.param != "default":
-            env.setenv("KAON_CPU_ACTIVATIONS", request.param)
-        plain = LLM(MODEL, show_progress=False, device="cpu", enable_prefix_caching=False)
+        activations, options = SETTINGS[request.param]
+        if activations is not None:
+            env.setenv("KAON_CPU_ACTIVATIONS", activations)
+        plain = LLM(MODEL, show_progress=False, device="cpu", enable_prefix_caching=False, **options)
         chunked = LLM(MODEL, show_progress=False, device="cpu", enable_prefix_caching=True,
-                      max_num_batched_tokens=16)
+                      max_num_batched_tokens=16, **options)
     yield plain, chunked
     for llm in (plain, chunked):
         close = getattr(llm, "close", None)

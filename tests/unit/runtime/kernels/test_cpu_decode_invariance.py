@@ -39,11 +39,14 @@ def test_half_weights_equal_the_float32_kernel_on_their_widened_values(dtype, ro
     torch.testing.assert_close(out, x_head @ head_t.float(), atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
 @pytest.mark.parametrize("dtype", HALVES)
-def test_a_half_model_step_equals_the_float32_step_on_the_same_values(dtype):
+def test_a_half_model_step_equals_the_float32_step_on_the_same_values(dtype, method):
     """The whole decode step of a float16 / bfloat16 model is the float32 model's on the same
     (rounded) weights, bit for bit, both with a cache of that dtype; the keys and values it stores
-    are the float32 ones rounded to nearest, as torch's .to() rounds."""
+    are the float32 ones rounded to nearest, as torch's .to() rounds. With int8 / int4 projections
+    (--dtype bfloat16 --quantization int4, issue 49 §2) too: the narrow kernels and their activation
+    pass are the float32 model's, only the norms, biases and cache are read from the half dtype."""
     config = tiny_config(attention_bias=True)
     results = []
     for model_dtype in (torch.float32, dtype):
@@ -52,6 +55,8 @@ def test_a_half_model_step_equals_the_float32_step_on_the_same_values(dtype):
             for p in model.parameters():
                 p.copy_(p.to(dtype))  # the same values in both models
         model = model.to(model_dtype)
+        if method:
+            quantize_model(model, method)  # (both quantizers read the weights as float32: the same blocks)
         x, positions, meta = decode_step(config, TABLES, LENS)
         model.check_kernels()
         with torch.inference_mode():
@@ -96,18 +101,20 @@ def _prompt_rows(config, kv_dtype, steps, neighbours: bool = False, max_rows: in
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize(("kv_dtype", "method", "activations"), [
-    (torch.float32, None, None), (torch.float16, None, None),
-    (torch.float32, "int8", None), (torch.float16, "int4", None),  # the default: one int8 pass per block
-    (torch.float32, "int8", "int8x2"), (torch.float16, "int4", "int8x2")])
-def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, method, activations, monkeypatch):
+@pytest.mark.parametrize(("kv_dtype", "method", "activations", "window"), [
+    (torch.float32, None, None, None), (torch.float16, None, None, None),
+    (torch.float32, "int8", None, None), (torch.float16, "int4", None, None),  # the default: one int8 pass per block
+    (torch.float32, "int8", "int8x2", None), (torch.float16, "int4", "int8x2", None),
+    (torch.float32, None, None, 3), (torch.float16, "int4", None, 3)])  # sliding windows shorter than the prompt
+def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, method, activations, window,
+                                                                        monkeypatch):
     # Nothing set but the activation passes: every precision's prompt rows take the C step by default
     monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
     if activations:
         monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
     else:
         monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
-    config = tiny_config(attention_bias=True)
+    config = tiny_config(attention_bias=True, sliding_window=window)
     whole = _prompt_rows(config, kv_dtype, [(0, 7)], method=method)
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)], method=method), whole), "chunked prefill"
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method=method), whole), \

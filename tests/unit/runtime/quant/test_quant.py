@@ -27,6 +27,7 @@ from kaon_runtime.quant.gguf import int4_from_q4_1
 from kaon_runtime.quant.int4 import Int4Linear, quantize_int4
 from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
 from support import MODEL
+from support.tiny_llama import PROMPTS as TINY_PROMPTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter multiplies bfloat16 matrices wrongly (tl.dot on bf16 operands), so bf16 is checked on GPUs only.
@@ -433,6 +434,38 @@ def test_narrow_weights_on_cpu_keep_float16_keys_and_values_unless_told_otherwis
     llm, torch_path = generate()
     assert not llm.engine.runner.cpu_decode_step
     assert fused == torch_path
+
+
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrow_weights_in_a_half_model_take_the_c_step_and_answer_alike_alone_batched_chunked(
+        tiny_llama, dtype, method, monkeypatch):
+    """--dtype bfloat16/float16 with int8/int4 weights runs the fused C step (issue 49 §2; torch's path
+    before, whose prompt rows' sums moved with the row count): a prompt's tokens and log-probabilities
+    are the same bits alone, in a batch, in prefill chunks and with its prefix cached. (The bundled
+    model's run is tests/unit/runtime/engine/test_batch_invariance.py's, marked slow.)"""
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+    def answers(llm, prompts):
+        completions = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(c.token_ids, [step[t] for t, step in zip(c.token_ids, c.logprobs)]) for c in completions]
+
+    def engine(**options):
+        return LLM(tiny_llama, show_progress=False, device="cpu", dtype=dtype, quantization=method,
+                   kv_cache_bytes=1 << 22, block_size=8, **options)
+
+    plain = engine(enable_prefix_caching=False)
+    assert plain.engine.runner.cpu_decode_step, "the fused C step runs this model"
+    alone = [answers(plain, [p])[0] for p in TINY_PROMPTS]
+    assert answers(plain, TINY_PROMPTS) == alone, "in a batch"
+    plain.close()
+    chunked = engine(enable_prefix_caching=True, max_num_batched_tokens=16)
+    assert answers(chunked, TINY_PROMPTS) == alone, "in chunks of 16, batched"
+    assert [answers(chunked, [p])[0] for p in TINY_PROMPTS] == alone, "with its prefix cached"
+    chunked.close()
 
 
 def test_an_unknown_kv_cache_dtype_is_refused():
