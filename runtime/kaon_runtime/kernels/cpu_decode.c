@@ -112,6 +112,8 @@ typedef struct {
     void *k_cache, *v_cache;  /* [kv_heads, num_blocks, block_size, head_dim]: float32, or float16 (kv_half) */
     Lora lora[4];             /* by the LORA_ names above */
     int32_t window;           /* sliding window: a query at position p sees keys p - window + 1 .. p; 0: all */
+    const float *q_norm, *k_norm;  /* Qwen3: one RMSNorm weight [head_dim] for every q head, one for every k
+                                    * head, applied before rotary; NULL: none */
 } Layer;
 
 typedef struct {
@@ -2285,6 +2287,10 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         for (int r = 0; r < rows; r++) {
             float *t = qkv + (size_t)r * qkv_width;
             const float *c = md->cos + (size_t)positions[r] * half, *s = md->sin + (size_t)positions[r] * half;
+            if (L->q_norm) {  /* each head alone (in place: a head's sum is taken before it is written) */
+                rms_norm(t, L->q_norm, md->eps, heads, dim, t);
+                rms_norm(t + (size_t)heads * dim, L->k_norm, md->eps, kv_heads, dim, t + (size_t)heads * dim);
+            }
             rotary(t, heads + kv_heads, dim, c, s);  /* q and k heads sit side by side */
             const int64_t slot = slots[r];
             if (slot < 0) continue;  /* padding: nothing to store */

@@ -86,7 +86,8 @@ class Layer(ctypes.Structure):
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("lora", Lora * 4),  # qkv, o, gate_up, down
-                ("window", ctypes.c_int32)]  # the sliding window (keys a query sees, itself included); 0: all
+                ("window", ctypes.c_int32),  # the sliding window (keys a query sees, itself included); 0: all
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]  # Qwen3's per-head norms; None: none
 
 
 class Model(ctypes.Structure):

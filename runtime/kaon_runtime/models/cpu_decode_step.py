@@ -19,8 +19,9 @@ rows are (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
 (widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
-the step. The fused step covers what Llama, SmolLM2, Mistral and Qwen2 need (full or sliding-window
-attention, SwiGLU, plain RMSNorm, biases); the other options of the shared decoder keep torch (`unsupported`).
+the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2 and Qwen3 need (full or sliding-window
+attention, SwiGLU, plain RMSNorm, biases, Qwen3's per-head q/k norms); the other options of the shared decoder
+keep torch (`unsupported`).
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
@@ -130,6 +131,8 @@ class FusedLayer:
     v_cache: torch.Tensor | None
     scale: float  # attention's score scale
     window: int | None = None  # the sliding window: a query sees itself and the window - 1 keys before it
+    q_norm: torch.Tensor | None = None  # Qwen3: the RMSNorm weight [head_dim] every q head is normalised by
+    k_norm: torch.Tensor | None = None  # (before rotary), and every k head's; None: no q/k norms
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +175,6 @@ def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -
 def unsupported(config: ModelConfig) -> str | None:
     """Why the fused step cannot run this model, or None when it can."""
     reasons = [
-        (config.qk_norm, "q/k norms"),
         (config.sandwich_norms or config.norm_weight_offset != 0, "Gemma's norms"),
         (config.hidden_act != "silu", f"the {config.hidden_act} activation"),
         (config.rotary_dim not in (None, config.head_dim), "partial rotary"),
@@ -268,11 +270,13 @@ class CpuDecodeStep:
             loras = [slots or (cpu_decode.Lora(), []) for slots in found]
             reads_lora = reads_lora and None not in found
             norms = [n.detach().float().contiguous() for n in (layer.input_norm, layer.post_attention_norm)]
-            keep += [*linears, *norms, *(tensors for _, tensors in loras)]
+            head_norms = [None if n is None else n.detach().float().contiguous() for n in (layer.q_norm, layer.k_norm)]
+            keep += [*linears, *norms, *head_norms, *(tensors for _, tensors in loras)]
             assert layer.k_cache is not None and layer.v_cache is not None, "the KV pool is not attached"
             structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
                                           layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
-                                          (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)), layer.window or 0)
+                                          (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)), layer.window or 0,
+                                          *(None if n is None else n.data_ptr() for n in head_norms))
             for name in ("qkv", "o", "gate_up", "down"):  # (copies of the structs: shared weights keep theirs)
                 linear = getattr(structs[i], name)
                 if linear.kind not in cpu_decode.FLOAT_KIND_SET:
