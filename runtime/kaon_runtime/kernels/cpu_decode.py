@@ -95,7 +95,8 @@ class Model(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                               "intermediate", "block_size", "num_blocks", "kv_half")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer)),
+        ("rotary_dim", ctypes.c_int32)]  # each head's leading dims that rotate (partial rotary); 0: all
 
 
 def _cpu_signature() -> str:

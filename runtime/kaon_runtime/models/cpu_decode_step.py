@@ -19,9 +19,9 @@ rows are (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
 (widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
-the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2 and Qwen3 need (full or sliding-window
-attention, SwiGLU, plain RMSNorm, biases, Qwen3's per-head q/k norms); the other options of the shared decoder
-keep torch (`unsupported`).
+the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3 and Phi-3 need (full or sliding-window
+attention, SwiGLU, plain RMSNorm, biases, Qwen3's per-head q/k norms, partial rotary); the other options of the
+shared decoder keep torch (`unsupported`).
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
@@ -177,7 +177,6 @@ def unsupported(config: ModelConfig) -> str | None:
     reasons = [
         (config.sandwich_norms or config.norm_weight_offset != 0, "Gemma's norms"),
         (config.hidden_act != "silu", f"the {config.hidden_act} activation"),
-        (config.rotary_dim not in (None, config.head_dim), "partial rotary"),
         (config.attn_softcap is not None, "attention soft-capping"),
         (config.num_experts > 0, "experts"),
         (config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK,
@@ -290,13 +289,16 @@ class CpuDecodeStep:
             raise ValueError(f"the fused step needs a power-of-two block size, got {block_size}")
         if first_cache.dtype not in KV_DTYPES:
             raise ValueError(f"the fused step reads a float32, float16 or bfloat16 KV cache, not {first_cache.dtype}")
+        rotary_dim = c.rotary_dim or c.head_dim  # Phi-3's partial rotary: the tables cover the rotated dims only
+        if weights.cos.shape[-1] * 2 != rotary_dim:
+            raise ValueError(f"rotary tables of {weights.cos.shape[-1]} pairs for {rotary_dim} rotated dims")
         model = cpu_decode.Model(
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
             kv_half=cpu_decode.KV_FORMATS[first_cache.dtype],
             eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
-            layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)))
+            layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)), rotary_dim=rotary_dim)
         self._built, self._reads_lora = (address, model, keep), reads_lora
         return model
 

@@ -237,10 +237,12 @@ def assert_same_cache(cache: torch.Tensor, expected: torch.Tensor) -> None:
 # Sliding windows: none; 5 keys in every layer (contexts 12 and 6 cut, the first key at 7: off the eight-token
 # loop's grid); 3 keys in the first layer only (Qwen2's and Gemma's per-layer choice). Qwen3's q/k norms (each
 # q and k head normalised over head_dim, one weight for the q heads and one for the k heads, before rotary),
-# alone and with a window in the first layer (Qwen3's windowed layers).
+# alone and with a window in the first layer (Qwen3's windowed layers). Partial rotary (Phi-3's variants): each
+# head's leading 12 dims rotate, the rest as projected (12 of 16: Phi-4-mini's 0.75; of 20, 64, 96 less).
 WINDOWS = {"full": {}, "window-5": dict(sliding_window=5), "window-3-first-layer": dict(
     sliding_window=3, sliding_layers=(True, False)), "qk-norm": dict(qk_norm=True),
-    "qk-norm-window-3-first-layer": dict(qk_norm=True, sliding_window=3, sliding_layers=(True, False))}
+    "qk-norm-window-3-first-layer": dict(qk_norm=True, sliding_window=3, sliding_layers=(True, False)),
+    "partial-rotary": dict(rotary_dim=12)}
 
 
 @pytest.mark.parametrize("window", sorted(WINDOWS))
@@ -419,6 +421,7 @@ def test_wide_steps_run_in_pieces_sized_by_the_scores_room():
 def test_what_it_cannot_run_is_named():
     assert unsupported(tiny_config()) is None
     assert unsupported(tiny_config(qk_norm=True)) is None  # (Qwen3's q/k norms: the same two tests)
+    assert unsupported(tiny_config(rotary_dim=12)) is None  # (partial rotary: the same two tests)
     assert unsupported(tiny_config(sliding_window=8)) is None  # (windows: test_a_decode_step_matches_the_torch_path)
     assert "Gemma" in unsupported(tiny_config(norm_weight_offset=1.0, sandwich_norms=True))
     assert blocker(tiny_config()) is None
