@@ -2,6 +2,7 @@
 through the router, in the same run.
 
     python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx] [--compiled DIR]
+                           [--base DIR] [--rounds 6] [--round-seconds 4]
 
 Four processes: fake engines (one aiohttp process listening on --engines ports: a fixed
 small completion, or a short SSE stream), the router (kaon's Router on a table that lists
@@ -9,12 +10,18 @@ those ports as the pods of one InferenceService), nginx as the router's peer (on
 process, as the router is one process: `upstream { least_conn; keepalive }` over the same
 ports, buffering off so that streams pass through as they come), and this load generator.
 With --compiled, one more router process runs the same code compiled with mypyc (bench/router_compile.py's
-copy), to measure what compiling the data path would give.
+copy), to measure what compiling the data path would give. With --base, one more runs another tree's operator/
+(a checkout from before a change: label routed-base), so that a change is measured with its sockets in one run.
 nginx is the Debian package: found on PATH or in /usr/sbin, else installed with apt-get when
 this runs as root (it says so), else left out. Phases, each direct, then nginx, then routed:
 
 1. latency: one request at a time; p50/p99 of the round trip. Added = routed - direct.
 2. throughput: --concurrency clients in a closed loop for --duration; requests/s.
+   2b. the same load alternated: --rounds rounds of --round-seconds each through nginx and each router, the
+   order turned every round (nginx, routed; routed, nginx; ...), so that a drift of the machine (another
+   process, a frequency change) falls on both alike. Each round gives router/nginx requests/s, side by side
+   in time; the median of the rounds is the figure, their spread (min-max) printed beside it, with the
+   median CPU per request of each. One run's single ratio of phase 2 moved by +-0.04 from run to run.
 3. streams: --streams clients, each opening one stream after another (--events events,
    --gap-ms apart) for --duration, so that many streams are open at once; time to first
    byte p50/p99, and every error.
@@ -347,6 +354,46 @@ def report(name: str, results: dict[str, Result]) -> None:
             print(f"  {name:10} {label}/nginx throughput {rate(results[label]) / rate(results['nginx']):.2f}x")
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def rounds_order(proxied: list[str], round_index: int) -> list[str]:
+    """The ways measured in this round, turned by one each round: nginx first, then second, ..."""
+    turn = round_index % len(proxied)
+    return proxied[turn:] + proxied[:turn]
+
+
+async def alternating(ways: dict[str, list[str]], pids: dict[str, list[int]], args) -> None:
+    """Phase 2b: nginx and each router in turn, --rounds times; the median of each round's router/nginx ratio."""
+    proxied = [way for way in ways if way != "direct"]
+    print(f"2b. throughput alternated, {args.concurrency} clients, {args.rounds} rounds of {args.round_seconds:g}s "
+          f"per way (order turned each round: {', '.join(proxied)})")
+    rates: dict[str, list[float]] = {way: [] for way in proxied}
+    cpus: dict[str, list[float]] = {way: [] for way in proxied}
+    for i in range(args.rounds):
+        line = []
+        for way in rounds_order(proxied, i):
+            r = await measured(pids[way], closed_loop(ways[way], args.concurrency, args.round_seconds, False))
+            if r.errors:
+                print(f"  round {i + 1} {way}: errors {r.errors}")
+            rates[way].append(rate(r))
+            cpus[way].append(r.cpu / r.done * 1e6 if r.done else float("nan"))
+            line.append(f"{way} {rate(r):.0f} req/s ({cpus[way][-1]:.0f} us)")
+        print(f"  round {i + 1}: " + ", ".join(line))
+    for way in proxied:
+        print(f"  alternated {way:15}: median {median(rates[way]):8.0f} req/s (min {min(rates[way]):.0f}, max "
+              f"{max(rates[way]):.0f})  proxy CPU median {median(cpus[way]):5.0f} us/request "
+              f"(min {min(cpus[way]):.0f}, max {max(cpus[way]):.0f})")
+    for way in (way for way in proxied if way.startswith("routed")):
+        ratios = [a / b for a, b in zip(rates[way], rates["nginx"])]
+        print(f"  alternated {way}/nginx throughput median {median(ratios):.2f}x (rounds: "
+              f"{' '.join(f'{x:.2f}' for x in ratios)}; spread {min(ratios):.2f}-{max(ratios):.2f}); CPU "
+              f"{median(cpus[way]) / median(cpus['nginx']):.2f}x nginx's")
+
+
 async def wait_listening(port: int) -> None:
     for _ in range(1200):  # a minute: a loaded machine starts a Python process slowly
         try:
@@ -371,12 +418,15 @@ async def bench(args) -> None:
           for loop, router_port in router_ports.items()),
     ]
     routers = {loop: child for loop, child in zip(args.loops, children[1:])}
-    compiled_port = free_port()
-    if args.compiled:  # the same router compiled (bench/router_compile.py), on the first of --loops
-        children.append(compiled := subprocess.Popen(
+    others = {label: tree for label, tree in (("routed-compiled", args.compiled), ("routed-base", args.base)) if tree}
+    other_ports = {label: free_port() for label in others}
+    other_processes = {}
+    for label, tree in others.items():  # another tree's router (compiled, or before a change), on the first --loops
+        other_processes[label] = subprocess.Popen(
             me + ["--role", "router", "--loops", args.loops[0],
-                  "--ports", ",".join(map(str, [compiled_port, *engine_ports]))],
-            env={**os.environ, OPERATOR_ENV: str(args.compiled.resolve() / "operator")}))
+                  "--ports", ",".join(map(str, [other_ports[label], *engine_ports]))],
+            env={**os.environ, OPERATOR_ENV: str(tree.resolve() / "operator")})
+        children.append(other_processes[label])
     workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
     if nginx:
         children.append(nginx_process := start_nginx(nginx, nginx_port, engine_ports, workdir))
@@ -386,7 +436,7 @@ async def bench(args) -> None:
         print("nginx: not found and not installable here (not root, or no apt-get): left out")
     try:
         for port in (*engine_ports, *router_ports.values(), *([nginx_port] if nginx else []),
-                     *([compiled_port] if args.compiled else [])):
+                     *other_ports.values()):
             await wait_listening(port)
         ways = {"direct": [f"http://127.0.0.1:{p}" for p in engine_ports]}
         pids: dict[str, list[int]] = {"direct": []}
@@ -397,8 +447,8 @@ async def bench(args) -> None:
             way = "routed" if loop == args.loops[0] else f"routed-{loop}"
             ways[way] = [f"http://127.0.0.1:{router_port}"]
             pids[way] = [routers[loop].pid]
-        if args.compiled:
-            ways["routed-compiled"], pids["routed-compiled"] = [f"http://127.0.0.1:{compiled_port}"], [compiled.pid]
+        for label, port in other_ports.items():
+            ways[label], pids[label] = [f"http://127.0.0.1:{port}"], [other_processes[label].pid]
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.engines} fake engines; "
               f"Python {sys.version.split()[0]}, aiohttp {aiohttp.__version__}"
               + (f", nginx {nginx_version(nginx)} ({nginx})" if nginx else ""))
@@ -409,6 +459,8 @@ async def bench(args) -> None:
         report("throughput", {
             way: await measured(pids[way], closed_loop(urls, args.concurrency, args.duration, False))
             for way, urls in ways.items()})
+        if "nginx" in ways and args.rounds > 0:
+            await alternating(ways, pids, args)
         print(f"3. {args.streams} concurrent streams of {args.events} events {args.gap_ms:g} ms apart, "
               f"{args.duration:g}s; latency = time to first byte")
         report("streams", {way: await measured(pids[way], closed_loop(urls, args.streams, args.duration, True))
@@ -437,6 +489,11 @@ def main() -> None:
                              "router process each, all measured in this run")
     parser.add_argument("--compiled", type=Path, help="also a router process importing this tree's operator/: "
                         "bench/router_compile.py's compiled copy (measured beside the others, label routed-compiled)")
+    parser.add_argument("--base", type=Path, help="also a router process importing DIR/operator: another tree, e.g. "
+                        "before a change (measured beside the others, label routed-base)")
+    parser.add_argument("--rounds", type=int, default=6, help="phase 2b: rounds of nginx and the routers in turn "
+                        "(0: none)")
+    parser.add_argument("--round-seconds", type=float, default=4.0, help="phase 2b: seconds per way and round")
     parser.add_argument("--role", choices=["bench", "engines", "router"], default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--ports", help=argparse.SUPPRESS)
     args = parser.parse_args()

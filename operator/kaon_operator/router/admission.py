@@ -22,17 +22,19 @@ class BodyBudget:
     def __init__(self, limit: int, source_share: float = 1.0):
         self.limit = limit
         self.per_source = max(1, int(limit * source_share))
-        self._most = min(int(limit * LARGE_SHARE), self.per_source)
+        self._large_room = int(limit * LARGE_SHARE)
+        self._most = min(self._large_room, self.per_source)
         self.held = 0
         self.by_source: dict[str, int] = {}
 
     def reserve(self, size: int, source: str = "") -> bool:
         """Take `size` bytes if they fit (a body larger than the whole budget never does)."""
-        room = self.limit if size <= SMALL_BODY else int(self.limit * LARGE_SHARE)
-        if self.held + size > room or self.by_source.get(source, 0) + size > self.per_source:
+        room = self.limit if size <= SMALL_BODY else self._large_room
+        mine = self.by_source.get(source, 0) + size
+        if self.held + size > room or mine > self.per_source:
             return False
         self.held += size
-        self.by_source[source] = self.by_source.get(source, 0) + size
+        self.by_source[source] = mine
         return True
 
     def release(self, size: int, source: str = "") -> None:
@@ -52,7 +54,7 @@ class BodyBudget:
 def body_size(content_length: int | None, max_body_bytes: int) -> int:
     """What a body will hold at most: its announced length, capped where the router stops reading
     (413); a chunked body (no length) may reach that cap."""
-    return max_body_bytes if content_length is None else min(content_length, max_body_bytes)
+    return max_body_bytes if content_length is None or content_length > max_body_bytes else content_length
 
 
 @functools.lru_cache(maxsize=4096)  # pure; parsing an address per request cost ~2% of the router's CPU

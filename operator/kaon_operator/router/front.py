@@ -41,6 +41,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from kaon_operator.router import errors
+from kaon_operator.router.upstream import content_length_line
 
 logger = logging.getLogger("kaon.router")
 
@@ -370,16 +371,12 @@ class FrontProtocol(asyncio.Protocol):
         request.http10 = parser.get_http_version() == "1.0"
         request.keep_alive = parser.should_keep_alive()
         raw = request.raw_url
-        path, _, query = raw.partition(b"?")
-        if b"%" in path or b"/." in path or not path.startswith(b"/"):
-            # Percent-escapes, dot segments, an absolute URL: read as aiohttp's router did (yarl).
-            try:
-                url = URL(raw.decode("utf-8", "surrogateescape"), encoded=True)
-                request.path, request.query = url.path, url.raw_query_string
-            except ValueError:
-                raise errors.bad_request("the request URL is malformed") from None
-        else:
-            request.path, request.query = path.decode("latin-1"), query.decode("latin-1")
+        known = _TARGETS.get(raw)
+        if known is None:
+            known = _target(raw)
+            if len(raw) <= MAX_KEPT_TARGET and len(_TARGETS) < MAX_TARGETS:
+                _TARGETS[raw] = known
+        request.path, request.query = known
         self.queue.append(request)
         if len(self.queue) == 1:
             self._cancel_head_timer()
@@ -457,7 +454,7 @@ class FrontProtocol(asyncio.Protocol):
             b"" if response.dated else b"Date: " + _date() + b"\r\n",
             b"" if keep else b"Connection: close\r\n",
             b"Connection: keep-alive\r\n" if keep and request.http10 else b"",
-            b"Content-Length: %d\r\n\r\n" % len(body), body if request.method != "HEAD" else b"")))
+            content_length_line(len(body)), b"\r\n", body if request.method != "HEAD" else b"")))
         return keep
 
     def _next(self, request: FrontRequest, keep: bool) -> None:
@@ -514,6 +511,26 @@ class FrontProtocol(asyncio.Protocol):
         if self.paused_reading:
             self.transport.resume_reading()
         asyncio.get_running_loop().call_later(LINGER_S, self.close)
+
+
+MAX_TARGETS = 1024
+MAX_KEPT_TARGET = 256
+_TARGETS: dict[bytes, tuple[str, str]] = {}
+"""Request targets as they came -> (path, query) (_target): clients send the same few (the same str objects then, their
+hashes kept for the routes' lookup). Bounded: a client may send any; past the bound the rest are read each time."""
+
+
+def _target(raw: bytes) -> tuple[str, str]:
+    """The path and query of a request target."""
+    path, _, query = raw.partition(b"?")
+    if b"%" in path or b"/." in path or not path.startswith(b"/"):
+        # Percent-escapes, dot segments, an absolute URL: read as aiohttp's router did (yarl).
+        try:
+            url = URL(raw.decode("utf-8", "surrogateescape"), encoded=True)
+            return url.path, url.raw_query_string
+        except ValueError:
+            raise errors.bad_request("the request URL is malformed") from None
+    return path.decode("latin-1"), query.decode("latin-1")
 
 
 def _head_too_large() -> errors.RouterError:

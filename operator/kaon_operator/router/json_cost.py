@@ -71,7 +71,7 @@ def skeleton(body: bytes, quotes: int) -> bytes:
     backslash before a `"`) and an even count of them, every `"` opens or closes a string in turn, so the odd
     pieces between them are the strings: split and joined, about twice as fast as the regular expression on a
     request's body, and the same counts (the brackets, `,` and `:` left are the same; only the `""` are not kept)."""
-    if quotes % 2 == 0 and b'\\"' not in body:
+    if quotes % 2 == 0 and (b"\\" not in body or b'\\"' not in body):  # (one byte's search first: the quicker)
         return b"".join(body.split(b'"')[::2])
     return _STRING.sub(b'""', body)
 
@@ -87,6 +87,25 @@ def over(shape: Shape, limits: Limits = DEFAULT) -> tuple[int, str] | None:
     if shape.depth is not None and shape.depth > limits.depth:
         return 400, f"the request body nests JSON arrays and objects deeper than {limits.depth} levels"
     return None
+
+
+def assess(body: bytes, limits: Limits = DEFAULT) -> tuple[int, tuple[int, str] | None]:
+    """estimate(len(body), scan(body, limits)) and over(that shape, limits) in one pass, for the router's every
+    request: the same counts and the same refusal, without the Shape in between, and without the depth where it
+    cannot be over its limit (fewer arrays and objects than the limit allows levels). The estimate is 0 when the
+    body is refused (it is not parsed then)."""
+    quotes = body.count(b'"')
+    if quotes // 2 > limits.strings:
+        return 0, over(Shape(quotes // 2, 0, 0, None, 1), limits)
+    bare = skeleton(body, quotes)
+    containers = bare.count(b"{") + bare.count(b"[")
+    values = bare.count(b",") + bare.count(b":") + containers + 1
+    if containers > limits.containers or values > limits.values or (
+            containers > limits.depth and _depth(bare.translate(None, _NOT_BRACKETS)) > limits.depth):
+        return 0, over(scan(body, limits), limits)  # refused: the message as over() words it
+    width = 1 if body.isascii() else 4 if _WIDE.search(body) else 2
+    size = len(body)
+    return size + 2 * width * size + PER_CONTAINER * containers + PER_VALUE * values, None
 
 
 def _depth(brackets: bytes) -> int:

@@ -235,12 +235,10 @@ class Router:
         (json_cost.py), before it is parsed: a body over the JSON limits is a 400/413 naming the
         limit, one that would cost more than a request may hold a 413, one that does not fit now
         a 503."""
-        limits = self.config.json_limits
-        shape = json_cost.scan(body, limits)
-        if (refusal := json_cost.over(shape, limits)) is not None:
+        cost, refusal = json_cost.assess(body, self.config.json_limits)
+        if refusal is not None:
             status, message = refusal
             raise errors.bad_request(message) if status == 400 else errors.too_costly(message)
-        cost = json_cost.estimate(len(body), shape)
         if cost > self.budget.most_one_request():
             raise errors.too_costly(f"parsing the request body would hold about {cost >> 20} MiB, more than the "
                                     f"router lets one request hold ({self.budget.most_one_request() >> 20} MiB)")

@@ -44,6 +44,12 @@ MAX_ADDRESSES = 4096
 """Parsed pod URLs kept (pods come and go: past this the cache starts afresh)."""
 MAX_STARTS = 64
 """Request lines kept per pod URL."""
+MAX_REASONS = 256
+_REASONS: dict[bytes, str] = {}
+"""Reason phrases as an engine sent them -> str."""
+MAX_MEDIA_TYPES = 256
+_MEDIA_TYPES: dict[bytes, str] = {}
+"""An engine's Content-Type field values -> their media type, lower-case (Response.content_type)."""
 
 
 class UpstreamError(Exception):
@@ -123,12 +129,23 @@ class Response:
     @property
     def content_type(self) -> str:
         value = self._type
-        return value.split(b";", 1)[0].strip().lower().decode("latin-1") if value else "application/octet-stream"
+        if not value:
+            return "application/octet-stream"
+        found = _MEDIA_TYPES.get(value)  # an engine sends a few Content-Types: each read once
+        if found is None:
+            found = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+            if len(_MEDIA_TYPES) < MAX_MEDIA_TYPES:
+                _MEDIA_TYPES[value] = found
+        return found
 
     @property
     def content_length(self) -> int | None:
         value = self._length
-        return int(value) if value is not None and value.strip().isdigit() else None
+        if value is None:
+            return None
+        if value.isdigit():  # (int() takes the ASCII digits as they are)
+            return int(value)
+        return int(value) if (value := value.strip()).isdigit() else None
 
     @property
     def content(self) -> Response:
@@ -266,7 +283,12 @@ class _Connection(asyncio.Protocol):
 
     def on_status(self, reason: bytes) -> None:
         assert self.response is not None
-        self.response.reason += reason.decode("latin-1")
+        text = _REASONS.get(reason)  # the same few: kept, so that the front's status lines are found by a kept hash
+        if text is None:
+            text = reason.decode("latin-1")
+            if len(_REASONS) < MAX_REASONS and len(reason) <= 64:
+                _REASONS[reason] = text
+        self.response.reason += text
 
     def on_header(self, name: bytes, value: bytes) -> None:
         response = self.response
@@ -393,14 +415,15 @@ class Pool:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        now = loop.time()
+        deadline = now + timeout
         address = self._addresses.get(url)
         if address is None:
             if len(self._addresses) >= MAX_ADDRESSES:
                 self._addresses.clear()
             address = self._addresses[url] = _Address(url)
         data = _encode(address.request_line(method, path), fields, body)
-        conn = self._take(url, loop.time())
+        conn = self._take(url, now)
         reused = conn is not None
         while True:  # a reused connection first, if one is idle; a new one once when it fails unanswered (retry.py)
             if conn is None:
@@ -481,4 +504,18 @@ def _expire(head: asyncio.Future[Any]) -> None:
 def _encode(start: bytes, fields: Iterable[bytes], body: bytes) -> bytes:
     """The request head and body as one buffer: one send. `start`: the request line and Host (_Address.request_line).
     The fields come from the router's parser (httptools) or aiohttp's, which refuse CR and LF in them."""
-    return b"".join((start, b"Content-Length: %d\r\n" % len(body), *fields, b"\r\n", body))
+    return b"".join((start, content_length_line(len(body)), *fields, b"\r\n", body))
+
+
+_LENGTH_LINES: dict[int, bytes] = {}
+MAX_LENGTH_LINES = 4096
+
+
+def content_length_line(size: int) -> bytes:
+    """`Content-Length: <size>` and its CRLF, made once per size (bounded: most bodies are of a few sizes)."""
+    line = _LENGTH_LINES.get(size)
+    if line is None:
+        line = b"Content-Length: %d\r\n" % size
+        if len(_LENGTH_LINES) < MAX_LENGTH_LINES:
+            _LENGTH_LINES[size] = line
+    return line

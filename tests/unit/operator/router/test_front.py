@@ -330,3 +330,40 @@ def test_the_fields_the_router_reads_come_from_the_head_never_from_a_chunked_bod
 
     run(scenario())
     assert seen == [(None, None, False, b"hello"), ("Bearer first", 5, False, b"hello")]
+
+
+def test_request_targets_read_the_same_kept_or_not_and_the_kept_ones_stay_bounded(monkeypatch):
+    """front keeps each request target's path and query as read (clients send the same few): read again or kept, the
+    same answer, escapes and dot segments as yarl reads them, a malformed one refused every time; and no more kept
+    than MAX_TARGETS however many targets clients invent, nor any longer than MAX_KEPT_TARGET."""
+    monkeypatch.setattr(front, "_TARGETS", {})
+    cases = {b"/v1/completions": ("/v1/completions", ""), b"/v1/models?x=1&y": ("/v1/models", "x=1&y"),
+             b"/v1/%63ompletions": ("/v1/completions", ""), b"/v1/./models": ("/v1/./models", ""),
+             b"http://h/v1/models?a": ("/v1/models", "a")}
+    for raw, expected in cases.items():
+        for _ in range(2):  # read, then kept
+            got = front._TARGETS.get(raw) or front._target(raw)
+            front._TARGETS.setdefault(raw, got)
+            assert got == expected, raw
+    with pytest.raises(front.errors.RouterError):
+        front._target(b"http://[::1/x")
+
+    async def go():
+        port, _ = await router_context.__aenter__()
+        try:
+            for i in range(front.MAX_TARGETS + 20):
+                await exchange_one(port, b"GET /health?n=%d HTTP/1.1\r\nConnection: close\r\n\r\n" % i)
+            await exchange_one(port, b"GET /health?" + b"x" * front.MAX_KEPT_TARGET + b" HTTP/1.1\r\n"
+                               b"Connection: close\r\n\r\n")
+        finally:
+            await router_context.__aexit__(None, None, None)
+
+    router_context = router_port()
+    run(go())
+    assert len(front._TARGETS) == front.MAX_TARGETS
+    assert all(len(raw) <= front.MAX_KEPT_TARGET for raw in front._TARGETS)
+
+
+async def exchange_one(port: int, request: bytes) -> None:
+    status, _ = answers(await exchange(port, [request]))[0]
+    assert status == 200

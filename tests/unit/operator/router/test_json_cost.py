@@ -96,3 +96,21 @@ def test_the_split_skeleton_counts_what_the_string_expression_counts():
         split += b'\\"' not in body and body.count(b'"') % 2 == 0
         assert bare.replace(b'""', b"") == expected.replace(b'""', b""), body
     assert split > 2000  # most bodies took the split path: it is the one being checked
+
+
+def test_assess_is_the_scan_its_refusal_and_its_estimate():
+    """The router's one-pass assess: the same refusal as over(scan) and the same estimate, on bodies under and over
+    each limit (the depth it skips where it cannot be over: fewer containers than levels allowed)."""
+    import random
+    rng = random.Random(7)
+    tight = json_cost.Limits(depth=3, containers=6, values=20, strings=5)
+    bodies = [*SHAPES.values(), b'{"a": ' + b"[" * 129 + b"]" * 129 + b"}", b"[" * 5 + b"]" * 5, b"[[[[", b'"\\"',
+              b'{"p": "[[[[[[[[", "q": [[[1]]]}', b'{"p": "\\" [[[[[[ ", "q": 1}', b""]
+    for _ in range(2000):
+        bodies.append(bytes(rng.choice(b'[]{},:"\\ a1') for _ in range(rng.randint(0, 40))))
+    for body in bodies:
+        for limits in (json_cost.DEFAULT, tight):
+            shape = json_cost.scan(body, limits)
+            refusal = json_cost.over(shape, limits)
+            expected = (0, refusal) if refusal is not None else (json_cost.estimate(len(body), shape), None)
+            assert json_cost.assess(body, limits) == expected, (body, limits)

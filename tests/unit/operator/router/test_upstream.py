@@ -366,3 +366,39 @@ def test_kept_verdicts_and_headers_answer_as_the_first_time():
     assert list(response_headers(engine, drop_length=True).items()) == [("Content-Type", "application/json")]
     assert list(response_headers(engine).items()) == [("Content-Type", "application/json"), ("Content-Length", "2")]
     assert list(response_headers([*engine, (b"Connection", b"content-type")]).items()) == [("Content-Length", "2")]
+
+
+def test_the_media_type_and_length_read_as_the_engine_spelled_them_and_the_kept_types_stay_bounded(monkeypatch):
+    """Response.content_type keeps what it read per field value (an engine sends a few): the same answer kept or not,
+    and no more values kept than MAX_MEDIA_TYPES however many an engine invents."""
+    from kaon_operator.router import upstream
+    monkeypatch.setattr(upstream, "_MEDIA_TYPES", {})
+    response = Response(_Connection(Pool(1.0), "http://10.0.0.7:8000"))
+    for value, expected in [(b"Text/Event-Stream; charset=utf-8", "text/event-stream"),
+                            (b" application/json ", "application/json"), (b"", "application/octet-stream")]:
+        for _ in range(2):  # read, then kept
+            response._type = value
+            assert response.content_type == expected, value
+    for i in range(upstream.MAX_MEDIA_TYPES + 50):
+        response._type = b"application/x-%d" % i
+        assert response.content_type == f"application/x-{i}"
+    assert len(upstream._MEDIA_TYPES) == upstream.MAX_MEDIA_TYPES
+    for value, expected in [(b"12", 12), (b" 12 ", 12), (b"1x", None), (b"-1", None), (None, None)]:
+        response._length = value
+        assert response.content_length == expected, value
+
+
+def test_length_lines_and_reason_phrases_are_kept_bounded(monkeypatch):
+    """The Content-Length lines and the engines' reason phrases kept per value: the same bytes as made afresh, and no
+    more kept than their bounds however many sizes and phrases come."""
+    from kaon_operator.router import upstream
+    monkeypatch.setattr(upstream, "_LENGTH_LINES", {})
+    monkeypatch.setattr(upstream, "_REASONS", {})
+    for size in range(upstream.MAX_LENGTH_LINES + 30):
+        assert upstream.content_length_line(size) == b"Content-Length: %d\r\n" % size
+    assert len(upstream._LENGTH_LINES) == upstream.MAX_LENGTH_LINES
+    for i in range(upstream.MAX_REASONS + 30):
+        raw = b"HTTP/1.1 200 Fine %d\r\nContent-Length: 2\r\n\r\nok" % i
+        response, body = fed(raw, [len(raw)])
+        assert (response.reason, body) == (f"Fine {i}", b"ok")
+    assert len(upstream._REASONS) == upstream.MAX_REASONS
