@@ -112,6 +112,8 @@ typedef struct {
     void *k_cache, *v_cache;  /* [kv_heads, num_blocks, block_size, head_dim]: float32, or float16 (kv_half) */
     Lora lora[4];             /* by the LORA_ names above */
     int32_t window;           /* sliding window: a query at position p sees keys p - window + 1 .. p; 0: all */
+    const float *q_norm, *k_norm;  /* Qwen3: one RMSNorm weight [head_dim] for every q head, one for every k
+                                    * head, applied before rotary; NULL: none */
 } Layer;
 
 typedef struct {
@@ -119,8 +121,9 @@ typedef struct {
     int32_t kv_half;  /* the KV cache holds float32 (0), float16 (1) or bfloat16 (2): an FMT_ */
     float eps, scale;
     const float *final_norm;
-    const float *cos, *sin;  /* [positions, head_dim / 2] */
+    const float *cos, *sin;  /* [positions, rotary_dim / 2] */
     const Layer *layers;
+    int32_t rotary_dim;  /* each head's leading dims that rotate (Phi-3's partial rotary); 0: all head_dim */
 } Model;
 
 /* ---- small helpers ------------------------------------------------------------------ */
@@ -1877,9 +1880,10 @@ static void rms_norm(const float *x, const float *weight, float eps, int rows, i
     }
 }
 
-/* HF's split-halves rotary on `heads` heads of one token, in place. */
-static void rotary(float *x, int heads, int dim, const float *cos, const float *sin) {
-    int half = dim / 2;
+/* HF's split-halves rotary on the leading `rotated` dims of `heads` heads (`dim` apart) of one token, in place
+ * (rotated < dim: partial rotary, the rest of each head as it is). */
+static void rotary(float *x, int heads, int dim, int rotated, const float *cos, const float *sin) {
+    int half = rotated / 2;
     for (int h = 0; h < heads; h++) {
         float *v = x + (size_t)h * dim;
         for (int i = 0; i < half; i++) {
@@ -2269,7 +2273,8 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
                  const int64_t *lora_rows, int lora_count, float *work, int threads) {
     const LoraRows adapters = {lora_slots, lora_rows, lora_count};
     const int hidden = md->hidden, dim = md->head_dim, heads = md->num_heads, kv_heads = md->num_kv_heads;
-    const int qkv_width = (heads + 2 * kv_heads) * dim, inter = md->intermediate, half = dim / 2;
+    const int qkv_width = (heads + 2 * kv_heads) * dim, inter = md->intermediate;
+    const int rotated = md->rotary_dim ? md->rotary_dim : dim, half = rotated / 2;
     const int bs = md->block_size;
     const size_t head_stride = (size_t)md->num_blocks * bs * dim;
     float *normed = work, *qkv = normed + (size_t)rows * hidden, *attn = qkv + (size_t)rows * qkv_width;
@@ -2285,7 +2290,11 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         for (int r = 0; r < rows; r++) {
             float *t = qkv + (size_t)r * qkv_width;
             const float *c = md->cos + (size_t)positions[r] * half, *s = md->sin + (size_t)positions[r] * half;
-            rotary(t, heads + kv_heads, dim, c, s);  /* q and k heads sit side by side */
+            if (L->q_norm) {  /* each head alone (in place: a head's sum is taken before it is written) */
+                rms_norm(t, L->q_norm, md->eps, heads, dim, t);
+                rms_norm(t + (size_t)heads * dim, L->k_norm, md->eps, kv_heads, dim, t + (size_t)heads * dim);
+            }
+            rotary(t, heads + kv_heads, dim, rotated, c, s);  /* q and k heads sit side by side */
             const int64_t slot = slots[r];
             if (slot < 0) continue;  /* padding: nothing to store */
             for (int h = 0; h < kv_heads; h++) {

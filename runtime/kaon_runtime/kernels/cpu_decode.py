@@ -86,7 +86,8 @@ class Layer(ctypes.Structure):
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("lora", Lora * 4),  # qkv, o, gate_up, down
-                ("window", ctypes.c_int32)]  # the sliding window (keys a query sees, itself included); 0: all
+                ("window", ctypes.c_int32),  # the sliding window (keys a query sees, itself included); 0: all
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]  # Qwen3's per-head norms; None: none
 
 
 class Model(ctypes.Structure):
@@ -94,7 +95,8 @@ class Model(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                               "intermediate", "block_size", "num_blocks", "kv_half")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer))]
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer)),
+        ("rotary_dim", ctypes.c_int32)]  # each head's leading dims that rotate (partial rotary); 0: all
 
 
 def _cpu_signature() -> str:

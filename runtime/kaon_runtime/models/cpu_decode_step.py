@@ -19,8 +19,9 @@ rows are (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
 (widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
-the step. The fused step covers what Llama, SmolLM2, Mistral and Qwen2 need (full or sliding-window
-attention, SwiGLU, plain RMSNorm, biases); the other options of the shared decoder keep torch (`unsupported`).
+the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3 and Phi-3 need (full or sliding-window
+attention, SwiGLU, plain RMSNorm, biases, Qwen3's per-head q/k norms, partial rotary); the other options of the
+shared decoder keep torch (`unsupported`).
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
@@ -130,6 +131,8 @@ class FusedLayer:
     v_cache: torch.Tensor | None
     scale: float  # attention's score scale
     window: int | None = None  # the sliding window: a query sees itself and the window - 1 keys before it
+    q_norm: torch.Tensor | None = None  # Qwen3: the RMSNorm weight [head_dim] every q head is normalised by
+    k_norm: torch.Tensor | None = None  # (before rotary), and every k head's; None: no q/k norms
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,10 +175,8 @@ def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -
 def unsupported(config: ModelConfig) -> str | None:
     """Why the fused step cannot run this model, or None when it can."""
     reasons = [
-        (config.qk_norm, "q/k norms"),
         (config.sandwich_norms or config.norm_weight_offset != 0, "Gemma's norms"),
         (config.hidden_act != "silu", f"the {config.hidden_act} activation"),
-        (config.rotary_dim not in (None, config.head_dim), "partial rotary"),
         (config.attn_softcap is not None, "attention soft-capping"),
         (config.num_experts > 0, "experts"),
         (config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK,
@@ -268,11 +269,13 @@ class CpuDecodeStep:
             loras = [slots or (cpu_decode.Lora(), []) for slots in found]
             reads_lora = reads_lora and None not in found
             norms = [n.detach().float().contiguous() for n in (layer.input_norm, layer.post_attention_norm)]
-            keep += [*linears, *norms, *(tensors for _, tensors in loras)]
+            head_norms = [None if n is None else n.detach().float().contiguous() for n in (layer.q_norm, layer.k_norm)]
+            keep += [*linears, *norms, *head_norms, *(tensors for _, tensors in loras)]
             assert layer.k_cache is not None and layer.v_cache is not None, "the KV pool is not attached"
             structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
                                           layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
-                                          (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)), layer.window or 0)
+                                          (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)), layer.window or 0,
+                                          *(None if n is None else n.data_ptr() for n in head_norms))
             for name in ("qkv", "o", "gate_up", "down"):  # (copies of the structs: shared weights keep theirs)
                 linear = getattr(structs[i], name)
                 if linear.kind not in cpu_decode.FLOAT_KIND_SET:
@@ -286,13 +289,16 @@ class CpuDecodeStep:
             raise ValueError(f"the fused step needs a power-of-two block size, got {block_size}")
         if first_cache.dtype not in KV_DTYPES:
             raise ValueError(f"the fused step reads a float32, float16 or bfloat16 KV cache, not {first_cache.dtype}")
+        rotary_dim = c.rotary_dim or c.head_dim  # Phi-3's partial rotary: the tables cover the rotated dims only
+        if weights.cos.shape[-1] * 2 != rotary_dim:
+            raise ValueError(f"rotary tables of {weights.cos.shape[-1]} pairs for {rotary_dim} rotated dims")
         model = cpu_decode.Model(
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
             kv_half=cpu_decode.KV_FORMATS[first_cache.dtype],
             eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
-            layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)))
+            layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)), rotary_dim=rotary_dim)
         self._built, self._reads_lora = (address, model, keep), reads_lora
         return model
 

@@ -129,7 +129,8 @@ class DecoderLayer(nn.Module):
         assert isinstance(mlp, GatedMLP), "the fused step has no experts"
         return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale,
-                          attn.attn.sliding_window)
+                          attn.attn.sliding_window,
+                          *(None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)))
 
 
 class DecoderModel(nn.Module):

@@ -15,6 +15,7 @@ from test_cpu_decode import BLOCK, LENS, TABLES, decode_step, random_model, tiny
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, quantize_activations_ref
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from kaon_runtime.models.cpu_decode_step import blocker
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
@@ -143,6 +144,32 @@ def test_the_prefill_rows_match_the_torch_path():
     model, _ = random_model(config, blocks=10, cpu_decode=False)
     expected = _torch_prompt_rows(model, config)
     torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("option", ["qk_norm", "rotary_dim"])
+@pytest.mark.parametrize(("kv_dtype", "method"), [(torch.float32, None), (torch.float16, "int4")])
+def test_q_k_norms_and_partial_rotary_keep_a_prompts_rows_invariant_and_torchs(kv_dtype, method, option,
+                                                                               monkeypatch):
+    """Qwen3's q/k norms (each q and k head normalised before rotary) and partial rotary (Phi-3's variants: 12
+    of each head's 16 dims) run in the C step (cpu_decode.c), so the engine sends such models there (blocker:
+    None; it named "q/k norms" and "partial rotary" before, and torch's prefill moved with chunking and
+    neighbours): the prompt's rows get the same bits chunked, after a cached prefix, beside decodes and in
+    pieces, and the float32 rows are torch's prefill's to float32 rounding."""
+    monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
+    monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
+    config = tiny_config(**{"qk_norm": dict(qk_norm=True), "rotary_dim": dict(rotary_dim=12)}[option])
+    assert blocker(config, quantization=method or "none") is None
+    whole = _prompt_rows(config, kv_dtype, [(0, 7)], method=method)
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)], method=method), whole), "chunked prefill"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method=method), whole), \
+        "a cached prefix"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 4), (4, 7)], neighbours=True, method=method), whole), \
+        "neighbours"
+    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3, method=method),
+                       whole), "pieces"
+    if method is None:
+        model, _ = random_model(config, blocks=10, cpu_decode=False)
+        torch.testing.assert_close(whole, _torch_prompt_rows(model, config), atol=1e-4, rtol=1e-4)
 
 
 TOLERANCE = {"int8": 1e-4, "int8x2": 1e-3}  # a row's relative error against its reference, per KAON_CPU_ACTIVATIONS
