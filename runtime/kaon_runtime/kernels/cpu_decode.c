@@ -17,6 +17,12 @@
  *         bit. Decode reads half the bytes of float32. Why not AVX512-BF16's dot products: they
  *         round the activations to bfloat16 too, and a decode step is bound by reading weights,
  *         not by arithmetic (cvtph and a shift are all that AVX2 CPUs, Zen 4 and Intel share).
+ *   FP8, FP8_A8  float8 e4m3 [N, K] with one float32 scale per output row (kaon's fp8, compressed-
+ *         tensors FP8 per channel or per tensor): each weight widened to float32 exactly as it is
+ *         loaded (load8), the float path's order, then times the row's scale: the numbers torch's
+ *         weight-only fp8 matmul computes (float32 activations), summed in one order per row.
+ *         FP8_A8 first rounds each activation row to FP8 per token (compressed-tensors FP8 dynamic,
+ *         W8A8: round_fp8_rows), a row's own arithmetic too. Not narrow: no int8 activation blocks.
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
@@ -74,15 +80,17 @@ static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 #define QBLOCK 32
 
 enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
-       KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12 };
+       KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12,
+       KIND_FP8 = 13, KIND_FP8_A8 = 14 };
 
-/* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16. */
-enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2 };
+/* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16;
+ * FP8 (float8 e4m3fn) for weights only. */
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_FP8 = 3 };
 
 typedef struct {
     int32_t kind, n, k;
     const void *w;          /* see the kinds above */
-    const float *scales;    /* INT8: [n] */
+    const float *scales;    /* INT8, FP8, FP8_A8: [n] */
     const uint16_t *d, *m;  /* Q4_1: float16 [n, k/32] scales and mins */
     const float *bias;      /* [n] or NULL */
     const float *gscales, *gmins;  /* Q4_F32, Q5_F32: [n, k/32]; Q8_G16, Q6_G16: [n, k/16], gmins may be NULL */
@@ -180,18 +188,35 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
 }
 
+/* An e4m3fn byte's bits moved into a float16's (sign to bit 15, exponent and mantissa up by 7): that
+ * float16 is the FP8 value times 2^-8, normal and subnormal alike (the two formats' exponent biases differ
+ * by 8 and both have an implicit-zero subnormal range), so widening it and multiplying by 256 is exact.
+ * 0x7f / 0xff (e4m3fn's NaN) widen to 480: quantized weights hold none (quantize_fp8 clamps to 448). */
+static inline float fp8_to_float(uint8_t b) {
+    return half_to_float((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.f;
+}
+
 /* Element i of a float row stored in format fmt, as float32 (exact: both halves widen exactly). */
 static inline float load1(const void *row, size_t i, int fmt) {
     return fmt == FMT_F32 ? ((const float *)row)[i]
-         : fmt == FMT_F16 ? half_to_float(((const uint16_t *)row)[i]) : bf16_to_float(((const uint16_t *)row)[i]);
+         : fmt == FMT_F16 ? half_to_float(((const uint16_t *)row)[i])
+         : fmt == FMT_FP8 ? fp8_to_float(((const uint8_t *)row)[i]) : bf16_to_float(((const uint16_t *)row)[i]);
 }
 
-static inline size_t fmt_bytes(int fmt) { return fmt == FMT_F32 ? sizeof(float) : sizeof(uint16_t); }
+static inline size_t fmt_bytes(int fmt) {
+    return fmt == FMT_F32 ? sizeof(float) : fmt == FMT_FP8 ? 1 : sizeof(uint16_t);
+}
 
 #ifdef KAON_AVX2
 /* Elements i..i+7 of a float row stored in format fmt, widened to float32 in registers. */
 static inline __m256 load8(const void *row, size_t i, int fmt) {
     if (fmt == FMT_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (fmt == FMT_FP8) {  /* as fp8_to_float, eight at once */
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)row + i)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    }
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
     if (fmt == FMT_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -304,7 +329,7 @@ static void tile_f32_any(const void *w, int fmt, const float *x, int k, int R, i
         TILE_CASE(f, 4, 1) TILE_CASE(f, 4, 2) TILE_CASE(f, 5, 1) TILE_CASE(f, 5, 2) \
         TILE_CASE(f, 6, 1) TILE_CASE(f, 6, 2)
     switch (fmt * 256 + R * 16 + C) {
-        TILE_CASES(FMT_F32) TILE_CASES(FMT_F16) TILE_CASES(FMT_BF16)
+        TILE_CASES(FMT_F32) TILE_CASES(FMT_F16) TILE_CASES(FMT_BF16) TILE_CASES(FMT_FP8)
     }
 #undef TILE_CASES
 #undef TILE_CASE
@@ -1277,7 +1302,8 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
 /* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
-    /* room for two int8 passes of every row (act_passes 2), and their pair layout (KAON_PAIRS) */
+    /* room for two int8 passes of every row (act_passes 2), and their pair layout (KAON_PAIRS); FP8_A8's
+     * rounded rows (4 bytes a value) fit in the first two terms */
     return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK))
            + 2 * (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 128
            + (size_t)(k / QBLOCK) * (8 * 64 + 6 * 16 * sizeof(float)) + 64;  /* HalfRow (KAON_PAIRS, batch 1) */
@@ -1737,6 +1763,48 @@ static inline __attribute__((always_inline)) void narrow_group(const LinearJob *
     }
 }
 
+/* ---- FP8 weights (FP8, FP8_A8) --------------------------------------------------------
+ * The float path's tiles on the widened e4m3 weights (load8), then each output times its row's
+ * scale and plus its bias: torch's (x @ float(q).T) * scales + bias (quant/fp8.py), one order per row. */
+static void fp8_outputs(const Linear *l, int rows, const float *x, float *y, int begin, int end) {
+    const int n = l->n;
+    f32_outputs(l->w, FMT_FP8, NULL, n, l->k, rows, x, y, begin, end);
+    for (int r = 0; r < rows; r++)
+        for (int j = begin; j < end; j++) {
+            const float v = y[(size_t)r * n + j] * l->scales[j];
+            y[(size_t)r * n + j] = l->bias ? v + l->bias[j] : v;
+        }
+}
+
+/* v (|v| <= 448) rounded to the nearest e4m3fn value, ties to even, as torch's .to(float8_e4m3fn)
+ * rounds: below 2^-6 (subnormals) to a multiple of 2^-9 (the product and quotient are exact; rintf
+ * rounds to even), above to three mantissa bits (a carry moves into the exponent, as it should). */
+static inline float round_fp8(float v) {
+    if (fabsf(v) < 0x1p-6f) return rintf(v * 512.f) / 512.f;
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits = (bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* Each row of x [rows, k] rounded to its own FP8 grid (compressed-tensors' dynamic per-token FP8, as
+ * quant/dynamic_fp8.round_to_fp8_per_token does it in float32): scale = max |x| / 448 (a zero row
+ * float32's eps), x' = fp8(clamp(x / scale)) * scale. A row's result is its own. */
+static void round_fp8_rows(const float *x, int rows, int k, float *out) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * k;
+        float *o = out + (size_t)r * k, amax = 0.f;
+        for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(xr[i]));
+        float scale = amax / 448.f;
+        if (scale == 0.f) scale = 0x1p-23f;
+        for (int i = 0; i < k; i++) {
+            const float v = xr[i] / scale;
+            o[i] = round_fp8(v < -448.f ? -448.f : v > 448.f ? 448.f : v) * scale;
+        }
+    }
+}
+
 /* Float kinds: output channels [begin, end). Narrow kinds: groups of eight output channels,
  * each group's weights read once for up to TILE quantized rows (one row and two, batch 1 at one
  * activation pass and at two, get their own copies of the loops with the row count constant). */
@@ -1752,6 +1820,10 @@ static void linear_chunk(const void *arg, int begin, int end) {
     if (l->kind == KIND_F32_T || l->kind == KIND_F16_T || l->kind == KIND_BF16_T) {
         const int fmt = l->kind == KIND_F32_T ? FMT_F32 : l->kind == KIND_F16_T ? FMT_F16 : FMT_BF16;
         f32_t_outputs(l->w, fmt, l->bias, n, k, job->rows, job->x, job->y, begin, end);
+        return;
+    }
+    if (l->kind == KIND_FP8 || l->kind == KIND_FP8_A8) {
+        fp8_outputs(l, job->rows, job->x, job->y, begin, end);
         return;
     }
 #ifdef KAON_AMX
@@ -1799,7 +1871,12 @@ static void linear_chunk(const void *arg, int begin, int end) {
 void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work, int threads) {
     const int k = l->k, blocks = k / QBLOCK;
     const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
-                       && l->kind != KIND_F16_T && l->kind != KIND_BF16_T;
+                       && l->kind != KIND_F16_T && l->kind != KIND_BF16_T && l->kind != KIND_FP8
+                       && l->kind != KIND_FP8_A8;
+    if (l->kind == KIND_FP8_A8) {  /* the rows rounded to FP8 per token, in the workspace (4 bytes a value) */
+        round_fp8_rows(x, rows, k, (float *)work);
+        x = (float *)work;
+    }
     const int passes = narrow && l->act_passes == 2 ? 2 : 1;
     const int activation_rows = rows;
     rows *= passes;  /* quantized rows: with two passes row 2r is x_r's first pass, 2r + 1 its remainder's */

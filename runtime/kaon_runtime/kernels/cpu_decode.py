@@ -37,10 +37,13 @@ LANES = 8  # the narrow kernels compute eight output channels at once, their wei
 KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T, KIND_Q4_F32, KIND_Q8_G16 = 0, 1, 2, 3, 4, 5
 KIND_Q5, KIND_Q5_F32, KIND_Q6_G16 = 6, 7, 8
 KIND_F16, KIND_BF16, KIND_F16_T, KIND_BF16_T = 9, 10, 11, 12
+KIND_FP8, KIND_FP8_A8 = 13, 14  # float8 e4m3 [N, K], a scale per output; A8: input rows rounded to FP8 per token
 # Float weights read as stored (widened to float32 in registers, cpu_decode.c): kind by dtype, [N, K] and [K, N].
 FLOAT_KINDS = {torch.float32: (KIND_F32, KIND_F32_T), torch.float16: (KIND_F16, KIND_F16_T),
                torch.bfloat16: (KIND_BF16, KIND_BF16_T)}
 FLOAT_KIND_SET = frozenset(kind for pair in FLOAT_KINDS.values() for kind in pair)
+# Kinds whose activations stay float32 (no int8 blocks: act_passes means nothing to them)
+UNQUANTIZED_INPUTS = FLOAT_KIND_SET | {KIND_FP8, KIND_FP8_A8}
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # Model.kv_half: the cache's format
 G16 = 16  # Q8_G16's group: two per activation block
 NO_COMPILER = "no C compiler on this machine: the fused CPU decode step and its tests are off (install gcc or set CC)"
@@ -249,7 +252,7 @@ class LinearWeights:
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}, not the CPU")
         struct = Linear(kind=kind, n=n, k=k, **{name: _ptr(t) for name, t in kept.items()},
-                        act_passes=1 if kind in FLOAT_KIND_SET else activation_passes())
+                        act_passes=1 if kind in UNQUANTIZED_INPUTS else activation_passes())
         return cls(struct, list(kept.values()))
 
     @classmethod
@@ -266,6 +269,19 @@ class LinearWeights:
         k, n = weight_t.shape
         w = weight_t if weight_t.dtype in FLOAT_KINDS else weight_t.float()
         return cls._make(FLOAT_KINDS[w.dtype][1], n, k, None, w=w)
+
+    @classmethod
+    def fp8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+            fp8_inputs: bool = False) -> LinearWeights:
+        """FP8 e4m3fn [N, K] with one float32 scale per output (quant/fp8.py), read in place: each weight
+        widened exactly, float32 activations (fp8_inputs: each input row rounded to FP8 per token first,
+        compressed-tensors FP8 dynamic)."""
+        if qweight.dtype != torch.float8_e4m3fn or scales.shape != (qweight.shape[0],):
+            raise ValueError(f"fp8 needs float8_e4m3fn [N, K] and scales [N], got {qweight.dtype} and "
+                             f"{tuple(scales.shape)}")
+        n, k = qweight.shape
+        return cls._make(KIND_FP8_A8 if fp8_inputs else KIND_FP8, n, k, bias, w=qweight,
+                         scales=scales.float())
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:

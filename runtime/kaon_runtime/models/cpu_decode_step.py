@@ -153,8 +153,10 @@ class FusedDecoder(Protocol):
         """The first layer's key cache address and shape: the step rebuilds its structs when either changes."""
 
 
-# Quantization methods whose projections the C kernels read (fp8 has none).
-READABLE_QUANTIZATIONS = ("none", "int8", "int4")
+# Quantization methods whose projections the C kernels read (fp8: per channel or per tensor, its weight-only
+# arithmetic or FP8 dynamic's per-token inputs; block-scaled fp8 is not read: its checkpoints say their
+# description, not "fp8", see engine/model_loader._weights_quantization).
+READABLE_QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 KV_DTYPES = tuple(cpu_decode.KV_FORMATS)  # the caches the C step reads: float32, float16, bfloat16
 # The model dtypes whose steps it takes: the activations are float32 inside, the float weights are
 # read in their own dtype (cpu_decode.c), the hidden state comes back in the model's dtype.
@@ -188,7 +190,7 @@ def unsupported(config: ModelConfig) -> str | None:
 
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     """A projection as the C step reads it: float32 nn.Linear, kaon's int8 (per channel or in groups of
-    16) or its int4 (groups of 32, float16 or float32 scales); a LoraLinear's base."""
+    16), its int4 (groups of 32, float16 or float32 scales) or its fp8 (per channel); a LoraLinear's base."""
     if isinstance(module, LoraLinear):
         module = module.base
     bias = getattr(module, "bias", None)
@@ -199,6 +201,9 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     held = getattr(module, "kernel_weights", None)  # held in the kernel's own layout (quant/group_int8.py)
     if held is not None:
         return held
+    fused = getattr(module, "fused_cpu_weights", None)  # read in place: fp8 (quant/fp8.py, quant/dynamic_fp8.py)
+    if fused is not None:
+        return fused()
     if qweight is not None and qweight.dtype == torch.int8:
         return cpu_decode.LinearWeights.int8(qweight, quantized.scales, bias)
     if getattr(module, "group_size", None) == cpu_decode.QBLOCK and hasattr(module, "packed"):
@@ -278,7 +283,7 @@ class CpuDecodeStep:
                                           *(None if n is None else n.data_ptr() for n in head_norms))
             for name in ("qkv", "o", "gate_up", "down"):  # (copies of the structs: shared weights keep theirs)
                 linear = getattr(structs[i], name)
-                if linear.kind not in cpu_decode.FLOAT_KIND_SET:
+                if linear.kind not in cpu_decode.UNQUANTIZED_INPUTS:
                     linear.act_passes = self.activation_passes
         final_norm = weights.final_norm.detach().float().contiguous()
         keep += [structs, weights.cos, weights.sin, final_norm]

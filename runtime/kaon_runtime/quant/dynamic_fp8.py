@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.fp8 import FP8, Fp8Linear, scaled_mm_supported
 
 _FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -37,6 +38,11 @@ class DynamicFp8InputLinear(nn.Module):
                              f"{type(inner).__name__}")
         self.inner = inner
         self.in_features, self.out_features = inner.in_features, inner.out_features  # as an nn.Linear's
+
+    def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
+        """The fused CPU step's FP8_A8 kind: it rounds each input row to FP8 per token as
+        round_to_fp8_per_token does (in float32), then multiplies as the inner weight's kind does."""
+        return self.inner.fused_cpu_weights(fp8_inputs=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -5,13 +5,15 @@ On a GPU, a few rows (decode; kernels/quant_gemv.py) multiply the FP8 weight as 
 tensor cores (compute capability 9.0+, for row-wise scales) and bfloat16 activations, have their
 activations quantized per row on the fly for torch._scaled_mm, FP8 x FP8 (W8A8). Everywhere else
 the weight is widened and multiplied in float32 (W8A16), which is also the reference the GPU paths
-are compared with.
+are compared with. On CPU the fused C step (kernels/cpu_decode.c, kind FP8) computes the same numbers
+for its rows, each row summed in one order whatever the step's size (answers batch-invariant).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.linear import ChannelScaledLinear, kernel_for
 
 FP8 = torch.float8_e4m3fn
@@ -45,6 +47,12 @@ def fp8_matmul_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
 
 class Fp8Linear(ChannelScaledLinear):
     quantize = staticmethod(quantize_fp8)
+
+    def fused_cpu_weights(self, fp8_inputs: bool = False) -> cpu_decode.LinearWeights:
+        """This weight as the fused CPU step reads it, in place (no copy): the C kernels widen each e4m3 value
+        exactly and multiply float32 activations, so a row's numbers are this matmul's on CPU, summed in one
+        order whatever the row count (issue 49 §2; models/cpu_decode_step.py)."""
+        return cpu_decode.LinearWeights.fp8(self.qweight, self.scales, self.bias, fp8_inputs)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if kernel_for(x, self.reference) == "triton":

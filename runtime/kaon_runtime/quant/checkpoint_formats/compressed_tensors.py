@@ -54,7 +54,10 @@ def scheme(config: dict) -> CheckpointScheme:
     dynamic = _dynamic_inputs([group.get("input_activations") or {} for group in groups], weights)
     kind = sorted(kinds)[0]
     method = "fp8" if kind[0] == "float" else f"int{kind[1]}"
-    fused = all(_cpu_fused(w) for w in weights) and method != "fp8" and static is None and dynamic is None
+    if method == "fp8":  # per channel or per tensor (Fp8Linear), weight-only or FP8 dynamic's per-token inputs
+        fused = all(w.get("strategy") in ("channel", "tensor") for w in weights) and static is None
+    else:
+        fused = all(_cpu_fused(w) for w in weights) and static is None and dynamic is None
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)
     return CheckpointScheme(description=f"compressed-tensors {'/'.join(sorted(map(str, formats)))} "
                                         f"{method} ({', '.join(parts)})",

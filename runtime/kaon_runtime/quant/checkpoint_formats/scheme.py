@@ -16,7 +16,7 @@ Converter = Callable[[str, dict[str, torch.Tensor], int], LoadedWeight]
 class CheckpointScheme:
     description: str  # for logs and errors, e.g. "GPTQ 4-bit, groups of 128"
     method: str  # kaon's family of the weights: "int4", "int8" or "fp8" (what --quantization must say, if anything)
-    cpu_fused: bool  # whether the fused CPU decode step reads the weights as kaon's int4 / int8
+    cpu_fused: bool  # whether the fused CPU decode step reads the weights as kaon's int4 / int8 / fp8
     markers: frozenset[str]  # suffixes whose presence makes a module quantized
     suffixes: frozenset[str]  # every suffix a quantized module's tensors may carry
     ignored: frozenset[str]  # suffixes read and dropped (static activation scales, KV cache scales)

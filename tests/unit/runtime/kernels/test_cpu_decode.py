@@ -24,6 +24,8 @@ from kaon_runtime.layers.kernel_backend import torch_kernels
 from kaon_runtime.models.cpu_decode_step import PIECE_ROWS, blocker, piece_rows, unsupported
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.fp8 import quantize_fp8
+from kaon_runtime.quant.fp8_block import Fp8BlockLinear
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
 
@@ -425,11 +427,15 @@ def test_what_it_cannot_run_is_named():
     assert unsupported(tiny_config(sliding_window=8)) is None  # (windows: test_a_decode_step_matches_the_torch_path)
     assert "Gemma" in unsupported(tiny_config(norm_weight_offset=1.0, sandwich_norms=True))
     assert blocker(tiny_config()) is None
-    assert "fp8" in blocker(tiny_config(), quantization="fp8")
+    assert blocker(tiny_config(), quantization="fp8") is None  # per channel (test_cpu_decode_fp8.py)
+    block_fp8 = "compressed-tensors float-quantized fp8 (block)"  # a checkpoint's description: not read
+    assert block_fp8 in blocker(tiny_config(), quantization=block_fp8)
     assert "tensor parallelism" in blocker(tiny_config(), tp_size=2)
     model, _ = random_model(tiny_config(), blocks=2)
-    quantize_model(model, "fp8")
-    with pytest.raises(ValueError, match="Fp8Linear"):  # what the loader refuses, should the blocker miss it
+    layer = model.model.layers[0].mlp
+    qweight, scales = quantize_fp8(layer.down_proj.weight.detach())
+    layer.down_proj = Fp8BlockLinear(qweight, scales[:, None], (1, 96))  # a block per row: [N, 1] scales
+    with pytest.raises(ValueError, match="Fp8BlockLinear"):  # what the loader refuses, should the blocker miss it
         model.check_kernels()
     assert random_model(tiny_config(), blocks=2, cpu_decode=False)[0].model.cpu_decode is None
 
