@@ -45,7 +45,7 @@ on a shared machine the other work's preemptions then cost each side less uneven
 B / A. On a shared machine this ratio holds where the table's (one format after another) drifts with
 the load. `--formats --torch-ops --pair float32 float16` measures only that; `--pair
 bfloat16-int4:torch bfloat16-int4` the C step against torch ops for int4 weights in a bfloat16 model
-(formats DTYPE-METHOD: --dtype DTYPE --quantization METHOD, named only when asked for).
+(formats DTYPE-METHOD: --dtype DTYPE --quantization METHOD, and fp8, named only when asked for).
 
 Over 300 lines for a stated reason: the modes share one engine builder, one timing loop and one table,
 and each is a few dozen lines on them; split into files, each would import the others' helpers back.
@@ -106,7 +106,9 @@ FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
 # The narrow weights in a half-precision model (--dtype bfloat16 --quantization int4: bfloat16 norms,
 # embedding rows and KV cache), measured when asked for by name (--formats, --torch-ops, --pair).
 HALF_QUANTIZED = [f"{dtype}-{method}" for dtype in ("bfloat16", "float16") for method in ("int8", "int4")]
-ALL_FORMATS = FORMATS + HALF_QUANTIZED
+# fp8 (--quantization fp8: E4M3 weights widened exactly in the C step), measured when asked for by name too.
+NAMED_ONLY = [*HALF_QUANTIZED, "fp8"]
+ALL_FORMATS = FORMATS + NAMED_ONLY
 
 
 def format_options(fmt: str) -> dict[str, str]:

@@ -468,6 +468,52 @@ def test_narrow_weights_in_a_half_model_take_the_c_step_and_answer_alike_alone_b
     chunked.close()
 
 
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+def test_fp8_weights_take_the_c_step_answer_alike_alone_batched_chunked_and_near_torchs(tiny_llama, monkeypatch):
+    """--quantization fp8 runs the fused C step (issue 49 §2; torch's GEMMs before, whose prompt rows'
+    sums moved with the row count): a prompt's tokens and log-probabilities are the same bits alone, in a
+    batch, in prefill chunks and with its prefix cached. Its first step's log-probabilities are torch's
+    path's (the step off, as without a C compiler: Fp8Linear's float32 matmul) but for the summation order
+    and the vocabulary head, which is an int8 copy under every method: the C kernel's int8 activation blocks
+    against torch's kernels, so both read it at their precise setting here (two passes; the dequantizing
+    reference, KAON_QUANT_KERNEL=torch)."""
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS", "KAON_QUANT_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+
+    def answers(llm, prompts):
+        completions = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(c.token_ids, [step[t] for t, step in zip(c.token_ids, c.logprobs)]) for c in completions]
+
+    def engine(**options):
+        return LLM(tiny_llama, show_progress=False, device="cpu", quantization="fp8", kv_cache_bytes=1 << 22,
+                   block_size=8, **options)
+
+    def first_logprobs(llm):
+        first = [o.outputs[0].logprobs[0] for o in llm.generate(TINY_PROMPTS, params, use_tqdm=False)]
+        llm.close()
+        return first
+
+    plain = engine(enable_prefix_caching=False)
+    assert plain.engine.runner.cpu_decode_step, "the fused C step runs this model"
+    alone = [answers(plain, [p])[0] for p in TINY_PROMPTS]
+    assert answers(plain, TINY_PROMPTS) == alone, "in a batch"
+    plain.close()
+    chunked = engine(enable_prefix_caching=True, max_num_batched_tokens=16)
+    assert answers(chunked, TINY_PROMPTS) == alone, "in chunks of 16, batched"
+    assert [answers(chunked, [p])[0] for p in TINY_PROMPTS] == alone, "with its prefix cached"
+    chunked.close()
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
+    ours = first_logprobs(engine())
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    monkeypatch.setattr(cpu_decode, "library", lambda: None)  # the step off: torch's path
+    torch_path = engine()
+    assert not torch_path.engine.runner.cpu_decode_step
+    for mine, theirs in zip(ours, first_logprobs(torch_path)):
+        assert max(theirs, key=theirs.get) == max(mine, key=mine.get)
+        assert max(abs(mine[t] - theirs[t]) for t in mine.keys() & theirs.keys()) < 1e-3
+
+
 def test_an_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16"):
         EngineConfig(kv_cache_dtype="int8")
