@@ -122,6 +122,10 @@ typedef struct {
     int32_t window;           /* sliding window: a query at position p sees keys p - window + 1 .. p; 0: all */
     const float *q_norm, *k_norm;  /* Qwen3: one RMSNorm weight [head_dim] for every q head, one for every k
                                     * head, applied before rotary; NULL: none */
+    const float *pre_ff_norm, *post_ff_norm;  /* Gemma 2's sandwich: post_norm then normalises attention's output
+                                               * before the residual add, pre_ff_norm the MLP's input and
+                                               * post_ff_norm its output; NULL: none (post_norm is the MLP's input
+                                               * norm, as in Llama) */
 } Layer;
 
 typedef struct {
@@ -132,7 +136,11 @@ typedef struct {
     const float *cos, *sin;  /* [positions, rotary_dim / 2] */
     const Layer *layers;
     int32_t rotary_dim;  /* each head's leading dims that rotate (Phi-3's partial rotary); 0: all head_dim */
+    int32_t act;         /* the gated MLP's activation: ACT_SILU (SwiGLU) or ACT_GELU_TANH (Gemma's GeGLU) */
+    float softcap;       /* attention scores become softcap * tanh(score / softcap) (Gemma 2); 0: none */
 } Model;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* ---- small helpers ------------------------------------------------------------------ */
 
@@ -1973,6 +1981,12 @@ static void rotary(float *x, int heads, int dim, int rotated, const float *cos, 
 
 static float silu(float x) { return x / (1.f + expf(-x)); }
 
+/* gelu with the tanh approximation, torch's approximate="tanh" formula (GeGLU's gate in Gemma). */
+static float gelu_tanh(float x) {
+    const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);  /* sqrt(2 / pi) */
+    return 0.5f * x * (1.f + tanhf(inner));
+}
+
 typedef struct {
     const Model *md;
     const Layer *layer;
@@ -2172,6 +2186,11 @@ static inline __attribute__((always_inline)) void attend(const AttentionJob *job
     const size_t kv_bytes = kv_offset * (half ? sizeof(uint16_t) : sizeof(float));
     attention_scores(q, gh, (const char *)job->layer->k_cache + kv_bytes, half, table, shift, dim, first, ctx,
                      md->scale, sc, max_ctx);
+    if (md->softcap > 0.f) {  /* Gemma 2: each score capped alone, as torch caps them (scaled, then / cap) */
+        const float cap = md->softcap;
+        for (int h = 0; h < gh; h++)
+            for (int t = first; t < ctx; t++) sc[h * max_ctx + t] = cap * tanhf(sc[h * max_ctx + t] / cap);
+    }
     for (int h = 0; h < gh; h++) softmax(sc + h * max_ctx + first, ctx - first);
     attention_values(sc, max_ctx, gh, (const char *)job->layer->v_cache + kv_bytes, half, table, shift, dim, first,
                      ctx, job->out + ((size_t)r * heads + h0) * dim);
@@ -2384,16 +2403,27 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         parallel_for(rows * md->num_kv_heads, threads, attention_chunk, &job);
         kaon_linear(&L->o, rows, attn, proj, linear_work, threads);
         add_lora(&L->lora[LORA_O], &adapters, heads * dim, hidden, attn, proj, threads);
-        for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
-        rms_norm(x, L->post_norm, md->eps, rows, hidden, normed);
+        if (L->pre_ff_norm) {  /* Gemma 2: attention's output normalised (in place, row by row) before it joins */
+            rms_norm(proj, L->post_norm, md->eps, rows, hidden, proj);
+            for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
+            rms_norm(x, L->pre_ff_norm, md->eps, rows, hidden, normed);
+        } else {
+            for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
+            rms_norm(x, L->post_norm, md->eps, rows, hidden, normed);
+        }
         kaon_linear(&L->gate_up, rows, normed, gate_up, linear_work, threads);
         add_lora(&L->lora[LORA_GATE_UP], &adapters, hidden, 2 * inter, normed, gate_up, threads);
         for (int r = 0; r < rows; r++) {
             const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
-            for (int i = 0; i < inter; i++) act[(size_t)r * inter + i] = silu(g[i]) * u[i];
+            float *a = act + (size_t)r * inter;
+            if (md->act == ACT_GELU_TANH)
+                for (int i = 0; i < inter; i++) a[i] = gelu_tanh(g[i]) * u[i];
+            else
+                for (int i = 0; i < inter; i++) a[i] = silu(g[i]) * u[i];
         }
         kaon_linear(&L->down, rows, act, proj, linear_work, threads);
         add_lora(&L->lora[LORA_DOWN], &adapters, inter, hidden, act, proj, threads);
+        if (L->post_ff_norm) rms_norm(proj, L->post_ff_norm, md->eps, rows, hidden, proj);  /* Gemma 2 */
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
     }
     atomic_store(&pool.hold, 0);

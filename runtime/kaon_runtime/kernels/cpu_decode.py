@@ -90,7 +90,10 @@ class Layer(ctypes.Structure):
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("lora", Lora * 4),  # qkv, o, gate_up, down
                 ("window", ctypes.c_int32),  # the sliding window (keys a query sees, itself included); 0: all
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]  # Qwen3's per-head norms; None: none
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),  # Qwen3's per-head norms; None: none
+                # Gemma 2's sandwich: the MLP's input norm and its output's norm (post_norm then normalises
+                # attention's output); None: none
+                ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p)]
 
 
 class Model(ctypes.Structure):
@@ -99,7 +102,13 @@ class Model(ctypes.Structure):
                                               "intermediate", "block_size", "num_blocks", "kv_half")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer)),
-        ("rotary_dim", ctypes.c_int32)]  # each head's leading dims that rotate (partial rotary); 0: all
+        ("rotary_dim", ctypes.c_int32),  # each head's leading dims that rotate (partial rotary); 0: all
+        ("act", ctypes.c_int32),  # the gated MLP's activation: a value of ACTIVATIONS_C
+        ("softcap", ctypes.c_float)]  # attention scores become softcap * tanh(score / softcap); 0: none
+
+
+# Model.act: the gated MLP's activations the C step computes (config.hidden_act -> ACT_ in cpu_decode.c).
+ACTIVATIONS_C = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def _cpu_signature() -> str:

@@ -19,9 +19,11 @@ rows are (see prefills_take_the_c_step).
 
 The model's dtype: float32, or float16 / bfloat16, whose float weights the kernels read as stored
 (widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
-the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3 and Phi-3 need (full or sliding-window
-attention, SwiGLU, plain RMSNorm, biases, Qwen3's per-head q/k norms, partial rotary); the other options of the
-shared decoder keep torch (`unsupported`).
+the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2 need (full
+or sliding-window attention, SwiGLU or GeGLU, RMSNorm plain or with Gemma's offset, Gemma 2's sandwich norms
+and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary); experts keep torch
+(`unsupported`). Gemma's embedding scale and final logit soft-cap are computed outside the layers, row by
+row (models/decoder.py), so they are invariant as they are.
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
@@ -133,6 +135,9 @@ class FusedLayer:
     window: int | None = None  # the sliding window: a query sees itself and the window - 1 keys before it
     q_norm: torch.Tensor | None = None  # Qwen3: the RMSNorm weight [head_dim] every q head is normalised by
     k_norm: torch.Tensor | None = None  # (before rotary), and every k head's; None: no q/k norms
+    pre_feedforward_norm: torch.Tensor | None = None  # Gemma 2's sandwich: the MLP's input norm (then
+    post_feedforward_norm: torch.Tensor | None = None  # post_attention_norm normalises attention's output), and
+    # the MLP output's norm; None: no sandwich
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,15 +182,21 @@ def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -
 def unsupported(config: ModelConfig) -> str | None:
     """Why the fused step cannot run this model, or None when it can."""
     reasons = [
-        (config.sandwich_norms or config.norm_weight_offset != 0, "Gemma's norms"),
-        (config.hidden_act != "silu", f"the {config.hidden_act} activation"),
-        (config.attn_softcap is not None, "attention soft-capping"),
+        (config.hidden_act not in cpu_decode.ACTIVATIONS_C, f"the {config.hidden_act} activation"),
         (config.num_experts > 0, "experts"),
         (config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK,
          f"widths that are not multiples of {cpu_decode.QBLOCK}"),
     ]
     found = [reason for applies, reason in reasons if applies]
     return ", ".join(found) or None
+
+
+def norm_copy(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """An RMSNorm weight as the C step reads it: float32, Gemma's offset added (its checkpoints store weight - 1
+    and the norm scales by 1 + weight, summed in float32 as layers/norm.py sums it), so the C step's one norm
+    serves both."""
+    copy = weight.detach().float()
+    return (copy + config.norm_weight_offset if config.norm_weight_offset else copy).contiguous()
 
 
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
@@ -273,19 +284,22 @@ class CpuDecodeStep:
             found = [lora_slots(m) for m in projections]
             loras = [slots or (cpu_decode.Lora(), []) for slots in found]
             reads_lora = reads_lora and None not in found
-            norms = [n.detach().float().contiguous() for n in (layer.input_norm, layer.post_attention_norm)]
-            head_norms = [None if n is None else n.detach().float().contiguous() for n in (layer.q_norm, layer.k_norm)]
-            keep += [*linears, *norms, *head_norms, *(tensors for _, tensors in loras)]
+            # The layer's norms in the Layer struct's order: input, post-attention, q, k, pre- and post-feedforward
+            norms = [None if n is None else norm_copy(n, c)
+                     for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm,
+                               layer.pre_feedforward_norm, layer.post_feedforward_norm)]
+            pointers = [None if n is None else n.data_ptr() for n in norms]
+            keep += [*linears, *norms, *(tensors for _, tensors in loras)]
             assert layer.k_cache is not None and layer.v_cache is not None, "the KV pool is not attached"
-            structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *(n.data_ptr() for n in norms),
+            structs[i] = cpu_decode.Layer(*(w.struct for w in linears), *pointers[:2],
                                           layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
                                           (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)), layer.window or 0,
-                                          *(None if n is None else n.data_ptr() for n in head_norms))
+                                          *pointers[2:])
             for name in ("qkv", "o", "gate_up", "down"):  # (copies of the structs: shared weights keep theirs)
                 linear = getattr(structs[i], name)
                 if linear.kind not in cpu_decode.UNQUANTIZED_INPUTS:
                     linear.act_passes = self.activation_passes
-        final_norm = weights.final_norm.detach().float().contiguous()
+        final_norm = norm_copy(weights.final_norm, c)
         keep += [structs, weights.cos, weights.sin, final_norm]
         first_cache = layers[0].k_cache
         assert first_cache is not None
@@ -303,7 +317,8 @@ class CpuDecodeStep:
             kv_half=cpu_decode.KV_FORMATS[first_cache.dtype],
             eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
-            layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)), rotary_dim=rotary_dim)
+            layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)), rotary_dim=rotary_dim,
+            act=cpu_decode.ACTIVATIONS_C[c.hidden_act], softcap=c.attn_softcap or 0.0)
         self._built, self._reads_lora = (address, model, keep), reads_lora
         return model
 

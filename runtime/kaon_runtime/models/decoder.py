@@ -124,13 +124,14 @@ class DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
     def fused_layer(self) -> FusedLayer:
-        """What the fused CPU decode step reads of this layer (a plain Llama-family layer)."""
+        """What the fused CPU decode step reads of this layer (its norms as stored: the step adds Gemma's offset)."""
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, GatedMLP), "the fused step has no experts"
+        sandwich = (self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if self.sandwich else (None, None)
         return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale,
                           attn.attn.sliding_window,
-                          *(None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)))
+                          *(None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm, *sandwich)))
 
 
 class DecoderModel(nn.Module):

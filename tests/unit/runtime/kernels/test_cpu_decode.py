@@ -241,10 +241,15 @@ def assert_same_cache(cache: torch.Tensor, expected: torch.Tensor) -> None:
 # q and k head normalised over head_dim, one weight for the q heads and one for the k heads, before rotary),
 # alone and with a window in the first layer (Qwen3's windowed layers). Partial rotary (Phi-3's variants): each
 # head's leading 12 dims rotate, the rest as projected (12 of 16: Phi-4-mini's 0.75; of 20, 64, 96 less).
+# Gemma's offset norms (scaled by 1 + weight) and GeGLU; Gemma 2's besides: sandwich norms (attention's and the
+# MLP's outputs normalised before the residual add, the MLP's input by a third norm), attention scores soft-capped
+# (at 2: these random scores reach tens, so the cap moves them all), a window in the first layer (its alternation).
+GEMMA = dict(norm_weight_offset=1.0, hidden_act="gelu_pytorch_tanh")
 WINDOWS = {"full": {}, "window-5": dict(sliding_window=5), "window-3-first-layer": dict(
     sliding_window=3, sliding_layers=(True, False)), "qk-norm": dict(qk_norm=True),
     "qk-norm-window-3-first-layer": dict(qk_norm=True, sliding_window=3, sliding_layers=(True, False)),
-    "partial-rotary": dict(rotary_dim=12)}
+    "partial-rotary": dict(rotary_dim=12), "gemma": GEMMA,
+    "gemma2": dict(GEMMA, sandwich_norms=True, attn_softcap=2.0, sliding_window=3, sliding_layers=(True, False))}
 
 
 @pytest.mark.parametrize("window", sorted(WINDOWS))
@@ -425,7 +430,8 @@ def test_what_it_cannot_run_is_named():
     assert unsupported(tiny_config(qk_norm=True)) is None  # (Qwen3's q/k norms: the same two tests)
     assert unsupported(tiny_config(rotary_dim=12)) is None  # (partial rotary: the same two tests)
     assert unsupported(tiny_config(sliding_window=8)) is None  # (windows: test_a_decode_step_matches_the_torch_path)
-    assert "Gemma" in unsupported(tiny_config(norm_weight_offset=1.0, sandwich_norms=True))
+    assert unsupported(tiny_config(**WINDOWS["gemma2"])) is None  # (Gemma's options: the same two tests)
+    assert "experts" in unsupported(tiny_config(num_experts=4, num_experts_per_tok=2))
     assert blocker(tiny_config()) is None
     assert blocker(tiny_config(), quantization="fp8") is None  # per channel (test_cpu_decode_fp8.py)
     block_fp8 = "compressed-tensors float-quantized fp8 (block)"  # a checkpoint's description: not read

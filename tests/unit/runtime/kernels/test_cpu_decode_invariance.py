@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_decode import BLOCK, LENS, TABLES, decode_step, random_model, tiny_config
+from test_cpu_decode import BLOCK, LENS, TABLES, WINDOWS, decode_step, random_model, tiny_config
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, quantize_activations_ref
@@ -146,18 +146,24 @@ def test_the_prefill_rows_match_the_torch_path():
     torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("option", ["qk_norm", "rotary_dim"])
+OPTIONS = {"qk_norm": dict(qk_norm=True), "rotary_dim": dict(rotary_dim=12), "gemma": WINDOWS["gemma"],
+           "gemma2": WINDOWS["gemma2"]}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize(("kv_dtype", "method"), [(torch.float32, None), (torch.float16, "int4")])
-def test_q_k_norms_and_partial_rotary_keep_a_prompts_rows_invariant_and_torchs(kv_dtype, method, option,
-                                                                               monkeypatch):
-    """Qwen3's q/k norms (each q and k head normalised before rotary) and partial rotary (Phi-3's variants: 12
-    of each head's 16 dims) run in the C step (cpu_decode.c), so the engine sends such models there (blocker:
-    None; it named "q/k norms" and "partial rotary" before, and torch's prefill moved with chunking and
-    neighbours): the prompt's rows get the same bits chunked, after a cached prefix, beside decodes and in
-    pieces, and the float32 rows are torch's prefill's to float32 rounding."""
+def test_q_k_norms_partial_rotary_and_gemma_keep_a_prompts_rows_invariant_and_torchs(kv_dtype, method, option,
+                                                                                     monkeypatch):
+    """Qwen3's q/k norms (each q and k head normalised before rotary), partial rotary (Phi-3's variants: 12
+    of each head's 16 dims), Gemma's offset norms and GeGLU, and Gemma 2's sandwich norms and soft-capped scores
+    (with a 3-key window in the first layer) run in the C step (cpu_decode.c), so the engine sends such models
+    there (blocker: None; it named "q/k norms", "partial rotary", "Gemma's norms", "the gelu_pytorch_tanh
+    activation" and "attention soft-capping" before, and torch's prefill moved with chunking and neighbours):
+    the prompt's rows get the same bits chunked, after a cached prefix, beside decodes and in pieces, and the
+    float32 rows are torch's prefill's to float32 rounding."""
     monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
     monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
-    config = tiny_config(**{"qk_norm": dict(qk_norm=True), "rotary_dim": dict(rotary_dim=12)}[option])
+    config = tiny_config(**OPTIONS[option])
     assert blocker(config, quantization=method or "none") is None
     whole = _prompt_rows(config, kv_dtype, [(0, 7)], method=method)
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)], method=method), whole), "chunked prefill"

@@ -117,16 +117,19 @@ def test_mistral_windows_through_the_fused_cpu_step_give_transformers_log_probab
             assert max(abs(float(without[t]) - float(want[t])) for t in got) > 100 * error, "the window matters"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3"])
-def test_q_k_norms_and_partial_rotary_through_the_fused_cpu_step_give_transformers_log_probabilities(
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2"])
+def test_q_k_norms_partial_rotary_and_gemma2_through_the_fused_cpu_step_give_transformers_log_probabilities(
         name, tmp_path, gguf_path):
     """In float32 the fused C step runs Qwen3's q/k norms (each head's q and k normalised before rotary, with
-    its windowed upper layers and tied embeddings) and Phi-3's partial rotary (half of each head, LongRoPE's
-    long factors, windows), prompt rows and decode rows alike: four tokens' log-probabilities after prompts
-    longer than the window, chunked and with prefix-cache hits, are transformers' (float64, fed the same tokens)
-    to float32's rounding. Before, these models took torch's path (the step blocked: "q/k norms", "partial
-    rotary"); the C step with the norms ignored, tried by hand: 7.75 nats off. In bfloat16 too (issue 49 §2):
-    the same tokens and log-probabilities alone (chunked, prefix hits) as in one batch."""
+    its windowed upper layers and tied embeddings), Phi-3's partial rotary (half of each head, LongRoPE's
+    long factors, windows) and Gemma 2 (offset and sandwich norms, GeGLU, soft-capped scores, alternating
+    windows; its scaled embeddings and soft-capped logits outside the step), prompt rows and decode rows alike:
+    four tokens' log-probabilities after prompts longer than the window, chunked and with prefix-cache hits, are
+    transformers' (float64, fed the same tokens) to float32's rounding. Before, these models took torch's path
+    (the step blocked: "q/k norms", "partial rotary", "Gemma's norms, ..."); the C step with the norms ignored,
+    tried by hand: 7.75 nats off (Gemma 2: the scores' soft-cap ignored 0.21 nats, GeGLU computed as SwiGLU
+    0.014). In bfloat16 too (issue 49 §2): the same tokens and log-probabilities alone (chunked, prefix hits) as
+    in one batch."""
     hf = build_hf_dir(name, tmp_path / name, gguf_path)
     first = list(range(1000, 1100))
     prompts = [first, first[:64] + list(range(5000, 5037)), list(range(7000, 7030))]
