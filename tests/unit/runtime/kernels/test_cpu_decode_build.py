@@ -29,6 +29,7 @@ from test_cpu_decode import (
 )
 
 from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.quant.fp8 import quantize_fp8
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
 
@@ -98,7 +99,9 @@ def _projections() -> list[tuple[cpu_decode.LinearWeights, torch.Tensor]]:
             (cpu_decode.LinearWeights.q5(values >> 1, scales32, mins32), x),
             (cpu_decode.LinearWeights.q6_g16(values, torch.rand(84, 8) / 10), x),
             *((cpu_decode.LinearWeights.f32(w.to(half), torch.randn(84)), x) for half in HALVES),
-            *((cpu_decode.LinearWeights.f32_t(w.T.contiguous().to(half)), x) for half in HALVES)]
+            *((cpu_decode.LinearWeights.f32_t(w.T.contiguous().to(half)), x) for half in HALVES),
+            *((cpu_decode.LinearWeights.fp8(*quantize_fp8(w), torch.randn(84), fp8_inputs), x)  # fp8: widened
+              for fp8_inputs in (False, True))]
 
 
 HALVES = (torch.float16, torch.bfloat16)  # float weights read as stored, widened in registers
