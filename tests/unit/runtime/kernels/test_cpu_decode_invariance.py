@@ -116,6 +116,12 @@ def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype,
     else:
         monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
     config = tiny_config(attention_bias=True, sliding_window=window)
+    _invariant_prompt_rows(config, kv_dtype, method)
+
+
+def _invariant_prompt_rows(config, kv_dtype, method) -> torch.Tensor:
+    """The prompt's 7 rows through the C step, asserted the same bits chunked, after a cached prefix, beside
+    decodes and in pieces."""
     whole = _prompt_rows(config, kv_dtype, [(0, 7)], method=method)
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)], method=method), whole), "chunked prefill"
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method=method), whole), \
@@ -124,6 +130,7 @@ def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype,
         "neighbours"
     assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3, method=method),
                        whole), "pieces"
+    return whole
 
 
 def _torch_prompt_rows(model, config) -> torch.Tensor:
@@ -165,14 +172,7 @@ def test_q_k_norms_partial_rotary_and_gemma_keep_a_prompts_rows_invariant_and_to
     monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
     config = tiny_config(**OPTIONS[option])
     assert blocker(config, quantization=method or "none") is None
-    whole = _prompt_rows(config, kv_dtype, [(0, 7)], method=method)
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 3), (3, 7)], method=method), whole), "chunked prefill"
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method=method), whole), \
-        "a cached prefix"
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 4), (4, 7)], neighbours=True, method=method), whole), \
-        "neighbours"
-    assert torch.equal(_prompt_rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3, method=method),
-                       whole), "pieces"
+    whole = _invariant_prompt_rows(config, kv_dtype, method)
     if method is None:
         model, _ = random_model(config, blocks=10, cpu_decode=False)
         torch.testing.assert_close(whole, _torch_prompt_rows(model, config), atol=1e-4, rtol=1e-4)

@@ -447,15 +447,18 @@ def test_narrow_weights_in_a_half_model_take_the_c_step_and_answer_alike_alone_b
     model's run is tests/unit/runtime/engine/test_batch_invariance.py's, marked slow.)"""
     for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
         monkeypatch.delenv(name, raising=False)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    _assert_the_c_step_answers_alike_alone_batched_chunked(
+        lambda **options: LLM(tiny_llama, show_progress=False, device="cpu", dtype=dtype, quantization=method,
+                              kv_cache_bytes=1 << 22, block_size=8, **options),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
 
+
+def _assert_the_c_step_answers_alike_alone_batched_chunked(engine, params) -> None:
+    """engine(**options) runs the fused C step, and each of TINY_PROMPTS gets the same tokens and log-probabilities
+    alone, in a batch, in prefill chunks of 16 and with its prefix cached."""
     def answers(llm, prompts):
         completions = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         return [(c.token_ids, [step[t] for t, step in zip(c.token_ids, c.logprobs)]) for c in completions]
-
-    def engine(**options):
-        return LLM(tiny_llama, show_progress=False, device="cpu", dtype=dtype, quantization=method,
-                   kv_cache_bytes=1 << 22, block_size=8, **options)
 
     plain = engine(enable_prefix_caching=False)
     assert plain.engine.runner.cpu_decode_step, "the fused C step runs this model"
@@ -481,10 +484,6 @@ def test_fp8_weights_take_the_c_step_answer_alike_alone_batched_chunked_and_near
         monkeypatch.delenv(name, raising=False)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
 
-    def answers(llm, prompts):
-        completions = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        return [(c.token_ids, [step[t] for t, step in zip(c.token_ids, c.logprobs)]) for c in completions]
-
     def engine(**options):
         return LLM(tiny_llama, show_progress=False, device="cpu", quantization="fp8", kv_cache_bytes=1 << 22,
                    block_size=8, **options)
@@ -494,15 +493,7 @@ def test_fp8_weights_take_the_c_step_answer_alike_alone_batched_chunked_and_near
         llm.close()
         return first
 
-    plain = engine(enable_prefix_caching=False)
-    assert plain.engine.runner.cpu_decode_step, "the fused C step runs this model"
-    alone = [answers(plain, [p])[0] for p in TINY_PROMPTS]
-    assert answers(plain, TINY_PROMPTS) == alone, "in a batch"
-    plain.close()
-    chunked = engine(enable_prefix_caching=True, max_num_batched_tokens=16)
-    assert answers(chunked, TINY_PROMPTS) == alone, "in chunks of 16, batched"
-    assert [answers(chunked, [p])[0] for p in TINY_PROMPTS] == alone, "with its prefix cached"
-    chunked.close()
+    _assert_the_c_step_answers_alike_alone_batched_chunked(engine, params)
     monkeypatch.setenv("KAON_CPU_ACTIVATIONS", "int8x2")
     ours = first_logprobs(engine())
     monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
