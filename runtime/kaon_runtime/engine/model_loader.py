@@ -73,7 +73,7 @@ def pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device
 def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  kv_dtype: torch.dtype, tp: TensorParallel) -> KernelBackend:
     """The kernel backend for this device, with the fused CPU decode step where it applies (CPU; a float32,
-    float16 or bfloat16 model, its weights float in that dtype or int8 / int4 in the step's layouts; a cache
+    float16 or bfloat16 model, its weights float in that dtype, int8 / int4 in the step's layouts or fp8; a cache
     it reads, a model it covers). Quantized weights in a float16 / bfloat16 model take it too (issue 49 §2):
     the step reads their blocks as at float32 and the model's norms, embedding rows and cache as stored, so a
     row's numbers are its own; torch's path, which they ran before, sums prompt rows by the row count."""
