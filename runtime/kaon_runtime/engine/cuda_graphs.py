@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kaon_runtime.engine.step_plan import StepPlan
+from kaon_runtime.engine.step_tensors import long_tensor
 from kaon_runtime.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -77,30 +79,37 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for decode batches of %s", ", ".join(map(str, self.sizes)))
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of the plan's sample rows (a decode-only plan that `fits`)."""
+    def run(self, plan: StepPlan, tables: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the plan's sample rows (a decode-only plan that `fits`); `tables`: its decode tables padded,
+        on the CPU, if the caller has them (engine.step_tensors), else built here."""
         size = graph_size(len(plan.decode_tables), self.sizes)
         assert size is not None, "a plan that does not fit the graphs"
-        self._load(plan, size)
+        if tables is None:
+            tables = long_tensor(plan.padded_decode_tables(), torch.device("cpu"))
+        self._load(plan, size, tables)
         graph, logits = self._graphs.get(size, (None, None))
         if graph is None or logits is None:
             logits = self._run_static(size)
         else:
             graph.replay()
         self.replays += 1
-        # Indexing copies: the graphs share one memory pool, so the next replay of another size may
-        # write over this graph's output.
-        return logits[torch.tensor(plan.sample_rows, device=self.device)]
+        # A copy: the graphs share one memory pool, so the next replay of another size may write over this
+        # graph's output. A decode-only plan samples every row in order (one token each, no drafts): its
+        # first n rows, a slice, with no index tensor to send to the device.
+        n = len(plan.sample_rows)
+        if plan.sample_rows == list(range(n)):
+            return logits[:n].clone()
+        return logits[long_tensor(plan.sample_rows, self.device)]
 
-    def _load(self, plan: StepPlan, size: int) -> None:
+    def _load(self, plan: StepPlan, size: int, tables: torch.Tensor) -> None:
         """Copy the plan into the static buffers; rows n..size become padding."""
-        n, pad = len(plan.decode_tables), size - len(plan.decode_tables)
-        rows = torch.tensor([plan.input_ids + [0] * pad, plan.positions + [0] * pad, plan.slots + [-1] * pad,
-                             plan.decode_lens + [1] * pad])
-        self.rows[:, :size].copy_(rows)
+        n = len(plan.decode_tables)
+        rows = np.array([[0], [0], [-1], [1]], dtype=np.int64).repeat(size, axis=1)
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = (plan.input_ids, plan.positions, plan.slots,
+                                                              plan.decode_lens)
+        self.rows[:, :size].copy_(torch.from_numpy(rows))
         # Columns past the widest table, and padded rows, keep earlier steps' block ids: valid blocks,
         # masked by the context length (a padded row reads one key of whatever block its first column names).
-        tables = torch.tensor(plan.padded_decode_tables())
         self.block_tables[:n, :tables.shape[1]].copy_(tables)
 
     def _run_static(self, size: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ from kaon_runtime.engine.prompt_logprobs import record_prompt_logprobs, sample_r
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.engine.step_plan import StepPlan, plan_step
+from kaon_runtime.engine.step_tensors import DecodeTables, long_tensor
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from kaon_runtime.layers.moe import has_quantized_experts
 from kaon_runtime.layers.penalties import row_history
@@ -103,6 +104,7 @@ class ModelRunner:
             self.model_config.vocab_size, self.dtype, self.device)
         self.num_blocks = self.kv_cache.shape[3]  # this rank's pool; the engine schedules within the smallest
         self.decode_graphs: DecodeGraphs | None = None
+        self.decode_tables = DecodeTables()  # the decode rows' block tables, kept from step to step
         # The target model's runner masks its logits by the sequences' grammars (the engine sets it).
         self.grammar_masks: MaskWorker | None = None
 
@@ -198,12 +200,13 @@ class ModelRunner:
         leader of a pipeline, on their way back from the last stage)."""
         graphable = plan.sample_rows and not plan.prompt_rows and not plan.pool_spans
         if self.decode_graphs is not None and graphable and self.decode_graphs.fits(plan):
-            return self.decode_graphs.run(plan)
+            return self.decode_graphs.run(plan, self._decode_tables_cpu(plan))
         meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), num_decode_tokens=len(plan.decode_tables),
                                  prefills=[PrefillChunk(start, length, context, self._tensor(table))
                                            for start, length, context, table in plan.prefills])
         if plan.decode_tables:
-            meta.decode_block_tables = self._tensor(plan.padded_decode_tables())
+            tables = self._decode_tables_cpu(plan)
+            meta.decode_block_tables = tables if self.device.type == "cpu" else tables.to(self.device)
             meta.decode_context_lens = self._tensor(plan.decode_lens)
         if self.lora is not None:
             if plan.lora_loads and self.tp.rank > 0:  # rank 0 loaded them when it planned the step
@@ -233,7 +236,14 @@ class ModelRunner:
         return StepTokens(seqs, sampled.token_ids, sampled.logprobs)
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return long_tensor(values, self.device)
+
+    def _decode_tables_cpu(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's decode tables, padded, on the CPU: from the rows kept between steps where the plan names
+        its sequences (plan_step's plans do), else built whole."""
+        if len(plan.decode_seq_ids) == len(plan.decode_tables):
+            return self.decode_tables.gather(plan.decode_seq_ids, plan.decode_tables)
+        return long_tensor(plan.padded_decode_tables(), torch.device("cpu"))
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         """The sequence's own seeded generator, made on first use; None draws from the global RNG."""

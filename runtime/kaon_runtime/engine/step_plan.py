@@ -20,6 +20,7 @@ class StepPlan:
     slots: list[int] = field(default_factory=list)  # where each token's K/V goes
     decode_tables: list[list[int]] = field(default_factory=list)  # per one-token sequence
     decode_lens: list[int] = field(default_factory=list)
+    decode_seq_ids: list[int] = field(default_factory=list)  # whose each decode table is (engine.step_tensors)
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # start, length, context, table
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are wanted
     # Rows that score the next prompt token, for requests asking for prompt logprobs (after the
@@ -50,6 +51,10 @@ def plan_step(batch: ScheduledBatch, block_size: int,
     plan, sampling_seqs = StepPlan(), []
     for i in order:
         seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
+        if num_new == 1 and not seq.draft_token_ids and not _scores_or_pools(seq):
+            if _plan_decode(plan, seq, bs, lora_slots):
+                sampling_seqs.append(seq)
+            continue
         # Drafts ride along like a short prefill chunk; their K/V counts only once verified.
         tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -69,6 +74,7 @@ def plan_step(batch: ScheduledBatch, block_size: int,
         if num_new == 1:
             plan.decode_tables.append(table)
             plan.decode_lens.append(end)
+            plan.decode_seq_ids.append(seq.seq_id)
         else:
             plan.prefills.append((query_start, num_new, end, table))
         if end == len(tokens):  # the chunk reaches the end: its last logits pick a token
@@ -76,6 +82,30 @@ def plan_step(batch: ScheduledBatch, block_size: int,
             plan.sample_rows.extend(range(last - 1 - len(seq.draft_token_ids), last))
             sampling_seqs.append(seq)
     return plan, sampling_seqs
+
+
+def _plan_decode(plan: StepPlan, seq: Sequence, bs: int, lora_slots: dict[int, int] | None) -> bool:
+    """The plan's share of a sequence computing one token, no drafts, no prompt scoring or pooling: what the
+    general loop body above does for it, without the ranges it builds for chunks (the common row of a step).
+    Whether the row samples (the token is the sequence's last)."""
+    pos = seq.num_computed_tokens
+    table = seq.block_table[:pos // bs + 1]
+    samples = pos + 1 == len(seq.token_ids)
+    if samples:
+        plan.sample_rows.append(len(plan.input_ids))
+    plan.input_ids.append(seq.token_ids[pos])
+    plan.positions.append(pos)
+    plan.slots.append(table[pos // bs] * bs + pos % bs)
+    if lora_slots:
+        plan.lora_slots.append(lora_slots.get(seq.lora_id, -1))
+    plan.decode_tables.append(table)
+    plan.decode_lens.append(pos + 1)
+    plan.decode_seq_ids.append(seq.seq_id)
+    return samples
+
+
+def _scores_or_pools(seq: Sequence) -> bool:
+    return seq.params.prompt_logprobs is not None or seq.params.pooling is not None
 
 
 def wants_prompt_logprobs(seq: Sequence) -> bool:

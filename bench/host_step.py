@@ -1,0 +1,162 @@
+"""The engine's host time per step, apart from the model's: scheduling, the step plan, sampling, detokenization,
+stop checks and outputs, at 64 and 256 running sequences.
+
+    python bench/host_step.py [--base TREE] [--rounds 3] [--profile FILE]
+
+A model so small that its forward pass is a sliver of the step (a 1-layer Llama of hidden size 16, a
+512-token vocabulary, random weights, the byte-level tokenizer random:// models use: bench/throughput.py's
+GPU run detokenizes through the same one) runs N requests (--max-num-seqs N, N in --batches), each a
+prompt of --prompt-len tokens and --output-len tokens out, EOS ignored, on the CPU. Each decode-only step
+with N sequences running is timed twice: the whole `engine.step()` and, inside it, the model's own
+forward pass (ModelRunner.run). Host time = step - forward; both in CPU seconds of this process (the
+machine is shared: CPU time is what the host costs, wall time is what the neighbours leave), the median
+over the steps, per step and per output token.
+
+`--base TREE`: the same measure of another tree's runtime/ (e.g. `git archive main runtime | tar -x -C
+TREE`), in alternating fresh processes, `--rounds` of each: an A/B inside one run, for a shared machine.
+`--profile FILE`: cProfile's top functions of this tree's run at the largest batch, written there (a run of
+its own, after the timed ones).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_tiny_model(path: Path, vocab: int = 512) -> None:
+    """A 1-layer random Llama with a byte-level tokenizer (ids past 255 decode to nothing, as random:// ones)."""
+    import torch
+    import transformers
+
+    from kaon_runtime.loader.tokenizer import Tokenizer
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8192,
+                                      bos_token_id=vocab - 2, eos_token_id=vocab - 1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    Tokenizer.bytes_only(vocab - 2, vocab - 1).backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text("{}")
+
+
+def measure(model: str, batch: int, prompt_len: int, output_len: int, profile: str | None) -> dict:
+    """Median CPU microseconds per decode-only step with `batch` sequences running: whole step, forward, host."""
+    import torch
+
+    from kaon_runtime import LLM, SamplingParams
+    torch.manual_seed(0)
+    llm = LLM(model, show_progress=False, device="cpu", dtype="float32", max_num_seqs=batch,
+              max_num_batched_tokens=max(8192, batch * prompt_len // 4), enable_prefix_caching=False)
+    engine = llm.engine
+    runner = engine.runner
+    forward_s = [0.0]
+    run = runner.run
+
+    def timed_run(plan):
+        start = time.process_time()
+        try:
+            return run(plan)
+        finally:
+            forward_s[0] += time.process_time() - start
+
+    runner.run = timed_run
+    prompts = [[(7 * i + j) % 256 for j in range(prompt_len)] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    steps, tokens = [], 0
+    profiler = cProfile.Profile() if profile else None
+    while engine.has_unfinished_requests():
+        decode_only = (len(engine.scheduler.running) == batch and not engine.scheduler.waiting
+                       and all(s.is_decoding for s in engine.scheduler.running))
+        forward_s[0] = 0.0
+        if profiler is not None and decode_only:
+            profiler.enable()
+        start = time.process_time()
+        outputs = engine.step()
+        whole = time.process_time() - start
+        if profiler is not None:
+            profiler.disable()
+        tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+        if decode_only:
+            steps.append((whole, forward_s[0]))
+    assert tokens == batch * output_len, (tokens, batch * output_len)
+    if profiler is not None:
+        with open(profile, "w") as out:
+            out.write(f"cProfile of {len(steps)} decode-only steps, {batch} running\n")
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(40)
+            pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
+    whole = statistics.median(s for s, _ in steps)
+    forward = statistics.median(f for _, f in steps)
+    host = statistics.median(s - f for s, f in steps)
+    return {"batch": batch, "steps": len(steps), "step_us": whole * 1e6, "forward_us": forward * 1e6,
+            "host_us": host * 1e6, "host_us_per_token": host * 1e6 / batch}
+
+
+def child(args) -> None:
+    for batch in [max(args.batches)] if args.profile else args.batches:
+        print(json.dumps(measure(args.model, batch, args.prompt_len, args.output_len, args.profile)), flush=True)
+
+
+def run_tree(tree: Path, args, model: str, profile: bool = False) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=f"{tree / 'runtime'}:{ROOT}")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", model, "--prompt-len",
+           str(args.prompt_len), "--output-len", str(args.output_len), "--batches", *map(str, args.batches)]
+    if profile:
+        cmd += ["--profile", str(args.profile)]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", type=Path, help="another tree (its runtime/) to measure in turn, A/B")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--model")
+    parser.add_argument("--child", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    print(f"load {os.getloadavg()[0]:.1f} at start, {time.strftime('%H:%M UTC', time.gmtime())}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tiny_model(Path(tmp))
+        trees = [("this", ROOT)] + ([("base", args.base.resolve())] if args.base else [])
+        results: dict[str, list[list[dict]]] = {name: [] for name, _ in trees}
+        for r in range(args.rounds):
+            for name, tree in (trees if r % 2 == 0 else trees[::-1]):
+                results[name].append(run_tree(tree, args, tmp))
+                for row in results[name][-1]:
+                    print(f"round {r} {name:4s} batch {row['batch']:3d}: step {row['step_us']:7.0f} us, forward "
+                          f"{row['forward_us']:6.0f} us, host {row['host_us']:7.0f} us/step "
+                          f"({row['host_us_per_token']:5.1f} us/token), {row['steps']} steps", flush=True)
+        if args.profile:  # its own run: cProfile's overhead stays out of the figures above
+            run_tree(ROOT, args, tmp, profile=True)
+    print(f"load {os.getloadavg()[0]:.1f} at end")
+    for i, batch in enumerate(args.batches):
+        medians = {name: statistics.median(rounds[i]["host_us"] for rounds in runs) for name, runs in results.items()}
+        line = f"batch {batch}: host us/step (CPU, median of rounds) " + ", ".join(
+            f"{name} {us:.0f}" for name, us in medians.items())
+        if "base" in medians:
+            line += f"; base/this {medians['base'] / medians['this']:.2f}x"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
