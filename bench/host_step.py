@@ -3,14 +3,16 @@ stop checks and outputs, at 64 and 256 running sequences.
 
     python bench/host_step.py [--base TREE] [--rounds 3] [--profile FILE]
 
-A model so small that its forward pass is a sliver of the step (a 1-layer Llama of hidden size 16, a
-512-token vocabulary, random weights, the byte-level tokenizer random:// models use: bench/throughput.py's
-GPU run detokenizes through the same one) runs N requests (--max-num-seqs N, N in --batches), each a
+A model so small that its forward pass is a small part of the step (a 1-layer Llama of hidden size 16, a
+4,096-token vocabulary, random weights, the byte-level tokenizer random:// models use, which has no
+token for ids past 255: bench/throughput.py's GPU run detokenizes through the same one, and most of its
+128,256 ids are past 255) runs N requests (--max-num-seqs N, N in --batches), each a
 prompt of --prompt-len tokens and --output-len tokens out, EOS ignored, on the CPU. Each decode-only step
 with N sequences running is timed twice: the whole `engine.step()` and, inside it, the model's own
-forward pass (ModelRunner.run). Host time = step - forward; both in CPU seconds of this process (the
-machine is shared: CPU time is what the host costs, wall time is what the neighbours leave), the median
-over the steps, per step and per output token.
+work (its forward pass and compute_logits). Host time = step - model; both in CPU seconds of this
+process (the machine is shared: CPU time is what the host costs, wall time is what the neighbours
+leave), the median over the steps, per step and per output token. Prompts of 1,024 tokens by default:
+block tables as long as the GPU run's (100-1,024 tokens in and out, 16-token blocks).
 
 `--base TREE`: the same measure of another tree's runtime/ (e.g. `git archive main runtime | tar -x -C
 TREE`), in alternating fresh processes, `--rounds` of each: an A/B inside one run, for a shared machine.
@@ -34,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_tiny_model(path: Path, vocab: int = 512) -> None:
+def write_tiny_model(path: Path, vocab: int = 4096) -> None:
     """A 1-layer random Llama with a byte-level tokenizer (ids past 255 decode to nothing, as random:// ones)."""
     import torch
     import transformers
@@ -58,18 +60,22 @@ def measure(model: str, batch: int, prompt_len: int, output_len: int, profile: s
     llm = LLM(model, show_progress=False, device="cpu", dtype="float32", max_num_seqs=batch,
               max_num_batched_tokens=max(8192, batch * prompt_len // 4), enable_prefix_caching=False)
     engine = llm.engine
-    runner = engine.runner
+    model = engine.runner.model
     forward_s = [0.0]
-    run = runner.run
 
-    def timed_run(plan):
-        start = time.process_time()
-        try:
-            return run(plan)
-        finally:
-            forward_s[0] += time.process_time() - start
+    def timed(fn):
+        def run(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                forward_s[0] += time.process_time() - start
+        return run
 
-    runner.run = timed_run
+    # The model's own work: its forward pass and the logits of the sample rows (instance attributes shadow
+    # the methods; nn.Module's __call__ reads self.forward).
+    model.forward = timed(model.forward)
+    model.compute_logits = timed(model.compute_logits)
     prompts = [[(7 * i + j) % 256 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
@@ -124,7 +130,7 @@ def main() -> int:
     parser.add_argument("--base", type=Path, help="another tree (its runtime/) to measure in turn, A/B")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--profile", type=Path)
     parser.add_argument("--model")

@@ -30,6 +30,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos and bos_token_id is not None
         self._template = _compile_template(chat_template) if chat_template else None
+        self._dropped: dict[int, bool] = {}  # dropped_by_decode's answers
+        self._special: frozenset[str] | None = None  # the special tokens' contents, read on first use
 
     @property
     def eos_token_id(self) -> int | None:
@@ -49,6 +51,19 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def dropped_by_decode(self, token_id: int) -> bool:
+        """Whether decode (skipping special tokens) leaves `token_id` out before its decoder runs, so that
+        it changes no text: an id with no token (outside the vocabulary), or a special token. This is the
+        filter tokenizers' decode applies (by the token's content, as it does). Remembered per id."""
+        dropped = self._dropped.get(token_id)
+        if dropped is None:
+            if self._special is None:
+                self._special = frozenset(t.content for t in self.backend.get_added_tokens_decoder().values()
+                                          if t.special)
+            token = self.backend.id_to_token(token_id)
+            dropped = self._dropped[token_id] = token is None or token in self._special
+        return dropped
 
     def token_to_str(self, token_id: int) -> str:
         return self.backend.decode([token_id], skip_special_tokens=False)
@@ -147,6 +162,12 @@ class IncrementalDetokenizer:
 
     Byte-level tokens can split a UTF-8 character; decoding the tail from a small
     window of earlier tokens and holding back a trailing U+FFFD keeps the text exact.
+
+    A token `decode` drops before its decoder runs (an id outside the vocabulary, a special token: the
+    tokenizers library filters them out first) changes no window's text, so it is not added to the
+    window: it would only lengthen it. Each new token then costs two decodes of a few tokens, where a run
+    of such tokens (random:// models' ids past 255, which the byte tokenizer has no entry for) would
+    make each decode as long as the run, O(n) per token.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
@@ -158,6 +179,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""
+        if self.tokenizer.dropped_by_decode(token_id):
+            return ""
         self.ids.append(token_id)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset:])

@@ -50,3 +50,62 @@ def test_incremental_detokenizer_never_emits_half_characters(tokenizer):
     pieces = [detok.add(t) for t in ids]
     assert "".join(pieces) == text == detok.text
     assert all("\ufffd" not in p for p in pieces)
+
+
+class _WholeWindowDetokenizer:
+    """The detokenizer before tokens that decode drops were left out of its window: the reference."""
+
+    def __init__(self, tokenizer, prompt_ids):
+        self.tokenizer, self.ids = tokenizer, list(prompt_ids[-6:])
+        self.prefix_offset, self.read_offset, self.text = 0, len(self.ids), ""
+
+    def add(self, token_id):
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        new = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += new
+        return new
+
+
+def _mixed_ids(rng, vocab: int, special: list[int], n: int) -> list[int]:
+    """Ids of every kind: ordinary, special (decode skips them), past the vocabulary (decode drops them),
+    in runs, and bytes that split UTF-8 characters (the byte tokenizer's 128-255)."""
+    out = []
+    while len(out) < n:
+        kind = rng.random()
+        if kind < 0.4:
+            out.append(rng.randrange(vocab))
+        elif kind < 0.55:
+            out.append(rng.choice(special))
+        elif kind < 0.8:
+            out += [rng.randrange(vocab, vocab + 5000) for _ in range(rng.randint(1, 20))]
+        else:
+            out.append(rng.randrange(128, 256))
+    return out[:n]
+
+
+def test_detokenizer_leaving_out_dropped_tokens_changes_no_text(tokenizer):
+    """Pieces and text are the whole-window algorithm's, token for token, on the bundled tokenizer (special
+    tokens) and the byte tokenizer random:// models use (ids past 255 have no token)."""
+    import random
+
+    from kaon_runtime.loader.tokenizer import Tokenizer
+    rng = random.Random(0)
+    byte_level = Tokenizer.bytes_only(bos_token_id=1, eos_token_id=2)
+    special = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
+    assert special, "the bundled tokenizer has special tokens to drop"
+    for tok, vocab, specials in ((tokenizer, tokenizer.vocab_size, special), (byte_level, 256, [0, 1, 2])):
+        for trial in range(30):
+            prompt = _mixed_ids(rng, vocab, specials, rng.randint(1, 10))
+            ours, reference = IncrementalDetokenizer(tok, prompt), _WholeWindowDetokenizer(tok, prompt)
+            for token in _mixed_ids(rng, vocab, specials, 200):
+                assert ours.add(token) == reference.add(token), (trial, token)
+            assert ours.text == reference.text
+    runs = IncrementalDetokenizer(byte_level, [65])
+    for token in [300] * 50 + [66]:
+        runs.add(token)
+    assert runs.text == byte_level.decode([66]) and len(runs.ids) == 2, "a run of dropped ids stays out of the window"
