@@ -116,14 +116,30 @@ def profile_kaon(llm: LLM, prompts, output_lens, path: Path, requests: int = 64)
     from torch.profiler import ProfilerActivity, profile
     on_gpu = torch.cuda.is_available() and llm.engine.runner.device.type == "cuda"
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens[:requests]]
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
-        start = time.perf_counter()
-        llm.generate(prompts[:requests], params, use_tqdm=False)
-        if on_gpu:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+    engine, steps = llm.engine, [0]
+    graphs = engine.runner.decode_graphs
+    replays = graphs.replays if graphs is not None else 0
+    step = engine.step
+
+    def counted_step(*args, **kwargs):
+        steps[0] += 1
+        return step(*args, **kwargs)
+
+    engine.step = counted_step  # an instance attribute: LLM.generate calls it, nothing else changes
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+            start = time.perf_counter()
+            llm.generate(prompts[:requests], params, use_tqdm=False)
+            if on_gpu:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    finally:
+        del engine.step
     averages = prof.key_averages()
-    lines = [f"{requests} requests, {sum(output_lens[:requests])} output tokens, {wall:.2f}s under the profiler"]
+    replayed = (graphs.replays - replays) if graphs is not None else 0
+    lines = [f"{requests} requests, {sum(output_lens[:requests])} output tokens, {wall:.2f}s under the profiler, "
+             f"{steps[0]} engine steps ({1e3 * wall / max(steps[0], 1):.2f} ms each; {replayed} decode steps from "
+             "CUDA graphs)"]
     if on_gpu:
         busy = sum(event.self_device_time_total for event in averages) / 1e6
         lines.append(f"device busy {busy:.2f}s of {wall:.2f}s ({100 * busy / wall:.0f}%): the rest is the host "

@@ -54,7 +54,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
             while len(done) < len(ids):
-                for output in self.engine.step():
+                for output in self.engine.step(only_finished=True):  # the last output is the one kept
                     if output.finished:
                         done[output.request_id] = output
                         bar.update(1)

@@ -248,8 +248,10 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One forward pass over a batch; returns the requests that progressed or finished."""
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """One forward pass over a batch; returns the requests that progressed or finished (`only_finished`:
+        those that finished: an output copies its token lists, O(length) a step for each running request,
+        which a caller that keeps only the last, as LLM.generate does, need not pay)."""
         if self.closed:
             raise EngineDeadError("the engine was closed")
         if self.workers is not None and self.workers.lost:
@@ -283,7 +285,7 @@ class LLMEngine:
                 self._fork_siblings(request, seq)
             self._accept(request, seq, result.token_ids[row],
                          result.logprobs[row] if result.logprobs is not None else None)
-        outputs = [self._output(r) for r in touched.values()]
+        outputs = [self._output(r) for r in touched.values() if not only_finished or _finished(r)]
         for output in outputs:
             if output.finished:
                 del self._requests[output.request_id]
@@ -431,6 +433,11 @@ def _build_drafter(config: EngineConfig, runner: ModelRunner, num_blocks: int, s
     if config.speculative_method == "draft":
         return DraftModelDrafter(config, runner, num_blocks, show_progress)
     return None
+
+
+def _finished(request: _Request) -> bool:
+    """Whether the request's output would be finished (RequestOutput.finished), without building it."""
+    return not request.pending_forks and all(seq.finish_reason is not None for seq in request.seqs)
 
 
 def _started(seq: Sequence) -> bool:

@@ -149,8 +149,8 @@ class ModelRunner:
         plan, seqs = self._plan(batch)
         # Grammar masks are filled on a worker thread while the model runs; a step without
         # grammars starts nothing.
-        masks = None if self.grammar_masks is None else self.grammar_masks.start(
-            [(s.grammar, s.draft_token_ids) for s in seqs])
+        masks = None if self.grammar_masks is None or all(s.grammar is None for s in seqs) else \
+            self.grammar_masks.start([(s.grammar, s.draft_token_ids) for s in seqs])
         return LaunchedStep(batch, plan, seqs, masks, self._run_planned(plan))
 
     @torch.inference_mode()

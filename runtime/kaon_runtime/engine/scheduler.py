@@ -114,7 +114,11 @@ class Scheduler:
             if seq in busy:
                 i += 1
                 continue
-            num_new = self._make_room(seq, _fit_drafts(seq, budget), batch, busy)
+            # Without drafts _fit_drafts is this min; the call and its trims are skipped for the common row.
+            pending = seq.num_tokens - seq.num_computed_tokens
+            wanted = _fit_drafts(seq, budget) if seq.draft_token_ids or seq.draft_probs is not None else min(
+                pending, budget)
+            num_new = self._make_room(seq, wanted, batch, busy)
             if num_new is None:  # seq itself was preempted: it was the newest, nothing is left after it
                 break
             batch.seqs.append(seq)
@@ -212,12 +216,15 @@ class Scheduler:
         a complete grammar ends it as the EOS it would force next would, a token later, so the
         length stop comes first."""
         num_drafts = len(seq.draft_token_ids)
-        assert len(token_ids) <= self.tokens_left(seq), "drafts are cut to fit the length (drafter.draft_limit)"
-        seq.keep_drafts(0)
+        left = self.tokens_left(seq)
+        assert len(token_ids) <= left, "drafts are cut to fit the length (drafter.draft_limit)"
+        if num_drafts or seq.draft_probs is not None:
+            seq.keep_drafts(0)
         seq.token_ids.extend(token_ids)
         if logprobs is not None:
             seq.logprobs.extend(logprobs)
-        reason = finish_reason or ("length" if self.tokens_left(seq) == 0 else None) or ("stop" if complete else None)
+        # Both limits in tokens_left shrink by one per token, so what is left now is left - len(token_ids).
+        reason = finish_reason or ("length" if left - len(token_ids) <= 0 else None) or ("stop" if complete else None)
         if reason is not None:
             self.finish(seq, reason)
         elif num_drafts:
