@@ -220,3 +220,30 @@ def test_a_prompt_the_tokenizer_reads_nothing_in_is_refused_not_a_dead_engine(ll
     with pytest.raises(InvalidRequestError, match="no tokens"):
         llm.generate(["\x14"], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)
     assert llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_steps_asked_for_finished_outputs_give_each_request_once_as_every_step_would_end_it(llm):
+    """LLM.generate's steps (only_finished) return each request once, finished, equal to the last output that
+    steps returning every touched request give, n > 1 siblings and stop strings included."""
+    requests = [("a", "Count: one, two,", SamplingParams(temperature=0, max_tokens=12)),
+                ("b", "Hello", SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=7)),
+                ("c", "The sky is", SamplingParams(temperature=0, max_tokens=16, stop=[" the"])),
+                ("d", "Hi", SamplingParams(temperature=0, max_tokens=1))]
+    runs = {}
+    for only_finished in (False, True):
+        engine, outputs = llm.engine, []
+        for request_id, prompt, params in requests:
+            engine.add_request(request_id, prompt, params)
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            outputs += engine.step(only_finished=only_finished)
+        assert not engine.has_unfinished_requests()
+        last = {o.request_id: o for o in outputs}
+        if only_finished:
+            assert all(o.finished for o in outputs) and len(outputs) == len(requests)
+        else:
+            assert len(outputs) > len(requests), "unfinished requests' outputs come too"
+        runs[only_finished] = {rid: [(c.index, c.text, c.token_ids, c.finish_reason) for c in o.outputs]
+                               for rid, o in last.items()}
+    assert runs[True] == runs[False]

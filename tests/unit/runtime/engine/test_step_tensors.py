@@ -57,3 +57,25 @@ def test_a_gathered_tensor_is_not_changed_by_the_next_step():
     first = tables.gather([1, 2], [[5, 6], [7]])
     tables.gather([1, 2], [[9, 9, 9], [8, 8]])
     assert first.tolist() == [[5, 6], [7, 0]]
+
+
+def test_a_steps_plan_lists_decode_rows_first_with_their_tables_and_ids():
+    """plan_step's decode rows (one token, no drafts) as the general chunk rows would list them, beside a
+    prefill chunk: token, position, cache slot, table cut to the context, length, sample row, sequence id."""
+    from kaon_runtime.engine.scheduler import ScheduledBatch
+    from kaon_runtime.engine.sequence import Sequence
+    from kaon_runtime.engine.step_plan import plan_step
+    from kaon_runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=10)
+    bs = 4
+    prefill = Sequence(7, list(range(100, 106)), 6, params, block_table=[40, 41])  # 6-token prompt, 2 blocks
+    short = Sequence(3, [1, 2, 3, 4, 5], 3, params, block_table=[9, 8, 99], num_computed_tokens=4)  # pos 4: block 8
+    edge = Sequence(5, [1, 2, 3, 4], 2, params, block_table=[6, 99], num_computed_tokens=3)  # pos 3: block 6's last
+    plan, sampling = plan_step(ScheduledBatch([prefill, short, edge], [6, 1, 1]), bs)
+    assert plan.input_ids == [5, 4] + list(range(100, 106))
+    assert plan.positions == [4, 3] + list(range(6))
+    assert plan.slots == [8 * bs + 0, 6 * bs + 3] + [40 * bs + p for p in range(4)] + [41 * bs + p for p in range(2)]
+    assert plan.decode_tables == [[9, 8], [6]] and plan.decode_lens == [5, 4] and plan.decode_seq_ids == [3, 5]
+    assert plan.prefills == [(2, 6, 6, [40, 41])]
+    assert plan.sample_rows == [0, 1, 7] and sampling == [short, edge, prefill]
