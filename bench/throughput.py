@@ -115,6 +115,7 @@ def profile_kaon(llm: LLM, prompts, output_lens, path: Path, requests: int = 64)
     """The first `requests` of the set under torch's profiler: top operators, and the device's busy share."""
     from torch.profiler import ProfilerActivity, profile
     on_gpu = torch.cuda.is_available() and llm.engine.runner.device.type == "cuda"
+    requests = min(requests, len(prompts))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens[:requests]]
     engine, steps = llm.engine, [0]
     graphs = engine.runner.decode_graphs
