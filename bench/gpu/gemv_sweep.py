@@ -56,16 +56,35 @@ MAX_ERROR = 2e-2  # bf16 outputs against float32 references: a kernel that is ri
 MAX_ERROR_W8A8 = 5e-2  # torch._scaled_mm quantizes x to FP8 too: about 2.6e-2 from the weight-only reference
 Tile = quant_gemv.Tile
 
-# (label, tile): the first is the runtime's default. Rows per thread (block_n / warps' share) and bytes
-# per row per step (subs x 8) set the work per thread and the loads in flight; bench/gpu/README.md.
-CANDIDATES = [("n2-s128-w4 x/thread", Tile(2, 128, x_shared=False)), ("n4-s128-w4", Tile(4, 128)),
-              ("n8-s128-w4", Tile(8, 128)), ("n4-s256-w8", Tile(4, 256, 8)), ("n8-s64-w4", Tile(8, 64)),
-              ("n1-s128-w4 x/thread", Tile(1, 128, x_shared=False)),
-              ("n4-s128-w4 x/thread", Tile(4, 128, x_shared=False)),
-              ("n2-s64-w2 x/thread", Tile(2, 64, 2, x_shared=False)), ("n2-s256-w8", Tile(2, 256, 8)),
-              ("n2-s128-w4 x/thread no-asm", Tile(2, 128, x_shared=False, asm=False))]
-# Per format: how many of the candidates above to try (the GPTQ-like int4 and the FP8 blocks: fewer).
-FORMATS = {"int4": 10, "int4 g128": 6, "int8": 9, "fp8": 9, "fp8_block": 6}
+# label -> tile. Rows per thread (block_n / warps' share) and bytes per row per step (subs x vec) set the
+# work per thread and the loads in flight; "x/thread": x loaded by each thread per weight row, "x/once":
+# by each thread once for all weight rows (no layout change), else once per step through shared memory;
+# "fold": the group / block scales applied per run of products, not per weight; "pf": the next step's
+# bytes loaded before this step's widening; "v16": 16-byte runs. bench/gpu/README.md.
+CANDIDATES = {
+    "n2-s128-w4 x/thread": Tile(2, 128, x_shared=False),
+    "n4-s128-w4": Tile(4, 128),
+    "n2-s64-w2 x/thread": Tile(2, 64, 2, x_shared=False),
+    "n1-s128-w4 x/thread": Tile(1, 128, x_shared=False),
+    "n2-s128-w4 x/once": Tile(2, 128, x_once=True),
+    "n4-s128-w4 x/once": Tile(4, 128, x_once=True),
+    "n2-s128-w4 x/once fold": Tile(2, 128, x_once=True, fold=True),
+    "n4-s128-w4 x/once fold": Tile(4, 128, x_once=True, fold=True),
+    "n4-s128-w4 fold": Tile(4, 128, fold=True),
+    "n2-s128-w4 x/thread fold": Tile(2, 128, x_shared=False, fold=True),
+    "n2-s64-w4 v16 x/once fold": Tile(2, 64, vec=16, x_once=True, fold=True),
+    "n4-s64-w4 v16 x/once fold": Tile(4, 64, vec=16, x_once=True, fold=True),
+    "n4-s32-w4 v16 x/once fold": Tile(4, 32, vec=16, x_once=True, fold=True),
+    "n4-s32-w4 x/once fold": Tile(4, 32, x_once=True, fold=True),
+    "n2-s128-w4 x/once fold pf": Tile(2, 128, x_once=True, fold=True, prefetch=True),
+    "n4-s32-w4 v16 x/once fold pf": Tile(4, 32, vec=16, x_once=True, fold=True, prefetch=True),
+    "n8-s32-w8 v16 x/once fold": Tile(8, 32, 8, vec=16, x_once=True, fold=True),
+    "n4-s128-w4 x/once pf": Tile(4, 128, x_once=True, prefetch=True),
+}
+# Per format, the candidates tried, the first the runtime's default (quant_gemv.TILES).
+_ALL = list(CANDIDATES)
+FORMATS = {"int4": _ALL, "int4 g128": _ALL, "int8": [_ALL[1], _ALL[0]] + _ALL[2:],
+           "fp8": [_ALL[1], _ALL[0]] + _ALL[2:], "fp8_block": [_ALL[1], _ALL[0]] + _ALL[2:]}
 TILE_FORMAT = {"int4": "int4", "int4 g128": "int4", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
@@ -140,7 +159,7 @@ def device_time_us(fn_per_copy, copies: int) -> float:
 
 
 def candidates(fmt: str) -> list[tuple[str, Tile]]:
-    return CANDIDATES[:FORMATS[fmt]]
+    return [(label, CANDIDATES[label]) for label in FORMATS[fmt]]
 
 
 def compile_one(task: tuple) -> str:
@@ -223,7 +242,7 @@ def choose(shapes: dict) -> dict:
                 totals[label] = sum(times)
         if totals:
             best = min(totals, key=totals.get)
-            tiles.setdefault(TILE_FORMAT[fmt], dict(CANDIDATES)[best])  # int4: kaon's own groups of 32 decide
+            tiles.setdefault(TILE_FORMAT[fmt], CANDIDATES[best])  # int4: kaon's own groups of 32 decide
             print(f"{fmt}: fastest tile {best} ({totals[best]:.1f} us over the four shapes)")
     return {fmt: dataclasses.asdict(tile) for fmt, tile in tiles.items()}
 
