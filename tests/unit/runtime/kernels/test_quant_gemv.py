@@ -27,14 +27,18 @@ TOLERANCE = 1e-2 if torch.bfloat16 == DTYPE else 1e-5
 TILES = {"shared x": quant_gemv.Tile(block_n=4, subs=8, warps=1), "x per thread":
          quant_gemv.Tile(block_n=2, subs=16, warps=1, x_shared=False)}
 # The variants the GPU sweep tries beside those (bench/gpu/gemv_sweep.py), each with steps short enough
-# that a row takes several, the last one partial: x once per thread for all weight rows; scales
-# folded out of the inner loop (x shared, x once, x per thread); the next step prefetched; 16-byte runs.
+# that a row takes several, the last one partial: x once per thread for all weight rows; scales folded
+# out of the inner loop; the next step prefetched; the rows inner (the [SUBS, BLOCK_N, VEC] tile); 16-byte
+# runs; each x mode at least once.
 VARIANTS = {"x once": quant_gemv.Tile(block_n=4, subs=4, warps=1, x_once=True),
             "folded": quant_gemv.Tile(block_n=2, subs=4, warps=1, fold=True),
-            "folded x once 16-byte": quant_gemv.Tile(block_n=4, subs=2, warps=1, vec=16, x_once=True, fold=True),
             "folded x per thread prefetch": quant_gemv.Tile(block_n=2, subs=4, warps=1, x_shared=False, fold=True,
                                                             prefetch=True),
-            "prefetch": quant_gemv.Tile(block_n=2, subs=2, warps=1, x_shared=False, prefetch=True)}
+            "rows inner": quant_gemv.Tile(block_n=4, subs=4, warps=1, rows_inner=True, x_once=True),
+            "rows inner folded 16-byte": quant_gemv.Tile(block_n=2, subs=2, warps=1, vec=16, rows_inner=True,
+                                                         x_once=True, fold=True),
+            "rows inner folded prefetch": quant_gemv.Tile(block_n=4, subs=4, warps=1, rows_inner=True, fold=True,
+                                                          prefetch=True)}
 TILES |= VARIANTS
 
 
@@ -108,11 +112,11 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_batch(tile_name):
     depend on which other rows share the launch (batch invariance within the kernel), in every tile
     (the folded ones: x's run sums and the run scales per row too); int4 and the FP8 blocks."""
     torch.manual_seed(0)
-    weight = quantize_int4(torch.randn(9, 256), 32)
+    weight = quantize_int4(torch.randn(9, 192), 32)
     packed, scales, mins = (t.to(DEVICE) for t in (weight.packed, weight.scales, weight.mins))
-    qweight = quantize_fp8(torch.randn(9, 256))[0].to(DEVICE)
-    block_scales = (torch.rand(2, 4) + 0.5).to(DEVICE)
-    x = torch.randn(4, 256, device=DEVICE).to(DTYPE)
+    qweight = quantize_fp8(torch.randn(9, 192))[0].to(DEVICE)
+    block_scales = (torch.rand(2, 3) + 0.5).to(DEVICE)
+    x = torch.randn(4, 192, device=DEVICE).to(DTYPE)
     for gemv in (lambda x: quant_gemv.w4a16_gemv(x, packed, scales, mins, 32),
                  lambda x: quant_gemv.fp8_block_gemv(x, qweight, block_scales, (8, 64))):
         together = gemv(x)
