@@ -56,35 +56,37 @@ MAX_ERROR = 2e-2  # bf16 outputs against float32 references: a kernel that is ri
 MAX_ERROR_W8A8 = 5e-2  # torch._scaled_mm quantizes x to FP8 too: about 2.6e-2 from the weight-only reference
 Tile = quant_gemv.Tile
 
-# label -> tile. Rows per thread (block_n / warps' share) and bytes per row per step (subs x vec) set the
-# work per thread and the loads in flight; "x/thread": x loaded by each thread per weight row, "x/once":
-# by each thread once for all weight rows (no layout change), else once per step through shared memory;
-# "fold": the group / block scales applied per run of products, not per weight; "pf": the next step's
-# bytes loaded before this step's widening; "v16": 16-byte runs. bench/gpu/README.md.
+# label -> tile. Rows per thread and bytes per row per step (subs x vec) set the work per thread and the
+# loads in flight; "x/thread": x loaded by each thread per weight row; "ri": the rows inner (a thread
+# holds all the program's rows of its runs), "x/once": x's run loaded and widened once per thread for
+# them; else x once per step through shared memory; "fold": the group / block scales applied per run
+# of products, not per weight; "pf": the next step's bytes loaded before this step's widening; "v16":
+# 16-byte runs. The compiler's count of each one's loop (SASS instructions per weight, Triton 3.6,
+# sm_90a, M = 1): bench/gpu/README.md.
 CANDIDATES = {
-    "n2-s128-w4 x/thread": Tile(2, 128, x_shared=False),
-    "n4-s128-w4": Tile(4, 128),
-    "n2-s64-w2 x/thread": Tile(2, 64, 2, x_shared=False),
-    "n1-s128-w4 x/thread": Tile(1, 128, x_shared=False),
-    "n2-s128-w4 x/once": Tile(2, 128, x_once=True),
-    "n4-s128-w4 x/once": Tile(4, 128, x_once=True),
-    "n2-s128-w4 x/once fold": Tile(2, 128, x_once=True, fold=True),
-    "n4-s128-w4 x/once fold": Tile(4, 128, x_once=True, fold=True),
-    "n4-s128-w4 fold": Tile(4, 128, fold=True),
-    "n2-s128-w4 x/thread fold": Tile(2, 128, x_shared=False, fold=True),
-    "n2-s64-w4 v16 x/once fold": Tile(2, 64, vec=16, x_once=True, fold=True),
-    "n4-s64-w4 v16 x/once fold": Tile(4, 64, vec=16, x_once=True, fold=True),
-    "n4-s32-w4 v16 x/once fold": Tile(4, 32, vec=16, x_once=True, fold=True),
-    "n4-s32-w4 x/once fold": Tile(4, 32, x_once=True, fold=True),
-    "n2-s128-w4 x/once fold pf": Tile(2, 128, x_once=True, fold=True, prefetch=True),
-    "n4-s32-w4 v16 x/once fold pf": Tile(4, 32, vec=16, x_once=True, fold=True, prefetch=True),
-    "n8-s32-w8 v16 x/once fold": Tile(8, 32, 8, vec=16, x_once=True, fold=True),
-    "n4-s128-w4 x/once pf": Tile(4, 128, x_once=True, prefetch=True),
+    "n2-s128-w4 x/thread": Tile(2, 128, x_shared=False),  # int4's default: 7.1 instructions per weight
+    "n4-s128-w4": Tile(4, 128),  # int8's, FP8's and the FP8 blocks' default: 5.9, 5.1, 6.9
+    "n8-s128-w4 ri x/once fold": Tile(8, 128, rows_inner=True, x_once=True, fold=True),
+    "n4-s128-w4 ri x/once fold": Tile(4, 128, rows_inner=True, x_once=True, fold=True),
+    "n8-s64-w2 ri x/once fold": Tile(8, 64, 2, rows_inner=True, x_once=True, fold=True),
+    "n4-s256-w8 ri x/once fold": Tile(4, 256, 8, rows_inner=True, x_once=True, fold=True),
+    "n8-s128-w4 ri x/once": Tile(8, 128, rows_inner=True, x_once=True),
+    "n8-s128-w4 ri x/once fold pf": Tile(8, 128, rows_inner=True, x_once=True, fold=True, prefetch=True),
+    "n8-s128-w4 ri fold": Tile(8, 128, rows_inner=True, fold=True),
+    "n8-s64-w4 ri v16 x/once fold": Tile(8, 64, rows_inner=True, vec=16, x_once=True, fold=True),
+    "n2-s64-w2 x/thread": Tile(2, 64, 2, x_shared=False),  # round two's best on gate|up (int4, FP8)
 }
-# Per format, the candidates tried, the first the runtime's default (quant_gemv.TILES).
-_ALL = list(CANDIDATES)
-FORMATS = {"int4": _ALL, "int4 g128": _ALL, "int8": [_ALL[1], _ALL[0]] + _ALL[2:],
-           "fp8": [_ALL[1], _ALL[0]] + _ALL[2:], "fp8_block": [_ALL[1], _ALL[0]] + _ALL[2:]}
+_NEW = ["n8-s128-w4 ri x/once fold", "n4-s128-w4 ri x/once fold", "n8-s64-w2 ri x/once fold",
+        "n4-s256-w8 ri x/once fold", "n8-s128-w4 ri x/once", "n8-s128-w4 ri x/once fold pf"]
+# Per format, the candidates tried, the first the runtime's default (quant_gemv.TILES); at M = 2 and 4
+# only the first three. Round two's other tiles lost by 5% or more on every shape (history/gpu_round_two.md).
+# int4 skips the 16-byte runs and x shared (layout changes through shared memory in its loop).
+FORMATS = {"int4": ["n2-s128-w4 x/thread"] + _NEW + ["n2-s64-w2 x/thread", "n4-s128-w4"],
+           "int4 g128": ["n2-s128-w4 x/thread"] + _NEW,
+           "int8": ["n4-s128-w4"] + _NEW + ["n8-s128-w4 ri fold", "n2-s128-w4 x/thread"],
+           "fp8": ["n4-s128-w4"] + _NEW + ["n8-s128-w4 ri fold", "n8-s64-w4 ri v16 x/once fold",
+                                           "n2-s64-w2 x/thread"],
+           "fp8_block": ["n4-s128-w4"] + _NEW + ["n8-s128-w4 ri fold"]}
 TILE_FORMAT = {"int4": "int4", "int4 g128": "int4", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
@@ -177,7 +179,8 @@ def compile_one(task: tuple) -> str:
 
 def precompile() -> None:
     """Compile every variant in parallel; the shapes share their specialization (all divisible by 16)."""
-    tasks = [(fmt, tile, rows, SHAPES["o"]) for fmt in FORMATS for _, tile in candidates(fmt) for rows in GEMV_ROWS]
+    tasks = [(fmt, tile, rows, SHAPES["o"]) for fmt in FORMATS for i, (_, tile) in enumerate(candidates(fmt))
+             for rows in (GEMV_ROWS if i < 3 else GEMV_ROWS[:1])]  # the rows sweep_shape times
     workers = max(1, min(len(tasks), (os.cpu_count() or 2) - 2))
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
