@@ -8,7 +8,7 @@ decode is bound by memory: the kernel must stream the weights at the memory's pa
 few instructions on each weight, or the instructions become the bound. Here:
 
 - a program owns BLOCK_N weight rows and walks all of K in steps of SUBS runs of VEC bytes per row;
-  each thread loads whole runs (8 bytes: int4's 16 weights, or 8 int8 / FP8 weights);
+  each thread loads whole runs (8 bytes: int4's 16 weights, or 8 int8 / FP8 weights; or 16);
 - int4 and int8 are widened to float32 without an int-to-float conversion instruction (a quarter of
   the rate of a multiply-add on Hopper): the integer goes into a float's mantissa, four bytes per
   byte-permute instruction (inline PTX; plain integer operations in the interpreter, same values);
@@ -18,6 +18,16 @@ few instructions on each weight, or the instructions become the bound. Here:
   loop. Sums over K happen once, after it: so K needs no split into separate programs, no
   partial-sum buffer and no second launch, and a row gives the same bits alone as beside up to three
   others (above a format's MAX_ROWS another kernel takes over, with its own rounding).
+
+Tile options the sweep weighs against that (bench/gpu/README.md has the compiler's counts): the rows
+inner (each thread holds all the program's rows of its runs, so x's run is loaded and widened once for
+them: `rows_inner`, `x_once`); the scales folded out of the inner loop (`fold`: a run's products
+summed in the thread, then its group or block scale applied once; int4's min through x's run sum, so
+still no sums across threads in the loop); the next step's bytes loaded before this step is widened
+(`prefetch`). A row's sums never depend on the other rows in any of them.
+
+Over 300 lines: one kernel and its jit helpers, whose options must stay in step (the tests and the
+sweep drive them all through this one launcher).
 
 Formats (layouts as in quant_gemm_ref.py and quant/fp8_block.py):
 - int4: packed uint8 [N, K / 2], scales and mins [N, K / group] (float16 from kaon and GGUF, float32
