@@ -79,7 +79,8 @@ CANDIDATES = {
 _NEW = ["n8-s128-w4 ri x/once fold", "n4-s128-w4 ri x/once fold", "n8-s64-w2 ri x/once fold",
         "n4-s256-w8 ri x/once fold", "n8-s128-w4 ri x/once", "n8-s128-w4 ri x/once fold pf"]
 # Per format, the candidates tried, the first the runtime's default (quant_gemv.TILES); at M = 2 and 4
-# only the first three. Round two's other tiles lost by 5% or more on every shape (history/gpu_round_two.md).
+# only the first three. Round two's other tiles, dropped, lost to the defaults on the four shapes' total at
+# M = 1 (history/gpu_round_two.md); n2-s64-w2 x/thread, the best on gate|up, stays for int4 and FP8.
 # int4 skips the 16-byte runs and x shared (layout changes through shared memory in its loop).
 FORMATS = {"int4": ["n2-s128-w4 x/thread"] + _NEW + ["n2-s64-w2 x/thread", "n4-s128-w4"],
            "int4 g128": ["n2-s128-w4 x/thread"] + _NEW,
