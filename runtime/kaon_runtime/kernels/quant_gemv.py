@@ -65,8 +65,9 @@ class Tile:
     x_shared: bool = True  # x loaded once per step and moved into the tile's layout (else by every thread)
     asm: bool = True  # bytes widened by inline PTX (GPU only), else by plain integer operations
     vec: int = 8  # contiguous weight bytes per thread and run (8: x's bfloat16 run is one 16-byte load)
-    # x loaded as [1, SUBS, VEC] in the weight tile's own layout: each thread widens its x once per step
-    # for all the program's weight rows, with no change of layout (overrides x_shared).
+    # x loaded with a weight-row axis of 1 in the tile's own shape (overrides x_shared): with rows_inner,
+    # each thread widens its x once per step for all the program's rows, with no change of layout
+    # (without, Triton 3.6 still moves it through shared memory: bench/gpu/README.md).
     x_once: bool = False
     # Products summed per run inside the thread, then the run's group or block scale applied once per
     # run (int4: d * sum (128 + q) x + (m - 128 d) * sum x): one FMA per weight instead of two (int4)
