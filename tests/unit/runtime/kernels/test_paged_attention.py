@@ -114,6 +114,34 @@ def test_decode_matches_reference(dtype, heads, kv_heads, partition_size):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+def test_split_decode_merges_in_its_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
+    """Split decodes merge in the decode kernel itself (the last partition of a sequence to finish): one launch
+    per call, split or not, as a CUDA graph replays it whatever the contexts have grown to. The arrival
+    counters must be back at zero after each launch, or the next launch's merge happens at the wrong count."""
+    from kaon_runtime.kernels import paged_attention
+    launches = []
+    kernels = [k for k in vars(paged_attention).values() if hasattr(k, "arg_names") and hasattr(k, "run")]
+    for kernel in kernels:
+        def run(*args, _run=kernel.run, _name=kernel.fn.__name__, **kwargs):
+            launches.append(_name)
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", run)
+    torch.manual_seed(0)
+    pool = Pool(2, 16, 8, torch.float32)
+    tables = _padded([pool.table(n) for n in (40, 3, 70)])
+    for context_lens in ([40, 3, 70], [41, 4, 9]):  # the same tables a step later, and after a long one ended
+        lens = torch.tensor(context_lens, device=DEVICE)
+        key_mask = torch.arange(tables.shape[1] * 8, device=DEVICE)[None, :] < lens[:, None]
+        query = _randn(3, 4, 16, dtype=torch.float32)
+        expected = ref.decode_attention_ref(query, pool.k, pool.v, tables, key_mask, 0.25)
+        out = torch.zeros_like(query)
+        launches.clear()
+        decode_attention(query, pool.k, pool.v, tables, lens, 0.25, out, partition_size=16)
+        assert launches == ["_decode_kernel"]
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        assert not paged_attention._COUNTERS[query.device].any()
+
+
 def test_decode_reads_a_strided_query_and_writes_a_view():
     """The model hands q over as a view of its fused qkv and reads the output from a slice of a larger buffer."""
     torch.manual_seed(0)
