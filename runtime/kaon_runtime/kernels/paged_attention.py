@@ -119,11 +119,14 @@ def _decode_kernel(q_ptr, out_ptr, partial_ptr, lse_ptr, counter_ptr, k_cache_pt
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT: tl.constexpr,
                    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
-    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, kv_head, program = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    programs = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    end = tl.minimum(context_len, (part + 1) * partition_size)
-    start = tl.maximum(part * partition_size, context_len - window)  # keys older than the window are never seen
-    if start >= end:  # this sequence is shorter than the batch's longest, or the partition is out of the window
+    # The partitions holding keys of this sequence's window; program p takes first + p, + programs, ...
+    # (a grid sized for common contexts, not for the table width: few programs return at once).
+    used = tl.cdiv(context_len, partition_size)
+    first = tl.maximum(context_len - window, 0) // partition_size
+    if first + program >= used:
         return
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + group
@@ -132,52 +135,51 @@ def _decode_kernel(q_ptr, out_ptr, partial_ptr, lse_ptr, counter_ptr, k_cache_pt
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
     query_pos = context_len - 1 + tl.zeros([BLOCK_G], tl.int32)  # the newest token sees its whole context
     kv_offset = kv_head.to(tl.int64) * stride_ch
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
-                            tables_ptr + seq * stride_table, start, end, qk_scale, window, cap_log2e, m_i, l_i,
-                            acc, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP)
-    out = acc / l_i[:, None]
     out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    if not SPLIT:
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        _finish_split(out, m_i, l_i, out_rows, mask, out_ptr, partial_ptr, lse_ptr, counter_ptr, seq, kv_head,
-                      part, heads, group, dims, context_len, window, partition_size, num_heads, max_parts,
-                      stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_P)
+    for part in range(first + program, used, programs):
+        start = tl.maximum(part * partition_size, context_len - window)  # keys older than the window: never seen
+        end = tl.minimum(context_len, (part + 1) * partition_size)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
+                                tables_ptr + seq * stride_table, start, end, qk_scale, window, cap_log2e, m_i, l_i,
+                                acc, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP)
+        out = acc / l_i[:, None]
+        if not SPLIT:
+            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
+        elif used - first == 1:
+            # The only partition: its output is final, with the bits a merge of one would give (weight exp2(0)).
+            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Partial output and log-sum-exp (base 2), rows (seq, head) of [S, H, max_parts(, D)] buffers.
+            rows = (seq * num_heads + heads) * max_parts + part
+            tl.store(partial_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
+            tl.store(lse_ptr + rows, m_i + tl.log2(l_i), mask=group < GROUP)
+    if SPLIT:
+        if used - first > 1:
+            _merge_if_last(partial_ptr, lse_ptr, counter_ptr + seq * tl.num_programs(1) + kv_head, out_ptr,
+                           tl.cdiv(used - first - program, programs), used - first, seq, kv_head, first, used,
+                           num_heads, max_parts, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
-def _finish_split(out, m_i, l_i, out_rows, mask, out_ptr, partial_ptr, lse_ptr, counter_ptr, seq, kv_head, part,
-                  heads, group, dims, context_len, window, partition_size, num_heads, max_parts, stride_ot, stride_oh,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
-    """A partition's result in a split decode: final if it is the sequence's only one, else a partial,
-    and the merge of them all by whichever partition finishes last."""
-    # The partitions that hold keys of this sequence's window: the others returned above.
-    used = tl.cdiv(context_len, partition_size)
-    first = tl.maximum(context_len - window, 0) // partition_size
-    if used - first == 1:
-        # The only one: its output is final, with the bits a merge of one partition would give (weight exp2(0)).
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
-        return
-    # Partial output and log-sum-exp (base 2), rows (seq, head) of [S, H, max_parts(, D)] buffers.
-    rows = (seq * num_heads + heads) * max_parts + part
-    tl.store(partial_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
-    tl.store(lse_ptr + rows, m_i + tl.log2(l_i), mask=group < GROUP)
-    # The last of the sequence's partitions to finish merges them all (split-K's semaphore pattern:
-    # every thread's stores, a barrier, then one acquire-release atomic), so no second launch is needed,
-    # whatever the context: under CUDA graphs the contexts grow while the captured launch stays the same.
+def _merge_if_last(partial_ptr, lse_ptr, counter, out_ptr, done, working, seq, kv_head, first, used, num_heads,
+                   max_parts, stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Count this program's `done` partitions in; the program that completes the sequence's `working` ones
+    merges them all, so no second launch is needed whatever the context: under CUDA graphs the contexts
+    grow while the captured launch stays the same. Split-K's semaphore pattern: every thread's stores,
+    a barrier, then one acquire-release atomic; the merging program zeroes the counter for the next launch."""
     tl.debug_barrier()
-    counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != used - first - 1:
-        return
-    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-    for g in tl.static_range(GROUP):
-        row = (seq * num_heads + kv_head * GROUP + g) * max_parts
-        merged = _merge_head(partial_ptr, lse_ptr, row, first, used, HEAD_DIM, BLOCK_P, BLOCK_D)
-        tl.store(out_ptr + seq * stride_ot + (kv_head * GROUP + g) * stride_oh + dims,
-                 merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    if tl.atomic_add(counter, done, sem="acq_rel", scope="gpu") + done == working:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        dims = tl.arange(0, BLOCK_D)
+        for g in tl.static_range(GROUP):
+            row = (seq * num_heads + kv_head * GROUP + g) * max_parts
+            merged = _merge_head(partial_ptr, lse_ptr, row, first, used, HEAD_DIM, BLOCK_P, BLOCK_D)
+            tl.store(out_ptr + seq * stride_ot + (kv_head * GROUP + g) * stride_oh + dims,
+                     merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 @triton.jit
@@ -269,7 +271,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         partial = torch.empty(seqs, heads, num_parts, dim, dtype=torch.float32, device=query.device)
         lse = torch.empty(seqs, heads, num_parts, dtype=torch.float32, device=query.device)
         counters = _counters(seqs * kv_heads, query.device)
-    _decode_kernel[(seqs, kv_heads, num_parts)](
+    _decode_kernel[(seqs, kv_heads, decode_programs(num_parts, partition_size, max_len))](
         query, out, partial, lse, counters, k_cache, v_cache, block_tables, context_lens, qk_scale, window, cap_log2e,
         partition_size, heads, num_parts, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), block_tables.stride(0), SPLIT=num_parts > 1,
@@ -320,6 +322,13 @@ def _auto_partition(programs: int, max_len: int, device: torch.device) -> int:
     if device.type != "cuda":
         return max_len  # the interpreter runs programs one by one: splitting only adds work
     return partition_size(programs, max_len, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def decode_programs(num_parts: int, partition_size: int, max_len: int) -> int:
+    """Programs per (sequence, kv head): one per partition of a context up to _SIZING_CONTEXT (the
+    contexts partition_size fills the GPU at), each taking every so many partitions past it. Sized by
+    the table width, a CUDA graph's 128K tables launched 512 per head, all but a few returning at once."""
+    return min(num_parts, triton.cdiv(min(max_len, _SIZING_CONTEXT), partition_size))
 
 
 def partition_size(programs: int, max_len: int, num_sms: int) -> int:
