@@ -2,12 +2,13 @@
 
 References: paged_attention_ref.prefill_attention_ref and decode_attention_ref. Both kernels
 read every key, the step's own included, from the cache, so the step's K/V must be written
-first (kv_cache.write_kv_cache). Softmax is online (running max and sum, base 2) in float32.
+first (kv_cache.write_kv_cache, or rotary.rotary_write_kv). Softmax is online (running max and sum, base 2) in float32.
 
 Prefill: one program per (block of BLOCK_M query rows, chunk, query head); chunks have
-different lengths, so programs past a chunk's end return at once. Decode: one program per
-(sequence, kv head, partition of the context); the query heads sharing the kv head are the
-rows of one tile, so each key is read once per group. When the batch alone cannot fill the
+different lengths, so programs past a chunk's end return at once. Decode: programs per
+(sequence, kv head) each taking one partition of the context, or every so many past an 8K
+context (decode_programs); the query heads sharing the kv head are the rows of one tile, so
+each key is read once per group. When the batch alone cannot fill the
 GPU, long contexts are cut into partitions; the last partition of a sequence to finish merges
 the partial results (an arrival counter per sequence and kv head), so decode is one launch
 whatever the split, and a sequence whose window one partition covers writes its output directly.
@@ -16,6 +17,8 @@ Sliding windows: a query at position p sees keys p - window + 1 .. p; loops star
 oldest key any row of the program can see, and decode partitions wholly before the window
 do nothing (and are not waited for). Soft-capping (Gemma 2) turns each score s into
 cap * tanh(s / cap) before the softmax.
+
+Over 300 lines: both kernels share _attend, and the decode's in-launch merge belongs beside it.
 """
 from __future__ import annotations
 
@@ -156,7 +159,7 @@ def _decode_kernel(q_ptr, out_ptr, partial_ptr, lse_ptr, counter_ptr, k_cache_pt
             rows = (seq * num_heads + heads) * max_parts + part
             tl.store(partial_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
             tl.store(lse_ptr + rows, m_i + tl.log2(l_i), mask=group < GROUP)
-    if SPLIT:
+    if SPLIT:  # a compile-time test: non-split launches carry no atomics  # noqa: SIM102
         if used - first > 1:
             _merge_if_last(partial_ptr, lse_ptr, counter_ptr + seq * tl.num_programs(1) + kv_head, out_ptr,
                            tl.cdiv(used - first - program, programs), used - first, seq, kv_head, first, used,
