@@ -60,6 +60,13 @@ def _launches(dtype: torch.dtype) -> None:
     v_cache = torch.randn(kv_heads, 8, block, dim).to(dtype)
     new = torch.randn(2, kv_heads, dim).to(dtype)
     kv_cache.write_kv_cache(new, new, k_cache, v_cache, torch.tensor([5, -1]))
+    qkv = torch.randn(2, heads + 2 * kv_heads, dim).to(dtype)  # the decode step's fused rotary + cache write
+    rotary.rotary_write_kv(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], cos, sin,
+                           k_cache, v_cache, torch.tensor([5, -1]))
+    if dtype == torch.bfloat16:  # partial rotary (Phi-3's variants): the pass-through tail
+        half_cos, half_sin = (t[..., :dim // 4].contiguous() for t in (cos, sin))
+        rotary.rotary_write_kv(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:],
+                               half_cos, half_sin, k_cache, v_cache, torch.tensor([5, -1]), dim // 2)
     tables, lens = torch.tensor([[0, 1, 2, 3]]), torch.tensor([50])
     q = torch.randn(1, heads, dim).to(dtype)
     for partition in (None, 16):  # whole context, and split into partitions then merged
