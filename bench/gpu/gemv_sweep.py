@@ -56,16 +56,38 @@ MAX_ERROR = 2e-2  # bf16 outputs against float32 references: a kernel that is ri
 MAX_ERROR_W8A8 = 5e-2  # torch._scaled_mm quantizes x to FP8 too: about 2.6e-2 from the weight-only reference
 Tile = quant_gemv.Tile
 
-# (label, tile): the first is the runtime's default. Rows per thread (block_n / warps' share) and bytes
-# per row per step (subs x 8) set the work per thread and the loads in flight; bench/gpu/README.md.
-CANDIDATES = [("n2-s128-w4 x/thread", Tile(2, 128, x_shared=False)), ("n4-s128-w4", Tile(4, 128)),
-              ("n8-s128-w4", Tile(8, 128)), ("n4-s256-w8", Tile(4, 256, 8)), ("n8-s64-w4", Tile(8, 64)),
-              ("n1-s128-w4 x/thread", Tile(1, 128, x_shared=False)),
-              ("n4-s128-w4 x/thread", Tile(4, 128, x_shared=False)),
-              ("n2-s64-w2 x/thread", Tile(2, 64, 2, x_shared=False)), ("n2-s256-w8", Tile(2, 256, 8)),
-              ("n2-s128-w4 x/thread no-asm", Tile(2, 128, x_shared=False, asm=False))]
-# Per format: how many of the candidates above to try (the GPTQ-like int4 and the FP8 blocks: fewer).
-FORMATS = {"int4": 10, "int4 g128": 6, "int8": 9, "fp8": 9, "fp8_block": 6}
+# label -> tile. Rows per thread and bytes per row per step (subs x vec) set the work per thread and the
+# loads in flight; "x/thread": x loaded by each thread per weight row; "ri": the rows inner (a thread
+# holds all the program's rows of its runs), "x/once": x's run loaded and widened once per thread for
+# them; else x once per step through shared memory; "fold": the group / block scales applied per run
+# of products, not per weight; "pf": the next step's bytes loaded before this step's widening; "v16":
+# 16-byte runs. The compiler's count of each one's loop (SASS instructions per weight, Triton 3.6,
+# sm_90a, M = 1): bench/gpu/README.md.
+CANDIDATES = {
+    "n2-s128-w4 x/thread": Tile(2, 128, x_shared=False),  # int4's default: 7.1 instructions per weight
+    "n4-s128-w4": Tile(4, 128),  # int8's, FP8's and the FP8 blocks' default: 5.9, 5.1, 6.9
+    "n8-s128-w4 ri x/once fold": Tile(8, 128, rows_inner=True, x_once=True, fold=True),
+    "n4-s128-w4 ri x/once fold": Tile(4, 128, rows_inner=True, x_once=True, fold=True),
+    "n8-s64-w2 ri x/once fold": Tile(8, 64, 2, rows_inner=True, x_once=True, fold=True),
+    "n4-s256-w8 ri x/once fold": Tile(4, 256, 8, rows_inner=True, x_once=True, fold=True),
+    "n8-s128-w4 ri x/once": Tile(8, 128, rows_inner=True, x_once=True),
+    "n8-s128-w4 ri x/once fold pf": Tile(8, 128, rows_inner=True, x_once=True, fold=True, prefetch=True),
+    "n8-s128-w4 ri fold": Tile(8, 128, rows_inner=True, fold=True),
+    "n8-s64-w4 ri v16 x/once fold": Tile(8, 64, rows_inner=True, vec=16, x_once=True, fold=True),
+    "n2-s64-w2 x/thread": Tile(2, 64, 2, x_shared=False),  # round two's best on gate|up (int4, FP8)
+}
+_NEW = ["n8-s128-w4 ri x/once fold", "n4-s128-w4 ri x/once fold", "n8-s64-w2 ri x/once fold",
+        "n4-s256-w8 ri x/once fold", "n8-s128-w4 ri x/once", "n8-s128-w4 ri x/once fold pf"]
+# Per format, the candidates tried, the first the runtime's default (quant_gemv.TILES); at M = 2 and 4
+# only the first three. Round two's other tiles, dropped, lost to the defaults on the four shapes' total at
+# M = 1 (history/gpu_round_two.md); n2-s64-w2 x/thread, the best on gate|up, stays for int4 and FP8.
+# int4 skips the 16-byte runs and x shared (layout changes through shared memory in its loop).
+FORMATS = {"int4": ["n2-s128-w4 x/thread"] + _NEW + ["n2-s64-w2 x/thread", "n4-s128-w4"],
+           "int4 g128": ["n2-s128-w4 x/thread"] + _NEW,
+           "int8": ["n4-s128-w4"] + _NEW + ["n8-s128-w4 ri fold", "n2-s128-w4 x/thread"],
+           "fp8": ["n4-s128-w4"] + _NEW + ["n8-s128-w4 ri fold", "n8-s64-w4 ri v16 x/once fold",
+                                           "n2-s64-w2 x/thread"],
+           "fp8_block": ["n4-s128-w4"] + _NEW + ["n8-s128-w4 ri fold"]}
 TILE_FORMAT = {"int4": "int4", "int4 g128": "int4", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
@@ -140,7 +162,7 @@ def device_time_us(fn_per_copy, copies: int) -> float:
 
 
 def candidates(fmt: str) -> list[tuple[str, Tile]]:
-    return CANDIDATES[:FORMATS[fmt]]
+    return [(label, CANDIDATES[label]) for label in FORMATS[fmt]]
 
 
 def compile_one(task: tuple) -> str:
@@ -158,7 +180,8 @@ def compile_one(task: tuple) -> str:
 
 def precompile() -> None:
     """Compile every variant in parallel; the shapes share their specialization (all divisible by 16)."""
-    tasks = [(fmt, tile, rows, SHAPES["o"]) for fmt in FORMATS for _, tile in candidates(fmt) for rows in GEMV_ROWS]
+    tasks = [(fmt, tile, rows, SHAPES["o"]) for fmt in FORMATS for i, (_, tile) in enumerate(candidates(fmt))
+             for rows in (GEMV_ROWS if i < 3 else GEMV_ROWS[:1])]  # the rows sweep_shape times
     workers = max(1, min(len(tasks), (os.cpu_count() or 2) - 2))
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -203,8 +226,10 @@ def sweep_shape(n: int, k: int, device, dtype) -> dict:
                                                    MAX_ERROR_W8A8 if fmt == "fp8" else MAX_ERROR)
             if m not in GEMV_ROWS:
                 continue
-            tried = candidates(fmt) if m == 1 or DRY else candidates(fmt)[:3]
-            for label, tile in tried[:2] if DRY else tried:
+            # Every candidate at one row (the dry run too: each tile's real shape checked in the
+            # interpreter); the first three at more (the dry run: two).
+            tried = candidates(fmt) if m == 1 else candidates(fmt)[:2 if DRY else 3]
+            for label, tile in tried:
                 quant_gemv.configure({TILE_FORMAT[fmt]: tile})
                 rows[f"{fmt} gemv {label} m{m}"] = timed(fmt, gemv, x, pool, expected, timer, copies) | \
                     {"tile": dataclasses.asdict(tile)}
@@ -223,7 +248,7 @@ def choose(shapes: dict) -> dict:
                 totals[label] = sum(times)
         if totals:
             best = min(totals, key=totals.get)
-            tiles.setdefault(TILE_FORMAT[fmt], dict(CANDIDATES)[best])  # int4: kaon's own groups of 32 decide
+            tiles.setdefault(TILE_FORMAT[fmt], CANDIDATES[best])  # int4: kaon's own groups of 32 decide
             print(f"{fmt}: fastest tile {best} ({totals[best]:.1f} us over the four shapes)")
     return {fmt: dataclasses.asdict(tile) for fmt, tile in tiles.items()}
 

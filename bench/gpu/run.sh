@@ -49,6 +49,7 @@ kernels() {
     local select="not engine_on_the_triton_kernels" engines=() workers=(-n 8)
     if [[ $dry == 1 ]]; then  # the interpreter is slow: a few tests prove the stage
         select="write_kv_cache_matches or rms_norm or w8a16_kernel_matches or int8_matches_the_reference"
+        select+=" or rotary_write_kv or split_decode_merges"  # the fused decode kernels (2026-11-30)
         engines=(-k "static_decode_path_gives_the_eager_tokens and all-decodes-torch")
         workers=()
     fi

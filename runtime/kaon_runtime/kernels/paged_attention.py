@@ -2,18 +2,23 @@
 
 References: paged_attention_ref.prefill_attention_ref and decode_attention_ref. Both kernels
 read every key, the step's own included, from the cache, so the step's K/V must be written
-first (kv_cache.write_kv_cache). Softmax is online (running max and sum, base 2) in float32.
+first (kv_cache.write_kv_cache, or rotary.rotary_write_kv). Softmax is online (running max and sum, base 2) in float32.
 
 Prefill: one program per (block of BLOCK_M query rows, chunk, query head); chunks have
-different lengths, so programs past a chunk's end return at once. Decode: one program per
-(sequence, kv head, partition of the context); the query heads sharing the kv head are the
-rows of one tile, so each key is read once per group. When the batch alone cannot fill the
-GPU, long contexts are cut into partitions whose partial results a second kernel merges.
+different lengths, so programs past a chunk's end return at once. Decode: programs per
+(sequence, kv head) each taking one partition of the context, or every so many past an 8K
+context (decode_programs); the query heads sharing the kv head are the rows of one tile, so
+each key is read once per group. When the batch alone cannot fill the
+GPU, long contexts are cut into partitions; the last partition of a sequence to finish merges
+the partial results (an arrival counter per sequence and kv head), so decode is one launch
+whatever the split, and a sequence whose window one partition covers writes its output directly.
 
 Sliding windows: a query at position p sees keys p - window + 1 .. p; loops start at the
 oldest key any row of the program can see, and decode partitions wholly before the window
-do nothing (the merge skips them). Soft-capping (Gemma 2) turns each score s into
+do nothing (and are not waited for). Soft-capping (Gemma 2) turns each score s into
 cap * tanh(s / cap) before the softmax.
+
+Over 300 lines: both kernels share _attend, and the decode's in-launch merge belongs beside it.
 """
 from __future__ import annotations
 
@@ -111,17 +116,20 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_
 
 
 @triton.jit
-def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr, qk_scale,
-                   window, cap_log2e, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_op,
-                   stride_lt, stride_lh, stride_ch, stride_table,
+def _decode_kernel(q_ptr, out_ptr, partial_ptr, lse_ptr, counter_ptr, k_cache_ptr, v_cache_ptr, tables_ptr,
+                   context_lens_ptr, qk_scale, window, cap_log2e, partition_size, num_heads, max_parts,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_table,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   SOFTCAP: tl.constexpr):
-    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT: tl.constexpr,
+                   PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    seq, kv_head, program = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    programs = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    end = tl.minimum(context_len, (part + 1) * partition_size)
-    start = tl.maximum(part * partition_size, context_len - window)  # keys older than the window are never seen
-    if start >= end:  # this sequence is shorter than the batch's longest, or the partition is out of the window
+    # The partitions holding keys of this sequence's window; program p takes first + p, + programs, ...
+    # (a grid sized for common contexts, not for the table width: few programs return at once).
+    used = tl.cdiv(context_len, partition_size)
+    first = tl.maximum(context_len - window, 0) // partition_size
+    if first + program >= used:
         return
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + group
@@ -130,49 +138,76 @@ def _decode_kernel(q_ptr, out_ptr, lse_ptr, k_cache_ptr, v_cache_ptr, tables_ptr
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
     query_pos = context_len - 1 + tl.zeros([BLOCK_G], tl.int32)  # the newest token sees its whole context
     kv_offset = kv_head.to(tl.int64) * stride_ch
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
-                            tables_ptr + seq * stride_table, start, end, qk_scale, window, cap_log2e, m_i, l_i,
-                            acc, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP)
-    out = acc / l_i[:, None]
     out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    if SPLIT:
-        # Partial output of this partition plus its log-sum-exp (base 2) for the merge.
-        tl.store(out_rows + part * stride_op, out, mask=mask)
-        tl.store(lse_ptr + seq * stride_lt + heads * stride_lh + part, m_i + tl.log2(l_i), mask=group < GROUP)
-    else:
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
+    for part in range(first + program, used, programs):
+        start = tl.maximum(part * partition_size, context_len - window)  # keys older than the window: never seen
+        end = tl.minimum(context_len, (part + 1) * partition_size)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _attend(q, query_pos, k_cache_ptr + kv_offset, v_cache_ptr + kv_offset,
+                                tables_ptr + seq * stride_table, start, end, qk_scale, window, cap_log2e, m_i, l_i,
+                                acc, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP)
+        out = acc / l_i[:, None]
+        if not SPLIT:
+            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
+        elif used - first == 1:
+            # The only partition: its output is final, with the bits a merge of one would give (weight exp2(0)).
+            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Partial output and log-sum-exp (base 2), rows (seq, head) of [S, H, max_parts(, D)] buffers.
+            rows = (seq * num_heads + heads) * max_parts + part
+            tl.store(partial_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
+            tl.store(lse_ptr + rows, m_i + tl.log2(l_i), mask=group < GROUP)
+    if SPLIT:  # a compile-time test: non-split launches carry no atomics  # noqa: SIM102
+        if used - first > 1:
+            _merge_if_last(partial_ptr, lse_ptr, counter_ptr + seq * tl.num_programs(1) + kv_head, out_ptr,
+                           tl.cdiv(used - first - program, programs), used - first, seq, kv_head, first, used,
+                           num_heads, max_parts, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
-def _merge_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, window, partition_size, num_heads, max_parts,
-                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    seq, head = tl.program_id(0), tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    # The decode kernel skipped the partitions past the context and those before the window.
-    used = tl.cdiv(context_len, partition_size)
-    skipped = tl.maximum(context_len - window, 0) // partition_size
-    row = (seq * num_heads + head) * max_parts
+def _merge_if_last(partial_ptr, lse_ptr, counter, out_ptr, done, working, seq, kv_head, first, used, num_heads,
+                   max_parts, stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Count this program's `done` partitions in; the program that completes the sequence's `working` ones
+    merges them all, so no second launch is needed whatever the context: under CUDA graphs the contexts
+    grow while the captured launch stays the same. Split-K's semaphore pattern: every thread's stores,
+    a barrier, then one acquire-release atomic; the merging program zeroes the counter for the next launch."""
+    tl.debug_barrier()
+    if tl.atomic_add(counter, done, sem="acq_rel", scope="gpu") + done == working:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        dims = tl.arange(0, BLOCK_D)
+        for g in tl.static_range(GROUP):
+            row = (seq * num_heads + kv_head * GROUP + g) * max_parts
+            merged = _merge_head(partial_ptr, lse_ptr, row, first, used, HEAD_DIM, BLOCK_P, BLOCK_D)
+            tl.store(out_ptr + seq * stride_ot + (kv_head * GROUP + g) * stride_oh + dims,
+                     merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _merge_head(partial_ptr, lse_ptr, row, first, used, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """One head's output from its partitions first .. used - 1 (row: its first partition's index).
+
+    Loads bypass L1 (.cg): the partials were written by other programs, possibly on other SMs."""
     dims = tl.arange(0, BLOCK_D)
     # Running max (shape [1], to broadcast) and weighted sums over tiles of partitions, as in the softmax itself.
     m = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for first in range(skipped, used, BLOCK_P):
-        parts = first + tl.arange(0, BLOCK_P)
-        lse = tl.load(lse_ptr + row + parts, mask=parts < used, other=float("-inf"))
+    for tile in range(first, used, BLOCK_P):
+        parts = tile + tl.arange(0, BLOCK_P)
+        lse = tl.load(lse_ptr + row + parts, mask=parts < used, other=float("-inf"), cache_modifier=".cg")
         partial = tl.load(partial_ptr + (row + parts)[:, None] * HEAD_DIM + dims[None, :],
-                          mask=(parts[:, None] < used) & (dims[None, :] < HEAD_DIM), other=0.0)
+                          mask=(parts[:, None] < used) & (dims[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, 0))
         rescale = tl.exp2(m - m_new)
         weights = tl.exp2(lse - m_new)
         acc = acc * rescale + tl.sum(partial * weights[:, None], 0)
         total = total * rescale + tl.sum(weights, 0)
         m = m_new
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / total).to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    return acc / total
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -233,21 +268,32 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                 BLOCK_N=_TILES[query.dtype][1], BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype),
                 SOFTCAP=softcap is not None)
     qk_scale, window, cap_log2e = _score_args(scale, window, softcap)
-    common = (k_cache, v_cache, block_tables, context_lens, qk_scale, window, cap_log2e, partition_size,
-              query.stride(0), query.stride(1))
     if num_parts == 1:
-        _decode_kernel[(seqs, kv_heads, 1)](
-            query, out, out, *common, out.stride(0), out.stride(1), 0, 0, 0, k_cache.stride(0), block_tables.stride(0),
-            SPLIT=False, **meta)
-        return
-    partial = torch.empty(seqs, heads, num_parts, dim, dtype=torch.float32, device=query.device)
-    lse = torch.empty(seqs, heads, num_parts, dtype=torch.float32, device=query.device)
-    _decode_kernel[(seqs, kv_heads, num_parts)](
-        query, partial, lse, *common, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-        lse.stride(1), k_cache.stride(0), block_tables.stride(0), SPLIT=True, **meta)
-    _merge_kernel[(seqs, heads)](
-        partial, lse, out, context_lens, window, partition_size, heads, num_parts, out.stride(0), out.stride(1),
-        HEAD_DIM=dim, BLOCK_P=min(_MERGE_TILE, triton.next_power_of_2(num_parts)), BLOCK_D=triton.next_power_of_2(dim))
+        partial = lse = counters = out  # stand-ins the kernel never reads
+    else:
+        partial = torch.empty(seqs, heads, num_parts, dim, dtype=torch.float32, device=query.device)
+        lse = torch.empty(seqs, heads, num_parts, dtype=torch.float32, device=query.device)
+        counters = _counters(seqs * kv_heads, query.device)
+    _decode_kernel[(seqs, kv_heads, decode_programs(num_parts, partition_size, max_len))](
+        query, out, partial, lse, counters, k_cache, v_cache, block_tables, context_lens, qk_scale, window, cap_log2e,
+        partition_size, heads, num_parts, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), block_tables.stride(0), SPLIT=num_parts > 1,
+        BLOCK_P=min(_MERGE_TILE, triton.next_power_of_2(num_parts)), **meta)
+
+
+# Per device: one arrival counter per (sequence, kv head) for split decodes, zero between launches (the
+# merging program zeroes its own). Kept, not allocated per call: a fresh buffer would need a zeroing launch.
+# Launches on one device are assumed ordered (one stream), as the engine runs them.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MIN_COUNTERS = 4096  # 512 sequences x 8 kv heads: allocated before any CUDA graph is captured, in practice
+
+
+def _counters(needed: int, device: torch.device) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < needed:
+        counters = torch.zeros(triton.next_power_of_2(max(needed, _MIN_COUNTERS)), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def _score_args(scale: float, window: int | None, softcap: float | None) -> tuple[float, int, float]:
@@ -279,6 +325,13 @@ def _auto_partition(programs: int, max_len: int, device: torch.device) -> int:
     if device.type != "cuda":
         return max_len  # the interpreter runs programs one by one: splitting only adds work
     return partition_size(programs, max_len, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def decode_programs(num_parts: int, partition_size: int, max_len: int) -> int:
+    """Programs per (sequence, kv head): one per partition of a context up to _SIZING_CONTEXT (the
+    contexts partition_size fills the GPU at), each taking every so many partitions past it. Sized by
+    the table width, a CUDA graph's 128K tables launched 512 per head, all but a few returning at once."""
+    return min(num_parts, triton.cdiv(min(max_len, _SIZING_CONTEXT), partition_size))
 
 
 def partition_size(programs: int, max_len: int, num_sms: int) -> int:

@@ -8,7 +8,7 @@ decode is bound by memory: the kernel must stream the weights at the memory's pa
 few instructions on each weight, or the instructions become the bound. Here:
 
 - a program owns BLOCK_N weight rows and walks all of K in steps of SUBS runs of VEC bytes per row;
-  each thread loads whole runs (8 bytes: int4's 16 weights, or 8 int8 / FP8 weights);
+  each thread loads whole runs (8 bytes: int4's 16 weights, or 8 int8 / FP8 weights; or 16);
 - int4 and int8 are widened to float32 without an int-to-float conversion instruction (a quarter of
   the rate of a multiply-add on Hopper): the integer goes into a float's mantissa, four bytes per
   byte-permute instruction (inline PTX; plain integer operations in the interpreter, same values);
@@ -18,6 +18,16 @@ few instructions on each weight, or the instructions become the bound. Here:
   loop. Sums over K happen once, after it: so K needs no split into separate programs, no
   partial-sum buffer and no second launch, and a row gives the same bits alone as beside up to three
   others (above a format's MAX_ROWS another kernel takes over, with its own rounding).
+
+Tile options the sweep weighs against that (bench/gpu/README.md has the compiler's counts): the rows
+inner (each thread holds all the program's rows of its runs, so x's run is loaded and widened once for
+them: `rows_inner`, `x_once`); the scales folded out of the inner loop (`fold`: a run's products
+summed in the thread, then its group or block scale applied once; int4's min through x's run sum, so
+still no sums across threads in the loop); the next step's bytes loaded before this step is widened
+(`prefetch`). A row's sums never depend on the other rows in any of them.
+
+Over 300 lines: one kernel and its jit helpers, whose options must stay in step (the tests and the
+sweep drive them all through this one launcher).
 
 Formats (layouts as in quant_gemm_ref.py and quant/fp8_block.py):
 - int4: packed uint8 [N, K / 2], scales and mins [N, K / group] (float16 from kaon and GGUF, float32
@@ -54,7 +64,19 @@ class Tile:
     warps: int = 4
     x_shared: bool = True  # x loaded once per step and moved into the tile's layout (else by every thread)
     asm: bool = True  # bytes widened by inline PTX (GPU only), else by plain integer operations
-    vec: int = 8  # contiguous weight bytes per thread and run; x's bfloat16 run is then one 16-byte load
+    vec: int = 8  # contiguous weight bytes per thread and run (8: x's bfloat16 run is one 16-byte load)
+    # x loaded with a weight-row axis of 1 in the tile's own shape (overrides x_shared): with rows_inner,
+    # each thread widens its x once per step for all the program's rows, with no change of layout
+    # (without, Triton 3.6 still moves it through shared memory: bench/gpu/README.md).
+    x_once: bool = False
+    # Products summed per run inside the thread, then the run's group or block scale applied once per
+    # run (int4: d * sum (128 + q) x + (m - 128 d) * sum x): one FMA per weight instead of two (int4)
+    # or an FMA and a multiply (FP8 blocks). No effect on per-row scales (applied after the loop anyway).
+    fold: bool = False
+    prefetch: bool = False  # the next step's weight bytes and scales loaded before this step's widening
+    # The tile laid out [SUBS, BLOCK_N, VEC]: each thread holds all the program's weight rows of its runs
+    # and widens x's run once for them (else Triton spreads threads over the rows too: _gemv_kernel).
+    rows_inner: bool = False
 
 
 # Per format: the tile with the least time over Llama-3.1-8B's four projections at one row, measured by
@@ -139,93 +161,203 @@ def _widen(w, KIND: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, x_ptr, stride_xm, M, w_lo, w_hi, k, in_row, zero_n, ROW: tl.constexpr, HALF: tl.constexpr,
-                KIND: tl.constexpr, X_SHARED: tl.constexpr):
-    """acc + row ROW of x times the widened weight tile [BLOCK_N, SUBS, VEC], element by element (int4:
-    both nibbles' products), added in an order that makes each product one fused multiply-add.
-    X_SHARED: x loaded once per step as [SUBS, VEC] and broadcast over the weight rows (Triton moves it
-    into the tile's layout through shared memory where the layouts differ); else loaded in the tile's
-    shape, each thread its own copy from L1, with no change of layout."""
-    ok = in_row & (k * 0 + ROW < M)
-    if X_SHARED:
-        x_at = x_ptr + ROW * stride_xm + k
+def _rows3(t, INNER: tl.constexpr):
+    """[BLOCK_N] -> the tile's three dims: [BLOCK_N, 1, 1], or [1, BLOCK_N, 1] with the rows inner."""
+    if INNER:
+        r = t[None, :, None]
     else:
-        x_at = x_ptr + ROW * stride_xm + zero_n + k[None]
-        ok = ok[None]
-    x_lo = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
-    if X_SHARED:
-        x_lo = x_lo[None]
-    acc = acc + w_lo * x_lo
+        r = t[:, None, None]
+    return r
+
+
+@triton.jit
+def _runs3(t, INNER: tl.constexpr):
+    """[SUBS, VEC] -> the tile's three dims: [1, SUBS, VEC], or [SUBS, 1, VEC] with the rows inner."""
+    if INNER:
+        r = t[:, None, :]
+    else:
+        r = t[None]
+    return r
+
+
+@triton.jit
+def _grid2(rows, runs, INNER: tl.constexpr):
+    """[BLOCK_N] and [SUBS] -> both in the runs' layout: [BLOCK_N, SUBS], or [SUBS, BLOCK_N] rows inner."""
+    if INNER:
+        a = rows[None, :]
+        b = runs[:, None]
+    else:
+        a = rows[:, None]
+        b = runs[None, :]
+    return a, b
+
+
+@triton.jit
+def _load_x(x_ptr, stride_xm, M, k, in_row, zero_n, ROW: tl.constexpr, X_MODE: tl.constexpr, INNER: tl.constexpr):
+    """Row ROW of x at the step's columns k [SUBS, VEC], as float32, shaped to broadcast over the weight
+    tile. X_MODE 0: loaded once as [SUBS, VEC] and broadcast (Triton moves it into the tile's layout
+    through shared memory where the layouts differ); 1: loaded in the tile's whole shape, each thread its
+    own copy per weight row, from L1; 2: loaded with a weight-row axis of 1 (each thread its own copy)."""
+    ok = in_row & (k * 0 + ROW < M)
+    x_row = x_ptr + ROW * stride_xm
+    if X_MODE == 0:
+        x = _runs3(tl.load(x_row + k, mask=ok, other=0.0).to(tl.float32), INNER)
+    elif X_MODE == 1:
+        x = tl.load(x_row + zero_n + _runs3(k, INNER), mask=_runs3(ok, INNER), other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_row + _runs3(k, INNER), mask=_runs3(ok, INNER), other=0.0).to(tl.float32)
+    return x  # one return: Triton 3.6 types every return statement, taken or not
+
+
+@triton.jit
+def _accumulate(acc, x_ptr, stride_xm, M, w_lo, w_hi, scale, low, k, in_row, zero_n, ROW: tl.constexpr,
+                HALF: tl.constexpr, KIND: tl.constexpr, SCALE: tl.constexpr, X_MODE: tl.constexpr,
+                FOLD: tl.constexpr, INNER: tl.constexpr):
+    """acc + row ROW of x times the widened weight tile (int4: both nibbles).
+    Unfolded: element by element into acc (the tile's shape), each product one fused multiply-add (the
+    scales are already in the weights). FOLD: each run's products summed in the thread (a chain of fused
+    multiply-adds), then the run's scale applied into acc (the runs' shape); int4's m - 128 d times
+    the run's sum of x (shared by the weight rows where x is)."""
+    x_lo = _load_x(x_ptr, stride_xm, M, k, in_row, zero_n, ROW, X_MODE, INNER)
     if KIND == 0:
-        x_hi = tl.load(x_at + HALF, mask=ok, other=0.0).to(tl.float32)
-        if X_SHARED:
-            x_hi = x_hi[None]
-        acc = acc + w_hi * x_hi
+        x_hi = _load_x(x_ptr, stride_xm, M, k + HALF, in_row, zero_n, ROW, X_MODE, INNER)
+    if FOLD:
+        part = tl.sum(w_lo * x_lo, axis=2)
+        if KIND == 0:
+            part = part + tl.sum(w_hi * x_hi, axis=2)
+        if SCALE == 1:  # (128 + q) d + (m - 128 d) summed over the run: d * part + (m - 128 d) * sum x
+            acc = acc + part * scale + (tl.sum(x_lo, axis=2) + tl.sum(x_hi, axis=2)) * low
+        elif SCALE == 2:
+            acc = acc + part * scale
+        else:
+            acc = acc + part
+    else:
+        acc = acc + w_lo * x_lo
+        if KIND == 0:
+            acc = acc + w_hi * x_hi
     return acc
+
+
+@triton.jit
+def _load_step(w_rows, scale_ptr, min_ptr, rn, N, stride_sn, scale_rows, b0, run, run_start, ROW_BYTES,
+               SCALE: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, INNER: tl.constexpr):
+    """One step's weight bytes (the tile) from byte b0 of each row (masked past the row's end), and its
+    runs' scales: int4's group scale d and m - 128 d, the FP8 blocks' scale (twice), or for per-row
+    scales a placeholder the caller never reads."""
+    b = b0 + run
+    w = tl.load(w_rows + _runs3(b, INNER), mask=_rows3(rn < N, INNER) & _runs3(b < ROW_BYTES, INNER), other=0)
+    n2, s2 = _grid2(rn, b0 + run_start, INNER)
+    s_ok = (n2 < N) & (s2 < ROW_BYTES)
+    if SCALE == 1:  # int4, widened as 128 + q: (128 + q) d + (m - 128 d) = q d + m
+        at = n2 * stride_sn + s2 // HALF
+        scale = tl.load(scale_ptr + at, mask=s_ok, other=0.0).to(tl.float32)
+        low = tl.load(min_ptr + at, mask=s_ok, other=0.0).to(tl.float32) - 128.0 * scale
+    elif SCALE == 2:  # FP8 blocks (a run never crosses one)
+        at = (n2 // scale_rows) * stride_sn + s2 // GROUP
+        scale = tl.load(scale_ptr + at, mask=s_ok, other=0.0).to(tl.float32)
+        low = scale
+    else:
+        scale = s_ok.to(tl.float32)
+        low = scale
+    return w, scale, low
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, ROW_BYTES, stride_xm, stride_wn, stride_sn,
                  stride_om, scale_rows,
                  KIND: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SUBS: tl.constexpr, VEC: tl.constexpr, X_SHARED: tl.constexpr,
-                 ASM: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SUBS: tl.constexpr, VEC: tl.constexpr, X_MODE: tl.constexpr,
+                 ASM: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr, INNER: tl.constexpr):
     """out[m, n] = sum_k x[m, k] w[n, k] for m < M <= ROWS <= 4, one program per BLOCK_N weight rows.
 
     KIND: 0 int4, 1 int8, 2 FP8. SCALE: 0 per row, 1 per group with a min (int4), 2 per block (FP8).
     GROUP: int4's group, or the FP8 blocks' width in columns (a run never crosses one); scale_rows: the
-    FP8 blocks' height in rows. ASM: bytes widened by inline PTX (a GPU). Rows of x are unrolled, one
-    accumulator each, so the weight tile is widened once for all of them."""
+    FP8 blocks' height in rows. ASM: bytes widened by inline PTX (a GPU). X_MODE, FOLD: _load_x and
+    _accumulate. PREFETCH: step i + 1's bytes and scales are loaded before step i is widened, so a
+    load is in flight while the thread computes (registers for two steps). INNER: the tile is
+    [SUBS, BLOCK_N, VEC], not [BLOCK_N, SUBS, VEC]: Triton spreads threads over the first axis of
+    equal contiguity, so the threads split the runs and each holds all BLOCK_N rows of its runs, with
+    x's run shared by them (else threads split the rows too and x's run is loaded per row). Rows of
+    x are unrolled, one accumulator each, so the weight tile is widened once for all of them, and a
+    row's sums never depend on the other rows (the same bits alone as in a batch)."""
     STEP: tl.constexpr = SUBS * VEC  # weight bytes per row per step
     HALF: tl.constexpr = GROUP // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     run_start = tl.arange(0, SUBS) * VEC
-    run = run_start[:, None] + tl.arange(0, VEC)[None, :]  # [SUBS, VEC] byte offsets in a step
-    n_ok = rn < N
-    w_rows = w_ptr + rn[:, None, None] * stride_wn
-    zero_n = rn[:, None, None] * 0
-    acc0 = tl.zeros((BLOCK_N, SUBS, VEC), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, SUBS, VEC), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, SUBS, VEC), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, SUBS, VEC), dtype=tl.float32)
+    lane = tl.arange(0, VEC)[None, :]
+    run = run_start[:, None] + lane  # [SUBS, VEC] byte offsets in a step
+    w_rows = w_ptr + _rows3(rn, INNER) * stride_wn
+    zero_n = _rows3(rn, INNER) * 0
+    if INNER:
+        RUNS_AXIS: tl.constexpr = 0
+        if FOLD:  # one partial sum per run
+            acc0 = tl.zeros((SUBS, BLOCK_N), dtype=tl.float32)
+        else:  # one per weight
+            acc0 = tl.zeros((SUBS, BLOCK_N, VEC), dtype=tl.float32)
+    else:
+        RUNS_AXIS: tl.constexpr = 1
+        if FOLD:
+            acc0 = tl.zeros((BLOCK_N, SUBS), dtype=tl.float32)
+        else:
+            acc0 = tl.zeros((BLOCK_N, SUBS, VEC), dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    if PREFETCH:
+        w, scale, low = _load_step(w_rows, scale_ptr, min_ptr, rn, N, stride_sn, scale_rows, 0, run, run_start,
+                                   ROW_BYTES, SCALE, GROUP, HALF, INNER)
     for b0 in range(0, ROW_BYTES, STEP):
-        b = b0 + run
-        in_row = b < ROW_BYTES
-        w = tl.load(w_rows + b[None], mask=n_ok[:, None, None] & in_row[None], other=0)
-        w_lo, w_hi = _widen(w, KIND, ASM)
-        # int4: byte j of a group holds k = j (low nibble) and k + GROUP / 2 (high nibble)
-        k = (b // HALF) * GROUP + b % HALF if KIND == 0 else b
-        if SCALE != 0:  # the run's group or block scale, applied to the widened weights
-            s_ok = n_ok[:, None] & (b0 + run_start < ROW_BYTES)[None, :]
-            if SCALE == 1:  # int4, widened as 128 + q: (128 + q) d + (m - 128 d) = q d + m
-                at = rn[:, None] * stride_sn + ((b0 + run_start) // HALF)[None, :]
-                scale = tl.load(scale_ptr + at, mask=s_ok, other=0.0).to(tl.float32)[:, :, None]
-                low = tl.load(min_ptr + at, mask=s_ok, other=0.0).to(tl.float32)[:, :, None] - 128.0 * scale
-                w_lo = w_lo * scale + low
-                w_hi = w_hi * scale + low
-            else:  # FP8 blocks
-                at = (rn // scale_rows)[:, None] * stride_sn + ((b0 + run_start) // GROUP)[None, :]
-                w_lo = w_lo * tl.load(scale_ptr + at, mask=s_ok, other=0.0).to(tl.float32)[:, :, None]
+        if PREFETCH:
+            w_now, scale_now, low_now = w, scale, low
+            w, scale, low = _load_step(w_rows, scale_ptr, min_ptr, rn, N, stride_sn, scale_rows, b0 + STEP, run,
+                                       run_start, ROW_BYTES, SCALE, GROUP, HALF, INNER)
+        else:
+            w_now, scale_now, low_now = _load_step(w_rows, scale_ptr, min_ptr, rn, N, stride_sn, scale_rows, b0,
+                                                   run, run_start, ROW_BYTES, SCALE, GROUP, HALF, INNER)
+        in_row = b0 + run < ROW_BYTES
+        w_lo, w_hi = _widen(w_now, KIND, ASM)
+        if KIND == 0:  # byte j of a group holds k = j (low nibble) and k + GROUP / 2 (high nibble); a run
+            # stays in one half group, so its k are contiguous (written so that Triton sees it and
+            # loads x's run as whole 16-byte vectors)
+            first = b0 + run_start
+            k = ((first // HALF) * GROUP + first % HALF)[:, None] + lane
+        else:
+            k = b0 + run
+        if not FOLD:  # the run's group or block scale, applied to the widened weights
+            if SCALE == 1:
+                w_lo = w_lo * scale_now[:, :, None] + low_now[:, :, None]
+                w_hi = w_hi * scale_now[:, :, None] + low_now[:, :, None]
+            elif SCALE == 2:
+                w_lo = w_lo * scale_now[:, :, None]
                 w_hi = w_lo
-        acc0 = _accumulate(acc0, x_ptr, stride_xm, M, w_lo, w_hi, k, in_row, zero_n, 0, HALF, KIND, X_SHARED)
+        acc0 = _accumulate(acc0, x_ptr, stride_xm, M, w_lo, w_hi, scale_now, low_now, k, in_row, zero_n, 0, HALF,
+                           KIND, SCALE, X_MODE, FOLD, INNER)
         if ROWS > 1:
-            acc1 = _accumulate(acc1, x_ptr, stride_xm, M, w_lo, w_hi, k, in_row, zero_n, 1, HALF, KIND, X_SHARED)
+            acc1 = _accumulate(acc1, x_ptr, stride_xm, M, w_lo, w_hi, scale_now, low_now, k, in_row, zero_n, 1,
+                               HALF, KIND, SCALE, X_MODE, FOLD, INNER)
         if ROWS > 2:
-            acc2 = _accumulate(acc2, x_ptr, stride_xm, M, w_lo, w_hi, k, in_row, zero_n, 2, HALF, KIND, X_SHARED)
-            acc3 = _accumulate(acc3, x_ptr, stride_xm, M, w_lo, w_hi, k, in_row, zero_n, 3, HALF, KIND, X_SHARED)
+            acc2 = _accumulate(acc2, x_ptr, stride_xm, M, w_lo, w_hi, scale_now, low_now, k, in_row, zero_n, 2,
+                               HALF, KIND, SCALE, X_MODE, FOLD, INNER)
+            acc3 = _accumulate(acc3, x_ptr, stride_xm, M, w_lo, w_hi, scale_now, low_now, k, in_row, zero_n, 3,
+                               HALF, KIND, SCALE, X_MODE, FOLD, INNER)
+    n_ok = rn < N
     row_scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0) if SCALE == 0 else 1.0
-    _store_row(out_ptr, acc0, row_scale, rn, n_ok, M, 0)
+    _store_row(out_ptr, acc0, row_scale, rn, n_ok, M, 0, FOLD, RUNS_AXIS)
     if ROWS > 1:
-        _store_row(out_ptr + stride_om, acc1, row_scale, rn, n_ok, M, 1)
+        _store_row(out_ptr + stride_om, acc1, row_scale, rn, n_ok, M, 1, FOLD, RUNS_AXIS)
     if ROWS > 2:
-        _store_row(out_ptr + 2 * stride_om, acc2, row_scale, rn, n_ok, M, 2)
-        _store_row(out_ptr + 3 * stride_om, acc3, row_scale, rn, n_ok, M, 3)
+        _store_row(out_ptr + 2 * stride_om, acc2, row_scale, rn, n_ok, M, 2, FOLD, RUNS_AXIS)
+        _store_row(out_ptr + 3 * stride_om, acc3, row_scale, rn, n_ok, M, 3, FOLD, RUNS_AXIS)
 
 
 @triton.jit
-def _store_row(out_row, acc, row_scale, rn, n_ok, M, ROW: tl.constexpr):
-    out = tl.sum(tl.sum(acc, axis=2), axis=1) * row_scale
-    tl.store(out_row + rn, out.to(out_row.dtype.element_ty), mask=n_ok & (rn * 0 + ROW < M))
+def _store_row(out_row, acc, row_scale, rn, n_ok, M, ROW: tl.constexpr, FOLD: tl.constexpr,
+               RUNS_AXIS: tl.constexpr):
+    if FOLD:
+        out = tl.sum(acc, axis=RUNS_AXIS)
+    else:
+        out = tl.sum(tl.sum(acc, axis=2), axis=RUNS_AXIS)
+    tl.store(out_row + rn, (out * row_scale).to(out_row.dtype.element_ty), mask=n_ok & (rn * 0 + ROW < M))
 
 
 def fits(x: torch.Tensor, fmt: str) -> bool:
@@ -247,7 +379,9 @@ def _launch(fmt: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
         x, weight, scales, scales if mins is None else mins, out, m, n, weight.shape[1], x.stride(0),
         weight.stride(0), scales.stride(0), out.stride(0), scale_rows,
         KIND=kind, SCALE=scale_mode, GROUP=group, ROWS=rows, BLOCK_N=block_n,
-        SUBS=tile.subs, VEC=tile.vec, X_SHARED=tile.x_shared, ASM=tile.asm and x.is_cuda, num_warps=tile.warps)
+        SUBS=tile.subs, VEC=tile.vec, X_MODE=2 if tile.x_once else 0 if tile.x_shared else 1,
+        ASM=tile.asm and x.is_cuda, FOLD=tile.fold, PREFETCH=tile.prefetch, INNER=tile.rows_inner,
+        num_warps=tile.warps)
     return out
 
 

@@ -48,6 +48,7 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    fuses_rotary = False  # the model rotates q and k before forward
 
     def __init__(self):
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -107,17 +108,26 @@ class TritonAttentionBackend:
     """Triton kernels read the context straight from the pool's blocks: no gathered copies."""
 
     name = "triton"
+    # forward takes the step's rotary tables and rotates q and k in the launch that caches k and v
+    # (kernels.rotary.rotary_write_kv): one small kernel a layer fewer than rotary, then the write.
+    fuses_rotary = True
 
     def __init__(self):
         # Imported on use: CPU-only torch builds ship without Triton, and the torch backend must not need it.
-        from kaon_runtime.kernels import kv_cache, paged_attention
+        from kaon_runtime.kernels import kv_cache, paged_attention, rotary
         self._write_kv_cache = kv_cache.write_kv_cache
+        self._rotary_write_kv = rotary.rotary_write_kv
         self._kernels = paged_attention
         self._packed: tuple[AttentionMetadata, _PackedPrefills] | None = None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+                window: int | None = None, softcap: float | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+        """rope: (cos, sin, rotary_dim) to rotate q and k (in place) first; None: they come rotated."""
+        if rope is None:
+            self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self._rotary_write_kv(q, k, v, *rope[:2], k_cache, v_cache, meta.slot_mapping, rope[2])
         out = q.new_empty(q.shape)
         n = meta.num_decode_tokens
         if n:
@@ -179,6 +189,8 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = backend if backend is not None else TorchAttentionBackend()
 
-    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, meta: AttentionMetadata, rope=None) -> torch.Tensor:
+        """rope: (cos, sin, rotary_dim) for a backend that `fuses_rotary`; q and k come unrotated then."""
+        extra = {} if rope is None else {"rope": rope}
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                    self.softcap)
+                                    self.softcap, **extra)

@@ -65,6 +65,8 @@ class SelfAttention(nn.Module):
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale, c.window(layer), c.attn_softcap,
                               kernels.attention)
         self.rotary_kernel = kernels.rotary  # in place; None: torch's apply_rotary
+        # The Triton backend rotates q and k in the launch that caches k and v (one launch fewer a layer).
+        self.rotary_in_attention = getattr(kernels.attention, "fuses_rotary", False)
 
     def forward(self, rope, x, meta: AttentionMetadata):
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 Hkv, D]
@@ -73,12 +75,15 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk[:, :self.num_heads] = self.q_norm(qk[:, :self.num_heads])
             qk[:, self.num_heads:] = self.k_norm(qk[:, self.num_heads:])
+        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated_heads:]
+        if self.rotary_in_attention:
+            out = self.attn(q, k, v, meta, rope=(*rope, self.rotary_dim))
+            return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
         rotated = qk[..., :self.rotary_dim]  # Phi-3 variants may rotate only a leading part of each head
         if self.rotary_kernel is None:
             rotated.copy_(apply_rotary(rotated, *rope))
         else:
             self.rotary_kernel(rotated, *rope, out=rotated)  # in place: q and k stay views of qkv
-        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated_heads:]
         out = self.attn(q, k, v, meta)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 

@@ -25,16 +25,25 @@ def _generate(path: str) -> tuple[LLM, list[list[int]]]:
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("split_kv", [False, True], ids=["whole-context", "split-kv"])
-def test_triton_backend_generates_the_torch_tokens(tiny_llama, monkeypatch, split_kv):
+@pytest.mark.parametrize("split_kv,c_step", [(False, True), (True, True), (True, False)],
+                         ids=["whole-context", "split-kv", "split-kv-triton-decodes"])
+def test_triton_backend_generates_the_torch_tokens(tiny_llama, monkeypatch, split_kv, c_step):
+    if not c_step and DEVICE == "cuda":
+        pytest.skip("no C step on a GPU: split-kv already decodes through Triton (lease time saved)")
     monkeypatch.setenv("KAON_ATTENTION_BACKEND", "torch")
     _, expected = _generate(tiny_llama)
     monkeypatch.setenv("KAON_ATTENTION_BACKEND", "triton")
+    if not c_step:  # float32 decodes on CPU go to the fused C step: off, so Triton decodes as on a GPU
+        from kaon_runtime.engine import model_loader
+        select = model_loader.select_kernels
+        monkeypatch.setattr(model_loader, "select_kernels", lambda device, cpu_decode=False: select(device, False))
     if split_kv:  # the interpreter never splits on its own: force 16-key partitions so decodes merge partials
         monkeypatch.setattr(paged_attention, "_auto_partition", lambda programs, max_len, device: 16)
     llm, tokens = _generate(tiny_llama)
     layer = llm.engine.runner.model.model.layers[0]
     assert layer.self_attn.attn.backend.name == "triton" and layer.input_layernorm.kernel is not None
+    # The C step takes float32 decodes on CPU only; on a GPU Triton decodes whatever c_step says.
+    assert (llm.engine.runner.model.model.cpu_decode is None) == (not c_step or DEVICE == "cuda")
     assert llm.engine.block_manager.prefix_hits > 0
     assert tokens == expected
 

@@ -79,6 +79,35 @@ def test_rotary_matches_reference_in_and_out_of_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(14, 6, 32, None), (4, 1, 48, 16), (8, 8, 16, None)])
+def test_rotary_write_kv_equals_rotary_then_write_kv(dtype, heads, kv_heads, head_dim, rotary_dim):
+    """The fused launch gives the two kernels' results bit for bit, and the pure-torch references' as closely
+    as rotary alone does: q and k rotated in place (partial rotary leaves the rest of each head alone),
+    the rotated k and v at their slots, padding rows uncached."""
+    torch.manual_seed(0)
+    rotary_dim = rotary_dim or head_dim
+    rope = RotaryEmbedding(rotary_dim, max_positions=4096, base=10000.0)
+    slots = torch.tensor([3, 4, -1, 7, 19], device=DEVICE)
+    cos, sin = rope.lookup(torch.tensor([0, 1, 17, 300, 4095], device=DEVICE), torch.device(DEVICE))
+    qkv = _randn(len(slots), heads + 2 * kv_heads, head_dim, dtype=dtype)
+    caches = [_randn(kv_heads, 5, 4, head_dim, dtype=dtype) for _ in range(2)]
+    references = {}
+    for name, rotate, write in (("torch", apply_rotary, write_kv_cache_ref),
+                                ("kernels", rotary.apply_rotary, write_kv_cache)):
+        expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
+        rotated = expected_qkv[:, :heads + kv_heads, :rotary_dim]
+        rotated.copy_(rotate(rotated, cos, sin))
+        write(expected_qkv[:, heads:heads + kv_heads], expected_qkv[:, heads + kv_heads:], *expected_caches, slots)
+        references[name] = [expected_qkv, *expected_caches]
+    rotary.rotary_write_kv(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], cos, sin,
+                           *caches, slots, rotary_dim)
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    for got, by_torch, by_kernels in zip([qkv, *caches], references["torch"], references["kernels"]):
+        torch.testing.assert_close(got, by_kernels, rtol=0, atol=0)
+        torch.testing.assert_close(got, by_torch, **close)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("intermediate", [40, 1500])
 def test_silu_and_mul_matches_reference(dtype, intermediate):
     torch.manual_seed(0)

@@ -60,6 +60,13 @@ def _launches(dtype: torch.dtype) -> None:
     v_cache = torch.randn(kv_heads, 8, block, dim).to(dtype)
     new = torch.randn(2, kv_heads, dim).to(dtype)
     kv_cache.write_kv_cache(new, new, k_cache, v_cache, torch.tensor([5, -1]))
+    qkv = torch.randn(2, heads + 2 * kv_heads, dim).to(dtype)  # the decode step's fused rotary + cache write
+    rotary.rotary_write_kv(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], cos, sin,
+                           k_cache, v_cache, torch.tensor([5, -1]))
+    if dtype == torch.bfloat16:  # partial rotary (Phi-3's variants): the pass-through tail
+        half_cos, half_sin = (t[..., :dim // 4].contiguous() for t in (cos, sin))
+        rotary.rotary_write_kv(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:],
+                               half_cos, half_sin, k_cache, v_cache, torch.tensor([5, -1]), dim // 2)
     tables, lens = torch.tensor([[0, 1, 2, 3]]), torch.tensor([50])
     q = torch.randn(1, heads, dim).to(dtype)
     for partition in (None, 16):  # whole context, and split into partitions then merged
@@ -87,6 +94,20 @@ def _launches(dtype: torch.dtype) -> None:
         quant_gemv.w8a16_gemv(a, qweight, scales)
         quant_gemv.fp8_gemv(a, fp8, fp8_scales)
         quant_gemv.fp8_block_gemv(a, fp8, torch.ones(1, 4), (128, 128))
+        # The GPU sweep's other tile options (bench/gpu/gemv_sweep.py), each at least once, so a variant
+        # the compiler refuses or that spills fails here rather than costing a lease's sweep.
+        defaults = dict(quant_gemv.TILES)
+        try:
+            for tile in (quant_gemv.Tile(8, 128, rows_inner=True, x_once=True, fold=True),
+                         quant_gemv.Tile(8, 128, rows_inner=True, x_once=True, fold=True, prefetch=True),
+                         quant_gemv.Tile(8, 128, rows_inner=True, fold=True),
+                         quant_gemv.Tile(8, 64, rows_inner=True, vec=16, x_once=True, fold=True)):
+                quant_gemv.configure({"int4": tile, "fp8": tile, "fp8_block": tile})
+                quant_gemv.w4a16_gemv(torch.randn(2, 512).to(dtype), w4.packed, w4.scales, w4.mins, w4.group_size)
+                quant_gemv.fp8_gemv(a, fp8, fp8_scales)
+                quant_gemv.fp8_block_gemv(a, fp8, torch.ones(1, 4), (128, 128))
+        finally:
+            quant_gemv.configure(defaults)
 
 
 def _signature(kernel, args: tuple, kwargs: dict) -> dict:

@@ -114,6 +114,38 @@ def test_decode_matches_reference(dtype, heads, kv_heads, partition_size):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("sizing_context", [1 << 13, 16], ids=["a-program-per-partition", "strided"])
+def test_split_decode_merges_in_its_one_launch_and_leaves_its_counters_at_zero(monkeypatch, sizing_context):
+    """Split decodes merge in the decode kernel itself (the last partition of a sequence to finish): one launch
+    per call, split or not, as a CUDA graph replays it whatever the contexts have grown to. The arrival
+    counters must be back at zero after each launch, or the next launch's merge happens at the wrong count.
+    Strided: programs sized for 16-key contexts, so each takes several 16-key partitions of the longer ones."""
+    from kaon_runtime.kernels import paged_attention
+    monkeypatch.setattr(paged_attention, "_SIZING_CONTEXT", sizing_context)
+    assert paged_attention.decode_programs(8, 16, 128) == min(8, sizing_context // 16)
+    launches = []
+    kernels = [k for k in vars(paged_attention).values() if hasattr(k, "arg_names") and hasattr(k, "run")]
+    for kernel in kernels:
+        def run(*args, _run=kernel.run, _name=kernel.fn.__name__, **kwargs):
+            launches.append(_name)
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", run)
+    torch.manual_seed(0)
+    pool = Pool(2, 16, 8, torch.float32)
+    tables = _padded([pool.table(n) for n in (40, 3, 70)])
+    for context_lens in ([40, 3, 70], [41, 4, 9]):  # the same tables a step later, and after a long one ended
+        lens = torch.tensor(context_lens, device=DEVICE)
+        key_mask = torch.arange(tables.shape[1] * 8, device=DEVICE)[None, :] < lens[:, None]
+        query = _randn(3, 4, 16, dtype=torch.float32)
+        expected = ref.decode_attention_ref(query, pool.k, pool.v, tables, key_mask, 0.25)
+        out = torch.zeros_like(query)
+        launches.clear()
+        decode_attention(query, pool.k, pool.v, tables, lens, 0.25, out, partition_size=16)
+        assert launches == ["_decode_kernel"]
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        assert not paged_attention._COUNTERS[query.device].any()
+
+
 def test_decode_reads_a_strided_query_and_writes_a_view():
     """The model hands q over as a view of its fused qkv and reads the output from a slice of a larger buffer."""
     torch.manual_seed(0)
@@ -251,8 +283,14 @@ def test_prefill_with_window_and_softcap_matches_reference_and_naive(window, sof
 
 @pytest.mark.slow
 @pytest.mark.parametrize("window,softcap", WINDOWED)
-@pytest.mark.parametrize("partition_size", [None, 16, 8])  # 8: partitions wholly before the window are skipped
-def test_decode_with_window_and_softcap_matches_reference_and_naive(window, softcap, partition_size):
+# 8: partitions wholly before the window are skipped; strided: 8-key partitions, programs sized for 24-key
+# contexts, so each takes every third partition of a longer one (paged_attention.decode_programs)
+@pytest.mark.parametrize("partition_size", [None, 16, 8, "8-strided"])
+def test_decode_with_window_and_softcap_matches_reference_and_naive(window, softcap, partition_size, monkeypatch):
+    if partition_size == "8-strided":
+        from kaon_runtime.kernels import paged_attention
+        monkeypatch.setattr(paged_attention, "_SIZING_CONTEXT", 24)
+        partition_size = 8
     torch.manual_seed(0)
     dtype, heads, kv_heads, head_dim, block_size = torch.float32, 4, 2, 16, 8
     pool = Pool(kv_heads, head_dim, block_size, dtype)

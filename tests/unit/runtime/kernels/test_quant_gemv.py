@@ -26,6 +26,23 @@ TOLERANCE = 1e-2 if torch.bfloat16 == DTYPE else 1e-5
 # one tile loads x once per step for all rows, the other per thread.
 TILES = {"shared x": quant_gemv.Tile(block_n=4, subs=8, warps=1), "x per thread":
          quant_gemv.Tile(block_n=2, subs=16, warps=1, x_shared=False)}
+# The variants the GPU sweep tries beside those (bench/gpu/gemv_sweep.py), each with steps short enough
+# that a row takes several, the last one partial: x once per thread for all weight rows; scales folded
+# out of the inner loop; the next step prefetched; the rows inner (the [SUBS, BLOCK_N, VEC] tile); 16-byte
+# runs; each x mode at least once.
+VARIANTS = {"x once": quant_gemv.Tile(block_n=4, subs=4, warps=1, x_once=True),
+            "folded": quant_gemv.Tile(block_n=2, subs=4, warps=1, fold=True),
+            "folded x per thread prefetch": quant_gemv.Tile(block_n=2, subs=4, warps=1, x_shared=False, fold=True,
+                                                            prefetch=True),
+            "rows inner": quant_gemv.Tile(block_n=4, subs=4, warps=1, rows_inner=True, x_once=True),
+            "rows inner folded 16-byte": quant_gemv.Tile(block_n=2, subs=2, warps=1, vec=16, rows_inner=True,
+                                                         x_once=True, fold=True),
+            "rows inner folded prefetch": quant_gemv.Tile(block_n=4, subs=4, warps=1, rows_inner=True, fold=True,
+                                                          prefetch=True)}
+TILES |= VARIANTS
+# The variants interpreted take ~10 s each (2-core machine): `make unit` leaves them out, `make test`
+# and the GPU's kernel stage run them.
+SLOW_VARIANTS = [pytest.param(name, marks=pytest.mark.slow) for name in VARIANTS]
 
 
 @pytest.fixture(autouse=True)
@@ -92,17 +109,33 @@ def test_fp8_blocks_match_the_reference(block):
     assert relative_error(quant_gemv.fp8_block_gemv(x, qweight, scales, block), expected) < TOLERANCE
 
 
-def test_a_row_gets_the_same_bits_alone_as_in_a_batch():
+@pytest.mark.parametrize("tile_name", [name for name in TILES if name not in VARIANTS] + SLOW_VARIANTS)
+def test_a_row_gets_the_same_bits_alone_as_in_a_batch(tile_name):
     """One accumulator per row of x, summed after the loop in a fixed order: a row's result must not
-    depend on which other rows share the launch (batch invariance within the kernel)."""
+    depend on which other rows share the launch (batch invariance within the kernel), in every tile
+    (the folded ones: x's run sums and the run scales per row too); int4 and the FP8 blocks."""
     torch.manual_seed(0)
-    weight = quantize_int4(torch.randn(9, 256), 32)
+    weight = quantize_int4(torch.randn(9, 192), 32)
     packed, scales, mins = (t.to(DEVICE) for t in (weight.packed, weight.scales, weight.mins))
-    x = torch.randn(4, 256, device=DEVICE).to(DTYPE)
-    together = quant_gemv.w4a16_gemv(x, packed, scales, mins, 32)
-    for row in range(4):
-        alone = quant_gemv.w4a16_gemv(x[row:row + 1], packed, scales, mins, 32)
-        assert torch.equal(alone[0], together[row])
+    qweight = quantize_fp8(torch.randn(9, 192))[0].to(DEVICE)
+    block_scales = (torch.rand(2, 3) + 0.5).to(DEVICE)
+    x = torch.randn(4, 192, device=DEVICE).to(DTYPE)
+    for gemv in (lambda x: quant_gemv.w4a16_gemv(x, packed, scales, mins, 32),
+                 lambda x: quant_gemv.fp8_block_gemv(x, qweight, block_scales, (8, 64))):
+        together = gemv(x)
+        for row in range(4):
+            assert torch.equal(gemv(x[row:row + 1])[0], together[row])
+
+
+@pytest.mark.parametrize("tile_name", SLOW_VARIANTS)
+def test_each_variant_matches_the_reference_in_every_format(tile_name):
+    """The sweep's variants on every format and scale layout: int4 in groups of 32 (float16 scales, 3
+    rows) and 128 (float32, 1 row), int8 and FP8 per row, FP8 blocks (partial on both axes)."""
+    test_int4_matches_the_reference(tile_name, 3, 32, torch.float16)
+    test_int4_matches_the_reference(tile_name, 1, 128, torch.float32)
+    test_int8_matches_the_reference(tile_name, 2)
+    test_fp8_matches_the_reference(1)
+    test_fp8_blocks_match_the_reference((16, 32))
 
 
 def test_linears_take_the_gemv_for_few_rows_and_the_gemm_for_more(monkeypatch):
