@@ -16,6 +16,9 @@ block tables as long as the GPU run's (100-1,024 tokens in and out, 16-token blo
 
 `--base TREE`: the same measure of another tree's runtime/ (e.g. `git archive main runtime | tar -x -C
 TREE`), in alternating fresh processes, `--rounds` of each: an A/B inside one run, for a shared machine.
+`--parts`: the two costs this workload understates, alone, in this process: the decode block tables of 256
+sequences of 8-128 blocks (the GPU run's contexts) through torch.tensor against engine.step_tensors.DecodeTables,
+and detokenizing random:// Llama-3 ids (most past 255: no text) with the whole window against the detokenizer's.
 `--profile FILE`: cProfile's top functions of this tree's run at the largest batch, written there (a run of
 its own, after the timed ones).
 """
@@ -113,6 +116,65 @@ def measure(model: str, batch: int, prompt_len: int, output_len: int, profile: s
             "host_us": host * 1e6, "host_us_per_token": host * 1e6 / batch}
 
 
+def parts() -> None:
+    """CPU per step of the block tables and per token of the detokenizer, before and after (see the docstring)."""
+    import random
+
+    import torch
+
+    from kaon_runtime.engine.step_plan import StepPlan
+    from kaon_runtime.engine.step_tensors import DecodeTables
+    from kaon_runtime.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+    rng = random.Random(0)
+    live = {i: [rng.randrange(60000) for _ in range(rng.randint(8, 120))] for i in range(256)}
+    cache = DecodeTables()
+
+    def step():
+        for table in live.values():
+            if rng.random() < 1 / 16:  # a block per 16 tokens
+                table.append(rng.randrange(60000))
+        return list(live), [list(t) for t in live.values()]
+
+    for name, build in (("torch.tensor(padded tables)",
+                         lambda ids, ts: torch.tensor(StepPlan(decode_tables=ts).padded_decode_tables())),
+                        ("DecodeTables.gather", cache.gather)):
+        cpu = 0.0
+        for _ in range(50):
+            ids, ts = step()
+            start = time.process_time()
+            build(ids, ts)
+            cpu += time.process_time() - start
+        print(f"block tables, 256 x 8-128 blocks: {name}: {cpu / 50 * 1e6:.0f} us CPU per step")
+
+    class WholeWindow(IncrementalDetokenizer):
+        """The detokenizer before dropped ids were left out of its window."""
+
+        def add(self, token_id: int) -> str:
+            self.ids.append(token_id)
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+            if full.endswith("\ufffd") or len(full) <= len(prefix):
+                return ""
+            new = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += new
+            return new
+
+    tokenizer = Tokenizer.bytes_only(128000, 128001)
+    ids = [rng.randrange(128256) for _ in range(1024)]
+    texts = {}
+    for name, cls in (("whole window", WholeWindow), ("IncrementalDetokenizer", IncrementalDetokenizer)):
+        for n in (128, 512, 1024):
+            detok = cls(tokenizer, ids[:6])
+            start = time.process_time()
+            for token in ids[:n]:
+                detok.add(token)
+            texts.setdefault(n, set()).add(detok.text)
+            print(f"detokenizing random:// Llama-3 ids: {name}: {(time.process_time() - start) / n * 1e6:.1f} us "
+                  f"CPU per token over {n} tokens")
+    assert all(len(t) == 1 for t in texts.values()), "the two detokenizers' texts differ"
+
+
 def child(args) -> None:
     for batch in [max(args.batches)] if args.profile else args.batches:
         print(json.dumps(measure(args.model, batch, args.prompt_len, args.output_len, args.profile)), flush=True)
@@ -138,7 +200,11 @@ def main() -> int:
     parser.add_argument("--profile", type=Path)
     parser.add_argument("--model")
     parser.add_argument("--child", action="store_true")
+    parser.add_argument("--parts", action="store_true", help="the tables' and the detokenizer's costs alone")
     args = parser.parse_args()
+    if args.parts:
+        parts()
+        return 0
     if args.child:
         child(args)
         return 0
