@@ -23,6 +23,11 @@
  *         weight-only fp8 matmul computes (float32 activations), summed in one order per row.
  *         FP8_A8 first rounds each activation row to FP8 per token (compressed-tensors FP8 dynamic,
  *         W8A8: round_fp8_rows), a row's own arithmetic too. Not narrow: no int8 activation blocks.
+ *   INT8_A8  int8 [N, K] with one float32 scale per output row, read in place, and each input row
+ *         quantized to int8 per token (compressed-tensors W8A8 int8, dynamic: quantize_int8_rows, as
+ *         quant/dynamic_inputs.quantize_per_token): the int8 x int8 products summed exactly in int32
+ *         (so in any order), then times the row's scale and the output's: quant/dynamic_inputs' numbers
+ *         bit for bit. Not narrow: one scale per row, not per block of 32.
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
@@ -81,7 +86,7 @@ static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 
 enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
        KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12,
-       KIND_FP8 = 13, KIND_FP8_A8 = 14 };
+       KIND_FP8 = 13, KIND_FP8_A8 = 14, KIND_INT8_A8 = 17 };
 
 /* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16;
  * FP8 (float8 e4m3fn) for weights only. */
@@ -1311,7 +1316,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
     /* room for two int8 passes of every row (act_passes 2), and their pair layout (KAON_PAIRS); FP8_A8's
-     * rounded rows (4 bytes a value) fit in the first two terms */
+     * rounded rows (4 bytes a value) and INT8_A8's int8 rows with their scales fit in the first two terms */
     return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK))
            + 2 * (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 128
            + (size_t)(k / QBLOCK) * (8 * 64 + 6 * 16 * sizeof(float)) + 64;  /* HalfRow (KAON_PAIRS, batch 1) */
@@ -1813,6 +1818,57 @@ static void round_fp8_rows(const float *x, int rows, int k, float *out) {
     }
 }
 
+/* ---- W8A8 int8, dynamic (INT8_A8) ---------------------------------------------------------
+ * Each input row quantized per token as compressed-tensors specifies and quant/dynamic_inputs.
+ * quantize_per_token computes in float32: scale = max |x| / 127.5 (a zero row float32's eps),
+ * q = rint(clamp(x / scale, -128, 127)) (rintf: half to even, as torch.round). q [rows, k] int8, scale [rows]. */
+static void quantize_int8_rows(const float *x, int rows, int k, int8_t *q, float *scale) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * k;
+        float amax = 0.f;
+        for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(xr[i]));
+        float s = amax / 127.5f;
+        if (s == 0.f) s = 0x1p-23f;
+        scale[r] = s;
+        for (int i = 0; i < k; i++) {
+            const float v = xr[i] / s;
+            q[(size_t)r * k + i] = (int8_t)rintf(v < -128.f ? -128.f : v > 127.f ? 127.f : v);
+        }
+    }
+}
+
+/* sum_i a[i] * b[i] over int8 rows, in int32: exact (|a b| <= 2^14, k < 2^17), so its order is free. */
+static inline int32_t dot_s8s8(const int8_t *a, const int8_t *b, int k) {
+    int i = 0, sum = 0;
+#ifdef KAON_AVX2
+    __m256i acc = _mm256_setzero_si256();
+    for (; i + 16 <= k; i += 16) {  /* sign-extended to int16, madd: pairs of products into int32 */
+        const __m256i va = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + i)));
+        const __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(va, vb));
+    }
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    sum = _mm_cvtsi128_si32(h);
+#endif
+    for (; i < k; i++) sum += (int32_t)a[i] * b[i];
+    return sum;
+}
+
+/* Outputs [begin, end) of every row: (float)acc * row scale * output scale (+ bias), the order of
+ * quant/dynamic_inputs' (int32.float() * row_scales * scales) + bias. */
+static void int8_a8_outputs(const Linear *l, int rows, const int8_t *q, const float *qscale, float *y,
+                            int begin, int end) {
+    const int n = l->n, k = l->k;
+    const int8_t *w = l->w;
+    for (int j = begin; j < end; j++)
+        for (int r = 0; r < rows; r++) {
+            const float v = (float)dot_s8s8(q + (size_t)r * k, w + (size_t)j * k, k) * qscale[r] * l->scales[j];
+            y[(size_t)r * n + j] = l->bias ? v + l->bias[j] : v;
+        }
+}
+
 /* Float kinds: output channels [begin, end). Narrow kinds: groups of eight output channels,
  * each group's weights read once for up to TILE quantized rows (one row and two, batch 1 at one
  * activation pass and at two, get their own copies of the loops with the row count constant). */
@@ -1832,6 +1888,10 @@ static void linear_chunk(const void *arg, int begin, int end) {
     }
     if (l->kind == KIND_FP8 || l->kind == KIND_FP8_A8) {
         fp8_outputs(l, job->rows, job->x, job->y, begin, end);
+        return;
+    }
+    if (l->kind == KIND_INT8_A8) {  /* kaon_linear quantized the rows: q, one scale each in d */
+        int8_a8_outputs(l, job->rows, job->q, job->d, job->y, begin, end);
         return;
     }
 #ifdef KAON_AMX
@@ -1880,7 +1940,15 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     const int k = l->k, blocks = k / QBLOCK;
     const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
                        && l->kind != KIND_F16_T && l->kind != KIND_BF16_T && l->kind != KIND_FP8
-                       && l->kind != KIND_FP8_A8;
+                       && l->kind != KIND_FP8_A8 && l->kind != KIND_INT8_A8;
+    if (l->kind == KIND_INT8_A8) {  /* rows quantized per token into the workspace: int8 [rows, k], then a scale each */
+        int8_t *q = (int8_t *)work;
+        float *scale = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3));
+        quantize_int8_rows(x, rows, k, q, scale);
+        LinearJob job = {l, rows, 1, x, q, scale, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, y, 0, NULL};
+        parallel_for(l->n, threads, linear_chunk, &job);
+        return;
+    }
     if (l->kind == KIND_FP8_A8) {  /* the rows rounded to FP8 per token, in the workspace (4 bytes a value) */
         round_fp8_rows(x, rows, k, (float *)work);
         x = (float *)work;

@@ -9,14 +9,16 @@ channel's scales in float32: out = acc * scale_x * scale_w. The integer sum is e
 equals `w8a8_reference` bit for bit; against float arithmetic on the dequantized values
 (transformers' fake quantization) it differs by float rounding only.
 
-The fused CPU decode step quantizes activations its own way (blocks of 32), so a checkpoint with
-these activations runs the torch path (its scheme is not `cpu_fused`).
+On CPU the fused C step reads these layers as its kind INT8_A8 (kernels/cpu_decode.c): the same
+per-token quantization and exact int32 sums, each row's own, so the same numbers bit for bit whatever
+the step's row count (issue 49 §2). `--dtype float32` (the reference mode) runs this module's torch ops.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.linear import ChannelScaledLinear
 
 _HALF_RANGE = 127.5  # (127 - -128) / 2: the spec's symmetric int8 scale divides max |x| by this
@@ -55,6 +57,10 @@ class DynamicInt8Linear(ChannelScaledLinear):
         if not isinstance(inner, ChannelScaledLinear) or inner.qweight.dtype != torch.int8:
             raise ValueError(f"dynamic int8 activations need per-channel int8 weights, got {type(inner).__name__}")
         return cls(inner.qweight, inner.scales.float().reshape(-1), inner.bias)
+
+    def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
+        """The fused CPU step's INT8_A8 kind, the weight read in place: the numbers of `matmul` below."""
+        return cpu_decode.LinearWeights.int8_a8(self.qweight, self.scales, self.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         q, row_scales = quantize_per_token(x)

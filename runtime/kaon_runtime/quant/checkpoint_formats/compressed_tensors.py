@@ -56,6 +56,8 @@ def scheme(config: dict) -> CheckpointScheme:
     method = "fp8" if kind[0] == "float" else f"int{kind[1]}"
     if method == "fp8":  # per channel or per tensor (Fp8Linear), weight-only or FP8 dynamic's per-token inputs
         fused = all(w.get("strategy") in ("channel", "tensor") for w in weights) and static is None
+    elif dynamic == "int8":  # W8A8 int8, per-token inputs: the C step's INT8_A8 (int8 weights per channel/tensor)
+        fused = static is None
     else:
         fused = all(_cpu_fused(w) for w in weights) and static is None and dynamic is None
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)

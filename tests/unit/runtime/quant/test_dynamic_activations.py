@@ -15,9 +15,11 @@ import torch
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.dynamic_inputs import DynamicInt8Linear, quantize_per_token, w8a8_reference
 from kaon_runtime.quant.int8 import quantize_int8
 from support.quantized_dirs import shortfalls, transformers_reference, update_config, write_compressed_tensors
+from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 PROMPTS = [[1, 500, 600, 700], [1, 42, 4242, 9000, 12, 7], list(range(100, 120))]
 TOKENS = 10
@@ -96,12 +98,27 @@ def test_w8a8_dynamic_tokens_agree_with_transformers(tmp_path, gguf_path):
 
     llm = LLM(str(tmp_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=1 << 22)
     assert isinstance(llm.engine.runner.model.model.layers[0].mlp.gate_up_proj, DynamicInt8Linear)
-    assert not llm.engine.runner.kernels.cpu_decode  # the fused step quantizes its own way: torch path
+    assert not llm.engine.runner.kernels.cpu_decode  # the reference mode (--dtype float32): torch's ops
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     # Every token is transformers' greedy choice on kaon's path, or within a near-tie of it.
     below = [shortfalls(reference, prompt, run) for prompt, run in zip(PROMPTS, tokens)]
     assert max(max(b) for b in below) <= NEAR_TIE, below
+
+
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+def test_w8a8_dynamic_takes_the_c_step_and_answers_alike_alone_batched_chunked(tmp_path, gguf_path, monkeypatch):
+    """By default a W8A8 int8 checkpoint runs the fused C step (kind INT8_A8: the per-token quantization and
+    exact int32 sums of DynamicInt8Linear, one row at a time; issue 49 §2): a prompt's tokens and
+    log-probabilities are the same bits alone, in a batch, in prefill chunks and with its prefix cached."""
+    pytest.importorskip("compressed_tensors")
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    _dynamic_w8a8_dir(tmp_path, gguf_path)
+    _assert_the_c_step_answers_alike_alone_batched_chunked(
+        lambda **options: LLM(str(tmp_path), show_progress=False, device="cpu", kv_cache_bytes=1 << 22,
+                              block_size=8, **options),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
 
 
 @pytest.mark.slow

@@ -1,0 +1,118 @@
+"""W8A8 int8 in the fused CPU step (cpu_decode.c, kind INT8_A8; issue 49 §2).
+
+compressed-tensors W8A8 int8 with dynamic per-token activations is computed on torch's path by
+quant/dynamic_inputs.py: each input row quantized to int8 (scale max |x| / 127.5, round half to even),
+int8 x int8 summed exactly in int32, then times the row's and the output's scales. The C kind computes
+the same per row: the integer sums are exact, so its outputs equal torch's bit for bit and a row's
+numbers cannot depend on its neighbours, prefill chunks or prefix-cache hits. Here: the kernel against
+torch's reference (bit for bit), the rounding's ties, a row alone against batched, a whole step against
+torch's path, and a prompt's rows chunked / cached / beside decodes / in pieces."""
+from __future__ import annotations
+
+import pytest
+import test_cpu_decode_invariance as invariance
+import torch
+from test_cpu_decode import LENS, TABLES, decode_step, random_model, tiny_config
+
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.models.cpu_decode_step import blocker
+from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.dynamic_inputs import DynamicInt8Linear, quantize_per_token, w8a8_reference
+from kaon_runtime.quant.int8 import quantize_int8
+
+pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_w8a8_projection_equals_torchs_bit_for_bit(rows, bias):
+    """Against w8a8_reference and DynamicInt8Linear (the torch path): equal, not close. K = 104: the
+    16-wide loop and a tail; rows spanning four decades, so the per-token scales differ."""
+    torch.manual_seed(0)
+    q, scales = quantize_int8(torch.randn(84, 104))
+    b = torch.randn(84) if bias else None
+    x = torch.randn(rows, 104) * torch.logspace(-3, 1, 104)
+    out = cpu_decode.linear(cpu_decode.LinearWeights.int8_a8(q, scales, b), x)
+    expected = w8a8_reference(x, q, scales)
+    if bias:
+        expected += b
+    assert torch.equal(out, expected)
+    with torch.inference_mode():
+        assert torch.equal(out, DynamicInt8Linear(q, scales.float(), b)(x))
+
+
+def test_the_inputs_are_quantized_per_token_as_torch_quantizes_them():
+    """An identity weight passes q * scale through: quantize_per_token's, ties included (a row whose max is
+    127.5 has scale 1, so x.5 values are halfway: to even, -127.5 to -128, 127.5 clamped to 127), a zero
+    row (float32's eps as its scale) and a constant row."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 64) * torch.logspace(-6, 2, 64)
+    x[2] = 0
+    x[3] = 3.0
+    x[4] = 0
+    x[4, :10] = torch.tensor([127.5, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -127.5, 3.4999998, -0.49999997])
+    identity = cpu_decode.LinearWeights.int8_a8(torch.eye(64, dtype=torch.int8), torch.ones(64))
+    q, scale = quantize_per_token(x)
+    assert torch.equal(cpu_decode.linear(identity, x), q.float() * scale)
+    assert q[4, :10].tolist() == [127, 0, 2, 2, 0, -2, 126, -128, 3, 0]
+
+
+def test_the_int32_sums_are_exact_at_their_largest():
+    """Products of 127 x 127 (odd) over K = 4104: partial sums past 2^24, where a float32 accumulation would
+    round (the exact sum, 66,193,416, is a float32; its halves are not)."""
+    k = 4104
+    w = torch.full((8, k), 127, dtype=torch.int8)
+    x = torch.ones(2, k)  # x / scale = 127.5, clamped to 127
+    out = cpu_decode.linear(cpu_decode.LinearWeights.int8_a8(w, torch.ones(8)), x)
+    assert torch.equal(out, w8a8_reference(x, w, torch.ones(8)))
+
+
+def test_a_w8a8_row_gets_the_same_bits_alone_or_in_a_batch():
+    torch.manual_seed(7)
+    q, scales = quantize_int8(torch.randn(40, 104))
+    weights = cpu_decode.LinearWeights.int8_a8(q, scales, torch.randn(40))
+    x = torch.randn(13, 104)
+    batched = cpu_decode.linear(weights, x)
+    for i in range(x.shape[0]):
+        assert torch.equal(cpu_decode.linear(weights, x[i:i + 1])[0], batched[i]), f"row {i}"
+
+
+def _w8a8_model(model) -> None:
+    """Every projection as a compressed-tensors W8A8 int8 (dynamic) checkpoint loads it."""
+    for name in quantize_model(model, "int8"):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, DynamicInt8Linear.from_int8(model.get_submodule(name)))
+
+
+def test_a_w8a8_decode_step_matches_the_torch_path():
+    """The whole step with W8A8 projections against the same model's torch path: each projection is bit for
+    bit torch's; attention and norms sum in their own orders, so the step is compared to float32 rounding
+    (a per-token rounding flip between them moves a value by one int8 step: rare, and small in the norm)."""
+    config = tiny_config(attention_bias=True)
+    model, _ = random_model(config, blocks=10)
+    _w8a8_model(model)
+    model.check_kernels()
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    step = model.model.cpu_decode
+    with torch.inference_mode():
+        model.model.cpu_decode = None
+        expected = model.model(x.clone(), positions, meta)
+        model.model.cpu_decode = step
+        out = model.model(x.clone(), positions, meta)
+    assert (out - expected).norm() / expected.norm() < 1e-4
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_w8a8_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, monkeypatch):
+    """W8A8 int8 models take the C step (the checkpoint's scheme says "int8": blocker None), whose prompt rows
+    are decode rows: the same bits chunked, after a cached prefix, beside decodes and in pieces."""
+    monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
+    assert blocker(tiny_config(), quantization="int8") is None
+    monkeypatch.setattr(invariance, "quantize_model", lambda model, _: _w8a8_model(model))
+    config = tiny_config(attention_bias=True)
+    rows = invariance._prompt_rows
+    whole = rows(config, kv_dtype, [(0, 7)], method="int8")
+    assert torch.equal(rows(config, kv_dtype, [(0, 3), (3, 7)], method="int8"), whole), "chunked prefill"
+    assert torch.equal(rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method="int8"), whole), "a cached prefix"
+    assert torch.equal(rows(config, kv_dtype, [(0, 4), (4, 7)], neighbours=True, method="int8"), whole), "neighbours"
+    assert torch.equal(rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3, method="int8"), whole), "pieces"
