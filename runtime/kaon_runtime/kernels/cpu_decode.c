@@ -28,6 +28,11 @@
  *         quant/dynamic_inputs.quantize_per_token): the int8 x int8 products summed exactly in int32
  *         (so in any order), then times the row's scale and the output's: quant/dynamic_inputs' numbers
  *         bit for bit. Not narrow: one scale per row, not per block of 32.
+ *   INT8_S8  the same weights with static input scales (compressed-tensors W8A8 int8, dynamic false:
+ *         gscales = [input scale, zero point]): each input rounded to the checkpoint's grid as
+ *         quant/static_inputs.round_to_grid does (quantize_static_rows), the integer levels times the
+ *         weights summed exactly in int32, then the input scale and the output's. Torch's path multiplies
+ *         the rounded inputs in float: the same values, its float rounding and order.
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
@@ -86,7 +91,7 @@ static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 
 enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
        KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12,
-       KIND_FP8 = 13, KIND_FP8_A8 = 14, KIND_INT8_A8 = 17 };
+       KIND_FP8 = 13, KIND_FP8_A8 = 14, KIND_INT8_A8 = 17, KIND_INT8_S8 = 18 };
 
 /* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16;
  * FP8 (float8 e4m3fn) for weights only. */
@@ -1316,7 +1321,7 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
     /* room for two int8 passes of every row (act_passes 2), and their pair layout (KAON_PAIRS); FP8_A8's
-     * rounded rows (4 bytes a value) and INT8_A8's int8 rows with their scales fit in the first two terms */
+     * rounded rows (4 bytes a value) and INT8_A8's int8 rows with their scales and INT8_S8's int16 rows fit in the first two terms */
     return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK))
            + 2 * (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 128
            + (size_t)(k / QBLOCK) * (8 * 64 + 6 * 16 * sizeof(float)) + 64;  /* HalfRow (KAON_PAIRS, batch 1) */
@@ -1869,6 +1874,48 @@ static void int8_a8_outputs(const Linear *l, int rows, const int8_t *q, const fl
         }
 }
 
+/* ---- W8A8 int8, static (INT8_S8) ----------------------------------------------------------
+ * Each input rounded to the per-tensor grid (scale s, zero point z) as quant/static_inputs.round_to_grid
+ * does in float32: q = clamp(rint(x / s) + z, -128, 127) - z, an integer in [-128 - z, 127 - z] (int16:
+ * a zero point can take it past int8). */
+static void quantize_static_rows(const float *x, int rows, int k, float s, float z, int16_t *q) {
+    for (size_t i = 0; i < (size_t)rows * k; i++) {
+        float v = rintf(x[i] / s) + z;
+        v = v < -128.f ? -128.f : v > 127.f ? 127.f : v;
+        q[i] = (int16_t)(v - z);
+    }
+}
+
+/* sum_i a[i] * b[i], int16 levels against int8 weights, in int32: exact (|a b| <= 255 * 128). */
+static inline int32_t dot_s16s8(const int16_t *a, const int8_t *b, int k) {
+    int i = 0, sum = 0;
+#ifdef KAON_AVX2
+    __m256i acc = _mm256_setzero_si256();
+    for (; i + 16 <= k; i += 16) {
+        const __m256i va = _mm256_loadu_si256((const __m256i *)(a + i));
+        const __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(va, vb));
+    }
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    sum = _mm_cvtsi128_si32(h);
+#endif
+    for (; i < k; i++) sum += (int32_t)a[i] * b[i];
+    return sum;
+}
+
+/* Outputs [begin, end) of every row: (float)acc * input scale * output scale (+ bias). */
+static void int8_s8_outputs(const Linear *l, int rows, const int16_t *q, float *y, int begin, int end) {
+    const int n = l->n, k = l->k;
+    const int8_t *w = l->w;
+    for (int j = begin; j < end; j++)
+        for (int r = 0; r < rows; r++) {
+            const float v = (float)dot_s16s8(q + (size_t)r * k, w + (size_t)j * k, k) * l->gscales[0] * l->scales[j];
+            y[(size_t)r * n + j] = l->bias ? v + l->bias[j] : v;
+        }
+}
+
 /* Float kinds: output channels [begin, end). Narrow kinds: groups of eight output channels,
  * each group's weights read once for up to TILE quantized rows (one row and two, batch 1 at one
  * activation pass and at two, get their own copies of the loops with the row count constant). */
@@ -1892,6 +1939,10 @@ static void linear_chunk(const void *arg, int begin, int end) {
     }
     if (l->kind == KIND_INT8_A8) {  /* kaon_linear quantized the rows: q, one scale each in d */
         int8_a8_outputs(l, job->rows, job->q, job->d, job->y, begin, end);
+        return;
+    }
+    if (l->kind == KIND_INT8_S8) {  /* kaon_linear rounded the rows: int16 levels in q */
+        int8_s8_outputs(l, job->rows, (const int16_t *)job->q, job->y, begin, end);
         return;
     }
 #ifdef KAON_AMX
@@ -1940,7 +1991,15 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     const int k = l->k, blocks = k / QBLOCK;
     const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
                        && l->kind != KIND_F16_T && l->kind != KIND_BF16_T && l->kind != KIND_FP8
-                       && l->kind != KIND_FP8_A8 && l->kind != KIND_INT8_A8;
+                       && l->kind != KIND_FP8_A8 && l->kind != KIND_INT8_A8 && l->kind != KIND_INT8_S8;
+    if (l->kind == KIND_INT8_S8) {  /* rows rounded to the static grid into the workspace: int16 [rows, k] */
+        int16_t *q = (int16_t *)work;
+        quantize_static_rows(x, rows, k, l->gscales[0], l->gscales[1], q);
+        LinearJob job = {l, rows, 1, x, (const int8_t *)q, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, y, 0,
+                         NULL};
+        parallel_for(l->n, threads, linear_chunk, &job);
+        return;
+    }
     if (l->kind == KIND_INT8_A8) {  /* rows quantized per token into the workspace: int8 [rows, k], then a scale each */
         int8_t *q = (int8_t *)work;
         float *scale = (float *)(q + (size_t)rows * k + (-(size_t)rows * k & 3));

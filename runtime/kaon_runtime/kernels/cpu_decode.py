@@ -39,12 +39,13 @@ KIND_Q5, KIND_Q5_F32, KIND_Q6_G16 = 6, 7, 8
 KIND_F16, KIND_BF16, KIND_F16_T, KIND_BF16_T = 9, 10, 11, 12
 KIND_FP8, KIND_FP8_A8 = 13, 14  # float8 e4m3 [N, K], a scale per output; A8: input rows rounded to FP8 per token
 KIND_INT8_A8 = 17  # int8 [N, K], a scale per output, input rows quantized to int8 per token (W8A8 int8, dynamic)
+KIND_INT8_S8 = 18  # the same weights, inputs rounded to a static per-tensor int8 grid (W8A8 int8, static)
 # Float weights read as stored (widened to float32 in registers, cpu_decode.c): kind by dtype, [N, K] and [K, N].
 FLOAT_KINDS = {torch.float32: (KIND_F32, KIND_F32_T), torch.float16: (KIND_F16, KIND_F16_T),
                torch.bfloat16: (KIND_BF16, KIND_BF16_T)}
 FLOAT_KIND_SET = frozenset(kind for pair in FLOAT_KINDS.values() for kind in pair)
 # Kinds whose activations stay float32 (no int8 blocks: act_passes means nothing to them)
-UNQUANTIZED_INPUTS = FLOAT_KIND_SET | {KIND_FP8, KIND_FP8_A8, KIND_INT8_A8}
+UNQUANTIZED_INPUTS = FLOAT_KIND_SET | {KIND_FP8, KIND_FP8_A8, KIND_INT8_A8, KIND_INT8_S8}
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # Model.kv_half: the cache's format
 G16 = 16  # Q8_G16's group: two per activation block
 NO_COMPILER = "no C compiler on this machine: the fused CPU decode step and its tests are off (install gcc or set CC)"
@@ -303,6 +304,18 @@ class LinearWeights:
                              f"{tuple(scales.shape)}")
         n, k = qweight.shape
         return cls._make(KIND_INT8_A8, n, k, bias, w=qweight, scales=scales.float())
+
+    @classmethod
+    def int8_s8(cls, qweight: torch.Tensor, scales: torch.Tensor, input_scale: float, zero_point: float = 0.0,
+                bias: torch.Tensor | None = None) -> LinearWeights:
+        """W8A8 int8 with a static input grid (quant/static_inputs.py): int8 [N, K], one float32 scale per
+        output, read in place; each input rounded to the grid (scale, zero point) in C, integer sums."""
+        if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
+            raise ValueError(f"int8_s8 needs int8 [N, K] and scales [N], got {qweight.dtype} and "
+                             f"{tuple(scales.shape)}")
+        n, k = qweight.shape
+        grid = torch.tensor([input_scale, zero_point], dtype=torch.float32)
+        return cls._make(KIND_INT8_S8, n, k, bias, w=qweight, scales=scales.float(), gscales=grid)
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:

@@ -2,11 +2,17 @@
 with `dynamic: false`, one `input_scale` per linear): each quantized linear's input is rounded to the
 checkpoint's grid (FP8 e4m3, or int8 with an optional zero point) before its product, so kaon computes
 what the publisher evaluated. The rounding is done in float (fake quantization): the weights' kernels
-then multiply as they do for any input."""
+then multiply as they do for any input. On CPU the fused C step reads int8 weights behind an int8 grid
+as its kind INT8_S8 (kernels/cpu_decode.c): the same rounding, then the integer levels times the weights
+summed exactly in int32 and scaled once (the same values; float rounding apart from this module's float
+product), each row's own whatever the step's size (issue 49 §2)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.quant.linear import ChannelScaledLinear
 
 KINDS = ("fp8", "int8")
 _FP8_MAX = 448.0  # float8_e4m3fn's largest value
@@ -38,6 +44,15 @@ class StaticInputLinear(nn.Module):
         self.in_features, self.out_features = inner.in_features, inner.out_features  # as an nn.Linear's
         self.register_buffer("scale", scale.float().reshape(()))
         self.register_buffer("zero_point", None if zero_point is None else zero_point.float().reshape(()))
+
+    def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
+        """The fused CPU step's INT8_S8 kind (an int8 grid before per-channel int8 weights), read in place."""
+        inner = self.inner
+        if self.kind != "int8" or not isinstance(inner, ChannelScaledLinear) or inner.qweight.dtype != torch.int8:
+            raise ValueError(f"no fused CPU kernel for a static {self.kind} grid before {type(inner).__name__}")
+        zero = 0.0 if self.zero_point is None else float(self.zero_point)
+        return cpu_decode.LinearWeights.int8_s8(inner.qweight, inner.scales.float().reshape(-1), float(self.scale),
+                                                zero, inner.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(round_to_grid(x, self.scale, self.kind, self.zero_point))

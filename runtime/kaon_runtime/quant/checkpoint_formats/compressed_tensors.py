@@ -58,6 +58,10 @@ def scheme(config: dict) -> CheckpointScheme:
         fused = all(w.get("strategy") in ("channel", "tensor") for w in weights) and static is None
     elif dynamic == "int8":  # W8A8 int8, per-token inputs: the C step's INT8_A8 (int8 weights per channel/tensor)
         fused = static is None
+    elif static == "int8":  # W8A8 int8, a static input grid: the C step's INT8_S8 (int8 weights per channel/tensor)
+        fused = all((w.get("type", "int"), w.get("num_bits"), w.get("strategy")) in (("int", 8, "channel"),
+                                                                                     ("int", 8, "tensor"))
+                    for w in weights)
     else:
         fused = all(_cpu_fused(w) for w in weights) and static is None and dynamic is None
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)

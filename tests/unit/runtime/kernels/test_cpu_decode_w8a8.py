@@ -18,7 +18,8 @@ from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.models.cpu_decode_step import blocker
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.dynamic_inputs import DynamicInt8Linear, quantize_per_token, w8a8_reference
-from kaon_runtime.quant.int8 import quantize_int8
+from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
+from kaon_runtime.quant.static_inputs import StaticInputLinear, round_to_grid
 
 pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
 
@@ -116,3 +117,93 @@ def test_a_w8a8_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_d
     assert torch.equal(rows(config, kv_dtype, [(0, 5), (5, 6), (6, 7)], method="int8"), whole), "a cached prefix"
     assert torch.equal(rows(config, kv_dtype, [(0, 4), (4, 7)], neighbours=True, method="int8"), whole), "neighbours"
     assert torch.equal(rows(config, kv_dtype, [(0, 7)], neighbours=True, max_rows=3, method="int8"), whole), "pieces"
+
+
+# ---- static input scales (INT8_S8): compressed-tensors W8A8 int8 with dynamic false ----
+
+def _static_reference(x, q, scales, s: float, z: float = 0.0):
+    """The exact arithmetic INT8_S8 computes, in torch: the levels round_to_grid rounds to, integer sums."""
+    levels = ((x / torch.tensor(s)).round() + z).clamp(-128, 127) - z
+    acc = levels.to(torch.int64) @ q.to(torch.int64).t()
+    return acc.to(torch.int32).float() * torch.tensor(s) * scales
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("zero", [0.0, 3.0])
+def test_the_static_w8a8_projection_is_the_exact_sum_and_near_torchs(rows, zero):
+    """Bit for bit the integer reference; torch's reference arithmetic (StaticInputLinear before Int8Linear
+    at reference: the rounded inputs times the dequantized weights in float, `--dtype float32`'s) differs
+    by float rounding only."""
+    torch.manual_seed(2)
+    q, scales = quantize_int8(torch.randn(84, 104))
+    b = torch.randn(84)
+    x = torch.randn(rows, 104) * 2
+    s = 0.03
+    out = cpu_decode.linear(cpu_decode.LinearWeights.int8_s8(q, scales, s, zero, b), x)
+    assert torch.equal(out, _static_reference(x, q, scales, s, zero) + b)
+    inner = Int8Linear(q, scales, b)
+    inner.reference = True
+    layer = StaticInputLinear(inner, "int8", torch.tensor(s), torch.tensor(zero) if zero else None)
+    with torch.inference_mode():
+        torch.testing.assert_close(out, layer(x), atol=1e-4, rtol=1e-5)
+
+
+def test_the_static_grid_rounds_as_torch_rounds():
+    """An identity weight passes the rounded inputs through: round_to_grid's bit for bit, ties to even
+    (scale 1: x.5 halfway), clamped at the grid's ends, with a zero point."""
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.5, -128.5, 300.0, -300.0, 0.25, 3.4999998]])
+    identity = torch.eye(12, dtype=torch.int8)
+    for zero in (0.0, 5.0):
+        weights = cpu_decode.LinearWeights.int8_s8(identity, torch.ones(12), 1.0, zero)
+        expected = round_to_grid(x, torch.tensor(1.0), "int8", torch.tensor(zero))
+        assert torch.equal(cpu_decode.linear(weights, x), expected)
+
+
+def test_a_static_w8a8_row_gets_the_same_bits_alone_or_in_a_batch():
+    torch.manual_seed(8)
+    q, scales = quantize_int8(torch.randn(40, 104))
+    weights = cpu_decode.LinearWeights.int8_s8(q, scales, 0.02, 0.0, torch.randn(40))
+    x = torch.randn(13, 104)
+    batched = cpu_decode.linear(weights, x)
+    for i in range(x.shape[0]):
+        assert torch.equal(cpu_decode.linear(weights, x[i:i + 1])[0], batched[i]), f"row {i}"
+
+
+def _static_w8a8_model(model) -> None:
+    """Every projection as a compressed-tensors W8A8 int8 checkpoint with static input scales loads it."""
+    for name in quantize_model(model, "int8"):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, StaticInputLinear(model.get_submodule(name), "int8",
+                                                                      torch.tensor(0.02)))
+
+
+def test_a_static_w8a8_decode_step_matches_the_torch_path(monkeypatch):
+    """Against torch's reference arithmetic (KAON_QUANT_KERNEL=torch: float products of the rounded inputs;
+    torch's default CPU int8 kernel re-quantizes the rounded inputs its own way)."""
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    config = tiny_config(attention_bias=True)
+    model, _ = random_model(config, blocks=10)
+    _static_w8a8_model(model)
+    model.check_kernels()
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    step = model.model.cpu_decode
+    with torch.inference_mode():
+        model.model.cpu_decode = None
+        expected = model.model(x.clone(), positions, meta)
+        model.model.cpu_decode = step
+        out = model.model(x.clone(), positions, meta)
+    assert (out - expected).norm() / expected.norm() < 1e-4
+
+
+def test_a_static_w8a8_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(monkeypatch):
+    monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
+    monkeypatch.setattr(invariance, "quantize_model", lambda model, _: _static_w8a8_model(model))
+    config = tiny_config(attention_bias=True)
+    rows = invariance._prompt_rows
+    whole = rows(config, torch.float32, [(0, 7)], method="int8")
+    assert torch.equal(rows(config, torch.float32, [(0, 3), (3, 7)], method="int8"), whole), "chunked prefill"
+    assert torch.equal(rows(config, torch.float32, [(0, 5), (5, 6), (6, 7)], method="int8"), whole), "cached prefix"
+    assert torch.equal(rows(config, torch.float32, [(0, 4), (4, 7)], neighbours=True, method="int8"), whole), \
+        "neighbours"
+    assert torch.equal(rows(config, torch.float32, [(0, 7)], neighbours=True, max_rows=3, method="int8"), whole), \
+        "pieces"
