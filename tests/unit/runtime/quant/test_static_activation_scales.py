@@ -15,8 +15,10 @@ from torch import nn
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.static_inputs import StaticInputLinear
 from support.quantized_dirs import greedy, transformers_reference, update_config, write_compressed_tensors
+from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 pytestmark = pytest.mark.slow  # whole quantized checkpoints loaded (make unit leaves it out)
 
@@ -109,3 +111,19 @@ def test_a_missing_input_scale_is_named(tmp_path, gguf_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.down_proj\.input_scale is missing"):
         LLM(str(tmp_path), show_progress=False, device="cpu")
+
+
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+def test_static_int8_takes_the_c_step_and_answers_alike_alone_batched_chunked(tmp_path, gguf_path, monkeypatch):
+    """By default a W8A8 int8 checkpoint with static input scales runs the fused C step (kind INT8_S8: the
+    grid's rounding, exact int32 sums, one row at a time; issue 49 §2): a prompt's tokens and
+    log-probabilities are the same bits alone, in a batch, in prefill chunks and with its prefix cached."""
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    weights, fmt, activations, scale = CASES["int8"]
+    write_compressed_tensors(tmp_path, gguf_path, weights, fmt)
+    _add_input_scales(tmp_path, activations, scale)
+    _assert_the_c_step_answers_alike_alone_batched_chunked(
+        lambda **options: LLM(str(tmp_path), show_progress=False, device="cpu", kv_cache_bytes=1 << 22,
+                              block_size=8, **options),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
