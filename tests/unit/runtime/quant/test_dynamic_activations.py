@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelLoadError
@@ -19,7 +20,6 @@ from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.dynamic_inputs import DynamicInt8Linear, quantize_per_token, w8a8_reference
 from kaon_runtime.quant.int8 import quantize_int8
 from support.quantized_dirs import shortfalls, transformers_reference, update_config, write_compressed_tensors
-from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 PROMPTS = [[1, 500, 600, 700], [1, 42, 4242, 9000, 12, 7], list(range(100, 120))]
 TOKENS = 10

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 from torch import nn
 
 from kaon_runtime import LLM, SamplingParams
@@ -18,7 +19,6 @@ from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.static_inputs import StaticInputLinear
 from support.quantized_dirs import greedy, transformers_reference, update_config, write_compressed_tensors
-from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 pytestmark = pytest.mark.slow  # whole quantized checkpoints loaded (make unit leaves it out)
 
