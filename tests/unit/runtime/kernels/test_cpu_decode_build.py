@@ -102,7 +102,8 @@ def _projections() -> list[tuple[cpu_decode.LinearWeights, torch.Tensor]]:
             *((cpu_decode.LinearWeights.f32_t(w.T.contiguous().to(half)), x) for half in HALVES),
             *((cpu_decode.LinearWeights.fp8(*quantize_fp8(w), torch.randn(84), fp8_inputs), x)  # fp8: widened
               for fp8_inputs in (False, True)),
-            (cpu_decode.LinearWeights.int8_a8(*quantize_int8(w), torch.randn(84)), x)]  # W8A8 int8: exact sums
+            (cpu_decode.LinearWeights.int8_a8(*quantize_int8(w), torch.randn(84)), x),  # W8A8 int8: exact sums
+            (cpu_decode.LinearWeights.int8_s8(*quantize_int8(w), 0.02, 3.0, torch.randn(84)), x)]  # static grid
 
 
 HALVES = (torch.float16, torch.bfloat16)  # float weights read as stored, widened in registers
