@@ -31,6 +31,9 @@ writes the top operators by device and by CPU time, and the share of that pass t
 blocks); HF's side stays as HF loads the file, dequantized to --dtype. That compares what each
 engine makes of the same file, not the same arithmetic: the default (none) is the like-for-like
 figure.
+
+Over 300 lines for a stated reason: both engines' sides, the workload they share, the profile and the
+fresh-process plumbing are one measurement; split, a GPU lease's single command would need several.
 """
 from __future__ import annotations
 

@@ -20,6 +20,10 @@ Every variant is compiled first by a pool of processes (Triton's cache is shared
 only loads kernels.
 
 `--dry-run`: tiny shapes on the CPU through Triton's interpreter (the script proven, no timings).
+
+Over 300 lines for a stated reason: one device call must build, check, time and choose every variant and
+report it (a lease gives one prepared command), so the weights per format, the references, the timing in
+graphs and the choice live together.
 """
 from __future__ import annotations
 

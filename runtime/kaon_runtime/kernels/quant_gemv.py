@@ -163,7 +163,7 @@ def _widen(w, KIND: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _rows3(t, INNER: tl.constexpr):
     """[BLOCK_N] -> the tile's three dims: [BLOCK_N, 1, 1], or [1, BLOCK_N, 1] with the rows inner."""
-    if INNER:
+    if INNER:  # noqa: SIM108  statements, as compiled and counted for sm_90a with Triton 3.6
         r = t[None, :, None]
     else:
         r = t[:, None, None]
@@ -173,7 +173,7 @@ def _rows3(t, INNER: tl.constexpr):
 @triton.jit
 def _runs3(t, INNER: tl.constexpr):
     """[SUBS, VEC] -> the tile's three dims: [1, SUBS, VEC], or [SUBS, 1, VEC] with the rows inner."""
-    if INNER:
+    if INNER:  # noqa: SIM108  as above
         r = t[:, None, :]
     else:
         r = t[None]
@@ -290,13 +290,13 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, ROW_BYTES, str
     zero_n = _rows3(rn, INNER) * 0
     if INNER:
         RUNS_AXIS: tl.constexpr = 0
-        if FOLD:  # one partial sum per run
+        if FOLD:  # one partial sum per run  # noqa: SIM108
             acc0 = tl.zeros((SUBS, BLOCK_N), dtype=tl.float32)
         else:  # one per weight
             acc0 = tl.zeros((SUBS, BLOCK_N, VEC), dtype=tl.float32)
     else:
-        RUNS_AXIS: tl.constexpr = 1
-        if FOLD:
+        RUNS_AXIS: tl.constexpr = 1  # type: ignore[no-redef]  # a constexpr per branch, as Triton 3.6 compiled it
+        if FOLD:  # noqa: SIM108
             acc0 = tl.zeros((BLOCK_N, SUBS), dtype=tl.float32)
         else:
             acc0 = tl.zeros((BLOCK_N, SUBS, VEC), dtype=tl.float32)
@@ -353,7 +353,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, M, N, ROW_BYTES, str
 @triton.jit
 def _store_row(out_row, acc, row_scale, rn, n_ok, M, ROW: tl.constexpr, FOLD: tl.constexpr,
                RUNS_AXIS: tl.constexpr):
-    if FOLD:
+    if FOLD:  # noqa: SIM108
         out = tl.sum(acc, axis=RUNS_AXIS)
     else:
         out = tl.sum(tl.sum(acc, axis=2), axis=RUNS_AXIS)
