@@ -257,8 +257,7 @@ class LinearWeights:
     tensors: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def _make(cls, kind: int, n: int, k: int, bias: torch.Tensor | None, block: tuple[int, int] = (0, 0),
-              input_scale: float = 0.0, **tensors) -> LinearWeights:
+    def _make(cls, kind: int, n: int, k: int, bias: torch.Tensor | None, **tensors) -> LinearWeights:
         kept = {name: t.detach().contiguous() for name, t in tensors.items()}
         if bias is not None:
             kept["bias"] = bias.detach().float().contiguous()
@@ -266,8 +265,7 @@ class LinearWeights:
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}, not the CPU")
         struct = Linear(kind=kind, n=n, k=k, **{name: _ptr(t) for name, t in kept.items()},
-                        act_passes=1 if kind in UNQUANTIZED_INPUTS else activation_passes(),
-                        block_rows=block[0], block_cols=block[1], input_scale=input_scale)
+                        act_passes=1 if kind in UNQUANTIZED_INPUTS else activation_passes())
         return cls(struct, list(kept.values()))
 
     @classmethod
@@ -299,7 +297,9 @@ class LinearWeights:
             raise ValueError(f"a static input scale must be positive and not per token, got {input_scale}")
         n, k = qweight.shape
         if input_scale is not None:
-            return cls._make(KIND_FP8_STATIC, n, k, bias, input_scale=input_scale, w=qweight, scales=scales.float())
+            made = cls._make(KIND_FP8_STATIC, n, k, bias, w=qweight, scales=scales.float())
+            made.struct.input_scale = input_scale
+            return made
         return cls._make(KIND_FP8_A8 if fp8_inputs else KIND_FP8, n, k, bias, w=qweight,
                          scales=scales.float())
 
@@ -315,7 +315,9 @@ class LinearWeights:
                 or scales.shape != (-(-n // rows), -(-k // cols))):
             raise ValueError(f"fp8_block needs float8_e4m3fn [N, K] and scales [ceil(N / {rows}), ceil(K / {cols})], "
                              f"got {qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
-        return cls._make(KIND_FP8_BLOCK, n, k, bias, block=block, w=qweight, scales=scales.float())
+        made = cls._make(KIND_FP8_BLOCK, n, k, bias, w=qweight, scales=scales.float())
+        made.struct.block_rows, made.struct.block_cols = rows, cols
+        return made
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
