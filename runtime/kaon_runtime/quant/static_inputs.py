@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.quant.fp8 import Fp8Linear
 from kaon_runtime.quant.linear import ChannelScaledLinear
 
 KINDS = ("fp8", "int8")
@@ -46,13 +47,19 @@ class StaticInputLinear(nn.Module):
         self.register_buffer("zero_point", None if zero_point is None else zero_point.float().reshape(()))
 
     def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
-        """The fused CPU step's INT8_S8 kind (an int8 grid before per-channel int8 weights), read in place."""
+        """The fused CPU step's kind for a static grid: FP8_STATIC for FP8 inputs over per-channel / per-tensor FP8
+        weights (each input row rounded to FP8 at this fixed scale as round_to_grid does, float32, then the inner
+        weight's arithmetic); INT8_S8 for an int8 grid before per-channel int8 weights (the grid's integer levels
+        times the weights summed exactly in int32). Other grids and weights have no kind: the step is not built
+        for them (their scheme says so)."""
         inner = self.inner
-        if self.kind != "int8" or not isinstance(inner, ChannelScaledLinear) or inner.qweight.dtype != torch.int8:
-            raise ValueError(f"no fused CPU kernel for a static {self.kind} grid before {type(inner).__name__}")
-        zero = 0.0 if self.zero_point is None else float(self.zero_point)
-        return cpu_decode.LinearWeights.int8_s8(inner.qweight, inner.scales.float().reshape(-1), float(self.scale),
-                                                zero, inner.bias)
+        if self.kind == "fp8" and isinstance(inner, Fp8Linear):
+            return inner.fused_cpu_weights(input_scale=float(self.scale))
+        if self.kind == "int8" and isinstance(inner, ChannelScaledLinear) and inner.qweight.dtype == torch.int8:
+            zero = 0.0 if self.zero_point is None else float(self.zero_point)
+            return cpu_decode.LinearWeights.int8_s8(inner.qweight, inner.scales.float().reshape(-1),
+                                                    float(self.scale), zero, inner.bias)
+        raise ValueError(f"no fused CPU kernel for {self.kind} static inputs over {type(inner).__name__}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(round_to_grid(x, self.scale, self.kind, self.zero_point))
