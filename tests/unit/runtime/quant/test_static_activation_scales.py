@@ -115,7 +115,7 @@ def test_static_int8_takes_the_c_step_and_answers_alike_alone_batched_chunked(tm
         monkeypatch.delenv(name, raising=False)
     weights, fmt, activations, scale = CASES["int8"]
     write_compressed_tensors(tmp_path, gguf_path, weights, fmt)
-    _add_input_scales(tmp_path, activations, scale)
+    add_input_scales(tmp_path, activations, scale)
     _assert_the_c_step_answers_alike_alone_batched_chunked(
         lambda **options: LLM(str(tmp_path), show_progress=False, device="cpu", kv_cache_bytes=1 << 22,
                               block_size=8, **options),
