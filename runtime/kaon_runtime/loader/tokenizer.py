@@ -199,7 +199,7 @@ class IncrementalDetokenizer:
         if stream is not None:
             try:
                 new = stream.step(tokenizer.backend, token_id)
-            except Exception:  # its InvalidPrefix: the Python window takes over for good
+            except Exception:  # noqa: BLE001 - the binding raises plain Exception (InvalidPrefix): the window takes over
                 self._stream, self._streamable = None, False
             else:
                 if new is None:
