@@ -72,6 +72,21 @@ def write_compressed_tensors(path: Path, gguf_path, weights: dict, fmt: str, see
     compressor.update_config(str(path))
 
 
+def add_input_scales(path: Path, activations: dict, scale: float) -> None:
+    """Static input quantization added to a compressed-tensors directory: an `input_scale` of `scale` for every
+    quantized linear and `activations` (QuantizationArgs fields, dynamic false) as its group's input_activations."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        tensors[name.replace(".weight_scale", ".input_scale")] = torch.tensor([scale])
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    config["config_groups"]["group_0"]["input_activations"] = activations
+    update_config(path, quantization_config=config)
+
+
 def transformers_reference(path: Path):
     """transformers on the same directory, decompressed to float32 weights."""
     import transformers

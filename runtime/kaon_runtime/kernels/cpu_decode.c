@@ -23,6 +23,13 @@
  *         weight-only fp8 matmul computes (float32 activations), summed in one order per row.
  *         FP8_A8 first rounds each activation row to FP8 per token (compressed-tensors FP8 dynamic,
  *         W8A8: round_fp8_rows), a row's own arithmetic too. Not narrow: no int8 activation blocks.
+ *   FP8_BLOCK  float8 e4m3 [N, K] with one float32 scale per block of block_rows x block_cols
+ *         (DeepSeek's / Qwen3's / compressed-tensors' 128 x 128; scales [ceil(N/br), ceil(K/bc)]):
+ *         each weight widened exactly and times its block's scale (one float32 rounding, as torch's
+ *         q.float() * scales does it: quant/fp8_block.py), into a strip of float32 rows the float
+ *         path's tiles then read in its order (fp8_block_outputs).
+ *   FP8_STATIC FP8's weights, each activation row first rounded to FP8 with the checkpoint's fixed
+ *         input_scale (compressed-tensors static input_activations: quant/static_inputs.py).
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
@@ -81,7 +88,7 @@ static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 
 enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
        KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12,
-       KIND_FP8 = 13, KIND_FP8_A8 = 14 };
+       KIND_FP8 = 13, KIND_FP8_A8 = 14, KIND_FP8_BLOCK = 15, KIND_FP8_STATIC = 16 };
 
 /* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16;
  * FP8 (float8 e4m3fn) for weights only. */
@@ -90,13 +97,15 @@ enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_FP8 = 3 };
 typedef struct {
     int32_t kind, n, k;
     const void *w;          /* see the kinds above */
-    const float *scales;    /* INT8, FP8, FP8_A8: [n] */
+    const float *scales;    /* INT8, FP8, FP8_A8, FP8_STATIC: [n]; FP8_BLOCK: [ceil(n/block_rows), ceil(k/block_cols)] */
     const uint16_t *d, *m;  /* Q4_1: float16 [n, k/32] scales and mins */
     const float *bias;      /* [n] or NULL */
     const float *gscales, *gmins;  /* Q4_F32, Q5_F32: [n, k/32]; Q8_G16, Q6_G16: [n, k/16], gmins may be NULL */
     const uint8_t *high;    /* Q5*: one bit per weight, Q6_G16: two (see "narrow weights" below) */
     int32_t act_passes;     /* narrow kinds: the activations in 1 int8 pass per block (0 reads as 1), or 2:
                              * the block's rounding remainder in a second (see quantize_passes) */
+    int32_t block_rows, block_cols;  /* FP8_BLOCK: a scale's block */
+    float input_scale;      /* FP8_STATIC: x is rounded to fp8(x / input_scale) * input_scale */
 } Linear;
 
 /* A projection's LoRA slots (layers/lora.py's LoraLinear): a projection of P parts (q|k|v: 3,
@@ -1784,6 +1793,40 @@ static void fp8_outputs(const Linear *l, int rows, const float *x, float *y, int
         }
 }
 
+/* FP8_BLOCK: output channels [begin, end) a strip at a time: the strip's weights widened, each times its
+ * block's scale, into float32 rows (a float32 product per weight, as torch's dequantize_fp8_blocks rounds
+ * it), then the float32 path's tiles (their one order per output) on the strip, bias added there. The
+ * strip (F32_BLOCK floats, at least one tile of rows) stays in L2 while the batch's row tiles pass over it. */
+static void fp8_block_outputs(const Linear *l, int rows, const float *x, float *y, int begin, int end) {
+    const int n = l->n, k = l->k, br = l->block_rows, bc = l->block_cols, kb = (k + bc - 1) / bc;
+    int strip = (F32_BLOCK / k) / NR1 * NR1;
+    if (strip < NR1) strip = NR1;
+    float *wide = malloc((size_t)strip * k * sizeof(float));
+    if (!wide) abort();
+    const uint8_t *q = l->w;
+    for (int j0 = begin; j0 < end; j0 += strip) {
+        const int j1 = j0 + strip < end ? j0 + strip : end;
+        for (int j = j0; j < j1; j++) {
+            const uint8_t *qr = q + (size_t)j * k;
+            const float *sr = l->scales + (size_t)(j / br) * kb;
+            float *wr = wide + (size_t)(j - j0) * k;
+            for (int b = 0; b < kb; b++) {
+                const int i1 = (b + 1) * bc < k ? (b + 1) * bc : k;
+                const float s = sr[b];
+                int i = b * bc;
+#ifdef KAON_AVX2
+                for (; i + 8 <= i1; i += 8)  /* load8 widens exactly, as fp8_to_float: the same products */
+                    _mm256_storeu_ps(wr + i, _mm256_mul_ps(load8(qr, (size_t)i, FMT_FP8), _mm256_set1_ps(s)));
+#endif
+                for (; i < i1; i++) wr[i] = fp8_to_float(qr[i]) * s;
+            }
+        }
+        /* y's columns j0..j1 as outputs 0..j1-j0 of the strip (y's row stride stays n) */
+        f32_outputs(wide, FMT_F32, l->bias ? l->bias + j0 : NULL, n, k, rows, x, y + j0, 0, j1 - j0);
+    }
+    free(wide);
+}
+
 /* v (|v| <= 448) rounded to the nearest e4m3fn value, ties to even, as torch's .to(float8_e4m3fn)
  * rounds: below 2^-6 (subnormals) to a multiple of 2^-9 (the product and quotient are exact; rintf
  * rounds to even), above to three mantissa bits (a carry moves into the exponent, as it should). */
@@ -1799,13 +1842,16 @@ static inline float round_fp8(float v) {
 /* Each row of x [rows, k] rounded to its own FP8 grid (compressed-tensors' dynamic per-token FP8, as
  * quant/dynamic_fp8.round_to_fp8_per_token does it in float32): scale = max |x| / 448 (a zero row
  * float32's eps), x' = fp8(clamp(x / scale)) * scale. A row's result is its own. */
-static void round_fp8_rows(const float *x, int rows, int k, float *out) {
+static void round_fp8_rows(const float *x, int rows, int k, float fixed_scale, float *out) {
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * k;
         float *o = out + (size_t)r * k, amax = 0.f;
-        for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(xr[i]));
-        float scale = amax / 448.f;
-        if (scale == 0.f) scale = 0x1p-23f;
+        float scale = fixed_scale;  /* FP8_STATIC: the checkpoint's input_scale, the same for every row */
+        if (scale <= 0.f) {
+            for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(xr[i]));
+            scale = amax / 448.f;
+            if (scale == 0.f) scale = 0x1p-23f;
+        }
         for (int i = 0; i < k; i++) {
             const float v = xr[i] / scale;
             o[i] = round_fp8(v < -448.f ? -448.f : v > 448.f ? 448.f : v) * scale;
@@ -1830,8 +1876,12 @@ static void linear_chunk(const void *arg, int begin, int end) {
         f32_t_outputs(l->w, fmt, l->bias, n, k, job->rows, job->x, job->y, begin, end);
         return;
     }
-    if (l->kind == KIND_FP8 || l->kind == KIND_FP8_A8) {
+    if (l->kind == KIND_FP8 || l->kind == KIND_FP8_A8 || l->kind == KIND_FP8_STATIC) {
         fp8_outputs(l, job->rows, job->x, job->y, begin, end);
+        return;
+    }
+    if (l->kind == KIND_FP8_BLOCK) {
+        fp8_block_outputs(l, job->rows, job->x, job->y, begin, end);
         return;
     }
 #ifdef KAON_AMX
@@ -1880,9 +1930,10 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     const int k = l->k, blocks = k / QBLOCK;
     const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
                        && l->kind != KIND_F16_T && l->kind != KIND_BF16_T && l->kind != KIND_FP8
-                       && l->kind != KIND_FP8_A8;
-    if (l->kind == KIND_FP8_A8) {  /* the rows rounded to FP8 per token, in the workspace (4 bytes a value) */
-        round_fp8_rows(x, rows, k, (float *)work);
+                       && l->kind != KIND_FP8_A8 && l->kind != KIND_FP8_BLOCK && l->kind != KIND_FP8_STATIC;
+    if (l->kind == KIND_FP8_A8 || l->kind == KIND_FP8_STATIC) {
+        /* the rows rounded to FP8 per token (A8) or with the fixed input scale, in the workspace (4 bytes a value) */
+        round_fp8_rows(x, rows, k, l->kind == KIND_FP8_STATIC ? l->input_scale : 0.f, (float *)work);
         x = (float *)work;
     }
     const int passes = narrow && l->act_passes == 2 ? 2 : 1;

@@ -38,12 +38,15 @@ KIND_F32, KIND_INT8, KIND_Q4_1, KIND_F32_T, KIND_Q4_F32, KIND_Q8_G16 = 0, 1, 2, 
 KIND_Q5, KIND_Q5_F32, KIND_Q6_G16 = 6, 7, 8
 KIND_F16, KIND_BF16, KIND_F16_T, KIND_BF16_T = 9, 10, 11, 12
 KIND_FP8, KIND_FP8_A8 = 13, 14  # float8 e4m3 [N, K], a scale per output; A8: input rows rounded to FP8 per token
+# float8 e4m3 [N, K] with a scale per block (quant/fp8_block.py); FP8's weights with inputs rounded to FP8 at a fixed
+# input scale (compressed-tensors' static input_activations, quant/static_inputs.py)
+KIND_FP8_BLOCK, KIND_FP8_STATIC = 15, 16
 # Float weights read as stored (widened to float32 in registers, cpu_decode.c): kind by dtype, [N, K] and [K, N].
 FLOAT_KINDS = {torch.float32: (KIND_F32, KIND_F32_T), torch.float16: (KIND_F16, KIND_F16_T),
                torch.bfloat16: (KIND_BF16, KIND_BF16_T)}
 FLOAT_KIND_SET = frozenset(kind for pair in FLOAT_KINDS.values() for kind in pair)
 # Kinds whose activations stay float32 (no int8 blocks: act_passes means nothing to them)
-UNQUANTIZED_INPUTS = FLOAT_KIND_SET | {KIND_FP8, KIND_FP8_A8}
+UNQUANTIZED_INPUTS = FLOAT_KIND_SET | {KIND_FP8, KIND_FP8_A8, KIND_FP8_BLOCK, KIND_FP8_STATIC}
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # Model.kv_half: the cache's format
 G16 = 16  # Q8_G16's group: two per activation block
 NO_COMPILER = "no C compiler on this machine: the fused CPU decode step and its tests are off (install gcc or set CC)"
@@ -53,7 +56,8 @@ class Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("d", ctypes.c_void_p),
                 ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
-                ("gmins", ctypes.c_void_p), ("high", ctypes.c_void_p), ("act_passes", ctypes.c_int32)]
+                ("gmins", ctypes.c_void_p), ("high", ctypes.c_void_p), ("act_passes", ctypes.c_int32),
+                ("block_rows", ctypes.c_int32), ("block_cols", ctypes.c_int32), ("input_scale", ctypes.c_float)]
 
 
 # How the narrow kernels quantize activations (KAON_CPU_ACTIVATIONS): "int8", one int8 pass per block
@@ -281,16 +285,39 @@ class LinearWeights:
 
     @classmethod
     def fp8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-            fp8_inputs: bool = False) -> LinearWeights:
+            fp8_inputs: bool = False, input_scale: float | None = None) -> LinearWeights:
         """FP8 e4m3fn [N, K] with one float32 scale per output (quant/fp8.py), read in place: each weight
         widened exactly, float32 activations (fp8_inputs: each input row rounded to FP8 per token first,
-        compressed-tensors FP8 dynamic)."""
+        compressed-tensors FP8 dynamic; input_scale: each rounded to FP8 at that fixed scale first, its
+        static input_activations)."""
         if qweight.dtype != torch.float8_e4m3fn or scales.shape != (qweight.shape[0],):
             raise ValueError(f"fp8 needs float8_e4m3fn [N, K] and scales [N], got {qweight.dtype} and "
                              f"{tuple(scales.shape)}")
+        if input_scale is not None and (fp8_inputs or not input_scale > 0):
+            raise ValueError(f"a static input scale must be positive and not per token, got {input_scale}")
         n, k = qweight.shape
+        if input_scale is not None:
+            made = cls._make(KIND_FP8_STATIC, n, k, bias, w=qweight, scales=scales.float())
+            made.struct.input_scale = input_scale
+            return made
         return cls._make(KIND_FP8_A8 if fp8_inputs else KIND_FP8, n, k, bias, w=qweight,
                          scales=scales.float())
+
+    @classmethod
+    def fp8_block(cls, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                  bias: torch.Tensor | None = None) -> LinearWeights:
+        """FP8 e4m3fn [N, K] with one scale per block of block[0] x block[1] weights, scales
+        [ceil(N / block[0]), ceil(K / block[1])] (quant/fp8_block.py), read in place: each weight widened
+        exactly and times its block's scale in float32, as dequantize_fp8_blocks does, float32 activations."""
+        n, k = qweight.shape
+        rows, cols = block
+        if (qweight.dtype != torch.float8_e4m3fn or rows < 1 or cols < 1
+                or scales.shape != (-(-n // rows), -(-k // cols))):
+            raise ValueError(f"fp8_block needs float8_e4m3fn [N, K] and scales [ceil(N / {rows}), ceil(K / {cols})], "
+                             f"got {qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
+        made = cls._make(KIND_FP8_BLOCK, n, k, bias, w=qweight, scales=scales.float())
+        made.struct.block_rows, made.struct.block_cols = rows, cols
+        return made
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:

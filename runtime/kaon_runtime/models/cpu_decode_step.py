@@ -159,8 +159,9 @@ class FusedDecoder(Protocol):
 
 
 # Quantization methods whose projections the C kernels read (fp8: per channel or per tensor, its weight-only
-# arithmetic or FP8 dynamic's per-token inputs; block-scaled fp8 is not read: its checkpoints say their
-# description, not "fp8", see engine/model_loader._weights_quantization).
+# arithmetic, FP8 dynamic's per-token inputs or static FP8 inputs; block-scaled, weight-only. Checkpoints the
+# step does not read, e.g. block fp8 with static inputs, say their description, not "fp8": see
+# engine/model_loader._weights_quantization and compressed_tensors.scheme).
 READABLE_QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 KV_DTYPES = tuple(cpu_decode.KV_FORMATS)  # the caches the C step reads: float32, float16, bfloat16
 # The model dtypes whose steps it takes: the activations are float32 inside, the float weights are
@@ -201,7 +202,8 @@ def norm_copy(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
 
 def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     """A projection as the C step reads it: float32 nn.Linear, kaon's int8 (per channel or in groups of
-    16), its int4 (groups of 32, float16 or float32 scales) or its fp8 (per channel); a LoraLinear's base."""
+    16), its int4 (groups of 32, float16 or float32 scales) or its fp8 (per channel, in blocks, with static FP8
+    inputs); a LoraLinear's base."""
     if isinstance(module, LoraLinear):
         module = module.base
     bias = getattr(module, "bias", None)

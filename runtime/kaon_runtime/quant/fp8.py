@@ -48,11 +48,12 @@ def fp8_matmul_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
 class Fp8Linear(ChannelScaledLinear):
     quantize = staticmethod(quantize_fp8)
 
-    def fused_cpu_weights(self, fp8_inputs: bool = False) -> cpu_decode.LinearWeights:
+    def fused_cpu_weights(self, fp8_inputs: bool = False, input_scale: float | None = None
+                          ) -> cpu_decode.LinearWeights:
         """This weight as the fused CPU step reads it, in place (no copy): the C kernels widen each e4m3 value
         exactly and multiply float32 activations, so a row's numbers are this matmul's on CPU, summed in one
         order whatever the row count (issue 49 §2; models/cpu_decode_step.py)."""
-        return cpu_decode.LinearWeights.fp8(self.qweight, self.scales, self.bias, fp8_inputs)
+        return cpu_decode.LinearWeights.fp8(self.qweight, self.scales, self.bias, fp8_inputs, input_scale)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if kernel_for(x, self.reference) == "triton":

@@ -3,12 +3,14 @@
 The weight stays FP8 in memory. On a GPU a few rows (decode) go through kernels/quant_gemv.py, which
 reads the block scales as it goes; otherwise each matmul widens the weight with its block scales, in
 float32 on CPU and in the activations' dtype elsewhere (W8A16). For many rows on a GPU, torch._scaled_mm's
-block-wise scaling is the next step.
+block-wise scaling is the next step. On CPU the fused C step (kernels/cpu_decode.c, kind FP8_BLOCK) computes
+the same widened weights and products, each row summed in one order whatever the step's size (issue 49 §2).
 """
 from __future__ import annotations
 
 import torch
 
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.linear import QuantizedLinear, kernel_for
 
 
@@ -29,6 +31,11 @@ class Fp8BlockLinear(QuantizedLinear):
         self.block = block
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
+
+    def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
+        """This weight as the fused CPU step reads it, in place: each e4m3 value widened exactly and times its
+        block's scale in float32 (dequantize_fp8_blocks' products), float32 activations (W8A16)."""
+        return cpu_decode.LinearWeights.fp8_block(self.qweight, self.scales, self.block, self.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if kernel_for(x, self.reference) == "triton":

@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.quant.fp8 import Fp8Linear
+
 KINDS = ("fp8", "int8")
 _FP8_MAX = 448.0  # float8_e4m3fn's largest value
 
@@ -38,6 +41,14 @@ class StaticInputLinear(nn.Module):
         self.in_features, self.out_features = inner.in_features, inner.out_features  # as an nn.Linear's
         self.register_buffer("scale", scale.float().reshape(()))
         self.register_buffer("zero_point", None if zero_point is None else zero_point.float().reshape(()))
+
+    def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
+        """The fused CPU step's FP8_STATIC kind for FP8 inputs over per-channel / per-tensor FP8 weights: each
+        input row rounded to FP8 at this fixed scale as round_to_grid does (float32), then the inner weight's
+        arithmetic. Other grids and weights have no kind: the step is not built for them (their scheme says so)."""
+        if self.kind != "fp8" or not isinstance(self.inner, Fp8Linear):
+            raise ValueError(f"no fused CPU kernel for {self.kind} static inputs over {type(self.inner).__name__}")
+        return self.inner.fused_cpu_weights(input_scale=float(self.scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(round_to_grid(x, self.scale, self.kind, self.zero_point))

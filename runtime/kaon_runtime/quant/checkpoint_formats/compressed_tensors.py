@@ -54,8 +54,11 @@ def scheme(config: dict) -> CheckpointScheme:
     dynamic = _dynamic_inputs([group.get("input_activations") or {} for group in groups], weights)
     kind = sorted(kinds)[0]
     method = "fp8" if kind[0] == "float" else f"int{kind[1]}"
-    if method == "fp8":  # per channel or per tensor (Fp8Linear), weight-only or FP8 dynamic's per-token inputs
-        fused = all(w.get("strategy") in ("channel", "tensor") for w in weights) and static is None
+    if method == "fp8":  # the C step's FP8 kinds: per channel or per tensor (Fp8Linear) weight-only, with FP8
+        # dynamic's per-token inputs or with static FP8 inputs; block-scaled (Fp8BlockLinear) weight-only
+        strategies = {w.get("strategy") for w in weights}
+        fused = (strategies <= {"channel", "tensor"} and static in (None, "fp8")) or (
+            strategies == {"block"} and static is None and dynamic is None)
     else:
         fused = all(_cpu_fused(w) for w in weights) and static is None and dynamic is None
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)

@@ -28,6 +28,7 @@ from kaon_runtime.quant.fp8 import quantize_fp8
 from kaon_runtime.quant.fp8_block import Fp8BlockLinear
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
+from kaon_runtime.quant.static_inputs import StaticInputLinear
 
 # Skipped only where there is no compiler at all: a compile error fails (test_cpu_decode_build.py).
 pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
@@ -434,13 +435,14 @@ def test_what_it_cannot_run_is_named():
     assert "experts" in unsupported(tiny_config(num_experts=4, num_experts_per_tok=2))
     assert blocker(tiny_config()) is None
     assert blocker(tiny_config(), quantization="fp8") is None  # per channel (test_cpu_decode_fp8.py)
-    block_fp8 = "compressed-tensors float-quantized fp8 (block)"  # a checkpoint's description: not read
-    assert block_fp8 in blocker(tiny_config(), quantization=block_fp8)
+    unread = "compressed-tensors float-quantized fp8 (block)"  # a checkpoint's description (block + static inputs)
+    assert unread in blocker(tiny_config(), quantization=unread)
     assert "tensor parallelism" in blocker(tiny_config(), tp_size=2)
     model, _ = random_model(tiny_config(), blocks=2)
     layer = model.model.layers[0].mlp
     qweight, scales = quantize_fp8(layer.down_proj.weight.detach())
-    layer.down_proj = Fp8BlockLinear(qweight, scales[:, None], (1, 96))  # a block per row: [N, 1] scales
+    block = Fp8BlockLinear(qweight, scales[:, None], (1, 96))  # a block per row: [N, 1] scales
+    layer.down_proj = StaticInputLinear(block, "fp8", torch.tensor(0.01))  # static inputs over blocks: no kind
     with pytest.raises(ValueError, match="Fp8BlockLinear"):  # what the loader refuses, should the blocker miss it
         model.check_kernels()
     assert random_model(tiny_config(), blocks=2, cpu_decode=False)[0].model.cpu_decode is None

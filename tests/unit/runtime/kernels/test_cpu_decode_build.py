@@ -27,6 +27,7 @@ from test_cpu_decode import (
     random_model,
     tiny_config,
 )
+from test_cpu_decode_fp8_block import quantize_fp8_blocks
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.fp8 import quantize_fp8
@@ -101,7 +102,9 @@ def _projections() -> list[tuple[cpu_decode.LinearWeights, torch.Tensor]]:
             *((cpu_decode.LinearWeights.f32(w.to(half), torch.randn(84)), x) for half in HALVES),
             *((cpu_decode.LinearWeights.f32_t(w.T.contiguous().to(half)), x) for half in HALVES),
             *((cpu_decode.LinearWeights.fp8(*quantize_fp8(w), torch.randn(84), fp8_inputs), x)  # fp8: widened
-              for fp8_inputs in (False, True))]
+              for fp8_inputs in (False, True)),
+            (cpu_decode.LinearWeights.fp8(*quantize_fp8(w), torch.randn(84), input_scale=0.01), x),  # static inputs
+            (cpu_decode.LinearWeights.fp8_block(*quantize_fp8_blocks(w, (16, 48)), (16, 48), torch.randn(84)), x)]
 
 
 HALVES = (torch.float16, torch.bfloat16)  # float weights read as stored, widened in registers

@@ -509,3 +509,39 @@ def test_an_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16"):
         EngineConfig(kv_cache_dtype="int8")
 
+
+
+FP8_CHECKPOINTS = {  # compressed-tensors weights, input activations (static: their scale) -> the linear kaon keeps
+    "block": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+              None, "Fp8BlockLinear"),
+    "static": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+               dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False), "StaticInputLinear"),
+}
+
+
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+@pytest.mark.parametrize("case", sorted(FP8_CHECKPOINTS))
+def test_block_and_static_fp8_checkpoints_take_the_c_step_and_answer_alike_alone_batched_chunked(
+        case, tmp_path, gguf_path, monkeypatch):
+    """A block-scaled FP8 checkpoint (128 x 128) and an FP8 one with static input scales, written by
+    compressed-tensors, run the fused C step in the default precision (issue 49 §2; torch's path before,
+    whose prompt rows' sums moved with the row count): a prompt's tokens and log-probabilities are the same
+    bits alone, in a batch, in prefill chunks and with its prefix cached. (`--dtype float32`, the reference
+    mode, stays on torch's path: test_quantized_checkpoints / test_static_activation_scales.)"""
+    pytest.importorskip("compressed_tensors")
+    from support.quantized_dirs import add_input_scales, write_compressed_tensors
+
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    weights, activations, kept = FP8_CHECKPOINTS[case]
+    write_compressed_tensors(tmp_path, gguf_path, weights, "float-quantized")
+    if activations is not None:
+        add_input_scales(tmp_path, activations, 0.004)
+
+    def engine(**options):
+        llm = LLM(str(tmp_path), show_progress=False, device="cpu", kv_cache_bytes=1 << 22, block_size=8, **options)
+        assert type(llm.engine.runner.model.model.layers[0].mlp.gate_up_proj).__name__ == kept
+        return llm
+
+    _assert_the_c_step_answers_alike_alone_batched_chunked(
+        engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))

@@ -16,7 +16,13 @@ from torch import nn
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.quant.static_inputs import StaticInputLinear
-from support.quantized_dirs import greedy, transformers_reference, update_config, write_compressed_tensors
+from support.quantized_dirs import (
+    add_input_scales,
+    greedy,
+    transformers_reference,
+    update_config,
+    write_compressed_tensors,
+)
 
 pytestmark = pytest.mark.slow  # whole quantized checkpoints loaded (make unit leaves it out)
 
@@ -29,19 +35,6 @@ CASES = {  # weights, format, input activations, their scale (coarse: rounding c
     "int8": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized",
              dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False), 0.05),
 }
-
-
-def _add_input_scales(path, activations: dict, scale: float) -> None:
-    from safetensors.torch import load_file, save_file
-
-    file = path / "model.safetensors"
-    tensors = load_file(file)
-    for name in [n for n in tensors if n.endswith(".weight_scale")]:
-        tensors[name.replace(".weight_scale", ".input_scale")] = torch.tensor([scale])
-    save_file(tensors, file, metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())["quantization_config"]
-    config["config_groups"]["group_0"]["input_activations"] = activations
-    update_config(path, quantization_config=config)
 
 
 def _round_inputs(model: nn.Module, kind: str, scale: float) -> None:
@@ -69,7 +62,7 @@ def test_static_input_scales_are_applied(case, tmp_path, gguf_path):
     write_compressed_tensors(tmp_path, gguf_path, weights, fmt)
     reference = transformers_reference(tmp_path)
     unrounded = [greedy(reference, prompt, TOKENS) for prompt in PROMPTS]
-    _add_input_scales(tmp_path, activations, scale)
+    add_input_scales(tmp_path, activations, scale)
     _round_inputs(reference, case, scale)
     expected = [greedy(reference, prompt, TOKENS) for prompt in PROMPTS]
     llm, tokens = _generate(tmp_path)
@@ -103,7 +96,7 @@ def test_a_missing_input_scale_is_named(tmp_path, gguf_path):
     from safetensors.torch import load_file, save_file
 
     write_compressed_tensors(tmp_path, gguf_path, CASES["fp8"][0], "float-quantized")
-    _add_input_scales(tmp_path, CASES["fp8"][2], 0.01)
+    add_input_scales(tmp_path, CASES["fp8"][2], 0.01)
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.input_scale"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
