@@ -18,7 +18,9 @@ block tables as long as the GPU run's (100-1,024 tokens in and out, 16-token blo
 TREE`), in alternating fresh processes, `--rounds` of each: an A/B inside one run, for a shared machine.
 `--parts`: the two costs this workload understates, alone, in this process: the decode block tables of 256
 sequences of 8-128 blocks (the GPU run's contexts) through torch.tensor against engine.step_tensors.DecodeTables,
-and detokenizing random:// Llama-3 ids (most past 255: no text) with the whole window against the detokenizer's.
+and detokenizing random:// Llama-3 ids (most past 255: no text) with the whole window against the detokenizer's;
+and detokenizing the bundled SmolLM2 tokenizer's ids of English text with the Python window against the
+detokenizer's (tokenizers' DecodeStream where the decoder is ByteLevel).
 `--profile FILE`: cProfile's top functions of this tree's run at the largest batch, written there (a run of
 its own, after the timed ones).
 """
@@ -173,6 +175,22 @@ def parts() -> None:
             print(f"detokenizing random:// Llama-3 ids: {name}: {(time.process_time() - start) / n * 1e6:.1f} us "
                   f"CPU per token over {n} tokens")
     assert all(len(t) == 1 for t in texts.values()), "the two detokenizers' texts differ"
+
+    # A real tokenizer (the bundled SmolLM2's, ByteLevel: tokenizers' DecodeStream applies) over English text.
+    from kaon_runtime.loader import resolve_model
+    from kaon_runtime.loader.gguf_file import load_gguf
+    smol = load_gguf(resolve_model("builtin://smollm2-135m-instruct")).tokenizer
+    ids = smol.encode((ROOT / "docs" / "architecture.md").read_text()[:20000])
+    texts = {}
+    for name, cls in (("Python window", WholeWindow), ("IncrementalDetokenizer", IncrementalDetokenizer)):
+        detok = cls(smol, ids[:6])
+        start = time.process_time()
+        for token in ids[6:]:
+            detok.add(token)
+        texts[name] = detok.text
+        print(f"detokenizing SmolLM2 ids of English text: {name}: "
+              f"{(time.process_time() - start) / (len(ids) - 6) * 1e6:.1f} us CPU per token over {len(ids) - 6} tokens")
+    assert len(set(texts.values())) == 1, "the two detokenizers' texts differ"
 
 
 def child(args) -> None:

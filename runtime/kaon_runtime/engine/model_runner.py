@@ -39,7 +39,7 @@ from kaon_runtime.engine.step_tensors import DecodeTables, long_tensor
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from kaon_runtime.layers.moe import has_quantized_experts
 from kaon_runtime.layers.penalties import row_history
-from kaon_runtime.layers.sample_step import RowsToSample, sample_rows, seeded_generator
+from kaon_runtime.layers.sample_step import RowsToSample, is_plain, sample_plain, sample_rows, seeded_generator
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.models.lora_targets import attach_lora
 from kaon_runtime.structured.masks import apply_bitmasks
@@ -229,6 +229,10 @@ class ModelRunner:
         return logits
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepTokens:
+        if all(not s.draft_token_ids and is_plain(s.params) for s in seqs):
+            # The common step (no drafts, logprobs, seeds or penalties): one batched call, no per-row objects.
+            params = [s.params for s in seqs]
+            return StepTokens(seqs, [[token] for token in sample_plain(logits, params)], None)
         rows = [RowsToSample(s.params, self.generator(s), s.draft_token_ids, s.draft_probs,
                              row_history(s.params, s.token_ids, s.num_prompt_tokens, self.eos_token_ids))
                 for s in seqs]

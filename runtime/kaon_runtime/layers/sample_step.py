@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kaon_runtime.layers.penalties import RowHistory, adjust_logits
+from kaon_runtime.layers.penalties import RowHistory, adjust_logits, needs_adjusting
 from kaon_runtime.layers.rejection import verify
 from kaon_runtime.layers.sampler import SamplingBatch, logprobs_of, sample
 from kaon_runtime.sampling import SamplingParams
@@ -39,6 +39,23 @@ def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Gener
     generator = torch.Generator(device=device)
     generator.manual_seed(hash((seed, index)) & (2 ** 63 - 1))
     return generator
+
+
+def is_plain(params: SamplingParams) -> bool:
+    """Whether a row of this request is sampled from its logits as they are, by the batch: no logprobs,
+    no seed (the global RNG), nothing that adjusts logits (penalties, logit_bias, min_p, min_tokens)."""
+    return params.logprobs is None and params.seed is None and not needs_adjusting(params)
+
+
+def sample_plain(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+    """One token per row of logits [N, V], every row plain (`is_plain`) and without drafts: the common step,
+    sampled with no per-row objects. The same calls as sample_rows makes for such rows (the same tokens,
+    the same draws from the global RNG): argmax alone when every row is greedy, else `sample`."""
+    if all(p.temperature == 0 for p in params):
+        return logits.argmax(dim=-1).tolist()
+    batch = SamplingBatch(temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
+                          top_ps=[p.top_p for p in params], generators=[None] * len(params))
+    return sample(logits, batch).token_ids
 
 
 def sample_rows(logits: torch.Tensor, rows: list[RowsToSample]) -> SampledTokens:

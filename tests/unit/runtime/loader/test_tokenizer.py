@@ -98,14 +98,50 @@ def test_detokenizer_leaving_out_dropped_tokens_changes_no_text(tokenizer):
     byte_level = Tokenizer.bytes_only(bos_token_id=1, eos_token_id=2)
     special = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
     assert special, "the bundled tokenizer has special tokens to drop"
+    streamed = 0
     for tok, vocab, specials in ((tokenizer, tokenizer.vocab_size, special), (byte_level, 256, [0, 1, 2])):
         for trial in range(30):
             prompt = _mixed_ids(rng, vocab, specials, rng.randint(1, 10))
             ours, reference = IncrementalDetokenizer(tok, prompt), _WholeWindowDetokenizer(tok, prompt)
             for token in _mixed_ids(rng, vocab, specials, 200):
                 assert ours.add(token) == reference.add(token), (trial, token)
+                streamed += ours._stream is not None
             assert ours.text == reference.text
+    assert streamed > 0.9 * 2 * 30 * 200, "both tokenizers are ByteLevel: tokenizers' DecodeStream does the work"
     runs = IncrementalDetokenizer(byte_level, [65])
     for token in [300] * 50 + [66]:
         runs.add(token)
     assert runs.text == byte_level.decode([66]) and len(runs.ids) == 2, "a run of dropped ids stays out of the window"
+
+
+def test_detokenizer_stream_refusing_a_step_hands_back_to_the_window(tokenizer, monkeypatch):
+    """Where tokenizers' DecodeStream raises (its InvalidPrefix), the Python window takes that token and every
+    later one, with the same pieces as the reference; a tokenizer whose decoder is not ByteLevel never streams."""
+    import random
+
+    from tokenizers import decoders
+    rng = random.Random(1)
+    special = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
+    for refuse_at in (0, 1, 7, 50):
+        prompt = _mixed_ids(rng, tokenizer.vocab_size, special, 6)
+        ours, reference = IncrementalDetokenizer(tokenizer, prompt), _WholeWindowDetokenizer(tokenizer, prompt)
+        for n, token in enumerate(_mixed_ids(rng, tokenizer.vocab_size, special, 120)):
+            if n == refuse_at and ours._stream is not None:
+                monkeypatch.setattr(ours, "_stream", _Refusing())
+            assert ours.add(token) == reference.add(token), (refuse_at, n)
+        assert ours.text == reference.text and ours._stream is None
+    plain = _PlainDecoder(tokenizer, decoders.Metaspace())
+    assert IncrementalDetokenizer(plain, [1, 2, 3])._stream is None
+
+
+class _Refusing:
+    def step(self, tokenizer, token_id):
+        raise Exception("InvalidPrefix")
+
+
+class _PlainDecoder:
+    def __init__(self, tokenizer, decoder):
+        from tokenizers import Tokenizer as HFTokenizer
+        self.backend = HFTokenizer.from_str(tokenizer.backend.to_str())
+        self.backend.decoder = decoder
+        self.decode = lambda ids: self.backend.decode(ids, skip_special_tokens=True)
