@@ -210,6 +210,20 @@ def decode_step(config, tables: list[list[int]], lens: list[int]):
     return torch.randn(len(lens), config.hidden_size), positions, meta
 
 
+def c_step_error_against_torch(model, config) -> float:
+    """The relative error of one decode step (TABLES, LENS) through the model's C step against the same model's
+    torch path: the quantized formats' whole-step check (same arithmetic per projection, other summation orders)."""
+    model.check_kernels()
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    step = model.model.cpu_decode
+    with torch.inference_mode():
+        model.model.cpu_decode = None
+        expected = model.model(x.clone(), positions, meta)
+        model.model.cpu_decode = step
+        out = model.model(x.clone(), positions, meta)
+    return float((out - expected).norm() / expected.norm())
+
+
 # Three sequences: one of a single token, one filling its 3 blocks exactly, one ending mid-block;
 # blocks out of order in the pool, as the block manager hands them out.
 TABLES, LENS = [[5], [2, 9, 0], [7, 3]], [1, 12, 6]

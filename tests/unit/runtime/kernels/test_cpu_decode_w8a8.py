@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import test_cpu_decode_invariance as invariance
 import torch
-from test_cpu_decode import LENS, TABLES, decode_step, random_model, tiny_config
+from test_cpu_decode import c_step_error_against_torch, random_model, tiny_config
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.models.cpu_decode_step import blocker
@@ -92,15 +92,7 @@ def test_a_w8a8_decode_step_matches_the_torch_path():
     config = tiny_config(attention_bias=True)
     model, _ = random_model(config, blocks=10)
     _w8a8_model(model)
-    model.check_kernels()
-    x, positions, meta = decode_step(config, TABLES, LENS)
-    step = model.model.cpu_decode
-    with torch.inference_mode():
-        model.model.cpu_decode = None
-        expected = model.model(x.clone(), positions, meta)
-        model.model.cpu_decode = step
-        out = model.model(x.clone(), positions, meta)
-    assert (out - expected).norm() / expected.norm() < 1e-4
+    assert c_step_error_against_torch(model, config) < 1e-4
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
@@ -184,15 +176,7 @@ def test_a_static_w8a8_decode_step_matches_the_torch_path(monkeypatch):
     config = tiny_config(attention_bias=True)
     model, _ = random_model(config, blocks=10)
     _static_w8a8_model(model)
-    model.check_kernels()
-    x, positions, meta = decode_step(config, TABLES, LENS)
-    step = model.model.cpu_decode
-    with torch.inference_mode():
-        model.model.cpu_decode = None
-        expected = model.model(x.clone(), positions, meta)
-        model.model.cpu_decode = step
-        out = model.model(x.clone(), positions, meta)
-    assert (out - expected).norm() / expected.norm() < 1e-4
+    assert c_step_error_against_torch(model, config) < 1e-4
 
 
 def test_a_static_w8a8_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(monkeypatch):
