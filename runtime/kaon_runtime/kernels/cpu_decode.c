@@ -1889,6 +1889,16 @@ static void quantize_int8_rows(const float *x, int rows, int k, int8_t *q, float
     }
 }
 
+#ifdef KAON_AVX2
+/* The eight int32 lanes' sum (exact: the W8A8 dots' partial sums). */
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+#endif
+
 /* sum_i a[i] * b[i] over int8 rows, in int32: exact (|a b| <= 2^14, k < 2^17), so its order is free. */
 static inline int32_t dot_s8s8(const int8_t *a, const int8_t *b, int k) {
     int i = 0, sum = 0;
@@ -1899,10 +1909,7 @@ static inline int32_t dot_s8s8(const int8_t *a, const int8_t *b, int k) {
         const __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + i)));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(va, vb));
     }
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    sum = _mm_cvtsi128_si32(h);
+    sum = hsum8_epi32(acc);
 #endif
     for (; i < k; i++) sum += (int32_t)a[i] * b[i];
     return sum;
@@ -1943,10 +1950,7 @@ static inline int32_t dot_s16s8(const int16_t *a, const int8_t *b, int k) {
         const __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + i)));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(va, vb));
     }
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    sum = _mm_cvtsi128_si32(h);
+    sum = hsum8_epi32(acc);
 #endif
     for (; i < k; i++) sum += (int32_t)a[i] * b[i];
     return sum;
