@@ -210,6 +210,13 @@ def decode_step(config, tables: list[list[int]], lens: list[int]):
     return torch.randn(len(lens), config.hidden_size), positions, meta
 
 
+def assert_rows_alone_equal_batched(weights, x: torch.Tensor) -> None:
+    """Each row of x through the C kernel's projection alone gives the bits it gets in the whole batch."""
+    batched = cpu_decode.linear(weights, x)
+    for i in range(x.shape[0]):
+        assert torch.equal(cpu_decode.linear(weights, x[i:i + 1])[0], batched[i]), f"row {i}"
+
+
 def c_step_error_against_torch(model, config) -> float:
     """The relative error of one decode step (TABLES, LENS) through the model's C step against the same model's
     torch path: the quantized formats' whole-step check (same arithmetic per projection, other summation orders)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import test_cpu_decode_invariance as invariance
 import torch
-from test_cpu_decode import c_step_error_against_torch, random_model, tiny_config
+from test_cpu_decode import assert_rows_alone_equal_batched, c_step_error_against_torch, random_model, tiny_config
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.models.cpu_decode_step import blocker
@@ -100,10 +100,7 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(kind):
         torch.manual_seed(7)
         q, scales = quantize_fp8(torch.randn(40, 104))
         weights = cpu_decode.LinearWeights.fp8(q, scales, torch.randn(40), input_scale=0.02)
-    x = torch.randn(13, 104)
-    batched = cpu_decode.linear(weights, x)
-    for i in range(x.shape[0]):
-        assert torch.equal(cpu_decode.linear(weights, x[i:i + 1])[0], batched[i]), f"row {i}"
+    assert_rows_alone_equal_batched(weights, torch.randn(13, 104))
 
 
 def _convert(model, kind: str) -> None:

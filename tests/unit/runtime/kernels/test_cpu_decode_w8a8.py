@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import test_cpu_decode_invariance as invariance
 import torch
-from test_cpu_decode import c_step_error_against_torch, random_model, tiny_config
+from test_cpu_decode import assert_rows_alone_equal_batched, c_step_error_against_torch, random_model, tiny_config
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.models.cpu_decode_step import blocker
@@ -72,10 +72,7 @@ def test_a_w8a8_row_gets_the_same_bits_alone_or_in_a_batch():
     torch.manual_seed(7)
     q, scales = quantize_int8(torch.randn(40, 104))
     weights = cpu_decode.LinearWeights.int8_a8(q, scales, torch.randn(40))
-    x = torch.randn(13, 104)
-    batched = cpu_decode.linear(weights, x)
-    for i in range(x.shape[0]):
-        assert torch.equal(cpu_decode.linear(weights, x[i:i + 1])[0], batched[i]), f"row {i}"
+    assert_rows_alone_equal_batched(weights, torch.randn(13, 104))
 
 
 def _w8a8_model(model) -> None:
@@ -150,10 +147,7 @@ def test_a_static_w8a8_row_gets_the_same_bits_alone_or_in_a_batch():
     torch.manual_seed(8)
     q, scales = quantize_int8(torch.randn(40, 104))
     weights = cpu_decode.LinearWeights.int8_s8(q, scales, 0.02, 0.0, torch.randn(40))
-    x = torch.randn(13, 104)
-    batched = cpu_decode.linear(weights, x)
-    for i in range(x.shape[0]):
-        assert torch.equal(cpu_decode.linear(weights, x[i:i + 1])[0], batched[i]), f"row {i}"
+    assert_rows_alone_equal_batched(weights, torch.randn(13, 104))
 
 
 def _static_w8a8_model(model) -> None:
