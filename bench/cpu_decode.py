@@ -45,7 +45,12 @@ on a shared machine the other work's preemptions then cost each side less uneven
 B / A. On a shared machine this ratio holds where the table's (one format after another) drifts with
 the load. `--formats --torch-ops --pair float32 float16` measures only that; `--pair
 bfloat16-int4:torch bfloat16-int4` the C step against torch ops for int4 weights in a bfloat16 model
-(formats DTYPE-METHOD: --dtype DTYPE --quantization METHOD, and fp8, named only when asked for).
+(formats DTYPE-METHOD: --dtype DTYPE --quantization METHOD, and fp8, named only when asked for). The pair
+measures prefill too (tokens/s of the --prompt-copies prompt, prefix caching off).
+
+--model DIR: another model than the bundled one, for the pair and the A/B modes (the llama.cpp peer reads
+the bundled GGUF only: `--formats --torch-ops`). A random mixture-of-experts directory for the C step's MoE
+A/B: `python bench/random_moe.py DIR`, then `--model DIR --formats --torch-ops --pair float32:torch float32`.
 
 Over 300 lines for a stated reason: the modes share one engine builder, one timing loop and one table,
 and each is a few dozen lines on them; split into files, each would import the others' helpers back.
@@ -70,7 +75,7 @@ sys.path.insert(0, str(ROOT / "runtime"))
 # the environment as the user had it, so each side gets its own defaults.
 USER_ENV = dict(os.environ)
 
-MODEL = "builtin://smollm2-135m-instruct"
+MODEL = ["builtin://smollm2-135m-instruct"]  # --model
 PROMPT = "The river kept its own calendar. In spring it ran brown and fast with snowmelt, and in summer"
 
 
@@ -134,7 +139,7 @@ def kaon_llm(fmt: str, fused: bool, prefill: str = "fused", activations: str | N
         os.environ["KAON_CPU_ACTIVATIONS"] = activations
     cpu_decode.library.cache_clear()
     try:
-        llm = LLM(MODEL, device="cpu", show_progress=False, **options, **engine_options)
+        llm = LLM(MODEL[0], device="cpu", show_progress=False, **options, **engine_options)
         llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # (the head's struct)
         return llm
     finally:
@@ -262,20 +267,22 @@ def activations_cost(formats: list[str], args) -> None:
 def pair_cost(first: str, second: str, args) -> None:
     """Batch-1 and batch-B decode of two formats, their engines alive together, alternated turn by turn;
     a name ending in ":torch" is that format with the fused step off (torch ops: the C step's A/B)."""
-    llms = {fmt: kaon_llm(fmt.removesuffix(":torch"), not fmt.endswith(":torch")) for fmt in (first, second)}
+    llms = {fmt: kaon_llm(fmt.removesuffix(":torch"), not fmt.endswith(":torch"), enable_prefix_caching=False)
+            for fmt in (first, second)}
     runs = {fmt: kaon_runner(llm) for fmt, llm in llms.items()}
-    figures: dict[str, list[tuple[float, float]]] = {fmt: [] for fmt in llms}
+    figures: dict[str, list[tuple[float, float, float]]] = {fmt: [] for fmt in llms}
     for _ in range(args.repeats):
         for fmt, run in runs.items():
-            figures[fmt].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1)))
-    print(f"\npair: {first} and {second} alternated, {args.repeats} turns (medians)")
-    print(f"{'':30} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15}")
+            figures[fmt].append((rate(run, 1, args.tokens, 1), rate(run, args.batch, args.tokens, 1),
+                                 prefill_rate(llms[fmt], 1)))
+    print(f"\npair: {first} and {second} alternated, {args.repeats} turns (medians), {MODEL[0]}")
+    print(f"{'':30} {'batch-1 tok/s':>14} {f'batch-{args.batch} tok/s':>15} {'prefill tok/s':>14}")
     for fmt, turns in figures.items():
         print(f"{'kaon ' + fmt:30} {statistics.median(t[0] for t in turns):14.1f} "
-              f"{statistics.median(t[1] for t in turns):15.1f}")
-    ratios = [[b[i] / a[i] for a, b in zip(figures[first], figures[second])] for i in range(2)]
+              f"{statistics.median(t[1] for t in turns):15.1f} {statistics.median(t[2] for t in turns):14.1f}")
+    ratios = [[b[i] / a[i] for a, b in zip(figures[first], figures[second])] for i in range(3)]
     print(f"{'  ' + second + ' / ' + first + ' (median ratio)':30} {statistics.median(ratios[0]):13.2f}x "
-          f"{statistics.median(ratios[1]):14.2f}x   per turn, batch 1: "
+          f"{statistics.median(ratios[1]):14.2f}x {statistics.median(ratios[2]):13.2f}x   per turn, batch 1: "
           + " ".join(f"{r:.2f}" for r in ratios[0]), flush=True)
     del runs, llms
 
@@ -343,6 +350,7 @@ def main() -> int:
                         "B / A (FORMAT:torch: that format with the fused step off)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: rates per CPU second of this process (A/B on a shared machine)")
+    parser.add_argument("--model", default=MODEL[0], help="the model of the pair and A/B modes (see above)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-copies", type=int, default=PROMPT_COPIES[0],
                         help="the prefill figures' prompt: the decode prompt this many times (24: ~500 tokens)")
@@ -353,6 +361,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     CLOCK[0] = args.clock
+    MODEL[0] = args.model
     PROMPT_COPIES[0] = args.prompt_copies
     if args.peer:
         peer = llama_cpp_runner(args.peer, args.threads)
@@ -365,9 +374,9 @@ def main() -> int:
 
     from kaon_runtime.loader import resolve_model
     threads = torch.get_num_threads()
-    gguf = resolve_model(MODEL)
+    gguf = resolve_model(MODEL[0]) if args.formats else None  # (the peer and the table's title)
     rows = {}
-    peer = llama_cpp_rates(gguf, threads, args) if args.formats else None  # (no table without formats)
+    peer = llama_cpp_rates(gguf, threads, args) if gguf is not None else None  # (no table without formats)
     if peer is not None:
         rows["llama.cpp Q4_1"] = peer
     reference, agree = None, {}
@@ -382,7 +391,7 @@ def main() -> int:
         del run, llm
 
     print(f"{platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}, "
-          f"{gguf.name}, {args.tokens} tokens after a {len(PROMPT.split())}-word prompt")
+          f"{MODEL[0] if gguf is None else gguf.name}, {args.tokens} tokens after a {len(PROMPT.split())}-word prompt")
     base = rows.get("llama.cpp Q4_1")
     f32 = rows.get("kaon float32")
     print(f"{'':26} {'batch-1 tok/s':>14} {'vs llama.cpp':>13} {'vs float32':>11} {f'batch-{args.batch} tok/s':>15} "

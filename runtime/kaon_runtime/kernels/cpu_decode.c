@@ -146,6 +146,8 @@ typedef struct {
                                                * before the residual add, pre_ff_norm the MLP's input and
                                                * post_ff_norm its output; NULL: none (post_norm is the MLP's input
                                                * norm, as in Llama) */
+    const struct Experts *experts;  /* a mixture-of-experts layer's experts in place of gate_up and down (see
+                                     * experts_mlp); NULL: the dense MLP */
 } Layer;
 
 typedef struct {
@@ -2532,6 +2534,89 @@ static void add_lora(const Lora *l, const LoraRows *rows, int k, int n, const fl
     parallel_for(rows->count, threads, lora_chunk, &job);
 }
 
+/* ---- mixture of experts (Mixtral, Qwen3-MoE: layers/moe.py) ---------------------------------------
+ *
+ * Each row alone, as kernels/moe_ref.py's route and moe_ref compute it: the router's logits in float32
+ * (router: float32 [E, hidden]), their softmax in float32 (torch's: the max subtracted, exp, times one over
+ * the sum), the top_k experts by probability (ties: the lower index first; torch.topk does not define its
+ * choice), divided by their sum when renormalize; then each chosen expert's gate|up [2W, hidden], SwiGLU
+ * and down [hidden, W] through kaon_linear, the k outputs weighted and summed in the chosen order.
+ * The rows that chose an expert go through its two projections together (its weights read once a step,
+ * not once a row): every kernel's result for a row does not depend on the other rows (the alone-vs-batched
+ * tests), so a row's numbers do not depend on which rows share its experts, or its step. */
+typedef struct Experts {
+    int32_t num_experts, top_k, renormalize, width;
+    Linear router;
+    const Linear *gate_up, *down;  /* [num_experts] each: any kind kaon_linear reads */
+} Experts;
+
+/* Floats (4-byte slots) of scratch space experts_mlp needs for `rows` rows. */
+static size_t experts_floats(const Experts *e, int rows, int hidden) {
+    const size_t E = e->num_experts, k = e->top_k, w = e->width;
+    return (size_t)rows * (E + 3 * k + 2 * (size_t)hidden + 3 * w + k * hidden) + 16;
+}
+
+/* One row's routing: probs [E] (the logits in, overwritten) -> ids [k], weights [k]. */
+static void route_row(float *probs, int E, int k, int renormalize, int32_t *ids, float *weights) {
+    float top = probs[0];
+    for (int e = 1; e < E; e++) top = probs[e] > top ? probs[e] : top;
+    float sum = 0.f;
+    for (int e = 0; e < E; e++) { probs[e] = expf(probs[e] - top); sum += probs[e]; }
+    const float inv = 1.f / sum;
+    for (int e = 0; e < E; e++) probs[e] *= inv;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+        ids[j] = best;
+        weights[j] = probs[best];
+        probs[best] = -1.f;  /* chosen: below every probability */
+    }
+    if (renormalize) {
+        float total = 0.f;
+        for (int j = 0; j < k; j++) total += weights[j];
+        for (int j = 0; j < k; j++) weights[j] = weights[j] / total;
+    }
+}
+
+/* out [rows, hidden] = the experts' weighted sum for x [rows, hidden] (see above). */
+static void experts_mlp(const Experts *ex, int rows, int hidden, const float *x, float *out, float *work,
+                        void *linear_work, int threads) {
+    const int E = ex->num_experts, k = ex->top_k, W = ex->width;
+    float *logits = work, *weights = logits + (size_t)rows * E;
+    int32_t *ids = (int32_t *)(weights + (size_t)rows * k), *members = ids + (size_t)rows * k;
+    float *xin = (float *)(members + (size_t)rows * k), *gu = xin + (size_t)rows * hidden;
+    float *act = gu + (size_t)rows * 2 * W, *y = act + (size_t)rows * W, *slots = y + (size_t)rows * hidden;
+    kaon_linear(&ex->router, rows, x, logits, linear_work, threads);
+    for (int r = 0; r < rows; r++)
+        route_row(logits + (size_t)r * E, E, k, ex->renormalize, ids + (size_t)r * k, weights + (size_t)r * k);
+    for (int e = 0; e < E; e++) {
+        int count = 0;  /* the (row, slot)s that chose e, in row order; their rows gathered in xin */
+        for (int i = 0; i < rows * k; i++)
+            if (ids[i] == e) {
+                members[count] = i;
+                memcpy(xin + (size_t)count++ * hidden, x + (size_t)(i / k) * hidden, sizeof(float) * hidden);
+            }
+        if (count == 0) continue;
+        kaon_linear(&ex->gate_up[e], count, xin, gu, linear_work, threads);
+        for (int c = 0; c < count; c++) {
+            const float *g = gu + (size_t)c * 2 * W, *u = g + W;
+            float *a = act + (size_t)c * W;
+            for (int i = 0; i < W; i++) a[i] = silu(g[i]) * u[i];
+        }
+        kaon_linear(&ex->down[e], count, act, y, linear_work, threads);
+        for (int c = 0; c < count; c++)
+            memcpy(slots + (size_t)members[c] * hidden, y + (size_t)c * hidden, sizeof(float) * hidden);
+    }
+    for (int r = 0; r < rows; r++) {  /* the chosen order, one rounding per product and per sum */
+        const float *w = weights + (size_t)r * k, *s = slots + (size_t)r * k * hidden;
+        float *o = out + (size_t)r * hidden;
+        for (int i = 0; i < hidden; i++) o[i] = w[0] * s[i];
+        for (int j = 1; j < k; j++)
+            for (int i = 0; i < hidden; i++) o[i] = o[i] + w[j] * s[(size_t)j * hidden + i];
+    }
+}
+
 /* Floats of scratch space kaon_decode needs for `rows` sequences of up to max_blocks blocks:
  * normed and proj [hidden], qkv, attention out [heads * dim], gate_up [2 I], act [I] per row,
  * the attention scores, then kaon_linear's quantized activations. */
@@ -2541,7 +2626,15 @@ size_t kaon_decode_workspace(const Model *md, int rows, int max_blocks) {
     size_t widest = h > inter ? h : inter;
     if (attn > widest) widest = attn;
     size_t per_row = 2 * h + qkv + attn + 3 * inter + attn / md->head_dim * max_blocks * md->block_size;
-    return rows * per_row + kaon_linear_workspace((int)widest, rows) / sizeof(float) + 16;
+    size_t experts = 0;  /* the widest MoE layer's scratch (experts_mlp), after the scores */
+    for (int li = 0; li < md->num_layers; li++) {
+        const Experts *e = md->layers[li].experts;
+        if (!e) continue;
+        const size_t need = experts_floats(e, rows, md->hidden);
+        if (need > experts) experts = need;
+        if ((size_t)e->width > widest) widest = e->width;
+    }
+    return rows * per_row + experts + kaon_linear_workspace((int)widest, rows) / sizeof(float) + 16;
 }
 
 /* x [rows, hidden]: the embedded tokens in, the final norm's output out. Each row is one
@@ -2560,7 +2653,14 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
     float *normed = work, *qkv = normed + (size_t)rows * hidden, *attn = qkv + (size_t)rows * qkv_width;
     float *gate_up = attn + (size_t)rows * heads * dim, *act = gate_up + (size_t)rows * 2 * inter;
     float *proj = act + (size_t)rows * inter, *scores = proj + (size_t)rows * hidden;
-    void *linear_work = scores + (size_t)rows * heads * max_blocks * bs;
+    float *experts_work = scores + (size_t)rows * heads * max_blocks * bs;
+    size_t experts_room = 0;  /* (kaon_decode_workspace: the widest MoE layer's) */
+    for (int li = 0; li < md->num_layers; li++)
+        if (md->layers[li].experts) {
+            const size_t need = experts_floats(md->layers[li].experts, rows, hidden);
+            experts_room = need > experts_room ? need : experts_room;
+        }
+    void *linear_work = experts_work + experts_room;
     atomic_store(&pool.hold, 1);
     for (int li = 0; li < md->num_layers; li++) {
         const Layer *L = md->layers + li;
@@ -2594,6 +2694,12 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         } else {
             for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
             rms_norm(x, L->post_norm, md->eps, rows, hidden, normed);
+        }
+        if (L->experts) {  /* a mixture-of-experts layer: its output in proj, joined as the dense MLP's */
+            experts_mlp(L->experts, rows, hidden, normed, proj, experts_work, linear_work, threads);
+            if (L->post_ff_norm) rms_norm(proj, L->post_ff_norm, md->eps, rows, hidden, proj);
+            for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
+            continue;
         }
         kaon_linear(&L->gate_up, rows, normed, gate_up, linear_work, threads);
         add_lora(&L->lora[LORA_GATE_UP], &adapters, hidden, 2 * inter, normed, gate_up, threads);

@@ -100,7 +100,17 @@ class Layer(ctypes.Structure):
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),  # Qwen3's per-head norms; None: none
                 # Gemma 2's sandwich: the MLP's input norm and its output's norm (post_norm then normalises
                 # attention's output); None: none
-                ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p)]
+                ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p),
+                ("experts", ctypes.c_void_p)]  # a pointer to Experts: a mixture-of-experts layer; None: dense
+
+
+class Experts(ctypes.Structure):
+    """A mixture-of-experts layer (cpu_decode.c experts_mlp): the router float32 [E, hidden] as a Linear, each
+    expert's gate|up [2 width, hidden] and down [hidden, width] as arrays of Linear."""
+
+    _fields_ = [("num_experts", ctypes.c_int32), ("top_k", ctypes.c_int32), ("renormalize", ctypes.c_int32),
+                ("width", ctypes.c_int32), ("router", Linear), ("gate_up", ctypes.POINTER(Linear)),
+                ("down", ctypes.POINTER(Linear))]
 
 
 class Model(ctypes.Structure):

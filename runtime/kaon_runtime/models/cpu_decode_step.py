@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -119,14 +120,27 @@ def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, Attention
 
 
 @dataclass(frozen=True, slots=True)
+class FusedExperts:
+    """What the fused step reads of a mixture-of-experts layer (layers/moe.py SparseMoE)."""
+
+    router: torch.Tensor  # the gate's weight [E, H] (float: routing is never quantized)
+    top_k: int
+    renormalize: bool  # the chosen weights divided by their sum (norm_topk_prob; Mixtral always)
+    # Each expert's gate|up and down: the float stacks w13 [E, 2W, H] and w2 [E, H, W] (read in place, expert by
+    # expert), or a quantized checkpoint's per-expert linears (QuantizedExperts: anything linear_weights reads)
+    gate_up: torch.Tensor | Sequence[nn.Module]
+    down: torch.Tensor | Sequence[nn.Module]
+
+
+@dataclass(frozen=True, slots=True)
 class FusedLayer:
     """What the fused step reads of one decoder layer."""
 
     qkv: nn.Module  # the projections: float32 nn.Linear, kaon's int8 or its int4 (see linear_weights), or
     # any of them in a LoraLinear
     o: nn.Module
-    gate_up: nn.Module
-    down: nn.Module
+    gate_up: nn.Module | None  # the dense MLP's; None in a mixture-of-experts layer (experts)
+    down: nn.Module | None
     input_norm: torch.Tensor  # the two RMSNorm weights
     post_attention_norm: torch.Tensor
     k_cache: torch.Tensor | None  # [Hkv, num_blocks, block_size, D]; None before the pool is attached
@@ -138,6 +152,7 @@ class FusedLayer:
     pre_feedforward_norm: torch.Tensor | None = None  # Gemma 2's sandwich: the MLP's input norm (then
     post_feedforward_norm: torch.Tensor | None = None  # post_attention_norm normalises attention's output), and
     # the MLP output's norm; None: no sandwich
+    experts: FusedExperts | None = None  # a mixture-of-experts layer's, in place of gate_up and down
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,9 +199,8 @@ def unsupported(config: ModelConfig) -> str | None:
     """Why the fused step cannot run this model, or None when it can."""
     reasons = [
         (config.hidden_act not in cpu_decode.ACTIVATIONS_C, f"the {config.hidden_act} activation"),
-        (config.num_experts > 0, "experts"),
-        (config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK,
-         f"widths that are not multiples of {cpu_decode.QBLOCK}"),
+        (config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK
+         or config.moe_intermediate_size % cpu_decode.QBLOCK, f"widths that are not multiples of {cpu_decode.QBLOCK}"),
     ]
     found = [reason for applies, reason in reasons if applies]
     return ", ".join(found) or None
@@ -224,6 +238,35 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
             return cpu_decode.LinearWeights.q4_f32(quantized.packed, quantized.scales, quantized.mins, bias)
         return cpu_decode.LinearWeights.q4_1(quantized.packed, quantized.scales, quantized.mins, bias)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
+
+
+def expert_linears(stack: torch.Tensor | Sequence[nn.Module]) -> list[cpu_decode.LinearWeights]:
+    """One projection per expert as the C step reads it: slices of a float stack [E, N, K] (views, no copy), or
+    each expert's own linear (linear_weights: ValueError where it has no kernel)."""
+    if isinstance(stack, torch.Tensor):
+        return [cpu_decode.LinearWeights.f32(stack[e]) for e in range(stack.shape[0])]
+    return [linear_weights(module) for module in stack]
+
+
+def experts_struct(experts: FusedExperts, activation_passes: int) -> tuple[cpu_decode.Experts, list[object]]:
+    """A mixture-of-experts layer as the C step reads it, and what its pointers point into (kept alive by the
+    caller). The router goes in as a float32 copy (a bfloat16 or float16 model's is widened exactly)."""
+    router = cpu_decode.LinearWeights.f32(experts.router.detach().float())
+    gate_up, down = expert_linears(experts.gate_up), expert_linears(experts.down)
+    if len(gate_up) != len(down) or len(gate_up) != router.struct.n:
+        raise ValueError(f"{router.struct.n} experts routed, {len(gate_up)} gate|up and {len(down)} down projections")
+    arrays = []
+    for linears in (gate_up, down):
+        array = (cpu_decode.Linear * len(linears))(*(w.struct for w in linears))
+        for struct in array:  # (copies of the structs, as the dense projections' are)
+            if struct.kind not in cpu_decode.UNQUANTIZED_INPUTS:
+                struct.act_passes = activation_passes
+        arrays.append(array)
+    struct = cpu_decode.Experts(num_experts=len(gate_up), top_k=experts.top_k, renormalize=int(experts.renormalize),
+                                width=gate_up[0].struct.n // 2, router=router.struct,
+                                gate_up=ctypes.cast(arrays[0], ctypes.POINTER(cpu_decode.Linear)),
+                                down=ctypes.cast(arrays[1], ctypes.POINTER(cpu_decode.Linear)))
+    return struct, [router, *gate_up, *down, *arrays]
 
 
 def lora_slots(module: nn.Module) -> tuple[cpu_decode.Lora, list[torch.Tensor]] | None:
@@ -267,7 +310,11 @@ class CpuDecodeStep:
         """Raise ValueError if a projection has no fused kernel (call once the weights are loaded)."""
         for layer in self.decoder.fused_weights().layers:
             for module in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                linear_weights(module)
+                if module is not None:
+                    linear_weights(module)
+            if layer.experts is not None:
+                expert_linears(layer.experts.gate_up)
+                expert_linears(layer.experts.down)
         self.prefills = prefills_take_the_c_step()
         self.activation_passes = cpu_decode.activation_passes()
 
@@ -282,8 +329,9 @@ class CpuDecodeStep:
         structs = (cpu_decode.Layer * len(layers))()
         for i, layer in enumerate(layers):
             projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            linears = [linear_weights(m) for m in projections]
-            found = [lora_slots(m) for m in projections]
+            linears = [cpu_decode.LinearWeights(cpu_decode.Linear()) if m is None else linear_weights(m)
+                       for m in projections]  # (an MoE layer's dense MLP: an empty struct, never read)
+            found = [(cpu_decode.Lora(), []) if m is None else lora_slots(m) for m in projections]
             loras = [slots or (cpu_decode.Lora(), []) for slots in found]
             reads_lora = reads_lora and None not in found
             # The layer's norms in the Layer struct's order: input, post-attention, q, k, pre- and post-feedforward
@@ -297,6 +345,10 @@ class CpuDecodeStep:
                                           layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
                                           (cpu_decode.Lora * 4)(*(struct for struct, _ in loras)), layer.window or 0,
                                           *pointers[2:])
+            if layer.experts is not None:
+                experts, kept = experts_struct(layer.experts, self.activation_passes)
+                structs[i].experts = ctypes.addressof(experts)
+                keep += [experts, *kept]
             for name in ("qkv", "o", "gate_up", "down"):  # (copies of the structs: shared weights keep theirs)
                 linear = getattr(structs[i], name)
                 if linear.kind not in cpu_decode.UNQUANTIZED_INPUTS:

@@ -34,7 +34,13 @@ from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
-from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, FusedLayer, FusedWeights, split_decodes
+from kaon_runtime.models.cpu_decode_step import (
+    CpuDecodeStep,
+    FusedExperts,
+    FusedLayer,
+    FusedWeights,
+    split_decodes,
+)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a checkpoint tensor's layer index
 
@@ -131,12 +137,22 @@ class DecoderLayer(nn.Module):
     def fused_layer(self) -> FusedLayer:
         """What the fused CPU decode step reads of this layer (its norms as stored: the step adds Gemma's offset)."""
         attn, mlp = self.self_attn, self.mlp
-        assert isinstance(mlp, GatedMLP), "the fused step has no experts"
         sandwich = (self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if self.sandwich else (None, None)
-        return FusedLayer(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.input_layernorm.weight,
+        experts = _fused_experts(mlp) if isinstance(mlp, SparseMoE) else None
+        dense = (None, None) if isinstance(mlp, SparseMoE) else (mlp.gate_up_proj, mlp.down_proj)
+        return FusedLayer(attn.qkv_proj, attn.o_proj, *dense, self.input_layernorm.weight,
                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale,
                           attn.attn.sliding_window,
-                          *(None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm, *sandwich)))
+                          *(None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm, *sandwich)),
+                          experts=experts)
+
+
+def _fused_experts(moe: SparseMoE) -> FusedExperts:
+    """What the fused step reads of an MoE layer: its router, its routing's options, its experts (float stacks, or
+    a quantized checkpoint's per-expert linears)."""
+    quantized = moe.quantized
+    gate_up, down = (moe.w13, moe.w2) if quantized is None else (list(quantized.gate_up), list(quantized.down))
+    return FusedExperts(moe.gate.weight, moe.top_k, moe.renormalize, gate_up, down)
 
 
 class DecoderModel(nn.Module):
