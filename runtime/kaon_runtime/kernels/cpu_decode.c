@@ -3,8 +3,8 @@
  * Why hand-written: at batch 1 a torch decode step of SmolLM2-135M spends more time in its
  * thousands of small ops and in Python (~17 ms) than in its matrix products (~9 ms); llama.cpp
  * runs one fused graph per token in C. This file does the same for kaon's own layouts: every
- * layer's norms, projections, rotary, KV-cache write, paged attention and SwiGLU, then the
- * final norm; the vocabulary head is a separate call of the same projection kernels (the
+ * layer's norms, projections, rotary, KV-cache write, paged attention and SwiGLU (or a mixture of
+ * experts: experts_mlp), then the final norm; the vocabulary head is a separate call of the same projection kernels (the
  * embedding lookup stays in torch).
  *
  * Projections read their weights as stored:

@@ -8,7 +8,12 @@ A quantized checkpoint's experts (AWQ, GPTQ, compressed-tensors, GGUF blocks) st
 expert's gate|up and down become one of kaon's quantized linears (QuantizedExperts), and the float
 w13 / w2 are dropped before any memory is given to them. Each expert then multiplies the rows routed
 to it through that linear's own kernel: torch's packed int4 / int8 kernels on CPU, the Triton
-W4A16 / W8A16 GEMMs on a GPU (there is no quantized variant of the fused kernel yet). Picking the
+W4A16 / W8A16 GEMMs on a GPU (there is no quantized variant of the fused kernel yet).
+
+On CPU the fused C step runs these layers itself where it runs the model (models/cpu_decode_step.py
+FusedExperts, cpu_decode.c experts_mlp): each row routed alone as `route` does, float or quantized experts
+through its own kernels, so a token's numbers do not depend on the rows beside it; this module's forward is
+then the reference its tests compare with (and the path without the step: tensor parallelism, no compiler). Picking the
 experts reads the routing on the host, so such a model runs its GPU decode steps without CUDA graphs.
 """
 from __future__ import annotations

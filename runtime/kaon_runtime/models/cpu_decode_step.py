@@ -21,9 +21,12 @@ The model's dtype: float32, or float16 / bfloat16, whose float weights the kerne
 (widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
 the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2 need (full
 or sliding-window attention, SwiGLU or GeGLU, RMSNorm plain or with Gemma's offset, Gemma 2's sandwich norms
-and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary); experts keep torch
-(`unsupported`). Gemma's embedding scale and final logit soft-cap are computed outside the layers, row by
-row (models/decoder.py), so they are invariant as they are.
+and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary), and Mixtral's and Qwen3-MoE's
+mixture-of-experts layers (FusedExperts: each row routed alone in float32, its chosen experts through the
+same projection kernels, float stacks read in place or a quantized checkpoint's per-expert linears;
+cpu_decode.c experts_mlp), their dense layers as dense. What it cannot run: `unsupported`, `blocker`.
+Gemma's embedding scale and final logit soft-cap are computed outside the layers, row by row
+(models/decoder.py), so they are invariant as they are.
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
@@ -258,9 +261,9 @@ def experts_struct(experts: FusedExperts, activation_passes: int) -> tuple[cpu_d
     arrays = []
     for linears in (gate_up, down):
         array = (cpu_decode.Linear * len(linears))(*(w.struct for w in linears))
-        for struct in array:  # (copies of the structs, as the dense projections' are)
-            if struct.kind not in cpu_decode.UNQUANTIZED_INPUTS:
-                struct.act_passes = activation_passes
+        for linear in array:  # (copies of the structs, as the dense projections' are)
+            if linear.kind not in cpu_decode.UNQUANTIZED_INPUTS:
+                linear.act_passes = activation_passes
         arrays.append(array)
     struct = cpu_decode.Experts(num_experts=len(gate_up), top_k=experts.top_k, renormalize=int(experts.renormalize),
                                 width=gate_up[0].struct.n // 2, router=router.struct,

@@ -139,12 +139,12 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         sandwich = (self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if self.sandwich else (None, None)
         experts = _fused_experts(mlp) if isinstance(mlp, SparseMoE) else None
-        dense = (None, None) if isinstance(mlp, SparseMoE) else (mlp.gate_up_proj, mlp.down_proj)
-        return FusedLayer(attn.qkv_proj, attn.o_proj, *dense, self.input_layernorm.weight,
-                          self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale,
-                          attn.attn.sliding_window,
-                          *(None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm, *sandwich)),
-                          experts=experts)
+        gate_up, down = (None, None) if isinstance(mlp, SparseMoE) else (mlp.gate_up_proj, mlp.down_proj)
+        layer = FusedLayer(attn.qkv_proj, attn.o_proj, gate_up, down, self.input_layernorm.weight,
+                           self.post_attention_layernorm.weight, attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale,
+                           attn.attn.sliding_window,
+                           *(None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm, *sandwich)))
+        return layer if experts is None else replace(layer, experts=experts)
 
 
 def _fused_experts(moe: SparseMoE) -> FusedExperts:

@@ -63,7 +63,7 @@ def quantize_experts(model, method: str) -> list[torch.nn.Module]:
 @pytest.mark.parametrize("moe", sorted(MOES))
 def test_an_moe_decode_step_matches_the_torch_path(moe):
     config = tiny_config(**MOES[moe])
-    model, cache = random_model(config, blocks=10)
+    model, _ = random_model(config, blocks=10)
     assert len(moe_layers(model)) == (1 if config.dense_layers else 2)
     assert c_step_error_against_torch(model, config) < 1e-5  # (4e-7 here; an expert's rows mixed up: ~1)
 
