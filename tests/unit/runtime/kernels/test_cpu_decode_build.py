@@ -137,8 +137,17 @@ def test_every_projection_kind_agrees_across_the_flag_paths(level_library, activ
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [20, 96])  # the attention's tail path, and its 64-wide one
 def test_a_decode_step_agrees_across_the_flag_paths(level_library, head_dim, kv_dtype):
+    _assert_the_step_agrees(level_library, tiny_config(attention_bias=True, head_dim=head_dim), kv_dtype)
+
+
+def test_an_moe_step_agrees_across_the_flag_paths(level_library):
+    """Mixture-of-experts layers (cpu_decode.c experts_mlp: routing in plain C, the experts through kaon_linear)."""
+    _assert_the_step_agrees(level_library, tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                       norm_topk_prob=True), torch.float32)
+
+
+def _assert_the_step_agrees(level_library, config, kv_dtype) -> None:
     name, native, _level = level_library
-    config = tiny_config(attention_bias=True, head_dim=head_dim)
     results = {}
     for which in ("level", "native"):
         model, cache = random_model(config, blocks=10, kv_dtype=kv_dtype)
