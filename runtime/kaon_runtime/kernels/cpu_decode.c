@@ -2565,12 +2565,12 @@ static void route_row(float *probs, int E, int k, int renormalize, int32_t *ids,
     const float inv = 1.f / sum;
     for (int e = 0; e < E; e++) probs[e] *= inv;
     for (int j = 0; j < k; j++) {
-        int best = -1;
+        int best = -1;  /* the first unchosen expert at least (k <= E), NaN probabilities included */
         for (int e = 0; e < E; e++)
-            if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+            if (probs[e] != -INFINITY && (best < 0 || probs[e] > probs[best])) best = e;
         ids[j] = best;
         weights[j] = probs[best];
-        probs[best] = -1.f;  /* chosen: below every probability */
+        probs[best] = -INFINITY;  /* chosen (a probability is never -inf) */
     }
     if (renormalize) {
         float total = 0.f;

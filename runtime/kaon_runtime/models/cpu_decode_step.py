@@ -256,8 +256,9 @@ def experts_struct(experts: FusedExperts, activation_passes: int) -> tuple[cpu_d
     caller). The router goes in as a float32 copy (a bfloat16 or float16 model's is widened exactly)."""
     router = cpu_decode.LinearWeights.f32(experts.router.detach().float())
     gate_up, down = expert_linears(experts.gate_up), expert_linears(experts.down)
-    if len(gate_up) != len(down) or len(gate_up) != router.struct.n:
-        raise ValueError(f"{router.struct.n} experts routed, {len(gate_up)} gate|up and {len(down)} down projections")
+    if len(gate_up) != len(down) or len(gate_up) != router.struct.n or not 0 < experts.top_k <= len(gate_up):
+        raise ValueError(f"{router.struct.n} experts routed (top {experts.top_k}), {len(gate_up)} gate|up and "
+                         f"{len(down)} down projections")
     arrays = []
     for linears in (gate_up, down):
         array = (cpu_decode.Linear * len(linears))(*(w.struct for w in linears))
