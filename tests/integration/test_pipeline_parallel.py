@@ -153,6 +153,36 @@ def test_a_rank_that_never_joins_is_named(tmp_path_factory, gguf_path, monkeypat
     assert time.monotonic() - start < 30
 
 
+# ---- every stage through the fused C step (issue 49 §2) ---------------------------------------------
+
+def answer(output) -> tuple[list[int], list[float]]:
+    """The tokens and each token's own log-probability."""
+    completion = output.outputs[0]
+    return completion.token_ids, [step[token] for token, step in zip(completion.token_ids, completion.logprobs)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stages_take_the_c_step_and_answer_alike_alone_batched_chunked_and_cached(tmp_path_factory, gguf_path,
+                                                                                    dtype):
+    """Each stage runs its own layers through the fused C step, where every row is computed alone (the last
+    stage the final norm and the head too), and hands the next its residual stream in float32. So PP=2 answers
+    each prompt bit for bit as PP=1 does alone (tokens and log-probabilities): batched beside the others in
+    chunks of 16 tokens, and again alone with its prefix cached. bfloat16: a boundary that rounded the stream to
+    the model's dtype would show here."""
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    options = dict(device="cpu", dtype=dtype, num_kv_blocks=64, max_num_seqs=8)
+    with LLM(path, show_progress=False, enable_prefix_caching=False, **options) as one:
+        assert one.engine.runner.cpu_decode_step
+        alone = [answer(one.generate([p], params, use_tqdm=False)[0]) for p in PROMPTS]
+    with LLM(path, show_progress=False, pipeline_parallel_size=2, max_num_batched_tokens=16, **options) as staged:
+        assert staged.engine.runner.cpu_decode_step  # the leader's stage; the last stage's shows in the answers
+        assert [answer(o) for o in staged.generate(PROMPTS, params, use_tqdm=False)] == alone
+        hits = staged.engine.stats().prefix_cache_hits
+        assert [answer(staged.generate([p], params, use_tqdm=False)[0]) for p in PROMPTS] == alone
+        assert staged.engine.stats().prefix_cache_hits > hits
+
+
 # ---- two `kaon serve` hosts of one LeaderWorkerSet group ------------------------------------------
 
 def group_ports() -> tuple[int, int, int]:

@@ -82,8 +82,6 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
         reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
-        elif tp.stage.size > 1:
-            reason = "pipeline parallelism"  # the C step runs every layer and the head
         elif reference_arithmetic(config.dtype, checkpoint_scheme(checkpoint)):
             reason = "--dtype float32 on a quantized checkpoint runs its reference arithmetic (quant/reference.py)"
         else:

@@ -145,7 +145,7 @@ class FusedWeights:
     """What the fused step reads of the decoder: its layers, the final norm, the rotary tables (float32, CPU)."""
 
     layers: list[FusedLayer]
-    final_norm: torch.Tensor
+    final_norm: torch.Tensor | None  # None: a pipeline stage before the last (it hands on the residual stream)
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -301,7 +301,7 @@ class CpuDecodeStep:
                 linear = getattr(structs[i], name)
                 if linear.kind not in cpu_decode.UNQUANTIZED_INPUTS:
                     linear.act_passes = self.activation_passes
-        final_norm = norm_copy(weights.final_norm, c)
+        final_norm = None if weights.final_norm is None else norm_copy(weights.final_norm, c)
         keep += [structs, weights.cos, weights.sin, final_norm]
         first_cache = layers[0].k_cache
         assert first_cache is not None
@@ -317,7 +317,7 @@ class CpuDecodeStep:
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
             kv_half=cpu_decode.KV_FORMATS[first_cache.dtype],
-            eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
+            eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=None if final_norm is None else final_norm.data_ptr(),
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
             layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)), rotary_dim=rotary_dim,
             act=cpu_decode.ACTIVATIONS_C[c.hidden_act], softcap=c.attn_softcap or 0.0)
