@@ -183,6 +183,27 @@ def test_stages_take_the_c_step_and_answer_alike_alone_batched_chunked_and_cache
         assert staged.engine.stats().prefix_cache_hits > hits
 
 
+def test_a_gguf_in_its_own_int4_blocks_answers_at_pp2_as_at_pp1(tmp_path, gguf_path):
+    """A GGUF runs in its own blocks on CPU (engine/gguf_weights.py), named by their global layer; a later stage
+    holds its layers numbered from 0, so it must take its own layers' blocks, not the first stage's (it did: the
+    bundled model at PP=2 answered otherwise than at PP=1 from its first token, on either path)."""
+    from support.gguf_from_hf import write_gguf_from_hf
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = str(write_gguf_from_hf(model, tmp_path / "tiny.gguf", gguf_path, "Q4_0"))
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    options = dict(device="cpu", num_kv_blocks=64, max_num_seqs=8)
+    with LLM(path, show_progress=False, **options) as one:
+        expected = [answer(o) for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(path, show_progress=False, pipeline_parallel_size=2, **options) as staged:
+        assert [answer(o) for o in staged.generate(PROMPTS, params, use_tqdm=False)] == expected
+
+
 # ---- two `kaon serve` hosts of one LeaderWorkerSet group ------------------------------------------
 
 def group_ports() -> tuple[int, int, int]:

@@ -8,6 +8,8 @@ the MLP width (`local_config`): q/k/v and gate/up are column-parallel, and the o
 o_proj and down_proj are partial sums that an all-reduce completes. Under pipeline parallelism
 each rank builds only its stage's layers (`tp.stage`): the embedding on the first stage, the
 final norm and the head on the last; a later stage starts from the previous one's (hidden, residual).
+With the fused CPU step a stage's pair is (residual stream, zeros) in float32, which the next stage's step
+reads on exactly (DecoderModel._fused).
 
 The kernels come in at construction (layers.kernel_backend): each layer takes the fused ones
 that apply to it, and the torch code where none does.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -286,10 +288,11 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank
         ever holds the whole model), fusing q/k/v, gate/up and the experts; fails loudly on anything missing."""
-        checkpoint_names.load(self, self._stage_weights(weights))
+        checkpoint_names.load(self, self.stage_weights(weights))
 
-    def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors this pipeline stage holds, its layers renumbered from 0."""
+    def stage_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's tensors (or a GGUF's own blocks, by module name) this pipeline stage holds, its
+        layers renumbered from 0."""
         stage, span = self.tp.stage, self.layer_range
         if stage.size == 1:
             yield from weights
