@@ -4,7 +4,8 @@ point-to-point send and recv: gloo on CPU, NCCL between GPUs, by the same code.
 Every rank of a stage holds the whole (hidden, residual) pair after its all-reduces, so rank t of
 stage s sends it to rank t of stage s + 1 (the pairs run side by side). The last stage's TP rank 0
 sends the logits of the step's sample rows back to the leader (rank 0), which samples. Shapes are
-never sent: every rank has the step's plan, so it knows how many tokens and rows to expect.
+never sent: every rank has the step's plan, so it knows how many tokens and rows to expect. On CPU the pairs
+travel in float32 at least (stage_dtype), as the fused C step computes them.
 
 Several micro-batches may be in the pipeline at once, so nothing here blocks a stage on its
 neighbour: activations leave by `isend` (the buffer kept until it is delivered) and the leader posts

@@ -25,6 +25,11 @@ and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary); exp
 (`unsupported`). Gemma's embedding scale and final logit soft-cap are computed outside the layers, row by
 row (models/decoder.py), so they are invariant as they are.
 
+Pipeline stages (issue 49 §2): each stage's step runs the layers its decoder holds (their windows by their
+global index) and the final norm on the last stage only (FusedWeights.final_norm None before it: the C step
+then hands back the residual stream). The stages hand on (stream, zeros) in float32 (models/decoder.py,
+DecoderModel._fused), so a stage boundary rounds nothing and PP=N computes every row as PP=1 does.
+
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
 into the C structs.
