@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kaon_runtime import LLM, SamplingParams  # noqa: E402
-from kaon_runtime.kernels import cpu_decode  # noqa: E402
+from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.kernels import cpu_decode
 
 VARIANTS = {"c_step": "on", "torch": "off"}  # KAON_CPU_DECODE
 
@@ -68,8 +68,8 @@ def turn(path: str, variant: str, prompts: list[list[int]], max_tokens: int) -> 
         full_cpu, full_wall, tokens = timed(llm, prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                          ignore_eos=True))
     decoded = len(prompts) * (max_tokens - 1)
-    return {"decode_per_cpu_s": decoded / (full_cpu - prefill_cpu), "decode_per_s": decoded / (full_wall - prefill_wall),
-            "cpu_s": full_cpu, "tokens": tokens}
+    return {"decode_per_cpu_s": decoded / (full_cpu - prefill_cpu),
+            "decode_per_s": decoded / (full_wall - prefill_wall), "tokens": tokens}
 
 
 def main() -> None:
@@ -99,10 +99,9 @@ def main() -> None:
           f"1-min load average {min(load):.1f}-{max(load):.1f}")
     for name, label in (("c_step", "fused C step"), ("torch", "torch's path")):
         per_cpu = [r["decode_per_cpu_s"] for r in runs[name]]
-        rounds = runs[name]
         print(f"{label}: decode {statistics.median(per_cpu):.1f} tok per CPU s "
               f"(rounds: {', '.join(f'{x:.1f}' for x in per_cpu)}); "
-              f"{statistics.median(r['decode_per_s'] for r in rounds):.1f} tok/s wall")
+              f"{statistics.median(r['decode_per_s'] for r in runs[name]):.1f} tok/s wall")
     ratios = [a["decode_per_cpu_s"] / b["decode_per_cpu_s"] for a, b in zip(runs["c_step"], runs["torch"])]
     walls = [a["decode_per_s"] / b["decode_per_s"] for a, b in zip(runs["c_step"], runs["torch"])]
     same = sum(a == b for a, b in zip(runs["c_step"][0]["tokens"], runs["torch"][0]["tokens"]))
