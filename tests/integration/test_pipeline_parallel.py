@@ -161,15 +161,15 @@ def answer(output) -> tuple[list[int], list[float]]:
     return completion.token_ids, [step[token] for token, step in zip(completion.token_ids, completion.logprobs)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("name", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("qwen3-moe", "float32")])
 def test_stages_take_the_c_step_and_answer_alike_alone_batched_chunked_and_cached(tmp_path_factory, gguf_path,
-                                                                                    dtype):
+                                                                                    name, dtype):
     """Each stage runs its own layers through the fused C step, where every row is computed alone (the last
     stage the final norm and the head too), and hands the next its residual stream in float32. So PP=2 answers
     each prompt bit for bit as PP=1 does alone (tokens and log-probabilities): batched beside the others in
     chunks of 16 tokens, and again alone with its prefix cached. bfloat16: a boundary that rounded the stream to
-    the model's dtype would show here."""
-    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    the model's dtype would show here. qwen3-moe: each stage's mixture-of-experts layers in the C step too."""
+    path = hf_dir(name, tmp_path_factory, gguf_path)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
     options = dict(device="cpu", dtype=dtype, num_kv_blocks=64, max_num_seqs=8)
     with LLM(path, show_progress=False, enable_prefix_caching=False, **options) as one:
