@@ -55,3 +55,66 @@ def test_two_ranks_through_the_c_step_compute_torchs_hidden_states(shard_outputs
         assert torch.equal(fused, rank1[case]["c"][step]), f"{step}: the ranks hold the same hidden states"
         torch.testing.assert_close(fused, rank0[case]["torch"][step], atol=1e-4, rtol=1e-4, msg=f"{step}: torch's")
         torch.testing.assert_close(fused, one[case]["c"][step], atol=1e-4, rtol=1e-4, msg=f"{step}: one rank's")
+
+
+# ---- whole engines ---------------------------------------------------------------------------
+
+SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False)
+# Prompts of different lengths, the last sharing its first 40 tokens (two blocks of 16) with the second
+PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 160)), [300, 301, 302] * 8, list(range(1000, 1037)),
+           list(range(100, 140)) + [7, 8, 9]]
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+def _answers(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's tokens and each token's own log-probability."""
+    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    return [(c.token_ids, [step[t] for t, step in zip(c.token_ids, c.logprobs)])
+            for c in (o.outputs[0] for o in outputs)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, gguf_path):
+    """A tiny float32 Llama at one rank, and at two: (no prefix cache, whole prompts in one step),
+    (prefix cache, prefill chunks of 16 tokens)."""
+    from support.hf_dirs import write_hf_dir
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tp-step")
+    write_hf_dir(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)), path, gguf_path,
+                 {"eos_token": "<|im_end|>"})
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+            env.delenv(name, raising=False)
+        options = dict(show_progress=False, device="cpu", dtype="float32", num_kv_blocks=256)
+        made = [LLM(str(path), **options),
+                LLM(str(path), tensor_parallel_size=2, enable_prefix_caching=False, **options),
+                LLM(str(path), tensor_parallel_size=2, enable_prefix_caching=True, max_num_batched_tokens=16,
+                    **options)]
+    try:
+        for llm in made:
+            assert llm.engine.runner.model.model.cpu_decode is not None, "the C step runs every rank's shard"
+        yield made
+    finally:
+        for llm in made:
+            llm.close()
+
+
+def _assert_same(got, expected, how: str) -> None:
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g[0] == e[0], f"prompt {i} {how}: tokens {g[0]} != alone {e[0]}"
+        assert g[1] == e[1], f"prompt {i} {how}: log-probabilities differ from alone's\n{g[1]}\n{e[1]}"
+
+
+def test_an_answer_at_two_ranks_does_not_depend_on_batch_chunking_or_cache(engines):
+    one, plain, chunked = engines
+    alone = [_answers(plain, [p])[0] for p in PROMPTS]
+    _assert_same(_answers(plain, PROMPTS), alone, "in a batch")
+    _assert_same(_answers(chunked, PROMPTS), alone, "in chunks of 16, batched")
+    _assert_same([_answers(chunked, [p])[0] for p in PROMPTS], alone, "with its prefix cached")
+    # and one rank's greedy tokens on the same weights (float32: the sums differ in order, not in choice)
+    assert [tokens for tokens, _ in _answers(one, PROMPTS)] == [tokens for tokens, _ in alone]

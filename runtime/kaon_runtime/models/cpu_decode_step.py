@@ -198,11 +198,10 @@ def unsupported_shard(config: ModelConfig, tp_size: int) -> str | None:
     """Why the fused step cannot run one tensor-parallel rank's shard, or None: the rank's inputs of the
     row-parallel projections (its MLP width, its heads' width) must be whole activation blocks too."""
     local = local_config(config, tp_size)
-    widths = (local.intermediate_size, local.num_heads * local.head_dim)
-    if any(width % cpu_decode.QBLOCK for width in widths):
-        return f"a rank's widths {widths[0]} and {widths[1]} at tensor_parallel_size {tp_size} (not multiples of " \
-               f"{cpu_decode.QBLOCK})"
-    return None
+    widths = {"MLP width": local.intermediate_size, "heads' width": local.num_heads * local.head_dim}
+    found = [f"{name} {width}" for name, width in widths.items() if width % cpu_decode.QBLOCK]
+    return f"a rank's {' and '.join(found)} at tensor_parallel_size {tp_size} (not a multiple of " \
+           f"{cpu_decode.QBLOCK})" if found else None
 
 
 def rank_sum(tp: TensorParallel, failures: list[BaseException]) -> Any:
