@@ -21,13 +21,22 @@ The model's dtype: float32, or float16 / bfloat16, whose float weights the kerne
 (widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
 the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2 need (full
 or sliding-window attention, SwiGLU or GeGLU, RMSNorm plain or with Gemma's offset, Gemma 2's sandwich norms
-and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary); experts keep torch
-(`unsupported`). Gemma's embedding scale and final logit soft-cap are computed outside the layers, row by
-row (models/decoder.py), so they are invariant as they are.
+and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary), on one rank or each
+tensor-parallel rank's shard (below); experts and pipeline stages keep torch (`unsupported`,
+engine/model_loader.pick_kernels). Gemma's embedding scale and final logit soft-cap are computed outside the
+layers, row by row (models/decoder.py), so they are invariant as they are.
 
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
 into the C structs.
+
+Tensor parallelism: each rank's step runs its shard (local_config: its heads, KV heads and MLP width; its
+weights and KV pool). o's and down's outputs are then partial sums; the C step calls back (Model.sum_ranks,
+rank_sum) at those two points of every layer, before anything reads them (the residual add, Gemma 2's post
+norms), and the rank sums them over the ranks in rank order (TensorParallel.sum_in_rank_order: gloo's
+all-reduce order moves with the step's size from three ranks on), so a row's numbers still do not depend on the
+rows beside it. Row-parallel projections carry no bias in any family (decoder.py); a LoRA adapter's
+row-parallel share (distributed/lora_sharding.py) joins the partial sum before it is summed, as in torch's path.
 
 LoRA: a projection wrapped in a LoraLinear (models.lora_targets) hands the C step its base
 weights and its slots (float32 A and B, and each slot's ranks), which it reads in place; the

@@ -462,7 +462,8 @@ def test_what_it_cannot_run_is_named():
     # test_tensor_parallel_step.py); 96 / 2 = 48 is not
     assert blocker(tiny_config(intermediate_size=128), tp_size=2) is None
     assert "a rank's MLP width 48 at tensor_parallel_size 2" in blocker(tiny_config(), tp_size=2)
-    assert "a rank's heads' width 16 at tensor_parallel_size 4" in blocker(tiny_config(intermediate_size=128), tp_size=4)
+    assert "a rank's heads' width 16 at tensor_parallel_size 4" in blocker(tiny_config(intermediate_size=128),
+                                                                            tp_size=4)
     model, _ = random_model(tiny_config(), blocks=2)
     layer = model.model.layers[0].mlp
     qweight, scales = quantize_fp8(layer.down_proj.weight.detach())
