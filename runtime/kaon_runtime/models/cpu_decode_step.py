@@ -218,12 +218,18 @@ def rank_sum(tp: TensorParallel, failures: list[BaseException]) -> Any:
     place from the step's workspace, summed over the ranks in rank order (TensorParallel.sum_in_rank_order:
     a row's sum does not depend on the rows beside it). An error is kept in `failures` (ctypes cannot pass it
     through C) and the step stops; the caller raises it."""
+    # The tensor over the last buffer: a step's calls (two a layer) share one, and so do the steps whose
+    # workspace comes back at the same address (a ctypes array type and a tensor a call cost ~20 us).
+    view: list[Any] = [None, None]
+
     def sum_ranks(address: int, count: int) -> int:
         if failures:
             return 1
         try:
-            partial = torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
-            tp.sum_in_rank_order(partial)
+            if view[0] != (address, count):
+                array = (ctypes.c_float * count).from_address(address)
+                view[:] = [(address, count), torch.frombuffer(array, dtype=torch.float32)]
+            tp.sum_in_rank_order(view[1])
         except BaseException as exc:  # noqa: BLE001 -- raised again by CpuDecodeStep.__call__ once C returns
             failures.append(exc)
             return 1
