@@ -15,7 +15,7 @@ import torch
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.kernels import cpu_decode
-from support.tp_ranks import all_shard_outputs, rank_sums, run_ranks
+from support.tp_ranks import all_shard_outputs, checkpoint, rank_sums, run_ranks
 
 pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
 transformers = pytest.importorskip("transformers")
@@ -44,7 +44,8 @@ CASES = {"llama": ("llama", {}), "qwen2-replicated-kv": ("qwen2", dict(num_key_v
 @pytest.fixture(scope="module")
 def shard_outputs():
     """Every case's hidden states at one rank (in this process) and at two, through the C step and torch's."""
-    return all_shard_outputs(TensorParallel(), CASES), run_ranks(all_shard_outputs, 2, CASES)
+    checkpoints = {name: checkpoint(family, extra) for name, (family, extra) in CASES.items()}
+    return all_shard_outputs(TensorParallel(), checkpoints), run_ranks(all_shard_outputs, 2, checkpoints)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

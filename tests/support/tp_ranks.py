@@ -91,14 +91,21 @@ def hf_model(family: str, **extra):
     return model
 
 
-def shard_outputs(tp: TensorParallel, family: str, extra: dict, cpu_decode: bool) -> dict[str, torch.Tensor]:
-    """This rank's shard of hf_model(family, **extra), its KV pool its share of one random pool: the final
-    hidden states of a decode step (TABLES, LENS), then of the prompt's 7 rows in one chunk beside those decodes
-    (the decodes' second step), through the fused C step (`cpu_decode`) or torch's path."""
+def checkpoint(family: str, extra: dict) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """hf_model(family, **extra) as kaon reads it: its config and its HF-named tensors (made once, by the
+    test's process: the ranks need not import transformers)."""
     hf = hf_model(family, **extra)
-    config: ModelConfig = model_config_from_hf({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
+    config = model_config_from_hf({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
+    return config, {name: t.detach().clone() for name, t in hf.state_dict().items()}
+
+
+def shard_outputs(tp: TensorParallel, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                  cpu_decode: bool) -> dict[str, torch.Tensor]:
+    """This rank's shard of a checkpoint, its KV pool its share of one random pool: the final hidden states of a
+    decode step (TABLES, LENS), then of the prompt's 7 rows in one chunk beside those decodes (the decodes'
+    second step), through the fused C step (`cpu_decode`) or torch's path."""
     model = build_model(config, tp, torch_kernels(cpu_decode)).float()
-    model.load_weights(hf.state_dict().items())
+    model.load_weights(tensors.items())
     model.eval()
     local = local_config(config, tp.size)
     torch.manual_seed(5)
@@ -136,7 +143,7 @@ def _decode_rows(lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
     return torch.tensor([n - 1 for n in lens]), meta
 
 
-def all_shard_outputs(tp: TensorParallel, cases: dict[str, tuple[str, dict]]) -> dict[str, dict]:
-    """shard_outputs of every case, through the C step and through torch's path, on this rank."""
-    return {name: {path: shard_outputs(tp, family, extra, path == "c") for path in ("c", "torch")}
-            for name, (family, extra) in cases.items()}
+def all_shard_outputs(tp: TensorParallel, checkpoints: dict[str, tuple[ModelConfig, dict]]) -> dict[str, dict]:
+    """shard_outputs of every checkpoint (see `checkpoint`), through the C step and through torch's path."""
+    return {name: {path: shard_outputs(tp, config, tensors, path == "c") for path in ("c", "torch")}
+            for name, (config, tensors) in checkpoints.items()}
