@@ -2560,7 +2560,8 @@ static int sum_over_ranks(const Model *md, float *x, int rows) {
     return ok;
 }
 
-/* x [rows, hidden]: the embedded tokens in, the final norm's output out. Each row is one
+/* x [rows, hidden]: the embedded tokens in (a later pipeline stage: the residual stream the one before handed
+ * on), the final norm's output out (final_norm NULL: the residual stream after the last layer). Each row is one
  * sequence's newest token at positions[r]; its key and value go to slots[r] of the pool.
  * LoRA: lora_slots[r] is row r's adapter slot (-1: the base model), lora_rows the rows with
  * one, ordered by slot (lora_count of them; 0 and NULLs: no adapters in this step). */
@@ -2631,6 +2632,7 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
     }
     atomic_store(&pool.hold, 0);
     if (li < md->num_layers) return;  /* a collective failed: x is not the step's output */
+    if (!md->final_norm) return;  /* a pipeline stage before the last: x is the residual stream it hands on */
     rms_norm(x, md->final_norm, md->eps, rows, hidden, normed);
     memcpy(x, normed, sizeof(float) * (size_t)rows * hidden);
 }
