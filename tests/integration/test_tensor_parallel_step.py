@@ -119,3 +119,16 @@ def test_an_answer_at_two_ranks_does_not_depend_on_batch_chunking_or_cache(engin
     _assert_same([_answers(chunked, [p])[0] for p in PROMPTS], alone, "with its prefix cached")
     # and one rank's greedy tokens on the same weights (float32: the sums differ in order, not in choice)
     assert [tokens for tokens, _ in _answers(one, PROMPTS)] == [tokens for tokens, _ in alone]
+
+
+def test_two_stages_of_two_ranks_answer_as_two_ranks_do(engines):
+    """PP=2 x TP=2: each stage's ranks run their shards of its layers through the C step and sum within the
+    stage's group; a stage hands the next its residual stream in float32. Every layer's sums are then those
+    of TP=2 alone, so the answers equal TP=2's bit for bit, chunked and batched."""
+    _, plain, _ = engines
+    alone = [_answers(plain, [p])[0] for p in PROMPTS]
+    path = plain.engine.config.model
+    with LLM(path, show_progress=False, device="cpu", dtype="float32", num_kv_blocks=256, tensor_parallel_size=2,
+             pipeline_parallel_size=2, max_num_batched_tokens=16) as staged:
+        assert staged.engine.runner.cpu_decode_step
+        _assert_same(_answers(staged, PROMPTS), alone, "at PP=2 x TP=2, in chunks of 16, batched")
