@@ -22,8 +22,9 @@ The model's dtype: float32, or float16 / bfloat16, whose float weights the kerne
 the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2 need (full
 or sliding-window attention, SwiGLU or GeGLU, RMSNorm plain or with Gemma's offset, Gemma 2's sandwich norms
 and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary), whole, a pipeline stage's
-layers or a tensor-parallel rank's shard (below); experts keep torch (`unsupported`). Gemma's embedding scale and final logit soft-cap are computed outside the
-layers, row by row (models/decoder.py), so they are invariant as they are.
+layers or a tensor-parallel rank's shard (below); experts keep torch (`unsupported`). Gemma's embedding
+scale and final logit soft-cap are computed outside the layers, row by row (models/decoder.py), so they are
+invariant as they are.
 
 Pipeline stages (issue 49 §2): each stage's step runs the layers its decoder holds (their windows by their
 global index) and the final norm on the last stage only (FusedWeights.final_norm None before it: the C step
