@@ -97,6 +97,13 @@ def checkpoint(family: str, extra: dict) -> tuple[ModelConfig, dict[str, torch.T
     test's process: the ranks need not import transformers)."""
     hf = hf_model(family, **extra)
     config = model_config_from_hf({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
+    if config.num_experts:  # transformers holds the experts fused in memory; its checkpoints name them per expert
+        import tempfile
+
+        from safetensors.torch import load_file
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp, safe_serialization=True)
+            return config, load_file(f"{tmp}/model.safetensors")
     return config, {name: t.detach().clone() for name, t in hf.state_dict().items()}
 
 
