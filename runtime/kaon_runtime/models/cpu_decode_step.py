@@ -228,15 +228,18 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
 
 def lora_slots(module: nn.Module) -> tuple[cpu_decode.Lora, list[torch.Tensor]] | None:
     """A projection's LoRA slots as the C step reads them (all zero: it has none), and the tensors
-    they point at; None where it cannot read them (not float32: steps with adapters take torch).
+    they point at; None where it cannot read them (not a float32, float16 or bfloat16 CPU tensor: steps
+    with adapters take torch). Half slots (a half model's) are widened in registers as they are read.
     The slots are read in place, so adapters loaded later are seen."""
     if not isinstance(module, LoraLinear):
         return cpu_decode.Lora(), []
-    if module.a.dtype != torch.float32 or module.a.device.type != "cpu":
+    if module.a.dtype not in cpu_decode.KV_FORMATS or module.a.device.type != "cpu":
         return None
+    assert module.b.dtype == module.a.dtype and module.a.is_contiguous() and module.b.is_contiguous()
     sizes = (ctypes.c_int32 * cpu_decode.LORA_PARTS)(*module.parts)
     struct = cpu_decode.Lora(a=module.a.data_ptr(), b=module.b.data_ptr(), ranks=module.ranks.data_ptr(),
-                             parts=len(module.parts), rank=module.rank, sizes=sizes)
+                             parts=len(module.parts), rank=module.rank, sizes=sizes,
+                             fmt=cpu_decode.KV_FORMATS[module.a.dtype])
     return struct, [module.a, module.b, module.ranks]
 
 
@@ -325,7 +328,8 @@ class CpuDecodeStep:
         return model
 
     def reads_lora(self) -> bool:
-        """Whether the step can add the adapters (their slots are float32), else their steps take torch."""
+        """Whether the step can add the adapters (their slots are float32, float16 or bfloat16 on CPU), else
+        their steps take torch."""
         self._model()
         return self._reads_lora
 
