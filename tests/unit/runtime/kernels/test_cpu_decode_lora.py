@@ -15,6 +15,7 @@ from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import quantize_activations_ref
 from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from kaon_runtime.layers.kernel_backend import torch_kernels
+from kaon_runtime.layers.lora import LoraLinear
 from kaon_runtime.models.lora_targets import TARGETS, attach_lora
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.quant import quantize_model
@@ -206,3 +207,33 @@ def test_a_half_models_lora_terms_match_torchs_half_path_within_its_rounding(dty
         term, torch_term = (out[r] - base[r]).float(), (expected[r] - expected_base[r]).float()
         assert term.norm() > 0.05 * base[r].float().norm(), "each adapter must count"
         assert (term - torch_term).norm() / torch_term.norm() < HALF_TOLERANCE[dtype], f"row {r} (slot {slot})"
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_half_models_slots_are_read_in_place_so_later_loads_are_seen(dtype):
+    """The step's structs are built on its first call; an adapter emptied from its slot afterwards, and loaded
+    again, is seen at once: its rows become the base's, then what they were."""
+    model, cache, batch, _ = model_with_adapters(None, dtype)
+    model.check_kernels()
+    start = cache.clone()
+    x, positions, meta = decode_step()
+
+    def step(row_slots):
+        cache.copy_(start)
+        with torch.inference_mode():
+            batch.set(row_slots, x.device)
+            return model.model(x.to(dtype), positions, meta)
+
+    first, base = step(ROW_SLOTS), step([-1] * len(ROW_SLOTS))
+    targets = [(m, part) for m in model.modules() if isinstance(m, LoraLinear) for part in range(len(m.parts))]
+    saved = [(m.a.clone(), m.b.clone(), m.ranks.clone()) for m, _ in targets]
+    for m, part in targets:
+        m.load_slot(0, part, None, None)
+    emptied = step(ROW_SLOTS)
+    for (m, _), (a, b, ranks) in zip(targets, saved):
+        m.a.copy_(a)
+        m.b.copy_(b)
+        m.ranks.copy_(ranks)
+    for r, slot in enumerate(ROW_SLOTS):
+        assert torch.equal(emptied[r], base[r] if slot == 0 else first[r]), f"row {r} (slot {slot})"
+    assert torch.equal(step(ROW_SLOTS), first)
