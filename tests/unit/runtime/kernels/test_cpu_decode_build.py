@@ -106,7 +106,9 @@ def _projections() -> list[tuple[cpu_decode.LinearWeights, torch.Tensor]]:
             (cpu_decode.LinearWeights.int8_a8(*quantize_int8(w), torch.randn(84)), x),  # W8A8 int8: exact sums
             (cpu_decode.LinearWeights.int8_s8(*quantize_int8(w), 0.02, 3.0, torch.randn(84)), x),  # static int8 grid
             (cpu_decode.LinearWeights.fp8(*quantize_fp8(w), torch.randn(84), input_scale=0.01), x),  # static inputs
-            (cpu_decode.LinearWeights.fp8_block(*quantize_fp8_blocks(w, (16, 48)), (16, 48), torch.randn(84)), x)]
+            (cpu_decode.LinearWeights.fp8_block(*quantize_fp8_blocks(w, (16, 48)), (16, 48), torch.randn(84)), x),
+            (cpu_decode.LinearWeights.fp8_block(*quantize_fp8_blocks(w, (16, 48)), (16, 48), torch.randn(84),
+                                                input_scale=0.01), x)]  # block FP8 with static inputs
 
 
 HALVES = (torch.float16, torch.bfloat16)  # float weights read as stored, widened in registers
