@@ -30,9 +30,11 @@ its projections, norms, caches and rotary tables as FusedWeights, and the step t
 into the C structs.
 
 LoRA: a projection wrapped in a LoraLinear (models.lora_targets) hands the C step its base
-weights and its slots (float32 A and B, and each slot's ranks), which it reads in place; the
-step takes each row's slot (LoraBatch.slots, -1 for the base) and adds the adapters' terms
-after each projection, any mix of adapters in one call.
+weights and its slots (A and B in the model's dtype, float32, float16 or bfloat16, and each slot's
+ranks), which it reads in place (half slots widened in registers as they are loaded, as half weights
+are), so adapters loaded later are seen; the step takes each row's slot (LoraBatch.slots, -1 for the
+base) and adds the adapters' terms after each projection, any mix of adapters in one call, each row in
+its own sums (a half model's step with adapters is the float32 step on the same values, bit for bit).
 
 Over 300 lines for a stated reason: the decode-only and mixed-row paths share the weights' packing
 and the activation passes; the packing is what moves out next.
@@ -159,8 +161,8 @@ class FusedDecoder(Protocol):
 
 
 # Quantization methods whose projections the C kernels read (fp8: per channel or per tensor, its weight-only
-# arithmetic, FP8 dynamic's per-token inputs or static FP8 inputs; block-scaled, weight-only. Checkpoints the
-# step does not read, e.g. block fp8 with static inputs, say their description, not "fp8": see
+# arithmetic, FP8 dynamic's per-token inputs or static FP8 inputs; block-scaled, weight-only or with static FP8
+# inputs. Checkpoints the step does not read (e.g. GPTQ act-order) say their description, not "fp8": see
 # engine/model_loader._weights_quantization and compressed_tensors.scheme).
 READABLE_QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 KV_DTYPES = tuple(cpu_decode.KV_FORMATS)  # the caches the C step reads: float32, float16, bfloat16

@@ -50,9 +50,9 @@ class StaticInputLinear(nn.Module):
     def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
         """The fused CPU step's kind for a static grid: FP8_STATIC for FP8 inputs over per-channel / per-tensor FP8
         weights (each input row rounded to FP8 at this fixed scale as round_to_grid does, float32, then the inner
-        weight's arithmetic), FP8_BLOCK with the same rounding over block-scaled FP8 weights; INT8_S8 for an int8 grid before per-channel int8 weights (the grid's integer levels
-        times the weights summed exactly in int32). Other grids and weights have no kind: the step is not built
-        for them (their scheme says so)."""
+        weight's arithmetic), FP8_BLOCK with the same rounding over block-scaled FP8 weights; INT8_S8 for an int8
+        grid before per-channel int8 weights (the grid's integer levels times the weights summed exactly in int32).
+        Other grids and weights have no kind: the step is not built for them (their scheme says so)."""
         inner = self.inner
         if self.kind == "fp8" and isinstance(inner, (Fp8Linear, Fp8BlockLinear)):
             return inner.fused_cpu_weights(input_scale=float(self.scale))

@@ -3,9 +3,10 @@ and FP8_STATIC, and both together: FP8_BLOCK with an input_scale; issue 49 §2).
 
 What torch's path computes on CPU is what the kernels must compute: for block FP8 (quant/fp8_block.py)
 x @ (float(q) * its block's scale).T + bias in float32, for static inputs (quant/static_inputs.py) each
-input rounded to fp8(x / scale) * scale first, then the per-channel FP8 product, or the block product. Each kernel against its
-pure-torch reference, the widening and the rounding bit for bit, a row alone against it batched, a whole
-step against the torch path, a prompt's rows alone / chunked / cached / beside decodes / in pieces."""
+input rounded to fp8(x / scale) * scale first, then the per-channel FP8 product, or the block product.
+Each kernel against its pure-torch reference, the widening and the rounding bit for bit, a row alone against
+it batched, a whole step against the torch path, a prompt's rows alone / chunked / cached / beside decodes /
+in pieces."""
 from __future__ import annotations
 
 import pytest
