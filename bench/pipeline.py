@@ -4,8 +4,8 @@ A random untied Llama-shaped model (transformers writes it; the bundled GGUF's v
 tokenizer) is served by kaon at PP=1 (one process, all the cores) and at PP=2 (two processes, half the
 cores each), with the same batch of greedy requests, in turns for a few rounds with both engines loaded
 (PP=1; PP=2 with two micro-batches in flight; PP=2 with one; PP=1 on half the cores), so that other load on
-a shared machine falls on all alike. Both run the torch path (KAON_CPU_DECODE=off: the
-fused C decode step does not run under PP, and the ratio is meant to show the pipeline's own cost).
+a shared machine falls on all alike. Both run the torch path (KAON_CPU_DECODE=off: the ratio is meant to show
+the pipeline's own cost, as it was first measured; bench/pipeline_c_step.py sets PP=2's C step against torch's).
 
     .venv/bin/python bench/pipeline.py [--layers 8 --hidden 512 --requests 16 --max-tokens 32 --rounds 3]
 """

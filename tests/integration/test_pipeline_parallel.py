@@ -153,6 +153,57 @@ def test_a_rank_that_never_joins_is_named(tmp_path_factory, gguf_path, monkeypat
     assert time.monotonic() - start < 30
 
 
+# ---- every stage through the fused C step (issue 49 §2) ---------------------------------------------
+
+def answer(output) -> tuple[list[int], list[float]]:
+    """The tokens and each token's own log-probability."""
+    completion = output.outputs[0]
+    return completion.token_ids, [step[token] for token, step in zip(completion.token_ids, completion.logprobs)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stages_take_the_c_step_and_answer_alike_alone_batched_chunked_and_cached(tmp_path_factory, gguf_path,
+                                                                                    dtype):
+    """Each stage runs its own layers through the fused C step, where every row is computed alone (the last
+    stage the final norm and the head too), and hands the next its residual stream in float32. So PP=2 answers
+    each prompt bit for bit as PP=1 does alone (tokens and log-probabilities): batched beside the others in
+    chunks of 16 tokens, and again alone with its prefix cached. bfloat16: a boundary that rounded the stream to
+    the model's dtype would show here."""
+    path = hf_dir("llama", tmp_path_factory, gguf_path)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    options = dict(device="cpu", dtype=dtype, num_kv_blocks=64, max_num_seqs=8)
+    with LLM(path, show_progress=False, enable_prefix_caching=False, **options) as one:
+        assert one.engine.runner.cpu_decode_step
+        alone = [answer(one.generate([p], params, use_tqdm=False)[0]) for p in PROMPTS]
+    with LLM(path, show_progress=False, pipeline_parallel_size=2, max_num_batched_tokens=16, **options) as staged:
+        assert staged.engine.runner.cpu_decode_step  # the leader's stage; the last stage's shows in the answers
+        assert [answer(o) for o in staged.generate(PROMPTS, params, use_tqdm=False)] == alone
+        hits = staged.engine.stats().prefix_cache_hits
+        assert [answer(staged.generate([p], params, use_tqdm=False)[0]) for p in PROMPTS] == alone
+        assert staged.engine.stats().prefix_cache_hits > hits
+
+
+def test_a_gguf_in_its_own_int4_blocks_answers_at_pp2_as_at_pp1(tmp_path, gguf_path):
+    """A GGUF runs in its own blocks on CPU (engine/gguf_weights.py), named by their global layer; a later stage
+    holds its layers numbered from 0, so it must take its own layers' blocks, not the first stage's (it did: the
+    bundled model at PP=2 answered otherwise than at PP=1 from its first token, on either path)."""
+    from support.gguf_from_hf import write_gguf_from_hf
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = str(write_gguf_from_hf(model, tmp_path / "tiny.gguf", gguf_path, "Q4_0"))
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    options = dict(device="cpu", num_kv_blocks=64, max_num_seqs=8)
+    with LLM(path, show_progress=False, **options) as one:
+        expected = [answer(o) for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(path, show_progress=False, pipeline_parallel_size=2, **options) as staged:
+        assert [answer(o) for o in staged.generate(PROMPTS, params, use_tqdm=False)] == expected
+
+
 # ---- two `kaon serve` hosts of one LeaderWorkerSet group ------------------------------------------
 
 def group_ports() -> tuple[int, int, int]:

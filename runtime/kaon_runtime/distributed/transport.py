@@ -4,7 +4,8 @@ point-to-point send and recv: gloo on CPU, NCCL between GPUs, by the same code.
 Every rank of a stage holds the whole (hidden, residual) pair after its all-reduces, so rank t of
 stage s sends it to rank t of stage s + 1 (the pairs run side by side). The last stage's TP rank 0
 sends the logits of the step's sample rows back to the leader (rank 0), which samples. Shapes are
-never sent: every rank has the step's plan, so it knows how many tokens and rows to expect.
+never sent: every rank has the step's plan, so it knows how many tokens and rows to expect. On CPU the pairs
+travel in float32 at least (stage_dtype), as the fused C step computes them.
 
 Several micro-batches may be in the pipeline at once, so nothing here blocks a stage on its
 neighbour: activations leave by `isend` (the buffer kept until it is delivered) and the leader posts
@@ -33,6 +34,14 @@ class PendingLogits:
         return self._logits
 
 
+def stage_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the (hidden, residual) pairs travel in: on CPU at least float32, for the fused C step keeps a stage's
+    residual stream in float32 and the next stage reads it on exactly (models/decoder.py, DecoderModel._fused),
+    so a stage boundary rounds nothing (torch's float16/bfloat16 path widens and narrows its pair exactly); on
+    GPUs the model's dtype (no C step there, and the bytes matter more)."""
+    return torch.promote_types(model_dtype, torch.float32) if device.type == "cpu" else model_dtype
+
+
 # Sends not yet known delivered, kept (with their buffers) until they are: enough for a pipeline's depth.
 MAX_UNCONFIRMED_SENDS = 4
 
@@ -53,7 +62,7 @@ class StageTransport:
     def send_activations(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
         """This stage's (hidden, residual), one tensor, to the next stage's peer, without waiting for it
         to be received (the next stage may still be busy with the micro-batch before)."""
-        stacked = torch.stack(pair).contiguous()
+        stacked = torch.stack([part.to(self.dtype) for part in pair]).contiguous()
         work = self.world.isend(stacked, self.placement.peer(self.placement.stage + 1))
         self._sending.append((work, stacked))
         while len(self._sending) > MAX_UNCONFIRMED_SENDS:

@@ -76,14 +76,13 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
     float16 or bfloat16 model, its weights float in that dtype, int8 / int4 in the step's layouts or fp8; a cache
     it reads, a model it covers). Quantized weights in a float16 / bfloat16 model take it too (issue 49 §2):
     the step reads their blocks as at float32 and the model's norms, embedding rows and cache as stored, so a
-    row's numbers are its own; torch's path, which they ran before, sums prompt rows by the row count."""
+    row's numbers are its own; torch's path, which they ran before, sums prompt rows by the row count. Pipeline
+    stages take it too, each over its own layers (models/cpu_decode_step.py)."""
     cpu_decode = False
     if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
-        elif tp.stage.size > 1:
-            reason = "pipeline parallelism"  # the C step runs every layer and the head
         elif reference_arithmetic(config.dtype, checkpoint_scheme(checkpoint)):
             reason = "--dtype float32 on a quantized checkpoint runs its reference arithmetic (quant/reference.py)"
         else:
@@ -232,7 +231,8 @@ def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, de
     given: dict[str, Any] = {}
     # The GGUF's own blocks are whole tensors; a shard is re-quantized from its float weights.
     if (own or method == "int4") and tp.size == 1:
-        given = dict(gguf_prequantized(checkpoint, device, int4_only=not own))
+        # Named by their global layers: a pipeline stage takes its own, renumbered as its model is.
+        given = dict(model.stage_weights(gguf_prequantized(checkpoint, device, int4_only=not own).items()))
     if table:
         given[HEAD_TABLE] = gguf_table(checkpoint)
     swapped = quantize_model(model, method, prequantized=given)

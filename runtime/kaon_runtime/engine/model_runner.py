@@ -17,7 +17,7 @@ from kaon_runtime.arith import ceil_div
 from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.stages import Placement
-from kaon_runtime.distributed.transport import PendingLogits, StageTransport
+from kaon_runtime.distributed.transport import PendingLogits, StageTransport, stage_dtype
 from kaon_runtime.engine import startup
 from kaon_runtime.engine.cuda_graphs import DecodeGraphs, ladder
 from kaon_runtime.engine.kv_pool import allocate_kv_cache
@@ -101,7 +101,7 @@ class ModelRunner:
         stage = tp.stage
         self.transport = None if stage.size == 1 or tp.world is None else StageTransport(
             Placement(stage.index * tp.size + tp.rank, tp.size, stage.size), tp.world, self.model_config.hidden_size,
-            self.model_config.vocab_size, self.dtype, self.device)
+            self.model_config.vocab_size, stage_dtype(self.dtype, self.device), self.device)
         self.num_blocks = self.kv_cache.shape[3]  # this rank's pool; the engine schedules within the smallest
         self.decode_graphs: DecodeGraphs | None = None
         self.decode_tables = DecodeTables()  # the decode rows' block tables, kept from step to step

@@ -2584,7 +2584,8 @@ size_t kaon_decode_workspace(const Model *md, int rows, int max_blocks) {
     return rows * per_row + kaon_linear_workspace((int)widest, rows) / sizeof(float) + 16;
 }
 
-/* x [rows, hidden]: the embedded tokens in, the final norm's output out. Each row is one
+/* x [rows, hidden]: the embedded tokens in (a later pipeline stage: the residual stream the one before handed
+ * on), the final norm's output out (final_norm NULL: the residual stream after the last layer). Each row is one
  * sequence's newest token at positions[r]; its key and value go to slots[r] of the pool.
  * LoRA: lora_slots[r] is row r's adapter slot (-1: the base model), lora_rows the rows with
  * one, ordered by slot (lora_count of them; 0 and NULLs: no adapters in this step). */
@@ -2651,6 +2652,7 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
     }
     atomic_store(&pool.hold, 0);
+    if (!md->final_norm) return;  /* a pipeline stage before the last: x is the residual stream it hands on */
     rms_norm(x, md->final_norm, md->eps, rows, hidden, normed);
     memcpy(x, normed, sizeof(float) * (size_t)rows * hidden);
 }

@@ -25,6 +25,11 @@ and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary); exp
 (`unsupported`). Gemma's embedding scale and final logit soft-cap are computed outside the layers, row by
 row (models/decoder.py), so they are invariant as they are.
 
+Pipeline stages (issue 49 §2): each stage's step runs the layers its decoder holds (their windows by their
+global index) and the final norm on the last stage only (FusedWeights.final_norm None before it: the C step
+then hands back the residual stream). The stages hand on (stream, zeros) in float32 (models/decoder.py,
+DecoderModel._fused), so a stage boundary rounds nothing and PP=N computes every row as PP=1 does.
+
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
 into the C structs.
@@ -147,7 +152,7 @@ class FusedWeights:
     """What the fused step reads of the decoder: its layers, the final norm, the rotary tables (float32, CPU)."""
 
     layers: list[FusedLayer]
-    final_norm: torch.Tensor
+    final_norm: torch.Tensor | None  # None: a pipeline stage before the last (it hands on the residual stream)
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -306,7 +311,7 @@ class CpuDecodeStep:
                 linear = getattr(structs[i], name)
                 if linear.kind not in cpu_decode.UNQUANTIZED_INPUTS:
                     linear.act_passes = self.activation_passes
-        final_norm = norm_copy(weights.final_norm, c)
+        final_norm = None if weights.final_norm is None else norm_copy(weights.final_norm, c)
         keep += [structs, weights.cos, weights.sin, final_norm]
         first_cache = layers[0].k_cache
         assert first_cache is not None
@@ -322,7 +327,7 @@ class CpuDecodeStep:
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
             kv_half=cpu_decode.KV_FORMATS[first_cache.dtype],
-            eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=final_norm.data_ptr(),
+            eps=c.rms_norm_eps, scale=layers[0].scale, final_norm=None if final_norm is None else final_norm.data_ptr(),
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
             layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)), rotary_dim=rotary_dim,
             act=cpu_decode.ACTIVATIONS_C[c.hidden_act], softcap=c.attn_softcap or 0.0)

@@ -8,6 +8,8 @@ the MLP width (`local_config`): q/k/v and gate/up are column-parallel, and the o
 o_proj and down_proj are partial sums that an all-reduce completes. Under pipeline parallelism
 each rank builds only its stage's layers (`tp.stage`): the embedding on the first stage, the
 final norm and the head on the last; a later stage starts from the previous one's (hidden, residual).
+With the fused CPU step a stage's pair is (residual stream, zeros) in float32, which the next stage's step
+reads on exactly (DecoderModel._fused).
 
 The kernels come in at construction (layers.kernel_backend): each layer takes the fused ones
 that apply to it, and the torch code where none does.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -152,6 +154,7 @@ class DecoderModel(nn.Module):
         self.norm = _norm(config, kernel=_norm_kernel(config, kernels)) if stage.is_last else None
         # Decode-only steps on CPU (and the decodes of mixed ones) through the fused C step.
         self.cpu_decode = CpuDecodeStep(self, config, kernels.cpu_decode_rows) if kernels.cpu_decode else None
+        self.staged = stage.size > 1  # a pipeline stage: the C step's input and output differ (see _fused)
         self.lora: LoraBatch | None = None  # set by models.lora_targets when adapters are served
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -160,8 +163,10 @@ class DecoderModel(nn.Module):
     def fused_weights(self) -> FusedWeights:
         """What the fused CPU decode step reads of the decoder (models.cpu_decode_step.FusedDecoder)."""
         cos, sin = self.rotary.tables(torch.device("cpu"))
-        assert self.norm is not None, "the fused step runs whole models only (never a pipeline stage)"
-        return FusedWeights([layer.fused_layer() for layer in self.decoder_layers()], self.norm.weight, cos, sin)
+        # A pipeline stage's own layers (their windows go by the global index: DecoderLayer), and the final
+        # norm on the last stage only.
+        final_norm = None if self.norm is None else self.norm.weight
+        return FusedWeights([layer.fused_layer() for layer in self.decoder_layers()], final_norm, cos, sin)
 
     def kv_cache_address(self) -> tuple[int, ...]:
         """Where the first layer's key cache starts, and its shape: a new pool means the fused step's
@@ -171,7 +176,7 @@ class DecoderModel(nn.Module):
         return (0,) if cache is None else (cache.data_ptr(), *cache.shape)
 
     def forward(self, x, positions, meta, residual=None):
-        if self.cpu_decode is None:  # (pipeline stages never fuse: the C step runs every layer)
+        if self.cpu_decode is None:
             return self._layers(x, positions, meta, residual)
         # The fused C step adds the adapters itself (each row's slot), where it can read their slots.
         lora = self.lora if self.lora is not None and self.lora.active else None
@@ -180,20 +185,37 @@ class DecoderModel(nn.Module):
             step = None
         slots = None if lora is None else lora.slots
         if step is not None and step.applies(x, meta):
-            return step(x, positions, meta, slots)
+            return self._fused(step, x, positions, meta, residual, slots)
         if step is not None and step.applies_to_decodes_of(meta):
             # A step with prefill chunks: its decodes (the first rows) through the C step, the
             # chunks through torch. They are other sequences, so nothing changes but the time
             # the decoding streams wait while a new prompt is prefilled.
             n = meta.num_decode_tokens
             decodes, prefills = split_decodes(meta)
-            decoded = step(x[:n], positions[:n], decodes, None if slots is None else slots[:n])
+            decoded = self._fused(step, x[:n], positions[:n], decodes, _rows(residual, slice(None, n)),
+                                  None if slots is None else slots[:n])
             if lora is not None and slots is not None:
                 lora.set(slots[n:].tolist(), x.device)  # the torch layers see the chunks' rows only
-            return torch.cat([decoded, self._layers(x[n:], positions[n:], prefills)])
-        return self._layers(x, positions, meta)
+            return _joined(decoded, self._layers(x[n:], positions[n:], prefills, _rows(residual, slice(n, None))))
+        return self._layers(x, positions, meta, residual)
+
+    def _fused(self, step: CpuDecodeStep, x, positions, meta, residual, slots):
+        """The C step over this decoder's layers. A pipeline stage (issue 49 §2) runs the step on the residual
+        stream in float32: a later stage's input is the pair's sum (the stage before handed on (stream, zeros),
+        which sums to the stream exactly), a stage before the last hands on (stream, zeros) in float32 (the
+        transport carries at least float32 on CPU: engine/model_runner.py), and the last stage's output is
+        rounded to the model's dtype as a whole model's is. So a stage boundary changes no bit of a row."""
+        if not self.staged:
+            return step(x, positions, meta, slots)
+        stream = step(x.float() if residual is None else x.float() + residual.float(), positions, meta, slots)
+        if self.norm is None:
+            return stream, torch.zeros_like(stream)
+        return stream.to(self.norm.weight.dtype)  # the model's dtype
 
     def _layers(self, x, positions, meta, residual=None):
+        if residual is not None:  # a later stage's pair, in float32 on CPU whatever the model's dtype
+            dtype = self.decoder_layers()[0].input_layernorm.weight.dtype
+            x, residual = x.to(dtype), residual.to(dtype)
         rope = self.rotary.lookup(positions, x.device)
         for layer in self.layers:
             x, residual = layer(rope, x, residual, meta)
@@ -201,6 +223,18 @@ class DecoderModel(nn.Module):
             return x, residual
         x, _ = self.norm(x, residual)
         return x
+
+
+def _rows(residual: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if residual is None else residual[rows]
+
+
+def _joined(first, second):
+    """Two parts of a step's rows in order: hidden states, or a stage's (hidden, residual) pairs (in float32:
+    the C step's part is float32, torch's the model's dtype, and the transport carries float32 on CPU)."""
+    if isinstance(first, tuple):
+        return tuple(torch.cat([a.float(), b.float()]) for a, b in zip(first, second))
+    return torch.cat([first, second])
 
 
 class DecoderForCausalLM(nn.Module):
@@ -254,10 +288,11 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank
         ever holds the whole model), fusing q/k/v, gate/up and the experts; fails loudly on anything missing."""
-        checkpoint_names.load(self, self._stage_weights(weights))
+        checkpoint_names.load(self, self.stage_weights(weights))
 
-    def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors this pipeline stage holds, its layers renumbered from 0."""
+    def stage_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's tensors (or a GGUF's own blocks, by module name) this pipeline stage holds, its
+        layers renumbered from 0."""
         stage, span = self.tp.stage, self.layer_range
         if stage.size == 1:
             yield from weights
