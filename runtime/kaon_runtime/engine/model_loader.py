@@ -77,7 +77,8 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
     it reads, a model it covers). Quantized weights in a float16 / bfloat16 model take it too (issue 49 §2):
     the step reads their blocks as at float32 and the model's norms, embedding rows and cache as stored, so a
     row's numbers are its own; torch's path, which they ran before, sums prompt rows by the row count. Pipeline
-    stages take it too, each over its own layers (models/cpu_decode_step.py)."""
+    stages take it too, each over its own layers (models/cpu_decode_step.py). So does `--dtype float32` on a
+    quantized checkpoint (the reference mode, quant/reference.py), through the step's reference kinds."""
     cpu_decode = False
     if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None

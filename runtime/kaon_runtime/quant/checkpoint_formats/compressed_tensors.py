@@ -22,8 +22,8 @@ import torch
 
 from kaon_runtime.arith import ceil_div
 from kaon_runtime.errors import ModelLoadError
-from kaon_runtime.quant.checkpoint_formats.loaded import LoadedWeight, grouped_weight
 from kaon_runtime.quant.checkpoint_formats.gptq import reference_fused
+from kaon_runtime.quant.checkpoint_formats.loaded import LoadedWeight, grouped_weight
 from kaon_runtime.quant.checkpoint_formats.packing import unpack_int32
 from kaon_runtime.quant.checkpoint_formats.scheme import CheckpointScheme
 
@@ -70,7 +70,7 @@ def scheme(config: dict) -> CheckpointScheme:
         fused = all(_cpu_fused(w) for w in weights) and static is None and dynamic is None
     reference = None  # W8A8 / FP8: as fused (their kinds compute what the checkpoint specifies)
     if method != "fp8" and static is None and dynamic is None:  # weight-only int: the reference kinds
-        reference = all(reference_fused(w.get("num_bits"), -1 if w.get("strategy") == "channel"
+        reference = all(reference_fused(int(w.get("num_bits") or 0), -1 if w.get("strategy") == "channel"
                                         else int(w.get("group_size") or -1)) for w in weights)
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)
     return CheckpointScheme(description=f"compressed-tensors {'/'.join(sorted(map(str, formats)))} "

@@ -15,7 +15,6 @@ import json
 
 import pytest
 import torch
-
 from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 from kaon_runtime import LLM, SamplingParams
