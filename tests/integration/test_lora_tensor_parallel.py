@@ -1,8 +1,9 @@
 """LoRA under tensor parallelism (CPU, gloo): A cut like each projection's input, B like its output.
 
-Two ranks serve the base and several adapters mixed in one batch, with fewer slots than adapters
-(so slots are loaded again mid-run, on every rank), plus an adapter loaded and unloaded at run
-time: each request's greedy tokens equal transformers + peft with its adapter merged, in float32.
+Two ranks serve the base and several adapters mixed in one batch, through the fused C step, with fewer
+slots than adapters (so slots are loaded again mid-run, on every rank), plus an adapter loaded and
+unloaded at run time: each request's greedy tokens equal transformers + peft with its adapter merged,
+in float32.
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def test_the_shards_of_an_adapter_add_up_to_its_whole_change():
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, gguf_path):
     root = tmp_path_factory.mktemp("lora-tp")
-    base = build_base("llama", root / "base", gguf_path)
+    # An MLP width two ranks split into whole blocks of 32: each rank's shard and its adapters' shares take the
+    # fused C step (models/cpu_decode_step.py), the row-parallel terms summed with the base's partial sums
+    base = build_base("llama", root / "base", gguf_path, intermediate_size=128)
     dirs = build_adapters(base, root, ADAPTERS)
     expected = {n: [greedy(base if n is None else merged(base, dirs[n]), p, 8) for p in PROMPTS]
                 for n in [None, *dirs]}
@@ -62,6 +65,8 @@ def test_two_ranks_serve_base_and_adapters_mixed_with_runtime_load_and_unload(ad
     llm = LLM(str(root / "base"), show_progress=False, device="cpu", dtype="float32", adapters=served,
               max_loras=2, tensor_parallel_size=2)
     try:
+        step = llm.engine.runner.model.model.cpu_decode
+        assert step is not None and step.reads_lora(), "the C step adds the adapters on every rank"
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, adapter=NAMES)]
         assert got == [expected[n][i] for i, n in enumerate(NAMES)]
         assert llm.engine.runner.lora is not None and llm.engine.runner.lora.num_loads > 2  # evicted, reloaded

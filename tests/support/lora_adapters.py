@@ -18,12 +18,13 @@ ADAPTERS = {
 }
 
 
-def build_base(family: str, path, gguf_path):
-    """Write a tiny random model of `family` (llama or qwen2) to `path`; return it (float32, eval)."""
+def build_base(family: str, path, gguf_path, **overrides):
+    """Write a tiny random model of `family` (llama or qwen2), SMALL with `overrides`, to `path`; return it
+    (float32, eval)."""
     import transformers
     prefix = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, f"{prefix}Config")(**SMALL)
+    config = getattr(transformers, f"{prefix}Config")(**{**SMALL, **overrides})
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     write_hf_dir(model, path, gguf_path, {"eos_token": "<|im_end|>"})
     return model

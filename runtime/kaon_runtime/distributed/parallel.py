@@ -88,6 +88,22 @@ class TensorParallel:
             self.group.all_reduce(x)
         return x
 
+    def sum_in_rank_order(self, x: torch.Tensor) -> torch.Tensor:
+        """all_reduce's sum, in place, each element added up in rank order ((x0 + x1) + x2 ...) whatever
+        x's size: the fused CPU step's row-parallel outputs (batch invariance, models/cpu_decode_step.py).
+        gloo's ring all-reduce sums an element in an order set by the chunk of x it falls in, so by x's size:
+        at 3 and 4 ranks a row's sum changed with the rows beside it (torch 2.15, every row of 2-300-row
+        steps; at 2 ranks a + b = b + a, and none did). So the partials are gathered and added here."""
+        if self.size == 1:
+            return x
+        assert self.group is not None, "a group of several ranks has its process group"
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.group.all_gather(parts, x.contiguous())
+        x.copy_(parts[0])
+        for part in parts[1:]:
+            x.add_(part)  # elementwise: one rounding per element and rank, the same on every rank
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's shard of the last dimension, concatenated in rank order."""
         if self.size == 1:

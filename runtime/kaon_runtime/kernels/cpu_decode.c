@@ -169,6 +169,11 @@ typedef struct {
     int32_t rotary_dim;  /* each head's leading dims that rotate (Phi-3's partial rotary); 0: all head_dim */
     int32_t act;         /* the gated MLP's activation: ACT_SILU (SwiGLU) or ACT_GELU_TANH (Gemma's GeGLU) */
     float softcap;       /* attention scores become softcap * tanh(score / softcap) (Gemma 2); 0: none */
+    /* Tensor parallelism: each rank holds its share of the heads and of the MLP width, so o's and down's
+     * outputs are partial sums over the ranks. sum_ranks(x, count) replaces x's count floats by their sum
+     * over the ranks (models/cpu_decode_step.py calls the rank's collective) and returns 0, or non-zero when
+     * the collective failed: the step then stops (the caller raises its error). NULL: one rank. */
+    int (*sum_ranks)(float *x, int64_t count);
 } Model;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -2643,6 +2648,17 @@ size_t kaon_decode_workspace(const Model *md, int rows, int max_blocks) {
     return rows * per_row + kaon_linear_workspace((int)widest, rows) / sizeof(float) + 16;
 }
 
+/* The rows' partial sums of a row-parallel projection (o, down) summed over the ranks, before anything
+ * reads them (the residual add, Gemma 2's post norms); 0 when the collective failed. The pool's workers
+ * may sleep meanwhile: the other ranks, not this step, are what the wait is for. */
+static int sum_over_ranks(const Model *md, float *x, int rows) {
+    if (md->sum_ranks == NULL) return 1;
+    atomic_store(&pool.hold, 0);
+    const int ok = md->sum_ranks(x, (int64_t)rows * md->hidden) == 0;
+    atomic_store(&pool.hold, 1);
+    return ok;
+}
+
 /* x [rows, hidden]: the embedded tokens in (a later pipeline stage: the residual stream the one before handed
  * on), the final norm's output out (final_norm NULL: the residual stream after the last layer). Each row is one
  * sequence's newest token at positions[r]; its key and value go to slots[r] of the pool.
@@ -2662,7 +2678,8 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
     float *proj = act + (size_t)rows * inter, *scores = proj + (size_t)rows * hidden;
     void *linear_work = scores + (size_t)rows * heads * max_blocks * bs;
     atomic_store(&pool.hold, 1);
-    for (int li = 0; li < md->num_layers; li++) {
+    int li = 0;
+    for (; li < md->num_layers; li++) {
         const Layer *L = md->layers + li;
         rms_norm(x, L->input_norm, md->eps, rows, hidden, normed);
         kaon_linear(&L->qkv, rows, normed, qkv, linear_work, threads);
@@ -2687,6 +2704,7 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         parallel_for(rows * md->num_kv_heads, threads, attention_chunk, &job);
         kaon_linear(&L->o, rows, attn, proj, linear_work, threads);
         add_lora(&L->lora[LORA_O], &adapters, heads * dim, hidden, attn, proj, threads);
+        if (!sum_over_ranks(md, proj, rows)) break;
         if (L->pre_ff_norm) {  /* Gemma 2: attention's output normalised (in place, row by row) before it joins */
             rms_norm(proj, L->post_norm, md->eps, rows, hidden, proj);
             for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
@@ -2707,10 +2725,12 @@ void kaon_decode(const Model *md, int rows, float *x, const int64_t *positions, 
         }
         kaon_linear(&L->down, rows, act, proj, linear_work, threads);
         add_lora(&L->lora[LORA_DOWN], &adapters, inter, hidden, act, proj, threads);
+        if (!sum_over_ranks(md, proj, rows)) break;
         if (L->post_ff_norm) rms_norm(proj, L->post_ff_norm, md->eps, rows, hidden, proj);  /* Gemma 2 */
         for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += proj[i];
     }
     atomic_store(&pool.hold, 0);
+    if (li < md->num_layers) return;  /* a collective failed: x is not the step's output */
     if (!md->final_norm) return;  /* a pipeline stage before the last: x is the residual stream it hands on */
     rms_norm(x, md->final_norm, md->eps, rows, hidden, normed);
     memcpy(x, normed, sizeof(float) * (size_t)rows * hidden);

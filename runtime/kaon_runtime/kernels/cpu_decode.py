@@ -109,6 +109,11 @@ class Layer(ctypes.Structure):
                 ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p)]
 
 
+# Model.sum_ranks: the partial sums of o and down replaced by their sum over the tensor-parallel ranks
+# (x's address, its float count); 0, or non-zero when the collective failed (the step stops).
+SUM_RANKS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
+
+
 class Model(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int32) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
@@ -117,7 +122,8 @@ class Model(ctypes.Structure):
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer)),
         ("rotary_dim", ctypes.c_int32),  # each head's leading dims that rotate (partial rotary); 0: all
         ("act", ctypes.c_int32),  # the gated MLP's activation: a value of ACTIVATIONS_C
-        ("softcap", ctypes.c_float)]  # attention scores become softcap * tanh(score / softcap); 0: none
+        ("softcap", ctypes.c_float),  # attention scores become softcap * tanh(score / softcap); 0: none
+        ("sum_ranks", SUM_RANKS)]  # tensor parallelism: see SUM_RANKS; None: one rank
 
 
 # Model.act: the gated MLP's activations the C step computes (config.hidden_act -> ACT_ in cpu_decode.c).

@@ -21,9 +21,10 @@ The model's dtype: float32, or float16 / bfloat16, whose float weights the kerne
 (widened in registers), and their int8/int4 weights as at float32; the activations are float32 inside
 the step. The fused step covers what Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 2 need (full
 or sliding-window attention, SwiGLU or GeGLU, RMSNorm plain or with Gemma's offset, Gemma 2's sandwich norms
-and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary); experts keep torch
-(`unsupported`). Gemma's embedding scale and final logit soft-cap are computed outside the layers, row by
-row (models/decoder.py), so they are invariant as they are.
+and attention soft-cap, biases, Qwen3's per-head q/k norms, partial rotary), whole, a pipeline stage's
+layers or a tensor-parallel rank's shard (below); experts keep torch (`unsupported`). Gemma's embedding
+scale and final logit soft-cap are computed outside the layers, row by row (models/decoder.py), so they are
+invariant as they are.
 
 Pipeline stages (issue 49 §2): each stage's step runs the layers its decoder holds (their windows by their
 global index) and the final norm on the last stage only (FusedWeights.final_norm None before it: the C step
@@ -33,6 +34,14 @@ DecoderModel._fused), so a stage boundary rounds nothing and PP=N computes every
 The step reads the decoder through a declared interface (FusedDecoder): the decoder exports
 its projections, norms, caches and rotary tables as FusedWeights, and the step turns them
 into the C structs.
+
+Tensor parallelism: each rank's step runs its shard (local_config: its heads, KV heads and MLP width; its
+weights and KV pool). o's and down's outputs are then partial sums; the C step calls back (Model.sum_ranks,
+rank_sum) at those two points of every layer, before anything reads them (the residual add, Gemma 2's post
+norms), and the rank sums them over the ranks in rank order (TensorParallel.sum_in_rank_order: gloo's
+all-reduce order moves with the step's size from three ranks on), so a row's numbers still do not depend on the
+rows beside it. Row-parallel projections carry no bias in any family (decoder.py); a LoRA adapter's
+row-parallel share (distributed/lora_sharding.py) joins the partial sum before it is summed, as in torch's path.
 
 LoRA: a projection wrapped in a LoraLinear (models.lora_targets) hands the C step its base
 weights and its slots (float32 A and B, and each slot's ranks), which it reads in place; the
@@ -54,6 +63,8 @@ import torch
 from torch import nn
 
 from kaon_runtime.config import ModelConfig
+from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.distributed.sharding import local_config
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.layers.attention import AttentionMetadata
 from kaon_runtime.layers.lora import LoraLinear
@@ -176,8 +187,8 @@ DTYPES = tuple(cpu_decode.FLOAT_KINDS)
 
 def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -> str | None:
     """Why the fused step cannot run this model on this many ranks under this quantization (the
-    model's options, or no C compiler), or None when it can."""
-    reason = "tensor parallelism" if tp_size > 1 else unsupported(config)
+    model's options as one rank holds them, or no C compiler), or None when it can."""
+    reason = unsupported(config) or (unsupported_shard(config, tp_size) if tp_size > 1 else None)
     if reason is None and quantization not in READABLE_QUANTIZATIONS:
         reason = f"{quantization} weights"
     if reason is None and cpu_decode.library() is None:
@@ -195,6 +206,40 @@ def unsupported(config: ModelConfig) -> str | None:
     ]
     found = [reason for applies, reason in reasons if applies]
     return ", ".join(found) or None
+
+
+def unsupported_shard(config: ModelConfig, tp_size: int) -> str | None:
+    """Why the fused step cannot run one tensor-parallel rank's shard, or None: the rank's inputs of the
+    row-parallel projections (its MLP width, its heads' width) must be whole activation blocks too."""
+    local = local_config(config, tp_size)
+    widths = {"MLP width": local.intermediate_size, "heads' width": local.num_heads * local.head_dim}
+    found = [f"{name} {width}" for name, width in widths.items() if width % cpu_decode.QBLOCK]
+    return f"a rank's {' and '.join(found)} at tensor_parallel_size {tp_size} (not a multiple of " \
+           f"{cpu_decode.QBLOCK})" if found else None
+
+
+def rank_sum(tp: TensorParallel, failures: list[BaseException]) -> Any:
+    """The C step's sum_ranks callback (cpu_decode.SUM_RANKS): the rows' partial sums of o or down, read in
+    place from the step's workspace, summed over the ranks in rank order (TensorParallel.sum_in_rank_order:
+    a row's sum does not depend on the rows beside it). An error is kept in `failures` (ctypes cannot pass it
+    through C) and the step stops; the caller raises it."""
+    # The tensor over the last buffer: a step's calls (two a layer) share one, and so do the steps whose
+    # workspace comes back at the same address (a ctypes array type and a tensor a call cost ~20 us).
+    view: list[Any] = [None, None]
+
+    def sum_ranks(address: int, count: int) -> int:
+        if failures:
+            return 1
+        try:
+            if view[0] != (address, count):
+                array = (ctypes.c_float * count).from_address(address)
+                view[:] = [(address, count), torch.frombuffer(array, dtype=torch.float32)]
+            tp.sum_in_rank_order(view[1])
+        except BaseException as exc:  # noqa: BLE001 -- raised again by CpuDecodeStep.__call__ once C returns
+            failures.append(exc)
+            return 1
+        return 0
+    return cpu_decode.SUM_RANKS(sum_ranks)
 
 
 def norm_copy(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -278,11 +323,13 @@ class CpuDecodeStep:
     """Holds the C structs that point at the decoder's weights and KV pool (built on first use:
     the pool is attached after the model is made, and built again when it changes)."""
 
-    def __init__(self, decoder: FusedDecoder, config: ModelConfig, max_rows: int):
+    def __init__(self, decoder: FusedDecoder, config: ModelConfig, max_rows: int, tp: TensorParallel | None = None):
         # The decoder holds this step: a weak reference back, so that dropping the model frees it (and the
         # KV pool its attention layers point at) at once rather than when Python's cycle collector runs.
         self._decoder = weakref.ref(decoder)
-        self.config = config
+        self.config = config  # one rank's shapes under tensor parallelism (local_config)
+        self.tp = tp if tp is not None and tp.size > 1 else None  # o's and down's outputs summed over its ranks
+        self._failures: list[BaseException] = []  # a collective's error inside the C step (rank_sum)
         self.max_rows = max_rows  # decode-only steps up to this many rows (wider ones go to torch, see applies)
         self.piece_rows = PIECE_ROWS  # wider steps' pieces: at most this many rows (see piece_rows)
         self.prefills = prefills_take_the_c_step()  # read again by check(), once the weights are in
@@ -317,6 +364,10 @@ class CpuDecodeStep:
         for i, layer in enumerate(layers):
             projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
             linears = [linear_weights(m) for m in projections]
+            if self.tp is not None and (linears[1].struct.bias or linears[3].struct.bias):
+                # The torch path sums o's and down's outputs with no bias (decoder.py builds them bias=False in
+                # every family), so none is added after the sum; a bias here would be summed tp.size times.
+                raise ValueError("a row-parallel projection (o, down) with a bias under tensor parallelism")
             found = [lora_slots(m) for m in projections]
             loras = [slots or (cpu_decode.Lora(), []) for slots in found]
             reads_lora = reads_lora and None not in found
@@ -347,6 +398,8 @@ class CpuDecodeStep:
         rotary_dim = c.rotary_dim or c.head_dim  # Phi-3's partial rotary: the tables cover the rotated dims only
         if weights.cos.shape[-1] * 2 != rotary_dim:
             raise ValueError(f"rotary tables of {weights.cos.shape[-1]} pairs for {rotary_dim} rotated dims")
+        sum_ranks = None if self.tp is None else rank_sum(self.tp, self._failures)  # (kept: C calls it)
+        keep.append(sum_ranks)
         model = cpu_decode.Model(
             num_layers=len(layers), hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=block_size, num_blocks=num_blocks,
@@ -355,6 +408,8 @@ class CpuDecodeStep:
             cos=weights.cos.data_ptr(), sin=weights.sin.data_ptr(),
             layers=ctypes.cast(structs, ctypes.POINTER(cpu_decode.Layer)), rotary_dim=rotary_dim,
             act=cpu_decode.ACTIVATIONS_C[c.hidden_act], softcap=c.attn_softcap or 0.0)
+        if sum_ranks is not None:
+            model.sum_ranks = sum_ranks
         self._built, self._reads_lora = (address, model, keep), reads_lora
         return model
 
@@ -391,4 +446,7 @@ class CpuDecodeStep:
             cpu_decode.decode(model, hidden[piece], positions[piece], slots[piece],
                               tables[piece, :blocks].contiguous(), piece_lens,
                               None if lora_slots is None else lora_slots[piece])
+            if self._failures:  # a collective failed inside the step (rank_sum): its error, once
+                failure, self._failures[:] = self._failures[0], []
+                raise failure
         return hidden.to(x.dtype)

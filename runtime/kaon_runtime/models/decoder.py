@@ -153,7 +153,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels) for i in layers)
         self.norm = _norm(config, kernel=_norm_kernel(config, kernels)) if stage.is_last else None
         # Decode-only steps on CPU (and the decodes of mixed ones) through the fused C step.
-        self.cpu_decode = CpuDecodeStep(self, config, kernels.cpu_decode_rows) if kernels.cpu_decode else None
+        self.cpu_decode = CpuDecodeStep(self, config, kernels.cpu_decode_rows, tp) if kernels.cpu_decode else None
         self.staged = stage.size > 1  # a pipeline stage: the C step's input and output differ (see _fused)
         self.lora: LoraBatch | None = None  # set by models.lora_targets when adapters are served
 

@@ -458,7 +458,12 @@ def test_what_it_cannot_run_is_named():
     assert blocker(tiny_config(), quantization="fp8") is None  # per channel (test_cpu_decode_fp8.py)
     unread = "compressed-tensors float-quantized fp8 (block)"  # a checkpoint's description (block + static inputs)
     assert unread in blocker(tiny_config(), quantization=unread)
-    assert "tensor parallelism" in blocker(tiny_config(), tp_size=2)
+    # Tensor parallelism: each rank's shard, whose row-parallel inputs must be whole blocks too (tests/integration/
+    # test_tensor_parallel_step.py); 96 / 2 = 48 is not
+    assert blocker(tiny_config(intermediate_size=128), tp_size=2) is None
+    assert "a rank's MLP width 48 at tensor_parallel_size 2" in blocker(tiny_config(), tp_size=2)
+    assert "a rank's heads' width 16 at tensor_parallel_size 4" in blocker(tiny_config(intermediate_size=128),
+                                                                            tp_size=4)
     model, _ = random_model(tiny_config(), blocks=2)
     layer = model.model.layers[0].mlp
     qweight, scales = quantize_fp8(layer.down_proj.weight.detach())
