@@ -37,7 +37,9 @@
  *         (DeepSeek's / Qwen3's / compressed-tensors' 128 x 128; scales [ceil(N/br), ceil(K/bc)]):
  *         each weight widened exactly and times its block's scale (one float32 rounding, as torch's
  *         q.float() * scales does it: quant/fp8_block.py), into a strip of float32 rows the float
- *         path's tiles then read in its order (fp8_block_outputs).
+ *         path's tiles then read in its order (fp8_block_outputs). With input_scale > 0 (compressed-
+ *         tensors block FP8 with static input_activations) each activation row is first rounded to FP8 at
+ *         that fixed scale, as FP8_STATIC rounds it.
  *   FP8_STATIC FP8's weights, each activation row first rounded to FP8 with the checkpoint's fixed
  *         input_scale (compressed-tensors static input_activations: quant/static_inputs.py).
  *   REF_INT8, REF_Q4, REF_Q8_G16  the reference mode of weight-only checkpoints (W4A16 / W8A16 of GPTQ,
@@ -126,7 +128,7 @@ typedef struct {
     int32_t act_passes;     /* narrow kinds: the activations in 1 int8 pass per block (0 reads as 1), or 2:
                              * the block's rounding remainder in a second (see quantize_passes) */
     int32_t block_rows, block_cols;  /* FP8_BLOCK: a scale's block */
-    float input_scale;      /* FP8_STATIC: x is rounded to fp8(x / input_scale) * input_scale */
+    float input_scale;      /* FP8_STATIC, and FP8_BLOCK where > 0: x is rounded to fp8(x / input_scale) * input_scale */
     const int64_t *perm;    /* REF_Q4, REF_Q8_G16: GPTQ act-order, stored column i is input column perm[i]; or NULL */
 } Linear;
 
@@ -134,13 +136,17 @@ typedef struct {
  * gate|up: 2, else 1) holds per slot A [P * R, k] (the parts' A stacked along the rank) and
  * B [P * R, n] (part p's rows non-zero only in its own columns), R the pool's max rank, the
  * scaling folded into B. ranks [slots, P]: the rank each slot's adapter has on each part (0:
- * it leaves the part alone), so padding and untouched parts cost nothing. a NULL: no slots. */
+ * it leaves the part alone), so padding and untouched parts cost nothing. a NULL: no slots.
+ * fmt: the slots' FMT_ (F32, F16, BF16: a half model's slots are in its dtype), widened to float32
+ * in registers as they are loaded, as the projections' half weights are: the float32 arithmetic on
+ * the widened values, bit for bit. */
 #define LORA_PARTS 3
 typedef struct {
-    const float *a, *b;
+    const void *a, *b;
     const int32_t *ranks;
     int32_t parts, rank;
     int32_t sizes[LORA_PARTS];  /* each part's outputs, side by side in y */
+    int32_t fmt;
 } Lora;
 
 enum { LORA_QKV = 0, LORA_O = 1, LORA_GATE_UP = 2, LORA_DOWN = 3 };
@@ -2170,9 +2176,10 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
             for (int i = 0; i < k; i++) gathered[(size_t)r * k + i] = x[(size_t)r * k + l->perm[i]];
         x = gathered;
     }
-    if (l->kind == KIND_FP8_A8 || l->kind == KIND_FP8_STATIC) {
-        /* the rows rounded to FP8 per token (A8) or with the fixed input scale, in the workspace (4 bytes a value) */
-        round_fp8_rows(x, rows, k, l->kind == KIND_FP8_STATIC ? l->input_scale : 0.f, (float *)work);
+    if (l->kind == KIND_FP8_A8 || l->kind == KIND_FP8_STATIC || (l->kind == KIND_FP8_BLOCK && l->input_scale > 0.f)) {
+        /* the rows rounded to FP8 per token (A8) or with the fixed input scale (FP8_STATIC, FP8_BLOCK with
+         * static inputs), in the workspace (4 bytes a value) */
+        round_fp8_rows(x, rows, k, l->kind == KIND_FP8_A8 ? 0.f : l->input_scale, (float *)work);
         x = (float *)work;
     }
     const int passes = narrow && l->act_passes == 2 ? 2 : 1;
@@ -2536,20 +2543,42 @@ typedef struct {
  * LORA_M matrix-vector ones). */
 #define LORA_M 4
 
-/* out[m][j] = a_j . x_m for the `rows` rows of a ([rows, k]) and M activation rows (`xs`): four
- * rows of a at a time. */
-static inline __attribute__((always_inline)) void shrink(const float *a, int rows, const float *const *xs,
-                                                         const int M, int k, float (*out)[LORA_M]) {
+/* a_row . x over n, a_row stored in fmt (widened as loaded): dot_f32's order, so F32 gives its bits. */
+static inline __attribute__((always_inline)) float dot_fmt(const void *a, size_t at, const int fmt, const float *x,
+                                                           int n) {
+    if (fmt == FMT_F32) return dot_f32((const float *)a + at, x, n);
+    int i = 0; float sum = 0.f;
+#ifdef KAON_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
+           acc3 = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm256_fmadd_ps(load8(a, at + i, fmt), _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(load8(a, at + i + 8, fmt), _mm256_loadu_ps(x + i + 8), acc1);
+        acc2 = _mm256_fmadd_ps(load8(a, at + i + 16, fmt), _mm256_loadu_ps(x + i + 16), acc2);
+        acc3 = _mm256_fmadd_ps(load8(a, at + i + 24, fmt), _mm256_loadu_ps(x + i + 24), acc3);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(a, at + i, fmt), _mm256_loadu_ps(x + i), acc0);
+    sum = hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+#endif
+    for (; i < n; i++) sum += load1(a, at + i, fmt) * x[i];
+    return sum;
+}
+
+/* out[m][j] = a_j . x_m for the `rows` rows of a ([rows, k] from element `at`, stored in fmt) and M
+ * activation rows (`xs`): four rows of a at a time. */
+static inline __attribute__((always_inline)) void shrink(const void *a, size_t at, const int fmt, int rows,
+                                                         const float *const *xs, const int M, int k,
+                                                         float (*out)[LORA_M]) {
     int j = 0;
 #ifdef KAON_AVX2
     for (; j + 4 <= rows; j += 4) {
-        const float *a0 = a + (size_t)j * k;
+        const size_t a0 = at + (size_t)j * k;
         __m256 acc[LORA_M][4];
         for (int m = 0; m < M; m++) for (int c = 0; c < 4; c++) acc[m][c] = _mm256_setzero_ps();
         int i = 0;
         for (; i + 8 <= k; i += 8) {
             __m256 av[4];
-            for (int c = 0; c < 4; c++) av[c] = _mm256_loadu_ps(a0 + (size_t)c * k + i);
+            for (int c = 0; c < 4; c++) av[c] = load8(a, a0 + (size_t)c * k + i, fmt);
             for (int m = 0; m < M; m++) {
                 const __m256 xv = _mm256_loadu_ps(xs[m] + i);
                 for (int c = 0; c < 4; c++) acc[m][c] = _mm256_fmadd_ps(av[c], xv, acc[m][c]);
@@ -2558,27 +2587,28 @@ static inline __attribute__((always_inline)) void shrink(const float *a, int row
         for (int m = 0; m < M; m++)
             for (int c = 0; c < 4; c++) {
                 float sum = hsum8(acc[m][c]);
-                for (int t = i; t < k; t++) sum += a0[(size_t)c * k + t] * xs[m][t];
+                for (int t = i; t < k; t++) sum += load1(a, a0 + (size_t)c * k + t, fmt) * xs[m][t];
                 out[j + c][m] = sum;
             }
     }
 #endif
     for (; j < rows; j++)
-        for (int m = 0; m < M; m++) out[j][m] = dot_f32(a + (size_t)j * k, xs[m], k);
+        for (int m = 0; m < M; m++) out[j][m] = dot_fmt(a, at + (size_t)j * k, fmt, xs[m], k);
 }
 
-/* ys[m][c] += sum_j s[j][m] * b[j, c] for c < n, b's rows `stride` apart: eight outputs of each
- * activation row held in registers over the whole rank, so each y is read and written once. */
-static inline __attribute__((always_inline)) void expand(const float *b, size_t stride, int rank,
-                                                         const float (*s)[LORA_M], float *const *ys, const int M,
-                                                         int n) {
+/* ys[m][c] += sum_j s[j][m] * b[j, c] for c < n, b (stored in fmt) from element `at`, its rows `stride`
+ * apart: eight outputs of each activation row held in registers over the whole rank, so each y is read
+ * and written once. */
+static inline __attribute__((always_inline)) void expand(const void *b, size_t at, const int fmt, size_t stride,
+                                                         int rank, const float (*s)[LORA_M], float *const *ys,
+                                                         const int M, int n) {
     int c = 0;
 #ifdef KAON_AVX2
     for (; c + 8 <= n; c += 8) {
         __m256 acc[LORA_M];
         for (int m = 0; m < M; m++) acc[m] = _mm256_loadu_ps(ys[m] + c);
         for (int j = 0; j < rank; j++) {
-            const __m256 bv = _mm256_loadu_ps(b + j * stride + c);
+            const __m256 bv = load8(b, at + j * stride + c, fmt);
             for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s[j][m]), bv, acc[m]);
         }
         for (int m = 0; m < M; m++) _mm256_storeu_ps(ys[m] + c, acc[m]);
@@ -2587,24 +2617,33 @@ static inline __attribute__((always_inline)) void expand(const float *b, size_t 
     for (; c < n; c++)
         for (int m = 0; m < M; m++) {
             float sum = ys[m][c];
-            for (int j = 0; j < rank; j++) sum = madd1(s[j][m], b[j * stride + c], sum);
+            for (int j = 0; j < rank; j++) sum = madd1(s[j][m], load1(b, at + j * stride + c, fmt), sum);
             ys[m][c] = sum;
         }
 }
 
 /* M rows of one slot through one projection's adapter, part by part over the slot's own ranks. */
 static inline __attribute__((always_inline)) void lora_rows(const Lora *l, int64_t slot, const float *const *xs,
-                                                            float *const *ys, const int M, int k, int n,
-                                                            float (*shrunk)[LORA_M]) {
+                                                            float *const *ys, const int M, const int fmt, int k,
+                                                            int n, float (*shrunk)[LORA_M]) {
     for (int p = 0, offset = 0; p < l->parts; offset += l->sizes[p], p++) {
         const int used = l->ranks[slot * l->parts + p];
         const size_t first = (size_t)slot * l->parts * l->rank + (size_t)p * l->rank;
         float *yp[LORA_M];
         for (int m = 0; m < M; m++) yp[m] = ys[m] + offset;
-        shrink(l->a + first * k, used, xs, M, k, shrunk);
-        expand(l->b + first * n + offset, (size_t)n, used, (const float (*)[LORA_M])shrunk, yp, M, l->sizes[p]);
+        shrink(l->a, first * k, fmt, used, xs, M, k, shrunk);
+        expand(l->b, first * n + offset, fmt, (size_t)n, used, (const float (*)[LORA_M])shrunk, yp, M, l->sizes[p]);
     }
 }
+
+/* One copy of lora_rows per row count and slot format (each a constant inside it). */
+#define LORA_ROWS_M(FMT)                                                                   \
+    switch (m) {                                                                          \
+        case 1: lora_rows(l, slot, xs, ys, 1, FMT, k, n, shrunk); break;                  \
+        case 2: lora_rows(l, slot, xs, ys, 2, FMT, k, n, shrunk); break;                  \
+        case 3: lora_rows(l, slot, xs, ys, 3, FMT, k, n, shrunk); break;                  \
+        default: lora_rows(l, slot, xs, ys, LORA_M, FMT, k, n, shrunk); break;            \
+    }
 
 /* y[r] += (x[r] @ A[slot].T) @ B[slot] for the listed rows [begin, end): BGMV's shrink and
  * expand, the rows of one slot (side by side in the list) up to LORA_M at a time. */
@@ -2622,11 +2661,12 @@ static void lora_chunk(const void *arg, int begin, int end) {
             xs[m] = job->x + (size_t)job->rows->rows[i] * k;
             ys[m] = job->y + (size_t)job->rows->rows[i] * n;
         }
-        switch (m) {
-            case 1: lora_rows(l, slot, xs, ys, 1, k, n, shrunk); break;
-            case 2: lora_rows(l, slot, xs, ys, 2, k, n, shrunk); break;
-            case 3: lora_rows(l, slot, xs, ys, 3, k, n, shrunk); break;
-            default: lora_rows(l, slot, xs, ys, LORA_M, k, n, shrunk); break;
+        if (l->fmt == FMT_F16) {
+            LORA_ROWS_M(FMT_F16)
+        } else if (l->fmt == FMT_BF16) {
+            LORA_ROWS_M(FMT_BF16)
+        } else {
+            LORA_ROWS_M(FMT_F32)
         }
     }
 }

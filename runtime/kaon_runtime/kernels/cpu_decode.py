@@ -91,10 +91,12 @@ LORA_PARTS = 3  # the most parts a fused projection has (q|k|v)
 
 
 class Lora(ctypes.Structure):
-    """A projection's LoRA slots (layers.lora.LoraLinear's a, b and ranks); all zero: none."""
+    """A projection's LoRA slots (layers.lora.LoraLinear's a, b and ranks); all zero: none. fmt: the slots'
+    dtype as KV_FORMATS numbers it (float32, float16, bfloat16: widened in registers as they are read)."""
 
     _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
-                ("parts", ctypes.c_int32), ("rank", ctypes.c_int32), ("sizes", ctypes.c_int32 * LORA_PARTS)]
+                ("parts", ctypes.c_int32), ("rank", ctypes.c_int32), ("sizes", ctypes.c_int32 * LORA_PARTS),
+                ("fmt", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):
@@ -353,10 +355,13 @@ class LinearWeights:
 
     @classmethod
     def fp8_block(cls, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
-                  bias: torch.Tensor | None = None) -> LinearWeights:
+                  bias: torch.Tensor | None = None, input_scale: float | None = None) -> LinearWeights:
         """FP8 e4m3fn [N, K] with one scale per block of block[0] x block[1] weights, scales
         [ceil(N / block[0]), ceil(K / block[1])] (quant/fp8_block.py), read in place: each weight widened
-        exactly and times its block's scale in float32, as dequantize_fp8_blocks does, float32 activations."""
+        exactly and times its block's scale in float32, as dequantize_fp8_blocks does, float32 activations
+        (input_scale: each input first rounded to FP8 at that fixed scale, as fp8's static inputs are)."""
+        if input_scale is not None and not input_scale > 0:
+            raise ValueError(f"a static input scale must be positive, got {input_scale}")
         n, k = qweight.shape
         rows, cols = block
         if (qweight.dtype != torch.float8_e4m3fn or rows < 1 or cols < 1
@@ -365,6 +370,7 @@ class LinearWeights:
                              f"got {qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
         made = cls._make(KIND_FP8_BLOCK, n, k, bias, w=qweight, scales=scales.float())
         made.struct.block_rows, made.struct.block_cols = rows, cols
+        made.struct.input_scale = input_scale or 0.0  # 0: weight-only (no rounding of the inputs)
         return made
 
     @classmethod

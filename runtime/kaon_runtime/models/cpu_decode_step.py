@@ -44,9 +44,11 @@ rows beside it. Row-parallel projections carry no bias in any family (decoder.py
 row-parallel share (distributed/lora_sharding.py) joins the partial sum before it is summed, as in torch's path.
 
 LoRA: a projection wrapped in a LoraLinear (models.lora_targets) hands the C step its base
-weights and its slots (float32 A and B, and each slot's ranks), which it reads in place; the
-step takes each row's slot (LoraBatch.slots, -1 for the base) and adds the adapters' terms
-after each projection, any mix of adapters in one call.
+weights and its slots (A and B in the model's dtype, float32, float16 or bfloat16, and each slot's
+ranks), which it reads in place (half slots widened in registers as they are loaded, as half weights
+are), so adapters loaded later are seen; the step takes each row's slot (LoraBatch.slots, -1 for the
+base) and adds the adapters' terms after each projection, any mix of adapters in one call, each row in
+its own sums (a half model's step with adapters is the float32 step on the same values, bit for bit).
 
 Over 300 lines for a stated reason: the decode-only and mixed-row paths share the weights' packing
 and the activation passes; the packing is what moves out next.
@@ -175,8 +177,8 @@ class FusedDecoder(Protocol):
 
 
 # Quantization methods whose projections the C kernels read (fp8: per channel or per tensor, its weight-only
-# arithmetic, FP8 dynamic's per-token inputs or static FP8 inputs; block-scaled, weight-only. Checkpoints the
-# step does not read, e.g. block fp8 with static inputs, say their description, not "fp8": see
+# arithmetic, FP8 dynamic's per-token inputs or static FP8 inputs; block-scaled, weight-only or with static FP8
+# inputs. Checkpoints the step does not read (e.g. GPTQ act-order) say their description, not "fp8": see
 # engine/model_loader._weights_quantization and compressed_tensors.scheme).
 READABLE_QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 KV_DTYPES = tuple(cpu_decode.KV_FORMATS)  # the caches the C step reads: float32, float16, bfloat16
@@ -307,15 +309,18 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
 
 def lora_slots(module: nn.Module) -> tuple[cpu_decode.Lora, list[torch.Tensor]] | None:
     """A projection's LoRA slots as the C step reads them (all zero: it has none), and the tensors
-    they point at; None where it cannot read them (not float32: steps with adapters take torch).
+    they point at; None where it cannot read them (not a float32, float16 or bfloat16 CPU tensor: steps
+    with adapters take torch). Half slots (a half model's) are widened in registers as they are read.
     The slots are read in place, so adapters loaded later are seen."""
     if not isinstance(module, LoraLinear):
         return cpu_decode.Lora(), []
-    if module.a.dtype != torch.float32 or module.a.device.type != "cpu":
+    if module.a.dtype not in cpu_decode.KV_FORMATS or module.a.device.type != "cpu":
         return None
+    assert module.b.dtype == module.a.dtype and module.a.is_contiguous() and module.b.is_contiguous()
     sizes = (ctypes.c_int32 * cpu_decode.LORA_PARTS)(*module.parts)
     struct = cpu_decode.Lora(a=module.a.data_ptr(), b=module.b.data_ptr(), ranks=module.ranks.data_ptr(),
-                             parts=len(module.parts), rank=module.rank, sizes=sizes)
+                             parts=len(module.parts), rank=module.rank, sizes=sizes,
+                             fmt=cpu_decode.KV_FORMATS[module.a.dtype])
     return struct, [module.a, module.b, module.ranks]
 
 
@@ -414,7 +419,8 @@ class CpuDecodeStep:
         return model
 
     def reads_lora(self) -> bool:
-        """Whether the step can add the adapters (their slots are float32), else their steps take torch."""
+        """Whether the step can add the adapters (their slots are float32, float16 or bfloat16 on CPU), else
+        their steps take torch."""
         self._model()
         return self._reads_lora
 

@@ -4,7 +4,8 @@ The weight stays FP8 in memory. On a GPU a few rows (decode) go through kernels/
 reads the block scales as it goes; otherwise each matmul widens the weight with its block scales, in
 float32 on CPU and in the activations' dtype elsewhere (W8A16). For many rows on a GPU, torch._scaled_mm's
 block-wise scaling is the next step. On CPU the fused C step (kernels/cpu_decode.c, kind FP8_BLOCK) computes
-the same widened weights and products, each row summed in one order whatever the step's size (issue 49 §2).
+the same widened weights and products, each row summed in one order whatever the step's size (issue 49 §2),
+with a checkpoint's static FP8 input scale too (StaticInputLinear over this: each input rounded first).
 """
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ class Fp8BlockLinear(QuantizedLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
 
-    def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
+    def fused_cpu_weights(self, input_scale: float | None = None) -> cpu_decode.LinearWeights:
         """This weight as the fused CPU step reads it, in place: each e4m3 value widened exactly and times its
-        block's scale in float32 (dequantize_fp8_blocks' products), float32 activations (W8A16)."""
-        return cpu_decode.LinearWeights.fp8_block(self.qweight, self.scales, self.block, self.bias)
+        block's scale in float32 (dequantize_fp8_blocks' products), float32 activations (W8A16); input_scale:
+        each input first rounded to FP8 at that fixed scale (a static input grid: quant/static_inputs.py)."""
+        return cpu_decode.LinearWeights.fp8_block(self.qweight, self.scales, self.block, self.bias, input_scale)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if kernel_for(x, self.reference) == "triton":

@@ -13,6 +13,7 @@ from torch import nn
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.quant.fp8 import Fp8Linear
+from kaon_runtime.quant.fp8_block import Fp8BlockLinear
 from kaon_runtime.quant.linear import ChannelScaledLinear
 
 KINDS = ("fp8", "int8")
@@ -49,11 +50,11 @@ class StaticInputLinear(nn.Module):
     def fused_cpu_weights(self) -> cpu_decode.LinearWeights:
         """The fused CPU step's kind for a static grid: FP8_STATIC for FP8 inputs over per-channel / per-tensor FP8
         weights (each input row rounded to FP8 at this fixed scale as round_to_grid does, float32, then the inner
-        weight's arithmetic); INT8_S8 for an int8 grid before per-channel int8 weights (the grid's integer levels
-        times the weights summed exactly in int32). Other grids and weights have no kind: the step is not built
-        for them (their scheme says so)."""
+        weight's arithmetic), FP8_BLOCK with the same rounding over block-scaled FP8 weights; INT8_S8 for an int8
+        grid before per-channel int8 weights (the grid's integer levels times the weights summed exactly in int32).
+        Other grids and weights have no kind: the step is not built for them (their scheme says so)."""
         inner = self.inner
-        if self.kind == "fp8" and isinstance(inner, Fp8Linear):
+        if self.kind == "fp8" and isinstance(inner, (Fp8Linear, Fp8BlockLinear)):
             return inner.fused_cpu_weights(input_scale=float(self.scale))
         if self.kind == "int8" and isinstance(inner, ChannelScaledLinear) and inner.qweight.dtype == torch.int8:
             zero = 0.0 if self.zero_point is None else float(self.zero_point)

@@ -56,10 +56,11 @@ def scheme(config: dict) -> CheckpointScheme:
     kind = sorted(kinds)[0]
     method = "fp8" if kind[0] == "float" else f"int{kind[1]}"
     if method == "fp8":  # the C step's FP8 kinds: per channel or per tensor (Fp8Linear) weight-only, with FP8
-        # dynamic's per-token inputs or with static FP8 inputs; block-scaled (Fp8BlockLinear) weight-only
+        # dynamic's per-token inputs or with static FP8 inputs; block-scaled (Fp8BlockLinear) weight-only or with
+        # static FP8 inputs
         strategies = {w.get("strategy") for w in weights}
         fused = (strategies <= {"channel", "tensor"} and static in (None, "fp8")) or (
-            strategies == {"block"} and static is None and dynamic is None)
+            strategies == {"block"} and static in (None, "fp8") and dynamic is None)
     elif dynamic == "int8":  # W8A8 int8, per-token inputs: the C step's INT8_A8 (int8 weights per channel/tensor)
         fused = static is None
     elif static == "int8":  # W8A8 int8, a static input grid: the C step's INT8_S8 (int8 weights per channel/tensor)

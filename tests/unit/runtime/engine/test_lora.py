@@ -260,3 +260,50 @@ def test_speculative_decoding_with_adapters_keeps_each_adapters_greedy_tokens(fa
     assert got == expected
     if method == "draft":  # prompt lookup finds nothing to propose in these prompts
         assert llm.engine.stats().spec_draft_tokens > 0
+
+
+# ---- float16 / bfloat16 models: the C step adds the adapters (issue 49 §2) ------------------------
+
+HALF_PROMPTS = [list(range(100, 120)), list(range(300, 305)), list(range(1000, 1040)), list(range(7, 30))]
+HALF_NAMES = ["attn", None, "all", "attn"]  # two adapters and the base in one batch, one adapter twice
+
+
+@pytest.fixture(scope="module")
+def half_family(tmp_path_factory, gguf_path):
+    root = tmp_path_factory.mktemp("half")
+    base = build_base("llama", root / "base", gguf_path)
+    return root, build_adapters(base, root, {name: ADAPTERS[name] for name in ("attn", "all")})
+
+
+def _answers(llm, prompts, names):
+    """Each request's tokens and each token's own log-probability, greedy."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False, adapter=names)
+    return [(o.outputs[0].token_ids, [step[t] for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_models_adapter_answers_alike_alone_batched_chunked_and_cached(half_family, dtype, monkeypatch):
+    """A float16 / bfloat16 model with adapters: each request (two adapters and the base) gets the same tokens
+    and log-probabilities, bit for bit, alone, in one batch with the others, in prefill chunks of 16 tokens, and
+    again with its prefix cached. The fused C step reads the half slots (models/cpu_decode_step.lora_slots),
+    each row alone; torch's half path, which such steps took before, groups the rows by adapter."""
+    from kaon_runtime import LLM
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    root, dirs = half_family
+    options = dict(show_progress=False, device="cpu", dtype=dtype, adapters=dirs)
+    with LLM(str(root / "base"), enable_prefix_caching=False, **options) as plain, \
+            LLM(str(root / "base"), enable_prefix_caching=True, max_num_batched_tokens=16, **options) as chunked:
+        step = plain.engine.runner.model.model.cpu_decode
+        assert step is not None and step.reads_lora(), "the C step takes the steps with adapters"
+        alone = [_answers(plain, [p], [n])[0] for p, n in zip(HALF_PROMPTS, HALF_NAMES)]
+        base_of_first = _answers(plain, HALF_PROMPTS[:1], [None])[0]
+        assert alone[0] != base_of_first, "the adapter must change the answer"
+        assert _answers(plain, HALF_PROMPTS, HALF_NAMES) == alone, "in one batch"
+        assert _answers(chunked, HALF_PROMPTS, HALF_NAMES) == alone, "in chunks of 16, batched"
+        hits = chunked.engine.stats().prefix_cache_hits
+        cached = [_answers(chunked, [p], [n])[0] for p, n in zip(HALF_PROMPTS, HALF_NAMES)]
+        assert chunked.engine.stats().prefix_cache_hits > hits, "the prompts' blocks were cached"
+        assert cached == alone, "with its prefix cached"

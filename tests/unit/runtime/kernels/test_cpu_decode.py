@@ -456,7 +456,7 @@ def test_what_it_cannot_run_is_named():
     assert "experts" in unsupported(tiny_config(num_experts=4, num_experts_per_tok=2))
     assert blocker(tiny_config()) is None
     assert blocker(tiny_config(), quantization="fp8") is None  # per channel (test_cpu_decode_fp8.py)
-    unread = "compressed-tensors float-quantized fp8 (block)"  # a checkpoint's description (block + static inputs)
+    unread = "compressed-tensors pack-quantized int4 (group 48)"  # a checkpoint's description (a layout it cannot read)
     assert unread in blocker(tiny_config(), quantization=unread)
     # Tensor parallelism: each rank's shard, whose row-parallel inputs must be whole blocks too (tests/integration/
     # test_tensor_parallel_step.py); 96 / 2 = 48 is not
@@ -468,7 +468,7 @@ def test_what_it_cannot_run_is_named():
     layer = model.model.layers[0].mlp
     qweight, scales = quantize_fp8(layer.down_proj.weight.detach())
     block = Fp8BlockLinear(qweight, scales[:, None], (1, 96))  # a block per row: [N, 1] scales
-    layer.down_proj = StaticInputLinear(block, "fp8", torch.tensor(0.01))  # static inputs over blocks: no kind
+    layer.down_proj = StaticInputLinear(block, "int8", torch.tensor(0.01))  # an int8 grid over FP8 blocks: no kind
     with pytest.raises(ValueError, match="Fp8BlockLinear"):  # what the loader refuses, should the blocker miss it
         model.check_kernels()
     assert random_model(tiny_config(), blocks=2, cpu_decode=False)[0].model.cpu_decode is None

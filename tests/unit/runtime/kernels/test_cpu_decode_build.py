@@ -18,6 +18,7 @@ import platform
 from pathlib import Path
 
 import pytest
+import test_cpu_decode_lora as lora
 import torch
 from test_cpu_decode import (
     LENS,
@@ -106,7 +107,9 @@ def _projections() -> list[tuple[cpu_decode.LinearWeights, torch.Tensor]]:
             (cpu_decode.LinearWeights.int8_a8(*quantize_int8(w), torch.randn(84)), x),  # W8A8 int8: exact sums
             (cpu_decode.LinearWeights.int8_s8(*quantize_int8(w), 0.02, 3.0, torch.randn(84)), x),  # static int8 grid
             (cpu_decode.LinearWeights.fp8(*quantize_fp8(w), torch.randn(84), input_scale=0.01), x),  # static inputs
-            (cpu_decode.LinearWeights.fp8_block(*quantize_fp8_blocks(w, (16, 48)), (16, 48), torch.randn(84)), x)]
+            (cpu_decode.LinearWeights.fp8_block(*quantize_fp8_blocks(w, (16, 48)), (16, 48), torch.randn(84)), x),
+            (cpu_decode.LinearWeights.fp8_block(*quantize_fp8_blocks(w, (16, 48)), (16, 48), torch.randn(84),
+                                                input_scale=0.01), x)]  # block FP8 with static inputs
 
 
 HALVES = (torch.float16, torch.bfloat16)  # float weights read as stored, widened in registers
@@ -158,3 +161,26 @@ def test_a_decode_step_agrees_across_the_flag_paths(level_library, head_dim, kv_
     else:
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
         assert_same_cache(cache, expected_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_decode_step_with_adapters_agrees_across_the_flag_paths(level_library, dtype):
+    """Rows of three adapters and the base, the slots in the model's dtype (half ones widened as they are read)."""
+    name, native, _level = level_library
+    results = {}
+    for which in ("level", "native"):
+        model, cache, batch, _ = lora.model_with_adapters(None, dtype)
+        x, positions, meta = lora.decode_step()
+        model.check_kernels()
+        with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+            if which == "native":
+                patch.setattr(cpu_decode, "library", lambda: native)
+            batch.set(lora.ROW_SLOTS, x.device)
+            results[which] = model.model(x.to(dtype), positions, meta), cache
+    (out, cache), (expected, expected_cache) = results["level"], results["native"]
+    if name != "scalar":
+        assert torch.equal(out, expected) and torch.equal(cache, expected_cache)
+    else:  # another summation order: a half output may round one step of its dtype apart
+        tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(cache, expected_cache, atol=1e-4, rtol=1e-4)

@@ -1,11 +1,12 @@
 """Block-scaled FP8 weights and FP8 static input scales in the fused CPU step (cpu_decode.c, kinds FP8_BLOCK
-and FP8_STATIC; issue 49 §2).
+and FP8_STATIC, and both together: FP8_BLOCK with an input_scale; issue 49 §2).
 
 What torch's path computes on CPU is what the kernels must compute: for block FP8 (quant/fp8_block.py)
 x @ (float(q) * its block's scale).T + bias in float32, for static inputs (quant/static_inputs.py) each
-input rounded to fp8(x / scale) * scale first, then the per-channel FP8 product. Each kernel against its
-pure-torch reference, the widening and the rounding bit for bit, a row alone against it batched, a whole
-step against the torch path, a prompt's rows alone / chunked / cached / beside decodes / in pieces."""
+input rounded to fp8(x / scale) * scale first, then the per-channel FP8 product, or the block product.
+Each kernel against its pure-torch reference, the widening and the rounding bit for bit, a row alone against
+it batched, a whole step against the torch path, a prompt's rows alone / chunked / cached / beside decodes /
+in pieces."""
 from __future__ import annotations
 
 import pytest
@@ -91,11 +92,41 @@ def test_static_fp8_projection_matches_torch(rows, bias):
     torch.testing.assert_close(out, module(x), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["block", "static"])
+@pytest.mark.parametrize("block", [(16, 32), (128, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_fp8_with_static_inputs_matches_torch(rows, bias, block):
+    """compressed-tensors block FP8 with a static input scale: StaticInputLinear over Fp8BlockLinear, as the
+    loader builds it; each input rounded at the fixed scale, then the block product."""
+    q, scales = _block_weights(84, 200, block, seed=4)
+    b = torch.randn(84) if bias else None
+    x = torch.randn(rows, 200)
+    module = StaticInputLinear(Fp8BlockLinear(q, scales, block, b), "fp8", torch.tensor(0.01))
+    weights = module.fused_cpu_weights()
+    assert weights.struct.kind == cpu_decode.KIND_FP8_BLOCK and weights.struct.input_scale > 0
+    out = cpu_decode.linear(weights, x)
+    torch.testing.assert_close(out, module(x), atol=1e-4, rtol=1e-5)
+    unrounded = Fp8BlockLinear(q, scales, block, b)(x)  # the rounding matters at this scale
+    assert (out - unrounded).abs().max() > 1e-2
+
+
+def test_static_inputs_over_block_fp8_are_rounded_as_torch_rounds_them():
+    """Identity blocks (every scale 1): the output is the rounded input, round_to_grid's bits, as for FP8_STATIC."""
+    torch.manual_seed(5)
+    scale = 0.0123
+    x = torch.randn(5, 64) * torch.logspace(-6, 1, 64)
+    x[3, :4] = torch.tensor([1e4, -1e4, 448 * scale, 449 * scale])  # clamped to +-448
+    x[4, :4] = torch.tensor([1.0625, 1.1875, 3 / 1024, -1.0625]) * scale  # ties: to the even one
+    identity = cpu_decode.LinearWeights.fp8_block(torch.eye(64).to(FP8), torch.ones(4, 2), (16, 32), input_scale=scale)
+    assert torch.equal(cpu_decode.linear(identity, x), round_to_grid(x, torch.tensor(scale), "fp8"))
+
+
+@pytest.mark.parametrize("kind", ["block", "static", "block-static"])
 def test_a_row_gets_the_same_bits_alone_or_in_a_batch(kind):
-    if kind == "block":
+    if kind.startswith("block"):
         q, scales = _block_weights(40, 104, BLOCK, seed=7)
-        weights = cpu_decode.LinearWeights.fp8_block(q, scales, BLOCK, torch.randn(40))
+        weights = cpu_decode.LinearWeights.fp8_block(q, scales, BLOCK, torch.randn(40),
+                                                     input_scale=0.02 if kind == "block-static" else None)
     else:
         torch.manual_seed(7)
         q, scales = quantize_fp8(torch.randn(40, 104))
@@ -104,9 +135,10 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(kind):
 
 
 def _convert(model, kind: str) -> None:
-    """Every projection as a block-FP8 checkpoint loads it (Fp8BlockLinear), or as an FP8 checkpoint with static
+    """Every projection as a block-FP8 checkpoint loads it (Fp8BlockLinear), as an FP8 checkpoint with static
     input scales does (StaticInputLinear over Fp8Linear; the scale from the layer's input range, coarse enough
-    that the rounding matters)."""
+    that the rounding matters), or as a block-FP8 one with static input scales (StaticInputLinear over
+    Fp8BlockLinear)."""
     floats = {name: module.weight.detach().clone() for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear)}
     for name in quantize_model(model, "fp8"):
@@ -115,11 +147,15 @@ def _convert(model, kind: str) -> None:
         if kind == "block":
             q, scales = quantize_fp8_blocks(floats[name], BLOCK)
             setattr(model.get_submodule(parent), child, Fp8BlockLinear(q, scales, BLOCK, module.bias))
+        elif kind == "block-static":
+            q, scales = quantize_fp8_blocks(floats[name], BLOCK)
+            setattr(model.get_submodule(parent), child,
+                    StaticInputLinear(Fp8BlockLinear(q, scales, BLOCK, module.bias), "fp8", torch.tensor(0.05)))
         else:
             setattr(model.get_submodule(parent), child, StaticInputLinear(module, "fp8", torch.tensor(0.05)))
 
 
-@pytest.mark.parametrize("kind", ["block", "static"])
+@pytest.mark.parametrize("kind", ["block", "static", "block-static"])
 def test_a_decode_step_matches_the_torch_path(kind):
     """The whole step with these projections against the same model's torch path: the same arithmetic, only
     the summation order differs."""
@@ -130,7 +166,7 @@ def test_a_decode_step_matches_the_torch_path(kind):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind", ["block", "static"])
+@pytest.mark.parametrize("kind", ["block", "static", "block-static"])
 def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, kind, monkeypatch):
     """A prompt's rows are the same bits chunked, after a cached prefix, beside decodes and in pieces; and
     torch's prefill to float32 rounding."""

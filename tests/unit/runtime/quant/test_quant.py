@@ -516,6 +516,9 @@ FP8_CHECKPOINTS = {  # compressed-tensors weights, input activations (static: th
               None, "Fp8BlockLinear"),
     "static": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
                dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False), "StaticInputLinear"),
+    "block-static": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+                     dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False),
+                     "StaticInputLinear"),
 }
 
 
@@ -523,11 +526,11 @@ FP8_CHECKPOINTS = {  # compressed-tensors weights, input activations (static: th
 @pytest.mark.parametrize("case", sorted(FP8_CHECKPOINTS))
 def test_block_and_static_fp8_checkpoints_take_the_c_step_and_answer_alike_alone_batched_chunked(
         case, tmp_path, gguf_path, monkeypatch):
-    """A block-scaled FP8 checkpoint (128 x 128) and an FP8 one with static input scales, written by
-    compressed-tensors, run the fused C step in the default precision (issue 49 §2; torch's path before,
-    whose prompt rows' sums moved with the row count): a prompt's tokens and log-probabilities are the same
-    bits alone, in a batch, in prefill chunks and with its prefix cached. (`--dtype float32`, the reference
-    mode, takes the C step too, block FP8 with static inputs excepted: test_reference_arithmetic.py.)"""
+    """A block-scaled FP8 checkpoint (128 x 128), an FP8 one with static input scales and a block-scaled one
+    with static input scales, written by compressed-tensors, run the fused C step in the default precision
+    (issue 49 §2; torch's path before, whose prompt rows' sums moved with the row count): a prompt's tokens
+    and log-probabilities are the same bits alone, in a batch, in prefill chunks and with its prefix cached.
+    (`--dtype float32`, the reference mode, takes the C step too: test_reference_arithmetic.py.)"""
     pytest.importorskip("compressed_tensors")
     from support.quantized_dirs import add_input_scales, write_compressed_tensors
 

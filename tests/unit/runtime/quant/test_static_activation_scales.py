@@ -34,6 +34,9 @@ TOKENS = 10
 CASES = {  # weights, format, input activations, their scale (coarse: rounding changes the greedy tokens)
     "fp8": (dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), "float-quantized",
             dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False), 0.004),
+    "fp8-block": (dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+                  "float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False),
+                  0.004),
     "int8": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized",
              dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False), 0.05),
 }
@@ -43,7 +46,7 @@ def _round_inputs(model: nn.Module, kind: str, scale: float) -> None:
     """The spec's static quantization of every quantized linear's input, as forward pre-hooks."""
     def hook(_module, args):
         x = args[0] / scale
-        q = x.clamp(-448, 448).to(torch.float8_e4m3fn).float() if kind == "fp8" else x.round().clamp(-128, 127)
+        q = x.clamp(-448, 448).to(torch.float8_e4m3fn).float() if kind.startswith("fp8") else x.round().clamp(-128, 127)
         return (q * scale,)
 
     for name, module in model.named_modules():
