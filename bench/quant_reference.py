@@ -165,6 +165,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N of the 9 prompts")
     parser.add_argument("--reference-path", choices=("prefill", "decode"), default="prefill",
                         help="how the reference mode runs the perplexity window (the default mode always decodes)")
+    parser.add_argument("--reference-only", action="store_true",
+                        help="measure the reference mode alone (its perplexity and the C step's part in it)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     bundled = resolve_model("builtin://smollm2-135m-instruct")
@@ -182,8 +184,12 @@ def main() -> int:
             directory = Path(tmp) / name
             write(name, directory, bundled)
             release()
-            fast = measure(directory, "auto", prompts, window, "decode")
             ref = measure(directory, "float32", prompts, window, args.reference_path)
+            if args.reference_only:
+                print(f"{name:<12} {'':>17} {'':>11} {'':>12} {ref['perplexity']:>14.4f}   (fused C step: reference "
+                      f"{ref['cpu_decode']}; {ref['seconds']:.0f} s)", flush=True)
+                continue
+            fast = measure(directory, "auto", prompts, window, "decode")
             gaps, flips = [], 0
             for ours, theirs in zip(fast["logprobs"], ref["logprobs"]):
                 top = theirs.topk(5).indices

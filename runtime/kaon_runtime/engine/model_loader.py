@@ -77,18 +77,22 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
     it reads, a model it covers). Quantized weights in a float16 / bfloat16 model take it too (issue 49 §2):
     the step reads their blocks as at float32 and the model's norms, embedding rows and cache as stored, so a
     row's numbers are its own; torch's path, which they ran before, sums prompt rows by the row count. Pipeline
-    stages take it too, each over its own layers (models/cpu_decode_step.py)."""
+    stages take it too, each over its own layers (models/cpu_decode_step.py). So does `--dtype float32` on a
+    quantized checkpoint (the reference mode, quant/reference.py), through the step's reference kinds."""
     cpu_decode = False
     if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:
             reason = f"a {str(kv_dtype).removeprefix('torch.')} KV cache"
-        elif reference_arithmetic(config.dtype, checkpoint_scheme(checkpoint)):
-            reason = "--dtype float32 on a quantized checkpoint runs its reference arithmetic (quant/reference.py)"
         else:
             reason = cpu_decode_step.blocker(checkpoint.config, tp.size, _weights_quantization(config, checkpoint))
+        reference = reference_arithmetic(config.dtype, checkpoint_scheme(checkpoint))
         if reason is not None:
-            log.info("fused CPU decode step off for this model: %s", reason)
+            log.info("fused CPU decode step off for this model: %s%s", reason,
+                     " (its reference arithmetic, --dtype float32, runs on torch's path)" if reference else "")
+        elif reference:
+            log.info("--dtype float32 on a quantized checkpoint: the fused CPU step runs its reference arithmetic "
+                     "(float32 activations times the exactly dequantized weights; quant/reference.py)")
         cpu_decode = reason is None
     kernels = select_kernels(device, cpu_decode)
     if kernels.attention.name == "triton" and kv_dtype != dtype:
@@ -212,7 +216,9 @@ def _weights_quantization(config: EngineConfig, checkpoint: Checkpoint) -> str:
     scheme = checkpoint_scheme(checkpoint)
     if scheme is None:
         return own_method(config, checkpoint, "cpu") or config.quantization
-    return scheme.method if scheme.cpu_fused else scheme.description
+    # --dtype float32: the step's reference kinds (cpu_decode.c REF_*), which read other layouts (act-order too)
+    fused = scheme.cpu_reference_fused if reference_arithmetic(config.dtype, scheme) else scheme.cpu_fused
+    return scheme.method if fused else scheme.description
 
 
 def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device: torch.device,

@@ -42,6 +42,16 @@
  *         that fixed scale, as FP8_STATIC rounds it.
  *   FP8_STATIC FP8's weights, each activation row first rounded to FP8 with the checkpoint's fixed
  *         input_scale (compressed-tensors static input_activations: quant/static_inputs.py).
+ *   REF_INT8, REF_Q4, REF_Q8_G16  the reference mode of weight-only checkpoints (W4A16 / W8A16 of GPTQ,
+ *         AWQ, compressed-tensors under --dtype float32: quant/reference.py): float32 activations times
+ *         each weight dequantized as kernels/quant_gemm_ref.py and quant/group_int8.py do it, the same
+ *         float32 value per weight, into a strip of float32 rows the float path's tiles then read in
+ *         their one order per output (ref_outputs). REF_INT8: int8 [N, K] read in place, widened exactly,
+ *         the sum times the row's scale (w8a16_matmul_ref's order); REF_Q4: kaon's int4 layout read in
+ *         place, any even group (block_cols), w = q * scale + min with float32 scales and mins, product
+ *         and sum each rounded (dequantize_int4); REF_Q8_G16: Q8_G16's interleaved copy (the one the
+ *         default mode reads), w = q * scale (+ min). perm: act-order's column order, each input row gathered
+ *         into it once per call (as InputPermutedLinear does). Not narrow: no int8 activation blocks.
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
  *         byte j of a group holds element j low and element j + 16 high)
@@ -101,7 +111,7 @@ static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
        KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12,
        KIND_FP8 = 13, KIND_FP8_A8 = 14, KIND_FP8_BLOCK = 15, KIND_FP8_STATIC = 16, KIND_INT8_A8 = 17,
-       KIND_INT8_S8 = 18 };
+       KIND_INT8_S8 = 18, KIND_REF_INT8 = 19, KIND_REF_Q4 = 20, KIND_REF_Q8_G16 = 21 };
 
 /* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16;
  * FP8 (float8 e4m3fn) for weights only. */
@@ -119,6 +129,7 @@ typedef struct {
                              * the block's rounding remainder in a second (see quantize_passes) */
     int32_t block_rows, block_cols;  /* FP8_BLOCK: a scale's block */
     float input_scale;      /* FP8_STATIC, and FP8_BLOCK where > 0: x is rounded to fp8(x / input_scale) * input_scale */
+    const int64_t *perm;    /* REF_Q4, REF_Q8_G16: GPTQ act-order, stored column i is input column perm[i]; or NULL */
 } Linear;
 
 /* A projection's LoRA slots (layers/lora.py's LoraLinear): a projection of P parts (q|k|v: 3,
@@ -1851,6 +1862,83 @@ static void fp8_block_outputs(const Linear *l, int rows, const float *x, float *
     free(wide);
 }
 
+/* ---- the reference mode's weight-only kinds (REF_INT8, REF_Q4, REF_Q8_G16) -----------------
+ * Weight row j widened to float32 in wr [k], in the input's column order. The products and sums are
+ * rounded one at a time (-std=c11: GCC contracts no multiply-add), as torch's q * scale + min. */
+static void ref_widen_row(const Linear *l, int j, float *wr) {
+    const int k = l->k;
+    if (l->kind == KIND_REF_INT8) {  /* the integers, exactly: the row's scale comes after the sum */
+        const int8_t *q = (const int8_t *)l->w + (size_t)j * k;
+        int i = 0;
+#ifdef KAON_AVX2
+        for (; i + 8 <= k; i += 8)
+            _mm256_storeu_ps(wr + i,
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)))));
+#endif
+        for (; i < k; i++) wr[i] = (float)q[i];
+    } else if (l->kind == KIND_REF_Q4) {  /* byte i of a group: element i low, i + group / 2 high */
+        const int group = l->block_cols, half = group / 2, groups = k / group;
+        const uint8_t *p = (const uint8_t *)l->w + (size_t)j * (k / 2);
+        for (int g = 0; g < groups; g++) {
+            const float scale = l->gscales[(size_t)j * groups + g], min = l->gmins[(size_t)j * groups + g];
+            const uint8_t *bytes = p + (size_t)g * half;
+            float *o = wr + (size_t)g * group;
+            int i = 0;
+#ifdef KAON_AVX2
+            const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(min);
+            for (; i + 8 <= half; i += 8) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + i)));
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xf)));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_mul_ps(lo, vs), vm));
+                _mm256_storeu_ps(o + half + i, _mm256_add_ps(_mm256_mul_ps(hi, vs), vm));
+            }
+#endif
+            for (; i < half; i++) {
+                o[i] = (float)(bytes[i] & 0xf) * scale + min;
+                o[half + i] = (float)(bytes[i] >> 4) * scale + min;
+            }
+        }
+    } else {  /* REF_Q8_G16: q [groups of 8 rows, k / 4, 8 lanes, 4], scales / mins [groups, k / 16, 8 lanes] */
+        const int g8 = j / LANES, lane = j % LANES;
+        const int8_t *q = (const int8_t *)l->w + (size_t)g8 * k * LANES;
+        const float *sc = l->gscales + (size_t)g8 * (k / 16) * LANES;
+        const float *mn = l->gmins ? l->gmins + (size_t)g8 * (k / 16) * LANES : NULL;
+        for (int b = 0; b < k / 16; b++) {  /* a group of 16: its scale (and min), four runs of four values */
+            const float scale = sc[(size_t)b * LANES + lane], min = mn ? mn[(size_t)b * LANES + lane] : 0.f;
+            for (int c = 0; c < 4; c++) {
+                const int8_t *run = q + ((size_t)(b * 4 + c) * LANES + lane) * 4;
+                float *o = wr + b * 16 + c * 4;
+                for (int t = 0; t < 4; t++) o[t] = (float)run[t] * scale;
+                if (mn) for (int t = 0; t < 4; t++) o[t] = o[t] + min;
+            }
+        }
+    }
+}
+
+/* Output channels [begin, end) a strip at a time: the strip's weights widened (ref_widen_row), then the
+ * float32 path's tiles (one order per output) on it; REF_INT8 then times the row's scale, plus the bias. The
+ * strip (F32_BLOCK floats, at least one tile of rows) stays in L2 while the batch's row tiles pass over it. */
+static void ref_outputs(const Linear *l, int rows, const float *x, float *y, int begin, int end) {
+    const int n = l->n, k = l->k, scaled = l->kind == KIND_REF_INT8;
+    int strip = (F32_BLOCK / k) / NR1 * NR1;
+    if (strip < NR1) strip = NR1;
+    float *wide = malloc((size_t)strip * k * sizeof(float));
+    if (!wide) abort();
+    for (int j0 = begin; j0 < end; j0 += strip) {
+        const int j1 = j0 + strip < end ? j0 + strip : end;
+        for (int j = j0; j < j1; j++) ref_widen_row(l, j, wide + (size_t)(j - j0) * k);
+        f32_outputs(wide, FMT_F32, scaled || !l->bias ? NULL : l->bias + j0, n, k, rows, x, y + j0, 0, j1 - j0);
+        if (scaled)
+            for (int r = 0; r < rows; r++)
+                for (int j = j0; j < j1; j++) {
+                    const float v = y[(size_t)r * n + j] * l->scales[j];
+                    y[(size_t)r * n + j] = l->bias ? v + l->bias[j] : v;
+                }
+    }
+    free(wide);
+}
+
 /* v (|v| <= 448) rounded to the nearest e4m3fn value, ties to even, as torch's .to(float8_e4m3fn)
  * rounds: below 2^-6 (subnormals) to a multiple of 2^-9 (the product and quotient are exact; rintf
  * rounds to even), above to three mantissa bits (a carry moves into the exponent, as it should). */
@@ -2013,6 +2101,10 @@ static void linear_chunk(const void *arg, int begin, int end) {
         fp8_block_outputs(l, job->rows, job->x, job->y, begin, end);
         return;
     }
+    if (l->kind == KIND_REF_INT8 || l->kind == KIND_REF_Q4 || l->kind == KIND_REF_Q8_G16) {
+        ref_outputs(l, job->rows, job->x, job->y, begin, end);
+        return;
+    }
 #ifdef KAON_AMX
     if (job->amx) { amx_chunk(job, begin, end); return; }
 #endif
@@ -2060,7 +2152,8 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
     const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
                        && l->kind != KIND_F16_T && l->kind != KIND_BF16_T && l->kind != KIND_FP8
                        && l->kind != KIND_FP8_A8 && l->kind != KIND_FP8_BLOCK && l->kind != KIND_FP8_STATIC
-                       && l->kind != KIND_INT8_A8 && l->kind != KIND_INT8_S8;
+                       && l->kind != KIND_INT8_A8 && l->kind != KIND_INT8_S8 && l->kind != KIND_REF_INT8
+                       && l->kind != KIND_REF_Q4 && l->kind != KIND_REF_Q8_G16;
     if (l->kind == KIND_INT8_S8) {  /* rows rounded to the static grid into the workspace: int16 [rows, k] */
         int16_t *q = (int16_t *)work;
         quantize_static_rows(x, rows, k, l->gscales[0], l->gscales[1], q);
@@ -2076,6 +2169,14 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
         LinearJob job = {l, rows, 1, x, q, scale, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, y, 0, NULL};
         parallel_for(l->n, threads, linear_chunk, &job);
         return;
+    }
+    if ((l->kind == KIND_REF_Q4 || l->kind == KIND_REF_Q8_G16) && l->perm) {
+        /* act-order: each row gathered into the weights' stored column order once (InputPermutedLinear's
+         * x[:, perm]), in the workspace (4 bytes a value); scattering the widened weights instead cost 3.5x */
+        float *gathered = (float *)work;
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < k; i++) gathered[(size_t)r * k + i] = x[(size_t)r * k + l->perm[i]];
+        x = gathered;
     }
     if (l->kind == KIND_FP8_A8 || l->kind == KIND_FP8_STATIC || (l->kind == KIND_FP8_BLOCK && l->input_scale > 0.f)) {
         /* the rows rounded to FP8 per token (A8) or with the fixed input scale (FP8_STATIC, FP8_BLOCK with

@@ -43,13 +43,18 @@ KIND_FP8, KIND_FP8_A8 = 13, 14  # float8 e4m3 [N, K], a scale per output; A8: in
 KIND_FP8_BLOCK, KIND_FP8_STATIC = 15, 16
 KIND_INT8_A8 = 17  # int8 [N, K], a scale per output, input rows quantized to int8 per token (W8A8 int8, dynamic)
 KIND_INT8_S8 = 18  # the same weights, inputs rounded to a static per-tensor int8 grid (W8A8 int8, static)
+# The reference mode of weight-only checkpoints (--dtype float32, quant/reference.py): float32 activations times each
+# weight dequantized as quant_gemm_ref does it. int8 [N, K] with a scale per output (read in place); kaon's int4
+# layout, any even group, float32 scales and mins (read in place); Q8_G16's interleaved copy (GroupInt8Linear's).
+KIND_REF_INT8, KIND_REF_Q4, KIND_REF_Q8_G16 = 19, 20, 21
+REFERENCE_KINDS = frozenset({KIND_REF_INT8, KIND_REF_Q4, KIND_REF_Q8_G16})
 # Float weights read as stored (widened to float32 in registers, cpu_decode.c): kind by dtype, [N, K] and [K, N].
 FLOAT_KINDS = {torch.float32: (KIND_F32, KIND_F32_T), torch.float16: (KIND_F16, KIND_F16_T),
                torch.bfloat16: (KIND_BF16, KIND_BF16_T)}
 FLOAT_KIND_SET = frozenset(kind for pair in FLOAT_KINDS.values() for kind in pair)
 # Kinds whose activations stay float32 (no int8 blocks: act_passes means nothing to them)
-UNQUANTIZED_INPUTS = FLOAT_KIND_SET | {KIND_FP8, KIND_FP8_A8, KIND_FP8_BLOCK, KIND_FP8_STATIC, KIND_INT8_A8,
-                                       KIND_INT8_S8}
+UNQUANTIZED_INPUTS = FLOAT_KIND_SET | REFERENCE_KINDS | {KIND_FP8, KIND_FP8_A8, KIND_FP8_BLOCK, KIND_FP8_STATIC,
+                                                          KIND_INT8_A8, KIND_INT8_S8}
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # Model.kv_half: the cache's format
 G16 = 16  # Q8_G16's group: two per activation block
 NO_COMPILER = "no C compiler on this machine: the fused CPU decode step and its tests are off (install gcc or set CC)"
@@ -60,7 +65,8 @@ class Linear(ctypes.Structure):
                 ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("d", ctypes.c_void_p),
                 ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
                 ("gmins", ctypes.c_void_p), ("high", ctypes.c_void_p), ("act_passes", ctypes.c_int32),
-                ("block_rows", ctypes.c_int32), ("block_cols", ctypes.c_int32), ("input_scale", ctypes.c_float)]
+                ("block_rows", ctypes.c_int32), ("block_cols", ctypes.c_int32), ("input_scale", ctypes.c_float),
+                ("perm", ctypes.c_void_p)]  # REF_Q4 / REF_Q8_G16: act-order's int64 column order, or None
 
 
 # How the narrow kernels quantize activations (KAON_CPU_ACTIVATIONS): "int8", one int8 pass per block
@@ -270,6 +276,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _perm(perm: torch.Tensor | None, k: int) -> dict[str, torch.Tensor]:
+    """act-order's column order as the reference kinds read it (int64 [K], each column once), or nothing."""
+    if perm is None:
+        return {}
+    perm = perm.detach().to(torch.int64).contiguous()
+    if perm.shape != (k,) or not torch.equal(torch.sort(perm).values, torch.arange(k)):
+        raise ValueError(f"a column order must name each of the {k} input columns once")
+    return {"perm": perm}
+
+
 @dataclass
 class LinearWeights:
     """One projection as the C code reads it; keeps its tensors alive while the struct points at them."""
@@ -366,6 +382,45 @@ class LinearWeights:
         made.struct.block_rows, made.struct.block_cols = rows, cols
         made.struct.input_scale = input_scale or 0.0  # 0: weight-only (no rounding of the inputs)
         return made
+
+    @classmethod
+    def ref_int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> LinearWeights:
+        """The reference mode of int8 [N, K] with a float32 scale per output (quant/int8.py), read in place:
+        float32 activations times the integers, the sum times the row's scale (w8a16_matmul_ref's order)."""
+        if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
+            raise ValueError(f"ref_int8 needs int8 [N, K] and scales [N], got {qweight.dtype} and "
+                             f"{tuple(scales.shape)}")
+        n, k = qweight.shape
+        return cls._make(KIND_REF_INT8, n, k, bias, w=qweight, scales=scales.float())
+
+    @classmethod
+    def ref_q4(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> LinearWeights:
+        """The reference mode of kaon's int4 layout (quant/int4.py: packed uint8 [N, K / 2], scales and mins
+        [N, K / group_size], any even group), read in place: each weight q * scale + min in float32, as
+        dequantize_int4 rounds it; perm: act-order's column order (quant/checkpoint_formats/loaded.py)."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        if (packed.dtype != torch.uint8 or group_size % 2 or k % group_size
+                or scales.shape != (n, k // group_size) or mins.shape != scales.shape):
+            raise ValueError(f"ref_q4 needs uint8 [N, K / 2] and scales, mins [N, K / {group_size}], got "
+                             f"{packed.dtype} {tuple(packed.shape)} and {tuple(scales.shape)}")
+        made = cls._make(KIND_REF_Q4, n, k, bias, w=packed, gscales=scales.float(), gmins=mins.float(),
+                         **_perm(perm, k))
+        made.struct.block_cols = group_size
+        return made
+
+    @classmethod
+    def ref_q8_g16(cls, held: LinearWeights, perm: torch.Tensor | None = None) -> LinearWeights:
+        """The reference mode of a Q8_G16 weight (quant/group_int8.py's kernel_weights), read in place: each
+        weight q * scale (+ min) in float32, as dequantize_group_int8 rounds it; perm: act-order's columns."""
+        if held.struct.kind != KIND_Q8_G16:
+            raise ValueError(f"ref_q8_g16 reads a Q8_G16 weight, got kind {held.struct.kind}")
+        struct = Linear.from_buffer_copy(held.struct)
+        struct.kind = KIND_REF_Q8_G16
+        kept = _perm(perm, struct.k)
+        struct.perm = _ptr(kept.get("perm"))
+        return cls(struct, [*held.tensors, *kept.values()])
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:

@@ -275,6 +275,9 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     inputs); a LoraLinear's base."""
     if isinstance(module, LoraLinear):
         module = module.base
+    reference = reference_weights(module)
+    if reference is not None:
+        return reference
     bias = getattr(module, "bias", None)
     if type(module) is nn.Linear:
         return cpu_decode.LinearWeights.f32(module.weight, bias)
@@ -293,6 +296,32 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
             return cpu_decode.LinearWeights.q4_f32(quantized.packed, quantized.scales, quantized.mins, bias)
         return cpu_decode.LinearWeights.q4_1(quantized.packed, quantized.scales, quantized.mins, bias)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
+
+
+def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
+    """A weight-only projection in the reference mode (quant/reference.py: `reference` set) as the C step's
+    reference kinds read it, its tensors in place: int8 per channel (quant/int8.py), kaon's int4 layout in any
+    even group (quant/int4.py) or group int8 in Q8_G16's layout (quant/group_int8.py), behind act-order's column
+    order (an InputPermutedLinear) or not. None for every other module: float weights, and the W8A8 / FP8 kinds
+    (fused_cpu_weights), whose fused kinds already compute what their checkpoints specify. ValueError for a
+    reference weight-only projection no kind reads (pick_kernels' blocker keeps those on torch's path)."""
+    inner = getattr(module, "inner", None)
+    perm = getattr(module, "perm", None) if inner is not None else None
+    target = inner if perm is not None else module
+    if not getattr(target, "reference", False) or hasattr(target, "fused_cpu_weights"):
+        return None
+    quantized: Any = target
+    bias = getattr(target, "bias", None)
+    held = getattr(target, "kernel_weights", None)
+    if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
+        return cpu_decode.LinearWeights.ref_q8_g16(held, perm)
+    if hasattr(target, "packed"):
+        return cpu_decode.LinearWeights.ref_q4(quantized.packed, quantized.scales, quantized.mins,
+                                               quantized.group_size, bias, perm)
+    qweight = getattr(target, "qweight", None)
+    if perm is None and qweight is not None and qweight.dtype == torch.int8 and quantized.scales.dim() == 1:
+        return cpu_decode.LinearWeights.ref_int8(qweight, quantized.scales, bias)
+    raise ValueError(f"no reference kernel in the fused CPU step for {type(target).__name__}")
 
 
 def expert_linears(stack: torch.Tensor | Sequence[nn.Module]) -> list[cpu_decode.LinearWeights]:

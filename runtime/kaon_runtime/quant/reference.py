@@ -7,8 +7,15 @@ checkpoint specifies float activations, so those paths move its logits (by up to
 llm-compressor's W8A16, issue 49). Under `--dtype float32` on a checkpoint quantized by its publisher,
 every quantized linear is marked `reference`: it multiplies float32 activations by its dequantized
 weight (kernels/quant_gemm_ref.py), and the activation quantization a W8A8 checkpoint specifies stays
-where it is (quant/dynamic_inputs.py, quant/dynamic_fp8.py, quant/static_inputs.py). The engine also
-leaves the fused C step off (engine/model_loader.py).
+where it is (quant/dynamic_inputs.py, quant/dynamic_fp8.py, quant/static_inputs.py).
+
+Where the fused C step covers the model it runs this arithmetic too (issue 49 §2: torch's GEMMs sum a row by
+the row count, so the reference mode's answers moved with batch neighbours, chunking and prefix-cache hits):
+models/cpu_decode_step.reference_weights hands a marked weight-only linear to the step's reference kinds
+(kernels/cpu_decode.c REF_INT8, REF_Q4, REF_Q8_G16: the same float32 value per weight as quant_gemm_ref and
+group_int8's dequantizers, in the layouts the loader holds, act-order included), and W8A8 / FP8 linears to the
+kinds that apply their activation quantization exactly (INT8_A8, INT8_S8, FP8_A8, FP8_STATIC). What the step
+cannot read keeps torch's reference path, its reason logged (engine/model_loader.pick_kernels).
 """
 from __future__ import annotations
 

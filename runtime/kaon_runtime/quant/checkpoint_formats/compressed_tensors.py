@@ -22,6 +22,7 @@ import torch
 
 from kaon_runtime.arith import ceil_div
 from kaon_runtime.errors import ModelLoadError
+from kaon_runtime.quant.checkpoint_formats.gptq import reference_fused
 from kaon_runtime.quant.checkpoint_formats.loaded import LoadedWeight, grouped_weight
 from kaon_runtime.quant.checkpoint_formats.packing import unpack_int32
 from kaon_runtime.quant.checkpoint_formats.scheme import CheckpointScheme
@@ -68,13 +69,17 @@ def scheme(config: dict) -> CheckpointScheme:
                     for w in weights)
     else:
         fused = all(_cpu_fused(w) for w in weights) and static is None and dynamic is None
+    reference = None  # W8A8 / FP8: as fused (their kinds compute what the checkpoint specifies)
+    if method != "fp8" and static is None and dynamic is None:  # weight-only int: the reference kinds
+        reference = all(reference_fused(int(w.get("num_bits") or 0), -1 if w.get("strategy") == "channel"
+                                        else int(w.get("group_size") or -1)) for w in weights)
     parts = sorted(f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size") else "") for w in weights)
     return CheckpointScheme(description=f"compressed-tensors {'/'.join(sorted(map(str, formats)))} "
                                         f"{method} ({', '.join(parts)})",
                             method=method, cpu_fused=fused, markers=frozenset({"weight_packed", "weight_scale"}),
                             suffixes=_SUFFIXES | (_STATIC if static else frozenset()),
                             ignored=_IGNORED - (_STATIC if static else frozenset()), convert=convert,
-                            static_inputs=static, dynamic_inputs=dynamic)
+                            static_inputs=static, dynamic_inputs=dynamic, cpu_reference=reference)
 
 
 def _dynamic_inputs(activations: list[dict], weights: list[dict]) -> str | None:

@@ -47,7 +47,8 @@ def gptq_scheme(config: dict) -> CheckpointScheme:
     size = "channel" if group_size == -1 else f"groups of {group_size}"
     return CheckpointScheme(description=f"GPTQ {bits}-bit, {size}{', act-order' if act_order else ''}",
                             method=f"int{bits}", cpu_fused=_fused(bits, group_size, act_order, config),
-                            markers=_MARKERS, suffixes=_SUFFIXES, ignored=frozenset(), convert=convert)
+                            markers=_MARKERS, suffixes=_SUFFIXES, ignored=frozenset(), convert=convert,
+                            cpu_reference=reference_fused(bits, group_size))
 
 
 def awq_scheme(config: dict) -> CheckpointScheme:
@@ -68,7 +69,7 @@ def awq_scheme(config: dict) -> CheckpointScheme:
 
     return CheckpointScheme(description=f"AWQ GEMM 4-bit, groups of {group_size}", method="int4",
                             cpu_fused=group_size % 32 == 0, markers=_MARKERS, suffixes=_SUFFIXES - {"g_idx"},
-                            ignored=frozenset(), convert=convert)
+                            ignored=frozenset(), convert=convert, cpu_reference=True)
 
 
 def _fused(bits: int, group_size: int, act_order: bool, config: dict) -> bool:
@@ -77,6 +78,12 @@ def _fused(bits: int, group_size: int, act_order: bool, config: dict) -> bool:
     if act_order:
         return False
     return group_size == -1 or group_size % (32 if bits == 4 else 16) == 0
+
+
+def reference_fused(bits: int, group_size: int) -> bool:
+    """The fused CPU step's reference kinds (cpu_decode.c REF_*) read int4 in any group (act-order included) and
+    int8 per channel or in groups of 16's multiples (held in Q8_G16's layout: quant/group_int8.py)."""
+    return bits == 4 or group_size == -1 or group_size % 16 == 0
 
 
 def _check_groups(name: str, k: int, group_size: int) -> int:

@@ -24,6 +24,13 @@ class CheckpointScheme:
     static_inputs: str | None = None  # "fp8" / "int8": inputs rounded to the checkpoint's input_scale first
     # "int8" / "fp8": inputs quantized per token at run time (quant/dynamic_inputs.py, quant/dynamic_fp8.py)
     dynamic_inputs: str | None = None
+    # whether the fused CPU step reads the reference mode's arithmetic (--dtype float32: quant/reference.py) of
+    # these weights; None: as cpu_fused (W8A8 / FP8: their fused kinds are that arithmetic already)
+    cpu_reference: bool | None = None
+
+    @property
+    def cpu_reference_fused(self) -> bool:
+        return self.cpu_fused if self.cpu_reference is None else self.cpu_reference
 
     def owns(self, name: str, dtype: torch.dtype) -> bool:
         """Whether the checkpoint tensor `name` belongs to a quantized module (or is one of the dropped)."""

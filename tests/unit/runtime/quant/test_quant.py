@@ -530,8 +530,7 @@ def test_block_and_static_fp8_checkpoints_take_the_c_step_and_answer_alike_alone
     with static input scales, written by compressed-tensors, run the fused C step in the default precision
     (issue 49 §2; torch's path before, whose prompt rows' sums moved with the row count): a prompt's tokens
     and log-probabilities are the same bits alone, in a batch, in prefill chunks and with its prefix cached.
-    (`--dtype float32`, the reference mode, stays on torch's path: test_quantized_checkpoints /
-    test_static_activation_scales.)"""
+    (`--dtype float32`, the reference mode, takes the C step too: test_reference_arithmetic.py.)"""
     pytest.importorskip("compressed_tensors")
     from support.quantized_dirs import add_input_scales, write_compressed_tensors
 

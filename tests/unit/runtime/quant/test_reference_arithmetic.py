@@ -15,11 +15,14 @@ import json
 
 import pytest
 import torch
+from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 from kaon_runtime import LLM, SamplingParams
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.models.cpu_decode_step import linear_weights
 from kaon_runtime.quant.dynamic_fp8 import DynamicFp8InputLinear, round_to_fp8_per_token
 from kaon_runtime.quant.linear import QuantizedLinear
-from support.quantized_dirs import transformers_reference, update_config, write_compressed_tensors
+from support.quantized_dirs import transformers_reference, update_config, write_compressed_tensors, write_packed_dir
 
 pytest.importorskip("compressed_tensors")
 PROMPTS = [list(range(100, 120)), [5, 9, 300, 4000, 17], list(range(2000, 2030, 3))]
@@ -87,8 +90,9 @@ def test_fp8_dynamic_rounds_each_token_as_transformers_does(tmp_path, gguf_path)
 
 @pytest.mark.slow
 def test_float32_selects_the_reference_and_the_default_keeps_the_fast_kernels(tmp_path, gguf_path):
-    """W4A16 (GPTQ-style groups of 32): the default runs the fused C step and the fast kernels; --dtype float32
-    turns both off. The tokens themselves are checked against transformers in test_quantized_checkpoints.py."""
+    """W4A16 (GPTQ-style groups of 32): both run the fused C step; the default reads the weights in its fast
+    kinds (int8 activation blocks), --dtype float32 in its reference kinds (float32 activations times the exactly
+    dequantized weights). The tokens themselves are checked against transformers in test_quantized_checkpoints.py."""
     write_compressed_tensors(tmp_path, gguf_path, dict(num_bits=4, type="int", symmetric=True, strategy="group",
                                                        group_size=32), "pack-quantized")
     for dtype, reference in (("auto", False), ("float32", True)):
@@ -96,5 +100,45 @@ def test_float32_selects_the_reference_and_the_default_keeps_the_fast_kernels(tm
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
         assert len(linears) == 2 * 4  # two layers' qkv, o, gate|up, down
         assert all(m.reference is reference for m in linears), dtype
-        assert llm.engine.runner.kernels.cpu_decode is not reference, dtype
+        assert llm.engine.runner.kernels.cpu_decode, dtype
+        assert _step_kinds(llm) == ({cpu_decode.KIND_REF_Q4} if reference else {cpu_decode.KIND_Q4_F32}), dtype
         llm.close()
+
+
+def _step_kinds(llm: LLM) -> set[int]:
+    """The C kinds the fused step reads the model's projections with."""
+    layers = llm.engine.runner.model.model.fused_weights().layers
+    return {linear_weights(m).struct.kind for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+
+
+# Weight-only checkpoints whose reference mode takes the C step's three reference kinds, act-order included
+REFERENCE_DIRS = {
+    "gptq-4bit-g64-asym-actorder": (("gptq", 4, 64, False, True), cpu_decode.KIND_REF_Q4),
+    "gptq-8bit-g32-asym": (("gptq", 8, 32, False, False), cpu_decode.KIND_REF_Q8_G16),
+    "w8a16-channel": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), cpu_decode.KIND_REF_INT8),
+}
+
+
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+@pytest.mark.parametrize("case", sorted(REFERENCE_DIRS))
+def test_the_reference_mode_takes_the_c_step_and_answers_alike_alone_batched_chunked(
+        case, tmp_path, gguf_path, monkeypatch):
+    """--dtype float32 on a weight-only checkpoint runs the fused C step's reference kinds (issue 49 §1 and §2;
+    torch's reference GEMMs before, whose prompt rows' sums moved with the row count): a prompt's tokens and
+    log-probabilities are the same bits alone, in a batch, in prefill chunks and with its prefix cached."""
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    layout, kind = REFERENCE_DIRS[case]
+    if isinstance(layout, dict):
+        write_compressed_tensors(tmp_path, gguf_path, layout, "pack-quantized")
+    else:
+        write_packed_dir(tmp_path, gguf_path, *layout)
+
+    def engine(**options):
+        llm = LLM(str(tmp_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=1 << 22,
+                  block_size=8, **options)
+        assert _step_kinds(llm) == {kind}
+        return llm
+
+    _assert_the_c_step_answers_alike_alone_batched_chunked(
+        engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))

@@ -1,0 +1,108 @@
+"""The fused C step's reference kinds (REF_INT8, REF_Q4, REF_Q8_G16: cpu_decode.c) against the reference
+arithmetic of weight-only checkpoints (kernels/quant_gemm_ref.py, quant/group_int8.py): float32 activations
+times each weight dequantized to the same float32 value, only the summation order differing, one per row."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_decode import assert_rows_alone_equal_batched
+
+from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.kernels.quant_gemm_ref import dequantize_int4, pack_int4, w4a16_matmul_ref, w8a16_matmul_ref
+from kaon_runtime.models.cpu_decode_step import reference_weights
+from kaon_runtime.quant.checkpoint_formats.loaded import grouped_weight
+from kaon_runtime.quant.group_int8 import dequantize_group_int8
+from kaon_runtime.quant.reference import use_reference_kernels
+
+# float32 sums of K = 256 products in another order: a few ulps of the largest partial sums
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def _int4(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    mins = -(torch.randint(0, 16, (n, k // group), generator=g).float()) * scales
+    return pack_int4(q, group), scales, mins
+
+
+@pytest.mark.parametrize("group", [32, 128, 16, 96])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ref_q4_is_the_dequantized_weight_times_float32_inputs(group, rows, bias):
+    n, k = 40, 384
+    packed, scales, mins = _int4(n, k, group)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(rows, k)
+    weights = cpu_decode.LinearWeights.ref_q4(packed, scales, mins, group, b)
+    expected = w4a16_matmul_ref(x, packed, scales, mins, group) + (0 if b is None else b)
+    torch.testing.assert_close(cpu_decode.linear(weights, x), expected, **TOLERANCE)
+    assert_rows_alone_equal_batched(weights, x)
+
+
+def test_ref_q4_widens_each_weight_to_the_references_float32_value():
+    """One-hot inputs pick single weights: the products then need no sum, so they equal the reference exactly."""
+    n, k, group = 16, 128, 32
+    packed, scales, mins = _int4(n, k, group, seed=3)
+    x = torch.eye(k)[:7]
+    weights = cpu_decode.LinearWeights.ref_q4(packed, scales, mins, group)
+    assert torch.equal(cpu_decode.linear(weights, x), dequantize_int4(packed, scales, mins, group)[:, :7].t())
+
+
+def test_ref_int8_is_the_integer_sum_times_the_row_scale():
+    g = torch.Generator().manual_seed(1)
+    n, k = 24, 256
+    qweight = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.01
+    b = torch.randn(n, generator=g)
+    x = torch.randn(5, k, generator=g)
+    weights = cpu_decode.LinearWeights.ref_int8(qweight, scales, b)
+    torch.testing.assert_close(cpu_decode.linear(weights, x), w8a16_matmul_ref(x, qweight, scales) + b, **TOLERANCE)
+    assert_rows_alone_equal_batched(weights, x)
+
+
+def _loaded(bits: int, group: int, act_order: bool, asymmetric: bool, n: int = 40, k: int = 256, seed: int = 2):
+    """A checkpoint's weight as the loader holds it on CPU (grouped_weight, then its module), reference set."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    q = torch.randint(0, 1 << bits, (n, k), generator=g)
+    scales = torch.rand(n, groups, generator=g) * 0.02 + 0.001
+    mid = float(1 << (bits - 1))
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=g).float() if asymmetric else torch.full_like(scales,
+                                                                                                          mid)
+    g_idx = torch.randperm(k, generator=g) // group if act_order else None
+    loaded = grouped_weight("layer", q, scales, zeros, bits, g_idx)
+    module = loaded.to_module(torch.randn(n, generator=g), torch.device("cpu"))
+    use_reference_kernels(module)
+    return module
+
+
+@pytest.mark.parametrize("bits,group,asymmetric", [(4, 128, False), (4, 32, True), (8, 64, True), (8, 256, True),
+                                                   (8, 256, False)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_loaded_checkpoint_weight_takes_its_reference_kind(bits, group, asymmetric, act_order):
+    """GPTQ / AWQ / compressed-tensors weights as held after load, act-order included: the C step's kind equals
+    the module's own reference arithmetic (torch) within float32 summation order, rows alone as batched."""
+    module = _loaded(bits, group, act_order, asymmetric)
+    weights = reference_weights(module)
+    assert weights is not None and weights.struct.kind in cpu_decode.REFERENCE_KINDS
+    x = torch.randn(6, module.in_features)
+    with torch.inference_mode():
+        expected = module(x)
+    torch.testing.assert_close(cpu_decode.linear(weights, x), expected, **TOLERANCE)
+    assert_rows_alone_equal_batched(weights, x)
+
+
+def test_group_int8_is_read_from_its_kernel_layout_as_dequantize_group_int8_values():
+    module = _loaded(8, 64, act_order=False, asymmetric=True)
+    weights = reference_weights(module)
+    assert weights is not None and weights.struct.kind == cpu_decode.KIND_REF_Q8_G16
+    x = torch.eye(module.in_features)[:9]
+    dense = dequantize_group_int8(module.weight)
+    assert torch.equal(cpu_decode.linear(weights, x), dense[:, :9].t() + module.bias)
+
+
+def test_without_the_reference_mark_the_default_kinds_stay():
+    module = _loaded(4, 128, act_order=False, asymmetric=False)
+    module.reference = False
+    assert reference_weights(module) is None
