@@ -11,7 +11,7 @@ runner sets before each step: which slot each token uses (-1: the base model).
 On CUDA the Triton kernels (kernels.lora) take every token in one launch per part, whatever the
 mix of adapters; elsewhere the tokens are grouped by slot (the runner does it once per step),
 two matmuls and one scatter-add per adapter in the step. On CPU the fused C step usually runs instead
-(models/cpu_decode_step.lora_slots): it reads the slots in place, in the model's dtype, each row alone.
+(models/fused_weights.lora_slots): it reads the slots in place, in the model's dtype, each row alone.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ reads on exactly (DecoderModel._fused).
 
 The kernels come in at construction (layers.kernel_backend): each layer takes the fused ones
 that apply to it, and the torch code where none does.
+
+Over 300 lines for a stated reason: one decoder serves nine families, and its torch path and the
+fused CPU step's hand-offs (whole model, pipeline stage, mixed steps) sit side by side.
 """
 from __future__ import annotations
 
@@ -36,13 +39,8 @@ from kaon_runtime.layers.norm import RMSNorm
 from kaon_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kaon_runtime.layers.vocab import VocabEmbedding, VocabHead
 from kaon_runtime.models import weights as checkpoint_names
-from kaon_runtime.models.cpu_decode_step import (
-    CpuDecodeStep,
-    FusedExperts,
-    FusedLayer,
-    FusedWeights,
-    split_decodes,
-)
+from kaon_runtime.models.cpu_decode_step import CpuDecodeStep, split_decodes
+from kaon_runtime.models.fused_weights import FusedExperts, FusedLayer, FusedWeights
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a checkpoint tensor's layer index
 
@@ -177,7 +175,7 @@ class DecoderModel(nn.Module):
         return cast("list[DecoderLayer]", list(self.layers))
 
     def fused_weights(self) -> FusedWeights:
-        """What the fused CPU decode step reads of the decoder (models.cpu_decode_step.FusedDecoder)."""
+        """What the fused CPU decode step reads of the decoder (models.fused_weights.FusedDecoder)."""
         cos, sin = self.rotary.tables(torch.device("cpu"))
         # A pipeline stage's own layers (their windows go by the global index: DecoderLayer), and the final
         # norm on the last stage only.

@@ -11,7 +11,7 @@ where it is (quant/dynamic_inputs.py, quant/dynamic_fp8.py, quant/static_inputs.
 
 Where the fused C step covers the model it runs this arithmetic too (issue 49 §2: torch's GEMMs sum a row by
 the row count, so the reference mode's answers moved with batch neighbours, chunking and prefix-cache hits):
-models/cpu_decode_step.reference_weights hands a marked weight-only linear to the step's reference kinds
+models/fused_weights.reference_weights hands a marked weight-only linear to the step's reference kinds
 (kernels/cpu_decode.c REF_INT8, REF_Q4, REF_Q8_G16: the same float32 value per weight as quant_gemm_ref and
 group_int8's dequantizers, in the layouts the loader holds, act-order included), and W8A8 / FP8 linears to the
 kinds that apply their activation quantization exactly (INT8_A8, INT8_S8, FP8_A8, FP8_STATIC). What the step

@@ -287,7 +287,7 @@ def _answers(llm, prompts, names):
 def test_a_half_models_adapter_answers_alike_alone_batched_chunked_and_cached(half_family, dtype, monkeypatch):
     """A float16 / bfloat16 model with adapters: each request (two adapters and the base) gets the same tokens
     and log-probabilities, bit for bit, alone, in one batch with the others, in prefill chunks of 16 tokens, and
-    again with its prefix cached. The fused C step reads the half slots (models/cpu_decode_step.lora_slots),
+    again with its prefix cached. The fused C step reads the half slots (models/fused_weights.lora_slots),
     each row alone; torch's half path, which such steps took before, groups the rows by adapter."""
     from kaon_runtime import LLM
     for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
