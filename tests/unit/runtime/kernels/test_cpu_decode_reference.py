@@ -9,7 +9,7 @@ from test_cpu_decode import assert_rows_alone_equal_batched
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import dequantize_int4, pack_int4, w4a16_matmul_ref, w8a16_matmul_ref
-from kaon_runtime.models.cpu_decode_step import reference_weights
+from kaon_runtime.models.fused_weights import reference_weights
 from kaon_runtime.quant.checkpoint_formats.loaded import grouped_weight
 from kaon_runtime.quant.group_int8 import dequantize_group_int8
 from kaon_runtime.quant.reference import use_reference_kernels

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kaon_runtime.config import ModelConfig
-from kaon_runtime.models.cpu_decode_step import linear_weights
 from kaon_runtime.models.decoder import DecoderForCausalLM
+from kaon_runtime.models.fused_weights import linear_weights
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.group_int8 import (
     GroupInt8Linear,

@@ -19,7 +19,7 @@ from test_quant import _assert_the_c_step_answers_alike_alone_batched_chunked
 
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.kernels import cpu_decode
-from kaon_runtime.models.cpu_decode_step import linear_weights
+from kaon_runtime.models.fused_weights import linear_weights
 from kaon_runtime.quant.dynamic_fp8 import DynamicFp8InputLinear, round_to_fp8_per_token
 from kaon_runtime.quant.linear import QuantizedLinear
 from support.quantized_dirs import transformers_reference, update_config, write_compressed_tensors, write_packed_dir
