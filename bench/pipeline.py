@@ -12,7 +12,6 @@ the pipeline's own cost, as it was first measured; bench/pipeline_c_step.py sets
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,31 +24,9 @@ os.environ["KAON_CPU_DECODE"] = "off"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 import torch
+from random_llama import write_model
 
 from kaon_runtime import LLM, SamplingParams
-from kaon_runtime.loader import resolve_model
-from kaon_runtime.loader.gguf_file import load_gguf
-
-BUNDLED = "builtin://smollm2-135m-instruct"
-
-
-def write_model(path: Path, layers: int, hidden: int) -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                      num_key_value_heads=hidden // 128, max_position_embeddings=1024,
-                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    load_gguf(resolve_model(BUNDLED)).tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-
 
 MATMUL_LOOP = """
 import sys, time, torch

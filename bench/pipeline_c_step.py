@@ -73,7 +73,7 @@ def turn(path: str, variant: str, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def main() -> None:
-    from pipeline import write_model  # bench/pipeline.py's model (it turns the C step off at import: not here)
+    from random_llama import write_model  # bench/pipeline.py's model
 
     os.environ.pop("KAON_CPU_DECODE", None)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -25,30 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-import torch
-
-BUNDLED = "builtin://smollm2-135m-instruct"
-
-
-def write_model(path: Path, layers: int, hidden: int) -> None:
-    import transformers
-
-    from kaon_runtime.loader import resolve_model
-    from kaon_runtime.loader.gguf_file import load_gguf
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 3,
-                                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                      num_key_value_heads=hidden // 128, max_position_embeddings=1024,
-                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    load_gguf(resolve_model(BUNDLED)).tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+from random_llama import write_model
 
 
 def cpu_seconds(pid: int) -> float:
@@ -112,7 +89,7 @@ def main() -> None:
     print(f"load before: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
-        write_model(path, args.layers, args.hidden)
+        write_model(path, args.layers, args.hidden, intermediate=args.hidden * 3)
         command = [sys.executable, __file__, "--child", str(path), "--requests", str(args.requests),
                    "--prompt", str(args.prompt), "--max-tokens", str(args.max_tokens)]
         sides = {"C step": {}, "torch": {"KAON_CPU_DECODE": "off"}}
