@@ -210,6 +210,15 @@ def decode_step(config, tables: list[list[int]], lens: list[int]):
     return torch.randn(len(lens), config.hidden_size), positions, meta
 
 
+def mixed_step(config):
+    """decode_step's three decodes (TABLES, LENS) with a new 5-token prompt in blocks 1 and 4 riding along."""
+    x, positions, meta = decode_step(config, TABLES, LENS)
+    chunk = PrefillChunk(query_start=3, query_len=5, context_len=5, block_table=torch.tensor([1, 4]))
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([4, 5, 6, 7, 16])])
+    meta.prefills = [chunk]
+    return torch.cat([x, torch.randn(5, config.hidden_size)]), torch.cat([positions, torch.arange(5)]), meta
+
+
 def assert_rows_alone_equal_batched(weights, x: torch.Tensor) -> None:
     """Each row of x through the C kernel's projection alone gives the bits it gets in the whole batch."""
     batched = cpu_decode.linear(weights, x)
@@ -382,13 +391,7 @@ def test_a_mixed_step_matches_the_torch_path(kv_dtype, prefill, window, monkeypa
     monkeypatch.setenv("KAON_CPU_PREFILL", prefill)
     config = tiny_config(**WINDOWS[window])
     model, cache = random_model(config, blocks=10, kv_dtype=kv_dtype)
-    x, positions, meta = decode_step(config, TABLES, LENS)
-    # A new 5-token prompt in blocks 1 and 4 rides along after the three decodes.
-    chunk = PrefillChunk(query_start=3, query_len=5, context_len=5, block_table=torch.tensor([1, 4]))
-    x = torch.cat([x, torch.randn(5, config.hidden_size)])
-    positions = torch.cat([positions, torch.arange(5)])
-    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([4, 5, 6, 7, 16])])
-    meta.prefills = [chunk]
+    x, positions, meta = mixed_step(config)
     model.check_kernels()
     step = model.model.cpu_decode
     if prefill == "fused":

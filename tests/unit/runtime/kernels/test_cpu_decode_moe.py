@@ -14,7 +14,7 @@ import torch
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_ref import quantize_activations_ref
-from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
+from kaon_runtime.layers.attention import AttentionMetadata
 from kaon_runtime.layers.moe import SparseMoE
 from kaon_runtime.models.cpu_decode_step import unsupported
 from kaon_runtime.quant.int4 import Int4Linear, quantize_int4
@@ -24,11 +24,9 @@ pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode
 
 from test_cpu_decode import (  # noqa: E402  (after the skip: the helpers build the library)
     BLOCK,
-    LENS,
-    TABLES,
     assert_same_cache,
     c_step_error_against_torch,
-    decode_step,
+    mixed_step,
     random_model,
     tiny_config,
 )
@@ -73,12 +71,7 @@ def test_an_moe_mixed_step_matches_the_torch_path(moe):
     """Decode rows and a new prompt's rows in one step: each prompt row is routed alone too."""
     config = tiny_config(**MOES[moe])
     model, cache = random_model(config, blocks=10)
-    x, positions, meta = decode_step(config, TABLES, LENS)
-    chunk = PrefillChunk(query_start=3, query_len=5, context_len=5, block_table=torch.tensor([1, 4]))
-    x = torch.cat([x, torch.randn(5, config.hidden_size)])
-    positions = torch.cat([positions, torch.arange(5)])
-    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([4, 5, 6, 7, 16])])
-    meta.prefills = [chunk]
+    x, positions, meta = mixed_step(config)
     model.check_kernels()
     step = model.model.cpu_decode
     assert step.applies(x, meta)
