@@ -286,6 +286,14 @@ def _perm(perm: torch.Tensor | None, k: int) -> dict[str, torch.Tensor]:
     return {"perm": perm}
 
 
+def _int8_per_output(kind: str, qweight: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
+    """int8 [N, K] weights with one scale per output, as the int8 kinds read them: their N and K, or ValueError."""
+    if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
+        raise ValueError(f"{kind} needs int8 [N, K] and scales [N], got {qweight.dtype} and {tuple(scales.shape)}")
+    n, k = qweight.shape
+    return n, k
+
+
 @dataclass
 class LinearWeights:
     """One projection as the C code reads it; keeps its tensors alive while the struct points at them."""
@@ -345,10 +353,7 @@ class LinearWeights:
                 ) -> LinearWeights:
         """W8A8 int8 (quant/dynamic_inputs.py): int8 [N, K] and one float32 scale per output, read in place;
         each input row quantized to int8 per token in C, the products summed exactly in int32."""
-        if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
-            raise ValueError(f"int8_a8 needs int8 [N, K] and scales [N], got {qweight.dtype} and "
-                             f"{tuple(scales.shape)}")
-        n, k = qweight.shape
+        n, k = _int8_per_output("int8_a8", qweight, scales)
         return cls._make(KIND_INT8_A8, n, k, bias, w=qweight, scales=scales.float())
 
     @classmethod
@@ -356,10 +361,7 @@ class LinearWeights:
                 bias: torch.Tensor | None = None) -> LinearWeights:
         """W8A8 int8 with a static input grid (quant/static_inputs.py): int8 [N, K], one float32 scale per
         output, read in place; each input rounded to the grid (scale, zero point) in C, integer sums."""
-        if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
-            raise ValueError(f"int8_s8 needs int8 [N, K] and scales [N], got {qweight.dtype} and "
-                             f"{tuple(scales.shape)}")
-        n, k = qweight.shape
+        n, k = _int8_per_output("int8_s8", qweight, scales)
         grid = torch.tensor([input_scale, zero_point], dtype=torch.float32)
         return cls._make(KIND_INT8_S8, n, k, bias, w=qweight, scales=scales.float(), gscales=grid)
 
@@ -388,10 +390,7 @@ class LinearWeights:
                  ) -> LinearWeights:
         """The reference mode of int8 [N, K] with a float32 scale per output (quant/int8.py), read in place:
         float32 activations times the integers, the sum times the row's scale (w8a16_matmul_ref's order)."""
-        if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
-            raise ValueError(f"ref_int8 needs int8 [N, K] and scales [N], got {qweight.dtype} and "
-                             f"{tuple(scales.shape)}")
-        n, k = qweight.shape
+        n, k = _int8_per_output("ref_int8", qweight, scales)
         return cls._make(KIND_REF_INT8, n, k, bias, w=qweight, scales=scales.float())
 
     @classmethod
