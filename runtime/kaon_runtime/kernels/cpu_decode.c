@@ -70,6 +70,8 @@
  * Threads: the caller's and a small pool of our own (see parallel_for for why not OpenMP), as
  * many as torch.get_num_threads(). Built with -march=native; without AVX2 scalar loops run.
  * References: tests/unit/runtime/kernels/test_cpu_decode.py compares each kernel and the whole step with torch.
+ * One file of ~3,000 lines on purpose: one translation unit, so that the compiler inlines the kernels into the
+ * step's loops, and one source hash names the build kernels/cpu_decode.py caches per CPU.
  */
 #define _GNU_SOURCE  /* sched_yield under -std=c11 */
 #include <math.h>
