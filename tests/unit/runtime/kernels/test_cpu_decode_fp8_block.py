@@ -15,7 +15,6 @@ import torch
 from test_cpu_decode import assert_rows_alone_equal_batched, c_step_error_against_torch, random_model, tiny_config
 
 from kaon_runtime.kernels import cpu_decode
-from kaon_runtime.models.cpu_decode_step import blocker
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.fp8 import FP8, Fp8Linear, quantize_fp8
 from kaon_runtime.quant.fp8_block import Fp8BlockLinear, dequantize_fp8_blocks
@@ -170,12 +169,4 @@ def test_a_decode_step_matches_the_torch_path(kind):
 def test_a_prompts_rows_do_not_depend_on_chunking_neighbours_or_pieces(kv_dtype, kind, monkeypatch):
     """A prompt's rows are the same bits chunked, after a cached prefix, beside decodes and in pieces; and
     torch's prefill to float32 rounding."""
-    monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
-    assert blocker(tiny_config(), quantization="fp8") is None
-    monkeypatch.setattr(invariance, "quantize_model", lambda model, _: _convert(model, kind))
-    config = tiny_config(attention_bias=True)
-    whole = invariance._invariant_prompt_rows(config, kv_dtype, "fp8")
-    if kv_dtype == torch.float32:
-        model, _ = random_model(config, blocks=10, cpu_decode=False)
-        _convert(model, kind)
-        torch.testing.assert_close(whole, invariance._torch_prompt_rows(model, config), atol=1e-4, rtol=1e-4)
+    invariance.assert_fp8_prompt_rows_invariant(lambda model: _convert(model, kind), kv_dtype, monkeypatch)

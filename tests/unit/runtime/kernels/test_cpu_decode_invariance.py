@@ -133,6 +133,21 @@ def _invariant_prompt_rows(config, kv_dtype, method) -> torch.Tensor:
     return whole
 
 
+def assert_fp8_prompt_rows_invariant(convert, kv_dtype, monkeypatch) -> None:
+    """The fp8 files' prompt-row check: the engine sends fp8 models (weights made by `convert(model)`) to the C
+    step (blocker None), whose prompt rows are the same bits chunked, after a cached prefix, beside decodes and in
+    pieces; and, on a float32 cache, torch's prefill to float32 rounding."""
+    monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
+    assert blocker(tiny_config(), quantization="fp8") is None
+    monkeypatch.setitem(globals(), "quantize_model", lambda model, _: convert(model))
+    config = tiny_config(attention_bias=True)
+    whole = _invariant_prompt_rows(config, kv_dtype, "fp8")
+    if kv_dtype == torch.float32:
+        model, _ = random_model(config, blocks=10, cpu_decode=False)
+        convert(model)
+        torch.testing.assert_close(whole, _torch_prompt_rows(model, config), atol=1e-4, rtol=1e-4)
+
+
 def _torch_prompt_rows(model, config) -> torch.Tensor:
     """Torch's prefill of the 7 prompt rows _prompt_rows feeds the C step (same seed, blocks 1 and 4)."""
     torch.manual_seed(9)
