@@ -7,6 +7,7 @@ backend when it is made, so no kernel is switched on from outside afterwards.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,10 +28,20 @@ class KernelBackend:
     silu_and_mul: Callable | None = None  # kernels.activation.silu_and_mul
     fused_moe: Callable | None = None  # kernels.moe.fused_moe
     cpu_decode_rows: int = 0  # decode steps of up to this many sequences through the fused C step; 0: off
+    # GPU kernels whose result for a row does not depend on the rows beside it (issue 49 §2):
+    # fixed tiles and reduction orders, whatever the step's size. See gpu_batch_invariant.
+    batch_invariant: bool = False
 
     @property
     def cpu_decode(self) -> bool:
         return self.cpu_decode_rows > 0
+
+
+def gpu_batch_invariant() -> bool:
+    """KAON_GPU_BATCH_INVARIANT=1 runs the GPU's batch-invariant kernels (answers that do not move with
+    batch neighbours, chunking or prefix-cache hits). Opt-in until a GPU lease has measured both
+    their invariance and their cost (bench/gpu/engine_check.py); the CPU is invariant without it."""
+    return os.environ.get("KAON_GPU_BATCH_INVARIANT", "0") == "1"
 
 
 def torch_kernels(cpu_decode: bool = False) -> KernelBackend:
@@ -45,7 +56,8 @@ def triton_kernels(cpu_decode: bool = False) -> KernelBackend:
     from kaon_runtime.kernels import activation, moe, norm, rotary
     return KernelBackend(TritonAttentionBackend(), rms_norm=norm.rms_norm, rotary=rotary.apply_rotary,
                          silu_and_mul=activation.silu_and_mul, fused_moe=moe.fused_moe,
-                         cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0)
+                         cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0,
+                         batch_invariant=gpu_batch_invariant())
 
 
 def select_kernels(device: torch.device, cpu_decode: bool = False) -> KernelBackend:
