@@ -148,6 +148,8 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         if method != "none" and prequantized is None:
             _quantize(model, method, checkpoint, device, tp, own=method != config.quantization, table=table)
         model.check_kernels()
+        if device.type == "cpu" and model.hold_kernel_layouts():  # each quantized weight the C step reads held once
+            _return_freed_heap()
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc
     return model.eval()
@@ -241,8 +243,9 @@ def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, de
         given = dict(model.stage_weights(gguf_prequantized(checkpoint, device, int4_only=not own).items()))
     if table:
         given[HEAD_TABLE] = gguf_table(checkpoint)
+    names = set(given)  # (quantize_model takes each given weight out of `given` as its module is built)
     swapped = quantize_model(model, method, prequantized=given)
-    reused = len(given.keys() & set(swapped))
+    reused = len(names & set(swapped))
     log.info("%s: %d linear layers quantized (%d kept as the GGUF file's own blocks)", method, len(swapped), reused)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized

@@ -300,6 +300,7 @@ class LinearWeights:
 
     struct: Linear
     tensors: list[torch.Tensor] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # the struct's pointer field each of `tensors` fills
 
     @classmethod
     def _make(cls, kind: int, n: int, k: int, bias: torch.Tensor | None, **tensors) -> LinearWeights:
@@ -311,7 +312,27 @@ class LinearWeights:
                 raise ValueError(f"{name} is on {t.device}, not the CPU")
         struct = Linear(kind=kind, n=n, k=k, **{name: _ptr(t) for name, t in kept.items()},
                         act_passes=1 if kind in UNQUANTIZED_INPUTS else activation_passes())
-        return cls(struct, list(kept.values()))
+        return cls(struct, list(kept.values()), list(kept))
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The tensors by the struct field each fills (w, scales, d, m, gscales, gmins, high, bias, perm)."""
+        return dict(zip(self.names, self.tensors, strict=True))
+
+    def stale(self) -> bool:
+        """Whether a tensor's storage moved since the struct was made (see rebound)."""
+        return any((getattr(self.struct, name) or 0) != t.data_ptr() for name, t in self.named().items())
+
+    def rebound(self, bias: bool = True) -> LinearWeights:
+        """The same weights, the struct pointing at its tensors' storage as it is now: a module that holds these
+        tensors as its buffers may have had their storage swapped in place since (sleep level 2 writes the weights
+        out and maps them back, engine/sleep.py), which the struct's raw pointers would not follow. bias=False: the
+        struct without its bias (a module's matmul adds its own)."""
+        struct = Linear.from_buffer_copy(self.struct)
+        for name, t in self.named().items():
+            setattr(struct, name, t.data_ptr())
+        if not bias:
+            struct.bias = None
+        return LinearWeights(struct, self.tensors, self.names)
 
     @classmethod
     def f32(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
@@ -419,7 +440,7 @@ class LinearWeights:
         struct.kind = KIND_REF_Q8_G16
         kept = _perm(perm, struct.k)
         struct.perm = _ptr(kept.get("perm"))
-        return cls(struct, [*held.tensors, *kept.values()])
+        return cls(struct, [*held.tensors, *kept.values()], [*held.names, *kept])
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
@@ -519,6 +540,31 @@ def _q4_groups(kind: str, packed: torch.Tensor, scales: torch.Tensor, mins: torc
     w = _pad_rows(packed).reshape(-1, LANES, blocks, 4, 4).permute(0, 2, 3, 1, 4)
     d, m = (_pad_rows(t.to(dtype)).reshape(-1, LANES, blocks).transpose(1, 2) for t in (scales, mins))
     return n, k, w, d, m
+
+def plain_int8(held: LinearWeights, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8's interleaved copy (LinearWeights.int8) back as int8 [N, K] and float32 scales [N] (a copy), or only
+    the rows `ids`: what a module holding only that copy hands torch's paths (quant/kernel_layout.py)."""
+    assert held.struct.kind == KIND_INT8
+    named, n = held.named(), held.struct.n
+    w, scales = named["w"], named["scales"]  # [groups, K / 4, 8 lanes, 4], [N padded to lanes]
+    if ids is None:
+        return w.transpose(1, 2).reshape(-1, held.struct.k)[:n], scales[:n]
+    return w[ids // LANES, :, ids % LANES].reshape(len(ids), -1), scales[ids]
+
+
+def plain_q4(held: LinearWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4_1's or q4_f32's interleaved copy back as kaon's int4 layout in groups of 32 (a copy): packed uint8
+    [N, K / 2], scales and mins [N, K / 32] (float16 for q4_1, float32 for q4_f32)."""
+    assert held.struct.kind in (KIND_Q4_1, KIND_Q4_F32)
+    named, n, blocks = held.named(), held.struct.n, held.struct.k // QBLOCK
+    scale, low = ("d", "m") if held.struct.kind == KIND_Q4_1 else ("gscales", "gmins")
+    packed = named["w"].permute(0, 3, 1, 2, 4).reshape(-1, blocks * QBLOCK // 2)[:n]  # [g, b, t, lane, 4] -> rows
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [groups, blocks, 8 lanes] -> [N, blocks]
+        return t.transpose(1, 2).reshape(-1, blocks)[:n]
+
+    return packed, per_row(named[scale]), per_row(named[low])
+
 
 def _check_blocks(k: int) -> None:
     if k % QBLOCK:

@@ -84,15 +84,28 @@ class VocabHead(nn.Module):
         """The head as the C kernel reads it: its int8 copy under quantization, else the float one
         in its [hidden, vocab] layout. Made on first use, after loading and quantization."""
         source = self.quantized if self.quantized is not None else self.weight_t
-        if self._cpu_weights is None or self._cpu_weights[0] is not source:
+        if self._cpu_weights is None or self._cpu_weights[0] is not source or self._cpu_weights[1].stale():
             if self.quantized is None:
                 weights = cpu_decode.LinearWeights.f32_t(self.weight_t)
             else:  # quant.surgery gives the head an int8 copy under every method
                 head: Any = self.quantized
-                held = getattr(head, "kernel_weights", None)  # already in the kernel's layout (tied tables)
-                weights = held or cpu_decode.LinearWeights.int8(head.qweight, head.scales)
+                # already in the kernel's layout (tied tables; an int8 head once hold_kernel_layout has run),
+                # re-pointed at its buffers as they are now (sleep level 2 swaps their storage)
+                held = getattr(head, "kernel_weights", None)
+                weights = held.rebound() if held is not None else cpu_decode.LinearWeights.int8(head.qweight,
+                                                                                                 head.scales)
             self._cpu_weights = source, weights
         return self._cpu_weights[1]
+
+    def hold_kernel_layout(self) -> bool:
+        """Whether the quantized head now holds only the C kernel's layout (quant/kernel_layout.py: an int8 head
+        gives up its own [vocab, hidden] table for the interleaved copy its logits read; a tied lookup reads that
+        too). Only where every row goes through the C kernel (cpu_logits_rows)."""
+        hold = getattr(self.quantized, "hold_kernel_layout", None)
+        if not self.cpu_logits_rows or hold is None or hold() is None:
+            return False
+        self._cpu_weights = None
+        return True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

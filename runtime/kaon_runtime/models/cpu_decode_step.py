@@ -76,6 +76,7 @@ from kaon_runtime.models.fused_weights import (
     FusedDecoder,
     expert_linears,
     experts_struct,
+    hold_kernel_layout,
     linear_weights,
     lora_slots,
     norm_copy,
@@ -250,6 +251,20 @@ class CpuDecodeStep:
                 expert_linears(layer.experts.down)
         self.prefills = prefills_take_the_c_step()
         self.activation_passes = cpu_decode.activation_passes()
+
+    def hold_weights(self) -> int:
+        """Each quantized projection the step reads keeps its weight only in the step's layout (quant/kernel_layout.py:
+        before, the step's interleaved copy sat beside the module's own); how many do now. Called by an engine
+        once its model is loaded and checked."""
+        held = 0
+        for layer in self.decoder.fused_weights().layers:
+            modules = [m for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
+            if layer.experts is not None:
+                modules += [m for stack in (layer.experts.gate_up, layer.experts.down)
+                            if not isinstance(stack, torch.Tensor) for m in stack]
+            held += sum(hold_kernel_layout(m) for m in modules)
+        self._built = None  # (any struct made before points at the layouts dropped)
+        return held
 
     def _model(self) -> cpu_decode.Model:
         address = self.decoder.kv_cache_address()

@@ -299,6 +299,12 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is not None and self.lm_head.cpu_logits_rows:
             self.lm_head.cpu_weights()
 
+    def hold_kernel_layouts(self) -> int:
+        """The quantized weights the fused CPU step reads (its projections, an int8 head) held once, in its layout
+        (quant/kernel_layout.py); how many linears do. An engine calls it once its model is loaded and checked."""
+        held = 0 if self.model.cpu_decode is None else self.model.cpu_decode.hold_weights()
+        return held + int(self.lm_head is not None and self.lm_head.hold_kernel_layout())
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank
         ever holds the whole model), fusing q/k/v, gate/up and the experts; fails loudly on anything missing."""

@@ -98,9 +98,11 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
         return cpu_decode.LinearWeights.f32(module.weight, bias)
     qweight = getattr(module, "qweight", None)
     quantized: Any = module  # quant's linears: their tensors are plain attributes
-    held = getattr(module, "kernel_weights", None)  # held in the kernel's own layout (quant/group_int8.py)
+    # held in the kernel's own layout (quant/group_int8.py, bit_planes.py, kernel_layout.py): the struct re-pointed
+    # at the module's buffers as they are now (sleep level 2 swaps their storage)
+    held = getattr(module, "kernel_weights", None)
     if held is not None:
-        return held
+        return held.rebound()
     fused = getattr(module, "fused_cpu_weights", None)  # read in place: fp8 (quant/fp8.py, quant/dynamic_fp8.py)
     if fused is not None:
         return fused()
@@ -129,7 +131,7 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
     bias = getattr(target, "bias", None)
     held = getattr(target, "kernel_weights", None)
     if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
-        return cpu_decode.LinearWeights.ref_q8_g16(held, perm)
+        return cpu_decode.LinearWeights.ref_q8_g16(held.rebound(), perm)
     if hasattr(target, "packed"):
         return cpu_decode.LinearWeights.ref_q4(quantized.packed, quantized.scales, quantized.mins,
                                                quantized.group_size, bias, perm)
@@ -137,6 +139,16 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
     if perm is None and qweight is not None and qweight.dtype == torch.int8 and quantized.scales.dim() == 1:
         return cpu_decode.LinearWeights.ref_int8(qweight, quantized.scales, bias)
     raise ValueError(f"no reference kernel in the fused CPU step for {type(target).__name__}")
+
+
+def hold_kernel_layout(module: nn.Module) -> bool:
+    """Whether the projection now holds its narrow weight only in the C step's layout (quant/kernel_layout.py:
+    kaon's int8 and int4 in groups of 32 hand it over; a LoraLinear's base; the group-int8 and bit-plane linears
+    hold it from the start)."""
+    if isinstance(module, LoraLinear):
+        module = module.base
+    hold = getattr(module, "hold_kernel_layout", None)
+    return (hold() if hold is not None else getattr(module, "kernel_weights", None)) is not None
 
 
 def expert_linears(stack: torch.Tensor | Sequence[nn.Module]) -> list[cpu_decode.LinearWeights]:

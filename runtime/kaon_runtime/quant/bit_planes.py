@@ -121,12 +121,8 @@ class BitPlanesLinear(QuantizedLinear):
         held = _kernel_layout(weight, self.bias)
         # The fused kernels' struct over this module's own buffers (None where they are not in its layout).
         self.kernel_weights: cpu_decode.LinearWeights | None = held
-        self._unbiased: cpu_decode.LinearWeights | None = None  # the same without the bias, for matmul
         self._scales_dtype = weight.scales.dtype
         if held is not None:
-            unbiased = cpu_decode.Linear.from_buffer_copy(held.struct)
-            unbiased.bias = None
-            self._unbiased = cpu_decode.LinearWeights(unbiased, held.tensors)
             nibbles, *rest = held.tensors
             high = rest.pop(0) if weight.bits > 4 else torch.empty(0, dtype=torch.uint8)
             scales, mins = rest[0], rest[1] if weight.mins is not None else None
@@ -160,8 +156,9 @@ class BitPlanesLinear(QuantizedLinear):
         if kernel == "cpu" and x.shape[0] >= DENSE_ROWS:
             dtype = dense_dtype()
             return torch.mm(x.to(dtype), dequantize_bit_planes(self.weight).to(dtype).t()).to(x.dtype)
-        if kernel == "cpu" and self._unbiased is not None and cpu_decode.library() is not None:
-            return cpu_decode.linear(self._unbiased, x).to(x.dtype)
+        if kernel == "cpu" and self.kernel_weights is not None and cpu_decode.library() is not None:
+            # re-pointed at the buffers as they are now (sleep level 2 swaps their storage), without the bias
+            return cpu_decode.linear(self.kernel_weights.rebound(bias=False), x).to(x.dtype)
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         weight = dequantize_bit_planes(self.weight).to(compute)
         return torch.nn.functional.linear(x.to(compute), weight).to(x.dtype)

@@ -87,16 +87,12 @@ class GroupInt8Linear(QuantizedLinear):
         self.group_mins: torch.Tensor | None
         # The fused kernels' struct over this module's own buffers (None where they are not in its layout).
         self.kernel_weights: cpu_decode.LinearWeights | None = None
-        self._unbiased: cpu_decode.LinearWeights | None = None  # the same without the bias, for matmul
         if _kernel_reads(weight):
             weight = in_groups_of_16(weight)
             held = cpu_decode.LinearWeights.q8_g16(weight.qweight, weight.scales, weight.mins, self.bias)
             qvalues, scales, *rest = held.tensors
             mins = rest[0] if weight.mins is not None else None
             self.kernel_weights = held
-            unbiased = cpu_decode.Linear.from_buffer_copy(held.struct)
-            unbiased.bias = None
-            self._unbiased = cpu_decode.LinearWeights(unbiased, held.tensors)
         else:
             qvalues, scales, mins = weight.qweight, weight.scales.float(), weight.mins
         self.group_size = weight.group_size
@@ -137,8 +133,9 @@ class GroupInt8Linear(QuantizedLinear):
         if kernel == "cpu" and x.shape[0] >= DENSE_ROWS:
             dtype = dense_dtype()
             return torch.mm(x.to(dtype), dequantize_group_int8(self.weight).to(dtype).t()).to(x.dtype)
-        if kernel == "cpu" and self._unbiased is not None and cpu_decode.library() is not None:
-            return cpu_decode.linear(self._unbiased, x).to(x.dtype)
+        if kernel == "cpu" and self.kernel_weights is not None and cpu_decode.library() is not None:
+            # re-pointed at the buffers as they are now (sleep level 2 swaps their storage), without the bias
+            return cpu_decode.linear(self.kernel_weights.rebound(bias=False), x).to(x.dtype)
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         weight = dequantize_group_int8(self.weight).to(compute)
         return torch.nn.functional.linear(x.to(compute), weight).to(x.dtype)

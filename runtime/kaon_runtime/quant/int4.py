@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_cpu import (
     DENSE_ROWS,
     int4_fits_cpu,
@@ -18,6 +19,7 @@ from kaon_runtime.kernels.quant_gemm_cpu import (
     w4_matmul_cpu,
 )
 from kaon_runtime.kernels.quant_gemm_ref import pack_int4, w4a16_matmul_ref
+from kaon_runtime.quant import kernel_layout
 from kaon_runtime.quant.linear import QuantizedLinear, kernel_for
 
 DEFAULT_GROUP_SIZE = 32
@@ -65,8 +67,28 @@ class Int4Linear(QuantizedLinear):
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
         return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias)
 
+    # The fused CPU step's interleaved copy, once the module holds only that (quant/kernel_layout.py); None: its own
+    kernel_weights: cpu_decode.LinearWeights | None = None
+
+    def hold_kernel_layout(self) -> cpu_decode.LinearWeights | None:
+        """Keep only the fused CPU step's interleaved copy (LinearWeights.q4_1, or q4_f32 for float32 scales),
+        where the step can read it: groups of 32."""
+        if (self.kernel_weights is None and self.group_size == cpu_decode.QBLOCK
+                and kernel_layout.can_hold(self, self.packed)):
+            f32 = self.scales.dtype == torch.float32  # (GPTQ / AWQ / compressed-tensors' exact float32 scales)
+            make = cpu_decode.LinearWeights.q4_f32 if f32 else cpu_decode.LinearWeights.q4_1
+            held = make(self.packed, self.scales, self.mins, self.bias)
+            self._cpu_weight = None
+            kernel_layout.hold(self, held, drop=("packed", "scales", "mins"))
+        return self.kernel_weights
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
+        if self.kernel_weights is not None:  # held in the C step's layout only (CPU)
+            held = self.kernel_weights
+            return kernel_layout.matmul(held, x, kernel,
+                                        lambda x: w4_dense_cpu(x, *cpu_decode.plain_q4(held), self.group_size),
+                                        lambda x: w4a16_matmul_ref(x, *cpu_decode.plain_q4(held), self.group_size))
         if kernel == "triton":  # on use: CPU-only torch builds lack Triton
             from kaon_runtime.kernels import quant_gemv
             from kaon_runtime.kernels.quant_gemm import w4a16_matmul

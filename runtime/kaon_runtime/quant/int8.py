@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_cpu import ACTIVATION_DTYPE, DENSE_ROWS, w8_dense_cpu, w8_matmul_cpu
 from kaon_runtime.kernels.quant_gemm_ref import w8a16_matmul_ref
+from kaon_runtime.quant import kernel_layout
 from kaon_runtime.quant.linear import ChannelScaledLinear, kernel_for
 
 _QMAX = 127  # -128 stays unused so the range is symmetric around zero
@@ -27,12 +29,29 @@ class Int8Linear(ChannelScaledLinear):
         # The CPU kernel takes its scales in the activations' dtype; not saved with the weights.
         self.register_buffer("cpu_scales", scales.to(ACTIVATION_DTYPE), persistent=False)
 
+    # The fused CPU step's interleaved copy, once the module holds only that (quant/kernel_layout.py); None: its own
+    kernel_weights: cpu_decode.LinearWeights | None = None
+
+    def hold_kernel_layout(self) -> cpu_decode.LinearWeights | None:
+        """Keep only the fused CPU step's interleaved copy (LinearWeights.int8), where the step can read it."""
+        if self.kernel_weights is None and kernel_layout.can_hold(self, self.qweight):
+            held = cpu_decode.LinearWeights.int8(self.qweight, self.scales, self.bias)
+            kernel_layout.hold(self, held, drop=("qweight", "scales", "cpu_scales"))
+        return self.kernel_weights
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), K]: the dequantized rows `ids` (a tied token lookup reads the head's)."""
+        if self.kernel_weights is not None:
+            qweight, scales = cpu_decode.plain_int8(self.kernel_weights, ids)
+            return qweight.float() * scales.float()[:, None]
         return self.qweight.index_select(0, ids).float() * self.scales.index_select(0, ids).float()[:, None]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
+        if self.kernel_weights is not None:  # held in the C step's layout only (CPU)
+            held = self.kernel_weights
+            return kernel_layout.matmul(held, x, kernel, lambda x: w8_dense_cpu(x, *cpu_decode.plain_int8(held)),
+                                        lambda x: w8a16_matmul_ref(x, *cpu_decode.plain_int8(held)))
         if kernel == "triton":  # on use: CPU-only torch builds lack Triton
             from kaon_runtime.kernels import quant_gemv
             from kaon_runtime.kernels.quant_gemm import w8a16_matmul

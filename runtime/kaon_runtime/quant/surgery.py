@@ -40,7 +40,9 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
 
     `prequantized` weights (module name -> Int4Weight, GroupInt8Weight or BitPlanesWeight: a GGUF file's own
     blocks, repacked by quant/gguf.py) are taken as they are, whatever the method; the rest are
-    quantized from their float weights.
+    quantized from their float weights. Each given weight leaves `prequantized` as its module takes it: the
+    group-int8 and bit-plane linears hold their kernel's layout, a copy, so a dict that kept every given weight
+    to the end held the file's layers twice at the load's peak (issue 49 §3).
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
@@ -57,16 +59,16 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
             if isinstance(child, PendingLinear):  # its place held on meta: the given weight is the only one
                 if name not in prequantized:
                     raise ValueError(f"{name}: no quantized weight was given for its held place")
-                module = _prequantized(prequantized[name], child.out_features, child.in_features, child.bias)
+                module = _prequantized(prequantized.pop(name), child.out_features, child.in_features, child.bias)
             elif isinstance(child, nn.Linear):
-                module = _quantized(child, method, group_size, prequantized.get(name))
+                module = _quantized(child, method, group_size, prequantized.pop(name, None))
             else:
                 continue
             del child  # the float weight goes as soon as its module does, not after its siblings'
             setattr(parent, child_name, module)
             swapped.append(name)
     swapped += _keep_experts(model, prequantized)
-    _quantize_head(model, prequantized.get(HEAD_TABLE))
+    _quantize_head(model, prequantized.pop(HEAD_TABLE, None))
     return swapped
 
 
@@ -80,8 +82,8 @@ def _keep_experts(model: nn.Module, given: dict[str, Int4Weight | GroupInt8Weigh
         keys = [f"{name}.experts.{e}.{part}" for e in range(experts) for part in ("gate_up_proj", "down_proj")]
         if not all(key in given for key in keys):
             continue
-        gate_up = [_prequantized(given[keys[2 * e]], two_i, hidden, None) for e in range(experts)]
-        down = [_prequantized(given[keys[2 * e + 1]], hidden, two_i // 2, None) for e in range(experts)]
+        gate_up = [_prequantized(given.pop(keys[2 * e]), two_i, hidden, None) for e in range(experts)]
+        down = [_prequantized(given.pop(keys[2 * e + 1]), hidden, two_i // 2, None) for e in range(experts)]
         moe.keep_experts_quantized(gate_up, down)
         kept += keys
     return kept

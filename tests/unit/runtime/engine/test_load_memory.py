@@ -47,7 +47,7 @@ def _result(process: subprocess.Popen) -> dict:
 
 
 @pytest.mark.slow
-def test_quantized_loads_peak_within_15_percent_of_their_settled_memory(tmp_path, gguf_path):
+def test_quantized_loads_peak_within_15_percent_of_their_settled_memory_and_hold_each_weight_once(tmp_path, gguf_path):
     k_quant = write_tiny_gguf(tmp_path / "q4_k_m.gguf", gguf_path, "Q4_K_M")  # Q4_K with Q6_K, f16 table
     # One after the other: side by side, each load's memory pressure made the kernel reclaim the other's clean
     # pages (torch's libraries) after its peak, and its settled figure read 10-15% low.
@@ -58,6 +58,14 @@ def test_quantized_loads_peak_within_15_percent_of_their_settled_memory(tmp_path
         # test once; now 1.05x for llama.cpp's full-size Q4_K_M / Q5_K_M, bench/load_memory.py).
         assert ratio <= PEAK_OVER_SETTLED, (name, f"peak {found['peak'] >> 20} MiB, settled "
                                                   f"{found['settled'] >> 20} MiB: {ratio:.2f}x")
+    # What the settled engine held is its model's tensors and its KV pool, each once: closing it gives back no more
+    # than those. Until 2026-11-30 the fused CPU step read its own interleaved copy of every int4 / int8 projection
+    # (the bundled model's 53 MiB, over half its 97 MiB of quantized tensors) beside the module's, which no count
+    # saw (quant/kernel_layout.py). Measured since: 0-1 MiB over, against the quarter allowed here.
+    bundled = results["bundled Q4_1"]  # (the tiny K-quant's few MiB of weights are within the allocator's noise)
+    unseen = bundled["released"] - bundled["weights"] - bundled["kv"]
+    assert unseen < bundled["quantized"] / 4, f"{unseen >> 20} MiB held beyond the model's " \
+                                              f"{bundled['weights'] >> 20} MiB and the pool's"
 
 
 def test_a_load_whose_peak_exceeds_the_memory_limit_is_refused_before_loading(monkeypatch):
