@@ -8,7 +8,9 @@ restarts forever instead. The peak is estimated from the checkpoint's headers:
   weights          every tensor in the layout the engine keeps: a quantized tensor kept narrow at its stored
                    size (GGUF blocks, AWQ / GPTQ / compressed-tensors integers, FP8), the rest in the model's
                    dtype; everything in the model's dtype when it is dequantized or quantized from float
-                   (`--quantization` on a float checkpoint builds the float model first)
+                   (`--quantization` on a float checkpoint builds the float model first). Counted once because
+                   it is held once: the fused CPU step reads the modules' own buffers (quant/kernel_layout.py;
+                   until 2026-11-30 it kept its own copy of every int8 / int4 projection, which this missed)
   float transient  the largest tensor that passes through float on its way in (one at a time: quant/pending.py,
                    loader/gguf_file.py keep it to one)
   KV cache         the pool the engine allocates on CPU

@@ -82,6 +82,12 @@ class Int4Linear(QuantizedLinear):
             kernel_layout.hold(self, held, drop=("packed", "scales", "mins"))
         return self.kernel_weights
 
+    def int4_weight(self) -> Int4Weight:
+        """The weight in kaon's int4 layout: its own tensors, or rebuilt from the held copy (groups of 32)."""
+        if self.kernel_weights is None:
+            return Int4Weight(self.packed, self.scales, self.mins, self.group_size)
+        return Int4Weight(*cpu_decode.plain_q4(self.kernel_weights), self.group_size)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
         if self.kernel_weights is not None:  # held in the C step's layout only (CPU)

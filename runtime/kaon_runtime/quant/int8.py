@@ -39,6 +39,12 @@ class Int8Linear(ChannelScaledLinear):
             kernel_layout.hold(self, held, drop=("qweight", "scales", "cpu_scales"))
         return self.kernel_weights
 
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 [N, K] and float32 scales [N]: its own tensors, or rebuilt from the held copy."""
+        if self.kernel_weights is None:
+            return self.qweight, self.scales
+        return cpu_decode.plain_int8(self.kernel_weights)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), K]: the dequantized rows `ids` (a tied token lookup reads the head's)."""
         if self.kernel_weights is not None:

@@ -47,7 +47,8 @@ def _dequantized(module: nn.Module) -> torch.Tensor:
     if isinstance(module, BitPlanesLinear):
         return dequantize_bit_planes(module.weight)
     assert isinstance(module, Int4Linear), type(module)
-    return dequantize_int4(module.packed, module.scales, module.mins, module.group_size)
+    weight = module.int4_weight()  # (the engine's modules hold the fused step's layout: quant/kernel_layout.py)
+    return dequantize_int4(weight.packed, weight.scales, weight.mins, weight.group_size)
 
 
 @pytest.fixture(scope="module")

@@ -66,10 +66,15 @@ def test_torchs_path_reads_the_held_copy(kind):
     assert torch.equal(held(few), own(few))
 
 
-def test_a_tied_lookup_reads_the_held_rows():
+def test_a_tied_lookup_reads_the_held_rows_and_the_weight_comes_back():
     own, held = _pair("int8")
     ids = torch.tensor([N - 1, 0, 9, 9, 17])
     assert torch.equal(held.rows(ids), own.rows(ids))
+    assert all(torch.equal(a, b) for a, b in zip(held.int8_weight(), own.int8_weight(), strict=True))
+    for kind in ("int4", "int4-f32"):
+        own4, held4 = _pair(kind)
+        a, b = held4.int4_weight(), own4.int4_weight()
+        assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales) and torch.equal(a.mins, b.mins)
 
 
 def test_what_the_step_does_not_read_keeps_its_own_layout():

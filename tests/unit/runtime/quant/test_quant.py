@@ -378,7 +378,8 @@ def test_int4_takes_the_gguf_q4_1_blocks_bit_for_bit(llm):
     layers = [(name, m) for name, m in int4.engine.runner.model.named_modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 4 * float_model.config.num_layers
     for name, layer in layers:  # fused q|k|v and gate|up, Q/K rows unpermuted: all as the float loader has them
-        dequantized = dequantize_int4(layer.packed, layer.scales, layer.mins, layer.group_size)
+        weight = layer.int4_weight()  # (the engine's modules hold the fused step's layout: quant/kernel_layout.py)
+        dequantized = dequantize_int4(weight.packed, weight.scales, weight.mins, weight.group_size)
         assert torch.equal(dequantized, float_model.get_submodule(name).weight), name
     # The CPU reference dequantizes every layer on every step, so the engine run stays short. Not the capital
     # question: its first token is a 0.08-nat tie in float32 ("The" / "L"), which int4's int8-block activations
