@@ -61,10 +61,11 @@ def test_quantized_loads_peak_within_15_percent_of_their_settled_memory_and_hold
     # What the settled engine held is its model's tensors and its KV pool, each once: closing it gives back no more
     # than those. Until 2026-11-30 the fused CPU step read its own interleaved copy of every int4 / int8 projection
     # (the bundled model's 53 MiB, over half its 97 MiB of quantized tensors) beside the module's, which no count
-    # saw (quant/kernel_layout.py). Measured since: 0-1 MiB over, against the quarter allowed here.
+    # saw (quant/kernel_layout.py). Measured (2026-11-30, load ~6): 22-24 MiB under (not every freed page goes back);
+    # with the copy back, 30 MiB over; an eighth of the quantized bytes (12 MiB) allowed here.
     bundled = results["bundled Q4_1"]  # (the tiny K-quant's few MiB of weights are within the allocator's noise)
     unseen = bundled["released"] - bundled["weights"] - bundled["kv"]
-    assert unseen < bundled["quantized"] / 4, f"{unseen >> 20} MiB held beyond the model's " \
+    assert unseen < bundled["quantized"] / 8, f"{unseen >> 20} MiB held beyond the model's " \
                                               f"{bundled['weights'] >> 20} MiB and the pool's"
 
 
