@@ -159,6 +159,9 @@ class BitPlanesLinear(QuantizedLinear):
         if kernel == "cpu" and self.kernel_weights is not None and cpu_decode.library() is not None:
             # re-pointed at the buffers as they are now (sleep level 2 swaps their storage), without the bias
             return cpu_decode.linear(self.kernel_weights.rebound(bias=False), x).to(x.dtype)
+        if kernel == "triton" and self.batch_invariant:  # quant/invariant.py
+            from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
+            return invariant_gemm.linear(x, dequantize_bit_planes(self.weight).to(x.dtype))
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         weight = dequantize_bit_planes(self.weight).to(compute)
         return torch.nn.functional.linear(x.to(compute), weight).to(x.dtype)

@@ -95,6 +95,9 @@ class Int4Linear(QuantizedLinear):
             return kernel_layout.matmul(held, x, kernel,
                                         lambda x: w4_dense_cpu(x, *cpu_decode.plain_q4(held), self.group_size),
                                         lambda x: w4a16_matmul_ref(x, *cpu_decode.plain_q4(held), self.group_size))
+        if kernel == "triton" and self.batch_invariant:  # one tile for every M (quant/invariant.py)
+            from kaon_runtime.kernels import invariant_gemm
+            return invariant_gemm.w4a16_linear(x, self.packed, self.scales, self.mins, self.group_size)
         if kernel == "triton":  # on use: CPU-only torch builds lack Triton
             from kaon_runtime.kernels import quant_gemv
             from kaon_runtime.kernels.quant_gemm import w4a16_matmul

@@ -58,6 +58,9 @@ class Int8Linear(ChannelScaledLinear):
             held = self.kernel_weights
             return kernel_layout.matmul(held, x, kernel, lambda x: w8_dense_cpu(x, *cpu_decode.plain_int8(held)),
                                         lambda x: w8a16_matmul_ref(x, *cpu_decode.plain_int8(held)))
+        if kernel == "triton" and self.batch_invariant:  # one tile for every M (quant/invariant.py)
+            from kaon_runtime.kernels import invariant_gemm
+            return invariant_gemm.w8a16_linear(x, self.qweight, self.scales)
         if kernel == "triton":  # on use: CPU-only torch builds lack Triton
             from kaon_runtime.kernels import quant_gemv
             from kaon_runtime.kernels.quant_gemm import w8a16_matmul
