@@ -91,10 +91,9 @@ class Int4Linear(QuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
         if self.kernel_weights is not None:  # held in the C step's layout only (CPU)
-            held = self.kernel_weights
-            return kernel_layout.matmul(held, x, kernel,
-                                        lambda x: w4_dense_cpu(x, *cpu_decode.plain_q4(held), self.group_size),
-                                        lambda x: w4a16_matmul_ref(x, *cpu_decode.plain_q4(held), self.group_size))
+            plain = (*cpu_decode.plain_q4(self.kernel_weights), self.group_size)
+            return kernel_layout.matmul(x, kernel, lambda x: w4_dense_cpu(x, *plain), lambda x: w4_dense_cpu(x, *plain),
+                                        lambda x: w4a16_matmul_ref(x, *plain))
         if kernel == "triton" and self.batch_invariant:  # one tile for every M (quant/invariant.py)
             from kaon_runtime.kernels import invariant_gemm
             return invariant_gemm.w4a16_linear(x, self.packed, self.scales, self.mins, self.group_size)

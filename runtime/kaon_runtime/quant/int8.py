@@ -55,9 +55,10 @@ class Int8Linear(ChannelScaledLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
         if self.kernel_weights is not None:  # held in the C step's layout only (CPU)
-            held = self.kernel_weights
-            return kernel_layout.matmul(held, x, kernel, lambda x: w8_dense_cpu(x, *cpu_decode.plain_int8(held)),
-                                        lambda x: w8a16_matmul_ref(x, *cpu_decode.plain_int8(held)))
+            qweight, scales = cpu_decode.plain_int8(self.kernel_weights)
+            return kernel_layout.matmul(x, kernel, lambda x: w8_dense_cpu(x, qweight, scales),
+                                        lambda x: w8_matmul_cpu(x, qweight, scales.to(ACTIVATION_DTYPE)),
+                                        lambda x: w8a16_matmul_ref(x, qweight, scales))
         if kernel == "triton" and self.batch_invariant:  # one tile for every M (quant/invariant.py)
             from kaon_runtime.kernels import invariant_gemm
             return invariant_gemm.w8a16_linear(x, self.qweight, self.scales)

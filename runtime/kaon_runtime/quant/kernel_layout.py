@@ -9,10 +9,10 @@ interleaved copy as its buffers and drops its own. (quant/group_int8.py and quan
 layout from the start.) What still runs the module's own forward then reads that copy (`matmul`):
 
   - KAON_CPU_PREFILL=torch's prompt chunks, a step with adapters the C step cannot read, QuantizedExperts'
-    forward on those paths: from DENSE_ROWS rows on the plain layout is rebuilt for the call (a copy of the
-    narrow weight, beside the float one the dense GEMM widens anyway), then the same dense GEMM as before;
-    fewer rows take the step's own C kernel (activations in int8 blocks, as the step computes them) where
-    torch's packed int8 / int4 kernels ran before (these paths are opt-in and not batch-invariant anyway);
+    forward on those paths: the plain layout is rebuilt for the call (a copy of the narrow weight), then from
+    DENSE_ROWS rows on the same dense GEMM as before; fewer rows: int8 torch's packed kernel as before (the
+    same numbers), int4 the dense GEMM too (float activations: torch's packed int4 kernel needs a layout of its
+    own, which would be a second copy again);
   - a tied vocabulary lookup (Int8Linear.rows) reads the rows it needs out of the interleaved copy.
 
 Left as they were (nothing to hold, or no step to hold for): linears of the reference mode (--dtype float32; the
@@ -48,14 +48,13 @@ def hold(module: nn.Module, held: cpu_decode.LinearWeights, drop: tuple[str, ...
     return held
 
 
-def matmul(held: cpu_decode.LinearWeights, x: torch.Tensor, kernel: str,
-           dense: Callable[[torch.Tensor], torch.Tensor],
-           reference: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """x [M, K] times a held weight, without its bias: many rows through `dense` (the plain layout rebuilt, one
-    dense GEMM), fewer through the C kernel, and `reference` for the reference arithmetic (kernel "torch") or a
-    forced Triton on the CPU (KAON_QUANT_KERNEL=triton: its kernels read the plain layout, rebuilt likewise)."""
-    if kernel == "cpu" and x.shape[0] >= DENSE_ROWS:
-        return dense(x)
+def matmul(x: torch.Tensor, kernel: str, dense: Callable[[torch.Tensor], torch.Tensor],
+           few: Callable[[torch.Tensor], torch.Tensor], reference: Callable[[torch.Tensor], torch.Tensor]
+           ) -> torch.Tensor:
+    """x [M, K] times a held weight, without its bias, each path on the plain layout rebuilt for the call: many rows
+    through `dense` (one dense GEMM, as before), fewer through `few` (int8: torch's packed kernel, the same numbers
+    as before; int4: the dense GEMM, float activations, as torch's packed int4 kernel would need its own copy), and
+    `reference` for the reference arithmetic (kernel "torch") or a forced Triton on the CPU."""
     if kernel == "cpu":
-        return cpu_decode.linear(held.rebound(bias=False), x).to(x.dtype)
+        return dense(x) if x.shape[0] >= DENSE_ROWS else few(x)
     return reference(x)
