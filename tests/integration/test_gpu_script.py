@@ -64,3 +64,10 @@ def test_the_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
     gemv = json.loads((out / "gemv.json").read_text())["shapes"]["tiny"]["rows"]
     assert all(row["rel_error"] < 1e-3 for key, row in gemv.items() if key.startswith("int")), gemv
     assert any(" gemv " in key for key in gemv)
+    # The batch-invariant GEMMs' bench (bench/gpu/invariant_gemm.py, in the gemv stage): each format checked against
+    # its reference, and no row prefix moved (a row's place in a tile, the shifted window, the interpreter cannot show)
+    invariant = json.loads((out / "gemv.json").read_text())["invariant_gemm"]["shapes"]["tiny"]
+    assert all("error" not in kind for times in invariant["times"].values() for kind in times.values()
+               if isinstance(kind, dict)), invariant["times"]
+    assert all(counts["prefix 1"] == counts["prefix 8"] == 0 for counts in
+               (kinds["invariant"] for kinds in invariant["moved"].values())), invariant["moved"]
