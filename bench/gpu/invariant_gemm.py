@@ -38,7 +38,6 @@ from gemv_sweep import DRY, MAX_ERROR, before, device_time_us, reference, weight
 
 from kaon_runtime.kernels import invariant_gemm, quant_gemv
 from kaon_runtime.quant.fp8 import fp8_matmul_ref, scaled_mm_supported
-from kaon_runtime.quant.fp8_block import dequantize_fp8_blocks
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 8, 64, 512)
@@ -55,7 +54,7 @@ def invariant(fmt: str, x, w):
         return invariant_gemm.w8a16_linear(x, *w)
     if fmt == "fp8":
         return invariant_gemm.fp8_linear(x, *w)
-    return invariant_gemm.linear(x, dequantize_fp8_blocks(*w).to(x.dtype))  # Fp8BlockLinear under the switch
+    return invariant_gemm.fp8_block_linear(x, *w)  # Fp8BlockLinear under the switch
 
 
 def default(fmt: str, x, w):

@@ -29,6 +29,7 @@ pytest.importorskip("triton")
 from kaon_runtime.kernels import invariant_gemm as ig
 from kaon_runtime.kernels.quant_gemm_ref import w4a16_matmul_ref, w8a16_matmul_ref
 from kaon_runtime.quant.fp8 import fp8_matmul_ref, quantize_fp8
+from kaon_runtime.quant.fp8_block import dequantize_fp8_blocks
 from kaon_runtime.quant.int4 import quantize_int4
 from kaon_runtime.quant.int8 import quantize_int8
 
@@ -81,6 +82,23 @@ def test_fp8_linear_matches_its_reference():
     for cfg in (SPLIT, WHOLE):
         _close(ig.fp8_linear(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), cfg),
                fp8_matmul_ref(x.double(), qweight, scales.double()), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block_linear_is_the_widened_weights_product(dtype):
+    """Blocks of 16 x 32 over a 72 x 200 weight (partial blocks at both edges): each weight is its e4m3 value times
+    its block's scale in float32, rounded to x's dtype (Fp8BlockLinear's GPU path), then the invariant product."""
+    torch.manual_seed(7)
+    qweight = quantize_fp8(torch.randn(72, 200))[0].to(DEVICE)
+    scales = (torch.rand(5, 7) / 50 + 1e-3).to(DEVICE)
+    weight = dequantize_fp8_blocks(qweight, scales, (16, 32)).to(dtype)
+    x = torch.randn(70, 200, device=DEVICE).to(dtype)
+    for cfg in (SPLIT, WHOLE):
+        out = ig.fp8_block_linear(x, qweight, scales, (16, 32), cfg)
+        _close(out, F.linear(x.double(), weight.double()), dtype)
+        if dtype == torch.float32:  # the same weights through the dense kernel: the same bits
+            assert torch.equal(out, ig.linear(x, weight, cfg=cfg))
+    _rows_alike(lambda rows: ig.fp8_block_linear(rows, qweight, scales, (16, 32), SPLIT), x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

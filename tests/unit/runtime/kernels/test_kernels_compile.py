@@ -81,7 +81,9 @@ def _launches(dtype: torch.dtype) -> None:
     invariant_gemm.linear(x[:, :128], torch.randn(256, 128).to(dtype))
     invariant_gemm.linear(x, torch.randn(256, hidden).to(dtype), torch.ones(256).to(dtype))
     if dtype == torch.bfloat16:
-        invariant_gemm.fp8_linear(x, *quantize_fp8(torch.randn(256, hidden)))
+        fp8_long = quantize_fp8(torch.randn(256, hidden))[0]
+        invariant_gemm.fp8_linear(x, fp8_long, torch.rand(256))
+        invariant_gemm.fp8_block_linear(x, fp8_long, torch.rand(2, hidden // 128), (128, 128))
         invariant_gemm.w8a16_linear(x, *quantize_int8(torch.randn(64, hidden)))
         w4_long = quantize_int4(torch.randn(64, hidden))
         invariant_gemm.w4a16_linear(x, w4_long.packed, w4_long.scales, w4_long.mins, w4_long.group_size)
