@@ -84,7 +84,7 @@ def test_fp8_linear_matches_its_reference():
                fp8_matmul_ref(x.double(), qweight, scales.double()), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32])  # bf16 as in test_linear_matches_torch
 def test_fp8_block_linear_is_the_widened_weights_product(dtype):
     """Blocks of 16 x 32 over a 72 x 200 weight (partial blocks at both edges): each weight is its e4m3 value times
     its block's scale in float32, rounded to x's dtype (Fp8BlockLinear's GPU path), then the invariant product."""
@@ -115,7 +115,7 @@ def test_fp8_row_invariant():
     _rows_alike(lambda x: ig.fp8_linear(x, qweight, scales, SPLIT), torch.randn(70, 200, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32])  # half types round away what a break moves
 def test_w8a16_matches_reference_and_is_row_invariant(dtype):
     torch.manual_seed(5)
     qweight, scales = (t.to(DEVICE) for t in quantize_int8(torch.randn(72, 200)))
@@ -126,7 +126,7 @@ def test_w8a16_matches_reference_and_is_row_invariant(dtype):
     _rows_alike(lambda rows: ig.w8a16_linear(rows, qweight, scales, cfg), x)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32])  # half types round away what a break moves
 def test_w4a16_matches_reference_and_is_row_invariant(dtype):
     torch.manual_seed(6)
     weight = quantize_int4(torch.randn(72, 256), group_size=32)
