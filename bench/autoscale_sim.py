@@ -19,8 +19,9 @@ drains; what is still in flight after the drain grace period is cut (and counted
 Policies, on the same trace and seed: kaon (`kaon_operator.autoscaling.autoscaler.decide` fed the very
 `Sample`s the operator builds, every 5 s), an HPA-style policy, Knative's KPA and an oracle
 (see `oracle_schedule`); kaon-standby is the predictive policy with standby replicas (issue 53):
-`--standby` of them loaded and asleep, a scale-up waking one in `--wake-s` and starting another
-behind it, each costing `--standby-cost` of an awake replica in its replica-hours.
+`--standby` of them loaded and asleep, a scale-up waking one (the profiled wake, `Wake`: the engine's,
+the readiness probe's phase, the routers' watch, the standby loop's round; or a constant `--wake-s`) and
+starting another behind it, each costing `--standby-cost` of an awake replica in its replica-hours.
 The yardstick: SLO attainment (TTFT <= target), replica-hours
 relative to the oracle, replica changes per hour, requests cut by scale-down.
 """
