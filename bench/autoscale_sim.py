@@ -304,7 +304,8 @@ ENGINE_WAKE_S = 0.21
 first answer's extra after it (+0.001 s): bench/sleep_wake.py, 2026-11-30 17:22 UTC, load 0.5-1.2
 (bench/history/sleep_wake.md)."""
 READY_TO_ROUTER_S = 0.1
-"""The kubelet's status write and the routers' watch event: an estimate, stated in history/sleep_wake.md."""
+"""The kubelet's status write and the routers' watch event: an estimate (the apiserver's part measured 8 ms median,
+47 ms max on the local control plane, bench/pod_ready_watch.py; the kubelet's part not), history/sleep_wake.md."""
 PROFILED = Wake(ENGINE_WAKE_S, probe_period_s=standby.STANDBY_READINESS_PERIOD_SECONDS,
                 ready_to_router_s=READY_TO_ROUTER_S, round_s=2.0)
 """The profiled wake (the default): round_s is standby_sync.INTERVAL_SECONDS (the simulator does not import the
