@@ -50,6 +50,7 @@ kernels() {
     if [[ $dry == 1 ]]; then  # the interpreter is slow: a few tests prove the stage
         select="write_kv_cache_matches or rms_norm or w8a16_kernel_matches or int8_matches_the_reference"
         select+=" or rotary_write_kv or split_decode_merges"  # the fused decode kernels (2026-11-30)
+        select+=" or attention_row_does_not_depend"  # KAON_GPU_BATCH_INVARIANT's attention (2026-11-30)
         engines=(-k "static_decode_path_gives_the_eager_tokens and all-decodes-torch")
         workers=()
     fi
@@ -59,7 +60,7 @@ kernels() {
     "${pytest[@]}" "${workers[@]}" --junitxml "$OUT/kernels.xml" -k "$select" \
         tests/unit/runtime/kernels/test_kernels.py tests/unit/runtime/kernels/test_paged_attention.py \
         tests/unit/runtime/kernels/test_lora_kernels.py tests/unit/runtime/kernels/test_quant_gemv.py \
-        tests/unit/runtime/quant/test_quant.py
+        tests/unit/runtime/kernels/test_batch_invariant_kernels.py tests/unit/runtime/quant/test_quant.py
     local kernels_rc=$?
     "${pytest[@]}" --junitxml "$OUT/engine-tests.xml" "${engines[@]}" tests/unit/runtime/engine/test_cuda_graphs.py \
         tests/unit/runtime/engine/test_triton_engine.py \

@@ -18,8 +18,8 @@ import pytest
 
 
 def _rowwise_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    from triton.runtime.interpreter import TensorHandle, _convert_float
     import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle, _convert_float
     a_data, b_data = a.data, b.data
     if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
        (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
