@@ -93,7 +93,9 @@ gemv() { $PY bench/gpu/gemv_sweep.py --json "$OUT/gemv.json"; }
 # the engine tests, run alone, more than 170 s (five passed by then). engine took 85 s on 2026-11-26.
 # gemv + roofline + throughput (HF's side included) stay under one call's 600 s with the wheels' install.
 # kernels and engine in a second call (420 + 170 s): the engine tests, one process, take minutes; engine's
-# batch-invariance check (2026-11-30, not yet run on a GPU) builds eight more tiny engines.
+# batch-invariance check (2026-11-30, not yet run on a GPU) builds eight tiny engines (family x dtype x
+# KAON_GPU_BATCH_INVARIANT), then two Llama-3.2-1B engines for the switch's cost, last (engine.json has each
+# check's seconds; the dry run took 142 s, the invariance 18 and the cost 30 of them, on the CPU at load ~5).
 declare -A LIMIT=([kernels]=420 [engine]=170 [gemv]=120 [roofline]=150 [throughput]=280)
 if [[ $dry == 1 ]]; then  # a CPU shared with other work is slower than any GPU: the dry run proves the script, not speed
     for stage in "${!LIMIT[@]}"; do LIMIT[$stage]=600; done
