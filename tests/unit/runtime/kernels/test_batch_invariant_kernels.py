@@ -195,3 +195,60 @@ def test_norm_rotary_and_silu_rows_alone_equal_them_batched(dtype, hidden):
     for r in (0, 3, 6):
         one = apply_rotary(q[r:r + 1], angles[r:r + 1].cos().contiguous(), angles[r:r + 1].sin().contiguous())
         assert _bits_equal(one[0], rotated[r])
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["plain", "gemma-offset"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_norms_torch_would_compute_take_the_per_row_kernel(dtype, offset):
+    """Under the switch Gemma's offset norms and Qwen3's q/k norms over a [T, H, D] head view take the kernel
+    (models/decoder.py): it computes torch's RMSNorm, and a head's row alone equals it in a batch."""
+    from kaon_runtime.layers.norm import RMSNorm
+    gen = torch.Generator().manual_seed(3)
+    fused_qk = torch.randn(5, 6, 32, generator=gen).to(dtype).to(DEVICE)  # 4 query heads, 2 key heads
+    q = fused_qk[:, :4]  # a strided view, as the decoder hands it over
+    reference = RMSNorm(32, 1e-6, offset).to(DEVICE).requires_grad_(False)
+    reference.weight.copy_(torch.randn(32, generator=gen) * 0.3 + (0.0 if offset else 1.0))
+    reference = reference.to(dtype)
+    got = rms_norm(q, reference.weight, 1e-6, weight_offset=offset)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, reference(q), atol=tolerance, rtol=tolerance)
+    assert all(_bits_equal(rms_norm(q[t:t + 1], reference.weight, 1e-6, weight_offset=offset)[0], got[t])
+               for t in (0, 2, 4))
+
+
+@pytest.mark.parametrize("variant", ["qk-norm", "gemma2"])
+def test_the_decoder_under_the_switch_computes_the_torch_models_step(variant, monkeypatch):
+    """The switch's wiring in the decoder (models/decoder.py): Qwen3's q/k norms, Gemma's offset and sandwich
+    norms on the Triton kernel, with Gemma 2's window and soft-capping through the invariant attention; a
+    mixed step (decodes and a prompt chunk) gives the torch model's hidden states and cache."""
+    if DEVICE == "cuda":
+        pytest.skip("the CPU models of test_cpu_decode (the same kernels run in the GPU's engine checks)")
+    from test_cpu_decode import BLOCK, WINDOWS, mixed_step, tiny_config
+
+    from kaon_runtime.layers.kernel_backend import torch_kernels, triton_kernels
+    from kaon_runtime.models.registry import build_model
+    monkeypatch.setenv("KAON_GPU_BATCH_INVARIANT", "1")
+    config = tiny_config(**WINDOWS[variant])
+    torch.manual_seed(3)
+    cache = torch.randn(config.num_layers, 2, config.num_kv_heads, 10, BLOCK, config.head_dim)
+    outputs = []
+    for kernels in (torch_kernels(False), triton_kernels(False)):
+        torch.manual_seed(3)
+        model = build_model(config, kernels=kernels).float()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
+        layers_cache = cache.clone()
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = layers_cache[i, 0], layers_cache[i, 1]
+        x, positions, meta = mixed_step(config)
+        with torch.inference_mode():
+            outputs.append((model.model(x, positions, meta), layers_cache))
+    layer = model.model.layers[0]
+    assert layer.self_attn.attn.backend.batch_invariant
+    norms = [layer.input_layernorm] + ([layer.self_attn.q_norm, layer.self_attn.k_norm] if variant == "qk-norm"
+                                       else [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm])
+    assert all(norm.kernel is not None for norm in norms)
+    (expected, expected_cache), (got, got_cache) = outputs
+    torch.testing.assert_close(got_cache, expected_cache, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
