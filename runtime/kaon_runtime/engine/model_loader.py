@@ -32,6 +32,7 @@ from kaon_runtime.models.decoder import DecoderForCausalLM
 from kaon_runtime.models.registry import build_model
 from kaon_runtime.models.weights import target
 from kaon_runtime.quant import quantize_model
+from kaon_runtime.quant.invariant import use_batch_invariant_kernels
 from kaon_runtime.quant.pending import hold_places, hold_table
 from kaon_runtime.quant.reference import use_reference_kernels
 from kaon_runtime.quant.surgery import HEAD_TABLE
@@ -147,6 +148,9 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
                 _return_freed_heap()  # the stream's per-tensor temporaries, before quantization adds its own
         if method != "none" and prequantized is None:
             _quantize(model, method, checkpoint, device, tp, own=method != config.quantization, table=table)
+        if kernels.batch_invariant:
+            marked = use_batch_invariant_kernels(model)
+            log.info("batch-invariant GPU kernels: %d quantized linears marked (quant/invariant.py)", marked)
         model.check_kernels()
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{checkpoint.path.name}: {exc}") from exc

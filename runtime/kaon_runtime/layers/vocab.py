@@ -54,10 +54,14 @@ class VocabHead(nn.Module):
     With `cpu_logits_rows` (the fused CPU decode step is on), every row goes through the step's C
     kernel (kernels.cpu_decode), that many at a time: torch's own threads would contend with the
     step's between one token and the next, and its GEMM's sums change with the row count.
+
+    With `invariant` (the GPU's batch-invariant kernels, layers/kernel_backend.py) the float table's logits
+    come from kernels/invariant_gemm.py, whose sums do not change with the row count either; a quantized
+    head is marked by quant/invariant.py.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = TensorParallel(),
-                 cpu_logits_rows: int = 0):
+                 cpu_logits_rows: int = 0, invariant: bool = False):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
         self.start, self.shard = vocab_range(vocab_size, tp.rank, tp.size)
@@ -65,6 +69,7 @@ class VocabHead(nn.Module):
         self.lookup_dtype = torch.float32  # the token lookup's, once drop_float_table has run
         self.quantized: nn.Module | None = None
         self.cpu_logits_rows = cpu_logits_rows
+        self.invariant = invariant
         self._cpu_weights: tuple[object, cpu_decode.LinearWeights] | None = None  # (the weight it reads, its struct)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -74,8 +79,13 @@ class VocabHead(nn.Module):
             weights, step = self.cpu_weights(), self.cpu_logits_rows
             logits = torch.cat([cpu_decode.linear(weights, hidden[i:i + step])
                                 for i in range(0, hidden.shape[0], step)])
+        elif self.quantized is not None:
+            logits = self.quantized(hidden)
+        elif self.invariant:
+            from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
+            logits = invariant_gemm.linear(hidden, self.weight_t.t())
         else:
-            logits = hidden @ self.weight_t if self.quantized is None else self.quantized(hidden)
+            logits = hidden @ self.weight_t
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[:, :self.vocab_size]  # padding rows dropped

@@ -33,6 +33,7 @@ from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import local_config
 from kaon_runtime.layers.activation import GATED_ACTIVATIONS
 from kaon_runtime.layers.attention import Attention, AttentionMetadata
+from kaon_runtime.layers.invariant_linear import linear_class
 from kaon_runtime.layers.kernel_backend import KernelBackend, torch_kernels
 from kaon_runtime.layers.lora import LoraBatch
 from kaon_runtime.layers.moe import SparseMoE
@@ -67,8 +68,9 @@ class SelfAttention(nn.Module):
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.rotary_dim = c.rotary_dim or c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        linear = linear_class(kernels)  # nn.Linear, or the batch-invariant GEMM's (layers/invariant_linear.py)
+        self.qkv_proj = linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = linear(self.q_size, c.hidden_size, bias=False)
         # Qwen3: each head's q and k are normalised (one weight over head_dim, shared by the heads) before rotary.
         head_norm = _norm_kernel(c, kernels) if kernels.batch_invariant else None
         self.q_norm = _norm(c, c.head_dim, head_norm) if c.qk_norm else None
@@ -103,8 +105,9 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        linear = linear_class(kernels)
+        self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size, bias=False)
         fused = kernels.silu_and_mul if config.hidden_act == "silu" else None
         self.act = fused or GATED_ACTIVATIONS[config.hidden_act]
 
@@ -270,8 +273,8 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(self.local_config, tp, kernels, self.layer_range)
         # The head on the last stage; on the first too when tied, as the embedding.
         holds_head = stage.is_last or (stage.is_first and config.tie_word_embeddings)
-        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp, kernels.cpu_decode_rows) \
-            if holds_head else None
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp, kernels.cpu_decode_rows,
+                                 kernels.batch_invariant) if holds_head else None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
         """Final hidden states; under pipeline parallelism, a stage before the last returns (hidden,

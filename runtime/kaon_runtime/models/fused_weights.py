@@ -19,6 +19,7 @@ from torch import nn
 
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.layers.invariant_linear import InvariantLinear
 from kaon_runtime.layers.lora import LoraLinear
 
 
@@ -94,7 +95,7 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     if reference is not None:
         return reference
     bias = getattr(module, "bias", None)
-    if type(module) is nn.Linear:
+    if type(module) is nn.Linear or type(module) is InvariantLinear:  # a plain float weight (the GPU switch: forward)
         return cpu_decode.LinearWeights.f32(module.weight, bias)
     qweight = getattr(module, "qweight", None)
     quantized: Any = module  # quant's linears: their tensors are plain attributes

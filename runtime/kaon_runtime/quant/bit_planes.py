@@ -162,6 +162,9 @@ class BitPlanesLinear(QuantizedLinear):
             return torch.mm(x.to(dtype), dequantize_bit_planes(self.weight).to(dtype).t()).to(x.dtype)
         if kernel == "cpu" and self._unbiased is not None and cpu_decode.library() is not None:
             return cpu_decode.linear(self._unbiased, x).to(x.dtype)
+        if kernel == "triton" and self.batch_invariant:  # quant/invariant.py
+            from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
+            return invariant_gemm.linear(x, dequantize_bit_planes(self.weight).to(x.dtype))
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         weight = dequantize_bit_planes(self.weight).to(compute)
         return torch.nn.functional.linear(x.to(compute), weight).to(x.dtype)

@@ -46,6 +46,7 @@ class DynamicFp8InputLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if scaled_mm_supported(rows, self.inner.qweight):  # torch._scaled_mm quantizes each row itself
+        # torch._scaled_mm quantizes each row itself; the batch-invariant kernel (quant/invariant.py) does not
+        if scaled_mm_supported(rows, self.inner.qweight) and not self.inner.batch_invariant:
             return self.inner(x)
         return self.inner(round_to_fp8_per_token(x))

@@ -56,6 +56,9 @@ class Fp8Linear(ChannelScaledLinear):
         return cpu_decode.LinearWeights.fp8(self.qweight, self.scales, self.bias, fp8_inputs, input_scale)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_for(x, self.reference) == "triton" and self.batch_invariant:  # weight-only for every M
+            from kaon_runtime.kernels import invariant_gemm
+            return invariant_gemm.fp8_linear(x, self.qweight, self.scales)
         if kernel_for(x, self.reference) == "triton":
             from kaon_runtime.kernels import quant_gemv  # on use: CPU-only torch builds lack Triton
             if quant_gemv.fits(x, "fp8"):

@@ -139,6 +139,9 @@ class GroupInt8Linear(QuantizedLinear):
             return torch.mm(x.to(dtype), dequantize_group_int8(self.weight).to(dtype).t()).to(x.dtype)
         if kernel == "cpu" and self._unbiased is not None and cpu_decode.library() is not None:
             return cpu_decode.linear(self._unbiased, x).to(x.dtype)
+        if kernel == "triton" and self.batch_invariant:  # quant/invariant.py
+            from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
+            return invariant_gemm.linear(x, dequantize_group_int8(self.weight).to(x.dtype))
         compute = torch.float32 if x.device.type == "cpu" else x.dtype
         weight = dequantize_group_int8(self.weight).to(compute)
         return torch.nn.functional.linear(x.to(compute), weight).to(x.dtype)

@@ -67,6 +67,9 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
+        if kernel == "triton" and self.batch_invariant:  # one tile for every M (quant/invariant.py)
+            from kaon_runtime.kernels import invariant_gemm
+            return invariant_gemm.w4a16_linear(x, self.packed, self.scales, self.mins, self.group_size)
         if kernel == "triton":  # on use: CPU-only torch builds lack Triton
             from kaon_runtime.kernels import quant_gemv
             from kaon_runtime.kernels.quant_gemm import w4a16_matmul

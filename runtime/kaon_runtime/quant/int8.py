@@ -33,6 +33,9 @@ class Int8Linear(ChannelScaledLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)
+        if kernel == "triton" and self.batch_invariant:  # one tile for every M (quant/invariant.py)
+            from kaon_runtime.kernels import invariant_gemm
+            return invariant_gemm.w8a16_linear(x, self.qweight, self.scales)
         if kernel == "triton":  # on use: CPU-only torch builds lack Triton
             from kaon_runtime.kernels import quant_gemv
             from kaon_runtime.kernels.quant_gemm import w8a16_matmul

@@ -31,6 +31,9 @@ class QuantizedLinear(nn.Module):
     # True: matmul multiplies float activations by the dequantized weight, whatever the device's fast
     # kernels would do to the activations (quant/reference.py sets it for `--dtype float32`).
     reference = False
+    # True: on a GPU, each row's numbers do not depend on the row count (quant/invariant.py sets it under
+    # KAON_GPU_BATCH_INVARIANT=1; kernels/invariant_gemm.py).
+    batch_invariant = False
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()

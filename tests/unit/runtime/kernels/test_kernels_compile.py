@@ -24,6 +24,7 @@ import torch
 
 from kaon_runtime.kernels import (
     activation,
+    invariant_gemm,
     kv_cache,
     moe,
     norm,
@@ -43,7 +44,7 @@ triton = pytest.importorskip("triton")
 if __name__ != "__main__" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("records launches through the interpreter (a GPU runs the kernels themselves)", allow_module_level=True)
 
-MODULES = (activation, kv_cache, moe, norm, paged_attention, quant_gemm, quant_gemv, rotary)
+MODULES = (activation, invariant_gemm, kv_cache, moe, norm, paged_attention, quant_gemm, quant_gemv, rotary)
 
 
 def _launches(dtype: torch.dtype) -> None:
@@ -86,6 +87,15 @@ def _launches(dtype: torch.dtype) -> None:
     moe.fused_moe(torch.randn(2, moe_hidden).to(dtype), torch.randn(experts, 2 * width, moe_hidden).to(dtype),
                   torch.randn(experts, moe_hidden, width).to(dtype), torch.full((2, 2), 0.5),
                   torch.tensor([[0, 1], [2, 3]]), invariant=True)
+    # The batch-invariant GEMMs (KAON_GPU_BATCH_INVARIANT=1) at their own tiles: K split into ranges and the
+    # ranges' sum (N = 256, K = 4096), and one range (K = 128); FP8 and the quantized formats' fixed tiles too.
+    invariant_gemm.linear(x[:, :128], torch.randn(256, 128).to(dtype))
+    invariant_gemm.linear(x, torch.randn(256, hidden).to(dtype), torch.ones(256).to(dtype))
+    if dtype == torch.bfloat16:
+        invariant_gemm.fp8_linear(x, *quantize_fp8(torch.randn(256, hidden)))
+        invariant_gemm.w8a16_linear(x, *quantize_int8(torch.randn(64, hidden)))
+        w4_long = quantize_int4(torch.randn(64, hidden))
+        invariant_gemm.w4a16_linear(x, w4_long.packed, w4_long.scales, w4_long.mins, w4_long.group_size)
     if dtype == torch.float16:
         return
     w = torch.randn(64, 512)
@@ -173,7 +183,11 @@ def record_launches() -> list[dict]:
     # path): compile that path too, so a PTX the assembler refuses fails here rather than on a lease.
     on_gpu = [spec | {"constexprs": spec["constexprs"] | {"ASM": True}} for spec in specs.values()
               if spec["kernel"] == "_gemv_kernel" and spec["activations"] == str(torch.bfloat16)]
-    return list(specs.values()) + on_gpu
+    # The invariant GEMM widens bfloat16 operands to float32 in the interpreter only (DOT_F32, whose tl.dot
+    # multiplies bfloat16 as integers): compile the launch a GPU makes, the bfloat16 tensor-core dot.
+    as_on_gpu = [spec | {"constexprs": spec["constexprs"] | {"DOT_F32": False}} if spec["constexprs"].get("DOT_F32")
+                 else spec for spec in specs.values()]
+    return as_on_gpu + on_gpu
 
 
 def compile_for_hopper(specs: list[dict], tmp_path: Path) -> list[dict]:

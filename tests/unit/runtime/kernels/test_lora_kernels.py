@@ -74,3 +74,26 @@ def test_cpu_lora_linear_matches_the_reference_on_a_fused_projection():
     batch.set([-1] * len(SLOTS), torch.device("cpu"))
     assert not batch.active
     torch.testing.assert_close(lora(x), base(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_lora_delta_of_a_token_does_not_depend_on_the_token_count(dtype):
+    """The GPU switch (KAON_GPU_BATCH_INVARIANT=1) needs nothing from kernels/lora.py: each program reads one
+    token, its shrink sums fan_in in BLOCK_K steps and its expand the rank, in orders fixed by the adapter's
+    shape. So a token's delta has the same bits alone as among others (prefixes of one batch; in Triton's
+    interpreter, which shows it for this module's launch decisions, not for a GPU's instructions)."""
+    from kaon_runtime.kernels.lora import lora_expand, lora_shrink
+    a, b = _pool(4, 8, 200, 72, dtype)
+    tokens = SLOTS * 9  # 72 tokens
+    slots = torch.tensor(tokens, device=DEVICE)
+    x = torch.randn(len(tokens), 200, device=DEVICE).to(dtype)
+    y = torch.randn(len(tokens), 72, device=DEVICE).to(dtype)
+
+    def delta(rows: int) -> torch.Tensor:
+        out = y[:rows].clone()
+        lora_expand(out, lora_shrink(x[:rows], a, slots[:rows]), b, slots[:rows])
+        return out
+
+    full = delta(len(tokens))
+    for rows in (1, 3, 8, 40):
+        assert torch.equal(delta(rows), full[:rows])
