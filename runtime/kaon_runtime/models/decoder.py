@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
         self.self_attn = SelfAttention(config, layer, tp, kernels)
-        self.mlp = (SparseMoE(config, tp, kernels.fused_moe) if config.is_moe_layer(layer)
+        self.mlp = (SparseMoE(config, tp, kernels.fused_moe, kernels.batch_invariant) if config.is_moe_layer(layer)
                     else GatedMLP(config, tp, kernels))
         norm_kernel = _norm_kernel(config, kernels)
         self.input_layernorm = _norm(config, kernel=norm_kernel)

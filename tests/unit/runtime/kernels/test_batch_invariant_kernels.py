@@ -13,6 +13,8 @@ kernels' part, tiles, loop bounds, masks and reduction orders, and a GPU lease c
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -216,19 +218,32 @@ def test_the_norms_torch_would_compute_take_the_per_row_kernel(dtype, offset):
                for t in (0, 2, 4))
 
 
-@pytest.mark.parametrize("variant", ["qk-norm", "gemma2"])
+# A mixture of experts whose slots' order matters (3 of 5), routed through the invariant GEMM.
+MOE = dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("variant", ["qk-norm", "gemma2", "moe"])
 def test_the_decoder_under_the_switch_computes_the_torch_models_step(variant, monkeypatch):
     """The switch's wiring in the decoder (models/decoder.py): Qwen3's q/k norms, Gemma's offset and sandwich
-    norms on the Triton kernel, with Gemma 2's window and soft-capping through the invariant attention; a
-    mixed step (decodes and a prompt chunk) gives the torch model's hidden states and cache."""
+    norms on the Triton kernel, with Gemma 2's window and soft-capping through the invariant attention; the
+    experts' router through the invariant GEMM and their slots summed in order; a mixed step (decodes and a
+    prompt chunk) gives the torch model's hidden states and cache."""
     if DEVICE == "cuda":
         pytest.skip("the CPU models of test_cpu_decode (the same kernels run in the GPU's engine checks)")
     from test_cpu_decode import BLOCK, WINDOWS, mixed_step, tiny_config
 
+    from kaon_runtime.kernels import invariant_gemm
     from kaon_runtime.layers.kernel_backend import torch_kernels, triton_kernels
     from kaon_runtime.models.registry import build_model
     monkeypatch.setenv("KAON_GPU_BATCH_INVARIANT", "1")
-    config = tiny_config(**WINDOWS[variant])
+    config = tiny_config(**(MOE if variant == "moe" else WINDOWS[variant]))
+    weights_seen = []  # the weights the invariant GEMM multiplied by: the router's among them
+    gemm = invariant_gemm.linear
+
+    def seen(x, w, *args, **kwargs):
+        weights_seen.append(tuple(w.shape))
+        return gemm(x, w, *args, **kwargs)
+    monkeypatch.setattr(invariant_gemm, "linear", seen)
     torch.manual_seed(3)
     cache = torch.randn(config.num_layers, 2, config.num_kv_heads, 10, BLOCK, config.head_dim)
     outputs = []
@@ -246,9 +261,13 @@ def test_the_decoder_under_the_switch_computes_the_torch_models_step(variant, mo
             outputs.append((model.model(x, positions, meta), layers_cache))
     layer = model.model.layers[0]
     assert layer.self_attn.attn.backend.batch_invariant
-    norms = [layer.input_layernorm] + ([layer.self_attn.q_norm, layer.self_attn.k_norm] if variant == "qk-norm"
-                                       else [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm])
-    assert all(norm.kernel is not None for norm in norms)
+    if variant == "moe":
+        assert isinstance(layer.mlp.kernel, functools.partial)  # fused_moe, invariant=True
+        assert (MOE["num_experts"], config.hidden_size) in weights_seen, "the router skipped the invariant GEMM"
+    else:
+        norms = [layer.input_layernorm] + ([layer.self_attn.q_norm, layer.self_attn.k_norm] if variant == "qk-norm"
+                                           else [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm])
+        assert all(norm.kernel is not None for norm in norms)
     (expected, expected_cache), (got, got_cache) = outputs
     torch.testing.assert_close(got_cache, expected_cache, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
