@@ -5,18 +5,43 @@ a GPU) with support.row_dot's tl.dot, whose rows are computed alike as a GPU's a
 a row by its place in the tile: see that module). Greedy, each prompt alone is the reference; the same prompts in
 one batch, and in chunks of at most 16 tokens, asked twice so that the second ask starts after cached blocks
 (the 41-token prompt then computes one token: a one-token chunk, which goes to the decode path), give the same
-tokens and log-probabilities, bit for bit. The tiny Llama's random logits are all near zero, every step a near tie:
-a bit off anywhere shows. On a GPU the compiled kernels run as they are (bench/gpu/engine_check.py check 5
-measures the same on real hardware).
+tokens and log-probabilities, bit for bit. The tiny Llama's random logits are all near zero, every step a near
+tie, and the log-probabilities are compared bit for bit: a bit off anywhere shows. On a GPU the compiled kernels
+run as they are (bench/gpu/engine_check.py check 5 measures the same on real hardware).
 """
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from kaon_runtime import LLM, SamplingParams
-from support.tiny_llama import DEVICE, PROMPTS
+from support.tiny_llama import DEVICE
 
 pytestmark = pytest.mark.slow  # whole models generating on Triton's interpreter
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256  # the vocabulary head goes through the invariant GEMM too: in the interpreter, a column tile a program
+PREFIX = list(range(10, 34))  # three blocks of 8, shared by two prompts
+# 41 tokens (5 blocks and one: cached, it computes a one-token chunk), 5, and 74 sharing the first's prefix.
+PROMPTS = [PREFIX + list(range(100, 117)), list(range(200, 205)), PREFIX + list(range(40, 90))]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_llama(tmp_path_factory):
+    """support.tiny_llama's model shape (GQA, head_dim 16) with 256 tokens named by a word-level tokenizer."""
+    from tokenizers import Tokenizer, models
+    path = tmp_path_factory.mktemp("small-vocab-llama")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t0", "eos_token": "t1"}))
+    return str(path)
 
 
 def _answers(outputs) -> list[tuple[list[int], list[float]]]:
@@ -37,16 +62,16 @@ def invariant_triton(monkeypatch, row_dot):
     monkeypatch.setattr(paged_attention, "_auto_partition", lambda programs, max_len, device: 16)
 
 
-def test_a_prompts_answer_does_not_depend_on_its_batch_chunks_or_cache(tiny_llama, invariant_triton):
+def test_a_prompts_answer_does_not_depend_on_its_batch_chunks_or_cache(small_vocab_llama, invariant_triton):
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     options = dict(show_progress=False, device=DEVICE, dtype="float32", block_size=8)
-    with LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=128, **options) as plain:
+    with LLM(small_vocab_llama, enable_prefix_caching=False, max_num_batched_tokens=128, **options) as plain:
         runner = plain.engine.runner
         assert runner.kernels.batch_invariant and runner.kernels.attention.batch_invariant
         assert runner.model.model.cpu_decode is None
         alone = [_answers(plain.generate([p], greedy, use_tqdm=False))[0] for p in PROMPTS]
         together = _answers(plain.generate(PROMPTS, greedy, use_tqdm=False))
-    with LLM(tiny_llama, enable_prefix_caching=True, max_num_batched_tokens=16, **options) as chunked:
+    with LLM(small_vocab_llama, enable_prefix_caching=True, max_num_batched_tokens=16, **options) as chunked:
         first = _answers(chunked.generate(PROMPTS, greedy, use_tqdm=False))
         cached = _answers(chunked.generate(PROMPTS, greedy, use_tqdm=False))
         assert chunked.engine.block_manager.prefix_hits > 0
