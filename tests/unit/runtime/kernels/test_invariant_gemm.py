@@ -9,9 +9,11 @@ What that can prove and what it cannot:
 - It cannot prove that a row gets the same bits at another place in the tile. numpy's matmul itself does not:
   at a fixed [64, K] x [K, 64] shape, on this Zen 2 with OpenBLAS, a row at positions 6-11 of every 12 sums
   otherwise than at position 0 (its micro-kernel's row groups), though never differently for other
-  neighbours (checked 2026-11-30, numpy 2.4.6). On a GPU each row of a tl.dot tile is one row of the same
-  MMA instructions; whether that is position-free is what bench/gpu/engine_check.py measures at a lease
-  (an engine's prefix-cache hits and chunking move a token's row).
+  neighbours (checked 2026-11-30, numpy 2.4.6). The last test swaps in support.row_dot's dot (each row of
+  a tile its own product) and shows that, given a dot whose rows do not depend on their place, the kernels
+  give a row the same bits anywhere in a tile (without row_dot it fails, numpy's reason). On a GPU each
+  row of a tl.dot tile is one row of the same MMA instructions; that this is place-free is what
+  bench/gpu/invariant_gemm.py ("shifted 3") and engine_check.py measure at a lease.
 - Nor anything about cuBLAS or the GPU's instructions: only the GPU stages measure those.
 
 bfloat16 runs with its operands widened to float32 in the interpreter (Triton 3.9's interpreter multiplies
@@ -158,3 +160,31 @@ def test_tiles_come_from_the_weight_alone():
               for shape in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))}
     assert splits == {(6144, 4096): 3, (4096, 4096): 5, (28672, 4096): 1, (4096, 14336): 5, (128256, 4096): 1}
     assert ig.split_count(64, 64, 64, 64) == 1  # too short a K to split
+
+
+@pytest.mark.parametrize("kind", ["dense", "fp8", "fp8 blocks", "int8", "int4"])
+def test_a_row_elsewhere_in_its_tile_keeps_its_bits(kind, row_dot):
+    """With support.row_dot's tl.dot (each row of a tile its own product, as a GPU's MMA computes every row alike):
+    windows of rows that start elsewhere (every row at another place in its tile, or in another tile) give the
+    bits the whole batch gives. Without row_dot numpy's own dot moves them (this module's docstring; seen)."""
+    torch.manual_seed(8)
+    x = torch.randn(70, 256, device=DEVICE)
+    small = ig.Config(16, 32, 32, splits=3, warps=1, stages=1)
+    if kind == "dense":
+        w = torch.randn(72, 256, device=DEVICE)
+        compute = lambda rows: ig.linear(rows, w, cfg=SPLIT)  # noqa: E731
+    elif kind.startswith("fp8"):
+        qweight, scales = (t.to(DEVICE) for t in quantize_fp8(torch.randn(72, 256)))
+        blocks = (torch.rand(5, 8) / 50 + 1e-3).to(DEVICE)
+        compute = (lambda rows: ig.fp8_linear(rows, qweight, scales, SPLIT)) if kind == "fp8" else \
+            (lambda rows: ig.fp8_block_linear(rows, qweight, blocks, (16, 32), SPLIT))
+    elif kind == "int8":
+        q8, s8 = (t.to(DEVICE) for t in quantize_int8(torch.randn(72, 256)))
+        compute = lambda rows: ig.w8a16_linear(rows, q8, s8, small)  # noqa: E731
+    else:
+        w4 = quantize_int4(torch.randn(72, 256), group_size=32)
+        tensors = (w4.packed.to(DEVICE), w4.scales.to(DEVICE), w4.mins.to(DEVICE))
+        compute = lambda rows: ig.w4a16_linear(rows, *tensors, 32, small)  # noqa: E731
+    full = compute(x)
+    for start, rows in ((3, 64), (9, 1), (61, 9)):
+        assert torch.equal(compute(x[start:start + rows]), full[start:start + rows]), (start, rows)
