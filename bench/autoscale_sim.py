@@ -19,8 +19,9 @@ drains; what is still in flight after the drain grace period is cut (and counted
 Policies, on the same trace and seed: kaon (`kaon_operator.autoscaling.autoscaler.decide` fed the very
 `Sample`s the operator builds, every 5 s), an HPA-style policy, Knative's KPA and an oracle
 (see `oracle_schedule`); kaon-standby is the predictive policy with standby replicas (issue 53):
-`--standby` of them loaded and asleep, a scale-up waking one in `--wake-s` and starting another
-behind it, each costing `--standby-cost` of an awake replica in its replica-hours.
+`--standby` of them loaded and asleep, a scale-up waking one (the profiled wake, `Wake`: the engine's,
+the readiness probe's phase, the routers' watch, the standby loop's round; or a constant `--wake-s`) and
+starting another behind it, each costing `--standby-cost` of an awake replica in its replica-hours.
 The yardstick: SLO attainment (TTFT <= target), replica-hours
 relative to the oracle, replica changes per hour, requests cut by scale-down.
 """
@@ -255,6 +256,62 @@ class Scrape:
     latency: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
 
+@dataclass
+class Wake:
+    """From a standby's wake ordered to it taking requests, part by part (issue 53: "wake times from the profile").
+
+    A constant `--wake-s X` is `Wake(engine_s=X)` (what every standby run before the profiled wake used). The
+    profiled wake (`PROFILED`, the default) holds, each part measured or stated in bench/history/sleep_wake.md:
+    - engine_s: POST /wake_up to /ready at the level standbys sleep at (standby.SLEEP_LEVEL, level 1), plus the
+      first answer's extra time after a wake against one when awake (bench/sleep_wake.py);
+    - probe_period_s: the kubelet reads /ready every STANDBY_READINESS_PERIOD_SECONDS on its own phase, so the
+      pod turns Ready uniformly 0..period after the engine does (drawn, not its mean);
+    - ready_to_router_s: the pod's Ready condition written by the kubelet and seen by the routers' pod watch
+      (router/watch.py: the routers watch pods, not Endpoints);
+    - round_s: a wake the regular policy orders (spec.replicas written) waits for the standby loop's next round
+      (standby_sync.INTERVAL_SECONDS), uniformly 0..round; the pressure loop wakes in the same breath (its own
+      latency is Poke.latency_s), so a poked wake skips it.
+    """
+    engine_s: float = 0.0
+    probe_period_s: float = 0.0
+    ready_to_router_s: float = 0.0
+    round_s: float = 0.0
+    rng: random.Random = field(default_factory=lambda: random.Random(0), compare=False, repr=False)
+
+    def round_delay(self, poked: bool) -> float:
+        """The wait for the standby loop's round: one draw per scale-up (one round wakes every standby it needs)."""
+        return self.rng.uniform(0.0, self.round_s) if self.round_s and not poked else 0.0
+
+    def seconds(self, round_delay: float = 0.0) -> float:
+        """One pod's wake after its round: the fixed parts and its own probe phase (no draw when the period is 0,
+        so a constant wake draws nothing)."""
+        probe = self.rng.uniform(0.0, self.probe_period_s) if self.probe_period_s else 0.0
+        return round_delay + self.engine_s + probe + self.ready_to_router_s
+
+    def mean(self, poked: bool = False) -> float:
+        return self.engine_s + self.ready_to_router_s + self.probe_period_s / 2 + (0.0 if poked else self.round_s / 2)
+
+    def describe(self) -> str:
+        if not (self.probe_period_s or self.ready_to_router_s or self.round_s):
+            return f"a wake takes {self.engine_s:g} s"
+        return (f"a wake takes {self.engine_s:g} s (engine) + {self.ready_to_router_s:g} s (Ready to the routers) + "
+                f"U(0, {self.probe_period_s:g}) s (readiness probe) + U(0, {self.round_s:g}) s (standby loop's round, "
+                f"regular scale-ups only): mean {self.mean():.2f} s, {self.mean(poked=True):.2f} s on a poke")
+
+
+ENGINE_WAKE_S = 0.21
+"""kaon serve of the bundled model (CPU), POST /wake_up to /ready from level 1, median of 10 (max 0.23 s), plus the
+first answer's extra after it (+0.001 s): bench/sleep_wake.py, 2026-11-30 17:22 UTC, load 0.5-1.2
+(bench/history/sleep_wake.md)."""
+READY_TO_ROUTER_S = 0.1
+"""The kubelet's status write and the routers' watch event: an estimate (the apiserver's part measured 8 ms median,
+47 ms max on the local control plane, bench/pod_ready_watch.py; the kubelet's part not), history/sleep_wake.md."""
+PROFILED = Wake(ENGINE_WAKE_S, probe_period_s=standby.STANDBY_READINESS_PERIOD_SECONDS,
+                ready_to_router_s=READY_TO_ROUTER_S, round_s=2.0)
+"""The profiled wake (the default): round_s is standby_sync.INTERVAL_SECONDS (the simulator does not import the
+operator's I/O modules; tests/unit/bench/test_autoscale_sim.py checks the two agree)."""
+
+
 class Cluster:
     """The replicas of one InferenceService, the router in front and the event queue."""
     replica_type: type[Replica] = Replica  # a pool of another kind of engine (autoscale_disagg.py) overrides it
@@ -274,12 +331,21 @@ class Cluster:
         self.last_change: float | None = None
         # Standby replicas (spec.autoscaling.standby): loaded and asleep, woken in wake_s by a scale-up,
         # a new one started behind each one woken. Each entry: when that standby is loaded (asleep).
-        self.standby, self.wake_s = 0, 0.0
+        self.standby, self.wake = 0, Wake()
         self.sleepers: list[float] = []
         self.standby_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, standby pods that exist)
         # [start, loaded] of every standby started behind a woken one: while it loads it holds its device
         # like any replica starting, so those seconds count in full whatever a sleeping standby costs.
         self.standby_loads: list[list[float]] = []
+
+    @property
+    def wake_s(self) -> float:
+        """A wake's mean (a regular scale-up's)."""
+        return self.wake.mean()
+
+    @wake_s.setter
+    def wake_s(self, value: float | Wake) -> None:
+        self.wake = value if isinstance(value, Wake) else Wake(float(value))
 
     # events
     def push(self, at: float, kind: str, what: object = None) -> None:
@@ -347,9 +413,9 @@ class Cluster:
         self._remove(replica)
 
     # scaling
-    def _start_at(self) -> float:
+    def _start_at(self, round_delay: float = 0.0) -> float:
         """When a new active replica is ready: a standby's wake (the soonest loaded one, and a new standby
-        starts behind it), else a cold start."""
+        starts behind it) after the standby loop's round (`round_delay`), else a cold start."""
         if not self.sleepers:
             return self.now + self.cold_start_s
         self.sleepers.sort()
@@ -360,19 +426,21 @@ class Cluster:
                 break
         self.sleepers.append(self.now + self.cold_start_s)
         self.standby_loads.append([self.now, self.now + self.cold_start_s])
-        return max(loaded, self.now) + self.wake_s
+        return max(loaded, self.now) + self.wake.seconds(round_delay)
 
     def fill_standby(self, loaded_at: float) -> None:
         while len(self.sleepers) < self.standby:
             self.sleepers.append(loaded_at)
         self.standby_log.append((self.now, len(self.sleepers)))
 
-    def set_replicas(self, wanted: int) -> None:
+    def set_replicas(self, wanted: int, poked: bool = False) -> None:
+        """`poked`: ordered by the pressure loop, which wakes at once (no wait for the standby loop's round)."""
         if wanted == len(self.active):
             return
         self.last_change = self.now
+        round_delay = self.wake.round_delay(poked) if wanted > len(self.active) and self.sleepers else 0.0
         while len(self.active) < wanted:
-            replica = self.replica_type(self.next_id, self._start_at())
+            replica = self.replica_type(self.next_id, self._start_at(round_delay))
             self.next_id += 1
             self.active.append(replica)
             self.push(replica.ready_at, "ready", replica)
@@ -646,11 +714,12 @@ def make_requests(arrivals: list[tuple[float, int, int]]) -> list[Request]:
 
 def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: EngineModel, policy: Policy,
              initial: int, *, cold_start_s: float | None = None, drain_s: float = 30.0,
-             hold_timeout_s: float = 600.0, standby: int = 0, wake_s: float = 0.0, standby_cost: float = 0.0,
+             hold_timeout_s: float = 600.0, standby: int = 0, wake_s: float | Wake = 0.0, standby_cost: float = 0.0,
              poke: Poke | None = None) -> Run:
     """Run one policy over one trace. Policies tick until `duration`; afterwards the engines
     finish what they have, so every request gets its outcome. `standby` replicas wait loaded and
-    asleep; a scale-up wakes one in `wake_s` and starts another behind it. With `poke` the operator
+    asleep; a scale-up wakes one in `wake_s` (seconds, or a Wake drawn per wake) and starts another behind it.
+    With `poke` the operator
     also reads the router's pressure every `poke.interval_s` (each read lost with `poke.loss`, acted on
     `poke.latency_s` later) and the policy's `poked` acts on it."""
     cluster = Cluster(model, model.cold_start_s if cold_start_s is None else cold_start_s, drain_s, hold_timeout_s)
@@ -696,7 +765,7 @@ def simulate(arrivals: list[tuple[float, int, int]], duration: float, model: Eng
         elif kind == "poke":
             wanted = policy.poked(cluster, what)
             if wanted is not None and wanted > len(cluster.active):
-                cluster.set_replicas(wanted)
+                cluster.set_replicas(wanted, poked=True)
                 changes += 1
         elif kind == "tick" and at <= duration:
             wanted = policy.decide(cluster)
@@ -875,8 +944,8 @@ class Config:
     """Requests per replica for kaon, HPA and KPA alike; None: kaon's default (targetUtilization x maxNumSeqs)."""
     standby: int = 3
     """kaon-standby's spec.autoscaling.standby: replicas kept loaded and asleep."""
-    wake_s: float = 2.0
-    """Seconds from a scale-up to a woken standby taking requests (the wake, then the readiness probe)."""
+    wake: Wake = field(default_factory=lambda: replace(PROFILED))
+    """From a scale-up to a woken standby taking requests (Wake: the profiled one, or a constant --wake-s)."""
     standby_cost: float = 0.1
     """What a standby replica costs, as a share of an awake one's: counted in kaon-standby's replica-hours."""
     standby_window_s: int = 15
@@ -926,7 +995,7 @@ def policies(config: Config, trace: Trace, oracle: list[int]) -> list[Policy]:
                 utilization=target / config.model.max_num_seqs),
             Schedule(oracle), Schedule(dwell_schedule(oracle), "oracle-dwell")]
     if config.standby:  # the predictive policy, told that a start takes a wake (its first `standby` ones do)
-        woken = replace(config.model.perf_model(), cold_start_seconds=config.wake_s)
+        woken = replace(config.model.perf_model(), cold_start_seconds=config.wake.mean())
         quick = spec.model_copy(update={"standby": config.standby, "scale_up_window_seconds": config.standby_window_s,
                                         "scale_down_stabilization_seconds": config.standby_stabilization_s,
                                         "max_step": config.standby_max_step,
@@ -947,7 +1016,8 @@ def run_trace(config: Config, trace: Trace) -> tuple[list[dict], dict]:
         if config.only and policy.name not in config.only and not policy.name.startswith("oracle"):
             continue
         cold = 0.0 if policy.name.startswith("oracle") else None
-        sleepers = dict(standby=config.standby, wake_s=config.wake_s, standby_cost=config.standby_cost,
+        wake = replace(config.wake, rng=random.Random(config.seed + 13))  # its own draws: no other stream moves
+        sleepers = dict(standby=config.standby, wake_s=wake, standby_cost=config.standby_cost,
                         poke=Poke(config.poke_interval_s, config.poke_latency_s, config.poke_loss,
                                   random.Random(config.seed + 11)) if config.poke_interval_s > 0 else None) \
             if policy.name == "kaon-standby" else {}
@@ -1110,6 +1180,15 @@ def load_model(args: argparse.Namespace) -> EngineModel:
                        args.max_num_batched_tokens or calibration.get("max_num_batched_tokens", 1024), d)
 
 
+def wake_of(args: argparse.Namespace) -> Wake:
+    if args.wake_s is not None and args.engine_wake_s is not None:
+        raise SystemExit("--wake-s (a constant wake) and --engine-wake-s (the profiled one's engine part) "
+                         "exclude each other")
+    if args.wake_s is not None:
+        return Wake(args.wake_s)
+    return replace(PROFILED, engine_s=ENGINE_WAKE_S if args.engine_wake_s is None else args.engine_wake_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="measure the engine here, write --calibration")
@@ -1130,9 +1209,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=90.0, help="length of every trace")
     parser.add_argument("--standby", type=int, default=3,
                         help="kaon-standby's spec.autoscaling.standby (0: no such row)")
-    parser.add_argument("--wake-s", type=float, default=2.0,
-                        help="seconds from a scale-up to a woken standby taking requests: the wake (bench/RESULTS.md: "
-                        "about 1 s on the bundled model) and the readiness probe's period")
+    parser.add_argument("--wake-s", type=float,
+                        help="a constant wake: seconds from a scale-up to a woken standby taking requests, all parts "
+                        "in one (the standby figures before the profiled wake used 3). Default: the profiled wake "
+                        f"(Wake, PROFILED: the engine's {ENGINE_WAKE_S:g} s, U(0, {PROFILED.probe_period_s:g}) s "
+                        f"readiness probe, {READY_TO_ROUTER_S:g} s to the routers, U(0, {PROFILED.round_s:g}) s "
+                        "standby round on regular scale-ups)")
+    parser.add_argument("--engine-wake-s", type=float,
+                        help="the profiled wake with this engine wake instead of the bundled model's "
+                        f"{ENGINE_WAKE_S:g} s (e.g. a GPU's), the other parts kept")
     parser.add_argument("--standby-cost", type=float, default=0.1,
                         help="a standby replica's cost as a share of an awake one's, counted in kaon-standby's "
                         "replica-hours: about 0.1 where a sleeping (level 2) replica holds only host memory and its "
@@ -1173,7 +1258,7 @@ def main(argv: list[str] | None = None) -> int:
         target = float(args.target_concurrency)
     config = Config(model, workload, ttft_target_s=args.ttft_target, drain_s=args.drain_s,
                     hold_timeout_s=args.hold_timeout_s, scrape_failure_p=args.scrape_failure, seed=args.seed,
-                    minutes=args.minutes, target_concurrency=target, standby=args.standby, wake_s=args.wake_s,
+                    minutes=args.minutes, target_concurrency=target, standby=args.standby, wake=wake_of(args),
                     standby_cost=args.standby_cost, standby_window_s=args.standby_window_s,
                     standby_stabilization_s=args.standby_stabilization_s, standby_idle_s=args.standby_idle_s,
                     poke_interval_s=args.poke_interval_s,
@@ -1210,9 +1295,9 @@ def main(argv: list[str] | None = None) -> int:
               f"seeds {args.seed}..{args.seed + args.seeds - 1}" + (" pooled" if args.seeds > 1 else ""))
         print(f"kaon policy: operator/kaon_operator/autoscaling/autoscaler.py, git blob {policy_version()}")
         if config.standby:
-            print(f"kaon-standby: kaon-predictive with spec.autoscaling.standby {config.standby} (a wake takes "
-                  f"{config.wake_s:g} s; a standby costs {config.standby_cost:g} of an awake replica, counted in its "
-                  f"replica-hours), scaleUpWindowSeconds {config.standby_window_s}, "
+            print(f"kaon-standby: kaon-predictive with spec.autoscaling.standby {config.standby} ("
+                  f"{config.wake.describe()}; a standby costs {config.standby_cost:g} of an awake replica, counted "
+                  f"in its replica-hours), scaleUpWindowSeconds {config.standby_window_s}, "
                   f"scaleDownStabilizationSeconds {config.standby_stabilization_s}, maxStep {config.standby_max_step}, "
                   f"scaleToZeroIdleSeconds {config.standby_idle_s} (minReplicas 0); "
                   + (f"the routers' pressure read every {config.poke_interval_s:g} s, acted on "

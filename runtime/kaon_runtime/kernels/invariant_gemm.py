@@ -35,7 +35,7 @@ TARGET_PROGRAMS = 132
 MAX_SPLITS = 8
 MIN_STEPS_PER_SPLIT = 4  # a range shorter than 4 K-steps costs more in partial sums than it gains
 
-_DENSE, _FP8 = 0, 1
+_DENSE, _FP8, _FP8_BLOCKS = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +75,15 @@ def _interpreted_bf16(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                 stride_om, stride_os, steps_per_split,
-                 WEIGHT: tl.constexpr, FINAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 stride_om, stride_os, steps_per_split, stride_sn,
+                 WEIGHT: tl.constexpr, FINAL: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                 SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     """One (row tile, column tile, K range): acc = x[rows, range] @ w[cols, range].T in float32.
     WEIGHT 0: w in x's dtype; 1: FP8 e4m3 bytes widened to x's dtype (exact), times a scale per column
-    (weight-only, W8A16). FINAL (one range): scale and bias applied and the result stored in x's dtype;
+    (weight-only, W8A16); 2: FP8 bytes times their block's scale (scale_ptr [ceil(N / SCALE_ROWS), ceil(K /
+    SCALE_COLS)], row stride stride_sn) in float32, rounded to x's dtype: Fp8BlockLinear's dequantized weight
+    exactly, never held whole. FINAL (one range): scale and bias applied and the result stored in x's dtype;
     else the float32 partial sums stored at slice program_id(2) of the partials. DOT_F32: the operands
     widened to float32 first (Triton 3.9's interpreter multiplies bfloat16 operands as integers; the
     products of two bfloat16 values are exact in float32, so the values are the same)."""
@@ -98,6 +101,10 @@ def _gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
                     mask=(rn[None, :] < N) & (k[:, None] < K), other=0)
         if WEIGHT == 1:  # bytes read as e4m3 (a masked byte is 0, not NaN); every e4m3 value fits x's dtype
             w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif WEIGHT == 2:
+            block_scale = tl.load(scale_ptr + (rn[None, :] // SCALE_ROWS) * stride_sn + k[:, None] // SCALE_COLS,
+                                  mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
+            w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * block_scale).to(x_ptr.dtype.element_ty)
         if DOT_F32:
             acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
         else:
@@ -171,7 +178,9 @@ def matmul_fixed(kernel, x: torch.Tensor, weights: tuple, weight_strides: tuple,
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-          kind: int, cfg: Config | None) -> torch.Tensor:
+          kind: int, cfg: Config | None, block_scales: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)
+          ) -> torch.Tensor:
+    """scale: one per output column, applied after the sum; block_scales: FP8 blocks' (kind _FP8_BLOCKS)."""
     n, k = weight.shape
     assert x.dim() == 2 and x.shape[1] == k, f"x [M, {k}] for a weight [{n}, {k}], got {tuple(x.shape)}"
     assert bias is None or bias.shape == (n,), "one bias per output column"
@@ -185,10 +194,12 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bia
         torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     if m:
         _gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)](
-            x, weight, weight if scale is None else scale, weight if bias is None else bias, out, m, n, k,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(-2),
-            0 if final else out.stride(0), per_split,
-            WEIGHT=kind, FINAL=final, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            x, weight, next(t for t in (scale, block_scales, weight) if t is not None),
+            weight if bias is None else bias, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
+            weight.stride(1), out.stride(-2), 0 if final else out.stride(0), per_split,
+            0 if block_scales is None else block_scales.stride(0),
+            WEIGHT=kind, FINAL=final, HAS_BIAS=bias is not None, SCALE_ROWS=block[0], SCALE_COLS=block[1],
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), DOT_F32=_interpreted_bf16(x),
             num_warps=cfg.warps, num_stages=cfg.stages)
     return out if final else sum_splits(out, x.dtype, scale, bias)
@@ -240,3 +251,14 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
     cfg = cfg or Config(_QUANT_BLOCK_M, _QUANT_BLOCK_N, group_size, split_count(n, k, _QUANT_BLOCK_N, group_size))
     return matmul_fixed(quant_gemm._w4a16_kernel, x, (packed, scales, mins), (packed.stride(0), scales.stride(0)),
                         n, k // group_size, cfg, GROUP=group_size)
+
+
+def fp8_block_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                     cfg: Config | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantize_fp8_blocks(qweight, scales, block).to(x.dtype).T -> [M, N] (Fp8BlockLinear's GPU path:
+    the same weight values), each block-scaled weight formed in the tile, not widened whole first."""
+    n, k = qweight.shape
+    assert qweight.dtype == torch.float8_e4m3fn, "qweight: float8_e4m3fn [N, K]"
+    assert scales.shape == (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])) and scales.stride(1) == 1, \
+        "scales: one per block, rows contiguous"
+    return _gemm(x, qweight.view(torch.uint8), None, None, _FP8_BLOCKS, cfg, scales.float(), block)

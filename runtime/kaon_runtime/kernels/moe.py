@@ -9,6 +9,11 @@ weight applied) surround the SiLU-and-mul; a sum over the k slots of each token 
 Nothing here waits for the device: the padded layout is sized by its upper bound
 (T * k + E * (BLOCK_M - 1) rows), and blocks past the real ones return at once, so the
 step can be captured in a CUDA graph.
+
+A token's result depends on its row only (issue 49 §2): the tiles are fixed per (N, K, dtype), never
+by how many tokens chose an expert, and the rows of one tl.dot are computed alike whatever the other
+rows hold. With `invariant` (KAON_GPU_BATCH_INVARIANT=1) the k slots are also summed by
+_sum_slots_kernel in slot order, in float32, where torch's sum picks its reduction's layout by shape.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from kaon_runtime.kernels.activation import silu_and_mul
 
 BLOCK_M = 16  # rows per program: tl.dot's minimum, and little padding when few tokens pick an expert
 _TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (64, 32)}  # BLOCK_N, BLOCK_K
+_SUM_BLOCK = 1024  # hidden columns per program of sum_slots
 
 
 @triton.jit
@@ -55,6 +61,31 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_experts_pt
              mask=valid[:, None] & (cols[None, :] < N))
 
 
+@triton.jit
+def _sum_slots_kernel(x_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = x[t, 0] + x[t, 1] + ... + x[t, TOP_K - 1], in that order, in float32, rounded once (torch's
+    sum rounds once too; only its order is left to the shape)."""
+    token, col_block = tl.program_id(0), tl.program_id(1)
+    cols = col_block * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    row = x_ptr + token.to(tl.int64) * (TOP_K * hidden) + cols
+    acc = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+    for slot in tl.static_range(1, TOP_K):
+        acc += tl.load(row + slot * hidden, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_slots(x: torch.Tensor) -> torch.Tensor:
+    """x [T, k, H] (contiguous) -> [T, H], each token's k slots summed in slot order (_sum_slots_kernel)."""
+    tokens, top_k, hidden = x.shape
+    assert x.is_contiguous()
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens:
+        block = min(_SUM_BLOCK, triton.next_power_of_2(hidden))
+        _sum_slots_kernel[(tokens, triton.cdiv(hidden, block))](x, out, hidden, TOP_K=top_k, BLOCK=block)
+    return out
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_ids, block_experts).
 
@@ -81,9 +112,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """x [T, H] through the SiLU-gated experts w13 [E, 2I, H], w2 [E, H, I] that ids [T, k] chose,
-    weighted by weights [T, k] and summed per token -> [T, H]."""
+    weighted by weights [T, k] and summed per token -> [T, H] (in slot order with `invariant`)."""
     tokens, hidden = x.shape
     experts, two_i, _ = w13.shape
     top_k = ids.shape[1]
@@ -100,7 +131,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     act = silu_and_mul(gate_up)
     down = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, sorted_ids, block_experts, weights, rows, 1, mul_weight=True)
-    return down.view(tokens, top_k, hidden).sum(dim=1)
+    down = down.view(tokens, top_k, hidden)
+    return sum_slots(down) if invariant else down.sum(dim=1)
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_experts, weights, rows, rows_per_a, mul_weight):

@@ -86,7 +86,8 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_
                     context_lens_ptr, qk_scale, window, cap_log2e, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_ch, stride_table,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                    INVARIANT: tl.constexpr):
     q_block, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_len = tl.load(query_lens_ptr + chunk).to(tl.int32)
     if q_block * BLOCK_M >= query_len:
@@ -103,6 +104,8 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_
     query_pos = first_pos + rows
     end = tl.minimum(context_len, first_pos + (q_block + 1) * BLOCK_M)  # nothing later is visible
     start = tl.maximum(first_pos + q_block * BLOCK_M - window + 1, 0)  # nor anything older than the first row's window
+    if INVARIANT:  # key tiles at multiples of BLOCK_N whatever the chunk: see prefill_attention
+        start = start // BLOCK_N * BLOCK_N
     kv_offset = (head // GROUP).to(tl.int64) * stride_ch
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -213,13 +216,22 @@ def _merge_head(partial_ptr, lse_ptr, row, first, used, HEAD_DIM: tl.constexpr, 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
                       max_query_len: int, scale: float, out: torch.Tensor, window: int | None = None,
-                      softcap: float | None = None) -> None:
+                      softcap: float | None = None, invariant: bool = False) -> None:
     """Causal attention of P prefill chunks over their cached contexts, written into `out`.
 
     query and out [T, H, D] are the whole flattened batch; chunk i owns rows
     query_starts[i] .. + query_lens[i], the last query_lens[i] positions of a context of
     context_lens[i] tokens held in the blocks of block_tables[i] ([P, M], padded).
     window: sliding window (None: full causal); softcap: tanh soft-capping of the scores.
+
+    invariant (issue 49 §2, KAON_GPU_BATCH_INVARIANT): a row's output does not depend on its chunk's
+    start or length, the query tile it lands in, or the other chunks. Without a window that holds
+    as is: tiles are fixed per dtype, every row folds the key tiles [0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), ...
+    in order, and the keys a row cannot see (past it, or tiles past its own) add exact zeros. With a
+    window the first tile would start at the tile's first row's window; `invariant` starts it at a
+    multiple of BLOCK_N instead (the keys before a row's window add exact zeros too). The rows of one
+    tl.dot are computed alike whatever the other rows hold, so a decode row, run as a chunk of one
+    (layers.attention), gets the bits it would get inside a longer chunk.
     """
     _check_common(query, k_cache, v_cache, out)
     chunks = block_tables.shape[0]
@@ -237,7 +249,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k_cache.stride(0), block_tables.stride(0),
         GROUP=heads // k_cache.shape[0], BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(query.dtype),
-        SOFTCAP=softcap is not None, num_warps=_PREFILL_WARPS)
+        SOFTCAP=softcap is not None, INVARIANT=invariant, num_warps=_PREFILL_WARPS)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -105,20 +105,31 @@ _PackedPrefills = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 
 
 class TritonAttentionBackend:
-    """Triton kernels read the context straight from the pool's blocks: no gathered copies."""
+    """Triton kernels read the context straight from the pool's blocks: no gathered copies.
+
+    batch_invariant (issue 49 §2, KAON_GPU_BATCH_INVARIANT=1): a row's attention does not depend on the
+    step. One token can be a decode row in one run and a prefill row in another (a one-token prompt chunk
+    after a prefix-cache hit or a chunk boundary goes to the decode kernel; a generated token recomputed
+    after preemption, or verified beside drafts, goes to the prefill kernel), and the split decode kernel
+    cannot give the prefill kernel's bits (its partitions are merged, its tiles are another shape). So
+    every row takes the prefill kernel, decode rows as chunks of one (paged_attention.prefill_attention,
+    `invariant`); the split decode kernel is not used.
+    """
 
     name = "triton"
     # forward takes the step's rotary tables and rotates q and k in the launch that caches k and v
     # (kernels.rotary.rotary_write_kv): one small kernel a layer fewer than rotary, then the write.
     fuses_rotary = True
 
-    def __init__(self):
+    def __init__(self, batch_invariant: bool = False):
         # Imported on use: CPU-only torch builds ship without Triton, and the torch backend must not need it.
         from kaon_runtime.kernels import kv_cache, paged_attention, rotary
         self._write_kv_cache = kv_cache.write_kv_cache
         self._rotary_write_kv = rotary.rotary_write_kv
         self._kernels = paged_attention
+        self.batch_invariant = batch_invariant
         self._packed: tuple[AttentionMetadata, _PackedPrefills] | None = None
+        self._decode_chunks: tuple[AttentionMetadata, _PackedPrefills] | None = None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None,
@@ -130,15 +141,30 @@ class TritonAttentionBackend:
             self._rotary_write_kv(q, k, v, *rope[:2], k_cache, v_cache, meta.slot_mapping, rope[2])
         out = q.new_empty(q.shape)
         n = meta.num_decode_tokens
-        if n:
+        invariant = self.batch_invariant
+        if n and invariant:
+            tables, starts, query_lens, context_lens, _ = self._decodes_as_chunks(meta)
+            self._kernels.prefill_attention(q, k_cache, v_cache, tables, starts, query_lens, context_lens, 1, scale,
+                                            out, window=window, softcap=softcap, invariant=True)
+        elif n:
             tables, lens = meta.decodes()
             self._kernels.decode_attention(q[:n], k_cache, v_cache, tables, lens, scale, out[:n], window=window,
                                            softcap=softcap)
         if meta.prefills:
             tables, starts, query_lens, context_lens, max_query_len = self._packed_prefills(meta)
             self._kernels.prefill_attention(q, k_cache, v_cache, tables, starts, query_lens, context_lens,
-                                            max_query_len, scale, out, window=window, softcap=softcap)
+                                            max_query_len, scale, out, window=window, softcap=softcap,
+                                            invariant=invariant)
         return out
+
+    def _decodes_as_chunks(self, meta: AttentionMetadata) -> _PackedPrefills:
+        """The decode rows as prefill chunks of one token (row i: query i, its whole context); built once per
+        step on the device, from device tensors only, so a CUDA graph of a decode step records it."""
+        if self._decode_chunks is None or self._decode_chunks[0] is not meta:
+            tables, lens = meta.decodes()
+            starts = torch.arange(lens.shape[0], device=lens.device)
+            self._decode_chunks = meta, (tables, starts, torch.ones_like(starts), lens.contiguous(), 1)
+        return self._decode_chunks[1]
 
     def _packed_prefills(self, meta: AttentionMetadata) -> _PackedPrefills:
         """The chunks as kernel arguments; built once per step, since every layer gets the same metadata."""

@@ -7,6 +7,7 @@ backend when it is made, so no kernel is switched on from outside afterwards.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,10 +55,13 @@ def triton_kernels(cpu_decode: bool = False) -> KernelBackend:
     Triton's interpreter on CPU, whose decode steps the fused C step may still take)."""
     # Imported on use: CPU-only torch builds lack Triton.
     from kaon_runtime.kernels import activation, moe, norm, rotary
-    return KernelBackend(TritonAttentionBackend(), rms_norm=norm.rms_norm, rotary=rotary.apply_rotary,
-                         silu_and_mul=activation.silu_and_mul, fused_moe=moe.fused_moe,
-                         cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0,
-                         batch_invariant=gpu_batch_invariant())
+    invariant = gpu_batch_invariant()
+    # The norm, rotary and SiLU-and-mul kernels compute each row alone in every mode (tiles by the hidden
+    # size only); attention and the experts' sum take their invariant paths (layers.attention, kernels.moe).
+    return KernelBackend(TritonAttentionBackend(batch_invariant=invariant), rms_norm=norm.rms_norm,
+                         rotary=rotary.apply_rotary, silu_and_mul=activation.silu_and_mul,
+                         fused_moe=functools.partial(moe.fused_moe, invariant=True) if invariant else moe.fused_moe,
+                         cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0, batch_invariant=invariant)
 
 
 def select_kernels(device: torch.device, cpu_decode: bool = False) -> KernelBackend:

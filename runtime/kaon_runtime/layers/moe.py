@@ -37,7 +37,7 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel, kernel=None):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, kernel=None, invariant: bool = False):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"mixture-of-experts layers support the silu activation only, not {config.hidden_act!r}")
@@ -48,6 +48,9 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(experts, 2 * width, hidden))  # gate | up of each expert
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))
         self.kernel = kernel  # a fused kernel (kernels.moe.fused_moe), or None: the torch reference
+        # The GPU's batch-invariant kernels (KAON_GPU_BATCH_INVARIANT): the router's logits through the invariant
+        # GEMM (F.linear's cuBLAS picks its kernel by the row count), the experts' sum in slot order (kernels.moe).
+        self.invariant = invariant
         self.quantized: QuantizedExperts | None = None
 
     def drop_float_experts(self) -> None:
@@ -61,7 +64,7 @@ class SparseMoE(nn.Module):
         self.quantized = QuantizedExperts(gate_up, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        weights, ids = route(self._router_logits(x), self.top_k, self.renormalize)
         weights = weights.to(x.dtype)  # HF scales the experts' outputs in the model's dtype
         if self.quantized is not None:
             out = self.quantized(x, weights, ids)
@@ -70,6 +73,13 @@ class SparseMoE(nn.Module):
         else:
             out = self.kernel(x, self.w13, self.w2, weights, ids)
         return self.tp.all_reduce(out)
+
+
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
+            return invariant_gemm.linear(x, self.gate.weight)
+        return F.linear(x, self.gate.weight)
 
 
 class QuantizedExperts(nn.Module):

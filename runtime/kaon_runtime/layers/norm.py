@@ -16,7 +16,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.weight_offset = weight_offset
-        self.kernel = kernel  # a fused kernel (kernels.norm.rms_norm) for the plain norm, or None: torch's code
+        # A fused kernel (kernels.norm.rms_norm) for the plain norm, or for any with the GPU's batch-invariant
+        # kernels (models/decoder._norm_kernel binds the offset), or None: torch's code.
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.kernel is not None:

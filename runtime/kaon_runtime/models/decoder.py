@@ -19,6 +19,7 @@ fused CPU step's hand-offs (whole model, pipeline stage, mixed steps) sit side b
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -52,7 +53,10 @@ def _norm(c: ModelConfig, size: int | None = None, kernel=None) -> RMSNorm:
 
 def _norm_kernel(c: ModelConfig, kernels: KernelBackend):
     """The fused norm for the residual-stream norms, where it applies: Gemma's offset norms and
-    sandwich norms keep torch's code (as do Qwen3's q/k norms, over strided head views)."""
+    sandwich norms keep torch's code (as do Qwen3's q/k norms, over strided head views), except
+    with the GPU's batch-invariant kernels, where every norm takes it (kernels/norm.py says why)."""
+    if kernels.batch_invariant and kernels.rms_norm is not None:
+        return functools.partial(kernels.rms_norm, weight_offset=c.norm_weight_offset)
     return kernels.rms_norm if c.norm_weight_offset == 0 and not c.sandwich_norms else None
 
 
@@ -68,8 +72,9 @@ class SelfAttention(nn.Module):
         self.qkv_proj = linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
         self.o_proj = linear(self.q_size, c.hidden_size, bias=False)
         # Qwen3: each head's q and k are normalised (one weight over head_dim, shared by the heads) before rotary.
-        self.q_norm = _norm(c, c.head_dim) if c.qk_norm else None
-        self.k_norm = _norm(c, c.head_dim) if c.qk_norm else None
+        head_norm = _norm_kernel(c, kernels) if kernels.batch_invariant else None
+        self.q_norm = _norm(c, c.head_dim, head_norm) if c.qk_norm else None
+        self.k_norm = _norm(c, c.head_dim, head_norm) if c.qk_norm else None
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale, c.window(layer), c.attn_softcap,
                               kernels.attention)
         self.rotary_kernel = kernels.rotary  # in place; None: torch's apply_rotary
@@ -114,7 +119,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
         self.self_attn = SelfAttention(config, layer, tp, kernels)
-        self.mlp = (SparseMoE(config, tp, kernels.fused_moe) if config.is_moe_layer(layer)
+        self.mlp = (SparseMoE(config, tp, kernels.fused_moe, kernels.batch_invariant) if config.is_moe_layer(layer)
                     else GatedMLP(config, tp, kernels))
         norm_kernel = _norm_kernel(config, kernels)
         self.input_layernorm = _norm(config, kernel=norm_kernel)
@@ -122,8 +127,9 @@ class DecoderLayer(nn.Module):
         # Gemma 2's sandwich: attention's and the MLP's outputs are normalised before they join the residual.
         self.sandwich = config.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = _norm(config)
-            self.post_feedforward_layernorm = _norm(config)
+            sandwich_kernel = norm_kernel if kernels.batch_invariant else None
+            self.pre_feedforward_layernorm = _norm(config, kernel=sandwich_kernel)
+            self.post_feedforward_layernorm = _norm(config, kernel=sandwich_kernel)
 
     def forward(self, rope, x, residual, meta):
         if residual is None:

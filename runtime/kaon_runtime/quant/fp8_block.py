@@ -42,8 +42,7 @@ class Fp8BlockLinear(QuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if kernel_for(x, self.reference) == "triton" and self.batch_invariant:  # quant/invariant.py
             from kaon_runtime.kernels import invariant_gemm
-            weight = dequantize_fp8_blocks(self.qweight, self.scales, self.block).to(x.dtype)
-            return invariant_gemm.linear(x, weight)
+            return invariant_gemm.fp8_block_linear(x, self.qweight, self.scales, self.block)
         if kernel_for(x, self.reference) == "triton":
             from kaon_runtime.kernels import quant_gemv  # on use: CPU-only torch builds lack Triton
             if quant_gemv.fits(x, "fp8_block") and self.block[1] % quant_gemv.TILES["fp8_block"].vec == 0:

@@ -7,8 +7,9 @@ computes every row in one order fixed by its weight's shape, whatever M is (kern
   tl.dot kernels at one tile and split of K for every M;
 - FP8 per channel: weight-only (W8A16) for every M, the FP8 bytes widened exactly in the tile; a W8A8 FP8
   dynamic checkpoint rounds each input row to FP8 first (quant/dynamic_fp8.py), as its format specifies;
-- FP8 blocks, GGUF's group-int8 and bit-plane weights: dequantized to the activations' dtype (as their
-  default GPU path does) and multiplied by the invariant dense GEMM;
+- FP8 blocks: each weight times its block's scale formed in the tile (the dequantized weight's exact values);
+- GGUF's group-int8 and bit-plane weights: dequantized to the activations' dtype (as their default GPU path
+  does) and multiplied by the invariant dense GEMM;
 - W8A8 int8 (quant/dynamic_inputs.py) needs nothing: its integer sums are exact in any order.
 Built and tested in Triton's interpreter; untried on a GPU until a lease measures it (bench/gpu/invariant_gemm.py).
 """

@@ -283,3 +283,77 @@ def test_kaon_standby_goes_to_zero_after_its_own_idle_time_the_others_after_a_co
     assert by_name["kaon-predictive"].spec.scale_to_zero_idle_seconds == 120
     busy = {p.name: p for p in sim.policies(config, sim.Trace("busy", 60.0, lambda t: 1.0), [1])}
     assert busy["kaon-standby"].spec.scale_to_zero_idle_seconds is None
+
+
+class Stub(random.Random):
+    """A Random whose uniform(lo, hi) returns lo + share x (hi - lo), the share taken in turn: draws made visible."""
+
+    def __init__(self, *shares: float):
+        super().__init__(0)
+        self.shares, self.calls = list(shares), 0
+
+    def uniform(self, a: float, b: float) -> float:
+        share = self.shares[self.calls % len(self.shares)]
+        self.calls += 1
+        return a + share * (b - a)
+
+
+def test_the_profiled_wake_draws_the_probe_per_pod_and_the_standby_round_once_per_scale_up_not_on_a_poke():
+    """Issue 53, wake times from the profile: a woken standby serves after the standby loop's round (regular
+    scale-ups only, one round for every standby it wakes), the engine's wake, its own readiness probe's phase
+    and the routers' watch."""
+    wake = sim.Wake(engine_s=0.2, probe_period_s=1.0, ready_to_router_s=0.1, round_s=2.0, rng=Stub(0.5, 0.25, 0.75))
+    cluster = sim.Cluster(MODEL, 10.0, 30.0, 600.0)
+    cluster.standby, cluster.wake_s = 3, wake
+    cluster.fill_standby(0.0)
+    cluster.now = 5.0
+    cluster.set_replicas(2)  # regular: the round (0.5 x 2 s) once, then each pod's probe phase (0.25 s, 0.75 s)
+    assert [r.ready_at for r in cluster.active] == pytest.approx([5.0 + 1.0 + 0.2 + 0.25 + 0.1,
+                                                                  5.0 + 1.0 + 0.2 + 0.75 + 0.1])
+    cluster.set_replicas(3, poked=True)  # the pressure loop wakes in the same breath: no round, a probe phase
+    assert cluster.active[2].ready_at == pytest.approx(5.0 + 0.2 + 0.5 + 0.1)
+    assert wake.rng.calls == 4
+    assert wake.mean() == pytest.approx(0.2 + 0.5 + 0.1 + 1.0) and wake.mean(poked=True) == pytest.approx(0.8)
+    # A constant wake (--wake-s, what every standby figure before this one used) draws nothing.
+    constant = sim.Wake(3.0, rng=Stub(0.5))
+    assert constant.seconds(constant.round_delay(poked=False)) == 3.0 and constant.rng.calls == 0
+
+
+def test_the_profiled_wake_is_the_default_and_its_periods_are_the_operators():
+    from kaon_operator.autoscaling import standby, standby_sync
+    assert sim.PROFILED.probe_period_s == standby.STANDBY_READINESS_PERIOD_SECONDS
+    assert sim.PROFILED.round_s == standby_sync.INTERVAL_SECONDS
+    assert sim.Config(MODEL).wake == sim.PROFILED
+
+    def wake(*argv: str) -> sim.Wake:
+        parser = sim.argparse.ArgumentParser()
+        parser.add_argument("--wake-s", type=float)
+        parser.add_argument("--engine-wake-s", type=float)
+        return sim.wake_of(parser.parse_args(list(argv)))
+    assert wake() == sim.PROFILED
+    assert wake("--wake-s", "3") == sim.Wake(3.0)
+    assert wake("--engine-wake-s", "1.5") == sim.Wake(1.5, sim.PROFILED.probe_period_s,
+                                                       sim.PROFILED.ready_to_router_s, sim.PROFILED.round_s)
+    # kaon-standby's predictive policy is told a wake's mean (a regular scale-up's) as its start time.
+    config = sim.Config(MODEL, WORKLOAD, wake=sim.Wake(1.5, round_s=2.0))
+    standby_policy = {p.name: p for p in sim.policies(config, sim.Trace("t", 60.0, lambda t: 1.0), [1])}["kaon-standby"]
+    assert standby_policy.model.cold_start_seconds == pytest.approx(2.5)
+
+
+def test_a_wake_the_routers_pressure_orders_skips_the_standby_loops_round():
+    """The pressure loop wakes the standbys in its own breath (pressure_sync.py calls the standby loop's tick):
+    only its read and latency come before the wake, never the standby loop's next round."""
+    spec = sim.AutoscalingSpec(enabled=True, min_replicas=0, max_replicas=4, scale_to_zero_idle_seconds=120, standby=1)
+
+    class Still(sim.Kaon):
+        period = 1000.0
+
+        def decide(self, cluster):
+            return len(cluster.active)
+
+    policy = Still(spec, MODEL.max_num_seqs, sim.Scrape(0.0, random.Random(0)))
+    run = sim.simulate([(1.2, 64, 4)], 60, MODEL, policy, 0, standby=1,
+                       wake_s=sim.Wake(0.5, round_s=2.0, rng=Stub(1.0)),
+                       poke=sim.Poke(interval_s=1.0, latency_s=0.5, loss=0.0, rng=random.Random(0)))
+    # Held at 1.2, read at 2, acted on at 2.5, awake at 3.0: the round's 2 s (the stub draws its whole) not added.
+    assert run.requests[0].ttft() == pytest.approx(3.0 - 1.2 + MODEL.a + MODEL.c * 64, abs=0.01)

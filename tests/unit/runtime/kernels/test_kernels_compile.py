@@ -26,6 +26,7 @@ from kaon_runtime.kernels import (
     activation,
     invariant_gemm,
     kv_cache,
+    moe,
     norm,
     paged_attention,
     quant_gemm,
@@ -43,7 +44,7 @@ triton = pytest.importorskip("triton")
 if __name__ != "__main__" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("records launches through the interpreter (a GPU runs the kernels themselves)", allow_module_level=True)
 
-MODULES = (activation, invariant_gemm, kv_cache, norm, paged_attention, quant_gemm, quant_gemv, rotary)
+MODULES = (activation, invariant_gemm, kv_cache, moe, norm, paged_attention, quant_gemm, quant_gemv, rotary)
 
 
 def _launches(dtype: torch.dtype) -> None:
@@ -76,12 +77,24 @@ def _launches(dtype: torch.dtype) -> None:
     chunk = torch.randn(20, heads, dim).to(dtype)
     paged_attention.prefill_attention(chunk, k_cache, v_cache, tables, torch.tensor([0]), torch.tensor([20]),
                                       torch.tensor([50]), 20, dim ** -0.5, torch.empty_like(chunk))
+    # KAON_GPU_BATCH_INVARIANT's variants: key tiles aligned under a window, Gemma's offset norm over a
+    # strided head view (Qwen3's q/k norms).
+    paged_attention.prefill_attention(chunk, k_cache, v_cache, tables, torch.tensor([0]), torch.tensor([20]),
+                                      torch.tensor([50]), 20, dim ** -0.5, torch.empty_like(chunk), window=8,
+                                      invariant=True)
+    norm.rms_norm(qkv[:, :heads], torch.ones(dim, dtype=dtype), 1e-5, weight_offset=1.0)
+    experts, width, moe_hidden = 4, 64, 128  # Mixtral's layout, small: the fused experts, slots summed in order
+    moe.fused_moe(torch.randn(2, moe_hidden).to(dtype), torch.randn(experts, 2 * width, moe_hidden).to(dtype),
+                  torch.randn(experts, moe_hidden, width).to(dtype), torch.full((2, 2), 0.5),
+                  torch.tensor([[0, 1], [2, 3]]), invariant=True)
     # The batch-invariant GEMMs (KAON_GPU_BATCH_INVARIANT=1) at their own tiles: K split into ranges and the
     # ranges' sum (N = 256, K = 4096), and one range (K = 128); FP8 and the quantized formats' fixed tiles too.
     invariant_gemm.linear(x[:, :128], torch.randn(256, 128).to(dtype))
     invariant_gemm.linear(x, torch.randn(256, hidden).to(dtype), torch.ones(256).to(dtype))
     if dtype == torch.bfloat16:
-        invariant_gemm.fp8_linear(x, *quantize_fp8(torch.randn(256, hidden)))
+        fp8_long = quantize_fp8(torch.randn(256, hidden))[0]
+        invariant_gemm.fp8_linear(x, fp8_long, torch.rand(256))
+        invariant_gemm.fp8_block_linear(x, fp8_long, torch.rand(2, hidden // 128), (128, 128))
         invariant_gemm.w8a16_linear(x, *quantize_int8(torch.randn(64, hidden)))
         w4_long = quantize_int4(torch.randn(64, hidden))
         invariant_gemm.w4a16_linear(x, w4_long.packed, w4_long.scales, w4_long.mins, w4_long.group_size)

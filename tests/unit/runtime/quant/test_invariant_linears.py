@@ -103,7 +103,7 @@ def test_marked_quantized_linears_are_row_invariant_on_the_triton_path(kind, mon
         assert _moved(module, x) == 0
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])  # int4 alike (quant_gemv, then quant_gemm): 12 s more
 def test_the_default_triton_path_moves_rows_with_the_row_count(kind, monkeypatch):
     """What the switch fixes, and what the test above would see without it: a few rows take quant_gemv.py, more
     take quant_gemm.py's tiles (or F.linear), each summing in its own order."""
@@ -132,3 +132,19 @@ def test_the_kernel_module_is_what_the_head_calls(monkeypatch):
     with torch.no_grad():
         head(torch.randn(3, 64))
     assert calls == [1]
+
+
+def test_the_switch_keeps_the_invariant_linears_from_onednn():
+    """On CPU (Triton's interpreter) the loader would swap float32 linears for oneDNN's without the C step: not under
+    the switch, whose linears must stay the invariant GEMM's."""
+    from kaon_runtime.engine.model_loader import use_onednn_where_it_applies
+    from kaon_runtime.layers.cpu_linear import onednn_linears_apply
+    if not onednn_linears_apply(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN linears in this torch build")
+    kernels = replace(torch_kernels(), batch_invariant=True)
+    model = DecoderForCausalLM(CONFIG, kernels=kernels)
+    use_onednn_where_it_applies(model, kernels, torch.device("cpu"), torch.float32)
+    assert type(model.model.decoder_layers()[0].mlp.down_proj) is InvariantLinear
+    default = DecoderForCausalLM(CONFIG, kernels=torch_kernels())
+    use_onednn_where_it_applies(default, torch_kernels(), torch.device("cpu"), torch.float32)
+    assert type(default.model.decoder_layers()[0].mlp.down_proj) is not nn.Linear  # oneDNN's, as before
