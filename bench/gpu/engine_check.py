@@ -26,6 +26,9 @@ Each check's seconds are in the report ("seconds"), to fit the stage's time limi
 Each check records its result and goes on when one fails, so one run shows every break.
 `--dry-run` runs the same checks on the CPU with smaller shapes (graphs and NCCL do not apply
 there and say so): the script itself is proven before a GPU lease.
+
+Over 300 lines on purpose: it is one stage of a lease (bench/gpu/run.sh), its six checks share the tiny
+model writers, the engine builders and one report, and a lease copies and runs it as one script.
 """
 from __future__ import annotations
 

@@ -17,15 +17,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from kaon_runtime.quant.linear import QuantizedLinear
+from kaon_runtime.quant.linear import mark_quantized_linears
 
 
 def use_batch_invariant_kernels(model: nn.Module) -> int:
     """Mark every quantized linear of `model` (the vocabulary head's int8 copy included) to run the batch-invariant
     kernels on a GPU; how many there were."""
-    marked = 0
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.batch_invariant = True
-            marked += 1
-    return marked
+    return mark_quantized_linears(model, "batch_invariant")

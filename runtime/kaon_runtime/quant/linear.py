@@ -73,3 +73,13 @@ class ChannelScaledLinear(QuantizedLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> ChannelScaledLinear:
         return cls(*cls.quantize(linear.weight.detach()), linear.bias)
+
+
+def mark_quantized_linears(model: nn.Module, attribute: str) -> int:
+    """Set `attribute` ("reference" or "batch_invariant") on every quantized linear of `model`; how many there were."""
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            setattr(module, attribute, True)
+            marked += 1
+    return marked

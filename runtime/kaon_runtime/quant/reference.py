@@ -21,14 +21,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from kaon_runtime.quant.linear import QuantizedLinear
+from kaon_runtime.quant.linear import mark_quantized_linears
 
 
 def use_reference_kernels(model: nn.Module) -> int:
     """Mark every quantized linear of `model` to run its reference arithmetic; how many there were."""
-    marked = 0
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.reference = True
-            marked += 1
-    return marked
+    return mark_quantized_linears(model, "reference")
