@@ -161,7 +161,7 @@ DTYPES = tuple(cpu_decode.FLOAT_KINDS)
 def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -> str | None:
     """Why the fused step cannot run this model on this many ranks under this quantization (the
     model's options as one rank holds them, or no C compiler), or None when it can."""
-    reason = unsupported(config) or (unsupported_shard(config, tp_size) if tp_size > 1 else None)
+    reason = unsupported(config, quantization) or (unsupported_shard(config, tp_size) if tp_size > 1 else None)
     if reason is None and quantization not in READABLE_QUANTIZATIONS:
         reason = f"{quantization} weights"
     if reason is None and cpu_decode.library() is None:
@@ -169,12 +169,24 @@ def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -
     return reason
 
 
-def unsupported(config: ModelConfig) -> str | None:
-    """Why the fused step cannot run this model, or None when it can."""
+def any_width(quantization: str) -> bool:
+    """Whether the step reads this quantization's projections at any width. Float weights (quantization "none":
+    float32, float16, bfloat16) do: their kernels, the norms and attention sum over the true width with scalar
+    tails in one order per row (cpu_decode.c tile_f32, f32_t_outputs, dot_f32, attention_scores/values), so a
+    model whose hidden or MLP width is not whole blocks of 32 (e.g. 48 / 80) stays on the invariant step instead
+    of torch's GEMMs (issue 49 §2). The narrow kinds (int8, int4: activations in int8 blocks of QBLOCK, outputs
+    interleaved by LANES) and the fp8 / reference kinds (untested at odd widths) still need whole blocks."""
+    return quantization == "none"
+
+
+def unsupported(config: ModelConfig, quantization: str = "none") -> str | None:
+    """Why the fused step cannot run this model with these weights (see any_width), or None when it can. The
+    experts' width must be whole blocks at every quantization (odd expert widths are untested)."""
+    dense_widths = config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK
     reasons = [
         (config.hidden_act not in cpu_decode.ACTIVATIONS_C, f"the {config.hidden_act} activation"),
-        (config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK
-         or config.moe_intermediate_size % cpu_decode.QBLOCK, f"widths that are not multiples of {cpu_decode.QBLOCK}"),
+        ((dense_widths and not any_width(quantization)) or config.moe_intermediate_size % cpu_decode.QBLOCK,
+         f"widths that are not multiples of {cpu_decode.QBLOCK}"),
     ]
     found = [reason for applies, reason in reasons if applies]
     return ", ".join(found) or None
@@ -182,7 +194,9 @@ def unsupported(config: ModelConfig) -> str | None:
 
 def unsupported_shard(config: ModelConfig, tp_size: int) -> str | None:
     """Why the fused step cannot run one tensor-parallel rank's shard, or None: the rank's inputs of the
-    row-parallel projections (its MLP width, its heads' width) must be whole activation blocks too."""
+    row-parallel projections (its MLP width, its heads' width) must be whole activation blocks too (at every
+    quantization so far: a float rank's shard at odd widths is untested, tests/integration/
+    test_tensor_parallel_step.py)."""
     local = local_config(config, tp_size)
     widths = {"MLP width": local.intermediate_size, "heads' width": local.num_heads * local.head_dim,
               "experts' width": local.moe_intermediate_size}
