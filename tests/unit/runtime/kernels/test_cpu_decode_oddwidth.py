@@ -24,6 +24,10 @@ def test_odd_widths_take_the_step_with_float_weights_only():
     assert blocker(tiny_config(**ODD)) is None
     for method in ("int8", "int4", "fp8"):  # narrow kinds need whole blocks; fp8 at odd widths is untested
         assert "not multiples of 32" in blocker(tiny_config(**ODD), quantization=method)
+    # o's input alone odd (4 heads x 20 = 80): int8 / int4 packing refuses it (it raised at load before)
+    assert blocker(tiny_config(head_dim=20)) is None
+    for method in ("int8", "int4"):
+        assert "not multiples of 32" in blocker(tiny_config(head_dim=20), quantization=method)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
