@@ -52,6 +52,7 @@ def test_an_odd_width_decode_step_matches_the_torch_path(kv_dtype):
     model.check_kernels()
     with torch.inference_mode():
         step = model.model.cpu_decode
+        assert step is not None and step.applies(x, meta), "the C step runs it"
         model.model.cpu_decode = None
         expected, expected_cache = model.model(x.clone(), positions, meta), cache.clone()
         model.model.cpu_decode = step
@@ -72,3 +73,26 @@ def test_an_odd_width_prompts_rows_are_invariant_and_torchs(kv_dtype, monkeypatc
     if kv_dtype == torch.float32:
         model, _ = random_model(config, blocks=10, cpu_decode=False)
         torch.testing.assert_close(whole, _torch_prompt_rows(model, config), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_odd_width_half_model_step_equals_the_float32_step_on_the_same_values(dtype):
+    """A float16 / bfloat16 model at these widths: the float32 model's step on the same (rounded) weights, bit
+    for bit, and the same keys and values stored (as test_cpu_decode_invariance's check at whole blocks)."""
+    config = tiny_config(attention_bias=True, **ODD)
+    results = []
+    for model_dtype in (torch.float32, dtype):
+        model, cache = random_model(config, blocks=10, kv_dtype=dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype))  # the same values in both models
+        model = model.to(model_dtype)
+        x, positions, meta = decode_step(config, TABLES, LENS)
+        model.check_kernels()
+        assert model.model.cpu_decode is not None, "the C step runs it"
+        with torch.inference_mode():
+            out = model.model(x.to(dtype).to(model_dtype), positions, meta)
+        results.append((out, cache))
+    (full, full_cache), (half, half_cache) = results
+    assert half.dtype == dtype
+    assert torch.equal(half, full.to(dtype)) and torch.equal(half_cache, full_cache)
