@@ -48,7 +48,12 @@ def test_a_half_model_step_equals_the_float32_step_on_the_same_values(dtype, met
     are the float32 ones rounded to nearest, as torch's .to() rounds. With int8 / int4 projections
     (--dtype bfloat16 --quantization int4, issue 49 §2) too: the narrow kernels and their activation
     pass are the float32 model's, only the norms, biases and cache are read from the half dtype."""
-    config = tiny_config(attention_bias=True)
+    assert_half_step_equals_float32_step(tiny_config(attention_bias=True), dtype, method)
+
+
+def assert_half_step_equals_float32_step(config, dtype, method: str | None = None) -> None:
+    """A `dtype` model's whole decode step (projections quantized by `method`, or float) is the float32 model's on
+    the same rounded weights, bit for bit, and it stores the same keys and values."""
     results = []
     for model_dtype in (torch.float32, dtype):
         model, cache = random_model(config, blocks=10, kv_dtype=dtype)
@@ -60,6 +65,7 @@ def test_a_half_model_step_equals_the_float32_step_on_the_same_values(dtype, met
             quantize_model(model, method)  # (both quantizers read the weights as float32: the same blocks)
         x, positions, meta = decode_step(config, TABLES, LENS)
         model.check_kernels()
+        assert model.model.cpu_decode is not None, "the C step runs it"
         with torch.inference_mode():
             out = model.model(x.to(dtype).to(model_dtype), positions, meta)  # the same inputs
         results.append((out, cache))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cpu_decode import LENS, TABLES, assert_rows_alone_equal_batched, decode_step, random_model, tiny_config
-from test_cpu_decode_invariance import _invariant_prompt_rows, _torch_prompt_rows
+from test_cpu_decode_invariance import _invariant_prompt_rows, _torch_prompt_rows, assert_half_step_equals_float32_step
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.models.cpu_decode_step import blocker
@@ -79,20 +79,4 @@ def test_an_odd_width_prompts_rows_are_invariant_and_torchs(kv_dtype, monkeypatc
 def test_an_odd_width_half_model_step_equals_the_float32_step_on_the_same_values(dtype):
     """A float16 / bfloat16 model at these widths: the float32 model's step on the same (rounded) weights, bit
     for bit, and the same keys and values stored (as test_cpu_decode_invariance's check at whole blocks)."""
-    config = tiny_config(attention_bias=True, **ODD)
-    results = []
-    for model_dtype in (torch.float32, dtype):
-        model, cache = random_model(config, blocks=10, kv_dtype=dtype)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(dtype))  # the same values in both models
-        model = model.to(model_dtype)
-        x, positions, meta = decode_step(config, TABLES, LENS)
-        model.check_kernels()
-        assert model.model.cpu_decode is not None, "the C step runs it"
-        with torch.inference_mode():
-            out = model.model(x.to(dtype).to(model_dtype), positions, meta)
-        results.append((out, cache))
-    (full, full_cache), (half, half_cache) = results
-    assert half.dtype == dtype
-    assert torch.equal(half, full.to(dtype)) and torch.equal(half_cache, full_cache)
+    assert_half_step_equals_float32_step(tiny_config(attention_bias=True, **ODD), dtype)
