@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 
@@ -89,9 +90,21 @@ def part_of(param: torch.Tensor, name: str, part: Part, c: ModelConfig) -> torch
     return param.narrow(0, sum(sizes[:part]), sizes[part])
 
 
-def load(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into `model` (a DecoderForCausalLM), each cut to its rank's shard."""
+class Deferred(Protocol):
+    """Parameters allocated and consumed as they arrive (quant/on_load.QuantizeOnLoad: a linear quantized while it loads)."""
+
+    def places(self) -> dict[str, torch.Tensor]: ...  # parameter name -> its meta tensor (shape)
+    def buffer(self, param_name: str) -> torch.Tensor: ...  # where its parts are copied, made on the first
+    def filled(self, param_name: str) -> None: ...  # every part of it has arrived
+
+
+def load(model, weights: Iterable[tuple[str, torch.Tensor]], deferred: Deferred | None = None) -> None:
+    """Copy HF-named tensors into `model` (a DecoderForCausalLM), each cut to its rank's shard; `deferred`'s
+    parameters into its buffers, each handed back (`filled`) as soon as its last part is in."""
     params = dict(model.named_parameters())
+    places = deferred.places() if deferred is not None else {}
+    params.update(places)
+    waiting = {name: set(expected_parts(name, meta)) for name, meta in places.items()}
     c, tp = model.config, model.tp
     tied = c.tie_word_embeddings
     loaded = set()
@@ -105,7 +118,15 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             param_name, part = target(name)
             if param_name not in params:
                 raise KeyError(f"checkpoint tensor {raw_name!r} has no place in the model")
-            _copy(part_of(params[param_name].data, param_name, part, model.local_config), tensor, raw_name)
+            if param_name in places:  # (buffer raises for a tensor that comes again after its linear was quantized)
+                assert deferred is not None
+                _copy(part_of(deferred.buffer(param_name), param_name, part, model.local_config), tensor, raw_name)
+                waiting[param_name].discard(part)
+                if not waiting[param_name]:
+                    del waiting[param_name]
+                    deferred.filled(param_name)
+            else:
+                _copy(part_of(params[param_name].data, param_name, part, model.local_config), tensor, raw_name)
             loaded.add((param_name, part))
     expected = {(n, p) for n, param in params.items() for p in expected_parts(n, param)}
     missing = sorted(f"{n}[{p}]" if p is not None else n for n, p in expected - loaded)

@@ -114,6 +114,11 @@ def _quantize_head(model: nn.Module, table: object = None) -> None:
         head.weight_t = None  # the token lookup has its own table, nothing reads the float head now
 
 
+def quantized_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """`linear`'s `method` twin, from its float weight (quant/on_load.py quantizes each linear as it loads)."""
+    return _quantized(linear, method, group_size, None)
+
+
 def _quantized(linear: nn.Linear, method: str, group_size: int,
                given: Int4Weight | GroupInt8Weight | BitPlanesWeight | None) -> nn.Module:
     if isinstance(given, (BitPlanesWeight, GroupInt8Weight)) or (isinstance(given, Int4Weight) and method != "int4"):
