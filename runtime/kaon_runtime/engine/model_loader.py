@@ -124,18 +124,22 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         held = _gguf_held(checkpoint, method, config.quantization, device, tp) if prequantized is None else set()
         held &= {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
         hold_places(model, held)
-        # And a tied vocabulary table the file holds as Q8_0: those blocks are its int8 table, exactly.
-        table = bool(held) and model.lm_head is not None and table_held(checkpoint, model_config.tie_word_embeddings,
-                                                                          device)
+        # And a tied vocabulary table the file holds as Q8_0: those blocks are its int8 table, exactly. Also under
+        # --quantization from the dequantized file (one rank, one stage): surgery would make that same int8 table
+        # from the float one (quant/surgery.py), which was the float table and the int8 one side by side at the peak.
+        whole = tp.size == 1 and tp.stage.size == 1 and method != "none" and prequantized is None
+        table = (bool(held) or whole) and model.lm_head is not None and table_held(
+            checkpoint, model_config.tie_word_embeddings, device)
         if table:
             hold_table(model.lm_head, dtype)
         # The linears quantized from float: each one as its weights arrive, so the float model never exists whole.
-        quantizing = defer(model, method, device) if method != "none" and prequantized is None else None
+        quantizing = None if method == "none" or prequantized is not None else defer(
+            model, method, device, release=_return_freed_heap if device.type == "cpu" else None)
     if device.type == "cpu":
         _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None,
                       quantizing=quantizing)
     model = model.to_empty(device=device)
-    stream = checkpoint.weights() if not held else _without(checkpoint, held, table)
+    stream = checkpoint.weights() if not held and not table else _without(checkpoint, held, table)
     weights = tqdm(_released_once_copied(stream), total=checkpoint.num_tensors, desc="Loading weights",
                    unit="tensor", disable=not show_progress)
     try:

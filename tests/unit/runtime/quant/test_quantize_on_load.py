@@ -41,8 +41,13 @@ def _quantized_on_load(config, tensors, method, tp, dtype):
     return model
 
 
+def _tensors(model):
+    """Every parameter and buffer, the non-persistent ones too (the C step's kernel layouts, quant/kernel_layout.py)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
 def _assert_same_state(ours, theirs):
-    mine, reference = ours.state_dict(), theirs.state_dict()
+    mine, reference = _tensors(ours), _tensors(theirs)
     assert mine.keys() == reference.keys()
     assert not any(isinstance(m, DeferredLinear) for m in ours.modules())
     for name, tensor in reference.items():
@@ -117,3 +122,28 @@ def test_a_linear_whose_weight_never_comes_is_reported_missing():
     model = model.to_empty(device="cpu")
     with pytest.raises(KeyError, match="qkv_proj"):
         model.load_weights(tensors.items(), plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_the_bundled_model_quantized_as_it_loads_holds_the_same_weights_as_before(method, monkeypatch):
+    """The bundled Q4_1 file under --quantization: every quantized tensor equal to what load_model made until
+    2026-11-30 (the whole float model loaded, then quant/surgery; int8 and fp8 also re-quantized the tied table from
+    its dequantized floats, which now comes as the file's Q8_0 blocks: the same int8 table exactly)."""
+    from kaon_runtime.config import EngineConfig
+    from kaon_runtime.engine import model_loader
+    from kaon_runtime.loader.opener import open_checkpoint
+    from support import MODEL
+
+    def load():
+        config = EngineConfig(model=MODEL, device="cpu", quantization=method)
+        return model_loader.load_model(config, open_checkpoint(MODEL), torch.device("cpu"), torch.float32,
+                                       torch_kernels(), show_progress=False)
+
+    ours = load()
+    with monkeypatch.context() as before:
+        before.setattr(model_loader, "defer", lambda *args, **kwargs: None)  # surgery after the float load
+        if method != "int4":  # (int4 held the file's 4-bit layers, and with them the table, already)
+            before.setattr(model_loader, "table_held", lambda *args: False)
+        reference = load()
+    _assert_same_state(ours, reference)
