@@ -17,7 +17,10 @@ kaon loads, all SmolLM2-135M-Instruct:
                  gptqmodel / autoawq, which do not build here: the same tensor layout and config keys)
   int8 int4 fp8  the bundled file under `--quantization int8` / `int4` / `fp8`: kaon quantizes a float model itself,
                  each linear as its weights arrive (quant/on_load.py; until 2026-11-30 the whole float model was
-                 built first and these peaked at 1.6-1.8x)
+                 built first and these peaked at 1.5-1.8x)
+  int8-st int4-st fp8-st
+                 the same from a float32 safetensors directory of the bundled model (bench/quant_reference.py's
+                 write_float, 540 MB, written once): a float checkpoint as most are published, memory-mapped
   GPTQ-MoE       a random Qwen3-MoE (4 layers, 16 experts 768 wide, hidden 512), GPTQ 4-bit g32 (bench/
                  quantized_experts.py's writer): a quantized checkpoint whose experts are most of its bytes
   float32        the bundled file dequantized (`dtype=float32`, not a quantized format: shown for scale)
@@ -42,7 +45,8 @@ OUT = ROOT / "bench" / "out" / "load_memory"
 GGUF_TYPES = ("Q8_0", "Q4_K_M", "Q5_K_M")
 SAFETENSORS = ("W4A16", "W8A16", "FP8-dynamic", "W8A8", "GPTQ", "AWQ")
 REQUANTIZED = ("int8", "int4", "fp8")  # --quantization of the bundled file: quantized from float as it loads
-MODELS = ("bundled", *GGUF_TYPES, *SAFETENSORS, *REQUANTIZED, "GPTQ-MoE", "float32")
+FROM_FLOAT = tuple(f"{method}-st" for method in REQUANTIZED)  # --quantization of a float32 safetensors directory
+MODELS = ("bundled", *GGUF_TYPES, *SAFETENSORS, *REQUANTIZED, *FROM_FLOAT, "GPTQ-MoE", "float32")
 GOAL = 1.15
 
 
@@ -60,7 +64,12 @@ def checkpoint_dir(name: str) -> Path:
         staging = OUT / f".{name}.tmp"  # the writer also leaves a float directory beside it: both removed
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        if name == "GPTQ-MoE":
+        if name == "float-safetensors":
+            from quant_reference import write_float
+
+            written = staging
+            write_float(written)
+        elif name == "GPTQ-MoE":
             from quantized_experts import write_dirs
 
             written, _ = write_dirs(staging, experts=16, layers=4)
@@ -68,7 +77,7 @@ def checkpoint_dir(name: str) -> Path:
             written = staging / name
             write(name, written, resolve_model("builtin://smollm2-135m-instruct"))
         written.rename(target)
-        shutil.rmtree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -98,6 +107,8 @@ def main() -> int:
             models[name] = (str(make_file(name)),)
         elif name in (*SAFETENSORS, "GPTQ-MoE"):
             models[name] = (str(checkpoint_dir(name)),)
+        elif name in FROM_FLOAT:
+            models[name] = (str(checkpoint_dir("float-safetensors")), f"quantization={name.removesuffix('-st')}")
     trees = [("this tree", ROOT / "runtime")] + ([("baseline", args.baseline / "runtime")] if args.baseline else [])
     print(f"{'model':<12} {'tree':<10} {'peak MiB':>9} {'settled MiB':>12} {'peak/settled':>13} {'load s':>7}  "
           f"goal <= {GOAL}x")

@@ -133,8 +133,10 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         if table:
             hold_table(model.lm_head, dtype)
         # The linears quantized from float: each one as its weights arrive, so the float model never exists whole.
+        # (Not those a pipeline stage takes from the GGUF's own blocks after a float load: _quantize gives them.)
         quantizing = None if method == "none" or prequantized is not None else defer(
-            model, method, device, release=_return_freed_heap if device.type == "cpu" else None)
+            model, method, device, release=_return_freed_heap if device.type == "cpu" else None,
+            skip=_given_after_load(model, checkpoint, method, config.quantization, device, tp) - held, head=True)
     if device.type == "cpu":
         _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None,
                       quantizing=quantizing)
@@ -218,6 +220,16 @@ def _gguf_held(checkpoint: Checkpoint, method: str, requested: str, device: torc
     if method == "none" or not (own or method == "int4") or tp.size != 1 or tp.stage.size > 1:
         return set()
     return held_linears(checkpoint, device, int4_only=not own)
+
+
+def _given_after_load(model: DecoderForCausalLM, checkpoint: Checkpoint, method: str, requested: str,
+                      device: torch.device, tp: TensorParallel) -> set[str]:
+    """The linears (this stage's names) _quantize gives the GGUF's own blocks (the same rule as there)."""
+    own = method != requested
+    if method == "none" or not (own or method == "int4") or tp.size != 1:
+        return set()
+    names = held_linears(checkpoint, device, int4_only=not own)
+    return {name for name, _ in model.stage_weights((name, None) for name in names)}
 
 
 def _without(checkpoint: Checkpoint, held: set[str], table: bool) -> Iterator[tuple[str, torch.Tensor]]:

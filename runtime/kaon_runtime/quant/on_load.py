@@ -18,16 +18,17 @@ kaon's loader.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kaon_runtime.quant.int4 import DEFAULT_GROUP_SIZE
-from kaon_runtime.quant.surgery import METHODS, quantized_linear
+from kaon_runtime.quant.surgery import METHODS, quantize_head, quantized_linear
 
 _F32 = 4
+HEAD_TABLE = "lm_head.weight_t"  # (the vocabulary head's float table, tied or not: models/weights.py names it so)
 
 
 class DeferredLinear(nn.Module):
@@ -63,7 +64,16 @@ class QuantizeOnLoad:
     # with the int8 results, piled up: the bundled model's load still peaked at 1.57x without it).
     release: Callable[[], None] | None = None
     pending: dict[str, _Pending] = field(default_factory=dict)  # module name -> what it still waits for
+    # The model whose vocabulary head gets its int8 copy as soon as its float table is in (None: at the end, by
+    # surgery): the table arrives early in a safetensors file, and an exact int8 table (a dequantized Q8_0 one)
+    # drops the float one then, so the float table never sits beside the quantized linears.
+    head_of: nn.Module | None = None
     quantized: list[str] = field(default_factory=list)  # module names, in the order they were quantized
+
+    def watched(self) -> set[str]:
+        """Parameters the model allocates itself whose completion `filled` is told of: the head's float table."""
+        head = getattr(self.head_of, "lm_head", None)
+        return {HEAD_TABLE} if head is not None and isinstance(getattr(head, "weight_t", None), nn.Parameter) else set()
 
     def places(self) -> dict[str, torch.Tensor]:
         """Parameter name -> its meta tensor, for every deferred parameter still waiting (shapes for the loader)."""
@@ -85,6 +95,12 @@ class QuantizeOnLoad:
     @torch.no_grad()
     def filled(self, param_name: str) -> None:
         """Every part of `param_name` has arrived; once its linear's weight and bias have, quantize it."""
+        if param_name == HEAD_TABLE:
+            assert self.head_of is not None
+            quantize_head(self.head_of)
+            if self.release is not None:
+                self.release()
+            return
         module, _, param = param_name.rpartition(".")
         item = self.pending[module]
         item.params.discard(param)
@@ -92,23 +108,25 @@ class QuantizeOnLoad:
             return
         del self.pending[module]
         setattr(item.parent, item.child, quantized_linear(item.linear, self.method, self.group_size))
-        item.linear.weight = item.linear.bias = None  # the float weight goes now, not with the loader's references
+        for param in ("weight", "bias"):  # the float tensors go now, whoever still holds the linear
+            item.linear.register_parameter(param, None)
         self.quantized.append(module)
         if self.release is not None:
             self.release()
 
 
 def defer(model: nn.Module, method: str, device: torch.device, group_size: int = DEFAULT_GROUP_SIZE,
-          release: Callable[[], None] | None = None) -> QuantizeOnLoad:
+          release: Callable[[], None] | None = None, skip: Collection[str] = (), head: bool = False) -> QuantizeOnLoad:
     """Take every nn.Linear of `model` (on meta) out of its tree for on-load quantization by `method` (the linears
-    quant/surgery.quantize_model would quantize from float: a PendingLinear's weight comes quantized already)."""
+    quant/surgery.quantize_model would quantize from float: a PendingLinear's weight comes quantized already; `skip`:
+    module names left to surgery, which gives them a checkpoint's own quantized weight after the float load)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
-    plan = QuantizeOnLoad(method, device, group_size, release=release)
+    plan = QuantizeOnLoad(method, device, group_size, release=release, head_of=model if head else None)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                name = f"{parent_name}.{child_name}" if parent_name else child_name
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Linear) and name not in skip:
                 params = {"weight"} | ({"bias"} if child.bias is not None else set())
                 plan.pending[name] = _Pending(parent, child_name, child, params)
                 setattr(parent, child_name, DeferredLinear(child))

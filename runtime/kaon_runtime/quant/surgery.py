@@ -89,10 +89,15 @@ def _keep_experts(model: nn.Module, given: dict[str, Int4Weight | GroupInt8Weigh
     return kept
 
 
+def quantize_head(model: nn.Module) -> None:
+    """The vocabulary head's int8 copy, from its float table (quant/on_load.py: as soon as the table has loaded)."""
+    _quantize_head(model)
+
+
 def _quantize_head(model: nn.Module, table: object = None) -> None:
     head = getattr(model, "lm_head", None)
-    if head is None or not hasattr(head, "quantized"):
-        return
+    if head is None or not hasattr(head, "quantized") or head.quantized is not None:
+        return  # (no head, or quantized already: as its table loaded, quant/on_load.py)
     if head.weight_t is None:  # its float table was never allocated (quant/pending.py hold_table)
         if not isinstance(table, GroupInt8Weight):
             raise ValueError("the vocabulary table's place was held but no int8 table was given")
