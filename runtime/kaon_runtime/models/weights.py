@@ -124,7 +124,8 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor]], deferred: Deferred 
             if param_name in places or param_name in watched:
                 assert deferred is not None
                 if param_name not in waiting:
-                    raise ValueError(f"checkpoint tensor {raw_name!r} comes again after its layer was already quantized")
+                    raise ValueError(f"checkpoint tensor {raw_name!r} comes again after its layer was already "
+                                     "quantized")
                 _copy(part_of(deferred.buffer(param_name) if param_name in places else params[param_name].data,
                               param_name, part, model.local_config), tensor, raw_name)
                 waiting[param_name].discard(part)
