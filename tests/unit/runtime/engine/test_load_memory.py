@@ -136,3 +136,24 @@ def test_a_quantized_checkpoints_tensors_leave_resident_memory_once_their_module
     from_copies = plan._module(name, [name], (n, k), None, torch.device("cpu"), TensorParallel())
     x = torch.randn(2, k)
     assert torch.equal(module(x), from_copies(x))  # released pages read back as they were
+
+
+def test_the_peak_estimate_under_quantization_counts_the_linears_quantized_and_one_in_float():
+    """--quantization on a float checkpoint (quant/on_load.py): the linears' float bytes leave the estimate for their
+    quantized bytes, and one linear's float weight and quantization temporaries join the transient."""
+    from kaon_runtime.quant.on_load import quantized_bytes, transient_bytes
+
+    assert quantized_bytes("int8", 1024, 512) == 1024 * 512 + 1024 * 8  # int8 values, float32 scales and their copy
+    assert quantized_bytes("fp8", 1024, 512) == 1024 * 512 + 1024 * 4
+    assert quantized_bytes("int4", 1024, 512) == 1024 * 256 + 4 * 1024 * 512 // 32  # nibbles, float16 scale + min
+    assert transient_bytes(1024, 512, dtype_bytes=2) == 1024 * 512 * (2 + 12)
+    linears = 32  # (a model's worth: one linear's transient against all of their float bytes)
+    float_model = memory_fit.estimate([(1024 * 512, 1024 * 512 * 2, False)] * linears, 4, False, kv_cache=0,
+                                      resident=0)
+    assert float_model.weights == linears * 1024 * 512 * 4
+    quantizing = memory_fit.quantized_on_load(float_model, float_bytes=linears * 1024 * 512 * 4,
+                                              quantized=linears * quantized_bytes("int8", 1024, 512),
+                                              transient=transient_bytes(1024, 512, 4))
+    assert quantizing.weights == linears * quantized_bytes("int8", 1024, 512)
+    assert quantizing.float_transient == float_model.float_transient + transient_bytes(1024, 512, 4)
+    assert quantizing.total < float_model.total / 2
