@@ -174,18 +174,23 @@ def any_width(quantization: str) -> bool:
     float32, float16, bfloat16) do: their kernels, the norms and attention sum over the true width with scalar
     tails in one order per row (cpu_decode.c tile_f32, f32_t_outputs, dot_f32, attention_scores/values), so a
     model whose hidden or MLP width is not whole blocks of 32 (e.g. 48 / 80) stays on the invariant step instead
-    of torch's GEMMs (issue 49 §2). The narrow kinds (int8, int4: activations in int8 blocks of QBLOCK, outputs
-    interleaved by LANES) and the fp8 / reference kinds (untested at odd widths) still need whole blocks."""
-    return quantization == "none"
+    of torch's GEMMs (issue 49 §2). int8 does too: kaon's int8 and group int8 (narrow kinds: activations in int8
+    blocks of QBLOCK) are packed with zero columns up to whole blocks and each input row copied zero-padded to them
+    (cpu_decode.padded_columns, Linear.k_in), so every sum is the true width's; W8A8 int8 (INT8_A8, INT8_S8) and
+    int8's reference kind (REF_INT8) sum over any K with tails. fp8 too: its kinds (FP8, FP8_A8, FP8_STATIC,
+    FP8_BLOCK) read any K, and the vocabulary head's int8 copy is padded as int8 is. Each is tested at hidden 48 /
+    MLP 80 / head_dim 12 (test_cpu_decode_oddquant.py). int4 (Q4_1 and its reference kind) still needs whole blocks:
+    quant/int4.py quantizes in groups of 32 that must divide K."""
+    return quantization in ("none", "int8", "fp8")
 
 
 def unsupported(config: ModelConfig, quantization: str = "none") -> str | None:
     """Why the fused step cannot run this model with these weights (see any_width), or None when it can. The
     experts' width must be whole blocks at every quantization (odd expert widths are untested)."""
     dense_widths = config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK
-    # o's input (the heads' width) too where int8 / int4 weights may take the narrow kinds: without it the
-    # blocker passed e.g. head_dim 20 x 4 heads = 80 and the step's packing raised at load (_check_blocks)
-    heads_width = (config.num_heads * config.head_dim) % cpu_decode.QBLOCK and quantization in ("int8", "int4")
+    # o's input (the heads' width) too where weights may take kinds that need whole blocks: without it the
+    # blocker passed e.g. int4 at head_dim 20 x 4 heads = 80 and the step's packing raised at load (_check_blocks)
+    heads_width = (config.num_heads * config.head_dim) % cpu_decode.QBLOCK and not any_width(quantization)
     reasons = [
         (config.hidden_act not in cpu_decode.ACTIVATIONS_C, f"the {config.hidden_act} activation"),
         ((dense_widths and not any_width(quantization)) or heads_width

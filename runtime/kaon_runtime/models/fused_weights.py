@@ -101,7 +101,7 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     quantized: Any = module  # quant's linears: their tensors are plain attributes
     # held in the kernel's own layout (quant/group_int8.py, bit_planes.py, kernel_layout.py): the struct re-pointed
     # at the module's buffers as they are now (sleep level 2 swaps their storage)
-    held = getattr(module, "kernel_weights", None)
+    held = getattr(module, "kernel_weights", None) or group_int8_copy(module)
     if held is not None:
         return held.rebound()
     fused = getattr(module, "fused_cpu_weights", None)  # read in place: fp8 (quant/fp8.py, quant/dynamic_fp8.py)
@@ -114,6 +114,20 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
             return cpu_decode.LinearWeights.q4_f32(quantized.packed, quantized.scales, quantized.mins, bias)
         return cpu_decode.LinearWeights.q4_1(quantized.packed, quantized.scales, quantized.mins, bias)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
+
+
+def group_int8_copy(module: nn.Module) -> cpu_decode.LinearWeights | None:
+    """A group-int8 linear (quant/group_int8.py) that does not hold the kernel's layout because its K is not whole
+    blocks of 32 (e.g. a GPTQ 8-bit checkpoint's groups of 16 at K = 48): a Q8_G16 copy packed with a zero group
+    (cpu_decode.padded_columns), beside the module's own tensors. None for every other module."""
+    if getattr(module, "kernel_weights", None) is not None or not hasattr(module, "group_scales"):
+        return None
+    weight: Any = getattr(module, "weight", None)
+    if weight is None or weight.group_size % cpu_decode.G16 or weight.qweight.device.type != "cpu":
+        return None
+    repeat = weight.group_size // cpu_decode.G16  # the kernel's groups of 16 (quant/group_int8.in_groups_of_16)
+    scales, mins = (None if t is None else t.float().repeat_interleave(repeat, 1) for t in (weight.scales, weight.mins))
+    return cpu_decode.LinearWeights.q8_g16(weight.qweight, scales, mins, getattr(module, "bias", None))
 
 
 def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
@@ -130,7 +144,7 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
         return None
     quantized: Any = target
     bias = getattr(target, "bias", None)
-    held = getattr(target, "kernel_weights", None)
+    held = getattr(target, "kernel_weights", None) or group_int8_copy(target)
     if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
         return cpu_decode.LinearWeights.ref_q8_g16(held.rebound(), perm)
     if hasattr(target, "packed"):
