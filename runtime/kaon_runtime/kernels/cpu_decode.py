@@ -317,6 +317,15 @@ class LinearWeights:
                         act_passes=1 if kind in UNQUANTIZED_INPUTS else activation_passes())
         return cls(struct, list(kept.values()), list(kept))
 
+    def with_true_width(self, k_in: int) -> LinearWeights:
+        """These weights, packed with zero or padding columns past the inputs' true width k_in up to struct.k (int4's
+        quantizer pads to whole groups, quant/int4.py), read from inputs k_in wide (Linear.k_in: kaon_linear copies
+        each row zero-padded to k). Itself where k_in is k."""
+        if not 0 < k_in <= self.struct.k:
+            raise ValueError(f"an input width of {k_in} for weights {self.struct.k} wide")
+        self.struct.k_in = k_in if k_in < self.struct.k else 0
+        return self
+
     def named(self) -> dict[str, torch.Tensor]:
         """The tensors by the struct field each fills (w, scales, d, m, gscales, gmins, high, bias, perm)."""
         return dict(zip(self.names, self.tensors, strict=True))

@@ -179,9 +179,12 @@ def any_width(quantization: str) -> bool:
     (cpu_decode.padded_columns, Linear.k_in), so every sum is the true width's; W8A8 int8 (INT8_A8, INT8_S8) and
     int8's reference kind (REF_INT8) sum over any K with tails. fp8 too: its kinds (FP8, FP8_A8, FP8_STATIC,
     FP8_BLOCK) read any K, and the vocabulary head's int8 copy is padded as int8 is. Each is tested at hidden 48 /
-    MLP 80 / head_dim 12 (test_cpu_decode_oddquant.py). int4 (Q4_1 and its reference kind) still needs whole blocks:
-    quant/int4.py quantizes in groups of 32 that must divide K."""
-    return quantization in ("none", "int8", "fp8")
+    MLP 80 / head_dim 12 (test_cpu_decode_oddquant.py). int4 too: kaon's quantizer pads K to whole groups of 32
+    (quant/int4.py quantize_int4, the padding columns copies of the row's last weight so no group's range moves) and
+    per-channel int4 checkpoints are padded as they load (checkpoint_formats/loaded.py), their inputs zero-padded
+    (Linear.k_in, and Int4Linear's torch path); int4 checkpoints in other groups divide K, which REF_Q4 reads as it
+    is, and are otherwise not cpu_fused. Still refused: odd expert widths and tensor-parallel shards (unsupported)."""
+    return quantization in ("none", "int8", "fp8", "int4")
 
 
 def unsupported(config: ModelConfig, quantization: str = "none") -> str | None:

@@ -110,9 +110,9 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     if qweight is not None and qweight.dtype == torch.int8:
         return cpu_decode.LinearWeights.int8(qweight, quantized.scales, bias)
     if getattr(module, "group_size", None) == cpu_decode.QBLOCK and hasattr(module, "packed"):
-        if quantized.scales.dtype == torch.float32:  # GGUF Q4_K's exact scales
-            return cpu_decode.LinearWeights.q4_f32(quantized.packed, quantized.scales, quantized.mins, bias)
-        return cpu_decode.LinearWeights.q4_1(quantized.packed, quantized.scales, quantized.mins, bias)
+        # (int4 at a K that is not whole groups: packed to whole groups, its inputs zero-padded, quant/int4.py)
+        make = cpu_decode.LinearWeights.q4_f32 if quantized.scales.dtype == torch.float32 else cpu_decode.LinearWeights.q4_1
+        return make(quantized.packed, quantized.scales, quantized.mins, bias).with_true_width(quantized.in_features)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 
 
@@ -148,8 +148,11 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
     if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
         return cpu_decode.LinearWeights.ref_q8_g16(held.rebound(), perm)
     if hasattr(target, "packed"):
+        padded = quantized.packed.shape[1] * 2
+        if perm is not None and quantized.in_features < padded:  # (the padding columns keep their places)
+            perm = torch.cat([perm.to(torch.int64), torch.arange(quantized.in_features, padded)])
         return cpu_decode.LinearWeights.ref_q4(quantized.packed, quantized.scales, quantized.mins,
-                                               quantized.group_size, bias, perm)
+                                               quantized.group_size, bias, perm).with_true_width(quantized.in_features)
     qweight = getattr(target, "qweight", None)
     if perm is None and qweight is not None and qweight.dtype == torch.int8 and quantized.scales.dim() == 1:
         return cpu_decode.LinearWeights.ref_int8(qweight, quantized.scales, bias)

@@ -1,4 +1,4 @@
-"""int8 and fp8 models whose widths are not whole blocks of 32 take the fused CPU step (issue 49 §2).
+"""int8, fp8 and int4 models whose widths are not whole blocks of 32 take the fused CPU step (issue 49 §2).
 
 The narrow int8 kinds (kaon's int8, group int8) quantize activations in int8 blocks of 32. At a K that is not
 whole blocks their copy is packed with zero weight columns up to the next block (cpu_decode.padded_columns) and
@@ -7,7 +7,9 @@ alone and quantizes to 0, so the result is the true width's, the last block quan
 W8A8 int8, reference int8 and fp8 kinds sum over any K with tails; the vocabulary head's int8 copy (every
 quantized model's, fp8's too) is padded as int8 is. Per kind: the projection against torch's reference at odd
 shapes, a row alone = batched, the whole step against the module path, a prompt's rows chunked / cached /
-beside decodes / in pieces; int4 still refuses (its groups of 32 must divide K).
+beside decodes / in pieces. int4 (Q4_1, groups of 32): kaon's quantizer pads K to whole groups with copies of the
+row's last weight (no group's range moves), per-channel checkpoints are padded as they load, and the inputs are
+zero-padded (the C step's Linear.k_in, Int4Linear's torch path).
 """
 from __future__ import annotations
 
@@ -23,7 +25,12 @@ from test_cpu_decode_reference import _loaded
 from test_cpu_decode_w8a8 import _static_reference, _static_w8a8_model, _w8a8_model
 
 from kaon_runtime.kernels import cpu_decode
-from kaon_runtime.kernels.quant_gemm_ref import dequantize_int8, quantize_activations_ref, w8a16_matmul_ref
+from kaon_runtime.kernels.quant_gemm_ref import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_activations_ref,
+    w8a16_matmul_ref,
+)
 from kaon_runtime.models.cpu_decode_step import blocker
 from kaon_runtime.models.fused_weights import linear_weights, reference_weights
 from kaon_runtime.quant import quantize_model
@@ -32,6 +39,7 @@ from kaon_runtime.quant.dynamic_inputs import w8a8_reference
 from kaon_runtime.quant.fp8 import Fp8Linear, fp8_matmul_ref, quantize_fp8
 from kaon_runtime.quant.fp8_block import Fp8BlockLinear
 from kaon_runtime.quant.group_int8 import dequantize_group_int8
+from kaon_runtime.quant.int4 import Int4Linear, quantize_int4
 from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
 from kaon_runtime.quant.reference import use_reference_kernels
 from kaon_runtime.quant.static_inputs import StaticInputLinear
@@ -51,12 +59,13 @@ def padded_activations_ref(x: torch.Tensor, passes: int) -> torch.Tensor:
     return quantize_activations_ref(padded, passes=passes)[:, :k]
 
 
-def test_odd_widths_take_the_step_with_int8_and_fp8_weights_and_int4_still_refuses():
-    for method in ("none", "int8", "fp8"):
+def test_odd_widths_take_the_step_with_int8_fp8_and_int4_weights():
+    for method in ("none", "int8", "fp8", "int4"):
         assert blocker(tiny_config(**ODD), quantization=method) is None
         assert blocker(tiny_config(head_dim=20), quantization=method) is None  # o's input alone odd (4 x 20)
-    assert "not multiples of 32" in blocker(tiny_config(**ODD), quantization="int4")
-    assert "not multiples of 32" in blocker(tiny_config(head_dim=20), quantization="int4")
+    unread = "GPTQ 4-bit, groups of 16"  # a checkpoint the step does not read (its description): refused as before
+    assert blocker(tiny_config(**ODD), quantization=unread) is not None
+    assert unread in blocker(tiny_config(), quantization=unread)
     # still refused, reasons named: odd expert widths, and tensor-parallel shards at odd widths
     assert "not multiples of 32" in blocker(tiny_config(num_experts=4, num_experts_per_tok=2,
                                                         moe_intermediate_size=48), quantization="int8")
@@ -108,6 +117,55 @@ def test_odd_width_group_int8_default_and_reference_kinds(k, act_order):
     assert_rows_alone_equal_batched(weights, x)
 
 
+@pytest.mark.parametrize("activations", sorted(PASSES))
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_odd_width_int4_matches_its_reference_and_a_row_is_the_same_alone(n, k, activations, monkeypatch):
+    monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(k, n)
+    module = Int4Linear.from_linear(linear)
+    assert module.in_features == k and module.padded_features % cpu_decode.QBLOCK == 0
+    dense = dequantize_int4(module.packed, module.scales, module.mins, module.group_size)[:, :k]
+    if k % cpu_decode.QBLOCK > 1:  # the last group's true weights: as quantized alone (no padding in their range)
+        tail = k - k % cpu_decode.QBLOCK
+        alone = quantize_int4(linear.weight.detach()[:, tail:], k - tail)
+        assert torch.equal(dense[:, tail:], dequantize_int4(alone.packed, alone.scales, alone.mins, k - tail))
+    x = torch.randn(5, k) * torch.logspace(-2, 1, k)
+    weights = linear_weights(module)
+    assert weights.struct.kind == cpu_decode.KIND_Q4_1 and (weights.struct.k_in or weights.struct.k) == k
+    expected = torch.nn.functional.linear(padded_activations_ref(x, PASSES[activations]), dense, module.bias)
+    torch.testing.assert_close(cpu_decode.linear(weights, x), expected, atol=1e-4, rtol=1e-4)
+    assert_rows_alone_equal_batched(weights, x)
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")  # the module's own (torch) path reads K inputs too
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), torch.nn.functional.linear(x, dense, module.bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("k", [48, 20])
+def test_a_per_channel_int4_checkpoint_at_an_odd_width_is_padded_as_it_loads(k, act_order):
+    """compressed-tensors / GPTQ int4 per channel (one group per row, cpu_fused) at K = 48 / 20: held in groups
+    of 32 with a zero-input padding, read by Q4_1 (default) and REF_Q4 (reference mode, act-order's order too)."""
+    module = _loaded(4, k, act_order=act_order, asymmetric=True, n=40, k=k)
+    x = torch.randn(6, k)
+    weights = reference_weights(module)
+    assert weights is not None and weights.struct.kind == cpu_decode.KIND_REF_Q4
+    with torch.inference_mode():
+        expected = module(x)
+    torch.testing.assert_close(cpu_decode.linear(weights, x), expected, rtol=1e-5, atol=1e-5)
+    assert_rows_alone_equal_batched(weights, x)
+    if act_order:
+        return
+    module.reference = False
+    weights = linear_weights(module)
+    assert weights.struct.kind == cpu_decode.KIND_Q4_F32 and weights.struct.k_in == k  # (float32 scales)
+    dense = dequantize_int4(module.packed, module.scales, module.mins, module.group_size)[:, :k]
+    reference = torch.nn.functional.linear(padded_activations_ref(x, cpu_decode.activation_passes()), dense,
+                                           module.bias)
+    torch.testing.assert_close(cpu_decode.linear(weights, x), reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.nn.functional.linear(x, dense, module.bias), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_odd_width_w8a8_and_reference_int8_match_torch_and_a_row_is_the_same_alone(n, k):
     torch.manual_seed(2)
@@ -145,8 +203,6 @@ def test_odd_width_fp8_kinds_match_torch_and_a_row_is_the_same_alone(n, k):
         assert_rows_alone_equal_batched(weights, x)
 
 
-def _int8_model(model) -> None:
-    quantize_model(model, "int8")
 
 
 def _reference_int8_model(model) -> None:
@@ -176,16 +232,17 @@ def test_an_odd_width_step_matches_the_torch_path(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("activations", sorted(PASSES))
-def test_an_odd_width_int8_step_matches_its_reference(activations, monkeypatch):
-    """kaon's int8 at hidden 48 / MLP 80 / head_dim 12: the dequantizing torch path fed what the narrow kernels
-    see (int8 blocks, the last of its true values only) at every quantized projection (as
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_an_odd_width_narrow_step_matches_its_reference(method, activations, monkeypatch):
+    """kaon's int8 / int4 at hidden 48 / MLP 80 / head_dim 12: the dequantizing torch path fed what the narrow
+    kernels see (int8 blocks, the last of its true values only) at every quantized projection (as
     test_cpu_decode.test_a_quantized_decode_step_matches_its_reference at whole blocks)."""
     monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
     monkeypatch.setenv("KAON_CPU_ACTIVATIONS", activations)
     passes = PASSES[activations]
     config = tiny_config(attention_bias=True, **ODD)
     model, _ = random_model(config, blocks=10)
-    quantized = [model.get_submodule(name) for name in quantize_model(model, "int8")]
+    quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
     hooks = [m.register_forward_pre_hook(lambda _, args: (padded_activations_ref(args[0], passes),))
              for m in quantized]
     error = c_step_error_against_torch(model, config)
@@ -194,21 +251,22 @@ def test_an_odd_width_int8_step_matches_its_reference(activations, monkeypatch):
     assert error < {"int8": 1e-4, "int8x2": 1e-3}[activations]
 
 
-@pytest.mark.parametrize("kind", ["int8", "w8a8", "int8-reference", "fp8", "fp8-inputs", "fp8-block"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8", "int8-reference", "fp8", "fp8-inputs", "fp8-block"])
 def test_an_odd_width_prompts_rows_are_invariant(kind, monkeypatch):
     """The same bits chunked, after a cached prefix, beside decodes and in pieces."""
     monkeypatch.delenv("KAON_CPU_PREFILL", raising=False)
     monkeypatch.delenv("KAON_CPU_ACTIVATIONS", raising=False)
-    convert = _int8_model if kind == "int8" else CONVERTERS[kind]
-    monkeypatch.setattr(invariance, "quantize_model", lambda model, _: convert(model))
+    if kind in CONVERTERS:
+        monkeypatch.setattr(invariance, "quantize_model", lambda model, _: CONVERTERS[kind](model))
     invariance._invariant_prompt_rows(tiny_config(attention_bias=True, **ODD), torch.float32, kind)
 
 
-def test_an_odd_width_int8_half_model_step_equals_the_float32_step():
-    invariance.assert_half_step_equals_float32_step(tiny_config(attention_bias=True, **ODD), torch.bfloat16, "int8")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_an_odd_width_narrow_half_model_step_equals_the_float32_step(method):
+    invariance.assert_half_step_equals_float32_step(tiny_config(attention_bias=True, **ODD), torch.bfloat16, method)
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_the_odd_width_vocabulary_head_takes_its_padded_int8_copy(method):
     """Every quantized model's head is an int8 copy (quant/surgery.py), fp8's too: at hidden 48 it is packed with
     zero columns; its logits near torch's (bfloat16 activations there, int8 blocks here), rows alone as batched."""
