@@ -188,16 +188,18 @@ def any_width(quantization: str) -> bool:
 
 
 def unsupported(config: ModelConfig, quantization: str = "none") -> str | None:
-    """Why the fused step cannot run this model with these weights (see any_width), or None when it can. The
-    experts' width must be whole blocks at every quantization (odd expert widths are untested)."""
+    """Why the fused step cannot run this model with these weights (see any_width), or None when it can. The experts'
+    width as the dense ones (experts_mlp runs each expert's projections through kaon_linear: test_cpu_decode_oddquant's
+    mixture-of-experts tests)."""
     dense_widths = config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK
     # o's input (the heads' width) too where weights may take kinds that need whole blocks: without it the
     # blocker passed e.g. int4 at head_dim 20 x 4 heads = 80 and the step's packing raised at load (_check_blocks)
     heads_width = (config.num_heads * config.head_dim) % cpu_decode.QBLOCK and not any_width(quantization)
+    experts_width = config.moe_intermediate_size % cpu_decode.QBLOCK  # (experts_mlp: kaon_linear per expert)
     reasons = [
         (config.hidden_act not in cpu_decode.ACTIVATIONS_C, f"the {config.hidden_act} activation"),
-        ((dense_widths and not any_width(quantization)) or heads_width
-         or config.moe_intermediate_size % cpu_decode.QBLOCK, f"widths that are not multiples of {cpu_decode.QBLOCK}"),
+        (((dense_widths or experts_width) and not any_width(quantization)) or heads_width,
+         f"widths that are not multiples of {cpu_decode.QBLOCK}"),
     ]
     found = [reason for applies, reason in reasons if applies]
     return ", ".join(found) or None

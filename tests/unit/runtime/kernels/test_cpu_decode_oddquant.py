@@ -20,6 +20,7 @@ from test_cpu_decode import assert_rows_alone_equal_batched, c_step_error_agains
 from test_cpu_decode_fp8 import _fp8_model
 from test_cpu_decode_fp8_block import _block_weights
 from test_cpu_decode_fp8_block import _convert as _fp8_convert
+from test_cpu_decode_moe import many_decodes, moe_layers, one_row
 from test_cpu_decode_oddwidth import ODD
 from test_cpu_decode_reference import _loaded
 from test_cpu_decode_w8a8 import _static_reference, _static_w8a8_model, _w8a8_model
@@ -66,9 +67,7 @@ def test_odd_widths_take_the_step_with_int8_fp8_and_int4_weights():
     unread = "GPTQ 4-bit, groups of 16"  # a checkpoint the step does not read (its description): refused as before
     assert blocker(tiny_config(**ODD), quantization=unread) is not None
     assert unread in blocker(tiny_config(), quantization=unread)
-    # still refused, reasons named: odd expert widths, and tensor-parallel shards at odd widths
-    assert "not multiples of 32" in blocker(tiny_config(num_experts=4, num_experts_per_tok=2,
-                                                        moe_intermediate_size=48), quantization="int8")
+    # still refused, the reason named: tensor-parallel shards at odd widths
     assert "at tensor_parallel_size 2" in blocker(tiny_config(), tp_size=2, quantization="int8")
 
 
@@ -284,3 +283,63 @@ def test_the_odd_width_vocabulary_head_takes_its_padded_int8_copy(method):
         expected = model.compute_logits(hidden)
     assert rows >= hidden.shape[0]
     torch.testing.assert_close(fast, expected, atol=0.05, rtol=0.05)
+
+
+# ---- mixture-of-experts layers whose experts' width is not whole blocks (experts_mlp: kaon_linear per expert) ----
+
+ODD_MOE = dict(ODD, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True)
+
+
+def _odd_experts(model, method: str) -> list[torch.nn.Module]:
+    """Each MoE layer's experts as per-expert quantized linears (a quantized checkpoint's), int4 padded to whole
+    groups as kaon's quantizer pads them."""
+    linears = []
+    for moe in moe_layers(model):
+        if method == "int8":
+            make = lambda w: Int8Linear(*quantize_int8(w))  # noqa: E731
+        else:
+            make = lambda w: Int4Linear(quantize_int4(w, 32, pad=True))  # noqa: E731
+        gate_up = [make(moe.w13[e].detach()) for e in range(moe.w13.shape[0])]
+        down = [make(moe.w2[e].detach()) for e in range(moe.w2.shape[0])]
+        moe.keep_experts_quantized(gate_up, down)
+        linears += gate_up + down
+    return linears
+
+
+def test_odd_expert_widths_take_the_step():
+    for method in ("none", "int8", "fp8", "int4"):
+        assert blocker(tiny_config(**ODD_MOE), quantization=method) is None
+
+
+@pytest.mark.parametrize("experts", ["float32", "int8", "int4"])
+def test_an_odd_width_moe_step_matches_its_reference(experts, monkeypatch):
+    """Hidden 48, experts 40 wide: float experts against the torch path; per-expert int8 / int4 linears against
+    torch's QuantizedExperts fed what the narrow kernels see (int8 blocks, the last of its true values only)."""
+    monkeypatch.setenv("KAON_QUANT_KERNEL", "torch")
+    config = tiny_config(**ODD_MOE)
+    model, _ = random_model(config, blocks=10)
+    linears = [] if experts == "float32" else _odd_experts(model, experts)
+    passes = cpu_decode.activation_passes()
+    hooks = [m.register_forward_pre_hook(lambda _, args: (padded_activations_ref(args[0], passes),))
+             for m in linears]
+    try:
+        error = c_step_error_against_torch(model, config)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert error < (1e-5 if experts == "float32" else 1e-4)
+
+
+@pytest.mark.parametrize("experts", ["float32", "int8", "int4"])
+def test_an_odd_width_moe_row_gets_the_same_bits_alone_or_beside_rows_sharing_its_experts(experts):
+    config = tiny_config(**ODD_MOE)
+    model, _ = random_model(config, blocks=12)
+    if experts != "float32":
+        _odd_experts(model, experts)
+    model.check_kernels()
+    x, positions, meta = many_decodes(config, 12)
+    with torch.inference_mode():
+        batched = model.model(x.clone(), positions, meta)
+        for i in range(x.shape[0]):
+            alone = model.model(x[i:i + 1].clone(), positions[i:i + 1], one_row(meta, i))
+            assert torch.equal(alone[0], batched[i]), f"row {i}"
