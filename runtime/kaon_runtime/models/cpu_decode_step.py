@@ -161,7 +161,8 @@ DTYPES = tuple(cpu_decode.FLOAT_KINDS)
 def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -> str | None:
     """Why the fused step cannot run this model on this many ranks under this quantization (the
     model's options as one rank holds them, or no C compiler), or None when it can."""
-    reason = unsupported(config, quantization) or (unsupported_shard(config, tp_size) if tp_size > 1 else None)
+    reason = unsupported(config, quantization) or (unsupported_shard(config, tp_size, quantization) if tp_size > 1
+                                                   else None)
     if reason is None and quantization not in READABLE_QUANTIZATIONS:
         reason = f"{quantization} weights"
     if reason is None and cpu_decode.library() is None:
@@ -205,11 +206,14 @@ def unsupported(config: ModelConfig, quantization: str = "none") -> str | None:
     return ", ".join(found) or None
 
 
-def unsupported_shard(config: ModelConfig, tp_size: int) -> str | None:
-    """Why the fused step cannot run one tensor-parallel rank's shard, or None: the rank's inputs of the
-    row-parallel projections (its MLP width, its heads' width) must be whole activation blocks too (at every
-    quantization so far: a float rank's shard at odd widths is untested, tests/integration/
-    test_tensor_parallel_step.py)."""
+def unsupported_shard(config: ModelConfig, tp_size: int, quantization: str = "none") -> str | None:
+    """Why the fused step cannot run one tensor-parallel rank's shard, or None. Float shards at any width (each rank's
+    projections are float kernels at its widths, and the rank-order sum does not depend on them: tests/integration/
+    test_tensor_parallel_step.py's odd-width case); quantized ones still need the rank's inputs of the row-parallel
+    projections (its MLP width, its heads' width, its experts' width) in whole activation blocks: their shards at odd
+    widths are untested."""
+    if quantization == "none":
+        return None
     local = local_config(config, tp_size)
     widths = {"MLP width": local.intermediate_size, "heads' width": local.num_heads * local.head_dim,
               "experts' width": local.moe_intermediate_size}

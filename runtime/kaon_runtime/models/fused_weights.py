@@ -111,7 +111,8 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
         return cpu_decode.LinearWeights.int8(qweight, quantized.scales, bias)
     if getattr(module, "group_size", None) == cpu_decode.QBLOCK and hasattr(module, "packed"):
         # (int4 at a K that is not whole groups: packed to whole groups, its inputs zero-padded, quant/int4.py)
-        make = cpu_decode.LinearWeights.q4_f32 if quantized.scales.dtype == torch.float32 else cpu_decode.LinearWeights.q4_1
+        f32 = quantized.scales.dtype == torch.float32  # GGUF Q4_K's exact scales
+        make = cpu_decode.LinearWeights.q4_f32 if f32 else cpu_decode.LinearWeights.q4_1
         return make(quantized.packed, quantized.scales, quantized.mins, bias).with_true_width(quantized.in_features)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 
@@ -126,7 +127,8 @@ def group_int8_copy(module: nn.Module) -> cpu_decode.LinearWeights | None:
     if weight is None or weight.group_size % cpu_decode.G16 or weight.qweight.device.type != "cpu":
         return None
     repeat = weight.group_size // cpu_decode.G16  # the kernel's groups of 16 (quant/group_int8.in_groups_of_16)
-    scales, mins = (None if t is None else t.float().repeat_interleave(repeat, 1) for t in (weight.scales, weight.mins))
+    scales = weight.scales.float().repeat_interleave(repeat, 1)
+    mins = None if weight.mins is None else weight.mins.float().repeat_interleave(repeat, 1)
     return cpu_decode.LinearWeights.q8_g16(weight.qweight, scales, mins, getattr(module, "bias", None))
 
 
@@ -144,7 +146,7 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
         return None
     quantized: Any = target
     bias = getattr(target, "bias", None)
-    held = getattr(target, "kernel_weights", None) or group_int8_copy(target)
+    held = getattr(target, "kernel_weights", None) or group_int8_copy(quantized)
     if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
         return cpu_decode.LinearWeights.ref_q8_g16(held.rebound(), perm)
     if hasattr(target, "packed"):

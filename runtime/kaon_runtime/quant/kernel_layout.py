@@ -16,8 +16,9 @@ layout from the start.) What still runs the module's own forward then reads that
   - a tied vocabulary lookup (Int8Linear.rows) reads the rows it needs out of the interleaved copy.
 
 Left as they were (nothing to hold, or no step to hold for): linears of the reference mode (--dtype float32; the
-step reads their own layouts in place), int4 in other groups (and so int4 at widths that are not whole blocks of
-32; int8 there holds its copy packed with zero columns, cpu_decode.padded_columns), any weight off the CPU (the GPU path), a machine without a C compiler, and models the step does not run (`blocker`).
+step reads their own layouts in place), int4 in other groups, any weight off the CPU (the GPU path), a machine
+without a C compiler, and models the step does not run (`blocker`). (At widths that are not whole blocks of 32 the
+held int8 copy is packed with zero columns, cpu_decode.padded_columns, and int4 is quantized to whole groups.)
 """
 from __future__ import annotations
 

@@ -104,8 +104,9 @@ def _quantize_head(model: nn.Module, table: object = None) -> None:
     # A table int8 holds exactly shows it in its first rows already: any other skips the whole group-int8 try.
     # (only at a width of whole groups of 32, quantize_group_int8's: a GGUF's Q8_0 table always is one, and another
     # width raised here, so a tied model at hidden 48 could not be quantized at all)
-    if tied and head.weight_t.shape[0] % 32 == 0 and equal_after_group_int8(quantize_group_int8_rows(head.weight_t.t()[:CHUNK_ROWS]),
-                                       head.weight_t.t()[:CHUNK_ROWS]):
+    whole_groups = head.weight_t.shape[0] % 32 == 0
+    if tied and whole_groups and equal_after_group_int8(quantize_group_int8_rows(head.weight_t.t()[:CHUNK_ROWS]),
+                                                        head.weight_t.t()[:CHUNK_ROWS]):
         table = quantize_group_int8_rows(head.weight_t.t())
         if equal_after_group_int8(table, head.weight_t.t()):  # a GGUF's Q8_0 table: held once, exactly
             head.quantized = GroupInt8Linear(table)

@@ -18,8 +18,7 @@ import test_cpu_decode_invariance as invariance
 import torch
 from test_cpu_decode import assert_rows_alone_equal_batched, c_step_error_against_torch, random_model, tiny_config
 from test_cpu_decode_fp8 import _fp8_model
-from test_cpu_decode_fp8_block import _block_weights
-from test_cpu_decode_fp8_block import _convert as _fp8_convert
+from test_cpu_decode_fp8_block import _block_weights, _convert as _fp8_convert
 from test_cpu_decode_moe import many_decodes, moe_layers, one_row
 from test_cpu_decode_oddwidth import ODD
 from test_cpu_decode_reference import _loaded
@@ -67,8 +66,10 @@ def test_odd_widths_take_the_step_with_int8_fp8_and_int4_weights():
     unread = "GPTQ 4-bit, groups of 16"  # a checkpoint the step does not read (its description): refused as before
     assert blocker(tiny_config(**ODD), quantization=unread) is not None
     assert unread in blocker(tiny_config(), quantization=unread)
-    # still refused, the reason named: tensor-parallel shards at odd widths
+    # still refused, the reason named: quantized tensor-parallel shards at odd widths (float ones: tests/integration/
+    # test_tensor_parallel_step.py)
     assert "at tensor_parallel_size 2" in blocker(tiny_config(), tp_size=2, quantization="int8")
+    assert blocker(tiny_config(**ODD), tp_size=2) is None
 
 
 @pytest.mark.parametrize("activations", sorted(PASSES))
