@@ -4,6 +4,8 @@ Short traces with a made-up engine (seconds of wall time); no timing assertions.
 """
 from __future__ import annotations
 
+import argparse
+import heapq
 import random
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
 import autoscale_sim as sim
+from autosim import oracle
 
 # 20 ms a step, 2 ms per decoding sequence, 0.1 ms per prompt token; 8 sequences at most.
 MODEL = sim.EngineModel(a=0.02, b=0.002, c=0.0001, cold_start_s=10.0, max_num_seqs=8, max_num_batched_tokens=256)
@@ -111,7 +114,7 @@ def test_the_scrape_builds_the_operators_sample():
     assert sample.running == 2  # the first request at each replica is in its first step, the rest queue
     assert sample.finished == 0 and sample.latency[-1] == (float("inf"), 0.0)
     while cluster.events:  # run the engines dry
-        at, _, kind, what = sim.heapq.heappop(cluster.events)
+        at, _, kind, what = heapq.heappop(cluster.events)
         cluster.now = at
         if kind == "step":
             cluster.step_done(what)
@@ -143,12 +146,40 @@ def test_the_oracle_cache_returns_the_schedule_it_kept_and_a_new_trace_is_comput
     arrivals = poisson(1.5 * sim.capacity(MODEL, WORKLOAD), 120)
     computed = []
     real = sim.oracle_schedule
-    monkeypatch.setattr(sim, "oracle_schedule", lambda *a, **kw: computed.append(1) or real(*a, **kw))
+    monkeypatch.setattr(oracle, "oracle_schedule", lambda *a, **kw: computed.append(1) or real(*a, **kw))
     first = sim.cached_oracle_schedule(tmp_path, arrivals, 120, MODEL, WORKLOAD, 1.0, 1)
     again = sim.cached_oracle_schedule(tmp_path, arrivals, 120, MODEL, WORKLOAD, 1.0, 1)
     assert again == first == real(arrivals, 120, MODEL, WORKLOAD, 1.0, 1) and len(computed) == 1
     sim.cached_oracle_schedule(tmp_path, arrivals[:-1], 120, MODEL, WORKLOAD, 1.0, 1)  # another trace: not the kept one
     assert len(computed) == 2
+
+
+def test_the_oracle_cache_key_hashes_every_simulator_module_the_oracle_runs_and_no_policy():
+    """The key must change with any code the oracle's schedule depends on (else a stale schedule is reused) and
+    must not change with a policy's (else every policy edit recomputes minutes of oracle): trace which of the
+    simulator's files an oracle (and the capacity it starts from) executes."""
+    package = Path(oracle.__file__).parent
+    ran: set[str] = set()
+
+    def tracer(frame, event, arg):
+        path = Path(frame.f_code.co_filename)
+        if path.parent == package:
+            ran.add(path.name)
+        return None
+
+    arrivals = poisson(1.5 * sim.capacity(MODEL, WORKLOAD), 120)
+    sys.setprofile(tracer)
+    try:
+        oracle.oracle_schedule(arrivals, 120, MODEL, WORKLOAD, 1.0, 1)
+    finally:
+        sys.setprofile(None)
+    hashed = {Path(m.__file__).name for m in (*oracle.ORACLE_MODULES, oracle)}
+    assert {"engine.py", "cluster.py", "simulation.py", "measure.py", "oracle.py"} <= ran
+    assert ran <= hashed, f"the oracle runs {sorted(ran - hashed)} but its cache key does not hash them"
+    assert not hashed & {"policies.py", "run.py", "report.py", "cli.py"}
+    key = oracle.oracle_key(arrivals, 120, MODEL, WORKLOAD, 1.0, 1)
+    assert key == oracle.oracle_key(arrivals, 120, MODEL, WORKLOAD, 1.0, 1)
+    assert key != oracle.oracle_key(arrivals, 120, MODEL, WORKLOAD, 2.0, 1)
 
 
 def test_the_dwell_oracle_holds_the_most_any_minute_of_its_block_needs():
@@ -170,7 +201,7 @@ def test_the_scrape_counts_tokens_as_the_engine_does():
         cluster.route(sim.Request(0.0, 64, 5))
     assert cluster.scrape(state).prompt_tokens == 192  # counted when accepted
     while cluster.events:
-        at, _, kind, what = sim.heapq.heappop(cluster.events)
+        at, _, kind, what = heapq.heappop(cluster.events)
         cluster.now = at
         if kind == "step":
             cluster.step_done(what)
@@ -326,7 +357,7 @@ def test_the_profiled_wake_is_the_default_and_its_periods_are_the_operators():
     assert sim.Config(MODEL).wake == sim.PROFILED
 
     def wake(*argv: str) -> sim.Wake:
-        parser = sim.argparse.ArgumentParser()
+        parser = argparse.ArgumentParser()
         parser.add_argument("--wake-s", type=float)
         parser.add_argument("--engine-wake-s", type=float)
         return sim.wake_of(parser.parse_args(list(argv)))
