@@ -2,9 +2,10 @@
 
 The decoder exports its layers through a declared interface (FusedDecoder.fused_weights: FusedWeights of
 FusedLayers, FusedExperts for a mixture-of-experts layer); the functions below turn one part at a time into
-kernels/cpu_decode.py's ctypes structs, reading the tensors in place (no copy but the float32 norms and
-router, and group int8's padded copy at widths that are not whole blocks, group_int8_copy): a projection in whatever layout it is held (linear_weights; the reference mode's weight-only kinds,
-reference_weights), a layer's experts (experts_struct), a projection's LoRA slots (lora_slots).
+kernels/cpu_decode.py's ctypes structs, reading the tensors in place (no copy but the float32 norms and router,
+and group int8's padded copy at widths that are not whole blocks, group_int8_copy): a projection in whatever
+layout it is held (linear_weights; the reference mode's weight-only kinds, reference_weights), a layer's experts
+(experts_struct), a projection's LoRA slots (lora_slots).
 models/cpu_decode_step.py builds the whole model's structs from them and runs the step.
 """
 from __future__ import annotations
