@@ -107,8 +107,11 @@ def _quantize_head(model: nn.Module, table: object = None) -> None:
     # Row by row in chunks (quant/row_chunks.py): the table is the largest tensor, and whole-table
     # temporaries would be the load's peak.
     # A table int8 holds exactly shows it in its first rows already: any other skips the whole group-int8 try.
-    if tied and equal_after_group_int8(quantize_group_int8_rows(head.weight_t.t()[:CHUNK_ROWS]),
-                                       head.weight_t.t()[:CHUNK_ROWS]):
+    # (only at a width of whole groups of 32, quantize_group_int8's: a GGUF's Q8_0 table always is one, and another
+    # width raised here, so a tied model at hidden 48 could not be quantized at all)
+    whole_groups = head.weight_t.shape[0] % 32 == 0
+    if tied and whole_groups and equal_after_group_int8(quantize_group_int8_rows(head.weight_t.t()[:CHUNK_ROWS]),
+                                                        head.weight_t.t()[:CHUNK_ROWS]):
         table = quantize_group_int8_rows(head.weight_t.t())
         if equal_after_group_int8(table, head.weight_t.t()):  # a GGUF's Q8_0 table: held once, exactly
             head.quantized = GroupInt8Linear(table)
