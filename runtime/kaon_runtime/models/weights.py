@@ -131,8 +131,10 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor]], deferred: Deferred 
                 waiting[param_name].discard(part)
                 if not waiting[param_name]:
                     del waiting[param_name]
-                    if param_name in watched:
-                        params[param_name] = params[param_name].to("meta")  # (its shape, for the check below)
+                    if param_name in watched:  # its shape only, for the check below: a `.to("meta")` of the
+                        # parameter (requires_grad) kept it alive through its grad_fn's AccumulateGrad, the float
+                        # vocabulary table held through the whole layer stream after its int8 copy replaced it
+                        params[param_name] = torch.empty_like(params[param_name], device="meta")
                     ready.append(param_name)
             else:
                 _copy(part_of(params[param_name].data, param_name, part, model.local_config), tensor, raw_name)

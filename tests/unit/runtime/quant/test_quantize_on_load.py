@@ -104,6 +104,36 @@ def test_no_more_than_one_layers_projections_are_float_at_once(monkeypatch):
     assert len(linears) == 4 * 4 and most <= 2, most  # (qkv, o, gate_up, down a layer)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_the_float_vocabulary_table_is_gone_before_the_first_linear_is_quantized(method, monkeypatch):
+    """A tied table int8 holds exactly (a GGUF Q8_0 one, dequantized) is replaced by its int8 copy as soon as it
+    is in: from then on nothing may hold the float table, or it sits beside the whole layer stream (111 MiB of the
+    bundled model's float32 safetensors copy, until the load returned: a `.to("meta")` of the parameter in
+    models/weights.load kept it alive through its grad_fn)."""
+    from kaon_runtime.quant.group_int8 import dequantize_group_int8, quantize_group_int8
+
+    config, tensors = checkpoint("qwen2", {"tie_word_embeddings": True})
+    table = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = dequantize_group_int8(quantize_group_int8(table.float())).to(table.dtype)
+    held: list[weakref.ref] = []
+    gone: list[bool] = []  # at each linear's quantization, whether the float table is gone
+    head, linear = on_load.quantize_head, on_load.quantized_linear
+
+    def quantizing_head(model):
+        held.append(weakref.ref(model.lm_head.weight_t))
+        head(model)
+
+    def quantizing_linear(*args, **kwargs):
+        gone.append(bool(held) and held[0]() is None)
+        return linear(*args, **kwargs)
+
+    monkeypatch.setattr(on_load, "quantize_head", quantizing_head)
+    monkeypatch.setattr(on_load, "quantized_linear", quantizing_linear)
+    model = _quantized_on_load(config, tensors, method, TensorParallel(), torch.float32)
+    assert model.lm_head.weight_t is None  # (the exact table's float copy was dropped: the case this guards)
+    assert gone and all(gone), gone
+
+
 def test_a_tensor_that_comes_again_after_its_linear_was_quantized_is_refused():
     config, tensors = checkpoint("llama", {})
     name = "model.layers.0.self_attn.o_proj.weight"
