@@ -44,17 +44,30 @@ class LoadPeak:
 
 
 def estimate(sizes: list[tuple[int, int, bool]], dtype_bytes: int, kept_narrow: bool, kv_cache: int,
-             resident: int) -> LoadPeak:
+             resident: int, held_table: tuple[int, int] | None = None) -> LoadPeak:
     """The load's peak from each tensor's (elements, stored bytes, stored quantized); `kept_narrow`: the
-    quantized tensors stay quantized (a GGUF in its own precision, a publisher-quantized checkpoint)."""
+    quantized tensors stay quantized (a GGUF in its own precision, a publisher-quantized checkpoint);
+    `held_table`: (elements, stored bytes) of a tied vocabulary table taken as the file's Q8_0 blocks
+    (engine/gguf_weights.table_held: never float, under --quantization too), counted as what is held."""
     weights = transient = 0
     for elements, stored, quantized in sizes:
+        if held_table is not None and quantized and (elements, stored) == held_table:
+            held_table = None  # (one table: a tensor of the same size and type after it is counted as stored)
+            weights += held_q8_0_bytes(elements)
+            transient = max(transient, stored + elements)  # its blocks read out, and repack's int8 values
+            continue
         if kept_narrow and quantized:
             weights += stored
         else:
             weights += elements * dtype_bytes
             transient = max(transient, elements * 4)  # it is made float32 on its way in
     return LoadPeak(resident, weights, transient, kv_cache)
+
+
+def held_q8_0_bytes(elements: int) -> int:
+    """A Q8_0 tensor as kaon holds it (quant/gguf.py repack: GroupInt8Weight): an int8 a weight and a float32
+    scale per 32."""
+    return elements + elements // 32 * 4
 
 
 def quantized_on_load(peak: LoadPeak, float_bytes: int, quantized: int, transient: int) -> LoadPeak:

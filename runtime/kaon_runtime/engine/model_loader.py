@@ -139,7 +139,7 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
             skip=_given_after_load(model, checkpoint, method, config.quantization, device, tp) - held, head=True)
     if device.type == "cpu":
         _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None,
-                      quantizing=quantizing)
+                      quantizing=quantizing, table=table)
     model = model.to_empty(device=device)
     stream = checkpoint.weights() if not held and not table else _without(checkpoint, held, table)
     weights = tqdm(_released_once_copied(stream), total=checkpoint.num_tensors, desc="Loading weights",
@@ -187,9 +187,10 @@ def _released_once_copied(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterato
 
 
 def _check_memory(config: EngineConfig, checkpoint: Checkpoint, model_config: ModelConfig, dtype: torch.dtype,
-                  kept_narrow: bool, quantizing: QuantizeOnLoad | None = None) -> None:
+                  kept_narrow: bool, quantizing: QuantizeOnLoad | None = None, table: bool = False) -> None:
     """ModelDoesNotFit when the load's peak would pass the container's memory limit (engine/memory_fit.py);
-    `quantizing`: the linears quantized as they load, counted at their quantized size plus one's transient."""
+    `quantizing`: the linears quantized as they load, counted at their quantized size plus one's transient;
+    `table`: the tied vocabulary table is held as the GGUF's Q8_0 blocks (counted so, not as float twice)."""
     if checkpoint.tensor_sizes is None:
         return  # random weights: nothing stored to size
     limit = memory_fit.memory_limit()
@@ -199,7 +200,9 @@ def _check_memory(config: EngineConfig, checkpoint: Checkpoint, model_config: Mo
     block = kv_block_bytes(model_config, config.block_size, kv_dtype)
     kv = config.num_kv_blocks * block if config.num_kv_blocks is not None else config.kv_cache_bytes
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    peak = memory_fit.estimate(checkpoint.tensor_sizes(), dtype_bytes, kept_narrow, kv, memory_fit.resident_bytes())
+    held_table = getattr(checkpoint, "table_size", None) if table else None
+    peak = memory_fit.estimate(checkpoint.tensor_sizes(), dtype_bytes, kept_narrow, kv, memory_fit.resident_bytes(),
+                               held_table=held_table)
     if quantizing is not None and quantizing.pending:
         shapes = [(item.linear.out_features, item.linear.in_features) for item in quantizing.pending.values()]
         peak = memory_fit.quantized_on_load(

@@ -43,6 +43,7 @@ class GgufCheckpoint(Checkpoint):
     # the token embedding's GGML type when it is quantized, and its raw blocks (uint8 [vocab, bytes])
     table_type: str | None = None
     table_blocks: Callable[[], torch.Tensor] | None = None
+    table_size: tuple[int, int] | None = None  # its (elements, bytes in the file), as tensor_sizes lists it
 
 
 def load_gguf(path: Path) -> Checkpoint:
@@ -107,7 +108,8 @@ def load_gguf(path: Path) -> Checkpoint:
                           tensor_sizes=lambda: [(int(t.n_elements), int(t.n_bytes),
                                                  t.tensor_type.name not in FLOAT_TYPES) for t in reader.tensors],
                           table_type=None if table is None else table.tensor_type.name,
-                          table_blocks=None if table is None else table_blocks)
+                          table_blocks=None if table is None else table_blocks,
+                          table_size=None if table is None else (int(table.n_elements), int(table.n_bytes)))
 
 
 def _release(reader, tensor) -> None:

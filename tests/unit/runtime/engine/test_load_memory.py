@@ -157,3 +157,45 @@ def test_the_peak_estimate_under_quantization_counts_the_linears_quantized_and_o
     assert quantizing.weights == linears * quantized_bytes("int8", 1024, 512)
     assert quantizing.float_transient == float_model.float_transient + transient_bytes(1024, 512, 4)
     assert quantizing.total < float_model.total / 2
+
+
+def test_the_peak_estimate_counts_a_table_held_as_its_q8_0_blocks_once_and_narrow():
+    """--quantization from a GGUF whose tied table is Q8_0 (the bundled file): the table comes as its int8 blocks,
+    never float (engine/gguf_weights.table_held). Until 2026-11-30 the estimate counted it at the model's float
+    dtype as a weight and again as the largest float transient (1,009 MiB estimated against an 871 MiB peak)."""
+    vocab, hidden = 49152, 576
+    table = (vocab * hidden, vocab * hidden // 32 * 34, True)  # Q8_0: 34 bytes a block of 32
+    layer = (hidden * 1536, hidden * 1536 // 32 * 20, True)  # Q4_1 linears, dequantized as they stream
+    sizes = [table, *[layer] * 10]
+    counted_float = memory_fit.estimate(sizes, 4, False, kv_cache=0, resident=0)
+    held = memory_fit.estimate(sizes, 4, False, kv_cache=0, resident=0, held_table=table[:2])
+    assert held.weights == memory_fit.held_q8_0_bytes(vocab * hidden) + 10 * hidden * 1536 * 4
+    assert memory_fit.held_q8_0_bytes(vocab * hidden) == vocab * hidden * 9 // 8  # int8 values, float32 scales
+    assert held.float_transient == table[1] + table[0]  # its blocks and repack's int8 values, not a float table
+    assert counted_float.weights - held.weights == vocab * hidden * (4 - 9 / 8)
+    assert counted_float.float_transient == vocab * hidden * 4
+    # Only the held table leaves the float count: another Q8_0 tensor of another size stays float.
+    other = memory_fit.estimate([(1024, 1088, True)], 4, False, kv_cache=0, resident=0, held_table=table[:2])
+    assert other.weights == 1024 * 4
+
+
+def test_the_memory_check_of_the_bundled_file_under_int8_counts_its_q8_0_table_as_held(monkeypatch):
+    """The loader tells the estimate which table it holds: the bundled file's tied Q8_0 table (49152 x 576) is
+    counted at its int8 size and its float32 copy is in neither the weights nor the transient (refused before
+    loading, under a 1 MiB limit, so nothing is read)."""
+    peaks: list[memory_fit.LoadPeak] = []
+    check_fits = memory_fit.check_fits
+
+    def recorded(peak, limit):
+        peaks.append(peak)
+        return check_fits(peak, limit)
+
+    monkeypatch.setattr(memory_fit, "memory_limit", lambda: 1 << 20)
+    monkeypatch.setattr(memory_fit, "check_fits", recorded)
+    with pytest.raises(ModelDoesNotFitError):
+        LLM(MODEL, show_progress=False, device="cpu", num_kv_blocks=64, quantization="int8")
+    (peak,) = peaks
+    table_float = 49152 * 576 * 4
+    # Its blocks and int8 values (56 MiB) and one fused linear's quantization (27 MiB); counted as float it was
+    # the table's float32 (108 MiB) and that linear.
+    assert peak.float_transient < table_float, peak.float_transient >> 20
