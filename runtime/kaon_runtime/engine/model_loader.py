@@ -136,7 +136,8 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         # (Not those a pipeline stage takes from the GGUF's own blocks after a float load: _quantize gives them.)
         quantizing = None if method == "none" or prequantized is not None else defer(
             model, method, device, release=_return_freed_heap if device.type == "cpu" else None,
-            skip=_given_after_load(model, checkpoint, method, config.quantization, device, tp) - held, head=True)
+            skip=_given_after_load(model, checkpoint, method, config.quantization, device, tp) - held, head=True,
+            pages=release_pages)
     if device.type == "cpu":
         _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None,
                       quantizing=quantizing, table=table)

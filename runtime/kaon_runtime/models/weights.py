@@ -97,6 +97,7 @@ class Deferred(Protocol):
     def places(self) -> dict[str, torch.Tensor]: ...  # parameter name -> its meta tensor (shape)
     def buffer(self, param_name: str) -> torch.Tensor: ...  # where its parts are copied, made on the first
     def filled(self, param_name: str) -> None: ...  # every part of it has arrived
+    def copied(self, source: torch.Tensor) -> None: ...  # a watched tensor's rows from `source` are in
 
 
 def load(model, weights: Iterable[tuple[str, torch.Tensor]], deferred: Deferred | None = None) -> None:
@@ -126,8 +127,12 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor]], deferred: Deferred 
                 if param_name not in waiting:
                     raise ValueError(f"checkpoint tensor {raw_name!r} comes again after its layer was already "
                                      "quantized")
-                _copy(part_of(deferred.buffer(param_name) if param_name in places else params[param_name].data,
-                              param_name, part, model.local_config), tensor, raw_name)
+                dst = part_of(deferred.buffer(param_name) if param_name in places else params[param_name].data,
+                              param_name, part, model.local_config)
+                if param_name == "lm_head.weight_t":
+                    _copy_table(dst, tensor, raw_name, deferred.copied)
+                else:
+                    _copy(dst, tensor, raw_name)
                 waiting[param_name].discard(part)
                 if not waiting[param_name]:
                     del waiting[param_name]
@@ -169,6 +174,20 @@ def fuse_rows(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Te
         if set(shards) == set(wanted):
             groups[param_name] = torch.cat([shards[s] for s in wanted])
     return groups
+
+
+TABLE_CHUNK = 4096  # vocabulary rows copied at a time (9 MB of float32 at a hidden size of 576)
+
+
+def _copy_table(dst: torch.Tensor, src: torch.Tensor, name: str, copied) -> None:
+    """The vocabulary table (`src`: the checkpoint's [vocab, hidden] transposed), TABLE_CHUNK rows at a time,
+    each handed to `copied` once in (a mapped file's pages of it are released then: the 113 MB float32 table and
+    all of its file pages were resident at once, the peak of a float32 checkpoint's load under --quantization)."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    for start in range(0, src.shape[1], TABLE_CHUNK):
+        dst[:, start:start + TABLE_CHUNK].copy_(src[:, start:start + TABLE_CHUNK])
+        copied(src[:, start:start + TABLE_CHUNK])
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

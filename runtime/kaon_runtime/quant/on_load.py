@@ -69,6 +69,10 @@ class QuantizeOnLoad:
     # drops the float one then, so the float table never sits beside the quantized linears.
     head_of: nn.Module | None = None
     quantized: list[str] = field(default_factory=list)  # module names, in the order they were quantized
+    # Called with each chunk of the vocabulary table's source once it is copied: the loader releases a mapped
+    # file's pages under it (loader/mapped_safetensors.release_pages), so the float table and its file pages are
+    # not resident whole at once.
+    pages: Callable[[torch.Tensor], None] | None = None
 
     def watched(self) -> set[str]:
         """Parameters the model allocates itself whose completion `filled` is told of: the head's float table."""
@@ -91,6 +95,11 @@ class QuantizeOnLoad:
             tensor = nn.Parameter(torch.empty_like(tensor, device=self.device), requires_grad=False)
             setattr(item.linear, param, tensor)
         return tensor.data
+
+    def copied(self, source: torch.Tensor) -> None:
+        """A chunk of a watched table's rows is in: its source's file pages may go."""
+        if self.pages is not None:
+            self.pages(source)
 
     @torch.no_grad()
     def filled(self, param_name: str) -> None:
@@ -116,13 +125,14 @@ class QuantizeOnLoad:
 
 
 def defer(model: nn.Module, method: str, device: torch.device, group_size: int = DEFAULT_GROUP_SIZE,
-          release: Callable[[], None] | None = None, skip: Collection[str] = (), head: bool = False) -> QuantizeOnLoad:
+          release: Callable[[], None] | None = None, skip: Collection[str] = (), head: bool = False,
+          pages: Callable[[torch.Tensor], None] | None = None) -> QuantizeOnLoad:
     """Take every nn.Linear of `model` (on meta) out of its tree for on-load quantization by `method` (the linears
     quant/surgery.quantize_model would quantize from float: a PendingLinear's weight comes quantized already; `skip`:
     module names left to surgery, which gives them a checkpoint's own quantized weight after the float load)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
-    plan = QuantizeOnLoad(method, device, group_size, release=release, head_of=model if head else None)
+    plan = QuantizeOnLoad(method, device, group_size, release=release, head_of=model if head else None, pages=pages)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name

@@ -134,6 +134,25 @@ def test_the_float_vocabulary_table_is_gone_before_the_first_linear_is_quantized
     assert gone and all(gone), gone
 
 
+def test_the_vocabulary_table_is_copied_in_chunks_each_released_once_in(monkeypatch):
+    """The table's file pages go chunk by chunk as it is copied (`pages`: the loader's release_pages), so the float
+    table and all of its mapped source are not resident at once (the float32 checkpoint's int4 load peaked there)."""
+    from kaon_runtime.models import weights
+
+    monkeypatch.setattr(weights, "TABLE_CHUNK", 16)
+    config, tensors = checkpoint("qwen2", {"tie_word_embeddings": True})
+    source = tensors["model.embed_tokens.weight"]  # [vocab 100, hidden]
+    released: list[torch.Tensor] = []
+    with torch.device("meta"):
+        model = build_model(config, TensorParallel(), torch_kernels())
+        plan = defer(model, "int8", torch.device("cpu"), head=True, pages=released.append)
+    model = model.to_empty(device="cpu")
+    model.load_weights(tensors.items(), plan)
+    assert [chunk.shape[1] for chunk in released] == [16] * 6 + [4]  # every row once, in order
+    assert all(chunk.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() for chunk in released)
+    assert torch.equal(torch.cat([chunk.t() for chunk in released]), source)
+
+
 def test_a_tensor_that_comes_again_after_its_linear_was_quantized_is_refused():
     config, tensors = checkpoint("llama", {})
     name = "model.layers.0.self_attn.o_proj.weight"
