@@ -63,8 +63,9 @@ def test_quantized_loads_peak_within_15_percent_of_their_settled_memory_and_hold
         assert ratio <= PEAK_OVER_SETTLED, (name, f"peak {found['peak'] >> 20} MiB, settled "
                                                   f"{found['settled'] >> 20} MiB: {ratio:.2f}x")
     # The engine's memory check (ModelDoesNotFit) counts that peak: its estimate of the int8 load, made before any
-    # weight is read, is not below what the load reached. Measured (2026-11-30, load ~4): estimate 1,009 MiB, peak
-    # 871 (the estimate still counts the tied table, which comes as the file's int8 blocks, at float32, twice).
+    # weight is read, is not below what the load reached. Measured (2026-11-30 21:12, load ~7): estimate 878 MiB,
+    # peak 871 (1,008 until the tied table, which comes as the file's int8 blocks, was no longer counted at float32
+    # twice: a margin of 7 MiB now, the peak 871-872 MiB in every run that day).
     quantizing = results["int8 from float"]
     assert quantizing["estimate"] >= quantizing["peak"], (quantizing["estimate"] >> 20, quantizing["peak"] >> 20)
     # What the settled engine held is its model's tensors and its KV pool, each once: closing it gives back no more
