@@ -41,7 +41,10 @@ def test_the_rank_order_sum_of_a_row_does_not_depend_on_the_rows_beside_it():
 CASES = {"llama": ("llama", {}), "qwen2-replicated-kv": ("qwen2", dict(num_key_value_heads=1)),
          "gemma2": ("gemma2", dict(sliding_window=6, attn_logit_softcapping=2.0, query_pre_attn_scalar=16)),
          "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                         norm_topk_prob=True))}
+                                         norm_topk_prob=True)),
+         # widths that are not whole blocks of 32 (float shards: cpu_decode_step.unsupported_shard): hidden 48, a
+         # rank's MLP 40 and heads 2 x 12 = 24
+         "llama-odd-widths": ("llama", dict(hidden_size=48, intermediate_size=80, head_dim=12))}
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,8 @@ typedef struct {
     int32_t block_rows, block_cols;  /* FP8_BLOCK: a scale's block */
     float input_scale;      /* FP8_STATIC, and FP8_BLOCK where > 0: x is rounded to fp8(x / input_scale) * input_scale */
     const int64_t *perm;    /* REF_Q4, REF_Q8_G16: GPTQ act-order, stored column i is input column perm[i]; or NULL */
+    int32_t k_in;           /* the inputs' true width (x's row stride) where the weights were packed with k - k_in zero
+                             * columns to whole blocks of QBLOCK (narrow kinds at odd widths); 0: k (see kaon_linear) */
 } Linear;
 
 /* A projection's LoRA slots (layers/lora.py's LoraLinear): a projection of P parts (q|k|v: 3,
@@ -1356,9 +1358,14 @@ static void parallel_for(int total, int threads, chunk_fn fn, const void *ctx) {
 /* y [rows, n] = x [rows, k] @ W.T (+ bias) on `threads` threads (torch's count).
  * work: room for kaon_linear_workspace(k, rows) bytes. */
 size_t kaon_linear_workspace(int k, int rows) {
+    /* k: the inputs' true width (k_in). Weights packed to whole blocks read k rounded up to QBLOCK, their rows first
+     * copied zero-padded to it (kaon_linear): room for that copy ahead of the rest where k is not whole blocks. */
+    const size_t padded_copy = k % QBLOCK ? ((size_t)rows * (k + QBLOCK - k % QBLOCK) * sizeof(float) + 63) & ~(size_t)63
+                                          : 0;
+    k += -k & (QBLOCK - 1);
     /* room for two int8 passes of every row (act_passes 2), and their pair layout (KAON_PAIRS); FP8_A8's
      * rounded rows (4 bytes a value) and INT8_A8's int8 rows with their scales and INT8_S8's int16 rows fit in the first two terms */
-    return 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK))
+    return padded_copy + 2 * (size_t)rows * ((size_t)k + 5 * sizeof(float) * (k / QBLOCK))
            + 2 * (size_t)rows * ((size_t)k + 3 * sizeof(float) * (k / QBLOCK)) + 128
            + (size_t)(k / QBLOCK) * (8 * 64 + 6 * 16 * sizeof(float)) + 64;  /* HalfRow (KAON_PAIRS, batch 1) */
 }
@@ -2151,6 +2158,20 @@ static void linear_chunk(const void *arg, int begin, int end) {
 
 void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work, int threads) {
     const int k = l->k, blocks = k / QBLOCK;
+    if (l->k_in > 0 && l->k_in < k) {
+        /* Weights packed with k - k_in zero columns (a width that is not whole blocks of QBLOCK): each row copied to
+         * k floats, its last k - k_in zero, so every kernel below runs unchanged on whole blocks (the SIMD variants
+         * this CPU lacks too: nothing in their loops changes). A zero lane leaves its block's amax, scale and sums
+         * alone and quantizes to 0, and a zero weight times it adds an exact 0: the row's numbers are those of its
+         * true width, and still depend on that row alone. */
+        float *padded = (float *)work;
+        for (int r = 0; r < rows; r++) {
+            memcpy(padded + (size_t)r * k, x + (size_t)r * l->k_in, (size_t)l->k_in * sizeof(float));
+            memset(padded + (size_t)r * k + l->k_in, 0, (size_t)(k - l->k_in) * sizeof(float));
+        }
+        x = padded;
+        work = (int8_t *)work + (((size_t)rows * k * sizeof(float) + 63) & ~(size_t)63);
+    }
     const int narrow = l->kind != KIND_F32 && l->kind != KIND_F32_T && l->kind != KIND_F16 && l->kind != KIND_BF16
                        && l->kind != KIND_F16_T && l->kind != KIND_BF16_T && l->kind != KIND_FP8
                        && l->kind != KIND_FP8_A8 && l->kind != KIND_FP8_BLOCK && l->kind != KIND_FP8_STATIC
@@ -2771,8 +2792,14 @@ static void experts_mlp(const Experts *ex, int rows, int hidden, const float *x,
 size_t kaon_decode_workspace(const Model *md, int rows, int max_blocks) {
     size_t h = md->hidden, inter = md->intermediate, attn = (size_t)md->num_heads * md->head_dim;
     size_t qkv = attn + 2 * (size_t)md->num_kv_heads * md->head_dim;
-    size_t widest = h > inter ? h : inter;
-    if (attn > widest) widest = attn;
+    /* each projection's input width: the widest's room, and a narrower width's where it is not whole blocks
+     * (its zero-padded copy, kaon_linear_workspace) */
+    size_t linear_room = 0;
+    const size_t inputs[3] = {h, inter, attn};
+    for (int i = 0; i < 3; i++) {
+        const size_t need = kaon_linear_workspace((int)inputs[i], rows);
+        if (need > linear_room) linear_room = need;
+    }
     size_t per_row = 2 * h + qkv + attn + 3 * inter + attn / md->head_dim * max_blocks * md->block_size;
     size_t experts = 0;  /* the widest MoE layer's scratch (experts_mlp), after the scores */
     for (int li = 0; li < md->num_layers; li++) {
@@ -2780,9 +2807,10 @@ size_t kaon_decode_workspace(const Model *md, int rows, int max_blocks) {
         if (!e) continue;
         const size_t need = experts_floats(e, rows, md->hidden);
         if (need > experts) experts = need;
-        if ((size_t)e->width > widest) widest = e->width;
+        const size_t need_linear = kaon_linear_workspace(e->width, rows);
+        if (need_linear > linear_room) linear_room = need_linear;
     }
-    return rows * per_row + experts + kaon_linear_workspace((int)widest, rows) / sizeof(float) + 16;
+    return rows * per_row + experts + linear_room / sizeof(float) + 16;
 }
 
 /* The rows' partial sums of a row-parallel projection (o, down) summed over the ranks, before anything

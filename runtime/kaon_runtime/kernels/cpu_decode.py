@@ -66,7 +66,10 @@ class Linear(ctypes.Structure):
                 ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
                 ("gmins", ctypes.c_void_p), ("high", ctypes.c_void_p), ("act_passes", ctypes.c_int32),
                 ("block_rows", ctypes.c_int32), ("block_cols", ctypes.c_int32), ("input_scale", ctypes.c_float),
-                ("perm", ctypes.c_void_p)]  # REF_Q4 / REF_Q8_G16: act-order's int64 column order, or None
+                ("perm", ctypes.c_void_p),  # REF_Q4 / REF_Q8_G16: act-order's int64 column order, or None
+                # the inputs' true width where the weights were packed with zero columns to whole blocks of QBLOCK
+                # (k then that padded width; kaon_linear copies each row zero-padded to it); 0: k (padded_columns)
+                ("k_in", ctypes.c_int32)]
 
 
 # How the narrow kernels quantize activations (KAON_CPU_ACTIVATIONS): "int8", one int8 pass per block
@@ -314,6 +317,15 @@ class LinearWeights:
                         act_passes=1 if kind in UNQUANTIZED_INPUTS else activation_passes())
         return cls(struct, list(kept.values()), list(kept))
 
+    def with_true_width(self, k_in: int) -> LinearWeights:
+        """These weights, packed with zero or padding columns past the inputs' true width k_in up to struct.k (int4's
+        quantizer pads to whole groups, quant/int4.py), read from inputs k_in wide (Linear.k_in: kaon_linear copies
+        each row zero-padded to k). Itself where k_in is k."""
+        if not 0 < k_in <= self.struct.k:
+            raise ValueError(f"an input width of {k_in} for weights {self.struct.k} wide")
+        self.struct.k_in = k_in if k_in < self.struct.k else 0
+        return self
+
     def named(self) -> dict[str, torch.Tensor]:
         """The tensors by the struct field each fills (w, scales, d, m, gscales, gmins, high, bias, perm)."""
         return dict(zip(self.names, self.tensors, strict=True))
@@ -438,18 +450,24 @@ class LinearWeights:
             raise ValueError(f"ref_q8_g16 reads a Q8_G16 weight, got kind {held.struct.kind}")
         struct = Linear.from_buffer_copy(held.struct)
         struct.kind = KIND_REF_Q8_G16
+        if perm is not None and struct.k_in:  # packed with zero columns: they keep their places (kaon_linear pads x
+            perm = torch.cat([perm.to(torch.int64), torch.arange(struct.k_in, struct.k)])  # before it gathers)
         kept = _perm(perm, struct.k)
         struct.perm = _ptr(kept.get("perm"))
         return cls(struct, [*held.tensors, *kept.values()], [*held.names, *kept])
 
     @classmethod
     def int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
-        """kaon's int8: int8 [N, K], one float scale per output; the C kernel reads a copy, interleaved."""
+        """kaon's int8: int8 [N, K], one float scale per output; the C kernel reads a copy, interleaved. At a K that
+        is not whole blocks of QBLOCK the copy gets zero columns up to the next block (padded_columns)."""
         n, k = qweight.shape
-        _check_blocks(k)
+        qweight = padded_columns(qweight)
+        kp = qweight.shape[1]
         # [groups, 8 lanes, K/4, 4] -> [groups, K/4, 8 lanes, 4]: four k of eight outputs per vector
-        w = _pad_rows(qweight).reshape(-1, LANES, k // 4, 4).transpose(1, 2)
-        return cls._make(KIND_INT8, n, k, bias, w=w, scales=_pad_rows(scales.float()))
+        w = _pad_rows(qweight).reshape(-1, LANES, kp // 4, 4).transpose(1, 2)
+        made = cls._make(KIND_INT8, n, kp, bias, w=w, scales=_pad_rows(scales.float()))
+        made.struct.k_in = k if kp != k else 0
+        return made
 
     @classmethod
     def q4_1(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -469,16 +487,21 @@ class LinearWeights:
     @classmethod
     def q8_g16(cls, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                bias: torch.Tensor | None = None) -> LinearWeights:
-        """int8 [N, K] with float32 scales (and mins, or None) [N, K / 16]: w = q * scale + min."""
+        """int8 [N, K] with float32 scales (and mins, or None) [N, K / 16]: w = q * scale + min. At a K of an odd
+        number of groups (not whole blocks of QBLOCK) the copy gets a group of zero weights, scale and min 0
+        (padded_columns; Linear.k_in the true K)."""
         n, k = qweight.shape
-        _check_blocks(k)
-        if scales.shape != (n, k // G16) or (mins is not None and mins.shape != scales.shape):
+        if k % G16 or scales.shape != (n, k // G16) or (mins is not None and mins.shape != scales.shape):
             raise ValueError(f"q8_g16 needs groups of {G16}: scales {tuple(scales.shape)} for a {n} x {k} weight")
-        w = _pad_rows(qweight).reshape(-1, LANES, k // 4, 4).transpose(1, 2)
+        qweight = padded_columns(qweight)
+        kp = qweight.shape[1]
+        w = _pad_rows(qweight).reshape(-1, LANES, kp // 4, 4).transpose(1, 2)
         # [groups, 8 lanes, blocks, 2 halves] -> [groups, blocks, 2 halves, 8 lanes]
-        per_block = {name: _pad_rows(t.float()).reshape(-1, LANES, k // QBLOCK, 2).permute(0, 2, 3, 1)
-                     for name, t in (("gscales", scales), ("gmins", mins)) if t is not None}
-        return cls._make(KIND_Q8_G16, n, k, bias, w=w, **per_block)
+        per_block = {name: _pad_rows(padded_columns(t.float(), G16)).reshape(-1, LANES, kp // QBLOCK, 2)
+                     .permute(0, 2, 3, 1) for name, t in (("gscales", scales), ("gmins", mins)) if t is not None}
+        made = cls._make(KIND_Q8_G16, n, kp, bias, w=w, **per_block)
+        made.struct.k_in = k if kp != k else 0
+        return made
 
 
     @classmethod
@@ -545,11 +568,11 @@ def plain_int8(held: LinearWeights, ids: torch.Tensor | None = None) -> tuple[to
     """int8's interleaved copy (LinearWeights.int8) back as int8 [N, K] and float32 scales [N] (a copy), or only
     the rows `ids`: what a module holding only that copy hands torch's paths (quant/kernel_layout.py)."""
     assert held.struct.kind == KIND_INT8
-    named, n = held.named(), held.struct.n
+    named, n, k = held.named(), held.struct.n, held.struct.k_in or held.struct.k
     w, scales = named["w"], named["scales"]  # [groups, K / 4, 8 lanes, 4], [N padded to lanes]
-    if ids is None:
-        return w.transpose(1, 2).reshape(-1, held.struct.k)[:n], scales[:n]
-    return w[ids // LANES, :, ids % LANES].reshape(len(ids), -1), scales[ids]
+    if ids is None:  # (the padding columns dropped: a copy either way)
+        return w.transpose(1, 2).reshape(-1, held.struct.k)[:n, :k].contiguous(), scales[:n]
+    return w[ids // LANES, :, ids % LANES].reshape(len(ids), -1)[:, :k].contiguous(), scales[ids]
 
 
 def plain_q4(held: LinearWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -571,6 +594,15 @@ def _check_blocks(k: int) -> None:
         raise ValueError(f"in_features {k} is not a multiple of {QBLOCK}")
 
 
+def padded_columns(t: torch.Tensor, per_column: int = 1) -> torch.Tensor:
+    """t [N, K] with zero columns up to a multiple of QBLOCK (t itself where K already is one): the narrow kinds'
+    packing at widths that are not whole blocks. kaon_linear copies each input row zero-padded to the same width
+    (Linear.k_in), so a zero weight only ever meets a zero input, and the kernels run on whole blocks unchanged.
+    per_column: how many inputs a column of t covers (a group's scales: 16), so that t covers whole blocks."""
+    missing = -t.shape[1] % (QBLOCK // per_column)
+    return torch.cat([t, t.new_zeros((t.shape[0], missing))], dim=1) if missing else t
+
+
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     """t with its first dimension padded with zeros to a multiple of LANES (the kernels' output groups)."""
     missing = -t.shape[0] % LANES
@@ -584,7 +616,7 @@ def linear(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     x = x.float().contiguous()
     out = torch.empty(rows, weights.struct.n, dtype=torch.float32)
-    work = torch.empty(lib.kaon_linear_workspace(weights.struct.k, rows), dtype=torch.uint8)
+    work = torch.empty(lib.kaon_linear_workspace(weights.struct.k_in or weights.struct.k, rows), dtype=torch.uint8)
     lib.kaon_linear(ctypes.byref(weights.struct), rows, x.data_ptr(), out.data_ptr(), work.data_ptr(),
                     torch.get_num_threads())
     return out

@@ -161,7 +161,8 @@ DTYPES = tuple(cpu_decode.FLOAT_KINDS)
 def blocker(config: ModelConfig, tp_size: int = 1, quantization: str = "none") -> str | None:
     """Why the fused step cannot run this model on this many ranks under this quantization (the
     model's options as one rank holds them, or no C compiler), or None when it can."""
-    reason = unsupported(config, quantization) or (unsupported_shard(config, tp_size) if tp_size > 1 else None)
+    reason = unsupported(config, quantization) or (unsupported_shard(config, tp_size, quantization) if tp_size > 1
+                                                   else None)
     if reason is None and quantization not in READABLE_QUANTIZATIONS:
         reason = f"{quantization} weights"
     if reason is None and cpu_decode.library() is None:
@@ -174,32 +175,45 @@ def any_width(quantization: str) -> bool:
     float32, float16, bfloat16) do: their kernels, the norms and attention sum over the true width with scalar
     tails in one order per row (cpu_decode.c tile_f32, f32_t_outputs, dot_f32, attention_scores/values), so a
     model whose hidden or MLP width is not whole blocks of 32 (e.g. 48 / 80) stays on the invariant step instead
-    of torch's GEMMs (issue 49 §2). The narrow kinds (int8, int4: activations in int8 blocks of QBLOCK, outputs
-    interleaved by LANES) and the fp8 / reference kinds (untested at odd widths) still need whole blocks."""
-    return quantization == "none"
+    of torch's GEMMs (issue 49 §2). int8 does too: kaon's int8 and group int8 (narrow kinds: activations in int8
+    blocks of QBLOCK) are packed with zero columns up to whole blocks and each input row copied zero-padded to them
+    (cpu_decode.padded_columns, Linear.k_in), so every sum is the true width's; W8A8 int8 (INT8_A8, INT8_S8) and
+    int8's reference kind (REF_INT8) sum over any K with tails. fp8 too: its kinds (FP8, FP8_A8, FP8_STATIC,
+    FP8_BLOCK) read any K, and the vocabulary head's int8 copy is padded as int8 is. Each is tested at hidden 48 /
+    MLP 80 / head_dim 12 (test_cpu_decode_oddquant.py). int4 too: kaon's quantizer pads K to whole groups of 32
+    (quant/int4.py quantize_int4, the padding columns copies of the row's last weight so no group's range moves) and
+    per-channel int4 checkpoints are padded as they load (checkpoint_formats/loaded.py), their inputs zero-padded
+    (Linear.k_in, and Int4Linear's torch path); int4 checkpoints in other groups divide K, which REF_Q4 reads as it
+    is, and are otherwise not cpu_fused. Still refused: odd expert widths and tensor-parallel shards (unsupported)."""
+    return quantization in ("none", "int8", "fp8", "int4")
 
 
 def unsupported(config: ModelConfig, quantization: str = "none") -> str | None:
-    """Why the fused step cannot run this model with these weights (see any_width), or None when it can. The
-    experts' width must be whole blocks at every quantization (odd expert widths are untested)."""
+    """Why the fused step cannot run this model with these weights (see any_width), or None when it can. The experts'
+    width as the dense ones (experts_mlp runs each expert's projections through kaon_linear: test_cpu_decode_oddquant's
+    mixture-of-experts tests)."""
     dense_widths = config.hidden_size % cpu_decode.QBLOCK or config.intermediate_size % cpu_decode.QBLOCK
-    # o's input (the heads' width) too where int8 / int4 weights may take the narrow kinds: without it the
-    # blocker passed e.g. head_dim 20 x 4 heads = 80 and the step's packing raised at load (_check_blocks)
-    heads_width = (config.num_heads * config.head_dim) % cpu_decode.QBLOCK and quantization in ("int8", "int4")
+    # o's input (the heads' width) too where weights may take kinds that need whole blocks: without it the
+    # blocker passed e.g. int4 at head_dim 20 x 4 heads = 80 and the step's packing raised at load (_check_blocks)
+    heads_width = (config.num_heads * config.head_dim) % cpu_decode.QBLOCK and not any_width(quantization)
+    experts_width = config.moe_intermediate_size % cpu_decode.QBLOCK  # (experts_mlp: kaon_linear per expert)
     reasons = [
         (config.hidden_act not in cpu_decode.ACTIVATIONS_C, f"the {config.hidden_act} activation"),
-        ((dense_widths and not any_width(quantization)) or heads_width
-         or config.moe_intermediate_size % cpu_decode.QBLOCK, f"widths that are not multiples of {cpu_decode.QBLOCK}"),
+        (((dense_widths or experts_width) and not any_width(quantization)) or heads_width,
+         f"widths that are not multiples of {cpu_decode.QBLOCK}"),
     ]
     found = [reason for applies, reason in reasons if applies]
     return ", ".join(found) or None
 
 
-def unsupported_shard(config: ModelConfig, tp_size: int) -> str | None:
-    """Why the fused step cannot run one tensor-parallel rank's shard, or None: the rank's inputs of the
-    row-parallel projections (its MLP width, its heads' width) must be whole activation blocks too (at every
-    quantization so far: a float rank's shard at odd widths is untested, tests/integration/
-    test_tensor_parallel_step.py)."""
+def unsupported_shard(config: ModelConfig, tp_size: int, quantization: str = "none") -> str | None:
+    """Why the fused step cannot run one tensor-parallel rank's shard, or None. Float shards at any width (each rank's
+    projections are float kernels at its widths, and the rank-order sum does not depend on them: tests/integration/
+    test_tensor_parallel_step.py's odd-width case); quantized ones still need the rank's inputs of the row-parallel
+    projections (its MLP width, its heads' width, its experts' width) in whole activation blocks: their shards at odd
+    widths are untested."""
+    if quantization == "none":
+        return None
     local = local_config(config, tp_size)
     widths = {"MLP width": local.intermediate_size, "heads' width": local.num_heads * local.head_dim,
               "experts' width": local.moe_intermediate_size}

@@ -2,9 +2,10 @@
 
 The decoder exports its layers through a declared interface (FusedDecoder.fused_weights: FusedWeights of
 FusedLayers, FusedExperts for a mixture-of-experts layer); the functions below turn one part at a time into
-kernels/cpu_decode.py's ctypes structs, reading the tensors in place (no copy but the float32 norms and
-router): a projection in whatever layout it is held (linear_weights; the reference mode's weight-only kinds,
-reference_weights), a layer's experts (experts_struct), a projection's LoRA slots (lora_slots).
+kernels/cpu_decode.py's ctypes structs, reading the tensors in place (no copy but the float32 norms and router,
+and group int8's padded copy at widths that are not whole blocks, group_int8_copy): a projection in whatever
+layout it is held (linear_weights; the reference mode's weight-only kinds, reference_weights), a layer's experts
+(experts_struct), a projection's LoRA slots (lora_slots).
 models/cpu_decode_step.py builds the whole model's structs from them and runs the step.
 """
 from __future__ import annotations
@@ -101,7 +102,7 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     quantized: Any = module  # quant's linears: their tensors are plain attributes
     # held in the kernel's own layout (quant/group_int8.py, bit_planes.py, kernel_layout.py): the struct re-pointed
     # at the module's buffers as they are now (sleep level 2 swaps their storage)
-    held = getattr(module, "kernel_weights", None)
+    held = getattr(module, "kernel_weights", None) or group_int8_copy(module)
     if held is not None:
         return held.rebound()
     fused = getattr(module, "fused_cpu_weights", None)  # read in place: fp8 (quant/fp8.py, quant/dynamic_fp8.py)
@@ -110,10 +111,26 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     if qweight is not None and qweight.dtype == torch.int8:
         return cpu_decode.LinearWeights.int8(qweight, quantized.scales, bias)
     if getattr(module, "group_size", None) == cpu_decode.QBLOCK and hasattr(module, "packed"):
-        if quantized.scales.dtype == torch.float32:  # GGUF Q4_K's exact scales
-            return cpu_decode.LinearWeights.q4_f32(quantized.packed, quantized.scales, quantized.mins, bias)
-        return cpu_decode.LinearWeights.q4_1(quantized.packed, quantized.scales, quantized.mins, bias)
+        # (int4 at a K that is not whole groups: packed to whole groups, its inputs zero-padded, quant/int4.py)
+        f32 = quantized.scales.dtype == torch.float32  # GGUF Q4_K's exact scales
+        make = cpu_decode.LinearWeights.q4_f32 if f32 else cpu_decode.LinearWeights.q4_1
+        return make(quantized.packed, quantized.scales, quantized.mins, bias).with_true_width(quantized.in_features)
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
+
+
+def group_int8_copy(module: nn.Module) -> cpu_decode.LinearWeights | None:
+    """A group-int8 linear (quant/group_int8.py) that does not hold the kernel's layout because its K is not whole
+    blocks of 32 (e.g. a GPTQ 8-bit checkpoint's groups of 16 at K = 48): a Q8_G16 copy packed with a zero group
+    (cpu_decode.padded_columns), beside the module's own tensors. None for every other module."""
+    if getattr(module, "kernel_weights", None) is not None or not hasattr(module, "group_scales"):
+        return None
+    weight: Any = getattr(module, "weight", None)
+    if weight is None or weight.group_size % cpu_decode.G16 or weight.qweight.device.type != "cpu":
+        return None
+    repeat = weight.group_size // cpu_decode.G16  # the kernel's groups of 16 (quant/group_int8.in_groups_of_16)
+    scales = weight.scales.float().repeat_interleave(repeat, 1)
+    mins = None if weight.mins is None else weight.mins.float().repeat_interleave(repeat, 1)
+    return cpu_decode.LinearWeights.q8_g16(weight.qweight, scales, mins, getattr(module, "bias", None))
 
 
 def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
@@ -130,12 +147,15 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
         return None
     quantized: Any = target
     bias = getattr(target, "bias", None)
-    held = getattr(target, "kernel_weights", None)
+    held = getattr(target, "kernel_weights", None) or group_int8_copy(quantized)
     if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
         return cpu_decode.LinearWeights.ref_q8_g16(held.rebound(), perm)
     if hasattr(target, "packed"):
+        padded = quantized.packed.shape[1] * 2
+        if perm is not None and quantized.in_features < padded:  # (the padding columns keep their places)
+            perm = torch.cat([perm.to(torch.int64), torch.arange(quantized.in_features, padded)])
         return cpu_decode.LinearWeights.ref_q4(quantized.packed, quantized.scales, quantized.mins,
-                                               quantized.group_size, bias, perm)
+                                               quantized.group_size, bias, perm).with_true_width(quantized.in_features)
     qweight = getattr(target, "qweight", None)
     if perm is None and qweight is not None and qweight.dtype == torch.int8 and quantized.scales.dim() == 1:
         return cpu_decode.LinearWeights.ref_int8(qweight, quantized.scales, bias)

@@ -32,11 +32,20 @@ class Int4Weight:
     scales: torch.Tensor  # float16 [N, K / group_size]
     mins: torch.Tensor  # float16 [N, K / group_size]
     group_size: int
+    # The inputs' true width where K above was padded to whole groups (quantize_int4's pad); None: K
+    in_features: int | None = None
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Weight:
-    """Asymmetric min/max quantization per group; scales and mins are stored as float16 like Q4_1's."""
+def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, pad: bool = False) -> Int4Weight:
+    """Asymmetric min/max quantization per group; scales and mins are stored as float16 like Q4_1's. pad: a K that
+    is not whole groups gets columns up to the next group, copies of the row's last weight, so that the last group's
+    range (and so every true weight's value) is its true columns' alone; Int4Linear feeds them zero inputs."""
     rows, k = weight.shape
+    if k % group_size and pad:
+        weight = torch.cat([weight, weight[:, -1:].expand(rows, -k % group_size)], dim=1)
+        padded = quantize_int4(weight, group_size)
+        padded.in_features = k
+        return padded
     if k % group_size:
         raise ValueError(f"int4: in_features {k} is not a multiple of the group size {group_size}")
     w = weight.float().reshape(rows, -1, group_size)
@@ -56,7 +65,8 @@ class Int4Linear(QuantizedLinear):
     mins: torch.Tensor
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None):
-        super().__init__(weight.packed.shape[1] * 2, weight.packed.shape[0], bias)
+        super().__init__(weight.in_features or weight.packed.shape[1] * 2, weight.packed.shape[0], bias)
+        self.padded_features = weight.packed.shape[1] * 2  # the packed K: in_features, or whole groups past it
         self.group_size = weight.group_size
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
@@ -65,7 +75,8 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
-        return cls(quantize_int4(linear.weight.detach(), group_size), linear.bias)
+        # (a K that is not whole groups: padded, see quantize_int4; the fused CPU step then reads it at any width)
+        return cls(quantize_int4(linear.weight.detach(), group_size, pad=True), linear.bias)
 
     # The fused CPU step's interleaved copy, once the module holds only that (quant/kernel_layout.py); None: its own
     kernel_weights: cpu_decode.LinearWeights | None = None
@@ -77,18 +88,21 @@ class Int4Linear(QuantizedLinear):
                 and kernel_layout.can_hold(self, self.packed)):
             f32 = self.scales.dtype == torch.float32  # (GPTQ / AWQ / compressed-tensors' exact float32 scales)
             make = cpu_decode.LinearWeights.q4_f32 if f32 else cpu_decode.LinearWeights.q4_1
-            held = make(self.packed, self.scales, self.mins, self.bias)
+            held = make(self.packed, self.scales, self.mins, self.bias).with_true_width(self.in_features)
             self._cpu_weight = None
             kernel_layout.hold(self, held, drop=("packed", "scales", "mins"))
         return self.kernel_weights
 
     def int4_weight(self) -> Int4Weight:
         """The weight in kaon's int4 layout: its own tensors, or rebuilt from the held copy (groups of 32)."""
+        true_width = self.in_features if self.in_features != self.padded_features else None
         if self.kernel_weights is None:
-            return Int4Weight(self.packed, self.scales, self.mins, self.group_size)
-        return Int4Weight(*cpu_decode.plain_q4(self.kernel_weights), self.group_size)
+            return Int4Weight(self.packed, self.scales, self.mins, self.group_size, true_width)
+        return Int4Weight(*cpu_decode.plain_q4(self.kernel_weights), self.group_size, true_width)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != self.padded_features:  # zero inputs for the padding columns: each adds an exact 0
+            x = torch.nn.functional.pad(x, (0, self.padded_features - x.shape[1]))
         kernel = kernel_for(x, self.reference)
         if self.kernel_weights is not None:  # held in the C step's layout only (CPU)
             plain = (*cpu_decode.plain_q4(self.kernel_weights), self.group_size)

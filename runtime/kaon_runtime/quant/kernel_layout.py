@@ -16,8 +16,9 @@ layout from the start.) What still runs the module's own forward then reads that
   - a tied vocabulary lookup (Int8Linear.rows) reads the rows it needs out of the interleaved copy.
 
 Left as they were (nothing to hold, or no step to hold for): linears of the reference mode (--dtype float32; the
-step reads their own layouts in place), int4 in other groups, widths that are not whole blocks of 32, any
-weight off the CPU (the GPU path), a machine without a C compiler, and models the step does not run (`blocker`).
+step reads their own layouts in place), int4 in other groups, any weight off the CPU (the GPU path), a machine
+without a C compiler, and models the step does not run (`blocker`). (At widths that are not whole blocks of 32 the
+held int8 copy is packed with zero columns, cpu_decode.padded_columns, and int4 is quantized to whole groups.)
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ from kaon_runtime.kernels.quant_gemm_cpu import DENSE_ROWS
 
 def can_hold(module: nn.Module, weight: torch.Tensor) -> bool:
     """Whether `module` (its narrow weight `weight`) may give up its own layout for the C step's."""
+    # (any width: int8's copy is packed with zero columns to whole blocks; int4 holds only in groups of 32)
     return (weight.device.type == "cpu" and not getattr(module, "reference", False)
-            and getattr(module, "in_features", 0) % cpu_decode.QBLOCK == 0 and cpu_decode.library() is not None)
+            and cpu_decode.library() is not None)
 
 
 def hold(module: nn.Module, held: cpu_decode.LinearWeights, drop: tuple[str, ...]) -> cpu_decode.LinearWeights:

@@ -89,10 +89,15 @@ def _keep_experts(model: nn.Module, given: dict[str, Int4Weight | GroupInt8Weigh
     return kept
 
 
+def quantize_head(model: nn.Module) -> None:
+    """The vocabulary head's int8 copy, from its float table (quant/on_load.py: as soon as the table has loaded)."""
+    _quantize_head(model)
+
+
 def _quantize_head(model: nn.Module, table: object = None) -> None:
     head = getattr(model, "lm_head", None)
-    if head is None or not hasattr(head, "quantized"):
-        return
+    if head is None or not hasattr(head, "quantized") or head.quantized is not None:
+        return  # (no head, or quantized already: as its table loaded, quant/on_load.py)
     if head.weight_t is None:  # its float table was never allocated (quant/pending.py hold_table)
         if not isinstance(table, GroupInt8Weight):
             raise ValueError("the vocabulary table's place was held but no int8 table was given")
@@ -102,8 +107,11 @@ def _quantize_head(model: nn.Module, table: object = None) -> None:
     # Row by row in chunks (quant/row_chunks.py): the table is the largest tensor, and whole-table
     # temporaries would be the load's peak.
     # A table int8 holds exactly shows it in its first rows already: any other skips the whole group-int8 try.
-    if tied and equal_after_group_int8(quantize_group_int8_rows(head.weight_t.t()[:CHUNK_ROWS]),
-                                       head.weight_t.t()[:CHUNK_ROWS]):
+    # (only at a width of whole groups of 32, quantize_group_int8's: a GGUF's Q8_0 table always is one, and another
+    # width raised here, so a tied model at hidden 48 could not be quantized at all)
+    whole_groups = head.weight_t.shape[0] % 32 == 0
+    if tied and whole_groups and equal_after_group_int8(quantize_group_int8_rows(head.weight_t.t()[:CHUNK_ROWS]),
+                                                        head.weight_t.t()[:CHUNK_ROWS]):
         table = quantize_group_int8_rows(head.weight_t.t())
         if equal_after_group_int8(table, head.weight_t.t()):  # a GGUF's Q8_0 table: held once, exactly
             head.quantized = GroupInt8Linear(table)
@@ -112,6 +120,11 @@ def _quantize_head(model: nn.Module, table: object = None) -> None:
     head.quantized = Int8Linear(*quantize_int8_rows(head.weight_t.t()))
     if not tied:
         head.weight_t = None  # the token lookup has its own table, nothing reads the float head now
+
+
+def quantized_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """`linear`'s `method` twin, from its float weight (quant/on_load.py quantizes each linear as it loads)."""
+    return _quantized(linear, method, group_size, None)
 
 
 def _quantized(linear: nn.Linear, method: str, group_size: int,

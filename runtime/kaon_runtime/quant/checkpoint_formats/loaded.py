@@ -86,6 +86,13 @@ def _groups_of_32(weight: Int4Weight) -> Int4Weight:
     """Wider int4 groups as groups of 32, their scale and offset repeated: the fused CPU step reads only
     those (a quarter more memory for groups of 128, for its speed); the values are the same."""
     size = weight.group_size
+    k = weight.packed.shape[1] * 2
+    if size == k and size % QBLOCK:  # one group per row (per channel) at a K that is not whole blocks: padded to
+        q = unpack_int4(weight.packed, size)  # them, zero inputs for the padding (Int4Linear); the values the same
+        q = torch.nn.functional.pad(q, (0, -k % QBLOCK))
+        repeat = q.shape[1] // QBLOCK
+        return Int4Weight(pack_int4(q, QBLOCK), weight.scales.repeat_interleave(repeat, 1),
+                          weight.mins.repeat_interleave(repeat, 1), QBLOCK, k)
     if size <= QBLOCK or size % QBLOCK:
         return weight
     q = unpack_int4(weight.packed, size)

@@ -171,8 +171,9 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(activations, monkeypatch):
 
 
 def test_a_layout_it_cannot_read_is_refused():
+    # (int8 reads any K now, packed with zero columns: test_cpu_decode_oddquant.py; GGUF's Q6_K needs whole blocks)
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_decode.LinearWeights.int8(*quantize_int8(torch.randn(8, 40)))
+        cpu_decode.LinearWeights.q6_g16(torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 3))
     w = quantize_int4(torch.randn(16, 128), 64)
     with pytest.raises(ValueError, match="groups of 32"):
         cpu_decode.LinearWeights.q4_1(w.packed, w.scales, w.mins)
@@ -462,12 +463,13 @@ def test_what_it_cannot_run_is_named():
     assert blocker(tiny_config(), quantization="fp8") is None  # per channel (test_cpu_decode_fp8.py)
     unread = "compressed-tensors pack-quantized int4 (group 48)"  # a checkpoint's description (a layout it cannot read)
     assert unread in blocker(tiny_config(), quantization=unread)
-    # Tensor parallelism: each rank's shard, whose row-parallel inputs must be whole blocks too (tests/integration/
-    # test_tensor_parallel_step.py); 96 / 2 = 48 is not
-    assert blocker(tiny_config(intermediate_size=128), tp_size=2) is None
-    assert "a rank's MLP width 48 at tensor_parallel_size 2" in blocker(tiny_config(), tp_size=2)
+    # Tensor parallelism: each rank's shard, whose row-parallel inputs must be whole blocks too under quantization
+    # (tests/integration/test_tensor_parallel_step.py; float shards at any width); 96 / 2 = 48 is not
+    assert blocker(tiny_config(intermediate_size=128), tp_size=2, quantization="int8") is None
+    assert "a rank's MLP width 48 at tensor_parallel_size 2" in blocker(tiny_config(), tp_size=2, quantization="int8")
     assert "a rank's heads' width 16 at tensor_parallel_size 4" in blocker(tiny_config(intermediate_size=128),
-                                                                            tp_size=4)
+                                                                            tp_size=4, quantization="int4")
+    assert blocker(tiny_config(), tp_size=2) is None
     model, _ = random_model(tiny_config(), blocks=2)
     layer = model.model.layers[0].mlp
     qweight, scales = quantize_fp8(layer.down_proj.weight.detach())

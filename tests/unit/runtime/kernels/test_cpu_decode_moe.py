@@ -148,4 +148,5 @@ def test_a_row_gets_the_same_bits_alone_or_beside_rows_sharing_its_experts(exper
 def test_what_it_runs_and_what_it_names():
     assert unsupported(tiny_config(**MOES["mixtral"])) is None
     assert unsupported(tiny_config(**MOES["qwen3_moe-dense-layer-1"])) is None
-    assert "multiples of 32" in unsupported(tiny_config(**dict(MOES["mixtral"], moe_intermediate_size=48)))
+    # (experts 48 wide: test_cpu_decode_oddquant.py)
+    assert unsupported(tiny_config(**dict(MOES["mixtral"], moe_intermediate_size=48))) is None

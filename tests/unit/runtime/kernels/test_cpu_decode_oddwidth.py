@@ -3,7 +3,7 @@
 The float kernels, the norms and attention of cpu_decode.c sum over the true width (8-lane loops, then scalar
 tails, one order per row), so a hidden width of 48 and an MLP width of 80 (head_dim 12: not a multiple of 8
 either) need no padding: the engine sends such a float model to the C step (blocker None) instead of torch's
-GEMMs, whose answers move with the batch. int8 / int4 weights (activations in int8 blocks of 32) still refuse it.
+GEMMs, whose answers move with the batch. (int8 and fp8 weights at these widths: test_cpu_decode_oddquant.py.)
 """
 from __future__ import annotations
 
@@ -20,14 +20,10 @@ pytestmark = pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode
 ODD = dict(hidden_size=48, intermediate_size=80, head_dim=12)  # 4 heads x 12 = 48: attention's width odd too
 
 
-def test_odd_widths_take_the_step_with_float_weights_only():
+def test_odd_widths_take_the_step_with_float_weights():
+    """(int8 and fp8 too, int4 not: test_cpu_decode_oddquant.py)"""
     assert blocker(tiny_config(**ODD)) is None
-    for method in ("int8", "int4", "fp8"):  # narrow kinds need whole blocks; fp8 at odd widths is untested
-        assert "not multiples of 32" in blocker(tiny_config(**ODD), quantization=method)
-    # o's input alone odd (4 heads x 20 = 80): int8 / int4 packing refuses it (it raised at load before)
-    assert blocker(tiny_config(head_dim=20)) is None
-    for method in ("int8", "int4"):
-        assert "not multiples of 32" in blocker(tiny_config(head_dim=20), quantization=method)
+    assert blocker(tiny_config(head_dim=20)) is None  # o's input alone odd (4 heads x 20 = 80)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

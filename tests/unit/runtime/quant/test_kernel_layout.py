@@ -17,21 +17,21 @@ from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
 N, K = 44, 96  # N not a multiple of the kernel's eight lanes: the padded rows must not show
 
 
-def _module(kind: str, bias: bool = True) -> torch.nn.Module:
+def _module(kind: str, bias: bool = True, k: int = K) -> torch.nn.Module:
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(N, K, generator=g) * 0.05
+    weight = torch.randn(N, k, generator=g) * 0.05
     b = torch.randn(N, generator=g) if bias else None
     if kind == "int8":
         return Int8Linear(*quantize_int8(weight), b)
-    quantized = quantize_int4(weight, 32)
+    quantized = quantize_int4(weight, 32, pad=True)
     if kind == "int4-f32":  # a GPTQ / AWQ / compressed-tensors weight's float32 scales and mins (Q4_F32)
         quantized.scales, quantized.mins = quantized.scales.float(), quantized.mins.float()
     return Int4Linear(quantized, b)
 
 
-def _pair(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _pair(kind: str, k: int = K) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The same weights twice: as loaded, and held in the kernel's layout."""
-    own, held = _module(kind), _module(kind)
+    own, held = _module(kind, k=k), _module(kind, k=k)
     assert hold_kernel_layout(held)
     return own, held
 
@@ -84,9 +84,31 @@ def test_what_the_step_does_not_read_keeps_its_own_layout():
     group_64 = Int4Linear(quantize_int4(torch.randn(16, 128), 64))
     reference = _module("int8")
     reference.reference = True  # the reference mode reads the module's own layout in place
-    narrow = Int8Linear(*quantize_int8(torch.randn(16, 48)))  # K not whole blocks of 32
-    for module in (group_64, reference, narrow):
+    for module in (group_64, reference):
         assert not hold_kernel_layout(module) and getattr(module, "kernel_weights", None) is None
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_width_that_is_not_whole_blocks_is_held_once_too(kind):
+    """K = 48: the held copy is packed with zero columns to 64 (int8) or quantized to whole groups (int4,
+    quantize_int4's pad); torch's path, the tied lookup and the plain weight read it back at the true width."""
+    own, held = _pair(kind, k=48)
+    assert linear_weights(held).struct.k_in == 48 and held.in_features == 48
+    assert _bytes(held) < 1.5 * _bytes(own)  # (int8: 64 / 48 of the weight; int4 pads before holding)
+    for x in (torch.randn(DENSE_ROWS + 3, 48), torch.randn(3, 48)):
+        expected = own(x)
+        if kind == "int4" and x.shape[0] < DENSE_ROWS:  # (held int4's few rows take the dense GEMM, as above)
+            weight = own.int4_weight()
+            expected = w4_dense_cpu(torch.nn.functional.pad(x, (0, 16)), weight.packed, weight.scales, weight.mins,
+                                    32) + own.bias
+        assert torch.equal(held(x), expected)
+    if kind == "int8":
+        ids = torch.tensor([N - 1, 0, 9])
+        assert torch.equal(held.rows(ids), own.rows(ids))
+        assert all(torch.equal(a, b) for a, b in zip(held.int8_weight(), own.int8_weight(), strict=True))
+    else:
+        a, b = held.int4_weight(), own.int4_weight()
+        assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales) and a.in_features == 48
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "group-int8"])
