@@ -82,8 +82,9 @@ def _fused(bits: int, group_size: int, act_order: bool, config: dict) -> bool:
 
 def reference_fused(bits: int, group_size: int) -> bool:
     """The fused CPU step's reference kinds (cpu_decode.c REF_*) read int4 in any group (act-order included) and
-    int8 per channel or in groups of 16's multiples (held in Q8_G16's layout: quant/group_int8.py)."""
-    return bits == 4 or group_size == -1 or group_size % 16 == 0
+    int8 per channel or in any group dividing K: groups of 16's multiples in Q8_G16's layout (REF_Q8_G16), others
+    as quant/group_int8.py holds them (REF_Q8_G)."""
+    return bits in (4, 8)
 
 
 def _check_groups(name: str, k: int, group_size: int) -> int:

@@ -111,10 +111,12 @@ def _step_kinds(llm: LLM) -> set[int]:
     return {linear_weights(m).struct.kind for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)}
 
 
-# Weight-only checkpoints whose reference mode takes the C step's three reference kinds, act-order included
+# Weight-only checkpoints whose reference mode takes the C step's four reference kinds, act-order included
 REFERENCE_DIRS = {
     "gptq-4bit-g64-asym-actorder": (("gptq", 4, 64, False, True), cpu_decode.KIND_REF_Q4),
     "gptq-8bit-g32-asym": (("gptq", 8, 32, False, False), cpu_decode.KIND_REF_Q8_G16),
+    # 8-bit groups that are not a multiple of 16 (Q8_G16 cannot hold them): read as the module holds them
+    "gptq-8bit-g8-asym-actorder": (("gptq", 8, 8, False, True), cpu_decode.KIND_REF_Q8_G),
     "w8a16-channel": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), cpu_decode.KIND_REF_INT8),
 }
 
