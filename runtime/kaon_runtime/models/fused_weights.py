@@ -105,6 +105,11 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     held = getattr(module, "kernel_weights", None) or group_int8_copy(module)
     if held is not None:
         return held.rebound()
+    if hasattr(module, "group_scales"):  # group int8 in groups Q8_G16 cannot hold (not a multiple of 16, e.g. 8):
+        # read as held with float32 activations (the reference kind: nearer the weights' arithmetic than torch's
+        # bfloat16 dense path these took before, and a row's numbers its own)
+        return cpu_decode.LinearWeights.ref_q8_g(quantized.qvalues, quantized.group_scales, quantized.group_mins,
+                                                 quantized.group_size, bias)
     fused = getattr(module, "fused_cpu_weights", None)  # read in place: fp8 (quant/fp8.py, quant/dynamic_fp8.py)
     if fused is not None:
         return fused()
