@@ -3,7 +3,7 @@
     python tests/support/load_memory.py MODEL [LLM keyword=value ...]
 
 prints one JSON line: {"peak": bytes, "settled": bytes, "seconds": s, "weights": bytes, "quantized": bytes,
-"released": bytes}. peak is the process's
+"released": bytes, "estimate": bytes}. peak is the process's
 high-water mark (VmHWM in /proc/self/status: the load, the KV pool, the first steps); settled is its
 resident memory once the engine has loaded and served a short greedy request (the engine's
 working size: weights in their kernel layouts, the KV pool, torch). A fresh process, because
@@ -12,6 +12,8 @@ weights is what the engine's model holds (every parameter, buffer and plain tens
 once), quantized the part of it in quantized linears, kv the KV pool's; released is how much resident memory
 closing the engine gave back (closed, collected, the heap trimmed): what the engine really held, copies nobody
 counts included (issue 49: the fused CPU step's copy of every int8 / int4 projection sat beside the module's own).
+estimate is the load's peak as the engine's memory check (engine/memory_fit.py, ModelDoesNotFit) counted it, under
+a limit too large to refuse anything (0: no estimate, a checkpoint without sizes).
 VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork and exec, so a child of a 7 GB
 pytest worker reported a 7 GB "peak" (CI, stop 55); VmHWM belongs to the new address space exec makes.
 """
@@ -45,7 +47,17 @@ def main() -> int:
         kwargs[key] = int(value) if value.isdigit() else value
     start = time.perf_counter()
     from kaon_runtime import LLM, SamplingParams
+    from kaon_runtime.engine import memory_fit
 
+    estimates: list[int] = []
+    check_fits = memory_fit.check_fits
+
+    def counted(peak, limit):
+        estimates.append(peak.total)
+        return check_fits(peak, limit)
+
+    memory_fit.memory_limit = lambda: 1 << 59  # (below "no limit"): the check runs and sizes the load
+    memory_fit.check_fits = counted
     llm = LLM(model, **kwargs)
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     settled = resident_bytes()
@@ -62,7 +74,8 @@ def main() -> int:
     except (OSError, AttributeError):
         pass
     print(json.dumps({"peak": peak, "settled": settled, "seconds": seconds, "weights": weights,
-                      "quantized": quantized, "kv": kv, "released": settled - resident_bytes()}))
+                      "quantized": quantized, "kv": kv, "released": settled - resident_bytes(),
+                      "estimate": max(estimates, default=0)}))
     return 0
 
 

@@ -8,11 +8,13 @@ restarts forever instead. The peak is estimated from the checkpoint's headers:
   weights          every tensor in the layout the engine keeps: a quantized tensor kept narrow at its stored
                    size (GGUF blocks, AWQ / GPTQ / compressed-tensors integers, FP8), the rest in the model's
                    dtype; everything in the model's dtype when it is dequantized or quantized from float
-                   (`--quantization` on a float checkpoint builds the float model first). Counted once because
+                   (`--quantization` on a float checkpoint: `quantized_on_load` then counts the linears at their
+                   quantized size, since each is quantized as it loads, quant/on_load.py). Counted once because
                    it is held once: the fused CPU step reads the modules' own buffers (quant/kernel_layout.py;
                    until 2026-11-30 it kept its own copy of every int8 / int4 projection, which this missed)
   float transient  the largest tensor that passes through float on its way in (one at a time: quant/pending.py,
-                   loader/gguf_file.py keep it to one)
+                   loader/gguf_file.py keep it to one); under `--quantization`, plus the largest linear's float
+                   weight and its quantization's temporaries
   KV cache         the pool the engine allocates on CPU
 
 The limit is the container's (cgroup v2 memory.max, or v1 memory.limit_in_bytes); without one nothing is
@@ -21,7 +23,7 @@ refused: a shared host's free memory moves too much to refuse on.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 _MiB = 1 << 20
@@ -53,6 +55,15 @@ def estimate(sizes: list[tuple[int, int, bool]], dtype_bytes: int, kept_narrow: 
             weights += elements * dtype_bytes
             transient = max(transient, elements * 4)  # it is made float32 on its way in
     return LoadPeak(resident, weights, transient, kv_cache)
+
+
+def quantized_on_load(peak: LoadPeak, float_bytes: int, quantized: int, transient: int) -> LoadPeak:
+    """`peak` (from `estimate`, which counts every float-checkpoint weight in the model's dtype) when linears of
+    `float_bytes` are quantized as they load (quant/on_load.py) to `quantized` bytes: only their quantized layout
+    stays, and one linear at a time passes through float beside the file's tensor (`transient`: its float weight
+    and its quantization's temporaries)."""
+    return replace(peak, weights=peak.weights - float_bytes + quantized,
+                   float_transient=peak.float_transient + transient)
 
 
 def check_fits(peak: LoadPeak, limit: int | None) -> str | None:

@@ -33,6 +33,7 @@ from kaon_runtime.models.registry import build_model
 from kaon_runtime.models.weights import target
 from kaon_runtime.quant import quantize_model
 from kaon_runtime.quant.invariant import use_batch_invariant_kernels
+from kaon_runtime.quant.on_load import QuantizeOnLoad, defer, quantized_bytes, transient_bytes
 from kaon_runtime.quant.pending import hold_places, hold_table
 from kaon_runtime.quant.reference import use_reference_kernels
 from kaon_runtime.quant.surgery import HEAD_TABLE
@@ -129,15 +130,24 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         held = _gguf_held(checkpoint, method, config.quantization, device, tp) if prequantized is None else set()
         held &= {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
         hold_places(model, held)
-        # And a tied vocabulary table the file holds as Q8_0: those blocks are its int8 table, exactly.
-        table = bool(held) and model.lm_head is not None and table_held(checkpoint, model_config.tie_word_embeddings,
-                                                                          device)
+        # And a tied vocabulary table the file holds as Q8_0: those blocks are its int8 table, exactly. Also under
+        # --quantization from the dequantized file (one rank, one stage): surgery would make that same int8 table
+        # from the float one (quant/surgery.py), which was the float table and the int8 one side by side at the peak.
+        whole = tp.size == 1 and tp.stage.size == 1 and method != "none" and prequantized is None
+        table = (bool(held) or whole) and model.lm_head is not None and table_held(
+            checkpoint, model_config.tie_word_embeddings, device)
         if table:
             hold_table(model.lm_head, dtype)
+        # The linears quantized from float: each one as its weights arrive, so the float model never exists whole.
+        # (Not those a pipeline stage takes from the GGUF's own blocks after a float load: _quantize gives them.)
+        quantizing = None if method == "none" or prequantized is not None else defer(
+            model, method, device, release=_return_freed_heap if device.type == "cpu" else None,
+            skip=_given_after_load(model, checkpoint, method, config.quantization, device, tp) - held, head=True)
     if device.type == "cpu":
-        _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None)
+        _check_memory(config, checkpoint, model_config, dtype, kept_narrow=bool(held) or prequantized is not None,
+                      quantizing=quantizing)
     model = model.to_empty(device=device)
-    stream = checkpoint.weights() if not held else _without(checkpoint, held, table)
+    stream = checkpoint.weights() if not held and not table else _without(checkpoint, held, table)
     weights = tqdm(_released_once_copied(stream), total=checkpoint.num_tensors, desc="Loading weights",
                    unit="tensor", disable=not show_progress)
     try:
@@ -149,11 +159,13 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
                 log.info("--dtype float32: %d quantized linears run the checkpoint's reference arithmetic "
                          "(float32 activations; only the activation quantization the checkpoint specifies)", marked)
         else:
-            model.load_weights(weights)
+            model.load_weights(weights, quantizing)
             if device.type == "cpu":
                 _return_freed_heap()  # the stream's per-tensor temporaries, before quantization adds its own
         if method != "none" and prequantized is None:
-            _quantize(model, method, checkpoint, device, tp, own=method != config.quantization, table=table)
+            on_load = 0 if quantizing is None else len(quantizing.quantized)
+            _quantize(model, method, checkpoint, device, tp, own=method != config.quantization, table=table,
+                      on_load=on_load)
         if kernels.batch_invariant:
             marked = use_batch_invariant_kernels(model)
             log.info("batch-invariant GPU kernels: %d quantized linears marked (quant/invariant.py)", marked)
@@ -181,8 +193,9 @@ def _released_once_copied(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterato
 
 
 def _check_memory(config: EngineConfig, checkpoint: Checkpoint, model_config: ModelConfig, dtype: torch.dtype,
-                  kept_narrow: bool) -> None:
-    """ModelDoesNotFit when the load's peak would pass the container's memory limit (engine/memory_fit.py)."""
+                  kept_narrow: bool, quantizing: QuantizeOnLoad | None = None) -> None:
+    """ModelDoesNotFit when the load's peak would pass the container's memory limit (engine/memory_fit.py);
+    `quantizing`: the linears quantized as they load, counted at their quantized size plus one's transient."""
     if checkpoint.tensor_sizes is None:
         return  # random weights: nothing stored to size
     limit = memory_fit.memory_limit()
@@ -191,8 +204,14 @@ def _check_memory(config: EngineConfig, checkpoint: Checkpoint, model_config: Mo
     kv_dtype = pick_kv_dtype(config, dtype, torch.device("cpu"))
     block = kv_block_bytes(model_config, config.block_size, kv_dtype)
     kv = config.num_kv_blocks * block if config.num_kv_blocks is not None else config.kv_cache_bytes
-    peak = memory_fit.estimate(checkpoint.tensor_sizes(), torch.empty((), dtype=dtype).element_size(), kept_narrow,
-                               kv, memory_fit.resident_bytes())
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    peak = memory_fit.estimate(checkpoint.tensor_sizes(), dtype_bytes, kept_narrow, kv, memory_fit.resident_bytes())
+    if quantizing is not None and quantizing.pending:
+        shapes = [(item.linear.out_features, item.linear.in_features) for item in quantizing.pending.values()]
+        peak = memory_fit.quantized_on_load(
+            peak, float_bytes=sum(n * k * dtype_bytes for n, k in shapes),
+            quantized=sum(quantized_bytes(quantizing.method, n, k, quantizing.group_size) for n, k in shapes),
+            transient=max(transient_bytes(n, k, dtype_bytes) for n, k in shapes))
     problem = memory_fit.check_fits(peak, limit)
     if problem is not None:
         raise ModelDoesNotFitError(f"{checkpoint.path.name}: {problem}")
@@ -207,6 +226,16 @@ def _gguf_held(checkpoint: Checkpoint, method: str, requested: str, device: torc
     if method == "none" or not (own or method == "int4") or tp.size != 1 or tp.stage.size > 1:
         return set()
     return held_linears(checkpoint, device, int4_only=not own)
+
+
+def _given_after_load(model: DecoderForCausalLM, checkpoint: Checkpoint, method: str, requested: str,
+                      device: torch.device, tp: TensorParallel) -> set[str]:
+    """The linears (this stage's names) _quantize gives the GGUF's own blocks (the same rule as there)."""
+    own = method != requested
+    if method == "none" or not (own or method == "int4") or tp.size != 1:
+        return set()
+    names = held_linears(checkpoint, device, int4_only=not own)
+    return {name for name, _ in model.stage_weights((name, None) for name in names)}
 
 
 def _without(checkpoint: Checkpoint, held: set[str], table: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -243,10 +272,11 @@ def use_onednn_where_it_applies(model: nn.Module, kernels: KernelBackend, device
 
 
 def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, device: torch.device,
-              tp: TensorParallel, own: bool = False, table: bool = False) -> None:
+              tp: TensorParallel, own: bool = False, table: bool = False, on_load: int = 0) -> None:
     """Swap the linear layers for quantized ones: a GGUF file's own blocks where it runs in its own
     precision (`own`), its 4-bit ones under int4 (engine/gguf_weights.py), the rest from float; `table`:
-    the tied vocabulary table from the file's Q8_0 blocks."""
+    the tied vocabulary table from the file's Q8_0 blocks; `on_load`: how many linears were quantized as they
+    loaded (quant/on_load.py; what is left here is the GGUF's own blocks, the experts and the vocabulary head)."""
     given: dict[str, Any] = {}
     # The GGUF's own blocks are whole tensors; a shard is re-quantized from its float weights.
     if (own or method == "int4") and tp.size == 1:
@@ -257,7 +287,8 @@ def _quantize(model: DecoderForCausalLM, method: str, checkpoint: Checkpoint, de
     names = set(given)  # (quantize_model takes each given weight out of `given` as its module is built)
     swapped = quantize_model(model, method, prequantized=given)
     reused = len(names & set(swapped))
-    log.info("%s: %d linear layers quantized (%d kept as the GGUF file's own blocks)", method, len(swapped), reused)
+    log.info("%s: %d linear layers quantized (%d as they loaded, %d kept as the GGUF file's own blocks)", method,
+             len(swapped) + on_load, on_load, reused)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized
     else:

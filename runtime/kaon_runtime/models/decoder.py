@@ -314,10 +314,12 @@ class DecoderForCausalLM(nn.Module):
         held = 0 if self.model.cpu_decode is None else self.model.cpu_decode.hold_weights()
         return held + int(self.lm_head is not None and self.lm_head.hold_kernel_layout())
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     deferred: checkpoint_names.Deferred | None = None) -> None:
         """Copy HF-named tensors in, each cut to this rank's shard as it streams by (so no rank
-        ever holds the whole model), fusing q/k/v, gate/up and the experts; fails loudly on anything missing."""
-        checkpoint_names.load(self, self.stage_weights(weights))
+        ever holds the whole model), fusing q/k/v, gate/up and the experts; fails loudly on anything missing.
+        `deferred`: linears quantized as their weights arrive (quant/on_load.py)."""
+        checkpoint_names.load(self, self.stage_weights(weights), deferred)
 
     def stage_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The checkpoint's tensors (or a GGUF's own blocks, by module name) this pipeline stage holds, its

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 
@@ -89,15 +90,30 @@ def part_of(param: torch.Tensor, name: str, part: Part, c: ModelConfig) -> torch
     return param.narrow(0, sum(sizes[:part]), sizes[part])
 
 
-def load(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into `model` (a DecoderForCausalLM), each cut to its rank's shard."""
+class Deferred(Protocol):
+    """Parameters made and consumed as they arrive (quant/on_load.QuantizeOnLoad: linears quantized as they load)."""
+
+    def watched(self) -> set[str]: ...  # the model's own parameters whose last part `filled` hears of too
+    def places(self) -> dict[str, torch.Tensor]: ...  # parameter name -> its meta tensor (shape)
+    def buffer(self, param_name: str) -> torch.Tensor: ...  # where its parts are copied, made on the first
+    def filled(self, param_name: str) -> None: ...  # every part of it has arrived
+
+
+def load(model, weights: Iterable[tuple[str, torch.Tensor]], deferred: Deferred | None = None) -> None:
+    """Copy HF-named tensors into `model` (a DecoderForCausalLM), each cut to its rank's shard; `deferred`'s
+    parameters into its buffers, each handed back (`filled`) once its last part is in and the stream has moved on
+    (by then a memory-mapped file's pages of that part are released: engine/model_loader._released_once_copied)."""
     params = dict(model.named_parameters())
+    places = deferred.places() if deferred is not None else {}
+    params.update(places)
+    watched = deferred.watched() if deferred is not None else set()
+    waiting = {name: set(expected_parts(name, params[name])) for name in [*places, *watched]}
     c, tp = model.config, model.tp
     tied = c.tie_word_embeddings
-    loaded = set()
-    for raw_name, raw in weights:
-        if raw_name == "lm_head.weight" and tied:
-            continue  # some checkpoints store a copy of the tied weight anyway
+    loaded: set[tuple[str, Part]] = set()
+    ready: list[str] = []  # complete, `filled` when the next tensor has come
+
+    def place(raw_name: str, raw: torch.Tensor) -> None:
         for name, tensor in standard_names(raw_name, raw, c):
             tensor = cut(name, tensor, c, tp.rank, tp.size)
             if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
@@ -105,8 +121,33 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             param_name, part = target(name)
             if param_name not in params:
                 raise KeyError(f"checkpoint tensor {raw_name!r} has no place in the model")
-            _copy(part_of(params[param_name].data, param_name, part, model.local_config), tensor, raw_name)
+            if param_name in places or param_name in watched:
+                assert deferred is not None
+                if param_name not in waiting:
+                    raise ValueError(f"checkpoint tensor {raw_name!r} comes again after its layer was already "
+                                     "quantized")
+                _copy(part_of(deferred.buffer(param_name) if param_name in places else params[param_name].data,
+                              param_name, part, model.local_config), tensor, raw_name)
+                waiting[param_name].discard(part)
+                if not waiting[param_name]:
+                    del waiting[param_name]
+                    if param_name in watched:
+                        params[param_name] = params[param_name].to("meta")  # (its shape, for the check below)
+                    ready.append(param_name)
+            else:
+                _copy(part_of(params[param_name].data, param_name, part, model.local_config), tensor, raw_name)
             loaded.add((param_name, part))
+
+    for raw_name, raw in weights:
+        while ready:  # (the stream has moved on: the last part's file pages are released)
+            assert deferred is not None
+            deferred.filled(ready.pop(0))
+        if raw_name == "lm_head.weight" and tied:
+            continue  # some checkpoints store a copy of the tied weight anyway
+        place(raw_name, raw)
+    for name in ready:
+        assert deferred is not None
+        deferred.filled(name)
     expected = {(n, p) for n, param in params.items() for p in expected_parts(n, param)}
     missing = sorted(f"{n}[{p}]" if p is not None else n for n, p in expected - loaded)
     if missing:

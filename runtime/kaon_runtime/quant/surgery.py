@@ -89,10 +89,15 @@ def _keep_experts(model: nn.Module, given: dict[str, Int4Weight | GroupInt8Weigh
     return kept
 
 
+def quantize_head(model: nn.Module) -> None:
+    """The vocabulary head's int8 copy, from its float table (quant/on_load.py: as soon as the table has loaded)."""
+    _quantize_head(model)
+
+
 def _quantize_head(model: nn.Module, table: object = None) -> None:
     head = getattr(model, "lm_head", None)
-    if head is None or not hasattr(head, "quantized"):
-        return
+    if head is None or not hasattr(head, "quantized") or head.quantized is not None:
+        return  # (no head, or quantized already: as its table loaded, quant/on_load.py)
     if head.weight_t is None:  # its float table was never allocated (quant/pending.py hold_table)
         if not isinstance(table, GroupInt8Weight):
             raise ValueError("the vocabulary table's place was held but no int8 table was given")
@@ -115,6 +120,11 @@ def _quantize_head(model: nn.Module, table: object = None) -> None:
     head.quantized = Int8Linear(*quantize_int8_rows(head.weight_t.t()))
     if not tied:
         head.weight_t = None  # the token lookup has its own table, nothing reads the float head now
+
+
+def quantized_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """`linear`'s `method` twin, from its float weight (quant/on_load.py quantizes each linear as it loads)."""
+    return _quantized(linear, method, group_size, None)
 
 
 def _quantized(linear: nn.Linear, method: str, group_size: int,

@@ -4,10 +4,10 @@ tensor at a time (no float copy of the model, nor of the file, ever exists), and
 load whose peak would not fit its container's memory limit with ModelDoesNotFit.
 
 Peak and settled resident memory are measured in a fresh process each (tests/support/load_memory.py:
-a high-water mark never goes down, so the test process itself could not show a load's peak); the two models
-load one after the other. Before this, the bundled Q4_1 file peaked at 1.66x
+a high-water mark never goes down, so the test process itself could not show a load's peak); the three loads
+run one after the other. Before this, the bundled Q4_1 file peaked at 1.66x
 its settled memory (a float copy of the whole model, the dequantized vocabulary table and the file's
-pages all at once)."""
+pages all at once), and `--quantization int8` of it (kaon quantizing a float model) at 1.57x until 2026-11-30."""
 from __future__ import annotations
 
 import json
@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[4]
 PEAK_OVER_SETTLED = 1.15  # the issue's bound
 
 
-def _start(model: str) -> subprocess.Popen:
+def _start(model: str, *options: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "tests"),
                                                            os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "load_memory.py"), model],
+    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "load_memory.py"), model, *options],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -51,13 +51,22 @@ def test_quantized_loads_peak_within_15_percent_of_their_settled_memory_and_hold
     k_quant = write_tiny_gguf(tmp_path / "q4_k_m.gguf", gguf_path, "Q4_K_M")  # Q4_K with Q6_K, f16 table
     # One after the other: side by side, each load's memory pressure made the kernel reclaim the other's clean
     # pages (torch's libraries) after its peak, and its settled figure read 10-15% low.
-    results = {name: _result(_start(model)) for name, model in (("bundled Q4_1", MODEL), ("Q4_K_M", str(k_quant)))}
+    # And kaon's own quantization of a float model (--quantization int8 from the bundled file, dequantized as it
+    # streams): 1.8x until 2026-11-30, when the whole float model was built first and quantized afterwards; now each
+    # linear is quantized as its weights arrive (quant/on_load.py).
+    loads = (("bundled Q4_1", (MODEL,)), ("Q4_K_M", (str(k_quant),)), ("int8 from float", (MODEL, "quantization=int8")))
+    results = {name: _result(_start(*model)) for name, model in loads}
     for name, found in results.items():
         ratio = found["peak"] / found["settled"]
         # Both to the issue's 1.15x (the K-quant was held to 1.25x until 2026-11-29: it measured 1.21x inside this
         # test once; now 1.05x for llama.cpp's full-size Q4_K_M / Q5_K_M, bench/load_memory.py).
         assert ratio <= PEAK_OVER_SETTLED, (name, f"peak {found['peak'] >> 20} MiB, settled "
                                                   f"{found['settled'] >> 20} MiB: {ratio:.2f}x")
+    # The engine's memory check (ModelDoesNotFit) counts that peak: its estimate of the int8 load, made before any
+    # weight is read, is not below what the load reached. Measured (2026-11-30, load ~4): estimate 1,009 MiB, peak
+    # 871 (the estimate still counts the tied table, which comes as the file's int8 blocks, at float32, twice).
+    quantizing = results["int8 from float"]
+    assert quantizing["estimate"] >= quantizing["peak"], (quantizing["estimate"] >> 20, quantizing["peak"] >> 20)
     # What the settled engine held is its model's tensors and its KV pool, each once: closing it gives back no more
     # than those. Until 2026-11-30 the fused CPU step read its own interleaved copy of every int4 / int8 projection
     # (the bundled model's 53 MiB, over half its 97 MiB of quantized tensors) beside the module's, which no count
@@ -127,3 +136,24 @@ def test_a_quantized_checkpoints_tensors_leave_resident_memory_once_their_module
     from_copies = plan._module(name, [name], (n, k), None, torch.device("cpu"), TensorParallel())
     x = torch.randn(2, k)
     assert torch.equal(module(x), from_copies(x))  # released pages read back as they were
+
+
+def test_the_peak_estimate_under_quantization_counts_the_linears_quantized_and_one_in_float():
+    """--quantization on a float checkpoint (quant/on_load.py): the linears' float bytes leave the estimate for their
+    quantized bytes, and one linear's float weight and quantization temporaries join the transient."""
+    from kaon_runtime.quant.on_load import quantized_bytes, transient_bytes
+
+    assert quantized_bytes("int8", 1024, 512) == 1024 * 512 + 1024 * 8  # int8 values, float32 scales and their copy
+    assert quantized_bytes("fp8", 1024, 512) == 1024 * 512 + 1024 * 4
+    assert quantized_bytes("int4", 1024, 512) == 1024 * 256 + 4 * 1024 * 512 // 32  # nibbles, float16 scale + min
+    assert transient_bytes(1024, 512, dtype_bytes=2) == 1024 * 512 * (2 + 12)
+    linears = 32  # (a model's worth: one linear's transient against all of their float bytes)
+    float_model = memory_fit.estimate([(1024 * 512, 1024 * 512 * 2, False)] * linears, 4, False, kv_cache=0,
+                                      resident=0)
+    assert float_model.weights == linears * 1024 * 512 * 4
+    quantizing = memory_fit.quantized_on_load(float_model, float_bytes=linears * 1024 * 512 * 4,
+                                              quantized=linears * quantized_bytes("int8", 1024, 512),
+                                              transient=transient_bytes(1024, 512, 4))
+    assert quantizing.weights == linears * quantized_bytes("int8", 1024, 512)
+    assert quantizing.float_transient == float_model.float_transient + transient_bytes(1024, 512, 4)
+    assert quantizing.total < float_model.total / 2
