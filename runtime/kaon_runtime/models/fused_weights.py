@@ -106,8 +106,8 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     if held is not None:
         return held.rebound()
     if hasattr(module, "group_scales"):  # group int8 in groups Q8_G16 cannot hold (not a multiple of 16, e.g. 8):
-        # read as held with float32 activations (the reference kind: nearer the weights' arithmetic than torch's
-        # bfloat16 dense path these took before, and a row's numbers its own)
+        # read as held with float32 activations (the reference kind: a row's numbers its own; these took torch's
+        # path before, which widened the whole weight per call and summed a row by the step's row count)
         return cpu_decode.LinearWeights.ref_q8_g(quantized.qvalues, quantized.group_scales, quantized.group_mins,
                                                  quantized.group_size, bias)
     fused = getattr(module, "fused_cpu_weights", None)  # read in place: fp8 (quant/fp8.py, quant/dynamic_fp8.py)
