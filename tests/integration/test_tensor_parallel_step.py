@@ -64,6 +64,44 @@ def test_two_ranks_through_the_c_step_compute_torchs_hidden_states(shard_outputs
         torch.testing.assert_close(fused, one[case]["c"][step], atol=1e-4, rtol=1e-4, msg=f"{step}: one rank's")
 
 
+
+# Quantized shards at widths that are not whole blocks of 32 (cpu_decode_step.unsupported_shard): the odd-width
+# model quantized on each rank after its float shard loads, as the engine does (a rank's MLP 40 and heads 24 are its
+# row-parallel inputs: int8 packs them to 64 with zero columns, int4 pads them to whole groups, fp8 reads any width)
+QUANTIZED = ("int8", "int4", "fp8")
+
+
+@pytest.fixture(scope="module")
+def quantized_outputs():
+    """The odd-width model under each quantization at one rank (in this process) and at two."""
+    checkpoints = {method: checkpoint(*CASES["llama-odd-widths"]) for method in QUANTIZED}
+    methods = {method: method for method in QUANTIZED}
+    return (all_shard_outputs(TensorParallel(), checkpoints, methods),
+            run_ranks(all_shard_outputs, 2, checkpoints, methods))
+
+
+@pytest.mark.parametrize("method", QUANTIZED)
+def test_quantized_shards_at_odd_widths_through_the_c_step(quantized_outputs, method):
+    """Each rank's quantized shard computes what its weights say, and a prompt row's numbers do not depend on the
+    rows beside it: the same alone, in two chunks, or beside decodes, bit for bit. The shards are not one rank's
+    weights (per-row scales over half a row, int4's groups from rank 1's first column), so one rank's numbers are
+    the bound on a shard's distance from torch's, not its value: a shard's C step is as near torch's path (float
+    activations) as the whole model's is, within 2x; fp8 (weight-only, float activations in both) equals torch's."""
+    one, (rank0, rank1) = quantized_outputs
+    ours, theirs = rank0[method], one[method]
+    for step in ("decode", "mixed"):
+        fused = ours["c"][step]
+        assert torch.equal(fused, rank1[method]["c"][step]), f"{step}: the ranks hold the same hidden states"
+        if method == "fp8":
+            torch.testing.assert_close(fused, ours["torch"][step], atol=1e-4, rtol=1e-4, msg=f"{step}: torch's")
+        else:
+            whole = (theirs["c"][step] - theirs["torch"][step]).abs().max().item()
+            shard = (fused - ours["torch"][step]).abs().max().item()
+            assert shard <= 2 * whole, f"{step}: a shard {shard} from torch's path, one rank {whole}"
+    for rows in ("alone", "chunked"):
+        assert torch.equal(ours["c"][rows], ours["c"]["mixed"][3:]), f"the prompt's rows {rows} = beside decodes"
+
+
 # ---- whole engines ---------------------------------------------------------------------------
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -138,3 +176,27 @@ def test_two_stages_of_two_ranks_answer_as_two_ranks_do(engines):
              pipeline_parallel_size=2, max_num_batched_tokens=16) as staged:
         assert staged.engine.runner.cpu_decode_step
         _assert_same(_answers(staged, PROMPTS), alone, "at PP=2 x TP=2, in chunks of 16, batched")
+
+
+def test_an_int8_model_at_odd_rank_widths_answers_at_two_ranks_alike_alone_or_batched(tmp_path, gguf_path):
+    """`--quantization int8` on a model whose rank widths are not whole blocks of 32 (hidden 48, MLP 80, head_dim 12:
+    a rank's MLP 40, heads 24) at TP=2: the blocker lets it through (cpu_decode_step.unsupported_shard), every rank
+    quantizes its shard and runs it through the C step, and an answer does not depend on its batch, its prompt's
+    chunks or a cached prefix, bit for bit."""
+    from support.hf_dirs import write_hf_dir
+    torch.manual_seed(0)
+    odd = dict(SMALL, hidden_size=48, intermediate_size=80, head_dim=12)
+    write_hf_dir(transformers.LlamaForCausalLM(transformers.LlamaConfig(**odd)), tmp_path, gguf_path,
+                 {"eos_token": "<|im_end|>"})
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+            env.delenv(name, raising=False)
+        llm = LLM(str(tmp_path), show_progress=False, device="cpu", dtype="float32", num_kv_blocks=256,
+                  quantization="int8", tensor_parallel_size=2, max_num_batched_tokens=16)
+    with llm:
+        model = llm.engine.runner.model
+        assert model.model.cpu_decode is not None, "the C step runs the rank's quantized shard"
+        down = model.model.layers[0].mlp.down_proj.kernel_weights.struct
+        assert (down.kind, down.k_in, down.k) == (cpu_decode.KIND_INT8, 40, 64), "a rank's MLP 40, packed to 64"
+        alone = [_answers(llm, [p])[0] for p in PROMPTS]
+        _assert_same(_answers(llm, PROMPTS), alone, "in chunks of 16, batched, its prefix cached")

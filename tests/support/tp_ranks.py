@@ -18,6 +18,7 @@ from kaon_runtime.layers.attention import AttentionMetadata, PrefillChunk
 from kaon_runtime.layers.kernel_backend import torch_kernels
 from kaon_runtime.loader.hf_dir import model_config_from_hf
 from kaon_runtime.models.registry import build_model
+from kaon_runtime.quant import quantize_model
 
 
 def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 600) -> list[Any]:
@@ -108,12 +109,17 @@ def checkpoint(family: str, extra: dict) -> tuple[ModelConfig, dict[str, torch.T
 
 
 def shard_outputs(tp: TensorParallel, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                  cpu_decode: bool) -> dict[str, torch.Tensor]:
+                  cpu_decode: bool, quantization: str = "none") -> dict[str, torch.Tensor]:
     """This rank's shard of a checkpoint, its KV pool its share of one random pool: the final hidden states of a
     decode step (TABLES, LENS), then of the prompt's 7 rows in one chunk beside those decodes (the decodes'
-    second step), through the fused C step (`cpu_decode`) or torch's path."""
+    second step), through the fused C step (`cpu_decode`) or torch's path. Under a `quantization` (int8, int4,
+    fp8) the rank's float shard is quantized as the engine quantizes it (quant.quantize_model after the load), and
+    through the C step the prompt's rows are also computed alone (a prompt-only step, "alone") and in two chunks
+    of 3 and 4 rows ("chunked"), the second reading the keys the first wrote."""
     model = build_model(config, tp, torch_kernels(cpu_decode)).float()
     model.load_weights(tensors.items())
+    if quantization != "none":
+        quantize_model(model, quantization)
     model.eval()
     local = local_config(config, tp.size)
     torch.manual_seed(5)
@@ -137,7 +143,20 @@ def shard_outputs(tp: TensorParallel, config: ModelConfig, tensors: dict[str, to
         meta.slot_mapping = torch.cat([meta.slot_mapping, prompt_slots])
         meta.prefills = [chunk]
         mixed = model.model(x.clone(), torch.cat([positions, torch.arange(7)]), meta)
-    return {"decode": decode, "mixed": mixed}
+        if quantization == "none" or not cpu_decode:
+            return {"decode": decode, "mixed": mixed}
+        # The prompt again (its keys rewritten to the same values): alone, then in two chunks
+        alone = model.model(x[3:].clone(), torch.arange(7), _prompt_rows(0, 7, prompt_slots))
+        first = model.model(x[3:6].clone(), torch.arange(3), _prompt_rows(0, 3, prompt_slots))
+        second = model.model(x[6:].clone(), torch.arange(3, 7), _prompt_rows(3, 7, prompt_slots))
+    return {"decode": decode, "mixed": mixed, "alone": alone, "chunked": torch.cat([first, second])}
+
+
+def _prompt_rows(start: int, end: int, slots: torch.Tensor) -> AttentionMetadata:
+    """A prompt-only step of the prompt's rows start..end (in PROMPT_TABLE's blocks), seeing its rows before them."""
+    chunk = PrefillChunk(query_start=0, query_len=end - start, context_len=end,
+                         block_table=torch.tensor(PROMPT_TABLE[:-(-end // BLOCK)]))
+    return AttentionMetadata(slot_mapping=slots[start:end], prefills=[chunk])
 
 
 def _decode_rows(lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -151,7 +170,11 @@ def _decode_rows(lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
     return torch.tensor([n - 1 for n in lens]), meta
 
 
-def all_shard_outputs(tp: TensorParallel, checkpoints: dict[str, tuple[ModelConfig, dict]]) -> dict[str, dict]:
-    """shard_outputs of every checkpoint (see `checkpoint`), through the C step and through torch's path."""
-    return {name: {path: shard_outputs(tp, config, tensors, path == "c") for path in ("c", "torch")}
+def all_shard_outputs(tp: TensorParallel, checkpoints: dict[str, tuple[ModelConfig, dict]],
+                      quantizations: dict[str, str] | None = None) -> dict[str, dict]:
+    """shard_outputs of every checkpoint (see `checkpoint`), through the C step and through torch's path, each
+    under its quantization (`quantizations`, by checkpoint name; none where it is not named)."""
+    quantizations = quantizations or {}
+    return {name: {path: shard_outputs(tp, config, tensors, path == "c", quantizations.get(name, "none"))
+                   for path in ("c", "torch")}
             for name, (config, tensors) in checkpoints.items()}

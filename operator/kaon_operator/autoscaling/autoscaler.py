@@ -208,16 +208,20 @@ def latency_ceiling(history: list[Sample], spec: AutoscalingSpec) -> float | Non
                 for stretch in missed_stretches(history, goal)), default=None)
 
 
-def missed_stretches(history: list[Sample], goal: float) -> Iterator[list[Sample]]:
+def missed_stretches(history: list[Sample], goal: float, usable: list[bool] | None = None
+                     ) -> Iterator[list[Sample]]:
     """The stretches of the history (each newest first) of MIN_LATENCY_REQUESTS requests or more,
     cut newest first, that keep the same ready replicas and none starting, and confidently
-    missed `goal`."""
+    missed `goal`. `usable` (one flag per sample; None: all) cuts a stretch at the samples it
+    marks False as at a starting one."""
     stretch: list[Sample] = []
     merged: histogram.Buckets = ()
-    for sample in reversed(history):
-        if sample.starting or not sample.ready or (stretch and sample.ready != stretch[0].ready):
+    for i in range(len(history) - 1, -1, -1):
+        sample = history[i]
+        unusable = sample.starting or not sample.ready or (usable is not None and not usable[i])
+        if unusable or (stretch and sample.ready != stretch[0].ready):
             stretch, merged = [], ()
-            if sample.starting or not sample.ready:
+            if unusable:
                 continue
         stretch.append(sample)
         merged = histogram.add_buckets(merged, sample.latency)

@@ -176,12 +176,17 @@ def utilization_ceiling(history: list[Sample], model: PerfModel, spec: Autoscali
     bias and all, proved wrong, a scale-down must not load the replicas again, or the next
     scale-up only brings the count back (the predictive twin of autoscaler.latency_ceiling,
     in utilization so that it carries over a changed length mix). Judged as there: stretches
-    of MIN_LATENCY_REQUESTS requests, cut newest first, at the same ready replicas, none starting."""
+    of MIN_LATENCY_REQUESTS requests, cut newest first, at the same ready replicas, none starting;
+    and, as the bias is (judged), on settled samples only: in the first SETTLE_SECONDS after a
+    change the latencies are the backlog's from before it, and the stretch's rate, averaged over
+    minutes after, is not the load that missed. Learnt from those, a burst's end left a ceiling at
+    a third of the utilization the model allows, which held 6 replicas through the next burst
+    where 4 did (bench/history/autoscale_sim.md, "idle-burst's cost")."""
     goal = spec.target_p99_latency_seconds
     if not goal:
         return MAX_UTILIZATION
     ceiling = MAX_UTILIZATION
-    for stretch in autoscaler.missed_stretches(history, goal):
+    for stretch in autoscaler.missed_stretches(history, goal, _settled(history)):
         demand = load(stretch[::-1])
         if demand is not None and demand.rate > 0:
             ceiling = min(ceiling, model.predict(demand.rate / stretch[0].ready, demand.prompt,

@@ -82,6 +82,12 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
     stages take it too, each over its own layers (models/cpu_decode_step.py). So does `--dtype float32` on a
     quantized checkpoint (the reference mode, quant/reference.py), through the step's reference kinds."""
     cpu_decode = False
+    if device.type == "cpu" and dtype not in cpu_decode_step.DTYPES:
+        # float64: torch's path, its GEMMs' blocking (and so a row's bits) moving with the step's rows. Kept: it is the
+        # exactness oracle the tests hold against transformers' float64; its tokens agree, its log-probabilities may
+        # differ alone and batched in the last bits (docs/engine.md, fused step)
+        log.info("fused CPU decode step off for this model: a %s model (torch's path: answers not batch invariant)",
+                 str(dtype).removeprefix("torch."))
     if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:

@@ -50,7 +50,10 @@
  *         the sum times the row's scale (w8a16_matmul_ref's order); REF_Q4: kaon's int4 layout read in
  *         place, any even group (block_cols), w = q * scale + min with float32 scales and mins, product
  *         and sum each rounded (dequantize_int4); REF_Q8_G16: Q8_G16's interleaved copy (the one the
- *         default mode reads), w = q * scale (+ min). perm: act-order's column order, each input row gathered
+ *         default mode reads), w = q * scale (+ min); REF_Q8_G: int8 [N, K] read in place (GroupInt8Linear's
+ *         own tensors), a float32 scale (and min) per group of block_cols, any group dividing K (8-bit groups
+ *         not a multiple of 16, which Q8_G16 cannot hold), w = q * scale (+ min) as dequantize_group_int8
+ *         rounds it. perm: act-order's column order, each input row gathered
  *         into it once per call (as InputPermutedLinear does). Not narrow: no int8 activation blocks.
  *   INT8  int8 [N, K] with one float32 scale per output row (kaon's int8)
  *   Q4_1  uint8 [N, K/2] with float16 scales and mins per group of 32 (kaon's int4 = GGUF Q4_1;
@@ -113,7 +116,8 @@ static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 enum { KIND_F32 = 0, KIND_INT8 = 1, KIND_Q4_1 = 2, KIND_F32_T = 3, KIND_Q4_F32 = 4, KIND_Q8_G16 = 5, KIND_Q5 = 6,
        KIND_Q5_F32 = 7, KIND_Q6_G16 = 8, KIND_F16 = 9, KIND_BF16 = 10, KIND_F16_T = 11, KIND_BF16_T = 12,
        KIND_FP8 = 13, KIND_FP8_A8 = 14, KIND_FP8_BLOCK = 15, KIND_FP8_STATIC = 16, KIND_INT8_A8 = 17,
-       KIND_INT8_S8 = 18, KIND_REF_INT8 = 19, KIND_REF_Q4 = 20, KIND_REF_Q8_G16 = 21 };
+       KIND_INT8_S8 = 18, KIND_REF_INT8 = 19, KIND_REF_Q4 = 20, KIND_REF_Q8_G16 = 21,
+       KIND_REF_Q8_G = 22 };
 
 /* How float values are stored, in weights and in the KV cache: float32, float16 or bfloat16;
  * FP8 (float8 e4m3fn) for weights only. */
@@ -131,7 +135,7 @@ typedef struct {
                              * the block's rounding remainder in a second (see quantize_passes) */
     int32_t block_rows, block_cols;  /* FP8_BLOCK: a scale's block */
     float input_scale;      /* FP8_STATIC, and FP8_BLOCK where > 0: x is rounded to fp8(x / input_scale) * input_scale */
-    const int64_t *perm;    /* REF_Q4, REF_Q8_G16: GPTQ act-order, stored column i is input column perm[i]; or NULL */
+    const int64_t *perm;    /* REF_Q4, REF_Q8_G16, REF_Q8_G: GPTQ act-order, stored column i is input column perm[i]; or NULL */
     int32_t k_in;           /* the inputs' true width (x's row stride) where the weights were packed with k - k_in zero
                              * columns to whole blocks of QBLOCK (narrow kinds at odd widths); 0: k (see kaon_linear) */
 } Linear;
@@ -1871,7 +1875,7 @@ static void fp8_block_outputs(const Linear *l, int rows, const float *x, float *
     free(wide);
 }
 
-/* ---- the reference mode's weight-only kinds (REF_INT8, REF_Q4, REF_Q8_G16) -----------------
+/* ---- the reference mode's weight-only kinds (REF_INT8, REF_Q4, REF_Q8_G16, REF_Q8_G) -------
  * Weight row j widened to float32 in wr [k], in the input's column order. The products and sums are
  * rounded one at a time (-std=c11: GCC contracts no multiply-add), as torch's q * scale + min. */
 static void ref_widen_row(const Linear *l, int j, float *wr) {
@@ -1907,6 +1911,16 @@ static void ref_widen_row(const Linear *l, int j, float *wr) {
                 o[i] = (float)(bytes[i] & 0xf) * scale + min;
                 o[half + i] = (float)(bytes[i] >> 4) * scale + min;
             }
+        }
+    } else if (l->kind == KIND_REF_Q8_G) {  /* q [N, K], scales / mins [N, K / group]: any group dividing K */
+        const int group = l->block_cols, groups = k / group;
+        const int8_t *q = (const int8_t *)l->w + (size_t)j * k;
+        const float *sc = l->gscales + (size_t)j * groups, *mn = l->gmins ? l->gmins + (size_t)j * groups : NULL;
+        for (int g = 0; g < groups; g++) {
+            const float scale = sc[g], min = mn ? mn[g] : 0.f;
+            float *o = wr + (size_t)g * group;
+            for (int t = 0; t < group; t++) o[t] = (float)q[(size_t)g * group + t] * scale;
+            if (mn) for (int t = 0; t < group; t++) o[t] = o[t] + min;
         }
     } else {  /* REF_Q8_G16: q [groups of 8 rows, k / 4, 8 lanes, 4], scales / mins [groups, k / 16, 8 lanes] */
         const int g8 = j / LANES, lane = j % LANES;
@@ -2110,7 +2124,7 @@ static void linear_chunk(const void *arg, int begin, int end) {
         fp8_block_outputs(l, job->rows, job->x, job->y, begin, end);
         return;
     }
-    if (l->kind == KIND_REF_INT8 || l->kind == KIND_REF_Q4 || l->kind == KIND_REF_Q8_G16) {
+    if (l->kind == KIND_REF_INT8 || l->kind == KIND_REF_Q4 || l->kind == KIND_REF_Q8_G16 || l->kind == KIND_REF_Q8_G) {
         ref_outputs(l, job->rows, job->x, job->y, begin, end);
         return;
     }
@@ -2176,7 +2190,7 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
                        && l->kind != KIND_F16_T && l->kind != KIND_BF16_T && l->kind != KIND_FP8
                        && l->kind != KIND_FP8_A8 && l->kind != KIND_FP8_BLOCK && l->kind != KIND_FP8_STATIC
                        && l->kind != KIND_INT8_A8 && l->kind != KIND_INT8_S8 && l->kind != KIND_REF_INT8
-                       && l->kind != KIND_REF_Q4 && l->kind != KIND_REF_Q8_G16;
+                       && l->kind != KIND_REF_Q4 && l->kind != KIND_REF_Q8_G16 && l->kind != KIND_REF_Q8_G;
     if (l->kind == KIND_INT8_S8) {  /* rows rounded to the static grid into the workspace: int16 [rows, k] */
         int16_t *q = (int16_t *)work;
         quantize_static_rows(x, rows, k, l->gscales[0], l->gscales[1], q);
@@ -2193,7 +2207,7 @@ void kaon_linear(const Linear *l, int rows, const float *x, float *y, void *work
         parallel_for(l->n, threads, linear_chunk, &job);
         return;
     }
-    if ((l->kind == KIND_REF_Q4 || l->kind == KIND_REF_Q8_G16) && l->perm) {
+    if ((l->kind == KIND_REF_Q4 || l->kind == KIND_REF_Q8_G16 || l->kind == KIND_REF_Q8_G) && l->perm) {
         /* act-order: each row gathered into the weights' stored column order once (InputPermutedLinear's
          * x[:, perm]), in the workspace (4 bytes a value); scattering the widened weights instead cost 3.5x */
         float *gathered = (float *)work;

@@ -45,9 +45,11 @@ KIND_INT8_A8 = 17  # int8 [N, K], a scale per output, input rows quantized to in
 KIND_INT8_S8 = 18  # the same weights, inputs rounded to a static per-tensor int8 grid (W8A8 int8, static)
 # The reference mode of weight-only checkpoints (--dtype float32, quant/reference.py): float32 activations times each
 # weight dequantized as quant_gemm_ref does it. int8 [N, K] with a scale per output (read in place); kaon's int4
-# layout, any even group, float32 scales and mins (read in place); Q8_G16's interleaved copy (GroupInt8Linear's).
-KIND_REF_INT8, KIND_REF_Q4, KIND_REF_Q8_G16 = 19, 20, 21
-REFERENCE_KINDS = frozenset({KIND_REF_INT8, KIND_REF_Q4, KIND_REF_Q8_G16})
+# layout, any even group, float32 scales and mins (read in place); Q8_G16's interleaved copy (GroupInt8Linear's);
+# int8 [N, K] with float32 scales (and mins) per group of any size dividing K (read in place: 8-bit groups that are
+# not a multiple of 16, which Q8_G16 cannot hold).
+KIND_REF_INT8, KIND_REF_Q4, KIND_REF_Q8_G16, KIND_REF_Q8_G = 19, 20, 21, 22
+REFERENCE_KINDS = frozenset({KIND_REF_INT8, KIND_REF_Q4, KIND_REF_Q8_G16, KIND_REF_Q8_G})
 # Float weights read as stored (widened to float32 in registers, cpu_decode.c): kind by dtype, [N, K] and [K, N].
 FLOAT_KINDS = {torch.float32: (KIND_F32, KIND_F32_T), torch.float16: (KIND_F16, KIND_F16_T),
                torch.bfloat16: (KIND_BF16, KIND_BF16_T)}
@@ -439,6 +441,25 @@ class LinearWeights:
                              f"{packed.dtype} {tuple(packed.shape)} and {tuple(scales.shape)}")
         made = cls._make(KIND_REF_Q4, n, k, bias, w=packed, gscales=scales.float(), gmins=mins.float(),
                          **_perm(perm, k))
+        made.struct.block_cols = group_size
+        return made
+
+    @classmethod
+    def ref_q8_g(cls, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> LinearWeights:
+        """The reference mode of group int8 in groups Q8_G16 cannot hold (quant/group_int8.py's own tensors: int8
+        [N, K], float32 scales and optional mins [N, K / group_size], any group dividing K), read in place: each
+        weight q * scale (+ min) in float32, as dequantize_group_int8 rounds it; perm: act-order's columns."""
+        n, k = qweight.shape
+        groups = k // group_size if group_size > 0 and k % group_size == 0 else -1
+        if (qweight.dtype != torch.int8 or groups < 0 or scales.shape != (n, groups)
+                or (mins is not None and mins.shape != scales.shape)):
+            raise ValueError(f"ref_q8_g needs int8 [N, K] and scales (mins) [N, K / {group_size}], got "
+                             f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
+        tensors = dict(w=qweight.contiguous(), gscales=scales.float().contiguous())
+        if mins is not None:
+            tensors["gmins"] = mins.float().contiguous()
+        made = cls._make(KIND_REF_Q8_G, n, k, bias, **tensors, **_perm(perm, k))
         made.struct.block_cols = group_size
         return made
 

@@ -207,12 +207,14 @@ def unsupported(config: ModelConfig, quantization: str = "none") -> str | None:
 
 
 def unsupported_shard(config: ModelConfig, tp_size: int, quantization: str = "none") -> str | None:
-    """Why the fused step cannot run one tensor-parallel rank's shard, or None. Float shards at any width (each rank's
-    projections are float kernels at its widths, and the rank-order sum does not depend on them: tests/integration/
-    test_tensor_parallel_step.py's odd-width case); quantized ones still need the rank's inputs of the row-parallel
-    projections (its MLP width, its heads' width, its experts' width) in whole activation blocks: their shards at odd
-    widths are untested."""
-    if quantization == "none":
+    """Why the fused step cannot run one tensor-parallel rank's shard, or None. A rank's shard at any width under every
+    quantization any_width reads (float, int8, int4, fp8): each rank's projections are those kinds at its widths (a
+    row-parallel input of 40 or 24 packed or padded as a model's own odd widths are), and the rank-order sum does not
+    depend on them. tests/integration/test_tensor_parallel_step.py: float and int8 / int4 / fp8 shards of a model
+    whose rank widths are MLP 40 and heads 24 (the ranks alike, prompt rows alone = chunked = beside decodes, bit for
+    bit). A kind that needs whole blocks would still need the rank's row-parallel inputs (its MLP width, its heads'
+    width, its experts' width) in them."""
+    if any_width(quantization):
         return None
     local = local_config(config, tp_size)
     widths = {"MLP width": local.intermediate_size, "heads' width": local.num_heads * local.head_dim,

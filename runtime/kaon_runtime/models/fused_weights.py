@@ -105,6 +105,11 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     held = getattr(module, "kernel_weights", None) or group_int8_copy(module)
     if held is not None:
         return held.rebound()
+    if hasattr(module, "group_scales"):  # group int8 in groups Q8_G16 cannot hold (not a multiple of 16, e.g. 8):
+        # read as held with float32 activations (the reference kind: a row's numbers its own; these took torch's
+        # path before, which widened the whole weight per call and summed a row by the step's row count)
+        return cpu_decode.LinearWeights.ref_q8_g(quantized.qvalues, quantized.group_scales, quantized.group_mins,
+                                                 quantized.group_size, bias)
     fused = getattr(module, "fused_cpu_weights", None)  # read in place: fp8 (quant/fp8.py, quant/dynamic_fp8.py)
     if fused is not None:
         return fused()
@@ -136,7 +141,8 @@ def group_int8_copy(module: nn.Module) -> cpu_decode.LinearWeights | None:
 def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
     """A weight-only projection in the reference mode (quant/reference.py: `reference` set) as the C step's
     reference kinds read it, its tensors in place: int8 per channel (quant/int8.py), kaon's int4 layout in any
-    even group (quant/int4.py) or group int8 in Q8_G16's layout (quant/group_int8.py), behind act-order's column
+    even group (quant/int4.py) or group int8 in Q8_G16's layout, or in its own where its groups are not a multiple
+    of 16 (quant/group_int8.py; REF_Q8_G), behind act-order's column
     order (an InputPermutedLinear) or not. None for every other module: float weights, and the W8A8 / FP8 kinds
     (fused_cpu_weights), whose fused kinds already compute what their checkpoints specify. ValueError for a
     reference weight-only projection no kind reads (pick_kernels' blocker keeps those on torch's path)."""
@@ -150,6 +156,9 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
     held = getattr(target, "kernel_weights", None) or group_int8_copy(quantized)
     if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
         return cpu_decode.LinearWeights.ref_q8_g16(held.rebound(), perm)
+    if hasattr(target, "group_scales"):  # group int8 in groups Q8_G16 cannot hold (not a multiple of 16): as held
+        return cpu_decode.LinearWeights.ref_q8_g(quantized.qvalues, quantized.group_scales, quantized.group_mins,
+                                                 quantized.group_size, bias, perm)
     if hasattr(target, "packed"):
         padded = quantized.packed.shape[1] * 2
         if perm is not None and quantized.in_features < padded:  # (the padding columns keep their places)

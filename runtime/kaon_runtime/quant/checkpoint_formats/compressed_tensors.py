@@ -133,7 +133,9 @@ def _cpu_fused(weights: dict) -> bool:
     if weights.get("num_bits") == 4:
         return weights.get("strategy") == "channel" or (weights.get("strategy") == "group"
                                                          and (weights.get("group_size") or 1) % 32 == 0)
-    return weights.get("strategy") == "channel" or (weights.get("group_size") or 1) % 16 == 0
+    # 8-bit groups that are not a multiple of 16: read as held, float32 activations (REF_Q8_G)
+    return weights.get("strategy") == "channel" or (weights.get("group_size") or 1) % 16 == 0 or (
+        weights.get("num_bits") == 8 and weights.get("strategy") == "group")
 
 
 def convert(name: str, t: dict[str, torch.Tensor], in_features: int) -> LoadedWeight:

@@ -74,16 +74,18 @@ def awq_scheme(config: dict) -> CheckpointScheme:
 
 def _fused(bits: int, group_size: int, act_order: bool, config: dict) -> bool:
     """The fused CPU step reads kaon's int4 in groups of 32, its per-channel int8 and GGUF's group-int8
-    (groups of 16): on CPU wider groups are split into those."""
+    (groups of 16): on CPU wider groups are split into those. 8-bit groups that are not a multiple of 16 it reads
+    as held, with float32 activations (REF_Q8_G: models/fused_weights.linear_weights)."""
     if act_order:
         return False
-    return group_size == -1 or group_size % (32 if bits == 4 else 16) == 0
+    return group_size == -1 or bits == 8 or group_size % 32 == 0
 
 
 def reference_fused(bits: int, group_size: int) -> bool:
     """The fused CPU step's reference kinds (cpu_decode.c REF_*) read int4 in any group (act-order included) and
-    int8 per channel or in groups of 16's multiples (held in Q8_G16's layout: quant/group_int8.py)."""
-    return bits == 4 or group_size == -1 or group_size % 16 == 0
+    int8 per channel or in any group dividing K: groups of 16's multiples in Q8_G16's layout (REF_Q8_G16), others
+    as quant/group_int8.py holds them (REF_Q8_G)."""
+    return bits in (4, 8)
 
 
 def _check_groups(name: str, k: int, group_size: int) -> int:

@@ -43,6 +43,19 @@ def test_the_load_of_a_confident_miss_is_a_ceiling():
     assert ceiling == MODEL.predict(6.3 / 3, 144, 72).utilization
 
 
+def test_latencies_right_after_a_change_set_no_ceiling():
+    # A scale-up from 2 to 3: its first minute finishes what queued on 2 (30% over twice the target), then
+    # 3 carry the same load well. The miss belongs to the backlog, not to 3 replicas at this load: no ceiling
+    # (learnt, it held 6 replicas through a later burst that 4 carried: issue 53's idle-burst).
+    history = stretch(0, 600, 2, 2.0, 0.1) + stretch(600, 60, 3, 2.0, 0.1, slow_share=0.3) + \
+        stretch(660, 30, 3, 2.0, 0.1)
+    assert model_bias.utilization_ceiling(history, MODEL, SPEC) == model_bias.MAX_UTILIZATION
+    # The same miss a minute after the change, settled, is a ceiling.
+    settled = stretch(0, 600, 2, 2.0, 0.1) + stretch(600, 60, 3, 2.0, 0.1) + \
+        stretch(660, 60, 3, 2.0, 0.1, slow_share=0.3) + stretch(720, 30, 3, 2.0, 0.1)
+    assert model_bias.utilization_ceiling(settled, MODEL, SPEC) == MODEL.predict(2.0 / 3, 144, 72).utilization
+
+
 def test_no_scale_down_into_the_count_the_last_scale_up_left():
     # Three replicas ran 40% slower than the model says (just inside the target, no miss), so
     # the bias rose and a fourth came; on four the model is right again, and the newest bias

@@ -66,10 +66,12 @@ def test_odd_widths_take_the_step_with_int8_fp8_and_int4_weights():
     unread = "GPTQ 4-bit, groups of 16"  # a checkpoint the step does not read (its description): refused as before
     assert blocker(tiny_config(**ODD), quantization=unread) is not None
     assert unread in blocker(tiny_config(), quantization=unread)
-    # still refused, the reason named: quantized tensor-parallel shards at odd widths (float ones: tests/integration/
-    # test_tensor_parallel_step.py)
-    assert "at tensor_parallel_size 2" in blocker(tiny_config(), tp_size=2, quantization="int8")
-    assert blocker(tiny_config(**ODD), tp_size=2) is None
+    # tensor-parallel shards at odd rank widths too, float and quantized (tests/integration/
+    # test_tensor_parallel_step.py: rank widths MLP 40, heads 24)
+    for method in ("none", "int8", "fp8", "int4"):
+        assert blocker(tiny_config(), tp_size=2, quantization=method) is None  # a rank's MLP 48
+        assert blocker(tiny_config(**ODD), tp_size=2, quantization=method) is None
+        assert blocker(tiny_config(intermediate_size=128), tp_size=4, quantization=method) is None  # heads' width 16
 
 
 @pytest.mark.parametrize("activations", sorted(PASSES))

@@ -1,4 +1,4 @@
-"""The fused C step's reference kinds (REF_INT8, REF_Q4, REF_Q8_G16: cpu_decode.c) against the reference
+"""The fused C step's reference kinds (REF_INT8, REF_Q4, REF_Q8_G16, REF_Q8_G: cpu_decode.c) against the reference
 arithmetic of weight-only checkpoints (kernels/quant_gemm_ref.py, quant/group_int8.py): float32 activations
 times each weight dequantized to the same float32 value, only the summation order differing, one per row."""
 from __future__ import annotations
@@ -100,6 +100,37 @@ def test_group_int8_is_read_from_its_kernel_layout_as_dequantize_group_int8_valu
     x = torch.eye(module.in_features)[:9]
     dense = dequantize_group_int8(module.weight)
     assert torch.equal(cpu_decode.linear(weights, x), dense[:, :9].t() + module.bias)
+
+
+@pytest.mark.parametrize("group,k", [(8, 256), (24, 120), (40, 120), (40, 40), (12, 36)])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_8bit_groups_that_are_not_multiples_of_16_take_ref_q8_g(group, k, act_order, asymmetric):
+    """GPTQ / compressed-tensors 8-bit in groups Q8_G16 cannot hold (8, 24, 40: not a multiple of 16; one group of
+    40 or 36 is an asymmetric per-channel weight at such a K): read in place as the module holds them (REF_Q8_G),
+    equal to the module's own reference arithmetic (torch: x @ dequantize_group_int8(w).t() in float32) within
+    float32 summation order, each row alone as batched; before, the blocker kept them on torch's path."""
+    module = _loaded(8, group, act_order, asymmetric, k=k)
+    weights = reference_weights(module)
+    per_channel_int8 = group == k and not asymmetric  # (zero points all 128: plain int8, REF_INT8)
+    assert weights is not None
+    assert weights.struct.kind == (cpu_decode.KIND_REF_INT8 if per_channel_int8 else cpu_decode.KIND_REF_Q8_G)
+    x = torch.randn(6, k)
+    with torch.inference_mode():
+        expected = module(x)
+    torch.testing.assert_close(cpu_decode.linear(weights, x), expected, **TOLERANCE)
+    assert_rows_alone_equal_batched(weights, x)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_ref_q8_g_widens_each_weight_to_dequantize_group_int8s_value(asymmetric):
+    """One-hot inputs pick single weights (no sum): each equals its dequantize_group_int8 value exactly."""
+    module = _loaded(8, 24, act_order=False, asymmetric=asymmetric, k=120)
+    weights = reference_weights(module)
+    assert weights is not None and weights.struct.kind == cpu_decode.KIND_REF_Q8_G
+    x = torch.eye(module.in_features)
+    dense = dequantize_group_int8(module.weight)
+    assert torch.equal(cpu_decode.linear(weights, x), dense.t() + module.bias)
 
 
 def test_without_the_reference_mark_the_default_kinds_stay():

@@ -111,10 +111,12 @@ def _step_kinds(llm: LLM) -> set[int]:
     return {linear_weights(m).struct.kind for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)}
 
 
-# Weight-only checkpoints whose reference mode takes the C step's three reference kinds, act-order included
+# Weight-only checkpoints whose reference mode takes the C step's four reference kinds, act-order included
 REFERENCE_DIRS = {
     "gptq-4bit-g64-asym-actorder": (("gptq", 4, 64, False, True), cpu_decode.KIND_REF_Q4),
     "gptq-8bit-g32-asym": (("gptq", 8, 32, False, False), cpu_decode.KIND_REF_Q8_G16),
+    # 8-bit groups that are not a multiple of 16 (Q8_G16 cannot hold them): read as the module holds them
+    "gptq-8bit-g8-asym-actorder": (("gptq", 8, 8, False, True), cpu_decode.KIND_REF_Q8_G),
     "w8a16-channel": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), cpu_decode.KIND_REF_INT8),
 }
 
@@ -138,6 +140,31 @@ def test_the_reference_mode_takes_the_c_step_and_answers_alike_alone_batched_chu
         llm = LLM(str(tmp_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=1 << 22,
                   block_size=8, **options)
         assert _step_kinds(llm) == {kind}
+        return llm
+
+    _assert_the_c_step_answers_alike_alone_batched_chunked(
+        engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
+
+
+@pytest.mark.skipif(cpu_decode.compiler() is None, reason=cpu_decode.NO_COMPILER)
+@pytest.mark.parametrize("layout", ["gptq", "compressed-tensors"])
+def test_the_default_mode_reads_8bit_groups_that_are_not_multiples_of_16_in_the_c_step(layout, tmp_path, gguf_path,
+                                                                                      monkeypatch):
+    """Not only --dtype float32: by default too, an 8-bit checkpoint in groups of 8 (which Q8_G16 cannot hold: GPTQ,
+    compressed-tensors W8A16 by group) takes the C step through REF_Q8_G (float32 activations) instead of torch's
+    path, so its answers are the same alone, batched, chunked and with its prefix cached (issue 49 §2)."""
+    for name in ("KAON_CPU_PREFILL", "KAON_CPU_DECODE", "KAON_CPU_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    if layout == "gptq":
+        write_packed_dir(tmp_path, gguf_path, "gptq", 8, 8, False, False)
+    else:
+        write_compressed_tensors(tmp_path, gguf_path, dict(num_bits=8, type="int", symmetric=True, strategy="group",
+                                                           group_size=8), "pack-quantized")
+
+    def engine(**options):
+        llm = LLM(str(tmp_path), show_progress=False, device="cpu", dtype="auto", kv_cache_bytes=1 << 22,
+                  block_size=8, **options)
+        assert _step_kinds(llm) == {cpu_decode.KIND_REF_Q8_G}
         return llm
 
     _assert_the_c_step_answers_alike_alone_batched_chunked(
