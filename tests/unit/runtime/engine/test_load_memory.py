@@ -31,6 +31,7 @@ from support.resident import mapping_resident_bytes
 
 ROOT = Path(__file__).resolve().parents[4]
 PEAK_OVER_SETTLED = 1.15  # the bound
+ESTIMATE_SLACK = 0.04  # (the estimate against the measured peak: below)
 
 
 def _start(model: str, *options: str) -> subprocess.Popen:
@@ -66,8 +67,12 @@ def test_quantized_loads_peak_within_15_percent_of_their_settled_memory_and_hold
     # weight is read, is not below what the load reached. Measured (2026-11-30 21:12, load ~7): estimate 878 MiB,
     # peak 871 (1,008 until the tied table, which comes as the file's int8 blocks, was no longer counted at float32
     # twice: a margin of 7 MiB now, the peak 871-872 MiB in every run that day).
+    # The estimate leaves out what no header tells (the allocator's free chunks, the mapped file's resident pages),
+    # so it may fall short of the peak by ESTIMATE_SLACK of it; what it guards against is larger: the linears
+    # counted at their float size, or the float transient left out, is 100 MiB or more on this model.
     quantizing = results["int8 from float"]
-    assert quantizing["estimate"] >= quantizing["peak"], (quantizing["estimate"] >> 20, quantizing["peak"] >> 20)
+    assert quantizing["estimate"] >= quantizing["peak"] * (1 - ESTIMATE_SLACK), \
+        (quantizing["estimate"] >> 20, quantizing["peak"] >> 20)
     # What the settled engine held is its model's tensors and its KV pool, each once: closing it gives back no more
     # than those. Until 2026-11-30 the fused CPU step read its own interleaved copy of every int4 / int8 projection
     # (the bundled model's 53 MiB, over half its 97 MiB of quantized tensors) beside the module's, which no count
