@@ -227,15 +227,22 @@ def assert_rows_alone_equal_batched(weights, x: torch.Tensor) -> None:
         assert torch.equal(cpu_decode.linear(weights, x[i:i + 1])[0], batched[i]), f"row {i}"
 
 
-def c_step_error_against_torch(model, config) -> float:
+def c_step_error_against_torch(model, config, fed=(), inputs=None) -> float:
     """The relative error of one decode step (TABLES, LENS) through the model's C step against the same model's
-    torch path: the quantized formats' whole-step check (same arithmetic per projection, other summation orders)."""
+    torch path: the quantized formats' whole-step check (same arithmetic per projection, other summation orders).
+    On the torch path the modules `fed` see their inputs through `inputs` (what the narrow kernels quantize the
+    activations to), so that the check compares like with like."""
     model.check_kernels()
     x, positions, meta = decode_step(config, TABLES, LENS)
     step = model.model.cpu_decode
     with torch.inference_mode():
         model.model.cpu_decode = None
-        expected = model.model(x.clone(), positions, meta)
+        hooks = [m.register_forward_pre_hook(lambda _, args: (inputs(args[0]),)) for m in fed]
+        try:
+            expected = model.model(x.clone(), positions, meta)
+        finally:
+            for hook in hooks:
+                hook.remove()
         model.model.cpu_decode = step
         out = model.model(x.clone(), positions, meta)
     return float((out - expected).norm() / expected.norm())
@@ -348,20 +355,9 @@ def test_a_quantized_decode_step_matches_its_reference(method, activations, monk
     config = tiny_config()
     model, _ = random_model(config, blocks=10)
     quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
-    x, positions, meta = decode_step(config, TABLES, LENS)
-    model.check_kernels()
-    step = model.model.cpu_decode
-    with torch.inference_mode():
-        model.model.cpu_decode = None
-        passes = cpu_decode.activation_passes()
-        hooks = [m.register_forward_pre_hook(lambda _, args: (quantize_activations_ref(args[0], passes=passes),))
-                 for m in quantized]
-        expected = model.model(x.clone(), positions, meta)
-        for hook in hooks:
-            hook.remove()
-        model.model.cpu_decode = step
-        out = model.model(x.clone(), positions, meta)
-    assert (out - expected).norm() / expected.norm() < {"int8": 1e-4, "int8x2": 1e-3}[activations]
+    passes = cpu_decode.activation_passes()
+    error = c_step_error_against_torch(model, config, quantized, lambda x: quantize_activations_ref(x, passes=passes))
+    assert error < {"int8": 1e-4, "int8x2": 1e-3}[activations]
 
 
 @pytest.mark.parametrize("method", [None, "int8"])

@@ -96,13 +96,7 @@ def test_quantized_experts_match_their_reference(method, activations, monkeypatc
     linears = quantize_experts(model, method)
     assert all(moe.quantized is not None for moe in moe_layers(model))
     passes = cpu_decode.activation_passes()
-    hooks = [m.register_forward_pre_hook(lambda _, args: (quantize_activations_ref(args[0], passes=passes),))
-             for m in linears]
-    try:
-        error = c_step_error_against_torch(model, config)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    error = c_step_error_against_torch(model, config, linears, lambda x: quantize_activations_ref(x, passes=passes))
     assert error < {"int8": 1e-4, "int8x2": 1e-3}[activations]
 
 

@@ -247,11 +247,7 @@ def test_an_odd_width_narrow_step_matches_its_reference(method, activations, mon
     config = tiny_config(attention_bias=True, **ODD)
     model, _ = random_model(config, blocks=10)
     quantized = [model.get_submodule(name) for name in quantize_model(model, method)]
-    hooks = [m.register_forward_pre_hook(lambda _, args: (padded_activations_ref(args[0], passes),))
-             for m in quantized]
-    error = c_step_error_against_torch(model, config)
-    for hook in hooks:
-        hook.remove()
+    error = c_step_error_against_torch(model, config, quantized, lambda x: padded_activations_ref(x, passes))
     assert error < {"int8": 1e-4, "int8x2": 1e-3}[activations]
 
 
@@ -325,13 +321,7 @@ def test_an_odd_width_moe_step_matches_its_reference(experts, monkeypatch):
     model, _ = random_model(config, blocks=10)
     linears = [] if experts == "float32" else _odd_experts(model, experts)
     passes = cpu_decode.activation_passes()
-    hooks = [m.register_forward_pre_hook(lambda _, args: (padded_activations_ref(args[0], passes),))
-             for m in linears]
-    try:
-        error = c_step_error_against_torch(model, config)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    error = c_step_error_against_torch(model, config, linears, lambda x: padded_activations_ref(x, passes))
     assert error < (1e-5 if experts == "float32" else 1e-4)
 
 
