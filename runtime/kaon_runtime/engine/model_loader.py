@@ -1,4 +1,10 @@
-"""A rank's model, ready to run: the device and dtypes, the kernels it is built with, its weights, quantization."""
+"""A rank's model, ready to run: the device and dtypes, the kernels it is built with, its weights, quantization.
+
+Just over 300 lines for a stated reason: it is one sequence (pick the device and kernels, check the load's peak
+against the memory, stream the weights, quantize as they arrive or after, release what the kernels do not read),
+and its helpers each serve one step of it with the same checkpoint and settings; the decisions themselves live in
+their own modules (memory_fit, gguf_weights, prequantized, quant/on_load).
+"""
 from __future__ import annotations
 
 import ctypes
