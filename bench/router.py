@@ -1,7 +1,7 @@
 """The router's cost: the same load sent straight to fake engines, through nginx and
 through the router, in the same run.
 
-    python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx] [--compiled DIR]
+    python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx] [--compiled]
                            [--base DIR] [--rounds 6] [--round-seconds 4]
 
 Four processes: fake engines (one aiohttp process listening on --engines ports: a fixed
@@ -9,8 +9,9 @@ small completion, or a short SSE stream), the router (kaon's Router on a table t
 those ports as the pods of one InferenceService), nginx as the router's peer (one worker
 process, as the router is one process: `upstream { least_conn; keepalive }` over the same
 ports, buffering off so that streams pass through as they come), and this load generator.
-With --compiled, one more router process runs the same code compiled with mypyc (bench/router_compile.py's
-copy), to measure what compiling the data path would give. With --base, one more runs another tree's operator/
+With --compiled, one more router process runs this tree's data path compiled with mypyc, as kaon-router does
+when built (kaon_operator/router/compiled.py: `make install` builds it), beside the source.
+With --base, one more runs another tree's operator/
 (a checkout from before a change: label routed-base), so that a change is measured with its sockets in one run.
 nginx is the Debian package: found on PATH or in /usr/sbin, else installed with apt-get when
 this runs as root (it says so), else left out. Phases, each direct, then nginx, then routed:
@@ -56,9 +57,15 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_ENV = "KAON_BENCH_ROUTER_OPERATOR"
-"""Set for the --compiled router's process: the operator/ it imports (bench/router_compile.py's copy)."""
+"""Set for the --base router's process: the operator/ it imports."""
+COMPILED_ENV = "KAON_BENCH_ROUTER_COMPILED"
+"""Set for the --compiled router's process: it runs the build of its sources (compiled.py), or fails."""
 sys.path.insert(0, os.environ.get(OPERATOR_ENV) or str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT))  # e2e
+if os.environ.get(COMPILED_ENV):  # before the data path is imported below, as kaon-router's start does
+    from kaon_operator.router import compiled
+
+    compiled.activate("require")
 
 from e2e.control_plane import free_port  # noqa: E402
 from kaon_operator.labels import service_labels  # noqa: E402
@@ -418,14 +425,16 @@ async def bench(args) -> None:
           for loop, router_port in router_ports.items()),
     ]
     routers = {loop: child for loop, child in zip(args.loops, children[1:])}
-    others = {label: tree for label, tree in (("routed-compiled", args.compiled), ("routed-base", args.base)) if tree}
+    others = {label: tree for label, tree in (("routed-compiled", ROOT if args.compiled else None),
+                                              ("routed-base", args.base)) if tree}
     other_ports = {label: free_port() for label in others}
     other_processes = {}
     for label, tree in others.items():  # another tree's router (compiled, or before a change), on the first --loops
         other_processes[label] = subprocess.Popen(
             me + ["--role", "router", "--loops", args.loops[0],
                   "--ports", ",".join(map(str, [other_ports[label], *engine_ports]))],
-            env={**os.environ, OPERATOR_ENV: str(tree.resolve() / "operator")})
+            env={**os.environ, OPERATOR_ENV: str(tree.resolve() / "operator"),
+                 **({COMPILED_ENV: "1"} if label == "routed-compiled" else {})})
         children.append(other_processes[label])
     workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
     if nginx:
@@ -487,8 +496,8 @@ def main() -> None:
     parser.add_argument("--loops", nargs="+", choices=["asyncio", "uvloop"], default=["asyncio"],
                         help="the router's event loop (uvloop: kaon-router's default, a dependency); several: one "
                              "router process each, all measured in this run")
-    parser.add_argument("--compiled", type=Path, help="also a router process importing this tree's operator/: "
-                        "bench/router_compile.py's compiled copy (measured beside the others, label routed-compiled)")
+    parser.add_argument("--compiled", action="store_true", help="also a router process running this tree's data "
+                        "path compiled (kaon_operator/router/compiled.py's build; label routed-compiled)")
     parser.add_argument("--base", type=Path, help="also a router process importing DIR/operator: another tree, e.g. "
                         "before a change (measured beside the others, label routed-base)")
     parser.add_argument("--rounds", type=int, default=6, help="phase 2b: rounds of nginx and the routers in turn "

@@ -121,8 +121,13 @@ class EngineSide:
         pass
 
 
-def run(tree: Path, requests: int, clients: int, loop_kind: str, stream: bool, profile: bool) -> float:
+def run(tree: Path, requests: int, clients: int, loop_kind: str, stream: bool, profile: bool,
+        compiled: bool = False) -> float:
     sys.path.insert(0, str(tree / "operator"))
+    if compiled:  # the build of the tree's data path (kaon_operator/router/compiled.py), as kaon-router runs it
+        from kaon_operator.router import compiled as build
+
+        build.activate("require")
     from kaon_operator.labels import service_labels
     from kaon_operator.router.endpoints import EndpointTable
     from kaon_operator.router.main import quiet_gc
@@ -206,9 +211,12 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="SSE streams of 4 events instead of whole answers")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--tree", type=Path, default=HERE.parent, help="the tree whose operator/ is measured")
+    parser.add_argument("--compiled", action="store_true", help="its data path compiled (the build compiled.py "
+                        "finds for its sources: `python -m kaon_operator.router.compiled build` first)")
     args = parser.parse_args()
-    cost = run(args.tree, args.requests, args.clients, args.loop, args.stream, args.profile)
-    print(f"{args.tree}: {cost * 1e6:.1f} us CPU/request ({args.requests} requests, {args.clients} clients, "
+    cost = run(args.tree, args.requests, args.clients, args.loop, args.stream, args.profile, args.compiled)
+    label = f"{args.tree}{' compiled' if args.compiled else ''}"
+    print(f"{label}: {cost * 1e6:.1f} us CPU/request ({args.requests} requests, {args.clients} clients, "
           f"{args.loop}{', streams' if args.stream else ''})")
 
 

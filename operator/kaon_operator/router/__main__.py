@@ -1,5 +1,5 @@
 import sys
 
-from kaon_operator.router.main import main
+from kaon_operator.router.start import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ import resource
 import signal
 import sys
 
-from kaon_operator.router import edge
+from kaon_operator.router import compiled, edge
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
 from kaon_operator.router.event_loop import CHOICES, LoopUnavailable, loop_factory
@@ -110,6 +110,7 @@ def quiet_gc() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kaon.router").info("%s", compiled.chosen().line())
     from kaon_operator.router.watch import ApiServer, NoCredentials, Watcher  # kubernetes is slow to import
 
     try:

@@ -53,6 +53,10 @@ from kaon_operator.router.upstream import UPSTREAM_KEEPALIVE_S, ConnectFailed, P
 
 logger = logging.getLogger("kaon.router")
 
+Incoming = web.Request | FrontRequest
+"""What a handler is given: the router's own server's request on the main port (front.py), aiohttp's elsewhere
+(the admin port, aiohttp's test server). Said in full: compiled (compiled.py), mypyc checks the annotation."""
+
 # Headers aiohttp's client would add on its own; the engine gets the client's, or none.
 NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # What a client may ask of an engine through the router: the engine's OpenAI routes
@@ -110,7 +114,9 @@ class Router:
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._unknown)  # last: what no route above takes
-        app.cleanup_ctx.append(self._upstream_session)
+        # Two callbacks, not a cleanup context: mypyc (compiled.py) does not compile an async generator.
+        app.on_startup.append(self._open_upstream)
+        app.on_cleanup.append(self._close_upstream)
         app[FRONT] = self.front  # edge.serving serves the same routes with the router's own server (front.py)
         return app
 
@@ -121,20 +127,21 @@ class Router:
                        ("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics})
         return Front(routes, self._unknown, self.config.max_body_bytes, header_timeout)
 
-    async def _upstream_session(self, app: web.Application):
+    async def _open_upstream(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=NO_AUTO_HEADERS,
             cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to the next
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout))
         self.upstream = Pool(self.config.connect_timeout)
-        yield
+
+    async def _close_upstream(self, app: web.Application) -> None:
         self.upstream.close()
         await self._session.close()
 
     # forwarding ----------------------------------------------------------------
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse | Whole:
+    async def _forward(self, request: Incoming) -> web.StreamResponse | Whole:
         arrival = time.perf_counter()
         key: ServiceKey | None = None
         relaying = False  # from then on the engine's status is the one counted
@@ -214,7 +221,7 @@ class Router:
         finally:
             self.budget.release(reserved, source)
 
-    def _reserve(self, request: web.Request, source: str) -> int:
+    def _reserve(self, request: Incoming, source: str) -> int:
         """Decide on the headers whether the body is read at all, and take its bytes from the budget:
         a key that opens nothing (while every service needs one), a body over --max-body-bytes, or
         one that does not fit the bytes already held (--max-buffered-bytes, of which this client
@@ -248,7 +255,7 @@ class Router:
             raise errors.overloaded("buffered request bodies")
         return extra
 
-    async def _read(self, request: web.Request) -> bytes:
+    async def _read(self, request: Incoming) -> bytes:
         try:
             if request.content.is_eof():  # the whole body came with the head: nothing to wait for
                 return await request.read()
@@ -259,7 +266,7 @@ class Router:
         except TimeoutError:
             raise errors.request_timeout(self.config.body_timeout) from None
 
-    def _admit(self, request: web.Request, model: str, payload: dict, body: bytes) -> tuple[bytes, ServiceKey | None]:
+    def _admit(self, request: Incoming, model: str, payload: dict, body: bytes) -> tuple[bytes, ServiceKey | None]:
         """Check the API key of the InferenceService `model` names (before the request may wait
         for a replica: an unauthenticated one must not wake a service from zero); the body to
         send (request.engine_body: `model` as the engine knows it) and the service it was checked for."""
@@ -336,7 +343,7 @@ class Router:
             (self.metrics.affinity_hits if first_choice else self.metrics.affinity_overrides).labels(*key).inc()
         return target
 
-    async def _send(self, request: web.Request, body: bytes, key: ServiceKey, target: Endpoint,
+    async def _send(self, request: Incoming, body: bytes, key: ServiceKey, target: Endpoint,
                     tried: set[Endpoint]) -> Response | RouterError:
         """The upstream response (headers read), or the error when the attempt failed before
         the response began: nothing reached the client yet, so the caller may try another pod.
@@ -361,7 +368,7 @@ class Router:
         self._eject(key, target, failed.reason)
         return failed.error or errors.upstream_unreachable(str(key), len(tried))
 
-    def _fields(self, request: web.Request, key: ServiceKey) -> list[bytes]:
+    def _fields(self, request: Incoming, key: ServiceKey) -> list[bytes]:
         """The client's headers less its credentials; the key back only to a keyed service (the
         request got here past auth.check, so it holds one of that service's keys)."""
         keyed = self.table.api_keys(key) is not None
@@ -384,7 +391,7 @@ class Router:
 
     # the router's own endpoints --------------------------------------------------
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: Incoming) -> web.Response:
         # What this client may send as `model`: every addressable name, but a protected
         # InferenceService only to a caller with one of its keys.
         key = authorization(request)
@@ -394,21 +401,21 @@ class Router:
             data += self.routes.listed(key)
         return web.json_response({"object": "list", "data": data})
 
-    async def _unknown(self, request: web.Request) -> web.Response:
+    async def _unknown(self, request: Incoming) -> web.Response:
         """Any other method and path: OpenAI's 404, unread (the body is no one's)."""
         self.metrics.count(None, 404)
         response = errors.unknown_url(request.method, request.path, CLIENT_ROUTES).response()
         response.force_close()
         return response
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: Incoming) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def _ready(self, request: web.Request) -> web.Response:
+    async def _ready(self, request: Incoming) -> web.Response:
         return web.json_response({"status": "ok" if self.table.synced else "starting"},
                                  status=200 if self.table.synced else 503)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _metrics(self, request: Incoming) -> web.Response:
         """On the router's own port: the series of open InferenceServices and InferenceRoutes only
         (anyone may scrape it); every series is on --admin-port (admin_app)."""
         return metrics_response(self.metrics.render(self._open, self._open_route))
@@ -429,9 +436,9 @@ class Router:
         --max-connections."""
         app = web.Application()
 
-        async def everything(request: web.Request) -> web.Response:
+        async def everything(request: Incoming) -> web.Response:
             return metrics_response(self.metrics.render())
-        async def pressure(request: web.Request) -> web.Response:
+        async def pressure(request: Incoming) -> web.Response:
             return web.json_response(pressure_report.report(self.table, self.inflight, self.held()))
         app.router.add_get("/metrics", everything)
         app.router.add_get("/pressure", pressure)  # the operator's pressure loop (router/pressure.py)
@@ -448,7 +455,7 @@ def _asleep(upstream: Response) -> bool:
     return True
 
 
-def _engine_path(request: web.Request | FrontRequest) -> str:
+def _engine_path(request: Incoming) -> str:
     """The route as listed (CLIENT_ROUTES), not as the client spelled it (percent-escapes, `..`):
     the engine routes exactly what the router matched."""
     if isinstance(request, FrontRequest):
@@ -460,7 +467,7 @@ def _engine_path(request: web.Request | FrontRequest) -> str:
     return resource.canonical + ("?" + query if query else "")
 
 
-def _route_path(request: web.Request | FrontRequest) -> str:
+def _route_path(request: Incoming) -> str:
     if isinstance(request, FrontRequest):
         return request.canonical or request.path
     resource = request.match_info.route.resource

@@ -58,7 +58,7 @@ class Relay:
         self.metrics, self.backoff, self.eject = metrics, backoff, eject
         self._stalled_unlogged, self._stalled_logged_at = 0, float("-inf")
 
-    async def __call__(self, request: web.Request, upstream: Response, key: ServiceKey,
+    async def __call__(self, request: web.Request | FrontRequest, upstream: Response, key: ServiceKey,
                        target: Endpoint, overhead: float, tap: Tap | None = None) -> web.StreamResponse | Whole:
         """`overhead`: the router's time before the upstream request went out. `tap`: an InferenceRoute's
         (router/route_gateway.py): its headers are added, and it sees the body as it is passed on."""
@@ -118,7 +118,7 @@ class Relay:
         self._answered(key, target, upstream.status, overhead + time.perf_counter() - received)
         return Whole(upstream.status, upstream.reason, *response_lines(upstream.raw_headers), body)
 
-    def _drop_stalled(self, request: web.Request, key: ServiceKey, target: Endpoint) -> None:
+    def _drop_stalled(self, request: web.Request | FrontRequest, key: ServiceKey, target: Endpoint) -> None:
         """Abort, not close: a close waits for the buffered bytes to reach a client that never reads."""
         self.metrics.stalled_clients.labels(*key).inc()
         self._stalled_unlogged += 1
@@ -161,7 +161,7 @@ class Relay:
         self._answered(key, target, upstream.status, overhead + started - received + time.perf_counter() - read)
         return body
 
-    async def _broke_off(self, request: web.Request, response: web.StreamResponse, key: ServiceKey,
+    async def _broke_off(self, request: web.Request | FrontRequest, response: web.StreamResponse, key: ServiceKey,
                          target: Endpoint, ended: Ended, sse: bool) -> None:
         """Headers are out, so the status cannot say it. A stream ends with an error event as
         OpenAI's does (its clients raise it); any other body is left unfinished, which clients

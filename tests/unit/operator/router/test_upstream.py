@@ -71,10 +71,10 @@ def test_a_response_split_at_every_byte_parses_the_same(raw, body, content_type)
 
 def test_the_request_head_carries_host_length_and_the_given_fields_then_the_body():
     async def go():
-        conn = _Connection(Pool(1.0), "http://10.0.0.7:8000")
-        conn.connection_made(transport := FakeTransport())
         pool = Pool(1.0)
-        pool._take = lambda url, now: conn  # type: ignore[method-assign]
+        conn = _Connection(pool, "http://10.0.0.7:8000")
+        conn.connection_made(transport := FakeTransport())
+        pool.put(conn)  # the kept connection the request takes (no method patched: compiled, they are read-only)
         task = asyncio.ensure_future(pool.request("http://10.0.0.7:8000", "POST", "/v1/completions?x=1",
                                                   [b"Content-Type: application/json\r\n"], b'{"m": 1}', 5))
         await asyncio.sleep(0)
@@ -285,10 +285,10 @@ def test_each_request_on_a_kept_connection_gets_its_own_whole_first_byte_deadlin
     waits its own whole `timeout` for a head, then fails with TimeoutError, and the connection is closed."""
     async def go():
         loop = asyncio.get_running_loop()
-        conn = _Connection(Pool(1.0), "http://10.0.0.7:8000")
-        conn.connection_made(transport := FakeTransport())
         pool = Pool(1.0)
-        pool._take = lambda url, now: conn  # type: ignore[method-assign]
+        conn = _Connection(pool, "http://10.0.0.7:8000")
+        conn.connection_made(transport := FakeTransport())
+        pool.put(conn)  # the kept connection the request takes (no method patched: compiled, they are read-only)
         first = asyncio.ensure_future(pool.request("http://10.0.0.7:8000", "POST", "/", [], b"", 0.4))
         await asyncio.sleep(0)
         conn.data_received(CONTENT_LENGTH)
