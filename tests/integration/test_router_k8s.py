@@ -217,6 +217,7 @@ def test_kaon_router_runs_as_a_process(crd, namespace, router_kubeconfig):
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out
+    assert "router data path: " in out, out  # compiled or source, said at start (router/compiled.py)
 
 
 def test_routes_are_watched_and_their_status_written_as_the_router(crd, namespace, router_kubeconfig, monkeypatch):
