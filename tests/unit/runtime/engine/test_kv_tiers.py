@@ -12,7 +12,7 @@ import torch
 
 from kaon_runtime.engine.block_manager import BlockManager, chain_hash, root_hash
 from kaon_runtime.engine.kv_observer import KVObserver
-from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, check_manifest
+from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, check_manifest, weights_fingerprint
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.sampling import SamplingParams
@@ -146,6 +146,50 @@ def test_another_models_disk_tier_is_refused(tmp_path):
     other_shape = KVLayout("model-a", "float32", BS, (3, 2, 1, BS, 3))
     with pytest.raises(ModelLoadError, match="block_shape"):
         KVTiers(kv, other_shape, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+
+
+def test_another_checkpoint_or_quantization_at_the_same_model_id_is_refused(tmp_path):
+    """Same model id and layout, other K/V: a float engine's blocks are stale for --quantization int8 (found by
+    hand: a restart with int8 and a float32 KV cache served 12 blocks from the float engine's disk tier)."""
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    float_run = weights_fingerprint(ckpt, {"quantization": "none", "dtype": "auto"})
+    assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "auto"}) == float_run
+    assert weights_fingerprint(ckpt, {"quantization": "int8", "dtype": "auto"}) != float_run
+    assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "bfloat16"}) != float_run
+    (ckpt / "model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 16)  # a fine-tune: same size, shapes
+    assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "auto"}) != float_run
+    kv = pool(4)
+    disk = tmp_path / "kv"
+    shape = tuple(kv[:, :, :, 0].shape)
+    KVTiers(kv, KVLayout("m", "float32", BS, shape, float_run), host_bytes=0, disk_dir=str(disk),
+            disk_bytes=1 << 20).close()
+    with pytest.raises(ModelLoadError, match="weights"):
+        KVTiers(kv, KVLayout("m", "float32", BS, shape, "another"), host_bytes=0, disk_dir=str(disk),
+                disk_bytes=1 << 20)
+
+
+def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
+    """Same length, other bytes (found by hand: such files were served, and the greedy answers changed)."""
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv))
+    first = Engine(kv, tiers)
+    for i in range(3):
+        first.run(doc(i))
+    tiers.close()
+    files = sorted(tmp_path.glob("*.kv"))
+    assert files
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-4:] = bytes(b ^ 0x5A for b in data[-4:])
+        path.write_bytes(data)
+    kv2 = pool(4)
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
+    assert Engine(kv2, again).run(doc(0)) == 0  # Engine.run also asserts no wrong K/V was served
+    assert again.snapshot().hits["disk"] == 0
+    again.close()
 
 
 def test_a_copy_whose_block_the_pool_reused_is_discarded():
