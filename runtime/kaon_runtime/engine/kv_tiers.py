@@ -123,14 +123,25 @@ def check_manifest(directory: Path, layout: KVLayout) -> None:
         if any(directory.glob("*.kv")):
             raise ModelLoadError(f"--kv-offload-dir {directory} holds KV blocks but no {MANIFEST}: not a kaon disk "
                                  "tier, or a damaged one; give an empty directory")
-        directory.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(layout.manifest(), indent=1))
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(layout.manifest(), indent=1))
+        except OSError as e:
+            raise ModelLoadError(f"--kv-offload-dir {directory}: cannot write there ({e})") from None
         return
     try:
         found = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"--kv-offload-dir {directory}: unreadable {MANIFEST} ({e})") from None
-    if found != layout.manifest():
+    if not isinstance(found, dict):
+        raise ModelLoadError(f"--kv-offload-dir {directory}: {MANIFEST} is not a kaon manifest")
+    if found == layout.manifest():
+        try:  # a tier that could not write would fail every move down, one log line each: refuse it at start
+            (directory / ".kaon-write-test").write_bytes(b"")
+            (directory / ".kaon-write-test").unlink()
+        except OSError as e:
+            raise ModelLoadError(f"--kv-offload-dir {directory}: cannot write there ({e})") from None
+    else:
         differ = sorted(k for k in layout.manifest() if found.get(k) != layout.manifest()[k])
         what = "; ".join(f"{k}: {found.get(k)!r}, here {layout.manifest()[k]!r}" for k in differ)
         if "weights" in differ:
@@ -163,9 +174,13 @@ def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: t
     # as K/V (a short file already fails its size check).
     header = json.dumps({"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw)}).encode()
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(len(header)) + header + raw)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_HEADER.pack(len(header)) + header + raw)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no partial file left to fill it further
+        tmp.unlink(missing_ok=True)
+        raise
     return len(raw)
 
 
@@ -228,6 +243,7 @@ class KVTiers:
         self._disk: OrderedDict[int, _DiskBlock] = OrderedDict()
         self._generation = [0] * kv_cache.shape[3]  # per pool block: bumped when the pool reuses it
         self._in_flight: set[int] = set()  # hashes queued for the move down
+        self._disk_errors = 0  # blocks the disk tier could not write (a full disk)
         self.disk_dir = Path(disk_dir) if disk_dir else None
         if self.disk_dir is not None:
             check_manifest(self.disk_dir, layout)
@@ -383,7 +399,14 @@ class KVTiers:
                 self._disk.move_to_end(block_hash)
                 return
         start = time.perf_counter()
-        size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data)
+        try:
+            size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data)
+        except OSError as e:  # the disk filled, or went away: the block is dropped, the engine goes on
+            self._disk_errors += 1
+            if self._disk_errors == 1 or self._disk_errors % 1000 == 0:
+                log.warning("KV tiers: cannot write to %s (%s); %d blocks not kept on disk so far", self.disk_dir,
+                            e, self._disk_errors)
+            return
         gone: list[int] = []
         with self._lock:
             self._disk[block_hash] = _DiskBlock(block.parent, block.tokens, size)
@@ -429,6 +452,8 @@ class KVTiers:
     def _index_disk(self) -> None:
         """Index the blocks a previous engine left, oldest first (their files' modification times)."""
         assert self.disk_dir is not None
+        for partial in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash
+            partial.unlink(missing_ok=True)
         files = sorted(self.disk_dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:

@@ -5,11 +5,14 @@ directory is refused. The engine-level checks (greedy answers equal with and wit
 test_kv_tiers_engine.py."""
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 
 import pytest
 import torch
 
+from kaon_runtime.engine import kv_tiers
 from kaon_runtime.engine.block_manager import BlockManager, chain_hash, root_hash
 from kaon_runtime.engine.kv_observer import KVObserver
 from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, check_manifest, weights_fingerprint
@@ -190,6 +193,34 @@ def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
     assert Engine(kv2, again).run(doc(0)) == 0  # Engine.run also asserts no wrong K/V was served
     assert again.snapshot().hits["disk"] == 0
     again.close()
+
+
+def test_a_directory_that_cannot_be_written_is_refused_at_start(tmp_path):
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("x")
+    kv = pool(4)
+    with pytest.raises(ModelLoadError, match="cannot write there"):  # was a FileExistsError's traceback
+        KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(not_a_dir), disk_bytes=1 << 20)
+
+
+def test_a_full_disk_drops_blocks_and_the_engine_goes_on(tmp_path, monkeypatch, caplog):
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kv_tiers.os, "replace", full)  # each block file's write fails at its last step
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
+                    disk_bytes=64 * block_bytes(kv))
+    engine = Engine(kv, tiers)
+    with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
+        for i in range(4):
+            engine.run(doc(i))
+        assert engine.run(doc(3)) == 3 * BS  # still served: the pool and host memory work
+        tiers.close()  # writing host memory down at the stop fails too, quietly
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.kv"))  # no partial file fills it more
+    assert tiers.snapshot().disk_bytes == 0
+    warned = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warned) == 1 and not any(r.exc_info for r in caplog.records)  # one line, no traceback per block
 
 
 def test_a_copy_whose_block_the_pool_reused_is_discarded():
