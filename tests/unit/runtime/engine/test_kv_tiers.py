@@ -278,3 +278,29 @@ def test_an_asleep_engines_pool_is_neither_read_nor_written():
     current[0] = woken = pool(4)  # awake: a new pool
     assert tiers.restore(42, None, (1, 2, 3, 4), 1) and torch.all(woken[:, :, :, 1] == 5.0)
     tiers.close()
+
+
+def test_the_engines_settings_reach_the_disk_tiers_manifest(tmp_path):
+    """attach_kv_observer (what LLMEngine calls) fingerprints the checkpoint and --quantization: an engine of
+    the same model with int8 weights is refused the float engine's directory."""
+    from kaon_runtime.config import EngineConfig
+    from kaon_runtime.engine.kv_observer import attach_kv_observer
+
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"w" * 64)
+    disk = str(tmp_path / "kv")
+
+    def attach(**settings):
+        config = EngineConfig(model=str(ckpt), block_size=BS, kv_offload_dir=disk, kv_offload_dir_bytes=1 << 20,
+                              **settings)
+        kv = pool(4)
+        return attach_kv_observer(config, BlockManager(4, BS), lambda: kv, config.model, ckpt)
+
+    attach().close()
+    attach().close()  # the same settings find their directory
+    with pytest.raises(ModelLoadError, match="quantization"):
+        attach(quantization="int8")
+    (ckpt / "model.safetensors").write_bytes(b"v" * 64)  # other weights at the same path
+    with pytest.raises(ModelLoadError, match="checkpoint"):
+        attach()
