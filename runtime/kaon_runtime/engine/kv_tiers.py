@@ -192,7 +192,7 @@ def check_manifest(directory: Path, layout: KVLayout) -> None:
     what = manifest_differs(found, layout)
     if what:
         try:
-            _clear_stale(directory, f"another model, setting or format ({what})", layout)
+            _clear_stale(directory, f"another model, setting or format: {what}", layout)
         except OSError as e:
             raise ModelLoadError(f"--kv-offload-dir {directory} holds a stale KV cache ({what}) that cannot be "
                                  f"removed ({e})") from None
