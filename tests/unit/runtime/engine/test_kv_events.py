@@ -353,3 +353,20 @@ def test_an_engine_connects_to_a_subscriber_that_binds():
     finally:
         publisher.close()
         ctx.destroy(linger=0)
+
+
+def test_the_engine_names_an_adapter_by_its_id_for_the_events():
+    """LLMEngine's lookup behind BlockStored's lora_name: the adapter's name, also once it is unloaded while its
+    requests still run (LoraPool keeps it in `adapters`); None for an id it does not know or without adapters."""
+    from types import SimpleNamespace
+
+    from kaon_runtime.engine.llm_engine import LLMEngine
+
+    class Engine:
+        runner = SimpleNamespace(lora=SimpleNamespace(adapters={3: SimpleNamespace(name="sql-lora")}))
+
+    engine = Engine()
+    name = LLMEngine._lora_namer(engine)  # type: ignore[arg-type]
+    assert name(3) == "sql-lora" and name(4) is None
+    engine.runner = SimpleNamespace(lora=None)
+    assert name(3) is None
