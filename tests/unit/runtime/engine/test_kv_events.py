@@ -366,7 +366,7 @@ def test_the_engine_names_an_adapter_by_its_id_for_the_events():
         runner = SimpleNamespace(lora=SimpleNamespace(adapters={3: SimpleNamespace(name="sql-lora")}))
 
     engine = Engine()
-    name = LLMEngine._lora_namer(engine)  # type: ignore[arg-type]
+    name = LLMEngine._lora_namer(engine)
     assert name(3) == "sql-lora" and name(4) is None
     engine.runner = SimpleNamespace(lora=None)
     assert name(3) is None
