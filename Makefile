@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 # The router's data path compiled with mypyc (operator/kaon_operator/router/compiled.py, docs/architecture.md):
 # cached outside the repo under ~/.cache/kaon/router-mypyc, keyed by its sources, so that a later call returns at
-# once and an edited .py runs from source until the next install. About 2 min on 2 cold cores; a failed build is a
+# once and an edited .py runs from source until the next install. About 1 min of CPU (82 s wall on 2 cores at load
+# 1.4, under nice 19; 3-4 min on a busy machine); a failed build is a
 # warning (the router then runs its source), never a failed install.
 install: $(STAMP)
 	@PYTHONPATH=operator nice -n 19 $(PY) -m kaon_operator.router.compiled build || true
