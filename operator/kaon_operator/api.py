@@ -233,6 +233,14 @@ _ONE_STAGE_PER_NODE_MESSAGE = ("pipelineParallelSize must equal nodesPerReplica:
                                "one pipeline stage on its tensorParallelSize GPUs")
 
 
+# The engine refuses tiers it cannot keep (engine/kv_observer.check_tier_config): refused here too, at admission,
+# instead of pods that fail at start over and over.
+_TIERS_RULE = ("!has(self.kvOffload) || (self.kvOffload.hostBytes == 0 && self.kvOffload.diskBytes == 0) || "
+               "(self.enablePrefixCaching && self.tensorParallelSize == 1 && self.pipelineParallelSize == 1)")
+_TIERS_MESSAGE = ("kvOffload needs enablePrefixCaching true, tensorParallelSize 1 and pipelineParallelSize 1: the "
+                  "tiers keep one process's cached prefixes")
+
+
 class KvOffloadSpec(_Model):
     """KV cache tiers below the engine's pool (docs/kv_cache.md): blocks evicted from the pool are kept in host memory, then on disk, and come back on a prefix hit."""  # noqa: E501 - one line: the CRD's description
 
@@ -252,7 +260,8 @@ class EngineSpec(_Model):
          "message": _RESERVED_VOLUME_MESSAGE},
         {"rule": f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {list(RESERVED_MOUNT_PATHS)}))",
          "message": _RESERVED_PATH_MESSAGE},
-        {"rule": _ONE_STAGE_PER_NODE_RULE, "message": _ONE_STAGE_PER_NODE_MESSAGE}]})
+        {"rule": _ONE_STAGE_PER_NODE_RULE, "message": _ONE_STAGE_PER_NODE_MESSAGE},
+        {"rule": _TIERS_RULE, "message": _TIERS_MESSAGE}]})
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """GPUs per replica; the model's heads are sharded across them. They must divide the model's
@@ -308,6 +317,10 @@ class EngineSpec(_Model):
             raise ValueError(_RESERVED_PATH_MESSAGE)
         if self.pipeline_parallel_size != self.nodes_per_replica:
             raise ValueError(_ONE_STAGE_PER_NODE_MESSAGE)
+        tiered = self.kv_offload is not None and (self.kv_offload.host_bytes or self.kv_offload.disk_bytes)
+        if tiered and not (self.enable_prefix_caching and self.tensor_parallel_size == 1
+                           and self.pipeline_parallel_size == 1):
+            raise ValueError(_TIERS_MESSAGE)
         return self
 
     @property

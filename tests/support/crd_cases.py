@@ -89,6 +89,16 @@ INVALID = [
      "prefill (disaggregation) needs engine.tensorParallelSize 1, engine.nodesPerReplica 1 and engine.task "
      "generate: each engine's K/V moves from one process"),
     ("unknown-field", with_("engine.tensorParalelSize", 2), 'unknown field "spec.engine.tensorParalelSize"'),
+    ("bad-strategy", with_("routing.strategy", "kv_aware"), 'Unsupported value: "kv_aware"'),
+    ("tiers-negative", with_("engine.kvOffload", {"hostBytes": -1}), "should be greater than or equal to 0"),
+    ("tiers-relative-path", with_("engine.kvOffload", {"diskBytes": 1 << 30, "diskPath": "kv"}), "should match"),
+    ("tiers-without-prefix-caching", with_("engine", {"kvOffload": {"hostBytes": 1 << 30},
+                                                       "enablePrefixCaching": False}),
+     "kvOffload needs enablePrefixCaching true, tensorParallelSize 1 and pipelineParallelSize 1: the tiers keep one "
+     "process's cached prefixes"),
+    ("tiers-with-tp", with_("engine", {"kvOffload": {"diskBytes": 1 << 30}, "tensorParallelSize": 2}),
+     "kvOffload needs enablePrefixCaching true, tensorParallelSize 1 and pipelineParallelSize 1: the tiers keep one "
+     "process's cached prefixes"),
 ]
 
 

@@ -3,9 +3,10 @@ format, decoded with vLLM's published types), applied to the index (kv_index.py)
 service's tokenizer, fetched once from one of its pods (kv_tokens.py).
 
 Every router replica subscribes to every pod itself, so each builds the same index from the same
-events. A batch missed (a sequence number skipped) is asked again from the pod's replay socket; a
-pod that restarted (its sequence numbers start over, or it says AllBlocksCleared) or left the
-ready set loses its entries.
+events. A batch missed (a sequence number skipped) is asked again from the pod's replay socket, and
+so is a pod's history from batch 0 when the first batch heard of it is a later one (a replica
+started after the engines, or a restart seen late); a pod that restarted (its sequence numbers
+start over, or it says AllBlocksCleared) or left the ready set loses its entries.
 """
 from __future__ import annotations
 

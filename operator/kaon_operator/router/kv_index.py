@@ -75,12 +75,15 @@ class KvIndex:
     def sequence(self, pod: str, seq: int) -> int | None:
         """Note a batch's sequence number; a number that went back means the engine restarted
         (a new publisher counts from 0): its entries are dropped. Returns the first sequence
-        number missed when there is a gap (the caller asks the pod to replay from there), else None."""
+        number missed when there is a gap (the caller asks the pod to replay from there), else None.
+        A pod first heard of past its first batch (a router replica started after the engines, ZMQ's
+        slow joiner, a restart seen late) is replayed from 0: the blocks it stored before are in no
+        later batch, and every replica must build the same index."""
         state = self._pods.setdefault(pod, _Pod())
         if seq <= state.last_seq:
             self.clear(pod)
             state = self._pods.setdefault(pod, _Pod())
-        missed = state.last_seq + 1 if state.last_seq >= 0 and seq > state.last_seq + 1 else None
+        missed = state.last_seq + 1 if seq > state.last_seq + 1 else None
         state.last_seq = seq
         return missed
 

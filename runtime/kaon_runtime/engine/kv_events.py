@@ -18,6 +18,8 @@ thread, which batches whatever has arrived: the engine loop never waits on a soc
 """
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import json
 import logging
 import queue
@@ -83,7 +85,9 @@ class KVEventsConfig:
     """vLLM's KVEventsConfig, the fields kaon reads (others are accepted and ignored, as vLLM's are optional)."""
 
     enable_kv_cache_events: bool = False
-    publisher: str = "null"  # "zmq" or "null"
+    # "zmq" or "null"; None, as in vLLM: "zmq" when events are enabled, else "null" (vLLM's __post_init__), so
+    # '{"enable_kv_cache_events": true}' alone publishes, as it does on vLLM.
+    publisher: str | None = None
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000  # batches kept for replay
@@ -110,12 +114,27 @@ def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
         config = KVEventsConfig(**known)
     except TypeError as e:
         raise InvalidRequestError(f"--kv-events-config: {e}") from None
+    if config.publisher is None:
+        config = dataclasses.replace(config, publisher="zmq" if config.enable_kv_cache_events else "null")
     if config.publisher not in ("zmq", "null"):
         raise InvalidRequestError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {config.publisher!r}")
     for name in ("buffer_steps", "hwm"):
         if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
             raise InvalidRequestError(f"--kv-events-config: {name} must be a positive integer")
     return config if config.enabled else None
+
+
+def publisher_binds(endpoint: str) -> bool | None:
+    """Whether the PUB socket binds `endpoint` (True), connects to it (False), or binds it if it is one of this
+    machine's addresses (None: an IP address). vLLM's rule first: bind "*", "::", ipc:// and inproc://."""
+    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a host name: a subscriber's address, connected to as vLLM does
+    return None
 
 
 class EventPublisher:
@@ -133,7 +152,7 @@ class EventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._bind(self._pub, config.endpoint)
+        self._attach(self._pub, config.endpoint)
         self._replay = None
         if config.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
@@ -143,6 +162,29 @@ class EventPublisher:
         self._thread.start()
         # A restarted engine holds nothing: subscribers that knew its previous life drop what they had.
         self.emit(AllBlocksCleared())
+
+    def _attach(self, socket, endpoint: str) -> None:
+        """Bind or connect the PUB socket as vLLM does, so that a config written for vLLM works unchanged: bind a
+        wildcard (`tcp://*:5557`, `::`), ipc:// or inproc://; connect to a host name (llm-d's central mode has every
+        engine connect to its scheduler's bound SUB socket, `tcp://<scheduler service>:5556`). One addition: an IP
+        address of this machine is bound (several engines on one host, each on its own address: e2e/pod_runner.py),
+        any other IP address is connected to, as vLLM would."""
+        import zmq
+
+        binds = publisher_binds(endpoint)
+        try:
+            if binds is not False:
+                try:
+                    socket.bind(endpoint)
+                    return
+                except zmq.ZMQError as e:
+                    if binds or e.errno != zmq.EADDRNOTAVAIL:
+                        raise
+            socket.connect(endpoint)  # a subscriber's address (not one of this machine's), as in vLLM
+        except zmq.ZMQError as e:
+            self._ctx.destroy(linger=0)
+            how = "connect to" if binds is False else "bind"
+            raise InvalidRequestError(f"--kv-events-config: cannot {how} {endpoint}: {e}") from None
 
     def _bind(self, socket, endpoint: str) -> None:
         import zmq

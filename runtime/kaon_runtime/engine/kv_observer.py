@@ -10,6 +10,7 @@ order it was loaded in, so the same chain hash could name another adapter's K/V 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,7 @@ from kaon_runtime.engine.kv_events import (
     block_stored,
     parse_kv_events_config,
 )
-from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, TierStats
+from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, TierStats, weights_fingerprint
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import InvalidRequestError
 
@@ -101,7 +102,7 @@ def check_tier_config(config: EngineConfig) -> None:
 
 
 def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: Callable[[], torch.Tensor | None],
-                       model_id: str) -> KVObserver | None:
+                       model_id: str, checkpoint: Path | None = None) -> KVObserver | None:
     """Start what the config asks for (the events publisher, the tiers) and hang it on the block
     manager; None when it asks for neither. `pool` returns the engine's pool now (None: asleep)."""
     check_tier_config(config)
@@ -115,7 +116,8 @@ def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: 
         kv_cache = pool()
         assert kv_cache is not None, "the tiers need this process's pool"
         layout = KVLayout(model_id, str(kv_cache.dtype).removeprefix("torch."), config.block_size,
-                          tuple(kv_cache[:, :, :, 0].shape))
+                          tuple(kv_cache[:, :, :, 0].shape),
+                          weights_fingerprint(checkpoint, {"quantization": config.quantization, "dtype": config.dtype}))
         try:
             tiers = KVTiers(pool, layout, config.kv_offload_bytes, config.kv_offload_dir,
                             config.kv_offload_dir_bytes, emit=publisher.emit if publisher else None)

@@ -26,6 +26,7 @@ and the block header; the disk format (check_manifest to read_block) is the piec
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import queue
 import struct
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +49,7 @@ from kaon_runtime.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each block file's header carries its data's CRC-32
 _HEADER = struct.Struct(">I")  # the length of a block file's JSON header
 
 
@@ -78,10 +80,39 @@ class KVLayout:
     dtype: str
     block_size: int
     block_shape: tuple[int, ...]  # one block across layers: [layers, 2, kv heads, block size, head dim]
+    # What else sets the K/V values a block holds: the checkpoint's files and the settings that change its
+    # arithmetic (weights_fingerprint). Two engines of the same model id and layout but another --quantization,
+    # --dtype or checkpoint at the same path compute other K/V: one's blocks are stale for the other.
+    weights: str = ""
 
     def manifest(self) -> dict:
         return {"format": FORMAT_VERSION, "model": self.model, "dtype": self.dtype, "block_size": self.block_size,
-                "block_shape": list(self.block_shape)}
+                "block_shape": list(self.block_shape), "weights": self.weights}
+
+
+_FINGERPRINT_SPAN = 1 << 20  # bytes read at each end of a weight file
+
+
+def weights_fingerprint(checkpoint: Path | None, settings: dict) -> str:
+    """A digest of what makes a model's K/V: `settings` (quantization, dtype) and the checkpoint's files, each by
+    name, size and its first and last MiB (a fine-tune of the same shapes differs there; reading whole files
+    would cost a start a pass over the weights). Not the files' times: a fetched copy of the same model matches."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    files: list[Path] = []
+    if checkpoint is not None and checkpoint.is_file():
+        files = [checkpoint]
+    elif checkpoint is not None and checkpoint.is_dir():
+        files = sorted(p for p in checkpoint.iterdir() if p.is_file() and (
+            p.suffix in (".safetensors", ".bin", ".gguf", ".pt") or p.name == "config.json"))
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_FINGERPRINT_SPAN))
+            if size > 2 * _FINGERPRINT_SPAN:
+                f.seek(size - _FINGERPRINT_SPAN)
+                digest.update(f.read(_FINGERPRINT_SPAN))
+    return digest.hexdigest()[:32]
 
 
 def check_manifest(directory: Path, layout: KVLayout) -> None:
@@ -92,17 +123,30 @@ def check_manifest(directory: Path, layout: KVLayout) -> None:
         if any(directory.glob("*.kv")):
             raise ModelLoadError(f"--kv-offload-dir {directory} holds KV blocks but no {MANIFEST}: not a kaon disk "
                                  "tier, or a damaged one; give an empty directory")
-        directory.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(layout.manifest(), indent=1))
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(layout.manifest(), indent=1))
+        except OSError as e:
+            raise ModelLoadError(f"--kv-offload-dir {directory}: cannot write there ({e})") from None
         return
     try:
         found = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"--kv-offload-dir {directory}: unreadable {MANIFEST} ({e})") from None
-    if found != layout.manifest():
+    if not isinstance(found, dict):
+        raise ModelLoadError(f"--kv-offload-dir {directory}: {MANIFEST} is not a kaon manifest")
+    if found == layout.manifest():
+        try:  # a tier that could not write would fail every move down, one log line each: refuse it at start
+            (directory / ".kaon-write-test").write_bytes(b"")
+            (directory / ".kaon-write-test").unlink()
+        except OSError as e:
+            raise ModelLoadError(f"--kv-offload-dir {directory}: cannot write there ({e})") from None
+    else:
         differ = sorted(k for k in layout.manifest() if found.get(k) != layout.manifest()[k])
-        raise ModelLoadError(f"--kv-offload-dir {directory} holds the KV cache of another model or layout "
-                             f"({', '.join(f'{k}: {found.get(k)!r}, here {layout.manifest()[k]!r}' for k in differ)}); "
+        what = "; ".join(f"{k}: {found.get(k)!r}, here {layout.manifest()[k]!r}" for k in differ)
+        if "weights" in differ:
+            what += " (weights: the checkpoint's files, --quantization or --dtype)"
+        raise ModelLoadError(f"--kv-offload-dir {directory} holds the KV cache of another model or layout ({what}); "
                              "give this engine its own directory")
 
 
@@ -125,12 +169,18 @@ def _file_name(block_hash: int) -> str:
 
 def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor) -> int:
     """One block file: header length, JSON header (parent, tokens), the raw bytes. Atomic (rename)."""
-    header = json.dumps({"parent": parent, "tokens": list(tokens)}).encode()
     raw = data.contiguous().view(torch.uint8).numpy().tobytes()
+    # The CRC: a file damaged in place (same length: a bad sector, a stray write) must read as a miss, never
+    # as K/V (a short file already fails its size check).
+    header = json.dumps({"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw)}).encode()
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(len(header)) + header + raw)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_HEADER.pack(len(header)) + header + raw)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no partial file left to fill it further
+        tmp.unlink(missing_ok=True)
+        raise
     return len(raw)
 
 
@@ -149,6 +199,8 @@ def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[
     (n,) = _HEADER.unpack_from(data)
     header = json.loads(data[_HEADER.size:_HEADER.size + n])
     raw = bytearray(data[_HEADER.size + n:])
+    if zlib.crc32(raw) != header.get("crc32"):
+        raise ValueError("its data does not match its checksum")
     tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
     return header["parent"], tuple(header["tokens"]), tensor
 
@@ -191,6 +243,7 @@ class KVTiers:
         self._disk: OrderedDict[int, _DiskBlock] = OrderedDict()
         self._generation = [0] * kv_cache.shape[3]  # per pool block: bumped when the pool reuses it
         self._in_flight: set[int] = set()  # hashes queued for the move down
+        self._disk_errors = 0  # blocks the disk tier could not write (a full disk)
         self.disk_dir = Path(disk_dir) if disk_dir else None
         if self.disk_dir is not None:
             check_manifest(self.disk_dir, layout)
@@ -346,7 +399,14 @@ class KVTiers:
                 self._disk.move_to_end(block_hash)
                 return
         start = time.perf_counter()
-        size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data)
+        try:
+            size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data)
+        except OSError as e:  # the disk filled, or went away: the block is dropped, the engine goes on
+            self._disk_errors += 1
+            if self._disk_errors == 1 or self._disk_errors % 1000 == 0:
+                log.warning("KV tiers: cannot write to %s (%s); %d blocks not kept on disk so far", self.disk_dir,
+                            e, self._disk_errors)
+            return
         gone: list[int] = []
         with self._lock:
             self._disk[block_hash] = _DiskBlock(block.parent, block.tokens, size)
@@ -392,6 +452,8 @@ class KVTiers:
     def _index_disk(self) -> None:
         """Index the blocks a previous engine left, oldest first (their files' modification times)."""
         assert self.disk_dir is not None
+        for partial in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash
+            partial.unlink(missing_ok=True)
         files = sorted(self.disk_dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:

@@ -107,7 +107,8 @@ class LLMEngine:
                 self.runner.prepare_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         try:  # KV events and the tiers below the pool; None: neither asked for
-            self.kv_observer = attach_kv_observer(config, self.block_manager, self._pool_reader(), config.model)
+            self.kv_observer = attach_kv_observer(config, self.block_manager, self._pool_reader(), config.model,
+                                                  checkpoint.path)
         except BaseException:
             self.close()
             raise

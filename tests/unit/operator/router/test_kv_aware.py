@@ -72,6 +72,11 @@ def test_a_restart_clears_a_pods_entries():
     assert index.match("a", keys()).blocks == 4
     index.sequence("a", 0)  # numbers start over: a new engine
     assert index.match("a", keys()).blocks == 0
+    assert index.sequence("a", 1) is None
+    stored(index, "a")
+    assert index.sequence("a", 1) == 0  # went back, heard past its batch 0: a restart seen late, replayed from 0
+    assert index.match("a", keys()).blocks == 0
+    assert KvIndex().sequence("b", 7) == 0  # a pod first heard of mid-life: its history from 0
     stored(index, "a")
     index.clear("a")  # AllBlocksCleared
     assert index.match("a", keys()).blocks == 0
@@ -208,6 +213,47 @@ def test_the_feed_builds_the_index_from_an_engines_events():
     finally:
         publisher.close()
     assert held and gone
+
+
+def test_a_router_replica_started_after_the_engine_builds_the_same_index():
+    """The blocks an engine stored before a router replica subscribed are in no later batch: the replica asks
+    the replay socket for them (found by hand: a late replica's index held none of them)."""
+    from kaon_runtime.engine.block_manager import BlockManager
+    from kaon_runtime.engine.kv_events import BlockRemoved, EventPublisher, parse_kv_events_config
+    from kaon_runtime.engine.kv_observer import KVObserver
+    from kaon_runtime.engine.sequence import Sequence
+    from kaon_runtime.sampling import SamplingParams
+
+    port, replay = free_port(), free_port()
+    publisher = EventPublisher(parse_kv_events_config(json.dumps({
+        "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv-events"})))
+    bm = BlockManager(8, BS)
+    bm.listener = KVObserver(BS, publisher, None)
+    seq = Sequence(0, list(PROMPT), len(PROMPT), SamplingParams())
+    seq.num_computed_tokens = bm.allocate_prefix(seq)
+    assert bm.ensure_slots(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq)  # announced while no router listens
+    bm.free(seq)
+
+    async def main():
+        index = KvIndex()
+        feed = KvFeed(index, events_port=port, replay_port=replay)
+        feed.follow([Endpoint("ns", "pod-a", "svc", "http://127.0.0.1:8000")])
+        deadline = time.monotonic() + 30
+        while "pod-a" not in index.pods():  # the slow joiner, as above
+            assert time.monotonic() < deadline, "the feed never subscribed"
+            publisher.emit(BlockRemoved(block_hashes=[], medium="GPU"))
+            await asyncio.sleep(0.05)
+        held = await until(lambda: index.match("pod-a", keys()).blocks == 4, timeout=10)
+        await feed.close()
+        return held
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        publisher.close()
 
 
 # ---- the strategy ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from kaon_runtime.engine.kv_events import (
     AllBlocksCleared as AllBlocksClearedEvent,
     EventPublisher,
     parse_kv_events_config,
+    publisher_binds,
 )
 from kaon_runtime.engine.kv_observer import KVObserver
 from kaon_runtime.engine.sequence import Sequence
@@ -210,3 +211,47 @@ def test_bad_configs_are_clear_errors():
         with pytest.raises(InvalidRequestError, match="cannot bind"):
             EventPublisher(parse_kv_events_config(
                 f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{busy}"}}'))
+
+
+def test_enabling_events_alone_publishes_over_zmq_as_in_vllm():
+    # vLLM's KVEventsConfig: publisher unset means "zmq" when events are enabled (its __post_init__), so the
+    # config many vLLM deployments pass, '{"enable_kv_cache_events": true, "topic": ...}', publishes.
+    config = parse_kv_events_config('{"enable_kv_cache_events": true, "topic": "kv-events"}')
+    assert config is not None and config.publisher == "zmq" and config.topic == "kv-events"
+    assert parse_kv_events_config('{"enable_kv_cache_events": false}') is None
+    assert parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}') is None
+    assert parse_kv_events_config('{"enable_kv_cache_events": true, "max_queue_size": 5}') is not None  # vLLM's key
+
+
+def test_the_endpoint_is_bound_or_connected_to_as_vllm_does():
+    assert publisher_binds("tcp://*:5557") and publisher_binds("tcp://[::]:5557") and publisher_binds("ipc:///x")
+    assert publisher_binds("inproc://kv") is True
+    assert publisher_binds("tcp://epp.llm-d.svc.cluster.local:5556") is False  # a host name: connect
+    assert publisher_binds("tcp://localhost:5556") is False
+    assert publisher_binds("tcp://10.1.2.3:5557") is None  # an IP: bound when it is this machine's
+    assert publisher_binds("tcp://[fd00::1]:5557") is True  # "::" in it: vLLM binds
+
+
+def test_an_engine_connects_to_a_subscriber_that_binds():
+    """llm-d's central mode: the scheduler binds a SUB socket and every engine's endpoint names it."""
+    port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt_string(zmq.SUBSCRIBE, "kv@pod-a")
+    publisher = EventPublisher(parse_kv_events_config(
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://localhost:{port}", "topic": "kv@pod-a"}}'))
+    try:
+        deadline = time.monotonic() + 30
+        while not sub.poll(50):
+            assert time.monotonic() < deadline, "no batch within 30 s"
+            publisher.emit(AllBlocksClearedEvent())
+        topic, _, payload = sub.recv_multipart()
+        assert topic == b"kv@pod-a"
+        assert isinstance(Decoder(type=KVEventBatch).decode(payload).events[0], AllBlocksCleared)
+        # An IP address that is not this machine's is connected to, too (vLLM connects to every non-wildcard).
+        EventPublisher(parse_kv_events_config(
+            '{"enable_kv_cache_events": true, "endpoint": "tcp://192.0.2.1:5557"}')).close()
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)

@@ -5,14 +5,17 @@ directory is refused. The engine-level checks (greedy answers equal with and wit
 test_kv_tiers_engine.py."""
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 
 import pytest
 import torch
 
+from kaon_runtime.engine import kv_tiers
 from kaon_runtime.engine.block_manager import BlockManager, chain_hash, root_hash
 from kaon_runtime.engine.kv_observer import KVObserver
-from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, check_manifest
+from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, check_manifest, weights_fingerprint
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import ModelLoadError
 from kaon_runtime.sampling import SamplingParams
@@ -148,6 +151,78 @@ def test_another_models_disk_tier_is_refused(tmp_path):
         KVTiers(kv, other_shape, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
 
 
+def test_another_checkpoint_or_quantization_at_the_same_model_id_is_refused(tmp_path):
+    """Same model id and layout, other K/V: a float engine's blocks are stale for --quantization int8 (found by
+    hand: a restart with int8 and a float32 KV cache served 12 blocks from the float engine's disk tier)."""
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    float_run = weights_fingerprint(ckpt, {"quantization": "none", "dtype": "auto"})
+    assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "auto"}) == float_run
+    assert weights_fingerprint(ckpt, {"quantization": "int8", "dtype": "auto"}) != float_run
+    assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "bfloat16"}) != float_run
+    (ckpt / "model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 16)  # a fine-tune: same size, shapes
+    assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "auto"}) != float_run
+    kv = pool(4)
+    disk = tmp_path / "kv"
+    shape = tuple(kv[:, :, :, 0].shape)
+    KVTiers(kv, KVLayout("m", "float32", BS, shape, float_run), host_bytes=0, disk_dir=str(disk),
+            disk_bytes=1 << 20).close()
+    with pytest.raises(ModelLoadError, match="weights"):
+        KVTiers(kv, KVLayout("m", "float32", BS, shape, "another"), host_bytes=0, disk_dir=str(disk),
+                disk_bytes=1 << 20)
+
+
+def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
+    """Same length, other bytes (found by hand: such files were served, and the greedy answers changed)."""
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv))
+    first = Engine(kv, tiers)
+    for i in range(3):
+        first.run(doc(i))
+    tiers.close()
+    files = sorted(tmp_path.glob("*.kv"))
+    assert files
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-4:] = bytes(b ^ 0x5A for b in data[-4:])
+        path.write_bytes(data)
+    kv2 = pool(4)
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
+    assert Engine(kv2, again).run(doc(0)) == 0  # Engine.run also asserts no wrong K/V was served
+    assert again.snapshot().hits["disk"] == 0
+    again.close()
+
+
+def test_a_directory_that_cannot_be_written_is_refused_at_start(tmp_path):
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("x")
+    kv = pool(4)
+    with pytest.raises(ModelLoadError, match="cannot write there"):  # was a FileExistsError's traceback
+        KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(not_a_dir), disk_bytes=1 << 20)
+
+
+def test_a_full_disk_drops_blocks_and_the_engine_goes_on(tmp_path, monkeypatch, caplog):
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kv_tiers.os, "replace", full)  # each block file's write fails at its last step
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
+                    disk_bytes=64 * block_bytes(kv))
+    engine = Engine(kv, tiers)
+    with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
+        for i in range(4):
+            engine.run(doc(i))
+        assert engine.run(doc(3)) == 3 * BS  # still served: the pool and host memory work
+        tiers.close()  # writing host memory down at the stop fails too, quietly
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.kv"))  # no partial file fills it more
+    assert tiers.snapshot().disk_bytes == 0
+    warned = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warned) == 1 and not any(r.exc_info for r in caplog.records)  # one line, no traceback per block
+
+
 def test_a_copy_whose_block_the_pool_reused_is_discarded():
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv))
@@ -203,3 +278,29 @@ def test_an_asleep_engines_pool_is_neither_read_nor_written():
     current[0] = woken = pool(4)  # awake: a new pool
     assert tiers.restore(42, None, (1, 2, 3, 4), 1) and torch.all(woken[:, :, :, 1] == 5.0)
     tiers.close()
+
+
+def test_the_engines_settings_reach_the_disk_tiers_manifest(tmp_path):
+    """attach_kv_observer (what LLMEngine calls) fingerprints the checkpoint and --quantization: an engine of
+    the same model with int8 weights is refused the float engine's directory."""
+    from kaon_runtime.config import EngineConfig
+    from kaon_runtime.engine.kv_observer import attach_kv_observer
+
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"w" * 64)
+    disk = str(tmp_path / "kv")
+
+    def attach(**settings):
+        config = EngineConfig(model=str(ckpt), block_size=BS, kv_offload_dir=disk, kv_offload_dir_bytes=1 << 20,
+                              **settings)
+        kv = pool(4)
+        return attach_kv_observer(config, BlockManager(4, BS), lambda: kv, config.model, ckpt)
+
+    attach().close()
+    attach().close()  # the same settings find their directory
+    with pytest.raises(ModelLoadError, match="quantization"):
+        attach(quantization="int8")
+    (ckpt / "model.safetensors").write_bytes(b"v" * 64)  # other weights at the same path
+    with pytest.raises(ModelLoadError, match="checkpoint"):
+        attach()
