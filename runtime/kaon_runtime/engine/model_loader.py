@@ -94,10 +94,10 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
         # float64 (the tests' exactness oracle against transformers' float64): torch's path, its projections, head,
         # experts and attention through float64 kernels that compute each row alone (layers/rows_alone.py), so its
         # answers are batch invariant as the fused step's are. What they do not cover is said once here.
-        reason = rows_alone_gaps(_weights_quantization(config, checkpoint), kv_dtype, tp.size, config.lora_enabled)
-        rows_alone = reason is None
+        gaps = rows_alone_gaps(_weights_quantization(config, checkpoint), kv_dtype, tp.size, config.lora_enabled)
+        rows_alone = gaps is None
         log.info("a float64 model on CPU: torch's path, %s", "each row computed alone (batch invariant)"
-                 if rows_alone else f"answers not batch invariant ({reason})")
+                 if rows_alone else f"answers not batch invariant ({gaps})")
     if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kaon_runtime.kernels import cpu_f64
-from kaon_runtime.kernels import paged_attention_ref as ref
+from kaon_runtime.kernels import cpu_f64, paged_attention_ref as ref
 from kaon_runtime.kernels.moe_ref import moe_ref
 from kaon_runtime.layers.activation import silu_and_mul
 from kaon_runtime.layers.rows_alone import RowsAloneLinear, experts
