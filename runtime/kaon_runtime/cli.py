@@ -172,11 +172,13 @@ def add_kv_tier_flags(parser: argparse.ArgumentParser) -> None:
                         help="host memory for KV blocks evicted from the pool, brought back on a prefix hit "
                              "(default 0: none)")
     parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
-                        help="a disk tier below host memory, kept across restarts of the same model and settings")
+                        help="a disk tier below host memory, kept across restarts of the same model and settings "
+                             "(one written with others is cleared at start: kaon's own files only)")
     parser.add_argument("--kv-offload-dir-bytes", type=int, default=0, metavar="N", help="the disk tier's size")
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help="KV cache events in vLLM's format, e.g. '{\"enable_kv_cache_events\": true, "
-                             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'")
+                             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'; "
+                             "kaon's key \"encoding\": \"array\" (default: vLLM before 0.24) or \"map\" (vLLM 0.24+)")
 
 
 def kv_tier_options(args) -> dict:

@@ -4,6 +4,7 @@ close(), a with block or garbage collection, the next often starting while the l
 
 Each must work (the same greedy tokens: the settings change how, not what, the tiny model computes) and
 leave nothing behind once gone: no worker process, no socket (a store's port, a group's connection), no
+thread of kaon's (a pipeline group's accept loop), no
 torch.distributed default group, its model's memory freed; and the process ends without
 multiprocessing's resource tracker warning of leaked semaphores or shared memory.
 Before each engine owned its process groups, the second LLM failed with "trying to initialize the
@@ -55,6 +56,7 @@ def test_ten_engines_in_a_row_leave_nothing_behind(tiny):
         if e["leaving"] == "rebind":  # still bound: only it is alive, with its own workers; the one before is gone
             assert e["in_memory"] == [e["index"]] and len(e["children"]) == e["workers"], e
         else:
-            assert e["in_memory"] == [] and e["children"] == [] and e["sockets"] == 0, e
+            assert e["in_memory"] == [] and e["children"] == [] and e["sockets"] == 0 and e["threads"] == [], e
     assert end["in_memory"] == [] and end["children"] == [] and end["sockets"] == 0 and not end["default_group"]
+    assert end["threads"] == [], end  # each pipeline engine's accept thread stayed, holding its group's pipes
     assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr[-3000:]

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 
+from e2e.control_plane import free_ports
 from kaon_runtime import LLM, SamplingParams
 from kaon_runtime.errors import ModelLoadError
 from support.hf_dirs import write_hf_dir
@@ -208,29 +209,11 @@ def test_a_gguf_in_its_own_int4_blocks_answers_at_pp2_as_at_pp1(tmp_path, gguf_p
 
 def group_ports() -> tuple[int, int, int]:
     """A rendezvous port whose next port is free too (the leader's control channel listens there:
-    rendezvous.control_address) and two HTTP ports apart from both. All are held open while chosen, so
-    they differ; CI failed once with the control channel's port taken ("Address already in use"), when
-    only the rendezvous port had been checked and tests/e2e ran beside this file."""
-    held: list[socket.socket] = []
-
-    def bound(port: int) -> int:
-        s = socket.socket()
-        held.append(s)
-        s.bind(("127.0.0.1", port))
-        return s.getsockname()[1]
-
-    try:
-        while True:
-            init = bound(0)
-            try:
-                bound(init + 1)
-                break
-            except OSError:
-                continue
-        return init, bound(0), bound(0)
-    finally:
-        for s in held:
-            s.close()
+    rendezvous.control_address) and two HTTP ports: four consecutive ports picked outside the kernel's
+    ephemeral range (e2e.control_plane.free_ports). CI failed twice with "Address already in use" on ports
+    from bind(0), which any process's outgoing connection can take as its source port before the host binds it."""
+    first = free_ports(4, "127.0.0.1")
+    return first, first + 2, first + 3
 
 
 def start_host(path: str, index: int, init: str, port: int, log, key: str | None = "test-group-key"

@@ -1,8 +1,8 @@
 """Build and drop ten LLMs of mixed settings in one process (run as a script by
 tests/integration/test_engine_lifecycle.py), printing one JSON line per engine of what the process
 holds once it is gone: its child processes (but multiprocessing's resource tracker, which lives as long
-as the process), its TCP sockets (the stores' ports, the groups' connections), whether torch.distributed's
-default group is set, whether the engine's model was freed, and the greedy tokens it gave.
+as the process), its TCP sockets (the stores' ports, the groups' connections), kaon's threads still running,
+whether torch.distributed's default group is set, whether the engine's model was freed, and the greedy tokens it gave.
 
 Each engine leaves in one of the three ways a user's does: close(), a with block, or garbage collection
 once its name is bound to the next one (as a notebook cell run twice does): a "rebind" engine is still
@@ -14,6 +14,7 @@ import gc
 import json
 import multiprocessing.resource_tracker as resource_tracker
 import sys
+import threading
 import weakref
 
 import psutil
@@ -46,7 +47,9 @@ def held(tracker_pid: int | None) -> dict:
     me = psutil.Process()
     return {"children": sorted(p.pid for p in me.children(recursive=True) if p.pid != tracker_pid),
             "sockets": len(me.net_connections(kind="inet")),
-            "default_group": dist.is_initialized()}
+            "default_group": dist.is_initialized(),
+            # kaon's own threads still running (a pipeline group's accept loop outlived its engine)
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kaon-"))}
 
 
 def main(model: str) -> None:

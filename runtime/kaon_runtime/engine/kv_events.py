@@ -4,8 +4,12 @@ read a kaon engine unchanged.
 
 The wire format is vLLM's (vllm/distributed/kv_events.py and its example subscriber): each ZMQ
 PUB message is three frames, (topic, sequence number as 8 big-endian bytes, msgpack payload), the
-payload an `EventBatch` (msgspec structs encoded as arrays, events tagged by class name) of
-`BlockStored`, `BlockRemoved` and `AllBlocksCleared`. A ROUTER socket at `replay_endpoint`
+payload an `EventBatch` (an array: time, events) of `BlockStored`, `BlockRemoved` and
+`AllBlocksCleared`. vLLM has encoded its events two ways: as arrays tagged by the class name first
+(before vLLM #42892, ~0.24; kaon's default, `"encoding": "array"`) and as maps tagged by a "type" key
+with BlockStored's newer fields (`"encoding": "map"`, what vLLM's newest subscribers decode; its
+`lora_name` has no default there, so it is always sent). Events are built as the array structs and
+turned into the map ones as a batch is encoded. A ROUTER socket at `replay_endpoint`
 answers a request carrying a start sequence number with every buffered batch from there on, then an
 end marker (sequence -1, empty payload). The structs are our own definitions with vLLM's field order
 and options; a test decodes them with types written from vLLM's published ones.
@@ -55,6 +59,9 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    # The adapter's name: the array encoding sends it only for an adapter's blocks (a trailing field older
+    # subscribers ignore), the map encoding always (vLLM's newest struct requires it).
+    lora_name: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -70,14 +77,52 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def block_stored(block_hashes: list[int], parent: int | None, tokens: tuple[int, ...] | list[int], block_size: int,
-                 medium: str, lora_id: int = 0) -> BlockStored:
+                 medium: str, lora_id: int = 0, lora_name: str | None = None) -> BlockStored:
     """A run of chained blocks (each the parent of the next) newly held by `medium`; lora_id 0: the base model."""
     return BlockStored(block_hashes=list(block_hashes), parent_block_hash=parent, token_ids=list(tokens),
-                       block_size=block_size, lora_id=lora_id or None, medium=medium)
+                       block_size=block_size, lora_id=lora_id or None, medium=medium,
+                       lora_name=lora_name if lora_id else None)
 
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# ---- the map encoding (vLLM >= 0.24): the same events as maps tagged by "type" -------------------------------
+
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None  # no default: always on the wire, as vLLM's newest decoder requires
+
+
+class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+def as_map(event: KVEvent) -> MapEvent:
+    if isinstance(event, BlockStored):
+        return MapBlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                              event.lora_id, event.medium, event.lora_name)
+    if isinstance(event, BlockRemoved):
+        return MapBlockRemoved(event.block_hashes, event.medium)
+    return MapAllBlocksCleared()
+
+
+ENCODINGS = ("array", "map")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +138,9 @@ class KVEventsConfig:
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's send high-water mark
     topic: str = ""
+    # kaon's one key of its own: how each event is encoded (ENCODINGS). "array" is what the issue's and older
+    # vLLM's subscribers (and llm-d, Dynamo: they read both) decode; "map" what vLLM >= 0.24's types decode.
+    encoding: str = "array"
 
     @property
     def enabled(self) -> bool:
@@ -118,6 +166,9 @@ def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
         config = dataclasses.replace(config, publisher="zmq" if config.enable_kv_cache_events else "null")
     if config.publisher not in ("zmq", "null"):
         raise InvalidRequestError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {config.publisher!r}")
+    if config.encoding not in ENCODINGS:
+        raise InvalidRequestError(f"--kv-events-config: encoding must be 'array' (vLLM before 0.24, the default) or "
+                                  f"'map' (vLLM 0.24 and later), got {config.encoding!r}")
     for name in ("buffer_steps", "hwm"):
         if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
             raise InvalidRequestError(f"--kv-events-config: {name} must be a positive integer")
@@ -228,7 +279,8 @@ class EventPublisher:
             except queue.Empty:
                 pass
             if events:
-                payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
+                batch: list[Any] = [as_map(e) for e in events] if self.config.encoding == "map" else events
+                payload = self._encoder.encode(EventBatch(ts=time.time(), events=batch))
                 seq = self._seq
                 self._seq += 1
                 self._buffer.append((seq, payload))

@@ -40,8 +40,11 @@ def chained_runs(blocks: list[Block]) -> list[list[Block]]:
 
 
 class KVObserver:
-    def __init__(self, block_size: int, publisher: EventPublisher | None, tiers: KVTiers | None):
+    def __init__(self, block_size: int, publisher: EventPublisher | None, tiers: KVTiers | None,
+                 lora_names: Callable[[int], str | None] | None = None):
+        """`lora_names`: an adapter's name by its id (the events carry both: vLLM's newer subscribers key by name)."""
         self.block_size = block_size
+        self.lora_names = lora_names or (lambda lora_id: None)
         self.publisher = publisher
         self.tiers = tiers
         self._lora_blocks: set[int] = set()  # hashes of LoRA blocks in the pool: never tiered
@@ -53,7 +56,8 @@ class KVObserver:
             for run in chained_runs(blocks):
                 tokens = [t for b in run for t in b.token_ids]
                 self.publisher.emit(block_stored([b.hash for b in run if b.hash is not None], run[0].parent_hash,
-                                                 tokens, self.block_size, MEDIUM_POOL, seq.lora_id))
+                                                 tokens, self.block_size, MEDIUM_POOL, seq.lora_id,
+                                                 self.lora_names(seq.lora_id) if seq.lora_id else None))
 
     def evictable(self, block: Block) -> None:
         if self.tiers is not None and block.hash is not None and block.hash not in self._lora_blocks:
@@ -102,7 +106,8 @@ def check_tier_config(config: EngineConfig) -> None:
 
 
 def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: Callable[[], torch.Tensor | None],
-                       model_id: str, checkpoint: Path | None = None) -> KVObserver | None:
+                       model_id: str, checkpoint: Path | None = None,
+                       lora_names: Callable[[int], str | None] | None = None) -> KVObserver | None:
     """Start what the config asks for (the events publisher, the tiers) and hang it on the block
     manager; None when it asks for neither. `pool` returns the engine's pool now (None: asleep)."""
     check_tier_config(config)
@@ -125,6 +130,6 @@ def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: 
             if publisher is not None:
                 publisher.close()
             raise
-    observer = KVObserver(config.block_size, publisher, tiers)
+    observer = KVObserver(config.block_size, publisher, tiers, lora_names)
     block_manager.listener = observer
     return observer

@@ -17,8 +17,13 @@ mover thread while it waits (prefetch).
 The disk tier outlives the engine: a `manifest.json` names the model and the KV layout it was
 written with, and a restarted engine with the same ones indexes the blocks it finds (each file
 carries its block's parent hash and tokens, checked on every restore as the pool checks its own).
-Another model's or layout's directory is refused at start. Chain hashes are stable across
-processes (engine/block_manager.py) for this.
+A directory written for another model, setting or format version is a cache gone stale, not an
+error: the engine removes kaon's own files there (the manifest, its block files, leftover
+temporaries; nothing else), says what differed, and starts with an empty tier, so a changed
+`--quantization` or an upgrade never stops a pod on a persistent volume. Each block file's header
+also carries the layout's fingerprint, checked on every read: two engines given one directory by
+mistake never serve each other's K/V (the other's blocks read as misses). Chain hashes are stable
+across processes (engine/block_manager.py) for this.
 
 Why one module past 300 lines: the tier store, its mover thread and the disk format share KVLayout
 and the block header; the disk format (check_manifest to read_block) is the piece to move out next.
@@ -31,6 +36,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -49,7 +55,10 @@ from kaon_runtime.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: each block file's header carries its data's CRC-32
+FORMAT_VERSION = 3  # 2: each block file's header carries its data's CRC-32; 3: and the layout's fingerprint
+# kaon's own files in a disk tier, the only ones it ever removes: block files, their temporaries (a write cut
+# short), the manifest's temporary, the write probe. The manifest is named MANIFEST.
+_OWN_FILE = re.compile(r"[0-9a-f]{16}\.(kv|tmp)|manifest\.json\.tmp|\.kaon-write-test")
 _HEADER = struct.Struct(">I")  # the length of a block file's JSON header
 
 
@@ -89,6 +98,10 @@ class KVLayout:
         return {"format": FORMAT_VERSION, "model": self.model, "dtype": self.dtype, "block_size": self.block_size,
                 "block_shape": list(self.block_shape), "weights": self.weights}
 
+    def fingerprint(self) -> str:
+        """The manifest's digest, in every block file's header: a block is only ever read as this layout's."""
+        return hashlib.sha256(json.dumps(self.manifest(), sort_keys=True).encode()).hexdigest()[:16]
+
 
 _FINGERPRINT_SPAN = 1 << 20  # bytes read at each end of a weight file
 
@@ -115,39 +128,74 @@ def weights_fingerprint(checkpoint: Path | None, settings: dict) -> str:
     return digest.hexdigest()[:32]
 
 
+def own_files(directory: Path) -> list[Path]:
+    """kaon's files in a disk tier's directory (never another program's: only these are ever removed)."""
+    return [p for p in directory.iterdir() if _OWN_FILE.fullmatch(p.name) and p.is_file()]
+
+
+def manifest_differs(found: dict, layout: KVLayout) -> str:
+    """What an existing manifest says that this engine's layout does not ("" when it is this layout's)."""
+    wanted = layout.manifest()
+    differ = sorted(k for k in wanted if found.get(k) != wanted[k])
+    what = "; ".join(f"{k}: {found.get(k)!r}, here {wanted[k]!r}" for k in differ)
+    if "weights" in differ:
+        what += " (weights: the checkpoint's files, --quantization or --dtype)"
+    return what
+
+
+def _write_manifest(directory: Path, layout: KVLayout) -> None:
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(layout.manifest(), indent=1))
+    os.replace(tmp, directory / MANIFEST)  # atomic: a crash never leaves half a manifest
+
+
+def _clear_stale(directory: Path, why: str, layout: KVLayout) -> None:
+    """Remove kaon's own files (block files and temporaries first, the manifest last, rewritten: a crash midway
+    leaves the old manifest, and the next start clears again) and say so."""
+    removed, freed = 0, 0
+    for path in own_files(directory):
+        with contextlib.suppress(FileNotFoundError):
+            freed += path.stat().st_size
+            path.unlink()
+            removed += 1
+    _write_manifest(directory, layout)
+    log.warning("KV tiers: --kv-offload-dir %s held the KV cache of %s; removed kaon's %d files there (%d bytes; "
+                "any other file is left) and started with an empty disk tier", directory, why, removed, freed)
+
+
 def check_manifest(directory: Path, layout: KVLayout) -> None:
-    """Write the layout's manifest into a new directory, or check an existing one against it.
-    Raises ModelLoadError when the directory holds another model's or layout's blocks."""
+    """Write the layout's manifest into a new directory, or check an existing one against it: another model's,
+    setting's or format's tier is cleared (kaon's files only) and started afresh. Raises ModelLoadError when
+    the directory cannot be written, or its manifest is not kaon's (another program's file of that name)."""
     path = directory / MANIFEST
-    if not path.exists():
-        if any(directory.glob("*.kv")):
-            raise ModelLoadError(f"--kv-offload-dir {directory} holds KV blocks but no {MANIFEST}: not a kaon disk "
-                                 "tier, or a damaged one; give an empty directory")
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(layout.manifest(), indent=1))
-        except OSError as e:
-            raise ModelLoadError(f"--kv-offload-dir {directory}: cannot write there ({e})") from None
-        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / ".kaon-write-test").write_bytes(b"")  # a tier that could not write would fail every move
+        (directory / ".kaon-write-test").unlink()         # down, one log line each: refuse it at start
+        if not path.exists():
+            if any(p.suffix == ".kv" for p in own_files(directory)):
+                _clear_stale(directory, f"an engine whose {MANIFEST} is gone", layout)
+            else:
+                _write_manifest(directory, layout)
+            return
+    except OSError as e:
+        raise ModelLoadError(f"--kv-offload-dir {directory}: cannot write there ({e})") from None
     try:
         found = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"--kv-offload-dir {directory}: unreadable {MANIFEST} ({e})") from None
-    if not isinstance(found, dict):
-        raise ModelLoadError(f"--kv-offload-dir {directory}: {MANIFEST} is not a kaon manifest")
-    if found == layout.manifest():
-        try:  # a tier that could not write would fail every move down, one log line each: refuse it at start
-            (directory / ".kaon-write-test").write_bytes(b"")
-            (directory / ".kaon-write-test").unlink()
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        # kaon writes its manifest atomically: an unreadable one is not kaon's, and neither is the directory.
+        raise ModelLoadError(f"--kv-offload-dir {directory}: unreadable {MANIFEST} ({e}); not a kaon disk tier: "
+                             "give this engine its own directory") from None
+    if not isinstance(found, dict) or "format" not in found:
+        raise ModelLoadError(f"--kv-offload-dir {directory}: its {MANIFEST} is not a kaon manifest; give this engine "
+                             "its own directory")
+    what = manifest_differs(found, layout)
+    if what:
+        try:
+            _clear_stale(directory, f"another model, setting or format: {what}", layout)
         except OSError as e:
-            raise ModelLoadError(f"--kv-offload-dir {directory}: cannot write there ({e})") from None
-    else:
-        differ = sorted(k for k in layout.manifest() if found.get(k) != layout.manifest()[k])
-        what = "; ".join(f"{k}: {found.get(k)!r}, here {layout.manifest()[k]!r}" for k in differ)
-        if "weights" in differ:
-            what += " (weights: the checkpoint's files, --quantization or --dtype)"
-        raise ModelLoadError(f"--kv-offload-dir {directory} holds the KV cache of another model or layout ({what}); "
-                             "give this engine its own directory")
+            raise ModelLoadError(f"--kv-offload-dir {directory} holds a stale KV cache ({what}) that cannot be "
+                                 f"removed ({e})") from None
 
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -167,12 +215,15 @@ def _file_name(block_hash: int) -> str:
     return f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}.kv"
 
 
-def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor) -> int:
-    """One block file: header length, JSON header (parent, tokens), the raw bytes. Atomic (rename)."""
+def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor, layout: str) -> int:
+    """One block file: header length, JSON header (parent, tokens, CRC, the layout's fingerprint), the raw
+    bytes. Atomic (rename)."""
     raw = data.contiguous().view(torch.uint8).numpy().tobytes()
     # The CRC: a file damaged in place (same length: a bad sector, a stray write) must read as a miss, never
-    # as K/V (a short file already fails its size check).
-    header = json.dumps({"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw)}).encode()
+    # as K/V (a short file already fails its size check). The layout: another engine's file, of another layout,
+    # under the same name (one directory given to two engines) must read as a miss too.
+    header = json.dumps({"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw),
+                         "layout": layout}).encode()
     tmp = path.with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -184,20 +235,28 @@ def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: t
     return len(raw)
 
 
-def read_header(path: Path) -> tuple[int | None, tuple[int, ...], int]:
-    """A block file's parent, tokens and data size, without its data."""
+class OtherLayout(ValueError):
+    """A block file written by an engine of another layout: a miss."""
+
+
+def read_header(path: Path, layout: str) -> tuple[int | None, tuple[int, ...], int]:
+    """A block file's parent, tokens and data size, without its data; OtherLayout if not `layout`'s."""
     with open(path, "rb") as f:
         (n,) = _HEADER.unpack(f.read(_HEADER.size))
         header = json.loads(f.read(n))
         size = os.fstat(f.fileno()).st_size - _HEADER.size - n
+    if header.get("layout") != layout:
+        raise OtherLayout("written by an engine of another layout")
     return header["parent"], tuple(header["tokens"]), size
 
 
-def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int | None, tuple[int, ...],
-                                                                             torch.Tensor]:
+def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> tuple[
+        int | None, tuple[int, ...], torch.Tensor]:
     data = path.read_bytes()
     (n,) = _HEADER.unpack_from(data)
     header = json.loads(data[_HEADER.size:_HEADER.size + n])
+    if header.get("layout") != layout:
+        raise OtherLayout("written by an engine of another layout")
     raw = bytearray(data[_HEADER.size + n:])
     if zlib.crc32(raw) != header.get("crc32"):
         raise ValueError("its data does not match its checksum")
@@ -245,6 +304,7 @@ class KVTiers:
         self._in_flight: set[int] = set()  # hashes queued for the move down
         self._disk_errors = 0  # blocks the disk tier could not write (a full disk)
         self.disk_dir = Path(disk_dir) if disk_dir else None
+        self._layout_id = layout.fingerprint()
         if self.disk_dir is not None:
             check_manifest(self.disk_dir, layout)
             self._index_disk()
@@ -400,7 +460,8 @@ class KVTiers:
                 return
         start = time.perf_counter()
         try:
-            size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data)
+            size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data,
+                               self._layout_id)
         except OSError as e:  # the disk filled, or went away: the block is dropped, the engine goes on
             self._disk_errors += 1
             if self._disk_errors == 1 or self._disk_errors % 1000 == 0:
@@ -439,7 +500,8 @@ class KVTiers:
     def _read(self, block_hash: int) -> torch.Tensor | None:
         assert self.disk_dir is not None
         try:
-            _, _, data = read_block(self.disk_dir / _file_name(block_hash), self.dtype, self.layout.block_shape)
+            _, _, data = read_block(self.disk_dir / _file_name(block_hash), self.dtype, self.layout.block_shape,
+                                    self._layout_id)
         except (OSError, ValueError, RuntimeError) as e:  # deleted or damaged under us: a miss
             log.warning("KV tiers: block file %s unreadable (%s); dropped", _file_name(block_hash), e)
             with self._lock:
@@ -452,13 +514,18 @@ class KVTiers:
     def _index_disk(self) -> None:
         """Index the blocks a previous engine left, oldest first (their files' modification times)."""
         assert self.disk_dir is not None
-        for partial in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash
+        own = own_files(self.disk_dir)
+        for partial in (p for p in own if p.suffix == ".tmp"):  # a write cut short by a crash
             partial.unlink(missing_ok=True)
-        files = sorted(self.disk_dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
+        files = sorted((p for p in own if p.suffix == ".kv"), key=lambda p: p.stat().st_mtime)
+        others = 0
         for path in files:
             try:
-                parent, tokens, size = read_header(path)
+                parent, tokens, size = read_header(path, self._layout_id)
                 block_hash = int(path.stem, 16)
+            except OtherLayout:  # another engine's, sharing this directory by mistake: not ours to serve or remove
+                others += 1
+                continue
             except (OSError, ValueError, KeyError, struct.error) as e:
                 log.warning("KV tiers: %s unreadable (%s); removed", path.name, e)
                 path.unlink(missing_ok=True)
@@ -476,5 +543,8 @@ class KVTiers:
             (self.disk_dir / _file_name(h)).unlink(missing_ok=True)
         if self._disk:
             log.info("KV tiers: %d blocks found in %s from an earlier run", len(self._disk), self.disk_dir)
+        if others:
+            log.warning("KV tiers: %d block files in %s were written by an engine of another layout: is this "
+                        "directory shared? They are never served here", others, self.disk_dir)
         for h, found in self._disk.items():  # subscribers learn what this engine holds from its last life
             self._emit(block_stored([h], found.parent, found.tokens, self.layout.block_size, MEDIUM_DISK))

@@ -108,7 +108,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         try:  # KV events and the tiers below the pool; None: neither asked for
             self.kv_observer = attach_kv_observer(config, self.block_manager, self._pool_reader(), config.model,
-                                                  checkpoint.path)
+                                                  checkpoint.path, self._lora_namer())
         except BaseException:
             self.close()
             raise
@@ -201,6 +201,18 @@ class LLMEngine:
         if self.runner.lora is None:
             raise InvalidRequestError("LoRA adapters are off: start the engine with adapters or max_loras > 0")
         return self.runner.lora
+
+    def _lora_namer(self) -> Callable[[int], str | None]:
+        """An adapter's name by its id, for the KV events; through a weak reference, as _pool_reader says why."""
+        engine = weakref.ref(self)
+
+        def name(lora_id: int) -> str | None:
+            alive = engine()
+            lora = None if alive is None else alive.runner.lora
+            adapter = None if lora is None else lora.adapters.get(lora_id)
+            return None if adapter is None else adapter.name
+
+        return name
 
     def _pool_reader(self) -> Callable[[], torch.Tensor]:
         """The KV pool as it is now (sleep frees and re-makes it), read through a weak reference to the engine:

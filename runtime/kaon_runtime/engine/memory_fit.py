@@ -17,18 +17,19 @@ restarts forever instead. The peak is estimated from the checkpoint's headers:
                    weight and its quantization's temporaries
   KV cache         the pool the engine allocates on CPU
 
-The limit is the container's (cgroup v2 memory.max, or v1 memory.limit_in_bytes); without one nothing is
-refused: a shared host's free memory moves too much to refuse on.
+The limit is the process's cgroup's, the tightest on its path (cgroup v2 memory.max, or v1 memory.limit_in_bytes:
+a container's, or a systemd scope's); without one nothing is refused: a shared host's free memory moves too
+much to refuse on.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 _MiB = 1 << 20
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
-_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,20 +91,56 @@ def check_fits(peak: LoadPeak, limit: int | None) -> str | None:
 
 
 def memory_limit() -> int | None:
-    """The container's memory limit in bytes, or None where there is none."""
-    for name in _LIMIT_FILES:
-        try:
-            text = Path(name).read_text().strip()
-        except OSError:
-            continue
-        if text == "max":
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            continue
-        return None if value >= _UNLIMITED else value
-    return None
+    """The memory limit of this process's cgroup (the tightest on its path to the root), or None where none."""
+    return limit_from(_read(Path("/proc/self/cgroup")) or "", _read)
+
+
+def limit_from(own_cgroups: str, read: Callable[[Path], str | None]) -> int | None:
+    """The tightest memory limit along the process's own cgroup path (`own_cgroups`: /proc/self/cgroup),
+    in each mounted hierarchy: cgroup v2 (`0::/path`, memory.max) and v1's memory controller
+    (`N:memory:/path`, memory.limit_in_bytes). In a container with its own cgroup namespace the path is
+    "/" and this reads the mount's root, the container's own limit. Reading only the root, as this did
+    until 2026-12-01, missed a limit given outside such a namespace (`systemd-run -p MemoryMax=...`, a v1
+    host's scope or a container sharing the host's cgroup namespace): no check, and an OOM kill half-way
+    through the load. A path that is not under the mount (a container's view of the host's path) falls back
+    to the directories that exist, down to the mount's root."""
+    limits = []
+    for line in own_cgroups.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        for mount, file, wanted in _HIERARCHIES:
+            if controllers != wanted and wanted not in controllers.split(","):
+                continue  # (v2's line has no controllers; v1's memory line may name others beside it)
+            directory = mount / path.strip().lstrip("/")
+            while True:
+                value = _limit_value(read(directory / file))
+                if value is not None:
+                    limits.append(value)
+                if directory == mount:
+                    break
+                directory = directory.parent
+    return min(limits, default=None)
+
+
+# (mount point, limit file, controller field of /proc/self/cgroup: "" is v2's single hierarchy)
+_HIERARCHIES = ((Path("/sys/fs/cgroup"), "memory.max", ""),
+                (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory"))
+
+
+def _limit_value(text: str | None) -> int | None:
+    if text is None or text.strip() == "max":
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        return None
+    return None if value >= _UNLIMITED else value
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def resident_bytes() -> int:

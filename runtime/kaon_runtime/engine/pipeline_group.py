@@ -107,6 +107,9 @@ class PipelineGroup:
                 if self._closing:
                     return
                 continue
+            if self._closing:  # close()'s own wake-up call (_wake_accept)
+                conn.close()
+                return
             threading.Thread(target=self._handshake, args=(conn,), name="kaon-pp-handshake", daemon=True).start()
 
     def _handshake(self, conn: Connection) -> None:
@@ -131,7 +134,8 @@ class PipelineGroup:
         while not self._all_joined.wait(0.2):
             for rank, proc in self._procs.items():
                 if proc.exitcode == MAIN_GUARD_EXIT:
-                    raise ModelLoadError(main_guard_message(self.world))
+                    what = "pipeline_parallel_size x tensor_parallel_size"
+                    raise ModelLoadError(main_guard_message(self.world, what))
                 if proc.exitcode is not None and rank not in self._conns:
                     raise ModelLoadError(f"pipeline rank {rank} exited with code {proc.exitcode} before joining")
             if time.monotonic() > deadline:
@@ -172,6 +176,17 @@ class PipelineGroup:
             os.kill(os.getpid(), signal.SIGINT)  # the server stops at once (no drain: the group is gone)
             threading.Timer(10, os._exit, (1,)).start()  # and the process ends regardless, if a step is wedged
 
+    def _wake_accept(self) -> None:
+        """The accept thread waits in accept() for a connection that never comes once every rank has
+        joined, and closing the listener does not wake it on Linux: left there, the thread (and through
+        its bound method this group, its processes' pipes) lived as long as the process, one per pipeline
+        engine a notebook built. A connection of our own wakes it; it sees _closing and ends."""
+        try:
+            with socket.create_connection(self.rdv.control_address, timeout=5):
+                pass
+        except OSError:
+            pass  # not listening (never bound, or already closed): nothing waits in accept()
+
     def send(self, plan: StepPlan) -> None:
         for conn in self._conns.values():
             conn.send(plan)
@@ -192,6 +207,7 @@ class PipelineGroup:
                 proc.join(timeout=10)
         for conn in self._conns.values():
             conn.close()
+        self._wake_accept()
         self._listener.close()
         tp: TensorParallel | None = getattr(self, "tp", None)  # absent when the group never formed
         if tp is not None:

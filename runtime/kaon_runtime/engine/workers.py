@@ -61,8 +61,8 @@ def check_pipeline(config: EngineConfig, model: ModelConfig) -> None:
 MAIN_GUARD_EXIT = 87
 
 
-def main_guard_message(size: int) -> str:
-    return (f"tensor_parallel_size {size} starts {size - 1} worker process(es) with multiprocessing's spawn, which "
+def main_guard_message(size: int, what: str = "tensor_parallel_size") -> str:
+    return (f"{what} {size} starts {size - 1} worker process(es) with multiprocessing's spawn, which "
             "runs your script again in each: put the code that creates the LLM under "
             "`if __name__ == \"__main__\":`")
 

@@ -10,6 +10,10 @@ import json
 import random
 import socket
 import time
+from typing import Any
+
+import msgspec
+import pytest
 
 from kaon_operator.router.endpoints import Endpoint
 from kaon_operator.router.kv_feed import KvFeed
@@ -166,7 +170,9 @@ async def until(condition, timeout: float = 30.0) -> bool:
     return True
 
 
-def test_the_feed_builds_the_index_from_an_engines_events():
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_the_feed_builds_the_index_from_an_engines_events(encoding):
+    """From a kaon engine's publisher in either encoding (`"encoding"` in --kv-events-config)."""
     from kaon_runtime.engine.block_manager import BlockManager
     from kaon_runtime.engine.kv_events import BlockRemoved, EventPublisher, parse_kv_events_config
     from kaon_runtime.engine.kv_observer import KVObserver
@@ -176,7 +182,7 @@ def test_the_feed_builds_the_index_from_an_engines_events():
     port, replay = free_port(), free_port()
     publisher = EventPublisher(parse_kv_events_config(json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv-events"})))
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv-events", "encoding": encoding})))
     bm = BlockManager(8, BS)
     bm.listener = KVObserver(BS, publisher, None)
     ids = itertools.count()
@@ -364,13 +370,131 @@ def test_the_router_tokenizes_as_the_engine(llm):
 
 
 def test_a_batch_applies_in_order_and_all_blocks_cleared_empties_the_pod():
-    from kaon_operator.router.kv_feed import AllBlocksCleared, BlockStored, KVEventBatch, apply
+    from kaon_operator.router.kv_feed import AllBlocksCleared, BlockStored, apply
 
     index = KvIndex()
     store = BlockStored([b"\x0b", b"\x0c", b"\x0d", b"\x0e"], None, PROMPT[:16], BS, None, "GPU")  # vLLM's bytes
-    apply(index, "a", KVEventBatch(0.0, [store]))
+    apply(index, "a", [store])
     assert index.match("a", keys()).blocks == 4
-    apply(index, "a", KVEventBatch(0.0, [AllBlocksCleared()]))
+    apply(index, "a", [AllBlocksCleared()])
     assert index.match("a", keys()).blocks == 0
-    apply(index, "a", KVEventBatch(0.0, [AllBlocksCleared(), store]))
+    apply(index, "a", [AllBlocksCleared(), store])
     assert index.match("a", keys()).blocks == 4
+
+
+# ---- vLLM's two event encodings, as its releases declare them --------------------------------
+# Older vLLM (and kaon's default "array"): events are arrays tagged by their first element
+# (examples/online_serving/kv_events_subscriber.py before vLLM #42892). vLLM >= 0.24: each event is a
+# map tagged by "type", BlockStored with more fields (vllm/distributed/kv_events.py at v0.28.0: lora_name
+# required, then extra_keys, group_idx, kv_cache_spec_kind, ..., locality with defaults); the batch stays
+# an array with data_parallel_rank. Written from those declarations, not from kaon's code.
+
+class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class OldStored(OldEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class OldRemoved(OldEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class NewBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class NewEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class NewStored(NewEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+
+
+class NewRemoved(NewEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class NewCleared(NewEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class FutureEvent(NewEvent, tag="BlockPinned"):  # an event type a later vLLM might add
+    block_hashes: list[int]
+
+
+def _applied(payload: bytes) -> KvIndex:
+    from kaon_operator.router.kv_feed import apply, decode
+
+    index = KvIndex()
+    apply(index, "a", decode(payload))
+    return index
+
+
+def test_the_feed_reads_older_vllms_array_events():
+    encode = msgspec.msgpack.encode
+    index = _applied(encode(OldBatch(1.0, [OldStored(H[:2], None, PROMPT[:8], BS, None, "GPU"),
+                                           OldStored(H[2:], H[1], PROMPT[8:16], BS, None, "GPU")])))
+    assert index.match("a", keys()).blocks == 4
+    # the oldest releases had no medium: a pool block
+    index = _applied(encode([1.0, [["BlockStored", [b"\x0b"], None, PROMPT[:4], BS, None]]]))
+    assert index.match("a", keys()).blocks == 1
+
+
+def test_the_feed_reads_newer_vllms_map_events_and_ignores_fields_it_does_not_know():
+    encode = msgspec.msgpack.encode
+    stored = NewStored([b"\xab" * 32, b"\xcd" * 32], None, PROMPT[:8], BS, None, "GPU", None, extra_keys=[None, None],
+                       group_idx=0, kv_cache_spec_kind="full_attention", locality="LOCAL")
+    payload = encode(NewBatch(1.0, [NewCleared(), stored, FutureEvent([1])], data_parallel_rank=0))
+    assert isinstance(msgspec.msgpack.decode(payload)[1][1], dict)  # events as maps, as vLLM >= 0.24 sends them
+    index = _applied(payload)
+    assert index.match("a", keys()).blocks == 2  # the unknown event type skipped, not the batch
+    index_after = _applied(encode(NewBatch(2.0, [stored, NewRemoved([b"\xcd" * 32], "GPU", group_idx=0)])))
+    assert index_after.match("a", keys()).blocks == 1
+    adapter = NewStored([5], None, PROMPT[:4], BS, None, "GPU", "sql-lora")  # an adapter named, not numbered
+    assert _applied(encode(NewBatch(1.0, [adapter]))).match("a", keys()).blocks == 0
+
+
+def test_the_feed_reads_a_batch_mixing_both_encodings():
+    encode = msgspec.msgpack.encode
+    payload = encode(NewBatch(1.0, [OldStored(H[:2], None, PROMPT[:8], BS, None, "GPU"),
+                                    NewStored(H[2:], H[1], PROMPT[8:16], BS, None, "CPU", None),
+                                    OldRemoved(H[:1], "GPU"), NewRemoved(H[3:], "CPU")]))
+    index = _applied(payload)
+    assert index.match("a", keys()).blocks == 0  # block 1 left the pool: nothing from the start
+    index = _applied(encode(NewBatch(1.0, [OldStored(H[:2], None, PROMPT[:8], BS, None, "GPU"),
+                                           NewStored(H[2:], H[1], PROMPT[8:16], BS, None, "CPU", None),
+                                           NewRemoved(H[3:], "CPU")])))
+    assert index.match("a", keys()).blocks == 3
+    # one line of releases sent the batch itself as a map
+    assert _applied(encode({"ts": 1.0, "events": [NewStored(H[:1], None, PROMPT[:4], BS, None, "GPU", None)],
+                            "data_parallel_rank": 0})).match("a", keys()).blocks == 1

@@ -64,6 +64,49 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# ---- vLLM's newest published types (vllm/distributed/kv_events.py at v0.28.0, after #42892): the batch an
+# array, each event a map tagged by "type"; BlockStored's lora_name has no default (required on the wire).
+
+class NewEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class NewKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class NewBlockStored(NewKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+
+
+class NewBlockRemoved(NewKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class NewAllBlocksCleared(NewKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class NewKVEventBatch(NewEventBatch):
+    events: list[NewBlockStored | NewBlockRemoved | NewAllBlocksCleared]
+
+
 # ---------------------------------------------------------------------------------------------
 
 BS = 4
@@ -77,14 +120,15 @@ def free_port() -> int:
 
 
 class Subscriber:
-    def __init__(self, port: int, replay_port: int, topic: str = "kv-events"):
+    def __init__(self, port: int, replay_port: int, topic: str = "kv-events", batch_type: type = KVEventBatch):
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.connect(f"tcp://127.0.0.1:{port}")
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay_port = replay_port
-        self.decoder = Decoder(type=KVEventBatch)
-        self.batches: list[tuple[int, KVEventBatch]] = []
+        self.decoder = Decoder(type=batch_type)
+        self.batches: list[tuple[int, Any]] = []
+        self.payloads: list[bytes] = []
 
     def receive(self, until: Callable[[list], bool], seconds: float = 30.0) -> None:
         """Batches until `until(events)` holds: a condition, not a quiet period, which a busy machine's
@@ -95,6 +139,7 @@ class Subscriber:
             assert left_ms > 0 and self.sub.poll(left_ms), f"no batch within {seconds}s; got {self.batches}"
             topic, seq, payload = self.sub.recv_multipart()
             assert topic == b"kv-events"
+            self.payloads.append(payload)
             self.batches.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
 
     def subscribed(self, publisher: EventPublisher, seconds: float = 30.0) -> None:
@@ -129,25 +174,39 @@ class Subscriber:
         self.ctx.destroy(linger=0)
 
 
-@pytest.fixture
-def published():
+def publish(encoding: str | None, batch_type: type):
     port, replay_port = free_port(), free_port()
+    chosen = "" if encoding is None else f', "encoding": "{encoding}"'
     config = parse_kv_events_config(
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}", '
-        f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "topic": "kv-events"}}')
-    subscriber = Subscriber(port, replay_port)
+        f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "topic": "kv-events"{chosen}}}')
+    subscriber = Subscriber(port, replay_port, batch_type=batch_type)
     publisher = EventPublisher(config)
     subscriber.subscribed(publisher)
     bm = BlockManager(6, BS)
-    bm.listener = KVObserver(BS, publisher, None)
+    bm.listener = KVObserver(BS, publisher, None, lora_names={3: "sql-lora"}.get)
+    return bm, publisher, subscriber
+
+
+@pytest.fixture
+def published():
+    bm, publisher, subscriber = publish(None, KVEventBatch)  # the default encoding, older vLLM's types
     yield bm, publisher, subscriber
     publisher.close()
     subscriber.close()
 
 
-def run(bm: BlockManager, tokens: list[int]) -> list[int]:
+@pytest.fixture
+def published_as_maps():
+    bm, publisher, subscriber = publish("map", NewKVEventBatch)  # "encoding": "map", vLLM's newest types
+    yield bm, publisher, subscriber
+    publisher.close()
+    subscriber.close()
+
+
+def run(bm: BlockManager, tokens: list[int], lora_id: int = 0) -> list[int]:
     """Prefill a prompt and free it; returns its whole blocks' chain hashes."""
-    seq = Sequence(next(_ids), list(tokens), len(tokens), SamplingParams())
+    seq = Sequence(next(_ids), list(tokens), len(tokens), SamplingParams(), lora_id=lora_id)
     seq.num_computed_tokens = bm.allocate_prefix(seq)
     assert bm.ensure_slots(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
@@ -158,7 +217,7 @@ def run(bm: BlockManager, tokens: list[int]) -> list[int]:
 
 
 def announced_hashes(events: list) -> set:
-    return {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
+    return {h for e in events if isinstance(e, (BlockStored, NewBlockStored)) for h in e.block_hashes}
 
 
 def test_every_whole_block_is_announced_with_its_tokens_and_evictions_too(published):
@@ -197,6 +256,41 @@ def test_a_late_subscriber_replays_what_it_missed(published):
     assert {seq: b.events for seq, b in replayed if seq >= live[0][0]} == {seq: b.events for seq, b in live}
 
 
+def test_the_map_encoding_is_decoded_by_vllms_newest_types(published_as_maps):
+    """`"encoding": "map"`: what vLLM >= 0.24 sends and its newest types decode (the default stream fails them:
+    "Expected `object`, got `array`"). Every field they require is on the wire, lora_name with the adapter's."""
+    bm, _, subscriber = published_as_maps
+    first, second = list(range(100, 111)), list(range(200, 217))
+    a, b = run(bm, first), run(bm, second)
+    adapter = run(bm, list(range(300, 305)), lora_id=3)
+    subscriber.receive(until=lambda events: announced_hashes(events) >= {*a, *b, *adapter})
+    events = subscriber.events()
+    stored = [e for e in events if isinstance(e, NewBlockStored)]
+    tokens = [t for e in stored if set(e.block_hashes) <= set(a) for t in e.token_ids]
+    assert tokens == first[:8] and all(e.medium == "GPU" and e.block_size == BS for e in stored)
+    assert [e.lora_name for e in stored if set(e.block_hashes) <= set(adapter)] == ["sql-lora"]
+    assert [e.lora_id for e in stored if set(e.block_hashes) <= set(adapter)] == [3]
+    assert {e.lora_name for e in stored if not set(e.block_hashes) <= set(adapter)} == {None}
+    removed = [h for e in events if isinstance(e, NewBlockRemoved) for h in e.block_hashes]
+    assert removed and set(removed) <= set(a) | set(b)
+    raw = [e for p in subscriber.payloads for e in msgspec.msgpack.decode(p)[1]]
+    assert all(isinstance(e, dict) and "type" in e for e in raw)  # maps, tagged as vLLM tags them
+    assert all("lora_name" in e for e in raw if e["type"] == "BlockStored")  # required: sent even when None
+    with pytest.raises(msgspec.ValidationError, match="array"):
+        Decoder(type=KVEventBatch).decode(subscriber.payloads[-1])  # not what the older types decode
+
+
+def test_the_default_encoding_is_arrays_that_newest_types_refuse(published):
+    bm, _, subscriber = published
+    hashes = run(bm, list(range(100, 109)))
+    adapter = run(bm, list(range(300, 305)), lora_id=3)  # its name trails the array: older types ignore it
+    subscriber.receive(until=lambda events: announced_hashes(events) >= {*hashes, *adapter})
+    assert [e.lora_id for e in subscriber.events() if isinstance(e, BlockStored) and e.block_hashes == adapter] == [3]
+    assert all(isinstance(e, list) for p in subscriber.payloads for e in msgspec.msgpack.decode(p)[1])
+    with pytest.raises(msgspec.ValidationError, match="object"):
+        Decoder(type=NewKVEventBatch).decode(subscriber.payloads[-1])
+
+
 def test_bad_configs_are_clear_errors():
     assert parse_kv_events_config(None) is None
     assert parse_kv_events_config('{"enable_kv_cache_events": false, "publisher": "zmq"}') is None
@@ -204,6 +298,10 @@ def test_bad_configs_are_clear_errors():
         parse_kv_events_config("{enable")
     with pytest.raises(InvalidRequestError, match="publisher"):
         parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "kafka"}')
+    with pytest.raises(InvalidRequestError, match=r"encoding must be 'array'.*or 'map'.*got 'tagged'"):
+        parse_kv_events_config('{"enable_kv_cache_events": true, "encoding": "tagged"}')
+    assert parse_kv_events_config('{"enable_kv_cache_events": true}').encoding == "array"
+    assert parse_kv_events_config('{"enable_kv_cache_events": true, "encoding": "map"}').encoding == "map"
     busy = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", busy))
@@ -255,3 +353,20 @@ def test_an_engine_connects_to_a_subscriber_that_binds():
     finally:
         publisher.close()
         ctx.destroy(linger=0)
+
+
+def test_the_engine_names_an_adapter_by_its_id_for_the_events():
+    """LLMEngine's lookup behind BlockStored's lora_name: the adapter's name, also once it is unloaded while its
+    requests still run (LoraPool keeps it in `adapters`); None for an id it does not know or without adapters."""
+    from types import SimpleNamespace
+
+    from kaon_runtime.engine.llm_engine import LLMEngine
+
+    class Engine:
+        runner = SimpleNamespace(lora=SimpleNamespace(adapters={3: SimpleNamespace(name="sql-lora")}))
+
+    engine = Engine()
+    name = LLMEngine._lora_namer(engine)
+    assert name(3) == "sql-lora" and name(4) is None
+    engine.runner = SimpleNamespace(lora=None)
+    assert name(3) is None

@@ -1,12 +1,13 @@
 """The KV tiers below the pool (engine/kv_tiers.py), on a small stand-in pool tensor and the real
 block manager: blocks move down when evictable, come back on a prefix hit holding the K/V they
 left with, overflow from host memory to disk, survive a restart on disk, and another layout's
-directory is refused. The engine-level checks (greedy answers equal with and without tiers) are in
-test_kv_tiers_engine.py."""
+directory is cleared (kaon's files only) and started afresh. The engine-level checks (greedy answers
+equal with and without tiers) are in test_kv_tiers_engine.py."""
 from __future__ import annotations
 
 import errno
 import itertools
+import json
 import logging
 
 import pytest
@@ -141,17 +142,59 @@ def test_chain_hashes_are_the_same_in_every_process():
     assert root_hash(adapter) == -7201733514866981715
 
 
-def test_another_models_disk_tier_is_refused(tmp_path):
+def filled(directory, model: str = "m", weights: str = "") -> None:
+    """An engine of `model` (and `weights`) that leaves 3 documents' blocks in `directory`."""
     kv = pool(4)
-    check_manifest(tmp_path, layout(kv, "model-a"))
-    with pytest.raises(ModelLoadError, match="another model or layout"):
-        check_manifest(tmp_path, layout(kv, "model-b"))
-    other_shape = KVLayout("model-a", "float32", BS, (3, 2, 1, BS, 3))
-    with pytest.raises(ModelLoadError, match="block_shape"):
-        KVTiers(kv, other_shape, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    tiers = KVTiers(kv, KVLayout(model, "float32", BS, tuple(kv[:, :, :, 0].shape), weights), host_bytes=0,
+                    disk_dir=str(directory), disk_bytes=64 * block_bytes(kv))
+    engine = Engine(kv, tiers)
+    for i in range(3):
+        engine.run(doc(i))
+    tiers.close()
+    assert len(list(directory.glob("*.kv"))) >= 6
 
 
-def test_another_checkpoint_or_quantization_at_the_same_model_id_is_refused(tmp_path):
+def test_another_models_disk_tier_is_cleared_and_other_files_are_kept(tmp_path, caplog):
+    """A cache, not an error: a pod on a persistent volume restarted with another setting (or an upgraded
+    kaon) must start, not crash-loop until someone empties the directory (it was refused before)."""
+    filled(tmp_path, "model-a")
+    (tmp_path / "NOTES.txt").write_text("someone else's")
+    (tmp_path / "export.kv").write_text("not a kaon block file name")
+    (tmp_path / "0123456789abcdef.tmp").write_bytes(b"a write cut short")
+    kv = pool(4)
+    with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
+        tiers = KVTiers(kv, layout(kv, "model-b"), host_bytes=0, disk_dir=str(tmp_path),
+                        disk_bytes=64 * block_bytes(kv))
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "model: 'model-a', here 'model-b'" in warned and "removed kaon's" in warned  # what differed, removed
+    assert [p.name for p in tmp_path.glob("*.kv")] == ["export.kv"] and not list(tmp_path.glob("*.tmp"))
+    assert (tmp_path / "NOTES.txt").read_text() == "someone else's" and (tmp_path / "export.kv").exists()
+    assert tiers.snapshot().disk_bytes == 0 and Engine(kv, tiers).run(doc(0)) == 0  # an empty tier, no wrong K/V
+    tiers.close()
+    assert json.loads((tmp_path / "manifest.json").read_text())["model"] == "model-b"
+    kv2 = pool(4)  # and the tier works again: a restart with model-b's settings serves from it
+    again = KVTiers(kv2, layout(kv2, "model-b"), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    assert Engine(kv2, again).run(doc(0)) == 3 * BS
+    again.close()
+    other_shape = KVLayout("model-b", "float32", BS, (3, 2, 1, BS, 3))  # another block shape: cleared too
+    KVTiers(kv, other_shape, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20).close()
+    assert not list(tmp_path.glob("?" * 16 + ".kv")) and (tmp_path / "NOTES.txt").exists()
+
+
+def test_a_manifest_that_is_not_kaons_is_refused(tmp_path):
+    """Not written by kaon (its manifest is written atomically): not kaon's directory, nothing removed."""
+    (tmp_path / "manifest.json").write_text('{"name": "some other program"}')
+    (tmp_path / "0123456789abcdef.kv").write_bytes(b"x")
+    kv = pool(4)
+    with pytest.raises(ModelLoadError, match="not a kaon manifest"):
+        check_manifest(tmp_path, layout(kv))
+    (tmp_path / "manifest.json").write_text("{half")
+    with pytest.raises(ModelLoadError, match="not a kaon disk tier"):
+        check_manifest(tmp_path, layout(kv))
+    assert (tmp_path / "0123456789abcdef.kv").exists()
+
+
+def test_another_checkpoint_or_quantization_at_the_same_model_id_is_cleared(tmp_path, caplog):
     """Same model id and layout, other K/V: a float engine's blocks are stale for --quantization int8 (found by
     hand: a restart with int8 and a float32 KV cache served 12 blocks from the float engine's disk tier)."""
     ckpt = tmp_path / "model"
@@ -164,14 +207,43 @@ def test_another_checkpoint_or_quantization_at_the_same_model_id_is_refused(tmp_
     assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "bfloat16"}) != float_run
     (ckpt / "model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 16)  # a fine-tune: same size, shapes
     assert weights_fingerprint(ckpt, {"quantization": "none", "dtype": "auto"}) != float_run
-    kv = pool(4)
     disk = tmp_path / "kv"
-    shape = tuple(kv[:, :, :, 0].shape)
-    KVTiers(kv, KVLayout("m", "float32", BS, shape, float_run), host_bytes=0, disk_dir=str(disk),
-            disk_bytes=1 << 20).close()
-    with pytest.raises(ModelLoadError, match="weights"):
-        KVTiers(kv, KVLayout("m", "float32", BS, shape, "another"), host_bytes=0, disk_dir=str(disk),
-                disk_bytes=1 << 20)
+    filled(disk, weights=float_run)
+    kv = pool(4)
+    with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
+        tiers = KVTiers(kv, KVLayout("m", "float32", BS, tuple(kv[:, :, :, 0].shape), "another"), host_bytes=0,
+                        disk_dir=str(disk), disk_bytes=1 << 20)
+    assert "weights" in caplog.text and "--quantization" in caplog.text
+    assert Engine(kv, tiers).run(doc(0)) == 0 and tiers.snapshot().hits["disk"] == 0
+    tiers.close()
+
+
+def test_a_block_file_of_another_layout_is_a_miss(tmp_path, caplog):
+    """Two engines given one directory by mistake: each clears the other's manifest at its start, and then both
+    write there. One's block file under a name the other indexed, or found at a restart, is never served."""
+    filled(tmp_path, weights="ours")
+    ours = KVLayout("m", "float32", BS, tuple(pool(4)[:, :, :, 0].shape), "ours")
+    theirs = KVLayout("m", "float32", BS, ours.block_shape, "theirs")
+    kv = pool(4)
+    tiers = KVTiers(kv, ours, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    assert tiers.snapshot().disk_bytes > 0
+    for path in tmp_path.glob("*.kv"):  # the other engine overwrote each file: same block, its own K/V
+        parent, tokens, _ = kv_tiers.read_header(path, ours.fingerprint())
+        kv_tiers.write_block(path, parent, tokens, torch.full(ours.block_shape, 123.0), theirs.fingerprint())
+    assert Engine(kv, tiers).run(doc(0)) == 0  # read as misses (Engine.run asserts no wrong K/V was served)
+    assert tiers.snapshot().hits["disk"] == 0
+    tiers.close()
+    kv2 = pool(4)
+    with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):  # a restart: not indexed, not removed
+        again = KVTiers(kv2, ours, host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    assert "another layout" in caplog.text
+    def written_by(path) -> str:
+        data = path.read_bytes()
+        return json.loads(data[4:4 + int.from_bytes(data[:4], "big")])["layout"]
+
+    assert theirs.fingerprint() in {written_by(p) for p in tmp_path.glob("*.kv")}  # theirs left where they were
+    assert Engine(kv2, again).run(doc(1)) == 0
+    again.close()
 
 
 def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
@@ -207,10 +279,10 @@ def test_a_full_disk_drops_blocks_and_the_engine_goes_on(tmp_path, monkeypatch, 
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(kv_tiers.os, "replace", full)  # each block file's write fails at its last step
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
                     disk_bytes=64 * block_bytes(kv))
+    monkeypatch.setattr(kv_tiers.os, "replace", full)  # then the disk fills: each block file's write fails
     engine = Engine(kv, tiers)
     with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
         for i in range(4):
@@ -282,7 +354,7 @@ def test_an_asleep_engines_pool_is_neither_read_nor_written():
 
 def test_the_engines_settings_reach_the_disk_tiers_manifest(tmp_path):
     """attach_kv_observer (what LLMEngine calls) fingerprints the checkpoint and --quantization: an engine of
-    the same model with int8 weights is refused the float engine's directory."""
+    the same model with int8 weights finds the float engine's directory cleared."""
     from kaon_runtime.config import EngineConfig
     from kaon_runtime.engine.kv_observer import attach_kv_observer
 
@@ -297,10 +369,16 @@ def test_the_engines_settings_reach_the_disk_tiers_manifest(tmp_path):
         kv = pool(4)
         return attach_kv_observer(config, BlockManager(4, BS), lambda: kv, config.model, ckpt)
 
+    def weights_in_manifest() -> str:
+        return json.loads((tmp_path / "kv" / "manifest.json").read_text())["weights"]
+
     attach().close()
+    float_run = weights_in_manifest()
     attach().close()  # the same settings find their directory
-    with pytest.raises(ModelLoadError, match="quantization"):
-        attach(quantization="int8")
+    assert weights_in_manifest() == float_run
+    attach(quantization="int8").close()
+    int8_run = weights_in_manifest()
+    assert int8_run != float_run  # the int8 engine cleared the float one's tier and wrote its own manifest
     (ckpt / "model.safetensors").write_bytes(b"v" * 64)  # other weights at the same path
-    with pytest.raises(ModelLoadError, match="checkpoint"):
-        attach()
+    attach(quantization="int8").close()
+    assert weights_in_manifest() not in (float_run, int8_run)

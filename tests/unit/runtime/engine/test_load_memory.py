@@ -91,6 +91,25 @@ def test_a_load_whose_peak_exceeds_the_memory_limit_is_refused_before_loading(mo
     assert "600 MiB" in str(raised.value)
 
 
+@pytest.mark.parametrize("own, files, limit", [
+    # a systemd scope on a cgroup v2 host (`systemd-run -p MemoryMax=1G kaon serve`): the root has no memory.max
+    ("0::/system.slice/run-1.scope\n", {"/sys/fs/cgroup/system.slice/run-1.scope/memory.max": "1073741824"}, 1 << 30),
+    # a v1 host: the process's own cgroup unlimited, its parent's 2 GiB binds it, the root unlimited
+    ("4:memory:/jobs/x\n0::/\n", {"/sys/fs/cgroup/memory/memory.limit_in_bytes": str(1 << 62),
+                                    "/sys/fs/cgroup/memory/jobs/memory.limit_in_bytes": "2147483648",
+                                    "/sys/fs/cgroup/memory/jobs/x/memory.limit_in_bytes": str(1 << 62)}, 2 << 30),
+    # a container with its own cgroup namespace: its path is "/", the mount's root is its cgroup
+    ("0::/\n", {"/sys/fs/cgroup/memory.max": "629145600"}, 600 << 20),
+    # a v1 container sharing the host's namespace: the host's path is not under its mount; the root is its own
+    ("5:cpuacct,memory:/docker/abc\n", {"/sys/fs/cgroup/memory/memory.limit_in_bytes": "536870912"}, 512 << 20),
+    ("0::/user.slice\n", {"/sys/fs/cgroup/user.slice/memory.max": "max"}, None),
+])
+def test_the_memory_limit_is_the_tightest_on_the_process_own_cgroup_path(own, files, limit):
+    """Only the mount's root was read: a limit given to a systemd scope or a host's cgroup went unseen, so a
+    load that could not fit was OOM-killed half-way instead of refused."""
+    assert memory_fit.limit_from(own, lambda path: files.get(str(path))) == limit
+
+
 def test_the_peak_estimate_counts_the_kernel_layout_and_the_float_copies():
     quantized = memory_fit.LoadPeak(resident=500 << 20, weights=100 << 20, float_transient=30 << 20,
                                     kv_cache=20 << 20)
