@@ -31,6 +31,7 @@ from kaon_runtime.engine.prequantized import (
 from kaon_runtime.errors import ModelDoesNotFitError, ModelLoadError
 from kaon_runtime.layers.cpu_linear import onednn_linears_apply, use_onednn_linears
 from kaon_runtime.layers.kernel_backend import KernelBackend, select_kernels
+from kaon_runtime.layers.rows_alone import gaps as rows_alone_gaps
 from kaon_runtime.loader import Checkpoint
 from kaon_runtime.loader.mapped_safetensors import release_pages
 from kaon_runtime.models import cpu_decode_step
@@ -88,12 +89,15 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
     stages take it too, each over its own layers (models/cpu_decode_step.py). So does `--dtype float32` on a
     quantized checkpoint (the reference mode, quant/reference.py), through the step's reference kinds."""
     cpu_decode = False
-    if device.type == "cpu" and dtype not in cpu_decode_step.DTYPES:
-        # float64: torch's path, its GEMMs' blocking (and so a row's bits) moving with the step's rows. Kept: it is the
-        # exactness oracle the tests hold against transformers' float64; its tokens agree, its log-probabilities may
-        # differ alone and batched in the last bits (docs/engine.md, fused step)
-        log.info("fused CPU decode step off for this model: a %s model (torch's path: answers not batch invariant)",
-                 str(dtype).removeprefix("torch."))
+    rows_alone = device.type == "cpu" and dtype == torch.float64
+    if rows_alone:
+        # float64 (the tests' exactness oracle against transformers' float64): torch's path, its projections, head,
+        # experts and attention through float64 kernels that compute each row alone (layers/rows_alone.py), so its
+        # answers are batch invariant as the fused step's are. What they do not cover is said once here.
+        gaps = rows_alone_gaps(_weights_quantization(config, checkpoint), kv_dtype, tp.size, config.lora_enabled)
+        rows_alone = gaps is None
+        log.info("a float64 model on CPU: torch's path, %s", "each row computed alone (batch invariant)"
+                 if rows_alone else f"answers not batch invariant ({gaps})")
     if device.type == "cpu" and dtype in cpu_decode_step.DTYPES:
         reason: str | None
         if kv_dtype not in cpu_decode_step.KV_DTYPES:
@@ -108,7 +112,7 @@ def pick_kernels(config: EngineConfig, checkpoint: Checkpoint, device: torch.dev
             log.info("--dtype float32 on a quantized checkpoint: the fused CPU step runs its reference arithmetic "
                      "(float32 activations times the exactly dequantized weights; quant/reference.py)")
         cpu_decode = reason is None
-    kernels = select_kernels(device, cpu_decode)
+    kernels = select_kernels(device, cpu_decode, rows_alone)
     if kernels.attention.name == "triton" and kv_dtype != dtype:
         raise ModelLoadError(f"kv_cache_dtype {str(kv_dtype).removeprefix('torch.')} needs the torch attention "
                              "backend: the Triton kernels read a cache of the model's own dtype")

@@ -3002,3 +3002,180 @@ void kaon_widen_q4_1(const uint8_t *packed, const uint16_t *scales, const uint16
     WidenJob job = {packed, scales, mins, k, group, bf16, out};
     parallel_for(n, threads, widen_rows, &job);
 }
+
+/* ---- float64, each row alone (issue 49 §2) ----
+ * A float64 model on CPU (the tests' exactness oracle against transformers' float64) runs torch's path with these for
+ * its projections, its vocabulary head and its attention (layers/rows_alone.py). Every output of a row is summed in
+ * one order fixed by the weight's shape (and, for attention, the row's own context), whatever the number of rows, the
+ * thread count or the tile: so a row's numbers do not depend on the rows beside it, as torch's float64 GEMMs' do (their
+ * blocking moves with the row count). Each product is an explicit fma() in its lane, and the lanes meet in one fixed
+ * order (C11 without fast-math: no reassociation, no contraction), so the AVX2 and the plain C code give the same bits.
+ * Nothing above is used or changed. */
+#define F64_LANES 4
+
+static inline double f64_lanes_sum(const double *a) { return (a[0] + a[1]) + (a[2] + a[3]); }
+
+/* y[r][c] = x_r . w_c (+ bias[c]) for R <= 2 rows of x (stride xs) and C <= 4 rows of w (stride ws), k long: lane l
+ * of an output sums the products k = l, l + 4, ... in order, the lanes meet as f64_lanes_sum, then the tail k % 4 */
+static inline __attribute__((always_inline)) void tile_f64(const double *x, size_t xs, const double *w, size_t ws,
+                                                          int k, int R, int C, const double *bias, double *y, size_t ys) {
+    double lanes[2][4][F64_LANES];
+    int t = 0;
+#ifdef KAON_AVX2
+    __m256d acc[2][4];
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_pd();
+    for (; t + F64_LANES <= k; t += F64_LANES) {
+        __m256d xv[2], wv[4];
+        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_pd(x + r * xs + t);
+        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_pd(w + c * ws + t);
+        for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_pd(xv[r], wv[c], acc[r][c]);
+    }
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) _mm256_storeu_pd(lanes[r][c], acc[r][c]);
+#else
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) for (int l = 0; l < F64_LANES; l++) lanes[r][c][l] = 0;
+    for (; t + F64_LANES <= k; t += F64_LANES)
+        for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) for (int l = 0; l < F64_LANES; l++)
+            lanes[r][c][l] = fma(x[r * xs + t + l], w[c * ws + t + l], lanes[r][c][l]);
+#endif
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            double s = f64_lanes_sum(lanes[r][c]);
+            for (int i = t; i < k; i++) s = fma(x[r * xs + i], w[c * ws + i], s);
+            y[r * ys + c] = bias ? s + bias[c] : s;
+        }
+}
+
+static void tile_f64_any(const double *x, size_t xs, const double *w, size_t ws, int k, int R, int C,
+                         const double *bias, double *y, size_t ys) {
+#define F64_CASE(r, c) case (r) * 8 + (c): tile_f64(x, xs, w, ws, k, r, c, bias, y, ys); return;
+    switch (R * 8 + C) {
+        F64_CASE(1, 1) F64_CASE(1, 2) F64_CASE(1, 3) F64_CASE(1, 4)
+        F64_CASE(2, 1) F64_CASE(2, 2) F64_CASE(2, 3) F64_CASE(2, 4)
+    }
+#undef F64_CASE
+}
+
+typedef struct {
+    const double *x, *w, *bias;
+    double *y;
+    int rows, n, k, transposed;
+} LinearF64Job;
+
+#define F64_COLS 4    /* outputs per tile of an [n, k] weight: the chunks parallel_for hands out */
+#define F64_T_COLS 16 /* outputs per tile of a [k, n] weight */
+
+/* outputs [F64_COLS * begin, F64_COLS * end) of every row, an [n, k] weight: each output's lanes as tile_f64 sums them */
+static void linear_f64_chunk(const void *ctx, int begin, int end) {
+    const LinearF64Job *job = ctx;
+    const int n = job->n, k = job->k;
+    for (int c0 = begin * F64_COLS; c0 < end * F64_COLS && c0 < n; c0 += F64_COLS) {
+        const int C = n - c0 < F64_COLS ? n - c0 : F64_COLS;
+        for (int r0 = 0; r0 < job->rows; r0 += 2) {  /* the tile's weights stay in cache across the rows */
+            const int R = job->rows - r0 < 2 ? job->rows - r0 : 2;
+            tile_f64_any(job->x + (size_t)r0 * k, k, job->w + (size_t)c0 * k, k, k, R, C,
+                         job->bias ? job->bias + c0 : NULL, job->y + (size_t)r0 * n + c0, n);
+        }
+    }
+}
+
+/* a [k, n] weight (the vocabulary head's [hidden, vocab]): each output sums its products k = 0, 1, ... in order */
+static void linear_f64_t_chunk(const void *ctx, int begin, int end) {
+    const LinearF64Job *job = ctx;
+    const int n = job->n, k = job->k;
+    for (int c0 = begin * F64_T_COLS; c0 < end * F64_T_COLS && c0 < n; c0 += F64_T_COLS) {
+        const int C = n - c0 < F64_T_COLS ? n - c0 : F64_T_COLS;
+        for (int r = 0; r < job->rows; r++) {
+            const double *x = job->x + (size_t)r * k;
+            double *y = job->y + (size_t)r * n + c0;
+            int c = 0;
+#ifdef KAON_AVX2
+            if (C == F64_T_COLS) {
+                __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+                for (int t = 0; t < k; t++) {
+                    const __m256d xv = _mm256_set1_pd(x[t]);
+                    const double *w = job->w + (size_t)t * n + c0;
+                    for (int v = 0; v < 4; v++) acc[v] = _mm256_fmadd_pd(xv, _mm256_loadu_pd(w + 4 * v), acc[v]);
+                }
+                for (int v = 0; v < 4; v++) _mm256_storeu_pd(y + 4 * v, acc[v]);
+                c = C;
+            }
+#endif
+            for (; c < C; c++) {
+                double s = 0;
+                for (int t = 0; t < k; t++) s = fma(x[t], job->w[(size_t)t * n + c0 + c], s);
+                y[c] = s;
+            }
+            if (job->bias)
+                for (c = 0; c < C; c++) y[c] += job->bias[c0 + c];
+        }
+    }
+}
+
+/* y [rows, n] = x [rows, k] @ w.T (+ bias), w [n, k]; transposed: w [k, n]. All float64, contiguous. */
+void kaon_linear_f64(const double *x, const double *w, const double *bias, double *y, int rows, int n, int k,
+                     int transposed, int threads) {
+    LinearF64Job job = {x, w, bias, y, rows, n, k, transposed};
+    if (rows <= 0 || n <= 0) return;
+    if (transposed)
+        parallel_for((n + F64_T_COLS - 1) / F64_T_COLS, threads, linear_f64_t_chunk, &job);
+    else
+        parallel_for((n + F64_COLS - 1) / F64_COLS, threads, linear_f64_chunk, &job);
+}
+
+typedef struct {
+    const double *q, *k_cache, *v_cache;
+    const int64_t *tables, *lens;
+    int heads, kv_heads, dim, num_blocks, block_size, max_blocks, window;
+    double scale, softcap;
+    double *out, *work;
+} AttentionF64Job;
+
+/* (row, head) pairs [begin, end): the query against its own context in the paged cache, as decode attention computes
+ * it (torch's decode_attention_ref): scores q . k * scale (soft-capped), softmax, then the probabilities times the
+ * values summed in key order. Only the row's own context length and window decide the order. */
+static void attention_f64_chunk(const void *ctx, int begin, int end) {
+    const AttentionF64Job *job = ctx;
+    const int dim = job->dim, bs = job->block_size, group = job->heads / job->kv_heads;
+    for (int task = begin; task < end; task++) {
+        const int row = task / job->heads, head = task % job->heads, kvh = head / group;
+        const int64_t len = job->lens[row];
+        const int64_t first = job->window > 0 && len > job->window ? len - job->window : 0;
+        const double *q = job->q + (size_t)task * dim;
+        const int64_t *table = job->tables + (size_t)row * job->max_blocks;
+        double *scores = job->work + (size_t)task * job->max_blocks * bs;
+        double *out = job->out + (size_t)task * dim;
+        double most = -INFINITY, sum = 0;
+        for (int64_t j = first; j < len; j++) {
+            const double *key = job->k_cache + (((size_t)kvh * job->num_blocks + table[j / bs]) * bs + j % bs) * dim;
+            double s;
+            tile_f64(q, 0, key, 0, dim, 1, 1, NULL, &s, 0);
+            s *= job->scale;
+            if (job->softcap > 0) s = tanh(s / job->softcap) * job->softcap;
+            scores[j] = s;
+            most = s > most ? s : most;
+        }
+        for (int64_t j = first; j < len; j++) {
+            scores[j] = exp(scores[j] - most);
+            sum += scores[j];
+        }
+        for (int d = 0; d < dim; d++) out[d] = 0;
+        for (int64_t j = first; j < len; j++) {
+            const double p = scores[j] / sum;
+            const double *value = job->v_cache + (((size_t)kvh * job->num_blocks + table[j / bs]) * bs + j % bs) * dim;
+            for (int d = 0; d < dim; d++) out[d] = fma(p, value[d], out[d]);
+        }
+    }
+}
+
+/* out [rows, heads, dim] = each row's query q [rows, heads, dim] against its context in the float64 cache
+ * [kv_heads, num_blocks, block_size, dim]: tables [rows, max_blocks], lens [rows] (the keys it sees, itself
+ * included), window (keys a query sees, itself included; 0: all), softcap (0: none); work: room for
+ * rows * heads * max_blocks * block_size doubles. */
+void kaon_attention_f64(const double *q, const double *k_cache, const double *v_cache, const int64_t *tables,
+                        const int64_t *lens, int rows, int heads, int kv_heads, int dim, int num_blocks, int block_size,
+                        int max_blocks, int window, double scale, double softcap, double *out, double *work,
+                        int threads) {
+    AttentionF64Job job = {q, k_cache, v_cache, tables, lens, heads, kv_heads, dim, num_blocks, block_size, max_blocks,
+                           window, scale, softcap, out, work};
+    parallel_for(rows * heads, threads, attention_f64_chunk, &job);
+}

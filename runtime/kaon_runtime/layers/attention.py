@@ -40,6 +40,23 @@ class AttentionMetadata:
         return self.decode_block_tables, self.decode_context_lens
 
 
+def as_decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of a step as a decode row: (block tables [T, M], padded with block 0; context lengths [T]).
+    A chunk's token i sees the chunk's context up to itself: context_len - query_len + i + 1 tokens. (The fused CPU
+    step's rows and the float64 rows of layers/rows_alone.py: a prompt row computes as a decode row does.)"""
+    tables, lens = [], []
+    if meta.num_decode_tokens:
+        decode_tables, decode_lens = meta.decodes()
+        tables += list(decode_tables)
+        lens.append(decode_lens.to(torch.int64))
+    for chunk in meta.prefills:
+        first = chunk.context_len - chunk.query_len + 1
+        lens.append(torch.arange(first, first + chunk.query_len, dtype=torch.int64))
+        tables += [chunk.block_table] * chunk.query_len
+    padded = nn.utils.rnn.pad_sequence([t.to(torch.int64) for t in tables], batch_first=True)
+    return padded, torch.cat(lens)
+
+
 class TorchAttentionBackend:
     """Gathers each sequence's context from the pool; runs on any device.
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kaon_runtime.layers.kernel_backend import KernelBackend
+from kaon_runtime.layers.rows_alone import RowsAloneLinear
 
 
 class InvariantLinear(nn.Linear):
@@ -22,5 +23,7 @@ class InvariantLinear(nn.Linear):
 
 
 def linear_class(kernels: KernelBackend) -> type[nn.Linear]:
-    """The projections' class for a model built with `kernels`."""
+    """The projections' class for a model built with `kernels` (a float64 model on CPU: layers/rows_alone.py's)."""
+    if kernels.cpu_rows_alone:
+        return RowsAloneLinear
     return InvariantLinear if kernels.batch_invariant else nn.Linear

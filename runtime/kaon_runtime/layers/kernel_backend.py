@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kaon_runtime.layers.attention import TorchAttentionBackend, TritonAttentionBackend, backend_name
+from kaon_runtime.layers.rows_alone import RowsAloneAttention, experts as rows_alone_experts
 
 # The most sequences a step may have for the fused C step to take it (and the vocabulary head's
 # C kernel, for as many rows): a full batch of a decode-heavy CPU server. Wider steps go to torch.
@@ -32,6 +33,9 @@ class KernelBackend:
     # GPU kernels whose result for a row does not depend on the rows beside it (issue 49 §2):
     # fixed tiles and reduction orders, whatever the step's size. See gpu_batch_invariant.
     batch_invariant: bool = False
+    # A float64 model on CPU: its projections, head, experts and attention through the float64 kernels that compute
+    # each row alone (layers/rows_alone.py), so its answers are batch invariant too (issue 49 §2).
+    cpu_rows_alone: bool = False
 
     @property
     def cpu_decode(self) -> bool:
@@ -45,8 +49,11 @@ def gpu_batch_invariant() -> bool:
     return os.environ.get("KAON_GPU_BATCH_INVARIANT", "0") == "1"
 
 
-def torch_kernels(cpu_decode: bool = False) -> KernelBackend:
-    """Torch everywhere; with `cpu_decode`, the fused C step for decode steps (float32 on CPU)."""
+def torch_kernels(cpu_decode: bool = False, rows_alone: bool = False) -> KernelBackend:
+    """Torch everywhere; with `cpu_decode`, the fused C step for decode steps (float32 on CPU); with `rows_alone`,
+    a float64 model's parts that compute each row alone (layers/rows_alone.py)."""
+    if rows_alone:
+        return KernelBackend(RowsAloneAttention(), fused_moe=rows_alone_experts, cpu_rows_alone=True)
     return KernelBackend(TorchAttentionBackend(), cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0)
 
 
@@ -64,9 +71,10 @@ def triton_kernels(cpu_decode: bool = False) -> KernelBackend:
                          cpu_decode_rows=CPU_DECODE_MAX_ROWS if cpu_decode else 0, batch_invariant=invariant)
 
 
-def select_kernels(device: torch.device, cpu_decode: bool = False) -> KernelBackend:
+def select_kernels(device: torch.device, cpu_decode: bool = False, rows_alone: bool = False) -> KernelBackend:
     """Triton on CUDA devices, torch elsewhere (KAON_ATTENTION_BACKEND overrides, layers.attention);
-    `cpu_decode` adds the fused C step for decode steps (the caller checks that it applies)."""
+    `cpu_decode` adds the fused C step for decode steps (the caller checks that it applies); `rows_alone` the float64
+    rows-alone parts on torch's backend."""
     if backend_name(device) == "triton":
         return triton_kernels(cpu_decode)
-    return torch_kernels(cpu_decode)
+    return torch_kernels(cpu_decode, rows_alone)

@@ -24,7 +24,9 @@ from torch import nn
 
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
+from kaon_runtime.kernels import cpu_f64
 from kaon_runtime.kernels.moe_ref import moe_ref, route
+from kaon_runtime.layers import rows_alone
 from kaon_runtime.layers.activation import silu_and_mul
 
 
@@ -37,7 +39,8 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel, kernel=None, invariant: bool = False):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, kernel=None, invariant: bool = False,
+                 rows_alone: bool = False):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"mixture-of-experts layers support the silu activation only, not {config.hidden_act!r}")
@@ -51,6 +54,7 @@ class SparseMoE(nn.Module):
         # The GPU's batch-invariant kernels (KAON_GPU_BATCH_INVARIANT): the router's logits through the invariant
         # GEMM (F.linear's cuBLAS picks its kernel by the row count), the experts' sum in slot order (kernels.moe).
         self.invariant = invariant
+        self.rows_alone = rows_alone  # a float64 model on CPU: the router's logits each row alone (layers/rows_alone)
         self.quantized: QuantizedExperts | None = None
 
     def drop_float_experts(self) -> None:
@@ -79,6 +83,8 @@ class SparseMoE(nn.Module):
         if self.invariant:
             from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
             return invariant_gemm.linear(x, self.gate.weight)
+        if self.rows_alone and self.gate.weight.dtype == torch.float64 and rows_alone.applies(x):
+            return cpu_f64.linear(x, self.gate.weight)
         return F.linear(x, self.gate.weight)
 
 

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import vocab_range
-from kaon_runtime.kernels import cpu_decode
+from kaon_runtime.kernels import cpu_decode, cpu_f64
 
 
 def _masked_ids(input_ids: torch.Tensor, start: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +58,13 @@ class VocabHead(nn.Module):
     With `invariant` (the GPU's batch-invariant kernels, layers/kernel_backend.py) the float table's logits
     come from kernels/invariant_gemm.py, whose sums do not change with the row count either; a quantized
     head is marked by quant/invariant.py.
+
+    With `rows_alone` (a float64 model on CPU, layers/rows_alone.py) the float table's logits come from the float64
+    GEMM that sums each output of a row in one order (kernels/cpu_f64.py), for the same reason.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = TensorParallel(),
-                 cpu_logits_rows: int = 0, invariant: bool = False):
+                 cpu_logits_rows: int = 0, invariant: bool = False, rows_alone: bool = False):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
         self.start, self.shard = vocab_range(vocab_size, tp.rank, tp.size)
@@ -70,6 +73,7 @@ class VocabHead(nn.Module):
         self.quantized: nn.Module | None = None
         self.cpu_logits_rows = cpu_logits_rows
         self.invariant = invariant
+        self.rows_alone = rows_alone
         self._cpu_weights: tuple[object, cpu_decode.LinearWeights] | None = None  # (the weight it reads, its struct)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -81,6 +85,9 @@ class VocabHead(nn.Module):
                                 for i in range(0, hidden.shape[0], step)])
         elif self.quantized is not None:
             logits = self.quantized(hidden)
+        elif self.rows_alone and hidden.dtype == self.weight_t.dtype == torch.float64 and cpu_f64.available() \
+                and hidden.device.type == "cpu":
+            logits = cpu_f64.linear(hidden, self.weight_t, transposed=True)
         elif self.invariant:
             from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
             logits = invariant_gemm.linear(hidden, self.weight_t.t())
@@ -119,9 +126,14 @@ class VocabHead(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self._rows(input_ids)
-        local, inside = _masked_ids(input_ids, self.start, self.shard)
-        return self.tp.all_reduce(self._rows(local) * inside[:, None])
+            rows = self._rows(input_ids)
+        else:
+            local, inside = _masked_ids(input_ids, self.start, self.shard)
+            rows = self.tp.all_reduce(self._rows(local) * inside[:, None])
+        # rows_alone: row-major, as an untied embedding's rows are. The lookup's [T, hidden] view of the [hidden, vocab]
+        # table has its hidden dim strided by T, and torch's norm then sums each row vectorized across the rows, in an
+        # order that moved with the step's row count (a float64 row's bits did; layers/rows_alone.py)
+        return rows.contiguous() if self.rows_alone else rows
 
     def drop_float_table(self) -> None:
         """From now on the token lookup reads the rows of `quantized` (tied embeddings under

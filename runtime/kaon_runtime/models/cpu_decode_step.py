@@ -65,13 +65,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from kaon_runtime.config import ModelConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import local_config
 from kaon_runtime.kernels import cpu_decode
-from kaon_runtime.layers.attention import AttentionMetadata
+from kaon_runtime.layers.attention import AttentionMetadata, as_decode_rows
 from kaon_runtime.models.fused_weights import (
     FusedDecoder,
     expert_linears,
@@ -117,22 +116,6 @@ def piece_rows(max_rows: int, most: int, heads: int, context: int) -> int:
     pass PIECE_SCORES_BYTES, and never fewer than min(most, max_rows)."""
     fits = PIECE_SCORES_BYTES // (4 * max(1, heads * context))
     return max(min(most, max_rows), min(most, fits))
-
-
-def as_decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row of a step as a decode row: (block tables [T, M], padded with block 0; context lengths [T]).
-    A chunk's token i sees the chunk's context up to itself: context_len - query_len + i + 1 tokens."""
-    tables, lens = [], []
-    if meta.num_decode_tokens:
-        decode_tables, decode_lens = meta.decodes()
-        tables += list(decode_tables)
-        lens.append(decode_lens.to(torch.int64))
-    for chunk in meta.prefills:
-        first = chunk.context_len - chunk.query_len + 1
-        lens.append(torch.arange(first, first + chunk.query_len, dtype=torch.int64))
-        tables += [chunk.block_table] * chunk.query_len
-    padded = nn.utils.rnn.pad_sequence([t.to(torch.int64) for t in tables], batch_first=True)
-    return padded, torch.cat(lens)
 
 
 def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:

@@ -119,7 +119,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, kernels: KernelBackend):
         super().__init__()
         self.self_attn = SelfAttention(config, layer, tp, kernels)
-        self.mlp = (SparseMoE(config, tp, kernels.fused_moe, kernels.batch_invariant) if config.is_moe_layer(layer)
+        self.mlp = (SparseMoE(config, tp, kernels.fused_moe, kernels.batch_invariant, kernels.cpu_rows_alone)
+                    if config.is_moe_layer(layer)
                     else GatedMLP(config, tp, kernels))
         norm_kernel = _norm_kernel(config, kernels)
         self.input_layernorm = _norm(config, kernel=norm_kernel)
@@ -274,7 +275,7 @@ class DecoderForCausalLM(nn.Module):
         # The head on the last stage; on the first too when tied, as the embedding.
         holds_head = stage.is_last or (stage.is_first and config.tie_word_embeddings)
         self.lm_head = VocabHead(config.hidden_size, config.vocab_size, tp, kernels.cpu_decode_rows,
-                                 kernels.batch_invariant) if holds_head else None
+                                 kernels.batch_invariant, kernels.cpu_rows_alone) if holds_head else None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
         """Final hidden states; under pipeline parallelism, a stage before the last returns (hidden,

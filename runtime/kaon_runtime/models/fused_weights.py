@@ -2,8 +2,8 @@
 
 The decoder exports its layers through a declared interface (FusedDecoder.fused_weights: FusedWeights of
 FusedLayers, FusedExperts for a mixture-of-experts layer); the functions below turn one part at a time into
-kernels/cpu_decode.py's ctypes structs, reading the tensors in place (no copy but the float32 norms and router,
-and group int8's padded copy at widths that are not whole blocks, group_int8_copy): a projection in whatever
+kernels/cpu_decode.py's ctypes structs, reading the tensors in place (no copy but the float32 norms and router;
+group int8 holds the step's layout itself at every width, quant/group_int8.py): a projection in whatever
 layout it is held (linear_weights; the reference mode's weight-only kinds, reference_weights), a layer's experts
 (experts_struct), a projection's LoRA slots (lora_slots).
 models/cpu_decode_step.py builds the whole model's structs from them and runs the step.
@@ -102,7 +102,7 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     quantized: Any = module  # quant's linears: their tensors are plain attributes
     # held in the kernel's own layout (quant/group_int8.py, bit_planes.py, kernel_layout.py): the struct re-pointed
     # at the module's buffers as they are now (sleep level 2 swaps their storage)
-    held = getattr(module, "kernel_weights", None) or group_int8_copy(module)
+    held = getattr(module, "kernel_weights", None)
     if held is not None:
         return held.rebound()
     if hasattr(module, "group_scales"):  # group int8 in groups Q8_G16 cannot hold (not a multiple of 16, e.g. 8):
@@ -123,21 +123,6 @@ def linear_weights(module: nn.Module) -> cpu_decode.LinearWeights:
     raise ValueError(f"no fused CPU kernel for {type(module).__name__}")
 
 
-def group_int8_copy(module: nn.Module) -> cpu_decode.LinearWeights | None:
-    """A group-int8 linear (quant/group_int8.py) that does not hold the kernel's layout because its K is not whole
-    blocks of 32 (e.g. a GPTQ 8-bit checkpoint's groups of 16 at K = 48): a Q8_G16 copy packed with a zero group
-    (cpu_decode.padded_columns), beside the module's own tensors. None for every other module."""
-    if getattr(module, "kernel_weights", None) is not None or not hasattr(module, "group_scales"):
-        return None
-    weight: Any = getattr(module, "weight", None)
-    if weight is None or weight.group_size % cpu_decode.G16 or weight.qweight.device.type != "cpu":
-        return None
-    repeat = weight.group_size // cpu_decode.G16  # the kernel's groups of 16 (quant/group_int8.in_groups_of_16)
-    scales = weight.scales.float().repeat_interleave(repeat, 1)
-    mins = None if weight.mins is None else weight.mins.float().repeat_interleave(repeat, 1)
-    return cpu_decode.LinearWeights.q8_g16(weight.qweight, scales, mins, getattr(module, "bias", None))
-
-
 def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
     """A weight-only projection in the reference mode (quant/reference.py: `reference` set) as the C step's
     reference kinds read it, its tensors in place: int8 per channel (quant/int8.py), kaon's int4 layout in any
@@ -153,7 +138,7 @@ def reference_weights(module: nn.Module) -> cpu_decode.LinearWeights | None:
         return None
     quantized: Any = target
     bias = getattr(target, "bias", None)
-    held = getattr(target, "kernel_weights", None) or group_int8_copy(quantized)
+    held = getattr(target, "kernel_weights", None)
     if held is not None and held.struct.kind == cpu_decode.KIND_Q8_G16:
         return cpu_decode.LinearWeights.ref_q8_g16(held.rebound(), perm)
     if hasattr(target, "group_scales"):  # group int8 in groups Q8_G16 cannot hold (not a multiple of 16): as held

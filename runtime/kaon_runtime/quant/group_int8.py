@@ -5,10 +5,13 @@ repacks them without changing a weight: their values fit int8, their scales are 
 float32), and the 8-bit grouped checkpoints of GPTQ and compressed-tensors (groups of 32 to 128,
 with zero points as mins; quant/checkpoint_formats).
 
-On CPU, where K is whole activation blocks and the groups whole multiples of 16, the weight is
-held once, in the layout the fused kernels read (kernels/cpu_decode.py's Q8_G16: rows interleaved
-by eight, float32 scales per 16): the decode step and few-row matmuls read those very tensors,
-many rows widen them for one dense GEMM. Elsewhere the weight is held as given and widened per call.
+On CPU, where the groups are whole multiples of 16, the weight is held once, in the layout the fused
+kernels read (kernels/cpu_decode.py's Q8_G16: rows interleaved by eight, float32 scales per 16): the
+decode step and few-row matmuls read those very tensors, many rows widen them for one dense GEMM. At a K
+that is not whole activation blocks of 32 (an odd number of groups of 16, e.g. K = 48) that layout is
+packed with a zero group (cpu_decode.padded_columns; Linear.k_in the true K), and `weight` / `rows` cut
+it off: held once at every width (issue 49; before, such a module kept its own tensors and the step
+made its padded copy beside them). Elsewhere the weight is held as given and widened per call.
 """
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ def concat_rows(parts: list[GroupInt8Weight]) -> GroupInt8Weight:
 
 
 def _kernel_reads(weight: GroupInt8Weight) -> bool:
-    return (weight.qweight.device.type == "cpu" and weight.group_size % GROUP_SIZE == 0
-            and weight.qweight.shape[1] % cpu_decode.QBLOCK == 0)
+    # (any K of whole groups: an odd number of groups of 16 is packed with a zero group, LinearWeights.q8_g16)
+    return weight.qweight.device.type == "cpu" and weight.group_size % GROUP_SIZE == 0
 
 
 class GroupInt8Linear(QuantizedLinear):
@@ -105,12 +108,12 @@ class GroupInt8Linear(QuantizedLinear):
         """The weight as [N, K] values and per-group scales (a copy where the kernel's layout holds it)."""
         if self.kernel_weights is None:
             return GroupInt8Weight(self.qvalues, self.group_scales, self.group_mins, self.group_size)
-        n = self.out_features
+        n, k, packed = self.out_features, self.in_features, self.kernel_weights.struct.k  # (packed: whole blocks)
         # q: [row groups, K / 4, 8 lanes, 4] -> [N, K]; scales: [row groups, blocks, 2, 8 lanes] -> [N, K / 16]
-        q = self.qvalues.transpose(1, 2).reshape(-1, self.in_features)[:n]
+        q = self.qvalues.transpose(1, 2).reshape(-1, packed)[:n, :k]
 
         def per_row(t: torch.Tensor) -> torch.Tensor:
-            return t.permute(0, 3, 1, 2).reshape(-1, self.in_features // GROUP_SIZE)[:n]
+            return t.permute(0, 3, 1, 2).reshape(-1, packed // GROUP_SIZE)[:n, :k // GROUP_SIZE]
 
         return GroupInt8Weight(q, per_row(self.group_scales),
                                None if self.group_mins is None else per_row(self.group_mins))
@@ -123,10 +126,12 @@ class GroupInt8Linear(QuantizedLinear):
                                      None if weight.mins is None else weight.mins[ids], weight.group_size)
             return dequantize_group_int8(picked)
         lane, group = ids % _LANES, torch.div(ids, _LANES, rounding_mode="floor")
-        q = self.qvalues[group, :, lane]  # [rows, K / 4, 4]
-        scales = self.group_scales[group, :, :, lane]  # [rows, K / 32, 2]
-        mins = None if self.group_mins is None else self.group_mins[group, :, :, lane].reshape(len(ids), -1)
-        return dequantize_group_int8(GroupInt8Weight(q.reshape(len(ids), -1), scales.reshape(len(ids), -1), mins))
+        k, rows = self.in_features, len(ids)  # (the packing's zero group cut off)
+        q = self.qvalues[group, :, lane].reshape(rows, -1)[:, :k]  # [rows, K / 4, 4] -> [rows, K]
+        scales = self.group_scales[group, :, :, lane].reshape(rows, -1)[:, :k // GROUP_SIZE]  # [rows, K / 32, 2]
+        mins = None if self.group_mins is None else self.group_mins[group, :, :, lane].reshape(rows, -1)[
+            :, :k // GROUP_SIZE]
+        return dequantize_group_int8(GroupInt8Weight(q, scales, mins))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernel_for(x, self.reference)

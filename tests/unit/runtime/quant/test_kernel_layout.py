@@ -10,7 +10,7 @@ from kaon_runtime.engine import sleep
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.kernels.quant_gemm_cpu import DENSE_ROWS, w4_dense_cpu
 from kaon_runtime.models.fused_weights import hold_kernel_layout, linear_weights
-from kaon_runtime.quant.group_int8 import GroupInt8Linear, quantize_group_int8
+from kaon_runtime.quant.group_int8 import GroupInt8Linear, dequantize_group_int8, quantize_group_int8
 from kaon_runtime.quant.int4 import Int4Linear, quantize_int4
 from kaon_runtime.quant.int8 import Int8Linear, quantize_int8
 
@@ -109,6 +109,39 @@ def test_a_width_that_is_not_whole_blocks_is_held_once_too(kind):
     else:
         a, b = held.int4_weight(), own.int4_weight()
         assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales) and a.in_features == 48
+
+
+@pytest.mark.parametrize("mins", [False, True])
+def test_group_int8_at_a_width_that_is_not_whole_blocks_is_held_once(mins):
+    """K = 48 in groups of 16 (a GPTQ / compressed-tensors 8-bit checkpoint's, or GGUF's): the module holds only the
+    step's Q8_G16 layout, packed with a zero group to 64, and the step reads those very buffers. Before, such a
+    module kept its own [N, 48] tensors and the step made its padded copy beside them (the bytes counted here were
+    then 2.3x the weight's); its weight, rows and products read back at the true width."""
+    g = torch.Generator().manual_seed(1)
+    weight = quantize_group_int8(torch.randn(N, 48, generator=g) * 0.05, 16)
+    if mins:
+        weight.mins = torch.randn(N, 3, generator=g) * 0.01
+    bias = torch.randn(N, generator=g)
+    module = GroupInt8Linear(weight, bias)
+    struct = linear_weights(module)
+    assert (struct.struct.k, struct.struct.k_in, module.in_features) == (64, 48, 48)
+    buffers = {b.data_ptr() for b in module.buffers()}
+    assert {t.data_ptr() for name, t in struct.named().items() if name != "bias"} <= buffers  # no copy beside
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in [*module.buffers(), *struct.tensors]}
+    plain = sum(t.numel() * t.element_size() for t in (weight.qweight, weight.scales, weight.mins, bias)
+                if t is not None)
+    assert sum(held.values()) < 1.5 * plain  # one copy: 64 / 48 of the weight, its rows padded to eight
+    back = module.weight
+    assert torch.equal(back.qweight, weight.qweight) and torch.equal(back.scales, weight.scales.float())
+    assert (back.mins is None) == (not mins) and (not mins or torch.equal(back.mins, weight.mins))
+    ids = torch.tensor([N - 1, 0, 9, 9])
+    assert torch.equal(module.rows(ids), dequantize_group_int8(weight)[ids])
+    few = torch.randn(3, 48, generator=g)
+    expected = torch.nn.functional.linear(few.double(), dequantize_group_int8(weight).double(), bias.double())
+    assert torch.allclose(module(few).double(), expected, rtol=0.02, atol=0.02)  # (int8 activation blocks)
+    many = torch.randn(DENSE_ROWS + 3, 48, generator=g)
+    expected = torch.nn.functional.linear(many.double(), dequantize_group_int8(weight).double(), bias.double())
+    assert torch.allclose(module(many).double(), expected, rtol=0.02, atol=0.02)  # (the dense GEMM's dtype)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "group-int8"])
