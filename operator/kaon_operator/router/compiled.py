@@ -19,6 +19,9 @@ broken install: the router runs the source):
 
     python -m kaon_operator.router.compiled build [--cache DIR]
     python -m kaon_operator.router.compiled status
+
+Over 300 lines for a stated reason: the build and the choice read and write the same key and manifest, so they
+stay in one file, where a change to one is seen beside the other (the decisions, key() and decide(), are pure).
 """
 from __future__ import annotations
 
