@@ -19,6 +19,9 @@ host-memory tier and "DISK" for the disk tier (engine/kv_tiers.py).
 
 Events are queued from the engine thread (and the tier's mover thread) and sent by one publisher
 thread, which batches whatever has arrived: the engine loop never waits on a socket.
+
+Why one module just past 300 lines: the structs of both encodings, the config and the publisher are one
+wire contract, read together against vLLM's.
 """
 from __future__ import annotations
 

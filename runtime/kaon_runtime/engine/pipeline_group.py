@@ -11,6 +11,9 @@ idle rank waits there, and sees the leader's end as a closed connection.
 A group is all or nothing: when any rank's connection closes the leader closes every other one (so
 every rank exits), and a served leader ends its own process too (its /health stops answering; the
 LeaderWorkerSet recreates the group). A rank that never joins fails the start naming the rank.
+
+Why one module just past 300 lines: both ends of the control channel (the leader's group, a rank's loop)
+speak one protocol, and this keeps them side by side.
 """
 from __future__ import annotations
 
