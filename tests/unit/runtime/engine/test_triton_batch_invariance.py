@@ -60,7 +60,7 @@ def invariant_triton(monkeypatch, row_dot):
     from kaon_runtime.engine import model_loader
     from kaon_runtime.kernels import paged_attention
     select = model_loader.select_kernels  # float32 decodes on CPU would go to the fused C step: off
-    monkeypatch.setattr(model_loader, "select_kernels", lambda device, cpu_decode=False: select(device, False))
+    monkeypatch.setattr(model_loader, "select_kernels", lambda device, *_, **__: select(device, False))
     # The interpreter never splits a decode's context; a GPU does, by the batch: 16-key partitions here, as
     # the decode kernel would get them (the invariant backend does not take it; the test fails if it does).
     monkeypatch.setattr(paged_attention, "_auto_partition", lambda programs, max_len, device: 16)

@@ -36,7 +36,7 @@ def test_triton_backend_generates_the_torch_tokens(tiny_llama, monkeypatch, spli
     if not c_step:  # float32 decodes on CPU go to the fused C step: off, so Triton decodes as on a GPU
         from kaon_runtime.engine import model_loader
         select = model_loader.select_kernels
-        monkeypatch.setattr(model_loader, "select_kernels", lambda device, cpu_decode=False: select(device, False))
+        monkeypatch.setattr(model_loader, "select_kernels", lambda device, *_, **__: select(device, False))
     if split_kv:  # the interpreter never splits on its own: force 16-key partitions so decodes merge partials
         monkeypatch.setattr(paged_attention, "_auto_partition", lambda programs, max_len, device: 16)
     llm, tokens = _generate(tiny_llama)
