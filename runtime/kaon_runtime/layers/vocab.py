@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.distributed.sharding import vocab_range
 from kaon_runtime.kernels import cpu_decode, cpu_f64
+from kaon_runtime.layers import rows_alone
 
 
 def _masked_ids(input_ids: torch.Tensor, start: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,8 +86,7 @@ class VocabHead(nn.Module):
                                 for i in range(0, hidden.shape[0], step)])
         elif self.quantized is not None:
             logits = self.quantized(hidden)
-        elif self.rows_alone and hidden.dtype == self.weight_t.dtype == torch.float64 and cpu_f64.available() \
-                and hidden.device.type == "cpu":
+        elif self.rows_alone and self.weight_t.dtype == torch.float64 and rows_alone.applies(hidden):
             logits = cpu_f64.linear(hidden, self.weight_t, transposed=True)
         elif self.invariant:
             from kaon_runtime.kernels import invariant_gemm  # on use: CPU-only torch builds lack Triton
