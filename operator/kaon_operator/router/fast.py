@@ -90,6 +90,7 @@ class Exchange:
         self.finished = True
         router._release(self.target)
         router.budget.release(self.reserved, self.source)
+        router.answered_now += 1
         self.request.conn.answer_now(self.request, whole)
 
     # the client's side ---------------------------------------------------------------------------------

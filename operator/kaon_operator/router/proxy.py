@@ -90,6 +90,8 @@ class Router:
         self.relay = Relay(config.idle_timeout, config.write_timeout, self.metrics, self.backoff, self._eject)
         self._session: aiohttp.ClientSession  # made when the app starts: the routes' own requests (route_gateway.call)
         self.upstream: Pool  # made when the app starts: the clients' requests to the engines (upstream.py)
+        self.answered_now = 0
+        """Answers the fast path wrote from the engine's callback (fast.py): the tests' view of which path ran."""
 
     def _changed(self, key: ServiceKey) -> None:
         """The watch changed a service's ready pods: held requests look again; a pod that left
