@@ -18,6 +18,7 @@ OK = "ok"
 CLOSE = "close"  # the connection closed as the request came, unanswered (a kept connection the engine dropped)
 HOLD = "hold"  # answered once `release` is set, unless the router closes the connection first
 SSE = "sse"
+ASLEEP = "asleep"  # a sleeping kaon engine's 503 (server/sleep.py)
 
 
 class RawEngine:
@@ -66,7 +67,11 @@ class RawEngine:
                         self.aborted += 1
                         return
                     gone.cancel()
-                if action == SSE:
+                if action == ASLEEP:
+                    body = b'{"error": {"message": "the engine is asleep"}}'
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                 b"Kaon-Engine-Asleep: true\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                elif action == SSE:
                     events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                  b"Transfer-Encoding: chunked\r\n\r\n"
@@ -193,6 +198,36 @@ def test_a_pod_that_fails_on_the_fast_path_is_ejected_and_the_other_answers(loop
     assert router.answered_now == before + len(answers) - 1  # all but the one handed over after its failure
     assert metric(text, "kaon_router_retries_total", namespace="ns", inferenceservice="svc") == 1
     assert metric(text, "kaon_router_ejections_total", namespace="ns", inferenceservice="svc") == 1
+    assert router.inflight == {}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_asleep_pods_503_on_the_fast_path_goes_to_another_pod(loop):
+    async def scenario():
+        a = await RawEngine("a").start()
+        b = await RawEngine("b").start()
+        router = routed(a, b)
+        try:
+            async with serving(router) as client:
+                await asyncio.gather(*(ask(client) for _ in range(8)))
+                await until("kept connections to both pods",
+                            lambda: router.upstream.idle(f"http://127.0.0.1:{a.port}") > 0
+                            and router.upstream.idle(f"http://127.0.0.1:{b.port}") > 0)
+                a.plan = [ASLEEP]
+                answers = []
+                while a.plan and len(answers) < 50:  # ties go at random: until `a` is picked
+                    answers.append(await ask(client))
+                text = await metrics(client)
+        finally:
+            await a.stop()
+            await b.stop()
+        return router, answers, text, a
+
+    router, answers, text, a = run(scenario(), loop)
+    assert not a.plan
+    assert answers == [(200, {"backend": "b"})] * len(answers)
+    assert metric(text, "kaon_router_ejections_total", namespace="ns", inferenceservice="svc") == 1
+    assert "code=\"503\"" not in text
     assert router.inflight == {}
 
 
