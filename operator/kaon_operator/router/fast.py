@@ -8,7 +8,8 @@ through one Exchange. What the coroutine path (proxy.Router._forward) would do i
 by the same functions: the budget, the pick, the in-flight count, the relay's metrics (relay.Relay.whole_now).
 
 Any other turn hands the request to the coroutine path where it stands (`hand_over`: proxy.Router._forward with the
-exchange as its first attempt): a connection that fails (resent on a new one, or another pod: retry.py), a head
+exchange as its first attempt): no connection kept to the pod picked (the coroutine path connects), a connection
+that fails (resent on a new one, or another pod: retry.py), a head
 that is not a whole small answer (a stream, a large or partial body, a 503 that may be an asleep engine's), a
 deadline. The client gone first (front.FrontProtocol.connection_lost: `abandon`) closes the engine's connection
 and counts a 499, as the coroutine path's cancellation does.
@@ -25,8 +26,8 @@ class Exchange:
     """One request on the fast path, from the write to the engine to the answer (or the hand-over)."""
 
     __slots__ = ("router", "request", "key", "target", "model", "payload", "body", "reserved", "source", "arrival",
-                 "dispatched", "received", "conn", "data", "deadline", "upstream", "error", "answered", "handed",
-                 "taken", "finished")
+                 "dispatched", "received", "conn", "data", "deadline", "sent", "upstream", "error", "answered",
+                 "handed", "taken", "finished")
 
     def __init__(self, router: Any, request: Any, key: ServiceKey, target: Endpoint, model: str, payload: dict,
                  body: bytes, reserved: int, source: str, arrival: float, received: float):
@@ -40,6 +41,8 @@ class Exchange:
         self.conn: Any = None  # upstream._Connection, set by Pool.send_now
         self.data = b""
         self.deadline = 0.0
+        self.sent = False
+        """Sent on a kept connection, counted in flight; False: handed over at once (no connection kept to the pod)."""
         self.upstream: Response | None = None
         self.error: BaseException | None = None
         self.answered = False
@@ -113,7 +116,8 @@ class Exchange:
         elif self.error is None and self.conn is not None:
             self.conn.head_due = None
             self.conn.close()
-        router._release(self.target)
+        if self.sent:
+            router._release(self.target)
         router.budget.release(self.reserved, self.source)
         if self.upstream is None:
             router.metrics.count(self.key, 499)

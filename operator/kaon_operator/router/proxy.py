@@ -147,10 +147,11 @@ class Router:
 
     def _forward_now(self, request: FrontRequest) -> bool:
         """The common case of _forward without a coroutine (fast.py), decided before anything is done that cannot be
-        undone: the whole body in, no pod ejected, no InferenceRoute named, the service resolved with a ready pod, and
-        a kept connection to each of its ready pods (so to the one picked). Then the request goes out from this
-        callback (fast.Exchange answers from the engine's), or a refusal is answered at once; False (the budget given
-        back): _forward's coroutine takes the request from the start."""
+        undone: the whole body in, no pod ejected, no InferenceRoute named, the service resolved with a ready pod. Then
+        the pod is picked, and the request goes out from this callback on a kept connection to it (fast.Exchange
+        answers from the engine's), or, with none kept, on through _forward's coroutine from there (it connects); a
+        refusal is answered at once. False (the budget given back): _forward's coroutine takes the request from the
+        start."""
         body = request.body_now()
         if body is None or self.backoff.until:
             return False
@@ -166,11 +167,9 @@ class Router:
             if self.routes is None or self.routes.match(model) is None:
                 body, admitted = self._admit(request, model, payload, body)
                 if admitted is not None and (ready := self.table.endpoints(admitted)):
-                    now = self.upstream.loop_time()
-                    if all(self.upstream.has_idle(endpoint.url, now) for endpoint in ready):
-                        target = self._pick(admitted, ready, ready, request.path, payload)
-                        self._start_now(request, admitted, target, model, payload, body, reserved, source, arrival)
-                        return True
+                    target = self._pick(admitted, ready, ready, request.path, payload)
+                    self._start_now(request, admitted, target, model, payload, body, reserved, source, arrival)
+                    return True
         except RouterError as exc:  # as _forward answers one raised before the first attempt
             self.budget.release(reserved, source)
             self.metrics.count(None, exc.status)
@@ -184,9 +183,15 @@ class Router:
 
     def _start_now(self, request: FrontRequest, key: ServiceKey, target: Endpoint, model: str, payload: dict,
                    body: bytes, reserved: int, source: str, arrival: float) -> None:
-        """The fast path's request sent on a kept connection, counted in flight (as _send does)."""
+        """The fast path's request sent on a kept connection, counted in flight (as _send does); with none kept to the
+        pod, handed to the coroutine path, which sends it (_send_resumed)."""
         exchange = Exchange(self, request, key, target, model, payload, body, reserved, source, arrival,
                             clock.monotonic())
+        if not self.upstream.has_idle(target.url, self.upstream.loop_time()):
+            exchange.dispatched = time.perf_counter()
+            exchange.hand_over()
+            return
+        exchange.sent = True
         self.inflight[target] = self.inflight.get(target, 0) + 1
         exchange.dispatched = time.perf_counter()
         request.conn.exchange = exchange
@@ -234,7 +239,7 @@ class Router:
                 while retry.may_try_another(len(tried), self.config.max_attempts):  # retry.py
                     if resumed is not None:  # the fast path's attempt: its outcome, as _send's
                         key, target, dispatched = resumed.key, resumed.target, resumed.dispatched
-                        upstream = await self._send_resumed(resumed, tried)
+                        upstream = await self._send_resumed(request, resumed, tried)
                         resumed = None
                     else:
                         try:
@@ -427,10 +432,14 @@ class Router:
             self._release(target)
             raise
 
-    async def _send_resumed(self, resumed: Exchange, tried: set[Endpoint]) -> Response | RouterError:
+    async def _send_resumed(self, request: Incoming, resumed: Exchange,
+                            tried: set[Endpoint]) -> Response | RouterError:
         """_send's outcome for the fast path's attempt (fast.py): its response, or its failure as _send takes one
-        (Pool.request's: once more on a new connection when the kept one failed unanswered, retry.py rule 1)."""
+        (Pool.request's: once more on a new connection when the kept one failed unanswered, retry.py rule 1); _send
+        itself when it was not sent (no connection to the pod was kept)."""
         key, target = resumed.key, resumed.target
+        if not resumed.sent:
+            return await self._send(request, resumed.body, key, target, tried)
         error = resumed.error
         if error is None:
             assert resumed.upstream is not None
