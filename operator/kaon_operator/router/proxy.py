@@ -178,6 +178,9 @@ class Router:
                 response.force_close()
             request.conn.answer_now(request, response)
             return True
+        except BaseException:  # (a bug: the front answers 500; nothing of the request is kept)
+            self.budget.release(reserved, source)
+            raise
         self.budget.release(reserved, source)
         return False
 
@@ -187,6 +190,7 @@ class Router:
         pod, handed to the coroutine path, which sends it (_send_resumed)."""
         exchange = Exchange(self, request, key, target, model, payload, body, reserved, source, arrival,
                             clock.monotonic())
+        request.conn.exchange = exchange  # (the client gone before the coroutine path began on it: abandon)
         if not self.upstream.has_idle(target.url, self.upstream.loop_time()):
             exchange.dispatched = time.perf_counter()
             exchange.hand_over()
@@ -194,7 +198,6 @@ class Router:
         exchange.sent = True
         self.inflight[target] = self.inflight.get(target, 0) + 1
         exchange.dispatched = time.perf_counter()
-        request.conn.exchange = exchange
         exchange.data, exchange.deadline = self.upstream.send_now(
             target.url, request.method, _engine_path(request), self._fields(request, key), body,
             self.config.first_byte_timeout, exchange)
