@@ -34,7 +34,7 @@ from kaon_operator.router.front import open_stream
 from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
 from kaon_operator.routes import anchors, cache_keys, classifier, learned, monitor
-from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
+from kaon_operator.routes.answers import Answer, answer_text, stream_whole, usage_tokens
 from kaon_operator.routes.figures import Figures
 from kaon_operator.routes.memory_store import MemoryStore
 from kaon_operator.routes.table import Route, RouteTable
@@ -331,6 +331,8 @@ class RouteGateway:
     async def _store(self, plan: Plan) -> None:
         """Keep a complete 200 answer under the plan's key (once)."""
         if plan.stored or plan.cache_key is None or plan.status != 200:
+            return
+        if plan.stream and not stream_whole(plan.chunks):  # it failed part way: relayed, never replayed
             return
         plan.stored = True
         route = plan.route

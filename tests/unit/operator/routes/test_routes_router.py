@@ -63,6 +63,15 @@ class Engine:
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
+            if prompt.startswith("fail-stream"):  # the engine failed mid-answer: an in-band error event
+                error = {"error": {"message": "engine failed", "type": "server_error", "param": None, "code": None}}
+                await response.write(b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+                                     .encode() + b"\n\n")
+                await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                if prompt == "fail-stream-done":  # vLLM's servers end even a failed stream with [DONE]
+                    await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
             for piece in (text[:3], text[3:]):
                 event = {"id": f"c-{self.calls}", "object": "chat.completion.chunk", "model": body["model"],
                          "choices": [{"index": 0, "delta": {"content": piece}}]}
@@ -176,6 +185,25 @@ def test_streamed_request_gets_a_streamed_replay():
             # the same request without stream is another entry: it gets JSON, not a replayed stream
             async with client.post("/v1/chat/completions", json=chat(SIMPLE, temperature=0)) as r:
                 assert r.headers[CACHE_HEADER] == "miss" and r.content_type == "application/json"
+        await stop(found)
+    run(main())
+
+
+def test_a_stream_that_failed_part_way_is_never_replayed_from_the_cache():
+    """A stream the engine ended with an error event (kaon's engine: then EOF, no [DONE]; vLLM's: then
+    [DONE]) is relayed as it came, but not cached: the next identical request asks the engine again
+    instead of getting the failure replayed until the entry's TTL."""
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object())
+        async with serving(router) as client:
+            for prompt in ("fail-stream", "fail-stream-done"):
+                request = chat(prompt, temperature=0, stream=True)
+                for _ in range(2):
+                    async with client.post("/v1/chat/completions", json=request) as r:
+                        assert b"engine failed" in await r.read()
+                        assert r.headers[CACHE_HEADER] == "miss", prompt
+            assert found["small"].calls == 4
         await stop(found)
     run(main())
 
