@@ -122,7 +122,8 @@ def check_schema(schema, path: str = "schema") -> None:
             _need(isinstance(schema[key], dict), f"{path}.{key} must be an object")
     if isinstance(schema.get("properties"), dict):
         required = schema.get("required")
-        optional = len(schema["properties"].keys() - {r for r in required if isinstance(r, str)} if isinstance(required, list) else set())
+        named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+        optional = len(schema["properties"].keys() - named)
         _need(optional <= MAX_OPTIONAL_PROPERTIES, f"{path}.properties: {optional} optional properties, at most "
               f"{MAX_OPTIONAL_PROPERTIES} in one object (the grammar limit; required ones are not counted)")
     for key in _SUBSCHEMA_MAPS:
