@@ -419,6 +419,14 @@ def _prefill_group(args) -> int:
     return serving_prefill_group(args.prefill_group, _max_num_seqs(args), args.device)
 
 
+def admin_key_serves(args) -> bool:
+    """Whether the admin key is one of the serving keys at start (a key file changed later is not watched for it)."""
+    from kaon_runtime.server.keys import ApiKeys
+
+    serving = ApiKeys(args.api_key, args.api_key_file).keys()  # (a tuple of bytes, not a dict's keys)
+    return bool(args.admin_key) and args.admin_key.encode() in serving
+
+
 def _serve(args) -> int:
     from kaon_runtime.engine import pipeline_group
     from kaon_runtime.fetch.fetch import adapter_fetcher
@@ -438,6 +446,9 @@ def _serve(args) -> int:
     if args.enable_sleep_mode and not args.admin_key:
         raise SystemExit("kaon serve: --enable-sleep-mode needs --admin-key (or $KAON_ADMIN_KEY): only its "
                          "holder may put the engine to sleep")
+    if (args.enable_runtime_lora or args.enable_sleep_mode) and admin_key_serves(args):
+        raise SystemExit("kaon serve: the --admin-key is also a serving key (--api-key, --api-key-file): every "
+                         "client holding it could change adapters or put the engine to sleep; give it its own value")
     if args.task in ("embed", "auto"):  # a sentence encoder (BERT family) has its own small server
         from kaon_runtime.server.encoder_run import encoder_checkpoint, serve_encoder
 

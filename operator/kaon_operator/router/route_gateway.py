@@ -158,6 +158,15 @@ class RouteGateway:
         """Called with (route, tier, class, agreement, samples, escalated) when a class is escalated
         (True) or returns to its tier (False)."""
         self._background: set[asyncio.Task] = set()
+        # The default namespace's route names are its own: --cluster-wide-names must not hand them to another
+        # namespace's InferenceService (which the table's readings try before any route: match()).
+        table_changed = routes.on_change
+
+        def changed(key: Key) -> None:
+            self.table.reserve(r.key.name for r in routes.routes() if r.key.namespace == routes.default_namespace)
+            table_changed(key)
+        routes.on_change = changed
+        self.table.reserve(r.key.name for r in routes.routes() if r.key.namespace == routes.default_namespace)
 
     # which requests ------------------------------------------------------------
 

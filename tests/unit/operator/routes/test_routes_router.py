@@ -388,6 +388,37 @@ def test_route_keys_are_its_own():
     run(main())
 
 
+def test_another_namespaces_service_cannot_take_a_default_namespace_routes_name():
+    """With --cluster-wide-names a bare `model` may reach another namespace's InferenceService, but only
+    after the default namespace's own names: its route `assistant` among them. Before (sweep48), a tenant
+    whose InferenceService served `assistant` in its own namespace took every request for the default
+    namespace's route, prompts and all."""
+    async def main():
+        found = await engines("small", "large", "evil/assistant")
+        table = EndpointTable(default_namespace=NS, cluster_wide_names=True)
+        for service, engine in found.items():
+            ns, _, name = service.rpartition("/")
+            table.apply_service("ADDED", isvc(name, name, namespace=ns or NS))
+            table.apply_pod("ADDED", pod(f"{name}-0", name, port=engine.port, namespace=ns or NS))
+        table.synced = True
+        router = Router(table, RouterConfig(), rng=random.Random(0))
+        route_table = RouteTable(default_namespace=NS)
+        route_table.apply_route("ADDED", route_object())
+        router.routes = RouteGateway(router, route_table, rng=random.Random(0))
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE),
+                                   headers={"Authorization": "Bearer tenant-key"}) as r:
+                assert r.status == 200 and r.headers.get(TIER_HEADER) == "small"
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE, model="evil/assistant")) as r:
+                assert r.status == 200 and TIER_HEADER not in r.headers  # its own name still reaches it
+            async with client.get("/v1/models") as r:
+                listed = {m["id"] for m in (await r.json())["data"]}
+            assert {"assistant", "evil/assistant"} <= listed
+        assert found["evil/assistant"].calls == 1 and found["small"].calls == 1
+        await stop(found)
+    run(main())
+
+
 def test_a_route_reaches_only_services_of_its_namespace():
     async def main():
         found = await engines("small", "other/large")  # `large` exists in another namespace only
