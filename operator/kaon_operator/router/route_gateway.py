@@ -43,6 +43,9 @@ logger = logging.getLogger("kaon.routes")
 
 TIER_HEADER = "x-kaon-route-tier"
 CACHE_HEADER = "x-kaon-cache"
+"""hit or miss on every answer, as the issue names them (a request that may not be cached is a miss too)."""
+BYPASS_HEADER = "x-kaon-cache-bypass"
+"""Set (to not-cacheable) beside a miss whose answer is not stored: sampled without a seed, and the like."""
 EMBED_PATH = "/v1/embeddings"
 MAX_VERIFYING = 32
 
@@ -246,7 +249,9 @@ class RouteGateway:
         model = self._tier_model(route, tier)
         payload = {**payload, "model": model}
         body = json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss" if cache_key else "none"}
+        headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss"}
+        if not cache_key:
+            headers[BYPASS_HEADER] = "not-cacheable"
         return Plan(route, tier, request_class, model, body, payload, path, authorization, stream,
                     cache_key, semantic, tier - 1 if tier > classified else None, headers,
                     on_stream_end=self._store)
@@ -319,7 +324,8 @@ class RouteGateway:
         top = route.spec.tiers[-1].cost_per_million_tokens
         self.figures.setdefault(route.key, Figures()).answered(tier.service, tokens, tier.cost_per_million_tokens,
                                                                top)
-        self.metrics.requests.labels(*labels, tier.service, plan.headers[CACHE_HEADER]).inc()
+        cache = "none" if BYPASS_HEADER in plan.headers else plan.headers[CACHE_HEADER]
+        self.metrics.requests.labels(*labels, tier.service, cache).inc()
         self.metrics.tokens.labels(*labels, tier.service).inc(tokens)
         self.metrics.cost.labels(*labels).inc(tokens * tier.cost_per_million_tokens / 1e6)
         self.metrics.top_cost.labels(*labels).inc(tokens * top / 1e6)

@@ -15,7 +15,7 @@ from aiohttp import web
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
 from kaon_operator.router.proxy import Router
-from kaon_operator.router.route_gateway import CACHE_HEADER, TIER_HEADER, RouteGateway
+from kaon_operator.router.route_gateway import BYPASS_HEADER, CACHE_HEADER, TIER_HEADER, RouteGateway
 from kaon_operator.routes.table import RouteTable
 from support.router import NS, isvc, metric, pod, run, serving
 
@@ -128,7 +128,8 @@ def test_tiers_by_complexity_and_headers():
             async with client.post("/v1/chat/completions", json=chat(SIMPLE)) as r:
                 simple = await r.json()
                 assert r.status == 200 and r.headers[TIER_HEADER] == "small"
-                assert r.headers[CACHE_HEADER] == "none"  # sampled (no temperature 0): not cacheable
+                # sampled (no temperature 0): not cacheable, a miss as the issue names it, the bypass said beside
+                assert r.headers[CACHE_HEADER] == "miss" and r.headers[BYPASS_HEADER] == "not-cacheable"
             async with client.post("/v1/chat/completions", json=chat(COMPLEX)) as r:
                 assert r.status == 200 and r.headers[TIER_HEADER] == "large"
                 assert (await r.json())["choices"][0]["message"]["content"].startswith("large:")
