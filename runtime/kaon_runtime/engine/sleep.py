@@ -39,6 +39,8 @@ LEVELS = (1, 2)
 class EngineAsleepError(EngineDeadError):
     """The engine is asleep: a request reached it anyway (the server answers 503 and the router retries)."""
 
+    code = "engine_asleep"
+
 
 @dataclass(slots=True)
 class Spill:
