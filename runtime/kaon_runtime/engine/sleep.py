@@ -122,11 +122,15 @@ def wake_up(engine: LLMEngine, slept: Sleep) -> None:
 
 
 def _forget_fused_step(model: torch.nn.Module) -> None:
-    """The fused CPU decode step keeps C structs that point at the weights and the pool, and copies of the
-    norms: dropped, so the memory goes now and the step builds them again on its next use."""
+    """The fused CPU decode step and the vocabulary head keep C structs that point at the weights (and the pool),
+    and copies (the norms, the head's layout): dropped, so the memory goes now and they are built again on next use."""
     fused = getattr(getattr(model, "model", None), "cpu_decode", None)
     if fused is not None:
         fused._built = None
+    for module in model.modules():  # the vocabulary head's own struct (layers/vocab.py), which holds its weights
+        forget = getattr(module, "forget_cpu_weights", None)
+        if forget is not None:
+            forget()
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
