@@ -29,6 +29,7 @@ def test_level_two_writes_every_tensor_out_and_maps_it_back_unchanged(tmp_path):
     spill = sleep._spill(model, str(tmp_path))
     assert spill is not None and all(t.numel() == 0 for t in sleep._tensors(model) + spill.tensors)
     assert model[0].head is model[0].weight  # whoever holds a tensor sees it emptied, and refilled below
+    assert list(tmp_path.iterdir()) == []  # its name is gone while asleep: a process that dies asleep leaves no file
     sleep._unspill(model, spill)
     assert [torch.equal(a, b) for a, b in zip(before, sleep._tensors(model), strict=True)] == [True] * 6
     assert list(tmp_path.iterdir()) == []  # the file's name is gone; its pages stay mapped
