@@ -229,7 +229,7 @@ class ResponsesFormat:
                     yield _event("response.output_text.delta", {
                         "item_id": self.item_id, "output_index": 0, "content_index": 0, "delta": delta})
         except KaonError as exc:  # the engine died under us: say so in-band
-            yield _event("error", {"message": str(exc)})
+            yield _event("error", {"message": str(exc), "code": exc.code})
             return
         last = self.gen.last
         final = self.response(last)

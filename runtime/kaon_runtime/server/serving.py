@@ -150,7 +150,7 @@ async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool,
                     chunk.usage = usage(output)
                 yield _event(chunk, include_usage)
     except KaonError as exc:  # the engine died under us: tell the client in-band, then stop
-        error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error"))
+        error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=exc.code))
         yield f"data: {error.model_dump_json()}\n\n"
         return
     if include_usage and gen.last is not None:
