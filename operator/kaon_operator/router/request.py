@@ -82,8 +82,12 @@ def connection_options(headers: Mapping[str, str]) -> frozenset[str]:
 
 # A client's credentials and what it says of itself: they go to no pod (an open one has asked for
 # none, and a pod runs a tenant's code), except a keyed service's own key (upstream_headers).
-CREDENTIALS = frozenset({"authorization", "cookie", "cookie2", "x-api-key", "api-key", "forwarded", "x-real-ip"})
-CREDENTIAL_PREFIXES = ("x-forwarded-",)
+# Beside the usual names, the tokens other gateways and clouds send (X-Auth-Token, AWS's session token,
+# Google's API key) and the client addresses CDNs and proxies write (True-Client-IP, CF-Connecting-IP, ...).
+CREDENTIALS = frozenset({"authorization", "proxy-authorization", "cookie", "cookie2", "x-api-key", "api-key",
+                         "x-auth-token", "x-amz-security-token", "x-goog-api-key", "forwarded", "x-real-ip",
+                         "x-client-ip", "true-client-ip", "cf-connecting-ip", "x-cluster-client-ip"})
+CREDENTIAL_PREFIXES = ("x-forwarded-", "x-original-forwarded-")
 
 
 def upstream_headers(headers: Mapping[str, str], authorization: str | None) -> CIMultiDict:

@@ -27,7 +27,10 @@ from support.tenancy import engine_pod, isvc
 
 VICTIM_KEY = "victim-key"
 CLIENT_HEADERS = {"Cookie": "session=victim", "X-Forwarded-For": "10.0.0.7", "X-Forwarded-Host": "victim.example",
-                  "Forwarded": "for=10.0.0.7", "X-Real-IP": "10.0.0.7", "X-Api-Key": "other", "X-Kept": "1"}
+                  "Forwarded": "for=10.0.0.7", "X-Real-IP": "10.0.0.7", "X-Api-Key": "other", "X-Kept": "1",
+                  "X-Auth-Token": "victim-token", "X-Amz-Security-Token": "victim-session", "X-Goog-Api-Key": "victim",
+                  "X-Original-Forwarded-For": "10.0.0.7", "X-Client-IP": "10.0.0.7", "True-Client-IP": "10.0.0.7",
+                  "CF-Connecting-IP": "10.0.0.7", "X-Cluster-Client-IP": "10.0.0.7"}
 
 
 class Recorder:
