@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import embeddings, openapi as doc, protocol as p, sleep as sleep_mode
+from kaon_runtime.server.batch import MAX_PROMPTS, GenerationBatch, batch_sse_events, merged_response, prompts_of
 from kaon_runtime.server.extensions import ignored_fields_header
 from kaon_runtime.server.keys import ApiKeys, matches
 from kaon_runtime.server.limits import (
@@ -33,6 +35,7 @@ from kaon_runtime.server.limits import (
     Limits,
     check_chat,
     check_completion,
+    check_logprobs,
     check_prompt,
     check_prompt_logprobs,
     utf8_length,
@@ -49,7 +52,14 @@ from kaon_runtime.server.pipeline import (
     parse,
 )
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
-from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
+from kaon_runtime.server.serving import (
+    ChatFormat,
+    CompletionFormat,
+    Generation,
+    final_output,
+    final_outputs,
+    sse_events,
+)
 from kaon_runtime.server.tokenize import routes as tokenize_routes
 from kaon_runtime.server.tokenizer_info import routes as tokenizer_info_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
@@ -220,6 +230,19 @@ async def ready(request: Request, engine: Engine, state: State):
     return await health(engine)
 
 
+@probes.get("/version")
+async def version():
+    # vLLM's /version: the serving software's release (kaon's package), open like /health.
+    return {"version": _package_version()}
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("kaon")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 @probes.get("/metrics", response_class=Response, responses=doc.METRICS)
 async def prometheus(metrics: MetricsDep):
     return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -239,7 +262,10 @@ async def models(engine: Engine, settings: Settings):
 async def completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await parse(request, p.CompletionRequest)
     adapter = check_model(request, body.model)
-    prompt = _single_prompt(body.prompt)
+    prompts = prompts_of(body.prompt)
+    if len(prompts) > 1:  # OpenAI's and vLLM's batch: one engine request per prompt, one response
+        return await _batched_completions(request, engine, settings, metrics, body, prompts, adapter)
+    prompt = prompts[0]
     check_completion(body, prompt, settings.limits, engine.max_model_len)
     params = _salted(request, body.to_sampling_params())
     with request.app.state.admission.slot():
@@ -304,6 +330,53 @@ async def create_embeddings(request: Request, engine: Engine, settings: Settings
         outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
     reply = await asyncio.to_thread(embeddings.encoded_response, body, settings.model_name, outputs)  # off the loop
     return Response(reply, media_type="application/json", headers=ignored_fields_header(body))
+
+
+async def _batched_completions(request: Request, engine: AsyncEngine, settings: ServerSettings, metrics: Metrics,
+                               body: p.CompletionRequest, prompts: list[str | list[int]], adapter: str | None
+                               ) -> Response:
+    """A batch of prompts (server/batch.py): each checked as a prompt alone, all admitted before any runs."""
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
+    for prompt in prompts:
+        check_completion(body, prompt, settings.limits, engine.max_model_len)
+    check_logprobs(body.n * len(prompts), body.logprobs, body.max_tokens, settings.limits, engine.max_model_len)
+    params = _salted(request, body.to_sampling_params())
+    batch = GenerationBatch()
+    try:
+        with request.app.state.admission.slot():
+            for prompt in prompts:
+                batch.gens.append(await _start(engine, settings, metrics, "cmpl", prompt, params, adapter))
+    except BaseException:
+        batch.close()  # the prompts already queued do not run for nobody
+        raise
+    fmts = [CompletionFormat(gen, engine.tokenizer, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
+            for gen in batch.gens]
+    for fmt in fmts:
+        fmt.token_ids_as_names = body.return_tokens_as_token_ids
+    headers = ignored_fields_header(body)
+    if body.stream:
+        try:
+            for gen in batch.gens:  # all have their first token before the head is sent, as a prompt alone
+                if not await gen.start(lambda: _disconnected(request)):
+                    batch.close()
+                    return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except BaseException:
+            batch.close()
+            raise
+        return _SSEResponse(batch_sse_events(batch, fmts, body.n, body.include_usage, body.continuous_usage),
+                            batch, headers)
+    try:
+        outputs = await final_outputs(batch.gens, lambda: _disconnected(request))
+    finally:
+        batch.close()
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    def encoded() -> bytes:
+        merged = merged_response([fmt.response(out) for fmt, out in zip(fmts, outputs)], body.n)
+        return merged.model_dump_json().encode()
+    return Response(await asyncio.to_thread(encoded), media_type="application/json", headers=headers)
 
 
 def _salted(request: Request, params: SamplingParams) -> SamplingParams:
@@ -390,7 +463,7 @@ class _SSEResponse(StreamingResponse):
     so cleanup belongs here rather than in the iterator.
     """
 
-    def __init__(self, events, gen: Generation, headers: dict[str, str] | None = None):
+    def __init__(self, events, gen: Generation | GenerationBatch, headers: dict[str, str] | None = None):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._gen = gen
@@ -403,14 +476,6 @@ class _SSEResponse(StreamingResponse):
 
 
 # ---- request plumbing --------------------------------------------------------------------
-
-
-def _single_prompt(prompt: str | list) -> str | list[int]:
-    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return prompt  # an empty one is refused by the engine's own validation
-    if len(prompt) == 1:
-        return prompt[0]
-    raise APIError(400, "batched prompts are not supported; send one request per prompt", param="prompt")
 
 
 async def _disconnected(request: Request) -> None:

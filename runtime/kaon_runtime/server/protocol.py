@@ -126,6 +126,13 @@ class _SamplingRequest(_OpenTopLevel):
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spelling of structured_outputs (still sent by many clients): the same constraints.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; xgrammar always
+    guided_whitespace_pattern: str | None = None  # accepted; the grammar's own whitespace
 
     @model_validator(mode="after")
     def _supported(self):
@@ -133,14 +140,26 @@ class _SamplingRequest(_OpenTopLevel):
             raise ValueError("logit_bias: keys must be token ids")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+        guided = self._guided()
+        if guided is not None and self.structured_outputs is not None:
+            raise ValueError("set structured_outputs or the guided_* fields, not both")
+        structured = self.structured_outputs is not None or guided is not None
+        if structured and self.response_format not in (None, ResponseFormat(type="text")):
             raise ValueError("set response_format or structured_outputs, not both")
         return self
 
+    def _guided(self) -> StructuredOutputs | None:
+        """vLLM's guided_json / guided_regex / guided_choice / guided_grammar as structured_outputs."""
+        fields = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        chosen = {k: v for k, v in fields.items() if v is not None}
+        return StructuredOutputs.model_validate(chosen) if chosen else None
+
     def output_constraint(self) -> dict[str, Any]:
         """The SamplingParams fields of the requested structured output (empty: free text)."""
-        if self.structured_outputs is not None:
-            return self.structured_outputs.sampling_fields()
+        structured = self.structured_outputs or self._guided()
+        if structured is not None:
+            return structured.sampling_fields()
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return {}
@@ -184,10 +203,10 @@ class _SamplingRequest(_OpenTopLevel):
 
 
 class CompletionRequest(_SamplingRequest):
-    # One prompt: a string or token ids, possibly wrapped in a one-element batch.
+    # A prompt (a string or token ids) or a batch of them (server/batch.py).
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra={"anyOf": [
-        _NON_EMPTY, _TOKEN_IDS, {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]})
+        _NON_EMPTY, _TOKEN_IDS, {"type": "array", "items": _NON_EMPTY, "minItems": 1},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]})
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False  # the prompt before the completion; with logprobs, the prompt's logprobs too

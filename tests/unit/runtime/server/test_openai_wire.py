@@ -1,0 +1,131 @@
+"""OpenAI's and vLLM's wire format where a strict client found kaon short (sweepapi): a batch of prompts
+in one completion, vLLM's guided_* fields, /version, an error's `param` and `code`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kaon_runtime.engine.async_engine import AsyncEngine
+from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
+from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.server import protocol as p
+from kaon_runtime.server.app import ServerSettings, create_app
+from tests.unit.runtime.server.test_pipeline import MODEL, StubEngine, openai_error
+
+
+class LengthCheckingEngine(StubEngine):
+    """The stub, with the real engine's context check and its error code, and cumulative outputs as the
+    real engine's (the text so far: "x", "xx", ...)."""
+
+    def validate(self, prompt, params):
+        ids = super().validate(prompt, params)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens", code="context_length_exceeded")
+        return ids
+
+    def add_validated(self, request_id, prompt_token_ids, params, lora_id=0, kv=None):
+        super().add_validated(request_id, prompt_token_ids, params, lora_id, kv)
+        self.wanted[request_id] = params.max_tokens or 1
+
+    def step(self):
+        outputs = []
+        for o in super().step():
+            made = self.wanted[o.request_id] - self.requests.get(o.request_id, (None, 0))[1]
+            outputs.append(RequestOutput(o.request_id, None, o.prompt_token_ids, [CompletionOutput(
+                0, "x" * made, [ord("x")] * made, o.outputs[0].finish_reason)]))
+        return outputs
+
+    def __init__(self):
+        super().__init__()
+        self.wanted: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def http():
+    with TestClient(create_app(AsyncEngine(LengthCheckingEngine()), ServerSettings(model_name=MODEL))) as client:
+        yield client
+
+
+def test_a_batch_of_prompts_is_one_response_with_each_prompts_choices_in_order(http):
+    """It used to be a 400 ("batched prompts are not supported"), where OpenAI and vLLM answer it."""
+    for prompts, prompt_tokens in ((["hi", "hello"], 2 + 5), ([[104, 105], [104]], 3)):
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert [c["text"] for c in body["choices"]] == ["xx", "xx"]  # the stub adds an "x" a step
+        assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 4,
+                                 "total_tokens": prompt_tokens + 4, "prompt_tokens_details": {"cached_tokens": 0}}
+    echoed = http.post("/v1/completions", json={"model": MODEL, "prompt": ["ab", "cde"], "max_tokens": 1,
+                                                 "echo": True}).json()
+    assert [c["text"] for c in echoed["choices"]] == ["abx", "cdex"]  # each choice echoes its own prompt
+
+
+def test_a_streamed_batch_interleaves_the_prompts_under_one_id_then_sums_the_usage(http):
+    body = {"model": MODEL, "prompt": ["hi", "hello", "hey"], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "xxx", 1: "xxx", 2: "xxx"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 2 + 5 + 3
+    assert chunks[-1]["usage"]["completion_tokens"] == 9
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_request_and_runs_none_of_it(http):
+    engine = http.app.state.engine.engine
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": ["hi", "x" * 100], "max_tokens": 1})
+    assert reply.status_code == 400 and openai_error(reply)["code"] == "context_length_exceeded"
+    assert not engine.requests  # the first prompt, already queued, was aborted
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 1025, "max_tokens": 1})
+    assert reply.status_code == 400 and openai_error(reply)["param"] == "prompt"
+
+
+def test_a_wrong_type_in_a_union_field_names_the_field_not_pydantics_arm(http):
+    """`stop: 5` was answered with param "stop.str"; OpenAI's clients read `param` as the field."""
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stop": 5})
+    assert reply.status_code == 400 and openai_error(reply)["param"] == "stop"
+    reply = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+    assert reply.status_code == 400 and openai_error(reply)["param"] == "messages.0.content"
+
+
+def test_version_answers_as_vllms_does(http):
+    reply = http.get("/version")
+    assert reply.status_code == 200 and isinstance(reply.json()["version"], str)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"guided_json": SCHEMA}, {"json_schema": SCHEMA}),
+    ({"guided_regex": "[ab]+"}, {"regex": "[ab]+"}),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar"}, {"grammar": 'root ::= "a"'}),
+])
+def test_vllms_guided_fields_constrain_the_output_like_structured_outputs(fields, expected):
+    """They were unknown fields, ignored: guided_json gave free text."""
+    for request in (p.CompletionRequest(model=MODEL, prompt="hi", **fields),
+                    p.ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}], **fields)):
+        assert request.output_constraint() == expected
+        assert not request.model_extra
+        params = request.to_sampling_params() if isinstance(request, p.CompletionRequest) else \
+            request.to_sampling_params(request.output_constraint())
+        name, value = next(iter(expected.items()))
+        assert getattr(params, name) == value
+
+
+def test_guided_fields_with_another_constraint_are_refused(http):
+    for other in ({"structured_outputs": {"regex": "a"}}, {"response_format": {"type": "json_object"}}):
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "guided_regex": "b", **other})
+        assert reply.status_code == 400, reply.text
