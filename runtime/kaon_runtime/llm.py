@@ -108,5 +108,9 @@ class LLM:
         prompts: list[Prompt] = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in batch]
         return self.generate(prompts, sampling_params, use_tqdm, params=params)
 
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's name): encode, decode, apply_chat_template."""
+        return self.tokenizer
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import importlib.metadata
 import time
 import uuid
 from collections.abc import Callable
@@ -63,6 +62,7 @@ from kaon_runtime.server.serving import (
 from kaon_runtime.server.tokenize import routes as tokenize_routes
 from kaon_runtime.server.tokenizer_info import routes as tokenizer_info_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
+from kaon_runtime.version import package_version
 
 
 @dataclass(slots=True)
@@ -233,14 +233,7 @@ async def ready(request: Request, engine: Engine, state: State):
 @probes.get("/version")
 async def version():
     # vLLM's /version: the serving software's release (kaon's package), open like /health.
-    return {"version": _package_version()}
-
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("kaon")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
+    return {"version": package_version()}
 
 
 @probes.get("/metrics", response_class=Response, responses=doc.METRICS)

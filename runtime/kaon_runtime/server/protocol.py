@@ -14,7 +14,7 @@ OpenAPI document is generated from them together.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -42,9 +42,27 @@ class _Strict(BaseModel):
 
 
 class _OpenTopLevel(_Strict):
-    """A request body: unknown fields are kept in model_extra and ignored (see the module's docstring)."""
+    """A request body: unknown fields are kept in model_extra and ignored (see the module's docstring).
+
+    An explicit null for an optional field means its default, as in OpenAI's API (its optional
+    parameters are nullable: `"n": null` is n=1) and vLLM's; clients that serialize every field send them.
+    """
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required() and not _takes_none(fields[k]))}
+
+
+def _takes_none(field) -> bool:
+    """The field's own type has None (max_tokens: None means up to the context): a null keeps that meaning."""
+    return type(None) in get_args(field.annotation)
 
 
 class StreamOptions(_Strict):
@@ -214,8 +232,6 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _echo_alone(self):
-        if self.echo and self.stream:
-            raise ValueError("echo is not supported with stream")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise ValueError("max_tokens 0 only scores a prompt: it needs echo or prompt_logprobs")
         if self.suffix is not None:
@@ -256,6 +272,12 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, earlier in the conversation
     tool_call_id: str | None = None  # a tool message answers this call
+    # What OpenAI's clients send back with an assistant message they got (message.model_dump()): accepted,
+    # not shown to the model.
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
 
     @model_validator(mode="after")
     def _content_unless_calls(self):

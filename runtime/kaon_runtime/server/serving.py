@@ -242,10 +242,7 @@ class CompletionFormat(_Format):
                   if self.prompt_logprobs is not None else None)
         choices = []
         for c in output.outputs:
-            logprobs = self._logprobs(c, 0, len(head))
-            if prompt_part is not None and logprobs is not None:
-                logprobs = p.CompletionLogprobs(**{name: getattr(prompt_part, name) + getattr(logprobs, name)
-                                                   for name in p.CompletionLogprobs.model_fields})
+            logprobs = _joined(prompt_part, self._logprobs(c, 0, len(head)))
             choices.append(p.CompletionChoice(index=c.index, text=head + c.text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, prompt_logprobs=scored))
         return p.CompletionResponse(**self._head(), choices=choices, usage=usage(output))
@@ -254,8 +251,16 @@ class CompletionFormat(_Format):
         return []
 
     def chunk(self, c: CompletionOutput, delta: str, text_offset: int, token_start: int) -> p.CompletionResponse:
-        choice = p.CompletionChoice(index=c.index, text=delta, logprobs=self._logprobs(c, token_start, text_offset),
-                                    finish_reason=c.finish_reason)
+        # With echo, a choice's first chunk opens with the prompt (and its logprobs), as vLLM streams it;
+        # offsets count from the start of the prompt, as in the whole response.
+        head, prompt_part = "", None
+        if self.echo and self.gen.last is not None:
+            head = prompt_text(self.gen.last, self.tokenizer)
+            if token_start == 0 and self.gen.num_logprobs is not None:
+                prompt_part = echoed_logprobs(self.gen.last, self.token_name, self.gen.num_logprobs)
+        logprobs = _joined(prompt_part, self._logprobs(c, token_start, len(head) + text_offset))
+        text = head + delta if token_start == 0 else delta
+        choice = p.CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
         return p.CompletionResponse(**self._head(), choices=[choice])
 
     def usage_chunk(self, info: p.UsageInfo) -> p.CompletionResponse:
@@ -321,6 +326,15 @@ class ChatFormat(_Format):
             content.append(p.TokenLogprob(token=token, logprob=logprob, bytes=_bytes(token), top_logprobs=[
                 p.TopLogprob(token=t, logprob=lp, bytes=_bytes(t)) for t, lp in top]))
         return p.ChoiceLogprobs(content=content)
+
+
+def _joined(prompt_part: p.CompletionLogprobs | None, logprobs: p.CompletionLogprobs | None
+            ) -> p.CompletionLogprobs | None:
+    """The echoed prompt's logprobs, then the generated ones'."""
+    if prompt_part is None or logprobs is None:
+        return logprobs
+    return p.CompletionLogprobs(**{name: getattr(prompt_part, name) + getattr(logprobs, name)
+                                   for name in p.CompletionLogprobs.model_fields})
 
 
 def _bytes(token: str) -> list[int] | None:

@@ -123,7 +123,7 @@ def test_generate_takes_vllms_prompt_dicts_and_its_sampling_params_keyword(llm):
     """vLLM's LLM.generate takes {"prompt": text} and {"prompt_token_ids": ids}, alone or in a list, and
     its second argument is `sampling_params`: both failed here before (a KeyError, a TypeError)."""
     greedy = [SamplingParams(max_tokens=3, temperature=0), SamplingParams(max_tokens=2, temperature=0)]
-    ids = llm.tokenizer.encode("The capital of France is")
+    ids = llm.get_tokenizer().encode("The capital of France is")
     plain = llm.generate(["The capital of France is", ids], greedy, use_tqdm=False)
     dicts = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}],
                          sampling_params=greedy, use_tqdm=False)

@@ -129,3 +129,58 @@ def test_guided_fields_with_another_constraint_are_refused(http):
     for other in ({"structured_outputs": {"regex": "a"}}, {"response_format": {"type": "json_object"}}):
         reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "guided_regex": "b", **other})
         assert reply.status_code == 400, reply.text
+
+
+def test_kaon_version_prints_the_release(capsys):
+    """`kaon --version` was "the following arguments are required: command"."""
+    from kaon_runtime.cli import build_parser
+    from kaon_runtime.version import package_version
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"kaon {package_version()}"
+
+
+def _streamed_text(http, body) -> dict[int, str]:
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200, reply.read()
+        events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    texts: dict[int, str] = {}
+    for chunk in map(json.loads, events[:-1]):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
+
+
+def test_echo_streams_the_prompt_first_as_the_whole_response_has_it(http):
+    """echo with stream was refused ("echo is not supported with stream"); vLLM streams it."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "echo": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert whole == "abcxxx" and _streamed_text(http, body) == {0: whole}
+    assert _streamed_text(http, {**body, "prompt": ["ab", "c"]}) == {0: "abxxx", 1: "cxxx"}
+
+
+def test_an_explicit_null_is_the_fields_default_as_in_openais_api(http):
+    """`"n": null` and the like were a 400 ("n: Input should be a valid integer"); OpenAI's optional
+    parameters are nullable and clients that serialize every field send them."""
+    nulls = {name: None for name in ("n", "temperature", "top_p", "stop", "presence_penalty", "frequency_penalty",
+                                     "logit_bias", "seed", "stream", "logprobs", "user", "repetition_penalty")}
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                   "max_tokens": 2, **nulls, "top_logprobs": None, "tools": None})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **nulls,
+                                                     "echo": None})
+    assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == "xx"
+    required = http.post("/v1/completions", json={"model": None, "prompt": "hi"})
+    assert required.status_code == 400 and openai_error(required)["param"] == "model"
+
+
+def test_an_assistant_message_sent_back_as_openais_client_dumped_it_is_accepted(http):
+    """`messages.append(reply.choices[0].message.model_dump())` adds refusal, annotations, audio and
+    function_call (null); each was a 400 "Extra inputs are not permitted"."""
+    dumped = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    reply = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}, dumped, {"role": "user", "content": "again"}]})
+    assert reply.status_code == 200, reply.text
