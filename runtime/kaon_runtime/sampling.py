@@ -64,8 +64,10 @@ class SamplingParams:
             self.temperature = 0.0  # dividing logits by less underflows the softmax; it is greedy anyway
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2 ** 63,
-               f"top_k must be in [0, 2^63), got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and -1 <= self.top_k < 2 ** 63,
+               f"top_k must be in [0, 2^63) (or -1), got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM's older "off", still sent by its clients: 0 here
         _check(self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 63),
                f"seed must be a 64-bit integer, got {self.seed!r}")
         # 0 only to score a prompt (prompt_logprobs), as evaluation harnesses do.

@@ -250,6 +250,16 @@ async def models(engine: Engine, settings: Settings):
     return p.ModelList(data=cards).model_dump()
 
 
+@v1.get("/models/{model_id:path}", response_model=p.ModelCard, responses=doc.V1_ERRORS)
+async def model(model_id: str, engine: Engine, settings: Settings):
+    """OpenAI's retrieve: one card of /v1/models (the id may hold slashes: builtin://..., org/name)."""
+    for card in (await models(engine, settings))["data"]:
+        if card["id"] == model_id:
+            return card
+    raise APIError(404, f"the model {model_id!r} does not exist; this server serves {settings.model_name!r}",
+                   param="model", code="model_not_found")
+
+
 @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
          responses=doc.GENERATE, dependencies=[Depends(_generates), Depends(sleep_mode.awake)])
 async def completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):

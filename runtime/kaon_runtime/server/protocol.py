@@ -115,7 +115,7 @@ class _SamplingRequest(_OpenTopLevel):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, le=INT64_MAX)  # not OpenAI's; as in vLLM
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # not OpenAI's; as in vLLM (-1 or 0: off)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = Field(None, json_schema_extra={"anyOf": [
         _NON_EMPTY, {"type": "array", "items": _NON_EMPTY}, {"type": "null"}]})

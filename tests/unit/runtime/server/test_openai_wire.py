@@ -10,9 +10,10 @@ from fastapi.testclient import TestClient
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.engine.outputs import CompletionOutput, RequestOutput
 from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import protocol as p
 from kaon_runtime.server.app import ServerSettings, create_app
-from tests.unit.runtime.server.test_pipeline import MODEL, StubEngine, openai_error
+from tests.unit.runtime.server.test_pipeline import ADAPTER, MODEL, StubEngine, openai_error
 
 
 class LengthCheckingEngine(StubEngine):
@@ -184,3 +185,21 @@ def test_an_assistant_message_sent_back_as_openais_client_dumped_it_is_accepted(
     reply = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
         {"role": "user", "content": "hi"}, dumped, {"role": "user", "content": "again"}]})
     assert reply.status_code == 200, reply.text
+
+
+def test_a_model_is_retrieved_by_its_id_as_openais_client_asks(http):
+    """client.models.retrieve(id) (GET /v1/models/{id}) was a 404 for the served model too."""
+    for name in (MODEL, ADAPTER):
+        reply = http.get(f"/v1/models/{name}")
+        assert reply.status_code == 200 and reply.json()["id"] == name and reply.json()["object"] == "model"
+    assert http.get("/v1/models/org/with/slashes").status_code == 404
+    assert openai_error(http.get("/v1/models/nope"))["code"] == "model_not_found"
+
+
+def test_top_k_minus_one_is_off_as_in_vllm(http):
+    """vLLM's clients send top_k -1 (its older "off"); it was a 400 here."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert p.CompletionRequest(model=MODEL, prompt="hi", top_k=-1).to_sampling_params().top_k == 0
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "top_k": -1})
+    assert reply.status_code == 200, reply.text
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "top_k": -2}).status_code == 400
