@@ -417,3 +417,11 @@ def test_vllms_guided_json_constrains_a_completion(client):
     choice = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=5,
                                        extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].text in ("yes", "no")
+
+
+def test_the_openai_clients_responses_stream_helper_builds_the_response(client):
+    """responses.stream() raised "Received a content event for output index 0 before receiving its output item"."""
+    with client.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_text == deltas and deltas

@@ -203,3 +203,22 @@ def test_top_k_minus_one_is_off_as_in_vllm(http):
     reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "top_k": -1})
     assert reply.status_code == 200, reply.text
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "top_k": -2}).status_code == 400
+
+
+def test_a_streamed_response_opens_its_message_before_the_text_as_openai_does(http):
+    """The stream sent output_text.delta with no output_item.added before it: the openai client's
+    responses.stream() raised "Received a content event for output index 0 before receiving its output item"."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 3, "stream": True}
+    with http.stream("POST", "/v1/responses", json=body) as reply:
+        events = [json.loads(line.removeprefix("data: ")) for line in reply.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]  # as many as the outputs read
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]["output"][0]
+    assert "".join(d["delta"] for d in deltas) == "xxx" == events[-4]["text"] == final["content"][0]["text"]
+    assert events[-2]["item"] == final and events[2]["item"]["id"] == final["id"]
