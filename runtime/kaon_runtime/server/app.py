@@ -250,7 +250,7 @@ async def models(engine: Engine, settings: Settings):
     return p.ModelList(data=cards).model_dump()
 
 
-@v1.get("/models/{model_id:path}", response_model=p.ModelCard, responses=doc.V1_ERRORS)
+@v1.get("/models/{model_id:path}", response_model=p.ModelCard, responses={**doc.V1_ERRORS, 404: doc.GENERATE[404]})
 async def model(model_id: str, engine: Engine, settings: Settings):
     """OpenAI's retrieve: one card of /v1/models (the id may hold slashes: builtin://..., org/name)."""
     for card in (await models(engine, settings))["data"]:
