@@ -222,6 +222,17 @@ async def health(engine: Engine):
     return {"status": "ok"}
 
 
+@probes.get("/ping", responses=doc.HEALTH)
+async def ping(engine: Engine):
+    # vLLM's (SageMaker's health probe, GET or POST): /health by another name.
+    return await health(engine)
+
+
+@probes.post("/ping", include_in_schema=False)  # one entry in the document is enough
+async def ping_post(engine: Engine):
+    return await health(engine)
+
+
 @probes.get("/ready", responses=doc.HEALTH)
 async def ready(request: Request, engine: Engine, state: State):
     if state.draining:

@@ -279,6 +279,18 @@ class ChatMessage(_Strict):
     function_call: dict[str, Any] | None = None
     annotations: list[Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # An image, audio or file part: said in words (else pydantic's union error, "Input should be a valid string").
+        parts = data.get("content") if isinstance(data, dict) else None
+        if isinstance(parts, list):
+            kinds = sorted({part.get("type") for part in parts if isinstance(part, dict)} - {"text"}, key=str)
+            if kinds:
+                raise ValueError(f"content parts of type {', '.join(map(repr, kinds))} are not supported: "
+                                 "this server takes text parts only")
+        return data
+
     @model_validator(mode="after")
     def _content_unless_calls(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):

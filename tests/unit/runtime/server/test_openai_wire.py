@@ -95,14 +95,17 @@ def test_a_wrong_type_in_a_union_field_names_the_field_not_pydantics_arm(http):
     """`stop: 5` was answered with param "stop.str"; OpenAI's clients read `param` as the field."""
     reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stop": 5})
     assert reply.status_code == 400 and openai_error(reply)["param"] == "stop"
+    parts = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]
     reply = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]})
-    assert reply.status_code == 400 and openai_error(reply)["param"] == "messages.0.content"
+        {"role": "user", "content": parts}]})
+    assert reply.status_code == 400 and openai_error(reply)["param"] == "messages.0"
+    assert "'image_url' are not supported: this server takes text parts only" in openai_error(reply)["message"]
 
 
-def test_version_answers_as_vllms_does(http):
+def test_version_and_ping_answer_as_vllms_do(http):
     reply = http.get("/version")
     assert reply.status_code == 200 and isinstance(reply.json()["version"], str)
+    assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ok"}
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
