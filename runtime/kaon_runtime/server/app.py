@@ -350,8 +350,9 @@ async def _batched_completions(request: Request, engine: AsyncEngine, settings: 
                                body: p.CompletionRequest, prompts: list[str | list[int]], adapter: str | None
                                ) -> Response:
     """A batch of prompts (server/batch.py): each checked as a prompt alone, all admitted before any runs."""
-    if len(prompts) > MAX_PROMPTS:
-        raise APIError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
+    if len(prompts) > min(MAX_PROMPTS, engine.max_queue):  # past the queue a retry could never succeed: no 429
+        raise APIError(400, f"{len(prompts)} prompts in one request; at most {min(MAX_PROMPTS, engine.max_queue)} "
+                       "(each waits in the queue: --max-queue)", param="prompt")
     for prompt in prompts:
         check_completion(body, prompt, settings.limits, engine.max_model_len)
     check_logprobs(body.n * len(prompts), body.logprobs, body.max_tokens, settings.limits, engine.max_model_len)

@@ -87,8 +87,11 @@ def test_a_bad_prompt_in_a_batch_refuses_the_request_and_runs_none_of_it(http):
     reply = http.post("/v1/completions", json={"model": MODEL, "prompt": ["hi", "x" * 100], "max_tokens": 1})
     assert reply.status_code == 400 and openai_error(reply)["code"] == "context_length_exceeded"
     assert not engine.requests  # the first prompt, already queued, was aborted
-    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 1025, "max_tokens": 1})
+    # More prompts than the queue holds (256 by default) could never be admitted: a 400, not a 429 to retry.
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 257, "max_tokens": 1})
     assert reply.status_code == 400 and openai_error(reply)["param"] == "prompt"
+    assert "at most 256 (each waits in the queue: --max-queue)" in openai_error(reply)["message"]
+    assert not engine.requests
 
 
 def test_a_wrong_type_in_a_union_field_names_the_field_not_pydantics_arm(http):
