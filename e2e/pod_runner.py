@@ -47,6 +47,9 @@ KWOK runs pods without processes. For pods whose image is under `local/` (the st
   cold, measured 2026-11-29), a cost a cluster pays once per node image, not once per pod start. The
   build is race-free (built beside, renamed into place); the compile itself is tested in tests/unit.
 
+- **Services**: a Service URL in `--prefill-url` (spec.prefill's `http://<name>-prefill:80`) reaches a ready
+  pod behind the Service through a forwarder of the runner's (e2e/service_proxy.py: the local cluster has no
+  DNS and no kube-proxy); the prefill pool's pods run as the engine pods do.
 - **Paths sent at run time**: a pvc:// LoRA adapter reaches the engine as a path in the pod
   (`/mnt/adapters/<claim>/...`, the operator's `lora_path` in a POST), which no argument
   rewriting can reach: the runner links each such mount path on the host to the claim's
@@ -87,6 +90,7 @@ import psutil
 
 from e2e.control_plane import ControlPlane, _die_with_parent, wait_or_kill
 from e2e.probes import ProbeState, http_probe, parse_quantity, probes
+from e2e.service_proxy import ServiceProxies, ready_endpoints
 from kaon_operator import labels
 from kaon_operator.autoscaling.profiling import PROFILER, TERMINATION_MESSAGE_BYTES
 from kaon_operator.children.node_prefetch import PREFETCH
@@ -291,6 +295,7 @@ class PodRunner:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         # Probe GETs run here: a hung engine costs its probe's timeout, never the loop's.
         self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
+        self.services = ServiceProxies(self._service_endpoints)  # Service URLs in args: e2e/service_proxy.py
 
     def __enter__(self) -> PodRunner:
         self._thread.start()
@@ -303,9 +308,20 @@ class PodRunner:
     def _kubectl_json(self, *args: str) -> dict:
         return self.cp.kubectl_json(*args, timeout=KUBECTL_TIMEOUT)
 
+    def _service_endpoints(self, namespace: str, name: str, port: int) -> list[tuple[str, int]]:
+        """The ready pods behind a Service, read at each connection a forwarder takes (none if unreadable)."""
+        try:
+            service = self._kubectl_json("get", "service", name, "-n", namespace)
+            selector = ",".join(f"{k}={v}" for k, v in (service["spec"].get("selector") or {}).items())
+            pods = self._kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"] if selector else []
+        except Exception:  # noqa: BLE001 - as a Service without endpoints: the connection is refused
+            return []
+        return ready_endpoints(service, pods, port)
+
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self.services.close()
         for key in self.processes:
             self._terminate(key)
         for pod in self.pods.values():
@@ -327,8 +343,8 @@ class PodRunner:
                 print(f"pod runner: {exc}", file=sys.stderr)
 
     def _sync(self) -> None:
-        # a group's workers, profiling pods, the node-cache prefetch DaemonSet's pods
-        components = ",".join((labels.ENGINE, labels.ENGINE_WORKER, PROFILER, PREFETCH))
+        # engine pods, a group's workers, prefill pools' pods, profiling pods, the node-cache prefetch DaemonSet's pods
+        components = ",".join((labels.ENGINE, labels.ENGINE_WORKER, labels.PREFILL, PROFILER, PREFETCH))
         items = self._kubectl_json("get", "pods", "-A", "-l", f"{labels.COMPONENT} in ({components})")["items"]
         pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in items
                 if p["spec"]["containers"][0].get("image", "").startswith(LOCAL_IMAGE_PREFIX)}
@@ -497,6 +513,7 @@ class PodRunner:
             mounts.append((container.get("terminationMessagePath", TERMINATION_MESSAGE_PATH),
                            self._termination_file(key)))
         args = [translate(expand(a, self._own_env(container, env)), mounts) for a in container.get("args") or []]
+        args = self.services.rewrite(args, pod["metadata"]["namespace"])
         self._links.update(link_runtime_mounts(self._mounts(container, state, pod)))
         log_path = self._engine_log(key)
         with open(log_path, "ab") as log:

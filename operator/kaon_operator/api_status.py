@@ -13,10 +13,10 @@ from kaon_operator.api import _Model
 
 
 class Condition(_Model):
-    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, ResourceConflict while a child's name is taken by an object it does not control, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods, AdaptersReady with spec.adapters: whether every adapter is loaded on every ready pod, Profiled with spec.autoscaling.profile: whether the engine's performance model is there to read); `reason` is a CamelCase word such as Unschedulable."""  # noqa: E501 - one line: the CRD's description
+    """One of Ready, Progressing, Degraded (and MetricsAvailable when autoscaling, NameConflict while an older InferenceService of the namespace answers this one's served name, ResourceConflict while a child's name is taken by an object it does not control, DisruptionAllowed once its PodDisruptionBudget has a status: whether node drains may evict its pods, AdaptersReady with spec.adapters: whether every adapter is loaded on every ready pod, Profiled with spec.autoscaling.profile: whether the engine's performance model is there to read, PrefillReady with spec.prefill: whether the prefill pool's replicas are ready); `reason` is a CamelCase word such as Unschedulable."""  # noqa: E501 - one line: the CRD's description
 
     type: Literal["Ready", "Progressing", "Degraded", "MetricsAvailable", "NameConflict", "DisruptionAllowed",
-                  "ResourceConflict", "AdaptersReady", "Profiled"]
+                  "ResourceConflict", "AdaptersReady", "Profiled", "PrefillReady"]
     """Which condition."""
     status: Literal["True", "False", "Unknown"]
     """Whether it holds."""

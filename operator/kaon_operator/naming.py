@@ -8,7 +8,9 @@ the only one (served names before adapters within each reading):
 2. `<namespace>/<served-name>`: the one of that namespace serving that name.
 3. With `--cluster-wide-names`: a bare name served in another namespace (the oldest holder),
    but never a name whose part before the first `/` could be a namespace (reading 2 owns
-   those), so that no namespace's `<namespace>/...` can be answered by another's.
+   those), so that no namespace's `<namespace>/...` can be answered by another's, nor a name
+   the default namespace holds otherwise (`reserved`: its InferenceRoutes' names, which the
+   router tries after the InferenceServices' readings).
 
 Why the default namespace comes first: a namespace's name is chosen by whoever creates it, and
 the qualified reading used to come first, so the owner of a namespace called `meta-llama` took
@@ -69,23 +71,26 @@ def could_be_namespace(name: str) -> bool:
         and all(c.islower() or c.isdigit() or c == "-" for c in name)
 
 
-def readings(model: str, default_namespace: str, cluster_wide: bool) -> list[tuple[str | None, str]]:
+def readings(model: str, default_namespace: str, cluster_wide: bool,
+             reserved: frozenset[str] = frozenset()) -> list[tuple[str | None, str]]:
     """The (namespace, served name) pairs `model` may mean, in the order they are tried; a None
-    namespace is the cluster-wide reading (any namespace)."""
+    namespace is the cluster-wide reading (any namespace), never for a `reserved` name (one the
+    default namespace holds as an InferenceRoute: another namespace's service must not take it)."""
     namespace, slash, rest = model.partition("/")
     out: list[tuple[str | None, str]] = [(default_namespace, model)]
     if slash and could_be_namespace(namespace):
         out.append((namespace, rest))
-    elif cluster_wide:
+    elif cluster_wide and model not in reserved:
         out.append((None, model))
     return out
 
 
-def resolve(model: str, names: Names | Sequence[Names], default_namespace: str, cluster_wide: bool) -> Named | None:
+def resolve(model: str, names: Names | Sequence[Names], default_namespace: str, cluster_wide: bool,
+            reserved: frozenset[str] = frozenset()) -> Named | None:
     """The one InferenceService (or adapter) `model` names, from one index or several (served
     names, then adapters): each reading is tried in every index before the next reading."""
     layers = (names,) if isinstance(names, Names) else tuple(names)
-    for namespace, name in readings(model, default_namespace, cluster_wide):
+    for namespace, name in readings(model, default_namespace, cluster_wide, reserved):
         for layer in layers:
             found = layer.global_.get(name) if namespace is None else layer.qualified.get((namespace, name))
             if found is not None:
@@ -94,7 +99,7 @@ def resolve(model: str, names: Names | Sequence[Names], default_namespace: str, 
 
 
 def addressable(names: Names, default_namespace: str, cluster_wide: bool,
-                among: Sequence[Names] = ()) -> list[tuple[str, Named]]:
+                among: Sequence[Names] = (), reserved: frozenset[str] = frozenset()) -> list[tuple[str, Named]]:
     """Each answering InferenceService once, under the shortest `model` that reaches it: its bare
     served name where that resolves to it, else `namespace/name` (sorted by that). One that no
     name reaches (the default namespace serves its `namespace/name`) is left out. `among`: the
@@ -103,7 +108,7 @@ def addressable(names: Names, default_namespace: str, cluster_wide: bool,
     out = []
     for (namespace, name), s in names.qualified.items():
         for candidate in (name, f"{namespace}/{name}"):
-            if resolve(candidate, layers, default_namespace, cluster_wide) is s:
+            if resolve(candidate, layers, default_namespace, cluster_wide, reserved) is s:
                 out.append((candidate, s))
                 break
     return sorted(out, key=lambda pair: pair[0])

@@ -157,6 +157,29 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse type for a time limit: 0 is refused, since aiohttp reads a 0 s timeout as none at all."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def http_url(text: str) -> str:
+    """An argparse type: an engine's base URL, http(s)://host[:port], checked at start rather than failing (and
+    falling back) on every request."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a URL ({exc}): {text!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected http://host[:port], got {text!r}")
+    return text
+
+
 def positive_int(text: str) -> int:
     """An argparse type: argparse turns the ValueError into `argument --flag: ...` and exit 2."""
     try:
@@ -202,7 +225,7 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                         help="both: prefill and decode here; prefill: also compute prompts' K/V for decode engines; "
                         "decode: have --prefill-url engines prefill long prompts and receive their K/V")
-    parser.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+    parser.add_argument("--prefill-url", action="append", default=[], metavar="URL", type=http_url,
                         help="a prefill engine (repeatable), for --role decode")
     parser.add_argument("--disagg-min-prompt-tokens", type=positive_int, default=DISAGG_MIN_PROMPT_TOKENS, metavar="N",
                         help="a decode engine prefills prompts with fewer uncached tokens itself (bench/disagg.py)")
@@ -217,7 +240,7 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
                         "soon as the step is done, so moving one chunk overlaps computing the next (default 1024: "
                         "smaller steps cost more on a CPU than the move they hide, bench/disagg_chunks.py; "
                         "--max-num-batched-tokens, when set, wins)")
-    parser.add_argument("--disagg-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+    parser.add_argument("--disagg-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                         help="a transfer not complete by then is given up: the decode engine prefills the prompt")
 
 
@@ -421,6 +444,14 @@ def _prefill_group(args) -> int:
     return serving_prefill_group(args.prefill_group, _max_num_seqs(args), args.device)
 
 
+def admin_key_serves(args) -> bool:
+    """Whether the admin key is one of the serving keys at start (a key file changed later is not watched for it)."""
+    from kaon_runtime.server.keys import ApiKeys
+
+    serving = ApiKeys(args.api_key, args.api_key_file).keys()  # (a tuple of bytes, not a dict's keys)
+    return bool(args.admin_key) and args.admin_key.encode() in serving
+
+
 def _serve(args) -> int:
     from kaon_runtime.engine import pipeline_group
     from kaon_runtime.fetch.fetch import adapter_fetcher
@@ -440,6 +471,9 @@ def _serve(args) -> int:
     if args.enable_sleep_mode and not args.admin_key:
         raise SystemExit("kaon serve: --enable-sleep-mode needs --admin-key (or $KAON_ADMIN_KEY): only its "
                          "holder may put the engine to sleep")
+    if (args.enable_runtime_lora or args.enable_sleep_mode) and admin_key_serves(args):
+        raise SystemExit("kaon serve: the --admin-key is also a serving key (--api-key, --api-key-file): every "
+                         "client holding it could change adapters or put the engine to sleep; give it its own value")
     if args.task in ("embed", "auto"):  # a sentence encoder (BERT family) has its own small server
         from kaon_runtime.server.encoder_run import encoder_checkpoint, serve_encoder
 

@@ -4,6 +4,9 @@
 class KaonError(Exception):
     """Base class of every error kaon raises on purpose."""
 
+    code: str | None = None
+    """The OpenAI error body's `code`, where one names this failure: a stream the error ends in-band says it too."""
+
 
 class InvalidRequestError(KaonError, ValueError):
     """The request itself is wrong (bad parameter, prompt too long, ...). `code`: OpenAI's error code for
@@ -45,3 +48,5 @@ class OverloadedError(KaonError):
 
 class EngineDeadError(KaonError):
     """The engine loop stopped on an internal error; the process needs a restart."""
+
+    code = "engine_dead"

@@ -58,7 +58,8 @@ def test_the_openapi_document_needs_the_key_when_one_is_set(tmp_path):
 def test_one_key_cannot_probe_anothers_cached_prefix(tmp_path):
     """Issue 48 (low): it failed before: the prefix cache was shared across keys, so a tenant could
     tell by timing (here: by the hit counter) that another had just sent a prompt. With several keys
-    each key's requests are salted apart; a request's own cache_salt (vLLM's) does the same."""
+    each key's requests are salted apart; a request's own cache_salt (vLLM's) divides its key's cache
+    further (the attacker's copy of the victim's salt was a hit while the salt replaced the key's)."""
     volume = tmp_path / "secret"
     volume.mkdir()
     secret_volume(volume, {"a": "tenant-a", "b": "tenant-b"}, "1")
@@ -77,5 +78,8 @@ def test_one_key_cannot_probe_anothers_cached_prefix(tmp_path):
         assert hits_after("tenant-b") == 0  # the attacker's probe finds nothing
         assert hits_after("tenant-a") > 0  # the victim's own next request still hits
         assert hits_after("tenant-a", cache_salt="another") == 0
+        # a salt names a cache within its key only: the attacker sending the victim's salt finds nothing
+        assert hits_after("tenant-a", cache_salt="another") > 0
+        assert hits_after("tenant-b", cache_salt="another") == 0
     finally:
         server.stop()

@@ -99,3 +99,29 @@ def test_compiles_do_not_starve_the_requests_that_need_none(server):
     assert plain.status_code == 200 and took < 5, took
     assert codes <= {200, 400, 429}, codes
     assert health.worst < HEALTH_BOUND_S, health.worst
+
+
+def test_grammars_that_cost_more_than_their_bytes_are_a_400_naming_the_limit_and_leave_the_threads_free(server):
+    """It failed before (sweep48): within the 64 KiB limit, a schema of one object with 2,500 optional
+    properties held a compile thread ~110 s; forced tool calls had no size limit at all (138 KB of tools held
+    one ~75 s). Two such requests answered "did not compile within 10 s" and made every other client's small
+    grammar answer the same for the next one to two minutes. Now each is refused before it compiles, naming
+    the limit, and the next client's grammar compiles."""
+    flat = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2_500)}}
+    many_optional = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                     "response_format": {"type": "json_schema", "json_schema": {"name": "flat", "schema": flat}}}
+    # every property required (cheap to compile), but the forced call's grammar is past 64 KiB
+    wide = {**flat, "required": list(flat["properties"]), "description": "x" * 10_000}
+    forced_tools = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": wide}}],
+                    "tool_choice": "required"}
+    url = f"{server.url}/v1/chat/completions"
+    replies = _attack(url, many_optional, 2) + _attack(url, forced_tools, 2)
+    assert [r.status_code for r in replies] == [400] * 4, [r.text[:200] for r in replies]
+    messages = [error_body(r)["message"] for r in replies]
+    assert all("the grammar limit" in m for m in messages), messages
+    assert "optional properties" in messages[0] and "tool-call grammar" in messages[2], messages
+    victim = httpx.post(url, timeout=120, json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "yes or no?"}], "structured_outputs": {"choice": ["yes", "no"]}})
+    assert victim.status_code == 200, victim.text[:200]
+    assert victim.json()["choices"][0]["message"]["content"] in ("yes", "no")

@@ -19,6 +19,7 @@ starting pods and out of the StartupTimeout check (a standby is not ready on pur
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 from kaon_operator import api
@@ -109,3 +110,23 @@ def plan(pods: list[Loaded], serving: int) -> Plan:
     if len(awake) > serving:
         return Plan(sleep=[p.name for p in awake[serving:]][::-1])  # the newest first
     return Plan()
+
+
+MAX_REASON_CHARS = 300  # an Event's message stays readable (and under the apiserver's 1 KiB note limit)
+
+
+def engine_refusal(status: int, body: str) -> str:
+    """Why an engine refused a wake or a sleep, from its answer: the OpenAI error's message where it sent one
+    (e.g. "sleep is not supported with tensor or pipeline parallelism ..."), else the body as it came."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.strip() or "no body"
+    return f"{status}: {str(message)[:MAX_REASON_CHARS]}"
+
+
+def failure_message(refused: dict[str, str]) -> str:
+    """The StandbyFailed Event's message: each pod the round could not wake or put to sleep, with its engine's
+    reason, so `kubectl describe` says why standbys stay awake (a setting the engine cannot sleep with)."""
+    return "; ".join(f"could not wake or put to sleep {pod}: {why}" for pod, why in refused.items()) + \
+        "; the next round tries again"

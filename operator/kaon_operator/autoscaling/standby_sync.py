@@ -81,10 +81,14 @@ class StandbyLoop:
                 await asyncio.to_thread(self.ctx.kube.set_pod_condition, key[0], pod.name,
                                         standby.asleep_condition(pod.asleep))
         todo = standby.plan(loaded, spec.replicas)
-        done = standby.Plan(
-            wake=[n for n in todo.wake if await self._act(session, urls_of[n], headers, "wake_up", key, n)],
-            sleep=[n for n in todo.sleep if await self._act(session, urls_of[n], headers,
-                                                            f"sleep?level={standby.SLEEP_LEVEL}", key, n)])
+        refused: dict[str, str] = {}  # pod -> why its engine did not wake or sleep
+        for route, names in (("wake_up", todo.wake), (f"sleep?level={standby.SLEEP_LEVEL}", todo.sleep)):
+            for name in names:
+                why = await self._act(session, urls_of[name], headers, route, key, name)
+                if why is not None:
+                    refused[name] = why
+        done = standby.Plan(wake=[n for n in todo.wake if n not in refused],
+                            sleep=[n for n in todo.sleep if n not in refused])
         for name in done.wake:
             await asyncio.to_thread(self.ctx.kube.set_pod_condition, key[0], name, standby.asleep_condition(False))
         for name in done.sleep:
@@ -92,11 +96,8 @@ class StandbyLoop:
         awake = sum(not p.asleep for p in loaded)
         events = [EventSpec("Normal", reason, message)
                   for reason, message in standby.summary(done, awake, spec.replicas)]
-        failed = [n for n in [*todo.wake, *todo.sleep] if n not in [*done.wake, *done.sleep]]
-        if failed:
-            events.append(EventSpec("Warning", "StandbyFailed",
-                                    f"could not wake or put to sleep {', '.join(failed)} (the operator's log says "
-                                    "why); the next round tries again"))
+        if refused:
+            events.append(EventSpec("Warning", "StandbyFailed", standby.failure_message(refused)))
         if events:
             await asyncio.to_thread(self.ctx.post, body, events)
 
@@ -114,14 +115,16 @@ class StandbyLoop:
 
     @staticmethod
     async def _act(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str], route: str, key: Key,
-                   pod: str) -> bool:
+                   pod: str) -> str | None:
+        """None once the engine did it; else why not, as the engine said it (its error's message)."""
         timeout = WAKE_TIMEOUT_SECONDS if route == "wake_up" else SLEEP_TIMEOUT_SECONDS
         try:
             async with session.post(f"{url}/{route}", headers=headers,
                                     timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 if response.status == 200:
-                    return True
-                logger.warning(f"{key}: POST /{route} on {pod}: {response.status} {(await response.text())[:300]}")
+                    return None
+                why = standby.engine_refusal(response.status, await response.text())
         except (aiohttp.ClientError, TimeoutError) as exc:
-            logger.warning(f"{key}: POST /{route} on {pod}: {type(exc).__name__}: {exc}")
-        return False
+            why = f"{type(exc).__name__}: {exc}"
+        logger.warning(f"{key}: POST /{route} on {pod}: {why}")
+        return why

@@ -173,6 +173,9 @@ class EndpointTable:
         """Where a bare `model` (no `namespace/`) resolves."""
         self.cluster_wide_names = cluster_wide_names
         """Whether a bare `model` may also resolve in other namespaces (naming.py)."""
+        self.reserved: frozenset[str] = frozenset()
+        """Bare names the default namespace's InferenceRoutes hold (reserve()): no other namespace's service
+        takes them through --cluster-wide-names."""
         self.synced = False
         """True once the first full list of pods and InferenceServices is in."""
         self._pods: dict[PodId, Endpoint] = {}
@@ -195,11 +198,18 @@ class EndpointTable:
             return self._resolved[model]
         except KeyError:
             pass
-        found = naming.resolve(model, (self._names, self._adapters), self.default_namespace, self.cluster_wide_names)
+        found = naming.resolve(model, (self._names, self._adapters), self.default_namespace, self.cluster_wide_names,
+                               self.reserved)
         key = found.key if found else None
         if len(model) <= MOST_RESOLVED_LENGTH and len(self._resolved) < MOST_RESOLVED:
             self._resolved[model] = key
         return key
+
+    def reserve(self, names: Iterable[str]) -> None:
+        """The default namespace's InferenceRoutes' names now (the route table calls it at each change)."""
+        reserved = frozenset(names)
+        if reserved != self.reserved:
+            self.reserved, self._resolved = reserved, {}
 
     def engine_model(self, model: str, service: Service) -> str:
         """`model` as the engine knows it: the adapter's name, else the served name."""
@@ -237,9 +247,10 @@ class EndpointTable:
         """Every `model` a client may send here, with the InferenceService it reaches: served names,
         then the adapters (those a served name does not shadow)."""
         both = (self._names, self._adapters)
-        served = cast("list[tuple[str, Service]]",
-                      naming.addressable(self._names, self.default_namespace, self.cluster_wide_names, both))
-        adapters = naming.addressable(self._adapters, self.default_namespace, self.cluster_wide_names, both)
+        served = cast("list[tuple[str, Service]]", naming.addressable(
+            self._names, self.default_namespace, self.cluster_wide_names, both, self.reserved))
+        adapters = naming.addressable(self._adapters, self.default_namespace, self.cluster_wide_names, both,
+                                      self.reserved)
         return served + [(n, self._services[ServiceKey(*a.key)]) for n, a in adapters if self.resolve(n) == a.key]
 
     # pods --------------------------------------------------------------------

@@ -34,7 +34,7 @@ from kaon_operator.router.front import open_stream
 from kaon_operator.router.metrics import ROUTE_LABELS
 from kaon_operator.router.request import upstream_headers
 from kaon_operator.routes import anchors, cache_keys, classifier, learned, monitor
-from kaon_operator.routes.answers import Answer, answer_text, usage_tokens
+from kaon_operator.routes.answers import Answer, answer_text, stream_whole, usage_tokens
 from kaon_operator.routes.figures import Figures
 from kaon_operator.routes.memory_store import MemoryStore
 from kaon_operator.routes.table import Route, RouteTable
@@ -43,6 +43,9 @@ logger = logging.getLogger("kaon.routes")
 
 TIER_HEADER = "x-kaon-route-tier"
 CACHE_HEADER = "x-kaon-cache"
+"""hit or miss on every answer, as the issue names them (a request that may not be cached is a miss too)."""
+BYPASS_HEADER = "x-kaon-cache-bypass"
+"""Set (to not-cacheable) beside a miss whose answer is not stored: sampled without a seed, and the like."""
 EMBED_PATH = "/v1/embeddings"
 MAX_VERIFYING = 32
 
@@ -158,6 +161,15 @@ class RouteGateway:
         """Called with (route, tier, class, agreement, samples, escalated) when a class is escalated
         (True) or returns to its tier (False)."""
         self._background: set[asyncio.Task] = set()
+        # The default namespace's route names are its own: --cluster-wide-names must not hand them to another
+        # namespace's InferenceService (which the table's readings try before any route: match()).
+        table_changed = routes.on_change
+
+        def changed(key: Key) -> None:
+            self.table.reserve(r.key.name for r in routes.routes() if r.key.namespace == routes.default_namespace)
+            table_changed(key)
+        routes.on_change = changed
+        self.table.reserve(r.key.name for r in routes.routes() if r.key.namespace == routes.default_namespace)
 
     # which requests ------------------------------------------------------------
 
@@ -237,7 +249,9 @@ class RouteGateway:
         model = self._tier_model(route, tier)
         payload = {**payload, "model": model}
         body = json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss" if cache_key else "none"}
+        headers = {TIER_HEADER: route.services[tier], CACHE_HEADER: "miss"}
+        if not cache_key:
+            headers[BYPASS_HEADER] = "not-cacheable"
         return Plan(route, tier, request_class, model, body, payload, path, authorization, stream,
                     cache_key, semantic, tier - 1 if tier > classified else None, headers,
                     on_stream_end=self._store)
@@ -310,7 +324,8 @@ class RouteGateway:
         top = route.spec.tiers[-1].cost_per_million_tokens
         self.figures.setdefault(route.key, Figures()).answered(tier.service, tokens, tier.cost_per_million_tokens,
                                                                top)
-        self.metrics.requests.labels(*labels, tier.service, plan.headers[CACHE_HEADER]).inc()
+        cache = "none" if BYPASS_HEADER in plan.headers else plan.headers[CACHE_HEADER]
+        self.metrics.requests.labels(*labels, tier.service, cache).inc()
         self.metrics.tokens.labels(*labels, tier.service).inc(tokens)
         self.metrics.cost.labels(*labels).inc(tokens * tier.cost_per_million_tokens / 1e6)
         self.metrics.top_cost.labels(*labels).inc(tokens * top / 1e6)
@@ -331,6 +346,8 @@ class RouteGateway:
     async def _store(self, plan: Plan) -> None:
         """Keep a complete 200 answer under the plan's key (once)."""
         if plan.stored or plan.cache_key is None or plan.status != 200:
+            return
+        if plan.stream and not stream_whole(plan.chunks):  # it failed part way: relayed, never replayed
             return
         plan.stored = True
         route = plan.route

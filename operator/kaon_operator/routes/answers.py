@@ -49,6 +49,21 @@ def usage_tokens(chunks: tuple[bytes, ...] | list[bytes], stream: bool) -> int:
     return 0
 
 
+def stream_whole(chunks: tuple[bytes, ...] | list[bytes]) -> bool:
+    """Whether a stream ended as an answer does: its last event `[DONE]` and no event an error. An engine
+    that fails part way sends an error event, then ends (kaon's) or sends `[DONE]` (vLLM's): relayed as it
+    came, but never a cache entry (it would be replayed to every identical request until its TTL)."""
+    events = [line[5:].strip() for chunk in chunks for line in chunk.splitlines() if line.startswith(b"data:")]
+    if not events or events[-1] != b"[DONE]":
+        return False
+    for event in events[:-1]:
+        if b"error" in event:  # (the parse only where the word is: an answer's text may hold it too)
+            body = _json(event)
+            if body is not None and ("error" in body or body.get("object") == "error"):
+                return False
+    return True
+
+
 def answer_text(chunks: tuple[bytes, ...] | list[bytes], stream: bool) -> str:
     """The answer's text (the first choice's): what the quality monitor compares."""
     if not stream:

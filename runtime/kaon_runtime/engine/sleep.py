@@ -39,13 +39,18 @@ LEVELS = (1, 2)
 class EngineAsleepError(EngineDeadError):
     """The engine is asleep: a request reached it anyway (the server answers 503 and the router retries)."""
 
+    code = "engine_asleep"
+
 
 @dataclass(slots=True)
 class Spill:
     """The weights written out at level 2: the file, and the tensors to fill from it in order."""
 
     path: str
+    """Where the wake reads it: /proc/self/fd/N of an open descriptor of the file, whose name is gone already (a
+    process that dies asleep leaves no file behind), or the file's own path where /proc is not there."""
     tensors: list[torch.Tensor]
+    fd: int | None = None
 
 
 @dataclass(slots=True)
@@ -120,11 +125,15 @@ def wake_up(engine: LLMEngine, slept: Sleep) -> None:
 
 
 def _forget_fused_step(model: torch.nn.Module) -> None:
-    """The fused CPU decode step keeps C structs that point at the weights and the pool, and copies of the
-    norms: dropped, so the memory goes now and the step builds them again on its next use."""
+    """The fused CPU decode step and the vocabulary head keep C structs that point at the weights (and the pool),
+    and copies (the norms, the head's layout): dropped, so the memory goes now and they are built again on next use."""
     fused = getattr(getattr(model, "model", None), "cpu_decode", None)
     if fused is not None:
         fused._built = None
+    for module in model.modules():  # the vocabulary head's own struct (layers/vocab.py), which holds its weights
+        forget = getattr(module, "forget_cpu_weights", None)
+        if forget is not None:
+            forget()
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -165,18 +174,26 @@ def _spill(model: torch.nn.Module, spill_dir: str | None) -> Spill | None:
         raise
     for tensor in tensors:
         tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    fd = os.open(path, os.O_RDONLY)
+    if os.path.exists(f"/proc/self/fd/{fd}"):  # Linux: read back through the descriptor, the name gone now
+        os.unlink(path)
+        return Spill(f"/proc/self/fd/{fd}", tensors, fd)
+    os.close(fd)
     return Spill(path, tensors)
 
 
 def _unspill(model: torch.nn.Module, spill: Spill) -> None:
     """Map the file back in: each tensor reads its pages from the page cache as it is first used (no copy,
-    so the wake itself is quick). The name goes at once; the pages stay valid while they are mapped."""
+    so the wake itself is quick). The pages stay valid while they are mapped, the file's name gone already."""
     try:
         saved = torch.load(spill.path, mmap=True, weights_only=True)
         for tensor, value in zip(spill.tensors, saved, strict=True):
             tensor.data = value if tensor.device.type == "cpu" else value.to(tensor.device)
     finally:
-        os.unlink(spill.path)
+        if spill.fd is not None:
+            os.close(spill.fd)  # the mapping keeps the file's pages; the file goes with the last mapping
+        else:
+            os.unlink(spill.path)
 
 
 def _give_back_memory(device: torch.device) -> None:

@@ -114,6 +114,11 @@ class VocabHead(nn.Module):
             self._cpu_weights = source, weights
         return self._cpu_weights[1]
 
+    def forget_cpu_weights(self) -> None:
+        """Drop the C kernel's struct of the head (a sleep frees the weights: its copy, or the storage it shares
+        with weight_t, would otherwise stay alive); cpu_weights makes it again on next use."""
+        self._cpu_weights = None
+
     def hold_kernel_layout(self) -> bool:
         """Whether the quantized head now holds only the C kernel's layout (quant/kernel_layout.py: an int8 head
         gives up its own [vocab, hidden] table for the interleaved copy its logits read; a tied lookup reads that

@@ -395,13 +395,17 @@ async def _batched_completions(request: Request, engine: AsyncEngine, settings: 
 
 
 def _salted(request: Request, params: SamplingParams) -> SamplingParams:
-    """With several API keys, each key's requests get their own prefix cache (a salt from the key),
-    unless the request names its own cache_salt: one tenant cannot probe another's cached prompts."""
+    """With several API keys, each key's requests get their own prefix cache (a salt from the key); a
+    request's own cache_salt (vLLM's) divides its key's cache further, never reaching past it: one tenant
+    cannot probe another's cached prompts, not even by sending the other's salt."""
     keys: ApiKeys = request.app.state.keys
-    if params.cache_salt is not None or len(keys.keys()) < 2:
+    if len(keys.keys()) < 2:
         return params
     token = request.headers.get("authorization", "").partition(" ")[2]
-    return dataclasses.replace(params, cache_salt="key:" + hashlib.sha256(token.encode()).hexdigest())
+    salt = "key:" + hashlib.sha256(token.encode()).hexdigest()
+    if params.cache_salt is not None:
+        salt += ":" + params.cache_salt
+    return dataclasses.replace(params, cache_salt=salt)
 
 
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,

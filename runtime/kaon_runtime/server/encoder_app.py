@@ -4,6 +4,9 @@ The same request model, validation, error shape, API-key check and response enco
 decoder's /v1/embeddings (server/embeddings.py, server/pipeline.py), in a small app of its own:
 an encoder has no scheduler, KV cache or generation, so none of the decoder app's engine-bound
 routes apply. Also /v1/models, /health and /ready (what the operator and the router probe).
+With --enable-sleep-mode (the operator's standbys pass it to every engine) vLLM's sleep routes answer the admin
+key as the decoder's do, but an encoder does not sleep: /is_sleeping is false, /sleep a 400 that says so (the
+operator's StandbyFailed Event quotes it) and /wake_up has nothing to do.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from fastapi.responses import JSONResponse
 from kaon_runtime.engine.encoder import EncoderEngine
 from kaon_runtime.server import embeddings
 from kaon_runtime.server.keys import ApiKeys
+from kaon_runtime.server.lora_routes import admin_allowed
 from kaon_runtime.server.pipeline import APIError, install_error_handlers, parse, served_adapter
 
 
@@ -27,6 +31,22 @@ class EncoderSettings:
     api_key: str | None = None
     api_key_file: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    sleep_mode: bool = False
+    admin_key: str | None = None
+
+
+ENCODER_CANNOT_SLEEP = "sleep is not supported for a sentence encoder (it has no KV cache, and its weights are small)"
+
+
+async def _admin(request: Request) -> None:
+    settings: EncoderSettings = request.app.state.settings
+    refused = admin_allowed(settings.sleep_mode, settings.admin_key, request.headers.get("authorization", ""))
+    if refused == 404:
+        raise APIError(404, f"no route {request.url.path}: sleep mode is off (kaon serve --enable-sleep-mode)",
+                       code="not_found")
+    if refused is not None:
+        raise APIError(401, "sleep and wake need the admin key (Authorization: Bearer <admin key>)",
+                       code="invalid_api_key")
 
 
 async def _authorized(request: Request) -> None:
@@ -80,6 +100,21 @@ def create_encoder_app(engine: EncoderEngine, settings: EncoderSettings) -> Fast
         except ValueError as exc:
             raise APIError(400, str(exc), param="input") from None
         return JSONResponse(response_body(body, settings.model_name, results))
+
+    if settings.sleep_mode:
+        admin = [Depends(_admin)]
+
+        @app.post("/sleep", dependencies=admin)
+        async def sleep() -> Response:
+            raise APIError(400, ENCODER_CANNOT_SLEEP, param="level", code="sleep_unsupported")
+
+        @app.post("/wake_up", dependencies=admin)
+        async def wake_up() -> Response:
+            return Response(status_code=200)  # awake already, as vLLM answers
+
+        @app.get("/is_sleeping", dependencies=admin)
+        async def is_sleeping() -> JSONResponse:
+            return JSONResponse({"is_sleeping": False})
 
     return app
 

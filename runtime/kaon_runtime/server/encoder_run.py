@@ -25,7 +25,8 @@ def encoder_checkpoint(model: str) -> Path | None:
 def serve_encoder(root: Path, args) -> int:
     engine = EncoderEngine(root)
     settings = EncoderSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                               api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes)
+                               api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,
+                               sleep_mode=args.enable_sleep_mode, admin_key=args.admin_key)
     server = uvicorn.Server(uvicorn.Config(create_encoder_app(engine, settings), host=args.host, port=args.port,
                                            log_level=args.log_level))
     server.run()

@@ -244,7 +244,7 @@ class ResponsesFormat:
                         "item_id": self.item_id, "output_index": 0, "content_index": 0, "delta": delta,
                         "logprobs": []})
         except KaonError as exc:  # the engine died under us: say so in-band
-            yield emit("error", {"message": str(exc), "code": None, "param": None})
+            yield emit("error", {"message": str(exc), "code": exc.code, "param": None})
             return
         final = self.response(self.gen.last)
         for index, item in enumerate(final["output"]):

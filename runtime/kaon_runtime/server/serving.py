@@ -182,7 +182,7 @@ async def stream_chunks(gen: Generation, fmt: _Format, n: int, continuous_usage:
 
 
 def error_event(exc: KaonError) -> str:
-    error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error"))
+    error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=exc.code))
     return f"data: {error.model_dump_json()}\n\n"
 
 

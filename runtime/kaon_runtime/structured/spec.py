@@ -25,8 +25,13 @@ _SUBSCHEMAS = ("items", "additionalProperties", "not", "contains", "if", "then",
 _JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 # What one request's grammar may be: compile time and memory grow with it (a 20,000-entry choice
 # list took 12-14 s and 370 MB), so a larger one is a 400 naming the limit before it is compiled.
-MAX_GRAMMAR_BYTES = 64 << 10  # the source: a schema's JSON, a regex, EBNF, the choices' JSON
+MAX_GRAMMAR_BYTES = 64 << 10  # the source: a schema's JSON, a regex, EBNF, the choices' JSON, a tool-call grammar
 MAX_CHOICES = 1024
+# xgrammar's cost grows about as the cube of one object's optional properties (it writes a rule for each
+# way the remaining ones may follow), not with the bytes: within 64 KiB, 2,500 of them held a compile
+# thread for ~110 s under load (bundled tokenizer: 400 took 0.34 s, 800 2.2 s, 1,200 9.5 s of CPU; 2,500
+# required ones 0.5 s). Two such requests kept every other client's grammar waiting past its 10 s.
+MAX_OPTIONAL_PROPERTIES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +82,13 @@ def spec_for(params: SamplingParams) -> GrammarSpec | None:
     """The spec of a request's constraint (SamplingParams allows at most one), or None; a 400 for one
     over the grammar limits."""
     spec = _spec_for(params)
-    # A tool-call grammar is kaon's, made from the tools, which count against --max-prompt-bytes.
-    if spec is not None and spec.kind != "structural_tag" and len(spec.source) > MAX_GRAMMAR_BYTES:
-        raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} is {len(spec.source)} characters, at most "
-                                  f"{MAX_GRAMMAR_BYTES} (the grammar limit)")
+    # A tool-call grammar (kaon's, made from the forced tools' schemas) is held to the same limit: the tools
+    # count against --max-prompt-bytes too, but that is 32 x the context, far more than a compile can bear.
+    if spec is not None and len(spec.source) > MAX_GRAMMAR_BYTES:
+        what = "tool-call grammar (the forced tools' schemas)" if spec.kind == "structural_tag" \
+            else spec.kind.replace('_', ' ')
+        raise InvalidRequestError(f"the {what} is {len(spec.source)} characters, at most {MAX_GRAMMAR_BYTES} (the "
+                                  "grammar limit)")
     return spec
 
 
@@ -112,6 +120,14 @@ def check_schema(schema, path: str = "schema") -> None:
     for key in _SUBSCHEMA_MAPS:
         if key in schema:
             _need(isinstance(schema[key], dict), f"{path}.{key} must be an object")
+    if isinstance(schema.get("properties"), dict):
+        required = schema.get("required")
+        named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+        optional = len(schema["properties"].keys() - named)
+        _need(optional <= MAX_OPTIONAL_PROPERTIES, f"{path}.properties: {optional} optional properties, at most "
+              f"{MAX_OPTIONAL_PROPERTIES} in one object (the grammar limit; required ones are not counted)")
+    for key in _SUBSCHEMA_MAPS:
+        if key in schema:
             for name, sub in schema[key].items():
                 check_schema(sub, f"{path}.{key}.{name}")
     for key in _SUBSCHEMA_LISTS:

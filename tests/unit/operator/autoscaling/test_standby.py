@@ -130,3 +130,65 @@ def test_the_node_cache_is_the_namespaces_folder_on_the_node_and_needs_the_admin
     assert spec_policy.refusal(node, SpecPolicy(allow_host_path=True)) is None
     with pytest.raises(ValidationError, match="name one"):
         api.ModelCacheSpec.model_validate({"node": True, "persistentVolumeClaim": "models"})
+
+
+TP_REFUSAL = "sleep is not supported with tensor or pipeline parallelism (the other ranks keep their memory)"
+
+
+def test_a_standby_the_engine_cannot_put_to_sleep_says_why_in_its_warning_event():
+    """The CRD says standbys of an engine that cannot sleep (tensor parallelism, a draft model) stay awake and a
+    Warning Event says so: the round's StandbyFailed Event carries the engine's own reason (its 400's message),
+    which `kubectl describe` shows, not only a pointer to the operator's log. The real loop against an engine on a
+    port that answers /is_sleeping and refuses /sleep as kaon serve does with --tensor-parallel-size 2."""
+    import asyncio
+    import base64
+    from types import SimpleNamespace
+
+    import aiohttp
+    from aiohttp import web
+
+    from kaon_operator.autoscaling.standby_sync import StandbyLoop
+    from kaon_operator.status.summaries import PodSummary
+
+    async def scenario():
+        async def is_sleeping(_request):
+            return web.json_response({"is_sleeping": False})
+
+        async def refuse(_request):
+            return web.json_response({"error": {"message": TP_REFUSAL, "type": "invalid_request_error",
+                                                "param": "level", "code": "sleep_unsupported"}}, status=400)
+
+        app = web.Application()
+        app.router.add_get("/is_sleeping", is_sleeping)
+        app.router.add_post("/sleep", refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        events: list = []
+        pods = [PodSummary(f"llama-{i}", ip="127.0.0.1", ready=True, containers_ready=True, created=f"2026-01-0{i + 1}")
+                for i in range(2)]
+        ctx = SimpleNamespace(
+            kube=SimpleNamespace(secret_data=lambda *_: {"key": base64.b64encode(b"admin").decode()},
+                                 set_pod_condition=lambda *_: None),
+            caches=SimpleNamespace(pods=lambda _key: pods), post=lambda _body, posted: events.extend(posted))
+        loop = StandbyLoop(ctx, url_of=lambda _pod: f"http://127.0.0.1:{port}")  # type: ignore[arg-type]
+        try:
+            async with aiohttp.ClientSession() as session:
+                await loop.tick(session, ("serving", "llama"), {"metadata": {"uid": "u"}}, spec(replicas=1))
+        finally:
+            await runner.cleanup()
+        return events
+
+    events = asyncio.run(scenario())
+    assert [(e.type, e.reason) for e in events] == [("Warning", "StandbyFailed")]
+    assert events[0].message == f"could not wake or put to sleep llama-1: 400: {TP_REFUSAL}; the next round tries again"
+
+
+def test_an_engines_refusal_reads_as_its_message_or_its_body():
+    assert standby.engine_refusal(400, '{"error": {"message": "no"}}') == "400: no"
+    assert standby.engine_refusal(404, "Not Found") == "404: Not Found"
+    assert standby.engine_refusal(502, "") == "502: no body"
+    assert standby.engine_refusal(400, '{"error": "' + "x" * 1000 + '"}').startswith("400: {")
+    assert len(standby.engine_refusal(400, "y" * 5000)) == len("400: ") + standby.MAX_REASON_CHARS

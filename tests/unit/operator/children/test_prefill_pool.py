@@ -120,3 +120,18 @@ def test_prefill_condition_counts_and_events():
     (event,) = conditions.transition_events([waiting], [ready])
     assert (event.type, event.reason) == ("Warning", "PrefillNotReady")
     assert conditions.transition_events([ready], [ready]) == []
+
+
+def test_the_status_a_prefill_pool_gets_is_one_the_apiserver_accepts():
+    """The status subresource is validated against the CRD's schema, built from api_status: a condition type the
+    schema does not list makes the apiserver refuse the whole status patch (422), so a service with spec.prefill
+    got no status at all (no Ready, no PREFILL column), as the local cluster showed. Every PrefillReady the
+    operator writes, with the pool's counts, must validate."""
+    from kaon_operator import api_status
+
+    for deployment, desired in ((None, 2), (summary(1), 2), (summary(2), 2), (summary(0, failure="quota"), 2),
+                                (None, 0)):
+        written = {"conditions": [{**prefill_status.condition(deployment, desired),
+                                   "lastTransitionTime": "2026-12-01T00:00:00Z"}],
+                   **prefill_status.counts(deployment)}
+        api_status.InferenceServiceStatus.model_validate(written)

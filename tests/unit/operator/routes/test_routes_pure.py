@@ -99,6 +99,36 @@ def test_memory_store_ttl_size_bound_and_nearest():
     asyncio.run(main())
 
 
+def test_memory_store_bounds_bytes_and_embeddings_over_every_scope():
+    """It failed before (sweep48): entries were bounded by count only, so 300 deterministic requests whose
+    answers were a MiB each held 300 MiB in the router (10,000 such: past any router's memory, for every tenant);
+    and each API key's scope kept its embeddings until that scope was asked again, so many keys' prompts grew
+    the index without bound."""
+    import asyncio
+
+    from kaon_operator.routes import memory_store
+
+    store = MemoryStore(10_000)
+    big = Answer(200, "application/json", (b"x" * (memory_store.MAX_ANSWER_BYTES - 4096),), "small", 9)
+
+    async def main():
+        for i in range(300):
+            await store.put(f"k{i}", big, 3600)
+        assert len(store) < 300 and await store.get("k0") is None  # the oldest went first
+        assert await store.get("k299") == big and store.bytes <= memory_store.MAX_BYTES
+        huge = Answer(200, "application/json", (b"x" * (memory_store.MAX_ANSWER_BYTES + 1),), "small", 9)
+        await store.put("huge", huge, 3600)
+        assert await store.get("huge") is None  # relayed, never kept
+        held = store.bytes
+        await store.put("k299", big, 3600)  # replacing an entry counts it once
+        assert store.bytes == held
+        small = MemoryStore(50)
+        for i in range(2_000):  # 2,000 API keys, one prompt each: each its own scope
+            await small.add_vector(f"scope-{i}", [1.0, 0.0], f"k{i}", 3600)
+        assert sum(map(len, small._vectors.values())) <= 50 and small.vectors() <= 50
+    asyncio.run(main())
+
+
 def test_answers_round_trip_and_read_usage_and_text():
     stream = (b'data: {"choices":[{"index":0,"delta":{"content":"Par"}}]}\n\n',
               b'data: {"choices":[{"index":0,"delta":{"content":"is"}}]}\n\n',

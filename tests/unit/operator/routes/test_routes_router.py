@@ -15,7 +15,7 @@ from aiohttp import web
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import EndpointTable
 from kaon_operator.router.proxy import Router
-from kaon_operator.router.route_gateway import CACHE_HEADER, TIER_HEADER, RouteGateway
+from kaon_operator.router.route_gateway import BYPASS_HEADER, CACHE_HEADER, TIER_HEADER, RouteGateway
 from kaon_operator.routes.table import RouteTable
 from support.router import NS, isvc, metric, pod, run, serving
 
@@ -63,6 +63,15 @@ class Engine:
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
+            if prompt.startswith("fail-stream"):  # the engine failed mid-answer: an in-band error event
+                error = {"error": {"message": "engine failed", "type": "server_error", "param": None, "code": None}}
+                await response.write(b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+                                     .encode() + b"\n\n")
+                await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                if prompt == "fail-stream-done":  # vLLM's servers end even a failed stream with [DONE]
+                    await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
             for piece in (text[:3], text[3:]):
                 event = {"id": f"c-{self.calls}", "object": "chat.completion.chunk", "model": body["model"],
                          "choices": [{"index": 0, "delta": {"content": piece}}]}
@@ -119,7 +128,8 @@ def test_tiers_by_complexity_and_headers():
             async with client.post("/v1/chat/completions", json=chat(SIMPLE)) as r:
                 simple = await r.json()
                 assert r.status == 200 and r.headers[TIER_HEADER] == "small"
-                assert r.headers[CACHE_HEADER] == "none"  # sampled (no temperature 0): not cacheable
+                # sampled (no temperature 0): not cacheable, a miss as the issue names it, the bypass said beside
+                assert r.headers[CACHE_HEADER] == "miss" and r.headers[BYPASS_HEADER] == "not-cacheable"
             async with client.post("/v1/chat/completions", json=chat(COMPLEX)) as r:
                 assert r.status == 200 and r.headers[TIER_HEADER] == "large"
                 assert (await r.json())["choices"][0]["message"]["content"].startswith("large:")
@@ -176,6 +186,25 @@ def test_streamed_request_gets_a_streamed_replay():
             # the same request without stream is another entry: it gets JSON, not a replayed stream
             async with client.post("/v1/chat/completions", json=chat(SIMPLE, temperature=0)) as r:
                 assert r.headers[CACHE_HEADER] == "miss" and r.content_type == "application/json"
+        await stop(found)
+    run(main())
+
+
+def test_a_stream_that_failed_part_way_is_never_replayed_from_the_cache():
+    """A stream the engine ended with an error event (kaon's engine: then EOF, no [DONE]; vLLM's: then
+    [DONE]) is relayed as it came, but not cached: the next identical request asks the engine again
+    instead of getting the failure replayed until the entry's TTL."""
+    async def main():
+        found = await engines("small", "large")
+        router = routed(found, route_object())
+        async with serving(router) as client:
+            for prompt in ("fail-stream", "fail-stream-done"):
+                request = chat(prompt, temperature=0, stream=True)
+                for _ in range(2):
+                    async with client.post("/v1/chat/completions", json=request) as r:
+                        assert b"engine failed" in await r.read()
+                        assert r.headers[CACHE_HEADER] == "miss", prompt
+            assert found["small"].calls == 4
         await stop(found)
     run(main())
 
@@ -356,6 +385,37 @@ def test_route_keys_are_its_own():
             async with client.get("/metrics") as r:
                 text = await r.text()
             assert 'inferenceroute="public"' in text and 'inferenceroute="assistant"' not in text
+        await stop(found)
+    run(main())
+
+
+def test_another_namespaces_service_cannot_take_a_default_namespace_routes_name():
+    """With --cluster-wide-names a bare `model` may reach another namespace's InferenceService, but only
+    after the default namespace's own names: its route `assistant` among them. Before (sweep48), a tenant
+    whose InferenceService served `assistant` in its own namespace took every request for the default
+    namespace's route, prompts and all."""
+    async def main():
+        found = await engines("small", "large", "evil/assistant")
+        table = EndpointTable(default_namespace=NS, cluster_wide_names=True)
+        for service, engine in found.items():
+            ns, _, name = service.rpartition("/")
+            table.apply_service("ADDED", isvc(name, name, namespace=ns or NS))
+            table.apply_pod("ADDED", pod(f"{name}-0", name, port=engine.port, namespace=ns or NS))
+        table.synced = True
+        router = Router(table, RouterConfig(), rng=random.Random(0))
+        route_table = RouteTable(default_namespace=NS)
+        route_table.apply_route("ADDED", route_object())
+        router.routes = RouteGateway(router, route_table, rng=random.Random(0))
+        async with serving(router) as client:
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE),
+                                   headers={"Authorization": "Bearer tenant-key"}) as r:
+                assert r.status == 200 and r.headers.get(TIER_HEADER) == "small"
+            async with client.post("/v1/chat/completions", json=chat(SIMPLE, model="evil/assistant")) as r:
+                assert r.status == 200 and TIER_HEADER not in r.headers  # its own name still reaches it
+            async with client.get("/v1/models") as r:
+                listed = {m["id"] for m in (await r.json())["data"]}
+            assert {"assistant", "evil/assistant"} <= listed
+        assert found["evil/assistant"].calls == 1 and found["small"].calls == 1
         await stop(found)
     run(main())
 

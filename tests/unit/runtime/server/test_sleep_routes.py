@@ -104,3 +104,59 @@ def test_a_request_that_reaches_a_sleeping_engine_fails_clearly():
             await engine.stop()
 
     asyncio.run(scenario())
+
+
+class _HeldStub(StubEngine):
+    """One token per request, then no more until the request is aborted: a stream still running when a sleep
+    comes, on any machine's timing."""
+
+    def __init__(self):
+        super().__init__()
+        self.started: set[str] = set()
+
+    def step(self):
+        held = {r: v for r, v in self.requests.items() if r in self.started}
+        self.requests = {r: v for r, v in self.requests.items() if r not in held}  # the new ones: one token
+        self.started |= set(self.requests)
+        try:
+            return super().step()
+        finally:
+            self.requests.update(held)
+
+
+@pytest.mark.parametrize("path, body, error_of", [
+    ("/v1/completions", {**COMPLETION, "max_tokens": 8}, lambda event: event["error"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8},
+     lambda event: event["error"]),
+    ("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 8}, lambda event: event),
+])
+def test_a_stream_a_sleep_aborts_ends_with_an_error_that_says_asleep(monkeypatch, path, body, error_of):
+    """A stream in flight when the sleep's grace runs out is cut by the sleep (put_to_sleep aborts what is left):
+    its last event is the error, with the code a request refused while asleep gets (`engine_asleep`), not a
+    bare server error, so a client tells a sleeping engine (retry elsewhere) from a dead one."""
+    import json
+    import threading
+    import time
+
+    monkeypatch.setattr(sleep_routes, "unsupported", lambda engine, level: None)
+    monkeypatch.setattr(sleep_routes, "put_to_sleep", lambda engine, level: [
+        engine.abort_request(r) for r in list(engine.requests)] and Sleep(level, 8))
+    stub = _HeldStub()
+    app = create_app(AsyncEngine(stub), ServerSettings(model_name=MODEL, api_key="serving", admin_key="admin",
+                                                       sleep_mode=True, sleep_grace_s=0))
+    with TestClient(app) as http:
+        lines: list[str] = []
+        body = {**body, "stream": True}
+        streaming = threading.Thread(target=lambda: lines.extend(
+            http.post(path, json=body, headers=SERVING).text.splitlines()))
+        streaming.start()
+        deadline = time.monotonic() + 60
+        while not stub.started:  # its first token computed: the stream runs
+            assert time.monotonic() < deadline and streaming.is_alive()
+            time.sleep(0.01)
+        assert http.post("/sleep", params={"level": 1}, headers=ADMIN).status_code == 200
+        streaming.join(60)
+        assert not streaming.is_alive()
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    error = error_of(events[-1])
+    assert error["code"] == "engine_asleep" and "asleep" in error["message"], events[-1]

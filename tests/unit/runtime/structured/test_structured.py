@@ -164,6 +164,25 @@ def test_sampling_params_take_one_constraint():
         SamplingParams(regex="a", choice=["b"])
 
 
+def test_grammars_whose_compile_grows_faster_than_their_bytes_are_refused_naming_the_limit():
+    """One object's optional properties cost xgrammar about their cube: 2,500 of them fit in 64 KiB and held
+    a compile thread for minutes. Required ones are cheap and not counted; a forced tool call's grammar is
+    held to the byte limit like any other."""
+    def optional(n: int, required: int = 0) -> dict:
+        props = {f"p{i}": {"type": "string"} for i in range(n + required)}
+        return {"type": "object", "properties": props, **({"required": [f"p{i}" for i in range(required)]}
+                                                           if required else {})}
+    spec_for(SamplingParams(json_schema=optional(256, required=1_500)))  # within the limits
+    with pytest.raises(InvalidRequestError, match=r"257 optional properties, at most 256 .*grammar limit"):
+        spec_for(SamplingParams(json_schema={"type": "array", "items": optional(257)}))
+    with pytest.raises(InvalidRequestError, match="optional properties"):  # a tool's parameters, too
+        forced_call_tag([{"name": "f", "parameters": optional(300)}], parser_named("hermes"), parallel=False)
+    tag = forced_call_tag([{"name": "f", "parameters": optional(0, required=2_600)}], parser_named("hermes"),
+                          parallel=False)
+    with pytest.raises(InvalidRequestError, match=r"tool-call grammar .* at most 65536 \(the grammar limit"):
+        spec_for(SamplingParams(structural_tag=tag))
+
+
 # ---- tool calls ----------------------------------------------------------------------------
 
 NAMES = {"get_weather", "noargs"}
