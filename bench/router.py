@@ -2,7 +2,7 @@
 through the router, in the same run.
 
     python bench/router.py [--duration 10] [--concurrency 64] [--streams 1000] [--no-nginx] [--compiled]
-                           [--base DIR] [--rounds 6] [--round-seconds 4]
+                           [--base DIR [--base-compiled]] [--rounds 6] [--round-seconds 4]
 
 Four processes: fake engines (one aiohttp process listening on --engines ports: a fixed
 small completion, or a short SSE stream), the router (kaon's Router on a table that lists
@@ -12,7 +12,8 @@ ports, buffering off so that streams pass through as they come), and this load g
 With --compiled, one more router process runs this tree's data path compiled with mypyc, as kaon-router does
 when built (kaon_operator/router/compiled.py: `make install` builds it), beside the source.
 With --base, one more runs another tree's operator/
-(a checkout from before a change: label routed-base), so that a change is measured with its sockets in one run.
+(a checkout from before a change: label routed-base), so that a change is measured with its sockets in one run;
+with --base-compiled as well, that tree's compiled build (compiled against compiled).
 nginx is the Debian package: found on PATH or in /usr/sbin, else installed with apt-get when
 this runs as root (it says so), else left out. Phases, each direct, then nginx, then routed:
 
@@ -434,7 +435,8 @@ async def bench(args) -> None:
             me + ["--role", "router", "--loops", args.loops[0],
                   "--ports", ",".join(map(str, [other_ports[label], *engine_ports]))],
             env={**os.environ, OPERATOR_ENV: str(tree.resolve() / "operator"),
-                 **({COMPILED_ENV: "1"} if label == "routed-compiled" else {})})
+                 **({COMPILED_ENV: "1"} if label == "routed-compiled" or (label == "routed-base" and args.base_compiled)
+                    else {})})
         children.append(other_processes[label])
     workdir = Path(tempfile.mkdtemp(prefix="kaon-bench-nginx-"))
     if nginx:
@@ -500,6 +502,9 @@ def main() -> None:
                         "path compiled (kaon_operator/router/compiled.py's build; label routed-compiled)")
     parser.add_argument("--base", type=Path, help="also a router process importing DIR/operator: another tree, e.g. "
                         "before a change (measured beside the others, label routed-base)")
+    parser.add_argument("--base-compiled", action="store_true", help="the --base tree's router runs its compiled "
+                        "build (made there by `make install`, found by its sources' key), to compare compiled with "
+                        "compiled")
     parser.add_argument("--rounds", type=int, default=6, help="phase 2b: rounds of nginx and the routers in turn "
                         "(0: none)")
     parser.add_argument("--round-seconds", type=float, default=4.0, help="phase 2b: seconds per way and round")

@@ -45,7 +45,7 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = ("json_cost", "request", "upstream", "front", "relay", "admission", "backoff", "retry", "auth",
-           "strategies/least_connections", "proxy", "endpoints", "metrics")
+           "strategies/least_connections", "proxy", "endpoints", "metrics", "fast")
 """Under kaon_operator/router/: what a request's common path runs through (bench/router_path.py's profile)."""
 
 PACKAGE = "kaon_operator.router"

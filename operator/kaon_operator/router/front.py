@@ -158,8 +158,12 @@ class Front:
     """The protocol factory of the main port (edge.py puts the connection cap in front of it)."""
 
     def __init__(self, routes: dict[tuple[str, str], Handler], default: Handler, max_body_bytes: int,
-                 header_timeout: float):
+                 header_timeout: float, now: dict[tuple[str, str], Callable[[FrontRequest], bool]] | None = None):
         self.routes, self.default = routes, default
+        self.now = now or {}
+        """Per route, its handler's synchronous start (proxy.Router._forward_now, fast.py), tried first on a request
+        whose body came whole in the read that ended it: True when it took the request (it answers it itself, through
+        answer_now or hand_over); False: the route's handler is run as a task, as for any request."""
         self.max_body_bytes, self.header_timeout = max_body_bytes, header_timeout
         self.connections: set[FrontProtocol] = set()
 
@@ -174,6 +178,13 @@ class Front:
             request.canonical = request.path
             return found
         return self.default
+
+    def start_now(self, request: FrontRequest) -> bool:
+        start = self.now.get((request.method, request.path))
+        if start is None:
+            return False
+        request.canonical = request.path
+        return start(request)
 
     def close(self) -> None:
         for conn in list(self.connections):
@@ -217,6 +228,12 @@ class FrontProtocol(asyncio.Protocol):
         self.lingering = False
         self.refusal: errors.RouterError | None = None
         """A malformed request pipelined behind one being answered: answered after it."""
+        self.deferred: FrontRequest | None = None
+        """The request to answer whose head is in and whose body is not yet: started when its body ends in this read
+        (Front.start_now first), else at the read's end (as a task)."""
+        self.exchange: Any = None
+        """The request answered on the fast path (fast.Exchange), until it is answered or the coroutine path began on
+        it: told when the client goes away (abandon)."""
 
     # connection -------------------------------------------------------------------------------
 
@@ -235,6 +252,9 @@ class FrontProtocol(asyncio.Protocol):
         self._drop_head_timer()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its request ends (the engine's is aborted)
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.abandon()  # (unless the task above began on it: its cancellation ends it)
         if self.paused_writing is not None and not self.paused_writing.done():
             self.paused_writing.set_exception(ConnectionResetError("the client closed the connection"))
             # Marked as seen: a drain waiting on it gets the error through its shield; with none waiting (the
@@ -320,12 +340,14 @@ class FrontProtocol(asyncio.Protocol):
             else:
                 logger.exception("parsing a request failed", exc_info=cause)
                 self._refuse(errors.bad_request("the HTTP request is malformed"))
-            return
         except httptools.HttpParserError as exc:
             self._refuse(errors.bad_request(f"the HTTP request is malformed: {exc}"))
-            return
-        if self.parsing is not None and not self.parsing.head_done and self.head_bytes > MAX_HEAD_BYTES:
-            self._refuse(_head_too_large())
+        else:
+            if self.parsing is not None and not self.parsing.head_done and self.head_bytes > MAX_HEAD_BYTES:
+                self._refuse(_head_too_large())
+        if self.deferred is not None:  # its body is still coming (or was refused part way): the task reads it
+            request, self.deferred = self.deferred, None
+            self._start(request)
 
     def on_message_begin(self) -> None:
         self.parsing = FrontRequest(self)
@@ -377,10 +399,15 @@ class FrontProtocol(asyncio.Protocol):
             if len(raw) <= MAX_KEPT_TARGET and len(_TARGETS) < MAX_TARGETS:
                 _TARGETS[raw] = known
         request.path, request.query = known
+        if self.closing or self.lingering:
+            return  # a request answered with a close earlier in this read (answer_now): what follows is nobody's
         self.queue.append(request)
         if len(self.queue) == 1:
             self._cancel_head_timer()
-            self._start(request)
+            if self.front.now:
+                self.deferred = request  # started once its body is in (on_message_complete), or the read is parsed
+            else:
+                self._start(request)
         elif not self.paused_reading and self.transport is not None:
             self.paused_reading = True  # pipelined: the next is read once this one is answered
             self.transport.pause_reading()
@@ -394,15 +421,51 @@ class FrontProtocol(asyncio.Protocol):
         assert request is not None
         self.parsing = None
         request.finish()
+        if self.deferred is request:
+            self.deferred = None
+            self._start_now(request)
 
     # answering --------------------------------------------------------------------------------
 
     def _start(self, request: FrontRequest) -> None:
         self.task = self.loop.create_task(self._answer(request))
 
-    async def _answer(self, request: FrontRequest) -> None:
+    def _start_now(self, request: FrontRequest) -> None:
+        """A request whose body is in: its route's synchronous start if it has one and takes it, else a task."""
         try:
-            response = await self.front.handler(request)(request)
+            if self.front.start_now(request):
+                return
+        except Exception:  # (after a part of it ran: the request ends here, as a failed handler's does)
+            logger.exception("a request to %s failed in the router", request.path)
+            self.exchange = None
+            response = errors.RouterError(500, "the router failed on this request", "server_error").response()
+            response.force_close()
+            self.answer_now(request, response)
+            return
+        self._start(request)
+
+    def hand_over(self, request: FrontRequest, handling: Awaitable[Any]) -> None:
+        """The fast path's request goes on as a task (fast.Exchange.hand_over), `handling` its handler's coroutine."""
+        self.task = self.loop.create_task(self._answer(request, handling))
+
+    def answer_now(self, request: FrontRequest, response: web.Response | Whole) -> None:
+        """A whole answer to the request being answered, written now (the fast path's), then the next request."""
+        self.exchange = None
+        if self.transport is None:
+            return
+        try:
+            keep = self._write_whole(request, response)
+        except ConnectionResetError:
+            return
+        except Exception:  # as _answer: logged, and the connection closed (no half answer)
+            logger.exception("answering a request to %s failed in the router", request.path)
+            self.close()
+            return
+        self._next(request, keep and request.keep_alive and request.complete)
+
+    async def _answer(self, request: FrontRequest, handling: Awaitable[Any] | None = None) -> None:
+        try:
+            response = await (self.front.handler(request)(request) if handling is None else handling)
         except asyncio.CancelledError:
             return
         except errors.RouterError as exc:
@@ -460,6 +523,7 @@ class FrontProtocol(asyncio.Protocol):
     def _next(self, request: FrontRequest, keep: bool) -> None:
         self.queue.popleft()
         self.task = None
+        self.exchange = None
         if self.refusal is not None and keep:  # (after a close, what follows is nobody's)
             self.queue.clear()
             self._refuse(self.refusal)
@@ -496,7 +560,8 @@ class FrontProtocol(asyncio.Protocol):
             request.fail(error)
             self.lingering = True
             return
-        if self.task is not None:  # pipelined behind a request being answered: refused once that one is
+        if self.task is not None or self.exchange is not None or self.deferred is not None:
+            # pipelined behind a request being answered: refused once that one is
             self.refusal = error
             if not self.paused_reading:
                 self.paused_reading = True

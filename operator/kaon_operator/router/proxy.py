@@ -42,6 +42,7 @@ from kaon_operator.router.backoff import Backoff, candidates
 from kaon_operator.router.config import RouterConfig
 from kaon_operator.router.endpoints import Endpoint, EndpointTable, ServiceKey
 from kaon_operator.router.errors import RouterError
+from kaon_operator.router.fast import Exchange
 from kaon_operator.router.front import FRONT, Front, FrontRequest, Whole, authorization
 from kaon_operator.router.hold import Hold, HoldFull
 from kaon_operator.router.metrics import Phase, RouterMetrics
@@ -89,6 +90,8 @@ class Router:
         self.relay = Relay(config.idle_timeout, config.write_timeout, self.metrics, self.backoff, self._eject)
         self._session: aiohttp.ClientSession  # made when the app starts: the routes' own requests (route_gateway.call)
         self.upstream: Pool  # made when the app starts: the clients' requests to the engines (upstream.py)
+        self.answered_now = 0
+        """Answers the fast path wrote from the engine's callback (fast.py): the tests' view of which path ran."""
 
     def _changed(self, key: ServiceKey) -> None:
         """The watch changed a service's ready pods: held requests look again; a pod that left
@@ -125,7 +128,8 @@ class Router:
         routes: dict[tuple[str, str], Any] = {("POST", path): self._forward for path in CLIENT_ROUTES}
         routes.update({("GET", "/v1/models"): self._models, ("GET", "/health"): self._health,
                        ("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics})
-        return Front(routes, self._unknown, self.config.max_body_bytes, header_timeout)
+        return Front(routes, self._unknown, self.config.max_body_bytes, header_timeout,
+                     {("POST", path): self._forward_now for path in CLIENT_ROUTES})
 
     async def _open_upstream(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
@@ -141,49 +145,120 @@ class Router:
 
     # forwarding ----------------------------------------------------------------
 
-    async def _forward(self, request: Incoming) -> web.StreamResponse | Whole:
+    def _forward_now(self, request: FrontRequest) -> bool:
+        """The common case of _forward without a coroutine (fast.py), decided before anything is done that cannot be
+        undone: the whole body in, no pod ejected, no InferenceRoute named, the service resolved with a ready pod. Then
+        the pod is picked, and the request goes out from this callback on a kept connection to it (fast.Exchange
+        answers from the engine's), or, with none kept, on through _forward's coroutine from there (it connects); a
+        refusal is answered at once. False (the budget given back): _forward's coroutine takes the request from the
+        start."""
+        body = request.body_now()
+        if body is None or self.backoff.until:
+            return False
         arrival = time.perf_counter()
+        source = source_of(request.remote)
+        reserved = 0
+        read = False
+        try:
+            reserved = self._reserve(request, source)
+            read = True
+            reserved += self._parse_cost(body, reserved, source)
+            model, payload = parse_request(body)
+            if self.routes is None or self.routes.match(model) is None:
+                body, admitted = self._admit(request, model, payload, body)
+                if admitted is not None and (ready := self.table.endpoints(admitted)):
+                    target = self._pick(admitted, ready, ready, request.path, payload)
+                    self._start_now(request, admitted, target, model, payload, body, reserved, source, arrival)
+                    return True
+        except RouterError as exc:  # as _forward answers one raised before the first attempt
+            self.budget.release(reserved, source)
+            self.metrics.count(None, exc.status)
+            response = exc.response()
+            if not read:
+                response.force_close()
+            request.conn.answer_now(request, response)
+            return True
+        except BaseException:  # (a bug: the front answers 500; nothing of the request is kept)
+            self.budget.release(reserved, source)
+            raise
+        self.budget.release(reserved, source)
+        return False
+
+    def _start_now(self, request: FrontRequest, key: ServiceKey, target: Endpoint, model: str, payload: dict,
+                   body: bytes, reserved: int, source: str, arrival: float) -> None:
+        """The fast path's request sent on a kept connection, counted in flight (as _send does); with none kept to the
+        pod, handed to the coroutine path, which sends it (_send_resumed)."""
+        exchange = Exchange(self, request, key, target, model, payload, body, reserved, source, arrival,
+                            clock.monotonic())
+        request.conn.exchange = exchange  # (the client gone before the coroutine path began on it: abandon)
+        if not self.upstream.has_idle(target.url, self.upstream.loop_time()):
+            exchange.dispatched = time.perf_counter()
+            exchange.hand_over()
+            return
+        exchange.sent = True
+        self.inflight[target] = self.inflight.get(target, 0) + 1
+        exchange.dispatched = time.perf_counter()
+        exchange.data, exchange.deadline = self.upstream.send_now(
+            target.url, request.method, _engine_path(request), self._fields(request, key), body,
+            self.config.first_byte_timeout, exchange)
+
+    async def _forward(self, request: Incoming, resumed: Exchange | None = None) -> web.StreamResponse | Whole:
+        """`resumed`: a request the fast path (_forward_now) sent, handed over (fast.Exchange.hand_over) where it
+        stands: its first attempt's outcome is taken as _send's would be, and the rest is as for any request."""
+        arrival = time.perf_counter() if resumed is None else resumed.arrival
         key: ServiceKey | None = None
         relaying = False  # from then on the engine's status is the one counted
         reserved = 0  # bytes taken from the budget: the body's, then what parsing it costs
-        source = source_of(request.remote)
+        source = source_of(request.remote) if resumed is None else resumed.source
         read = False  # a refusal before the body was read closes the connection rather than read it
         plan = None  # an InferenceRoute's plan (router/route_gateway.py), when `model` names a route
+        if resumed is not None:
+            resumed.taken = True  # (before any await: the client's going ends it through this coroutine from now)
+            reserved, read = resumed.reserved, True
         try:
             try:
-                reserved = self._reserve(request, source)
-                body = request.body_now() if isinstance(request, FrontRequest) else None
-                if body is None:  # (None: not all of it is in yet, or it is refused: _read waits, or raises why)
-                    body = await self._read(request)
-                read = True
-                reserved += self._parse_cost(body, reserved, source)
-                model, payload = parse_request(body)
-                if self.routes is not None and (route := self.routes.match(model)) is not None:
-                    plan = await self.routes.plan(route, _route_path(request), payload,
-                                                  authorization(request))
-                    if not hasattr(plan, "model"):  # a cache hit: no engine is asked
-                        return await self.routes.replay(request, plan)
-                    model, payload, body = plan.model, plan.payload, plan.body
-                body, admitted = self._admit(request, model, payload, body)
-                received = clock.monotonic()
+                if resumed is None:
+                    reserved = self._reserve(request, source)
+                    body = request.body_now() if isinstance(request, FrontRequest) else None
+                    if body is None:  # (None: not all of it is in yet, or it is refused: _read waits, or raises why)
+                        body = await self._read(request)
+                    read = True
+                    reserved += self._parse_cost(body, reserved, source)
+                    model, payload = parse_request(body)
+                    if self.routes is not None and (route := self.routes.match(model)) is not None:
+                        plan = await self.routes.plan(route, _route_path(request), payload,
+                                                      authorization(request))
+                        if not hasattr(plan, "model"):  # a cache hit: no engine is asked
+                            return await self.routes.replay(request, plan)
+                        model, payload, body = plan.model, plan.payload, plan.body
+                    body, admitted = self._admit(request, model, payload, body)
+                    received = clock.monotonic()
+                else:  # admitted, picked and sent by _forward_now
+                    model, payload, body, admitted, received = (resumed.model, resumed.payload, resumed.body, None,
+                                                                resumed.received)
                 tried: set[Endpoint] = set()
                 held = 0.0
                 failure: RouterError | None = None  # the last attempt's, which answers when none is left
                 while retry.may_try_another(len(tried), self.config.max_attempts):  # retry.py
-                    try:
-                        if (first := self._first_choice(admitted, tried, request.path, payload)) is not None:
-                            key, target, waited = *first, 0.0  # the common case, without _choose's coroutine
-                        else:
-                            key, target, waited = await self._choose(model, tried, received, request.path, payload,
-                                                                    authorization(request), admitted)
-                        admitted = None  # a later attempt follows an await: `model` is resolved and checked anew
-                    except RouterError as exc:
-                        if failure is not None and exc.code == "upstream_unreachable":
-                            raise failure from None  # every ready pod was tried
-                        raise
-                    held += waited
-                    dispatched = time.perf_counter()
-                    upstream = await self._send(request, body, key, target, tried)
+                    if resumed is not None:  # the fast path's attempt: its outcome, as _send's
+                        key, target, dispatched = resumed.key, resumed.target, resumed.dispatched
+                        upstream = await self._send_resumed(request, resumed, tried)
+                        resumed = None
+                    else:
+                        try:
+                            if (first := self._first_choice(admitted, tried, request.path, payload)) is not None:
+                                key, target, waited = *first, 0.0  # the common case, without _choose's coroutine
+                            else:
+                                key, target, waited = await self._choose(model, tried, received, request.path,
+                                                                        payload, authorization(request), admitted)
+                            admitted = None  # a later attempt follows an await: `model` is resolved and checked anew
+                        except RouterError as exc:
+                            if failure is not None and exc.code == "upstream_unreachable":
+                                raise failure from None  # every ready pod was tried
+                            raise
+                        held += waited
+                        dispatched = time.perf_counter()
+                        upstream = await self._send(request, body, key, target, tried)
                     if isinstance(upstream, RouterError):
                         failure = upstream
                         continue
@@ -355,11 +430,40 @@ class Router:
                                                self._fields(request, key), body,
                                                self.config.first_byte_timeout)
         except (TimeoutError, UpstreamError) as exc:  # retry.py, rule 2
-            failed = retry.failed_attempt(exc, isinstance(exc, ConnectFailed), str(key), target.pod,
-                                          self.config.first_byte_timeout, len(tried) + 1)
+            return self._failed_attempt(exc, key, target, tried)
         except BaseException:
             self._release(target)
             raise
+
+    async def _send_resumed(self, request: Incoming, resumed: Exchange,
+                            tried: set[Endpoint]) -> Response | RouterError:
+        """_send's outcome for the fast path's attempt (fast.py): its response, or its failure as _send takes one
+        (Pool.request's: once more on a new connection when the kept one failed unanswered, retry.py rule 1); _send
+        itself when it was not sent (no connection to the pod was kept)."""
+        key, target = resumed.key, resumed.target
+        if not resumed.sent:
+            return await self._send(request, resumed.body, key, target, tried)
+        error = resumed.error
+        if error is None:
+            assert resumed.upstream is not None
+            return resumed.upstream
+        try:
+            if isinstance(error, UpstreamError) and retry.resend_on_new_connection(reused=True,
+                                                                                   answered=resumed.answered):
+                return await self.upstream.resend(target.url, resumed.data, resumed.deadline)
+            raise error
+        except (TimeoutError, UpstreamError) as exc:
+            return self._failed_attempt(exc, key, target, tried)
+        except BaseException:
+            self._release(target)
+            raise
+
+    def _failed_attempt(self, exc: Exception, key: ServiceKey, target: Endpoint,
+                        tried: set[Endpoint]) -> RouterError:
+        """An attempt that failed before the response began (retry.py, rule 2): the pod's count given back, the pod
+        ejected; the answer if no other is left."""
+        failed = retry.failed_attempt(exc, isinstance(exc, ConnectFailed), str(key), target.pod,
+                                      self.config.first_byte_timeout, len(tried) + 1)
         self._release(target)
         if failed.timed_out:
             self.metrics.timeouts.labels(*key, Phase.FIRST_BYTE).inc()

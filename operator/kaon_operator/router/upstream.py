@@ -232,7 +232,11 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
-        self.head: asyncio.Future[Response] | None = None
+        self.head: Any = None
+        """What waits for the response head: Pool.request's future, or a fast exchange (fast.py) offering the part of a
+        future used here (done, set_result, set_exception). Any: mypyc would check a Future's type on assignment."""
+        self.now: Any = None
+        """A fast exchange (fast.py), told once the read that brought its response head is parsed (`headed`)."""
         self.closed = False
         self.received = False  # any byte of the current response
         self.idle_since = 0.0
@@ -259,6 +263,10 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._failed(UpstreamError("the engine's response upgraded the connection"))
             self.close()
+        now = self.now
+        if now is not None and self.head is None:  # its head came with this read (or it failed: `headed` looks), parsed
+            self.now = None
+            now.headed()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -332,7 +340,7 @@ class _Connection(asyncio.Protocol):
 
     # the pool's side ----------------------------------------------------------------------
 
-    def send(self, data: bytes, head: asyncio.Future[Response]) -> None:
+    def send(self, data: bytes, head: Any) -> None:
         assert self.transport is not None
         self.response, self.head, self.received = Response(self), head, False
         self.uses += 1
@@ -406,6 +414,56 @@ class Pool:
         self.connects = 0
         """New connections made (the tests' and the bench's view of reuse)."""
 
+    def loop_time(self) -> float:
+        """The event loop's clock (the keep-alive's)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
+
+    def has_idle(self, url: str, now: float) -> bool:
+        """Whether `_take` would return a kept connection to `url` at `now`: the newest is open and within the
+        keep-alive (they are kept in the order they came back, so the others are older still)."""
+        idle = self._idle.get(url)
+        if not idle:
+            return False
+        newest = idle[-1]
+        return not newest.closed and now - newest.idle_since < self.keepalive
+
+    def send_now(self, url: str, method: str, path: str, fields: Iterable[bytes], body: bytes, timeout: float,
+                 exchange: Any) -> tuple[bytes, float]:
+        """Pool.request's first step without a coroutine (fast.py): the request on a kept connection (has_idle said
+        there is one, in the same callback); `exchange` is told of the head (set_result, then headed once the read is
+        parsed) or of the failure (set_exception: the caller goes on with `resend`). The bytes sent and the head's
+        deadline, for that."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline = now + timeout
+        data = _encode(self._address(url).request_line(method, path), fields, body)
+        conn = self._take(url, now)
+        assert conn is not None  # has_idle, in the same callback
+        exchange.conn = conn
+        conn.send(data, exchange)
+        conn.now = exchange
+        conn.expect_head_by(deadline, loop)
+        return data, deadline
+
+    async def resend(self, url: str, data: bytes, deadline: float) -> Response:
+        """The same request once more, on a new connection to the same pod (retry.py, rule 1), after the kept one of
+        the fast path (send_now) failed unanswered."""
+        loop = self._loop or asyncio.get_running_loop()
+        return await self._exchange(url, self._address(url), data, deadline, loop, None, False)
+
+    def _address(self, url: str) -> _Address:
+        address = self._addresses.get(url)
+        if address is None:
+            if len(self._addresses) >= MAX_ADDRESSES:
+                self._addresses.clear()
+            address = self._addresses[url] = _Address(url)
+        return address
+
     async def request(self, url: str, method: str, path: str, fields: Iterable[bytes], body: bytes,
                       timeout: float) -> Response:
         """Send the request to the pod at `url` and return its response once the head is in. `fields`:
@@ -417,14 +475,15 @@ class Pool:
             loop = self._loop = asyncio.get_running_loop()
         now = loop.time()
         deadline = now + timeout
-        address = self._addresses.get(url)
-        if address is None:
-            if len(self._addresses) >= MAX_ADDRESSES:
-                self._addresses.clear()
-            address = self._addresses[url] = _Address(url)
+        address = self._address(url)
         data = _encode(address.request_line(method, path), fields, body)
         conn = self._take(url, now)
-        reused = conn is not None
+        return await self._exchange(url, address, data, deadline, loop, conn, conn is not None)
+
+    async def _exchange(self, url: str, address: _Address, data: bytes, deadline: float,
+                        loop: asyncio.AbstractEventLoop, conn: _Connection | None, reused: bool) -> Response:
+        """Send `data` on `conn` (None: a new connection) and wait for the head; once more on a new connection when a
+        reused one failed unanswered (retry.py, rule 1)."""
         while True:  # a reused connection first, if one is idle; a new one once when it fails unanswered (retry.py)
             if conn is None:
                 conn = await self._connect(url, address, deadline, loop)
