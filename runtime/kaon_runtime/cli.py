@@ -19,6 +19,7 @@ from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
 from kaon_runtime.server import limits
 from kaon_runtime.structured.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from kaon_runtime.version import package_version
 
 KV_DTYPE_HELP = ("the KV cache's dtype; auto: float16 with int8/int4 weights on CPU (half the memory attention "
                  "reads), else the model's dtype")
@@ -38,6 +39,7 @@ DEMO_PROMPTS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaon", description="kaon: serve LLMs on Kubernetes")
+    parser.add_argument("--version", action="version", version=f"kaon {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline for a few prompts")
     gen.add_argument("--model", default=DEFAULT_MODEL)

@@ -9,7 +9,12 @@ class KaonError(Exception):
 
 
 class InvalidRequestError(KaonError, ValueError):
-    """The request itself is wrong (bad parameter, prompt too long, ...)."""
+    """The request itself is wrong (bad parameter, prompt too long, ...). `code`: OpenAI's error code for
+    the HTTP answer where it has one (context_length_exceeded)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class ModelNotFoundError(KaonError, LookupError):

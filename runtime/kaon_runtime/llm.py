@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -9,6 +11,26 @@ from kaon_runtime.config import DEFAULT_MODEL, EngineConfig
 from kaon_runtime.engine.llm_engine import LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.sampling import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+def prompt_batch(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """generate's prompts as a list of text or token id prompts. One prompt (text, token ids, or vLLM's
+    {"prompt": ...} / {"prompt_token_ids": ...}) or a list of them, as vLLM's LLM.generate takes."""
+    one = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
+    batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+    return [_one_prompt(p) for p in batch]
+
+
+def _one_prompt(prompt: Prompt) -> str | list[int]:
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:  # vLLM's TokensPrompt (its "prompt" key, if any, is only a label)
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:  # vLLM's TextPrompt
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
 
 
 class LLM:
@@ -28,13 +50,18 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
-        """Outputs come back in prompt order. Prompts are text or token id lists. `adapter`: the LoRA
-        adapter's name for every prompt, or a list with one per prompt (None: the base model)."""
-        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        batch: list[str | list[int]] = [prompts] if one else list(prompts)  # type: ignore[list-item]
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, adapter: str | list[str | None] | None = None, *,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Outputs come back in prompt order. A prompt is text, a list of token ids, or vLLM's dict forms
+        ({"prompt": text} or {"prompt_token_ids": ids}). `sampling_params` (vLLM's name; `params` is kept
+        for kaon's earlier callers): one for every prompt or one per prompt. `adapter`: the LoRA adapter's
+        name for every prompt, or a list with one per prompt (None: the base model)."""
+        batch = prompt_batch(prompts)
+        if params is not None and sampling_params is not None:
+            raise TypeError("pass sampling_params or params, not both")
+        params = sampling_params if sampling_params is not None else params
         params = params if params is not None else SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(batch)
         if len(per_prompt) != len(batch):
@@ -70,13 +97,20 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
-        one = bool(conversations) and isinstance(conversations[0], dict)
-        batch: list[list[dict]] = [conversations] if one else conversations  # type: ignore[list-item,assignment]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in batch]
-        return self.generate(prompts, params, use_tqdm)
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, params: SamplingParams | list[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (one, or a list of them), then generate.
+        `sampling_params` as in generate (vLLM's name; `params` kept for earlier callers)."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        batch: list[list[dict]] = [messages] if one else messages  # type: ignore[list-item,assignment]
+        prompts: list[Prompt] = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in batch]
+        return self.generate(prompts, sampling_params, use_tqdm, params=params)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's name): encode, decode, apply_chat_template."""
+        return self.tokenizer
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))

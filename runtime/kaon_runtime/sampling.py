@@ -7,6 +7,9 @@ from kaon_runtime.errors import InvalidRequestError
 
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as 0
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar", "json_object", "structural_tag")
+# vLLM's StructuredOutputsParams' names -> ours
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                      "json_object": "json_object"}
 
 
 @dataclass(slots=True)
@@ -46,18 +49,25 @@ class SamplingParams:
     # vLLM's cache_salt: requests with different salts share no prefix-cache blocks, so one tenant
     # cannot tell by timing whether another's prompt is cached (the server salts per API key).
     cache_salt: str | None = None
+    # vLLM's SamplingParams(structured_outputs=StructuredOutputsParams(json=...)), or a dict of the same
+    # (json, regex, choice, grammar, json_object): turned into the fields above on creation, then None.
+    structured_outputs: object | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_outputs is not None:
+            self._take_structured_outputs()
         _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature!r}")
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0  # dividing logits by less underflows the softmax; it is greedy anyway
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2 ** 63,
-               f"top_k must be in [0, 2^63), got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and -1 <= self.top_k < 2 ** 63,
+               f"top_k must be in [0, 2^63) (or -1), got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM's older "off", still sent by its clients: 0 here
         _check(self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 63),
                f"seed must be a 64-bit integer, got {self.seed!r}")
         # 0 only to score a prompt (prompt_logprobs), as evaluation harnesses do.
@@ -89,6 +99,20 @@ class SamplingParams:
         _check(self.pooling in (None, "last", "mean"), f"pooling must be 'last' or 'mean', got {self.pooling!r}")
         constraints = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         _check(len(constraints) <= 1, f"at most one of {', '.join(CONSTRAINTS)} may be set, got {constraints}")
+
+    def _take_structured_outputs(self) -> None:
+        given, self.structured_outputs = self.structured_outputs, None
+        def read(name: str):
+            return given.get(name) if isinstance(given, dict) else getattr(given, name, None)
+        unknown = set(given) - set(STRUCTURED_OUTPUTS) if isinstance(given, dict) else set()
+        _check(not unknown, f"structured_outputs: unknown keys {sorted(unknown)}; it takes "
+                            f"{', '.join(STRUCTURED_OUTPUTS)}")
+        for theirs, ours in STRUCTURED_OUTPUTS.items():
+            value = read(theirs)
+            if value not in (None, False):
+                _check(getattr(self, ours) in (None, False),
+                       f"structured_outputs.{theirs} and {ours} are both set")
+                setattr(self, ours, value)
 
     @property
     def greedy(self) -> bool:

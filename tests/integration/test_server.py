@@ -381,3 +381,47 @@ def test_responses_text_format_json_schema(client):
                                   max_output_tokens=40, text={"format": {"type": "json_schema", "name": "sum",
                                                                          "schema": schema, "strict": True}})
     assert set(json.loads(out.output_text)) == {"answer"}
+
+
+def test_a_batch_of_prompts_answers_as_each_prompt_alone_streamed_and_echoed_too(client):
+    """`prompt` as a list (OpenAI's and vLLM's batch) was a 400; echo with stream was a 400."""
+    prompts = ["The capital of France is", "One plus one is", "Robots paint"]
+    greedy = {"model": MODEL, "temperature": 0, "max_tokens": 6, "logprobs": 1, "echo": True}
+    replies = [client.completions.create(prompt=prompt, **greedy) for prompt in prompts]
+    alone = [reply.choices[0] for reply in replies]
+    batch = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, one in enumerate(alone):
+        for choice in batch.choices[2 * i:2 * i + 2]:
+            assert choice.text == one.text and choice.text.startswith(prompts[i])
+            assert choice.logprobs.tokens == one.logprobs.tokens
+    assert batch.usage.prompt_tokens == sum(reply.usage.prompt_tokens for reply in replies)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                           **greedy):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        usage = chunk.usage
+    assert streamed == {i: one.text for i, one in enumerate(alone)}
+    assert usage.completion_tokens == sum(reply.usage.completion_tokens for reply in replies)
+    assert usage.prompt_tokens == batch.usage.prompt_tokens
+
+
+def test_vllms_guided_json_constrains_a_completion(client):
+    """guided_json was an unknown field, ignored: the model wrote free text."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    out = client.completions.create(model=MODEL, prompt="A person:", max_tokens=60, temperature=0,
+                                    extra_body={"guided_json": schema})
+    assert out.choices[0].finish_reason == "stop" and set(json.loads(out.choices[0].text)) == {"name", "age"}
+    choice = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=5,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+
+
+def test_the_openai_clients_responses_stream_helper_builds_the_response(client):
+    """responses.stream() raised "Received a content event for output index 0 before receiving its output item"."""
+    with client.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_text == deltas and deltas

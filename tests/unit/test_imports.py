@@ -28,7 +28,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("loader", "quant", "distributed"),
     ("kernels",),
     ("config", "sampling"),
-    ("errors", "arith"),
+    ("errors", "arith", "version"),
 )
 TIER = {part: depth for depth, parts in enumerate(TIERS) for part in parts}
 # The operator's layers, top first (modules relative to kaon_operator). A module imports its own

@@ -433,11 +433,12 @@ class LLMEngine:
         if num_prompt >= limit:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt} tokens; this model's context holds {limit} "
-                f"and at least one must be left to generate")
+                f"and at least one must be left to generate", code="context_length_exceeded")
         if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
             raise InvalidRequestError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{num_prompt + params.max_tokens} exceeds the context length of {limit} tokens")
+                f"{num_prompt + params.max_tokens} exceeds the context length of {limit} tokens",
+                code="context_length_exceeded")
 
 
 def _build_drafter(config: EngineConfig, runner: ModelRunner, num_blocks: int, show_progress: bool) -> Drafter | None:

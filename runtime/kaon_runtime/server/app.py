@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from kaon_runtime.engine.async_engine import AsyncEngine
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import embeddings, openapi as doc, protocol as p, sleep as sleep_mode
+from kaon_runtime.server.batch import MAX_PROMPTS, GenerationBatch, batch_sse_events, merged_response, prompts_of
 from kaon_runtime.server.extensions import ignored_fields_header
 from kaon_runtime.server.keys import ApiKeys, matches
 from kaon_runtime.server.limits import (
@@ -33,6 +34,7 @@ from kaon_runtime.server.limits import (
     Limits,
     check_chat,
     check_completion,
+    check_logprobs,
     check_prompt,
     check_prompt_logprobs,
     utf8_length,
@@ -49,10 +51,18 @@ from kaon_runtime.server.pipeline import (
     parse,
 )
 from kaon_runtime.server.responses import ResponsesFormat, ResponsesRequest
-from kaon_runtime.server.serving import ChatFormat, CompletionFormat, Generation, final_output, sse_events
+from kaon_runtime.server.serving import (
+    ChatFormat,
+    CompletionFormat,
+    Generation,
+    final_output,
+    final_outputs,
+    sse_events,
+)
 from kaon_runtime.server.tokenize import routes as tokenize_routes
 from kaon_runtime.server.tokenizer_info import routes as tokenizer_info_routes
 from kaon_runtime.server.tool_calls import plan_chat, tool_parser
+from kaon_runtime.version import package_version
 
 
 @dataclass(slots=True)
@@ -212,12 +222,29 @@ async def health(engine: Engine):
     return {"status": "ok"}
 
 
+@probes.get("/ping", responses=doc.HEALTH)
+async def ping(engine: Engine):
+    # vLLM's (SageMaker's health probe, GET or POST): /health by another name.
+    return await health(engine)
+
+
+@probes.post("/ping", include_in_schema=False)  # one entry in the document is enough
+async def ping_post(engine: Engine):
+    return await health(engine)
+
+
 @probes.get("/ready", responses=doc.HEALTH)
 async def ready(request: Request, engine: Engine, state: State):
     if state.draining:
         raise APIError(503, "the server is draining", type="service_unavailable", code="draining")
     await sleep_mode.awake(request)  # asleep: not ready, so the router sends nothing
     return await health(engine)
+
+
+@probes.get("/version")
+async def version():
+    # vLLM's /version: the serving software's release (kaon's package), open like /health.
+    return {"version": package_version()}
 
 
 @probes.get("/metrics", response_class=Response, responses=doc.METRICS)
@@ -234,12 +261,25 @@ async def models(engine: Engine, settings: Settings):
     return p.ModelList(data=cards).model_dump()
 
 
+@v1.get("/models/{model_id:path}", response_model=p.ModelCard, responses={**doc.V1_ERRORS, 404: doc.GENERATE[404]})
+async def model(model_id: str, engine: Engine, settings: Settings):
+    """OpenAI's retrieve: one card of /v1/models (the id may hold slashes: builtin://..., org/name)."""
+    for card in (await models(engine, settings))["data"]:
+        if card["id"] == model_id:
+            return card
+    raise APIError(404, f"the model {model_id!r} does not exist; this server serves {settings.model_name!r}",
+                   param="model", code="model_not_found")
+
+
 @v1.post("/completions", response_model=p.CompletionResponse, openapi_extra=doc.json_body(p.CompletionRequest),
          responses=doc.GENERATE, dependencies=[Depends(_generates), Depends(sleep_mode.awake)])
 async def completions(request: Request, engine: Engine, settings: Settings, metrics: MetricsDep):
     body = await parse(request, p.CompletionRequest)
     adapter = check_model(request, body.model)
-    prompt = _single_prompt(body.prompt)
+    prompts = prompts_of(body.prompt)
+    if len(prompts) > 1:  # OpenAI's and vLLM's batch: one engine request per prompt, one response
+        return await _batched_completions(request, engine, settings, metrics, body, prompts, adapter)
+    prompt = prompts[0]
     check_completion(body, prompt, settings.limits, engine.max_model_len)
     params = _salted(request, body.to_sampling_params())
     with request.app.state.admission.slot():
@@ -304,6 +344,54 @@ async def create_embeddings(request: Request, engine: Engine, settings: Settings
         outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
     reply = await asyncio.to_thread(embeddings.encoded_response, body, settings.model_name, outputs)  # off the loop
     return Response(reply, media_type="application/json", headers=ignored_fields_header(body))
+
+
+async def _batched_completions(request: Request, engine: AsyncEngine, settings: ServerSettings, metrics: Metrics,
+                               body: p.CompletionRequest, prompts: list[str | list[int]], adapter: str | None
+                               ) -> Response:
+    """A batch of prompts (server/batch.py): each checked as a prompt alone, all admitted before any runs."""
+    if len(prompts) > min(MAX_PROMPTS, engine.max_queue):  # past the queue a retry could never succeed: no 429
+        raise APIError(400, f"{len(prompts)} prompts in one request; at most {min(MAX_PROMPTS, engine.max_queue)} "
+                       "(each waits in the queue: --max-queue)", param="prompt")
+    for prompt in prompts:
+        check_completion(body, prompt, settings.limits, engine.max_model_len)
+    check_logprobs(body.n * len(prompts), body.logprobs, body.max_tokens, settings.limits, engine.max_model_len)
+    params = _salted(request, body.to_sampling_params())
+    batch = GenerationBatch()
+    try:
+        with request.app.state.admission.slot():
+            for prompt in prompts:
+                batch.gens.append(await _start(engine, settings, metrics, "cmpl", prompt, params, adapter))
+    except BaseException:
+        batch.close()  # the prompts already queued do not run for nobody
+        raise
+    fmts = [CompletionFormat(gen, engine.tokenizer, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
+            for gen in batch.gens]
+    for fmt in fmts:
+        fmt.token_ids_as_names = body.return_tokens_as_token_ids
+    headers = ignored_fields_header(body)
+    if body.stream:
+        try:
+            for gen in batch.gens:  # all have their first token before the head is sent, as a prompt alone
+                if not await gen.start(lambda: _disconnected(request)):
+                    batch.close()
+                    return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except BaseException:
+            batch.close()
+            raise
+        return _SSEResponse(batch_sse_events(batch, fmts, body.n, body.include_usage, body.continuous_usage),
+                            batch, headers)
+    try:
+        outputs = await final_outputs(batch.gens, lambda: _disconnected(request))
+    finally:
+        batch.close()
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    def encoded() -> bytes:
+        merged = merged_response([fmt.response(out) for fmt, out in zip(fmts, outputs)], body.n)
+        return merged.model_dump_json().encode()
+    return Response(await asyncio.to_thread(encoded), media_type="application/json", headers=headers)
 
 
 def _salted(request: Request, params: SamplingParams) -> SamplingParams:
@@ -394,7 +482,7 @@ class _SSEResponse(StreamingResponse):
     so cleanup belongs here rather than in the iterator.
     """
 
-    def __init__(self, events, gen: Generation, headers: dict[str, str] | None = None):
+    def __init__(self, events, gen: Generation | GenerationBatch, headers: dict[str, str] | None = None):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._gen = gen
@@ -407,14 +495,6 @@ class _SSEResponse(StreamingResponse):
 
 
 # ---- request plumbing --------------------------------------------------------------------
-
-
-def _single_prompt(prompt: str | list) -> str | list[int]:
-    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return prompt  # an empty one is refused by the engine's own validation
-    if len(prompt) == 1:
-        return prompt[0]
-    raise APIError(400, "batched prompts are not supported; send one request per prompt", param="prompt")
 
 
 async def _disconnected(request: Request) -> None:

@@ -11,6 +11,7 @@ The error handlers turn the engine's exceptions into the same body,
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -76,10 +77,15 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
 
 
+# pydantic names the arm of a union it tried in an error's location ("stop.str", "prompt.list[int]",
+# "messages.0.content.list[TextPart]"); the client's field is the path without it.
+_UNION_ARM = re.compile(r"str|int|float|bool|none|(list|dict|tuple|literal|function-\w+)\[.*\]|[A-Z]\w*")
+
+
 def bad_input(errors) -> APIError:
     """A validation failure as a 400 naming the first bad field (`param`, and in the message)."""
     first = errors[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    param = ".".join(str(part) for part in first["loc"] if not _UNION_ARM.fullmatch(str(part))) or None
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "json_invalid":
         message = f"the body is not valid JSON: {message}"
@@ -118,7 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid(_, exc: InvalidRequestError):
-        return APIError(400, str(exc)).response()
+        return APIError(400, str(exc), code=exc.code).response()
 
     @app.exception_handler(ModelNotFoundError)
     async def not_found(_, exc: ModelNotFoundError):  # a LoRA adapter unloaded meanwhile, or unknown

@@ -14,7 +14,7 @@ OpenAPI document is generated from them together.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -42,9 +42,27 @@ class _Strict(BaseModel):
 
 
 class _OpenTopLevel(_Strict):
-    """A request body: unknown fields are kept in model_extra and ignored (see the module's docstring)."""
+    """A request body: unknown fields are kept in model_extra and ignored (see the module's docstring).
+
+    An explicit null for an optional field means its default, as in OpenAI's API (its optional
+    parameters are nullable: `"n": null` is n=1) and vLLM's; clients that serialize every field send them.
+    """
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required() and not _takes_none(fields[k]))}
+
+
+def _takes_none(field) -> bool:
+    """The field's own type has None (max_tokens: None means up to the context): a null keeps that meaning."""
+    return type(None) in get_args(field.annotation)
 
 
 class StreamOptions(_Strict):
@@ -97,7 +115,7 @@ class _SamplingRequest(_OpenTopLevel):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, le=INT64_MAX)  # not OpenAI's; as in vLLM
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # not OpenAI's; as in vLLM (-1 or 0: off)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = Field(None, json_schema_extra={"anyOf": [
         _NON_EMPTY, {"type": "array", "items": _NON_EMPTY}, {"type": "null"}]})
@@ -126,6 +144,13 @@ class _SamplingRequest(_OpenTopLevel):
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spelling of structured_outputs (still sent by many clients): the same constraints.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; xgrammar always
+    guided_whitespace_pattern: str | None = None  # accepted; the grammar's own whitespace
 
     @model_validator(mode="after")
     def _supported(self):
@@ -133,14 +158,26 @@ class _SamplingRequest(_OpenTopLevel):
             raise ValueError("logit_bias: keys must be token ids")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+        guided = self._guided()
+        if guided is not None and self.structured_outputs is not None:
+            raise ValueError("set structured_outputs or the guided_* fields, not both")
+        structured = self.structured_outputs is not None or guided is not None
+        if structured and self.response_format not in (None, ResponseFormat(type="text")):
             raise ValueError("set response_format or structured_outputs, not both")
         return self
 
+    def _guided(self) -> StructuredOutputs | None:
+        """vLLM's guided_json / guided_regex / guided_choice / guided_grammar as structured_outputs."""
+        fields = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        chosen = {k: v for k, v in fields.items() if v is not None}
+        return StructuredOutputs.model_validate(chosen) if chosen else None
+
     def output_constraint(self) -> dict[str, Any]:
         """The SamplingParams fields of the requested structured output (empty: free text)."""
-        if self.structured_outputs is not None:
-            return self.structured_outputs.sampling_fields()
+        structured = self.structured_outputs or self._guided()
+        if structured is not None:
+            return structured.sampling_fields()
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return {}
@@ -184,10 +221,10 @@ class _SamplingRequest(_OpenTopLevel):
 
 
 class CompletionRequest(_SamplingRequest):
-    # One prompt: a string or token ids, possibly wrapped in a one-element batch.
+    # A prompt (a string or token ids) or a batch of them (server/batch.py).
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra={"anyOf": [
-        _NON_EMPTY, _TOKEN_IDS, {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]})
+        _NON_EMPTY, _TOKEN_IDS, {"type": "array", "items": _NON_EMPTY, "minItems": 1},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]})
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False  # the prompt before the completion; with logprobs, the prompt's logprobs too
@@ -195,8 +232,6 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _echo_alone(self):
-        if self.echo and self.stream:
-            raise ValueError("echo is not supported with stream")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise ValueError("max_tokens 0 only scores a prompt: it needs echo or prompt_logprobs")
         if self.suffix is not None:
@@ -237,6 +272,24 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, earlier in the conversation
     tool_call_id: str | None = None  # a tool message answers this call
+    # What OpenAI's clients send back with an assistant message they got (message.model_dump()): accepted,
+    # not shown to the model.
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # An image, audio or file part: said in words (else pydantic's union error, "Input should be a valid string").
+        parts = data.get("content") if isinstance(data, dict) else None
+        if isinstance(parts, list):
+            kinds = sorted({part.get("type") for part in parts if isinstance(part, dict)} - {"text"}, key=str)
+            if kinds:
+                raise ValueError(f"content parts of type {', '.join(map(repr, kinds))} are not supported: "
+                                 "this server takes text parts only")
+        return data
 
     @model_validator(mode="after")
     def _content_unless_calls(self):

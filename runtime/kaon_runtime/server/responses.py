@@ -9,6 +9,7 @@ than silently ignored (a client relying on them would lose its conversation).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -168,10 +169,11 @@ def _chat_messages(items: list[InputMessage | FunctionCallItem | FunctionCallOut
 
 
 class ResponsesFormat:
-    """The response object, and a stream's events (response.created, response.output_text.delta,
-    response.completed; with tools offered, each call the model made as a function_call item:
-    response.output_item.added, response.function_call_arguments.delta and .done,
-    response.output_item.done, once the text is complete)."""
+    """The response object, and a stream's events in OpenAI's order: response.created and .in_progress; the
+    message item (output_item.added, content_part.added, output_text.delta..., output_text.done,
+    content_part.done, output_item.done); with tools offered, each call the model made as a function_call
+    item (output_item.added, function_call_arguments.delta and .done, output_item.done) once the text is
+    complete; response.completed."""
 
     def __init__(self, gen: Generation, calling: ToolCalling | None = None):
         self.gen = gen
@@ -215,9 +217,17 @@ class ResponsesFormat:
         return items
 
     async def events(self) -> AsyncIterator[str]:
-        yield _event("response.created", {"response": self.response(None)})
+        """OpenAI's event sequence, each with its sequence_number: the openai client's `responses.stream()`
+        builds the response from them and needs each item and content part opened before its deltas."""
+        number = itertools.count()
+
+        def emit(kind: str, payload: dict[str, Any]) -> str:
+            return _event(kind, {**payload, "sequence_number": next(number)})
+
+        yield emit("response.created", {"response": self.response(None)})
+        yield emit("response.in_progress", {"response": self.response(None)})
         calls = ToolCallStream(self.calling) if self.calling is not None else None
-        sent = 0
+        sent, opened = 0, False
         try:
             async for output in self.gen.outputs():
                 choice = output.outputs[0]
@@ -226,29 +236,53 @@ class ResponsesFormat:
                 if calls is not None:  # only the content: a call is sent whole once the text is complete
                     delta, _ = calls.update(delta, choice.finish_reason is not None)
                 if delta:
-                    yield _event("response.output_text.delta", {
-                        "item_id": self.item_id, "output_index": 0, "content_index": 0, "delta": delta})
+                    if not opened:
+                        opened = True
+                        for kind, payload in self._message_opened():
+                            yield emit(kind, payload)
+                    yield emit("response.output_text.delta", {
+                        "item_id": self.item_id, "output_index": 0, "content_index": 0, "delta": delta,
+                        "logprobs": []})
         except KaonError as exc:  # the engine died under us: say so in-band
-            yield _event("error", {"message": str(exc), "code": exc.code})
+            yield emit("error", {"message": str(exc), "code": exc.code, "param": None})
             return
-        last = self.gen.last
-        final = self.response(last)
+        final = self.response(self.gen.last)
         for index, item in enumerate(final["output"]):
-            if item["type"] == "function_call":
-                yield call_events(item, index)
-        yield _event("response.completed", {"response": final})
+            if item["type"] == "message":
+                if not opened:  # an empty reply is still a message, opened and closed
+                    for kind, payload in self._message_opened():
+                        yield emit(kind, payload)
+                for kind, payload in _message_closed(item, index):
+                    yield emit(kind, payload)
+            else:
+                for kind, payload in call_events(item, index):
+                    yield emit(kind, payload)
+        yield emit("response.completed", {"response": final})
+
+    def _message_opened(self) -> list[tuple[str, dict[str, Any]]]:
+        item = {"type": "message", "id": self.item_id, "role": "assistant", "status": "in_progress", "content": []}
+        return [("response.output_item.added", {"output_index": 0, "item": item}),
+                ("response.content_part.added", {"item_id": self.item_id, "output_index": 0, "content_index": 0,
+                                                 "part": {"type": "output_text", "text": "", "annotations": []}})]
 
 
-def call_events(item: dict[str, Any], index: int) -> str:
+def _message_closed(item: dict[str, Any], index: int) -> list[tuple[str, dict[str, Any]]]:
+    part = item["content"][0]
+    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    return [("response.output_text.done", {**where, "text": part["text"], "logprobs": []}),
+            ("response.content_part.done", {**where, "part": part}),
+            ("response.output_item.done", {"output_index": index, "item": item})]
+
+
+def call_events(item: dict[str, Any], index: int) -> list[tuple[str, dict[str, Any]]]:
     """A finished call as the Responses API streams one: added, its arguments, done."""
     added = {**item, "arguments": "", "status": "in_progress"}
-    return "".join([
-        _event("response.output_item.added", {"output_index": index, "item": added}),
-        _event("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index,
-                                                          "delta": item["arguments"]}),
-        _event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
-                                                         "arguments": item["arguments"]}),
-        _event("response.output_item.done", {"output_index": index, "item": item})])
+    return [("response.output_item.added", {"output_index": index, "item": added}),
+            ("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index,
+                                                        "delta": item["arguments"]}),
+            ("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
+                                                       "arguments": item["arguments"]}),
+            ("response.output_item.done", {"output_index": index, "item": item})]
 
 
 def _event(kind: str, payload: dict[str, Any]) -> str:

@@ -94,6 +94,23 @@ async def final_output(gen: Generation, disconnected: Callable[[], Awaitable[obj
     return None if run is None else run.result()
 
 
+async def final_outputs(gens: Sequence[Generation], disconnected: Callable[[], Awaitable[object]]
+                        ) -> list[RequestOutput] | None:
+    """Run a batch's requests (all running at once in the engine) to their ends; None if the client went
+    away first."""
+    async def lasts() -> list[RequestOutput]:
+        outs = []
+        for gen in gens:
+            async for _ in gen.outputs():
+                pass
+            assert gen.last is not None  # a stream ends with its finished output
+            outs.append(gen.last)
+        return outs
+
+    run = await _unless_gone(lasts(), disconnected)
+    return None if run is None else run.result()
+
+
 async def _unless_gone(work: Awaitable[_T], disconnected: Callable[[], Awaitable[object]]) -> asyncio.Future[_T] | None:
     """`work`'s finished future, or None (work cancelled) if the client went away first. Cancelled while
     waiting, neither helper outlives the call."""
@@ -127,38 +144,49 @@ async def sse_events(gen: Generation, fmt: _Format, n: int, include_usage: bool,
 
     continuous_usage (vLLM's continuous_usage_stats): every chunk carries the usage so far.
     """
-    for chunk in fmt.opening_chunks(n):
-        yield _event(chunk, include_usage)
-    sent_text = [0] * n
-    sent_tokens = [0] * n
-    finished = [False] * n
     try:
-        async for output in gen.outputs():
-            for c in output.outputs:
-                if finished[c.index]:
-                    continue
-                finished[c.index] = c.finish_reason is not None
-                # A tail that may still become a stop string waits: the engine cuts a stop string
-                # once all of it has appeared, and what was sent cannot be taken back.
-                safe = len(c.text) - (0 if finished[c.index] else held_back(c.text, gen.stops))
-                delta = c.text[sent_text[c.index]:safe]
-                if not delta and not finished[c.index]:
-                    continue
-                chunk = fmt.chunk(c, delta, sent_text[c.index], sent_tokens[c.index])
-                sent_text[c.index], sent_tokens[c.index] = safe, len(c.token_ids)
-                if continuous_usage:
-                    chunk.usage = usage(output)
-                yield _event(chunk, include_usage)
+        async for chunk in stream_chunks(gen, fmt, n, continuous_usage):
+            yield event(chunk, include_usage)
     except KaonError as exc:  # the engine died under us: tell the client in-band, then stop
-        error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=exc.code))
-        yield f"data: {error.model_dump_json()}\n\n"
+        yield error_event(exc)
         return
     if include_usage and gen.last is not None:
-        yield _event(fmt.usage_chunk(usage(gen.last)), include_usage)
+        yield event(fmt.usage_chunk(usage(gen.last)), include_usage)
     yield "data: [DONE]\n\n"
 
 
-def _event(chunk: BaseModel, include_usage: bool) -> str:
+async def stream_chunks(gen: Generation, fmt: _Format, n: int, continuous_usage: bool = False
+                        ) -> AsyncIterator[BaseModel]:
+    """One request's chunks, its opening ones first (no usage chunk, no [DONE]: sse_events, batch.py)."""
+    for chunk in fmt.opening_chunks(n):
+        yield chunk
+    sent_text = [0] * n
+    sent_tokens = [0] * n
+    finished = [False] * n
+    async for output in gen.outputs():
+        for c in output.outputs:
+            if finished[c.index]:
+                continue
+            finished[c.index] = c.finish_reason is not None
+            # A tail that may still become a stop string waits: the engine cuts a stop string
+            # once all of it has appeared, and what was sent cannot be taken back.
+            safe = len(c.text) - (0 if finished[c.index] else held_back(c.text, gen.stops))
+            delta = c.text[sent_text[c.index]:safe]
+            if not delta and not finished[c.index]:
+                continue
+            chunk = fmt.chunk(c, delta, sent_text[c.index], sent_tokens[c.index])
+            sent_text[c.index], sent_tokens[c.index] = safe, len(c.token_ids)
+            if continuous_usage:
+                chunk.usage = usage(output)
+            yield chunk
+
+
+def error_event(exc: KaonError) -> str:
+    error = p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=exc.code))
+    return f"data: {error.model_dump_json()}\n\n"
+
+
+def event(chunk: BaseModel, include_usage: bool) -> str:
     # OpenAI sends "usage": null on every chunk only when the client asked for usage.
     exclude = None if include_usage else {"usage"}
     return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
@@ -214,10 +242,7 @@ class CompletionFormat(_Format):
                   if self.prompt_logprobs is not None else None)
         choices = []
         for c in output.outputs:
-            logprobs = self._logprobs(c, 0, len(head))
-            if prompt_part is not None and logprobs is not None:
-                logprobs = p.CompletionLogprobs(**{name: getattr(prompt_part, name) + getattr(logprobs, name)
-                                                   for name in p.CompletionLogprobs.model_fields})
+            logprobs = _joined(prompt_part, self._logprobs(c, 0, len(head)))
             choices.append(p.CompletionChoice(index=c.index, text=head + c.text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, prompt_logprobs=scored))
         return p.CompletionResponse(**self._head(), choices=choices, usage=usage(output))
@@ -226,8 +251,16 @@ class CompletionFormat(_Format):
         return []
 
     def chunk(self, c: CompletionOutput, delta: str, text_offset: int, token_start: int) -> p.CompletionResponse:
-        choice = p.CompletionChoice(index=c.index, text=delta, logprobs=self._logprobs(c, token_start, text_offset),
-                                    finish_reason=c.finish_reason)
+        # With echo, a choice's first chunk opens with the prompt (and its logprobs), as vLLM streams it;
+        # offsets count from the start of the prompt, as in the whole response.
+        head, prompt_part = "", None
+        if self.echo and self.gen.last is not None:
+            head = prompt_text(self.gen.last, self.tokenizer)
+            if token_start == 0 and self.gen.num_logprobs is not None:
+                prompt_part = echoed_logprobs(self.gen.last, self.token_name, self.gen.num_logprobs)
+        logprobs = _joined(prompt_part, self._logprobs(c, token_start, len(head) + text_offset))
+        text = head + delta if token_start == 0 else delta
+        choice = p.CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
         return p.CompletionResponse(**self._head(), choices=[choice])
 
     def usage_chunk(self, info: p.UsageInfo) -> p.CompletionResponse:
@@ -293,6 +326,15 @@ class ChatFormat(_Format):
             content.append(p.TokenLogprob(token=token, logprob=logprob, bytes=_bytes(token), top_logprobs=[
                 p.TopLogprob(token=t, logprob=lp, bytes=_bytes(t)) for t, lp in top]))
         return p.ChoiceLogprobs(content=content)
+
+
+def _joined(prompt_part: p.CompletionLogprobs | None, logprobs: p.CompletionLogprobs | None
+            ) -> p.CompletionLogprobs | None:
+    """The echoed prompt's logprobs, then the generated ones'."""
+    if prompt_part is None or logprobs is None:
+        return logprobs
+    return p.CompletionLogprobs(**{name: getattr(prompt_part, name) + getattr(logprobs, name)
+                                   for name in p.CompletionLogprobs.model_fields})
 
 
 def _bytes(token: str) -> list[int] | None:

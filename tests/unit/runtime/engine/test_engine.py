@@ -113,9 +113,29 @@ def test_bad_requests_raise_clear_errors(llm):
     too_long = [1] * llm.engine.max_model_len
     with pytest.raises(InvalidRequestError, match=f"{len(too_long)} tokens"):
         llm.generate([too_long], use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="exceeds the context length"):
+    with pytest.raises(InvalidRequestError, match="exceeds the context length") as info:
         llm.generate([[1] * 100], SamplingParams(max_tokens=llm.engine.max_model_len), use_tqdm=False)
+    assert info.value.code == "context_length_exceeded"  # OpenAI's code, which the HTTP answer carries
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_takes_vllms_prompt_dicts_and_its_sampling_params_keyword(llm):
+    """vLLM's LLM.generate takes {"prompt": text} and {"prompt_token_ids": ids}, alone or in a list, and
+    its second argument is `sampling_params`: both failed here before (a KeyError, a TypeError)."""
+    greedy = [SamplingParams(max_tokens=3, temperature=0), SamplingParams(max_tokens=2, temperature=0)]
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    plain = llm.generate(["The capital of France is", ids], greedy, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}],
+                         sampling_params=greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert [len(o.outputs[0].token_ids) for o in dicts] == [3, 2]  # per-prompt params kept their order
+    one = llm.generate({"prompt_token_ids": ids}, sampling_params=greedy[0], use_tqdm=False)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert chat(llm, SamplingParams(max_tokens=4, temperature=0)).token_ids == \
+        llm.chat(PROMPT, sampling_params=SamplingParams(max_tokens=4, temperature=0),
+                 use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
+        llm.generate({"text": "hi"}, use_tqdm=False)
 
 
 def test_unknown_model_ids():

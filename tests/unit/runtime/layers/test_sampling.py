@@ -69,7 +69,7 @@ def test_logprobs_are_log_softmax():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0),
-                                 dict(top_k=-1), dict(n=0), dict(logprobs=21), dict(stop=[""])])
+                                 dict(top_k=-2), dict(n=0), dict(logprobs=21), dict(stop=[""])])  # -1: off, as vLLM
 def test_bad_sampling_params_are_refused(bad):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)

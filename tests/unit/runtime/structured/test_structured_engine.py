@@ -91,3 +91,23 @@ def test_a_bad_constraint_is_refused_before_it_runs(llm):
     with pytest.raises(InvalidRequestError, match="regex cannot be compiled"):
         llm.generate(["x"], SamplingParams(regex="(("), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllms_structured_outputs_argument_is_the_same_constraint(llm):
+    """vLLM's offline spelling, SamplingParams(structured_outputs=StructuredOutputsParams(json=...)) (here an
+    object with those attributes, or a dict), was a TypeError."""
+    class StructuredOutputsParams:  # vLLM's shape: json, regex, choice, grammar, json_object
+        def __init__(self, **given):
+            self.json = self.regex = self.choice = self.grammar = self.json_object = None
+            self.__dict__.update(given)
+
+    for given in (StructuredOutputsParams(json=SCHEMA), {"json": SCHEMA}):
+        params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=given)
+        assert params.json_schema == SCHEMA and params.structured_outputs is None
+    # The engine runs it as its own: the same tokens (24, enough to leave free text at its first one).
+    assert texts(llm, ASK, params) == texts(llm, ASK, SamplingParams(temperature=0, max_tokens=24, json_schema=SCHEMA))
+    assert SamplingParams(structured_outputs={"choice": ["yes", "no"]}).choice == ["yes", "no"]
+    with pytest.raises(InvalidRequestError, match="unknown keys"):
+        SamplingParams(structured_outputs={"jsn": SCHEMA})
+    with pytest.raises(InvalidRequestError, match="at most one"):
+        SamplingParams(structured_outputs={"json": SCHEMA, "regex": "a"})
