@@ -10,6 +10,9 @@ from tqdm.auto import tqdm
 from kaon_runtime.config import DEFAULT_MODEL, EngineConfig
 from kaon_runtime.engine.llm_engine import LLMEngine
 from kaon_runtime.engine.outputs import RequestOutput
+from kaon_runtime.engine.sleep import EngineAsleepError, Sleep, put_to_sleep, wake_up
+from kaon_runtime.errors import InvalidRequestError
+from kaon_runtime.lora.request import LoRARequest
 from kaon_runtime.sampling import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -42,23 +45,39 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, show_progress: bool = True, adapters: dict[str, str] | None = None,
-                 **engine_options):
-        """`adapters`: LoRA adapters (PEFT directories) by name, for generate's `adapter`."""
+                 enable_sleep_mode: bool = False, enable_lora: bool = False, **engine_options):
+        """`adapters`: LoRA adapters (PEFT directories) by name, for generate's `adapter`. vLLM's
+        `enable_sleep_mode` allows sleep() / wake_up(); its `enable_lora` turns adapters on (one slot
+        unless `max_loras` says more) for generate's `lora_request`."""
         if adapters:
             engine_options["lora_modules"] = {**engine_options.get("lora_modules", {}), **adapters}
+        if enable_lora and not engine_options.get("max_loras") and not engine_options.get("lora_modules"):
+            engine_options["max_loras"] = 1  # vLLM's default max_loras
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._sleep_mode = enable_sleep_mode
+        self._slept: Sleep | None = None
+        self._lora_ids: dict[int, LoRARequest] = {}  # the LoRARequests seen, by vLLM's int id
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, adapter: str | list[str | None] | None = None, *,
+                 use_tqdm: bool = True, adapter: str | list[str | None] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None, *,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Outputs come back in prompt order. A prompt is text, a list of token ids, or vLLM's dict forms
         ({"prompt": text} or {"prompt_token_ids": ids}). `sampling_params` (vLLM's name; `params` is kept
         for kaon's earlier callers): one for every prompt or one per prompt. `adapter`: the LoRA adapter's
-        name for every prompt, or a list with one per prompt (None: the base model)."""
+        name for every prompt, or a list with one per prompt (None: the base model); `lora_request`: vLLM's
+        form of the same (a LoRARequest, or a list of them), registered by its name on first use.
+        While asleep (sleep()), raises EngineAsleepError: call wake_up() first."""
+        if self._slept is not None:
+            raise EngineAsleepError("the engine is asleep (LLM.sleep): call wake_up() before generating")
         batch = prompt_batch(prompts)
+        if lora_request is not None:
+            if adapter is not None:
+                raise TypeError("pass adapter or lora_request, not both")
+            adapter = self._adapter_names(lora_request)
         if params is not None and sampling_params is not None:
             raise TypeError("pass sampling_params or params, not both")
         params = sampling_params if sampling_params is not None else params
@@ -86,6 +105,55 @@ class LLM:
                         done[output.request_id] = output
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def _adapter_names(self, lora_request: LoRARequest | list[LoRARequest | None]) -> str | list[str | None]:
+        """kaon's adapter names for vLLM's LoRARequests, registering each new one's directory under its name."""
+        requests = lora_request if isinstance(lora_request, list) else [lora_request]
+        for r in requests:
+            if r is None:
+                continue
+            if not isinstance(r, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest, got {type(r).__name__}")
+            known = self._lora_ids.get(r.lora_int_id)
+            if known is not None and (known.lora_name, known.lora_path) != (r.lora_name, r.lora_path):
+                raise InvalidRequestError(f"lora_int_id {r.lora_int_id} is already {known.lora_name!r} "
+                                          f"({known.lora_path}); give {r.lora_name!r} another id")
+            if known is None:
+                registered = dict(self.engine.lora_adapters())
+                if r.lora_name not in registered:
+                    self.engine.add_lora(r.lora_name, r.lora_path)
+                elif registered[r.lora_name] != r.lora_path:
+                    raise InvalidRequestError(f"adapter {r.lora_name!r} is {registered[r.lora_name]}, "
+                                              f"not {r.lora_path}")
+                self._lora_ids[r.lora_int_id] = r
+        names = [None if r is None else r.lora_name for r in requests]
+        return names if isinstance(lora_request, list) else names[0]
+
+    # ---- sleep mode (vLLM's LLM.sleep / wake_up; engine/sleep.py says what each level frees) ----
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 1; on a GPU the weights go to host memory) or the weights too (level 2:
+        written to a file first, read back on wake). Needs LLM(..., enable_sleep_mode=True), as vLLM's."""
+        if not self._sleep_mode:
+            raise InvalidRequestError("sleep mode is not enabled: create the LLM with enable_sleep_mode=True")
+        if self._slept is not None:
+            raise InvalidRequestError(f"already asleep (level {self._slept.level}): call wake_up() first")
+        self._slept = put_to_sleep(self.engine, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Put back what sleep() freed. vLLM's `tags` ("weights", "kv_cache") wake a part; here the engine
+        wakes whole at the first call (so vLLM's wake_up(["weights"]) then wake_up(["kv_cache"]) runs as
+        written: the second finds it awake). Awake already: nothing to do."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise InvalidRequestError(f"wake_up: unknown tags {sorted(unknown)}; vLLM's are 'weights' and 'kv_cache'")
+        if self._slept is not None:
+            wake_up(self.engine, self._slept)
+            self._slept = None
+
+    def is_sleeping(self) -> bool:
+        """Whether sleep() was called without a wake_up() since (vLLM's LLMEngine.is_sleeping)."""
+        return self._slept is not None
 
     def close(self) -> None:
         """Stop the engine's workers, if any, and release its process groups, ports and memory."""

@@ -52,6 +52,15 @@ class SamplingParams:
     # vLLM's SamplingParams(structured_outputs=StructuredOutputsParams(json=...)), or a dict of the same
     # (json, regex, choice, grammar, json_object): turned into the fields above on creation, then None.
     structured_outputs: object | None = None
+    # vLLM's: only these token ids may be sampled (None: any); bad_words: words never generated (each
+    # as the tokenizer splits it, with and without a leading space; a multi-token word's last token is
+    # banned where the output ends with the rest of it); truncate_prompt_tokens: keep only the prompt's
+    # last k tokens (-1: as many as the context holds). layers/penalties.py and LLMEngine.validate.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # bad_words as token ids, filled by LLMEngine.validate from the model's tokenizer (not vLLM's name).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -97,6 +106,17 @@ class SamplingParams:
                                                 and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
         _check(self.pooling in (None, "last", "mean"), f"pooling must be 'last' or 'mean', got {self.pooling!r}")
+        _check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple)) and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+               "allowed_token_ids must be a list of token ids")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+               "allowed_token_ids is not None and empty!")  # vLLM's words
+        _check(self.bad_words is None or (isinstance(self.bad_words, (list, tuple)) and all(
+            isinstance(w, str) for w in self.bad_words)), "bad_words must be a list of strings")
+        _check(self.truncate_prompt_tokens is None or (
+            isinstance(self.truncate_prompt_tokens, int) and not isinstance(self.truncate_prompt_tokens, bool)
+            and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
         constraints = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         _check(len(constraints) <= 1, f"at most one of {', '.join(CONSTRAINTS)} may be set, got {constraints}")
 

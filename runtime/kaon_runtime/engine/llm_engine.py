@@ -17,6 +17,7 @@ from kaon_runtime.config import EngineConfig
 from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine import startup
 from kaon_runtime.engine.admission import queue_expired
+from kaon_runtime.engine.bad_words import bad_words_token_ids
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
@@ -406,10 +407,17 @@ class LLMEngine:
         if params.pooling is not None and self.config.pipeline_parallel_size > 1:
             raise InvalidRequestError("embeddings are not served with pipeline_parallel_size > 1 yet")
         token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens (-1: the context's)
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         self._validate_length(len(token_ids), params)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"logit_bias and stop_token_ids: token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.allowed_token_ids or []):
+            raise InvalidRequestError(f"allowed_token_ids: token ids must be in [0, {vocab})")
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         self.grammars.check(params)  # compiles (and caches) the grammar here, off the engine loop
         return token_ids
 

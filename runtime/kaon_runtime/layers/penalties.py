@@ -6,7 +6,7 @@ tensor and counts come from one scatter, so the cost per step does not grow with
 over rows on the device. Rows that ask for none of it are not touched (and a batch with none
 returns the logits as they are).
 
-Order, as vLLM applies it: banned tokens (min_tokens), logit_bias, repetition penalty, frequency
+Order, as vLLM applies it: banned tokens (min_tokens, bad_words), allowed_token_ids, logit_bias, repetition penalty, frequency
 and presence penalties; then min_p, which depends on the temperature the sampler applies next.
 """
 from __future__ import annotations
@@ -37,13 +37,23 @@ def row_history(params: SamplingParams, token_ids: list[int], num_prompt_tokens:
     output = token_ids[num_prompt_tokens:]
     banned = [] if len(output) >= params.min_tokens else (
         ([] if params.ignore_eos else list(eos_token_ids)) + list(params.stop_token_ids))
+    banned += bad_word_bans(params.bad_words_token_ids or [], output)
     prompt = token_ids[:num_prompt_tokens] if params.repetition_penalty != 1.0 else []
     return RowHistory(params, list(output), prompt, banned)
 
 
 def needs_adjusting(params: SamplingParams) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or params.logit_bias or params.min_p > 0 or params.min_tokens > 0)
+                or params.logit_bias or params.min_p > 0 or params.min_tokens > 0
+                or params.allowed_token_ids is not None or params.bad_words_token_ids)
+
+
+def bad_word_bans(bad_words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens a row may not take next (vLLM's bad_words rule): a one-token word always; a longer word's last
+    token where the output so far ends with the word's other tokens."""
+    return [word[-1] for word in bad_words
+            if word and (len(word) == 1 or (len(output) >= len(word) - 1
+                                             and output[len(output) - len(word) + 1:] == word[:-1]))]
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
@@ -62,6 +72,7 @@ def _adjust(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
     logits = _add_sparse(logits, [r.banned_token_ids for r in rows], [[float("-inf")] * len(r.banned_token_ids)
                                                                         for r in rows])
+    logits = _only_allowed(logits, [r.params.allowed_token_ids for r in rows])
     biases = [r.params.logit_bias or {} for r in rows]
     logits = _add_sparse(logits, [list(b) for b in biases], [list(b.values()) for b in biases])
     repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
@@ -76,6 +87,18 @@ def _adjust(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
         logits = torch.where(seen, penalized, logits)
     logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
     return _min_p(logits, [r.params for r in rows])
+
+
+def _only_allowed(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:
+    """-inf everywhere but the allowed token ids, in the rows that name some (vLLM's allowed_token_ids)."""
+    if all(a is None for a in allowed):
+        return logits
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    for i, ids in enumerate(allowed):
+        if ids is not None:
+            keep[i] = False
+            keep[i, torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:

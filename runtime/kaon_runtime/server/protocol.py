@@ -133,6 +133,9 @@ class _SamplingRequest(_OpenTopLevel):
     # vLLM's extensions.
     repetition_penalty: float = Field(1.0, gt=0, le=65536)
     min_tokens: int = Field(0, ge=0)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # 0 is refused by SamplingParams, as vLLM does
     min_p: float = Field(0.0, ge=0, le=1)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     include_stop_str_in_output: bool = False
@@ -217,7 +220,9 @@ class _SamplingRequest(_OpenTopLevel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            prompt_logprobs=self.scored_prompt(), cache_salt=self.cache_salt, **constraint)
+            prompt_logprobs=self.scored_prompt(), cache_salt=self.cache_salt,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, **constraint)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -267,3 +267,34 @@ def test_steps_asked_for_finished_outputs_give_each_request_once_as_every_step_w
         runs[only_finished] = {rid: [(c.index, c.text, c.token_ids, c.finish_reason) for c in o.outputs]
                                for rid, o in last.items()}
     assert runs[True] == runs[False]
+
+
+def test_vllms_allowed_token_ids_bad_words_and_truncate_prompt_tokens(llm):
+    """vLLM's SamplingParams fields, same names and checks: allowed_token_ids confines every sampled token,
+    bad_words never appear in the text (the greedy answer had them), truncate_prompt_tokens keeps the prompt's
+    last k tokens (the answer equals that of the cut prompt given whole)."""
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    allowed = [11, 198, 314, 1015]
+    for params in (SamplingParams(**greedy, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)):
+        out = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 8 and set(out.token_ids) <= set(allowed)
+    free = llm.generate("The capital of France is", SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in free
+    for words in (["Paris"], ["Paris", "the capital"]):
+        banned = llm.generate("The capital of France is", SamplingParams(**greedy, bad_words=words),
+                              use_tqdm=False)[0].outputs[0].text
+        assert "Paris" not in banned and banned != free
+    ids = llm.get_tokenizer().encode("Ignore this. The capital of France is")
+    cut = llm.generate(ids, SamplingParams(**greedy, truncate_prompt_tokens=6), use_tqdm=False)[0]
+    whole = llm.generate(ids[-6:], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-6:] and cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    kept = llm.generate(ids, SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert kept.prompt_token_ids == ids  # -1: as many as the context holds
+    for bad, match in ((dict(allowed_token_ids=[]), "empty"), (dict(truncate_prompt_tokens=0), ">= 1 or -1"),
+                       (dict(truncate_prompt_tokens=-2), ">= 1 or -1"), (dict(bad_words="Paris"), "list of strings")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+        llm.generate("hi", SamplingParams(allowed_token_ids=[10 ** 6]), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

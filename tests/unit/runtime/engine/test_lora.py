@@ -307,3 +307,31 @@ def test_a_half_models_adapter_answers_alike_alone_batched_chunked_and_cached(ha
         cached = [_answers(chunked, [p], [n])[0] for p, n in zip(HALF_PROMPTS, HALF_NAMES)]
         assert chunked.engine.stats().prefix_cache_hits > hits, "the prompts' blocks were cached"
         assert cached == alone, "with its prefix cached"
+
+
+@pytest.mark.slow
+def test_vllms_lora_request_runs_each_prompt_with_its_adapter(family):
+    """vLLM's `LLM(enable_lora=True).generate(..., lora_request=LoRARequest(name, int_id, path))`: the adapter
+    registered on first use by name, per-prompt requests in order, the same tokens as peft's merged model."""
+    from kaon_runtime import LLM
+    from kaon_runtime.errors import InvalidRequestError
+    from kaon_runtime.lora import LoRARequest as Exported
+    from kaon_runtime.lora.request import LoRARequest
+    assert Exported is LoRARequest
+    root, dirs, expected = family
+    llm = LLM(str(root / "base"), show_progress=False, device="cpu", dtype="float32", enable_lora=True, max_loras=2)
+    ids = {name: i for i, name in enumerate(dirs, 1)}
+    requests = [None if n is None else LoRARequest(n, ids[n], dirs[n]) for n in NAMES]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, lora_request=requests)]
+    assert got == expected
+    one = llm.generate(PROMPTS[2], params, use_tqdm=False, lora_request=LoRARequest("mlp", ids["mlp"], dirs["mlp"]))
+    assert one[0].outputs[0].token_ids == expected[2]
+    with pytest.raises(InvalidRequestError, match="lora_int_id 1 is already"):
+        llm.generate(PROMPTS[0], params, use_tqdm=False, lora_request=LoRARequest("other", 1, dirs["mlp"]))
+    with pytest.raises(TypeError, match="adapter or lora_request"):
+        llm.generate(PROMPTS[0], params, use_tqdm=False, adapter="mlp", lora_request=requests[1])
+    with pytest.raises(ValueError, match="id must be > 0"):
+        LoRARequest("x", 0, dirs["mlp"])
+    assert LoRARequest("a", 1, "p") == LoRARequest("a", 2, "q") and LoRARequest("a", 1, "p").path == "p"
+    llm.close()

@@ -95,3 +95,39 @@ def test_level_two_leaves_nothing_holding_the_weights(llm, tmp_path):
     finally:  # woken whatever failed: the session's engine serves this worker's later test files
         sleep.wake_up(engine, slept)
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == before
+
+
+@pytest.mark.slow
+def test_vllms_offline_sleep_and_wake_up_answer_as_before(gguf_path):
+    """vLLM's LLM(..., enable_sleep_mode=True).sleep(level) / wake_up(tags) / is_sleeping, on the bundled
+    model: greedy tokens equal before and after each level; generating asleep is a clear error (vLLM's
+    offline LLM has no defined answer there: kaon refuses, as its server does, rather than wake silently)."""
+    from kaon_runtime import LLM
+    from kaon_runtime.errors import InvalidRequestError
+    llm = LLM(str(gguf_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
+              enable_sleep_mode=True)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        prompt = "The capital of France is"
+        before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        for level, tags in ((1, None), (2, ["weights"]), (1, ["weights", "kv_cache"])):
+            assert not llm.is_sleeping()
+            llm.sleep(level=level)
+            assert llm.is_sleeping() and llm.engine.runner.kv_cache is None
+            with pytest.raises(sleep.EngineAsleepError, match="wake_up"):
+                llm.generate(prompt, params, use_tqdm=False)
+            with pytest.raises(InvalidRequestError, match="already asleep"):
+                llm.sleep()
+            llm.wake_up(tags=tags)
+            llm.wake_up(tags=["kv_cache"])  # vLLM's second half of a wake in parts: awake already, nothing to do
+            assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+        with pytest.raises(InvalidRequestError, match="unknown tags"):
+            llm.wake_up(tags=["everything"])
+    finally:
+        llm.close()
+    plain = LLM(str(gguf_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=16 << 20)
+    try:
+        with pytest.raises(InvalidRequestError, match="enable_sleep_mode=True"):
+            plain.sleep()
+    finally:
+        plain.close()
