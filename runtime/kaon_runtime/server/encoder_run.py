@@ -22,7 +22,21 @@ def encoder_checkpoint(model: str) -> Path | None:
     return path if path.is_dir() and is_encoder_checkpoint(path) else None
 
 
+def flags_that_do_not_apply(args) -> list[str]:
+    """The `kaon serve` flags given that a sentence encoder's server has nothing to do with: no prefill/decode
+    split (it generates nothing, so has no K/V to move) and no LoRA adapters. Refused at start rather than
+    ignored, so an encoder deployed with them fails loudly instead of serving without what was asked."""
+    given = [("--role " + args.role, args.role != "both"), ("--prefill-url", bool(args.prefill_url)),
+             ("--enable-runtime-lora", args.enable_runtime_lora), ("--lora-modules", bool(args.lora_modules))]
+    return [flag for flag, on in given if on]
+
+
 def serve_encoder(root: Path, args) -> int:
+    refused = flags_that_do_not_apply(args)
+    if refused:
+        raise SystemExit(f"kaon serve: {', '.join(refused)} do(es) not apply to a sentence encoder ({args.model}): "
+                         "it generates no tokens, so it has no prefill/decode roles and takes no LoRA adapters; "
+                         "drop the flag (or $KAON_ALLOW_RUNTIME_LORA_UPDATING)")
     engine = EncoderEngine(root)
     settings = EncoderSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,

@@ -99,3 +99,23 @@ def test_a_sentence_encoder_in_sleep_mode_says_it_cannot_sleep(minilm):
         assert client.post("/sleep", headers=headers).status_code == 401
     off = TestClient(create_encoder_app(engine, EncoderSettings(model_name="minilm")))
     assert off.post("/sleep", headers=admin).status_code == 404  # sleep mode off: no such route
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--role", "prefill"], "--role prefill"),
+    (["--role", "decode", "--prefill-url", "http://p:80"], "--role decode, --prefill-url"),
+    (["--enable-runtime-lora", "--admin-key", "adm"], "--enable-runtime-lora"),
+    (["--lora-modules", "a=/nonexistent"], "--lora-modules")])
+def test_a_sentence_encoder_refuses_the_flags_it_would_ignore(flags, named, monkeypatch):
+    """`kaon serve` of a sentence encoder used to ignore --role and --enable-runtime-lora (and --lora-modules)
+    silently; now it exits at start, before loading anything, naming them."""
+    from kaon_runtime.cli import main
+    from kaon_runtime.server import encoder_run
+
+    def loaded(_root):
+        raise AssertionError("the encoder was loaded: the flags were ignored")
+    monkeypatch.setattr(encoder_run, "EncoderEngine", loaded)  # (so that a regression fails, not serves forever)
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin://all-minilm-l6-v2", "--port", "0", *flags])
+    assert named in str(exited.value) and "sentence encoder" in str(exited.value)
