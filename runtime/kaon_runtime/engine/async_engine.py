@@ -55,6 +55,7 @@ class _Add:
     stream: RequestStream
     lora_id: int = 0
     kv: ImportedKv | None = None  # its prompt's K/V from a prefill engine
+    admitted: bool = False  # a batch's prompt (admit_batch): never expired while it waits
 
 
 @dataclass(slots=True)
@@ -151,6 +152,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.refuse_new: Callable[[], BaseException | None] = lambda: None
+        self._unexpiring: set[str] = set()  # batch prompts let in by admit_batch, never expired (engine thread only)
         """Read on the engine thread for every request it takes: an error fails the request instead (asleep)."""
         # A decode engine's prefill engines (engine.remote_prefill); None: every prompt is prefilled here.
         self.remote_prefill: RemotePrefill | None = None
@@ -223,10 +225,31 @@ class AsyncEngine:
         """Unregister an adapter (ModelNotFoundError if unknown); requests using it finish with it."""
         self.engine.remove_lora(name)
 
+    def admit_batch(self, num_prompts: int) -> None:
+        """Judge a batch of prompts (one /v1/completions request) as one request, before any is queued: room
+        for all of them in the queue (else QueueFullError, a 429) and its first prompt's turn within the
+        admission limit (else OverloadedError, a 503). Its prompts are then added with `admitted=True`: none is
+        refused or expired on its own, so a batch runs whole, as vLLM's does, or is refused whole."""
+        with self._lock:
+            stats = self._stats
+            waiting = self._num_queued + stats.num_waiting
+            if waiting + num_prompts > self.max_queue:
+                raise QueueFullError(f"a batch of {num_prompts} prompts needs that many places in the queue; "
+                                     f"{waiting} requests are already waiting (limit {self.max_queue}, --max-queue)",
+                                     retry_after_s(None, 0.0))
+            wait = expected_wait_s(waiting, max(self.max_running - stats.num_running, 0),
+                                   self._finishes.rate(time.monotonic()), self._step_times.slowest())
+            refusal = admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
+            if refusal is not None:
+                error = QueueFullError if refusal.status == 429 else OverloadedError
+                raise error(refusal.reason, refusal.retry_after_s)
+
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          adapter: str | None = None) -> RequestStream:
+                          adapter: str | None = None, admitted: bool = False) -> RequestStream:
         """Validate and queue a request (with the LoRA adapter of that name; None: the base model); raises
         InvalidRequestError, ModelNotFoundError (an unknown adapter), QueueFullError or EngineDeadError.
+        `admitted`: a prompt of a batch that admit_batch let in: queued without its own admission check, and
+        never expired while it waits (the batch's first prompt bounds the response's first token).
 
         Validation (tokenizing included) runs on a worker thread, so bad input is refused here,
         before the engine loop sees it, without blocking the event loop on a long prompt.
@@ -245,7 +268,7 @@ class AsyncEngine:
             waiting = self._num_queued + stats.num_waiting
             wait = expected_wait_s(waiting, max(self.max_running - stats.num_running, 0),
                                    self._finishes.rate(time.monotonic()), self._step_times.slowest())
-            refusal = admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
+            refusal = None if admitted else admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
             if refusal is not None:
                 if kv is not None and kv.reservation is not None:  # its blocks go back (on the engine thread)
                     self._submit(_Call(lambda engine: engine.discard_imported(kv)))
@@ -253,7 +276,7 @@ class AsyncEngine:
                 raise error(refusal.reason, refusal.retry_after_s)
             self._num_queued += 1
         stream = RequestStream(request_id, self)
-        self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id, kv))
+        self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id, kv, admitted))
         return stream
 
     async def _compile(self, params: SamplingParams) -> None:
@@ -344,6 +367,8 @@ class AsyncEngine:
                 try:
                     self.engine.add_validated(command.request_id, command.prompt_token_ids, command.params,
                                               lora_id=command.lora_id, kv=command.kv)
+                    if command.admitted:
+                        self._unexpiring.add(command.request_id)
                 except Exception as exc:  # noqa: BLE001 -- validated already; only a duplicate id can get here, and its stream gets the error
                     if command.kv is not None:
                         self.engine.discard_imported(command.kv)
@@ -365,7 +390,8 @@ class AsyncEngine:
         assert self.max_queue_wait_s is not None
         with self._lock:
             deadline = start_deadline_s(self.max_queue_wait_s, self._step_times.slowest())
-        expired = self.engine.expire_waiting(deadline)
+        self._unexpiring &= streams.keys()  # those that finished or went are forgotten
+        expired = self.engine.expire_waiting(deadline, keep=frozenset(self._unexpiring))
         if not expired:
             return
         with self._lock:

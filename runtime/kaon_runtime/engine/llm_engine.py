@@ -169,12 +169,14 @@ class LLMEngine:
             for seq in request.seqs:
                 self._retire(seq, "abort")
 
-    def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[str]:
+    def expire_waiting(self, max_wait_s: float, now: float | None = None, keep: frozenset[str] = frozenset()
+                       ) -> list[str]:
         """Abort the requests that have waited longer than `max_wait_s` without a token computed for them
-        (engine.admission: the admission limit); their ids. A request that has started is never expired."""
+        (engine.admission: the admission limit); their ids. A request that has started is never expired, nor
+        one in `keep` (a batch's prompts, admitted together)."""
         now = time.monotonic() if now is None else now
         expired = [r.request_id for r in self._requests.values()
-                   if r.seqs and queue_expired(now - r.arrival, max_wait_s) and not any(map(_started, r.seqs))]
+                   if r.seqs and r.request_id not in keep and queue_expired(now - r.arrival, max_wait_s) and not any(map(_started, r.seqs))]
         for request_id in expired:
             self.abort_request(request_id)
         return expired

@@ -360,8 +360,10 @@ async def _batched_completions(request: Request, engine: AsyncEngine, settings: 
     batch = GenerationBatch()
     try:
         with request.app.state.admission.slot():
+            engine.admit_batch(len(prompts))  # the whole batch or none of it, as one request (vLLM queues it all)
             for prompt in prompts:
-                batch.gens.append(await _start(engine, settings, metrics, "cmpl", prompt, params, adapter))
+                batch.gens.append(await _start(engine, settings, metrics, "cmpl", prompt, params, adapter,
+                                               admitted=True))
     except BaseException:
         batch.close()  # the prompts already queued do not run for nobody
         raise
@@ -409,13 +411,14 @@ def _salted(request: Request, params: SamplingParams) -> SamplingParams:
 
 
 async def _start(engine: AsyncEngine, settings: ServerSettings, metrics: Metrics, prefix: str,
-                 prompt: str | list[int], params: SamplingParams, adapter: str | None = None) -> Generation:
+                 prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
+                 admitted: bool = False) -> Generation:
     if params.prompt_logprobs is not None:  # scored prompts count against --max-logprob-entries by their length
         ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(engine.tokenizer.encode, prompt)
         check_prompt_logprobs(len(ids), params, settings.limits, engine.max_model_len)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     timer = metrics.track()
-    stream = await engine.add_request(request_id, prompt, params, adapter)
+    stream = await engine.add_request(request_id, prompt, params, adapter, admitted=admitted)
     return Generation(request_id, adapter or settings.model_name, stream, timer, params.stop, params.logprobs)
 
 

@@ -94,3 +94,52 @@ def test_the_finish_rate_is_measured_over_a_trailing_window():
     assert rate.rate(4.0) == pytest.approx(6 / 4.0)
     assert rate.rate(11.0) == pytest.approx(4 / 9.0)  # the first two left the window
     assert rate.rate(30.0) is None
+
+
+def test_a_batch_is_admitted_or_refused_whole_and_its_prompts_never_expire_alone():
+    """A /v1/completions batch of prompts used to be admitted prompt by prompt: 300 one-token prompts got a 503
+    at the 49th and the 48 queued were cancelled. Now the batch is judged once (room for all of it in the queue,
+    its first prompt's turn within the limit) and its prompts are queued without their own check or expiry."""
+    import asyncio
+    import time
+
+    from kaon_runtime.engine.async_engine import AsyncEngine
+    from kaon_runtime.errors import OverloadedError, QueueFullError
+    from kaon_runtime.sampling import SamplingParams
+    from tests.unit.runtime.server.test_pipeline import StubEngine
+
+    class Expiring(StubEngine):
+        def __init__(self):
+            super().__init__()
+            self.kept: set[str] = set()
+
+        def expire_waiting(self, max_wait_s, now=None, keep=frozenset()):
+            self.kept |= keep
+            return []
+
+    stub = Expiring()
+    front = AsyncEngine(stub, max_queue=8, max_queue_wait_s=30.0, max_running=2)
+
+    async def run():
+        front.start()
+        try:
+            front.admit_batch(8)  # the whole queue: let in
+            with pytest.raises(QueueFullError, match="batch of 9 prompts"):
+                front.admit_batch(9)
+            front._finishes.record(time.monotonic() - 29, 4)  # a slow drain: 4 finishes in 29 s
+            front._num_queued = 6  # six waiting before the batch: its first prompt's turn is ~36 s away
+            with pytest.raises(OverloadedError, match="admission limit"):
+                front.admit_batch(2)
+            # Prompt by prompt, each behind the others, a batch was cut off partway like this:
+            with pytest.raises(OverloadedError):
+                await front.add_request("alone", "hi", SamplingParams(max_tokens=1))
+            front._num_queued, front._finishes = 0, type(front._finishes)()  # no rate known: all queued
+            streams = [await front.add_request(f"b{i}", "hi", SamplingParams(max_tokens=20), admitted=True)
+                       for i in range(2)]
+            streams.append(await front.add_request("plain", "hi", SamplingParams(max_tokens=20)))
+            return [[o async for o in s][-1].finished for s in streams]
+        finally:
+            await front.stop()
+
+    assert asyncio.run(run()) == [True, True, True]
+    assert stub.kept == {"b0", "b1"}  # the batch's prompts were never offered for expiry; the plain one was

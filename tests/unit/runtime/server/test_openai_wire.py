@@ -13,7 +13,7 @@ from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import protocol as p
 from kaon_runtime.server.app import ServerSettings, create_app
-from tests.unit.runtime.server.test_pipeline import ADAPTER, MODEL, StubEngine, openai_error
+from tests.unit.runtime.server.test_pipeline import ADAPTER, CHAT, MODEL, StubEngine, openai_error
 
 
 class LengthCheckingEngine(StubEngine):
@@ -228,3 +228,22 @@ def test_a_streamed_response_opens_its_message_before_the_text_as_openai_does(ht
     final = events[-1]["response"]["output"][0]
     assert "".join(d["delta"] for d in deltas) == "xxx" == events[-4]["text"] == final["content"][0]["text"]
     assert events[-2]["item"] == final and events[2]["item"]["id"] == final["id"]
+
+
+def test_vllms_allowed_token_ids_bad_words_and_truncate_prompt_tokens_reach_the_engine(http, monkeypatch):
+    """vLLM takes these three as extra fields of /v1/completions and /v1/chat/completions; they were ignored
+    here (named in x-kaon-ignored-fields). Their effect on the tokens: test_engine.py, on the real model."""
+    engine, seen = http.app.state.engine.engine, []
+    validate = engine.validate
+    monkeypatch.setattr(engine, "validate", lambda prompt, params: seen.append(params) or validate(prompt, params))
+    extra = {"allowed_token_ids": [104, 120], "bad_words": ["no"], "truncate_prompt_tokens": 3}
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        reply = http.post(path, json={"model": MODEL, "max_tokens": 1, **body, **extra})
+        assert reply.status_code == 200, reply.text
+        assert "x-kaon-ignored-fields" not in reply.headers
+        assert (seen[-1].allowed_token_ids, seen[-1].bad_words, seen[-1].truncate_prompt_tokens) == ([104, 120],
+                                                                                                      ["no"], 3)
+    for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"allowed_token_ids": []},
+                {"bad_words": "no"}):
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **bad})
+        assert reply.status_code == 400, (bad, reply.text)
