@@ -106,7 +106,7 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
-    def _adapter_names(self, lora_request: LoRARequest | list[LoRARequest | None]) -> str | list[str | None]:
+    def _adapter_names(self, lora_request: LoRARequest | list[LoRARequest | None]) -> str | list[str | None] | None:
         """kaon's adapter names for vLLM's LoRARequests, registering each new one's directory under its name."""
         requests = lora_request if isinstance(lora_request, list) else [lora_request]
         for r in requests:

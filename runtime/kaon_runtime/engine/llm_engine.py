@@ -176,7 +176,8 @@ class LLMEngine:
         one in `keep` (a batch's prompts, admitted together)."""
         now = time.monotonic() if now is None else now
         expired = [r.request_id for r in self._requests.values()
-                   if r.seqs and r.request_id not in keep and queue_expired(now - r.arrival, max_wait_s) and not any(map(_started, r.seqs))]
+                   if r.seqs and r.request_id not in keep and queue_expired(now - r.arrival, max_wait_s)
+                   and not any(map(_started, r.seqs))]
         for request_id in expired:
             self.abort_request(request_id)
         return expired

@@ -6,8 +6,8 @@ tensor and counts come from one scatter, so the cost per step does not grow with
 over rows on the device. Rows that ask for none of it are not touched (and a batch with none
 returns the logits as they are).
 
-Order, as vLLM applies it: banned tokens (min_tokens, bad_words), allowed_token_ids, logit_bias, repetition penalty, frequency
-and presence penalties; then min_p, which depends on the temperature the sampler applies next.
+Order, as vLLM applies it: banned tokens (min_tokens, bad_words), allowed_token_ids, logit_bias, repetition
+penalty, frequency and presence penalties; then min_p, which depends on the temperature the sampler applies next.
 """
 from __future__ import annotations
 

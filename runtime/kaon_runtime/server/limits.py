@@ -151,7 +151,9 @@ def utf8_length(text: str) -> int:
 
 def check_completion(body: p.CompletionRequest, prompt: str | list[int], limits: Limits, max_model_len: int) -> None:
     text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
-    check_prompt(utf8_length(text), len(ids), limits, max_model_len)
+    keep = body.truncate_prompt_tokens  # vLLM's: the engine keeps the prompt's last k tokens (-1: the context's)
+    num_ids = len(ids) if keep is None else min(len(ids), max_model_len if keep == -1 else max(keep, 0))
+    check_prompt(utf8_length(text), num_ids, limits, max_model_len)
     check_stop(body.stop_list, limits)
     check_logprobs(body.n, body.logprobs, body.max_tokens, limits, max_model_len)
 
