@@ -27,7 +27,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("layers",),
     ("loader", "quant", "distributed"),
     ("kernels",),
-    ("config", "sampling"),
+    ("config", "sampling", "lora"),  # lora: vLLM's LoRARequest, a leaf the facade (llm) takes
     ("errors", "arith", "version"),
 )
 TIER = {part: depth for depth, parts in enumerate(TIERS) for part in parts}
