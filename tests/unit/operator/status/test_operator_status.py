@@ -351,6 +351,18 @@ def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning()
             == [("Normal", "DisruptionAllowed")])
 
 
+def test_a_scale_up_from_one_replica_is_no_disruption_warning():
+    # 1 -> 3: minAvailable goes 0 -> 1 while the one pod is ready and the new pods are not created yet
+    # (seen in `make demo`: a Warning DisruptionBlocked on every scale-up from one replica).
+    ready = [summaries.summarize_pod(pod())]
+    cond = conditions.disruption_condition(pdb(0, 1, 1, expected=1), ready, desired=3)
+    assert (cond["status"], cond["reason"]) == ("False", "ReplicasStarting")
+    assert conditions.transition_events([cond], []) == []
+    # every wanted pod there and ready, yet the budget refuses (minAvailable = replicas): that is one to see
+    held = conditions.disruption_condition(pdb(0, 1, 1, expected=1), ready, desired=1)
+    assert held["reason"] == "InsufficientHealthyReplicas"
+
+
 def test_replicas_still_starting_block_evictions_quietly():
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
     starting = [summaries.summarize_pod(slow_pod("2026-01-01T00:00:00Z"))]  # 70 s budget
