@@ -151,6 +151,20 @@ def test_spec_change_events():
     assert change() == []
 
 
+def test_standby_with_autoscaling_off_is_a_warning_saying_what_to_change():
+    asleep = SPEC.model_copy(update={"autoscaling": SPEC.autoscaling.model_copy(
+        update={"enabled": False, "standby": 2})}, deep=True)
+    [warning] = changes.ignored_settings(asleep)
+    assert (warning.type, warning.reason) == ("Warning", "StandbyIgnored")
+    assert "autoscaling.standby 2 has no effect" in warning.message and "set autoscaling.enabled true" in warning.message
+    on = SPEC.model_copy(update={"autoscaling": SPEC.autoscaling.model_copy(
+        update={"enabled": True, "standby": 2})}, deep=True)
+    assert changes.ignored_settings(on) == changes.ignored_settings(SPEC) == []
+    # said when a change brings it (autoscaling turned off), not again on a later unrelated edit
+    assert changes.newly_ignored(on, asleep) == [warning] and changes.newly_ignored(None, asleep) == [warning]
+    assert changes.newly_ignored(asleep, asleep.model_copy(update={"replicas": 3})) == []
+
+
 def test_foreign_spec_managers():
     entries = [
         {"manager": FIELD_MANAGER, "operation": "Apply", "fieldsV1": {"f:spec": {}}},
