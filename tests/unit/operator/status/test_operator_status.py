@@ -156,7 +156,8 @@ def test_standby_with_autoscaling_off_is_a_warning_saying_what_to_change():
         update={"enabled": False, "standby": 2})}, deep=True)
     [warning] = changes.ignored_settings(asleep)
     assert (warning.type, warning.reason) == ("Warning", "StandbyIgnored")
-    assert "autoscaling.standby 2 has no effect" in warning.message and "set autoscaling.enabled true" in warning.message
+    assert "autoscaling.standby 2 has no effect" in warning.message
+    assert "set autoscaling.enabled true" in warning.message
     on = SPEC.model_copy(update={"autoscaling": SPEC.autoscaling.model_copy(
         update={"enabled": True, "standby": 2})}, deep=True)
     assert changes.ignored_settings(on) == changes.ignored_settings(SPEC) == []
