@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "kaon.dev"
@@ -32,7 +32,33 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # measured the engine's own.
 ENGINE_GPU_MAX_NUM_SEQS = 64
 
-Quantity = int | str  # a Kubernetes resource quantity: 2, "500m", "16Gi"
+# A Kubernetes resource quantity: 2, "500m", "16Gi". Checked here and by the apiserver (CEL's quantity
+# library), so a typo such as "16GB " or "lots" is refused at `kubectl apply` with the field's path, rather
+# than accepted and then failing at each pod the operator renders from it (or at the emptyDir's sizeLimit).
+# The grammar is Kubernetes' own (resource.Quantity), negative values left out: no request, limit or size
+# may be below zero.
+_QUANTITY_RE = r"^[+]?([0-9]+[.]?[0-9]*|[.][0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?[0-9]+)?$"
+_QUANTITY_MESSAGE = "must be a non-negative Kubernetes quantity, such as 4, 500m, 16Gi or 1e9"
+_QUANTITY_CEL = "type(self) == int ? self >= 0 : (isQuantity(self) && !self.startsWith('-'))"
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, int):
+        ok = value >= 0
+    else:
+        ok = len(value) <= _QUANTITY_MAX_LENGTH and re.match(_QUANTITY_RE, value) is not None
+    if not ok:
+        raise ValueError(f"{value!r} {_QUANTITY_MESSAGE}")
+    return value
+
+
+# The bounds (a quantity's length, resources per map) keep the CEL rule's estimated cost within the apiserver's
+# budget; without them it refuses the CRD itself.
+_QUANTITY_MAX_LENGTH = 64
+_MAX_RESOURCES = 32
+Quantity = Annotated[int | str, AfterValidator(_check_quantity),
+                     Field(json_schema_extra={"maxLength": _QUANTITY_MAX_LENGTH, "x-kubernetes-validations": [
+                         {"rule": _QUANTITY_CEL, "message": _QUANTITY_MESSAGE}]})]
 
 
 class Key(NamedTuple):
@@ -345,10 +371,10 @@ class ResourcesSpec(_Model):
 
     model_config = ConfigDict(json_schema_extra=_cel(_NO_GPU_IN_RESOURCES, _NO_GPU_MESSAGE))
 
-    requests: dict[str, Quantity] | None = None
+    requests: dict[str, Quantity] | None = Field(None, max_length=_MAX_RESOURCES)
     """Resource requests of the engine container, e.g. `{cpu: 4, memory: 16Gi}`. Unset cpu and memory default to
     2 CPUs and 8Gi per GPU (engine.tensorParallelSize), unless `limits` sets them (then the limit is the request)."""
-    limits: dict[str, Quantity] | None = None
+    limits: dict[str, Quantity] | None = Field(None, max_length=_MAX_RESOURCES)
     """Resource limits of the engine container."""
 
     @model_validator(mode="after")

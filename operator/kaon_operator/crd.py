@@ -26,7 +26,7 @@ CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
 CHART_CRD_PATH = ROOT / "charts" / "kaon" / "crds" / "inferenceservice.yaml"
 
 _KEEP = ("type", "description", "enum", "format", "minimum", "maximum", "minLength", "maxLength",
-         "pattern", "minItems", "maxItems")
+         "pattern", "minItems", "maxItems", "maxProperties")
 _NULL = {"type": "null"}
 
 # Names a Service can take (DNS-1035 label): children are named after the InferenceService.

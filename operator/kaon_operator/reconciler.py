@@ -137,12 +137,13 @@ def reconcile(ctx: Context, body, key: Key, reason: str, old) -> None:
     _remove_prefetch(ctx, body, spec, old)
     if reason == "create":
         ctx.post(body, [conditions.EventSpec("Normal", "Created", "created " + ", ".join(
-            f"{c['kind']} {c['metadata']['name']}" for c in children))])
+            f"{c['kind']} {c['metadata']['name']}" for c in children)), *changes.ignored_settings(spec)])
     elif reason == "update":
         previous = api.parse_spec(old) if old else None
         if isinstance(previous, api.InferenceServiceSpec):
             autoscaled = record.scaled_to == spec.replicas  # the autoscaler's own change: it posted its Event
             if autoscaled:
                 record.scaled_to = None
-            ctx.post(body, changes.describe_spec_change(previous, spec, autoscaled=autoscaled))
+            ctx.post(body, changes.describe_spec_change(previous, spec, autoscaled=autoscaled)
+                     + changes.newly_ignored(previous, spec))
     status_sync.sync_status(ctx, body, key, spec, applied=True)

@@ -6,7 +6,7 @@ import json
 import yaml
 
 from kaon_operator import api, api_status, crd as crd_module
-from support.crd_cases import INVALID, MINIMAL, VALID_SOURCES, manifest, with_
+from support.crd_cases import INVALID, MINIMAL, VALID_QUANTITIES, VALID_SOURCES, manifest, with_
 
 
 def test_apiserver_refuses_invalid_specs_with_clear_messages(crd, namespace):
@@ -36,6 +36,16 @@ def test_every_model_source_is_accepted_by_pydantic_and_the_apiserver(crd, names
         spec = with_("model.uri", uri)
         api.InferenceServiceSpec.model_validate(spec)
         crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest(f"src-{i}", spec)))
+
+
+def test_quantities_are_checked_by_both_and_the_refusal_names_the_field(crd, namespace):
+    spec = with_("resources", {"requests": {f"example.com/r{i}": q for i, q in enumerate(VALID_QUANTITIES)}})
+    spec = with_("model.cache", {"sizeLimit": "1.5Gi"}, spec)
+    api.InferenceServiceSpec.model_validate(spec)
+    crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest("quantities", spec)))
+    res = crd.kubectl("create", "-n", namespace, "-f", "-", check=False,
+                      input=json.dumps(manifest("typo", with_("resources", {"limits": {"memory": "16GB"}}))))
+    assert res.returncode != 0 and "spec.resources.limits[memory]" in res.stderr, res.stderr
 
 
 def test_a_full_spec_round_trips(crd, namespace):

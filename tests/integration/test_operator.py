@@ -514,3 +514,9 @@ def test_an_inference_routes_key_digests_are_published(cluster):
 
     auth = wait_for("status.auth of the route", published)
     assert auth == {"apiKeySecret": "route-keys", "keyDigests": [hashlib.sha256(b"route-secret").hexdigest()]}
+
+
+def test_standby_with_autoscaling_off_gets_a_warning_event_naming_the_fix(cluster):
+    # Accepted (turning autoscaling off stays one edit) but never silent: no standby pod runs while it is off.
+    cluster.kubectl("apply", "-f", "-", input=isvc("idle", replicas=0, autoscaling={"enabled": False, "standby": 1}))
+    cluster.event_posted("idle", "StandbyIgnored", "Warning", contains="set autoscaling.enabled true")

@@ -99,7 +99,21 @@ INVALID = [
     ("tiers-with-tp", with_("engine", {"kvOffload": {"diskBytes": 1 << 30}, "tensorParallelSize": 2}),
      "kvOffload needs enablePrefixCaching true, tensorParallelSize 1 and pipelineParallelSize 1: the tiers keep one "
      "process's cached prefixes"),
+    # A malformed or negative quantity: refused at apply, naming the field, not at each pod the operator renders.
+    ("quantity-typo", with_("resources", {"requests": {"memory": "16GB"}}),
+     "must be a non-negative Kubernetes quantity, such as 4, 500m, 16Gi or 1e9"),
+    ("quantity-word", with_("resources", {"limits": {"cpu": "lots"}}),
+     "must be a non-negative Kubernetes quantity, such as 4, 500m, 16Gi or 1e9"),
+    ("quantity-negative", with_("resources", {"requests": {"cpu": -1}}),
+     "must be a non-negative Kubernetes quantity, such as 4, 500m, 16Gi or 1e9"),
+    ("size-limit-negative", with_("model.cache", {"sizeLimit": "-5Gi"}),
+     "must be a non-negative Kubernetes quantity, such as 4, 500m, 16Gi or 1e9"),
+    ("size-limit-space", with_("model.cache", {"sizeLimit": "100 Gi"}),
+     "must be a non-negative Kubernetes quantity, such as 4, 500m, 16Gi or 1e9"),
 ]
+
+# Quantities both pydantic and the apiserver accept (Kubernetes' grammar: decimal, binary and exponent suffixes).
+VALID_QUANTITIES = [4, "4", "500m", "16Gi", "1.5Gi", "1e9", "2E3", "+1", ".5", "0", 0, "128M", "1Ti"]
 
 
 VALID_SOURCES = ["hf://meta-llama/Llama-3.1-8B-Instruct", "hf://Qwen/Qwen2.5-0.5B@refs/pr/1", "s3://models/llama/3.1-8b",

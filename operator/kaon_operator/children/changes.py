@@ -53,3 +53,22 @@ def foreign_spec_managers(managed_fields: list[dict] | None) -> list[str]:
     return sorted({entry.get("manager", "?") for entry in managed_fields or []
                    if entry.get("manager") != FIELD_MANAGER and entry.get("subresource", "") != "status"
                    and "f:spec" in (entry.get("fieldsV1") or {})})
+
+
+def ignored_settings(spec: api.InferenceServiceSpec) -> list[EventSpec]:
+    """Warnings for settings the spec holds that have no effect, each saying what to change. Accepted rather
+    than refused (a service that has them kept working before, and turning autoscaling off must stay one
+    edit), but never silently: an admin reading `kubectl describe` sees why nothing happens."""
+    events = []
+    if spec.autoscaling.standby and not spec.autoscaling.enabled:
+        events.append(EventSpec("Warning", "StandbyIgnored", (
+            f"autoscaling.standby {spec.autoscaling.standby} has no effect while autoscaling.enabled is false "
+            "(the autoscaler wakes the standbys; no standby pod runs): set autoscaling.enabled true, or "
+            "standby 0 to silence this")))
+    return events
+
+
+def newly_ignored(old: api.InferenceServiceSpec | None, new: api.InferenceServiceSpec) -> list[EventSpec]:
+    """The warnings of `ignored_settings` that a spec change brought (each said once, not on every edit)."""
+    before = ignored_settings(old) if old is not None else []
+    return [e for e in ignored_settings(new) if e not in before]

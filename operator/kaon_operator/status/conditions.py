@@ -242,10 +242,13 @@ def replica_counts(pods: list[PodSummary], groups: DeploymentSummary | None = No
 # disruptionsAllowed > 0, an unhealthy one only while currentHealthy >= desiredHealthy.
 
 
-def disruption_condition(pdb: PdbSummary | None, pods: list[PodSummary], now: datetime | None = None) -> dict | None:
+def disruption_condition(pdb: PdbSummary | None, pods: list[PodSummary], now: datetime | None = None,
+                         desired: int | None = None) -> dict | None:
     """DisruptionAllowed: False when the PDB refuses evictions. While replicas are merely starting (a
     scale-up, a rollout) that is expected and said quietly (ReplicasStarting); when they are failing
-    or overdue it is InsufficientHealthyReplicas, which posts a Warning."""
+    or overdue it is InsufficientHealthyReplicas, which posts a Warning. `desired` (spec.replicas): a
+    scale-up from one replica raises minAvailable from 0 to 1 before the Deployment has created the new
+    pods, so every pod there is ready and yet the PDB refuses: starting too, not an incident."""
     if pdb is None or not pdb.observed or pdb.expected_pods == 0:
         return None
     refuses_healthy = pdb.disruptions_allowed == 0 and pdb.current_healthy > 0
@@ -260,6 +263,8 @@ def disruption_condition(pdb: PdbSummary | None, pods: list[PodSummary], now: da
     live = [p for p in pods if not p.terminating and not p.ready]
     starting = live and all(not (p.stuck or p.model_failure or p.unschedulable) and _overdue(p, now) is None
                             for p in live)
+    if not live and desired is not None:  # all ready, but fewer than wanted: pods not created yet
+        starting = sum(not p.terminating for p in pods) < desired
     return _condition(DISRUPTION, False, "ReplicasStarting" if starting else BLOCKED, message)
 
 

@@ -77,7 +77,8 @@ def sync_status(ctx: Context, body, key: Key, spec: api.InferenceServiceSpec, *,
             kept = record.conditions.get(type_)  # one read: a loop may replace it meanwhile
             if shown and kept is not None:
                 wanted.append(kept)
-        disruption = conditions.disruption_condition(record.pdb, pods, _now())
+        disruption = conditions.disruption_condition(record.pdb, pods, _now(),
+                                                     desired=spec.replicas * spec.engine.nodes_per_replica)
         wanted += [disruption] if disruption else []
         # An older InferenceService answering this one's served name.
         conflict = conditions.name_conflicts(ctx.caches.served_names_in(key[0])).get(key)

@@ -3,6 +3,10 @@
 Engine outputs are cumulative (the text so far), so a stream sends the difference from what
 it sent before. Completions and chat differ only in how a choice is wrapped; `_Format`
 subclasses hold that difference and the rest is shared.
+
+Over 300 lines for a stated reason: the whole-response and streaming paths, batched prompts and echo
+included, run through the same `_Format` methods and the same waits on a client that went away; split,
+each half would reach into the other's helpers.
 """
 from __future__ import annotations
 

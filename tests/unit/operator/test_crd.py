@@ -34,7 +34,7 @@ def _check_field(annotation, default, node: dict, where: str) -> None:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType) and len(args) == 1:  # Optional[X]
         return _check_field(args[0], default, node, where)
-    if annotation == api.Quantity:
+    if annotation in (api.Quantity, int | str):  # a field's annotation comes without Annotated's metadata
         assert node.get("x-kubernetes-int-or-string"), where
     elif origin is typing.Literal:
         assert node["type"] == "string" and node["enum"] == list(typing.get_args(annotation)), where

@@ -151,6 +151,21 @@ def test_spec_change_events():
     assert change() == []
 
 
+def test_standby_with_autoscaling_off_is_a_warning_saying_what_to_change():
+    asleep = SPEC.model_copy(update={"autoscaling": SPEC.autoscaling.model_copy(
+        update={"enabled": False, "standby": 2})}, deep=True)
+    [warning] = changes.ignored_settings(asleep)
+    assert (warning.type, warning.reason) == ("Warning", "StandbyIgnored")
+    assert "autoscaling.standby 2 has no effect" in warning.message
+    assert "set autoscaling.enabled true" in warning.message
+    on = SPEC.model_copy(update={"autoscaling": SPEC.autoscaling.model_copy(
+        update={"enabled": True, "standby": 2})}, deep=True)
+    assert changes.ignored_settings(on) == changes.ignored_settings(SPEC) == []
+    # said when a change brings it (autoscaling turned off), not again on a later unrelated edit
+    assert changes.newly_ignored(on, asleep) == [warning] and changes.newly_ignored(None, asleep) == [warning]
+    assert changes.newly_ignored(asleep, asleep.model_copy(update={"replicas": 3})) == []
+
+
 def test_foreign_spec_managers():
     entries = [
         {"manager": FIELD_MANAGER, "operation": "Apply", "fieldsV1": {"f:spec": {}}},
@@ -349,6 +364,18 @@ def test_a_pdb_refusing_evictions_is_disruption_allowed_false_with_one_warning()
     assert conditions.transition_events([blocked], [blocked]) == []
     assert ([(e.type, e.reason) for e in conditions.transition_events([fine], [blocked])]
             == [("Normal", "DisruptionAllowed")])
+
+
+def test_a_scale_up_from_one_replica_is_no_disruption_warning():
+    # 1 -> 3: minAvailable goes 0 -> 1 while the one pod is ready and the new pods are not created yet
+    # (seen in `make demo`: a Warning DisruptionBlocked on every scale-up from one replica).
+    ready = [summaries.summarize_pod(pod())]
+    cond = conditions.disruption_condition(pdb(0, 1, 1, expected=1), ready, desired=3)
+    assert (cond["status"], cond["reason"]) == ("False", "ReplicasStarting")
+    assert conditions.transition_events([cond], []) == []
+    # every wanted pod there and ready, yet the budget refuses (minAvailable = replicas): that is one to see
+    held = conditions.disruption_condition(pdb(0, 1, 1, expected=1), ready, desired=1)
+    assert held["reason"] == "InsufficientHealthyReplicas"
 
 
 def test_replicas_still_starting_block_evictions_quietly():
