@@ -167,14 +167,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, params: SamplingParams | list[SamplingParams] | None = None
-             ) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None, *,
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (one, or a list of them), then generate.
-        `sampling_params` as in generate (vLLM's name; `params` kept for earlier callers)."""
+        `sampling_params` and `lora_request` as in generate (vLLM's names; `params` kept for earlier callers)."""
         one = bool(messages) and isinstance(messages[0], dict)
         batch: list[list[dict]] = [messages] if one else messages  # type: ignore[list-item,assignment]
         prompts: list[Prompt] = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in batch]
-        return self.generate(prompts, sampling_params, use_tqdm, params=params)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request, params=params)
 
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's name): encode, decode, apply_chat_template."""
