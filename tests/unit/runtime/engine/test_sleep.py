@@ -98,12 +98,14 @@ def test_level_two_leaves_nothing_holding_the_weights(llm, tmp_path):
 
 
 @pytest.mark.slow
-def test_vllms_offline_sleep_and_wake_up_answer_as_before(gguf_path):
+def test_vllms_offline_sleep_and_wake_up_answer_as_before(gguf_path, llm):
     """vLLM's LLM(..., enable_sleep_mode=True).sleep(level) / wake_up(tags) / is_sleeping, on the bundled
     model: greedy tokens equal before and after each level; generating asleep is a clear error (vLLM's
     offline LLM has no defined answer there: kaon refuses, as its server does, rather than wake silently)."""
     from kaon_runtime import LLM
     from kaon_runtime.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="enable_sleep_mode=True"):
+        llm.sleep()  # the session's LLM, made without sleep mode
     llm = LLM(str(gguf_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=16 << 20,
               enable_sleep_mode=True)
     try:
@@ -125,9 +127,3 @@ def test_vllms_offline_sleep_and_wake_up_answer_as_before(gguf_path):
             llm.wake_up(tags=["everything"])
     finally:
         llm.close()
-    plain = LLM(str(gguf_path), show_progress=False, device="cpu", dtype="float32", kv_cache_bytes=16 << 20)
-    try:
-        with pytest.raises(InvalidRequestError, match="enable_sleep_mode=True"):
-            plain.sleep()
-    finally:
-        plain.close()
