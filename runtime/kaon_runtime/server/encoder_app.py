@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse
 from kaon_runtime.engine.encoder import EncoderEngine
 from kaon_runtime.server import embeddings
 from kaon_runtime.server.keys import ApiKeys
-from kaon_runtime.server.lora_routes import admin_allowed
 from kaon_runtime.server.pipeline import APIError, install_error_handlers, parse, served_adapter
+from kaon_runtime.server.sleep import admin_only
 
 
 @dataclass
@@ -36,17 +36,6 @@ class EncoderSettings:
 
 
 ENCODER_CANNOT_SLEEP = "sleep is not supported for a sentence encoder (it has no KV cache, and its weights are small)"
-
-
-async def _admin(request: Request) -> None:
-    settings: EncoderSettings = request.app.state.settings
-    refused = admin_allowed(settings.sleep_mode, settings.admin_key, request.headers.get("authorization", ""))
-    if refused == 404:
-        raise APIError(404, f"no route {request.url.path}: sleep mode is off (kaon serve --enable-sleep-mode)",
-                       code="not_found")
-    if refused is not None:
-        raise APIError(401, "sleep and wake need the admin key (Authorization: Bearer <admin key>)",
-                       code="invalid_api_key")
 
 
 async def _authorized(request: Request) -> None:
@@ -102,7 +91,7 @@ def create_encoder_app(engine: EncoderEngine, settings: EncoderSettings) -> Fast
         return JSONResponse(response_body(body, settings.model_name, results))
 
     if settings.sleep_mode:
-        admin = [Depends(_admin)]
+        admin = [Depends(admin_only)]
 
         @app.post("/sleep", dependencies=admin)
         async def sleep() -> Response:

@@ -75,7 +75,8 @@ def is_asleep(request: Request) -> bool:
     return request.app.state.sleep.asleep
 
 
-async def _admin(request: Request) -> None:
+async def admin_only(request: Request) -> None:
+    """The sleep routes' gate, the encoder server's too: 404 while sleep mode is off, 401 without the admin key."""
     settings = request.app.state.settings
     refused = admin_allowed(settings.sleep_mode, settings.admin_key, request.headers.get("authorization", ""))
     if refused == 404:
@@ -86,8 +87,8 @@ async def _admin(request: Request) -> None:
                        code="invalid_api_key")
 
 
-routes = APIRouter(dependencies=[Depends(_admin)])
-# Every route answers 404 when sleep mode is off and 401 without the admin key (_admin).
+routes = APIRouter(dependencies=[Depends(admin_only)])
+# Every route answers 404 when sleep mode is off and 401 without the admin key (admin_only).
 ADMIN_ERRORS: doc.Responses = {
     401: {"model": p.ErrorResponse, "description": "Missing or wrong admin key"},
     404: {"model": p.ErrorResponse, "description": "Sleep mode is off (kaon serve --enable-sleep-mode)"}}
