@@ -152,8 +152,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.refuse_new: Callable[[], BaseException | None] = lambda: None
-        self._unexpiring: set[str] = set()  # batch prompts let in by admit_batch, never expired (engine thread only)
         """Read on the engine thread for every request it takes: an error fails the request instead (asleep)."""
+        self._unexpiring: set[str] = set()  # batch prompts let in by admit_batch, never expired (engine thread only)
         # A decode engine's prefill engines (engine.remote_prefill); None: every prompt is prefilled here.
         self.remote_prefill: RemotePrefill | None = None
 
@@ -231,18 +231,14 @@ class AsyncEngine:
         admission limit (else OverloadedError, a 503). Its prompts are then added with `admitted=True`: none is
         refused or expired on its own, so a batch runs whole, as vLLM's does, or is refused whole."""
         with self._lock:
-            stats = self._stats
-            waiting = self._num_queued + stats.num_waiting
+            waiting = self._num_queued + self._stats.num_waiting
             if waiting + num_prompts > self.max_queue:
                 raise QueueFullError(f"a batch of {num_prompts} prompts needs that many places in the queue; "
                                      f"{waiting} requests are already waiting (limit {self.max_queue}, --max-queue)",
                                      retry_after_s(None, 0.0))
-            wait = expected_wait_s(waiting, max(self.max_running - stats.num_running, 0),
-                                   self._finishes.rate(time.monotonic()), self._step_times.slowest())
-            refusal = admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
+            refusal = self._refusal()
             if refusal is not None:
-                error = QueueFullError if refusal.status == 429 else OverloadedError
-                raise error(refusal.reason, refusal.retry_after_s)
+                raise refusal
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           adapter: str | None = None, admitted: bool = False) -> RequestStream:
@@ -264,20 +260,28 @@ class AsyncEngine:
         if self.remote_prefill is not None and self._num_queued + self._stats.num_waiting < self.max_queue:
             kv = await self.remote_prefill.fetch(prompt_token_ids, params, adapter, lora_id)
         with self._lock:
-            stats = self._stats
-            waiting = self._num_queued + stats.num_waiting
-            wait = expected_wait_s(waiting, max(self.max_running - stats.num_running, 0),
-                                   self._finishes.rate(time.monotonic()), self._step_times.slowest())
-            refusal = None if admitted else admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
+            refusal = None if admitted else self._refusal()
             if refusal is not None:
                 if kv is not None and kv.reservation is not None:  # its blocks go back (on the engine thread)
                     self._submit(_Call(lambda engine: engine.discard_imported(kv)))
-                error = QueueFullError if refusal.status == 429 else OverloadedError
-                raise error(refusal.reason, refusal.retry_after_s)
+                raise refusal
             self._num_queued += 1
         stream = RequestStream(request_id, self)
         self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id, kv, admitted))
         return stream
+
+    def _refusal(self) -> QueueFullError | OverloadedError | None:
+        """The admission judgment of one more request now (under self._lock): a full queue (429) or a wait past
+        --max-queue-wait (503), as the error to raise; None: let it in."""
+        stats = self._stats
+        waiting = self._num_queued + stats.num_waiting
+        wait = expected_wait_s(waiting, max(self.max_running - stats.num_running, 0),
+                               self._finishes.rate(time.monotonic()), self._step_times.slowest())
+        refusal = admission(waiting, self.max_queue, wait, self.max_queue_wait_s)
+        if refusal is None:
+            return None
+        error = QueueFullError if refusal.status == 429 else OverloadedError
+        return error(refusal.reason, refusal.retry_after_s)
 
     async def _compile(self, params: SamplingParams) -> None:
         if self._compiles >= MAX_PENDING_COMPILES:
