@@ -169,6 +169,14 @@ def test_a_kept_connection_closed_unanswered_is_resent_on_a_new_one_and_not_coun
     assert router.inflight == {}
 
 
+async def keep_connections(router, client, *engines: RawEngine) -> None:
+    """Requests until the router keeps a connection to every one of the engines (the fast path needs one to
+    the pod it picks)."""
+    await asyncio.gather(*(ask(client) for _ in range(8)))
+    await until("kept connections to every pod",
+                lambda: all(router.upstream.idle(f"http://127.0.0.1:{e.port}") > 0 for e in engines))
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_pod_that_fails_on_the_fast_path_is_ejected_and_the_other_answers(loop):
     async def scenario():
@@ -177,11 +185,7 @@ def test_a_pod_that_fails_on_the_fast_path_is_ejected_and_the_other_answers(loop
         router = routed(a, b)
         try:
             async with serving(router) as client:
-                # Kept connections to both pods (the fast path needs one to each ready pod).
-                await asyncio.gather(*(ask(client) for _ in range(8)))
-                await until("kept connections to both pods",
-                            lambda: router.upstream.idle(f"http://127.0.0.1:{a.port}") > 0
-                            and router.upstream.idle(f"http://127.0.0.1:{b.port}") > 0)
+                await keep_connections(router, client, a, b)
                 a.plan = [CLOSE, CLOSE]  # its kept connection and then a new one: the pod is failing
                 before, answers = router.answered_now, []
                 while a.plan and len(answers) < 50:  # ties go at random: until `a` is picked
@@ -209,10 +213,7 @@ def test_an_asleep_pods_503_on_the_fast_path_goes_to_another_pod(loop):
         router = routed(a, b)
         try:
             async with serving(router) as client:
-                await asyncio.gather(*(ask(client) for _ in range(8)))
-                await until("kept connections to both pods",
-                            lambda: router.upstream.idle(f"http://127.0.0.1:{a.port}") > 0
-                            and router.upstream.idle(f"http://127.0.0.1:{b.port}") > 0)
+                await keep_connections(router, client, a, b)
                 a.plan = [ASLEEP]
                 answers = []
                 while a.plan and len(answers) < 50:  # ties go at random: until `a` is picked
