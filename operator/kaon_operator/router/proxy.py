@@ -191,13 +191,12 @@ class Router:
         exchange = Exchange(self, request, key, target, model, payload, body, reserved, source, arrival,
                             clock.monotonic())
         request.conn.exchange = exchange  # (the client gone before the coroutine path began on it: abandon)
+        exchange.dispatched = time.perf_counter()
         if not self.upstream.has_idle(target.url, self.upstream.loop_time()):
-            exchange.dispatched = time.perf_counter()
             exchange.hand_over()
             return
         exchange.sent = True
         self.inflight[target] = self.inflight.get(target, 0) + 1
-        exchange.dispatched = time.perf_counter()
         exchange.data, exchange.deadline = self.upstream.send_now(
             target.url, request.method, _engine_path(request), self._fields(request, key), body,
             self.config.first_byte_timeout, exchange)
