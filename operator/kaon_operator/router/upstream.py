@@ -24,7 +24,6 @@ pool); split apart, each would reach into the other's fields.
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -99,7 +98,7 @@ class Response:
         self.raw_headers: list[tuple[bytes, bytes]] = []
         """The fields as they came: (name, value) bytes."""
         self._headers: CIMultiDict[str] | None = None
-        self._chunks: collections.deque[bytes] = collections.deque()
+        self._chunks: list[bytes] = []  # (taken whole each time, never from the front: no deque's 64-slot block)
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
         self.complete = False
@@ -179,7 +178,7 @@ class Response:
     def _take(self) -> bytes:
         """What has arrived of the body (b"" if nothing), taken; the connection read again if it had been paused."""
         chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         if self._buffered > HIGH_WATER:
             self._conn.resume()
