@@ -82,7 +82,7 @@ def test_a_restart_clears_a_pods_entries():
     assert index.match("a", keys()).blocks == 0
     assert KvIndex().sequence("b", 7) == 0  # a pod first heard of mid-life: its history from 0
     stored(index, "a")
-    index.clear("a")  # AllBlocksCleared
+    index.cleared("a")  # AllBlocksCleared
     assert index.match("a", keys()).blocks == 0
 
 
@@ -380,6 +380,23 @@ def test_a_batch_applies_in_order_and_all_blocks_cleared_empties_the_pod():
     assert index.match("a", keys()).blocks == 0
     apply(index, "a", [AllBlocksCleared(), store])
     assert index.match("a", keys()).blocks == 4
+
+
+def test_all_blocks_cleared_keeps_the_pods_sequence():
+    """Every engine's batch 0 is AllBlocksCleared. It emptied the pod's entries and its sequence number too, so
+    each later batch looked like a pod heard of mid-life and was answered by a replay of the engine's whole
+    buffer (up to 10,000 batches) from 0, batch after batch (found by hand)."""
+    from kaon_operator.router.kv_feed import AllBlocksCleared, apply
+
+    index = KvIndex()
+    assert index.sequence("a", 0) is None
+    apply(index, "a", [AllBlocksCleared()])
+    assert index.sequence("a", 1) is None  # the next batch: no gap, nothing to replay
+    stored(index, "a")
+    assert index.sequence("a", 2) is None
+    apply(index, "a", [AllBlocksCleared()])  # a vLLM pod's reset_prefix_cache: the blocks go, the count stays
+    assert index.match("a", keys()).blocks == 0
+    assert index.sequence("a", 4) == 3
 
 
 # ---- vLLM's two event encodings, as its releases declare them --------------------------------
