@@ -239,25 +239,34 @@ class OtherLayout(ValueError):
     """A block file written by an engine of another layout: a miss."""
 
 
+def _parse_header(start: bytes, read: Callable[[int], bytes], layout: str) -> tuple[dict, int]:
+    """A block file's header (from its first bytes, `start`, and `read` for the JSON) and its length with the
+    length field. Raises ValueError for a file cut short or not a block file (it is read on the engine's step: no
+    other exception may leave it), OtherLayout for another layout's."""
+    if len(start) < _HEADER.size:
+        raise ValueError("cut short")
+    (n,) = _HEADER.unpack_from(start)
+    header = json.loads(read(n))
+    if not isinstance(header, dict) or not {"parent", "tokens"} <= header.keys():
+        raise ValueError("not a block file's header")
+    if header.get("layout") != layout:
+        raise OtherLayout("written by an engine of another layout")
+    return header, _HEADER.size + n
+
+
 def read_header(path: Path, layout: str) -> tuple[int | None, tuple[int, ...], int]:
     """A block file's parent, tokens and data size, without its data; OtherLayout if not `layout`'s."""
     with open(path, "rb") as f:
-        (n,) = _HEADER.unpack(f.read(_HEADER.size))
-        header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size - _HEADER.size - n
-    if header.get("layout") != layout:
-        raise OtherLayout("written by an engine of another layout")
+        header, offset = _parse_header(f.read(_HEADER.size), f.read, layout)
+        size = os.fstat(f.fileno()).st_size - offset
     return header["parent"], tuple(header["tokens"]), size
 
 
 def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> tuple[
         int | None, tuple[int, ...], torch.Tensor]:
     data = path.read_bytes()
-    (n,) = _HEADER.unpack_from(data)
-    header = json.loads(data[_HEADER.size:_HEADER.size + n])
-    if header.get("layout") != layout:
-        raise OtherLayout("written by an engine of another layout")
-    raw = bytearray(data[_HEADER.size + n:])
+    header, offset = _parse_header(data, lambda n: data[_HEADER.size:_HEADER.size + n], layout)
+    raw = bytearray(data[offset:])
     if zlib.crc32(raw) != header.get("crc32"):
         raise ValueError("its data does not match its checksum")
     tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
@@ -504,10 +513,14 @@ class KVTiers:
                                     self._layout_id)
         except (OSError, ValueError, RuntimeError) as e:  # deleted or damaged under us: a miss
             log.warning("KV tiers: block file %s unreadable (%s); dropped", _file_name(block_hash), e)
+            if not isinstance(e, OtherLayout):  # another engine's file is not ours to remove
+                (self.disk_dir / _file_name(block_hash)).unlink(missing_ok=True)
             with self._lock:
                 old = self._disk.pop(block_hash, None)
                 if old is not None:
                     self.stats.disk_bytes -= old.size
+            if old is not None:  # subscribers (kv-aware routers) stop counting on it
+                self._emit(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_DISK))
             return None
         return data
 
@@ -526,7 +539,7 @@ class KVTiers:
             except OtherLayout:  # another engine's, sharing this directory by mistake: not ours to serve or remove
                 others += 1
                 continue
-            except (OSError, ValueError, KeyError, struct.error) as e:
+            except (OSError, ValueError) as e:
                 log.warning("KV tiers: %s unreadable (%s); removed", path.name, e)
                 path.unlink(missing_ok=True)
                 continue
