@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kaon_runtime.arith import round_up
 from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, KVEvent, block_stored
 from kaon_runtime.errors import ModelLoadError
 
@@ -215,9 +216,16 @@ def _file_name(block_hash: int) -> str:
     return f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}.kv"
 
 
+def on_disk(stat: os.stat_result) -> int:
+    """The bytes a file takes on its filesystem (what du and the kubelet count against an emptyDir's sizeLimit):
+    its header and data, in whole allocation units."""
+    return max(stat.st_blocks * 512, round_up(stat.st_size, stat.st_blksize or 1))
+
+
 def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor, layout: str) -> int:
     """One block file: header length, JSON header (parent, tokens, CRC, the layout's fingerprint), the raw
-    bytes. Atomic (rename)."""
+    bytes. Atomic (rename). Returns the bytes it takes on disk: the tier's size counts those, not the K/V alone
+    (with small blocks a file's header and allocation unit add several times the K/V)."""
     raw = data.contiguous().view(torch.uint8).numpy().tobytes()
     # The CRC: a file damaged in place (same length: a bad sector, a stray write) must read as a miss, never
     # as K/V (a short file already fails its size check). The layout: another engine's file, of another layout,
@@ -229,10 +237,10 @@ def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: t
         with open(tmp, "wb") as f:
             f.write(_HEADER.pack(len(header)) + header + raw)
         os.replace(tmp, path)
+        return on_disk(path.stat())
     except BaseException:  # a full disk: no partial file left to fill it further
         tmp.unlink(missing_ok=True)
         raise
-    return len(raw)
 
 
 class OtherLayout(ValueError):
@@ -548,8 +556,9 @@ class KVTiers:
             if size != self.block_bytes:
                 path.unlink(missing_ok=True)
                 continue
-            self._disk[block_hash] = _DiskBlock(parent, tokens, size)
-            self.stats.disk_bytes += size
+            held = on_disk(path.stat())
+            self._disk[block_hash] = _DiskBlock(parent, tokens, held)
+            self.stats.disk_bytes += held
         while self.stats.disk_bytes > self.stats.disk_capacity_bytes and self._disk:
             h, old = self._disk.popitem(last=False)
             self.stats.disk_bytes -= old.size

@@ -9,6 +9,8 @@ import errno
 import itertools
 import json
 import logging
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +37,13 @@ def layout(kv: torch.Tensor, model: str = "m") -> KVLayout:
 
 def block_bytes(kv: torch.Tensor) -> int:
     return kv[:, :, :, 0].numel() * kv.element_size()
+
+
+def file_bytes(kv: torch.Tensor) -> int:
+    """What one block file takes on disk (its header and K/V in whole allocation units): the disk tier's unit."""
+    with tempfile.TemporaryDirectory() as directory:
+        return kv_tiers.write_block(Path(directory) / "probe.kv", 2**62, tuple(range(9000, 9000 + BS)), kv[:, :, :, 0],
+                                    "0" * 16)
 
 
 def fingerprint(block_hash: int) -> float:
@@ -94,7 +103,7 @@ def test_without_tiers_the_same_run_misses():
 def test_host_overflow_goes_to_disk_and_comes_back(tmp_path):
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
-                    disk_bytes=64 * block_bytes(kv))
+                    disk_bytes=64 * file_bytes(kv))
     engine = Engine(kv, tiers)
     for i in range(4):
         engine.run(doc(i))
@@ -108,25 +117,45 @@ def test_host_overflow_goes_to_disk_and_comes_back(tmp_path):
 
 def test_disk_keeps_its_bytes(tmp_path):
     kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=5 * block_bytes(kv))
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=5 * file_bytes(kv))
     engine = Engine(kv, tiers)
     for i in range(4):
         engine.run(doc(i))
-    assert len(list(tmp_path.glob("*.kv"))) == 5 and tiers.snapshot().disk_bytes == 5 * block_bytes(kv)
+    assert len(list(tmp_path.glob("*.kv"))) == 5 and tiers.snapshot().disk_bytes == 5 * file_bytes(kv)
     tiers.close()
+
+
+def test_the_disk_tier_keeps_to_its_bytes_on_disk(tmp_path):
+    """--kv-offload-dir-bytes counted each block's K/V alone, not its file (the header with its tokens, the
+    filesystem's allocation unit): the directory grew past it (found by hand: 12 files of 4 KiB in a tier of 32 KiB;
+    on a pod past the emptyDir's sizeLimit, which the operator sets from diskBytes, and the kubelet evicts it)."""
+    kv = pool(4)
+    capacity = 8 * 4096
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=capacity)
+    engine = Engine(kv, tiers)
+    for i in range(4):
+        engine.run(doc(i))
+    files = list(tmp_path.glob("*.kv"))
+    held = sum(max(p.stat().st_blocks * 512, p.stat().st_size) for p in files)  # what du (and the kubelet) count
+    assert files and held <= capacity
+    assert held <= tiers.snapshot().disk_bytes <= capacity  # the metric says what the disk holds
+    tiers.close()
+    again = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=capacity)  # a restart counts alike
+    assert again.snapshot().disk_bytes == tiers.snapshot().disk_bytes
+    again.close()
 
 
 def test_a_restarted_engine_serves_from_its_disk_tier(tmp_path):
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv), disk_dir=str(tmp_path),
-                    disk_bytes=64 * block_bytes(kv))
+                    disk_bytes=64 * file_bytes(kv))
     first = Engine(kv, tiers)
     for i in range(3):
         first.run(doc(i))
     assert not list(tmp_path.glob("*.kv"))  # all in host memory so far
     tiers.close()  # a clean stop writes host memory's blocks down
     kv2 = pool(4)  # a new process: a zeroed pool, a new block manager
-    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2))
     assert Engine(kv2, again).run(doc(0)) == 3 * BS
     again.close()
 
@@ -146,7 +175,7 @@ def filled(directory, model: str = "m", weights: str = "") -> None:
     """An engine of `model` (and `weights`) that leaves 3 documents' blocks in `directory`."""
     kv = pool(4)
     tiers = KVTiers(kv, KVLayout(model, "float32", BS, tuple(kv[:, :, :, 0].shape), weights), host_bytes=0,
-                    disk_dir=str(directory), disk_bytes=64 * block_bytes(kv))
+                    disk_dir=str(directory), disk_bytes=64 * file_bytes(kv))
     engine = Engine(kv, tiers)
     for i in range(3):
         engine.run(doc(i))
@@ -164,7 +193,7 @@ def test_another_models_disk_tier_is_cleared_and_other_files_are_kept(tmp_path, 
     kv = pool(4)
     with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
         tiers = KVTiers(kv, layout(kv, "model-b"), host_bytes=0, disk_dir=str(tmp_path),
-                        disk_bytes=64 * block_bytes(kv))
+                        disk_bytes=64 * file_bytes(kv))
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "model: 'model-a', here 'model-b'" in warned and "removed kaon's" in warned  # what differed, removed
     assert [p.name for p in tmp_path.glob("*.kv")] == ["export.kv"] and not list(tmp_path.glob("*.tmp"))
@@ -249,7 +278,7 @@ def test_a_block_file_of_another_layout_is_a_miss(tmp_path, caplog):
 def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
     """Same length, other bytes (found by hand: such files were served, and the greedy answers changed)."""
     kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv))
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv))
     first = Engine(kv, tiers)
     for i in range(3):
         first.run(doc(i))
@@ -261,7 +290,7 @@ def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
         data[-4:] = bytes(b ^ 0x5A for b in data[-4:])
         path.write_bytes(data)
     kv2 = pool(4)
-    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2))
     assert Engine(kv2, again).run(doc(0)) == 0  # Engine.run also asserts no wrong K/V was served
     assert again.snapshot().hits["disk"] == 0
     again.close()
@@ -275,14 +304,14 @@ def test_a_block_file_cut_short_while_serving_is_a_miss_and_announced(tmp_path, 
     from kaon_runtime.engine.kv_events import BlockRemoved
 
     kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv))
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv))
     first = Engine(kv, tiers)
     for i in range(3):
         first.run(doc(i))
     tiers.close()
     events: list = []
     kv2 = pool(4)
-    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2),
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2),
                     emit=events.append)
     first_block = chain_hash(None, tuple(doc(0)[:BS]))
     path = tmp_path / f"{first_block & 0xFFFF_FFFF_FFFF_FFFF:016x}.kv"
@@ -307,7 +336,7 @@ def test_a_full_disk_drops_blocks_and_the_engine_goes_on(tmp_path, monkeypatch, 
 
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
-                    disk_bytes=64 * block_bytes(kv))
+                    disk_bytes=64 * file_bytes(kv))
     monkeypatch.setattr(kv_tiers.os, "replace", full)  # then the disk fills: each block file's write fails
     engine = Engine(kv, tiers)
     with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
