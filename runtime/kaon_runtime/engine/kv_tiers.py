@@ -295,6 +295,25 @@ class _DiskBlock:
     size: int
 
 
+def parents_first(blocks: dict[int, _DiskBlock]) -> list[int]:
+    """The blocks' hashes, each after its parent when the parent is among them: subscribers (kaon's kv-aware
+    router, Dynamo's radix tree) follow a chain from a parent they know. The files' own order (oldest first) is
+    the other way: a prompt's tail block goes down first."""
+    children: dict[int | None, list[int]] = {}
+    for h, block in blocks.items():
+        children.setdefault(block.parent, []).append(h)
+    order: list[int] = []
+    seen: set[int] = set()
+    stack = [h for h, block in reversed(blocks.items()) if block.parent not in blocks]
+    while stack:
+        h = stack.pop()
+        if h not in seen:
+            seen.add(h)
+            order.append(h)
+            stack.extend(reversed(children.get(h, [])))
+    return order + [h for h in blocks if h not in seen]  # (a cycle of hashes: no order serves it)
+
+
 class KVTiers:
     """The host and disk tiers of one engine's pool, and the mover thread between them.
 
@@ -568,5 +587,6 @@ class KVTiers:
         if others:
             log.warning("KV tiers: %d block files in %s were written by an engine of another layout: is this "
                         "directory shared? They are never served here", others, self.disk_dir)
-        for h, found in self._disk.items():  # subscribers learn what this engine holds from its last life
+        for h in parents_first(self._disk):  # subscribers learn what this engine holds from its last life
+            found = self._disk[h]
             self._emit(block_stored([h], found.parent, found.tokens, self.layout.block_size, MEDIUM_DISK))
