@@ -463,3 +463,20 @@ def test_the_engines_settings_reach_the_disk_tiers_manifest(tmp_path):
     (ckpt / "model.safetensors").write_bytes(b"v" * 64)  # other weights at the same path
     attach(quantization="int8").close()
     assert weights_in_manifest() not in (float_run, int8_run)
+
+
+@pytest.mark.parametrize("settings", [{"kv_offload_bytes": 100},
+                                      {"kv_offload_dir_bytes": 100, "kv_offload_dir": "kv"}])
+def test_a_tier_too_small_for_one_block_is_refused_at_start(tmp_path, settings):
+    """A tier smaller than one block (bytes taken for MB, say) held nothing and said nothing: the engine started
+    with a tier that never kept a block, its capacity on /metrics as if it worked (found by hand)."""
+    from kaon_runtime.config import EngineConfig
+    from kaon_runtime.engine.kv_observer import attach_kv_observer
+    from kaon_runtime.errors import InvalidRequestError
+
+    if "kv_offload_dir" in settings:
+        settings = {**settings, "kv_offload_dir": str(tmp_path / "kv")}
+    config = EngineConfig(model="m", block_size=BS, **settings)
+    kv = pool(4)
+    with pytest.raises(InvalidRequestError, match=f"holds no KV block: one takes {block_bytes(kv)} bytes"):
+        attach_kv_observer(config, BlockManager(4, BS), lambda: kv, config.model)
