@@ -78,6 +78,20 @@ def doc(i: int, blocks: int = 3) -> list[int]:
     return [1000 * i + t for t in range(blocks * BS + 1)]
 
 
+def restarted_on_disk(tmp_path, prompts: int, host_blocks: int = 0, emit=None) -> tuple[torch.Tensor, KVTiers]:
+    """A disk tier filled with `prompts` docs by one engine that stopped, found by the next (a zeroed pool)."""
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=host_blocks * block_bytes(kv), disk_dir=str(tmp_path),
+                    disk_bytes=64 * file_bytes(kv))
+    first = Engine(kv, tiers)
+    for i in range(prompts):
+        first.run(doc(i))
+    tiers.close()
+    kv2 = pool(4)
+    return kv2, KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2),
+                        emit=emit)
+
+
 def test_a_working_set_larger_than_the_pool_comes_back_from_host_memory():
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv))
@@ -166,17 +180,8 @@ def test_a_restarted_engine_announces_its_disk_tier_parents_first(tmp_path):
     first: each block came before its parent, and a router knew 1 block of each 3-block prompt (found by hand)."""
     from kaon_runtime.engine.kv_events import BlockStored
 
-    kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
-                    disk_bytes=64 * file_bytes(kv))
-    first = Engine(kv, tiers)
-    for i in range(4):
-        first.run(doc(i))
-    tiers.close()
     events: list = []
-    kv2 = pool(4)
-    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2),
-                    emit=events.append)
+    _, again = restarted_on_disk(tmp_path, prompts=4, host_blocks=2, emit=events.append)
     known: set[int | None] = {None}
     for event in events:
         assert isinstance(event, BlockStored) and event.medium == "DISK"
@@ -329,16 +334,8 @@ def test_a_block_file_cut_short_while_serving_is_a_miss_and_announced(tmp_path, 
     the async engine fails every request after that), and the damaged file stayed, still announced as on DISK."""
     from kaon_runtime.engine.kv_events import BlockRemoved
 
-    kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv))
-    first = Engine(kv, tiers)
-    for i in range(3):
-        first.run(doc(i))
-    tiers.close()
     events: list = []
-    kv2 = pool(4)
-    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2),
-                    emit=events.append)
+    kv2, again = restarted_on_disk(tmp_path, prompts=3, emit=events.append)
     first_block = chain_hash(None, tuple(doc(0)[:BS]))
     path = tmp_path / f"{first_block & 0xFFFF_FFFF_FFFF_FFFF:016x}.kv"
     path.write_bytes(damage)
