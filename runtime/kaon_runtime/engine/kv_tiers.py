@@ -61,6 +61,7 @@ FORMAT_VERSION = 3  # 2: each block file's header carries its data's CRC-32; 3: 
 # short), the manifest's temporary, the write probe. The manifest is named MANIFEST.
 _OWN_FILE = re.compile(r"[0-9a-f]{16}\.(kv|tmp)|manifest\.json\.tmp|\.kaon-write-test")
 _HEADER = struct.Struct(">I")  # the length of a block file's JSON header
+DIRECTIONS = ("pool_to_host", "host_to_disk", "host_to_pool", "disk_to_pool", "disk_to_host")  # disk_to_host: prefetch
 
 
 @dataclass(slots=True)
@@ -72,9 +73,10 @@ class TierStats:
     disk_bytes: int = 0
     disk_capacity_bytes: int = 0
     hits: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    # pool_to_host, host_to_disk, host_to_pool, disk_to_pool, disk_to_host (prefetch)
-    moved: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
+    # Every direction from the start, at 0: a counter series that appears at its first move loses that move to
+    # Prometheus's rate() and increase().
+    moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
     discarded: int = 0  # copies whose pool block was reused before they were done
 
     def count(self, direction: str, blocks: int, seconds: float) -> None:

@@ -413,6 +413,25 @@ def test_the_tier_metrics_are_exported():
     assert "kaon_kv_tier" not in Metrics(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)).render().decode()
 
 
+def test_every_tier_series_is_on_metrics_from_the_start():
+    """A direction's counters appeared only at its first move: Prometheus's rate() and increase() lose a series'
+    first increment (nothing to compare it with), and a dashboard of disk hits showed no data until one came."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kaon_runtime.engine.kv_tiers import TierStats
+    from kaon_runtime.engine.llm_engine import EngineStats
+    from kaon_runtime.server.metrics import Metrics
+
+    text = Metrics(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, kv_tiers=TierStats())).render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    directions = {"pool_to_host", "host_to_disk", "host_to_pool", "disk_to_pool", "disk_to_host"}
+    for name in ("kaon_kv_tier_blocks_moved", "kaon_kv_tier_seconds"):
+        assert families[name].type == "counter"
+        assert {s.labels["direction"] for s in families[name].samples if s.name.endswith("_total")} == directions
+    assert {s.labels["tier"] for s in families["kaon_kv_tier_hits"].samples if s.name.endswith("_total")} == {
+        "host", "disk"}
+
+
 def test_an_asleep_engines_pool_is_neither_read_nor_written():
     """engine/sleep.py frees the pool and attaches a new one on wake: the tiers hold no reference to it."""
     kv = pool(4)
