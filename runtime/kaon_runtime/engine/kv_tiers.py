@@ -542,7 +542,7 @@ class KVTiers:
                                     self._layout_id)
         except (OSError, ValueError, RuntimeError) as e:  # deleted or damaged under us: a miss
             log.warning("KV tiers: block file %s unreadable (%s); dropped", _file_name(block_hash), e)
-            if not isinstance(e, OtherLayout):  # another engine's file is not ours to remove
+            if isinstance(e, ValueError) and not isinstance(e, OtherLayout):  # damaged: ours, and useless
                 (self.disk_dir / _file_name(block_hash)).unlink(missing_ok=True)
             with self._lock:
                 old = self._disk.pop(block_hash, None)
