@@ -150,6 +150,12 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
+_FIELD_TYPES = (("enable_kv_cache_events", bool, "true or false"), ("publisher", (str, type(None)), "a string"),
+                ("endpoint", str, "a string"), ("replay_endpoint", (str, type(None)), "a string or null"),
+                ("topic", str, "a string"), ("encoding", str, "a string"),
+                ("buffer_steps", int, "a positive integer"), ("hwm", int, "a positive integer"))
+
+
 def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
     """`--kv-events-config`'s JSON as a config; None when absent or not enabled. Raises InvalidRequestError."""
     if text is None:
@@ -165,6 +171,10 @@ def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
         config = KVEventsConfig(**known)
     except TypeError as e:
         raise InvalidRequestError(f"--kv-events-config: {e}") from None
+    for name, kind, what in _FIELD_TYPES:  # a wrong type failed later: a traceback at start, or no events at all
+        value = getattr(config, name)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise InvalidRequestError(f"--kv-events-config: {name} must be {what}, got {value!r}")
     if config.publisher is None:
         config = dataclasses.replace(config, publisher="zmq" if config.enable_kv_cache_events else "null")
     if config.publisher not in ("zmq", "null"):
@@ -173,7 +183,7 @@ def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
         raise InvalidRequestError(f"--kv-events-config: encoding must be 'array' (vLLM before 0.24, the default) or "
                                   f"'map' (vLLM 0.24 and later), got {config.encoding!r}")
     for name in ("buffer_steps", "hwm"):
-        if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+        if getattr(config, name) < 1:
             raise InvalidRequestError(f"--kv-events-config: {name} must be a positive integer")
     return config if config.enabled else None
 
