@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import pydantic
 
 from kaon_runtime.errors import InvalidRequestError
 
@@ -150,10 +151,7 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-_FIELD_TYPES = (("enable_kv_cache_events", bool, "true or false"), ("publisher", (str, type(None)), "a string"),
-                ("endpoint", str, "a string"), ("replay_endpoint", (str, type(None)), "a string or null"),
-                ("topic", str, "a string"), ("encoding", str, "a string"),
-                ("buffer_steps", int, "a positive integer"), ("hwm", int, "a positive integer"))
+_CONFIG = pydantic.TypeAdapter(KVEventsConfig)
 
 
 def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
@@ -167,14 +165,14 @@ def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
     if not isinstance(raw, dict):
         raise InvalidRequestError("--kv-events-config must be a JSON object")
     known = {f: raw[f] for f in KVEventsConfig.__dataclass_fields__ if f in raw}
+    # Checked as vLLM's own config (a pydantic dataclass) checks it: what vLLM takes ("true" for true, "100" for
+    # 100) kaon takes; a wrong type is a clear error (it failed later: a traceback at start, or no events at all).
     try:
-        config = KVEventsConfig(**known)
-    except TypeError as e:
-        raise InvalidRequestError(f"--kv-events-config: {e}") from None
-    for name, kind, what in _FIELD_TYPES:  # a wrong type failed later: a traceback at start, or no events at all
-        value = getattr(config, name)
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise InvalidRequestError(f"--kv-events-config: {name} must be {what}, got {value!r}")
+        config = _CONFIG.validate_python(known)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        raise InvalidRequestError(f"--kv-events-config: {'.'.join(map(str, error['loc']))}: {error['msg']}, "
+                                  f"got {error['input']!r}") from None
     if config.publisher is None:
         config = dataclasses.replace(config, publisher="zmq" if config.enable_kv_cache_events else "null")
     if config.publisher not in ("zmq", "null"):
