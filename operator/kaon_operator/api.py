@@ -267,15 +267,32 @@ _TIERS_MESSAGE = ("kvOffload needs enablePrefixCaching true, tensorParallelSize 
                   "tiers keep one process's cached prefixes")
 
 
+# The disk tier's emptyDir is mounted at diskPath beside the operator's own volumes: a second mount at one of their
+# paths made the Deployment invalid ("must be unique"), found only when the operator applied it.
+_TIERS_PATH_RULE = f"self.diskBytes == 0 || !(self.diskPath in {list(RESERVED_MOUNT_PATHS)})"
+_TIERS_PATH_MESSAGE = (f"kvOffload.diskPath may not be {', '.join(RESERVED_MOUNT_PATHS[:-1])} or "
+                       f"{RESERVED_MOUNT_PATHS[-1]}: the operator mounts its own volumes there (use a path of its own, "
+                       "such as /var/cache/kaon-kv)")
+
+
 class KvOffloadSpec(_Model):
     """KV cache tiers below the engine's pool (docs/kv_cache.md): blocks evicted from the pool are kept in host memory, then on disk, and come back on a prefix hit."""  # noqa: E501 - one line: the CRD's description
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _TIERS_PATH_RULE, "message": _TIERS_PATH_MESSAGE}]})
 
     host_bytes: int = Field(0, ge=0)
     """Host memory for evicted KV blocks (`--kv-offload-bytes`); count it in spec.resources' memory."""
     disk_bytes: int = Field(0, ge=0)
     """A disk tier below host memory (`--kv-offload-dir-bytes`), on the node's local disk (an emptyDir that outlives an engine container's restart) unless `diskPath` is a volume mounted through engine.volumeMounts (a PVC: kept across pods)."""  # noqa: E501 - one line: the CRD's description
     disk_path: str = Field("/var/cache/kaon-kv", pattern=r"^/")
-    """Where the disk tier lives in the engine container."""
+    """Where the disk tier lives in the engine container (not one of the operator's own mount paths)."""
+
+    @model_validator(mode="after")
+    def _own_path(self) -> KvOffloadSpec:
+        if self.disk_bytes and self.disk_path in RESERVED_MOUNT_PATHS:
+            raise ValueError(_TIERS_PATH_MESSAGE)
+        return self
 
 
 class EngineSpec(_Model):

@@ -92,6 +92,9 @@ INVALID = [
     ("bad-strategy", with_("routing.strategy", "kv_aware"), 'Unsupported value: "kv_aware"'),
     ("tiers-negative", with_("engine.kvOffload", {"hostBytes": -1}), "should be greater than or equal to 0"),
     ("tiers-relative-path", with_("engine.kvOffload", {"diskBytes": 1 << 30, "diskPath": "kv"}), "should match"),
+    ("tiers-on-an-operator-mount", with_("engine.kvOffload", {"diskBytes": 1 << 30, "diskPath": "/dev/shm"}),
+     "kvOffload.diskPath may not be /var/cache/kaon, /tmp, /dev/shm or /mnt/models: the operator mounts its own "
+     "volumes there (use a path of its own, such as /var/cache/kaon-kv)"),
     ("tiers-without-prefix-caching", with_("engine", {"kvOffload": {"hostBytes": 1 << 30},
                                                        "enablePrefixCaching": False}),
      "kvOffload needs enablePrefixCaching true, tensorParallelSize 1 and pipelineParallelSize 1: the tiers keep one "

@@ -162,7 +162,7 @@ def apply(index: KvIndex, pod: str, events: list[Event]) -> None:
         elif isinstance(event, (BlockRemoved, MapBlockRemoved)):
             index.removed(pod, [_name(h) for h in event.block_hashes], event.medium)
         else:
-            index.clear(pod)
+            index.cleared(pod)
 
 
 def _host(endpoint: Endpoint) -> str:

@@ -122,8 +122,16 @@ class KvIndex:
                 del state.keys[h]
 
     def clear(self, pod: str) -> None:
-        """The pod's engine holds nothing (AllBlocksCleared, a restart, the pod gone)."""
+        """Forget the pod (a restart, the pod gone): its entries and its sequence number."""
         self._pods.pop(pod, None)
+
+    def cleared(self, pod: str) -> None:
+        """The pod's engine holds nothing (AllBlocksCleared): its entries go, its sequence number stays. Every
+        engine's batch 0 says it; forgetting the number too made each later batch look like a pod heard of
+        mid-life, answered by a replay of the engine's whole buffer, batch after batch."""
+        state = self._pods.get(pod)
+        if state is not None:
+            self._pods[pod] = _Pod(last_seq=state.last_seq)
 
     def keep_only(self, pods: Iterable[str]) -> None:
         """Drop the pods no longer ready."""

@@ -15,6 +15,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+_TOKEN_ID_LIMIT = 1 << 32  # kv_index.next_key packs each token id in 4 bytes
+
 
 class PromptTokenizer:
     def __init__(self, info: Mapping):
@@ -52,7 +54,9 @@ class PromptTokenizer:
                 if isinstance(prompt, list) and len(prompt) == 1:
                     prompt = prompt[0]
                 if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                    return list(prompt)
+                    # Ids no vocabulary has (negative, past 32 bits: the index packs each in 4 bytes) are the
+                    # engine's to refuse with its 400: the router cannot tell where such a prompt lives.
+                    return list(prompt) if all(0 <= t < _TOKEN_ID_LIMIT for t in prompt) else None
                 if isinstance(prompt, str) and prompt:
                     return self.encode(prompt)
         except (jinja2.TemplateError, TypeError, ValueError):

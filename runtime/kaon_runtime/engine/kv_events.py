@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import pydantic
 
 from kaon_runtime.errors import InvalidRequestError
 
@@ -150,6 +151,9 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
+_CONFIG = pydantic.TypeAdapter(KVEventsConfig)
+
+
 def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
     """`--kv-events-config`'s JSON as a config; None when absent or not enabled. Raises InvalidRequestError."""
     if text is None:
@@ -161,10 +165,14 @@ def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
     if not isinstance(raw, dict):
         raise InvalidRequestError("--kv-events-config must be a JSON object")
     known = {f: raw[f] for f in KVEventsConfig.__dataclass_fields__ if f in raw}
+    # Checked as vLLM's own config (a pydantic dataclass) checks it: what vLLM takes ("true" for true, "100" for
+    # 100) kaon takes; a wrong type is a clear error (it failed later: a traceback at start, or no events at all).
     try:
-        config = KVEventsConfig(**known)
-    except TypeError as e:
-        raise InvalidRequestError(f"--kv-events-config: {e}") from None
+        config = _CONFIG.validate_python(known)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        raise InvalidRequestError(f"--kv-events-config: {'.'.join(map(str, error['loc']))}: {error['msg']}, "
+                                  f"got {error['input']!r}") from None
     if config.publisher is None:
         config = dataclasses.replace(config, publisher="zmq" if config.enable_kv_cache_events else "null")
     if config.publisher not in ("zmq", "null"):
@@ -173,7 +181,7 @@ def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
         raise InvalidRequestError(f"--kv-events-config: encoding must be 'array' (vLLM before 0.24, the default) or "
                                   f"'map' (vLLM 0.24 and later), got {config.encoding!r}")
     for name in ("buffer_steps", "hwm"):
-        if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+        if getattr(config, name) < 1:
             raise InvalidRequestError(f"--kv-events-config: {name} must be a positive integer")
     return config if config.enabled else None
 

@@ -105,6 +105,16 @@ def check_tier_config(config: EngineConfig) -> None:
                                   "pipeline parallelism yet")
 
 
+def check_tier_sizes(config: EngineConfig, block_bytes: int) -> None:
+    """A tier that cannot hold one of this model's blocks would keep nothing and say nothing (a size taken for
+    megabytes): refused, naming the block's size."""
+    for flag, size in (("--kv-offload-bytes", config.kv_offload_bytes),
+                       ("--kv-offload-dir-bytes", config.kv_offload_dir_bytes if config.kv_offload_dir else 0)):
+        if 0 < size < block_bytes:
+            raise InvalidRequestError(f"{flag} {size} holds no KV block: one takes {block_bytes} bytes with this "
+                                      "model (give the tier at least that, or 0 for none)")
+
+
 def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: Callable[[], torch.Tensor | None],
                        model_id: str, checkpoint: Path | None = None,
                        lora_names: Callable[[int], str | None] | None = None) -> KVObserver | None:
@@ -120,6 +130,7 @@ def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: 
     if tiered:
         kv_cache = pool()
         assert kv_cache is not None, "the tiers need this process's pool"
+        check_tier_sizes(config, kv_cache[:, :, :, 0].numel() * kv_cache.element_size())
         layout = KVLayout(model_id, str(kv_cache.dtype).removeprefix("torch."), config.block_size,
                           tuple(kv_cache[:, :, :, 0].shape),
                           weights_fingerprint(checkpoint, {"quantization": config.quantization, "dtype": config.dtype}))

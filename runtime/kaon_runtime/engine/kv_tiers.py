@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kaon_runtime.arith import round_up
 from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, KVEvent, block_stored
 from kaon_runtime.errors import ModelLoadError
 
@@ -60,6 +61,7 @@ FORMAT_VERSION = 3  # 2: each block file's header carries its data's CRC-32; 3: 
 # short), the manifest's temporary, the write probe. The manifest is named MANIFEST.
 _OWN_FILE = re.compile(r"[0-9a-f]{16}\.(kv|tmp)|manifest\.json\.tmp|\.kaon-write-test")
 _HEADER = struct.Struct(">I")  # the length of a block file's JSON header
+DIRECTIONS = ("pool_to_host", "host_to_disk", "host_to_pool", "disk_to_pool", "disk_to_host")  # disk_to_host: prefetch
 
 
 @dataclass(slots=True)
@@ -71,9 +73,10 @@ class TierStats:
     disk_bytes: int = 0
     disk_capacity_bytes: int = 0
     hits: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    # pool_to_host, host_to_disk, host_to_pool, disk_to_pool, disk_to_host (prefetch)
-    moved: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
+    # Every direction from the start, at 0: a counter series that appears at its first move loses that move to
+    # Prometheus's rate() and increase().
+    moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
     discarded: int = 0  # copies whose pool block was reused before they were done
 
     def count(self, direction: str, blocks: int, seconds: float) -> None:
@@ -215,9 +218,16 @@ def _file_name(block_hash: int) -> str:
     return f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}.kv"
 
 
+def on_disk(stat: os.stat_result) -> int:
+    """The bytes a file takes on its filesystem (what du and the kubelet count against an emptyDir's sizeLimit):
+    its header and data, in whole allocation units."""
+    return max(stat.st_blocks * 512, round_up(stat.st_size, stat.st_blksize or 1))
+
+
 def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor, layout: str) -> int:
     """One block file: header length, JSON header (parent, tokens, CRC, the layout's fingerprint), the raw
-    bytes. Atomic (rename)."""
+    bytes. Atomic (rename). Returns the bytes it takes on disk: the tier's size counts those, not the K/V alone
+    (with small blocks a file's header and allocation unit add several times the K/V)."""
     raw = data.contiguous().view(torch.uint8).numpy().tobytes()
     # The CRC: a file damaged in place (same length: a bad sector, a stray write) must read as a miss, never
     # as K/V (a short file already fails its size check). The layout: another engine's file, of another layout,
@@ -229,35 +239,44 @@ def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: t
         with open(tmp, "wb") as f:
             f.write(_HEADER.pack(len(header)) + header + raw)
         os.replace(tmp, path)
+        return on_disk(path.stat())
     except BaseException:  # a full disk: no partial file left to fill it further
         tmp.unlink(missing_ok=True)
         raise
-    return len(raw)
 
 
 class OtherLayout(ValueError):
     """A block file written by an engine of another layout: a miss."""
 
 
+def _parse_header(start: bytes, read: Callable[[int], bytes], layout: str) -> tuple[dict, int]:
+    """A block file's header (from its first bytes, `start`, and `read` for the JSON) and its length with the
+    length field. Raises ValueError for a file cut short or not a block file (it is read on the engine's step: no
+    other exception may leave it), OtherLayout for another layout's."""
+    if len(start) < _HEADER.size:
+        raise ValueError("cut short")
+    (n,) = _HEADER.unpack_from(start)
+    header = json.loads(read(n))
+    if not isinstance(header, dict) or not {"parent", "tokens"} <= header.keys():
+        raise ValueError("not a block file's header")
+    if header.get("layout") != layout:
+        raise OtherLayout("written by an engine of another layout")
+    return header, _HEADER.size + n
+
+
 def read_header(path: Path, layout: str) -> tuple[int | None, tuple[int, ...], int]:
     """A block file's parent, tokens and data size, without its data; OtherLayout if not `layout`'s."""
     with open(path, "rb") as f:
-        (n,) = _HEADER.unpack(f.read(_HEADER.size))
-        header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size - _HEADER.size - n
-    if header.get("layout") != layout:
-        raise OtherLayout("written by an engine of another layout")
+        header, offset = _parse_header(f.read(_HEADER.size), f.read, layout)
+        size = os.fstat(f.fileno()).st_size - offset
     return header["parent"], tuple(header["tokens"]), size
 
 
 def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> tuple[
         int | None, tuple[int, ...], torch.Tensor]:
     data = path.read_bytes()
-    (n,) = _HEADER.unpack_from(data)
-    header = json.loads(data[_HEADER.size:_HEADER.size + n])
-    if header.get("layout") != layout:
-        raise OtherLayout("written by an engine of another layout")
-    raw = bytearray(data[_HEADER.size + n:])
+    header, offset = _parse_header(data, lambda n: data[_HEADER.size:_HEADER.size + n], layout)
+    raw = bytearray(data[offset:])
     if zlib.crc32(raw) != header.get("crc32"):
         raise ValueError("its data does not match its checksum")
     tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
@@ -276,6 +295,25 @@ class _DiskBlock:
     parent: int | None
     tokens: tuple[int, ...]
     size: int
+
+
+def parents_first(blocks: dict[int, _DiskBlock]) -> list[int]:
+    """The blocks' hashes, each after its parent when the parent is among them: subscribers (kaon's kv-aware
+    router, Dynamo's radix tree) follow a chain from a parent they know. The files' own order (oldest first) is
+    the other way: a prompt's tail block goes down first."""
+    children: dict[int | None, list[int]] = {}
+    for h, block in blocks.items():
+        children.setdefault(block.parent, []).append(h)
+    order: list[int] = []
+    seen: set[int] = set()
+    stack = [h for h, block in reversed(blocks.items()) if block.parent not in blocks]
+    while stack:
+        h = stack.pop()
+        if h not in seen:
+            seen.add(h)
+            order.append(h)
+            stack.extend(reversed(children.get(h, [])))
+    return order + [h for h in blocks if h not in seen]  # (a cycle of hashes: no order serves it)
 
 
 class KVTiers:
@@ -504,10 +542,14 @@ class KVTiers:
                                     self._layout_id)
         except (OSError, ValueError, RuntimeError) as e:  # deleted or damaged under us: a miss
             log.warning("KV tiers: block file %s unreadable (%s); dropped", _file_name(block_hash), e)
+            if isinstance(e, ValueError) and not isinstance(e, OtherLayout):  # damaged: ours, and useless
+                (self.disk_dir / _file_name(block_hash)).unlink(missing_ok=True)
             with self._lock:
                 old = self._disk.pop(block_hash, None)
                 if old is not None:
                     self.stats.disk_bytes -= old.size
+            if old is not None:  # subscribers (kv-aware routers) stop counting on it
+                self._emit(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_DISK))
             return None
         return data
 
@@ -526,7 +568,7 @@ class KVTiers:
             except OtherLayout:  # another engine's, sharing this directory by mistake: not ours to serve or remove
                 others += 1
                 continue
-            except (OSError, ValueError, KeyError, struct.error) as e:
+            except (OSError, ValueError) as e:
                 log.warning("KV tiers: %s unreadable (%s); removed", path.name, e)
                 path.unlink(missing_ok=True)
                 continue
@@ -535,8 +577,9 @@ class KVTiers:
             if size != self.block_bytes:
                 path.unlink(missing_ok=True)
                 continue
-            self._disk[block_hash] = _DiskBlock(parent, tokens, size)
-            self.stats.disk_bytes += size
+            held = on_disk(path.stat())
+            self._disk[block_hash] = _DiskBlock(parent, tokens, held)
+            self.stats.disk_bytes += held
         while self.stats.disk_bytes > self.stats.disk_capacity_bytes and self._disk:
             h, old = self._disk.popitem(last=False)
             self.stats.disk_bytes -= old.size
@@ -546,5 +589,6 @@ class KVTiers:
         if others:
             log.warning("KV tiers: %d block files in %s were written by an engine of another layout: is this "
                         "directory shared? They are never served here", others, self.disk_dir)
-        for h, found in self._disk.items():  # subscribers learn what this engine holds from its last life
+        for h in parents_first(self._disk):  # subscribers learn what this engine holds from its last life
+            found = self._disk[h]
             self._emit(block_stored([h], found.parent, found.tokens, self.layout.block_size, MEDIUM_DISK))

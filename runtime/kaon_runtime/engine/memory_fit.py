@@ -16,6 +16,8 @@ restarts forever instead. The peak is estimated from the checkpoint's headers:
                    loader/gguf_file.py keep it to one); under `--quantization`, plus the largest linear's float
                    weight and its quantization's temporaries
   KV cache         the pool the engine allocates on CPU
+  host KV tier     `--kv-offload-bytes` (engine/kv_tiers.py): filled while serving, not while loading, but a
+                   tier the container cannot hold gets the engine OOM-killed hours into serving instead
 
 The limit is the process's cgroup's, the tightest on its path (cgroup v2 memory.max, or v1 memory.limit_in_bytes:
 a container's, or a systemd scope's); without one nothing is refused: a shared host's free memory moves too
@@ -38,10 +40,11 @@ class LoadPeak:
     weights: int
     float_transient: int
     kv_cache: int
+    host_tier: int = 0
 
     @property
     def total(self) -> int:
-        return self.resident + self.weights + self.float_transient + self.kv_cache
+        return self.resident + self.weights + self.float_transient + self.kv_cache + self.host_tier
 
 
 def estimate(sizes: list[tuple[int, int, bool]], dtype_bytes: int, kept_narrow: bool, kv_cache: int,
@@ -84,10 +87,12 @@ def check_fits(peak: LoadPeak, limit: int | None) -> str | None:
     """Why the load does not fit under `limit` bytes, or None when it does (or there is no limit)."""
     if limit is None or peak.total <= limit:
         return None
+    tier = f", the host KV tier (--kv-offload-bytes) {peak.host_tier // _MiB} MiB" if peak.host_tier else ""
     return (f"loading needs about {peak.total // _MiB} MiB at its peak (the process {peak.resident // _MiB} MiB, "
             f"weights in their kernel layout {peak.weights // _MiB} MiB, the largest tensor's float copy "
-            f"{peak.float_transient // _MiB} MiB, KV cache {peak.kv_cache // _MiB} MiB) and the container's memory "
-            f"limit is {limit // _MiB} MiB: give it more memory, a smaller --kv-cache-bytes or a narrower format")
+            f"{peak.float_transient // _MiB} MiB, KV cache {peak.kv_cache // _MiB} MiB{tier}) and the container's "
+            f"memory limit is {limit // _MiB} MiB: give it more memory, a smaller --kv-cache-bytes"
+            f"{', a smaller --kv-offload-bytes' if peak.host_tier else ''} or a narrower format")
 
 
 def memory_limit() -> int | None:

@@ -226,6 +226,7 @@ def _check_memory(config: EngineConfig, checkpoint: Checkpoint, model_config: Mo
             peak, float_bytes=sum(n * k * dtype_bytes for n, k in shapes),
             quantized=sum(quantized_bytes(quantizing.method, n, k, quantizing.group_size) for n, k in shapes),
             transient=max(transient_bytes(n, k, dtype_bytes) for n, k in shapes))
+    peak = replace(peak, host_tier=max(config.kv_offload_bytes, 0))
     problem = memory_fit.check_fits(peak, limit)
     if problem is not None:
         raise ModelDoesNotFitError(f"{checkpoint.path.name}: {problem}")

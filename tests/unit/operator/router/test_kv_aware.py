@@ -82,7 +82,7 @@ def test_a_restart_clears_a_pods_entries():
     assert index.match("a", keys()).blocks == 0
     assert KvIndex().sequence("b", 7) == 0  # a pod first heard of mid-life: its history from 0
     stored(index, "a")
-    index.clear("a")  # AllBlocksCleared
+    index.cleared("a")  # AllBlocksCleared
     assert index.match("a", keys()).blocks == 0
 
 
@@ -369,6 +369,28 @@ def test_the_router_tokenizes_as_the_engine(llm):
     assert router.prompt_ids("/v1/embeddings", {"input": "x"}) is None
 
 
+@pytest.mark.parametrize("bad", [-1, 1 << 32, 10 ** 30])
+def test_a_prompt_of_token_ids_out_of_range_goes_by_prefix_affinity(bad):
+    """A client's `prompt` of token ids is taken as the prompt's tokens; one negative or past 32 bits raised
+    OverflowError out of the strategy's pick (keys pack each id in 4 bytes), where the engine answers such a
+    request with its own 400 (found by hand)."""
+    from kaon_operator.router.kv_tokens import PromptTokenizer
+    from kaon_operator.router.strategies.kv_aware import KvAware
+
+    class ClientIds(StubTokenizer):
+        prompt_ids = PromptTokenizer.prompt_ids  # a list of ints passes through as the real one does it
+
+    index = KvIndex()
+    stored(index, "pod-2")
+    strategy = KvAware(index, StubFeed(ClientIds()))
+    picked = []
+    strategy.fallback.pick = lambda a: picked.append(a) or ("fallback", None)
+    fleet, a = attempt()
+    prompt = [*PROMPT[:8], bad, *PROMPT[9:]]
+    assert strategy.pick(a._replace(payload={"model": "llama", "prompt": prompt})) == ("fallback", None)
+    assert strategy.pick(a._replace(payload={"model": "llama", "prompt": list(PROMPT)})) == (fleet[2], True)
+
+
 def test_a_batch_applies_in_order_and_all_blocks_cleared_empties_the_pod():
     from kaon_operator.router.kv_feed import AllBlocksCleared, BlockStored, apply
 
@@ -380,6 +402,23 @@ def test_a_batch_applies_in_order_and_all_blocks_cleared_empties_the_pod():
     assert index.match("a", keys()).blocks == 0
     apply(index, "a", [AllBlocksCleared(), store])
     assert index.match("a", keys()).blocks == 4
+
+
+def test_all_blocks_cleared_keeps_the_pods_sequence():
+    """Every engine's batch 0 is AllBlocksCleared. It emptied the pod's entries and its sequence number too, so
+    each later batch looked like a pod heard of mid-life and was answered by a replay of the engine's whole
+    buffer (up to 10,000 batches) from 0, batch after batch (found by hand)."""
+    from kaon_operator.router.kv_feed import AllBlocksCleared, apply
+
+    index = KvIndex()
+    assert index.sequence("a", 0) is None
+    apply(index, "a", [AllBlocksCleared()])
+    assert index.sequence("a", 1) is None  # the next batch: no gap, nothing to replay
+    stored(index, "a")
+    assert index.sequence("a", 2) is None
+    apply(index, "a", [AllBlocksCleared()])  # a vLLM pod's reset_prefix_cache: the blocks go, the count stays
+    assert index.match("a", keys()).blocks == 0
+    assert index.sequence("a", 4) == 3
 
 
 # ---- vLLM's two event encodings, as its releases declare them --------------------------------

@@ -6,6 +6,7 @@ what it missed."""
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import time
 from collections.abc import Callable
@@ -309,6 +310,19 @@ def test_bad_configs_are_clear_errors():
         with pytest.raises(InvalidRequestError, match="cannot bind"):
             EventPublisher(parse_kv_events_config(
                 f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{busy}"}}'))
+
+
+@pytest.mark.parametrize("field, value", [("topic", 5), ("endpoint", 5557), ("replay_endpoint", 5558),
+                                          ("enable_kv_cache_events", "maybe"), ("buffer_steps", "many")])
+def test_a_field_of_the_wrong_type_is_a_clear_error(field, value):
+    """`"topic": 5` started an engine whose publisher thread died on its first batch (a traceback in the log, no
+    events ever); `"endpoint": 5557` raised a TypeError's traceback at start; "maybe" (any string) enabled events.
+    What vLLM's own config (pydantic) takes is taken: "true", "100"."""
+    config = {"enable_kv_cache_events": True, field: value}
+    with pytest.raises(InvalidRequestError, match=f"--kv-events-config: {field}: .*got {value!r}"):
+        parse_kv_events_config(json.dumps(config))
+    assert parse_kv_events_config('{"enable_kv_cache_events": "false"}') is None  # was enabled: a non-empty string
+    assert parse_kv_events_config('{"enable_kv_cache_events": "true", "buffer_steps": "100"}').buffer_steps == 100
 
 
 def test_enabling_events_alone_publishes_over_zmq_as_in_vllm():

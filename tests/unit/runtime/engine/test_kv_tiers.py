@@ -9,6 +9,8 @@ import errno
 import itertools
 import json
 import logging
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +37,13 @@ def layout(kv: torch.Tensor, model: str = "m") -> KVLayout:
 
 def block_bytes(kv: torch.Tensor) -> int:
     return kv[:, :, :, 0].numel() * kv.element_size()
+
+
+def file_bytes(kv: torch.Tensor) -> int:
+    """What one block file takes on disk (its header and K/V in whole allocation units): the disk tier's unit."""
+    with tempfile.TemporaryDirectory() as directory:
+        return kv_tiers.write_block(Path(directory) / "probe.kv", 2**62, tuple(range(9000, 9000 + BS)), kv[:, :, :, 0],
+                                    "0" * 16)
 
 
 def fingerprint(block_hash: int) -> float:
@@ -69,6 +78,20 @@ def doc(i: int, blocks: int = 3) -> list[int]:
     return [1000 * i + t for t in range(blocks * BS + 1)]
 
 
+def restarted_on_disk(tmp_path, prompts: int, host_blocks: int = 0, emit=None) -> tuple[torch.Tensor, KVTiers]:
+    """A disk tier filled with `prompts` docs by one engine that stopped, found by the next (a zeroed pool)."""
+    kv = pool(4)
+    tiers = KVTiers(kv, layout(kv), host_bytes=host_blocks * block_bytes(kv), disk_dir=str(tmp_path),
+                    disk_bytes=64 * file_bytes(kv))
+    first = Engine(kv, tiers)
+    for i in range(prompts):
+        first.run(doc(i))
+    tiers.close()
+    kv2 = pool(4)
+    return kv2, KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2),
+                        emit=emit)
+
+
 def test_a_working_set_larger_than_the_pool_comes_back_from_host_memory():
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv))
@@ -94,7 +117,7 @@ def test_without_tiers_the_same_run_misses():
 def test_host_overflow_goes_to_disk_and_comes_back(tmp_path):
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
-                    disk_bytes=64 * block_bytes(kv))
+                    disk_bytes=64 * file_bytes(kv))
     engine = Engine(kv, tiers)
     for i in range(4):
         engine.run(doc(i))
@@ -108,26 +131,63 @@ def test_host_overflow_goes_to_disk_and_comes_back(tmp_path):
 
 def test_disk_keeps_its_bytes(tmp_path):
     kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=5 * block_bytes(kv))
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=5 * file_bytes(kv))
     engine = Engine(kv, tiers)
     for i in range(4):
         engine.run(doc(i))
-    assert len(list(tmp_path.glob("*.kv"))) == 5 and tiers.snapshot().disk_bytes == 5 * block_bytes(kv)
+    assert len(list(tmp_path.glob("*.kv"))) == 5 and tiers.snapshot().disk_bytes == 5 * file_bytes(kv)
     tiers.close()
+
+
+def test_the_disk_tier_keeps_to_its_bytes_on_disk(tmp_path):
+    """--kv-offload-dir-bytes counted each block's K/V alone, not its file (the header with its tokens, the
+    filesystem's allocation unit): the directory grew past it (found by hand: 12 files of 4 KiB in a tier of 32 KiB;
+    on a pod past the emptyDir's sizeLimit, which the operator sets from diskBytes, and the kubelet evicts it)."""
+    kv = pool(4)
+    capacity = 8 * 4096
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=capacity)
+    engine = Engine(kv, tiers)
+    for i in range(4):
+        engine.run(doc(i))
+    files = list(tmp_path.glob("*.kv"))
+    held = sum(max(p.stat().st_blocks * 512, p.stat().st_size) for p in files)  # what du (and the kubelet) count
+    assert files and held <= capacity
+    assert held <= tiers.snapshot().disk_bytes <= capacity  # the metric says what the disk holds
+    tiers.close()
+    again = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=capacity)  # a restart counts alike
+    assert again.snapshot().disk_bytes == tiers.snapshot().disk_bytes
+    again.close()
 
 
 def test_a_restarted_engine_serves_from_its_disk_tier(tmp_path):
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=64 * block_bytes(kv), disk_dir=str(tmp_path),
-                    disk_bytes=64 * block_bytes(kv))
+                    disk_bytes=64 * file_bytes(kv))
     first = Engine(kv, tiers)
     for i in range(3):
         first.run(doc(i))
     assert not list(tmp_path.glob("*.kv"))  # all in host memory so far
     tiers.close()  # a clean stop writes host memory's blocks down
     kv2 = pool(4)  # a new process: a zeroed pool, a new block manager
-    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2))
     assert Engine(kv2, again).run(doc(0)) == 3 * BS
+    again.close()
+
+
+def test_a_restarted_engine_announces_its_disk_tier_parents_first(tmp_path):
+    """A subscriber (kaon's kv-aware router, Dynamo's radix tree) follows a chain from a block whose parent it
+    knows. The restart announced the disk tier's blocks oldest file first, and a prompt's tail block goes down
+    first: each block came before its parent, and a router knew 1 block of each 3-block prompt (found by hand)."""
+    from kaon_runtime.engine.kv_events import BlockStored
+
+    events: list = []
+    _, again = restarted_on_disk(tmp_path, prompts=4, host_blocks=2, emit=events.append)
+    known: set[int | None] = {None}
+    for event in events:
+        assert isinstance(event, BlockStored) and event.medium == "DISK"
+        assert event.parent_block_hash in known, "a block announced before its parent"
+        known.update(event.block_hashes)
+    assert len(known) - 1 == 12  # every block of the four prompts
     again.close()
 
 
@@ -146,7 +206,7 @@ def filled(directory, model: str = "m", weights: str = "") -> None:
     """An engine of `model` (and `weights`) that leaves 3 documents' blocks in `directory`."""
     kv = pool(4)
     tiers = KVTiers(kv, KVLayout(model, "float32", BS, tuple(kv[:, :, :, 0].shape), weights), host_bytes=0,
-                    disk_dir=str(directory), disk_bytes=64 * block_bytes(kv))
+                    disk_dir=str(directory), disk_bytes=64 * file_bytes(kv))
     engine = Engine(kv, tiers)
     for i in range(3):
         engine.run(doc(i))
@@ -164,7 +224,7 @@ def test_another_models_disk_tier_is_cleared_and_other_files_are_kept(tmp_path, 
     kv = pool(4)
     with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
         tiers = KVTiers(kv, layout(kv, "model-b"), host_bytes=0, disk_dir=str(tmp_path),
-                        disk_bytes=64 * block_bytes(kv))
+                        disk_bytes=64 * file_bytes(kv))
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "model: 'model-a', here 'model-b'" in warned and "removed kaon's" in warned  # what differed, removed
     assert [p.name for p in tmp_path.glob("*.kv")] == ["export.kv"] and not list(tmp_path.glob("*.tmp"))
@@ -249,7 +309,7 @@ def test_a_block_file_of_another_layout_is_a_miss(tmp_path, caplog):
 def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
     """Same length, other bytes (found by hand: such files were served, and the greedy answers changed)."""
     kv = pool(4)
-    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv))
+    tiers = KVTiers(kv, layout(kv), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv))
     first = Engine(kv, tiers)
     for i in range(3):
         first.run(doc(i))
@@ -261,9 +321,27 @@ def test_a_block_file_damaged_in_place_is_a_miss(tmp_path):
         data[-4:] = bytes(b ^ 0x5A for b in data[-4:])
         path.write_bytes(data)
     kv2 = pool(4)
-    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * block_bytes(kv2))
+    again = KVTiers(kv2, layout(kv2), host_bytes=0, disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2))
     assert Engine(kv2, again).run(doc(0)) == 0  # Engine.run also asserts no wrong K/V was served
     assert again.snapshot().hits["disk"] == 0
+    again.close()
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x00\x00", b"\x00\x00\x00\x02[]"])
+def test_a_block_file_cut_short_while_serving_is_a_miss_and_announced(tmp_path, damage):
+    """A file indexed at the start, then cut short or overwritten (a crashed copy, another program): reading it
+    raised struct.error or AttributeError out of the block manager's lookup on the engine's step (found by hand;
+    the async engine fails every request after that), and the damaged file stayed, still announced as on DISK."""
+    from kaon_runtime.engine.kv_events import BlockRemoved
+
+    events: list = []
+    kv2, again = restarted_on_disk(tmp_path, prompts=3, emit=events.append)
+    first_block = chain_hash(None, tuple(doc(0)[:BS]))
+    path = tmp_path / f"{first_block & 0xFFFF_FFFF_FFFF_FFFF:016x}.kv"
+    path.write_bytes(damage)
+    assert Engine(kv2, again).run(doc(0)) == 0  # a miss, not an exception out of the step
+    assert BlockRemoved(block_hashes=[first_block], medium="DISK") in events
+    assert not path.exists() or path.read_bytes() != damage  # removed (then written again, recomputed)
     again.close()
 
 
@@ -281,7 +359,7 @@ def test_a_full_disk_drops_blocks_and_the_engine_goes_on(tmp_path, monkeypatch, 
 
     kv = pool(4)
     tiers = KVTiers(kv, layout(kv), host_bytes=2 * block_bytes(kv), disk_dir=str(tmp_path),
-                    disk_bytes=64 * block_bytes(kv))
+                    disk_bytes=64 * file_bytes(kv))
     monkeypatch.setattr(kv_tiers.os, "replace", full)  # then the disk fills: each block file's write fails
     engine = Engine(kv, tiers)
     with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
@@ -335,6 +413,25 @@ def test_the_tier_metrics_are_exported():
     assert "kaon_kv_tier" not in Metrics(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)).render().decode()
 
 
+def test_every_tier_series_is_on_metrics_from_the_start():
+    """A direction's counters appeared only at its first move: Prometheus's rate() and increase() lose a series'
+    first increment (nothing to compare it with), and a dashboard of disk hits showed no data until one came."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kaon_runtime.engine.kv_tiers import TierStats
+    from kaon_runtime.engine.llm_engine import EngineStats
+    from kaon_runtime.server.metrics import Metrics
+
+    text = Metrics(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, kv_tiers=TierStats())).render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    directions = {"pool_to_host", "host_to_disk", "host_to_pool", "disk_to_pool", "disk_to_host"}
+    for name in ("kaon_kv_tier_blocks_moved", "kaon_kv_tier_seconds"):
+        assert families[name].type == "counter"
+        assert {s.labels["direction"] for s in families[name].samples if s.name.endswith("_total")} == directions
+    assert {s.labels["tier"] for s in families["kaon_kv_tier_hits"].samples if s.name.endswith("_total")} == {
+        "host", "disk"}
+
+
 def test_an_asleep_engines_pool_is_neither_read_nor_written():
     """engine/sleep.py frees the pool and attaches a new one on wake: the tiers hold no reference to it."""
     kv = pool(4)
@@ -382,3 +479,20 @@ def test_the_engines_settings_reach_the_disk_tiers_manifest(tmp_path):
     (ckpt / "model.safetensors").write_bytes(b"v" * 64)  # other weights at the same path
     attach(quantization="int8").close()
     assert weights_in_manifest() not in (float_run, int8_run)
+
+
+@pytest.mark.parametrize("settings", [{"kv_offload_bytes": 100},
+                                      {"kv_offload_dir_bytes": 100, "kv_offload_dir": "kv"}])
+def test_a_tier_too_small_for_one_block_is_refused_at_start(tmp_path, settings):
+    """A tier smaller than one block (bytes taken for MB, say) held nothing and said nothing: the engine started
+    with a tier that never kept a block, its capacity on /metrics as if it worked (found by hand)."""
+    from kaon_runtime.config import EngineConfig
+    from kaon_runtime.engine.kv_observer import attach_kv_observer
+    from kaon_runtime.errors import InvalidRequestError
+
+    if "kv_offload_dir" in settings:
+        settings = {**settings, "kv_offload_dir": str(tmp_path / "kv")}
+    config = EngineConfig(model="m", block_size=BS, **settings)
+    kv = pool(4)
+    with pytest.raises(InvalidRequestError, match=f"holds no KV block: one takes {block_bytes(kv)} bytes"):
+        attach_kv_observer(config, BlockManager(4, BS), lambda: kv, config.model)

@@ -91,6 +91,15 @@ def test_a_load_whose_peak_exceeds_the_memory_limit_is_refused_before_loading(mo
     assert "600 MiB" in str(raised.value)
 
 
+def test_a_host_kv_tier_the_container_cannot_hold_is_refused_at_start(monkeypatch):
+    """--kv-offload-bytes fills while serving: one past the container's limit was taken, and the engine was
+    OOM-killed once the tier filled, hours into serving (found by hand: 4 GiB of tier in a 2 GiB container)."""
+    monkeypatch.setattr(memory_fit, "memory_limit", lambda: 2 << 30)  # room for the model and its pool
+    with pytest.raises(ModelDoesNotFitError, match="kv-offload-bytes") as raised:
+        LLM(MODEL, show_progress=False, device="cpu", num_kv_blocks=64, kv_offload_bytes=4 << 30)
+    assert "host KV tier (--kv-offload-bytes) 4096 MiB" in str(raised.value)
+
+
 @pytest.mark.parametrize("own, files, limit", [
     # a systemd scope on a cgroup v2 host (`systemd-run -p MemoryMax=1G kaon serve`): the root has no memory.max
     ("0::/system.slice/run-1.scope\n", {"/sys/fs/cgroup/system.slice/run-1.scope/memory.max": "1073741824"}, 1 << 30),
