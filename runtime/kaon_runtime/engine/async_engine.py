@@ -37,7 +37,7 @@ from kaon_runtime.engine.kv_transfer import ImportedKv
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
 from kaon_runtime.engine.output_kinds import Deltas, deltas_for
 from kaon_runtime.engine.outputs import RequestOutput
-from kaon_runtime.errors import EngineDeadError, InvalidRequestError, OverloadedError, QueueFullError
+from kaon_runtime.errors import EngineDeadError, OverloadedError, QueueFullError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.sampling import RequestOutputKind, SamplingParams
 from kaon_runtime.structured.spec import spec_for
@@ -82,7 +82,7 @@ FIRST_STEP_ALLOWANCE = 3
 # request: a flood of large grammars waits for these, and ordinary prompts do not wait behind it.
 GRAMMAR_THREADS = 2
 MAX_PENDING_COMPILES = 16  # compiling or waiting to; past it a constrained request gets a 429
-COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then is a 400 (its compile finishes on its thread)
+COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then is a 400, and its compile process is killed
 
 
 class RequestStream:
@@ -297,15 +297,13 @@ class AsyncEngine:
             raise QueueFullError(f"{self._compiles} grammars are compiling or waiting to "
                                  f"(limit {MAX_PENDING_COMPILES})")
         self._compiles += 1
-        future = self._grammar_pool.submit(self.engine.grammars.check, params)
+        # The deadline is the compile's own (structured/compiler.py): past it, its process is killed and the
+        # thread is free again, so a flood of costly grammars leaves no compile running behind its 400.
+        future = self._grammar_pool.submit(self.engine.grammars.check, params, COMPILE_TIMEOUT_S)
         loop = asyncio.get_running_loop()
         # Counted until its thread is done, not until the request gives up: the bound is on the threads' work.
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._compiled))
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), COMPILE_TIMEOUT_S)
-        except TimeoutError:
-            raise InvalidRequestError(f"the grammar did not compile within {COMPILE_TIMEOUT_S:g} s; send a smaller "
-                                      "one") from None
+        await asyncio.shield(asyncio.wrap_future(future))  # a client gone does not cut a compile (it is cached)
 
     def _compiled(self) -> None:
         self._compiles -= 1
