@@ -601,7 +601,7 @@ class InferenceServiceSpec(_Model):
     adapters: list[AdapterSpec] = Field([], max_length=MAX_ADAPTERS, json_schema_extra={
         # the apiserver refuses two entries of one name (a list-map keyed by name)
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-    """LoRA adapters of the model, each requested by its name as `model`. Adding or removing one loads or unloads it on the running replicas, without a restart."""  # noqa: E501 - one line: the CRD's description
+    """LoRA adapters of the model, each requested by its name as `model`. Adding or removing one loads or unloads it on the running replicas, without a restart. Only with engine.task generate (an embedding runs on the base model; a sentence encoder takes none)."""  # noqa: E501 - one line: the CRD's description
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""  # noqa: E501 - one line: the CRD's description
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default(RolloutSpec))
