@@ -543,6 +543,10 @@ class AdapterSpec(_Model):
         return v
 
 
+# /v1/embeddings runs on the base model (kaon serve --task embed), and a sentence encoder's server refuses
+# --enable-runtime-lora at start: adapters beside engine.task embed are never served, or crash-loop the pods.
+_ADAPTERS_GENERATE_MESSAGE = ("adapters need engine.task generate: an embedding runs on the base model, and a "
+                              "sentence encoder takes no LoRA adapters")
 _PREFILL_ONE_PROCESS_MESSAGE = ("prefill (disaggregation) needs engine.tensorParallelSize 1, engine.nodesPerReplica 1 "
                                  "and engine.task generate: each engine's K/V moves from one process")
 
@@ -598,7 +602,10 @@ class InferenceServiceSpec(_Model):
         {"rule": "!has(self.prefill) || ((!has(self.engine.tensorParallelSize) || self.engine.tensorParallelSize == 1)"
                  " && (!has(self.engine.nodesPerReplica) || self.engine.nodesPerReplica == 1)"
                  " && (!has(self.engine.task) || self.engine.task == 'generate'))",
-         "message": _PREFILL_ONE_PROCESS_MESSAGE}]})
+         "message": _PREFILL_ONE_PROCESS_MESSAGE},
+        {"rule": "!has(self.adapters) || size(self.adapters) == 0 || !has(self.engine.task)"
+                 " || self.engine.task == 'generate'",
+         "message": _ADAPTERS_GENERATE_MESSAGE}]})
 
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_default(EngineSpec))
@@ -611,7 +618,7 @@ class InferenceServiceSpec(_Model):
     adapters: list[AdapterSpec] = Field([], max_length=MAX_ADAPTERS, json_schema_extra={
         # the apiserver refuses two entries of one name (a list-map keyed by name)
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-    """LoRA adapters of the model, each requested by its name as `model`. Adding or removing one loads or unloads it on the running replicas, without a restart."""  # noqa: E501 - one line: the CRD's description
+    """LoRA adapters of the model, each requested by its name as `model`. Adding or removing one loads or unloads it on the running replicas, without a restart. Only with engine.task generate (an embedding runs on the base model; a sentence encoder takes none)."""  # noqa: E501 - one line: the CRD's description
     auth: AuthSpec | None = None
     """API keys the router and the engines require; without it the model answers anyone who can reach it (see docs/security.md)."""  # noqa: E501 - one line: the CRD's description
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default(RolloutSpec))
@@ -629,6 +636,12 @@ class InferenceServiceSpec(_Model):
         if self.prefill is not None and (engine.tensor_parallel_size > 1 or engine.nodes_per_replica > 1
                                          or engine.task != "generate"):
             raise ValueError(_PREFILL_ONE_PROCESS_MESSAGE)
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_generate(self) -> InferenceServiceSpec:
+        if self.adapters and self.engine.task != "generate":
+            raise ValueError(_ADAPTERS_GENERATE_MESSAGE)
         return self
 
     @field_validator("adapters")

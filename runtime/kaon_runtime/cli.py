@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from kaon_runtime.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
-from kaon_runtime.errors import KaonError, ModelDoesNotFitError
+from kaon_runtime.errors import KaonError, ModelDoesNotFitError, UnsupportedByModelError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
 from kaon_runtime.server import limits
@@ -324,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelDoesNotFitError as exc:
         # The line the operator looks for in the container's termination message (ModelDoesNotFit).
         _fatal(f"model does not fit: {exc}")
+        return 2
+    except UnsupportedByModelError as exc:
+        _fatal(f"unsupported by the model: {exc}")  # the words the operator looks for (UnsupportedByModel)
         return 2
     except KaonError as exc:
         _fatal(str(exc))

@@ -29,6 +29,12 @@ class ModelDoesNotFitError(ModelLoadError):
     """The model's shape cannot be split as asked (tensor_parallel_size does not divide its heads)."""
 
 
+class UnsupportedByModelError(KaonError):
+    """A `kaon serve` flag the model cannot take (a sentence encoder's --enable-runtime-lora, --role): refused
+    at start. `kaon serve` says "unsupported by the model: ...", the words the operator reads in the pod's
+    termination message (the condition UnsupportedByModel)."""
+
+
 class QueueFullError(KaonError):
     """Too many requests are waiting already; retry later (HTTP 429)."""
 

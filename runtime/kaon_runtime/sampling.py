@@ -1,6 +1,8 @@
 """Per-request sampling parameters, validated on creation."""
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kaon_runtime.errors import InvalidRequestError
@@ -10,6 +12,15 @@ CONSTRAINTS = ("json_schema", "regex", "choice", "grammar", "json_object", "stru
 # vLLM's StructuredOutputsParams' names -> ours
 STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                       "json_object": "json_object"}
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's (vllm.sampling_params): what each output of a streamed request (AsyncEngine's stream) carries.
+    LLM.generate returns each request's finished output whole whatever the kind, as vLLM's LLM does."""
+
+    CUMULATIVE = 0  # all of the text and tokens so far
+    DELTA = 1  # only the text and tokens new since the output before
+    FINAL_ONLY = 2  # one output: the finished one
 
 
 @dataclass(slots=True)
@@ -59,6 +70,12 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: detokenize=False leaves every output's text empty (token ids only; no stop strings then);
+    # output_kind: RequestOutputKind, above. logits_processors: vLLM's V0 per-request callables, refused
+    # when given (as vLLM's V1 engine does): the batched sampler and the fused CPU step never call back.
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logits_processors: list[Callable] | None = None
     # bad_words as token ids, filled by LLMEngine.validate from the model's tokenizer (not vLLM's name).
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
@@ -117,8 +134,22 @@ class SamplingParams:
             isinstance(self.truncate_prompt_tokens, int) and not isinstance(self.truncate_prompt_tokens, bool)
             and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
                f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
+        self._check_vllm_output_fields()
         constraints = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         _check(len(constraints) <= 1, f"at most one of {', '.join(CONSTRAINTS)} may be set, got {constraints}")
+
+    def _check_vllm_output_fields(self) -> None:
+        _check(isinstance(self.detokenize, bool), f"detokenize must be True or False, got {self.detokenize!r}")
+        _check(self.detokenize or not self.stop, "stop strings are only supported when detokenize is True "
+                                                 "(vLLM's rule): set detokenize=True to use stop")
+        _check(isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool)
+               and self.output_kind in tuple(RequestOutputKind),
+               f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
+        _check(not self.logits_processors,
+               "logits_processors (per-request callables) are not supported: kaon's sampler runs batched, without "
+               "calling back into Python (vLLM's V1 engine refuses them too); use logit_bias, allowed_token_ids, "
+               "bad_words or structured output instead")
 
     def _take_structured_outputs(self) -> None:
         given, self.structured_outputs = self.structured_outputs, None

@@ -85,6 +85,10 @@ INVALID = [
      "pipelineParallelSize must equal nodesPerReplica: each node (pod) of a replica runs one pipeline stage on its "
      "tensorParallelSize GPUs"),
     ("nodes-0", with_("engine.nodesPerReplica", 0), "should be greater than or equal to 1"),
+    ("adapters-with-embed", with_("adapters", [{"name": "sql", "uri": "hf://org/sql-lora"}],
+                                  with_("engine.task", "embed")),
+     "adapters need engine.task generate: an embedding runs on the base model, and a sentence encoder takes no "
+     "LoRA adapters"),
     ("prefill-with-tp", with_("prefill", {}, with_("engine.tensorParallelSize", 2)),
      "prefill (disaggregation) needs engine.tensorParallelSize 1, engine.nodesPerReplica 1 and engine.task "
      "generate: each engine's K/V moves from one process"),

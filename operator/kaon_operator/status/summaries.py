@@ -65,6 +65,10 @@ class DeploymentSummary:
 
 
 DOES_NOT_FIT = "model does not fit"  # how `kaon fetch` and `kaon serve` begin that reason
+# How `kaon serve` begins a flag its model cannot take (a sentence encoder's --enable-runtime-lora, --role, ...).
+UNSUPPORTED = "unsupported by the model"
+# The engine's own start refusals, by the words its termination message begins the cause with.
+ENGINE_REFUSALS = ((DOES_NOT_FIT, "ModelDoesNotFit"), (UNSUPPORTED, "UnsupportedByModel"))
 
 
 def _last_line(text: str) -> str:
@@ -86,7 +90,8 @@ def _failed(container: dict) -> dict | None:
 def model_failure(status: dict) -> tuple[str, str] | None:
     """Why a pod cannot serve its model, from the fetch's or the engine's termination message:
     the fetch's last line is `<reason>: <details>` (unauthorized, not found, no space, model does
-    not fit...); the engine says `model does not fit: ...` when tensorParallelSize cannot split it."""
+    not fit...); the engine says `model does not fit: ...` when tensorParallelSize cannot split it, and
+    `unsupported by the model: ...` for a flag its model cannot take (a sentence encoder's LoRA or role)."""
     for container in status.get("initContainerStatuses") or []:
         terminated = _failed(container) if container.get("name") == FETCH_CONTAINER else None
         if terminated:
@@ -95,8 +100,9 @@ def model_failure(status: dict) -> tuple[str, str] | None:
             return ("ModelDoesNotFit" if line.startswith(DOES_NOT_FIT) else "ModelFetchFailed"), line
     for container in status.get("containerStatuses") or []:
         message = (_failed(container) or {}).get("message") or ""
-        if f"{DOES_NOT_FIT}:" in message:
-            return "ModelDoesNotFit", DOES_NOT_FIT + message.split(f"{DOES_NOT_FIT}", 1)[1].splitlines()[0]
+        for words, reason in ENGINE_REFUSALS:
+            if f"{words}:" in message:
+                return reason, words + message.split(words, 1)[1].splitlines()[0]
     return None
 
 

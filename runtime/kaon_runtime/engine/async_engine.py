@@ -35,10 +35,11 @@ from kaon_runtime.engine.admission import (
 )
 from kaon_runtime.engine.kv_transfer import ImportedKv
 from kaon_runtime.engine.llm_engine import EngineStats, LLMEngine
+from kaon_runtime.engine.output_kinds import Deltas, deltas_for
 from kaon_runtime.engine.outputs import RequestOutput
-from kaon_runtime.errors import EngineDeadError, InvalidRequestError, OverloadedError, QueueFullError
+from kaon_runtime.errors import EngineDeadError, OverloadedError, QueueFullError
 from kaon_runtime.loader.tokenizer import Tokenizer
-from kaon_runtime.sampling import SamplingParams
+from kaon_runtime.sampling import RequestOutputKind, SamplingParams
 from kaon_runtime.structured.spec import spec_for
 
 if TYPE_CHECKING:
@@ -81,19 +82,24 @@ FIRST_STEP_ALLOWANCE = 3
 # request: a flood of large grammars waits for these, and ordinary prompts do not wait behind it.
 GRAMMAR_THREADS = 2
 MAX_PENDING_COMPILES = 16  # compiling or waiting to; past it a constrained request gets a 429
-COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then is a 400 (its compile finishes on its thread)
+COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then is a 400, and its compile process is killed
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; each output is cumulative, the last is finished.
+    """Async iterator over one request's outputs; each output is cumulative, the last is finished
+    (as the params' output_kind says: vLLM's DELTA gives what is new since the output read before,
+    FINAL_ONLY only the finished output; engine/output_kinds.py).
 
-    Outputs are cumulative, so a consumer that falls behind loses nothing by skipping to the
-    newest one: the stream keeps only the latest and never grows.
+    The engine's outputs are cumulative, so a consumer that falls behind loses nothing by skipping
+    to the newest one: the stream keeps only the latest and never grows.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine):
+    def __init__(self, request_id: str, engine: AsyncEngine,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, deltas: Deltas | None = None):
         self.request_id = request_id
         self._engine = engine
+        self._final_only = output_kind is RequestOutputKind.FINAL_ONLY
+        self._deltas = deltas
         self._latest: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self._done = False
@@ -104,15 +110,18 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        await self._ready.wait()
-        self._ready.clear()
-        item, self._latest = self._latest, None
-        assert item is not None, "the event is set only with an item"
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            item, self._latest = self._latest, None
+            assert item is not None, "the event is set only with an item"
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+            if item.finished or not self._final_only:
+                break
         self._done = item.finished
-        return item
+        return self._deltas.take(item) if self._deltas is not None else item
 
     def abort(self) -> None:
         """Stop the request (client gone, server shutting down); a no-op once it has finished."""
@@ -266,7 +275,7 @@ class AsyncEngine:
                     self._submit(_Call(lambda engine: engine.discard_imported(kv)))
                 raise refusal
             self._num_queued += 1
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, params.output_kind, deltas_for(params))
         self._submit(_Add(request_id, prompt_token_ids, params, stream, lora_id, kv, admitted))
         return stream
 
@@ -288,15 +297,13 @@ class AsyncEngine:
             raise QueueFullError(f"{self._compiles} grammars are compiling or waiting to "
                                  f"(limit {MAX_PENDING_COMPILES})")
         self._compiles += 1
-        future = self._grammar_pool.submit(self.engine.grammars.check, params)
+        # The deadline is the compile's own (structured/compiler.py): past it, its process is killed and the
+        # thread is free again, so a flood of costly grammars leaves no compile running behind its 400.
+        future = self._grammar_pool.submit(self.engine.grammars.check, params, COMPILE_TIMEOUT_S)
         loop = asyncio.get_running_loop()
         # Counted until its thread is done, not until the request gives up: the bound is on the threads' work.
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._compiled))
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), COMPILE_TIMEOUT_S)
-        except TimeoutError:
-            raise InvalidRequestError(f"the grammar did not compile within {COMPILE_TIMEOUT_S:g} s; send a smaller "
-                                      "one") from None
+        await asyncio.shield(asyncio.wrap_future(future))  # a client gone does not cut a compile (it is cached)
 
     def _compiled(self) -> None:
         self._compiles -= 1

@@ -327,7 +327,8 @@ class LLMEngine:
         reason, complete = None, False
         for i, token in enumerate(tokens):
             before = len(detok.text)
-            detok.add(token)
+            if seq.params.detokenize:  # vLLM's detokenize=False: token ids only, the text stays empty
+                detok.add(token)
             complete = seq.grammar is not None and seq.grammar.advance(token)  # nothing may follow
             reason = self._stop_reason(seq, token, detok, before, seq.num_tokens + i + 1)
             if reason is not None or complete:

@@ -6,7 +6,7 @@ from pathlib import Path
 import uvicorn
 
 from kaon_runtime.engine.encoder import EncoderEngine
-from kaon_runtime.errors import ModelNotFoundError
+from kaon_runtime.errors import ModelNotFoundError, UnsupportedByModelError
 from kaon_runtime.loader.resolve import resolve_model
 from kaon_runtime.models.bert import is_encoder_checkpoint
 from kaon_runtime.server.encoder_app import EncoderSettings, create_encoder_app
@@ -34,9 +34,10 @@ def flags_that_do_not_apply(args) -> list[str]:
 def serve_encoder(root: Path, args) -> int:
     refused = flags_that_do_not_apply(args)
     if refused:
-        raise SystemExit(f"kaon serve: {', '.join(refused)} do(es) not apply to a sentence encoder ({args.model}): "
-                         "it generates no tokens, so it has no prefill/decode roles and takes no LoRA adapters; "
-                         "drop the flag (or $KAON_ALLOW_RUNTIME_LORA_UPDATING)")
+        raise UnsupportedByModelError(
+            f"{', '.join(refused)} do(es) not apply to a sentence encoder ({args.model}): it generates no tokens, so "
+            "it has no prefill/decode roles and takes no LoRA adapters; drop the flag (or "
+            "$KAON_ALLOW_RUNTIME_LORA_UPDATING)")
     engine = EncoderEngine(root)
     settings = EncoderSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                api_key_file=args.api_key_file, max_body_bytes=args.max_body_bytes,

@@ -2,6 +2,7 @@
 
   spec.py          a request's constraint as a hashable GrammarSpec (the cache key)
   compiler.py      GrammarCache: xgrammar's compiler for one tokenizer, compiled grammars by spec
+  compile_worker.py  a compile with a deadline: in a forked child, killed when it runs past it
   matcher.py       SequenceGrammar: one sequence's matcher (next-token mask, accept, rollback)
   grammars.py      Grammars: what the engine calls (check a request, a matcher per sequence)
   masks.py         apply_bitmasks: the batch's masks onto the logits, other rows untouched

@@ -4,7 +4,9 @@ xgrammar turns a grammar into per-state token masks ahead of time (most tokens' 
 decided once, at compile time), which is what makes each step's mask cheap. Compiling costs
 milliseconds to a second for a large schema, so compiled grammars are kept, least recently
 used evicted first. Compilation runs wherever `compile` is called: the server calls it from
-its validation thread, never on the engine loop. Anything xgrammar cannot compile becomes an
+its grammar threads, never on the engine loop, with a deadline: then it runs in a forked child
+(compile_worker.py), killed at the deadline so that its CPU and threads stop with the request.
+Without one (LLM.generate) it runs on the calling thread. Anything xgrammar cannot compile becomes an
 InvalidRequestError naming the problem (the server's 400).
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import xgrammar as xgr
 
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.loader.tokenizer import Tokenizer
+from kaon_runtime.structured.compile_worker import CompileFailed, CompileTimeout, compile_apart, compile_spec
 from kaon_runtime.structured.spec import GrammarSpec
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept; a large schema's takes a few MB
@@ -74,8 +77,9 @@ class GrammarCache:
         self.max_entries = max_entries
         self.hits = self.misses = 0
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar of `spec`; raises InvalidRequestError for one that cannot be compiled."""
+    def compile(self, spec: GrammarSpec, timeout_s: float | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec`; raises InvalidRequestError for one that cannot be compiled, or (with
+        `timeout_s`) not within that many seconds: then its process is killed, and its CPU and threads are free."""
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:
@@ -83,7 +87,8 @@ class GrammarCache:
                 self.hits += 1
                 return compiled
             self.misses += 1
-        compiled = self._compile(spec)  # outside the lock: a slow schema does not hold up cached ones
+        # outside the lock: a slow schema does not hold up cached ones
+        compiled = self._compile(spec) if timeout_s is None else self._compile_apart(spec, timeout_s)
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > self.max_entries:
@@ -94,27 +99,25 @@ class GrammarCache:
         return len(self._compiled)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        c = self._compiler
         try:
-            if spec.kind == "json_schema":
-                # Compact JSON (no free whitespace): a small model left free to emit whitespace can
-                # emit it until max_tokens; the text is the same JSON either way.
-                return c.compile_json_schema(spec.source, any_whitespace=False)
-            if spec.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.kind == "regex":
-                return c.compile_regex(spec.source)
-            if spec.kind == "choice":
-                options = json.loads(spec.source)
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
-            if spec.kind == "grammar":
-                return c.compile_grammar(spec.source)
-            if spec.kind == "structural_tag":
-                return c.compile_structural_tag(spec.source)
+            compiled = compile_spec(self._compiler, spec.kind, spec.source)
         except Exception as exc:  # noqa: BLE001  whatever stops a client's grammar compiling is a 400, never a 500
             raise InvalidRequestError(f"the {_NOUNS[spec.kind]} cannot be compiled: "
                                       f"{_first_line(exc)}") from None
-        raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}")
+        if compiled is None:
+            raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}")
+        return compiled
+
+    def _compile_apart(self, spec: GrammarSpec, timeout_s: float) -> xgr.CompiledGrammar:
+        """`spec` compiled in a forked child, killed if it runs past `timeout_s`."""
+        try:
+            return compile_apart(self.info, spec.kind, spec.source, timeout_s)
+        except CompileTimeout:
+            raise InvalidRequestError(f"the grammar did not compile within {timeout_s:g} s; send a smaller "
+                                      "one") from None
+        except CompileFailed as exc:
+            raise InvalidRequestError(f"the {_NOUNS.get(spec.kind, 'grammar')} cannot be compiled: "
+                                      f"{_first_line(exc)}") from None
 
 
 def _first_line(exc: Exception) -> str:

@@ -35,11 +35,12 @@ class Grammars:
                 self._cache = GrammarCache(self.tokenizer, self.vocab_size)
             return self._cache
 
-    def check(self, params: SamplingParams) -> None:
-        """Compile the request's constraint, if any; raises InvalidRequestError naming what is wrong."""
+    def check(self, params: SamplingParams, timeout_s: float | None = None) -> None:
+        """Compile the request's constraint, if any; raises InvalidRequestError naming what is wrong (or, with
+        `timeout_s`, that it did not compile in time: its compile process is killed then)."""
         spec = spec_for(params)
         if spec is not None:
-            self.cache.compile(spec)
+            self.cache.compile(spec, timeout_s)
 
     def matcher(self, params: SamplingParams) -> SequenceGrammar | None:
         """A new sequence's grammar state (None: unconstrained)."""

@@ -77,3 +77,19 @@ def test_the_warning_event_carries_the_reason_once():
     (event,) = conditions.transition_events(new, old)
     assert (event.type, event.reason) == ("Warning", "ModelFetchFailed") and "no space: " in event.message
     assert conditions.transition_events(new, new) == []  # the crash loop goes on: no new Event each retry
+
+
+def test_a_flag_the_engines_model_refuses_is_unsupported_by_model_with_a_warning():
+    """A sentence encoder given --enable-runtime-lora (say through spec.engine.extraArgs) exits at start; the
+    engine's line becomes the reason, not a bare CrashLoopBackOff the admin must read the pod's logs for."""
+    line = ("kaon: error: unsupported by the model: --enable-runtime-lora do(es) not apply to a sentence encoder "
+            "(builtin://all-minilm-l6-v2): it generates no tokens, so it has no prefill/decode roles and takes no "
+            "LoRA adapters; drop the flag")
+    engine = {"state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}},
+              "lastState": terminated(2, "INFO starting\n" + line)}
+    cond = degraded(pod("enc", engine=engine))
+    assert (cond["status"], cond["reason"]) == ("True", "UnsupportedByModel")
+    assert cond["message"].endswith("enc: " + line.removeprefix("kaon: error: "))
+    (event,) = conditions.transition_events([cond], [{"type": "Degraded", "status": "False", "reason": "AsExpected",
+                                                      "message": ""}])
+    assert (event.type, event.reason) == ("Warning", "UnsupportedByModel") and "sentence encoder" in event.message

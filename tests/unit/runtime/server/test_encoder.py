@@ -106,16 +106,21 @@ def test_a_sentence_encoder_in_sleep_mode_says_it_cannot_sleep(minilm):
     (["--role", "decode", "--prefill-url", "http://p:80"], "--role decode, --prefill-url"),
     (["--enable-runtime-lora", "--admin-key", "adm"], "--enable-runtime-lora"),
     (["--lora-modules", "a=/nonexistent"], "--lora-modules")])
-def test_a_sentence_encoder_refuses_the_flags_it_would_ignore(flags, named, monkeypatch):
+def test_a_sentence_encoder_refuses_the_flags_it_would_ignore(flags, named, monkeypatch, tmp_path, capsys):
     """`kaon serve` of a sentence encoder used to ignore --role and --enable-runtime-lora (and --lora-modules)
-    silently; now it exits at start, before loading anything, naming them."""
-    from kaon_runtime.cli import main
+    silently; now it exits at start, before loading anything, naming them, and says so in the pod's termination
+    log in the words the operator turns into the condition UnsupportedByModel (status/summaries.py)."""
+    from kaon_runtime import cli
     from kaon_runtime.server import encoder_run
 
     def loaded(_root):
         raise AssertionError("the encoder was loaded: the flags were ignored")
     monkeypatch.setattr(encoder_run, "EncoderEngine", loaded)  # (so that a regression fails, not serves forever)
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")  # the kubelet's file exists before the container starts
+    monkeypatch.setattr(cli, "TERMINATION_LOG", termination_log)
 
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", "--model", "builtin://all-minilm-l6-v2", "--port", "0", *flags])
-    assert named in str(exited.value) and "sentence encoder" in str(exited.value)
+    assert cli.main(["serve", "--model", "builtin://all-minilm-l6-v2", "--port", "0", *flags]) == 2
+    line = termination_log.read_text()
+    assert line.startswith("kaon: error: unsupported by the model: ") and named in line and "sentence encoder" in line
+    assert line.strip() in capsys.readouterr().err
