@@ -16,15 +16,10 @@ and counts a 499, as the coroutine path's cancellation does.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kaon_operator.router.endpoints import Endpoint, ServiceKey
 from kaon_operator.router.upstream import Response
-
-if TYPE_CHECKING:  # (they import this module) typed, so that the compiled path calls them directly, not by name
-    from kaon_operator.router.front import FrontRequest
-    from kaon_operator.router.proxy import Router
-    from kaon_operator.router.upstream import _Connection
 
 
 class Exchange:
@@ -34,8 +29,8 @@ class Exchange:
                  "dispatched", "received", "conn", "data", "deadline", "sent", "upstream", "error", "answered",
                  "handed", "taken", "finished")
 
-    def __init__(self, router: Router, request: FrontRequest, key: ServiceKey, target: Endpoint, model: str,
-                 payload: dict, body: bytes, reserved: int, source: str, arrival: float, received: float):
+    def __init__(self, router: Any, request: Any, key: ServiceKey, target: Endpoint, model: str, payload: dict,
+                 body: bytes, reserved: int, source: str, arrival: float, received: float):
         self.router, self.request, self.key, self.target = router, request, key, target
         self.model, self.payload, self.body = model, payload, body
         """What the coroutine path needs for another attempt (proxy.Router._choose) after a hand-over."""
@@ -43,7 +38,7 @@ class Exchange:
         """The bytes taken from the body budget (released once, by whoever ends the request)."""
         self.arrival, self.received = arrival, received
         self.dispatched = 0.0
-        self.conn: _Connection | None = None  # set by Pool.send_now
+        self.conn: Any = None  # upstream._Connection, set by Pool.send_now
         self.data = b""
         self.deadline = 0.0
         self.sent = False
@@ -74,7 +69,6 @@ class Exchange:
             return
         self.error = error
         conn = self.conn
-        assert conn is not None  # (only a connection it was sent on calls this)
         self.answered = conn.received
         conn.head_due = None
         conn.now = None
@@ -85,10 +79,9 @@ class Exchange:
         """The read that brought the head is parsed: a whole small answer goes to the client now; any other goes on
         through the coroutine path (relay.py), as it would have after Pool.request returned."""
         upstream = self.upstream
-        conn = self.conn
-        if self.finished or self.handed or upstream is None or self.error is not None or conn is None:
+        if self.finished or self.handed or upstream is None or self.error is not None:
             return
-        conn.head_due = None
+        self.conn.head_due = None
         router = self.router
         whole = None
         if upstream.status != 503:  # (a 503 may be an asleep engine's: proxy._asleep, on the coroutine path)

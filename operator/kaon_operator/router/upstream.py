@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict
 
 from kaon_operator.router import retry
-
-if TYPE_CHECKING:  # (it imports this module) typed, so that the compiled path calls it directly, not by name
-    from kaon_operator.router.fast import Exchange
 
 UPSTREAM_KEEPALIVE_S = 4.0
 """The engine (uvicorn) closes idle keep-alive connections after 5 s. A request sent on a connection it
@@ -237,7 +234,7 @@ class _Connection(asyncio.Protocol):
         self.head: Any = None
         """What waits for the response head: Pool.request's future, or a fast exchange (fast.py) offering the part of a
         future used here (done, set_result, set_exception). Any: mypyc would check a Future's type on assignment."""
-        self.now: Exchange | None = None
+        self.now: Any = None
         """A fast exchange (fast.py), told once the read that brought its response head is parsed (`headed`)."""
         self.closed = False
         self.received = False  # any byte of the current response
@@ -433,7 +430,7 @@ class Pool:
         return not newest.closed and now - newest.idle_since < self.keepalive
 
     def send_now(self, url: str, method: str, path: str, fields: Iterable[bytes], body: bytes, timeout: float,
-                 exchange: Exchange) -> tuple[bytes, float]:
+                 exchange: Any) -> tuple[bytes, float]:
         """Pool.request's first step without a coroutine (fast.py): the request on a kept connection (has_idle said
         there is one, in the same callback); `exchange` is told of the head (set_result, then headed once the read is
         parsed) or of the failure (set_exception: the caller goes on with `resend`). The bytes sent and the head's
