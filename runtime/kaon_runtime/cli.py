@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require a key from this file (one per line) or directory (one per file: a mounted "
                        "Secret) on /v1; re-read when it changes, so keys rotate without a restart; missing or "
                        "empty refuses every request (default: $KAON_API_KEY_FILE)")
-    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get a 429")
-    serve.add_argument("--max-queue-wait", type=float, default=limits.MAX_QUEUE_WAIT_S, metavar="SECONDS",
+    # Checked here: 0 waiting places refused every request (429), a negative wait expired every one (503).
+    serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests beyond this get a 429")
+    serve.add_argument("--max-queue-wait", type=non_negative_float, default=limits.MAX_QUEUE_WAIT_S, metavar="SECONDS",
                        help="the admission limit past capacity: a request that has waited this long for its turn "
                        "(no token yet) gets a 503 with Retry-After, and one that would wait longer, at the rate "
                        "requests finish, gets it at once; so the time to first token stays within it. 0: no limit "

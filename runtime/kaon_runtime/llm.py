@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from typing import cast
 
@@ -59,6 +60,10 @@ class LLM:
         self._sleep_mode = enable_sleep_mode
         self._slept: Sleep | None = None
         self._lora_ids: dict[int, LoRARequest] = {}  # the LoRARequests seen, by vLLM's int id
+        # generate() from several threads: the engine steps under this lock, one step at a time, and each
+        # finished output waits here for the call that asked for it (the threads' requests batch together).
+        self._lock = threading.Lock()
+        self._finished: dict[str, RequestOutput] = {}
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -71,13 +76,7 @@ class LLM:
         name for every prompt, or a list with one per prompt (None: the base model); `lora_request`: vLLM's
         form of the same (a LoRARequest, or a list of them), registered by its name on first use.
         While asleep (sleep()), raises EngineAsleepError: call wake_up() first."""
-        if self._slept is not None:
-            raise EngineAsleepError("the engine is asleep (LLM.sleep): call wake_up() before generating")
         batch = prompt_batch(prompts)
-        if lora_request is not None:
-            if adapter is not None:
-                raise TypeError("pass adapter or lora_request, not both")
-            adapter = self._adapter_names(lora_request)
         if params is not None and sampling_params is not None:
             raise TypeError("pass sampling_params or params, not both")
         params = sampling_params if sampling_params is not None else params
@@ -85,6 +84,38 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
+        if lora_request is not None and adapter is not None:
+            raise TypeError("pass adapter or lora_request, not both")
+        with self._lock:
+            ids = self._add(batch, per_prompt, adapter, lora_request)
+        try:
+            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+                done = 0
+                while done < len(ids):
+                    with self._lock:
+                        if not all(i in self._finished for i in ids):  # else another thread's step finished them
+                            for output in self.engine.step(only_finished=True):  # the last output is the one kept
+                                if output.finished:
+                                    self._finished[output.request_id] = output
+                        now_done = sum(i in self._finished for i in ids)
+                    bar.update(now_done - done)
+                    done = now_done
+        finally:  # returning or interrupted (Ctrl-C, a dead engine): this call's requests leave the engine
+            with self._lock:
+                found = [self._finished.pop(i, None) for i in ids]
+                for request_id, kept in zip(ids, found):
+                    if kept is None and not self.engine.closed:  # closed: nothing is left to abort
+                        self.engine.abort_request(request_id)
+        return cast(list[RequestOutput], found)
+
+    def _add(self, batch: list[str | list[int]], per_prompt: list[SamplingParams],
+             adapter: str | list[str | None] | None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None) -> list[str]:
+        """Add one engine request a prompt (all or none: a bad one aborts those added before it); their ids."""
+        if self._slept is not None:
+            raise EngineAsleepError("the engine is asleep (LLM.sleep): call wake_up() before generating")
+        if lora_request is not None:
+            adapter = self._adapter_names(lora_request)
         adapters = adapter if isinstance(adapter, list) else [adapter] * len(batch)
         if len(adapters) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(adapters)} adapters")
@@ -97,14 +128,7 @@ class LLM:
             for request_id in ids[:-1]:
                 self.engine.abort_request(request_id)
             raise
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            while len(done) < len(ids):
-                for output in self.engine.step(only_finished=True):  # the last output is the one kept
-                    if output.finished:
-                        done[output.request_id] = output
-                        bar.update(1)
-        return [done[i] for i in ids]
+        return ids
 
     def _adapter_names(self, lora_request: LoRARequest | list[LoRARequest | None]) -> str | list[str | None] | None:
         """kaon's adapter names for vLLM's LoRARequests, registering each new one's directory under its name."""
@@ -136,9 +160,10 @@ class LLM:
         written to a file first, read back on wake). Needs LLM(..., enable_sleep_mode=True), as vLLM's."""
         if not self._sleep_mode:
             raise InvalidRequestError("sleep mode is not enabled: create the LLM with enable_sleep_mode=True")
-        if self._slept is not None:
-            raise InvalidRequestError(f"already asleep (level {self._slept.level}): call wake_up() first")
-        self._slept = put_to_sleep(self.engine, level)
+        with self._lock:  # not in the middle of another thread's step
+            if self._slept is not None:
+                raise InvalidRequestError(f"already asleep (level {self._slept.level}): call wake_up() first")
+            self._slept = put_to_sleep(self.engine, level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Put back what sleep() freed. vLLM's `tags` ("weights", "kv_cache") wake a part; here the engine
@@ -147,17 +172,20 @@ class LLM:
         unknown = set(tags or ()) - {"weights", "kv_cache"}
         if unknown:
             raise InvalidRequestError(f"wake_up: unknown tags {sorted(unknown)}; vLLM's are 'weights' and 'kv_cache'")
-        if self._slept is not None:
-            wake_up(self.engine, self._slept)
-            self._slept = None
+        with self._lock:
+            if self._slept is not None:
+                wake_up(self.engine, self._slept)
+                self._slept = None
 
     def is_sleeping(self) -> bool:
         """Whether sleep() was called without a wake_up() since (vLLM's LLMEngine.is_sleeping)."""
         return self._slept is not None
 
     def close(self) -> None:
-        """Stop the engine's workers, if any, and release its process groups, ports and memory."""
-        self.engine.close()
+        """Stop the engine's workers, if any, and release its process groups, ports and memory. A generate()
+        in another thread finishes its step first, then raises EngineDeadError."""
+        with self._lock:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

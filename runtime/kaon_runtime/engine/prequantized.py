@@ -105,6 +105,7 @@ class Prequantized:
 
     @torch.no_grad()
     def install(self, model: nn.Module, device: torch.device, tp: TensorParallel) -> None:
+        self._check_weights_present()
         modules = dict(model.named_modules())
         for ours, names in self.parts.items():
             pending = modules[ours]
@@ -118,9 +119,6 @@ class Prequantized:
             down = [self._module(f"{moe}.experts.{e}.down_proj", names, (hidden, two_width // 2), None, device, tp)
                     for e, (_, names) in enumerate(experts)]
             cast(SparseMoE, modules[moe]).keep_experts_quantized(gate_up, down)
-        unused = sorted(set(self.held))
-        if unused:
-            raise ValueError(f"checkpoint tensors of {', '.join(unused[:3])} belong to no quantized layer")
         log.info("%s: %d linear layers and %d MoE layers' experts kept quantized%s", self.scheme.description,
                  len(self.parts), len(self.experts),
                  f", inputs rounded to their static {self.scheme.static_inputs} scales" if self.scheme.static_inputs
@@ -129,6 +127,17 @@ class Prequantized:
             log.warning("the checkpoint's %s are not used: activations stay in the model's dtype (fp8 on a GPU "
                         "quantizes them per row itself) and the KV cache keeps --kv-cache-dtype",
                         ", ".join(sorted(self.dropped)))
+
+    def _check_weights_present(self) -> None:
+        """A module with quantization tensors (scales, zeros) but no weight was planned as no layer, so its fused
+        layer came out short ("qkv_proj is 256 x 256"): name the module and what it lacks instead."""
+        planned = {name for names in self.parts.values() for name in names}
+        planned |= {name for _, experts in self.experts.values() for parts in experts for names in parts
+                    for name in names}
+        orphans = sorted(set(self.held) - planned)
+        if orphans:
+            raise ValueError(f"{orphans[0]} has {', '.join(sorted(self.held[orphans[0]]))} but no quantized weight: "
+                             "the checkpoint lacks it (a shard left out, or a tensor dropped)")
 
     def _module(self, ours: str, names: list[str], expected: tuple[int, int], bias: torch.Tensor | None,
                 device: torch.device, tp: TensorParallel) -> nn.Module:

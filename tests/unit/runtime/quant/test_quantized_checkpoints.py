@@ -222,6 +222,23 @@ def test_a_truncated_tensor_in_a_directory_fails_at_load_naming_it(gptq_dir, tmp
     assert "\n" not in str(err.value)
 
 
+def test_a_missing_quantized_weight_fails_at_load_naming_its_layer(gptq_dir, tmp_path):
+    """A shard left out or a tensor dropped: the error used to be about the fused layer's size ("quantized
+    model.layers.0.self_attn.qkv_proj is 256 x 256, the model expects 512 x 256"), naming neither q_proj nor
+    what it lacks."""
+    gptq_dir, _ = gptq_dir
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_dir(gptq_dir, tmp_path / "missing")
+    state = load_file(path / "model.safetensors")
+    del state["model.layers.0.self_attn.q_proj.qweight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.q_proj has .*qzeros.* but no quantized "
+                       r"weight") as err:
+        LLM(str(path), show_progress=False, device="cpu")
+    assert "\n" not in str(err.value)
+
+
 def test_unknown_quant_method_in_a_directory_fails_at_load(gptq_dir, tmp_path):
     gptq_dir, _ = gptq_dir
     path = _copy_dir(gptq_dir, tmp_path / "unknown")

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kaon_runtime.cli import build_parser
 from kaon_runtime.errors import InvalidRequestError, QueueFullError
 from kaon_runtime.server import protocol as p
 from kaon_runtime.server.limits import Admission, Limits, check_chat, check_completion
@@ -96,3 +97,16 @@ def test_max_tokens_0_is_no_generated_logprob_entries():
                                                     cap, CONTEXT)
     assert "12 log-probability entries" in refused(check_completion, completion(**echo, max_tokens=2), "hi",
                                                    cap, CONTEXT)
+
+
+@pytest.mark.parametrize("flags", [["--max-queue", "0"], ["--max-queue", "-1"], ["--max-queue-wait", "-5"],
+                                   ["--max-queue-wait", "nan"]])
+def test_an_admission_flag_that_would_refuse_or_expire_every_request_is_refused_at_start(flags, capsys):
+    """--max-queue 0 answered every request 429 (nothing may wait, not even on an idle server), a negative
+    --max-queue-wait expired every request at once (503), nan was no limit at all: each a server that
+    starts, loads its model and then refuses its work. (--max-queue-wait 0 is the documented "no limit".)"""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", *flags])
+    assert exited.value.code == 2
+    assert f"argument {flags[0]}:" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--max-queue", "1", "--max-queue-wait", "0"]).max_queue_wait == 0
