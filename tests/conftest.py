@@ -66,6 +66,9 @@ from support.k8s import control_plane, crd, namespace, operator, operator_kubeco
 # Triton's interpreter with a tl.dot whose rows do not depend on each other, as on a GPU (support/row_dot.py).
 from support.row_dot import row_dot  # noqa: E402, F401
 
+# One `kaon serve` of the bundled model with the default flags for the session (see support/server.py).
+from support.server import default_server  # noqa: E402, F401
+
 # Model sources: the stand-in HF hub and a real MinIO (see conftest_sources.py).
 from support.sources import hf_hub, minio, tiny_llama_dir  # noqa: E402, F401
 
