@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded model, loaded once by kaon and once by HF transformers."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -23,13 +24,17 @@ from support import MODEL
 # HF's references (hf_model, hf_tokenizer, the tiny GGUFs' transformers loads) and the tiny-file writers read
 # GGUF headers with gguf's own reader, whose one memmap slice per string took ~3.7 CPU s per parse of the
 # bundled file, and transformers parses a file twice per model: read through a plain view as kaon's reader
-# does (1.1 s). Same bytes: the bundled model's HF state dict and tokenizer came out equal (2026-12-01).
+# does (1.1 s). And transformers asks gguf for its tensor-name map once per submodule of the model (397 times
+# for SmolLM2, each built anew from every architecture's table: ~40% of an HF GGUF load); it is a pure function
+# of (architecture, layers), so it is built once. Same results: the bundled model's HF state dict and
+# tokenizer came out equal with both (2026-12-01).
 try:
     import gguf
 except ImportError:  # the GGUF tests skip without it
     pass
 else:
     gguf.GGUFReader._get = plain_get  # type: ignore[method-assign]
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 
 @pytest.fixture(scope="session")
