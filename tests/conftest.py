@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded model, loaded once by kaon and once by HF transformers."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -17,7 +18,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.loader import resolve_model
+from kaon_runtime.loader.gguf_file import plain_get
 from support import MODEL
+
+# HF's references (hf_model, hf_tokenizer, the tiny GGUFs' transformers loads) and the tiny-file writers read
+# GGUF headers with gguf's own reader, whose one memmap slice per string took ~3.7 CPU s per parse of the
+# bundled file, and transformers parses a file twice per model: read through a plain view as kaon's reader
+# does (1.1 s). And transformers asks gguf for its tensor-name map once per submodule of the model (397 times
+# for SmolLM2, each built anew from every architecture's table: ~40% of an HF GGUF load); it is a pure function
+# of (architecture, layers), so it is built once. Same results: the bundled model's HF state dict and
+# tokenizer came out equal with both (2026-12-01).
+try:
+    import gguf
+except ImportError:  # the GGUF tests skip without it
+    pass
+else:
+    gguf.GGUFReader._get = plain_get  # type: ignore[method-assign]
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +70,9 @@ from support.k8s import control_plane, crd, namespace, operator, operator_kubeco
 
 # Triton's interpreter with a tl.dot whose rows do not depend on each other, as on a GPU (support/row_dot.py).
 from support.row_dot import row_dot  # noqa: E402, F401
+
+# One `kaon serve` of the bundled model with the default flags for the session (see support/server.py).
+from support.server import default_server  # noqa: E402, F401
 
 # Model sources: the stand-in HF hub and a real MinIO (see conftest_sources.py).
 from support.sources import hf_hub, minio, tiny_llama_dir  # noqa: E402, F401

@@ -19,11 +19,9 @@ VOLATILE = {"id", "created", "created_at", "call_id", "cached_tokens"}  # what d
 # second finds the first one's prompt in the prefix cache)
 
 
-@pytest.fixture(scope="module")
-def generating(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve"))
-    yield srv
-    srv.stop()
+@pytest.fixture
+def generating(default_server):
+    return default_server  # the session's one (tests/conftest.py), shared with test_serve_cost_bounds
 
 
 @pytest.fixture

@@ -12,18 +12,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from support.server import MODEL, Server, error_body
+from support.server import MODEL, error_body
 
 # Half the probe's 5 s timeout. It was 1 s: CI failed once at 1.49 s with tests/e2e running beside this
 # file on the same two cores (the machine's wait, not a stall of the loop).
 HEALTH_BOUND_S = 2.5
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve-cost"))
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(default_server):
+    return default_server  # the session's one (tests/conftest.py), shared with test_router_ecosystem
 
 
 class HealthWatch:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 MODEL = "builtin://smollm2-135m-instruct"
 API_KEY = "test-key"
@@ -98,3 +99,13 @@ def error_body(response: httpx.Response) -> dict:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     return error
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """One `kaon serve` of the bundled model with the default flags, shared by the modules that need no
+    other (an engine start is ~9 CPU s; tests/conftest.py registers it): none of them changes its state
+    beyond what a request does."""
+    srv = Server(tmp_path_factory.mktemp("serve-default"))
+    yield srv
+    srv.stop()
