@@ -18,22 +18,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 from kaon_runtime.kernels import cpu_decode
 from kaon_runtime.loader import resolve_model
-from kaon_runtime.loader.gguf_file import plain_get
 from support import MODEL
 
-# HF's references (hf_model, hf_tokenizer, the tiny GGUFs' transformers loads) and the tiny-file writers read
-# GGUF headers with gguf's own reader, whose one memmap slice per string took ~3.7 CPU s per parse of the
-# bundled file, and transformers parses a file twice per model: read through a plain view as kaon's reader
-# does (1.1 s). And transformers asks gguf for its tensor-name map once per submodule of the model (397 times
-# for SmolLM2, each built anew from every architecture's table: ~40% of an HF GGUF load); it is a pure function
-# of (architecture, layers), so it is built once. Same results: the bundled model's HF state dict and
-# tokenizer came out equal with both (2026-12-01).
+# transformers asks gguf for its tensor-name map once per submodule of the model (397 times for SmolLM2, each
+# built anew from every architecture's table: ~40% of an HF GGUF load); it is a pure function of (architecture,
+# layers), so it is built once. gguf's own reader is left as it is: the HF references must not read the file
+# through kaon's code. Same results: the bundled model's HF state dict and tokenizer came out equal (2026-12-01).
 try:
     import gguf
 except ImportError:  # the GGUF tests skip without it
     pass
 else:
-    gguf.GGUFReader._get = plain_get  # type: ignore[method-assign]
     gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 

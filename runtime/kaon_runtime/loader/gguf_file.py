@@ -159,7 +159,13 @@ def _checked_reader(gguf):
     equal). The memmap itself stays (self.data) for _release's madvise."""
 
     class CheckedReader(gguf.GGUFReader):
-        _get = plain_get
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
         def _build_tensors(self, start_offs, fields):
             for field in fields:
@@ -177,17 +183,6 @@ def _checked_reader(gguf):
             super()._build_tensors(start_offs, fields)
 
     return CheckedReader
-
-
-def plain_get(reader, offset, dtype, count=1, override_order=None):
-    """gguf.GGUFReader._get, cutting each value out of a plain ndarray view of the reader's memmap
-    (_checked_reader says why). The tests give transformers' own GGUF reader this too (tests/conftest.py)."""
-    plain = reader.__dict__.get("_plain")
-    if plain is None:
-        plain = reader._plain = reader.data.view(np.ndarray)
-    count = int(count)
-    array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
-    return array.view(array.dtype.newbyteorder(reader.byte_order if override_order is None else override_order))
 
 
 def _field_value(field):
