@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -68,6 +69,7 @@ class BlockStored(_ArrayEvent, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
 
 
 class BlockRemoved(_ArrayEvent, tag="BlockRemoved"):
@@ -87,6 +89,7 @@ class MapBlockStored(_MapEvent, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
 
 
 class MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
@@ -158,7 +161,7 @@ def apply(index: KvIndex, pod: str, events: list[Event]) -> None:
                 continue  # an adapter's blocks named only by the adapter's name (newer vLLM): not followed either
             parent = None if event.parent_block_hash is None else _name(event.parent_block_hash)
             index.stored(pod, [_name(h) for h in event.block_hashes], parent, event.token_ids, event.block_size,
-                         event.lora_id, event.medium)
+                         event.lora_id, event.medium, event.extra_keys)
         elif isinstance(event, (BlockRemoved, MapBlockRemoved)):
             index.removed(pod, [_name(h) for h in event.block_hashes], event.medium)
         else:

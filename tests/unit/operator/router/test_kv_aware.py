@@ -537,3 +537,48 @@ def test_the_feed_reads_a_batch_mixing_both_encodings():
     # one line of releases sent the batch itself as a map
     assert _applied(encode({"ts": 1.0, "events": [NewStored(H[:1], None, PROMPT[:4], BS, None, "GPU", None)],
                             "data_parallel_rank": 0})).match("a", keys()).blocks == 1
+
+
+def test_a_chain_whose_hashes_fold_in_more_than_tokens_is_not_its_tokens_chain():
+    """vLLM announces a salted or an adapter's chain, and an image's blocks, with a null first parent like any
+    other; what sets them apart is extra_keys (the salt, the adapter, the image's hash). The router indexed them as
+    the plain tokens' chain: a request of the same tokens was sent to the pod holding only another tenant's blocks."""
+    encode = msgspec.msgpack.encode
+    salted = NewStored(H, None, PROMPT[:16], BS, None, "GPU", None, extra_keys=[("tenant-a",), None, None, None])
+    assert _applied(encode(NewBatch(1.0, [salted]))).match("a", keys()).blocks == 0
+    image = NewStored(H, None, PROMPT[:16], BS, None, "GPU", None, extra_keys=[None, None, ("img-sha",), None])
+    assert _applied(encode(NewBatch(1.0, [image]))).match("a", keys()).blocks == 2  # up to the image's block
+    plain = NewStored(H, None, PROMPT[:16], BS, None, "GPU", None, extra_keys=[None] * 4)
+    assert _applied(encode(NewBatch(1.0, [plain]))).match("a", keys()).blocks == 4
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_a_kaon_engines_salted_and_adapter_chains_stay_apart_from_the_base_models(encoding):
+    """A kaon engine announces them as vLLM does (null parent, extra_keys); the router still leaves them out."""
+    from kaon_runtime.engine.block_manager import BlockManager
+    from kaon_runtime.engine.kv_events import EventBatch, as_map
+    from kaon_runtime.engine.kv_observer import KVObserver
+    from kaon_runtime.engine.sequence import Sequence
+    from kaon_runtime.sampling import SamplingParams
+
+    class Collected:  # the publisher's queue, without its socket: the batch is encoded as its thread encodes it
+        def __init__(self):
+            self.events: list = []
+
+        def emit(self, event):
+            self.events.append(event)
+
+    def index_of(lora_id=0, cache_salt=None) -> KvIndex:
+        bm, collected = BlockManager(8, BS), Collected()
+        bm.listener = KVObserver(BS, collected, None, lora_names={3: "sql-lora"}.get)
+        seq = Sequence(0, list(PROMPT), len(PROMPT), SamplingParams(cache_salt=cache_salt), lora_id=lora_id)
+        seq.num_computed_tokens = bm.allocate_prefix(seq)
+        assert bm.ensure_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+        events = [as_map(e) for e in collected.events] if encoding == "map" else collected.events
+        return _applied(msgspec.msgpack.encode(EventBatch(ts=1.0, events=events)))
+
+    assert index_of().match("a", keys()).blocks == 4
+    assert index_of(cache_salt="tenant-a").match("a", keys()).blocks == 0
+    assert index_of(lora_id=3).match("a", keys()).blocks == 0
