@@ -5,8 +5,9 @@ format in either of its event encodings, decoded with vLLM's published types), a
 Every router replica subscribes to every pod itself, so each builds the same index from the same
 events. A batch missed (a sequence number skipped) is asked again from the pod's replay socket, and
 so is a pod's history from batch 0 when the first batch heard of it is a later one (a replica
-started after the engines, or a restart seen late); a pod that restarted (its sequence numbers
-start over, or it says AllBlocksCleared) or left the ready set loses its entries.
+started after the engines, or a restart seen late); a pod that restarted (its connection dropped,
+its sequence numbers start over, or it says AllBlocksCleared) or left the ready set loses its
+entries.
 """
 from __future__ import annotations
 
@@ -237,8 +238,22 @@ class KvFeed:
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(f"tcp://{host}:{events_port}")
         sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        # The connection to the pod dropping is the one sign of a restart that never misses: a new engine is a new
+        # process, so a new connection. Its sequence numbers alone do not tell: a router that hears the new engine
+        # first past the old one's last number (the restart took a while, the first batches were lost) took it for
+        # a gap, and the replay from there left out the new engine's batch 0 (AllBlocksCleared), so the old life's
+        # entries stayed. On a drop the pod is forgotten: its next batch is replayed from 0, whichever life it is.
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
         try:
             while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:  # before the batches beside it: they came over the new connection
+                    await monitor.recv_multipart()
+                    self.index.clear(endpoint.pod)
+                    continue
                 _, seq_bytes, payload = await sub.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
                 missed = self.index.sequence(endpoint.pod, seq)
@@ -251,6 +266,8 @@ class KvFeed:
         except asyncio.CancelledError:
             raise
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
     async def _replay(self, address: str, pod: str, missed: int, upto: int) -> None:
