@@ -5,8 +5,9 @@ format in either of its event encodings, decoded with vLLM's published types), a
 Every router replica subscribes to every pod itself, so each builds the same index from the same
 events. A batch missed (a sequence number skipped) is asked again from the pod's replay socket, and
 so is a pod's history from batch 0 when the first batch heard of it is a later one (a replica
-started after the engines, or a restart seen late); a pod that restarted (its sequence numbers
-start over, or it says AllBlocksCleared) or left the ready set loses its entries.
+started after the engines, or a restart seen late); a pod that restarted (its connection dropped,
+its sequence numbers start over, or it says AllBlocksCleared) or left the ready set loses its
+entries.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -68,6 +70,7 @@ class BlockStored(_ArrayEvent, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
 
 
 class BlockRemoved(_ArrayEvent, tag="BlockRemoved"):
@@ -87,6 +90,7 @@ class MapBlockStored(_MapEvent, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
 
 
 class MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
@@ -158,7 +162,7 @@ def apply(index: KvIndex, pod: str, events: list[Event]) -> None:
                 continue  # an adapter's blocks named only by the adapter's name (newer vLLM): not followed either
             parent = None if event.parent_block_hash is None else _name(event.parent_block_hash)
             index.stored(pod, [_name(h) for h in event.block_hashes], parent, event.token_ids, event.block_size,
-                         event.lora_id, event.medium)
+                         event.lora_id, event.medium, event.extra_keys)
         elif isinstance(event, (BlockRemoved, MapBlockRemoved)):
             index.removed(pod, [_name(h) for h in event.block_hashes], event.medium)
         else:
@@ -234,8 +238,22 @@ class KvFeed:
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(f"tcp://{host}:{events_port}")
         sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        # The connection to the pod dropping is the one sign of a restart that never misses: a new engine is a new
+        # process, so a new connection. Its sequence numbers alone do not tell: a router that hears the new engine
+        # first past the old one's last number (the restart took a while, the first batches were lost) took it for
+        # a gap, and the replay from there left out the new engine's batch 0 (AllBlocksCleared), so the old life's
+        # entries stayed. On a drop the pod is forgotten: its next batch is replayed from 0, whichever life it is.
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
         try:
             while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:  # before the batches beside it: they came over the new connection
+                    await monitor.recv_multipart()
+                    self.index.clear(endpoint.pod)
+                    continue
                 _, seq_bytes, payload = await sub.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
                 missed = self.index.sequence(endpoint.pod, seq)
@@ -248,6 +266,8 @@ class KvFeed:
         except asyncio.CancelledError:
             raise
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
     async def _replay(self, address: str, pod: str, missed: int, upto: int) -> None:

@@ -8,8 +8,11 @@ every router replica, fed the same events, builds the same index (no shared stat
 
 Only chains the router can follow are indexed: a chain's first block must have no parent block
 (parent None), and no LoRA adapter (its blocks were computed with other weights, and an adapter's
-id is the engine's own). A salted request's chain starts from a root the router cannot name, so
-it is skipped too: its blocks serve only its own tenant.
+id is the engine's own). A block whose hash folds in more than its tokens (vLLM's `extra_keys`: a
+cache salt, an adapter's name, an image) is not its tokens' block: the chain is indexed up to it.
+A salted request's blocks serve only its own tenant; an image's placeholder tokens are the same for
+every image. (kaon's engines before this announced a salted chain's root as its first block's
+parent: a parent the router never saw, skipped the same way.)
 """
 from __future__ import annotations
 
@@ -88,7 +91,9 @@ class KvIndex:
         return missed
 
     def stored(self, pod: str, block_hashes: Sequence[int], parent: int | None, token_ids: Sequence[int],
-               block_size: int, lora_id: int | None, medium: str | None) -> None:
+               block_size: int, lora_id: int | None, medium: str | None,
+               extra_keys: Sequence[object] | None = None) -> None:
+        """`extra_keys`: one entry a block, what its hash folds in besides its tokens (None: nothing)."""
         state = self._pods.setdefault(pod, _Pod())
         if lora_id:
             return
@@ -101,7 +106,7 @@ class KvIndex:
         state.block_size = block_size
         for i, h in enumerate(block_hashes):
             tokens = token_ids[i * block_size:(i + 1) * block_size]
-            if len(tokens) < block_size:
+            if len(tokens) < block_size or (extra_keys and i < len(extra_keys) and extra_keys[i]):
                 return
             key = next_key(key, tokens)
             state.keys[h] = key

@@ -42,8 +42,9 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((_NO_PARENT if parent_hash is None else parent_hash, token_ids))
 
 
-def _stable_text_hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
+def cache_salt_key(salt: str) -> int:
+    """A cache salt as root_hash folds it in: the same in every process (KV events announce this, never the salt)."""
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "big", signed=True)
 
 
 def root_hash(seq: Sequence) -> int | None:
@@ -53,7 +54,7 @@ def root_hash(seq: Sequence) -> int | None:
     salt = seq.params.cache_salt
     if salt is None:
         return None if seq.lora_id == 0 else hash((_LORA_ROOT, seq.lora_id))
-    return hash((_SALT_ROOT, seq.lora_id, _stable_text_hash(salt)))
+    return hash((_SALT_ROOT, seq.lora_id, cache_salt_key(salt)))
 
 
 class BlockListener(Protocol):

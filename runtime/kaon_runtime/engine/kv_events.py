@@ -66,6 +66,10 @@ class BlockStored(KVCacheEvent):
     # The adapter's name: the array encoding sends it only for an adapter's blocks (a trailing field older
     # subscribers ignore), the map encoding always (vLLM's newest struct requires it).
     lora_name: str | None = None
+    # vLLM's extra_keys: one entry per block, what its hash folds in besides its parent and tokens (an adapter's
+    # name, a cache salt's key), None where nothing. Sent only for a chain that starts with such a block: its first
+    # block has no parent (as in vLLM), and a subscriber tells it from the base model's chain by these.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -81,11 +85,12 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def block_stored(block_hashes: list[int], parent: int | None, tokens: tuple[int, ...] | list[int], block_size: int,
-                 medium: str, lora_id: int = 0, lora_name: str | None = None) -> BlockStored:
+                 medium: str, lora_id: int = 0, lora_name: str | None = None,
+                 extra_keys: list[tuple[Any, ...] | None] | None = None) -> BlockStored:
     """A run of chained blocks (each the parent of the next) newly held by `medium`; lora_id 0: the base model."""
     return BlockStored(block_hashes=list(block_hashes), parent_block_hash=parent, token_ids=list(tokens),
                        block_size=block_size, lora_id=lora_id or None, medium=medium,
-                       lora_name=lora_name if lora_id else None)
+                       lora_name=lora_name if lora_id else None, extra_keys=extra_keys)
 
 
 class KVEventBatch(EventBatch):
@@ -106,6 +111,7 @@ class MapBlockStored(MapEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None  # no default: always on the wire, as vLLM's newest decoder requires
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
@@ -120,7 +126,7 @@ class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
 def as_map(event: KVEvent) -> MapEvent:
     if isinstance(event, BlockStored):
         return MapBlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                              event.lora_id, event.medium, event.lora_name)
+                              event.lora_id, event.medium, event.lora_name, event.extra_keys)
     if isinstance(event, BlockRemoved):
         return MapBlockRemoved(event.block_hashes, event.medium)
     return MapAllBlocksCleared()

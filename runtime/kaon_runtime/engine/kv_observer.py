@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kaon_runtime.config import EngineConfig
-from kaon_runtime.engine.block_manager import Block, BlockManager
+from kaon_runtime.engine.block_manager import Block, BlockManager, cache_salt_key, root_hash
 from kaon_runtime.engine.kv_events import (
     MEDIUM_POOL,
     BlockRemoved,
@@ -26,6 +27,17 @@ from kaon_runtime.engine.kv_events import (
 from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, TierStats, weights_fingerprint
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.errors import InvalidRequestError
+
+
+def first_block_keys(seq: Sequence, lora_name: str | None) -> tuple[Any, ...]:
+    """What root_hash folds into a sequence's first block, as vLLM's extra_keys name it: the adapter (by name, as
+    vLLM, else by id) and the cache salt's key (a digest: the tenant's salt itself is not broadcast)."""
+    keys: list[Any] = []
+    if seq.lora_id:
+        keys.append(lora_name or seq.lora_id)
+    if seq.params.cache_salt is not None:
+        keys.append(cache_salt_key(seq.params.cache_salt))
+    return tuple(keys)
 
 
 def chained_runs(blocks: list[Block]) -> list[list[Block]]:
@@ -53,11 +65,18 @@ class KVObserver:
         if seq.lora_id:
             self._lora_blocks.update(b.hash for b in blocks if b.hash is not None)
         if self.publisher is not None:
+            lora_name = self.lora_names(seq.lora_id) if seq.lora_id else None
+            root = root_hash(seq)
             for run in chained_runs(blocks):
                 tokens = [t for b in run for t in b.token_ids]
-                self.publisher.emit(block_stored([b.hash for b in run if b.hash is not None], run[0].parent_hash,
-                                                 tokens, self.block_size, MEDIUM_POOL, seq.lora_id,
-                                                 self.lora_names(seq.lora_id) if seq.lora_id else None))
+                parent, extra = run[0].parent_hash, None
+                if root is not None and parent == root:
+                    # The first block of an adapter's or a salted chain: announced as vLLM does, with no parent
+                    # (vLLM's consumers follow a chain only from null or a block they know) and with what its hash
+                    # folds in as extra_keys, which set it apart from the base model's chain of the same tokens.
+                    parent, extra = None, [first_block_keys(seq, lora_name)] + [None] * (len(run) - 1)
+                self.publisher.emit(block_stored([b.hash for b in run if b.hash is not None], parent, tokens,
+                                                 self.block_size, MEDIUM_POOL, seq.lora_id, lora_name, extra))
 
     def evictable(self, block: Block) -> None:
         if self.tiers is not None and block.hash is not None and block.hash not in self._lora_blocks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import random
@@ -260,6 +261,89 @@ def test_a_router_replica_started_after_the_engine_builds_the_same_index():
         assert asyncio.run(main())
     finally:
         publisher.close()
+
+
+def test_a_restart_the_router_missed_clears_the_old_engines_entries():
+    """A router that hears a restarted engine first past the old engine's last sequence number (its first batches
+    lost: the restart took a while) took it for a gap: the replay from there left out the new engine's batch 0
+    (AllBlocksCleared), and the old engine's blocks stayed in the index, drawing requests to a pod without them.
+    Here the network between the new engine and the router is a relay that drops the new engine's first batches;
+    the engines are real publishers on the pod's ports."""
+    import zmq
+    import zmq.asyncio
+
+    from kaon_runtime.engine.block_manager import BlockManager
+    from kaon_runtime.engine.kv_events import BlockRemoved, EventPublisher, parse_kv_events_config
+    from kaon_runtime.engine.kv_observer import KVObserver
+    from kaon_runtime.engine.sequence import Sequence
+    from kaon_runtime.sampling import SamplingParams
+
+    port, replay, relayed = free_port(), free_port(), free_port()
+    old_tokens, new_tokens = PROMPT, list(range(700, 717))
+
+    def engine(endpoint: str):
+        publisher = EventPublisher(parse_kv_events_config(json.dumps({
+            "enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            "topic": "kv-events"})))
+        bm = BlockManager(8, BS)
+        bm.listener = KVObserver(BS, publisher, None)
+        return publisher, bm
+
+    def run(bm, tokens):
+        seq = Sequence(0, list(tokens), len(tokens), SamplingParams())
+        seq.num_computed_tokens = bm.allocate_prefix(seq)
+        assert bm.ensure_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+
+    async def main():
+        index = KvIndex()
+        feed = KvFeed(index, events_port=port, replay_port=replay)
+        feed.follow([Endpoint("ns", "pod-a", "svc", "http://127.0.0.1:8000")])
+        old, old_bm = engine(f"tcp://127.0.0.1:{port}")
+        probes = 0
+        while "pod-a" not in index.pods():  # the slow joiner, as above
+            assert probes < 600, "the feed never subscribed"
+            old.emit(BlockRemoved(block_hashes=[], medium="GPU"))
+            probes += 1
+            await asyncio.sleep(0.05)
+        run(old_bm, old_tokens)
+        assert await until(lambda: index.match("pod-a", keys(old_tokens)).blocks == 4)
+        old.close()  # the engine dies; the new one publishes where the relay reads it
+        new, new_bm = engine(f"tcp://127.0.0.1:{relayed}")
+        ctx = zmq.asyncio.Context()
+        upstream, pod_port = ctx.socket(zmq.SUB), ctx.socket(zmq.XPUB)
+        try:
+            upstream.connect(f"tcp://127.0.0.1:{relayed}")
+            upstream.setsockopt_string(zmq.SUBSCRIBE, "")
+            pod_port.bind(f"tcp://127.0.0.1:{port}")
+            assert await asyncio.wait_for(pod_port.recv(), 30) == b"\x01kv-events"  # the router is back
+            past = probes + 2  # the old engine's batches: AllBlocksCleared, the probes, its prompt's
+            passed = asyncio.Event()
+
+            async def relay():  # drops the new engine's batches up to `past`: the router never hears them
+                while True:
+                    frames = await upstream.recv_multipart()
+                    if int.from_bytes(frames[1], "big") > past:
+                        passed.set()
+                        await pod_port.send_multipart(frames)
+
+            relaying = asyncio.get_running_loop().create_task(relay())
+            while not passed.is_set():
+                new.emit(BlockRemoved(block_hashes=[], medium="GPU"))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(passed.wait(), 0.05)
+            run(new_bm, new_tokens)
+            held = await until(lambda: index.match("pod-a", keys(new_tokens)).blocks == 4)
+            relaying.cancel()
+            return held, index.match("pod-a", keys(old_tokens)).blocks
+        finally:
+            await feed.close()
+            ctx.destroy(linger=0)
+            new.close()
+
+    held, old_blocks = asyncio.run(main())
+    assert held and old_blocks == 0  # the old engine's blocks were kept: 4
 
 
 # ---- the strategy ----------------------------------------------------------------------
@@ -537,3 +621,48 @@ def test_the_feed_reads_a_batch_mixing_both_encodings():
     # one line of releases sent the batch itself as a map
     assert _applied(encode({"ts": 1.0, "events": [NewStored(H[:1], None, PROMPT[:4], BS, None, "GPU", None)],
                             "data_parallel_rank": 0})).match("a", keys()).blocks == 1
+
+
+def test_a_chain_whose_hashes_fold_in_more_than_tokens_is_not_its_tokens_chain():
+    """vLLM announces a salted or an adapter's chain, and an image's blocks, with a null first parent like any
+    other; what sets them apart is extra_keys (the salt, the adapter, the image's hash). The router indexed them as
+    the plain tokens' chain: a request of the same tokens was sent to the pod holding only another tenant's blocks."""
+    encode = msgspec.msgpack.encode
+    salted = NewStored(H, None, PROMPT[:16], BS, None, "GPU", None, extra_keys=[("tenant-a",), None, None, None])
+    assert _applied(encode(NewBatch(1.0, [salted]))).match("a", keys()).blocks == 0
+    image = NewStored(H, None, PROMPT[:16], BS, None, "GPU", None, extra_keys=[None, None, ("img-sha",), None])
+    assert _applied(encode(NewBatch(1.0, [image]))).match("a", keys()).blocks == 2  # up to the image's block
+    plain = NewStored(H, None, PROMPT[:16], BS, None, "GPU", None, extra_keys=[None] * 4)
+    assert _applied(encode(NewBatch(1.0, [plain]))).match("a", keys()).blocks == 4
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_a_kaon_engines_salted_and_adapter_chains_stay_apart_from_the_base_models(encoding):
+    """A kaon engine announces them as vLLM does (null parent, extra_keys); the router still leaves them out."""
+    from kaon_runtime.engine.block_manager import BlockManager
+    from kaon_runtime.engine.kv_events import EventBatch, as_map
+    from kaon_runtime.engine.kv_observer import KVObserver
+    from kaon_runtime.engine.sequence import Sequence
+    from kaon_runtime.sampling import SamplingParams
+
+    class Collected:  # the publisher's queue, without its socket: the batch is encoded as its thread encodes it
+        def __init__(self):
+            self.events: list = []
+
+        def emit(self, event):
+            self.events.append(event)
+
+    def index_of(lora_id=0, cache_salt=None) -> KvIndex:
+        bm, collected = BlockManager(8, BS), Collected()
+        bm.listener = KVObserver(BS, collected, None, lora_names={3: "sql-lora"}.get)
+        seq = Sequence(0, list(PROMPT), len(PROMPT), SamplingParams(cache_salt=cache_salt), lora_id=lora_id)
+        seq.num_computed_tokens = bm.allocate_prefix(seq)
+        assert bm.ensure_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+        events = [as_map(e) for e in collected.events] if encoding == "map" else collected.events
+        return _applied(msgspec.msgpack.encode(EventBatch(ts=1.0, events=events)))
+
+    assert index_of().match("a", keys()).blocks == 4
+    assert index_of(cache_salt="tenant-a").match("a", keys()).blocks == 0
+    assert index_of(lora_id=3).match("a", keys()).blocks == 0

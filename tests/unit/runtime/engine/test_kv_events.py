@@ -126,6 +126,7 @@ class Subscriber:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.connect(f"tcp://127.0.0.1:{port}")
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self.topic = topic
         self.replay_port = replay_port
         self.decoder = Decoder(type=batch_type)
         self.batches: list[tuple[int, Any]] = []
@@ -139,7 +140,7 @@ class Subscriber:
             left_ms = int((deadline - time.monotonic()) * 1000)
             assert left_ms > 0 and self.sub.poll(left_ms), f"no batch within {seconds}s; got {self.batches}"
             topic, seq, payload = self.sub.recv_multipart()
-            assert topic == b"kv-events"
+            assert topic == self.topic.encode()  # exactly as configured
             self.payloads.append(payload)
             self.batches.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
 
@@ -175,13 +176,13 @@ class Subscriber:
         self.ctx.destroy(linger=0)
 
 
-def publish(encoding: str | None, batch_type: type):
+def publish(encoding: str | None, batch_type: type, topic: str = "kv-events"):
     port, replay_port = free_port(), free_port()
     chosen = "" if encoding is None else f', "encoding": "{encoding}"'
     config = parse_kv_events_config(
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}", '
-        f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "topic": "kv-events"{chosen}}}')
-    subscriber = Subscriber(port, replay_port, batch_type=batch_type)
+        f'"replay_endpoint": "tcp://127.0.0.1:{replay_port}", "topic": "{topic}"{chosen}}}')
+    subscriber = Subscriber(port, replay_port, topic=topic, batch_type=batch_type)
     publisher = EventPublisher(config)
     subscriber.subscribed(publisher)
     bm = BlockManager(6, BS)
@@ -199,15 +200,16 @@ def published():
 
 @pytest.fixture
 def published_as_maps():
-    bm, publisher, subscriber = publish("map", NewKVEventBatch)  # "encoding": "map", vLLM's newest types
+    # "encoding": "map", vLLM's newest types; llm-d's topic, kv@<pod>@<model>, which it parses: sent as configured
+    bm, publisher, subscriber = publish("map", NewKVEventBatch, topic="kv@10.0.0.7@SmolLM2")
     yield bm, publisher, subscriber
     publisher.close()
     subscriber.close()
 
 
-def run(bm: BlockManager, tokens: list[int], lora_id: int = 0) -> list[int]:
+def run(bm: BlockManager, tokens: list[int], lora_id: int = 0, cache_salt: str | None = None) -> list[int]:
     """Prefill a prompt and free it; returns its whole blocks' chain hashes."""
-    seq = Sequence(next(_ids), list(tokens), len(tokens), SamplingParams(), lora_id=lora_id)
+    seq = Sequence(next(_ids), list(tokens), len(tokens), SamplingParams(cache_salt=cache_salt), lora_id=lora_id)
     seq.num_computed_tokens = bm.allocate_prefix(seq)
     assert bm.ensure_slots(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
@@ -290,6 +292,31 @@ def test_the_default_encoding_is_arrays_that_newest_types_refuse(published):
     assert all(isinstance(e, list) for p in subscriber.payloads for e in msgspec.msgpack.decode(p)[1])
     with pytest.raises(msgspec.ValidationError, match="object"):
         Decoder(type=NewKVEventBatch).decode(subscriber.payloads[-1])
+
+
+@pytest.mark.parametrize("fixture", ["published", "published_as_maps"])
+def test_an_adapters_or_a_salted_chain_starts_with_no_parent_as_in_vllm(fixture, request):
+    """vLLM announces every chain's first block with a null parent and folds the adapter and the salt into its
+    hash (extra_keys): its consumers (Dynamo's radix tree, llm-d's index) skip a chain whose parent they never saw.
+    kaon announced the adapter's or the salt's root there."""
+    bm, _, subscriber = request.getfixturevalue(fixture)
+    prompt = list(range(300, 309))
+    base, adapter, salted = run(bm, prompt), run(bm, prompt, lora_id=3), run(bm, prompt, cache_salt="tenant-a")
+    subscriber.receive(until=lambda events: announced_hashes(events) >= {*base, *adapter, *salted})
+    stored = {tuple(e.block_hashes): e for e in subscriber.events() if isinstance(e, (BlockStored, NewBlockStored))}
+    assert {stored[tuple(h)].parent_block_hash for h in (base, adapter, salted)} == {None}
+    assert len({base[0], adapter[0], salted[0]}) == 3  # told apart by their hashes, which fold the extra keys in
+    raw = {tuple(e["block_hashes"] if isinstance(e, dict) else e[1]): e
+           for p in subscriber.payloads for e in msgspec.msgpack.decode(p)[1]
+           if (e["type"] if isinstance(e, dict) else e[0]) == "BlockStored"}
+    extra = {name: (raw[tuple(h)].get("extra_keys") if isinstance(raw[tuple(h)], dict) else
+                    (raw[tuple(h)][8:] or [None])[0])
+             for name, h in (("base", base), ("adapter", adapter), ("salted", salted))}
+    assert extra["base"] is None  # the base model's chain: as before, nothing more on the wire
+    assert extra["adapter"] == [["sql-lora"], None] and extra["salted"][1] is None  # one entry a block
+    assert len(extra["salted"][0]) == 1 and "tenant-a" not in str(extra["salted"])  # the salt's key, not the salt
+    if fixture == "published_as_maps":
+        assert stored[tuple(salted)].extra_keys == [tuple(extra["salted"][0]), None]  # vLLM's newest types read it
 
 
 def test_bad_configs_are_clear_errors():
