@@ -38,6 +38,9 @@ class EmbeddingRequest(p._OpenTopLevel):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     normalize: bool = True  # vLLM's: false returns the pooled vector as it is
+    # vLLM's: an input past the model's maximum is a 400 unless this asks for the cut (k: its first k tokens;
+    # -1: the maximum); engine/embed_input.py
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @model_validator(mode="after")
     def _inputs(self):
@@ -46,6 +49,8 @@ class EmbeddingRequest(p._OpenTopLevel):
             raise ValueError(f"input: 1 to {MAX_INPUTS} items")
         if any(len(item) == 0 for item in items):
             raise ValueError("input: an empty string or token list cannot be embedded")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be an integer >= 1 or -1, got 0")
         return self
 
     def prompts(self) -> list[str | list[int]]:

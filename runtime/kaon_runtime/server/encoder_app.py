@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from kaon_runtime.engine.embed_input import kept_tokens
 from kaon_runtime.engine.encoder import EncoderEngine
+from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.server import embeddings
 from kaon_runtime.server.keys import ApiKeys
 from kaon_runtime.server.pipeline import APIError, install_error_handlers, parse, served_adapter
@@ -84,10 +86,14 @@ def create_encoder_app(engine: EncoderEngine, settings: EncoderSettings) -> Fast
         served_adapter(body.model, settings.model_name, ())
         embeddings.check_dimensions(body.dimensions, engine.hidden_size, False)
         try:
+            kept_tokens(body.truncate_prompt_tokens, engine.sentence.max_seq_length)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="truncate_prompt_tokens") from None
+        try:
             # Off the loop (/health stays live); raw pooled vectors, normalized by response_body.
-            results = await asyncio.to_thread(engine.embed, body.prompts(), False)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="input") from None
+            results = await asyncio.to_thread(engine.embed, body.prompts(), False, body.truncate_prompt_tokens)
+        except ValueError as exc:  # an input past the model's maximum among them (engine/embed_input.py)
+            raise APIError(400, str(exc), param="input", code=getattr(exc, "code", None)) from None
         return JSONResponse(response_body(body, settings.model_name, results))
 
     if settings.sleep_mode:
