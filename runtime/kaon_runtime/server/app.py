@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kaon_runtime.engine.async_engine import AsyncEngine
+from kaon_runtime.engine.embed_input import check_length
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import embeddings, openapi as doc, protocol as p, sleep as sleep_mode
 from kaon_runtime.server.batch import MAX_PROMPTS, GenerationBatch, batch_sse_events, merged_response, prompts_of
@@ -336,12 +337,14 @@ async def create_embeddings(request: Request, engine: Engine, settings: Settings
     body = await parse(request, embeddings.EmbeddingRequest)
     check_model(request, body.model, adapters=False)  # an embedding runs on the base model
     prompts = body.prompts()
-    for prompt in prompts:
+    keep = embeddings.kept(body.truncate_prompt_tokens, engine.max_model_len)
+    for prompt in prompts:  # token ids are checked here; a text once tokenized, by the engine (engine/embed_input.py)
         text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
-        check_prompt(utf8_length(text), len(ids), settings.limits, engine.max_model_len)
+        check_prompt(utf8_length(text), 0, settings.limits, engine.max_model_len)
+        check_length(len(ids) if keep is None else min(len(ids), keep), engine.max_model_len)
     embeddings.check_dimensions(body.dimensions, engine.engine.model_config.hidden_size, settings.matryoshka)
     with request.app.state.admission.slot():
-        outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
+        outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling, body.truncate_prompt_tokens)
     reply = await asyncio.to_thread(embeddings.encoded_response, body, settings.model_name, outputs)  # off the loop
     return Response(reply, media_type="application/json", headers=ignored_fields_header(body))
 

@@ -20,11 +20,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from kaon_runtime.engine.async_engine import AsyncEngine, RequestStream
+from kaon_runtime.engine.embed_input import kept_tokens
 from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import protocol as p
 from kaon_runtime.server.metrics import Metrics
+from kaon_runtime.server.pipeline import APIError
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
@@ -114,10 +116,20 @@ def response(body: EmbeddingRequest, model: str, outputs: list[RequestOutput]) -
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+def kept(truncate: int | None, limit: int) -> int | None:
+    """The request's truncate_prompt_tokens as the number of tokens an input keeps (engine/embed_input.py), a 400
+    naming the field when it asks for more than the model takes."""
+    try:
+        return kept_tokens(truncate, limit)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="truncate_prompt_tokens") from None
+
+
 async def embed(engine: AsyncEngine, metrics: Metrics, prompts: list[str | list[int]],
-                pooling: str) -> list[RequestOutput]:
-    """Run every input through the engine at once; the first failure aborts the rest."""
-    params = SamplingParams(max_tokens=0, pooling=pooling)
+                pooling: str, truncate: int | None = None) -> list[RequestOutput]:
+    """Run every input through the engine at once; the first failure aborts the rest. `truncate`: vLLM's
+    truncate_prompt_tokens (None: an input past the context is refused)."""
+    params = SamplingParams(max_tokens=0, pooling=pooling, truncate_prompt_tokens=truncate)
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:  # each is validated (tokenized) before it is queued

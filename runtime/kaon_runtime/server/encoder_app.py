@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from kaon_runtime.engine.embed_input import kept_tokens
 from kaon_runtime.engine.encoder import EncoderEngine
-from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.server import embeddings
 from kaon_runtime.server.keys import ApiKeys
 from kaon_runtime.server.pipeline import APIError, install_error_handlers, parse, served_adapter
@@ -85,10 +83,7 @@ def create_encoder_app(engine: EncoderEngine, settings: EncoderSettings) -> Fast
         body = await parse(request, embeddings.EmbeddingRequest)
         served_adapter(body.model, settings.model_name, ())
         embeddings.check_dimensions(body.dimensions, engine.hidden_size, False)
-        try:
-            kept_tokens(body.truncate_prompt_tokens, engine.sentence.max_seq_length)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param="truncate_prompt_tokens") from None
+        embeddings.kept(body.truncate_prompt_tokens, engine.sentence.max_seq_length)
         try:
             # Off the loop (/health stays live); raw pooled vectors, normalized by response_body.
             results = await asyncio.to_thread(engine.embed, body.prompts(), False, body.truncate_prompt_tokens)
