@@ -376,11 +376,10 @@ async def _batched_completions(request: Request, engine: AsyncEngine, settings: 
         fmt.token_ids_as_names = body.return_tokens_as_token_ids
     headers = ignored_fields_header(body)
     if body.stream:
-        try:
-            for gen in batch.gens:  # all have their first token before the head is sent, as a prompt alone
-                if not await gen.start(lambda: _disconnected(request)):
-                    batch.close()
-                    return Response(status_code=CLIENT_CLOSED_REQUEST)
+        try:  # the head goes once the first prompt has a token; the others stream in as theirs come
+            if not await batch.start(lambda: _disconnected(request)):
+                batch.close()
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
             batch.close()
             raise
