@@ -92,15 +92,16 @@ def test_an_input_past_the_maximum_is_a_400_unless_the_request_asks_for_the_cut(
                        "the input for embedding generation. Please reduce the length of the input, or send "
                        "truncate_prompt_tokens (-1: cut it to the maximum).",
             "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}
-        with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
-            client.embeddings.create(model="minilm", input=bad)
-    exact = engine.token_ids("token " * 254)  # 256 tokens: the maximum itself is embedded
-    assert len(exact) == 256 and client.embeddings.create(model="minilm", input=exact).usage.prompt_tokens == 256
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
+        client.embeddings.create(model="minilm", input=long_text)
+    exact = engine.token_ids("token " * 254, truncate=None)  # 256 tokens, [CLS] and [SEP] among them: not refused
+    assert len(exact) == 256
 
-    cut = client.embeddings.create(model="minilm", input=["hi", long_text], extra_body={"truncate_prompt_tokens": -1})
-    assert cut.usage.prompt_tokens == len(engine.token_ids("hi")) + 256
-    as_sentence_transformers = engine.embed([long_text])[0][0]  # the library call cuts by default
-    assert max(abs(a - b) for a, b in zip(cut.data[1].embedding, as_sentence_transformers)) < 1e-5
+    # Cut as sentence-transformers cuts: the same 256 tokens as `exact`, so the same vector (one padded forward).
+    cut = client.embeddings.create(model="minilm", input=["token " * 254, long_text],
+                                   extra_body={"truncate_prompt_tokens": -1})
+    assert cut.usage.prompt_tokens == 256 + 256
+    assert max(abs(a - b) for a, b in zip(cut.data[0].embedding, cut.data[1].embedding)) < 1e-5
     first = client.embeddings.create(model="minilm", input=long_text, extra_body={"truncate_prompt_tokens": 10})
     assert first.usage.prompt_tokens == 10
     assert max(abs(a - b) for a, b in zip(first.data[0].embedding, engine.embed(["token " * 8])[0][0])) < 1e-5
