@@ -161,6 +161,39 @@ def test_embeddings_equal_transformers_in_every_input_and_encoding(embed_server)
     assert abs(torch.tensor(plain["data"][0]["embedding"]).norm().item() - 1) > 1e-3
 
 
+def test_an_embedding_input_past_the_context_is_a_400_unless_the_request_asks_for_the_cut(embed_server):
+    """As vLLM answers it: an input past the context is refused in vLLM's words (its token count, the maximum),
+    strings and token ids alike; vLLM's truncate_prompt_tokens embeds its first k tokens (-1: the context's
+    worth), where the field used to be ignored. An input of exactly the context is embedded (no token is left
+    to generate, and none needs to be)."""
+    import torch
+    import torch.nn.functional as F
+
+    from support.embed_model import reference_embedding
+    server, hf = embed_server
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    context = client.models.list().data[0].max_model_len
+    ids = [(7 * i) % 200 + 10 for i in range(context + 8)]
+    text = "embeddings please " * context
+    for long_input, count in [(ids, context + 8), ([[5, 6], ids], context + 8)]:
+        with pytest.raises(openai.BadRequestError, match=f"maximum context length is {context} tokens. However, "
+                                                          f"you requested {count} tokens in the input"):
+            client.embeddings.create(model=EMBED_MODEL, input=long_input)
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {context} tokens") as refused:
+        client.embeddings.create(model=EMBED_MODEL, input=text)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    for keep, expected in [(-1, ids[:context]), (8, ids[:8])]:
+        got = client.embeddings.create(model=EMBED_MODEL, input=ids, extra_body={"truncate_prompt_tokens": keep})
+        assert got.usage.prompt_tokens == len(expected)
+        vector = torch.tensor(got.data[0].embedding, dtype=torch.float32)
+        assert F.cosine_similarity(vector, reference_embedding(hf, expected), dim=0) >= 0.9999
+    cut = client.embeddings.create(model=EMBED_MODEL, input=text, extra_body={"truncate_prompt_tokens": 16})
+    assert cut.usage.prompt_tokens == 16
+    with pytest.raises(openai.BadRequestError, match="greater than max_model_len") as refused:
+        client.embeddings.create(model=EMBED_MODEL, input="a", extra_body={"truncate_prompt_tokens": context + 1})
+    assert refused.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_bad_embedding_requests_are_400s_and_tasks_do_not_mix(embed_server, server, client):
     srv, _ = embed_server
     embed_client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)

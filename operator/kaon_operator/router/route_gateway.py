@@ -468,7 +468,10 @@ class RouteGateway:
         if service is None:
             return None
         model = f"{route.key.namespace}/{service.served_name}"
-        status, body = await self.call(model, EMBED_PATH, {"model": model, "input": texts}, authorization)
+        # A prompt or answer longer than the encoder takes (256 tokens for all-MiniLM-L6-v2) is a 400 unless the
+        # request asks for the cut (vLLM's field, kaon's encoder server's too): its first tokens say what it is about.
+        ask = {"model": model, "input": texts, "truncate_prompt_tokens": -1}
+        status, body = await self.call(model, EMBED_PATH, ask, authorization)
         if status != 200:
             return None
         try:

@@ -5,7 +5,9 @@ generated, so a request's inputs run together, padded, sorted by length in batch
 `max_batch` (less padding), and requests take turns through one lock (torch uses every core).
 Pooling and normalization follow the checkpoint's sentence-transformers config (modules.json:
 Pooling mean or CLS, Normalize), and inputs are cut at its max_seq_length as
-sentence-transformers cuts them, so the vectors are the ones it computes on the same weights.
+sentence-transformers cuts them (embed's default, truncate=-1), so the vectors are the ones it computes
+on the same weights. The HTTP API refuses a longer input unless the request asks for the cut
+(truncate=None; engine/embed_input.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from kaon_runtime.engine.embed_input import check_length, kept_tokens
+from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.models.bert import BertEncoder, cls_pool, load_bert, mean_pool
 
 
@@ -56,25 +60,41 @@ class EncoderEngine:
         self.sentence = sentence_config(root, self.model.config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(self.sentence.max_seq_length)
+        self.tokenizer.no_truncation()  # the whole input is counted; token_ids cuts it when asked
+        post = self.tokenizer.post_processor
+        self.num_special = post.num_special_tokens_to_add(False) if post is not None else 0
         self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
         self.hidden_size = self.model.config.hidden_size
         self.max_batch = max_batch
         self._lock = threading.Lock()
 
-    def token_ids(self, prompt: str | list[int]) -> list[int]:
-        """A string with the tokenizer's [CLS] ... [SEP], cut to max_seq_length; token ids as sent, cut alike."""
+    def token_ids(self, prompt: str | list[int], truncate: int | None = -1) -> list[int]:
+        """A string with the tokenizer's [CLS] ... [SEP]; token ids as sent. `truncate`: vLLM's truncate_prompt_tokens
+        (-1: cut at max_seq_length, as sentence-transformers; k: the first k tokens, the special ones among them, as
+        transformers' truncation; None: an input past max_seq_length is refused)."""
+        limit = self.sentence.max_seq_length
+        keep = kept_tokens(truncate, limit)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt).ids
-        if any(not 0 <= i < self.model.config.vocab_size for i in prompt):
-            raise ValueError(f"token ids must lie in [0, {self.model.config.vocab_size})")
-        return prompt[:self.sentence.max_seq_length]
+            encoding = self.tokenizer.encode(prompt, add_special_tokens=False)
+            if keep is not None and len(encoding.ids) + self.num_special > keep:
+                if keep <= self.num_special:
+                    raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) leaves no room for the input: this "
+                                              f"model adds {self.num_special} special tokens to every input")
+                encoding.truncate(keep - self.num_special)
+            ids = self.tokenizer.post_process(encoding).ids
+        else:
+            if any(not 0 <= i < self.model.config.vocab_size for i in prompt):
+                raise InvalidRequestError(f"token ids must lie in [0, {self.model.config.vocab_size})")
+            ids = prompt if keep is None else prompt[:keep]
+        check_length(len(ids), limit)
+        return ids
 
-    def embed(self, prompts: list[str | list[int]], normalize: bool | None = None) -> list[tuple[list[float], int]]:
+    def embed(self, prompts: list[str | list[int]], normalize: bool | None = None,
+              truncate: int | None = -1) -> list[tuple[list[float], int]]:
         """Per input: its pooled vector, L2-normalized when `normalize` (None: as the checkpoint's config says),
-        and its token count."""
+        and its token count. `truncate` as token_ids takes it: every input is checked before any runs."""
         normalize = self.sentence.normalize if normalize is None else normalize
-        ids = [self.token_ids(p) for p in prompts]
+        ids = [self.token_ids(p, truncate) for p in prompts]
         vectors: list[list[float] | None] = [None] * len(ids)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         with self._lock, torch.inference_mode():

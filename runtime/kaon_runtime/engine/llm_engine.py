@@ -21,6 +21,7 @@ from kaon_runtime.engine.bad_words import bad_words_token_ids
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
+from kaon_runtime.engine.embed_input import check_length, kept_tokens
 from kaon_runtime.engine.kv_observer import attach_kv_observer
 from kaon_runtime.engine.kv_tiers import TierStats
 from kaon_runtime.engine.kv_transfer import ImportedKv, KvExports, adopt_reserved, place_imported, release_reserved
@@ -411,10 +412,15 @@ class LLMEngine:
         if params.pooling is not None and self.config.pipeline_parallel_size > 1:
             raise InvalidRequestError("embeddings are not served with pipeline_parallel_size > 1 yet")
         token_ids = self._tokenize(prompt)
-        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens (-1: the context's)
-            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            token_ids = token_ids[-keep:]
-        self._validate_length(len(token_ids), params)
+        if params.pooling is not None:  # an embedding: its first k tokens, or refused past the context (embed_input)
+            keep = kept_tokens(params.truncate_prompt_tokens, self.max_model_len)
+            token_ids = token_ids if keep is None else token_ids[:keep]
+            check_length(len(token_ids), self.max_model_len)
+        else:
+            if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens (-1: the context's)
+                keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+                token_ids = token_ids[-keep:]
+            self._validate_length(len(token_ids), params)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"logit_bias and stop_token_ids: token ids must be in [0, {vocab})")

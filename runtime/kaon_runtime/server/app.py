@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kaon_runtime.engine.async_engine import AsyncEngine
+from kaon_runtime.engine.embed_input import check_length
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import embeddings, openapi as doc, protocol as p, sleep as sleep_mode
 from kaon_runtime.server.batch import MAX_PROMPTS, GenerationBatch, batch_sse_events, merged_response, prompts_of
@@ -336,12 +337,14 @@ async def create_embeddings(request: Request, engine: Engine, settings: Settings
     body = await parse(request, embeddings.EmbeddingRequest)
     check_model(request, body.model, adapters=False)  # an embedding runs on the base model
     prompts = body.prompts()
-    for prompt in prompts:
+    keep = embeddings.kept(body.truncate_prompt_tokens, engine.max_model_len)
+    for prompt in prompts:  # token ids are checked here; a text once tokenized, by the engine (engine/embed_input.py)
         text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
-        check_prompt(utf8_length(text), len(ids), settings.limits, engine.max_model_len)
+        check_prompt(utf8_length(text), 0, settings.limits, engine.max_model_len)
+        check_length(len(ids) if keep is None else min(len(ids), keep), engine.max_model_len)
     embeddings.check_dimensions(body.dimensions, engine.engine.model_config.hidden_size, settings.matryoshka)
     with request.app.state.admission.slot():
-        outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling)
+        outputs = await embeddings.embed(engine, metrics, prompts, settings.pooling, body.truncate_prompt_tokens)
     reply = await asyncio.to_thread(embeddings.encoded_response, body, settings.model_name, outputs)  # off the loop
     return Response(reply, media_type="application/json", headers=ignored_fields_header(body))
 
@@ -373,11 +376,10 @@ async def _batched_completions(request: Request, engine: AsyncEngine, settings: 
         fmt.token_ids_as_names = body.return_tokens_as_token_ids
     headers = ignored_fields_header(body)
     if body.stream:
-        try:
-            for gen in batch.gens:  # all have their first token before the head is sent, as a prompt alone
-                if not await gen.start(lambda: _disconnected(request)):
-                    batch.close()
-                    return Response(status_code=CLIENT_CLOSED_REQUEST)
+        try:  # the head goes once the first prompt has a token; the others stream in as theirs come
+            if not await batch.start(lambda: _disconnected(request)):
+                batch.close()
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
             batch.close()
             raise

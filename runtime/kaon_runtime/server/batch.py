@@ -3,16 +3,26 @@ or of token id lists): one engine request per prompt, answered as one response.
 
 As in OpenAI and vLLM, prompt i's n choices are choices i*n .. i*n+n-1, and the usage is the batch's
 sum. Each prompt runs through the same CompletionFormat as a prompt alone (echo, logprobs, scoring);
-what is here is only the merge: of the finished responses, and of the streams' chunks as they come.
+what is here is only the merge: of the finished responses, and of the streams' chunks as they come (a
+stream's head is sent once the first prompt has a token, not the last: GenerationBatch.start).
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from kaon_runtime.errors import KaonError
 from kaon_runtime.server import protocol as p
-from kaon_runtime.server.serving import CompletionFormat, Generation, error_event, event, stream_chunks, usage
+from kaon_runtime.server.serving import (
+    CompletionFormat,
+    Generation,
+    _settle,
+    _unless_gone,
+    error_event,
+    event,
+    stream_chunks,
+    usage,
+)
 
 MAX_PROMPTS = 1024  # prompts in one request; each is also a place in the engine's queue (--max-queue)
 
@@ -29,10 +39,29 @@ class GenerationBatch:
 
     def __init__(self, gens: Sequence[Generation] = ()):
         self.gens = list(gens)
+        self.starts: list[asyncio.Task[bool]] = []  # each prompt's wait for its first output (start)
+
+    async def start(self, disconnected: Callable[[], Awaitable[object]]) -> bool:
+        """Wait until the first of the prompts has its first output (a stream's head waits for no more, as OpenAI
+        and vLLM stream each choice as it comes; the others' first outputs are awaited by batch_sse_events);
+        raise its error (a refusal answered by its status); False if the client went away first."""
+        self.starts = [asyncio.ensure_future(gen.start(_never)) for gen in self.gens]  # one disconnect watch, below
+        first = await _unless_gone(asyncio.wait(self.starts, return_when=asyncio.FIRST_COMPLETED), disconnected)
+        if first is None:
+            return False
+        for task in first.result()[0]:
+            task.result()
+        return True
 
     def close(self) -> None:
+        _settle(*self.starts)
         for gen in self.gens:
             gen.close()
+
+
+async def _never() -> None:
+    """A disconnect watch that never fires: a prompt's start under GenerationBatch.start, which watches once."""
+    await asyncio.Event().wait()
 
 
 def summed_usage(infos: Sequence[p.UsageInfo]) -> p.UsageInfo:
@@ -58,6 +87,8 @@ async def batch_sse_events(batch: GenerationBatch, fmts: Sequence[CompletionForm
 
     async def pump(i: int) -> None:
         try:
+            if batch.starts:  # this prompt's first output, if it has not come yet
+                await batch.starts[i]
             async for chunk in stream_chunks(batch.gens[i], fmts[i], n, continuous_usage):
                 queue.put_nowait((i, chunk))  # type: ignore[arg-type]  # completions' chunks are responses
             queue.put_nowait((i, None))

@@ -20,11 +20,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from kaon_runtime.engine.async_engine import AsyncEngine, RequestStream
+from kaon_runtime.engine.embed_input import kept_tokens
 from kaon_runtime.engine.outputs import RequestOutput
 from kaon_runtime.errors import InvalidRequestError
 from kaon_runtime.sampling import SamplingParams
 from kaon_runtime.server import protocol as p
 from kaon_runtime.server.metrics import Metrics
+from kaon_runtime.server.pipeline import APIError
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
@@ -38,6 +40,9 @@ class EmbeddingRequest(p._OpenTopLevel):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     normalize: bool = True  # vLLM's: false returns the pooled vector as it is
+    # vLLM's: an input past the model's maximum is a 400 unless this asks for the cut (k: its first k tokens;
+    # -1: the maximum); engine/embed_input.py
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @model_validator(mode="after")
     def _inputs(self):
@@ -46,6 +51,8 @@ class EmbeddingRequest(p._OpenTopLevel):
             raise ValueError(f"input: 1 to {MAX_INPUTS} items")
         if any(len(item) == 0 for item in items):
             raise ValueError("input: an empty string or token list cannot be embedded")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be an integer >= 1 or -1, got 0")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -109,10 +116,20 @@ def response(body: EmbeddingRequest, model: str, outputs: list[RequestOutput]) -
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+def kept(truncate: int | None, limit: int) -> int | None:
+    """The request's truncate_prompt_tokens as the number of tokens an input keeps (engine/embed_input.py), a 400
+    naming the field when it asks for more than the model takes."""
+    try:
+        return kept_tokens(truncate, limit)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="truncate_prompt_tokens") from None
+
+
 async def embed(engine: AsyncEngine, metrics: Metrics, prompts: list[str | list[int]],
-                pooling: str) -> list[RequestOutput]:
-    """Run every input through the engine at once; the first failure aborts the rest."""
-    params = SamplingParams(max_tokens=0, pooling=pooling)
+                pooling: str, truncate: int | None = None) -> list[RequestOutput]:
+    """Run every input through the engine at once; the first failure aborts the rest. `truncate`: vLLM's
+    truncate_prompt_tokens (None: an input past the context is refused)."""
+    params = SamplingParams(max_tokens=0, pooling=pooling, truncate_prompt_tokens=truncate)
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:  # each is validated (tokenized) before it is queued

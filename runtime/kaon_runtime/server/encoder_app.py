@@ -83,11 +83,12 @@ def create_encoder_app(engine: EncoderEngine, settings: EncoderSettings) -> Fast
         body = await parse(request, embeddings.EmbeddingRequest)
         served_adapter(body.model, settings.model_name, ())
         embeddings.check_dimensions(body.dimensions, engine.hidden_size, False)
+        embeddings.kept(body.truncate_prompt_tokens, engine.sentence.max_seq_length)
         try:
             # Off the loop (/health stays live); raw pooled vectors, normalized by response_body.
-            results = await asyncio.to_thread(engine.embed, body.prompts(), False)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="input") from None
+            results = await asyncio.to_thread(engine.embed, body.prompts(), False, body.truncate_prompt_tokens)
+        except ValueError as exc:  # an input past the model's maximum among them (engine/embed_input.py)
+            raise APIError(400, str(exc), param="input", code=getattr(exc, "code", None)) from None
         return JSONResponse(response_body(body, settings.model_name, results))
 
     if settings.sleep_mode:

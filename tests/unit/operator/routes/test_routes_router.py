@@ -20,6 +20,7 @@ from kaon_operator.routes.table import RouteTable
 from support.router import NS, isvc, metric, pod, run, serving
 
 SIMPLE = "What is the capital of France?"
+EMBED_MAX_WORDS = 16  # the stand-in embedder's maximum input
 COMPLEX = ("Analyze step by step the trade-offs between a monolith and microservices for a startup, "
            "and compare their operating costs.")
 
@@ -54,6 +55,14 @@ class Engine:
         if request.path == "/v1/embeddings":
             vocab = ["capital", "france", "of", "what", "is", "the", "city", "main", "germany", "which"]
             texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+            # A sentence encoder's maximum (EMBED_MAX_WORDS words here): past it a 400 in vLLM's words, as kaon's
+            # encoder server answers, unless the request asks for the cut (vLLM's truncate_prompt_tokens).
+            keep = body.get("truncate_prompt_tokens")
+            if keep is None and any(len(text.split()) > EMBED_MAX_WORDS for text in texts):
+                return web.json_response({"error": {
+                    "message": f"This model's maximum context length is {EMBED_MAX_WORDS} tokens. ...",
+                    "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}, status=400)
+            texts = [" ".join(text.split()[:EMBED_MAX_WORDS if keep in (None, -1) else keep]) for text in texts]
             return web.json_response({"data": [
                 {"index": i, "embedding": [float(w in set(text.lower().replace("?", "").split())) for w in vocab]}
                 for i, text in enumerate(texts)]})
@@ -314,7 +323,9 @@ def test_the_monitor_compares_long_answers_by_the_routes_embedder():
     """Long answers (over 12 words) are compared by the cosine of their embeddings when the route names
     an embedder; by word overlap only without one (or when it fails, counted). The top tier answers
     `wrong`, sharing no word with the small tier's long answer: word overlap says they disagree, the
-    embeddings' cosine (0 here) meets the route's similarity of 0 (set so that the two ways differ)."""
+    embeddings' cosine (0 here) meets the route's similarity of 0 (set so that the two ways differ). The small
+    tier's answer is longer than the embedder takes: the gateway asks for the cut (truncate_prompt_tokens -1),
+    as an encoder server refuses a longer input otherwise."""
     long_prompt = "Who wrote the book about the whale and the sea that many of us read at school?"
 
     async def agreement(found, embedder: str) -> tuple[float, float]:

@@ -29,7 +29,7 @@ def test_a_maximal_embeddings_reply_does_not_hold_health(monkeypatch):
     rng = random.Random(0)
     vectors = [[rng.uniform(-1, 1) for _ in range(DIMS)] for _ in range(INPUTS)]
 
-    async def finished(engine, metrics, prompts, pooling):
+    async def finished(engine, metrics, prompts, pooling, truncate=None):
         return [RequestOutput(f"e{i}", None, [1], embedding=v) for i, v in enumerate(vectors)]
 
     monkeypatch.setattr(embeddings, "embed", finished)

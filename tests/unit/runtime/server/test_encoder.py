@@ -69,6 +69,52 @@ def test_embeddings_route_speaks_openais_format(minilm):
     assert client.get("/v1/models", headers=auth).json()["data"][0]["id"] == "minilm"
 
 
+def test_an_input_past_the_maximum_is_a_400_unless_the_request_asks_for_the_cut(minilm):
+    """An input longer than max_seq_length (256) used to be cut silently and its cut's vector returned as the
+    input's; now it is refused as vLLM and OpenAI refuse it (its token count and the maximum, OpenAI's error
+    object), in every input form, and embedded cut only when the request sends vLLM's truncate_prompt_tokens
+    (-1: the maximum, as sentence-transformers cuts; k: the first k tokens). Through the openai client, which
+    asks for base64."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from kaon_runtime.server.encoder_app import EncoderSettings, create_encoder_app
+
+    _, engine = minilm
+    http = TestClient(create_encoder_app(engine, EncoderSettings(model_name="minilm")))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    long_text, long_ids = "token " * 400, list(range(1000, 1300))  # 402 tokens with [CLS] and [SEP]; 300 ids
+    for bad, count in [(long_text, 402), (["short", long_text], 402), (long_ids, 300), ([[5, 6], long_ids], 300)]:
+        reply = http.post("/v1/embeddings", json={"model": "minilm", "input": bad})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"] == {
+            "message": f"This model's maximum context length is 256 tokens. However, you requested {count} tokens in "
+                       "the input for embedding generation. Please reduce the length of the input, or send "
+                       "truncate_prompt_tokens (-1: cut it to the maximum).",
+            "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
+        client.embeddings.create(model="minilm", input=long_text)
+    exact = engine.token_ids("token " * 254, truncate=None)  # 256 tokens, [CLS] and [SEP] among them: not refused
+    assert len(exact) == 256
+
+    # Cut as sentence-transformers cuts: the same 256 tokens as `exact`, so the same vector (one padded forward).
+    cut = client.embeddings.create(model="minilm", input=["token " * 254, long_text],
+                                   extra_body={"truncate_prompt_tokens": -1})
+    assert cut.usage.prompt_tokens == 256 + 256
+    assert max(abs(a - b) for a, b in zip(cut.data[0].embedding, cut.data[1].embedding)) < 1e-5
+    first = client.embeddings.create(model="minilm", input=long_text, extra_body={"truncate_prompt_tokens": 10})
+    assert first.usage.prompt_tokens == 10
+    assert max(abs(a - b) for a, b in zip(first.data[0].embedding, engine.embed(["token " * 8])[0][0])) < 1e-5
+    ids = client.embeddings.create(model="minilm", input=long_ids, extra_body={"truncate_prompt_tokens": 5})
+    assert ids.usage.prompt_tokens == 5
+    assert max(abs(a - b) for a, b in zip(ids.data[0].embedding, engine.embed([long_ids[:5]])[0][0])) < 1e-5
+    for keep, words in [(257, "is greater than max_model_len (256)"), (0, ">= 1 or -1"),
+                        (-2, "greater than or equal to -1"), (2, "leaves no room")]:
+        reply = http.post("/v1/embeddings", json={"model": "minilm", "input": long_text,
+                                                  "truncate_prompt_tokens": keep})
+        assert reply.status_code == 400 and words in reply.json()["error"]["message"], (keep, reply.text)
+
+
 def test_a_decoder_stays_on_the_decoder_path():
     from kaon_runtime.server.encoder_run import encoder_checkpoint
 

@@ -3,6 +3,7 @@ in one completion, vLLM's guided_* fields, /version, an error's `param` and `cod
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -31,6 +32,18 @@ class LengthCheckingEngine(StubEngine):
         self.wanted[request_id] = params.max_tokens or 1
 
     def step(self):
+        if self.held_back is not None and not self.held_back.is_set():  # HELD's requests make no output until set
+            held = {r: entry for r, entry in self.requests.items() if entry[0] == HELD}
+            for request_id in held:
+                del self.requests[request_id]
+            try:
+                return self._step()
+            finally:
+                self.requests.update(held)
+        self.held_started = self.held_started or any(entry[0] == HELD for entry in self.requests.values())
+        return self._step()
+
+    def _step(self):
         outputs = []
         for o in super().step():
             made = self.wanted[o.request_id] - self.requests.get(o.request_id, (None, 0))[1]
@@ -41,6 +54,11 @@ class LengthCheckingEngine(StubEngine):
     def __init__(self):
         super().__init__()
         self.wanted: dict[str, int] = {}
+        self.held_back: threading.Event | None = None  # set: HELD's requests run again
+        self.held_started = False  # a HELD request has made an output
+
+
+HELD = [9, 9, 9]  # a prompt whose first token the engine holds back while LengthCheckingEngine.held_back is unset
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +98,37 @@ def test_a_streamed_batch_interleaves_the_prompts_under_one_id_then_sums_the_usa
     assert texts == {0: "xxx", 1: "xxx", 2: "xxx"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 2 + 5 + 3
     assert chunks[-1]["usage"]["completion_tokens"] == 9
+
+
+def test_a_streamed_batch_starts_when_its_first_prompt_has_a_token_not_its_last(http):
+    """The stream's head used to wait for every prompt's first token (with many prompts, the client waited for
+    all of them); OpenAI and vLLM stream each choice as it comes. Here the engine holds the second prompt's first
+    token back until the client has read a chunk (a timer lets it go in the end, so that a server that waits
+    fails here instead of hanging)."""
+    engine = http.app.state.engine.engine
+    engine.held_back, engine.held_started = threading.Event(), False
+    backstop = threading.Timer(10, engine.held_back.set)
+    backstop.start()
+    try:
+        body = {"model": MODEL, "prompt": [[104, 105], HELD], "max_tokens": 2, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as reply:
+            events = (line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(events))
+            held_started_before_the_first_chunk = engine.held_started
+            engine.held_back.set()
+            rest = list(events)
+    finally:
+        backstop.cancel()
+        engine.held_back = None
+    assert not held_started_before_the_first_chunk
+    assert [c["index"] for c in first["choices"]] == [0]  # the prompt that had a token
+    assert rest[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    for chunk in [first, *map(json.loads, rest[:-1])]:
+        assert chunk["id"] == first["id"] and chunk["object"] == "text_completion"
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "xx", 1: "xx"}
 
 
 def test_a_bad_prompt_in_a_batch_refuses_the_request_and_runs_none_of_it(http):
