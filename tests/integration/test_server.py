@@ -308,7 +308,11 @@ def test_echo_logprobs_and_max_tokens_0_score_the_prompt(client):
     lp = choice.logprobs
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == scored.usage.prompt_tokens
-    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert all(x < 0 for x in lp.token_logprobs[1:])
+    # OpenAI's legacy top_logprobs hold the k most likely and the token itself ("up to logprobs+1
+    # elements"), as vLLM sends them: harnesses look the token up there.
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 2 <= len(top) <= 3 and top[token] == logprob
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     # The same prompt plus one generated token: the prompt part is unchanged, then the new token.
     more = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=1,
@@ -322,6 +326,11 @@ def test_echo_logprobs_and_max_tokens_0_score_the_prompt(client):
     assert raw[0] is None and len(raw) == len(lp.tokens)
     assert [max(e.values(), key=lambda v: v["logprob"])["logprob"] for e in raw[1:]] == pytest.approx(
         [max(t.values()) for t in lp.top_logprobs[1:]], abs=1e-4)
+    # logprobs 0: no alternatives, but the token itself, echoed and generated (sampled: not the greedy one).
+    bare = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=0, max_tokens=3,
+                                     temperature=1.5, seed=5).choices[0].logprobs
+    assert bare.top_logprobs[0] is None and len(bare.tokens) == len(lp.tokens) + 3
+    assert bare.top_logprobs[1:] == [{t: x} for t, x in zip(bare.tokens[1:], bare.token_logprobs[1:])]
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
 

@@ -33,8 +33,16 @@ def echoed_logprobs(output: RequestOutput, name: Callable[[int], str], k: int) -
             continue
         out.token_logprobs.append(entry[token_id])
         best = sorted(entry.items(), key=lambda item: -item[1])[:k]
-        out.top_logprobs.append({name(t): lp for t, lp in best})
+        out.top_logprobs.append(legacy_top([(name(t), lp) for t, lp in best], token, entry[token_id]))
     return out
+
+
+def legacy_top(best: list[tuple[str, float]], token: str, logprob: float) -> dict[str, float]:
+    """A legacy top_logprobs entry: the k most likely and the token itself, "up to logprobs+1 elements"
+    as OpenAI documents it and vLLM sends it; harnesses look the token up there (logprobs 0 is the token alone)."""
+    top = dict(best)
+    top.setdefault(token, logprob)
+    return top
 
 
 def vllm_prompt_logprobs(output: RequestOutput, name: Callable[[int], str],

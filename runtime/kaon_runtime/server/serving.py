@@ -24,7 +24,7 @@ from kaon_runtime.engine.stop_strings import held_back
 from kaon_runtime.errors import KaonError
 from kaon_runtime.loader.tokenizer import Tokenizer
 from kaon_runtime.server import protocol as p
-from kaon_runtime.server.echo import echoed_logprobs, prompt_text, vllm_prompt_logprobs
+from kaon_runtime.server.echo import echoed_logprobs, legacy_top, prompt_text, vllm_prompt_logprobs
 from kaon_runtime.server.metrics import RequestTimer
 from kaon_runtime.server.tool_calls import ToolCalling, ToolCallStream, assistant_message
 
@@ -278,7 +278,7 @@ class CompletionFormat(_Format):
             token, logprob, top = self._top(token_id, logprobs)
             out.tokens.append(token)
             out.token_logprobs.append(logprob)
-            out.top_logprobs.append(dict(top))
+            out.top_logprobs.append(legacy_top(top, token, logprob))
             out.text_offset.append(text_offset)
             text_offset += len(token)
         return out
