@@ -62,7 +62,7 @@ def test_a_full_spec_round_trips(crd, namespace):
                    "volumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}}],
                    "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True}],
                    "imagePullSecrets": [{"name": "registry"}], "startupTimeoutSeconds": 3600,
-                   "stallTimeoutSeconds": 60, "task": "embed", "maxLoras": 8, "maxLoraRank": 32,
+                   "stallTimeoutSeconds": 60, "task": "generate", "maxLoras": 8, "maxLoraRank": 32,
                    "nodesPerReplica": 2, "pipelineParallelSize": 2},
         "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
         "scheduling": {"nodeSelector": {"gpu": "h100"},
