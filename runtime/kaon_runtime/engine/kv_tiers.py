@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from kaon_runtime.arith import round_up
-from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, KVEvent, block_stored
+from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, KVEvent, block_removed, block_stored
 from kaon_runtime.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,14 @@ class KVLayout:
     # arithmetic (weights_fingerprint). Two engines of the same model id and layout but another --quantization,
     # --dtype or checkpoint at the same path compute other K/V: one's blocks are stale for the other.
     weights: str = ""
+    # --prefix-caching-hash-algo and its seed (BlockHasher.tier_id; "" for builtin, absent from the manifest so
+    # tiers written before the flag stay valid): blocks are found by hash, another algorithm's never match.
+    block_hash: str = ""
 
     def manifest(self) -> dict:
-        return {"format": FORMAT_VERSION, "model": self.model, "dtype": self.dtype, "block_size": self.block_size,
-                "block_shape": list(self.block_shape), "weights": self.weights}
+        found = {"format": FORMAT_VERSION, "model": self.model, "dtype": self.dtype, "block_size": self.block_size,
+                 "block_shape": list(self.block_shape), "weights": self.weights}
+        return found | {"block_hash": self.block_hash} if self.block_hash else found
 
     def fingerprint(self) -> str:
         """The manifest's digest, in every block file's header: a block is only ever read as this layout's."""
@@ -139,8 +143,9 @@ def own_files(directory: Path) -> list[Path]:
 def manifest_differs(found: dict, layout: KVLayout) -> str:
     """What an existing manifest says that this engine's layout does not ("" when it is this layout's)."""
     wanted = layout.manifest()
-    differ = sorted(k for k in wanted if found.get(k) != wanted[k])
-    what = "; ".join(f"{k}: {found.get(k)!r}, here {wanted[k]!r}" for k in differ)
+    # Both ways: a key only one side has (block_hash, left out for builtin) differs too.
+    differ = sorted(k for k in wanted.keys() | found.keys() if found.get(k) != wanted.get(k))
+    what = "; ".join(f"{k}: {found.get(k)!r}, here {wanted.get(k)!r}" for k in differ)
     if "weights" in differ:
         what += " (weights: the checkpoint's files, --quantization or --dtype)"
     return what
@@ -486,7 +491,7 @@ class KVTiers:
             self._emit(block_stored([block_hash], block.parent, block.tokens, self.layout.block_size, MEDIUM_HOST))
         for h, old in down:
             if kept:
-                self._emit(BlockRemoved(block_hashes=[h], medium=MEDIUM_HOST))
+                self._emit(block_removed([h], MEDIUM_HOST))
             self._put_disk(h, old)
 
     def _put_disk(self, block_hash: int, block: _HostBlock) -> None:
@@ -519,7 +524,7 @@ class KVTiers:
         for h in gone:
             (self.disk_dir / _file_name(h)).unlink(missing_ok=True)
         if gone:
-            self._emit(BlockRemoved(block_hashes=gone, medium=MEDIUM_DISK))
+            self._emit(block_removed(gone, MEDIUM_DISK))
 
     def _prefetch(self, block_hashes: list[int]) -> None:
         for h in block_hashes:
@@ -549,7 +554,7 @@ class KVTiers:
                 if old is not None:
                     self.stats.disk_bytes -= old.size
             if old is not None:  # subscribers (kv-aware routers) stop counting on it
-                self._emit(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_DISK))
+                self._emit(block_removed([block_hash], MEDIUM_DISK))
             return None
         return data
 

@@ -496,3 +496,22 @@ def test_a_tier_too_small_for_one_block_is_refused_at_start(tmp_path, settings):
     kv = pool(4)
     with pytest.raises(InvalidRequestError, match=f"holds no KV block: one takes {block_bytes(kv)} bytes"):
         attach_kv_observer(config, BlockManager(4, BS), lambda: kv, config.model)
+
+
+@pytest.mark.parametrize("written, read", [("", "sha256_cbor:0123"), ("sha256_cbor:0123", ""),
+                                           ("sha256_cbor:0123", "sha256_cbor:4567")])
+def test_a_disk_tier_of_another_hash_algo_or_seed_is_not_read(tmp_path, caplog, written, read):
+    """Blocks are found by hash: a tier written with another --prefix-caching-hash-algo (or PYTHONHASHSEED)
+    names its blocks by other hashes, so it is a stale cache (cleared), never read ("" is builtin's)."""
+    kv = pool(4)
+    shape = tuple(kv[:, :, :, 0].shape)
+    first = KVTiers(kv, KVLayout("m", "float32", BS, shape, "", written), host_bytes=0, disk_dir=str(tmp_path),
+                    disk_bytes=64 * file_bytes(kv))
+    Engine(kv, first).run(doc(0))
+    first.close()
+    assert list(tmp_path.glob("?" * 16 + ".kv"))
+    with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
+        KVTiers(kv, KVLayout("m", "float32", BS, shape, "", read), host_bytes=0, disk_dir=str(tmp_path),
+                disk_bytes=1 << 20).close()
+    assert "block_hash" in " ".join(r.getMessage() for r in caplog.records)
+    assert not list(tmp_path.glob("?" * 16 + ".kv"))
