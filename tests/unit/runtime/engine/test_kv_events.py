@@ -447,3 +447,17 @@ def test_the_engine_names_an_adapter_by_its_id_for_the_events():
     assert name(3) == "sql-lora" and name(4) is None
     engine.runner = SimpleNamespace(lora=None)
     assert name(3) is None
+
+
+def test_the_hash_algo_flag_reaches_the_engine_config_and_others_are_refused(monkeypatch):
+    from kaon_runtime.cli import build_parser, engine_config
+    from kaon_runtime.engine.block_hash import make_hasher
+
+    def algo(*flags: str) -> str:
+        return engine_config(build_parser().parse_args(["serve", *flags])).prefix_caching_hash_algo
+
+    assert algo() == "builtin" and algo("--prefix-caching-hash-algo", "sha256_cbor") == "sha256_cbor"
+    with pytest.raises(InvalidRequestError, match="--prefix-caching-hash-algo must be one of builtin, sha256_cbor"):
+        make_hasher("sha256", "0")  # vLLM's pickle-based sha256: not offered (no other process computes it)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # no seed: random, as in vLLM, so two engines differ
+    assert hasher_from_env("sha256_cbor").chain(None, (1, 2)) != hasher_from_env("sha256_cbor").chain(None, (1, 2))
