@@ -229,7 +229,8 @@ def on_disk(stat: os.stat_result) -> int:
     return max(stat.st_blocks * 512, round_up(stat.st_size, stat.st_blksize or 1))
 
 
-def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor, layout: str) -> int:
+def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor, layout: str,
+                block_hash: int | None = None) -> int:
     """One block file: header length, JSON header (parent, tokens, CRC, the layout's fingerprint), the raw
     bytes. Atomic (rename). Returns the bytes it takes on disk: the tier's size counts those, not the K/V alone
     (with small blocks a file's header and allocation unit add several times the K/V)."""
@@ -237,8 +238,11 @@ def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: t
     # The CRC: a file damaged in place (same length: a bad sector, a stray write) must read as a miss, never
     # as K/V (a short file already fails its size check). The layout: another engine's file, of another layout,
     # under the same name (one directory given to two engines) must read as a miss too.
-    header = json.dumps({"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw),
-                         "layout": layout}).encode()
+    fields = {"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw), "layout": layout}
+    if block_hash is not None and not -(1 << 63) <= block_hash < 1 << 63:
+        # A hash the file name's 64 bits cannot hold (sha256_cbor's 256): kept whole, for the next start's index.
+        fields["hash"] = block_hash
+    header = json.dumps(fields).encode()
     tmp = path.with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -271,10 +275,22 @@ def _parse_header(start: bytes, read: Callable[[int], bytes], layout: str) -> tu
 
 def read_header(path: Path, layout: str) -> tuple[int | None, tuple[int, ...], int]:
     """A block file's parent, tokens and data size, without its data; OtherLayout if not `layout`'s."""
+    header, size = _read_header(path, layout)
+    return header["parent"], tuple(header["tokens"]), size
+
+
+def _read_header(path: Path, layout: str) -> tuple[dict, int]:
     with open(path, "rb") as f:
         header, offset = _parse_header(f.read(_HEADER.size), f.read, layout)
-        size = os.fstat(f.fileno()).st_size - offset
-    return header["parent"], tuple(header["tokens"]), size
+        return header, os.fstat(f.fileno()).st_size - offset
+
+
+def file_block_hash(path: Path, header: dict) -> int:
+    """A block file's hash: its header's when kept there (wider than 64 bits), else its name's (two's complement)."""
+    if isinstance(header.get("hash"), int):
+        return header["hash"]
+    block_hash = int(path.stem, 16)
+    return block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash
 
 
 def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> tuple[
@@ -504,7 +520,7 @@ class KVTiers:
         start = time.perf_counter()
         try:
             size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data,
-                               self._layout_id)
+                               self._layout_id, block_hash)
         except OSError as e:  # the disk filled, or went away: the block is dropped, the engine goes on
             self._disk_errors += 1
             if self._disk_errors == 1 or self._disk_errors % 1000 == 0:
@@ -568,8 +584,9 @@ class KVTiers:
         others = 0
         for path in files:
             try:
-                parent, tokens, size = read_header(path, self._layout_id)
-                block_hash = int(path.stem, 16)
+                header, size = _read_header(path, self._layout_id)
+                parent, tokens = header["parent"], tuple(header["tokens"])
+                block_hash = file_block_hash(path, header)
             except OtherLayout:  # another engine's, sharing this directory by mistake: not ours to serve or remove
                 others += 1
                 continue
@@ -577,8 +594,6 @@ class KVTiers:
                 log.warning("KV tiers: %s unreadable (%s); removed", path.name, e)
                 path.unlink(missing_ok=True)
                 continue
-            if block_hash >= 1 << 63:
-                block_hash -= 1 << 64  # the file name holds the hash's two's complement
             if size != self.block_bytes:
                 path.unlink(missing_ok=True)
                 continue
