@@ -13,7 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from kaon_runtime.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
+from kaon_runtime.config import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    PREFIX_CACHING_HASH_ALGOS,
+    QUANTIZATION_METHODS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 from kaon_runtime.errors import KaonError, ModelDoesNotFitError, UnsupportedByModelError
 from kaon_runtime.fetch.fetch import add_model_source_flags
 from kaon_runtime.fetch.source import FETCHED_SCHEMES, FetchError
@@ -118,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the KV cache pool in blocks of 16 tokens, on any device; overrides --kv-cache-bytes "
                             "and --kv-cache-fraction")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--prefix-caching-hash-algo", choices=PREFIX_CACHING_HASH_ALGOS, default="builtin",
+                       help="the prefix cache's block hashes, as vLLM's flag: builtin (kaon's, fast) or sha256_cbor "
+                            "(vLLM's, seeded by PYTHONHASHSEED: what llm-d's precise prefix-cache scorer computes)")
     add_kv_tier_flags(serve)
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
     serve.add_argument("--pipeline-parallel-size", type=int, default=1, help=PP_HELP)
@@ -427,6 +437,7 @@ def engine_config(args) -> EngineConfig:
                         prefill_delay_ms=args.prefill_delay_ms, kv_cache_fraction=args.kv_cache_fraction,
                         kv_cache_bytes=args.kv_cache_bytes,
                         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,

@@ -9,6 +9,7 @@ DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREFIX_CACHING_HASH_ALGOS = ("builtin", "sha256_cbor")  # engine/block_hash.py
 GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the MLP (layers.activation has one function each)
 
 
@@ -93,6 +94,9 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # CPU: bytes for the KV pool
     num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
     enable_prefix_caching: bool = True
+    # vLLM's --prefix-caching-hash-algo: "builtin" (kaon's, fast) or "sha256_cbor" (vLLM's, seeded by
+    # PYTHONHASHSEED: what llm-d's precise prefix-cache scorer recomputes); engine/block_hash.py
+    prefix_caching_hash_algo: str = "builtin"  # one of PREFIX_CACHING_HASH_ALGOS
     quantization: str = "none"  # weights of the linear layers: "none", "int8", "int4" or "fp8"
     # "auto": float16 for int8/int4 weights on CPU (attention there is bound by reading the cache;
     # the narrow formats already trade exact float output for speed), else the model's dtype

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kaon_runtime.arith import ceil_div
+from kaon_runtime.engine.block_hash import BUILTIN, BlockHasher
 from kaon_runtime.engine.sequence import Sequence
 
 
@@ -32,14 +33,9 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
-# Roots of the chain hashes. Ints and tuples of ints hash alike in every Python process, None and
-# strings do not (PYTHONHASHSEED, addresses): a block's hash names it across restarts and engines
-# (the disk tier, KV events: engine/kv_tiers.py, engine/kv_events.py), so no chain starts from those.
-_NO_PARENT, _LORA_ROOT, _SALT_ROOT = 0x6B616F6E, 0x6C6F7261, 0x73616C74
-
-
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((_NO_PARENT if parent_hash is None else parent_hash, token_ids))
+    """The builtin chain hash (engine/block_hash.py: the engine's BlockManager uses its configured hasher)."""
+    return BUILTIN.chain(parent_hash, token_ids)
 
 
 def cache_salt_key(salt: str) -> int:
@@ -47,14 +43,11 @@ def cache_salt_key(salt: str) -> int:
     return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "big", signed=True)
 
 
-def root_hash(seq: Sequence) -> int | None:
-    """The parent of a sequence's first block: its LoRA adapter, so two adapters (or an adapter and
-    the base) never share K/V computed by different weights; and its cache salt, so requests of
-    different salts (tenants) never share cached blocks, nor learn by timing what another cached."""
+def root_hash(seq: Sequence, hasher: BlockHasher = BUILTIN) -> int | None:
+    """The parent of a sequence's first block: its LoRA adapter and its cache salt folded in
+    (BlockHasher.first_parent says why)."""
     salt = seq.params.cache_salt
-    if salt is None:
-        return None if seq.lora_id == 0 else hash((_LORA_ROOT, seq.lora_id))
-    return hash((_SALT_ROOT, seq.lora_id, cache_salt_key(salt)))
+    return hasher.first_parent(seq.lora_id, None if salt is None else cache_salt_key(salt))
 
 
 class BlockListener(Protocol):
@@ -70,8 +63,10 @@ class BlockListener(Protocol):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hasher: BlockHasher = BUILTIN):
         self.block_size = block_size
+        self.hasher = hasher  # --prefix-caching-hash-algo
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
@@ -106,10 +101,10 @@ class BlockManager:
         # A sequence scoring its prompt needs every position's logits, and one mean-pooling it every
         # position's hidden state: they compute them all.
         if self.enable_prefix_caching and seq.params.prompt_logprobs is None and seq.params.pooling != "mean":
-            parent = root_hash(seq)
+            parent = root_hash(seq, self.hasher)
             for i in range((seq.num_tokens - 1) // self.block_size):
                 tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-                h = chain_hash(parent, tokens)
+                h = self.hasher.chain(parent, tokens)
                 block_id = self._cached.get(h)
                 if block_id is None:
                     block_id = self._restore(seq, h, parent, tokens)  # from a lower tier, taken
@@ -181,9 +176,9 @@ class BlockManager:
     def _hashes_after_computed(self, seq: Sequence, end: int):
         """Chain hashes of the sequence's blocks from the first it has not computed up to `end`."""
         bs = self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq, self.hasher)
         for i in range(len(seq.block_hashes), end):
-            parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            parent = self.hasher.chain(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             yield parent
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
@@ -215,9 +210,9 @@ class BlockManager:
         bs = self.block_size
         stored = []
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq, self.hasher)
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
+            h = self.hasher.chain(parent, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             # Register a block only if the block before it is the cached one for `parent`.

@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 import pydantic
 
+from kaon_runtime.engine.block_hash import event_hash
 from kaon_runtime.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ def block_stored(block_hashes: list[int], parent: int | None, tokens: tuple[int,
                  medium: str, lora_id: int = 0, lora_name: str | None = None,
                  extra_keys: list[tuple[Any, ...] | None] | None = None) -> BlockStored:
     """A run of chained blocks (each the parent of the next) newly held by `medium`; lora_id 0: the base model."""
-    return BlockStored(block_hashes=list(block_hashes), parent_block_hash=parent, token_ids=list(tokens),
+    return BlockStored(block_hashes=[event_hash(h) for h in block_hashes],
+                       parent_block_hash=None if parent is None else event_hash(parent), token_ids=list(tokens),
                        block_size=block_size, lora_id=lora_id or None, medium=medium,
                        lora_name=lora_name if lora_id else None, extra_keys=extra_keys)
 
@@ -130,6 +132,11 @@ def as_map(event: KVEvent) -> MapEvent:
     if isinstance(event, BlockRemoved):
         return MapBlockRemoved(event.block_hashes, event.medium)
     return MapAllBlocksCleared()
+
+
+def block_removed(block_hashes: list[int], medium: str) -> BlockRemoved:
+    """Blocks `medium` no longer holds, their hashes as block_stored announced them."""
+    return BlockRemoved(block_hashes=[event_hash(h) for h in block_hashes], medium=medium)
 
 
 ENCODINGS = ("array", "map")

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from kaon_runtime.config import EngineConfig
+from kaon_runtime.engine.block_hash import BUILTIN, BlockHasher
 from kaon_runtime.engine.block_manager import Block, BlockManager, cache_salt_key, root_hash
 from kaon_runtime.engine.kv_events import (
     MEDIUM_POOL,
-    BlockRemoved,
     EventPublisher,
+    block_removed,
     block_stored,
     parse_kv_events_config,
 )
@@ -53,12 +54,13 @@ def chained_runs(blocks: list[Block]) -> list[list[Block]]:
 
 class KVObserver:
     def __init__(self, block_size: int, publisher: EventPublisher | None, tiers: KVTiers | None,
-                 lora_names: Callable[[int], str | None] | None = None):
+                 lora_names: Callable[[int], str | None] | None = None, hasher: BlockHasher = BUILTIN):
         """`lora_names`: an adapter's name by its id (the events carry both: vLLM's newer subscribers key by name)."""
         self.block_size = block_size
         self.lora_names = lora_names or (lambda lora_id: None)
         self.publisher = publisher
         self.tiers = tiers
+        self.hasher = hasher  # the block manager's: what its chains' first parents are
         self._lora_blocks: set[int] = set()  # hashes of LoRA blocks in the pool: never tiered
 
     def stored(self, blocks: list[Block], seq: Sequence) -> None:
@@ -66,7 +68,7 @@ class KVObserver:
             self._lora_blocks.update(b.hash for b in blocks if b.hash is not None)
         if self.publisher is not None:
             lora_name = self.lora_names(seq.lora_id) if seq.lora_id else None
-            root = root_hash(seq)
+            root = root_hash(seq, self.hasher)
             for run in chained_runs(blocks):
                 tokens = [t for b in run for t in b.token_ids]
                 parent, extra = run[0].parent_hash, None
@@ -88,7 +90,7 @@ class KVObserver:
         if block.hash is not None:
             self._lora_blocks.discard(block.hash)
             if self.publisher is not None:
-                self.publisher.emit(BlockRemoved(block_hashes=[block.hash], medium=MEDIUM_POOL))
+                self.publisher.emit(block_removed([block.hash], MEDIUM_POOL))
 
     def holds(self, block_hash: int) -> bool:
         return self.tiers is not None and self.tiers.holds(block_hash)
@@ -152,7 +154,8 @@ def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: 
         check_tier_sizes(config, kv_cache[:, :, :, 0].numel() * kv_cache.element_size())
         layout = KVLayout(model_id, str(kv_cache.dtype).removeprefix("torch."), config.block_size,
                           tuple(kv_cache[:, :, :, 0].shape),
-                          weights_fingerprint(checkpoint, {"quantization": config.quantization, "dtype": config.dtype}))
+                          weights_fingerprint(checkpoint, {"quantization": config.quantization, "dtype": config.dtype}),
+                          block_manager.hasher.tier_id())
         try:
             tiers = KVTiers(pool, layout, config.kv_offload_bytes, config.kv_offload_dir,
                             config.kv_offload_dir_bytes, emit=publisher.emit if publisher else None)
@@ -160,6 +163,6 @@ def attach_kv_observer(config: EngineConfig, block_manager: BlockManager, pool: 
             if publisher is not None:
                 publisher.close()
             raise
-    observer = KVObserver(config.block_size, publisher, tiers, lora_names)
+    observer = KVObserver(config.block_size, publisher, tiers, lora_names, block_manager.hasher)
     block_manager.listener = observer
     return observer

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from kaon_runtime.arith import round_up
-from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, KVEvent, block_stored
+from kaon_runtime.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, KVEvent, block_removed, block_stored
 from kaon_runtime.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,14 @@ class KVLayout:
     # arithmetic (weights_fingerprint). Two engines of the same model id and layout but another --quantization,
     # --dtype or checkpoint at the same path compute other K/V: one's blocks are stale for the other.
     weights: str = ""
+    # --prefix-caching-hash-algo and its seed (BlockHasher.tier_id; "" for builtin, absent from the manifest so
+    # tiers written before the flag stay valid): blocks are found by hash, another algorithm's never match.
+    block_hash: str = ""
 
     def manifest(self) -> dict:
-        return {"format": FORMAT_VERSION, "model": self.model, "dtype": self.dtype, "block_size": self.block_size,
-                "block_shape": list(self.block_shape), "weights": self.weights}
+        found = {"format": FORMAT_VERSION, "model": self.model, "dtype": self.dtype, "block_size": self.block_size,
+                 "block_shape": list(self.block_shape), "weights": self.weights}
+        return found | {"block_hash": self.block_hash} if self.block_hash else found
 
     def fingerprint(self) -> str:
         """The manifest's digest, in every block file's header: a block is only ever read as this layout's."""
@@ -139,8 +143,9 @@ def own_files(directory: Path) -> list[Path]:
 def manifest_differs(found: dict, layout: KVLayout) -> str:
     """What an existing manifest says that this engine's layout does not ("" when it is this layout's)."""
     wanted = layout.manifest()
-    differ = sorted(k for k in wanted if found.get(k) != wanted[k])
-    what = "; ".join(f"{k}: {found.get(k)!r}, here {wanted[k]!r}" for k in differ)
+    # Both ways: a key only one side has (block_hash, left out for builtin) differs too.
+    differ = sorted(k for k in wanted.keys() | found.keys() if found.get(k) != wanted.get(k))
+    what = "; ".join(f"{k}: {found.get(k)!r}, here {wanted.get(k)!r}" for k in differ)
     if "weights" in differ:
         what += " (weights: the checkpoint's files, --quantization or --dtype)"
     return what
@@ -224,7 +229,8 @@ def on_disk(stat: os.stat_result) -> int:
     return max(stat.st_blocks * 512, round_up(stat.st_size, stat.st_blksize or 1))
 
 
-def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor, layout: str) -> int:
+def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: torch.Tensor, layout: str,
+                block_hash: int | None = None) -> int:
     """One block file: header length, JSON header (parent, tokens, CRC, the layout's fingerprint), the raw
     bytes. Atomic (rename). Returns the bytes it takes on disk: the tier's size counts those, not the K/V alone
     (with small blocks a file's header and allocation unit add several times the K/V)."""
@@ -232,8 +238,11 @@ def write_block(path: Path, parent: int | None, tokens: tuple[int, ...], data: t
     # The CRC: a file damaged in place (same length: a bad sector, a stray write) must read as a miss, never
     # as K/V (a short file already fails its size check). The layout: another engine's file, of another layout,
     # under the same name (one directory given to two engines) must read as a miss too.
-    header = json.dumps({"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw),
-                         "layout": layout}).encode()
+    fields = {"parent": parent, "tokens": list(tokens), "crc32": zlib.crc32(raw), "layout": layout}
+    if block_hash is not None and not -(1 << 63) <= block_hash < 1 << 63:
+        # A hash the file name's 64 bits cannot hold (sha256_cbor's 256): kept whole, for the next start's index.
+        fields["hash"] = block_hash
+    header = json.dumps(fields).encode()
     tmp = path.with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -266,10 +275,22 @@ def _parse_header(start: bytes, read: Callable[[int], bytes], layout: str) -> tu
 
 def read_header(path: Path, layout: str) -> tuple[int | None, tuple[int, ...], int]:
     """A block file's parent, tokens and data size, without its data; OtherLayout if not `layout`'s."""
+    header, size = _read_header(path, layout)
+    return header["parent"], tuple(header["tokens"]), size
+
+
+def _read_header(path: Path, layout: str) -> tuple[dict, int]:
     with open(path, "rb") as f:
         header, offset = _parse_header(f.read(_HEADER.size), f.read, layout)
-        size = os.fstat(f.fileno()).st_size - offset
-    return header["parent"], tuple(header["tokens"]), size
+        return header, os.fstat(f.fileno()).st_size - offset
+
+
+def file_block_hash(path: Path, header: dict) -> int:
+    """A block file's hash: its header's when kept there (wider than 64 bits), else its name's (two's complement)."""
+    if isinstance(header.get("hash"), int):
+        return header["hash"]
+    block_hash = int(path.stem, 16)
+    return block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash
 
 
 def read_block(path: Path, dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> tuple[
@@ -486,7 +507,7 @@ class KVTiers:
             self._emit(block_stored([block_hash], block.parent, block.tokens, self.layout.block_size, MEDIUM_HOST))
         for h, old in down:
             if kept:
-                self._emit(BlockRemoved(block_hashes=[h], medium=MEDIUM_HOST))
+                self._emit(block_removed([h], MEDIUM_HOST))
             self._put_disk(h, old)
 
     def _put_disk(self, block_hash: int, block: _HostBlock) -> None:
@@ -499,7 +520,7 @@ class KVTiers:
         start = time.perf_counter()
         try:
             size = write_block(self.disk_dir / _file_name(block_hash), block.parent, block.tokens, block.data,
-                               self._layout_id)
+                               self._layout_id, block_hash)
         except OSError as e:  # the disk filled, or went away: the block is dropped, the engine goes on
             self._disk_errors += 1
             if self._disk_errors == 1 or self._disk_errors % 1000 == 0:
@@ -519,7 +540,7 @@ class KVTiers:
         for h in gone:
             (self.disk_dir / _file_name(h)).unlink(missing_ok=True)
         if gone:
-            self._emit(BlockRemoved(block_hashes=gone, medium=MEDIUM_DISK))
+            self._emit(block_removed(gone, MEDIUM_DISK))
 
     def _prefetch(self, block_hashes: list[int]) -> None:
         for h in block_hashes:
@@ -549,7 +570,7 @@ class KVTiers:
                 if old is not None:
                     self.stats.disk_bytes -= old.size
             if old is not None:  # subscribers (kv-aware routers) stop counting on it
-                self._emit(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_DISK))
+                self._emit(block_removed([block_hash], MEDIUM_DISK))
             return None
         return data
 
@@ -563,8 +584,9 @@ class KVTiers:
         others = 0
         for path in files:
             try:
-                parent, tokens, size = read_header(path, self._layout_id)
-                block_hash = int(path.stem, 16)
+                header, size = _read_header(path, self._layout_id)
+                parent, tokens = header["parent"], tuple(header["tokens"])
+                block_hash = file_block_hash(path, header)
             except OtherLayout:  # another engine's, sharing this directory by mistake: not ours to serve or remove
                 others += 1
                 continue
@@ -572,8 +594,6 @@ class KVTiers:
                 log.warning("KV tiers: %s unreadable (%s); removed", path.name, e)
                 path.unlink(missing_ok=True)
                 continue
-            if block_hash >= 1 << 63:
-                block_hash -= 1 << 64  # the file name holds the hash's two's complement
             if size != self.block_bytes:
                 path.unlink(missing_ok=True)
                 continue

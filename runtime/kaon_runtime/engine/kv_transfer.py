@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kaon_runtime.engine.block_manager import BlockManager, chain_hash, root_hash
+from kaon_runtime.engine.block_manager import BlockManager, root_hash
 from kaon_runtime.engine.scheduler import ScheduledBatch
 from kaon_runtime.engine.sequence import Sequence
 from kaon_runtime.sampling import SamplingParams
@@ -208,10 +208,10 @@ def cached_prefix_tokens(bm: BlockManager, token_ids: list[int], lora_id: int, c
     if not bm.enable_prefix_caching:
         return 0
     probe = Sequence(-1, token_ids, len(token_ids), SamplingParams(cache_salt=cache_salt), lora_id=lora_id)
-    parent, bs, covered = root_hash(probe), bm.block_size, 0
+    parent, bs, covered = root_hash(probe, bm.hasher), bm.block_size, 0
     for i in range((len(token_ids) - 1) // bs):
         tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-        h = chain_hash(parent, tokens)
+        h = bm.hasher.chain(parent, tokens)
         block_id = bm._cached.get(h)
         if block_id is None or bm.blocks[block_id].token_ids != tokens:
             break

@@ -18,6 +18,7 @@ from kaon_runtime.distributed.parallel import TensorParallel
 from kaon_runtime.engine import startup
 from kaon_runtime.engine.admission import queue_expired
 from kaon_runtime.engine.bad_words import bad_words_token_ids
+from kaon_runtime.engine.block_hash import hasher_from_env
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.draft_model import DraftModelDrafter
 from kaon_runtime.engine.drafter import Drafter, NgramDrafter, draft_limit
@@ -107,7 +108,8 @@ class LLMEngine:
         if self.runner.cuda_graphs_apply():
             with startup.phase("warmup"):
                 self.runner.prepare_decode_graphs(self.max_model_len)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          hasher_from_env(config.prefix_caching_hash_algo))
         try:  # KV events and the tiers below the pool; None: neither asked for
             self.kv_observer = attach_kv_observer(config, self.block_manager, self._pool_reader(), config.model,
                                                   checkpoint.path, self._lora_namer())

@@ -171,9 +171,11 @@ async def until(condition, timeout: float = 30.0) -> bool:
     return True
 
 
-@pytest.mark.parametrize("encoding", ["array", "map"])
-def test_the_feed_builds_the_index_from_an_engines_events(encoding):
-    """From a kaon engine's publisher in either encoding (`"encoding"` in --kv-events-config)."""
+@pytest.mark.parametrize("encoding, algo", [("array", "builtin"), ("map", "builtin"), ("array", "sha256_cbor")])
+def test_the_feed_builds_the_index_from_an_engines_events(encoding, algo):
+    """From a kaon engine's publisher in either encoding (`"encoding"` in --kv-events-config), with either
+    --prefix-caching-hash-algo (sha256_cbor's hashes are unsigned 64-bit, vLLM's: the index keys by tokens)."""
+    from kaon_runtime.engine.block_hash import make_hasher
     from kaon_runtime.engine.block_manager import BlockManager
     from kaon_runtime.engine.kv_events import BlockRemoved, EventPublisher, parse_kv_events_config
     from kaon_runtime.engine.kv_observer import KVObserver
@@ -184,8 +186,9 @@ def test_the_feed_builds_the_index_from_an_engines_events(encoding):
     publisher = EventPublisher(parse_kv_events_config(json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
         "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv-events", "encoding": encoding})))
-    bm = BlockManager(8, BS)
-    bm.listener = KVObserver(BS, publisher, None)
+    hasher = make_hasher(algo, "0")
+    bm = BlockManager(8, BS, hasher=hasher)
+    bm.listener = KVObserver(BS, publisher, None, hasher=hasher)
     ids = itertools.count()
 
     def run(tokens):

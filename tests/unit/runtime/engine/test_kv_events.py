@@ -17,6 +17,7 @@ import pytest
 import zmq
 from msgspec.msgpack import Decoder
 
+from kaon_runtime.engine.block_hash import BUILTIN, BlockHasher, hasher_from_env
 from kaon_runtime.engine.block_manager import BlockManager
 from kaon_runtime.engine.kv_events import (
     AllBlocksCleared as AllBlocksClearedEvent,
@@ -176,7 +177,7 @@ class Subscriber:
         self.ctx.destroy(linger=0)
 
 
-def publish(encoding: str | None, batch_type: type, topic: str = "kv-events"):
+def publish(encoding: str | None, batch_type: type, topic: str = "kv-events", hasher: BlockHasher = BUILTIN):
     port, replay_port = free_port(), free_port()
     chosen = "" if encoding is None else f', "encoding": "{encoding}"'
     config = parse_kv_events_config(
@@ -185,8 +186,8 @@ def publish(encoding: str | None, batch_type: type, topic: str = "kv-events"):
     subscriber = Subscriber(port, replay_port, topic=topic, batch_type=batch_type)
     publisher = EventPublisher(config)
     subscriber.subscribed(publisher)
-    bm = BlockManager(6, BS)
-    bm.listener = KVObserver(BS, publisher, None, lora_names={3: "sql-lora"}.get)
+    bm = BlockManager(6, BS, hasher=hasher)
+    bm.listener = KVObserver(BS, publisher, None, lora_names={3: "sql-lora"}.get, hasher=hasher)
     return bm, publisher, subscriber
 
 
@@ -202,6 +203,16 @@ def published():
 def published_as_maps():
     # "encoding": "map", vLLM's newest types; llm-d's topic, kv@<pod>@<model>, which it parses: sent as configured
     bm, publisher, subscriber = publish("map", NewKVEventBatch, topic="kv@10.0.0.7@SmolLM2")
+    yield bm, publisher, subscriber
+    publisher.close()
+    subscriber.close()
+
+
+@pytest.fixture
+def published_sha256_cbor(monkeypatch):
+    # --prefix-caching-hash-algo sha256_cbor, seeded as vLLM is, from PYTHONHASHSEED (llm-d's hashSeed)
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    bm, publisher, subscriber = publish(None, KVEventBatch, hasher=hasher_from_env("sha256_cbor"))
     yield bm, publisher, subscriber
     publisher.close()
     subscriber.close()
@@ -319,6 +330,31 @@ def test_an_adapters_or_a_salted_chain_starts_with_no_parent_as_in_vllm(fixture,
         assert stored[tuple(salted)].extra_keys == [tuple(extra["salted"][0]), None]  # vLLM's newest types read it
 
 
+# llm-d-kv-cache-manager's own hashes of these tokens (block size 4, hashSeed "42"): its token processor
+# (pkg/kvcache/kvblock, ChunkedTokenDatabase.TokensToKVBlockKeys, module v0.3.2, the release that recomputes
+# vLLM's sha256_cbor hashes and looks them up as announced), run once by a Go program importing it
+# (`go run .` in a scratch module requiring github.com/llm-d/llm-d-kv-cache-manager v0.3.2, Go 1.26).
+LLMD_TOKENS = [i * 1000 + i for i in range(1, 13)]
+LLMD_KEYS_SEED_42 = [18319865191491643376, 1382793705815487849, 3752897190382243916]
+
+
+def test_sha256_cbor_hashes_are_the_ones_llm_d_recomputes_from_the_tokens(published_sha256_cbor):
+    bm, _, subscriber = published_sha256_cbor
+    run(bm, LLMD_TOKENS)
+    subscriber.receive(until=lambda events: len(announced_hashes(events)) >= 3)
+    stored = [e for e in subscriber.events() if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == LLMD_KEYS_SEED_42
+    assert stored[0].parent_block_hash is None
+
+
+def test_the_builtin_hashes_are_not_llm_ds(published):
+    """The default stays kaon's own (fast) hash: llm-d's precise scorer finds none of its blocks."""
+    bm, _, subscriber = published
+    hashes = run(bm, LLMD_TOKENS)
+    subscriber.receive(until=lambda events: announced_hashes(events) >= set(hashes))
+    assert not announced_hashes(subscriber.events()) & set(LLMD_KEYS_SEED_42)
+
+
 def test_bad_configs_are_clear_errors():
     assert parse_kv_events_config(None) is None
     assert parse_kv_events_config('{"enable_kv_cache_events": false, "publisher": "zmq"}') is None
@@ -411,3 +447,17 @@ def test_the_engine_names_an_adapter_by_its_id_for_the_events():
     assert name(3) == "sql-lora" and name(4) is None
     engine.runner = SimpleNamespace(lora=None)
     assert name(3) is None
+
+
+def test_the_hash_algo_flag_reaches_the_engine_config_and_others_are_refused(monkeypatch):
+    from kaon_runtime.cli import build_parser, engine_config
+    from kaon_runtime.engine.block_hash import make_hasher
+
+    def algo(*flags: str) -> str:
+        return engine_config(build_parser().parse_args(["serve", *flags])).prefix_caching_hash_algo
+
+    assert algo() == "builtin" and algo("--prefix-caching-hash-algo", "sha256_cbor") == "sha256_cbor"
+    with pytest.raises(InvalidRequestError, match="--prefix-caching-hash-algo must be one of builtin, sha256_cbor"):
+        make_hasher("sha256", "0")  # vLLM's pickle-based sha256: not offered (no other process computes it)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # no seed: random, as in vLLM, so two engines differ
+    assert hasher_from_env("sha256_cbor").chain(None, (1, 2)) != hasher_from_env("sha256_cbor").chain(None, (1, 2))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kaon_runtime.engine import kv_tiers
+from kaon_runtime.engine.block_hash import BUILTIN, BlockHasher, make_hasher
 from kaon_runtime.engine.block_manager import BlockManager, chain_hash, root_hash
 from kaon_runtime.engine.kv_observer import KVObserver
 from kaon_runtime.engine.kv_tiers import KVLayout, KVTiers, check_manifest, weights_fingerprint
@@ -53,10 +54,10 @@ def fingerprint(block_hash: int) -> float:
 class Engine:
     """Plays the scheduler and the model: each computed block's K/V is a value derived from its chain hash."""
 
-    def __init__(self, kv: torch.Tensor, tiers: KVTiers):
+    def __init__(self, kv: torch.Tensor, tiers: KVTiers, hasher: BlockHasher = BUILTIN):
         self.kv, self.tiers = kv, tiers
-        self.bm = BlockManager(kv.shape[3], BS)
-        self.bm.listener = KVObserver(BS, None, tiers)
+        self.bm = BlockManager(kv.shape[3], BS, hasher=hasher)
+        self.bm.listener = KVObserver(BS, None, tiers, hasher=hasher)
 
     def run(self, tokens: list[int]) -> int:
         """Prefill a prompt to the end, free it; returns the tokens found cached (pool or tiers)."""
@@ -496,3 +497,41 @@ def test_a_tier_too_small_for_one_block_is_refused_at_start(tmp_path, settings):
     kv = pool(4)
     with pytest.raises(InvalidRequestError, match=f"holds no KV block: one takes {block_bytes(kv)} bytes"):
         attach_kv_observer(config, BlockManager(4, BS), lambda: kv, config.model)
+
+
+@pytest.mark.parametrize("written, read", [("", "sha256_cbor:0123"), ("sha256_cbor:0123", ""),
+                                           ("sha256_cbor:0123", "sha256_cbor:4567")])
+def test_a_disk_tier_of_another_hash_algo_or_seed_is_not_read(tmp_path, caplog, written, read):
+    """Blocks are found by hash: a tier written with another --prefix-caching-hash-algo (or PYTHONHASHSEED)
+    names its blocks by other hashes, so it is a stale cache (cleared), never read ("" is builtin's)."""
+    kv = pool(4)
+    shape = tuple(kv[:, :, :, 0].shape)
+    first = KVTiers(kv, KVLayout("m", "float32", BS, shape, "", written), host_bytes=0, disk_dir=str(tmp_path),
+                    disk_bytes=64 * file_bytes(kv))
+    Engine(kv, first).run(doc(0))
+    first.close()
+    assert list(tmp_path.glob("?" * 16 + ".kv"))
+    with caplog.at_level(logging.WARNING, logger=kv_tiers.__name__):
+        KVTiers(kv, KVLayout("m", "float32", BS, shape, "", read), host_bytes=0, disk_dir=str(tmp_path),
+                disk_bytes=1 << 20).close()
+    assert "block_hash" in " ".join(r.getMessage() for r in caplog.records)
+    assert not list(tmp_path.glob("?" * 16 + ".kv"))
+
+
+def test_a_restart_serves_sha256_cbor_blocks_from_disk(tmp_path):
+    """sha256_cbor's hashes are 256 bits, more than a block file's name holds: the restarted engine must index
+    each block under its whole hash (else no lookup finds it: every block a miss)."""
+    hasher = make_hasher("sha256_cbor", "0")
+    kv = pool(4)
+    shape = tuple(kv[:, :, :, 0].shape)
+    tiers = KVTiers(kv, KVLayout("m", "float32", BS, shape, "", hasher.tier_id()), host_bytes=0,
+                    disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv))
+    first = Engine(kv, tiers, hasher)
+    for i in range(3):
+        first.run(doc(i))
+    tiers.close()
+    kv2 = pool(4)
+    again = KVTiers(kv2, KVLayout("m", "float32", BS, shape, "", hasher.tier_id()), host_bytes=0,
+                    disk_dir=str(tmp_path), disk_bytes=64 * file_bytes(kv2))
+    assert Engine(kv2, again, hasher).run(doc(0)) == 3 * BS  # every whole block from disk, the right K/V
+    again.close()
